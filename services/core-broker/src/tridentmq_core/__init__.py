@@ -1,0 +1,1 @@
+"""TridentMQ core broker."""

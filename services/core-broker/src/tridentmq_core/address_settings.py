@@ -1,0 +1,76 @@
+"""Artemis-style address settings: per-address behaviour resolved from wildcard entries.
+
+The most specific matching entry wins field by field; unset fields fall through to less specific
+entries and finally to ``BUILT_IN``. Resolution is cached per address (settings are immutable at run time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tridentmq_core.router import pattern_matches
+from tridentmq_core.settings import AddressSettingsEntry
+from tridentmq_shared.message import RoutingType
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedAddressSettings:
+    dead_letter_address: str | None = "DLQ"
+    expiry_address: str | None = "ExpiryQueue"
+    max_delivery_attempts: int = 10
+    redelivery_delay_ms: int = 0
+    redelivery_multiplier: float = 1.0
+    max_redelivery_delay_ms: int = 60_000
+    auto_create_addresses: bool = True
+    auto_create_queues: bool = True
+    auto_delete_queues: bool = True
+    auto_delete_addresses: bool = True
+    auto_create_dead_letter_resources: bool = True
+    default_routing_type: RoutingType = RoutingType.ANYCAST
+
+    def redelivery_delay(self, attempts: int) -> int:
+        """Delay in ms before redelivery number ``attempts`` (1 = first redelivery)."""
+        if self.redelivery_delay_ms <= 0:
+            return 0
+        delay = self.redelivery_delay_ms * self.redelivery_multiplier ** max(0, attempts - 1)
+        return int(min(delay, self.max_redelivery_delay_ms))
+
+
+BUILT_IN = ResolvedAddressSettings()
+
+
+def _specificity(pattern: str) -> tuple[int, int, int]:
+    """Fewer wildcards, then more literal words, then longer: more specific (Artemis' rule in spirit)."""
+    words = pattern.split(".")
+    hashes = words.count("#")
+    stars = words.count("*")
+    return (-hashes, -stars, len(words) - hashes - stars)
+
+
+class AddressSettingsRepository:
+    def __init__(self, entries: Sequence[AddressSettingsEntry]) -> None:
+        self._entries = sorted(entries, key=lambda e: _specificity(e.match), reverse=True)
+        self._cache: dict[str, ResolvedAddressSettings] = {}
+
+    def resolve(self, address: str) -> ResolvedAddressSettings:
+        found = self._cache.get(address)
+        if found is not None:
+            return found
+        values: dict[str, object] = {}
+        for entry in self._entries:
+            if not pattern_matches(entry.match, address):
+                continue
+            for f in dataclasses.fields(entry):
+                value = getattr(entry, f.name)
+                if f.name != "match" and value is not None and f.name not in values:
+                    values[f.name] = value
+        routing = values.pop("default_routing_type", None)
+        resolved = dataclasses.replace(BUILT_IN, **values)  # type: ignore[arg-type]
+        if routing is not None:
+            resolved = dataclasses.replace(resolved, default_routing_type=RoutingType[str(routing).upper()])
+        if len(self._cache) > 100_000:
+            self._cache.clear()
+        self._cache[address] = resolved
+        return resolved

@@ -1,0 +1,343 @@
+"""Audit stream writer: one append-only, gap-free JSON-lines log per node.
+
+Sealed segments live in ``<directory>/<node_id>/<first_seq:020d>.jsonl``; the segment being written lives in
+``<directory>/<node_id>/.active/`` so Spark's file source (which reads each file once) only ever sees
+complete files, which appear there by atomic rename.
+
+The sink runs on the broker's event loop: it is not thread-safe, it reads no clock (time is passed in) and it
+never raises on I/O errors after construction.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+__all__ = ["SCHEMA_VERSION", "AuditSink", "FileAuditSink", "NullAuditSink"]
+
+_log = logging.getLogger("tridentmq.audit")
+
+SCHEMA_VERSION = 1
+_ACTIVE_DIR = ".active"
+_SUFFIX = ".jsonl"
+_SEQ_DIGITS = 20
+_TAIL_CHUNK = 64 * 1024
+
+
+class AuditSink(Protocol):
+    """Where the broker reports audit events."""
+
+    def emit(self, ts_us: int, event: str, fields: Mapping[str, object]) -> None:
+        """Record one event; ``fields`` whose value is None are omitted."""
+
+    def tick(self, ts_us: int) -> None:
+        """Called about once a second: time-based roll and the ``node.heartbeat`` event."""
+
+    def close(self) -> None:
+        """Seal the active segment (publish it) and stop."""
+
+
+class NullAuditSink:
+    """Audit disabled: every call does nothing."""
+
+    def emit(self, ts_us: int, event: str, fields: Mapping[str, object]) -> None:
+        """Ignore the event."""
+
+    def tick(self, ts_us: int) -> None:
+        """Nothing to do."""
+
+    def close(self) -> None:
+        """Nothing to do."""
+
+
+class FileAuditSink:
+    """Writes the audit stream of one node into segment files (see the module docstring).
+
+    Events are buffered in memory and written when the buffer exceeds ``flush_bytes``, on ``tick``, on roll
+    and on close; files are fsynced only when a segment is sealed. A crash therefore loses at most the
+    unflushed tail, and the next start continues after the last seq that reached the disk.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        node_id: str,
+        *,
+        epoch: int = 0,
+        roll_bytes: int = 64 * 1024 * 1024,
+        roll_seconds: float = 60.0,
+        heartbeat_seconds: float = 10.0,
+        flush_bytes: int = 256 * 1024,
+    ) -> None:
+        if not node_id or node_id.startswith(".") or "/" in node_id or os.sep in node_id:
+            # A leading dot would hide the node's segments from Spark; a separator would nest directories.
+            raise ValueError(f"invalid audit node id {node_id!r}")
+        if roll_bytes <= 0 or roll_seconds <= 0 or heartbeat_seconds <= 0 or flush_bytes < 0:
+            raise ValueError("audit roll/heartbeat/flush settings must be positive")
+        self.node_id = node_id
+        #: Activation epoch stamped on every event; the server updates it when the node's epoch changes.
+        self.epoch = epoch
+        #: Events that could not be written. The seq gap in the stream reveals the same loss to readers.
+        self.dropped = 0
+        self._node_dir = Path(directory) / node_id
+        self._active_dir = self._node_dir / _ACTIVE_DIR
+        self._roll_bytes = roll_bytes
+        self._roll_us = int(roll_seconds * 1_000_000)
+        self._heartbeat_us = int(heartbeat_seconds * 1_000_000)
+        self._flush_bytes = flush_bytes
+        self._buf: list[bytes] = []
+        self._buf_bytes = 0
+        self._buf_first_seq = 0
+        # The active file is opened lazily at the first flush of a segment, named after the first seq it
+        # holds, so an idle node never creates (or publishes) an empty segment.
+        self._fd: int | None = None
+        self._path: Path | None = None
+        self._file_bytes = 0  # bytes known to be completely written to the active file
+        self._seg_start_us: int | None = None  # event time of the segment's first line; None = empty segment
+        self._last_heartbeat_us: int | None = None
+        self._reported: set[tuple[str, str]] = set()
+        self._closed = False
+        self._broken = False
+        self._next_seq = 0
+        try:
+            self._next_seq = self._recover()
+        except (OSError, ValueError) as exc:
+            # Without a readable log we cannot know the next seq, and reusing one would break the
+            # (node_id, seq) dedup key downstream, so this sink writes nothing and counts every event dropped.
+            self._broken = True
+            self._report("recover", exc)
+
+    @property
+    def next_seq(self) -> int:
+        """The seq the next event will carry."""
+        return self._next_seq
+
+    # ------------------------------------------------------------------ AuditSink
+
+    def emit(self, ts_us: int, event: str, fields: Mapping[str, object]) -> None:
+        """Append one event to the in-memory buffer (no syscall unless a flush or roll is due)."""
+        if self._closed:
+            return
+        if self._broken:
+            self.dropped += 1
+            return
+        if self._seg_start_us is not None and ts_us - self._seg_start_us >= self._roll_us:
+            self._roll()
+        seq = self._next_seq
+        record: dict[str, object] = {
+            "v": SCHEMA_VERSION,
+            "node_id": self.node_id,
+            "seq": seq,
+            "ts_us": ts_us,
+            "event": event,
+            "epoch": self.epoch,
+        }
+        for key, value in fields.items():
+            # The header fields are owned by the sink: a caller must not be able to forge seq or node_id.
+            if value is not None and key not in record:
+                record[key] = value
+        # default=str keeps an odd field value (an enum, a UUID) from failing on the hot path.
+        line = json.dumps(record, separators=(",", ":"), default=str).encode() + b"\n"
+        self._next_seq = seq + 1
+        if not self._buf:
+            self._buf_first_seq = seq
+        if self._seg_start_us is None:
+            self._seg_start_us = ts_us
+        self._buf.append(line)
+        self._buf_bytes += len(line)
+        if self._file_bytes + self._buf_bytes >= self._roll_bytes:
+            self._roll()
+        elif self._buf_bytes > self._flush_bytes:
+            self._flush()
+
+    def tick(self, ts_us: int) -> None:
+        """Emit a heartbeat when due, roll a segment that has grown too old, and flush the buffer."""
+        if self._closed or self._broken:
+            return
+        if self._last_heartbeat_us is None or ts_us - self._last_heartbeat_us >= self._heartbeat_us:
+            self._last_heartbeat_us = ts_us
+            self.emit(ts_us, "node.heartbeat", {})
+        if self._seg_start_us is not None and ts_us - self._seg_start_us >= self._roll_us:
+            self._roll()
+        else:
+            self._flush()
+
+    def close(self) -> None:
+        """Flush and publish the active segment; later calls are ignored."""
+        if self._closed:
+            return
+        if not self._broken:
+            self._roll()
+        self._closed = True
+
+    # ------------------------------------------------------------------ writing
+
+    def _flush(self) -> None:
+        """Write the buffer to the active file; on failure drop it (the seq gap shows the loss)."""
+        if not self._buf:
+            return
+        data = b"".join(self._buf)
+        lines = len(self._buf)
+        self._buf.clear()
+        self._buf_bytes = 0
+        try:
+            if self._fd is None:
+                path = self._active_dir / _segment_name(self._buf_first_seq)
+                self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+                self._path = path
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view) :]
+            self._file_bytes += len(data)
+        except OSError as exc:
+            self.dropped += lines
+            self._report("write", exc)
+            self._rewind()
+
+    def _rewind(self) -> None:
+        """After a failed write, cut the file back to its last complete line so no torn line stays inside."""
+        if self._fd is not None and self._file_bytes > 0:
+            try:
+                os.ftruncate(self._fd, self._file_bytes)
+            except OSError as exc:
+                # Stop appending to this file: its torn tail stays last, and the next start cuts it off and
+                # publishes the complete lines before it.
+                self._report("truncate", exc)
+            else:
+                return
+        # An empty file is discarded so that the next flush names its file after the first seq it holds.
+        self._abandon()
+
+    def _abandon(self) -> None:
+        """Stop using the active file; keep it in ``.active/`` for recovery unless it holds nothing."""
+        fd, path, empty = self._fd, self._path, self._file_bytes == 0
+        self._fd, self._path, self._file_bytes = None, None, 0
+        if not self._buf:
+            self._seg_start_us = None
+        try:
+            if fd is not None:
+                os.close(fd)
+            if empty and path is not None:
+                path.unlink(missing_ok=True)
+        except OSError as exc:
+            self._report("close", exc)
+
+    def _roll(self) -> None:
+        """Seal the active segment: flush, fsync, rename into the visible folder, fsync the folder."""
+        self._flush()
+        path, has_lines = self._path, self._file_bytes > 0
+        self._abandon()
+        self._seg_start_us = None
+        if path is None or not has_lines:
+            return
+        try:
+            _seal(path, self._node_dir)
+        except OSError as exc:
+            # The segment stays in .active/ and is published by the next start's recovery.
+            self._report("publish", exc)
+
+    def _report(self, op: str, exc: BaseException) -> None:
+        """Log each distinct failure once: a full disk must not flood the log at the event rate."""
+        key = (op, f"{type(exc).__name__}:{getattr(exc, 'errno', None)}")
+        if key in self._reported:
+            return
+        self._reported.add(key)
+        _log.error(
+            "audit %s failed for node %s: %s (events dropped so far: %d)",
+            op,
+            self.node_id,
+            exc,
+            self.dropped,
+        )
+
+    # ------------------------------------------------------------------ restart
+
+    def _recover(self) -> int:
+        """Publish what an earlier run left in ``.active/`` and return the seq to continue from."""
+        self._active_dir.mkdir(parents=True, exist_ok=True)
+        next_seq = 0
+        for path in sorted(_segments(self._node_dir), reverse=True):
+            line = _last_line(path, repair=False)
+            if line is not None:  # sealed segments are never empty, but skip one rather than go back
+                next_seq = _seq_of(line) + 1
+                break
+        # Normally at most one active segment; more remain only if publishing failed in an earlier run.
+        for path in sorted(_segments(self._active_dir)):
+            line = _last_line(path, repair=True)
+            if line is None:
+                path.unlink()
+                continue
+            next_seq = max(next_seq, _seq_of(line) + 1)
+            _seal(path, self._node_dir)
+        return next_seq
+
+
+def _segment_name(first_seq: int) -> str:
+    return f"{first_seq:0{_SEQ_DIGITS}d}{_SUFFIX}"
+
+
+def _segments(folder: Path) -> list[Path]:
+    """Segment files in ``folder``, ignoring anything else (the hidden folder, stray files)."""
+    return [
+        p
+        for p in folder.iterdir()
+        if p.name.endswith(_SUFFIX)
+        and len(p.name) == _SEQ_DIGITS + len(_SUFFIX)
+        and p.name[:_SEQ_DIGITS].isdigit()
+        and p.is_file()
+    ]
+
+
+def _seal(path: Path, folder: Path) -> None:
+    """Make ``path`` durable, then move it atomically into ``folder`` and make the rename durable."""
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
+    os.replace(path, folder / path.name)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _last_line(path: Path, *, repair: bool) -> bytes | None:
+    """The last complete line of a segment (without its newline), or None if it has none.
+
+    With ``repair``, bytes after the last newline (a line torn by a crash) are truncated away.
+    """
+    with path.open("r+b" if repair else "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        last_nl = _rfind_newline(f, size)
+        if repair and last_nl + 1 < size:
+            f.truncate(last_nl + 1)
+            os.fsync(f.fileno())
+        if last_nl < 0:
+            return None
+        start = _rfind_newline(f, last_nl) + 1
+        f.seek(start)
+        return f.read(last_nl - start)
+
+
+def _rfind_newline(f: BinaryIO, end: int) -> int:
+    """Offset of the last ``\\n`` before ``end``, or -1; reads backwards so a 64 MiB segment costs little."""
+    pos = end
+    while pos > 0:
+        start = max(0, pos - _TAIL_CHUNK)
+        f.seek(start)
+        i = f.read(pos - start).rfind(b"\n")
+        if i >= 0:
+            return start + i
+        pos = start
+    return -1
+
+
+def _seq_of(line: bytes) -> int:
+    record = json.loads(line)
+    seq = record.get("seq") if isinstance(record, dict) else None
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        raise ValueError(f"audit line without a valid seq: {line[:200]!r}")
+    return seq

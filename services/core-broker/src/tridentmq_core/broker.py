@@ -1,0 +1,772 @@
+"""The broker: link events in, deliveries and store commands out. Pure: no I/O, no clock (``now_ms`` is
+passed in), so every rule here is testable without a socket.
+
+The server shell feeds each connection's events to ``handle`` and afterwards calls ``flush_dispatch``
+and writes ``conn.data_to_send()`` of every session in ``dirty``. Publishes are routed per message but
+queues dispatch once per batch, so a frame of 256 publishes costs one dispatch pass per queue.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tridentmq_core.address_settings import AddressSettingsRepository, ResolvedAddressSettings
+from tridentmq_core.audit import AuditSink
+from tridentmq_core.dedup import DuplicateIdCache
+from tridentmq_core.queues import Consumer, Queue
+from tridentmq_core.router import AddressTrie, InvalidAddress, is_wildcard, validate_address
+from tridentmq_core.security import Permission, Principal
+from tridentmq_core.selector import Selector, SelectorError, compile_selector
+from tridentmq_core.settings import CoreSettings
+from tridentmq_core.store.base import Store
+from tridentmq_shared.link import events as ev
+from tridentmq_shared.link.codec import LinkConnection
+from tridentmq_shared.link.ops import ErrorCode, NackMode
+from tridentmq_shared.message import (
+    M_ADDRESS,
+    M_BODY,
+    M_DEDUP,
+    M_DURABLE,
+    M_EXPIRATION,
+    M_ID,
+    M_PROPS,
+    M_PROTOCOL,
+    M_ROUTING,
+    M_SCHEDULED,
+    M_TIMESTAMP,
+    ROUTING_DEFAULT,
+    RoutingType,
+    WireMessage,
+)
+
+log = logging.getLogger("tridentmq.core.broker")
+
+FQQN_SEPARATOR = "::"
+ORIGINAL_ADDRESS = "_AMQ_ORIG_ADDRESS"
+ORIGINAL_QUEUE = "_AMQ_ORIG_QUEUE"
+ORIGINAL_REASON = "_AMQ_ORIG_REASON"
+
+
+class BrokerError(Exception):
+    """A request the broker refuses; ``code`` is an ``ErrorCode`` and the text is shown to the client."""
+
+    def __init__(self, code: str, text: str) -> None:
+        super().__init__(text)
+        self.code = code
+        self.text = text
+
+
+@dataclass(slots=True)
+class Transaction:
+    publishes: list[WireMessage] = field(default_factory=list)
+    acks: list[tuple[Consumer, int]] = field(default_factory=list)
+
+
+class Session:
+    """Broker-side state of one link connection."""
+
+    __slots__ = ("client_name", "conn", "conn_id", "consumers", "opened_ms", "peer", "principal", "send_ok",
+                 "temporary_queues", "txs")  # fmt: skip
+
+    def __init__(self, conn: LinkConnection, conn_id: str, principal: Principal, peer: str, client_name: str,
+                 opened_ms: int) -> None:  # fmt: skip
+        self.conn = conn
+        self.conn_id = conn_id
+        self.principal = principal
+        self.peer = peer
+        self.client_name = client_name
+        self.opened_ms = opened_ms
+        self.consumers: dict[int, Consumer] = {}
+        self.txs: dict[int, Transaction] = {}
+        self.temporary_queues: set[str] = set()
+        self.send_ok: dict[str, bool] = {}  # permission cache of the publish path
+
+
+class Address:
+    __slots__ = ("auto_created", "name", "queues", "routing_types")
+
+    def __init__(self, name: str, routing_types: set[RoutingType], *, auto_created: bool) -> None:
+        self.name = name
+        self.routing_types = routing_types
+        self.auto_created = auto_created
+        self.queues: dict[str, Queue] = {}
+
+
+@dataclass(slots=True)
+class Counters:
+    routed: int = 0
+    unrouted: int = 0
+    duplicates: int = 0
+    acked: int = 0
+    expired: int = 0
+    dead_lettered: int = 0
+    rejected: int = 0
+
+
+class Broker:
+    def __init__(
+        self,
+        node_id: str,
+        settings: CoreSettings,
+        *,
+        store: Store,
+        audit: AuditSink,
+        first_message_id: int,
+        audit_messages: str = "durable",
+    ) -> None:
+        self.node_id = node_id
+        self.settings = settings
+        self.store = store
+        self.audit = audit
+        self.address_settings = AddressSettingsRepository(settings.address_settings)
+        self.sessions: dict[str, Session] = {}
+        self.addresses: dict[str, Address] = {}
+        self.queues: dict[str, Queue] = {}
+        self.counters = Counters()
+        self.dirty: set[Session] = set()
+        self._trie: AddressTrie[Queue] = AddressTrie()
+        self._routes: dict[tuple[str, int], tuple[Queue, ...]] = {}
+        self._anycast_rr: dict[str, int] = {}
+        self._to_dispatch: set[Queue] = set()
+        self._next_id = first_message_id
+        self._dedup = DuplicateIdCache(int(settings.broker.dedup_window_seconds * 1000),
+                                       settings.broker.dedup_max_entries)  # fmt: skip
+        self._timers: list[tuple[int, int, Queue | None, WireMessage, int]] = []  # due, seq, queue, msg, count
+        self._timer_seq = itertools.count()
+        self._pending_confirms: dict[int, tuple[Session, int]] = {}
+        self._audit_all = audit_messages == "all"
+        self._audit_durable = audit_messages in ("all", "durable")
+        self._node_tag = node_id[:8]
+        self._last_expiry_scan = 0
+        store.attach(self._on_durable)
+
+    # ------------------------------------------------------------------ sessions
+    def open_session(self, conn: LinkConnection, conn_id: str, principal: Principal, peer: str,
+                     client_name: str, now_ms: int) -> Session:  # fmt: skip
+        session = Session(conn, conn_id, principal, peer, client_name, now_ms)
+        self.sessions[conn_id] = session
+        self._emit(now_ms, "conn.opened", conn_id=conn_id, client_id=client_name, protocol="link")
+        return session
+
+    def close_session(self, session: Session, now_ms: int) -> None:
+        """The link is gone: requeue its unacknowledged messages, drop its transactions and temp queues."""
+        if self.sessions.pop(session.conn_id, None) is None:
+            return
+        for consumer in list(session.consumers.values()):
+            self._remove_consumer(session, consumer, now_ms)
+        for tx in session.txs.values():
+            self._rollback_acks(tx, now_ms)
+        session.txs.clear()
+        for name in list(session.temporary_queues):
+            if name in self.queues:
+                self._delete_queue(self.queues[name], now_ms)
+        self.dirty.discard(session)
+        self._pending_confirms = {t: v for t, v in self._pending_confirms.items() if v[0] is not session}
+        self._emit(now_ms, "conn.closed", conn_id=session.conn_id, client_id=session.client_name)
+
+    # ------------------------------------------------------------------ event entry point
+    def handle(self, session: Session, events: Iterable[ev.Event], now_ms: int) -> None:
+        conn = session.conn
+        for event in events:
+            match event:
+                case ev.Publishes(ops):
+                    self._publish_batch(session, ops, now_ms)
+                case ev.Acks(ops):
+                    for _, consumer_id, tx_id, ids in ops:
+                        self._ack(session, consumer_id, tx_id, ids, now_ms)
+                case ev.Nacks(ops):
+                    for _, consumer_id, ids, mode in ops:
+                        self._nack(session, consumer_id, ids, NackMode(mode), now_ms)
+                case ev.Flow(consumer_id, credit):
+                    self._flow(session, consumer_id, credit)
+                case ev.Closed():
+                    self.close_session(session, now_ms)
+                case _:
+                    req_id: int = getattr(event, "req_id", 0)
+                    try:
+                        conn.reply(req_id, self._request(session, event, now_ms))
+                    except BrokerError as exc:
+                        conn.error(req_id, exc.code, exc.text)
+                    self.dirty.add(session)
+
+    def _request(self, session: Session, event: ev.Event, now_ms: int) -> Any:
+        match event:
+            case ev.Subscribe(_, consumer_id, queue, credit, options):
+                return self._subscribe(session, consumer_id, queue, credit, options, now_ms)
+            case ev.Unsubscribe(_, consumer_id):
+                consumer = self._consumer(session, consumer_id)
+                self._remove_consumer(session, consumer, now_ms)
+                return None
+            case ev.CreateQueue(_, spec):
+                return self._create_queue_request(session, spec, now_ms)
+            case ev.DeleteQueue(_, name):
+                queue = self._queue(name)
+                if queue.durable:
+                    self._require(session, Permission.DELETE_DURABLE_QUEUE, queue.address)
+                self._delete_queue(queue, now_ms)
+                return None
+            case ev.CreateAddress(_, name, routing_types):
+                self._require(session, Permission.CREATE_ADDRESS, name)
+                kinds = {self._routing_type(r) for r in routing_types} or {RoutingType.ANYCAST}
+                created = self._ensure_address(name, kinds, auto_created=False)
+                return {"created": created}
+            case ev.DeleteAddress(_, name):
+                self._require(session, Permission.CREATE_ADDRESS, name)
+                self._delete_address(name, now_ms)
+                return None
+            case ev.TxBegin(_, tx_id):
+                if tx_id in session.txs:
+                    raise BrokerError(ErrorCode.EXISTS, f"transaction {tx_id} is already open")
+                session.txs[tx_id] = Transaction()
+                return None
+            case ev.TxCommit(_, tx_id):
+                self._commit(session, self._tx(session, tx_id), now_ms)
+                del session.txs[tx_id]
+                return None
+            case ev.TxRollback(_, tx_id):
+                self._rollback_acks(self._tx(session, tx_id), now_ms)
+                del session.txs[tx_id]
+                return None
+        raise BrokerError(ErrorCode.UNEXPECTED, f"unexpected operation {type(event).__name__}")
+
+    # ------------------------------------------------------------------ publishing
+    def _publish_batch(self, session: Session, ops: list[list[Any]], now_ms: int) -> None:
+        conn = session.conn
+        send_ok = session.send_ok
+        max_bytes = self.settings.broker.max_message_bytes
+        for _, seq, tx_id, message in ops:
+            address = message[M_ADDRESS]
+            allowed = send_ok.get(address)
+            if allowed is None:
+                allowed = self._check_send(session, address)
+            if not allowed:
+                self._reject(conn, seq, ErrorCode.FORBIDDEN, f"user {session.principal.name!r} may not send "
+                             f"to {address!r}")  # fmt: skip
+                continue
+            if len(message[M_BODY]) > max_bytes:
+                self._reject(conn, seq, ErrorCode.RESOURCE_LIMIT, f"message body exceeds {max_bytes} bytes")
+                continue
+            if tx_id:
+                tx = session.txs.get(tx_id)
+                if tx is None:
+                    self._reject(conn, seq, ErrorCode.NOT_FOUND, f"no open transaction {tx_id}")
+                    continue
+                tx.publishes.append(message)
+                conn.confirm(seq)  # staged; the commit reply is what makes it count
+                continue
+            try:
+                token = self._accept_message(message, now_ms)
+            except BrokerError as exc:
+                self._reject(conn, seq, exc.code, exc.text)
+                continue
+            if token:
+                self._pending_confirms[token] = (session, seq)
+            else:
+                conn.confirm(seq)
+        conn.grant_publish_credit(len(ops))
+        self.dirty.add(session)
+
+    def _check_send(self, session: Session, address: str) -> bool:
+        try:
+            validate_address(address, allow_wildcards=False)
+        except InvalidAddress:
+            return False
+        allowed = session.principal.allowed(Permission.SEND, address)
+        if len(session.send_ok) > 10_000:
+            session.send_ok.clear()
+        session.send_ok[address] = allowed
+        return allowed
+
+    def _reject(self, conn: LinkConnection, seq: int, code: str, text: str) -> None:
+        self.counters.rejected += 1
+        conn.reject(seq, code, text)
+
+    def _accept_message(self, message: WireMessage, now_ms: int) -> int:
+        """Route a message into its queues; returns a store token when the confirm must wait for it."""
+        dedup_id = message[M_DEDUP]
+        if dedup_id is not None and self._dedup.seen(dedup_id, now_ms):
+            self.counters.duplicates += 1
+            return 0  # already accepted once: confirm again, store nothing
+        queues = self._route(message, now_ms, create=True)
+        message[M_ID] = self._next_id
+        self._next_id += 1
+        if not message[M_TIMESTAMP]:
+            message[M_TIMESTAMP] = now_ms
+        durable = message[M_DURABLE]
+        if durable and self._audit_durable or self._audit_all:
+            self._emit_message(now_ms, "msg.sent", message, None)
+        if not queues:
+            self.counters.unrouted += 1
+            return 0
+        self.counters.routed += 1
+        token = 0
+        if durable:
+            durable_queues = tuple(q.name for q in queues if q.durable)
+            if durable_queues:
+                token = self.store.add_message(message, durable_queues)
+        if message[M_SCHEDULED] > now_ms:
+            for queue in queues:
+                self._schedule(message[M_SCHEDULED], queue, message, 0)
+            return token
+        for queue in queues:
+            queue.add(message)
+            self._to_dispatch.add(queue)
+        return token
+
+    def _on_durable(self, token: int) -> None:
+        waiting = self._pending_confirms.pop(token, None)
+        if waiting is not None:
+            session, seq = waiting
+            session.conn.confirm(seq)
+            self.dirty.add(session)
+
+    def _route(self, message: WireMessage, now_ms: int, *, create: bool) -> tuple[Queue, ...]:
+        address = message[M_ADDRESS]
+        routing = message[M_ROUTING]
+        key = (address, routing)
+        queues = self._routes.get(key)
+        if queues is None:
+            if create and address not in self.addresses:
+                settings = self.address_settings.resolve(address)
+                if not settings.auto_create_addresses:
+                    raise BrokerError(ErrorCode.NOT_FOUND, f"address {address!r} does not exist")
+                kind = settings.default_routing_type if routing == ROUTING_DEFAULT else RoutingType(routing)
+                self._ensure_address(address, {kind}, auto_created=True)
+                if kind is RoutingType.ANYCAST and settings.auto_create_queues:
+                    self._create_queue(address, address, kind, durable=True, auto_created=True, now_ms=now_ms,
+                                       auto_delete=settings.auto_delete_queues)  # fmt: skip
+            queues = self._compute_route(address, routing)
+            self._routes[key] = queues
+        if not queues:
+            return queues
+        filtered = tuple(q for q in queues if q.filter is None or q.accepts(message)) \
+            if any(q.filter is not None for q in queues) else queues  # fmt: skip
+        anycast = [q for q in filtered if q.routing_type is RoutingType.ANYCAST]
+        if len(anycast) <= 1:
+            return filtered
+        # Anycast means one queue gets it: round-robin over the anycast queues that match.
+        turn = self._anycast_rr.get(address, 0)
+        self._anycast_rr[address] = turn + 1
+        chosen = anycast[turn % len(anycast)]
+        return tuple(q for q in filtered if q.routing_type is RoutingType.MULTICAST or q is chosen)
+
+    def _compute_route(self, address: str, routing: int) -> tuple[Queue, ...]:
+        queues = self._trie.match(address)
+        if routing == ROUTING_DEFAULT:
+            own = self.addresses.get(address)
+            kinds = own.routing_types if own is not None else {RoutingType.ANYCAST, RoutingType.MULTICAST}
+            if len(kinds) == 2:
+                kinds = {self.address_settings.resolve(address).default_routing_type}
+        else:
+            kinds = {RoutingType(routing)}
+        return tuple(q for q in queues if q.routing_type in kinds)
+
+    def _invalidate_routes(self) -> None:
+        self._routes.clear()
+
+    # ------------------------------------------------------------------ consuming
+    def _subscribe(self, session: Session, consumer_id: int, queue_name: str, credit: int,
+                   options: dict[str, Any], now_ms: int) -> dict[str, Any]:  # fmt: skip
+        if consumer_id in session.consumers:
+            raise BrokerError(ErrorCode.EXISTS, f"consumer id {consumer_id} is in use on this link")
+        if credit > self.settings.broker.max_consumer_credit:
+            raise BrokerError(ErrorCode.INVALID, f"credit above {self.settings.broker.max_consumer_credit}")
+        browse = bool(options.get("browse", False))
+        selector = self._compile(options.get("selector"))
+        address_name, _, queue_part = queue_name.rpartition(FQQN_SEPARATOR)
+        queue_name = queue_part if address_name else queue_name
+        queue = self.queues.get(queue_name)
+        if queue is None:
+            address = address_name or str(options.get("address") or queue_name)
+            self._validate(address, wildcards=True)
+            settings = self.address_settings.resolve(address)
+            if not settings.auto_create_queues:
+                raise BrokerError(ErrorCode.NOT_FOUND, f"queue {queue_name!r} does not exist")
+            routing = self._routing_type(options.get("routing_type", RoutingType.ANYCAST))
+            durable = bool(options.get("durable", routing is RoutingType.ANYCAST))
+            self._check_create(session, address, durable)
+            queue = self._create_queue(queue_name, address, routing, durable=durable, auto_created=True,
+                                       auto_delete=settings.auto_delete_queues, now_ms=now_ms)  # fmt: skip
+        elif address_name and queue.address != address_name:
+            raise BrokerError(ErrorCode.NOT_FOUND, f"queue {queue_name!r} is not bound to {address_name!r}")
+        self._require(session, Permission.BROWSE if browse else Permission.CONSUME, queue.address)
+        active = [c for c in queue.consumers if not c.browse]
+        if not browse and 0 <= queue.max_consumers <= len(active):
+            raise BrokerError(ErrorCode.RESOURCE_LIMIT, f"queue {queue.name!r} has its maximum of consumers")
+        consumer = Consumer(consumer_id, session, queue, credit, selector=selector,
+                            auto_ack=bool(options.get("auto_ack", False)), browse=browse)  # fmt: skip
+        queue.add_consumer(consumer)
+        session.consumers[consumer_id] = consumer
+        self._to_dispatch.add(queue)
+        self._emit(now_ms, "consumer.opened", conn_id=session.conn_id, consumer_id=str(consumer_id),
+                   queue=queue.name, address=queue.address)  # fmt: skip
+        return {"queue": queue.name, "address": queue.address, "routing_type": int(queue.routing_type)}
+
+    def _remove_consumer(self, session: Session, consumer: Consumer, now_ms: int) -> None:
+        queue = consumer.queue
+        session.consumers.pop(consumer.id, None)
+        if consumer in queue.consumers:
+            queue.remove_consumer(consumer)
+            self._to_dispatch.add(queue)
+        self._emit(now_ms, "consumer.closed", conn_id=session.conn_id, consumer_id=str(consumer.id),
+                   queue=queue.name)  # fmt: skip
+        self._maybe_auto_delete(queue, now_ms)
+
+    def _flow(self, session: Session, consumer_id: int, credit: int) -> None:
+        consumer = session.consumers.get(consumer_id)
+        if consumer is None:
+            return  # a flow racing an unsubscribe
+        consumer.credit = min(consumer.credit + credit, self.settings.broker.max_consumer_credit)
+        self._to_dispatch.add(consumer.queue)
+
+    def _ack(self, session: Session, consumer_id: int, tx_id: int, ids: list[int], now_ms: int) -> None:
+        consumer = session.consumers.get(consumer_id)
+        if consumer is None:
+            self._async_error(session, ErrorCode.NOT_FOUND, f"ack for unknown consumer {consumer_id}")
+            return
+        if tx_id:
+            tx = session.txs.get(tx_id)
+            if tx is None:
+                self._async_error(session, ErrorCode.NOT_FOUND, f"ack in unknown transaction {tx_id}")
+                return
+            tx.acks.extend((consumer, message_id) for message_id in ids if message_id in consumer.in_flight)
+            return
+        queue = consumer.queue
+        for message_id in ids:
+            taken = queue.take(consumer, message_id)
+            if taken is not None:
+                self._settle_acked(queue, taken[0], now_ms)
+
+    def _settle_acked(self, queue: Queue, message: WireMessage, now_ms: int) -> None:
+        queue.settle(message)
+        queue.acked += 1
+        self.on_acked(queue, message, now_ms)
+
+    def _nack(self, session: Session, consumer_id: int, ids: list[int], mode: NackMode, now_ms: int) -> None:
+        consumer = session.consumers.get(consumer_id)
+        if consumer is None:
+            self._async_error(session, ErrorCode.NOT_FOUND, f"nack for unknown consumer {consumer_id}")
+            return
+        queue = consumer.queue
+        for message_id in ids:
+            taken = queue.take(consumer, message_id)
+            if taken is not None:
+                self._return(queue, taken[0], taken[1], mode, now_ms)
+        self._to_dispatch.add(queue)
+
+    def _return(self, queue: Queue, message: WireMessage, count: int, mode: NackMode, now_ms: int) -> None:
+        """A delivery failed (``count`` = its delivery count): requeue, delay, or dead-letter."""
+        if mode is NackMode.RELEASE:
+            queue.return_message(message, count - 1)
+            return
+        settings = self.address_settings.resolve(queue.address)
+        if message[M_DURABLE] and queue.durable:
+            self.store.update_delivery_count(queue.name, message[M_ID], count)
+        if self._audit_all or (self._audit_durable and message[M_DURABLE]):
+            self._emit_message(now_ms, "msg.nacked", message, queue, delivery_count=count)
+        attempts = settings.max_delivery_attempts
+        if mode is NackMode.REJECT or 0 <= attempts <= count:
+            reason = "rejected" if mode is NackMode.REJECT else "max_deliveries"
+            self._dead_letter(queue, message, reason, settings, now_ms)
+            return
+        delay = settings.redelivery_delay(count)
+        if delay > 0:
+            self._schedule(now_ms + delay, queue, message, count)
+        else:
+            queue.return_message(message, count)
+
+    def _consumer(self, session: Session, consumer_id: int) -> Consumer:
+        consumer = session.consumers.get(consumer_id)
+        if consumer is None:
+            raise BrokerError(ErrorCode.NOT_FOUND, f"no consumer {consumer_id} on this link")
+        return consumer
+
+    def _async_error(self, session: Session, code: str, text: str) -> None:
+        session.conn.error(0, code, text)
+        self.dirty.add(session)
+
+    # ------------------------------------------------------------------ transactions
+    def _tx(self, session: Session, tx_id: int) -> Transaction:
+        tx = session.txs.get(tx_id)
+        if tx is None:
+            raise BrokerError(ErrorCode.NOT_FOUND, f"no open transaction {tx_id}")
+        return tx
+
+    def _commit(self, session: Session, tx: Transaction, now_ms: int) -> None:
+        for message in tx.publishes:
+            self._accept_message(message, now_ms)
+        for consumer, message_id in tx.acks:
+            taken = consumer.queue.take(consumer, message_id)
+            if taken is not None:
+                self._settle_acked(consumer.queue, taken[0], now_ms)
+
+    def _rollback_acks(self, tx: Transaction, now_ms: int) -> None:
+        for consumer, message_id in tx.acks:
+            taken = consumer.queue.take(consumer, message_id)
+            if taken is not None:
+                self._return(consumer.queue, taken[0], taken[1], NackMode.REDELIVER, now_ms)
+                self._to_dispatch.add(consumer.queue)
+
+    # ------------------------------------------------------------------ addresses and queues
+    def _validate(self, address: str, *, wildcards: bool) -> None:
+        try:
+            validate_address(address, allow_wildcards=wildcards)
+        except InvalidAddress as exc:
+            raise BrokerError(ErrorCode.INVALID, str(exc)) from None
+
+    def _routing_type(self, value: Any) -> RoutingType:
+        try:
+            return RoutingType(value)
+        except ValueError:
+            raise BrokerError(ErrorCode.INVALID, f"unknown routing type {value!r}") from None
+
+    def _compile(self, text: Any) -> Selector | None:
+        if text is None or text == "":
+            return None
+        if not isinstance(text, str):
+            raise BrokerError(ErrorCode.INVALID, "a selector is a string")
+        try:
+            return compile_selector(text)
+        except SelectorError as exc:
+            raise BrokerError(ErrorCode.INVALID, f"bad selector: {exc}") from None
+
+    def _require(self, session: Session, permission: Permission, address: str) -> None:
+        if not session.principal.allowed(permission, address):
+            raise BrokerError(ErrorCode.FORBIDDEN, f"user {session.principal.name!r} lacks permission "
+                              f"{permission.value} on {address!r}")  # fmt: skip
+
+    def _check_create(self, session: Session, address: str, durable: bool) -> None:
+        if address not in self.addresses:
+            self._require(session, Permission.CREATE_ADDRESS, address)
+        if durable:
+            self._require(session, Permission.CREATE_DURABLE_QUEUE, address)
+
+    def _ensure_address(self, name: str, kinds: set[RoutingType], *, auto_created: bool) -> bool:
+        existing = self.addresses.get(name)
+        if existing is not None:
+            if not kinds <= existing.routing_types:
+                existing.routing_types |= kinds
+                self.store.add_address(name, tuple(sorted(existing.routing_types)))
+                self._invalidate_routes()
+            return False
+        self._validate(name, wildcards=True)
+        self.addresses[name] = Address(name, set(kinds), auto_created=auto_created)
+        self.store.add_address(name, tuple(sorted(kinds)))
+        self._invalidate_routes()
+        return True
+
+    def _create_queue_request(self, session: Session, spec: dict[str, Any], now_ms: int) -> dict[str, Any]:
+        name = spec.get("name")
+        if not isinstance(name, str) or not name:
+            raise BrokerError(ErrorCode.INVALID, "a queue needs a name")
+        address = spec.get("address") or name
+        if not isinstance(address, str):
+            raise BrokerError(ErrorCode.INVALID, "the address is a string")
+        routing = self._routing_type(spec.get("routing_type", RoutingType.ANYCAST))
+        durable = bool(spec.get("durable", True))
+        existing = self.queues.get(name)
+        if existing is not None:
+            if existing.address != address or existing.routing_type is not routing:
+                raise BrokerError(ErrorCode.EXISTS, f"queue {name!r} exists on address {existing.address!r} "
+                                  f"as {existing.routing_type.name.lower()}")  # fmt: skip
+            return {"created": False, "queue": name, "address": address}
+        self._validate(address, wildcards=True)
+        self._check_create(session, address, durable)
+        temporary = bool(spec.get("temporary", False))
+        lvq = spec.get("last_value_key")
+        max_consumers = spec.get("max_consumers", -1)
+        if (lvq is not None and not isinstance(lvq, str)) or type(max_consumers) is not int:
+            raise BrokerError(ErrorCode.INVALID, "last_value_key is a string, max_consumers an integer")
+        self._create_queue(
+            name, address, routing, durable=durable and not temporary, now_ms=now_ms,
+            filter_text=spec.get("filter"), temporary=temporary, exclusive=bool(spec.get("exclusive", False)),
+            last_value_key=lvq, max_consumers=max_consumers, auto_delete=bool(spec.get("auto_delete", False)),
+            owner=session if temporary else None,
+        )  # fmt: skip
+        return {"created": True, "queue": name, "address": address}
+
+    def _create_queue(
+        self,
+        name: str,
+        address: str,
+        routing: RoutingType,
+        *,
+        durable: bool,
+        now_ms: int,
+        auto_created: bool = False,
+        auto_delete: bool = False,
+        filter_text: Any = None,
+        temporary: bool = False,
+        exclusive: bool = False,
+        last_value_key: str | None = None,
+        max_consumers: int = -1,
+        owner: Session | None = None,
+    ) -> Queue:
+        selector = self._compile(filter_text)
+        self._ensure_address(address, {routing}, auto_created=auto_created)
+        queue = Queue(
+            name, address, routing, sink=self, dirty=self.dirty, durable=durable, filter=selector,
+            temporary=temporary, exclusive=exclusive, last_value_key=last_value_key, max_consumers=max_consumers,
+            auto_created=auto_created, auto_delete=auto_delete, owner=owner,
+        )  # fmt: skip
+        self.queues[name] = queue
+        self.addresses[address].queues[name] = queue
+        self._trie.add(address, queue)
+        self._invalidate_routes()
+        if owner is not None:
+            owner.temporary_queues.add(name)
+        if durable:
+            self.store.add_queue({"name": name, "address": address, "routing_type": int(routing),
+                                  "filter": filter_text, "exclusive": exclusive,
+                                  "last_value_key": last_value_key, "max_consumers": max_consumers})  # fmt: skip
+        log.debug("queue created", extra={"queue": name, "address": address, "routing": routing.name})
+        return queue
+
+    def _queue(self, name: str) -> Queue:
+        queue = self.queues.get(name.rpartition(FQQN_SEPARATOR)[2])
+        if queue is None:
+            raise BrokerError(ErrorCode.NOT_FOUND, f"queue {name!r} does not exist")
+        return queue
+
+    def _delete_queue(self, queue: Queue, now_ms: int) -> None:
+        for consumer in list(queue.consumers):
+            consumer.session.consumers.pop(consumer.id, None)
+            queue.remove_consumer(consumer)
+            consumer.session.conn.consumer_closed(consumer.id, ErrorCode.NOT_FOUND,
+                                                  f"queue {queue.name!r} was deleted")  # fmt: skip
+            self.dirty.add(consumer.session)
+        queue.purge()
+        del self.queues[queue.name]
+        address = self.addresses.get(queue.address)
+        if address is not None:
+            address.queues.pop(queue.name, None)
+        self._trie.remove(queue.address, queue)
+        self._to_dispatch.discard(queue)
+        if queue.owner is not None:
+            queue.owner.temporary_queues.discard(queue.name)
+        if queue.durable:
+            self.store.delete_queue(queue.name)
+        self._invalidate_routes()
+        if address is not None and address.auto_created and not address.queues and \
+                self.address_settings.resolve(address.name).auto_delete_addresses:  # fmt: skip
+            self._delete_address(address.name, now_ms)
+
+    def _delete_address(self, name: str, now_ms: int) -> None:
+        address = self.addresses.get(name)
+        if address is None:
+            raise BrokerError(ErrorCode.NOT_FOUND, f"address {name!r} does not exist")
+        if address.queues:
+            raise BrokerError(ErrorCode.INVALID, f"address {name!r} still has queues")
+        del self.addresses[name]
+        self.store.delete_address(name)
+        self._invalidate_routes()
+
+    def _maybe_auto_delete(self, queue: Queue, now_ms: int) -> None:
+        if queue.auto_delete and not queue.consumers and not len(queue) and queue.name in self.queues:
+            self._delete_queue(queue, now_ms)
+
+    # ------------------------------------------------------------------ dead letters, expiry, timers
+    def _dead_letter(self, queue: Queue, message: WireMessage, reason: str, settings: ResolvedAddressSettings,
+                     now_ms: int) -> None:  # fmt: skip
+        queue.settle(message)
+        queue.dead_lettered += 1
+        self.counters.dead_lettered += 1
+        if message[M_DURABLE] and queue.durable:
+            self.store.acknowledge(queue.name, message[M_ID])
+        self._emit_message(now_ms, "msg.dead_lettered", message, queue, reason=reason)
+        self._divert(queue, message, settings.dead_letter_address, reason, now_ms)
+
+    def on_acked(self, queue: Queue, message: WireMessage, now_ms: int | None = None) -> None:
+        """Called for every acknowledged message (also by queues for auto-ack and last-value replacement)."""
+        self.counters.acked += 1
+        if message[M_DURABLE]:
+            if queue.durable:
+                self.store.acknowledge(queue.name, message[M_ID])
+            if self._audit_durable and now_ms is not None:
+                self._emit_message(now_ms, "msg.acked", message, queue)
+        elif self._audit_all and now_ms is not None:
+            self._emit_message(now_ms, "msg.acked", message, queue)
+
+    def on_expired(self, queue: Queue, message: WireMessage) -> None:
+        queue.expired += 1
+        self.counters.expired += 1
+        if message[M_DURABLE] and queue.durable:
+            self.store.acknowledge(queue.name, message[M_ID])
+        now_ms = max(message[M_EXPIRATION], 0)
+        self._emit_message(now_ms, "msg.expired", message, queue, reason="ttl")
+        settings = self.address_settings.resolve(queue.address)
+        self._divert(queue, message, settings.expiry_address, "expired", now_ms)
+
+    def _divert(self, queue: Queue, message: WireMessage, target: str | None, reason: str, now_ms: int) -> None:
+        """Send a copy of a dead or expired message to ``target`` with its origin recorded."""
+        if not target or target == queue.address:
+            log.warning("message dropped", extra={"queue": queue.name, "reason": reason,
+                                                   "message_id": message[M_ID]})  # fmt: skip
+            return
+        copy = list(message)
+        copy[M_ID] = 0
+        copy[M_ADDRESS] = target
+        copy[M_ROUTING] = int(RoutingType.ANYCAST)
+        copy[M_EXPIRATION] = 0
+        copy[M_SCHEDULED] = 0
+        copy[M_DEDUP] = None
+        copy[M_PROPS] = {**message[M_PROPS], ORIGINAL_ADDRESS: queue.address, ORIGINAL_QUEUE: queue.name,
+                         ORIGINAL_REASON: reason}  # fmt: skip
+        if target not in self.addresses and \
+                self.address_settings.resolve(target).auto_create_dead_letter_resources:  # fmt: skip
+            self._create_queue(target, target, RoutingType.ANYCAST, durable=True, now_ms=now_ms)
+        try:
+            self._accept_message(copy, now_ms)
+        except BrokerError as exc:
+            log.warning("message dropped", extra={"queue": queue.name, "reason": exc.text})
+
+    def _schedule(self, due_ms: int, queue: Queue | None, message: WireMessage, count: int) -> None:
+        heapq.heappush(self._timers, (due_ms, next(self._timer_seq), queue, message, count))
+
+    def tick(self, now_ms: int) -> None:
+        """Periodic work: scheduled and delayed redeliveries, expiry scan, dedup window."""
+        timers = self._timers
+        while timers and timers[0][0] <= now_ms:
+            _, _, queue, message, count = heapq.heappop(timers)
+            if queue is not None and self.queues.get(queue.name) is queue:
+                if count:
+                    queue.return_message(message, count)
+                else:
+                    queue.add(message)
+                self._to_dispatch.add(queue)
+        if now_ms - self._last_expiry_scan >= self.settings.broker.expiry_scan_ms:
+            self._last_expiry_scan = now_ms
+            for queue in list(self.queues.values()):
+                queue.expire_due(now_ms)
+            self._dedup.expire(now_ms)
+        self.flush_dispatch(now_ms)
+
+    def flush_dispatch(self, now_ms: int) -> None:
+        while self._to_dispatch:
+            pending, self._to_dispatch = self._to_dispatch, set()
+            for queue in pending:
+                queue.dispatch(now_ms)
+
+    # ------------------------------------------------------------------ audit
+    def _emit(self, now_ms: int, event: str, **fields: object) -> None:
+        self.audit.emit(now_ms * 1000, event, fields)
+
+    def _emit_message(self, now_ms: int, event: str, message: WireMessage, queue: Queue | None,
+                      **fields: object) -> None:  # fmt: skip
+        self.audit.emit(now_ms * 1000, event, {
+            "address": message[M_ADDRESS], "queue": queue.name if queue else None,
+            "message_id": f"{self._node_tag}-{message[M_ID]}", "size": len(message[M_BODY]),
+            "protocol": message[M_PROTOCOL] or "link", "sent_ts_us": message[M_TIMESTAMP] * 1000, **fields,
+        })  # fmt: skip
+
+    # ------------------------------------------------------------------ views for management
+    def is_wildcard_address(self, name: str) -> bool:
+        return is_wildcard(name)
+
+    def message_count(self) -> int:
+        return sum(len(q) for q in self.queues.values())

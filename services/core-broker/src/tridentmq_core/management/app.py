@@ -1,0 +1,173 @@
+"""The management HTTP application: ``/healthz``, ``/readyz``, ``/metrics`` and the JSON API under ``/api``.
+
+Every handler reads the broker synchronously on the event loop that also drives the broker, so a response
+is a consistent snapshot and nothing here ever awaits in the middle of reading broker state. The API is
+read-only: the broker is changed only through the link.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from tridentmq_core.broker import Broker, Session
+from tridentmq_core.management.metrics import CONTENT_TYPE, render_metrics
+from tridentmq_core.queues import Queue
+
+
+@dataclass
+class NodeStatus:
+    """Mutable facts about the node that the server owns and the management API reports."""
+
+    started_at: float  # unix seconds
+    ready: bool = False
+    link_port: int = 0
+    recovered: dict[str, int] = field(default_factory=dict)  # queue -> messages recovered at start
+
+
+class QueueRates:
+    """Per-queue enqueue and acknowledge rates (messages/s) from successive samples of the queue counters.
+
+    The server calls ``sample`` about once a second; a rate covers the interval between the last two
+    samples. A queue seen for the first time, or one whose counters went backwards (deleted and created
+    again under the same name), reports 0.0 until the next sample.
+    """
+
+    def __init__(self) -> None:
+        self._last_time: float | None = None
+        self._last: dict[str, tuple[int, int]] = {}  # queue -> (added, acked) at the last sample
+        self._rates: dict[str, tuple[float, float]] = {}
+
+    def sample(self, broker: Broker, now: float) -> None:
+        """Record the counters of every queue at ``now`` (seconds, any monotonic origin)."""
+        current = {name: (q.added, q.acked) for name, q in broker.queues.items()}
+        elapsed = None if self._last_time is None else now - self._last_time
+        if elapsed is not None and elapsed <= 0:
+            return  # same instant or a clock step back: keep the previous baseline and rates
+        rates: dict[str, tuple[float, float]] = {}
+        if elapsed is not None:
+            for name, (added, acked) in current.items():
+                previous = self._last.get(name)
+                if previous is not None and added >= previous[0] and acked >= previous[1]:
+                    rates[name] = ((added - previous[0]) / elapsed, (acked - previous[1]) / elapsed)
+        self._rates = rates
+        self._last = current
+        self._last_time = now
+
+    def rates(self, queue: str) -> tuple[float, float]:
+        """(enqueued/s, acknowledged/s) of ``queue``; (0.0, 0.0) when unknown."""
+        return self._rates.get(queue, (0.0, 0.0))
+
+
+def queue_view(queue: Queue, rates: QueueRates) -> dict[str, Any]:
+    enqueue_rate, ack_rate = rates.rates(queue.name)
+    return {
+        "name": queue.name,
+        "address": queue.address,
+        "routing_type": queue.routing_type.name.lower(),
+        "durable": queue.durable,
+        "temporary": queue.temporary,
+        "exclusive": queue.exclusive,
+        "filter": queue.filter.text if queue.filter is not None else None,
+        "depth": len(queue),
+        "in_flight": queue.in_flight,
+        "consumers": len(queue.consumers),
+        "added": queue.added,
+        "acked": queue.acked,
+        "delivered": queue.delivered,
+        "expired": queue.expired,
+        "dead_lettered": queue.dead_lettered,
+        "enqueue_rate": round(enqueue_rate, 3),
+        "ack_rate": round(ack_rate, 3),
+    }
+
+
+def connection_view(session: Session) -> dict[str, Any]:
+    return {
+        "conn_id": session.conn_id,
+        "peer": session.peer,
+        "client_name": session.client_name,
+        "user": session.principal.name,
+        "opened_ms": session.opened_ms,
+        "consumers": len(session.consumers),
+    }
+
+
+class _Handlers:
+    def __init__(self, broker: Broker, status: NodeStatus, rates: QueueRates) -> None:
+        self.broker = broker
+        self.status = status
+        self.rates = rates
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        if not self.status.ready:
+            return web.json_response({"status": "starting"}, status=503)
+        return web.json_response({"status": "ready", "recovered": dict(self.status.recovered)})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        text = render_metrics(self.broker, self.status, self.rates)
+        return web.Response(body=text.encode("utf-8"), headers={"Content-Type": CONTENT_TYPE})
+
+    async def status_(self, request: web.Request) -> web.Response:
+        broker = self.broker
+        queues = broker.queues.values()
+        return web.json_response({
+            "node_id": broker.node_id,
+            "name": broker.settings.node.name,
+            "uptime_s": round(max(time.time() - self.status.started_at, 0.0), 3),
+            "ready": self.status.ready,
+            "link_port": self.status.link_port,
+            "connections": len(broker.sessions),
+            "addresses": len(broker.addresses),
+            "queues": len(broker.queues),
+            "messages": sum(len(q) for q in queues),
+            "in_flight": sum(q.in_flight for q in queues),
+            "counters": dataclasses.asdict(broker.counters),
+        })  # fmt: skip
+
+    async def addresses(self, request: web.Request) -> web.Response:
+        return web.json_response([
+            {
+                "name": address.name,
+                "routing_types": [kind.name.lower() for kind in sorted(address.routing_types)],
+                "queues": sorted(address.queues),
+                "auto_created": address.auto_created,
+            }
+            for _, address in sorted(self.broker.addresses.items())
+        ])  # fmt: skip
+
+    async def queues(self, request: web.Request) -> web.Response:
+        return web.json_response([queue_view(q, self.rates) for _, q in sorted(self.broker.queues.items())])
+
+    async def queue(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        queue = self.broker.queues.get(name)
+        if queue is None:
+            return web.json_response({"error": f"queue {name!r} does not exist"}, status=404)
+        return web.json_response(queue_view(queue, self.rates))
+
+    async def connections(self, request: web.Request) -> web.Response:
+        sessions = sorted(self.broker.sessions.values(), key=lambda s: (s.opened_ms, s.conn_id))
+        return web.json_response([connection_view(s) for s in sessions])
+
+
+def create_app(broker: Broker, status: NodeStatus, rates: QueueRates) -> web.Application:
+    """The management application; the caller runs it (``web.AppRunner``) next to the link listener."""
+    handlers = _Handlers(broker, status, rates)
+    app = web.Application()
+    app.router.add_get("/healthz", handlers.healthz)
+    app.router.add_get("/readyz", handlers.readyz)
+    app.router.add_get("/metrics", handlers.metrics)
+    app.router.add_get("/api/status", handlers.status_)
+    app.router.add_get("/api/addresses", handlers.addresses)
+    app.router.add_get("/api/queues", handlers.queues)
+    app.router.add_get("/api/queues/{name:.+}", handlers.queue)
+    app.router.add_get("/api/connections", handlers.connections)
+    return app

@@ -1,0 +1,104 @@
+"""Prometheus text exposition (format 0.0.4) of a core node's gauges and counters.
+
+Each metric family is written as one block (HELP, TYPE, then all its samples), as the format requires.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from tridentmq_core.broker import Broker
+from tridentmq_core.queues import Queue
+
+if TYPE_CHECKING:
+    from tridentmq_core.management.app import NodeStatus, QueueRates
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PREFIX = "tridentmq_"
+
+Labels = dict[str, str]
+Sample = tuple[Labels, float]
+
+#: Per-queue families: name suffix, type, help text, how to read the value.
+_QUEUE_FAMILIES: tuple[tuple[str, str, str, Callable[[Queue], int]], ...] = (
+    ("queue_depth", "gauge", "Messages waiting in the queue (not in flight).", len),
+    ("queue_consumers", "gauge", "Consumers attached to the queue.", lambda q: len(q.consumers)),
+    ("queue_in_flight", "gauge", "Messages delivered and not yet settled.", lambda q: q.in_flight),
+    ("queue_messages_added_total", "counter", "Messages added to the queue.", lambda q: q.added),
+    ("queue_messages_acked_total", "counter", "Messages acknowledged from the queue.", lambda q: q.acked),
+    ("queue_messages_delivered_total", "counter", "Deliveries made from the queue.", lambda q: q.delivered),
+    ("queue_messages_expired_total", "counter", "Messages that expired in the queue.", lambda q: q.expired),
+    ("queue_messages_dead_lettered_total", "counter", "Messages dead-lettered from the queue.",
+     lambda q: q.dead_lettered),
+)  # fmt: skip
+
+#: Broker-wide counters: name suffix, ``Counters`` field, help text.
+_BROKER_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("messages_routed_total", "routed", "Messages routed to at least one queue."),
+    ("messages_unrouted_total", "unrouted", "Messages accepted that matched no queue."),
+    ("messages_duplicates_total", "duplicates", "Messages dropped as duplicates."),
+    ("messages_acked_total", "acked", "Messages acknowledged."),
+    ("messages_expired_total", "expired", "Messages expired."),
+    ("messages_dead_lettered_total", "dead_lettered", "Messages dead-lettered."),
+    ("messages_rejected_total", "rejected", "Publishes rejected."),
+)
+
+
+def escape_label(value: str) -> str:
+    """A label value as the exposition format wants it: backslash, double quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    if isinstance(value, int):
+        return str(value)
+    if value != value:  # noqa: PLR0124 - NaN is the one value unequal to itself
+        return "NaN"
+    if value in (float("inf"), float("-inf")):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(value)
+
+
+def _family(lines: list[str], name: str, kind: str, help_text: str, samples: Iterable[Sample]) -> None:
+    metric = PREFIX + name
+    lines.append(f"# HELP {metric} {_escape_help(help_text)}")
+    lines.append(f"# TYPE {metric} {kind}")
+    for labels, value in samples:
+        if labels:
+            rendered = ",".join(f'{key}="{escape_label(val)}"' for key, val in labels.items())
+            lines.append(f"{metric}{{{rendered}}} {_number(value)}")
+        else:
+            lines.append(f"{metric} {_number(value)}")
+
+
+def render_metrics(broker: Broker, status: NodeStatus, rates: QueueRates) -> str:
+    """The whole exposition, ending with a newline."""
+    queues = [q for _, q in sorted(broker.queues.items())]
+    labels = [{"queue": q.name, "address": q.address, "routing": q.routing_type.name.lower()} for q in queues]
+    lines: list[str] = []
+    _family(lines, "node_info", "gauge", "Identity of this node (always 1).",
+            [({"node_id": broker.node_id, "name": broker.settings.node.name}, 1)])  # fmt: skip
+    _family(lines, "uptime_seconds", "gauge", "Seconds since the node started.",
+            [({}, round(max(time.time() - status.started_at, 0.0), 3))])  # fmt: skip
+    _family(lines, "ready", "gauge", "1 when the node accepts traffic, 0 while it starts.",
+            [({}, int(status.ready))])  # fmt: skip
+    _family(lines, "connections", "gauge", "Open link connections.", [({}, len(broker.sessions))])
+    _family(lines, "addresses", "gauge", "Addresses defined.", [({}, len(broker.addresses))])
+    _family(lines, "queues", "gauge", "Queues defined.", [({}, len(broker.queues))])
+    for name, kind, help_text, read in _QUEUE_FAMILIES:
+        _family(lines, name, kind, help_text, [(lab, read(q)) for lab, q in zip(labels, queues, strict=True)])
+    queue_rates = [rates.rates(q.name) for q in queues]
+    _family(lines, "queue_enqueue_rate", "gauge", "Messages added per second over the last sample interval.",
+            [(lab, r[0]) for lab, r in zip(labels, queue_rates, strict=True)])  # fmt: skip
+    _family(lines, "queue_ack_rate", "gauge", "Messages acked per second over the last sample interval.",
+            [(lab, r[1]) for lab, r in zip(labels, queue_rates, strict=True)])  # fmt: skip
+    counters = broker.counters
+    for name, attr, help_text in _BROKER_COUNTERS:
+        _family(lines, name, "counter", help_text, [({}, getattr(counters, attr))])
+    return "\n".join(lines) + "\n"

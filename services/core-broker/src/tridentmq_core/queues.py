@@ -1,0 +1,372 @@
+"""Queues and consumers: ordering, credit, dispatch and in-flight bookkeeping. Pure: no I/O, no clock.
+
+A queue holds the wire messages themselves (lists, see ``tridentmq_shared.message``), one deque per
+priority. Dispatch has a fast path (no selectors, no groups: pop and hand round-robin to consumers with
+credit) and a scanning path that leaves behind what no ready consumer may take.
+
+Delivery counts: a message delivered for the first time has count 1; the queue remembers a count only
+for messages that came back (nack, release, consumer gone, rolled back), so the common case costs nothing.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+from tridentmq_core.selector import Selector
+from tridentmq_shared.message import (
+    M_DURABLE,
+    M_EXPIRATION,
+    M_GROUP,
+    M_ID,
+    M_LVQ,
+    M_PRIORITY,
+    M_PROPS,
+    MAX_PRIORITY,
+    RoutingType,
+    WireMessage,
+    selector_view,
+)
+
+if TYPE_CHECKING:
+    from tridentmq_core.broker import Session
+
+#: How many messages the scanning dispatch looks at per call; beyond it, messages wait for the next call.
+SCAN_LIMIT = 10_000
+
+
+class DeliverySink(Protocol):
+    """Where a queue reports what happened to a message (the broker: store, audit, counters)."""
+
+    def on_acked(self, queue: Queue, message: WireMessage) -> None: ...
+    def on_expired(self, queue: Queue, message: WireMessage) -> None: ...
+
+
+class Consumer:
+    __slots__ = (
+        "auto_ack", "browse", "browse_iter", "counts", "credit", "id", "in_flight", "queue", "selector",
+        "session",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        consumer_id: int,
+        session: Session,
+        queue: Queue,
+        credit: int,
+        *,
+        selector: Selector | None = None,
+        auto_ack: bool = False,
+        browse: bool = False,
+    ) -> None:
+        self.id = consumer_id
+        self.session = session
+        self.queue = queue
+        self.credit = credit
+        self.selector = selector
+        self.auto_ack = auto_ack
+        self.browse = browse
+        self.browse_iter: Iterator[WireMessage] | None = None
+        self.in_flight: dict[int, WireMessage] = {}
+        self.counts: dict[int, int] = {}  # delivery count of in-flight messages delivered more than once
+
+    def accepts(self, message: WireMessage) -> bool:
+        return self.selector is None or self.selector.matches(selector_view(message))
+
+
+class Queue:
+    __slots__ = (
+        "acked", "added", "address", "auto_created", "auto_delete", "consumers", "dead_lettered",
+        "delivered", "durable", "exclusive", "expired", "filter", "last_value_key", "max_consumers", "name",
+        "owner", "routing_type", "temporary", "_count", "_dirty", "_expiring", "_groups", "_high", "_levels",
+        "_lvq", "_returned", "_rr", "_sink",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        name: str,
+        address: str,
+        routing_type: RoutingType,
+        *,
+        sink: DeliverySink,
+        dirty: set[Session],
+        durable: bool = False,
+        filter: Selector | None = None,  # noqa: A002 - Artemis' name for a queue filter
+        temporary: bool = False,
+        exclusive: bool = False,
+        last_value_key: str | None = None,
+        max_consumers: int = -1,
+        auto_created: bool = False,
+        auto_delete: bool = False,
+        owner: Session | None = None,
+    ) -> None:
+        self.name = name
+        self.address = address
+        self.routing_type = routing_type
+        self.durable = durable
+        self.filter = filter
+        self.temporary = temporary
+        self.exclusive = exclusive
+        self.last_value_key = last_value_key  # "" = the message's own last-value key field
+        self.max_consumers = max_consumers
+        self.auto_created = auto_created
+        self.auto_delete = auto_delete
+        self.owner = owner
+        self.consumers: list[Consumer] = []
+        self.added = self.acked = self.delivered = self.expired = self.dead_lettered = 0
+        self._sink = sink
+        self._dirty = dirty
+        self._levels: list[deque[WireMessage]] = [deque() for _ in range(MAX_PRIORITY + 1)]
+        self._high = 0
+        self._count = 0
+        self._expiring = 0
+        self._rr = 0
+        self._returned: dict[int, int] = {}
+        self._groups: dict[str, Consumer] = {}
+        self._lvq: dict[Any, WireMessage] = {}
+
+    # ------------------------------------------------------------------ state
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def in_flight(self) -> int:
+        return sum(len(c.in_flight) for c in self.consumers)
+
+    def accepts(self, message: WireMessage) -> bool:
+        return self.filter is None or self.filter.matches(selector_view(message))
+
+    def messages(self) -> Iterator[WireMessage]:
+        """Queued (not in-flight) messages in delivery order."""
+        for level in range(MAX_PRIORITY, -1, -1):
+            yield from self._levels[level]
+
+    # ------------------------------------------------------------------ adding
+    def add(self, message: WireMessage) -> None:
+        if self.last_value_key is not None:
+            self._replace_last_value(message)
+        priority = message[M_PRIORITY]
+        self._levels[priority].append(message)
+        if priority > self._high:
+            self._high = priority
+        self._count += 1
+        self.added += 1
+        if message[M_EXPIRATION]:
+            self._expiring += 1
+
+    def _lvq_key(self, message: WireMessage) -> Any:
+        if self.last_value_key:
+            return message[M_PROPS].get(self.last_value_key)
+        return message[M_LVQ]
+
+    def _replace_last_value(self, message: WireMessage) -> None:
+        key = self._lvq_key(message)
+        if key is None:
+            return
+        previous = self._lvq.get(key)
+        if previous is not None:
+            try:
+                self._levels[previous[M_PRIORITY]].remove(previous)
+            except ValueError:
+                pass  # in flight: it is no longer ours to replace
+            else:
+                self._count -= 1
+                self._sink.on_acked(self, previous)  # superseded: gone for good, like an ack
+        self._lvq[key] = message
+
+    def _pop(self) -> WireMessage:
+        levels = self._levels
+        while not levels[self._high]:
+            self._high -= 1
+        self._count -= 1
+        return levels[self._high].popleft()
+
+    def _forget(self, message: WireMessage) -> None:
+        if message[M_EXPIRATION]:
+            self._expiring -= 1
+        if self._lvq and self._lvq.get(self._lvq_key(message)) is message:
+            del self._lvq[self._lvq_key(message)]
+
+    def return_message(self, message: WireMessage, delivery_count: int) -> None:
+        """Put a message back at the head of its priority (after nack, release, close, rollback)."""
+        priority = message[M_PRIORITY]
+        self._levels[priority].appendleft(message)
+        if priority > self._high:
+            self._high = priority
+        self._count += 1
+        if delivery_count > 0:
+            self._returned[message[M_ID]] = delivery_count
+
+    def remove_where(self, predicate: Callable[[WireMessage], bool]) -> list[WireMessage]:
+        """Take out the queued messages matching ``predicate`` (expiry scan, management)."""
+        taken: list[WireMessage] = []
+        for level in self._levels:
+            if not level:
+                continue
+            keep = [m for m in level if not predicate(m) or taken.append(m)]  # type: ignore[func-returns-value]
+            level.clear()
+            level.extend(keep)
+        self._count -= len(taken)
+        for message in taken:
+            self._returned.pop(message[M_ID], None)
+            self._forget(message)
+        return taken
+
+    def expire_due(self, now_ms: int) -> None:
+        if self._expiring:
+            for message in self.remove_where(lambda m: 0 < m[M_EXPIRATION] <= now_ms):
+                self._sink.on_expired(self, message)
+
+    def purge(self) -> list[WireMessage]:
+        return self.remove_where(lambda _m: True)
+
+    # ------------------------------------------------------------------ consumers
+    def add_consumer(self, consumer: Consumer) -> None:
+        if consumer.browse:
+            consumer.browse_iter = iter(list(self.messages()))
+        self.consumers.append(consumer)
+
+    def remove_consumer(self, consumer: Consumer) -> None:
+        """Detach a consumer; its unacknowledged messages go back to the head of the queue."""
+        self.consumers.remove(consumer)
+        for group, owner in list(self._groups.items()):
+            if owner is consumer:
+                del self._groups[group]
+        for message_id in sorted(consumer.in_flight, reverse=True):
+            message = consumer.in_flight.pop(message_id)
+            self.return_message(message, consumer.counts.pop(message_id, 1))
+
+    def take(self, consumer: Consumer, message_id: int) -> tuple[WireMessage, int] | None:
+        """Remove an in-flight message from ``consumer``: (message, delivery count), None if unknown."""
+        message = consumer.in_flight.pop(message_id, None)
+        if message is None:
+            return None
+        return message, consumer.counts.pop(message_id, 1)
+
+    def settle(self, message: WireMessage) -> None:
+        """An in-flight message is done with (acked, dead-lettered, expired)."""
+        self._forget(message)
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, now_ms: int) -> None:
+        if not self.consumers:
+            return
+        if self._count:
+            ready = [c for c in self.consumers if c.credit > 0 and not c.browse]
+            if self.exclusive:
+                ready = ready[:1] if ready and ready[0] is self._exclusive_owner() else []
+            if ready:
+                if self._groups or any(c.selector is not None for c in ready):
+                    self._dispatch_scan(ready, now_ms)
+                else:
+                    self._dispatch_fast(ready, now_ms)
+        for consumer in self.consumers:
+            if consumer.browse and consumer.credit > 0 and consumer.browse_iter is not None:
+                self._browse(consumer, now_ms)
+
+    def _exclusive_owner(self) -> Consumer | None:
+        return next((c for c in self.consumers if not c.browse), None)
+
+    def _dispatch_fast(self, ready: list[Consumer], now_ms: int) -> None:
+        rr = self._rr
+        while ready and self._count:
+            message = self._pop()
+            expiration = message[M_EXPIRATION]
+            if expiration and expiration <= now_ms:
+                self._forget(message)
+                self._sink.on_expired(self, message)
+                continue
+            if message[M_GROUP] is not None:
+                self.return_message(message, 0)
+                self._rr = rr
+                self._dispatch_scan(ready, now_ms)
+                return
+            consumer = ready[rr % len(ready)]
+            rr += 1
+            self._deliver(consumer, message)
+            if not consumer.credit:
+                ready.remove(consumer)
+        self._rr = rr
+
+    def _dispatch_scan(self, ready: list[Consumer], now_ms: int) -> None:
+        scanned = 0
+        for priority in range(self._high, -1, -1):
+            level = self._levels[priority]
+            if not level:
+                continue
+            kept: deque[WireMessage] = deque()
+            while level and ready and scanned < SCAN_LIMIT:
+                message = level.popleft()
+                scanned += 1
+                expiration = message[M_EXPIRATION]
+                if expiration and expiration <= now_ms:
+                    self._count -= 1
+                    self._forget(message)
+                    self._sink.on_expired(self, message)
+                    continue
+                target = self._choose(message, ready)
+                if target is None:
+                    kept.append(message)
+                    continue
+                self._count -= 1
+                self._deliver(target, message)
+                if not target.credit:
+                    ready.remove(target)
+            kept.extend(level)
+            self._levels[priority] = kept
+            if not ready or scanned >= SCAN_LIMIT:
+                return
+
+    def _choose(self, message: WireMessage, ready: list[Consumer]) -> Consumer | None:
+        group = message[M_GROUP]
+        if group is not None:
+            owner = self._groups.get(group)
+            if owner is not None:
+                return owner if owner in ready and owner.accepts(message) else None
+        count = len(ready)
+        for i in range(count):
+            candidate = ready[(self._rr + i) % count]
+            if candidate.accepts(message):
+                self._rr += i + 1
+                if group is not None:
+                    self._groups[group] = candidate
+                return candidate
+        return None
+
+    def _deliver(self, consumer: Consumer, message: WireMessage) -> None:
+        message_id = message[M_ID]
+        count = self._returned.pop(message_id, 0) + 1 if self._returned else 1
+        consumer.credit -= 1
+        self.delivered += 1
+        session = consumer.session
+        session.conn.deliver(consumer.id, count, message)
+        self._dirty.add(session)
+        if consumer.auto_ack:
+            self._forget(message)
+            self.acked += 1
+            self._sink.on_acked(self, message)
+        else:
+            consumer.in_flight[message_id] = message
+            if count > 1:
+                consumer.counts[message_id] = count
+
+    def _browse(self, consumer: Consumer, now_ms: int) -> None:
+        assert consumer.browse_iter is not None
+        session = consumer.session
+        while consumer.credit > 0:
+            message = next(consumer.browse_iter, None)
+            if message is None:
+                consumer.browse_iter = None
+                session.conn.browse_done(consumer.id)
+                break
+            expiration = message[M_EXPIRATION]
+            if (expiration and expiration <= now_ms) or not consumer.accepts(message):
+                continue
+            consumer.credit -= 1
+            session.conn.deliver(consumer.id, 1, message)
+        self._dirty.add(session)
+
+
+def is_durable(message: WireMessage) -> bool:
+    return bool(message[M_DURABLE])

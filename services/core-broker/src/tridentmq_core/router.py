@@ -1,0 +1,289 @@
+"""Address trie that routes a concrete address to every binding whose pattern matches it.
+
+Addresses are words separated by ``.``. In patterns ``*`` matches exactly one word and
+``#`` matches zero or more words (Artemis semantics), so ``a.#`` matches ``a`` and
+``a.b.c``, and ``a.#.c`` matches ``a.c``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Hashable
+from typing import Generic, TypeVar
+
+__all__ = ["AddressTrie", "InvalidAddress", "is_wildcard", "pattern_matches", "validate_address"]
+
+T = TypeVar("T", bound=Hashable)
+
+DELIMITER = "."
+ANY_WORD = "*"
+ANY_WORDS = "#"
+MAX_ADDRESS_LENGTH = 255
+MAX_ADDRESS_WORDS = 32
+DEFAULT_CACHE_SIZE = 65536
+
+# C0, DEL and C1: none of them is printable and several break logs and wire framing.
+_CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_WILDCARD_WORDS = frozenset((ANY_WORD, ANY_WORDS))
+
+
+class InvalidAddress(ValueError):  # noqa: N818 - the public name is part of the broker's API
+    """An address or pattern that breaks the syntax rules."""
+
+
+def validate_address(address: str, *, allow_wildcards: bool) -> str:
+    """Return ``address`` unchanged, or raise :class:`InvalidAddress` saying what is wrong."""
+    if not address:
+        raise InvalidAddress("address must not be empty")
+    if len(address) > MAX_ADDRESS_LENGTH:
+        raise InvalidAddress(
+            f"address is {len(address)} characters long, the limit is {MAX_ADDRESS_LENGTH}: "
+            f"{address[:40]!r}..."
+        )
+    bad = _CONTROL_CHARS.search(address)
+    if bad is not None:
+        raise InvalidAddress(
+            f"address {address!r} contains control character {bad.group()!r} at position {bad.start()}"
+        )
+    words = address.split(DELIMITER)
+    if len(words) > MAX_ADDRESS_WORDS:
+        raise InvalidAddress(f"address {address!r} has {len(words)} words, the limit is {MAX_ADDRESS_WORDS}")
+    for position, word in enumerate(words):
+        if not word:
+            raise InvalidAddress(
+                f"address {address!r} has an empty word at position {position} "
+                "(leading, trailing or doubled '.')"
+            )
+        if word in _WILDCARD_WORDS:
+            if not allow_wildcards:
+                raise InvalidAddress(f"address {address!r} contains wildcard {word!r} where none is allowed")
+        elif ANY_WORD in word or ANY_WORDS in word:
+            raise InvalidAddress(
+                f"address {address!r} has word {word!r} mixing a wildcard with other characters; "
+                "'*' and '#' must stand alone between dots"
+            )
+    return address
+
+
+def is_wildcard(address: str) -> bool:
+    """True if ``address`` has a word that is exactly ``*`` or ``#``."""
+    # Cheap substring test first: most addresses contain neither character.
+    if ANY_WORD not in address and ANY_WORDS not in address:
+        return False
+    return any(word in _WILDCARD_WORDS for word in address.split(DELIMITER))
+
+
+def pattern_matches(pattern: str, address: str) -> bool:
+    """True if ``pattern`` (which may hold wildcards) matches ``address``, without building a trie."""
+    if pattern == address:
+        return True
+    pwords = pattern.split(DELIMITER)
+    end = len(pwords)
+    # Set of pattern positions reachable after consuming a prefix of the address: linear in
+    # words x pattern length however many '#' there are, unlike naive backtracking.
+    states = _pattern_closure(pwords, {0})
+    for word in address.split(DELIMITER):
+        advanced: set[int] = set()
+        for i in states:
+            if i == end:
+                continue
+            pword = pwords[i]
+            if pword == ANY_WORDS:
+                advanced.add(i)  # '#' swallows this word and stays put
+            elif pword in (ANY_WORD, word):
+                advanced.add(i + 1)
+        if not advanced:
+            return False
+        states = _pattern_closure(pwords, advanced)
+    return end in states
+
+
+def _pattern_closure(pwords: list[str], states: set[int]) -> set[int]:
+    """Add the positions reachable by letting each '#' match zero words."""
+    stack = list(states)
+    while stack:
+        i = stack.pop()
+        if i < len(pwords) and pwords[i] == ANY_WORDS and i + 1 not in states:
+            states.add(i + 1)
+            stack.append(i + 1)
+    return states
+
+
+class _Node(Generic[T]):
+    """One trie node; wildcard children live in their own slots so the walk needs no key lookups."""
+
+    __slots__ = ("children", "hash", "is_hash", "star", "values")
+
+    def __init__(self, *, is_hash: bool = False) -> None:
+        self.children: dict[str, _Node[T]] = {}
+        self.star: _Node[T] | None = None
+        self.hash: _Node[T] | None = None
+        # A node reached through '#' loops on itself: it may consume any number of further words.
+        self.is_hash = is_hash
+        # value -> binding sequence number; insertion order equals sequence order (see AddressTrie.add).
+        self.values: dict[T, int] = {}
+
+    def is_empty(self) -> bool:
+        return not self.values and not self.children and self.star is None and self.hash is None
+
+
+class AddressTrie(Generic[T]):
+    """Bindings of patterns to values, with a bounded cache of address -> matching values."""
+
+    __slots__ = ("_cache", "_cache_size", "_count", "_patterns", "_root", "_seq")
+
+    def __init__(self, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+        if cache_size < 0:
+            raise ValueError(f"cache_size must be >= 0, got {cache_size}")
+        self._root: _Node[T] = _Node()
+        # pattern -> its terminal node, so remove() and patterns() need no walk.
+        self._patterns: dict[str, _Node[T]] = {}
+        self._cache: dict[str, tuple[T, ...]] = {}
+        self._cache_size = cache_size
+        self._count = 0
+        # Monotonic binding number: gives match() its insertion order across nodes.
+        self._seq = 0
+
+    def add(self, pattern: str, value: T) -> None:
+        """Bind ``value`` to ``pattern``; binding the same pair again does nothing."""
+        node = self._patterns.get(pattern)
+        if node is not None and value in node.values:
+            return
+        if node is None:
+            validate_address(pattern, allow_wildcards=True)
+            node = self._root
+            for word in pattern.split(DELIMITER):
+                node = self._child(node, word)
+            self._patterns[pattern] = node
+        node.values[value] = self._seq
+        self._seq += 1
+        self._count += 1
+        self._cache.clear()
+
+    def remove(self, pattern: str, value: T) -> bool:
+        """Unbind ``value`` from ``pattern``; return whether it was bound. Empty nodes are pruned."""
+        node = self._patterns.get(pattern)
+        if node is None or value not in node.values:
+            return False
+        del node.values[value]
+        self._count -= 1
+        self._cache.clear()
+        if not node.values:
+            del self._patterns[pattern]
+            self._prune(pattern.split(DELIMITER))
+        return True
+
+    def match(self, address: str) -> tuple[T, ...]:
+        """Every value bound to a pattern matching ``address``, each once, in binding order."""
+        cached = self._cache.get(address)
+        if cached is not None:
+            return cached
+        result = self._lookup(address)
+        if self._cache_size:
+            if len(self._cache) >= self._cache_size:
+                # Clearing is O(1) amortised and needs no bookkeeping on the hit path, unlike LRU.
+                self._cache.clear()
+            self._cache[address] = result
+        return result
+
+    def patterns(self) -> list[str]:
+        """Patterns with at least one binding, in the order they were first bound."""
+        return list(self._patterns)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __repr__(self) -> str:
+        return f"AddressTrie(patterns={len(self._patterns)}, bindings={self._count})"
+
+    # ------------------------------------------------------------------ internals
+
+    @staticmethod
+    def _child(node: _Node[T], word: str) -> _Node[T]:
+        if word == ANY_WORD:
+            if node.star is None:
+                node.star = _Node()
+            return node.star
+        if word == ANY_WORDS:
+            if node.hash is None:
+                node.hash = _Node(is_hash=True)
+            return node.hash
+        child = node.children.get(word)
+        if child is None:
+            child = node.children[word] = _Node()
+        return child
+
+    def _prune(self, words: list[str]) -> None:
+        path: list[_Node[T]] = [self._root]
+        for word in words:
+            if word == ANY_WORD:
+                nxt = path[-1].star
+            elif word == ANY_WORDS:
+                nxt = path[-1].hash
+            else:
+                nxt = path[-1].children.get(word)
+            assert nxt is not None, "a registered pattern's path must exist"
+            path.append(nxt)
+        # Walk back up, detaching nodes that no longer carry a value or a child.
+        for depth in range(len(words), 0, -1):
+            node, parent, word = path[depth], path[depth - 1], words[depth - 1]
+            if not node.is_empty():
+                return
+            if word == ANY_WORD:
+                parent.star = None
+            elif word == ANY_WORDS:
+                parent.hash = None
+            else:
+                del parent.children[word]
+
+    def _lookup(self, address: str) -> tuple[T, ...]:
+        # Simulate the trie as an NFA: the set of active nodes is bounded by the trie size, so
+        # any number of '#' costs O(words x nodes) rather than exponential backtracking.
+        active = _closure([self._root])
+        for word in address.split(DELIMITER):
+            stepped: list[_Node[T]] = []
+            for node in active:
+                if node.is_hash:
+                    stepped.append(node)
+                child = node.children.get(word)
+                if child is not None:
+                    stepped.append(child)
+                if node.star is not None:
+                    stepped.append(node.star)
+            if not stepped:
+                return ()
+            active = _closure(stepped)
+        return _collect([node for node in active if node.values])
+
+
+def _closure(nodes: list[_Node[T]]) -> list[_Node[T]]:
+    """Deduplicate ``nodes`` and add, since '#' may match zero words, the '#' children chained below."""
+    # Runs once per word on every cache miss. A single node without a '#' child (any walk along
+    # literal words) needs neither dedup nor closure.
+    if len(nodes) == 1 and nodes[0].hash is None:
+        return nodes
+    out: list[_Node[T]] = []
+    seen: set[_Node[T]] = set()
+    for node in nodes:
+        current: _Node[T] | None = node
+        while current is not None and current not in seen:
+            seen.add(current)
+            out.append(current)
+            current = current.hash
+    return out
+
+
+def _collect(matched: list[_Node[T]]) -> tuple[T, ...]:
+    if not matched:
+        return ()
+    if len(matched) == 1:
+        # A node's dict is already in binding order and holds each value once.
+        return tuple(matched[0].values)
+    # The same value may be bound under several matching patterns: keep its earliest binding.
+    first: dict[T, int] = {}
+    for node in matched:
+        for value, seq in node.values.items():
+            known = first.get(value)
+            if known is None or seq < known:
+                first[value] = seq
+    return tuple(sorted(first, key=first.__getitem__))

@@ -1,0 +1,104 @@
+"""Users, roles and per-address permissions (Artemis security-settings, matched by wildcard).
+
+With no users configured the node runs in its embedded default: loopback clients are accepted whatever
+credentials they present, everything else is refused. ``Principal.allowed`` is cached per address
+because it sits on the publish path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from tridentmq_core.router import pattern_matches
+from tridentmq_core.settings import PermissionEntry, UserEntry
+
+
+class Permission(str, Enum):
+    SEND = "send"
+    CONSUME = "consume"
+    BROWSE = "browse"
+    CREATE_ADDRESS = "createAddress"
+    CREATE_DURABLE_QUEUE = "createDurableQueue"
+    DELETE_DURABLE_QUEUE = "deleteDurableQueue"
+    MANAGE = "manage"
+
+
+class AuthenticationError(Exception):
+    """Credentials refused; the message is safe to show to the client."""
+
+
+@dataclass(slots=True)
+class Principal:
+    """An authenticated link user and its permission cache."""
+
+    name: str
+    roles: frozenset[str]
+    unrestricted: bool
+    _grants: Sequence[PermissionEntry] = ()
+    _cache: dict[tuple[Permission, str], bool] = field(default_factory=dict)
+
+    def allowed(self, permission: Permission, address: str) -> bool:
+        if self.unrestricted:
+            return True
+        key = (permission, address)
+        found = self._cache.get(key)
+        if found is None:
+            found = any(
+                g.permission == permission.value and self.roles.intersection(g.roles)
+                and pattern_matches(g.match, address)
+                for g in self._grants
+            )
+            if len(self._cache) > 10_000:
+                self._cache.clear()
+            self._cache[key] = found
+        return found
+
+
+def hash_password(password: str, *, salt: bytes, iterations: int = 200_000) -> str:
+    digest = hashlib.pbkdf2_hmac("sha256", password.encode(), salt, iterations)
+    return f"pbkdf2_sha256${iterations}${salt.hex()}${digest.hex()}"
+
+
+def _password_matches(stored: str, given: str) -> bool:
+    if stored.startswith("pbkdf2_sha256$"):
+        try:
+            _, iterations, salt, expected = stored.split("$")
+            digest = hashlib.pbkdf2_hmac("sha256", given.encode(), bytes.fromhex(salt), int(iterations))
+        except ValueError:
+            return False
+        return hmac.compare_digest(digest.hex(), expected)
+    return hmac.compare_digest(stored.encode(), given.encode())
+
+
+def is_loopback(host: str | None) -> bool:
+    if host is None:
+        return False
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+class SecurityManager:
+    def __init__(self, users: Sequence[UserEntry], grants: Sequence[PermissionEntry]) -> None:
+        self._users = {u.name: u for u in users}
+        self._grants = tuple(grants)
+
+    @property
+    def embedded_default(self) -> bool:
+        return not self._users
+
+    def authenticate(self, user: str | None, password: str | None, peer_host: str | None) -> Principal:
+        if self.embedded_default:
+            if not is_loopback(peer_host):
+                raise AuthenticationError("no users are configured, so only loopback connections are accepted")
+            return Principal(user or "anonymous", frozenset(), unrestricted=True)
+        entry = self._users.get(user or "")
+        if entry is None or not _password_matches(entry.password, password or ""):
+            raise AuthenticationError("unknown user or wrong password")
+        return Principal(entry.name, frozenset(entry.roles), unrestricted=False, _grants=self._grants)

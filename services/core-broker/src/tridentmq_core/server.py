@@ -1,0 +1,247 @@
+"""The asyncio shell of a core node: sockets, timers and the management server around the pure broker.
+
+The only module of the core that awaits. Each link connection is an ``asyncio.Protocol`` feeding bytes to
+its codec and events to the broker; all output is written once per event-loop iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import cast
+
+from aiohttp import web
+
+from tridentmq_core.audit import AuditSink, FileAuditSink, NullAuditSink
+from tridentmq_core.broker import Broker, Session
+from tridentmq_core.management.app import NodeStatus, QueueRates, create_app
+from tridentmq_core.security import AuthenticationError, SecurityManager
+from tridentmq_core.settings import CoreSettings
+from tridentmq_core.store.memory import MemoryStore
+from tridentmq_shared.link import events as ev
+from tridentmq_shared.link.codec import LinkConnection, Role
+from tridentmq_shared.link.errors import LinkError
+from tridentmq_shared.link.ops import ErrorCode
+
+log = logging.getLogger("tridentmq.core")
+
+TICK_SECONDS = 0.05
+NODE_ID_FILE = "node.id"
+
+
+def load_node_id(data_dir: Path) -> str:
+    """The node's identity: created on first start and kept with its data."""
+    path = data_dir / NODE_ID_FILE
+    if path.exists():
+        return path.read_text(encoding="ascii").strip()
+    node_id = str(uuid.uuid4())
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(node_id + "\n", encoding="ascii")
+    tmp.replace(path)
+    return node_id
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class LinkProtocol(asyncio.Protocol):
+    """One link connection: bytes → codec → broker."""
+
+    def __init__(self, node: CoreNode) -> None:
+        self.node = node
+        self.conn = LinkConnection(Role.SERVER, max_frame_size=node.settings.link.max_frame_bytes,
+                                   heartbeat_ms=node.settings.link.heartbeat_ms)  # fmt: skip
+        self.session: Session | None = None
+        self.transport: asyncio.Transport | None = None
+        self.peer = "?"
+        self.conn_id = uuid.uuid4().hex[:12]
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
+        peer = transport.get_extra_info("peername")
+        self.peer = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        if len(self.node.protocols) >= self.node.settings.link.max_connections:
+            log.warning("connection refused: limit reached", extra={"peer": self.peer})
+            transport.abort()
+            return
+        self.node.protocols[self.conn_id] = self
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            events = self.conn.receive_data(data, time.monotonic())
+        except LinkError as exc:
+            self.fail(exc)
+            return
+        if self.session is None:
+            self._handshake(events)
+        else:
+            self.node.broker.handle(self.session, events, _now_ms())
+        self.node.schedule_flush()
+
+    def _handshake(self, events: list[ev.Event]) -> None:
+        for event in events:
+            if not isinstance(event, ev.HelloReceived):
+                continue
+            try:
+                principal = self.node.security.authenticate(event.user, event.password, self.peer)
+            except AuthenticationError as exc:
+                log.warning("link refused", extra={"peer": self.peer, "user": event.user, "reason": str(exc)})
+                self.conn.refuse(ErrorCode.UNAUTHENTICATED, str(exc))
+                self.write_pending()
+                self.close_transport()
+                return
+            self.conn.accept(self.node.node_id, self.conn_id, self.node.settings.link.publish_window)
+            self.session = self.node.broker.open_session(self.conn, self.conn_id, principal, self.peer,
+                                                         event.client_name, _now_ms())  # fmt: skip
+            self.write_pending()
+            log.info("link opened", extra={"conn": self.conn_id, "peer": self.peer, "client": event.client_name,
+                                           "user": principal.name})  # fmt: skip
+
+    def fail(self, exc: LinkError) -> None:
+        log.warning("link closed on protocol error", extra={"conn": self.conn_id, "peer": self.peer,
+                                                             "code": exc.code, "reason": exc.text})  # fmt: skip
+        self.write_pending()
+        self.close_transport()
+
+    def write_pending(self) -> None:
+        data = self.conn.data_to_send()
+        if data and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    def close_transport(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.node.protocols.pop(self.conn_id, None)
+        if self.session is not None:
+            self.node.broker.close_session(self.session, _now_ms())
+            log.info("link closed", extra={"conn": self.conn_id, "peer": self.peer})
+            self.session = None
+            self.node.schedule_flush()
+
+
+class CoreNode:
+    """A running core node: listener, broker, timers, management."""
+
+    def __init__(self, settings: CoreSettings, *, ports_file: Path | None = None) -> None:
+        self.settings = settings
+        self.ports_file = ports_file
+        data_dir = settings.node.data_dir
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.node_id = load_node_id(data_dir)
+        self.security = SecurityManager(settings.users, settings.permissions)
+        self.audit: AuditSink = NullAuditSink()
+        if settings.audit.enabled:
+            audit_dir = Path(settings.audit.directory) if settings.audit.directory else data_dir / "audit"
+            self.audit = FileAuditSink(audit_dir, self.node_id, roll_bytes=settings.audit.roll_bytes,
+                                       roll_seconds=settings.audit.roll_seconds,
+                                       heartbeat_seconds=settings.audit.heartbeat_seconds)  # fmt: skip
+        self.broker = Broker(self.node_id, settings, store=MemoryStore(), audit=self.audit,
+                             first_message_id=_now_ms() << 20, audit_messages=settings.audit.message_events)  # fmt: skip
+        self.status = NodeStatus(started_at=time.time())
+        self.rates = QueueRates()
+        self.protocols: dict[str, LinkProtocol] = {}
+        self._flush_scheduled = False
+        self._server: asyncio.Server | None = None
+        self._runner: web.AppRunner | None = None
+        self._timer: asyncio.Task[None] | None = None
+        self.management_port = 0
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        link = self.settings.link
+        self._server = await loop.create_server(lambda: LinkProtocol(self), link.host, link.port)
+        self.status.link_port = self._server.sockets[0].getsockname()[1]
+        if self.settings.management.enabled:
+            self._runner = web.AppRunner(create_app(self.broker, self.status, self.rates), access_log=None)
+            await self._runner.setup()
+            # Bind the socket ourselves: with port 0 that is the only way to learn the port.
+            sock = socket.create_server((self.settings.management.host, self.settings.management.port))
+            self.management_port = sock.getsockname()[1]
+            await web.SockSite(self._runner, sock).start()
+        self._timer = asyncio.create_task(self._tick_forever())
+        self.status.ready = True
+        if self.ports_file is not None:
+            tmp = self.ports_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"link": self.status.link_port, "management": self.management_port}))
+            tmp.replace(self.ports_file)
+        if self.security.embedded_default:
+            log.warning("NO USERS CONFIGURED: loopback clients are accepted with any credentials and every "
+                        "other address is refused; configure [[users]] before exposing this node")  # fmt: skip
+        log.info("core node ready", extra={"node_id": self.node_id, "node_name": self.settings.node.name,
+                                           "link_port": self.status.link_port,
+                                           "management_port": self.management_port})  # fmt: skip
+
+    def schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Dispatch what the last batch of events made deliverable, then write each touched link once."""
+        self._flush_scheduled = False
+        broker = self.broker
+        broker.flush_dispatch(_now_ms())
+        if not broker.dirty:
+            return
+        dirty, broker.dirty = broker.dirty, set()
+        protocols = self.protocols
+        for session in dirty:
+            protocol = protocols.get(session.conn_id)
+            if protocol is None:
+                continue
+            try:
+                protocol.write_pending()
+            except LinkError as exc:  # an operation larger than the peer accepts: a bug, not the peer's
+                log.error("cannot frame output", extra={"conn": session.conn_id, "reason": exc.text})
+                protocol.close_transport()
+
+    async def _tick_forever(self) -> None:
+        last_second = 0.0
+        while True:
+            await asyncio.sleep(TICK_SECONDS)
+            mono = time.monotonic()
+            self.broker.tick(_now_ms())
+            for protocol in list(self.protocols.values()):
+                try:
+                    protocol.conn.handle_timeout(mono)
+                except LinkError as exc:
+                    protocol.fail(exc)
+                    continue
+                if protocol.session is not None:
+                    self.broker.dirty.add(protocol.session)
+                else:
+                    protocol.write_pending()
+            if mono - last_second >= 1.0:
+                last_second = mono
+                self.audit.tick(time.time_ns() // 1000)
+                self.rates.sample(self.broker, mono)
+            self._flush()
+
+    async def stop(self) -> None:
+        """Close every link (telling peers why), stop the listener, seal the audit segment."""
+        if self._timer is not None:
+            self._timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._timer
+        if self._server is not None:
+            self._server.close()
+        for protocol in list(self.protocols.values()):
+            protocol.conn.close(ErrorCode.SHUTDOWN, "the node is shutting down")
+            protocol.write_pending()
+            protocol.close_transport()
+        if self._server is not None:
+            await self._server.wait_closed()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self.audit.close()
+        log.info("core node stopped", extra={"node_id": self.node_id})
+

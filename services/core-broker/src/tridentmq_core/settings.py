@@ -1,0 +1,103 @@
+"""Every setting of a core node with its default: the single source of the configuration reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tridentmq_shared.settings import doc
+
+ENV_PREFIX = "TRIDENTMQ_CORE"
+
+
+@dataclass(frozen=True)
+class NodeSection:
+    name: str = doc("core", "Name of this node in logs and status output.")
+    data_dir: Path = doc(Path("data/core"), "Directory for the node identity, journal and audit segments.")
+    log_level: str = doc("INFO", "Log level: DEBUG, INFO, WARNING or ERROR.")
+
+
+@dataclass(frozen=True)
+class LinkSection:
+    host: str = doc("0.0.0.0", "Interface of the internal link listener (gateways and tools connect here).")
+    port: int = doc(61616, "Port of the internal link listener (0 = any free port, written to the ports file).")
+    heartbeat_ms: int = doc(250, "Heartbeat interval offered to peers; a peer silent for 4 intervals is dead.")
+    max_frame_bytes: int = doc(16 * 1024 * 1024, "Largest link frame accepted.")
+    publish_window: int = doc(8192, "Publishes a link may have in flight before the core grants more.")
+    max_connections: int = doc(10_000, "Link connections accepted at once; more are refused.")
+
+
+@dataclass(frozen=True)
+class ManagementSection:
+    enabled: bool = doc(True, "Serve /healthz, /readyz, /metrics and the JSON API over HTTP.")
+    host: str = doc("127.0.0.1", "Interface of the management HTTP server.")
+    port: int = doc(8161, "Port of the management HTTP server (0 = any free port).")
+
+
+@dataclass(frozen=True)
+class AuditSection:
+    enabled: bool = doc(True, "Write the audit stream (JSON lines segments, see docs/audit.md).")
+    directory: str = doc("", "Where segments go; empty means `<data_dir>/audit`.")
+    roll_bytes: int = doc(64 * 1024 * 1024, "Seal a segment when it reaches this size.")
+    roll_seconds: float = doc(60.0, "Seal a segment when it is this old.")
+    heartbeat_seconds: float = doc(10.0, "Interval of node.heartbeat events (they advance Spark watermarks).")
+    message_events: str = doc("durable", "Per-message events (msg.sent, msg.acked, …): `all`, `durable` (only "
+                              "durable messages, the default: non-durable traffic can outrun the writer) "
+                              "or `none`. Lifecycle, expiry and dead-letter events are always written.")
+
+
+@dataclass(frozen=True)
+class BrokerSection:
+    dedup_window_seconds: float = doc(600.0, "How long a duplicate-detection id is remembered.")
+    dedup_max_entries: int = doc(1_000_000, "Most duplicate-detection ids remembered (oldest forgotten first).")
+    max_message_bytes: int = doc(8 * 1024 * 1024, "Largest message body accepted.")
+    max_consumer_credit: int = doc(100_000, "Largest delivery window one consumer may grant.")
+    expiry_scan_ms: int = doc(1000, "Interval of the scan that expires messages no consumer is reading.")
+
+
+@dataclass(frozen=True)
+class UserEntry:
+    name: str = doc("", "User name.")
+    password: str = doc("", "Password, plain or `pbkdf2_sha256$iterations$salt_hex$hash_hex`.")
+    roles: list[str] = doc(list, "Roles of this user.", factory=True)
+
+
+@dataclass(frozen=True)
+class PermissionEntry:
+    match: str = doc("#", "Address pattern (`*` one word, `#` any words) this grant applies to.")
+    permission: str = doc("send", "One of send, consume, browse, createAddress, createDurableQueue, "
+                                  "deleteDurableQueue, manage.")  # fmt: skip
+    roles: list[str] = doc(list, "Roles granted the permission on matching addresses.", factory=True)
+
+
+@dataclass(frozen=True)
+class AddressSettingsEntry:
+    match: str = doc("#", "Address pattern; the most specific match wins, unset fields fall through.")
+    dead_letter_address: str | None = doc(None, "Where messages go after max delivery attempts (default `DLQ`; `\"\"` = drop).")
+    expiry_address: str | None = doc(None, "Where expired messages go (default `ExpiryQueue`; `\"\"` = drop).")
+    max_delivery_attempts: int | None = doc(None, "Deliveries before dead-lettering (default 10; -1 = forever).")
+    redelivery_delay_ms: int | None = doc(None, "Delay before a nacked message is redelivered (default 0).")
+    redelivery_multiplier: float | None = doc(None, "Factor applied to the delay per attempt (default 1.0).")
+    max_redelivery_delay_ms: int | None = doc(None, "Cap of the redelivery delay (default 60000).")
+    auto_create_addresses: bool | None = doc(None, "Create an address on first use (default true).")
+    auto_create_queues: bool | None = doc(None, "Create a queue on first subscribe (default true).")
+    auto_delete_queues: bool | None = doc(None, "Delete auto-created queues when unused (default true).")
+    auto_delete_addresses: bool | None = doc(None, "Delete auto-created addresses when unused (default true).")
+    auto_create_dead_letter_resources: bool | None = doc(None, "Create a queue on the DLA named after the "
+                                                                "original queue (default true).")  # fmt: skip
+    default_routing_type: str | None = doc(None, "Routing type of auto-created addresses: anycast or multicast "
+                                                  "(default anycast).")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CoreSettings:
+    node: NodeSection = doc(NodeSection(), "This node.")
+    link: LinkSection = doc(LinkSection(), "The internal link listener.")
+    management: ManagementSection = doc(ManagementSection(), "Management HTTP server.")
+    audit: AuditSection = doc(AuditSection(), "The audit stream.")
+    broker: BrokerSection = doc(BrokerSection(), "Broker limits and windows.")
+    users: list[UserEntry] = doc(list, "Users. With none, loopback clients are accepted whatever their "
+                                       "credentials and other addresses are refused.", factory=True)  # fmt: skip
+    permissions: list[PermissionEntry] = doc(list, "Role grants per address pattern.", factory=True)
+    address_settings: list[AddressSettingsEntry] = doc(list, "Per-address behaviour, matched by pattern.",
+                                                       factory=True)  # fmt: skip

@@ -1,0 +1,30 @@
+"""The ``Store`` protocol: what the broker asks of persistence.
+
+The broker calls these as state changes; a store returns ``True`` when the change is already safe (the
+memory store always) or ``False`` when it will report completion later through the callback given to
+``attach`` (the journal's group commit), after which the broker confirms the producer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from tridentmq_shared.message import WireMessage
+
+Completion = Callable[[int], None]
+
+
+class Store(Protocol):
+    def attach(self, on_durable: Completion) -> None:
+        """``on_durable(token)`` is called when the write that returned ``token`` is safe."""
+
+    def add_address(self, name: str, routing_types: tuple[int, ...]) -> None: ...
+    def delete_address(self, name: str) -> None: ...
+    def add_queue(self, spec: dict[str, Any]) -> None: ...
+    def delete_queue(self, name: str) -> None: ...
+    def add_message(self, message: WireMessage, queues: tuple[str, ...]) -> int:
+        """Persist a durable message and its queue references; 0 = already safe, else a token."""
+
+    def acknowledge(self, queue: str, message_id: int) -> None: ...
+    def update_delivery_count(self, queue: str, message_id: int, count: int) -> None: ...

@@ -1,0 +1,34 @@
+"""The in-memory store: nothing survives a restart, every write is "safe" at once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tridentmq_core.store.base import Completion
+from tridentmq_shared.message import WireMessage
+
+
+class MemoryStore:
+    def attach(self, on_durable: Completion) -> None:
+        self._on_durable = on_durable
+
+    def add_address(self, name: str, routing_types: tuple[int, ...]) -> None:
+        pass
+
+    def delete_address(self, name: str) -> None:
+        pass
+
+    def add_queue(self, spec: dict[str, Any]) -> None:
+        pass
+
+    def delete_queue(self, name: str) -> None:
+        pass
+
+    def add_message(self, message: WireMessage, queues: tuple[str, ...]) -> int:
+        return 0
+
+    def acknowledge(self, queue: str, message_id: int) -> None:
+        pass
+
+    def update_delivery_count(self, queue: str, message_id: int, count: int) -> None:
+        pass

@@ -1,0 +1,1 @@
+"""TridentMQ shared library: message model, internal link, settings, logging and the CLI."""

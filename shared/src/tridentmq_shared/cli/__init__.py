@@ -1,0 +1,1 @@
+"""The `tridentmq` command line."""

@@ -1,0 +1,66 @@
+"""``tridentmq status`` and ``tridentmq queue stat``: read a core node's management API."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+
+class AdminError(Exception):
+    """The management API could not be reached or answered badly; the text is for the user."""
+
+
+def fetch(base_url: str, path: str, timeout: float = 5.0) -> Any:
+    url = base_url.rstrip("/") + path
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - an operator-given URL
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        raise AdminError(f"{url} answered {exc.code}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise AdminError(f"cannot reach {url}: {reason} (is the core running? see --management)") from None
+    except json.JSONDecodeError:
+        raise AdminError(f"{url} did not answer JSON") from None
+
+
+def format_table(headers: list[str], rows: list[list[Any]]) -> str:
+    cells = [[str(h) for h in headers], *[[_cell(v) for v in row] for row in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for n, row in enumerate(cells):
+        lines.append("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths))))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.1f}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return str(value)
+
+
+def status_text(status: dict[str, Any]) -> str:
+    counters = status.get("counters", {})
+    lines = [
+        f"node        {status.get('name')} ({status.get('node_id')})",
+        f"state       {'ready' if status.get('ready') else 'starting'}, up {status.get('uptime_s', 0):.0f} s, "
+        f"link port {status.get('link_port')}",
+        f"links       {status.get('connections')}",
+        f"addresses   {status.get('addresses')}   queues {status.get('queues')}",
+        f"messages    {status.get('messages')} queued, {status.get('in_flight')} in flight",
+        "counters    " + ", ".join(f"{k} {v:,}" for k, v in counters.items()),
+    ]
+    return "\n".join(lines)
+
+
+def queue_table(queues: list[dict[str, Any]]) -> str:
+    headers = ["queue", "address", "type", "depth", "consumers", "in-flight", "added", "acked", "in/s", "ack/s"]
+    rows = [[q["name"], q["address"], q["routing_type"], q["depth"], q["consumers"], q["in_flight"], q["added"],
+             q["acked"], q.get("enqueue_rate", 0.0), q.get("ack_rate", 0.0)] for q in queues]  # fmt: skip
+    return format_table(headers, rows) if rows else "no queues"

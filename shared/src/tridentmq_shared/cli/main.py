@@ -1,0 +1,170 @@
+"""``tridentmq``: start TridentMQ, inspect it, and move messages through it from the shell."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from tridentmq_shared.cli import admin, perf, supervisor
+from tridentmq_shared.link.client import LinkClient, LinkRequestError
+from tridentmq_shared.message import RoutingType, new_message
+from tridentmq_shared.runtime import run_main
+
+DEFAULT_MANAGEMENT = "http://127.0.0.1:8161"
+
+
+def _link_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="core node host (default %(default)s)")
+    parser.add_argument("--port", type=int, default=61616, help="core link port (default %(default)s)")
+    parser.add_argument("--user", default=os.environ.get("TRIDENTMQ_USER"), help="user (env TRIDENTMQ_USER)")
+    parser.add_argument("--password", default=os.environ.get("TRIDENTMQ_PASSWORD"),
+                        help="password (env TRIDENTMQ_PASSWORD)")  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tridentmq", description="TridentMQ message broker.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = sub.add_parser("up", help="run a core node and every installed gateway (Ctrl-C stops all)")
+    up.add_argument("--data-dir", type=Path, default=Path("data"), help="data directory (default %(default)s)")
+    up.add_argument("--config", type=Path, help="TOML settings file passed to every process")
+
+    core = sub.add_parser("core", help="run one core node in the foreground")
+    core.add_argument("args", nargs=argparse.REMAINDER, help="arguments for tridentmq-core (see --help)")
+
+    for name, text in (("status", "show a core node's state"),):
+        status = sub.add_parser(name, help=text)
+        status.add_argument("--management", default=DEFAULT_MANAGEMENT, help="management URL (%(default)s)")
+        status.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+    queue = sub.add_parser("queue", help="queue commands")
+    queue_sub = queue.add_subparsers(dest="queue_command", required=True, metavar="SUBCOMMAND")
+    stat = queue_sub.add_parser("stat", help="table of queues: depth, consumers, in-flight, rates")
+    stat.add_argument("--management", default=DEFAULT_MANAGEMENT, help="management URL (%(default)s)")
+    stat.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+    produce = sub.add_parser("produce", help="publish messages and wait for their confirms")
+    produce.add_argument("address")
+    produce.add_argument("--count", type=int, default=1)
+    produce.add_argument("--body", default="message {n}", help="body; {n} is the message number")
+    produce.add_argument("--durable", action="store_true")
+    produce.add_argument("--multicast", action="store_true", help="publish to multicast queues (a topic)")
+    produce.add_argument("--property", action="append", default=[], metavar="KEY=VALUE")
+    _link_args(produce)
+
+    consume = sub.add_parser("consume", help="receive and acknowledge messages from a queue")
+    consume.add_argument("queue")
+    consume.add_argument("--count", type=int, default=1)
+    consume.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each message")
+    consume.add_argument("--selector", help="SQL-92 selector on message properties")
+    consume.add_argument("--multicast", action="store_true", help="subscribe a multicast queue to the address")
+    consume.add_argument("--quiet", action="store_true", help="do not print message bodies")
+    _link_args(consume)
+
+    bench = sub.add_parser("perf", help="link benchmark: one producer and one consumer process")
+    bench.add_argument("--count", type=int, default=500_000)
+    bench.add_argument("--size", type=int, default=100, help="body bytes (default %(default)s)")
+    bench.add_argument("--durable", action="store_true")
+    bench.add_argument("--rate", type=int, default=0, help="paced msgs/s for a latency run (0 = flat out)")
+    bench.add_argument("--window", type=int, default=10_000, help="consumer credit (default %(default)s)")
+    bench.add_argument("--json", action="store_true")
+    _link_args(bench)
+    return parser
+
+
+async def _produce(args: argparse.Namespace) -> int:
+    properties: dict[str, Any] = {}
+    for item in args.property:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"tridentmq: --property takes KEY=VALUE, got {item!r}")
+        properties[key] = value
+    routing = RoutingType.MULTICAST if args.multicast else RoutingType.ANYCAST
+    async with LinkClient(args.host, args.port, user=args.user, password=args.password,
+                          client_name="tridentmq-produce") as client:  # fmt: skip
+        futures = []
+        for n in range(1, args.count + 1):
+            body = args.body.replace("{n}", str(n)).encode()
+            message = new_message(args.address, body, routing=routing, durable=args.durable,
+                                  properties=properties, protocol="link")  # fmt: skip
+            futures.append(await client.send(message))
+        await asyncio.gather(*futures)
+    print(f"{args.count} message(s) confirmed on {args.address}")
+    return 0
+
+
+async def _consume(args: argparse.Namespace) -> int:
+    async with LinkClient(args.host, args.port, user=args.user, password=args.password,
+                          client_name="tridentmq-consume") as client:  # fmt: skip
+        options: dict[str, Any] = {}
+        queue = args.queue
+        if args.multicast:
+            address, queue = args.queue, f"{args.queue}.consume-{os.getpid()}"
+            await client.create_queue(queue, address, routing_type=RoutingType.MULTICAST, durable=False,
+                                      temporary=True)  # fmt: skip
+        consumer = await client.subscribe(queue, credit=min(max(args.count, 1), 1000), selector=args.selector,
+                                          **options)  # fmt: skip
+        received = 0
+        while received < args.count:
+            delivery = await consumer.get(timeout=args.timeout)
+            if delivery is None:
+                break
+            consumer.ack(delivery)
+            received += 1
+            if not args.quiet:
+                print(delivery.body.decode(errors="replace"))
+        await consumer.close()
+    if received < args.count:
+        print(f"tridentmq: received {received} of {args.count} message(s) from {args.queue}", file=sys.stderr)
+        return 1
+    print(f"{received} message(s) received from {args.queue}", file=sys.stderr)
+    return 0
+
+
+def _perf(args: argparse.Namespace) -> int:
+    opts = perf.PerfOptions(args.host, args.port, args.user, args.password, args.count, args.size, args.durable,
+                            args.rate, args.window)  # fmt: skip
+    result = perf.run_once(opts)
+    print(json.dumps(result) if args.json else perf.describe(result, opts))
+    return 0 if result["received"] == args.count else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    match args.command:
+        case "up":
+            return run_main(supervisor.supervise(supervisor.plan(args.data_dir, args.config)))
+        case "core":
+            os.execv(sys.executable, [sys.executable, "-m", "tridentmq_core", *args.args])  # noqa: S606
+        case "status":
+            status = admin.fetch(args.management, "/api/status")
+            print(json.dumps(status, indent=2) if args.json else admin.status_text(status))
+            return 0
+        case "queue":
+            queues = admin.fetch(args.management, "/api/queues")
+            print(json.dumps(queues, indent=2) if args.json else admin.queue_table(queues))
+            return 0
+        case "produce":
+            return run_main(_produce(args))
+        case "consume":
+            return run_main(_consume(args))
+        case "perf":
+            return _perf(args)
+    raise AssertionError(args.command)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        code = run(args)
+    except admin.AdminError as exc:
+        sys.exit(f"tridentmq: {exc}")
+    except LinkRequestError as exc:
+        sys.exit(f"tridentmq: {exc.text} ({exc.code})")
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)

@@ -1,0 +1,98 @@
+"""``tridentmq up``: run a core node and every installed gateway as supervised child processes.
+
+Children's output is prefixed with their name; a child that dies is restarted with backoff; Ctrl-C (or
+SIGTERM) stops them all, politely first (SIGTERM), then firmly after a grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GATEWAYS = ("stomp", "mqtt", "amqp")
+GRACE_SECONDS = 10.0
+MAX_BACKOFF = 30.0
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    process: asyncio.subprocess.Process | None = None
+
+
+def installed_services() -> list[tuple[str, str]]:
+    """(name, module) of every service whose entry point is installed: the core and the gateways."""
+    services = [("core", "tridentmq_core")]
+    for gateway in GATEWAYS:
+        module = f"tridentmq_{gateway}"
+        if importlib.util.find_spec(module) is not None and importlib.util.find_spec(f"{module}.__main__"):
+            services.append((f"gateway-{gateway}", module))
+    return services
+
+
+def plan(data_dir: Path, config: Path | None) -> list[Child]:
+    children = []
+    for name, module in installed_services():
+        argv = [sys.executable, "-m", module]
+        if config is not None:
+            argv += ["--config", str(config)]
+        env = {"TRIDENTMQ_CORE_NODE_DATA_DIR": str(data_dir / "core")} if name == "core" else {}
+        children.append(Child(name, argv, env))
+    return children
+
+
+async def _pump(name: str, stream: asyncio.StreamReader) -> None:
+    width = 15
+    while line := await stream.readline():
+        sys.stdout.write(f"{name:<{width}}| {line.decode(errors='replace')}")
+        sys.stdout.flush()
+
+
+async def _run_child(child: Child, stopping: asyncio.Event) -> None:
+    backoff = 1.0
+    while not stopping.is_set():
+        started = time.monotonic()
+        child.process = await asyncio.create_subprocess_exec(
+            *child.argv, env={**os.environ, **child.env}, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        assert child.process.stdout is not None
+        pump = asyncio.create_task(_pump(child.name, child.process.stdout))
+        code = await child.process.wait()
+        await pump
+        if stopping.is_set():
+            return
+        backoff = 1.0 if time.monotonic() - started > MAX_BACKOFF else min(backoff * 2, MAX_BACKOFF)
+        print(f"{child.name} exited with {code}; restarting in {backoff:.0f} s", file=sys.stderr, flush=True)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopping.wait(), backoff)
+
+
+async def supervise(children: list[Child]) -> int:
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stopping.set)
+    names = ", ".join(c.name for c in children)
+    print(f"tridentmq up: starting {names} (Ctrl-C stops everything)", flush=True)
+    tasks = [asyncio.create_task(_run_child(c, stopping)) for c in children]
+    await stopping.wait()
+    print("tridentmq up: stopping", flush=True)
+    for child in children:
+        if child.process is not None and child.process.returncode is None:
+            child.process.send_signal(signal.SIGTERM)
+    done, _ = await asyncio.wait(tasks, timeout=GRACE_SECONDS)
+    for child in children:
+        if child.process is not None and child.process.returncode is None:
+            print(f"{child.name} did not stop in {GRACE_SECONDS:.0f} s; killing it", file=sys.stderr, flush=True)
+            child.process.kill()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return 0

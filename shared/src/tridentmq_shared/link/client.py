@@ -1,0 +1,512 @@
+"""asyncio client of the internal link: requests, publishing with confirms, consumers with credit.
+
+A thin shell around ``LinkConnection``: output is written once per event-loop iteration, so a burst of
+publishes becomes one frame. When the connection drops (not closed by us) the client reconnects with
+exponential backoff, re-creates its consumers and re-sends every unconfirmed publish; durable messages
+carry a producer id + sequence dedup id (stamped here when absent), so a re-send is never stored twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, cast
+
+from tridentmq_shared.link import events as ev
+from tridentmq_shared.link.codec import DEFAULT_HEARTBEAT_MS, LinkConnection, Role
+from tridentmq_shared.link.errors import LinkError
+from tridentmq_shared.link.ops import ErrorCode, NackMode
+from tridentmq_shared.message import M_BODY, M_DEDUP, M_DURABLE, M_ID, M_PROPS, RoutingType, WireMessage
+
+log = logging.getLogger("tridentmq.link.client")
+
+
+class LinkRequestError(Exception):
+    """The server refused a request or a publish; ``code`` is an ``ErrorCode``."""
+
+    def __init__(self, code: str, text: str) -> None:
+        super().__init__(f"{code}: {text}")
+        self.code = code
+        self.text = text
+
+
+class LinkClosedError(LinkRequestError):
+    """The link is closed (by us, or by the server and reconnecting is off or exhausted)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReconnectPolicy:
+    """Artemis' reconnect parameters: -1 attempts = forever."""
+
+    retry_interval: float = 0.1
+    multiplier: float = 2.0
+    max_interval: float = 5.0
+    attempts: int = -1
+    initial_attempts: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    consumer: Consumer
+    delivery_count: int
+    message: WireMessage
+
+    @property
+    def id(self) -> int:
+        return int(self.message[M_ID])
+
+    @property
+    def body(self) -> bytes:
+        return bytes(self.message[M_BODY])
+
+    @property
+    def properties(self) -> dict[str, Any]:
+        return dict(self.message[M_PROPS])
+
+    @property
+    def redelivered(self) -> bool:
+        return self.delivery_count > 1
+
+
+class Consumer:
+    """Deliveries of one subscription. Credit is topped up as the application takes messages."""
+
+    def __init__(self, client: LinkClient, queue: str, credit: int, options: dict[str, Any]) -> None:
+        self.client = client
+        self.queue = queue
+        self.window = credit
+        self.options = options
+        self.consumer_id = 0
+        self.info: dict[str, Any] = {}
+        self.browse_done = False
+        self.closed: LinkRequestError | None = None
+        self._buffer: deque[Delivery] = deque()
+        self._taken = 0
+        self._waiter: asyncio.Future[None] | None = None
+
+    def _push(self, delivery: Delivery) -> None:
+        self._buffer.append(delivery)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self, timeout: float | None = None) -> Delivery | None:
+        """The next delivery; None at the end of a browse or after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._buffer:
+            if self.closed is not None:
+                raise self.closed
+            if self.browse_done:
+                return None
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return None
+            self._waiter = asyncio.get_running_loop().create_future()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._waiter, remaining)
+        delivery = self._buffer.popleft()
+        self._taken += 1
+        if self._taken * 2 >= self.window:
+            self.client._flow(self, self._taken)  # noqa: SLF001 - the consumer and its client are one unit
+            self._taken = 0
+        return delivery
+
+    def __aiter__(self) -> AsyncIterator[Delivery]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Delivery]:
+        while (delivery := await self.get()) is not None:
+            yield delivery
+
+    def ack(self, *deliveries: Delivery, tx_id: int = 0) -> None:
+        self.client._ack(self, [d.id for d in deliveries], tx_id)  # noqa: SLF001
+
+    def nack(self, *deliveries: Delivery, mode: NackMode = NackMode.REDELIVER) -> None:
+        self.client._nack(self, [d.id for d in deliveries], mode)  # noqa: SLF001
+
+    async def close(self) -> None:
+        await self.client._unsubscribe(self)  # noqa: SLF001
+
+
+class _Protocol(asyncio.Protocol):
+    def __init__(self, client: LinkClient) -> None:
+        self.client = client
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
+
+    def data_received(self, data: bytes) -> None:
+        self.client._received(self, data)  # noqa: SLF001
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.client._lost(self, exc)  # noqa: SLF001
+
+
+class LinkClient:
+    """A connection to one core node. Use ``async with LinkClient(...) as client``."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 61616,
+        *,
+        user: str | None = None,
+        password: str | None = None,
+        client_name: str = "tridentmq-client",
+        heartbeat_ms: int = DEFAULT_HEARTBEAT_MS,
+        reconnect: ReconnectPolicy | None = None,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.user = user
+        self.password = password
+        self.client_name = client_name
+        self.heartbeat_ms = heartbeat_ms
+        self.reconnect = reconnect or ReconnectPolicy()
+        self.connect_timeout = connect_timeout
+        self.node_id = ""
+        self.producer_id = uuid.uuid4().hex[:16]
+        self._dedup_seq = itertools.count(1)
+        self._conn: LinkConnection | None = None
+        self._protocol: _Protocol | None = None
+        self._opened: asyncio.Future[None] | None = None
+        self._requests: dict[int, asyncio.Future[Any]] = {}
+        self._unconfirmed: dict[int, tuple[WireMessage, int, asyncio.Future[None]]] = {}
+        self._consumers: dict[int, Consumer] = {}
+        self._credit_waiters: deque[asyncio.Future[None]] = deque()
+        self._flush_scheduled = False
+        self._closing = False
+        self._reconnecting: asyncio.Task[None] | None = None
+        self._error: LinkRequestError | None = None
+
+    async def __aenter__(self) -> LinkClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ connection
+    async def connect(self) -> None:
+        await self._connect_with_retries(self.reconnect.initial_attempts)
+
+    async def _connect_with_retries(self, attempts: int) -> None:
+        delay = self.reconnect.retry_interval
+        for attempt in itertools.count(1):
+            try:
+                await self._open()
+                return
+            except (OSError, TimeoutError) as exc:
+                if attempts >= 0 and attempt >= attempts:
+                    raise LinkClosedError(ErrorCode.EOF, f"cannot connect to {self.host}:{self.port}: {exc}") \
+                        from None  # fmt: skip
+            await asyncio.sleep(delay)
+            delay = min(delay * self.reconnect.multiplier, self.reconnect.max_interval)
+
+    async def _open(self) -> None:
+        loop = asyncio.get_running_loop()
+        conn = LinkConnection(Role.CLIENT, heartbeat_ms=self.heartbeat_ms)
+        self._conn = conn
+        self._opened = loop.create_future()
+        transport, protocol = await asyncio.wait_for(
+            loop.create_connection(lambda: _Protocol(self), self.host, self.port), self.connect_timeout)
+        self._protocol = protocol
+        conn.hello(self.user, self.password, self.client_name)
+        transport.write(conn.data_to_send())
+        try:
+            await asyncio.wait_for(self._opened, self.connect_timeout)
+        except BaseException:
+            transport.abort()
+            raise
+        self._heartbeat_task = asyncio.create_task(self._heartbeat(conn))
+
+    async def _heartbeat(self, conn: LinkConnection) -> None:
+        while conn is self._conn:
+            deadline = conn.next_deadline()
+            if deadline is None:
+                return
+            await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+            if conn is not self._conn:
+                return
+            try:
+                conn.handle_timeout(time.monotonic())
+            except LinkError as exc:
+                log.warning("link to %s:%s dead: %s", self.host, self.port, exc.text)
+                self._write_now()
+                if self._protocol is not None and self._protocol.transport is not None:
+                    self._protocol.transport.abort()
+                return
+            self._schedule_flush()
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._reconnecting is not None:
+            self._reconnecting.cancel()
+        conn, protocol = self._conn, self._protocol
+        if conn is not None and protocol is not None and protocol.transport is not None:
+            conn.close(ErrorCode.EOF, "client closing")
+            self._write_now()
+            protocol.transport.close()
+        self._fail_all(LinkClosedError(ErrorCode.EOF, "the client was closed"))
+
+    def _received(self, protocol: _Protocol, data: bytes) -> None:
+        conn = self._conn
+        if protocol is not self._protocol or conn is None:
+            return
+        try:
+            events = conn.receive_data(data, time.monotonic())
+        except LinkError as exc:
+            log.warning("protocol error from %s:%s: %s", self.host, self.port, exc)
+            self._write_now()
+            if protocol.transport is not None:
+                protocol.transport.close()
+            return
+        for event in events:
+            self._dispatch(event)
+        self._schedule_flush()
+
+    def _dispatch(self, event: ev.Event) -> None:
+        match event:
+            case ev.Deliveries(ops):
+                consumers = self._consumers
+                for _, consumer_id, count, message in ops:
+                    consumer = consumers.get(consumer_id)
+                    if consumer is not None:
+                        consumer._push(Delivery(consumer, count, message))  # noqa: SLF001
+            case ev.Confirms(ranges):
+                for first, last in ranges:
+                    for seq in range(first, last + 1):
+                        entry = self._unconfirmed.pop(seq, None)
+                        if entry is not None and not entry[2].done():
+                            entry[2].set_result(None)
+            case ev.PublishCreditGranted():
+                while self._credit_waiters and self._conn is not None and self._conn.publish_credit > 0:
+                    waiter = self._credit_waiters.popleft()
+                    if not waiter.done():
+                        waiter.set_result(None)
+            case ev.Rejected(seq, code, text):
+                entry = self._unconfirmed.pop(seq, None)
+                if entry is not None and not entry[2].done():
+                    entry[2].set_exception(LinkRequestError(code, text))
+            case ev.Reply(req_id, result):
+                future = self._requests.pop(req_id, None)
+                if future is not None and not future.done():
+                    future.set_result(result)
+            case ev.RequestFailed(req_id, code, text):
+                future = self._requests.pop(req_id, None)
+                if future is not None and not future.done():
+                    future.set_exception(LinkRequestError(code, text))
+                elif req_id == 0:
+                    log.warning("server reported: %s: %s", code, text)
+            case ev.Welcomed(_, node_id):
+                self.node_id = node_id
+                if self._opened is not None and not self._opened.done():
+                    self._opened.set_result(None)
+            case ev.ConsumerClosed(consumer_id, code, text):
+                consumer = self._consumers.pop(consumer_id, None)
+                if consumer is not None:
+                    consumer.closed = LinkRequestError(code, text)
+                    consumer._wake()  # noqa: SLF001
+            case ev.BrowseDone(consumer_id):
+                consumer = self._consumers.get(consumer_id)
+                if consumer is not None:
+                    consumer.browse_done = True
+                    consumer._wake()  # noqa: SLF001
+            case ev.Closed(code, text):
+                self._error = LinkClosedError(code, text)
+                if self._opened is not None and not self._opened.done():
+                    self._opened.set_exception(self._error)
+                log.info("server closed the link: %s: %s", code, text)
+
+    def _lost(self, protocol: _Protocol, exc: Exception | None) -> None:
+        if protocol is not self._protocol:
+            return
+        self._conn = None
+        self._protocol = None
+        if self._closing or (self._error is not None and self._error.code in (
+                ErrorCode.UNAUTHENTICATED, ErrorCode.VERSION)):  # fmt: skip
+            self._fail_all(self._error or LinkClosedError(ErrorCode.EOF, "connection lost"))
+            return
+        error = LinkClosedError(ErrorCode.EOF, f"connection lost: {exc}" if exc else "connection lost")
+        for future in self._requests.values():
+            if not future.done():
+                future.set_exception(error)
+        self._requests.clear()
+        if self._opened is not None and not self._opened.done():
+            return  # still inside connect(): it reports the failure itself
+        if self.reconnect.attempts == 0:
+            self._fail_all(error)
+            return
+        self._reconnecting = asyncio.get_running_loop().create_task(self._resume())
+
+    async def _resume(self) -> None:
+        """Reconnect, re-create consumers, re-send unconfirmed publishes in their order."""
+        try:
+            await self._connect_with_retries(self.reconnect.attempts)
+        except LinkClosedError as exc:
+            self._fail_all(exc)
+            return
+        conn = self._conn
+        assert conn is not None
+        self._error = None
+        log.info("reconnected to %s:%s", self.host, self.port)
+        old_consumers = list(self._consumers.values())
+        self._consumers.clear()
+        for consumer in old_consumers:
+            consumer._buffer.clear()  # noqa: SLF001 - the server requeued them; they will come again
+            consumer._taken = 0  # noqa: SLF001
+            req_id, consumer.consumer_id = conn.subscribe(consumer.queue, consumer.window, consumer.options)
+            self._consumers[consumer.consumer_id] = consumer
+            self._requests[req_id] = asyncio.get_running_loop().create_future()
+        pending = sorted(self._unconfirmed.values(), key=lambda e: e[1])
+        self._unconfirmed.clear()
+        self._schedule_flush()
+        for message, _, future in pending:
+            await self._wait_credit()
+            assert self._conn is not None
+            seq = self._conn.publish(message)
+            self._unconfirmed[seq] = (message, seq, future)
+            self._schedule_flush()
+        for waiter in self._credit_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _fail_all(self, error: LinkRequestError) -> None:
+        self._error = error
+        for future in self._requests.values():
+            if not future.done():
+                future.set_exception(error)
+        self._requests.clear()
+        for _, _, future in self._unconfirmed.values():
+            if not future.done():
+                future.set_exception(error)
+        self._unconfirmed.clear()
+        for waiter in self._credit_waiters:
+            if not waiter.done():
+                waiter.set_exception(error)
+        self._credit_waiters.clear()
+        for consumer in self._consumers.values():
+            consumer.closed = error
+            consumer._wake()  # noqa: SLF001
+
+    # ------------------------------------------------------------------ output
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._write_now)
+
+    def _write_now(self) -> None:
+        self._flush_scheduled = False
+        conn, protocol = self._conn, self._protocol
+        if conn is None or protocol is None or protocol.transport is None or protocol.transport.is_closing():
+            return
+        data = conn.data_to_send()
+        if data:
+            protocol.transport.write(data)
+
+    def _live(self) -> LinkConnection:
+        if self._conn is None or self._conn.state.value != "open":
+            raise self._error or LinkClosedError(ErrorCode.EOF, "not connected")
+        return self._conn
+
+    # ------------------------------------------------------------------ requests
+    async def _call(self, req_id: int) -> Any:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._requests[req_id] = future
+        self._schedule_flush()
+        return await future
+
+    async def create_address(self, address: str, routing_types: tuple[RoutingType, ...] = (RoutingType.ANYCAST,),
+                             ) -> dict[str, Any]:  # fmt: skip
+        return dict(await self._call(self._live().create_address(address, [int(r) for r in routing_types])))
+
+    async def delete_address(self, address: str) -> None:
+        await self._call(self._live().delete_address(address))
+
+    async def create_queue(self, name: str, address: str | None = None, *,
+                           routing_type: RoutingType = RoutingType.ANYCAST, durable: bool = True,
+                           **options: Any) -> dict[str, Any]:  # fmt: skip
+        spec = {"name": name, "address": address or name, "routing_type": int(routing_type), "durable": durable,
+                **options}  # fmt: skip
+        return dict(await self._call(self._live().create_queue(spec)))
+
+    async def delete_queue(self, name: str) -> None:
+        await self._call(self._live().delete_queue(name))
+
+    async def subscribe(self, queue: str, *, credit: int = 1000, selector: str | None = None,
+                        auto_ack: bool = False, browse: bool = False, **options: Any) -> Consumer:  # fmt: skip
+        opts: dict[str, Any] = {"auto_ack": auto_ack, "browse": browse, **options}
+        if selector:
+            opts["selector"] = selector
+        consumer = Consumer(self, queue, credit, opts)
+        req_id, consumer.consumer_id = self._live().subscribe(queue, credit, opts)
+        self._consumers[consumer.consumer_id] = consumer
+        try:
+            consumer.info = dict(await self._call(req_id))
+        except LinkRequestError:
+            self._consumers.pop(consumer.consumer_id, None)
+            raise
+        return consumer
+
+    async def _unsubscribe(self, consumer: Consumer) -> None:
+        self._consumers.pop(consumer.consumer_id, None)
+        await self._call(self._live().unsubscribe(consumer.consumer_id))
+
+    def _flow(self, consumer: Consumer, credit: int) -> None:
+        if self._conn is not None and self._conn.state.value == "open":
+            self._conn.flow(consumer.consumer_id, credit)
+            self._schedule_flush()
+
+    def _ack(self, consumer: Consumer, ids: list[int], tx_id: int) -> None:
+        self._live().ack(consumer.consumer_id, ids, tx_id)
+        self._schedule_flush()
+
+    def _nack(self, consumer: Consumer, ids: list[int], mode: NackMode) -> None:
+        self._live().nack(consumer.consumer_id, ids, mode)
+        self._schedule_flush()
+
+    # ------------------------------------------------------------------ transactions
+    async def begin(self) -> int:
+        conn = self._live()
+        tx_id = conn.new_tx_id()
+        await self._call(conn.tx_begin(tx_id))
+        return tx_id
+
+    async def commit(self, tx_id: int) -> None:
+        await self._call(self._live().tx_commit(tx_id))
+
+    async def rollback(self, tx_id: int) -> None:
+        await self._call(self._live().tx_rollback(tx_id))
+
+    # ------------------------------------------------------------------ publishing
+    async def _wait_credit(self) -> None:
+        while self._live().publish_credit <= 0:
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._credit_waiters.append(waiter)
+            await waiter
+
+    async def send(self, message: WireMessage, tx_id: int = 0) -> asyncio.Future[None]:
+        """Queue a publish once the window allows; the returned future resolves on the server's confirm."""
+        await self._wait_credit()
+        if message[M_DURABLE] and message[M_DEDUP] is None:
+            message[M_DEDUP] = f"{self.producer_id}:{next(self._dedup_seq)}"
+        seq = self._live().publish(message, tx_id)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._unconfirmed[seq] = (message, seq, future)
+        self._schedule_flush()
+        return future
+
+    async def publish(self, message: WireMessage, tx_id: int = 0) -> None:
+        """Publish and wait for the confirm (raises ``LinkRequestError`` on a rejection)."""
+        await (await self.send(message, tx_id))

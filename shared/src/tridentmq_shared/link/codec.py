@@ -1,0 +1,520 @@
+"""Sans-IO state machine of the internal link: bytes in, events out; calls in, bytes queued.
+
+No sockets, no asyncio, no clock: time is passed in as ``now`` (seconds, any monotonic origin). The same
+class serves both ends; ``role`` decides which operations each side may send and receive.
+
+Flow control both ways: the server grants the client a publish window (``PUBLISH_CREDIT``) and the client
+grants each consumer a delivery window (``SUBSCRIBE`` credit and ``FLOW``); a peer that exceeds a window
+breaks the protocol. Everything queued between two ``data_to_send`` calls leaves as one frame, so a busy
+link costs one write and one msgpack call per event-loop iteration, not per message.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any, Final, NoReturn
+
+import msgpack
+
+from tridentmq_shared.link import events as ev
+from tridentmq_shared.link.errors import LocalProtocolError, RemoteProtocolError
+from tridentmq_shared.link.ops import HEADER_SIZE, PROTOCOL_VERSIONS, ErrorCode, NackMode, Op
+from tridentmq_shared.message import WireMessage, check_message
+
+DEFAULT_MAX_FRAME_SIZE: Final = 16 * 1024 * 1024
+DEFAULT_MAX_OPS_PER_FRAME: Final = 65_536
+DEFAULT_HEARTBEAT_MS: Final = 250
+#: A peer is declared dead after this many heartbeat intervals of silence.
+HEARTBEAT_TIMEOUT_FACTOR: Final = 4
+MIN_FRAME_SIZE: Final = 64 * 1024
+
+_NACK_MODES: Final = frozenset(int(m) for m in NackMode)
+_OPT_STR: Final = (str, type(None))
+
+
+class Role(Enum):
+    CLIENT = "client"
+    SERVER = "server"
+
+
+class State(Enum):
+    HANDSHAKE = "handshake"  # client: HELLO sent, awaiting WELCOME; server: awaiting HELLO
+    AUTHENTICATING = "authenticating"  # server: HELLO received, awaiting accept() or refuse()
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+# Field types of control operations after the op code, checked before an event is built.
+_FIELDS: Final[dict[int, tuple[type | tuple[type, ...], ...]]] = {
+    Op.HELLO: (list, _OPT_STR, _OPT_STR, str, int, int),
+    Op.WELCOME: (int, str, str, int, int, int),
+    Op.CLOSE: (str, str),
+    Op.HEARTBEAT: (),
+    Op.OK: (int, object),
+    Op.ERROR: (int, str, str),
+    Op.CREATE_ADDRESS: (int, str, list),
+    Op.DELETE_ADDRESS: (int, str),
+    Op.CREATE_QUEUE: (int, dict),
+    Op.DELETE_QUEUE: (int, str),
+    Op.SUBSCRIBE: (int, int, str, int, dict),
+    Op.UNSUBSCRIBE: (int, int),
+    Op.TX_BEGIN: (int, int),
+    Op.TX_COMMIT: (int, int),
+    Op.TX_ROLLBACK: (int, int),
+    Op.PUBLISH: (int, int, list),
+    Op.CONFIRM: (int, int),
+    Op.REJECT: (int, str, str),
+    Op.PUBLISH_CREDIT: (int,),
+    Op.DELIVER: (int, int, list),
+    Op.ACK: (int, int, list),
+    Op.NACK: (int, list, int),
+    Op.FLOW: (int, int),
+    Op.CONSUMER_CLOSED: (int, str, str),
+    Op.BROWSE_DONE: (int,),
+}
+
+_RECEIVES: Final = {
+    Role.SERVER: frozenset({
+        Op.CLOSE, Op.HEARTBEAT, Op.CREATE_ADDRESS, Op.DELETE_ADDRESS, Op.CREATE_QUEUE, Op.DELETE_QUEUE,
+        Op.SUBSCRIBE, Op.UNSUBSCRIBE, Op.TX_BEGIN, Op.TX_COMMIT, Op.TX_ROLLBACK, Op.PUBLISH, Op.ACK,
+        Op.NACK, Op.FLOW,
+    }),
+    Role.CLIENT: frozenset({
+        Op.CLOSE, Op.HEARTBEAT, Op.OK, Op.ERROR, Op.CONFIRM, Op.REJECT, Op.PUBLISH_CREDIT, Op.DELIVER,
+        Op.CONSUMER_CLOSED, Op.BROWSE_DONE,
+    }),
+}  # fmt: skip
+
+_SIMPLE_REQUESTS: Final = {
+    Op.DELETE_ADDRESS: ev.DeleteAddress,
+    Op.DELETE_QUEUE: ev.DeleteQueue,
+    Op.UNSUBSCRIBE: ev.Unsubscribe,
+    Op.TX_BEGIN: ev.TxBegin,
+    Op.TX_COMMIT: ev.TxCommit,
+    Op.TX_ROLLBACK: ev.TxRollback,
+}
+_BATCHED: Final = {Op.PUBLISH: ev.Publishes, Op.DELIVER: ev.Deliveries, Op.ACK: ev.Acks, Op.NACK: ev.Nacks}
+
+
+class LinkConnection:
+    """One end of an internal link."""
+
+    def __init__(
+        self,
+        role: Role,
+        *,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        max_ops_per_frame: int = DEFAULT_MAX_OPS_PER_FRAME,
+        heartbeat_ms: int = DEFAULT_HEARTBEAT_MS,
+        max_properties: int = 256,
+    ) -> None:
+        if max_frame_size < MIN_FRAME_SIZE:
+            raise ValueError(f"max_frame_size must be at least {MIN_FRAME_SIZE}")
+        self.role = role
+        self.state = State.HANDSHAKE
+        self.version = 0
+        self.max_frame_size = max_frame_size
+        self.max_ops_per_frame = max_ops_per_frame
+        self.max_properties = max_properties
+        self.heartbeat_ms = heartbeat_ms  # our wish until the handshake, the agreed interval after it
+        self._peer_max_frame = DEFAULT_MAX_FRAME_SIZE
+        self._inbuf = bytearray()
+        self._out: list[list[Any]] = []
+        self._packer = msgpack.Packer(autoreset=True)
+        # heartbeats
+        self._last_recv = 0.0
+        self._next_send_check = 0.0
+        self._sent_since_check = False
+        # server: publish sequence and window; client: the same seen from the other side
+        self._next_seq = 1
+        self.publish_credit = 0
+        self._open_confirm: list[Any] | None = None
+        # client: ids and per-consumer delivery windows
+        self._next_req_id = 1
+        self._next_consumer_id = 1
+        self._next_tx_id = 1
+        self.consumer_credit: dict[int, int] = {}
+        self._released_consumers: set[int] = set()
+
+    # ------------------------------------------------------------------ receiving
+    def receive_data(self, data: bytes, now: float) -> list[ev.Event]:
+        """Feed bytes read from the peer; ``b""`` means end of stream."""
+        if self.state is State.CLOSED:
+            return []
+        self._last_recv = now
+        if not data:
+            self.state = State.CLOSED
+            return [ev.Closed(ErrorCode.EOF, "the peer closed the connection")]
+        buf = self._inbuf
+        buf += data
+        events: list[ev.Event] = []
+        pos = 0
+        end = len(buf)
+        with memoryview(buf) as view:
+            while end - pos >= HEADER_SIZE:
+                size = int.from_bytes(view[pos : pos + HEADER_SIZE], "big")
+                if size > self.max_frame_size:
+                    self._fail(ErrorCode.FRAME_TOO_LARGE, f"frame of {size} bytes exceeds {self.max_frame_size}")
+                if end - pos - HEADER_SIZE < size:
+                    break
+                start = pos + HEADER_SIZE
+                pos = start + size
+                self._receive_frame(view[start:pos], now, events)
+                if self.state is State.CLOSED:
+                    break
+        del buf[:pos]
+        return events
+
+    def _receive_frame(self, payload: memoryview, now: float, events: list[ev.Event]) -> None:
+        try:
+            ops = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True)
+        except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
+            self._fail(ErrorCode.MALFORMED, f"undecodable frame: {exc}")
+        if type(ops) is not list or not ops:
+            self._fail(ErrorCode.MALFORMED, "a frame holds a non-empty array of operations")
+        if len(ops) > self.max_ops_per_frame:
+            self._fail(ErrorCode.MALFORMED, f"more than {self.max_ops_per_frame} operations in a frame")
+        if self.state is not State.OPEN:
+            self._receive_handshake(ops, now, events)
+            return
+        receives = _RECEIVES[self.role]
+        batch_code = -1
+        batch: list[list[Any]] = []
+        for op in ops:
+            if type(op) is not list or not op or type(op[0]) is not int:
+                self._fail(ErrorCode.MALFORMED, "an operation is a non-empty array starting with its code")
+            code = op[0]
+            if code not in receives:
+                self._fail(ErrorCode.UNEXPECTED, f"operation {code} is not valid from the {self._peer_name()}")
+            self._check_fields(op)
+            if code in _BATCHED:
+                self._check_batched(code, op)
+                if code != batch_code:
+                    batch = []
+                    batch_code = code
+                    events.append(_BATCHED[code](batch))
+                batch.append(op)
+                continue
+            batch_code = -1
+            event = self._control_event(code, op)
+            if event is not None:
+                events.append(event)
+            if self.state is State.CLOSED:
+                return
+
+    def _check_fields(self, op: list[Any]) -> None:
+        spec = _FIELDS[op[0]]
+        if len(op) != len(spec) + 1:
+            self._fail(ErrorCode.MALFORMED, f"operation {op[0]} takes {len(spec)} fields, got {len(op) - 1}")
+        for value, kind in zip(op[1:], spec, strict=True):
+            if not isinstance(value, kind):
+                self._fail(ErrorCode.MALFORMED, f"operation {op[0]}: field of type {type(value).__name__}")
+
+    def _check_batched(self, code: int, op: list[Any]) -> None:
+        if code == Op.PUBLISH:
+            if op[1] != self._next_seq:
+                self._fail(ErrorCode.MALFORMED, f"publish sequence {op[1]}, expected {self._next_seq}")
+            self._next_seq += 1
+            self.publish_credit -= 1
+            if self.publish_credit < 0:
+                self._fail(ErrorCode.CREDIT, "publish beyond the granted publish window")
+            self._check_message(op[3])
+        elif code == Op.DELIVER:
+            consumer_id = op[1]
+            credit = self.consumer_credit.get(consumer_id)
+            if credit is None:
+                if consumer_id not in self._released_consumers:
+                    self._fail(ErrorCode.UNEXPECTED, f"delivery to unknown consumer {consumer_id}")
+            elif credit <= 0:
+                self._fail(ErrorCode.CREDIT, f"delivery to consumer {consumer_id} without credit")
+            else:
+                self.consumer_credit[consumer_id] = credit - 1
+            self._check_message(op[3])
+        elif code == Op.ACK:
+            if not all(type(i) is int for i in op[3]):
+                self._fail(ErrorCode.MALFORMED, "acknowledged message ids must be integers")
+        elif not all(type(i) is int for i in op[2]) or op[3] not in _NACK_MODES:
+            self._fail(ErrorCode.MALFORMED, "nack takes integer message ids and a known mode")
+
+    def _check_message(self, message: Any) -> None:
+        problem = check_message(message, self.max_properties)
+        if problem is not None:
+            self._fail(ErrorCode.MALFORMED, problem)
+
+    def _control_event(self, code: int, op: list[Any]) -> ev.Event | None:
+        if code == Op.HEARTBEAT:
+            return None
+        if code == Op.CLOSE:
+            self.state = State.CLOSED
+            return ev.Closed(op[1], op[2])
+        if code in _SIMPLE_REQUESTS:
+            return _SIMPLE_REQUESTS[code](op[1], op[2])
+        match code:
+            case Op.CREATE_ADDRESS:
+                if not all(type(r) is int for r in op[3]):
+                    self._fail(ErrorCode.MALFORMED, "routing types are integers")
+                return ev.CreateAddress(op[1], op[2], tuple(op[3]))
+            case Op.CREATE_QUEUE:
+                return ev.CreateQueue(op[1], op[2])
+            case Op.SUBSCRIBE:
+                if op[4] < 0:
+                    self._fail(ErrorCode.MALFORMED, "negative credit")
+                return ev.Subscribe(op[1], op[2], op[3], op[4], op[5])
+            case Op.FLOW:
+                if op[2] < 0:
+                    self._fail(ErrorCode.MALFORMED, "negative credit")
+                return ev.Flow(op[1], op[2])
+            case Op.OK:
+                return ev.Reply(op[1], op[2])
+            case Op.ERROR:
+                return ev.RequestFailed(op[1], op[2], op[3])
+            case Op.CONFIRM:
+                if not 0 < op[1] <= op[2] < self._next_seq:
+                    self._fail(ErrorCode.MALFORMED, f"confirm of unsent range {op[1]}..{op[2]}")
+                return ev.Confirms([(op[1], op[2])])
+            case Op.REJECT:
+                return ev.Rejected(op[1], op[2], op[3])
+            case Op.PUBLISH_CREDIT:
+                if op[1] < 0:
+                    self._fail(ErrorCode.MALFORMED, "negative credit")
+                self.publish_credit += op[1]
+                return ev.PublishCreditGranted(op[1])
+            case Op.CONSUMER_CLOSED:
+                self.consumer_credit.pop(op[1], None)
+                self._released_consumers.add(op[1])
+                return ev.ConsumerClosed(op[1], op[2], op[3])
+            case Op.BROWSE_DONE:
+                return ev.BrowseDone(op[1])
+        raise AssertionError(f"unhandled operation {code}")  # _RECEIVES and this match agree
+
+    def _receive_handshake(self, ops: list[Any], now: float, events: list[ev.Event]) -> None:
+        op = ops[0]
+        expected = Op.HELLO if self.role is Role.SERVER else Op.WELCOME
+        if type(op) is list and op and op[0] == Op.CLOSE and len(op) == 3:
+            self.state = State.CLOSED
+            events.append(ev.Closed(str(op[1]), str(op[2])))
+            return
+        if self.state is not State.HANDSHAKE or type(op) is not list or not op or op[0] != expected:
+            self._fail(ErrorCode.UNEXPECTED, f"expected {expected.name} first, and nothing before the answer")
+        if len(ops) != 1:
+            self._fail(ErrorCode.UNEXPECTED, f"{expected.name} travels alone in its frame")
+        self._check_fields(op)
+        if self.role is Role.SERVER:
+            _, versions, user, password, client_name, heartbeat_ms, max_frame = op
+            common = set(PROTOCOL_VERSIONS) & {v for v in versions if type(v) is int}
+            if not common:
+                self._fail(ErrorCode.VERSION, f"no common protocol version: offered {versions}, "
+                                              f"supported {list(PROTOCOL_VERSIONS)}")  # fmt: skip
+            if max_frame < MIN_FRAME_SIZE:
+                self._fail(ErrorCode.INVALID, f"max frame size below {MIN_FRAME_SIZE}")
+            self.version = max(common)
+            self._peer_max_frame = max_frame
+            both = (self.heartbeat_ms, heartbeat_ms)
+            self.heartbeat_ms = max(both) if min(both) > 0 else 0
+            self.state = State.AUTHENTICATING
+            events.append(ev.HelloReceived(self.version, user, password, client_name, self.heartbeat_ms))
+        else:
+            _, version, node_id, conn_id, heartbeat_ms, max_frame, credit = op
+            if version not in PROTOCOL_VERSIONS or heartbeat_ms < 0 or credit < 0 or max_frame < MIN_FRAME_SIZE:
+                self._fail(ErrorCode.INVALID, "WELCOME carries values outside what was offered")
+            self.version = version
+            self._peer_max_frame = max_frame
+            self.heartbeat_ms = heartbeat_ms
+            self.publish_credit = credit
+            self.state = State.OPEN
+            events.append(ev.Welcomed(version, node_id, conn_id, heartbeat_ms, credit))
+        self._start_heartbeats(now)
+
+    # ------------------------------------------------------------------ timers
+    def _start_heartbeats(self, now: float) -> None:
+        self._last_recv = now
+        self._next_send_check = now + self.heartbeat_ms / 1000
+
+    def next_deadline(self) -> float | None:
+        """When ``handle_timeout`` must be called next (None: no timer needed)."""
+        if self.state is not State.OPEN or self.heartbeat_ms <= 0:
+            return None
+        timeout = self.heartbeat_ms * HEARTBEAT_TIMEOUT_FACTOR / 1000
+        return min(self._next_send_check, self._last_recv + timeout)
+
+    def handle_timeout(self, now: float) -> None:
+        """Queue a heartbeat if we have been silent; raise if the peer has been silent too long."""
+        if self.state is not State.OPEN or self.heartbeat_ms <= 0:
+            return
+        interval = self.heartbeat_ms / 1000
+        if now - self._last_recv >= interval * HEARTBEAT_TIMEOUT_FACTOR:
+            self._fail(ErrorCode.HEARTBEAT_TIMEOUT, f"nothing received for {now - self._last_recv:.3f} s")
+        if now >= self._next_send_check:
+            if not self._sent_since_check:
+                self._out.append([Op.HEARTBEAT])
+            self._sent_since_check = False
+            self._next_send_check = now + interval
+
+    # ------------------------------------------------------------------ sending
+    def data_to_send(self) -> bytes:
+        """Everything queued since the last call, framed; ``b""`` when there is nothing."""
+        if not self._out:
+            return b""
+        ops, self._out = self._out, []
+        self._open_confirm = None
+        self._sent_since_check = True
+        return self._frame(ops)
+
+    def _frame(self, ops: list[list[Any]]) -> bytes:
+        payload: bytes = self._packer.pack(ops)
+        if len(payload) <= self._peer_max_frame:
+            return len(payload).to_bytes(HEADER_SIZE, "big") + payload
+        if len(ops) == 1:
+            raise LocalProtocolError(ErrorCode.FRAME_TOO_LARGE, f"one operation of {len(payload)} bytes "
+                                     f"exceeds the peer's frame limit {self._peer_max_frame}")  # fmt: skip
+        half = len(ops) // 2
+        return self._frame(ops[:half]) + self._frame(ops[half:])
+
+    def close(self, code: str, text: str) -> None:
+        """Queue a CLOSE; the caller sends ``data_to_send()`` and then closes the transport."""
+        if self.state is not State.CLOSED:
+            self._out.append([Op.CLOSE, code, text])
+            self.state = State.CLOSED
+
+    def _fail(self, code: str, text: str) -> NoReturn:
+        self._out.append([Op.CLOSE, code, text])
+        self.state = State.CLOSED
+        raise RemoteProtocolError(code, text)
+
+    def _peer_name(self) -> str:
+        return "client" if self.role is Role.SERVER else "server"
+
+    def _require(self, role: Role) -> None:
+        if self.role is not role:
+            raise LocalProtocolError(ErrorCode.UNEXPECTED, f"only the {role.value} sends this")
+        if self.state is not State.OPEN:
+            raise LocalProtocolError(ErrorCode.UNEXPECTED, f"link is {self.state.value}, not open")
+
+    # ------------------------------------------------------------------ server side
+    def accept(self, node_id: str, conn_id: str, publish_credit: int) -> None:
+        if self.role is not Role.SERVER or self.state is not State.AUTHENTICATING:
+            raise LocalProtocolError(ErrorCode.UNEXPECTED, "accept() answers a HELLO")
+        self.publish_credit = publish_credit
+        self.state = State.OPEN
+        self._out.append([Op.WELCOME, self.version, node_id, conn_id, self.heartbeat_ms,
+                          self.max_frame_size, publish_credit])  # fmt: skip
+
+    def refuse(self, code: str, text: str) -> None:
+        if self.role is not Role.SERVER or self.state is not State.AUTHENTICATING:
+            raise LocalProtocolError(ErrorCode.UNEXPECTED, "refuse() answers a HELLO")
+        self.close(code, text)
+
+    def reply(self, req_id: int, result: Any = None) -> None:
+        self._require(Role.SERVER)
+        self._out.append([Op.OK, req_id, result])
+
+    def error(self, req_id: int, code: str, text: str) -> None:
+        self._require(Role.SERVER)
+        self._out.append([Op.ERROR, req_id, code, text])
+
+    def confirm(self, seq: int) -> None:
+        """Confirm one publish; consecutive confirms merge into one range operation."""
+        open_range = self._open_confirm
+        if open_range is not None and open_range[2] + 1 == seq:
+            open_range[2] = seq
+            return
+        self._open_confirm = [Op.CONFIRM, seq, seq]
+        self._out.append(self._open_confirm)
+
+    def reject(self, seq: int, code: str, text: str) -> None:
+        self._require(Role.SERVER)
+        self._out.append([Op.REJECT, seq, code, text])
+
+    def grant_publish_credit(self, credit: int) -> None:
+        if credit > 0:
+            self.publish_credit += credit
+            self._out.append([Op.PUBLISH_CREDIT, credit])
+
+    def deliver(self, consumer_id: int, delivery_count: int, message: WireMessage) -> None:
+        self._out.append([Op.DELIVER, consumer_id, delivery_count, message])
+
+    def consumer_closed(self, consumer_id: int, code: str, text: str) -> None:
+        self._require(Role.SERVER)
+        self._out.append([Op.CONSUMER_CLOSED, consumer_id, code, text])
+
+    def browse_done(self, consumer_id: int) -> None:
+        self._require(Role.SERVER)
+        self._out.append([Op.BROWSE_DONE, consumer_id])
+
+    # ------------------------------------------------------------------ client side
+    def hello(self, user: str | None, password: str | None, client_name: str) -> None:
+        if self.role is not Role.CLIENT or self.state is not State.HANDSHAKE or self._next_req_id != 1:
+            raise LocalProtocolError(ErrorCode.UNEXPECTED, "hello() opens a client link, once")
+        self._next_req_id = 0  # marks HELLO as sent; requests number from 1 again below
+        self._out.append([Op.HELLO, list(PROTOCOL_VERSIONS), user, password, client_name,
+                          self.heartbeat_ms, self.max_frame_size])  # fmt: skip
+
+    def _request(self, op: Op, *fields: Any) -> int:
+        self._require(Role.CLIENT)
+        self._next_req_id += 1
+        self._out.append([op, self._next_req_id, *fields])
+        return self._next_req_id
+
+    def create_address(self, address: str, routing_types: list[int]) -> int:
+        return self._request(Op.CREATE_ADDRESS, address, routing_types)
+
+    def delete_address(self, address: str) -> int:
+        return self._request(Op.DELETE_ADDRESS, address)
+
+    def create_queue(self, spec: dict[str, Any]) -> int:
+        return self._request(Op.CREATE_QUEUE, spec)
+
+    def delete_queue(self, queue: str) -> int:
+        return self._request(Op.DELETE_QUEUE, queue)
+
+    def subscribe(self, queue: str, credit: int, options: dict[str, Any] | None = None) -> tuple[int, int]:
+        """Returns (req_id, consumer_id)."""
+        self._require(Role.CLIENT)
+        consumer_id = self._next_consumer_id
+        self._next_consumer_id += 1
+        self.consumer_credit[consumer_id] = credit
+        return self._request(Op.SUBSCRIBE, consumer_id, queue, credit, options or {}), consumer_id
+
+    def unsubscribe(self, consumer_id: int) -> int:
+        # Deliveries already on their way stay legal; the server requeues what we do not ack.
+        if self.consumer_credit.pop(consumer_id, None) is not None:
+            self._released_consumers.add(consumer_id)
+        return self._request(Op.UNSUBSCRIBE, consumer_id)
+
+    def new_tx_id(self) -> int:
+        self._next_tx_id += 1
+        return self._next_tx_id - 1
+
+    def tx_begin(self, tx_id: int) -> int:
+        return self._request(Op.TX_BEGIN, tx_id)
+
+    def tx_commit(self, tx_id: int) -> int:
+        return self._request(Op.TX_COMMIT, tx_id)
+
+    def tx_rollback(self, tx_id: int) -> int:
+        return self._request(Op.TX_ROLLBACK, tx_id)
+
+    def publish(self, message: WireMessage, tx_id: int = 0) -> int:
+        """Queue a publish within the granted window; returns its sequence number."""
+        if self.publish_credit <= 0:
+            raise LocalProtocolError(ErrorCode.CREDIT, "no publish credit: wait for PUBLISH_CREDIT")
+        self._require(Role.CLIENT)
+        self.publish_credit -= 1
+        seq = self._next_seq
+        self._next_seq += 1
+        self._out.append([Op.PUBLISH, seq, tx_id, message])
+        return seq
+
+    def ack(self, consumer_id: int, message_ids: list[int], tx_id: int = 0) -> None:
+        self._require(Role.CLIENT)
+        self._out.append([Op.ACK, consumer_id, tx_id, message_ids])
+
+    def nack(self, consumer_id: int, message_ids: list[int], mode: NackMode = NackMode.REDELIVER) -> None:
+        self._require(Role.CLIENT)
+        self._out.append([Op.NACK, consumer_id, message_ids, int(mode)])
+
+    def flow(self, consumer_id: int, credit: int) -> None:
+        self._require(Role.CLIENT)
+        if consumer_id in self.consumer_credit and credit > 0:
+            self.consumer_credit[consumer_id] += credit
+            self._out.append([Op.FLOW, consumer_id, credit])

@@ -1,0 +1,20 @@
+"""Exceptions of the link codec."""
+
+from __future__ import annotations
+
+
+class LinkError(Exception):
+    """Base class: ``code`` is one of ``ErrorCode`` and ``text`` says what was wrong."""
+
+    def __init__(self, code: str, text: str) -> None:
+        super().__init__(f"{code}: {text}")
+        self.code = code
+        self.text = text
+
+
+class RemoteProtocolError(LinkError):
+    """The peer broke the protocol; the codec has queued a CLOSE naming the problem and is closed."""
+
+
+class LocalProtocolError(LinkError):
+    """This side used the codec in a way the protocol forbids (a bug in the caller)."""

@@ -1,0 +1,190 @@
+"""Events produced by ``LinkConnection.receive_data``.
+
+Control operations become one event each. Message operations (publish, deliver, ack, …) arrive by the
+thousand, so consecutive ones of the same kind are handed over together as one batch event holding the
+validated operation lists themselves: no object per message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Batch item shapes (the operation list with its code still at index 0):
+#   publish [op, seq, tx_id, message] · deliver [op, consumer_id, delivery_count, message]
+#   ack [op, consumer_id, tx_id, message_ids] · nack [op, consumer_id, message_ids, mode]
+OpList = list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class HelloReceived:
+    """Server side: a client introduced itself; answer with ``accept`` or ``refuse``."""
+
+    version: int
+    user: str | None
+    password: str | None
+    client_name: str
+    heartbeat_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Welcomed:
+    """Client side: the server accepted the link."""
+
+    version: int
+    node_id: str
+    conn_id: str
+    heartbeat_ms: int
+    publish_credit: int
+
+
+@dataclass(frozen=True, slots=True)
+class Closed:
+    """The peer closed the link (``code`` is ``eof`` when the byte stream simply ended)."""
+
+    code: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    req_id: int
+    result: Any
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailed:
+    req_id: int
+    code: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class CreateAddress:
+    req_id: int
+    address: str
+    routing_types: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteAddress:
+    req_id: int
+    address: str
+
+
+@dataclass(frozen=True, slots=True)
+class CreateQueue:
+    """``spec`` keys: name, address, routing_type, durable, filter, temporary, exclusive,
+    last_value_key, max_consumers, auto_delete (see docs/link-protocol.md)."""
+
+    req_id: int
+    spec: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteQueue:
+    req_id: int
+    queue: str
+
+
+@dataclass(frozen=True, slots=True)
+class Subscribe:
+    """``options`` keys: selector, browse, auto_ack, address, routing_type, durable, exclusive."""
+
+    req_id: int
+    consumer_id: int
+    queue: str
+    credit: int
+    options: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Unsubscribe:
+    req_id: int
+    consumer_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class TxBegin:
+    req_id: int
+    tx_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class TxCommit:
+    req_id: int
+    tx_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class TxRollback:
+    req_id: int
+    tx_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Publishes:
+    ops: list[OpList]
+
+
+@dataclass(frozen=True, slots=True)
+class Confirms:
+    """Inclusive ranges of confirmed publish sequence numbers."""
+
+    ranges: list[tuple[int, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    seq: int
+    code: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class PublishCreditGranted:
+    credit: int
+
+
+@dataclass(frozen=True, slots=True)
+class Deliveries:
+    ops: list[OpList]
+
+
+@dataclass(frozen=True, slots=True)
+class Acks:
+    ops: list[OpList]
+
+
+@dataclass(frozen=True, slots=True)
+class Nacks:
+    ops: list[OpList]
+
+
+@dataclass(frozen=True, slots=True)
+class Flow:
+    consumer_id: int
+    credit: int
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerClosed:
+    consumer_id: int
+    code: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class BrowseDone:
+    consumer_id: int
+
+
+ServerEvent = (
+    HelloReceived | Closed | CreateAddress | DeleteAddress | CreateQueue | DeleteQueue | Subscribe
+    | Unsubscribe | TxBegin | TxCommit | TxRollback | Publishes | Acks | Nacks | Flow
+)
+ClientEvent = (
+    Welcomed | Closed | Reply | RequestFailed | Confirms | Rejected | PublishCreditGranted | Deliveries
+    | ConsumerClosed | BrowseDone
+)
+Event = ServerEvent | ClientEvent

@@ -1,0 +1,137 @@
+"""The message model shared by the core and every gateway.
+
+On the wire and inside the core a message is a plain list with fixed positions (the ``M_*`` indexes),
+not an object: the core routes and delivers the very list it received, so a message costs no
+re-encoding between producer and consumer. ``new_message`` builds one; ``check_message`` validates
+one that came from the network.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import IntEnum
+from typing import Any, Final
+
+
+class RoutingType(IntEnum):
+    """Artemis routing types: anycast = point to point, multicast = publish/subscribe."""
+
+    ANYCAST = 0
+    MULTICAST = 1
+
+
+#: ``M_ROUTING`` value meaning "let the address decide" (the auto-create default applies).
+ROUTING_DEFAULT: Final = -1
+
+M_ID: Final = 0  # int, assigned by the core (0 until then); also the delivery tag within a queue
+M_ADDRESS: Final = 1  # str, canonical address
+M_ROUTING: Final = 2  # int, RoutingType or ROUTING_DEFAULT
+M_DURABLE: Final = 3  # bool
+M_PRIORITY: Final = 4  # int 0..9
+M_EXPIRATION: Final = 5  # int, ms since the epoch, 0 = never
+M_TIMESTAMP: Final = 6  # int, ms since the epoch, set by the core when 0
+M_GROUP: Final = 7  # str | None, message group id
+M_DEDUP: Final = 8  # str | None, duplicate-detection id (producer id + sequence)
+M_LVQ: Final = 9  # str | None, last-value key
+M_PROPS: Final = 10  # dict[str, scalar], typed user properties
+M_BODY: Final = 11  # bytes, opaque
+M_CONTENT_TYPE: Final = 12  # str | None
+M_PROTOCOL: Final = 13  # str | None, protocol of the producer, so a same-protocol consumer gets it back as sent
+M_SCHEDULED: Final = 14  # int, ms since the epoch, 0 = deliver now
+MESSAGE_FIELDS: Final = 15
+
+DEFAULT_PRIORITY: Final = 4
+MAX_PRIORITY: Final = 9
+
+PropertyValue = str | int | float | bool | bytes | None
+WireMessage = list[Any]
+
+_SCALARS: Final = (str, int, float, bool, bytes, type(None))
+_OPTIONAL_STR: Final = (str, type(None))
+
+
+def new_message(
+    address: str,
+    body: bytes,
+    *,
+    routing: int = ROUTING_DEFAULT,
+    durable: bool = False,
+    priority: int = DEFAULT_PRIORITY,
+    expiration_ms: int = 0,
+    group_id: str | None = None,
+    dedup_id: str | None = None,
+    last_value_key: str | None = None,
+    properties: Mapping[str, PropertyValue] | None = None,
+    content_type: str | None = None,
+    protocol: str | None = None,
+    scheduled_ms: int = 0,
+) -> WireMessage:
+    """Build a wire message; the core fills in the id and the timestamp."""
+    return [
+        0,
+        address,
+        routing,
+        durable,
+        priority,
+        expiration_ms,
+        0,
+        group_id,
+        dedup_id,
+        last_value_key,
+        dict(properties) if properties else {},
+        body,
+        content_type,
+        protocol,
+        scheduled_ms,
+    ]
+
+
+def check_message(m: Any, max_properties: int = 256) -> str | None:
+    """Return what is wrong with a message that came off the wire, or None when it is well formed."""
+    if type(m) is not list or len(m) != MESSAGE_FIELDS:
+        return f"a message is a list of {MESSAGE_FIELDS} fields"
+    (_id, address, routing, durable, priority, expiration, timestamp, group, dedup, lvq, props, body, ctype,
+     proto, scheduled) = m  # fmt: skip
+    if type(_id) is not int or type(expiration) is not int or type(timestamp) is not int:
+        return "message id, expiration and timestamp must be integers"
+    if type(scheduled) is not int:
+        return "scheduled delivery time must be an integer"
+    if type(address) is not str or not address:
+        return "message address must be a non-empty string"
+    if routing not in (ROUTING_DEFAULT, 0, 1) or type(routing) is not int:
+        return f"unknown routing type {routing!r}"
+    if type(durable) is not bool:
+        return "durable must be a boolean"
+    if type(priority) is not int or not 0 <= priority <= MAX_PRIORITY:
+        return f"priority must be an integer 0..{MAX_PRIORITY}"
+    if type(body) is not bytes:
+        return "message body must be bytes"
+    for name, value in (("group id", group), ("dedup id", dedup), ("last-value key", lvq),
+                        ("content type", ctype), ("protocol", proto)):  # fmt: skip
+        if not isinstance(value, _OPTIONAL_STR):
+            return f"{name} must be a string or nil"
+    if type(props) is not dict:
+        return "properties must be a map"
+    if props:
+        if len(props) > max_properties:
+            return f"more than {max_properties} properties"
+        for key, value in props.items():
+            if type(key) is not str:
+                return "property names must be strings"
+            if not isinstance(value, _SCALARS):
+                return f"property {key!r} has a value of unsupported type {type(value).__name__}"
+    return None
+
+
+def selector_view(m: WireMessage) -> dict[str, PropertyValue]:
+    """The names a selector can test: user properties plus the JMS-style header fields."""
+    view: dict[str, PropertyValue] = dict(m[M_PROPS])
+    view["JMSPriority"] = m[M_PRIORITY]
+    view["JMSDeliveryMode"] = "PERSISTENT" if m[M_DURABLE] else "NON_PERSISTENT"
+    view["JMSTimestamp"] = m[M_TIMESTAMP]
+    view["JMSExpiration"] = m[M_EXPIRATION]
+    view["JMSMessageID"] = str(m[M_ID])
+    view["AMQAddress"] = m[M_ADDRESS]
+    if m[M_GROUP] is not None:
+        view["JMSXGroupID"] = m[M_GROUP]
+    return view

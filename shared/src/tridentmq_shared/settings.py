@@ -1,0 +1,164 @@
+"""Settings: defaults defined once in frozen dataclasses, overridden by a TOML file, then by environment.
+
+A settings class is a dataclass of *sections* (dataclasses of scalar fields). Every field documents
+itself through ``doc(...)``; ``render_reference`` turns the classes into the configuration reference in
+``docs/``, so the docs cannot drift from the code. Environment variables are named
+``{PREFIX}_{SECTION}_{FIELD}`` in upper case, e.g. ``TRIDENTMQ_CORE_LINK_PORT=61617``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+class SettingsError(ValueError):
+    """A setting has a value of the wrong type or an unknown name."""
+
+
+def doc(default: Any, text: str, *, factory: bool = False) -> Any:
+    """Declare a documented setting (use ``factory=True`` for list defaults)."""
+    if factory:
+        return dataclasses.field(default_factory=default, metadata={"doc": text})
+    return dataclasses.field(default=default, metadata={"doc": text})
+
+
+def _convert(value: Any, hint: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        if value is None:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(value, inner[0], where)
+    if origin is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise SettingsError(f"{where}: expected a list")
+        return [_convert(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+        if not isinstance(value, Mapping):
+            raise SettingsError(f"{where}: expected a table")
+        return _build(hint, value, where)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise SettingsError(f"{where}: expected true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, bool):
+            raise SettingsError(f"{where}: expected an integer, got {value!r}")
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise SettingsError(f"{where}: expected an integer, got {value!r}") from None
+    if hint is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise SettingsError(f"{where}: expected a number, got {value!r}") from None
+    if hint is Path:
+        return Path(str(value))
+    if hint is str:
+        if not isinstance(value, str):
+            raise SettingsError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise SettingsError(f"{where}: unsupported setting type {hint!r}")
+
+
+def _build(cls: type[T], values: Mapping[str, Any], where: str) -> T:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = set(values) - names
+    if unknown:
+        raise SettingsError(f"{where}: unknown setting(s) {', '.join(sorted(unknown))}")
+    kwargs = {k: _convert(v, hints[k], f"{where}.{k}" if where else k) for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def load_settings(
+    cls: type[T],
+    *,
+    prefix: str,
+    file: Path | None = None,
+    env: Mapping[str, str] | None = None,
+) -> T:
+    """Defaults ← TOML ``file`` ← environment variables ``{prefix}_{SECTION}_{FIELD}``."""
+    data: dict[str, Any] = {}
+    if file is not None:
+        try:
+            data = tomllib.loads(file.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise SettingsError(f"cannot read {file}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise SettingsError(f"{file}: {exc}") from None
+    hints = typing.get_type_hints(cls)
+    for section in dataclasses.fields(cls):  # type: ignore[arg-type]
+        section_cls = hints[section.name]
+        if not dataclasses.is_dataclass(section_cls):
+            continue
+        for field in dataclasses.fields(section_cls):
+            key = f"{prefix}_{section.name}_{field.name}".upper()
+            if env is not None and key in env:
+                data.setdefault(section.name, {})[field.name] = env[key]
+    return _build(cls, data, "")
+
+
+def render_reference(title: str, cls: type[Any], prefix: str, intro: str = "") -> str:
+    """Markdown reference of every setting of ``cls`` with its default, from the code itself."""
+    lines = [f"## {title}", ""]
+    if intro:
+        lines += [intro, ""]
+    hints = typing.get_type_hints(cls)
+    for section in dataclasses.fields(cls):
+        section_cls = hints[section.name]
+        origin = typing.get_origin(section_cls)
+        if origin is list:
+            item = typing.get_args(section_cls)[0]
+            lines += [f"### `[[{section.name}]]` (TOML only)", "", section.metadata.get("doc", ""), ""]
+            lines += _table(item, None)
+            continue
+        lines += [f"### `[{section.name}]`", ""]
+        if section.metadata.get("doc"):
+            lines += [section.metadata["doc"], ""]
+        lines += _table(section_cls, f"{prefix}_{section.name}".upper())
+    return "\n".join(lines) + "\n"
+
+
+def _table(cls: type[Any], env_prefix: str | None) -> list[str]:
+    hints = typing.get_type_hints(cls)
+    header = "| setting | type | default | environment | meaning |" if env_prefix else \
+        "| setting | type | default | meaning |"  # fmt: skip
+    rows = [header, "|---|---|---|---|---|" if env_prefix else "|---|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")  # fmt: skip
+        kind = _type_name(hints[f.name])
+        shown = f"`{default!s}`" if default not in ("", None) else ("`\"\"`" if default == "" else "none")
+        cells = [f"`{f.name}`", kind, shown]
+        if env_prefix:
+            cells.append(f"`{env_prefix}_{f.name.upper()}`")
+        cells.append(f.metadata.get("doc", "").replace("|", "\\|"))
+        rows.append("| " + " | ".join(cells) + " |")
+    return [*rows, ""]
+
+
+def _type_name(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(_type_name(a) for a in typing.get_args(hint) if a is not type(None)) + " (optional)"
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(hint)[0])}"
+    return {bool: "bool", int: "int", float: "float", str: "string", Path: "path"}.get(hint, str(hint))

@@ -1,0 +1,1 @@
+"""TridentMQ audit-stream jobs. Spark itself is installed only where the jobs run."""

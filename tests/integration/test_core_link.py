@@ -1,0 +1,236 @@
+"""A real core process, real sockets, the real link client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+import urllib.request
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from tests.conftest import CoreProcess, start_core
+from tridentmq_shared.link.client import LinkClient, LinkClosedError, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.link.ops import NackMode
+from tridentmq_shared.message import RoutingType, new_message
+
+pytestmark = pytest.mark.integration
+
+NO_RECONNECT = ReconnectPolicy(attempts=0)
+
+
+def client(core: CoreProcess, **kwargs: object) -> LinkClient:
+    return LinkClient("127.0.0.1", core.link_port, reconnect=NO_RECONNECT, **kwargs)  # type: ignore[arg-type]
+
+
+def get_json(core: CoreProcess, path: str) -> object:
+    with urllib.request.urlopen(core.management_url + path, timeout=5) as response:
+        return json.loads(response.read())
+
+
+async def test_anycast_round_trip(core: CoreProcess) -> None:
+    async with client(core) as c:
+        for n in range(100):
+            await c.publish(new_message("orders", f"order {n}".encode(), properties={"n": n}))
+        consumer = await c.subscribe("orders", credit=10)
+        bodies = []
+        for _ in range(100):
+            delivery = await consumer.get(timeout=5)
+            assert delivery is not None
+            consumer.ack(delivery)
+            bodies.append(delivery.body)
+        assert bodies == [f"order {n}".encode() for n in range(100)]
+        assert await consumer.get(timeout=0.2) is None
+        queues = {q["name"]: q for q in get_json(core, "/api/queues")}  # type: ignore[union-attr]
+        assert queues["orders"]["added"] == 100
+        assert queues["orders"]["acked"] == 100
+        assert queues["orders"]["depth"] == 0
+    # An auto-created queue goes away once it is empty and its last consumer has left (Artemis' default).
+    assert "orders" not in {q["name"] for q in get_json(core, "/api/queues")}  # type: ignore[union-attr]
+
+
+async def test_multicast_fan_out(core: CoreProcess) -> None:
+    async with client(core) as c:
+        for name in ("news.sub1", "news.sub2"):
+            await c.create_queue(name, "news", routing_type=RoutingType.MULTICAST, durable=False)
+        subs = [await c.subscribe(name, auto_ack=True) for name in ("news.sub1", "news.sub2")]
+        await c.publish(new_message("news", b"hello", routing=RoutingType.MULTICAST))
+        for sub in subs:
+            delivery = await sub.get(timeout=5)
+            assert delivery is not None
+            assert delivery.body == b"hello"
+
+
+async def test_unacked_messages_return_when_a_consumer_dies(core: CoreProcess) -> None:
+    async with client(core) as c:
+        await c.publish(new_message("work", b"job"))
+    async with client(core) as c:
+        consumer = await c.subscribe("work")
+        delivery = await consumer.get(timeout=5)
+        assert delivery is not None
+        assert not delivery.redelivered
+    async with client(core) as c:
+        consumer = await c.subscribe("work")
+        delivery = await consumer.get(timeout=5)
+        assert delivery is not None
+        assert delivery.body == b"job"
+        assert delivery.delivery_count == 2
+
+
+async def test_nack_redelivers_then_dead_letters(core: CoreProcess) -> None:
+    async with client(core) as c:
+        await c.publish(new_message("poison", b"bad"))
+        consumer = await c.subscribe("poison")
+        for attempt in range(1, 11):
+            delivery = await consumer.get(timeout=5)
+            assert delivery is not None
+            assert delivery.delivery_count == attempt
+            consumer.nack(delivery, mode=NackMode.REDELIVER)
+        dlq = await c.subscribe("DLQ")
+        dead = await dlq.get(timeout=5)
+        assert dead is not None
+        assert dead.body == b"bad"
+        assert dead.properties["_AMQ_ORIG_QUEUE"] == "poison"
+        assert await consumer.get(timeout=0.2) is None
+
+
+async def test_transaction_commit_and_rollback(core: CoreProcess) -> None:
+    async with client(core) as c:
+        tx = await c.begin()
+        await c.publish(new_message("tx.q", b"one"), tx_id=tx)
+        consumer = await c.subscribe("tx.q", auto_ack=True)
+        assert await consumer.get(timeout=0.3) is None
+        await c.commit(tx)
+        delivery = await consumer.get(timeout=5)
+        assert delivery is not None
+        assert delivery.body == b"one"
+        tx = await c.begin()
+        await c.publish(new_message("tx.q", b"two"), tx_id=tx)
+        await c.rollback(tx)
+        assert await consumer.get(timeout=0.3) is None
+
+
+async def test_selector_and_browse(core: CoreProcess) -> None:
+    async with client(core) as c:
+        for n in range(10):
+            await c.publish(new_message("sel", str(n).encode(), properties={"n": n}))
+        browser = await c.subscribe("sel", browse=True)
+        seen = [d.body async for d in browser]
+        assert len(seen) == 10
+        consumer = await c.subscribe("sel", selector="n >= 7", auto_ack=True)
+        got = [await consumer.get(timeout=5) for _ in range(3)]
+        assert [d.body for d in got if d] == [b"7", b"8", b"9"]
+        assert await consumer.get(timeout=0.2) is None
+
+
+async def test_duplicate_detection(core: CoreProcess) -> None:
+    async with client(core) as c:
+        for _ in range(3):
+            await c.publish(new_message("dedup", b"once", dedup_id="producer-1:1"))
+        consumer = await c.subscribe("dedup", auto_ack=True)
+        assert await consumer.get(timeout=5) is not None
+        assert await consumer.get(timeout=0.3) is None
+
+
+def raw_frame(ops: object) -> bytes:
+    payload = msgpack.packb(ops)
+    return struct.pack(">I", len(payload)) + payload
+
+
+def read_close(sock: socket.socket) -> list[object]:
+    data = b""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    ops = []
+    while data:
+        (size,) = struct.unpack(">I", data[:4])
+        ops.extend(msgpack.unpackb(data[4 : 4 + size]))
+        data = data[4 + size :]
+    return ops
+
+
+@pytest.mark.parametrize(
+    ("frame", "code"),
+    [
+        (b"\x00\x00\x00\x05garba", "malformed"),
+        (b"\x7f\xff\xff\xff", "frame-too-large"),
+        (raw_frame([[20, 1, 0, []]]), "unexpected"),
+        (raw_frame([[1, [99], None, None, "x", 0, 1 << 20]]), "version"),
+    ],
+)
+def test_bad_input_closes_only_that_link(core: CoreProcess, frame: bytes, code: str) -> None:
+    async def healthy_round_trip() -> None:
+        async with client(core) as c:
+            await c.publish(new_message("still.fine", b"ok"))
+            consumer = await c.subscribe("still.fine", auto_ack=True)
+            assert await consumer.get(timeout=5) is not None
+
+    with socket.create_connection(("127.0.0.1", core.link_port), timeout=5) as sock:
+        sock.sendall(frame)
+        ops = read_close(sock)
+    assert ops[-1][0] == 3  # CLOSE
+    assert ops[-1][1] == code
+    assert isinstance(ops[-1][2], str)
+    assert ops[-1][2]
+    asyncio.run(healthy_round_trip())
+
+
+USERS = """
+[[users]]
+name = "alice"
+password = "wonderland"
+roles = ["app"]
+
+[[permissions]]
+match = "allowed.#"
+permission = "send"
+roles = ["app"]
+
+[[permissions]]
+match = "#"
+permission = "consume"
+roles = ["app"]
+
+[[permissions]]
+match = "#"
+permission = "createAddress"
+roles = ["app"]
+
+[[permissions]]
+match = "#"
+permission = "createDurableQueue"
+roles = ["app"]
+"""
+
+
+async def test_users_and_permissions(tmp_path: Path) -> None:
+    node = start_core(tmp_path, config=USERS)
+    try:
+        with pytest.raises(LinkClosedError, match="wrong password"):
+            async with client(node, user="alice", password="nope"):
+                pass
+        async with client(node, user="alice", password="wonderland") as c:
+            await c.publish(new_message("allowed.x", b"fine"))
+            with pytest.raises(LinkRequestError) as refused:
+                await c.publish(new_message("secret", b"no"))
+            assert refused.value.code == "forbidden"
+    finally:
+        assert node.stop() == 0
+    assert "Traceback" not in node.log()
+
+
+def test_health_and_metrics(core: CoreProcess) -> None:
+    assert get_json(core, "/healthz") == {"status": "ok"}
+    ready = get_json(core, "/readyz")
+    assert isinstance(ready, dict)
+    assert ready["status"] == "ready"
+    with urllib.request.urlopen(core.management_url + "/metrics", timeout=5) as response:
+        metrics = response.read().decode()
+    assert "tridentmq_connections" in metrics
+    assert "tridentmq_node_info" in metrics
