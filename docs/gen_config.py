@@ -1,7 +1,7 @@
 """Generate docs/configuration.md from the settings classes (the defaults live only in code).
 
-    uv run python docs/gen_config.py          # rewrite the file
-    uv run python docs/gen_config.py --check  # exit 1 if the file is out of date (CI)
+uv run python docs/gen_config.py          # rewrite the file
+uv run python docs/gen_config.py --check  # exit 1 if the file is out of date (CI)
 """
 
 from __future__ import annotations

@@ -62,9 +62,11 @@ def start_core(tmp_path: Path, name: str = "core", config: str | None = None, **
         **env,
     }
     with log_path.open("wb") as log:
-        process = subprocess.Popen(  # noqa: S603 - our own interpreter and module
+        process = subprocess.Popen(
             [sys.executable, "-m", "tridentmq_core", *args],
-            env=environment, stdout=log, stderr=subprocess.STDOUT,
+            env=environment,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     deadline = time.monotonic() + STARTUP_TIMEOUT
     while not ports_file.exists():

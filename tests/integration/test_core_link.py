@@ -11,8 +11,8 @@ from pathlib import Path
 
 import msgpack
 import pytest
-
 from tests.conftest import CoreProcess, start_core
+
 from tridentmq_shared.link.client import LinkClient, LinkClosedError, LinkRequestError, ReconnectPolicy
 from tridentmq_shared.link.ops import NackMode
 from tridentmq_shared.message import RoutingType, new_message

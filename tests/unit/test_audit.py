@@ -235,9 +235,7 @@ def test_fresh_directory_starts_at_zero_and_nodes_are_separate(tmp_path: Path) -
     assert seqs(all_records(tmp_path, "b")) == [0]
 
 
-def test_unusable_node_directory_drops_without_raising(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_unusable_node_directory_drops_without_raising(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / NODE).write_text("not a directory")
     with caplog.at_level(logging.ERROR, logger="tridentmq.audit"):
         sink = FileAuditSink(tmp_path, NODE)
@@ -249,9 +247,7 @@ def test_unusable_node_directory_drops_without_raising(
     assert len(caplog.records) == 1
 
 
-def test_write_failure_drops_logs_once_and_leaves_a_gap(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_write_failure_drops_logs_once_and_leaves_a_gap(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     sink = FileAuditSink(tmp_path, NODE, heartbeat_seconds=1000)
     sink.emit(T0, "msg.sent", {})
     sink.tick(T0)

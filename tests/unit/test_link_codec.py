@@ -98,7 +98,7 @@ def open_pair(
     client.hello("user", "pw", "test-client")
     [hello] = pump(client, server, now)
     assert isinstance(hello, ev.HelloReceived)
-    server.accept("node-1", "conn-1", credit)
+    server.accept("node-1", "conn-1", credit, 0.0)
     [welcome] = pump(server, client, now)
     assert isinstance(welcome, ev.Welcomed)
     assert client.state is State.OPEN
@@ -110,9 +110,7 @@ def message(address: str = "orders", body: bytes = b"payload", **fields: Any) ->
     return new_message(address, body, **fields)
 
 
-def expect_remote_error(
-    conn: LinkConnection, data: bytes, code: str, now: float = 1.0
-) -> RemoteProtocolError:
+def expect_remote_error(conn: LinkConnection, data: bytes, code: str, now: float = 1.0) -> RemoteProtocolError:
     """``data`` breaks the protocol: RemoteProtocolError(code), a CLOSE naming it queued, link closed."""
     with pytest.raises(RemoteProtocolError) as info:
         conn.receive_data(data, now)
@@ -173,7 +171,7 @@ def test_welcome_bytes_match_a_hand_built_frame() -> None:
     server = LinkConnection(Role.SERVER, heartbeat_ms=300, max_frame_size=MIN_FRAME_SIZE)
     client.hello(None, None, "c")
     pump(client, server)
-    server.accept("node-7", "conn-9", 42)
+    server.accept("node-7", "conn-9", 42, 0.0)
     assert server.data_to_send() == frame([[2, 1, "node-7", "conn-9", 300, MIN_FRAME_SIZE, 42]])
 
 
@@ -221,7 +219,7 @@ def test_handshake_events_and_state() -> None:
     assert pump(client, server) == [ev.HelloReceived(1, "alice", "secret", "gateway-stomp", 300)]
     assert server.state is State.AUTHENTICATING
     assert server.version == 1
-    server.accept("node-1", "conn-42", 64)
+    server.accept("node-1", "conn-42", 64, 0.0)
     assert server.state is State.OPEN
     assert pump(server, client) == [ev.Welcomed(1, "node-1", "conn-42", 300, 64)]
     assert client.state is State.OPEN
@@ -334,9 +332,7 @@ def test_data_before_the_answer_to_hello_is_unexpected() -> None:
 
 def test_hello_with_wrong_field_types_is_malformed() -> None:
     server = LinkConnection(Role.SERVER)
-    expect_remote_error(
-        server, frame([[Op.HELLO, [1], 5, "p", "c", 100, MIN_FRAME_SIZE]]), ErrorCode.MALFORMED
-    )
+    expect_remote_error(server, frame([[Op.HELLO, [1], 5, "p", "c", 100, MIN_FRAME_SIZE]]), ErrorCode.MALFORMED)
     server = LinkConnection(Role.SERVER)
     expect_remote_error(server, frame([[Op.HELLO, [1], "u", "p", "c", 100]]), ErrorCode.MALFORMED)
 
@@ -372,9 +368,7 @@ def test_welcome_with_wrong_field_type_is_malformed() -> None:
     client = LinkConnection(Role.CLIENT)
     client.hello("u", "p", "c")
     client.data_to_send()
-    expect_remote_error(
-        client, frame([[Op.WELCOME, 1, 7, "c", 100, MIN_FRAME_SIZE, 10]]), ErrorCode.MALFORMED
-    )
+    expect_remote_error(client, frame([[Op.WELCOME, 1, 7, "c", 100, MIN_FRAME_SIZE, 10]]), ErrorCode.MALFORMED)
 
 
 def test_welcome_followed_by_other_ops_in_the_same_flush_is_understood() -> None:
@@ -384,7 +378,7 @@ def test_welcome_followed_by_other_ops_in_the_same_flush_is_understood() -> None
     server = LinkConnection(Role.SERVER)
     client.hello("u", "p", "c")
     pump(client, server)
-    server.accept("node", "conn", 10)
+    server.accept("node", "conn", 10, 0.0)
     server.grant_publish_credit(5)
     assert pump(server, client) == [ev.Welcomed(1, "node", "conn", 250, 10), ev.PublishCreditGranted(5)]
     assert client.publish_credit == 15
@@ -396,20 +390,20 @@ def test_local_handshake_misuse() -> None:
     with pytest.raises(LocalProtocolError):
         server.hello("u", "p", "c")
     with pytest.raises(LocalProtocolError):
-        server.accept("n", "c", 1)  # before any HELLO
+        server.accept("n", "c", 1, 0.0)  # before any HELLO
     with pytest.raises(LocalProtocolError):
         server.refuse("forbidden", "no")
     with pytest.raises(LocalProtocolError):
-        client.accept("n", "c", 1)
+        client.accept("n", "c", 1, 0.0)
     with pytest.raises(LocalProtocolError):
         client.create_queue({"name": "q"})  # not open yet
     client.hello("u", "p", "c")
     with pytest.raises(LocalProtocolError):
         client.hello("u", "p", "c")
     pump(client, server)
-    server.accept("n", "c", 1)
+    server.accept("n", "c", 1, 0.0)
     with pytest.raises(LocalProtocolError):
-        server.accept("n", "c", 1)
+        server.accept("n", "c", 1, 0.0)
     with pytest.raises(LocalProtocolError):
         server.refuse("forbidden", "no")
 
@@ -1068,7 +1062,7 @@ def test_deadlines_after_open() -> None:
     client.hello("u", "p", "c")
     pump(client, server, 10.0)
     assert server.next_deadline() is None  # authenticating: no timer yet
-    server.accept("n", "c", 1)
+    server.accept("n", "c", 1, 10.0)
     pump(server, client, 10.0)
     assert client.next_deadline() == pytest.approx(10.125)
     assert server.next_deadline() == pytest.approx(10.125)
@@ -1179,7 +1173,7 @@ def test_slow_authentication_does_not_time_the_client_out() -> None:
     client.hello("u", "p", "c")
     pump(client, server, 0.0)
     # ... authentication takes two seconds; the server accepts at t = 2.0 and arms its timer
-    server.accept("n", "c", 1)
+    server.accept("n", "c", 1, 2.0)
     pump(server, client, 2.0)
     server.handle_timeout(2.0)
     assert server.state is State.OPEN
@@ -1363,9 +1357,7 @@ valid_messages = st.builds(
     st.binary(max_size=4),
     properties=st.dictionaries(st.text(max_size=3), st.integers(-3, 3), max_size=2),
 )
-fields = (
-    msgpack_values | st.integers(min_value=-1, max_value=6) | valid_messages | st.lists(st.integers(0, 3))
-)
+fields = msgpack_values | st.integers(min_value=-1, max_value=6) | valid_messages | st.lists(st.integers(0, 3))
 op_codes = st.sampled_from([int(o) for o in Op] + [0, 7, 99, -1, 2**40])
 operations = st.builds(lambda code, rest: [code, *rest], op_codes, st.lists(fields, max_size=7))
 op_frames = st.lists(operations | msgpack_values, max_size=5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 from aiohttp import web
@@ -41,7 +42,7 @@ class Link:
         self.client.hello(user, None, client_name)
         hello = self.server.receive_data(self.client.data_to_send(), 0.0)
         assert isinstance(hello[0], ev.HelloReceived)
-        self.server.accept(broker.node_id, conn_id, 1000)
+        self.server.accept(broker.node_id, conn_id, 1000, 0.0)
         principal = Principal(user, frozenset(), unrestricted=True)
         self.session: Session = broker.open_session(self.server, conn_id, principal, "127.0.0.1:5000",
                                                     hello[0].client_name, NOW_MS)  # fmt: skip
@@ -228,6 +229,9 @@ async def test_queues_list_and_one(api: Api) -> None:
     assert audit["filter"] == "region = 'eu'"
     assert audit["durable"] is False
     assert audit["depth"] == 1
+    response = await client.get("/api/queues/" + quote(WEIRD_QUEUE, safe=""))
+    assert response.status == 200
+    assert (await response.json())["name"] == WEIRD_QUEUE
 
 
 async def test_missing_queue_is_a_json_404(api: Api) -> None:

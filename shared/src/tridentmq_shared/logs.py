@@ -13,10 +13,8 @@ _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"me
 class KeyValueFormatter(logging.Formatter):
     """``2026-11-22T03:04:05.678Z INFO tridentmq.core message key=value …`` (extra= fields become pairs)."""
 
-    converter = time.gmtime
-
     def format(self, record: logging.LogRecord) -> str:
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", self.converter(record.created))
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
         line = f"{stamp}.{int(record.msecs):03d}Z {record.levelname} {record.name} {record.getMessage()}"
         extras = {k: v for k, v in record.__dict__.items() if k not in _STANDARD}
         if extras:

@@ -70,7 +70,7 @@ def new_message(
     return [
         0,
         address,
-        routing,
+        int(routing),
         durable,
         priority,
         expiration_ms,
@@ -92,35 +92,52 @@ def check_message(m: Any, max_properties: int = 256) -> str | None:
         return f"a message is a list of {MESSAGE_FIELDS} fields"
     (_id, address, routing, durable, priority, expiration, timestamp, group, dedup, lvq, props, body, ctype,
      proto, scheduled) = m  # fmt: skip
+    # One expression for the common, valid case: this runs for every message the core receives.
+    if (
+        type(_id) is int and type(address) is str and address and type(routing) is int and -1 <= routing <= 1
+        and type(durable) is bool and type(priority) is int and 0 <= priority <= MAX_PRIORITY
+        and type(expiration) is int and type(timestamp) is int and type(scheduled) is int
+        and type(body) is bytes and type(props) is dict
+        and (group is None or type(group) is str) and (dedup is None or type(dedup) is str)
+        and (lvq is None or type(lvq) is str) and (ctype is None or type(ctype) is str)
+        and (proto is None or type(proto) is str)
+    ):  # fmt: skip
+        return _check_properties(props, max_properties) if props else None
+    return _explain(m)
+
+
+def _check_properties(props: dict[Any, Any], max_properties: int) -> str | None:
+    if len(props) > max_properties:
+        return f"more than {max_properties} properties"
+    for key, value in props.items():
+        if type(key) is not str:
+            return "property names must be strings"
+        if not isinstance(value, _SCALARS):
+            return f"property {key[:64]!r} has a value of unsupported type {type(value).__name__}"
+    return None
+
+
+def _explain(m: list[Any]) -> str:
+    """The first problem of a message that failed ``check_message``'s fast test (never echoes values)."""
+    (_id, address, routing, durable, priority, expiration, timestamp, _, _, _, props, body, _, _,
+     scheduled) = m  # fmt: skip
     if type(_id) is not int or type(expiration) is not int or type(timestamp) is not int:
         return "message id, expiration and timestamp must be integers"
     if type(scheduled) is not int:
         return "scheduled delivery time must be an integer"
     if type(address) is not str or not address:
         return "message address must be a non-empty string"
-    if routing not in (ROUTING_DEFAULT, 0, 1) or type(routing) is not int:
-        return f"unknown routing type {routing!r}"
+    if type(routing) is not int or routing not in (ROUTING_DEFAULT, 0, 1):
+        return "unknown routing type"
     if type(durable) is not bool:
         return "durable must be a boolean"
     if type(priority) is not int or not 0 <= priority <= MAX_PRIORITY:
         return f"priority must be an integer 0..{MAX_PRIORITY}"
     if type(body) is not bytes:
         return "message body must be bytes"
-    for name, value in (("group id", group), ("dedup id", dedup), ("last-value key", lvq),
-                        ("content type", ctype), ("protocol", proto)):  # fmt: skip
-        if not isinstance(value, _OPTIONAL_STR):
-            return f"{name} must be a string or nil"
     if type(props) is not dict:
         return "properties must be a map"
-    if props:
-        if len(props) > max_properties:
-            return f"more than {max_properties} properties"
-        for key, value in props.items():
-            if type(key) is not str:
-                return "property names must be strings"
-            if not isinstance(value, _SCALARS):
-                return f"property {key!r} has a value of unsupported type {type(value).__name__}"
-    return None
+    return "group id, dedup id, last-value key, content type and protocol must be strings or nil"
 
 
 def selector_view(m: WireMessage) -> dict[str, PropertyValue]:

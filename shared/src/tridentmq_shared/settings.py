@@ -146,7 +146,7 @@ def _table(cls: type[Any], env_prefix: str | None) -> list[str]:
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")  # fmt: skip
         kind = _type_name(hints[f.name])
-        shown = f"`{default!s}`" if default not in ("", None) else ("`\"\"`" if default == "" else "none")
+        shown = f"`{default!s}`" if default not in ("", None) else ('`""`' if default == "" else "none")
         cells = [f"`{f.name}`", kind, shown]
         if env_prefix:
             cells.append(f"`{env_prefix}_{f.name.upper()}`")

@@ -130,7 +130,9 @@ class Broker:
         self.counters = Counters()
         self.dirty: set[Session] = set()
         self._trie: AddressTrie[Queue] = AddressTrie()
-        self._routes: dict[tuple[str, int], tuple[Queue, ...]] = {}
+        # (address, routing) → (queues, simple); simple = no queue filter and at most one anycast queue,
+        # so the queues can be used as they are without looking at the message.
+        self._routes: dict[tuple[str, int], tuple[tuple[Queue, ...], bool]] = {}
         self._anycast_rr: dict[str, int] = {}
         self._to_dispatch: set[Queue] = set()
         self._next_id = first_message_id
@@ -196,8 +198,8 @@ class Broker:
 
     def _request(self, session: Session, event: ev.Event, now_ms: int) -> Any:
         match event:
-            case ev.Subscribe(_, consumer_id, queue, credit, options):
-                return self._subscribe(session, consumer_id, queue, credit, options, now_ms)
+            case ev.Subscribe(_, consumer_id, queue_name, credit, options):
+                return self._subscribe(session, consumer_id, queue_name, credit, options, now_ms)
             case ev.Unsubscribe(_, consumer_id):
                 consumer = self._consumer(session, consumer_id)
                 self._remove_consumer(session, consumer, now_ms)
@@ -239,6 +241,8 @@ class Broker:
         conn = session.conn
         send_ok = session.send_ok
         max_bytes = self.settings.broker.max_message_bytes
+        accept = self._accept_message
+        confirm = conn.confirm
         for _, seq, tx_id, message in ops:
             address = message[M_ADDRESS]
             allowed = send_ok.get(address)
@@ -260,14 +264,14 @@ class Broker:
                 conn.confirm(seq)  # staged; the commit reply is what makes it count
                 continue
             try:
-                token = self._accept_message(message, now_ms)
+                token = accept(message, now_ms)
             except BrokerError as exc:
                 self._reject(conn, seq, exc.code, exc.text)
                 continue
             if token:
                 self._pending_confirms[token] = (session, seq)
             else:
-                conn.confirm(seq)
+                confirm(seq)
         conn.grant_publish_credit(len(ops))
         self.dirty.add(session)
 
@@ -292,18 +296,24 @@ class Broker:
         if dedup_id is not None and self._dedup.seen(dedup_id, now_ms):
             self.counters.duplicates += 1
             return 0  # already accepted once: confirm again, store nothing
-        queues = self._route(message, now_ms, create=True)
+        try:
+            queues = self._route(message, now_ms, create=True)
+        except BrokerError:
+            if dedup_id is not None:
+                self._dedup.forget(dedup_id)  # refused, so a retry is not a duplicate
+            raise
         message[M_ID] = self._next_id
         self._next_id += 1
         if not message[M_TIMESTAMP]:
             message[M_TIMESTAMP] = now_ms
         durable = message[M_DURABLE]
-        if durable and self._audit_durable or self._audit_all:
+        if (durable and self._audit_durable) or self._audit_all:
             self._emit_message(now_ms, "msg.sent", message, None)
+        counters = self.counters
         if not queues:
-            self.counters.unrouted += 1
+            counters.unrouted += 1
             return 0
-        self.counters.routed += 1
+        counters.routed += 1
         token = 0
         if durable:
             durable_queues = tuple(q.name for q in queues if q.durable)
@@ -313,9 +323,11 @@ class Broker:
             for queue in queues:
                 self._schedule(message[M_SCHEDULED], queue, message, 0)
             return token
+        to_dispatch = self._to_dispatch
         for queue in queues:
             queue.add(message)
-            self._to_dispatch.add(queue)
+            if queue not in to_dispatch:
+                to_dispatch.add(queue)
         return token
 
     def _on_durable(self, token: int) -> None:
@@ -329,8 +341,8 @@ class Broker:
         address = message[M_ADDRESS]
         routing = message[M_ROUTING]
         key = (address, routing)
-        queues = self._routes.get(key)
-        if queues is None:
+        route = self._routes.get(key)
+        if route is None:
             if create and address not in self.addresses:
                 settings = self.address_settings.resolve(address)
                 if not settings.auto_create_addresses:
@@ -341,11 +353,13 @@ class Broker:
                     self._create_queue(address, address, kind, durable=True, auto_created=True, now_ms=now_ms,
                                        auto_delete=settings.auto_delete_queues)  # fmt: skip
             queues = self._compute_route(address, routing)
-            self._routes[key] = queues
-        if not queues:
+            simple = all(q.filter is None for q in queues) and \
+                sum(q.routing_type is RoutingType.ANYCAST for q in queues) <= 1  # fmt: skip
+            route = self._routes[key] = (queues, simple)
+        queues, simple = route
+        if simple:
             return queues
-        filtered = tuple(q for q in queues if q.filter is None or q.accepts(message)) \
-            if any(q.filter is not None for q in queues) else queues  # fmt: skip
+        filtered = tuple(q for q in queues if q.filter is None or q.accepts(message))
         anycast = [q for q in filtered if q.routing_type is RoutingType.ANYCAST]
         if len(anycast) <= 1:
             return filtered
@@ -498,6 +512,14 @@ class Broker:
         return tx
 
     def _commit(self, session: Session, tx: Transaction, now_ms: int) -> None:
+        # All or nothing: refuse before applying anything. A missing address that may not be auto-created
+        # is the only reason _accept_message refuses; failing half-way would leave the transaction open
+        # with part of it applied, and a retried commit would apply that part twice.
+        for message in tx.publishes:
+            address = message[M_ADDRESS]
+            if address not in self.addresses and \
+                    not self.address_settings.resolve(address).auto_create_addresses:  # fmt: skip
+                raise BrokerError(ErrorCode.NOT_FOUND, f"address {address!r} does not exist")
         for message in tx.publishes:
             self._accept_message(message, now_ms)
         for consumer, message_id in tx.acks:
@@ -568,7 +590,8 @@ class Broker:
         if not isinstance(address, str):
             raise BrokerError(ErrorCode.INVALID, "the address is a string")
         routing = self._routing_type(spec.get("routing_type", RoutingType.ANYCAST))
-        durable = bool(spec.get("durable", True))
+        temporary = bool(spec.get("temporary", False))
+        durable = bool(spec.get("durable", True)) and not temporary  # a temporary queue is never durable
         existing = self.queues.get(name)
         if existing is not None:
             if existing.address != address or existing.routing_type is not routing:
@@ -577,13 +600,12 @@ class Broker:
             return {"created": False, "queue": name, "address": address}
         self._validate(address, wildcards=True)
         self._check_create(session, address, durable)
-        temporary = bool(spec.get("temporary", False))
         lvq = spec.get("last_value_key")
         max_consumers = spec.get("max_consumers", -1)
         if (lvq is not None and not isinstance(lvq, str)) or type(max_consumers) is not int:
             raise BrokerError(ErrorCode.INVALID, "last_value_key is a string, max_consumers an integer")
         self._create_queue(
-            name, address, routing, durable=durable and not temporary, now_ms=now_ms,
+            name, address, routing, durable=durable, now_ms=now_ms,
             filter_text=spec.get("filter"), temporary=temporary, exclusive=bool(spec.get("exclusive", False)),
             last_value_key=lvq, max_consumers=max_consumers, auto_delete=bool(spec.get("auto_delete", False)),
             owner=session if temporary else None,
@@ -667,8 +689,9 @@ class Broker:
         self._invalidate_routes()
 
     def _maybe_auto_delete(self, queue: Queue, now_ms: int) -> None:
-        if queue.auto_delete and not queue.consumers and not len(queue) and queue.name in self.queues:
-            self._delete_queue(queue, now_ms)
+        if queue.auto_delete and not queue.consumers and not len(queue) and queue.name in self.queues \
+                and not any(timer[2] is queue for timer in self._timers):  # fmt: skip
+            self._delete_queue(queue, now_ms)  # (a timer holds a delayed or scheduled message of the queue)
 
     # ------------------------------------------------------------------ dead letters, expiry, timers
     def _dead_letter(self, queue: Queue, message: WireMessage, reason: str, settings: ResolvedAddressSettings,
@@ -715,7 +738,7 @@ class Broker:
         copy[M_EXPIRATION] = 0
         copy[M_SCHEDULED] = 0
         copy[M_DEDUP] = None
-        copy[M_PROPS] = {**message[M_PROPS], ORIGINAL_ADDRESS: queue.address, ORIGINAL_QUEUE: queue.name,
+        copy[M_PROPS] = {**message[M_PROPS], ORIGINAL_ADDRESS: message[M_ADDRESS], ORIGINAL_QUEUE: queue.name,
                          ORIGINAL_REASON: reason}  # fmt: skip
         if target not in self.addresses and \
                 self.address_settings.resolve(target).auto_create_dead_letter_resources:  # fmt: skip

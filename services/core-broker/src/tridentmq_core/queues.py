@@ -77,10 +77,34 @@ class Consumer:
 
 class Queue:
     __slots__ = (
-        "acked", "added", "address", "auto_created", "auto_delete", "consumers", "dead_lettered",
-        "delivered", "durable", "exclusive", "expired", "filter", "last_value_key", "max_consumers", "name",
-        "owner", "routing_type", "temporary", "_count", "_dirty", "_expiring", "_groups", "_high", "_levels",
-        "_lvq", "_returned", "_rr", "_sink",
+        "_count",
+        "_dirty",
+        "_expiring",
+        "_groups",
+        "_high",
+        "_levels",
+        "_lvq",
+        "_returned",
+        "_rr",
+        "_sink",
+        "acked",
+        "added",
+        "address",
+        "auto_created",
+        "auto_delete",
+        "consumers",
+        "dead_lettered",
+        "delivered",
+        "durable",
+        "exclusive",
+        "expired",
+        "filter",
+        "last_value_key",
+        "max_consumers",
+        "name",
+        "owner",
+        "routing_type",
+        "temporary",
     )  # fmt: skip
 
     def __init__(
@@ -92,7 +116,7 @@ class Queue:
         sink: DeliverySink,
         dirty: set[Session],
         durable: bool = False,
-        filter: Selector | None = None,  # noqa: A002 - Artemis' name for a queue filter
+        filter: Selector | None = None,
         temporary: bool = False,
         exclusive: bool = False,
         last_value_key: str | None = None,
@@ -148,8 +172,7 @@ class Queue:
             self._replace_last_value(message)
         priority = message[M_PRIORITY]
         self._levels[priority].append(message)
-        if priority > self._high:
-            self._high = priority
+        self._high = max(self._high, priority)
         self._count += 1
         self.added += 1
         if message[M_EXPIRATION]:
@@ -175,12 +198,11 @@ class Queue:
                 self._sink.on_acked(self, previous)  # superseded: gone for good, like an ack
         self._lvq[key] = message
 
-    def _pop(self) -> WireMessage:
+    def _pop_level(self) -> None:
+        """Move ``_high`` down to the highest non-empty priority (callers know one exists)."""
         levels = self._levels
         while not levels[self._high]:
             self._high -= 1
-        self._count -= 1
-        return levels[self._high].popleft()
 
     def _forget(self, message: WireMessage) -> None:
         if message[M_EXPIRATION]:
@@ -190,10 +212,16 @@ class Queue:
 
     def return_message(self, message: WireMessage, delivery_count: int) -> None:
         """Put a message back at the head of its priority (after nack, release, close, rollback)."""
+        if self._lvq:
+            newer = self._lvq.get(self._lvq_key(message))
+            if newer is not None and newer is not message:
+                # A newer value for its key arrived while it was out: superseded, as in _replace_last_value.
+                self._forget(message)
+                self._sink.on_acked(self, message)
+                return
         priority = message[M_PRIORITY]
         self._levels[priority].appendleft(message)
-        if priority > self._high:
-            self._high = priority
+        self._high = max(self._high, priority)
         self._count += 1
         if delivery_count > 0:
             self._returned[message[M_ID]] = delivery_count
@@ -270,8 +298,14 @@ class Queue:
 
     def _dispatch_fast(self, ready: list[Consumer], now_ms: int) -> None:
         rr = self._rr
+        deliver = self._deliver
         while ready and self._count:
-            message = self._pop()
+            level = self._levels[self._high]
+            if not level:
+                self._pop_level()
+                continue
+            message = level.popleft()
+            self._count -= 1
             expiration = message[M_EXPIRATION]
             if expiration and expiration <= now_ms:
                 self._forget(message)
@@ -282,9 +316,9 @@ class Queue:
                 self._rr = rr
                 self._dispatch_scan(ready, now_ms)
                 return
-            consumer = ready[rr % len(ready)]
+            consumer = ready[rr % len(ready)] if len(ready) > 1 else ready[0]
             rr += 1
-            self._deliver(consumer, message)
+            deliver(consumer, message)
             if not consumer.credit:
                 ready.remove(consumer)
         self._rr = rr
@@ -341,7 +375,8 @@ class Queue:
         self.delivered += 1
         session = consumer.session
         session.conn.deliver(consumer.id, count, message)
-        self._dirty.add(session)
+        if session not in self._dirty:
+            self._dirty.add(session)
         if consumer.auto_ack:
             self._forget(message)
             self.acked += 1

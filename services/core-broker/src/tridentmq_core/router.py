@@ -37,8 +37,7 @@ def validate_address(address: str, *, allow_wildcards: bool) -> str:
         raise InvalidAddress("address must not be empty")
     if len(address) > MAX_ADDRESS_LENGTH:
         raise InvalidAddress(
-            f"address is {len(address)} characters long, the limit is {MAX_ADDRESS_LENGTH}: "
-            f"{address[:40]!r}..."
+            f"address is {len(address)} characters long, the limit is {MAX_ADDRESS_LENGTH}: {address[:40]!r}..."
         )
     bad = _CONTROL_CHARS.search(address)
     if bad is not None:
@@ -51,8 +50,7 @@ def validate_address(address: str, *, allow_wildcards: bool) -> str:
     for position, word in enumerate(words):
         if not word:
             raise InvalidAddress(
-                f"address {address!r} has an empty word at position {position} "
-                "(leading, trailing or doubled '.')"
+                f"address {address!r} has an empty word at position {position} (leading, trailing or doubled '.')"
             )
         if word in _WILDCARD_WORDS:
             if not allow_wildcards:

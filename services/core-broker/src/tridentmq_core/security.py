@@ -12,13 +12,13 @@ import hmac
 import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 from tridentmq_core.router import pattern_matches
 from tridentmq_core.settings import PermissionEntry, UserEntry
 
 
-class Permission(str, Enum):
+class Permission(StrEnum):
     SEND = "send"
     CONSUME = "consume"
     BROWSE = "browse"
@@ -49,7 +49,8 @@ class Principal:
         found = self._cache.get(key)
         if found is None:
             found = any(
-                g.permission == permission.value and self.roles.intersection(g.roles)
+                g.permission == permission.value
+                and self.roles.intersection(g.roles)
                 and pattern_matches(g.match, address)
                 for g in self._grants
             )

@@ -470,9 +470,7 @@ class _Token(NamedTuple):
     number: int | float = 0
 
 
-_KEYWORDS: Final = frozenset(
-    {"AND", "OR", "NOT", "BETWEEN", "LIKE", "ESCAPE", "IN", "IS", "NULL", "TRUE", "FALSE"}
-)
+_KEYWORDS: Final = frozenset({"AND", "OR", "NOT", "BETWEEN", "LIKE", "ESCAPE", "IN", "IS", "NULL", "TRUE", "FALSE"})
 # Longest first, so '<=' is not read as '<' then '='.
 _OPERATORS: Final = ("<>", "<=", ">=", "=", "<", ">", "+", "-", "*", "/", "(", ")", ",")
 _COMPARISON_OPS: Final = frozenset({"=", "<>", "<", ">", "<=", ">="})
@@ -711,9 +709,7 @@ class _Parser:
         else:
             return left
         after = self._peek()
-        if (after.kind == "op" and after.text in _COMPARISON_OPS) or self._at_keyword(
-            "IS", "BETWEEN", "LIKE", "IN"
-        ):
+        if (after.kind == "op" and after.text in _COMPARISON_OPS) or self._at_keyword("IS", "BETWEEN", "LIKE", "IN"):
             raise SelectorError("comparisons do not chain; add parentheses", after.pos)
         return node
 

@@ -69,7 +69,7 @@ class LinkProtocol(asyncio.Protocol):
         self.peer = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         if len(self.node.protocols) >= self.node.settings.link.max_connections:
             log.warning("connection refused: limit reached", extra={"peer": self.peer})
-            transport.abort()
+            self.transport.abort()
             return
         self.node.protocols[self.conn_id] = self
 
@@ -97,7 +97,7 @@ class LinkProtocol(asyncio.Protocol):
                 self.write_pending()
                 self.close_transport()
                 return
-            self.conn.accept(self.node.node_id, self.conn_id, self.node.settings.link.publish_window)
+            self.conn.accept(self.node.node_id, self.conn_id, self.node.settings.link.publish_window, time.monotonic())
             self.session = self.node.broker.open_session(self.conn, self.conn_id, principal, self.peer,
                                                          event.client_name, _now_ms())  # fmt: skip
             self.write_pending()
@@ -144,8 +144,16 @@ class CoreNode:
             self.audit = FileAuditSink(audit_dir, self.node_id, roll_bytes=settings.audit.roll_bytes,
                                        roll_seconds=settings.audit.roll_seconds,
                                        heartbeat_seconds=settings.audit.heartbeat_seconds)  # fmt: skip
-        self.broker = Broker(self.node_id, settings, store=MemoryStore(), audit=self.audit,
-                             first_message_id=_now_ms() << 20, audit_messages=settings.audit.message_events)  # fmt: skip
+        # Message ids start at the clock (ms) shifted left 20 bits: unique across restarts of this node
+        # unless it accepts more than a million messages per millisecond.
+        self.broker = Broker(
+            self.node_id,
+            settings,
+            store=MemoryStore(),
+            audit=self.audit,
+            first_message_id=_now_ms() << 20,
+            audit_messages=settings.audit.message_events,
+        )
         self.status = NodeStatus(started_at=time.time())
         self.rates = QueueRates()
         self.protocols: dict[str, LinkProtocol] = {}
@@ -201,7 +209,7 @@ class CoreNode:
             try:
                 protocol.write_pending()
             except LinkError as exc:  # an operation larger than the peer accepts: a bug, not the peer's
-                log.error("cannot frame output", extra={"conn": session.conn_id, "reason": exc.text})
+                log.exception("cannot frame output", extra={"conn": session.conn_id, "reason": exc.text})
                 protocol.close_transport()
 
     async def _tick_forever(self) -> None:
@@ -244,4 +252,3 @@ class CoreNode:
             await self._runner.cleanup()
         self.audit.close()
         log.info("core node stopped", extra={"node_id": self.node_id})
-

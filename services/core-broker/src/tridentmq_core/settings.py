@@ -41,9 +41,12 @@ class AuditSection:
     roll_bytes: int = doc(64 * 1024 * 1024, "Seal a segment when it reaches this size.")
     roll_seconds: float = doc(60.0, "Seal a segment when it is this old.")
     heartbeat_seconds: float = doc(10.0, "Interval of node.heartbeat events (they advance Spark watermarks).")
-    message_events: str = doc("durable", "Per-message events (msg.sent, msg.acked, …): `all`, `durable` (only "
-                              "durable messages, the default: non-durable traffic can outrun the writer) "
-                              "or `none`. Lifecycle, expiry and dead-letter events are always written.")
+    message_events: str = doc(
+        "durable",
+        "Per-message events (msg.sent, msg.acked, …): `all`, `durable` (only "
+        "durable messages, the default: non-durable traffic can outrun the writer) "
+        "or `none`. Lifecycle, expiry and dead-letter events are always written.",
+    )
 
 
 @dataclass(frozen=True)
@@ -73,8 +76,10 @@ class PermissionEntry:
 @dataclass(frozen=True)
 class AddressSettingsEntry:
     match: str = doc("#", "Address pattern; the most specific match wins, unset fields fall through.")
-    dead_letter_address: str | None = doc(None, "Where messages go after max delivery attempts (default `DLQ`; `\"\"` = drop).")
-    expiry_address: str | None = doc(None, "Where expired messages go (default `ExpiryQueue`; `\"\"` = drop).")
+    dead_letter_address: str | None = doc(
+        None, 'Where messages go after max delivery attempts (default `DLQ`; `""` = drop).'
+    )
+    expiry_address: str | None = doc(None, 'Where expired messages go (default `ExpiryQueue`; `""` = drop).')
     max_delivery_attempts: int | None = doc(None, "Deliveries before dead-lettering (default 10; -1 = forever).")
     redelivery_delay_ms: int | None = doc(None, "Delay before a nacked message is redelivered (default 0).")
     redelivery_multiplier: float | None = doc(None, "Factor applied to the delay per attempt (default 1.0).")

@@ -31,7 +31,9 @@ def format_table(headers: list[str], rows: list[list[Any]]) -> str:
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = []
     for n, row in enumerate(cells):
-        lines.append("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths))))
+        lines.append(
+            "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths, strict=True)))
+        )
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -49,8 +51,10 @@ def status_text(status: dict[str, Any]) -> str:
     counters = status.get("counters", {})
     lines = [
         f"node        {status.get('name')} ({status.get('node_id')})",
-        f"state       {'ready' if status.get('ready') else 'starting'}, up {status.get('uptime_s', 0):.0f} s, "
-        f"link port {status.get('link_port')}",
+        (
+            f"state       {'ready' if status.get('ready') else 'starting'}, up {status.get('uptime_s', 0):.0f} s, "
+            f"link port {status.get('link_port')}"
+        ),
         f"links       {status.get('connections')}",
         f"addresses   {status.get('addresses')}   queues {status.get('queues')}",
         f"messages    {status.get('messages')} queued, {status.get('in_flight')} in flight",
@@ -60,7 +64,18 @@ def status_text(status: dict[str, Any]) -> str:
 
 
 def queue_table(queues: list[dict[str, Any]]) -> str:
-    headers = ["queue", "address", "type", "depth", "consumers", "in-flight", "added", "acked", "in/s", "ack/s"]
+    headers = [
+        "queue",
+        "address",
+        "type",
+        "depth",
+        "consumers",
+        "in-flight",
+        "added",
+        "acked",
+        "in/s",
+        "ack/s",
+    ]
     rows = [[q["name"], q["address"], q["routing_type"], q["depth"], q["consumers"], q["in_flight"], q["added"],
              q["acked"], q.get("enqueue_rate", 0.0), q.get("ack_rate", 0.0)] for q in queues]  # fmt: skip
     return format_table(headers, rows) if rows else "no queues"

@@ -89,7 +89,7 @@ async def supervise(children: list[Child]) -> int:
     for child in children:
         if child.process is not None and child.process.returncode is None:
             child.process.send_signal(signal.SIGTERM)
-    done, _ = await asyncio.wait(tasks, timeout=GRACE_SECONDS)
+    await asyncio.wait(tasks, timeout=GRACE_SECONDS)
     for child in children:
         if child.process is not None and child.process.returncode is None:
             print(f"{child.name} did not stop in {GRACE_SECONDS:.0f} s; killing it", file=sys.stderr, flush=True)

@@ -20,12 +20,17 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from tridentmq_shared.link import events as ev
-from tridentmq_shared.link.codec import DEFAULT_HEARTBEAT_MS, LinkConnection, Role
+from tridentmq_shared.link.codec import DEFAULT_HEARTBEAT_MS, LinkConnection, Role, State
 from tridentmq_shared.link.errors import LinkError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import M_BODY, M_DEDUP, M_DURABLE, M_ID, M_PROPS, RoutingType, WireMessage
 
 log = logging.getLogger("tridentmq.link.client")
+_OPEN = State.OPEN  # a module constant: enum member access is slow on the publish path
+
+#: Write as soon as this many operations are queued, so a long burst streams instead of piling up into
+#: one huge frame that the peer can only start on once it has all of it.
+EARLY_WRITE_OPERATIONS = 256
 
 
 class LinkRequestError(Exception):
@@ -52,11 +57,15 @@ class ReconnectPolicy:
     initial_attempts: int = 1
 
 
-@dataclass(frozen=True, slots=True)
 class Delivery:
-    consumer: Consumer
-    delivery_count: int
-    message: WireMessage
+    """One message handed to a consumer (a plain slotted class: one is made per message)."""
+
+    __slots__ = ("consumer", "delivery_count", "message")
+
+    def __init__(self, consumer: Consumer, delivery_count: int, message: WireMessage) -> None:
+        self.consumer = consumer
+        self.delivery_count = delivery_count
+        self.message = message
 
     @property
     def id(self) -> int:
@@ -87,38 +96,53 @@ class Consumer:
         self.info: dict[str, Any] = {}
         self.browse_done = False
         self.closed: LinkRequestError | None = None
-        self._buffer: deque[Delivery] = deque()
+        self._buffer: deque[list[Any]] = deque()  # raw DELIVER operations; wrapped when taken
         self._taken = 0
         self._waiter: asyncio.Future[None] | None = None
-
-    def _push(self, delivery: Delivery) -> None:
-        self._buffer.append(delivery)
-        self._wake()
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    async def get(self, timeout: float | None = None) -> Delivery | None:
-        """The next delivery; None at the end of a browse or after ``timeout`` seconds."""
+    async def _wait(self, timeout: float | None) -> bool:
+        """Wait until deliveries are buffered: False at the end of a browse or after ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._buffer:
             if self.closed is not None:
                 raise self.closed
             if self.browse_done:
-                return None
+                return False
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                return None
+                return False
             self._waiter = asyncio.get_running_loop().create_future()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._waiter, remaining)
-        delivery = self._buffer.popleft()
-        self._taken += 1
+        return True
+
+    def _took(self, count: int) -> None:
+        self._taken += count
         if self._taken * 2 >= self.window:
-            self.client._flow(self, self._taken)  # noqa: SLF001 - the consumer and its client are one unit
+            self.client._flow(self, self._taken)
             self._taken = 0
-        return delivery
+
+    async def get(self, timeout: float | None = None) -> Delivery | None:
+        """The next delivery; None at the end of a browse or after ``timeout`` seconds."""
+        if not self._buffer and not await self._wait(timeout):
+            return None
+        _, _, count, message = self._buffer.popleft()
+        self._took(1)
+        return Delivery(self, count, message)
+
+    async def get_batch(self, timeout: float | None = None) -> list[tuple[int, WireMessage]]:
+        """Everything buffered at once as (delivery count, message) pairs, for high-rate consumers;
+        empty at the end of a browse or after ``timeout``."""
+        if not self._buffer and not await self._wait(timeout):
+            return []
+        batch = [(op[2], op[3]) for op in self._buffer]
+        self._buffer.clear()
+        self._took(len(batch))
+        return batch
 
     def __aiter__(self) -> AsyncIterator[Delivery]:
         return self._iterate()
@@ -128,13 +152,13 @@ class Consumer:
             yield delivery
 
     def ack(self, *deliveries: Delivery, tx_id: int = 0) -> None:
-        self.client._ack(self, [d.id for d in deliveries], tx_id)  # noqa: SLF001
+        self.client._ack(self, [d.id for d in deliveries], tx_id)
 
     def nack(self, *deliveries: Delivery, mode: NackMode = NackMode.REDELIVER) -> None:
-        self.client._nack(self, [d.id for d in deliveries], mode)  # noqa: SLF001
+        self.client._nack(self, [d.id for d in deliveries], mode)
 
     async def close(self) -> None:
-        await self.client._unsubscribe(self)  # noqa: SLF001
+        await self.client._unsubscribe(self)
 
 
 class _Protocol(asyncio.Protocol):
@@ -146,10 +170,10 @@ class _Protocol(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
 
     def data_received(self, data: bytes) -> None:
-        self.client._received(self, data)  # noqa: SLF001
+        self.client._received(self, data)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.client._lost(self, exc)  # noqa: SLF001
+        self.client._lost(self, exc)
 
 
 class LinkClient:
@@ -220,7 +244,8 @@ class LinkClient:
         self._conn = conn
         self._opened = loop.create_future()
         transport, protocol = await asyncio.wait_for(
-            loop.create_connection(lambda: _Protocol(self), self.host, self.port), self.connect_timeout)
+            loop.create_connection(lambda: _Protocol(self), self.host, self.port), self.connect_timeout
+        )
         self._protocol = protocol
         conn.hello(self.user, self.password, self.client_name)
         transport.write(conn.data_to_send())
@@ -280,11 +305,17 @@ class LinkClient:
         match event:
             case ev.Deliveries(ops):
                 consumers = self._consumers
-                for _, consumer_id, count, message in ops:
-                    consumer = consumers.get(consumer_id)
+                woken = set()
+                for op in ops:
+                    consumer = consumers.get(op[1])
                     if consumer is not None:
-                        consumer._push(Delivery(consumer, count, message))  # noqa: SLF001
+                        consumer._buffer.append(op)
+                        woken.add(consumer)
+                for consumer in woken:
+                    consumer._wake()
             case ev.Confirms(ranges):
+                if not self._unconfirmed:
+                    return
                 for first, last in ranges:
                     for seq in range(first, last + 1):
                         entry = self._unconfirmed.pop(seq, None)
@@ -317,12 +348,12 @@ class LinkClient:
                 consumer = self._consumers.pop(consumer_id, None)
                 if consumer is not None:
                     consumer.closed = LinkRequestError(code, text)
-                    consumer._wake()  # noqa: SLF001
+                    consumer._wake()
             case ev.BrowseDone(consumer_id):
                 consumer = self._consumers.get(consumer_id)
                 if consumer is not None:
                     consumer.browse_done = True
-                    consumer._wake()  # noqa: SLF001
+                    consumer._wake()
             case ev.Closed(code, text):
                 self._error = LinkClosedError(code, text)
                 if self._opened is not None and not self._opened.done():
@@ -364,8 +395,8 @@ class LinkClient:
         old_consumers = list(self._consumers.values())
         self._consumers.clear()
         for consumer in old_consumers:
-            consumer._buffer.clear()  # noqa: SLF001 - the server requeued them; they will come again
-            consumer._taken = 0  # noqa: SLF001
+            consumer._buffer.clear()
+            consumer._taken = 0
             req_id, consumer.consumer_id = conn.subscribe(consumer.queue, consumer.window, consumer.options)
             self._consumers[consumer.consumer_id] = consumer
             self._requests[req_id] = asyncio.get_running_loop().create_future()
@@ -398,7 +429,7 @@ class LinkClient:
         self._credit_waiters.clear()
         for consumer in self._consumers.values():
             consumer.closed = error
-            consumer._wake()  # noqa: SLF001
+            consumer._wake()
 
     # ------------------------------------------------------------------ output
     def _schedule_flush(self) -> None:
@@ -416,7 +447,7 @@ class LinkClient:
             protocol.transport.write(data)
 
     def _live(self) -> LinkConnection:
-        if self._conn is None or self._conn.state.value != "open":
+        if self._conn is None or self._conn.state is not _OPEN:
             raise self._error or LinkClosedError(ErrorCode.EOF, "not connected")
         return self._conn
 
@@ -464,7 +495,7 @@ class LinkClient:
         await self._call(self._live().unsubscribe(consumer.consumer_id))
 
     def _flow(self, consumer: Consumer, credit: int) -> None:
-        if self._conn is not None and self._conn.state.value == "open":
+        if self._conn is not None and self._conn.state is _OPEN:
             self._conn.flow(consumer.consumer_id, credit)
             self._schedule_flush()
 
@@ -501,11 +532,34 @@ class LinkClient:
         await self._wait_credit()
         if message[M_DURABLE] and message[M_DEDUP] is None:
             message[M_DEDUP] = f"{self.producer_id}:{next(self._dedup_seq)}"
-        seq = self._live().publish(message, tx_id)
+        conn = self._live()
+        seq = conn.publish(message, tx_id)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._unconfirmed[seq] = (message, seq, future)
-        self._schedule_flush()
+        if conn.pending_operations >= EARLY_WRITE_OPERATIONS:
+            self._write_now()
+        else:
+            self._schedule_flush()
         return future
+
+    @property
+    def publish_credit(self) -> int:
+        """Publishes the server allows right now (``send_nowait`` may be called this many times)."""
+        return self._conn.publish_credit if self._conn is not None else 0
+
+    async def wait_for_credit(self) -> None:
+        await self._wait_credit()
+
+    def send_nowait(self, message: WireMessage) -> None:
+        """Publish without a confirm future, for high-rate non-durable producers: the server still
+        confirms, but nothing here waits for it and nothing is re-sent after a reconnect (at most once).
+        Raises ``LocalProtocolError`` when ``publish_credit`` is 0."""
+        conn = self._live()
+        conn.publish(message)
+        if conn.pending_operations >= EARLY_WRITE_OPERATIONS:
+            self._write_now()
+        else:
+            self._schedule_flush()
 
     async def publish(self, message: WireMessage, tx_id: int = 0) -> None:
         """Publish and wait for the confirm (raises ``LinkRequestError`` on a rejection)."""

@@ -11,6 +11,7 @@ link costs one write and one msgpack call per event-loop iteration, not per mess
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum
 from typing import Any, Final, NoReturn
 
@@ -29,6 +30,11 @@ HEARTBEAT_TIMEOUT_FACTOR: Final = 4
 MIN_FRAME_SIZE: Final = 64 * 1024
 
 _NACK_MODES: Final = frozenset(int(m) for m in NackMode)
+#: Error texts are cut to this length so a CLOSE always fits in a frame.
+MAX_ERROR_TEXT: Final = 512
+_PUBLISH: Final = int(Op.PUBLISH)
+_DELIVER: Final = int(Op.DELIVER)
+_CONFIRM: Final = int(Op.CONFIRM)
 _OPT_STR: Final = (str, type(None))
 
 
@@ -43,6 +49,13 @@ class State(Enum):
     OPEN = "open"
     CLOSED = "closed"
 
+
+# Enum members as plain module constants: on Python 3.11 ``State.OPEN`` costs a descriptor call, and
+# the state is checked for every message.
+_OPEN: Final = State.OPEN
+_CLOSED: Final = State.CLOSED
+_SERVER: Final = Role.SERVER
+_CLIENT: Final = Role.CLIENT
 
 # Field types of control operations after the op code, checked before an event is built.
 _FIELDS: Final[dict[int, tuple[type | tuple[type, ...], ...]]] = {
@@ -85,7 +98,7 @@ _RECEIVES: Final = {
     }),
 }  # fmt: skip
 
-_SIMPLE_REQUESTS: Final = {
+_SIMPLE_REQUESTS: Final[dict[int, Callable[[int, Any], ev.Event]]] = {
     Op.DELETE_ADDRESS: ev.DeleteAddress,
     Op.DELETE_QUEUE: ev.DeleteQueue,
     Op.UNSUBSCRIBE: ev.Unsubscribe,
@@ -93,7 +106,7 @@ _SIMPLE_REQUESTS: Final = {
     Op.TX_COMMIT: ev.TxCommit,
     Op.TX_ROLLBACK: ev.TxRollback,
 }
-_BATCHED: Final = {Op.PUBLISH: ev.Publishes, Op.DELIVER: ev.Deliveries, Op.ACK: ev.Acks, Op.NACK: ev.Nacks}
+_BATCHED: Final[dict[int, Callable[[list[ev.OpList]], ev.Event]]] = {Op.PUBLISH: ev.Publishes, Op.DELIVER: ev.Deliveries, Op.ACK: ev.Acks, Op.NACK: ev.Nacks}
 
 
 class LinkConnection:
@@ -119,7 +132,7 @@ class LinkConnection:
         self.heartbeat_ms = heartbeat_ms  # our wish until the handshake, the agreed interval after it
         self._peer_max_frame = DEFAULT_MAX_FRAME_SIZE
         self._inbuf = bytearray()
-        self._out: list[list[Any]] = []
+        self._out: list[list[Any] | tuple[Any, ...]] = []
         self._packer = msgpack.Packer(autoreset=True)
         # heartbeats
         self._last_recv = 0.0
@@ -130,20 +143,29 @@ class LinkConnection:
         self.publish_credit = 0
         self._open_confirm: list[Any] | None = None
         # client: ids and per-consumer delivery windows
-        self._next_req_id = 1
+        self._hello_sent = False
+        self._next_req_id = 0
         self._next_consumer_id = 1
         self._next_tx_id = 1
         self.consumer_credit: dict[int, int] = {}
         self._released_consumers: set[int] = set()
 
+    @property
+    def open(self) -> bool:
+        return self.state is _OPEN
+
+    @property
+    def closed(self) -> bool:
+        return self.state is _CLOSED
+
     # ------------------------------------------------------------------ receiving
     def receive_data(self, data: bytes, now: float) -> list[ev.Event]:
         """Feed bytes read from the peer; ``b""`` means end of stream."""
-        if self.state is State.CLOSED:
+        if self.state is _CLOSED:
             return []
         self._last_recv = now
         if not data:
-            self.state = State.CLOSED
+            self.state = _CLOSED
             return [ev.Closed(ErrorCode.EOF, "the peer closed the connection")]
         buf = self._inbuf
         buf += data
@@ -160,7 +182,7 @@ class LinkConnection:
                 start = pos + HEADER_SIZE
                 pos = start + size
                 self._receive_frame(view[start:pos], now, events)
-                if self.state is State.CLOSED:
+                if self.closed:
                     break
         del buf[:pos]
         return events
@@ -174,16 +196,32 @@ class LinkConnection:
             self._fail(ErrorCode.MALFORMED, "a frame holds a non-empty array of operations")
         if len(ops) > self.max_ops_per_frame:
             self._fail(ErrorCode.MALFORMED, f"more than {self.max_ops_per_frame} operations in a frame")
-        if self.state is not State.OPEN:
-            self._receive_handshake(ops, now, events)
-            return
+        if self.state is not _OPEN:
+            self._receive_handshake(ops[0], len(ops), now, events)
+            if not self.open or len(ops) == 1:
+                return
+            ops = ops[1:]  # a client may find the server's first operations behind WELCOME
         receives = _RECEIVES[self.role]
+        hot = _PUBLISH if self.role is _SERVER else _DELIVER
+        max_properties = self.max_properties
         batch_code = -1
         batch: list[list[Any]] = []
         for op in ops:
             if type(op) is not list or not op or type(op[0]) is not int:
                 self._fail(ErrorCode.MALFORMED, "an operation is a non-empty array starting with its code")
             code = op[0]
+            # The per-message operation of this direction, checked inline: it is most of the traffic.
+            if code == hot and len(op) == 4 and type(op[1]) is int and type(op[2]) is int:
+                self._count_hot(op)
+                problem = check_message(op[3], max_properties)
+                if problem is not None:
+                    self._fail(ErrorCode.MALFORMED, problem)
+                if code != batch_code:
+                    batch = []
+                    batch_code = code
+                    events.append(_BATCHED[code](batch))
+                batch.append(op)
+                continue
             if code not in receives:
                 self._fail(ErrorCode.UNEXPECTED, f"operation {code} is not valid from the {self._peer_name()}")
             self._check_fields(op)
@@ -199,7 +237,7 @@ class LinkConnection:
             event = self._control_event(code, op)
             if event is not None:
                 events.append(event)
-            if self.state is State.CLOSED:
+            if self.closed:
                 return
 
     def _check_fields(self, op: list[Any]) -> None:
@@ -210,25 +248,29 @@ class LinkConnection:
             if not isinstance(value, kind):
                 self._fail(ErrorCode.MALFORMED, f"operation {op[0]}: field of type {type(value).__name__}")
 
-    def _check_batched(self, code: int, op: list[Any]) -> None:
-        if code == Op.PUBLISH:
+    def _count_hot(self, op: list[Any]) -> None:
+        """Sequence and window accounting of a PUBLISH (server side) or a DELIVER (client side)."""
+        if op[0] == _PUBLISH:
             if op[1] != self._next_seq:
                 self._fail(ErrorCode.MALFORMED, f"publish sequence {op[1]}, expected {self._next_seq}")
             self._next_seq += 1
             self.publish_credit -= 1
             if self.publish_credit < 0:
                 self._fail(ErrorCode.CREDIT, "publish beyond the granted publish window")
-            self._check_message(op[3])
-        elif code == Op.DELIVER:
-            consumer_id = op[1]
-            credit = self.consumer_credit.get(consumer_id)
-            if credit is None:
-                if consumer_id not in self._released_consumers:
-                    self._fail(ErrorCode.UNEXPECTED, f"delivery to unknown consumer {consumer_id}")
-            elif credit <= 0:
-                self._fail(ErrorCode.CREDIT, f"delivery to consumer {consumer_id} without credit")
-            else:
-                self.consumer_credit[consumer_id] = credit - 1
+            return
+        consumer_id = op[1]
+        credit = self.consumer_credit.get(consumer_id)
+        if credit is None:
+            if consumer_id not in self._released_consumers:
+                self._fail(ErrorCode.UNEXPECTED, f"delivery to unknown consumer {consumer_id}")
+        elif credit <= 0:
+            self._fail(ErrorCode.CREDIT, f"delivery to consumer {consumer_id} without credit")
+        else:
+            self.consumer_credit[consumer_id] = credit - 1
+
+    def _check_batched(self, code: int, op: list[Any]) -> None:
+        if code in (_PUBLISH, _DELIVER):
+            self._count_hot(op)
             self._check_message(op[3])
         elif code == Op.ACK:
             if not all(type(i) is int for i in op[3]):
@@ -245,7 +287,7 @@ class LinkConnection:
         if code == Op.HEARTBEAT:
             return None
         if code == Op.CLOSE:
-            self.state = State.CLOSED
+            self.state = _CLOSED
             return ev.Closed(op[1], op[2])
         if code in _SIMPLE_REQUESTS:
             return _SIMPLE_REQUESTS[code](op[1], op[2])
@@ -287,24 +329,24 @@ class LinkConnection:
                 return ev.BrowseDone(op[1])
         raise AssertionError(f"unhandled operation {code}")  # _RECEIVES and this match agree
 
-    def _receive_handshake(self, ops: list[Any], now: float, events: list[ev.Event]) -> None:
-        op = ops[0]
-        expected = Op.HELLO if self.role is Role.SERVER else Op.WELCOME
-        if type(op) is list and op and op[0] == Op.CLOSE and len(op) == 3:
-            self.state = State.CLOSED
-            events.append(ev.Closed(str(op[1]), str(op[2])))
+    def _receive_handshake(self, op: Any, count: int, now: float, events: list[ev.Event]) -> None:
+        expected = Op.HELLO if self.role is _SERVER else Op.WELCOME
+        if type(op) is list and len(op) == 3 and op[0] == Op.CLOSE and type(op[0]) is int:
+            self.state = _CLOSED
+            code, text = (v if type(v) is str else "?" for v in op[1:])
+            events.append(ev.Closed(code[:MAX_ERROR_TEXT], text[:MAX_ERROR_TEXT]))
             return
-        if self.state is not State.HANDSHAKE or type(op) is not list or not op or op[0] != expected:
+        if (self.state is not State.HANDSHAKE or type(op) is not list or not op or type(op[0]) is not int
+                or op[0] != expected):  # fmt: skip
             self._fail(ErrorCode.UNEXPECTED, f"expected {expected.name} first, and nothing before the answer")
-        if len(ops) != 1:
-            self._fail(ErrorCode.UNEXPECTED, f"{expected.name} travels alone in its frame")
+        if count != 1 and self.role is _SERVER:
+            self._fail(ErrorCode.UNEXPECTED, "HELLO travels alone in its frame")
         self._check_fields(op)
-        if self.role is Role.SERVER:
+        if self.role is _SERVER:
             _, versions, user, password, client_name, heartbeat_ms, max_frame = op
             common = set(PROTOCOL_VERSIONS) & {v for v in versions if type(v) is int}
             if not common:
-                self._fail(ErrorCode.VERSION, f"no common protocol version: offered {versions}, "
-                                              f"supported {list(PROTOCOL_VERSIONS)}")  # fmt: skip
+                self._fail(ErrorCode.VERSION, f"no common protocol version (supported: {list(PROTOCOL_VERSIONS)})")
             if max_frame < MIN_FRAME_SIZE:
                 self._fail(ErrorCode.INVALID, f"max frame size below {MIN_FRAME_SIZE}")
             self.version = max(common)
@@ -313,16 +355,16 @@ class LinkConnection:
             self.heartbeat_ms = max(both) if min(both) > 0 else 0
             self.state = State.AUTHENTICATING
             events.append(ev.HelloReceived(self.version, user, password, client_name, self.heartbeat_ms))
-        else:
-            _, version, node_id, conn_id, heartbeat_ms, max_frame, credit = op
-            if version not in PROTOCOL_VERSIONS or heartbeat_ms < 0 or credit < 0 or max_frame < MIN_FRAME_SIZE:
-                self._fail(ErrorCode.INVALID, "WELCOME carries values outside what was offered")
-            self.version = version
-            self._peer_max_frame = max_frame
-            self.heartbeat_ms = heartbeat_ms
-            self.publish_credit = credit
-            self.state = State.OPEN
-            events.append(ev.Welcomed(version, node_id, conn_id, heartbeat_ms, credit))
+            return  # the heartbeat clock starts at accept(): authentication may take a while
+        _, version, node_id, conn_id, heartbeat_ms, max_frame, credit = op
+        if version not in PROTOCOL_VERSIONS or heartbeat_ms < 0 or credit < 0 or max_frame < MIN_FRAME_SIZE:
+            self._fail(ErrorCode.INVALID, "WELCOME carries values outside what was offered")
+        self.version = version
+        self._peer_max_frame = max_frame
+        self.heartbeat_ms = heartbeat_ms
+        self.publish_credit = credit
+        self.state = _OPEN
+        events.append(ev.Welcomed(version, node_id, conn_id, heartbeat_ms, credit))
         self._start_heartbeats(now)
 
     # ------------------------------------------------------------------ timers
@@ -332,14 +374,14 @@ class LinkConnection:
 
     def next_deadline(self) -> float | None:
         """When ``handle_timeout`` must be called next (None: no timer needed)."""
-        if self.state is not State.OPEN or self.heartbeat_ms <= 0:
+        if self.state is not _OPEN or self.heartbeat_ms <= 0:
             return None
         timeout = self.heartbeat_ms * HEARTBEAT_TIMEOUT_FACTOR / 1000
         return min(self._next_send_check, self._last_recv + timeout)
 
     def handle_timeout(self, now: float) -> None:
         """Queue a heartbeat if we have been silent; raise if the peer has been silent too long."""
-        if self.state is not State.OPEN or self.heartbeat_ms <= 0:
+        if self.state is not _OPEN or self.heartbeat_ms <= 0:
             return
         interval = self.heartbeat_ms / 1000
         if now - self._last_recv >= interval * HEARTBEAT_TIMEOUT_FACTOR:
@@ -351,6 +393,11 @@ class LinkConnection:
             self._next_send_check = now + interval
 
     # ------------------------------------------------------------------ sending
+    @property
+    def pending_operations(self) -> int:
+        """Operations queued since the last ``data_to_send`` (shells write early past a threshold)."""
+        return len(self._out)
+
     def data_to_send(self) -> bytes:
         """Everything queued since the last call, framed; ``b""`` when there is nothing."""
         if not self._out:
@@ -360,9 +407,9 @@ class LinkConnection:
         self._sent_since_check = True
         return self._frame(ops)
 
-    def _frame(self, ops: list[list[Any]]) -> bytes:
+    def _frame(self, ops: list[list[Any] | tuple[Any, ...]]) -> bytes:
         payload: bytes = self._packer.pack(ops)
-        if len(payload) <= self._peer_max_frame:
+        if len(payload) <= self._peer_max_frame and len(ops) <= self.max_ops_per_frame:
             return len(payload).to_bytes(HEADER_SIZE, "big") + payload
         if len(ops) == 1:
             raise LocalProtocolError(ErrorCode.FRAME_TOO_LARGE, f"one operation of {len(payload)} bytes "
@@ -372,44 +419,47 @@ class LinkConnection:
 
     def close(self, code: str, text: str) -> None:
         """Queue a CLOSE; the caller sends ``data_to_send()`` and then closes the transport."""
-        if self.state is not State.CLOSED:
+        if self.state is not _CLOSED:
             self._out.append([Op.CLOSE, code, text])
-            self.state = State.CLOSED
+            self.state = _CLOSED
 
     def _fail(self, code: str, text: str) -> NoReturn:
+        text = text[:MAX_ERROR_TEXT]
         self._out.append([Op.CLOSE, code, text])
-        self.state = State.CLOSED
+        self.state = _CLOSED
         raise RemoteProtocolError(code, text)
 
     def _peer_name(self) -> str:
-        return "client" if self.role is Role.SERVER else "server"
+        return "client" if self.role is _SERVER else "server"
 
     def _require(self, role: Role) -> None:
+        if self.state is _OPEN and self.role is role:
+            return
         if self.role is not role:
             raise LocalProtocolError(ErrorCode.UNEXPECTED, f"only the {role.value} sends this")
-        if self.state is not State.OPEN:
-            raise LocalProtocolError(ErrorCode.UNEXPECTED, f"link is {self.state.value}, not open")
+        raise LocalProtocolError(ErrorCode.UNEXPECTED, f"link is {self.state.value}, not open")
 
     # ------------------------------------------------------------------ server side
-    def accept(self, node_id: str, conn_id: str, publish_credit: int) -> None:
-        if self.role is not Role.SERVER or self.state is not State.AUTHENTICATING:
+    def accept(self, node_id: str, conn_id: str, publish_credit: int, now: float) -> None:
+        if self.role is not _SERVER or self.state is not State.AUTHENTICATING:
             raise LocalProtocolError(ErrorCode.UNEXPECTED, "accept() answers a HELLO")
         self.publish_credit = publish_credit
-        self.state = State.OPEN
+        self.state = _OPEN
+        self._start_heartbeats(now)
         self._out.append([Op.WELCOME, self.version, node_id, conn_id, self.heartbeat_ms,
                           self.max_frame_size, publish_credit])  # fmt: skip
 
     def refuse(self, code: str, text: str) -> None:
-        if self.role is not Role.SERVER or self.state is not State.AUTHENTICATING:
+        if self.role is not _SERVER or self.state is not State.AUTHENTICATING:
             raise LocalProtocolError(ErrorCode.UNEXPECTED, "refuse() answers a HELLO")
         self.close(code, text)
 
     def reply(self, req_id: int, result: Any = None) -> None:
-        self._require(Role.SERVER)
+        self._require(_SERVER)
         self._out.append([Op.OK, req_id, result])
 
     def error(self, req_id: int, code: str, text: str) -> None:
-        self._require(Role.SERVER)
+        self._require(_SERVER)
         self._out.append([Op.ERROR, req_id, code, text])
 
     def confirm(self, seq: int) -> None:
@@ -418,39 +468,43 @@ class LinkConnection:
         if open_range is not None and open_range[2] + 1 == seq:
             open_range[2] = seq
             return
-        self._open_confirm = [Op.CONFIRM, seq, seq]
+        self._require(_SERVER)
+        self._open_confirm = [_CONFIRM, seq, seq]
         self._out.append(self._open_confirm)
 
     def reject(self, seq: int, code: str, text: str) -> None:
-        self._require(Role.SERVER)
+        self._require(_SERVER)
         self._out.append([Op.REJECT, seq, code, text])
 
     def grant_publish_credit(self, credit: int) -> None:
+        self._require(_SERVER)
         if credit > 0:
             self.publish_credit += credit
             self._out.append([Op.PUBLISH_CREDIT, credit])
 
     def deliver(self, consumer_id: int, delivery_count: int, message: WireMessage) -> None:
-        self._out.append([Op.DELIVER, consumer_id, delivery_count, message])
+        if self.state is not _OPEN or self.role is not _SERVER:
+            self._require(_SERVER)
+        self._out.append((_DELIVER, consumer_id, delivery_count, message))
 
     def consumer_closed(self, consumer_id: int, code: str, text: str) -> None:
-        self._require(Role.SERVER)
+        self._require(_SERVER)
         self._out.append([Op.CONSUMER_CLOSED, consumer_id, code, text])
 
     def browse_done(self, consumer_id: int) -> None:
-        self._require(Role.SERVER)
+        self._require(_SERVER)
         self._out.append([Op.BROWSE_DONE, consumer_id])
 
     # ------------------------------------------------------------------ client side
     def hello(self, user: str | None, password: str | None, client_name: str) -> None:
-        if self.role is not Role.CLIENT or self.state is not State.HANDSHAKE or self._next_req_id != 1:
+        if self.role is not _CLIENT or self.state is not State.HANDSHAKE or self._hello_sent:
             raise LocalProtocolError(ErrorCode.UNEXPECTED, "hello() opens a client link, once")
-        self._next_req_id = 0  # marks HELLO as sent; requests number from 1 again below
+        self._hello_sent = True
         self._out.append([Op.HELLO, list(PROTOCOL_VERSIONS), user, password, client_name,
                           self.heartbeat_ms, self.max_frame_size])  # fmt: skip
 
     def _request(self, op: Op, *fields: Any) -> int:
-        self._require(Role.CLIENT)
+        self._require(_CLIENT)
         self._next_req_id += 1
         self._out.append([op, self._next_req_id, *fields])
         return self._next_req_id
@@ -469,7 +523,7 @@ class LinkConnection:
 
     def subscribe(self, queue: str, credit: int, options: dict[str, Any] | None = None) -> tuple[int, int]:
         """Returns (req_id, consumer_id)."""
-        self._require(Role.CLIENT)
+        self._require(_CLIENT)
         consumer_id = self._next_consumer_id
         self._next_consumer_id += 1
         self.consumer_credit[consumer_id] = credit
@@ -498,23 +552,24 @@ class LinkConnection:
         """Queue a publish within the granted window; returns its sequence number."""
         if self.publish_credit <= 0:
             raise LocalProtocolError(ErrorCode.CREDIT, "no publish credit: wait for PUBLISH_CREDIT")
-        self._require(Role.CLIENT)
+        if self.state is not _OPEN or self.role is not _CLIENT:
+            self._require(_CLIENT)
         self.publish_credit -= 1
         seq = self._next_seq
         self._next_seq += 1
-        self._out.append([Op.PUBLISH, seq, tx_id, message])
+        self._out.append((_PUBLISH, seq, tx_id, message))
         return seq
 
     def ack(self, consumer_id: int, message_ids: list[int], tx_id: int = 0) -> None:
-        self._require(Role.CLIENT)
+        self._require(_CLIENT)
         self._out.append([Op.ACK, consumer_id, tx_id, message_ids])
 
     def nack(self, consumer_id: int, message_ids: list[int], mode: NackMode = NackMode.REDELIVER) -> None:
-        self._require(Role.CLIENT)
+        self._require(_CLIENT)
         self._out.append([Op.NACK, consumer_id, message_ids, int(mode)])
 
     def flow(self, consumer_id: int, credit: int) -> None:
-        self._require(Role.CLIENT)
+        self._require(_CLIENT)
         if consumer_id in self.consumer_credit and credit > 0:
             self.consumer_credit[consumer_id] += credit
             self._out.append([Op.FLOW, consumer_id, credit])

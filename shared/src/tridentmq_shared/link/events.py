@@ -180,11 +180,32 @@ class BrowseDone:
 
 
 ServerEvent = (
-    HelloReceived | Closed | CreateAddress | DeleteAddress | CreateQueue | DeleteQueue | Subscribe
-    | Unsubscribe | TxBegin | TxCommit | TxRollback | Publishes | Acks | Nacks | Flow
+    HelloReceived
+    | Closed
+    | CreateAddress
+    | DeleteAddress
+    | CreateQueue
+    | DeleteQueue
+    | Subscribe
+    | Unsubscribe
+    | TxBegin
+    | TxCommit
+    | TxRollback
+    | Publishes
+    | Acks
+    | Nacks
+    | Flow
 )
 ClientEvent = (
-    Welcomed | Closed | Reply | RequestFailed | Confirms | Rejected | PublishCreditGranted | Deliveries
-    | ConsumerClosed | BrowseDone
+    Welcomed
+    | Closed
+    | Reply
+    | RequestFailed
+    | Confirms
+    | Rejected
+    | PublishCreditGranted
+    | Deliveries
+    | ConsumerClosed
+    | BrowseDone
 )
 Event = ServerEvent | ClientEvent

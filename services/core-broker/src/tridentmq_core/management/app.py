@@ -168,6 +168,7 @@ def create_app(broker: Broker, status: NodeStatus, rates: QueueRates) -> web.App
     app.router.add_get("/api/status", handlers.status_)
     app.router.add_get("/api/addresses", handlers.addresses)
     app.router.add_get("/api/queues", handlers.queues)
-    app.router.add_get("/api/queues/{name:.+}", handlers.queue)
+    # Queue names may hold "/" or even a newline (percent-encoded in the URL), hence the catch-all pattern.
+    app.router.add_get(r"/api/queues/{name:[\s\S]+}", handlers.queue)
     app.router.add_get("/api/connections", handlers.connections)
     return app

@@ -1,0 +1,212 @@
+"""Drive a pure ``Broker`` the way the server shell does: client codec -> bytes -> server codec -> broker.
+
+Every simulated client owns a ``LinkConnection(Role.CLIENT)`` and the matching server-side connection.
+``Harness.sync`` moves what every client queued to the broker, flushes dispatch and moves what the broker
+queued back to every client, where deliveries are filed per consumer and confirms/rejects per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tridentmq_core.audit import NullAuditSink
+from tridentmq_core.broker import Broker, Session
+from tridentmq_core.security import SecurityManager
+from tridentmq_core.settings import CoreSettings
+from tridentmq_core.store.memory import MemoryStore
+from tridentmq_shared.link import events as ev
+from tridentmq_shared.link.codec import LinkConnection, Role, State
+from tridentmq_shared.link.ops import ErrorCode, NackMode
+from tridentmq_shared.message import M_BODY, M_ID, M_PROPS, RoutingType, WireMessage, new_message
+
+BASE_MS = 1_700_000_000_000
+PUBLISH_WINDOW = 1000
+ANYCAST = int(RoutingType.ANYCAST)
+MULTICAST = int(RoutingType.MULTICAST)
+
+
+@dataclass(frozen=True)
+class Delivery:
+    consumer_id: int
+    count: int
+    message: WireMessage
+
+    @property
+    def body(self) -> bytes:
+        return bytes(self.message[M_BODY])
+
+    @property
+    def id(self) -> int:
+        return int(self.message[M_ID])
+
+    @property
+    def props(self) -> dict[str, Any]:
+        return dict(self.message[M_PROPS])
+
+
+def bodies(deliveries: list[Delivery]) -> list[bytes]:
+    return [d.body for d in deliveries]
+
+
+class Client:
+    def __init__(self, harness: Harness, name: str, user: str | None, password: str | None, peer: str) -> None:
+        self.h = harness
+        self.name = name
+        self.conn = LinkConnection(Role.CLIENT)
+        self.server = LinkConnection(Role.SERVER)
+        self.conn.hello(user, password, name)
+        hello = self.server.receive_data(self.conn.data_to_send(), harness.now_s)
+        assert len(hello) == 1
+        assert isinstance(hello[0], ev.HelloReceived)
+        principal = harness.security.authenticate(hello[0].user, hello[0].password, peer)
+        conn_id = f"conn-{len(harness.clients) + 1}"
+        self.server.accept(harness.broker.node_id, conn_id, PUBLISH_WINDOW, 0.0)
+        self.session: Session = harness.broker.open_session(self.server, conn_id, principal, peer, name,
+                                                            harness.now_ms)  # fmt: skip
+        welcomed = self.conn.receive_data(self.server.data_to_send(), harness.now_s)
+        assert isinstance(welcomed[0], ev.Welcomed)
+        assert self.conn.state is State.OPEN
+        self.inbox: list[ev.Event] = []  # everything but deliveries, confirms and rejects
+        self.got: dict[int, list[Delivery]] = {}
+        self.confirmed: set[int] = set()
+        self.rejected: dict[int, ev.Rejected] = {}
+
+    # ------------------------------------------------------------------ plumbing
+    def receive(self, events: list[ev.Event]) -> None:
+        for event in events:
+            match event:
+                case ev.Deliveries(ops):
+                    for _, consumer_id, count, message in ops:
+                        self.got.setdefault(consumer_id, []).append(Delivery(consumer_id, count, message))
+                case ev.Confirms(ranges):
+                    for first, last in ranges:
+                        self.confirmed.update(range(first, last + 1))
+                case ev.Rejected(seq, _, _):
+                    self.rejected[seq] = event
+                case ev.PublishCreditGranted():
+                    pass
+                case _:
+                    self.inbox.append(event)
+
+    def take(self, consumer_id: int) -> list[Delivery]:
+        """Deliveries received for ``consumer_id`` since the last call."""
+        self.h.sync()
+        return self.got.pop(consumer_id, [])
+
+    def events(self, kind: type[Any]) -> list[Any]:
+        """Pop the received events of one type."""
+        found = [e for e in self.inbox if isinstance(e, kind)]
+        self.inbox = [e for e in self.inbox if not isinstance(e, kind)]
+        return found
+
+    def _answer(self, req_id: int) -> ev.Reply | ev.RequestFailed:
+        self.h.sync()
+        found = [e for e in self.inbox if isinstance(e, ev.Reply | ev.RequestFailed) and e.req_id == req_id]
+        assert len(found) == 1, self.inbox
+        self.inbox.remove(found[0])
+        return found[0]
+
+    # ------------------------------------------------------------------ requests (synced)
+    def create_queue(self, name: str, address: str | None = None, routing: int = ANYCAST,
+                     **spec: Any) -> ev.Reply | ev.RequestFailed:  # fmt: skip
+        full = {"name": name, "address": address or name, "routing_type": routing, **spec}
+        return self._answer(self.conn.create_queue(full))
+
+    def delete_queue(self, name: str) -> ev.Reply | ev.RequestFailed:
+        return self._answer(self.conn.delete_queue(name))
+
+    def subscribe(self, queue: str, credit: int = 100, **options: Any) -> tuple[int, ev.Reply | ev.RequestFailed]:
+        req_id, consumer_id = self.conn.subscribe(queue, credit, options)
+        return consumer_id, self._answer(req_id)
+
+    def consumer(self, queue: str, credit: int = 100, **options: Any) -> int:
+        """Subscribe and insist that it worked."""
+        consumer_id, answer = self.subscribe(queue, credit, **options)
+        assert isinstance(answer, ev.Reply), answer
+        return consumer_id
+
+    def unsubscribe(self, consumer_id: int) -> ev.Reply | ev.RequestFailed:
+        return self._answer(self.conn.unsubscribe(consumer_id))
+
+    def tx_begin(self, tx_id: int) -> ev.Reply | ev.RequestFailed:
+        return self._answer(self.conn.tx_begin(tx_id))
+
+    def tx_commit(self, tx_id: int) -> ev.Reply | ev.RequestFailed:
+        return self._answer(self.conn.tx_commit(tx_id))
+
+    def tx_rollback(self, tx_id: int) -> ev.Reply | ev.RequestFailed:
+        return self._answer(self.conn.tx_rollback(tx_id))
+
+    # ------------------------------------------------------------------ messages
+    def publish(self, address: str, body: bytes, *, tx: int = 0, sync: bool = True, **fields: Any) -> int:
+        seq = self.conn.publish(new_message(address, body, **fields), tx)
+        if sync:
+            self.h.sync()
+        return seq
+
+    def send_all(self, address: str, payloads: list[bytes], **fields: Any) -> list[int]:
+        seqs = [self.publish(address, body, sync=False, **fields) for body in payloads]
+        self.h.sync()
+        assert all(s in self.confirmed for s in seqs), (seqs, self.rejected)
+        return seqs
+
+    def ack(self, consumer_id: int, ids: list[int], tx: int = 0) -> None:
+        self.conn.ack(consumer_id, ids, tx)
+        self.h.sync()
+
+    def nack(self, consumer_id: int, ids: list[int], mode: NackMode = NackMode.REDELIVER) -> None:
+        self.conn.nack(consumer_id, ids, mode)
+        self.h.sync()
+
+    def flow(self, consumer_id: int, credit: int) -> None:
+        self.conn.flow(consumer_id, credit)
+        self.h.sync()
+
+    def close(self) -> None:
+        self.conn.close(ErrorCode.SHUTDOWN, "bye")
+        self.h.sync()
+
+
+class Harness:
+    def __init__(self, settings: CoreSettings | None = None) -> None:
+        self.settings = settings or CoreSettings()
+        self.security = SecurityManager(self.settings.users, self.settings.permissions)
+        self.broker = Broker("node-1", self.settings, store=MemoryStore(), audit=NullAuditSink(),
+                             first_message_id=1)  # fmt: skip
+        self.now_ms = BASE_MS
+        self.clients: list[Client] = []
+
+    @property
+    def now_s(self) -> float:
+        return self.now_ms / 1000
+
+    def connect(self, name: str = "client", user: str | None = None, password: str | None = None,
+                peer: str = "127.0.0.1") -> Client:  # fmt: skip
+        client = Client(self, name, user, password, peer)
+        self.clients.append(client)
+        return client
+
+    def sync(self) -> None:
+        """Client output -> broker -> flush_dispatch -> server output -> clients."""
+        broker = self.broker
+        for client in self.clients:
+            data = client.conn.data_to_send()
+            if data:
+                broker.handle(client.session, client.server.receive_data(data, self.now_s), self.now_ms)
+        broker.flush_dispatch(self.now_ms)
+        self._drain()
+
+    def tick(self, now_ms: int) -> None:
+        """Advance the clock to ``now_ms`` and run the broker's timers."""
+        assert now_ms >= self.now_ms
+        self.now_ms = now_ms
+        self.broker.tick(now_ms)
+        self._drain()
+
+    def _drain(self) -> None:
+        self.broker.dirty.clear()
+        for client in self.clients:
+            data = client.server.data_to_send()
+            if data:
+                client._receive(client.conn.receive_data(data, self.now_s))
