@@ -1,0 +1,140 @@
+"""The tridentmq command line against real processes: `up`, produce/consume, status, queue stat."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tests.conftest import CoreProcess
+
+pytestmark = pytest.mark.integration
+
+
+def tridentmq(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tridentmq_shared.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def link_args(core: CoreProcess) -> list[str]:
+    return ["--port", str(core.link_port)]
+
+
+def test_produce_consume_round_trip_anycast(core: CoreProcess) -> None:
+    produced = tridentmq("produce", "cli.orders", "--count", "25", "--durable", *link_args(core))
+    assert produced.returncode == 0, produced.stderr
+    assert "25 message(s) confirmed" in produced.stdout
+    stat = tridentmq("queue", "stat", "--management", core.management_url)
+    assert stat.returncode == 0, stat.stderr
+    row = next(line for line in stat.stdout.splitlines() if line.startswith("cli.orders"))
+    assert row.split()[3] == "25"  # depth
+    consumed = tridentmq("consume", "cli.orders", "--count", "25", *link_args(core))
+    assert consumed.returncode == 0, consumed.stderr
+    assert consumed.stdout.splitlines() == [f"message {n}" for n in range(1, 26)]
+
+
+def test_consume_fails_when_messages_are_missing(core: CoreProcess) -> None:
+    tridentmq("produce", "cli.short", "--count", "2", *link_args(core))
+    consumed = tridentmq("consume", "cli.short", "--count", "3", "--timeout", "0.5", *link_args(core))
+    assert consumed.returncode == 1
+    assert "received 2 of 3" in consumed.stderr
+
+
+def test_multicast_reaches_a_subscriber(core: CoreProcess) -> None:
+    consumer = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tridentmq_shared.cli",
+            "consume",
+            "cli.news",
+            "--multicast",
+            "--count",
+            "1",
+            "--timeout",
+            "20",
+            *link_args(core),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            queues = json.loads(tridentmq("queue", "stat", "--json", "--management", core.management_url).stdout)
+            if any(q["address"] == "cli.news" and q["consumers"] for q in queues):
+                break
+            time.sleep(0.1)
+        produced = tridentmq("produce", "cli.news", "--multicast", "--body", "breaking", *link_args(core))
+        assert produced.returncode == 0, produced.stderr
+        out, err = consumer.communicate(timeout=30)
+    finally:
+        consumer.kill()
+    assert consumer.returncode == 0, err
+    assert out.strip() == "breaking"
+
+
+def test_status_json_and_errors(core: CoreProcess) -> None:
+    status = tridentmq("status", "--json", "--management", core.management_url)
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["link_port"] == core.link_port
+    unreachable = tridentmq("status", "--management", "http://127.0.0.1:9")
+    assert unreachable.returncode != 0
+    assert "cannot reach" in unreachable.stderr
+    assert "Traceback" not in unreachable.stderr
+    refused = tridentmq("produce", "x", "--port", "9")
+    assert refused.returncode != 0
+    assert "cannot connect" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_up_starts_serves_and_stops_cleanly(tmp_path: Path) -> None:
+    link, management = free_port(), free_port()
+    env = {**os.environ, "TRIDENTMQ_CORE_LINK_PORT": str(link), "TRIDENTMQ_CORE_MANAGEMENT_PORT": str(management),
+           "TRIDENTMQ_CORE_LINK_HOST": "127.0.0.1"}  # fmt: skip
+    up = subprocess.Popen(
+        [sys.executable, "-m", "tridentmq_shared.cli", "up", "--data-dir", str(tmp_path / "data")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            status = tridentmq("status", "--json", "--management", f"http://127.0.0.1:{management}")
+            if status.returncode == 0:
+                break
+            time.sleep(0.2)
+        assert status.returncode == 0, status.stderr
+        produced = tridentmq("produce", "up.q", "--count", "3", "--port", str(link))
+        assert produced.returncode == 0, produced.stderr
+        consumed = tridentmq("consume", "up.q", "--count", "3", "--port", str(link))
+        assert consumed.returncode == 0, consumed.stderr
+        up.send_signal(signal.SIGINT)
+        output, _ = up.communicate(timeout=30)
+    finally:
+        up.kill()
+    assert up.returncode == 0, output
+    assert "core node ready" in output
+    assert "core node stopped" in output
+    assert "Traceback" not in output
+    assert (tmp_path / "data" / "core" / "node.id").exists()
