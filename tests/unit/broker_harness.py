@@ -209,4 +209,4 @@ class Harness:
         for client in self.clients:
             data = client.server.data_to_send()
             if data:
-                client._receive(client.conn.receive_data(data, self.now_s))
+                client.receive(client.conn.receive_data(data, self.now_s))

@@ -28,6 +28,8 @@ DEFAULT_HEARTBEAT_MS: Final = 250
 #: A peer is declared dead after this many heartbeat intervals of silence.
 HEARTBEAT_TIMEOUT_FACTOR: Final = 4
 MIN_FRAME_SIZE: Final = 64 * 1024
+#: Operations per outgoing frame (see ``data_to_send``).
+FRAME_OPERATIONS: Final = 512
 
 _NACK_MODES: Final = frozenset(int(m) for m in NackMode)
 #: Error texts are cut to this length so a CLOSE always fits in a frame.
@@ -399,13 +401,19 @@ class LinkConnection:
         return len(self._out)
 
     def data_to_send(self) -> bytes:
-        """Everything queued since the last call, framed; ``b""`` when there is nothing."""
+        """Everything queued since the last call, framed; ``b""`` when there is nothing.
+
+        Frames carry at most ``FRAME_OPERATIONS`` operations: the peer decodes a frame only once all of it
+        has arrived, so moderate frames let it work while the rest is still on the wire.
+        """
         if not self._out:
             return b""
         ops, self._out = self._out, []
         self._open_confirm = None
         self._sent_since_check = True
-        return self._frame(ops)
+        if len(ops) <= FRAME_OPERATIONS:
+            return self._frame(ops)
+        return b"".join(self._frame(ops[i : i + FRAME_OPERATIONS]) for i in range(0, len(ops), FRAME_OPERATIONS))
 
     def _frame(self, ops: list[list[Any] | tuple[Any, ...]]) -> bytes:
         payload: bytes = self._packer.pack(ops)
