@@ -205,8 +205,13 @@ class Harness:
         self._drain()
 
     def _drain(self) -> None:
-        self.broker.dirty.clear()
-        for client in self.clients:
+        """Write what the broker marked as having output, exactly as the server shell does: output the
+        broker forgot to mark stays unsent and fails the test."""
+        by_session = {client.session: client for client in self.clients}
+        for session in self.broker.take_dirty():
+            client = by_session.get(session)
+            if client is None:
+                continue
             data = client.server.data_to_send()
             if data:
                 client.receive(client.conn.receive_data(data, self.now_s))

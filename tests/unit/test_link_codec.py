@@ -20,6 +20,7 @@ from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.codec import (
     DEFAULT_MAX_FRAME_SIZE,
     DEFAULT_MAX_OPS_PER_FRAME,
+    FRAME_OPERATIONS,
     HEARTBEAT_TIMEOUT_FACTOR,
     MIN_FRAME_SIZE,
     LinkConnection,
@@ -872,14 +873,17 @@ def test_client_side_batching_preserves_order() -> None:
     assert client.consumer_credit == {c1: 7, c2: 8}
 
 
-def test_a_batch_of_many_operations_is_one_event() -> None:
+def test_a_long_burst_travels_as_frames_of_bounded_size_one_event_each() -> None:
     client, server = open_pair(credit=5000)
     for i in range(5000):
         client.publish(message(body=str(i).encode()))
-    [event] = pump(client, server)
-    assert isinstance(event, ev.Publishes)
-    assert [op[1] for op in event.ops] == list(range(1, 5001))
-    assert event.ops[4999][3][M_BODY] == b"4999"
+    events = pump(client, server)
+    assert len(events) == -(-5000 // FRAME_OPERATIONS)
+    assert all(isinstance(e, ev.Publishes) for e in events)
+    assert [len(e.ops) for e in events[:-1]] == [FRAME_OPERATIONS] * (len(events) - 1)
+    ops = [op for e in events for op in e.ops]
+    assert [op[1] for op in ops] == list(range(1, 5001))
+    assert ops[4999][3][M_BODY] == b"4999"
 
 
 def test_heartbeat_operations_produce_no_event() -> None:

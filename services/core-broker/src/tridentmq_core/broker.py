@@ -13,7 +13,7 @@ import itertools
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from tridentmq_core.address_settings import AddressSettingsRepository, ResolvedAddressSettings
 from tridentmq_core.audit import AuditSink
@@ -128,7 +128,7 @@ class Broker:
         self.addresses: dict[str, Address] = {}
         self.queues: dict[str, Queue] = {}
         self.counters = Counters()
-        self.dirty: set[Session] = set()
+        self.dirty: Final[set[Session]] = set()  # sessions with output to write; see take_dirty
         self._trie: AddressTrie[Queue] = AddressTrie()
         # (address, routing) → (queues, simple); simple = no queue filter and at most one anycast queue,
         # so the queues can be used as they are without looking at the message.
@@ -768,6 +768,13 @@ class Broker:
                 queue.expire_due(now_ms)
             self._dedup.expire(now_ms)
         self.flush_dispatch(now_ms)
+
+    def take_dirty(self) -> list[Session]:
+        """Sessions with output to write since the last call. The set is cleared in place, never
+        replaced: every queue holds a reference to it."""
+        dirty = list(self.dirty)
+        self.dirty.clear()
+        return dirty
 
     def flush_dispatch(self, now_ms: int) -> None:
         while self._to_dispatch:

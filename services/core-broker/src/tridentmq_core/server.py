@@ -28,6 +28,7 @@ from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.codec import LinkConnection, Role
 from tridentmq_shared.link.errors import LinkError
 from tridentmq_shared.link.ops import ErrorCode
+from tridentmq_shared.runtime import set_nodelay
 
 log = logging.getLogger("tridentmq.core")
 
@@ -65,6 +66,7 @@ class LinkProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
+        set_nodelay(transport)
         peer = transport.get_extra_info("peername")
         self.peer = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         if len(self.node.protocols) >= self.node.settings.link.max_connections:
@@ -198,11 +200,8 @@ class CoreNode:
         self._flush_scheduled = False
         broker = self.broker
         broker.flush_dispatch(_now_ms())
-        if not broker.dirty:
-            return
-        dirty, broker.dirty = broker.dirty, set()
         protocols = self.protocols
-        for session in dirty:
+        for session in broker.take_dirty():
             protocol = protocols.get(session.conn_id)
             if protocol is None:
                 continue

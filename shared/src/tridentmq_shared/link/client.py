@@ -24,6 +24,7 @@ from tridentmq_shared.link.codec import DEFAULT_HEARTBEAT_MS, LinkConnection, Ro
 from tridentmq_shared.link.errors import LinkError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import M_BODY, M_DEDUP, M_DURABLE, M_ID, M_PROPS, RoutingType, WireMessage
+from tridentmq_shared.runtime import set_nodelay
 
 log = logging.getLogger("tridentmq.link.client")
 _OPEN = State.OPEN  # a module constant: enum member access is slow on the publish path
@@ -168,6 +169,7 @@ class _Protocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
+        set_nodelay(transport)
 
     def data_received(self, data: bytes) -> None:
         self.client._received(self, data)

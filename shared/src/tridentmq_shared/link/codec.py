@@ -108,7 +108,12 @@ _SIMPLE_REQUESTS: Final[dict[int, Callable[[int, Any], ev.Event]]] = {
     Op.TX_COMMIT: ev.TxCommit,
     Op.TX_ROLLBACK: ev.TxRollback,
 }
-_BATCHED: Final[dict[int, Callable[[list[ev.OpList]], ev.Event]]] = {Op.PUBLISH: ev.Publishes, Op.DELIVER: ev.Deliveries, Op.ACK: ev.Acks, Op.NACK: ev.Nacks}
+_BATCHED: Final[dict[int, Callable[[list[ev.OpList]], ev.Event]]] = {
+    Op.PUBLISH: ev.Publishes,
+    Op.DELIVER: ev.Deliveries,
+    Op.ACK: ev.Acks,
+    Op.NACK: ev.Nacks,
+}
 
 
 class LinkConnection:
