@@ -876,6 +876,10 @@ def test_temporary_queue_needs_no_durable_queue_permission() -> None:
     grants = [PermissionEntry("#", "createAddress", ["r"]), PermissionEntry("#", "consume", ["r"])]
     h = Harness(CoreSettings(users=[UserEntry("u", "p", ["r"])], permissions=grants))
     c = h.connect("u", "u", "p")
+    failed(c.create_queue("reply.u", temporary=True), ErrorCode.FORBIDDEN)  # needs createNonDurableQueue
+    grants.append(PermissionEntry("#", "createNonDurableQueue", ["r"]))
+    h = Harness(CoreSettings(users=[UserEntry("u", "p", ["r"])], permissions=grants))
+    c = h.connect("u", "u", "p")
     ok(c.create_queue("reply.u", temporary=True))
     assert h.broker.queues["reply.u"].durable is False
     failed(c.create_queue("kept.u"), ErrorCode.FORBIDDEN)  # durable by default: needs createDurableQueue

@@ -18,7 +18,7 @@ from typing import Any, Final
 from tridentmq_core.address_settings import AddressSettingsRepository, ResolvedAddressSettings
 from tridentmq_core.audit import AuditSink
 from tridentmq_core.dedup import DuplicateIdCache
-from tridentmq_core.queues import Consumer, Queue
+from tridentmq_core.queues import Consumer, MemoryGauge, Queue
 from tridentmq_core.router import AddressTrie, InvalidAddress, is_wildcard, validate_address
 from tridentmq_core.security import Permission, Principal
 from tridentmq_core.selector import Selector, SelectorError, compile_selector
@@ -46,6 +46,8 @@ from tridentmq_shared.message import (
 
 log = logging.getLogger("tridentmq.core.broker")
 
+_UNCHECKED: Final[tuple[str, str]] = ("", "")  # marker: the send permission cache has no entry yet
+
 FQQN_SEPARATOR = "::"
 ORIGINAL_ADDRESS = "_AMQ_ORIG_ADDRESS"
 ORIGINAL_QUEUE = "_AMQ_ORIG_QUEUE"
@@ -65,6 +67,7 @@ class BrokerError(Exception):
 class Transaction:
     publishes: list[WireMessage] = field(default_factory=list)
     acks: list[tuple[Consumer, int]] = field(default_factory=list)
+    failed: tuple[str, str] | None = None  # a publish of it was refused: commit must fail (rollback-only)
 
 
 class Session:
@@ -84,7 +87,7 @@ class Session:
         self.consumers: dict[int, Consumer] = {}
         self.txs: dict[int, Transaction] = {}
         self.temporary_queues: set[str] = set()
-        self.send_ok: dict[str, bool] = {}  # permission cache of the publish path
+        self.send_ok: dict[str, tuple[str, str] | None] = {}  # address → why a send is refused (None: allowed)
 
 
 class Address:
@@ -129,6 +132,11 @@ class Broker:
         self.queues: dict[str, Queue] = {}
         self.counters = Counters()
         self.dirty: Final[set[Session]] = set()  # sessions with output to write; see take_dirty
+        self.memory: Final = MemoryGauge()
+        self.now_ms = 0  # time of the event being handled, for callbacks that are not handed it
+        self._blocked: dict[Session, int] = {}  # publish credit withheld while over the memory limit
+        self._memory_limit = settings.broker.max_memory_bytes
+        self._memory_resume = int(self._memory_limit * 0.9)
         self._trie: AddressTrie[Queue] = AddressTrie()
         # (address, routing) → (queues, simple); simple = no queue filter and at most one anycast queue,
         # so the queues can be used as they are without looking at the message.
@@ -168,11 +176,13 @@ class Broker:
             if name in self.queues:
                 self._delete_queue(self.queues[name], now_ms)
         self.dirty.discard(session)
+        self._blocked.pop(session, None)
         self._pending_confirms = {t: v for t, v in self._pending_confirms.items() if v[0] is not session}
         self._emit(now_ms, "conn.closed", conn_id=session.conn_id, client_id=session.client_name)
 
     # ------------------------------------------------------------------ event entry point
     def handle(self, session: Session, events: Iterable[ev.Event], now_ms: int) -> None:
+        self.now_ms = now_ms
         conn = session.conn
         for event in events:
             match event:
@@ -208,8 +218,11 @@ class Broker:
                 return self._create_queue_request(session, spec, now_ms)
             case ev.DeleteQueue(_, name):
                 queue = self._queue(name)
-                if queue.durable:
-                    self._require(session, Permission.DELETE_DURABLE_QUEUE, queue.address)
+                if queue.temporary and queue.owner is not session:
+                    raise BrokerError(ErrorCode.FORBIDDEN, f"temporary queue {queue.name!r} belongs to another link")
+                if queue.owner is not session:
+                    kind = Permission.DELETE_DURABLE_QUEUE if queue.durable else Permission.DELETE_NON_DURABLE_QUEUE
+                    self._require(session, kind, queue.address)
                 self._delete_queue(queue, now_ms)
                 return None
             case ev.CreateAddress(_, name, routing_types):
@@ -218,7 +231,7 @@ class Broker:
                 created = self._ensure_address(name, kinds, auto_created=False)
                 return {"created": created}
             case ev.DeleteAddress(_, name):
-                self._require(session, Permission.CREATE_ADDRESS, name)
+                self._require(session, Permission.DELETE_ADDRESS, name)
                 self._delete_address(name, now_ms)
                 return None
             case ev.TxBegin(_, tx_id):
@@ -243,17 +256,20 @@ class Broker:
         max_bytes = self.settings.broker.max_message_bytes
         accept = self._accept_message
         confirm = conn.confirm
+        addresses = self.addresses
         for _, seq, tx_id, message in ops:
             address = message[M_ADDRESS]
-            allowed = send_ok.get(address)
-            if allowed is None:
-                allowed = self._check_send(session, address)
-            if not allowed:
-                self._reject(conn, seq, ErrorCode.FORBIDDEN, f"user {session.principal.name!r} may not send "
-                             f"to {address!r}")  # fmt: skip
-                continue
-            if len(message[M_BODY]) > max_bytes:
-                self._reject(conn, seq, ErrorCode.RESOURCE_LIMIT, f"message body exceeds {max_bytes} bytes")
+            problem = send_ok.get(address, _UNCHECKED)
+            if problem is _UNCHECKED:
+                problem = self._check_send(session, address)
+            if problem is None and address not in addresses:
+                problem = self._creation_problem(session, message)
+            if problem is None and len(message[M_BODY]) > max_bytes:
+                problem = (ErrorCode.RESOURCE_LIMIT, f"message body exceeds {max_bytes} bytes")
+            if problem is not None:
+                self._reject(conn, seq, *problem)
+                if tx_id and tx_id in session.txs:
+                    session.txs[tx_id].failed = session.txs[tx_id].failed or problem
                 continue
             if tx_id:
                 tx = session.txs.get(tx_id)
@@ -272,19 +288,56 @@ class Broker:
                 self._pending_confirms[token] = (session, seq)
             else:
                 confirm(seq)
-        conn.grant_publish_credit(len(ops))
+        if self.memory.used < self._memory_limit:
+            conn.grant_publish_credit(len(ops))
+        else:
+            if not self._blocked:
+                log.warning("memory limit reached: producers are blocked until consumers catch up",
+                            extra={"used": self.memory.used, "limit": self._memory_limit})  # fmt: skip
+            self._blocked[session] = self._blocked.get(session, 0) + len(ops)
         self.dirty.add(session)
 
-    def _check_send(self, session: Session, address: str) -> bool:
+    def _unblock_producers(self) -> None:
+        if self._blocked and self.memory.used < self._memory_resume:
+            for session, credit in self._blocked.items():
+                session.conn.grant_publish_credit(credit)
+                self.dirty.add(session)
+            self._blocked.clear()
+            log.info("memory below the limit again: producers resume", extra={"used": self.memory.used})
+
+    def _check_send(self, session: Session, address: str) -> tuple[str, str] | None:
+        """Why ``session`` may not send to ``address`` (code, text), or None; cached per link."""
+        problem: tuple[str, str] | None = None
         try:
             validate_address(address, allow_wildcards=False)
-        except InvalidAddress:
-            return False
-        allowed = session.principal.allowed(Permission.SEND, address)
+        except InvalidAddress as exc:
+            problem = (ErrorCode.INVALID, str(exc))
+        else:
+            if not session.principal.allowed(Permission.SEND, address):
+                problem = (ErrorCode.FORBIDDEN, f"user {session.principal.name!r} may not send to {address!r}")
         if len(session.send_ok) > 10_000:
             session.send_ok.clear()
-        session.send_ok[address] = allowed
-        return allowed
+        session.send_ok[address] = problem
+        return problem
+
+    def _creation_problem(self, session: Session, message: WireMessage) -> tuple[str, str] | None:
+        """A publish to an address that does not exist yet will auto-create it (and, for anycast, a durable
+        queue of the same name): the sender needs the permissions for that too."""
+        address = message[M_ADDRESS]
+        settings = self.address_settings.resolve(address)
+        if not settings.auto_create_addresses:
+            return (ErrorCode.NOT_FOUND, f"address {address!r} does not exist")
+        principal = session.principal
+        routing = message[M_ROUTING]
+        kind = settings.default_routing_type if routing == ROUTING_DEFAULT else RoutingType(routing)
+        needed = [Permission.CREATE_ADDRESS]
+        if kind is RoutingType.ANYCAST and settings.auto_create_queues:
+            needed.append(Permission.CREATE_DURABLE_QUEUE)
+        for permission in needed:
+            if not principal.allowed(permission, address):
+                text = f"user {principal.name!r} lacks permission {permission.value} to auto-create {address!r}"
+                return (ErrorCode.FORBIDDEN, text)
+        return None
 
     def _reject(self, conn: LinkConnection, seq: int, code: str, text: str) -> None:
         self.counters.rejected += 1
@@ -403,6 +456,7 @@ class Broker:
                 raise BrokerError(ErrorCode.NOT_FOUND, f"queue {queue_name!r} does not exist")
             routing = self._routing_type(options.get("routing_type", RoutingType.ANYCAST))
             durable = bool(options.get("durable", routing is RoutingType.ANYCAST))
+            self._require(session, Permission.BROWSE if browse else Permission.CONSUME, address)
             self._check_create(session, address, durable)
             queue = self._create_queue(queue_name, address, routing, durable=durable, auto_created=True,
                                        auto_delete=settings.auto_delete_queues, now_ms=now_ms)  # fmt: skip
@@ -425,11 +479,22 @@ class Broker:
         queue = consumer.queue
         session.consumers.pop(consumer.id, None)
         if consumer in queue.consumers:
-            queue.remove_consumer(consumer)
+            self._requeue(queue, queue.remove_consumer(consumer), now_ms)
             self._to_dispatch.add(queue)
         self._emit(now_ms, "consumer.closed", conn_id=session.conn_id, consumer_id=str(consumer.id),
                    queue=queue.name)  # fmt: skip
         self._maybe_auto_delete(queue, now_ms)
+
+    def _requeue(self, queue: Queue, unacked: list[tuple[WireMessage, int]], now_ms: int) -> None:
+        """Messages a departed consumer never acknowledged: back to the head of the queue, except those that
+        have used up their delivery attempts (a message that crashes every consumer must not loop for ever)."""
+        settings = self.address_settings.resolve(queue.address)
+        attempts = settings.max_delivery_attempts
+        for message, count in unacked:
+            if 0 <= attempts <= count:
+                self._dead_letter(queue, message, "max_deliveries", settings, now_ms)
+            else:
+                queue.return_message(message, count)
 
     def _flow(self, session: Session, consumer_id: int, credit: int) -> None:
         consumer = session.consumers.get(consumer_id)
@@ -512,6 +577,9 @@ class Broker:
         return tx
 
     def _commit(self, session: Session, tx: Transaction, now_ms: int) -> None:
+        if tx.failed is not None:
+            code, text = tx.failed
+            raise BrokerError(code, f"transaction is rollback-only: a publish in it was refused ({text})")
         # All or nothing: refuse before applying anything. A missing address that may not be auto-created
         # is the only reason _accept_message refuses; failing half-way would leave the transaction open
         # with part of it applied, and a retried commit would apply that part twice.
@@ -565,8 +633,8 @@ class Broker:
     def _check_create(self, session: Session, address: str, durable: bool) -> None:
         if address not in self.addresses:
             self._require(session, Permission.CREATE_ADDRESS, address)
-        if durable:
-            self._require(session, Permission.CREATE_DURABLE_QUEUE, address)
+        self._require(session, Permission.CREATE_DURABLE_QUEUE if durable else Permission.CREATE_NON_DURABLE_QUEUE,
+                      address)  # fmt: skip
 
     def _ensure_address(self, name: str, kinds: set[RoutingType], *, auto_created: bool) -> bool:
         existing = self.addresses.get(name)
@@ -632,7 +700,7 @@ class Broker:
         selector = self._compile(filter_text)
         self._ensure_address(address, {routing}, auto_created=auto_created)
         queue = Queue(
-            name, address, routing, sink=self, dirty=self.dirty, durable=durable, filter=selector,
+            name, address, routing, sink=self, dirty=self.dirty, memory=self.memory, durable=durable, filter=selector,
             temporary=temporary, exclusive=exclusive, last_value_key=last_value_key, max_consumers=max_consumers,
             auto_created=auto_created, auto_delete=auto_delete, owner=owner,
         )  # fmt: skip
@@ -706,13 +774,15 @@ class Broker:
 
     def on_acked(self, queue: Queue, message: WireMessage, now_ms: int | None = None) -> None:
         """Called for every acknowledged message (also by queues for auto-ack and last-value replacement)."""
+        if now_ms is None:
+            now_ms = self.now_ms
         self.counters.acked += 1
         if message[M_DURABLE]:
             if queue.durable:
                 self.store.acknowledge(queue.name, message[M_ID])
-            if self._audit_durable and now_ms is not None:
+            if self._audit_durable:
                 self._emit_message(now_ms, "msg.acked", message, queue)
-        elif self._audit_all and now_ms is not None:
+        elif self._audit_all:
             self._emit_message(now_ms, "msg.acked", message, queue)
 
     def on_expired(self, queue: Queue, message: WireMessage) -> None:
@@ -720,7 +790,7 @@ class Broker:
         self.counters.expired += 1
         if message[M_DURABLE] and queue.durable:
             self.store.acknowledge(queue.name, message[M_ID])
-        now_ms = max(message[M_EXPIRATION], 0)
+        now_ms = self.now_ms
         self._emit_message(now_ms, "msg.expired", message, queue, reason="ttl")
         settings = self.address_settings.resolve(queue.address)
         self._divert(queue, message, settings.expiry_address, "expired", now_ms)
@@ -753,6 +823,7 @@ class Broker:
 
     def tick(self, now_ms: int) -> None:
         """Periodic work: scheduled and delayed redeliveries, expiry scan, dedup window."""
+        self.now_ms = now_ms
         timers = self._timers
         while timers and timers[0][0] <= now_ms:
             _, _, queue, message, count = heapq.heappop(timers)
@@ -766,6 +837,8 @@ class Broker:
             self._last_expiry_scan = now_ms
             for queue in list(self.queues.values()):
                 queue.expire_due(now_ms)
+                if queue.added:  # emptied by expiry or dead-lettering, not merely waiting for its first use
+                    self._maybe_auto_delete(queue, now_ms)
             self._dedup.expire(now_ms)
         self.flush_dispatch(now_ms)
 
@@ -777,6 +850,8 @@ class Broker:
         return dirty
 
     def flush_dispatch(self, now_ms: int) -> None:
+        self.now_ms = now_ms
+        self._unblock_producers()
         while self._to_dispatch:
             pending, self._to_dispatch = self._to_dispatch, set()
             for queue in pending:
@@ -789,7 +864,7 @@ class Broker:
     def _emit_message(self, now_ms: int, event: str, message: WireMessage, queue: Queue | None,
                       **fields: object) -> None:  # fmt: skip
         self.audit.emit(now_ms * 1000, event, {
-            "address": message[M_ADDRESS], "queue": queue.name if queue else None,
+            "address": message[M_ADDRESS], "queue": queue.name if queue is not None else None,
             "message_id": f"{self._node_tag}-{message[M_ID]}", "size": len(message[M_BODY]),
             "protocol": message[M_PROTOCOL] or "link", "sent_ts_us": message[M_TIMESTAMP] * 1000, **fields,
         })  # fmt: skip

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from tridentmq_core.selector import Selector
 from tridentmq_shared.message import (
-    M_DURABLE,
+    M_BODY,
     M_EXPIRATION,
     M_GROUP,
     M_ID,
@@ -34,6 +34,18 @@ if TYPE_CHECKING:
 
 #: How many messages the scanning dispatch looks at per call; beyond it, messages wait for the next call.
 SCAN_LIMIT = 10_000
+#: Bytes a queued message costs beyond its body (the list, its fields, queue bookkeeping): an estimate
+#: that makes the memory limit meaningful for small messages.
+MESSAGE_OVERHEAD = 256
+
+
+class MemoryGauge:
+    """Bytes held by queued and in-flight messages of every queue of a broker (shared by reference)."""
+
+    __slots__ = ("used",)
+
+    def __init__(self) -> None:
+        self.used = 0
 
 
 class DeliverySink(Protocol):
@@ -84,6 +96,7 @@ class Queue:
         "_high",
         "_levels",
         "_lvq",
+        "_memory",
         "_returned",
         "_rr",
         "_sink",
@@ -115,6 +128,7 @@ class Queue:
         *,
         sink: DeliverySink,
         dirty: set[Session],
+        memory: MemoryGauge,
         durable: bool = False,
         filter: Selector | None = None,
         temporary: bool = False,
@@ -141,6 +155,7 @@ class Queue:
         self.added = self.acked = self.delivered = self.expired = self.dead_lettered = 0
         self._sink = sink
         self._dirty = dirty
+        self._memory = memory
         self._levels: list[deque[WireMessage]] = [deque() for _ in range(MAX_PRIORITY + 1)]
         self._high = 0
         self._count = 0
@@ -175,6 +190,7 @@ class Queue:
         self._high = max(self._high, priority)
         self._count += 1
         self.added += 1
+        self._memory.used += len(message[M_BODY]) + MESSAGE_OVERHEAD
         if message[M_EXPIRATION]:
             self._expiring += 1
 
@@ -195,6 +211,9 @@ class Queue:
                 pass  # in flight: it is no longer ours to replace
             else:
                 self._count -= 1
+                self._forget(previous)
+                self._returned.pop(previous[M_ID], None)
+                self.acked += 1
                 self._sink.on_acked(self, previous)  # superseded: gone for good, like an ack
         self._lvq[key] = message
 
@@ -205,6 +224,8 @@ class Queue:
             self._high -= 1
 
     def _forget(self, message: WireMessage) -> None:
+        """A message leaves this queue for good (acked, expired, dead-lettered, superseded, purged)."""
+        self._memory.used -= len(message[M_BODY]) + MESSAGE_OVERHEAD
         if message[M_EXPIRATION]:
             self._expiring -= 1
         if self._lvq and self._lvq.get(self._lvq_key(message)) is message:
@@ -255,15 +276,17 @@ class Queue:
             consumer.browse_iter = iter(list(self.messages()))
         self.consumers.append(consumer)
 
-    def remove_consumer(self, consumer: Consumer) -> None:
-        """Detach a consumer; its unacknowledged messages go back to the head of the queue."""
+    def remove_consumer(self, consumer: Consumer) -> list[tuple[WireMessage, int]]:
+        """Detach a consumer and hand back its unacknowledged messages with their delivery counts, newest
+        first (returning them in that order to the head of the queue restores their order)."""
         self.consumers.remove(consumer)
         for group, owner in list(self._groups.items()):
             if owner is consumer:
                 del self._groups[group]
-        for message_id in sorted(consumer.in_flight, reverse=True):
-            message = consumer.in_flight.pop(message_id)
-            self.return_message(message, consumer.counts.pop(message_id, 1))
+        unacked = [(consumer.in_flight[i], consumer.counts.get(i, 1)) for i in sorted(consumer.in_flight, reverse=True)]
+        consumer.in_flight.clear()
+        consumer.counts.clear()
+        return unacked
 
     def take(self, consumer: Consumer, message_id: int) -> tuple[WireMessage, int] | None:
         """Remove an in-flight message from ``consumer``: (message, delivery count), None if unknown."""
@@ -401,7 +424,3 @@ class Queue:
             consumer.credit -= 1
             session.conn.deliver(consumer.id, 1, message)
         self._dirty.add(session)
-
-
-def is_durable(message: WireMessage) -> bool:
-    return bool(message[M_DURABLE])

@@ -25,6 +25,9 @@ class Permission(StrEnum):
     CREATE_ADDRESS = "createAddress"
     CREATE_DURABLE_QUEUE = "createDurableQueue"
     DELETE_DURABLE_QUEUE = "deleteDurableQueue"
+    CREATE_NON_DURABLE_QUEUE = "createNonDurableQueue"
+    DELETE_NON_DURABLE_QUEUE = "deleteNonDurableQueue"
+    DELETE_ADDRESS = "deleteAddress"
     MANAGE = "manage"
 
 

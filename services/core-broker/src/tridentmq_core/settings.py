@@ -56,6 +56,8 @@ class BrokerSection:
     max_message_bytes: int = doc(8 * 1024 * 1024, "Largest message body accepted.")
     max_consumer_credit: int = doc(100_000, "Largest delivery window one consumer may grant.")
     expiry_scan_ms: int = doc(1000, "Interval of the scan that expires messages no consumer is reading.")
+    max_memory_bytes: int = doc(1024 * 1024 * 1024, "Memory for queued messages (bodies plus ~256 bytes each); "
+                                "above it producers get no publish credit until usage is back under 90 %.")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -68,8 +70,9 @@ class UserEntry:
 @dataclass(frozen=True)
 class PermissionEntry:
     match: str = doc("#", "Address pattern (`*` one word, `#` any words) this grant applies to.")
-    permission: str = doc("send", "One of send, consume, browse, createAddress, createDurableQueue, "
-                                  "deleteDurableQueue, manage.")  # fmt: skip
+    permission: str = doc("send", "One of send, consume, browse, createAddress, deleteAddress, createDurableQueue, "
+                                  "deleteDurableQueue, createNonDurableQueue, deleteNonDurableQueue, manage "
+                                  "(manage is not checked yet: the management API listens on loopback).")  # fmt: skip
     roles: list[str] = doc(list, "Roles granted the permission on matching addresses.", factory=True)
 
 
@@ -88,8 +91,9 @@ class AddressSettingsEntry:
     auto_create_queues: bool | None = doc(None, "Create a queue on first subscribe (default true).")
     auto_delete_queues: bool | None = doc(None, "Delete auto-created queues when unused (default true).")
     auto_delete_addresses: bool | None = doc(None, "Delete auto-created addresses when unused (default true).")
-    auto_create_dead_letter_resources: bool | None = doc(None, "Create a queue on the DLA named after the "
-                                                                "original queue (default true).")  # fmt: skip
+    auto_create_dead_letter_resources: bool | None = doc(None, "Create the dead-letter (and expiry) address "
+                                                                "with an anycast queue of the same name when "
+                                                                "first needed (default true).")  # fmt: skip
     default_routing_type: str | None = doc(None, "Routing type of auto-created addresses: anycast or multicast "
                                                   "(default anycast).")  # fmt: skip
 
