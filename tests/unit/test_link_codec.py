@@ -243,7 +243,8 @@ def test_hello_without_credentials() -> None:
 
 @pytest.mark.parametrize(
     ("client_hb", "server_hb", "agreed"),
-    [(100, 300, 300), (300, 100, 300), (250, 250, 250), (0, 300, 0), (300, 0, 0), (0, 0, 0), (-5, 100, 0)],
+    # The server decides: its 0 disables heartbeats, a client's 0 (or less) cannot.
+    [(100, 300, 300), (300, 100, 300), (250, 250, 250), (0, 300, 300), (300, 0, 0), (0, 0, 0), (-5, 100, 100)],
 )
 def test_agreed_heartbeat(client_hb: int, server_hb: int, agreed: int) -> None:
     client, server = open_pair(client_kw={"heartbeat_ms": client_hb}, server_kw={"heartbeat_ms": server_hb})
@@ -1157,7 +1158,7 @@ def test_traffic_from_the_peer_keeps_the_link_alive() -> None:
 
 
 def test_heartbeat_zero_disables_timers() -> None:
-    client, server = open_pair(client_kw={"heartbeat_ms": 0}, server_kw=HB, now=0.0)
+    client, server = open_pair(client_kw=HB, server_kw={"heartbeat_ms": 0}, now=0.0)
     assert client.heartbeat_ms == 0
     assert client.next_deadline() is None
     assert server.next_deadline() is None

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(settings.node.log_level)
     try:
         run_main(serve(settings, args.ports_file))
-    except OSError as exc:
+    except (OSError, SettingsError) as exc:
         sys.exit(f"tridentmq-core: {exc}")
 
 

@@ -25,10 +25,11 @@ from tridentmq_core.security import AuthenticationError, SecurityManager
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.memory import MemoryStore
 from tridentmq_shared.link import events as ev
-from tridentmq_shared.link.codec import LinkConnection, Role
+from tridentmq_shared.link.codec import MIN_FRAME_SIZE, LinkConnection, Role
 from tridentmq_shared.link.errors import LinkError
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.runtime import set_nodelay
+from tridentmq_shared.settings import SettingsError
 
 log = logging.getLogger("tridentmq.core")
 
@@ -63,6 +64,7 @@ class LinkProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
         self.conn_id = uuid.uuid4().hex[:12]
+        self.opened = time.monotonic()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
@@ -71,7 +73,9 @@ class LinkProtocol(asyncio.Protocol):
         self.peer = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         if len(self.node.protocols) >= self.node.settings.link.max_connections:
             log.warning("connection refused: limit reached", extra={"peer": self.peer})
-            self.transport.abort()
+            self.conn.close(ErrorCode.RESOURCE_LIMIT, "the node has its maximum of connections")
+            self.write_pending()
+            self.close_transport()
             return
         self.node.protocols[self.conn_id] = self
 
@@ -136,6 +140,8 @@ class CoreNode:
     def __init__(self, settings: CoreSettings, *, ports_file: Path | None = None) -> None:
         self.settings = settings
         self.ports_file = ports_file
+        if settings.link.max_frame_bytes < MIN_FRAME_SIZE:
+            raise SettingsError(f"link.max_frame_bytes must be at least {MIN_FRAME_SIZE}")
         data_dir = settings.node.data_dir
         data_dir.mkdir(parents=True, exist_ok=True)
         self.node_id = load_node_id(data_dir)
@@ -217,7 +223,12 @@ class CoreNode:
             await asyncio.sleep(TICK_SECONDS)
             mono = time.monotonic()
             self.broker.tick(_now_ms())
+            handshake_deadline = mono - self.settings.link.handshake_timeout_ms / 1000
             for protocol in list(self.protocols.values()):
+                if protocol.session is None and protocol.opened < handshake_deadline:
+                    protocol.conn.close(ErrorCode.UNAUTHENTICATED, "no HELLO within the handshake timeout")
+                    protocol.fail(LinkError(ErrorCode.UNAUTHENTICATED, "handshake timeout"))
+                    continue
                 try:
                     protocol.conn.handle_timeout(mono)
                 except LinkError as exc:

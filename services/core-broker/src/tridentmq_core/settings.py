@@ -25,6 +25,7 @@ class LinkSection:
     max_frame_bytes: int = doc(16 * 1024 * 1024, "Largest link frame accepted.")
     publish_window: int = doc(8192, "Publishes a link may have in flight before the core grants more.")
     max_connections: int = doc(10_000, "Link connections accepted at once; more are refused.")
+    handshake_timeout_ms: int = doc(10_000, "A connection that has not completed HELLO by then is closed.")
 
 
 @dataclass(frozen=True)

@@ -208,6 +208,7 @@ class LinkClient:
         self._protocol: _Protocol | None = None
         self._opened: asyncio.Future[None] | None = None
         self._requests: dict[int, asyncio.Future[Any]] = {}
+        # seq → (message, transaction, confirm future) of publishes the server has not confirmed yet
         self._unconfirmed: dict[int, tuple[WireMessage, int, asyncio.Future[None]]] = {}
         self._consumers: dict[int, Consumer] = {}
         self._credit_waiters: deque[asyncio.Future[None]] = deque()
@@ -402,14 +403,17 @@ class LinkClient:
             req_id, consumer.consumer_id = conn.subscribe(consumer.queue, consumer.window, consumer.options)
             self._consumers[consumer.consumer_id] = consumer
             self._requests[req_id] = asyncio.get_running_loop().create_future()
-        pending = sorted(self._unconfirmed.values(), key=lambda e: e[1])
+        pending = [self._unconfirmed[seq] for seq in sorted(self._unconfirmed)]
         self._unconfirmed.clear()
         self._schedule_flush()
-        for message, _, future in pending:
+        for message, tx_id, future in pending:
+            if tx_id:  # its transaction died with the old link: re-sending it outside would be wrong
+                if not future.done():
+                    future.set_exception(LinkClosedError(ErrorCode.EOF, "the link dropped; the transaction is lost"))
+                continue
             await self._wait_credit()
             assert self._conn is not None
-            seq = self._conn.publish(message)
-            self._unconfirmed[seq] = (message, seq, future)
+            self._unconfirmed[self._conn.publish(message)] = (message, 0, future)
             self._schedule_flush()
         for waiter in self._credit_waiters:
             if not waiter.done():
@@ -537,7 +541,7 @@ class LinkClient:
         conn = self._live()
         seq = conn.publish(message, tx_id)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._unconfirmed[seq] = (message, seq, future)
+        self._unconfirmed[seq] = (message, tx_id, future)
         if conn.pending_operations >= EARLY_WRITE_OPERATIONS:
             self._write_now()
         else:

@@ -358,8 +358,10 @@ class LinkConnection:
                 self._fail(ErrorCode.INVALID, f"max frame size below {MIN_FRAME_SIZE}")
             self.version = max(common)
             self._peer_max_frame = max_frame
-            both = (self.heartbeat_ms, heartbeat_ms)
-            self.heartbeat_ms = max(both) if min(both) > 0 else 0
+            # The server decides whether heartbeats run: a client cannot switch off dead-peer detection
+            # by offering 0, it can only ask for a longer interval.
+            if self.heartbeat_ms > 0:
+                self.heartbeat_ms = max(self.heartbeat_ms, heartbeat_ms)
             self.state = State.AUTHENTICATING
             events.append(ev.HelloReceived(self.version, user, password, client_name, self.heartbeat_ms))
             return  # the heartbeat clock starts at accept(): authentication may take a while
