@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
-from tests.unit.broker_harness import ANYCAST, BASE_MS, MULTICAST, Client, Delivery, Harness, bodies
+from tests.unit.broker_harness import (
+    ANYCAST,
+    BASE_MS,
+    MULTICAST,
+    PUBLISH_WINDOW,
+    Client,
+    Delivery,
+    Harness,
+    bodies,
+)
 
 from tridentmq_core.address_settings import AddressSettingsRepository
-from tridentmq_core.broker import ORIGINAL_ADDRESS, ORIGINAL_QUEUE, ORIGINAL_REASON
+from tridentmq_core.broker import ORIGINAL_ADDRESS, ORIGINAL_QUEUE, ORIGINAL_REASON, Broker
 from tridentmq_core.dedup import DuplicateIdCache
+from tridentmq_core.queues import MESSAGE_OVERHEAD
 from tridentmq_core.security import AuthenticationError, Permission, SecurityManager, hash_password
 from tridentmq_core.settings import (
     AddressSettingsEntry,
@@ -19,6 +30,7 @@ from tridentmq_core.settings import (
     PermissionEntry,
     UserEntry,
 )
+from tridentmq_core.store.memory import MemoryStore
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import M_EXPIRATION, M_TIMESTAMP
@@ -916,3 +928,510 @@ def test_last_value_queue_drops_a_superseded_message_that_comes_back(c: Client) 
     assert bodies(got) == [b"a3"]
     ok(c.unsubscribe(cid))  # b1 and a3 come back; a2 was superseded by a3 while in flight
     assert [(d.body, d.count) for d in c.take(c.consumer("prices"))] == [(b"b1", 2), (b"a3", 2)]
+
+
+# ====================================================================== memory limit
+def message_cost(body: bytes) -> int:
+    return len(body) + MESSAGE_OVERHEAD
+
+
+def record_credit_grants(monkeypatch: pytest.MonkeyPatch, client: Client) -> list[int]:
+    """The PUBLISH_CREDIT grants ``client`` receives from now on (the harness drops them)."""
+    grants: list[int] = []
+    receive = client.receive
+
+    def recording(events: list[ev.Event]) -> None:
+        grants.extend(e.credit for e in events if isinstance(e, ev.PublishCreditGranted))
+        receive(events)
+
+    monkeypatch.setattr(client, "receive", recording)
+    return grants
+
+
+def with_memory_limit(limit: int, **fields: Any) -> Harness:
+    return Harness(CoreSettings(broker=BrokerSection(max_memory_bytes=limit),
+                                address_settings=[AddressSettingsEntry(match="#", **fields)]))  # fmt: skip
+
+
+def test_memory_limit_withholds_publish_credit_until_usage_is_under_90_percent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    h = with_memory_limit(2000)  # resumes under 1800
+    c = h.connect()
+    grants = record_credit_grants(monkeypatch, c)
+    ok(c.create_queue("orders"))
+    big = b"x" * (1800 - MESSAGE_OVERHEAD)
+    c.publish("orders", big)
+    assert h.broker.memory.used == 1800
+    assert grants == [1]
+    assert c.conn.publish_credit == PUBLISH_WINDOW
+    # This batch takes usage to the limit: accepted, but its credit is withheld.
+    seq = c.publish("orders", b"")
+    assert seq in c.confirmed
+    assert h.broker.memory.used == 1800 + MESSAGE_OVERHEAD
+    assert grants == [1]
+    assert c.conn.publish_credit == PUBLISH_WINDOW - 1
+    c.send_all("orders", [b"", b""])  # still within the window the client holds: withheld too
+    assert h.broker.memory.used == 1800 + 3 * MESSAGE_OVERHEAD
+    assert grants == [1]
+    assert c.conn.publish_credit == PUBLISH_WINDOW - 3
+    cid = c.consumer("orders")
+    got = c.take(cid)
+    assert bodies(got) == [big, b"", b"", b""]
+    assert h.broker.memory.used == 1800 + 3 * MESSAGE_OVERHEAD  # in flight still counts
+    c.ack(cid, ids(got[1:]))
+    assert h.broker.memory.used == 1800  # exactly 90 %: not under it, still blocked
+    assert grants == [1]
+    assert c.conn.publish_credit == PUBLISH_WINDOW - 3
+    # The last ack, handled without flush_dispatch: memory is released, the credit waits for the flush.
+    c.conn.ack(cid, [got[0].id], 0)
+    h.broker.handle(c.session, c.server.receive_data(c.conn.data_to_send(), h.now_s), h.now_ms)
+    assert h.broker.memory.used == 0
+    assert c.session not in h.broker.dirty
+    h.broker.flush_dispatch(h.now_ms)
+    assert c.session in h.broker.dirty
+    h.sync()
+    assert grants == [1, 3]
+    assert c.conn.publish_credit == PUBLISH_WINDOW
+    c.publish("orders", b"again")
+    assert grants == [1, 3, 1]
+
+
+def test_memory_limit_blocks_every_publishing_link_and_unblocks_them_all(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    h = with_memory_limit(2 * MESSAGE_OVERHEAD)
+    c = h.connect()
+    other = h.connect("other")
+    mine = record_credit_grants(monkeypatch, c)
+    theirs = record_credit_grants(monkeypatch, other)
+    ok(c.create_queue("orders"))
+    c.publish("orders", b"")
+    other.publish("orders", b"")  # reaches the limit
+    c.publish("orders", b"")  # over it
+    assert (mine, theirs) == ([1], [])
+    assert (c.conn.publish_credit, other.conn.publish_credit) == (PUBLISH_WINDOW - 1, PUBLISH_WINDOW - 1)
+    cid = c.consumer("orders", auto_ack=True)
+    assert len(c.take(cid)) == 3
+    assert h.broker.memory.used == 0
+    assert (mine, theirs) == ([1, 1], [1])
+    assert (c.conn.publish_credit, other.conn.publish_credit) == (PUBLISH_WINDOW, PUBLISH_WINDOW)
+
+
+def test_memory_released_by_expiry_unblocks_producers_on_tick(monkeypatch: pytest.MonkeyPatch) -> None:
+    h = with_memory_limit(2 * MESSAGE_OVERHEAD, expiry_address="")
+    c = h.connect()
+    grants = record_credit_grants(monkeypatch, c)
+    ok(c.create_queue("orders"))
+    c.send_all("orders", [b"", b""], expiration_ms=h.now_ms + 100)
+    assert grants == [1]
+    h.tick(h.now_ms + 1000)
+    assert h.broker.memory.used == 0
+    assert grants == [1, 1]
+    assert c.conn.publish_credit == PUBLISH_WINDOW
+
+
+def test_memory_counts_a_multicast_message_once_per_queue(c: Client) -> None:
+    memory = c.h.broker.memory
+    ok(c.create_queue("news.a", "news", MULTICAST, durable=False))
+    ok(c.create_queue("news.b", "news", MULTICAST, durable=False))
+    ok(c.create_queue("news.c", "news", MULTICAST, durable=False, filter="n = 1"))
+    c.publish("news", b"12345", routing=MULTICAST)
+    assert memory.used == 2 * message_cost(b"12345")
+    a = c.consumer("news.a")
+    got = c.take(a)
+    assert memory.used == 2 * message_cost(b"12345")
+    c.ack(a, ids(got))
+    assert memory.used == message_cost(b"12345")
+    assert len(c.take(c.consumer("news.b", auto_ack=True))) == 1
+    assert memory.used == 0
+
+
+def test_memory_returns_to_zero_after_everything_is_acked(c: Client) -> None:
+    memory = c.h.broker.memory
+    ok(c.create_queue("orders"))
+    cid = c.consumer("orders", credit=2)
+    payloads = [b"a" * n for n in range(5)]
+    c.send_all("orders", payloads)
+    assert memory.used == sum(message_cost(p) for p in payloads)
+    got = c.take(cid)
+    c.nack(cid, [got[0].id])  # back in the queue: still counted once
+    c.nack(cid, [got[1].id], NackMode.RELEASE)
+    assert memory.used == sum(message_cost(p) for p in payloads)
+    c.flow(cid, 10)
+    got = c.take(cid)
+    assert sorted(bodies(got)) == payloads
+    tx = c.conn.new_tx_id()
+    ok(c.tx_begin(tx))
+    c.ack(cid, ids(got[:2]), tx=tx)
+    ok(c.tx_commit(tx))
+    c.ack(cid, ids(got[2:]))
+    assert memory.used == 0
+
+
+def test_memory_released_when_messages_are_dead_lettered_superseded_or_purged() -> None:
+    h = with_address_settings(dead_letter_address="", max_delivery_attempts=1)
+    c = h.connect()
+    memory = h.broker.memory
+    ok(c.create_queue("orders"))
+    cid = c.consumer("orders")
+    c.send_all("orders", [b"dead", b"rejected"])
+    got = c.take(cid)
+    c.nack(cid, [got[0].id])
+    c.nack(cid, [got[1].id], NackMode.REJECT)
+    assert memory.used == 0
+    ok(c.create_queue("prices", last_value_key=""))
+    c.publish("prices", b"a1", last_value_key="A")
+    c.publish("prices", b"a22", last_value_key="A")
+    assert memory.used == message_cost(b"a22")
+    c.send_all("orders", [b"queued"] * 2)
+    ok(c.unsubscribe(cid))
+    ok(c.delete_queue("prices"))
+    ok(c.delete_queue("orders"))
+    assert memory.used == 0
+
+
+def test_memory_released_when_a_queue_with_in_flight_messages_is_deleted(h: Harness, c: Client) -> None:
+    other = h.connect("other")
+    ok(c.create_queue("orders"))
+    cid = other.consumer("orders")
+    c.send_all("orders", [b"in-flight"])
+    assert len(other.take(cid)) == 1
+    ok(c.delete_queue("orders"))
+    assert h.broker.memory.used == 0
+
+
+def test_memory_released_when_a_queue_with_a_delayed_redelivery_is_deleted() -> None:
+    h = with_address_settings(redelivery_delay_ms=100)
+    c = h.connect()
+    ok(c.create_queue("orders"))
+    cid = c.consumer("orders")
+    c.send_all("orders", [b"later"])
+    c.nack(cid, ids(c.take(cid)))
+    ok(c.delete_queue("orders"))
+    h.tick(h.now_ms + 100)
+    assert h.broker.memory.used == 0
+
+
+# ====================================================================== permissions of the newer operations
+def user_with(*permissions: str, match: str = "#") -> Client:
+    """A client of a fresh harness whose only user holds ``permissions`` on ``match``."""
+    grants = [PermissionEntry(match, p, ["r"]) for p in permissions]
+    h = Harness(CoreSettings(users=[UserEntry("u", "p", ["r"])], permissions=grants))
+    return h.connect("u", "u", "p")
+
+
+@pytest.mark.parametrize(
+    ("grants", "routing", "allowed"),
+    [
+        ((), ANYCAST, False),
+        (("createAddress",), ANYCAST, False),
+        (("createDurableQueue",), ANYCAST, False),
+        (("createAddress", "createNonDurableQueue"), ANYCAST, False),
+        (("createAddress", "createDurableQueue"), ANYCAST, True),
+        (("createAddress",), None, False),  # default routing: anycast
+        (("createAddress", "createDurableQueue"), None, True),
+    ],
+)
+def test_publish_to_new_anycast_address_needs_create_permissions(
+    grants: tuple[str, ...], routing: int | None, allowed: bool
+) -> None:
+    c = user_with("send", *grants)
+    broker = c.h.broker
+    fields = {} if routing is None else {"routing": routing}
+    seq = c.publish("fresh", b"x", **fields)
+    if allowed:
+        assert seq in c.confirmed
+        assert c.rejected == {}
+        assert broker.queues["fresh"].durable is True
+        assert len(broker.queues["fresh"]) == 1
+    else:
+        assert seq not in c.confirmed
+        assert c.rejected[seq].code == ErrorCode.FORBIDDEN
+        assert "fresh" not in broker.addresses
+        assert "fresh" not in broker.queues
+        assert broker.counters.rejected == 1
+
+
+def test_publish_to_new_multicast_address_needs_only_create_address() -> None:
+    c = user_with("send")
+    seq = c.publish("feed", b"x", routing=MULTICAST)
+    assert c.rejected[seq].code == ErrorCode.FORBIDDEN
+    assert "feed" not in c.h.broker.addresses
+    c = user_with("send", "createAddress")
+    seq = c.publish("feed", b"x", routing=MULTICAST)
+    assert seq in c.confirmed
+    assert c.h.broker.addresses["feed"].routing_types == {MULTICAST}
+    assert "feed" not in c.h.broker.queues
+    assert c.h.broker.counters.unrouted == 1
+
+
+def test_publish_to_existing_address_needs_no_create_permission() -> None:
+    users = [UserEntry("creator", "p", ["app", "create"]), UserEntry("sender", "p", ["app"])]
+    grants = [PermissionEntry("#", "send", ["app"]), PermissionEntry("#", "createAddress", ["create"]),
+              PermissionEntry("#", "createDurableQueue", ["create"])]  # fmt: skip
+    h = Harness(CoreSettings(users=users, permissions=grants))
+    creator = h.connect("creator", "creator", "p")
+    sender = h.connect("sender", "sender", "p")
+    refused = sender.publish("fresh", b"0")
+    assert sender.rejected[refused].code == ErrorCode.FORBIDDEN
+    creator.publish("fresh", b"1")
+    seq = sender.publish("fresh", b"2")
+    assert seq in sender.confirmed
+    assert len(h.broker.queues["fresh"]) == 2
+
+
+@pytest.mark.parametrize("browse", [False, True])
+def test_subscribe_to_missing_queue_without_consume_permission_leaves_nothing(browse: bool) -> None:
+    c = user_with("createAddress", "createDurableQueue", "createNonDurableQueue", "consume" if browse else "browse")
+    broker = c.h.broker
+    failed(c.subscribe("jobs", browse=browse)[1], ErrorCode.FORBIDDEN)
+    failed(c.subscribe("sub", address="topic", routing_type=MULTICAST, browse=browse)[1], ErrorCode.FORBIDDEN)
+    assert broker.queues == {}
+    assert broker.addresses == {}
+    # With the permission the same subscription auto-creates its queue.
+    c = user_with("createAddress", "createDurableQueue", "browse" if browse else "consume")
+    ok(c.subscribe("jobs", browse=browse)[1])
+    assert "jobs" in c.h.broker.queues
+
+
+def test_delete_queue_permissions() -> None:
+    users = [UserEntry("owner", "p", ["app"]), UserEntry("dd", "p", ["app", "dd"]),
+             UserEntry("dn", "p", ["app", "dn"]), UserEntry("all", "p", ["app", "dd", "dn"])]  # fmt: skip
+    grants = [
+        PermissionEntry("#", "createAddress", ["app"]),
+        PermissionEntry("#", "createDurableQueue", ["app"]),
+        PermissionEntry("#", "createNonDurableQueue", ["app"]),
+        PermissionEntry("#", "deleteDurableQueue", ["dd"]),
+        PermissionEntry("#", "deleteNonDurableQueue", ["dn"]),
+    ]
+    h = Harness(CoreSettings(users=users, permissions=grants))
+    owner = h.connect("owner", "owner", "p")
+    dd = h.connect("dd", "dd", "p")
+    dn = h.connect("dn", "dn", "p")
+    everything = h.connect("all", "all", "p")
+    ok(owner.create_queue("kept"))
+    ok(owner.create_queue("plain", durable=False))
+    ok(owner.create_queue("reply.owner", temporary=True))
+    ok(owner.create_queue("reply.other", temporary=True))
+    # A durable queue needs deleteDurableQueue, even for the link that created it.
+    failed(owner.delete_queue("kept"), ErrorCode.FORBIDDEN)
+    failed(dn.delete_queue("kept"), ErrorCode.FORBIDDEN)
+    # A non-durable queue needs deleteNonDurableQueue.
+    failed(owner.delete_queue("plain"), ErrorCode.FORBIDDEN)
+    failed(dd.delete_queue("plain"), ErrorCode.FORBIDDEN)
+    # The temporary queue of another link: never, whatever the grants.
+    failed(everything.delete_queue("reply.owner"), ErrorCode.FORBIDDEN)
+    failed(dn.delete_queue("reply.owner"), ErrorCode.FORBIDDEN)
+    assert set(h.broker.queues) == {"kept", "plain", "reply.owner", "reply.other"}
+    ok(dd.delete_queue("kept"))
+    ok(dn.delete_queue("plain"))
+    ok(owner.delete_queue("reply.owner"))  # its own temporary queue: no grant needed
+    assert set(h.broker.queues) == {"reply.other"}
+    assert owner.session.temporary_queues == {"reply.other"}
+
+
+def test_delete_address_needs_delete_address_permission() -> None:
+    users = [UserEntry("u", "p", ["app"]), UserEntry("admin", "p", ["app", "admin"])]
+    grants = [PermissionEntry("#", "createAddress", ["app"]), PermissionEntry("#", "deleteAddress", ["admin"])]
+    h = Harness(CoreSettings(users=users, permissions=grants))
+    u = h.connect("u", "u", "p")
+    admin = h.connect("admin", "admin", "p")
+    assert ok(u._answer(u.conn.create_address("events", [MULTICAST]))) == {"created": True}
+    failed(u._answer(u.conn.delete_address("events")), ErrorCode.FORBIDDEN)
+    failed(u._answer(u.conn.delete_address("missing")), ErrorCode.FORBIDDEN)
+    assert "events" in h.broker.addresses
+    ok(admin._answer(admin.conn.delete_address("events")))
+    assert "events" not in h.broker.addresses
+    failed(admin._answer(admin.conn.delete_address("events")), ErrorCode.NOT_FOUND)
+
+
+@pytest.mark.parametrize("address", ["a..b", ".a", "a.", "a.*", "*", "a.#", "a*b", "a.b#"])
+def test_publish_to_invalid_address_is_rejected_invalid(c: Client, address: str) -> None:
+    seq = c.publish(address, b"x")
+    assert seq not in c.confirmed
+    assert c.rejected[seq].code == ErrorCode.INVALID
+    assert c.h.broker.addresses == {}
+    assert c.h.broker.queues == {}
+    good = c.publish("a.b", b"fine")
+    assert good in c.confirmed
+
+
+def test_publish_to_invalid_address_is_invalid_before_forbidden() -> None:
+    c = user_with("send", "createAddress", "createDurableQueue")
+    seq = c.publish("a..b", b"x")
+    assert c.rejected[seq].code == ErrorCode.INVALID
+    assert c.h.broker.addresses == {}
+
+
+# ====================================================================== consumer gone with a poison message
+def test_session_close_dead_letters_a_message_out_of_delivery_attempts() -> None:
+    h = with_address_settings(max_delivery_attempts=2)
+    c = h.connect("first")
+    ok(c.create_queue("orders"))
+    c.consumer("orders")
+    c.send_all("orders", [b"poison"], properties={"k": 1})
+    assert len(c.take(1)) == 1
+    c.close()  # count 1 < 2: back to the queue
+    assert "DLQ" not in h.broker.queues
+    second = h.connect("second")
+    cid = second.consumer("orders")
+    got = second.take(cid)
+    assert [(d.body, d.count) for d in got] == [(b"poison", 2)]
+    second.close()  # count 2 = max_delivery_attempts: dead, not back to the queue
+    third = h.connect("third")
+    assert third.take(third.consumer("orders")) == []
+    dead = third.take(third.consumer("DLQ"))
+    assert bodies(dead) == [b"poison"]
+    assert dead[0].count == 1
+    assert dead[0].props == {"k": 1, ORIGINAL_ADDRESS: "orders", ORIGINAL_QUEUE: "orders",
+                             ORIGINAL_REASON: "max_deliveries"}  # fmt: skip
+    assert h.broker.counters.dead_lettered == 1
+    assert h.broker.memory.used == message_cost(b"poison")  # only the DLQ copy
+
+
+def test_session_close_below_max_attempts_returns_messages_with_their_count() -> None:
+    h = with_address_settings(max_delivery_attempts=3)
+    c = h.connect("first")
+    ok(c.create_queue("orders"))
+    cid = c.consumer("orders")
+    c.send_all("orders", [b"a", b"b"])
+    got = c.take(cid)
+    c.nack(cid, [got[0].id])
+    assert [(d.body, d.count) for d in c.take(cid)] == [(b"a", 2)]
+    c.close()  # a at count 2, b at count 1: both below 3
+    other = h.connect("other")
+    again = other.take(other.consumer("orders"))
+    assert [(d.body, d.count) for d in again] == [(b"a", 3), (b"b", 2)]
+    assert "DLQ" not in h.broker.queues
+
+
+# ====================================================================== rollback-only transactions
+@pytest.mark.parametrize(("address", "code"), [("a..b", ErrorCode.INVALID), ("big", ErrorCode.RESOURCE_LIMIT)])
+def test_refused_publish_makes_transaction_rollback_only(address: str, code: str) -> None:
+    h = Harness(CoreSettings(broker=BrokerSection(max_message_bytes=10)))
+    c = h.connect()
+    ok(c.create_queue("orders"))
+    cid = c.consumer("orders")
+    c.send_all("orders", [b"held"])
+    held = c.take(cid)
+    tx = c.conn.new_tx_id()
+    ok(c.tx_begin(tx))
+    c.ack(cid, ids(held), tx=tx)
+    staged = c.publish("orders", b"staged", tx=tx)
+    refused = c.publish(address, b"x" * 11, tx=tx)
+    assert staged in c.confirmed
+    assert c.rejected[refused].code == code
+    after = c.publish("orders", b"after", tx=tx)  # later publishes are still staged
+    assert after in c.confirmed
+    failed(c.tx_commit(tx), code)
+    assert c.take(cid) == []
+    assert len(h.broker.queues["orders"]) == 0
+    assert list(h.broker.queues["orders"].consumers[0].in_flight) == ids(held)  # the ack was not applied
+    failed(c.tx_commit(tx), code)  # still rollback-only
+    assert c.take(cid) == []
+    ok(c.tx_rollback(tx))
+    assert [(d.body, d.count) for d in c.take(cid)] == [(b"held", 2)]
+    failed(c.tx_commit(tx), ErrorCode.NOT_FOUND)
+    assert "big" not in h.broker.queues
+
+
+# ====================================================================== auto-delete sweep
+def test_auto_created_queue_emptied_by_expiry_is_swept_by_a_later_tick(h: Harness, c: Client) -> None:
+    c.publish("scratch", b"short", expiration_ms=h.now_ms + 500)
+    assert h.broker.queues["scratch"].auto_created
+    h.tick(h.now_ms + 100)  # first scan: nothing due yet
+    assert "scratch" in h.broker.queues
+    h.tick(h.now_ms + 500)  # past the expiration, but the next scan is not due
+    assert "scratch" in h.broker.queues
+    h.tick(h.now_ms + 500)  # expiry_scan_ms (1000) after the last scan
+    assert "scratch" not in h.broker.queues
+    assert "scratch" not in h.broker.addresses
+    assert bodies(c.take(c.consumer("ExpiryQueue"))) == [b"short"]
+    h.tick(h.now_ms + 5000)
+    assert "ExpiryQueue" in h.broker.queues  # explicitly created dead-letter resource: not swept
+
+
+def test_unused_explicit_auto_delete_queue_is_not_swept(h: Harness, c: Client) -> None:
+    ok(c.create_queue("idle", auto_delete=True))
+    for step in range(1, 4):
+        h.tick(h.now_ms + step * 1000)
+    assert "idle" in h.broker.queues
+    c.publish("idle", b"x", expiration_ms=h.now_ms + 1)
+    h.tick(h.now_ms + 2000)  # used and emptied by expiry: now it goes
+    assert "idle" not in h.broker.queues
+
+
+# ====================================================================== audit of per-message events
+class RecordingAudit:
+    def __init__(self) -> None:
+        self.events: list[tuple[int, str, dict[str, object]]] = []
+
+    def emit(self, ts_us: int, event: str, fields: Mapping[str, object]) -> None:
+        self.events.append((ts_us, event, dict(fields)))
+
+    def tick(self, ts_us: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def of(self, event: str) -> list[tuple[int, dict[str, object]]]:
+        return [(ts, fields) for ts, name, fields in self.events if name == event]
+
+
+def audited(settings: CoreSettings | None = None) -> tuple[Harness, RecordingAudit]:
+    h = Harness(settings)
+    sink = RecordingAudit()
+    h.broker = Broker("node-1", h.settings, store=MemoryStore(), audit=sink, first_message_id=1,
+                      audit_messages="all")  # fmt: skip
+    return h, sink
+
+
+def test_audit_auto_ack_deliveries_record_acked_with_queue_and_time() -> None:
+    h, sink = audited()
+    c = h.connect()
+    ok(c.create_queue("orders"))
+    ok(c.create_queue("jobs"))
+    c.send_all("orders", [b"a", b"b"])
+    c.send_all("jobs", [b"j"])
+    h.tick(h.now_ms + 5000)
+    assert sink.of("msg.acked") == []
+    orders = c.consumer("orders", auto_ack=True)
+    assert bodies(c.take(orders)) == [b"a", b"b"]
+    assert len(h.broker.queues["orders"]) == 0  # the queue became empty
+    h.tick(h.now_ms + 7)
+    jobs = c.consumer("jobs", auto_ack=True)
+    assert bodies(c.take(jobs)) == [b"j"]
+    acked = sink.of("msg.acked")
+    assert [(ts, f["queue"], f["address"], f["message_id"]) for ts, f in acked] == [
+        ((BASE_MS + 5000) * 1000, "orders", "orders", "node-1-1"),
+        ((BASE_MS + 5000) * 1000, "orders", "orders", "node-1-2"),
+        ((BASE_MS + 5007) * 1000, "jobs", "jobs", "node-1-3"),
+    ]
+    assert all(f["sent_ts_us"] == BASE_MS * 1000 for _, f in acked)
+
+
+def test_audit_expiry_records_the_tick_time() -> None:
+    h, sink = audited()
+    c = h.connect()
+    ok(c.create_queue("orders"))
+    c.send_all("orders", [b"short"], expiration_ms=h.now_ms + 500)
+    h.tick(h.now_ms + 100)
+    assert sink.of("msg.expired") == []
+    h.tick(BASE_MS + 2345)
+    expired = sink.of("msg.expired")
+    assert [(ts, f["queue"], f["address"], f["reason"]) for ts, f in expired] == [
+        ((BASE_MS + 2345) * 1000, "orders", "orders", "ttl")
+    ]
+
+
+def test_audit_expiry_at_dispatch_records_the_dispatch_time() -> None:
+    h, sink = audited()
+    c = h.connect()
+    ok(c.create_queue("orders"))
+    c.send_all("orders", [b"short"], expiration_ms=h.now_ms + 500)
+    h.now_ms = BASE_MS + 800  # no tick: the expiry is found when dispatching
+    c.consumer("orders")
+    expired = sink.of("msg.expired")
+    assert [(ts, f["queue"]) for ts, f in expired] == [((BASE_MS + 800) * 1000, "orders")]
