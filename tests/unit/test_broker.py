@@ -1023,8 +1023,10 @@ def test_memory_released_by_expiry_unblocks_producers_on_tick(monkeypatch: pytes
     c = h.connect()
     grants = record_credit_grants(monkeypatch, c)
     ok(c.create_queue("orders"))
-    c.send_all("orders", [b"", b""], expiration_ms=h.now_ms + 100)
+    c.publish("orders", b"", expiration_ms=h.now_ms + 100)
+    c.publish("orders", b"", expiration_ms=h.now_ms + 100)  # reaches the limit
     assert grants == [1]
+    assert h.broker.memory.used == 2 * MESSAGE_OVERHEAD
     h.tick(h.now_ms + 1000)
     assert h.broker.memory.used == 0
     assert grants == [1, 1]
@@ -1435,3 +1437,18 @@ def test_audit_expiry_at_dispatch_records_the_dispatch_time() -> None:
     c.consumer("orders")
     expired = sink.of("msg.expired")
     assert [(ts, f["queue"]) for ts, f in expired] == [((BASE_MS + 800) * 1000, "orders")]
+
+
+def test_audit_superseded_message_returned_by_a_dropped_link_has_the_close_time() -> None:
+    h, sink = audited()
+    c = h.connect()
+    ok(c.create_queue("prices", last_value_key=""))
+    c.consumer("prices")
+    c.publish("prices", b"a1", last_value_key="A")
+    assert len(c.take(1)) == 1
+    c.publish("prices", b"a2", last_value_key="A")  # a1 is in flight: superseded when it comes back
+    assert sink.of("msg.acked") == []
+    # The server shell closes a lost connection directly, not through handle().
+    h.broker.close_session(c.session, BASE_MS + 9000)
+    acked = sink.of("msg.acked")
+    assert [(ts, f["queue"], f["message_id"]) for ts, f in acked] == [((BASE_MS + 9000) * 1000, "prices", "node-1-1")]
