@@ -40,7 +40,7 @@ def start_core(data_dir: Path) -> tuple[subprocess.Popen[bytes], int]:
     env = {**os.environ, "TRIDENTMQ_CORE_NODE_DATA_DIR": str(data_dir), "TRIDENTMQ_CORE_LINK_HOST": "127.0.0.1",
            "TRIDENTMQ_CORE_LINK_PORT": "0", "TRIDENTMQ_CORE_MANAGEMENT_PORT": "0",
            "TRIDENTMQ_CORE_NODE_LOG_LEVEL": "WARNING"}  # fmt: skip
-    core = subprocess.Popen([sys.executable, "-m", "tridentmq_core", "--ports-file", str(ports)], env=env)  # noqa: S603
+    core = subprocess.Popen([sys.executable, "-m", "tridentmq_core", "--ports-file", str(ports)], env=env)
     deadline = time.monotonic() + 20
     while not ports.exists():
         if core.poll() is not None or time.monotonic() > deadline:
