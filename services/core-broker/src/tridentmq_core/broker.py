@@ -136,7 +136,6 @@ class Broker:
         self.now_ms = 0  # time of the event being handled, for callbacks that are not handed it
         self._blocked: dict[Session, int] = {}  # publish credit withheld while over the memory limit
         self._memory_limit = settings.broker.max_memory_bytes
-        self._memory_resume = int(self._memory_limit * 0.9)
         self._trie: AddressTrie[Queue] = AddressTrie()
         # (address, routing) → (queues, simple); simple = no queue filter and at most one anycast queue,
         # so the queues can be used as they are without looking at the message.
@@ -167,6 +166,7 @@ class Broker:
         """The link is gone: requeue its unacknowledged messages, drop its transactions and temp queues."""
         if self.sessions.pop(session.conn_id, None) is None:
             return
+        self.now_ms = now_ms
         for consumer in list(session.consumers.values()):
             self._remove_consumer(session, consumer, now_ms)
         for tx in session.txs.values():
@@ -298,7 +298,7 @@ class Broker:
         self.dirty.add(session)
 
     def _unblock_producers(self) -> None:
-        if self._blocked and self.memory.used < self._memory_resume:
+        if self._blocked and self.memory.used * 10 < self._memory_limit * 9:  # under 90 %
             for session, credit in self._blocked.items():
                 session.conn.grant_publish_credit(credit)
                 self.dirty.add(session)
@@ -726,7 +726,8 @@ class Broker:
     def _delete_queue(self, queue: Queue, now_ms: int) -> None:
         for consumer in list(queue.consumers):
             consumer.session.consumers.pop(consumer.id, None)
-            queue.remove_consumer(consumer)
+            for message, _ in queue.remove_consumer(consumer):
+                queue.settle(message)  # the queue goes away with what its consumers held
             consumer.session.conn.consumer_closed(consumer.id, ErrorCode.NOT_FOUND,
                                                   f"queue {queue.name!r} was deleted")  # fmt: skip
             self.dirty.add(consumer.session)
@@ -833,6 +834,8 @@ class Broker:
                 else:
                     queue.add(message)
                 self._to_dispatch.add(queue)
+            elif queue is not None and count:
+                queue.settle(message)  # a delayed redelivery for a deleted queue: release what it held
         if now_ms - self._last_expiry_scan >= self.settings.broker.expiry_scan_ms:
             self._last_expiry_scan = now_ms
             for queue in list(self.queues.values()):

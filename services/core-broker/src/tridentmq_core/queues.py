@@ -238,6 +238,7 @@ class Queue:
             if newer is not None and newer is not message:
                 # A newer value for its key arrived while it was out: superseded, as in _replace_last_value.
                 self._forget(message)
+                self.acked += 1
                 self._sink.on_acked(self, message)
                 return
         priority = message[M_PRIORITY]
