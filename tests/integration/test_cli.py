@@ -138,3 +138,15 @@ def test_up_starts_serves_and_stops_cleanly(tmp_path: Path) -> None:
     assert "core node stopped" in output
     assert "Traceback" not in output
     assert (tmp_path / "data" / "core" / "node.id").exists()
+
+
+def test_core_reports_bad_settings_in_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[link]\nport = "abc"\n')
+    result = tridentmq("core", "--config", str(bad))
+    assert result.returncode == 1
+    assert result.stderr.strip() == "tridentmq-core: link.port: expected an integer, got 'abc'"
+    missing = tridentmq("core", "--config", str(tmp_path / "missing.toml"))
+    assert missing.returncode == 1
+    assert "cannot read" in missing.stderr
+    assert "Traceback" not in missing.stderr + result.stderr

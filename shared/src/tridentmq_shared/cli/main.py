@@ -138,8 +138,6 @@ def run(args: argparse.Namespace) -> int:
     match args.command:
         case "up":
             return run_main(supervisor.supervise(supervisor.plan(args.data_dir, args.config)))
-        case "core":
-            os.execv(sys.executable, [sys.executable, "-m", "tridentmq_core", *args.args])  # noqa: S606
         case "status":
             status = admin.fetch(args.management, "/api/status")
             print(json.dumps(status, indent=2) if args.json else admin.status_text(status))
@@ -158,6 +156,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["core"]:  # everything after `core` belongs to tridentmq-core (argparse would eat options)
+        os.execv(sys.executable, [sys.executable, "-m", "tridentmq_core", *argv[1:]])  # noqa: S606
     args = build_parser().parse_args(argv)
     try:
         code = run(args)
