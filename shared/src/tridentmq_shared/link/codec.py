@@ -223,29 +223,24 @@ class LinkConnection:
                 problem = check_message(op[3], max_properties)
                 if problem is not None:
                     self._fail(ErrorCode.MALFORMED, problem)
-                if code != batch_code:
-                    batch = []
-                    batch_code = code
-                    events.append(_BATCHED[code](batch))
-                batch.append(op)
-                continue
-            if code not in receives:
-                self._fail(ErrorCode.UNEXPECTED, f"operation {code} is not valid from the {self._peer_name()}")
-            self._check_fields(op)
-            if code in _BATCHED:
+            else:
+                if code not in receives:
+                    self._fail(ErrorCode.UNEXPECTED, f"operation {code} is not valid from the {self._peer_name()}")
+                self._check_fields(op)
+                if code not in _BATCHED:
+                    batch_code = -1
+                    event = self._control_event(code, op)
+                    if event is not None:
+                        events.append(event)
+                    if self.closed:
+                        return
+                    continue
                 self._check_batched(code, op)
-                if code != batch_code:
-                    batch = []
-                    batch_code = code
-                    events.append(_BATCHED[code](batch))
-                batch.append(op)
-                continue
-            batch_code = -1
-            event = self._control_event(code, op)
-            if event is not None:
-                events.append(event)
-            if self.closed:
-                return
+            if code != batch_code:  # consecutive operations of one kind travel as one batch event
+                batch = []
+                batch_code = code
+                events.append(_BATCHED[code](batch))
+            batch.append(op)
 
     def _check_fields(self, op: list[Any]) -> None:
         spec = _FIELDS[op[0]]
