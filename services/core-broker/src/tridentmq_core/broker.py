@@ -19,7 +19,7 @@ from tridentmq_core.address_settings import AddressSettingsRepository, ResolvedA
 from tridentmq_core.audit import AuditSink
 from tridentmq_core.dedup import DuplicateIdCache
 from tridentmq_core.queues import Consumer, MemoryGauge, Queue
-from tridentmq_core.router import AddressTrie, InvalidAddress, is_wildcard, validate_address
+from tridentmq_core.router import AddressTrie, InvalidAddress, validate_address
 from tridentmq_core.security import Permission, Principal
 from tridentmq_core.selector import Selector, SelectorError, compile_selector
 from tridentmq_core.settings import CoreSettings
@@ -871,10 +871,3 @@ class Broker:
             "message_id": f"{self._node_tag}-{message[M_ID]}", "size": len(message[M_BODY]),
             "protocol": message[M_PROTOCOL] or "link", "sent_ts_us": message[M_TIMESTAMP] * 1000, **fields,
         })  # fmt: skip
-
-    # ------------------------------------------------------------------ views for management
-    def is_wildcard_address(self, name: str) -> bool:
-        return is_wildcard(name)
-
-    def message_count(self) -> int:
-        return sum(len(q) for q in self.queues.values())

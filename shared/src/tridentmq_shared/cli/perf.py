@@ -60,7 +60,7 @@ async def _produce(opts: PerfOptions, queue: str) -> dict[str, Any]:
             message = prototype.copy()
             message[M_BODY] = bytes(body)
             if opts.durable or i == last:
-                confirms.append(await client.send(message))  # a confirm means stored (and fsynced once durable)
+                confirms.append(await client.send(message))  # durable: wait for every confirm (the store's promise)
                 continue
             if client.publish_credit <= 0:
                 await client.wait_for_credit()

@@ -1,8 +1,8 @@
 """The ``Store`` protocol: what the broker asks of persistence.
 
-The broker calls these as state changes; a store returns ``True`` when the change is already safe (the
-memory store always) or ``False`` when it will report completion later through the callback given to
-``attach`` (the journal's group commit), after which the broker confirms the producer.
+The broker calls these as state changes. ``add_message`` returns 0 when the message is already safe (the
+memory store, always) or a token that the store later passes to the callback given to ``attach`` once the
+write is safe (the journal's group commit); only then does the broker confirm the producer.
 """
 
 from __future__ import annotations
