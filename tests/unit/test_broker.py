@@ -22,7 +22,7 @@ from tridentmq_core.address_settings import AddressSettingsRepository
 from tridentmq_core.broker import ORIGINAL_ADDRESS, ORIGINAL_QUEUE, ORIGINAL_REASON, Broker
 from tridentmq_core.dedup import DuplicateIdCache
 from tridentmq_core.queues import MESSAGE_OVERHEAD
-from tridentmq_core.security import AuthenticationError, Permission, SecurityManager, hash_password
+from tridentmq_core.security import AuthenticationError, Permission, SecurityManager, hash_password, is_loopback
 from tridentmq_core.settings import (
     AddressSettingsEntry,
     BrokerSection,
@@ -1452,3 +1452,12 @@ def test_audit_superseded_message_returned_by_a_dropped_link_has_the_close_time(
     h.broker.close_session(c.session, BASE_MS + 9000)
     acked = sink.of("msg.acked")
     assert [(ts, f["queue"], f["message_id"]) for ts, f in acked] == [((BASE_MS + 9000) * 1000, "prices", "node-1-1")]
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [("127.0.0.1", True), ("127.8.9.10", True), ("::1", True), ("::ffff:127.0.0.1", True),
+     ("10.0.0.1", False), ("::ffff:10.0.0.1", False), ("not-an-ip", False), (None, False)],
+)  # fmt: skip
+def test_loopback_detection_for_the_embedded_default(host: str | None, loopback: bool) -> None:
+    assert is_loopback(host) is loopback

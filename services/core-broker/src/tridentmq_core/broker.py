@@ -754,6 +754,7 @@ class Broker:
         if address.queues:
             raise BrokerError(ErrorCode.INVALID, f"address {name!r} still has queues")
         del self.addresses[name]
+        self._anycast_rr.pop(name, None)
         self.store.delete_address(name)
         self._invalidate_routes()
 

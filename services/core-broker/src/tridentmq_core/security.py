@@ -83,9 +83,11 @@ def is_loopback(host: str | None) -> bool:
     if host is None:
         return False
     try:
-        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+        ip = ipaddress.ip_address(host.split("%")[0])
     except ValueError:
         return False
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1 from a dual-stack listener
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 class SecurityManager:

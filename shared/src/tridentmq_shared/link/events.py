@@ -89,7 +89,8 @@ class DeleteQueue:
 
 @dataclass(frozen=True, slots=True)
 class Subscribe:
-    """``options`` keys: selector, browse, auto_ack, address, routing_type, durable, exclusive."""
+    """``options`` keys: selector, browse, auto_ack, and for a queue auto-created by the subscription:
+    address, routing_type, durable."""
 
     req_id: int
     consumer_id: int
