@@ -47,6 +47,7 @@ def start_core(tmp_path: Path, name: str = "core", config: str | None = None, **
     data_dir = tmp_path / name
     data_dir.mkdir(parents=True, exist_ok=True)
     ports_file = data_dir / "ports.json"
+    ports_file.unlink(missing_ok=True)  # a restart on the same data directory must not read the old ports
     log_path = data_dir / "core.log"
     args = ["--ports-file", str(ports_file)]
     if config is not None:

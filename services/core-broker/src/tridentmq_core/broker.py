@@ -24,6 +24,8 @@ from tridentmq_core.security import Permission, Principal
 from tridentmq_core.selector import Selector, SelectorError, compile_selector
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.base import Store
+from tridentmq_core.store.memory import MemoryStore
+from tridentmq_core.store.recovery import RecoveredState
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.codec import LinkConnection
 from tridentmq_shared.link.ops import ErrorCode, NackMode
@@ -148,11 +150,12 @@ class Broker:
         self._timers: list[tuple[int, int, Queue | None, WireMessage, int]] = []  # due, seq, queue, msg, count
         self._timer_seq = itertools.count()
         self._pending_confirms: dict[int, tuple[Session, int]] = {}
+        self._held_deliveries: dict[int, list[tuple[Consumer, int, WireMessage]]] = {}  # token → deliveries
         self._audit_all = audit_messages == "all"
         self._audit_durable = audit_messages in ("all", "durable")
         self._node_tag = node_id[:8]
         self._last_expiry_scan = 0
-        store.attach(self._on_durable)
+        store.attach(self.on_durable)
 
     # ------------------------------------------------------------------ sessions
     def open_session(self, conn: LinkConnection, conn_id: str, principal: Principal, peer: str,
@@ -383,7 +386,12 @@ class Broker:
                 to_dispatch.add(queue)
         return token
 
-    def _on_durable(self, token: int) -> None:
+    def on_durable(self, token: int) -> None:
+        """The store made the message behind ``token`` safe: confirm it to its producer."""
+        held = self._held_deliveries.pop(token, None)
+        if held is not None:
+            for consumer, delivery_count, message in held:
+                self._send_delivery(consumer, delivery_count, message)
         waiting = self._pending_confirms.pop(token, None)
         if waiting is not None:
             session, seq = waiting
@@ -544,8 +552,6 @@ class Broker:
             queue.return_message(message, count - 1)
             return
         settings = self.address_settings.resolve(queue.address)
-        if message[M_DURABLE] and queue.durable:
-            self.store.update_delivery_count(queue.name, message[M_ID], count)
         if self._audit_all or (self._audit_durable and message[M_DURABLE]):
             self._emit_message(now_ms, "msg.nacked", message, queue, delivery_count=count)
         attempts = settings.max_delivery_attempts
@@ -713,7 +719,8 @@ class Broker:
         if durable:
             self.store.add_queue({"name": name, "address": address, "routing_type": int(routing),
                                   "filter": filter_text, "exclusive": exclusive,
-                                  "last_value_key": last_value_key, "max_consumers": max_consumers})  # fmt: skip
+                                  "last_value_key": last_value_key, "max_consumers": max_consumers,
+                                  "auto_created": auto_created, "auto_delete": auto_delete})  # fmt: skip
         log.debug("queue created", extra={"queue": name, "address": address, "routing": routing.name})
         return queue
 
@@ -787,6 +794,22 @@ class Broker:
         elif self._audit_all:
             self._emit_message(now_ms, "msg.acked", message, queue)
 
+    def deliver_durable(self, consumer: Consumer, delivery_count: int, message: WireMessage) -> None:
+        """Record the delivery attempt, and send the delivery only once the record is safe: after a crash the
+        message then comes back flagged as redelivered, never looking like a first delivery."""
+        token = self.store.update_delivery_count(consumer.queue.name, message[M_ID], delivery_count)
+        if token:
+            self._held_deliveries.setdefault(token, []).append((consumer, delivery_count, message))
+        else:
+            self._send_delivery(consumer, delivery_count, message)
+
+    def _send_delivery(self, consumer: Consumer, delivery_count: int, message: WireMessage) -> None:
+        session = consumer.session
+        if session.consumers.get(consumer.id) is not consumer or message[M_ID] not in consumer.in_flight:
+            return  # the consumer left meanwhile: the message went back to its queue
+        session.conn.deliver(consumer.id, delivery_count, message)
+        self.dirty.add(session)
+
     def on_expired(self, queue: Queue, message: WireMessage) -> None:
         queue.expired += 1
         self.counters.expired += 1
@@ -845,6 +868,29 @@ class Broker:
                     self._maybe_auto_delete(queue, now_ms)
             self._dedup.expire(now_ms)
         self.flush_dispatch(now_ms)
+
+    def restore(self, state: RecoveredState) -> None:
+        """Rebuild addresses, durable queues and their messages from a recovered journal, writing nothing
+        back to the store. Message ids continue after the highest recovered one."""
+        store, self.store = self.store, MemoryStore()
+        try:
+            for name, kinds in state.addresses.items():
+                self._ensure_address(name, {RoutingType(k) for k in kinds}, auto_created=False)
+            for name, spec in state.queues.items():
+                queue = self._create_queue(
+                    name, spec["address"], RoutingType(spec["routing_type"]), durable=True, now_ms=self.now_ms,
+                    filter_text=spec.get("filter"), exclusive=bool(spec.get("exclusive")),
+                    last_value_key=spec.get("last_value_key"), max_consumers=int(spec.get("max_consumers", -1)),
+                    auto_created=bool(spec.get("auto_created")), auto_delete=bool(spec.get("auto_delete")),
+                )  # fmt: skip
+                for message_id, count in state.references.get(name, {}).items():
+                    queue.restore(state.messages[message_id], count)
+        finally:
+            self.store = store
+        for message in state.messages.values():
+            self._next_id = max(self._next_id, message[M_ID] + 1)
+            if message[M_DEDUP] is not None:
+                self._dedup.seen(message[M_DEDUP], message[M_TIMESTAMP])
 
     def take_dirty(self) -> list[Session]:
         """Sessions with output to write since the last call. The set is cleared in place, never

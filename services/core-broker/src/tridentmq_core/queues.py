@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from tridentmq_core.selector import Selector
 from tridentmq_shared.message import (
     M_BODY,
+    M_DURABLE,
     M_EXPIRATION,
     M_GROUP,
     M_ID,
@@ -52,6 +53,7 @@ class DeliverySink(Protocol):
     """Where a queue reports what happened to a message (the broker: store, audit, counters)."""
 
     def on_acked(self, queue: Queue, message: WireMessage) -> None: ...
+    def deliver_durable(self, consumer: Consumer, delivery_count: int, message: WireMessage) -> None: ...
     def on_expired(self, queue: Queue, message: WireMessage) -> None: ...
 
 
@@ -231,6 +233,12 @@ class Queue:
         if self._lvq and self._lvq.get(self._lvq_key(message)) is message:
             del self._lvq[self._lvq_key(message)]
 
+    def restore(self, message: WireMessage, delivery_count: int) -> None:
+        """Add a message recovered from the journal, remembering how often it was delivered before."""
+        self.add(message)
+        if delivery_count > 0:
+            self._returned[message[M_ID]] = delivery_count
+
     def return_message(self, message: WireMessage, delivery_count: int) -> None:
         """Put a message back at the head of its priority (after nack, release, close, rollback)."""
         if self._lvq:
@@ -398,9 +406,12 @@ class Queue:
         consumer.credit -= 1
         self.delivered += 1
         session = consumer.session
-        session.conn.deliver(consumer.id, count, message)
-        if session not in self._dirty:
-            self._dirty.add(session)
+        if self.durable and message[M_DURABLE]:
+            self._sink.deliver_durable(consumer, count, message)  # sent once the attempt is on disk
+        else:
+            session.conn.deliver(consumer.id, count, message)
+            if session not in self._dirty:
+                self._dirty.add(session)
         if consumer.auto_ack:
             self._forget(message)
             self.acked += 1

@@ -13,6 +13,7 @@ import logging
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -23,7 +24,10 @@ from tridentmq_core.broker import Broker, Session
 from tridentmq_core.management.app import NodeStatus, QueueRates, create_app
 from tridentmq_core.security import AuthenticationError, SecurityManager
 from tridentmq_core.settings import CoreSettings
+from tridentmq_core.store.journal import Journal
+from tridentmq_core.store.journal_store import JournalStore
 from tridentmq_core.store.memory import MemoryStore
+from tridentmq_core.store.recovery import replay
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.codec import MIN_FRAME_SIZE, LinkConnection, Role
 from tridentmq_shared.link.errors import LinkError
@@ -162,6 +166,7 @@ class CoreNode:
             first_message_id=_now_ms() << 20,
             audit_messages=settings.audit.message_events,
         )
+        self.journal: Journal | None = None
         self.status = NodeStatus(started_at=time.time())
         self.rates = QueueRates()
         self.protocols: dict[str, LinkProtocol] = {}
@@ -171,8 +176,37 @@ class CoreNode:
         self._timer: asyncio.Task[None] | None = None
         self.management_port = 0
 
+    def _recover(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Replay the journal into the broker before anyone can connect, then journal from here on."""
+        journal_settings = self.settings.journal
+        if not journal_settings.enabled:
+            log.warning("journal disabled: durable messages will not survive a restart")
+            return
+        directory = Path(journal_settings.directory or self.settings.node.data_dir / "journal")
+        journal = Journal(directory, segment_bytes=journal_settings.segment_bytes)
+        started = time.monotonic()
+        records, report = journal.recover()
+        state = replay(records)
+        self.broker.restore(state)
+        for line in report.truncated:
+            log.warning("journal tail cut off after a crash", extra={"detail": line})
+        self.status.recovered = state.queue_counts()
+        log.info("journal recovered", extra={"segments": report.segments, "records": report.records,
+                                             "messages": state.live_messages(), "queues": len(state.queues),
+                                             "seconds": round(time.monotonic() - started, 3)})  # fmt: skip
+        store = JournalStore(journal, lambda fn: loop.call_soon_threadsafe(self._durable_in_loop, fn))
+        self.broker.store = store
+        store.attach(self.broker.on_durable)
+        journal.start()
+        self.journal = journal
+
+    def _durable_in_loop(self, complete: Callable[[], None]) -> None:
+        complete()
+        self.schedule_flush()  # the confirms it produced must be written
+
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        self._recover(loop)
         link = self.settings.link
         self._server = await loop.create_server(lambda: LinkProtocol(self), link.host, link.port)
         self.status.link_port = self._server.sockets[0].getsockname()[1]
@@ -260,5 +294,7 @@ class CoreNode:
             await self._server.wait_closed()
         if self._runner is not None:
             await self._runner.cleanup()
+        if self.journal is not None:
+            self.journal.close()
         self.audit.close()
         log.info("core node stopped", extra={"node_id": self.node_id})

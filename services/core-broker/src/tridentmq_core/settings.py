@@ -29,6 +29,13 @@ class LinkSection:
 
 
 @dataclass(frozen=True)
+class JournalSection:
+    enabled: bool = doc(True, "Keep durable messages, queues and addresses in the journal (off: memory only).")
+    directory: str = doc("", "Where the journal segments go; empty means `<data_dir>/journal`.")
+    segment_bytes: int = doc(64 * 1024 * 1024, "Size of each pre-allocated journal segment file.")
+
+
+@dataclass(frozen=True)
 class ManagementSection:
     enabled: bool = doc(True, "Serve /healthz, /readyz, /metrics and the JSON API over HTTP.")
     host: str = doc("127.0.0.1", "Interface of the management HTTP server.")
@@ -103,6 +110,7 @@ class AddressSettingsEntry:
 class CoreSettings:
     node: NodeSection = doc(NodeSection(), "This node.")
     link: LinkSection = doc(LinkSection(), "The internal link listener.")
+    journal: JournalSection = doc(JournalSection(), "The durable journal.")
     management: ManagementSection = doc(ManagementSection(), "Management HTTP server.")
     audit: AuditSection = doc(AuditSection(), "The audit stream.")
     broker: BrokerSection = doc(BrokerSection(), "Broker limits and windows.")

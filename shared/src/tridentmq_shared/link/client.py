@@ -155,6 +155,10 @@ class Consumer:
     def ack(self, *deliveries: Delivery, tx_id: int = 0) -> None:
         self.client._ack(self, [d.id for d in deliveries], tx_id)
 
+    def ack_ids(self, message_ids: list[int], tx_id: int = 0) -> None:
+        """Acknowledge by message id (for batches taken with ``get_batch``)."""
+        self.client._ack(self, message_ids, tx_id)
+
     def nack(self, *deliveries: Delivery, mode: NackMode = NackMode.REDELIVER) -> None:
         self.client._nack(self, [d.id for d in deliveries], mode)
 

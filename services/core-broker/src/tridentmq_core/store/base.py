@@ -27,4 +27,5 @@ class Store(Protocol):
         """Persist a durable message and its queue references; 0 = already safe, else a token."""
 
     def acknowledge(self, queue: str, message_id: int) -> None: ...
-    def update_delivery_count(self, queue: str, message_id: int, count: int) -> None: ...
+    def update_delivery_count(self, queue: str, message_id: int, count: int) -> int:
+        """Record a delivery attempt; 0 = already safe, else a token like ``add_message``'s."""

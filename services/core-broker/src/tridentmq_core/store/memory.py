@@ -30,5 +30,5 @@ class MemoryStore:
     def acknowledge(self, queue: str, message_id: int) -> None:
         pass
 
-    def update_delivery_count(self, queue: str, message_id: int, count: int) -> None:
-        pass
+    def update_delivery_count(self, queue: str, message_id: int, count: int) -> int:
+        return 0

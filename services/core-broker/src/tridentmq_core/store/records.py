@@ -1,0 +1,113 @@
+"""Journal records: encoding and the scan that recovery relies on. Pure: bytes in, records out.
+
+A record is a 10-byte header followed by a msgpack payload::
+
+    magic (1 byte, 0xA7) · type (1) · payload length (4, big-endian) · CRC32C of type + payload (4)
+
+Segments are pre-allocated with zeros, so a zero byte where a header should start is the clean end of the
+written part. Anything else that does not check out (bad magic, a length past the end, a CRC mismatch)
+is damage: ``scan`` stops there and says where and why, and ``damage_is_tail`` tells a torn last write
+(safe to truncate) from damage with valid data behind it (refuse to start).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, Final
+
+import msgpack
+from crc32c import crc32c
+
+MAGIC: Final = 0xA7
+HEADER: Final = struct.Struct(">BBII")
+HEADER_SIZE: Final = HEADER.size
+_MAGIC_BYTE: Final = bytes((MAGIC,))
+
+
+class RecordType(IntEnum):
+    ADD_ADDRESS = 1  # [name, routing_types]
+    DELETE_ADDRESS = 2  # [name]
+    ADD_QUEUE = 3  # [spec]
+    DELETE_QUEUE = 4  # [name]
+    MESSAGE = 5  # [wire message, [queue names]]
+    ACK = 6  # [queue, message_id]
+    DELIVERY_COUNT = 7  # [queue, message_id, count]
+
+
+_TYPES: Final = frozenset(int(t) for t in RecordType)
+
+
+def encode(record_type: RecordType, payload: Any) -> bytes:
+    body: bytes = msgpack.packb(payload)
+    crc = crc32c(body, crc32c(bytes((record_type,))))
+    return HEADER.pack(MAGIC, record_type, len(body), crc) + body
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    offset: int
+    type: RecordType
+    payload: Any
+
+
+@dataclass(frozen=True, slots=True)
+class ScanEnd:
+    """Where the valid records of a buffer end; ``reason`` is None for a clean end (zeros or end of data)."""
+
+    offset: int
+    reason: str | None
+
+
+def scan(data: bytes | memoryview, start: int = 0) -> Iterator[Record | ScanEnd]:
+    """Yield every valid record from ``start``, then exactly one ``ScanEnd``."""
+    view = memoryview(data)
+    end = len(view)
+    pos = start
+    while True:
+        if end - pos < HEADER_SIZE:
+            tail = bytes(view[pos:end])
+            yield ScanEnd(pos, None if not tail.strip(b"\0") else "torn record header")
+            return
+        magic, record_type, length, crc = HEADER.unpack_from(view, pos)
+        if magic == 0 and record_type == 0 and length == 0 and crc == 0:
+            yield ScanEnd(pos, None)
+            return
+        if magic != MAGIC or record_type not in _TYPES:
+            yield ScanEnd(pos, f"bad record header at offset {pos}")
+            return
+        body_start = pos + HEADER_SIZE
+        if length > end - body_start:
+            yield ScanEnd(pos, f"record at offset {pos} runs past the end of the data (torn write)")
+            return
+        body = view[body_start : body_start + length]
+        if crc32c(body, crc32c(bytes((record_type,)))) != crc:
+            yield ScanEnd(pos, f"CRC mismatch in the record at offset {pos}")
+            return
+        try:
+            payload = msgpack.unpackb(body, raw=False, strict_map_key=False)
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:  # a CRC-valid but undecodable body
+            yield ScanEnd(pos, f"undecodable record at offset {pos}: {exc}")
+            return
+        yield Record(pos, RecordType(record_type), payload)
+        pos = body_start + length
+
+
+def damage_is_tail(data: bytes | memoryview, offset: int) -> bool:
+    """True when nothing but the damaged record itself and zeros follow ``offset``: a torn last write.
+
+    The damaged record's claimed length is not trusted (it may be the damaged part), so this looks for any
+    further record header with a valid CRC after ``offset``: finding one means valid data lies behind the
+    damage, which truncation would silently drop.
+    """
+    raw = bytes(data)  # damage is rare: one copy of the segment is fine
+    pos = offset + 1
+    while True:
+        pos = raw.find(_MAGIC_BYTE, pos)
+        if pos < 0:
+            return True
+        if isinstance(next(scan(raw, pos)), Record):
+            return False
+        pos += 1

@@ -1,0 +1,92 @@
+"""Durable messages against real core processes that are stopped, killed and restarted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import urllib.request
+from pathlib import Path
+
+import pytest
+from tests.conftest import CoreProcess, start_core
+
+from tridentmq_shared.link.client import LinkClient, ReconnectPolicy
+from tridentmq_shared.message import M_BODY, M_ID, new_message
+
+pytestmark = pytest.mark.integration
+
+NO_RECONNECT = ReconnectPolicy(attempts=0)
+
+
+def client(node: CoreProcess) -> LinkClient:
+    return LinkClient("127.0.0.1", node.link_port, reconnect=NO_RECONNECT)
+
+
+async def publish_confirmed(node: CoreProcess, address: str, bodies: list[bytes]) -> None:
+    async with client(node) as c:
+        futures = [await c.send(new_message(address, body, durable=True)) for body in bodies]
+        await asyncio.gather(*futures)
+
+
+async def drain(node: CoreProcess, queue: str, expect: int) -> list[tuple[bytes, int]]:
+    got: list[tuple[bytes, int]] = []
+    async with client(node) as c:
+        consumer = await c.subscribe(queue, credit=1000)
+        while len(got) < expect:
+            batch = await consumer.get_batch(timeout=10)
+            assert batch, f"only {len(got)} of {expect} messages came back"
+            got.extend((bytes(m[M_BODY]), count) for count, m in batch)
+            consumer.ack_ids([m[M_ID] for _, m in batch])
+        assert await consumer.get_batch(timeout=0.3) == []
+    return got
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["graceful", "kill-9"])
+async def test_confirmed_durable_messages_survive_a_restart(tmp_path: Path, stop: signal.Signals) -> None:
+    node = start_core(tmp_path)
+    port = node.link_port
+    bodies = [f"m{n}".encode() for n in range(500)]
+    await publish_confirmed(node, "durable.q", bodies)
+    # Take (and do not acknowledge) the first ten, so the journal knows they were delivered once.
+    async with client(node) as c:
+        consumer = await c.subscribe("durable.q", credit=10)
+        taken = []
+        while len(taken) < 10:
+            taken.extend(await consumer.get_batch(timeout=5))
+        node.process.send_signal(stop)
+        node.process.wait(timeout=10)
+    node = start_core(tmp_path, TRIDENTMQ_CORE_LINK_PORT=str(port))
+    try:
+        with urllib.request.urlopen(node.management_url + "/readyz", timeout=5) as response:
+            assert json.loads(response.read())["recovered"] == {"durable.q": 500}
+        got = await drain(node, "durable.q", 500)
+        assert sorted(body for body, _ in got) == sorted(bodies)
+        counts = dict(got)
+        assert all(counts[f"m{n}".encode()] == 2 for n in range(10)), "delivered before the stop: redelivered"
+        assert all(counts[f"m{n}".encode()] == 1 for n in range(10, 500))
+    finally:
+        assert node.stop() == 0
+    # Everything was acknowledged: a third start recovers an empty queue.
+    node = start_core(tmp_path, TRIDENTMQ_CORE_LINK_PORT=str(port))
+    try:
+        with urllib.request.urlopen(node.management_url + "/readyz", timeout=5) as response:
+            # The drained queue was auto-created, so it was auto-deleted when its consumer left.
+            assert json.loads(response.read())["recovered"] == {}
+    finally:
+        assert node.stop() == 0
+
+
+async def test_non_durable_messages_do_not_survive(tmp_path: Path) -> None:
+    node = start_core(tmp_path)
+    port = node.link_port
+    async with client(node) as c:
+        await c.publish(new_message("mixed.q", b"durable", durable=True))
+        await c.publish(new_message("mixed.q", b"volatile", durable=False))
+    assert node.stop() == 0
+    node = start_core(tmp_path, TRIDENTMQ_CORE_LINK_PORT=str(port))
+    try:
+        got = await drain(node, "mixed.q", 1)
+        assert got == [(b"durable", 1)]
+    finally:
+        assert node.stop() == 0
