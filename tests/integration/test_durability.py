@@ -90,3 +90,19 @@ async def test_non_durable_messages_do_not_survive(tmp_path: Path) -> None:
         assert got == [(b"durable", 1)]
     finally:
         assert node.stop() == 0
+
+
+async def test_durable_messages_reach_an_auto_acknowledging_consumer(tmp_path: Path) -> None:
+    node = start_core(tmp_path)
+    try:
+        await publish_confirmed(node, "auto.q", [b"a", b"b", b"c"])
+        async with client(node) as c:
+            consumer = await c.subscribe("auto.q", auto_ack=True)
+            got = []
+            while len(got) < 3:
+                batch = await consumer.get_batch(timeout=5)
+                assert batch, f"only {len(got)} of 3 arrived"
+                got.extend(bytes(m[M_BODY]) for _, m in batch)
+        assert got == [b"a", b"b", b"c"]
+    finally:
+        assert node.stop() == 0

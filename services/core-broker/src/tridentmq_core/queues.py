@@ -406,7 +406,7 @@ class Queue:
         consumer.credit -= 1
         self.delivered += 1
         session = consumer.session
-        if self.durable and message[M_DURABLE]:
+        if self.durable and message[M_DURABLE] and not consumer.auto_ack:
             self._sink.deliver_durable(consumer, count, message)  # sent once the attempt is on disk
         else:
             session.conn.deliver(consumer.id, count, message)
