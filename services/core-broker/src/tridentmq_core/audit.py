@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+import orjson
+
 __all__ = ["SCHEMA_VERSION", "AuditSink", "FileAuditSink", "NullAuditSink"]
 
 _log = logging.getLogger("tridentmq.audit")
@@ -141,7 +143,7 @@ class FileAuditSink:
             if value is not None and key not in record:
                 record[key] = value
         # default=str keeps an odd field value (an enum, a UUID) from failing on the hot path.
-        line = json.dumps(record, separators=(",", ":"), default=str).encode() + b"\n"
+        line = orjson.dumps(record, default=str, option=orjson.OPT_APPEND_NEWLINE)
         self._next_seq = seq + 1
         if not self._buf:
             self._buf_first_seq = seq

@@ -57,7 +57,8 @@ class Journal:
         self.directory = directory
         self.segment_bytes = segment_bytes
         self.on_synced: Callable[[int], None] = lambda _seq: None  # called from the writer thread
-        self._lock = threading.Condition()
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()  # set when records are queued; setting it only when clear is cheap
         self._pending: list[bytes] = []
         self._appended = 0  # number of the last record queued
         self.synced = 0  # number of the last record known to be on disk
@@ -132,14 +133,16 @@ class Journal:
         with self._lock:
             self._pending.append(data)
             self._appended += 1
-            self._lock.notify()
-            return self._appended
+            number = self._appended
+        if not self._wakeup.is_set():
+            self._wakeup.set()
+        return number
 
     def close(self) -> None:
         """Write and sync everything queued, then stop the writer."""
         with self._lock:
             self._closing = True
-            self._lock.notify()
+        self._wakeup.set()
         if self._thread is not None:
             self._thread.join()
         if self._fd >= 0:
@@ -148,9 +151,9 @@ class Journal:
 
     def _write_loop(self) -> None:
         while True:
+            self._wakeup.wait()
+            self._wakeup.clear()  # before taking the batch: a record queued after this wakes us again
             with self._lock:
-                while not self._pending and not self._closing:
-                    self._lock.wait()
                 batch, self._pending = self._pending, []
                 last = self._appended
                 closing = self._closing
