@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     core = sub.add_parser("core", help="run one core node in the foreground")
     core.add_argument("args", nargs=argparse.REMAINDER, help="arguments for tridentmq-core (see --help)")
+    data = sub.add_parser("data", help="inspect a stopped node's journal: verify | print")
+    data.add_argument("args", nargs=argparse.REMAINDER, help="verify|print [--data-dir DIR] [--journal DIR]")
 
     for name, text in (("status", "show a core node's state"),):
         status = sub.add_parser(name, help=text)
@@ -157,8 +159,11 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["core"]:  # everything after `core` belongs to tridentmq-core (argparse would eat options)
+    # `core` and `data` belong to the core package (not importable from here): hand every argument over.
+    if argv[:1] == ["core"]:
         os.execv(sys.executable, [sys.executable, "-m", "tridentmq_core", *argv[1:]])  # noqa: S606
+    if argv[:1] == ["data"]:
+        os.execv(sys.executable, [sys.executable, "-m", "tridentmq_core.data_tools", *argv[1:]])  # noqa: S606
     args = build_parser().parse_args(argv)
     try:
         code = run(args)
