@@ -65,6 +65,13 @@ class BrokerError(Exception):
         self.text = text
 
 
+@dataclass(frozen=True, slots=True)
+class DurableSnapshot:
+    addresses: list[tuple[str, list[int]]]
+    queues: list[dict[str, Any]]
+    messages: list[tuple[WireMessage, list[str], list[int]]]  # message, its queues, delivery count per queue
+
+
 @dataclass(slots=True)
 class Transaction:
     publishes: list[WireMessage] = field(default_factory=list)
@@ -717,10 +724,7 @@ class Broker:
         if owner is not None:
             owner.temporary_queues.add(name)
         if durable:
-            self.store.add_queue({"name": name, "address": address, "routing_type": int(routing),
-                                  "filter": filter_text, "exclusive": exclusive,
-                                  "last_value_key": last_value_key, "max_consumers": max_consumers,
-                                  "auto_created": auto_created, "auto_delete": auto_delete})  # fmt: skip
+            self.store.add_queue(self._queue_spec(queue))
         log.debug("queue created", extra={"queue": name, "address": address, "routing": routing.name})
         return queue
 
@@ -884,13 +888,49 @@ class Broker:
                     auto_created=bool(spec.get("auto_created")), auto_delete=bool(spec.get("auto_delete")),
                 )  # fmt: skip
                 for message_id, count in state.references.get(name, {}).items():
-                    queue.restore(state.messages[message_id], count)
+                    message = state.messages[message_id]
+                    if message[M_SCHEDULED] > self.now_ms:
+                        self._schedule(message[M_SCHEDULED], queue, message, 0)  # not due yet
+                    else:
+                        queue.restore(message, count)
         finally:
             self.store = store
         for message in state.messages.values():
             self._next_id = max(self._next_id, message[M_ID] + 1)
             if message[M_DEDUP] is not None:
                 self._dedup.seen(message[M_DEDUP], message[M_TIMESTAMP])
+
+    def durable_snapshot(self) -> DurableSnapshot:
+        """The live durable state as records would rebuild it: what journal compaction copies forward."""
+        queues = [q for q in self.queues.values() if q.durable]
+        names = {q.address for q in queues}
+        messages: dict[int, tuple[WireMessage, list[str], list[int]]] = {}
+
+        def owe(queue: Queue, message: WireMessage, count: int) -> None:
+            if message[M_DURABLE]:
+                entry = messages.setdefault(message[M_ID], (message, [], []))
+                entry[1].append(queue.name)
+                entry[2].append(count)
+
+        for queue in queues:
+            for message, count in queue.live_messages():
+                owe(queue, message, count)
+        for _, _, held, message, count in self._timers:  # scheduled and delayed redeliveries
+            if held is not None and held.durable and self.queues.get(held.name) is held:
+                owe(held, message, count)
+        return DurableSnapshot(
+            addresses=[(a.name, sorted(int(r) for r in a.routing_types)) for a in self.addresses.values()
+                       if a.name in names],
+            queues=[self._queue_spec(q) for q in queues],
+            messages=list(messages.values()),
+        )  # fmt: skip
+
+    @staticmethod
+    def _queue_spec(queue: Queue) -> dict[str, Any]:
+        return {"name": queue.name, "address": queue.address, "routing_type": int(queue.routing_type),
+                "filter": queue.filter.text if queue.filter is not None else None, "exclusive": queue.exclusive,
+                "last_value_key": queue.last_value_key, "max_consumers": queue.max_consumers,
+                "auto_created": queue.auto_created, "auto_delete": queue.auto_delete}  # fmt: skip
 
     def take_dirty(self) -> list[Session]:
         """Sessions with output to write since the last call. The set is cleared in place, never

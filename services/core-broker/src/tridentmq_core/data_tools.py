@@ -42,6 +42,8 @@ def describe(record: Record) -> str:
             return f"add-address {p[0]} routing={p[1]}"
         case RecordType.DELETE_ADDRESS:
             return f"delete-address {p[0]}"
+        case RecordType.COMPACTED:
+            return f"compacted: live state copied forward, segments before {p[0]} retired"
 
 
 def verify(directory: Path) -> int:

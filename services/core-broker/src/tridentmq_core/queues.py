@@ -183,6 +183,14 @@ class Queue:
         for level in range(MAX_PRIORITY, -1, -1):
             yield from self._levels[level]
 
+    def live_messages(self) -> Iterator[tuple[WireMessage, int]]:
+        """Every message this queue still owes, queued or in flight, with its delivery count so far."""
+        for message in self.messages():
+            yield message, self._returned.get(message[M_ID], 0)
+        for consumer in self.consumers:
+            for message_id, message in consumer.in_flight.items():
+                yield message, consumer.counts.get(message_id, 1)
+
     # ------------------------------------------------------------------ adding
     def add(self, message: WireMessage) -> None:
         if self.last_value_key is not None:

@@ -167,6 +167,7 @@ class CoreNode:
             audit_messages=settings.audit.message_events,
         )
         self.journal: Journal | None = None
+        self.journal_store: JournalStore | None = None
         self.status = NodeStatus(started_at=time.time())
         self.rates = QueueRates()
         self.protocols: dict[str, LinkProtocol] = {}
@@ -194,7 +195,12 @@ class CoreNode:
         log.info("journal recovered", extra={"segments": report.segments, "records": report.records,
                                              "messages": state.live_messages(), "queues": len(state.queues),
                                              "seconds": round(time.monotonic() - started, 3)})  # fmt: skip
-        store = JournalStore(journal, lambda fn: loop.call_soon_threadsafe(self._durable_in_loop, fn))
+        store = JournalStore(
+            journal, lambda fn: loop.call_soon_threadsafe(self._durable_in_loop, fn),
+            compact_min_segments=journal_settings.compact_min_segments,
+            compact_live_ratio=journal_settings.compact_live_ratio,
+        )  # fmt: skip
+        self.journal_store = store
         self.broker.store = store
         store.attach(self.broker.on_durable)
         journal.start()
@@ -272,11 +278,25 @@ class CoreNode:
                     self.broker.dirty.add(protocol.session)
                 else:
                     protocol.write_pending()
+            self._compact(mono - last_second >= 1.0)
             if mono - last_second >= 1.0:
                 last_second = mono
                 self.audit.tick(time.time_ns() // 1000)
                 self.rates.sample(self.broker, mono)
             self._flush()
+
+    def _compact(self, consider: bool) -> None:
+        """One chunk of a running compaction per tick; about once a second, see whether one is due."""
+        store = self.journal_store
+        if store is None:
+            return
+        if store.compacting:
+            store.compaction_step()
+        elif consider:
+            live = sum(len(q) + q.in_flight for q in self.broker.queues.values() if q.durable)
+            if store.wants_compaction(live):
+                log.info("journal compaction started", extra={"live_messages": live})
+                store.start_compaction(self.broker.durable_snapshot())
 
     async def stop(self) -> None:
         """Close every link (telling peers why), stop the listener, seal the audit segment."""

@@ -24,6 +24,7 @@ from tridentmq_core.store.records import Record, RecordType, ScanEnd, damage_is_
 
 log = logging.getLogger("tridentmq.core.journal")
 
+_ROLL: Final = b""  # queued like a record: the writer starts a new segment there (compaction's boundary)
 SEGMENT_PREFIX: Final = "journal-"
 SEGMENT_SUFFIX: Final = ".tmq"
 DEFAULT_SEGMENT_BYTES: Final = 64 * 1024 * 1024
@@ -68,6 +69,7 @@ class Journal:
         self._segment_number = 0
         self._position = 0
         self.error: OSError | None = None
+        self.rolled_to = 0  # the segment the last roll marker started (set by the writer thread)
 
     # ------------------------------------------------------------------ recovery
     def recover(self) -> tuple[list[Record], RecoveryReport]:
@@ -138,6 +140,32 @@ class Journal:
             self._wakeup.set()
         return number
 
+    def roll(self) -> None:
+        """Queue a switch to a fresh segment: records appended after this call land in it or later ones."""
+        with self._lock:
+            self._pending.append(_ROLL)
+        if not self._wakeup.is_set():
+            self._wakeup.set()
+
+    def segments(self) -> list[Path]:
+        return list_segments(self.directory)
+
+    def retire_before(self, number: int) -> int:
+        """Delete the segments numbered below ``number`` (their live records were copied forward and synced);
+        returns how many were deleted. Safe while writing: the writer only touches the current segment."""
+        retired = 0
+        for path in list_segments(self.directory):
+            if int(path.name[len(SEGMENT_PREFIX) : -len(SEGMENT_SUFFIX)]) < number:
+                path.unlink()
+                retired += 1
+        if retired:
+            dir_fd = os.open(self.directory, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        return retired
+
     def close(self) -> None:
         """Write and sync everything queued, then stop the writer."""
         with self._lock:
@@ -173,10 +201,13 @@ class Journal:
         chunk: list[bytes] = []
         size = 0
         for data in batch:
-            if self._position + size + len(data) > self.segment_bytes:
+            if data is _ROLL or self._position + size + len(data) > self.segment_bytes:
                 self._flush_chunk(chunk)
                 chunk, size = [], 0
                 self._open_segment(self._segment_number + 1)
+                if data is _ROLL:
+                    self.rolled_to = self._segment_number
+                    continue
             chunk.append(data)
             size += len(data)
         self._flush_chunk(chunk)

@@ -1,54 +1,141 @@
 """The ``Store`` backed by the journal: every durable change becomes a record; a durable message's token
-completes when the writer thread has synced its record."""
+completes when the writer thread has synced its record.
+
+Compaction keeps the journal from growing for ever. It rolls to a fresh segment, copies the live durable
+state (addresses, durable queues, every message still owed with its delivery counts) forward in chunks of
+``COMPACTION_CHUNK`` records per call, and once all of that is synced deletes the segments before the
+roll. It is safe at every step: until the old segments are gone, replaying old and copied records yields
+the same state. Acknowledgements, deletions and delivery counts that happen while it runs are honoured
+by the records still to be copied.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from tridentmq_core.store.base import Completion
 from tridentmq_core.store.journal import Journal
 from tridentmq_core.store.records import RecordType
-from tridentmq_shared.message import WireMessage
+from tridentmq_shared.message import M_ID, WireMessage
+
+log = logging.getLogger("tridentmq.core.journal")
+
+if TYPE_CHECKING:
+    from tridentmq_core.broker import DurableSnapshot
+
+COMPACTION_CHUNK = 20_000
 
 
 class JournalStore:
-    def __init__(self, journal: Journal, call_in_loop: Callable[[Callable[[], None]], object]) -> None:
+    def __init__(
+        self,
+        journal: Journal,
+        call_in_loop: Callable[[Callable[[], None]], object],
+        *,
+        compact_min_segments: int = 4,
+        compact_live_ratio: float = 0.5,
+    ) -> None:
         """``call_in_loop`` runs a callable on the event loop thread (``loop.call_soon_threadsafe``)."""
         self.journal = journal
+        self.compact_min_segments = compact_min_segments
+        self.compact_live_ratio = compact_live_ratio
+        self.compactions = 0
         self._call_in_loop = call_in_loop
         self._waiting: deque[int] = deque()
+        self._written = 0  # records appended since the last compaction began
+        self._copying: Iterator[tuple[RecordType, Any]] | None = None
+        self._retire_after = 0  # when the record with this number is synced, the old segments can go
+        self._acked: set[tuple[str, int]] = set()  # changes made while copying, which the copy must honour
+        self._deleted: set[str] = set()
+        self._counts: dict[tuple[str, int], int] = {}
         self._on_durable: Completion = lambda _token: None
         journal.on_synced = self._synced_in_writer
 
     def attach(self, on_durable: Completion) -> None:
         self._on_durable = on_durable
 
+    def _append(self, record_type: RecordType, payload: Any) -> int:
+        self._written += 1
+        return self.journal.append(record_type, payload)
+
     def add_address(self, name: str, routing_types: tuple[int, ...]) -> None:
-        self.journal.append(RecordType.ADD_ADDRESS, [name, list(routing_types)])
+        self._append(RecordType.ADD_ADDRESS, [name, list(routing_types)])
 
     def delete_address(self, name: str) -> None:
-        self.journal.append(RecordType.DELETE_ADDRESS, [name])
+        self._append(RecordType.DELETE_ADDRESS, [name])
 
     def add_queue(self, spec: dict[str, Any]) -> None:
-        self.journal.append(RecordType.ADD_QUEUE, [spec])
+        self._deleted.discard(spec["name"])
+        self._append(RecordType.ADD_QUEUE, [spec])
 
     def delete_queue(self, name: str) -> None:
-        self.journal.append(RecordType.DELETE_QUEUE, [name])
+        if self._copying is not None:
+            self._deleted.add(name)
+        self._append(RecordType.DELETE_QUEUE, [name])
 
     def add_message(self, message: WireMessage, queues: tuple[str, ...]) -> int:
-        token = self.journal.append(RecordType.MESSAGE, [message, list(queues)])
+        token = self._append(RecordType.MESSAGE, [message, list(queues)])
         self._waiting.append(token)
         return token
 
     def acknowledge(self, queue: str, message_id: int) -> None:
-        self.journal.append(RecordType.ACK, [queue, message_id])
+        if self._copying is not None:
+            self._acked.add((queue, message_id))
+        self._append(RecordType.ACK, [queue, message_id])
 
     def update_delivery_count(self, queue: str, message_id: int, count: int) -> int:
-        token = self.journal.append(RecordType.DELIVERY_COUNT, [queue, message_id, count])
+        if self._copying is not None:
+            self._counts[(queue, message_id)] = count
+        token = self._append(RecordType.DELIVERY_COUNT, [queue, message_id, count])
         self._waiting.append(token)
         return token
+
+    # ------------------------------------------------------------------ compaction
+    @property
+    def compacting(self) -> bool:
+        return self._copying is not None or self._retire_after > 0
+
+    def wants_compaction(self, live_messages: int) -> bool:
+        """Enough segments, and most of what was written since the last compaction is dead."""
+        if self.compacting or len(self.journal.segments()) < self.compact_min_segments:
+            return False
+        return live_messages < self.compact_live_ratio * self._written
+
+    def start_compaction(self, snapshot: DurableSnapshot) -> None:
+        self.journal.roll()
+        self._written = 0
+        self._acked.clear()
+        self._deleted.clear()
+        self._counts.clear()
+        self._copying = self._copy(snapshot)
+
+    def _copy(self, snapshot: DurableSnapshot) -> Iterator[tuple[RecordType, Any]]:
+        for name, kinds in snapshot.addresses:
+            yield RecordType.ADD_ADDRESS, [name, kinds]
+        for spec in snapshot.queues:
+            if spec["name"] not in self._deleted:
+                yield RecordType.ADD_QUEUE, [spec]
+        for message, queues, counts in snapshot.messages:
+            message_id = message[M_ID]
+            keep = [(q, max(c, self._counts.get((q, message_id), 0))) for q, c in zip(queues, counts, strict=True)
+                    if q not in self._deleted and (q, message_id) not in self._acked]  # fmt: skip
+            if keep:
+                yield RecordType.MESSAGE, [message, [q for q, _ in keep], [c for _, c in keep]]
+
+    def compaction_step(self) -> None:
+        """Copy the next chunk; after the last one, wait for the sync, then retire the old segments."""
+        if self._copying is None:
+            return
+        for _ in range(COMPACTION_CHUNK):
+            record = next(self._copying, None)
+            if record is None:
+                self._copying = None
+                self._retire_after = self.journal.append(RecordType.COMPACTED, [self.journal.rolled_to])
+                return
+            self.journal.append(*record)
 
     def _synced_in_writer(self, upto: int) -> None:
         self._call_in_loop(lambda: self._complete(upto))
@@ -57,3 +144,8 @@ class JournalStore:
         waiting = self._waiting
         while waiting and waiting[0] <= upto:
             self._on_durable(waiting.popleft())
+        if self._retire_after and upto >= self._retire_after:
+            self._retire_after = 0
+            retired = self.journal.retire_before(self.journal.rolled_to)
+            self.compactions += 1
+            log.info("journal compacted", extra={"segments_deleted": retired})

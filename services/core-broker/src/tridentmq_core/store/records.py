@@ -32,9 +32,10 @@ class RecordType(IntEnum):
     DELETE_ADDRESS = 2  # [name]
     ADD_QUEUE = 3  # [spec]
     DELETE_QUEUE = 4  # [name]
-    MESSAGE = 5  # [wire message, [queue names]]
+    MESSAGE = 5  # [wire message, [queue names]] or, written by compaction, [..., [delivery counts]]
     ACK = 6  # [queue, message_id]
     DELIVERY_COUNT = 7  # [queue, message_id, count]
+    COMPACTED = 8  # [first segment kept]: the live state was copied forward up to here (replay ignores it)
 
 
 _TYPES: Final = frozenset(int(t) for t in RecordType)

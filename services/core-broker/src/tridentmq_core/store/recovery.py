@@ -41,12 +41,13 @@ def replay(records: Iterable[Record]) -> RecoveredState:
                 state.queues.pop(payload[0], None)
                 state.references.pop(payload[0], None)
             case RecordType.MESSAGE:
-                message, queues = payload
+                message, queues = payload[0], payload[1]
+                counts = payload[2] if len(payload) > 2 else [0] * len(queues)
                 state.messages[message[M_ID]] = message
-                for name in queues:
+                for name, count in zip(queues, counts, strict=False):
                     refs = state.references.get(name)
                     if refs is not None:
-                        refs[message[M_ID]] = 0
+                        refs[message[M_ID]] = count
             case RecordType.ACK:
                 refs = state.references.get(payload[0])
                 if refs is not None:
@@ -55,6 +56,8 @@ def replay(records: Iterable[Record]) -> RecoveredState:
                 refs = state.references.get(payload[0])
                 if refs is not None and payload[1] in refs:
                     refs[payload[1]] = payload[2]
+            case RecordType.COMPACTED:
+                pass  # a marker for operators and tools: the records before it were copied forward
     live = {message_id for refs in state.references.values() for message_id in refs}
     state.messages = {k: v for k, v in state.messages.items() if k in live}
     return state
