@@ -49,6 +49,7 @@ from tridentmq_shared.message import (
 log = logging.getLogger("tridentmq.core.broker")
 
 _UNCHECKED: Final[tuple[str, str]] = ("", "")  # marker: the send permission cache has no entry yet
+_MULTICAST: Final = int(RoutingType.MULTICAST)
 
 FQQN_SEPARATOR = "::"
 ORIGINAL_ADDRESS = "_AMQ_ORIG_ADDRESS"
@@ -67,7 +68,7 @@ class BrokerError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class DurableSnapshot:
-    addresses: list[tuple[str, list[int]]]
+    addresses: list[tuple[str, list[int], bool]]  # name, routing types, auto-created
     queues: list[dict[str, Any]]
     messages: list[tuple[WireMessage, list[str], list[int]]]  # message, its queues, delivery count per queue
 
@@ -272,7 +273,8 @@ class Broker:
             problem = send_ok.get(address, _UNCHECKED)
             if problem is _UNCHECKED:
                 problem = self._check_send(session, address)
-            if problem is None and address not in addresses:
+            if problem is None and (address not in addresses or
+                                    (message[M_ROUTING] != _MULTICAST and address not in self.queues)):  # fmt: skip
                 problem = self._creation_problem(session, message)
             if problem is None and len(message[M_BODY]) > max_bytes:
                 problem = (ErrorCode.RESOURCE_LIMIT, f"message body exceeds {max_bytes} bytes")
@@ -335,13 +337,14 @@ class Broker:
         queue of the same name): the sender needs the permissions for that too."""
         address = message[M_ADDRESS]
         settings = self.address_settings.resolve(address)
-        if not settings.auto_create_addresses:
-            return (ErrorCode.NOT_FOUND, f"address {address!r} does not exist")
+        needed = []
+        if address not in self.addresses:
+            if not settings.auto_create_addresses:
+                return (ErrorCode.NOT_FOUND, f"address {address!r} does not exist")
+            needed.append(Permission.CREATE_ADDRESS)
         principal = session.principal
-        routing = message[M_ROUTING]
-        kind = settings.default_routing_type if routing == ROUTING_DEFAULT else RoutingType(routing)
-        needed = [Permission.CREATE_ADDRESS]
-        if kind is RoutingType.ANYCAST and settings.auto_create_queues:
+        kind = self._send_kind(address, message[M_ROUTING], settings)
+        if kind is RoutingType.ANYCAST and settings.auto_create_queues and self._lacks_anycast_queue(address):
             needed.append(Permission.CREATE_DURABLE_QUEUE)
         for permission in needed:
             if not principal.allowed(permission, address):
@@ -411,15 +414,8 @@ class Broker:
         key = (address, routing)
         route = self._routes.get(key)
         if route is None:
-            if create and address not in self.addresses:
-                settings = self.address_settings.resolve(address)
-                if not settings.auto_create_addresses:
-                    raise BrokerError(ErrorCode.NOT_FOUND, f"address {address!r} does not exist")
-                kind = settings.default_routing_type if routing == ROUTING_DEFAULT else RoutingType(routing)
-                self._ensure_address(address, {kind}, auto_created=True)
-                if kind is RoutingType.ANYCAST and settings.auto_create_queues:
-                    self._create_queue(address, address, kind, durable=True, auto_created=True, now_ms=now_ms,
-                                       auto_delete=settings.auto_delete_queues)  # fmt: skip
+            if create:
+                self._auto_create(address, routing, now_ms)
             queues = self._compute_route(address, routing)
             simple = all(q.filter is None for q in queues) and \
                 sum(q.routing_type is RoutingType.ANYCAST for q in queues) <= 1  # fmt: skip
@@ -436,6 +432,32 @@ class Broker:
         self._anycast_rr[address] = turn + 1
         chosen = anycast[turn % len(anycast)]
         return tuple(q for q in filtered if q.routing_type is RoutingType.MULTICAST or q is chosen)
+
+    def _send_kind(self, address: str, routing: int, settings: ResolvedAddressSettings) -> RoutingType:
+        """The routing type a send resolves to: its own, else the address's (anycast if it has both)."""
+        if routing != ROUTING_DEFAULT:
+            return RoutingType(routing)
+        existing = self.addresses.get(address)
+        if existing is None or len(existing.routing_types) == 2:
+            return settings.default_routing_type
+        return next(iter(existing.routing_types))
+
+    def _auto_create(self, address: str, routing: int, now_ms: int) -> None:
+        """What a send creates (Artemis auto-create): the address if missing, and for an anycast send the
+        queue named after the address if missing, even on an existing address whose queue was auto-deleted."""
+        settings = self.address_settings.resolve(address)
+        kind = self._send_kind(address, routing, settings)
+        if address not in self.addresses:
+            if not settings.auto_create_addresses:
+                raise BrokerError(ErrorCode.NOT_FOUND, f"address {address!r} does not exist")
+            self._ensure_address(address, {kind}, auto_created=True)
+        if kind is RoutingType.ANYCAST and settings.auto_create_queues and self._lacks_anycast_queue(address):
+            self._create_queue(address, address, kind, durable=True, auto_created=True, now_ms=now_ms,
+                               auto_delete=settings.auto_delete_queues)  # fmt: skip
+
+    def _lacks_anycast_queue(self, address: str) -> bool:
+        existing = self.addresses.get(address)
+        return existing is None or not any(q.routing_type is RoutingType.ANYCAST for q in existing.queues.values())
 
     def _compute_route(self, address: str, routing: int) -> tuple[Queue, ...]:
         queues = self._trie.match(address)
@@ -654,12 +676,12 @@ class Broker:
         if existing is not None:
             if not kinds <= existing.routing_types:
                 existing.routing_types |= kinds
-                self.store.add_address(name, tuple(sorted(existing.routing_types)))
+                self.store.add_address(name, tuple(sorted(existing.routing_types)), auto_created=existing.auto_created)
                 self._invalidate_routes()
             return False
         self._validate(name, wildcards=True)
         self.addresses[name] = Address(name, set(kinds), auto_created=auto_created)
-        self.store.add_address(name, tuple(sorted(kinds)))
+        self.store.add_address(name, tuple(sorted(kinds)), auto_created=auto_created)
         self._invalidate_routes()
         return True
 
@@ -878,8 +900,8 @@ class Broker:
         back to the store. Message ids continue after the highest recovered one."""
         store, self.store = self.store, MemoryStore()
         try:
-            for name, kinds in state.addresses.items():
-                self._ensure_address(name, {RoutingType(k) for k in kinds}, auto_created=False)
+            for name, (kinds, auto_created) in state.addresses.items():
+                self._ensure_address(name, {RoutingType(k) for k in kinds}, auto_created=auto_created)
             for name, spec in state.queues.items():
                 queue = self._create_queue(
                     name, spec["address"], RoutingType(spec["routing_type"]), durable=True, now_ms=self.now_ms,
@@ -919,7 +941,8 @@ class Broker:
             if held is not None and held.durable and self.queues.get(held.name) is held:
                 owe(held, message, count)
         return DurableSnapshot(
-            addresses=[(a.name, sorted(int(r) for r in a.routing_types)) for a in self.addresses.values()
+            addresses=[(a.name, sorted(int(r) for r in a.routing_types), a.auto_created)
+                       for a in self.addresses.values()
                        if a.name in names],
             queues=[self._queue_spec(q) for q in queues],
             messages=list(messages.values()),

@@ -43,7 +43,7 @@ def describe(record: Record) -> str:
         case RecordType.DELETE_ADDRESS:
             return f"delete-address {p[0]}"
         case RecordType.COMPACTED:
-            return f"compacted: live state copied forward, segments before {p[0]} retired"
+            return "compacted: the live state above was copied forward; older segments are retired"
 
 
 def verify(directory: Path) -> int:

@@ -87,6 +87,11 @@ class Journal:
                     records.append(item)
                 else:
                     end = item
+            if end.reason is None and not damage_is_tail(data, end.offset):
+                # A zeroed header (e.g. a lost page) looks like the clean end, but valid records follow it.
+                raise JournalCorruptedError(
+                    f"{path.name}: zeros at offset {end.offset} with valid records behind them; refusing to "
+                    f"start rather than drop them (inspect with `tridentmq data verify`)")  # fmt: skip
             if end.reason is not None:
                 later_data = any(self._has_records(p) for p in segments[index + 1 :])
                 if later_data or not damage_is_tail(data, end.offset):

@@ -61,14 +61,15 @@ class JournalStore:
         self._written += 1
         return self.journal.append(record_type, payload)
 
-    def add_address(self, name: str, routing_types: tuple[int, ...]) -> None:
-        self._append(RecordType.ADD_ADDRESS, [name, list(routing_types)])
+    def add_address(self, name: str, routing_types: tuple[int, ...], *, auto_created: bool) -> None:
+        self._append(RecordType.ADD_ADDRESS, [name, list(routing_types), auto_created])
 
     def delete_address(self, name: str) -> None:
         self._append(RecordType.DELETE_ADDRESS, [name])
 
     def add_queue(self, spec: dict[str, Any]) -> None:
-        self._deleted.discard(spec["name"])
+        # A queue deleted while copying stays excluded from the copy even if a new one takes its name: the
+        # new queue's own records follow in the journal, the old one's must not.
         self._append(RecordType.ADD_QUEUE, [spec])
 
     def delete_queue(self, name: str) -> None:
@@ -113,8 +114,8 @@ class JournalStore:
         self._copying = self._copy(snapshot)
 
     def _copy(self, snapshot: DurableSnapshot) -> Iterator[tuple[RecordType, Any]]:
-        for name, kinds in snapshot.addresses:
-            yield RecordType.ADD_ADDRESS, [name, kinds]
+        for name, kinds, auto_created in snapshot.addresses:
+            yield RecordType.ADD_ADDRESS, [name, kinds, auto_created]
         for spec in snapshot.queues:
             if spec["name"] not in self._deleted:
                 yield RecordType.ADD_QUEUE, [spec]
@@ -133,7 +134,7 @@ class JournalStore:
             record = next(self._copying, None)
             if record is None:
                 self._copying = None
-                self._retire_after = self.journal.append(RecordType.COMPACTED, [self.journal.rolled_to])
+                self._retire_after = self.journal.append(RecordType.COMPACTED, [])
                 return
             self.journal.append(*record)
 

@@ -12,7 +12,7 @@ class MemoryStore:
     def attach(self, on_durable: Completion) -> None:
         self._on_durable = on_durable
 
-    def add_address(self, name: str, routing_types: tuple[int, ...]) -> None:
+    def add_address(self, name: str, routing_types: tuple[int, ...], *, auto_created: bool) -> None:
         pass
 
     def delete_address(self, name: str) -> None:

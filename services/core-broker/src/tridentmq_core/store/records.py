@@ -28,14 +28,14 @@ _MAGIC_BYTE: Final = bytes((MAGIC,))
 
 
 class RecordType(IntEnum):
-    ADD_ADDRESS = 1  # [name, routing_types]
+    ADD_ADDRESS = 1  # [name, routing_types, auto_created]
     DELETE_ADDRESS = 2  # [name]
     ADD_QUEUE = 3  # [spec]
     DELETE_QUEUE = 4  # [name]
     MESSAGE = 5  # [wire message, [queue names]] or, written by compaction, [..., [delivery counts]]
     ACK = 6  # [queue, message_id]
     DELIVERY_COUNT = 7  # [queue, message_id, count]
-    COMPACTED = 8  # [first segment kept]: the live state was copied forward up to here (replay ignores it)
+    COMPACTED = 8  # []: the live state was copied forward before this point (replay ignores it)
 
 
 _TYPES: Final = frozenset(int(t) for t in RecordType)

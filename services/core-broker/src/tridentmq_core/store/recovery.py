@@ -12,7 +12,7 @@ from tridentmq_shared.message import M_ID, WireMessage
 
 @dataclass
 class RecoveredState:
-    addresses: dict[str, list[int]] = field(default_factory=dict)  # name → routing types
+    addresses: dict[str, tuple[list[int], bool]] = field(default_factory=dict)  # name → routing types, auto-created
     queues: dict[str, dict[str, Any]] = field(default_factory=dict)  # name → spec, in creation order
     messages: dict[int, WireMessage] = field(default_factory=dict)
     # queue → message id → delivery count so far, in publish order
@@ -31,7 +31,7 @@ def replay(records: Iterable[Record]) -> RecoveredState:
         payload = record.payload
         match record.type:
             case RecordType.ADD_ADDRESS:
-                state.addresses[payload[0]] = list(payload[1])
+                state.addresses[payload[0]] = (list(payload[1]), bool(payload[2]) if len(payload) > 2 else False)
             case RecordType.DELETE_ADDRESS:
                 state.addresses.pop(payload[0], None)
             case RecordType.ADD_QUEUE:
