@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from tests.conftest import CoreProcess, start_core
 
-from tridentmq_shared.link.client import LinkClient, ReconnectPolicy
+from tridentmq_shared.link.client import LinkClient, LinkRequestError, ReconnectPolicy
 from tridentmq_shared.message import M_BODY, M_ID, new_message
 
 pytestmark = pytest.mark.integration
@@ -153,5 +153,26 @@ async def test_compaction_retires_dead_segments_and_keeps_live_messages(tmp_path
         assert {counts[f"keep{n}".encode()] for n in range(4, 8)} <= {1, 2}
         assert [counts[f"keep{n}".encode()] for n in (8, 9)] == [1, 1]
         assert "Traceback" not in node.log()
+    finally:
+        assert node.stop() == 0
+
+
+async def test_durable_publishes_are_refused_while_the_disk_is_over_its_limit(tmp_path: Path) -> None:
+    node = start_core(tmp_path, TRIDENTMQ_CORE_JOURNAL_MAX_DISK_USAGE="0")  # any usage is over the limit
+    try:
+        async with client(node) as c:
+            await c.publish(new_message("full.q", b"volatile"))  # non-durable: unaffected
+            for _ in range(50):  # the node checks the disk about once a second
+                try:
+                    await c.publish(new_message("full.q", b"durable", durable=True))
+                except LinkRequestError as exc:
+                    refused = exc
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                pytest.fail("durable publishes were never refused")
+            assert refused.code == "resource-limit"
+            assert "journal.max_disk_usage" in refused.text
+        assert "durable publishes refused" in node.log()
     finally:
         assert node.stop() == 0

@@ -144,6 +144,9 @@ class Broker:
         self.dirty: Final[set[Session]] = set()  # sessions with output to write; see take_dirty
         self.memory: Final = MemoryGauge()
         self.now_ms = 0  # time of the event being handled, for callbacks that are not handed it
+        # Set by the server while durable writes cannot be made safe (disk nearly full, journal failed):
+        # durable publishes are then refused with this (code, text) instead of being accepted unsafely.
+        self.durable_refusal: tuple[str, str] | None = None
         self._blocked: dict[Session, int] = {}  # publish credit withheld while over the memory limit
         self._memory_limit = settings.broker.max_memory_bytes
         self._trie: AddressTrie[Queue] = AddressTrie()
@@ -276,6 +279,8 @@ class Broker:
             if problem is None and (address not in addresses or
                                     (message[M_ROUTING] != _MULTICAST and address not in self.queues)):  # fmt: skip
                 problem = self._creation_problem(session, message)
+            if problem is None and message[M_DURABLE] and self.durable_refusal is not None:
+                problem = self.durable_refusal
             if problem is None and len(message[M_BODY]) > max_bytes:
                 problem = (ErrorCode.RESOURCE_LIMIT, f"message body exceeds {max_bytes} bytes")
             if problem is not None:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import shutil
 import socket
 import time
 import uuid
@@ -281,9 +282,32 @@ class CoreNode:
             self._compact(mono - last_second >= 1.0)
             if mono - last_second >= 1.0:
                 last_second = mono
+                self._check_disk()
                 self.audit.tick(time.time_ns() // 1000)
                 self.rates.sample(self.broker, mono)
             self._flush()
+
+    def _check_disk(self) -> None:
+        """Refuse durable publishes while the journal cannot keep them safe; say so when it changes."""
+        journal = self.journal
+        if journal is None:
+            return
+        refusal: tuple[str, str] | None = None
+        if journal.error is not None:
+            refusal = (ErrorCode.RESOURCE_LIMIT, f"the journal cannot write: {journal.error.strerror}")
+        else:
+            usage = shutil.disk_usage(journal.directory)
+            percent = 100.0 * (usage.total - usage.free) / usage.total
+            limit = self.settings.journal.max_disk_usage
+            if percent >= limit:
+                text = f"disk usage {percent:.1f} % is at or above journal.max_disk_usage {limit:g} %"
+                refusal = (ErrorCode.RESOURCE_LIMIT, f"{text}: durable publishes are refused")
+        if refusal != self.broker.durable_refusal:
+            if refusal is None:
+                log.info("durable publishes accepted again")
+            else:
+                log.error("durable publishes refused", extra={"reason": refusal[1]})
+            self.broker.durable_refusal = refusal
 
     def _compact(self, consider: bool) -> None:
         """One chunk of a running compaction per tick; about once a second, see whether one is due."""
