@@ -34,6 +34,7 @@ from tridentmq_core.store.memory import MemoryStore
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import M_EXPIRATION, M_TIMESTAMP
+from tridentmq_shared.settings import SettingsError
 
 
 def with_address_settings(**fields: Any) -> Harness:
@@ -1461,3 +1462,48 @@ def test_audit_superseded_message_returned_by_a_dropped_link_has_the_close_time(
 )  # fmt: skip
 def test_loopback_detection_for_the_embedded_default(host: str | None, loopback: bool) -> None:
     assert is_loopback(host) is loopback
+
+
+def limited(policy: str, max_size: int) -> Harness:
+    return with_address_settings(max_size_bytes=max_size, address_full_policy=policy)
+
+
+def test_address_full_policy_fail_rejects_once_the_address_is_full() -> None:
+    per_message = 10 + MESSAGE_OVERHEAD
+    h = limited("FAIL", 3 * per_message)
+    c = h.connect()
+    ok(c.create_queue("capped"))
+    seqs = [c.publish("capped", b"0123456789", sync=False) for _ in range(5)]
+    h.sync()
+    assert sorted(c.rejected) == seqs[3:]
+    assert all(e.code == ErrorCode.RESOURCE_LIMIT and "address-full-policy FAIL" in e.text for e in c.rejected.values())
+    assert len(h.broker.queues["capped"]) == 3
+
+
+def test_address_full_policy_drop_confirms_and_discards() -> None:
+    h = limited("DROP", 2 * (10 + MESSAGE_OVERHEAD))
+    c = h.connect()
+    ok(c.create_queue("capped"))
+    c.send_all("capped", [b"0123456789"] * 5)  # all confirmed
+    assert len(h.broker.queues["capped"]) == 2
+    assert h.broker.counters.dropped == 3
+
+
+def test_address_full_policy_block_withholds_credit_until_the_address_drains() -> None:
+    h = limited("BLOCK", 2 * (10 + MESSAGE_OVERHEAD))
+    c = h.connect()
+    ok(c.create_queue("capped"))
+    other = h.connect("other")
+    before = c.conn.publish_credit
+    c.send_all("capped", [b"0123456789"] * 3)
+    assert c.conn.publish_credit == before - 3  # the batch that found the address full got no credit back
+    assert len(h.broker.queues["capped"]) == 3  # nothing is lost: the message that hit the limit is kept
+    other.publish("elsewhere", b"fine")  # other addresses and producers are not held up
+    cid = other.consumer("capped")
+    other.ack(cid, ids(other.take(cid)))
+    assert c.conn.publish_credit == before  # drained below 90 %: the credit came back
+
+
+def test_unknown_address_full_policy_is_refused_at_start() -> None:
+    with pytest.raises(SettingsError, match="address_full_policy 'PAGE'"):
+        limited("PAGE", 100)

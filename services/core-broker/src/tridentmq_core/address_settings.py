@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from tridentmq_core.router import pattern_matches
 from tridentmq_core.settings import AddressSettingsEntry
 from tridentmq_shared.message import RoutingType
+from tridentmq_shared.settings import SettingsError
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,8 @@ class ResolvedAddressSettings:
     auto_delete_addresses: bool = True
     auto_create_dead_letter_resources: bool = True
     default_routing_type: RoutingType = RoutingType.ANYCAST
+    max_size_bytes: int = -1
+    address_full_policy: str = "BLOCK"
 
     def redelivery_delay(self, attempts: int) -> int:
         """Delay in ms before redelivery number ``attempts`` (1 = first redelivery)."""
@@ -49,8 +52,16 @@ def _specificity(pattern: str) -> tuple[int, int, int]:
     return (-hashes, -stars, len(words) - hashes - stars)
 
 
+FULL_POLICIES = ("BLOCK", "FAIL", "DROP")
+
+
 class AddressSettingsRepository:
     def __init__(self, entries: Sequence[AddressSettingsEntry]) -> None:
+        for entry in entries:
+            policy = entry.address_full_policy
+            if policy is not None and policy.upper() not in FULL_POLICIES:
+                raise SettingsError(f"address_settings {entry.match!r}: address_full_policy {policy!r} is not one of "
+                                    f"{', '.join(FULL_POLICIES)}")  # fmt: skip
         self._entries = sorted(entries, key=lambda e: _specificity(e.match), reverse=True)
         self._cache: dict[str, ResolvedAddressSettings] = {}
 
@@ -66,6 +77,8 @@ class AddressSettingsRepository:
                 value = getattr(entry, f.name)
                 if f.name != "match" and value is not None and f.name not in values:
                     values[f.name] = value
+        if "address_full_policy" in values:
+            values["address_full_policy"] = str(values["address_full_policy"]).upper()
         routing = values.pop("default_routing_type", None)
         resolved = dataclasses.replace(BUILT_IN, **values)  # type: ignore[arg-type]
         if routing is not None:

@@ -50,6 +50,7 @@ log = logging.getLogger("tridentmq.core.broker")
 
 _UNCHECKED: Final[tuple[str, str]] = ("", "")  # marker: the send permission cache has no entry yet
 _MULTICAST: Final = int(RoutingType.MULTICAST)
+_NO_LIMIT_YET: Final = (-2, "")  # marker: the address's size limit has not been looked up yet
 
 FQQN_SEPARATOR = "::"
 ORIGINAL_ADDRESS = "_AMQ_ORIG_ADDRESS"
@@ -119,6 +120,7 @@ class Counters:
     expired: int = 0
     dead_lettered: int = 0
     rejected: int = 0
+    dropped: int = 0  # discarded by address-full-policy DROP
 
 
 class Broker:
@@ -148,6 +150,8 @@ class Broker:
         # durable publishes are then refused with this (code, text) instead of being accepted unsafely.
         self.durable_refusal: tuple[str, str] | None = None
         self._blocked: dict[Session, int] = {}  # publish credit withheld while over the memory limit
+        self._blocked_on: dict[Session, set[str]] = {}  # … or while these addresses are over their size limit
+        self._limits: dict[str, tuple[int, str] | None] = {}  # address → (max_size_bytes, policy), None: none
         self._memory_limit = settings.broker.max_memory_bytes
         self._trie: AddressTrie[Queue] = AddressTrie()
         # (address, routing) → (queues, simple); simple = no queue filter and at most one anycast queue,
@@ -191,6 +195,7 @@ class Broker:
                 self._delete_queue(self.queues[name], now_ms)
         self.dirty.discard(session)
         self._blocked.pop(session, None)
+        self._blocked_on.pop(session, None)
         self._pending_confirms = {t: v for t, v in self._pending_confirms.items() if v[0] is not session}
         self._emit(now_ms, "conn.closed", conn_id=session.conn_id, client_id=session.client_name)
 
@@ -271,6 +276,8 @@ class Broker:
         accept = self._accept_message
         confirm = conn.confirm
         addresses = self.addresses
+        limits = self._limits
+        full: set[str] = set()  # addresses over their size limit with the BLOCK policy
         for _, seq, tx_id, message in ops:
             address = message[M_ADDRESS]
             problem = send_ok.get(address, _UNCHECKED)
@@ -283,6 +290,20 @@ class Broker:
                 problem = self.durable_refusal
             if problem is None and len(message[M_BODY]) > max_bytes:
                 problem = (ErrorCode.RESOURCE_LIMIT, f"message body exceeds {max_bytes} bytes")
+            if problem is None:
+                limit = limits.get(address, _NO_LIMIT_YET)
+                if limit is _NO_LIMIT_YET:
+                    limit = self._address_limit(address)
+                if limit is not None and self._address_bytes(address) >= limit[0]:
+                    if limit[1] == "FAIL":
+                        text = f"address {address!r} is full ({limit[0]} bytes, address-full-policy FAIL)"
+                        problem = (ErrorCode.RESOURCE_LIMIT, text)
+                    elif limit[1] == "DROP":
+                        self.counters.dropped += 1
+                        confirm(seq)
+                        continue
+                    else:
+                        full.add(address)
             if problem is not None:
                 self._reject(conn, seq, *problem)
                 if tx_id and tx_id in session.txs:
@@ -305,22 +326,45 @@ class Broker:
                 self._pending_confirms[token] = (session, seq)
             else:
                 confirm(seq)
-        if self.memory.used < self._memory_limit:
+        if self.memory.used < self._memory_limit and not full:
             conn.grant_publish_credit(len(ops))
         else:
             if not self._blocked:
-                log.warning("memory limit reached: producers are blocked until consumers catch up",
-                            extra={"used": self.memory.used, "limit": self._memory_limit})  # fmt: skip
+                log.warning("memory or address limit reached: producers are blocked until consumers catch up",
+                            extra={"used": self.memory.used, "limit": self._memory_limit,
+                                   "full_addresses": ",".join(sorted(full))})  # fmt: skip
             self._blocked[session] = self._blocked.get(session, 0) + len(ops)
+            if full:
+                self._blocked_on.setdefault(session, set()).update(full)
         self.dirty.add(session)
 
+    def _address_limit(self, address: str) -> tuple[int, str] | None:
+        settings = self.address_settings.resolve(address)
+        limit = (settings.max_size_bytes, settings.address_full_policy) if settings.max_size_bytes >= 0 else None
+        if len(self._limits) > 100_000:
+            self._limits.clear()
+        self._limits[address] = limit
+        return limit
+
+    def _address_bytes(self, address: str) -> int:
+        existing = self.addresses.get(address)
+        return sum(q.bytes for q in existing.queues.values()) if existing is not None else 0
+
     def _unblock_producers(self) -> None:
-        if self._blocked and self.memory.used * 10 < self._memory_limit * 9:  # under 90 %
-            for session, credit in self._blocked.items():
-                session.conn.grant_publish_credit(credit)
-                self.dirty.add(session)
-            self._blocked.clear()
-            log.info("memory below the limit again: producers resume", extra={"used": self.memory.used})
+        """Give blocked producers their credit back once memory, and every address they filled, is under 90 %."""
+        if not self._blocked or self.memory.used * 10 >= self._memory_limit * 9:
+            return
+        for session in list(self._blocked):
+            still_full = [a for a in self._blocked_on.get(session, ())
+                          if (limit := self._address_limit(a)) is not None and
+                          self._address_bytes(a) * 10 >= limit[0] * 9]  # fmt: skip
+            if still_full:
+                continue
+            session.conn.grant_publish_credit(self._blocked.pop(session))
+            self._blocked_on.pop(session, None)
+            self.dirty.add(session)
+        if not self._blocked:
+            log.info("producers resume", extra={"used": self.memory.used})
 
     def _check_send(self, session: Session, address: str) -> tuple[str, str] | None:
         """Why ``session`` may not send to ``address`` (code, text), or None; cached per link."""

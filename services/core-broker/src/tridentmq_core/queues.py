@@ -107,6 +107,7 @@ class Queue:
         "address",
         "auto_created",
         "auto_delete",
+        "bytes",
         "consumers",
         "dead_lettered",
         "delivered",
@@ -155,6 +156,7 @@ class Queue:
         self.owner = owner
         self.consumers: list[Consumer] = []
         self.added = self.acked = self.delivered = self.expired = self.dead_lettered = 0
+        self.bytes = 0  # accounted size of the messages this queue owns (queued and in flight)
         self._sink = sink
         self._dirty = dirty
         self._memory = memory
@@ -200,7 +202,9 @@ class Queue:
         self._high = max(self._high, priority)
         self._count += 1
         self.added += 1
-        self._memory.used += len(message[M_BODY]) + MESSAGE_OVERHEAD
+        size = len(message[M_BODY]) + MESSAGE_OVERHEAD
+        self._memory.used += size
+        self.bytes += size
         if message[M_EXPIRATION]:
             self._expiring += 1
 
@@ -235,7 +239,9 @@ class Queue:
 
     def _forget(self, message: WireMessage) -> None:
         """A message leaves this queue for good (acked, expired, dead-lettered, superseded, purged)."""
-        self._memory.used -= len(message[M_BODY]) + MESSAGE_OVERHEAD
+        size = len(message[M_BODY]) + MESSAGE_OVERHEAD
+        self._memory.used -= size
+        self.bytes -= size
         if message[M_EXPIRATION]:
             self._expiring -= 1
         if self._lvq and self._lvq.get(self._lvq_key(message)) is message:

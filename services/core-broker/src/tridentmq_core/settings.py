@@ -107,6 +107,12 @@ class AddressSettingsEntry:
     auto_create_dead_letter_resources: bool | None = doc(None, "Create the dead-letter (and expiry) address "
                                                                 "with an anycast queue of the same name when "
                                                                 "first needed (default true).")  # fmt: skip
+    max_size_bytes: int | None = doc(None, "Bytes an address's queues may hold (default -1: no limit but the "
+                                            "broker's memory limit).")  # fmt: skip
+    address_full_policy: str | None = doc(None, "When max_size_bytes is reached: BLOCK (producers get no credit "
+                                                "until it drains below 90 %, the default), FAIL (publishes are "
+                                                "rejected with resource-limit) or DROP (confirmed and discarded). "
+                                                "PAGE is not implemented yet.")  # fmt: skip
     default_routing_type: str | None = doc(None, "Routing type of auto-created addresses: anycast or multicast "
                                                   "(default anycast).")  # fmt: skip
 
