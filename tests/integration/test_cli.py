@@ -150,3 +150,20 @@ def test_core_reports_bad_settings_in_one_line(tmp_path: Path) -> None:
     assert missing.returncode == 1
     assert "cannot read" in missing.stderr
     assert "Traceback" not in missing.stderr + result.stderr
+
+
+def test_core_tune_measures_the_disk_and_suggests_settings(tmp_path: Path) -> None:
+    env = {**os.environ, "TRIDENTMQ_CORE_NODE_DATA_DIR": str(tmp_path / "core")}
+    result = subprocess.run(
+        [sys.executable, "-m", "tridentmq_shared.cli", "core", "--tune"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    rate = next(line for line in result.stdout.splitlines() if line.startswith("fdatasync of 4 KiB writes:"))
+    assert float(rate.split(":")[1].split()[0].replace(",", "")) > 0
+    assert "sync_delay_us = " in result.stdout
+    assert not list((tmp_path / "core" / "journal").iterdir())  # the probe file is removed

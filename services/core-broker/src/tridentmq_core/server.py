@@ -185,7 +185,8 @@ class CoreNode:
             log.warning("journal disabled: durable messages will not survive a restart")
             return
         directory = Path(journal_settings.directory or self.settings.node.data_dir / "journal")
-        journal = Journal(directory, segment_bytes=journal_settings.segment_bytes)
+        journal = Journal(directory, segment_bytes=journal_settings.segment_bytes,
+                          sync_delay_us=journal_settings.sync_delay_us)  # fmt: skip
         started = time.monotonic()
         records, report = journal.recover()
         state = replay(records)

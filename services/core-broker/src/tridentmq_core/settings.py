@@ -33,6 +33,9 @@ class JournalSection:
     enabled: bool = doc(True, "Keep durable messages, queues and addresses in the journal (off: memory only).")
     directory: str = doc("", "Where the journal segments go; empty means `<data_dir>/journal`.")
     segment_bytes: int = doc(64 * 1024 * 1024, "Size of each pre-allocated journal segment file.")
+    sync_delay_us: int = doc(0, "Pause before each group commit so more records share one fsync (0: sync as soon "
+                                "as the previous sync ends; `tridentmq core --tune` measures the disk and "
+                                "suggests a value).")  # fmt: skip
     max_disk_usage: float = doc(90.0, "Percent of the journal's filesystem in use above which durable publishes are "
                                       "refused (resource-limit) until space returns.")  # fmt: skip
     compact_min_segments: int = doc(4, "Compaction is considered once the journal has this many segments.")
