@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests.conftest import start_core
 
 from tridentmq_core.store.journal import Journal, list_segments
 from tridentmq_core.store.records import HEADER_SIZE, RecordType
+from tridentmq_core.store.recovery import RecoveredState, replay
 from tridentmq_shared.message import new_message
 
 pytestmark = pytest.mark.integration
@@ -79,3 +82,78 @@ def test_verify_without_a_journal_says_so(tmp_path: Path) -> None:
     result = data("verify", "--journal", str(tmp_path / "nothing"))
     assert result.returncode == 2
     assert "no journal segments" in result.stderr
+
+
+def churned_journal(directory: Path) -> None:
+    """A queue, 100 messages of which 90 acknowledged, and delivery counts on some of the rest."""
+    journal = Journal(directory, segment_bytes=1 << 16)
+    journal.recover()
+    journal.start()
+    journal.append(RecordType.ADD_ADDRESS, ["q", [0], True])
+    journal.append(RecordType.ADD_QUEUE, [{"name": "q", "address": "q", "routing_type": 0}])
+    for n in range(1, 101):
+        message = new_message("q", f"body {n}".encode(), durable=True)
+        message[0] = n
+        journal.append(RecordType.MESSAGE, [message, ["q"]])
+    for n in range(1, 91):
+        journal.append(RecordType.ACK, ["q", n])
+    for n in (95, 96):
+        journal.append(RecordType.DELIVERY_COUNT, ["q", n, 3])
+    journal.close()
+
+
+def recovered(directory: Path) -> RecoveredState:
+    return replay(Journal(directory, segment_bytes=1 << 16).recover()[0])
+
+
+def test_compact_keeps_the_live_state_and_drops_the_rest(tmp_path: Path) -> None:
+    journal = tmp_path / "journal"
+    churned_journal(journal)
+    before = recovered(journal)
+    result = data("compact", "--data-dir", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "194 records -> 12 records" in result.stdout
+    after = recovered(journal)
+    assert after.references == before.references == {"q": {n: 3 if n in (95, 96) else 0 for n in range(91, 101)}}
+    assert after.messages == before.messages
+    assert after.addresses == before.addresses == {"q": ([0], True)}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["journal", "node.lock"]
+
+
+def test_an_interrupted_compaction_is_undone_or_finished_by_recovery(tmp_path: Path) -> None:
+    journal = tmp_path / "journal"
+    churned_journal(journal)
+    expected = recovered(journal).references
+    # Crash while writing the new journal: no completion marker, so the old journal stays.
+    (tmp_path / "journal.compact").mkdir()
+    (tmp_path / "journal.compact" / "journal-00000001.tmq").write_bytes(b"\xa7garbage")
+    assert recovered(journal).references == expected
+    assert not (tmp_path / "journal.compact").exists()
+    # Crash between the two renames: the complete new journal is swapped in.
+    assert data("compact", "--data-dir", str(tmp_path)).returncode == 0
+    journal.rename(tmp_path / "journal.compact")
+    (tmp_path / "journal.compact" / "COMPLETE").write_bytes(b"")
+    (tmp_path / "journal.old").mkdir()
+    assert recovered(journal).references == expected
+    assert not (tmp_path / "journal.compact").exists()
+    assert not (tmp_path / "journal.old").exists()
+    assert not (journal / "COMPLETE").exists()
+
+
+def test_compact_and_a_second_node_are_refused_while_a_node_runs(tmp_path: Path) -> None:
+    node = start_core(tmp_path)
+    try:
+        result = data("compact", "--data-dir", str(node.data_dir))
+        assert result.returncode == 1
+        assert "in use by another TridentMQ process" in result.stderr
+        second = subprocess.run(
+            [sys.executable, "-m", "tridentmq_core"],
+            env={**os.environ, "TRIDENTMQ_CORE_NODE_DATA_DIR": str(node.data_dir),
+                 "TRIDENTMQ_CORE_LINK_PORT": "0", "TRIDENTMQ_CORE_MANAGEMENT_PORT": "0"},
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+        assert second.returncode == 1
+        assert "in use by another TridentMQ process" in second.stderr
+        assert "Traceback" not in second.stderr
+    finally:
+        assert node.stop() == 0

@@ -1,9 +1,10 @@
-"""``tridentmq data verify|print``: inspect a node's journal offline (the node must not be running).
+"""``tridentmq data verify|print|compact``: a node's journal offline (the node must not be running).
 
 ``verify`` walks every segment, checks every record's CRC and says where the valid data ends and why;
 exit 0 when the journal is clean or ends in a torn last write (which recovery cuts off), 1 when there is
 damage with valid records behind it (recovery refuses to start), 2 when there is nothing to read.
-``print`` lists every record in a readable form.
+``print`` lists every record in a readable form. ``compact`` rewrites the journal with only its live state
+(refused while a node holds the data directory).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tridentmq_core.store.journal import list_segments
+from tridentmq_core.store.data_lock import DataDirectoryLock, DataDirectoryLockedError
+from tridentmq_core.store.journal import JournalCorruptedError, compact_offline, list_segments
 from tridentmq_core.store.records import Record, RecordType, ScanEnd, damage_is_tail, scan
 from tridentmq_shared.message import M_ADDRESS, M_BODY, M_DURABLE, M_ID
 
@@ -91,15 +93,38 @@ def print_records(directory: Path) -> int:
     return 0
 
 
+def compact(directory: Path) -> int:
+    if not list_segments(directory):
+        print(f"no journal segments in {directory}", file=sys.stderr)
+        return 2
+    try:
+        lock = DataDirectoryLock(directory.parent)
+    except DataDirectoryLockedError as exc:
+        print(f"tridentmq data: {exc}", file=sys.stderr)
+        return 1
+    try:
+        before, after = compact_offline(directory)
+    except JournalCorruptedError as exc:
+        print(f"tridentmq data: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        lock.release()
+    print(f"compacted {directory}: {before} records -> {after} records")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tridentmq data", description="Inspect a core node's journal offline.")
-    parser.add_argument("command", choices=["verify", "print"])
+    parser.add_argument("command", choices=["verify", "print", "compact"])
     parser.add_argument("--data-dir", default="data/core", help="the node's data directory (default %(default)s)")
     parser.add_argument("--journal", help="the journal directory itself (default <data-dir>/journal)")
     args = parser.parse_args(argv)
     directory = journal_dir(args)
     try:
-        code = verify(directory) if args.command == "verify" else print_records(directory)
+        if args.command == "compact":
+            code = compact(directory)
+        else:
+            code = verify(directory) if args.command == "verify" else print_records(directory)
         sys.stdout.flush()
     except BrokenPipeError:  # `tridentmq data print | head`: the reader left, which is fine
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

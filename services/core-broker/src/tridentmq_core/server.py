@@ -25,6 +25,7 @@ from tridentmq_core.broker import Broker, Session
 from tridentmq_core.management.app import NodeStatus, QueueRates, create_app
 from tridentmq_core.security import AuthenticationError, SecurityManager
 from tridentmq_core.settings import CoreSettings
+from tridentmq_core.store.data_lock import DataDirectoryLock
 from tridentmq_core.store.journal import Journal
 from tridentmq_core.store.journal_store import JournalStore
 from tridentmq_core.store.memory import MemoryStore
@@ -149,6 +150,7 @@ class CoreNode:
             raise SettingsError(f"link.max_frame_bytes must be at least {MIN_FRAME_SIZE}")
         data_dir = settings.node.data_dir
         data_dir.mkdir(parents=True, exist_ok=True)
+        self.lock = DataDirectoryLock(data_dir)  # before touching anything in it
         self.node_id = load_node_id(data_dir)
         self.security = SecurityManager(settings.users, settings.permissions)
         self.audit: AuditSink = NullAuditSink()
@@ -342,4 +344,5 @@ class CoreNode:
         if self.journal is not None:
             self.journal.close()
         self.audit.close()
+        self.lock.release()
         log.info("core node stopped", extra={"node_id": self.node_id})

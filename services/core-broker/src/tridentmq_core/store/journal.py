@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from tridentmq_core.store.records import Record, RecordType, ScanEnd, damage_is_tail, encode, scan
+from tridentmq_core.store.recovery import replay
 
 log = logging.getLogger("tridentmq.core.journal")
 
@@ -29,6 +31,86 @@ _ROLL: Final = b""  # queued like a record: the writer starts a new segment ther
 SEGMENT_PREFIX: Final = "journal-"
 SEGMENT_SUFFIX: Final = ".tmq"
 DEFAULT_SEGMENT_BYTES: Final = 64 * 1024 * 1024
+
+
+COMPACT_SUFFIX: Final = ".compact"
+OLD_SUFFIX: Final = ".old"
+COMPLETE_MARKER: Final = "COMPLETE"
+
+
+def _sibling(directory: Path, suffix: str) -> Path:
+    return directory.with_name(directory.name + suffix)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def finish_offline_compaction(directory: Path) -> None:
+    """Complete or undo an offline compaction that a crash interrupted (see ``compact_offline``)."""
+    compact, old = _sibling(directory, COMPACT_SUFFIX), _sibling(directory, OLD_SUFFIX)
+    if compact.exists():
+        if (compact / COMPLETE_MARKER).exists() and not directory.exists():
+            compact.rename(directory)  # crashed between the two renames: finish the swap
+            _fsync_dir(directory.parent)
+        else:
+            shutil.rmtree(compact)  # never completed, or completed but not swapped in: the old one is whole
+    if old.exists():
+        if directory.exists():
+            shutil.rmtree(old)
+        else:
+            old.rename(directory)
+    (directory / COMPLETE_MARKER).unlink(missing_ok=True)
+
+
+def compact_offline(directory: Path, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> tuple[int, int]:
+    """Rewrite a stopped node's journal with only its live state; returns (records before, after).
+
+    Crash-safe: the new journal is written and synced beside the old one and marked complete, then swapped
+    in by two renames; ``finish_offline_compaction`` (run by every recovery) completes or undoes a swap that
+    a crash interrupted, so the node always finds exactly one whole journal.
+    """
+    records, _ = Journal(directory, segment_bytes=segment_bytes).recover()
+    state = replay(records)
+    target = _sibling(directory, COMPACT_SUFFIX)
+    shutil.rmtree(target, ignore_errors=True)
+    fresh = Journal(target, segment_bytes=segment_bytes)
+    fresh.recover()
+    fresh.start()
+    written = 0
+    for name, (kinds, auto_created) in state.addresses.items():
+        fresh.append(RecordType.ADD_ADDRESS, [name, kinds, auto_created])
+        written += 1
+    for spec in state.queues.values():
+        fresh.append(RecordType.ADD_QUEUE, [spec])
+        written += 1
+    owed: dict[int, tuple[list[str], list[int]]] = {}
+    for queue, references in state.references.items():
+        for message_id, count in references.items():
+            entry = owed.setdefault(message_id, ([], []))
+            entry[0].append(queue)
+            entry[1].append(count)
+    for message_id in sorted(owed):  # ids grow with publish order: each queue keeps its order
+        queues, counts = owed[message_id]
+        fresh.append(RecordType.MESSAGE, [state.messages[message_id], queues, counts])
+        written += 1
+    fresh.close()
+    marker = target / COMPLETE_MARKER
+    marker.write_bytes(b"")
+    _fsync_dir(target)
+    old = _sibling(directory, OLD_SUFFIX)
+    directory.rename(old)
+    _fsync_dir(directory.parent)
+    target.rename(directory)
+    _fsync_dir(directory.parent)
+    shutil.rmtree(old)
+    marker = directory / COMPLETE_MARKER
+    marker.unlink()
+    return len(records), written
 
 
 def measure_fsync(directory: Path, seconds: float = 2.0, write_bytes: int = 4096) -> float:
@@ -97,6 +179,7 @@ class Journal:
     # ------------------------------------------------------------------ recovery
     def recover(self) -> tuple[list[Record], RecoveryReport]:
         """Read every record in order, cut off a torn tail, and position the writer after the last record."""
+        finish_offline_compaction(self.directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         report = RecoveryReport()
         records: list[Record] = []
