@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 import struct
 import urllib.request
@@ -15,7 +16,7 @@ from tests.conftest import CoreProcess, start_core
 
 from tridentmq_shared.link.client import LinkClient, LinkClosedError, LinkRequestError, ReconnectPolicy
 from tridentmq_shared.link.ops import NackMode
-from tridentmq_shared.message import RoutingType, new_message
+from tridentmq_shared.message import M_BODY, RoutingType, new_message
 
 pytestmark = pytest.mark.integration
 
@@ -234,3 +235,32 @@ def test_health_and_metrics(core: CoreProcess) -> None:
         metrics = response.read().decode()
     assert "tridentmq_connections" in metrics
     assert "tridentmq_node_info" in metrics
+
+
+async def test_a_publisher_waits_for_the_socket_instead_of_buffering_without_bound(core: CoreProcess) -> None:
+    """With the core frozen (SIGSTOP), large publishes stop at the socket's back-pressure, far short of the
+    8192-message window; once it runs again every one is confirmed and delivered in order, with no reconnect."""
+    body = bytes(64 * 1024)
+    async with client(core, heartbeat_ms=5000) as c:
+        await c.create_queue("big")
+        sent: list[asyncio.Future[None]] = []
+
+        async def publish_rest() -> None:
+            while len(sent) < 2000:
+                confirmed = await c.send(new_message("big", len(sent).to_bytes(4, "big") + body))
+                sent.append(confirmed)
+
+        core.process.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(publish_rest(), timeout=1.0)
+            assert len(sent) < 1000  # 64 MiB: without back-pressure all 2000 (128 MiB) would be buffered
+        finally:
+            core.process.send_signal(signal.SIGCONT)
+        await publish_rest()
+        await asyncio.gather(*sent)
+        consumer = await c.subscribe("big", credit=64, auto_ack=True)
+        for n in range(2000):
+            delivery = await consumer.get(timeout=10)
+            assert delivery is not None
+            assert int.from_bytes(delivery.message[M_BODY][:4], "big") == n

@@ -32,6 +32,8 @@ _OPEN = State.OPEN  # a module constant: enum member access is slow on the publi
 #: Write as soon as this many operations are queued, so a long burst streams instead of piling up into
 #: one huge frame that the peer can only start on once it has all of it.
 EARLY_WRITE_OPERATIONS = 256
+#: ... or this many bytes of message bodies (large messages).
+EARLY_WRITE_BYTES = 1024 * 1024
 
 
 class LinkRequestError(Exception):
@@ -170,15 +172,26 @@ class _Protocol(asyncio.Protocol):
     def __init__(self, client: LinkClient) -> None:
         self.client = client
         self.transport: asyncio.Transport | None = None
+        # Cleared while the transport's write buffer is above its high-water mark: publishers wait, so the
+        # loop keeps turning (writing, reading confirms, heartbeating) instead of buffering without bound.
+        self.writable = asyncio.Event()
+        self.writable.set()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
         set_nodelay(transport)
 
+    def pause_writing(self) -> None:
+        self.writable.clear()
+
+    def resume_writing(self) -> None:
+        self.writable.set()
+
     def data_received(self, data: bytes) -> None:
         self.client._received(self, data)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.writable.set()  # waiters wake and find the link gone
         self.client._lost(self, exc)
 
 
@@ -217,6 +230,7 @@ class LinkClient:
         self._consumers: dict[int, Consumer] = {}
         self._credit_waiters: deque[asyncio.Future[None]] = deque()
         self._flush_scheduled = False
+        self._pending_bytes = 0  # body bytes queued since the last write
         self._closing = False
         self._reconnecting: asyncio.Task[None] | None = None
         self._error: LinkRequestError | None = None
@@ -416,9 +430,10 @@ class LinkClient:
                     future.set_exception(LinkClosedError(ErrorCode.EOF, "the link dropped; the transaction is lost"))
                 continue
             await self._wait_credit()
-            assert self._conn is not None
-            self._unconfirmed[self._conn.publish(message)] = (message, 0, future)
-            self._schedule_flush()
+            await self._wait_writable()
+            conn = self._live()
+            self._unconfirmed[conn.publish(message)] = (message, 0, future)
+            self._queued(conn, message)
         for waiter in self._credit_waiters:
             if not waiter.done():
                 waiter.set_result(None)
@@ -447,8 +462,17 @@ class LinkClient:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._write_now)
 
+    def _queued(self, conn: LinkConnection, message: WireMessage) -> None:
+        """A publish was queued: write now past the early-write thresholds, else at the end of this turn."""
+        self._pending_bytes += len(message[M_BODY])
+        if conn.pending_operations >= EARLY_WRITE_OPERATIONS or self._pending_bytes >= EARLY_WRITE_BYTES:
+            self._write_now()
+        else:
+            self._schedule_flush()
+
     def _write_now(self) -> None:
         self._flush_scheduled = False
+        self._pending_bytes = 0
         conn, protocol = self._conn, self._protocol
         if conn is None or protocol is None or protocol.transport is None or protocol.transport.is_closing():
             return
@@ -537,19 +561,22 @@ class LinkClient:
             self._credit_waiters.append(waiter)
             await waiter
 
+    async def _wait_writable(self) -> None:
+        protocol = self._protocol
+        if protocol is not None and not protocol.writable.is_set():
+            await protocol.writable.wait()
+
     async def send(self, message: WireMessage, tx_id: int = 0) -> asyncio.Future[None]:
         """Queue a publish once the window allows; the returned future resolves on the server's confirm."""
         await self._wait_credit()
+        await self._wait_writable()
         if message[M_DURABLE] and message[M_DEDUP] is None:
             message[M_DEDUP] = f"{self.producer_id}:{next(self._dedup_seq)}"
         conn = self._live()
         seq = conn.publish(message, tx_id)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._unconfirmed[seq] = (message, tx_id, future)
-        if conn.pending_operations >= EARLY_WRITE_OPERATIONS:
-            self._write_now()
-        else:
-            self._schedule_flush()
+        self._queued(conn, message)
         return future
 
     @property
@@ -558,7 +585,9 @@ class LinkClient:
         return self._conn.publish_credit if self._conn is not None else 0
 
     async def wait_for_credit(self) -> None:
+        """Wait until ``send_nowait`` may be called: the server grants credit and the socket keeps up."""
         await self._wait_credit()
+        await self._wait_writable()
 
     def send_nowait(self, message: WireMessage) -> None:
         """Publish without a confirm future, for high-rate non-durable producers: the server still
@@ -566,10 +595,7 @@ class LinkClient:
         Raises ``LocalProtocolError`` when ``publish_credit`` is 0."""
         conn = self._live()
         conn.publish(message)
-        if conn.pending_operations >= EARLY_WRITE_OPERATIONS:
-            self._write_now()
-        else:
-            self._schedule_flush()
+        self._queued(conn, message)
 
     async def publish(self, message: WireMessage, tx_id: int = 0) -> None:
         """Publish and wait for the confirm (raises ``LinkRequestError`` on a rejection)."""
