@@ -176,3 +176,26 @@ async def test_durable_publishes_are_refused_while_the_disk_is_over_its_limit(tm
         assert "durable publishes refused" in node.log()
     finally:
         assert node.stop() == 0
+
+
+async def test_paging_far_past_the_limit_drains_in_order_and_survives_kill_9(tmp_path: Path) -> None:
+    config = """
+[[address_settings]]
+match = "paged.#"
+max_size_bytes = 262144
+address_full_policy = "PAGE"
+"""
+    node = start_core(tmp_path, config=config)
+    port = node.link_port
+    bodies = [f"{n:06d}".encode() + b"x" * 2000 for n in range(3000)]  # ~6.7 MB against a 256 KiB limit
+    try:
+        await publish_confirmed(node, "paged.q", bodies)
+        paging = tmp_path / "core" / "paging"
+        assert any(p.stat().st_size > 4 * 262144 for p in paging.iterdir()), "nothing was paged"
+        node.process.send_signal(signal.SIGKILL)
+        node.process.wait(timeout=10)
+        node = start_core(tmp_path, config=config, TRIDENTMQ_CORE_LINK_PORT=str(port))
+        got = await drain(node, "paged.q", 3000)
+        assert [body for body, _ in got] == bodies  # every one, in order, after paging on both sides of a crash
+    finally:
+        assert node.stop() == 0

@@ -12,6 +12,7 @@ from typing import Any
 
 from tridentmq_core.audit import NullAuditSink
 from tridentmq_core.broker import Broker, Session
+from tridentmq_core.queues import PagerFactory
 from tridentmq_core.security import SecurityManager
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.memory import MemoryStore
@@ -43,6 +44,10 @@ class Delivery:
     @property
     def props(self) -> dict[str, Any]:
         return dict(self.message[M_PROPS])
+
+
+def ids(deliveries: list[Delivery]) -> list[int]:
+    return [d.id for d in deliveries]
 
 
 def bodies(deliveries: list[Delivery]) -> list[bytes]:
@@ -169,11 +174,11 @@ class Client:
 
 
 class Harness:
-    def __init__(self, settings: CoreSettings | None = None) -> None:
+    def __init__(self, settings: CoreSettings | None = None, pager_factory: PagerFactory | None = None) -> None:
         self.settings = settings or CoreSettings()
         self.security = SecurityManager(self.settings.users, self.settings.permissions)
         self.broker = Broker("node-1", self.settings, store=MemoryStore(), audit=NullAuditSink(),
-                             first_message_id=1)  # fmt: skip
+                             first_message_id=1, pager_factory=pager_factory)  # fmt: skip
         self.now_ms = BASE_MS
         self.clients: list[Client] = []
 

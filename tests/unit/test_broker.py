@@ -13,9 +13,9 @@ from tests.unit.broker_harness import (
     MULTICAST,
     PUBLISH_WINDOW,
     Client,
-    Delivery,
     Harness,
     bodies,
+    ids,
 )
 
 from tridentmq_core.address_settings import AddressSettingsRepository
@@ -61,10 +61,6 @@ def failed(answer: ev.Reply | ev.RequestFailed, code: str) -> str:
     assert isinstance(answer, ev.RequestFailed), answer
     assert answer.code == code, answer
     return answer.text
-
-
-def ids(deliveries: list[Delivery]) -> list[int]:
-    return [d.id for d in deliveries]
 
 
 # ====================================================================== routing
@@ -1505,5 +1501,5 @@ def test_address_full_policy_block_withholds_credit_until_the_address_drains() -
 
 
 def test_unknown_address_full_policy_is_refused_at_start() -> None:
-    with pytest.raises(SettingsError, match="address_full_policy 'PAGE'"):
-        limited("PAGE", 100)
+    with pytest.raises(SettingsError, match="address_full_policy 'SPILL'"):
+        limited("SPILL", 100)

@@ -31,7 +31,7 @@ class ResolvedAddressSettings:
     auto_create_dead_letter_resources: bool = True
     default_routing_type: RoutingType = RoutingType.ANYCAST
     max_size_bytes: int = -1
-    address_full_policy: str = "BLOCK"
+    address_full_policy: str = "PAGE"
 
     def redelivery_delay(self, attempts: int) -> int:
         """Delay in ms before redelivery number ``attempts`` (1 = first redelivery)."""
@@ -52,7 +52,7 @@ def _specificity(pattern: str) -> tuple[int, int, int]:
     return (-hashes, -stars, len(words) - hashes - stars)
 
 
-FULL_POLICIES = ("BLOCK", "FAIL", "DROP")
+FULL_POLICIES = ("PAGE", "BLOCK", "FAIL", "DROP")
 
 
 class AddressSettingsRepository:

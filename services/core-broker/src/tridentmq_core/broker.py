@@ -11,14 +11,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from tridentmq_core.address_settings import AddressSettingsRepository, ResolvedAddressSettings
 from tridentmq_core.audit import AuditSink
 from tridentmq_core.dedup import DuplicateIdCache
-from tridentmq_core.queues import Consumer, MemoryGauge, Queue
+from tridentmq_core.queues import Consumer, MemoryGauge, PagerFactory, Queue
 from tridentmq_core.router import AddressTrie, InvalidAddress, validate_address
 from tridentmq_core.security import Permission, Principal
 from tridentmq_core.selector import Selector, SelectorError, compile_selector
@@ -133,12 +133,16 @@ class Broker:
         audit: AuditSink,
         first_message_id: int,
         audit_messages: str = "durable",
+        pager_factory: PagerFactory | None = None,
+        paging_behind: Callable[[], bool] = lambda: False,
     ) -> None:
         self.node_id = node_id
         self.settings = settings
         self.store = store
         self.audit = audit
         self.address_settings = AddressSettingsRepository(settings.address_settings)
+        self._pager_factory = pager_factory  # None: no paging, PAGE then behaves as BLOCK
+        self._paging_behind = paging_behind  # page writes lag the producers: withhold credit as for memory
         self.sessions: dict[str, Session] = {}
         self.addresses: dict[str, Address] = {}
         self.queues: dict[str, Queue] = {}
@@ -326,13 +330,14 @@ class Broker:
                 self._pending_confirms[token] = (session, seq)
             else:
                 confirm(seq)
-        if self.memory.used < self._memory_limit and not full:
+        if self.memory.used < self._memory_limit and not full and not self._paging_behind():
             conn.grant_publish_credit(len(ops))
         else:
             if not self._blocked:
-                log.warning("memory or address limit reached: producers are blocked until consumers catch up",
+                log.warning("memory, address or paging limit reached: producers are blocked until it clears",
                             extra={"used": self.memory.used, "limit": self._memory_limit,
-                                   "full_addresses": ",".join(sorted(full))})  # fmt: skip
+                                   "full_addresses": ",".join(sorted(full)),
+                                   "paging_behind": self._paging_behind()})  # fmt: skip
             self._blocked[session] = self._blocked.get(session, 0) + len(ops)
             if full:
                 self._blocked_on.setdefault(session, set()).update(full)
@@ -340,7 +345,10 @@ class Broker:
 
     def _address_limit(self, address: str) -> tuple[int, str] | None:
         settings = self.address_settings.resolve(address)
-        limit = (settings.max_size_bytes, settings.address_full_policy) if settings.max_size_bytes >= 0 else None
+        policy = settings.address_full_policy
+        if policy == "PAGE":  # the queues page by themselves; without a pager it degrades to BLOCK
+            policy = "BLOCK" if self._pager_factory is None else ""
+        limit = (settings.max_size_bytes, policy) if settings.max_size_bytes >= 0 and policy else None
         if len(self._limits) > 100_000:
             self._limits.clear()
         self._limits[address] = limit
@@ -352,7 +360,7 @@ class Broker:
 
     def _unblock_producers(self) -> None:
         """Give blocked producers their credit back once memory, and every address they filled, is under 90 %."""
-        if not self._blocked or self.memory.used * 10 >= self._memory_limit * 9:
+        if not self._blocked or self.memory.used * 10 >= self._memory_limit * 9 or self._paging_behind():
             return
         for session in list(self._blocked):
             still_full = [a for a in self._blocked_on.get(session, ())
@@ -606,6 +614,8 @@ class Broker:
             taken = queue.take(consumer, message_id)
             if taken is not None:
                 self._settle_acked(queue, taken[0], now_ms)
+        if queue.paged:
+            self._to_dispatch.add(queue)  # acks free room: read pages back
 
     def _settle_acked(self, queue: Queue, message: WireMessage, now_ms: int) -> None:
         queue.settle(message)
@@ -783,10 +793,13 @@ class Broker:
     ) -> Queue:
         selector = self._compile(filter_text)
         self._ensure_address(address, {routing}, auto_created=auto_created)
+        settings = self.address_settings.resolve(address)
+        paging = settings.address_full_policy == "PAGE" and settings.max_size_bytes >= 0
         queue = Queue(
             name, address, routing, sink=self, dirty=self.dirty, memory=self.memory, durable=durable, filter=selector,
             temporary=temporary, exclusive=exclusive, last_value_key=last_value_key, max_consumers=max_consumers,
             auto_created=auto_created, auto_delete=auto_delete, owner=owner,
+            page_limit=settings.max_size_bytes if paging else -1, pager_factory=self._pager_factory,
         )  # fmt: skip
         self.queues[name] = queue
         self.addresses[address].queues[name] = queue
@@ -885,6 +898,11 @@ class Broker:
         session.conn.deliver(consumer.id, delivery_count, message)
         self.dirty.add(session)
 
+    def on_pages_ready(self, queue: Queue) -> None:
+        """Paged messages were read back from disk (the shell flushes after calling this)."""
+        if self.queues.get(queue.name) is queue:
+            self._to_dispatch.add(queue)
+
     def on_expired(self, queue: Queue, message: WireMessage) -> None:
         queue.expired += 1
         self.counters.expired += 1
@@ -939,6 +957,8 @@ class Broker:
             self._last_expiry_scan = now_ms
             for queue in list(self.queues.values()):
                 queue.expire_due(now_ms)
+                if queue.paged:
+                    self._to_dispatch.add(queue)  # read pages back even if no consumer event comes
                 if queue.added:  # emptied by expiry or dead-lettering, not merely waiting for its first use
                     self._maybe_auto_delete(queue, now_ms)
             self._dedup.expire(now_ms)

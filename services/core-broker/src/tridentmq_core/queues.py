@@ -49,12 +49,31 @@ class MemoryGauge:
         self.used = 0
 
 
+class Pager(Protocol):
+    """Where a queue over its size limit keeps further messages, in order (``store/paging.py``)."""
+
+    count: int
+
+    def append(self, message: WireMessage) -> None: ...
+    def read(self, limit: int) -> list[WireMessage]: ...  # may return fewer: more after on_ready
+    def peek(self) -> Iterator[WireMessage]: ...
+    def close(self) -> None: ...
+
+
+#: Makes the pager of a queue: (queue name, called when paged messages are ready to read) → Pager.
+PagerFactory = Callable[[str, Callable[[], None]], Pager]
+
+#: Messages read back from a page file per step.
+DEPAGE_CHUNK = 256
+
+
 class DeliverySink(Protocol):
     """Where a queue reports what happened to a message (the broker: store, audit, counters)."""
 
     def on_acked(self, queue: Queue, message: WireMessage) -> None: ...
     def deliver_durable(self, consumer: Consumer, delivery_count: int, message: WireMessage) -> None: ...
     def on_expired(self, queue: Queue, message: WireMessage) -> None: ...
+    def on_pages_ready(self, queue: Queue) -> None: ...
 
 
 class Consumer:
@@ -99,6 +118,11 @@ class Queue:
         "_levels",
         "_lvq",
         "_memory",
+        "_page_limit",
+        "_paged",
+        "_paged_bytes",
+        "_pager",
+        "_pager_factory",
         "_returned",
         "_rr",
         "_sink",
@@ -141,6 +165,8 @@ class Queue:
         auto_created: bool = False,
         auto_delete: bool = False,
         owner: Session | None = None,
+        page_limit: int = -1,
+        pager_factory: PagerFactory | None = None,
     ) -> None:
         self.name = name
         self.address = address
@@ -160,6 +186,13 @@ class Queue:
         self._sink = sink
         self._dirty = dirty
         self._memory = memory
+        # Paging: above page_limit bytes (the address's max_size_bytes with policy PAGE) further messages
+        # go to a page file, and keep going there while any are paged, so order is kept.
+        self._page_limit = page_limit if pager_factory is not None else -1
+        self._pager_factory = pager_factory
+        self._pager: Pager | None = None
+        self._paged = 0
+        self._paged_bytes = 0
         self._levels: list[deque[WireMessage]] = [deque() for _ in range(MAX_PRIORITY + 1)]
         self._high = 0
         self._count = 0
@@ -171,7 +204,11 @@ class Queue:
 
     # ------------------------------------------------------------------ state
     def __len__(self) -> int:
-        return self._count
+        return self._count + self._paged
+
+    @property
+    def paged(self) -> int:
+        return self._paged
 
     @property
     def in_flight(self) -> int:
@@ -192,9 +229,44 @@ class Queue:
         for consumer in self.consumers:
             for message_id, message in consumer.in_flight.items():
                 yield message, consumer.counts.get(message_id, 1)
+        if self._pager is not None and self._paged:
+            for message in self._pager.peek():
+                yield message, 0
 
     # ------------------------------------------------------------------ adding
     def add(self, message: WireMessage) -> None:
+        if self._page_limit >= 0 and (self._paged or self.bytes >= self._page_limit):
+            self._page(message)
+            return
+        self._keep(message)
+
+    def _page(self, message: WireMessage) -> None:
+        pager = self._pager
+        if pager is None:
+            assert self._pager_factory is not None
+            pager = self._pager = self._pager_factory(self.name, lambda: self._sink.on_pages_ready(self))
+        pager.append(message)
+        self._paged += 1
+        self._paged_bytes += len(message[M_BODY]) + MESSAGE_OVERHEAD
+        self.added += 1
+
+    def _depage(self) -> None:
+        """Read paged messages back while the queue holds less than half its limit."""
+        low = max(self._page_limit // 2, 1)
+        pager = self._pager
+        while self._paged and pager is not None and self.bytes < low:
+            # Read about as many as fit under the limit (by the average paged size), at least one.
+            average = max(self._paged_bytes // self._paged, 1)
+            batch = pager.read(max(1, min(DEPAGE_CHUNK, (self._page_limit - self.bytes) // average)))
+            if not batch:
+                return  # still being read from disk: on_pages_ready brings us back
+            self._paged -= len(batch)
+            for message in batch:
+                self._paged_bytes -= len(message[M_BODY]) + MESSAGE_OVERHEAD
+                self._keep(message)
+                self.added -= 1  # counted once, when it was paged
+
+    def _keep(self, message: WireMessage) -> None:
         if self.last_value_key is not None:
             self._replace_last_value(message)
         priority = message[M_PRIORITY]
@@ -291,6 +363,10 @@ class Queue:
                 self._sink.on_expired(self, message)
 
     def purge(self) -> list[WireMessage]:
+        if self._pager is not None:
+            self._pager.close()
+            self._pager = None
+            self._paged = self._paged_bytes = 0
         return self.remove_where(lambda _m: True)
 
     # ------------------------------------------------------------------ consumers
@@ -324,6 +400,8 @@ class Queue:
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, now_ms: int) -> None:
+        if self._paged:
+            self._depage()
         if not self.consumers:
             return
         if self._count:

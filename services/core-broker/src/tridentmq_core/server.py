@@ -29,6 +29,7 @@ from tridentmq_core.store.data_lock import DataDirectoryLock
 from tridentmq_core.store.journal import Journal
 from tridentmq_core.store.journal_store import JournalStore
 from tridentmq_core.store.memory import MemoryStore
+from tridentmq_core.store.paging import PageDirectory, ThreadIO
 from tridentmq_core.store.recovery import replay
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.codec import MIN_FRAME_SIZE, LinkConnection, Role
@@ -159,6 +160,8 @@ class CoreNode:
             self.audit = FileAuditSink(audit_dir, self.node_id, roll_bytes=settings.audit.roll_bytes,
                                        roll_seconds=settings.audit.roll_seconds,
                                        heartbeat_seconds=settings.audit.heartbeat_seconds)  # fmt: skip
+        # Emptied at start: paged messages are journaled or volatile. Its I/O thread reports to the loop.
+        self.pages = PageDirectory(data_dir / "paging", ThreadIO(self._call_in_loop))
         # Message ids start at the clock (ms) shifted left 20 bits: unique across restarts of this node
         # unless it accepts more than a million messages per millisecond.
         self.broker = Broker(
@@ -168,6 +171,8 @@ class CoreNode:
             audit=self.audit,
             first_message_id=_now_ms() << 20,
             audit_messages=settings.audit.message_events,
+            pager_factory=self.pages.pager,
+            paging_behind=self.pages.io.behind,
         )
         self.journal: Journal | None = None
         self.journal_store: JournalStore | None = None
@@ -178,9 +183,10 @@ class CoreNode:
         self._server: asyncio.Server | None = None
         self._runner: web.AppRunner | None = None
         self._timer: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.management_port = 0
 
-    def _recover(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _recover(self) -> None:
         """Replay the journal into the broker before anyone can connect, then journal from here on."""
         journal_settings = self.settings.journal
         if not journal_settings.enabled:
@@ -200,7 +206,7 @@ class CoreNode:
                                              "messages": state.live_messages(), "queues": len(state.queues),
                                              "seconds": round(time.monotonic() - started, 3)})  # fmt: skip
         store = JournalStore(
-            journal, lambda fn: loop.call_soon_threadsafe(self._durable_in_loop, fn),
+            journal, self._call_in_loop,
             compact_min_segments=journal_settings.compact_min_segments,
             compact_live_ratio=journal_settings.compact_live_ratio,
         )  # fmt: skip
@@ -210,13 +216,20 @@ class CoreNode:
         journal.start()
         self.journal = journal
 
-    def _durable_in_loop(self, complete: Callable[[], None]) -> None:
-        complete()
-        self.schedule_flush()  # the confirms it produced must be written
+    def _call_in_loop(self, fn: Callable[[], None]) -> None:
+        """From another thread: run ``fn`` on the loop, then write what it produced."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: we are shutting down
+                loop.call_soon_threadsafe(self._in_loop, fn)
+
+    def _in_loop(self, fn: Callable[[], None]) -> None:
+        fn()
+        self.schedule_flush()  # what it produced (confirms, deliveries) must be written
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._recover(loop)
+        loop = self._loop = asyncio.get_running_loop()
+        self._recover()
         link = self.settings.link
         self._server = await loop.create_server(lambda: LinkProtocol(self), link.host, link.port)
         self.status.link_port = self._server.sockets[0].getsockname()[1]

@@ -112,10 +112,11 @@ class AddressSettingsEntry:
                                                                 "first needed (default true).")  # fmt: skip
     max_size_bytes: int | None = doc(None, "Bytes an address's queues may hold (default -1: no limit but the "
                                             "broker's memory limit).")  # fmt: skip
-    address_full_policy: str | None = doc(None, "When max_size_bytes is reached: BLOCK (producers get no credit "
-                                                "until it drains below 90 %, the default), FAIL (publishes are "
-                                                "rejected with resource-limit) or DROP (confirmed and discarded). "
-                                                "PAGE is not implemented yet.")  # fmt: skip
+    address_full_policy: str | None = doc(None, "When max_size_bytes is reached: PAGE (the default: each queue of "
+                                                "the address keeps further messages in a page file and reads them "
+                                                "back in order as consumers catch up), BLOCK (producers get no "
+                                                "credit until it drains below 90 %), FAIL (publishes are rejected "
+                                                "with resource-limit) or DROP (confirmed and discarded).")  # fmt: skip
     default_routing_type: str | None = doc(None, "Routing type of auto-created addresses: anycast or multicast "
                                                   "(default anycast).")  # fmt: skip
 

@@ -1,0 +1,106 @@
+"""Paging benchmark: peak memory of a core node while an address pages gigabytes of messages.
+
+Starts a core whose address `bench.paging` pages above `--limit-mib`, publishes `--gigabytes` of
+non-durable 64 KiB messages with no consumer, then drains them all in order, sampling the core's resident
+memory (VmRSS) throughout, and prints the peak against the limit:
+
+    uv run python bench/paging_memory.py [--gigabytes 5] [--limit-mib 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.message import M_BODY, new_message
+from tridentmq_shared.runtime import run_main
+
+SIZE = 64 * 1024
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def workload(port: int, pid: int, count: int) -> tuple[float, float, float]:
+    peak = 0.0
+
+    async def sample() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, rss_mib(pid))
+            await asyncio.sleep(0.05)
+
+    sampler = asyncio.create_task(sample())
+    async with LinkClient("127.0.0.1", port) as client:
+        await client.create_queue("bench.paging", durable=False)
+        started = time.monotonic()
+        last = None
+        for n in range(count):
+            body = n.to_bytes(8, "big") + bytes(SIZE - 8)
+            last = await client.send(new_message("bench.paging", body))
+        assert last is not None
+        await last
+        published = time.monotonic() - started
+        consumer = await client.subscribe("bench.paging", credit=64, auto_ack=True)
+        expected = 0
+        while expected < count:
+            batch = await consumer.get_batch(timeout=30)
+            if not batch:
+                raise SystemExit(f"stalled after {expected} messages")
+            for _, message in batch:
+                if int.from_bytes(message[M_BODY][:8], "big") != expected:
+                    raise SystemExit(f"out of order at {expected}")
+                expected += 1
+        drained = time.monotonic() - started - published
+    sampler.cancel()
+    return peak, published, drained
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gigabytes", type=float, default=5.0)
+    parser.add_argument("--limit-mib", type=int, default=64)
+    args = parser.parse_args()
+    count = int(args.gigabytes * 2**30 / SIZE)
+    with tempfile.TemporaryDirectory(prefix="tridentmq-paging-") as tmp:
+        config = Path(tmp) / "core.toml"
+        config.write_text(f'[[address_settings]]\nmatch = "bench.#"\nmax_size_bytes = {args.limit_mib << 20}\n'
+                          'address_full_policy = "PAGE"\n')  # fmt: skip
+        ports = Path(tmp) / "ports.json"
+        env = {**os.environ, "TRIDENTMQ_CORE_NODE_DATA_DIR": str(Path(tmp) / "core"),
+               "TRIDENTMQ_CORE_LINK_HOST": "127.0.0.1", "TRIDENTMQ_CORE_LINK_PORT": "0",
+               "TRIDENTMQ_CORE_MANAGEMENT_PORT": "0", "TRIDENTMQ_CORE_NODE_LOG_LEVEL": "WARNING",
+               "TRIDENTMQ_CORE_BROKER_MAX_MEMORY_BYTES": str(8 << 30)}  # fmt: skip
+        core = subprocess.Popen(
+            [sys.executable, "-m", "tridentmq_core", "--config", str(config), "--ports-file", str(ports)], env=env
+        )
+        try:
+            while not ports.exists():
+                if core.poll() is not None:
+                    raise SystemExit("the core did not start")
+                time.sleep(0.05)
+            idle = rss_mib(core.pid)
+            peak, published, drained = run_main(workload(json.loads(ports.read_text())["link"], core.pid, count))
+        finally:
+            core.terminate()
+            core.wait(timeout=60)
+    print(f"{count:,} messages of 64 KiB ({args.gigabytes:g} GiB) paged against a {args.limit_mib} MiB address "
+          f"limit: published in {published:.1f} s, drained in order in {drained:.1f} s")  # fmt: skip
+    print(f"PAGING MEMORY: core RSS idle {idle:.0f} MiB, peak {peak:.0f} MiB "
+          f"(limit {args.limit_mib} MiB + {peak - idle - args.limit_mib:.0f} MiB above idle)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

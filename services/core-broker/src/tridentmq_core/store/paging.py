@@ -1,0 +1,311 @@
+"""Page files: where a queue over its address's size limit keeps further messages until consumers catch up.
+
+A paging queue writes a series of page files, each closed at ``PAGE_FILE_BYTES``: each message is a 4-byte
+length and its msgpack encoding. Messages come back in the order they were paged, and a page file read to
+its end is deleted at once, so disk space returns as consumers catch up.
+
+Disk work never runs on the event loop: writes, read-ahead and deletions are jobs for one I/O thread,
+taken in order (so a read-ahead sees every write submitted before it). Deleting a file, or reading one
+that left the page cache, can block for seconds on a busy disk; on the loop that would stall every link
+past its heartbeat timeout. The loop keeps a small read-ahead per queue and is told when more is ready.
+
+Page files only relieve memory: durable messages are in the journal as well, so the paging directory is
+cleared at start and recovery pages again as needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import shutil
+import struct
+import threading
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Final, Protocol
+
+import msgpack
+
+from tridentmq_shared.message import WireMessage
+
+log = logging.getLogger("tridentmq.core.paging")
+
+_LENGTH: Final = struct.Struct(">I")
+#: A page file is closed once it holds this much (Artemis' page-size-bytes is 10 MiB).
+PAGE_FILE_BYTES: Final = 16 * 1024 * 1024
+#: Paged bytes a queue buffers before handing them to the I/O thread.
+WRITE_BUFFER_BYTES: Final = 256 * 1024
+#: Bytes a queue reads ahead of its consumers in one job.
+READ_AHEAD_BYTES: Final = 1024 * 1024
+#: Writes handed to the I/O thread and not yet done above which the broker withholds publish credit, so a
+#: disk slower than the producers slows the producers instead of filling memory ...
+BACKLOG_BYTES: Final = 8 * 1024 * 1024
+#: ... and the hard cap, reached only by publishes already under way: the loop then waits for the disk.
+MAX_BACKLOG_BYTES: Final = 4 * BACKLOG_BYTES
+
+Job = Callable[[], None]
+
+
+class PageIO(Protocol):
+    """Runs page file jobs in submission order."""
+
+    def submit(self, job: Job, size: int = 0) -> None: ...
+    def done(self, size: int) -> None: ...
+    def barrier(self) -> None: ...
+    def notify(self, callback: Job) -> None: ...
+    def behind(self) -> bool: ...
+
+
+class InlineIO:
+    """Runs each job at once on the caller's thread (tests and tools: no loop to protect)."""
+
+    def submit(self, job: Job, size: int = 0) -> None:
+        job()
+
+    def done(self, size: int) -> None:
+        pass
+
+    def barrier(self) -> None:
+        pass
+
+    def notify(self, callback: Job) -> None:
+        pass  # the caller collects read-ahead results right after submitting
+
+    def behind(self) -> bool:
+        return False
+
+
+class ThreadIO:
+    """One daemon thread; ``call_in_loop`` hands a callable to the event loop (``call_soon_threadsafe``)."""
+
+    def __init__(self, call_in_loop: Callable[[Job], None]) -> None:
+        self._call_in_loop = call_in_loop
+        self._jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        self._pending = 0  # bytes of submitted writes not yet done
+        self._room = threading.Condition()
+        threading.Thread(target=self._run, name="page-io", daemon=True).start()
+
+    def submit(self, job: Job, size: int = 0) -> None:
+        if size:
+            with self._room:  # a disk far behind the producers: wait rather than buffer without bound
+                self._room.wait_for(lambda: self._pending < MAX_BACKLOG_BYTES)
+                self._pending += size
+        self._jobs.put(job)
+
+    def done(self, size: int) -> None:
+        with self._room:
+            was_behind = self._pending >= BACKLOG_BYTES
+            self._pending -= size
+            self._room.notify_all()
+        if was_behind and self._pending < BACKLOG_BYTES:
+            self._call_in_loop(_nothing)  # a flush on the loop gives blocked producers their credit back
+
+    def barrier(self) -> None:
+        finished = threading.Event()
+        self._jobs.put(finished.set)
+        finished.wait()
+
+    def notify(self, callback: Job) -> None:
+        self._call_in_loop(callback)
+
+    def behind(self) -> bool:
+        """Whether producers should wait for the disk (read from the loop thread: one int, no lock)."""
+        return self._pending >= BACKLOG_BYTES
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                job()
+            except Exception:  # a full or failing disk: say so and keep serving the other queues
+                log.exception("page file job failed")
+
+
+class _PageFile:
+    __slots__ = ("fd", "path", "read_offset", "size")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = -1  # opened by the I/O thread's first write
+        self.size = 0  # bytes submitted for writing
+        self.read_offset = 0  # bytes read back and collected
+
+
+class FilePager:
+    """The page files of one queue (implements the ``Pager`` protocol of ``queues.py``).
+
+    All methods run on the loop thread; ``on_ready`` is called there when read-ahead arrives that ``read``
+    could not return earlier.
+    """
+
+    def __init__(self, directory: Path, queue_name: str, io: PageIO, on_ready: Job,
+                 file_bytes: int = PAGE_FILE_BYTES) -> None:  # fmt: skip
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in queue_name)[:64]
+        self._prefix = f"{safe}-{uuid.uuid4().hex[:8]}"
+        self._directory = directory
+        self._io = io
+        self._on_ready = on_ready
+        self._file_bytes = file_bytes
+        self._files: deque[_PageFile] = deque()  # oldest (being read) first, newest (being written) last
+        self._serial = 0
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+        self._ready: deque[WireMessage] = deque()  # read ahead, in order
+        # (page, messages, offset after them) from the I/O thread; appended there, taken here
+        self._results: deque[tuple[_PageFile, list[WireMessage], int]] = deque()
+        self._reading = False  # a read-ahead job is submitted and not yet collected
+        self._closed = False
+        self.count = 0  # messages paged and not yet returned by read()
+
+    @property
+    def files(self) -> list[Path]:
+        return [page.path for page in self._files]
+
+    # ------------------------------------------------------------------ writing
+    def append(self, message: WireMessage) -> None:
+        data: bytes = msgpack.packb(message)
+        self._pending.append(_LENGTH.pack(len(data)))
+        self._pending.append(data)
+        self._pending_bytes += _LENGTH.size + len(data)
+        self.count += 1
+        if self._pending_bytes >= WRITE_BUFFER_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        if not self._files or self._files[-1].size >= self._file_bytes:
+            self._serial += 1
+            self._files.append(_PageFile(self._directory / f"{self._prefix}-{self._serial:06d}.page"))
+        page = self._files[-1]
+        data = b"".join(self._pending)
+        offset = page.size
+        page.size += len(data)
+        self._pending.clear()
+        self._pending_bytes = 0
+        io = self._io
+
+        def write() -> None:
+            try:
+                if page.fd < 0:
+                    page.fd = os.open(page.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+                os.pwrite(page.fd, data, offset)
+            finally:
+                io.done(len(data))
+
+        io.submit(write, len(data))
+
+    # ------------------------------------------------------------------ reading
+    def read(self, limit: int) -> list[WireMessage]:
+        """Up to ``limit`` messages, oldest first, from the read-ahead; fewer (even none) while the I/O
+        thread is still reading, in which case ``on_ready`` follows."""
+        messages = self._take(limit)
+        if len(messages) < limit or len(self._ready) < limit:
+            self._read_ahead()
+            if len(messages) < limit:
+                messages += self._take(limit - len(messages))  # done already with inline I/O
+        return messages
+
+    def _take(self, limit: int) -> list[WireMessage]:
+        self._collect()
+        ready = self._ready
+        taken = [ready.popleft() for _ in range(min(limit, len(ready)))]
+        self.count -= len(taken)
+        return taken
+
+    def _read_ahead(self) -> None:
+        if self._reading or self._closed or self.count <= len(self._ready):
+            return
+        self._flush()  # what is still buffered must be on its way to the file before reading it back
+        page = next((p for p in self._files if p.read_offset < p.size), None)
+        if page is None:
+            return
+        self._reading = True
+        start, end = page.read_offset, page.size
+        results, io, on_ready = self._results, self._io, self._on_ready
+
+        def read_ahead() -> None:
+            results.append((page, *_read(page.fd, start, end, READ_AHEAD_BYTES)))
+            io.notify(on_ready)
+
+        io.submit(read_ahead)
+
+    def _collect(self, *, more: bool = True) -> None:
+        while self._results:
+            page, messages, offset = self._results.popleft()
+            self._reading = False
+            if self._closed:
+                continue
+            self._ready.extend(messages)
+            page.read_offset = offset
+            if offset == page.size:  # read to its end, and nothing more was written to it
+                self._files.remove(page)
+                self._io.submit(partial(_delete, page))
+        if more and not self._reading and len(self._ready) < self.count:
+            self._read_ahead()  # keep one read-ahead going while anything is paged
+
+    def peek(self) -> Iterator[WireMessage]:
+        """Every paged message, oldest first, without removing any (for compaction's snapshot). Reads the
+        page files on the caller's thread, once the I/O thread has finished what it was given."""
+        self._flush()
+        self._io.barrier()
+        self._collect(more=False)
+        yield from list(self._ready)
+        for page in list(self._files):
+            if page.read_offset < page.size:
+                yield from _read(page.fd, page.read_offset, page.size, page.size)[0]
+
+    def close(self) -> None:
+        self._closed = True
+        self._pending.clear()
+        self._pending_bytes = 0
+        self._ready.clear()
+        self.count = 0
+        while self._files:
+            page = self._files.popleft()
+            self._io.submit(partial(_delete, page))
+
+
+def _read(fd: int, start: int, end: int, budget: int) -> tuple[list[WireMessage], int]:
+    """Whole messages from ``start``, about ``budget`` bytes of them (at least one), and where they end."""
+    data = os.pread(fd, min(end - start, budget), start)
+    messages: list[WireMessage] = []
+    pos = 0
+    while len(data) - pos >= _LENGTH.size:  # a message's length cut by the budget waits for the next read
+        (size,) = _LENGTH.unpack_from(data, pos)
+        stop = pos + _LENGTH.size + size
+        if stop > len(data):
+            if messages:
+                break
+            data += os.pread(fd, stop - len(data), start + len(data))  # one message larger than the budget
+        messages.append(msgpack.unpackb(data[pos + _LENGTH.size : stop], raw=False, strict_map_key=False))
+        pos = stop
+    return messages, start + pos
+
+
+def _nothing() -> None:
+    pass
+
+
+def _delete(page: _PageFile) -> None:
+    if page.fd >= 0:
+        os.close(page.fd)
+        page.fd = -1
+    page.path.unlink(missing_ok=True)
+
+
+class PageDirectory:
+    """Creates the pagers of a node; everything paged before a restart is discarded at start."""
+
+    def __init__(self, directory: Path, io: PageIO | None = None) -> None:
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+        self.directory = directory
+        self.io: PageIO = io or InlineIO()
+
+    def pager(self, queue_name: str, on_ready: Job) -> FilePager:
+        return FilePager(self.directory, queue_name, self.io, on_ready)

@@ -1,0 +1,145 @@
+"""Paging: a queue over its address's size limit keeps further messages in a page file, in order."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.unit.broker_harness import Harness, bodies, ids
+
+from tridentmq_core.queues import MESSAGE_OVERHEAD
+from tridentmq_core.settings import AddressSettingsEntry, CoreSettings
+from tridentmq_core.store.paging import FilePager, InlineIO, PageDirectory, ThreadIO
+from tridentmq_shared.message import M_BODY, WireMessage, new_message
+
+BODY = b"x" * 1000
+PER_MESSAGE = len(BODY) + MESSAGE_OVERHEAD
+
+
+def paging_harness(tmp_path: Path, limit: int) -> Harness:
+    settings = CoreSettings(address_settings=[AddressSettingsEntry(match="#", max_size_bytes=limit)])
+    return Harness(settings, pager_factory=PageDirectory(tmp_path / "paging").pager)
+
+
+def test_pager_round_trip_peek_and_page_files_deleted_as_read(tmp_path: Path) -> None:
+    pager = FilePager(tmp_path, "orders/eu", InlineIO(), on_ready=lambda: None, file_bytes=64 * 1024)
+    messages = [new_message("q", str(n).encode() * (n % 7 + 1) + bytes(n % 3000)) for n in range(5000)]
+    for message in messages:
+        pager.append(message)
+    assert pager.count == 5000
+    assert [m[M_BODY] for m in pager.peek()] == [m[M_BODY] for m in messages]
+    assert pager.count == 5000  # peeking takes nothing
+    files = pager.files
+    assert len(files) >= 5  # a file closes at the first write past file_bytes
+    got = []
+    while pager.count:
+        got.extend(pager.read(700))
+        assert all(not f.exists() for f in files[: len(files) - len(pager.files)])  # read ones are gone
+    assert [m[M_BODY] for m in got] == [m[M_BODY] for m in messages]
+    assert not list(tmp_path.iterdir())  # drained: every page file gave its space back
+    pager.append(messages[0])
+    assert [m[M_BODY] for m in pager.read(10)] == [messages[0][M_BODY]]
+    pager.append(messages[1])
+    pager.close()
+    assert not list(tmp_path.iterdir())
+
+
+def test_pager_reads_a_message_larger_than_its_read_chunk(tmp_path: Path) -> None:
+    pager = FilePager(tmp_path, "big", InlineIO(), on_ready=lambda: None)
+    messages = [new_message("q", bytes([n]) * (3 << 20)) for n in range(3)] + [new_message("q", b"tail")]
+    for message in messages:
+        pager.append(message)
+    first = pager.read(5)
+    assert len(first) == 1  # one 3 MiB message is more than a read-ahead's budget: it comes alone
+    got = first + pager.read(5) + pager.read(5) + pager.read(5)
+    assert [m[M_BODY] for m in got] == [m[M_BODY] for m in messages]
+    pager.close()
+
+
+def test_with_the_io_thread_reads_come_back_through_on_ready_in_order(tmp_path: Path) -> None:
+    """The real thread: ``read`` never waits for the disk; what it could not return arrives via on_ready."""
+    loop: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # stands in for call_soon_threadsafe
+    ready: list[int] = []
+    pager = FilePager(tmp_path, "q", ThreadIO(loop.put), on_ready=lambda: ready.append(1), file_bytes=256 * 1024)
+    messages = [new_message("q", n.to_bytes(4, "big") + bytes(2000)) for n in range(3000)]
+    for message in messages:
+        pager.append(message)
+    got: list[WireMessage] = []
+    while len(got) < len(messages):
+        batch = pager.read(500)
+        got.extend(batch)
+        if not batch:
+            loop.get(timeout=10)()  # the read-ahead finished: run its callback as the loop would
+    assert ready  # reads had to wait at least once
+    assert [m[M_BODY] for m in got] == [m[M_BODY] for m in messages]
+    assert pager.count == 0
+    pager.close()
+    io_done = threading.Event()
+    pager._io.submit(io_done.set)
+    assert io_done.wait(10)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_queue_pages_past_its_limit_with_bounded_memory_and_drains_in_order(tmp_path: Path) -> None:
+    h = paging_harness(tmp_path, limit=20 * PER_MESSAGE)
+    c = h.connect()
+    c.create_queue("big")
+    payloads = [f"{n:05d}".encode() + BODY[5:] for n in range(1000)]
+    for start in range(0, 1000, 100):
+        c.send_all("big", payloads[start : start + 100])
+    queue = h.broker.queues["big"]
+    assert len(queue) == 1000
+    assert queue.paged >= 1000 - 20
+    assert h.broker.memory.used <= 20 * PER_MESSAGE  # the rest is on disk
+    cid = c.consumer("big", credit=50)
+    received: list[bytes] = []
+    while len(received) < 1000:
+        got = c.take(cid)
+        assert got, f"stalled after {len(received)}"
+        received.extend(bodies(got))
+        c.ack(cid, ids(got))
+        c.flow(cid, len(got))
+        assert h.broker.memory.used <= 20 * PER_MESSAGE + 50 * PER_MESSAGE  # limit plus what is in flight
+    assert received == payloads
+    assert len(queue) == 0
+    assert h.broker.memory.used == 0
+
+
+def test_a_multicast_address_pages_each_queue_on_its_own(tmp_path: Path) -> None:
+    h = paging_harness(tmp_path, limit=5 * PER_MESSAGE)
+    c = h.connect()
+    c.create_queue("a", "news", 1, durable=False)
+    c.create_queue("b", "news", 1, durable=False)
+    c.send_all("news", [BODY] * 30, routing=1)
+    assert [h.broker.queues[q].paged for q in ("a", "b")] == [25, 25]
+    cid = c.consumer("b", credit=100)
+    got: list[bytes] = []
+    while len(got) < 30:
+        batch = c.take(cid)
+        assert batch
+        got.extend(bodies(batch))
+        c.ack(cid, ids(batch))
+    assert h.broker.queues["a"].paged == 25  # untouched by the other queue's consumer
+
+
+def test_compaction_snapshot_includes_paged_messages(tmp_path: Path) -> None:
+    h = paging_harness(tmp_path, limit=3 * PER_MESSAGE)
+    c = h.connect()
+    c.create_queue("kept")
+    c.send_all("kept", [f"{n}".encode() + BODY for n in range(10)], durable=True)
+    assert h.broker.queues["kept"].paged == 7
+    snapshot = h.broker.durable_snapshot()
+    assert sorted(m[M_BODY][:1] for m, _, _ in snapshot.messages) == sorted(f"{n}".encode() for n in range(10))
+
+
+def test_deleting_a_paging_queue_removes_its_page_file(tmp_path: Path) -> None:
+    h = paging_harness(tmp_path, limit=PER_MESSAGE)
+    c = h.connect()
+    c.create_queue("gone")
+    for _ in range(4):
+        c.send_all("gone", [BODY] * 500)  # past the page writer's buffer
+    assert list((tmp_path / "paging").iterdir())
+    c.delete_queue("gone")
+    assert not list((tmp_path / "paging").iterdir())
