@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -76,6 +78,24 @@ def test_verify_tells_a_torn_tail_from_damage_in_the_middle(tmp_path: Path) -> N
     assert result.returncode == 1
     assert "DAMAGED" in result.stdout
     assert f"offset {offsets[1]}" in result.stdout
+
+
+def test_a_core_cuts_a_torn_tail_and_reports_it_in_readyz(tmp_path: Path) -> None:
+    offsets = write_journal(tmp_path / "core" / "journal", 5)
+    segment = list_segments(tmp_path / "core" / "journal")[0]
+    torn = bytearray(segment.read_bytes())
+    torn[offsets[-1] + HEADER_SIZE + 2 :] = bytes(len(torn) - offsets[-1] - HEADER_SIZE - 2)
+    segment.write_bytes(torn)
+    node = start_core(tmp_path)
+    try:
+        with urllib.request.urlopen(node.management_url + "/readyz", timeout=5) as response:
+            ready = json.loads(response.read())
+        assert ready["recovered"] == {"q": 4}  # the fifth message's record was torn
+        [line] = ready["truncated"]
+        assert f"cut at offset {offsets[-1]}" in line
+        assert "journal tail cut off after a crash" in node.log()
+    finally:
+        assert node.stop() == 0
 
 
 def test_verify_without_a_journal_says_so(tmp_path: Path) -> None:

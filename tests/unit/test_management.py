@@ -159,7 +159,7 @@ async def test_readyz_follows_the_status(api: Api) -> None:
     status.recovered["orders"] = 12
     response = await client.get("/readyz")
     assert response.status == 200
-    assert await response.json() == {"status": "ready", "recovered": {"orders": 12}}
+    assert await response.json() == {"status": "ready", "recovered": {"orders": 12}, "truncated": []}
 
 
 async def test_unknown_path_is_404(api: Api) -> None:

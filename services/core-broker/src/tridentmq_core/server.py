@@ -202,6 +202,7 @@ class CoreNode:
         for line in report.truncated:
             log.warning("journal tail cut off after a crash", extra={"detail": line})
         self.status.recovered = state.queue_counts()
+        self.status.truncated = list(report.truncated)
         log.info("journal recovered", extra={"segments": report.segments, "records": report.records,
                                              "messages": state.live_messages(), "queues": len(state.queues),
                                              "seconds": round(time.monotonic() - started, 3)})  # fmt: skip

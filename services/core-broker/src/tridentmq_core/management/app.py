@@ -27,6 +27,7 @@ class NodeStatus:
     ready: bool = False
     link_port: int = 0
     recovered: dict[str, int] = field(default_factory=dict)  # queue -> messages recovered at start
+    truncated: list[str] = field(default_factory=list)  # journal tails cut off at start, one line each
 
 
 class QueueRates:
@@ -109,7 +110,8 @@ class _Handlers:
     async def readyz(self, request: web.Request) -> web.Response:
         if not self.status.ready:
             return web.json_response({"status": "starting"}, status=503)
-        return web.json_response({"status": "ready", "recovered": dict(self.status.recovered)})
+        return web.json_response({"status": "ready", "recovered": dict(self.status.recovered),
+                                  "truncated": list(self.status.truncated)})  # fmt: skip
 
     async def metrics(self, request: web.Request) -> web.Response:
         text = render_metrics(self.broker, self.status, self.rates)
