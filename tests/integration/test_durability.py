@@ -199,3 +199,29 @@ address_full_policy = "PAGE"
         assert [body for body, _ in got] == bodies  # every one, in order, after paging on both sides of a crash
     finally:
         assert node.stop() == 0
+
+
+async def test_a_committed_transaction_survives_kill_9_and_an_open_one_leaves_nothing(tmp_path: Path) -> None:
+    node = start_core(tmp_path)
+    port = node.link_port
+    async with client(node) as c:
+        await c.create_queue("tx.q")
+        await c.publish(new_message("tx.q", b"before", durable=True))
+        consumer = await c.subscribe("tx.q", credit=10)
+        [(_, first)] = await consumer.get_batch(timeout=5)
+        tx = await c.begin()
+        for n in range(50):
+            await c.publish(new_message("tx.q", f"in {n}".encode(), durable=True), tx_id=tx)
+        consumer.ack_ids([first[M_ID]], tx_id=tx)
+        await c.commit(tx)  # replied only once the whole transaction is synced
+        open_tx = await c.begin()
+        for n in range(20):
+            await c.publish(new_message("tx.q", f"open {n}".encode(), durable=True), tx_id=open_tx)
+        node.process.send_signal(signal.SIGKILL)
+        node.process.wait(timeout=10)
+    node = start_core(tmp_path, TRIDENTMQ_CORE_LINK_PORT=str(port))
+    try:
+        got = await drain(node, "tx.q", 50)
+        assert sorted(body for body, _ in got) == sorted(f"in {n}".encode() for n in range(50))  # "before" acked
+    finally:
+        assert node.stop() == 0

@@ -78,6 +78,10 @@ def make_entry(index: int, rng: random.Random) -> Entry:
             return kind, ["queue.a", index]
         case RecordType.DELIVERY_COUNT:
             return kind, ["queue.a", index, rng.randint(0, 3)]
+        case RecordType.TX_MESSAGE:
+            return kind, [rng.getrandbits(63), wire_message(index, rng.randbytes(rng.randint(0, 400))), ["queue.a"]]
+        case RecordType.TX_ACK:
+            return kind, [rng.getrandbits(63), "queue.a", index]
         case _:  # COMPACTED and any kind added later: a short list payload
             return kind, [index]
 
@@ -725,6 +729,63 @@ def test_replay_messages_acks_and_delivery_counts() -> None:
     assert state.messages == {1: m1, 2: m2, 4: m4}
     assert state.queue_counts() == {"a": 2, "b": 1}
     assert state.live_messages() == 3
+
+
+def test_replay_applies_a_transaction_at_its_commit_and_drops_one_never_committed() -> None:
+    m1, m2, m3, m4 = (wire_message(n) for n in (1, 2, 3, 4))
+    state = replay(
+        [
+            rec(RecordType.ADD_QUEUE, queue_spec("a")),
+            rec(RecordType.MESSAGE, m1, ["a"]),
+            rec(RecordType.TX_MESSAGE, 7, m2, ["a"]),
+            rec(RecordType.TX_ACK, 7, "a", 1),
+            rec(RecordType.TX_MESSAGE, 8, m3, ["a"]),  # transaction 8: its commit never reached the disk
+            rec(RecordType.TX_ACK, 8, "a", 2),
+            rec(RecordType.TX_COMMIT, 7),
+            rec(RecordType.MESSAGE, m4, ["a"]),
+        ]
+    )
+    assert state.references == {"a": {2: 0, 4: 0}}
+    assert state.messages == {2: m2, 4: m4}
+    assert state.uncommitted == 1
+
+
+def test_a_transaction_counts_only_once_its_commit_is_synced(tmp_path: Path) -> None:
+    """The commit's token completes after the sync that covers the commit record, and a power cut before
+    that sync leaves none of the transaction: replay never sees half of one."""
+    journal = Journal(tmp_path)
+    journal.recover()
+    store = JournalStore(journal, call_in_loop=lambda fn: fn())
+    completed: list[int] = []
+    done = threading.Event()
+
+    def on_durable(token: int) -> None:
+        completed.append(token)
+        if token == commit_token:
+            done.set()
+
+    commit_token = -1
+    store.attach(on_durable)
+    store.add_queue(queue_spec("q"))
+    store.add_message(wire_message(1), ("q",))
+    store.begin_transaction()
+    assert store.add_message(wire_message(2), ("q",)) == 0  # only the commit's token is worth waiting for
+    store.add_message(wire_message(3), ("q",))
+    store.acknowledge("q", 1)
+    token = commit_token = store.commit_transaction()
+    assert token > 0
+    store.begin_transaction()
+    assert store.commit_transaction() == 0  # an empty transaction writes nothing
+    journal.start()
+    assert done.wait(WAIT)
+    journal.close()
+    assert completed[-1] == token
+    state = replay(recover(tmp_path)[0])
+    assert state.references == {"q": {2: 0, 3: 0}}
+    assert state.uncommitted == 0
+    # Without the commit record (cut off as a power loss before its sync would), none of it counts.
+    records = [r for r in recover(tmp_path)[0] if r.type is not RecordType.TX_COMMIT]
+    assert replay(records).references == {"q": {1: 0}}
 
 
 def test_replay_delete_queue_drops_its_references_and_unreferenced_messages() -> None:

@@ -51,6 +51,7 @@ log = logging.getLogger("tridentmq.core.broker")
 _UNCHECKED: Final[tuple[str, str]] = ("", "")  # marker: the send permission cache has no entry yet
 _MULTICAST: Final = int(RoutingType.MULTICAST)
 _NO_LIMIT_YET: Final = (-2, "")  # marker: the address's size limit has not been looked up yet
+_DEFERRED: Final = object()  # marker: a request whose reply is sent later (a commit waiting for the disk)
 
 FQQN_SEPARATOR = "::"
 ORIGINAL_ADDRESS = "_AMQ_ORIG_ADDRESS"
@@ -169,6 +170,7 @@ class Broker:
         self._timers: list[tuple[int, int, Queue | None, WireMessage, int]] = []  # due, seq, queue, msg, count
         self._timer_seq = itertools.count()
         self._pending_confirms: dict[int, tuple[Session, int]] = {}
+        self._pending_replies: dict[int, tuple[Session, int]] = {}  # token → (session, req_id) of a commit
         self._held_deliveries: dict[int, list[tuple[Consumer, int, WireMessage]]] = {}  # token → deliveries
         self._audit_all = audit_messages == "all"
         self._audit_durable = audit_messages in ("all", "durable")
@@ -201,6 +203,7 @@ class Broker:
         self._blocked.pop(session, None)
         self._blocked_on.pop(session, None)
         self._pending_confirms = {t: v for t, v in self._pending_confirms.items() if v[0] is not session}
+        self._pending_replies = {t: v for t, v in self._pending_replies.items() if v[0] is not session}
         self._emit(now_ms, "conn.closed", conn_id=session.conn_id, client_id=session.client_name)
 
     # ------------------------------------------------------------------ event entry point
@@ -224,7 +227,9 @@ class Broker:
                 case _:
                     req_id: int = getattr(event, "req_id", 0)
                     try:
-                        conn.reply(req_id, self._request(session, event, now_ms))
+                        result = self._request(session, event, now_ms)
+                        if result is not _DEFERRED:
+                            conn.reply(req_id, result)
                     except BrokerError as exc:
                         conn.error(req_id, exc.code, exc.text)
                     self.dirty.add(session)
@@ -262,9 +267,12 @@ class Broker:
                     raise BrokerError(ErrorCode.EXISTS, f"transaction {tx_id} is already open")
                 session.txs[tx_id] = Transaction()
                 return None
-            case ev.TxCommit(_, tx_id):
-                self._commit(session, self._tx(session, tx_id), now_ms)
+            case ev.TxCommit(req_id, tx_id):
+                token = self._commit(session, self._tx(session, tx_id), now_ms)
                 del session.txs[tx_id]
+                if token:  # the reply waits until the whole transaction is on disk
+                    self._pending_replies[token] = (session, req_id)
+                    return _DEFERRED
                 return None
             case ev.TxRollback(_, tx_id):
                 self._rollback_acks(self._tx(session, tx_id), now_ms)
@@ -463,6 +471,11 @@ class Broker:
         if waiting is not None:
             session, seq = waiting
             session.conn.confirm(seq)
+            self.dirty.add(session)
+        committed = self._pending_replies.pop(token, None)
+        if committed is not None:
+            session, req_id = committed
+            session.conn.reply(req_id, None)
             self.dirty.add(session)
 
     def _route(self, message: WireMessage, now_ms: int, *, create: bool) -> tuple[Queue, ...]:
@@ -670,7 +683,8 @@ class Broker:
             raise BrokerError(ErrorCode.NOT_FOUND, f"no open transaction {tx_id}")
         return tx
 
-    def _commit(self, session: Session, tx: Transaction, now_ms: int) -> None:
+    def _commit(self, session: Session, tx: Transaction, now_ms: int) -> int:
+        """Apply a transaction; returns the store's token for it (0: safe already)."""
         if tx.failed is not None:
             code, text = tx.failed
             raise BrokerError(code, f"transaction is rollback-only: a publish in it was refused ({text})")
@@ -682,12 +696,17 @@ class Broker:
             if address not in self.addresses and \
                     not self.address_settings.resolve(address).auto_create_addresses:  # fmt: skip
                 raise BrokerError(ErrorCode.NOT_FOUND, f"address {address!r} does not exist")
-        for message in tx.publishes:
-            self._accept_message(message, now_ms)
-        for consumer, message_id in tx.acks:
-            taken = consumer.queue.take(consumer, message_id)
-            if taken is not None:
-                self._settle_acked(consumer.queue, taken[0], now_ms)
+        self.store.begin_transaction()
+        try:
+            for message in tx.publishes:
+                self._accept_message(message, now_ms)
+            for consumer, message_id in tx.acks:
+                taken = consumer.queue.take(consumer, message_id)
+                if taken is not None:
+                    self._settle_acked(consumer.queue, taken[0], now_ms)
+        finally:
+            token = self.store.commit_transaction()
+        return token
 
     def _rollback_acks(self, tx: Transaction, now_ms: int) -> None:
         for consumer, message_id in tx.acks:

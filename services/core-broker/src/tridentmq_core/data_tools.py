@@ -29,7 +29,7 @@ def describe(record: Record) -> str:
     p: Any = record.payload
     match record.type:
         case RecordType.MESSAGE:
-            message, queues = p
+            message, queues = p[0], p[1]  # compaction adds the delivery counts
             return (f"message id={message[M_ID]} address={message[M_ADDRESS]} queues={','.join(queues)} "
                     f"body={len(message[M_BODY])}B durable={message[M_DURABLE]}")  # fmt: skip
         case RecordType.ACK:
@@ -44,6 +44,12 @@ def describe(record: Record) -> str:
             return f"add-address {p[0]} routing={p[1]}"
         case RecordType.DELETE_ADDRESS:
             return f"delete-address {p[0]}"
+        case RecordType.TX_MESSAGE:
+            return f"tx={p[0]} " + describe(Record(record.offset, RecordType.MESSAGE, p[1:]))
+        case RecordType.TX_ACK:
+            return f"tx={p[0]} " + describe(Record(record.offset, RecordType.ACK, p[1:]))
+        case RecordType.TX_COMMIT:
+            return f"commit tx={p[0]}"
         case RecordType.COMPACTED:
             return "compacted: the live state above was copied forward; older segments are retired"
 

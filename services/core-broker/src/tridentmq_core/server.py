@@ -205,6 +205,7 @@ class CoreNode:
         self.status.truncated = list(report.truncated)
         log.info("journal recovered", extra={"segments": report.segments, "records": report.records,
                                              "messages": state.live_messages(), "queues": len(state.queues),
+                                             "uncommitted_transactions_dropped": state.uncommitted,
                                              "seconds": round(time.monotonic() - started, 3)})  # fmt: skip
         store = JournalStore(
             journal, self._call_in_loop,

@@ -29,3 +29,10 @@ class Store(Protocol):
     def acknowledge(self, queue: str, message_id: int) -> None: ...
     def update_delivery_count(self, queue: str, message_id: int, count: int) -> int:
         """Record a delivery attempt; 0 = already safe, else a token like ``add_message``'s."""
+
+    def begin_transaction(self) -> None:
+        """The ``add_message`` and ``acknowledge`` calls up to ``commit_transaction`` are one unit: after a
+        crash all of them count or none does. Their own tokens do not mean the unit is safe."""
+
+    def commit_transaction(self) -> int:
+        """End the unit; 0 = already safe (or nothing was written), else a token for all of it."""

@@ -12,6 +12,7 @@ by the records still to be copied.
 from __future__ import annotations
 
 import logging
+import random
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,8 @@ class JournalStore:
         self._deleted: set[str] = set()
         self._counts: dict[tuple[str, int], int] = {}
         self._on_durable: Completion = lambda _token: None
+        self._tx_id = 0  # the open transaction (0: none); random, so no id recurs across restarts
+        self._tx_written = False
         journal.on_synced = self._synced_in_writer
 
     def attach(self, on_durable: Completion) -> None:
@@ -78,6 +81,10 @@ class JournalStore:
         self._append(RecordType.DELETE_QUEUE, [name])
 
     def add_message(self, message: WireMessage, queues: tuple[str, ...]) -> int:
+        if self._tx_id:
+            self._tx_written = True
+            self._append(RecordType.TX_MESSAGE, [self._tx_id, message, list(queues)])
+            return 0  # the commit's token is the one to wait for
         token = self._append(RecordType.MESSAGE, [message, list(queues)])
         self._waiting.append(token)
         return token
@@ -85,7 +92,23 @@ class JournalStore:
     def acknowledge(self, queue: str, message_id: int) -> None:
         if self._copying is not None:
             self._acked.add((queue, message_id))
-        self._append(RecordType.ACK, [queue, message_id])
+        if self._tx_id:
+            self._tx_written = True
+            self._append(RecordType.TX_ACK, [self._tx_id, queue, message_id])
+        else:
+            self._append(RecordType.ACK, [queue, message_id])
+
+    def begin_transaction(self) -> None:
+        self._tx_id = random.getrandbits(63) or 1
+        self._tx_written = False
+
+    def commit_transaction(self) -> int:
+        tx_id, self._tx_id = self._tx_id, 0
+        if not self._tx_written:
+            return 0
+        token = self._append(RecordType.TX_COMMIT, [tx_id])
+        self._waiting.append(token)
+        return token
 
     def update_delivery_count(self, queue: str, message_id: int, count: int) -> int:
         if self._copying is not None:

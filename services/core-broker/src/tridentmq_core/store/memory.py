@@ -32,3 +32,9 @@ class MemoryStore:
 
     def update_delivery_count(self, queue: str, message_id: int, count: int) -> int:
         return 0
+
+    def begin_transaction(self) -> None:
+        pass
+
+    def commit_transaction(self) -> int:
+        return 0

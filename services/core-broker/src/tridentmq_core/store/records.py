@@ -36,6 +36,11 @@ class RecordType(IntEnum):
     ACK = 6  # [queue, message_id]
     DELIVERY_COUNT = 7  # [queue, message_id, count]
     COMPACTED = 8  # []: the live state was copied forward before this point (replay ignores it)
+    # A committed transaction is written at once: its messages and acks, then its commit. Replay applies
+    # them at the commit and drops those of a transaction whose commit never reached the disk.
+    TX_MESSAGE = 9  # [tx_id, wire message, [queue names]]
+    TX_ACK = 10  # [tx_id, queue, message_id]
+    TX_COMMIT = 11  # [tx_id]
 
 
 _TYPES: Final = frozenset(int(t) for t in RecordType)

@@ -17,6 +17,7 @@ class RecoveredState:
     messages: dict[int, WireMessage] = field(default_factory=dict)
     # queue → message id → delivery count so far, in publish order
     references: dict[str, dict[int, int]] = field(default_factory=dict)
+    uncommitted: int = 0  # transactions whose records were written but whose commit was not
 
     def queue_counts(self) -> dict[str, int]:
         return {name: len(refs) for name, refs in self.references.items()}
@@ -27,37 +28,59 @@ class RecoveredState:
 
 def replay(records: Iterable[Record]) -> RecoveredState:
     state = RecoveredState()
+    open_txs: dict[int, list[Record]] = {}  # tx id → its records, applied when its commit comes
     for record in records:
         payload = record.payload
         match record.type:
-            case RecordType.ADD_ADDRESS:
-                state.addresses[payload[0]] = (list(payload[1]), bool(payload[2]) if len(payload) > 2 else False)
-            case RecordType.DELETE_ADDRESS:
-                state.addresses.pop(payload[0], None)
-            case RecordType.ADD_QUEUE:
-                state.queues[payload[0]["name"]] = payload[0]
-                state.references.setdefault(payload[0]["name"], {})
-            case RecordType.DELETE_QUEUE:
-                state.queues.pop(payload[0], None)
-                state.references.pop(payload[0], None)
-            case RecordType.MESSAGE:
-                message, queues = payload[0], payload[1]
-                counts = payload[2] if len(payload) > 2 else [0] * len(queues)
-                state.messages[message[M_ID]] = message
-                for name, count in zip(queues, counts, strict=False):
-                    refs = state.references.get(name)
-                    if refs is not None:
-                        refs[message[M_ID]] = count
-            case RecordType.ACK:
-                refs = state.references.get(payload[0])
-                if refs is not None:
-                    refs.pop(payload[1], None)
-            case RecordType.DELIVERY_COUNT:
-                refs = state.references.get(payload[0])
-                if refs is not None and payload[1] in refs:
-                    refs[payload[1]] = payload[2]
-            case RecordType.COMPACTED:
-                pass  # a marker for operators and tools: the records before it were copied forward
+            case RecordType.TX_MESSAGE | RecordType.TX_ACK:
+                open_txs.setdefault(payload[0], []).append(record)
+            case RecordType.TX_COMMIT:
+                for staged in open_txs.pop(payload[0], ()):
+                    if staged.type is RecordType.TX_MESSAGE:
+                        _add_message(state, staged.payload[1], staged.payload[2], None)
+                    else:
+                        _ack(state, staged.payload[1], staged.payload[2])
+            case _:
+                _apply(state, record.type, payload)
+    state.uncommitted = len(open_txs)
     live = {message_id for refs in state.references.values() for message_id in refs}
     state.messages = {k: v for k, v in state.messages.items() if k in live}
     return state
+
+
+def _apply(state: RecoveredState, record_type: RecordType, payload: Any) -> None:
+    match record_type:
+        case RecordType.ADD_ADDRESS:
+            state.addresses[payload[0]] = (list(payload[1]), bool(payload[2]) if len(payload) > 2 else False)
+        case RecordType.DELETE_ADDRESS:
+            state.addresses.pop(payload[0], None)
+        case RecordType.ADD_QUEUE:
+            state.queues[payload[0]["name"]] = payload[0]
+            state.references.setdefault(payload[0]["name"], {})
+        case RecordType.DELETE_QUEUE:
+            state.queues.pop(payload[0], None)
+            state.references.pop(payload[0], None)
+        case RecordType.MESSAGE:
+            _add_message(state, payload[0], payload[1], payload[2] if len(payload) > 2 else None)
+        case RecordType.ACK:
+            _ack(state, payload[0], payload[1])
+        case RecordType.DELIVERY_COUNT:
+            refs = state.references.get(payload[0])
+            if refs is not None and payload[1] in refs:
+                refs[payload[1]] = payload[2]
+        case RecordType.COMPACTED:
+            pass  # a marker for operators and tools: the records before it were copied forward
+
+
+def _add_message(state: RecoveredState, message: WireMessage, queues: list[str], counts: list[int] | None) -> None:
+    state.messages[message[M_ID]] = message
+    for name, count in zip(queues, counts or [0] * len(queues), strict=False):
+        refs = state.references.get(name)
+        if refs is not None:
+            refs[message[M_ID]] = count
+
+
+def _ack(state: RecoveredState, queue: str, message_id: int) -> None:
+    refs = state.references.get(queue)
+    if refs is not None:
+        refs.pop(message_id, None)
