@@ -225,3 +225,24 @@ async def test_a_committed_transaction_survives_kill_9_and_an_open_one_leaves_no
         assert sorted(body for body, _ in got) == sorted(f"in {n}".encode() for n in range(50))  # "before" acked
     finally:
         assert node.stop() == 0
+
+
+async def test_duplicate_detection_remembers_acknowledged_ids_across_kill_9(tmp_path: Path) -> None:
+    """A producer that re-sends after a crash (it never saw the confirm) must not create a second copy, even
+    when the first was already consumed and acknowledged before the crash."""
+    node = start_core(tmp_path)
+    port = node.link_port
+    async with client(node) as c:
+        await c.publish(new_message("dedup.q", b"once", durable=True, dedup_id="producer-7:1"))
+    assert [body for body, _ in await drain(node, "dedup.q", 1)] == [b"once"]  # consumed and acknowledged
+    node.process.send_signal(signal.SIGKILL)
+    node.process.wait(timeout=10)
+    node = start_core(tmp_path, TRIDENTMQ_CORE_LINK_PORT=str(port))
+    try:
+        async with client(node) as c:
+            await c.create_queue("dedup.q")
+            await c.publish(new_message("dedup.q", b"once", durable=True, dedup_id="producer-7:1"))
+            await c.publish(new_message("dedup.q", b"next", durable=True, dedup_id="producer-7:2"))
+        assert [body for body, _ in await drain(node, "dedup.q", 1)] == [b"next"]
+    finally:
+        assert node.stop() == 0

@@ -44,7 +44,7 @@ from tridentmq_core.store.records import (
     scan,
 )
 from tridentmq_core.store.recovery import replay
-from tridentmq_shared.message import M_ID, new_message
+from tridentmq_shared.message import M_DEDUP, M_ID, M_TIMESTAMP, new_message
 
 Entry = tuple[RecordType, Any]
 WAIT = 5.0  # seconds any wait for the writer thread may take before the test fails
@@ -788,6 +788,26 @@ def test_a_transaction_counts_only_once_its_commit_is_synced(tmp_path: Path) -> 
     assert replay(records).references == {"q": {1: 0}}
 
 
+def test_replay_remembers_dedup_ids_of_acknowledged_messages_newest_within_the_limit() -> None:
+    def stamped(n: int) -> list[Any]:
+        message = wire_message(n)
+        message[M_DEDUP], message[M_TIMESTAMP] = f"p:{n}", 100 * n
+        return message
+
+    records = [
+        rec(RecordType.ADD_QUEUE, queue_spec("a")),
+        rec(RecordType.DEDUP_IDS, ["old:1", 5], ["old:2", 6]),
+        *(rec(RecordType.MESSAGE, stamped(n), ["a"]) for n in (1, 2, 3)),
+        rec(RecordType.ACK, "a", 1),
+        rec(RecordType.ACK, "a", 2),
+        rec(RecordType.TX_MESSAGE, 9, stamped(4), ["a"]),  # never committed: its id was never accepted
+    ]
+    state = replay(records)
+    assert state.dedup_ids == {"old:1": 5, "old:2": 6, "p:1": 100, "p:2": 200, "p:3": 300}
+    assert list(state.messages) == [3]
+    assert list(replay(records, dedup_limit=2).dedup_ids) == ["p:2", "p:3"]
+
+
 def test_replay_delete_queue_drops_its_references_and_unreferenced_messages() -> None:
     m1, m2 = wire_message(1), wire_message(2)
     state = replay(
@@ -981,7 +1001,9 @@ def test_compaction_copies_the_live_state_forward_and_retires_old_segments(tmp_p
     wait_until(lambda: journal.synced == last)
     assert len(journal.segments()) >= 3
     live = [(m, ["q"], [2 if m[M_ID] == 55 else 0]) for m in messages[50:]]
-    store.start_compaction(DurableSnapshot(addresses=[("orders", [0], False)], queues=[spec], messages=live))
+    remembered = [(f"producer:{n}", 1000 + n) for n in range(2500)]  # ids of messages long acknowledged
+    store.start_compaction(DurableSnapshot(addresses=[("orders", [0], False)], queues=[spec], messages=live,
+                                           dedup_ids=remembered))  # fmt: skip
     store.acknowledge("q", 51)  # while copying: the copy must leave 51 out
     for _ in range(5):
         store.compaction_step()
@@ -993,6 +1015,7 @@ def test_compaction_copies_the_live_state_forward_and_retires_old_segments(tmp_p
     assert state.queues == {"q": spec}
     assert state.references == {"q": {n: (2 if n == 55 else 0) for n in range(52, 61)}}
     assert list(state.messages) == list(range(52, 61))
+    assert list(state.dedup_ids.items()) == remembered
 
 
 def test_compaction_retires_exactly_the_segments_before_its_roll(

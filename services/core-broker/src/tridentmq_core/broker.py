@@ -73,6 +73,7 @@ class DurableSnapshot:
     addresses: list[tuple[str, list[int], bool]]  # name, routing types, auto-created
     queues: list[dict[str, Any]]
     messages: list[tuple[WireMessage, list[str], list[int]]]  # message, its queues, delivery count per queue
+    dedup_ids: list[tuple[str, int]] = field(default_factory=list)  # remembered ids, arrival ms, oldest first
 
 
 @dataclass(slots=True)
@@ -1007,8 +1008,9 @@ class Broker:
             self.store = store
         for message in state.messages.values():
             self._next_id = max(self._next_id, message[M_ID] + 1)
-            if message[M_DEDUP] is not None:
-                self._dedup.seen(message[M_DEDUP], message[M_TIMESTAMP])
+        for dedup_id, arrived in state.dedup_ids.items():  # oldest first, acknowledged messages' ones too
+            self._dedup.seen(dedup_id, arrived)
+        self._dedup.expire(self.now_ms)
 
     def durable_snapshot(self) -> DurableSnapshot:
         """The live durable state as records would rebuild it: what journal compaction copies forward."""
@@ -1034,6 +1036,7 @@ class Broker:
                        if a.name in names],
             queues=[self._queue_spec(q) for q in queues],
             messages=list(messages.values()),
+            dedup_ids=self._dedup.entries(),
         )  # fmt: skip
 
     @staticmethod

@@ -50,6 +50,8 @@ def describe(record: Record) -> str:
             return f"tx={p[0]} " + describe(Record(record.offset, RecordType.ACK, p[1:]))
         case RecordType.TX_COMMIT:
             return f"commit tx={p[0]}"
+        case RecordType.DEDUP_IDS:
+            return f"dedup-ids count={len(p)}"
         case RecordType.COMPACTED:
             return "compacted: the live state above was copied forward; older segments are retired"
 

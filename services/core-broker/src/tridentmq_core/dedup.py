@@ -37,3 +37,8 @@ class DuplicateIdCache:
             if expiry[oldest] > now_ms:
                 return
             del expiry[oldest]
+
+    def entries(self) -> list[tuple[str, int]]:
+        """Every remembered id with its arrival time, oldest first (what a restart must remember)."""
+        window = self._window_ms
+        return [(dedup_id, deadline - window) for dedup_id, deadline in self._expiry.items()]

@@ -197,7 +197,7 @@ class CoreNode:
                           sync_delay_us=journal_settings.sync_delay_us)  # fmt: skip
         started = time.monotonic()
         records, report = journal.recover()
-        state = replay(records)
+        state = replay(records, dedup_limit=self.settings.broker.dedup_max_entries)
         self.broker.restore(state)
         for line in report.truncated:
             log.warning("journal tail cut off after a crash", extra={"detail": line})

@@ -22,7 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from tridentmq_core.store.records import Record, RecordType, ScanEnd, damage_is_tail, encode, scan
+from tridentmq_core.store.records import (
+    Record,
+    RecordType,
+    ScanEnd,
+    damage_is_tail,
+    dedup_id_chunks,
+    encode,
+    scan,
+)
 from tridentmq_core.store.recovery import replay
 
 log = logging.getLogger("tridentmq.core.journal")
@@ -87,6 +95,9 @@ def compact_offline(directory: Path, segment_bytes: int = DEFAULT_SEGMENT_BYTES)
         written += 1
     for spec in state.queues.values():
         fresh.append(RecordType.ADD_QUEUE, [spec])
+        written += 1
+    for chunk in dedup_id_chunks(state.dedup_ids.items(), segment_bytes):
+        fresh.append(RecordType.DEDUP_IDS, chunk)
         written += 1
     owed: dict[int, tuple[list[str], list[int]]] = {}
     for queue, references in state.references.items():

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from tridentmq_core.store.base import Completion
 from tridentmq_core.store.journal import Journal
-from tridentmq_core.store.records import RecordType
+from tridentmq_core.store.records import RecordType, dedup_id_chunks
 from tridentmq_shared.message import M_ID, WireMessage
 
 log = logging.getLogger("tridentmq.core.journal")
@@ -142,6 +142,8 @@ class JournalStore:
         for spec in snapshot.queues:
             if spec["name"] not in self._deleted:
                 yield RecordType.ADD_QUEUE, [spec]
+        for chunk in dedup_id_chunks(snapshot.dedup_ids, self.journal.segment_bytes):
+            yield RecordType.DEDUP_IDS, chunk
         for message, queues, counts in snapshot.messages:
             message_id = message[M_ID]
             keep = [(q, max(c, self._counts.get((q, message_id), 0))) for q, c in zip(queues, counts, strict=True)

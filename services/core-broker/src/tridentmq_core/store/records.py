@@ -13,7 +13,7 @@ is damage: ``scan`` stops there and says where and why, and ``damage_is_tail`` t
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Final
@@ -41,9 +41,13 @@ class RecordType(IntEnum):
     TX_MESSAGE = 9  # [tx_id, wire message, [queue names]]
     TX_ACK = 10  # [tx_id, queue, message_id]
     TX_COMMIT = 11  # [tx_id]
+    # Duplicate-detection ids outlive their messages: compaction copies the remembered ones forward.
+    DEDUP_IDS = 12  # [[dedup id, arrival ms], ...]
 
 
 _TYPES: Final = frozenset(int(t) for t in RecordType)
+#: Bytes of ids per DEDUP_IDS record that compaction writes (at most a quarter of a segment).
+DEDUP_IDS_RECORD_BYTES: Final = 64 * 1024
 
 
 def encode(record_type: RecordType, payload: Any) -> bytes:
@@ -117,3 +121,18 @@ def damage_is_tail(data: bytes | memoryview, offset: int) -> bool:
         if isinstance(next(scan(raw, pos)), Record):
             return False
         pos += 1
+
+
+def dedup_id_chunks(ids: Iterable[tuple[str, int]], segment_bytes: int) -> Iterator[list[tuple[str, int]]]:
+    """Remembered duplicate-detection ids in chunks that each fit one DEDUP_IDS record of a segment."""
+    budget = min(DEDUP_IDS_RECORD_BYTES, segment_bytes // 4)
+    chunk: list[tuple[str, int]] = []
+    size = 0
+    for entry in ids:
+        chunk.append(entry)
+        size += len(entry[0]) + 16
+        if size >= budget:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk

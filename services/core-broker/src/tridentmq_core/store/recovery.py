@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tridentmq_core.store.records import Record, RecordType
-from tridentmq_shared.message import M_ID, WireMessage
+from tridentmq_shared.message import M_DEDUP, M_ID, M_TIMESTAMP, WireMessage
 
 
 @dataclass
@@ -18,6 +18,8 @@ class RecoveredState:
     # queue → message id → delivery count so far, in publish order
     references: dict[str, dict[int, int]] = field(default_factory=dict)
     uncommitted: int = 0  # transactions whose records were written but whose commit was not
+    # duplicate-detection id → arrival ms, oldest first, of every message the journal still shows
+    dedup_ids: dict[str, int] = field(default_factory=dict)
 
     def queue_counts(self) -> dict[str, int]:
         return {name: len(refs) for name, refs in self.references.items()}
@@ -26,7 +28,12 @@ class RecoveredState:
         return len({message_id for refs in self.references.values() for message_id in refs})
 
 
-def replay(records: Iterable[Record]) -> RecoveredState:
+#: Duplicate-detection ids kept by ``replay`` unless told otherwise (the broker's default limit).
+DEDUP_LIMIT = 1_000_000
+
+
+def replay(records: Iterable[Record], dedup_limit: int = DEDUP_LIMIT) -> RecoveredState:
+    """The state the records describe; of the duplicate-detection ids, the newest ``dedup_limit``."""
     state = RecoveredState()
     open_txs: dict[int, list[Record]] = {}  # tx id → its records, applied when its commit comes
     for record in records:
@@ -38,8 +45,15 @@ def replay(records: Iterable[Record]) -> RecoveredState:
                 for staged in open_txs.pop(payload[0], ()):
                     if staged.type is RecordType.TX_MESSAGE:
                         _add_message(state, staged.payload[1], staged.payload[2], None)
+                        _remember(state, staged.payload[1], dedup_limit)
                     else:
                         _ack(state, staged.payload[1], staged.payload[2])
+            case RecordType.DEDUP_IDS:
+                for dedup_id, arrived in payload:
+                    _remember_id(state, dedup_id, arrived, dedup_limit)
+            case RecordType.MESSAGE:
+                _add_message(state, payload[0], payload[1], payload[2] if len(payload) > 2 else None)
+                _remember(state, payload[0], dedup_limit)
             case _:
                 _apply(state, record.type, payload)
     state.uncommitted = len(open_txs)
@@ -60,8 +74,6 @@ def _apply(state: RecoveredState, record_type: RecordType, payload: Any) -> None
         case RecordType.DELETE_QUEUE:
             state.queues.pop(payload[0], None)
             state.references.pop(payload[0], None)
-        case RecordType.MESSAGE:
-            _add_message(state, payload[0], payload[1], payload[2] if len(payload) > 2 else None)
         case RecordType.ACK:
             _ack(state, payload[0], payload[1])
         case RecordType.DELIVERY_COUNT:
@@ -78,6 +90,19 @@ def _add_message(state: RecoveredState, message: WireMessage, queues: list[str],
         refs = state.references.get(name)
         if refs is not None:
             refs[message[M_ID]] = count
+
+
+def _remember(state: RecoveredState, message: WireMessage, limit: int) -> None:
+    if message[M_DEDUP] is not None:
+        _remember_id(state, message[M_DEDUP], message[M_TIMESTAMP], limit)
+
+
+def _remember_id(state: RecoveredState, dedup_id: str, arrived: int, limit: int) -> None:
+    ids = state.dedup_ids
+    ids.pop(dedup_id, None)  # a re-publish after the window: it moves to the end
+    ids[dedup_id] = arrived
+    if len(ids) > limit:
+        del ids[next(iter(ids))]
 
 
 def _ack(state: RecoveredState, queue: str, message_id: int) -> None:
