@@ -13,6 +13,7 @@ from pathlib import Path
 from tridentmq_core.server import CoreNode
 from tridentmq_core.settings import ENV_PREFIX, CoreSettings
 from tridentmq_core.store.data_lock import DataDirectoryLockedError
+from tridentmq_core.store.identity import IdentityError
 from tridentmq_core.store.journal import JournalCorruptedError, measure_fsync
 from tridentmq_shared.logs import setup_logging
 from tridentmq_shared.runtime import run_main
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         run_main(serve(settings, args.ports_file))
-    except (OSError, SettingsError, DataDirectoryLockedError, JournalCorruptedError) as exc:
+    except (OSError, SettingsError, DataDirectoryLockedError, JournalCorruptedError, IdentityError) as exc:
         sys.exit(f"tridentmq-core: {exc}")
 
 

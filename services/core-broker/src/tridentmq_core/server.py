@@ -26,6 +26,7 @@ from tridentmq_core.management.app import NodeStatus, QueueRates, create_app
 from tridentmq_core.security import AuthenticationError, SecurityManager
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.data_lock import DataDirectoryLock
+from tridentmq_core.store.identity import NodeIdentity
 from tridentmq_core.store.journal import Journal
 from tridentmq_core.store.journal_store import JournalStore
 from tridentmq_core.store.memory import MemoryStore
@@ -41,19 +42,6 @@ from tridentmq_shared.settings import SettingsError
 log = logging.getLogger("tridentmq.core")
 
 TICK_SECONDS = 0.05
-NODE_ID_FILE = "node.id"
-
-
-def load_node_id(data_dir: Path) -> str:
-    """The node's identity: created on first start and kept with its data."""
-    path = data_dir / NODE_ID_FILE
-    if path.exists():
-        return path.read_text(encoding="ascii").strip()
-    node_id = str(uuid.uuid4())
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(node_id + "\n", encoding="ascii")
-    tmp.replace(path)
-    return node_id
 
 
 def _now_ms() -> int:
@@ -152,12 +140,14 @@ class CoreNode:
         data_dir = settings.node.data_dir
         data_dir.mkdir(parents=True, exist_ok=True)
         self.lock = DataDirectoryLock(data_dir)  # before touching anything in it
-        self.node_id = load_node_id(data_dir)
+        self.identity = NodeIdentity(data_dir)
+        self.node_id = self.identity.node_id
         self.security = SecurityManager(settings.users, settings.permissions)
         self.audit: AuditSink = NullAuditSink()
         if settings.audit.enabled:
             audit_dir = Path(settings.audit.directory) if settings.audit.directory else data_dir / "audit"
-            self.audit = FileAuditSink(audit_dir, self.node_id, roll_bytes=settings.audit.roll_bytes,
+            self.audit = FileAuditSink(audit_dir, self.node_id, epoch=self.identity.epoch,
+                                       roll_bytes=settings.audit.roll_bytes,
                                        roll_seconds=settings.audit.roll_seconds,
                                        heartbeat_seconds=settings.audit.heartbeat_seconds)  # fmt: skip
         # Emptied at start: paged messages are journaled or volatile. Its I/O thread reports to the loop.
@@ -176,7 +166,7 @@ class CoreNode:
         )
         self.journal: Journal | None = None
         self.journal_store: JournalStore | None = None
-        self.status = NodeStatus(started_at=time.time())
+        self.status = NodeStatus(started_at=time.time(), epoch=self.identity.epoch)
         self.rates = QueueRates()
         self.protocols: dict[str, LinkProtocol] = {}
         self._flush_scheduled = False

@@ -26,6 +26,7 @@ class NodeStatus:
     started_at: float  # unix seconds
     ready: bool = False
     link_port: int = 0
+    epoch: int = 0  # activation epoch (see store/identity.py)
     recovered: dict[str, int] = field(default_factory=dict)  # queue -> messages recovered at start
     truncated: list[str] = field(default_factory=list)  # journal tails cut off at start, one line each
 
@@ -123,6 +124,7 @@ class _Handlers:
         return web.json_response({
             "node_id": broker.node_id,
             "name": broker.settings.node.name,
+            "epoch": self.status.epoch,
             "uptime_s": round(max(time.time() - self.status.started_at, 0.0), 3),
             "ready": self.status.ready,
             "link_port": self.status.link_port,
