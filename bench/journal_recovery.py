@@ -4,19 +4,18 @@ Writes the journal with the journal writer itself (an address, a durable anycast
 messages), then starts a real core process on it and measures from process start to ready (the moment it
 writes its ports file, after recovery and before accepting links):
 
-    uv run python bench/journal_recovery.py [--messages 1000000]
+    uv run python -m bench.journal_recovery [--messages 1000000]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench.node import core_node
 
 from tridentmq_core.store.journal import Journal
 from tridentmq_core.store.records import RecordType
@@ -42,33 +41,11 @@ def write_journal(directory: Path, count: int) -> float:
 
 
 def time_to_ready(data_dir: Path) -> tuple[float, dict[str, int]]:
-    ports = data_dir / "ports.json"
-    env = {
-        **os.environ,
-        "TRIDENTMQ_CORE_NODE_DATA_DIR": str(data_dir),
-        "TRIDENTMQ_CORE_LINK_HOST": "127.0.0.1",
-        "TRIDENTMQ_CORE_LINK_PORT": "0",
-        "TRIDENTMQ_CORE_MANAGEMENT_PORT": "0",
-        "TRIDENTMQ_CORE_NODE_LOG_LEVEL": "WARNING",
-        "TRIDENTMQ_CORE_BROKER_MAX_MEMORY_BYTES": str(4 << 30),
-    }
     started = time.monotonic()
-    core = subprocess.Popen([sys.executable, "-m", "tridentmq_core", "--ports-file", str(ports)], env=env)
-    try:
-        while not ports.exists():
-            if core.poll() is not None:
-                raise SystemExit("the core exited during recovery")
-            time.sleep(0.01)
+    with core_node(data_dir, broker_max_memory_bytes=str(4 << 30)) as core:
         elapsed = time.monotonic() - started
-        management = json.loads(ports.read_text())["management"]
-        from urllib.request import urlopen  # noqa: PLC0415 - only needed here
-
-        with urlopen(f"http://127.0.0.1:{management}/readyz", timeout=10) as response:
-            recovered = json.loads(response.read())["recovered"]
-        return elapsed, recovered
-    finally:
-        core.terminate()
-        core.wait(timeout=60)
+        recovered: dict[str, int] = json.loads(core.get("/readyz"))["recovered"]
+    return elapsed, recovered
 
 
 def main() -> None:

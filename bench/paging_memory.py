@@ -4,20 +4,18 @@ Starts a core whose address `bench.paging` pages above `--limit-mib`, publishes 
 non-durable 64 KiB messages with no consumer, then drains them all in order, sampling the core's resident
 memory (VmRSS) throughout, and prints the peak against the limit:
 
-    uv run python bench/paging_memory.py [--gigabytes 5] [--limit-mib 64]
+    uv run python -m bench.paging_memory [--gigabytes 5] [--limit-mib 64]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench.node import core_node
 
 from tridentmq_shared.link.client import LinkClient
 from tridentmq_shared.message import M_BODY, new_message
@@ -74,28 +72,15 @@ def main() -> None:
     parser.add_argument("--limit-mib", type=int, default=64)
     args = parser.parse_args()
     count = int(args.gigabytes * 2**30 / SIZE)
-    with tempfile.TemporaryDirectory(prefix="tridentmq-paging-") as tmp:
-        config = Path(tmp) / "core.toml"
-        config.write_text(f'[[address_settings]]\nmatch = "bench.#"\nmax_size_bytes = {args.limit_mib << 20}\n'
-                          'address_full_policy = "PAGE"\n')  # fmt: skip
-        ports = Path(tmp) / "ports.json"
-        env = {**os.environ, "TRIDENTMQ_CORE_NODE_DATA_DIR": str(Path(tmp) / "core"),
-               "TRIDENTMQ_CORE_LINK_HOST": "127.0.0.1", "TRIDENTMQ_CORE_LINK_PORT": "0",
-               "TRIDENTMQ_CORE_MANAGEMENT_PORT": "0", "TRIDENTMQ_CORE_NODE_LOG_LEVEL": "WARNING",
-               "TRIDENTMQ_CORE_BROKER_MAX_MEMORY_BYTES": str(8 << 30)}  # fmt: skip
-        core = subprocess.Popen(
-            [sys.executable, "-m", "tridentmq_core", "--config", str(config), "--ports-file", str(ports)], env=env
-        )
-        try:
-            while not ports.exists():
-                if core.poll() is not None:
-                    raise SystemExit("the core did not start")
-                time.sleep(0.05)
-            idle = rss_mib(core.pid)
-            peak, published, drained = run_main(workload(json.loads(ports.read_text())["link"], core.pid, count))
-        finally:
-            core.terminate()
-            core.wait(timeout=60)
+    config = (f'[[address_settings]]\nmatch = "bench.#"\nmax_size_bytes = {args.limit_mib << 20}\n'
+              'address_full_policy = "PAGE"\n')  # fmt: skip
+    # A broker memory limit far above the address limit: only paging may keep the memory down.
+    with (
+        tempfile.TemporaryDirectory(prefix="tridentmq-paging-") as tmp,
+        core_node(Path(tmp) / "core", config, broker_max_memory_bytes=str(8 << 30)) as core,
+    ):
+        idle = rss_mib(core.process.pid)
+        peak, published, drained = run_main(workload(core.link_port, core.process.pid, count))
     print(f"{count:,} messages of 64 KiB ({args.gigabytes:g} GiB) paged against a {args.limit_mib} MiB address "
           f"limit: published in {published:.1f} s, drained in order in {drained:.1f} s")  # fmt: skip
     print(f"PAGING MEMORY: core RSS idle {idle:.0f} MiB, peak {peak:.0f} MiB "

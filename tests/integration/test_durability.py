@@ -246,3 +246,22 @@ async def test_duplicate_detection_remembers_acknowledged_ids_across_kill_9(tmp_
         assert [body for body, _ in await drain(node, "dedup.q", 1)] == [b"next"]
     finally:
         assert node.stop() == 0
+
+
+async def test_journal_metrics_count_records_and_group_commits(tmp_path: Path) -> None:
+    node = start_core(tmp_path)
+    try:
+
+        def sample(name: str) -> float:
+            with urllib.request.urlopen(node.management_url + "/metrics", timeout=5) as response:
+                lines = response.read().decode().splitlines()
+            return float(next(line.split()[1] for line in lines if line.startswith(f"tridentmq_{name} ")))
+
+        before = sample("journal_records_synced_total"), sample("journal_syncs_total")
+        await publish_confirmed(node, "metrics.q", [f"m{n}".encode() for n in range(200)])
+        records = sample("journal_records_synced_total") - before[0]
+        syncs = sample("journal_syncs_total") - before[1]
+        assert records >= 200  # the messages, confirmed only once synced (plus the queue's definition)
+        assert 1 <= syncs <= records
+    finally:
+        assert node.stop() == 0

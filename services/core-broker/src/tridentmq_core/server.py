@@ -207,6 +207,7 @@ class CoreNode:
         store.attach(self.broker.on_durable)
         journal.start()
         self.journal = journal
+        self.status.journal = journal
 
     def _call_in_loop(self, fn: Callable[[], None]) -> None:
         """From another thread: run ``fn`` on the loop, then write what it produced."""

@@ -10,13 +10,18 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
 from tridentmq_core.broker import Broker, Session
 from tridentmq_core.management.metrics import CONTENT_TYPE, render_metrics
 from tridentmq_core.queues import Queue
+
+
+class JournalStats(Protocol):
+    synced: int  # records on disk (record numbers run from 1)
+    syncs: int  # group commits (fdatasync calls)
 
 
 @dataclass
@@ -27,6 +32,7 @@ class NodeStatus:
     ready: bool = False
     link_port: int = 0
     epoch: int = 0  # activation epoch (see store/identity.py)
+    journal: JournalStats | None = None  # None: the journal is disabled
     recovered: dict[str, int] = field(default_factory=dict)  # queue -> messages recovered at start
     truncated: list[str] = field(default_factory=list)  # journal tails cut off at start, one line each
 

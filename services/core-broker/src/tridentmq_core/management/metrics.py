@@ -101,4 +101,10 @@ def render_metrics(broker: Broker, status: NodeStatus, rates: QueueRates) -> str
     counters = broker.counters
     for name, attr, help_text in _BROKER_COUNTERS:
         _family(lines, name, "counter", help_text, [({}, getattr(counters, attr))])
+    journal = status.journal
+    if journal is not None:
+        _family(lines, "journal_records_synced_total", "counter", "Journal records known to be on disk.",
+                [({}, journal.synced)])  # fmt: skip
+        _family(lines, "journal_syncs_total", "counter", "Journal group commits (fdatasync calls).",
+                [({}, journal.syncs)])  # fmt: skip
     return "\n".join(lines) + "\n"

@@ -179,6 +179,7 @@ class Journal:
         self._pending: list[bytes] = []
         self._appended = 0  # number of the last record queued
         self.synced = 0  # number of the last record known to be on disk
+        self.syncs = 0  # fdatasync calls made for records (group commits), read by the metrics
         self._closing = False
         self._thread: threading.Thread | None = None
         self._fd = -1
@@ -336,6 +337,7 @@ class Journal:
             size += len(data)
         self._flush_chunk(chunk)
         os.fdatasync(self._fd)
+        self.syncs += 1
 
     def _flush_chunk(self, chunk: list[bytes]) -> None:
         if not chunk:

@@ -1,0 +1,74 @@
+"""What the benchmark scripts share: a core process on free loopback ports, and the machine's description."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.request import urlopen
+
+
+@dataclass(frozen=True)
+class Core:
+    process: subprocess.Popen[bytes]
+    link_port: int
+    management_port: int
+
+    def get(self, path: str) -> bytes:
+        with urlopen(f"http://127.0.0.1:{self.management_port}{path}", timeout=10) as response:
+            data: bytes = response.read()
+            return data
+
+    def metric(self, name: str) -> float:
+        """One unlabelled sample of ``/metrics``."""
+        for line in self.get("/metrics").decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise KeyError(name)
+
+
+@contextmanager
+def core_node(data_dir: Path, config: str | None = None, **env: str) -> Iterator[Core]:
+    """A core on ``data_dir`` with settings from ``config`` (TOML) and ``TRIDENTMQ_CORE_*`` variables."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    ports = data_dir / "ports.json"
+    ports.unlink(missing_ok=True)
+    args = [sys.executable, "-m", "tridentmq_core", "--ports-file", str(ports)]
+    if config is not None:
+        (data_dir / "core.toml").write_text(config)
+        args += ["--config", str(data_dir / "core.toml")]
+    environment = {**os.environ, "TRIDENTMQ_CORE_NODE_DATA_DIR": str(data_dir),
+                   "TRIDENTMQ_CORE_LINK_HOST": "127.0.0.1", "TRIDENTMQ_CORE_LINK_PORT": "0",
+                   "TRIDENTMQ_CORE_MANAGEMENT_PORT": "0", "TRIDENTMQ_CORE_NODE_LOG_LEVEL": "WARNING",
+                   **{f"TRIDENTMQ_CORE_{key.upper()}": value for key, value in env.items()}}  # fmt: skip
+    process = subprocess.Popen(args, env=environment)
+    try:
+        deadline = time.monotonic() + 120
+        while not ports.exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("the core did not start")
+            time.sleep(0.01)
+        bound = json.loads(ports.read_text())
+        yield Core(process, bound["link"], bound["management"])
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+def machine() -> str:
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()} cores ({model}), Python {platform.python_version()}, {platform.system()}"
