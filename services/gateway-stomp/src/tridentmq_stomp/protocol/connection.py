@@ -1,0 +1,253 @@
+"""The server side of one STOMP connection, sans-IO: bytes in, events out; replies in, bytes queued.
+
+It negotiates the version (``accept-version``, none = 1.0) and heart-beats, checks each frame for the
+headers its command needs, and turns protocol violations into an ERROR frame (with the ``receipt-id`` of
+the failing frame when it had a receipt) after which it is closed, as the specification requires.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Final, NoReturn
+
+from tridentmq_stomp.protocol import events as ev
+from tridentmq_stomp.protocol.errors import LocalProtocolError, RemoteProtocolError
+from tridentmq_stomp.protocol.frames import V10, V11, V12, VERSIONS, Frame, FrameParser, Limits, encode
+
+#: A peer is declared dead after this many of its heart-beat intervals of silence (the spec leaves the
+#: tolerance open; network and scheduling delays make one interval too tight).
+HEARTBEAT_TOLERANCE: Final = 2
+ACK_MODES: Final = frozenset({"auto", "client", "client-individual"})
+_COMMANDS: Final = frozenset({"SEND", "SUBSCRIBE", "UNSUBSCRIBE", "ACK", "NACK", "BEGIN", "COMMIT", "ABORT",
+                              "DISCONNECT", "CONNECT", "STOMP"})  # fmt: skip
+
+
+class State(Enum):
+    AWAITING_CONNECT = "awaiting-connect"
+    CONNECTING = "connecting"  # CONNECT received; accept() or refuse() next
+    CONNECTED = "connected"
+    CLOSED = "closed"
+
+
+class StompServerConnection:
+    def __init__(self, limits: Limits | None = None, *, heartbeat: tuple[int, int] = (10_000, 10_000),
+                 min_heartbeat_ms: int = 100) -> None:  # fmt: skip
+        """``heartbeat`` is what this server offers: (sx, sy) = it can send every sx ms, wants to receive
+        every sy ms; ``min_heartbeat_ms`` is the shortest interval it agrees to in either direction."""
+        self._parser = FrameParser(limits)
+        self.state = State.AWAITING_CONNECT
+        self.version = V10
+        self._heartbeat = heartbeat
+        self._min_heartbeat = min_heartbeat_ms
+        self._client_heartbeat = (0, 0)
+        self.send_interval = 0.0  # seconds between our heart-beats (0: none)
+        self.receive_interval = 0.0  # seconds within which the client must send something (0: unchecked)
+        self._out: list[bytes] = []
+        self._last_received = 0.0
+        self._last_sent = 0.0
+
+    @property
+    def closed(self) -> bool:
+        return self.state is State.CLOSED
+
+    # ------------------------------------------------------------------ input
+    def receive_data(self, data: bytes, now: float) -> list[ev.Event]:
+        """Feed bytes from the client; ``b""`` means it closed its side."""
+        if self.state is State.CLOSED:
+            return []
+        self._last_received = now
+        if not data:
+            self.state = State.CLOSED
+            return [ev.ConnectionClosed()]
+        try:
+            frames = self._parser.feed(data)
+            events: list[ev.Event] = []
+            for frame in frames:
+                events.append(self._event(frame))
+                if self.closed:  # DISCONNECT: whatever follows is not read
+                    break
+        except RemoteProtocolError as exc:
+            if not self.closed:
+                self._error_frame(exc.message, exc.detail, exc.receipt_id)
+            raise
+        return events
+
+    def _event(self, frame: Frame) -> ev.Event:
+        command, headers = frame.command, frame.headers
+        receipt = headers.get("receipt")
+        if command not in _COMMANDS:
+            self._fail("unknown command", f"{command[:40]} is not a STOMP client command", receipt)
+        if command in ("CONNECT", "STOMP"):
+            if self.state is not State.AWAITING_CONNECT:
+                self._fail("already connected", "CONNECT may be sent once per connection", receipt)
+            return self._connect(headers)
+        if self.state is not State.CONNECTED:
+            self._fail("not connected", f"{command} before CONNECT", receipt)
+        if frame.body and command != "SEND":
+            self._fail("malformed frame", f"{command} frames have no body", receipt)
+        match command:
+            case "SEND":
+                return ev.Send(self._need(headers, "destination", command), headers.get("transaction"), receipt,
+                               headers, frame.body)  # fmt: skip
+            case "SUBSCRIBE":
+                destination = self._need(headers, "destination", command)
+                sub_id = headers.get("id") if self.version != V10 else headers.get("id", destination)
+                if sub_id is None:
+                    self._fail("missing header", "SUBSCRIBE needs an id header", receipt)
+                ack = headers.get("ack", "auto")
+                if ack not in ACK_MODES:
+                    self._fail("invalid header", f"ack mode {ack[:40]!r} is not auto, client or client-individual",
+                               receipt)  # fmt: skip
+                return ev.Subscribe(sub_id, destination, ack, receipt, headers)
+            case "UNSUBSCRIBE":
+                unsubscribe_id, named = headers.get("id"), headers.get("destination")
+                if unsubscribe_id is None and (self.version != V10 or named is None):
+                    self._fail("missing header", "UNSUBSCRIBE needs an id header", receipt)
+                return ev.Unsubscribe(unsubscribe_id, named, receipt)
+            case "ACK" | "NACK":
+                if command == "NACK" and self.version == V10:
+                    self._fail("unknown command", "NACK is not part of STOMP 1.0", receipt)
+                ack_id = headers.get("id") if self.version == V12 else headers.get("message-id")
+                if ack_id is None:
+                    name = "id" if self.version == V12 else "message-id"
+                    self._fail("missing header", f"{command} needs a {name} header", receipt)
+                if self.version == V11 and "subscription" not in headers:
+                    self._fail("missing header", f"{command} needs a subscription header in STOMP 1.1", receipt)
+                return ev.Ack(ack_id, headers.get("subscription"), headers.get("transaction"), receipt,
+                              nack=command == "NACK")  # fmt: skip
+            case "BEGIN" | "COMMIT" | "ABORT":
+                return ev.Transaction(command, self._need(headers, "transaction", command), receipt)
+            case _:  # DISCONNECT
+                self.state = State.CLOSED if receipt is None else self.state
+                return ev.Disconnect(receipt)
+
+    def _connect(self, headers: dict[str, str]) -> ev.Connect:
+        offered = [v.strip() for v in headers.get("accept-version", V10).split(",")]
+        common = [v for v in VERSIONS if v in offered]
+        if not common:
+            self._out.append(
+                encode(
+                    "ERROR",
+                    [
+                        ("version", ",".join(VERSIONS)),
+                        ("content-type", "text/plain"),
+                        ("message", "unsupported protocol version"),
+                    ],
+                    f"Supported protocol versions are {', '.join(VERSIONS)}".encode(),
+                    V10,
+                )
+            )
+            self.state = State.CLOSED
+            raise RemoteProtocolError("unsupported protocol version", f"the client offered {offered}")
+        self.version = common[-1]
+        self._parser.version = self.version
+        cx, cy = _heartbeat_header(headers.get("heart-beat", "0,0")) if self.version != V10 else (0, 0)
+        self._client_heartbeat = (cx, cy)
+        self.state = State.CONNECTING
+        return ev.Connect(self.version, headers.get("login"), headers.get("passcode"), headers.get("host"),
+                          (cx, cy), headers)  # fmt: skip
+
+    @staticmethod
+    def _need(headers: dict[str, str], name: str, command: str) -> str:
+        value = headers.get(name)
+        if value is None:
+            raise _remote("missing header", f"{command} needs a {name} header", headers.get("receipt"))
+        return value
+
+    # ------------------------------------------------------------------ output
+    def accept(self, session: str, server: str, now: float) -> None:
+        """Answer the CONNECT: CONNECTED with the negotiated version and heart-beats."""
+        if self.state is not State.CONNECTING:
+            raise LocalProtocolError("not connecting", "accept() answers a CONNECT")
+        sx, sy = self._heartbeat
+        cx, cy = self._client_heartbeat
+        floor = self._min_heartbeat
+        send_ms = 0 if sx == 0 or cy == 0 else max(sx, cy, floor)
+        receive_ms = 0 if sy == 0 or cx == 0 else max(sy, cx, floor)
+        self.send_interval = send_ms / 1000
+        self.receive_interval = receive_ms / 1000 * HEARTBEAT_TOLERANCE
+        headers = [("version", self.version), ("session", session), ("server", server)]
+        if self.version != V10:
+            headers.append(("heart-beat", f"{send_ms},{receive_ms}"))
+        self._out.append(encode("CONNECTED", headers, b"", self.version))
+        self.state = State.CONNECTED
+        self._last_received = self._last_sent = now
+
+    def refuse(self, message: str, detail: str = "") -> None:
+        """Answer the CONNECT with an ERROR (bad credentials, say) and close."""
+        if self.state is not State.CONNECTING:
+            raise LocalProtocolError("not connecting", "refuse() answers a CONNECT")
+        self._error_frame(message, detail, None)
+
+    def message(self, headers: list[tuple[str, str]], body: bytes) -> None:
+        self._send("MESSAGE", headers, body)
+
+    def receipt(self, receipt_id: str) -> None:
+        self._send("RECEIPT", [("receipt-id", receipt_id)], b"")
+
+    def error(self, message: str, detail: str = "", receipt_id: str | None = None) -> None:
+        """Report an error the client caused (a refused publish, a forbidden subscription) and close."""
+        if self.state is not State.CLOSED:
+            self._error_frame(message, detail, receipt_id)
+
+    def _send(self, command: str, headers: list[tuple[str, str]], body: bytes) -> None:
+        if self.state is not State.CONNECTED:
+            raise LocalProtocolError("not connected", f"cannot send {command} while {self.state.value}")
+        self._out.append(encode(command, headers, body, self.version))
+
+    def _error_frame(self, message: str, detail: str, receipt_id: str | None) -> None:
+        headers = [("message", message), ("content-type", "text/plain")]
+        if receipt_id is not None:
+            headers.append(("receipt-id", receipt_id))
+        self._out.append(encode("ERROR", headers, detail.encode("utf-8"), self.version))
+        self.state = State.CLOSED
+
+    def _fail(self, message: str, detail: str, receipt_id: str | None) -> NoReturn:
+        raise _remote(message, detail, receipt_id)
+
+    def data_to_send(self) -> bytes:
+        if not self._out:
+            return b""
+        data = b"".join(self._out)
+        self._out.clear()
+        return data
+
+    # ------------------------------------------------------------------ heart-beats
+    def next_deadline(self) -> float | None:
+        if self.state is not State.CONNECTED:
+            return None
+        deadlines = []
+        if self.send_interval:
+            deadlines.append(self._last_sent + self.send_interval)
+        if self.receive_interval:
+            deadlines.append(self._last_received + self.receive_interval)
+        return min(deadlines) if deadlines else None
+
+    def handle_timeout(self, now: float) -> None:
+        """Queue a heart-beat when due; raise ``RemoteProtocolError`` (ERROR queued) if the client went quiet."""
+        if self.state is not State.CONNECTED:
+            return
+        if self.receive_interval and now - self._last_received >= self.receive_interval:
+            detail = f"nothing received for {now - self._last_received:.3f} s"
+            self._error_frame("heart-beat missed", detail, None)
+            raise RemoteProtocolError("heart-beat missed", detail)
+        if self.send_interval and now - self._last_sent >= self.send_interval and not self._out:
+            self._out.append(b"\n")
+
+    def sent(self, now: float) -> None:
+        """The shell wrote ``data_to_send()`` to the socket at ``now`` (any bytes count as a heart-beat)."""
+        self._last_sent = now
+
+
+def _remote(message: str, detail: str, receipt_id: str | None) -> RemoteProtocolError:
+    return RemoteProtocolError(message, detail, receipt_id)
+
+
+def _heartbeat_header(value: str) -> tuple[int, int]:
+    parts = value.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise _remote("invalid header", f"heart-beat {value[:40]!r} is not two numbers", None)
+    return int(parts[0]), int(parts[1])
+
+
+__all__ = ["V10", "V11", "V12", "State", "StompServerConnection"]

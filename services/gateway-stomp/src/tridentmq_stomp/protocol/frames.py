@@ -1,0 +1,168 @@
+"""STOMP framing: an incremental parser and the encoder, per protocol version.
+
+A frame is a command line, header lines, a blank line, a body and a NUL. Lines end in LF or CR LF. The body
+is ``content-length`` bytes (NULs allowed) followed by a NUL, or, without that header, everything up to the
+first NUL. EOLs between frames are heart-beats. From 1.1 on header names and values are escaped (``\\n``,
+``\\c``, ``\\\\``, and from 1.2 ``\\r``), except in CONNECT and CONNECTED; the first of repeated headers
+counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from tridentmq_stomp.protocol.errors import RemoteProtocolError
+
+V10: Final = "1.0"
+V11: Final = "1.1"
+V12: Final = "1.2"
+VERSIONS: Final = (V10, V11, V12)
+
+#: Commands whose headers are never escaped, whatever the version.
+_RAW_COMMANDS: Final = frozenset({"CONNECT", "STOMP", "CONNECTED"})
+_UNESCAPE_11: Final = {"n": "\n", "c": ":", "\\": "\\"}
+_UNESCAPE_12: Final = {**_UNESCAPE_11, "r": "\r"}
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    command: str
+    headers: dict[str, str]  # the first occurrence of each header
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_frame_bytes: int = 4 * 1024 * 1024  # body and headers together
+    max_headers: int = 64
+    max_header_bytes: int = 64 * 1024  # the command line and all header lines
+
+
+class FrameParser:
+    """Bytes in, frames out. ``version`` decides header escaping; the connection sets it after CONNECT."""
+
+    def __init__(self, limits: Limits | None = None) -> None:
+        self.limits = limits or Limits()
+        self.version = V10
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[Frame]:
+        """Every frame completed by ``data``; EOLs between frames (heart-beats) are skipped."""
+        buffer = self._buffer
+        buffer += data
+        frames: list[Frame] = []
+        pos = 0
+        limits = self.limits
+        try:
+            while True:
+                end = len(buffer)
+                while pos < end and buffer[pos] in (10, 13):  # heart-beats, and the EOLs after a NUL
+                    if buffer[pos] == 13 and (pos + 1 >= end or buffer[pos + 1] != 10):
+                        if pos + 1 >= end:
+                            break  # a CR whose LF has not arrived yet
+                        raise RemoteProtocolError("malformed frame", "a CR not followed by LF between frames")
+                    pos += 1
+                if pos >= end or buffer[pos] in (10, 13):
+                    break
+                head_end = buffer.find(b"\n\n", pos)
+                crlf_end = buffer.find(b"\n\r\n", pos)
+                if crlf_end != -1 and (head_end == -1 or crlf_end < head_end):
+                    head_end, body_start = crlf_end, crlf_end + 3
+                else:
+                    body_start = head_end + 2
+                if head_end == -1:
+                    if end - pos > limits.max_header_bytes:
+                        raise RemoteProtocolError("frame too large",
+                                                  f"headers exceed {limits.max_header_bytes} bytes")  # fmt: skip
+                    break
+                if head_end - pos > limits.max_header_bytes:
+                    raise RemoteProtocolError("frame too large", f"headers exceed {limits.max_header_bytes} bytes")
+                command, headers = self._head(bytes(buffer[pos:head_end]))
+                length_text = headers.get("content-length")
+                if length_text is not None:
+                    if not length_text.isdigit():
+                        raise RemoteProtocolError("malformed frame", f"content-length {length_text[:20]!r}",
+                                                  headers.get("receipt"))  # fmt: skip
+                    length = int(length_text)
+                    if length > limits.max_frame_bytes:
+                        raise RemoteProtocolError("frame too large",
+                                                  f"body of {length} bytes exceeds {limits.max_frame_bytes}",
+                                                  headers.get("receipt"))  # fmt: skip
+                    if end < body_start + length + 1:
+                        break
+                    if buffer[body_start + length] != 0:
+                        raise RemoteProtocolError("malformed frame", "the body is not followed by a NUL "
+                                                  "(content-length wrong?)", headers.get("receipt"))  # fmt: skip
+                    body_end = body_start + length
+                else:
+                    body_end = buffer.find(b"\x00", body_start)
+                    if body_end == -1:
+                        if end - body_start > limits.max_frame_bytes:
+                            raise RemoteProtocolError("frame too large",
+                                                      f"body exceeds {limits.max_frame_bytes} bytes",
+                                                      headers.get("receipt"))  # fmt: skip
+                        break
+                frames.append(Frame(command, headers, bytes(buffer[body_start:body_end])))
+                pos = body_end + 1
+        finally:
+            del buffer[:pos]
+        return frames
+
+    def _head(self, head: bytes) -> tuple[str, dict[str, str]]:
+        try:
+            text = head.decode("utf-8")
+        except UnicodeDecodeError:
+            raise RemoteProtocolError("malformed frame", "headers are not UTF-8") from None
+        lines = text.split("\n")
+        command = lines[0].removesuffix("\r")
+        if not command or not command.isalpha() or not command.isupper():
+            raise RemoteProtocolError("malformed frame", f"bad command line {command[:40]!r}")
+        if len(lines) - 1 > self.limits.max_headers:
+            raise RemoteProtocolError("frame too large", f"more than {self.limits.max_headers} headers")
+        unescape = None if command in _RAW_COMMANDS or self.version == V10 else (
+            _UNESCAPE_12 if self.version == V12 else _UNESCAPE_11)  # fmt: skip
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            line = line.removesuffix("\r")
+            name, colon, value = line.partition(":")
+            if not colon:
+                raise RemoteProtocolError("malformed frame", f"header line without a colon: {line[:40]!r}")
+            if unescape is not None:
+                name, value = _unescape(name, unescape), _unescape(value, unescape)
+            headers.setdefault(name, value)
+        return command, headers
+
+
+def _unescape(text: str, table: dict[str, str]) -> str:
+    if "\\" not in text:
+        return text
+    out: list[str] = []
+    chars = iter(text)
+    for char in chars:
+        if char != "\\":
+            out.append(char)
+            continue
+        follower = next(chars, "")
+        replacement = table.get(follower)
+        if replacement is None:
+            raise RemoteProtocolError("malformed frame", f"undefined escape sequence \\{follower}")
+        out.append(replacement)
+    return "".join(out)
+
+
+# 1.1 cannot escape CR, and a CR ending a header line reads as part of its EOL: it is dropped.
+_ESCAPE_11: Final = str.maketrans({"\\": "\\\\", "\n": "\\n", ":": "\\c", "\r": ""})
+_ESCAPE_12: Final = str.maketrans({"\\": "\\\\", "\n": "\\n", ":": "\\c", "\r": "\\r"})
+_ESCAPE_RAW: Final = str.maketrans({"\n": " ", "\r": " "})  # 1.0 and CONNECTED cannot escape: keep framing
+_ESCAPE_TABLES: Final = {V10: _ESCAPE_RAW, V11: _ESCAPE_11, V12: _ESCAPE_12}
+
+
+def encode(command: str, headers: list[tuple[str, str]], body: bytes, version: str) -> bytes:
+    """One frame; bodies always carry a ``content-length`` (they may contain NULs)."""
+    table = _ESCAPE_TABLES[version] if command not in _RAW_COMMANDS else _ESCAPE_RAW
+    lines = [command]
+    lines.extend(f"{name.translate(table)}:{value.translate(table)}" for name, value in headers)
+    if body or command in ("MESSAGE", "ERROR"):
+        lines.append(f"content-length:{len(body)}")
+    return ("\n".join(lines) + "\n\n").encode("utf-8") + body + b"\x00"

@@ -1,0 +1,340 @@
+"""The sans-IO STOMP codec: literal frames in, events and literal frames out, fed whole and byte by byte."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tridentmq_stomp.protocol import events as ev
+from tridentmq_stomp.protocol.connection import State, StompServerConnection
+from tridentmq_stomp.protocol.errors import LocalProtocolError, RemoteProtocolError
+from tridentmq_stomp.protocol.frames import V10, V11, V12, Frame, FrameParser, Limits, encode
+
+CONNECT_12 = b"CONNECT\naccept-version:1.0,1.1,1.2\nhost:broker\nlogin:u\npasscode:p\nheart-beat:0,0\n\n\x00"
+
+
+def feed_in_pieces(data: bytes, sizes: int | None) -> list[Frame]:
+    parser = FrameParser()
+    if sizes is None:
+        return parser.feed(data)
+    frames: list[Frame] = []
+    for start in range(0, len(data), sizes):
+        frames.extend(parser.feed(data[start : start + sizes]))
+    return frames
+
+
+def connected(version_header: str = "1.0,1.1,1.2", heartbeat: str = "0,0", **kwargs: object) -> StompServerConnection:
+    conn = StompServerConnection(**kwargs)  # type: ignore[arg-type]
+    [connect] = conn.receive_data(
+        f"CONNECT\naccept-version:{version_header}\nheart-beat:{heartbeat}\n\n\x00".encode(), 0.0
+    )
+    assert isinstance(connect, ev.Connect)
+    conn.accept("session-1", "TridentMQ", 0.0)
+    conn.data_to_send()
+    return conn
+
+
+# ---------------------------------------------------------------------------------------------------- framing
+FRAMES = (
+    b"SEND\ndestination:/queue/a\n\nhello\x00"
+    b"\n\r\n"  # heart-beats between frames
+    b"SEND\r\ndestination:/queue/b\r\ncontent-length:5\r\n\r\na\x00b\x00c\x00"
+    b"DISCONNECT\nreceipt:77\n\n\x00\n"
+)
+
+
+@pytest.mark.parametrize("piece", [None, 1, 2, 3, 7, 64])
+def test_frames_split_at_every_byte_parse_the_same(piece: int | None) -> None:
+    frames = feed_in_pieces(FRAMES, piece)
+    assert frames == [
+        Frame("SEND", {"destination": "/queue/a"}, b"hello"),
+        Frame("SEND", {"destination": "/queue/b", "content-length": "5"}, b"a\x00b\x00c"),
+        Frame("DISCONNECT", {"receipt": "77"}, b""),
+    ]
+
+
+def test_the_first_of_repeated_headers_wins() -> None:
+    [frame] = FrameParser().feed(b"SEND\ndestination:first\ndestination:second\n\n\x00")
+    assert frame.headers["destination"] == "first"
+
+
+@pytest.mark.parametrize(
+    ("version", "raw", "value"),
+    [
+        (V10, "a\\nb", "a\\nb"),  # 1.0 has no escaping
+        (V11, "a\\nb\\cc\\\\d", "a\nb:c\\d"),
+        (V12, "a\\r\\nb", "a\r\nb"),
+    ],
+)
+def test_header_unescaping_per_version(version: str, raw: str, value: str) -> None:
+    parser = FrameParser()
+    parser.version = version
+    [frame] = parser.feed(f"SEND\ndestination:q\nx-key:{raw}\n\n\x00".encode())
+    assert frame.headers["x-key"] == value
+
+
+def test_connect_headers_are_never_unescaped() -> None:
+    parser = FrameParser()
+    parser.version = V12
+    [frame] = parser.feed(b"CONNECT\npasscode:a\\cb\n\n\x00")
+    assert frame.headers["passcode"] == "a\\cb"
+
+
+@pytest.mark.parametrize("version", [V11, V12])
+def test_an_undefined_escape_is_an_error(version: str) -> None:
+    parser = FrameParser()
+    parser.version = version
+    with pytest.raises(RemoteProtocolError, match="escape"):
+        parser.feed(b"SEND\ndestination:a\\tb\n\n\x00")
+
+
+def test_encode_escapes_per_version_and_always_frames_bodies_by_length() -> None:
+    headers = [("x:key", "line1\nline2\\")]
+    assert (
+        encode("MESSAGE", headers, b"a\x00b", V12)
+        == b"MESSAGE\nx\\ckey:line1\\nline2\\\\\ncontent-length:3\n\na\x00b\x00"
+    )
+    assert encode("MESSAGE", headers, b"", V10) == b"MESSAGE\nx:key:line1 line2\\\ncontent-length:0\n\n\x00"
+    assert encode("RECEIPT", [("receipt-id", "1")], b"", V12) == b"RECEIPT\nreceipt-id:1\n\n\x00"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    version=st.sampled_from([V11, V12]),
+    headers=st.dictionaries(st.text(min_size=1, max_size=12), st.text(max_size=30), max_size=6),
+    body=st.binary(max_size=200),
+    piece=st.integers(min_value=1, max_value=50),
+)
+def test_encode_then_parse_round_trips(version: str, headers: dict[str, str], body: bytes, piece: int) -> None:
+    headers = {k: v for k, v in headers.items() if k != "content-length"}
+    if version == V11:  # 1.1 cannot carry CR in headers (the encoder drops it)
+        headers = {k.replace("\r", ""): v.replace("\r", "") for k, v in headers.items()}
+    data = encode("SEND", list(headers.items()), body, version)
+    parser = FrameParser()
+    parser.version = version
+    frames: list[Frame] = []
+    for start in range(0, len(data), piece):
+        frames.extend(parser.feed(data[start : start + piece]))
+    [frame] = frames
+    assert frame.body == body
+    assert {k: v for k, v in frame.headers.items() if k != "content-length"} == headers
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300))
+def test_garbage_gives_frames_or_a_protocol_error_never_a_crash(data: bytes) -> None:
+    parser = FrameParser(Limits(max_frame_bytes=1000, max_headers=8, max_header_bytes=200))
+    with contextlib.suppress(RemoteProtocolError):
+        parser.feed(data)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"SEND\ndestination:q\ncontent-length:3\n\nabcd\x00", "malformed frame"),  # length wrong
+        (b"SEND\ndestination:q\ncontent-length:-1\n\n\x00", "malformed frame"),
+        (b"SEND\nno colon here\n\n\x00", "malformed frame"),
+        (b"send\n\n\x00", "malformed frame"),
+        (b"SEND\n" + b"h:v\n" * 100 + b"\n\x00", "frame too large"),  # header count
+        (b"SEND\nh:" + b"v" * 300 + b"\n\n\x00", "frame too large"),  # header bytes
+        (b"SEND\nh:" + b"v" * 300, "frame too large"),  # header bytes, before the blank line arrives
+        (b"SEND\ncontent-length:5000\n\n", "frame too large"),
+        (b"SEND\n\n" + b"x" * 2000, "frame too large"),  # no NUL in sight
+        (b"SEND\nh:\xff\n\n\x00", "malformed frame"),
+    ],
+)
+def test_bad_frames_raise_with_a_clear_message(data: bytes, message: str) -> None:
+    with pytest.raises(RemoteProtocolError) as info:
+        FrameParser(Limits(max_frame_bytes=1000, max_headers=8, max_header_bytes=200)).feed(data)
+    assert info.value.message == message
+
+
+# ---------------------------------------------------------------------------------------------------- connection
+@pytest.mark.parametrize(
+    ("offered", "chosen"), [("1.0,1.1,1.2", V12), ("1.1", V11), (None, V10), ("1.0,1.1", V11), ("1.2,2.0", V12)]
+)
+def test_version_negotiation(offered: str | None, chosen: str) -> None:
+    conn = StompServerConnection()
+    head = "CONNECT\n" + (f"accept-version:{offered}\n" if offered else "") + "\n"
+    [connect] = conn.receive_data(head.encode() + b"\x00", 0.0)
+    assert isinstance(connect, ev.Connect)
+    assert connect.version == chosen
+    conn.accept("s1", "TridentMQ/0.1", 0.0)
+    out = conn.data_to_send().decode()
+    assert out.startswith(f"CONNECTED\nversion:{chosen}\nsession:s1\nserver:TridentMQ/0.1\n")
+    assert ("heart-beat:" in out) is (chosen != V10)
+
+
+def test_an_unsupported_version_gets_an_error_listing_ours() -> None:
+    conn = StompServerConnection()
+    with pytest.raises(RemoteProtocolError):
+        conn.receive_data(b"CONNECT\naccept-version:2.0\n\n\x00", 0.0)
+    out = conn.data_to_send().decode()
+    assert re.match(r"ERROR\nversion:1.0,1.1,1.2\n", out)
+    assert "Supported protocol versions are 1.0, 1.1, 1.2" in out
+    assert conn.closed
+
+
+def test_stomp_command_connects_and_credentials_and_host_are_reported() -> None:
+    [connect] = StompServerConnection().receive_data(CONNECT_12.replace(b"CONNECT", b"STOMP"), 0.0)
+    assert isinstance(connect, ev.Connect)
+    assert (connect.login, connect.passcode, connect.host) == ("u", "p", "broker")
+
+
+def test_refuse_sends_an_error_and_closes() -> None:
+    conn = StompServerConnection()
+    conn.receive_data(CONNECT_12, 0.0)
+    conn.refuse("authentication failed", "bad login or passcode")
+    out = conn.data_to_send()
+    assert out.startswith(b"ERROR\nmessage:authentication failed\n")
+    assert out.endswith(b"bad login or passcode\x00")
+    assert conn.closed
+    with pytest.raises(LocalProtocolError):
+        conn.accept("s", "x", 0.0)
+
+
+@pytest.mark.parametrize(
+    ("frame", "message"),
+    [
+        (b"SEND\n\n\x00", "missing header"),
+        (b"SUBSCRIBE\ndestination:/queue/a\n\n\x00", "missing header"),  # 1.2 needs an id
+        (b"SUBSCRIBE\ndestination:/queue/a\nid:1\nack:sometimes\n\n\x00", "invalid header"),
+        (b"ACK\nmessage-id:1\n\n\x00", "missing header"),  # 1.2 acks by id
+        (b"BEGIN\n\n\x00", "missing header"),
+        (b"FLY\n\n\x00", "unknown command"),
+        (b"CONNECT\n\n\x00", "already connected"),
+        (b"ACK\nid:1\n\nbody\x00", "malformed frame"),
+    ],
+)
+def test_bad_frames_after_connect_give_an_error_with_the_receipt_id(frame: bytes, message: str) -> None:
+    conn = connected()
+    frame = frame.replace(b"\n\n", b"\nreceipt:r-9\n\n", 1)
+    with pytest.raises(RemoteProtocolError) as info:
+        conn.receive_data(frame, 1.0)
+    assert info.value.message == message
+    out = conn.data_to_send().decode()
+    assert out.startswith(f"ERROR\nmessage:{message}\ncontent-type:text/plain\nreceipt-id:r-9\n")
+    assert conn.closed
+    assert conn.receive_data(b"SEND\ndestination:x\n\n\x00", 2.0) == []
+
+
+def test_frames_before_connect_are_refused() -> None:
+    conn = StompServerConnection()
+    with pytest.raises(RemoteProtocolError, match="not connected"):
+        conn.receive_data(b"SEND\ndestination:/queue/a\n\nx\x00", 0.0)
+    assert conn.data_to_send().startswith(b"ERROR\nmessage:not connected\n")
+
+
+def test_each_command_becomes_its_event() -> None:
+    conn = connected()
+    data = (
+        b"SEND\ndestination:/queue/a\ntransaction:t1\nreceipt:1\ncustom:v\n\nbody\x00"
+        b"SUBSCRIBE\nid:s1\ndestination:/topic/t\nack:client-individual\n\n\x00"
+        b"ACK\nid:a-1\ntransaction:t1\n\n\x00"
+        b"NACK\nid:a-2\n\n\x00"
+        b"BEGIN\ntransaction:t1\n\n\x00COMMIT\ntransaction:t1\n\n\x00ABORT\ntransaction:t2\n\n\x00"
+        b"UNSUBSCRIBE\nid:s1\n\n\x00"
+        b"DISCONNECT\nreceipt:bye\n\n\x00"
+    )
+    events = conn.receive_data(data, 1.0)
+    assert events == [
+        ev.Send("/queue/a", "t1", "1", {"destination": "/queue/a", "transaction": "t1", "receipt": "1",
+                                         "custom": "v", }, b"body"),
+        ev.Subscribe("s1", "/topic/t", "client-individual", None,
+                     {"id": "s1", "destination": "/topic/t", "ack": "client-individual"}),
+        ev.Ack("a-1", None, "t1", None, nack=False),
+        ev.Ack("a-2", None, None, None, nack=True),
+        ev.Transaction("BEGIN", "t1", None),
+        ev.Transaction("COMMIT", "t1", None),
+        ev.Transaction("ABORT", "t2", None),
+        ev.Unsubscribe("s1", None, None),
+        ev.Disconnect("bye"),
+    ]  # fmt: skip
+
+
+def test_stomp_10_defaults_subscription_id_and_acks_by_message_id() -> None:
+    conn = connected(version_header="1.0")
+    events = conn.receive_data(b"SUBSCRIBE\ndestination:/queue/a\n\n\x00ACK\nmessage-id:m1\n\n\x00"
+                               b"UNSUBSCRIBE\ndestination:/queue/a\n\n\x00", 1.0)  # fmt: skip
+    assert events == [
+        ev.Subscribe("/queue/a", "/queue/a", "auto", None, {"destination": "/queue/a"}),
+        ev.Ack("m1", None, None, None, nack=False),
+        ev.Unsubscribe(None, "/queue/a", None),
+    ]
+    with pytest.raises(RemoteProtocolError, match="NACK"):
+        conn.receive_data(b"NACK\nmessage-id:m1\n\n\x00", 1.0)
+
+
+def test_stomp_11_ack_needs_the_subscription() -> None:
+    conn = connected(version_header="1.1")
+    events = conn.receive_data(b"ACK\nmessage-id:m1\nsubscription:s\n\n\x00", 1.0)
+    assert events == [ev.Ack("m1", "s", None, None, nack=False)]
+    with pytest.raises(RemoteProtocolError, match="subscription"):
+        conn.receive_data(b"ACK\nmessage-id:m1\n\n\x00", 1.0)
+
+
+def test_disconnect_without_receipt_closes_at_once() -> None:
+    conn = connected()
+    assert conn.receive_data(b"DISCONNECT\n\n\x00SEND\ndestination:x\n\n\x00", 1.0) == [ev.Disconnect(None)]
+    assert conn.closed
+
+
+def test_messages_receipts_and_errors_are_encoded_in_the_negotiated_version() -> None:
+    conn = connected(version_header="1.1")
+    conn.message([("destination", "/queue/a"), ("x", "a:b")], b"hi")
+    conn.receipt("r1")
+    assert conn.data_to_send() == (b"MESSAGE\ndestination:/queue/a\nx:a\\cb\ncontent-length:2\n\nhi\x00"
+                                   b"RECEIPT\nreceipt-id:r1\n\n\x00")  # fmt: skip
+    conn.error("send refused", "address full", "r2")
+    assert conn.data_to_send() == (b"ERROR\nmessage:send refused\ncontent-type:text/plain\nreceipt-id:r2\n"
+                                   b"content-length:12\n\naddress full\x00")  # fmt: skip
+    with pytest.raises(LocalProtocolError):
+        conn.receipt("late")
+
+
+def test_eof_is_an_event() -> None:
+    conn = connected()
+    assert conn.receive_data(b"", 1.0) == [ev.ConnectionClosed()]
+    assert conn.closed
+
+
+# ---------------------------------------------------------------------------------------------------- heart-beats
+def test_heartbeats_are_negotiated_sent_and_missed_ones_close_the_connection() -> None:
+    conn = StompServerConnection(heartbeat=(500, 1000), min_heartbeat_ms=100)
+    conn.receive_data(b"CONNECT\naccept-version:1.2\nheart-beat:200,300\n\n\x00", 0.0)
+    conn.accept("s", "x", 0.0)
+    assert b"heart-beat:500,1000\n" in conn.data_to_send()  # send max(500,300), expect max(1000,200)
+    assert conn.send_interval == 0.5
+    assert conn.receive_interval == 2.0  # twice the interval: tolerance for the network and scheduling
+    assert conn.next_deadline() == 0.5
+    conn.handle_timeout(0.5)
+    assert conn.data_to_send() == b"\n"
+    conn.sent(0.5)
+    conn.receive_data(b"\n", 1.5)  # a client heart-beat
+    conn.handle_timeout(3.4)  # 1.9 s of silence: still within 2 s
+    assert not conn.closed
+    assert conn.data_to_send() == b"\n"
+    conn.sent(3.4)
+    with pytest.raises(RemoteProtocolError, match="heart-beat missed"):
+        conn.handle_timeout(3.6)
+    assert conn.data_to_send().startswith(b"ERROR\nmessage:heart-beat missed\n")
+
+
+def test_heartbeats_off_when_either_side_says_zero_and_never_below_the_floor() -> None:
+    conn = connected(heartbeat="0,0")
+    assert conn.next_deadline() is None
+    fast = StompServerConnection(heartbeat=(10, 10), min_heartbeat_ms=100)
+    fast.receive_data(b"CONNECT\naccept-version:1.2\nheart-beat:1,1\n\n\x00", 0.0)
+    fast.accept("s", "x", 0.0)
+    assert (fast.send_interval, fast.receive_interval) == (0.1, 0.2)
+
+
+def test_a_bad_heartbeat_header_is_an_error() -> None:
+    conn = StompServerConnection()
+    with pytest.raises(RemoteProtocolError, match="heart-beat"):
+        conn.receive_data(b"CONNECT\naccept-version:1.2\nheart-beat:soon\n\n\x00", 0.0)
+    assert conn.state is State.CLOSED
