@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -164,6 +164,10 @@ class Consumer:
     def nack(self, *deliveries: Delivery, mode: NackMode = NackMode.REDELIVER) -> None:
         self.client._nack(self, [d.id for d in deliveries], mode)
 
+    def nack_ids(self, message_ids: list[int], mode: NackMode = NackMode.REDELIVER) -> None:
+        """Give messages back by message id (for batches taken with ``get_batch``)."""
+        self.client._nack(self, message_ids, mode)
+
     async def close(self) -> None:
         await self.client._unsubscribe(self)
 
@@ -234,6 +238,8 @@ class LinkClient:
         self._closing = False
         self._reconnecting: asyncio.Task[None] | None = None
         self._error: LinkRequestError | None = None
+        #: Called once the link is closed for good (lost and not reconnecting, or refused, or closed by us).
+        self.on_closed: Callable[[LinkRequestError], None] | None = None
 
     async def __aenter__(self) -> LinkClient:
         await self.connect()
@@ -455,6 +461,9 @@ class LinkClient:
         for consumer in self._consumers.values():
             consumer.closed = error
             consumer._wake()
+        if self.on_closed is not None:
+            callback, self.on_closed = self.on_closed, None
+            callback(error)
 
     # ------------------------------------------------------------------ output
     def _schedule_flush(self) -> None:
