@@ -1,8 +1,11 @@
 """The server side of one STOMP connection, sans-IO: bytes in, events out; replies in, bytes queued.
 
-It negotiates the version (``accept-version``, none = 1.0) and heart-beats, checks each frame for the
-headers its command needs, and turns protocol violations into an ERROR frame (with the ``receipt-id`` of
-the failing frame when it had a receipt) after which it is closed, as the specification requires.
+It negotiates the version (``accept-version``, none = 1.0) and heart-beats and checks each frame for the
+headers its command needs. Clients may pipeline frames behind CONNECT, so a protocol violation is not
+answered at once: it becomes a ``ProtocolViolation`` event after the events of the frames before it, and
+the shell answers it with ``reject`` once it has handled those. That queues the ERROR frame (with the
+``receipt-id`` of the failing frame when it had a receipt), after which the connection is closed, as the
+specification requires.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class StompServerConnection:
         self.send_interval = 0.0  # seconds between our heart-beats (0: none)
         self.receive_interval = 0.0  # seconds within which the client must send something (0: unchecked)
         self._out: list[bytes] = []
+        self._violated = False  # input after a violation is ignored
         self._last_received = 0.0
         self._last_sent = 0.0
 
@@ -53,23 +57,23 @@ class StompServerConnection:
     # ------------------------------------------------------------------ input
     def receive_data(self, data: bytes, now: float) -> list[ev.Event]:
         """Feed bytes from the client; ``b""`` means it closed its side."""
-        if self.state is State.CLOSED:
+        if self.state is State.CLOSED or self._violated:
             return []
         self._last_received = now
         if not data:
             self.state = State.CLOSED
             return [ev.ConnectionClosed()]
+        events: list[ev.Event] = []
         try:
-            frames = self._parser.feed(data)
-            events: list[ev.Event] = []
-            for frame in frames:
-                events.append(self._event(frame))
-                if self.closed:  # DISCONNECT: whatever follows is not read
-                    break
+            while frames := self._parser.feed(data):
+                data = b""
+                for frame in frames:
+                    events.append(self._event(frame))
+                    if self.closed:  # DISCONNECT: whatever follows is not read
+                        return events
         except RemoteProtocolError as exc:
-            if not self.closed:
-                self._error_frame(exc.message, exc.detail, exc.receipt_id)
-            raise
+            self._violated = True
+            events.append(ev.ProtocolViolation(exc.message, exc.detail, exc.receipt_id, exc.headers))
         return events
 
     def _event(self, frame: Frame) -> ev.Event:
@@ -81,7 +85,7 @@ class StompServerConnection:
             if self.state is not State.AWAITING_CONNECT:
                 self._fail("already connected", "CONNECT may be sent once per connection", receipt)
             return self._connect(headers)
-        if self.state is not State.CONNECTED:
+        if self.state is State.AWAITING_CONNECT:  # frames right behind CONNECT wait for its answer: pipelining
             self._fail("not connected", f"{command} before CONNECT", receipt)
         if frame.body and command != "SEND":
             self._fail("malformed frame", f"{command} frames have no body", receipt)
@@ -103,7 +107,7 @@ class StompServerConnection:
                 unsubscribe_id, named = headers.get("id"), headers.get("destination")
                 if unsubscribe_id is None and (self.version != V10 or named is None):
                     self._fail("missing header", "UNSUBSCRIBE needs an id header", receipt)
-                return ev.Unsubscribe(unsubscribe_id, named, receipt)
+                return ev.Unsubscribe(unsubscribe_id, named, receipt, headers)
             case "ACK" | "NACK":
                 if command == "NACK" and self.version == V10:
                     self._fail("unknown command", "NACK is not part of STOMP 1.0", receipt)
@@ -179,6 +183,11 @@ class StompServerConnection:
             raise LocalProtocolError("not connecting", "refuse() answers a CONNECT")
         self._error_frame(message, detail, None)
 
+    def reject(self, violation: ev.ProtocolViolation) -> None:
+        """Answer a ``ProtocolViolation`` with its ERROR frame and close."""
+        if self.state is not State.CLOSED:
+            self._error_frame(violation.message, violation.detail, violation.receipt_id, violation.headers)
+
     def message(self, headers: list[tuple[str, str]], body: bytes) -> None:
         self._send("MESSAGE", headers, body)
 
@@ -195,8 +204,9 @@ class StompServerConnection:
             raise LocalProtocolError("not connected", f"cannot send {command} while {self.state.value}")
         self._out.append(encode(command, headers, body, self.version))
 
-    def _error_frame(self, message: str, detail: str, receipt_id: str | None) -> None:
-        headers = [("message", message), ("content-type", "text/plain")]
+    def _error_frame(self, message: str, detail: str, receipt_id: str | None,
+                     extra: tuple[tuple[str, str], ...] = ()) -> None:  # fmt: skip
+        headers = [*extra, ("message", message), ("content-type", "text/plain")]
         if receipt_id is not None:
             headers.append(("receipt-id", receipt_id))
         self._out.append(encode("ERROR", headers, detail.encode("utf-8"), self.version))

@@ -6,15 +6,19 @@ from __future__ import annotations
 class StompError(Exception):
     """Base class: ``message`` goes in the ERROR frame's ``message`` header, ``detail`` in its body."""
 
-    def __init__(self, message: str, detail: str = "", receipt_id: str | None = None) -> None:
+    def __init__(self, message: str, detail: str = "", receipt_id: str | None = None,
+                 headers: tuple[tuple[str, str], ...] = ()) -> None:  # fmt: skip
         super().__init__(f"{message}: {detail}" if detail else message)
         self.message = message
         self.detail = detail
         self.receipt_id = receipt_id
+        self.headers = headers  # extra headers for the ERROR frame
 
 
 class RemoteProtocolError(StompError):
-    """The client broke the protocol: the connection has queued an ERROR frame and is closed."""
+    """The client broke the protocol. From ``receive_data`` it arrives as a ``ProtocolViolation`` event;
+    ``handle_timeout`` raises it for a missed heart-beat, with the ERROR frame queued and the connection
+    closed."""
 
 
 class LocalProtocolError(StompError):

@@ -41,6 +41,7 @@ class Unsubscribe:
     id: str | None  # 1.0 may name the destination instead
     destination: str | None
     receipt: str | None
+    headers: dict[str, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,4 +74,16 @@ class ConnectionClosed:
     """The client closed its side (EOF)."""
 
 
-Event = Connect | Send | Subscribe | Unsubscribe | Ack | Transaction | Disconnect | ConnectionClosed
+@dataclass(frozen=True, slots=True)
+class ProtocolViolation:
+    """The client broke the protocol; nothing after it is read. It comes after the events of the frames
+    before it, so the shell answers those first, then sends the ERROR (``StompServerConnection.reject``)."""
+
+    message: str
+    detail: str
+    receipt_id: str | None
+    headers: tuple[tuple[str, str], ...] = ()  # extra ERROR headers (``version`` for a version mismatch)
+
+
+Event = (Connect | Send | Subscribe | Unsubscribe | Ack | Transaction | Disconnect | ConnectionClosed
+         | ProtocolViolation)  # fmt: skip

@@ -48,7 +48,8 @@ class FrameParser:
         self._buffer = bytearray()
 
     def feed(self, data: bytes) -> list[Frame]:
-        """Every frame completed by ``data``; EOLs between frames (heart-beats) are skipped."""
+        """The frames completed by ``data``; EOLs between frames (heart-beats) are skipped. Parsing stops
+        after a CONNECT: set ``version``, then call ``feed(b"")`` for the frames behind it."""
         buffer = self._buffer
         buffer += data
         frames: list[Frame] = []
@@ -105,6 +106,8 @@ class FrameParser:
                         break
                 frames.append(Frame(command, headers, bytes(buffer[body_start:body_end])))
                 pos = body_end + 1
+                if command in _RAW_COMMANDS:
+                    break  # the CONNECT decides the version, and so how the frames behind it are read
         finally:
             del buffer[:pos]
         return frames
