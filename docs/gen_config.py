@@ -12,6 +12,8 @@ from pathlib import Path
 from tridentmq_core.settings import ENV_PREFIX as CORE_PREFIX
 from tridentmq_core.settings import CoreSettings
 from tridentmq_shared.settings import render_reference
+from tridentmq_stomp.settings import ENV_PREFIX as STOMP_PREFIX
+from tridentmq_stomp.settings import StompSettings
 
 TARGET = Path(__file__).with_name("configuration.md")
 
@@ -49,7 +51,8 @@ redelivery_multiplier = 2.0
 
 
 def render() -> str:
-    return HEADER + render_reference("Core node (`tridentmq-core`)", CoreSettings, CORE_PREFIX)
+    return (HEADER + render_reference("Core node (`tridentmq-core`)", CoreSettings, CORE_PREFIX) + "\n"
+            + render_reference("STOMP gateway (`tridentmq-stomp`)", StompSettings, STOMP_PREFIX))  # fmt: skip
 
 
 def main() -> int:

@@ -88,3 +88,68 @@ def core(tmp_path: Path) -> Iterator[CoreProcess]:
     code = node.stop()
     assert code == 0, f"core exited with {code}:\n{node.log()}"
     assert "Traceback" not in node.log(), node.log()
+
+
+@dataclass
+class GatewayProcess:
+    process: subprocess.Popen[bytes]
+    ports: dict[str, int]
+    log_path: Path
+
+    @property
+    def port(self) -> int:
+        return self.ports["stomp"]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                return self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                return self.process.wait()
+        return self.process.returncode
+
+
+def start_gateway(tmp_path: Path, core: CoreProcess, kind: str = "stomp", name: str | None = None,
+                  **env: str) -> GatewayProcess:  # fmt: skip
+    """A gateway process (``tridentmq_<kind>``) on OS-assigned loopback ports, linked to ``core``."""
+    directory = tmp_path / (name or f"gateway-{kind}")
+    directory.mkdir(parents=True, exist_ok=True)
+    ports_file = directory / "ports.json"
+    ports_file.unlink(missing_ok=True)
+    log_path = directory / "gateway.log"
+    prefix = f"TRIDENTMQ_{kind.upper()}"
+    environment = {
+        **os.environ,
+        f"{prefix}_LISTENER_HOST": "127.0.0.1",
+        f"{prefix}_LISTENER_PORT": "0",
+        f"{prefix}_LISTENER_WEBSOCKET_PORT": "0",
+        f"{prefix}_HTTP_PORT": "0",
+        f"{prefix}_CORE_PORT": str(core.link_port),
+        **env,
+    }
+    with log_path.open("wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", f"tridentmq_{kind}", "--ports-file", str(ports_file)],
+                                   env=environment, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while not ports_file.exists():
+        if process.poll() is not None:
+            raise RuntimeError(f"gateway exited with {process.returncode}:\n{log_path.read_text()}")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"gateway did not start in {STARTUP_TIMEOUT} s:\n{log_path.read_text()}")
+        time.sleep(0.05)
+    return GatewayProcess(process, json.loads(ports_file.read_text()), log_path)
+
+
+@pytest.fixture
+def stomp_gateway(tmp_path: Path, core: CoreProcess) -> Iterator[GatewayProcess]:
+    gateway = start_gateway(tmp_path, core)
+    yield gateway
+    code = gateway.stop()
+    assert code == 0, f"gateway exited with {code}:\n{gateway.log()}"
+    assert "Traceback" not in gateway.log(), gateway.log()

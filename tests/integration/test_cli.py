@@ -106,10 +106,35 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def stomp_round_trip(port: int) -> bytes:
+    """SEND and receive one message over raw STOMP (retrying while the gateway starts)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    with sock:
+        sock.sendall(b"CONNECT\naccept-version:1.2\n\n\x00SUBSCRIBE\nid:0\ndestination:/queue/up.stomp\n\n\x00"
+                     b"SEND\ndestination:/queue/up.stomp\n\nvia stomp\x00")  # fmt: skip
+        data = b""
+        while b"MESSAGE" not in data or not data.endswith(b"\x00"):
+            chunk = sock.recv(65536)
+            assert chunk, data
+            data += chunk
+        sock.sendall(b"DISCONNECT\n\n\x00")
+    return data.rsplit(b"\n\n", 1)[1].rstrip(b"\x00")
+
+
 def test_up_starts_serves_and_stops_cleanly(tmp_path: Path) -> None:
-    link, management = free_port(), free_port()
+    link, management, stomp_port = free_port(), free_port(), free_port()
     env = {**os.environ, "TRIDENTMQ_CORE_LINK_PORT": str(link), "TRIDENTMQ_CORE_MANAGEMENT_PORT": str(management),
-           "TRIDENTMQ_CORE_LINK_HOST": "127.0.0.1"}  # fmt: skip
+           "TRIDENTMQ_CORE_LINK_HOST": "127.0.0.1", "TRIDENTMQ_STOMP_CORE_PORT": str(link),
+           "TRIDENTMQ_STOMP_LISTENER_PORT": str(stomp_port), "TRIDENTMQ_STOMP_LISTENER_WEBSOCKET_PORT": "0",
+           "TRIDENTMQ_STOMP_HTTP_PORT": "0"}  # fmt: skip
     up = subprocess.Popen(
         [sys.executable, "-m", "tridentmq_shared.cli", "up", "--data-dir", str(tmp_path / "data")],
         env=env,
@@ -129,12 +154,14 @@ def test_up_starts_serves_and_stops_cleanly(tmp_path: Path) -> None:
         assert produced.returncode == 0, produced.stderr
         consumed = tridentmq("consume", "up.q", "--count", "3", "--port", str(link))
         assert consumed.returncode == 0, consumed.stderr
+        assert stomp_round_trip(stomp_port) == b"via stomp"
         up.send_signal(signal.SIGINT)
         output, _ = up.communicate(timeout=30)
     finally:
         up.kill()
     assert up.returncode == 0, output
     assert "core node ready" in output
+    assert "stomp gateway ready" in output
     assert "core node stopped" in output
     assert "Traceback" not in output
     assert (tmp_path / "data" / "core" / "node.id").exists()

@@ -32,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="run a core node and every installed gateway (Ctrl-C stops all)")
     up.add_argument("--data-dir", type=Path, default=Path("data"), help="data directory (default %(default)s)")
-    up.add_argument("--config", type=Path, help="TOML settings file passed to every process")
+    up.add_argument("--config", type=Path, help="the core's TOML settings file")
+    up.add_argument("--config-dir", type=Path, help="a directory of settings files, one per process: core.toml, "
+                    "stomp.toml, mqtt.toml, amqp.toml (each optional)")  # fmt: skip
 
     core = sub.add_parser("core", help="run one core node in the foreground")
     core.add_argument("args", nargs=argparse.REMAINDER, help="arguments for tridentmq-core (see --help)")
@@ -139,7 +141,7 @@ def _perf(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     match args.command:
         case "up":
-            return run_main(supervisor.supervise(supervisor.plan(args.data_dir, args.config)))
+            return run_main(supervisor.supervise(supervisor.plan(args.data_dir, args.config, args.config_dir)))
         case "status":
             status = admin.fetch(args.management, "/api/status")
             print(json.dumps(status, indent=2) if args.json else admin.status_text(status))

@@ -39,12 +39,17 @@ def installed_services() -> list[tuple[str, str]]:
     return services
 
 
-def plan(data_dir: Path, config: Path | None) -> list[Child]:
+def plan(data_dir: Path, config: Path | None, config_dir: Path | None = None) -> list[Child]:
+    """The children of ``up``: ``config`` is the core's settings file; ``config_dir`` may hold one file per
+    process, named after it (``core.toml``, ``stomp.toml``, ``mqtt.toml``, ``amqp.toml``)."""
     children = []
     for name, module in installed_services():
         argv = [sys.executable, "-m", module]
-        if config is not None:
+        own = config_dir / f"{name.removeprefix('gateway-')}.toml" if config_dir is not None else None
+        if name == "core" and config is not None:
             argv += ["--config", str(config)]
+        elif own is not None and own.exists():
+            argv += ["--config", str(own)]
         env = {"TRIDENTMQ_CORE_NODE_DATA_DIR": str(data_dir / "core")} if name == "core" else {}
         children.append(Child(name, argv, env))
     return children

@@ -1,0 +1,122 @@
+"""STOMP destinations and headers ↔ core addresses and messages (pure functions).
+
+``/queue/x`` is the anycast address ``x``, ``/topic/x`` the multicast address ``x``; any other destination is
+an address as it is, with the routing type from the ``destination-type`` header (ANYCAST or MULTICAST) or
+the address's default. Headers that STOMP defines become message fields; every other header is kept as a
+string property and handed back unchanged to STOMP consumers.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from tridentmq_shared.message import (
+    DEFAULT_PRIORITY,
+    M_ADDRESS,
+    M_BODY,
+    M_CONTENT_TYPE,
+    M_DURABLE,
+    M_EXPIRATION,
+    M_ID,
+    M_PRIORITY,
+    M_PROPS,
+    M_ROUTING,
+    M_TIMESTAMP,
+    ROUTING_DEFAULT,
+    RoutingType,
+    WireMessage,
+    new_message,
+)
+
+QUEUE_PREFIX: Final = "/queue/"
+TOPIC_PREFIX: Final = "/topic/"
+#: Headers with a meaning of their own in STOMP frames: never stored as properties.
+FRAME_HEADERS: Final = frozenset({
+    "destination", "content-length", "content-type", "receipt", "transaction", "persistent", "priority",
+    "expires", "message-id", "subscription", "ack", "redelivered", "destination-type", "timestamp",
+})  # fmt: skip
+
+
+class ConversionError(ValueError):
+    """A header value STOMP allows but this gateway cannot map (the ERROR frame says which)."""
+
+
+def destination_to_address(destination: str, destination_type: str | None = None) -> tuple[str, int]:
+    """(address, routing type or ``ROUTING_DEFAULT``) of a STOMP destination."""
+    if destination.startswith(QUEUE_PREFIX):
+        return destination[len(QUEUE_PREFIX) :], int(RoutingType.ANYCAST)
+    if destination.startswith(TOPIC_PREFIX):
+        return destination[len(TOPIC_PREFIX) :], int(RoutingType.MULTICAST)
+    if destination_type is not None:
+        kind = destination_type.upper()
+        if kind not in ("ANYCAST", "MULTICAST"):
+            raise ConversionError(f"destination-type {destination_type[:20]!r} is not ANYCAST or MULTICAST")
+        return destination, int(RoutingType[kind])
+    return destination, ROUTING_DEFAULT
+
+
+def address_to_destination(address: str, routing: int) -> str:
+    return (TOPIC_PREFIX if routing == RoutingType.MULTICAST else QUEUE_PREFIX) + address
+
+
+def to_message(address: str, routing: int, headers: dict[str, str], body: bytes) -> WireMessage:
+    priority = _int_header(headers, "priority", DEFAULT_PRIORITY)
+    if not 0 <= priority <= 9:
+        raise ConversionError(f"priority {priority} is not within 0..9")
+    expires = _int_header(headers, "expires", 0)
+    return new_message(
+        address,
+        body,
+        routing=routing,
+        durable=headers.get("persistent", "").lower() == "true",
+        priority=priority,
+        expiration_ms=max(expires, 0),
+        properties={k: v for k, v in headers.items() if k not in FRAME_HEADERS},
+        content_type=headers.get("content-type"),
+        protocol="stomp",
+    )
+
+
+def message_headers(message: WireMessage, subscription: str, ack_id: str, delivery_count: int,
+                    destination: str | None = None) -> list[tuple[str, str]]:  # fmt: skip
+    """The headers of the MESSAGE frame for a delivery."""
+    headers = [
+        ("destination", destination or address_to_destination(message[M_ADDRESS], message[M_ROUTING])),
+        ("message-id", str(message[M_ID])),
+        ("subscription", subscription),
+        ("ack", ack_id),
+        ("persistent", "true" if message[M_DURABLE] else "false"),
+        ("priority", str(message[M_PRIORITY])),
+        ("timestamp", str(message[M_TIMESTAMP])),
+        ("expires", str(message[M_EXPIRATION])),
+    ]
+    if delivery_count > 1:
+        headers.append(("redelivered", "true"))
+    if message[M_CONTENT_TYPE] is not None:
+        headers.append(("content-type", message[M_CONTENT_TYPE]))
+    for name, value in message[M_PROPS].items():
+        if name not in FRAME_HEADERS:
+            headers.append((name, _text(value)))
+    return headers
+
+
+def body_of(message: WireMessage) -> bytes:
+    return bytes(message[M_BODY])
+
+
+def _int_header(headers: dict[str, str], name: str, default: int) -> int:
+    value = headers.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConversionError(f"{name} {value[:20]!r} is not a number") from None
+
+
+def _text(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return "" if value is None else str(value)

@@ -1,0 +1,460 @@
+"""One STOMP client connection: the codec, the client's own link to the core, its subscriptions and
+transactions.
+
+Frames are handled strictly in order by one task; reading the socket pauses while too many wait, so a
+flood of SENDs is held back by the core's publish credit all the way to the client's TCP connection.
+Receipts go out in the order of their frames, each once its frame is done (a SEND's once the core
+confirmed it: for a persistent message, once it is on disk). Each subscription has a pump that sends
+MESSAGE frames while the socket keeps up and, in the client ack modes, while fewer than its prefetch are
+unacknowledged. Nothing is kept here that the core does not also know: when the connection ends its link
+closes, and the core returns unacknowledged messages to their queues and drops temporary ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.link.ops import ErrorCode, NackMode
+from tridentmq_shared.message import M_ID, RoutingType
+from tridentmq_stomp import convert
+from tridentmq_stomp.protocol import events as ev
+from tridentmq_stomp.protocol.connection import StompServerConnection
+from tridentmq_stomp.protocol.errors import RemoteProtocolError
+from tridentmq_stomp.protocol.frames import Limits
+from tridentmq_stomp.settings import StompSettings
+
+log = logging.getLogger("tridentmq.stomp")
+
+SERVER_NAME = "TridentMQ/0.1"
+_NO_LINK_RETRY = ReconnectPolicy(attempts=0)  # a lost core ends the STOMP connection; the client reconnects
+_session_ids = itertools.count(1)
+
+
+class Wire(Protocol):
+    """The client's transport (TCP or WebSocket), as the session sees it."""
+
+    peer: str
+
+    def write(self, data: bytes) -> None: ...
+    def close(self) -> None: ...
+    def pause_reading(self) -> None: ...
+    def resume_reading(self) -> None: ...
+    async def drained(self) -> None: ...
+
+
+class Counters:
+    """Gateway-wide counters for /metrics."""
+
+    def __init__(self) -> None:
+        self.connections_total = 0
+        self.frames_received = 0
+        self.messages_published = 0
+        self.messages_delivered = 0
+        self.errors = 0
+
+
+@dataclass(eq=False)
+class Subscription:
+    id: str
+    key: int  # a number of ours: ack ids are "<key>-<message id>"
+    destination: str
+    queue: str
+    ack: str
+    window: int
+    consumer: Consumer
+    temporary: bool
+    unacked: dict[int, None] = field(default_factory=dict)  # message ids in delivery order (client modes)
+    room: asyncio.Event = field(default_factory=asyncio.Event)
+    pump: asyncio.Task[None] | None = None
+
+
+class StompSession:
+    def __init__(self, settings: StompSettings, wire: Wire, counters: Counters) -> None:
+        limits = settings.stomp
+        self.settings = settings
+        self.wire = wire
+        self.counters = counters
+        self.id = f"{settings.node.name}-{next(_session_ids)}"
+        self.conn = StompServerConnection(
+            Limits(limits.max_frame_bytes, limits.max_headers, limits.max_header_bytes),
+            heartbeat=(limits.heartbeat_send_ms, limits.heartbeat_receive_ms),
+            min_heartbeat_ms=limits.min_heartbeat_ms,
+        )
+        self.link: LinkClient | None = None
+        self.client_id: str | None = None
+        self.subscriptions: dict[str, Subscription] = {}
+        self.transactions: dict[str, int] = {}
+        self._keys = itertools.count(1)
+        self._events: deque[ev.Event] = deque()
+        self._wakeup = asyncio.Event()
+        self._paused = False
+        self._receipts: deque[tuple[asyncio.Future[None] | None, str | None]] = deque()
+        self._closed = False
+        self._worker = asyncio.get_running_loop().create_task(self._work())
+        self._timer: asyncio.Task[None] | None = None
+        counters.connections_total += 1
+
+    # ------------------------------------------------------------------ input from the client
+    def feed(self, data: bytes) -> None:
+        if self._closed:
+            return
+        events = self.conn.receive_data(data, time.monotonic())
+        if not events:
+            return
+        self.counters.frames_received += len(events)
+        self._events.extend(events)
+        self._wakeup.set()
+        if len(self._events) >= self.settings.stomp.pending_frames and not self._paused:
+            self._paused = True
+            self.wire.pause_reading()
+
+    async def wait_closed(self) -> None:
+        await asyncio.shield(self._worker)
+
+    def connection_lost(self) -> None:
+        """The socket closed: end the session (the link's close returns unacked messages)."""
+        if not self._closed:
+            self._events.append(ev.ConnectionClosed())
+            self._wakeup.set()
+
+    # ------------------------------------------------------------------ the frame worker
+    async def _work(self) -> None:
+        try:
+            while not self._closed:
+                if not self._events:
+                    if self._paused:
+                        self._paused = False
+                        self.wire.resume_reading()
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                event = self._events.popleft()
+                try:
+                    await self._handle(event)
+                except LinkRequestError as exc:
+                    self._link_error(event, exc)
+                except convert.ConversionError as exc:
+                    self._error("invalid header", str(exc), getattr(event, "receipt", None))
+                self._drain_receipts()
+                self._flush()
+        finally:
+            await self._shutdown()
+
+    async def _handle(self, event: ev.Event) -> None:
+        match event:
+            case ev.Connect():
+                await self._connect(event)
+            case ev.Send():
+                await self._send(event)
+            case ev.Subscribe():
+                await self._subscribe(event)
+                self._receipt_now(event.receipt)
+            case ev.Unsubscribe():
+                await self._unsubscribe(event)
+                self._receipt_now(event.receipt)
+            case ev.Ack():
+                self._ack(event)
+                self._receipt_now(event.receipt)
+            case ev.Transaction():
+                await self._transaction(event)
+                self._receipt_now(event.receipt)
+            case ev.Disconnect():
+                await self._disconnect(event)
+            case ev.ConnectionClosed():
+                self._closed = True
+            case ev.ProtocolViolation():
+                log.info("stomp protocol error", extra={"peer": self.wire.peer, "error": event.message,
+                                                        "detail": event.detail[:200]})  # fmt: skip
+                self.counters.errors += 1
+                self.conn.reject(event)
+
+    async def _connect(self, event: ev.Connect) -> None:
+        core = self.settings.core
+        link = LinkClient(core.host, core.port, user=event.login, password=event.passcode,
+                          client_name=f"stomp {self.wire.peer}", reconnect=_NO_LINK_RETRY)  # fmt: skip
+        try:
+            await link.connect()
+        except LinkRequestError as exc:
+            if exc.code == ErrorCode.UNAUTHENTICATED:
+                log.info("stomp login refused", extra={"peer": self.wire.peer, "user": event.login})
+                self.conn.refuse("authentication failed", "bad login or passcode")
+            else:
+                log.warning("core unavailable", extra={"peer": self.wire.peer, "reason": exc.text})
+                self.conn.refuse("server unavailable", "the broker cannot be reached; try again")
+            self.counters.errors += 1
+            self._closed = True
+            return
+        self.link = link
+        link.on_closed = self._link_closed
+        self.client_id = event.headers.get("client-id")
+        self.conn.accept(self.id, SERVER_NAME, time.monotonic())
+        self._timer = asyncio.get_running_loop().create_task(self._heartbeats())
+
+    def _link(self) -> LinkClient:
+        assert self.link is not None  # the codec only lets frames through after CONNECTED
+        return self.link
+
+    async def _send(self, event: ev.Send) -> None:
+        address, routing = convert.destination_to_address(event.destination, event.headers.get("destination-type"))
+        message = convert.to_message(address, routing, event.headers, event.body)
+        tx_id = self._tx(event.transaction, event.receipt) if event.transaction else 0
+        if tx_id < 0:
+            return
+        future = await self._link().send(message, tx_id)
+        self.counters.messages_published += 1
+        self._receipts.append((future, event.receipt))
+        future.add_done_callback(self._settled)
+
+    def _settled(self, _future: asyncio.Future[None]) -> None:
+        self._drain_receipts()
+        self._flush()
+
+    async def _subscribe(self, event: ev.Subscribe) -> None:
+        if event.id in self.subscriptions:
+            self._error("duplicate subscription", f"subscription id {event.id[:40]!r} is in use", event.receipt)
+            return
+        headers = event.headers
+        address, routing = convert.destination_to_address(event.destination, headers.get("destination-type"))
+        limits = self.settings.stomp
+        asked = headers.get("consumer-window-size") or headers.get("activemq.prefetchSize")
+        window = limits.prefetch if asked is None or not asked.lstrip("-").isdigit() else int(asked)
+        window = min(max(window, 1), limits.max_prefetch) if window > 0 else limits.max_prefetch
+        selector = headers.get("selector")
+        durable_name = headers.get("durable-subscription-name") or headers.get("activemq.subscriptionName")
+        link = self._link()
+        queue, temporary = address, False
+        if routing == RoutingType.MULTICAST:
+            if durable_name is not None:
+                if not self.client_id:
+                    self._error("missing header", "a durable subscription needs client-id on CONNECT",
+                                event.receipt)  # fmt: skip
+                    return
+                queue = f"{self.client_id}.{durable_name}"
+                await _create(link, queue, address, durable=True, selector=selector)
+            else:
+                queue, temporary = f"stomp.{self.id}.{next(self._keys)}", True
+                await _create(link, queue, address, durable=False, selector=selector)
+        consumer = await link.subscribe(queue, credit=window, selector=None if durable_name or temporary else
+                                        selector, auto_ack=event.ack == "auto")  # fmt: skip
+        subscription = Subscription(event.id, next(self._keys), event.destination, queue, event.ack, window,
+                                    consumer, temporary)  # fmt: skip
+        subscription.pump = asyncio.get_running_loop().create_task(self._pump(subscription))
+        self.subscriptions[event.id] = subscription
+
+    async def _unsubscribe(self, event: ev.Unsubscribe) -> None:
+        subscription = self.subscriptions.get(event.id) if event.id is not None else next(
+            (s for s in self.subscriptions.values() if s.destination == event.destination), None)  # fmt: skip
+        if subscription is None:
+            self._error("no such subscription", f"{event.id or event.destination!r} is not subscribed", event.receipt)
+            return
+        del self.subscriptions[subscription.id]
+        await self._stop(subscription)
+        durable_name = event.headers.get("durable-subscription-name") or event.headers.get("activemq.subscriptionName")
+        if subscription.temporary or durable_name is not None:  # ending a durable subscription for good
+            await self._link().delete_queue(subscription.queue)
+
+    async def _stop(self, subscription: Subscription) -> None:
+        if subscription.pump is not None:
+            subscription.pump.cancel()
+        with contextlib.suppress(LinkRequestError):
+            await subscription.consumer.close()
+
+    def _ack(self, event: ev.Ack) -> None:
+        found = self._find_delivery(event)
+        if found is None:
+            self._error("unknown ack id", f"{event.id[:60]!r} names no unacknowledged message", event.receipt)
+            return
+        subscription, message_id = found
+        if subscription.ack == "client":  # cumulative: everything delivered up to this one
+            ids = []
+            for pending in list(subscription.unacked):
+                ids.append(pending)
+                del subscription.unacked[pending]
+                if pending == message_id:
+                    break
+        else:
+            del subscription.unacked[message_id]
+            ids = [message_id]
+        consumer = subscription.consumer
+        if event.nack:
+            consumer.nack_ids(ids, NackMode.REDELIVER)
+        else:
+            tx_id = self._tx(event.transaction, event.receipt) if event.transaction else 0
+            if tx_id < 0:
+                return
+            consumer.ack_ids(ids, tx_id)
+        subscription.room.set()
+
+    def _find_delivery(self, event: ev.Ack) -> tuple[Subscription, int] | None:
+        key, dash, number = event.id.partition("-")
+        if dash and key.isdigit() and number.isdigit():  # our ack header: "<key>-<message id>"
+            for subscription in self.subscriptions.values():
+                if subscription.key == int(key) and int(number) in subscription.unacked:
+                    return subscription, int(number)
+            return None
+        if not event.id.isdigit():
+            return None
+        message_id = int(event.id)  # a message-id (STOMP 1.0 and 1.1)
+        for subscription in self.subscriptions.values():
+            if event.subscription not in (None, subscription.id):
+                continue
+            if message_id in subscription.unacked:
+                return subscription, message_id
+        return None
+
+    def _tx(self, name: str, receipt: str | None) -> int:
+        tx_id = self.transactions.get(name)
+        if tx_id is None:
+            self._error("no such transaction", f"transaction {name[:40]!r} was not begun", receipt)
+            return -1
+        return tx_id
+
+    async def _transaction(self, event: ev.Transaction) -> None:
+        link = self._link()
+        if event.command == "BEGIN":
+            if event.transaction in self.transactions:
+                self._error("transaction exists", f"{event.transaction[:40]!r} is already open", event.receipt)
+                return
+            self.transactions[event.transaction] = await link.begin()
+            return
+        tx_id = self._tx(event.transaction, event.receipt)
+        if tx_id < 0:
+            return
+        del self.transactions[event.transaction]
+        if event.command == "COMMIT":
+            await link.commit(tx_id)
+        else:
+            await link.rollback(tx_id)
+
+    async def _disconnect(self, event: ev.Disconnect) -> None:
+        pending = [future for future, _ in self._receipts if future is not None]
+        if pending:
+            await asyncio.wait(pending)
+        self._drain_receipts()
+        if event.receipt is not None and not self.conn.closed:
+            self.conn.receipt(event.receipt)
+        self._flush()
+        self._closed = True
+
+    # ------------------------------------------------------------------ deliveries
+    async def _pump(self, subscription: Subscription) -> None:
+        consumer = subscription.consumer
+        client_ack = subscription.ack != "auto"
+        try:
+            while not self._closed:
+                if client_ack and len(subscription.unacked) >= subscription.window:
+                    subscription.room.clear()
+                    await subscription.room.wait()
+                    continue
+                await self.wire.drained()
+                batch = await consumer.get_batch()
+                if self.conn.closed:
+                    return
+                for count, message in batch:
+                    message_id = message[M_ID]
+                    if client_ack:
+                        subscription.unacked[message_id] = None
+                    headers = convert.message_headers(message, subscription.id, f"{subscription.key}-{message_id}",
+                                                      count)  # fmt: skip
+                    self.conn.message(headers, convert.body_of(message))
+                self.counters.messages_delivered += len(batch)
+                self._flush()
+        except LinkRequestError as exc:
+            if not self._closed:
+                self._error("subscription ended", exc.text, None)
+                self._flush()
+                self._closed = True
+                self._wakeup.set()
+
+    # ------------------------------------------------------------------ output
+    def _receipt_now(self, receipt: str | None) -> None:
+        if receipt is not None:
+            self._receipts.append((None, receipt))
+
+    def _drain_receipts(self) -> None:
+        """Answer finished frames in order: a RECEIPT, or an ERROR for a refused SEND."""
+        receipts = self._receipts
+        while receipts and (receipts[0][0] is None or receipts[0][0].done()):
+            future, receipt = receipts.popleft()
+            if self.conn.closed:
+                continue
+            error = future.exception() if future is not None else None
+            if error is not None:
+                text = error.text if isinstance(error, LinkRequestError) else str(error)
+                self._error("send refused", text, receipt)
+            elif receipt is not None:
+                self.conn.receipt(receipt)
+
+    def _flush(self) -> None:
+        data = self.conn.data_to_send()
+        if data:
+            self.wire.write(data)
+            self.conn.sent(time.monotonic())
+        if self.conn.closed and not self._closed:
+            self._closed = True
+            self._wakeup.set()
+
+    def _error(self, message: str, detail: str, receipt: str | None) -> None:
+        log.info("stomp error sent", extra={"peer": self.wire.peer, "error": message, "detail": detail[:200]})
+        self.counters.errors += 1
+        self.conn.error(message, detail, receipt)
+        self._flush()
+
+    def _protocol_error(self, exc: RemoteProtocolError) -> None:
+        log.info("stomp protocol error", extra={"peer": self.wire.peer, "error": exc.message,
+                                                "detail": exc.detail[:200]})  # fmt: skip
+        self.counters.errors += 1
+        self._flush()
+
+    def _link_error(self, event: ev.Event, exc: LinkRequestError) -> None:
+        message = {ErrorCode.FORBIDDEN: "permission denied", ErrorCode.NOT_FOUND: "not found",
+                   ErrorCode.INVALID: "invalid destination", ErrorCode.RESOURCE_LIMIT: "resource limit"
+                   }.get(exc.code, "request failed")  # fmt: skip
+        self._error(message, exc.text, getattr(event, "receipt", None))
+
+    def _link_closed(self, error: LinkRequestError) -> None:
+        if not self._closed:
+            self._error("server unavailable", f"the link to the broker closed: {error.text}", None)
+
+    # ------------------------------------------------------------------ heart-beats and the end
+    async def _heartbeats(self) -> None:
+        conn = self.conn
+        while not self._closed:
+            deadline = conn.next_deadline()
+            if deadline is None:
+                return
+            await asyncio.sleep(max(deadline - time.monotonic(), 0.0))
+            try:
+                conn.handle_timeout(time.monotonic())
+            except RemoteProtocolError as exc:
+                self._protocol_error(exc)
+                return
+            self._flush()
+
+    async def _shutdown(self) -> None:
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        for subscription in self.subscriptions.values():
+            if subscription.pump is not None:
+                subscription.pump.cancel()
+        if self.link is not None:
+            self.link.on_closed = None
+            await self.link.close()  # the core returns unacked messages and drops temporary queues
+        self.wire.close()
+
+
+async def _create(link: LinkClient, queue: str, address: str, *, durable: bool, selector: str | None) -> None:
+    """Create a subscription queue on a multicast address (a no-op when a durable one exists already)."""
+    options: dict[str, Any] = {} if durable else {"temporary": True}  # the core drops it with this link
+    if selector:
+        options["filter"] = selector
+    await link.create_queue(queue, address, routing_type=RoutingType.MULTICAST, durable=durable, **options)

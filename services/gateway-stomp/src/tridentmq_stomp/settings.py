@@ -1,0 +1,62 @@
+"""Every setting of a STOMP gateway with its default: the single source of its configuration reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tridentmq_shared.settings import doc
+
+ENV_PREFIX = "TRIDENTMQ_STOMP"
+
+
+@dataclass(frozen=True)
+class GatewayNodeSection:
+    name: str = doc("gateway-stomp", "Name of this gateway in logs and status output.")
+    log_level: str = doc("INFO", "Log level: DEBUG, INFO, WARNING or ERROR.")
+
+
+@dataclass(frozen=True)
+class ListenerSection:
+    host: str = doc("127.0.0.1", "Interface for STOMP clients. Loopback by default: configure users on the core "
+                                 "before listening on 0.0.0.0.")  # fmt: skip
+    port: int = doc(61613, "STOMP over TCP (0 = any free port, written to the ports file).")
+    websocket_port: int = doc(61614, "STOMP over WebSocket, subprotocols v10/v11/v12.stomp or none (-1 = off).")
+    max_connections: int = doc(10_000, "STOMP connections accepted at once; more are refused.")
+
+
+@dataclass(frozen=True)
+class CoreLinkSection:
+    host: str = doc("127.0.0.1", "Core node to connect clients to.")
+    port: int = doc(61616, "Its link port.")
+
+
+@dataclass(frozen=True)
+class StompLimitsSection:
+    max_frame_bytes: int = doc(4 * 1024 * 1024, "Largest frame body accepted (ERROR `frame too large` above).")
+    max_headers: int = doc(64, "Most headers in one frame.")
+    max_header_bytes: int = doc(64 * 1024, "Most bytes of command and header lines in one frame.")
+    prefetch: int = doc(1000, "Messages sent to a subscription ahead of its acks, unless the SUBSCRIBE says "
+                              "`consumer-window-size` or `activemq.prefetchSize`.")  # fmt: skip
+    max_prefetch: int = doc(10_000, "Largest prefetch a subscription may ask for.")
+    pending_frames: int = doc(1000, "Client frames read ahead of processing before the gateway stops reading "
+                                    "the socket (back-pressure to a fast producer).")  # fmt: skip
+    heartbeat_send_ms: int = doc(10_000, "Heart-beat interval the gateway offers to send (sx of CONNECTED).")
+    heartbeat_receive_ms: int = doc(10_000, "Heart-beat interval the gateway asks of clients (sy); a client "
+                                            "silent for twice the agreed interval is disconnected.")  # fmt: skip
+    min_heartbeat_ms: int = doc(100, "Shortest heart-beat interval agreed to, either way.")
+
+
+@dataclass(frozen=True)
+class HttpSection:
+    enabled: bool = doc(True, "Serve /healthz, /readyz and /metrics over HTTP.")
+    host: str = doc("127.0.0.1", "Interface of the HTTP server.")
+    port: int = doc(8081, "Port of the HTTP server (0 = any free port).")
+
+
+@dataclass(frozen=True)
+class StompSettings:
+    node: GatewayNodeSection = doc(GatewayNodeSection(), "This gateway.")
+    listener: ListenerSection = doc(ListenerSection(), "Client listeners.")
+    core: CoreLinkSection = doc(CoreLinkSection(), "The core node behind this gateway.")
+    stomp: StompLimitsSection = doc(StompLimitsSection(), "Protocol limits, windows and heart-beats.")
+    http: HttpSection = doc(HttpSection(), "Health and metrics HTTP server.")

@@ -1,0 +1,402 @@
+"""The STOMP gateway as a real process between real STOMP clients (stomp.py, raw sockets) and a real core."""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import stomp
+from stomp.utils import Frame
+from tests.conftest import CoreProcess, GatewayProcess, start_core, start_gateway
+
+from tridentmq_shared.link.client import LinkClient, ReconnectPolicy
+from tridentmq_shared.message import M_BODY, M_CONTENT_TYPE, M_DURABLE, M_PROPS
+
+pytestmark = pytest.mark.integration
+
+WAIT = 10.0
+
+
+class Listener(stomp.ConnectionListener):  # type: ignore[misc]
+    def __init__(self) -> None:
+        self.messages: list[Frame] = []
+        self.errors: list[Frame] = []
+        self.receipts: list[str] = []
+        self.changed = threading.Condition()
+
+    def on_message(self, frame: Frame) -> None:
+        with self.changed:
+            self.messages.append(frame)
+            self.changed.notify_all()
+
+    def on_error(self, frame: Frame) -> None:
+        with self.changed:
+            self.errors.append(frame)
+            self.changed.notify_all()
+
+    def on_receipt(self, frame: Frame) -> None:
+        with self.changed:
+            self.receipts.append(frame.headers["receipt-id"])
+            self.changed.notify_all()
+
+    def wait(self, condition: Callable[[], bool], what: str = "condition") -> None:
+        with self.changed:
+            assert self.changed.wait_for(condition, WAIT), f"timed out waiting for {what}"
+
+    def wait_messages(self, count: int) -> list[Frame]:
+        self.wait(lambda: len(self.messages) >= count, f"{count} messages (got {len(self.messages)})")
+        return self.messages[:count]
+
+
+def connect(gateway: GatewayProcess, version: str = "1.2", **kwargs: Any) -> tuple[stomp.Connection, Listener]:
+    cls = {"1.0": stomp.Connection10, "1.1": stomp.Connection11, "1.2": stomp.Connection12}[version]
+    connect_headers = kwargs.pop("connect_headers", {})
+    conn = cls([("127.0.0.1", gateway.port)], **kwargs)
+    listener = Listener()
+    conn.set_listener("test", listener)
+    if version == "1.0":
+        conn.connect(username="app", passcode="secret", wait=True)
+    else:
+        conn.connect(username="app", passcode="secret", wait=True, headers=connect_headers)
+    return conn, listener
+
+
+@pytest.fixture
+def gateway(stomp_gateway: GatewayProcess) -> GatewayProcess:
+    return stomp_gateway
+
+
+@pytest.mark.parametrize("version", ["1.0", "1.1", "1.2"])
+def test_send_and_receive_with_headers_preserved_in_every_version(gateway: GatewayProcess, version: str) -> None:
+    conn, listener = connect(gateway, version)
+    conn.subscribe("/queue/orders", id="s1", ack="auto")
+    headers = {"x-order": "42", "correlation-id": "c-1", "reply-to": "/queue/replies", "x-text": "with spaces"}
+    conn.send("/queue/orders", "first order", content_type="text/plain", headers=headers, receipt="r1")
+    [message] = listener.wait_messages(1)
+    assert message.body == "first order"
+    assert message.headers["destination"] == "/queue/orders"
+    assert message.headers["subscription"] == "s1"
+    assert message.headers["content-type"] == "text/plain"
+    for name, value in headers.items():
+        assert message.headers[name] == value
+    listener.wait(lambda: "r1" in listener.receipts, "the SEND's receipt")
+    conn.disconnect()
+
+
+def test_topic_fans_out_to_every_subscriber_and_queue_competes(gateway: GatewayProcess) -> None:
+    conn, listener = connect(gateway)
+    other, other_listener = connect(gateway)
+    conn.subscribe("/topic/news", id="a", ack="auto", headers={"receipt": "sub-a"})
+    other.subscribe("/topic/news", id="b", ack="auto", headers={"receipt": "sub-b"})
+    listener.wait(lambda: "sub-a" in listener.receipts)
+    other_listener.wait(lambda: "sub-b" in other_listener.receipts)
+    for n in range(10):
+        conn.send("/topic/news", f"news {n}")
+    assert [m.body for m in listener.wait_messages(10)] == [f"news {n}" for n in range(10)]
+    assert [m.body for m in other_listener.wait_messages(10)] == [f"news {n}" for n in range(10)]
+    conn.disconnect()
+    other.disconnect()
+
+
+def test_client_individual_nack_redelivers_then_dead_letters(tmp_path: Path) -> None:
+    core = start_core(tmp_path, config='[[address_settings]]\nmatch = "#"\nmax_delivery_attempts = 2\n')
+    gateway = start_gateway(tmp_path, core)
+    try:
+        conn, listener = connect(gateway)
+        conn.send("/queue/work", "poison", receipt="sent")
+        listener.wait(lambda: "sent" in listener.receipts)
+        conn.subscribe("/queue/work", id="w", ack="client-individual")
+        first = listener.wait_messages(1)[0]
+        assert "redelivered" not in first.headers
+        conn.nack(first.headers["ack"])
+        second = listener.wait_messages(2)[1]
+        assert second.headers["redelivered"] == "true"
+        assert second.headers["message-id"] == first.headers["message-id"]
+        conn.nack(second.headers["ack"])
+        conn.subscribe("/queue/DLQ", id="dlq", ack="auto")
+        dead = listener.wait_messages(3)[2]
+        assert dead.body == "poison"
+        assert dead.headers["subscription"] == "dlq"
+        assert dead.headers["_AMQ_ORIG_ADDRESS"] == "work"
+        conn.disconnect()
+    finally:
+        assert gateway.stop() == 0
+        core.stop()
+
+
+def test_client_ack_is_cumulative_and_unacked_messages_return_when_the_connection_ends(
+    gateway: GatewayProcess,
+) -> None:
+    conn, listener = connect(gateway)
+    for n in range(6):
+        conn.send("/queue/cumulative", f"m{n}")
+    conn.subscribe("/queue/cumulative", id="c", ack="client")
+    messages = listener.wait_messages(6)
+    conn.ack(messages[3].headers["ack"])  # acknowledges m0..m3
+    conn.disconnect(receipt="bye")
+    assert not listener.errors, listener.errors[0].body
+    again, again_listener = connect(gateway)
+    again.subscribe("/queue/cumulative", id="c2", ack="auto")
+    assert [m.body for m in again_listener.wait_messages(2)] == ["m4", "m5"]
+    assert all(m.headers.get("redelivered") == "true" for m in again_listener.messages[:2])
+    again.disconnect()
+
+
+def test_transactions_cover_send_and_ack(gateway: GatewayProcess) -> None:
+    conn, listener = connect(gateway)
+    conn.send("/queue/tx.in", "input", receipt="in")
+    listener.wait(lambda: "in" in listener.receipts)
+    conn.subscribe("/queue/tx.in", id="in", ack="client-individual")
+    [message] = listener.wait_messages(1)
+    conn.begin("t1")
+    conn.send("/queue/tx.out", "output", transaction="t1")
+    conn.ack(message.headers["ack"], transaction="t1")
+    conn.abort("t1")  # the ACK is undone: the input comes back; the output was never sent
+    redelivered = listener.wait_messages(2)[1]
+    assert redelivered.body == "input"
+    assert redelivered.headers["redelivered"] == "true"
+    conn.begin("t2")
+    conn.send("/queue/tx.out", "output", transaction="t2")
+    conn.ack(redelivered.headers["ack"], transaction="t2")
+    conn.commit("t2", headers={"receipt": "committed"})
+    listener.wait(lambda: "committed" in listener.receipts)
+    conn.subscribe("/queue/tx.out", id="out", ack="auto")
+    assert listener.wait_messages(3)[2].body == "output"
+    conn.unsubscribe("in")
+    conn.subscribe("/queue/tx.in", id="in-again", ack="auto", headers={"receipt": "again"})
+    listener.wait(lambda: "again" in listener.receipts)
+    time.sleep(0.3)
+    assert len(listener.messages) == 3  # the committed ACK consumed the input
+    conn.disconnect()
+
+
+def test_a_selector_filters_what_a_subscription_gets(gateway: GatewayProcess) -> None:
+    conn, listener = connect(gateway)
+    conn.subscribe("/queue/selected", id="s", ack="auto", headers={"selector": "colour = 'red'"})
+    for colour in ("blue", "red", "green", "red"):
+        conn.send("/queue/selected", colour, headers={"colour": colour})
+    assert [m.body for m in listener.wait_messages(2)] == ["red", "red"]
+    conn.disconnect()
+
+
+def test_a_durable_subscription_keeps_messages_across_a_gateway_restart(tmp_path: Path, core: CoreProcess) -> None:
+    gateway = start_gateway(tmp_path, core, name="first")
+    conn, listener = connect(gateway, connect_headers={"client-id": "app-1"})
+    conn.subscribe("/topic/events", id="d", ack="client-individual",
+                   headers={"durable-subscription-name": "audit", "receipt": "subscribed"})  # fmt: skip
+    listener.wait(lambda: "subscribed" in listener.receipts)
+    conn.disconnect()
+    assert gateway.stop() == 0
+    replacement = start_gateway(tmp_path, core, name="second")
+    try:
+        producer, producer_listener = connect(replacement)
+        for n in range(3):
+            producer.send("/topic/events", f"event {n}", headers={"persistent": "true"}, receipt=f"e{n}")
+        producer_listener.wait(lambda: len(producer_listener.receipts) == 3)
+        again, again_listener = connect(replacement, connect_headers={"client-id": "app-1"})
+        again.subscribe("/topic/events", id="d", ack="client-individual",
+                        headers={"durable-subscription-name": "audit"})  # fmt: skip
+        assert [m.body for m in again_listener.wait_messages(3)] == [f"event {n}" for n in range(3)]
+        for message in again_listener.messages:
+            again.ack(message.headers["ack"])
+        again.unsubscribe("d", headers={"durable-subscription-name": "audit", "receipt": "gone"})
+        again_listener.wait(lambda: "gone" in again_listener.receipts)
+        again.disconnect()
+        producer.disconnect()
+    finally:
+        assert replacement.stop() == 0
+
+
+def test_persistent_messages_survive_a_core_restart(tmp_path: Path) -> None:
+    core = start_core(tmp_path)
+    port = core.link_port
+    gateway = start_gateway(tmp_path, core)
+    conn, listener = connect(gateway)
+    for n in range(5):
+        conn.send("/queue/keep", f"kept {n}", headers={"persistent": "true"}, receipt=f"k{n}")
+    listener.wait(lambda: len(listener.receipts) == 5)
+    conn.disconnect()
+    assert gateway.stop() == 0
+    core.process.kill()
+    core.process.wait()
+    core = start_core(tmp_path, TRIDENTMQ_CORE_LINK_PORT=str(port))
+    gateway = start_gateway(tmp_path, core)
+    try:
+        conn, listener = connect(gateway)
+        conn.subscribe("/queue/keep", id="k", ack="auto")
+        messages = listener.wait_messages(5)
+        assert [m.body for m in messages] == [f"kept {n}" for n in range(5)]
+        assert all(m.headers["persistent"] == "true" for m in messages)
+        conn.disconnect()
+    finally:
+        assert gateway.stop() == 0
+        core.stop()
+
+
+def test_a_stomp_message_reaches_a_link_consumer_intact(gateway: GatewayProcess, core: CoreProcess) -> None:
+    conn, listener = connect(gateway)
+    conn.send("/queue/cross", b"\x00binary\xffbody", content_type="application/octet-stream",
+              headers={"persistent": "true", "x-key": "v"}, receipt="sent")  # fmt: skip
+    listener.wait(lambda: "sent" in listener.receipts)
+    conn.disconnect()
+
+    async def take() -> list[Any]:
+        async with LinkClient("127.0.0.1", core.link_port, reconnect=ReconnectPolicy(attempts=0)) as client:
+            consumer = await client.subscribe("cross", auto_ack=True)
+            delivery = await consumer.get(timeout=WAIT)
+            assert delivery is not None
+            return delivery.message
+
+    import asyncio  # noqa: PLC0415
+
+    message = asyncio.run(take())
+    assert message[M_BODY] == b"\x00binary\xffbody"
+    assert message[M_CONTENT_TYPE] == "application/octet-stream"
+    assert message[M_DURABLE] is True
+    assert message[M_PROPS]["x-key"] == "v"
+
+
+def test_bad_credentials_get_an_error(tmp_path: Path) -> None:
+    users = '[[users]]\nname = "app"\npassword = "secret"\nroles = ["all"]\n'
+    core = start_core(tmp_path, config=users + '[[permissions]]\nmatch = "#"\npermission = "send"\nroles = ["all"]\n')
+    gateway = start_gateway(tmp_path, core)
+    try:
+        with socket.create_connection(("127.0.0.1", gateway.port), timeout=WAIT) as sock:
+            sock.sendall(b"CONNECT\naccept-version:1.2\nlogin:app\npasscode:wrong\n\n\x00")
+            reply = read_until_closed(sock)
+        assert reply.startswith(b"ERROR\nmessage:authentication failed\n")
+        conn, listener = connect(gateway)  # the right passcode
+        conn.subscribe("/queue/secret", id="s", ack="auto", headers={"receipt": "r"})
+        listener.wait(lambda: bool(listener.errors), "an ERROR for the missing consume permission")
+        assert listener.errors[0].headers["message"] == "permission denied"
+        assert listener.errors[0].headers["receipt-id"] == "r"
+    finally:
+        assert gateway.stop() == 0
+        core.stop()
+
+
+# ---------------------------------------------------------------------------------------------------- raw frames
+def read_until_closed(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+@pytest.fixture
+def raw(gateway: GatewayProcess) -> Callable[[bytes], bytes]:
+    def exchange(data: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", gateway.port), timeout=WAIT) as sock:
+            sock.sendall(data)
+            return read_until_closed(sock)
+
+    return exchange
+
+
+CONNECT = b"CONNECT\naccept-version:1.2\nhost:anything\n\n\x00"
+
+
+@pytest.mark.parametrize(
+    ("frames", "message"),
+    [
+        (b"FLY\n\n\x00", "unknown command"),
+        (b"SEND\nreceipt:9\n\nno destination\x00", "missing header"),
+        (b"SEND\ndestination:/queue/x\ncontent-length:2\n\nabc\x00", "malformed frame"),
+        (b"SEND\ndestination:/queue/x\nbad\\escape:1\n\n\x00", "malformed frame"),
+        (b"SEND\ndestination:/queue/x\ncontent-length:99999999\n\n", "frame too large"),
+        (b"SEND\n" + b"h:v\n" * 200 + b"\n\x00", "frame too large"),
+        (b"ACK\nid:1-1\n\n\x00", "unknown ack id"),
+        (b"COMMIT\ntransaction:never\n\n\x00", "no such transaction"),
+        (b"SEND\ndestination:/queue/bad#name\nreceipt:r\n\nx\x00", "send refused"),
+        (b"SEND\ndestination:/queue/x\npriority:high\n\nx\x00", "invalid header"),
+    ],
+)
+def test_bad_frames_get_an_error_frame_then_the_connection_closes(
+    raw: Callable[[bytes], bytes], frames: bytes, message: str
+) -> None:
+    reply = raw(CONNECT + frames)
+    assert reply.startswith(b"CONNECTED\nversion:1.2\n")
+    assert re.search(rb"ERROR\nmessage:" + message.encode() + rb"\n", reply), reply
+
+
+def test_frames_before_connect_and_unsupported_versions_are_refused(raw: Callable[[bytes], bytes]) -> None:
+    assert raw(b"SEND\ndestination:/queue/x\n\n\x00").startswith(b"ERROR\nmessage:not connected\n")
+    reply = raw(b"CONNECT\naccept-version:3.0\n\n\x00")
+    assert reply.startswith(b"ERROR\nversion:1.0,1.1,1.2\n")
+
+
+def test_escaped_headers_come_back_escaped(raw: Callable[[bytes], bytes]) -> None:
+    reply = raw(CONNECT + b"SUBSCRIBE\nid:0\ndestination:/queue/escaped\n\n\x00"
+                b"SEND\ndestination:/queue/escaped\nkey\\cwith\\ccolons:line\\none\\\\two\\r\n\nx\x00"
+                b"DISCONNECT\nreceipt:done\n\n\x00")  # fmt: skip
+    assert b"\nkey\\cwith\\ccolons:line\\none\\\\two\\r\n" in reply
+
+
+def test_frames_split_at_every_byte_over_the_socket(gateway: GatewayProcess) -> None:
+    data = (CONNECT + b"SUBSCRIBE\nid:0\ndestination:/queue/split\n\n\x00"
+            b"SEND\r\ndestination:/queue/split\r\ncontent-length:3\r\n\r\na\x00b\x00\n\n"
+            b"DISCONNECT\nreceipt:done\n\n\x00")  # fmt: skip
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=WAIT) as sock:
+        for byte in data:
+            sock.sendall(bytes([byte]))
+        reply = read_until_closed(sock)
+    assert b"MESSAGE\n" in reply
+    assert b"\n\na\x00b\x00" in reply  # the body with its NUL, framed by content-length
+    assert reply.endswith(b"RECEIPT\nreceipt-id:done\n\n\x00")
+
+
+def test_a_silent_client_is_disconnected_after_a_missed_heartbeat(tmp_path: Path, core: CoreProcess) -> None:
+    gateway = start_gateway(tmp_path, core, TRIDENTMQ_STOMP_STOMP_HEARTBEAT_RECEIVE_MS="200")
+    try:
+        with socket.create_connection(("127.0.0.1", gateway.port), timeout=WAIT) as sock:
+            sock.sendall(b"CONNECT\naccept-version:1.2\nheart-beat:100,0\n\n\x00")
+            started = time.monotonic()
+            reply = read_until_closed(sock)
+        assert b"heart-beat:0,200\n" in reply  # we expect one every max(100, 200) ms
+        assert b"ERROR\nmessage:heart-beat missed\n" in reply
+        assert time.monotonic() - started < 5
+    finally:
+        assert gateway.stop() == 0
+
+
+def test_heartbeats_keep_an_idle_stomp_py_connection_alive(gateway: GatewayProcess) -> None:
+    conn, listener = connect(gateway, heartbeats=(100, 100))
+    time.sleep(1.0)
+    conn.send("/queue/alive", "still here")
+    conn.subscribe("/queue/alive", id="a", ack="auto")
+    assert listener.wait_messages(1)[0].body == "still here"
+    assert not listener.errors
+    conn.disconnect()
+
+
+def test_websocket_clients_with_and_without_a_subprotocol(gateway: GatewayProcess) -> None:
+    conn = stomp.WSConnection([("127.0.0.1", gateway.ports["websocket"])], ws_path="/stomp")
+    listener = Listener()
+    conn.set_listener("ws", listener)
+    conn.connect(username="app", passcode="secret", wait=True)
+    conn.subscribe("/queue/ws", id="w", ack="auto")
+    conn.send("/queue/ws", "over websocket")
+    assert listener.wait_messages(1)[0].body == "over websocket"
+    conn.disconnect()
+
+
+def test_health_ready_and_metrics(gateway: GatewayProcess) -> None:
+    import json  # noqa: PLC0415
+    import urllib.request  # noqa: PLC0415
+
+    base = f"http://127.0.0.1:{gateway.ports['http']}"
+    with urllib.request.urlopen(base + "/readyz", timeout=WAIT) as response:
+        assert json.loads(response.read())["status"] == "ready"
+    conn, _ = connect(gateway)
+    conn.send("/queue/metrics", "m", receipt="r")
+    conn.disconnect()
+    with urllib.request.urlopen(base + "/metrics", timeout=WAIT) as response:
+        text = response.read().decode()
+    assert re.search(r"^tridentmq_stomp_messages_published_total [1-9]", text, re.M)
+    assert re.search(r"^tridentmq_stomp_connections_total [1-9]", text, re.M)
