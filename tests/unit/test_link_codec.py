@@ -567,9 +567,26 @@ def test_requests_after_close_are_refused() -> None:
         client.publish(message())  # still has credit, but the link is closed
     with pytest.raises(LocalProtocolError):
         client.delete_queue("q")
-    server.close(ErrorCode.SHUTDOWN, "bye")
-    with pytest.raises(LocalProtocolError):
-        server.reply(1)
+
+
+def test_answers_to_a_batch_that_ended_in_close_are_dropped() -> None:
+    # The broker handles every event before the peer's CLOSE (routing its messages); its answers to them
+    # have no one to go to and must not raise.
+    client, server = open_pair()
+    client.publish(message())
+    client.create_queue({"name": "q"})
+    client.close(ErrorCode.SHUTDOWN, "bye")
+    events = pump(client, server)
+    assert isinstance(events[-1], ev.Closed)
+    server.confirm(1)
+    server.reject(2, ErrorCode.INVALID, "no")
+    server.reply(1)
+    server.error(1, ErrorCode.INVALID, "no")
+    server.grant_publish_credit(1)
+    server.deliver(1, 1, message())
+    server.consumer_closed(1, ErrorCode.SHUTDOWN, "bye")
+    server.browse_done(1)
+    assert server.data_to_send() == b""
 
 
 # ---------------------------------------------------------------------------------------------- publish

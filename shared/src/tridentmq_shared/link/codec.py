@@ -450,6 +450,14 @@ class LinkConnection:
         raise LocalProtocolError(ErrorCode.UNEXPECTED, f"link is {self.state.value}, not open")
 
     # ------------------------------------------------------------------ server side
+    def _answering(self) -> bool:
+        """Whether a server answer goes out. A peer's last batch may hold requests followed by its CLOSE:
+        the broker still handles them (their messages are routed), but their answers reach no one."""
+        if self.state is _CLOSED and self.role is _SERVER:
+            return False
+        self._require(_SERVER)
+        return True
+
     def accept(self, node_id: str, conn_id: str, publish_credit: int, now: float) -> None:
         if self.role is not _SERVER or self.state is not State.AUTHENTICATING:
             raise LocalProtocolError(ErrorCode.UNEXPECTED, "accept() answers a HELLO")
@@ -465,11 +473,13 @@ class LinkConnection:
         self.close(code, text)
 
     def reply(self, req_id: int, result: Any = None) -> None:
-        self._require(_SERVER)
+        if not self._answering():
+            return
         self._out.append([Op.OK, req_id, result])
 
     def error(self, req_id: int, code: str, text: str) -> None:
-        self._require(_SERVER)
+        if not self._answering():
+            return
         self._out.append([Op.ERROR, req_id, code, text])
 
     def confirm(self, seq: int) -> None:
@@ -478,31 +488,36 @@ class LinkConnection:
         if open_range is not None and open_range[2] + 1 == seq:
             open_range[2] = seq
             return
-        self._require(_SERVER)
+        if not self._answering():
+            return
         self._open_confirm = [_CONFIRM, seq, seq]
         self._out.append(self._open_confirm)
 
     def reject(self, seq: int, code: str, text: str) -> None:
-        self._require(_SERVER)
+        if not self._answering():
+            return
         self._out.append([Op.REJECT, seq, code, text])
 
     def grant_publish_credit(self, credit: int) -> None:
-        self._require(_SERVER)
+        if not self._answering():
+            return
         if credit > 0:
             self.publish_credit += credit
             self._out.append([Op.PUBLISH_CREDIT, credit])
 
     def deliver(self, consumer_id: int, delivery_count: int, message: WireMessage) -> None:
-        if self.state is not _OPEN or self.role is not _SERVER:
-            self._require(_SERVER)
+        if (self.state is not _OPEN or self.role is not _SERVER) and not self._answering():
+            return
         self._out.append((_DELIVER, consumer_id, delivery_count, message))
 
     def consumer_closed(self, consumer_id: int, code: str, text: str) -> None:
-        self._require(_SERVER)
+        if not self._answering():
+            return
         self._out.append([Op.CONSUMER_CLOSED, consumer_id, code, text])
 
     def browse_done(self, consumer_id: int) -> None:
-        self._require(_SERVER)
+        if not self._answering():
+            return
         self._out.append([Op.BROWSE_DONE, consumer_id])
 
     # ------------------------------------------------------------------ client side
