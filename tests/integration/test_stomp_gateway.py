@@ -176,6 +176,26 @@ def test_transactions_cover_send_and_ack(gateway: GatewayProcess) -> None:
     conn.disconnect()
 
 
+def test_request_reply_through_a_temporary_queue(gateway: GatewayProcess) -> None:
+    requester, requests = connect(gateway)
+    server, served = connect(gateway)
+    server.subscribe("/queue/service", id="svc", ack="auto", headers={"receipt": "ready"})
+    served.wait(lambda: "ready" in served.receipts)
+    requester.subscribe("/temp-queue/replies", id="r", ack="auto")
+    requester.send("/queue/service", "ping", headers={"reply-to": "/temp-queue/replies", "correlation-id": "c7"})
+    [request] = served.wait_messages(1)
+    reply_to = request.headers["reply-to"]
+    assert reply_to.startswith("/queue/tmp.")  # a name any client can send to
+    server.send(reply_to, "pong", headers={"correlation-id": request.headers["correlation-id"]})
+    [reply] = requests.wait_messages(1)
+    assert (reply.body, reply.headers["correlation-id"]) == ("pong", "c7")
+    assert reply.headers["destination"] == "/temp-queue/replies"
+    requester.disconnect()  # the temporary queue goes with its connection
+    server.send(reply_to, "too late", receipt="late")
+    served.wait(lambda: "late" in served.receipts or bool(served.errors))
+    server.disconnect()
+
+
 def test_a_selector_filters_what_a_subscription_gets(gateway: GatewayProcess) -> None:
     conn, listener = connect(gateway)
     conn.subscribe("/queue/selected", id="s", ack="auto", headers={"selector": "colour = 'red'"})

@@ -30,6 +30,7 @@ from tridentmq_shared.message import (
 
 QUEUE_PREFIX: Final = "/queue/"
 TOPIC_PREFIX: Final = "/topic/"
+TEMP_QUEUE_PREFIX: Final = "/temp-queue/"
 #: Headers with a meaning of their own in STOMP frames: never stored as properties.
 FRAME_HEADERS: Final = frozenset({
     "destination", "content-length", "content-type", "receipt", "transaction", "persistent", "priority",
@@ -53,6 +54,14 @@ def destination_to_address(destination: str, destination_type: str | None = None
             raise ConversionError(f"destination-type {destination_type[:20]!r} is not ANYCAST or MULTICAST")
         return destination, int(RoutingType[kind])
     return destination, ROUTING_DEFAULT
+
+
+def temporary_address(connection_id: str, destination: str) -> str:
+    """The address of a connection's ``/temp-queue/<name>``: ``tmp.<connection id>.<name>``."""
+    name = destination[len(TEMP_QUEUE_PREFIX) :]
+    if not name or any(c in name for c in "*#"):
+        raise ConversionError(f"{destination[:60]!r} is not a temporary queue name")
+    return f"tmp.{connection_id}.{name}"
 
 
 def address_to_destination(address: str, routing: int) -> str:

@@ -17,6 +17,7 @@ import contextlib
 import itertools
 import logging
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -35,7 +36,6 @@ log = logging.getLogger("tridentmq.stomp")
 
 SERVER_NAME = "TridentMQ/0.1"
 _NO_LINK_RETRY = ReconnectPolicy(attempts=0)  # a lost core ends the STOMP connection; the client reconnects
-_session_ids = itertools.count(1)
 
 
 class Wire(Protocol):
@@ -71,6 +71,7 @@ class Subscription:
     window: int
     consumer: Consumer
     temporary: bool
+    shown_destination: str | None = None  # MESSAGE's destination when the address would not say it (temp queues)
     unacked: dict[int, None] = field(default_factory=dict)  # message ids in delivery order (client modes)
     room: asyncio.Event = field(default_factory=asyncio.Event)
     pump: asyncio.Task[None] | None = None
@@ -82,7 +83,7 @@ class StompSession:
         self.settings = settings
         self.wire = wire
         self.counters = counters
-        self.id = f"{settings.node.name}-{next(_session_ids)}"
+        self.id = uuid.uuid4().hex[:16]  # unique across gateway replicas: it names temporary queues
         self.conn = StompServerConnection(
             Limits(limits.max_frame_bytes, limits.max_headers, limits.max_header_bytes),
             heartbeat=(limits.heartbeat_send_ms, limits.heartbeat_receive_ms),
@@ -91,6 +92,7 @@ class StompSession:
         self.link: LinkClient | None = None
         self.client_id: str | None = None
         self.subscriptions: dict[str, Subscription] = {}
+        self.temporary_queues: set[str] = set()  # addresses of this connection's /temp-queue/ destinations
         self.transactions: dict[str, int] = {}
         self._keys = itertools.count(1)
         self._events: deque[ev.Event] = deque()
@@ -202,9 +204,26 @@ class StompSession:
         assert self.link is not None  # the codec only lets frames through after CONNECTED
         return self.link
 
+    async def _resolve(self, destination: str, destination_type: str | None) -> tuple[str, int]:
+        """(address, routing) of a destination; ``/temp-queue/x`` is this connection's temporary queue
+        ``tmp.<connection>.x``, created on first use and deleted by the core when the connection ends."""
+        if not destination.startswith(convert.TEMP_QUEUE_PREFIX):
+            return convert.destination_to_address(destination, destination_type)
+        address = convert.temporary_address(self.id, destination)
+        if address not in self.temporary_queues:
+            await self._link().create_queue(address, address, routing_type=RoutingType.ANYCAST, temporary=True)
+            self.temporary_queues.add(address)
+        return address, int(RoutingType.ANYCAST)
+
     async def _send(self, event: ev.Send) -> None:
-        address, routing = convert.destination_to_address(event.destination, event.headers.get("destination-type"))
-        message = convert.to_message(address, routing, event.headers, event.body)
+        address, routing = await self._resolve(event.destination, event.headers.get("destination-type"))
+        headers = event.headers
+        reply_to = headers.get("reply-to")
+        if reply_to is not None and reply_to.startswith(convert.TEMP_QUEUE_PREFIX):
+            # Whoever answers must reach this connection's queue, under a name that works for them too.
+            reply_address, _ = await self._resolve(reply_to, None)
+            headers = {**headers, "reply-to": convert.QUEUE_PREFIX + reply_address}
+        message = convert.to_message(address, routing, headers, event.body)
         tx_id = self._tx(event.transaction, event.receipt) if event.transaction else 0
         if tx_id < 0:
             return
@@ -222,7 +241,7 @@ class StompSession:
             self._error("duplicate subscription", f"subscription id {event.id[:40]!r} is in use", event.receipt)
             return
         headers = event.headers
-        address, routing = convert.destination_to_address(event.destination, headers.get("destination-type"))
+        address, routing = await self._resolve(event.destination, headers.get("destination-type"))
         limits = self.settings.stomp
         asked = headers.get("consumer-window-size") or headers.get("activemq.prefetchSize")
         window = limits.prefetch if asked is None or not asked.lstrip("-").isdigit() else int(asked)
@@ -244,8 +263,9 @@ class StompSession:
                 await _create(link, queue, address, durable=False, selector=selector)
         consumer = await link.subscribe(queue, credit=window, selector=None if durable_name or temporary else
                                         selector, auto_ack=event.ack == "auto")  # fmt: skip
+        shown = event.destination if event.destination.startswith(convert.TEMP_QUEUE_PREFIX) else None
         subscription = Subscription(event.id, next(self._keys), event.destination, queue, event.ack, window,
-                                    consumer, temporary)  # fmt: skip
+                                    consumer, temporary, shown)  # fmt: skip
         subscription.pump = asyncio.get_running_loop().create_task(self._pump(subscription))
         self.subscriptions[event.id] = subscription
 
@@ -363,7 +383,7 @@ class StompSession:
                     if client_ack:
                         subscription.unacked[message_id] = None
                     headers = convert.message_headers(message, subscription.id, f"{subscription.key}-{message_id}",
-                                                      count)  # fmt: skip
+                                                      count, subscription.shown_destination)  # fmt: skip
                     self.conn.message(headers, convert.body_of(message))
                 self.counters.messages_delivered += len(batch)
                 self._flush()
