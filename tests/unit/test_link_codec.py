@@ -561,7 +561,7 @@ def test_server_message_methods_refuse_misuse(
 
 
 def test_requests_after_close_are_refused() -> None:
-    client, server = open_pair()
+    client, _ = open_pair()
     client.close(ErrorCode.SHUTDOWN, "bye")
     with pytest.raises(LocalProtocolError):
         client.publish(message())  # still has credit, but the link is closed

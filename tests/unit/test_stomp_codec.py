@@ -67,6 +67,14 @@ def test_frames_split_at_every_byte_parse_the_same(piece: int | None) -> None:
     ]
 
 
+@pytest.mark.parametrize("piece", [None, 1, 5])
+def test_crlf_and_lf_blank_lines_end_the_headers_whichever_comes_first(piece: int | None) -> None:
+    data = (b"SEND\r\ndestination:a\r\n\r\n\nbody\x00"  # CRLF blank line, then a body starting with LF
+            b"SEND\ndestination:b\n\nx\n\r\ny\x00")  # LF blank line, then a body holding CR LF  # fmt: skip
+    assert [(f.headers["destination"], f.body) for f in feed_in_pieces(data, piece)] == [
+        ("a", b"\nbody"), ("b", b"x\n\r\ny")]  # fmt: skip
+
+
 def test_the_first_of_repeated_headers_wins() -> None:
     [frame] = FrameParser().feed(b"SEND\ndestination:first\ndestination:second\n\n\x00")
     assert frame.headers["destination"] == "first"

@@ -67,7 +67,8 @@ class FrameParser:
                 if pos >= end or buffer[pos] in (10, 13):
                     break
                 head_end = buffer.find(b"\n\n", pos)
-                crlf_end = buffer.find(b"\n\r\n", pos)
+                # Only up to the LF LF: searching the whole buffer made parsing quadratic in frames per read.
+                crlf_end = buffer.find(b"\n\r\n", pos, end if head_end == -1 else head_end + 1)
                 if crlf_end != -1 and (head_end == -1 or crlf_end < head_end):
                     head_end, body_start = crlf_end, crlf_end + 3
                 else:
