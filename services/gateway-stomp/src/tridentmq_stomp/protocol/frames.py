@@ -164,9 +164,17 @@ _ESCAPE_TABLES: Final = {V10: _ESCAPE_RAW, V11: _ESCAPE_11, V12: _ESCAPE_12}
 
 def encode(command: str, headers: list[tuple[str, str]], body: bytes, version: str) -> bytes:
     """One frame; bodies always carry a ``content-length`` (they may contain NULs)."""
-    table = _ESCAPE_TABLES[version] if command not in _RAW_COMMANDS else _ESCAPE_RAW
-    lines = [command]
-    lines.extend(f"{name.translate(table)}:{value.translate(table)}" for name, value in headers)
+    head = "\n".join([command, *[f"{name}:{value}" for name, value in headers]])
+    # Escaping is rare and str.translate is slow: when every line holds only its own EOL and colon (and no
+    # backslash or CR), nothing needs it. 1.0 and CONNECT/CONNECTED escape nothing but EOLs.
+    raw = command in _RAW_COMMANDS
+    if (
+        "\r" in head
+        or head.count("\n") != len(headers)
+        or (not raw and version != V10 and ("\\" in head or head.count(":") != len(headers)))
+    ):
+        table = _ESCAPE_RAW if raw else _ESCAPE_TABLES[version]
+        head = "\n".join([command, *[f"{name.translate(table)}:{value.translate(table)}" for name, value in headers]])
     if body or command in ("MESSAGE", "ERROR"):
-        lines.append(f"content-length:{len(body)}")
-    return ("\n".join(lines) + "\n\n").encode("utf-8") + body + b"\x00"
+        head += f"\ncontent-length:{len(body)}"
+    return b"".join((head.encode("utf-8"), b"\n\n", body, b"\x00"))
