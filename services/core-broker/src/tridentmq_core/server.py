@@ -249,7 +249,7 @@ class CoreNode:
     def schedule_flush(self) -> None:
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            (self._loop or asyncio.get_running_loop()).call_soon(self._flush)  # the kept loop: no getpid() call
 
     def _flush(self) -> None:
         """Dispatch what the last batch of events made deliverable, then write each touched link once."""

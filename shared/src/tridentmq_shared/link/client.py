@@ -118,7 +118,7 @@ class Consumer:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return False
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self.client._event_loop().create_future()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._waiter, remaining)
         return True
@@ -225,6 +225,9 @@ class LinkClient:
         self.node_id = ""
         self.producer_id = uuid.uuid4().hex[:16]
         self._dedup_seq = itertools.count(1)
+        # The loop, kept: asyncio.get_running_loop() makes a getpid() system call each time, a fifth of a
+        # gateway's CPU when it is called per message.
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._conn: LinkConnection | None = None
         self._protocol: _Protocol | None = None
         self._opened: asyncio.Future[None] | None = None
@@ -266,7 +269,7 @@ class LinkClient:
             delay = min(delay * self.reconnect.multiplier, self.reconnect.max_interval)
 
     async def _open(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         conn = LinkConnection(Role.CLIENT, heartbeat_ms=self.heartbeat_ms)
         self._conn = conn
         self._opened = loop.create_future()
@@ -426,7 +429,7 @@ class LinkClient:
             consumer._taken = 0
             req_id, consumer.consumer_id = conn.subscribe(consumer.queue, consumer.window, consumer.options)
             self._consumers[consumer.consumer_id] = consumer
-            self._requests[req_id] = asyncio.get_running_loop().create_future()
+            self._requests[req_id] = self._event_loop().create_future()
         pending = [self._unconfirmed[seq] for seq in sorted(self._unconfirmed)]
         self._unconfirmed.clear()
         self._schedule_flush()
@@ -469,7 +472,7 @@ class LinkClient:
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._write_now)
+            self._event_loop().call_soon(self._write_now)
 
     def _queued(self, conn: LinkConnection, message: WireMessage) -> None:
         """A publish was queued: write now past the early-write thresholds, else at the end of this turn."""
@@ -489,6 +492,9 @@ class LinkClient:
         if data:
             protocol.transport.write(data)
 
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop or asyncio.get_running_loop()
+
     def _live(self) -> LinkConnection:
         if self._conn is None or self._conn.state is not _OPEN:
             raise self._error or LinkClosedError(ErrorCode.EOF, "not connected")
@@ -496,7 +502,7 @@ class LinkClient:
 
     # ------------------------------------------------------------------ requests
     async def _call(self, req_id: int) -> Any:
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Any] = self._event_loop().create_future()
         self._requests[req_id] = future
         self._schedule_flush()
         return await future
@@ -566,7 +572,7 @@ class LinkClient:
     # ------------------------------------------------------------------ publishing
     async def _wait_credit(self) -> None:
         while self._live().publish_credit <= 0:
-            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            waiter: asyncio.Future[None] = self._event_loop().create_future()
             self._credit_waiters.append(waiter)
             await waiter
 
@@ -583,7 +589,7 @@ class LinkClient:
             message[M_DEDUP] = f"{self.producer_id}:{next(self._dedup_seq)}"
         conn = self._live()
         seq = conn.publish(message, tx_id)
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[None] = self._event_loop().create_future()
         self._unconfirmed[seq] = (message, tx_id, future)
         self._queued(conn, message)
         return future
