@@ -585,6 +585,18 @@ class LinkClient:
         """Queue a publish once the window allows; the returned future resolves on the server's confirm."""
         await self._wait_credit()
         await self._wait_writable()
+        return self.send_now(message, tx_id)
+
+    @property
+    def can_send(self) -> bool:
+        """Whether ``send_now`` may be called: the window is open and the socket keeps up."""
+        protocol = self._protocol
+        return self._live().publish_credit > 0 and (protocol is None or protocol.writable.is_set())
+
+    def send_now(self, message: WireMessage, tx_id: int = 0) -> asyncio.Future[None]:
+        """``send`` without waiting (check ``can_send`` first), for callers that publish message by message
+        at a high rate: a coroutine per message costs more than the publish. Raises ``LocalProtocolError``
+        when the window is closed."""
         if message[M_DURABLE] and message[M_DEDUP] is None:
             message[M_DEDUP] = f"{self.producer_id}:{next(self._dedup_seq)}"
         conn = self._live()

