@@ -16,7 +16,7 @@ from stomp.utils import Frame
 from tests.conftest import CoreProcess, GatewayProcess, start_core, start_gateway
 
 from tridentmq_shared.link.client import LinkClient, ReconnectPolicy
-from tridentmq_shared.message import M_BODY, M_CONTENT_TYPE, M_DURABLE, M_PROPS
+from tridentmq_shared.message import M_BODY, M_CONTENT_TYPE, M_DURABLE, M_PROPS, RoutingType, new_message
 
 pytestmark = pytest.mark.integration
 
@@ -231,6 +231,65 @@ def test_a_durable_subscription_keeps_messages_across_a_gateway_restart(tmp_path
         producer.disconnect()
     finally:
         assert replacement.stop() == 0
+
+
+def test_unacknowledged_deliveries_return_when_the_gateway_is_killed(tmp_path: Path, core: CoreProcess) -> None:
+    gateway = start_gateway(tmp_path, core, name="doomed")
+    conn, listener = connect(gateway, connect_headers={"client-id": "app-2"})
+    conn.subscribe("/topic/jobs", id="d", ack="client-individual",
+                   headers={"durable-subscription-name": "worker", "receipt": "subscribed"})  # fmt: skip
+    listener.wait(lambda: "subscribed" in listener.receipts)
+    for n in range(4):
+        conn.send("/topic/jobs", f"job {n}", headers={"persistent": "true"}, receipt=f"j{n}")
+        conn.send("/queue/work", f"work {n}", headers={"persistent": "true"}, receipt=f"w{n}")
+    conn.subscribe("/queue/work", id="q", ack="client-individual")
+    listener.wait(lambda: len(listener.messages) == 8, "8 deliveries")
+    conn.ack(listener.messages[0].headers["ack"], receipt="acked")
+    listener.wait(lambda: "acked" in listener.receipts)
+    gateway.process.kill()  # no goodbye: the core only sees the gateway's links drop
+    gateway.process.wait()
+    replacement = start_gateway(tmp_path, core, name="replacement")
+    try:
+        again, again_listener = connect(replacement, connect_headers={"client-id": "app-2"})
+        again.subscribe("/topic/jobs", id="d", ack="auto", headers={"durable-subscription-name": "worker"})
+        again.subscribe("/queue/work", id="q", ack="auto")
+        returned = again_listener.wait_messages(7)
+        acked = listener.messages[0].body
+        expected = {f"job {n}" for n in range(4)} | {f"work {n}" for n in range(4)}
+        assert sorted(m.body for m in returned) == sorted(expected - {acked})
+        assert all(m.headers.get("redelivered") == "true" for m in returned)
+        again.unsubscribe("d", headers={"durable-subscription-name": "worker", "receipt": "gone"})
+        again_listener.wait(lambda: "gone" in again_listener.receipts)
+        again.disconnect()
+    finally:
+        assert replacement.stop() == 0
+
+
+def test_a_link_client_message_reaches_a_stomp_consumer_with_its_properties(
+    gateway: GatewayProcess, core: CoreProcess
+) -> None:
+    conn, listener = connect(gateway)
+    conn.subscribe("/queue/from.link", id="s", ack="auto", headers={"receipt": "ready"})
+    listener.wait(lambda: "ready" in listener.receipts)
+
+    async def publish() -> None:
+        async with LinkClient("127.0.0.1", core.link_port, reconnect=ReconnectPolicy(attempts=0)) as client:
+            properties = {"count": 3, "ratio": 0.5, "flag": True, "text": "a:b\\c", "correlation-id": "c-9"}
+            await client.publish(new_message("from.link", b"\x01bytes\x00", routing=RoutingType.ANYCAST,
+                                             durable=True, priority=7, properties=properties,
+                                             content_type="application/x-test"))  # fmt: skip
+
+    import asyncio  # noqa: PLC0415
+
+    asyncio.run(publish())
+    [message] = listener.wait_messages(1)
+    assert message.headers["destination"] == "/queue/from.link"
+    assert (message.headers["persistent"], message.headers["priority"]) == ("true", "7")
+    assert message.headers["content-type"] == "application/x-test"
+    assert {k: message.headers[k] for k in ("count", "ratio", "flag", "text", "correlation-id")} == {
+        "count": "3", "ratio": "0.5", "flag": "true", "text": "a:b\\c", "correlation-id": "c-9"}  # fmt: skip
+    assert message.headers["content-length"] == "7"
+    conn.disconnect()
 
 
 def test_persistent_messages_survive_a_core_restart(tmp_path: Path) -> None:
