@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: a core process on free loopback ports, and the machine's description."""
+"""What the benchmark scripts share: a core process and a STOMP gateway on free loopback ports, and the
+machine's description."""
 
 from __future__ import annotations
 
@@ -35,12 +36,28 @@ class Core:
 
 
 @contextmanager
+def _service(module: str, what: str, ports: Path, args: list[str], environment: dict[str, str]
+             ) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, int]]]:  # fmt: skip
+    """Run ``python -m module``, wait for the ports it writes to ``ports``, stop it at the end."""
+    ports.unlink(missing_ok=True)
+    process = subprocess.Popen([sys.executable, "-m", module, "--ports-file", str(ports), *args], env=environment)
+    try:
+        deadline = time.monotonic() + 120
+        while not ports.exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the {what} did not start")
+            time.sleep(0.01)
+        yield process, json.loads(ports.read_text())
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+@contextmanager
 def core_node(data_dir: Path, config: str | None = None, **env: str) -> Iterator[Core]:
     """A core on ``data_dir`` with settings from ``config`` (TOML) and ``TRIDENTMQ_CORE_*`` variables."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    ports = data_dir / "ports.json"
-    ports.unlink(missing_ok=True)
-    args = [sys.executable, "-m", "tridentmq_core", "--ports-file", str(ports)]
+    args = []
     if config is not None:
         (data_dir / "core.toml").write_text(config)
         args += ["--config", str(data_dir / "core.toml")]
@@ -48,18 +65,28 @@ def core_node(data_dir: Path, config: str | None = None, **env: str) -> Iterator
                    "TRIDENTMQ_CORE_LINK_HOST": "127.0.0.1", "TRIDENTMQ_CORE_LINK_PORT": "0",
                    "TRIDENTMQ_CORE_MANAGEMENT_PORT": "0", "TRIDENTMQ_CORE_NODE_LOG_LEVEL": "WARNING",
                    **{f"TRIDENTMQ_CORE_{key.upper()}": value for key, value in env.items()}}  # fmt: skip
-    process = subprocess.Popen(args, env=environment)
-    try:
-        deadline = time.monotonic() + 120
-        while not ports.exists():
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the core did not start")
-            time.sleep(0.01)
-        bound = json.loads(ports.read_text())
+    with _service("tridentmq_core", "core", data_dir / "ports.json", args, environment) as (process, bound):
         yield Core(process, bound["link"], bound["management"])
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
+
+
+@dataclass(frozen=True)
+class Gateway:
+    process: subprocess.Popen[bytes]
+    port: int
+    http_port: int
+
+
+@contextmanager
+def stomp_gateway(core: Core, directory: Path, **env: str) -> Iterator[Gateway]:
+    """A STOMP gateway linked to ``core``: plain TCP and HTTP on free loopback ports, no WebSocket listener;
+    more settings from ``TRIDENTMQ_STOMP_*`` variables (``env`` keys without the prefix)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    environment = {**os.environ, "TRIDENTMQ_STOMP_LISTENER_HOST": "127.0.0.1", "TRIDENTMQ_STOMP_LISTENER_PORT": "0",
+                   "TRIDENTMQ_STOMP_LISTENER_WEBSOCKET_PORT": "-1", "TRIDENTMQ_STOMP_HTTP_PORT": "0",
+                   "TRIDENTMQ_STOMP_CORE_PORT": str(core.link_port), "TRIDENTMQ_STOMP_NODE_LOG_LEVEL": "WARNING",
+                   **{f"TRIDENTMQ_STOMP_{key.upper()}": value for key, value in env.items()}}  # fmt: skip
+    with _service("tridentmq_stomp", "STOMP gateway", directory / "ports.json", [], environment) as (process, bound):
+        yield Gateway(process, bound["stomp"], bound.get("http", -1))
 
 
 def machine() -> str:
