@@ -171,6 +171,51 @@ def test_bad_frames_raise_with_a_clear_message(data: bytes, message: str) -> Non
     assert info.value.message == message
 
 
+def test_frames_before_bad_input_in_the_same_read_come_first_and_the_error_next() -> None:
+    parser = FrameParser()
+    assert [f.body for f in parser.feed(b"SEND\ndestination:a\n\nx\x00\x16\x03\x01garbage")] == [b"x"]
+    for more in (b"", b"SEND\n\n\x00"):  # the violation is raised, and nothing after it is read
+        with pytest.raises(RemoteProtocolError, match="bad command line"):
+            parser.feed(more)
+
+
+@pytest.mark.parametrize(
+    "data", [b"\x16\x03\x01\x02\x00", b"\x00", b"GET / HTTP/1.1", b"sEND", b"SEND\rX", b"\xc3\x84"]
+)
+def test_garbage_is_refused_before_any_line_ends(data: bytes) -> None:
+    with pytest.raises(RemoteProtocolError, match="bad command line"):
+        FrameParser().feed(data)
+
+
+@pytest.mark.parametrize("data", [b"SEN", b"SEND\r", b"SEND\ndestination:/queue/a"])
+def test_a_command_that_has_not_fully_arrived_waits(data: bytes) -> None:
+    assert FrameParser().feed(data) == []
+
+
+@pytest.mark.parametrize("size", [10, 11])
+def test_the_body_limit_holds_when_the_nul_arrives_in_the_same_read(size: int) -> None:
+    parser = FrameParser(Limits(max_frame_bytes=10))
+    data = b"SEND\n\n" + b"x" * size + b"\x00"
+    if size <= 10:
+        assert parser.feed(data)[0].body == b"x" * size
+        return
+    with pytest.raises(RemoteProtocolError, match="body exceeds 10 bytes"):
+        parser.feed(data)
+
+
+@pytest.mark.parametrize("eol", [b"\n", b"\r\n"])
+def test_headers_of_exactly_the_byte_limit_pass_however_they_are_split(eol: bytes) -> None:
+    head = b"SEND" + eol + b"h:" + b"v" * 40  # the command and header lines, EOLs included: the limit
+    limits = Limits(max_header_bytes=len(head))
+    data = head + eol + eol + b"\x00"
+    for piece in range(1, len(data) + 1):
+        parser = FrameParser(limits)
+        frames = [f for start in range(0, len(data), piece) for f in parser.feed(data[start : start + piece])]
+        assert [f.headers for f in frames] == [{"h": "v" * 40}], piece
+    with pytest.raises(RemoteProtocolError, match="frame too large"):
+        FrameParser(Limits(max_header_bytes=len(head) - 1)).feed(data)
+
+
 # ---------------------------------------------------------------------------------------------------- connection
 @pytest.mark.parametrize(
     ("offered", "chosen"), [("1.0,1.1,1.2", V12), ("1.1", V11), (None, V10), ("1.0,1.1", V11), ("1.2,2.0", V12)]
@@ -355,6 +400,27 @@ def test_heartbeats_off_when_either_side_says_zero_and_never_below_the_floor() -
     fast.receive_data(b"CONNECT\naccept-version:1.2\nheart-beat:1,1\n\n\x00", 0.0)
     fast.accept("s", "x", 0.0)
     assert (fast.send_interval, fast.receive_interval) == (0.1, 0.2)
+
+
+def test_a_client_that_does_not_connect_in_time_gets_an_error() -> None:
+    conn = StompServerConnection(connect_timeout=5.0, now=100.0)
+    assert conn.next_deadline() == 105.0
+    conn.handle_timeout(104.9)
+    assert conn.data_to_send() == b""
+    with pytest.raises(RemoteProtocolError, match="connect timeout"):
+        conn.handle_timeout(105.0)
+    assert conn.data_to_send().startswith(b"ERROR\nmessage:connect timeout\n")
+    assert conn.closed
+
+
+def test_the_connect_timeout_ends_with_the_connect() -> None:
+    conn = StompServerConnection(connect_timeout=5.0, now=100.0, heartbeat=(0, 0))
+    conn.receive_data(CONNECT_12, 101.0)
+    assert conn.next_deadline() is None  # waiting for the shell's accept(): not the client's fault
+    conn.accept("s", "x", 101.0)
+    conn.handle_timeout(200.0)
+    assert conn.state is State.CONNECTED
+    assert StompServerConnection().next_deadline() is None  # no limit by default
 
 
 def test_a_bad_heartbeat_header_is_an_error() -> None:

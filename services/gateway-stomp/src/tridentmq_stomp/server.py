@@ -99,22 +99,33 @@ class _WebSocketWire:
         self._drained.set()
         self._reading = asyncio.Event()
         self._reading.set()
+        self._lost = False
         self.writer = asyncio.get_running_loop().create_task(self._write_all())
 
     async def _write_all(self) -> None:
-        while (data := await self._out.get()) is not None:
-            try:
-                text = data.decode("utf-8")
-            except UnicodeDecodeError:
-                await self.ws.send_bytes(data)
-            else:
-                await self.ws.send_str(text)
-            self._pending -= len(data)
-            if self._pending < 64 * 1024:
-                self._drained.set()
-        await self.ws.close()
+        try:
+            while (data := await self._out.get()) is not None:
+                try:
+                    text = data.decode("utf-8")
+                except UnicodeDecodeError:
+                    await self.ws.send_bytes(data)
+                else:
+                    await self.ws.send_str(text)
+                self._pending -= len(data)
+                if self._pending < 64 * 1024:
+                    self._drained.set()
+            await self.ws.close()
+        except (ConnectionError, RuntimeError):  # the client went away while we wrote
+            self.lost()
+
+    def lost(self) -> None:
+        """The WebSocket is gone: nothing more is written, and nobody waits for it to drain."""
+        self._lost = True
+        self._drained.set()
 
     def write(self, data: bytes) -> None:
+        if self._lost:
+            return
         self._pending += len(data)
         if self._pending >= 64 * 1024:
             self._drained.clear()
@@ -198,7 +209,9 @@ class StompGateway:
     async def _websocket(self, request: web.Request) -> web.StreamResponse:
         offered = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
         chosen = next((p for p in SUBPROTOCOLS if p in offered), None)
-        ws = web.WebSocketResponse(protocols=(chosen,) if chosen else (), max_msg_size=0)
+        limits = self.settings.stomp  # a message holds a frame: bigger ones are refused (close 1009) unread
+        ws = web.WebSocketResponse(protocols=(chosen,) if chosen else (),
+                                   max_msg_size=limits.max_frame_bytes + limits.max_header_bytes + 16)  # fmt: skip
         await ws.prepare(request)
         if offered and chosen is None:  # aiohttp would carry on without a subprotocol: refuse instead
             await ws.close(code=1002, message=b"no supported STOMP subprotocol")
@@ -220,6 +233,7 @@ class StompGateway:
                     break
                 await wire.reading()
         finally:
+            wire.lost()
             session.connection_lost()
             self.sessions.discard(session)
             with contextlib.suppress(Exception):

@@ -89,6 +89,8 @@ class StompSession:
             Limits(limits.max_frame_bytes, limits.max_headers, limits.max_header_bytes),
             heartbeat=(limits.heartbeat_send_ms, limits.heartbeat_receive_ms),
             min_heartbeat_ms=limits.min_heartbeat_ms,
+            connect_timeout=limits.connect_timeout_ms / 1000,
+            now=time.monotonic(),
         )
         self.link: LinkClient | None = None
         self.client_id: str | None = None
@@ -101,8 +103,10 @@ class StompSession:
         self._paused = False
         self._receipts: deque[tuple[asyncio.Future[None] | None, str | None]] = deque()
         self._closed = False
-        self._worker = asyncio.get_running_loop().create_task(self._work())
-        self._timer: asyncio.Task[None] | None = None
+        loop = asyncio.get_running_loop()
+        self._worker = loop.create_task(self._work())
+        self._rearm = asyncio.Event()  # the codec's next deadline changed (it connected)
+        self._timer = loop.create_task(self._timers())
         counters.connections_total += 1
 
     # ------------------------------------------------------------------ input from the client
@@ -140,7 +144,10 @@ class StompSession:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                while events and not self._closed:  # everything read so far, then one write
+                await self.wire.drained()  # a client that does not read its receipts is not read either
+                batch = len(events)  # the frames read so far, then one write
+                while batch and not self._closed:
+                    batch -= 1
                     event = events.popleft()
                     try:
                         if not self._handle_now(event):
@@ -203,6 +210,7 @@ class StompSession:
                 log.info("stomp protocol error", extra={"peer": self.wire.peer, "error": event.message,
                                                         "detail": event.detail[:200]})  # fmt: skip
                 self.counters.errors += 1
+                await self._settle_receipts()  # the frames before it are answered first
                 self.conn.reject(event)
 
     async def _connect(self, event: ev.Connect) -> None:
@@ -225,7 +233,7 @@ class StompSession:
         link.on_closed = self._link_closed
         self.client_id = event.headers.get("client-id")
         self.conn.accept(self.id, SERVER_NAME, time.monotonic())
-        self._timer = asyncio.get_running_loop().create_task(self._heartbeats())
+        self._rearm.set()
 
     def _link(self) -> LinkClient:
         assert self.link is not None  # the codec only lets frames through after CONNECTED
@@ -384,11 +392,15 @@ class StompSession:
         else:
             await link.rollback(tx_id)
 
-    async def _disconnect(self, event: ev.Disconnect) -> None:
+    async def _settle_receipts(self) -> None:
+        """Wait for the core's answers to every SEND so far, and send their receipts (or errors)."""
         pending = [future for future, _ in self._receipts if future is not None]
         if pending:
             await asyncio.wait(pending)
         self._drain_receipts()
+
+    async def _disconnect(self, event: ev.Disconnect) -> None:
+        await self._settle_receipts()
         if event.receipt is not None and not self.conn.closed:
             self.conn.receipt(event.receipt)
         self._flush()
@@ -475,13 +487,15 @@ class StompSession:
             self._error("server unavailable", f"the link to the broker closed: {error.text}", None)
 
     # ------------------------------------------------------------------ heart-beats and the end
-    async def _heartbeats(self) -> None:
+    async def _timers(self) -> None:
+        """The codec's deadlines: CONNECT in time, then heart-beats both ways."""
         conn = self.conn
         while not self._closed:
             deadline = conn.next_deadline()
-            if deadline is None:
-                return
-            await asyncio.sleep(max(deadline - time.monotonic(), 0.0))
+            self._rearm.clear()
+            timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._rearm.wait(), timeout)
             try:
                 conn.handle_timeout(time.monotonic())
             except RemoteProtocolError as exc:
@@ -491,8 +505,7 @@ class StompSession:
 
     async def _shutdown(self) -> None:
         self._closed = True
-        if self._timer is not None:
-            self._timer.cancel()
+        self._timer.cancel()
         for subscription in self.subscriptions.values():
             if subscription.pump is not None:
                 subscription.pump.cancel()

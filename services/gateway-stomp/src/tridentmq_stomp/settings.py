@@ -44,6 +44,8 @@ class StompLimitsSection:
     heartbeat_receive_ms: int = doc(10_000, "Heart-beat interval the gateway asks of clients (sy); a client "
                                             "silent for twice the agreed interval is disconnected.")  # fmt: skip
     min_heartbeat_ms: int = doc(100, "Shortest heart-beat interval agreed to, either way.")
+    connect_timeout_ms: int = doc(10_000, "A connection that has not sent its CONNECT frame by then gets ERROR "
+                                          "`connect timeout` and is closed (0 = wait for ever).")  # fmt: skip
 
 
 @dataclass(frozen=True)

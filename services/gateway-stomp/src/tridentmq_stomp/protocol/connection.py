@@ -34,10 +34,13 @@ class State(Enum):
 
 class StompServerConnection:
     def __init__(self, limits: Limits | None = None, *, heartbeat: tuple[int, int] = (10_000, 10_000),
-                 min_heartbeat_ms: int = 100) -> None:  # fmt: skip
+                 min_heartbeat_ms: int = 100, connect_timeout: float = 0.0, now: float = 0.0) -> None:  # fmt: skip
         """``heartbeat`` is what this server offers: (sx, sy) = it can send every sx ms, wants to receive
-        every sy ms; ``min_heartbeat_ms`` is the shortest interval it agrees to in either direction."""
+        every sy ms; ``min_heartbeat_ms`` is the shortest interval it agrees to in either direction. A client
+        that has not sent its CONNECT ``connect_timeout`` seconds after ``now`` (0: no limit) gets an ERROR."""
         self._parser = FrameParser(limits)
+        self._connect_timeout = connect_timeout
+        self._connect_deadline = now + connect_timeout if connect_timeout > 0 else None
         self.state = State.AWAITING_CONNECT
         self.version = V10
         self._heartbeat = heartbeat
@@ -224,6 +227,8 @@ class StompServerConnection:
 
     # ------------------------------------------------------------------ heart-beats
     def next_deadline(self) -> float | None:
+        if self.state is State.AWAITING_CONNECT:
+            return self._connect_deadline
         if self.state is not State.CONNECTED:
             return None
         deadlines = []
@@ -234,7 +239,14 @@ class StompServerConnection:
         return min(deadlines) if deadlines else None
 
     def handle_timeout(self, now: float) -> None:
-        """Queue a heart-beat when due; raise ``RemoteProtocolError`` (ERROR queued) if the client went quiet."""
+        """Queue a heart-beat when due; raise ``RemoteProtocolError`` (ERROR queued) if the client went quiet
+        or did not connect in time."""
+        if self.state is State.AWAITING_CONNECT and self._connect_deadline is not None and not self._violated:
+            if now >= self._connect_deadline:
+                detail = f"no CONNECT frame within {self._connect_timeout:g} s"
+                self._error_frame("connect timeout", detail, None)
+                raise RemoteProtocolError("connect timeout", detail)
+            return
         if self.state is not State.CONNECTED:
             return
         if self.receive_interval and now - self._last_received >= self.receive_interval:

@@ -45,72 +45,89 @@ class FrameParser:
         self.limits = limits or Limits()
         self.version = V10
         self._buffer = bytearray()
+        self._failure: RemoteProtocolError | None = None
 
     def feed(self, data: bytes) -> list[Frame]:
         """The frames completed by ``data``; EOLs between frames (heart-beats) are skipped. Parsing stops
-        after a CONNECT: set ``version``, then call ``feed(b"")`` for the frames behind it."""
+        after a CONNECT: set ``version``, then call ``feed(b"")`` for the frames behind it. Bad input raises
+        ``RemoteProtocolError``, but only once the frames before it have been returned: the next call raises."""
+        if self._failure is not None:
+            raise self._failure
         buffer = self._buffer
         buffer += data
         frames: list[Frame] = []
         pos = 0
-        limits = self.limits
         try:
-            while True:
-                end = len(buffer)
-                while pos < end and buffer[pos] in (10, 13):  # heart-beats, and the EOLs after a NUL
-                    if buffer[pos] == 13 and (pos + 1 >= end or buffer[pos + 1] != 10):
-                        if pos + 1 >= end:
-                            break  # a CR whose LF has not arrived yet
-                        raise RemoteProtocolError("malformed frame", "a CR not followed by LF between frames")
-                    pos += 1
-                if pos >= end or buffer[pos] in (10, 13):
-                    break
-                head_end = buffer.find(b"\n\n", pos)
-                # Only up to the LF LF: searching the whole buffer made parsing quadratic in frames per read.
-                crlf_end = buffer.find(b"\n\r\n", pos, end if head_end == -1 else head_end + 1)
-                if crlf_end != -1 and (head_end == -1 or crlf_end < head_end):
-                    head_end, body_start = crlf_end, crlf_end + 3
-                else:
-                    body_start = head_end + 2
-                if head_end == -1:
-                    if end - pos > limits.max_header_bytes:
-                        raise RemoteProtocolError("frame too large",
-                                                  f"headers exceed {limits.max_header_bytes} bytes")  # fmt: skip
-                    break
-                if head_end - pos > limits.max_header_bytes:
-                    raise RemoteProtocolError("frame too large", f"headers exceed {limits.max_header_bytes} bytes")
-                command, headers = self._head(bytes(buffer[pos:head_end]))
-                length_text = headers.get("content-length")
-                if length_text is not None:
-                    if not length_text.isdigit():
-                        raise RemoteProtocolError("malformed frame", f"content-length {length_text[:20]!r}",
-                                                  headers.get("receipt"))  # fmt: skip
-                    length = int(length_text)
-                    if length > limits.max_frame_bytes:
-                        raise RemoteProtocolError("frame too large",
-                                                  f"body of {length} bytes exceeds {limits.max_frame_bytes}",
-                                                  headers.get("receipt"))  # fmt: skip
-                    if end < body_start + length + 1:
-                        break
-                    if buffer[body_start + length] != 0:
-                        raise RemoteProtocolError("malformed frame", "the body is not followed by a NUL "
-                                                  "(content-length wrong?)", headers.get("receipt"))  # fmt: skip
-                    body_end = body_start + length
-                else:
-                    body_end = buffer.find(b"\x00", body_start)
-                    if body_end == -1:
-                        if end - body_start > limits.max_frame_bytes:
-                            raise RemoteProtocolError("frame too large",
-                                                      f"body exceeds {limits.max_frame_bytes} bytes",
-                                                      headers.get("receipt"))  # fmt: skip
-                        break
-                frames.append(Frame(command, headers, bytes(buffer[body_start:body_end])))
-                pos = body_end + 1
-                if command in _RAW_COMMANDS:
-                    break  # the CONNECT decides the version, and so how the frames behind it are read
-        finally:
-            del buffer[:pos]
+            pos = self._parse(buffer, frames)
+        except RemoteProtocolError as exc:
+            self._failure = exc
+            buffer.clear()  # nothing after a violation is read
+            if not frames:
+                raise
+            return frames
+        del buffer[:pos]
         return frames
+
+    def _parse(self, buffer: bytearray, frames: list[Frame]) -> int:
+        """Append the complete frames at the start of ``buffer`` to ``frames``; return how far they reach."""
+        pos = 0
+        limits = self.limits
+        while True:
+            end = len(buffer)
+            while pos < end and buffer[pos] in (10, 13):  # heart-beats, and the EOLs after a NUL
+                if buffer[pos] == 13 and (pos + 1 >= end or buffer[pos + 1] != 10):
+                    if pos + 1 >= end:
+                        return pos  # a CR whose LF has not arrived yet
+                    raise RemoteProtocolError("malformed frame", "a CR not followed by LF between frames")
+                pos += 1
+            if pos >= end:
+                return pos
+            head_end = buffer.find(b"\n\n", pos)
+            # Only up to the LF LF: searching the whole buffer made parsing quadratic in frames per read.
+            crlf_end = buffer.find(b"\n\r\n", pos, end if head_end == -1 else head_end + 1)
+            if crlf_end != -1 and (head_end == -1 or crlf_end < head_end):
+                head_end, body_start = crlf_end, crlf_end + 3
+            else:
+                body_start = head_end + 2
+            # The limit counts the command and header lines up to the last one's EOL, however the bytes arrive.
+            if head_end == -1:
+                _check_command_start(buffer, pos, end)  # garbage is refused now, not after 64 KiB
+                content_end = end
+                while content_end > max(pos, end - 3) and buffer[content_end - 1] in (10, 13):
+                    content_end -= 1  # EOLs of the blank line that has not fully arrived
+                if content_end - pos > limits.max_header_bytes:
+                    raise RemoteProtocolError("frame too large", f"headers exceed {limits.max_header_bytes} bytes")
+                return pos
+            if head_end - pos - (buffer[head_end - 1] == 13) > limits.max_header_bytes:
+                raise RemoteProtocolError("frame too large", f"headers exceed {limits.max_header_bytes} bytes")
+            command, headers = self._head(bytes(buffer[pos:head_end]))
+            length_text = headers.get("content-length")
+            if length_text is not None:
+                if not length_text.isdigit():
+                    raise RemoteProtocolError("malformed frame", f"content-length {length_text[:20]!r}",
+                                              headers.get("receipt"))  # fmt: skip
+                length = int(length_text)
+                if length > limits.max_frame_bytes:
+                    raise RemoteProtocolError("frame too large",
+                                              f"body of {length} bytes exceeds {limits.max_frame_bytes}",
+                                              headers.get("receipt"))  # fmt: skip
+                if end < body_start + length + 1:
+                    return pos
+                if buffer[body_start + length] != 0:
+                    raise RemoteProtocolError("malformed frame", "the body is not followed by a NUL "
+                                              "(content-length wrong?)", headers.get("receipt"))  # fmt: skip
+                body_end = body_start + length
+            else:
+                body_end = buffer.find(b"\x00", body_start, body_start + limits.max_frame_bytes + 1)
+                if body_end == -1:
+                    if end - body_start > limits.max_frame_bytes:
+                        raise RemoteProtocolError("frame too large", f"body exceeds {limits.max_frame_bytes} bytes",
+                                                  headers.get("receipt"))  # fmt: skip
+                    return pos
+            frames.append(Frame(command, headers, bytes(buffer[body_start:body_end])))
+            pos = body_end + 1
+            if command in _RAW_COMMANDS:
+                return pos  # the CONNECT decides the version, and so how the frames behind it are read
 
     def _head(self, head: bytes) -> tuple[str, dict[str, str]]:
         try:
@@ -145,6 +162,18 @@ class FrameParser:
                 name, value = _unescape(name, unescape), _unescape(value, unescape)
             headers.setdefault(name, value)
         return command, headers
+
+
+def _check_command_start(buffer: bytearray, pos: int, end: int) -> None:
+    """Refuse a frame whose command line, as far as it has arrived, is not upper-case letters."""
+    eol = buffer.find(b"\n", pos, end)
+    line = bytes(buffer[pos : end if eol == -1 else eol])
+    if eol != -1:
+        line = line.removesuffix(b"\r")
+    if not line.isalpha() or not line.isupper():
+        if eol == -1 and line.endswith(b"\r") and (line[:-1].isalpha() and line[:-1].isupper()):
+            return  # a CR whose LF has not arrived yet
+        raise RemoteProtocolError("malformed frame", f"bad command line {line[:40]!r}")
 
 
 def _unescape(text: str, table: dict[str, str]) -> str:
