@@ -417,6 +417,72 @@ def test_escaped_headers_come_back_escaped(raw: Callable[[bytes], bytes]) -> Non
     assert b"\nkey\\cwith\\ccolons:line\\none\\\\two\\r\n" in reply
 
 
+def test_frames_pipelined_before_a_disconnect_are_all_handled(
+    raw: Callable[[bytes], bytes], gateway: GatewayProcess
+) -> None:
+    reply = raw(CONNECT + b"BEGIN\ntransaction:t\n\n\x00SEND\ndestination:/queue/piped\ntransaction:t\n\nin tx\x00"
+                b"COMMIT\ntransaction:t\n\n\x00SEND\ndestination:/queue/piped\n\nplain\x00DISCONNECT\n\n\x00"
+                b"SEND\ndestination:/queue/piped\n\nafter the end\x00")  # fmt: skip
+    assert reply.startswith(b"CONNECTED\n")
+    assert b"ERROR" not in reply
+    conn, listener = connect(gateway)
+    conn.subscribe("/queue/piped", id="p", ack="auto")
+    assert [m.body for m in listener.wait_messages(2)] == ["in tx", "plain"]
+    conn.disconnect(receipt="bye")
+    assert [m.body for m in listener.messages] == ["in tx", "plain"]  # nothing read after the DISCONNECT
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"SEND\ndestination:/queue/x\ncontent-length:\xd9\xa1\n\nx\x00",  # an Arabic-Indic digit
+        b"SUBSCRIBE\nid:1\ndestination:/queue/x\nconsumer-window-size:--1\nreceipt:r\n\n\x00",
+        b"ACK\nid:\xc2\xb2-1\n\n\x00",  # a superscript two
+    ],
+)
+def test_odd_numbers_in_headers_get_an_error_frame(raw: Callable[[bytes], bytes], frame: bytes) -> None:
+    reply = raw(CONNECT + frame + b"DISCONNECT\n\n\x00")
+    assert reply.startswith(b"CONNECTED\n")
+    assert b"ERROR\nmessage:" in reply or b"RECEIPT\nreceipt-id:r" in reply  # a window it cannot read: default
+
+
+def test_auto_ack_messages_the_client_was_not_sent_stay_in_the_queue(gateway: GatewayProcess) -> None:
+    producer, producer_listener = connect(gateway)
+    for n in range(50):
+        producer.send("/queue/held", f"m{n}", receipt=f"s{n}")
+    producer_listener.wait(lambda: len(producer_listener.receipts) == 50)
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=WAIT) as sock:
+        sock.sendall(CONNECT + b"SUBSCRIBE\nid:1\ndestination:/queue/held\nack:auto\nconsumer-window-size:5\n\n\x00")
+        got = b""
+        while got.count(b"MESSAGE\n") < 5:
+            got += sock.recv(65536)
+        sock.sendall(b"UNSUBSCRIBE\nid:1\nreceipt:u\n\n\x00")
+        while b"receipt-id:u" not in got:
+            got += sock.recv(65536)
+    received = got.count(b"MESSAGE\n")  # written to the client: consumed; the rest never left the core
+    producer.subscribe("/queue/held", id="rest", ack="auto")
+    rest = producer_listener.wait_messages(50 - received)
+    assert [m.body for m in rest] == [f"m{n}" for n in range(received, 50)]
+    producer.disconnect()
+
+
+def test_client_mode_prefetch_holds_back_no_more_than_the_window(gateway: GatewayProcess) -> None:
+    first, first_listener = connect(gateway)
+    second, second_listener = connect(gateway)
+    first.subscribe("/queue/fair", id="a", ack="client-individual", headers={"consumer-window-size": "1",
+                                                                           "receipt": "a"})  # fmt: skip
+    first_listener.wait(lambda: "a" in first_listener.receipts)
+    for n in range(4):
+        first.send("/queue/fair", f"m{n}", receipt=f"s{n}")
+    first_listener.wait(lambda: len(first_listener.messages) == 1 and len(first_listener.receipts) == 5)
+    second.subscribe("/queue/fair", id="b", ack="client-individual")
+    # The first subscriber holds exactly one message: the other three are free for the second.
+    assert sorted(m.body for m in second_listener.wait_messages(3)) == ["m1", "m2", "m3"]
+    assert [m.body for m in first_listener.messages] == ["m0"]
+    first.disconnect()
+    second.disconnect()
+
+
 def test_frames_split_at_every_byte_over_the_socket(gateway: GatewayProcess) -> None:
     data = (CONNECT + b"SUBSCRIBE\nid:0\ndestination:/queue/split\n\n\x00"
             b"SEND\r\ndestination:/queue/split\r\ncontent-length:3\r\n\r\na\x00b\x00\n\n"

@@ -346,10 +346,13 @@ def test_stomp_11_ack_needs_the_subscription() -> None:
     assert "subscription" in violation(conn, b"ACK\nmessage-id:m1\n\n\x00").detail
 
 
-def test_disconnect_without_receipt_closes_at_once() -> None:
+def test_nothing_after_a_disconnect_is_read_but_the_frames_before_it_are_answered() -> None:
     conn = connected()
-    assert conn.receive_data(b"DISCONNECT\n\n\x00SEND\ndestination:x\n\n\x00", 1.0) == [ev.Disconnect(None)]
-    assert conn.closed
+    events = conn.receive_data(b"SEND\ndestination:x\n\n\x00DISCONNECT\n\n\x00SEND\ndestination:x\n\n\x00", 1.0)
+    assert [type(e) for e in events] == [ev.Send, ev.Disconnect]
+    assert conn.receive_data(b"SEND\ndestination:y\n\n\x00", 1.0) == []
+    conn.receipt("for-the-send")  # the shell may still answer what came before
+    assert conn.data_to_send().startswith(b"RECEIPT\nreceipt-id:for-the-send\n")
 
 
 def test_messages_receipts_and_errors_are_encoded_in_the_negotiated_version() -> None:
@@ -421,6 +424,19 @@ def test_the_connect_timeout_ends_with_the_connect() -> None:
     conn.handle_timeout(200.0)
     assert conn.state is State.CONNECTED
     assert StompServerConnection().next_deadline() is None  # no limit by default
+
+
+def test_no_heartbeat_is_missed_while_the_shell_is_not_reading() -> None:
+    conn = StompServerConnection(heartbeat=(0, 1000))
+    conn.receive_data(b"CONNECT\naccept-version:1.2\nheart-beat:1000,0\n\n\x00", 0.0)
+    conn.accept("s", "x", 0.0)
+    assert conn.next_deadline() == conn.receive_interval
+    conn.reading_paused()
+    assert conn.next_deadline() is None
+    conn.handle_timeout(100.0)  # long silent, but the bytes wait unread in the socket
+    assert not conn.closed
+    conn.reading_resumed(100.0)
+    assert conn.next_deadline() == 100.0 + conn.receive_interval
 
 
 def test_a_bad_heartbeat_header_is_an_error() -> None:

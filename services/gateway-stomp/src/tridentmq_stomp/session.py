@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import re
 import time
 import uuid
 from collections import deque
@@ -29,13 +30,16 @@ from tridentmq_stomp import convert
 from tridentmq_stomp.convert import TEMP_QUEUE_PREFIX
 from tridentmq_stomp.protocol import events as ev
 from tridentmq_stomp.protocol.connection import StompServerConnection
-from tridentmq_stomp.protocol.errors import RemoteProtocolError
+from tridentmq_stomp.protocol.errors import LocalProtocolError, RemoteProtocolError
 from tridentmq_stomp.protocol.frames import Limits
 from tridentmq_stomp.settings import StompSettings
 
 log = logging.getLogger("tridentmq.stomp")
 
 SERVER_NAME = "TridentMQ/0.1"
+# Numbers in headers: str.isdigit() also accepts digits that int() cannot read.
+_DECIMAL = re.compile(r"-?[0-9]{1,9}")
+_DIGITS = re.compile(r"[0-9]{1,20}")
 _NO_LINK_RETRY = ReconnectPolicy(attempts=0)  # a lost core ends the STOMP connection; the client reconnects
 
 
@@ -74,7 +78,6 @@ class Subscription:
     temporary: bool
     shown_destination: str | None = None  # MESSAGE's destination when the address would not say it (temp queues)
     unacked: dict[int, None] = field(default_factory=dict)  # message ids in delivery order (client modes)
-    room: asyncio.Event = field(default_factory=asyncio.Event)
     pump: asyncio.Task[None] | None = None
 
 
@@ -122,6 +125,7 @@ class StompSession:
         if len(self._events) >= self.settings.stomp.pending_frames and not self._paused:
             self._paused = True
             self.wire.pause_reading()
+            self.conn.reading_paused()  # the client's heart-beats wait in the socket meanwhile
 
     async def wait_closed(self) -> None:
         await asyncio.shield(self._worker)
@@ -141,6 +145,7 @@ class StompSession:
                     if self._paused:
                         self._paused = False
                         self.wire.resume_reading()
+                        self.conn.reading_resumed(time.monotonic())
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
@@ -158,6 +163,10 @@ class StompSession:
                         self._link_error(event, exc)
                     except convert.ConversionError as exc:
                         self._error("invalid header", str(exc), getattr(event, "receipt", None))
+                    except (AssertionError, LookupError, TypeError, ValueError, LocalProtocolError):
+                        # A bug of ours, not the client's fault: say so and end this connection only.
+                        log.exception("stomp session failed", extra={"peer": self.wire.peer})
+                        self._error("internal error", "the gateway failed to handle this frame", None)
                 self._drain_receipts()
                 self._flush()
         finally:
@@ -282,7 +291,7 @@ class StompSession:
         address, routing = await self._resolve(event.destination, headers.get("destination-type"))
         limits = self.settings.stomp
         asked = headers.get("consumer-window-size") or headers.get("activemq.prefetchSize")
-        window = limits.prefetch if asked is None or not asked.lstrip("-").isdigit() else int(asked)
+        window = int(asked) if asked is not None and _DECIMAL.fullmatch(asked) else limits.prefetch
         window = min(max(window, 1), limits.max_prefetch) if window > 0 else limits.max_prefetch
         selector = headers.get("selector")
         durable_name = headers.get("durable-subscription-name") or headers.get("activemq.subscriptionName")
@@ -300,7 +309,7 @@ class StompSession:
                 queue, temporary = f"stomp.{self.id}.{next(self._keys)}", True
                 await _create(link, queue, address, durable=False, selector=selector)
         consumer = await link.subscribe(queue, credit=window, selector=None if durable_name or temporary else
-                                        selector, auto_ack=event.ack == "auto")  # fmt: skip
+                                        selector, credit_on_settle=event.ack != "auto")  # fmt: skip
         shown = event.destination if event.destination.startswith(convert.TEMP_QUEUE_PREFIX) else None
         subscription = Subscription(event.id, next(self._keys), event.destination, queue, event.ack, window,
                                     consumer, temporary, shown)  # fmt: skip
@@ -349,16 +358,15 @@ class StompSession:
             if tx_id < 0:
                 return
             consumer.ack_ids(ids, tx_id)
-        subscription.room.set()
 
     def _find_delivery(self, event: ev.Ack) -> tuple[Subscription, int] | None:
         key, dash, number = event.id.partition("-")
-        if dash and key.isdigit() and number.isdigit():  # our ack header: "<key>-<message id>"
+        if dash and _DIGITS.fullmatch(key) and _DIGITS.fullmatch(number):  # our ack header: "<key>-<message id>"
             for subscription in self.subscriptions.values():
                 if subscription.key == int(key) and int(number) in subscription.unacked:
                     return subscription, int(number)
             return None
-        if not event.id.isdigit():
+        if not _DIGITS.fullmatch(event.id):
             return None
         message_id = int(event.id)  # a message-id (STOMP 1.0 and 1.1)
         for subscription in self.subscriptions.values():
@@ -408,33 +416,35 @@ class StompSession:
 
     # ------------------------------------------------------------------ deliveries
     async def _pump(self, subscription: Subscription) -> None:
+        """MESSAGE frames while the client reads. In the client modes the core's credit comes back only with
+        the client's ACK or NACK, so at most the prefetch is out; in auto mode a message counts as consumed
+        once it is written to the client (until then the core keeps it: a gateway that dies loses nothing)."""
         consumer = subscription.consumer
-        client_ack = subscription.ack != "auto"
+        auto = subscription.ack == "auto"
+        unacked = subscription.unacked
         try:
             while not self._closed:
-                if client_ack and len(subscription.unacked) >= subscription.window:
-                    subscription.room.clear()
-                    await subscription.room.wait()
-                    continue
                 await self.wire.drained()
                 batch = await consumer.get_batch()
                 if self.conn.closed:
                     return
+                ids = []
                 for count, message in batch:
                     message_id = message[M_ID]
-                    if client_ack:
-                        subscription.unacked[message_id] = None
+                    ids.append(message_id)
                     headers = convert.message_headers(message, subscription.id, f"{subscription.key}-{message_id}",
                                                       count, subscription.shown_destination)  # fmt: skip
                     self.conn.message(headers, convert.body_of(message))
+                if auto:
+                    consumer.ack_ids(ids)
+                else:
+                    unacked.update(dict.fromkeys(ids))
                 self.counters.messages_delivered += len(batch)
                 self._flush()
         except LinkRequestError as exc:
             if not self._closed:
                 self._error("subscription ended", exc.text, None)
-                self._flush()
-                self._closed = True
-                self._wakeup.set()
+                self._end()
 
     # ------------------------------------------------------------------ output
     def _receipt_now(self, receipt: str | None) -> None:
@@ -460,9 +470,19 @@ class StompSession:
         if data:
             self.wire.write(data)
             self.conn.sent(time.monotonic())
-        if self.conn.closed and not self._closed:
-            self._closed = True
-            self._wakeup.set()
+        if self.conn.closed:
+            self._end()
+
+    def _end(self) -> None:
+        """End the session wherever that is noticed (an ERROR sent, the link lost, a missed heart-beat): the
+        worker may be waiting for credit, a confirm or a drained socket, so it is cancelled, and its
+        clean-up closes the link (the core takes back unacknowledged messages) and the socket."""
+        if self._closed:
+            return
+        self._closed = True
+        self._wakeup.set()
+        if asyncio.current_task() is not self._worker:
+            self._worker.cancel()
 
     def _error(self, message: str, detail: str, receipt: str | None) -> None:
         log.info("stomp error sent", extra={"peer": self.wire.peer, "error": message, "detail": detail[:200]})

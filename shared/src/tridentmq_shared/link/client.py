@@ -88,12 +88,16 @@ class Delivery:
 
 
 class Consumer:
-    """Deliveries of one subscription. Credit is topped up as the application takes messages."""
+    """Deliveries of one subscription. Credit is topped up as the application takes messages, or, with
+    ``credit_on_settle``, as it acknowledges or gives them back: then no more than the window is ever
+    out of the queue, whoever holds it (a gateway relaying to a slow client, say)."""
 
-    def __init__(self, client: LinkClient, queue: str, credit: int, options: dict[str, Any]) -> None:
+    def __init__(self, client: LinkClient, queue: str, credit: int, options: dict[str, Any],
+                 credit_on_settle: bool = False) -> None:  # fmt: skip
         self.client = client
         self.queue = queue
         self.window = credit
+        self.credit_on_settle = credit_on_settle
         self.options = options
         self.consumer_id = 0
         self.info: dict[str, Any] = {}
@@ -124,6 +128,14 @@ class Consumer:
         return True
 
     def _took(self, count: int) -> None:
+        if not self.credit_on_settle:
+            self._credit(count)
+
+    def _settled(self, count: int) -> None:
+        if self.credit_on_settle:
+            self._credit(count)
+
+    def _credit(self, count: int) -> None:
         self._taken += count
         if self._taken * 2 >= self.window:
             self.client._flow(self, self._taken)
@@ -155,18 +167,20 @@ class Consumer:
             yield delivery
 
     def ack(self, *deliveries: Delivery, tx_id: int = 0) -> None:
-        self.client._ack(self, [d.id for d in deliveries], tx_id)
+        self.ack_ids([d.id for d in deliveries], tx_id)
 
     def ack_ids(self, message_ids: list[int], tx_id: int = 0) -> None:
         """Acknowledge by message id (for batches taken with ``get_batch``)."""
         self.client._ack(self, message_ids, tx_id)
+        self._settled(len(message_ids))
 
     def nack(self, *deliveries: Delivery, mode: NackMode = NackMode.REDELIVER) -> None:
-        self.client._nack(self, [d.id for d in deliveries], mode)
+        self.nack_ids([d.id for d in deliveries], mode)
 
     def nack_ids(self, message_ids: list[int], mode: NackMode = NackMode.REDELIVER) -> None:
         """Give messages back by message id (for batches taken with ``get_batch``)."""
         self.client._nack(self, message_ids, mode)
+        self._settled(len(message_ids))
 
     async def close(self) -> None:
         await self.client._unsubscribe(self)
@@ -525,11 +539,12 @@ class LinkClient:
         await self._call(self._live().delete_queue(name))
 
     async def subscribe(self, queue: str, *, credit: int = 1000, selector: str | None = None,
-                        auto_ack: bool = False, browse: bool = False, **options: Any) -> Consumer:  # fmt: skip
+                        auto_ack: bool = False, browse: bool = False, credit_on_settle: bool = False,
+                        **options: Any) -> Consumer:  # fmt: skip
         opts: dict[str, Any] = {"auto_ack": auto_ack, "browse": browse, **options}
         if selector:
             opts["selector"] = selector
-        consumer = Consumer(self, queue, credit, opts)
+        consumer = Consumer(self, queue, credit, opts, credit_on_settle)
         req_id, consumer.consumer_id = self._live().subscribe(queue, credit, opts)
         self._consumers[consumer.consumer_id] = consumer
         try:

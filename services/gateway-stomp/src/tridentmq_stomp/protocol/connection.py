@@ -49,8 +49,9 @@ class StompServerConnection:
         self.send_interval = 0.0  # seconds between our heart-beats (0: none)
         self.receive_interval = 0.0  # seconds within which the client must send something (0: unchecked)
         self._out: list[bytes] = []
-        self._violated = False  # input after a violation is ignored
+        self._input_done = False  # input after a violation or a DISCONNECT is ignored
         self._last_received = 0.0
+        self._reading = True  # False while the shell does not read the socket
         self._last_sent = 0.0
 
     @property
@@ -60,7 +61,7 @@ class StompServerConnection:
     # ------------------------------------------------------------------ input
     def receive_data(self, data: bytes, now: float) -> list[ev.Event]:
         """Feed bytes from the client; ``b""`` means it closed its side."""
-        if self.state is State.CLOSED or self._violated:
+        if self.state is State.CLOSED or self._input_done:
             return []
         self._last_received = now
         if not data:
@@ -71,11 +72,12 @@ class StompServerConnection:
             while frames := self._parser.feed(data):
                 data = b""
                 for frame in frames:
-                    events.append(self._event(frame))
-                    if self.closed:  # DISCONNECT: whatever follows is not read
+                    event = self._event(frame)
+                    events.append(event)
+                    if type(event) is ev.Disconnect:  # whatever follows is not read
                         return events
         except RemoteProtocolError as exc:
-            self._violated = True
+            self._input_done = True
             events.append(ev.ProtocolViolation(exc.message, exc.detail, exc.receipt_id, exc.headers))
         return events
 
@@ -124,8 +126,8 @@ class StompServerConnection:
                               nack=command == "NACK")  # fmt: skip
             case "BEGIN" | "COMMIT" | "ABORT":
                 return ev.Transaction(command, self._need(headers, "transaction", command), receipt)
-            case _:  # DISCONNECT
-                self.state = State.CLOSED if receipt is None else self.state
+            case _:  # DISCONNECT: the shell handles the frames before it, answers, then closes
+                self._input_done = True
                 return ev.Disconnect(receipt)
 
     def _connect(self, headers: dict[str, str]) -> ev.Connect:
@@ -234,14 +236,14 @@ class StompServerConnection:
         deadlines = []
         if self.send_interval:
             deadlines.append(self._last_sent + self.send_interval)
-        if self.receive_interval:
+        if self.receive_interval and self._reading:
             deadlines.append(self._last_received + self.receive_interval)
         return min(deadlines) if deadlines else None
 
     def handle_timeout(self, now: float) -> None:
         """Queue a heart-beat when due; raise ``RemoteProtocolError`` (ERROR queued) if the client went quiet
         or did not connect in time."""
-        if self.state is State.AWAITING_CONNECT and self._connect_deadline is not None and not self._violated:
+        if self.state is State.AWAITING_CONNECT and self._connect_deadline is not None:
             if now >= self._connect_deadline:
                 detail = f"no CONNECT frame within {self._connect_timeout:g} s"
                 self._error_frame("connect timeout", detail, None)
@@ -249,12 +251,20 @@ class StompServerConnection:
             return
         if self.state is not State.CONNECTED:
             return
-        if self.receive_interval and now - self._last_received >= self.receive_interval:
+        if self.receive_interval and self._reading and now - self._last_received >= self.receive_interval:
             detail = f"nothing received for {now - self._last_received:.3f} s"
             self._error_frame("heart-beat missed", detail, None)
             raise RemoteProtocolError("heart-beat missed", detail)
         if self.send_interval and now - self._last_sent >= self.send_interval and not self._out:
             self._out.append(b"\n")
+
+    def reading_paused(self) -> None:
+        """The shell stopped reading the socket (back-pressure): the client's silence is not its own."""
+        self._reading = False
+
+    def reading_resumed(self, now: float) -> None:
+        self._reading = True
+        self._last_received = now
 
     def sent(self, now: float) -> None:
         """The shell wrote ``data_to_send()`` to the socket at ``now`` (any bytes count as a heart-beat)."""
@@ -267,7 +277,8 @@ def _remote(message: str, detail: str, receipt_id: str | None) -> RemoteProtocol
 
 def _heartbeat_header(value: str) -> tuple[int, int]:
     parts = value.split(",")
-    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+    # ASCII digits only: str.isdigit() also accepts digits that int() cannot read.
+    if len(parts) != 2 or not all(p.strip().isascii() and p.strip().isdigit() for p in parts):
         raise _remote("invalid header", f"heart-beat {value[:40]!r} is not two numbers", None)
     return int(parts[0]), int(parts[1])
 

@@ -103,7 +103,7 @@ class FrameParser:
             command, headers = self._head(bytes(buffer[pos:head_end]))
             length_text = headers.get("content-length")
             if length_text is not None:
-                if not length_text.isdigit():
+                if not (length_text.isascii() and length_text.isdigit()):  # int() also reads non-ASCII digits
                     raise RemoteProtocolError("malformed frame", f"content-length {length_text[:20]!r}",
                                               headers.get("receipt"))  # fmt: skip
                 length = int(length_text)
