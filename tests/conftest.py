@@ -15,6 +15,18 @@ from pathlib import Path
 import pytest
 
 STARTUP_TIMEOUT = 20.0
+_started: list[subprocess.Popen[bytes]] = []  # every process a test started: none outlives its test
+
+
+@pytest.fixture(autouse=True)
+def _stop_leftover_processes() -> Iterator[None]:
+    """A failing test may not reach its own clean-up: kill what it left running."""
+    yield
+    while _started:
+        process = _started.pop()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 @dataclass
@@ -69,6 +81,7 @@ def start_core(tmp_path: Path, name: str = "core", config: str | None = None, **
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+    _started.append(process)
     deadline = time.monotonic() + STARTUP_TIMEOUT
     while not ports_file.exists():
         if process.poll() is not None:
@@ -135,6 +148,7 @@ def start_gateway(tmp_path: Path, core: CoreProcess, kind: str = "stomp", name: 
     with log_path.open("wb") as log:
         process = subprocess.Popen([sys.executable, "-m", f"tridentmq_{kind}", "--ports-file", str(ports_file)],
                                    env=environment, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    _started.append(process)
     deadline = time.monotonic() + STARTUP_TIMEOUT
     while not ports_file.exists():
         if process.poll() is not None:
