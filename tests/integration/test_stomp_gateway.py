@@ -394,6 +394,8 @@ CONNECT = b"CONNECT\naccept-version:1.2\nhost:anything\n\n\x00"
         (b"COMMIT\ntransaction:never\n\n\x00", "no such transaction"),
         (b"SEND\ndestination:/queue/bad#name\nreceipt:r\n\nx\x00", "send refused"),
         (b"SEND\ndestination:/queue/x\npriority:high\n\nx\x00", "invalid header"),
+        (b"SEND\ndestination:orders::audit\n\nx\x00", "invalid header"),  # a queue, not an address
+        (b"NACK\nid:1-1\ntransaction:never\n\n\x00", "unknown ack id"),
     ],
 )
 def test_bad_frames_get_an_error_frame_then_the_connection_closes(
@@ -481,6 +483,24 @@ def test_client_mode_prefetch_holds_back_no_more_than_the_window(gateway: Gatewa
     assert [m.body for m in first_listener.messages] == ["m0"]
     first.disconnect()
     second.disconnect()
+
+
+def test_stomp_10_header_values_are_trimmed(raw: Callable[[bytes], bytes]) -> None:
+    reply = raw(b"CONNECT\n\n\x00SUBSCRIBE\ndestination: /queue/padded \n\n\x00"
+                b"SEND\ndestination: /queue/padded\ncontent-length: 2\n\nhi\x00"
+                b"DISCONNECT\nreceipt:done\n\n\x00")  # fmt: skip
+    assert b"MESSAGE\ndestination:/queue/padded\n" in reply
+    assert reply.endswith(b"RECEIPT\nreceipt-id:done\n\n\x00")
+
+
+def test_a_client_that_half_closes_after_disconnect_still_gets_its_receipt(gateway: GatewayProcess) -> None:
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=WAIT) as sock:
+        sock.sendall(
+            CONNECT + b"SEND\ndestination:/queue/half\npersistent:true\n\nx\x00DISCONNECT\nreceipt:bye\n\n\x00"
+        )
+        sock.shutdown(socket.SHUT_WR)
+        reply = read_until_closed(sock)
+    assert reply.endswith(b"RECEIPT\nreceipt-id:bye\n\n\x00")
 
 
 def test_frames_split_at_every_byte_over_the_socket(gateway: GatewayProcess) -> None:

@@ -31,6 +31,7 @@ from tridentmq_shared.message import (
 QUEUE_PREFIX: Final = "/queue/"
 TOPIC_PREFIX: Final = "/topic/"
 TEMP_QUEUE_PREFIX: Final = "/temp-queue/"
+FQQN_SEPARATOR: Final = "::"  # address::queue
 #: Headers with a meaning of their own in STOMP frames: never stored as properties.
 FRAME_HEADERS: Final = frozenset({
     "destination", "content-length", "content-type", "receipt", "transaction", "persistent", "priority",
@@ -69,6 +70,8 @@ def address_to_destination(address: str, routing: int) -> str:
 
 
 def to_message(address: str, routing: int, headers: dict[str, str], body: bytes) -> WireMessage:
+    if FQQN_SEPARATOR in address:
+        raise ConversionError(f"{address[:60]!r} names a queue: send to its address, subscribe to the queue")
     priority = _int_header(headers, "priority", DEFAULT_PRIORITY)
     if not 0 <= priority <= 9:
         raise ConversionError(f"priority {priority} is not within 0..9")

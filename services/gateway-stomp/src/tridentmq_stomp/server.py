@@ -52,7 +52,10 @@ class _TcpWire(asyncio.Protocol):
             self.session.feed(data)
 
     def eof_received(self) -> bool:
-        return False
+        """The client closed its side: the session answers what it sent (a DISCONNECT's receipt), then closes."""
+        if self.session is not None:
+            self.session.feed(b"")
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._writable.set()

@@ -40,6 +40,10 @@ SERVER_NAME = "TridentMQ/0.1"
 # Numbers in headers: str.isdigit() also accepts digits that int() cannot read.
 _DECIMAL = re.compile(r"-?[0-9]{1,9}")
 _DIGITS = re.compile(r"[0-9]{1,20}")
+#: ERROR ``message`` headers for the core's refusals of a request.
+_ERROR_NAMES = {ErrorCode.FORBIDDEN: "permission denied", ErrorCode.NOT_FOUND: "not found",
+                ErrorCode.INVALID: "invalid request", ErrorCode.RESOURCE_LIMIT: "resource limit",
+                ErrorCode.EXISTS: "already exists"}  # fmt: skip
 _NO_LINK_RETRY = ReconnectPolicy(attempts=0)  # a lost core ends the STOMP connection; the client reconnects
 
 
@@ -339,6 +343,9 @@ class StompSession:
         if found is None:
             self._error("unknown ack id", f"{event.id[:60]!r} names no unacknowledged message", event.receipt)
             return
+        tx_id = self._tx(event.transaction, event.receipt) if event.transaction is not None else 0
+        if tx_id < 0:
+            return
         subscription, message_id = found
         if subscription.ack == "client":  # cumulative: everything delivered up to this one
             ids = []
@@ -350,14 +357,10 @@ class StompSession:
         else:
             del subscription.unacked[message_id]
             ids = [message_id]
-        consumer = subscription.consumer
         if event.nack:
-            consumer.nack_ids(ids, NackMode.REDELIVER)
+            subscription.consumer.nack_ids(ids, NackMode.REDELIVER)  # at once, even within a transaction
         else:
-            tx_id = self._tx(event.transaction, event.receipt) if event.transaction else 0
-            if tx_id < 0:
-                return
-            consumer.ack_ids(ids, tx_id)
+            subscription.consumer.ack_ids(ids, tx_id)  # with a transaction: at its commit
 
     def _find_delivery(self, event: ev.Ack) -> tuple[Subscription, int] | None:
         key, dash, number = event.id.partition("-")
@@ -459,9 +462,11 @@ class StompSession:
             if self.conn.closed:
                 continue
             error = future.exception() if future is not None else None
-            if error is not None:
-                text = error.text if isinstance(error, LinkRequestError) else str(error)
-                self._error("send refused", text, receipt)
+            if isinstance(error, LinkRequestError):
+                name = "permission denied" if error.code == ErrorCode.FORBIDDEN else "send refused"
+                self._error(name, error.text, receipt)
+            elif error is not None:
+                self._error("send refused", str(error), receipt)
             elif receipt is not None:
                 self.conn.receipt(receipt)
 
@@ -497,10 +502,7 @@ class StompSession:
         self._flush()
 
     def _link_error(self, event: ev.Event, exc: LinkRequestError) -> None:
-        message = {ErrorCode.FORBIDDEN: "permission denied", ErrorCode.NOT_FOUND: "not found",
-                   ErrorCode.INVALID: "invalid destination", ErrorCode.RESOURCE_LIMIT: "resource limit"
-                   }.get(exc.code, "request failed")  # fmt: skip
-        self._error(message, exc.text, getattr(event, "receipt", None))
+        self._error(_ERROR_NAMES.get(exc.code, "request failed"), exc.text, getattr(event, "receipt", None))
 
     def _link_closed(self, error: LinkRequestError) -> None:
         if not self._closed:

@@ -143,7 +143,8 @@ class FrameParser:
         unescape = None if command in _RAW_COMMANDS or self.version == V10 else (
             _UNESCAPE_12 if self.version == V12 else _UNESCAPE_11)  # fmt: skip
         lines = lines[1:]
-        if "\r" not in text and (unescape is None or "\\" not in text):
+        trim = self.version == V10 and command not in _RAW_COMMANDS  # 1.0 clients pad: "destination: /queue/a"
+        if "\r" not in text and (unescape is None or "\\" not in text) and not trim:
             # The common case, in C: no CR to strip, nothing to unescape, no header repeated.
             try:
                 headers = dict([line.split(":", 1) for line in lines])
@@ -160,6 +161,8 @@ class FrameParser:
                 raise RemoteProtocolError("malformed frame", f"header line without a colon: {line[:40]!r}")
             if unescape is not None:
                 name, value = _unescape(name, unescape), _unescape(value, unescape)
+            elif trim:
+                name, value = name.strip(), value.strip()
             headers.setdefault(name, value)
         return command, headers
 
