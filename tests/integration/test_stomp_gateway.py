@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import threading
@@ -9,6 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.request import urlopen
 
 import pytest
 import stomp
@@ -176,7 +178,7 @@ def test_transactions_cover_send_and_ack(gateway: GatewayProcess) -> None:
     conn.disconnect()
 
 
-def test_request_reply_through_a_temporary_queue(gateway: GatewayProcess) -> None:
+def test_request_reply_through_a_temporary_queue(gateway: GatewayProcess, core: CoreProcess) -> None:
     requester, requests = connect(gateway)
     server, served = connect(gateway)
     server.subscribe("/queue/service", id="svc", ack="auto", headers={"receipt": "ready"})
@@ -190,10 +192,17 @@ def test_request_reply_through_a_temporary_queue(gateway: GatewayProcess) -> Non
     [reply] = requests.wait_messages(1)
     assert (reply.body, reply.headers["correlation-id"]) == ("pong", "c7")
     assert reply.headers["destination"] == "/temp-queue/replies"
+    assert temporary_queues(core) == [reply_to.removeprefix("/queue/")]
     requester.disconnect()  # the temporary queue goes with its connection
     server.send(reply_to, "too late", receipt="late")
-    served.wait(lambda: "late" in served.receipts or bool(served.errors))
+    served.wait(lambda: "late" in served.receipts, "the late reply's receipt")  # accepted, and dropped:
+    assert not temporary_queues(core)  # no queue was created to keep it
     server.disconnect()
+
+
+def temporary_queues(core: CoreProcess) -> list[str]:
+    with urlopen(f"{core.management_url}/api/queues", timeout=WAIT) as response:
+        return [q["name"] for q in json.loads(response.read()) if q["name"].startswith("tmp.")]
 
 
 def test_a_selector_filters_what_a_subscription_gets(gateway: GatewayProcess) -> None:

@@ -781,6 +781,13 @@ def test_settings_are_per_address() -> None:
     assert bodies(c.take(c.consumer("DLQ"))) == [b"e"]
 
 
+def test_temporary_addresses_never_auto_create_queues_unless_configured_to() -> None:
+    assert AddressSettingsRepository([]).resolve("tmp.c0ffee.replies").auto_create_queues is False
+    assert AddressSettingsRepository([]).resolve("orders").auto_create_queues is True
+    repo = AddressSettingsRepository([AddressSettingsEntry(match="tmp.#", auto_create_queues=True)])
+    assert repo.resolve("tmp.c0ffee.replies").auto_create_queues is True
+
+
 def test_address_settings_fall_through_field_by_field() -> None:
     repo = AddressSettingsRepository([
         AddressSettingsEntry(match="#", max_delivery_attempts=5, dead_letter_address="DEAD"),

@@ -41,6 +41,9 @@ M_SCHEDULED: Final = 14  # int, ms since the epoch, 0 = deliver now
 MESSAGE_FIELDS: Final = 15
 
 DEFAULT_PRIORITY: Final = 4
+#: Addresses of gateways' temporary (reply) queues start with this. The core never auto-creates a queue
+#: there, so a reply that arrives after its requester left is dropped instead of kept for ever.
+TEMPORARY_ADDRESS_PREFIX: Final = "tmp."
 MAX_PRIORITY: Final = 9
 
 PropertyValue = str | int | float | bool | bytes | None

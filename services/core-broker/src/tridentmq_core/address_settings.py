@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from tridentmq_core.router import pattern_matches
 from tridentmq_core.settings import AddressSettingsEntry
-from tridentmq_shared.message import RoutingType
+from tridentmq_shared.message import TEMPORARY_ADDRESS_PREFIX, RoutingType
 from tridentmq_shared.settings import SettingsError
 
 
@@ -42,6 +42,8 @@ class ResolvedAddressSettings:
 
 
 BUILT_IN = ResolvedAddressSettings()
+#: Entries that apply unless configured otherwise for the same pattern.
+BUILT_IN_ENTRIES = (AddressSettingsEntry(match=TEMPORARY_ADDRESS_PREFIX + "#", auto_create_queues=False),)
 
 
 def _specificity(pattern: str) -> tuple[int, int, int]:
@@ -62,6 +64,8 @@ class AddressSettingsRepository:
             if policy is not None and policy.upper() not in FULL_POLICIES:
                 raise SettingsError(f"address_settings {entry.match!r}: address_full_policy {policy!r} is not one of "
                                     f"{', '.join(FULL_POLICIES)}")  # fmt: skip
+        # Configured entries first: among equally specific patterns the first one found wins.
+        entries = [*entries, *BUILT_IN_ENTRIES]
         self._entries = sorted(entries, key=lambda e: _specificity(e.match), reverse=True)
         self._cache: dict[str, ResolvedAddressSettings] = {}
 

@@ -23,6 +23,7 @@ from tridentmq_shared.message import (
     M_ROUTING,
     M_TIMESTAMP,
     ROUTING_DEFAULT,
+    TEMPORARY_ADDRESS_PREFIX,
     RoutingType,
     WireMessage,
     new_message,
@@ -62,7 +63,7 @@ def temporary_address(connection_id: str, destination: str) -> str:
     name = destination[len(TEMP_QUEUE_PREFIX) :]
     if not name or any(c in name for c in "*#"):
         raise ConversionError(f"{destination[:60]!r} is not a temporary queue name")
-    return f"tmp.{connection_id}.{name}"
+    return f"{TEMPORARY_ADDRESS_PREFIX}{connection_id}.{name}"
 
 
 def address_to_destination(address: str, routing: int) -> str:
