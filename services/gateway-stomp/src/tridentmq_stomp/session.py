@@ -244,6 +244,7 @@ class StompSession:
             return
         self.link = link
         link.on_closed = self._link_closed
+        link.on_settled = self._settled
         self.client_id = event.headers.get("client-id")
         self.conn.accept(self.id, SERVER_NAME, time.monotonic())
         self._rearm.set()
@@ -279,13 +280,12 @@ class StompSession:
 
     def _published(self, future: asyncio.Future[None], receipt: str | None) -> None:
         self.counters.messages_published += 1
-        self._receipts.append((future, receipt))
-        future.add_done_callback(self._settled)
+        self._receipts.append((future, receipt))  # answered by _settled once the core confirms or refuses
 
-    def _settled(self, future: asyncio.Future[None]) -> None:
-        if self._receipts and self._receipts[0][0] is future:  # answers go in order: only the oldest unblocks
-            self._drain_receipts()
-            self._flush()
+    def _settled(self) -> None:
+        """The link read confirms or refusals of SENDs: send what is now answerable, in order."""
+        self._drain_receipts()
+        self._flush()
 
     async def _subscribe(self, event: ev.Subscribe) -> None:
         if event.id in self.subscriptions:
@@ -532,8 +532,12 @@ class StompSession:
             if subscription.pump is not None:
                 subscription.pump.cancel()
         if self.link is not None:
-            self.link.on_closed = None
+            self.link.on_closed = self.link.on_settled = None
             await self.link.close()  # the core returns unacked messages and drops temporary queues
+        for future, _ in self._receipts:  # answers nobody will read: retrieved, so asyncio does not warn
+            if future is not None and future.done() and not future.cancelled():
+                future.exception()
+        self._receipts.clear()
         self.wire.close()
 
 
