@@ -242,6 +242,35 @@ def test_a_durable_subscription_keeps_messages_across_a_gateway_restart(tmp_path
         assert replacement.stop() == 0
 
 
+def test_a_durable_subscription_with_a_new_selector_or_topic_starts_afresh(gateway: GatewayProcess) -> None:
+    conn, listener = connect(gateway, connect_headers={"client-id": "app-3"})
+    durable = {"durable-subscription-name": "picky"}
+    conn.subscribe("/topic/colours", id="d", ack="auto", headers={**durable, "selector": "c = 'red'", "receipt": "1"})
+    listener.wait(lambda: "1" in listener.receipts)
+    conn.unsubscribe("d", headers={"receipt": "2"})  # detach only: the subscription keeps collecting
+    listener.wait(lambda: "2" in listener.receipts)
+    for colour in ("red", "blue", "red"):
+        conn.send("/topic/colours", colour, headers={"c": colour, "persistent": "true"}, receipt=f"s-{colour}")
+    listener.wait(lambda: len(listener.receipts) == 4)
+    conn.subscribe("/topic/colours", id="d", ack="auto", headers={**durable, "selector": "c = 'blue'", "receipt": "3"})
+    listener.wait(lambda: "3" in listener.receipts)
+    conn.send("/topic/colours", "blue", headers={"c": "blue"})
+    conn.send("/topic/colours", "red", headers={"c": "red"}, receipt="4")
+    listener.wait(lambda: "4" in listener.receipts)
+    assert [m.body for m in listener.wait_messages(1)] == ["blue"]  # the reds kept for the old selector went
+    conn.unsubscribe("d", headers={"receipt": "5"})
+    listener.wait(lambda: "5" in listener.receipts)
+    conn.subscribe("/topic/shapes", id="d", ack="auto", headers={**durable, "receipt": "6"})  # another topic
+    listener.wait(lambda: "6" in listener.receipts)
+    conn.send("/topic/shapes", "square", receipt="7")
+    listener.wait(lambda: len(listener.messages) == 2)
+    assert listener.messages[1].body == "square"
+    assert not listener.errors
+    conn.unsubscribe("d", headers={**durable, "receipt": "8"})
+    listener.wait(lambda: "8" in listener.receipts)
+    conn.disconnect()
+
+
 def test_unacknowledged_deliveries_return_when_the_gateway_is_killed(tmp_path: Path, core: CoreProcess) -> None:
     gateway = start_gateway(tmp_path, core, name="doomed")
     conn, listener = connect(gateway, connect_headers={"client-id": "app-2"})

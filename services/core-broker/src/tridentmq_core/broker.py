@@ -779,7 +779,8 @@ class Broker:
             if existing.address != address or existing.routing_type is not routing:
                 raise BrokerError(ErrorCode.EXISTS, f"queue {name!r} exists on address {existing.address!r} "
                                   f"as {existing.routing_type.name.lower()}")  # fmt: skip
-            return {"created": False, "queue": name, "address": address}
+            return {"created": False, "queue": name, "address": address,
+                    "filter": existing.filter.text if existing.filter is not None else None}  # fmt: skip
         self._validate(address, wildcards=True)
         self._check_create(session, address, durable)
         lvq = spec.get("last_value_key")

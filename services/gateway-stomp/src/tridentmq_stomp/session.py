@@ -542,8 +542,17 @@ class StompSession:
 
 
 async def _create(link: LinkClient, queue: str, address: str, *, durable: bool, selector: str | None) -> None:
-    """Create a subscription queue on a multicast address (a no-op when a durable one exists already)."""
+    """Create a subscription queue on a multicast address. A durable one that exists already is kept, unless
+    its topic or selector changed: then, as in JMS, it is a new subscription and the old one's messages go."""
     options: dict[str, Any] = {} if durable else {"temporary": True}  # the core drops it with this link
     if selector:
         options["filter"] = selector
-    await link.create_queue(queue, address, routing_type=RoutingType.MULTICAST, durable=durable, **options)
+    try:
+        found = await link.create_queue(queue, address, routing_type=RoutingType.MULTICAST, durable=durable, **options)
+    except LinkRequestError as exc:
+        if not durable or exc.code != ErrorCode.EXISTS:
+            raise
+        found = {"created": False, "filter": "-"}  # on another topic
+    if durable and not found.get("created") and (found.get("filter") or None) != (selector or None):
+        await link.delete_queue(queue)
+        await link.create_queue(queue, address, routing_type=RoutingType.MULTICAST, durable=True, **options)
