@@ -30,16 +30,9 @@ def _stop_leftover_processes() -> Iterator[None]:
 
 
 @dataclass
-class CoreProcess:
+class ServiceProcess:
     process: subprocess.Popen[bytes]
-    link_port: int
-    management_port: int
-    data_dir: Path
     log_path: Path
-
-    @property
-    def management_url(self) -> str:
-        return f"http://127.0.0.1:{self.management_port}"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -55,13 +48,40 @@ class CoreProcess:
         return self.process.returncode
 
 
+def _spawn(module: str, ports_file: Path, log_path: Path, args: list[str], environment: dict[str, str]
+           ) -> tuple[subprocess.Popen[bytes], dict[str, int]]:  # fmt: skip
+    """Start ``python -m module`` logging to ``log_path``; wait for the ports it writes to ``ports_file``."""
+    ports_file.unlink(missing_ok=True)  # a restart in the same directory must not read the old ports
+    with log_path.open("wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", module, "--ports-file", str(ports_file), *args],
+                                   env=environment, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    _started.append(process)
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while not ports_file.exists():
+        if process.poll() is not None:
+            raise RuntimeError(f"{module} exited with {process.returncode}:\n{log_path.read_text()}")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"{module} did not start in {STARTUP_TIMEOUT} s:\n{log_path.read_text()}")
+        time.sleep(0.05)
+    return process, json.loads(ports_file.read_text())
+
+
+@dataclass
+class CoreProcess(ServiceProcess):
+    link_port: int
+    management_port: int
+    data_dir: Path
+
+    @property
+    def management_url(self) -> str:
+        return f"http://127.0.0.1:{self.management_port}"
+
+
 def start_core(tmp_path: Path, name: str = "core", config: str | None = None, **env: str) -> CoreProcess:
     data_dir = tmp_path / name
     data_dir.mkdir(parents=True, exist_ok=True)
-    ports_file = data_dir / "ports.json"
-    ports_file.unlink(missing_ok=True)  # a restart on the same data directory must not read the old ports
-    log_path = data_dir / "core.log"
-    args = ["--ports-file", str(ports_file)]
+    args = []
     if config is not None:
         (data_dir / "core.toml").write_text(config)
         args += ["--config", str(data_dir / "core.toml")]
@@ -74,24 +94,9 @@ def start_core(tmp_path: Path, name: str = "core", config: str | None = None, **
         "TRIDENTMQ_CORE_MANAGEMENT_PORT": "0",
         **env,
     }
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "tridentmq_core", *args],
-            env=environment,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    _started.append(process)
-    deadline = time.monotonic() + STARTUP_TIMEOUT
-    while not ports_file.exists():
-        if process.poll() is not None:
-            raise RuntimeError(f"core exited with {process.returncode}:\n{log_path.read_text()}")
-        if time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"core did not start in {STARTUP_TIMEOUT} s:\n{log_path.read_text()}")
-        time.sleep(0.05)
-    ports = json.loads(ports_file.read_text())
-    return CoreProcess(process, ports["link"], ports["management"], data_dir, log_path)
+    log_path = data_dir / "core.log"
+    process, ports = _spawn("tridentmq_core", data_dir / "ports.json", log_path, args, environment)
+    return CoreProcess(process, log_path, ports["link"], ports["management"], data_dir)
 
 
 @pytest.fixture
@@ -104,27 +109,12 @@ def core(tmp_path: Path) -> Iterator[CoreProcess]:
 
 
 @dataclass
-class GatewayProcess:
-    process: subprocess.Popen[bytes]
+class GatewayProcess(ServiceProcess):
     ports: dict[str, int]
-    log_path: Path
 
     @property
     def port(self) -> int:
         return self.ports["stomp"]
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                return self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                return self.process.wait()
-        return self.process.returncode
 
 
 def start_gateway(tmp_path: Path, core: CoreProcess, kind: str = "stomp", name: str | None = None,
@@ -132,9 +122,6 @@ def start_gateway(tmp_path: Path, core: CoreProcess, kind: str = "stomp", name: 
     """A gateway process (``tridentmq_<kind>``) on OS-assigned loopback ports, linked to ``core``."""
     directory = tmp_path / (name or f"gateway-{kind}")
     directory.mkdir(parents=True, exist_ok=True)
-    ports_file = directory / "ports.json"
-    ports_file.unlink(missing_ok=True)
-    log_path = directory / "gateway.log"
     prefix = f"TRIDENTMQ_{kind.upper()}"
     environment = {
         **os.environ,
@@ -145,19 +132,9 @@ def start_gateway(tmp_path: Path, core: CoreProcess, kind: str = "stomp", name: 
         f"{prefix}_CORE_PORT": str(core.link_port),
         **env,
     }
-    with log_path.open("wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", f"tridentmq_{kind}", "--ports-file", str(ports_file)],
-                                   env=environment, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-    _started.append(process)
-    deadline = time.monotonic() + STARTUP_TIMEOUT
-    while not ports_file.exists():
-        if process.poll() is not None:
-            raise RuntimeError(f"gateway exited with {process.returncode}:\n{log_path.read_text()}")
-        if time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"gateway did not start in {STARTUP_TIMEOUT} s:\n{log_path.read_text()}")
-        time.sleep(0.05)
-    return GatewayProcess(process, json.loads(ports_file.read_text()), log_path)
+    log_path = directory / "gateway.log"
+    process, ports = _spawn(f"tridentmq_{kind}", directory / "ports.json", log_path, [], environment)
+    return GatewayProcess(process, log_path, ports)
 
 
 @pytest.fixture
