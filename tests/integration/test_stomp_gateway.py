@@ -431,6 +431,7 @@ CONNECT = b"CONNECT\naccept-version:1.2\nhost:anything\n\n\x00"
         (b"ACK\nid:1-1\n\n\x00", "unknown ack id"),
         (b"COMMIT\ntransaction:never\n\n\x00", "no such transaction"),
         (b"SEND\ndestination:/queue/bad#name\nreceipt:r\n\nx\x00", "send refused"),
+        (b"SEND\ndestination:/queue/bad#name\n\nno receipt asked\x00", "send refused"),
         (b"SEND\ndestination:/queue/x\npriority:high\n\nx\x00", "invalid header"),
         (b"SEND\ndestination:orders::audit\n\nx\x00", "invalid header"),  # a queue, not an address
         (b"NACK\nid:1-1\ntransaction:never\n\n\x00", "unknown ack id"),
