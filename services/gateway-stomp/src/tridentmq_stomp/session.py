@@ -77,7 +77,6 @@ class Subscription:
     destination: str
     queue: str
     ack: str
-    window: int
     consumer: Consumer
     temporary: bool
     shown_destination: str | None = None  # MESSAGE's destination when the address would not say it (temp queues)
@@ -179,15 +178,12 @@ class StompSession:
     def _handle_now(self, event: ev.Event) -> bool:
         """Handle the frames that need no waiting (ACK, NACK, and a SEND while the core's window is open)
         without a coroutine each: at tens of thousands of frames a second that is most of the cost."""
-        kind = type(event)
-        if kind is ev.Ack:
-            assert isinstance(event, ev.Ack)
+        if isinstance(event, ev.Ack):
             self._ack(event)
             self._receipt_now(event.receipt)
             return True
-        if kind is not ev.Send:
+        if not isinstance(event, ev.Send):
             return False
-        assert isinstance(event, ev.Send)
         link = self._link()
         headers = event.headers
         if (event.transaction is not None or not link.can_send or event.destination.startswith(TEMP_QUEUE_PREFIX)
@@ -198,6 +194,7 @@ class StompSession:
         return True
 
     async def _handle(self, event: ev.Event) -> None:
+        """The other frames (ACK and NACK always go through ``_handle_now``)."""
         match event:
             case ev.Connect():
                 await self._connect(event)
@@ -208,9 +205,6 @@ class StompSession:
                 self._receipt_now(event.receipt)
             case ev.Unsubscribe():
                 await self._unsubscribe(event)
-                self._receipt_now(event.receipt)
-            case ev.Ack():
-                self._ack(event)
                 self._receipt_now(event.receipt)
             case ev.Transaction():
                 await self._transaction(event)
@@ -315,8 +309,8 @@ class StompSession:
         consumer = await link.subscribe(queue, credit=window, selector=None if durable_name or temporary else
                                         selector, credit_on_settle=event.ack != "auto")  # fmt: skip
         shown = event.destination if event.destination.startswith(convert.TEMP_QUEUE_PREFIX) else None
-        subscription = Subscription(event.id, next(self._keys), event.destination, queue, event.ack, window,
-                                    consumer, temporary, shown)  # fmt: skip
+        subscription = Subscription(event.id, next(self._keys), event.destination, queue, event.ack, consumer,
+                                    temporary, shown)  # fmt: skip
         subscription.pump = asyncio.get_running_loop().create_task(self._pump(subscription))
         self.subscriptions[event.id] = subscription
 
