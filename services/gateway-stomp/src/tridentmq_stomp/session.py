@@ -107,6 +107,7 @@ class StompSession:
         self._events: deque[ev.Event] = deque()
         self._wakeup = asyncio.Event()
         self._paused = False
+        self._read_ahead = 0
         self._receipts: deque[tuple[asyncio.Future[None] | None, str | None]] = deque()
         self._closed = False
         loop = asyncio.get_running_loop()
@@ -120,12 +121,16 @@ class StompSession:
         if self._closed:
             return
         events = self.conn.receive_data(data, time.monotonic())
+        self._read_ahead += len(data)  # bytes read since the worker last caught up (an upper bound of its backlog)
         if not events:
             return
         self.counters.frames_received += len(events)
         self._events.extend(events)
         self._wakeup.set()
-        if len(self._events) >= self.settings.stomp.pending_frames and not self._paused:
+        limits = self.settings.stomp
+        if not self._paused and (
+            len(self._events) >= limits.pending_frames or self._read_ahead >= limits.pending_bytes
+        ):
             self._paused = True
             self.wire.pause_reading()
             self.conn.reading_paused()  # the client's heart-beats wait in the socket meanwhile
@@ -145,6 +150,7 @@ class StompSession:
         try:
             while not self._closed:
                 if not events:
+                    self._read_ahead = 0
                     if self._paused:
                         self._paused = False
                         self.wire.resume_reading()

@@ -40,6 +40,8 @@ class StompLimitsSection:
     max_prefetch: int = doc(10_000, "Largest prefetch a subscription may ask for.")
     pending_frames: int = doc(1000, "Client frames read ahead of processing before the gateway stops reading "
                                     "the socket (back-pressure to a fast producer).")  # fmt: skip
+    pending_bytes: int = doc(8 * 1024 * 1024, "Bytes read ahead of processing before the gateway stops reading "
+                                              "the socket, whatever the frame count (large frames).")  # fmt: skip
     heartbeat_send_ms: int = doc(10_000, "Heart-beat interval the gateway offers to send (sx of CONNECTED).")
     heartbeat_receive_ms: int = doc(10_000, "Heart-beat interval the gateway asks of clients (sy); a client "
                                             "silent for twice the agreed interval is disconnected.")  # fmt: skip
