@@ -1,0 +1,499 @@
+"""The server side of one MQTT connection (3.1, 3.1.1 and 5.0), sans-IO: bytes in, events out; replies in,
+bytes queued.
+
+The first packet must be a CONNECT; the shell answers it with ``accept`` or ``refuse``. Clients may send
+packets right behind their CONNECT: those become events too, but nothing is sent to the client before the
+CONNACK (an early PINGRESP waits for it). A protocol violation is not answered at once: it becomes a
+``ProtocolViolation`` event after the events of the packets before it, and the shell answers it with
+``reject`` (a 5.0 DISCONNECT, or CONNACK before the accept, with its reason code; before 5.0 the connection
+is just closed).
+
+Packet-id bookkeeping, per direction:
+
+* Incoming QoS 1/2 PUBLISH: the id is in use until the shell's ``puback`` (QoS 1) or ``pubcomp`` after the
+  client's PUBREL (QoS 2). In 5.0 more such messages in flight than the server's receive maximum is a
+  violation (0x93); before 5.0 the limit is not announced, so not enforced. A PUBLISH resent with the same
+  QoS while its id is in use (QoS 1 before ``puback``, QoS 2 before the PUBREL) is an event with
+  ``duplicate=True``; any other reuse of an id in use is a protocol violation.
+* 5.0 topic aliases from the client are resolved (up to the server's ``topic_alias_maximum``; above it is
+  0x94, an unmapped alias 0x82; alias 0 is refused by the parser, as 0x82). The server sends no aliases.
+* Outgoing QoS 1/2 PUBLISH (``publish``): the id is in use until PUBACK, PUBCOMP or an error PUBREC. At most
+  the client's receive maximum are in flight: beyond that ``publish`` returns ``None`` and queues nothing.
+  Acknowledgements for ids not in flight are ignored rather than treated as a protocol error (the spec
+  allows either; a client retrying after a reconnect is better served by leniency).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from enum import Enum
+from typing import Any, Final, cast
+
+from tridentmq_mqtt.protocol import events as ev
+from tridentmq_mqtt.protocol.errors import LocalProtocolError, RemoteProtocolError
+from tridentmq_mqtt.protocol.packets import (
+    MAX_PACKET_SIZE,
+    V5,
+    V31,
+    V311,
+    Auth,
+    Connack,
+    Connect,
+    Disconnect,
+    Packet,
+    PacketParser,
+    Pingreq,
+    Pingresp,
+    Puback,
+    Pubcomp,
+    Publish,
+    Pubrec,
+    Pubrel,
+    Suback,
+    Subscribe,
+    Unsuback,
+    Unsubscribe,
+    encode,
+)
+from tridentmq_mqtt.protocol.properties import NO_PROPERTIES, Properties
+from tridentmq_mqtt.protocol.reason_codes import PROTOCOL_ERROR, UNSPECIFIED_ERROR, UNSUPPORTED_PROTOCOL_VERSION
+
+DISCONNECT_WITH_WILL: Final = 0x04
+KEEP_ALIVE_TIMEOUT: Final = 0x8D
+RECEIVE_MAXIMUM_EXCEEDED: Final = 0x93
+TOPIC_ALIAS_INVALID: Final = 0x94
+#: The client is declared gone after this many keep-alive periods of silence ([MQTT-3.1.2-24]).
+KEEP_ALIVE_TOLERANCE: Final = 1.5
+DEFAULT_RECEIVE_MAXIMUM: Final = 65_535
+
+#: 5.0 CONNACK reason codes as 3.1/3.1.1 return codes; anything else is 3, Server unavailable.
+_RETURN_CODES: Final = {
+    0x84: 1,  # unacceptable protocol version
+    0x85: 2,  # identifier rejected
+    0x88: 3,  # server unavailable
+    0x89: 3,  # server busy
+    0x86: 4,  # bad user name or password
+    0x8C: 4,  # bad authentication method
+    0x87: 5,  # not authorized
+    0x8A: 5,  # banned
+}
+
+
+class State(Enum):
+    AWAITING_CONNECT = "awaiting-connect"
+    CONNECTING = "connecting"  # CONNECT received; accept() or refuse() next
+    CONNECTED = "connected"
+    CLOSED = "closed"
+
+
+class _In(Enum):
+    """Where an incoming QoS 1/2 PUBLISH stands."""
+
+    QOS1 = "awaiting puback()"
+    RECEIVED = "awaiting pubrec()"
+    RECORDED = "awaiting PUBREL"
+    RELEASED = "awaiting pubcomp()"
+
+
+class _Out(Enum):
+    """Where an outgoing QoS 1/2 PUBLISH stands."""
+
+    PUBACK = "awaiting PUBACK"
+    PUBREC = "awaiting PUBREC"
+    PUBCOMP = "awaiting PUBCOMP"
+
+
+class MqttServerConnection:
+    def __init__(self, *, max_packet_size: int = MAX_PACKET_SIZE, receive_maximum: int = DEFAULT_RECEIVE_MAXIMUM,
+                 topic_alias_maximum: int = 0, now: float = 0.0) -> None:  # fmt: skip
+        """The server's limits: the largest packet it reads (also given to the parser), how many incoming
+        QoS 1/2 messages may be unacknowledged at once, and the highest topic alias the client may use (0:
+        none). 5.0 clients learn them from the CONNACK."""
+        if not 1 <= receive_maximum <= 0xFFFF:
+            raise LocalProtocolError(f"receive maximum {receive_maximum} is not in 1..65535")
+        if not 0 <= topic_alias_maximum <= 0xFFFF:
+            raise LocalProtocolError(f"topic alias maximum {topic_alias_maximum} is not in 0..65535")
+        if not 2 <= max_packet_size <= MAX_PACKET_SIZE:
+            raise LocalProtocolError(f"maximum packet size {max_packet_size} is out of range")
+        self._parser = PacketParser(max_packet_size=max_packet_size)
+        self.max_packet_size = max_packet_size
+        self.receive_maximum = receive_maximum
+        self.topic_alias_maximum = topic_alias_maximum
+        self.state = State.AWAITING_CONNECT
+        self.version: int | None = None  # known from the CONNECT on
+        self.keep_alive = 0  # seconds; the client's, or the server keep-alive given to accept() in 5.0
+        self.client_receive_maximum = DEFAULT_RECEIVE_MAXIMUM
+        self.client_max_packet_size = MAX_PACKET_SIZE
+        self.discarded = 0  # outgoing packets dropped for exceeding the client's maximum packet size
+        self._out: list[bytes] = []
+        self._held: list[Packet] = []  # automatic answers to packets read before the CONNACK
+        self._input_done = False  # input after a violation or a DISCONNECT is ignored
+        self._last_received = now
+        self._aliases: dict[int, str] = {}
+        self._incoming: dict[int, _In] = {}
+        self._outgoing: dict[int, _Out] = {}
+        self._next_id = 1
+
+    @property
+    def closed(self) -> bool:
+        return self.state is State.CLOSED
+
+    @property
+    def send_window(self) -> int:
+        """How many more QoS 1/2 PUBLISH ``publish`` may send before the client acknowledges some."""
+        return self.client_receive_maximum - len(self._outgoing)
+
+    # ------------------------------------------------------------------ input
+    def receive_data(self, data: bytes, now: float) -> list[ev.Event]:
+        """Feed bytes from the client; ``b""`` means it closed its side."""
+        if self.state is State.CLOSED or self._input_done:
+            return []
+        self._last_received = now
+        if not data:
+            self._close()
+            return [ev.ConnectionClosed()]
+        events: list[ev.Event] = []
+        try:
+            while packets := self._parser.feed(data):
+                data = b""
+                for packet in packets:
+                    event = self._event(packet)
+                    if event is None:
+                        continue
+                    events.append(event)
+                    if type(event) is ev.Disconnect:  # whatever follows is not read
+                        self._close()
+                        return events
+        except RemoteProtocolError as exc:
+            self._input_done = True
+            events.append(ev.ProtocolViolation(exc.message, exc.reason_code))
+        return events
+
+    def _event(self, packet: Packet) -> ev.Event | None:
+        match packet:
+            case Publish():
+                return self._publish_received(packet)
+            case Puback():
+                if self._outgoing.get(packet.packet_id) is _Out.PUBACK:
+                    del self._outgoing[packet.packet_id]
+                    return ev.PubackReceived(packet.packet_id, packet.reason_code, packet.properties)
+                return None
+            case Pubrec():
+                return self._pubrec_received(packet)
+            case Pubrel():
+                return self._pubrel_received(packet)
+            case Pubcomp():
+                if self._outgoing.get(packet.packet_id) is _Out.PUBCOMP:
+                    del self._outgoing[packet.packet_id]
+                    return ev.PubcompReceived(packet.packet_id, packet.reason_code, packet.properties)
+                return None
+            case Subscribe():
+                return ev.Subscribe(packet.packet_id, packet.subscriptions, packet.properties)
+            case Unsubscribe():
+                return ev.Unsubscribe(packet.packet_id, packet.topic_filters, packet.properties)
+            case Pingreq():
+                self._auto(Pingresp())
+                return None
+            case Disconnect():
+                return ev.Disconnect(packet.reason_code, packet.properties, packet.reason_code == DISCONNECT_WITH_WILL)
+            case Connect():
+                return self._connect(packet)
+            case Auth():
+                raise RemoteProtocolError("enhanced authentication (AUTH) is not supported", PROTOCOL_ERROR)
+            case _:  # CONNACK, SUBACK, UNSUBACK, PINGRESP: server-to-client only
+                raise RemoteProtocolError(f"{type(packet).__name__.upper()} from a client", PROTOCOL_ERROR)
+
+    def _connect(self, packet: Connect) -> ev.Connect:
+        version = self._parser.version
+        assert version is not None  # the parser read the CONNECT
+        self.version = version
+        self.keep_alive = packet.keep_alive
+        props = packet.properties
+        if props.receive_maximum is not None:
+            self.client_receive_maximum = props.receive_maximum
+        if props.maximum_packet_size is not None:
+            self.client_max_packet_size = props.maximum_packet_size
+        self.state = State.CONNECTING
+        return ev.Connect(version, packet.client_id, packet.clean_start, packet.keep_alive, packet.username,
+                          packet.password, packet.will, props)  # fmt: skip
+
+    def _publish_received(self, packet: Publish) -> ev.Publish:
+        topic, props = packet.topic, packet.properties
+        alias = props.topic_alias
+        if alias is not None:  # 5.0 only: the parser has refused 0 already (Protocol Error)
+            if not 0 < alias <= self.topic_alias_maximum:
+                raise RemoteProtocolError(f"topic alias {alias} exceeds the maximum {self.topic_alias_maximum}",
+                                          TOPIC_ALIAS_INVALID)  # fmt: skip
+            if topic:
+                self._aliases[alias] = topic
+            else:
+                known = self._aliases.get(alias)
+                if known is None:
+                    raise RemoteProtocolError(f"topic alias {alias} has no topic yet", PROTOCOL_ERROR)
+                topic = known
+            props = replace(props, topic_alias=None)
+        duplicate = False
+        packet_id = packet.packet_id
+        if packet_id is not None:  # QoS 1 or 2
+            state = self._incoming.get(packet_id)
+            if state is None:
+                if self.version == V5 and len(self._incoming) >= self.receive_maximum:
+                    raise RemoteProtocolError(f"more than {self.receive_maximum} QoS 1/2 messages unacknowledged",
+                                              RECEIVE_MAXIMUM_EXCEEDED)  # fmt: skip
+                self._incoming[packet_id] = _In.QOS1 if packet.qos == 1 else _In.RECEIVED
+            elif (state is _In.QOS1 and packet.qos == 1) or (packet.qos == 2 and state in (_In.RECEIVED, _In.RECORDED)):
+                duplicate = True
+                if state is _In.RECORDED:
+                    self._auto(Pubrec(packet_id))
+            else:
+                raise RemoteProtocolError(f"packet identifier {packet_id} is in use ({state.value})", PROTOCOL_ERROR)
+        return ev.Publish(topic, packet.payload, packet.qos, packet.retain, packet.dup, packet_id, props, duplicate)
+
+    def _pubrec_received(self, packet: Pubrec) -> ev.PubrecReceived | None:
+        packet_id = packet.packet_id
+        state = self._outgoing.get(packet_id)
+        if state is _Out.PUBCOMP:  # our PUBREL crossed a resent PUBREC: repeat it
+            self._auto(Pubrel(packet_id))
+            return None
+        if state is not _Out.PUBREC:
+            return None
+        if packet.reason_code >= UNSPECIFIED_ERROR:
+            del self._outgoing[packet_id]
+        else:
+            self._outgoing[packet_id] = _Out.PUBCOMP
+            self._auto(Pubrel(packet_id))
+        return ev.PubrecReceived(packet_id, packet.reason_code, packet.properties)
+
+    def _pubrel_received(self, packet: Pubrel) -> ev.PubrelReceived:
+        packet_id = packet.packet_id
+        state = self._incoming.get(packet_id)
+        if state in (_In.QOS1, _In.RECEIVED):
+            raise RemoteProtocolError(f"PUBREL for packet identifier {packet_id} before its PUBREC", PROTOCOL_ERROR)
+        self._incoming[packet_id] = _In.RELEASED
+        return ev.PubrelReceived(packet_id, packet.reason_code, packet.properties, known=state is not None)
+
+    # ------------------------------------------------------------------ answering the CONNECT
+    def accept(self, now: float, *, session_present: bool = False, assigned_client_id: str | None = None,
+               server_keep_alive: int | None = None, properties: Properties = NO_PROPERTIES) -> None:  # fmt: skip
+        """Answer the CONNECT with a successful CONNACK. In 5.0 it carries the server's receive maximum,
+        maximum packet size and topic alias maximum (where they differ from the defaults), the assigned client
+        id and the server keep-alive (which then replaces the client's), plus ``properties``; before 5.0 those
+        are not sent (and ``server_keep_alive`` is ignored)."""
+        if self.state is not State.CONNECTING:
+            raise LocalProtocolError("accept() answers a CONNECT", PROTOCOL_ERROR)
+        props = NO_PROPERTIES
+        if self.version == V5:
+            if server_keep_alive is not None:
+                self.keep_alive = server_keep_alive
+            props = replace(
+                properties,
+                receive_maximum=(self.receive_maximum if self.receive_maximum != DEFAULT_RECEIVE_MAXIMUM
+                                 else properties.receive_maximum),
+                maximum_packet_size=(self.max_packet_size if self.max_packet_size < MAX_PACKET_SIZE
+                                     else properties.maximum_packet_size),
+                topic_alias_maximum=self.topic_alias_maximum or properties.topic_alias_maximum,
+                assigned_client_identifier=assigned_client_id,
+                server_keep_alive=server_keep_alive,
+            )  # fmt: skip
+            if props == NO_PROPERTIES:
+                props = NO_PROPERTIES
+        self._write(Connack(session_present and self.version != V31, 0, props))
+        self.state = State.CONNECTED
+        self._last_received = max(self._last_received, now)
+        held, self._held = self._held, []
+        for packet in held:
+            self._write(packet)
+
+    def refuse(self, reason_code: int = UNSPECIFIED_ERROR, properties: Properties = NO_PROPERTIES) -> None:
+        """Answer the CONNECT with a failing CONNACK and close. ``reason_code`` is a 5.0 code (0x80 or more);
+        before 5.0 it becomes the nearest return code (0x84 → 1, 0x85 → 2, 0x86/0x8C → 4, 0x87/0x8A → 5,
+        anything else → 3, Server unavailable) and ``properties`` are dropped."""
+        if self.state is not State.CONNECTING:
+            raise LocalProtocolError("refuse() answers a CONNECT", PROTOCOL_ERROR)
+        if not UNSPECIFIED_ERROR <= reason_code <= 0xFF:
+            raise LocalProtocolError(f"refusal reason 0x{reason_code:02x} is not an error code", PROTOCOL_ERROR)
+        if self.version == V5:
+            self._write(Connack(session_present=False, reason_code=reason_code, properties=properties))
+        else:
+            self._write(Connack(session_present=False, reason_code=_RETURN_CODES.get(reason_code, 3)))
+        self._close()
+
+    def reject(self, violation: ev.ProtocolViolation) -> None:
+        """Answer a ``ProtocolViolation`` and close: in 5.0 a DISCONNECT (a CONNACK if the CONNECT has not been
+        accepted yet) with its reason code; before 5.0 nothing is sent. A CONNECT of an unsupported protocol
+        version gets a 3.1.1 CONNACK with return code 1, whatever version the client speaks."""
+        if self.state is State.CLOSED:
+            return
+        code = violation.reason_code
+        if self.state is State.AWAITING_CONNECT:
+            if code == UNSUPPORTED_PROTOCOL_VERSION:
+                self._out.append(encode(Connack(session_present=False, reason_code=1), V311))
+        elif self.version == V5:
+            self._write(
+                Connack(session_present=False, reason_code=code) if self.state is State.CONNECTING else Disconnect(code)
+            )
+        self._close()
+
+    def disconnect(self, reason_code: int = 0, properties: Properties = NO_PROPERTIES) -> None:
+        """Close from the server side: a DISCONNECT with ``reason_code`` in 5.0 once connected; before 5.0, or
+        before the CONNACK, the connection is just closed. Nothing happens if it is closed already."""
+        if self.state is State.CONNECTED and self.version == V5:
+            self._write(Disconnect(reason_code, properties))
+        self._close()
+
+    # ------------------------------------------------------------------ answering the client's packets
+    def puback(self, packet_id: int, reason_code: int = 0, properties: Properties = NO_PROPERTIES) -> None:
+        """Acknowledge the client's QoS 1 PUBLISH ``packet_id`` (reason codes and properties are 5.0 only and
+        dropped before). A no-op once closed."""
+        if self._answerable(packet_id, _In.QOS1, "puback"):
+            del self._incoming[packet_id]
+            self._write(Puback(packet_id, *self._v5(reason_code, properties)))
+
+    def pubrec(self, packet_id: int, reason_code: int = 0, properties: Properties = NO_PROPERTIES) -> None:
+        """Acknowledge the client's QoS 2 PUBLISH ``packet_id`` (the message is now the server's). An error
+        reason (0x80 or more, 5.0) ends the flow and frees the id."""
+        if self._answerable(packet_id, _In.RECEIVED, "pubrec"):
+            code, props = self._v5(reason_code, properties)
+            if code >= UNSPECIFIED_ERROR:
+                del self._incoming[packet_id]
+            else:
+                self._incoming[packet_id] = _In.RECORDED
+            self._write(Pubrec(packet_id, code, props))
+
+    def pubcomp(self, packet_id: int, reason_code: int = 0, properties: Properties = NO_PROPERTIES) -> None:
+        """Answer a ``PubrelReceived`` (5.0: 0x92 Packet Identifier not found suits an unknown one)."""
+        if self._answerable(packet_id, _In.RELEASED, "pubcomp"):
+            del self._incoming[packet_id]
+            self._write(Pubcomp(packet_id, *self._v5(reason_code, properties)))
+
+    def suback(self, packet_id: int, reason_codes: tuple[int, ...], properties: Properties = NO_PROPERTIES) -> None:
+        """Answer a SUBSCRIBE: a granted QoS or a failure code per subscription (before 5.0 every failure code
+        becomes 0x80)."""
+        if self._sendable("suback"):
+            if self.version == V5:
+                self._write(Suback(packet_id, reason_codes, properties))
+            else:
+                codes = tuple(min(code, UNSPECIFIED_ERROR) if code > 2 else code for code in reason_codes)
+                self._write(Suback(packet_id, codes))
+
+    def unsuback(self, packet_id: int, reason_codes: tuple[int, ...] = (),
+                 properties: Properties = NO_PROPERTIES) -> None:  # fmt: skip
+        """Answer an UNSUBSCRIBE; the reason codes (one per filter) and properties are 5.0 only."""
+        if self._sendable("unsuback"):
+            if self.version == V5:
+                self._write(Unsuback(packet_id, reason_codes, properties))
+            else:
+                self._write(Unsuback(packet_id))
+
+    # ------------------------------------------------------------------ outgoing messages
+    def publish(self, topic: str, payload: bytes, qos: int = 0, *, retain: bool = False,
+                properties: Properties = NO_PROPERTIES) -> int | None:  # fmt: skip
+        """Queue a PUBLISH to the client. Returns the packet id whose acknowledgement event will follow (QoS 1
+        or 2), or 0 when none will: QoS 0, or a packet larger than the client's maximum packet size, which
+        is discarded as if it had been sent ([MQTT-3.1.2-25]; counted in ``discarded``). Returns ``None`` and
+        queues nothing when the client's receive maximum is reached (``send_window`` is 0): publish again
+        after a ``PubackReceived``, ``PubcompReceived`` or error ``PubrecReceived``."""
+        if self.state is not State.CONNECTED:
+            raise LocalProtocolError(f"cannot publish while {self.state.value}", PROTOCOL_ERROR)
+        assert self.version is not None
+        packet_id = None
+        if qos:
+            if len(self._outgoing) >= self.client_receive_maximum:
+                return None
+            packet_id = self._next_id
+            while packet_id in self._outgoing:
+                packet_id = packet_id % 0xFFFF + 1
+        data = encode(
+            Publish(topic, payload, qos, retain, dup=False, packet_id=packet_id, properties=properties), self.version
+        )
+        if len(data) > self.client_max_packet_size:
+            self.discarded += 1
+            return 0
+        self._out.append(data)
+        if packet_id is None:
+            return 0
+        self._outgoing[packet_id] = _Out.PUBACK if qos == 1 else _Out.PUBREC
+        self._next_id = packet_id % 0xFFFF + 1
+        return packet_id
+
+    def data_to_send(self) -> bytes:
+        if not self._out:
+            return b""
+        data = b"".join(self._out)
+        self._out.clear()
+        return data
+
+    # ------------------------------------------------------------------ keep-alive
+    def next_deadline(self) -> float | None:
+        """When ``handle_timeout`` must run next: 1.5 keep-alive periods after the client last sent bytes."""
+        if self.state in (State.CONNECTING, State.CONNECTED) and self.keep_alive and not self._input_done:
+            return self._last_received + self.keep_alive * KEEP_ALIVE_TOLERANCE
+        return None
+
+    def handle_timeout(self, now: float) -> None:
+        """Close the connection if the client has been silent too long: queue a 5.0 DISCONNECT with 0x8D Keep
+        Alive timeout (once connected) and raise ``RemoteProtocolError``."""
+        deadline = self.next_deadline()
+        if deadline is None or now < deadline:
+            return
+        if self.state is State.CONNECTED and self.version == V5:
+            self._write(Disconnect(KEEP_ALIVE_TIMEOUT))
+        self._close()
+        raise RemoteProtocolError(f"nothing received for {now - self._last_received:.3f} s", KEEP_ALIVE_TIMEOUT)
+
+    # ------------------------------------------------------------------ internals
+    def _answerable(self, packet_id: int, expected: _In, method: str) -> bool:
+        if not self._sendable(method):
+            return False
+        state = self._incoming.get(packet_id)
+        if state is not expected:
+            found = "unknown" if state is None else state.value
+            raise LocalProtocolError(f"{method}({packet_id}): that packet id is {found}", PROTOCOL_ERROR)
+        return True
+
+    def _sendable(self, method: str) -> bool:
+        if self.state is State.CLOSED:
+            return False
+        if self.state is not State.CONNECTED:
+            raise LocalProtocolError(f"{method}() before accept()", PROTOCOL_ERROR)
+        return True
+
+    def _v5(self, reason_code: int, properties: Properties) -> tuple[int, Properties]:
+        return (reason_code, properties) if self.version == V5 else (0, NO_PROPERTIES)
+
+    def _auto(self, packet: Packet) -> None:
+        """An answer the connection gives by itself; held back until the CONNACK has gone out."""
+        if self.state is State.CONNECTED:
+            self._write(packet)
+        elif self.state is State.CONNECTING:
+            self._held.append(packet)
+
+    def _write(self, packet: Packet) -> None:
+        assert self.version is not None
+        data = encode(packet, self.version)
+        if len(data) > self.client_max_packet_size:
+            # [MQTT-3.1.2-25]: drop the reason string and user properties first; if that is not enough, drop it.
+            props = getattr(packet, "properties", NO_PROPERTIES)
+            if props.reason_string is not None or props.user_properties:
+                slim = replace(props, reason_string=None, user_properties=())
+                slimmed: Packet = replace(cast(Any, packet), properties=slim)  # every packet with properties
+                data = encode(slimmed, self.version)
+            if len(data) > self.client_max_packet_size:
+                self.discarded += 1
+                return
+        self._out.append(data)
+
+    def _close(self) -> None:
+        self.state = State.CLOSED
+        self._input_done = True
+        self._held.clear()
+
+
+__all__ = [
+    "DISCONNECT_WITH_WILL",
+    "KEEP_ALIVE_TIMEOUT",
+    "RECEIVE_MAXIMUM_EXCEEDED",
+    "TOPIC_ALIAS_INVALID",
+    "MqttServerConnection",
+    "State",
+]

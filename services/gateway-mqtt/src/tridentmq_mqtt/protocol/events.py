@@ -1,0 +1,127 @@
+"""Events produced by ``MqttServerConnection.receive_data``: one per client packet that needs the shell's
+attention (PINGREQ is answered by the connection itself, acknowledgements of unknown packet ids are dropped)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tridentmq_mqtt.protocol.packets import Subscription, Will
+from tridentmq_mqtt.protocol.properties import NO_PROPERTIES, Properties
+
+
+@dataclass(frozen=True, slots=True)
+class Connect:
+    """The CONNECT: answer with ``accept`` or ``refuse``."""
+
+    version: int  # protocol level: 3 (3.1), 4 (3.1.1) or 5 (5.0)
+    client_id: str  # may be empty: the server then assigns one
+    clean_start: bool  # "clean session" before 5.0
+    keep_alive: int  # seconds, 0 = none
+    username: str | None
+    password: bytes | None
+    will: Will | None
+    properties: Properties = NO_PROPERTIES
+
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    """An application message from the client. ``topic`` is resolved from a 5.0 topic alias, and
+    ``properties`` no longer carry the alias.
+
+    ``duplicate`` is True when a PUBLISH with this QoS 1/2 packet id is still being handled (not yet answered
+    with PUBACK, or awaiting PUBREL): do not deliver it again and do not answer it again (a PUBREC already
+    sent is repeated by the connection itself)."""
+
+    topic: str
+    payload: bytes
+    qos: int
+    retain: bool
+    dup: bool  # the DUP flag as sent
+    packet_id: int | None
+    properties: Properties = NO_PROPERTIES
+    duplicate: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PubrelReceived:
+    """The client released its QoS 2 message ``packet_id``: answer with ``pubcomp``. ``known`` is False when
+    no PUBREC was sent for that id on this connection (a PUBREL resent after a reconnect, say)."""
+
+    packet_id: int
+    reason_code: int = 0
+    properties: Properties = NO_PROPERTIES
+    known: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class PubackReceived:
+    """The client acknowledged our QoS 1 PUBLISH; its packet id is free again."""
+
+    packet_id: int
+    reason_code: int = 0
+    properties: Properties = NO_PROPERTIES
+
+
+@dataclass(frozen=True, slots=True)
+class PubrecReceived:
+    """The client received our QoS 2 PUBLISH. The connection has already queued the PUBREL, unless
+    ``reason_code`` is an error (0x80 or more, 5.0): then the flow ends and the packet id is free again."""
+
+    packet_id: int
+    reason_code: int = 0
+    properties: Properties = NO_PROPERTIES
+
+
+@dataclass(frozen=True, slots=True)
+class PubcompReceived:
+    """Our QoS 2 flow is complete; its packet id is free again."""
+
+    packet_id: int
+    reason_code: int = 0
+    properties: Properties = NO_PROPERTIES
+
+
+@dataclass(frozen=True, slots=True)
+class Subscribe:
+    """Answer with ``suback``."""
+
+    packet_id: int
+    subscriptions: tuple[Subscription, ...]
+    properties: Properties = NO_PROPERTIES
+
+
+@dataclass(frozen=True, slots=True)
+class Unsubscribe:
+    """Answer with ``unsuback``."""
+
+    packet_id: int
+    topic_filters: tuple[str, ...]
+    properties: Properties = NO_PROPERTIES
+
+
+@dataclass(frozen=True, slots=True)
+class Disconnect:
+    """The client's DISCONNECT; nothing after it is read and the connection is closed. ``with_will`` (5.0
+    reason 0x04) asks for the will to be published all the same; otherwise it is discarded."""
+
+    reason_code: int = 0
+    properties: Properties = NO_PROPERTIES
+    with_will: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionClosed:
+    """The client closed its side (EOF)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProtocolViolation:
+    """The client broke the protocol; nothing after it is read. It comes after the events of the packets
+    before it, so the shell handles those first, then calls ``MqttServerConnection.reject``."""
+
+    message: str
+    reason_code: int  # the 5.0 reason code for the CONNACK or DISCONNECT
+
+
+Event = (Connect | Publish | PubrelReceived | PubackReceived | PubrecReceived | PubcompReceived | Subscribe
+         | Unsubscribe | Disconnect | ConnectionClosed | ProtocolViolation)  # fmt: skip
