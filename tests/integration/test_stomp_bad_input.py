@@ -703,7 +703,8 @@ def test_a_flood_into_a_full_address_stops_at_the_producers_socket(
         assert_gateway_serves(gateway, "warm-up")
         with Peer(gateway.port, send_buffer=64 * 1024) as flooder, PeakRss(gateway) as memory:
             flooder.connect()
-            writer = Writer(flooder.sock, flood_chunks("blocked", count, body=body)).start()
+            chunks = list(flood_chunks("blocked", count, body=body))  # built first: making them is no stall
+            writer = Writer(flooder.sock, chunks).start()
             wait_for(lambda: writer.done.is_set() or writer.stalled(1.0), "the flood to stall", 30)
             assert not writer.done.is_set(), "the gateway read the whole flood while the core gave it no credit"
             assert writer.blocked
