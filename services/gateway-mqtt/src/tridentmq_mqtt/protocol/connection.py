@@ -187,10 +187,8 @@ class MqttServerConnection:
                     del self._outgoing[packet.packet_id]
                     return ev.PubcompReceived(packet.packet_id, packet.reason_code, packet.properties)
                 return None
-            case Subscribe():
-                return ev.Subscribe(packet.packet_id, packet.subscriptions, packet.properties)
-            case Unsubscribe():
-                return ev.Unsubscribe(packet.packet_id, packet.topic_filters, packet.properties)
+            case Subscribe() | Unsubscribe():
+                return packet
             case Pingreq():
                 self._auto(Pingresp())
                 return None

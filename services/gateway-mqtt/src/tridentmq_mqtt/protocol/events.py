@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tridentmq_mqtt.protocol.packets import Subscription, Will
+# SUBSCRIBE and UNSUBSCRIBE reach the shell as the decoded packets (answer with ``suback``/``unsuback``).
+from tridentmq_mqtt.protocol.packets import Subscribe, Unsubscribe, Will
 from tridentmq_mqtt.protocol.properties import NO_PROPERTIES, Properties
 
 
@@ -82,24 +83,6 @@ class PubcompReceived:
 
 
 @dataclass(frozen=True, slots=True)
-class Subscribe:
-    """Answer with ``suback``."""
-
-    packet_id: int
-    subscriptions: tuple[Subscription, ...]
-    properties: Properties = NO_PROPERTIES
-
-
-@dataclass(frozen=True, slots=True)
-class Unsubscribe:
-    """Answer with ``unsuback``."""
-
-    packet_id: int
-    topic_filters: tuple[str, ...]
-    properties: Properties = NO_PROPERTIES
-
-
-@dataclass(frozen=True, slots=True)
 class Disconnect:
     """The client's DISCONNECT; nothing after it is read and the connection is closed. ``with_will`` (5.0
     reason 0x04) asks for the will to be published all the same; otherwise it is discarded."""
@@ -125,3 +108,18 @@ class ProtocolViolation:
 
 Event = (Connect | Publish | PubrelReceived | PubackReceived | PubrecReceived | PubcompReceived | Subscribe
          | Unsubscribe | Disconnect | ConnectionClosed | ProtocolViolation)  # fmt: skip
+
+__all__ = [
+    "Connect",
+    "ConnectionClosed",
+    "Disconnect",
+    "Event",
+    "ProtocolViolation",
+    "PubackReceived",
+    "PubcompReceived",
+    "Publish",
+    "PubrecReceived",
+    "PubrelReceived",
+    "Subscribe",
+    "Unsubscribe",
+]
