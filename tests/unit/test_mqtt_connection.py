@@ -435,8 +435,11 @@ def test_outgoing_qos2(version: int, piece: int | None) -> None:
     assert feed(conn, encode(Puback(1), version), piece) == []  # wrong acknowledgement: ignored
     assert feed(conn, encode(Pubcomp(1), version), piece) == []  # too early: ignored
     assert feed(conn, encode(Pubrec(1), version), piece) == [ev.PubrecReceived(1)]
-    assert sent(conn, version) == [Pubrel(1)]  # sent by the connection
-    assert feed(conn, encode(Pubrec(1), version), piece) == []  # repeated: PUBREL repeated
+    assert conn.data_to_send() == b""  # the shell records the release first
+    assert feed(conn, encode(Pubrec(1), version), piece) == []  # repeated before pubrel(): nothing new
+    conn.pubrel(1)
+    assert sent(conn, version) == [Pubrel(1)]
+    assert feed(conn, encode(Pubrec(1), version), piece) == []  # repeated after it: PUBREL repeated
     assert sent(conn, version) == [Pubrel(1)]
     assert conn.send_window == 65_534
     assert feed(conn, encode(Pubcomp(1), version), piece) == [ev.PubcompReceived(1)]
@@ -468,7 +471,9 @@ def test_the_clients_receive_maximum_bounds_messages_in_flight(piece: int | None
     feed(conn, encode(Puback(1), V5), piece)
     assert conn.publish("t", b"", 1) == 3
     assert conn.publish("t", b"", 1) is None
-    feed(conn, encode(Pubrec(2), V5) + encode(Pubcomp(2), V5), piece)
+    feed(conn, encode(Pubrec(2), V5), piece)
+    conn.pubrel(2)
+    feed(conn, encode(Pubcomp(2), V5), piece)
     feed(conn, encode(Puback(3), V5), piece)
     assert [conn.publish("t", b"", 1) for _ in range(3)] == [4, 5, None]
 
@@ -676,3 +681,27 @@ def test_constructor_limits_are_checked() -> None:
     for kwargs in ({"receive_maximum": 0}, {"topic_alias_maximum": 70_000}, {"max_packet_size": 1}):
         with pytest.raises(LocalProtocolError):
             MqttServerConnection(**kwargs)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_resumed_session_resends_with_chosen_ids(version: int) -> None:
+    conn = connected(version)
+    conn.pubrel(7)  # received by the client on an earlier connection
+    assert conn.in_flight(7)
+    assert conn.publish("t", b"again", 1, packet_id=9, dup=True) == 9
+    assert sent(conn, version) == [Pubrel(7), Publish("t", b"again", 1, dup=True, packet_id=9)]
+    with pytest.raises(LocalProtocolError):
+        conn.publish("t", b"", 1, packet_id=9)  # in flight
+    assert conn.send_window == 65_533
+    assert feed(conn, encode(Pubcomp(7), version)) == [ev.PubcompReceived(7)]
+    assert feed(conn, encode(Puback(9), version)) == [ev.PubackReceived(9)]
+    assert not conn.in_flight(7) and not conn.in_flight(9)
+    assert conn.publish("t", b"", 0, packet_id=5, dup=True) == 0
+    assert sent(conn, version) == [Publish("t", b"", 0)]  # QoS 0 has neither
+
+
+def test_pubrel_for_a_publish_not_yet_received_is_a_bug_of_the_shell() -> None:
+    conn = connected(V5)
+    assert conn.publish("t", b"", 2) == 1
+    with pytest.raises(LocalProtocolError):
+        conn.pubrel(1)

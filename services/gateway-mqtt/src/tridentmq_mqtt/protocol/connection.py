@@ -19,6 +19,9 @@ Packet-id bookkeeping, per direction:
   0x94, an unmapped alias 0x82; alias 0 is refused by the parser, as 0x82). The server sends no aliases.
 * Outgoing QoS 1/2 PUBLISH (``publish``): the id is in use until PUBACK, PUBCOMP or an error PUBREC. At most
   the client's receive maximum are in flight: beyond that ``publish`` returns ``None`` and queues nothing.
+  After a PUBREC the shell sends the PUBREL with ``pubrel`` (once it has recorded that the message is the
+  client's: the PUBLISH must never be sent again after its PUBREL). A resumed session re-sends its PUBLISH
+  with the same packet id (``publish(packet_id=..., dup=True)``) and its PUBRELs (``pubrel``).
   Acknowledgements for ids not in flight are ignored rather than treated as a protocol error (the spec
   allows either; a client retrying after a reconnect is better served by leniency).
 """
@@ -100,6 +103,7 @@ class _Out(Enum):
 
     PUBACK = "awaiting PUBACK"
     PUBREC = "awaiting PUBREC"
+    RECEIVED = "awaiting pubrel()"  # the shell makes the message's release safe, then sends the PUBREL
     PUBCOMP = "awaiting PUBCOMP"
 
 
@@ -258,8 +262,7 @@ class MqttServerConnection:
         if packet.reason_code >= UNSPECIFIED_ERROR:
             del self._outgoing[packet_id]
         else:
-            self._outgoing[packet_id] = _Out.PUBCOMP
-            self._auto(Pubrel(packet_id))
+            self._outgoing[packet_id] = _Out.RECEIVED
         return ev.PubrecReceived(packet_id, packet.reason_code, packet.properties)
 
     def _pubrel_received(self, packet: Pubrel) -> ev.PubrelReceived:
@@ -385,24 +388,32 @@ class MqttServerConnection:
 
     # ------------------------------------------------------------------ outgoing messages
     def publish(self, topic: str, payload: bytes, qos: int = 0, *, retain: bool = False,
-                properties: Properties = NO_PROPERTIES) -> int | None:  # fmt: skip
+                properties: Properties = NO_PROPERTIES, packet_id: int | None = None,
+                dup: bool = False) -> int | None:  # fmt: skip
         """Queue a PUBLISH to the client. Returns the packet id whose acknowledgement event will follow (QoS 1
         or 2), or 0 when none will: QoS 0, or a packet larger than the client's maximum packet size, which
         is discarded as if it had been sent ([MQTT-3.1.2-25]; counted in ``discarded``). Returns ``None`` and
         queues nothing when the client's receive maximum is reached (``send_window`` is 0): publish again
-        after a ``PubackReceived``, ``PubcompReceived`` or error ``PubrecReceived``."""
+        after a ``PubackReceived``, ``PubcompReceived`` or error ``PubrecReceived``.
+
+        ``packet_id`` picks the id of a QoS 1/2 message (it must be free, see ``in_flight``), so that a
+        message sent again after a reconnect keeps the id the client may have recorded; ``dup`` marks it."""
         if self.state is not State.CONNECTED:
             raise LocalProtocolError(f"cannot publish while {self.state.value}", PROTOCOL_ERROR)
         assert self.version is not None
-        packet_id = None
         if qos:
             if len(self._outgoing) >= self.client_receive_maximum:
                 return None
-            packet_id = self._next_id
-            while packet_id in self._outgoing:
-                packet_id = packet_id % 0xFFFF + 1
+            if packet_id is None:
+                packet_id = self._next_id
+                while packet_id in self._outgoing:
+                    packet_id = packet_id % 0xFFFF + 1
+            elif packet_id in self._outgoing or not 0 < packet_id <= 0xFFFF:
+                raise LocalProtocolError(f"packet id {packet_id} is in flight or out of range", PROTOCOL_ERROR)
+        else:
+            packet_id, dup = None, False
         data = encode(
-            Publish(topic, payload, qos, retain, dup=False, packet_id=packet_id, properties=properties), self.version
+            Publish(topic, payload, qos, retain, dup=dup, packet_id=packet_id, properties=properties), self.version
         )
         if len(data) > self.client_max_packet_size:
             self.discarded += 1
@@ -413,6 +424,24 @@ class MqttServerConnection:
         self._outgoing[packet_id] = _Out.PUBACK if qos == 1 else _Out.PUBREC
         self._next_id = packet_id % 0xFFFF + 1
         return packet_id
+
+    def in_flight(self, packet_id: int) -> bool:
+        """Whether an outgoing QoS 1/2 flow holds ``packet_id``."""
+        return packet_id in self._outgoing
+
+    def pubrel(self, packet_id: int) -> None:
+        """Release our QoS 2 message ``packet_id``: after its ``PubrecReceived``, or, in a resumed session, for
+        a message the client received on an earlier connection (its id is then taken until the PUBCOMP, and
+        counts towards the client's receive maximum). A no-op once closed."""
+        if not self._sendable("pubrel"):
+            return
+        state = self._outgoing.get(packet_id)
+        if state is _Out.PUBCOMP:
+            return
+        if state not in (None, _Out.RECEIVED):
+            raise LocalProtocolError(f"pubrel({packet_id}): that packet id is {state.value}", PROTOCOL_ERROR)
+        self._outgoing[packet_id] = _Out.PUBCOMP
+        self._write(Pubrel(packet_id))
 
     def data_to_send(self) -> bytes:
         if not self._out:

@@ -65,8 +65,8 @@ class PubackReceived:
 
 @dataclass(frozen=True, slots=True)
 class PubrecReceived:
-    """The client received our QoS 2 PUBLISH. The connection has already queued the PUBREL, unless
-    ``reason_code`` is an error (0x80 or more, 5.0): then the flow ends and the packet id is free again."""
+    """The client received our QoS 2 PUBLISH: answer with ``pubrel`` once that is recorded. When
+    ``reason_code`` is an error (0x80 or more, 5.0) the flow ends instead and the packet id is free again."""
 
     packet_id: int
     reason_code: int = 0
