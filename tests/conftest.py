@@ -111,10 +111,12 @@ def core(tmp_path: Path) -> Iterator[CoreProcess]:
 @dataclass
 class GatewayProcess(ServiceProcess):
     ports: dict[str, int]
+    kind: str = "stomp"
 
     @property
     def port(self) -> int:
-        return self.ports["stomp"]
+        """The client port (TCP) of its protocol."""
+        return self.ports[self.kind]
 
 
 def start_gateway(tmp_path: Path, core: CoreProcess, kind: str = "stomp", name: str | None = None,
@@ -134,13 +136,24 @@ def start_gateway(tmp_path: Path, core: CoreProcess, kind: str = "stomp", name: 
     }
     log_path = directory / "gateway.log"
     process, ports = _spawn(f"tridentmq_{kind}", directory / "ports.json", log_path, [], environment)
-    return GatewayProcess(process, log_path, ports)
+    return GatewayProcess(process, log_path, ports, kind)
+
+
+def stop_cleanly(gateway: GatewayProcess) -> None:
+    code = gateway.stop()
+    assert code == 0, f"gateway exited with {code}:\n{gateway.log()}"
+    assert "Traceback" not in gateway.log(), gateway.log()
 
 
 @pytest.fixture
 def stomp_gateway(tmp_path: Path, core: CoreProcess) -> Iterator[GatewayProcess]:
     gateway = start_gateway(tmp_path, core)
     yield gateway
-    code = gateway.stop()
-    assert code == 0, f"gateway exited with {code}:\n{gateway.log()}"
-    assert "Traceback" not in gateway.log(), gateway.log()
+    stop_cleanly(gateway)
+
+
+@pytest.fixture
+def mqtt_gateway(tmp_path: Path, core: CoreProcess) -> Iterator[GatewayProcess]:
+    gateway = start_gateway(tmp_path, core, "mqtt")
+    yield gateway
+    stop_cleanly(gateway)

@@ -21,8 +21,9 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
+from tridentmq_shared.gateway import Wire
 from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError, ReconnectPolicy
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import M_ID, RoutingType
@@ -45,18 +46,6 @@ _ERROR_NAMES = {ErrorCode.FORBIDDEN: "permission denied", ErrorCode.NOT_FOUND: "
                 ErrorCode.INVALID: "invalid request", ErrorCode.RESOURCE_LIMIT: "resource limit",
                 ErrorCode.EXISTS: "already exists"}  # fmt: skip
 _NO_LINK_RETRY = ReconnectPolicy(attempts=0)  # a lost core ends the STOMP connection; the client reconnects
-
-
-class Wire(Protocol):
-    """The client's transport (TCP or WebSocket), as the session sees it."""
-
-    peer: str
-
-    def write(self, data: bytes) -> None: ...
-    def close(self) -> None: ...
-    def pause_reading(self) -> None: ...
-    def resume_reading(self) -> None: ...
-    async def drained(self) -> None: ...
 
 
 class Counters:

@@ -1,0 +1,328 @@
+"""The asyncio shell every gateway shares: TCP and WebSocket listeners handing bytes to protocol sessions,
+health and metrics over HTTP, and the ports file.
+
+A listener wraps each client transport as a ``Wire`` and asks the gateway for a ``ClientSession`` on it;
+from then on the session does everything (codec, link to the core) and the listener only feeds it bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, cast
+
+from aiohttp import WSMsgType, web
+
+from tridentmq_shared.runtime import set_nodelay
+
+log = logging.getLogger("tridentmq.gateway")
+
+#: A WebSocket message written ahead of the client's reading above this many bytes makes writers wait.
+_WS_HIGH_WATER = 64 * 1024
+
+
+class Wire(Protocol):
+    """The client's transport (TCP or WebSocket), as a session sees it."""
+
+    peer: str
+
+    def write(self, data: bytes) -> None: ...
+    def close(self) -> None: ...
+    def pause_reading(self) -> None: ...
+    def resume_reading(self) -> None: ...
+    async def drained(self) -> None: ...
+
+
+class ClientSession(Protocol):
+    """One client connection's protocol session, as the listeners drive it."""
+
+    def feed(self, data: bytes) -> None:
+        """Bytes from the client; ``b""`` when it closed its side."""
+
+    def connection_lost(self) -> None: ...
+    async def wait_closed(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str  # without the ``tridentmq_`` prefix
+    kind: str  # gauge or counter
+    help: str
+    value: int
+
+
+@dataclass(frozen=True)
+class ShellConfig:
+    """What the shell needs to know of a gateway's settings."""
+
+    protocol: str  # "stomp", "mqtt", ...: the key of the client port in the ports file, and in logs
+    host: str
+    port: int
+    websocket_port: int  # -1: no WebSocket listener
+    max_connections: int
+    subprotocols: tuple[str, ...]  # WebSocket subprotocols, best first
+    subprotocol_required: bool  # a client offering none of them is closed with 1002 (else only one offering others)
+    max_websocket_message: int
+    binary_frames: bool  # BINARY frames only: TEXT ones are refused (1003); else TEXT out when the bytes are UTF-8
+    http_enabled: bool
+    http_host: str
+    http_port: int
+
+
+class _TcpWire(asyncio.Protocol):
+    def __init__(self, shell: GatewayShell) -> None:
+        self.shell = shell
+        self.transport: asyncio.Transport | None = None
+        self.session: ClientSession | None = None
+        self.peer = "?"
+        self._writable = asyncio.Event()
+        self._writable.set()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        if len(self.shell.sessions) >= self.shell.config.max_connections:
+            log.warning("connection refused: too many connections",
+                        extra={"peer": self.peer, "protocol": self.shell.config.protocol})  # fmt: skip
+            self.transport.close()
+            return
+        set_nodelay(transport)
+        self.session = self.shell.open_session(self)
+        self.shell.sessions.add(self.session)
+
+    def data_received(self, data: bytes) -> None:
+        if self.session is not None:
+            self.session.feed(data)
+
+    def eof_received(self) -> bool:
+        """The client closed its side: the session answers what it sent, then closes."""
+        if self.session is not None:
+            self.session.feed(b"")
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._writable.set()
+        if self.session is not None:
+            self.session.connection_lost()
+            self.shell.sessions.discard(self.session)
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    # Wire
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def pause_reading(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    async def drained(self) -> None:
+        await self._writable.wait()
+
+
+class _WebSocketWire:
+    """Frames out in order through one writer task."""
+
+    def __init__(self, ws: web.WebSocketResponse, peer: str, *, binary: bool) -> None:
+        self.ws = ws
+        self.peer = peer
+        self.binary = binary
+        self._out: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._pending = 0
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self._reading = asyncio.Event()
+        self._reading.set()
+        self._lost = False
+        self.writer = asyncio.get_running_loop().create_task(self._write_all())
+
+    async def _write_all(self) -> None:
+        try:
+            while (data := await self._out.get()) is not None:
+                await self._send(data)
+                self._pending -= len(data)
+                if self._pending < _WS_HIGH_WATER:
+                    self._drained.set()
+            await self.ws.close()
+        except (ConnectionError, RuntimeError):  # the client went away while we wrote
+            self.lost()
+
+    async def _send(self, data: bytes) -> None:
+        if self.binary:
+            await self.ws.send_bytes(data)
+            return
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            await self.ws.send_bytes(data)
+        else:
+            await self.ws.send_str(text)
+
+    def lost(self) -> None:
+        """The WebSocket is gone: nothing more is written, and nobody waits for it to drain."""
+        self._lost = True
+        self._drained.set()
+
+    def write(self, data: bytes) -> None:
+        if self._lost:
+            return
+        self._pending += len(data)
+        if self._pending >= _WS_HIGH_WATER:
+            self._drained.clear()
+        self._out.put_nowait(data)
+
+    def close(self) -> None:
+        self._out.put_nowait(None)
+
+    def pause_reading(self) -> None:
+        self._reading.clear()
+
+    def resume_reading(self) -> None:
+        self._reading.set()
+
+    async def drained(self) -> None:
+        await self._drained.wait()
+
+    async def reading(self) -> None:
+        await self._reading.wait()
+
+
+class GatewayShell:
+    """Listeners, HTTP and the ports file of one gateway; ``open_session`` makes the protocol session of a
+    new client connection, ``metrics`` lists what /metrics shows, ``ready`` says whether /readyz is green."""
+
+    def __init__(self, config: ShellConfig, open_session: Callable[[Wire], ClientSession],
+                 metrics: Callable[[], list[Metric]], ready: Callable[[], bool] = lambda: True,
+                 ports_file: Path | None = None) -> None:  # fmt: skip
+        self.config = config
+        self.open_session = open_session
+        self.metrics = metrics
+        self.is_ready = ready
+        self.ports_file = ports_file
+        self.sessions: set[ClientSession] = set()
+        self.started = False
+        self.ports: dict[str, int] = {}
+        self._server: asyncio.Server | None = None
+        self._runners: list[web.AppRunner] = []
+
+    async def start(self) -> None:
+        config = self.config
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _TcpWire(self), config.host, config.port)
+        self.ports[config.protocol] = self._server.sockets[0].getsockname()[1]
+        if config.websocket_port >= 0:
+            app = web.Application()
+            app.router.add_get("/{path:.*}", self._websocket)
+            self.ports["websocket"] = await self._serve(app, config.host, config.websocket_port)
+        if config.http_enabled:
+            app = web.Application()
+            app.router.add_get("/healthz", self._healthz)
+            app.router.add_get("/readyz", self._readyz)
+            app.router.add_get("/metrics", self._metrics)
+            self.ports["http"] = await self._serve(app, config.http_host, config.http_port)
+        self.started = True
+        if self.ports_file is not None:
+            tmp = self.ports_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.ports))
+            tmp.replace(self.ports_file)
+
+    async def _serve(self, app: web.Application, host: str, port: int) -> int:
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        sock = socket.create_server((host, port))  # bound here: with port 0 that is the only way to learn it
+        await web.SockSite(runner, sock).start()
+        self._runners.append(runner)
+        return int(sock.getsockname()[1])
+
+    async def stop(self, end_session: Callable[[ClientSession], None]) -> None:
+        """Stop listening, end every session with ``end_session`` and wait (5 s at most) for them to close
+        their links, so that the core returns their messages at once."""
+        self.started = False
+        if self._server is not None:
+            self._server.close()
+        sessions = list(self.sessions)
+        for session in sessions:
+            end_session(session)
+        if sessions:
+            await asyncio.wait([asyncio.ensure_future(s.wait_closed()) for s in sessions], timeout=5)
+        for runner in self._runners:
+            await runner.cleanup()
+        if self._server is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._server.wait_closed(), 5)
+
+    # ------------------------------------------------------------------ WebSocket
+    async def _websocket(self, request: web.Request) -> web.StreamResponse:
+        config = self.config
+        offered = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
+        chosen = next((p for p in config.subprotocols if p in offered), None)
+        # A message bigger than the limit is refused (close 1009) without being read whole.
+        ws = web.WebSocketResponse(protocols=(chosen,) if chosen else (), max_msg_size=config.max_websocket_message)
+        await ws.prepare(request)
+        if chosen is None and (offered or config.subprotocol_required):
+            # aiohttp would carry on without a subprotocol: refuse instead.
+            await ws.close(code=1002, message=f"no supported {config.protocol} subprotocol".encode())
+            return ws
+        peer = f"ws {request.remote}"
+        if len(self.sessions) >= config.max_connections:
+            await ws.close(code=1013, message=b"too many connections")
+            return ws
+        wire = _WebSocketWire(ws, peer, binary=config.binary_frames)
+        session = self.open_session(wire)
+        self.sessions.add(session)
+        try:
+            async for msg in ws:
+                if msg.type is WSMsgType.BINARY:
+                    session.feed(msg.data)
+                elif msg.type is WSMsgType.TEXT and not config.binary_frames:
+                    session.feed(msg.data.encode("utf-8"))
+                elif msg.type is WSMsgType.TEXT:
+                    log.info("text frame refused", extra={"peer": peer, "protocol": config.protocol})
+                    await ws.close(code=1003, message=b"binary frames only")
+                    break
+                else:
+                    break
+                await wire.reading()
+        finally:
+            wire.lost()
+            session.connection_lost()
+            self.sessions.discard(session)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(wire.writer, 5)
+        return ws
+
+    # ------------------------------------------------------------------ HTTP
+    async def _healthz(self, _request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _readyz(self, _request: web.Request) -> web.Response:
+        if not self.started or not self.is_ready():
+            return web.json_response({"status": "starting" if not self.started else "unavailable"}, status=503)
+        return web.json_response({"status": "ready", **self.ports})
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        lines = []
+        for m in self.metrics():
+            name = f"tridentmq_{m.name}"
+            lines += [f"# HELP {name} {m.help}", f"# TYPE {name} {m.kind}", f"{name} {m.value}"]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
