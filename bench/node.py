@@ -1,5 +1,5 @@
-"""What the benchmark scripts share: a core process and a STOMP gateway on free loopback ports, and the
-machine's description."""
+"""What the benchmark scripts share: a core process and STOMP or MQTT gateways on free loopback ports, and
+the machine's description."""
 
 from __future__ import annotations
 
@@ -77,16 +77,33 @@ class Gateway:
 
 
 @contextmanager
+def _gateway(module: str, what: str, prefix: str, port_key: str, core: Core, directory: Path, env: dict[str, str]
+             ) -> Iterator[Gateway]:  # fmt: skip
+    """A gateway linked to ``core``: its client listener (``port_key`` in its ports file) and HTTP on free
+    loopback ports, no WebSocket listener; more settings from ``<prefix>_*`` variables."""
+    directory.mkdir(parents=True, exist_ok=True)
+    environment = {**os.environ, f"{prefix}_LISTENER_HOST": "127.0.0.1", f"{prefix}_LISTENER_PORT": "0",
+                   f"{prefix}_LISTENER_WEBSOCKET_PORT": "-1", f"{prefix}_HTTP_PORT": "0",
+                   f"{prefix}_CORE_PORT": str(core.link_port), f"{prefix}_NODE_LOG_LEVEL": "WARNING",
+                   **{f"{prefix}_{key.upper()}": value for key, value in env.items()}}  # fmt: skip
+    with _service(module, what, directory / "ports.json", [], environment) as (process, bound):
+        yield Gateway(process, bound[port_key], bound.get("http", -1))
+
+
+@contextmanager
 def stomp_gateway(core: Core, directory: Path, **env: str) -> Iterator[Gateway]:
     """A STOMP gateway linked to ``core``: plain TCP and HTTP on free loopback ports, no WebSocket listener;
     more settings from ``TRIDENTMQ_STOMP_*`` variables (``env`` keys without the prefix)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    environment = {**os.environ, "TRIDENTMQ_STOMP_LISTENER_HOST": "127.0.0.1", "TRIDENTMQ_STOMP_LISTENER_PORT": "0",
-                   "TRIDENTMQ_STOMP_LISTENER_WEBSOCKET_PORT": "-1", "TRIDENTMQ_STOMP_HTTP_PORT": "0",
-                   "TRIDENTMQ_STOMP_CORE_PORT": str(core.link_port), "TRIDENTMQ_STOMP_NODE_LOG_LEVEL": "WARNING",
-                   **{f"TRIDENTMQ_STOMP_{key.upper()}": value for key, value in env.items()}}  # fmt: skip
-    with _service("tridentmq_stomp", "STOMP gateway", directory / "ports.json", [], environment) as (process, bound):
-        yield Gateway(process, bound["stomp"], bound.get("http", -1))
+    with _gateway("tridentmq_stomp", "STOMP gateway", "TRIDENTMQ_STOMP", "stomp", core, directory, env) as gateway:
+        yield gateway
+
+
+@contextmanager
+def mqtt_gateway(core: Core, directory: Path, **env: str) -> Iterator[Gateway]:
+    """An MQTT gateway linked to ``core``: plain TCP and HTTP on free loopback ports, no WebSocket listener;
+    more settings from ``TRIDENTMQ_MQTT_*`` variables (``env`` keys without the prefix)."""
+    with _gateway("tridentmq_mqtt", "MQTT gateway", "TRIDENTMQ_MQTT", "mqtt", core, directory, env) as gateway:
+        yield gateway
 
 
 def machine() -> str:
