@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -347,6 +348,20 @@ def test_empty_expiry_address_drops() -> None:
     assert c.take(cid) == []
     assert "ExpiryQueue" not in h.broker.queues
     assert h.broker.counters.expired == 1
+
+
+def test_expired_message_without_expiry_address_is_dropped_quietly(caplog: pytest.LogCaptureFixture) -> None:
+    h = with_address_settings(expiry_address="", dead_letter_address="")
+    c = h.connect()
+    ok(c.create_queue("q"))
+    with caplog.at_level(logging.DEBUG, logger="tridentmq.core.broker"):
+        c.send_all("q", [b"stale"], expiration_ms=h.now_ms - 1)
+        h.tick(h.now_ms + 10_000)
+        assert [r.levelno for r in caplog.records if r.message == "message dropped"] == [logging.DEBUG]
+        cid = c.consumer("q")
+        c.send_all("q", [b"poison"])
+        c.nack(cid, [d.id for d in c.take(cid)], NackMode.REJECT)
+    assert [r.levelno for r in caplog.records if r.message == "message dropped"] == [logging.DEBUG, logging.WARNING]
 
 
 # ====================================================================== ordering and queue kinds

@@ -937,8 +937,9 @@ class Broker:
     def _divert(self, queue: Queue, message: WireMessage, target: str | None, reason: str, now_ms: int) -> None:
         """Send a copy of a dead or expired message to ``target`` with its origin recorded."""
         if not target or target == queue.address:
-            log.warning("message dropped", extra={"queue": queue.name, "reason": reason,
-                                                   "message_id": message[M_ID]})  # fmt: skip
+            # Expired messages go silently without an expiry address, as in Artemis; dead letters do not.
+            log.log(logging.DEBUG if reason == "expired" else logging.WARNING, "message dropped",
+                    extra={"queue": queue.name, "reason": reason, "message_id": message[M_ID]})  # fmt: skip
             return
         copy = list(message)
         copy[M_ID] = 0
