@@ -7,7 +7,9 @@ import json
 import signal
 import socket
 import struct
+import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
@@ -264,3 +266,53 @@ async def test_a_publisher_waits_for_the_socket_instead_of_buffering_without_bou
             delivery = await consumer.get(timeout=10)
             assert delivery is not None
             assert int.from_bytes(delivery.message[M_BODY][:4], "big") == n
+
+
+# ---------------------------------------------------------------------------------------------- queue expiry
+def queue_names(core: CoreProcess) -> set[str]:
+    queues = get_json(core, "/api/queues")
+    assert isinstance(queues, list)
+    return {q["name"] for q in queues}
+
+
+async def wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_queue_expires_once_it_has_had_no_consumer_for_its_time(core: CoreProcess) -> None:
+    async with client(core) as c:
+        created = await c.create_queue("session.x", expires_ms=600)
+        assert created == {"created": True, "queue": "session.x", "address": "session.x"}
+        await c.publish(new_message("session.x", b"kept while idle"))
+        consumer = await c.subscribe("session.x")
+        await asyncio.sleep(1.0)  # a consumer keeps it
+        assert "session.x" in queue_names(core)
+        await consumer.close()
+        again = await c.create_queue("session.x")
+        assert again["created"] is False
+        assert again["expires_ms"] == 600
+        started = time.monotonic()
+        await wait_for(lambda: "session.x" not in queue_names(core))
+        assert 0.5 <= time.monotonic() - started < 2.0
+
+
+async def test_a_durable_queue_keeps_its_expiry_across_a_restart(tmp_path: Path) -> None:
+    node = start_core(tmp_path)
+    try:
+        async with client(node) as c:
+            await c.create_queue("session.y", expires_ms=60_000)
+            assert (await c.create_queue("session.y", expires_ms=1500))["expires_ms"] == 1500
+    finally:
+        assert node.stop() == 0
+    node = start_core(tmp_path)
+    try:
+        started = time.monotonic()
+        assert "session.y" in queue_names(node)  # idle again from the restart, with its full time
+        await wait_for(lambda: "session.y" not in queue_names(node))
+        assert time.monotonic() - started >= 1.0
+    finally:
+        assert node.stop() == 0
+    assert "Traceback" not in node.log()

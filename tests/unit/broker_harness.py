@@ -7,6 +7,7 @@ queued back to every client, where deliveries are filed per consumer and confirm
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,3 +221,58 @@ class Harness:
             data = client.server.data_to_send()
             if data:
                 client.receive(client.conn.receive_data(data, self.now_s))
+
+
+def ok(answer: ev.Reply | ev.RequestFailed) -> Any:
+    assert isinstance(answer, ev.Reply), answer
+    return answer.result
+
+
+def failed(answer: ev.Reply | ev.RequestFailed, code: str) -> str:
+    assert isinstance(answer, ev.RequestFailed), answer
+    assert answer.code == code, answer
+    return answer.text
+
+
+class RecordingAudit:
+    def __init__(self) -> None:
+        self.events: list[tuple[int, str, dict[str, object]]] = []
+
+    def emit(self, ts_us: int, event: str, fields: Mapping[str, object]) -> None:
+        self.events.append((ts_us, event, dict(fields)))
+
+    def tick(self, ts_us: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def of(self, event: str) -> list[tuple[int, dict[str, object]]]:
+        return [(ts, fields) for ts, name, fields in self.events if name == event]
+
+
+class RecordingStore(MemoryStore):
+    """The memory store, remembering the queue specs and messages the broker asked it to persist."""
+
+    def __init__(self) -> None:
+        self.specs: list[dict[str, Any]] = []
+        self.deleted: list[str] = []
+        self.messages: list[WireMessage] = []
+
+    def add_queue(self, spec: dict[str, Any]) -> None:
+        self.specs.append(dict(spec))
+
+    def delete_queue(self, name: str) -> None:
+        self.deleted.append(name)
+
+    def add_message(self, message: WireMessage, queues: tuple[str, ...]) -> int:
+        self.messages.append(message)
+        return 0
+
+
+def recorded(settings: CoreSettings | None = None) -> tuple[Harness, RecordingStore, RecordingAudit]:
+    """A harness whose broker reports to a recording store and audit sink."""
+    h = Harness(settings)
+    store, sink = RecordingStore(), RecordingAudit()
+    h.broker = Broker("node-1", h.settings, store=store, audit=sink, first_message_id=1)
+    return h, store, sink

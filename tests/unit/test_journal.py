@@ -838,6 +838,21 @@ def test_replay_delete_queue_drops_its_references_and_unreferenced_messages() ->
     assert state.messages == {}
 
 
+def test_replay_a_queue_spec_recorded_again_replaces_the_first_and_keeps_the_queue_in_place() -> None:
+    m1 = wire_message(1)
+    state = replay(
+        [
+            rec(RecordType.ADD_QUEUE, {**queue_spec("a"), "expires_ms": 1000}),
+            rec(RecordType.ADD_QUEUE, queue_spec("b")),
+            rec(RecordType.MESSAGE, m1, ["a"]),
+            rec(RecordType.ADD_QUEUE, {**queue_spec("a"), "expires_ms": 5000}),  # its expiry changed
+        ]
+    )
+    assert list(state.queues) == ["a", "b"]
+    assert state.queues["a"]["expires_ms"] == 5000
+    assert state.references == {"a": {1: 0}, "b": {}}
+
+
 def test_replay_ignores_records_for_unknown_queues() -> None:
     m1, m2 = wire_message(1), wire_message(2)
     state = replay(
@@ -982,6 +997,30 @@ def test_compaction_does_not_bring_back_messages_of_a_queue_deleted_and_recreate
     assert state.queues == {"q": new_spec}
     assert state.queue_counts() == {"q": 0}
     assert state.messages == {}
+
+
+def test_compaction_keeps_a_queue_spec_recorded_again_while_it_copies(tmp_path: Path) -> None:
+    """The snapshot holds the old spec; the copy writes it after the new one, which must still win."""
+    journal = Journal(tmp_path, segment_bytes=SMALL_SEGMENT)
+    journal.recover()
+    store = JournalStore(journal, call_in_loop=lambda fn: fn())
+    journal.start()
+    old_spec, new_spec = {**queue_spec("q"), "expires_ms": 1000}, {**queue_spec("q"), "expires_ms": -1}
+    message = wire_message(1)
+    store.add_address("orders", (0,), auto_created=False)
+    store.add_queue(old_spec)
+    store.add_message(message, ("q",))
+    store.start_compaction(
+        DurableSnapshot(addresses=[("orders", [0], False)], queues=[old_spec], messages=[(message, ["q"], [0])])
+    )
+    store.add_queue(new_spec)
+    for _ in range(5):
+        store.compaction_step()
+    journal.close()
+
+    state = replay(recover(tmp_path, SMALL_SEGMENT)[0])
+    assert state.queues == {"q": new_spec}
+    assert state.queue_counts() == {"q": 1}
 
 
 def test_compaction_copies_the_live_state_forward_and_retires_old_segments(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from typing import Any, Final
 
 from tridentmq_core.address_settings import AddressSettingsRepository, ResolvedAddressSettings
 from tridentmq_core.audit import AuditSink
+from tridentmq_core.deadlines import Deadlines
 from tridentmq_core.dedup import DuplicateIdCache
 from tridentmq_core.queues import Consumer, MemoryGauge, PagerFactory, Queue
 from tridentmq_core.router import AddressTrie, InvalidAddress, validate_address
@@ -177,6 +178,7 @@ class Broker:
         self._audit_durable = audit_messages in ("all", "durable")
         self._node_tag = node_id[:8]
         self._last_expiry_scan = 0
+        self._idle: Deadlines[Queue] = Deadlines()  # queues with expires_ms and no consumer → deletion time
         store.attach(self.on_durable)
 
     # ------------------------------------------------------------------ sessions
@@ -247,11 +249,7 @@ class Broker:
                 return self._create_queue_request(session, spec, now_ms)
             case ev.DeleteQueue(_, name):
                 queue = self._queue(name)
-                if queue.temporary and queue.owner is not session:
-                    raise BrokerError(ErrorCode.FORBIDDEN, f"temporary queue {queue.name!r} belongs to another link")
-                if queue.owner is not session:
-                    kind = Permission.DELETE_DURABLE_QUEUE if queue.durable else Permission.DELETE_NON_DURABLE_QUEUE
-                    self._require(session, kind, queue.address)
+                self._check_delete(session, queue)
                 self._delete_queue(queue, now_ms)
                 return None
             case ev.CreateAddress(_, name, routing_types):
@@ -578,6 +576,8 @@ class Broker:
                             auto_ack=bool(options.get("auto_ack", False)), browse=browse)  # fmt: skip
         queue.add_consumer(consumer)
         session.consumers[consumer_id] = consumer
+        if not browse:
+            self._idle.cancel(queue)  # a consumer stops the expiry clock
         self._to_dispatch.add(queue)
         self._emit(now_ms, "consumer.opened", conn_id=session.conn_id, consumer_id=str(consumer_id),
                    queue=queue.name, address=queue.address)  # fmt: skip
@@ -591,6 +591,8 @@ class Broker:
             self._to_dispatch.add(queue)
         self._emit(now_ms, "consumer.closed", conn_id=session.conn_id, consumer_id=str(consumer.id),
                    queue=queue.name)  # fmt: skip
+        if not consumer.browse:
+            self._start_idle_clock(queue, now_ms)
         self._maybe_auto_delete(queue, now_ms)
 
     def _requeue(self, queue: Queue, unacked: list[tuple[WireMessage, int]], now_ms: int) -> None:
@@ -744,6 +746,13 @@ class Broker:
             raise BrokerError(ErrorCode.FORBIDDEN, f"user {session.principal.name!r} lacks permission "
                               f"{permission.value} on {address!r}")  # fmt: skip
 
+    def _check_delete(self, session: Session, queue: Queue) -> None:
+        if queue.temporary and queue.owner is not session:
+            raise BrokerError(ErrorCode.FORBIDDEN, f"temporary queue {queue.name!r} belongs to another link")
+        if queue.owner is not session:
+            kind = Permission.DELETE_DURABLE_QUEUE if queue.durable else Permission.DELETE_NON_DURABLE_QUEUE
+            self._require(session, kind, queue.address)
+
     def _check_create(self, session: Session, address: str, durable: bool) -> None:
         if address not in self.addresses:
             self._require(session, Permission.CREATE_ADDRESS, address)
@@ -774,12 +783,17 @@ class Broker:
         routing = self._routing_type(spec.get("routing_type", RoutingType.ANYCAST))
         temporary = bool(spec.get("temporary", False))
         durable = bool(spec.get("durable", True)) and not temporary  # a temporary queue is never durable
+        expires_ms = spec.get("expires_ms")
+        if expires_ms is not None and (type(expires_ms) is not int or expires_ms < -1):
+            raise BrokerError(ErrorCode.INVALID, "expires_ms is an integer, -1 (never) or more")
         existing = self.queues.get(name)
         if existing is not None:
             if existing.address != address or existing.routing_type is not routing:
                 raise BrokerError(ErrorCode.EXISTS, f"queue {name!r} exists on address {existing.address!r} "
                                   f"as {existing.routing_type.name.lower()}")  # fmt: skip
-            return {"created": False, "queue": name, "address": address,
+            if expires_ms is not None and expires_ms != existing.expires_ms:
+                self._change_expiry(session, existing, expires_ms, now_ms)
+            return {"created": False, "queue": name, "address": address, "expires_ms": existing.expires_ms,
                     "filter": existing.filter.text if existing.filter is not None else None}  # fmt: skip
         self._validate(address, wildcards=True)
         self._check_create(session, address, durable)
@@ -791,9 +805,35 @@ class Broker:
             name, address, routing, durable=durable, now_ms=now_ms,
             filter_text=spec.get("filter"), temporary=temporary, exclusive=bool(spec.get("exclusive", False)),
             last_value_key=lvq, max_consumers=max_consumers, auto_delete=bool(spec.get("auto_delete", False)),
-            owner=session if temporary else None,
+            expires_ms=-1 if expires_ms is None else expires_ms, owner=session if temporary else None,
         )  # fmt: skip
         return {"created": True, "queue": name, "address": address}
+
+    def _change_expiry(self, session: Session, queue: Queue, expires_ms: int, now_ms: int) -> None:
+        """A new expires_ms for an existing queue. It can get the queue deleted, so it takes the right to
+        delete it. An idle queue keeps the idle time it has (none if it had no expiry until now)."""
+        self._check_delete(session, queue)
+        due = self._idle.get(queue)
+        idle_since = now_ms if due is None else due - queue.expires_ms
+        queue.expires_ms = expires_ms
+        self._idle.cancel(queue)
+        self._start_idle_clock(queue, idle_since)
+        if queue.durable:
+            self.store.add_queue(self._queue_spec(queue))  # a re-recorded spec replaces the old one
+        log.debug("queue expiry changed", extra={"queue": queue.name, "expires_ms": expires_ms})
+
+    def _start_idle_clock(self, queue: Queue, since_ms: int) -> None:
+        """With an expiry, and no consumer left (browsers aside), the queue is idle from ``since_ms``."""
+        if queue.expires_ms >= 0 and self.queues.get(queue.name) is queue and \
+                all(c.browse for c in queue.consumers):  # fmt: skip
+            self._idle.set(queue, since_ms + queue.expires_ms)
+
+    def _expire_queue(self, queue: Queue, now_ms: int) -> None:
+        log.info("queue expired", extra={"queue": queue.name, "address": queue.address,
+                                         "expires_ms": queue.expires_ms, "messages": len(queue)})  # fmt: skip
+        self._emit(now_ms, "queue.expired", queue=queue.name, address=queue.address, expires_ms=queue.expires_ms,
+                   messages=len(queue))  # fmt: skip
+        self._delete_queue(queue, now_ms)
 
     def _create_queue(
         self,
@@ -810,6 +850,7 @@ class Broker:
         exclusive: bool = False,
         last_value_key: str | None = None,
         max_consumers: int = -1,
+        expires_ms: int = -1,
         owner: Session | None = None,
     ) -> Queue:
         selector = self._compile(filter_text)
@@ -819,7 +860,7 @@ class Broker:
         queue = Queue(
             name, address, routing, sink=self, dirty=self.dirty, memory=self.memory, durable=durable, filter=selector,
             temporary=temporary, exclusive=exclusive, last_value_key=last_value_key, max_consumers=max_consumers,
-            auto_created=auto_created, auto_delete=auto_delete, owner=owner,
+            auto_created=auto_created, auto_delete=auto_delete, expires_ms=expires_ms, owner=owner,
             page_limit=settings.max_size_bytes if paging else -1, pager_factory=self._pager_factory,
         )  # fmt: skip
         self.queues[name] = queue
@@ -830,6 +871,7 @@ class Broker:
             owner.temporary_queues.add(name)
         if durable:
             self.store.add_queue(self._queue_spec(queue))
+        self._start_idle_clock(queue, now_ms)
         log.debug("queue created", extra={"queue": name, "address": address, "routing": routing.name})
         return queue
 
@@ -854,6 +896,7 @@ class Broker:
             address.queues.pop(queue.name, None)
         self._trie.remove(queue.address, queue)
         self._to_dispatch.discard(queue)
+        self._idle.cancel(queue)
         if queue.owner is not None:
             queue.owner.temporary_queues.discard(queue.name)
         if queue.durable:
@@ -962,7 +1005,7 @@ class Broker:
         heapq.heappush(self._timers, (due_ms, next(self._timer_seq), queue, message, count))
 
     def tick(self, now_ms: int) -> None:
-        """Periodic work: scheduled and delayed redeliveries, expiry scan, dedup window."""
+        """Periodic work: scheduled and delayed redeliveries, idle queues, expiry scan, dedup window."""
         self.now_ms = now_ms
         timers = self._timers
         while timers and timers[0][0] <= now_ms:
@@ -975,6 +1018,8 @@ class Broker:
                 self._to_dispatch.add(queue)
             elif queue is not None and count:
                 queue.settle(message)  # a delayed redelivery for a deleted queue: release what it held
+        for expired in self._idle.pop_due(now_ms):
+            self._expire_queue(expired, now_ms)
         if now_ms - self._last_expiry_scan >= self.settings.broker.expiry_scan_ms:
             self._last_expiry_scan = now_ms
             for queue in list(self.queues.values()):
@@ -986,9 +1031,11 @@ class Broker:
             self._dedup.expire(now_ms)
         self.flush_dispatch(now_ms)
 
-    def restore(self, state: RecoveredState) -> None:
+    def restore(self, state: RecoveredState, now_ms: int) -> None:
         """Rebuild addresses, durable queues and their messages from a recovered journal, writing nothing
-        back to the store. Message ids continue after the highest recovered one."""
+        back to the store. Message ids continue after the highest recovered one. Every queue starts idle at
+        ``now_ms``: one with an expiry gets its full time again."""
+        self.now_ms = now_ms
         store, self.store = self.store, MemoryStore()
         try:
             for name, (kinds, auto_created) in state.addresses.items():
@@ -999,6 +1046,7 @@ class Broker:
                     filter_text=spec.get("filter"), exclusive=bool(spec.get("exclusive")),
                     last_value_key=spec.get("last_value_key"), max_consumers=int(spec.get("max_consumers", -1)),
                     auto_created=bool(spec.get("auto_created")), auto_delete=bool(spec.get("auto_delete")),
+                    expires_ms=int(spec.get("expires_ms", -1)),
                 )  # fmt: skip
                 for message_id, count in state.references.get(name, {}).items():
                     message = state.messages[message_id]
@@ -1046,7 +1094,8 @@ class Broker:
         return {"name": queue.name, "address": queue.address, "routing_type": int(queue.routing_type),
                 "filter": queue.filter.text if queue.filter is not None else None, "exclusive": queue.exclusive,
                 "last_value_key": queue.last_value_key, "max_consumers": queue.max_consumers,
-                "auto_created": queue.auto_created, "auto_delete": queue.auto_delete}  # fmt: skip
+                "auto_created": queue.auto_created, "auto_delete": queue.auto_delete,
+                "expires_ms": queue.expires_ms}  # fmt: skip
 
     def take_dirty(self) -> list[Session]:
         """Sessions with output to write since the last call. The set is cleared in place, never

@@ -138,6 +138,7 @@ class Queue:
         "durable",
         "exclusive",
         "expired",
+        "expires_ms",
         "filter",
         "last_value_key",
         "max_consumers",
@@ -164,6 +165,7 @@ class Queue:
         max_consumers: int = -1,
         auto_created: bool = False,
         auto_delete: bool = False,
+        expires_ms: int = -1,
         owner: Session | None = None,
         page_limit: int = -1,
         pager_factory: PagerFactory | None = None,
@@ -179,6 +181,7 @@ class Queue:
         self.max_consumers = max_consumers
         self.auto_created = auto_created
         self.auto_delete = auto_delete
+        self.expires_ms = expires_ms  # deleted after this long without consumers; -1 = never
         self.owner = owner
         self.consumers: list[Consumer] = []
         self.added = self.acked = self.delivered = self.expired = self.dead_lettered = 0

@@ -188,7 +188,7 @@ class CoreNode:
         started = time.monotonic()
         records, report = journal.recover()
         state = replay(records, dedup_limit=self.settings.broker.dedup_max_entries)
-        self.broker.restore(state)
+        self.broker.restore(state, _now_ms())
         for line in report.truncated:
             log.warning("journal tail cut off after a crash", extra={"detail": line})
         self.status.recovered = state.queue_counts()

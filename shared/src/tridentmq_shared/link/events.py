@@ -75,7 +75,7 @@ class DeleteAddress:
 @dataclass(frozen=True, slots=True)
 class CreateQueue:
     """``spec`` keys: name, address, routing_type, durable, filter, temporary, exclusive,
-    last_value_key, max_consumers, auto_delete (see docs/link-protocol.md)."""
+    last_value_key, max_consumers, auto_delete, expires_ms (see docs/link-protocol.md)."""
 
     req_id: int
     spec: dict[str, Any]

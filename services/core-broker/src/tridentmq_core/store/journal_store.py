@@ -51,6 +51,7 @@ class JournalStore:
         self._retire_after = 0  # when the record with this number is synced, the old segments can go
         self._acked: set[tuple[str, int]] = set()  # changes made while copying, which the copy must honour
         self._deleted: set[str] = set()
+        self._specs: dict[str, dict[str, Any]] = {}  # queue specs recorded while copying (expiry changes)
         self._counts: dict[tuple[str, int], int] = {}
         self._on_durable: Completion = lambda _token: None
         self._tx_id = 0  # the open transaction (0: none); random, so no id recurs across restarts
@@ -72,7 +73,10 @@ class JournalStore:
 
     def add_queue(self, spec: dict[str, Any]) -> None:
         # A queue deleted while copying stays excluded from the copy even if a new one takes its name: the
-        # new queue's own records follow in the journal, the old one's must not.
+        # new queue's own records follow in the journal, the old one's must not. A queue's spec recorded
+        # again (a changed expiry) replaces the snapshot's, which the copy may write after it.
+        if self._copying is not None:
+            self._specs[spec["name"]] = spec
         self._append(RecordType.ADD_QUEUE, [spec])
 
     def delete_queue(self, name: str) -> None:
@@ -133,6 +137,7 @@ class JournalStore:
         self._written = 0
         self._acked.clear()
         self._deleted.clear()
+        self._specs.clear()
         self._counts.clear()
         self._copying = self._copy(snapshot)
 
@@ -141,7 +146,7 @@ class JournalStore:
             yield RecordType.ADD_ADDRESS, [name, kinds, auto_created]
         for spec in snapshot.queues:
             if spec["name"] not in self._deleted:
-                yield RecordType.ADD_QUEUE, [spec]
+                yield RecordType.ADD_QUEUE, [self._specs.get(spec["name"], spec)]
         for chunk in dedup_id_chunks(snapshot.dedup_ids, self.journal.segment_bytes):
             yield RecordType.DEDUP_IDS, chunk
         for message, queues, counts in snapshot.messages:
