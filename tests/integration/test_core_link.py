@@ -316,3 +316,64 @@ async def test_a_durable_queue_keeps_its_expiry_across_a_restart(tmp_path: Path)
     finally:
         assert node.stop() == 0
     assert "Traceback" not in node.log()
+
+
+# ---------------------------------------------------------------------------------------------- wills
+async def test_a_will_is_published_when_its_link_closes_or_is_lost(core: CoreProcess) -> None:
+    async with client(core) as watcher:
+        status = await watcher.subscribe("status.wills", auto_ack=True)
+        async with client(core) as closing:
+            await closing.set_will("closing", new_message("status.wills", b"closed"))
+        delivery = await status.get(timeout=5)
+        assert delivery is not None
+        assert delivery.body == b"closed"
+        lost = client(core)
+        await lost.connect()
+        await lost.set_will("lost", new_message("status.wills", b"lost"))
+        assert await status.get(timeout=0.3) is None
+        assert lost._protocol is not None
+        assert lost._protocol.transport is not None
+        lost._protocol.transport.abort()  # a reset connection: no CLOSE reaches the core
+        delivery = await status.get(timeout=5)
+        assert delivery is not None
+        assert delivery.body == b"lost"
+        async with client(core) as cleared:
+            await cleared.set_will("cleared", new_message("status.wills", b"never"))
+            await cleared.clear_will()
+        assert await status.get(timeout=0.5) is None
+
+
+async def test_a_delayed_will_is_cancelled_by_a_reconnect_and_published_by_a_takeover(core: CoreProcess) -> None:
+    async with client(core) as watcher:
+        status = await watcher.subscribe("status.delayed", auto_ack=True)
+        reconnecting = LinkClient("127.0.0.1", core.link_port, reconnect=ReconnectPolicy(retry_interval=0.05))
+        await reconnecting.connect()
+        await reconnecting.set_will("session-r", new_message("status.delayed", b"r"), delay_ms=500)
+        assert reconnecting._protocol is not None
+        assert reconnecting._protocol.transport is not None
+        reconnecting._protocol.transport.abort()  # the client comes back and sets its will again in time
+        assert await status.get(timeout=1.5) is None
+        await reconnecting.close()  # now it is gone for good: the will follows after its delay
+        started = time.monotonic()
+        delivery = await status.get(timeout=5)
+        assert delivery is not None
+        assert delivery.body == b"r"
+        assert time.monotonic() - started >= 0.4
+
+        async with client(core) as dying:
+            await dying.set_will("session-t", new_message("status.delayed", b"t"), delay_ms=60_000)
+        async with client(core) as successor:
+            await successor.set_will("session-t", None, publish_pending=True)
+            delivery = await status.get(timeout=5)
+            assert delivery is not None
+            assert delivery.body == b"t"
+
+
+async def test_a_will_the_link_could_not_publish_is_refused(core: CoreProcess) -> None:
+    async with client(core) as c:
+        with pytest.raises(LinkRequestError) as refused:
+            await c.set_will("k", new_message("status.*", b"x"))
+        assert refused.value.code == "invalid"
+        with pytest.raises(LinkRequestError) as refused:
+            await c.set_will("", new_message("status", b"x"))
+        assert refused.value.code == "invalid"

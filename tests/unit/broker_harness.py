@@ -144,6 +144,14 @@ class Client:
     def tx_rollback(self, tx_id: int) -> ev.Reply | ev.RequestFailed:
         return self._answer(self.conn.tx_rollback(tx_id))
 
+    def set_will(self, key: str, message: WireMessage | None, *, delay_ms: int = 0,
+                 publish_pending: bool = False) -> ev.Reply | ev.RequestFailed:  # fmt: skip
+        will = {"key": key, "message": message, "delay_ms": delay_ms, "publish_pending": publish_pending}
+        return self._answer(self.conn.set_will(will))
+
+    def clear_will(self) -> ev.Reply | ev.RequestFailed:
+        return self._answer(self.conn.set_will(None))
+
     # ------------------------------------------------------------------ messages
     def publish(self, address: str, body: bytes, *, tx: int = 0, sync: bool = True, **fields: Any) -> int:
         seq = self.conn.publish(new_message(address, body, **fields), tx)
@@ -171,6 +179,11 @@ class Client:
 
     def close(self) -> None:
         self.conn.close(ErrorCode.SHUTDOWN, "bye")
+        self.h.sync()
+
+    def drop(self) -> None:
+        """The connection is lost without a CLOSE (what the server shell reports on a reset socket)."""
+        self.h.broker.close_session(self.session, self.h.now_ms)
         self.h.sync()
 
 

@@ -160,7 +160,7 @@ def test_op_codes_are_stable() -> None:
     assert {op.name: int(op) for op in Op} == {
         "HELLO": 1, "WELCOME": 2, "CLOSE": 3, "HEARTBEAT": 4, "OK": 5, "ERROR": 6,
         "CREATE_ADDRESS": 10, "DELETE_ADDRESS": 11, "CREATE_QUEUE": 12, "DELETE_QUEUE": 13,
-        "SUBSCRIBE": 14, "UNSUBSCRIBE": 15, "TX_BEGIN": 16, "TX_COMMIT": 17, "TX_ROLLBACK": 18,
+        "SUBSCRIBE": 14, "UNSUBSCRIBE": 15, "TX_BEGIN": 16, "TX_COMMIT": 17, "TX_ROLLBACK": 18, "SET_WILL": 19,
         "PUBLISH": 20, "CONFIRM": 21, "REJECT": 22, "PUBLISH_CREDIT": 23, "DELIVER": 24, "ACK": 25,
         "NACK": 26, "FLOW": 27, "CONSUMER_CLOSED": 28, "BROWSE_DONE": 29,
     }  # fmt: skip
@@ -798,6 +798,47 @@ def test_deliveries_after_consumer_closed_are_accepted() -> None:
 def test_server_side_field_validation(ops: list[Any]) -> None:
     _, server = open_pair()
     expect_remote_error(server, frame(ops), ErrorCode.MALFORMED)
+
+
+# ---------------------------------------------------------------------------------------------- wills
+def test_set_will_bytes_and_events() -> None:
+    client, server = open_pair()
+    m = message("status.gone", b"bye")
+    will = {"key": "session-1", "message": m, "delay_ms": 5000, "publish_pending": True}
+    first = client.set_will(will)
+    second = client.set_will(None)
+    assert client.data_to_send() == frame([[19, first, will], [19, second, None]])
+    client.set_will(will)
+    client.set_will(None)
+    assert pump(client, server) == [ev.SetWill(3, "session-1", m, 5000, publish_pending=True),
+                                    ev.SetWill(4, None, None, 0, publish_pending=False)]  # fmt: skip
+
+
+def test_set_will_fields_default_and_unknown_ones_are_ignored() -> None:
+    _, server = open_pair()
+    assert server.receive_data(frame([[Op.SET_WILL, 7, {"key": "k", "future": 1}]]), 0.0) == [
+        ev.SetWill(7, "k", None, 0, publish_pending=False)
+    ]
+
+
+@pytest.mark.parametrize(
+    "will",
+    [
+        ["k", None],
+        "k",
+        {"message": None},
+        {"key": 5},
+        {"key": b"k"},
+        {"key": "k", "message": "text"},
+        {"key": "k", "message": {"body": b""}},
+        {"key": "k", "delay_ms": 1.5},
+        {"key": "k", "delay_ms": True},
+        {"key": "k", "publish_pending": 1},
+    ],
+)
+def test_set_will_with_a_wrong_field_type_is_malformed(will: Any) -> None:
+    _, server = open_pair()
+    expect_remote_error(server, frame([[Op.SET_WILL, 1, will]]), ErrorCode.MALFORMED)
 
 
 # ---------------------------------------------------------------------------------------------- acks / nacks
@@ -1557,6 +1598,7 @@ def test_frame_shape_errors(value: Any) -> None:
         ("client", Op.ACK),
         ("client", Op.FLOW),
         ("client", Op.SUBSCRIBE),
+        ("client", Op.SET_WILL),
         ("client", 0),
     ],
 )

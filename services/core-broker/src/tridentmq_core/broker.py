@@ -45,6 +45,7 @@ from tridentmq_shared.message import (
     ROUTING_DEFAULT,
     RoutingType,
     WireMessage,
+    check_message,
 )
 
 log = logging.getLogger("tridentmq.core.broker")
@@ -58,6 +59,7 @@ FQQN_SEPARATOR = "::"
 ORIGINAL_ADDRESS = "_AMQ_ORIG_ADDRESS"
 ORIGINAL_QUEUE = "_AMQ_ORIG_QUEUE"
 ORIGINAL_REASON = "_AMQ_ORIG_REASON"
+MAX_WILL_KEY = 512
 
 
 class BrokerError(Exception):
@@ -77,6 +79,16 @@ class DurableSnapshot:
     dedup_ids: list[tuple[str, int]] = field(default_factory=list)  # remembered ids, arrival ms, oldest first
 
 
+@dataclass(frozen=True, slots=True)
+class Will:
+    """A message published when the link that set it closes without clearing it (see SET_WILL)."""
+
+    key: str
+    message: WireMessage
+    delay_ms: int
+    conn_id: str  # the link that set it, for the audit trail
+
+
 @dataclass(slots=True)
 class Transaction:
     publishes: list[WireMessage] = field(default_factory=list)
@@ -88,7 +100,7 @@ class Session:
     """Broker-side state of one link connection."""
 
     __slots__ = ("client_name", "conn", "conn_id", "consumers", "opened_ms", "peer", "principal", "send_ok",
-                 "temporary_queues", "txs")  # fmt: skip
+                 "temporary_queues", "txs", "will")  # fmt: skip
 
     def __init__(self, conn: LinkConnection, conn_id: str, principal: Principal, peer: str, client_name: str,
                  opened_ms: int) -> None:  # fmt: skip
@@ -102,6 +114,7 @@ class Session:
         self.txs: dict[int, Transaction] = {}
         self.temporary_queues: set[str] = set()
         self.send_ok: dict[str, tuple[str, str] | None] = {}  # address → why a send is refused (None: allowed)
+        self.will: Will | None = None
 
 
 class Address:
@@ -179,6 +192,9 @@ class Broker:
         self._node_tag = node_id[:8]
         self._last_expiry_scan = 0
         self._idle: Deadlines[Queue] = Deadlines()  # queues with expires_ms and no consumer → deletion time
+        self._will_owners: dict[str, Session] = {}  # will key → the open link holding that will
+        self._pending_wills: dict[str, Will] = {}  # will key → will of a closed link, waiting for its delay
+        self._will_due: Deadlines[str] = Deadlines()
         store.attach(self.on_durable)
 
     # ------------------------------------------------------------------ sessions
@@ -207,6 +223,7 @@ class Broker:
         self._blocked_on.pop(session, None)
         self._pending_confirms = {t: v for t, v in self._pending_confirms.items() if v[0] is not session}
         self._pending_replies = {t: v for t, v in self._pending_replies.items() if v[0] is not session}
+        self._release_will(session, now_ms)
         self._emit(now_ms, "conn.closed", conn_id=session.conn_id, client_id=session.client_name)
 
     # ------------------------------------------------------------------ event entry point
@@ -277,7 +294,105 @@ class Broker:
                 self._rollback_acks(self._tx(session, tx_id), now_ms)
                 del session.txs[tx_id]
                 return None
+            case ev.SetWill(_, key, message, delay_ms, publish_pending):
+                self._set_will(session, key, message, delay_ms, publish_pending, now_ms)
+                return None
         raise BrokerError(ErrorCode.UNEXPECTED, f"unexpected operation {type(event).__name__}")
+
+    # ------------------------------------------------------------------ wills
+    def _set_will(self, session: Session, key: str | None, message: WireMessage | None, delay_ms: int,
+                  publish_pending: bool, now_ms: int) -> None:  # fmt: skip
+        if key is None:  # a nil will: clear this link's own, nothing else
+            self._drop_will(session)
+            return
+        if not key or len(key) > MAX_WILL_KEY:
+            raise BrokerError(ErrorCode.INVALID, f"a will key is a string of 1 to {MAX_WILL_KEY} characters")
+        if delay_ms < 0:
+            raise BrokerError(ErrorCode.INVALID, "a will's delay_ms is 0 or more")
+        if message is not None:
+            self._check_will_message(session, message)  # before anything changes: a refusal leaves all as it was
+        self._drop_will(session)
+        self._end_will(key, publish_pending, now_ms)
+        if message is not None:
+            session.will = Will(key, message, delay_ms, session.conn_id)
+            self._will_owners[key] = session
+
+    def _check_will_message(self, session: Session, message: WireMessage) -> None:
+        """Refuse a will its link could not publish now, with the code a REJECT would carry."""
+        problem = check_message(message, session.conn.max_properties)
+        if problem is not None:
+            raise BrokerError(ErrorCode.INVALID, problem)
+        address = message[M_ADDRESS]
+        refusal = self._check_send(session, address)
+        if refusal is None and (address not in self.addresses or
+                                (message[M_ROUTING] != _MULTICAST and address not in self.queues)):  # fmt: skip
+            refusal = self._creation_problem(session, message)
+        max_bytes = self.settings.broker.max_message_bytes
+        if refusal is None and len(message[M_BODY]) > max_bytes:
+            refusal = (ErrorCode.RESOURCE_LIMIT, f"message body exceeds {max_bytes} bytes")
+        if refusal is not None:
+            raise BrokerError(*refusal)
+
+    def _drop_will(self, session: Session) -> None:
+        will, session.will = session.will, None
+        if will is not None and self._will_owners.get(will.key) is session:
+            del self._will_owners[will.key]
+
+    def _end_will(self, key: str, publish: bool, now_ms: int) -> None:
+        """A SET_WILL names ``key``: the pending will under it is cancelled or published now, and one that
+        another open link holds under it is dropped (a reconnected client takes over its key before the
+        core has noticed that the old link is gone)."""
+        pending = self._pending_wills.pop(key, None)
+        if pending is not None:
+            self._will_due.cancel(key)
+            if publish:
+                self._publish_will(pending, now_ms)
+            else:
+                log.debug("pending will cancelled", extra={"will_key": key})
+        holder = self._will_owners.pop(key, None)
+        if holder is not None:
+            holder.will = None
+            log.debug("will taken over", extra={"will_key": key, "conn": holder.conn_id})
+
+    def _release_will(self, session: Session, now_ms: int) -> None:
+        """The link closed holding a will: publish it, at once or after its delay. A newer pending will
+        replaces an older one under the same key."""
+        will = session.will
+        if will is None:
+            return
+        self._drop_will(session)
+        if will.delay_ms == 0:
+            self._publish_will(will, now_ms)
+            return
+        self._pending_wills[will.key] = will
+        self._will_due.set(will.key, now_ms + will.delay_ms)
+
+    def _publish_will(self, will: Will, now_ms: int) -> None:
+        """Route a will like a publish (its permissions were checked when it was set)."""
+        message = list(will.message)
+        message[M_ID] = 0
+        message[M_TIMESTAMP] = 0  # a fresh id and timestamp, as for any publish
+        address = message[M_ADDRESS]
+        refusal = self.durable_refusal if message[M_DURABLE] else None
+        if refusal is None:
+            try:
+                self._accept_message(message, now_ms)
+            except BrokerError as exc:
+                refusal = (exc.code, exc.text)
+        if refusal is not None:
+            log.warning("will dropped", extra={"will_key": will.key, "address": address, "reason": refusal[1]})
+            return
+        log.debug("will published", extra={"will_key": will.key, "address": address})
+        self._emit(now_ms, "will.published", key=will.key, address=address, conn_id=will.conn_id)
+
+    def discard_wills(self) -> None:
+        """The node is stopping: its links close because of that, not because their clients went away, so
+        no will is published. Pending wills are kept in memory only and would be lost anyway."""
+        for session in self.sessions.values():
+            session.will = None
+        self._will_owners.clear()
+        self._pending_wills.clear()
+        self._will_due = Deadlines()
 
     # ------------------------------------------------------------------ publishing
     def _publish_batch(self, session: Session, ops: list[list[Any]], now_ms: int) -> None:
@@ -1005,7 +1120,8 @@ class Broker:
         heapq.heappush(self._timers, (due_ms, next(self._timer_seq), queue, message, count))
 
     def tick(self, now_ms: int) -> None:
-        """Periodic work: scheduled and delayed redeliveries, idle queues, expiry scan, dedup window."""
+        """Periodic work: scheduled and delayed redeliveries, delayed wills, idle queues, expiry scan, dedup
+        window."""
         self.now_ms = now_ms
         timers = self._timers
         while timers and timers[0][0] <= now_ms:
@@ -1018,6 +1134,8 @@ class Broker:
                 self._to_dispatch.add(queue)
             elif queue is not None and count:
                 queue.settle(message)  # a delayed redelivery for a deleted queue: release what it held
+        for key in self._will_due.pop_due(now_ms):
+            self._publish_will(self._pending_wills.pop(key), now_ms)
         for expired in self._idle.pop_due(now_ms):
             self._expire_queue(expired, now_ms)
         if now_ms - self._last_expiry_scan >= self.settings.broker.expiry_scan_ms:

@@ -339,6 +339,7 @@ class CoreNode:
                 await self._timer
         if self._server is not None:
             self._server.close()
+        self.broker.discard_wills()  # the links close because we stop, not because their clients died
         for protocol in list(self.protocols.values()):
             protocol.conn.close(ErrorCode.SHUTDOWN, "the node is shutting down")
             protocol.write_pending()

@@ -2,8 +2,9 @@
 
 A thin shell around ``LinkConnection``: output is written once per event-loop iteration, so a burst of
 publishes becomes one frame. When the connection drops (not closed by us) the client reconnects with
-exponential backoff, re-creates its consumers and re-sends every unconfirmed publish; durable messages
-carry a producer id + sequence dedup id (stamped here when absent), so a re-send is never stored twice.
+exponential backoff, re-sends its will, re-creates its consumers and re-sends every unconfirmed publish;
+durable messages carry a producer id + sequence dedup id (stamped here when absent), so a re-send is never
+stored twice.
 """
 
 from __future__ import annotations
@@ -252,6 +253,7 @@ class LinkClient:
         # seq → (message, transaction, confirm future) of publishes the server has not confirmed yet
         self._unconfirmed: dict[int, tuple[WireMessage, int, asyncio.Future[None]]] = {}
         self._consumers: dict[int, Consumer] = {}
+        self._will: dict[str, Any] | None = None  # the will the server accepted, re-sent after a reconnect
         self._credit_waiters: deque[asyncio.Future[None]] = deque()
         self._flush_scheduled = False
         self._pending_bytes = 0  # body bytes queued since the last write
@@ -446,6 +448,11 @@ class LinkClient:
         assert conn is not None
         self._error = None
         log.info("reconnected to %s:%s", self.host, self.port)
+        if self._will is not None:
+            # Within its delay the old link's will is pending under the same key: this cancels it.
+            will_resent = self._event_loop().create_future()
+            will_resent.add_done_callback(self._will_resent)
+            self._requests[conn.set_will(self._will)] = will_resent
         old_consumers = list(self._consumers.values())
         self._consumers.clear()
         for consumer in old_consumers:
@@ -470,6 +477,10 @@ class LinkClient:
         for waiter in self._credit_waiters:
             if not waiter.done():
                 waiter.set_result(None)
+
+    def _will_resent(self, future: asyncio.Future[Any]) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            log.warning("the server refused the will after a reconnect: %s", future.exception())
 
     def _fail_all(self, error: LinkRequestError) -> None:
         self._error = error
@@ -547,6 +558,20 @@ class LinkClient:
 
     async def delete_queue(self, name: str) -> None:
         await self._call(self._live().delete_queue(name))
+
+    async def set_will(self, key: str, message: WireMessage | None, *, delay_ms: int = 0,
+                       publish_pending: bool = False) -> None:  # fmt: skip
+        """Set this link's will: ``message`` is published ``delay_ms`` after the link closes without clearing
+        it. ``message`` None clears it. Either way a pending will under ``key`` (left by a closed link) is
+        cancelled or, with ``publish_pending``, published now. The will is re-sent after a reconnect."""
+        will = {"key": key, "message": message, "delay_ms": delay_ms, "publish_pending": publish_pending}
+        await self._call(self._live().set_will(will))
+        self._will = None if message is None else {**will, "publish_pending": False}
+
+    async def clear_will(self) -> None:
+        """Clear this link's will, touching no pending will."""
+        await self._call(self._live().set_will(None))
+        self._will = None
 
     async def subscribe(self, queue: str, *, credit: int = 1000, selector: str | None = None,
                         auto_ack: bool = False, browse: bool = False, credit_on_settle: bool = False,

@@ -38,6 +38,7 @@ _PUBLISH: Final = int(Op.PUBLISH)
 _DELIVER: Final = int(Op.DELIVER)
 _CONFIRM: Final = int(Op.CONFIRM)
 _OPT_STR: Final = (str, type(None))
+_OPT_MAP: Final = (dict, type(None))
 
 
 class Role(Enum):
@@ -76,6 +77,7 @@ _FIELDS: Final[dict[int, tuple[type | tuple[type, ...], ...]]] = {
     Op.TX_BEGIN: (int, int),
     Op.TX_COMMIT: (int, int),
     Op.TX_ROLLBACK: (int, int),
+    Op.SET_WILL: (int, _OPT_MAP),
     Op.PUBLISH: (int, int, list),
     Op.CONFIRM: (int, int),
     Op.REJECT: (int, str, str),
@@ -91,8 +93,8 @@ _FIELDS: Final[dict[int, tuple[type | tuple[type, ...], ...]]] = {
 _RECEIVES: Final = {
     Role.SERVER: frozenset({
         Op.CLOSE, Op.HEARTBEAT, Op.CREATE_ADDRESS, Op.DELETE_ADDRESS, Op.CREATE_QUEUE, Op.DELETE_QUEUE,
-        Op.SUBSCRIBE, Op.UNSUBSCRIBE, Op.TX_BEGIN, Op.TX_COMMIT, Op.TX_ROLLBACK, Op.PUBLISH, Op.ACK,
-        Op.NACK, Op.FLOW,
+        Op.SUBSCRIBE, Op.UNSUBSCRIBE, Op.TX_BEGIN, Op.TX_COMMIT, Op.TX_ROLLBACK, Op.SET_WILL, Op.PUBLISH,
+        Op.ACK, Op.NACK, Op.FLOW,
     }),
     Role.CLIENT: frozenset({
         Op.CLOSE, Op.HEARTBEAT, Op.OK, Op.ERROR, Op.CONFIRM, Op.REJECT, Op.PUBLISH_CREDIT, Op.DELIVER,
@@ -300,6 +302,8 @@ class LinkConnection:
                 return ev.CreateAddress(op[1], op[2], tuple(op[3]))
             case Op.CREATE_QUEUE:
                 return ev.CreateQueue(op[1], op[2])
+            case Op.SET_WILL:
+                return self._set_will_event(op[1], op[2])
             case Op.SUBSCRIBE:
                 if op[4] < 0:
                     self._fail(ErrorCode.MALFORMED, "negative credit")
@@ -330,6 +334,17 @@ class LinkConnection:
             case Op.BROWSE_DONE:
                 return ev.BrowseDone(op[1])
         raise AssertionError(f"unhandled operation {code}")  # _RECEIVES and this match agree
+
+    def _set_will_event(self, req_id: int, will: dict[str, Any] | None) -> ev.SetWill:
+        if will is None:
+            return ev.SetWill(req_id, None, None, 0, publish_pending=False)
+        key, message = will.get("key"), will.get("message")
+        delay_ms, publish_pending = will.get("delay_ms", 0), will.get("publish_pending", False)
+        if (type(key) is not str or (message is not None and type(message) is not list)
+                or type(delay_ms) is not int or type(publish_pending) is not bool):  # fmt: skip
+            self._fail(ErrorCode.MALFORMED, "a will is nil or {key: str, message: message or nil, delay_ms: int, "
+                       "publish_pending: bool}")  # fmt: skip
+        return ev.SetWill(req_id, key, message, delay_ms, publish_pending)
 
     def _receive_handshake(self, op: Any, count: int, now: float, events: list[ev.Event]) -> None:
         expected = Op.HELLO if self.role is _SERVER else Op.WELCOME
@@ -545,6 +560,10 @@ class LinkConnection:
 
     def delete_queue(self, queue: str) -> int:
         return self._request(Op.DELETE_QUEUE, queue)
+
+    def set_will(self, will: dict[str, Any] | None) -> int:
+        """``will``: None, or {"key", "message", "delay_ms", "publish_pending"} (docs/link-protocol.md)."""
+        return self._request(Op.SET_WILL, will)
 
     def subscribe(self, queue: str, credit: int, options: dict[str, Any] | None = None) -> tuple[int, int]:
         """Returns (req_id, consumer_id)."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tridentmq_shared.message import WireMessage
+
 # Batch item shapes (the operation list with its code still at index 0):
 #   publish [op, seq, tx_id, message] · deliver [op, consumer_id, delivery_count, message]
 #   ack [op, consumer_id, tx_id, message_ids] · nack [op, consumer_id, message_ids, mode]
@@ -124,6 +126,19 @@ class TxRollback:
 
 
 @dataclass(frozen=True, slots=True)
+class SetWill:
+    """The link's will. ``key`` is None for a nil will (clear this link's will, nothing else); otherwise
+    ``message`` None clears it too, and any pending will under ``key`` is cancelled or, with
+    ``publish_pending``, published. The message is checked by the broker, not the codec."""
+
+    req_id: int
+    key: str | None
+    message: WireMessage | None
+    delay_ms: int
+    publish_pending: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Publishes:
     ops: list[OpList]
 
@@ -192,6 +207,7 @@ ServerEvent = (
     | TxBegin
     | TxCommit
     | TxRollback
+    | SetWill
     | Publishes
     | Acks
     | Nacks

@@ -1,0 +1,231 @@
+"""Link wills (SET_WILL) in the pure broker, driven through real codecs."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+from tests.unit.broker_harness import BASE_MS, Client, Harness, bodies, failed, ok, recorded
+
+from tridentmq_core.broker import MAX_WILL_KEY
+from tridentmq_core.settings import AddressSettingsEntry, BrokerSection, CoreSettings, PermissionEntry, UserEntry
+from tridentmq_shared.link.ops import ErrorCode
+from tridentmq_shared.message import M_BODY, M_DEDUP, M_ID, M_TIMESTAMP, WireMessage, new_message
+
+
+@pytest.fixture
+def h() -> Harness:
+    return Harness()
+
+
+@pytest.fixture
+def c(h: Harness) -> Client:
+    return h.connect("app")
+
+
+def will(address: str = "status", body: bytes = b"gone", **fields: Any) -> WireMessage:
+    return new_message(address, body, **fields)
+
+
+def test_a_will_is_published_when_its_link_closes() -> None:
+    h, _, sink = recorded()
+    watcher, dying = h.connect("watcher"), h.connect("dying")
+    ok(watcher.create_queue("status"))
+    cid = watcher.consumer("status")
+    message = will(dedup_id="w-1", properties={"p": 1})
+    message[M_TIMESTAMP] = BASE_MS - 5
+    assert ok(dying.set_will("session-1", message)) is None
+    h.tick(BASE_MS + 10_000)
+    assert watcher.take(cid) == []
+    dying.close()
+    [got] = watcher.take(cid)
+    assert (got.body, got.props, got.message[M_DEDUP]) == (b"gone", {"p": 1}, "w-1")
+    assert got.message[M_ID] > 0
+    assert got.message[M_TIMESTAMP] == BASE_MS + 10_000  # stamped when published, not when set
+    assert sink.of("will.published") == [((BASE_MS + 10_000) * 1000, {
+        "key": "session-1", "address": "status", "conn_id": dying.session.conn_id})]  # fmt: skip
+
+
+def test_a_will_is_published_when_the_connection_is_lost(h: Harness) -> None:
+    watcher, dying = h.connect("watcher"), h.connect("dying")
+    cid = watcher.consumer("status")
+    ok(dying.set_will("k", will()))
+    dying.drop()
+    assert bodies(watcher.take(cid)) == [b"gone"]
+
+
+@pytest.mark.parametrize("clear", ["nil", "no-message"])
+def test_a_cleared_will_is_not_published(h: Harness, clear: str) -> None:
+    watcher, leaving = h.connect("watcher"), h.connect("leaving")
+    cid = watcher.consumer("status")
+    ok(leaving.set_will("k", will()))
+    ok(leaving.clear_will() if clear == "nil" else leaving.set_will("k", None))
+    leaving.close()
+    assert watcher.take(cid) == []
+    assert not h.broker._will_owners
+
+
+def test_a_new_will_replaces_the_earlier_one(h: Harness) -> None:
+    watcher, dying = h.connect("watcher"), h.connect("dying")
+    cid = watcher.consumer("status")
+    ok(dying.set_will("k1", will(body=b"first")))
+    ok(dying.set_will("k2", will(body=b"second")))
+    dying.close()
+    assert bodies(watcher.take(cid)) == [b"second"]
+
+
+def test_a_delayed_will_is_pending_until_its_time(h: Harness) -> None:
+    watcher, dying = h.connect("watcher"), h.connect("dying")
+    cid = watcher.consumer("status")
+    ok(dying.set_will("k", will(), delay_ms=5000))
+    h.now_ms = BASE_MS + 1000
+    dying.close()
+    h.tick(BASE_MS + 5999)
+    assert watcher.take(cid) == []
+    h.tick(BASE_MS + 6000)
+    assert bodies(watcher.take(cid)) == [b"gone"]
+    h.tick(BASE_MS + 60_000)
+    assert watcher.take(cid) == []
+
+
+def test_a_set_will_with_its_key_cancels_a_pending_will(h: Harness) -> None:
+    watcher, dying = h.connect("watcher"), h.connect("dying")
+    cid = watcher.consumer("status")
+    ok(dying.set_will("k", will(body=b"old"), delay_ms=5000))
+    dying.close()
+    back = h.connect("back")
+    ok(back.set_will("k", will(body=b"new"), delay_ms=5000))
+    h.tick(BASE_MS + 60_000)
+    assert watcher.take(cid) == []
+    ok(h.connect("other").set_will("k", None))  # a SET_WILL from any link, without a message, counts too
+    back.close()
+    h.tick(BASE_MS + 120_000)
+    assert watcher.take(cid) == []
+
+
+def test_publish_pending_publishes_the_pending_will_at_once(h: Harness) -> None:
+    watcher, dying = h.connect("watcher"), h.connect("dying")
+    cid = watcher.consumer("status")
+    ok(dying.set_will("k", will(body=b"old"), delay_ms=5000))
+    dying.close()
+    back = h.connect("back")
+    ok(back.set_will("k", will(body=b"new"), delay_ms=5000, publish_pending=True))
+    assert bodies(watcher.take(cid)) == [b"old"]
+    h.tick(BASE_MS + 60_000)
+    assert watcher.take(cid) == []
+    ok(back.set_will("unused", None, publish_pending=True))  # nothing pending under that key: nothing happens
+    assert watcher.take(cid) == []
+
+
+def test_a_newer_pending_will_replaces_an_older_one_with_the_same_key(h: Harness) -> None:
+    watcher = h.connect("watcher")
+    cid = watcher.consumer("status")
+    first = h.connect("first")
+    ok(first.set_will("k", will(body=b"first"), delay_ms=1000))
+    first.close()
+    second = h.connect("second")
+    ok(second.set_will("other", will(body=b"second"), delay_ms=1000))
+    ok(second.set_will("k", will(body=b"second"), delay_ms=2000))  # cancels the pending "first"
+    second.close()
+    h.tick(BASE_MS + 10_000)
+    assert bodies(watcher.take(cid)) == [b"second"]
+
+
+def test_a_link_setting_a_key_another_open_link_holds_takes_it_over(h: Harness) -> None:
+    watcher, old, new = h.connect("watcher"), h.connect("old"), h.connect("new")
+    cid = watcher.consumer("status")
+    ok(old.set_will("k", will(body=b"old")))
+    ok(new.set_will("k", will(body=b"new")))
+    old.drop()  # noticed only after the client came back on a new link
+    assert watcher.take(cid) == []
+    new.close()
+    assert bodies(watcher.take(cid)) == [b"new"]
+
+
+def test_wills_are_not_published_when_the_node_stops(h: Harness) -> None:
+    watcher, dying, delayed = h.connect("watcher"), h.connect("dying"), h.connect("delayed")
+    cid = watcher.consumer("status")
+    ok(delayed.set_will("d", will(), delay_ms=1000))
+    delayed.close()
+    ok(dying.set_will("k", will()))
+    h.broker.discard_wills()
+    dying.drop()
+    h.tick(BASE_MS + 10_000)
+    assert watcher.take(cid) == []
+
+
+def test_a_durable_will_is_stored_when_published() -> None:
+    h, store, _ = recorded()
+    watcher, dying = h.connect("watcher"), h.connect("dying")
+    ok(watcher.create_queue("status"))
+    ok(dying.set_will("k", will(durable=True)))
+    assert store.messages == []
+    dying.close()
+    assert [bytes(m[M_BODY]) for m in store.messages] == [b"gone"]
+
+
+@pytest.mark.parametrize(
+    ("message", "code"),
+    [
+        (will("status.*"), ErrorCode.INVALID),
+        (will("bad..address"), ErrorCode.INVALID),
+        (will()[:-1], ErrorCode.INVALID),
+        ([*will()[:4], 12, *will()[5:]], ErrorCode.INVALID),  # priority out of range
+        (will(body=bytes(11)), ErrorCode.RESOURCE_LIMIT),
+    ],
+)
+def test_a_will_that_could_not_be_published_is_refused(message: WireMessage, code: str) -> None:
+    h = Harness(CoreSettings(broker=BrokerSection(max_message_bytes=10)))
+    watcher, c = h.connect("watcher"), h.connect()
+    cid = watcher.consumer("status")
+    ok(c.set_will("k", will(body=b"kept")))
+    failed(c.set_will("k2", message), code)
+    c.close()
+    assert bodies(watcher.take(cid)) == [b"kept"]  # the refused one changed nothing
+
+
+@pytest.mark.parametrize(("key", "delay_ms"), [("", 0), ("k" * (MAX_WILL_KEY + 1), 0), ("k", -1)])
+def test_a_bad_will_key_or_delay_is_invalid(c: Client, key: str, delay_ms: int) -> None:
+    failed(c.set_will(key, will(), delay_ms=delay_ms), ErrorCode.INVALID)
+    ok(c.set_will("k" * MAX_WILL_KEY, will(), delay_ms=0))
+
+
+WILL_USERS = [UserEntry("owner", "pw", ["owner"]), UserEntry("guest", "pw", ["guest"])]
+WILL_GRANTS = [
+    PermissionEntry("status.#", "send", ["owner"]),
+    PermissionEntry("status.#", "consume", ["owner"]),
+    PermissionEntry("status.known", "createAddress", ["owner"]),
+    PermissionEntry("status.known", "createDurableQueue", ["owner"]),
+]
+
+
+def test_a_will_needs_the_rights_its_publish_would_need() -> None:
+    h = Harness(CoreSettings(users=WILL_USERS, permissions=WILL_GRANTS))
+    owner, guest = h.connect("o", "owner", "pw"), h.connect("g", "guest", "pw")
+    failed(guest.set_will("k", will("status.known")), ErrorCode.FORBIDDEN)  # no send
+    failed(owner.set_will("k", will("status.other")), ErrorCode.FORBIDDEN)  # may not auto-create it
+    ok(owner.set_will("k", will("status.known")))
+    owner.close()
+    watcher = h.connect("w", "owner", "pw")
+    assert bodies(watcher.take(watcher.consumer("status.known"))) == [b"gone"]
+
+
+def test_a_will_to_an_address_that_may_not_be_created_is_not_found() -> None:
+    h = Harness(CoreSettings(address_settings=[AddressSettingsEntry(match="#", auto_create_addresses=False)]))
+    c = h.connect()
+    failed(c.set_will("k", will("nowhere")), ErrorCode.NOT_FOUND)
+
+
+def test_a_will_that_cannot_be_routed_when_it_fires_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
+    h = Harness(CoreSettings(address_settings=[AddressSettingsEntry(match="#", auto_create_addresses=False)]))
+    c, dying = h.connect(), h.connect("dying")
+    ok(c.create_queue("status"))
+    ok(dying.set_will("k", will(), delay_ms=100))
+    dying.close()
+    ok(c.delete_queue("status"))
+    ok(c._answer(c.conn.delete_address("status")))
+    with caplog.at_level(logging.WARNING, logger="tridentmq.core.broker"):
+        h.tick(BASE_MS + 100)
+    assert [r.message for r in caplog.records] == ["will dropped"]
+    assert not h.broker._pending_wills
