@@ -11,6 +11,8 @@ from pathlib import Path
 
 from tridentmq_core.settings import ENV_PREFIX as CORE_PREFIX
 from tridentmq_core.settings import CoreSettings
+from tridentmq_mqtt.settings import ENV_PREFIX as MQTT_PREFIX
+from tridentmq_mqtt.settings import MqttSettings
 from tridentmq_shared.settings import render_reference
 from tridentmq_stomp.settings import ENV_PREFIX as STOMP_PREFIX
 from tridentmq_stomp.settings import StompSettings
@@ -52,7 +54,8 @@ redelivery_multiplier = 2.0
 
 def render() -> str:
     return (HEADER + render_reference("Core node (`tridentmq-core`)", CoreSettings, CORE_PREFIX) + "\n"
-            + render_reference("STOMP gateway (`tridentmq-stomp`)", StompSettings, STOMP_PREFIX))  # fmt: skip
+            + render_reference("STOMP gateway (`tridentmq-stomp`)", StompSettings, STOMP_PREFIX) + "\n"
+            + render_reference("MQTT gateway (`tridentmq-mqtt`)", MqttSettings, MQTT_PREFIX))  # fmt: skip
 
 
 def main() -> int:

@@ -695,7 +695,8 @@ def test_a_resumed_session_resends_with_chosen_ids(version: int) -> None:
     assert conn.send_window == 65_533
     assert feed(conn, encode(Pubcomp(7), version)) == [ev.PubcompReceived(7)]
     assert feed(conn, encode(Puback(9), version)) == [ev.PubackReceived(9)]
-    assert not conn.in_flight(7) and not conn.in_flight(9)
+    assert not conn.in_flight(7)
+    assert not conn.in_flight(9)
     assert conn.publish("t", b"", 0, packet_id=5, dup=True) == 0
     assert sent(conn, version) == [Publish("t", b"", 0)]  # QoS 0 has neither
 

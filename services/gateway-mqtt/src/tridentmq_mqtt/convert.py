@@ -30,7 +30,8 @@ The core's ``#`` and ``*`` do match ``$SYS``, so the gateway asks :func:`deliver
 ``$`` is never escaped, so the test may be made on the address as well as on the topic.
 
 **Subscription queues.** :func:`subscription_queue` and :func:`shared_queue` name the core queue of a
-subscription: ``mqtt.sub.<client id>.<filter>.<hash>`` and ``mqtt.shared.<group>.<filter>.<hash>``. The
+subscription: ``mqtt.sub.<client id>.<filter>.<hash>`` and ``mqtt.shared.<group>.<filter>.<hash>``
+(:func:`session_queue` and :func:`lock_queue` name a client's session queues the same way). The
 middle words are only there to be read by people: shortened, with every character that is not safe in a
 core word replaced by ``_``. The last word, 32 hex digits of the SHA-256 of the length-prefixed inputs,
 makes the name unique per (client id, filter) or (group, filter). Names are at most 206 characters, hold no
@@ -61,6 +62,11 @@ EMPTY_LEVEL: Final = ESCAPE
 #: MQTT 5 reason code for a SUBACK refusing a filter (section 2.4).
 SUBSCRIPTION_PREFIX: Final = "mqtt.sub."
 SHARED_PREFIX: Final = "mqtt.shared."
+#: The gateways' own queues; ``$`` keeps them out of reach of MQTT wildcards, and they are anycast, so no
+#: multicast subscription of another protocol sees their messages either.
+SESSION_PREFIX: Final = "$mqtt.session."
+LOCK_PREFIX: Final = "$mqtt.lock."
+RETAINED_QUEUE: Final = "$mqtt.retained"
 
 _CONTROL: Final = frozenset(chr(c) for c in (*range(0x01, 0x20), *range(0x7F, 0xA0)))
 _ALWAYS_ESCAPED: Final = frozenset({ESCAPE, DELIMITER, ANY_WORD}) | _CONTROL
@@ -208,6 +214,16 @@ def subscription_queue(client_id: str, topic_filter: str) -> str:
 def shared_queue(group: str, topic_filter: str) -> str:
     """The core queue that the members of shared subscription ``$share/<group>/<topic_filter>`` consume from."""
     return _queue_name(SHARED_PREFIX, group, topic_filter)
+
+
+def session_queue(client_id: str) -> str:
+    """The core queue holding the persistent state of client ``client_id``'s session (one record)."""
+    return _queue_name(SESSION_PREFIX, client_id, "")
+
+
+def lock_queue(client_id: str) -> str:
+    """The core queue whose one consumer is the connection that owns client ``client_id``'s session."""
+    return _queue_name(LOCK_PREFIX, client_id, "")
 
 
 # ---------------------------------------------------------------------------------------------- internals

@@ -1,4 +1,4 @@
-"""The MQTT 5 reason codes the codec itself raises or validates (the full list is in section 2.4 of 5.0)."""
+"""The MQTT 5 reason codes the gateway uses (the full list is in section 2.4 of 5.0)."""
 
 from __future__ import annotations
 
@@ -12,3 +12,17 @@ UNSUPPORTED_PROTOCOL_VERSION: Final = 0x84
 TOPIC_FILTER_INVALID: Final = 0x8F
 TOPIC_NAME_INVALID: Final = 0x90
 PACKET_TOO_LARGE: Final = 0x95
+NO_MATCHING_SUBSCRIBERS: Final = 0x10
+NO_SUBSCRIPTION_EXISTED: Final = 0x11
+IMPLEMENTATION_SPECIFIC_ERROR: Final = 0x83
+CLIENT_IDENTIFIER_NOT_VALID: Final = 0x85
+BAD_USER_NAME_OR_PASSWORD: Final = 0x86
+NOT_AUTHORIZED: Final = 0x87
+SERVER_UNAVAILABLE: Final = 0x88
+SERVER_BUSY: Final = 0x89
+SERVER_SHUTTING_DOWN: Final = 0x8B
+SESSION_TAKEN_OVER: Final = 0x8E
+PACKET_IDENTIFIER_NOT_FOUND: Final = 0x92
+QUOTA_EXCEEDED: Final = 0x97
+PAYLOAD_FORMAT_INVALID: Final = 0x99
+SHARED_SUBSCRIPTIONS_NOT_SUPPORTED: Final = 0x9E

@@ -1,0 +1,81 @@
+"""The MQTT gateway: the shared gateway shell (listeners, HTTP, ports file) around ``MqttSession``s, and the
+gateway's own link to the core (``state.Registry``)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from tridentmq_mqtt.session import Counters, MqttSession
+from tridentmq_mqtt.settings import MqttSettings
+from tridentmq_mqtt.state import Registry
+from tridentmq_shared.gateway import ClientSession, GatewayShell, Metric, ShellConfig, Wire
+from tridentmq_shared.link.client import LinkRequestError
+
+log = logging.getLogger("tridentmq.mqtt")
+
+SUBPROTOCOLS = ("mqtt",)  # MQTT 3.1.1 and 5.0 over WebSocket; a client not offering it is closed with 1002
+
+
+class MqttGateway:
+    def __init__(self, settings: MqttSettings, ports_file: Path | None = None) -> None:
+        self.settings = settings
+        self.counters = Counters()
+        core = settings.core
+        self.registry = Registry(core.host, core.port, core.user, core.password, settings.node.name)
+        self.registry.on_lost.append(self._service_link_lost)
+        listener, http = settings.listener, settings.http
+        config = ShellConfig(
+            protocol="mqtt", host=listener.host, port=listener.port, websocket_port=listener.websocket_port,
+            max_connections=listener.max_connections, subprotocols=SUBPROTOCOLS, subprotocol_required=True,
+            max_websocket_message=settings.mqtt.max_packet_bytes + 8, binary_frames=True,
+            http_enabled=http.enabled, http_host=http.host, http_port=http.port,
+        )  # fmt: skip
+        self.shell = GatewayShell(config, self._open_session, self._metrics, ready=lambda: self.registry.ready,
+                                  ports_file=ports_file)  # fmt: skip
+
+    @property
+    def ports(self) -> dict[str, int]:
+        return self.shell.ports
+
+    def _open_session(self, wire: Wire) -> ClientSession:
+        return MqttSession(self.settings, self.registry, wire, self.counters)
+
+    async def start(self) -> None:
+        try:
+            await self.registry.link()
+        except (LinkRequestError, OSError) as exc:  # clients are refused (0x88) until the core is back
+            log.warning("core unavailable at start", extra={"reason": str(exc)})
+        await self.shell.start()
+        core = self.settings.core
+        log.info("mqtt gateway ready", extra={**self.ports, "core": f"{core.host}:{core.port}"})
+
+    async def stop(self) -> None:
+        await self.shell.stop(_shut_down)
+        await self.registry.close()
+
+    def _service_link_lost(self) -> None:
+        """Every session's lock went with the link: end them all (their clients reconnect)."""
+        for session in list(self.shell.sessions):
+            _shut_down(session, unavailable=True)
+
+    def _metrics(self) -> list[Metric]:
+        c = self.counters
+        return [
+            Metric("mqtt_connections", "gauge", "Open MQTT connections.", len(self.shell.sessions)),
+            Metric("mqtt_connections_total", "counter", "MQTT connections accepted.", c.connections_total),
+            Metric("mqtt_connections_refused_total", "counter", "CONNECTs refused.", c.refused),
+            Metric("mqtt_session_takeovers_total", "counter", "Connections ended by a later connection with "
+                   "the same client id.", c.takeovers),
+            Metric("mqtt_packets_received_total", "counter", "Client packets received.", c.packets_received),
+            Metric("mqtt_messages_published_total", "counter", "PUBLISH packets passed to the core.",
+                   c.messages_published),
+            Metric("mqtt_messages_delivered_total", "counter", "Messages sent to subscribers.", c.messages_delivered),
+            Metric("mqtt_protocol_errors_total", "counter", "Connections closed for a protocol error.",
+                   c.protocol_errors),
+        ]  # fmt: skip
+
+
+def _shut_down(session: ClientSession, *, unavailable: bool = False) -> None:
+    assert isinstance(session, MqttSession)
+    session.shutdown(unavailable=unavailable)

@@ -1,0 +1,900 @@
+"""One MQTT client connection: the codec, the client's own link to the core, its session and subscriptions.
+
+Packets are handled strictly in order by one worker task; reading the socket pauses while too many wait,
+so a flood of PUBLISH packets is held back by the core's publish credit all the way to the client's TCP
+connection. PUBACKs and PUBRECs go out in the order of their PUBLISH packets, each once the core confirmed
+the message (for QoS 1 and 2: once it is on disk).
+
+Each subscription is a core queue with a consumer on the client's link; a pump per subscription writes its
+messages. A message the client has to acknowledge (QoS 1 and 2) stays unacknowledged in the core until it
+does, so whatever is lost with a connection or a gateway comes back to the next connection of the session.
+Its packet id is derived from the core's message id, so that after a reconnect it is sent again under the
+id the client may have recorded, with DUP set. Once the client has received a QoS 2 message (PUBREC), the
+session record says so before the PUBREL goes out: it is never sent again.
+
+A persistent session (session expiry above 0) keeps its record and its subscription queues in the core
+(see ``state``), so the client may come back through any gateway. A session that ends with its connection
+uses temporary queues, which the core drops along with the link.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+from tridentmq_mqtt import convert, messages
+from tridentmq_mqtt.convert import ConversionError
+from tridentmq_mqtt.protocol import events as ev
+from tridentmq_mqtt.protocol import reason_codes as rc
+from tridentmq_mqtt.protocol.connection import MqttServerConnection
+from tridentmq_mqtt.protocol.errors import LocalProtocolError, RemoteProtocolError
+from tridentmq_mqtt.protocol.packets import V5, Subscription, Will
+from tridentmq_mqtt.protocol.properties import NO_PROPERTIES, Properties
+from tridentmq_mqtt.settings import MqttSettings
+from tridentmq_mqtt.state import Registry, SessionBusyError, SessionState, StoredSubscription
+from tridentmq_shared.gateway import Wire
+from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.link.ops import ErrorCode
+from tridentmq_shared.message import (
+    M_ADDRESS,
+    M_BODY,
+    M_DEDUP,
+    M_EXPIRATION,
+    M_ID,
+    M_PROPS,
+    RoutingType,
+    WireMessage,
+)
+
+log = logging.getLogger("tridentmq.mqtt")
+
+_NO_LINK_RETRY = ReconnectPolicy(attempts=0)  # a lost core ends the MQTT connection; the client reconnects
+_NEVER = 0xFFFFFFFF  # session expiry interval meaning "does not expire"
+#: Refusals of the core as 5.0 reason codes (PUBACK, PUBREC, SUBACK).
+_REFUSALS = {ErrorCode.FORBIDDEN: rc.NOT_AUTHORIZED, ErrorCode.RESOURCE_LIMIT: rc.QUOTA_EXCEEDED,
+             ErrorCode.INVALID: rc.TOPIC_NAME_INVALID, ErrorCode.NOT_FOUND: rc.TOPIC_NAME_INVALID}  # fmt: skip
+_CACHE_LIMIT = 4096  # topics remembered per connection in each direction
+
+
+class Counters:
+    """Gateway-wide counters for /metrics."""
+
+    def __init__(self) -> None:
+        self.connections_total = 0
+        self.packets_received = 0
+        self.messages_published = 0
+        self.messages_delivered = 0
+        self.refused = 0  # CONNACKs refusing a connection
+        self.protocol_errors = 0
+        self.takeovers = 0
+
+
+@dataclass(eq=False)
+class Sub:
+    """A subscription of this connection."""
+
+    text: str  # the SUBSCRIBE's filter text (with ``$share/<group>/``)
+    topic_filter: str
+    queue: str
+    shared: bool
+    options: StoredSubscription
+    consumer: Consumer
+    dollar_safe: bool  # the filter starts with a wildcard: it must not deliver ``$`` topics
+    pump: asyncio.Task[None] | None = None
+    closed: bool = False
+
+
+@dataclass(eq=False)
+class _Outgoing:
+    """A QoS 1/2 PUBLISH waiting for the client: a message of a subscription, or a retained message."""
+
+    sub: Sub | None
+    message: WireMessage
+    qos: int
+    dup: bool = False
+    retained: bool = False
+
+
+@dataclass
+class _Confirm:
+    """The core's answer to a client's PUBLISH, awaited in order (packet id 0: QoS 0)."""
+
+    future: asyncio.Future[None]
+    packet_id: int
+    qos: int
+    topic: str
+    retained: list[asyncio.Future[None]] = field(default_factory=list)
+
+
+class MqttSession:
+    def __init__(self, settings: MqttSettings, registry: Registry, wire: Wire, counters: Counters) -> None:
+        limits = settings.mqtt
+        self.settings = settings
+        self.registry = registry
+        self.wire = wire
+        self.counters = counters
+        self.id = uuid.uuid4().hex[:16]
+        self.conn = MqttServerConnection(max_packet_size=limits.max_packet_bytes,
+                                         receive_maximum=limits.receive_maximum,
+                                         topic_alias_maximum=limits.topic_alias_maximum,
+                                         now=time.monotonic())  # fmt: skip
+        self.link: LinkClient | None = None
+        self.client_id = ""
+        self.version = 0
+        self.expiry_s = 0  # session expiry interval in force
+        self.state = SessionState()
+        self.subs: dict[str, Sub] = {}
+        self._lock: Consumer | None = None
+        self._holder: Consumer | None = None
+        self._will_key = ""
+        self._events: deque[ev.Event] = deque()
+        self._wakeup = asyncio.Event()
+        self._paused = False
+        self._read_ahead = 0
+        self._confirms: deque[_Confirm] = deque()
+        self._inflight: dict[int, _Outgoing] = {}  # packet id → what the client is to acknowledge
+        self._parked: deque[_Outgoing] = deque()  # waiting for the client's receive maximum or a packet id
+        self._addresses: dict[str, str] = {}  # topic → address
+        self._topics: dict[str, str] = {}  # address → topic
+        self._closed = False
+        self._end_reason = 0  # 5.0 DISCONNECT reason when the gateway ends the connection
+        self._connected = False
+        self._watcher: asyncio.Task[None] | None = None
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._worker = loop.create_task(self._work())
+        self._rearm = asyncio.Event()
+        self._timer = loop.create_task(self._timers())
+        counters.connections_total += 1
+
+    @property
+    def persistent(self) -> bool:
+        return self.expiry_s > 0
+
+    # ------------------------------------------------------------------ input from the client
+    def feed(self, data: bytes) -> None:
+        if self._closed:
+            return
+        try:
+            events = self.conn.receive_data(data, time.monotonic())
+        except LocalProtocolError:
+            log.exception("mqtt codec failed", extra={"peer": self.wire.peer})
+            self._end()
+            return
+        self._read_ahead += len(data)
+        if not events:
+            return
+        self.counters.packets_received += len(events)
+        self._events.extend(events)
+        self._wakeup.set()
+        limits = self.settings.mqtt
+        if not self._paused and (len(self._events) >= limits.pending_packets
+                                 or self._read_ahead >= limits.pending_bytes):  # fmt: skip
+            self._paused = True
+            self.wire.pause_reading()
+
+    def connection_lost(self) -> None:
+        if not self._closed:
+            self._events.append(ev.ConnectionClosed())
+            self._wakeup.set()
+
+    async def wait_closed(self) -> None:
+        await asyncio.shield(self._worker)
+
+    def shutdown(self, *, unavailable: bool = False) -> None:
+        """The gateway is stopping (5.0 clients are told so: 0x8B), or lost the core (0x88)."""
+        self._end(rc.SERVER_UNAVAILABLE if unavailable else rc.SERVER_SHUTTING_DOWN)
+
+    # ------------------------------------------------------------------ the packet worker
+    async def _work(self) -> None:
+        events = self._events
+        try:
+            while not self._closed:
+                if not events:
+                    self._read_ahead = 0
+                    if self._paused:
+                        self._paused = False
+                        self.wire.resume_reading()
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                await self.wire.drained()  # a client that does not read is not read either
+                batch = len(events)
+                while batch and not self._closed:
+                    batch -= 1
+                    event = events.popleft()
+                    try:
+                        if not self._handle_now(event):
+                            self._answer_confirmed()
+                            self._flush()
+                            await self._handle(event)
+                    except ConversionError as exc:
+                        self._violation(exc.reason_code, str(exc))
+                    except LinkRequestError as exc:
+                        log.info("core refused a request", extra={"peer": self.wire.peer, "reason": exc.text})
+                        self._end(rc.UNSPECIFIED_ERROR)
+                    except (AssertionError, LookupError, TypeError, ValueError, LocalProtocolError):
+                        log.exception("mqtt session failed", extra={"peer": self.wire.peer})
+                        self._end(rc.IMPLEMENTATION_SPECIFIC_ERROR)
+                self._answer_confirmed()
+                self._flush()
+        finally:
+            await self._shutdown()
+
+    def _handle_now(self, event: ev.Event) -> bool:
+        """QoS 0/1 PUBLISH and PUBACK without a coroutine each: at tens of thousands a second that is most of
+        the cost."""
+        kind = type(event)
+        if kind is ev.Publish:
+            assert isinstance(event, ev.Publish)
+            if event.qos == 2 or event.retain or not self._connected:
+                return False
+            link = self.link
+            if link is None or not link.can_send:
+                return False
+            if event.duplicate:
+                return True  # still being handled: its PUBACK will follow
+            message = self._message(event)
+            if message is None:
+                return True
+            self.counters.messages_published += 1
+            self._confirms.append(_Confirm(link.send_now(message), event.packet_id or 0, event.qos, event.topic))
+            return True
+        if kind is ev.PubackReceived:
+            assert isinstance(event, ev.PubackReceived)
+            self._acknowledged(event.packet_id)
+            return True
+        return False
+
+    async def _handle(self, event: ev.Event) -> None:
+        match event:
+            case ev.Connect():
+                await self._connect(event)
+            case ev.Publish():
+                await self._publish(event)
+            case ev.PubrecReceived():
+                await self._received(event)
+            case ev.PubcompReceived():
+                self._completed(event.packet_id)
+            case ev.PubrelReceived():
+                await self._released(event)
+            case ev.Subscribe():
+                await self._subscribe(event)
+            case ev.Unsubscribe():
+                await self._unsubscribe(event)
+            case ev.Disconnect():
+                await self._disconnect(event)
+            case ev.ConnectionClosed():
+                self._closed = True
+            case ev.ProtocolViolation():
+                log.info("mqtt protocol error", extra={"peer": self.wire.peer, "error": event.message[:200],
+                                                       "reason_code": event.reason_code})  # fmt: skip
+                self.counters.protocol_errors += 1
+                await self._settle_confirms()
+                self.conn.reject(event)
+                self._flush()
+
+    # ------------------------------------------------------------------ CONNECT
+    async def _connect(self, event: ev.Connect) -> None:
+        limits = self.settings.mqtt
+        self.version = event.version
+        client_id = event.client_id
+        assigned = None
+        if not client_id:
+            if event.version != V5 and not event.clean_start:
+                self._refuse(rc.CLIENT_IDENTIFIER_NOT_VALID, "an empty client id needs a clean session")
+                return
+            client_id = assigned = f"auto-{uuid.uuid4().hex}"
+        self.client_id = client_id
+        props = event.properties
+        asked = (props.session_expiry_interval or 0) if event.version == V5 else (0 if event.clean_start else _NEVER)
+        self.expiry_s = min(asked, limits.max_session_expiry_s)
+        try:
+            password = event.password.decode("utf-8") if event.password is not None else None
+        except UnicodeDecodeError:
+            self._refuse(rc.BAD_USER_NAME_OR_PASSWORD, "the password is not UTF-8")
+            return
+        will_message = None
+        if event.will is not None:
+            try:
+                will_message = self._will_message(event.will)
+            except ConversionError as exc:
+                self._refuse(exc.reason_code, str(exc))
+                return
+        core = self.settings.core
+        link = LinkClient(core.host, core.port, user=event.username, password=password,
+                          client_name=f"mqtt {client_id[:64]} {self.wire.peer}", reconnect=_NO_LINK_RETRY)  # fmt: skip
+        try:
+            await link.connect()
+        except LinkRequestError as exc:
+            if exc.code == ErrorCode.UNAUTHENTICATED:
+                log.info("mqtt login refused", extra={"peer": self.wire.peer, "user": event.username})
+                self._refuse(rc.BAD_USER_NAME_OR_PASSWORD, "bad user name or password")
+            else:
+                log.warning("core unavailable", extra={"peer": self.wire.peer, "reason": exc.text})
+                self._refuse(rc.SERVER_UNAVAILABLE, "the broker cannot be reached; try again")
+            return
+        self.link = link
+        link.on_closed = self._link_closed
+        link.on_settled = self._settled
+        try:
+            self._lock = await self.registry.acquire(client_id, limits.takeover_timeout_ms / 1000)
+            previous = await self._open_session(event.clean_start)
+            self._will_key = convert.lock_queue(client_id)  # unique per client id, and short
+            delay_ms = 0
+            if event.will is not None:
+                delay = event.will.properties.will_delay_interval or 0
+                delay_ms = min(delay, self.expiry_s) * 1000  # the will goes when the session ends, at the latest
+            await link.set_will(self._will_key, will_message, delay_ms=delay_ms, publish_pending=event.clean_start)
+        except SessionBusyError as exc:
+            self._refuse(rc.SERVER_BUSY, str(exc))
+            return
+        except OSError as exc:
+            log.warning("core unavailable", extra={"peer": self.wire.peer, "reason": str(exc)})
+            self._refuse(rc.SERVER_UNAVAILABLE, "the broker cannot be reached; try again")
+            return
+        except LinkRequestError as exc:
+            code = rc.NOT_AUTHORIZED if exc.code == ErrorCode.FORBIDDEN else rc.SERVER_UNAVAILABLE
+            log.info("mqtt session refused", extra={"peer": self.wire.peer, "reason": exc.text})
+            self._refuse(code, exc.text)
+            return
+        keep_alive = None
+        if event.version == V5 and limits.max_keep_alive_s and not 0 < event.keep_alive <= limits.max_keep_alive_s:
+            keep_alive = limits.max_keep_alive_s
+        granted = Properties(session_expiry_interval=self.expiry_s) if event.version == V5 and \
+            self.expiry_s != asked else NO_PROPERTIES  # fmt: skip
+        self.conn.accept(time.monotonic(), session_present=previous is not None and not event.clean_start,
+                         assigned_client_id=assigned, server_keep_alive=keep_alive, properties=granted)  # fmt: skip
+        self._connected = True
+        self._rearm.set()
+        self._watcher = self._loop.create_task(self._watch_lock(self._lock))
+        await self._resume()
+
+    async def _open_session(self, clean_start: bool) -> SessionState | None:
+        """Find the earlier session (the record of a persistent one), end it if ``clean_start``, and set up
+        this one. Returns the earlier session's record, or None when there was none."""
+        registry, client_id = self.registry, self.client_id
+        previous = await registry.open_session(client_id, self.expiry_s * 1000)
+        if previous is not None and clean_start:
+            await self._discard(previous)
+        if not self.persistent:
+            await registry.drop_session(client_id)
+            return previous
+        if previous is not None and not clean_start:
+            self.state = previous
+        self._holder = await registry.hold_session(client_id)
+        await registry.save(client_id, self.state)
+        return previous
+
+    async def _discard(self, previous: SessionState) -> None:
+        """End an earlier session: its subscription queues go (shared ones belong to their group)."""
+        assert self.link is not None
+        for text in previous.subscriptions:
+            with contextlib.suppress(LinkRequestError, ConversionError):
+                group, topic_filter = convert.parse_subscription(text)
+                if group is None:
+                    await self.link.delete_queue(convert.subscription_queue(self.client_id, topic_filter))
+
+    async def _resume(self) -> None:
+        """Resume a session: PUBREL for what the client received but we did not see completed, then the
+        subscriptions (their queues return unacknowledged messages first, with DUP set). Packets that follow
+        the CONNECT wait meanwhile, so a SUBSCRIBE cannot race its own resumption."""
+        for packet_id in sorted(self.state.released_out):
+            self.conn.pubrel(packet_id)
+        self._flush()
+        try:
+            for text, options in list(self.state.subscriptions.items()):
+                if self._closed:
+                    return
+                await self._open_sub(text, options)
+        except (LinkRequestError, ConversionError) as exc:
+            log.warning("session resume failed", extra={"peer": self.wire.peer, "reason": str(exc)[:200]})
+            self._end(rc.UNSPECIFIED_ERROR)
+
+    def _will_message(self, will: Will) -> WireMessage:
+        address = self._address(will.topic)
+        return messages.to_message(address, will.payload, will.qos, will.properties, self.client_id,
+                                   int(time.time() * 1000), retain=will.retain)  # fmt: skip
+
+    async def _watch_lock(self, lock: Consumer) -> None:
+        """End this connection when another one takes the session (the core closes our lock consumer)."""
+        with contextlib.suppress(LinkRequestError):
+            while not self._closed:
+                await lock.get_batch()
+        if not self._closed and lock.closed is not None and lock.closed.code == ErrorCode.NOT_FOUND:
+            log.info("mqtt session taken over", extra={"peer": self.wire.peer, "client_id": self.client_id[:60]})
+            self.counters.takeovers += 1
+            self._lock = None  # the queue is the new owner's now
+            self._end(rc.SESSION_TAKEN_OVER)
+        elif not self._closed:
+            self._end(rc.SERVER_UNAVAILABLE)
+
+    def _refuse(self, reason_code: int, text: str) -> None:
+        self.counters.refused += 1
+        props = Properties(reason_string=text[:200]) if self.version == V5 else NO_PROPERTIES
+        self.conn.refuse(reason_code, props)
+        self._flush()
+        self._closed = True
+
+    # ------------------------------------------------------------------ messages from the client
+    def _address(self, topic: str) -> str:
+        address = self._addresses.get(topic)
+        if address is None:
+            address = convert.topic_to_address(topic)
+            if len(self._addresses) >= _CACHE_LIMIT:
+                self._addresses.clear()
+            self._addresses[topic] = address
+        return address
+
+    def _message(self, event: ev.Publish) -> WireMessage | None:
+        """The core message of a PUBLISH; None (and the connection ends) when the payload is not what its
+        format indicator says."""
+        if event.properties.payload_format_indicator == 1:
+            try:
+                event.payload.decode("utf-8")
+            except UnicodeDecodeError:
+                self._violation(rc.PAYLOAD_FORMAT_INVALID, "the payload is not UTF-8 as its format says")
+                return None
+        return messages.to_message(self._address(event.topic), event.payload, event.qos, event.properties,
+                                   self.client_id, int(time.time() * 1000), retain=event.retain)  # fmt: skip
+
+    async def _publish(self, event: ev.Publish) -> None:
+        """The PUBLISH packets ``_handle_now`` leaves: QoS 2, retained, or waiting for the core's credit."""
+        link = self.link
+        assert link is not None
+        if event.duplicate:
+            return
+        message = self._message(event)
+        if message is None:
+            return
+        packet_id = event.packet_id or 0
+        if event.qos == 2 and self.persistent:
+            # Exactly once across reconnects: the record keeps the message's dedup id until the PUBREL, and
+            # a PUBLISH sent again (after a lost PUBREC) is published again under it: the core drops it.
+            dedup = self.state.released_in.get(packet_id)
+            if dedup is None:
+                dedup = self.state.released_in[packet_id] = f"mqtt:{self.client_id}:{uuid.uuid4().hex}"
+                await self.registry.save(self.client_id, self.state)
+            message[M_DEDUP] = dedup
+        self.counters.messages_published += 1
+        confirm = _Confirm(await link.send(message), packet_id, event.qos, event.topic)
+        if event.retain:
+            retained = self.registry.retain(event.topic, message)
+            retained.add_done_callback(lambda _: self._settled())  # confirmed on the gateway's link, not ours
+            confirm.retained.append(retained)
+        self._confirms.append(confirm)
+
+    def _settled(self) -> None:
+        self._answer_confirmed()
+        self._flush()
+
+    def _answer_confirmed(self) -> None:
+        """PUBACK or PUBREC, in order, for the messages the core has answered."""
+        confirms = self._confirms
+        while confirms and confirms[0].future.done() and all(f.done() for f in confirms[0].retained):
+            confirm = confirms.popleft()
+            error = confirm.future.exception()
+            for retained in confirm.retained:
+                error = error or retained.exception()
+            if self.conn.closed:
+                continue
+            if error is None:
+                if confirm.qos == 1:
+                    self.conn.puback(confirm.packet_id)
+                elif confirm.qos == 2:
+                    self.conn.pubrec(confirm.packet_id)
+                continue
+            self._refused(confirm, error)
+
+    def _refused(self, confirm: _Confirm, error: BaseException) -> None:
+        code = _REFUSALS.get(error.code, rc.UNSPECIFIED_ERROR) if isinstance(error, LinkRequestError) \
+            else rc.UNSPECIFIED_ERROR  # fmt: skip
+        text = error.text if isinstance(error, LinkRequestError) else str(error)
+        log.info("mqtt publish refused", extra={"peer": self.wire.peer, "topic": confirm.topic[:100],
+                                                "reason": text[:200]})  # fmt: skip
+        if self.version != V5 and confirm.qos:
+            self._end(rc.UNSPECIFIED_ERROR)  # 3.1.1 has no way to say no but closing ([MQTT-3.3.5-2])
+            return
+        props = Properties(reason_string=text[:200])
+        if confirm.qos == 1:
+            self.conn.puback(confirm.packet_id, code, props)
+        elif confirm.qos == 2:
+            self.state.released_in.pop(confirm.packet_id, None)
+            self.conn.pubrec(confirm.packet_id, code, props)
+
+    async def _settle_confirms(self) -> None:
+        pending = [f for c in self._confirms for f in (c.future, *c.retained)]
+        if pending:
+            await asyncio.wait(pending)
+        self._answer_confirmed()
+
+    async def _released(self, event: ev.PubrelReceived) -> None:
+        """The client's PUBREL: the packet id is free once the record says so."""
+        known = event.known
+        if self.persistent and self.state.released_in.pop(event.packet_id, None) is not None:
+            known = True
+            await self.registry.save(self.client_id, self.state)
+        self.conn.pubcomp(event.packet_id, 0 if known else rc.PACKET_IDENTIFIER_NOT_FOUND)
+
+    # ------------------------------------------------------------------ SUBSCRIBE / UNSUBSCRIBE
+    async def _subscribe(self, packet: ev.Subscribe) -> None:
+        ids = packet.properties.subscription_identifiers
+        subscription_id = ids[0] if ids else None
+        codes: list[int] = []
+        retained: list[tuple[Sub, bool]] = []
+        for request in packet.subscriptions:
+            try:
+                sub, new = await self._add_sub(request, subscription_id)
+            except ConversionError as exc:
+                if exc.reason_code == rc.PROTOCOL_ERROR:
+                    raise
+                codes.append(exc.reason_code)
+                continue
+            except LinkRequestError as exc:
+                log.info("mqtt subscribe refused", extra={"peer": self.wire.peer, "filter": request.topic_filter[:100],
+                                                          "reason": exc.text})  # fmt: skip
+                codes.append(rc.NOT_AUTHORIZED if exc.code == ErrorCode.FORBIDDEN else rc.UNSPECIFIED_ERROR)
+                continue
+            codes.append(request.qos)
+            if not sub.shared and (request.retain_handling == 0 or (request.retain_handling == 1 and new)):
+                retained.append((sub, new))
+        if self.persistent:
+            await self.registry.save(self.client_id, self.state)
+        self.conn.suback(packet.packet_id, tuple(codes))
+        self._flush()
+        for sub, _ in retained:
+            await self._send_retained(sub)
+
+    async def _add_sub(self, request: Subscription, subscription_id: int | None) -> tuple[Sub, bool]:
+        group, _ = convert.parse_subscription(request.topic_filter, shared=self.version == V5)
+        if group is not None and request.no_local:
+            raise ConversionError("no-local on a shared subscription", rc.PROTOCOL_ERROR)
+        options = StoredSubscription(request.qos, request.no_local, request.retain_as_published, subscription_id)
+        existing = self.subs.get(request.topic_filter)
+        if existing is not None:  # the same filter again: new options, same queue (nothing queued is lost)
+            existing.options = options
+            self.state.subscriptions[request.topic_filter] = options
+            return existing, False
+        sub = await self._open_sub(request.topic_filter, options)
+        self.state.subscriptions[request.topic_filter] = options
+        return sub, True
+
+    async def _open_sub(self, text: str, options: StoredSubscription) -> Sub:
+        """Create (or find) the subscription's queue and consume from it."""
+        link = self.link
+        assert link is not None
+        group, topic_filter = convert.parse_subscription(text, shared=self.version == V5)
+        pattern = convert.filter_to_pattern(topic_filter)
+        expiry_ms = self.expiry_s * 1000
+        if group is not None:
+            queue = convert.shared_queue(group, topic_filter)
+            await link.create_queue(queue, pattern, routing_type=RoutingType.MULTICAST, durable=True,
+                                    expires_ms=expiry_ms)  # fmt: skip
+        elif self.persistent:
+            queue = convert.subscription_queue(self.client_id, topic_filter)
+            await link.create_queue(queue, pattern, routing_type=RoutingType.MULTICAST, durable=True,
+                                    expires_ms=expiry_ms)  # fmt: skip
+        else:
+            queue = convert.subscription_queue(self.client_id, topic_filter)
+            await link.create_queue(queue, pattern, routing_type=RoutingType.MULTICAST, durable=False, temporary=True)
+        limits = self.settings.mqtt
+        window = limits.qos0_window if options.qos == 0 else min(limits.max_inflight, self.conn.client_receive_maximum)
+        consumer = await link.subscribe(queue, credit=window, credit_on_settle=True)
+        sub = Sub(text, topic_filter, queue, group is not None, options, consumer,
+                  dollar_safe=topic_filter[:1] in ("+", "#"))  # fmt: skip
+        sub.pump = self._loop.create_task(self._pump(sub))
+        self.subs[text] = sub
+        return sub
+
+    async def _unsubscribe(self, packet: ev.Unsubscribe) -> None:
+        codes = []
+        for text in packet.topic_filters:
+            sub = self.subs.pop(text, None)
+            self.state.subscriptions.pop(text, None)
+            if sub is None:
+                codes.append(rc.NO_SUBSCRIPTION_EXISTED)
+                continue
+            await self._close_sub(sub)
+            if not sub.shared:  # a shared queue belongs to its group; it expires when the last member is gone
+                with contextlib.suppress(LinkRequestError):
+                    assert self.link is not None
+                    await self.link.delete_queue(sub.queue)
+            codes.append(0)
+        if self.persistent:
+            await self.registry.save(self.client_id, self.state)
+        self.conn.unsuback(packet.packet_id, tuple(codes))
+
+    async def _close_sub(self, sub: Sub) -> None:
+        sub.closed = True
+        if sub.pump is not None:
+            sub.pump.cancel()
+        self._parked = deque(o for o in self._parked if o.sub is not sub)
+        with contextlib.suppress(LinkRequestError):
+            await sub.consumer.close()
+
+    async def _send_retained(self, sub: Sub) -> None:
+        for topic, message in await self.registry.retained(sub.topic_filter):
+            if self._closed:
+                return
+            self._address(topic)
+            self._deliver(_Outgoing(sub, message, min(sub.options.qos, messages.published_qos(message)),
+                                    retained=True))  # fmt: skip
+        self._flush()
+
+    # ------------------------------------------------------------------ deliveries
+    async def _pump(self, sub: Sub) -> None:
+        consumer = sub.consumer
+        try:
+            while not self._closed and not sub.closed:
+                await self.wire.drained()
+                batch = await consumer.get_batch()
+                if self.conn.closed or sub.closed:
+                    return
+                now_ms = int(time.time() * 1000)
+                done = []
+                for count, message in batch:
+                    if not self._wanted(sub, message, now_ms):
+                        done.append(message[M_ID])
+                        continue
+                    qos = min(messages.published_qos(message), sub.options.qos)
+                    if qos == 0:
+                        self._write_publish(sub, message, 0, now_ms)
+                        done.append(message[M_ID])
+                    else:
+                        self._deliver(_Outgoing(sub, message, qos, dup=count > 1))
+                if done:
+                    consumer.ack_ids(done)  # QoS 0: written (or skipped) is done
+                self.counters.messages_delivered += len(batch)
+                self._flush()
+        except LocalProtocolError:
+            if not self.conn.closed:  # the connection closing mid-batch is no error
+                raise
+        except LinkRequestError as exc:
+            if not self._closed and not sub.closed:
+                log.info("subscription ended by the core", extra={"peer": self.wire.peer, "reason": exc.text})
+                self._end(rc.UNSPECIFIED_ERROR)
+
+    def _wanted(self, sub: Sub, message: WireMessage, now_ms: int) -> bool:
+        """Whether a message of ``sub``'s queue goes to the client: not an expired one, not a ``$`` topic for a
+        filter starting with a wildcard, not our own for no-local."""
+        expiration = message[M_EXPIRATION]
+        if expiration and expiration <= now_ms:
+            return False
+        if sub.dollar_safe and message[M_ADDRESS][:1] == "$":
+            return False
+        return not (sub.options.no_local and message[M_PROPS].get(messages.CLIENT) == self.client_id)
+
+    def _deliver(self, out: _Outgoing) -> None:
+        """Send a QoS 1/2 message, or park it while the client's window is full or its packet id is taken."""
+        if self._parked or not self._try_send(out):
+            self._parked.append(out)
+
+    def _try_send(self, out: _Outgoing) -> bool:
+        message = out.message
+        if out.retained:
+            packet_id = None
+        else:
+            message_id = message[M_ID]
+            packet_id = message_id % 0xFFFF + 1
+            if self.state.released_out.get(packet_id) == message_id:
+                # The client has it (its PUBREC is recorded) and the ack was lost with a connection.
+                assert out.sub is not None
+                out.sub.consumer.ack_ids([message_id])
+                return True
+            if self.conn.in_flight(packet_id):
+                return False
+        if self.conn.send_window <= 0:
+            return False
+        sent = self._write_publish(out.sub, message, out.qos, int(time.time() * 1000), packet_id, dup=out.dup,
+                                   retained=out.retained)  # fmt: skip
+        if sent is None:
+            return False
+        if sent == 0:  # too large for the client: dropped as if sent ([MQTT-3.1.2-25])
+            self._done(out)
+        else:
+            self._inflight[sent] = out
+        return True
+
+    def _write_publish(self, sub: Sub | None, message: WireMessage, qos: int, now_ms: int, packet_id: int | None = None,
+                       *, dup: bool = False, retained: bool = False) -> int | None:  # fmt: skip
+        address = message[M_ADDRESS]
+        topic = self._topics.get(address)
+        if topic is None:
+            topic = self._topic(message)
+        retain = retained or (sub is not None and sub.options.retain_as_published and messages.was_retained(message))
+        props = NO_PROPERTIES
+        if self.version == V5:
+            props = messages.publish_properties(message, now_ms, sub.options.subscription_id if sub else None)
+        return self.conn.publish(topic, message[M_BODY], qos, retain=retain, properties=props, packet_id=packet_id,
+                                 dup=dup)  # fmt: skip
+
+    def _topic(self, message: WireMessage) -> str:
+        address = message[M_ADDRESS]
+        if address == convert.RETAINED_QUEUE:  # a retained copy keeps its topic in a property
+            return str(message[M_PROPS][messages.TOPIC])
+        topic = convert.address_to_topic(address)
+        if len(self._topics) >= _CACHE_LIMIT:
+            self._topics.clear()
+        self._topics[address] = topic
+        return topic
+
+    def _acknowledged(self, packet_id: int) -> None:
+        """PUBACK: the message is the client's."""
+        out = self._inflight.pop(packet_id, None)
+        if out is not None:
+            self._done(out)
+            self._unpark()
+
+    async def _received(self, event: ev.PubrecReceived) -> None:
+        """PUBREC: record that the client has the message before the PUBREL (which forbids sending it again)."""
+        packet_id = event.packet_id
+        out = self._inflight.get(packet_id)
+        if event.reason_code >= rc.UNSPECIFIED_ERROR:  # the client refused it: done all the same
+            self._inflight.pop(packet_id, None)
+            if out is not None:
+                self._done(out)
+            self._unpark()
+            return
+        if out is not None and not out.retained and self.persistent:
+            self.state.released_out[packet_id] = out.message[M_ID]
+            await self.registry.save(self.client_id, self.state)
+        if out is not None:
+            self._done(out)
+        self.conn.pubrel(packet_id)
+
+    def _completed(self, packet_id: int) -> None:
+        """PUBCOMP: the QoS 2 flow is over."""
+        self._inflight.pop(packet_id, None)
+        if self.state.released_out.pop(packet_id, None) is not None and self.persistent:
+            # Not awaited: should it be lost, the stale entry only costs a PUBREL answered by PUBCOMP.
+            self.registry.save(self.client_id, self.state).add_done_callback(_retrieve)
+        self._unpark()
+
+    def _done(self, out: _Outgoing) -> None:
+        if out.sub is not None and not out.retained and not out.sub.closed:
+            out.sub.consumer.ack_ids([out.message[M_ID]])
+
+    def _unpark(self) -> None:
+        parked = self._parked
+        while parked and not self.conn.closed:
+            if not self._try_send(parked[0]):
+                break
+            parked.popleft()
+
+    # ------------------------------------------------------------------ the end
+    async def _disconnect(self, event: ev.Disconnect) -> None:
+        await self._settle_confirms()
+        self._flush()
+        asked = event.properties.session_expiry_interval
+        if asked is not None and self.version == V5:
+            if self.expiry_s == 0 and asked > 0:
+                log.info(
+                    "mqtt protocol error",
+                    extra={"peer": self.wire.peer, "error": "session expiry set on DISCONNECT after 0"},
+                )
+            else:
+                await self._change_expiry(min(asked, self.settings.mqtt.max_session_expiry_s))
+        if not event.with_will and self.link is not None:
+            with contextlib.suppress(LinkRequestError):
+                await self.link.set_will(self._will_key, None)
+        self._closed = True
+
+    async def _change_expiry(self, expiry_s: int) -> None:
+        if expiry_s == self.expiry_s:
+            return
+        self.expiry_s = expiry_s
+        registry = self.registry
+        if expiry_s == 0:
+            assert self.link is not None
+            for sub in self.subs.values():
+                if not sub.shared:
+                    with contextlib.suppress(LinkRequestError):
+                        await self.link.delete_queue(sub.queue)
+            await registry.drop_session(self.client_id)
+            return
+        await registry.set_expiry(convert.session_queue(self.client_id), convert.session_queue(self.client_id),
+                                  RoutingType.ANYCAST, expiry_s * 1000)  # fmt: skip
+        for sub in self.subs.values():
+            await registry.set_expiry(sub.queue, convert.filter_to_pattern(sub.topic_filter), RoutingType.MULTICAST,
+                                      expiry_s * 1000)  # fmt: skip
+
+    def _violation(self, reason_code: int, text: str) -> None:
+        log.info("mqtt protocol error", extra={"peer": self.wire.peer, "error": text[:200], "reason_code": reason_code})
+        self.counters.protocol_errors += 1
+        if self.conn.closed:
+            return
+        if self._connected:
+            props = Properties(reason_string=text[:200]) if self.version == V5 else NO_PROPERTIES
+            self.conn.disconnect(reason_code, props)
+        self._flush()
+        self._end()
+
+    def _link_closed(self, error: LinkRequestError) -> None:
+        if not self._closed:
+            log.info("link to the core closed", extra={"peer": self.wire.peer, "reason": error.text})
+            self._end(rc.SERVER_UNAVAILABLE)
+
+    def _flush(self) -> None:
+        data = self.conn.data_to_send()
+        if data:
+            self.wire.write(data)
+        if self.conn.closed:
+            self._end()
+
+    def _end(self, reason_code: int = 0) -> None:
+        """End the session wherever that is noticed: the worker may be waiting, so it is cancelled, and its
+        clean-up releases the session and closes the link and the socket."""
+        if self._closed:
+            return
+        if reason_code and not self.conn.closed and self._connected:
+            self.conn.disconnect(reason_code)
+            data = self.conn.data_to_send()
+            if data:
+                self.wire.write(data)
+        self._closed = True
+        self._wakeup.set()
+        if asyncio.current_task() is not self._worker:
+            self._worker.cancel()
+
+    async def _timers(self) -> None:
+        """The CONNECT deadline, then the keep-alive."""
+        conn = self.conn
+        connect_timeout = self.settings.mqtt.connect_timeout_ms / 1000
+        with contextlib.suppress(TimeoutError):
+            if connect_timeout > 0:
+                await asyncio.wait_for(self._rearm.wait(), connect_timeout)
+            else:
+                await self._rearm.wait()
+        if not self._connected:
+            if not self._closed and not self._events:
+                log.info("mqtt connect timeout", extra={"peer": self.wire.peer})
+                self._end()
+            return
+        while not self._closed:
+            deadline = conn.next_deadline()
+            self._rearm.clear()
+            timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._rearm.wait(), timeout)
+            try:
+                conn.handle_timeout(time.monotonic())
+            except RemoteProtocolError as exc:
+                log.info("mqtt keep-alive timeout", extra={"peer": self.wire.peer, "error": exc.message})
+                self._flush()
+                self._end()
+                return
+
+    async def _shutdown(self) -> None:
+        self._closed = True
+        self._timer.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
+        for sub in self.subs.values():
+            if sub.pump is not None:
+                sub.pump.cancel()
+        link = self.link
+        if link is not None:
+            link.on_closed = link.on_settled = None
+            await link.close()  # the core returns unacked messages, drops temporary queues, sends the will
+        if self._holder is not None:
+            with contextlib.suppress(LinkRequestError):
+                await self._holder.close()  # the session's expiry starts now
+        if self._lock is not None:
+            await self.registry.release(self.client_id, self._lock)
+        for confirm in self._confirms:  # answers nobody will read: retrieved, so asyncio does not warn
+            for future in (confirm.future, *confirm.retained):
+                if future.done() and not future.cancelled():
+                    future.exception()
+        self._confirms.clear()
+        self.wire.close()
+
+
+def _retrieve(future: asyncio.Future[None]) -> None:
+    """Mark a failure nobody waits for as seen (asyncio would warn); the link's loss is handled elsewhere."""
+    if not future.cancelled():
+        future.exception()

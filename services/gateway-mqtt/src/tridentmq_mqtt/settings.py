@@ -1,0 +1,76 @@
+"""Every setting of an MQTT gateway with its default: the single source of its configuration reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tridentmq_shared.settings import doc
+
+ENV_PREFIX = "TRIDENTMQ_MQTT"
+
+
+@dataclass(frozen=True)
+class GatewayNodeSection:
+    name: str = doc("gateway-mqtt", "Name of this gateway in logs and status output.")
+    log_level: str = doc("INFO", "Log level: DEBUG, INFO, WARNING or ERROR.")
+
+
+@dataclass(frozen=True)
+class ListenerSection:
+    host: str = doc("127.0.0.1", "Interface for MQTT clients. Loopback by default: configure users on the core "
+                                 "before listening on 0.0.0.0.")  # fmt: skip
+    port: int = doc(1883, "MQTT over TCP (0 = any free port, written to the ports file).")
+    websocket_port: int = doc(8083, "MQTT over WebSocket, subprotocol `mqtt` (-1 = off).")
+    max_connections: int = doc(10_000, "MQTT connections accepted at once; more are refused.")
+
+
+@dataclass(frozen=True)
+class CoreLinkSection:
+    host: str = doc("127.0.0.1", "Core node to connect clients to.")
+    port: int = doc(61616, "Its link port.")
+    user: str = doc("", "Core user of the gateway itself, for the session, lock and retained-message queues "
+                        "under `$mqtt.` (empty = anonymous, which the core allows on loopback while it has "
+                        "no users). Clients publish and subscribe as themselves.")  # fmt: skip
+    password: str = doc("", "Password of that user.")
+
+
+@dataclass(frozen=True)
+class MqttLimitsSection:
+    max_packet_bytes: int = doc(8 * 1024 * 1024 + 64 * 1024, "Largest packet accepted (the core's largest "
+                                "message plus room for properties); 5.0 clients learn it from the CONNACK, "
+                                "others are disconnected when they exceed it.")  # fmt: skip
+    receive_maximum: int = doc(1000, "QoS 1 and 2 messages a client may have unacknowledged towards the gateway "
+                                     "(5.0 clients learn it from the CONNACK).")  # fmt: skip
+    max_inflight: int = doc(1000, "QoS 1 and 2 messages sent to a subscription ahead of the client's "
+                                  "acknowledgements (lowered to the client's receive maximum).")  # fmt: skip
+    qos0_window: int = doc(1000, "QoS 0 messages of a subscription fetched from the core ahead of being "
+                                 "written to the client.")  # fmt: skip
+    topic_alias_maximum: int = doc(64, "Topic aliases a 5.0 client may set up towards the gateway (0 = none).")
+    max_keep_alive_s: int = doc(0, "Longest keep-alive granted; a 5.0 client asking for more (or for none) is "
+                                   "given this as server keep-alive (0 = grant what the client asks).")  # fmt: skip
+    max_session_expiry_s: int = doc(7 * 24 * 3600, "Longest session expiry granted, also to 3.1.1 clients "
+                                                   "that connect with clean session 0 (whose sessions otherwise "
+                                                   "never expire).")  # fmt: skip
+    connect_timeout_ms: int = doc(10_000, "A connection that has not sent its CONNECT by then is closed.")
+    takeover_timeout_ms: int = doc(5_000, "How long a CONNECT waits for an earlier connection of the same client "
+                                          "id, on any gateway, to let go of the session.")  # fmt: skip
+    pending_packets: int = doc(1000, "Client packets read ahead of processing before the gateway stops reading "
+                                     "the socket (back-pressure to a fast publisher).")  # fmt: skip
+    pending_bytes: int = doc(8 * 1024 * 1024, "Bytes read ahead of processing before the gateway stops reading "
+                                              "the socket, whatever the packet count (large packets).")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HttpSection:
+    enabled: bool = doc(True, "Serve /healthz, /readyz and /metrics over HTTP.")
+    host: str = doc("127.0.0.1", "Interface of the HTTP server.")
+    port: int = doc(8082, "Port of the HTTP server (0 = any free port).")
+
+
+@dataclass(frozen=True)
+class MqttSettings:
+    node: GatewayNodeSection = doc(GatewayNodeSection(), "This gateway.")
+    listener: ListenerSection = doc(ListenerSection(), "Client listeners.")
+    core: CoreLinkSection = doc(CoreLinkSection(), "The core node behind this gateway.")
+    mqtt: MqttLimitsSection = doc(MqttLimitsSection(), "Protocol limits, windows and timers.")
+    http: HttpSection = doc(HttpSection(), "Health and metrics HTTP server.")

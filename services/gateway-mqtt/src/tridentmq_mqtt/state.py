@@ -1,0 +1,251 @@
+"""What the core keeps of MQTT sessions, reached over the gateway's own link (its "service link").
+
+Per client id (queue names in ``convert``):
+
+* **the lock queue**, with one consumer: the connection that owns the session. A new connection deletes it
+  (the owner's consumer is closed: that is its notice of the takeover, on whichever gateway it runs),
+  creates it again and takes the consumer. It expires as soon as it has no consumer, so it goes with a
+  dead gateway's link.
+* **the session queue** of a persistent session: a durable last-value queue holding one record (the
+  subscriptions and the QoS 2 packet ids in flight) and expiring ``session expiry`` after its owner's
+  consumer left. The subscription queues expire with it.
+
+The retained messages of all topics are one durable last-value queue keyed by topic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from tridentmq_mqtt import convert
+from tridentmq_mqtt.messages import TOPIC
+from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.link.ops import ErrorCode
+from tridentmq_shared.message import (
+    M_ADDRESS,
+    M_BODY,
+    M_DEDUP,
+    M_EXPIRATION,
+    M_PROPS,
+    M_ROUTING,
+    RoutingType,
+    WireMessage,
+    new_message,
+)
+
+log = logging.getLogger("tridentmq.mqtt")
+
+STATE_KEY = "state"
+
+
+@dataclass
+class StoredSubscription:
+    qos: int
+    no_local: bool = False
+    retain_as_published: bool = False
+    subscription_id: int | None = None
+
+
+@dataclass
+class SessionState:
+    """The record of a persistent session."""
+
+    subscriptions: dict[str, StoredSubscription] = field(default_factory=dict)  # by the SUBSCRIBE's filter text
+    released_in: dict[int, str] = field(default_factory=dict)  # client's QoS 2 packet id → dedup id, until PUBREL
+    released_out: dict[int, int] = field(default_factory=dict)  # our QoS 2 packet id → message id, until PUBCOMP
+
+    def encode(self) -> bytes:
+        subs = {text: [s.qos, s.no_local, s.retain_as_published, s.subscription_id]
+                for text, s in self.subscriptions.items()}  # fmt: skip
+        return bytes(msgpack.packb({"v": 1, "subs": subs, "in": self.released_in, "out": self.released_out},
+                                   strict_types=True))  # fmt: skip
+
+    @classmethod
+    def decode(cls, data: bytes) -> SessionState:
+        record = msgpack.unpackb(data, strict_map_key=False)
+        subs = {str(text): StoredSubscription(int(q), bool(nl), bool(rap), sid if type(sid) is int else None)
+                for text, (q, nl, rap, sid) in record.get("subs", {}).items()}  # fmt: skip
+        return cls(subs, {int(k): str(v) for k, v in record.get("in", {}).items()},
+                   {int(k): int(v) for k, v in record.get("out", {}).items()})  # fmt: skip
+
+
+class SessionBusyError(Exception):
+    """Another connection kept the session past the takeover timeout."""
+
+
+class Registry:
+    """The gateway's service link and the operations on session, lock and retained-message queues."""
+
+    def __init__(self, host: str, port: int, user: str, password: str, name: str) -> None:
+        self._args = (host, port, user or None, password or None, name)
+        self._link: LinkClient | None = None
+        self._opening: asyncio.Task[LinkClient] | None = None
+        self.on_lost: list[Any] = []  # callbacks run when the service link is lost (sessions end)
+
+    @property
+    def ready(self) -> bool:
+        return self._link is not None
+
+    async def link(self) -> LinkClient:
+        """The service link, opened (again) on demand."""
+        if self._link is not None:
+            return self._link
+        if self._opening is None or self._opening.done():
+            self._opening = asyncio.get_running_loop().create_task(self._open())
+        return await asyncio.shield(self._opening)
+
+    async def _open(self) -> LinkClient:
+        host, port, user, password, name = self._args
+        link = LinkClient(host, port, user=user, password=password, client_name=f"mqtt gateway {name}",
+                          reconnect=ReconnectPolicy(attempts=0))  # fmt: skip
+        await link.connect()
+        link.on_closed = self._lost
+        await link.create_queue(convert.RETAINED_QUEUE, routing_type=RoutingType.ANYCAST, durable=True,
+                                last_value_key=TOPIC)  # fmt: skip
+        self._link = link
+        log.info("service link open", extra={"core": f"{host}:{port}"})
+        return link
+
+    def _lost(self, error: LinkRequestError) -> None:
+        log.warning("service link lost", extra={"reason": error.text})
+        self._link = None
+        for callback in list(self.on_lost):
+            callback()
+
+    async def close(self) -> None:
+        if self._link is not None:
+            link, self._link = self._link, None
+            link.on_closed = None
+            await link.close()
+
+    # ------------------------------------------------------------------ session ownership
+    async def acquire(self, client_id: str, timeout: float) -> Consumer:
+        """Become the owner of ``client_id``'s session, taking it from any earlier connection. The returned
+        consumer is closed by the core when a later connection takes the session in turn."""
+        link = await self.link()
+        name = convert.lock_queue(client_id)
+        deadline = time.monotonic() + timeout
+        while True:
+            created = await link.create_queue(name, routing_type=RoutingType.ANYCAST, durable=False, max_consumers=1,
+                                              expires_ms=0)  # fmt: skip
+            if created.get("created"):
+                try:
+                    return await link.subscribe(name, credit=0)
+                except LinkRequestError as exc:  # another connection got there first: take it from that one
+                    if exc.code not in (ErrorCode.RESOURCE_LIMIT, ErrorCode.NOT_FOUND):
+                        raise
+            if time.monotonic() > deadline:
+                raise SessionBusyError(f"the session of {client_id[:60]!r} is still in use")
+            with contextlib.suppress(LinkRequestError):  # closes the owner's consumer: its notice
+                await link.delete_queue(name)
+
+    async def release(self, client_id: str, lock: Consumer) -> None:
+        """Let go of the session (unless it was taken over: then the queue is the new owner's)."""
+        if lock.closed is not None or self._link is None:
+            return
+        with contextlib.suppress(LinkRequestError):
+            await lock.close()
+            await self._link.delete_queue(convert.lock_queue(client_id))
+
+    # ------------------------------------------------------------------ session records
+    async def open_session(self, client_id: str, expiry_ms: int) -> SessionState | None:
+        """Create or find the session queue of a persistent session; the record of an earlier session, if any.
+        The queue's expiry is set to ``expiry_ms`` (counted once no connection holds it)."""
+        link = await self.link()
+        name = convert.session_queue(client_id)
+        found = await link.create_queue(name, routing_type=RoutingType.ANYCAST, durable=True, last_value_key="",
+                                        expires_ms=expiry_ms)  # fmt: skip
+        if found.get("created"):
+            return None
+        browser = await link.subscribe(name, credit=10, browse=True)
+        try:
+            record: bytes | None = None
+            while batch := await browser.get_batch():
+                for _, message in batch:
+                    record = message[M_BODY]
+        finally:
+            with contextlib.suppress(LinkRequestError):
+                await browser.close()
+        if record is None:
+            return SessionState()  # the queue outlived its record: a session with nothing in it
+        try:
+            return SessionState.decode(record)
+        except (ValueError, TypeError, KeyError, msgpack.UnpackException):
+            log.warning("session record unreadable: starting afresh", extra={"client_id": client_id[:60]})
+            return SessionState()
+
+    async def hold_session(self, client_id: str) -> Consumer:
+        """A consumer on the session queue: while it is there the session does not expire."""
+        return await (await self.link()).subscribe(convert.session_queue(client_id), credit=0)
+
+    def save(self, client_id: str, state: SessionState) -> asyncio.Future[None]:
+        """Replace the session record; the future resolves once it is on disk."""
+        message = new_message(convert.session_queue(client_id), state.encode(), routing=RoutingType.ANYCAST,
+                              durable=True, last_value_key=STATE_KEY)  # fmt: skip
+        link = self._link
+        if link is not None and link.can_send:
+            return link.send_now(message)
+        return asyncio.ensure_future(self._publish(message))
+
+    async def set_expiry(self, queue: str, address: str, routing: RoutingType, expiry_ms: int) -> None:
+        with contextlib.suppress(LinkRequestError):
+            await (await self.link()).create_queue(queue, address, routing_type=routing, expires_ms=expiry_ms)
+
+    async def drop_session(self, client_id: str) -> None:
+        with contextlib.suppress(LinkRequestError):
+            await (await self.link()).delete_queue(convert.session_queue(client_id))
+
+    # ------------------------------------------------------------------ retained messages
+    def retain(self, topic: str, message: WireMessage) -> asyncio.Future[None]:
+        """Make ``message`` the retained message of ``topic`` (an empty payload clears it)."""
+        copy = list(message)
+        copy[M_ADDRESS] = convert.RETAINED_QUEUE
+        copy[M_ROUTING] = int(RoutingType.ANYCAST)
+        copy[M_DEDUP] = None  # the original's dedup id must not make the copy a duplicate
+        copy[M_PROPS] = {**message[M_PROPS], TOPIC: topic}
+        if not message[M_BODY]:
+            copy[M_EXPIRATION] = int(time.time() * 1000) + 1  # a tombstone: replaces the value, expires at once
+        link = self._link
+        if link is not None and link.can_send:
+            return link.send_now(copy)
+        return asyncio.ensure_future(self._publish(copy))
+
+    async def _publish(self, message: WireMessage) -> None:
+        await (await self.link()).publish(message)
+
+    async def retained(self, topic_filter: str) -> list[tuple[str, WireMessage]]:
+        """The retained messages whose topics ``topic_filter`` matches, as (topic, message)."""
+        link = await self.link()
+        prefix = _literal_prefix(topic_filter)
+        selector = None
+        if prefix:
+            escaped = prefix.replace("'", "''").replace("!", "!!").replace("%", "!%").replace("_", "!_")
+            selector = f"{TOPIC} LIKE '{escaped}%' ESCAPE '!'"
+        browser = await link.subscribe(convert.RETAINED_QUEUE, credit=1000, browse=True, selector=selector)
+        found = []
+        try:
+            while batch := await browser.get_batch():
+                for _, message in batch:
+                    topic = message[M_PROPS].get(TOPIC)
+                    if type(topic) is str and message[M_BODY] and convert.delivers(topic_filter, topic):
+                        found.append((topic, message))
+        finally:
+            with contextlib.suppress(LinkRequestError):
+                await browser.close()
+        return found
+
+
+def _literal_prefix(topic_filter: str) -> str:
+    """The part of a filter before its first wildcard: every topic it matches starts with it (``a/#`` also
+    matches ``a``, so its prefix is ``a``)."""
+    cut = min((i for i in (topic_filter.find("+"), topic_filter.find("#")) if i >= 0), default=len(topic_filter))
+    if topic_filter[cut : cut + 1] == "#" and cut:
+        cut -= 1
+    return topic_filter[:cut]

@@ -1,0 +1,331 @@
+"""The MQTT gateway with real clients: paho-mqtt 3.1.1 and 5.0 over TCP and WebSocket, amqtt, STOMP and the
+link client, through a real core; sessions resumed and taken over through a second gateway replica."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from urllib.request import urlopen
+
+import pytest
+import stomp
+from amqtt.client import MQTTClient
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties as PahoProperties
+from tests.conftest import CoreProcess, GatewayProcess, start_gateway, stop_cleanly
+from tests.integration.mqtt_clients import Paho, Raw
+
+from tridentmq_mqtt.protocol.packets import V5, V311, Connack, Disconnect, Puback, Publish, Subscribe, Subscription
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.message import RoutingType, new_message
+
+VERSIONS = [pytest.param(4, id="3.1.1"), pytest.param(5, id="5.0")]
+TRANSPORTS = [pytest.param(False, id="tcp"), pytest.param(True, id="websocket")]
+
+
+def _id() -> str:
+    return uuid.uuid4().hex[:10]
+
+
+@pytest.fixture
+def second_gateway(tmp_path: Path, core: CoreProcess) -> Iterator[GatewayProcess]:
+    gateway = start_gateway(tmp_path, core, "mqtt", name="gateway-mqtt-2")
+    yield gateway
+    stop_cleanly(gateway)
+
+
+@pytest.fixture
+def raw() -> Iterator[Callable[..., Raw]]:
+    """Raw clients, closed at the end of the test."""
+    made: list[Raw] = []
+
+    def make(port: int, version: int = V5) -> Raw:
+        made.append(Raw(port, version))
+        return made[-1]
+
+    yield make
+    for client in made:
+        client.close()
+
+
+def _port(gateway: GatewayProcess, websocket: bool) -> int:
+    return gateway.ports["websocket"] if websocket else gateway.port
+
+
+@pytest.mark.parametrize("websocket", TRANSPORTS)
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("qos", [0, 1, 2])
+def test_publish_and_subscribe(mqtt_gateway: GatewayProcess, version: int, websocket: bool, qos: int) -> None:
+    port = _port(mqtt_gateway, websocket)
+    sub = Paho(port, f"sub-{_id()}", version=version, websocket=websocket)
+    pub = Paho(port, f"pub-{_id()}", version=version, websocket=websocket)
+    sub.connect()
+    pub.connect()
+    assert [code.value for code in sub.subscribe("sensors/+/temp", qos)] == [qos]
+    for i in range(20):
+        pub.publish(f"sensors/{i % 3}/temp", f"t{i}".encode(), qos)
+    got = sub.receive(20)
+    assert [m.payload for m in got] == [f"t{i}".encode() for i in range(20)]
+    assert {m.qos for m in got} == {qos}
+    assert [m.topic for m in got[:3]] == ["sensors/0/temp", "sensors/1/temp", "sensors/2/temp"]
+    assert sub.nothing_more(0.2)
+    pub.disconnect()
+    sub.disconnect()
+
+
+def test_wildcards_and_dollar_topics(mqtt_gateway: GatewayProcess) -> None:
+    sub = Paho(mqtt_gateway.port, f"s-{_id()}")
+    sub.connect()
+    sub.subscribe("a/#", 1)
+    sub.subscribe("#", 0)
+    pub = Paho(mqtt_gateway.port, f"p-{_id()}")
+    pub.connect()
+    pub.publish("a", b"parent", 1)  # a/# matches a
+    pub.publish("$SYS/x", b"hidden", 1)  # no leading wildcard matches $ topics
+    got = sub.receive(2)
+    assert sorted((m.topic, m.payload) for m in got) == [("a", b"parent"), ("a", b"parent")]
+    assert sub.nothing_more(0.3)
+
+
+def test_5_0_properties_round_trip(mqtt_gateway: GatewayProcess) -> None:
+    sub = Paho(mqtt_gateway.port, f"s-{_id()}")
+    sub.connect()
+    sub.subscribe("req/#", 1)
+    pub = Paho(mqtt_gateway.port, f"p-{_id()}")
+    pub.connect()
+    props = PahoProperties(PacketTypes.PUBLISH)
+    props.ResponseTopic = "resp/1"
+    props.CorrelationData = b"\x01\x02"
+    props.UserProperty = [("a", "1"), ("a", "2")]
+    props.ContentType = "text/plain"
+    props.PayloadFormatIndicator = 1
+    props.MessageExpiryInterval = 60
+    pub.publish("req/x", b"hello", 1, properties=props)
+    (m,) = sub.receive(1)
+    got = m.properties
+    assert (got.ResponseTopic, got.CorrelationData, got.ContentType, got.PayloadFormatIndicator) == (
+        "resp/1", b"\x01\x02", "text/plain", 1)  # fmt: skip
+    assert got.UserProperty == [("a", "1"), ("a", "2")]
+    assert 58 <= got.MessageExpiryInterval <= 60
+
+
+def test_retained_messages(mqtt_gateway: GatewayProcess, second_gateway: GatewayProcess) -> None:
+    pub = Paho(mqtt_gateway.port, f"p-{_id()}")
+    pub.connect()
+    pub.publish("home/kitchen/temp", b"21", 1, retain=True)
+    pub.publish("home/hall/temp", b"19", 1, retain=True)
+    pub.publish("home/hall/temp", b"18", 1, retain=True)  # replaces 19
+    sub = Paho(second_gateway.port, f"s-{_id()}")  # through the other replica
+    sub.connect()
+    sub.subscribe("home/+/temp", 1)
+    got = sorted((m.topic, m.payload, m.retain) for m in sub.receive(2))
+    assert got == [("home/hall/temp", b"18", True), ("home/kitchen/temp", b"21", True)]
+    assert sub.nothing_more(0.3)
+    pub.publish("home/hall/temp", b"", 1, retain=True)  # clears it
+    (live,) = sub.receive(1)
+    assert (live.payload, live.retain) == (b"", False)  # a live message is not flagged retained
+    late = Paho(second_gateway.port, f"l-{_id()}")
+    late.connect()
+    late.subscribe("home/#", 0)
+    assert [(m.topic, m.payload) for m in late.receive(2, timeout=1)] == [("home/kitchen/temp", b"21")]
+
+
+def test_session_resumes_through_another_gateway(mqtt_gateway: GatewayProcess,
+                                                 second_gateway: GatewayProcess) -> None:  # fmt: skip
+    client_id = f"c-{_id()}"
+    first = Paho(mqtt_gateway.port, client_id, clean=False)
+    assert first.connect(expiry=300)[0] is False
+    first.subscribe("orders/#", 1)
+    first.disconnect()
+    pub = Paho(mqtt_gateway.port, f"p-{_id()}")
+    pub.connect()
+    for i in range(10):
+        pub.publish(f"orders/{i}", str(i).encode(), 1)
+    again = Paho(second_gateway.port, client_id, clean=False)
+    assert again.connect(expiry=300)[0] is True  # session present
+    assert [m.payload for m in again.receive(10)] == [str(i).encode() for i in range(10)]
+    again.disconnect()
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_3_1_1_clean_session_0_keeps_queued_messages(mqtt_gateway: GatewayProcess, version: int) -> None:
+    client_id = f"c-{_id()}"
+    first = Paho(mqtt_gateway.port, client_id, version=version, clean=False)
+    first.connect(expiry=60)
+    first.subscribe("q/1", 1)
+    first.disconnect()
+    pub = Paho(mqtt_gateway.port, f"p-{_id()}")
+    pub.connect()
+    pub.publish("q/1", b"kept", 1)
+    pub.publish("q/1", b"qos0 may be kept too", 0)
+    again = Paho(mqtt_gateway.port, client_id, version=version, clean=False)
+    assert again.connect(expiry=60)[0] is True
+    assert b"kept" in [m.payload for m in again.receive(2, timeout=3)]
+    again.disconnect()
+    clean = Paho(mqtt_gateway.port, client_id, version=version, clean=True)
+    assert clean.connect()[0] is False  # clean start ends the session
+    clean.disconnect()
+
+
+def test_link_stealing_across_gateways(mqtt_gateway: GatewayProcess, second_gateway: GatewayProcess,
+                                       raw: Callable[..., Raw]) -> None:  # fmt: skip
+    client_id = f"c-{_id()}"
+    first = raw(mqtt_gateway.port)
+    assert isinstance(first.connect(client_id), Connack)
+    second = raw(second_gateway.port)
+    connack = second.connect(client_id)
+    assert isinstance(connack, Connack)
+    assert connack.reason_code == 0
+    assert first.next() == Disconnect(0x8E)  # Session taken over
+    assert first.closed()
+    second.send(Subscribe(1, (Subscription("t", 1),)))
+    assert second.next().packet_id == 1  # type: ignore[attr-defined]
+
+
+def test_will_on_abnormal_disconnect_only(mqtt_gateway: GatewayProcess) -> None:
+    watcher = Paho(mqtt_gateway.port, f"w-{_id()}")
+    watcher.connect()
+    watcher.subscribe("status/#", 1)
+    polite = Paho(mqtt_gateway.port, f"polite-{_id()}")
+    polite.connect(will=("status/polite", b"gone", 1, False))
+    polite.disconnect()
+    rude = Paho(mqtt_gateway.port, f"rude-{_id()}")
+    rude.connect(will=("status/rude", b"gone", 1, False))
+    rude.drop()
+    (will,) = watcher.receive(1)
+    assert (will.topic, will.payload) == ("status/rude", b"gone")
+    assert watcher.nothing_more(0.5)
+
+
+def test_will_delay_is_cancelled_by_a_reconnect(mqtt_gateway: GatewayProcess) -> None:
+    watcher = Paho(mqtt_gateway.port, f"w-{_id()}")
+    watcher.connect()
+    watcher.subscribe("status/#", 1)
+    client_id = f"d-{_id()}"
+    first = Paho(mqtt_gateway.port, client_id, clean=False)
+    first.connect(expiry=60, will=("status/delayed", b"gone", 1, False), will_delay=2)
+    first.drop()
+    back = Paho(mqtt_gateway.port, client_id, clean=False)
+    back.connect(expiry=60)
+    assert watcher.nothing_more(3.0)  # back in time: no will
+    back.drop()  # no will this time
+    other = Paho(mqtt_gateway.port, f"e-{_id()}")
+    other.connect(will=("status/late", b"gone", 0, False), will_delay=1)
+    other.drop()
+    (will,) = watcher.receive(1, timeout=5)
+    assert will.topic == "status/late"
+
+
+def test_shared_subscriptions_spread_load(mqtt_gateway: GatewayProcess, second_gateway: GatewayProcess) -> None:
+    members = [Paho(g.port, f"m{i}-{_id()}") for i, g in enumerate((mqtt_gateway, second_gateway, mqtt_gateway))]
+    for member in members:
+        member.connect()
+        member.subscribe("$share/workers/jobs/+", 1)
+    pub = Paho(mqtt_gateway.port, f"p-{_id()}")
+    pub.connect()
+    for i in range(60):
+        pub.publish(f"jobs/{i}", str(i).encode(), 1)
+    counts = []
+    payloads: list[bytes] = []
+    for member in members:
+        got = member.receive(60, timeout=2)
+        counts.append(len(got))
+        payloads += [m.payload for m in got]
+    assert sorted(payloads) == sorted(str(i).encode() for i in range(60))  # each once
+    assert all(count > 0 for count in counts), counts
+
+
+def test_mqtt_and_stomp_and_the_link_client_interoperate(
+    mqtt_gateway: GatewayProcess, stomp_gateway: GatewayProcess, core: CoreProcess
+) -> None:
+    sub = Paho(mqtt_gateway.port, f"s-{_id()}")
+    sub.connect()
+    sub.subscribe("a/b", 1)
+    received: list[stomp.utils.Frame] = []
+    conn = stomp.Connection12([("127.0.0.1", stomp_gateway.port)])
+
+    class Listener(stomp.ConnectionListener):
+        def on_message(self, frame: stomp.utils.Frame) -> None:
+            received.append(frame)
+
+    conn.set_listener("l", Listener())
+    conn.connect(wait=True)
+    conn.subscribe("/topic/a.b", "1", ack="auto")
+    time.sleep(0.2)
+    conn.send("/topic/a.b", b"from stomp", headers={"region": "eu", "persistent": "true"})
+    pub = Paho(mqtt_gateway.port, f"p-{_id()}")
+    pub.connect()
+    props = PahoProperties(PacketTypes.PUBLISH)
+    props.UserProperty = [("k", "v")]
+    pub.publish("a/b", b"from mqtt", 1, properties=props)
+
+    async def via_link() -> None:
+        async with LinkClient("127.0.0.1", core.link_port) as link:
+            await link.publish(new_message("a.b", b"from link", routing=RoutingType.MULTICAST,
+                                           properties={"n": 1}))  # fmt: skip
+
+    asyncio.run(via_link())
+    got = {m.payload: m for m in sub.receive(3)}
+    assert set(got) == {b"from stomp", b"from mqtt", b"from link"}
+    assert ("region", "eu") in got[b"from stomp"].properties.UserProperty
+    assert got[b"from stomp"].qos == 1  # persistent
+    assert ("n", "1") in got[b"from link"].properties.UserProperty
+    deadline = time.monotonic() + 5
+    while len(received) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    by_body = {f.body: f for f in received}  # stomp.py decodes bodies
+    assert set(by_body) == {"from stomp", "from mqtt", "from link"}
+    assert by_body["from mqtt"].headers["k"] == "v"
+    assert by_body["from mqtt"].headers["destination"] == "/topic/a.b"
+    conn.disconnect()
+
+
+def test_amqtt_client(mqtt_gateway: GatewayProcess) -> None:
+    async def scenario() -> list[bytes]:
+        sub, pub = MQTTClient(client_id=f"as-{_id()}"), MQTTClient(client_id=f"ap-{_id()}")
+        url = f"mqtt://127.0.0.1:{mqtt_gateway.port}/"
+        await sub.connect(url)
+        await pub.connect(url)
+        await sub.subscribe([("amqtt/#", 2)])
+        for qos in (0, 1, 2):
+            await pub.publish(f"amqtt/{qos}", f"q{qos}".encode(), qos=qos)
+        got = []
+        for _ in range(3):
+            message = await asyncio.wait_for(sub.deliver_message(), 10)
+            assert message is not None
+            got.append(bytes(message.publish_packet.payload.data))
+        await pub.disconnect()
+        await sub.disconnect()
+        return got
+
+    assert sorted(asyncio.run(scenario())) == [b"q0", b"q1", b"q2"]
+
+
+def test_http_endpoints(mqtt_gateway: GatewayProcess) -> None:
+    client = Paho(mqtt_gateway.port, f"h-{_id()}")
+    client.connect()
+    base = f"http://127.0.0.1:{mqtt_gateway.ports['http']}"
+    assert json.loads(urlopen(f"{base}/healthz", timeout=5).read())["status"] == "ok"
+    assert json.loads(urlopen(f"{base}/readyz", timeout=5).read())["mqtt"] == mqtt_gateway.port
+    metrics = urlopen(f"{base}/metrics", timeout=5).read().decode()
+    assert "tridentmq_mqtt_connections 1" in metrics
+    client.disconnect()
+
+
+def test_3_1_1_raw_qos1(mqtt_gateway: GatewayProcess, raw: Callable[..., Raw]) -> None:
+    client = raw(mqtt_gateway.port, V311)
+    assert client.connect(f"r-{_id()}") == Connack(session_present=False, reason_code=0)
+    client.send(Subscribe(1, (Subscription("raw/t", 1),)))
+    assert client.next().reason_codes == (1,)  # type: ignore[attr-defined]
+    client.send(Publish("raw/t", b"x", 1, packet_id=7))
+    first, second = client.next(), client.next()
+    by_type = {type(first): first, type(second): second}
+    assert by_type[Puback] == Puback(7)
+    delivered = by_type[Publish]
+    assert isinstance(delivered, Publish)
+    assert (delivered.payload, delivered.qos) == (b"x", 1)
+    client.send(Puback(delivered.packet_id or 0))

@@ -1,0 +1,96 @@
+"""MQTT application messages ↔ core messages, and the session record."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tridentmq_mqtt import messages
+from tridentmq_mqtt.protocol.properties import NO_PROPERTIES, Properties
+from tridentmq_mqtt.state import SessionState, StoredSubscription, _literal_prefix
+from tridentmq_shared.message import (
+    M_BODY,
+    M_CONTENT_TYPE,
+    M_DURABLE,
+    M_EXPIRATION,
+    M_PROPS,
+    M_PROTOCOL,
+    check_message,
+    new_message,
+)
+
+NOW = 1_700_000_000_000
+
+
+def test_a_plain_publish_becomes_a_plain_message_and_back() -> None:
+    m = messages.to_message("a.b", b"x", 1, NO_PROPERTIES, "c1", NOW)
+    assert check_message(m) is None
+    assert (m[M_BODY], m[M_DURABLE], m[M_EXPIRATION], m[M_PROTOCOL]) == (b"x", True, 0, "mqtt")
+    assert messages.published_qos(m) == 1
+    assert not messages.was_retained(m)
+    assert messages.publish_properties(m, NOW, None) is NO_PROPERTIES
+
+
+@pytest.mark.parametrize("qos", [0, 1, 2])
+def test_qos_0_is_not_durable_and_the_qos_survives(qos: int) -> None:
+    m = messages.to_message("t", b"", qos, NO_PROPERTIES, "c", NOW, retain=True)
+    assert m[M_DURABLE] is (qos > 0)
+    assert messages.published_qos(m) == qos
+    assert messages.was_retained(m)
+
+
+def test_other_protocols_messages_have_a_qos_from_their_durability() -> None:
+    assert messages.published_qos(new_message("t", b"", durable=True)) == 1
+    assert messages.published_qos(new_message("t", b"", durable=False)) == 0
+    assert messages.published_qos(new_message("t", b"", properties={messages.QOS: 7})) == 0  # not ours
+
+
+def test_every_5_0_property_round_trips() -> None:
+    props = Properties(payload_format_indicator=1, message_expiry_interval=30, content_type="text/plain",
+                       response_topic="r/1", correlation_data=b"\x00\x01",
+                       user_properties=(("a", "1"), ("b", "2")))  # fmt: skip
+    m = messages.to_message("t", b"hi", 1, props, "c", NOW)
+    assert check_message(m) is None
+    assert m[M_EXPIRATION] == NOW + 30_000
+    assert m[M_CONTENT_TYPE] == "text/plain"
+    assert m[M_PROPS]["a"] == "1"  # visible to other protocols as a plain property
+    back = messages.publish_properties(m, NOW + 10_500, 7)
+    assert back == Properties(payload_format_indicator=1, message_expiry_interval=20, content_type="text/plain",
+                              response_topic="r/1", correlation_data=b"\x00\x01", subscription_identifiers=(7,),
+                              user_properties=(("a", "1"), ("b", "2")))  # fmt: skip
+
+
+def test_repeated_or_clashing_user_property_names_keep_their_order() -> None:
+    pairs = (("k", "1"), ("k", "2"), (messages.QOS, "mine"))
+    m = messages.to_message("t", b"", 0, Properties(user_properties=pairs), "c", NOW)
+    assert json.loads(m[M_PROPS][messages.USER_PROPERTIES]) == [list(p) for p in pairs]
+    assert messages.publish_properties(m, NOW, None).user_properties == pairs
+
+
+def test_the_expiry_left_is_rounded_up_and_never_zero() -> None:
+    m = messages.to_message("t", b"", 0, Properties(message_expiry_interval=2), "c", NOW)
+    assert messages.publish_properties(m, NOW + 1, None).message_expiry_interval == 2
+    assert messages.publish_properties(m, NOW + 1999, None).message_expiry_interval == 1
+
+
+def test_properties_of_other_protocols_become_user_properties() -> None:
+    m = new_message("t", b"", properties={"region": "eu", "n": 3, "flag": True, "raw": b"b"}, content_type="a/b")
+    props = messages.publish_properties(m, NOW, None)
+    assert props.user_properties == (("region", "eu"), ("n", "3"), ("flag", "true"), ("raw", "b"))
+    assert props.content_type == "a/b"
+
+
+def test_the_session_record_round_trips() -> None:
+    subscriptions = {"a/+": StoredSubscription(2, no_local=True, retain_as_published=True, subscription_id=9),
+                     "$share/g/b": StoredSubscription(0)}  # fmt: skip
+    state = SessionState(subscriptions, {3: "mqtt:c:x"}, {65535: 123456789})
+    assert SessionState.decode(state.encode()) == state
+    assert SessionState.decode(SessionState().encode()) == SessionState()
+
+
+@pytest.mark.parametrize(("topic_filter", "prefix"), [
+    ("a/b", "a/b"), ("a/+/c", "a/"), ("a/#", "a"), ("#", ""), ("+/x", ""), ("a/b/#", "a/b"), ("/#", ""),
+])  # fmt: skip
+def test_retained_lookups_narrow_by_the_literal_prefix(topic_filter: str, prefix: str) -> None:
+    assert _literal_prefix(topic_filter) == prefix
