@@ -25,7 +25,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tridentmq_mqtt import convert, messages
 from tridentmq_mqtt.convert import ConversionError
@@ -100,15 +100,18 @@ class _Outgoing:
     retained: bool = False
 
 
-@dataclass
 class _Confirm:
-    """The core's answer to a client's PUBLISH, awaited in order (packet id 0: QoS 0)."""
+    """The core's answer to a client's PUBLISH, awaited in order (packet id 0: QoS 0). A plain class: one is
+    made per message, and a dataclass's __init__ costs more."""
 
-    future: asyncio.Future[None]
-    packet_id: int
-    qos: int
-    topic: str
-    retained: list[asyncio.Future[None]] = field(default_factory=list)
+    __slots__ = ("future", "packet_id", "qos", "retained", "topic")
+
+    def __init__(self, future: asyncio.Future[None], packet_id: int, qos: int, topic: str) -> None:
+        self.future = future
+        self.packet_id = packet_id
+        self.qos = qos
+        self.topic = topic
+        self.retained: list[asyncio.Future[None]] = []
 
 
 class MqttSession:
@@ -139,6 +142,7 @@ class MqttSession:
         self._confirms: deque[_Confirm] = deque()
         self._inflight: dict[int, _Outgoing] = {}  # packet id → what the client is to acknowledge
         self._parked: deque[_Outgoing] = deque()  # waiting for the client's receive maximum or a packet id
+        self._acks: dict[Sub, list[int]] = {}  # acknowledged by the client, for the core at the next flush
         self._addresses: dict[str, str] = {}  # topic → address
         self._topics: dict[str, str] = {}  # address → topic
         self._closed = False
@@ -756,8 +760,14 @@ class MqttSession:
         self._unpark()
 
     def _done(self, out: _Outgoing) -> None:
-        if out.sub is not None and not out.retained and not out.sub.closed:
-            out.sub.consumer.ack_ids([out.message[M_ID]])
+        """The client has the message: acknowledge it to the core (at the next flush, with the others)."""
+        sub = out.sub
+        if sub is not None and not out.retained and not sub.closed:
+            acks = self._acks.get(sub)
+            if acks is None:
+                self._acks[sub] = [out.message[M_ID]]
+            else:
+                acks.append(out.message[M_ID])
 
     def _unpark(self) -> None:
         parked = self._parked
@@ -820,6 +830,11 @@ class MqttSession:
             self._end(rc.SERVER_UNAVAILABLE)
 
     def _flush(self) -> None:
+        if self._acks:
+            acks, self._acks = self._acks, {}
+            for sub, ids in acks.items():
+                if not sub.closed:
+                    sub.consumer.ack_ids(ids)
         data = self.conn.data_to_send()
         if data:
             self.wire.write(data)

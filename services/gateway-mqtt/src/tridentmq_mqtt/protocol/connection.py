@@ -58,7 +58,7 @@ from tridentmq_mqtt.protocol.packets import (
     Unsubscribe,
     encode,
 )
-from tridentmq_mqtt.protocol.properties import NO_PROPERTIES, Properties
+from tridentmq_mqtt.protocol.properties import NO_PROPERTIES, PUBACK, U16, Properties
 from tridentmq_mqtt.protocol.reason_codes import PROTOCOL_ERROR, UNSPECIFIED_ERROR, UNSUPPORTED_PROTOCOL_VERSION
 
 DISCONNECT_WITH_WILL: Final = 0x04
@@ -68,6 +68,7 @@ TOPIC_ALIAS_INVALID: Final = 0x94
 #: The client is declared gone after this many keep-alive periods of silence ([MQTT-3.1.2-24]).
 KEEP_ALIVE_TOLERANCE: Final = 1.5
 DEFAULT_RECEIVE_MAXIMUM: Final = 65_535
+_PUBACK_HEAD: Final = bytes((PUBACK << 4, 2))  # a PUBACK with no reason code is its packet id alone
 
 #: 5.0 CONNACK reason codes as 3.1/3.1.1 return codes; anything else is 3, Server unavailable.
 _RETURN_CODES: Final = {
@@ -348,7 +349,10 @@ class MqttServerConnection:
         dropped before). A no-op once closed."""
         if self._answerable(packet_id, _In.QOS1, "puback"):
             del self._incoming[packet_id]
-            self._write(Puback(packet_id, *self._v5(reason_code, properties)))
+            if reason_code == 0 and properties is NO_PROPERTIES:  # the common case, the same in every version
+                self._out.append(_PUBACK_HEAD + U16.pack(packet_id))
+            else:
+                self._write(Puback(packet_id, *self._v5(reason_code, properties)))
 
     def pubrec(self, packet_id: int, reason_code: int = 0, properties: Properties = NO_PROPERTIES) -> None:
         """Acknowledge the client's QoS 2 PUBLISH ``packet_id`` (the message is now the server's). An error
