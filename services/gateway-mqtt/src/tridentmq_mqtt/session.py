@@ -148,6 +148,7 @@ class MqttSession:
         self._closed = False
         self._end_reason = 0  # 5.0 DISCONNECT reason when the gateway ends the connection
         self._connected = False
+        self._disconnecting = False
         self._watcher: asyncio.Task[None] | None = None
         loop = asyncio.get_running_loop()
         self._loop = loop
@@ -171,9 +172,15 @@ class MqttSession:
             self._end()
             return
         self._read_ahead += len(data)
-        if not events:
+        if not events:  # a PINGREQ is answered by the codec alone
+            if self._connected:
+                out = self.conn.data_to_send()
+                if out:
+                    self.wire.write(out)
             return
         self.counters.packets_received += len(events)
+        if type(events[-1]) is ev.Disconnect:
+            self._disconnecting = True  # the codec is closed from now on, but the DISCONNECT is still to handle
         self._events.extend(events)
         self._wakeup.set()
         limits = self.settings.mqtt
@@ -749,6 +756,11 @@ class MqttSession:
             await self.registry.save(self.client_id, self.state)
         if out is not None:
             self._done(out)
+            self._send_acks()
+            if self.link is not None:
+                # The ack leaves for the core before the PUBREL leaves for the client: should this gateway die
+                # in between, the core does not deliver the message again after the client has released it.
+                self.link.flush()
         self.conn.pubrel(packet_id)
 
     def _completed(self, packet_id: int) -> None:
@@ -802,6 +814,7 @@ class MqttSession:
         if expiry_s == 0:
             assert self.link is not None
             for sub in self.subs.values():
+                await self._close_sub(sub)  # first: a pump seeing its queue deleted would end the connection
                 if not sub.shared:
                     with contextlib.suppress(LinkRequestError):
                         await self.link.delete_queue(sub.queue)
@@ -829,16 +842,19 @@ class MqttSession:
             log.info("link to the core closed", extra={"peer": self.wire.peer, "reason": error.text})
             self._end(rc.SERVER_UNAVAILABLE)
 
-    def _flush(self) -> None:
+    def _send_acks(self) -> None:
         if self._acks:
             acks, self._acks = self._acks, {}
             for sub, ids in acks.items():
                 if not sub.closed:
                     sub.consumer.ack_ids(ids)
+
+    def _flush(self) -> None:
+        self._send_acks()
         data = self.conn.data_to_send()
         if data:
             self.wire.write(data)
-        if self.conn.closed:
+        if self.conn.closed and not self._disconnecting:
             self._end()
 
     def _end(self, reason_code: int = 0) -> None:

@@ -517,6 +517,12 @@ class LinkClient:
         else:
             self._schedule_flush()
 
+    def flush(self) -> None:
+        """Write what is queued now rather than at the end of this loop iteration: for a caller that must
+        know its acknowledgements are on their way before it tells anyone else (they reach the core even if
+        this process dies right after)."""
+        self._write_now()
+
     def _write_now(self) -> None:
         self._flush_scheduled = False
         self._pending_bytes = 0
