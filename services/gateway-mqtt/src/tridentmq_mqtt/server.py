@@ -22,7 +22,8 @@ class MqttGateway:
         self.settings = settings
         self.counters = Counters()
         core = settings.core
-        self.registry = Registry(core.host, core.port, core.user, core.password, settings.node.name)
+        self.registry = Registry(core.host, core.port, core.user, core.password, settings.node.name,
+                                 core.heartbeat_ms)  # fmt: skip
         self.registry.on_lost.append(self._service_link_lost)
         listener, http = settings.listener, settings.http
         config = ShellConfig(

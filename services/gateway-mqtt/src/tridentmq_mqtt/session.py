@@ -319,7 +319,8 @@ class MqttSession:
                 return
         core = self.settings.core
         link = LinkClient(core.host, core.port, user=event.username, password=password,
-                          client_name=f"mqtt {client_id[:64]} {self.wire.peer}", reconnect=_NO_LINK_RETRY)  # fmt: skip
+                          client_name=f"mqtt {client_id[:64]} {self.wire.peer}", heartbeat_ms=core.heartbeat_ms,
+                          reconnect=_NO_LINK_RETRY)  # fmt: skip
         try:
             await link.connect()
         except LinkRequestError as exc:

@@ -32,6 +32,10 @@ class CoreLinkSection:
                         "under `$mqtt.` (empty = anonymous, which the core allows on loopback while it has "
                         "no users). Clients publish and subscribe as themselves.")  # fmt: skip
     password: str = doc("", "Password of that user.")
+    heartbeat_ms: int = doc(1000, "Heartbeat interval asked of the core on the gateway's links; a core silent for "
+                                  "4 intervals is taken for dead. Longer than the core's 250 ms so that a "
+                                  "core pausing under load (a full garbage collection with millions of "
+                                  "messages queued) is not mistaken for a dead one.")  # fmt: skip
 
 
 @dataclass(frozen=True)

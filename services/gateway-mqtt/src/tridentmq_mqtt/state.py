@@ -83,8 +83,9 @@ class SessionBusyError(Exception):
 class Registry:
     """The gateway's service link and the operations on session, lock and retained-message queues."""
 
-    def __init__(self, host: str, port: int, user: str, password: str, name: str) -> None:
+    def __init__(self, host: str, port: int, user: str, password: str, name: str, heartbeat_ms: int) -> None:
         self._args = (host, port, user or None, password or None, name)
+        self._heartbeat_ms = heartbeat_ms
         self._link: LinkClient | None = None
         self._opening: asyncio.Task[LinkClient] | None = None
         self.on_lost: list[Any] = []  # callbacks run when the service link is lost (sessions end)
@@ -104,7 +105,7 @@ class Registry:
     async def _open(self) -> LinkClient:
         host, port, user, password, name = self._args
         link = LinkClient(host, port, user=user, password=password, client_name=f"mqtt gateway {name}",
-                          reconnect=ReconnectPolicy(attempts=0))  # fmt: skip
+                          heartbeat_ms=self._heartbeat_ms, reconnect=ReconnectPolicy(attempts=0))  # fmt: skip
         await link.connect()
         link.on_closed = self._lost
         await link.create_queue(convert.RETAINED_QUEUE, routing_type=RoutingType.ANYCAST, durable=True,

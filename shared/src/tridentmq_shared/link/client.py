@@ -653,7 +653,8 @@ class LinkClient:
         """``send`` without waiting (check ``can_send`` first), for callers that publish message by message
         at a high rate: a coroutine per message costs more than the publish. Raises ``LocalProtocolError``
         when the window is closed."""
-        if message[M_DURABLE] and message[M_DEDUP] is None:
+        if message[M_DURABLE] and message[M_DEDUP] is None and self.reconnect.attempts:
+            # Only a link that reconnects sends a message twice; without, the id would cost for nothing.
             message[M_DEDUP] = f"{self.producer_id}:{next(self._dedup_seq)}"
         conn = self._live()
         seq = conn.publish(message, tx_id)
