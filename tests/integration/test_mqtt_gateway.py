@@ -329,3 +329,23 @@ def test_3_1_1_raw_qos1(mqtt_gateway: GatewayProcess, raw: Callable[..., Raw]) -
     assert isinstance(delivered, Publish)
     assert (delivered.payload, delivered.qos) == (b"x", 1)
     client.send(Puback(delivered.packet_id or 0))
+
+
+def test_a_session_resumed_with_expiry_0_delivers_then_ends(mqtt_gateway: GatewayProcess) -> None:
+    client_id = f"c-{_id()}"
+    first = Paho(mqtt_gateway.port, client_id, clean=False)
+    first.connect(expiry=60)
+    first.subscribe("end/1", 1)
+    first.disconnect()
+    pub = Paho(mqtt_gateway.port, f"p-{_id()}")
+    pub.connect()
+    pub.publish("end/1", b"queued", 1)
+    last = Paho(mqtt_gateway.port, client_id, clean=False)
+    assert last.connect(expiry=0)[0] is True  # resumed, to end with this connection
+    assert [m.payload for m in last.receive(1)] == [b"queued"]
+    last.disconnect()
+    pub.publish("end/1", b"nobody", 1)
+    after = Paho(mqtt_gateway.port, client_id, clean=False)
+    assert after.connect(expiry=60)[0] is False
+    assert after.nothing_more(0.5)
+    after.disconnect()

@@ -374,11 +374,11 @@ class MqttSession:
         previous = await registry.open_session(client_id, self.expiry_s * 1000)
         if previous is not None and clean_start:
             await self._discard(previous)
+        elif previous is not None:
+            self.state = previous  # resumed, even by a connection whose session ends with it
         if not self.persistent:
             await registry.drop_session(client_id)
             return previous
-        if previous is not None and not clean_start:
-            self.state = previous
         self._holder = await registry.hold_session(client_id)
         await registry.save(client_id, self.state)
         return previous
@@ -912,6 +912,11 @@ class MqttSession:
         link = self.link
         if link is not None:
             link.on_closed = link.on_settled = None
+            if not self.persistent:  # the session ends here: so do the durable queues of one it resumed
+                for sub in self.subs.values():
+                    if not sub.shared:
+                        with contextlib.suppress(LinkRequestError):
+                            await link.delete_queue(sub.queue)
             await link.close()  # the core returns unacked messages, drops temporary queues, sends the will
         if self._holder is not None:
             with contextlib.suppress(LinkRequestError):
