@@ -36,6 +36,8 @@ from tridentmq_mqtt.protocol.packets import (
     Unsubscribe,
     Will,
     encode,
+    encode_plain_publish,
+    encode_topic,
 )
 from tridentmq_mqtt.protocol.properties import (
     AUTH,
@@ -830,3 +832,18 @@ def test_encoding_something_else_is_a_local_error() -> None:
         encode(object(), V5)  # type: ignore[arg-type]
     with pytest.raises(LocalProtocolError):
         PacketParser(6)
+
+
+@pytest.mark.parametrize("version", [V31, V311, V5])
+@pytest.mark.parametrize("retain", [False, True])
+@pytest.mark.parametrize("size", [0, 100, 200_000])
+def test_a_plain_publish_encodes_as_the_packet_does(version: int, retain: bool, size: int) -> None:
+    payload = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    plain = encode_plain_publish(encode_topic("a/ü/c"), payload, version, retain=retain)
+    assert plain == encode(Publish("a/ü/c", payload, retain=retain), version)
+
+
+@pytest.mark.parametrize("topic", ["a/+", "#", ""])
+def test_encode_topic_refuses_what_no_topic_name_may_be(topic: str) -> None:
+    with pytest.raises(LocalProtocolError):
+        encode_topic(topic)

@@ -33,7 +33,7 @@ from tridentmq_mqtt.protocol import events as ev
 from tridentmq_mqtt.protocol import reason_codes as rc
 from tridentmq_mqtt.protocol.connection import MqttServerConnection
 from tridentmq_mqtt.protocol.errors import LocalProtocolError, RemoteProtocolError
-from tridentmq_mqtt.protocol.packets import V5, Subscription, Will
+from tridentmq_mqtt.protocol.packets import V5, Subscription, Will, encode_topic
 from tridentmq_mqtt.protocol.properties import NO_PROPERTIES, Properties
 from tridentmq_mqtt.settings import MqttSettings
 from tridentmq_mqtt.state import Registry, SessionBusyError, SessionState, StoredSubscription
@@ -144,7 +144,7 @@ class MqttSession:
         self._parked: deque[_Outgoing] = deque()  # waiting for the client's receive maximum or a packet id
         self._acks: dict[Sub, list[int]] = {}  # acknowledged by the client, for the core at the next flush
         self._addresses: dict[str, str] = {}  # topic → address
-        self._topics: dict[str, str] = {}  # address → topic
+        self._topics: dict[str, tuple[str, bytes]] = {}  # address → topic, and as a PUBLISH encodes it
         self._closed = False
         self._end_reason = 0  # 5.0 DISCONNECT reason when the gateway ends the connection
         self._connected = False
@@ -633,7 +633,6 @@ class MqttSession:
         for topic, message in await self.registry.retained(sub.topic_filter):
             if self._closed:
                 return
-            self._address(topic)
             self._deliver(_Outgoing(sub, message, min(sub.options.qos, messages.published_qos(message)),
                                     retained=True))  # fmt: skip
         self._flush()
@@ -714,26 +713,31 @@ class MqttSession:
 
     def _write_publish(self, sub: Sub | None, message: WireMessage, qos: int, now_ms: int, packet_id: int | None = None,
                        *, dup: bool = False, retained: bool = False) -> int | None:  # fmt: skip
-        address = message[M_ADDRESS]
-        topic = self._topics.get(address)
-        if topic is None:
-            topic = self._topic(message)
+        topic, encoded = self._topic(message)
         retain = retained or (sub is not None and sub.options.retain_as_published and messages.was_retained(message))
         props = NO_PROPERTIES
         if self.version == V5:
             props = messages.publish_properties(message, now_ms, sub.options.subscription_id if sub else None)
+        if qos == 0 and props is NO_PROPERTIES:  # most messages: no packet object, the topic encoded once
+            self.conn.publish_plain(encoded, message[M_BODY], retain=retain)
+            return 0
         return self.conn.publish(topic, message[M_BODY], qos, retain=retain, properties=props, packet_id=packet_id,
                                  dup=dup)  # fmt: skip
 
-    def _topic(self, message: WireMessage) -> str:
+    def _topic(self, message: WireMessage) -> tuple[str, bytes]:
+        """The topic of a message, and its encoding in a PUBLISH (remembered per address)."""
         address = message[M_ADDRESS]
+        known = self._topics.get(address)
+        if known is not None:
+            return known
         if address == convert.RETAINED_QUEUE:  # a retained copy keeps its topic in a property
-            return str(message[M_PROPS][messages.TOPIC])
+            topic = str(message[M_PROPS][messages.TOPIC])
+            return topic, encode_topic(topic)
         topic = convert.address_to_topic(address)
         if len(self._topics) >= _CACHE_LIMIT:
             self._topics.clear()
-        self._topics[address] = topic
-        return topic
+        known = self._topics[address] = (topic, encode_topic(topic))
+        return known
 
     def _acknowledged(self, packet_id: int) -> None:
         """PUBACK: the message is the client's."""

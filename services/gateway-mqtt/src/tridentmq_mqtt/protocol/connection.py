@@ -57,6 +57,7 @@ from tridentmq_mqtt.protocol.packets import (
     Unsuback,
     Unsubscribe,
     encode,
+    encode_plain_publish,
 )
 from tridentmq_mqtt.protocol.properties import NO_PROPERTIES, PUBACK, U16, Properties
 from tridentmq_mqtt.protocol.reason_codes import PROTOCOL_ERROR, UNSPECIFIED_ERROR, UNSUPPORTED_PROTOCOL_VERSION
@@ -428,6 +429,18 @@ class MqttServerConnection:
         self._outgoing[packet_id] = _Out.PUBACK if qos == 1 else _Out.PUBREC
         self._next_id = packet_id % 0xFFFF + 1
         return packet_id
+
+    def publish_plain(self, encoded_topic: bytes, payload: bytes, *, retain: bool = False) -> None:
+        """``publish`` for the common QoS 0 message without properties, from a topic encoded once with
+        ``packets.encode_topic``. Too large for the client, it is discarded as ``publish`` would."""
+        if self.state is not State.CONNECTED:
+            raise LocalProtocolError(f"cannot publish while {self.state.value}", PROTOCOL_ERROR)
+        assert self.version is not None
+        data = encode_plain_publish(encoded_topic, payload, self.version, retain=retain)
+        if len(data) > self.client_max_packet_size:
+            self.discarded += 1
+        else:
+            self._out.append(data)
 
     def in_flight(self, packet_id: int) -> bool:
         """Whether an outgoing QoS 1/2 flow holds ``packet_id``."""

@@ -283,6 +283,19 @@ def _encode_connack(packet: Connack, version: int) -> bytes:
     return _frame(0x20, body + _props(packet.properties, CONNACK, version))
 
 
+def encode_topic(topic: str) -> bytes:
+    """A topic name as a PUBLISH carries it (length-prefixed UTF-8), for ``encode_plain_publish``."""
+    _check_topic_name(topic, V311, NO_PROPERTIES)
+    return encode_str(topic)
+
+
+def encode_plain_publish(encoded_topic: bytes, payload: bytes, version: int, *, retain: bool = False) -> bytes:
+    """A QoS 0 PUBLISH without properties from a topic encoded once by ``encode_topic``: the bytes
+    ``encode(Publish(topic, payload, retain=retain), version)`` gives, without a packet object per message."""
+    head = encoded_topic + b"\x00" if version == V5 else encoded_topic
+    return bytes((0x31 if retain else 0x30,)) + encode_vbi(len(head) + len(payload)) + head + payload
+
+
 def _encode_publish(packet: Publish, version: int) -> bytes:
     qos = packet.qos
     props = packet.properties
