@@ -837,10 +837,12 @@ def test_encoding_something_else_is_a_local_error() -> None:
 @pytest.mark.parametrize("version", [V31, V311, V5])
 @pytest.mark.parametrize("retain", [False, True])
 @pytest.mark.parametrize("size", [0, 100, 200_000])
-def test_a_plain_publish_encodes_as_the_packet_does(version: int, retain: bool, size: int) -> None:
+@pytest.mark.parametrize(("qos", "packet_id", "dup"), [(0, None, False), (1, 7, False), (2, 65535, True)])
+def test_a_plain_publish_encodes_as_the_packet_does(version: int, retain: bool, size: int, qos: int,
+                                                    packet_id: int | None, dup: bool) -> None:  # fmt: skip
     payload = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
-    plain = encode_plain_publish(encode_topic("a/ü/c"), payload, version, retain=retain)
-    assert plain == encode(Publish("a/ü/c", payload, retain=retain), version)
+    plain = encode_plain_publish(encode_topic("a/ü/c"), payload, version, qos, packet_id, dup=dup, retain=retain)
+    assert plain == encode(Publish("a/ü/c", payload, qos, retain, dup, packet_id), version)
 
 
 @pytest.mark.parametrize("topic", ["a/+", "#", ""])

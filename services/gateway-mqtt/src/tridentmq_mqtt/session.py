@@ -630,7 +630,7 @@ class MqttSession:
             await sub.consumer.close()
 
     async def _send_retained(self, sub: Sub) -> None:
-        for topic, message in await self.registry.retained(sub.topic_filter):
+        for message in await self.registry.retained(sub.topic_filter):
             if self._closed:
                 return
             self._deliver(_Outgoing(sub, message, min(sub.options.qos, messages.published_qos(message)),
@@ -718,11 +718,8 @@ class MqttSession:
         props = NO_PROPERTIES
         if self.version == V5:
             props = messages.publish_properties(message, now_ms, sub.options.subscription_id if sub else None)
-        if qos == 0 and props is NO_PROPERTIES:  # most messages: no packet object, the topic encoded once
-            self.conn.publish_plain(encoded, message[M_BODY], retain=retain)
-            return 0
         return self.conn.publish(topic, message[M_BODY], qos, retain=retain, properties=props, packet_id=packet_id,
-                                 dup=dup)  # fmt: skip
+                                 dup=dup, encoded_topic=encoded)  # fmt: skip
 
     def _topic(self, message: WireMessage) -> tuple[str, bytes]:
         """The topic of a message, and its encoding in a PUBLISH (remembered per address)."""

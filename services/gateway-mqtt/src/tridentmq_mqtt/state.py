@@ -221,8 +221,8 @@ class Registry:
     async def _publish(self, message: WireMessage) -> None:
         await (await self.link()).publish(message)
 
-    async def retained(self, topic_filter: str) -> list[tuple[str, WireMessage]]:
-        """The retained messages whose topics ``topic_filter`` matches, as (topic, message)."""
+    async def retained(self, topic_filter: str) -> list[WireMessage]:
+        """The retained messages whose topics ``topic_filter`` matches (each has its topic in ``TOPIC``)."""
         link = await self.link()
         prefix = _literal_prefix(topic_filter)
         selector = None
@@ -236,7 +236,7 @@ class Registry:
                 for _, message in batch:
                     topic = message[M_PROPS].get(TOPIC)
                     if type(topic) is str and message[M_BODY] and convert.delivers(topic_filter, topic):
-                        found.append((topic, message))
+                        found.append(message)
         finally:
             with contextlib.suppress(LinkRequestError):
                 await browser.close()

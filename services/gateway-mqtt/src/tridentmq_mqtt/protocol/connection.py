@@ -393,8 +393,8 @@ class MqttServerConnection:
 
     # ------------------------------------------------------------------ outgoing messages
     def publish(self, topic: str, payload: bytes, qos: int = 0, *, retain: bool = False,
-                properties: Properties = NO_PROPERTIES, packet_id: int | None = None,
-                dup: bool = False) -> int | None:  # fmt: skip
+                properties: Properties = NO_PROPERTIES, packet_id: int | None = None, dup: bool = False,
+                encoded_topic: bytes | None = None) -> int | None:  # fmt: skip
         """Queue a PUBLISH to the client. Returns the packet id whose acknowledgement event will follow (QoS 1
         or 2), or 0 when none will: QoS 0, or a packet larger than the client's maximum packet size, which
         is discarded as if it had been sent ([MQTT-3.1.2-25]; counted in ``discarded``). Returns ``None`` and
@@ -402,7 +402,9 @@ class MqttServerConnection:
         after a ``PubackReceived``, ``PubcompReceived`` or error ``PubrecReceived``.
 
         ``packet_id`` picks the id of a QoS 1/2 message (it must be free, see ``in_flight``), so that a
-        message sent again after a reconnect keeps the id the client may have recorded; ``dup`` marks it."""
+        message sent again after a reconnect keeps the id the client may have recorded; ``dup`` marks it.
+        ``encoded_topic``, the topic as ``packets.encode_topic`` gives it, saves encoding it again for each
+        message of a topic."""
         if self.state is not State.CONNECTED:
             raise LocalProtocolError(f"cannot publish while {self.state.value}", PROTOCOL_ERROR)
         assert self.version is not None
@@ -417,9 +419,12 @@ class MqttServerConnection:
                 raise LocalProtocolError(f"packet id {packet_id} is in flight or out of range", PROTOCOL_ERROR)
         else:
             packet_id, dup = None, False
-        data = encode(
-            Publish(topic, payload, qos, retain, dup=dup, packet_id=packet_id, properties=properties), self.version
-        )
+        if encoded_topic is not None and properties is NO_PROPERTIES:  # most messages: no packet object
+            data = encode_plain_publish(encoded_topic, payload, self.version, qos, packet_id, dup=dup, retain=retain)
+        else:
+            data = encode(
+                Publish(topic, payload, qos, retain, dup=dup, packet_id=packet_id, properties=properties), self.version
+            )
         if len(data) > self.client_max_packet_size:
             self.discarded += 1
             return 0
@@ -429,18 +434,6 @@ class MqttServerConnection:
         self._outgoing[packet_id] = _Out.PUBACK if qos == 1 else _Out.PUBREC
         self._next_id = packet_id % 0xFFFF + 1
         return packet_id
-
-    def publish_plain(self, encoded_topic: bytes, payload: bytes, *, retain: bool = False) -> None:
-        """``publish`` for the common QoS 0 message without properties, from a topic encoded once with
-        ``packets.encode_topic``. Too large for the client, it is discarded as ``publish`` would."""
-        if self.state is not State.CONNECTED:
-            raise LocalProtocolError(f"cannot publish while {self.state.value}", PROTOCOL_ERROR)
-        assert self.version is not None
-        data = encode_plain_publish(encoded_topic, payload, self.version, retain=retain)
-        if len(data) > self.client_max_packet_size:
-            self.discarded += 1
-        else:
-            self._out.append(data)
 
     def in_flight(self, packet_id: int) -> bool:
         """Whether an outgoing QoS 1/2 flow holds ``packet_id``."""

@@ -289,11 +289,15 @@ def encode_topic(topic: str) -> bytes:
     return encode_str(topic)
 
 
-def encode_plain_publish(encoded_topic: bytes, payload: bytes, version: int, *, retain: bool = False) -> bytes:
-    """A QoS 0 PUBLISH without properties from a topic encoded once by ``encode_topic``: the bytes
-    ``encode(Publish(topic, payload, retain=retain), version)`` gives, without a packet object per message."""
-    head = encoded_topic + b"\x00" if version == V5 else encoded_topic
-    return bytes((0x31 if retain else 0x30,)) + encode_vbi(len(head) + len(payload)) + head + payload
+def encode_plain_publish(encoded_topic: bytes, payload: bytes, version: int, qos: int = 0, packet_id: int | None = None,
+                         *, dup: bool = False, retain: bool = False) -> bytes:  # fmt: skip
+    """A PUBLISH without properties from a topic encoded once by ``encode_topic``: the bytes ``encode(Publish(
+    topic, payload, qos, retain, dup, packet_id), version)`` gives, without a packet object per message."""
+    head = encoded_topic + _packet_id(packet_id) if qos and packet_id is not None else encoded_topic
+    if version == V5:
+        head += b"\x00"
+    first = 0x30 | (0x08 if dup else 0) | qos << 1 | (0x01 if retain else 0)
+    return bytes((first,)) + encode_vbi(len(head) + len(payload)) + head + payload
 
 
 def _encode_publish(packet: Publish, version: int) -> bytes:
