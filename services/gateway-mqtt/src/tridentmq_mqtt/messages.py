@@ -17,13 +17,13 @@ from typing import Final
 
 from tridentmq_mqtt.protocol.properties import NO_PROPERTIES, Properties
 from tridentmq_shared.message import (
+    DEFAULT_PRIORITY,
     M_CONTENT_TYPE,
     M_DURABLE,
     M_EXPIRATION,
     M_PROPS,
     RoutingType,
     WireMessage,
-    new_message,
 )
 
 PROTOCOL: Final = "mqtt"
@@ -39,6 +39,7 @@ INTERNAL: Final = frozenset(
     {QOS, RETAIN, CLIENT, PAYLOAD_FORMAT, RESPONSE_TOPIC, CORRELATION_DATA, USER_PROPERTIES, TOPIC}
 )
 _MAX_EXPIRY: Final = 0xFFFFFFFF
+_MULTICAST: Final = int(RoutingType.MULTICAST)
 _PLAIN: Final = frozenset({QOS, CLIENT})  # the properties every MQTT message has
 
 
@@ -65,8 +66,10 @@ def to_message(address: str, payload: bytes, qos: int, properties: Properties, c
                 props[USER_PROPERTIES] = json.dumps(user, ensure_ascii=False)  # order and repeats kept
             else:
                 props.update(user)
-    return new_message(address, payload, routing=RoutingType.MULTICAST, durable=qos > 0, expiration_ms=expiration,
-                       properties=props, content_type=properties.content_type, protocol=PROTOCOL)  # fmt: skip
+    # The fields of new_message(address, payload, routing=MULTICAST, durable=qos > 0, expiration_ms=expiration,
+    # properties=props, content_type=..., protocol=PROTOCOL), built directly: this runs for every PUBLISH.
+    return [0, address, _MULTICAST, qos > 0, DEFAULT_PRIORITY, expiration, 0, None, None, None, props, payload,
+            properties.content_type, PROTOCOL, 0]  # fmt: skip
 
 
 def published_qos(message: WireMessage) -> int:

@@ -89,7 +89,7 @@ class Sub:
     closed: bool = False
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Outgoing:
     """A QoS 1/2 PUBLISH waiting for the client: a message of a subscription, or a retained message."""
 
