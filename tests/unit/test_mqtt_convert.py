@@ -18,6 +18,7 @@ from tridentmq_mqtt.convert import (
     address_to_topic,
     delivers,
     filter_to_pattern,
+    matches,
     parse_subscription,
     pattern_to_filter,
     shared_queue,
@@ -250,6 +251,7 @@ MATCHES = [
 def test_matching(topic_filter: str, topic: str, expected: bool) -> None:
     assert mqtt_matches(topic_filter, topic) is expected
     assert core_delivers(topic_filter, topic) is expected
+    assert matches(topic_filter, topic) is expected
 
 
 @pytest.mark.parametrize(
@@ -424,4 +426,4 @@ def topic_and_filter(draw: st.DrawFn) -> tuple[str, str]:
 @given(topic_and_filter())
 def test_core_matching_equals_mqtt_matching(pair: tuple[str, str]) -> None:
     topic, topic_filter = pair
-    assert core_delivers(topic_filter, topic) == mqtt_matches(topic_filter, topic)
+    assert core_delivers(topic_filter, topic) == mqtt_matches(topic_filter, topic) == matches(topic_filter, topic)

@@ -185,6 +185,22 @@ def delivers(topic_filter: str, topic: str) -> bool:
     return not (topic[:1] == "$" and topic_filter[:1] in (SINGLE_LEVEL, MULTI_LEVEL))
 
 
+def matches(topic_filter: str, topic: str) -> bool:
+    """Whether a subscription on ``topic_filter`` receives a message on ``topic`` (MQTT 4.7), level by level,
+    the ``$`` rule of :func:`delivers` included: for lookups the core's routing does not make (retained
+    messages)."""
+    if not delivers(topic_filter, topic):
+        return False
+    levels = topic.split(LEVEL_SEPARATOR)
+    wanted = topic_filter.split(LEVEL_SEPARATOR)
+    for i, level in enumerate(wanted):
+        if level == MULTI_LEVEL:
+            return True  # also when the topic ends just before it: "a/#" matches "a"
+        if i >= len(levels) or (level != SINGLE_LEVEL and level != levels[i]):
+            return False
+    return len(levels) == len(wanted)
+
+
 def parse_subscription(text: str, *, shared: bool = True) -> ParsedFilter:
     """Split a SUBSCRIBE's filter text: ``$share/<group>/<filter>`` → (group, filter), anything else →
     (None, text); both filters validated. With ``shared=False`` (no shared subscriptions, as in MQTT 3.1.1)

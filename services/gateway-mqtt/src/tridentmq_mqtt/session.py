@@ -39,7 +39,7 @@ from tridentmq_mqtt.settings import MqttSettings
 from tridentmq_mqtt.state import Registry, SessionBusyError, SessionState, StoredSubscription
 from tridentmq_shared.gateway import Wire
 from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError, ReconnectPolicy
-from tridentmq_shared.link.ops import ErrorCode
+from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import (
     M_ADDRESS,
     M_BODY,
@@ -142,11 +142,11 @@ class MqttSession:
         self._confirms: deque[_Confirm] = deque()
         self._inflight: dict[int, _Outgoing] = {}  # packet id → what the client is to acknowledge
         self._parked: deque[_Outgoing] = deque()  # waiting for the client's receive maximum or a packet id
+        self._completed_out: set[int] = set()  # message ids of QoS 2 flows completed after a resume
         self._acks: dict[Sub, list[int]] = {}  # acknowledged by the client, for the core at the next flush
         self._addresses: dict[str, str] = {}  # topic → address
         self._topics: dict[str, tuple[str, bytes]] = {}  # address → topic, and as a PUBLISH encodes it
         self._closed = False
-        self._end_reason = 0  # 5.0 DISCONNECT reason when the gateway ends the connection
         self._connected = False
         self._disconnecting = False
         self._watcher: asyncio.Task[None] | None = None
@@ -403,7 +403,7 @@ class MqttSession:
             for text, options in list(self.state.subscriptions.items()):
                 if self._closed:
                     return
-                await self._open_sub(text, options)
+                await self._open_sub(text, options, resumed=True)
         except (LinkRequestError, ConversionError) as exc:
             log.warning("session resume failed", extra={"peer": self.wire.peer, "reason": str(exc)[:200]})
             self._end(rc.UNSPECIFIED_ERROR)
@@ -465,7 +465,7 @@ class MqttSession:
         if message is None:
             return
         packet_id = event.packet_id or 0
-        if event.qos == 2 and self.persistent:
+        if event.qos == 2 and (self.persistent or self.state.released_in):
             # Exactly once across reconnects: the record keeps the message's dedup id until the PUBREL, and
             # a PUBLISH sent again (after a lost PUBREC) is published again under it: the core drops it.
             dedup = self.state.released_in.get(packet_id)
@@ -477,9 +477,13 @@ class MqttSession:
         confirm = _Confirm(await link.send(message), packet_id, event.qos, event.topic)
         if event.retain:
             retained = self.registry.retain(event.topic, message)
-            retained.add_done_callback(lambda _: self._settled())  # confirmed on the gateway's link, not ours
+            retained.add_done_callback(self._retained_settled)  # confirmed on the gateway's link, not ours
             confirm.retained.append(retained)
         self._confirms.append(confirm)
+
+    def _retained_settled(self, future: asyncio.Future[None]) -> None:
+        _retrieve(future)  # its outcome is read by _answer_confirmed, unless the session ended first
+        self._settled()
 
     def _settled(self) -> None:
         self._answer_confirmed()
@@ -528,7 +532,7 @@ class MqttSession:
     async def _released(self, event: ev.PubrelReceived) -> None:
         """The client's PUBREL: the packet id is free once the record says so."""
         known = event.known
-        if self.persistent and self.state.released_in.pop(event.packet_id, None) is not None:
+        if self.state.released_in.pop(event.packet_id, None) is not None:
             known = True
             await self.registry.save(self.client_id, self.state)
         self.conn.pubcomp(event.packet_id, 0 if known else rc.PACKET_IDENTIFIER_NOT_FOUND)
@@ -576,8 +580,9 @@ class MqttSession:
         self.state.subscriptions[request.topic_filter] = options
         return sub, True
 
-    async def _open_sub(self, text: str, options: StoredSubscription) -> Sub:
-        """Create (or find) the subscription's queue and consume from it."""
+    async def _open_sub(self, text: str, options: StoredSubscription, *, resumed: bool = False) -> Sub:
+        """Create (or find) the subscription's queue and consume from it (a ``resumed`` subscription's queue
+        is the durable one of the earlier session, even when this session ends with its connection)."""
         link = self.link
         assert link is not None
         group, topic_filter = convert.parse_subscription(text, shared=self.version == V5)
@@ -587,12 +592,12 @@ class MqttSession:
             queue = convert.shared_queue(group, topic_filter)
             await link.create_queue(queue, pattern, routing_type=RoutingType.MULTICAST, durable=True,
                                     expires_ms=expiry_ms)  # fmt: skip
-        elif self.persistent:
+        elif self.persistent or resumed:
             queue = convert.subscription_queue(self.client_id, topic_filter)
             await link.create_queue(queue, pattern, routing_type=RoutingType.MULTICAST, durable=True,
                                     expires_ms=expiry_ms)  # fmt: skip
-        else:
-            queue = convert.subscription_queue(self.client_id, topic_filter)
+        else:  # this connection's own: an earlier connection of the client may still be dropping its own
+            queue = f"{convert.subscription_queue(self.client_id, topic_filter)}.{self.id}"
             await link.create_queue(queue, pattern, routing_type=RoutingType.MULTICAST, durable=False, temporary=True)
         limits = self.settings.mqtt
         window = limits.qos0_window if options.qos == 0 else min(limits.max_inflight, self.conn.client_receive_maximum)
@@ -654,8 +659,8 @@ class MqttSession:
                         continue
                     qos = min(messages.published_qos(message), sub.options.qos)
                     if qos == 0:
-                        self._write_publish(sub, message, 0, now_ms)
-                        done.append(message[M_ID])
+                        if self._write_or_refuse(sub, message, 0, now_ms) is not None:
+                            done.append(message[M_ID])
                     else:
                         self._deliver(_Outgoing(sub, message, qos, dup=count > 1))
                 if done:
@@ -692,7 +697,7 @@ class MqttSession:
         else:
             message_id = message[M_ID]
             packet_id = message_id % 0xFFFF + 1
-            if self.state.released_out.get(packet_id) == message_id:
+            if self.state.released_out.get(packet_id) == message_id or message_id in self._completed_out:
                 # The client has it (its PUBREC is recorded) and the ack was lost with a connection.
                 assert out.sub is not None
                 out.sub.consumer.ack_ids([message_id])
@@ -701,15 +706,34 @@ class MqttSession:
                 return False
         if self.conn.send_window <= 0:
             return False
-        sent = self._write_publish(out.sub, message, out.qos, int(time.time() * 1000), packet_id, dup=out.dup,
-                                   retained=out.retained)  # fmt: skip
+        sent = self._write_or_refuse(out.sub, message, out.qos, int(time.time() * 1000), packet_id, dup=out.dup,
+                                     retained=out.retained)  # fmt: skip
         if sent is None:
             return False
+        if sent < 0:
+            return True  # dead-lettered
         if sent == 0:  # too large for the client: dropped as if sent ([MQTT-3.1.2-25])
             self._done(out)
         else:
             self._inflight[sent] = out
         return True
+
+    def _write_or_refuse(self, sub: Sub | None, message: WireMessage, qos: int, now_ms: int,
+                         packet_id: int | None = None, *, dup: bool = False,
+                         retained: bool = False) -> int | None:  # fmt: skip
+        """``_write_publish``, or -1 for a message MQTT cannot carry (an address that is no topic name, a
+        property no MQTT string can hold): it goes to the dead-letter address instead of stopping the
+        subscription (None when the connection closed meanwhile: nothing is written)."""
+        try:
+            return self._write_publish(sub, message, qos, now_ms, packet_id, dup=dup, retained=retained)
+        except (ConversionError, LocalProtocolError) as exc:
+            if self.conn.closed:
+                return None
+            log.warning("message not deliverable over MQTT", extra={"peer": self.wire.peer,
+                        "address": message[M_ADDRESS][:100], "reason": str(exc)[:200]})  # fmt: skip
+            if sub is not None and not retained:
+                sub.consumer.nack_ids([message[M_ID]], NackMode.REJECT)
+            return -1
 
     def _write_publish(self, sub: Sub | None, message: WireMessage, qos: int, now_ms: int, packet_id: int | None = None,
                        *, dup: bool = False, retained: bool = False) -> int | None:  # fmt: skip
@@ -768,7 +792,10 @@ class MqttSession:
     def _completed(self, packet_id: int) -> None:
         """PUBCOMP: the QoS 2 flow is over."""
         self._inflight.pop(packet_id, None)
-        if self.state.released_out.pop(packet_id, None) is not None and self.persistent:
+        message_id = self.state.released_out.pop(packet_id, None)
+        if message_id is not None:
+            self._completed_out.add(message_id)  # its core ack may have died with a gateway: see _try_send
+        if message_id is not None and self.persistent:
             # Not awaited: should it be lost, the stale entry only costs a PUBREL answered by PUBCOMP.
             self.registry.save(self.client_id, self.state).add_done_callback(_retrieve)
         self._unpark()
@@ -795,15 +822,18 @@ class MqttSession:
         await self._settle_confirms()
         self._flush()
         asked = event.properties.session_expiry_interval
+        valid = True
         if asked is not None and self.version == V5:
             if self.expiry_s == 0 and asked > 0:
-                log.info(
-                    "mqtt protocol error",
-                    extra={"peer": self.wire.peer, "error": "session expiry set on DISCONNECT after 0"},
-                )
+                # A protocol error, and no valid DISCONNECT (5.0 3.14.2.2.2): the will stays. The codec has
+                # closed on the DISCONNECT, so no DISCONNECT 0x82 can go back.
+                error = "session expiry set on DISCONNECT after 0"
+                log.info("mqtt protocol error", extra={"peer": self.wire.peer, "error": error})
+                self.counters.protocol_errors += 1
+                valid = False
             else:
                 await self._change_expiry(min(asked, self.settings.mqtt.max_session_expiry_s))
-        if not event.with_will and self.link is not None:
+        if valid and not event.with_will and self.link is not None:
             with contextlib.suppress(LinkRequestError):
                 await self.link.set_will(self._will_key, None)
         self._closed = True
@@ -884,7 +914,7 @@ class MqttSession:
             else:
                 await self._rearm.wait()
         if not self._connected:
-            if not self._closed and not self._events:
+            if not self._closed and not self.version:  # no CONNECT yet (one being handled may take its time)
                 log.info("mqtt connect timeout", extra={"peer": self.wire.peer})
                 self._end()
             return
@@ -913,7 +943,8 @@ class MqttSession:
         link = self.link
         if link is not None:
             link.on_closed = link.on_settled = None
-            if not self.persistent:  # the session ends here: so do the durable queues of one it resumed
+            if not self.persistent and self._lock is not None and self._lock.closed is None:
+                # The session ends here (unless taken over): so do the durable queues of one it resumed.
                 for sub in self.subs.values():
                     if not sub.shared:
                         with contextlib.suppress(LinkRequestError):

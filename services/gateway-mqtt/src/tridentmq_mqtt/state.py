@@ -88,6 +88,7 @@ class Registry:
         self._heartbeat_ms = heartbeat_ms
         self._link: LinkClient | None = None
         self._opening: asyncio.Task[LinkClient] | None = None
+        self._tail: asyncio.Future[None] | None = None  # the last write still waiting for credit
         self.on_lost: list[Any] = []  # callbacks run when the service link is lost (sessions end)
 
     @property
@@ -107,9 +108,13 @@ class Registry:
         link = LinkClient(host, port, user=user, password=password, client_name=f"mqtt gateway {name}",
                           heartbeat_ms=self._heartbeat_ms, reconnect=ReconnectPolicy(attempts=0))  # fmt: skip
         await link.connect()
+        try:
+            await link.create_queue(convert.RETAINED_QUEUE, routing_type=RoutingType.ANYCAST, durable=True,
+                                    last_value_key=TOPIC)  # fmt: skip
+        except LinkRequestError:
+            await link.close()
+            raise
         link.on_closed = self._lost
-        await link.create_queue(convert.RETAINED_QUEUE, routing_type=RoutingType.ANYCAST, durable=True,
-                                last_value_key=TOPIC)  # fmt: skip
         self._link = link
         log.info("service link open", extra={"core": f"{host}:{port}"})
         return link
@@ -148,12 +153,12 @@ class Registry:
                 await link.delete_queue(name)
 
     async def release(self, client_id: str, lock: Consumer) -> None:
-        """Let go of the session (unless it was taken over: then the queue is the new owner's)."""
+        """Let go of the session. The queue itself is not deleted by name (a new owner may have made it again
+        meanwhile): it expires as soon as it has no consumer."""
         if lock.closed is not None or self._link is None:
             return
         with contextlib.suppress(LinkRequestError):
             await lock.close()
-            await self._link.delete_queue(convert.lock_queue(client_id))
 
     # ------------------------------------------------------------------ session records
     async def open_session(self, client_id: str, expiry_ms: int) -> SessionState | None:
@@ -190,10 +195,21 @@ class Registry:
         """Replace the session record; the future resolves once it is on disk."""
         message = new_message(convert.session_queue(client_id), state.encode(), routing=RoutingType.ANYCAST,
                               durable=True, last_value_key=STATE_KEY)  # fmt: skip
-        link = self._link
-        if link is not None and link.can_send:
+        return self._send_in_order(message)
+
+    def _send_in_order(self, message: WireMessage) -> asyncio.Future[None]:
+        """Publish on the service link in call order, whether the link has credit now or not: these go to
+        last-value queues, where a write overtaken by an older one would leave the older value."""
+        link, tail = self._link, self._tail
+        if link is not None and link.can_send and (tail is None or tail.done()):
             return link.send_now(message)
-        return asyncio.ensure_future(self._publish(message))
+        self._tail = asyncio.ensure_future(self._publish_after(tail, message))
+        return self._tail
+
+    async def _publish_after(self, previous: asyncio.Future[None] | None, message: WireMessage) -> None:
+        if previous is not None:
+            await asyncio.wait([previous])  # its outcome is its caller's; only the order matters here
+        await (await self.link()).publish(message)
 
     async def set_expiry(self, queue: str, address: str, routing: RoutingType, expiry_ms: int) -> None:
         with contextlib.suppress(LinkRequestError):
@@ -213,13 +229,7 @@ class Registry:
         copy[M_PROPS] = {**message[M_PROPS], TOPIC: topic}
         if not message[M_BODY]:
             copy[M_EXPIRATION] = int(time.time() * 1000) + 1  # a tombstone: replaces the value, expires at once
-        link = self._link
-        if link is not None and link.can_send:
-            return link.send_now(copy)
-        return asyncio.ensure_future(self._publish(copy))
-
-    async def _publish(self, message: WireMessage) -> None:
-        await (await self.link()).publish(message)
+        return self._send_in_order(copy)
 
     async def retained(self, topic_filter: str) -> list[WireMessage]:
         """The retained messages whose topics ``topic_filter`` matches (each has its topic in ``TOPIC``)."""
@@ -235,7 +245,7 @@ class Registry:
             while batch := await browser.get_batch():
                 for _, message in batch:
                     topic = message[M_PROPS].get(TOPIC)
-                    if type(topic) is str and message[M_BODY] and convert.delivers(topic_filter, topic):
+                    if type(topic) is str and message[M_BODY] and convert.matches(topic_filter, topic):
                         found.append(message)
         finally:
             with contextlib.suppress(LinkRequestError):
