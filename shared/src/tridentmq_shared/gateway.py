@@ -7,19 +7,25 @@ from then on the session does everything (codec, link to the core) and the liste
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
 import logging
+import os
+import signal
 import socket
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, cast
+from typing import Protocol, TypeVar, cast
 
 from aiohttp import WSMsgType, web
 
-from tridentmq_shared.runtime import set_nodelay
+from tridentmq_shared.logs import setup_logging
+from tridentmq_shared.runtime import run_main, set_nodelay
+from tridentmq_shared.settings import SettingsError, load_settings
 
 log = logging.getLogger("tridentmq.gateway")
 
@@ -326,3 +332,53 @@ class GatewayShell:
             name = f"tridentmq_{m.name}"
             lines += [f"# HELP {name} {m.help}", f"# TYPE {name} {m.kind}", f"{name} {m.value}"]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------- entry point
+class Gateway(Protocol):
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+
+
+class _NodeSection(Protocol):
+    @property
+    def log_level(self) -> str: ...
+
+
+class GatewaySettings(Protocol):
+    @property
+    def node(self) -> _NodeSection: ...
+
+
+S = TypeVar("S", bound=GatewaySettings)
+
+
+def run_gateway(protocol: str, settings_class: type[S], env_prefix: str,
+                make: Callable[[S, Path | None], Gateway], argv: list[str] | None = None) -> None:  # fmt: skip
+    """The ``main`` of ``tridentmq-<protocol>``: read the settings (``--config`` file, then environment), run
+    the gateway ``make`` builds until SIGINT or SIGTERM, then stop it."""
+    prog = f"tridentmq-{protocol}"
+    parser = argparse.ArgumentParser(prog=prog, description=f"Run a TridentMQ {protocol.upper()} gateway.")
+    parser.add_argument("--config", type=Path, help="TOML settings file (see docs/configuration.md)")
+    parser.add_argument("--ports-file", type=Path, help="write the bound ports here as JSON once ready")
+    args = parser.parse_args(argv)
+    try:
+        settings = load_settings(settings_class, prefix=env_prefix, file=args.config, env=os.environ)
+    except SettingsError as exc:
+        sys.exit(f"{prog}: {exc}")
+    setup_logging(settings.node.log_level)
+    try:
+        run_main(_serve(make(settings, args.ports_file)))
+    except OSError as exc:
+        sys.exit(f"{prog}: {exc}")
+
+
+async def _serve(gateway: Gateway) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await gateway.start()
+    await stop.wait()
+    log.info("stopping on signal")
+    await gateway.stop()

@@ -2,53 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import logging
-import os
-import signal
-import sys
-from pathlib import Path
-
-from tridentmq_shared.logs import setup_logging
-from tridentmq_shared.runtime import run_main
-from tridentmq_shared.settings import SettingsError, load_settings
+from tridentmq_shared.gateway import run_gateway
 from tridentmq_stomp.server import StompGateway
 from tridentmq_stomp.settings import ENV_PREFIX, StompSettings
 
-log = logging.getLogger("tridentmq.stomp")
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="tridentmq-stomp", description="Run a TridentMQ STOMP gateway.")
-    parser.add_argument("--config", type=Path, help="TOML settings file (see docs/configuration.md)")
-    parser.add_argument("--ports-file", type=Path, help="write the bound ports here as JSON once ready")
-    return parser.parse_args(argv)
-
-
-async def serve(settings: StompSettings, ports_file: Path | None) -> None:
-    gateway = StompGateway(settings, ports_file)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await gateway.start()
-    await stop.wait()
-    log.info("stopping on signal")
-    await gateway.stop()
-
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    try:
-        settings = load_settings(StompSettings, prefix=ENV_PREFIX, file=args.config, env=os.environ)
-    except SettingsError as exc:
-        sys.exit(f"tridentmq-stomp: {exc}")
-    setup_logging(settings.node.log_level)
-    try:
-        run_main(serve(settings, args.ports_file))
-    except OSError as exc:
-        sys.exit(f"tridentmq-stomp: {exc}")
+    run_gateway("stomp", StompSettings, ENV_PREFIX, StompGateway, argv)
 
 
 if __name__ == "__main__":
