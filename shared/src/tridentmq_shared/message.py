@@ -89,6 +89,16 @@ def new_message(
     ]
 
 
+def property_text(value: object) -> str:
+    """A property value as text, for protocols whose headers are strings (STOMP headers, MQTT 5 user
+    properties): booleans as ``true``/``false``, bytes as UTF-8 (invalid bytes replaced), None as empty."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return "" if value is None else str(value)
+
+
 def check_message(m: Any, max_properties: int = 256) -> str | None:
     """Return what is wrong with a message that came off the wire, or None when it is well formed."""
     if type(m) is not list or len(m) != MESSAGE_FIELDS:

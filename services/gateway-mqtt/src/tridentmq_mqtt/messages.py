@@ -24,6 +24,7 @@ from tridentmq_shared.message import (
     M_PROPS,
     RoutingType,
     WireMessage,
+    property_text,
 )
 
 PROTOCOL: Final = "mqtt"
@@ -117,12 +118,4 @@ def user_properties(props: dict[str, object]) -> tuple[tuple[str, str], ...]:
             return tuple((str(name), str(value)) for name, value in pairs)
         except (ValueError, TypeError):
             pass  # not ours after all: shown as it is below
-    return tuple((name, _text(value)) for name, value in props.items() if name not in INTERNAL)
-
-
-def _text(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, bytes):
-        return value.decode("utf-8", errors="replace")
-    return "" if value is None else str(value)
+    return tuple((name, property_text(value)) for name, value in props.items() if name not in INTERNAL)

@@ -27,6 +27,7 @@ from tridentmq_shared.message import (
     RoutingType,
     WireMessage,
     new_message,
+    property_text,
 )
 
 QUEUE_PREFIX: Final = "/queue/"
@@ -109,7 +110,7 @@ def message_headers(message: WireMessage, subscription: str, ack_id: str, delive
         headers.append(("content-type", message[M_CONTENT_TYPE]))
     for name, value in message[M_PROPS].items():
         if name not in FRAME_HEADERS:
-            headers.append((name, _text(value)))
+            headers.append((name, property_text(value)))
     return headers
 
 
@@ -125,11 +126,3 @@ def _int_header(headers: dict[str, str], name: str, default: int) -> int:
         return int(value)
     except ValueError:
         raise ConversionError(f"{name} {value[:20]!r} is not a number") from None
-
-
-def _text(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, bytes):
-        return value.decode("utf-8", errors="replace")
-    return "" if value is None else str(value)
