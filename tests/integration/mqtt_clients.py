@@ -8,9 +8,11 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import paho.mqtt.client as paho
+import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties as PahoProperties
 from paho.mqtt.reasoncodes import ReasonCode
@@ -174,3 +176,17 @@ class Raw:
 
     def close(self) -> None:
         self.sock.close()
+
+
+@pytest.fixture
+def raw() -> Iterator[Callable[..., Raw]]:
+    """Raw clients, closed at the end of the test."""
+    made: list[Raw] = []
+
+    def make(port: int, version: int = V5) -> Raw:
+        made.append(Raw(port, version))
+        return made[-1]
+
+    yield make
+    for client in made:
+        client.close()

@@ -56,20 +56,6 @@ def _kill(gateway: GatewayProcess) -> None:
 
 
 @pytest.fixture
-def raw() -> Iterator[Callable[..., Raw]]:
-    """Raw clients, closed at the end of the test."""
-    made: list[Raw] = []
-
-    def make(port: int, version: int = V5) -> Raw:
-        made.append(Raw(port, version))
-        return made[-1]
-
-    yield make
-    for client in made:
-        client.close()
-
-
-@pytest.fixture
 def paho() -> Iterator[Callable[..., Paho]]:
     """Paho clients, stopped at the end of the test."""
     made: list[Paho] = []

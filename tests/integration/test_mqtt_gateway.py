@@ -19,7 +19,7 @@ from paho.mqtt.properties import Properties as PahoProperties
 from tests.conftest import CoreProcess, GatewayProcess, start_gateway, stop_cleanly
 from tests.integration.mqtt_clients import Paho, Raw
 
-from tridentmq_mqtt.protocol.packets import V5, V311, Connack, Disconnect, Puback, Publish, Subscribe, Subscription
+from tridentmq_mqtt.protocol.packets import V311, Connack, Disconnect, Puback, Publish, Subscribe, Subscription
 from tridentmq_shared.link.client import LinkClient
 from tridentmq_shared.message import RoutingType, new_message
 
@@ -36,20 +36,6 @@ def second_gateway(tmp_path: Path, core: CoreProcess) -> Iterator[GatewayProcess
     gateway = start_gateway(tmp_path, core, "mqtt", name="gateway-mqtt-2")
     yield gateway
     stop_cleanly(gateway)
-
-
-@pytest.fixture
-def raw() -> Iterator[Callable[..., Raw]]:
-    """Raw clients, closed at the end of the test."""
-    made: list[Raw] = []
-
-    def make(port: int, version: int = V5) -> Raw:
-        made.append(Raw(port, version))
-        return made[-1]
-
-    yield make
-    for client in made:
-        client.close()
 
 
 def _port(gateway: GatewayProcess, websocket: bool) -> int:
