@@ -37,23 +37,18 @@ import argparse
 import asyncio
 import math
 import multiprocessing
-import os
-import resource
 import signal
 import statistics
-import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event as MpEvent
-from pathlib import Path
 from typing import TypedDict, TypeVar, cast
 
-from bench.node import core_node, machine, mqtt_gateway
+from bench.node import cpu_of, cpu_self, gateway_target, machine, mqtt_gateway
 
 from tridentmq_shared.runtime import run_main, set_nodelay
 
@@ -177,11 +172,6 @@ def _long_length(buf: bytearray, at: int, size: int) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------------------------- clients
-
-
-def _cpu_self() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 class _MqttClient(asyncio.Protocol):
@@ -412,7 +402,7 @@ async def _publish(opts: RunOptions, index: int, subscribed: list[MpEvent], resu
     filler = b"x" * (BODY_SIZE - STAMP_DIGITS)
     interval = opts.publishers * 1e9 / opts.rate if opts.rate else 0.0  # ns between two of our messages
     clock = time.monotonic_ns
-    cpu = _cpu_self()
+    cpu = cpu_self()
     t0 = result["t0_ns"] = clock()
     first_due = t0 + index * interval / opts.publishers  # the publishers' messages interleave evenly
     sent = 0
@@ -444,7 +434,7 @@ async def _publish(opts: RunOptions, index: int, subscribed: list[MpEvent], resu
     else:
         await client.ping()
     result["done_ns"] = clock()
-    result["cpu_s"] = _cpu_self() - cpu
+    result["cpu_s"] = cpu_self() - cpu
     await client.close()
 
 
@@ -455,7 +445,7 @@ async def _subscribe(opts: RunOptions, first: int, connections: int, subscribed:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + opts.deadline_s
     await asyncio.wait_for(asyncio.gather(*(client.subscribe(opts.topic, opts.qos) for client in clients)), 30)
-    cpu = _cpu_self()
+    cpu = cpu_self()
     subscribed.set()
     quiet_since = 0.0
 
@@ -480,7 +470,7 @@ async def _subscribe(opts: RunOptions, first: int, connections: int, subscribed:
     finally:
         collect()
         result["latencies_ns"] = [sample for client in clients for sample in client.latencies_ns]
-        result["cpu_s"] = _cpu_self() - cpu
+        result["cpu_s"] = cpu_self() - cpu
     await asyncio.gather(*(client.close() for client in clients))
 
 
@@ -537,15 +527,6 @@ class RunResult:
         return sum(self.server_cpu_s.values()) * 1e6 / self.delivered
 
 
-def _cpu_of(pid: int) -> float:
-    """CPU seconds (user + system) a process has used so far, from ``/proc``; 0 where there is none."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def run_once(opts: RunOptions, scenario: Scenario, servers: dict[str, int]) -> RunResult:
     """The scenario's publisher and subscriber processes; ``servers`` are processes whose CPU use is shown."""
     ctx = multiprocessing.get_context("spawn")
@@ -566,7 +547,7 @@ def run_once(opts: RunOptions, scenario: Scenario, servers: dict[str, int]) -> R
         processes.append(ctx.Process(target=_publisher_main, daemon=True,
                                      args=(opts, n, subscribed, produced[n], out)))  # fmt: skip
         ends.append(end)
-    cpu = {name: _cpu_of(pid) for name, pid in servers.items()}
+    cpu = {name: cpu_of(pid) for name, pid in servers.items()}
     for process in processes:
         process.start()
     until = time.monotonic() + opts.deadline_s + 4 * GRACE_S + 30
@@ -574,7 +555,7 @@ def run_once(opts: RunOptions, scenario: Scenario, servers: dict[str, int]) -> R
     for end in ends:
         ready = end.poll(max(0.0, until - time.monotonic()))
         reports.append(cast(PublisherResult | SubscriberResult, end.recv()) if ready else None)
-    cpu = {name: _cpu_of(pid) - cpu[name] for name, pid in servers.items()}
+    cpu = {name: cpu_of(pid) - cpu[name] for name, pid in servers.items()}
     for process in processes:
         process.join(10)
         if process.is_alive():
@@ -619,25 +600,6 @@ def _describe(result: RunResult, *, paced: bool) -> str:
     return f"{text}; FAILED: {result.error}" if result.error else text
 
 
-# ---------------------------------------------------------------------------------------------- main
-@contextmanager
-def _target(args: argparse.Namespace) -> Iterator[tuple[int, dict[str, int]]]:
-    """The gateway's MQTT port and the server processes to watch: our own core and gateway, unless
-    ``--port`` names a gateway that is already running (then those of ``--core-pid`` and ``--gateway-pid``)."""
-    if args.port is not None:
-        print(f"gateway: {args.host}:{args.port} (already running)")
-        watched = {"core": args.core_pid, "gateway": args.gateway_pid}
-        yield args.port, {name: pid for name, pid in watched.items() if pid is not None}
-        return
-    with ExitStack() as stack:
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tridentmq-mqtt-bench-")))
-        core = stack.enter_context(core_node(tmp / "core"))
-        gateway = stack.enter_context(mqtt_gateway(core, tmp / "gateway"))
-        print(f"gateway: started on 127.0.0.1:{gateway.port} with its core on link port {core.link_port} "
-              "(throw-away data directory)")  # fmt: skip
-        yield gateway.port, {"core": core.process.pid, "gateway": gateway.process.pid}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="runs of each scenario (the median is reported)")
@@ -658,7 +620,9 @@ def main() -> None:
         parser.error("--runs, --count and --seconds must be positive, --rate not negative")
     print(f"machine: {machine()}")
     scenarios = [s for s in SCENARIOS if not args.scenario or s.key in args.scenario]
-    with _target(args) as (port, servers):
+    with gateway_target(
+        "mqtt", mqtt_gateway, args.host, args.port, {"core": args.core_pid, "gateway": args.gateway_pid}
+    ) as (port, servers):
         for scenario in scenarios:
             count = args.count or (math.ceil(args.rate * args.seconds / scenario.publishers) if args.rate
                                    else scenario.count)  # fmt: skip

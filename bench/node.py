@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.request import urlopen
@@ -116,3 +118,41 @@ def machine() -> str:
     except OSError:
         pass
     return f"{os.cpu_count()} cores ({model}), Python {platform.python_version()}, {platform.system()}"
+
+
+def cpu_self() -> float:
+    """CPU seconds (user + system) this process has used so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def cpu_of(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far, from ``/proc``; 0 where there is none."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextmanager
+def gateway_target(
+    protocol: str,
+    start: Callable[[Core, Path], AbstractContextManager[Gateway]],
+    host: str,
+    port: int | None,
+    watched: dict[str, int | None],
+) -> Iterator[tuple[int, dict[str, int]]]:
+    """The gateway's client port and the server processes to watch: a core and gateway of our own (``start``
+    makes the gateway), unless ``port`` names a gateway that is already running (then ``watched``)."""
+    if port is not None:
+        print(f"gateway: {host}:{port} (already running)")
+        yield port, {name: pid for name, pid in watched.items() if pid is not None}
+        return
+    with ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"tridentmq-{protocol}-bench-")))
+        core = stack.enter_context(core_node(tmp / "core"))
+        gateway = stack.enter_context(start(core, tmp / "gateway"))
+        print(f"gateway: started on 127.0.0.1:{gateway.port} with its core on link port {core.link_port} "
+              "(throw-away data directory)")  # fmt: skip
+        yield gateway.port, {"core": core.process.pid, "gateway": gateway.process.pid}

@@ -27,22 +27,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
-import os
-import resource
 import signal
 import statistics
-import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Event as MpEvent
-from pathlib import Path
 from typing import TypedDict, TypeVar, cast
 
-from bench.node import core_node, machine, stomp_gateway
+from bench.node import cpu_of, cpu_self, gateway_target, machine, stomp_gateway
 
 from tridentmq_shared.runtime import run_main, set_nodelay
 
@@ -102,11 +97,6 @@ class ConsumerResult(TypedDict):
 # ---------------------------------------------------------------------------------------------- clients
 class StompError(Exception):
     pass
-
-
-def _cpu_self() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 class _StompClient(asyncio.Protocol):
@@ -314,7 +304,7 @@ async def _produce(opts: RunOptions, subscribed: MpEvent, produced: MpEvent, res
     count, last = opts.count, opts.count - 1
     interval = 1e9 / opts.rate if opts.rate else 0.0
     clock = time.monotonic_ns
-    cpu = _cpu_self()
+    cpu = cpu_self()
     t0 = result["t0_ns"] = clock()
     sent = 0
     while sent < count:
@@ -340,7 +330,7 @@ async def _produce(opts: RunOptions, subscribed: MpEvent, produced: MpEvent, res
         await client.receipt()
     result["done_ns"] = clock()
     produced.set()
-    result["cpu_s"] = _cpu_self() - cpu
+    result["cpu_s"] = cpu_self() - cpu
     await client.close()
 
 
@@ -353,7 +343,7 @@ async def _consume(opts: RunOptions, subscribed: MpEvent, produced: MpEvent, res
                  f"activemq.prefetchSize:{PREFETCH}\nconsumer-window-size:{PREFETCH}\nreceipt:subscribe\n\n\x00"
                  .encode())  # fmt: skip
     await asyncio.wait_for(client.receipt(), 30)
-    cpu = _cpu_self()
+    cpu = cpu_self()
     subscribed.set()
     result["latencies_ns"] = client.latencies_ns
     quiet_since = 0.0
@@ -369,7 +359,7 @@ async def _consume(opts: RunOptions, subscribed: MpEvent, produced: MpEvent, res
                     break
     finally:
         result["delivered"], result["last_ns"] = client.delivered, client.last_ns
-        result["cpu_s"] = _cpu_self() - cpu
+        result["cpu_s"] = cpu_self() - cpu
     await client.close()
 
 
@@ -414,15 +404,6 @@ class RunResult:
     error: str
 
 
-def _cpu_of(pid: int) -> float:
-    """CPU seconds (user + system) a process has used so far, from ``/proc``; 0 where there is none."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _receive(end: Connection, timeout: float) -> ProducerResult | ConsumerResult | None:
     if not end.poll(timeout):
         return None
@@ -437,13 +418,13 @@ def run_once(opts: RunOptions, servers: dict[str, int]) -> RunResult:
     producer_end, producer_out = ctx.Pipe(duplex=False)
     consumer = ctx.Process(target=_consumer_main, args=(opts, subscribed, produced, consumer_out), daemon=True)
     producer = ctx.Process(target=_producer_main, args=(opts, subscribed, produced, producer_out), daemon=True)
-    cpu = {name: _cpu_of(pid) for name, pid in servers.items()}
+    cpu = {name: cpu_of(pid) for name, pid in servers.items()}
     consumer.start()
     producer.start()
     limit = opts.deadline_s + 4 * GRACE_S + 30
     produced_result = cast(ProducerResult | None, _receive(producer_end, limit))
     consumed_result = cast(ConsumerResult | None, _receive(consumer_end, limit))
-    cpu = {name: _cpu_of(pid) - cpu[name] for name, pid in servers.items()}
+    cpu = {name: cpu_of(pid) - cpu[name] for name, pid in servers.items()}
     for process in (producer, consumer):
         process.join(10)
         if process.is_alive():
@@ -474,24 +455,6 @@ def _describe(result: RunResult) -> str:
     return f"{text}; FAILED: {result.error}" if result.error else text
 
 
-# ---------------------------------------------------------------------------------------------- main
-@contextmanager
-def _target(args: argparse.Namespace) -> Iterator[tuple[int, dict[str, int]]]:
-    """The gateway's STOMP port and the server processes to watch: our own core and gateway, unless
-    ``--port`` names a gateway that is already running."""
-    if args.port is not None:
-        print(f"gateway: {args.host}:{args.port} (already running)")
-        yield args.port, {}
-        return
-    with ExitStack() as stack:
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tridentmq-stomp-bench-")))
-        core = stack.enter_context(core_node(tmp / "core"))
-        gateway = stack.enter_context(stomp_gateway(core, tmp / "gateway"))
-        print(f"gateway: started on 127.0.0.1:{gateway.port} with its core on link port {core.link_port} "
-              "(throw-away data directory)")  # fmt: skip
-        yield gateway.port, {"gateway": gateway.process.pid, "core": core.process.pid}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="runs of each scenario (the median is reported)")
@@ -510,7 +473,7 @@ def main() -> None:
         parser.error("--runs, --count and --seconds must be positive, --rate not negative")
     print(f"machine: {machine()}")
     scenarios = [s for s in SCENARIOS if not args.scenario or s.key in args.scenario]
-    with _target(args) as (port, servers):
+    with gateway_target("stomp", stomp_gateway, args.host, args.port, {}) as (port, servers):
         for scenario in scenarios:
             count = args.count or (args.rate * args.seconds if args.rate else scenario.count)
             paced = f" at {args.rate:,} msgs/s" if args.rate else ""
