@@ -94,3 +94,8 @@ def test_the_session_record_round_trips() -> None:
 ])  # fmt: skip
 def test_retained_lookups_narrow_by_the_literal_prefix(topic_filter: str, prefix: str) -> None:
     assert _literal_prefix(topic_filter) == prefix
+
+
+def test_another_protocols_original_encoding_is_not_shown() -> None:
+    props = {"colour": "red", "$enc.amqp.properties": b"\x00\x53\x73\x45"}
+    assert messages.user_properties(props) == (("colour", "red"),)

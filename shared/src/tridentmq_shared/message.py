@@ -45,6 +45,10 @@ DEFAULT_PRIORITY: Final = 4
 #: there, so a reply that arrives after its requester left is dropped instead of kept for ever.
 TEMPORARY_ADDRESS_PREFIX: Final = "tmp."
 MAX_PRIORITY: Final = 9
+#: Properties named under this prefix carry a protocol's original encoding of what the core model has no field
+#: for (``$enc.amqp.properties`` ...), so that a consumer of the same protocol gets the message as it was sent;
+#: the other protocols never show them.
+ENCODING_PREFIX: Final = "$enc."
 
 PropertyValue = str | int | float | bool | bytes | None
 WireMessage = list[Any]

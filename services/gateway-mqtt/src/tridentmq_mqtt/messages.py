@@ -18,6 +18,7 @@ from typing import Final
 from tridentmq_mqtt.protocol.properties import NO_PROPERTIES, Properties
 from tridentmq_shared.message import (
     DEFAULT_PRIORITY,
+    ENCODING_PREFIX,
     M_CONTENT_TYPE,
     M_DURABLE,
     M_EXPIRATION,
@@ -118,4 +119,5 @@ def user_properties(props: dict[str, object]) -> tuple[tuple[str, str], ...]:
             return tuple((str(name), str(value)) for name, value in pairs)
         except (ValueError, TypeError):
             pass  # not ours after all: shown as it is below
-    return tuple((name, property_text(value)) for name, value in props.items() if name not in INTERNAL)
+    return tuple((name, property_text(value)) for name, value in props.items()
+                 if name not in INTERNAL and not name.startswith(ENCODING_PREFIX))  # fmt: skip

@@ -12,6 +12,7 @@ from typing import Final
 
 from tridentmq_shared.message import (
     DEFAULT_PRIORITY,
+    ENCODING_PREFIX,
     M_ADDRESS,
     M_BODY,
     M_CONTENT_TYPE,
@@ -109,7 +110,7 @@ def message_headers(message: WireMessage, subscription: str, ack_id: str, delive
     if message[M_CONTENT_TYPE] is not None:
         headers.append(("content-type", message[M_CONTENT_TYPE]))
     for name, value in message[M_PROPS].items():
-        if name not in FRAME_HEADERS:
+        if name not in FRAME_HEADERS and not name.startswith(ENCODING_PREFIX):
             headers.append((name, property_text(value)))
     return headers
 
