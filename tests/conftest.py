@@ -157,3 +157,10 @@ def mqtt_gateway(tmp_path: Path, core: CoreProcess) -> Iterator[GatewayProcess]:
     gateway = start_gateway(tmp_path, core, "mqtt")
     yield gateway
     stop_cleanly(gateway)
+
+
+@pytest.fixture
+def amqp_gateway(tmp_path: Path, core: CoreProcess) -> Iterator[GatewayProcess]:
+    gateway = start_gateway(tmp_path, core, "amqp")
+    yield gateway
+    stop_cleanly(gateway)

@@ -1,0 +1,74 @@
+"""AMQP node addresses and capabilities ↔ core addresses, routing types and queues (pure functions).
+
+An address is a core address as it is (``.`` delimited, ``*`` and ``#`` wildcards). Its routing type comes
+from a prefix (``queue://``, ``topic://``, ``anycast://``, ``multicast://``, and RabbitMQ's ``/queue/`` and
+``/topic/``), else from the terminus capabilities ``queue`` and ``topic`` (as Qpid JMS sends them), else
+from the address itself (the core's default). ``address::queue`` (a fully qualified queue name) names one
+queue of an address, for consumers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Final
+
+from tridentmq_shared.message import ROUTING_DEFAULT, TEMPORARY_ADDRESS_PREFIX, RoutingType
+
+ANYCAST: Final = int(RoutingType.ANYCAST)
+MULTICAST: Final = int(RoutingType.MULTICAST)
+PREFIXES: Final = (
+    ("queue://", ANYCAST), ("topic://", MULTICAST), ("anycast://", ANYCAST), ("multicast://", MULTICAST),
+    ("/queue/", ANYCAST), ("/topic/", MULTICAST),
+)  # fmt: skip
+CAPABILITIES: Final = {"queue": ANYCAST, "topic": MULTICAST}
+FQQN_SEPARATOR: Final = "::"
+
+
+class ConversionError(ValueError):
+    """An address the gateway cannot map (the attach is refused with ``amqp:invalid-field``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    address: str
+    routing: int  # RoutingType, or ROUTING_DEFAULT: whatever the address has
+    queue: str | None = None  # the queue of a fully qualified queue name
+
+
+def resolve(address: str, capabilities: Iterable[str] = ()) -> Node:
+    """The core node an AMQP source or target address names."""
+    routing = ROUTING_DEFAULT
+    for prefix, prefixed in PREFIXES:
+        if address.startswith(prefix):
+            address, routing = address[len(prefix) :], prefixed
+            break
+    else:
+        for capability in capabilities:
+            if capability in CAPABILITIES:
+                routing = CAPABILITIES[capability]
+                break
+    queue = None
+    if FQQN_SEPARATOR in address:
+        address, _, queue = address.partition(FQQN_SEPARATOR)
+        if not queue:
+            raise ConversionError("a fully qualified queue name needs a queue after '::'")
+    if not address:
+        raise ConversionError("the address is empty")
+    return Node(address, routing, queue)
+
+
+def capability_of(routing: int) -> str | None:
+    """The capability that tells a client what kind of node it attached to."""
+    return "topic" if routing == MULTICAST else "queue" if routing == ANYCAST else None
+
+
+def durable_subscription_queue(container_id: str, link_name: str) -> str:
+    """The queue of a durable subscription: the client's container id and the link name (the JMS client id
+    and subscription name), as in Artemis, so that a reconnecting client finds it again."""
+    return f"{container_id}.{link_name}"
+
+
+def temporary_address(connection_id: str, number: int) -> str:
+    """The address of a dynamic node (a temporary queue of this connection)."""
+    return f"{TEMPORARY_ADDRESS_PREFIX}amqp.{connection_id}.{number}"

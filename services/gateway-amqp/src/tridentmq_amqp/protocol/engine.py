@@ -1,0 +1,138 @@
+"""proton's AMQP 1.0 engine (Connection, server Transport, Collector) as a sans-IO object: bytes in, proton
+events out, bytes to send, and a deadline for idle-timeout heartbeats.
+
+proton is already a state machine without I/O; this is the glue that feeds it. The per-message calls go
+straight to the C library (``lib``): the Python wrapper classes cost about five times as much, so they are
+kept for the rare events (attach, detach, open, close).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Final, cast
+
+from cproton_ffi import ffi, lib
+from proton import Collector, Connection, Delivery, Link, Session, Transport, symbol
+
+NULL: Final = ffi.NULL
+#: Bytes read from proton's output per call; more calls when there is more.
+_OUTPUT_CHUNK: Final = 256 * 1024
+
+
+class Engine:
+    """One client connection's AMQP engine, after SASL (the SASL layer hands it the plain AMQP stream)."""
+
+    def __init__(self, *, container_id: str, max_frame_bytes: int, channel_max: int, idle_timeout_ms: int,
+                 offered_capabilities: Iterable[str] = ()) -> None:  # fmt: skip
+        self.connection = Connection()
+        self.connection.container = container_id
+        capabilities = [symbol(c) for c in offered_capabilities]
+        if capabilities:
+            self.connection.offered_capabilities = capabilities
+        self.transport = Transport(Transport.SERVER)
+        self.transport.max_frame_size = max_frame_bytes
+        self.transport.channel_max = channel_max
+        if idle_timeout_ms > 0:
+            self.transport.idle_timeout = idle_timeout_ms / 1000
+        self.collector = Collector()
+        self.transport.bind(self.connection)
+        self.connection.collect(self.collector)
+        # The raw handles of the hot path.
+        self.pn_transport: Any = self.transport._impl
+        self.pn_collector: Any = self.collector._impl
+        self._input = bytearray()  # bytes beyond what the transport could take so far
+        self._output = bytearray(_OUTPUT_CHUNK)
+        self._output_view = ffi.from_buffer(self._output)
+        self.tail_closed = False
+
+    # ------------------------------------------------------------------ input
+    def receive_data(self, data: bytes) -> None:
+        """Bytes from the client (``b""``: it closed its side). What the transport cannot take yet stays
+        buffered until ``pump_input`` after the events were handled."""
+        if not data:
+            self._close_tail()
+            return
+        if self._input:
+            self._input += data
+            self.pump_input()
+            return
+        self._push(data)
+
+    def _push(self, data: bytes | bytearray) -> int:
+        transport = self.pn_transport
+        capacity = lib.pn_transport_capacity(transport)
+        if capacity < 0:  # the transport's input side is closed (an error): nothing more is read
+            return len(data)
+        taken: int = min(capacity, len(data))
+        if taken:
+            lib.pn_transport_push(transport, ffi.from_buffer(data), taken)
+        if taken < len(data):
+            self._input += data[taken:]
+        return taken
+
+    def pump_input(self) -> None:
+        """Give the transport what it could not take before (called after the events were handled)."""
+        if self._input:
+            data = bytes(self._input)
+            self._input.clear()
+            self._push(data)
+
+    @property
+    def buffered_input(self) -> int:
+        return len(self._input)
+
+    def _close_tail(self) -> None:
+        if not self.tail_closed:
+            self.tail_closed = True
+            lib.pn_transport_close_tail(self.pn_transport)
+
+    # ------------------------------------------------------------------ output
+    def data_to_send(self) -> bytes:
+        transport = self.pn_transport
+        chunks = []
+        while (pending := lib.pn_transport_pending(transport)) > 0:
+            size = min(pending, _OUTPUT_CHUNK)
+            got = lib.pn_transport_peek(transport, self._output_view, size)
+            if got < 0:
+                break
+            chunks.append(bytes(self._output[:size]))
+            lib.pn_transport_pop(transport, size)
+        return b"".join(chunks) if len(chunks) != 1 else chunks[0]
+
+    # ------------------------------------------------------------------ time
+    def tick(self, now: float) -> float | None:
+        """Let proton send heartbeats and detect a silent client; returns the next deadline (seconds on the
+        same clock as ``now``) or None."""
+        deadline_ms = lib.pn_transport_tick(self.pn_transport, int(now * 1000))
+        return deadline_ms / 1000 if deadline_ms else None
+
+    # ------------------------------------------------------------------ state
+    @property
+    def closed(self) -> bool:
+        """Both directions of the transport are done: nothing more to read or write."""
+        return bool(lib.pn_transport_closed(self.pn_transport)) and lib.pn_transport_pending(self.pn_transport) <= 0
+
+    @property
+    def head_closed(self) -> bool:
+        """Nothing more will be written (after an error or a CLOSE)."""
+        return bool(lib.pn_transport_pending(self.pn_transport) < 0)
+
+    def error(self) -> tuple[str, str] | None:
+        """The transport's error condition (name, description), if any."""
+        condition = self.transport.condition
+        if condition is None:
+            return None
+        return str(condition.name), str(condition.description or "")
+
+
+# The wrappers of the rare events, typed (proton's ``wrap`` functions are not).
+def wrap_link(pn_link: Any) -> Link:
+    return cast(Link, Link.wrap(pn_link))  # type: ignore[no-untyped-call]
+
+
+def wrap_session(pn_session: Any) -> Session:
+    return cast(Session, Session.wrap(pn_session))  # type: ignore[no-untyped-call]
+
+
+def wrap_delivery(pn_delivery: Any) -> Delivery:
+    return cast(Delivery, Delivery.wrap(pn_delivery))  # type: ignore[no-untyped-call]

@@ -1,0 +1,62 @@
+"""The AMQP 1.0 gateway: the shared gateway shell (listeners, HTTP, ports file) around ``AmqpSession``s."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from tridentmq_amqp.session import AmqpSession, Counters
+from tridentmq_amqp.settings import AmqpSettings
+from tridentmq_shared.gateway import ClientSession, GatewayShell, Metric, ShellConfig, Wire
+
+log = logging.getLogger("tridentmq.amqp")
+
+SUBPROTOCOLS = ("amqp",)  # AMQP over WebSocket; a client not offering it is closed with 1002
+
+
+class AmqpGateway:
+    def __init__(self, settings: AmqpSettings, ports_file: Path | None = None) -> None:
+        self.settings = settings
+        self.counters = Counters()
+        listener, limits, http = settings.listener, settings.amqp, settings.http
+        config = ShellConfig(
+            protocol="amqp", host=listener.host, port=listener.port, websocket_port=listener.websocket_port,
+            max_connections=listener.max_connections, subprotocols=SUBPROTOCOLS, subprotocol_required=True,
+            max_websocket_message=max(limits.max_frame_bytes, limits.max_message_bytes) + 1024,
+            binary_frames=True, http_enabled=http.enabled, http_host=http.host, http_port=http.port,
+        )  # fmt: skip
+        self.shell = GatewayShell(config, self._open_session, self._metrics, ports_file=ports_file)
+
+    @property
+    def ports(self) -> dict[str, int]:
+        return self.shell.ports
+
+    def _open_session(self, wire: Wire) -> ClientSession:
+        return AmqpSession(self.settings, wire, self.counters)
+
+    async def start(self) -> None:
+        await self.shell.start()
+        core = self.settings.core
+        log.info("amqp gateway ready", extra={**self.ports, "core": f"{core.host}:{core.port}"})
+
+    async def stop(self) -> None:
+        await self.shell.stop(_shut_down)
+
+    def _metrics(self) -> list[Metric]:
+        c = self.counters
+        return [
+            Metric("amqp_connections", "gauge", "Open AMQP connections.", len(self.shell.sessions)),
+            Metric("amqp_connections_total", "counter", "AMQP connections accepted.", c.connections_total),
+            Metric("amqp_connections_refused_total", "counter", "Connections refused by SASL or the core.",
+                   c.refused),
+            Metric("amqp_messages_published_total", "counter", "Transfers passed to the core.", c.messages_published),
+            Metric("amqp_messages_delivered_total", "counter", "Messages delivered to clients and settled.",
+                   c.messages_delivered),
+            Metric("amqp_protocol_errors_total", "counter", "Connections closed for a protocol error.",
+                   c.protocol_errors),
+        ]  # fmt: skip
+
+
+def _shut_down(session: ClientSession) -> None:
+    assert isinstance(session, AmqpSession)
+    session.shutdown()

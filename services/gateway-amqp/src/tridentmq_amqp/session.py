@@ -1,0 +1,908 @@
+"""One AMQP 1.0 client connection: SASL, proton's engine, the client's own link to the core, and the AMQP
+links mapped onto core publishes and consumers.
+
+One worker task handles the client's bytes in order: SASL first (authenticated by the core with the client's
+credentials), then proton's events. A client's sending link gets credit while the core keeps up, and its
+unsettled transfers are settled (accepted, or rejected with the core's reason) once the core confirmed them:
+for a durable message, once it is on disk. Each of the client's receiving links is a core consumer with a
+pump that sends transfers while the client grants credit; the client's dispositions become core acks and
+nacks. Nothing is kept here that the core does not also know: when the connection ends its link closes, and
+the core returns unsettled messages to their queues and drops temporary ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from cproton_ffi import ffi, lib
+from proton import Condition, Data, Delivery, Endpoint, Link, Terminus, symbol, ulong
+from proton import Described as PnDescribed
+
+from tridentmq_amqp import convert, messages
+from tridentmq_amqp.protocol.engine import NULL, Engine, wrap_delivery, wrap_link, wrap_session
+from tridentmq_amqp.protocol.errors import RemoteProtocolError
+from tridentmq_amqp.protocol.sasl import AuthRequest, SaslLayer
+from tridentmq_amqp.protocol.types import Described, decode
+from tridentmq_amqp.settings import AmqpSettings
+from tridentmq_shared.gateway import Wire
+from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.link.ops import ErrorCode, NackMode
+from tridentmq_shared.message import M_ADDRESS, M_ID, M_ROUTING, ROUTING_DEFAULT, RoutingType, WireMessage
+
+log = logging.getLogger("tridentmq.amqp")
+
+_NO_LINK_RETRY = ReconnectPolicy(attempts=0)  # a lost core ends the AMQP connection; the client reconnects
+OFFERED_CAPABILITIES: Final = ("ANONYMOUS-RELAY", "SHARED-SUBS")
+SELECTOR_FILTER: Final = symbol("jms-selector")
+SELECTOR_DESCRIPTORS: Final = (0x0000468C00000004, "apache.org:selector-filter:string")
+# Transaction coordinator messages and states (AMQP 1.0 part 4).
+DECLARE: Final = 0x31
+DISCHARGE: Final = 0x32
+DECLARED: Final = 0x33
+TRANSACTIONAL_STATE: Final = 0x34
+
+# Error conditions.
+UNAUTHORIZED: Final = "amqp:unauthorized-access"
+NOT_FOUND: Final = "amqp:not-found"
+INVALID_FIELD: Final = "amqp:invalid-field"
+RESOURCE_LIMIT: Final = "amqp:resource-limit-exceeded"
+INTERNAL: Final = "amqp:internal-error"
+MESSAGE_SIZE: Final = "amqp:link:message-size-exceeded"
+DETACH_FORCED: Final = "amqp:link:detach-forced"
+CONNECTION_FORCED: Final = "amqp:connection:forced"
+TX_UNKNOWN: Final = "amqp:transaction:unknown-id"
+TX_ROLLBACK: Final = "amqp:transaction:rollback"
+#: AMQP conditions for the core's refusals.
+_CONDITIONS: Final = {ErrorCode.FORBIDDEN: UNAUTHORIZED, ErrorCode.NOT_FOUND: NOT_FOUND,
+                      ErrorCode.INVALID: INVALID_FIELD, ErrorCode.RESOURCE_LIMIT: RESOURCE_LIMIT,
+                      ErrorCode.UNAUTHENTICATED: UNAUTHORIZED}  # fmt: skip
+
+_PN_DELIVERY: Final = lib.PN_DELIVERY
+_PN_LINK_FLOW: Final = lib.PN_LINK_FLOW
+_ACCEPTED: Final = lib.PN_ACCEPTED
+_REJECTED: Final = lib.PN_REJECTED
+_RELEASED: Final = lib.PN_RELEASED
+_MODIFIED: Final = lib.PN_MODIFIED
+_SASL_OUTCOME_SYS_TEMP: Final = 4
+
+
+class Counters:
+    """Gateway-wide counters for /metrics."""
+
+    def __init__(self) -> None:
+        self.connections_total = 0
+        self.refused = 0
+        self.messages_published = 0
+        self.messages_delivered = 0
+        self.protocol_errors = 0
+
+
+@dataclass(eq=False)
+class Inbound:
+    """A link on which the client sends messages to the gateway."""
+
+    link: Any  # pn_link_t*
+    node: convert.Node | None  # None: the anonymous relay (each message's ``to`` says where)
+    window: int
+    granted: int = 0  # messages received since the credit was last topped up
+
+
+@dataclass(eq=False)
+class Outbound:
+    """A link on which the gateway sends a core consumer's messages to the client."""
+
+    link: Any  # pn_link_t*
+    consumer: Consumer
+    presettled: bool
+    queue: str
+    durable: bool  # a durable subscription: closing the link (not detaching it) deletes the queue
+    pending: deque[tuple[int, WireMessage]] = field(default_factory=deque)  # fetched, waiting for credit
+    room: asyncio.Event = field(default_factory=asyncio.Event)  # set when ``pending`` empties
+    pump: asyncio.Task[None] | None = None
+
+
+@dataclass(eq=False)
+class Coordinator:
+    link: Any  # pn_link_t*
+
+
+class AmqpSession:
+    def __init__(self, settings: AmqpSettings, wire: Wire, counters: Counters) -> None:
+        limits = settings.amqp
+        self.settings = settings
+        self.wire = wire
+        self.counters = counters
+        self.id = uuid.uuid4().hex[:16]  # unique across gateway replicas: it names temporary queues
+        mechanisms = ("PLAIN", "ANONYMOUS") if limits.allow_anonymous else ("PLAIN",)
+        self.sasl = SaslLayer(mechanisms=mechanisms, allow_no_sasl=limits.allow_anonymous)
+        self.engine: Engine | None = None
+        self.link: LinkClient | None = None
+        self.container_id = ""
+        self.inbound: dict[Any, Inbound] = {}
+        self.outbound: dict[Any, Outbound] = {}
+        self.coordinators: dict[Any, Coordinator] = {}
+        self.transactions: dict[bytes, int] = {}  # AMQP txn-id → core transaction
+        self._tx_ids = itertools.count(1)
+        self._temporary = itertools.count(1)
+        # (confirm future, pn_delivery_t* or None when pre-settled, inbound link, txn-id) in publish order
+        self._unsettled_in: deque[tuple[asyncio.Future[None], Any, Inbound, bytes | None]] = deque()
+        self._input: deque[bytes] = deque()
+        self._input_bytes = 0
+        self._wakeup = asyncio.Event()
+        self._paused = False
+        self._closed = False
+        self._opened = False  # the client's OPEN was answered
+        loop = asyncio.get_running_loop()
+        self._started = loop.time()
+        self._worker = loop.create_task(self._work())
+        self._rearm = asyncio.Event()
+        self._timer = loop.create_task(self._timers())
+        counters.connections_total += 1
+
+    # ------------------------------------------------------------------ input from the client
+    def feed(self, data: bytes) -> None:
+        if self._closed:
+            return
+        self._input.append(data)
+        self._input_bytes += len(data)
+        self._wakeup.set()
+        if not self._paused and self._input_bytes >= self.settings.amqp.pending_bytes:
+            self._paused = True
+            self.wire.pause_reading()
+
+    def connection_lost(self) -> None:
+        if not self._closed:
+            self._input.append(b"")
+            self._wakeup.set()
+
+    async def wait_closed(self) -> None:
+        await asyncio.shield(self._worker)
+
+    def shutdown(self) -> None:
+        """The gateway is stopping: close the connection with ``amqp:connection:forced``."""
+        if self.engine is not None and not self._closed:
+            self._close_connection(CONNECTION_FORCED, "the gateway is shutting down")
+            self._flush()
+        self._end()
+
+    # ------------------------------------------------------------------ the worker
+    async def _work(self) -> None:
+        try:
+            while not self._closed:
+                if not self._input:
+                    self._input_bytes = 0
+                    if self._paused:
+                        self._paused = False
+                        self.wire.resume_reading()
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                data = self._input.popleft()
+                try:
+                    if self.sasl.done:
+                        await self._to_engine(data)
+                    else:
+                        await self._through_sasl(data)
+                except RemoteProtocolError as exc:
+                    log.info("amqp protocol error", extra={"peer": self.wire.peer, "error": exc.message})
+                    self.counters.protocol_errors += 1
+                    self._flush()
+                    self._end()
+                self._flush()
+        except (AssertionError, LookupError, TypeError, ValueError, AttributeError):
+            log.exception("amqp session failed", extra={"peer": self.wire.peer})
+            if self.engine is not None:
+                self._close_connection(INTERNAL, "the gateway failed to handle this connection")
+                self._flush()
+        finally:
+            await self._shutdown()
+
+    async def _through_sasl(self, data: bytes) -> None:
+        try:
+            for item in self.sasl.receive_data(data):
+                if isinstance(item, AuthRequest):
+                    await self._authenticate(item)
+                else:
+                    await self._to_engine(item.data)
+        finally:  # a refusal raises after queuing its answer (our header, or an outcome)
+            self._write_sasl()
+        if self.sasl.closed:
+            self._end()
+
+    def _write_sasl(self) -> None:
+        out = self.sasl.data_to_send()
+        if out:
+            self.wire.write(out)
+
+    async def _authenticate(self, request: AuthRequest) -> None:
+        """Log in to the core as the client (the layer refuses mechanisms other than PLAIN and ANONYMOUS)."""
+        user = request.username if request.mechanism == "PLAIN" else None
+        password = request.password if request.mechanism == "PLAIN" else None
+        error = await self._connect(user, password)
+        if error is not None:
+            self.counters.refused += 1
+            code = 1 if error.code == ErrorCode.UNAUTHENTICATED else _SASL_OUTCOME_SYS_TEMP
+            log.info("amqp login refused", extra={"peer": self.wire.peer, "user": user, "reason": error.text})
+            self.sasl.outcome(ok=False, code=code)
+            return
+        passthrough = self.sasl.outcome(ok=True)
+        self._write_sasl()  # the outcome goes out before the engine's first bytes
+        for item in passthrough:
+            await self._to_engine(item.data)
+
+    async def _connect(self, user: str | None, password: str | None) -> LinkRequestError | None:
+        core = self.settings.core
+        link = LinkClient(core.host, core.port, user=user, password=password,
+                          client_name=f"amqp {self.wire.peer}", reconnect=_NO_LINK_RETRY)  # fmt: skip
+        try:
+            await link.connect()
+        except LinkRequestError as exc:
+            return exc
+        except OSError as exc:
+            return LinkRequestError(ErrorCode.EOF, str(exc))
+        self.link = link
+        link.on_closed = self._link_closed
+        link.on_settled = self._settle_inbound
+        return None
+
+    async def _to_engine(self, data: bytes) -> None:
+        engine = self.engine
+        if engine is None:
+            limits = self.settings.amqp
+            engine = self.engine = Engine(
+                container_id=self.settings.node.name, max_frame_bytes=limits.max_frame_bytes,
+                channel_max=limits.channel_max, idle_timeout_ms=limits.idle_timeout_ms,
+                offered_capabilities=OFFERED_CAPABILITIES,
+            )  # fmt: skip
+            self._rearm.set()
+            if self.link is None:  # no SASL layer: an anonymous connection
+                error = await self._connect(None, None)
+                if error is not None:
+                    self.counters.refused += 1
+                    log.info("amqp anonymous connection refused", extra={"peer": self.wire.peer,
+                                                                         "reason": error.text})  # fmt: skip
+                    engine.receive_data(data)
+                    self._refuse_open(UNAUTHORIZED if error.code == ErrorCode.UNAUTHENTICATED else INTERNAL,
+                                      error.text)  # fmt: skip
+                    return
+        engine.receive_data(data)
+        await self._process()
+        while engine.buffered_input and not self._closed:
+            engine.pump_input()
+            await self._process()
+
+    def _refuse_open(self, condition: str, description: str) -> None:
+        """Answer the client's OPEN with OPEN and an immediate CLOSE carrying the reason."""
+        assert self.engine is not None
+        connection = self.engine.connection
+        connection.open()
+        self._close_connection(condition, description)
+
+    # ------------------------------------------------------------------ proton events
+    async def _process(self) -> None:
+        """Handle every event proton has queued. Deliveries and flow take the raw C path; the rest is rare."""
+        engine = self.engine
+        assert engine is not None
+        collector = engine.pn_collector
+        acks: dict[Outbound, list[int]] = {}
+        while (event := lib.pn_collector_peek(collector)) != NULL:
+            kind = lib.pn_event_type(event)
+            if kind == _PN_DELIVERY:
+                delivery = lib.pn_event_delivery(event)
+                pn_link = lib.pn_delivery_link(delivery)
+                inbound = self.inbound.get(pn_link)
+                if inbound is not None:
+                    await self._transfer(inbound, pn_link, delivery)
+                else:
+                    outbound = self.outbound.get(pn_link)
+                    if outbound is not None:
+                        self._disposition(outbound, delivery, acks)
+                    elif pn_link in self.coordinators:
+                        await self._coordinate(pn_link, delivery)
+            elif kind == _PN_LINK_FLOW:
+                pn_link = lib.pn_event_link(event)
+                outbound = self.outbound.get(pn_link)
+                if outbound is not None:
+                    self._send_pending(outbound)
+            else:
+                await self._endpoint_event(kind, event)
+            lib.pn_collector_pop(collector)
+        for outbound, ids in acks.items():
+            if ids:
+                outbound.consumer.ack_ids(ids)
+        if not self._closed and self.engine is not None and self.engine.closed:
+            self._end()
+
+    async def _endpoint_event(self, kind: int, event: Any) -> None:
+        if kind == lib.PN_CONNECTION_REMOTE_OPEN:
+            self._open(event)
+        elif kind == lib.PN_CONNECTION_REMOTE_CLOSE:
+            assert self.engine is not None
+            connection = self.engine.connection
+            if connection.state & Endpoint.LOCAL_ACTIVE:
+                connection.close()
+        elif kind == lib.PN_SESSION_REMOTE_OPEN:
+            session = wrap_session(lib.pn_event_session(event))
+            if session.state & Endpoint.LOCAL_UNINIT:
+                session.incoming_capacity = self.settings.amqp.session_window_bytes
+                session.open()
+        elif kind == lib.PN_SESSION_REMOTE_CLOSE:
+            session = wrap_session(lib.pn_event_session(event))
+            await self._end_links(session=lib.pn_event_session(event))
+            if session.state & Endpoint.LOCAL_ACTIVE:
+                session.close()
+        elif kind == lib.PN_LINK_REMOTE_OPEN:
+            await self._attach(lib.pn_event_link(event))
+        elif kind in (lib.PN_LINK_REMOTE_CLOSE, lib.PN_LINK_REMOTE_DETACH):
+            await self._detach(lib.pn_event_link(event), closed=kind == lib.PN_LINK_REMOTE_CLOSE)
+        elif kind == lib.PN_TRANSPORT_ERROR:
+            assert self.engine is not None
+            error = self.engine.error()
+            if error is not None:
+                self.counters.protocol_errors += 1
+                log.info("amqp connection error", extra={"peer": self.wire.peer, "condition": error[0],
+                                                         "error": error[1][:200]})  # fmt: skip
+        elif kind == lib.PN_TRANSPORT_CLOSED:
+            self._flush()
+            self._end()
+
+    def _open(self, event: Any) -> None:
+        assert self.engine is not None
+        connection = self.engine.connection
+        self.container_id = connection.remote_container or self.id
+        if self.link is None:  # refused already (_refuse_open)
+            return
+        if connection.state & Endpoint.LOCAL_UNINIT:
+            connection.open()
+        self._opened = True
+
+    # ------------------------------------------------------------------ attach and detach
+    async def _attach(self, pn_link: Any) -> None:
+        link = wrap_link(pn_link)
+        if not link.state & Endpoint.LOCAL_UNINIT:
+            return
+        if len(self.inbound) + len(self.outbound) + len(self.coordinators) >= self.settings.amqp.max_links:
+            self._refuse_link(link, RESOURCE_LIMIT, "too many links on this connection")
+            return
+        try:
+            if link.is_receiver:  # the client sends
+                await self._attach_inbound(link)
+            else:
+                await self._attach_outbound(link)
+        except convert.ConversionError as exc:
+            self._refuse_link(link, INVALID_FIELD, str(exc))
+        except LinkRequestError as exc:
+            self._refuse_link(link, _CONDITIONS.get(exc.code, INTERNAL), exc.text)
+
+    def _refuse_link(self, link: Link, condition: str, description: str) -> None:
+        """Attach with a null terminus and detach at once with the reason (AMQP 1.0 2.6.3)."""
+        log.info("amqp link refused", extra={"peer": self.wire.peer, "condition": condition,
+                                             "error": description[:200]})  # fmt: skip
+        link.condition = Condition(condition, description)
+        link.open()
+        link.close()
+
+    async def _attach_inbound(self, link: Link) -> None:
+        remote = link.remote_target
+        if remote.type == Terminus.COORDINATOR:
+            link.target.type = Terminus.COORDINATOR
+            _put_capabilities(link.target.capabilities, "amqp:local-transactions")
+            link.source.copy(link.remote_source)
+            link.open()
+            self.coordinators[link._impl] = Coordinator(link._impl)
+            link.flow(self.settings.amqp.link_credit)
+            return
+        node: convert.Node | None = None
+        if remote.address:
+            node = convert.resolve(remote.address, _symbols(remote.capabilities))
+            if node.queue is not None:
+                raise convert.ConversionError("send to an address: a fully qualified queue name is for consumers")
+            if node.routing != convert.MULTICAST:
+                await self._ensure_queue(node)  # clients expect the queue to exist once they attached
+        elif remote.dynamic:
+            node = await self._temporary_node()
+        link.target.copy(remote)
+        if node is not None and remote.dynamic:
+            link.target.address = node.address
+        link.source.copy(link.remote_source)
+        link.max_message_size = self.settings.amqp.max_message_bytes
+        link.open()
+        window = self.settings.amqp.link_credit
+        inbound = Inbound(link._impl, node, window)
+        self.inbound[link._impl] = inbound
+        link.flow(window)
+
+    async def _ensure_queue(self, node: convert.Node) -> None:
+        """Create the anycast queue of an address a producer attached to, so that what it sends before any
+        consumer attaches is kept; a user without the permission still publishes (the core auto-creates)."""
+        assert self.link is not None
+        with contextlib.suppress(LinkRequestError):
+            await self.link.create_queue(node.address, node.address, routing_type=RoutingType.ANYCAST)
+
+    async def _temporary_node(self) -> convert.Node:
+        assert self.link is not None
+        address = convert.temporary_address(self.id, next(self._temporary))
+        await self.link.create_queue(address, address, routing_type=RoutingType.ANYCAST, temporary=True)
+        return convert.Node(address, convert.ANYCAST)
+
+    async def _attach_outbound(self, link: Link) -> None:
+        assert self.link is not None
+        remote = link.remote_source
+        limits = self.settings.amqp
+        if remote.dynamic:
+            node = await self._temporary_node()
+        elif remote.address:
+            node = convert.resolve(remote.address, _symbols(remote.capabilities))
+        else:
+            raise convert.ConversionError("a receiving link needs a source address (or a dynamic source)")
+        selector = _selector(remote.filter)
+        durable = remote.durability != Terminus.NONDURABLE or remote.expiry_policy == Terminus.EXPIRE_NEVER
+        queue, temporary = node.queue or node.address, False
+        routing = node.routing
+        if node.queue is None and routing == ROUTING_DEFAULT:
+            routing = await self._routing_of(node.address)
+        if node.queue is None and routing == convert.MULTICAST:
+            if durable:
+                queue = convert.durable_subscription_queue(self.container_id, link.name)
+                await self._subscription_queue(queue, node.address, durable=True, selector=selector)
+            else:
+                queue, temporary = f"amqp.{self.id}.{next(self._temporary)}", True
+                await self._subscription_queue(queue, node.address, durable=False, selector=selector)
+        presettled = link.remote_snd_settle_mode == Link.SND_SETTLED
+        consumer = await self.link.subscribe(
+            queue, credit=limits.prefetch, selector=None if (durable or temporary) and routing == convert.MULTICAST
+            else selector, credit_on_settle=not presettled,
+        )  # fmt: skip
+        link.source.copy(remote)
+        if remote.dynamic:
+            link.source.address = node.address
+        capability = convert.capability_of(routing)
+        if capability is not None and not _symbols(remote.capabilities):
+            _put_capabilities(link.source.capabilities, capability)
+        link.target.copy(link.remote_target)
+        link.snd_settle_mode = Link.SND_SETTLED if presettled else Link.SND_UNSETTLED
+        link.open()
+        outbound = Outbound(pn_link := link._impl, consumer, presettled, queue,
+                            durable and routing == convert.MULTICAST and node.queue is None)  # fmt: skip
+        self.outbound[pn_link] = outbound
+        outbound.pump = asyncio.get_running_loop().create_task(self._pump(outbound))
+
+    async def _routing_of(self, address: str) -> int:
+        """The routing type of an address attached to without a prefix or capability: multicast when the
+        address exists as multicast only, else anycast (and the core auto-creates its queue)."""
+        assert self.link is not None
+        try:
+            info = await self.link.create_address(address, (RoutingType.ANYCAST,))
+        except LinkRequestError:
+            return convert.ANYCAST
+        types = info.get("routing_types") or []
+        return convert.MULTICAST if types and int(RoutingType.ANYCAST) not in types else convert.ANYCAST
+
+    async def _subscription_queue(self, queue: str, address: str, *, durable: bool, selector: str | None) -> None:
+        """A subscription queue on a multicast address. A durable one that exists is kept unless its address or
+        selector changed: then, as in JMS, it is a new subscription and the old one's messages go."""
+        assert self.link is not None
+        options: dict[str, Any] = {} if durable else {"temporary": True}
+        if selector:
+            options["filter"] = selector
+        try:
+            found = await self.link.create_queue(queue, address, routing_type=RoutingType.MULTICAST, durable=durable,
+                                                 **options)  # fmt: skip
+        except LinkRequestError as exc:
+            if not durable or exc.code != ErrorCode.EXISTS:
+                raise
+            found = {"created": False, "filter": "-"}
+        if durable and not found.get("created") and (found.get("filter") or None) != (selector or None):
+            await self.link.delete_queue(queue)
+            await self.link.create_queue(queue, address, routing_type=RoutingType.MULTICAST, durable=True, **options)
+
+    async def _detach(self, pn_link: Any, *, closed: bool) -> None:
+        link = wrap_link(pn_link)
+        self.inbound.pop(pn_link, None)
+        self.coordinators.pop(pn_link, None)
+        outbound = self.outbound.pop(pn_link, None)
+        if outbound is not None:
+            await self._stop(outbound)
+            if closed and outbound.durable and self.link is not None:  # the subscription ends for good
+                with contextlib.suppress(LinkRequestError):
+                    await self.link.delete_queue(outbound.queue)
+        if link.state & Endpoint.LOCAL_ACTIVE:
+            if closed:
+                link.close()
+            else:
+                link.detach()
+
+    async def _stop(self, outbound: Outbound) -> None:
+        if outbound.pump is not None:
+            outbound.pump.cancel()
+        with contextlib.suppress(LinkRequestError):
+            await outbound.consumer.close()
+
+    async def _end_links(self, *, session: Any) -> None:
+        for pn_link in [p for p in (*self.inbound, *self.outbound, *self.coordinators)
+                        if lib.pn_link_session(p) == session]:  # fmt: skip
+            await self._detach(pn_link, closed=False)
+
+    # ------------------------------------------------------------------ messages from the client
+    async def _transfer(self, inbound: Inbound, pn_link: Any, delivery: Any) -> None:
+        if not lib.pn_delivery_readable(delivery):
+            return
+        size = lib.pn_delivery_pending(delivery)
+        if lib.pn_delivery_partial(delivery):
+            if size > self.settings.amqp.max_message_bytes:
+                self._close_link(pn_link, MESSAGE_SIZE, "the message is larger than the link's max-message-size")
+            return  # the rest of the message is still to come
+        data = bytearray(size)
+        lib.pn_link_recv(pn_link, ffi.from_buffer(data), size)
+        lib.pn_link_advance(pn_link)
+        if lib.pn_delivery_aborted(delivery):
+            lib.pn_delivery_settle(delivery)
+            return
+        txn_id: bytes | None = None
+        tx = 0
+        if lib.pn_delivery_remote_state(delivery) == TRANSACTIONAL_STATE:
+            txn_id = _txn_id(delivery)
+            tx = self.transactions.get(txn_id or b"", 0)
+            if not tx:
+                self._reject(delivery, TX_UNKNOWN, "no such transaction")
+                return
+        try:
+            message = messages.to_core(bytes(data), inbound.node.address if inbound.node else None,
+                                       inbound.node.routing if inbound.node else ROUTING_DEFAULT,
+                                       int(time.time() * 1000))  # fmt: skip
+            if inbound.node is None:
+                node = convert.resolve(message[M_ADDRESS])
+                message[M_ADDRESS], message[M_ROUTING] = node.address, node.routing
+        except (messages.MessageFormatError, convert.ConversionError) as exc:
+            self._reject(delivery, getattr(exc, "condition", INVALID_FIELD), str(exc))
+            return
+        link = self.link
+        assert link is not None
+        future = link.send_now(message, tx) if link.can_send else await link.send(message, tx)
+        self.counters.messages_published += 1
+        presettled = bool(lib.pn_delivery_settled(delivery))
+        if presettled:
+            lib.pn_delivery_settle(delivery)
+        self._unsettled_in.append((future, None if presettled else delivery, inbound, txn_id))
+        inbound.granted += 1
+        if inbound.granted * 2 >= inbound.window:
+            self._top_up(inbound)
+
+    def _top_up(self, inbound: Inbound) -> None:
+        """More credit for the client once it used half of it, while the core keeps up."""
+        link = self.link
+        if link is not None and link.can_send and inbound.granted:
+            lib.pn_link_flow(inbound.link, inbound.granted)
+            inbound.granted = 0
+
+    def _settle_inbound(self) -> None:
+        """The core confirmed or refused publishes: settle their transfers, in order."""
+        pending = self._unsettled_in
+        while pending and pending[0][0].done():
+            future, delivery, inbound, txn_id = pending.popleft()
+            error = future.exception()
+            if delivery is None or inbound.link not in self.inbound:
+                continue  # pre-settled, or its link is gone
+            if error is None:
+                if txn_id is not None:
+                    self._transactional_outcome(delivery, txn_id)
+                else:
+                    lib.pn_delivery_update(delivery, _ACCEPTED)
+                    lib.pn_delivery_settle(delivery)
+            elif isinstance(error, LinkRequestError):
+                condition = _CONDITIONS.get(error.code, INTERNAL)
+                self._reject(delivery, condition, error.text)
+                if error.code == ErrorCode.FORBIDDEN:
+                    self._close_link(inbound.link, UNAUTHORIZED, error.text)
+            else:
+                self._reject(delivery, INTERNAL, str(error))
+        for inbound in self.inbound.values():
+            if inbound.granted * 2 >= inbound.window:
+                self._top_up(inbound)
+        self._flush()
+
+    def _reject(self, delivery: Any, condition: str, description: str) -> None:
+        wrapped = wrap_delivery(delivery)
+        wrapped.local.condition = Condition(condition, description)
+        wrapped.update(Delivery.REJECTED)
+        wrapped.settle()
+
+    # ------------------------------------------------------------------ transactions
+    async def _coordinate(self, pn_link: Any, delivery: Any) -> None:
+        """Declare and discharge of local transactions (AMQP 1.0 part 4) on the coordinator link."""
+        if not lib.pn_delivery_readable(delivery) or lib.pn_delivery_partial(delivery):
+            return
+        size = lib.pn_delivery_pending(delivery)
+        data = bytearray(size)
+        lib.pn_link_recv(pn_link, ffi.from_buffer(data), size)
+        lib.pn_link_advance(pn_link)
+        link = self.link
+        assert link is not None
+        wrapped = wrap_delivery(delivery)
+        try:
+            body = _coordinator_body(bytes(data))
+        except RemoteProtocolError as exc:
+            self._reject(delivery, exc.condition, exc.message)
+            return
+        if body.descriptor == DECLARE:
+            tx = await link.begin()
+            txn_id = next(self._tx_ids).to_bytes(4, "big")
+            self.transactions[txn_id] = tx
+            local: Any = wrapped.local  # proton types ``data`` as a list of int
+            local.data = [txn_id]
+            wrapped.update(DECLARED)
+            wrapped.settle()
+        else:
+            fields = body.value if isinstance(body.value, list) else []
+            txn_id = bytes(fields[0]) if fields and isinstance(fields[0], bytes | bytearray) else b""
+            fail = bool(fields[1]) if len(fields) > 1 else False
+            tx = self.transactions.pop(txn_id, 0)
+            if not tx:
+                self._reject(delivery, TX_UNKNOWN, "no such transaction")
+                return
+            await self._drain_inbound()  # the transaction's publishes are confirmed before it ends
+            try:
+                if fail:
+                    await link.rollback(tx)
+                else:
+                    await link.commit(tx)
+            except LinkRequestError as exc:
+                self._reject(delivery, TX_ROLLBACK, exc.text)
+                return
+            wrapped.update(Delivery.ACCEPTED)
+            wrapped.settle()
+        lib.pn_link_flow(pn_link, 1)
+
+    async def _drain_inbound(self) -> None:
+        pending = [future for future, *_ in self._unsettled_in]
+        if pending:
+            await asyncio.wait(pending)
+        self._settle_inbound()
+
+    def _transactional_outcome(self, delivery: Any, txn_id: bytes) -> None:
+        wrapped = wrap_delivery(delivery)
+        local: Any = wrapped.local  # proton types ``data`` as a list of int
+        local.data = [txn_id, PnDescribed(ulong(0x24), [])]  # transactional-state: accepted, at commit
+        wrapped.update(TRANSACTIONAL_STATE)
+        wrapped.settle()
+
+    # ------------------------------------------------------------------ messages to the client
+    async def _pump(self, outbound: Outbound) -> None:
+        """Fetch the consumer's messages and send them while the client grants credit. At most the prefetch
+        is out of the queue: an unsettled link's core credit comes back with the client's dispositions, and
+        a pre-settled link's with its transfers written."""
+        consumer = outbound.consumer
+        try:
+            while not self._closed:
+                await self.wire.drained()
+                if outbound.pending:
+                    outbound.room.clear()
+                    await outbound.room.wait()
+                    continue
+                batch = await consumer.get_batch()
+                if outbound.link not in self.outbound:  # detached meanwhile: the core takes them back
+                    return
+                outbound.pending.extend(batch)
+                self._send_pending(outbound)
+                self._flush()
+        except LinkRequestError as exc:
+            if not self._closed and outbound.link in self.outbound:
+                self._close_link(outbound.link, _CONDITIONS.get(exc.code, DETACH_FORCED), exc.text)
+                self.outbound.pop(outbound.link, None)
+                self._flush()
+
+    def _send_pending(self, outbound: Outbound) -> None:
+        pn_link = outbound.link
+        pending = outbound.pending
+        credit = lib.pn_link_credit(pn_link)
+        if pending and credit > 0:
+            now_ms = int(time.time() * 1000)
+            presettled = outbound.presettled
+            sent: list[int] = []
+            to_amqp = messages.to_amqp
+            while pending and credit > 0:
+                count, message = pending.popleft()
+                message_id = message[M_ID]
+                tag = message_id.to_bytes(8, "big")
+                delivery = lib.pn_delivery(pn_link, (8, ffi.from_buffer(tag)))
+                data = to_amqp(message, count, now_ms)
+                lib.pn_link_send(pn_link, ffi.from_buffer(data), len(data))
+                lib.pn_link_advance(pn_link)
+                if presettled:
+                    lib.pn_delivery_settle(delivery)
+                    sent.append(message_id)
+                credit -= 1
+            if sent:
+                outbound.consumer.ack_ids(sent)
+            self.counters.messages_delivered += len(sent) if presettled else 0
+            if not pending:
+                outbound.room.set()
+        if lib.pn_link_get_drain(pn_link) and not pending:
+            lib.pn_link_drained(pn_link)  # nothing more right now: the rest of the credit is used up
+
+    def _disposition(self, outbound: Outbound, delivery: Any, acks: dict[Outbound, list[int]]) -> None:
+        """The client settled or decided on a message: ack or nack it in the core."""
+        if not lib.pn_delivery_updated(delivery) and not lib.pn_delivery_settled(delivery):
+            return
+        state = lib.pn_delivery_remote_state(delivery)
+        tag = lib.pn_delivery_tag(delivery)
+        message_id = int.from_bytes(ffi.unpack(tag.start, tag.size), "big")
+        consumer = outbound.consumer
+        if state == _ACCEPTED or (state == 0 and lib.pn_delivery_settled(delivery)):
+            acks.setdefault(outbound, []).append(message_id)
+            self.counters.messages_delivered += 1
+        elif state == _RELEASED:
+            consumer.nack_ids([message_id], NackMode.RELEASE)
+        elif state == _REJECTED:
+            consumer.nack_ids([message_id], NackMode.REJECT)
+        elif state == _MODIFIED:
+            remote = lib.pn_delivery_remote(delivery)
+            failed = lib.pn_disposition_is_failed(remote)
+            consumer.nack_ids([message_id], NackMode.REDELIVER if failed else NackMode.RELEASE)
+        elif state == TRANSACTIONAL_STATE:
+            txn_id = _txn_id(delivery)
+            tx = self.transactions.get(txn_id or b"", 0)
+            if tx:
+                consumer.ack_ids([message_id], tx)
+                self.counters.messages_delivered += 1
+            else:
+                consumer.nack_ids([message_id], NackMode.RELEASE)
+        else:
+            return  # received (a non-terminal state): wait for the outcome
+        lib.pn_delivery_settle(delivery)
+
+    # ------------------------------------------------------------------ output and the end
+    def _flush(self) -> None:
+        engine = self.engine
+        if engine is None:
+            return
+        data = engine.data_to_send()
+        if data:
+            self.wire.write(data)
+
+    def _close_link(self, pn_link: Any, condition: str, description: str) -> None:
+        link = wrap_link(pn_link)
+        log.info("amqp link closed", extra={"peer": self.wire.peer, "condition": condition,
+                                            "error": description[:200]})  # fmt: skip
+        if link.state & Endpoint.LOCAL_ACTIVE:
+            link.condition = Condition(condition, description)
+            link.close()
+
+    def _close_connection(self, condition: str, description: str) -> None:
+        assert self.engine is not None
+        connection = self.engine.connection
+        if not connection.state & Endpoint.LOCAL_CLOSED:
+            connection.condition = Condition(condition, description)
+            if connection.state & Endpoint.LOCAL_UNINIT:
+                connection.open()
+            connection.close()
+
+    def _link_closed(self, error: LinkRequestError) -> None:
+        if not self._closed and self.engine is not None:
+            self._close_connection(CONNECTION_FORCED, f"the link to the broker closed: {error.text}")
+            self._flush()
+            self._end()
+
+    def _end(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._wakeup.set()
+        if asyncio.current_task() is not self._worker:
+            self._worker.cancel()
+
+    async def _timers(self) -> None:
+        """Connect timeout until the OPEN, then proton's idle-timeout deadlines."""
+        loop = asyncio.get_running_loop()
+        connect_deadline = self._started + self.settings.amqp.connect_timeout_ms / 1000
+        while not self._closed:
+            deadline = None
+            if not self._opened and self.settings.amqp.connect_timeout_ms > 0:
+                deadline = connect_deadline
+                if loop.time() >= connect_deadline:
+                    log.info("amqp connect timeout", extra={"peer": self.wire.peer})
+                    if self.engine is not None:
+                        self._close_connection(CONNECTION_FORCED, "no OPEN in time")
+                        self._flush()
+                    self._end()
+                    return
+            if self.engine is not None:
+                tick = self.engine.tick(time.monotonic())
+                self._flush()
+                if tick is not None:
+                    at = loop.time() + max(tick - time.monotonic(), 0.0)
+                    deadline = at if deadline is None else min(deadline, at)
+                if self.engine.closed:
+                    self._end()
+                    return
+            self._rearm.clear()
+            timeout = None if deadline is None else max(deadline - loop.time(), 0.0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._rearm.wait(), timeout)
+            if self.engine is not None and not self._closed:
+                with contextlib.suppress(RemoteProtocolError):
+                    await self._process()
+
+    async def _shutdown(self) -> None:
+        self._closed = True
+        self._timer.cancel()
+        for outbound in self.outbound.values():
+            if outbound.pump is not None:
+                outbound.pump.cancel()
+        if self.link is not None:
+            self.link.on_closed = self.link.on_settled = None
+            await self.link.close()  # the core returns unsettled messages and drops temporary queues
+        for future, *_ in self._unsettled_in:  # answers nobody will read: retrieved, so asyncio does not warn
+            if future.done() and not future.cancelled():
+                future.exception()
+        self._unsettled_in.clear()
+        self.inbound.clear()
+        self.outbound.clear()
+        self.coordinators.clear()
+        self.wire.close()
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _symbols(data: Data) -> list[str]:
+    """The symbols of a terminus' capabilities (an array, or a single symbol)."""
+    data.rewind()
+    if not data.next():
+        return []
+    value = data.get_object()
+    if isinstance(value, str):
+        return [str(value)]
+    if isinstance(value, list | tuple):
+        return [str(v) for v in value if isinstance(v, str)]
+    items = getattr(value, "elements", None)
+    return [str(v) for v in items if isinstance(v, str)] if items is not None else []
+
+
+def _put_capabilities(data: Data, *names: str) -> None:
+    data.put_array(described=False, element_type=Data.SYMBOL)
+    data.enter()
+    for name in names:
+        data.put_symbol(symbol(name))
+    data.exit()
+
+
+def _selector(data: Data) -> str | None:
+    """The JMS selector of a source's filter set (``apache.org:selector-filter:string``)."""
+    data.rewind()
+    if not data.next():
+        return None
+    filters = data.get_object()
+    if not isinstance(filters, dict):
+        return None
+    for value in filters.values():
+        descriptor = getattr(value, "descriptor", None)
+        if descriptor in SELECTOR_DESCRIPTORS and isinstance(value.value, str):
+            return str(value.value)
+    return None
+
+
+def _txn_id(delivery: Any) -> bytes | None:
+    wrapped = wrap_delivery(delivery)
+    fields: Any = wrapped.remote.data  # typed as a list of int by proton, but it is the state's fields
+    if fields and isinstance(fields[0], bytes | bytearray):
+        return bytes(fields[0])
+    return None
+
+
+def _coordinator_body(data: bytes) -> Described:
+    """The declare or discharge carried by a message to the coordinator (its amqp-value section)."""
+    offset = 0
+    while offset < len(data):
+        section, offset = decode(data, offset)
+        if isinstance(section, Described) and section.descriptor in (0x77, "amqp:amqp-value:*"):
+            body = section.value
+            if isinstance(body, Described) and body.descriptor in (DECLARE, DISCHARGE):
+                return body
+    raise RemoteProtocolError("a coordinator message carries a declare or a discharge", "amqp:decode-error")

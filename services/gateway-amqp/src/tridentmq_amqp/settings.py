@@ -1,0 +1,73 @@
+"""Every setting of an AMQP 1.0 gateway with its default: the single source of its configuration reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tridentmq_shared.settings import doc
+
+ENV_PREFIX = "TRIDENTMQ_AMQP"
+
+
+@dataclass(frozen=True)
+class GatewayNodeSection:
+    name: str = doc("gateway-amqp", "Name of this gateway in logs and status output; also the container id "
+                                    "it announces in its OPEN frames.")  # fmt: skip
+    log_level: str = doc("INFO", "Log level: DEBUG, INFO, WARNING or ERROR.")
+
+
+@dataclass(frozen=True)
+class ListenerSection:
+    host: str = doc("127.0.0.1", "Interface for AMQP clients. Loopback by default: configure users on the core "
+                                 "before listening on 0.0.0.0.")  # fmt: skip
+    port: int = doc(5672, "AMQP 1.0 over TCP (0 = any free port, written to the ports file).")
+    websocket_port: int = doc(5673, "AMQP 1.0 over WebSocket, subprotocol `amqp` (-1 = off).")
+    max_connections: int = doc(10_000, "AMQP connections accepted at once; more are refused.")
+
+
+@dataclass(frozen=True)
+class CoreLinkSection:
+    host: str = doc("127.0.0.1", "Core node to connect clients to.")
+    port: int = doc(61616, "Its link port.")
+
+
+@dataclass(frozen=True)
+class AmqpLimitsSection:
+    allow_anonymous: bool = doc(True, "Accept SASL ANONYMOUS and connections without a SASL layer; they reach "
+                                      "the core without credentials, which it allows on loopback while it has "
+                                      "no users.")  # fmt: skip
+    max_frame_bytes: int = doc(1024 * 1024, "Largest AMQP frame accepted (the OPEN's max-frame-size).")
+    max_message_bytes: int = doc(8 * 1024 * 1024, "Largest message accepted on a link (announced as the link's "
+                                                  "max-message-size; a larger one closes the link with "
+                                                  "`amqp:link:message-size-exceeded`).")  # fmt: skip
+    channel_max: int = doc(255, "Most sessions on one connection.")
+    max_links: int = doc(1000, "Most links on one connection; another attach is refused with "
+                               "`amqp:resource-limit-exceeded`.")  # fmt: skip
+    link_credit: int = doc(1000, "Credit granted to a client's sending link, topped up at half the window "
+                                 "while the core keeps up.")  # fmt: skip
+    prefetch: int = doc(1000, "Messages of a consumer fetched from the core ahead of the client's credit and "
+                              "settlements.")  # fmt: skip
+    idle_timeout_ms: int = doc(60_000, "Idle timeout announced in OPEN: a client silent for this long is "
+                                       "disconnected (clients send heartbeats at half of it; 0 = none).")  # fmt: skip
+    session_window_bytes: int = doc(16 * 1024 * 1024, "Incoming bytes a session buffers ahead of the gateway "
+                                                      "(its incoming capacity).")  # fmt: skip
+    connect_timeout_ms: int = doc(10_000, "A connection that has not finished SASL and sent OPEN by then is "
+                                          "closed.")  # fmt: skip
+    pending_bytes: int = doc(8 * 1024 * 1024, "Client bytes read ahead of processing before the gateway stops "
+                                              "reading the socket.")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HttpSection:
+    enabled: bool = doc(True, "Serve /healthz, /readyz and /metrics over HTTP.")
+    host: str = doc("127.0.0.1", "Interface of the HTTP server.")
+    port: int = doc(8084, "Port of the HTTP server (0 = any free port).")
+
+
+@dataclass(frozen=True)
+class AmqpSettings:
+    node: GatewayNodeSection = doc(GatewayNodeSection(), "This gateway.")
+    listener: ListenerSection = doc(ListenerSection(), "Client listeners.")
+    core: CoreLinkSection = doc(CoreLinkSection(), "The core node behind this gateway.")
+    amqp: AmqpLimitsSection = doc(AmqpLimitsSection(), "Protocol limits, windows and timers.")
+    http: HttpSection = doc(HttpSection(), "Health and metrics HTTP server.")
