@@ -455,7 +455,13 @@ _no_decimals = st.recursive(
         st.lists(children, max_size=5),
         # proton's Python binding cannot use a binary as a dict key (it hands out views of its buffer)
         st.dictionaries(_simple.filter(lambda k: not isinstance(k, bytes)), children, max_size=5),
-        st.builds(Described, st.one_of(st.integers(0, 2**64 - 1).map(ULong), _ascii.map(Symbol)), children),
+        # proton-c misplaces the values after a described value that is itself described (c0 08 02 00 44 00 44 40
+        # 55 01 = [0:(0:null), 1] comes back as [0:(0:null)]), so the reference is not asked about those
+        st.builds(
+            Described,
+            st.one_of(st.integers(0, 2**64 - 1).map(ULong), _ascii.map(Symbol)),
+            children.filter(lambda v: not isinstance(v, Described)),
+        ),
         _arrays(children),
     ),
     max_leaves=20,
