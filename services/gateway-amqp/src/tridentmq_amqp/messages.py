@@ -30,6 +30,7 @@ from tridentmq_amqp.protocol.types import (
 )
 from tridentmq_shared.message import (
     DEFAULT_PRIORITY,
+    ENCODING_PREFIX,
     M_ADDRESS,
     M_BODY,
     M_CONTENT_TYPE,
@@ -47,13 +48,11 @@ from tridentmq_shared.message import (
 
 PROTOCOL: Final = "amqp"
 
-#: Properties with this prefix carry a protocol's own encoding of parts of a message; gateways hide them.
-ENCODING_PREFIX: Final = "$enc."
-ENC_MESSAGE_ANNOTATIONS: Final = "$enc.amqp.message_annotations"
-ENC_PROPERTIES: Final = "$enc.amqp.properties"
-ENC_APPLICATION_PROPERTIES: Final = "$enc.amqp.application_properties"
-ENC_BODY: Final = "$enc.amqp.body"  # how M_BODY was carried; absent for the common single data section
-ENC_FOOTER: Final = "$enc.amqp.footer"
+ENC_MESSAGE_ANNOTATIONS: Final = f"{ENCODING_PREFIX}amqp.message_annotations"
+ENC_PROPERTIES: Final = f"{ENCODING_PREFIX}amqp.properties"
+ENC_APPLICATION_PROPERTIES: Final = f"{ENCODING_PREFIX}amqp.application_properties"
+ENC_BODY: Final = f"{ENCODING_PREFIX}amqp.body"  # how M_BODY was carried; absent for the common single data section
+ENC_FOOTER: Final = f"{ENCODING_PREFIX}amqp.footer"
 BODY_NONE: Final = "none"
 BODY_STRING: Final = "string"  # amqp-value holding a string: M_BODY is its UTF-8
 BODY_BINARY: Final = "binary"  # amqp-value holding binary

@@ -56,6 +56,7 @@ INVALID_FIELD: Final = "amqp:invalid-field"
 RESOURCE_LIMIT: Final = "amqp:resource-limit-exceeded"
 INTERNAL: Final = "amqp:internal-error"
 MESSAGE_SIZE: Final = "amqp:link:message-size-exceeded"
+TRANSFER_LIMIT: Final = "amqp:link:transfer-limit-exceeded"
 DETACH_FORCED: Final = "amqp:link:detach-forced"
 CONNECTION_FORCED: Final = "amqp:connection:forced"
 TX_UNKNOWN: Final = "amqp:transaction:unknown-id"
@@ -102,6 +103,7 @@ class Outbound:
     link: Any  # pn_link_t*
     consumer: Consumer
     presettled: bool
+    browse: bool  # shown, not taken: nothing is acknowledged
     queue: str
     durable: bool  # a durable subscription: closing the link (not detaching it) deletes the queue
     pending: deque[tuple[int, WireMessage]] = field(default_factory=deque)  # fetched, waiting for credit
@@ -139,6 +141,7 @@ class AmqpSession:
         self._wakeup = asyncio.Event()
         self._paused = False
         self._closed = False
+        self._lost = False  # the socket closed
         self._opened = False  # the client's OPEN was answered
         loop = asyncio.get_running_loop()
         self._started = loop.time()
@@ -159,7 +162,10 @@ class AmqpSession:
             self.wire.pause_reading()
 
     def connection_lost(self) -> None:
+        """The socket is gone: whatever proton still wants to say cannot be sent, so the session ends once the
+        input before it is handled."""
         if not self._closed:
+            self._lost = True
             self._input.append(b"")
             self._wakeup.set()
 
@@ -197,6 +203,8 @@ class AmqpSession:
                     self._flush()
                     self._end()
                 self._flush()
+                if self._lost and not self._input:
+                    self._end()
         except (AssertionError, LookupError, TypeError, ValueError, AttributeError):
             log.exception("amqp session failed", extra={"peer": self.wire.peer})
             if self.engine is not None:
@@ -456,10 +464,12 @@ class AmqpSession:
             else:
                 queue, temporary = f"amqp.{self.id}.{next(self._temporary)}", True
                 await self._subscription_queue(queue, node.address, durable=False, selector=selector)
-        presettled = link.remote_snd_settle_mode == Link.SND_SETTLED
+        # A copying source on a queue browses it (as in Artemis): messages are shown, not taken.
+        browse = remote.distribution_mode == Terminus.DIST_MODE_COPY and routing != convert.MULTICAST
+        presettled = browse or link.remote_snd_settle_mode == Link.SND_SETTLED
         consumer = await self.link.subscribe(
             queue, credit=limits.prefetch, selector=None if (durable or temporary) and routing == convert.MULTICAST
-            else selector, credit_on_settle=not presettled,
+            else selector, credit_on_settle=not presettled, browse=browse,
         )  # fmt: skip
         link.source.copy(remote)
         if remote.dynamic:
@@ -470,7 +480,7 @@ class AmqpSession:
         link.target.copy(link.remote_target)
         link.snd_settle_mode = Link.SND_SETTLED if presettled else Link.SND_UNSETTLED
         link.open()
-        outbound = Outbound(pn_link := link._impl, consumer, presettled, queue,
+        outbound = Outbound(pn_link := link._impl, consumer, presettled, browse, queue,
                             durable and routing == convert.MULTICAST and node.queue is None)  # fmt: skip
         self.outbound[pn_link] = outbound
         outbound.pump = asyncio.get_running_loop().create_task(self._pump(outbound))
@@ -540,6 +550,11 @@ class AmqpSession:
             if size > self.settings.amqp.max_message_bytes:
                 self._close_link(pn_link, MESSAGE_SIZE, "the message is larger than the link's max-message-size")
             return  # the rest of the message is still to come
+        if lib.pn_link_credit(pn_link) < 0:  # more transfers than the credit granted
+            self._close_link(pn_link, TRANSFER_LIMIT, "more transfers than the link credit allows")
+            self.inbound.pop(pn_link, None)
+            lib.pn_delivery_settle(delivery)
+            return
         data = bytearray(size)
         lib.pn_link_recv(pn_link, ffi.from_buffer(data), size)
         lib.pn_link_advance(pn_link)
@@ -690,6 +705,8 @@ class AmqpSession:
                 batch = await consumer.get_batch()
                 if outbound.link not in self.outbound:  # detached meanwhile: the core takes them back
                     return
+                if not batch and consumer.browse_done:  # a browse shows what was there, then ends
+                    return
                 outbound.pending.extend(batch)
                 self._send_pending(outbound)
                 self._flush()
@@ -720,7 +737,7 @@ class AmqpSession:
                     lib.pn_delivery_settle(delivery)
                     sent.append(message_id)
                 credit -= 1
-            if sent:
+            if sent and not outbound.browse:
                 outbound.consumer.ack_ids(sent)
             self.counters.messages_delivered += len(sent) if presettled else 0
             if not pending:
@@ -767,6 +784,8 @@ class AmqpSession:
         data = engine.data_to_send()
         if data:
             self.wire.write(data)
+        if engine.closed:  # proton has said all it will (a CLOSE, or an error) and heard the end
+            self._end()
 
     def _close_link(self, pn_link: Any, condition: str, description: str) -> None:
         link = wrap_link(pn_link)
