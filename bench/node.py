@@ -108,6 +108,14 @@ def mqtt_gateway(core: Core, directory: Path, **env: str) -> Iterator[Gateway]:
         yield gateway
 
 
+@contextmanager
+def amqp_gateway(core: Core, directory: Path, **env: str) -> Iterator[Gateway]:
+    """An AMQP 1.0 gateway linked to ``core``: plain TCP and HTTP on free loopback ports, no WebSocket listener;
+    more settings from ``TRIDENTMQ_AMQP_*`` variables (``env`` keys without the prefix)."""
+    with _gateway("tridentmq_amqp", "AMQP gateway", "TRIDENTMQ_AMQP", "amqp", core, directory, env) as gateway:
+        yield gateway
+
+
 def machine() -> str:
     model = "unknown CPU"
     try:
