@@ -8,8 +8,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from proton import Delivery, Message, Receiver, Timeout, symbol
-from proton.reactor import Copy, DurableSubscription, ReceiverOption, Selector
+from proton import Delivery, Event, Message, Receiver, Timeout, symbol
+from proton.handlers import TransactionalClientHandler
+from proton.reactor import Container, Copy, DurableSubscription, ReceiverOption, Selector, Transaction
 from proton.utils import BlockingConnection, BlockingReceiver, SendException
 from tests.conftest import CoreProcess, GatewayProcess, start_gateway
 
@@ -314,5 +315,78 @@ def test_unsettled_messages_return_when_a_connection_dies(amqp_gateway: GatewayP
         assert sorted(m.body for m in receive_all(conn.create_receiver(queue), 5)) == [0, 1, 2, 3, 4]
         with pytest.raises(Timeout):
             conn.create_receiver(queue, name="more").receive(timeout=0.3)
+    finally:
+        conn.close()
+
+
+class TransactionalSender(TransactionalClientHandler):
+    """Sends ``count`` messages in one transaction per entry of ``outcomes`` (True = commit, False = abort),
+    the way proton's tx_send example does; then receives and accepts ``take`` messages in a transaction that
+    is committed."""
+
+    def __init__(self, address: str, queue: str, outcomes: list[bool], count: int, take: int) -> None:
+        super().__init__()
+        self.address = address
+        self.queue = queue
+        self.outcomes = outcomes
+        self.count = count
+        self.take = take
+        self.events: list[str] = []
+        self.received: list[object] = []
+        self.transaction: Transaction | None = None
+
+    def on_start(self, event: Event) -> None:
+        self.conn = event.container.connect(self.address)
+        self.sender = event.container.create_sender(self.conn, self.queue)
+        event.container.declare_transaction(self.conn, handler=self)
+
+    def on_transaction_declared(self, event: Event) -> None:
+        self.transaction = event.transaction
+        if not self.outcomes:  # the receiving transaction
+            self.receiver = event.container.create_receiver(self.conn, self.queue)
+            return
+        for i in range(self.count):
+            self.transaction.send(self.sender, Message(body=f"{len(self.outcomes)}-{i}", durable=True))
+        if self.outcomes.pop(0):
+            self.transaction.commit()
+        else:
+            self.transaction.abort()
+
+    def on_message(self, event: Event) -> None:
+        assert self.transaction is not None
+        if len(self.received) == self.take:
+            return  # prefetched beyond what this transaction takes: left unsettled, back to the queue at close
+        self.received.append(event.message.body)
+        self.accept(event.delivery, self.transaction)
+        if len(self.received) == self.take:
+            self.transaction.commit()
+
+    def on_transaction_committed(self, event: Event) -> None:
+        self.events.append("committed")
+        self._next(event)
+
+    def on_transaction_aborted(self, event: Event) -> None:
+        self.events.append("aborted")
+        self._next(event)
+
+    def _next(self, event: Event) -> None:
+        if self.outcomes or (self.take and not self.received):
+            event.container.declare_transaction(self.conn, handler=self)
+        else:
+            self.conn.close()
+
+
+def test_local_transactions_commit_or_roll_back_sends_and_acks(amqp_gateway: GatewayProcess) -> None:
+    queue = unique("tx")
+    handler = TransactionalSender(url(amqp_gateway), queue, [False, True, False], count=3, take=2)
+    Container(handler).run()
+    assert handler.events == ["aborted", "committed", "aborted", "committed"]
+    assert handler.received == ["2-0", "2-1"]  # only the committed transaction's messages exist
+    conn = connect(amqp_gateway)
+    try:
+        receiver = conn.create_receiver(queue)
+        assert [m.body for m in receive_all(receiver, 1)] == ["2-2"]  # the two acked in a transaction are gone
+        with pytest.raises(Timeout):
+            receiver.receive(timeout=0.3)
     finally:
         conn.close()

@@ -43,9 +43,9 @@ _NO_LINK_RETRY = ReconnectPolicy(attempts=0)  # a lost core ends the AMQP connec
 OFFERED_CAPABILITIES: Final = ("ANONYMOUS-RELAY", "SHARED-SUBS")
 SELECTOR_FILTER: Final = symbol("jms-selector")
 SELECTOR_DESCRIPTORS: Final = (0x0000468C00000004, "apache.org:selector-filter:string")
-# Transaction coordinator messages and states (AMQP 1.0 part 4).
-DECLARE: Final = 0x31
-DISCHARGE: Final = 0x32
+# Transaction coordinator messages (by code or by name) and states (AMQP 1.0 part 4).
+DECLARE: Final = (0x31, "amqp:declare:list")
+DISCHARGE: Final = (0x32, "amqp:discharge:list")
 DECLARED: Final = 0x33
 TRANSACTIONAL_STATE: Final = 0x34
 
@@ -73,6 +73,7 @@ _REJECTED: Final = lib.PN_REJECTED
 _RELEASED: Final = lib.PN_RELEASED
 _MODIFIED: Final = lib.PN_MODIFIED
 _SASL_OUTCOME_SYS_TEMP: Final = 4
+_MAX_CAPACITY: Final = 2**31 - 1  # proton computes the window in 32 bits: more wraps it to nothing
 
 
 class Counters:
@@ -142,6 +143,7 @@ class AmqpSession:
         self._paused = False
         self._closed = False
         self._lost = False  # the socket closed
+        self._processing = False  # a task is handling proton's events
         self._opened = False  # the client's OPEN was answered
         loop = asyncio.get_running_loop()
         self._started = loop.time()
@@ -296,7 +298,18 @@ class AmqpSession:
 
     # ------------------------------------------------------------------ proton events
     async def _process(self) -> None:
-        """Handle every event proton has queued. Deliveries and flow take the raw C path; the rest is rare."""
+        """Handle every event proton has queued. Deliveries and flow take the raw C path; the rest is rare.
+        One caller at a time: an event stays queued while it is handled (an attach waits for the core), and
+        whoever is handling events goes on until none is left."""
+        if self._processing:
+            return
+        self._processing = True
+        try:
+            await self._process_events()
+        finally:
+            self._processing = False
+
+    async def _process_events(self) -> None:
         engine = self.engine
         assert engine is not None
         collector = engine.pn_collector
@@ -321,11 +334,10 @@ class AmqpSession:
                 if outbound is not None:
                     self._send_pending(outbound)
             else:
+                _ack_all(acks)  # before a detach closes their consumer
                 await self._endpoint_event(kind, event)
             lib.pn_collector_pop(collector)
-        for outbound, ids in acks.items():
-            if ids:
-                outbound.consumer.ack_ids(ids)
+        _ack_all(acks)
         if not self._closed and self.engine is not None and self.engine.closed:
             self._end()
 
@@ -340,7 +352,9 @@ class AmqpSession:
         elif kind == lib.PN_SESSION_REMOTE_OPEN:
             session = wrap_session(lib.pn_event_session(event))
             if session.state & Endpoint.LOCAL_UNINIT:
-                session.incoming_capacity = self.settings.amqp.session_window_bytes
+                limits = self.settings.amqp
+                # proton derives the incoming window (in frames) from the capacity (in bytes) and the frame size.
+                session.incoming_capacity = min(limits.session_window * limits.max_frame_bytes, _MAX_CAPACITY)
                 session.open()
         elif kind == lib.PN_SESSION_REMOTE_CLOSE:
             session = wrap_session(lib.pn_event_session(event))
@@ -647,7 +661,7 @@ class AmqpSession:
         except RemoteProtocolError as exc:
             self._reject(delivery, exc.condition, exc.message)
             return
-        if body.descriptor == DECLARE:
+        if body.descriptor in DECLARE:
             tx = await link.begin()
             txn_id = next(self._tx_ids).to_bytes(4, "big")
             self.transactions[txn_id] = tx
@@ -870,6 +884,14 @@ class AmqpSession:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def _ack_all(acks: dict[Outbound, list[int]]) -> None:
+    """Acknowledge the messages the client accepted, one core ack per consumer."""
+    for outbound, ids in acks.items():
+        if ids:
+            outbound.consumer.ack_ids(ids)
+    acks.clear()
+
+
 def _symbols(data: Data) -> list[str]:
     """The symbols of a terminus' capabilities (an array, or a single symbol)."""
     data.rewind()
@@ -910,8 +932,8 @@ def _selector(data: Data) -> str | None:
 def _txn_id(delivery: Any) -> bytes | None:
     wrapped = wrap_delivery(delivery)
     fields: Any = wrapped.remote.data  # typed as a list of int by proton, but it is the state's fields
-    if fields and isinstance(fields[0], bytes | bytearray):
-        return bytes(fields[0])
+    if fields and isinstance(fields[0], bytes | bytearray | memoryview):
+        return bytes(fields[0])  # copied at once: proton's views point into memory it frees
     return None
 
 
@@ -922,6 +944,6 @@ def _coordinator_body(data: bytes) -> Described:
         section, offset = decode(data, offset)
         if isinstance(section, Described) and section.descriptor in (0x77, "amqp:amqp-value:*"):
             body = section.value
-            if isinstance(body, Described) and body.descriptor in (DECLARE, DISCHARGE):
+            if isinstance(body, Described) and body.descriptor in (*DECLARE, *DISCHARGE):
                 return body
     raise RemoteProtocolError("a coordinator message carries a declare or a discharge", "amqp:decode-error")

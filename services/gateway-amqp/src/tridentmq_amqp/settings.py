@@ -49,8 +49,9 @@ class AmqpLimitsSection:
                               "settlements.")  # fmt: skip
     idle_timeout_ms: int = doc(60_000, "Idle timeout announced in OPEN: a client silent for this long is "
                                        "disconnected (clients send heartbeats at half of it; 0 = none).")  # fmt: skip
-    session_window_bytes: int = doc(16 * 1024 * 1024, "Incoming bytes a session buffers ahead of the gateway "
-                                                      "(its incoming capacity).")  # fmt: skip
+    session_window: int = doc(1024, "Transfer frames a session may receive ahead of the gateway (its incoming "
+                                    "window; at most 2 GiB worth of frames). Link credit is what bounds "
+                                    "messages.")  # fmt: skip
     connect_timeout_ms: int = doc(10_000, "A connection that has not finished SASL and sent OPEN by then is "
                                           "closed.")  # fmt: skip
     pending_bytes: int = doc(8 * 1024 * 1024, "Client bytes read ahead of processing before the gateway stops "
