@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from pathlib import Path
+from urllib.request import urlopen
 
 import pytest
+import stomp
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties as PahoProperties
 from proton import Delivery, Event, Message, Receiver, Timeout, symbol
 from proton.handlers import TransactionalClientHandler
 from proton.reactor import Container, Copy, DurableSubscription, ReceiverOption, Selector, Transaction
 from proton.utils import BlockingConnection, BlockingReceiver, SendException
-from tests.conftest import CoreProcess, GatewayProcess, start_gateway
+from tests.conftest import CoreProcess, GatewayProcess, start_gateway, stop_cleanly
+from tests.integration.mqtt_clients import Paho
+
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.message import RoutingType, new_message
 
 pytestmark = pytest.mark.integration
 
@@ -390,3 +402,150 @@ def test_local_transactions_commit_or_roll_back_sends_and_acks(amqp_gateway: Gat
             receiver.receive(timeout=0.3)
     finally:
         conn.close()
+
+
+# ---------------------------------------------------------------------------------------------- cross-protocol
+class StompCollector(stomp.ConnectionListener):  # type: ignore[misc]
+    def __init__(self) -> None:
+        self.frames: list[stomp.utils.Frame] = []
+        self.arrived = threading.Condition()
+
+    def on_message(self, frame: stomp.utils.Frame) -> None:
+        with self.arrived:
+            self.frames.append(frame)
+            self.arrived.notify_all()
+
+    def wait(self, count: int) -> list[stomp.utils.Frame]:
+        with self.arrived:
+            assert self.arrived.wait_for(lambda: len(self.frames) >= count, WAIT), self.frames
+        return self.frames
+
+
+def test_amqp_stomp_mqtt_and_the_link_client_interoperate(
+    amqp_gateway: GatewayProcess, stomp_gateway: GatewayProcess, mqtt_gateway: GatewayProcess, core: CoreProcess
+) -> None:
+    topic = unique("mix").replace(".", "_")
+    stomp_conn = stomp.Connection12([("127.0.0.1", stomp_gateway.port)], auto_decode=False)
+    collector = StompCollector()
+    stomp_conn.set_listener("c", collector)
+    stomp_conn.connect(wait=True)
+    stomp_conn.subscribe(f"/topic/a.{topic}", "1", ack="auto", headers={"receipt": "subscribed"})
+    mqtt = Paho(mqtt_gateway.port, f"m-{topic}")
+    mqtt.connect()
+    mqtt.subscribe(f"a/{topic}", 1)
+    conn = connect(amqp_gateway)
+    try:
+        receiver = conn.create_receiver(f"topic://a.{topic}")
+        time.sleep(0.2)  # the STOMP subscription's RECEIPT is not waited for by stomp.py's subscribe
+        # AMQP -> everyone: the body as bytes, application properties as headers and user properties
+        conn.create_sender(f"topic://a.{topic}").send(
+            Message(body=b"from amqp", inferred=True, properties={"region": "eu", "n": 7}, durable=True,
+                    correlation_id="c-1", reply_to="/queue/replies", content_type="text/plain"))  # fmt: skip
+        frame = collector.wait(1)[0]
+        assert frame.body == b"from amqp"
+        assert (frame.headers["region"], frame.headers["n"], frame.headers["persistent"]) == ("eu", "7", "true")
+        assert (frame.headers["correlation-id"], frame.headers["reply-to"]) == ("c-1", "/queue/replies")
+        assert frame.headers["content-type"] == "text/plain"
+        assert not any(name.startswith("$enc.") for name in frame.headers)
+        [published] = mqtt.receive(1)
+        assert published.payload == b"from amqp"
+        assert ("region", "eu") in published.properties.UserProperty
+        assert receive_all(receiver, 1)[0].body == b"from amqp"
+        # STOMP -> AMQP
+        stomp_conn.send(f"/topic/a.{topic}", b"from stomp", headers={"region": "us", "correlation-id": "c-2",
+                                                                     "reply-to": "/queue/r"})  # fmt: skip
+        got = receive_all(receiver, 1)[0]
+        assert (got.body, got.properties["region"], got.correlation_id, got.reply_to) == (
+            b"from stomp", "us", "c-2", "/queue/r")  # fmt: skip
+        # MQTT -> AMQP: user properties as application properties, correlation data as the correlation id
+        props = PahoProperties(PacketTypes.PUBLISH)
+        props.UserProperty = [("k", "v")]
+        props.CorrelationData = b"corr"
+        props.ResponseTopic = "answers/here"
+        mqtt.publish(f"a/{topic}", b"from mqtt", 1, properties=props)
+        got = receive_all(receiver, 1)[0]
+        assert (got.body, got.properties["k"], got.durable) == (b"from mqtt", "v", True)
+        assert (got.correlation_id, got.reply_to) == (b"corr", "answers/here")
+
+        # the link client -> AMQP: typed properties keep their types
+        async def via_link() -> None:
+            async with LinkClient("127.0.0.1", core.link_port) as link:
+                await link.publish(new_message(f"a.{topic}", b"from link", routing=RoutingType.MULTICAST,
+                                               properties={"n": 1, "f": 0.5, "flag": True}))  # fmt: skip
+
+        asyncio.run(via_link())
+        got = receive_all(receiver, 1)[0]
+        assert (got.body, got.properties) == (b"from link", {"n": 1, "f": 0.5, "flag": True})
+    finally:
+        conn.close()
+        mqtt.disconnect()
+        stomp_conn.disconnect()
+
+
+# ---------------------------------------------------------------------------------------------- statelessness
+def test_durable_subscriptions_and_unsettled_messages_outlive_a_killed_gateway(
+    amqp_gateway: GatewayProcess, tmp_path: Path, core: CoreProcess
+) -> None:
+    topic, container = unique("orders"), unique("billing")
+    victim = start_gateway(tmp_path, core, "amqp", name="victim")
+    try:
+        conn = connect(victim, container_id=container)
+        subscription = conn.create_receiver(f"topic://{topic}", name="sub", credit=10, options=DurableSubscription())
+        producer = connect(amqp_gateway)
+        sender = producer.create_sender(f"topic://{topic}")
+        for i in range(5):
+            sender.send(Message(body=i, durable=True))
+        producer.close()
+        assert [subscription.receive(timeout=WAIT).body for _ in range(2)] == [0, 1]  # taken, never settled
+        victim.process.kill()  # the gateway dies: the client's socket is cut, nothing is said to anyone
+        victim.process.wait()
+    finally:
+        victim.stop()
+    conn = connect(amqp_gateway, container_id=container)  # the client reconnects through another replica
+    try:
+        subscription = conn.create_receiver(f"topic://{topic}", name="sub", options=DurableSubscription())
+        got = receive_all(subscription, 5)
+        assert [m.body for m in got] == [0, 1, 2, 3, 4]
+        assert [m.delivery_count > 0 for m in got[:2]] == [True, True]  # redelivered, and flagged as such
+    finally:
+        conn.close()
+
+
+def test_a_heartbeating_client_stays_connected_for_a_minute(tmp_path: Path, core: CoreProcess) -> None:
+    gateway = start_gateway(tmp_path, core, "amqp", name="heartbeats", TRIDENTMQ_AMQP_AMQP_IDLE_TIMEOUT_MS="1000")
+    queue = unique("idle")
+    try:
+        conn = BlockingConnection(url(gateway), timeout=WAIT, heartbeat=1)
+        try:
+            receiver = conn.create_receiver(queue)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # idle but heartbeating both ways (1 s idle timeouts)
+                with pytest.raises(Timeout):
+                    receiver.receive(timeout=5)
+            conn.create_sender(queue).send(Message(body="still here"))
+            assert receive_all(receiver, 1)[0].body == "still here"
+        finally:
+            conn.close()
+    finally:
+        stop_cleanly(gateway)
+
+
+def test_health_readiness_and_metrics(amqp_gateway: GatewayProcess) -> None:
+    base = f"http://127.0.0.1:{amqp_gateway.ports['http']}"
+    with urlopen(f"{base}/healthz", timeout=WAIT) as reply:
+        assert json.load(reply) == {"status": "ok"}
+    with urlopen(f"{base}/readyz", timeout=WAIT) as reply:
+        assert json.load(reply)["amqp"] == amqp_gateway.port
+    conn = connect(amqp_gateway)
+    try:
+        queue = unique("metrics")
+        conn.create_sender(queue).send(Message(body="x"))
+        receive_all(conn.create_receiver(queue), 1)
+        with urlopen(f"{base}/metrics", timeout=WAIT) as reply:
+            text = reply.read().decode()
+    finally:
+        conn.close()
+    values = dict(line.split(" ") for line in text.splitlines() if line and not line.startswith("#"))
+    assert values["tridentmq_amqp_connections"] == "1"
+    assert int(values["tridentmq_amqp_messages_published_total"]) >= 1
+    assert int(values["tridentmq_amqp_messages_delivered_total"]) >= 1

@@ -50,7 +50,7 @@ class AmqpGateway:
             Metric("amqp_connections_refused_total", "counter", "Connections refused by SASL or the core.",
                    c.refused),
             Metric("amqp_messages_published_total", "counter", "Transfers passed to the core.", c.messages_published),
-            Metric("amqp_messages_delivered_total", "counter", "Messages delivered to clients and settled.",
+            Metric("amqp_messages_delivered_total", "counter", "Transfers sent to clients.",
                    c.messages_delivered),
             Metric("amqp_protocol_errors_total", "counter", "Connections closed for a protocol error.",
                    c.protocol_errors),

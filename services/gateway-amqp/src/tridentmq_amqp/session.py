@@ -733,7 +733,7 @@ class AmqpSession:
     def _send_pending(self, outbound: Outbound) -> None:
         pn_link = outbound.link
         pending = outbound.pending
-        credit = lib.pn_link_credit(pn_link)
+        credit = available = lib.pn_link_credit(pn_link)
         if pending and credit > 0:
             now_ms = int(time.time() * 1000)
             presettled = outbound.presettled
@@ -753,7 +753,7 @@ class AmqpSession:
                 credit -= 1
             if sent and not outbound.browse:
                 outbound.consumer.ack_ids(sent)
-            self.counters.messages_delivered += len(sent) if presettled else 0
+            self.counters.messages_delivered += available - credit
             if not pending:
                 outbound.room.set()
         if lib.pn_link_get_drain(pn_link) and not pending:
@@ -769,7 +769,6 @@ class AmqpSession:
         consumer = outbound.consumer
         if state == _ACCEPTED or (state == 0 and lib.pn_delivery_settled(delivery)):
             acks.setdefault(outbound, []).append(message_id)
-            self.counters.messages_delivered += 1
         elif state == _RELEASED:
             consumer.nack_ids([message_id], NackMode.RELEASE)
         elif state == _REJECTED:
@@ -783,7 +782,6 @@ class AmqpSession:
             tx = self.transactions.get(txn_id or b"", 0)
             if tx:
                 consumer.ack_ids([message_id], tx)
-                self.counters.messages_delivered += 1
             else:
                 consumer.nack_ids([message_id], NackMode.RELEASE)
         else:
