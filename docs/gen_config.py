@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from tridentmq_amqp.settings import ENV_PREFIX as AMQP_PREFIX
+from tridentmq_amqp.settings import AmqpSettings
 from tridentmq_core.settings import ENV_PREFIX as CORE_PREFIX
 from tridentmq_core.settings import CoreSettings
 from tridentmq_mqtt.settings import ENV_PREFIX as MQTT_PREFIX
@@ -55,7 +57,8 @@ redelivery_multiplier = 2.0
 def render() -> str:
     return (HEADER + render_reference("Core node (`tridentmq-core`)", CoreSettings, CORE_PREFIX) + "\n"
             + render_reference("STOMP gateway (`tridentmq-stomp`)", StompSettings, STOMP_PREFIX) + "\n"
-            + render_reference("MQTT gateway (`tridentmq-mqtt`)", MqttSettings, MQTT_PREFIX))  # fmt: skip
+            + render_reference("MQTT gateway (`tridentmq-mqtt`)", MqttSettings, MQTT_PREFIX) + "\n"
+            + render_reference("AMQP gateway (`tridentmq-amqp`)", AmqpSettings, AMQP_PREFIX))  # fmt: skip
 
 
 def main() -> int:

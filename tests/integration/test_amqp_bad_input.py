@@ -487,12 +487,6 @@ def test_anonymous_access_is_refused_when_not_allowed(tuned: GatewayProcess, mec
 
 
 # ------------------------------------------------------------------------------------------------ 3. framing
-HANGS = pytest.mark.xfail(
-    strict=True,
-    reason="gateway bug: proton closes its input on an undecodable performative without writing a CLOSE, and "
-    "the gateway never notices (PN_TRANSPORT_TAIL_CLOSED without an EOF from the client): no answer, the socket "
-    "stays open until the idle timeout",
-)
 
 
 @pytest.mark.parametrize(
@@ -507,13 +501,9 @@ HANGS = pytest.mark.xfail(
             "amqp:connection:framing-error",
             id="larger-than-max-frame-size",
         ),
-        pytest.param(
-            False, raw_frame(b"\xff\x01\x02"), "amqp:decode-error", id="undecodable-performative", marks=HANGS
-        ),
-        pytest.param(
-            False, raw_frame(b"\x00\x53\x11\xc0\x10\x04"), "amqp:decode-error", id="truncated-performative", marks=HANGS
-        ),
-        pytest.param(False, frame(0x99, []), "amqp:decode-error", id="unknown-performative", marks=HANGS),
+        pytest.param(False, raw_frame(b"\xff\x01\x02"), "amqp:decode-error", id="undecodable-performative"),
+        pytest.param(False, raw_frame(b"\x00\x53\x11\xc0\x10\x04"), "amqp:decode-error", id="truncated-performative"),
+        pytest.param(False, frame(0x99, []), "amqp:decode-error", id="unknown-performative"),
         pytest.param(False, begin_frame(channel=300), "amqp:connection:framing-error", id="channel-above-channel-max"),
         pytest.param(False, transfer_frame(0, 0, message_bytes("x")), "amqp:not-allowed", id="transfer-before-begin"),
         pytest.param(False, attach_sender("s", 0, "x"), "amqp:not-allowed", id="attach-before-begin"),
@@ -639,11 +629,6 @@ def test_a_link_with_a_bad_terminus_is_refused(gateway: GatewayProcess, attach: 
     assert_serves(gateway)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gateway bug: _refuse_link opens the link with proton's default (empty) source and target, so the "
-    "refusing ATTACH carries source/target {address: null} instead of a null terminus (AMQP 1.0 2.6.3)",
-)
 @pytest.mark.parametrize(
     "attach",
     [
@@ -682,13 +667,6 @@ def test_a_sender_without_a_target_address_is_the_anonymous_relay(gateway: Gatew
 
 
 # ------------------------------------------------------------------------------------------------ 5. credit
-@pytest.mark.xfail(
-    strict=True,
-    reason="gateway bug: transfers beyond the credit are accepted. _transfer tests pn_link_credit(link) < 0, but "
-    "proton lowers a receiver's credit only as the gateway advances, and the gateway tops the credit up (after "
-    "half the window) while it handles a batch the client sent before it could see that flow; the test is also "
-    "one late (credit 0 before the advance is already the first transfer too many)",
-)
 @tuned_with(link_credit="4")
 @pytest.mark.parametrize("extra", [1, 8])
 def test_more_transfers_than_the_credit_detach_the_link(tuned: GatewayProcess, core: CoreProcess,
@@ -746,33 +724,7 @@ MAX_MESSAGE = 4096
 
 
 @tuned_with(max_message_bytes=str(MAX_MESSAGE))
-@pytest.mark.parametrize(
-    "frames",
-    [
-        pytest.param(
-            1,
-            id="one-frame",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason=(
-                    "gateway bug: max-message-size is only checked while a delivery is partial, so a 10 KiB message in "
-                    "one transfer frame (under max-frame-size) is accepted and published on a link announcing 4096"
-                ),
-            ),
-        ),
-        pytest.param(
-            5,
-            id="five-frames",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason=(
-                    "gateway bug: after detaching the link with message-size-exceeded the gateway keeps the link in "
-                    "self.inbound; the delivery's last frames complete it and it is published and accepted anyway"
-                ),
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("frames", [pytest.param(1, id="one-frame"), pytest.param(5, id="five-frames")])
 def test_a_message_over_max_message_size_detaches_the_link(tuned: GatewayProcess, core: CoreProcess,
                                                            frames: int) -> None:  # fmt: skip
     queue, other = unique("big"), unique("big.other")
@@ -803,14 +755,8 @@ def test_a_message_over_max_message_size_detaches_the_link(tuned: GatewayProcess
 
 
 # ------------------------------------------------------------------------------------------------ 7-8. timers
-TIMER_NOT_REARMED = (
-    "gateway bug: AmqpSession._timers computes its first deadline when the engine is created, before proton has "
-    "the client's OPEN (no idle deadline yet), and nothing wakes it after the OPEN: it sleeps until the connect "
-    "deadline (connect_timeout_ms, 10 s by default; for ever with 0), so idle timeouts and heartbeats start late"
-)
 
 
-@pytest.mark.xfail(strict=True, reason=TIMER_NOT_REARMED)
 @tuned_with(idle_timeout_ms="500")
 def test_a_silent_client_is_closed_after_the_idle_timeout(tuned: GatewayProcess) -> None:
     with Peer(tuned.port) as peer:
@@ -824,11 +770,6 @@ def test_a_silent_client_is_closed_after_the_idle_timeout(tuned: GatewayProcess)
     assert_serves(tuned)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gateway bug (or its documentation's): idle_timeout_ms is 'announced in OPEN', but proton announces "
-    "half its transport's idle timeout: OPEN says 250 for 500 (and 30000 for the default 60000)",
-)
 @tuned_with(idle_timeout_ms="500")
 def test_the_open_announces_the_configured_idle_timeout(tuned: GatewayProcess) -> None:
     with Peer(tuned.port) as peer:
@@ -836,7 +777,6 @@ def test_the_open_announces_the_configured_idle_timeout(tuned: GatewayProcess) -
     assert gateway_open.field(4) == 500, gateway_open
 
 
-@pytest.mark.xfail(strict=True, reason=TIMER_NOT_REARMED)
 def test_the_gateway_sends_heartbeats_to_a_client_that_asks_for_them(gateway: GatewayProcess) -> None:
     """A client announcing idle-time-out 1000 ms needs a frame at least every second: proton sends an empty
     frame every 500 ms once it is ticked."""
@@ -906,12 +846,6 @@ def test_a_client_that_does_not_open_in_time_is_closed(tuned: GatewayProcess, da
     assert_serves(tuned)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gateway bug: on the connect timeout after the AMQP header, _close_connection opens and closes "
-    "proton's connection, but proton holds a CLOSE back until it has the peer's OPEN: the client gets the "
-    "gateway's OPEN and then the socket closes, without a CLOSE saying why",
-)
 @tuned_with(connect_timeout_ms="300")
 def test_a_client_that_sends_the_amqp_header_but_no_open_gets_a_close(tuned: GatewayProcess) -> None:
     with Peer(tuned.port) as peer:

@@ -549,3 +549,33 @@ def test_health_readiness_and_metrics(amqp_gateway: GatewayProcess) -> None:
     assert values["tridentmq_amqp_connections"] == "1"
     assert int(values["tridentmq_amqp_messages_published_total"]) >= 1
     assert int(values["tridentmq_amqp_messages_delivered_total"]) >= 1
+
+
+def test_a_message_the_core_could_not_take_is_rejected_and_the_connection_goes_on(amqp_gateway: GatewayProcess) -> None:
+    queue = unique("props")
+    conn = connect(amqp_gateway)
+    try:
+        sender = conn.create_sender(queue)
+        with pytest.raises(SendException):  # more properties than a core message may carry
+            sender.send(Message(body="x", properties={f"p{i}": i for i in range(300)}))
+        relay = conn.create_sender(None)
+        with pytest.raises(SendException):  # a relayed message to one queue of an address
+            relay.send(Message(address=f"{queue}::{queue}", body="x"))
+        sender.send(Message(body="fine"))
+        assert receive_all(conn.create_receiver(queue), 1)[0].body == "fine"
+    finally:
+        conn.close()
+
+
+def test_a_topic_subscription_ends_with_its_link(amqp_gateway: GatewayProcess, core: CoreProcess) -> None:
+    topic = unique("ticks")
+    conn = connect(amqp_gateway)
+    try:
+        receiver = conn.create_receiver(f"topic://{topic}")
+        conn.create_sender(f"topic://{topic}").send(Message(body="t"))
+        assert receive_all(receiver, 1)[0].body == "t"
+        receiver.close()
+        with urlopen(f"{core.management_url}/api/queues", timeout=WAIT) as reply:
+            assert [q["name"] for q in json.load(reply) if q["address"] == topic] == []
+    finally:
+        conn.close()

@@ -45,6 +45,8 @@ DEFAULT_PRIORITY: Final = 4
 #: there, so a reply that arrives after its requester left is dropped instead of kept for ever.
 TEMPORARY_ADDRESS_PREFIX: Final = "tmp."
 MAX_PRIORITY: Final = 9
+#: Most user properties a message may carry (a link peer refuses a message with more as malformed).
+MAX_PROPERTIES: Final = 256
 #: Properties named under this prefix carry a protocol's original encoding of what the core model has no field
 #: for (``$enc.amqp.properties`` ...), so that a consumer of the same protocol gets the message as it was sent;
 #: the other protocols never show them.
@@ -103,7 +105,7 @@ def property_text(value: object) -> str:
     return "" if value is None else str(value)
 
 
-def check_message(m: Any, max_properties: int = 256) -> str | None:
+def check_message(m: Any, max_properties: int = MAX_PROPERTIES) -> str | None:
     """Return what is wrong with a message that came off the wire, or None when it is well formed."""
     if type(m) is not list or len(m) != MESSAGE_FIELDS:
         return f"a message is a list of {MESSAGE_FIELDS} fields"

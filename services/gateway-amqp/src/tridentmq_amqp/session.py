@@ -27,20 +27,29 @@ from proton import Condition, Data, Delivery, Endpoint, Link, Terminus, symbol, 
 from proton import Described as PnDescribed
 
 from tridentmq_amqp import convert, messages
-from tridentmq_amqp.protocol.engine import NULL, Engine, wrap_delivery, wrap_link, wrap_session
-from tridentmq_amqp.protocol.errors import RemoteProtocolError
+from tridentmq_amqp.protocol.engine import NULL, Engine, close_frame, wrap_delivery, wrap_link, wrap_session
+from tridentmq_amqp.protocol.errors import DECODE_ERROR, RemoteProtocolError
 from tridentmq_amqp.protocol.sasl import AuthRequest, SaslLayer
 from tridentmq_amqp.protocol.types import Described, decode
 from tridentmq_amqp.settings import AmqpSettings
 from tridentmq_shared.gateway import Wire
 from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError, ReconnectPolicy
 from tridentmq_shared.link.ops import ErrorCode, NackMode
-from tridentmq_shared.message import M_ADDRESS, M_ID, M_ROUTING, ROUTING_DEFAULT, RoutingType, WireMessage
+from tridentmq_shared.message import (
+    M_ADDRESS,
+    M_ID,
+    M_PROPS,
+    M_ROUTING,
+    MAX_PROPERTIES,
+    ROUTING_DEFAULT,
+    RoutingType,
+    WireMessage,
+)
 
 log = logging.getLogger("tridentmq.amqp")
 
 _NO_LINK_RETRY = ReconnectPolicy(attempts=0)  # a lost core ends the AMQP connection; the client reconnects
-OFFERED_CAPABILITIES: Final = ("ANONYMOUS-RELAY", "SHARED-SUBS")
+OFFERED_CAPABILITIES: Final = ("ANONYMOUS-RELAY",)
 SELECTOR_FILTER: Final = symbol("jms-selector")
 SELECTOR_DESCRIPTORS: Final = (0x0000468C00000004, "apache.org:selector-filter:string")
 # Transaction coordinator messages (by code or by name) and states (AMQP 1.0 part 4).
@@ -94,7 +103,8 @@ class Inbound:
     link: Any  # pn_link_t*
     node: convert.Node | None  # None: the anonymous relay (each message's ``to`` says where)
     window: int
-    granted: int = 0  # messages received since the credit was last topped up
+    credit: int = 0  # transfers the client may still send (what the gateway granted, less what came)
+    granted: int = 0  # transfers received since the credit was last topped up
 
 
 @dataclass(eq=False)
@@ -107,6 +117,7 @@ class Outbound:
     browse: bool  # shown, not taken: nothing is acknowledged
     queue: str
     durable: bool  # a durable subscription: closing the link (not detaching it) deletes the queue
+    temporary: bool  # a subscription queue of this link only: deleted when the link ends
     pending: deque[tuple[int, WireMessage]] = field(default_factory=deque)  # fetched, waiting for credit
     room: asyncio.Event = field(default_factory=asyncio.Event)  # set when ``pending`` empties
     pump: asyncio.Task[None] | None = None
@@ -145,7 +156,8 @@ class AmqpSession:
         self._lost = False  # the socket closed
         self._processing = False  # a task is handling proton's events
         self._opened = False  # the client's OPEN was answered
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
+        self._output_scheduled = False
         self._started = loop.time()
         self._worker = loop.create_task(self._work())
         self._rearm = asyncio.Event()
@@ -204,7 +216,7 @@ class AmqpSession:
                     self.counters.protocol_errors += 1
                     self._flush()
                     self._end()
-                self._flush()
+                self._output_soon()
                 if self._lost and not self._input:
                     self._end()
         except (AssertionError, LookupError, TypeError, ValueError, AttributeError):
@@ -288,6 +300,7 @@ class AmqpSession:
         while engine.buffered_input and not self._closed:
             engine.pump_input()
             await self._process()
+        self._top_up()
 
     def _refuse_open(self, condition: str, description: str) -> None:
         """Answer the client's OPEN with OPEN and an immediate CLOSE carrying the reason."""
@@ -372,6 +385,12 @@ class AmqpSession:
                 self.counters.protocol_errors += 1
                 log.info("amqp connection error", extra={"peer": self.wire.peer, "condition": error[0],
                                                          "error": error[1][:200]})  # fmt: skip
+        elif kind == lib.PN_TRANSPORT_TAIL_CLOSED:
+            assert self.engine is not None
+            if not self.engine.tail_closed:  # proton stopped reading: a frame it could not decode, said nothing
+                self.counters.protocol_errors += 1
+                log.info("amqp protocol error", extra={"peer": self.wire.peer, "error": "undecodable frame"})
+                self._close_connection(DECODE_ERROR, "a frame could not be decoded")
         elif kind == lib.PN_TRANSPORT_CLOSED:
             self._flush()
             self._end()
@@ -385,6 +404,7 @@ class AmqpSession:
         if connection.state & Endpoint.LOCAL_UNINIT:
             connection.open()
         self._opened = True
+        self._rearm.set()  # the idle timeouts are known now: heartbeats and the silence check start
 
     # ------------------------------------------------------------------ attach and detach
     async def _attach(self, pn_link: Any) -> None:
@@ -409,6 +429,7 @@ class AmqpSession:
         log.info("amqp link refused", extra={"peer": self.wire.peer, "condition": condition,
                                              "error": description[:200]})  # fmt: skip
         link.condition = Condition(condition, description)
+        link.source.type = link.target.type = Terminus.UNSPECIFIED  # encoded as null
         link.open()
         link.close()
 
@@ -427,8 +448,6 @@ class AmqpSession:
             node = convert.resolve(remote.address, _symbols(remote.capabilities))
             if node.queue is not None:
                 raise convert.ConversionError("send to an address: a fully qualified queue name is for consumers")
-            if node.routing != convert.MULTICAST:
-                await self._ensure_queue(node)  # clients expect the queue to exist once they attached
         elif remote.dynamic:
             node = await self._temporary_node()
         link.target.copy(remote)
@@ -438,16 +457,8 @@ class AmqpSession:
         link.max_message_size = self.settings.amqp.max_message_bytes
         link.open()
         window = self.settings.amqp.link_credit
-        inbound = Inbound(link._impl, node, window)
-        self.inbound[link._impl] = inbound
+        self.inbound[link._impl] = Inbound(link._impl, node, window, credit=window)
         link.flow(window)
-
-    async def _ensure_queue(self, node: convert.Node) -> None:
-        """Create the anycast queue of an address a producer attached to, so that what it sends before any
-        consumer attaches is kept; a user without the permission still publishes (the core auto-creates)."""
-        assert self.link is not None
-        with contextlib.suppress(LinkRequestError):
-            await self.link.create_queue(node.address, node.address, routing_type=RoutingType.ANYCAST)
 
     async def _temporary_node(self) -> convert.Node:
         assert self.link is not None
@@ -468,9 +479,8 @@ class AmqpSession:
         selector = _selector(remote.filter)
         durable = remote.durability != Terminus.NONDURABLE or remote.expiry_policy == Terminus.EXPIRE_NEVER
         queue, temporary = node.queue or node.address, False
-        routing = node.routing
-        if node.queue is None and routing == ROUTING_DEFAULT:
-            routing = await self._routing_of(node.address)
+        # Without a prefix or capability, a consumer takes from the anycast queue of that name (auto-created).
+        routing = convert.ANYCAST if node.routing == ROUTING_DEFAULT else node.routing
         if node.queue is None and routing == convert.MULTICAST:
             if durable:
                 queue = convert.durable_subscription_queue(self.container_id, link.name)
@@ -494,21 +504,11 @@ class AmqpSession:
         link.target.copy(link.remote_target)
         link.snd_settle_mode = Link.SND_SETTLED if presettled else Link.SND_UNSETTLED
         link.open()
+        subscription = routing == convert.MULTICAST and node.queue is None
         outbound = Outbound(pn_link := link._impl, consumer, presettled, browse, queue,
-                            durable and routing == convert.MULTICAST and node.queue is None)  # fmt: skip
+                            durable=subscription and durable, temporary=temporary)  # fmt: skip
         self.outbound[pn_link] = outbound
         outbound.pump = asyncio.get_running_loop().create_task(self._pump(outbound))
-
-    async def _routing_of(self, address: str) -> int:
-        """The routing type of an address attached to without a prefix or capability: multicast when the
-        address exists as multicast only, else anycast (and the core auto-creates its queue)."""
-        assert self.link is not None
-        try:
-            info = await self.link.create_address(address, (RoutingType.ANYCAST,))
-        except LinkRequestError:
-            return convert.ANYCAST
-        types = info.get("routing_types") or []
-        return convert.MULTICAST if types and int(RoutingType.ANYCAST) not in types else convert.ANYCAST
 
     async def _subscription_queue(self, queue: str, address: str, *, durable: bool, selector: str | None) -> None:
         """A subscription queue on a multicast address. A durable one that exists is kept unless its address or
@@ -535,9 +535,12 @@ class AmqpSession:
         outbound = self.outbound.pop(pn_link, None)
         if outbound is not None:
             await self._stop(outbound)
-            if closed and outbound.durable and self.link is not None:  # the subscription ends for good
-                with contextlib.suppress(LinkRequestError):
+            if (outbound.temporary or (closed and outbound.durable)) and self.link is not None:
+                try:  # the subscription ends for good
                     await self.link.delete_queue(outbound.queue)
+                except LinkRequestError as exc:
+                    log.info("amqp subscription kept", extra={"peer": self.wire.peer, "queue": outbound.queue,
+                                                              "reason": exc.text})  # fmt: skip
         if link.state & Endpoint.LOCAL_ACTIVE:
             if closed:
                 link.close()
@@ -560,15 +563,17 @@ class AmqpSession:
         if not lib.pn_delivery_readable(delivery):
             return
         size = lib.pn_delivery_pending(delivery)
-        if lib.pn_delivery_partial(delivery):
-            if size > self.settings.amqp.max_message_bytes:
-                self._close_link(pn_link, MESSAGE_SIZE, "the message is larger than the link's max-message-size")
-            return  # the rest of the message is still to come
-        if lib.pn_link_credit(pn_link) < 0:  # more transfers than the credit granted
-            self._close_link(pn_link, TRANSFER_LIMIT, "more transfers than the link credit allows")
-            self.inbound.pop(pn_link, None)
-            lib.pn_delivery_settle(delivery)
+        partial = lib.pn_delivery_partial(delivery)
+        if size > self.settings.amqp.max_message_bytes:
+            self._drop_link(pn_link, MESSAGE_SIZE, "the message is larger than the link's max-message-size")
             return
+        if partial:
+            return  # the rest of the message is still to come
+        if inbound.credit <= 0:
+            self._drop_link(pn_link, TRANSFER_LIMIT, "more transfers than the link credit allows")
+            return
+        inbound.credit -= 1
+        inbound.granted += 1
         data = bytearray(size)
         lib.pn_link_recv(pn_link, ffi.from_buffer(data), size)
         lib.pn_link_advance(pn_link)
@@ -584,12 +589,7 @@ class AmqpSession:
                 self._reject(delivery, TX_UNKNOWN, "no such transaction")
                 return
         try:
-            message = messages.to_core(bytes(data), inbound.node.address if inbound.node else None,
-                                       inbound.node.routing if inbound.node else ROUTING_DEFAULT,
-                                       int(time.time() * 1000))  # fmt: skip
-            if inbound.node is None:
-                node = convert.resolve(message[M_ADDRESS])
-                message[M_ADDRESS], message[M_ROUTING] = node.address, node.routing
+            message = _core_message(bytes(data), inbound.node)
         except (messages.MessageFormatError, convert.ConversionError) as exc:
             self._reject(delivery, getattr(exc, "condition", INVALID_FIELD), str(exc))
             return
@@ -601,16 +601,24 @@ class AmqpSession:
         if presettled:
             lib.pn_delivery_settle(delivery)
         self._unsettled_in.append((future, None if presettled else delivery, inbound, txn_id))
-        inbound.granted += 1
-        if inbound.granted * 2 >= inbound.window:
-            self._top_up(inbound)
 
-    def _top_up(self, inbound: Inbound) -> None:
-        """More credit for the client once it used half of it, while the core keeps up."""
+    def _drop_link(self, pn_link: Any, condition: str, description: str) -> None:
+        """End a client's sending link for abuse: the transfer at hand is never published, nor settled (the
+        link's end says why)."""
+        self.inbound.pop(pn_link, None)
+        self._close_link(pn_link, condition, description)
+
+    def _top_up(self) -> None:
+        """More credit for the client's links that used half of theirs, while the core keeps up. Called between
+        reads of the client's bytes, never amid one: a client cannot use credit it has not been sent."""
         link = self.link
-        if link is not None and link.can_send and inbound.granted:
-            lib.pn_link_flow(inbound.link, inbound.granted)
-            inbound.granted = 0
+        if link is None or not link.can_send:
+            return
+        for inbound in self.inbound.values():
+            if inbound.granted * 2 >= inbound.window:
+                lib.pn_link_flow(inbound.link, inbound.granted)
+                inbound.credit += inbound.granted
+                inbound.granted = 0
 
     def _settle_inbound(self) -> None:
         """The core confirmed or refused publishes: settle their transfers, in order."""
@@ -633,10 +641,8 @@ class AmqpSession:
                     self._close_link(inbound.link, UNAUTHORIZED, error.text)
             else:
                 self._reject(delivery, INTERNAL, str(error))
-        for inbound in self.inbound.values():
-            if inbound.granted * 2 >= inbound.window:
-                self._top_up(inbound)
-        self._flush()
+        self._top_up()
+        self._output_soon()
 
     def _reject(self, delivery: Any, condition: str, description: str) -> None:
         wrapped = wrap_delivery(delivery)
@@ -723,7 +729,7 @@ class AmqpSession:
                     return
                 outbound.pending.extend(batch)
                 self._send_pending(outbound)
-                self._flush()
+                self._output_soon()
         except LinkRequestError as exc:
             if not self._closed and outbound.link in self.outbound:
                 self._close_link(outbound.link, _CONDITIONS.get(exc.code, DETACH_FORCED), exc.text)
@@ -778,18 +784,29 @@ class AmqpSession:
             failed = lib.pn_disposition_is_failed(remote)
             consumer.nack_ids([message_id], NackMode.REDELIVER if failed else NackMode.RELEASE)
         elif state == TRANSACTIONAL_STATE:
-            txn_id = _txn_id(delivery)
+            txn_id, outcome = _transactional_state(delivery)
             tx = self.transactions.get(txn_id or b"", 0)
-            if tx:
-                consumer.ack_ids([message_id], tx)
-            else:
+            if not tx:
                 consumer.nack_ids([message_id], NackMode.RELEASE)
+                self._close_link(outbound.link, TX_UNKNOWN, "no such transaction")
+            elif outcome in (None, _ACCEPTED):
+                consumer.ack_ids([message_id], tx)  # acknowledged when the transaction commits
+            else:  # given back at once, as outside a transaction
+                consumer.nack_ids([message_id], NackMode.REJECT if outcome == _REJECTED else NackMode.RELEASE)
         else:
             return  # received (a non-terminal state): wait for the outcome
         lib.pn_delivery_settle(delivery)
 
     # ------------------------------------------------------------------ output and the end
+    def _output_soon(self) -> None:
+        """Write what proton has to say once this turn of the event loop is over: one write for everything
+        the turn produced (transfers, dispositions, flow) instead of a system call each."""
+        if not self._output_scheduled:
+            self._output_scheduled = True
+            self._loop.call_soon(self._flush)
+
     def _flush(self) -> None:
+        self._output_scheduled = False
         engine = self.engine
         if engine is None:
             return
@@ -841,8 +858,9 @@ class AmqpSession:
                 if loop.time() >= connect_deadline:
                     log.info("amqp connect timeout", extra={"peer": self.wire.peer})
                     if self.engine is not None:
+                        # proton writes no CLOSE before the client's OPEN: our OPEN, then a CLOSE of our own.
                         self._close_connection(CONNECTION_FORCED, "no OPEN in time")
-                        self._flush()
+                        self.wire.write(self.engine.data_to_send() + close_frame(CONNECTION_FORCED, "no OPEN in time"))
                     self._end()
                     return
             if self.engine is not None:
@@ -928,11 +946,33 @@ def _selector(data: Data) -> str | None:
 
 
 def _txn_id(delivery: Any) -> bytes | None:
+    return _transactional_state(delivery)[0]
+
+
+def _transactional_state(delivery: Any) -> tuple[bytes | None, int | None]:
+    """The txn-id and the outcome code (accepted 0x24, rejected 0x25 ...) of a transactional state."""
     wrapped = wrap_delivery(delivery)
     fields: Any = wrapped.remote.data  # typed as a list of int by proton, but it is the state's fields
-    if fields and isinstance(fields[0], bytes | bytearray | memoryview):
-        return bytes(fields[0])  # copied at once: proton's views point into memory it frees
-    return None
+    if not fields or not isinstance(fields[0], bytes | bytearray | memoryview):
+        return None, None
+    txn_id = bytes(fields[0])  # copied at once: proton's views point into memory it frees
+    outcome = getattr(fields[1], "descriptor", None) if len(fields) > 1 else None
+    return txn_id, int(outcome) if isinstance(outcome, int) else None
+
+
+def _core_message(data: bytes, node: convert.Node | None) -> WireMessage:
+    """The core message of a transfer to ``node`` (None: the anonymous relay, to the message's ``to``)."""
+    if node is not None:
+        message = messages.to_core(data, node.address, node.routing, int(time.time() * 1000))
+    else:
+        message = messages.to_core(data, None, ROUTING_DEFAULT, int(time.time() * 1000))
+        to = convert.resolve(message[M_ADDRESS])
+        if to.queue is not None:
+            raise convert.ConversionError("send to an address: a fully qualified queue name is for consumers")
+        message[M_ADDRESS], message[M_ROUTING] = to.address, to.routing
+    if len(message[M_PROPS]) > MAX_PROPERTIES:  # the core would end the whole link for a malformed message
+        raise convert.ConversionError(f"more than {MAX_PROPERTIES} properties")
+    return message
 
 
 def _coordinator_body(data: bytes) -> Described:

@@ -47,8 +47,9 @@ class AmqpLimitsSection:
                                  "while the core keeps up.")  # fmt: skip
     prefetch: int = doc(1000, "Messages of a consumer fetched from the core ahead of the client's credit and "
                               "settlements.")  # fmt: skip
-    idle_timeout_ms: int = doc(60_000, "Idle timeout announced in OPEN: a client silent for this long is "
-                                       "disconnected (clients send heartbeats at half of it; 0 = none).")  # fmt: skip
+    idle_timeout_ms: int = doc(30_000, "Idle timeout announced in OPEN: clients send a frame at least this "
+                                       "often, and one silent for twice as long is disconnected (0 = "
+                                       "none).")  # fmt: skip
     session_window: int = doc(1024, "Transfer frames a session may receive ahead of the gateway (its incoming "
                                     "window; at most 2 GiB worth of frames). Link credit is what bounds "
                                     "messages.")  # fmt: skip

@@ -20,7 +20,7 @@ import msgpack
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.errors import LocalProtocolError, RemoteProtocolError
 from tridentmq_shared.link.ops import HEADER_SIZE, PROTOCOL_VERSIONS, ErrorCode, NackMode, Op
-from tridentmq_shared.message import WireMessage, check_message
+from tridentmq_shared.message import MAX_PROPERTIES, WireMessage, check_message
 
 DEFAULT_MAX_FRAME_SIZE: Final = 16 * 1024 * 1024
 DEFAULT_MAX_OPS_PER_FRAME: Final = 65_536
@@ -128,7 +128,7 @@ class LinkConnection:
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
         max_ops_per_frame: int = DEFAULT_MAX_OPS_PER_FRAME,
         heartbeat_ms: int = DEFAULT_HEARTBEAT_MS,
-        max_properties: int = 256,
+        max_properties: int = MAX_PROPERTIES,
     ) -> None:
         if max_frame_size < MIN_FRAME_SIZE:
             raise ValueError(f"max_frame_size must be at least {MIN_FRAME_SIZE}")

@@ -8,13 +8,18 @@ kept for the rare events (attach, detach, open, close).
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable
 from typing import Any, Final, cast
 
 from cproton_ffi import ffi, lib
 from proton import Collector, Connection, Delivery, Link, Session, Transport, symbol
 
+from tridentmq_amqp.protocol.types import Described, Symbol, encode
+
 NULL: Final = ffi.NULL
+_CLOSE: Final = 0x18
+_ERROR: Final = 0x1D
 #: Bytes read from proton's output per call; more calls when there is more.
 _OUTPUT_CHUNK: Final = 256 * 1024
 
@@ -33,7 +38,9 @@ class Engine:
         self.transport.max_frame_size = max_frame_bytes
         self.transport.channel_max = channel_max
         if idle_timeout_ms > 0:
-            self.transport.idle_timeout = idle_timeout_ms / 1000
+            # proton announces half its own timeout (so that peers heartbeat with room to spare): announce
+            # the setting, and close after twice that long without a frame.
+            self.transport.idle_timeout = 2 * idle_timeout_ms / 1000
         self.collector = Collector()
         self.transport.bind(self.connection)
         self.connection.collect(self.collector)
@@ -136,3 +143,9 @@ def wrap_session(pn_session: Any) -> Session:
 
 def wrap_delivery(pn_delivery: Any) -> Delivery:
     return cast(Delivery, Delivery.wrap(pn_delivery))  # type: ignore[no-untyped-call]
+
+
+def close_frame(condition: str, description: str) -> bytes:
+    """A CLOSE frame with an error, for the one case proton writes none: the peer has not sent its OPEN."""
+    body = encode(Described(_CLOSE, [Described(_ERROR, [Symbol(condition), description])]))
+    return struct.pack(">IBBH", 8 + len(body), 2, 0, 0) + body
