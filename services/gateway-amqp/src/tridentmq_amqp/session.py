@@ -334,7 +334,11 @@ class AmqpSession:
                 pn_link = lib.pn_delivery_link(delivery)
                 inbound = self.inbound.get(pn_link)
                 if inbound is not None:
-                    await self._transfer(inbound, pn_link, delivery)
+                    blocked = self._transfer(inbound, pn_link, delivery)
+                    if blocked is not None:  # the core's window is full: wait for it (rare)
+                        message, tx, txn_id = blocked
+                        assert self.link is not None
+                        self._published(await self.link.send(message, tx), delivery, inbound, txn_id)
                 else:
                     outbound = self.outbound.get(pn_link)
                     if outbound is not None:
@@ -559,19 +563,21 @@ class AmqpSession:
             await self._detach(pn_link, closed=False)
 
     # ------------------------------------------------------------------ messages from the client
-    async def _transfer(self, inbound: Inbound, pn_link: Any, delivery: Any) -> None:
+    def _transfer(self, inbound: Inbound, pn_link: Any, delivery: Any) -> tuple[WireMessage, int, bytes | None] | None:
+        """A message from the client, published at once; returned (with its transaction) when the core's window
+        is full, for the caller to wait. A plain method, not a coroutine: this runs for every message."""
         if not lib.pn_delivery_readable(delivery):
-            return
+            return None
         size = lib.pn_delivery_pending(delivery)
         partial = lib.pn_delivery_partial(delivery)
         if size > self.settings.amqp.max_message_bytes:
             self._drop_link(pn_link, MESSAGE_SIZE, "the message is larger than the link's max-message-size")
-            return
+            return None
         if partial:
-            return  # the rest of the message is still to come
+            return None  # the rest of the message is still to come
         if inbound.credit <= 0:
             self._drop_link(pn_link, TRANSFER_LIMIT, "more transfers than the link credit allows")
-            return
+            return None
         inbound.credit -= 1
         inbound.granted += 1
         data = bytearray(size)
@@ -579,7 +585,7 @@ class AmqpSession:
         lib.pn_link_advance(pn_link)
         if lib.pn_delivery_aborted(delivery):
             lib.pn_delivery_settle(delivery)
-            return
+            return None
         txn_id: bytes | None = None
         tx = 0
         if lib.pn_delivery_remote_state(delivery) == TRANSACTIONAL_STATE:
@@ -587,15 +593,22 @@ class AmqpSession:
             tx = self.transactions.get(txn_id or b"", 0)
             if not tx:
                 self._reject(delivery, TX_UNKNOWN, "no such transaction")
-                return
+                return None
         try:
             message = _core_message(bytes(data), inbound.node)
         except (messages.MessageFormatError, convert.ConversionError) as exc:
             self._reject(delivery, getattr(exc, "condition", INVALID_FIELD), str(exc))
-            return
+            return None
         link = self.link
         assert link is not None
-        future = link.send_now(message, tx) if link.can_send else await link.send(message, tx)
+        if not link.can_send:
+            return message, tx, txn_id
+        self._published(link.send_now(message, tx), delivery, inbound, txn_id)
+        return None
+
+    def _published(self, future: asyncio.Future[None], delivery: Any, inbound: Inbound, txn_id: bytes | None) -> None:
+        """A transfer handed to the core: settled at once when the client pre-settled it, else once the core
+        confirms (``_settle_inbound``)."""
         self.counters.messages_published += 1
         presettled = bool(lib.pn_delivery_settled(delivery))
         if presettled:

@@ -50,6 +50,7 @@ class Engine:
         self._input = bytearray()  # bytes beyond what the transport could take so far
         self._output = bytearray(_OUTPUT_CHUNK)
         self._output_view = ffi.from_buffer(self._output)
+        self._output_memory = memoryview(self._output)
         self.tail_closed = False
 
     # ------------------------------------------------------------------ input
@@ -99,10 +100,9 @@ class Engine:
         chunks = []
         while (pending := lib.pn_transport_pending(transport)) > 0:
             size = min(pending, _OUTPUT_CHUNK)
-            got = lib.pn_transport_peek(transport, self._output_view, size)
-            if got < 0:
+            if lib.pn_transport_peek(transport, self._output_view, size) < 0:
                 break
-            chunks.append(bytes(self._output[:size]))
+            chunks.append(self._output_memory[:size].tobytes())
             lib.pn_transport_pop(transport, size)
         return b"".join(chunks) if len(chunks) != 1 else chunks[0]
 
