@@ -2,8 +2,8 @@
 gateway and its core.
 
 S4: one producer connection and one consumer connection, each in its own process, on a fresh queue
-``bench.<id>`` per run (the gateway creates the anycast queue when the producer attaches, and the consumer
-attaches after that). Every message is a transfer of a header section with ``durable=true`` and one ``data``
+``bench.<id>`` per run (the consumer's attach creates the anycast queue, and the producer attaches after
+that). Every message is a transfer of a header section with ``durable=true`` and one ``data``
 section of 100 bytes, in one frame.
 
 * default (at least once): the producer sends unsettled transfers, at most 500 of them not yet settled by

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+from proton import ConnectionException, Message
+from proton.utils import BlockingConnection
 from tests.conftest import CoreProcess
 
 pytestmark = pytest.mark.integration
@@ -129,12 +131,35 @@ def stomp_round_trip(port: int) -> bytes:
     return data.rsplit(b"\n\n", 1)[1].rstrip(b"\x00")
 
 
+def amqp_round_trip(port: int) -> str:
+    """Send and receive one message with proton's client (retrying while the gateway starts)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            conn = BlockingConnection(f"amqp://127.0.0.1:{port}", timeout=10)
+            break
+        except ConnectionException:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    try:
+        conn.create_sender("up.amqp").send(Message(body="via amqp"))
+        receiver = conn.create_receiver("up.amqp")
+        body = str(receiver.receive(timeout=10).body)
+        receiver.accept()
+        return body
+    finally:
+        conn.close()
+
+
 def test_up_starts_serves_and_stops_cleanly(tmp_path: Path) -> None:
-    link, management, stomp_port = free_port(), free_port(), free_port()
+    link, management, stomp_port, amqp_port = free_port(), free_port(), free_port(), free_port()
     env = {**os.environ, "TRIDENTMQ_CORE_LINK_PORT": str(link), "TRIDENTMQ_CORE_MANAGEMENT_PORT": str(management),
            "TRIDENTMQ_CORE_LINK_HOST": "127.0.0.1", "TRIDENTMQ_STOMP_CORE_PORT": str(link),
            "TRIDENTMQ_STOMP_LISTENER_PORT": str(stomp_port), "TRIDENTMQ_STOMP_LISTENER_WEBSOCKET_PORT": "0",
-           "TRIDENTMQ_STOMP_HTTP_PORT": "0"}  # fmt: skip
+           "TRIDENTMQ_STOMP_HTTP_PORT": "0", "TRIDENTMQ_AMQP_CORE_PORT": str(link),
+           "TRIDENTMQ_AMQP_LISTENER_PORT": str(amqp_port), "TRIDENTMQ_AMQP_LISTENER_WEBSOCKET_PORT": "0",
+           "TRIDENTMQ_AMQP_HTTP_PORT": "0"}  # fmt: skip
     up = subprocess.Popen(
         [sys.executable, "-m", "tridentmq_shared.cli", "up", "--data-dir", str(tmp_path / "data")],
         env=env,
@@ -155,6 +180,7 @@ def test_up_starts_serves_and_stops_cleanly(tmp_path: Path) -> None:
         consumed = tridentmq("consume", "up.q", "--count", "3", "--port", str(link))
         assert consumed.returncode == 0, consumed.stderr
         assert stomp_round_trip(stomp_port) == b"via stomp"
+        assert amqp_round_trip(amqp_port) == "via amqp"
         up.send_signal(signal.SIGINT)
         output, _ = up.communicate(timeout=30)
     finally:
@@ -162,6 +188,7 @@ def test_up_starts_serves_and_stops_cleanly(tmp_path: Path) -> None:
     assert up.returncode == 0, output
     assert "core node ready" in output
     assert "stomp gateway ready" in output
+    assert "amqp gateway ready" in output
     assert "core node stopped" in output
     assert "Traceback" not in output
     assert (tmp_path / "data" / "core" / "node.id").exists()
