@@ -18,7 +18,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties as PahoProperties
 from proton import Delivery, Event, Message, Receiver, Timeout, symbol
 from proton.handlers import TransactionalClientHandler
-from proton.reactor import Container, Copy, DurableSubscription, ReceiverOption, Selector, Transaction
+from proton.reactor import AtMostOnce, Container, Copy, DurableSubscription, ReceiverOption, Selector, Transaction
 from proton.utils import BlockingConnection, BlockingReceiver, SendException
 from tests.conftest import CoreProcess, GatewayProcess, start_gateway, stop_cleanly
 from tests.integration.mqtt_clients import Paho
@@ -577,5 +577,25 @@ def test_a_topic_subscription_ends_with_its_link(amqp_gateway: GatewayProcess, c
         receiver.close()
         with urlopen(f"{core.management_url}/api/queues", timeout=WAIT) as reply:
             assert [q["name"] for q in json.load(reply) if q["address"] == topic] == []
+    finally:
+        conn.close()
+
+
+def test_presettled_messages_all_arrive_when_the_producer_leaves_at_once(amqp_gateway: GatewayProcess) -> None:
+    """At most once, but a healthy broker loses nothing: what a pre-settled producer sent before its CLOSE is
+    published even when the gateway is still working through it as the connection ends."""
+    queue, count = unique("presettled"), 3000
+    conn = connect(amqp_gateway)
+    try:
+        sender = conn.create_sender(queue, options=AtMostOnce())
+        for i in range(count):  # proton's client queues a pre-settled message without credit, and drops it at close
+            conn.wait(lambda: sender.link.credit > 0, msg="credit")
+            sender.send(Message(body=i, durable=True))
+    finally:
+        conn.close()
+    conn = connect(amqp_gateway)
+    try:
+        receiver = conn.create_receiver(queue, credit=500, options=AtMostOnce())
+        assert sorted(receiver.receive(timeout=WAIT).body for _ in range(count)) == list(range(count))
     finally:
         conn.close()

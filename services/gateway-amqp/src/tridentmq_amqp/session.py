@@ -154,7 +154,7 @@ class AmqpSession:
         self._paused = False
         self._closed = False
         self._lost = False  # the socket closed
-        self._processing = False  # a task is handling proton's events
+        self._events_due = False  # the timer left proton events for the worker
         self._opened = False  # the client's OPEN was answered
         loop = self._loop = asyncio.get_running_loop()
         self._output_scheduled = False
@@ -198,6 +198,13 @@ class AmqpSession:
         try:
             while not self._closed:
                 if not self._input:
+                    if self._events_due:  # raised by proton's timer (an idle timeout, say)
+                        self._events_due = False
+                        await self._process()
+                        self._output_soon()
+                        continue
+                    if self._lost or (self.engine is not None and self.engine.closed):
+                        break  # everything the client sent is handled, and nothing more can be said
                     self._input_bytes = 0
                     if self._paused:
                         self._paused = False
@@ -217,8 +224,6 @@ class AmqpSession:
                     self._flush()
                     self._end()
                 self._output_soon()
-                if self._lost and not self._input:
-                    self._end()
         except (AssertionError, LookupError, TypeError, ValueError, AttributeError):
             log.exception("amqp session failed", extra={"peer": self.wire.peer})
             if self.engine is not None:
@@ -285,7 +290,7 @@ class AmqpSession:
                 offered_capabilities=OFFERED_CAPABILITIES,
             )  # fmt: skip
             self._rearm.set()
-            if self.link is None:  # no SASL layer: an anonymous connection
+            if self.link is None:  # no SASL layer: an anonymous connection, tried once
                 error = await self._connect(None, None)
                 if error is not None:
                     self.counters.refused += 1
@@ -295,6 +300,11 @@ class AmqpSession:
                     self._refuse_open(UNAUTHORIZED if error.code == ErrorCode.UNAUTHENTICATED else INTERNAL,
                                       error.text)  # fmt: skip
                     return
+        elif self.link is None:  # refused: the client's bytes go to proton only to see its CLOSE
+            engine.receive_data(data)
+            while lib.pn_collector_peek(engine.pn_collector) != NULL:
+                lib.pn_collector_pop(engine.pn_collector)
+            return
         engine.receive_data(data)
         await self._process()
         while engine.buffered_input and not self._closed:
@@ -311,18 +321,9 @@ class AmqpSession:
 
     # ------------------------------------------------------------------ proton events
     async def _process(self) -> None:
-        """Handle every event proton has queued. Deliveries and flow take the raw C path; the rest is rare.
-        One caller at a time: an event stays queued while it is handled (an attach waits for the core), and
-        whoever is handling events goes on until none is left."""
-        if self._processing:
-            return
-        self._processing = True
-        try:
-            await self._process_events()
-        finally:
-            self._processing = False
-
-    async def _process_events(self) -> None:
+        """Handle every event proton has queued, in order; only the worker calls this, so that an event waiting
+        for the core (an attach, a publish into a full window) holds back the ones after it. Deliveries and
+        flow take the raw C path; the rest is rare."""
         engine = self.engine
         assert engine is not None
         collector = engine.pn_collector
@@ -355,8 +356,6 @@ class AmqpSession:
                 await self._endpoint_event(kind, event)
             lib.pn_collector_pop(collector)
         _ack_all(acks)
-        if not self._closed and self.engine is not None and self.engine.closed:
-            self._end()
 
     async def _endpoint_event(self, kind: int, event: Any) -> None:
         if kind == lib.PN_CONNECTION_REMOTE_OPEN:
@@ -385,19 +384,22 @@ class AmqpSession:
         elif kind == lib.PN_TRANSPORT_ERROR:
             assert self.engine is not None
             error = self.engine.error()
-            if error is not None:
+            if error is not None and error[1] == "connection aborted":  # the client left without CLOSE
+                log.debug("amqp connection aborted", extra={"peer": self.wire.peer})
+            elif error is not None:
                 self.counters.protocol_errors += 1
                 log.info("amqp connection error", extra={"peer": self.wire.peer, "condition": error[0],
                                                          "error": error[1][:200]})  # fmt: skip
         elif kind == lib.PN_TRANSPORT_TAIL_CLOSED:
             assert self.engine is not None
-            if not self.engine.tail_closed:  # proton stopped reading: a frame it could not decode, said nothing
+            remote_closed = self.engine.connection.state & Endpoint.REMOTE_CLOSED
+            if not self.engine.tail_closed and not remote_closed:  # proton stopped reading: a frame it could not
+                # decode (after a CLOSE it stops too, rightly); it said nothing, so we do
                 self.counters.protocol_errors += 1
                 log.info("amqp protocol error", extra={"peer": self.wire.peer, "error": "undecodable frame"})
                 self._close_connection(DECODE_ERROR, "a frame could not be decoded")
         elif kind == lib.PN_TRANSPORT_CLOSED:
             self._flush()
-            self._end()
 
     def _open(self, event: Any) -> None:
         assert self.engine is not None
@@ -826,8 +828,8 @@ class AmqpSession:
         data = engine.data_to_send()
         if data:
             self.wire.write(data)
-        if engine.closed:  # proton has said all it will (a CLOSE, or an error) and heard the end
-            self._end()
+        if engine.closed:  # proton has said all it will (a CLOSE, or an error): the worker ends the session
+            self._wakeup.set()
 
     def _close_link(self, pn_link: Any, condition: str, description: str) -> None:
         link = wrap_link(pn_link)
@@ -878,20 +880,17 @@ class AmqpSession:
                     return
             if self.engine is not None:
                 tick = self.engine.tick(time.monotonic())
-                self._flush()
+                if lib.pn_collector_peek(self.engine.pn_collector) != NULL:  # e.g. the idle timeout expired
+                    self._events_due = True
+                    self._wakeup.set()
+                self._flush()  # heartbeats
                 if tick is not None:
                     at = loop.time() + max(tick - time.monotonic(), 0.0)
                     deadline = at if deadline is None else min(deadline, at)
-                if self.engine.closed:
-                    self._end()
-                    return
             self._rearm.clear()
             timeout = None if deadline is None else max(deadline - loop.time(), 0.0)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._rearm.wait(), timeout)
-            if self.engine is not None and not self._closed:
-                with contextlib.suppress(RemoteProtocolError):
-                    await self._process()
 
     async def _shutdown(self) -> None:
         self._closed = True
