@@ -82,6 +82,8 @@ _REJECTED: Final = lib.PN_REJECTED
 _RELEASED: Final = lib.PN_RELEASED
 _MODIFIED: Final = lib.PN_MODIFIED
 _SASL_OUTCOME_SYS_TEMP: Final = 4
+_OUTCOME_CODES: Final = {"amqp:accepted:list": 0x24, "amqp:rejected:list": 0x25, "amqp:released:list": 0x26,
+                         "amqp:modified:list": 0x27}  # fmt: skip
 _MAX_CAPACITY: Final = 2**31 - 1  # proton computes the window in 32 bits: more wraps it to nothing
 
 
@@ -969,6 +971,8 @@ def _transactional_state(delivery: Any) -> tuple[bytes | None, int | None]:
         return None, None
     txn_id = bytes(fields[0])  # copied at once: proton's views point into memory it frees
     outcome = getattr(fields[1], "descriptor", None) if len(fields) > 1 else None
+    if isinstance(outcome, str):  # the outcome named by its symbol rather than its code
+        outcome = _OUTCOME_CODES.get(outcome)
     return txn_id, int(outcome) if isinstance(outcome, int) else None
 
 
