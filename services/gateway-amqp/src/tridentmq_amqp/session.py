@@ -19,21 +19,47 @@ import logging
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Final
 
 from cproton_ffi import ffi, lib
-from proton import Condition, Data, Delivery, Endpoint, Link, Terminus, symbol, ulong
+from proton import Condition, Delivery, Endpoint, Link, Terminus, ulong
 from proton import Described as PnDescribed
 
 from tridentmq_amqp import convert, messages
+from tridentmq_amqp.links import (
+    DECLARE,
+    DECLARED,
+    TRANSACTIONAL_STATE,
+    Coordinator,
+    Inbound,
+    Outbound,
+    coordinator_body,
+    put_capabilities,
+    terminus_selector,
+    terminus_symbols,
+    transactional_state,
+    txn_id_of,
+)
 from tridentmq_amqp.protocol.engine import NULL, Engine, close_frame, wrap_delivery, wrap_link, wrap_session
-from tridentmq_amqp.protocol.errors import DECODE_ERROR, RemoteProtocolError
+from tridentmq_amqp.protocol.errors import (
+    CONNECTION_FORCED,
+    DECODE_ERROR,
+    DETACH_FORCED,
+    INTERNAL_ERROR,
+    INVALID_FIELD,
+    MESSAGE_SIZE,
+    NOT_FOUND,
+    RESOURCE_LIMIT,
+    TRANSFER_LIMIT,
+    TX_ROLLBACK,
+    TX_UNKNOWN,
+    UNAUTHORIZED,
+    RemoteProtocolError,
+)
 from tridentmq_amqp.protocol.sasl import AuthRequest, SaslLayer
-from tridentmq_amqp.protocol.types import Described, decode
 from tridentmq_amqp.settings import AmqpSettings
 from tridentmq_shared.gateway import Wire
-from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.link.client import LinkClient, LinkRequestError, ReconnectPolicy
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import (
     M_ADDRESS,
@@ -50,26 +76,6 @@ log = logging.getLogger("tridentmq.amqp")
 
 _NO_LINK_RETRY = ReconnectPolicy(attempts=0)  # a lost core ends the AMQP connection; the client reconnects
 OFFERED_CAPABILITIES: Final = ("ANONYMOUS-RELAY",)
-SELECTOR_FILTER: Final = symbol("jms-selector")
-SELECTOR_DESCRIPTORS: Final = (0x0000468C00000004, "apache.org:selector-filter:string")
-# Transaction coordinator messages (by code or by name) and states (AMQP 1.0 part 4).
-DECLARE: Final = (0x31, "amqp:declare:list")
-DISCHARGE: Final = (0x32, "amqp:discharge:list")
-DECLARED: Final = 0x33
-TRANSACTIONAL_STATE: Final = 0x34
-
-# Error conditions.
-UNAUTHORIZED: Final = "amqp:unauthorized-access"
-NOT_FOUND: Final = "amqp:not-found"
-INVALID_FIELD: Final = "amqp:invalid-field"
-RESOURCE_LIMIT: Final = "amqp:resource-limit-exceeded"
-INTERNAL: Final = "amqp:internal-error"
-MESSAGE_SIZE: Final = "amqp:link:message-size-exceeded"
-TRANSFER_LIMIT: Final = "amqp:link:transfer-limit-exceeded"
-DETACH_FORCED: Final = "amqp:link:detach-forced"
-CONNECTION_FORCED: Final = "amqp:connection:forced"
-TX_UNKNOWN: Final = "amqp:transaction:unknown-id"
-TX_ROLLBACK: Final = "amqp:transaction:rollback"
 #: AMQP conditions for the core's refusals.
 _CONDITIONS: Final = {ErrorCode.FORBIDDEN: UNAUTHORIZED, ErrorCode.NOT_FOUND: NOT_FOUND,
                       ErrorCode.INVALID: INVALID_FIELD, ErrorCode.RESOURCE_LIMIT: RESOURCE_LIMIT,
@@ -82,8 +88,6 @@ _REJECTED: Final = lib.PN_REJECTED
 _RELEASED: Final = lib.PN_RELEASED
 _MODIFIED: Final = lib.PN_MODIFIED
 _SASL_OUTCOME_SYS_TEMP: Final = 4
-_OUTCOME_CODES: Final = {"amqp:accepted:list": 0x24, "amqp:rejected:list": 0x25, "amqp:released:list": 0x26,
-                         "amqp:modified:list": 0x27}  # fmt: skip
 _MAX_CAPACITY: Final = 2**31 - 1  # proton computes the window in 32 bits: more wraps it to nothing
 
 
@@ -96,38 +100,6 @@ class Counters:
         self.messages_published = 0
         self.messages_delivered = 0
         self.protocol_errors = 0
-
-
-@dataclass(eq=False)
-class Inbound:
-    """A link on which the client sends messages to the gateway."""
-
-    link: Any  # pn_link_t*
-    node: convert.Node | None  # None: the anonymous relay (each message's ``to`` says where)
-    window: int
-    credit: int = 0  # transfers the client may still send (what the gateway granted, less what came)
-    granted: int = 0  # transfers received since the credit was last topped up
-
-
-@dataclass(eq=False)
-class Outbound:
-    """A link on which the gateway sends a core consumer's messages to the client."""
-
-    link: Any  # pn_link_t*
-    consumer: Consumer
-    presettled: bool
-    browse: bool  # shown, not taken: nothing is acknowledged
-    queue: str
-    durable: bool  # a durable subscription: closing the link (not detaching it) deletes the queue
-    temporary: bool  # a subscription queue of this link only: deleted when the link ends
-    pending: deque[tuple[int, WireMessage]] = field(default_factory=deque)  # fetched, waiting for credit
-    room: asyncio.Event = field(default_factory=asyncio.Event)  # set when ``pending`` empties
-    pump: asyncio.Task[None] | None = None
-
-
-@dataclass(eq=False)
-class Coordinator:
-    link: Any  # pn_link_t*
 
 
 class AmqpSession:
@@ -229,7 +201,7 @@ class AmqpSession:
         except (AssertionError, LookupError, TypeError, ValueError, AttributeError):
             log.exception("amqp session failed", extra={"peer": self.wire.peer})
             if self.engine is not None:
-                self._close_connection(INTERNAL, "the gateway failed to handle this connection")
+                self._close_connection(INTERNAL_ERROR, "the gateway failed to handle this connection")
                 self._flush()
         finally:
             await self._shutdown()
@@ -299,7 +271,7 @@ class AmqpSession:
                     log.info("amqp anonymous connection refused", extra={"peer": self.wire.peer,
                                                                          "reason": error.text})  # fmt: skip
                     engine.receive_data(data)
-                    self._refuse_open(UNAUTHORIZED if error.code == ErrorCode.UNAUTHENTICATED else INTERNAL,
+                    self._refuse_open(UNAUTHORIZED if error.code == ErrorCode.UNAUTHENTICATED else INTERNAL_ERROR,
                                       error.text)  # fmt: skip
                     return
         elif self.link is None:  # refused: the client's bytes go to proton only to see its CLOSE
@@ -430,7 +402,7 @@ class AmqpSession:
         except convert.ConversionError as exc:
             self._refuse_link(link, INVALID_FIELD, str(exc))
         except LinkRequestError as exc:
-            self._refuse_link(link, _CONDITIONS.get(exc.code, INTERNAL), exc.text)
+            self._refuse_link(link, _CONDITIONS.get(exc.code, INTERNAL_ERROR), exc.text)
 
     def _refuse_link(self, link: Link, condition: str, description: str) -> None:
         """Attach with a null terminus and detach at once with the reason (AMQP 1.0 2.6.3)."""
@@ -445,7 +417,7 @@ class AmqpSession:
         remote = link.remote_target
         if remote.type == Terminus.COORDINATOR:
             link.target.type = Terminus.COORDINATOR
-            _put_capabilities(link.target.capabilities, "amqp:local-transactions")
+            put_capabilities(link.target.capabilities, "amqp:local-transactions")
             link.source.copy(link.remote_source)
             link.open()
             self.coordinators[link._impl] = Coordinator(link._impl)
@@ -453,7 +425,7 @@ class AmqpSession:
             return
         node: convert.Node | None = None
         if remote.address:
-            node = convert.resolve(remote.address, _symbols(remote.capabilities))
+            node = convert.resolve(remote.address, terminus_symbols(remote.capabilities))
             if node.queue is not None:
                 raise convert.ConversionError("send to an address: a fully qualified queue name is for consumers")
         elif remote.dynamic:
@@ -481,10 +453,10 @@ class AmqpSession:
         if remote.dynamic:
             node = await self._temporary_node()
         elif remote.address:
-            node = convert.resolve(remote.address, _symbols(remote.capabilities))
+            node = convert.resolve(remote.address, terminus_symbols(remote.capabilities))
         else:
             raise convert.ConversionError("a receiving link needs a source address (or a dynamic source)")
-        selector = _selector(remote.filter)
+        selector = terminus_selector(remote.filter)
         durable = remote.durability != Terminus.NONDURABLE or remote.expiry_policy == Terminus.EXPIRE_NEVER
         queue, temporary = node.queue or node.address, False
         # Without a prefix or capability, a consumer takes from the anycast queue of that name (auto-created).
@@ -507,8 +479,8 @@ class AmqpSession:
         if remote.dynamic:
             link.source.address = node.address
         capability = convert.capability_of(routing)
-        if capability is not None and not _symbols(remote.capabilities):
-            _put_capabilities(link.source.capabilities, capability)
+        if capability is not None and not terminus_symbols(remote.capabilities):
+            put_capabilities(link.source.capabilities, capability)
         link.target.copy(link.remote_target)
         link.snd_settle_mode = Link.SND_SETTLED if presettled else Link.SND_UNSETTLED
         link.open()
@@ -593,7 +565,7 @@ class AmqpSession:
         txn_id: bytes | None = None
         tx = 0
         if lib.pn_delivery_remote_state(delivery) == TRANSACTIONAL_STATE:
-            txn_id = _txn_id(delivery)
+            txn_id = txn_id_of(delivery)
             tx = self.transactions.get(txn_id or b"", 0)
             if not tx:
                 self._reject(delivery, TX_UNKNOWN, "no such transaction")
@@ -652,12 +624,12 @@ class AmqpSession:
                     lib.pn_delivery_update(delivery, _ACCEPTED)
                     lib.pn_delivery_settle(delivery)
             elif isinstance(error, LinkRequestError):
-                condition = _CONDITIONS.get(error.code, INTERNAL)
+                condition = _CONDITIONS.get(error.code, INTERNAL_ERROR)
                 self._reject(delivery, condition, error.text)
                 if error.code == ErrorCode.FORBIDDEN:
                     self._close_link(inbound.link, UNAUTHORIZED, error.text)
             else:
-                self._reject(delivery, INTERNAL, str(error))
+                self._reject(delivery, INTERNAL_ERROR, str(error))
         self._top_up()
         self._output_soon()
 
@@ -680,7 +652,7 @@ class AmqpSession:
         assert link is not None
         wrapped = wrap_delivery(delivery)
         try:
-            body = _coordinator_body(bytes(data))
+            body = coordinator_body(bytes(data))
         except RemoteProtocolError as exc:
             self._reject(delivery, exc.condition, exc.message)
             return
@@ -801,7 +773,7 @@ class AmqpSession:
             failed = lib.pn_disposition_is_failed(remote)
             consumer.nack_ids([message_id], NackMode.REDELIVER if failed else NackMode.RELEASE)
         elif state == TRANSACTIONAL_STATE:
-            txn_id, outcome = _transactional_state(delivery)
+            txn_id, outcome = transactional_state(delivery)
             tx = self.transactions.get(txn_id or b"", 0)
             if not tx:
                 consumer.nack_ids([message_id], NackMode.RELEASE)
@@ -922,60 +894,6 @@ def _ack_all(acks: dict[Outbound, list[int]]) -> None:
     acks.clear()
 
 
-def _symbols(data: Data) -> list[str]:
-    """The symbols of a terminus' capabilities (an array, or a single symbol)."""
-    data.rewind()
-    if not data.next():
-        return []
-    value = data.get_object()
-    if isinstance(value, str):
-        return [str(value)]
-    if isinstance(value, list | tuple):
-        return [str(v) for v in value if isinstance(v, str)]
-    items = getattr(value, "elements", None)
-    return [str(v) for v in items if isinstance(v, str)] if items is not None else []
-
-
-def _put_capabilities(data: Data, *names: str) -> None:
-    data.put_array(described=False, element_type=Data.SYMBOL)
-    data.enter()
-    for name in names:
-        data.put_symbol(symbol(name))
-    data.exit()
-
-
-def _selector(data: Data) -> str | None:
-    """The JMS selector of a source's filter set (``apache.org:selector-filter:string``)."""
-    data.rewind()
-    if not data.next():
-        return None
-    filters = data.get_object()
-    if not isinstance(filters, dict):
-        return None
-    for value in filters.values():
-        descriptor = getattr(value, "descriptor", None)
-        if descriptor in SELECTOR_DESCRIPTORS and isinstance(value.value, str):
-            return str(value.value)
-    return None
-
-
-def _txn_id(delivery: Any) -> bytes | None:
-    return _transactional_state(delivery)[0]
-
-
-def _transactional_state(delivery: Any) -> tuple[bytes | None, int | None]:
-    """The txn-id and the outcome code (accepted 0x24, rejected 0x25 ...) of a transactional state."""
-    wrapped = wrap_delivery(delivery)
-    fields: Any = wrapped.remote.data  # typed as a list of int by proton, but it is the state's fields
-    if not fields or not isinstance(fields[0], bytes | bytearray | memoryview):
-        return None, None
-    txn_id = bytes(fields[0])  # copied at once: proton's views point into memory it frees
-    outcome = getattr(fields[1], "descriptor", None) if len(fields) > 1 else None
-    if isinstance(outcome, str):  # the outcome named by its symbol rather than its code
-        outcome = _OUTCOME_CODES.get(outcome)
-    return txn_id, int(outcome) if isinstance(outcome, int) else None
-
-
 def _core_message(data: bytes, node: convert.Node | None) -> WireMessage:
     """The core message of a transfer to ``node`` (None: the anonymous relay, to the message's ``to``)."""
     if node is not None:
@@ -989,15 +907,3 @@ def _core_message(data: bytes, node: convert.Node | None) -> WireMessage:
     if len(message[M_PROPS]) > MAX_PROPERTIES:  # the core would end the whole link for a malformed message
         raise convert.ConversionError(f"more than {MAX_PROPERTIES} properties")
     return message
-
-
-def _coordinator_body(data: bytes) -> Described:
-    """The declare or discharge carried by a message to the coordinator (its amqp-value section)."""
-    offset = 0
-    while offset < len(data):
-        section, offset = decode(data, offset)
-        if isinstance(section, Described) and section.descriptor in (0x77, "amqp:amqp-value:*"):
-            body = section.value
-            if isinstance(body, Described) and body.descriptor in (*DECLARE, *DISCHARGE):
-                return body
-    raise RemoteProtocolError("a coordinator message carries a declare or a discharge", "amqp:decode-error")

@@ -9,6 +9,15 @@ INVALID_FIELD: Final = "amqp:invalid-field"
 NOT_ALLOWED: Final = "amqp:not-allowed"
 FRAME_SIZE_TOO_SMALL: Final = "amqp:frame-size-too-small"
 INTERNAL_ERROR: Final = "amqp:internal-error"
+UNAUTHORIZED: Final = "amqp:unauthorized-access"
+NOT_FOUND: Final = "amqp:not-found"
+RESOURCE_LIMIT: Final = "amqp:resource-limit-exceeded"
+MESSAGE_SIZE: Final = "amqp:link:message-size-exceeded"
+TRANSFER_LIMIT: Final = "amqp:link:transfer-limit-exceeded"
+DETACH_FORCED: Final = "amqp:link:detach-forced"
+CONNECTION_FORCED: Final = "amqp:connection:forced"
+TX_UNKNOWN: Final = "amqp:transaction:unknown-id"
+TX_ROLLBACK: Final = "amqp:transaction:rollback"
 
 
 class AmqpError(Exception):
