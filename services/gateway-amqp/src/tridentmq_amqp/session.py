@@ -197,6 +197,12 @@ class AmqpSession:
                     self.counters.protocol_errors += 1
                     self._flush()
                     self._end()
+                except LinkRequestError as exc:  # the core refused a request no handler expected, or went away
+                    log.info("amqp core request failed", extra={"peer": self.wire.peer, "reason": exc.text})
+                    if self.engine is not None:
+                        self._close_connection(CONNECTION_FORCED, f"the broker refused: {exc.text}")
+                        self._flush()
+                    self._end()
                 self._output_soon()
         except (AssertionError, LookupError, TypeError, ValueError, AttributeError):
             log.exception("amqp session failed", extra={"peer": self.wire.peer})
@@ -626,8 +632,8 @@ class AmqpSession:
             elif isinstance(error, LinkRequestError):
                 condition = _CONDITIONS.get(error.code, INTERNAL_ERROR)
                 self._reject(delivery, condition, error.text)
-                if error.code == ErrorCode.FORBIDDEN:
-                    self._close_link(inbound.link, UNAUTHORIZED, error.text)
+                if error.code == ErrorCode.FORBIDDEN:  # the link's address is not this user's to send to
+                    self._drop_link(inbound.link, UNAUTHORIZED, error.text)
             else:
                 self._reject(delivery, INTERNAL_ERROR, str(error))
         self._top_up()
@@ -655,9 +661,15 @@ class AmqpSession:
             body = coordinator_body(bytes(data))
         except RemoteProtocolError as exc:
             self._reject(delivery, exc.condition, exc.message)
+            lib.pn_link_flow(pn_link, 1)
             return
+        lib.pn_link_flow(pn_link, 1)  # credit for the next control message, whatever becomes of this one
         if body.descriptor in DECLARE:
-            tx = await link.begin()
+            try:
+                tx = await link.begin()
+            except LinkRequestError as exc:
+                self._reject(delivery, _CONDITIONS.get(exc.code, INTERNAL_ERROR), exc.text)
+                return
             txn_id = next(self._tx_ids).to_bytes(4, "big")
             self.transactions[txn_id] = tx
             local: Any = wrapped.local  # proton types ``data`` as a list of int
@@ -683,7 +695,6 @@ class AmqpSession:
                 return
             wrapped.update(Delivery.ACCEPTED)
             wrapped.settle()
-        lib.pn_link_flow(pn_link, 1)
 
     async def _drain_inbound(self) -> None:
         pending = [future for future, *_ in self._unsettled_in]
