@@ -16,7 +16,7 @@ import pytest
 import stomp
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties as PahoProperties
-from proton import Delivery, Event, Message, Receiver, Timeout, symbol
+from proton import Data, Delivery, Event, Message, Receiver, Timeout, symbol
 from proton.handlers import TransactionalClientHandler
 from proton.reactor import AtMostOnce, Container, Copy, DurableSubscription, ReceiverOption, Selector, Transaction
 from proton.utils import BlockingConnection, BlockingReceiver, SendException
@@ -599,3 +599,91 @@ def test_presettled_messages_all_arrive_when_the_producer_leaves_at_once(amqp_ga
         assert sorted(receiver.receive(timeout=WAIT).body for _ in range(count)) == list(range(count))
     finally:
         conn.close()
+
+
+class SharedSubscription(ReceiverOption):
+    """A source as Qpid JMS attaches it for a JMS 2.0 shared subscription (durable or not)."""
+
+    def __init__(self, *, durable: bool, global_: bool = False) -> None:
+        self.durable = durable
+        self.global_ = global_
+
+    def apply(self, receiver: Receiver) -> None:
+        if self.durable:
+            DurableSubscription().apply(receiver)
+        capabilities = receiver.source.capabilities
+        capabilities.put_array(described=False, element_type=Data.SYMBOL)
+        capabilities.enter()
+        for name in ("topic", "shared", *(("global",) if self.global_ else ())):
+            capabilities.put_symbol(symbol(name))
+        capabilities.exit()
+
+
+def queue_names(core: CoreProcess, address: str) -> list[str]:
+    with urlopen(f"{core.management_url}/api/queues", timeout=WAIT) as reply:
+        return [q["name"] for q in json.load(reply) if q["address"] == address]
+
+
+def test_a_shared_durable_subscription_spreads_messages_and_ends_with_its_last_consumer(
+    amqp_gateway: GatewayProcess, core: CoreProcess
+) -> None:
+    topic, container = unique("shared"), unique("app")
+    first = connect(amqp_gateway, container_id=container)
+    second = connect(amqp_gateway, container_id=container)
+    try:
+        option = SharedSubscription(durable=True)
+        one = first.create_receiver(f"topic://{topic}", name="orders", options=option)
+        two = second.create_receiver(f"topic://{topic}", name="orders", options=option)
+        also = first.create_receiver(f"topic://{topic}", name="orders|2", options=option)  # Qpid JMS' second link
+        assert queue_names(core, topic) == [f"{container}.orders"]
+        sender = first.create_sender(f"topic://{topic}")
+        for i in range(30):
+            sender.send(Message(body=i, durable=True))
+        got: list[int] = []
+        for receiver in (one, two, also):
+            while True:
+                try:
+                    got.append(receiver.receive(timeout=0.5).body)
+                    receiver.accept()
+                except Timeout:
+                    break
+        assert sorted(got) == list(range(30))  # each message once, across the three consumers
+        one.close()
+        also.close()
+        assert queue_names(core, topic) == [f"{container}.orders"]  # another consumer still uses it
+        two.close()  # the last one: the JMS unsubscribe
+        assert queue_names(core, topic) == []
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_global_shared_subscription_is_shared_across_client_ids(
+    amqp_gateway: GatewayProcess, core: CoreProcess
+) -> None:
+    topic = unique("shared")
+    first, second = connect(amqp_gateway), connect(amqp_gateway)  # two different container ids
+    try:
+        option = SharedSubscription(durable=False, global_=True)
+        one = first.create_receiver(f"topic://{topic}", name="feed|volatile1", options=option)
+        two = second.create_receiver(f"topic://{topic}", name="feed|volatile1", options=option)
+        assert queue_names(core, topic) == ["feed"]
+        sender = first.create_sender(f"topic://{topic}")
+        for i in range(10):
+            sender.send(Message(body=i))
+        got = []
+        for receiver in (one, two):
+            while True:
+                try:
+                    got.append(receiver.receive(timeout=0.5).body)
+                    receiver.accept()
+                except Timeout:
+                    break
+        assert sorted(got) == list(range(10))
+    finally:
+        first.close()
+        second.close()
+    deadline = time.monotonic() + WAIT  # a non-durable shared subscription goes soon after its last consumer
+    while queue_names(core, topic) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert queue_names(core, topic) == []

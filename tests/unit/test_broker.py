@@ -696,7 +696,7 @@ def test_bad_selector_is_invalid(c: Client) -> None:
 def test_create_queue_conflict_is_exists(c: Client) -> None:
     ok(c.create_queue("orders"))
     assert ok(c.create_queue("orders")) == {"created": False, "queue": "orders", "address": "orders", "filter": None,
-                                            "expires_ms": -1}  # fmt: skip
+                                            "expires_ms": -1, "consumers": 0}  # fmt: skip
     failed(c.create_queue("orders", "elsewhere"), ErrorCode.EXISTS)
     failed(c.create_queue("orders", routing=MULTICAST), ErrorCode.EXISTS)
 

@@ -909,7 +909,8 @@ class Broker:
             if expires_ms is not None and expires_ms != existing.expires_ms:
                 self._change_expiry(session, existing, expires_ms, now_ms)
             return {"created": False, "queue": name, "address": address, "expires_ms": existing.expires_ms,
-                    "filter": existing.filter.text if existing.filter is not None else None}  # fmt: skip
+                    "filter": existing.filter.text if existing.filter is not None else None,
+                    "consumers": len(existing.consumers)}  # fmt: skip
         self._validate(address, wildcards=True)
         self._check_create(session, address, durable)
         lvq = spec.get("last_value_key")

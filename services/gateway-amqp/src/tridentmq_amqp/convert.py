@@ -69,6 +69,15 @@ def durable_subscription_queue(container_id: str, link_name: str) -> str:
     return f"{container_id}.{link_name}"
 
 
+def shared_subscription_queue(container_id: str, link_name: str, *, shared_globally: bool) -> str:
+    """The queue of a JMS 2.0 shared subscription. Qpid JMS names each link ``<subscription>``, then
+    ``<subscription>|2`` ... for more consumers on one connection (``|volatile1`` ... when not durable); the
+    name before ``|`` is the subscription's. Its client id (the container id) scopes it, unless the client
+    set none (capability ``global``)."""
+    name = link_name.split("|", 1)[0]
+    return name if shared_globally else durable_subscription_queue(container_id, name)
+
+
 def temporary_address(connection_id: str, number: int) -> str:
     """The address of a dynamic node (a temporary queue of this connection)."""
     return f"{TEMPORARY_ADDRESS_PREFIX}amqp.{connection_id}.{number}"

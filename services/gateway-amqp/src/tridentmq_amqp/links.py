@@ -51,6 +51,8 @@ class Outbound:
     queue: str
     durable: bool  # a durable subscription: closing the link (not detaching it) deletes the queue
     temporary: bool  # a subscription queue of this link only: deleted when the link ends
+    shared: bool  # a shared subscription: its queue is others' too
+    address: str  # the address the link consumes from
     pending: deque[tuple[int, WireMessage]] = field(default_factory=deque)  # fetched, waiting for credit
     room: asyncio.Event = field(default_factory=asyncio.Event)  # set when ``pending`` empties
     pump: asyncio.Task[None] | None = None

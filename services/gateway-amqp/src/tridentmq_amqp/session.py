@@ -50,6 +50,7 @@ from tridentmq_amqp.protocol.errors import (
     MESSAGE_SIZE,
     NOT_FOUND,
     RESOURCE_LIMIT,
+    RESOURCE_LOCKED,
     TRANSFER_LIMIT,
     TX_ROLLBACK,
     TX_UNKNOWN,
@@ -75,11 +76,14 @@ from tridentmq_shared.message import (
 log = logging.getLogger("tridentmq.amqp")
 
 _NO_LINK_RETRY = ReconnectPolicy(attempts=0)  # a lost core ends the AMQP connection; the client reconnects
-OFFERED_CAPABILITIES: Final = ("ANONYMOUS-RELAY",)
+OFFERED_CAPABILITIES: Final = ("ANONYMOUS-RELAY", "SHARED-SUBS")
+#: A non-durable shared subscription outlives its last consumer by this much (so that a consumer reattaching
+#: at once finds it, and the core never deletes it between its creation and the first consumer).
+SHARED_VOLATILE_EXPIRY_MS: Final = 1000
 #: AMQP conditions for the core's refusals.
 _CONDITIONS: Final = {ErrorCode.FORBIDDEN: UNAUTHORIZED, ErrorCode.NOT_FOUND: NOT_FOUND,
                       ErrorCode.INVALID: INVALID_FIELD, ErrorCode.RESOURCE_LIMIT: RESOURCE_LIMIT,
-                      ErrorCode.UNAUTHENTICATED: UNAUTHORIZED}  # fmt: skip
+                      ErrorCode.UNAUTHENTICATED: UNAUTHORIZED, ErrorCode.EXISTS: RESOURCE_LOCKED}  # fmt: skip
 
 _PN_DELIVERY: Final = lib.PN_DELIVERY
 _PN_LINK_FLOW: Final = lib.PN_LINK_FLOW
@@ -467,7 +471,13 @@ class AmqpSession:
         queue, temporary = node.queue or node.address, False
         # Without a prefix or capability, a consumer takes from the anycast queue of that name (auto-created).
         routing = convert.ANYCAST if node.routing == ROUTING_DEFAULT else node.routing
-        if node.queue is None and routing == convert.MULTICAST:
+        capabilities = terminus_symbols(remote.capabilities)
+        shared = "shared" in capabilities and routing == convert.MULTICAST and node.queue is None
+        if shared:  # JMS 2.0 shared subscriptions: every link of that name, on any connection, shares one queue
+            queue = convert.shared_subscription_queue(self.container_id, link.name, shared_globally="global" in
+                                                      capabilities)  # fmt: skip
+            await self._shared_queue(queue, node.address, durable=durable, selector=selector)
+        elif node.queue is None and routing == convert.MULTICAST:
             if durable:
                 queue = convert.durable_subscription_queue(self.container_id, link.name)
                 await self._subscription_queue(queue, node.address, durable=True, selector=selector)
@@ -485,14 +495,15 @@ class AmqpSession:
         if remote.dynamic:
             link.source.address = node.address
         capability = convert.capability_of(routing)
-        if capability is not None and not terminus_symbols(remote.capabilities):
+        if capability is not None and not capabilities:
             put_capabilities(link.source.capabilities, capability)
         link.target.copy(link.remote_target)
         link.snd_settle_mode = Link.SND_SETTLED if presettled else Link.SND_UNSETTLED
         link.open()
         subscription = routing == convert.MULTICAST and node.queue is None
         outbound = Outbound(pn_link := link._impl, consumer, presettled, browse, queue,
-                            durable=subscription and durable, temporary=temporary)  # fmt: skip
+                            durable=subscription and durable, temporary=temporary, shared=shared,
+                            address=node.address)  # fmt: skip
         self.outbound[pn_link] = outbound
         outbound.pump = asyncio.get_running_loop().create_task(self._pump(outbound))
 
@@ -514,6 +525,23 @@ class AmqpSession:
             await self.link.delete_queue(queue)
             await self.link.create_queue(queue, address, routing_type=RoutingType.MULTICAST, durable=True, **options)
 
+    async def _shared_queue(self, queue: str, address: str, *, durable: bool, selector: str | None) -> None:
+        """The queue of a shared subscription. A non-durable one goes when its last consumer leaves (on any
+        gateway). One that exists is joined; with another selector it is replaced, but only while nobody
+        consumes from it (JMS forbids changing an active shared subscription)."""
+        assert self.link is not None
+        options: dict[str, Any] = {} if durable else {"expires_ms": SHARED_VOLATILE_EXPIRY_MS}
+        if selector:
+            options["filter"] = selector
+        found = await self.link.create_queue(queue, address, routing_type=RoutingType.MULTICAST, durable=durable,
+                                             **options)  # fmt: skip
+        if found.get("created") or (found.get("filter") or None) == (selector or None):
+            return
+        if found.get("consumers"):
+            raise LinkRequestError(ErrorCode.EXISTS, f"shared subscription {queue!r} is in use with another selector")
+        await self.link.delete_queue(queue)
+        await self.link.create_queue(queue, address, routing_type=RoutingType.MULTICAST, durable=durable, **options)
+
     async def _detach(self, pn_link: Any, *, closed: bool) -> None:
         link = wrap_link(pn_link)
         self.inbound.pop(pn_link, None)
@@ -521,7 +549,9 @@ class AmqpSession:
         outbound = self.outbound.pop(pn_link, None)
         if outbound is not None:
             await self._stop(outbound)
-            if (outbound.temporary or (closed and outbound.durable)) and self.link is not None:
+            if closed and outbound.shared and outbound.durable and self.link is not None:
+                await self._end_shared(outbound)
+            elif (outbound.temporary or (closed and outbound.durable)) and self.link is not None:
                 try:  # the subscription ends for good
                     await self.link.delete_queue(outbound.queue)
                 except LinkRequestError as exc:
@@ -532,6 +562,19 @@ class AmqpSession:
                 link.close()
             else:
                 link.detach()
+
+    async def _end_shared(self, outbound: Outbound) -> None:
+        """A shared durable subscription ends when its last consumer closes its link (the JMS unsubscribe);
+        while others consume from it, closing one link only takes that consumer away."""
+        assert self.link is not None
+        try:
+            found = await self.link.create_queue(outbound.queue, outbound.address,
+                                                 routing_type=RoutingType.MULTICAST)  # fmt: skip
+            if not found.get("consumers"):
+                await self.link.delete_queue(outbound.queue)
+        except LinkRequestError as exc:
+            log.info("amqp subscription kept", extra={"peer": self.wire.peer, "queue": outbound.queue,
+                                                      "reason": exc.text})  # fmt: skip
 
     async def _stop(self, outbound: Outbound) -> None:
         if outbound.pump is not None:
