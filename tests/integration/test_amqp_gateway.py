@@ -687,3 +687,22 @@ def test_a_global_shared_subscription_is_shared_across_client_ids(
     while queue_names(core, topic) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert queue_names(core, topic) == []
+
+
+def test_drain_sends_what_is_there_then_uses_up_the_credit(amqp_gateway: GatewayProcess) -> None:
+    queue = unique("drain")
+    conn = connect(amqp_gateway)
+    try:
+        sender = conn.create_sender(queue)
+        for i in range(3):
+            sender.send(Message(body=i))
+        receiver = conn.create_receiver(queue, credit=1)
+        assert receiver.receive(timeout=WAIT).body == 0  # the gateway holds the other two now, waiting for credit
+        receiver.accept()
+        link = receiver.link
+        link.drain(10)  # "send what you have, then tell me you are done"
+        conn.wait(lambda: not link.draining() and link.credit == 0, msg="the drain to complete")
+        assert [receiver.receive(timeout=WAIT).body for _ in range(2)] == [1, 2]
+        receiver.accept()
+    finally:
+        conn.close()
