@@ -59,7 +59,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Event as MpEvent
 from typing import Any, TypedDict, TypeVar, cast
 
-from bench.node import amqp_gateway, cpu_of, cpu_self, gateway_target, machine
+from bench.node import amqp_gateway, broker_cpu_text, cpu_of, cpu_self, gateway_target, machine, quantile_ms
 
 from tridentmq_amqp.protocol.types import Array, Described, Symbol, UByte, UInt, ULong, UShort, decode, encode, skip
 from tridentmq_shared.runtime import run_main, set_nodelay
@@ -765,7 +765,7 @@ def run_once(opts: RunOptions, servers: dict[str, int]) -> RunResult:
     latencies = sorted(consumed_result["latencies_ns"])
 
     def pick(q: float) -> float:
-        return latencies[min(len(latencies) - 1, int(q * len(latencies)))] / 1e6 if latencies else float("nan")
+        return quantile_ms(latencies, q)
 
     clients = produced_result["cpu_s"] + consumed_result["cpu_s"]
     return RunResult(produced_result["sent"], delivered, delivered - distinct, produced_result["sent"] - distinct,
@@ -776,12 +776,7 @@ def run_once(opts: RunOptions, servers: dict[str, int]) -> RunResult:
 
 
 def _broker(result: RunResult) -> str:
-    if not result.server_cpu_s:
-        return "broker CPU not watched"
-    elapsed = result.elapsed_s or float("nan")
-    parts = [f"{name} {used * 1e6 / result.delivered if result.delivered else float('nan'):.1f} "
-             f"({used / elapsed:.2f} cores)" for name, used in result.server_cpu_s.items()]  # fmt: skip
-    return f"broker CPU µs/msg {result.broker_us:.1f}: {', '.join(parts)}"
+    return broker_cpu_text(result.server_cpu_s, result.delivered, result.elapsed_s, result.broker_us)
 
 
 def _describe(result: RunResult, *, paced: bool) -> str:

@@ -48,7 +48,7 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event as MpEvent
 from typing import TypedDict, TypeVar, cast
 
-from bench.node import cpu_of, cpu_self, gateway_target, machine, mqtt_gateway
+from bench.node import broker_cpu_text, cpu_of, cpu_self, gateway_target, machine, mqtt_gateway, quantile_ms
 
 from tridentmq_shared.runtime import run_main, set_nodelay
 
@@ -574,7 +574,7 @@ def run_once(opts: RunOptions, scenario: Scenario, servers: dict[str, int]) -> R
     latencies = sorted(sample for s in subscribers for sample in s["latencies_ns"])
 
     def pick(q: float) -> float:
-        return latencies[min(len(latencies) - 1, int(q * len(latencies)))] / 1e6 if latencies else float("nan")
+        return quantile_ms(latencies, q)
 
     clients = sum(r["cpu_s"] for r in [*publishers, *subscribers])
     return RunResult(delivered, expected, expected - delivered, elapsed, delivered / elapsed if elapsed else 0.0,
@@ -583,12 +583,7 @@ def run_once(opts: RunOptions, scenario: Scenario, servers: dict[str, int]) -> R
 
 
 def _broker(result: RunResult) -> str:
-    if not result.server_cpu_s:
-        return "broker CPU not watched"
-    elapsed = result.elapsed_s or float("nan")
-    parts = [f"{name} {used * 1e6 / result.delivered if result.delivered else float('nan'):.1f} "
-             f"({used / elapsed:.2f} cores)" for name, used in result.server_cpu_s.items()]  # fmt: skip
-    return f"broker CPU µs/msg {result.broker_us:.1f}: {', '.join(parts)}"
+    return broker_cpu_text(result.server_cpu_s, result.delivered, result.elapsed_s, result.broker_us)
 
 
 def _describe(result: RunResult, *, paced: bool) -> str:

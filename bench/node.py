@@ -128,6 +128,21 @@ def machine() -> str:
     return f"{os.cpu_count()} cores ({model}), Python {platform.python_version()}, {platform.system()}"
 
 
+def quantile_ms(sorted_ns: list[int], q: float) -> float:
+    """The ``q`` quantile of sorted nanosecond latencies, in ms (NaN when there are none)."""
+    return sorted_ns[min(len(sorted_ns) - 1, int(q * len(sorted_ns)))] / 1e6 if sorted_ns else float("nan")
+
+
+def broker_cpu_text(server_cpu_s: dict[str, float], delivered: int, elapsed_s: float, broker_us: float) -> str:
+    """Broker CPU per delivered message, in all and per process (with the cores each used)."""
+    if not server_cpu_s:
+        return "broker CPU not watched"
+    elapsed = elapsed_s or float("nan")
+    parts = [f"{name} {used * 1e6 / delivered if delivered else float('nan'):.1f} ({used / elapsed:.2f} cores)"
+             for name, used in server_cpu_s.items()]  # fmt: skip
+    return f"broker CPU µs/msg {broker_us:.1f}: {', '.join(parts)}"
+
+
 def cpu_self() -> float:
     """CPU seconds (user + system) this process has used so far."""
     usage = resource.getrusage(resource.RUSAGE_SELF)

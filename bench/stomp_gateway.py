@@ -37,7 +37,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Event as MpEvent
 from typing import TypedDict, TypeVar, cast
 
-from bench.node import cpu_of, cpu_self, gateway_target, machine, stomp_gateway
+from bench.node import cpu_of, cpu_self, gateway_target, machine, quantile_ms, stomp_gateway
 
 from tridentmq_shared.runtime import run_main, set_nodelay
 
@@ -438,7 +438,7 @@ def run_once(opts: RunOptions, servers: dict[str, int]) -> RunResult:
     latencies = sorted(consumed_result["latencies_ns"])
 
     def pick(q: float) -> float:
-        return latencies[min(len(latencies) - 1, int(q * len(latencies)))] / 1e6 if latencies else float("nan")
+        return quantile_ms(latencies, q)
 
     clients = produced_result["cpu_s"] + consumed_result["cpu_s"]
     return RunResult(delivered, opts.count - delivered, elapsed, delivered / elapsed if elapsed else 0.0,
