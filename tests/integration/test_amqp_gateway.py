@@ -619,6 +619,19 @@ class SharedSubscription(ReceiverOption):
         capabilities.exit()
 
 
+def take_all(*receivers: BlockingReceiver) -> list[object]:
+    """The bodies every receiver gets until it has had nothing for half a second (each accepted)."""
+    bodies = []
+    for receiver in receivers:
+        while True:
+            try:
+                bodies.append(receiver.receive(timeout=0.5).body)
+            except Timeout:
+                break
+            receiver.accept()
+    return bodies
+
+
 def queue_names(core: CoreProcess, address: str) -> list[str]:
     with urlopen(f"{core.management_url}/api/queues", timeout=WAIT) as reply:
         return [q["name"] for q in json.load(reply) if q["address"] == address]
@@ -639,15 +652,7 @@ def test_a_shared_durable_subscription_spreads_messages_and_ends_with_its_last_c
         sender = first.create_sender(f"topic://{topic}")
         for i in range(30):
             sender.send(Message(body=i, durable=True))
-        got: list[int] = []
-        for receiver in (one, two, also):
-            while True:
-                try:
-                    got.append(receiver.receive(timeout=0.5).body)
-                    receiver.accept()
-                except Timeout:
-                    break
-        assert sorted(got) == list(range(30))  # each message once, across the three consumers
+        assert sorted(take_all(one, two, also)) == list(range(30))  # each message once, across the three consumers
         one.close()
         also.close()
         assert queue_names(core, topic) == [f"{container}.orders"]  # another consumer still uses it
@@ -671,15 +676,7 @@ def test_a_global_shared_subscription_is_shared_across_client_ids(
         sender = first.create_sender(f"topic://{topic}")
         for i in range(10):
             sender.send(Message(body=i))
-        got = []
-        for receiver in (one, two):
-            while True:
-                try:
-                    got.append(receiver.receive(timeout=0.5).body)
-                    receiver.accept()
-                except Timeout:
-                    break
-        assert sorted(got) == list(range(10))
+        assert sorted(take_all(one, two)) == list(range(10))
     finally:
         first.close()
         second.close()
