@@ -754,6 +754,24 @@ def test_a_message_over_max_message_size_detaches_the_link(tuned: GatewayProcess
     assert_serves(tuned)
 
 
+@tuned_with(max_incomplete_bytes="16384")
+def test_too_many_incomplete_messages_at_once_close_the_connection(tuned: GatewayProcess, core: CoreProcess) -> None:
+    """Each link may hold a message just under the size limit in proton while its frames arrive; across the
+    links of one connection that is bounded too."""
+    queues = [unique("incomplete") for _ in range(3)]
+    with Peer(tuned.port) as peer:
+        peer.open()
+        peer.begin()
+        for handle, queue in enumerate(queues):
+            peer.attach_sender(f"slow{handle}", handle, queue)
+        # the first frames of three messages of 30 KiB, each 10 KiB so far: 30 KiB pending in all
+        peer.send(*(transfer_frame(handle, handle, message_bytes(b"x" * 30 * 1024)[: 10 * 1024], more=True, first=True)
+                    for handle in range(len(queues))))  # fmt: skip
+        assert_closed_with(peer.until_closed(), "amqp:resource-limit-exceeded")
+    assert all(queue_depth(core, queue) == 0 for queue in queues)
+    assert_serves(tuned)
+
+
 # ------------------------------------------------------------------------------------------------ 7-8. timers
 
 

@@ -16,7 +16,7 @@ import pytest
 import stomp
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties as PahoProperties
-from proton import Data, Delivery, Event, Message, Receiver, Timeout, symbol
+from proton import Data, Delivery, Event, Message, Receiver, Timeout, symbol, ulong
 from proton.handlers import TransactionalClientHandler
 from proton.reactor import AtMostOnce, Container, Copy, DurableSubscription, ReceiverOption, Selector, Transaction
 from proton.utils import BlockingConnection, BlockingReceiver, SendException
@@ -561,6 +561,10 @@ def test_a_message_the_core_could_not_take_is_rejected_and_the_connection_goes_o
         relay = conn.create_sender(None)
         with pytest.raises(SendException):  # a relayed message to one queue of an address
             relay.send(Message(address=f"{queue}::{queue}", body="x"))
+        with pytest.raises(SendException):  # a property the gateway keeps for itself: nobody may forge it
+            sender.send(Message(body="x", properties={"$enc.amqp.footer": "x"}))
+        with pytest.raises(SendException):  # a delay no 64-bit clock can hold
+            sender.send(Message(body="x", annotations={symbol("x-opt-delivery-delay"): ulong(2**64 - 1)}))
         sender.send(Message(body="fine"))
         assert receive_all(conn.create_receiver(queue), 1)[0].body == "fine"
     finally:

@@ -175,10 +175,16 @@ _SIMPLE: Final[dict[type, Any]] = {
 }
 
 
+_MAX_DELAY_MS: Final = 2**53  # far beyond any real delay, and far from overflowing a 64-bit time
+
+
 def _application_properties(value: dict[Any, Any], props: dict[str, Any]) -> None:
     for key, v in value.items():
         if not isinstance(key, str):
             raise MessageFormatError("application property names must be strings", INVALID_FIELD)
+        if key.startswith(ENCODING_PREFIX):  # the gateway's own: a client must not forge what others receive
+            raise MessageFormatError(f"application property names may not start with {ENCODING_PREFIX!r}",
+                                     INVALID_FIELD)  # fmt: skip
         t = type(v)
         if t not in _IDENTITY:
             convert = _SIMPLE.get(t)
@@ -199,6 +205,8 @@ def _scheduled(annotations: dict[Any, Any], now_ms: int) -> int:
     if delay is not None:
         if type(delay) is not int:
             raise _wrong(DELIVERY_DELAY)
+        if delay > _MAX_DELAY_MS:
+            raise MessageFormatError(f"{DELIVERY_DELAY} is out of range", INVALID_FIELD)
         return now_ms + delay if delay > 0 else 0
     return 0
 
@@ -269,6 +277,8 @@ def _to_core(encoded: bytes, address: str | None, routing: int, now_ms: int) -> 
                 priority = 0 if p < 0 else min(p, MAX_PRIORITY)
             ttl = _optional(header[2], int, "header ttl")
             if ttl is not None:
+                if not 0 <= ttl <= _MAX_UINT:  # a uint: anything else cannot be a time to live
+                    raise MessageFormatError("header ttl is out of range", INVALID_FIELD)
                 expiration = now_ms + ttl
         elif code == DELIVERY_ANNOTATIONS:
             if encoded[value] not in _MAP:

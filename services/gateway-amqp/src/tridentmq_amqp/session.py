@@ -80,6 +80,8 @@ OFFERED_CAPABILITIES: Final = ("ANONYMOUS-RELAY", "SHARED-SUBS")
 #: A non-durable shared subscription outlives its last consumer by this much (so that a consumer reattaching
 #: at once finds it, and the core never deletes it between its creation and the first consumer).
 SHARED_VOLATILE_EXPIRY_MS: Final = 1000
+#: How long a client may take to answer the gateway's CLOSE before its socket is closed anyway.
+CLOSE_GRACE_S: Final = 2.0
 #: AMQP conditions for the core's refusals.
 _CONDITIONS: Final = {ErrorCode.FORBIDDEN: UNAUTHORIZED, ErrorCode.NOT_FOUND: NOT_FOUND,
                       ErrorCode.INVALID: INVALID_FIELD, ErrorCode.RESOURCE_LIMIT: RESOURCE_LIMIT,
@@ -123,6 +125,11 @@ class AmqpSession:
         self.coordinators: dict[Any, Coordinator] = {}
         self.transactions: dict[bytes, int] = {}  # AMQP txn-id → core transaction
         self._tx_ids = itertools.count(1)
+        # pn_delivery_t* → bytes so far of the client's messages still arriving in several frames (proton holds
+        # them), bounded per connection: a thousand links each holding a message just under the size limit
+        # would otherwise hold gigabytes.
+        self._incomplete: dict[Any, int] = {}
+        self._incomplete_bytes = 0
         self._temporary = itertools.count(1)
         # (confirm future, pn_delivery_t* or None when pre-settled, inbound link, txn-id) in publish order
         self._unsettled_in: deque[tuple[asyncio.Future[None], Any, Inbound, bytes | None]] = deque()
@@ -544,7 +551,8 @@ class AmqpSession:
 
     async def _detach(self, pn_link: Any, *, closed: bool) -> None:
         link = wrap_link(pn_link)
-        self.inbound.pop(pn_link, None)
+        if self.inbound.pop(pn_link, None) is not None:
+            self._forget_incomplete(pn_link)
         self.coordinators.pop(pn_link, None)
         outbound = self.outbound.pop(pn_link, None)
         if outbound is not None:
@@ -598,8 +606,14 @@ class AmqpSession:
         if size > self.settings.amqp.max_message_bytes:
             self._drop_link(pn_link, MESSAGE_SIZE, "the message is larger than the link's max-message-size")
             return None
-        if partial:
-            return None  # the rest of the message is still to come
+        if partial:  # the rest of the message is still to come; proton holds what came so far
+            self._incomplete_bytes += size - self._incomplete.get(delivery, 0)
+            self._incomplete[delivery] = size
+            if self._incomplete_bytes > self.settings.amqp.max_incomplete_bytes:
+                self._close_connection(RESOURCE_LIMIT, "too many bytes of incomplete messages at once")
+            return None
+        if self._incomplete:
+            self._incomplete_bytes -= self._incomplete.pop(delivery, 0)
         if inbound.credit <= 0:
             self._drop_link(pn_link, TRANSFER_LIMIT, "more transfers than the link credit allows")
             return None
@@ -644,7 +658,13 @@ class AmqpSession:
         """End a client's sending link for abuse: the transfer at hand is never published, nor settled (the
         link's end says why)."""
         self.inbound.pop(pn_link, None)
+        self._forget_incomplete(pn_link)
         self._close_link(pn_link, condition, description)
+
+    def _forget_incomplete(self, pn_link: Any) -> None:
+        """The incomplete messages of a link that ends are not coming any more."""
+        for delivery in [d for d in self._incomplete if lib.pn_delivery_link(d) == pn_link]:
+            self._incomplete_bytes -= self._incomplete.pop(delivery)
 
     def _top_up(self) -> None:
         """More credit for the client's links that used half of theirs, while the core keeps up. Called between
@@ -664,7 +684,7 @@ class AmqpSession:
         while pending and pending[0][0].done():
             future, delivery, inbound, txn_id = pending.popleft()
             error = future.exception()
-            if delivery is None or inbound.link not in self.inbound:
+            if delivery is None or self.inbound.get(inbound.link) is not inbound:
                 continue  # pre-settled, or its link is gone
             if error is None:
                 if txn_id is not None:
@@ -774,9 +794,9 @@ class AmqpSession:
                 self._send_pending(outbound)
                 self._output_soon()
         except LinkRequestError as exc:
-            if not self._closed and outbound.link in self.outbound:
-                self._close_link(outbound.link, _CONDITIONS.get(exc.code, DETACH_FORCED), exc.text)
+            if not self._closed and self.outbound.get(outbound.link) is outbound:
                 self.outbound.pop(outbound.link, None)
+                self._close_link(outbound.link, _CONDITIONS.get(exc.code, DETACH_FORCED), exc.text)
                 self._flush()
 
     def _send_pending(self, outbound: Outbound) -> None:
@@ -791,9 +811,17 @@ class AmqpSession:
             while pending and credit > 0:
                 count, message = pending.popleft()
                 message_id = message[M_ID]
+                try:
+                    data = to_amqp(message, count, now_ms)
+                except (messages.MessageFormatError, TypeError, ValueError) as exc:
+                    # Kept AMQP sections that do not hold together (a link client can write any property):
+                    # no AMQP client can be given this message, so it goes to the dead letters.
+                    log.warning("amqp message undeliverable", extra={"peer": self.wire.peer, "id": message_id,
+                                                                     "error": str(exc)[:200]})  # fmt: skip
+                    outbound.consumer.nack_ids([message_id], NackMode.REJECT)
+                    continue
                 tag = message_id.to_bytes(8, "big")
                 delivery = lib.pn_delivery(pn_link, (8, ffi.from_buffer(tag)))
-                data = to_amqp(message, count, now_ms)
                 lib.pn_link_send(pn_link, ffi.from_buffer(data), len(data))
                 lib.pn_link_advance(pn_link)
                 if presettled:
@@ -807,6 +835,15 @@ class AmqpSession:
                 outbound.room.set()
         if lib.pn_link_get_drain(pn_link) and not pending:
             lib.pn_link_drained(pn_link)  # nothing more right now: the rest of the credit is used up
+
+    def _end_outbound(self, outbound: Outbound, condition: str, description: str) -> None:
+        """Close a receiving link of the client's on our side: its consumer goes (the core takes back what it
+        held), and the client's answering detach is not taken for an unsubscribe."""
+        self.outbound.pop(outbound.link, None)
+        if outbound.pump is not None:
+            outbound.pump.cancel()
+        self._loop.create_task(self._stop(outbound))
+        self._close_link(outbound.link, condition, description)
 
     def _disposition(self, outbound: Outbound, delivery: Any, acks: dict[Outbound, list[int]]) -> None:
         """The client settled or decided on a message: ack or nack it in the core."""
@@ -831,7 +868,7 @@ class AmqpSession:
             tx = self.transactions.get(txn_id or b"", 0)
             if not tx:
                 consumer.nack_ids([message_id], NackMode.RELEASE)
-                self._close_link(outbound.link, TX_UNKNOWN, "no such transaction")
+                self._end_outbound(outbound, TX_UNKNOWN, "no such transaction")
             elif outcome in (None, _ACCEPTED):
                 consumer.ack_ids([message_id], tx)  # acknowledged when the transaction commits
             else:  # given back at once, as outside a transaction
@@ -868,6 +905,8 @@ class AmqpSession:
             link.close()
 
     def _close_connection(self, condition: str, description: str) -> None:
+        """CLOSE with an error; the client should answer with its own CLOSE, and one that does not within
+        ``CLOSE_GRACE_S`` has its socket closed all the same."""
         assert self.engine is not None
         connection = self.engine.connection
         if not connection.state & Endpoint.LOCAL_CLOSED:
@@ -875,6 +914,7 @@ class AmqpSession:
             if connection.state & Endpoint.LOCAL_UNINIT:
                 connection.open()
             connection.close()
+            self._loop.call_later(CLOSE_GRACE_S, self._end)
 
     def _link_closed(self, error: LinkRequestError) -> None:
         if not self._closed and self.engine is not None:

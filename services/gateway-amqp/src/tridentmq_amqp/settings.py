@@ -40,6 +40,9 @@ class AmqpLimitsSection:
     max_message_bytes: int = doc(8 * 1024 * 1024, "Largest message accepted on a link (announced as the link's "
                                                   "max-message-size; a larger one closes the link with "
                                                   "`amqp:link:message-size-exceeded`).")  # fmt: skip
+    max_incomplete_bytes: int = doc(32 * 1024 * 1024, "Bytes of messages still arriving in several frames that "
+                                                      "one connection may have at once; more closes it with "
+                                                      "`amqp:resource-limit-exceeded`.")  # fmt: skip
     channel_max: int = doc(255, "Most sessions on one connection.")
     max_links: int = doc(1000, "Most links on one connection; another attach is refused with "
                                "`amqp:resource-limit-exceeded`.")  # fmt: skip
