@@ -17,7 +17,7 @@ import stomp
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties as PahoProperties
 from proton import Data, Delivery, Event, Message, Receiver, Timeout, symbol, ulong
-from proton.handlers import TransactionalClientHandler
+from proton.handlers import MessagingHandler, TransactionalClientHandler
 from proton.reactor import AtMostOnce, Container, Copy, DurableSubscription, ReceiverOption, Selector, Transaction
 from proton.utils import BlockingConnection, BlockingReceiver, SendException
 from tests.conftest import CoreProcess, GatewayProcess, start_gateway, stop_cleanly
@@ -707,3 +707,116 @@ def test_drain_sends_what_is_there_then_uses_up_the_credit(amqp_gateway: Gateway
         receiver.accept()
     finally:
         conn.close()
+
+
+# ---------------------------------------------------------------------------------------------- event-driven API
+class SimpleSend(MessagingHandler):
+    """proton's simple_send example: sends ``total`` messages as credit allows, done when all are accepted."""
+
+    def __init__(self, url: str, address: str, total: int) -> None:
+        super().__init__()
+        self.url, self.address, self.total = url, address, total
+        self.sent = self.confirmed = 0
+
+    def on_start(self, event: Event) -> None:
+        event.container.create_sender(f"{self.url}/{self.address}")
+
+    def on_sendable(self, event: Event) -> None:
+        while event.sender.credit and self.sent < self.total:
+            event.sender.send(Message(id=self.sent + 1, body={"sequence": self.sent + 1}, durable=True))
+            self.sent += 1
+
+    def on_accepted(self, event: Event) -> None:
+        self.confirmed += 1
+        if self.confirmed == self.total:
+            event.connection.close()
+
+
+class SimpleRecv(MessagingHandler):
+    """proton's simple_recv example: receives ``total`` messages (auto-accepted), then closes."""
+
+    def __init__(self, url: str, address: str, total: int) -> None:
+        super().__init__()
+        self.url, self.address, self.total = url, address, total
+        self.received: list[object] = []
+
+    def on_start(self, event: Event) -> None:
+        event.container.create_receiver(f"{self.url}/{self.address}")
+
+    def on_message(self, event: Event) -> None:
+        self.received.append(event.message.body["sequence"])
+        if len(self.received) == self.total:
+            event.receiver.close()
+            event.connection.close()
+
+
+class UppercaseServer(MessagingHandler):
+    """proton's server example: answers each request on its reply-to address, through the anonymous relay."""
+
+    def __init__(self, url: str, address: str, requests: int) -> None:
+        super().__init__()
+        self.url, self.address, self.requests = url, address, requests
+
+    def on_start(self, event: Event) -> None:
+        self.conn = event.container.connect(self.url)
+        event.container.create_receiver(self.conn, self.address)
+        self.relay = event.container.create_sender(self.conn, None)
+
+    def on_message(self, event: Event) -> None:
+        request = event.message
+        self.relay.send(Message(address=request.reply_to, body=str(request.body).upper(),
+                                correlation_id=request.correlation_id))  # fmt: skip
+        self.requests -= 1
+        if not self.requests:
+            self.conn.close()
+
+
+class Client(MessagingHandler):
+    """proton's client example: requests through a dynamic reply queue, one at a time."""
+
+    def __init__(self, url: str, address: str, requests: list[str]) -> None:
+        super().__init__()
+        self.url, self.address, self.requests = url, address, list(requests)
+        self.replies: list[tuple[object, object]] = []
+
+    def on_start(self, event: Event) -> None:
+        self.conn = event.container.connect(self.url)
+        self.sender = event.container.create_sender(self.conn, self.address)
+        self.receiver = event.container.create_receiver(self.conn, None, dynamic=True)
+
+    def next_request(self) -> None:
+        if self.receiver.remote_source.address:
+            body = self.requests[len(self.replies)]
+            self.sender.send(Message(reply_to=self.receiver.remote_source.address, body=body, correlation_id=body))
+
+    def on_link_opened(self, event: Event) -> None:
+        if event.receiver == self.receiver:
+            self.next_request()
+
+    def on_message(self, event: Event) -> None:
+        self.replies.append((event.message.correlation_id, event.message.body))
+        if len(self.replies) == len(self.requests):
+            self.conn.close()
+        else:
+            self.next_request()
+
+
+def test_protons_event_driven_examples(amqp_gateway: GatewayProcess) -> None:
+    queue, service = unique("examples"), unique("uppercase")
+    sender = SimpleSend(url(amqp_gateway), queue, 100)
+    Container(sender).run()
+    assert sender.confirmed == 100
+    receiver = SimpleRecv(url(amqp_gateway), queue, 100)
+    Container(receiver).run()
+    assert receiver.received == list(range(1, 101))
+    requests = ["Twas brillig", "and the slithy toves", "Did gire and gymble"]
+    # One container each, as the examples run: a container's handlers get the events of all its connections.
+    server = threading.Thread(
+        target=Container(UppercaseServer(url(amqp_gateway), service, len(requests))).run, daemon=True
+    )
+    server.start()
+    client = Client(url(amqp_gateway), service, requests)
+    Container(client).run()
+    server.join(WAIT)
+    assert not server.is_alive()
+    assert client.replies == [(r, r.upper()) for r in requests]
