@@ -59,10 +59,11 @@ from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Event as MpEvent
 from typing import Any, TypedDict, TypeVar, cast
 
+from bench.client import RawClient
 from bench.node import amqp_gateway, broker_cpu_text, cpu_of, cpu_self, gateway_target, machine, quantile_ms
 
 from tridentmq_amqp.protocol.types import Array, Described, Symbol, UByte, UInt, ULong, UShort, decode, encode, skip
-from tridentmq_shared.runtime import run_main, set_nodelay
+from tridentmq_shared.runtime import run_main
 
 BODY_SIZE = 100
 STAMP_DIGITS = 20  # the body starts with the send time: CLOCK_MONOTONIC ns, zero-padded decimal
@@ -231,14 +232,14 @@ class AmqpError(Exception):
     pass
 
 
-class _AmqpClient(asyncio.Protocol):
+class _AmqpClient(RawClient):
     """An AMQP 1.0 connection with one session (channel 0) and one link (handle 0): an incremental frame
     parser, the flow-control state of the link and session, and the waits the benchmark needs."""
 
+    error_type = AmqpError
+
     def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.transport: asyncio.Transport | None = None
-        self.error = ""
+        super().__init__()
         self.remote_idle_ms = 0
         self.remote_next_outgoing = 0  # the gateway's first transfer-id (its begin)
         self.remote_delivery_count = 0  # the gateway's initial-delivery-count, when it is the sender
@@ -253,34 +254,13 @@ class _AmqpClient(asyncio.Protocol):
         self._events: dict[str, asyncio.Future[Any]] = {}
         self._changed: asyncio.Future[None] | None = None
         self._news = False  # a flow or disposition in this read
-        self._writable: asyncio.Future[None] | None = None
-        self._closed: asyncio.Future[None] = self.loop.create_future()
-        self._closing = False
         self._keepalive: asyncio.Task[None] | None = None
 
     # ---------------------------------------------------------------- asyncio.Protocol
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
-        set_nodelay(transport)
-
     def connection_lost(self, exc: Exception | None) -> None:
-        if not self._closing and not self.error:
-            self.error = f"connection lost: {exc}" if exc else "connection closed by the gateway"
-        self._wake(self.error or "connection closed")
-        if not self._closed.done():
-            self._closed.set_result(None)
+        super().connection_lost(exc)
         if self._keepalive is not None:
             self._keepalive.cancel()
-
-    def pause_writing(self) -> None:
-        if self._writable is None:
-            self._writable = self.loop.create_future()
-
-    def resume_writing(self) -> None:
-        if self._writable is not None:
-            if not self._writable.done():
-                self._writable.set_result(None)
-            self._writable = None
 
     def data_received(self, data: bytes) -> None:
         self._now = time.monotonic_ns()
@@ -402,36 +382,10 @@ class _AmqpClient(asyncio.Protocol):
             if future.done() and self._events.get(name) is future:
                 del self._events[name]
 
-    def _fail(self, error: str) -> None:
-        self.error = self.error or error
-        self._wake(self.error)
-        if self.transport is not None:
-            self.transport.close()
-
-    def _wake(self, error: str) -> None:
-        for future in (self._changed, self._writable, *self._events.values()):
-            if future is not None and not future.done():
-                future.set_exception(AmqpError(error))
-                future.exception()  # retrieved: nobody may be waiting for it
-
-    def _check(self) -> None:
-        if self.error:
-            raise AmqpError(self.error)
-        if self._closed.done():
-            raise AmqpError("connection closed")
+    def _waiters(self) -> tuple[asyncio.Future[Any] | None, ...]:
+        return self._changed, *self._events.values()
 
     # ---------------------------------------------------------------- the client's side
-    def write(self, data: bytes) -> None:
-        self._check()
-        assert self.transport is not None
-        self.transport.write(data)
-
-    async def writable(self) -> None:
-        """Back-pressure: returns once the transport's buffer is below its high-water mark."""
-        if self._writable is not None:
-            await self._writable
-        self._check()
-
     async def changed(self) -> None:
         """Waits for the next read that brings a flow or a disposition."""
         self._check()
@@ -501,11 +455,7 @@ class _AmqpClient(asyncio.Protocol):
                                  + frame(CLOSE, []))  # fmt: skip
             with contextlib.suppress(AmqpError):
                 await self.wait("close", CLOSE_S)
-        self.transport.close()
-        try:
-            await asyncio.wait_for(asyncio.shield(self._closed), CLOSE_S)
-        except TimeoutError:
-            self.transport.abort()
+        await self._shut(CLOSE_S)
         if self._keepalive is not None:
             self._keepalive.cancel()
 
@@ -514,6 +464,8 @@ C = TypeVar("C", bound=_AmqpClient)
 
 
 class _Consumer(_AmqpClient):
+    pause_reading_when_blocked = True  # dispositions back up: stop reading transfers until they drain
+
     def __init__(self, expected: int, *, presettled: bool) -> None:
         super().__init__()
         self.expected = expected
@@ -528,14 +480,6 @@ class _Consumer(_AmqpClient):
         self._first_id = -1
         self._last_id = -1
         self._granted_at = 0  # transfers received when the credit was last set
-
-    def pause_writing(self) -> None:  # dispositions back up: stop reading transfers until they drain
-        assert self.transport is not None
-        self.transport.pause_reading()
-
-    def resume_writing(self) -> None:
-        assert self.transport is not None
-        self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         self._first = True

@@ -46,11 +46,12 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event as MpEvent
-from typing import TypedDict, TypeVar, cast
+from typing import Any, TypedDict, TypeVar, cast
 
+from bench.client import RawClient
 from bench.node import broker_cpu_text, cpu_of, cpu_self, gateway_target, machine, mqtt_gateway, quantile_ms
 
-from tridentmq_shared.runtime import run_main, set_nodelay
+from tridentmq_shared.runtime import run_main
 
 BODY_SIZE = 100
 STAMP_DIGITS = 20  # the payload starts with the publish time: CLOCK_MONOTONIC ns, zero-padded decimal
@@ -174,46 +175,22 @@ def _long_length(buf: bytearray, at: int, size: int) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------- clients
 
 
-class _MqttClient(asyncio.Protocol):
+class _MqttClient(RawClient):
     """An MQTT 3.1.1 connection: an incremental packet parser and the waits the benchmark needs."""
 
+    error_type = MqttError
+
     def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.transport: asyncio.Transport | None = None
+        super().__init__()
         self.unacked = 0  # QoS 1 PUBLISHes sent and not yet acknowledged
-        self.error = ""
         self._buffer = bytearray()
         self._connack: asyncio.Future[None] = self.loop.create_future()
         self._suback: asyncio.Future[None] | None = None
         self._pong: asyncio.Future[None] | None = None
         self._acked: asyncio.Future[None] | None = None
-        self._writable: asyncio.Future[None] | None = None
-        self._closed: asyncio.Future[None] = self.loop.create_future()
-        self._closing = False
         self._new_acks = False
 
     # ---------------------------------------------------------------- asyncio.Protocol
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
-        set_nodelay(transport)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self._closing and not self.error:
-            self.error = f"connection lost: {exc}" if exc else "connection closed by the gateway"
-        self._wake(self.error or "connection closed")
-        if not self._closed.done():
-            self._closed.set_result(None)
-
-    def pause_writing(self) -> None:
-        if self._writable is None:
-            self._writable = self.loop.create_future()
-
-    def resume_writing(self) -> None:
-        if self._writable is not None:
-            if not self._writable.done():
-                self._writable.set_result(None)
-            self._writable = None
-
     def data_received(self, data: bytes) -> None:
         buf = self._buffer
         buf += data
@@ -268,35 +245,10 @@ class _MqttClient(asyncio.Protocol):
             if self._acked is not None and not self._acked.done():
                 self._acked.set_result(None)
 
-    def _fail(self, error: str) -> None:
-        self.error = self.error or error
-        self._wake(self.error)
-        if self.transport is not None:
-            self.transport.close()
-
-    def _wake(self, error: str) -> None:
-        for future in (self._connack, self._suback, self._pong, self._acked, self._writable):
-            if future is not None and not future.done():
-                future.set_exception(MqttError(error))
-
-    def _check(self) -> None:
-        if self.error:
-            raise MqttError(self.error)
-        if self._closed.done():
-            raise MqttError("connection closed")
+    def _waiters(self) -> tuple[asyncio.Future[Any] | None, ...]:
+        return self._connack, self._suback, self._pong, self._acked
 
     # ---------------------------------------------------------------- the client's side
-    def write(self, data: bytes) -> None:
-        self._check()
-        assert self.transport is not None
-        self.transport.write(data)
-
-    async def writable(self) -> None:
-        """Back-pressure: returns once the transport's buffer is below its high-water mark."""
-        if self._writable is not None:
-            await self._writable
-        self._check()
-
     async def acked(self) -> None:
         """Waits for the next read that brings PUBACKs."""
         self._check()
@@ -321,21 +273,17 @@ class _MqttClient(asyncio.Protocol):
     async def close(self) -> None:
         """DISCONNECT, then close (the transport writes what it holds first) and wait for the end."""
         self._closing = True
-        if self.transport is None:
-            return
-        if not self.error and not self.transport.is_closing():
+        if self.transport is not None and not self.error and not self.transport.is_closing():
             self.transport.write(DISCONNECT_PACKET)
-        self.transport.close()
-        try:
-            await asyncio.wait_for(asyncio.shield(self._closed), CLOSE_S)
-        except TimeoutError:
-            self.transport.abort()
+        await self._shut(CLOSE_S)
 
 
 C = TypeVar("C", bound=_MqttClient)
 
 
 class _Subscriber(_MqttClient):
+    pause_reading_when_blocked = True  # PUBACKs back up: stop reading PUBLISHes until they drain
+
     def __init__(self, expected: int) -> None:
         super().__init__()
         self.expected = expected
@@ -346,14 +294,6 @@ class _Subscriber(_MqttClient):
         self._now = 0
         self._first = True
         self._acks: list[bytes | bytearray] = []
-
-    def pause_writing(self) -> None:  # PUBACKs back up: stop reading PUBLISHes until they drain
-        assert self.transport is not None
-        self.transport.pause_reading()
-
-    def resume_writing(self) -> None:
-        assert self.transport is not None
-        self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         self._now = time.monotonic_ns()

@@ -35,11 +35,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Event as MpEvent
-from typing import TypedDict, TypeVar, cast
+from typing import Any, TypedDict, TypeVar, cast
 
+from bench.client import RawClient
 from bench.node import cpu_of, cpu_self, gateway_target, machine, quantile_ms, stomp_gateway
 
-from tridentmq_shared.runtime import run_main, set_nodelay
+from tridentmq_shared.runtime import run_main
 
 BODY_SIZE = 100
 STAMP_DIGITS = 20  # the body starts with the send time: CLOCK_MONOTONIC ns, zero-padded decimal
@@ -99,43 +100,20 @@ class StompError(Exception):
     pass
 
 
-class _StompClient(asyncio.Protocol):
+class _StompClient(RawClient):
     """A STOMP 1.2 connection: an incremental frame parser and the waits the benchmark needs."""
 
+    error_type = StompError
+
     def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.transport: asyncio.Transport | None = None
+        super().__init__()
         self.receipts = 0  # RECEIPT frames received
         self.outstanding = 0  # receipts asked for and not yet received
-        self.error = ""
         self._buffer = b""
         self._connected: asyncio.Future[None] = self.loop.create_future()
         self._receipt: asyncio.Future[None] | None = None
-        self._writable: asyncio.Future[None] | None = None
-        self._closing = False
-        self._lost = False
 
     # ---------------------------------------------------------------- asyncio.Protocol
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
-        set_nodelay(transport)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._lost = True
-        if not self._closing and not self.error:
-            self.error = f"connection lost: {exc}" if exc else "connection closed by the gateway"
-        self._wake(self.error)
-
-    def pause_writing(self) -> None:
-        if self._writable is None:
-            self._writable = self.loop.create_future()
-
-    def resume_writing(self) -> None:
-        if self._writable is not None:
-            if not self._writable.done():
-                self._writable.set_result(None)
-            self._writable = None
-
     def data_received(self, data: bytes) -> None:
         buf = self._buffer + data if self._buffer else data
         size = len(buf)
@@ -176,37 +154,18 @@ class _StompClient(asyncio.Protocol):
                 self._connected.set_result(None)
         elif buf.startswith(b"ERROR", start):
             head = buf[start:head_end].decode(errors="replace").replace("\n", "; ")
-            self.error = f"ERROR frame: {head}: {buf[body:end].decode(errors='replace')}"
-            self._wake(self.error)
-            if self.transport is not None:
-                self.transport.close()
+            self._fail(f"ERROR frame: {head}: {buf[body:end].decode(errors='replace')}")
 
     def chunk_done(self) -> None:
         """Called after the frames of one read."""
 
-    def _wake(self, error: str) -> None:
-        for future in (self._connected, self._receipt, self._writable):
-            if future is not None and not future.done():
-                future.set_exception(StompError(error))
+    def _waiters(self) -> tuple[asyncio.Future[Any] | None, ...]:
+        return self._connected, self._receipt
 
     # ---------------------------------------------------------------- the client's side
-    def write(self, data: bytes) -> None:
-        if self.error:
-            raise StompError(self.error)
-        assert self.transport is not None
-        self.transport.write(data)
-
-    async def writable(self) -> None:
-        """Back-pressure: returns once the transport's buffer is below its high-water mark."""
-        if self._writable is not None:
-            await self._writable
-        if self.error:
-            raise StompError(self.error)
-
     async def receipt(self) -> None:
         """Waits for the next RECEIPT frame."""
-        if self.error or self._lost:
-            raise StompError(self.error or "connection closed")
+        self._check()
         self._receipt = self.loop.create_future()
         await self._receipt
 
@@ -233,6 +192,8 @@ C = TypeVar("C", bound=_StompClient)
 
 
 class _Consumer(_StompClient):
+    pause_reading_when_blocked = True  # ACKs back up: stop reading MESSAGEs until they drain
+
     def __init__(self, expected: int, *, client_ack: bool) -> None:
         super().__init__()
         self.expected = expected
@@ -244,14 +205,6 @@ class _Consumer(_StompClient):
         self._now = 0
         self._first = True
         self._acks: list[bytes] = []
-
-    def pause_writing(self) -> None:  # ACKs back up: stop reading MESSAGEs until they drain
-        assert self.transport is not None
-        self.transport.pause_reading()
-
-    def resume_writing(self) -> None:
-        assert self.transport is not None
-        self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         self._now = time.monotonic_ns()
