@@ -35,6 +35,8 @@ _OPEN = State.OPEN  # a module constant: enum member access is slow on the publi
 EARLY_WRITE_OPERATIONS = 256
 #: ... or this many bytes of message bodies (large messages).
 EARLY_WRITE_BYTES = 1024 * 1024
+#: How long ``close`` waits for the server to close its side after ours.
+CLOSE_TIMEOUT = 5.0
 
 
 class LinkRequestError(Exception):
@@ -198,6 +200,7 @@ class _Protocol(asyncio.Protocol):
         # loop keeps turning (writing, reading confirms, heartbeating) instead of buffering without bound.
         self.writable = asyncio.Event()
         self.writable.set()
+        self.gone = asyncio.Event()  # set once the connection is closed both ways
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
@@ -214,6 +217,7 @@ class _Protocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.writable.set()  # waiters wake and find the link gone
+        self.gone.set()
         self.client._lost(self, exc)
 
 
@@ -334,7 +338,19 @@ class LinkClient:
         if conn is not None and protocol is not None and protocol.transport is not None:
             conn.close(ErrorCode.EOF, "client closing")
             self._write_now()
-            protocol.transport.close()
+            transport = protocol.transport
+            if transport.can_write_eof() and not transport.is_closing():
+                # Half-close and read on until the server closes its side. Closing a socket that still has
+                # unread input (the server's confirms keep coming) resets it, and the server then drops what
+                # it had not read yet: the last publishes before this close.
+                try:
+                    transport.write_eof()
+                except OSError:  # the server is gone already: nothing left to save
+                    pass
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(protocol.gone.wait(), CLOSE_TIMEOUT)
+            transport.close()
         self._fail_all(LinkClosedError(ErrorCode.EOF, "the client was closed"))
 
     def _received(self, protocol: _Protocol, data: bytes) -> None:
