@@ -119,11 +119,6 @@ class Engine:
         """Both directions of the transport are done: nothing more to read or write."""
         return bool(lib.pn_transport_closed(self.pn_transport)) and lib.pn_transport_pending(self.pn_transport) <= 0
 
-    @property
-    def head_closed(self) -> bool:
-        """Nothing more will be written (after an error or a CLOSE)."""
-        return bool(lib.pn_transport_pending(self.pn_transport) < 0)
-
     def error(self) -> tuple[str, str] | None:
         """The transport's error condition (name, description), if any."""
         condition = self.transport.condition
