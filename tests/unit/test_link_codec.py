@@ -162,9 +162,25 @@ def test_op_codes_are_stable() -> None:
         "CREATE_ADDRESS": 10, "DELETE_ADDRESS": 11, "CREATE_QUEUE": 12, "DELETE_QUEUE": 13,
         "SUBSCRIBE": 14, "UNSUBSCRIBE": 15, "TX_BEGIN": 16, "TX_COMMIT": 17, "TX_ROLLBACK": 18, "SET_WILL": 19,
         "PUBLISH": 20, "CONFIRM": 21, "REJECT": 22, "PUBLISH_CREDIT": 23, "DELIVER": 24, "ACK": 25,
-        "NACK": 26, "FLOW": 27, "CONSUMER_CLOSED": 28, "BROWSE_DONE": 29,
+        "NACK": 26, "FLOW": 27, "CONSUMER_CLOSED": 28, "BROWSE_DONE": 29, "TOPOLOGY": 30, "TOPOLOGY_UPDATE": 31,
     }  # fmt: skip
     assert [int(m) for m in NackMode] == [0, 1, 2]
+
+
+def test_topology_request_and_updates_cross_the_link() -> None:
+    client, server = open_pair()
+    req = client.topology({"join": {"node_id": "n1"}})
+    assert server.receive_data(client.data_to_send(), 0.0) == [ev.Topology(req, {"join": {"node_id": "n1"}})]
+    server.reply(req, {"members": []})
+    server.topology_update({"bindings": [], "removed": []})
+    assert client.receive_data(server.data_to_send(), 0.0) == [
+        ev.Reply(req, {"members": []}), ev.TopologyUpdate({"bindings": [], "removed": []})]
+
+
+def test_a_malformed_topology_request_breaks_the_link() -> None:
+    client, server = open_pair()
+    with pytest.raises(RemoteProtocolError):
+        server.receive_data(frame([[30, 1, "not a map"]]), 0.0)
 
 
 def test_welcome_bytes_match_a_hand_built_frame() -> None:

@@ -196,7 +196,8 @@ async def test_status(api: Api) -> None:
     assert body["messages"] == 3 + 1 + 1  # orders: 5 - 2 delivered; audit.eu 1; weird 1
     assert body["in_flight"] == 1
     assert body["counters"] == {"routed": 7, "unrouted": 1, "duplicates": 0, "acked": 1, "expired": 0,
-                                "dead_lettered": 0, "rejected": 0, "dropped": 0}  # fmt: skip
+                                "dead_lettered": 0, "rejected": 0, "dropped": 0, "forwarded": 0,
+                                "received": 0, "redistributed": 0}  # fmt: skip
 
 
 async def test_addresses(api: Api) -> None:

@@ -32,6 +32,7 @@ class ResolvedAddressSettings:
     default_routing_type: RoutingType = RoutingType.ANYCAST
     max_size_bytes: int = -1
     address_full_policy: str = "PAGE"
+    redistribution_delay_ms: int = 1000
 
     def redelivery_delay(self, attempts: int) -> int:
         """Delay in ms before redelivery number ``attempts`` (1 = first redelivery)."""

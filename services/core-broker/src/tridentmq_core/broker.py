@@ -17,6 +17,8 @@ from typing import Any, Final
 
 from tridentmq_core.address_settings import AddressSettingsRepository, ResolvedAddressSettings
 from tridentmq_core.audit import AuditSink
+from tridentmq_core.cluster.balancer import Balancer
+from tridentmq_core.cluster.forward import DEDUP_PREFIX, FORWARD_PROPERTY, ForwardHeader
 from tridentmq_core.deadlines import Deadlines
 from tridentmq_core.dedup import DuplicateIdCache
 from tridentmq_core.queues import Consumer, MemoryGauge, PagerFactory, Queue
@@ -56,6 +58,8 @@ _NO_LIMIT_YET: Final = (-2, "")  # marker: the address's size limit has not been
 _DEFERRED: Final = object()  # marker: a request whose reply is sent later (a commit waiting for the disk)
 
 FQQN_SEPARATOR = "::"
+#: Store-and-forward queues (one per connected cluster node) are named this plus the node id.
+FORWARD_QUEUE_PREFIX = "$sys.cluster.sf."
 ORIGINAL_ADDRESS = "_AMQ_ORIG_ADDRESS"
 ORIGINAL_QUEUE = "_AMQ_ORIG_QUEUE"
 ORIGINAL_REASON = "_AMQ_ORIG_REASON"
@@ -137,6 +141,9 @@ class Counters:
     dead_lettered: int = 0
     rejected: int = 0
     dropped: int = 0  # discarded by address-full-policy DROP
+    forwarded: int = 0  # copies put in a store-and-forward queue for another node
+    received: int = 0  # messages that came from another node
+    redistributed: int = 0  # messages moved to another node's queue of the same name
 
 
 class Broker:
@@ -195,6 +202,13 @@ class Broker:
         self._will_owners: dict[str, Session] = {}  # will key → the open link holding that will
         self._pending_wills: dict[str, Will] = {}  # will key → will of a closed link, waiting for its delay
         self._will_due: Deadlines[str] = Deadlines()
+        # Clustering (set by the cluster manager when the node clusters): load balancing over other nodes'
+        # bindings, the handler of TOPOLOGY requests, and what the manager watches to report bindings.
+        self.cluster: Balancer | None = None
+        self.on_topology: Callable[[Session, dict[str, Any]], dict[str, Any]] | None = None
+        self.bindings_version = 0  # bumped whenever a queue or a consumer comes or goes
+        self.forward_queues: dict[str, Queue] = {}  # connected node id → its store-and-forward queue
+        self.arrivals: dict[int, int] = {}  # id → arrival ms of messages that came from another node
         store.attach(self.on_durable)
 
     # ------------------------------------------------------------------ sessions
@@ -258,6 +272,10 @@ class Broker:
         match event:
             case ev.Subscribe(_, consumer_id, queue_name, credit, options):
                 return self._subscribe(session, consumer_id, queue_name, credit, options, now_ms)
+            case ev.Topology(_, info):
+                if self.on_topology is None:
+                    raise BrokerError(ErrorCode.INVALID, "this node is not part of a cluster")
+                return self.on_topology(session, info)
             case ev.Unsubscribe(_, consumer_id):
                 consumer = self._consumer(session, consumer_id)
                 self._remove_consumer(session, consumer, now_ms)
@@ -399,7 +417,7 @@ class Broker:
         conn = session.conn
         send_ok = session.send_ok
         max_bytes = self.settings.broker.max_message_bytes
-        accept = self._accept_message
+        accept = self._accept_from_cluster if session.principal.cluster else self._accept_message
         confirm = conn.confirm
         addresses = self.addresses
         limits = self._limits
@@ -547,6 +565,44 @@ class Broker:
             if dedup_id is not None:
                 self._dedup.forget(dedup_id)  # refused, so a retry is not a duplicate
             raise
+        cluster = self.cluster
+        if cluster is not None and cluster.has_remote(message[M_ADDRESS]):
+            kinds = self._kinds(message[M_ADDRESS], message[M_ROUTING])
+            queues, remote = cluster.balance(message, message[M_ADDRESS], queues, kinds)
+            if remote:
+                return self._admit(message, queues, now_ms, remote)
+        return self._admit(message, queues, now_ms)
+
+    def _accept_from_cluster(self, message: WireMessage, now_ms: int) -> int:
+        """A message another node forwarded here: it goes to the queues it was meant for, or on towards its
+        target node, never balanced again (that would let it circle)."""
+        raw = message[M_PROPS].pop(FORWARD_PROPERTY, None)
+        if raw is None:
+            return self._accept_message(message, now_ms)  # a plain publish over a cluster connection
+        try:
+            header = ForwardHeader.decode(raw)
+        except ValueError as exc:
+            raise BrokerError(ErrorCode.INVALID, str(exc)) from None
+        dedup_id = message[M_DEDUP] = DEDUP_PREFIX + header.dedup_id
+        if self._dedup.seen(dedup_id, now_ms):
+            self.counters.duplicates += 1
+            return 0  # a transfer re-sent after its link dropped: stored already
+        self.counters.received += 1
+        cluster = self.cluster
+        if header.target != self.node_id and cluster is not None and header.hops < cluster.bindings.max_hops \
+                and cluster.bindings.next_hop(header.target) is not None:  # fmt: skip
+            return self._forward(message, header.target, header.queues, header.hops + 1, now_ms)  # a relay
+        queues = tuple(q for name in header.queues if (q := self.queues.get(name)) is not None)
+        if not queues:  # gone meanwhile (or a relay that cannot reach the target): route it here by address
+            queues = self._route(message, now_ms, create=True)
+        token = self._admit(message, queues, now_ms)
+        if cluster is not None:
+            self.arrivals[message[M_ID]] = now_ms
+        return token
+
+    def _admit(self, message: WireMessage, queues: tuple[Queue, ...], now_ms: int,
+               remote: dict[str, list[str]] | None = None) -> int:  # fmt: skip
+        """Store a routed message in its local queues and the store-and-forward queues of ``remote``."""
         message[M_ID] = self._next_id
         self._next_id += 1
         if not message[M_TIMESTAMP]:
@@ -555,7 +611,7 @@ class Broker:
         if (durable and self._audit_durable) or self._audit_all:
             self._emit_message(now_ms, "msg.sent", message, None)
         counters = self.counters
-        if not queues:
+        if not queues and not remote:
             counters.unrouted += 1
             return 0
         counters.routed += 1
@@ -564,6 +620,10 @@ class Broker:
             durable_queues = tuple(q.name for q in queues if q.durable)
             if durable_queues:
                 token = self.store.add_message(message, durable_queues)
+        if remote:
+            for node_id, names in remote.items():
+                # The journal syncs in order: the last record's token covers the earlier ones.
+                token = max(token, self._forward(message, node_id, tuple(names), 1, now_ms))
         if message[M_SCHEDULED] > now_ms:
             for queue in queues:
                 self._schedule(message[M_SCHEDULED], queue, message, 0)
@@ -574,6 +634,131 @@ class Broker:
             if queue not in to_dispatch:
                 to_dispatch.add(queue)
         return token
+
+    def _forward(self, message: WireMessage, target: str, queues: tuple[str, ...], hops: int, now_ms: int) -> int:
+        """Put a copy of ``message`` for node ``target`` in the store-and-forward queue of the connected node
+        it goes through; the copy stays there until that node confirms it. Returns the store token."""
+        assert self.cluster is not None
+        via = self.cluster.bindings.next_hop(target) or target
+        forward_queue = self.forward_queue(via, now_ms)
+        copy = list(message)
+        copy[M_ID] = self._next_id
+        self._next_id += 1
+        header = ForwardHeader(target, queues, hops, f"{self.node_id}:{copy[M_ID]}")
+        copy[M_PROPS] = {**message[M_PROPS], FORWARD_PROPERTY: header.encode()}
+        self.counters.forwarded += 1
+        token = self.store.add_message(copy, (forward_queue.name,)) if copy[M_DURABLE] else 0
+        forward_queue.add(copy)
+        self._to_dispatch.add(forward_queue)
+        if (copy[M_DURABLE] and self._audit_durable) or self._audit_all:
+            self._emit_message(now_ms, "msg.forwarded", copy, forward_queue, target_node=target,
+                               target_queues=list(queues))  # fmt: skip
+        return token
+
+    def forward_queue(self, node_id: str, now_ms: int) -> Queue:
+        """The store-and-forward queue of a connected node (created on first use, durable)."""
+        queue = self.forward_queues.get(node_id)
+        if queue is None:
+            name = FORWARD_QUEUE_PREFIX + node_id
+            queue = self.queues.get(name) or self._create_queue(name, name, RoutingType.ANYCAST, durable=True,
+                                                                 now_ms=now_ms)  # fmt: skip
+            self.forward_queues[node_id] = queue
+        return queue
+
+    def reroute_forward_queue(self, node_id: str, now_ms: int) -> int:
+        """``node_id`` is gone: route what waits for it again, to the queues it was meant for, here or on the
+        nodes that remain. A message for a subscription that exists nowhere else keeps waiting. Returns how
+        many messages moved."""
+        queue = self.queues.get(FORWARD_QUEUE_PREFIX + node_id)
+        if queue is None or queue.consumers or not len(queue):
+            return 0
+        self.now_ms = now_ms
+        kept: list[WireMessage] = []
+        moved = 0
+        for message in queue.remove_where(lambda _m: True):
+            try:
+                header = ForwardHeader.decode(message[M_PROPS].get(FORWARD_PROPERTY))
+            except ValueError:
+                header = ForwardHeader(node_id, (), 0, "")
+            copy = list(message)
+            copy[M_PROPS] = {k: v for k, v in message[M_PROPS].items() if k != FORWARD_PROPERTY}
+            copy[M_DEDUP] = None
+            if not self._place(copy, header.queues, now_ms):
+                kept.append(message)
+                continue
+            moved += 1
+            if message[M_DURABLE]:
+                self.store.acknowledge(queue.name, message[M_ID])  # after the copy's record: never neither
+        for message in kept:
+            queue.add(message)
+        return moved
+
+    def reroute_refused(self, session: Session, consumer: Consumer, message_id: int, now_ms: int) -> None:
+        """The node a forwarded message was for refused it: deliver it here, by its queues or its address."""
+        taken = consumer.queue.take(consumer, message_id)
+        if taken is None:
+            return
+        message = taken[0]
+        try:
+            header = ForwardHeader.decode(message[M_PROPS].get(FORWARD_PROPERTY))
+        except ValueError:
+            header = ForwardHeader("", (), 0, "")
+        copy = list(message)
+        copy[M_PROPS] = {k: v for k, v in message[M_PROPS].items() if k != FORWARD_PROPERTY}
+        copy[M_DEDUP] = None
+        local = tuple(q for name in header.queues if (q := self.queues.get(name)) is not None)
+        try:
+            self._admit(copy, local or self._route(copy, now_ms, create=True), now_ms)
+        except BrokerError as exc:
+            log.warning("refused forwarded message dropped", extra={"reason": exc.text})
+        self._settle_acked(consumer.queue, message, now_ms)
+        consumer.credit += 1
+
+    def _place(self, message: WireMessage, names: tuple[str, ...], now_ms: int) -> bool:
+        """Admit a message for the queues named ``names``: local ones, else another node's of that name; with
+        no names, route it by its address. False when no queue of those names exists anywhere."""
+        if not names:
+            self._accept_message(message, now_ms)
+            return True
+        local = tuple(q for name in names if (q := self.queues.get(name)) is not None)
+        remote: dict[str, list[str]] = {}
+        if self.cluster is not None:
+            for name in names:
+                if name not in self.queues:
+                    reachable = [b for b in self.cluster.bindings.for_queue(name) if b.via]
+                    if reachable:
+                        remote.setdefault(min(reachable, key=lambda b: b.distance).node_id, []).append(name)
+        if not local and not remote:
+            return False
+        self._admit(message, local, now_ms, remote)
+        return True
+
+    def add_forwarder(self, session: Session, consumer: Consumer) -> None:
+        """Attach a consumer that moves messages to another node (a cluster connection's)."""
+        consumer.queue.add_consumer(consumer)
+        session.consumers[consumer.id] = consumer
+        self._to_dispatch.add(consumer.queue)
+
+    def remove_forwarder(self, session: Session, consumer: Consumer, now_ms: int) -> None:
+        if session.consumers.get(consumer.id) is consumer:
+            self._remove_consumer(session, consumer, now_ms)
+
+    def settle_forwarded(self, session: Session, consumer: Consumer, ids: list[int], now_ms: int) -> None:
+        """The other node confirmed these: they are its now. Frees the forwarding window for as many."""
+        if session.consumers.get(consumer.id) is not consumer:
+            return
+        queue = consumer.queue
+        for message_id in ids:
+            taken = queue.take(consumer, message_id)
+            if taken is None:
+                continue
+            if consumer.forwarder:
+                self.counters.redistributed += 1
+                if self._audit_all or (self._audit_durable and taken[0][M_DURABLE]):
+                    self._emit_message(now_ms, "msg.redistributed", taken[0], queue, target_node=session.client_name)
+            self._settle_acked(queue, taken[0], now_ms)
+        consumer.credit += len(ids)
+        self._to_dispatch.add(queue)
 
     def on_durable(self, token: int) -> None:
         """The store made the message behind ``token`` safe: confirm it to its producer."""
@@ -644,15 +829,18 @@ class Broker:
         return existing is None or not any(q.routing_type is RoutingType.ANYCAST for q in existing.queues.values())
 
     def _compute_route(self, address: str, routing: int) -> tuple[Queue, ...]:
-        queues = self._trie.match(address)
-        if routing == ROUTING_DEFAULT:
-            own = self.addresses.get(address)
-            kinds = own.routing_types if own is not None else {RoutingType.ANYCAST, RoutingType.MULTICAST}
-            if len(kinds) == 2:
-                kinds = {self.address_settings.resolve(address).default_routing_type}
-        else:
-            kinds = {RoutingType(routing)}
-        return tuple(q for q in queues if q.routing_type in kinds)
+        kinds = self._kinds(address, routing)
+        return tuple(q for q in self._trie.match(address) if q.routing_type in kinds)
+
+    def _kinds(self, address: str, routing: int) -> set[RoutingType]:
+        """The routing types a send reaches: its own, else the address's (the default type if it has both)."""
+        if routing != ROUTING_DEFAULT:
+            return {RoutingType(routing)}
+        own = self.addresses.get(address)
+        kinds = own.routing_types if own is not None else {RoutingType.ANYCAST, RoutingType.MULTICAST}
+        if len(kinds) == 2:
+            return {self.address_settings.resolve(address).default_routing_type}
+        return kinds
 
     def _invalidate_routes(self) -> None:
         self._routes.clear()
@@ -693,6 +881,7 @@ class Broker:
         session.consumers[consumer_id] = consumer
         if not browse:
             self._idle.cancel(queue)  # a consumer stops the expiry clock
+            self.bindings_version += 1
         self._to_dispatch.add(queue)
         self._emit(now_ms, "consumer.opened", conn_id=session.conn_id, consumer_id=str(consumer_id),
                    queue=queue.name, address=queue.address)  # fmt: skip
@@ -700,6 +889,7 @@ class Broker:
 
     def _remove_consumer(self, session: Session, consumer: Consumer, now_ms: int) -> None:
         queue = consumer.queue
+        self.bindings_version += 1
         session.consumers.pop(consumer.id, None)
         if consumer in queue.consumers:
             self._requeue(queue, queue.remove_consumer(consumer), now_ms)
@@ -983,6 +1173,7 @@ class Broker:
         self.addresses[address].queues[name] = queue
         self._trie.add(address, queue)
         self._invalidate_routes()
+        self.bindings_version += 1
         if owner is not None:
             owner.temporary_queues.add(name)
         if durable:
@@ -1007,6 +1198,7 @@ class Broker:
             self.dirty.add(consumer.session)
         queue.purge()
         del self.queues[queue.name]
+        self.bindings_version += 1
         address = self.addresses.get(queue.address)
         if address is not None:
             address.queues.pop(queue.name, None)
@@ -1139,6 +1331,11 @@ class Broker:
             self._publish_will(self._pending_wills.pop(key), now_ms)
         for expired in self._idle.pop_due(now_ms):
             self._expire_queue(expired, now_ms)
+        arrivals = self.arrivals
+        if arrivals:  # in arrival order: forget those past the minimum residence time
+            cutoff = now_ms - self.settings.cluster.min_residence_ms
+            while arrivals and next(iter(arrivals.values())) <= cutoff:
+                del arrivals[next(iter(arrivals))]
         if now_ms - self._last_expiry_scan >= self.settings.broker.expiry_scan_ms:
             self._last_expiry_scan = now_ms
             for queue in list(self.queues.values()):

@@ -78,8 +78,8 @@ class DeliverySink(Protocol):
 
 class Consumer:
     __slots__ = (
-        "auto_ack", "browse", "browse_iter", "counts", "credit", "id", "in_flight", "queue", "selector",
-        "session",
+        "auto_ack", "browse", "browse_iter", "counts", "credit", "forwarder", "id", "in_flight", "queue",
+        "selector", "session",
     )  # fmt: skip
 
     def __init__(
@@ -103,6 +103,7 @@ class Consumer:
         self.browse_iter: Iterator[WireMessage] | None = None
         self.in_flight: dict[int, WireMessage] = {}
         self.counts: dict[int, int] = {}  # delivery count of in-flight messages delivered more than once
+        self.forwarder = False  # moves messages to another node (cluster): not a consumer of a client
 
     def accepts(self, message: WireMessage) -> bool:
         return self.selector is None or self.selector.matches(selector_view(message))
@@ -412,7 +413,7 @@ class Queue:
             if self.exclusive:
                 ready = ready[:1] if ready and ready[0] is self._exclusive_owner() else []
             if ready:
-                if self._groups or any(c.selector is not None for c in ready):
+                if self._groups or any(c.selector is not None or c.forwarder for c in ready):
                     self._dispatch_scan(ready, now_ms)
                 else:
                     self._dispatch_fast(ready, now_ms)

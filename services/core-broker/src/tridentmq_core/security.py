@@ -42,6 +42,7 @@ class Principal:
     name: str
     roles: frozenset[str]
     unrestricted: bool
+    cluster: bool = False  # a node of this cluster (authenticated with the cluster credentials)
     _grants: Sequence[PermissionEntry] = ()
     _cache: dict[tuple[Permission, str], bool] = field(default_factory=dict)
 
@@ -68,7 +69,7 @@ def hash_password(password: str, *, salt: bytes, iterations: int = 200_000) -> s
     return f"pbkdf2_sha256${iterations}${salt.hex()}${digest.hex()}"
 
 
-def _password_matches(stored: str, given: str) -> bool:
+def password_matches(stored: str, given: str) -> bool:
     if stored.startswith("pbkdf2_sha256$"):
         try:
             _, iterations, salt, expected = stored.split("$")
@@ -105,6 +106,6 @@ class SecurityManager:
                 raise AuthenticationError("no users are configured, so only loopback connections are accepted")
             return Principal(user or "anonymous", frozenset(), unrestricted=True)
         entry = self._users.get(user or "")
-        if entry is None or not _password_matches(entry.password, password or ""):
+        if entry is None or not password_matches(entry.password, password or ""):
             raise AuthenticationError("unknown user or wrong password")
         return Principal(entry.name, frozenset(entry.roles), unrestricted=False, _grants=self._grants)

@@ -22,8 +22,9 @@ from aiohttp import web
 
 from tridentmq_core.audit import AuditSink, FileAuditSink, NullAuditSink
 from tridentmq_core.broker import Broker, Session
+from tridentmq_core.cluster.manager import ClusterManager, validate_cluster_settings
 from tridentmq_core.management.app import NodeStatus, QueueRates, create_app
-from tridentmq_core.security import AuthenticationError, SecurityManager
+from tridentmq_core.security import AuthenticationError, Principal, SecurityManager, password_matches
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.data_lock import DataDirectoryLock
 from tridentmq_core.store.identity import NodeIdentity
@@ -36,6 +37,7 @@ from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.codec import MIN_FRAME_SIZE, LinkConnection, Role
 from tridentmq_shared.link.errors import LinkError
 from tridentmq_shared.link.ops import ErrorCode
+from tridentmq_shared.message import MAX_PROPERTIES
 from tridentmq_shared.runtime import set_nodelay
 from tridentmq_shared.settings import SettingsError
 
@@ -53,8 +55,10 @@ class LinkProtocol(asyncio.Protocol):
 
     def __init__(self, node: CoreNode) -> None:
         self.node = node
+        # One property more than clients may send: a message forwarded by another node carries its header.
         self.conn = LinkConnection(Role.SERVER, max_frame_size=node.settings.link.max_frame_bytes,
-                                   heartbeat_ms=node.settings.link.heartbeat_ms)  # fmt: skip
+                                   heartbeat_ms=node.settings.link.heartbeat_ms,
+                                   max_properties=MAX_PROPERTIES + 1)  # fmt: skip
         self.session: Session | None = None
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
@@ -91,7 +95,7 @@ class LinkProtocol(asyncio.Protocol):
             if not isinstance(event, ev.HelloReceived):
                 continue
             try:
-                principal = self.node.security.authenticate(event.user, event.password, self.peer)
+                principal = self.node.authenticate(event.user, event.password, self.peer)
             except AuthenticationError as exc:
                 log.warning("link refused", extra={"peer": self.peer, "user": event.user, "reason": str(exc)})
                 self.conn.refuse(ErrorCode.UNAUTHENTICATED, str(exc))
@@ -175,6 +179,18 @@ class CoreNode:
         self._timer: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.management_port = 0
+        self.clusters = validate_cluster_settings(settings)
+        self.cluster: ClusterManager | None = None
+
+    def authenticate(self, user: str | None, password: str | None, peer: str) -> Principal:
+        """The cluster user (when the node clusters) is checked against the cluster credentials, every
+        other user against the configured users."""
+        cluster = self.settings.cluster
+        if self.clusters and user == cluster.user:
+            if not password_matches(cluster.password, password or ""):
+                raise AuthenticationError("wrong cluster credentials")
+            return Principal(f"cluster:{user}", frozenset(), unrestricted=True, cluster=True)
+        return self.security.authenticate(user, password, peer)
 
     def _recover(self) -> None:
         """Replay the journal into the broker before anyone can connect, then journal from here on."""
@@ -234,6 +250,14 @@ class CoreNode:
             self.management_port = sock.getsockname()[1]
             await web.SockSite(self._runner, sock).start()
         self._timer = asyncio.create_task(self._tick_forever())
+        if self.clusters:
+            cluster = self.settings.cluster
+            host = cluster.advertise_host or (link.host if link.host not in ("0.0.0.0", "::", "") else "127.0.0.1")
+            self.cluster = ClusterManager(self.broker, self.settings, node_id=self.node_id,
+                                          name=self.settings.node.name, advertise=(host, self.status.link_port),
+                                          schedule_flush=self.schedule_flush)  # fmt: skip
+            self.status.cluster = self.cluster.status
+            await self.cluster.start()
         self.status.ready = True
         if self.ports_file is not None:
             tmp = self.ports_file.with_suffix(".tmp")
@@ -339,6 +363,8 @@ class CoreNode:
                 await self._timer
         if self._server is not None:
             self._server.close()
+        if self.cluster is not None:
+            await self.cluster.stop()
         self.broker.discard_wills()  # the links close because we stop, not because their clients died
         for protocol in list(self.protocols.values()):
             protocol.conn.close(ErrorCode.SHUTDOWN, "the node is shutting down")

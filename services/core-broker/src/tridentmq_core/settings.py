@@ -76,6 +76,42 @@ class BrokerSection:
                                 "above it producers get no publish credit until usage is back under 90 %.")  # fmt: skip
 
 
+LOAD_BALANCING_POLICIES = ("OFF", "STRICT", "ON_DEMAND", "OFF_WITH_REDISTRIBUTION")
+
+
+@dataclass(frozen=True)
+class ClusterSection:
+    name: str = doc("tridentmq", "Cluster name: a node joins only nodes that announce the same name.")
+    user: str = doc("", "User of the cluster connections between nodes. Cluster credentials have no default: "
+                        "a node with connectors or discovery but no user and password refuses to start.")  # fmt: skip
+    password: str = doc("", "Password of the cluster connections (the same on every node).")
+    connectors: list[str] = doc(list, "Static connectors: `host:port` of other nodes' link listeners. A node "
+                                      "learns the rest of the cluster from the nodes it reaches.",
+                                factory=True)  # fmt: skip
+    discovery: str = doc("", "Redis URL of the broadcast and discovery group (`redis://host:6379/0`); empty: "
+                             "static connectors only. Redis carries announcements, never messages.")  # fmt: skip
+    broadcast_period_ms: int = doc(1000, "Interval of this node's announcements (discovery).")
+    refresh_timeout_ms: int = doc(5000, "An announcement not refreshed for this long is dropped (discovery).")
+    advertise_host: str = doc("", "Host other nodes connect to for this node's link; empty: `link.host`, or "
+                                  "127.0.0.1 when that is 0.0.0.0.")  # fmt: skip
+    max_hops: int = doc(1, "How far bindings travel: 1 = every node links to every other (symmetric mesh); "
+                           "2 or more lets messages cross intermediate nodes (chains). The same on every "
+                           "node.")  # fmt: skip
+    message_load_balancing: str = doc("ON_DEMAND", "OFF (never forward), STRICT (round-robin over every node "
+                                                   "with the queue), ON_DEMAND (only to nodes with matching "
+                                                   "consumers) or OFF_WITH_REDISTRIBUTION (local routing, but "
+                                                   "backlog moves to where the consumers are).")  # fmt: skip
+    forward_window: int = doc(1000, "Forwarded messages in flight to one node before waiting for its confirms.")
+    min_residence_ms: int = doc(2000, "A message that came from another node is not redistributed again "
+                                      "before this long (no ping-pong when consumers flap).")  # fmt: skip
+    retry_interval_ms: int = doc(100, "First retry delay of a cluster connection that failed.")
+    retry_multiplier: float = doc(2.0, "Factor applied to the retry delay after each failed attempt.")
+    max_retry_interval_ms: int = doc(2000, "Longest retry delay of a cluster connection.")
+    node_gone_ms: int = doc(10_000, "A node unreachable for this long is declared gone: the messages waiting to "
+                                    "be forwarded to it are routed again among the nodes that remain.")  # fmt: skip
+    max_bindings: int = doc(100_000, "Bindings accepted from one node; beyond, its updates are refused (flood).")
+
+
 @dataclass(frozen=True)
 class UserEntry:
     name: str = doc("", "User name.")
@@ -119,6 +155,10 @@ class AddressSettingsEntry:
                                                 "with resource-limit) or DROP (confirmed and discarded).")  # fmt: skip
     default_routing_type: str | None = doc(None, "Routing type of auto-created addresses: anycast or multicast "
                                                   "(default anycast).")  # fmt: skip
+    redistribution_delay_ms: int | None = doc(None, "In a cluster, how long a queue with messages and no "
+                                                    "consumer waits before moving its messages to a node "
+                                                    "that has consumers for it (default 1000; -1 = never, "
+                                                    "0 = at once).")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -129,6 +169,8 @@ class CoreSettings:
     management: ManagementSection = doc(ManagementSection(), "Management HTTP server.")
     audit: AuditSection = doc(AuditSection(), "The audit stream.")
     broker: BrokerSection = doc(BrokerSection(), "Broker limits and windows.")
+    cluster: ClusterSection = doc(ClusterSection(), "Clustering: cluster connections, load balancing, "
+                                                    "redistribution and discovery.")  # fmt: skip
     users: list[UserEntry] = doc(list, "Users. With none, loopback clients are accepted whatever their "
                                        "credentials and other addresses are refused.", factory=True)  # fmt: skip
     permissions: list[PermissionEntry] = doc(list, "Role grants per address pattern.", factory=True)

@@ -60,7 +60,31 @@ def status_text(status: dict[str, Any]) -> str:
         f"messages    {status.get('messages')} queued, {status.get('in_flight')} in flight",
         "counters    " + ", ".join(f"{k} {v:,}" for k, v in counters.items()),
     ]
+    cluster = status.get("cluster")
+    if cluster:
+        lines += cluster_lines(cluster)
     return "\n".join(lines)
+
+
+def cluster_lines(cluster: dict[str, Any]) -> list[str]:
+    """The cluster part of ``tridentmq status``: members, this node's connections, backlog going elsewhere."""
+    members = ", ".join(f"{m['name'] or m['node_id'][:8]} ({m['host']}:{m['port']})" for m in cluster["members"])
+    lines = [
+        (
+            f"cluster     {cluster['cluster']}: {len(cluster['members'])} live nodes, policy {cluster['policy']}, "
+            f"max-hops {cluster['max_hops']}"
+        ),
+        f"members     {members}",
+    ]
+    rows = [[c["name"] or c["node_id"][:8] or "?", c["address"], c["state"], c["pending_forward"], c["reason"]]
+            for c in cluster["connections"]]  # fmt: skip
+    if rows:
+        lines.append(format_table(["to node", "address", "state", "to forward", "reason"], rows))
+    if cluster.get("redistributing"):
+        lines.append("redistributing " + ", ".join(f"{q} → {n[:8]}" for q, n in cluster["redistributing"].items()))
+    stranded = cluster.get("stranded") or {}
+    lines.append("stranded    " + (", ".join(f"{q} {n:,}" for q, n in stranded.items()) or "none"))
+    return lines
 
 
 def queue_table(queues: list[dict[str, Any]]) -> str:

@@ -35,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--config", type=Path, help="the core's TOML settings file")
     up.add_argument("--config-dir", type=Path, help="a directory of settings files, one per process: core.toml, "
                     "stomp.toml, mqtt.toml, amqp.toml (each optional)")  # fmt: skip
+    up.add_argument("--nodes", type=int, default=1, help="core nodes: above 1, a local cluster on link ports "
+                    "61616, 61617, ... and management ports 8161, 8162, ... (default %(default)s)")  # fmt: skip
+    up.add_argument("--discovery", default="", help="with --nodes, find each other through this Redis URL "
+                    "(redis://host:port/db) instead of static connectors")  # fmt: skip
 
     core = sub.add_parser("core", help="run one core node in the foreground")
     core.add_argument("args", nargs=argparse.REMAINDER, help="arguments for tridentmq-core (see --help)")
@@ -141,7 +145,9 @@ def _perf(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     match args.command:
         case "up":
-            return run_main(supervisor.supervise(supervisor.plan(args.data_dir, args.config, args.config_dir)))
+            children = supervisor.plan(args.data_dir, args.config, args.config_dir, nodes=args.nodes,
+                                       discovery=args.discovery)  # fmt: skip
+            return run_main(supervisor.supervise(children))
         case "status":
             status = admin.fetch(args.management, "/api/status")
             print(json.dumps(status, indent=2) if args.json else admin.status_text(status))

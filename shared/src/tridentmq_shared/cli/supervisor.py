@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import importlib.util
 import os
+import secrets
 import signal
 import sys
 import time
@@ -39,10 +40,18 @@ def installed_services() -> list[tuple[str, str]]:
     return services
 
 
-def plan(data_dir: Path, config: Path | None, config_dir: Path | None = None) -> list[Child]:
+def plan(data_dir: Path, config: Path | None, config_dir: Path | None = None, *, nodes: int = 1,
+         discovery: str = "") -> list[Child]:  # fmt: skip
     """The children of ``up``: ``config`` is the core's settings file; ``config_dir`` may hold one file per
-    process, named after it (``core.toml``, ``stomp.toml``, ``mqtt.toml``, ``amqp.toml``)."""
+    process, named after it (``core.toml``, ``stomp.toml``, ``mqtt.toml``, ``amqp.toml``).
+
+    With ``nodes`` above 1 the core nodes form a local cluster: node *i* listens on link port 61616 + *i* and
+    management port 8161 + *i*, knows the others as static connectors (or finds them through ``discovery``),
+    and the gateways are spread over the nodes. The cluster password is made up on first use and kept in
+    the data directory, since cluster credentials have no default."""
     children = []
+    cluster = _cluster_env(data_dir, nodes, discovery) if nodes > 1 else []
+    gateways = 0
     for name, module in installed_services():
         argv = [sys.executable, "-m", module]
         own = config_dir / f"{name.removeprefix('gateway-')}.toml" if config_dir is not None else None
@@ -50,9 +59,45 @@ def plan(data_dir: Path, config: Path | None, config_dir: Path | None = None) ->
             argv += ["--config", str(config)]
         elif own is not None and own.exists():
             argv += ["--config", str(own)]
-        env = {"TRIDENTMQ_CORE_NODE_DATA_DIR": str(data_dir / "core")} if name == "core" else {}
-        children.append(Child(name, argv, env))
+        if name != "core":
+            env = {}
+            if nodes > 1:
+                kind = name.removeprefix("gateway-").upper()
+                env[f"TRIDENTMQ_{kind}_CORE_PORT"] = str(BASE_LINK_PORT + gateways % nodes)
+            gateways += 1
+            children.append(Child(name, argv, env))
+        elif nodes <= 1:
+            children.append(Child(name, argv, {"TRIDENTMQ_CORE_NODE_DATA_DIR": str(data_dir / "core")}))
+        else:
+            children += [Child(f"core-{i}", argv, env) for i, env in enumerate(cluster)]
     return children
+
+
+BASE_LINK_PORT = 61616
+BASE_MANAGEMENT_PORT = 8161
+
+
+def _cluster_env(data_dir: Path, nodes: int, discovery: str) -> list[dict[str, str]]:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    secret = data_dir / "cluster.password"
+    if not secret.exists():
+        secret.write_text(secrets.token_urlsafe(24))
+        secret.chmod(0o600)
+    password = secret.read_text().strip()
+    envs = []
+    for i in range(nodes):
+        others = [f"127.0.0.1:{BASE_LINK_PORT + j}" for j in range(nodes) if j != i]
+        envs.append({
+            "TRIDENTMQ_CORE_NODE_DATA_DIR": str(data_dir / f"core-{i}"),
+            "TRIDENTMQ_CORE_NODE_NAME": f"core-{i}",
+            "TRIDENTMQ_CORE_LINK_PORT": str(BASE_LINK_PORT + i),
+            "TRIDENTMQ_CORE_MANAGEMENT_PORT": str(BASE_MANAGEMENT_PORT + i),
+            "TRIDENTMQ_CORE_CLUSTER_USER": "cluster",
+            "TRIDENTMQ_CORE_CLUSTER_PASSWORD": password,
+            "TRIDENTMQ_CORE_CLUSTER_CONNECTORS": "" if discovery else ",".join(others),
+            "TRIDENTMQ_CORE_CLUSTER_DISCOVERY": discovery,
+        })  # fmt: skip
+    return envs
 
 
 async def _pump(name: str, stream: asyncio.StreamReader) -> None:

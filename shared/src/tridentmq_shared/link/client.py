@@ -269,6 +269,8 @@ class LinkClient:
         #: Called after each read that confirmed or rejected publishes (their futures are done by then): one
         #: call for many messages, cheaper than a done-callback on each future.
         self.on_settled: Callable[[], None] | None = None
+        #: Called with each TOPOLOGY_UPDATE the server pushes (after a ``topology`` request).
+        self.on_topology: Callable[[dict[str, Any]], None] | None = None
 
     async def __aenter__(self) -> LinkClient:
         await self.connect()
@@ -426,6 +428,9 @@ class LinkClient:
                 if consumer is not None:
                     consumer.browse_done = True
                     consumer._wake()
+            case ev.TopologyUpdate(update):
+                if self.on_topology is not None:
+                    self.on_topology(update)
             case ev.Closed(code, text):
                 self._error = LinkClosedError(code, text)
                 if self._opened is not None and not self._opened.done():
@@ -567,6 +572,11 @@ class LinkClient:
     async def create_address(self, address: str, routing_types: tuple[RoutingType, ...] = (RoutingType.ANYCAST,),
                              ) -> dict[str, Any]:  # fmt: skip
         return dict(await self._call(self._live().create_address(address, [int(r) for r in routing_types])))
+
+    async def topology(self, info: dict[str, Any]) -> dict[str, Any]:
+        """Join the cluster (``info`` names this node) or follow its topology; updates go to ``on_topology``."""
+        result = await self._call(self._live().topology(info))
+        return dict(result) if isinstance(result, dict) else {}
 
     async def delete_address(self, address: str) -> None:
         await self._call(self._live().delete_address(address))

@@ -88,17 +88,19 @@ _FIELDS: Final[dict[int, tuple[type | tuple[type, ...], ...]]] = {
     Op.FLOW: (int, int),
     Op.CONSUMER_CLOSED: (int, str, str),
     Op.BROWSE_DONE: (int,),
+    Op.TOPOLOGY: (int, dict),
+    Op.TOPOLOGY_UPDATE: (dict,),
 }
 
 _RECEIVES: Final = {
     Role.SERVER: frozenset({
         Op.CLOSE, Op.HEARTBEAT, Op.CREATE_ADDRESS, Op.DELETE_ADDRESS, Op.CREATE_QUEUE, Op.DELETE_QUEUE,
         Op.SUBSCRIBE, Op.UNSUBSCRIBE, Op.TX_BEGIN, Op.TX_COMMIT, Op.TX_ROLLBACK, Op.SET_WILL, Op.PUBLISH,
-        Op.ACK, Op.NACK, Op.FLOW,
+        Op.ACK, Op.NACK, Op.FLOW, Op.TOPOLOGY,
     }),
     Role.CLIENT: frozenset({
         Op.CLOSE, Op.HEARTBEAT, Op.OK, Op.ERROR, Op.CONFIRM, Op.REJECT, Op.PUBLISH_CREDIT, Op.DELIVER,
-        Op.CONSUMER_CLOSED, Op.BROWSE_DONE,
+        Op.CONSUMER_CLOSED, Op.BROWSE_DONE, Op.TOPOLOGY_UPDATE,
     }),
 }  # fmt: skip
 
@@ -333,6 +335,10 @@ class LinkConnection:
                 return ev.ConsumerClosed(op[1], op[2], op[3])
             case Op.BROWSE_DONE:
                 return ev.BrowseDone(op[1])
+            case Op.TOPOLOGY:
+                return ev.Topology(op[1], op[2])
+            case Op.TOPOLOGY_UPDATE:
+                return ev.TopologyUpdate(op[1])
         raise AssertionError(f"unhandled operation {code}")  # _RECEIVES and this match agree
 
     def _set_will_event(self, req_id: int, will: dict[str, Any] | None) -> ev.SetWill:
@@ -535,6 +541,11 @@ class LinkConnection:
             return
         self._out.append([Op.BROWSE_DONE, consumer_id])
 
+    def topology_update(self, update: dict[str, Any]) -> None:
+        if not self._answering():
+            return
+        self._out.append([Op.TOPOLOGY_UPDATE, update])
+
     # ------------------------------------------------------------------ client side
     def hello(self, user: str | None, password: str | None, client_name: str) -> None:
         if self.role is not _CLIENT or self.state is not State.HANDSHAKE or self._hello_sent:
@@ -548,6 +559,9 @@ class LinkConnection:
         self._next_req_id += 1
         self._out.append([op, self._next_req_id, *fields])
         return self._next_req_id
+
+    def topology(self, info: dict[str, Any]) -> int:
+        return self._request(Op.TOPOLOGY, info)
 
     def create_address(self, address: str, routing_types: list[int]) -> int:
         return self._request(Op.CREATE_ADDRESS, address, routing_types)

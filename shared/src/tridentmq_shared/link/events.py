@@ -195,6 +195,19 @@ class BrowseDone:
     consumer_id: int
 
 
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """A cluster node joins (``info`` names it) or a gateway asks to follow the topology."""
+
+    req_id: int
+    info: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class TopologyUpdate:
+    update: dict[str, Any]
+
+
 ServerEvent = (
     HelloReceived
     | Closed
@@ -212,6 +225,7 @@ ServerEvent = (
     | Acks
     | Nacks
     | Flow
+    | Topology
 )
 ClientEvent = (
     Welcomed
@@ -224,5 +238,6 @@ ClientEvent = (
     | Deliveries
     | ConsumerClosed
     | BrowseDone
+    | TopologyUpdate
 )
 Event = ServerEvent | ClientEvent

@@ -43,6 +43,9 @@ class Op(IntEnum):
     FLOW = 27  # C→S [op, consumer_id, credit]
     CONSUMER_CLOSED = 28  # S→C [op, consumer_id, code, text]
     BROWSE_DONE = 29  # S→C [op, consumer_id]
+    # cluster
+    TOPOLOGY = 30  # C→S [op, req_id, info]: join the cluster (info names the node) or watch its topology
+    TOPOLOGY_UPDATE = 31  # S→C [op, update]: members and, for a joined node, binding changes
 
 
 class NackMode(IntEnum):

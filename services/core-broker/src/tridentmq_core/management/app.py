@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,6 +36,7 @@ class NodeStatus:
     journal: JournalStats | None = None  # None: the journal is disabled
     recovered: dict[str, int] = field(default_factory=dict)  # queue -> messages recovered at start
     truncated: list[str] = field(default_factory=list)  # journal tails cut off at start, one line each
+    cluster: Callable[[], dict[str, Any]] | None = None  # the cluster view, when the node clusters
 
 
 class QueueRates:
@@ -140,7 +142,16 @@ class _Handlers:
             "messages": sum(len(q) for q in queues),
             "in_flight": sum(q.in_flight for q in queues),
             "counters": dataclasses.asdict(broker.counters),
+            "cluster": self.status.cluster() if self.status.cluster is not None else None,
         })  # fmt: skip
+
+    async def cluster(self, request: web.Request) -> web.Response:
+        if self.status.cluster is None:
+            return web.json_response({"error": "this node is not part of a cluster"}, status=404)
+        view = self.status.cluster()
+        queues = self.broker.queues.items()
+        view["backlog"] = {name: len(q) + q.in_flight for name, q in queues if len(q) or q.in_flight}
+        return web.json_response(view)
 
     async def addresses(self, request: web.Request) -> web.Response:
         return web.json_response([
@@ -181,4 +192,5 @@ def create_app(broker: Broker, status: NodeStatus, rates: QueueRates) -> web.App
     # Queue names may hold "/" or even a newline (percent-encoded in the URL), hence the catch-all pattern.
     app.router.add_get(r"/api/queues/{name:[\s\S]+}", handlers.queue)
     app.router.add_get("/api/connections", handlers.connections)
+    app.router.add_get("/api/cluster", handlers.cluster)
     return app

@@ -43,6 +43,9 @@ _BROKER_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("messages_expired_total", "expired", "Messages expired."),
     ("messages_dead_lettered_total", "dead_lettered", "Messages dead-lettered."),
     ("messages_rejected_total", "rejected", "Publishes rejected."),
+    ("messages_forwarded_total", "forwarded", "Messages put on their way to another cluster node."),
+    ("messages_received_total", "received", "Messages that came from another cluster node."),
+    ("messages_redistributed_total", "redistributed", "Messages moved to another node's queue (redistribution)."),
 )
 
 
@@ -101,6 +104,18 @@ def render_metrics(broker: Broker, status: NodeStatus, rates: QueueRates) -> str
     counters = broker.counters
     for name, attr, help_text in _BROKER_COUNTERS:
         _family(lines, name, "counter", help_text, [({}, getattr(counters, attr))])
+    cluster = status.cluster() if status.cluster is not None else None
+    if cluster is not None:
+        _family(lines, "cluster_members", "gauge", "Live cluster members this node sees, itself included.",
+                [({}, len(cluster["members"]))])  # fmt: skip
+        _family(lines, "cluster_connection_up", "gauge", "1 while the cluster connection to a node is up.",
+                [({"to": c["address"], "node_id": c["node_id"]}, int(c["state"] == "up"))
+                 for c in cluster["connections"]])  # fmt: skip
+        _family(lines, "cluster_pending_forward", "gauge", "Messages waiting to be confirmed by another node.",
+                [({"to": c["address"], "node_id": c["node_id"]}, c["pending_forward"])
+                 for c in cluster["connections"]])  # fmt: skip
+        _family(lines, "cluster_remote_bindings", "gauge", "Queues of other nodes known here.",
+                [({}, cluster["remote_bindings"])])  # fmt: skip
     journal = status.journal
     if journal is not None:
         _family(lines, "journal_records_synced_total", "counter", "Journal records known to be on disk.",

@@ -1,0 +1,1 @@
+"""Clustering: discovery, cluster connections, load balancing, redistribution."""

@@ -1,0 +1,152 @@
+"""Message load balancing across the cluster (Artemis' message-load-balancing). Pure.
+
+For a message routed on this node, the local queues it matched and the remote bindings matching its address
+are grouped by queue name: a queue of the same name on several nodes is one logical queue, and only one of
+its instances gets the message. Anycast picks one instance among all the matching queues; multicast picks
+one instance per subscription. Which instances qualify depends on the policy:
+
+- ``OFF``: local queues only; nothing is forwarded.
+- ``STRICT``: every instance, in turn, consumers or not.
+- ``ON_DEMAND`` (default): instances with a consumer that would take the message; when none has one the
+  message stays local (or, for a subscription that exists only elsewhere, goes to it).
+- ``OFF_WITH_REDISTRIBUTION``: routed as ``OFF``; redistribution moves backlog later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Final
+
+from tridentmq_core.cluster.bindings import Binding, RemoteBindings
+from tridentmq_core.queues import Consumer, Queue
+from tridentmq_core.selector import Selector, SelectorError, compile_selector
+from tridentmq_shared.message import RoutingType, WireMessage, selector_view
+
+OFF: Final = "OFF"
+STRICT: Final = "STRICT"
+ON_DEMAND: Final = "ON_DEMAND"
+OFF_WITH_REDISTRIBUTION: Final = "OFF_WITH_REDISTRIBUTION"
+
+Remote = dict[str, list[str]]  # node id → names of the queues there that get the message
+_NO_REMOTE: Final[Remote] = {}
+Instance = Queue | Binding
+
+
+def is_local_consumer(consumer: Consumer) -> bool:
+    """A consumer of this node's clients (not a browser, not a forwarder to another node)."""
+    return not consumer.browse and not consumer.forwarder
+
+
+class SelectorCache:
+    """Compiled selectors of remote bindings and consumers; a selector that does not compile never matches."""
+
+    def __init__(self, limit: int = 10_000) -> None:
+        self._compiled: dict[str, Selector | None] = {}
+        self._limit = limit
+
+    def matches(self, text: str, message: WireMessage) -> bool:
+        compiled = self._compiled.get(text, False)
+        if compiled is False:
+            try:
+                compiled = compile_selector(text)
+            except SelectorError:
+                compiled = None
+            if len(self._compiled) >= self._limit:
+                self._compiled.clear()
+            self._compiled[text] = compiled
+        return compiled is not None and compiled.matches(selector_view(message))  # type: ignore[union-attr]
+
+    def binding_takes(self, binding: Binding, message: WireMessage) -> bool:
+        """Whether the remote queue's filter lets the message in."""
+        return binding.filter is None or self.matches(binding.filter, message)
+
+    def binding_consumes(self, binding: Binding, message: WireMessage) -> bool:
+        """Whether a consumer of the remote queue would take the message."""
+        if binding.consumers <= 0:
+            return False
+        return binding.selectors is None or any(self.matches(s, message) for s in binding.selectors)
+
+
+def local_consumes(queue: Queue, message: WireMessage) -> bool:
+    return any(is_local_consumer(c) and c.accepts(message) for c in queue.consumers)
+
+
+class Balancer:
+    def __init__(self, bindings: RemoteBindings, policy: str) -> None:
+        self.bindings = bindings
+        self.policy = policy
+        self.selectors = SelectorCache()
+        self._rr: dict[str, int] = {}
+        self._has_remote: dict[str, bool] = {}
+        self._version = -1
+
+    @property
+    def forwards(self) -> bool:
+        return self.policy in (STRICT, ON_DEMAND)
+
+    def has_remote(self, address: str) -> bool:
+        """Whether routing to ``address`` must look at other nodes at all (cached until bindings change)."""
+        if not self.forwards:
+            return False
+        if self._version != self.bindings.version:
+            self._has_remote.clear()
+            self._version = self.bindings.version
+        found = self._has_remote.get(address)
+        if found is None:
+            found = bool(self.bindings.match(address))
+            if len(self._has_remote) > 100_000:
+                self._has_remote.clear()
+            self._has_remote[address] = found
+        return found
+
+    def balance(self, message: WireMessage, address: str, local: tuple[Queue, ...],
+                kinds: set[RoutingType]) -> tuple[tuple[Queue, ...], Remote]:  # fmt: skip
+        """Split a routed message between local queues and other nodes."""
+        takes = self.selectors.binding_takes
+        remote = [b for b in self.bindings.match(address)
+                  if RoutingType(b.routing) in kinds and takes(b, message)]  # fmt: skip
+        if not remote:
+            return local, _NO_REMOTE
+        anycast: list[Instance] = [q for q in local if q.routing_type is RoutingType.ANYCAST]
+        anycast += [b for b in remote if b.routing == RoutingType.ANYCAST]
+        groups: dict[str, list[Instance]] = {}
+        for queue in local:
+            if queue.routing_type is RoutingType.MULTICAST:
+                groups.setdefault(queue.name, []).append(queue)
+        for binding in remote:
+            if binding.routing == RoutingType.MULTICAST:
+                groups.setdefault(binding.queue, []).append(binding)
+        chosen: list[Instance] = []
+        if anycast:
+            pick = self._pick(address, anycast, message)
+            if pick is not None:
+                chosen.append(pick)
+        for name, instances in groups.items():
+            pick = self._pick(name, instances, message)
+            if pick is not None:
+                chosen.append(pick)
+        local_chosen = tuple(i for i in chosen if isinstance(i, Queue))
+        forwarded: Remote = {}
+        for instance in chosen:
+            if isinstance(instance, Binding):
+                forwarded.setdefault(instance.node_id, []).append(instance.queue)
+        return local_chosen, forwarded
+
+    def _pick(self, key: str, instances: list[Instance], message: WireMessage) -> Instance | None:
+        local: list[Instance] = [i for i in instances if isinstance(i, Queue)]
+        if self.policy == STRICT:
+            candidates = instances
+        else:
+            consumes: Callable[[Instance], bool] = lambda i: (  # noqa: E731 - one use, reads best inline
+                local_consumes(i, message) if isinstance(i, Queue) else self.selectors.binding_consumes(i, message)
+            )
+            candidates = [i for i in instances if consumes(i)]
+            if not candidates:
+                candidates = local or instances  # nobody consumes: keep it here, else where its queue is
+        if len(candidates) == 1:
+            return candidates[0]
+        turn = self._rr.get(key, 0)
+        if len(self._rr) > 100_000:
+            self._rr.clear()
+        self._rr[key] = turn + 1
+        return candidates[turn % len(candidates)]

@@ -1,0 +1,166 @@
+"""What other nodes of the cluster hold: their queues (bindings) as this node learned them. Pure.
+
+A binding names a queue on a node with what routing needs: its address, routing type, filter and how many
+consumers it has (with their selectors, so ON_DEMAND and redistribution can tell whether one of them would
+take a message). Each directly connected node reports its own queues at distance 1 and, with max-hops above
+1, what it learned from others at their distance plus one; of several routes to the same queue the shortest
+wins, and ``via`` says which connected node a message for it goes through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from tridentmq_core.router import AddressTrie, InvalidAddress, validate_address
+from tridentmq_shared.message import RoutingType
+
+Key = tuple[str, str]  # (node id, queue name)
+MAX_SELECTORS = 64  # selectors kept per binding; a binding with more is treated as taking everything
+
+
+class BindingError(ValueError):
+    """A binding update that breaks the format or the limits: the update is refused."""
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    node_id: str
+    queue: str
+    address: str
+    routing: int
+    filter: str | None
+    consumers: int
+    selectors: tuple[str, ...] | None  # None: some consumer takes every message
+    distance: int
+    via: str = ""  # the connected node this binding was learned from
+
+    @property
+    def key(self) -> Key:
+        return (self.node_id, self.queue)
+
+    def to_wire(self, distance: int | None = None) -> list[Any]:
+        selectors = None if self.selectors is None else list(self.selectors)
+        return [self.node_id, self.queue, self.address, self.routing, self.filter, self.consumers, selectors,
+                self.distance if distance is None else distance]  # fmt: skip
+
+    @staticmethod
+    def from_wire(item: Any, via: str) -> Binding:
+        if type(item) is not list or len(item) != 8:
+            raise BindingError("a binding is a list of 8 fields")
+        node_id, queue, address, routing, filter_text, consumers, selectors, distance = item
+        if not (type(node_id) is str and node_id and type(queue) is str and queue and type(address) is str
+                and type(routing) is int and routing in (RoutingType.ANYCAST, RoutingType.MULTICAST)
+                and (filter_text is None or type(filter_text) is str) and type(consumers) is int and consumers >= 0
+                and type(distance) is int and distance >= 1):  # fmt: skip
+            raise BindingError(f"malformed binding {str(item)[:120]}")
+        if selectors is not None:
+            if type(selectors) is not list or not all(type(s) is str for s in selectors):
+                raise BindingError("binding selectors are a list of strings or nil")
+            selectors = tuple(selectors) if len(selectors) <= MAX_SELECTORS else None
+        try:
+            validate_address(address, allow_wildcards=True)
+        except InvalidAddress as exc:
+            raise BindingError(str(exc)) from None
+        return Binding(node_id, queue, address, routing, filter_text, consumers, selectors, distance, via)
+
+
+class RemoteBindings:
+    """The bindings of the other nodes, by the connected node they were learned from."""
+
+    def __init__(self, own_id: str, *, max_hops: int, max_per_node: int) -> None:
+        self.own_id = own_id
+        self.max_hops = max_hops
+        self.max_per_node = max_per_node
+        self.version = 0  # bumped on every change, so caches of routing decisions know when to drop
+        self._by_via: dict[str, dict[Key, Binding]] = {}
+        self._best: dict[Key, Binding] = {}
+        self._by_queue: dict[str, set[Key]] = {}
+        self._trie: AddressTrie[Binding] = AddressTrie()
+
+    def __len__(self) -> int:
+        return len(self._best)
+
+    def __iter__(self) -> Iterator[Binding]:
+        return iter(self._best.values())
+
+    def replace(self, via: str, items: Iterable[Any]) -> None:
+        """A full report from ``via`` (after it connected): replaces what it said before."""
+        parsed = self._parse(via, items)
+        old = self._by_via.get(via, {})
+        self._by_via[via] = {b.key: b for b in parsed}
+        self._refresh(set(old) | {b.key for b in parsed})
+
+    def apply(self, via: str, upserts: Iterable[Any], removals: Iterable[Any]) -> None:
+        """Changes reported by ``via``."""
+        parsed = self._parse(via, upserts)
+        removed: list[Key] = []
+        for item in removals:
+            if type(item) is not list or len(item) != 2 or not all(type(x) is str for x in item):
+                raise BindingError("a removal is [node_id, queue]")
+            removed.append((item[0], item[1]))
+        table = self._by_via.setdefault(via, {})
+        if len(table) + len(parsed) > self.max_per_node and \
+                len({*table, *(b.key for b in parsed)}) > self.max_per_node:  # fmt: skip
+            raise BindingError(f"more than {self.max_per_node} bindings from one node")
+        for key in removed:
+            table.pop(key, None)
+        for binding in parsed:
+            table[binding.key] = binding
+        self._refresh({*removed, *(b.key for b in parsed)})
+
+    def drop(self, via: str) -> None:
+        """``via`` is no longer connected: forget what it reported."""
+        old = self._by_via.pop(via, None)
+        if old:
+            self._refresh(set(old))
+
+    def match(self, address: str) -> tuple[Binding, ...]:
+        return self._trie.match(address)
+
+    def for_queue(self, queue: str) -> list[Binding]:
+        return [self._best[key] for key in self._by_queue.get(queue, ())]
+
+    def next_hop(self, node_id: str) -> str | None:
+        """The connected node through which ``node_id`` is reached, None if it is not reachable."""
+        if node_id in self._by_via:
+            return node_id
+        best: Binding | None = None
+        for binding in self._best.values():
+            if binding.node_id == node_id and (best is None or binding.distance < best.distance):
+                best = binding
+        return best.via if best is not None else None
+
+    def _parse(self, via: str, items: Iterable[Any]) -> list[Binding]:
+        parsed = []
+        for item in items:
+            binding = Binding.from_wire(item, via)
+            if binding.node_id != self.own_id and binding.distance <= self.max_hops:
+                parsed.append(binding)
+            if len(parsed) > self.max_per_node:
+                raise BindingError(f"more than {self.max_per_node} bindings from one node")
+        return parsed
+
+    def _refresh(self, keys: set[Key]) -> None:
+        for key in keys:
+            candidates = [table[key] for table in self._by_via.values() if key in table]
+            best = min(candidates, key=lambda b: b.distance) if candidates else None
+            old = self._best.get(key)
+            if old == best:
+                continue
+            if old is not None:
+                self._trie.remove(old.address, old)
+            if best is None:
+                self._best.pop(key, None)
+                names = self._by_queue.get(key[1])
+                if names is not None:
+                    names.discard(key)
+                    if not names:
+                        del self._by_queue[key[1]]
+            else:
+                self._best[key] = best
+                self._trie.add(best.address, best)
+                self._by_queue.setdefault(key[1], set()).add(key)
+        if keys:
+            self.version += 1

@@ -1,0 +1,45 @@
+"""The header a forwarded message carries between nodes. Pure.
+
+A message moving to another node keeps its fields and gains one property holding, msgpack-encoded, the node
+it is for, the queues there that get it, how many nodes it has crossed and a duplicate-detection id unique
+to this transfer. The receiving node removes the property before it stores the message, so no client sees
+it. The id is the sending node's and the message's, not the producer's: a message that moves A → B → A must
+not look like a duplicate of itself on A, and a transfer re-sent after a lost link must.
+"""
+
+from __future__ import annotations
+
+from typing import Final, NamedTuple
+
+import msgpack
+
+#: The property; ``$``-prefixed names are the broker's own.
+FORWARD_PROPERTY: Final = "$cluster.fwd"
+DEDUP_PREFIX: Final = "$cluster:"
+
+
+class ForwardHeader(NamedTuple):
+    target: str  # node id of the node the message is for
+    queues: tuple[str, ...]  # queues on that node; empty: route by address there
+    hops: int  # nodes crossed so far
+    dedup_id: str  # sending node id + its message id
+
+    def encode(self) -> bytes:
+        return msgpack.packb([self.target, list(self.queues), self.hops, self.dedup_id])
+
+    @staticmethod
+    def decode(value: object) -> ForwardHeader:
+        """Raises ``ValueError`` when the property is not a header."""
+        if type(value) is not bytes:
+            raise ValueError("the forward header is bytes")
+        try:
+            fields = msgpack.unpackb(value)
+        except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
+            raise ValueError(f"undecodable forward header: {exc}") from None
+        if type(fields) is not list or len(fields) != 4:
+            raise ValueError("the forward header is [target, queues, hops, dedup_id]")
+        target, queues, hops, dedup_id = fields
+        if not (type(target) is str and type(queues) is list and all(type(q) is str for q in queues)
+                and type(hops) is int and hops >= 0 and type(dedup_id) is str and dedup_id):  # fmt: skip
+            raise ValueError("malformed forward header")
+        return ForwardHeader(target, tuple(queues), hops, dedup_id)

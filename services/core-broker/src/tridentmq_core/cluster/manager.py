@@ -1,0 +1,731 @@
+"""The cluster manager: this node's cluster connections, what it tells the other nodes, redistribution.
+
+The asyncio shell of clustering. Every node opens one cluster connection (a ``Bridge``) to every other node
+it learns of (static connectors, discovery, or the members another node reports), logged in with the
+cluster credentials, and joins with a TOPOLOGY request. The node it joined answers with its bindings and
+members, then pushes changes as TOPOLOGY_UPDATE operations. Messages for that node leave through the same
+connection: the bridge consumes this node's store-and-forward queue for it (and, while redistribution runs,
+the queues being moved) and acknowledges each message only when the other node has confirmed it, so a
+dropped connection loses nothing: the messages go back to their queue and are sent again, and the other node
+recognises the copies by their transfer id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from tridentmq_core.broker import FORWARD_QUEUE_PREFIX, Broker, BrokerError, Session
+from tridentmq_core.cluster.balancer import Balancer, is_local_consumer
+from tridentmq_core.cluster.bindings import Binding, BindingError, Key, RemoteBindings
+from tridentmq_core.cluster.forward import FORWARD_PROPERTY, ForwardHeader
+from tridentmq_core.cluster.redistribution import Redistributor, best_target, stranded
+from tridentmq_core.queues import Consumer, Queue
+from tridentmq_core.security import Principal
+from tridentmq_core.settings import LOAD_BALANCING_POLICIES, CoreSettings
+from tridentmq_shared.link import events as ev
+from tridentmq_shared.link.client import LinkClient, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.link.codec import LinkConnection, Role
+from tridentmq_shared.link.ops import ErrorCode, NackMode, Op
+from tridentmq_shared.message import M_ID, M_PROPS, WireMessage
+from tridentmq_shared.settings import SettingsError
+
+log = logging.getLogger("tridentmq.core.cluster")
+
+TICK_SECONDS: Final = 0.1
+FORWARDER_ID: Final = 1  # consumer id of a bridge's store-and-forward consumer; redistributors count up from 2
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    node_id: str
+    name: str
+    host: str
+    port: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "name": self.name, "host": self.host, "port": self.port}
+
+    @staticmethod
+    def from_wire(item: Any) -> Member:
+        if not isinstance(item, dict):
+            raise ValueError("a member is a map")  # noqa: TRY004 - callers catch ValueError for any bad input
+        node_id, name, host, port = item.get("node_id"), item.get("name", ""), item.get("host"), item.get("port")
+        if not (isinstance(node_id, str) and node_id and isinstance(name, str) and isinstance(host, str) and host
+                and type(port) is int and 0 < port < 65536):  # fmt: skip
+            raise ValueError(f"malformed member {str(item)[:120]}")
+        return Member(node_id, name, host, port)
+
+
+@dataclass(slots=True)
+class Joined:
+    """A node that joined this one: it gets this node's bindings over its own connection."""
+
+    session: Session
+    node_id: str
+    sent: dict[Key, list[Any]] = field(default_factory=dict)
+    members_sent: list[dict[str, Any]] = field(default_factory=list)
+
+
+def validate_cluster_settings(settings: CoreSettings) -> bool:
+    """Whether the node clusters; raises ``SettingsError`` for settings it cannot cluster with."""
+    cluster = settings.cluster
+    wants = bool(cluster.connectors or cluster.discovery)
+    has_credentials = bool(cluster.user and cluster.password)
+    if wants and not has_credentials:
+        raise SettingsError("cluster.user and cluster.password are required to cluster (they have no default): "
+                            "set them, the same on every node")  # fmt: skip
+    if cluster.message_load_balancing.upper() not in LOAD_BALANCING_POLICIES:
+        raise SettingsError(f"cluster.message_load_balancing must be one of {', '.join(LOAD_BALANCING_POLICIES)}")
+    if cluster.max_hops < 1:
+        raise SettingsError("cluster.max_hops must be 1 or more")
+    if cluster.forward_window < 1:
+        raise SettingsError("cluster.forward_window must be 1 or more")
+    for connector in cluster.connectors:
+        parse_connector(connector)
+    return has_credentials
+
+
+def parse_connector(text: str) -> tuple[str, int]:
+    host, _, port = text.strip().rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise SettingsError(f"cluster connector {text!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+class _BridgePort(LinkConnection):
+    """Stands in for a link connection on the broker side of a bridge: what the broker 'sends' to the bridge's
+    session goes straight to the bridge instead of onto a socket."""
+
+    def __init__(self, bridge: Bridge) -> None:
+        super().__init__(Role.SERVER)
+        self.bridge = bridge
+
+    def deliver(self, consumer_id: int, delivery_count: int, message: WireMessage) -> None:
+        self.bridge.forward(consumer_id, message)
+
+    def consumer_closed(self, consumer_id: int, code: str, text: str) -> None:
+        self.bridge.consumer_closed(consumer_id)
+
+    # Nothing else the broker answers concerns a bridge.
+    def reply(self, req_id: int, result: Any = None) -> None: ...
+    def error(self, req_id: int, code: str, text: str) -> None: ...
+    def confirm(self, seq: int) -> None: ...
+    def reject(self, seq: int, code: str, text: str) -> None: ...
+    def grant_publish_credit(self, credit: int) -> None: ...
+    def browse_done(self, consumer_id: int) -> None: ...
+    def topology_update(self, update: dict[str, Any]) -> None: ...
+
+
+class Bridge:
+    """The cluster connection from this node to one other node."""
+
+    def __init__(self, manager: ClusterManager, host: str, port: int) -> None:
+        self.manager = manager
+        self.host = host
+        self.port = port
+        self.node_id = ""  # learned from the other node's WELCOME
+        self.name = ""
+        self.state = "connecting"  # connecting, up, down, refused, duplicate
+        self.reason = ""
+        self.down_since = time.monotonic()
+        self.rerouted = False  # its forward queue was routed again after it was declared gone
+        self.client: LinkClient | None = None
+        self.session: Session | None = None
+        self.consumers: dict[int, Consumer] = {}
+        self._next_consumer = FORWARDER_ID + 1
+        self._waiting: list[tuple[Consumer, int, WireMessage]] = []  # forwards waiting for publish credit
+        self._confirmed: dict[Consumer, list[int]] = {}
+        self._settle_scheduled = False
+        self._stopping = False
+        self.task: asyncio.Task[None] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def up(self) -> bool:
+        return self.state == "up"
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._run(), name=f"bridge-{self.address}")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        client = self.client
+        if client is not None:
+            await client.close()
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+
+    async def _run(self) -> None:
+        settings = self.manager.settings.cluster
+        delay = settings.retry_interval_ms / 1000
+        longest = settings.max_retry_interval_ms / 1000
+        while not self._stopping:
+            try:
+                await self._connect_once()
+                delay = settings.retry_interval_ms / 1000
+            except LinkRequestError as exc:
+                if exc.code == ErrorCode.UNAUTHENTICATED:
+                    self._refused(exc.text)
+                else:
+                    self._failed(str(exc))
+            except (OSError, TimeoutError) as exc:
+                self._failed(str(exc) or type(exc).__name__)
+            finally:
+                self._teardown()
+            if self.state == "duplicate":
+                return  # another bridge serves that node
+            # A refusal will not fix itself quickly: retry, but slowly (an operator may be fixing it).
+            await asyncio.sleep(longest if self.state == "refused" else delay)
+            delay = min(delay * settings.retry_multiplier, longest)
+
+    def _failed(self, reason: str) -> None:
+        if self.state != "refused":
+            self.state = "down"
+        self.reason = reason
+        log.debug("cluster connection failed", extra={"to": self.address, "reason": reason})
+
+    def _refused(self, reason: str) -> None:
+        """Log a refusal once, not at every retry."""
+        if self.state != "refused" or self.reason != reason:
+            log.error("cluster connection refused", extra={"to": self.address, "reason": reason})
+        self.state = "refused"
+        self.reason = reason
+
+    async def _connect_once(self) -> None:
+        manager = self.manager
+        cluster = manager.settings.cluster
+        client = LinkClient(self.host, self.port, user=cluster.user, password=cluster.password,
+                            client_name=f"cluster:{manager.name}", heartbeat_ms=manager.settings.link.heartbeat_ms,
+                            reconnect=ReconnectPolicy(attempts=0, initial_attempts=1), connect_timeout=2.0)  # fmt: skip
+        closed = asyncio.Event()
+        client.on_closed = lambda _error: closed.set()
+        client.on_topology = self._on_update
+        self.client = client
+        await client.connect()
+        if client.node_id == manager.node_id:
+            self._refused("the node at this address has this node's id (a copied data directory?); remove one "
+                          "node's node.id to give it a new identity")  # fmt: skip
+            await client.close()
+            return
+        other = manager.bridges_by_node.get(client.node_id)
+        if other is not None and other is not self:
+            self.state = "duplicate"
+            await client.close()
+            return
+        self.node_id = client.node_id
+        manager.bridges_by_node[self.node_id] = self
+        try:
+            reply = await client.topology({"join": manager.join_info()})
+        except LinkRequestError as exc:
+            self._refused(f"join refused: {exc.text}")
+            await client.close()
+            return
+        if not manager.bridge_up(self, reply):
+            await client.close()
+            return
+        await closed.wait()
+        if not self._stopping:
+            log.warning("cluster connection lost", extra={"to": self.address, "node_id": self.node_id})
+
+    def _on_update(self, update: dict[str, Any]) -> None:
+        if self.up:
+            self.manager.apply_update(self, update)
+
+    def open_session(self, principal: Principal) -> None:
+        broker = self.manager.broker
+        now_ms = _now_ms()
+        self.session = broker.open_session(_BridgePort(self), f"bridge-{self.node_id[:8]}", principal, self.address,
+                                           f"cluster:{self.node_id}", now_ms)  # fmt: skip
+        queue = broker.forward_queue(self.node_id, now_ms)
+        forwarder = Consumer(FORWARDER_ID, self.session, queue, self.manager.settings.cluster.forward_window)
+        self.consumers[FORWARDER_ID] = forwarder
+        broker.add_forwarder(self.session, forwarder)
+        self.state = "up"
+        self.rerouted = False
+
+    def add_redistributor(self, make: Callable[[int, Session], Redistributor]) -> Redistributor | None:
+        if self.session is None:
+            return None
+        consumer = make(self._next_consumer, self.session)
+        self._next_consumer += 1
+        self.consumers[consumer.id] = consumer
+        self.manager.broker.add_forwarder(self.session, consumer)
+        return consumer
+
+    def remove_consumer(self, consumer: Consumer) -> None:
+        self.consumers.pop(consumer.id, None)
+        if self.session is not None:
+            self.manager.broker.remove_forwarder(self.session, consumer, _now_ms())
+
+    def consumer_closed(self, consumer_id: int) -> None:
+        """The broker deleted the queue under a consumer of ours."""
+        self.consumers.pop(consumer_id, None)
+
+    def _teardown(self) -> None:
+        manager = self.manager
+        if self.session is not None:
+            # Unconfirmed forwards go back to their queues; the other node drops any copy it already has.
+            manager.broker.close_session(self.session, _now_ms())
+            self.session = None
+            manager.schedule_flush()
+        self.consumers.clear()
+        self._waiting.clear()
+        self._confirmed.clear()
+        if self.node_id and manager.bridges_by_node.get(self.node_id) is self:
+            manager.bridge_down(self)
+        if self.state == "up":
+            self.state = "down"
+            self.down_since = time.monotonic()
+        self.client = None
+
+    # ------------------------------------------------------------------ forwarding
+    def forward(self, consumer_id: int, message: WireMessage) -> None:
+        """The broker handed a message to one of our consumers: send it to the other node."""
+        consumer = self.consumers.get(consumer_id)
+        client = self.client
+        if consumer is None or client is None:
+            return  # torn down meanwhile: the broker takes the message back with the session
+        if isinstance(consumer, Redistributor):
+            outgoing = list(message)
+            header = ForwardHeader(consumer.target.node_id, (consumer.queue.name,), 1,
+                                   f"{self.manager.node_id}:{message[M_ID]}")  # fmt: skip
+            outgoing[M_PROPS] = {**message[M_PROPS], FORWARD_PROPERTY: header.encode()}
+        else:
+            outgoing = message
+        if self._waiting or not client.can_send:
+            self._waiting.append((consumer, message[M_ID], outgoing))
+            if len(self._waiting) == 1:
+                asyncio.get_running_loop().create_task(self._send_waiting(client))
+            return
+        self._send(client, consumer, message[M_ID], outgoing)
+
+    def _send(self, client: LinkClient, consumer: Consumer, message_id: int, outgoing: WireMessage) -> None:
+        future = client.send_now(outgoing)
+        future.add_done_callback(lambda f: self._settled(f, consumer, message_id, outgoing))
+
+    async def _send_waiting(self, client: LinkClient) -> None:
+        try:
+            while self._waiting and client is self.client:
+                await client.wait_for_credit()
+                while self._waiting and client.can_send:
+                    consumer, message_id, outgoing = self._waiting.pop(0)
+                    self._send(client, consumer, message_id, outgoing)
+        except LinkRequestError:
+            pass  # the connection went: _teardown gave the messages back
+
+    def _settled(self, future: asyncio.Future[None], consumer: Consumer, message_id: int,
+                 outgoing: WireMessage) -> None:  # fmt: skip
+        if future.cancelled() or self.consumers.get(consumer.id) is not consumer:
+            return
+        error = future.exception()
+        if error is None:
+            self._confirmed.setdefault(consumer, []).append(message_id)
+            if not self._settle_scheduled:
+                self._settle_scheduled = True
+                asyncio.get_running_loop().call_soon(self._settle)
+            return
+        if isinstance(error, LinkRequestError) and error.code != ErrorCode.EOF:
+            # Refused by the other node (its limits, a queue that went): keep the message here.
+            log.warning("forwarded message refused", extra={"to": self.address, "code": error.code,
+                                                             "reason": error.text})  # fmt: skip
+            self.manager.refused(self, consumer, message_id)
+
+    def _settle(self) -> None:
+        self._settle_scheduled = False
+        session = self.session
+        if session is None:
+            return
+        now_ms = _now_ms()
+        broker = self.manager.broker
+        for consumer, ids in self._confirmed.items():
+            broker.settle_forwarded(session, consumer, ids, now_ms)
+        self._confirmed.clear()
+        self.manager.schedule_flush()
+
+
+class ClusterManager:
+    def __init__(self, broker: Broker, settings: CoreSettings, *, node_id: str, name: str, advertise: tuple[str, int],
+                 schedule_flush: Callable[[], None]) -> None:  # fmt: skip
+        cluster = settings.cluster
+        self.broker = broker
+        self.settings = settings
+        self.node_id = node_id
+        self.name = name
+        self.advertise = advertise
+        self.schedule_flush = schedule_flush
+        self.bindings = RemoteBindings(node_id, max_hops=cluster.max_hops, max_per_node=cluster.max_bindings)
+        self.policy = cluster.message_load_balancing.upper()
+        self.balancer = Balancer(self.bindings, self.policy)
+        self.bridges: dict[str, Bridge] = {}  # by host:port
+        self.bridges_by_node: dict[str, Bridge] = {}
+        self.members: dict[str, Member] = {}  # every node heard of, by id
+        self.joined: dict[str, Joined] = {}  # by link connection id
+        self.watchers: dict[str, Session] = {}  # gateways following the topology, by connection id
+        self.redistributors: dict[str, tuple[Bridge, Redistributor]] = {}  # by queue name
+        self._stranded_since: dict[str, int] = {}
+        self._sent_version = (-1, -1)
+        self._members_version = 0
+        self._task: asyncio.Task[None] | None = None
+        self._started = time.monotonic()
+        broker.cluster = self.balancer
+        broker.on_topology = self.on_topology
+
+    # ------------------------------------------------------------------ life cycle
+    async def start(self) -> None:
+        for connector in self.settings.cluster.connectors:
+            host, port = parse_connector(connector)
+            if (host, port) != self.advertise:
+                self.connect(host, port)
+        self._task = asyncio.get_running_loop().create_task(self._tick_forever(), name="cluster")
+        log.info("clustering", extra={"cluster": self.settings.cluster.name, "policy": self.policy,
+                                      "max_hops": self.settings.cluster.max_hops,
+                                      "connectors": ",".join(self.settings.cluster.connectors)})  # fmt: skip
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await asyncio.gather(*(bridge.stop() for bridge in list(self.bridges.values())), return_exceptions=True)
+
+    def connect(self, host: str, port: int) -> None:
+        """Open a cluster connection to ``host:port`` unless there is one."""
+        key = f"{host}:{port}"
+        if key in self.bridges:
+            return
+        bridge = self.bridges[key] = Bridge(self, host, port)
+        bridge.start()
+
+    def join_info(self) -> dict[str, Any]:
+        host, port = self.advertise
+        return {"cluster": self.settings.cluster.name, "node_id": self.node_id, "name": self.name, "host": host,
+                "port": port, "max_hops": self.settings.cluster.max_hops}  # fmt: skip
+
+    # ------------------------------------------------------------------ another node joins us
+    def on_topology(self, session: Session, info: dict[str, Any]) -> dict[str, Any]:
+        join = info.get("join")
+        if join is None:  # a gateway following the topology
+            self.watchers[session.conn_id] = session
+            return {"node_id": self.node_id, "members": self.members_view()}
+        if not session.principal.cluster:
+            raise BrokerError(ErrorCode.FORBIDDEN, "joining the cluster takes the cluster credentials")
+        if not isinstance(join, dict):
+            raise BrokerError(ErrorCode.INVALID, "join is a map")
+        cluster = self.settings.cluster
+        problem = None
+        if join.get("cluster") != cluster.name:
+            problem = f"cluster name {join.get('cluster')!r} is not this cluster's ({cluster.name!r})"
+        elif join.get("max_hops") != cluster.max_hops:
+            problem = f"max_hops {join.get('max_hops')!r} differs from this node's ({cluster.max_hops})"
+        elif join.get("node_id") == self.node_id:
+            problem = f"node id {self.node_id} is this node's own (a copied data directory?)"
+        try:
+            member = Member.from_wire(join)
+        except ValueError as exc:
+            problem = problem or str(exc)
+        if problem is not None:
+            log.error("cluster join refused", extra={"peer": session.peer, "reason": problem})
+            raise BrokerError(ErrorCode.INVALID, problem)
+        joined = Joined(session, member.node_id)
+        joined.sent = self._advertisement(member.node_id)
+        joined.members_sent = self.members_view()
+        self.joined[session.conn_id] = joined
+        self.learn(member)
+        log.info("node joined", extra={"node_id": member.node_id, "node_name": member.name,
+                                       "address": f"{member.host}:{member.port}"})  # fmt: skip
+        self.broker.audit.emit(_now_ms() * 1000, "node.joined", {"peer_node": member.node_id, "name": member.name})
+        return {"node_id": self.node_id, "name": self.name, "bindings": list(joined.sent.values()),
+                "members": joined.members_sent}  # fmt: skip
+
+    def learn(self, member: Member) -> None:
+        """A node of the cluster (reported by another, or discovered): connect to it if we do not yet."""
+        if member.node_id == self.node_id:
+            return
+        known = self.members.get(member.node_id)
+        if known != member:
+            self.members[member.node_id] = member
+            self._members_version += 1
+        bridge = self.bridges_by_node.get(member.node_id)
+        if bridge is not None and not bridge.up and (bridge.host, bridge.port) != (member.host, member.port):
+            # The node came back at another address (a restart on a new port): follow it there.
+            del self.bridges_by_node[member.node_id]
+            self.bridges.pop(bridge.address, None)
+            asyncio.get_running_loop().create_task(bridge.stop())
+            bridge = None
+        if bridge is None:
+            self.connect(member.host, member.port)
+
+    def members_view(self) -> list[dict[str, Any]]:
+        """The live members: this node and the nodes its cluster connections reach."""
+        host, port = self.advertise
+        view = [Member(self.node_id, self.name, host, port).to_wire()]
+        for node_id, bridge in sorted(self.bridges_by_node.items()):
+            if bridge.up:
+                member = self.members.get(node_id) or Member(node_id, bridge.name, bridge.host, bridge.port)
+                view.append(member.to_wire())
+        return view
+
+    # ------------------------------------------------------------------ our bridges
+    def bridge_up(self, bridge: Bridge, reply: dict[str, Any]) -> bool:
+        try:
+            self.bindings.replace(bridge.node_id, reply.get("bindings") or [])
+            members = [Member.from_wire(m) for m in reply.get("members") or []]
+        except (BindingError, ValueError) as exc:
+            log.error("cluster join answer refused", extra={"to": bridge.address, "reason": str(exc)})  # noqa: TRY400
+            bridge.state, bridge.reason = "refused", str(exc)
+            return False
+        bridge.name = str(reply.get("name", ""))
+        principal = Principal(f"cluster:{bridge.node_id}", frozenset(), unrestricted=True, cluster=True)
+        bridge.open_session(principal)
+        self._members_version += 1
+        for member in members:
+            self.learn(member)
+        log.info("cluster connection up", extra={"to": bridge.address, "node_id": bridge.node_id,
+                                                  "bindings": len(reply.get("bindings") or [])})  # fmt: skip
+        self.schedule_flush()
+        return True
+
+    def bridge_down(self, bridge: Bridge) -> None:
+        self.bindings.drop(bridge.node_id)
+        for name, (owner, _) in list(self.redistributors.items()):
+            if owner is bridge:
+                del self.redistributors[name]
+        self._members_version += 1
+        self.broker.audit.emit(_now_ms() * 1000, "node.left", {"peer_node": bridge.node_id, "name": bridge.name})
+
+    def apply_update(self, bridge: Bridge, update: dict[str, Any]) -> None:
+        try:
+            if "bindings" in update or "removed" in update:
+                self.bindings.apply(bridge.node_id, update.get("bindings") or [], update.get("removed") or [])
+            for member in update.get("members") or []:
+                self.learn(Member.from_wire(member))
+        except (BindingError, ValueError) as exc:
+            log.warning("cluster update refused", extra={"from": bridge.address, "reason": str(exc)})
+
+    def refused(self, bridge: Bridge, consumer: Consumer, message_id: int) -> None:
+        """The other node refused a forwarded message: a redistributor stops and gives it back; a forward
+        queue's message is routed here instead."""
+        session = bridge.session
+        if session is None:
+            return
+        now_ms = _now_ms()
+        if isinstance(consumer, Redistributor):
+            self.broker.handle(session, [ev.Nacks([[Op.NACK, consumer.id, [message_id], int(NackMode.RELEASE)]])],
+                               now_ms)  # fmt: skip
+            consumer.credit = 0
+        else:
+            self.broker.reroute_refused(session, consumer, message_id, now_ms)
+        self.schedule_flush()
+
+    # ------------------------------------------------------------------ periodic work
+    async def _tick_forever(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_SECONDS)
+            try:
+                self.tick()
+            except Exception:  # a bug here must not stop clustering for good
+                log.exception("cluster tick failed")
+
+    def tick(self) -> None:
+        now_ms = _now_ms()
+        self.broker.now_ms = now_ms
+        self._forget_closed()
+        self._push_updates()
+        self._redistribute(now_ms)
+        self._declare_gone(now_ms)
+        self.schedule_flush()
+
+    def _forget_closed(self) -> None:
+        sessions = self.broker.sessions
+        for conn_id in [c for c in self.joined if c not in sessions]:
+            del self.joined[conn_id]
+        for conn_id in [c for c in self.watchers if c not in sessions]:
+            del self.watchers[conn_id]
+
+    def _push_updates(self) -> None:
+        version = (self.broker.bindings_version + self.bindings.version * 1_000_003, self._members_version)
+        if version == self._sent_version:
+            return
+        self._sent_version = version
+        members = self.members_view()
+        for joined in self.joined.values():
+            current = self._advertisement(joined.node_id)
+            upserts = [wire for key, wire in current.items() if joined.sent.get(key) != wire]
+            removed = [list(key) for key in joined.sent if key not in current]
+            update: dict[str, Any] = {}
+            if upserts or removed:
+                update["bindings"], update["removed"] = upserts, removed
+            if members != joined.members_sent:
+                update["members"] = joined.members_sent = members
+            if update:
+                joined.sent = current
+                joined.session.conn.topology_update(update)
+                self.broker.dirty.add(joined.session)
+        for session in self.watchers.values():
+            session.conn.topology_update({"members": members})
+            self.broker.dirty.add(session)
+
+    def _advertisement(self, peer: str) -> dict[Key, list[Any]]:
+        """What ``peer`` should know: this node's queues and, beyond one hop, what we reach that it may not."""
+        advert: dict[Key, list[Any]] = {}
+        own = self.node_id
+        for queue in self.broker.queues.values():
+            if queue.name.startswith(FORWARD_QUEUE_PREFIX):
+                continue
+            advert[(own, queue.name)] = local_binding(own, queue)
+        max_hops = self.settings.cluster.max_hops
+        if max_hops > 1:
+            for binding in self.bindings:
+                if peer not in (binding.via, binding.node_id) and binding.distance < max_hops:
+                    advert[binding.key] = binding.to_wire(binding.distance + 1)
+        return advert
+
+    def _redistribute(self, now_ms: int) -> None:
+        broker = self.broker
+        wanted: dict[str, Binding] = {}
+        if self.policy != "OFF":
+            for queue in broker.queues.values():
+                if queue.name.startswith(FORWARD_QUEUE_PREFIX) or any(is_local_consumer(c) for c in queue.consumers):
+                    continue
+                running = self.redistributors.get(queue.name)
+                if running is None and not stranded(queue):
+                    continue
+                target = best_target(queue, self.bindings.for_queue(queue.name))
+                if target is None:
+                    continue
+                delay = broker.address_settings.resolve(queue.address).redistribution_delay_ms
+                if delay < 0:
+                    continue
+                since = self._stranded_since.setdefault(queue.name, now_ms)
+                if running is not None or now_ms - since >= delay:
+                    wanted[queue.name] = target
+        for name in [n for n in self._stranded_since if n not in broker.queues or n in wanted or
+                     any(is_local_consumer(c) for c in broker.queues[n].consumers)]:  # fmt: skip
+            if name not in wanted or name in self.redistributors:
+                self._stranded_since.pop(name, None)
+        for name, (bridge, redistributor) in list(self.redistributors.items()):
+            target = wanted.get(name)
+            if target is None or target.node_id != redistributor.target.node_id or not bridge.up:
+                redistributor.credit = 0  # stop taking; leave once what it sent is confirmed
+                if not redistributor.in_flight:
+                    bridge.remove_consumer(redistributor)
+                    del self.redistributors[name]
+            else:
+                redistributor.target = target  # consumers or selectors there may have changed
+        for name, target in wanted.items():
+            if name in self.redistributors:
+                continue
+            via = self.bindings.next_hop(target.node_id)
+            through = self.bridges_by_node.get(via or "")
+            if through is None or not through.up:
+                continue
+            queue = broker.queues[name]
+
+            def make(consumer_id: int, session: Session, queue: Queue = queue, target: Binding = target
+                     ) -> Redistributor:  # fmt: skip
+                return Redistributor(consumer_id, session, queue, self.settings.cluster.forward_window,
+                                     target=target, selectors=self.balancer.selectors, arrivals=broker.arrivals,
+                                     min_residence_ms=self.settings.cluster.min_residence_ms,
+                                     clock=lambda: broker.now_ms)  # fmt: skip
+
+            started = through.add_redistributor(make)
+            if started is not None:
+                self.redistributors[name] = (through, started)
+                log.info("redistribution started", extra={"queue": name, "to_node": target.node_id,
+                                                          "messages": len(queue)})  # fmt: skip
+
+    def _declare_gone(self, now_ms: int) -> None:
+        """Route again what waits for nodes unreachable for longer than node_gone_ms."""
+        gone_after = self.settings.cluster.node_gone_ms / 1000
+        mono = time.monotonic()
+        for name, queue in list(self.broker.queues.items()):
+            if not name.startswith(FORWARD_QUEUE_PREFIX) or not len(queue) or queue.consumers:
+                continue
+            node_id = name[len(FORWARD_QUEUE_PREFIX) :]
+            bridge = self.bridges_by_node.get(node_id)
+            down_since = bridge.down_since if bridge is not None else self._started
+            if (bridge is not None and bridge.up) or mono - down_since < gone_after:
+                continue
+            moved = self.broker.reroute_forward_queue(node_id, now_ms)
+            if moved:
+                log.warning("node declared gone: its pending messages were routed again",
+                            extra={"node_id": node_id, "messages": moved})  # fmt: skip
+
+    # ------------------------------------------------------------------ status
+    def status(self) -> dict[str, Any]:
+        bridges = []
+        for bridge in self.bridges.values():
+            queue = self.broker.queues.get(FORWARD_QUEUE_PREFIX + bridge.node_id) if bridge.node_id else None
+            bridges.append({"address": bridge.address, "node_id": bridge.node_id, "name": bridge.name,
+                            "state": bridge.state, "reason": bridge.reason,
+                            "pending_forward": (len(queue) + queue.in_flight) if queue is not None else 0})  # fmt: skip
+        return {
+            "cluster": self.settings.cluster.name,
+            "node_id": self.node_id,
+            "policy": self.policy,
+            "max_hops": self.settings.cluster.max_hops,
+            "members": self.members_view(),
+            "connections": bridges,
+            "joined": sorted(j.node_id for j in self.joined.values()),
+            "remote_bindings": len(self.bindings),
+            "remote_consumers": remote_consumers(self.bindings),
+            "redistributing": {name: r.target.node_id for name, (_, r) in self.redistributors.items()},
+            "stranded": self.stranded(),
+        }
+
+    def stranded(self) -> dict[str, int]:
+        """Queues of this node whose messages no consumer anywhere in the cluster can take."""
+        view = {}
+        for name, queue in self.broker.queues.items():
+            if len(queue) and not name.startswith(FORWARD_QUEUE_PREFIX) and \
+                    not any(is_local_consumer(c) for c in queue.consumers) and \
+                    not any(b.consumers for b in self.bindings.for_queue(name)):  # fmt: skip
+                view[name] = len(queue)
+        return view
+
+
+def remote_consumers(bindings: RemoteBindings) -> dict[str, dict[str, int]]:
+    """Queue name → node id → consumers, for the queues of other nodes that have consumers."""
+    view: dict[str, dict[str, int]] = {}
+    for binding in bindings:
+        if binding.consumers:
+            view.setdefault(binding.queue, {})[binding.node_id] = binding.consumers
+    return view
+
+
+def local_binding(node_id: str, queue: Queue) -> list[Any]:
+    consumers = [c for c in queue.consumers if is_local_consumer(c)]
+    selectors: tuple[str, ...] | None = ()
+    texts = []
+    for consumer in consumers:
+        if consumer.selector is None:
+            selectors = None
+            break
+        texts.append(consumer.selector.text)
+    else:
+        selectors = tuple(texts)
+    return Binding(
+        node_id,
+        queue.name,
+        queue.address,
+        int(queue.routing_type),
+        queue.filter.text if queue.filter is not None else None,
+        len(consumers),
+        selectors,
+        1,
+    ).to_wire()

@@ -1,0 +1,59 @@
+"""Redistribution: moving a queue's backlog to another node that has consumers for it. Pure.
+
+Artemis leaves redistribution off by default, which strands messages on a node whose consumers moved away;
+here it is on. A queue qualifies when it holds messages, none of its own consumers is left, and another node
+has a queue of the same name on the same address with a consumer; after the address's
+``redistribution-delay`` a ``Redistributor`` is attached to it. It is an ordinary consumer of the queue, so
+order, message groups (a group's owner is the redistributor, so the group moves whole) and selectors work
+as for any consumer. It passes over messages that arrived from another node less than the minimum residence
+time ago, so messages do not bounce between nodes whose consumers come and go.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from tridentmq_core.cluster.balancer import SelectorCache, is_local_consumer
+from tridentmq_core.cluster.bindings import Binding
+from tridentmq_core.queues import Consumer, Queue
+from tridentmq_shared.message import M_ID, WireMessage
+
+if TYPE_CHECKING:
+    from tridentmq_core.broker import Session
+
+
+class Redistributor(Consumer):
+    __slots__ = ("_arrivals", "_clock", "_min_residence_ms", "_selectors", "target")
+
+    def __init__(self, consumer_id: int, session: Session, queue: Queue, credit: int, *, target: Binding,
+                 selectors: SelectorCache, arrivals: dict[int, int], min_residence_ms: int,
+                 clock: Callable[[], int]) -> None:  # fmt: skip
+        super().__init__(consumer_id, session, queue, credit)
+        self.forwarder = True
+        self.target = target
+        self._selectors = selectors
+        self._arrivals = arrivals
+        self._min_residence_ms = min_residence_ms
+        self._clock = clock
+
+    def accepts(self, message: WireMessage) -> bool:
+        arrived = self._arrivals.get(message[M_ID])
+        if arrived is not None and self._clock() - arrived < self._min_residence_ms:
+            return False
+        target = self.target
+        return target.selectors is None or any(self._selectors.matches(s, message) for s in target.selectors)
+
+
+def stranded(queue: Queue) -> bool:
+    """Messages and no consumer of this node's clients to take them."""
+    return len(queue) > 0 and not any(is_local_consumer(c) for c in queue.consumers)
+
+
+def best_target(queue: Queue, candidates: Iterable[Binding]) -> Binding | None:
+    """The remote queue of the same name and address with the most consumers (nearest first on a tie)."""
+    usable = [b for b in candidates if b.address == queue.address and b.routing == int(queue.routing_type)
+              and b.consumers > 0]  # fmt: skip
+    if not usable:
+        return None
+    return max(usable, key=lambda b: (b.consumers, -b.distance, b.node_id))

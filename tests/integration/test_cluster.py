@@ -1,0 +1,259 @@
+"""Clustering against real core processes: cluster connections, load balancing, redistribution, faults."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from pathlib import Path
+
+import pytest
+from tests.conftest import CoreProcess, start_core
+from tests.integration.cluster_nodes import (
+    client,
+    cluster_env,
+    cluster_view,
+    members,
+    node_id,
+    remote_consumers,
+    start_cluster,
+    start_node,
+    wait_converged,
+    wait_until,
+)
+
+from tridentmq_shared.link.client import Consumer
+from tridentmq_shared.message import M_BODY, M_ID, RoutingType, new_message
+
+pytestmark = [pytest.mark.integration, pytest.mark.cluster]
+
+
+async def publish(node: CoreProcess, address: str, bodies: list[bytes], **fields: object) -> None:
+    """Publish durable messages and wait for every confirm."""
+    async with client(node) as c:
+        futures = [await c.send(new_message(address, body, durable=True, **fields)) for body in bodies]  # type: ignore[arg-type]
+        await asyncio.gather(*futures)
+
+
+async def take(consumer: Consumer, count: int, timeout: float = 10.0) -> list[bytes]:
+    got: list[bytes] = []
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while len(got) < count and loop.time() < deadline:
+        batch = await consumer.get_batch(timeout=0.5)
+        got.extend(bytes(m[M_BODY]) for _, m in batch)
+        consumer.ack_ids([m[M_ID] for _, m in batch])
+    return got
+
+
+def stop_all(nodes: list[CoreProcess]) -> None:
+    for node in nodes:
+        code = node.stop()
+        assert code == 0, f"{node.data_dir.name} exited with {code}:\n{node.log()}"
+        assert "Traceback" not in node.log(), node.log()
+
+
+def bodies(count: int, prefix: str = "m") -> list[bytes]:
+    return [f"{prefix}{i}".encode() for i in range(count)]
+
+
+async def test_three_nodes_find_each_other_from_one_connector_and_round_robin_over_consumers(tmp_path: Path) -> None:
+    nodes = start_cluster(tmp_path, 3)
+    a, b, c = nodes
+    async with client(a) as ca, client(b) as cb, client(c) as cc:
+        consumers = [await x.subscribe("orders", credit=1000) for x in (ca, cb, cc)]
+        wait_until(lambda: remote_consumers(a, "orders") == 2, what="a to see the consumers of b and c")
+        await publish(a, "orders", bodies(300))
+        counts = [len(await take(consumer, 100, timeout=10)) for consumer in consumers]
+    assert counts == [100, 100, 100], counts
+    stop_all(nodes)
+
+
+async def test_on_demand_skips_nodes_without_consumers(tmp_path: Path) -> None:
+    nodes = start_cluster(tmp_path, 3)
+    a, b, c = nodes
+    async with client(a) as ca, client(c) as cc:
+        on_a, on_c = await ca.subscribe("jobs"), await cc.subscribe("jobs")
+        wait_until(lambda: remote_consumers(b, "jobs") == 2, what="b to see the consumers of a and c")
+        await publish(b, "jobs", bodies(200))
+        got_a, got_c = await take(on_a, 100), await take(on_c, 100)
+    assert (len(got_a), len(got_c)) == (100, 100)
+    assert sorted(got_a + got_c) == sorted(bodies(200))
+    assert cluster_view(b)["backlog"].get("jobs", 0) == 0, "nothing stays on the node without consumers"
+    stop_all(nodes)
+
+
+@pytest.mark.parametrize("policy", ["STRICT", "OFF"])
+async def test_strict_spreads_regardless_of_consumers_and_off_keeps_messages_local(tmp_path: Path,
+                                                                                  policy: str) -> None:  # fmt: skip
+    nodes = start_cluster(tmp_path, 2, message_load_balancing=policy)
+    a, b = nodes
+    async with client(a) as ca, client(b) as cb:
+        # The queue exists on both nodes, with no consumer anywhere.
+        await ca.create_queue("parcels", "parcels", durable=True)
+        await cb.create_queue("parcels", "parcels", durable=True)
+        wait_until(lambda: cluster_view(a)["remote_bindings"] >= 1, what="a to learn b's queue")
+        await publish(a, "parcels", bodies(100))
+        await asyncio.sleep(0.5)
+    backlog_a = cluster_view(a)["backlog"].get("parcels", 0)
+    backlog_b = cluster_view(b)["backlog"].get("parcels", 0)
+    if policy == "STRICT":
+        assert (backlog_a, backlog_b) == (50, 50)
+    else:
+        assert (backlog_a, backlog_b) == (100, 0)
+    stop_all(nodes)
+
+
+async def test_stranded_messages_follow_the_consumer_to_another_node(tmp_path: Path) -> None:
+    """The seed scenario: 1,000 messages queued on A, the consumer reconnects to B, all of them arrive there."""
+    nodes = start_cluster(tmp_path, 2)
+    a, b = nodes
+    async with client(a) as ca:
+        first = await ca.subscribe("work", credit=10)
+        await publish(a, "work", bodies(1000))
+        got = await take(first, 10)
+        await first.close()
+    assert len(got) == 10
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    async with client(b) as cb:
+        moved = await cb.subscribe("work", credit=1000)
+        rest = await take(moved, 990, timeout=15)
+    elapsed = loop.time() - started
+    assert sorted(got + rest) == sorted(bodies(1000))
+    assert elapsed < 1.0 + 5.0, f"redistribution took {elapsed:.1f} s"  # the 1 s delay plus a generous bound
+    assert cluster_view(a)["backlog"].get("work", 0) == 0
+    assert "redistribution started" in a.log()
+    stop_all(nodes)
+
+
+async def test_redistribution_waits_for_the_delay_and_is_cancelled_when_a_consumer_returns(tmp_path: Path) -> None:
+    nodes = start_cluster(tmp_path, 2)
+    a, b = nodes
+    await publish(a, "tasks", bodies(50))
+    async with client(b) as cb:
+        await cb.create_queue("tasks", "tasks", durable=True)
+        remote = await cb.subscribe("tasks", credit=100)
+        wait_until(lambda: remote_consumers(a, "tasks") == 1, what="a to see b's consumer")
+        async with client(a) as ca:
+            local = await ca.subscribe("tasks", credit=100)  # back before the 1 s delay ran out
+            got = await take(local, 50, timeout=5)
+        assert len(got) == 50
+        assert await remote.get_batch(timeout=1.5) == []
+    assert "redistribution started" not in a.log()
+    stop_all(nodes)
+
+
+async def test_selectors_are_honoured_across_nodes(tmp_path: Path) -> None:
+    nodes = start_cluster(tmp_path, 2)
+    a, b = nodes
+    async with client(b) as cb:
+        reds = await cb.subscribe("paint", selector="colour = 'red'")
+        wait_until(lambda: remote_consumers(a, "paint") == 1, what="a to see b's consumer")
+        async with client(a) as ca:
+            for i in range(40):
+                colour = "red" if i % 2 else "blue"
+                await (await ca.send(new_message("paint", f"{colour}{i}".encode(), durable=True,
+                                                 properties={"colour": colour})))  # fmt: skip
+        got = await take(reds, 20)
+        assert len(got) == 20
+        assert all(body.startswith(b"red") for body in got)
+        assert await reds.get_batch(timeout=1.5) == []
+    # The blue ones stayed on a, where no consumer wanted them.
+    assert cluster_view(a)["backlog"].get("paint", 0) == 20
+    stop_all(nodes)
+
+
+async def test_multicast_subscriptions_on_every_node_each_get_every_message(tmp_path: Path) -> None:
+    nodes = start_cluster(tmp_path, 3)
+    a, b, c = nodes
+    subscribers = []
+    async with client(a) as ca, client(b) as cb, client(c) as cc:
+        for index, link in enumerate((ca, cb, cc)):
+            await link.create_queue(f"news-sub-{index}", "news", routing_type=RoutingType.MULTICAST, durable=True)
+            subscribers.append(await link.subscribe(f"news-sub-{index}"))
+        wait_until(lambda: cluster_view(a)["remote_bindings"] >= 2, what="a to learn the other subscriptions")
+        await publish(a, "news", bodies(30), routing=RoutingType.MULTICAST)
+        counts = [len(await take(s, 30)) for s in subscribers]
+    assert counts == [30, 30, 30]
+    stop_all(nodes)
+
+
+async def test_chain_with_max_hops_2_reaches_consumers_two_nodes_away(tmp_path: Path) -> None:
+    """A → B → C: A knows only B, C knows only B, consumers only on C."""
+    hub = start_node(tmp_path, "b", max_hops="2")
+    left = start_core(tmp_path, "a", **cluster_env([hub], max_hops="2"))
+    right = start_core(tmp_path, "c", **cluster_env([hub], max_hops="2"))
+    nodes = [left, hub, right]
+    wait_until(lambda: len(members(hub)) == 3, what="b to see a and c")
+    async with client(right) as cr:
+        consumer = await cr.subscribe("far", credit=1000)
+        wait_until(lambda: remote_consumers(left, "far") == 1, what="a to learn c's consumer through b")
+        await publish(left, "far", bodies(100))
+        got = await take(consumer, 100)
+    assert sorted(got) == sorted(bodies(100))
+    stop_all(nodes)
+
+
+async def test_a_killed_node_loses_nothing_confirmed_and_its_backlog_is_rerouted(tmp_path: Path) -> None:
+    nodes = start_cluster(tmp_path, 3, node_gone_ms="1500")
+    a, b, c = nodes
+    async with client(b) as cb, client(c) as cc:
+        on_b, on_c = await cb.subscribe("stream", credit=50), await cc.subscribe("stream", credit=1000)
+        wait_until(lambda: remote_consumers(a, "stream") == 2, what="a to see both consumers")
+        await publish(a, "stream", bodies(1000))
+        got_b = await take(on_b, 20)  # b takes a little, then dies with the rest of its share unacknowledged
+        b.process.send_signal(signal.SIGKILL)
+        b.process.wait()
+        got_c = await take(on_c, 1000 - 500, timeout=15)
+    # What b held comes back when b returns; what waited on a for b went to c once b was declared gone.
+    restarted = start_core(tmp_path, "node-1", **cluster_env([a]))
+    wait_converged([a, restarted, c])
+    seen = set(got_b + got_c)
+    async with client(a) as ca, client(restarted) as cb2, client(c) as cc2:
+        consumers = [await x.subscribe("stream", credit=1000) for x in (ca, cb2, cc2)]
+
+        async def collect(consumer: Consumer) -> None:
+            while len(seen) < 1000:
+                batch = await consumer.get_batch(timeout=0.2)
+                seen.update(bytes(m[M_BODY]) for _, m in batch)
+                consumer.ack_ids([m[M_ID] for _, m in batch])
+
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(collect(x) for x in consumers)), 20)
+    assert seen == set(bodies(1000)), f"lost {len(set(bodies(1000)) - seen)}"
+    stop_all([a, restarted, c])
+
+
+async def test_wrong_cluster_password_and_copied_node_id_are_refused(tmp_path: Path) -> None:
+    first = start_node(tmp_path, "node-0")
+    intruder = start_core(tmp_path, "intruder", **{**cluster_env([first]),
+                                                   "TRIDENTMQ_CORE_CLUSTER_PASSWORD": "wrong"})  # fmt: skip
+    copy_dir = tmp_path / "copy"
+    copy_dir.mkdir()
+    (copy_dir / "node.id").write_text((first.data_dir / "node.id").read_text())
+    twin = start_core(tmp_path, "copy", **cluster_env([first]))
+    await asyncio.sleep(1.5)
+    assert members(first) == {node_id(first)}
+    assert "wrong cluster credentials" in first.log()
+    assert "this node's id" in twin.log() or "this node's own" in first.log()
+    stop_all([first, intruder, twin])
+
+
+async def test_a_node_with_connectors_but_no_cluster_credentials_refuses_to_start(tmp_path: Path) -> None:
+    first = start_node(tmp_path, "node-0")
+    with pytest.raises(RuntimeError, match=r"cluster\.user and cluster\.password are required"):
+        start_core(tmp_path, "bare", TRIDENTMQ_CORE_CLUSTER_CONNECTORS=f"127.0.0.1:{first.link_port}")
+    stop_all([first])
+
+
+async def test_topology_converges_after_stops_and_restarts(tmp_path: Path) -> None:
+    nodes = start_cluster(tmp_path, 3)
+    a, b, c = nodes
+    b.stop()
+    wait_until(lambda: members(a) == {node_id(a), node_id(c)}, what="a to see b gone")
+    c.stop()
+    c = start_core(tmp_path, "node-2", **cluster_env([a]))
+    b = start_core(tmp_path, "node-1", **cluster_env([c]))
+    wait_converged([a, b, c])
+    stop_all([a, b, c])
