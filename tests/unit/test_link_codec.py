@@ -178,7 +178,7 @@ def test_topology_request_and_updates_cross_the_link() -> None:
 
 
 def test_a_malformed_topology_request_breaks_the_link() -> None:
-    client, server = open_pair()
+    _client, server = open_pair()
     with pytest.raises(RemoteProtocolError):
         server.receive_data(frame([[30, 1, "not a map"]]), 0.0)
 

@@ -752,7 +752,7 @@ class Broker:
             taken = queue.take(consumer, message_id)
             if taken is None:
                 continue
-            if consumer.forwarder:
+            if not queue.name.startswith(FORWARD_QUEUE_PREFIX):  # moved out of a queue: redistributed
                 self.counters.redistributed += 1
                 if self._audit_all or (self._audit_durable and taken[0][M_DURABLE]):
                     self._emit_message(now_ms, "msg.redistributed", taken[0], queue, target_node=session.client_name)

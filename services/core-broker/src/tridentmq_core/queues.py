@@ -413,7 +413,7 @@ class Queue:
             if self.exclusive:
                 ready = ready[:1] if ready and ready[0] is self._exclusive_owner() else []
             if ready:
-                if self._groups or any(c.selector is not None or c.forwarder for c in ready):
+                if self._groups or any(c.selector is not None for c in ready):
                     self._dispatch_scan(ready, now_ms)
                 else:
                     self._dispatch_fast(ready, now_ms)
@@ -502,7 +502,9 @@ class Queue:
         consumer.credit -= 1
         self.delivered += 1
         session = consumer.session
-        if self.durable and message[M_DURABLE] and not consumer.auto_ack:
+        # A delivery attempt is recorded before the delivery goes out, except to a forwarder: a message it
+        # was moving when the node crashed is simply moved again (the other node drops the copy).
+        if self.durable and message[M_DURABLE] and not consumer.auto_ack and not consumer.forwarder:
             self._sink.deliver_durable(consumer, count, message)  # sent once the attempt is on disk
         else:
             session.conn.deliver(consumer.id, count, message)

@@ -14,6 +14,7 @@ import statistics
 import struct
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -36,6 +37,8 @@ class PerfOptions:
     durable: bool
     rate: int  # 0 = as fast as possible
     window: int
+    consumer_port: int = 0  # another node of a cluster for the consumer (0: the producer's node)
+    queue: str = ""  # an existing queue to use (empty: a fresh one is made)
 
 
 def _body(size: int) -> bytearray:
@@ -70,7 +73,7 @@ async def _produce(opts: PerfOptions, queue: str) -> dict[str, Any]:
 
 
 async def _consume(opts: PerfOptions, queue: str, ready: Connection) -> dict[str, Any]:
-    async with LinkClient(opts.host, opts.port, user=opts.user, password=opts.password,
+    async with LinkClient(opts.host, opts.consumer_port or opts.port, user=opts.user, password=opts.password,
                           client_name="perf-consumer") as client:  # fmt: skip
         consumer = await client.subscribe(queue, credit=opts.window, auto_ack=True)
         ready.send("ready")
@@ -98,16 +101,20 @@ def _consumer_main(opts: PerfOptions, queue: str, out: Connection) -> None:
 
 
 async def _make_queue(opts: PerfOptions) -> str:
+    if opts.queue:
+        return opts.queue
     queue = f"perf.{uuid.uuid4().hex[:8]}"
-    async with LinkClient(opts.host, opts.port, user=opts.user, password=opts.password,
+    async with LinkClient(opts.host, opts.consumer_port or opts.port, user=opts.user, password=opts.password,
                           client_name="perf-setup") as client:  # fmt: skip
         await client.create_queue(queue, routing_type=RoutingType.ANYCAST, durable=opts.durable,
                                   auto_delete=True)  # fmt: skip
     return queue
 
 
-def run_once(opts: PerfOptions) -> dict[str, Any]:
-    """One producer process and one consumer process against a fresh queue; returns their measurements."""
+def run_once(opts: PerfOptions, before_producing: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """One producer process and one consumer process against a fresh queue; returns their measurements.
+    ``before_producing(queue)`` runs once the consumer is subscribed (a cluster benchmark waits there until
+    the producer's node knows of the consumer)."""
     queue = asyncio.run(_make_queue(opts))
     ctx = multiprocessing.get_context("spawn")
     consumer_end, consumer_mine = ctx.Pipe()
@@ -117,6 +124,8 @@ def run_once(opts: PerfOptions) -> dict[str, Any]:
     if not consumer_end.poll(30) or consumer_end.recv() != "ready":
         consumer.kill()
         raise RuntimeError("the consumer did not subscribe within 30 s")
+    if before_producing is not None:
+        before_producing(queue)
     producer = ctx.Process(target=_producer_main, args=(opts, queue, producer_mine), daemon=True)
     producer.start()
     produced = producer_end.recv()

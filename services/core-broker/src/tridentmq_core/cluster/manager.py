@@ -253,6 +253,7 @@ class Bridge:
                                            f"cluster:{self.node_id}", now_ms)  # fmt: skip
         queue = broker.forward_queue(self.node_id, now_ms)
         forwarder = Consumer(FORWARDER_ID, self.session, queue, self.manager.settings.cluster.forward_window)
+        forwarder.forwarder = True
         self.consumers[FORWARDER_ID] = forwarder
         broker.add_forwarder(self.session, forwarder)
         self.state = "up"

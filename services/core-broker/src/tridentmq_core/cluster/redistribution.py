@@ -17,10 +17,14 @@ from typing import TYPE_CHECKING
 from tridentmq_core.cluster.balancer import SelectorCache, is_local_consumer
 from tridentmq_core.cluster.bindings import Binding
 from tridentmq_core.queues import Consumer, Queue
+from tridentmq_core.selector import compile_selector
 from tridentmq_shared.message import M_ID, WireMessage
 
 if TYPE_CHECKING:
     from tridentmq_core.broker import Session
+
+
+_EVERYTHING = compile_selector("TRUE")
 
 
 class Redistributor(Consumer):
@@ -29,7 +33,8 @@ class Redistributor(Consumer):
     def __init__(self, consumer_id: int, session: Session, queue: Queue, credit: int, *, target: Binding,
                  selectors: SelectorCache, arrivals: dict[int, int], min_residence_ms: int,
                  clock: Callable[[], int]) -> None:  # fmt: skip
-        super().__init__(consumer_id, session, queue, credit)
+        # A selector that takes everything: its presence makes the queue offer each message to ``accepts``.
+        super().__init__(consumer_id, session, queue, credit, selector=_EVERYTHING)
         self.forwarder = True
         self.target = target
         self._selectors = selectors
