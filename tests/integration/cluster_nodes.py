@@ -13,7 +13,6 @@ from typing import Any
 from tests.conftest import CoreProcess, start_core
 
 from tridentmq_shared.link.client import LinkClient, ReconnectPolicy
-from tridentmq_shared.message import M_BODY, M_ID
 
 CLUSTER_USER = "cluster"
 CLUSTER_PASSWORD = "s3cret-cluster"
@@ -90,15 +89,3 @@ def remote_consumers(node: CoreProcess, queue: str) -> int:
 
 def client(node: CoreProcess) -> LinkClient:
     return LinkClient("127.0.0.1", node.link_port, reconnect=NO_RECONNECT)
-
-
-async def drain(node: CoreProcess, queue: str, expect: int, timeout: float = 15.0) -> list[bytes]:
-    got: list[bytes] = []
-    async with client(node) as c:
-        consumer = await c.subscribe(queue, credit=1000)
-        deadline = time.monotonic() + timeout
-        while len(got) < expect and time.monotonic() < deadline:
-            batch = await consumer.get_batch(timeout=1)
-            got.extend(bytes(m[M_BODY]) for _, m in batch)
-            consumer.ack_ids([m[M_ID] for _, m in batch])
-    return got

@@ -174,7 +174,9 @@ def test_topology_request_and_updates_cross_the_link() -> None:
     server.reply(req, {"members": []})
     server.topology_update({"bindings": [], "removed": []})
     assert client.receive_data(server.data_to_send(), 0.0) == [
-        ev.Reply(req, {"members": []}), ev.TopologyUpdate({"bindings": [], "removed": []})]
+        ev.Reply(req, {"members": []}),
+        ev.TopologyUpdate({"bindings": [], "removed": []}),
+    ]
 
 
 def test_a_malformed_topology_request_breaks_the_link() -> None:
