@@ -21,6 +21,7 @@ from tests.integration.cluster_nodes import (
     wait_converged,
     wait_until,
 )
+from tests.redis_server import RedisServer
 
 from tridentmq_shared.link.client import Consumer
 from tridentmq_shared.message import M_BODY, M_ID, RoutingType, new_message
@@ -257,3 +258,28 @@ async def test_topology_converges_after_stops_and_restarts(tmp_path: Path) -> No
     b = start_core(tmp_path, "node-1", **cluster_env([c]))
     wait_converged([a, b, c])
     stop_all([a, b, c])
+
+
+async def test_nodes_find_each_other_through_redis_and_keep_working_while_it_is_down(tmp_path: Path) -> None:
+    (tmp_path / "redis").mkdir()
+    redis = RedisServer(tmp_path / "redis")
+    redis.start()
+    try:
+        settings = {"discovery": redis.url, "broadcast_period_ms": "200", "refresh_timeout_ms": "1000"}
+        a = start_node(tmp_path, "node-0", **settings)
+        b = start_node(tmp_path, "node-1", **settings)  # no connectors: Redis introduces them
+        wait_converged([a, b])
+        redis.stop()
+        await asyncio.sleep(2.5)  # beyond the refresh timeout: the cluster does not depend on Redis
+        assert members(a) == members(b) == {node_id(a), node_id(b)}
+        async with client(b) as cb:
+            consumer = await cb.subscribe("while-down")
+            wait_until(lambda: remote_consumers(a, "while-down") == 1, what="a to see b's consumer")
+            await publish(a, "while-down", bodies(10))
+            assert len(await take(consumer, 10)) == 10
+        redis.start()
+        c = start_node(tmp_path, "node-2", **settings)  # only discoverable once Redis is back
+        wait_converged([a, b, c])
+        stop_all([a, b, c])
+    finally:
+        redis.stop()

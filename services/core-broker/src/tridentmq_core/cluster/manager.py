@@ -16,13 +16,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from tridentmq_core.broker import FORWARD_QUEUE_PREFIX, Broker, BrokerError, Session
 from tridentmq_core.cluster.balancer import Balancer, is_local_consumer
 from tridentmq_core.cluster.bindings import Binding, BindingError, Key, RemoteBindings
+from tridentmq_core.cluster.discovery import Announcement, RedisDiscovery
 from tridentmq_core.cluster.forward import FORWARD_PROPERTY, ForwardHeader
 from tridentmq_core.cluster.redistribution import Redistributor, best_target, stranded
 from tridentmq_core.queues import Consumer, Queue
@@ -383,6 +384,7 @@ class ClusterManager:
         self._members_version = 0
         self._task: asyncio.Task[None] | None = None
         self._started = time.monotonic()
+        self.discovery: RedisDiscovery | None = None
         broker.cluster = self.balancer
         broker.on_topology = self.on_topology
 
@@ -393,11 +395,21 @@ class ClusterManager:
             if (host, port) != self.advertise:
                 self.connect(host, port)
         self._task = asyncio.get_running_loop().create_task(self._tick_forever(), name="cluster")
+        cluster = self.settings.cluster
+        if cluster.discovery:
+            host, port = self.advertise
+            me = Announcement(cluster.name, self.node_id, self.name, host, port)
+            self.discovery = RedisDiscovery(cluster.discovery, me, broadcast_period=cluster.broadcast_period_ms / 1000,
+                                            refresh_timeout=cluster.refresh_timeout_ms / 1000,
+                                            on_change=self._discovered)  # fmt: skip
+            await self.discovery.start()
         log.info("clustering", extra={"cluster": self.settings.cluster.name, "policy": self.policy,
                                       "max_hops": self.settings.cluster.max_hops,
                                       "connectors": ",".join(self.settings.cluster.connectors)})  # fmt: skip
 
     async def stop(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()  # announces the leave
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -452,6 +464,11 @@ class ClusterManager:
         self.broker.audit.emit(_now_ms() * 1000, "node.joined", {"peer_node": member.node_id, "name": member.name})
         return {"node_id": self.node_id, "name": self.name, "bindings": list(joined.sent.values()),
                 "members": joined.members_sent}  # fmt: skip
+
+    def _discovered(self, announced: Mapping[str, Announcement]) -> None:
+        """Discovery only finds nodes: connections, not Redis, decide whether a node is alive."""
+        for announcement in announced.values():
+            self.learn(Member(announcement.node_id, announcement.name, announcement.host, announcement.port))
 
     def learn(self, member: Member) -> None:
         """A node of the cluster (reported by another, or discovered): connect to it if we do not yet."""
