@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -283,3 +285,81 @@ async def test_nodes_find_each_other_through_redis_and_keep_working_while_it_is_
         stop_all([a, b, c])
     finally:
         redis.stop()
+
+
+async def test_a_gracefully_stopped_node_moves_its_messages_to_a_live_node_first(tmp_path: Path) -> None:
+    nodes = start_cluster(tmp_path, 2)
+    a, b = nodes
+    async with client(a) as ca:
+        await ca.create_queue("audit-sub", "audit", routing_type=RoutingType.MULTICAST, durable=True)
+        await publish(a, "backlog", bodies(300, "d"))
+        futures = [await ca.send(new_message("backlog", body)) for body in bodies(50, "v")]  # not durable
+        await asyncio.gather(*futures)
+        await publish(a, "audit", bodies(20, "s"), routing=RoutingType.MULTICAST)
+        holder = await ca.subscribe("backlog", credit=5)  # a client still holding messages when the node stops
+        assert len(await holder.get_batch(timeout=5)) == 5
+        assert a.stop() == 0
+    assert "scale-down complete" in a.log(), a.log()
+    async with client(b) as cb:
+        moved = await take(await cb.subscribe("backlog", credit=1000), 350)
+        subscription = await take(await cb.subscribe("audit-sub"), 20)
+    assert sorted(moved) == sorted(bodies(300, "d") + bodies(50, "v"))
+    assert sorted(subscription) == sorted(bodies(20, "s"))
+    stop_all([b])
+
+
+def counters(node: CoreProcess) -> dict[str, int]:
+    with urllib.request.urlopen(node.management_url + "/api/status", timeout=5) as response:
+        return dict(json.loads(response.read())["counters"])
+
+
+async def test_no_ping_pong_when_the_consumer_flaps_between_nodes_under_load(tmp_path: Path) -> None:
+    nodes = start_cluster(tmp_path, 2, min_residence_ms="2000")
+    a, b = nodes
+    await publish(a, "flap", bodies(2000))
+    seen: list[bytes] = []
+    loop = asyncio.get_running_loop()
+    async with client(a) as ca, client(b) as cb, client(a) as producer:
+        flip = 0
+        end = loop.time() + 4.0
+        extra = 0
+        while loop.time() < end:
+            consumer = await (ca, cb)[flip % 2].subscribe("flap", credit=20)
+            await asyncio.sleep(0.2)  # consumers come and go every 200 ms
+            batch = await consumer.get_batch(timeout=0.01)
+            seen.extend(bytes(m[M_BODY]) for _, m in batch)
+            consumer.ack_ids([m[M_ID] for _, m in batch])
+            await consumer.close()
+            await (await producer.send(new_message("flap", f"x{extra}".encode(), durable=True)))
+            extra += 1
+            flip += 1
+        rest = await ca.subscribe("flap", credit=1000)
+        other = await cb.subscribe("flap", credit=1000)
+        everything = set(bodies(2000)) | {f"x{i}".encode() for i in range(extra)}
+        while len(set(seen)) < len(everything):
+            batches = [await rest.get_batch(timeout=0.5), await other.get_batch(timeout=0.5)]
+            if not any(batches):
+                break
+            for consumer, batch in zip((rest, other), batches, strict=True):
+                seen.extend(bytes(m[M_BODY]) for _, m in batch)
+                consumer.ack_ids([m[M_ID] for _, m in batch])
+    assert set(seen) == everything, f"lost {len(everything - set(seen))}"
+    assert len(seen) == len(everything), "a moved message was delivered twice"
+    moved = counters(a)["redistributed"] + counters(b)["redistributed"]
+    assert moved <= 2 * len(everything), f"{moved} moves for {len(everything)} messages: ping-pong"
+    stop_all(nodes)
+
+
+async def test_join_of_another_cluster_and_a_bindings_flood_are_refused_with_a_log_line(tmp_path: Path) -> None:
+    first = start_node(tmp_path, "node-0", max_bindings="5")
+    stranger = start_core(tmp_path, "stranger", **{**cluster_env([first]), "TRIDENTMQ_CORE_CLUSTER_NAME": "other"})
+    second = start_node(tmp_path, "node-1", [first], max_bindings="5")
+    wait_converged([first, second])
+    async with client(second) as c2:
+        for index in range(8):  # more queues than the first node accepts from one node
+            await c2.create_queue(f"flood-{index}", durable=False)
+        wait_until(lambda: "cluster update refused" in first.log(), what="the flood to be refused")
+    assert members(first) == {node_id(first), node_id(second)}
+    assert "is not this cluster's" in first.log()
+    assert "join refused" in stranger.log()
+    stop_all([first, stranger, second])

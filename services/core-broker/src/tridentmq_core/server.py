@@ -355,6 +355,14 @@ class CoreNode:
                 log.info("journal compaction started", extra={"live_messages": live})
                 store.start_compaction(self.broker.durable_snapshot())
 
+    def _close_client_links(self) -> None:
+        """Close every link but the other cluster nodes': their consumers give their messages back."""
+        for protocol in list(self.protocols.values()):
+            if protocol.session is not None and not protocol.session.principal.cluster:
+                protocol.conn.close(ErrorCode.SHUTDOWN, "the node is shutting down")
+                protocol.write_pending()
+                protocol.close_transport()
+
     async def stop(self) -> None:
         """Close every link (telling peers why), stop the listener, seal the audit segment."""
         if self._timer is not None:
@@ -363,9 +371,11 @@ class CoreNode:
                 await self._timer
         if self._server is not None:
             self._server.close()
-        if self.cluster is not None:
-            await self.cluster.stop()
         self.broker.discard_wills()  # the links close because we stop, not because their clients died
+        if self.cluster is not None:
+            if self.settings.cluster.scale_down:
+                await self.cluster.scale_down(self._close_client_links)
+            await self.cluster.stop()
         for protocol in list(self.protocols.values()):
             protocol.conn.close(ErrorCode.SHUTDOWN, "the node is shutting down")
             protocol.write_pending()

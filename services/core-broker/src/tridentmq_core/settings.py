@@ -110,6 +110,11 @@ class ClusterSection:
     node_gone_ms: int = doc(10_000, "A node unreachable for this long is declared gone: the messages waiting to "
                                     "be forwarded to it are routed again among the nodes that remain.")  # fmt: skip
     max_bindings: int = doc(100_000, "Bindings accepted from one node; beyond, its updates are refused (flood).")
+    scale_down: bool = doc(True, "On a graceful stop, move this node's messages (durable and not) to another "
+                                 "live node of the cluster before exiting, so none wait for this node's "
+                                 "return.")  # fmt: skip
+    scale_down_timeout_ms: int = doc(30_000, "Longest a graceful stop spends moving messages; what is left stays "
+                                             "in this node's journal.")  # fmt: skip
 
 
 @dataclass(frozen=True)

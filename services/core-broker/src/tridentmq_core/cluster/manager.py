@@ -140,6 +140,7 @@ class Bridge:
         self.reason = ""
         self.down_since = time.monotonic()
         self.rerouted = False  # its forward queue was routed again after it was declared gone
+        self.leaving = False  # the other node is scaling down: send it nothing new
         self.client: LinkClient | None = None
         self.session: Session | None = None
         self.consumers: dict[int, Consumer] = {}
@@ -259,6 +260,7 @@ class Bridge:
         broker.add_forwarder(self.session, forwarder)
         self.state = "up"
         self.rerouted = False
+        self.leaving = False
 
     def add_redistributor(self, make: Callable[[int, Session], Redistributor]) -> Redistributor | None:
         if self.session is None:
@@ -385,6 +387,7 @@ class ClusterManager:
         self._task: asyncio.Task[None] | None = None
         self._started = time.monotonic()
         self.discovery: RedisDiscovery | None = None
+        self.leaving = False  # scaling down: this node advertises no bindings, so nothing new comes
         broker.cluster = self.balancer
         broker.on_topology = self.on_topology
 
@@ -527,6 +530,8 @@ class ClusterManager:
         self.broker.audit.emit(_now_ms() * 1000, "node.left", {"peer_node": bridge.node_id, "name": bridge.name})
 
     def apply_update(self, bridge: Bridge, update: dict[str, Any]) -> None:
+        if update.get("leaving") is True:
+            bridge.leaving = True
         try:
             if "bindings" in update or "removed" in update:
                 self.bindings.apply(bridge.node_id, update.get("bindings") or [], update.get("removed") or [])
@@ -590,6 +595,8 @@ class ClusterManager:
                 update["bindings"], update["removed"] = upserts, removed
             if members != joined.members_sent:
                 update["members"] = joined.members_sent = members
+            if self.leaving:
+                update["leaving"] = True
             if update:
                 joined.sent = current
                 joined.session.conn.topology_update(update)
@@ -601,6 +608,8 @@ class ClusterManager:
     def _advertisement(self, peer: str) -> dict[Key, list[Any]]:
         """What ``peer`` should know: this node's queues and, beyond one hop, what we reach that it may not."""
         advert: dict[Key, list[Any]] = {}
+        if self.leaving:
+            return advert
         own = self.node_id
         for queue in self.broker.queues.values():
             if queue.name.startswith(FORWARD_QUEUE_PREFIX):
@@ -683,6 +692,71 @@ class ClusterManager:
             if moved:
                 log.warning("node declared gone: its pending messages were routed again",
                             extra={"node_id": node_id, "messages": moved})  # fmt: skip
+
+    # ------------------------------------------------------------------ scale-down
+    async def scale_down(self, close_clients: Callable[[], None]) -> None:
+        """Before a graceful stop: tell the others to send nothing more, let this node's clients go, and move
+        every queued message to a live node, each queue to a node that has consumers for it if one does.
+        Waits at most ``scale_down_timeout_ms``; what could not move stays in the journal."""
+        settings = self.settings.cluster
+        self.leaving = True
+        self._sent_version = (-1, -1)
+        self._push_updates()
+        self.schedule_flush()
+        close_clients()
+        await asyncio.sleep(0.3)  # the others learn we leave (a node stopping at the same time is no target)
+        deadline = time.monotonic() + settings.scale_down_timeout_ms / 1000
+        broker = self.broker
+        movers: dict[str, Redistributor] = {}
+        while time.monotonic() < deadline:
+            targets = sorted((b for b in self.bridges_by_node.values() if b.up and not b.leaving),
+                             key=lambda b: b.node_id)  # fmt: skip
+            left = [q for name, q in broker.queues.items() if not name.startswith(FORWARD_QUEUE_PREFIX)
+                    and (len(q) or q.in_flight or q.paged)]  # fmt: skip
+            pending = [q for q in broker.forward_queues.values() if q.consumers and (len(q) or q.in_flight)]
+            if not left and not pending:
+                log.info("scale-down complete: no messages left on this node")
+                return
+            if not targets:
+                break
+            for queue in left:
+                if queue.name in movers or any(is_local_consumer(c) for c in queue.consumers):
+                    continue
+                movers[queue.name] = await self._move_queue(queue, targets)
+            await asyncio.sleep(0.05)
+        remaining = sum(len(q) + q.in_flight for q in broker.queues.values())
+        log.warning("scale-down incomplete: messages stay in this node's journal",
+                    extra={"messages": remaining, "live_targets": len(targets)})  # fmt: skip
+
+    async def _move_queue(self, queue: Queue, targets: list[Bridge]) -> Redistributor:
+        """Move a queue's messages to the node with the most consumers for it (else the first live node),
+        creating the queue there first, so a subscription stays a subscription."""
+        by_node = {b.node_id: b for b in targets}
+        remote = best_target(queue, [b for b in self.bindings.for_queue(queue.name) if b.node_id in by_node])
+        bridge = by_node[remote.node_id] if remote is not None else targets[0]
+        assert bridge.client is not None
+        spec: dict[str, Any] = {"filter": queue.filter.text if queue.filter is not None else None,
+                                "last_value_key": queue.last_value_key, "exclusive": queue.exclusive}  # fmt: skip
+        try:
+            await bridge.client.create_queue(queue.name, queue.address, routing_type=queue.routing_type,
+                                             durable=queue.durable, **spec)  # fmt: skip
+        except LinkRequestError as exc:  # exists there with another shape: messages go by name anyway
+            log.warning("scale-down: queue not created on the target", extra={"queue": queue.name,
+                                                                             "reason": exc.text})  # fmt: skip
+        target = Binding(bridge.node_id, queue.name, queue.address, int(queue.routing_type), None, 1, None, 1,
+                         bridge.node_id)  # fmt: skip
+
+        def make(consumer_id: int, session: Session) -> Redistributor:
+            return Redistributor(consumer_id, session, queue, self.settings.cluster.forward_window, target=target,
+                                 selectors=self.balancer.selectors, arrivals={}, min_residence_ms=0,
+                                 clock=lambda: self.broker.now_ms)  # fmt: skip
+
+        mover = bridge.add_redistributor(make)
+        assert mover is not None
+        log.info("scale-down: moving queue", extra={"queue": queue.name, "to_node": bridge.node_id,
+                                                    "messages": len(queue)})  # fmt: skip
+        self.schedule_flush()
+        return mover
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict[str, Any]:
