@@ -19,6 +19,7 @@ from tridentmq_core.address_settings import AddressSettingsRepository, ResolvedA
 from tridentmq_core.audit import AuditSink
 from tridentmq_core.cluster.balancer import Balancer
 from tridentmq_core.cluster.forward import DEDUP_PREFIX, FORWARD_PROPERTY, ForwardHeader
+from tridentmq_core.cluster.redistribution import Arrivals
 from tridentmq_core.deadlines import Deadlines
 from tridentmq_core.dedup import DuplicateIdCache
 from tridentmq_core.queues import Consumer, MemoryGauge, PagerFactory, Queue
@@ -208,7 +209,7 @@ class Broker:
         self.on_topology: Callable[[Session, dict[str, Any]], dict[str, Any]] | None = None
         self.bindings_version = 0  # bumped whenever a queue or a consumer comes or goes
         self.forward_queues: dict[str, Queue] = {}  # connected node id → its store-and-forward queue
-        self.arrivals: dict[int, int] = {}  # id → arrival ms of messages that came from another node
+        self.arrivals = Arrivals()  # when messages that came from another node arrived (minimum residence)
         store.attach(self.on_durable)
 
     # ------------------------------------------------------------------ sessions
@@ -568,7 +569,7 @@ class Broker:
         cluster = self.cluster
         if cluster is not None and cluster.has_remote(message[M_ADDRESS]):
             kinds = self._kinds(message[M_ADDRESS], message[M_ROUTING])
-            queues, remote = cluster.balance(message, message[M_ADDRESS], queues, kinds)
+            queues, remote = cluster.balance(message, message[M_ADDRESS], queues, kinds, self.bindings_version)
             if remote:
                 return self._admit(message, queues, now_ms, remote)
         return self._admit(message, queues, now_ms)
@@ -597,7 +598,7 @@ class Broker:
             queues = self._route(message, now_ms, create=True)
         token = self._admit(message, queues, now_ms)
         if cluster is not None:
-            self.arrivals[message[M_ID]] = now_ms
+            self.arrivals.add(message[M_ID], now_ms)
         return token
 
     def _admit(self, message: WireMessage, queues: tuple[Queue, ...], now_ms: int,
@@ -1331,11 +1332,7 @@ class Broker:
             self._publish_will(self._pending_wills.pop(key), now_ms)
         for expired in self._idle.pop_due(now_ms):
             self._expire_queue(expired, now_ms)
-        arrivals = self.arrivals
-        if arrivals:  # in arrival order: forget those past the minimum residence time
-            cutoff = now_ms - self.settings.cluster.min_residence_ms
-            while arrivals and next(iter(arrivals.values())) <= cutoff:
-                del arrivals[next(iter(arrivals))]
+        self.arrivals.forget_before(now_ms - self.settings.cluster.min_residence_ms)
         if now_ms - self._last_expiry_scan >= self.settings.broker.expiry_scan_ms:
             self._last_expiry_scan = now_ms
             for queue in list(self.queues.values()):

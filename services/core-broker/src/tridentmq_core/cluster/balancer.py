@@ -14,7 +14,7 @@ one instance per subscription. Which instances qualify depends on the policy:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Final
 
 from tridentmq_core.cluster.bindings import Binding, RemoteBindings
@@ -30,6 +30,8 @@ OFF_WITH_REDISTRIBUTION: Final = "OFF_WITH_REDISTRIBUTION"
 Remote = dict[str, list[str]]  # node id → names of the queues there that get the message
 _NO_REMOTE: Final[Remote] = {}
 Instance = Queue | Binding
+# A routing plan: None = decide per message; a fixed answer; or per group, the instances to take turns over.
+_Plan = tuple[tuple[Queue, ...], Remote] | list[tuple[str, tuple[Instance, ...]]] | None
 
 
 def is_local_consumer(consumer: Consumer) -> bool:
@@ -67,10 +69,6 @@ class SelectorCache:
         return binding.selectors is None or any(self.matches(s, message) for s in binding.selectors)
 
 
-def local_consumes(queue: Queue, message: WireMessage) -> bool:
-    return any(is_local_consumer(c) and c.accepts(message) for c in queue.consumers)
-
-
 class Balancer:
     def __init__(self, bindings: RemoteBindings, policy: str) -> None:
         self.bindings = bindings
@@ -79,6 +77,8 @@ class Balancer:
         self._rr: dict[str, int] = {}
         self._has_remote: dict[str, bool] = {}
         self._version = -1
+        self._plans: dict[tuple[str, frozenset[RoutingType]], _Plan] = {}
+        self._plan_versions = (-1, -1)
 
     @property
     def forwards(self) -> bool:
@@ -99,14 +99,59 @@ class Balancer:
             self._has_remote[address] = found
         return found
 
-    def balance(self, message: WireMessage, address: str, local: tuple[Queue, ...],
-                kinds: set[RoutingType]) -> tuple[tuple[Queue, ...], Remote]:  # fmt: skip
-        """Split a routed message between local queues and other nodes."""
+    def balance(self, message: WireMessage, address: str, local: tuple[Queue, ...], kinds: set[RoutingType],
+                local_version: int) -> tuple[tuple[Queue, ...], Remote]:  # fmt: skip
+        """Split a routed message between local queues and other nodes. ``local_version`` changes whenever a
+        local queue or consumer comes or goes (the broker's ``bindings_version``)."""
+        versions = (local_version, self.bindings.version)
+        if versions != self._plan_versions:
+            self._plans.clear()
+            self._plan_versions = versions
+        key = (address, frozenset(kinds))
+        if key in self._plans:
+            plan = self._plans[key]
+        else:
+            plan = self._plan(address, local, kinds)
+            if len(self._plans) > 10_000:
+                self._plans.clear()
+            self._plans[key] = plan
+        if plan is None:
+            return self._balance_each(message, address, local, kinds)
+        if isinstance(plan, tuple):
+            return plan  # one choice whatever the message
+        chosen = [group[0] if len(group) == 1 else self._turn(name, group) for name, group in plan]
+        return self._split(chosen)
+
+    def _plan(self, address: str, local: tuple[Queue, ...], kinds: set[RoutingType]) -> _Plan:
+        """When no selector or filter is involved, the instances that qualify depend only on consumer counts:
+        work them out once per change instead of per message. None: they depend on the message."""
+        remote = [b for b in self.bindings.match(address) if RoutingType(b.routing) in kinds]
+        if any(q.filter is not None or any(c.selector is not None for c in q.consumers) for q in local) or \
+                any(b.filter is not None or b.selectors for b in remote) or \
+                sum(q.routing_type is RoutingType.ANYCAST for q in local) > 1:  # fmt: skip
+            return None
+        groups = [(name, tuple(self._qualified(instances, None))) for name, instances in
+                  self._groups(address, local, remote)]  # fmt: skip
+        if all(len(group) == 1 for _, group in groups):
+            return self._split([group[0] for _, group in groups])
+        return groups
+
+    def _balance_each(self, message: WireMessage, address: str, local: tuple[Queue, ...],
+                      kinds: set[RoutingType]) -> tuple[tuple[Queue, ...], Remote]:  # fmt: skip
         takes = self.selectors.binding_takes
         remote = [b for b in self.bindings.match(address)
                   if RoutingType(b.routing) in kinds and takes(b, message)]  # fmt: skip
         if not remote:
             return local, _NO_REMOTE
+        chosen = []
+        for name, instances in self._groups(address, local, remote):
+            qualified = self._qualified(instances, message)
+            chosen.append(qualified[0] if len(qualified) == 1 else self._turn(name, qualified))
+        return self._split(chosen)
+
+    @staticmethod
+    def _groups(address: str, local: tuple[Queue, ...], remote: list[Binding]) -> list[tuple[str, list[Instance]]]:
+        """Anycast: one group of every instance (one of them gets the message); multicast: one per name."""
         anycast: list[Instance] = [q for q in local if q.routing_type is RoutingType.ANYCAST]
         anycast += [b for b in remote if b.routing == RoutingType.ANYCAST]
         groups: dict[str, list[Instance]] = {}
@@ -116,15 +161,10 @@ class Balancer:
         for binding in remote:
             if binding.routing == RoutingType.MULTICAST:
                 groups.setdefault(binding.queue, []).append(binding)
-        chosen: list[Instance] = []
-        if anycast:
-            pick = self._pick(address, anycast, message)
-            if pick is not None:
-                chosen.append(pick)
-        for name, instances in groups.items():
-            pick = self._pick(name, instances, message)
-            if pick is not None:
-                chosen.append(pick)
+        return ([(address, anycast)] if anycast else []) + list(groups.items())
+
+    @staticmethod
+    def _split(chosen: list[Instance]) -> tuple[tuple[Queue, ...], Remote]:
         local_chosen = tuple(i for i in chosen if isinstance(i, Queue))
         forwarded: Remote = {}
         for instance in chosen:
@@ -132,19 +172,24 @@ class Balancer:
                 forwarded.setdefault(instance.node_id, []).append(instance.queue)
         return local_chosen, forwarded
 
-    def _pick(self, key: str, instances: list[Instance], message: WireMessage) -> Instance | None:
-        local: list[Instance] = [i for i in instances if isinstance(i, Queue)]
+    def _qualified(self, instances: list[Instance], message: WireMessage | None) -> list[Instance]:
+        """The instances that may get the message under the policy (``message`` None: no selector matters)."""
         if self.policy == STRICT:
-            candidates = instances
-        else:
-            consumes: Callable[[Instance], bool] = lambda i: (  # noqa: E731 - one use, reads best inline
-                local_consumes(i, message) if isinstance(i, Queue) else self.selectors.binding_consumes(i, message)
-            )
-            candidates = [i for i in instances if consumes(i)]
-            if not candidates:
-                candidates = local or instances  # nobody consumes: keep it here, else where its queue is
-        if len(candidates) == 1:
-            return candidates[0]
+            return instances
+        qualified = [i for i in instances if self._consumes(i, message)]
+        if qualified:
+            return qualified
+        local: list[Instance] = [i for i in instances if isinstance(i, Queue)]
+        return local or instances  # nobody consumes: keep it here, else where its queue is
+
+    def _consumes(self, instance: Instance, message: WireMessage | None) -> bool:
+        if isinstance(instance, Queue):
+            return any(is_local_consumer(c) and (message is None or c.accepts(message)) for c in instance.consumers)
+        if message is None:
+            return instance.consumers > 0
+        return self.selectors.binding_consumes(instance, message)
+
+    def _turn(self, key: str, candidates: Sequence[Instance]) -> Instance:
         turn = self._rr.get(key, 0)
         if len(self._rr) > 100_000:
             self._rr.clear()

@@ -18,6 +18,10 @@ FORWARD_PROPERTY: Final = "$cluster.fwd"
 DEDUP_PREFIX: Final = "$cluster:"
 
 
+_PREFIXES: dict[tuple[str, tuple[str, ...], int], bytes] = {}
+_MAX_PREFIXES: Final = 10_000
+
+
 class ForwardHeader(NamedTuple):
     target: str  # node id of the node the message is for
     queues: tuple[str, ...]  # queues on that node; empty: route by address there
@@ -25,7 +29,19 @@ class ForwardHeader(NamedTuple):
     dedup_id: str  # sending node id + its message id
 
     def encode(self) -> bytes:
-        return msgpack.packb([self.target, list(self.queues), self.hops, self.dedup_id])
+        """The msgpack array, built from a cached prefix: every forwarded message needs one, and all but the
+        transfer id repeat from message to message (this was a tenth of a forwarding node's time)."""
+        key = (self.target, self.queues, self.hops)
+        prefix = _PREFIXES.get(key)
+        if prefix is None:
+            prefix = b"\x94" + msgpack.packb(self.target) + msgpack.packb(list(self.queues)) + msgpack.packb(self.hops)
+            if len(_PREFIXES) >= _MAX_PREFIXES:
+                _PREFIXES.clear()
+            _PREFIXES[key] = prefix
+        raw = self.dedup_id.encode()
+        if len(raw) < 32:
+            return prefix + bytes((0xA0 | len(raw),)) + raw  # msgpack fixstr
+        return prefix + msgpack.packb(self.dedup_id)
 
     @staticmethod
     def decode(value: object) -> ForwardHeader:

@@ -25,7 +25,7 @@ from tridentmq_core.cluster.balancer import Balancer, is_local_consumer
 from tridentmq_core.cluster.bindings import Binding, BindingError, Key, RemoteBindings
 from tridentmq_core.cluster.discovery import Announcement, RedisDiscovery
 from tridentmq_core.cluster.forward import FORWARD_PROPERTY, ForwardHeader
-from tridentmq_core.cluster.redistribution import Redistributor, best_target, stranded
+from tridentmq_core.cluster.redistribution import Arrivals, Redistributor, best_target, stranded
 from tridentmq_core.queues import Consumer, Queue
 from tridentmq_core.security import Principal
 from tridentmq_core.settings import LOAD_BALANCING_POLICIES, CoreSettings
@@ -748,7 +748,7 @@ class ClusterManager:
 
         def make(consumer_id: int, session: Session) -> Redistributor:
             return Redistributor(consumer_id, session, queue, self.settings.cluster.forward_window, target=target,
-                                 selectors=self.balancer.selectors, arrivals={}, min_residence_ms=0,
+                                 selectors=self.balancer.selectors, arrivals=Arrivals(), min_residence_ms=0,
                                  clock=lambda: self.broker.now_ms)  # fmt: skip
 
         mover = bridge.add_redistributor(make)

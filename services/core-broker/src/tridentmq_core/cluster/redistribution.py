@@ -11,6 +11,7 @@ time ago, so messages do not bounce between nodes whose consumers come and go.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -27,11 +28,36 @@ if TYPE_CHECKING:
 _EVERYTHING = compile_selector("TRUE")
 
 
+class Arrivals:
+    """When the messages that came from another node arrived, kept for the minimum residence time. Forgotten
+    oldest first through a queue: deleting from the front of a dict leaves holes that make every later
+    look at its first entry slower, which stalled the event loop for seconds under load."""
+
+    def __init__(self) -> None:
+        self._at: dict[int, int] = {}
+        self._order: deque[tuple[int, int]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def add(self, message_id: int, now_ms: int) -> None:
+        self._at[message_id] = now_ms
+        self._order.append((now_ms, message_id))
+
+    def get(self, message_id: int) -> int | None:
+        return self._at.get(message_id)
+
+    def forget_before(self, cutoff_ms: int) -> None:
+        order = self._order
+        while order and order[0][0] <= cutoff_ms:
+            self._at.pop(order.popleft()[1], None)
+
+
 class Redistributor(Consumer):
     __slots__ = ("_arrivals", "_clock", "_min_residence_ms", "_selectors", "target")
 
     def __init__(self, consumer_id: int, session: Session, queue: Queue, credit: int, *, target: Binding,
-                 selectors: SelectorCache, arrivals: dict[int, int], min_residence_ms: int,
+                 selectors: SelectorCache, arrivals: Arrivals, min_residence_ms: int,
                  clock: Callable[[], int]) -> None:  # fmt: skip
         # A selector that takes everything: its presence makes the queue offer each message to ``accepts``.
         super().__init__(consumer_id, session, queue, credit, selector=_EVERYTHING)

@@ -1,0 +1,80 @@
+"""The pure parts of clustering: the forward header, the table of other nodes' bindings, arrival times."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import pytest
+
+from tridentmq_core.cluster.bindings import Binding, BindingError, RemoteBindings
+from tridentmq_core.cluster.forward import ForwardHeader
+from tridentmq_core.cluster.redistribution import Arrivals
+
+
+@pytest.mark.parametrize("dedup_id", ["a:1", "x" * 31, "y" * 32, "z" * 300])
+def test_forward_header_round_trips_as_plain_msgpack(dedup_id: str) -> None:
+    header = ForwardHeader("node-b", ("q1", "q2"), 2, dedup_id)
+    assert msgpack.unpackb(header.encode()) == ["node-b", ["q1", "q2"], 2, dedup_id]
+    assert ForwardHeader.decode(header.encode()) == header
+
+
+@pytest.mark.parametrize("value", [
+    "text", b"\xc1", msgpack.packb([1, 2, 3]), msgpack.packb(["n", ["q"], -1, "d"]), msgpack.packb(["n", [1], 0, "d"]),
+    msgpack.packb(["n", ["q"], 0, ""]), msgpack.packb({"target": "n"}), b"\x94" + b"\x91" * 10_000,
+])  # fmt: skip
+def test_a_malformed_forward_header_is_a_value_error(value: Any) -> None:
+    with pytest.raises(ValueError):  # noqa: PT011 - every kind of bad header maps to ValueError
+        ForwardHeader.decode(value)
+
+
+def wire(node: str, queue: str, address: str = "orders", consumers: int = 1, distance: int = 1) -> list[Any]:
+    return [node, queue, address, 0, None, consumers, None, distance]
+
+
+def test_bindings_from_two_routes_keep_the_shortest_and_routing_follows_it() -> None:
+    table = RemoteBindings("me", max_hops=2, max_per_node=100)
+    table.replace("b", [wire("b", "orders"), wire("c", "orders", distance=2)])
+    assert table.next_hop("c") == "b"
+    table.replace("c", [wire("c", "orders")])
+    assert {(x.node_id, x.via, x.distance) for x in table.match("orders")} == {("b", "b", 1), ("c", "c", 1)}
+    table.drop("c")
+    assert table.next_hop("c") == "b"
+    table.apply("b", [], [["c", "orders"]])
+    assert table.next_hop("c") is None
+    assert [x.node_id for x in table.for_queue("orders")] == ["b"]
+
+
+def test_bindings_beyond_max_hops_and_our_own_are_ignored() -> None:
+    table = RemoteBindings("me", max_hops=1, max_per_node=100)
+    table.replace("b", [wire("b", "q"), wire("c", "q", distance=2), wire("me", "q")])
+    assert [(x.node_id, x.queue) for x in table] == [("b", "q")]
+
+
+def test_a_flood_of_bindings_is_refused_whole() -> None:
+    table = RemoteBindings("me", max_hops=1, max_per_node=3)
+    table.replace("b", [wire("b", f"q{i}") for i in range(3)])
+    version = table.version
+    with pytest.raises(BindingError):
+        table.apply("b", [wire("b", "q3")], [])
+    assert len(table) == 3
+    assert table.version == version
+
+
+@pytest.mark.parametrize("item", [
+    "x", [1] * 8, ["b", "q", "a", 7, None, 1, None, 1], ["b", "q", "a", 0, None, -1, None, 1],
+    ["b", "q", "a..b", 0, None, 1, None, 1], ["b", "q", "a", 0, None, 1, [1], 1], ["b", "q", "a", 0, None, 1, None, 0],
+])  # fmt: skip
+def test_a_malformed_binding_is_refused(item: Any) -> None:
+    with pytest.raises(BindingError):
+        Binding.from_wire(item, "b")
+
+
+def test_arrivals_are_forgotten_oldest_first() -> None:
+    arrivals = Arrivals()
+    for i in range(10):
+        arrivals.add(i, 100 + i)
+    arrivals.forget_before(104)
+    assert len(arrivals) == 5
+    assert arrivals.get(4) is None
+    assert arrivals.get(5) == 105
