@@ -39,8 +39,11 @@ class ForwardHeader(NamedTuple):
                 _PREFIXES.clear()
             _PREFIXES[key] = prefix
         raw = self.dedup_id.encode()
-        if len(raw) < 32:
-            return prefix + bytes((0xA0 | len(raw),)) + raw  # msgpack fixstr
+        size = len(raw)
+        if size < 32:
+            return b"".join((prefix, bytes((0xA0 | size,)), raw))  # msgpack fixstr
+        if size < 256:
+            return b"".join((prefix, bytes((0xD9, size)), raw))  # str 8: a node id and a message id
         return prefix + msgpack.packb(self.dedup_id)
 
     @staticmethod

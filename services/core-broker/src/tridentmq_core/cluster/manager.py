@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -147,7 +148,7 @@ class Bridge:
         self._next_consumer = FORWARDER_ID + 1
         self._waiting: list[tuple[Consumer, int, WireMessage]] = []  # forwards waiting for publish credit
         self._confirmed: dict[Consumer, list[int]] = {}
-        self._settle_scheduled = False
+        self._sent: deque[tuple[asyncio.Future[None], Consumer, int]] = deque()  # awaiting the other's confirm
         self._stopping = False
         self.task: asyncio.Task[None] | None = None
 
@@ -215,8 +216,15 @@ class Bridge:
                             client_name=f"cluster:{manager.name}", heartbeat_ms=manager.settings.link.heartbeat_ms,
                             reconnect=ReconnectPolicy(attempts=0, initial_attempts=1), connect_timeout=2.0)  # fmt: skip
         closed = asyncio.Event()
-        client.on_closed = lambda _error: closed.set()
+        why: list[LinkRequestError] = []
+
+        def on_closed(error: LinkRequestError) -> None:
+            why.append(error)
+            closed.set()
+
+        client.on_closed = on_closed
         client.on_topology = self._on_update
+        client.on_settled = self._on_settled
         self.client = client
         await client.connect()
         if client.node_id == manager.node_id:
@@ -241,8 +249,11 @@ class Bridge:
             await client.close()
             return
         await closed.wait()
-        if not self._stopping:
-            log.warning("cluster connection lost", extra={"to": self.address, "node_id": self.node_id})
+        if why and why[0].code == ErrorCode.SHUTDOWN:
+            log.info("cluster connection closed: the other node stopped", extra={"to": self.address})
+        elif not self._stopping:
+            log.warning("cluster connection lost", extra={"to": self.address, "node_id": self.node_id,
+                                                           "reason": why[0].text if why else ""})  # fmt: skip
 
     def _on_update(self, update: dict[str, Any]) -> None:
         if self.up:
@@ -290,6 +301,7 @@ class Bridge:
         self.consumers.clear()
         self._waiting.clear()
         self._confirmed.clear()
+        self._sent.clear()
         if self.node_id and manager.bridges_by_node.get(self.node_id) is self:
             manager.bridge_down(self)
         if self.state == "up":
@@ -319,8 +331,17 @@ class Bridge:
         self._send(client, consumer, message[M_ID], outgoing)
 
     def _send(self, client: LinkClient, consumer: Consumer, message_id: int, outgoing: WireMessage) -> None:
-        future = client.send_now(outgoing)
-        future.add_done_callback(lambda f: self._settled(f, consumer, message_id, outgoing))
+        # No callback per message: the other node confirms in order, and ``_on_settled`` walks this queue
+        # once per read that brought confirms.
+        self._sent.append((client.send_now(outgoing), consumer, message_id))
+
+    def _on_settled(self) -> None:
+        sent = self._sent
+        while sent and sent[0][0].done():
+            future, consumer, message_id = sent.popleft()
+            self._settled(future, consumer, message_id)
+        if self._confirmed:
+            self._settle()
 
     async def _send_waiting(self, client: LinkClient) -> None:
         try:
@@ -332,16 +353,12 @@ class Bridge:
         except LinkRequestError:
             pass  # the connection went: _teardown gave the messages back
 
-    def _settled(self, future: asyncio.Future[None], consumer: Consumer, message_id: int,
-                 outgoing: WireMessage) -> None:  # fmt: skip
+    def _settled(self, future: asyncio.Future[None], consumer: Consumer, message_id: int) -> None:
         if future.cancelled() or self.consumers.get(consumer.id) is not consumer:
             return
         error = future.exception()
         if error is None:
             self._confirmed.setdefault(consumer, []).append(message_id)
-            if not self._settle_scheduled:
-                self._settle_scheduled = True
-                asyncio.get_running_loop().call_soon(self._settle)
             return
         if isinstance(error, LinkRequestError) and error.code != ErrorCode.EOF:
             # Refused by the other node (its limits, a queue that went): keep the message here.
@@ -350,7 +367,6 @@ class Bridge:
             self.manager.refused(self, consumer, message_id)
 
     def _settle(self) -> None:
-        self._settle_scheduled = False
         session = self.session
         if session is None:
             return
