@@ -363,3 +363,16 @@ async def test_join_of_another_cluster_and_a_bindings_flood_are_refused_with_a_l
     assert "is not this cluster's" in first.log()
     assert "join refused" in stranger.log()
     stop_all([first, stranger, second])
+
+
+async def test_creating_a_queue_that_other_nodes_hold_says_where(tmp_path: Path) -> None:
+    nodes = start_cluster(tmp_path, 2)
+    a, b = nodes
+    async with client(a) as ca, client(b) as cb:
+        await ca.create_queue("held", durable=True)
+        wait_until(lambda: cluster_view(b)["remote_bindings"] >= 1, what="b to learn a's queue")
+        reply = await cb.create_queue("held", durable=True)
+        assert reply["created"] is True
+        assert reply["elsewhere"] == [node_id(a)]
+        assert "elsewhere" not in await cb.create_queue("only-here", durable=True)
+    stop_all(nodes)

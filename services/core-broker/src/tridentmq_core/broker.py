@@ -1114,7 +1114,12 @@ class Broker:
             last_value_key=lvq, max_consumers=max_consumers, auto_delete=bool(spec.get("auto_delete", False)),
             expires_ms=-1 if expires_ms is None else expires_ms, owner=session if temporary else None,
         )  # fmt: skip
-        return {"created": True, "queue": name, "address": address}
+        reply: dict[str, Any] = {"created": True, "queue": name, "address": address}
+        if self.cluster is not None:  # new here, but other nodes may hold a queue of that name (and its messages)
+            elsewhere = sorted({b.node_id for b in self.cluster.bindings.for_queue(name) if b.address == address})
+            if elsewhere:
+                reply["elsewhere"] = elsewhere
+        return reply
 
     def _change_expiry(self, session: Session, queue: Queue, expires_ms: int, now_ms: int) -> None:
         """A new expires_ms for an existing queue. It can get the queue deleted, so it takes the right to
