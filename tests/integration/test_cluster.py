@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import json
 import signal
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -375,4 +377,22 @@ async def test_creating_a_queue_that_other_nodes_hold_says_where(tmp_path: Path)
         assert reply["created"] is True
         assert reply["elsewhere"] == [node_id(a)]
         assert "elsewhere" not in await cb.create_queue("only-here", durable=True)
+    stop_all(nodes)
+
+
+async def test_status_shows_every_node_with_its_backlog_and_stranded_messages(tmp_path: Path) -> None:
+    nodes = start_cluster(tmp_path, 2)
+    a, b = nodes
+    await publish(b, "nobody-reads", bodies(7))
+    result = subprocess.run([sys.executable, "-m", "tridentmq_shared.cli", "status", "--management", a.management_url],
+                            capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "2 live nodes" in result.stdout
+    assert "stranded" in result.stdout
+    as_json = subprocess.run([sys.executable, "-m", "tridentmq_shared.cli", "status", "--json", "--management",
+                              a.management_url], capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    by_name = {n["name"]: n for n in json.loads(as_json.stdout)["cluster"]["nodes"]}
+    assert by_name["node-1"]["backlog"] == 7
+    assert by_name["node-1"]["stranded"] == 7
+    assert by_name["node-0"]["backlog"] == 0
     stop_all(nodes)

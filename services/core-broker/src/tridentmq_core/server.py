@@ -255,7 +255,8 @@ class CoreNode:
             host = cluster.advertise_host or (link.host if link.host not in ("0.0.0.0", "::", "") else "127.0.0.1")
             self.cluster = ClusterManager(self.broker, self.settings, node_id=self.node_id,
                                           name=self.settings.node.name, advertise=(host, self.status.link_port),
-                                          schedule_flush=self.schedule_flush)  # fmt: skip
+                                          schedule_flush=self.schedule_flush,
+                                          management_port=self.management_port)  # fmt: skip
             self.status.cluster = self.cluster.status
             await self.cluster.start()
         self.status.ready = True

@@ -84,7 +84,33 @@ def cluster_lines(cluster: dict[str, Any]) -> list[str]:
         lines.append("redistributing " + ", ".join(f"{q} → {n[:8]}" for q, n in cluster["redistributing"].items()))
     stranded = cluster.get("stranded") or {}
     lines.append("stranded    " + (", ".join(f"{q} {n:,}" for q, n in stranded.items()) or "none"))
+    nodes = cluster.get("nodes")
+    if nodes:
+        rows = [[n["name"], n["link"], n.get("backlog", "?"), n.get("stranded", "?"), n.get("forwarding", "?"),
+                 n.get("error", "")] for n in nodes]  # fmt: skip
+        lines.append(format_table(["node", "link", "backlog", "stranded", "to forward", "note"], rows))
     return lines
+
+
+def cluster_nodes(cluster: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every live member's own figures, read from its management API (an unreachable one says why)."""
+    nodes = []
+    for member in cluster["members"]:
+        entry: dict[str, Any] = {"name": member["name"] or member["node_id"][:8], "node_id": member["node_id"],
+                                 "link": f"{member['host']}:{member['port']}"}  # fmt: skip
+        if not member.get("management"):
+            entry["error"] = "no management port"
+        else:
+            try:
+                view = fetch(f"http://{member['host']}:{member['management']}", "/api/cluster", timeout=2.0)
+            except AdminError as exc:
+                entry["error"] = str(exc)
+            else:
+                entry["backlog"] = sum(n for q, n in view["backlog"].items() if not q.startswith("$sys.cluster."))
+                entry["stranded"] = sum(view["stranded"].values())
+                entry["forwarding"] = sum(c["pending_forward"] for c in view["connections"])
+        nodes.append(entry)
+    return nodes
 
 
 def queue_table(queues: list[dict[str, Any]]) -> str:

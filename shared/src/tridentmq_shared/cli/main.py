@@ -150,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
             return run_main(supervisor.supervise(children))
         case "status":
             status = admin.fetch(args.management, "/api/status")
+            if status.get("cluster"):
+                status["cluster"]["nodes"] = admin.cluster_nodes(status["cluster"])
             print(json.dumps(status, indent=2) if args.json else admin.status_text(status))
             return 0
         case "queue":

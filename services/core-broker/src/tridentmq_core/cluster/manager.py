@@ -53,19 +53,23 @@ class Member:
     name: str
     host: str
     port: int
+    management: int = 0  # its management HTTP port (0: none), for `tridentmq status` across the cluster
 
     def to_wire(self) -> dict[str, Any]:
-        return {"node_id": self.node_id, "name": self.name, "host": self.host, "port": self.port}
+        return {"node_id": self.node_id, "name": self.name, "host": self.host, "port": self.port,
+                "management": self.management}  # fmt: skip
 
     @staticmethod
     def from_wire(item: Any) -> Member:
         if not isinstance(item, dict):
             raise ValueError("a member is a map")  # noqa: TRY004 - callers catch ValueError for any bad input
         node_id, name, host, port = item.get("node_id"), item.get("name", ""), item.get("host"), item.get("port")
+        management = item.get("management", 0)
         if not (isinstance(node_id, str) and node_id and isinstance(name, str) and isinstance(host, str) and host
-                and type(port) is int and 0 < port < 65536):  # fmt: skip
+                and type(port) is int and 0 < port < 65536 and type(management) is int
+                and 0 <= management < 65536):  # fmt: skip
             raise ValueError(f"malformed member {str(item)[:120]}")
-        return Member(node_id, name, host, port)
+        return Member(node_id, name, host, port, management)
 
 
 @dataclass(slots=True)
@@ -380,13 +384,14 @@ class Bridge:
 
 class ClusterManager:
     def __init__(self, broker: Broker, settings: CoreSettings, *, node_id: str, name: str, advertise: tuple[str, int],
-                 schedule_flush: Callable[[], None]) -> None:  # fmt: skip
+                 schedule_flush: Callable[[], None], management_port: int = 0) -> None:  # fmt: skip
         cluster = settings.cluster
         self.broker = broker
         self.settings = settings
         self.node_id = node_id
         self.name = name
         self.advertise = advertise
+        self.management_port = management_port
         self.schedule_flush = schedule_flush
         self.bindings = RemoteBindings(node_id, max_hops=cluster.max_hops, max_per_node=cluster.max_bindings)
         self.policy = cluster.message_load_balancing.upper()
@@ -446,7 +451,8 @@ class ClusterManager:
     def join_info(self) -> dict[str, Any]:
         host, port = self.advertise
         return {"cluster": self.settings.cluster.name, "node_id": self.node_id, "name": self.name, "host": host,
-                "port": port, "max_hops": self.settings.cluster.max_hops}  # fmt: skip
+                "port": port, "management": self.management_port,
+                "max_hops": self.settings.cluster.max_hops}  # fmt: skip
 
     # ------------------------------------------------------------------ another node joins us
     def on_topology(self, session: Session, info: dict[str, Any]) -> dict[str, Any]:
@@ -510,7 +516,7 @@ class ClusterManager:
     def members_view(self) -> list[dict[str, Any]]:
         """The live members: this node and the nodes its cluster connections reach."""
         host, port = self.advertise
-        view = [Member(self.node_id, self.name, host, port).to_wire()]
+        view = [Member(self.node_id, self.name, host, port, self.management_port).to_wire()]
         for node_id, bridge in sorted(self.bridges_by_node.items()):
             if bridge.up:
                 member = self.members.get(node_id) or Member(node_id, bridge.name, bridge.host, bridge.port)
