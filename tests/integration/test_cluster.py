@@ -380,18 +380,21 @@ async def test_creating_a_queue_that_other_nodes_hold_says_where(tmp_path: Path)
     stop_all(nodes)
 
 
-async def test_status_shows_every_node_with_its_backlog_and_stranded_messages(tmp_path: Path) -> None:
+def test_status_shows_every_node_with_its_backlog_and_stranded_messages(tmp_path: Path) -> None:
     nodes = start_cluster(tmp_path, 2)
     a, b = nodes
-    await publish(b, "nobody-reads", bodies(7))
-    result = subprocess.run([sys.executable, "-m", "tridentmq_shared.cli", "status", "--management", a.management_url],
-                            capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    assert "2 live nodes" in result.stdout
-    assert "stranded" in result.stdout
-    as_json = subprocess.run([sys.executable, "-m", "tridentmq_shared.cli", "status", "--json", "--management",
-                              a.management_url], capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
-    by_name = {n["name"]: n for n in json.loads(as_json.stdout)["cluster"]["nodes"]}
+    asyncio.run(publish(b, "nobody-reads", bodies(7)))
+
+    def status(*args: str) -> str:
+        command = [sys.executable, "-m", "tridentmq_shared.cli", "status", *args, "--management", a.management_url]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    text = status()
+    assert "2 live nodes" in text
+    assert "stranded" in text
+    by_name = {n["name"]: n for n in json.loads(status("--json"))["cluster"]["nodes"]}
     assert by_name["node-1"]["backlog"] == 7
     assert by_name["node-1"]["stranded"] == 7
     assert by_name["node-0"]["backlog"] == 0
