@@ -399,3 +399,19 @@ def test_status_shows_every_node_with_its_backlog_and_stranded_messages(tmp_path
     assert by_name["node-1"]["stranded"] == 7
     assert by_name["node-0"]["backlog"] == 0
     stop_all(nodes)
+
+
+async def test_a_message_redistributed_after_a_failed_delivery_stays_flagged_redelivered(tmp_path: Path) -> None:
+    nodes = start_cluster(tmp_path, 2)
+    a, b = nodes
+    await publish(a, "retry", [b"once"])
+    async with client(a) as ca:
+        first = await ca.subscribe("retry", credit=1)
+        assert [count for count, _ in await first.get_batch(timeout=5)] == [1]
+        await first.close()  # never acknowledged: back to the queue, delivered once
+    async with client(b) as cb:
+        moved = await cb.subscribe("retry", credit=1)
+        batch = await moved.get_batch(timeout=10)
+        assert [(count, bytes(m[M_BODY])) for count, m in batch] == [(2, b"once")]
+        moved.ack_ids([m[M_ID] for _, m in batch])
+    stop_all(nodes)

@@ -14,14 +14,17 @@ from tridentmq_core.cluster.redistribution import Arrivals
 
 @pytest.mark.parametrize("dedup_id", ["a:1", "x" * 31, "y" * 32, "z" * 300])
 def test_forward_header_round_trips_as_plain_msgpack(dedup_id: str) -> None:
-    header = ForwardHeader("node-b", ("q1", "q2"), 2, dedup_id)
-    assert msgpack.unpackb(header.encode()) == ["node-b", ["q1", "q2"], 2, dedup_id]
-    assert ForwardHeader.decode(header.encode()) == header
+    for delivered in (0, 3, 500):
+        header = ForwardHeader("node-b", ("q1", "q2"), 2, dedup_id, delivered)
+        assert msgpack.unpackb(header.encode()) == ["node-b", ["q1", "q2"], 2, dedup_id, delivered]
+        assert ForwardHeader.decode(header.encode()) == header
 
 
 @pytest.mark.parametrize("value", [
-    "text", b"\xc1", msgpack.packb([1, 2, 3]), msgpack.packb(["n", ["q"], -1, "d"]), msgpack.packb(["n", [1], 0, "d"]),
-    msgpack.packb(["n", ["q"], 0, ""]), msgpack.packb({"target": "n"}), b"\x94" + b"\x91" * 10_000,
+    "text", b"\xc1", msgpack.packb([1, 2, 3]), msgpack.packb(["n", ["q"], -1, "d", 0]),
+    msgpack.packb(["n", [1], 0, "d", 0]), msgpack.packb(["n", ["q"], 0, "", 0]),
+    msgpack.packb(["n", ["q"], 0, "d", -1]), msgpack.packb(["n", ["q"], 0, "d"]), msgpack.packb({"target": "n"}),
+    b"\x95" + b"\x91" * 10_000,
 ])  # fmt: skip
 def test_a_malformed_forward_header_is_a_value_error(value: Any) -> None:
     with pytest.raises(ValueError):  # noqa: PT011 - every kind of bad header maps to ValueError

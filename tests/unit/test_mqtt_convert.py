@@ -48,7 +48,10 @@ def core_delivers(topic_filter: str, topic: str) -> bool:
     routed = pattern_matches(pattern, address)
     trie: AddressTrie[int] = AddressTrie()
     trie.add(pattern, 1)
-    assert (trie.match(address) == (1,)) == routed  # the broker's trie agrees with pattern_matches
+    # The broker's trie agrees with pattern_matches, except that routing never reaches a '$' address through
+    # a leading wildcard (the core's own rule, which the gateway's '$' rule makes invisible here).
+    system = address.startswith("$") and pattern.split(".")[0] != address.split(".")[0]
+    assert (trie.match(address) == (1,)) == (routed and not system)
     return routed and delivers(topic_filter, topic)
 
 

@@ -419,3 +419,12 @@ def test_trie_after_removals_matches_model(
     for key in list(model):
         trie.remove(*key)
     assert trie._root.is_empty()
+
+
+def test_leading_wildcards_do_not_reach_the_brokers_own_addresses() -> None:
+    trie: AddressTrie[str] = AddressTrie()
+    for pattern in ("#", "*.retained", "$mqtt.#", "$mqtt.retained", "a.#"):
+        trie.add(pattern, pattern)
+    assert trie.match("$mqtt.retained") == ("$mqtt.#", "$mqtt.retained")
+    assert trie.match("$sys") == ()
+    assert trie.match("a.$b") == ("#", "a.#")  # only a first word is special

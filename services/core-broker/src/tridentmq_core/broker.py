@@ -596,14 +596,15 @@ class Broker:
         queues = tuple(q for name in header.queues if (q := self.queues.get(name)) is not None)
         if not queues:  # gone meanwhile (or a relay that cannot reach the target): route it here by address
             queues = self._route(message, now_ms, create=True)
-        token = self._admit(message, queues, now_ms)
+        token = self._admit(message, queues, now_ms, delivered=header.delivered)
         if cluster is not None:
             self.arrivals.add(message[M_ID], now_ms)
         return token
 
     def _admit(self, message: WireMessage, queues: tuple[Queue, ...], now_ms: int,
-               remote: dict[str, list[str]] | None = None) -> int:  # fmt: skip
-        """Store a routed message in its local queues and the store-and-forward queues of ``remote``."""
+               remote: dict[str, list[str]] | None = None, delivered: int = 0) -> int:  # fmt: skip
+        """Store a routed message in its local queues and the store-and-forward queues of ``remote``;
+        ``delivered``: delivery attempts it had on another node (its next delivery counts on from them)."""
         message[M_ID] = self._next_id
         self._next_id += 1
         if not message[M_TIMESTAMP]:
@@ -631,7 +632,10 @@ class Broker:
             return token
         to_dispatch = self._to_dispatch
         for queue in queues:
-            queue.add(message)
+            if delivered:
+                queue.restore(message, delivered)
+            else:
+                queue.add(message)
             if queue not in to_dispatch:
                 to_dispatch.add(queue)
         return token

@@ -3,6 +3,10 @@
 Addresses are words separated by ``.``. In patterns ``*`` matches exactly one word and
 ``#`` matches zero or more words (Artemis semantics), so ``a.#`` matches ``a`` and
 ``a.b.c``, and ``a.#.c`` matches ``a.c``.
+
+An address whose first word starts with ``$`` is the broker's own (``$sys.``, ``$mqtt.``): a pattern
+reaches it only by naming that word, never through a leading wildcard (MQTT's rule for ``$`` topics, here
+for every protocol), so a subscription to ``#`` does not see the broker's internal traffic.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ T = TypeVar("T", bound=Hashable)
 DELIMITER = "."
 ANY_WORD = "*"
 ANY_WORDS = "#"
+SYSTEM_MARK = "$"
 MAX_ADDRESS_LENGTH = 255
 MAX_ADDRESS_WORDS = 32
 DEFAULT_CACHE_SIZE = 65536
@@ -237,8 +242,16 @@ class AddressTrie(Generic[T]):
     def _lookup(self, address: str) -> tuple[T, ...]:
         # Simulate the trie as an NFA: the set of active nodes is bounded by the trie size, so
         # any number of '#' costs O(words x nodes) rather than exponential backtracking.
-        active = _closure([self._root])
-        for word in address.split(DELIMITER):
+        words = address.split(DELIMITER)
+        if address.startswith(SYSTEM_MARK):  # only a literal first word leads there (see the module docstring)
+            first = self._root.children.get(words[0])
+            if first is None:
+                return ()
+            active = _closure([first])
+            words = words[1:]
+        else:
+            active = _closure([self._root])
+        for word in words:
             stepped: list[_Node[T]] = []
             for node in active:
                 if node.is_hash:

@@ -1,10 +1,11 @@
 """The header a forwarded message carries between nodes. Pure.
 
 A message moving to another node keeps its fields and gains one property holding, msgpack-encoded, the node
-it is for, the queues there that get it, how many nodes it has crossed and a duplicate-detection id unique
-to this transfer. The receiving node removes the property before it stores the message, so no client sees
-it. The id is the sending node's and the message's, not the producer's: a message that moves A → B → A must
-not look like a duplicate of itself on A, and a transfer re-sent after a lost link must.
+it is for, the queues there that get it, how many nodes it has crossed, a duplicate-detection id unique to
+this transfer, and how often it was delivered before (so a redelivery stays flagged as one). The receiving
+node removes the property before it stores the message, so no client sees it. The id is the sending node's
+and the message's, not the producer's: a message that moves A → B → A must not look like a duplicate of
+itself on A, and a transfer re-sent after a lost link must.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class ForwardHeader(NamedTuple):
     queues: tuple[str, ...]  # queues on that node; empty: route by address there
     hops: int  # nodes crossed so far
     dedup_id: str  # sending node id + its message id
+    delivered: int = 0  # delivery attempts it already had (a message redistributed after a failed delivery)
 
     def encode(self) -> bytes:
         """The msgpack array, built from a cached prefix: every forwarded message needs one, and all but the
@@ -34,17 +36,18 @@ class ForwardHeader(NamedTuple):
         key = (self.target, self.queues, self.hops)
         prefix = _PREFIXES.get(key)
         if prefix is None:
-            prefix = b"\x94" + msgpack.packb(self.target) + msgpack.packb(list(self.queues)) + msgpack.packb(self.hops)
+            prefix = b"\x95" + msgpack.packb(self.target) + msgpack.packb(list(self.queues)) + msgpack.packb(self.hops)
             if len(_PREFIXES) >= _MAX_PREFIXES:
                 _PREFIXES.clear()
             _PREFIXES[key] = prefix
         raw = self.dedup_id.encode()
         size = len(raw)
+        delivered = bytes((self.delivered,)) if 0 <= self.delivered < 128 else msgpack.packb(self.delivered)
         if size < 32:
-            return b"".join((prefix, bytes((0xA0 | size,)), raw))  # msgpack fixstr
+            return b"".join((prefix, bytes((0xA0 | size,)), raw, delivered))  # msgpack fixstr
         if size < 256:
-            return b"".join((prefix, bytes((0xD9, size)), raw))  # str 8: a node id and a message id
-        return prefix + msgpack.packb(self.dedup_id)
+            return b"".join((prefix, bytes((0xD9, size)), raw, delivered))  # str 8: a node id and a message id
+        return b"".join((prefix, msgpack.packb(self.dedup_id), delivered))
 
     @staticmethod
     def decode(value: object) -> ForwardHeader:
@@ -55,10 +58,11 @@ class ForwardHeader(NamedTuple):
             fields = msgpack.unpackb(value)
         except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
             raise ValueError(f"undecodable forward header: {exc}") from None
-        if type(fields) is not list or len(fields) != 4:
-            raise ValueError("the forward header is [target, queues, hops, dedup_id]")
-        target, queues, hops, dedup_id = fields
+        if type(fields) is not list or len(fields) != 5:
+            raise ValueError("the forward header is [target, queues, hops, dedup_id, delivered]")
+        target, queues, hops, dedup_id, delivered = fields
         if not (type(target) is str and type(queues) is list and all(type(q) is str for q in queues)
-                and type(hops) is int and hops >= 0 and type(dedup_id) is str and dedup_id):  # fmt: skip
+                and type(hops) is int and hops >= 0 and type(dedup_id) is str and dedup_id
+                and type(delivered) is int and delivered >= 0):  # fmt: skip
             raise ValueError("malformed forward header")
-        return ForwardHeader(target, tuple(queues), hops, dedup_id)
+        return ForwardHeader(target, tuple(queues), hops, dedup_id, delivered)

@@ -117,7 +117,7 @@ class _BridgePort(LinkConnection):
         self.bridge = bridge
 
     def deliver(self, consumer_id: int, delivery_count: int, message: WireMessage) -> None:
-        self.bridge.forward(consumer_id, message)
+        self.bridge.forward(consumer_id, message, delivery_count - 1)
 
     def consumer_closed(self, consumer_id: int, code: str, text: str) -> None:
         self.bridge.consumer_closed(consumer_id)
@@ -314,8 +314,9 @@ class Bridge:
         self.client = None
 
     # ------------------------------------------------------------------ forwarding
-    def forward(self, consumer_id: int, message: WireMessage) -> None:
-        """The broker handed a message to one of our consumers: send it to the other node."""
+    def forward(self, consumer_id: int, message: WireMessage, delivered: int = 0) -> None:
+        """The broker handed a message to one of our consumers: send it to the other node. ``delivered``:
+        the delivery attempts it had before this one (which is no attempt: it only moves)."""
         consumer = self.consumers.get(consumer_id)
         client = self.client
         if consumer is None or client is None:
@@ -323,7 +324,7 @@ class Bridge:
         if isinstance(consumer, Redistributor):
             outgoing = list(message)
             header = ForwardHeader(consumer.target.node_id, (consumer.queue.name,), 1,
-                                   f"{self.manager.node_id}:{message[M_ID]}")  # fmt: skip
+                                   f"{self.manager.node_id}:{message[M_ID]}", delivered)  # fmt: skip
             outgoing[M_PROPS] = {**message[M_PROPS], FORWARD_PROPERTY: header.encode()}
         else:
             outgoing = message
