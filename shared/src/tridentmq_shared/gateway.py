@@ -368,7 +368,11 @@ def run_gateway(protocol: str, settings_class: type[S], env_prefix: str,
         sys.exit(f"{prog}: {exc}")
     setup_logging(settings.node.log_level)
     try:
-        run_main(_serve(make(settings, args.ports_file)))
+        gateway = make(settings, args.ports_file)
+    except SettingsError as exc:  # a value the loader cannot check alone (a malformed connector, say)
+        sys.exit(f"{prog}: {exc}")
+    try:
+        run_main(_serve(gateway))
     except OSError as exc:
         sys.exit(f"{prog}: {exc}")
 

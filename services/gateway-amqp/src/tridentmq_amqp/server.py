@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tridentmq_amqp.session import AmqpSession, Counters
 from tridentmq_amqp.settings import AmqpSettings
+from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.gateway import ClientSession, GatewayShell, Metric, ShellConfig, Wire
 
 log = logging.getLogger("tridentmq.amqp")
@@ -18,6 +19,7 @@ class AmqpGateway:
     def __init__(self, settings: AmqpSettings, ports_file: Path | None = None) -> None:
         self.settings = settings
         self.counters = Counters()
+        self.core_links = CoreLinks.of(settings.core, name=settings.node.name)  # its sessions' links use it
         listener, limits, http = settings.listener, settings.amqp, settings.http
         config = ShellConfig(
             protocol="amqp", host=listener.host, port=listener.port, websocket_port=listener.websocket_port,
@@ -35,12 +37,14 @@ class AmqpGateway:
         return AmqpSession(self.settings, wire, self.counters)
 
     async def start(self) -> None:
+        self.core_links.start()
         await self.shell.start()
         core = self.settings.core
         log.info("amqp gateway ready", extra={**self.ports, "core": f"{core.host}:{core.port}"})
 
     async def stop(self) -> None:
         await self.shell.stop(_shut_down)
+        await self.core_links.stop()
 
     def _metrics(self) -> list[Metric]:
         c = self.counters

@@ -59,8 +59,9 @@ from tridentmq_amqp.protocol.errors import (
 )
 from tridentmq_amqp.protocol.sasl import AuthRequest, SaslLayer
 from tridentmq_amqp.settings import AmqpSettings
+from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.gateway import Wire
-from tridentmq_shared.link.client import LinkClient, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.link.client import LinkClient, LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import (
     M_ADDRESS,
@@ -75,7 +76,6 @@ from tridentmq_shared.message import (
 
 log = logging.getLogger("tridentmq.amqp")
 
-_NO_LINK_RETRY = ReconnectPolicy(attempts=0)  # a lost core ends the AMQP connection; the client reconnects
 OFFERED_CAPABILITIES: Final = ("ANONYMOUS-RELAY", "SHARED-SUBS")
 #: A non-durable shared subscription outlives its last consumer by this much (so that a consumer reattaching
 #: at once finds it, and the core never deletes it between its creation and the first consumer).
@@ -258,8 +258,7 @@ class AmqpSession:
 
     async def _connect(self, user: str | None, password: str | None) -> LinkRequestError | None:
         core = self.settings.core
-        link = LinkClient(core.host, core.port, user=user, password=password,
-                          client_name=f"amqp {self.wire.peer}", reconnect=_NO_LINK_RETRY)  # fmt: skip
+        link = CoreLinks.of(core).client(user=user, password=password, client_name=f"amqp {self.wire.peer}")
         try:
             await link.connect()
         except LinkRequestError as exc:

@@ -9,6 +9,7 @@ from pathlib import Path
 from tridentmq_mqtt.session import Counters, MqttSession
 from tridentmq_mqtt.settings import MqttSettings
 from tridentmq_mqtt.state import Registry
+from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.gateway import ClientSession, GatewayShell, Metric, ShellConfig, Wire
 from tridentmq_shared.link.client import LinkRequestError
 
@@ -22,6 +23,8 @@ class MqttGateway:
         self.settings = settings
         self.counters = Counters()
         core = settings.core
+        # Its sessions' links and the registry's use it.
+        self.core_links = CoreLinks.of(core, name=settings.node.name, heartbeat_ms=core.heartbeat_ms)
         self.registry = Registry(core.host, core.port, core.user, core.password, settings.node.name,
                                  core.heartbeat_ms)  # fmt: skip
         self.registry.on_lost.append(self._service_link_lost)
@@ -43,6 +46,7 @@ class MqttGateway:
         return MqttSession(self.settings, self.registry, wire, self.counters)
 
     async def start(self) -> None:
+        self.core_links.start()
         try:
             await self.registry.link()
         except (LinkRequestError, OSError) as exc:  # clients are refused (0x88) until the core is back
@@ -54,6 +58,7 @@ class MqttGateway:
     async def stop(self) -> None:
         await self.shell.stop(_shut_down)
         await self.registry.close()
+        await self.core_links.stop()
 
     def _service_link_lost(self) -> None:
         """Every session's lock went with the link: end them all (their clients reconnect)."""

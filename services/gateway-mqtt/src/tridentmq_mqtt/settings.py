@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tridentmq_shared.core_links import CoreLinkSettings
 from tridentmq_shared.settings import doc
 
 ENV_PREFIX = "TRIDENTMQ_MQTT"
@@ -25,12 +26,14 @@ class ListenerSection:
 
 
 @dataclass(frozen=True)
-class CoreLinkSection:
-    host: str = doc("127.0.0.1", "Core node to connect clients to.")
-    port: int = doc(61616, "Its link port.")
+class CoreLinkSection(CoreLinkSettings):
+    """The core nodes, load balancing and failover of client links as every gateway's (``CoreLinkSettings``),
+    and the gateway's own link."""
+
     user: str = doc("", "Core user of the gateway itself, for the session, lock and retained-message queues "
-                        "under `$mqtt.` (empty = anonymous, which the core allows on loopback while it has "
-                        "no users). Clients publish and subscribe as themselves.")  # fmt: skip
+                        "under `$mqtt.` and for following the cluster's topology (empty = anonymous, which the "
+                        "core allows on loopback while it has no users). Clients publish and subscribe as "
+                        "themselves.")  # fmt: skip
     password: str = doc("", "Password of that user.")
     heartbeat_ms: int = doc(1000, "Heartbeat interval asked of the core on the gateway's links; a core silent for "
                                   "4 intervals is taken for dead. Longer than the core's 250 ms so that a "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.gateway import ClientSession, GatewayShell, Metric, ShellConfig, Wire
 from tridentmq_stomp.session import Counters, StompSession
 from tridentmq_stomp.settings import StompSettings
@@ -19,6 +20,7 @@ class StompGateway:
     def __init__(self, settings: StompSettings, ports_file: Path | None = None) -> None:
         self.settings = settings
         self.counters = Counters()
+        self.core_links = CoreLinks.of(settings.core, name=settings.node.name)  # its sessions' links use it
         listener, limits, http = settings.listener, settings.stomp, settings.http
         config = ShellConfig(
             protocol="stomp", host=listener.host, port=listener.port, websocket_port=listener.websocket_port,
@@ -36,12 +38,14 @@ class StompGateway:
         return StompSession(self.settings, wire, self.counters)
 
     async def start(self) -> None:
+        self.core_links.start()
         await self.shell.start()
         core = self.settings.core
         log.info("stomp gateway ready", extra={**self.ports, "core": f"{core.host}:{core.port}"})
 
     async def stop(self) -> None:
         await self.shell.stop(lambda session: session.connection_lost())
+        await self.core_links.stop()
 
     def _metrics(self) -> list[Metric]:
         c = self.counters

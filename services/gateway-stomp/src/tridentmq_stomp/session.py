@@ -23,8 +23,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.gateway import Wire
-from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import M_ID, RoutingType
 from tridentmq_stomp import convert
@@ -45,7 +46,6 @@ _DIGITS = re.compile(r"[0-9]{1,20}")
 _ERROR_NAMES = {ErrorCode.FORBIDDEN: "permission denied", ErrorCode.NOT_FOUND: "not found",
                 ErrorCode.INVALID: "invalid request", ErrorCode.RESOURCE_LIMIT: "resource limit",
                 ErrorCode.EXISTS: "already exists"}  # fmt: skip
-_NO_LINK_RETRY = ReconnectPolicy(attempts=0)  # a lost core ends the STOMP connection; the client reconnects
 
 
 class Counters:
@@ -217,8 +217,8 @@ class StompSession:
 
     async def _connect(self, event: ev.Connect) -> None:
         core = self.settings.core
-        link = LinkClient(core.host, core.port, user=event.login, password=event.passcode,
-                          client_name=f"stomp {self.wire.peer}", reconnect=_NO_LINK_RETRY)  # fmt: skip
+        link = CoreLinks.of(core).client(user=event.login, password=event.passcode,
+                                         client_name=f"stomp {self.wire.peer}")  # fmt: skip
         try:
             await link.connect()
         except LinkRequestError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tridentmq_shared.core_links import CoreLinkSettings
 from tridentmq_shared.settings import doc
 
 ENV_PREFIX = "TRIDENTMQ_STOMP"
@@ -25,9 +26,8 @@ class ListenerSection:
 
 
 @dataclass(frozen=True)
-class CoreLinkSection:
-    host: str = doc("127.0.0.1", "Core node to connect clients to.")
-    port: int = doc(61616, "Its link port.")
+class CoreLinkSection(CoreLinkSettings):
+    """The core nodes, load balancing and failover of client links: every gateway's (``CoreLinkSettings``)."""
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,26 @@
 """asyncio client of the internal link: requests, publishing with confirms, consumers with credit.
 
 A thin shell around ``LinkConnection``: output is written once per event-loop iteration, so a burst of
-publishes becomes one frame. When the connection drops (not closed by us) the client reconnects with
-exponential backoff, re-sends its will, re-creates its consumers and re-sends every unconfirmed publish;
-durable messages carry a producer id + sequence dedup id (stamped here when absent), so a re-send is never
-stored twice.
+publishes becomes one frame. A client may know several core nodes (a ``Topology``, possibly shared with
+other clients and following the cluster's membership): it connects to the one its load-balancing policy
+picks. When the connection drops (not closed by us) the client fails over: it reconnects with exponential
+backoff, to another live node first, re-creates its temporary queues, re-sends its will, re-creates its
+consumers and re-sends every unconfirmed publish; durable messages carry a producer id + sequence dedup id
+(stamped here when absent), so a re-send is never stored twice. Meanwhile the application's publishes and
+requests wait rather than fail.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import time
 import uuid
-from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, cast
 
@@ -24,6 +28,7 @@ from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.codec import DEFAULT_HEARTBEAT_MS, LinkConnection, Role, State
 from tridentmq_shared.link.errors import LinkError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
+from tridentmq_shared.link.topology import Endpoint, LoadBalancing, Topology
 from tridentmq_shared.message import M_BODY, M_DEDUP, M_DURABLE, M_ID, M_PROPS, RoutingType, WireMessage
 from tridentmq_shared.runtime import set_nodelay
 
@@ -37,6 +42,10 @@ EARLY_WRITE_OPERATIONS = 256
 EARLY_WRITE_BYTES = 1024 * 1024
 #: How long ``close`` waits for the server to close its side after ours.
 CLOSE_TIMEOUT = 5.0
+#: Queue definitions remembered to re-create a consumer's queue on another node after a failover.
+MAX_REMEMBERED_QUEUES = 1024
+#: Refusals that another node or a later attempt would give again: a (re)connect stops at them.
+_FATAL: Final = (ErrorCode.UNAUTHENTICATED, ErrorCode.VERSION)
 
 
 class LinkRequestError(Exception):
@@ -54,7 +63,8 @@ class LinkClosedError(LinkRequestError):
 
 @dataclass(frozen=True, slots=True)
 class ReconnectPolicy:
-    """Artemis' reconnect parameters: -1 attempts = forever."""
+    """Artemis' reconnect parameters: -1 attempts = forever. One attempt tries every node of the topology
+    once; the wait between attempts starts at ``retry_interval`` seconds and grows to ``max_interval``."""
 
     retry_interval: float = 0.1
     multiplier: float = 2.0
@@ -107,6 +117,8 @@ class Consumer:
         self.options = options
         self.consumer_id = 0
         self.info: dict[str, Any] = {}
+        self.spec: dict[str, Any] | None = None  # the CREATE_QUEUE of its queue on this link, if any
+        self._on: LinkConnection | None = None  # the connection it is subscribed on
         self.browse_done = False
         self.closed: LinkRequestError | None = None
         self._buffer: deque[list[Any]] = deque()  # raw DELIVER operations; wrapped when taken
@@ -222,13 +234,22 @@ class _Protocol(asyncio.Protocol):
 
 
 class LinkClient:
-    """A connection to one core node. Use ``async with LinkClient(...) as client``."""
+    """A connection to a core node. Use ``async with LinkClient(...) as client``.
+
+    The nodes it may use are ``endpoints`` (else ``host``, ``port``), or a ``topology`` shared with other
+    clients; ``load_balancing`` picks among them when the client makes its own topology. With
+    ``follow_topology`` the client asks its node for the cluster's members after each (re)connect and keeps
+    the topology up to date from the node's pushes (one such client per process is enough)."""
 
     def __init__(
         self,
         host: str = "127.0.0.1",
         port: int = 61616,
         *,
+        endpoints: Sequence[Endpoint] | None = None,
+        topology: Topology | None = None,
+        load_balancing: str | LoadBalancing = LoadBalancing.ROUND_ROBIN,
+        follow_topology: bool = False,
         user: str | None = None,
         password: str | None = None,
         client_name: str = "tridentmq-client",
@@ -236,8 +257,10 @@ class LinkClient:
         reconnect: ReconnectPolicy | None = None,
         connect_timeout: float = 5.0,
     ) -> None:
-        self.host = host
-        self.port = port
+        #: The nodes this client may use (``topology`` is the TOPOLOGY request).
+        self.nodes = topology or Topology(list(endpoints) if endpoints else [(host, port)], load_balancing)
+        self.follow_topology = follow_topology
+        self.host, self.port = self.nodes.seeds[0]  # the node connected to, once connected
         self.user = user
         self.password = password
         self.client_name = client_name
@@ -245,6 +268,7 @@ class LinkClient:
         self.reconnect = reconnect or ReconnectPolicy()
         self.connect_timeout = connect_timeout
         self.node_id = ""
+        self.failovers = 0  # reconnects that succeeded
         self.producer_id = uuid.uuid4().hex[:16]
         self._dedup_seq = itertools.count(1)
         # The loop, kept: asyncio.get_running_loop() makes a getpid() system call each time, a fifth of a
@@ -253,10 +277,14 @@ class LinkClient:
         self._conn: LinkConnection | None = None
         self._protocol: _Protocol | None = None
         self._opened: asyncio.Future[None] | None = None
+        self._connecting = False
         self._requests: dict[int, asyncio.Future[Any]] = {}
         # seq → (message, transaction, confirm future) of publishes the server has not confirmed yet
         self._unconfirmed: dict[int, tuple[WireMessage, int, asyncio.Future[None]]] = {}
+        # publishes of a lost connection still to be re-sent, in order
+        self._unsent: deque[tuple[WireMessage, int, asyncio.Future[None]]] = deque()
         self._consumers: dict[int, Consumer] = {}
+        self._queue_specs: OrderedDict[str, dict[str, Any]] = OrderedDict()  # CREATE_QUEUE specs, by queue name
         self._will: dict[str, Any] | None = None  # the will the server accepted, re-sent after a reconnect
         self._credit_waiters: deque[asyncio.Future[None]] = deque()
         self._flush_scheduled = False
@@ -282,27 +310,53 @@ class LinkClient:
     # ------------------------------------------------------------------ connection
     async def connect(self) -> None:
         await self._connect_with_retries(self.reconnect.initial_attempts)
-
-    async def _connect_with_retries(self, attempts: int) -> None:
-        delay = self.reconnect.retry_interval
-        for attempt in itertools.count(1):
+        if self.follow_topology:
             try:
-                await self._open()
-                return
-            except (OSError, TimeoutError) as exc:
-                if attempts >= 0 and attempt >= attempts:
-                    raise LinkClosedError(ErrorCode.EOF, f"cannot connect to {self.host}:{self.port}: {exc}") \
-                        from None  # fmt: skip
-            await asyncio.sleep(delay)
-            delay = min(delay * self.reconnect.multiplier, self.reconnect.max_interval)
+                self._learn(await self.topology({}))
+            except LinkRequestError as exc:
+                if exc.code != ErrorCode.INVALID:
+                    raise
+                self.nodes.not_clustered()
 
-    async def _open(self) -> None:
+    @property
+    def _resuming(self) -> bool:
+        task = self._reconnecting
+        return task is not None and not task.done()
+
+    async def _connect_with_retries(self, attempts: int, failed: Endpoint | None = None) -> None:
+        """Connect to the first node that answers, trying them in the topology's order (``failed`` last),
+        ``attempts`` times over (-1: until one answers)."""
+        delay = self.reconnect.retry_interval
+        self._connecting = True
+        try:
+            for attempt in itertools.count(1):
+                problem: LinkClosedError | None = None
+                for host, port in self.nodes.connection_order(failed):
+                    try:
+                        await self._open(host, port)
+                        return
+                    except (OSError, TimeoutError) as exc:
+                        problem = LinkClosedError(ErrorCode.EOF, f"cannot connect to {host}:{port}: {exc}")
+                    except LinkClosedError as exc:  # refused by that node (stopping, too many links): next one
+                        if exc.code in _FATAL:
+                            raise
+                        problem = exc
+                if attempts >= 0 and attempt >= attempts:
+                    raise problem or LinkClosedError(ErrorCode.EOF, "no node to connect to")
+                await asyncio.sleep(delay)
+                delay = min(delay * self.reconnect.multiplier, self.reconnect.max_interval)
+        finally:
+            self._connecting = False
+
+    async def _open(self, host: str, port: int) -> None:
         loop = self._loop = asyncio.get_running_loop()
+        self.host, self.port = host, port
         conn = LinkConnection(Role.CLIENT, heartbeat_ms=self.heartbeat_ms)
         self._conn = conn
+        self._error = None
         self._opened = loop.create_future()
         transport, protocol = await asyncio.wait_for(
-            loop.create_connection(lambda: _Protocol(self), self.host, self.port), self.connect_timeout
+            loop.create_connection(lambda: _Protocol(self), host, port), self.connect_timeout
         )
         self._protocol = protocol
         conn.hello(self.user, self.password, self.client_name)
@@ -312,6 +366,8 @@ class LinkClient:
         except BaseException:
             transport.abort()
             raise
+        if self._conn is not conn:  # lost right after the WELCOME
+            raise ConnectionError("connection lost")
         self._heartbeat_task = asyncio.create_task(self._heartbeat(conn))
 
     async def _heartbeat(self, conn: LinkConnection) -> None:
@@ -429,6 +485,8 @@ class LinkClient:
                     consumer.browse_done = True
                     consumer._wake()
             case ev.TopologyUpdate(update):
+                if self.follow_topology:
+                    self._learn(update)
                 if self.on_topology is not None:
                     self.on_topology(update)
             case ev.Closed(code, text):
@@ -442,8 +500,11 @@ class LinkClient:
             return
         self._conn = None
         self._protocol = None
-        if self._closing or (self._error is not None and self._error.code in (
-                ErrorCode.UNAUTHENTICATED, ErrorCode.VERSION)):  # fmt: skip
+        if self._connecting:  # inside connect() or a reconnect attempt: it reports the failure itself
+            if self._opened is not None and not self._opened.done():
+                self._opened.set_exception(ConnectionError("connection lost during the handshake"))
+            return
+        if self._closing or (self._error is not None and self._error.code in _FATAL):
             self._fail_all(self._error or LinkClosedError(ErrorCode.EOF, "connection lost"))
             return
         error = LinkClosedError(ErrorCode.EOF, f"connection lost: {exc}" if exc else "connection lost")
@@ -451,57 +512,111 @@ class LinkClient:
             if not future.done():
                 future.set_exception(error)
         self._requests.clear()
-        if self._opened is not None and not self._opened.done():
-            return  # still inside connect(): it reports the failure itself
         if self.reconnect.attempts == 0:
-            self._fail_all(error)
+            self._fail_all(self._error or error)  # the server's reason when it said one (shutdown, say)
             return
-        self._reconnecting = asyncio.get_running_loop().create_task(self._resume())
+        # Unconfirmed publishes go again, before those a resume cut short had not re-sent yet.
+        self._unsent.extendleft(self._unconfirmed[seq] for seq in sorted(self._unconfirmed, reverse=True))
+        self._unconfirmed.clear()
+        if self._reconnecting is not None:
+            self._reconnecting.cancel()  # lost again while resuming: start over
+        log.info("link to %s:%s lost, reconnecting", self.host, self.port)
+        self._reconnecting = asyncio.get_running_loop().create_task(self._resume((self.host, self.port)))
 
-    async def _resume(self) -> None:
-        """Reconnect, re-create consumers, re-send unconfirmed publishes in their order."""
+    async def _resume(self, failed: Endpoint) -> None:
+        """Reconnect, to another node first; restore what the old link had; re-send unconfirmed publishes in
+        their order. The application's publishes and requests wait until this is done."""
         try:
-            await self._connect_with_retries(self.reconnect.attempts)
+            await self._connect_with_retries(self.reconnect.attempts, failed)
         except LinkClosedError as exc:
             self._fail_all(exc)
             return
         conn = self._conn
         assert conn is not None
-        self._error = None
-        log.info("reconnected to %s:%s", self.host, self.port)
-        if self._will is not None:
-            # Within its delay the old link's will is pending under the same key: this cancels it.
-            will_resent = self._event_loop().create_future()
-            will_resent.add_done_callback(self._will_resent)
-            self._requests[conn.set_will(self._will)] = will_resent
-        old_consumers = list(self._consumers.values())
-        self._consumers.clear()
-        for consumer in old_consumers:
-            consumer._buffer.clear()
-            consumer._taken = 0
-            req_id, consumer.consumer_id = conn.subscribe(consumer.queue, consumer.window, consumer.options)
-            self._consumers[consumer.consumer_id] = consumer
-            self._requests[req_id] = self._event_loop().create_future()
-        pending = [self._unconfirmed[seq] for seq in sorted(self._unconfirmed)]
-        self._unconfirmed.clear()
-        self._schedule_flush()
-        for message, tx_id, future in pending:
+        self.failovers += 1
+        log.info("link resumed on %s:%s", self.host, self.port, extra={"node_id": self.node_id})
+        self._restore(conn)
+        while self._unsent:
+            message, tx_id, future = self._unsent[0]
             if tx_id:  # its transaction died with the old link: re-sending it outside would be wrong
+                self._unsent.popleft()
                 if not future.done():
                     future.set_exception(LinkClosedError(ErrorCode.EOF, "the link dropped; the transaction is lost"))
                 continue
             await self._wait_credit()
             await self._wait_writable()
             conn = self._live()
+            self._unsent.popleft()
             self._unconfirmed[conn.publish(message)] = (message, 0, future)
             self._queued(conn, message)
         for waiter in self._credit_waiters:
             if not waiter.done():
                 waiter.set_result(None)
 
+    def _restore(self, conn: LinkConnection) -> None:
+        """Everything the old link had set up, queued at once on the new one (the node answers in order): the
+        will, queues, consumers (one refused is closed with the refusal) and the topology request."""
+        if self._will is not None:
+            # Within its delay the old link's will is pending under the same key: this cancels it.
+            self._background(conn.set_will(self._will), self._will_resent)
+        # The link's temporary queues went with it; a consumer's queue may not exist on this node.
+        specs = {name: spec for name, spec in self._queue_specs.items() if spec.get("temporary")}
+        specs.update((c.spec["name"], c.spec) for c in self._consumers.values() if c.spec is not None)
+        for spec in specs.values():
+            self._background(conn.create_queue(spec), _ignore_answer)
+        old_consumers = list(self._consumers.values())
+        self._consumers.clear()
+        for consumer in old_consumers:
+            consumer._buffer.clear()
+            consumer._taken = 0
+            options = consumer.options
+            if consumer.spec is None and "address" in consumer.info:  # made again as it was, if it must be made
+                options = {"address": consumer.info["address"], "routing_type": consumer.info.get("routing_type"),
+                           **options}  # fmt: skip
+            req_id, consumer.consumer_id = conn.subscribe(consumer.queue, consumer.window, options)
+            consumer._on = conn
+            self._consumers[consumer.consumer_id] = consumer
+            self._background(req_id, functools.partial(self._resubscribed, consumer))
+        if self.follow_topology:
+            self._background(conn.topology({}), self._topology_answer)
+        self._schedule_flush()
+
+    def _background(self, req_id: int, done: Callable[[asyncio.Future[Any]], None]) -> None:
+        """A request whose answer goes to ``done`` rather than to a caller."""
+        future: asyncio.Future[Any] = self._event_loop().create_future()
+        future.add_done_callback(done)
+        self._requests[req_id] = future
+
+    def _resubscribed(self, consumer: Consumer, future: asyncio.Future[Any]) -> None:
+        error = None if future.cancelled() else future.exception()
+        if error is None:
+            if not future.cancelled():
+                consumer.info = dict(future.result())
+            return
+        if isinstance(error, LinkClosedError) or not isinstance(error, LinkRequestError):
+            return  # lost again: the next resume subscribes it again
+        log.warning("consumer of %s not restored after a reconnect: %s", consumer.queue, error)
+        if self._consumers.get(consumer.consumer_id) is consumer:
+            del self._consumers[consumer.consumer_id]
+        consumer.closed = error
+        consumer._wake()
+
     def _will_resent(self, future: asyncio.Future[Any]) -> None:
         if not future.cancelled() and future.exception() is not None:
             log.warning("the server refused the will after a reconnect: %s", future.exception())
+
+    def _topology_answer(self, future: asyncio.Future[Any]) -> None:
+        error = None if future.cancelled() else future.exception()
+        if error is None and not future.cancelled():
+            self._learn(future.result())
+        elif isinstance(error, LinkRequestError) and error.code == ErrorCode.INVALID:
+            self.nodes.not_clustered()
+
+    def _learn(self, answer: Any) -> None:
+        """Members from a TOPOLOGY answer or update."""
+        members = answer.get("members") if isinstance(answer, dict) else None
+        if isinstance(members, list) and self.nodes.update(members):
+            log.info("cluster topology: %s", ", ".join(f"{h}:{p}" for h, p in self.nodes.endpoints))
 
     def _fail_all(self, error: LinkRequestError) -> None:
         self._error = error
@@ -509,10 +624,11 @@ class LinkClient:
             if not future.done():
                 future.set_exception(error)
         self._requests.clear()
-        for _, _, future in self._unconfirmed.values():
+        for _, _, future in [*self._unconfirmed.values(), *self._unsent]:
             if not future.done():
                 future.set_exception(error)
         self._unconfirmed.clear()
+        self._unsent.clear()
         for waiter in self._credit_waiters:
             if not waiter.done():
                 waiter.set_exception(error)
@@ -563,33 +679,56 @@ class LinkClient:
         return self._conn
 
     # ------------------------------------------------------------------ requests
+    async def _ready(self) -> LinkConnection:
+        """The open connection, once a reconnection under way (with its re-sends) is over."""
+        while (task := self._reconnecting) is not None and not task.done():
+            await asyncio.wait([task])
+        return self._live()
+
     async def _call(self, req_id: int) -> Any:
         future: asyncio.Future[Any] = self._event_loop().create_future()
         self._requests[req_id] = future
         self._schedule_flush()
         return await future
 
+    async def _request(self, make: Callable[[LinkConnection], int], *, again: bool = True) -> Any:
+        """Send the request ``make`` queues and wait for its answer. A request the link lost is made ``again``
+        on the resumed link when doing it twice is harmless."""
+        while True:
+            try:
+                return await self._call(make(await self._ready()))
+            except LinkClosedError:
+                if not (again and self._resuming):
+                    raise
+
     async def create_address(self, address: str, routing_types: tuple[RoutingType, ...] = (RoutingType.ANYCAST,),
                              ) -> dict[str, Any]:  # fmt: skip
-        return dict(await self._call(self._live().create_address(address, [int(r) for r in routing_types])))
+        return dict(await self._request(lambda conn: conn.create_address(address, [int(r) for r in routing_types])))
 
     async def topology(self, info: dict[str, Any]) -> dict[str, Any]:
         """Join the cluster (``info`` names this node) or follow its topology; updates go to ``on_topology``."""
-        result = await self._call(self._live().topology(info))
+        result = await self._request(lambda conn: conn.topology(info))
         return dict(result) if isinstance(result, dict) else {}
 
     async def delete_address(self, address: str) -> None:
-        await self._call(self._live().delete_address(address))
+        await self._request(lambda conn: conn.delete_address(address), again=False)
 
     async def create_queue(self, name: str, address: str | None = None, *,
                            routing_type: RoutingType = RoutingType.ANYCAST, durable: bool = True,
                            **options: Any) -> dict[str, Any]:  # fmt: skip
         spec = {"name": name, "address": address or name, "routing_type": int(routing_type), "durable": durable,
                 **options}  # fmt: skip
-        return dict(await self._call(self._live().create_queue(spec)))
+        result = dict(await self._request(lambda conn: conn.create_queue(spec)))
+        # Kept to make the queue again on another node after a failover (a temporary one, or a consumer's).
+        self._queue_specs[name] = spec
+        self._queue_specs.move_to_end(name)
+        if len(self._queue_specs) > MAX_REMEMBERED_QUEUES:
+            self._queue_specs.popitem(last=False)
+        return result
 
     async def delete_queue(self, name: str) -> None:
-        await self._call(self._live().delete_queue(name))
+        self._queue_specs.pop(name.rpartition("::")[2], None)
+        await self._request(lambda conn: conn.delete_queue(name), again=False)
 
     async def set_will(self, key: str, message: WireMessage | None, *, delay_ms: int = 0,
                        publish_pending: bool = False) -> None:  # fmt: skip
@@ -597,12 +736,12 @@ class LinkClient:
         it. ``message`` None clears it. Either way a pending will under ``key`` (left by a closed link) is
         cancelled or, with ``publish_pending``, published now. The will is re-sent after a reconnect."""
         will = {"key": key, "message": message, "delay_ms": delay_ms, "publish_pending": publish_pending}
-        await self._call(self._live().set_will(will))
+        await self._request(lambda conn: conn.set_will(will))
         self._will = None if message is None else {**will, "publish_pending": False}
 
     async def clear_will(self) -> None:
         """Clear this link's will, touching no pending will."""
-        await self._call(self._live().set_will(None))
+        await self._request(lambda conn: conn.set_will(None))
         self._will = None
 
     async def subscribe(self, queue: str, *, credit: int = 1000, selector: str | None = None,
@@ -612,48 +751,83 @@ class LinkClient:
         if selector:
             opts["selector"] = selector
         consumer = Consumer(self, queue, credit, opts, credit_on_settle)
-        req_id, consumer.consumer_id = self._live().subscribe(queue, credit, opts)
-        self._consumers[consumer.consumer_id] = consumer
-        try:
-            consumer.info = dict(await self._call(req_id))
-        except LinkRequestError:
-            self._consumers.pop(consumer.consumer_id, None)
-            raise
-        return consumer
+        consumer.spec = self._queue_specs.get(queue.rpartition("::")[2])
+        while True:
+            conn = await self._ready()
+            req_id, consumer.consumer_id = conn.subscribe(queue, credit, opts)
+            consumer._on = conn
+            self._consumers[consumer.consumer_id] = consumer
+            try:
+                consumer.info = dict(await self._call(req_id))
+                return consumer
+            except LinkRequestError as exc:
+                self._consumers.pop(consumer.consumer_id, None)
+                if not (isinstance(exc, LinkClosedError) and self._resuming):
+                    raise
 
     async def _unsubscribe(self, consumer: Consumer) -> None:
         self._consumers.pop(consumer.consumer_id, None)
-        await self._call(self._live().unsubscribe(consumer.consumer_id))
+        conn = await self._ready()
+        if consumer._on is not conn:
+            return  # it went with the link it was on
+        try:
+            await self._call(conn.unsubscribe(consumer.consumer_id))
+        except LinkClosedError:
+            if not self._resuming:
+                raise
 
     def _flow(self, consumer: Consumer, credit: int) -> None:
-        if self._conn is not None and self._conn.state is _OPEN:
-            self._conn.flow(consumer.consumer_id, credit)
+        conn = self._conn
+        if conn is not None and conn.state is _OPEN and consumer._on is conn:
+            conn.flow(consumer.consumer_id, credit)
             self._schedule_flush()
 
+    def _settling(self, consumer: Consumer) -> LinkConnection | None:
+        """The connection to ack or nack ``consumer``'s messages on; None while the link is being resumed: its
+        messages went back to their queue with the old link (the node redelivers them, flagged)."""
+        conn = self._conn
+        if conn is not None and conn.state is _OPEN and consumer._on is conn:
+            return conn
+        if self._resuming:
+            return None
+        return self._live()
+
     def _ack(self, consumer: Consumer, ids: list[int], tx_id: int) -> None:
-        self._live().ack(consumer.consumer_id, ids, tx_id)
-        self._schedule_flush()
+        conn = self._settling(consumer)
+        if conn is not None:
+            conn.ack(consumer.consumer_id, ids, tx_id)
+            self._schedule_flush()
 
     def _nack(self, consumer: Consumer, ids: list[int], mode: NackMode) -> None:
-        self._live().nack(consumer.consumer_id, ids, mode)
-        self._schedule_flush()
+        conn = self._settling(consumer)
+        if conn is not None:
+            conn.nack(consumer.consumer_id, ids, mode)
+            self._schedule_flush()
 
     # ------------------------------------------------------------------ transactions
+    # A transaction lives and dies with its link: after a failover its commit fails (not-found).
     async def begin(self) -> int:
-        conn = self._live()
+        conn = await self._ready()
         tx_id = conn.new_tx_id()
         await self._call(conn.tx_begin(tx_id))
         return tx_id
 
     async def commit(self, tx_id: int) -> None:
-        await self._call(self._live().tx_commit(tx_id))
+        await self._request(lambda conn: conn.tx_commit(tx_id), again=False)
 
     async def rollback(self, tx_id: int) -> None:
-        await self._call(self._live().tx_rollback(tx_id))
+        await self._request(lambda conn: conn.tx_rollback(tx_id), again=False)
 
     # ------------------------------------------------------------------ publishing
     async def _wait_credit(self) -> None:
-        while self._live().publish_credit <= 0:
+        """Until the window has room, across a reconnection (whose end wakes the waiters)."""
+        while True:
+            conn = self._conn
+            if conn is None or conn.state is not _OPEN:
+                if not self._resuming:
+                    raise self._error or LinkClosedError(ErrorCode.EOF, "not connected")
+            elif conn.publish_credit > 0:
+                return
             waiter: asyncio.Future[None] = self._event_loop().create_future()
             self._credit_waiters.append(waiter)
             await waiter
@@ -665,13 +839,20 @@ class LinkClient:
 
     async def send(self, message: WireMessage, tx_id: int = 0) -> asyncio.Future[None]:
         """Queue a publish once the window allows; the returned future resolves on the server's confirm."""
-        await self._wait_credit()
-        await self._wait_writable()
-        return self.send_now(message, tx_id)
+        while True:
+            if self._resuming:
+                await self._ready()
+            await self._wait_credit()
+            await self._wait_writable()
+            if not self._resuming:
+                return self.send_now(message, tx_id)
 
     @property
     def can_send(self) -> bool:
-        """Whether ``send_now`` may be called: the window is open and the socket keeps up."""
+        """Whether ``send_now`` may be called: the window is open and the socket keeps up (False while the link
+        is being resumed: ``send`` waits for that)."""
+        if self._resuming:
+            return False
         protocol = self._protocol
         return self._live().publish_credit > 0 and (protocol is None or protocol.writable.is_set())
 
@@ -692,10 +873,11 @@ class LinkClient:
     @property
     def publish_credit(self) -> int:
         """Publishes the server allows right now (``send_nowait`` may be called this many times)."""
-        return self._conn.publish_credit if self._conn is not None else 0
+        return self._conn.publish_credit if self._conn is not None and not self._resuming else 0
 
     async def wait_for_credit(self) -> None:
         """Wait until ``send_nowait`` may be called: the server grants credit and the socket keeps up."""
+        await self._ready()
         await self._wait_credit()
         await self._wait_writable()
 
@@ -710,3 +892,9 @@ class LinkClient:
     async def publish(self, message: WireMessage, tx_id: int = 0) -> None:
         """Publish and wait for the confirm (raises ``LinkRequestError`` on a rejection)."""
         await (await self.send(message, tx_id))
+
+
+def _ignore_answer(future: asyncio.Future[Any]) -> None:
+    """The outcome of a request made again after a reconnect, taken so asyncio does not report it unread."""
+    if not future.cancelled() and future.exception() is not None:
+        log.debug("request after a reconnect refused: %s", future.exception())

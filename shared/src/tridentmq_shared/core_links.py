@@ -1,0 +1,151 @@
+"""A gateway's links to the core: the nodes it may use, the topology it follows, the client links it opens.
+
+Each gateway process keeps one ``CoreLinks`` (per ``[core]`` section): a ``Topology`` seeded from the
+configured nodes and kept up to date by one watcher link, which sends TOPOLOGY ``{}`` to its node after
+every (re)connect and takes in the node's TOPOLOGY_UPDATE pushes. Every client link of the gateway picks
+its node from that topology (so the load-balancing policy spreads clients over the cluster) and, when its
+node dies, fails over to a live one. A node that is not clustered refuses the request: the topology is then
+just the configured nodes and the watcher closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import ClassVar
+
+from tridentmq_shared.link.client import LinkClient, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.link.codec import DEFAULT_HEARTBEAT_MS
+from tridentmq_shared.link.topology import Endpoint, Topology, load_balancing, parse_endpoint
+from tridentmq_shared.settings import SettingsError, doc
+
+log = logging.getLogger("tridentmq.gateway")
+
+
+@dataclass(frozen=True)
+class CoreLinkSettings:
+    """The fields every gateway's ``[core]`` section has (each gateway's section derives from this one)."""
+
+    host: str = doc("127.0.0.1", "Core node to connect clients to (the first one tried).")
+    port: int = doc(61616, "Its link port.")
+    connectors: list[str] = doc(list, "More core nodes, as `host:port`, tried when the first is down. The gateway "
+                                      "learns the other nodes of a cluster from whichever node it reaches, so one "
+                                      "is enough while it is up.", factory=True)  # fmt: skip
+    load_balancing: str = doc("ROUND_ROBIN", "How each client link picks its core node among the live ones: "
+                                             "`ROUND_ROBIN` (a random start, then in turn), `RANDOM`, "
+                                             "`RANDOM_STICKY` (one random node, for as long as it lives) or "
+                                             "`FIRST_ELEMENT`.")  # fmt: skip
+    retry_interval_ms: int = doc(100, "Wait before trying the nodes again when a client link lost its node and "
+                                      "no live node answered (each try goes over every live node, the lost one "
+                                      "last).")  # fmt: skip
+    retry_multiplier: float = doc(2.0, "Factor by which that wait grows after each try.")
+    max_retry_interval_ms: int = doc(2000, "Longest wait between tries.")
+    reconnect_attempts: int = doc(10, "Tries before a client link that lost its node gives up (about 11 s with the "
+                                      "defaults): then its client is disconnected as by an unavailable broker. "
+                                      "-1 = try for ever, 0 = no failover.")  # fmt: skip
+    initial_connect_attempts: int = doc(1, "Tries over the nodes when a client connects before it is refused as "
+                                           "unavailable (-1 = for ever).")  # fmt: skip
+    user: str = doc("", "Core user of the gateway's own link that follows the cluster's topology (empty = "
+                        "anonymous, which the core allows on loopback while it has no users). Without it the "
+                        "gateway knows only the configured nodes.")  # fmt: skip
+    password: str = doc("", "Password of that user.")
+
+    def endpoints(self) -> list[Endpoint]:
+        """``host``:``port`` then the connectors (SettingsError for a malformed one)."""
+        found = [(self.host, self.port)]
+        for connector in self.connectors:
+            try:
+                found.append(parse_endpoint(connector))
+            except ValueError as exc:
+                raise SettingsError(f"core.connectors: {exc}") from None
+        return found
+
+    def reconnect_policy(self) -> ReconnectPolicy:
+        return ReconnectPolicy(retry_interval=self.retry_interval_ms / 1000, multiplier=self.retry_multiplier,
+                               max_interval=self.max_retry_interval_ms / 1000, attempts=self.reconnect_attempts,
+                               initial_attempts=self.initial_connect_attempts)  # fmt: skip
+
+
+class CoreLinks:
+    """The core nodes behind one gateway process and the client links to them."""
+
+    #: One per gateway process, found by its first configured node (sessions reach it through their settings).
+    _process: ClassVar[dict[Endpoint, CoreLinks]] = {}
+
+    def __init__(self, settings: CoreLinkSettings, *, name: str = "gateway",
+                 heartbeat_ms: int = DEFAULT_HEARTBEAT_MS) -> None:  # fmt: skip
+        try:
+            policy = load_balancing(settings.load_balancing)
+        except ValueError as exc:
+            raise SettingsError(f"core.load_balancing: {exc}") from None
+        self.settings = settings
+        self.name = name
+        self.heartbeat_ms = heartbeat_ms
+        self.topology = Topology(settings.endpoints(), policy)
+        self.reconnect = settings.reconnect_policy()
+        self._watcher: LinkClient | None = None
+        self._watching: asyncio.Task[None] | None = None
+
+    @classmethod
+    def of(cls, settings: CoreLinkSettings, *, name: str = "gateway",
+           heartbeat_ms: int = DEFAULT_HEARTBEAT_MS) -> CoreLinks:  # fmt: skip
+        """This process's links for ``settings``, made on first use."""
+        key = (settings.host, settings.port)
+        links = cls._process.get(key)
+        if links is None:
+            links = cls._process[key] = cls(settings, name=name, heartbeat_ms=heartbeat_ms)
+        return links
+
+    @classmethod
+    def at(cls, host: str, port: int) -> CoreLinks:
+        """This process's links whose first node is ``host``:``port`` (defaults if the gateway made none)."""
+        return cls.of(CoreLinkSettings(host=host, port=port))
+
+    def client(self, *, user: str | None, password: str | None, client_name: str,
+               heartbeat_ms: int = DEFAULT_HEARTBEAT_MS) -> LinkClient:  # fmt: skip
+        """A client link (not connected yet) on a node of the topology, failing over as configured."""
+        return LinkClient(topology=self.topology, reconnect=self.reconnect, user=user, password=password,
+                          client_name=client_name, heartbeat_ms=heartbeat_ms)  # fmt: skip
+
+    # ------------------------------------------------------------------ the watcher
+    def start(self) -> None:
+        """Follow the cluster's topology in the background (the gateway serves meanwhile, from the
+        configured nodes)."""
+        if self._watching is None:
+            self._watching = asyncio.get_running_loop().create_task(self._watch(), name="core topology")
+
+    async def _watch(self) -> None:
+        settings = self.settings
+        # The gateway's own link keeps trying for as long as the gateway runs.
+        reconnect = ReconnectPolicy(self.reconnect.retry_interval, self.reconnect.multiplier,
+                                    self.reconnect.max_interval, attempts=-1, initial_attempts=-1)  # fmt: skip
+        watcher = LinkClient(topology=self.topology, follow_topology=True, user=settings.user or None,
+                             password=settings.password or None, client_name=f"{self.name} topology",
+                             heartbeat_ms=self.heartbeat_ms, reconnect=reconnect)  # fmt: skip
+        self._watcher = watcher  # from now on ``stop`` closes it
+        try:
+            await watcher.connect()
+        except LinkRequestError as exc:
+            log.warning("cannot follow the cluster topology: only the configured core nodes are used",
+                        extra={"reason": exc.text})  # fmt: skip
+            await watcher.close()
+            return
+        if self.topology.clustered is False:
+            log.info("core node not clustered: only the configured core nodes are used",
+                     extra={"core": f"{watcher.host}:{watcher.port}"})  # fmt: skip
+            await watcher.close()
+            return
+        log.info("following the cluster topology", extra={
+            "core": f"{watcher.host}:{watcher.port}",
+            "members": ",".join(f"{host}:{port}" for host, port in self.topology.endpoints)})  # fmt: skip
+
+    async def stop(self) -> None:
+        if self._watching is not None:
+            self._watching.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watching
+        if self._watcher is not None:
+            await self._watcher.close()
+        self._process.pop((self.settings.host, self.settings.port), None)

@@ -1,0 +1,172 @@
+"""Which core node a link connects to: the cluster's live members and Artemis' connection load-balancing.
+
+Pure: no I/O and no clock. A ``Topology`` starts with the configured endpoints and is updated from the
+TOPOLOGY answers and TOPOLOGY_UPDATE pushes of the cluster; every link that shares it asks it for the
+order in which to try the nodes. The policy lives with the topology (as Artemis' lives with a server
+locator), so round-robin spreads the clients that share one topology over the nodes.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+Endpoint = tuple[str, int]
+
+
+class LoadBalancing(StrEnum):
+    ROUND_ROBIN = "ROUND_ROBIN"  # a random start, then each node in turn (the default)
+    RANDOM = "RANDOM"  # a random node each time
+    RANDOM_STICKY = "RANDOM_STICKY"  # a random node once, then that one for as long as it is live
+    FIRST_ELEMENT = "FIRST_ELEMENT"  # the first live node
+
+
+def parse_endpoint(text: str) -> Endpoint:
+    """``host:port`` (an IPv6 host in brackets) as (host, port); ValueError when it is not that."""
+    host, _, port = text.strip().rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{text!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """A live node as the cluster reports it (``node_id`` is empty for a configured endpoint)."""
+
+    host: str
+    port: int
+    node_id: str = ""
+    name: str = ""
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return self.host, self.port
+
+    @classmethod
+    def from_wire(cls, member: Any) -> Member | None:
+        """A member of a TOPOLOGY answer or update; None when malformed (it is skipped, not fatal)."""
+        if not isinstance(member, Mapping):
+            return None
+        host, port, node_id, name = (member.get(k) for k in ("host", "port", "node_id", "name"))
+        if not isinstance(host, str) or not host or type(port) is not int or not 0 < port < 65536:
+            return None
+        return cls(host, port, node_id if isinstance(node_id, str) else "", name if isinstance(name, str) else "")
+
+
+class Policy:
+    """Artemis' ``ConnectionLoadBalancingPolicy``: picks one of the live endpoints for a new connection."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+
+    def choose(self, candidates: Sequence[Endpoint]) -> Endpoint:
+        raise NotImplementedError
+
+
+class RoundRobinPolicy(Policy):
+    def __init__(self, rng: random.Random) -> None:
+        super().__init__(rng)
+        self._pos = -1
+
+    def choose(self, candidates: Sequence[Endpoint]) -> Endpoint:
+        # A random start, so that gateways restarted together do not all begin with the same node.
+        self._pos = self.rng.randrange(len(candidates)) if self._pos < 0 else (self._pos + 1) % len(candidates)
+        return candidates[self._pos]
+
+
+class RandomPolicy(Policy):
+    def choose(self, candidates: Sequence[Endpoint]) -> Endpoint:
+        return candidates[self.rng.randrange(len(candidates))]
+
+
+class RandomStickyPolicy(Policy):
+    def __init__(self, rng: random.Random) -> None:
+        super().__init__(rng)
+        self._chosen: Endpoint | None = None
+
+    def choose(self, candidates: Sequence[Endpoint]) -> Endpoint:
+        # Sticky to the node rather than to a position in the list (Artemis'), which moves as members come and go.
+        chosen = self._chosen
+        if chosen is None or chosen not in candidates:
+            chosen = self._chosen = candidates[self.rng.randrange(len(candidates))]
+        return chosen
+
+
+class FirstElementPolicy(Policy):
+    def choose(self, candidates: Sequence[Endpoint]) -> Endpoint:
+        return candidates[0]
+
+
+_POLICIES: dict[LoadBalancing, type[Policy]] = {
+    LoadBalancing.ROUND_ROBIN: RoundRobinPolicy,
+    LoadBalancing.RANDOM: RandomPolicy,
+    LoadBalancing.RANDOM_STICKY: RandomStickyPolicy,
+    LoadBalancing.FIRST_ELEMENT: FirstElementPolicy,
+}
+
+
+def load_balancing(name: str | LoadBalancing) -> LoadBalancing:
+    """The policy named ``name`` (any case); ValueError for an unknown one."""
+    try:
+        return LoadBalancing(str(name).upper())
+    except ValueError:
+        raise ValueError(f"unknown load balancing policy {name!r} (one of {', '.join(LoadBalancing)})") from None
+
+
+def make_policy(name: str | LoadBalancing, rng: random.Random | None = None) -> Policy:
+    # Spreading load, not keeping secrets: the ordinary generator is right.
+    return _POLICIES[load_balancing(name)](rng or random.Random())  # noqa: S311
+
+
+class Topology:
+    """The core nodes a set of links may use: the cluster's live members once known, else the configured
+    endpoints. The configured endpoints stay as a last resort behind the members (a cluster restarted as a
+    whole comes back under new identities, or elsewhere)."""
+
+    def __init__(self, endpoints: Sequence[Endpoint], policy: str | LoadBalancing = LoadBalancing.ROUND_ROBIN,
+                 rng: random.Random | None = None) -> None:  # fmt: skip
+        if not endpoints:
+            raise ValueError("a topology needs at least one endpoint")
+        self.seeds: tuple[Endpoint, ...] = tuple(dict.fromkeys(endpoints))
+        self.policy = make_policy(policy, rng)
+        self.members: tuple[Member, ...] = tuple(Member(host, port) for host, port in self.seeds)
+        #: None until a node answered a TOPOLOGY request; False when it is not part of a cluster.
+        self.clustered: bool | None = None
+        self.version = 0  # goes up with each change of the members
+
+    @property
+    def endpoints(self) -> list[Endpoint]:
+        """The live members' endpoints, in the cluster's order."""
+        return list(dict.fromkeys(m.endpoint for m in self.members))
+
+    def update(self, members: Iterable[Any]) -> bool:
+        """Replace the members with a TOPOLOGY answer's or update's list; False if nothing changed (or the list
+        had no usable member: the cluster always lists at least the node that answers)."""
+        self.clustered = True
+        found = tuple(m for m in (Member.from_wire(w) for w in members) if m is not None)
+        if not found or found == self.members:
+            return False
+        self.members = found
+        self.version += 1
+        return True
+
+    def not_clustered(self) -> None:
+        """The node refused TOPOLOGY: a single node (or several unclustered ones) is just the configured list."""
+        self.clustered = False
+
+    def connection_order(self, failed: Endpoint | None = None) -> list[Endpoint]:
+        """The endpoints to try, in order, for one connection attempt: the policy's choice among the live
+        members, the other members after it, then the configured endpoints that are not members, and the
+        endpoint that just ``failed`` last (it may be back, and for a single node it is the only one)."""
+        live = [e for e in self.endpoints if e != failed]
+        order: list[Endpoint] = []
+        if live:
+            first = live.index(self.policy.choose(live))
+            order = live[first:] + live[:first]
+        order += [e for e in self.seeds if e != failed and e not in order]
+        if failed is not None:
+            order.append(failed)
+        return order

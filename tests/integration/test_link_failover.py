@@ -1,0 +1,164 @@
+"""Client links that follow the cluster's topology: node choice by policy, failover when a node dies, and the
+gateways' client links failing over under their clients (real core, gateway and client processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tests.conftest import CoreProcess, start_core, start_gateway, stop_cleanly
+from tests.integration.cluster_nodes import start_cluster, start_node, wait_until, wait_until_async
+from tests.integration.test_stomp_gateway import connect
+
+from tridentmq_shared.link.client import Consumer, LinkClient, ReconnectPolicy
+from tridentmq_shared.message import M_BODY, M_DEDUP, M_ID, new_message
+
+pytestmark = [pytest.mark.integration, pytest.mark.cluster]
+
+FAST = ReconnectPolicy(retry_interval=0.05, max_interval=0.5, attempts=-1)
+
+
+def endpoint(node: CoreProcess) -> tuple[str, int]:
+    return "127.0.0.1", node.link_port
+
+
+def connections(node: CoreProcess) -> list[dict[str, Any]]:
+    with urllib.request.urlopen(node.management_url + "/api/connections", timeout=5) as response:
+        return list(json.loads(response.read()))
+
+
+def stomp_links(node: CoreProcess) -> list[dict[str, Any]]:
+    """The links a STOMP gateway opened for its clients on ``node``."""
+    return [c for c in connections(node) if c["client_name"].startswith("stomp ")]
+
+
+def stop_all(nodes: list[CoreProcess]) -> None:
+    for node in nodes:
+        assert node.stop() == 0, node.log()
+        assert "Traceback" not in node.log(), node.log()
+
+
+def kill(node: CoreProcess) -> None:
+    node.process.kill()
+    node.process.wait()
+
+
+async def take(consumer: Consumer, count: int, timeout: float = 10.0) -> list[list[Any]]:
+    """``count`` messages (acknowledged), or fewer after ``timeout``."""
+    got: list[list[Any]] = []
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while len(got) < count and loop.time() < deadline:
+        batch = await consumer.get_batch(timeout=0.2)
+        got.extend(message for _, message in batch)
+        consumer.ack_ids([m[M_ID] for _, m in batch])
+    return got
+
+
+async def test_a_client_given_one_node_learns_the_others_and_a_lone_node_is_just_itself(tmp_path: Path) -> None:
+    nodes = await asyncio.to_thread(start_cluster, tmp_path, 3)
+    async with LinkClient(*endpoint(nodes[0]), follow_topology=True, reconnect=FAST) as watcher:
+        assert watcher.nodes.clustered
+        assert sorted(watcher.nodes.endpoints) == sorted(endpoint(n) for n in nodes)
+        # Round-robin over what it learned: three clients sharing the topology, one on each node.
+        clients = [LinkClient(topology=watcher.nodes, reconnect=FAST) for _ in nodes]
+        for client in clients:
+            await client.connect()
+        assert sorted(c.port for c in clients) == sorted(n.link_port for n in nodes)
+        for client in clients:
+            await client.close()
+    lone = await asyncio.to_thread(start_core, tmp_path, "lone")
+    async with LinkClient(*endpoint(lone), follow_topology=True) as alone:
+        assert alone.nodes.clustered is False  # refused: "this node is not part of a cluster"
+        assert alone.nodes.endpoints == [endpoint(lone)]
+    stop_all([*nodes, lone])
+
+
+async def test_a_client_whose_node_is_killed_goes_on_elsewhere_resending_and_resubscribing(tmp_path: Path) -> None:
+    nodes = await asyncio.to_thread(start_cluster, tmp_path, 3)
+    by_port = {n.link_port: n for n in nodes}
+    async with LinkClient(*endpoint(nodes[0]), follow_topology=True, reconnect=FAST) as watcher:
+        client = LinkClient(topology=watcher.nodes, reconnect=FAST)
+        await client.connect()
+        victim, first_node = by_port[client.port], client.node_id
+        consumer = await client.subscribe("failover", credit=100)
+        await client.publish(new_message("failover", b"before", durable=True))
+        assert [bytes(m[M_BODY]) for m in await take(consumer, 1)] == [b"before"]
+        victim.process.send_signal(signal.SIGSTOP)  # nothing sent from now on is confirmed by that node
+        during = [await client.send(new_message("failover", f"during {i}".encode(), durable=True)) for i in range(20)]
+        await asyncio.sleep(0.05)
+        assert not any(f.done() for f in during)
+        kill(victim)
+        # Publishing goes on at once: these wait for the failover, then go after the re-sent ones.
+        after = [await client.send(new_message("failover", f"after {i}".encode(), durable=True)) for i in range(20)]
+        await asyncio.wait_for(asyncio.gather(*during, *after), 10)  # no exception reaches the application
+        assert client.failovers == 1
+        assert client.node_id != first_node
+        assert client.port != victim.link_port
+        got = await take(consumer, 40)  # the consumer was made again on the new node
+        expected = [f"{phase} {i}".encode() for phase in ("during", "after") for i in range(20)]
+        assert sorted(bytes(m[M_BODY]) for m in got) == sorted(expected)
+        assert all(str(m[M_DEDUP]).startswith(client.producer_id + ":") for m in got)  # re-sends carry their ids
+        await client.close()
+    stop_all([n for n in nodes if n is not victim])
+
+
+async def test_a_stopped_and_restarted_node_is_used_again(tmp_path: Path) -> None:
+    nodes = await asyncio.to_thread(start_cluster, tmp_path, 3)
+    first, _, last = nodes
+    async with LinkClient(*endpoint(first), follow_topology=True, reconnect=FAST) as watcher:
+        await asyncio.to_thread(last.stop)
+        await wait_until_async(lambda: endpoint(last) not in watcher.nodes.endpoints, what="the node to leave")
+        clients = [LinkClient(topology=watcher.nodes, reconnect=FAST) for _ in range(4)]
+        for client in clients:
+            await client.connect()
+        assert last.link_port not in {c.port for c in clients}
+        restarted = await asyncio.to_thread(start_node, tmp_path, "node-2", [first],
+                                            core_link_port=str(last.link_port))  # fmt: skip
+        await wait_until_async(lambda: endpoint(restarted) in watcher.nodes.endpoints, what="the node to return")
+        again = [LinkClient(topology=watcher.nodes, reconnect=FAST) for _ in range(3)]
+        for client in again:
+            await client.connect()
+        assert sorted(c.port for c in again) == sorted(n.link_port for n in nodes)  # round robin reaches it
+        for client in clients + again:
+            await client.close()
+    stop_all([*nodes[:2], restarted])
+
+
+def test_stomp_clients_are_spread_and_keep_their_connection_and_subscription_when_a_node_dies(tmp_path: Path) -> None:
+    nodes = start_cluster(tmp_path, 3)
+    gateway = start_gateway(tmp_path, nodes[0], "stomp", TRIDENTMQ_STOMP_CORE_RETRY_INTERVAL_MS="50")
+    wait_until(lambda: "following the cluster topology" in gateway.log(), what="the gateway to learn the cluster")
+    others = [connect(gateway) for _ in range(5)]
+    conn, listener = connect(gateway)
+    assert sorted(len(stomp_links(n)) for n in nodes) == [2, 2, 2]  # round robin over the three nodes
+    conn.subscribe("/queue/failover", id="q", ack="auto")
+    conn.subscribe("/topic/news", id="t", ack="client-individual", headers={"receipt": "sub"})  # a temporary queue
+    listener.wait(lambda: "sub" in listener.receipts, "the subscriptions")
+    [victim] = [n for n in nodes if any(c["consumers"] for c in stomp_links(n))]
+    conn.send("/queue/failover", "before", receipt="r-before")
+    listener.wait_messages(1)
+    kill(victim)
+    live = [n for n in nodes if n is not victim]
+    wait_until(lambda: any(c["consumers"] == 2 for n in live for c in stomp_links(n)), what="the subscriptions to move")
+    for i in range(10):
+        conn.send("/queue/failover", f"after {i}", receipt=f"r{i}")
+    conn.send("/topic/news", "news", receipt="r-news")
+    messages = listener.wait_messages(12)
+    on_queue = [m.body for m in messages if m.headers["subscription"] == "q"]
+    assert on_queue == ["before"] + [f"after {i}" for i in range(10)]
+    [news] = [m for m in messages if m.headers["subscription"] == "t"]
+    assert news.body == "news"
+    conn.ack(news.headers["ack"])
+    listener.wait(lambda: {f"r{i}" for i in range(10)} | {"r-news"} <= set(listener.receipts), "the receipts")
+    assert conn.is_connected()
+    assert not listener.errors
+    for other, _ in [*others, (conn, listener)]:
+        other.disconnect()
+    stop_cleanly(gateway)
+    stop_all(live)

@@ -1,0 +1,128 @@
+"""Connection load-balancing policies and the topology a gateway's links share (pure: no I/O)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from tridentmq_shared.core_links import CoreLinkSettings
+from tridentmq_shared.link.topology import LoadBalancing, Member, Topology, load_balancing, parse_endpoint
+from tridentmq_shared.settings import SettingsError
+
+A, B, C = ("10.0.0.1", 61616), ("10.0.0.2", 61616), ("10.0.0.3", 61616)
+
+
+def wire(*endpoints: tuple[str, int]) -> list[dict[str, object]]:
+    return [{"node_id": f"id-{host}-{port}", "name": host, "host": host, "port": port} for host, port in endpoints]
+
+
+def firsts(topology: Topology, count: int, failed: tuple[str, int] | None = None) -> list[tuple[str, int]]:
+    return [topology.connection_order(failed)[0] for _ in range(count)]
+
+
+def test_round_robin_starts_at_random_then_goes_in_turn() -> None:
+    starts = set()
+    for seed in range(20):
+        topology = Topology([A, B, C], rng=random.Random(seed))
+        chosen = firsts(topology, 6)
+        start = [A, B, C].index(chosen[0])
+        assert chosen == [[A, B, C][(start + i) % 3] for i in range(6)]
+        starts.add(chosen[0])
+    assert starts == {A, B, C}  # the start is random
+
+
+def test_round_robin_is_the_default_and_names_are_case_insensitive() -> None:
+    assert Topology([A]).policy.__class__.__name__ == "RoundRobinPolicy"
+    assert load_balancing("random_sticky") is LoadBalancing.RANDOM_STICKY
+    with pytest.raises(ValueError, match="unknown load balancing policy"):
+        load_balancing("LEAST_LOADED")
+
+
+def test_random_picks_every_node() -> None:
+    topology = Topology([A, B, C], LoadBalancing.RANDOM, rng=random.Random(1))
+    counts = Counter(firsts(topology, 300))
+    assert set(counts) == {A, B, C}
+    assert min(counts.values()) > 50
+
+
+def test_random_sticky_keeps_its_node_while_it_lives() -> None:
+    topology = Topology([A, B, C], LoadBalancing.RANDOM_STICKY, rng=random.Random(3))
+    chosen = set(firsts(topology, 20))
+    assert len(chosen) == 1
+    (sticky,) = chosen
+    others = [e for e in (A, B, C) if e != sticky]
+    topology.update(wire(*others))  # its node left the cluster: another one, then that one
+    again = set(firsts(topology, 20))
+    assert len(again) == 1
+    assert again <= set(others)
+    topology.update(wire(A, B, C))  # the first one came back: stay where we are
+    assert set(firsts(topology, 5)) == again
+
+
+def test_first_element_takes_the_first_live_node() -> None:
+    topology = Topology([A, B, C], "FIRST_ELEMENT")
+    assert firsts(topology, 3) == [A, A, A]
+    assert topology.connection_order(failed=A) == [B, C, A]
+
+
+def test_the_failed_node_goes_last_and_the_others_follow_the_choice() -> None:
+    topology = Topology([A, B, C], rng=random.Random(0))
+    for _ in range(6):
+        order = topology.connection_order(failed=B)
+        assert order[-1] == B
+        assert sorted(order[:2]) == sorted([A, C])
+    order = topology.connection_order()
+    assert sorted(order) == sorted([A, B, C])  # every node once, from the chosen one on
+
+
+def test_members_replace_the_configured_nodes_which_stay_as_a_last_resort() -> None:
+    topology = Topology([A], "FIRST_ELEMENT")
+    assert topology.clustered is None
+    assert topology.update(wire(B, C, A))
+    assert topology.clustered
+    assert topology.endpoints == [B, C, A]
+    assert not topology.update(wire(B, C, A))  # no change
+    version = topology.version
+    assert topology.update(wire(B, C))  # A left the cluster
+    assert topology.version == version + 1
+    assert topology.connection_order() == [B, C, A]  # A is still tried, last: it may be back
+    assert topology.connection_order(failed=B) == [C, A, B]
+
+
+def test_malformed_members_are_skipped_and_an_empty_list_changes_nothing() -> None:
+    topology = Topology([A])
+    assert not topology.update([{"host": "x"}, "junk", {"host": "", "port": 1}, {"host": "h", "port": 70000}])
+    assert topology.endpoints == [A]
+    assert topology.update([{"host": "h", "port": 1, "node_id": 7}, {"host": "g", "port": True}])
+    assert topology.members == (Member("h", 1),)
+
+
+def test_a_node_outside_a_cluster_leaves_the_configured_nodes() -> None:
+    topology = Topology([A, B, A])
+    topology.not_clustered()
+    assert topology.clustered is False
+    assert topology.seeds == (A, B)  # duplicates once
+    assert sorted(topology.connection_order()) == [A, B]
+    with pytest.raises(ValueError, match="at least one"):
+        Topology([])
+
+
+def test_endpoints_parse_as_host_colon_port() -> None:
+    assert parse_endpoint(" node-1:61617 ") == ("node-1", 61617)
+    assert parse_endpoint("[::1]:61616") == ("::1", 61616)
+    for bad in ("node-1", ":61616", "node:0", "node:http", "node:70000"):
+        with pytest.raises(ValueError, match="host:port"):
+            parse_endpoint(bad)
+
+
+def test_gateway_settings_give_the_endpoints_and_the_reconnect_policy() -> None:
+    settings = CoreLinkSettings(host="a", port=1, connectors=["b:2", "c:3"], retry_interval_ms=50,
+                                retry_multiplier=1.5, max_retry_interval_ms=400, reconnect_attempts=-1)  # fmt: skip
+    assert settings.endpoints() == [("a", 1), ("b", 2), ("c", 3)]
+    policy = settings.reconnect_policy()
+    assert (policy.retry_interval, policy.multiplier, policy.max_interval, policy.attempts, policy.initial_attempts) \
+        == (0.05, 1.5, 0.4, -1, 1)  # fmt: skip
+    with pytest.raises(SettingsError, match=r"core\.connectors"):
+        CoreLinkSettings(connectors=["nope"]).endpoints()
