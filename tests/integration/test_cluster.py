@@ -352,9 +352,10 @@ async def test_no_ping_pong_when_the_consumer_flaps_between_nodes_under_load(tmp
     stop_all(nodes)
 
 
-async def test_join_of_another_cluster_and_a_bindings_flood_are_refused_with_a_log_line(tmp_path: Path) -> None:
+async def test_joins_of_another_cluster_or_max_hops_and_a_bindings_flood_are_refused(tmp_path: Path) -> None:
     first = start_node(tmp_path, "node-0", max_bindings="5")
     stranger = start_core(tmp_path, "stranger", **{**cluster_env([first]), "TRIDENTMQ_CORE_CLUSTER_NAME": "other"})
+    mismatched = start_core(tmp_path, "hops", **cluster_env([first], max_hops="3"))
     second = start_node(tmp_path, "node-1", [first], max_bindings="5")
     wait_converged([first, second])
     async with client(second) as c2:
@@ -364,7 +365,9 @@ async def test_join_of_another_cluster_and_a_bindings_flood_are_refused_with_a_l
     assert members(first) == {node_id(first), node_id(second)}
     assert "is not this cluster's" in first.log()
     assert "join refused" in stranger.log()
-    stop_all([first, stranger, second])
+    assert "max_hops 3 differs" in first.log()
+    assert "join refused" in mismatched.log()
+    stop_all([first, stranger, second, mismatched])
 
 
 async def test_creating_a_queue_that_other_nodes_hold_says_where(tmp_path: Path) -> None:

@@ -62,11 +62,12 @@ EMPTY_LEVEL: Final = ESCAPE
 #: MQTT 5 reason code for a SUBACK refusing a filter (section 2.4).
 SUBSCRIPTION_PREFIX: Final = "mqtt.sub."
 SHARED_PREFIX: Final = "mqtt.shared."
-#: The gateways' own queues; ``$`` keeps them out of reach of MQTT wildcards, and they are anycast, so no
-#: multicast subscription of another protocol sees their messages either.
+#: The gateways' own queues; ``$`` keeps them out of reach of wildcards (the core's rule for ``$`` addresses).
 SESSION_PREFIX: Final = "$mqtt.session."
 LOCK_PREFIX: Final = "$mqtt.lock."
-RETAINED_QUEUE: Final = "$mqtt.retained"
+#: Retained messages are published (multicast) here; every core node keeps its own last-value copy of all of
+#: them, so a gateway reads its own node's and sees what was retained through any node of the cluster.
+RETAINED_ADDRESS: Final = "$mqtt.retained"
 
 _CONTROL: Final = frozenset(chr(c) for c in (*range(0x01, 0x20), *range(0x7F, 0xA0)))
 _ALWAYS_ESCAPED: Final = frozenset({ESCAPE, DELIMITER, ANY_WORD}) | _CONTROL
@@ -235,6 +236,11 @@ def shared_queue(group: str, topic_filter: str) -> str:
 def session_queue(client_id: str) -> str:
     """The core queue holding the persistent state of client ``client_id``'s session (one record)."""
     return _queue_name(SESSION_PREFIX, client_id, "")
+
+
+def retained_queue(node_id: str) -> str:
+    """The queue of core node ``node_id``'s copy of the retained messages."""
+    return f"{RETAINED_ADDRESS}.{node_id}"
 
 
 def lock_queue(client_id: str) -> str:

@@ -37,8 +37,9 @@ from tridentmq_mqtt.protocol.packets import V5, Subscription, Will, encode_topic
 from tridentmq_mqtt.protocol.properties import NO_PROPERTIES, Properties
 from tridentmq_mqtt.settings import MqttSettings
 from tridentmq_mqtt.state import Registry, SessionBusyError, SessionState, StoredSubscription
+from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.gateway import Wire
-from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import (
     M_ADDRESS,
@@ -53,7 +54,6 @@ from tridentmq_shared.message import (
 
 log = logging.getLogger("tridentmq.mqtt")
 
-_NO_LINK_RETRY = ReconnectPolicy(attempts=0)  # a lost core ends the MQTT connection; the client reconnects
 _NEVER = 0xFFFFFFFF  # session expiry interval meaning "does not expire"
 #: Refusals of the core as 5.0 reason codes (PUBACK, PUBREC, SUBACK).
 _REFUSALS = {ErrorCode.FORBIDDEN: rc.NOT_AUTHORIZED, ErrorCode.RESOURCE_LIMIT: rc.QUOTA_EXCEEDED,
@@ -318,9 +318,8 @@ class MqttSession:
                 self._refuse(exc.reason_code, str(exc))
                 return
         core = self.settings.core
-        link = LinkClient(core.host, core.port, user=event.username, password=password,
-                          client_name=f"mqtt {client_id[:64]} {self.wire.peer}", heartbeat_ms=core.heartbeat_ms,
-                          reconnect=_NO_LINK_RETRY)  # fmt: skip
+        link = CoreLinks.of(core).client(user=event.username, password=password, heartbeat_ms=core.heartbeat_ms,
+                                         client_name=f"mqtt {client_id[:64]} {self.wire.peer}")  # fmt: skip
         try:
             await link.connect()
         except LinkRequestError as exc:
@@ -371,7 +370,7 @@ class MqttSession:
         """Find the earlier session (the record of a persistent one), end it if ``clean_start``, and set up
         this one. Returns the earlier session's record, or None when there was none."""
         registry, client_id = self.registry, self.client_id
-        previous = await registry.open_session(client_id, self.expiry_s * 1000)
+        previous = await registry.open_session(client_id, self.expiry_s * 1000, resume=not clean_start)
         if previous is not None and clean_start:
             await self._discard(previous)
         elif previous is not None:
@@ -414,14 +413,18 @@ class MqttSession:
                                    int(time.time() * 1000), retain=will.retain)  # fmt: skip
 
     async def _watch_lock(self, lock: Consumer) -> None:
-        """End this connection when another one takes the session (the core closes our lock consumer)."""
+        """End this connection when another one takes the session: on this node the newcomer deletes the lock
+        queue (the core closes our consumer); from another node of the cluster it sends a takeover notice."""
+        notified = False
         with contextlib.suppress(LinkRequestError):
-            while not self._closed:
-                await lock.get_batch()
-        if not self._closed and lock.closed is not None and lock.closed.code == ErrorCode.NOT_FOUND:
+            while not self._closed and not notified:
+                notices = await lock.get_batch()
+                notified = bool(notices) and self.registry.taken_over(lock, notices)
+        if not self._closed and (notified or (lock.closed is not None and lock.closed.code == ErrorCode.NOT_FOUND)):
             log.info("mqtt session taken over", extra={"peer": self.wire.peer, "client_id": self.client_id[:60]})
             self.counters.takeovers += 1
-            self._lock = None  # the queue is the new owner's now
+            if not notified:
+                self._lock = None  # the queue is the new owner's now (a notified one is ours to let go)
             self._end(rc.SESSION_TAKEN_OVER)
         elif not self._closed:
             self._end(rc.SERVER_UNAVAILABLE)
@@ -751,7 +754,7 @@ class MqttSession:
         known = self._topics.get(address)
         if known is not None:
             return known
-        if address == convert.RETAINED_QUEUE:  # a retained copy keeps its topic in a property
+        if address == convert.RETAINED_ADDRESS:  # a retained copy keeps its topic in a property
             topic = str(message[M_PROPS][messages.TOPIC])
             return topic, encode_topic(topic)
         topic = convert.address_to_topic(address)

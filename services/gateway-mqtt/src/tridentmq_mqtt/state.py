@@ -10,7 +10,13 @@ Per client id (queue names in ``convert``):
   subscriptions and the QoS 2 packet ids in flight) and expiring ``session expiry`` after its owner's
   consumer left. The subscription queues expire with it.
 
-The retained messages of all topics are one durable last-value queue keyed by topic.
+The retained messages of all topics are published to one multicast address, where each core node keeps a
+durable last-value queue of them keyed by topic; a gateway reads the one of the node its link is on.
+
+In a cluster these queues may live on another node than the one a reconnecting client reaches. The core
+says so when it creates a queue here (``elsewhere``): a newcomer then sends a takeover notice that the core
+forwards to the owner's lock queue on its node, and waits for the session record, which redistribution
+brings over once the new holder's consumer is known there. Subscription queues follow the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,13 +33,15 @@ import msgpack
 
 from tridentmq_mqtt import convert
 from tridentmq_mqtt.messages import TOPIC
-from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.core_links import CoreLinks
+from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.message import (
     M_ADDRESS,
     M_BODY,
     M_DEDUP,
     M_EXPIRATION,
+    M_ID,
     M_PROPS,
     M_ROUTING,
     RoutingType,
@@ -43,6 +52,9 @@ from tridentmq_shared.message import (
 log = logging.getLogger("tridentmq.mqtt")
 
 STATE_KEY = "state"
+TAKEOVER = "takeover"  # property of a takeover notice: the token of the connection that sent it
+#: How long a connection waits for its session's record to come over from another node of the cluster.
+FETCH_TIMEOUT = 5.0
 
 
 @dataclass
@@ -90,6 +102,9 @@ class Registry:
         self._opening: asyncio.Task[LinkClient] | None = None
         self._tail: asyncio.Future[None] | None = None  # the last write still waiting for credit
         self.on_lost: list[Any] = []  # callbacks run when the service link is lost (sessions end)
+        self._retained_queues: set[str] = set()  # the nodes' retained-message queues made so far
+        self._holders: dict[str, Consumer] = {}  # session holders taken while fetching a record from elsewhere
+        self._tokens: dict[int, str] = {}  # id of a lock consumer → the token of its takeover notices
 
     @property
     def ready(self) -> bool:
@@ -105,12 +120,11 @@ class Registry:
 
     async def _open(self) -> LinkClient:
         host, port, user, password, name = self._args
-        link = LinkClient(host, port, user=user, password=password, client_name=f"mqtt gateway {name}",
-                          heartbeat_ms=self._heartbeat_ms, reconnect=ReconnectPolicy(attempts=0))  # fmt: skip
+        link = CoreLinks.at(host, port).client(user=user, password=password, client_name=f"mqtt gateway {name}",
+                                               heartbeat_ms=self._heartbeat_ms)  # fmt: skip
         await link.connect()
         try:
-            await link.create_queue(convert.RETAINED_QUEUE, routing_type=RoutingType.ANYCAST, durable=True,
-                                    last_value_key=TOPIC)  # fmt: skip
+            await self._retained_queue(link)
         except LinkRequestError:
             await link.close()
             raise
@@ -118,6 +132,15 @@ class Registry:
         self._link = link
         log.info("service link open", extra={"core": f"{host}:{port}"})
         return link
+
+    async def _retained_queue(self, link: LinkClient) -> str:
+        """The retained-message queue of the node the link is on now (made on first use there)."""
+        name = convert.retained_queue(link.node_id)
+        if name not in self._retained_queues:
+            await link.create_queue(name, convert.RETAINED_ADDRESS, routing_type=RoutingType.MULTICAST, durable=True,
+                                    last_value_key=TOPIC)  # fmt: skip
+            self._retained_queues.add(name)
+        return name
 
     def _lost(self, error: LinkRequestError) -> None:
         log.warning("service link lost", extra={"reason": error.text})
@@ -142,34 +165,74 @@ class Registry:
             created = await link.create_queue(name, routing_type=RoutingType.ANYCAST, durable=False, max_consumers=1,
                                               expires_ms=0)  # fmt: skip
             if created.get("created"):
+                token = uuid.uuid4().hex
+                if created.get("elsewhere"):
+                    # The owner's lock queue is on another node: the core forwards this notice to its consumer.
+                    # It may also come back here (no owner left there): the token tells it is our own.
+                    notice = new_message(name, b"", routing=RoutingType.ANYCAST, properties={TAKEOVER: token})
+                    await link.publish(notice)
                 try:
-                    return await link.subscribe(name, credit=0)
+                    lock = await link.subscribe(name, credit=1)  # a message here may be a takeover notice
                 except LinkRequestError as exc:  # another connection got there first: take it from that one
                     if exc.code not in (ErrorCode.RESOURCE_LIMIT, ErrorCode.NOT_FOUND):
                         raise
+                else:
+                    self._tokens[id(lock)] = token
+                    return lock
             if time.monotonic() > deadline:
                 raise SessionBusyError(f"the session of {client_id[:60]!r} is still in use")
             with contextlib.suppress(LinkRequestError):  # closes the owner's consumer: its notice
                 await link.delete_queue(name)
 
+    def taken_over(self, lock: Consumer, notices: list[tuple[int, WireMessage]]) -> bool:
+        """Whether takeover notices that reached our lock queue come from another connection (our own
+        notice may come back to us); they are acknowledged either way."""
+        token = self._tokens.get(id(lock))
+        lock.ack_ids([message[M_ID] for _, message in notices])
+        return any(message[M_PROPS].get(TAKEOVER) != token for _, message in notices)
+
     async def release(self, client_id: str, lock: Consumer) -> None:
         """Let go of the session. The queue itself is not deleted by name (a new owner may have made it again
         meanwhile): it expires as soon as it has no consumer."""
+        self._tokens.pop(id(lock), None)
         if lock.closed is not None or self._link is None:
             return
         with contextlib.suppress(LinkRequestError):
             await lock.close()
 
     # ------------------------------------------------------------------ session records
-    async def open_session(self, client_id: str, expiry_ms: int) -> SessionState | None:
+    async def open_session(self, client_id: str, expiry_ms: int, *, resume: bool = True) -> SessionState | None:
         """Create or find the session queue of a persistent session; the record of an earlier session, if any.
-        The queue's expiry is set to ``expiry_ms`` (counted once no connection holds it)."""
+        The queue's expiry is set to ``expiry_ms`` (counted once no connection holds it). With ``resume``, a
+        record kept by another node of the cluster is waited for (up to ``FETCH_TIMEOUT``)."""
         link = await self.link()
         name = convert.session_queue(client_id)
         found = await link.create_queue(name, routing_type=RoutingType.ANYCAST, durable=True, last_value_key="",
                                         expires_ms=expiry_ms)  # fmt: skip
-        if found.get("created"):
+        if found.get("created") and not (resume and found.get("elsewhere")):
             return None
+        if found.get("created"):
+            return await self._fetch_session(client_id)
+        return await self._read_session(link, client_id)
+
+    async def _fetch_session(self, client_id: str) -> SessionState | None:
+        """The session lives on another node: hold it here, so redistribution moves its record over, and
+        wait for it. None if it does not come (that node is down, say): the session starts afresh."""
+        link = await self.link()
+        self._holders[client_id] = await link.subscribe(convert.session_queue(client_id), credit=0)
+        deadline = time.monotonic() + FETCH_TIMEOUT
+        while time.monotonic() < deadline:
+            state = await self._read_session(link, client_id, or_empty=False)
+            if state is not None:
+                return state
+            await asyncio.sleep(0.1)
+        log.warning("session record on another node did not arrive: starting afresh",
+                    extra={"client_id": client_id[:60]})  # fmt: skip
+        return None
+
+    async def _read_session(self, link: LinkClient, client_id: str, *, or_empty: bool = True) -> SessionState | None:
+        """The record in the session queue here; with none, an empty session (``or_empty``) or None."""
+        name = convert.session_queue(client_id)
         browser = await link.subscribe(name, credit=10, browse=True)
         try:
             record: bytes | None = None
@@ -180,7 +243,7 @@ class Registry:
             with contextlib.suppress(LinkRequestError):
                 await browser.close()
         if record is None:
-            return SessionState()  # the queue outlived its record: a session with nothing in it
+            return SessionState() if or_empty else None  # the queue outlived its record
         try:
             return SessionState.decode(record)
         except (ValueError, TypeError, KeyError, msgpack.UnpackException):
@@ -189,6 +252,9 @@ class Registry:
 
     async def hold_session(self, client_id: str) -> Consumer:
         """A consumer on the session queue: while it is there the session does not expire."""
+        holder = self._holders.pop(client_id, None)
+        if holder is not None and holder.closed is None:
+            return holder
         return await (await self.link()).subscribe(convert.session_queue(client_id), credit=0)
 
     def save(self, client_id: str, state: SessionState) -> asyncio.Future[None]:
@@ -216,6 +282,7 @@ class Registry:
             await (await self.link()).create_queue(queue, address, routing_type=routing, expires_ms=expiry_ms)
 
     async def drop_session(self, client_id: str) -> None:
+        self._holders.pop(client_id, None)  # goes with its queue
         with contextlib.suppress(LinkRequestError):
             await (await self.link()).delete_queue(convert.session_queue(client_id))
 
@@ -223,12 +290,14 @@ class Registry:
     def retain(self, topic: str, message: WireMessage) -> asyncio.Future[None]:
         """Make ``message`` the retained message of ``topic`` (an empty payload clears it)."""
         copy = list(message)
-        copy[M_ADDRESS] = convert.RETAINED_QUEUE
-        copy[M_ROUTING] = int(RoutingType.ANYCAST)
+        copy[M_ADDRESS] = convert.RETAINED_ADDRESS
+        copy[M_ROUTING] = int(RoutingType.MULTICAST)  # to every node's copy
         copy[M_DEDUP] = None  # the original's dedup id must not make the copy a duplicate
         copy[M_PROPS] = {**message[M_PROPS], TOPIC: topic}
         if not message[M_BODY]:
-            copy[M_EXPIRATION] = int(time.time() * 1000) + 1  # a tombstone: replaces the value, expires at once
+            # An empty payload clears: the empty copy replaces the value and stays as a marker readers skip. It
+            # does not expire, or it could expire on its way to another node and leave the old value there.
+            copy[M_EXPIRATION] = 0
         return self._send_in_order(copy)
 
     async def retained(self, topic_filter: str) -> list[WireMessage]:
@@ -239,7 +308,8 @@ class Registry:
         if prefix:
             escaped = prefix.replace("'", "''").replace("!", "!!").replace("%", "!%").replace("_", "!_")
             selector = f"{TOPIC} LIKE '{escaped}%' ESCAPE '!'"
-        browser = await link.subscribe(convert.RETAINED_QUEUE, credit=1000, browse=True, selector=selector)
+        queue = await self._retained_queue(link)
+        browser = await link.subscribe(queue, credit=1000, browse=True, selector=selector)
         found = []
         try:
             while batch := await browser.get_batch():

@@ -1,0 +1,108 @@
+"""MQTT across a cluster: gateways attached to different core nodes share sessions, retained messages and
+client ids (link stealing), as the cluster moves the state to where the client comes back."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tests.conftest import CoreProcess, GatewayProcess, start_gateway, stop_cleanly
+from tests.integration.cluster_nodes import cluster_view, start_cluster, wait_until
+from tests.integration.mqtt_clients import Paho, Raw
+
+from tridentmq_mqtt.protocol.packets import Connack, Disconnect
+
+pytestmark = [pytest.mark.integration, pytest.mark.cluster]
+
+
+@pytest.fixture
+def two_sides(tmp_path: Path) -> Iterator[tuple[GatewayProcess, GatewayProcess]]:
+    """Two MQTT gateways, each linked to its own node of a 2-node cluster (``.nodes`` of the gateway)."""
+    a, b = start_cluster(tmp_path, 2)
+    # FIRST_ELEMENT keeps each gateway's links on its own node (the node lists itself first).
+    pinned = {"TRIDENTMQ_MQTT_CORE_LOAD_BALANCING": "FIRST_ELEMENT"}
+    left = start_gateway(tmp_path, a, "mqtt", name="mqtt-a", **pinned)
+    right = start_gateway(tmp_path, b, "mqtt", name="mqtt-b", **pinned)
+    NODES[left.port], NODES[right.port] = a, b
+    # Each node knows the other's copy of the retained messages before anything is retained.
+    wait_until(lambda: all(cluster_view(n)["remote_bindings"] >= 1 for n in (a, b)), what="the retained queues")
+    yield left, right
+    for gateway in (left, right):
+        stop_cleanly(gateway)
+    for node in (a, b):
+        assert node.stop() == 0, node.log()
+        assert "Traceback" not in node.log(), node.log()
+
+
+NODES: dict[int, CoreProcess] = {}  # gateway port → its core node
+
+
+def _id() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def test_a_retained_message_is_seen_through_a_gateway_on_another_node(
+        two_sides: tuple[GatewayProcess, GatewayProcess]) -> None:  # fmt: skip
+    left, right = two_sides
+    topic = f"state/{_id()}"
+    publisher = Paho(left.port, f"p-{_id()}")
+    publisher.connect()
+    publisher.publish(topic, b"on", 1, retain=True)
+
+    def retained_on_the_right() -> list[bytes]:
+        reader = Paho(right.port, f"r-{_id()}")
+        reader.connect()
+        reader.subscribe(topic, 1)
+        got = [m.payload for m in reader.receive(1, timeout=0.5)]
+        reader.disconnect()
+        return got
+
+    wait_until(lambda: retained_on_the_right() == [b"on"], timeout=10, what="the retained message on node b")
+    publisher.publish(topic, b"", 1, retain=True)  # cleared through node a: cleared on node b too
+    wait_until(lambda: retained_on_the_right() == [], timeout=10, what="the retained message to clear on node b")
+    publisher.disconnect()
+
+
+def test_a_persistent_session_resumes_through_a_gateway_on_another_node(
+        two_sides: tuple[GatewayProcess, GatewayProcess]) -> None:  # fmt: skip
+    left, right = two_sides
+    client_id = f"c-{_id()}"
+    first = Paho(left.port, client_id, clean=False)
+    assert first.connect(expiry=300)[0] is False
+    first.subscribe("orders/#", 1)
+    first.disconnect()
+    # The other node learns of the session's queues (session record, subscription) within a moment; a client
+    # coming back sooner than that through another node would start a new session.
+    wait_until(lambda: cluster_view(NODES[right.port])["remote_bindings"] >= 3, what="node b to learn the session")
+    publisher = Paho(left.port, f"p-{_id()}")
+    publisher.connect()
+    for i in range(10):
+        publisher.publish(f"orders/{i}", str(i).encode(), 1)
+    started = time.monotonic()
+    again = Paho(right.port, client_id, clean=False)
+    assert again.connect(expiry=300)[0] is True  # the session came over from node a
+    assert sorted(m.payload for m in again.receive(10)) == sorted(str(i).encode() for i in range(10))
+    publisher.publish("orders/late", b"late", 1)  # now routed to where the subscriber is
+    assert [m.payload for m in again.receive(1)] == [b"late"]
+    assert time.monotonic() - started < 10
+    again.disconnect()
+    publisher.disconnect()
+
+
+def test_link_stealing_across_gateways_on_different_nodes(two_sides: tuple[GatewayProcess, GatewayProcess]) -> None:
+    left, right = two_sides
+    client_id = f"c-{_id()}"
+    first = Raw(left.port)
+    assert isinstance(first.connect(client_id), Connack)
+    time.sleep(0.5)  # node b learns the lock queue's consumer on node a
+    second = Raw(right.port)
+    connack = second.connect(client_id)
+    assert isinstance(connack, Connack)
+    assert connack.reason_code == 0
+    assert first.next() == Disconnect(0x8E)  # Session taken over
+    assert first.closed()
+    first.close()
+    second.close()
