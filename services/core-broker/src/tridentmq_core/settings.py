@@ -101,7 +101,8 @@ class ClusterSection:
                                                    "with the queue), ON_DEMAND (only to nodes with matching "
                                                    "consumers) or OFF_WITH_REDISTRIBUTION (local routing, but "
                                                    "backlog moves to where the consumers are).")  # fmt: skip
-    forward_window: int = doc(1000, "Forwarded messages in flight to one node before waiting for its confirms.")
+    forward_window: int = doc(10_000, "Forwarded messages in flight to one node (and per queue being "
+                                      "redistributed) before waiting for its confirms.")  # fmt: skip
     min_residence_ms: int = doc(2000, "A message that came from another node is not redistributed again "
                                       "before this long (no ping-pong when consumers flap).")  # fmt: skip
     retry_interval_ms: int = doc(100, "First retry delay of a cluster connection that failed.")

@@ -150,7 +150,7 @@ class Bridge:
         self.session: Session | None = None
         self.consumers: dict[int, Consumer] = {}
         self._next_consumer = FORWARDER_ID + 1
-        self._waiting: list[tuple[Consumer, int, WireMessage]] = []  # forwards waiting for publish credit
+        self._waiting: deque[tuple[Consumer, int, WireMessage]] = deque()  # forwards waiting for publish credit
         self._confirmed: dict[Consumer, list[int]] = {}
         self._sent: deque[tuple[asyncio.Future[None], Consumer, int]] = deque()  # awaiting the other's confirm
         self._stopping = False
@@ -353,7 +353,7 @@ class Bridge:
             while self._waiting and client is self.client:
                 await client.wait_for_credit()
                 while self._waiting and client.can_send:
-                    consumer, message_id, outgoing = self._waiting.pop(0)
+                    consumer, message_id, outgoing = self._waiting.popleft()
                     self._send(client, consumer, message_id, outgoing)
         except LinkRequestError:
             pass  # the connection went: _teardown gave the messages back
