@@ -418,3 +418,18 @@ async def test_a_message_redistributed_after_a_failed_delivery_stays_flagged_red
         assert [(count, bytes(m[M_BODY])) for count, m in batch] == [(2, b"once")]
         moved.ack_ids([m[M_ID] for _, m in batch])
     stop_all(nodes)
+
+
+async def test_non_durable_messages_reach_a_consumer_on_another_node(tmp_path: Path) -> None:
+    nodes = start_cluster(tmp_path, 2)
+    a, b = nodes
+    async with client(b) as cb:
+        consumer = await cb.subscribe("ticks", credit=1000)
+        wait_until(lambda: remote_consumers(a, "ticks") == 1, what="a to see b's consumer")
+        async with client(a) as ca:
+            futures = [await ca.send(new_message("ticks", body)) for body in bodies(3000)]
+            await asyncio.gather(*futures)
+        got = await take(consumer, 3000)
+    assert got == bodies(3000)  # in order: sent straight, or through the forward queue when the link is busy
+    assert counters(a)["forwarded"] == 3000
+    stop_all(nodes)

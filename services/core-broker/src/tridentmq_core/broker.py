@@ -210,6 +210,8 @@ class Broker:
         self.bindings_version = 0  # bumped whenever a queue or a consumer comes or goes
         self.forward_queues: dict[str, Queue] = {}  # connected node id → its store-and-forward queue
         self.arrivals = Arrivals()  # when messages that came from another node arrived (minimum residence)
+        # Sends a non-durable message to a connected node now, bypassing its forward queue; False: cannot now.
+        self.send_direct: Callable[[str, WireMessage], bool] | None = None
         store.attach(self.on_durable)
 
     # ------------------------------------------------------------------ sessions
@@ -652,6 +654,11 @@ class Broker:
         header = ForwardHeader(target, queues, hops, f"{self.node_id}:{copy[M_ID]}")
         copy[M_PROPS] = {**message[M_PROPS], FORWARD_PROPERTY: header.encode()}
         self.counters.forwarded += 1
+        if not copy[M_DURABLE] and not len(forward_queue) and self.send_direct is not None \
+                and self.send_direct(via, copy):  # fmt: skip
+            if self._audit_all:
+                self._emit_message(now_ms, "msg.forwarded", copy, None, target_node=target, target_queues=list(queues))
+            return 0
         token = self.store.add_message(copy, (forward_queue.name,)) if copy[M_DURABLE] else 0
         forward_queue.add(copy)
         self._to_dispatch.add(forward_queue)
@@ -698,12 +705,16 @@ class Broker:
             queue.add(message)
         return moved
 
-    def reroute_refused(self, session: Session, consumer: Consumer, message_id: int, now_ms: int) -> None:
-        """The node a forwarded message was for refused it: deliver it here, by its queues or its address."""
-        taken = consumer.queue.take(consumer, message_id)
-        if taken is None:
-            return
-        message = taken[0]
+    def requeue_forwards(self, node_id: str, messages: list[WireMessage], now_ms: int) -> None:
+        """Non-durable messages sent straight to ``node_id`` whose link dropped before it confirmed them: they
+        wait in its forward queue like the others (after them: the one exception to their order)."""
+        queue = self.forward_queue(node_id, now_ms)
+        for message in messages:
+            queue.add(message)
+        self._to_dispatch.add(queue)
+
+    def place_refused(self, message: WireMessage, now_ms: int) -> None:
+        """A message sent straight to another node, which refused it: deliver it here instead."""
         try:
             header = ForwardHeader.decode(message[M_PROPS].get(FORWARD_PROPERTY))
         except ValueError:
@@ -716,7 +727,14 @@ class Broker:
             self._admit(copy, local or self._route(copy, now_ms, create=True), now_ms)
         except BrokerError as exc:
             log.warning("refused forwarded message dropped", extra={"reason": exc.text})
-        self._settle_acked(consumer.queue, message, now_ms)
+
+    def reroute_refused(self, session: Session, consumer: Consumer, message_id: int, now_ms: int) -> None:
+        """The node a forwarded message was for refused it: deliver it here, by its queues or its address."""
+        taken = consumer.queue.take(consumer, message_id)
+        if taken is None:
+            return
+        self.place_refused(taken[0], now_ms)
+        self._settle_acked(consumer.queue, taken[0], now_ms)
         consumer.credit += 1
 
     def _place(self, message: WireMessage, names: tuple[str, ...], now_ms: int) -> bool:

@@ -47,6 +47,14 @@ def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+def _can_send(client: LinkClient) -> bool:
+    """Whether a publish may go now; False, not an error, on a link that just went down."""
+    try:
+        return client.can_send
+    except LinkRequestError:
+        return False
+
+
 @dataclass(frozen=True, slots=True)
 class Member:
     node_id: str
@@ -152,7 +160,9 @@ class Bridge:
         self._next_consumer = FORWARDER_ID + 1
         self._waiting: deque[tuple[Consumer, int, WireMessage]] = deque()  # forwards waiting for publish credit
         self._confirmed: dict[Consumer, list[int]] = {}
-        self._sent: deque[tuple[asyncio.Future[None], Consumer, int]] = deque()  # awaiting the other's confirm
+        # Sent and awaiting the other node's confirm: (future, consumer, message id), or, for a non-durable
+        # message sent without a forward queue, (future, None, 0, the message).
+        self._sent: deque[tuple[asyncio.Future[None], Consumer | None, int, WireMessage | None]] = deque()
         self._stopping = False
         self.task: asyncio.Task[None] | None = None
 
@@ -305,6 +315,11 @@ class Bridge:
         self.consumers.clear()
         self._waiting.clear()
         self._confirmed.clear()
+        # Non-durable messages sent straight and not confirmed wait in the forward queue for the next link.
+        unconfirmed = [m for f, _, _, m in self._sent if m is not None and not (f.done() and not f.exception())]
+        if unconfirmed and self.node_id:
+            manager.broker.requeue_forwards(self.node_id, unconfirmed, _now_ms())
+            manager.schedule_flush()
         self._sent.clear()
         if self.node_id and manager.bridges_by_node.get(self.node_id) is self:
             manager.bridge_down(self)
@@ -328,7 +343,7 @@ class Bridge:
             outgoing[M_PROPS] = {**message[M_PROPS], FORWARD_PROPERTY: header.encode()}
         else:
             outgoing = message
-        if self._waiting or not client.can_send:
+        if self._waiting or not _can_send(client):
             self._waiting.append((consumer, message[M_ID], outgoing))
             if len(self._waiting) == 1:
                 asyncio.get_running_loop().create_task(self._send_waiting(client))
@@ -338,13 +353,29 @@ class Bridge:
     def _send(self, client: LinkClient, consumer: Consumer, message_id: int, outgoing: WireMessage) -> None:
         # No callback per message: the other node confirms in order, and ``_on_settled`` walks this queue
         # once per read that brought confirms.
-        self._sent.append((client.send_now(outgoing), consumer, message_id))
+        self._sent.append((client.send_now(outgoing), consumer, message_id, None))
+
+    def send_direct(self, message: WireMessage) -> bool:
+        """Send a non-durable message for the other node at once, not through the forward queue (when that
+        queue is empty, so order holds): nothing needs to be kept on disk for it, and it saves the queue's
+        bookkeeping. False when the link cannot take it now; the message then takes the queue."""
+        client = self.client
+        if self.state != "up" or client is None or self._waiting or not _can_send(client):
+            return False
+        self._sent.append((client.send_now(message), None, 0, message))
+        return True
 
     def _on_settled(self) -> None:
         sent = self._sent
         while sent and sent[0][0].done():
-            future, consumer, message_id = sent.popleft()
-            self._settled(future, consumer, message_id)
+            future, consumer, message_id, direct = sent.popleft()
+            if consumer is not None:
+                self._settled(future, consumer, message_id)
+            elif not future.cancelled() and isinstance(error := future.exception(), LinkRequestError) and \
+                    error.code != ErrorCode.EOF and direct is not None:  # fmt: skip
+                log.warning("forwarded message refused", extra={"to": self.address, "code": error.code,
+                                                                 "reason": error.text})  # fmt: skip
+                self.manager.broker.place_refused(direct, _now_ms())
         if self._confirmed:
             self._settle()
 
@@ -352,7 +383,7 @@ class Bridge:
         try:
             while self._waiting and client is self.client:
                 await client.wait_for_credit()
-                while self._waiting and client.can_send:
+                while self._waiting and _can_send(client):
                     consumer, message_id, outgoing = self._waiting.popleft()
                     self._send(client, consumer, message_id, outgoing)
         except LinkRequestError:
@@ -412,6 +443,7 @@ class ClusterManager:
         self.leaving = False  # scaling down: this node advertises no bindings, so nothing new comes
         broker.cluster = self.balancer
         broker.on_topology = self.on_topology
+        broker.send_direct = self._send_direct
 
     # ------------------------------------------------------------------ life cycle
     async def start(self) -> None:
@@ -490,6 +522,10 @@ class ClusterManager:
         self.broker.audit.emit(_now_ms() * 1000, "node.joined", {"peer_node": member.node_id, "name": member.name})
         return {"node_id": self.node_id, "name": self.name, "bindings": list(joined.sent.values()),
                 "members": joined.members_sent}  # fmt: skip
+
+    def _send_direct(self, node_id: str, message: WireMessage) -> bool:
+        bridge = self.bridges_by_node.get(node_id)
+        return bridge is not None and bridge.send_direct(message)
 
     def _discovered(self, announced: Mapping[str, Announcement]) -> None:
         """Discovery only finds nodes: connections, not Redis, decide whether a node is alive."""
