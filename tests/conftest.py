@@ -92,6 +92,8 @@ def start_core(tmp_path: Path, name: str = "core", config: str | None = None, **
         "TRIDENTMQ_CORE_LINK_HOST": "127.0.0.1",
         "TRIDENTMQ_CORE_LINK_PORT": "0",
         "TRIDENTMQ_CORE_MANAGEMENT_PORT": "0",
+        # Smaller than the 64 MiB default: every segment is pre-allocated, and a run starts hundreds of cores.
+        "TRIDENTMQ_CORE_JOURNAL_SEGMENT_BYTES": str(8 * 1024 * 1024),
         **env,
     }
     log_path = data_dir / "core.log"

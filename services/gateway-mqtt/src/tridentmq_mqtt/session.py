@@ -604,7 +604,11 @@ class MqttSession:
             await link.create_queue(queue, pattern, routing_type=RoutingType.MULTICAST, durable=False, temporary=True)
         limits = self.settings.mqtt
         window = limits.qos0_window if options.qos == 0 else min(limits.max_inflight, self.conn.client_receive_maximum)
-        consumer = await link.subscribe(queue, credit=window, credit_on_settle=True)
+        # A queue that expires at once (expiry 0) may be gone before this consumer reaches it: then the core
+        # makes it again from these, as the subscription's queue, not as an anycast queue of its name.
+        consumer = await link.subscribe(queue, credit=window, credit_on_settle=True, address=pattern,
+                                        routing_type=int(RoutingType.MULTICAST),
+                                        durable=group is not None or self.persistent or resumed)  # fmt: skip
         sub = Sub(text, topic_filter, queue, group is not None, options, consumer,
                   dollar_safe=topic_filter[:1] in ("+", "#"))  # fmt: skip
         sub.pump = self._loop.create_task(self._pump(sub))

@@ -609,7 +609,7 @@ class ClusterManager:
         if isinstance(consumer, Redistributor):
             self.broker.handle(session, [ev.Nacks([[Op.NACK, consumer.id, [message_id], int(NackMode.RELEASE)]])],
                                now_ms)  # fmt: skip
-            consumer.credit = 0
+            consumer.stop()  # the next tick removes it, and starts another if the queue still qualifies
         else:
             self.broker.reroute_refused(session, consumer, message_id, now_ms)
         self.schedule_flush()
@@ -706,8 +706,9 @@ class ClusterManager:
                 self._stranded_since.pop(name, None)
         for name, (bridge, redistributor) in list(self.redistributors.items()):
             target = wanted.get(name)
-            if target is None or target.node_id != redistributor.target.node_id or not bridge.up:
-                redistributor.credit = 0  # stop taking; leave once what it sent is confirmed
+            if target is None or target.node_id != redistributor.target.node_id or not bridge.up or \
+                    redistributor.stopped:  # fmt: skip
+                redistributor.stop()  # take nothing more; leave once what it sent is confirmed
                 if not redistributor.in_flight:
                     bridge.remove_consumer(redistributor)
                     del self.redistributors[name]

@@ -54,7 +54,7 @@ class Arrivals:
 
 
 class Redistributor(Consumer):
-    __slots__ = ("_arrivals", "_clock", "_min_residence_ms", "_selectors", "target")
+    __slots__ = ("_arrivals", "_clock", "_min_residence_ms", "_selectors", "stopped", "target")
 
     def __init__(self, consumer_id: int, session: Session, queue: Queue, credit: int, *, target: Binding,
                  selectors: SelectorCache, arrivals: Arrivals, min_residence_ms: int,
@@ -62,13 +62,21 @@ class Redistributor(Consumer):
         # A selector that takes everything: its presence makes the queue offer each message to ``accepts``.
         super().__init__(consumer_id, session, queue, credit, selector=_EVERYTHING)
         self.forwarder = True
+        self.stopped = False
         self.target = target
         self._selectors = selectors
         self._arrivals = arrivals
         self._min_residence_ms = min_residence_ms
         self._clock = clock
 
+    def stop(self) -> None:
+        """Take no more messages (credit alone would come back with the confirms of those in flight)."""
+        self.stopped = True
+        self.credit = 0
+
     def accepts(self, message: WireMessage) -> bool:
+        if self.stopped:
+            return False
         arrived = self._arrivals.get(message[M_ID])
         if arrived is not None and self._clock() - arrived < self._min_residence_ms:
             return False
