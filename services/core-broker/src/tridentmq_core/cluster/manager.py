@@ -34,6 +34,7 @@ from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.client import LinkClient, LinkRequestError, ReconnectPolicy
 from tridentmq_shared.link.codec import LinkConnection, Role
 from tridentmq_shared.link.ops import ErrorCode, NackMode, Op
+from tridentmq_shared.link.topology import parse_endpoint
 from tridentmq_shared.message import M_ID, M_PROPS, WireMessage
 from tridentmq_shared.settings import SettingsError
 
@@ -110,10 +111,10 @@ def validate_cluster_settings(settings: CoreSettings) -> bool:
 
 
 def parse_connector(text: str) -> tuple[str, int]:
-    host, _, port = text.strip().rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise SettingsError(f"cluster connector {text!r} is not host:port")
-    return host.strip("[]"), int(port)
+    try:
+        return parse_endpoint(text)
+    except ValueError as exc:
+        raise SettingsError(f"cluster connector: {exc}") from None
 
 
 class _BridgePort(LinkConnection):
