@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 from tests.conftest import CoreProcess, GatewayProcess, start_gateway, stop_cleanly
-from tests.integration.cluster_nodes import cluster_view, start_cluster, wait_until
+from tests.integration.cluster_nodes import cluster_view, remote_consumers, start_cluster, wait_until
 from tests.integration.mqtt_clients import Paho, Raw
 
+from tridentmq_mqtt.convert import lock_queue
 from tridentmq_mqtt.protocol.packets import Connack, Disconnect
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster]
@@ -97,7 +98,10 @@ def test_link_stealing_across_gateways_on_different_nodes(two_sides: tuple[Gatew
     client_id = f"c-{_id()}"
     first = Raw(left.port)
     assert isinstance(first.connect(client_id), Connack)
-    time.sleep(0.5)  # node b learns the lock queue's consumer on node a
+    wait_until(
+        lambda: remote_consumers(NODES[right.port], lock_queue(client_id)) == 1,
+        what="node b to learn the lock queue's consumer on node a",
+    )
     second = Raw(right.port)
     connack = second.connect(client_id)
     assert isinstance(connack, Connack)

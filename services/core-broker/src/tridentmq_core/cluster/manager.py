@@ -153,7 +153,6 @@ class Bridge:
         self.state = "connecting"  # connecting, up, down, refused, duplicate
         self.reason = ""
         self.down_since = time.monotonic()
-        self.rerouted = False  # its forward queue was routed again after it was declared gone
         self.leaving = False  # the other node is scaling down: send it nothing new
         self.client: LinkClient | None = None
         self.session: Session | None = None
@@ -285,7 +284,6 @@ class Bridge:
         self.consumers[FORWARDER_ID] = forwarder
         broker.add_forwarder(self.session, forwarder)
         self.state = "up"
-        self.rerouted = False
         self.leaving = False
 
     def add_redistributor(self, make: Callable[[int, Session], Redistributor]) -> Redistributor | None:
@@ -685,6 +683,7 @@ class ClusterManager:
     def _redistribute(self, now_ms: int) -> None:
         broker = self.broker
         wanted: dict[str, Binding] = {}
+        waiting: dict[str, int] = {}  # queues that qualify now → since when (their delay runs from there)
         if self.policy != "OFF":
             for queue in broker.queues.values():
                 if queue.name.startswith(FORWARD_QUEUE_PREFIX) or any(is_local_consumer(c) for c in queue.consumers):
@@ -698,13 +697,10 @@ class ClusterManager:
                 delay = broker.address_settings.resolve(queue.address).redistribution_delay_ms
                 if delay < 0:
                     continue
-                since = self._stranded_since.setdefault(queue.name, now_ms)
+                since = waiting[queue.name] = self._stranded_since.get(queue.name, now_ms)
                 if running is not None or now_ms - since >= delay:
                     wanted[queue.name] = target
-        for name in [n for n in self._stranded_since if n not in broker.queues or n in wanted or
-                     any(is_local_consumer(c) for c in broker.queues[n].consumers)]:  # fmt: skip
-            if name not in wanted or name in self.redistributors:
-                self._stranded_since.pop(name, None)
+        self._stranded_since = waiting  # a queue that stopped qualifying waits its full delay next time
         for name, (bridge, redistributor) in list(self.redistributors.items()):
             target = wanted.get(name)
             if target is None or target.node_id != redistributor.target.node_id or not bridge.up or \
