@@ -163,6 +163,7 @@ def test_op_codes_are_stable() -> None:
         "SUBSCRIBE": 14, "UNSUBSCRIBE": 15, "TX_BEGIN": 16, "TX_COMMIT": 17, "TX_ROLLBACK": 18, "SET_WILL": 19,
         "PUBLISH": 20, "CONFIRM": 21, "REJECT": 22, "PUBLISH_CREDIT": 23, "DELIVER": 24, "ACK": 25,
         "NACK": 26, "FLOW": 27, "CONSUMER_CLOSED": 28, "BROWSE_DONE": 29, "TOPOLOGY": 30, "TOPOLOGY_UPDATE": 31,
+        "REPLICATE": 32, "REPLICA": 33, "REPLICA_ACK": 34, "VOTE": 35,
     }  # fmt: skip
     assert [int(m) for m in NackMode] == [0, 1, 2]
 

@@ -207,6 +207,9 @@ class Broker:
         # bindings, the handler of TOPOLOGY requests, and what the manager watches to report bindings.
         self.cluster: Balancer | None = None
         self.on_topology: Callable[[Session, dict[str, Any]], dict[str, Any]] | None = None
+        # High availability (set when the node is half of a pair or votes for pairs): REPLICATE, REPLICA_ACK
+        # and VOTE go to it; a request it answers returns the reply.
+        self.on_ha: Callable[[Session, ev.Event], Any] | None = None
         self.bindings_version = 0  # bumped whenever a queue or a consumer comes or goes
         self.forward_queues: dict[str, Queue] = {}  # connected node id → its store-and-forward queue
         self.arrivals = Arrivals()  # when messages that came from another node arrived (minimum residence)
@@ -243,6 +246,11 @@ class Broker:
         self._release_will(session, now_ms)
         self._emit(now_ms, "conn.closed", conn_id=session.conn_id, client_id=session.client_name)
 
+    def assume_identity(self, node_id: str) -> None:
+        """A backup taking over its pair's node id (before anything was restored or connected)."""
+        self.node_id = node_id
+        self._node_tag = node_id[:8]
+
     # ------------------------------------------------------------------ event entry point
     def handle(self, session: Session, events: Iterable[ev.Event], now_ms: int) -> None:
         self.now_ms = now_ms
@@ -259,6 +267,9 @@ class Broker:
                         self._nack(session, consumer_id, ids, NackMode(mode), now_ms)
                 case ev.Flow(consumer_id, credit):
                     self._flow(session, consumer_id, credit)
+                case ev.ReplicaAck():
+                    if self.on_ha is not None:
+                        self.on_ha(session, event)
                 case ev.Closed():
                     self.close_session(session, now_ms)
                 case _:
@@ -279,6 +290,10 @@ class Broker:
                 if self.on_topology is None:
                     raise BrokerError(ErrorCode.INVALID, "this node is not part of a cluster")
                 return self.on_topology(session, info)
+            case ev.Replicate() | ev.VoteRequested():
+                if self.on_ha is None or not session.principal.cluster:
+                    raise BrokerError(ErrorCode.INVALID, "this node takes no part in high availability")
+                return self.on_ha(session, event)
             case ev.Unsubscribe(_, consumer_id):
                 consumer = self._consumer(session, consumer_id)
                 self._remove_consumer(session, consumer, now_ms)

@@ -10,19 +10,30 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import shutil
 import socket
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from aiohttp import web
 
 from tridentmq_core.audit import AuditSink, FileAuditSink, NullAuditSink
-from tridentmq_core.broker import Broker, Session
+from tridentmq_core.broker import Broker, BrokerError, Session
 from tridentmq_core.cluster.manager import ClusterManager, validate_cluster_settings
+from tridentmq_core.ha.manager import (
+    BACKUP,
+    FENCED_EXIT_CODE,
+    REPLICATION,
+    BackupRunner,
+    ReplicationSource,
+    Voter,
+    VoteStore,
+    validate_ha_settings,
+)
 from tridentmq_core.management.app import NodeStatus, QueueRates, create_app
 from tridentmq_core.security import AuthenticationError, Principal, SecurityManager, password_matches
 from tridentmq_core.settings import CoreSettings
@@ -94,6 +105,11 @@ class LinkProtocol(asyncio.Protocol):
         for event in events:
             if not isinstance(event, ev.HelloReceived):
                 continue
+            if not self.node.active:
+                self.conn.refuse(ErrorCode.NOT_ACTIVE, "this node is a backup: connect to the active node")
+                self.write_pending()
+                self.close_transport()
+                return
             try:
                 principal = self.node.authenticate(event.user, event.password, self.peer)
             except AuthenticationError as exc:
@@ -147,13 +163,7 @@ class CoreNode:
         self.identity = NodeIdentity(data_dir)
         self.node_id = self.identity.node_id
         self.security = SecurityManager(settings.users, settings.permissions)
-        self.audit: AuditSink = NullAuditSink()
-        if settings.audit.enabled:
-            audit_dir = Path(settings.audit.directory) if settings.audit.directory else data_dir / "audit"
-            self.audit = FileAuditSink(audit_dir, self.node_id, epoch=self.identity.epoch,
-                                       roll_bytes=settings.audit.roll_bytes,
-                                       roll_seconds=settings.audit.roll_seconds,
-                                       heartbeat_seconds=settings.audit.heartbeat_seconds)  # fmt: skip
+        self.audit: AuditSink = NullAuditSink()  # opened on activation, under the node id it serves as
         # Emptied at start: paged messages are journaled or volatile. Its I/O thread reports to the loop.
         self.pages = PageDirectory(data_dir / "paging", ThreadIO(self._call_in_loop))
         # Message ids start at the clock (ms) shifted left 20 bits: unique across restarts of this node
@@ -180,7 +190,16 @@ class CoreNode:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.management_port = 0
         self.clusters = validate_cluster_settings(settings)
+        validate_ha_settings(settings, self.clusters)
         self.cluster: ClusterManager | None = None
+        # High availability: a backup serves no client until it takes over (``active``).
+        self.is_backup = settings.ha.policy == REPLICATION and settings.ha.role == BACKUP
+        self.active = False
+        self.server_id = f"{settings.node.name}-{uuid.uuid4().hex[:8]}"  # this process, in votes and logs
+        self.votes = VoteStore(data_dir) if self.clusters else None
+        self.voter = Voter(self.votes, settings, lambda: self.cluster) if self.votes is not None else None
+        self.replication: ReplicationSource | None = None
+        self.backup: BackupRunner | None = None
 
     def authenticate(self, user: str | None, password: str | None, peer: str) -> Principal:
         """The cluster user (when the node clusters) is checked against the cluster credentials, every
@@ -192,14 +211,25 @@ class CoreNode:
             return Principal(f"cluster:{user}", frozenset(), unrestricted=True, cluster=True)
         return self.security.authenticate(user, password, peer)
 
+    def _open_audit(self) -> None:
+        audit = self.settings.audit
+        if audit.enabled:
+            audit_dir = Path(audit.directory) if audit.directory else self.settings.node.data_dir / "audit"
+            self.audit = FileAuditSink(audit_dir, self.node_id, epoch=self.identity.epoch,
+                                       roll_bytes=audit.roll_bytes, roll_seconds=audit.roll_seconds,
+                                       heartbeat_seconds=audit.heartbeat_seconds)  # fmt: skip
+            self.broker.audit = self.audit
+
+    def _journal_dir(self) -> Path:
+        return Path(self.settings.journal.directory or self.settings.node.data_dir / "journal")
+
     def _recover(self) -> None:
         """Replay the journal into the broker before anyone can connect, then journal from here on."""
         journal_settings = self.settings.journal
         if not journal_settings.enabled:
             log.warning("journal disabled: durable messages will not survive a restart")
             return
-        directory = Path(journal_settings.directory or self.settings.node.data_dir / "journal")
-        journal = Journal(directory, segment_bytes=journal_settings.segment_bytes,
+        journal = Journal(self._journal_dir(), segment_bytes=journal_settings.segment_bytes,
                           sync_delay_us=journal_settings.sync_delay_us)  # fmt: skip
         started = time.monotonic()
         records, report = journal.recover()
@@ -238,7 +268,6 @@ class CoreNode:
 
     async def start(self) -> None:
         loop = self._loop = asyncio.get_running_loop()
-        self._recover()
         link = self.settings.link
         self._server = await loop.create_server(lambda: LinkProtocol(self), link.host, link.port)
         self.status.link_port = self._server.sockets[0].getsockname()[1]
@@ -250,26 +279,83 @@ class CoreNode:
             self.management_port = sock.getsockname()[1]
             await web.SockSite(self._runner, sock).start()
         self._timer = asyncio.create_task(self._tick_forever())
-        if self.clusters:
-            cluster = self.settings.cluster
-            host = cluster.advertise_host or (link.host if link.host not in ("0.0.0.0", "::", "") else "127.0.0.1")
-            self.cluster = ClusterManager(self.broker, self.settings, node_id=self.node_id,
-                                          name=self.settings.node.name, advertise=(host, self.status.link_port),
-                                          schedule_flush=self.schedule_flush,
-                                          management_port=self.management_port)  # fmt: skip
-            self.status.cluster = self.cluster.status
-            await self.cluster.start()
-        self.status.ready = True
+        if self.is_backup:
+            self.backup = BackupRunner(self.settings, self.identity, self.server_id, self._journal_dir(),
+                                       self._call_in_loop, self.activate)  # fmt: skip
+            self.status.ha = self._ha_status
+            self.backup.start()
+            log.info("backup started: looking for its primary", extra={"group": self.settings.ha.group_name,
+                                                                       "server_id": self.server_id})  # fmt: skip
+        else:
+            await self.activate()
         if self.ports_file is not None:
             tmp = self.ports_file.with_suffix(".tmp")
             tmp.write_text(json.dumps({"link": self.status.link_port, "management": self.management_port}))
             tmp.replace(self.ports_file)
+
+    async def activate(self) -> None:
+        """Serve: recover the journal, join the cluster, accept clients (at start, or when a backup takes over)."""
+        self.node_id = self.identity.node_id
+        self.status.epoch = self.identity.epoch
+        self.broker.assume_identity(self.node_id)
+        self._open_audit()
+        self._recover()
+        if self.clusters:
+            cluster = self.settings.cluster
+            link = self.settings.link
+            host = cluster.advertise_host or (link.host if link.host not in ("0.0.0.0", "::", "") else "127.0.0.1")
+            self.cluster = ClusterManager(self.broker, self.settings, node_id=self.node_id,
+                                          name=self.settings.node.name, advertise=(host, self.status.link_port),
+                                          schedule_flush=self.schedule_flush, management_port=self.management_port,
+                                          epoch=self.identity.epoch, voter=self.voter)  # fmt: skip
+            self.status.cluster = self.cluster.status
+            await self.cluster.start()
+        if self.voter is not None:
+            self.broker.on_ha = self._on_ha
+        if self.settings.ha.policy == REPLICATION and self.journal_store is not None:
+            cluster_manager = self.cluster
+            self.replication = ReplicationSource(
+                self.broker, self.journal_store, self.identity, self.settings, lambda: self.cluster,
+                cluster_manager.members_view if cluster_manager is not None else list, self._fenced)  # fmt: skip
+            self.status.ha = self._ha_status
+        self.active = True
+        self.status.ready = True
         if self.security.embedded_default:
             log.warning("NO USERS CONFIGURED: loopback clients are accepted with any credentials and every "
                         "other address is refused; configure [[users]] before exposing this node")  # fmt: skip
         log.info("core node ready", extra={"node_id": self.node_id, "node_name": self.settings.node.name,
-                                           "link_port": self.status.link_port,
+                                           "epoch": self.identity.epoch, "link_port": self.status.link_port,
                                            "management_port": self.management_port})  # fmt: skip
+
+    def _on_ha(self, session: Session, event: ev.Event) -> Any:
+        match event:
+            case ev.VoteRequested(_, request) if self.voter is not None:
+                return self.voter.vote(session, request)
+            case ev.Replicate(_, info) if self.replication is not None:
+                return self.replication.replicate(session, info)
+            case ev.ReplicaAck(upto) if self.replication is not None:
+                self.replication.acked(session, upto)
+                return None
+        raise BrokerError(ErrorCode.INVALID, "this node is not the active half of a replication pair")
+
+    def _ha_status(self) -> dict[str, Any]:
+        ha = self.settings.ha
+        view: dict[str, Any] = {"group": ha.group_name, "configured_role": ha.role, "active": self.active,
+                                "epoch": self.identity.epoch, "server_id": self.server_id}  # fmt: skip
+        if self.backup is not None and not self.active:
+            view.update(self.backup.status())
+        if self.replication is not None:
+            view.update(self.replication.status())
+        return view
+
+    def _fenced(self, reason: str) -> None:
+        """Another copy of this pair took over: stop at once, before confirming anything more."""
+        log.critical("fenced: another copy of this pair is active; stopping (restart this node to make it a "
+                     "backup of the active one)", extra={"reason": reason, "epoch": self.identity.epoch})  # fmt: skip
+        self.active = False
+        for protocol in list(self.protocols.values()):
+            protocol.close_transport()
+        os._exit(FENCED_EXIT_CODE)  # no clean stop: a clean stop would scale down or confirm what is held
 
     def schedule_flush(self) -> None:
         if not self._flush_scheduled:
@@ -281,6 +367,8 @@ class CoreNode:
         self._flush_scheduled = False
         broker = self.broker
         broker.flush_dispatch(_now_ms())
+        if self.replication is not None:
+            self.replication.pump()
         protocols = self.protocols
         for session in broker.take_dirty():
             protocol = protocols.get(session.conn_id)
@@ -298,6 +386,8 @@ class CoreNode:
             await asyncio.sleep(TICK_SECONDS)
             mono = time.monotonic()
             self.broker.tick(_now_ms())
+            if self.replication is not None:
+                self.replication.tick()
             handshake_deadline = mono - self.settings.link.handshake_timeout_ms / 1000
             for protocol in list(self.protocols.values()):
                 if protocol.session is None and protocol.opened < handshake_deadline:
@@ -349,7 +439,8 @@ class CoreNode:
         if store is None:
             return
         if store.compacting:
-            store.compaction_step()
+            if self.replication is None or self.replication.may_compact():
+                store.compaction_step()
         elif consider:
             live = sum(len(q) + q.in_flight for q in self.broker.queues.values() if q.durable)
             if store.wants_compaction(live):
@@ -373,8 +464,13 @@ class CoreNode:
         if self._server is not None:
             self._server.close()
         self.broker.discard_wills()  # the links close because we stop, not because their clients died
+        if self.backup is not None:
+            await self.backup.stop()
+        if self.replication is not None:
+            await self.replication.stop()
         if self.cluster is not None:
-            if self.settings.cluster.scale_down:
+            has_backup = self.replication is not None and self.replication.feed is not None
+            if self.settings.cluster.scale_down and not has_backup:  # a backup keeps the messages instead
                 await self.cluster.scale_down(self._close_client_links)
             await self.cluster.stop()
         for protocol in list(self.protocols.values()):

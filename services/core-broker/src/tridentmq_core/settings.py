@@ -119,6 +119,28 @@ class ClusterSection:
 
 
 @dataclass(frozen=True)
+class HaSection:
+    policy: str = doc("none", "`none`, or `replication`: this node is one half of a primary/backup pair whose "
+                              "backup receives the journal stream (see docs/ha.md). A pair needs the cluster "
+                              "credentials.")  # fmt: skip
+    role: str = doc("primary", "`primary` (active at first start) or `backup` (waits, copies its primary's "
+                               "journal, and takes over when the primary is lost and a quorum agrees).")  # fmt: skip
+    group_name: str = doc("", "Names the pair: a backup replicates only the primary with the same group name.")
+    vote_on_replication_failure: bool = doc(True, "A primary that loses its in-sync backup keeps confirming "
+                                                  "durable writes only after a quorum of the other primaries "
+                                                  "agrees that no backup took over, and stops confirming "
+                                                  "while it cannot reach a quorum.")  # fmt: skip
+    activate_without_quorum: bool = doc(False, "Let an in-sync backup take over when there are no other "
+                                               "primaries to vote (a single pair). Risks two active nodes "
+                                               "when the primary was only cut off, not dead.")  # fmt: skip
+    vote_grace_ms: int = doc(500, "A voter grants a takeover only after the primary has been unreachable from "
+                                  "it for this long (the primary notices its own isolation sooner).")  # fmt: skip
+    vote_retry_ms: int = doc(250, "Interval of a backup's vote rounds while its primary is lost.")
+    sync_window: int = doc(50_000, "Journal records in flight to the backup before the primary waits for its "
+                                   "acknowledgements.")  # fmt: skip
+
+
+@dataclass(frozen=True)
 class UserEntry:
     name: str = doc("", "User name.")
     password: str = doc("", "Password, plain or `pbkdf2_sha256$iterations$salt_hex$hash_hex`.")
@@ -177,6 +199,7 @@ class CoreSettings:
     broker: BrokerSection = doc(BrokerSection(), "Broker limits and windows.")
     cluster: ClusterSection = doc(ClusterSection(), "Clustering: cluster connections, load balancing, "
                                                     "redistribution and discovery.")  # fmt: skip
+    ha: HaSection = doc(HaSection(), "High availability: primary/backup replication pairs.")
     users: list[UserEntry] = doc(list, "Users. With none, loopback clients are accepted whatever their "
                                        "credentials and other addresses are refused.", factory=True)  # fmt: skip
     permissions: list[PermissionEntry] = doc(list, "Role grants per address pattern.", factory=True)

@@ -299,6 +299,8 @@ class LinkClient:
         self.on_settled: Callable[[], None] | None = None
         #: Called with each TOPOLOGY_UPDATE the server pushes (after a ``topology`` request).
         self.on_topology: Callable[[dict[str, Any]], None] | None = None
+        #: Called with each batch of journal records a primary streams (after a ``replicate`` request).
+        self.on_replica: Callable[[ev.ReplicaRecords], None] | None = None
 
     async def __aenter__(self) -> LinkClient:
         await self.connect()
@@ -489,6 +491,9 @@ class LinkClient:
                     self._learn(update)
                 if self.on_topology is not None:
                     self.on_topology(update)
+            case ev.ReplicaRecords():
+                if self.on_replica is not None:
+                    self.on_replica(event)
             case ev.Closed(code, text):
                 self._error = LinkClosedError(code, text)
                 if self._opened is not None and not self._opened.done():
@@ -708,6 +713,22 @@ class LinkClient:
     async def topology(self, info: dict[str, Any]) -> dict[str, Any]:
         """Join the cluster (``info`` names this node) or follow its topology; updates go to ``on_topology``."""
         result = await self._request(lambda conn: conn.topology(info))
+        return dict(result) if isinstance(result, dict) else {}
+
+    async def replicate(self, info: dict[str, Any]) -> dict[str, Any]:
+        """Ask a primary for its journal stream (``info`` names this backup); records go to ``on_replica``."""
+        result = await self._request(lambda conn: conn.replicate(info), again=False)
+        return dict(result) if isinstance(result, dict) else {}
+
+    def replica_ack(self, upto: int) -> None:
+        """Tell the primary every record up to ``upto`` is held here."""
+        conn = self._conn
+        if conn is not None and conn.open:
+            conn.replica_ack(upto)
+            self._schedule_flush()
+
+    async def vote(self, request: dict[str, Any]) -> dict[str, Any]:
+        result = await self._request(lambda conn: conn.vote(request), again=False)
         return dict(result) if isinstance(result, dict) else {}
 
     async def delete_address(self, address: str) -> None:

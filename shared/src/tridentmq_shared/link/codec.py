@@ -90,17 +90,21 @@ _FIELDS: Final[dict[int, tuple[type | tuple[type, ...], ...]]] = {
     Op.BROWSE_DONE: (int,),
     Op.TOPOLOGY: (int, dict),
     Op.TOPOLOGY_UPDATE: (dict,),
+    Op.REPLICATE: (int, dict),
+    Op.REPLICA: (int, int, list, int),
+    Op.REPLICA_ACK: (int,),
+    Op.VOTE: (int, dict),
 }
 
 _RECEIVES: Final = {
     Role.SERVER: frozenset({
         Op.CLOSE, Op.HEARTBEAT, Op.CREATE_ADDRESS, Op.DELETE_ADDRESS, Op.CREATE_QUEUE, Op.DELETE_QUEUE,
         Op.SUBSCRIBE, Op.UNSUBSCRIBE, Op.TX_BEGIN, Op.TX_COMMIT, Op.TX_ROLLBACK, Op.SET_WILL, Op.PUBLISH,
-        Op.ACK, Op.NACK, Op.FLOW, Op.TOPOLOGY,
+        Op.ACK, Op.NACK, Op.FLOW, Op.TOPOLOGY, Op.REPLICATE, Op.REPLICA_ACK, Op.VOTE,
     }),
     Role.CLIENT: frozenset({
         Op.CLOSE, Op.HEARTBEAT, Op.OK, Op.ERROR, Op.CONFIRM, Op.REJECT, Op.PUBLISH_CREDIT, Op.DELIVER,
-        Op.CONSUMER_CLOSED, Op.BROWSE_DONE, Op.TOPOLOGY_UPDATE,
+        Op.CONSUMER_CLOSED, Op.BROWSE_DONE, Op.TOPOLOGY_UPDATE, Op.REPLICA,
     }),
 }  # fmt: skip
 
@@ -339,6 +343,16 @@ class LinkConnection:
                 return ev.Topology(op[1], op[2])
             case Op.TOPOLOGY_UPDATE:
                 return ev.TopologyUpdate(op[1])
+            case Op.REPLICATE:
+                return ev.Replicate(op[1], op[2])
+            case Op.VOTE:
+                return ev.VoteRequested(op[1], op[2])
+            case Op.REPLICA_ACK:
+                return ev.ReplicaAck(op[1])
+            case Op.REPLICA:
+                if op[2] < 1 or not all(type(r) is bytes for r in op[3]):
+                    self._fail(ErrorCode.MALFORMED, "replica records are numbered from 1 and are byte strings")
+                return ev.ReplicaRecords(op[1], op[2], op[3], op[4])
         raise AssertionError(f"unhandled operation {code}")  # _RECEIVES and this match agree
 
     def _set_will_event(self, req_id: int, will: dict[str, Any] | None) -> ev.SetWill:
@@ -546,6 +560,13 @@ class LinkConnection:
             return
         self._out.append([Op.TOPOLOGY_UPDATE, update])
 
+    def replica(self, epoch: int, first: int, records: list[bytes], sync_end: int) -> None:
+        """Journal records ``first``… for a backup; ``sync_end`` (0 until known) is the record whose receipt
+        completes its initial synchronisation."""
+        if not self._answering():
+            return
+        self._out.append([Op.REPLICA, epoch, first, records, sync_end])
+
     # ------------------------------------------------------------------ client side
     def hello(self, user: str | None, password: str | None, client_name: str) -> None:
         if self.role is not _CLIENT or self.state is not State.HANDSHAKE or self._hello_sent:
@@ -562,6 +583,16 @@ class LinkConnection:
 
     def topology(self, info: dict[str, Any]) -> int:
         return self._request(Op.TOPOLOGY, info)
+
+    def replicate(self, info: dict[str, Any]) -> int:
+        return self._request(Op.REPLICATE, info)
+
+    def vote(self, request: dict[str, Any]) -> int:
+        return self._request(Op.VOTE, request)
+
+    def replica_ack(self, upto: int) -> None:
+        self._require(_CLIENT)
+        self._out.append([Op.REPLICA_ACK, upto])
 
     def create_address(self, address: str, routing_types: list[int]) -> int:
         return self._request(Op.CREATE_ADDRESS, address, routing_types)

@@ -208,6 +208,35 @@ class TopologyUpdate:
     update: dict[str, Any]
 
 
+@dataclass(frozen=True, slots=True)
+class Replicate:
+    """A backup asks for the journal stream (``info`` names its pair and epoch)."""
+
+    req_id: int
+    info: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaRecords:
+    """Backup side: journal records numbered from ``first``."""
+
+    epoch: int
+    first: int
+    records: list[bytes]
+    sync_end: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaAck:
+    upto: int
+
+
+@dataclass(frozen=True, slots=True)
+class VoteRequested:
+    req_id: int
+    request: dict[str, Any]
+
+
 ServerEvent = (
     HelloReceived
     | Closed
@@ -226,6 +255,9 @@ ServerEvent = (
     | Nacks
     | Flow
     | Topology
+    | Replicate
+    | ReplicaAck
+    | VoteRequested
 )
 ClientEvent = (
     Welcomed
@@ -239,5 +271,6 @@ ClientEvent = (
     | ConsumerClosed
     | BrowseDone
     | TopologyUpdate
+    | ReplicaRecords
 )
 Event = ServerEvent | ClientEvent

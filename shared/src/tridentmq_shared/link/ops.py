@@ -46,6 +46,11 @@ class Op(IntEnum):
     # cluster
     TOPOLOGY = 30  # C→S [op, req_id, info]: join the cluster (info names the node) or watch its topology
     TOPOLOGY_UPDATE = 31  # S→C [op, update]: members and, for a joined node, binding changes
+    # high availability
+    REPLICATE = 32  # C→S [op, req_id, info]: a backup asks its primary for the journal stream
+    REPLICA = 33  # S→C [op, epoch, first, records, sync_end]: journal records numbered from ``first``
+    REPLICA_ACK = 34  # C→S [op, upto]: the backup holds every record up to this number
+    VOTE = 35  # C→S [op, req_id, request]: a node asks an active node for its vote on a pair's epoch
 
 
 class NackMode(IntEnum):
@@ -74,3 +79,4 @@ class ErrorCode:
     SHUTDOWN: Final = "shutdown"
     EOF: Final = "eof"
     INTERNAL: Final = "internal"
+    NOT_ACTIVE: Final = "not-active"  # a backup (or a fenced node) serves no clients: try another node

@@ -27,6 +27,7 @@ from tridentmq_core.cluster.bindings import Binding, BindingError, Key, RemoteBi
 from tridentmq_core.cluster.discovery import Announcement, RedisDiscovery
 from tridentmq_core.cluster.forward import FORWARD_PROPERTY, ForwardHeader
 from tridentmq_core.cluster.redistribution import Arrivals, Redistributor, best_target, stranded
+from tridentmq_core.ha.manager import Voter
 from tridentmq_core.queues import Consumer, Queue
 from tridentmq_core.security import Principal
 from tridentmq_core.settings import LOAD_BALANCING_POLICIES, CoreSettings
@@ -248,9 +249,11 @@ class Bridge:
             return
         other = manager.bridges_by_node.get(client.node_id)
         if other is not None and other is not self:
-            self.state = "duplicate"
-            await client.close()
-            return
+            if other.up:
+                self.state = "duplicate"
+                await client.close()
+                return
+            manager.retire(other)  # the node moved here (a backup took over): this connection serves it now
         self.node_id = client.node_id
         manager.bridges_by_node[self.node_id] = self
         try:
@@ -415,8 +418,11 @@ class Bridge:
 
 class ClusterManager:
     def __init__(self, broker: Broker, settings: CoreSettings, *, node_id: str, name: str, advertise: tuple[str, int],
-                 schedule_flush: Callable[[], None], management_port: int = 0) -> None:  # fmt: skip
+                 schedule_flush: Callable[[], None], management_port: int = 0, epoch: int = 1,
+                 voter: Voter | None = None) -> None:  # fmt: skip
         cluster = settings.cluster
+        self.epoch = epoch  # this node's activation epoch: a copy of it at a lower one is refused
+        self.voter = voter  # knows the highest epoch promised or seen per node id
         self.broker = broker
         self.settings = settings
         self.node_id = node_id
@@ -483,8 +489,14 @@ class ClusterManager:
     def join_info(self) -> dict[str, Any]:
         host, port = self.advertise
         return {"cluster": self.settings.cluster.name, "node_id": self.node_id, "name": self.name, "host": host,
-                "port": port, "management": self.management_port,
+                "port": port, "management": self.management_port, "epoch": self.epoch,
                 "max_hops": self.settings.cluster.max_hops}  # fmt: skip
+
+    def fresh(self, node_id: str, epoch: Any) -> bool:
+        """Whether ``node_id`` at ``epoch`` may be talked to: no newer copy of it was promised or seen."""
+        if self.voter is None:
+            return True
+        return type(epoch) is int and self.voter.observe(node_id, epoch)
 
     # ------------------------------------------------------------------ another node joins us
     def on_topology(self, session: Session, info: dict[str, Any]) -> dict[str, Any]:
@@ -504,6 +516,8 @@ class ClusterManager:
             problem = f"max_hops {join.get('max_hops')!r} differs from this node's ({cluster.max_hops})"
         elif join.get("node_id") == self.node_id:
             problem = f"node id {self.node_id} is this node's own (a copied data directory?)"
+        elif not self.fresh(str(join.get("node_id")), join.get("epoch", 1)):
+            problem = f"epoch {join.get('epoch')} of node {join.get('node_id')} was replaced by a newer one"
         try:
             member = Member.from_wire(join)
         except ValueError as exc:
@@ -520,7 +534,7 @@ class ClusterManager:
                                        "address": f"{member.host}:{member.port}"})  # fmt: skip
         self.broker.audit.emit(_now_ms() * 1000, "node.joined", {"peer_node": member.node_id, "name": member.name})
         return {"node_id": self.node_id, "name": self.name, "bindings": list(joined.sent.values()),
-                "members": joined.members_sent}  # fmt: skip
+                "members": joined.members_sent, "epoch": self.epoch}  # fmt: skip
 
     def _send_direct(self, node_id: str, message: WireMessage) -> bool:
         bridge = self.bridges_by_node.get(node_id)
@@ -541,13 +555,18 @@ class ClusterManager:
             self._members_version += 1
         bridge = self.bridges_by_node.get(member.node_id)
         if bridge is not None and not bridge.up and (bridge.host, bridge.port) != (member.host, member.port):
-            # The node came back at another address (a restart on a new port): follow it there.
-            del self.bridges_by_node[member.node_id]
-            self.bridges.pop(bridge.address, None)
-            asyncio.get_running_loop().create_task(bridge.stop())
+            # The node came back at another address (a restart on a new port, a backup that took over).
+            self.retire(bridge)
             bridge = None
         if bridge is None:
             self.connect(member.host, member.port)
+
+    def retire(self, bridge: Bridge) -> None:
+        """Drop a bridge whose node now lives at another address."""
+        if self.bridges_by_node.get(bridge.node_id) is bridge:
+            del self.bridges_by_node[bridge.node_id]
+        self.bridges.pop(bridge.address, None)
+        asyncio.get_running_loop().create_task(bridge.stop())
 
     def members_view(self) -> list[dict[str, Any]]:
         """The live members: this node and the nodes its cluster connections reach."""
@@ -561,6 +580,11 @@ class ClusterManager:
 
     # ------------------------------------------------------------------ our bridges
     def bridge_up(self, bridge: Bridge, reply: dict[str, Any]) -> bool:
+        if not self.fresh(bridge.node_id, reply.get("epoch", 1)):
+            reason = f"epoch {reply.get('epoch')} of that node was replaced by a newer one (a fenced copy)"
+            log.error("cluster connection refused", extra={"to": bridge.address, "reason": reason})
+            bridge.state, bridge.reason = "refused", reason
+            return False
         try:
             self.bindings.replace(bridge.node_id, reply.get("bindings") or [])
             members = [Member.from_wire(m) for m in reply.get("members") or []]

@@ -37,6 +37,7 @@ class NodeStatus:
     recovered: dict[str, int] = field(default_factory=dict)  # queue -> messages recovered at start
     truncated: list[str] = field(default_factory=list)  # journal tails cut off at start, one line each
     cluster: Callable[[], dict[str, Any]] | None = None  # the cluster view, when the node clusters
+    ha: Callable[[], dict[str, Any]] | None = None  # the pair's view, when the node is half of one
 
 
 class QueueRates:
@@ -118,6 +119,10 @@ class _Handlers:
 
     async def readyz(self, request: web.Request) -> web.Response:
         if not self.status.ready:
+            if self.status.ha is not None:  # a backup: not serving, but says whether it could take over
+                ha = self.status.ha()
+                return web.json_response({"status": "backup", "in_sync": ha.get("in_sync", False),
+                                          "state": ha.get("state", "")}, status=503)  # fmt: skip
             return web.json_response({"status": "starting"}, status=503)
         return web.json_response({"status": "ready", "recovered": dict(self.status.recovered),
                                   "truncated": list(self.status.truncated)})  # fmt: skip
@@ -143,6 +148,7 @@ class _Handlers:
             "in_flight": sum(q.in_flight for q in queues),
             "counters": dataclasses.asdict(broker.counters),
             "cluster": self.status.cluster() if self.status.cluster is not None else None,
+            "ha": self.status.ha() if self.status.ha is not None else None,
         })  # fmt: skip
 
     async def cluster(self, request: web.Request) -> web.Response:

@@ -8,10 +8,11 @@ Both files are written to a temporary name, synced and renamed, so a crash leave
 
 from __future__ import annotations
 
-import os
 import uuid
 from pathlib import Path
 from typing import Final
+
+from tridentmq_core.store.files import write_durably
 
 NODE_ID_FILE: Final = "node.id"
 EPOCH_FILE: Final = "node.epoch"
@@ -23,7 +24,7 @@ class IdentityError(Exception):
 
 class NodeIdentity:
     def __init__(self, data_dir: Path) -> None:
-        self._data_dir = data_dir
+        self.data_dir = data_dir
         id_path = data_dir / NODE_ID_FILE
         if id_path.exists():
             self.node_id = id_path.read_text(encoding="ascii").strip()
@@ -43,18 +44,22 @@ class NodeIdentity:
     def advance_epoch(self) -> int:
         """Start a new activation epoch, durably, and return it."""
         self.epoch += 1
-        self._write(self._data_dir / EPOCH_FILE, str(self.epoch))
+        self._write(self.data_dir / EPOCH_FILE, str(self.epoch))
         return self.epoch
 
-    def _write(self, path: Path, value: str) -> None:
-        tmp = path.with_suffix(".tmp")
-        with tmp.open("w", encoding="ascii") as file:
-            file.write(value + "\n")
-            file.flush()
-            os.fsync(file.fileno())
-        tmp.replace(path)
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    def adopt(self, node_id: str, epoch: int) -> None:
+        """Take the identity of the node whose data this directory now holds (a backup of its primary)."""
+        if node_id != self.node_id:
+            self.node_id = node_id
+            self._write(self.data_dir / NODE_ID_FILE, node_id)
+        self.set_epoch(epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Record ``epoch`` (an activation a quorum granted, or the epoch of the copied primary)."""
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self._write(self.data_dir / EPOCH_FILE, str(epoch))
+
+    @staticmethod
+    def _write(path: Path, value: str) -> None:
+        write_durably(path, value + "\n")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from tridentmq_core.store.files import fsync_directory
 from tridentmq_core.store.records import (
     Record,
     RecordType,
@@ -50,21 +51,13 @@ def _sibling(directory: Path, suffix: str) -> Path:
     return directory.with_name(directory.name + suffix)
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def finish_offline_compaction(directory: Path) -> None:
     """Complete or undo an offline compaction that a crash interrupted (see ``compact_offline``)."""
     compact, old = _sibling(directory, COMPACT_SUFFIX), _sibling(directory, OLD_SUFFIX)
     if compact.exists():
         if (compact / COMPLETE_MARKER).exists() and not directory.exists():
             compact.rename(directory)  # crashed between the two renames: finish the swap
-            _fsync_dir(directory.parent)
+            fsync_directory(directory.parent)
         else:
             shutil.rmtree(compact)  # never completed, or completed but not swapped in: the old one is whole
     if old.exists():
@@ -112,12 +105,12 @@ def compact_offline(directory: Path, segment_bytes: int = DEFAULT_SEGMENT_BYTES)
     fresh.close()
     marker = target / COMPLETE_MARKER
     marker.write_bytes(b"")
-    _fsync_dir(target)
+    fsync_directory(target)
     old = _sibling(directory, OLD_SUFFIX)
     directory.rename(old)
-    _fsync_dir(directory.parent)
+    fsync_directory(directory.parent)
     target.rename(directory)
-    _fsync_dir(directory.parent)
+    fsync_directory(directory.parent)
     shutil.rmtree(old)
     marker = directory / COMPLETE_MARKER
     marker.unlink()
@@ -174,6 +167,8 @@ class Journal:
         self.segment_bytes = segment_bytes
         self.sync_delay = sync_delay_us / 1_000_000
         self.on_synced: Callable[[int], None] = lambda _seq: None  # called from the writer thread
+        #: Sees every record queued, with its number, on the appending thread (the replication feed).
+        self.tap: Callable[[int, bytes], None] | None = None
         self._lock = threading.Lock()
         self._wakeup = threading.Event()  # set when records are queued; setting it only when clear is cheap
         self._pending: list[bytes] = []
@@ -261,7 +256,27 @@ class Journal:
             number = self._appended
         if not self._wakeup.is_set():
             self._wakeup.set()
+        if self.tap is not None:
+            self.tap(number, data)
         return number
+
+    def append_encoded(self, records: list[bytes]) -> int:
+        """Queue records encoded elsewhere (a backup writing its primary's stream); returns the last number."""
+        for data in records:
+            if len(data) > self.segment_bytes:
+                raise ValueError(f"a record of {len(data)} bytes does not fit a segment of {self.segment_bytes}")
+        with self._lock:
+            self._pending.extend(records)
+            self._appended += len(records)
+            number = self._appended
+        if not self._wakeup.is_set():
+            self._wakeup.set()
+        return number
+
+    @property
+    def appended(self) -> int:
+        """The number of the last record queued."""
+        return self._appended
 
     def roll(self) -> None:
         """Queue a switch to a fresh segment: records appended after this call land in it or later ones."""
@@ -282,11 +297,7 @@ class Journal:
                 path.unlink()
                 retired += 1
         if retired:
-            dir_fd = os.open(self.directory, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            fsync_directory(self.directory)
         return retired
 
     def close(self) -> None:
@@ -355,11 +366,7 @@ class Journal:
         path = self.directory / segment_name(number)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         os.posix_fallocate(fd, 0, self.segment_bytes)  # zeros: the scan's clean end marker
-        dir_fd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # the new file's name is durable too
-        finally:
-            os.close(dir_fd)
+        fsync_directory(self.directory)  # the new file's name is durable too
         self._fd = fd
         self._segment_number = number
         self._position = 0

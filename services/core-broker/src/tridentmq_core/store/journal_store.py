@@ -54,6 +54,11 @@ class JournalStore:
         self._specs: dict[str, dict[str, Any]] = {}  # queue specs recorded while copying (expiry changes)
         self._counts: dict[tuple[str, int], int] = {}
         self._on_durable: Completion = lambda _token: None
+        self._synced = 0  # the last record known on disk here
+        # With an in-sync backup, writes are confirmed only up to what it acknowledged; None: no such bound.
+        self._limit: int | None = None
+        #: Called with the number of the last record of a compaction's copy (the end of a backup's sync).
+        self.on_copied: Callable[[int], None] = lambda _number: None
         self._tx_id = 0  # the open transaction (0: none); random, so no id recurs across restarts
         self._tx_written = False
         journal.on_synced = self._synced_in_writer
@@ -165,16 +170,27 @@ class JournalStore:
             if record is None:
                 self._copying = None
                 self._retire_after = self.journal.append(RecordType.COMPACTED, [])
+                self.on_copied(self._retire_after)
                 return
             self.journal.append(*record)
 
     def _synced_in_writer(self, upto: int) -> None:
         self._call_in_loop(lambda: self._complete(upto))
 
-    def _complete(self, upto: int) -> None:
+    def limit_confirms(self, upto: int | None) -> None:
+        """Confirm writes only up to record ``upto`` (what a backup holds), or, with None, once on disk here."""
+        self._limit = upto
+        self._release()
+
+    def _release(self) -> None:
+        upto = self._synced if self._limit is None else min(self._synced, self._limit)
         waiting = self._waiting
         while waiting and waiting[0] <= upto:
             self._on_durable(waiting.popleft())
+
+    def _complete(self, upto: int) -> None:
+        self._synced = upto
+        self._release()
         if self._retire_after and upto >= self._retire_after:
             self._retire_after = 0
             retired = self.journal.retire_before(self.journal.rolled_to)

@@ -1,0 +1,1 @@
+"""High availability: replication pairs, quorum votes, epochs, shared store and network checks."""

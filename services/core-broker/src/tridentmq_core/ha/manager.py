@@ -1,0 +1,544 @@
+"""High availability, the asyncio shell: a pair's journal stream, quorum votes and a backup's takeover.
+
+- On the active node of a pair, ``ReplicationSource`` answers the backup's REPLICATE request: it starts a
+  compaction (whose copy plus what follows is the whole state, see ``replication.py``), streams every journal
+  record from there, and once the backup holds the copy, confirms durable writes only when both copies hold
+  them. When an in-sync backup is lost, confirms wait until a quorum of the other primaries says no backup
+  took over (``stay``); a refusal means this node was replaced: it stops at once.
+- On every active clustered node, ``Voter`` answers VOTE requests and keeps its promises on disk.
+- On a backup, ``BackupRunner`` finds its primary among the connectors, copies its journal into a fresh
+  journal of its own (acknowledging what is on disk), and when the primary is lost while in sync, asks the
+  other primaries for their votes; with a majority it takes the pair's node id and a new epoch and activates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+from tridentmq_core.broker import Broker, BrokerError, Session
+from tridentmq_core.ha.replication import ReplicaFeed
+from tridentmq_core.ha.votes import ACTIVATE, STAY, VoteBook, VoteRequest, quorum
+from tridentmq_core.settings import CoreSettings
+from tridentmq_core.store.files import write_durably
+from tridentmq_core.store.identity import NodeIdentity
+from tridentmq_core.store.journal import Journal, list_segments
+from tridentmq_core.store.journal_store import JournalStore
+from tridentmq_shared.link import events as ev
+from tridentmq_shared.link.client import LinkClient, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.link.ops import ErrorCode
+from tridentmq_shared.link.topology import parse_endpoint
+from tridentmq_shared.settings import SettingsError
+
+if TYPE_CHECKING:
+    from tridentmq_core.cluster.manager import ClusterManager
+
+log = logging.getLogger("tridentmq.core.ha")
+
+REPLICATION: Final = "replication"
+PRIMARY: Final = "primary"
+BACKUP: Final = "backup"
+HA_STATE_FILE: Final = "ha.json"
+VOTES_FILE: Final = "votes.json"
+FENCED_EXIT_CODE: Final = 3  # the process exits with this when a quorum says another copy replaced it
+VOTE_TIMEOUT: Final = 1.0
+
+
+def validate_ha_settings(settings: CoreSettings, clusters: bool) -> None:
+    ha = settings.ha
+    if ha.policy not in ("none", REPLICATION):
+        raise SettingsError("ha.policy must be none or replication")
+    if ha.policy == "none":
+        return
+    if ha.role not in (PRIMARY, BACKUP):
+        raise SettingsError("ha.role must be primary or backup")
+    if not ha.group_name:
+        raise SettingsError("ha.group_name names the pair: set it, the same on the primary and its backup")
+    if not clusters:
+        raise SettingsError(
+            "a replication pair needs the cluster credentials and connectors (cluster.user, "
+            "cluster.password, and cluster.connectors naming the other half and other nodes)"
+        )
+    if not settings.journal.enabled:
+        raise SettingsError("a replication pair needs the journal (journal.enabled)")
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class VoteStore:
+    """The voter's promises, on disk so a restarted voter keeps them."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.path = data_dir / VOTES_FILE
+        self.book = VoteBook()
+        if self.path.exists():
+            try:
+                self.book = VoteBook.from_json(json.loads(self.path.read_text(encoding="utf-8")))
+            except ValueError as exc:
+                raise ValueError(f"{self.path}: {exc}") from None
+
+    def save(self) -> None:
+        write_durably(self.path, json.dumps(self.book.to_json()))
+
+
+class Voter:
+    """Answers VOTE requests of backups (``activate``) and of primaries that lost their backup (``stay``)."""
+
+    def __init__(self, votes: VoteStore, settings: CoreSettings, cluster: Callable[[], ClusterManager | None]) -> None:
+        self.votes = votes
+        self.settings = settings
+        self._cluster = cluster
+
+    def primary_reachable(self, node_id: str) -> bool:
+        cluster = self._cluster()
+        if cluster is None:
+            return False
+        bridge = cluster.bridges_by_node.get(node_id)
+        if bridge is None:
+            return False
+        return bridge.up or time.monotonic() - bridge.down_since < self.settings.ha.vote_grace_ms / 1000
+
+    def vote(self, session: Session, raw: dict[str, Any]) -> dict[str, Any]:
+        try:
+            request = VoteRequest.from_wire(raw)
+        except ValueError as exc:
+            raise BrokerError(ErrorCode.INVALID, str(exc)) from None
+        before = self.votes.book.epoch(request.node_id)
+        granted, why = self.votes.book.decide(request, primary_reachable=self.primary_reachable(request.node_id))
+        if self.votes.book.epoch(request.node_id) != before:
+            self.votes.save()  # the promise is on disk before the candidate hears of it
+        log.info("vote", extra={"kind": request.kind, "pair": request.node_id, "epoch": request.epoch,
+                                "candidate": request.candidate, "granted": granted, "reason": why,
+                                "peer": session.peer})  # fmt: skip
+        return {"granted": granted, "reason": why, "epoch": self.votes.book.epoch(request.node_id)}
+
+    def observe(self, node_id: str, epoch: int) -> bool:
+        """A node is active at ``epoch``: False when a higher one was promised (it is stale: refuse it)."""
+        if epoch < self.votes.book.epoch(node_id):
+            return False
+        if self.votes.book.observe(node_id, epoch):
+            self.votes.save()
+        return True
+
+
+class ReplicationSource:
+    """The active node's side of its pair: one backup at a time."""
+
+    def __init__(self, broker: Broker, store: JournalStore, identity: NodeIdentity, settings: CoreSettings,
+                 cluster: Callable[[], ClusterManager | None], members: Callable[[], list[dict[str, Any]]],
+                 fenced: Callable[[str], None]) -> None:  # fmt: skip
+        self.broker = broker
+        self.store = store
+        self.identity = identity
+        self.settings = settings
+        self._cluster = cluster
+        self._members = members
+        self._fenced = fenced
+        self.session: Session | None = None
+        self.feed: ReplicaFeed | None = None
+        self.backup = ""  # the backup's server id
+        self._sync_end_sent = 0
+        self.held_since = 0.0  # monotonic: confirms wait for a quorum since then (0: they do not)
+        self._stay_task: asyncio.Task[None] | None = None
+
+    @property
+    def journal(self) -> Journal:
+        return self.store.journal
+
+    def replicate(self, session: Session, info: dict[str, Any]) -> dict[str, Any]:
+        ha = self.settings.ha
+        group, server_id = info.get("group"), info.get("server_id")
+        if group != ha.group_name:
+            log.error("backup refused: another group", extra={"peer": session.peer, "group": group,
+                                                              "own_group": ha.group_name})  # fmt: skip
+            raise BrokerError(ErrorCode.INVALID, f"group {group!r} is not this pair's ({ha.group_name!r})")
+        if not isinstance(server_id, str) or not server_id:
+            raise BrokerError(ErrorCode.INVALID, "replicate names the backup's server id")
+        if self.session is not None and self.session.conn_id in self.broker.sessions:
+            raise BrokerError(ErrorCode.EXISTS, f"this pair already has a backup ({self.backup})")
+        if self.held_since:
+            raise BrokerError(ErrorCode.RESOURCE_LIMIT, "waiting for a quorum after losing the backup; retry")
+        if self.store.compacting:
+            raise BrokerError(ErrorCode.RESOURCE_LIMIT, "a compaction is running; retry")
+        epoch = self.identity.epoch
+        feed = ReplicaFeed(epoch, self.journal.appended + 1, window=ha.sync_window)
+        self.journal.tap = feed.append
+        self.store.on_copied = feed.copied
+        self.store.start_compaction(self.broker.durable_snapshot())
+        self.session, self.feed, self.backup, self._sync_end_sent = session, feed, server_id, 0
+        log.info("backup connected: initial synchronisation started", extra={"backup": server_id,
+                                                                             "peer": session.peer})  # fmt: skip
+        return {"node_id": self.identity.node_id, "epoch": epoch, "name": self.settings.node.name,
+                "members": self._members()}  # fmt: skip
+
+    def may_compact(self) -> bool:
+        """Pace the initial copy by the backup's acknowledgements, not by the disk here."""
+        feed = self.feed
+        return feed is None or feed.pending < feed.window
+
+    def acked(self, session: Session, upto: int) -> None:
+        feed = self.feed
+        if session is not self.session or feed is None:
+            return
+        try:
+            became_in_sync = feed.ack(upto)
+        except ValueError as exc:
+            log.error("backup acknowledged what it was never sent", extra={"reason": str(exc)})  # noqa: TRY400
+            session.conn.close(ErrorCode.MALFORMED, str(exc))
+            self.broker.dirty.add(session)
+            return
+        if became_in_sync:
+            log.info("backup in sync: durable writes are confirmed once both copies hold them",
+                     extra={"backup": self.backup, "records": feed.acked - feed.first + 1})  # fmt: skip
+            self.broker.audit.emit(_now_ms() * 1000, "ha.backup_in_sync", {"backup": self.backup})
+        if feed.in_sync:
+            self.store.limit_confirms(feed.acked)
+
+    def pump(self) -> None:
+        """Queue what the backup has not been sent yet (called before each write of the links)."""
+        feed, session = self.feed, self.session
+        if feed is None or session is None:
+            return
+        conn = session.conn
+        sent = False
+        while (batch := feed.take()) is not None:
+            conn.replica(feed.epoch, batch[0], batch[1], feed.sync_end)
+            sent = True
+        if feed.sync_end and self._sync_end_sent != feed.sync_end:
+            if not sent:  # nothing left to carry it: an empty batch announces the end of the copy
+                conn.replica(feed.epoch, feed.next_number, [], feed.sync_end)
+            self._sync_end_sent = feed.sync_end
+            sent = True
+        if sent:
+            self.broker.dirty.add(session)
+
+    def tick(self) -> None:
+        session, feed = self.session, self.feed
+        if session is None or feed is None or session.conn_id in self.broker.sessions:
+            return
+        self.session = self.feed = None
+        self.journal.tap = None
+        self.store.on_copied = lambda _number: None
+        if not feed.in_sync:
+            log.warning("backup lost before it was in sync", extra={"backup": self.backup})
+            return
+        self.broker.audit.emit(_now_ms() * 1000, "ha.backup_lost", {"backup": self.backup})
+        if not self.settings.ha.vote_on_replication_failure:
+            log.warning("in-sync backup lost: going on alone (ha.vote_on_replication_failure is off)")
+            self.store.limit_confirms(None)
+            return
+        log.warning("in-sync backup lost: durable writes wait for a quorum of the other primaries",
+                    extra={"backup": self.backup})  # fmt: skip
+        self.held_since = time.monotonic()
+        self._stay_task = asyncio.get_running_loop().create_task(self._ask_to_stay(), name="ha-stay")
+
+    async def _ask_to_stay(self) -> None:
+        request = VoteRequest(STAY, self.identity.node_id, self.identity.epoch, self.identity.node_id)
+        retry = self.settings.ha.vote_retry_ms / 1000
+        while True:
+            cluster = self._cluster()
+            pairs = 1 + (len(cluster.members) if cluster is not None else 0)
+            clients = [b.client for b in cluster.bridges_by_node.values() if b.up and b.client is not None] \
+                if cluster is not None else []  # fmt: skip
+            answers = await asyncio.gather(*(_ask(c, request) for c in clients))
+            refusal = next((a for a in answers if a is not None and not a.get("granted")
+                            and "replaced" in str(a.get("reason", ""))), None)  # fmt: skip
+            if refusal is not None:
+                self._fenced(f"a quorum member says {refusal.get('reason')}")
+                return
+            grants = 1 + sum(1 for a in answers if a is not None and a.get("granted"))
+            if grants >= quorum(pairs):
+                log.info("quorum agrees: going on without the backup", extra={"votes": grants, "pairs": pairs})
+                self.held_since = 0.0
+                self.store.limit_confirms(None)
+                return
+            await asyncio.sleep(retry)
+
+    def status(self) -> dict[str, Any]:
+        feed = self.feed
+        return {
+            "backup": self.backup if feed is not None else "",
+            "backup_in_sync": bool(feed is not None and feed.in_sync),
+            "backup_pending_records": feed.pending if feed is not None else 0,
+            "waiting_for_quorum": bool(self.held_since),
+        }
+
+    async def stop(self) -> None:
+        if self._stay_task is not None:
+            self._stay_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._stay_task
+
+
+async def _ask(client: LinkClient, request: VoteRequest) -> dict[str, Any] | None:
+    """One voter's answer, or None when it did not answer in time."""
+    try:
+        return await asyncio.wait_for(client.vote(request.to_wire()), VOTE_TIMEOUT)
+    except (LinkRequestError, TimeoutError, OSError):
+        return None
+
+
+@dataclass
+class BackupState:
+    """What a backup knows about its copy, on disk: whose data, which epoch, whether the copy is whole."""
+
+    node_id: str = ""
+    epoch: int = 0
+    in_sync: bool = False
+
+    @staticmethod
+    def load(path: Path) -> BackupState:
+        if not path.exists():
+            return BackupState()
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return BackupState(str(data.get("node_id", "")), int(data.get("epoch", 0)), bool(data.get("in_sync")))
+
+    def save(self, path: Path) -> None:
+        write_durably(path, json.dumps({"node_id": self.node_id, "epoch": self.epoch, "in_sync": self.in_sync}))
+
+
+class BackupRunner:
+    """A backup: copy the primary's journal, and take over when it is lost and a quorum agrees."""
+
+    def __init__(self, settings: CoreSettings, identity: NodeIdentity, server_id: str, journal_dir: Path,
+                 call_in_loop: Callable[[Callable[[], None]], None],
+                 activate: Callable[[], Awaitable[None]]) -> None:  # fmt: skip
+        self.settings = settings
+        self.identity = identity
+        self.server_id = server_id
+        self.journal_dir = journal_dir
+        self._call_in_loop = call_in_loop
+        self._activate = activate
+        self.state_path = identity.data_dir / HA_STATE_FILE
+        self.state = BackupState.load(self.state_path)
+        self.state.in_sync = False  # a restarted backup copies again before it may take over
+        self.primary = ""  # host:port of the primary being copied
+        self.reason = "looking for the primary"
+        self.members: dict[str, tuple[str, int]] = {}  # node id → link endpoint of the active nodes seen
+        self.pairs = 1  # most pairs seen in the cluster while in sync: the quorum is a majority of these
+        self.journal: Journal | None = None
+        self.client: LinkClient | None = None
+        self._offset = 0  # primary record number = local record number + offset
+        self._expected = 0
+        self._sync_end = 0
+        self._early: list[ev.ReplicaRecords] = []  # records that came before the answer to REPLICATE
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="ha-backup")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._close_link()
+        self._close_journal()
+
+    def status(self) -> dict[str, Any]:
+        return {"primary": self.primary, "in_sync": self.state.in_sync, "state": self.reason,
+                "pairs": self.pairs}  # fmt: skip
+
+    # ------------------------------------------------------------------ the loop
+    def _candidates(self) -> list[tuple[str, int]]:
+        seen: list[tuple[str, int]] = []
+        for endpoint in [*(parse_endpoint(c) for c in self.settings.cluster.connectors), *self.members.values()]:
+            if endpoint not in seen:
+                seen.append(endpoint)
+        return seen
+
+    async def _run(self) -> None:
+        retry = self.settings.cluster.retry_interval_ms / 1000
+        while True:
+            for host, port in self._candidates():
+                if await self._copy_from(host, port) and await self._take_over(host, port):
+                    return
+            await asyncio.sleep(retry)
+
+    async def _copy_from(self, host: str, port: int) -> bool:
+        """Copy the primary at ``host:port`` until the link ends; True when it ended with the copy whole."""
+        cluster = self.settings.cluster
+        client = LinkClient(host, port, user=cluster.user, password=cluster.password,
+                            client_name=f"backup:{self.settings.node.name}",
+                            heartbeat_ms=self.settings.link.heartbeat_ms,
+                            reconnect=ReconnectPolicy(attempts=0, initial_attempts=1), connect_timeout=1.0)  # fmt: skip
+        closed = asyncio.Event()
+        client.on_closed = lambda _error: closed.set()
+        client.on_replica = self._records
+        self.client = client
+        self._early.clear()
+        try:
+            await client.connect()
+            reply = await client.replicate({"group": self.settings.ha.group_name, "server_id": self.server_id,
+                                            "epoch": self.identity.epoch})  # fmt: skip
+        except LinkRequestError as exc:
+            if exc.code in (ErrorCode.INVALID, ErrorCode.EXISTS, ErrorCode.UNAUTHENTICATED):
+                self._note(f"{host}:{port} refused: {exc.text}", error=exc.code != ErrorCode.INVALID)
+            await self._close_link()
+            return False
+        except (OSError, TimeoutError):
+            await self._close_link()
+            return False
+        self.primary = f"{host}:{port}"
+        self._start_copy(reply)
+        await closed.wait()
+        self.client = None
+        in_sync = self.state.in_sync
+        log.warning("primary lost", extra={"primary": self.primary, "in_sync": in_sync})
+        self.reason = "primary lost" + ("" if in_sync else " before the copy was whole")
+        return in_sync
+
+    def _start_copy(self, reply: dict[str, Any]) -> None:
+        node_id, epoch = str(reply.get("node_id", "")), int(reply.get("epoch", 0))
+        self._learn(reply.get("members"))
+        # Not in sync, on disk, before the old copy is wiped: a crash from here on never activates.
+        self.state = BackupState(node_id, epoch, in_sync=False)
+        self.state.save(self.state_path)
+        self.identity.adopt(node_id, epoch)
+        self._close_journal()
+        for path in list_segments(self.journal_dir):
+            path.unlink()
+        journal = Journal(self.journal_dir, segment_bytes=self.settings.journal.segment_bytes)
+        journal.recover()
+        journal.on_synced = lambda upto: self._call_in_loop(lambda: self._synced(upto))
+        journal.start()
+        self.journal = journal
+        self._offset = self._expected = self._sync_end = 0
+        self.reason = "copying"
+        early, self._early = self._early, []
+        for event in early:
+            self._records(event)
+        log.info("copying the primary's journal", extra={"primary": self.primary, "node_id": node_id,
+                                                         "epoch": epoch})  # fmt: skip
+
+    def _learn(self, members: Any) -> None:
+        for item in members or []:
+            if isinstance(item, dict) and isinstance(item.get("node_id"), str):
+                with contextlib.suppress(TypeError, ValueError):
+                    self.members[item["node_id"]] = (str(item["host"]), int(item["port"]))
+        self.pairs = max(self.pairs, len(self.members))
+
+    def _records(self, event: ev.ReplicaRecords) -> None:
+        journal, client = self.journal, self.client
+        if client is None:
+            return
+        if journal is None:  # the first records can arrive in the same read as the answer to REPLICATE
+            self._early.append(event)
+            return
+        if not self._expected:
+            self._offset = event.first - 1
+            self._expected = event.first
+        if event.epoch != self.state.epoch or event.first != self._expected:
+            log.error("replication stream out of order: copying again",
+                      extra={"epoch": event.epoch, "first": event.first, "expected": self._expected})  # fmt: skip
+            asyncio.get_running_loop().create_task(client.close())
+            return
+        if event.records:
+            journal.append_encoded(event.records)
+            self._expected += len(event.records)
+        if event.sync_end:
+            self._sync_end = event.sync_end
+            if journal.synced + self._offset >= event.sync_end:
+                self._synced(journal.synced)
+
+    def _synced(self, upto: int) -> None:
+        client = self.client
+        if client is None or not upto:
+            return
+        primary_upto = upto + self._offset
+        client.replica_ack(primary_upto)
+        if not self.state.in_sync and self._sync_end and primary_upto >= self._sync_end:
+            self.state.in_sync = True
+            self.state.save(self.state_path)
+            self.reason = "in sync"
+            log.info("in sync with the primary: ready to take over", extra={"primary": self.primary})
+
+    # ------------------------------------------------------------------ takeover
+    async def _take_over(self, host: str, port: int) -> bool:
+        """Vote rounds until a quorum lets this backup activate (True), or the primary answers again."""
+        ha = self.settings.ha
+        node_id = self.state.node_id
+        epoch = self.state.epoch + 1
+        request = VoteRequest(ACTIVATE, node_id, epoch, self.server_id)
+        while True:
+            voters = [endpoint for member, endpoint in self.members.items() if member != node_id]
+            needed = quorum(self.pairs)
+            if not voters and ha.activate_without_quorum:
+                log.warning("taking over without a quorum (ha.activate_without_quorum)")
+                break
+            answers = await asyncio.gather(*(self._vote_at(h, p, request) for h, p in voters))
+            grants = sum(1 for a in answers if a is not None and a.get("granted"))
+            if voters and grants >= needed:
+                log.info("quorum reached", extra={"votes": grants, "pairs": self.pairs, "epoch": epoch})
+                break
+            promised = max((int(a.get("epoch", 0)) for a in answers if a is not None), default=0)
+            if promised > epoch:
+                self._note(f"epoch {promised} took over this pair elsewhere: copying the active node again")
+                return False
+            self.reason = f"primary lost: {grants} of {needed} votes (pairs: {self.pairs})"
+            if await self._primary_back(host, port):
+                return False
+            await asyncio.sleep(ha.vote_retry_ms / 1000)
+        self._close_journal()
+        self.identity.set_epoch(epoch)
+        self.state.epoch = epoch
+        self.state.save(self.state_path)
+        self.reason = "active"
+        log.warning("backup activated", extra={"node_id": node_id, "epoch": epoch})
+        await self._activate()
+        return True
+
+    async def _vote_at(self, host: str, port: int, request: VoteRequest) -> dict[str, Any] | None:
+        cluster = self.settings.cluster
+        client = LinkClient(host, port, user=cluster.user, password=cluster.password,
+                            client_name=f"backup:{self.settings.node.name}",
+                            reconnect=ReconnectPolicy(attempts=0, initial_attempts=1),
+                            connect_timeout=VOTE_TIMEOUT)  # fmt: skip
+        try:
+            await client.connect()
+            return await _ask(client, request)
+        except (LinkRequestError, OSError, TimeoutError):
+            return None
+        finally:
+            await client.close()
+
+    async def _primary_back(self, host: str, port: int) -> bool:
+        """Whether the lost primary completes a handshake again (a paused or dead one cannot): then it is
+        copied afresh, not replaced."""
+        cluster = self.settings.cluster
+        client = LinkClient(host, port, user=cluster.user, password=cluster.password,
+                            client_name=f"backup:{self.settings.node.name}",
+                            reconnect=ReconnectPolicy(attempts=0, initial_attempts=1), connect_timeout=0.3)  # fmt: skip
+        try:
+            await client.connect()
+        except (LinkRequestError, OSError, TimeoutError):
+            return False
+        finally:
+            await client.close()
+        log.info("the primary answers again: copying it afresh", extra={"primary": f"{host}:{port}"})
+        return True
+
+    # ------------------------------------------------------------------ helpers
+    def _note(self, reason: str, *, error: bool = False) -> None:
+        if reason != self.reason:
+            (log.error if error else log.warning)("backup", extra={"state": reason})
+        self.reason = reason
+
+    def _close_journal(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
+
+    async def _close_link(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+            self.client = None
