@@ -32,6 +32,7 @@ from tridentmq_core.ha.manager import (
     ReplicationSource,
     Voter,
     VoteStore,
+    primary_may_activate,
     validate_ha_settings,
 )
 from tridentmq_core.management.app import NodeStatus, QueueRates, create_app
@@ -279,6 +280,11 @@ class CoreNode:
             self.management_port = sock.getsockname()[1]
             await web.SockSite(self._runner, sock).start()
         self._timer = asyncio.create_task(self._tick_forever())
+        if self.settings.ha.policy == REPLICATION and not self.is_backup:
+            may, why = await primary_may_activate(self.settings, self.identity)
+            if not may:
+                log.warning("starting as a backup", extra={"reason": why})
+                self.is_backup = True
         if self.is_backup:
             self.backup = BackupRunner(self.settings, self.identity, self.server_id, self._journal_dir(),
                                        self._call_in_loop, self.activate)  # fmt: skip
@@ -309,8 +315,10 @@ class CoreNode:
                                           schedule_flush=self.schedule_flush, management_port=self.management_port,
                                           epoch=self.identity.epoch, voter=self.voter)  # fmt: skip
             self.status.cluster = self.cluster.status
+            self.cluster.on_fenced = self._fenced
             await self.cluster.start()
         if self.voter is not None:
+            self.voter.observe(self.node_id, self.identity.epoch)  # asked about its own pair, it knows this
             self.broker.on_ha = self._on_ha
         if self.settings.ha.policy == REPLICATION and self.journal_store is not None:
             cluster_manager = self.cluster

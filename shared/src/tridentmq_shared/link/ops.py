@@ -80,3 +80,4 @@ class ErrorCode:
     EOF: Final = "eof"
     INTERNAL: Final = "internal"
     NOT_ACTIVE: Final = "not-active"  # a backup (or a fenced node) serves no clients: try another node
+    FENCED: Final = "fenced"  # the peer's copy of its node was replaced by one at a higher epoch

@@ -259,6 +259,8 @@ class Bridge:
         try:
             reply = await client.topology({"join": manager.join_info()})
         except LinkRequestError as exc:
+            if exc.code == ErrorCode.FENCED:
+                manager.on_fenced(f"{self.address} refused this node's join: {exc.text}")
             self._refused(f"join refused: {exc.text}")
             await client.close()
             return
@@ -423,6 +425,8 @@ class ClusterManager:
         cluster = settings.cluster
         self.epoch = epoch  # this node's activation epoch: a copy of it at a lower one is refused
         self.voter = voter  # knows the highest epoch promised or seen per node id
+        #: Called when another node says a newer copy of this node is active (the server stops at once).
+        self.on_fenced: Callable[[str], None] = lambda _reason: None
         self.broker = broker
         self.settings = settings
         self.node_id = node_id
@@ -518,6 +522,8 @@ class ClusterManager:
             problem = f"node id {self.node_id} is this node's own (a copied data directory?)"
         elif not self.fresh(str(join.get("node_id")), join.get("epoch", 1)):
             problem = f"epoch {join.get('epoch')} of node {join.get('node_id')} was replaced by a newer one"
+            log.error("cluster join refused", extra={"peer": session.peer, "reason": problem})
+            raise BrokerError(ErrorCode.FENCED, problem)
         try:
             member = Member.from_wire(join)
         except ValueError as exc:

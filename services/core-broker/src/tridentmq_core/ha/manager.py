@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -113,7 +113,11 @@ class Voter:
         except ValueError as exc:
             raise BrokerError(ErrorCode.INVALID, str(exc)) from None
         before = self.votes.book.epoch(request.node_id)
-        granted, why = self.votes.book.decide(request, primary_reachable=self.primary_reachable(request.node_id))
+        cluster = self._cluster()
+        if cluster is not None and request.node_id == cluster.node_id and request.kind == ACTIVATE:
+            granted, why = False, "this node is that pair's active copy"
+        else:
+            granted, why = self.votes.book.decide(request, primary_reachable=self.primary_reachable(request.node_id))
         if self.votes.book.epoch(request.node_id) != before:
             self.votes.save()  # the promise is on disk before the candidate hears of it
         log.info("vote", extra={"kind": request.kind, "pair": request.node_id, "epoch": request.epoch,
@@ -128,6 +132,23 @@ class Voter:
         if self.votes.book.observe(node_id, epoch):
             self.votes.save()
         return True
+
+
+async def primary_may_activate(settings: CoreSettings, identity: NodeIdentity) -> tuple[bool, str]:
+    """Whether a node configured as primary may serve at start: its data must be whole (not a copy cut
+    short) and no voter may know a newer epoch of its pair (its backup took over meanwhile)."""
+    state_path = identity.data_dir / HA_STATE_FILE
+    state = BackupState.load(state_path)
+    if state_path.exists() and not state.in_sync:
+        return False, "its data is an unfinished copy"
+    voters = list(dict.fromkeys([*(parse_endpoint(c) for c in settings.cluster.connectors),
+                                 *state.members.values()]))  # fmt: skip
+    request = VoteRequest(STAY, identity.node_id, identity.epoch, identity.node_id)
+    answers = [a for a in await ask_votes(settings, voters, request) if a is not None]
+    newer = max((int(a.get("epoch", 0)) for a in answers), default=0)
+    if newer > identity.epoch:
+        return False, f"epoch {newer} of this pair is active elsewhere (this copy has epoch {identity.epoch})"
+    return True, ""
 
 
 class ReplicationSource:
@@ -246,16 +267,14 @@ class ReplicationSource:
         retry = self.settings.ha.vote_retry_ms / 1000
         while True:
             cluster = self._cluster()
-            pairs = 1 + (len(cluster.members) if cluster is not None else 0)
-            clients = [b.client for b in cluster.bridges_by_node.values() if b.up and b.client is not None] \
-                if cluster is not None else []  # fmt: skip
-            answers = await asyncio.gather(*(_ask(c, request) for c in clients))
-            refusal = next((a for a in answers if a is not None and not a.get("granted")
-                            and "replaced" in str(a.get("reason", ""))), None)  # fmt: skip
-            if refusal is not None:
-                self._fenced(f"a quorum member says {refusal.get('reason')}")
+            voters = [(m.host, m.port) for m in cluster.members.values()] if cluster is not None else []
+            pairs = 1 + len(voters)
+            answers = [a for a in await ask_votes(self.settings, voters, request) if a is not None]
+            newer = max((int(a.get("epoch", 0)) for a in answers), default=0)
+            if newer > self.identity.epoch:
+                self._fenced(f"a voter promised epoch {newer} to another copy of this pair")
                 return
-            grants = 1 + sum(1 for a in answers if a is not None and a.get("granted"))
+            grants = 1 + sum(1 for a in answers if a.get("granted"))  # this node's own vote counts
             if grants >= quorum(pairs):
                 log.info("quorum agrees: going on without the backup", extra={"votes": grants, "pairs": pairs})
                 self.held_since = 0.0
@@ -279,31 +298,49 @@ class ReplicationSource:
                 await self._stay_task
 
 
-async def _ask(client: LinkClient, request: VoteRequest) -> dict[str, Any] | None:
-    """One voter's answer, or None when it did not answer in time."""
+async def ask_votes(settings: CoreSettings, voters: list[tuple[str, int]], request: VoteRequest,
+                    ) -> list[dict[str, Any] | None]:  # fmt: skip
+    """Every voter's answer (None: it did not answer in time), each over a short link of its own."""
+    return list(await asyncio.gather(*(_vote_at(settings, host, port, request) for host, port in voters)))
+
+
+async def _vote_at(settings: CoreSettings, host: str, port: int, request: VoteRequest) -> dict[str, Any] | None:
+    cluster = settings.cluster
+    client = LinkClient(host, port, user=cluster.user, password=cluster.password,
+                        client_name=f"vote:{settings.node.name}", connect_timeout=VOTE_TIMEOUT,
+                        reconnect=ReconnectPolicy(attempts=0, initial_attempts=1))  # fmt: skip
     try:
+        await client.connect()
         return await asyncio.wait_for(client.vote(request.to_wire()), VOTE_TIMEOUT)
-    except (LinkRequestError, TimeoutError, OSError):
+    except (LinkRequestError, OSError, TimeoutError):
         return None
+    finally:
+        await client.close()
 
 
 @dataclass
 class BackupState:
-    """What a backup knows about its copy, on disk: whose data, which epoch, whether the copy is whole."""
+    """What a pair member knows about its copy, on disk: whose data, which epoch, whether the copy is whole (a
+    backup in sync, or the active node), and the cluster's active nodes last seen (its voters)."""
 
     node_id: str = ""
     epoch: int = 0
     in_sync: bool = False
+    members: dict[str, tuple[str, int]] = field(default_factory=dict)
+    pairs: int = 1  # most pairs seen: the quorum is a majority of these
 
     @staticmethod
     def load(path: Path) -> BackupState:
         if not path.exists():
             return BackupState()
         data = json.loads(path.read_text(encoding="utf-8"))
-        return BackupState(str(data.get("node_id", "")), int(data.get("epoch", 0)), bool(data.get("in_sync")))
+        members = {str(k): (str(v[0]), int(v[1])) for k, v in dict(data.get("members") or {}).items()}
+        return BackupState(str(data.get("node_id", "")), int(data.get("epoch", 0)), bool(data.get("in_sync")),
+                           members, max(1, int(data.get("pairs", 1))))  # fmt: skip
 
     def save(self, path: Path) -> None:
-        write_durably(path, json.dumps({"node_id": self.node_id, "epoch": self.epoch, "in_sync": self.in_sync}))
+        write_durably(path, json.dumps({"node_id": self.node_id, "epoch": self.epoch, "in_sync": self.in_sync,
+                                        "members": self.members, "pairs": self.pairs}))  # fmt: skip
 
 
 class BackupRunner:
@@ -319,12 +356,11 @@ class BackupRunner:
         self._call_in_loop = call_in_loop
         self._activate = activate
         self.state_path = identity.data_dir / HA_STATE_FILE
+        # A whole copy from an earlier run may take over when no copy of the pair is active (both halves
+        # restarted); votes make sure it is the freshest one.
         self.state = BackupState.load(self.state_path)
-        self.state.in_sync = False  # a restarted backup copies again before it may take over
         self.primary = ""  # host:port of the primary being copied
         self.reason = "looking for the primary"
-        self.members: dict[str, tuple[str, int]] = {}  # node id → link endpoint of the active nodes seen
-        self.pairs = 1  # most pairs seen in the cluster while in sync: the quorum is a majority of these
         self.journal: Journal | None = None
         self.client: LinkClient | None = None
         self._offset = 0  # primary record number = local record number + offset
@@ -346,12 +382,12 @@ class BackupRunner:
 
     def status(self) -> dict[str, Any]:
         return {"primary": self.primary, "in_sync": self.state.in_sync, "state": self.reason,
-                "pairs": self.pairs}  # fmt: skip
+                "pairs": self.state.pairs}  # fmt: skip
 
     # ------------------------------------------------------------------ the loop
     def _candidates(self) -> list[tuple[str, int]]:
         seen: list[tuple[str, int]] = []
-        for endpoint in [*(parse_endpoint(c) for c in self.settings.cluster.connectors), *self.members.values()]:
+        for endpoint in [*(parse_endpoint(c) for c in self.settings.cluster.connectors), *self.state.members.values()]:
             if endpoint not in seen:
                 seen.append(endpoint)
         return seen
@@ -360,8 +396,10 @@ class BackupRunner:
         retry = self.settings.cluster.retry_interval_ms / 1000
         while True:
             for host, port in self._candidates():
-                if await self._copy_from(host, port) and await self._take_over(host, port):
+                if await self._copy_from(host, port) and await self._take_over((host, port)):
                     return
+            if self.state.in_sync and await self._take_over(None):
+                return  # no copy of the pair is active anywhere, and this one is the freshest
             await asyncio.sleep(retry)
 
     async def _copy_from(self, host: str, port: int) -> bool:
@@ -390,6 +428,10 @@ class BackupRunner:
             return False
         self.primary = f"{host}:{port}"
         self._start_copy(reply)
+        # Follow the cluster's members while copying: they are the voters, and their count sets the quorum.
+        client.on_topology = lambda update: self._learn(update.get("members"))
+        with contextlib.suppress(LinkRequestError):
+            self._learn((await client.topology({})).get("members"))
         await closed.wait()
         self.client = None
         in_sync = self.state.in_sync
@@ -401,7 +443,7 @@ class BackupRunner:
         node_id, epoch = str(reply.get("node_id", "")), int(reply.get("epoch", 0))
         self._learn(reply.get("members"))
         # Not in sync, on disk, before the old copy is wiped: a crash from here on never activates.
-        self.state = BackupState(node_id, epoch, in_sync=False)
+        self.state = BackupState(node_id, epoch, in_sync=False, members=self.state.members, pairs=self.state.pairs)
         self.state.save(self.state_path)
         self.identity.adopt(node_id, epoch)
         self._close_journal()
@@ -421,11 +463,15 @@ class BackupRunner:
                                                          "epoch": epoch})  # fmt: skip
 
     def _learn(self, members: Any) -> None:
+        known = dict(self.state.members)
         for item in members or []:
             if isinstance(item, dict) and isinstance(item.get("node_id"), str):
-                with contextlib.suppress(TypeError, ValueError):
-                    self.members[item["node_id"]] = (str(item["host"]), int(item["port"]))
-        self.pairs = max(self.pairs, len(self.members))
+                with contextlib.suppress(KeyError, TypeError, ValueError):
+                    known[item["node_id"]] = (str(item["host"]), int(item["port"]))
+        pairs = max(self.state.pairs, len(known))
+        if known != self.state.members or pairs != self.state.pairs:
+            self.state.members, self.state.pairs = known, pairs
+            self.state.save(self.state_path)
 
     def _records(self, event: ev.ReplicaRecords) -> None:
         journal, client = self.journal, self.client
@@ -463,29 +509,34 @@ class BackupRunner:
             log.info("in sync with the primary: ready to take over", extra={"primary": self.primary})
 
     # ------------------------------------------------------------------ takeover
-    async def _take_over(self, host: str, port: int) -> bool:
-        """Vote rounds until a quorum lets this backup activate (True), or the primary answers again."""
+    async def _take_over(self, primary: tuple[str, int] | None) -> bool:
+        """Vote rounds until a quorum lets this copy activate (True), or the lost ``primary`` answers again.
+        Without a primary (none found active), one round only."""
         ha = self.settings.ha
         node_id = self.state.node_id
         epoch = self.state.epoch + 1
         request = VoteRequest(ACTIVATE, node_id, epoch, self.server_id)
         while True:
-            voters = [endpoint for member, endpoint in self.members.items() if member != node_id]
-            needed = quorum(self.pairs)
+            voters = [endpoint for member, endpoint in self.state.members.items() if member != node_id]
+            needed = quorum(self.state.pairs)
             if not voters and ha.activate_without_quorum:
                 log.warning("taking over without a quorum (ha.activate_without_quorum)")
                 break
-            answers = await asyncio.gather(*(self._vote_at(h, p, request) for h, p in voters))
+            answers = await ask_votes(self.settings, voters, request)
             grants = sum(1 for a in answers if a is not None and a.get("granted"))
             if voters and grants >= needed:
-                log.info("quorum reached", extra={"votes": grants, "pairs": self.pairs, "epoch": epoch})
+                log.info("quorum reached", extra={"votes": grants, "pairs": self.state.pairs, "epoch": epoch})
                 break
-            promised = max((int(a.get("epoch", 0)) for a in answers if a is not None), default=0)
-            if promised > epoch:
-                self._note(f"epoch {promised} took over this pair elsewhere: copying the active node again")
+            promised = max((int(a.get("epoch", 0)) for a in answers if a is not None and not a.get("granted")),
+                           default=0)  # fmt: skip
+            if promised >= epoch:
+                self._note(f"epoch {promised} of this pair is newer than this copy: copying the active node")
+                self.state.in_sync = False  # only a copy of the active node is whole from now on
+                self.state.save(self.state_path)
                 return False
-            self.reason = f"primary lost: {grants} of {needed} votes (pairs: {self.pairs})"
-            if await self._primary_back(host, port):
+            lost = "primary lost" if primary else "no active copy"
+            self.reason = f"{lost}: {grants} of {needed} votes (pairs: {self.state.pairs})"
+            if primary is None or await self._primary_back(*primary):
                 return False
             await asyncio.sleep(ha.vote_retry_ms / 1000)
         self._close_journal()
@@ -496,20 +547,6 @@ class BackupRunner:
         log.warning("backup activated", extra={"node_id": node_id, "epoch": epoch})
         await self._activate()
         return True
-
-    async def _vote_at(self, host: str, port: int, request: VoteRequest) -> dict[str, Any] | None:
-        cluster = self.settings.cluster
-        client = LinkClient(host, port, user=cluster.user, password=cluster.password,
-                            client_name=f"backup:{self.settings.node.name}",
-                            reconnect=ReconnectPolicy(attempts=0, initial_attempts=1),
-                            connect_timeout=VOTE_TIMEOUT)  # fmt: skip
-        try:
-            await client.connect()
-            return await _ask(client, request)
-        except (LinkRequestError, OSError, TimeoutError):
-            return None
-        finally:
-            await client.close()
 
     async def _primary_back(self, host: str, port: int) -> bool:
         """Whether the lost primary completes a handshake again (a paused or dead one cannot): then it is

@@ -1,0 +1,211 @@
+"""High availability against real core processes: replication pairs, quorum takeover, epoch fencing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from tests.conftest import CoreProcess
+from tests.integration.cluster_nodes import client, node_id, start_node, wait_converged, wait_until
+from tests.integration.ha_pairs import Pair, ha_view, start_pair
+from tests.jepsen.checker import check
+
+from tridentmq_shared.link.client import LinkClient, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.message import M_BODY, new_message
+
+pytestmark = [pytest.mark.integration, pytest.mark.cluster, pytest.mark.fault]
+
+FENCED_EXIT_CODE = 3
+
+
+async def publish(node: CoreProcess, address: str, bodies: list[bytes]) -> None:
+    async with client(node) as c:
+        futures = [await c.send(new_message(address, body, durable=True)) for body in bodies]
+        await asyncio.gather(*futures)
+
+
+async def drain(node: CoreProcess, queue: str, expected: int, timeout: float = 10.0) -> list[bytes]:
+    """Consume and acknowledge until ``expected`` messages came or nothing more arrives."""
+    got: list[bytes] = []
+    async with client(node) as c:
+        consumer = await c.subscribe(queue, credit=1000)
+        while len(got) < expected:
+            delivery = await consumer.get(timeout=timeout if not got else 2.0)
+            if delivery is None:
+                break
+            got.append(delivery.body)
+            consumer.ack(delivery)
+        await asyncio.sleep(0.1)  # the acks reach the node before the link closes
+    return got
+
+
+def readyz(node: CoreProcess) -> tuple[int, dict[str, object]]:
+    try:
+        with urllib.request.urlopen(node.management_url + "/readyz", timeout=5) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def kill(node: CoreProcess) -> None:
+    node.process.send_signal(signal.SIGKILL)
+    node.process.wait(timeout=10)
+
+
+def three_pairs(tmp_path: Path) -> list[Pair]:
+    first = start_pair(tmp_path, "a")
+    pairs = [first, start_pair(tmp_path, "b", [first.primary]), start_pair(tmp_path, "c", [first.primary])]
+    wait_converged([p.primary for p in pairs])
+    # Each backup learns the cluster's members from its primary: all three are voters.
+    wait_until(lambda: all(ha_view(p.backup).get("pairs") == 3 for p in pairs), 10, "backups to see 3 pairs")
+    return pairs
+
+
+async def test_backup_takes_over_a_killed_primary_with_every_confirmed_message(tmp_path: Path) -> None:
+    pair = start_pair(tmp_path, "solo", core_ha_activate_without_quorum="true")
+    primary_id = node_id(pair.primary)
+    status, body = readyz(pair.backup)
+    assert (status, body["status"], body["in_sync"]) == (503, "backup", True)
+    with pytest.raises(LinkRequestError, match="backup"):  # a backup serves no client
+        async with LinkClient("127.0.0.1", pair.backup.link_port, reconnect=ReconnectPolicy(attempts=0)):
+            pass
+    bodies = [b"m%d" % i for i in range(3000)]
+    await publish(pair.primary, "orders", bodies)
+    kill(pair.primary)
+    wait_until(lambda: ha_view(pair.backup).get("active") is True, 10, "the backup to take over")
+    view = ha_view(pair.backup)
+    assert view["epoch"] == 2
+    assert node_id(pair.backup) == primary_id  # the pair keeps its identity
+    assert sorted(await drain(pair.backup, "orders", len(bodies))) == sorted(bodies)
+    assert "backup activated" in pair.backup.log()
+    assert pair.backup.stop() == 0
+
+
+async def test_single_pair_backup_waits_without_a_quorum(tmp_path: Path) -> None:
+    pair = start_pair(tmp_path, "alone")
+    await publish(pair.primary, "q", [b"x"])
+    kill(pair.primary)
+    wait_until(lambda: "votes" in str(ha_view(pair.backup).get("state", "")), 10, "the backup to count votes")
+    time.sleep(1.0)
+    view = ha_view(pair.backup)
+    assert view["active"] is False, view
+    assert "0 of 1 votes" in str(view["state"])
+    assert readyz(pair.backup)[0] == 503
+    assert pair.backup.stop() == 0
+
+
+def test_backup_of_another_group_is_refused(tmp_path: Path) -> None:
+    primary = start_node(tmp_path, "p", core_ha_policy="replication", core_ha_group_name="east")
+    backup = start_node(tmp_path, "b", [primary], core_ha_policy="replication", core_ha_group_name="west",
+                        core_ha_role="backup")  # fmt: skip
+    wait_until(lambda: "refused" in str(ha_view(backup).get("state", "")), 10, "the refusal")
+    assert "'west' is not this pair's ('east')" in str(ha_view(backup)["state"])
+    assert "backup refused: another group" in primary.log()
+    assert ha_view(primary)["backup"] == ""
+    assert backup.stop() == 0
+    assert primary.stop() == 0
+
+
+async def test_backup_killed_primary_mid_copy_never_activates_with_partial_data(tmp_path: Path) -> None:
+    """A backup whose copy is not whole stays passive even when allowed to take over without a quorum."""
+    primary = start_node(tmp_path, "p", core_ha_policy="replication", core_ha_group_name="g",
+                         core_ha_sync_window="50")  # fmt: skip
+    await publish(primary, "big", [b"%06d" % i + b"." * 2000 for i in range(20_000)])
+    backup = start_node(tmp_path, "b", [primary], core_ha_policy="replication", core_ha_group_name="g",
+                        core_ha_role="backup", core_ha_activate_without_quorum="true")  # fmt: skip
+    wait_until(lambda: ha_view(backup).get("state") == "copying", 10, "the copy to start")
+    kill(primary)
+    wait_until(lambda: "before the copy was whole" in str(ha_view(backup).get("state", "")), 10, "the loss")
+    time.sleep(0.5)
+    assert ha_view(backup)["active"] is False
+    assert "backup activated" not in backup.log()
+    assert backup.stop() == 0
+
+
+async def test_quorum_of_three_pairs_activates_the_backup_of_a_killed_primary(tmp_path: Path) -> None:
+    pairs = three_pairs(tmp_path)
+    a, b, c = pairs
+    bodies = [b"b%d" % i for i in range(1000)]
+    await publish(b.primary, "on-b", bodies)
+    b_id = node_id(b.primary)
+    kill(b.primary)
+    wait_until(lambda: ha_view(b.backup).get("active") is True, 15, "b's backup to take over")
+    assert "quorum reached" in b.backup.log()
+    assert ha_view(b.backup)["epoch"] == 2
+    # The other primaries follow the pair to its new address; the queue's messages are all there.
+    wait_converged([a.primary, b.backup, c.primary])
+    assert node_id(b.backup) == b_id
+    assert sorted(await drain(b.backup, "on-b", len(bodies))) == sorted(bodies)
+    for pair in (a, c):
+        assert pair.primary.stop() == 0
+        assert pair.backup.stop() == 0
+    assert b.backup.stop() == 0
+
+
+async def test_primary_that_loses_its_backup_goes_on_with_a_quorum(tmp_path: Path) -> None:
+    a, b, c = three_pairs(tmp_path)
+    kill(a.backup)
+    wait_until(lambda: ha_view(a.primary).get("backup") == "" and not ha_view(a.primary)["waiting_for_quorum"], 10,
+               "the primary to go on alone")  # fmt: skip
+    await asyncio.wait_for(publish(a.primary, "after", [b"1", b"2"]), 10)
+    assert "quorum agrees: going on without the backup" in a.primary.log()
+    for node in (a.primary, b.primary, b.backup, c.primary, c.backup):
+        assert node.stop() == 0
+
+
+async def test_paused_primary_confirms_nothing_after_waking_and_is_fenced(tmp_path: Path) -> None:
+    """SIGSTOP a primary while a producer publishes to it; its backup takes over; SIGCONT: the old primary
+    must not confirm a single publish after it wakes, and every confirmed message is on the new active."""
+    a, b, c = three_pairs(tmp_path)
+    attempted: list[bytes] = []
+    confirmed: list[bytes] = []
+    rejected: list[bytes] = []
+    confirmed_after_wake: list[bytes] = []
+    woke = asyncio.Event()
+    stop = asyncio.Event()
+
+    def settled(body: bytes, future: asyncio.Future[None]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        confirmed.append(body)
+        if woke.is_set():
+            confirmed_after_wake.append(body)
+
+    async def produce() -> None:
+        async with client(a.primary) as producer:
+            i = 0
+            while not stop.is_set():
+                body = b"v%d" % i
+                i += 1
+                attempted.append(body)
+                try:
+                    future = await asyncio.wait_for(producer.send(new_message("fence.q", body, durable=True)), 1)
+                except (TimeoutError, LinkRequestError):
+                    break
+                future.add_done_callback(lambda f, body=body: settled(body, f))
+                await asyncio.sleep(0.001)
+
+    producing = asyncio.create_task(produce())
+    await asyncio.sleep(0.5)
+    a.primary.process.send_signal(signal.SIGSTOP)
+    try:
+        await asyncio.to_thread(wait_until, lambda: ha_view(a.backup).get("active") is True, 15, "the takeover")
+    finally:
+        woke.set()
+        a.primary.process.send_signal(signal.SIGCONT)
+    assert await asyncio.to_thread(a.primary.process.wait, 15) == FENCED_EXIT_CODE
+    stop.set()
+    await asyncio.wait_for(producing, 10)
+    assert "fenced" in a.primary.log()
+    assert confirmed_after_wake == []
+    delivered = await drain(a.backup, "fence.q", len(confirmed))
+    verdict = check(attempted, confirmed, rejected, delivered)
+    assert verdict.ok, verdict.report()
+    for node in (a.backup, b.primary, b.backup, c.primary, c.backup):
+        assert node.stop() == 0
