@@ -47,6 +47,9 @@ class CoreLinkSettings:
                                       "-1 = try for ever, 0 = no failover.")  # fmt: skip
     initial_connect_attempts: int = doc(1, "Tries over the nodes when a client connects before it is refused as "
                                            "unavailable (-1 = for ever).")  # fmt: skip
+    failover_window_ms: int = doc(5000, "When a lost node has an in-sync backup (HA), how long a client link "
+                                        "waits for that backup to take over before it goes to another "
+                                        "node.")  # fmt: skip
     user: str = doc("", "Core user of the gateway's own link that follows the cluster's topology (empty = "
                         "anonymous, which the core allows on loopback while it has no users). Without it the "
                         "gateway knows only the configured nodes.")  # fmt: skip
@@ -65,7 +68,8 @@ class CoreLinkSettings:
     def reconnect_policy(self) -> ReconnectPolicy:
         return ReconnectPolicy(retry_interval=self.retry_interval_ms / 1000, multiplier=self.retry_multiplier,
                                max_interval=self.max_retry_interval_ms / 1000, attempts=self.reconnect_attempts,
-                               initial_attempts=self.initial_connect_attempts)  # fmt: skip
+                               initial_attempts=self.initial_connect_attempts,
+                               failover_window=self.failover_window_ms / 1000)  # fmt: skip
 
 
 class CoreLinks:
@@ -120,7 +124,8 @@ class CoreLinks:
         settings = self.settings
         # The gateway's own link keeps trying for as long as the gateway runs.
         reconnect = ReconnectPolicy(self.reconnect.retry_interval, self.reconnect.multiplier,
-                                    self.reconnect.max_interval, attempts=-1, initial_attempts=-1)  # fmt: skip
+                                    self.reconnect.max_interval, attempts=-1, initial_attempts=-1,
+                                    failover_window=self.reconnect.failover_window)  # fmt: skip
         watcher = LinkClient(topology=self.topology, follow_topology=True, user=settings.user or None,
                              password=settings.password or None, client_name=f"{self.name} topology",
                              heartbeat_ms=self.heartbeat_ms, reconnect=reconnect)  # fmt: skip

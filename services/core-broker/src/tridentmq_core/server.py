@@ -287,7 +287,7 @@ class CoreNode:
                 self.is_backup = True
         if self.is_backup:
             self.backup = BackupRunner(self.settings, self.identity, self.server_id, self._journal_dir(),
-                                       self._call_in_loop, self.activate)  # fmt: skip
+                                       self._advertise(), self._call_in_loop, self.activate)  # fmt: skip
             self.status.ha = self._ha_status
             self.backup.start()
             log.info("backup started: looking for its primary", extra={"group": self.settings.ha.group_name,
@@ -307,11 +307,8 @@ class CoreNode:
         self._open_audit()
         self._recover()
         if self.clusters:
-            cluster = self.settings.cluster
-            link = self.settings.link
-            host = cluster.advertise_host or (link.host if link.host not in ("0.0.0.0", "::", "") else "127.0.0.1")
             self.cluster = ClusterManager(self.broker, self.settings, node_id=self.node_id,
-                                          name=self.settings.node.name, advertise=(host, self.status.link_port),
+                                          name=self.settings.node.name, advertise=self._advertise(),
                                           schedule_flush=self.schedule_flush, management_port=self.management_port,
                                           epoch=self.identity.epoch, voter=self.voter)  # fmt: skip
             self.status.cluster = self.cluster.status
@@ -326,6 +323,8 @@ class CoreNode:
                 self.broker, self.journal_store, self.identity, self.settings, lambda: self.cluster,
                 cluster_manager.members_view if cluster_manager is not None else list, self._fenced)  # fmt: skip
             self.status.ha = self._ha_status
+            if self.cluster is not None:
+                self.cluster.backup = self.replication.in_sync_backup
         self.active = True
         self.status.ready = True
         if self.security.embedded_default:
@@ -334,6 +333,13 @@ class CoreNode:
         log.info("core node ready", extra={"node_id": self.node_id, "node_name": self.settings.node.name,
                                            "epoch": self.identity.epoch, "link_port": self.status.link_port,
                                            "management_port": self.management_port})  # fmt: skip
+
+    def _advertise(self) -> tuple[str, int]:
+        """The link endpoint other nodes and gateways reach this node at."""
+        link = self.settings.link
+        host = self.settings.cluster.advertise_host or \
+            (link.host if link.host not in ("0.0.0.0", "::", "") else "127.0.0.1")  # fmt: skip
+        return host, self.status.link_port
 
     def _on_ha(self, session: Session, event: ev.Event) -> Any:
         match event:

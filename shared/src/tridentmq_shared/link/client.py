@@ -71,6 +71,9 @@ class ReconnectPolicy:
     max_interval: float = 5.0
     attempts: int = -1
     initial_attempts: int = 1
+    #: How long a link whose node has an in-sync backup (HA) waits for that backup to take over before it
+    #: tries the other nodes: the session then stays on its pair.
+    failover_window: float = 5.0
 
 
 class Delivery:
@@ -532,7 +535,8 @@ class LinkClient:
         """Reconnect, to another node first; restore what the old link had; re-send unconfirmed publishes in
         their order. The application's publishes and requests wait until this is done."""
         try:
-            await self._connect_with_retries(self.reconnect.attempts, failed)
+            if not await self._reach_backup(failed):
+                await self._connect_with_retries(self.reconnect.attempts, failed)
         except LinkClosedError as exc:
             self._fail_all(exc)
             return
@@ -557,6 +561,31 @@ class LinkClient:
         for waiter in self._credit_waiters:
             if not waiter.done():
                 waiter.set_result(None)
+
+    async def _reach_backup(self, failed: Endpoint) -> bool:
+        """Connect to the in-sync backup of the node that ``failed`` once it has taken over (it refuses links
+        until then); False when it has none or did not take over within the failover window."""
+        backup = self.nodes.backup_of(failed)
+        if backup is None:
+            return False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.reconnect.failover_window
+        self._connecting = True
+        try:
+            while loop.time() < deadline:
+                try:
+                    await self._open(*backup)
+                    return True
+                except (OSError, TimeoutError):
+                    pass
+                except LinkClosedError as exc:
+                    if exc.code in _FATAL:
+                        raise
+                await asyncio.sleep(0.05)
+        finally:
+            self._connecting = False
+        log.warning("the backup of %s:%s did not take over in time: trying the other nodes", *failed)
+        return False
 
     def _restore(self, conn: LinkConnection) -> None:
         """Everything the old link had set up, queued at once on the new one (the node answers in order): the

@@ -32,6 +32,15 @@ def parse_endpoint(text: str) -> Endpoint:
     return host.strip("[]"), int(port)
 
 
+def endpoint_from_wire(wire: Any) -> Endpoint | None:
+    """``[host, port]`` from the wire, or None when it is not that."""
+    if isinstance(wire, list) and len(wire) == 2:
+        host, port = wire
+        if isinstance(host, str) and host and type(port) is int and 0 < port < 65536:
+            return host, port
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class Member:
     """A live node as the cluster reports it (``node_id`` is empty for a configured endpoint)."""
@@ -40,6 +49,7 @@ class Member:
     port: int
     node_id: str = ""
     name: str = ""
+    backup: Endpoint | None = None  # its in-sync backup (HA), which takes over its clients when it dies
 
     @property
     def endpoint(self) -> Endpoint:
@@ -53,7 +63,8 @@ class Member:
         host, port, node_id, name = (member.get(k) for k in ("host", "port", "node_id", "name"))
         if not isinstance(host, str) or not host or type(port) is not int or not 0 < port < 65536:
             return None
-        return cls(host, port, node_id if isinstance(node_id, str) else "", name if isinstance(name, str) else "")
+        return cls(host, port, node_id if isinstance(node_id, str) else "", name if isinstance(name, str) else "",
+                   endpoint_from_wire(member.get("backup")))  # fmt: skip
 
 
 class Policy:
@@ -152,6 +163,10 @@ class Topology:
         self.members = found
         self.version += 1
         return True
+
+    def backup_of(self, endpoint: Endpoint) -> Endpoint | None:
+        """The in-sync backup of the member at ``endpoint``, if it has one."""
+        return next((m.backup for m in self.members if m.endpoint == endpoint and m.backup is not None), None)
 
     def not_clustered(self) -> None:
         """The node refused TOPOLOGY: a single node (or several unclustered ones) is just the configured list."""

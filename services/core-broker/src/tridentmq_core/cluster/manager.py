@@ -35,7 +35,7 @@ from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.client import LinkClient, LinkRequestError, ReconnectPolicy
 from tridentmq_shared.link.codec import LinkConnection, Role
 from tridentmq_shared.link.ops import ErrorCode, NackMode, Op
-from tridentmq_shared.link.topology import parse_endpoint
+from tridentmq_shared.link.topology import endpoint_from_wire, parse_endpoint
 from tridentmq_shared.message import M_ID, M_PROPS, WireMessage
 from tridentmq_shared.settings import SettingsError
 
@@ -64,10 +64,14 @@ class Member:
     host: str
     port: int
     management: int = 0  # its management HTTP port (0: none), for `tridentmq status` across the cluster
+    backup: tuple[str, int] | None = None  # the link endpoint of its in-sync backup (HA), where clients go next
 
     def to_wire(self) -> dict[str, Any]:
-        return {"node_id": self.node_id, "name": self.name, "host": self.host, "port": self.port,
+        wire = {"node_id": self.node_id, "name": self.name, "host": self.host, "port": self.port,
                 "management": self.management}  # fmt: skip
+        if self.backup is not None:
+            wire["backup"] = list(self.backup)
+        return wire
 
     @staticmethod
     def from_wire(item: Any) -> Member:
@@ -79,7 +83,10 @@ class Member:
                 and type(port) is int and 0 < port < 65536 and type(management) is int
                 and 0 <= management < 65536):  # fmt: skip
             raise ValueError(f"malformed member {str(item)[:120]}")
-        return Member(node_id, name, host, port, management)
+        backup = endpoint_from_wire(item.get("backup"))
+        if backup is None and item.get("backup") is not None:
+            raise ValueError(f"malformed backup of member {node_id}")
+        return Member(node_id, name, host, port, management, backup)
 
 
 @dataclass(slots=True)
@@ -427,6 +434,8 @@ class ClusterManager:
         self.voter = voter  # knows the highest epoch promised or seen per node id
         #: Called when another node says a newer copy of this node is active (the server stops at once).
         self.on_fenced: Callable[[str], None] = lambda _reason: None
+        #: The link endpoint of this node's in-sync backup, if any (reported with the members).
+        self.backup: Callable[[], tuple[str, int] | None] = lambda: None
         self.broker = broker
         self.settings = settings
         self.node_id = node_id
@@ -567,6 +576,10 @@ class ClusterManager:
         if bridge is None:
             self.connect(member.host, member.port)
 
+    def members_changed(self) -> None:
+        """Something in this node's own entry changed (its backup): tell the others and the gateways."""
+        self._members_version += 1
+
     def retire(self, bridge: Bridge) -> None:
         """Drop a bridge whose node now lives at another address."""
         if self.bridges_by_node.get(bridge.node_id) is bridge:
@@ -577,7 +590,7 @@ class ClusterManager:
     def members_view(self) -> list[dict[str, Any]]:
         """The live members: this node and the nodes its cluster connections reach."""
         host, port = self.advertise
-        view = [Member(self.node_id, self.name, host, port, self.management_port).to_wire()]
+        view = [Member(self.node_id, self.name, host, port, self.management_port, self.backup()).to_wire()]
         for node_id, bridge in sorted(self.bridges_by_node.items()):
             if bridge.up:
                 member = self.members.get(node_id) or Member(node_id, bridge.name, bridge.host, bridge.port)

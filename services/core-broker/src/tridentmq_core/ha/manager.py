@@ -167,6 +167,7 @@ class ReplicationSource:
         self.session: Session | None = None
         self.feed: ReplicaFeed | None = None
         self.backup = ""  # the backup's server id
+        self.backup_endpoint: tuple[str, int] = ("", 0)  # where the backup will serve clients once active
         self._sync_end_sent = 0
         self.held_since = 0.0  # monotonic: confirms wait for a quorum since then (0: they do not)
         self._stay_task: asyncio.Task[None] | None = None
@@ -177,13 +178,15 @@ class ReplicationSource:
 
     def replicate(self, session: Session, info: dict[str, Any]) -> dict[str, Any]:
         ha = self.settings.ha
-        group, server_id = info.get("group"), info.get("server_id")
+        group, server_id, host, port = info.get("group"), info.get("server_id"), info.get("host"), info.get("port")
         if group != ha.group_name:
             log.error("backup refused: another group", extra={"peer": session.peer, "group": group,
                                                               "own_group": ha.group_name})  # fmt: skip
             raise BrokerError(ErrorCode.INVALID, f"group {group!r} is not this pair's ({ha.group_name!r})")
         if not isinstance(server_id, str) or not server_id:
             raise BrokerError(ErrorCode.INVALID, "replicate names the backup's server id")
+        if not isinstance(host, str) or not host or type(port) is not int or not 0 < port < 65536:
+            raise BrokerError(ErrorCode.INVALID, "replicate names the backup's link host and port")
         if self.session is not None and self.session.conn_id in self.broker.sessions:
             raise BrokerError(ErrorCode.EXISTS, f"this pair already has a backup ({self.backup})")
         if self.held_since:
@@ -196,10 +199,20 @@ class ReplicationSource:
         self.store.on_copied = feed.copied
         self.store.start_compaction(self.broker.durable_snapshot())
         self.session, self.feed, self.backup, self._sync_end_sent = session, feed, server_id, 0
+        self.backup_endpoint = (host, port)
         log.info("backup connected: initial synchronisation started", extra={"backup": server_id,
                                                                              "peer": session.peer})  # fmt: skip
         return {"node_id": self.identity.node_id, "epoch": epoch, "name": self.settings.node.name,
                 "members": self._members()}  # fmt: skip
+
+    def in_sync_backup(self) -> tuple[str, int] | None:
+        """The link endpoint of the backup while it is in sync (clients of this node go there next)."""
+        return self.backup_endpoint if self.feed is not None and self.feed.in_sync else None
+
+    def _members_changed(self) -> None:
+        cluster = self._cluster()
+        if cluster is not None:
+            cluster.members_changed()
 
     def may_compact(self) -> bool:
         """Pace the initial copy by the backup's acknowledgements, not by the disk here."""
@@ -221,6 +234,7 @@ class ReplicationSource:
             log.info("backup in sync: durable writes are confirmed once both copies hold them",
                      extra={"backup": self.backup, "records": feed.acked - feed.first + 1})  # fmt: skip
             self.broker.audit.emit(_now_ms() * 1000, "ha.backup_in_sync", {"backup": self.backup})
+            self._members_changed()
         if feed.in_sync:
             self.store.limit_confirms(feed.acked)
 
@@ -247,6 +261,7 @@ class ReplicationSource:
         if session is None or feed is None or session.conn_id in self.broker.sessions:
             return
         self.session = self.feed = None
+        self._members_changed()
         self.journal.tap = None
         self.store.on_copied = lambda _number: None
         if not feed.in_sync:
@@ -347,9 +362,10 @@ class BackupRunner:
     """A backup: copy the primary's journal, and take over when it is lost and a quorum agrees."""
 
     def __init__(self, settings: CoreSettings, identity: NodeIdentity, server_id: str, journal_dir: Path,
-                 call_in_loop: Callable[[Callable[[], None]], None],
+                 advertise: tuple[str, int], call_in_loop: Callable[[Callable[[], None]], None],
                  activate: Callable[[], Awaitable[None]]) -> None:  # fmt: skip
         self.settings = settings
+        self.advertise = advertise  # this node's link endpoint, where clients find it once it is active
         self.identity = identity
         self.server_id = server_id
         self.journal_dir = journal_dir
@@ -417,7 +433,8 @@ class BackupRunner:
         try:
             await client.connect()
             reply = await client.replicate({"group": self.settings.ha.group_name, "server_id": self.server_id,
-                                            "epoch": self.identity.epoch})  # fmt: skip
+                                            "epoch": self.identity.epoch, "host": self.advertise[0],
+                                            "port": self.advertise[1]})  # fmt: skip
         except LinkRequestError as exc:
             if exc.code in (ErrorCode.INVALID, ErrorCode.EXISTS, ErrorCode.UNAUTHENTICATED):
                 self._note(f"{host}:{port} refused: {exc.text}", error=exc.code != ErrorCode.INVALID)
