@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,7 +17,7 @@ from tests.integration.mqtt_clients import Paho
 from tests.jepsen.checker import check
 
 from tridentmq_shared.link.client import LinkClient, LinkRequestError, ReconnectPolicy
-from tridentmq_shared.message import M_BODY, new_message
+from tridentmq_shared.message import new_message
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster, pytest.mark.fault]
 
@@ -93,7 +92,7 @@ async def test_single_pair_backup_waits_without_a_quorum(tmp_path: Path) -> None
     await publish(pair.primary, "q", [b"x"])
     kill(pair.primary)
     wait_until(lambda: "votes" in str(ha_view(pair.backup).get("state", "")), 10, "the backup to count votes")
-    time.sleep(1.0)
+    await asyncio.sleep(1.0)
     view = ha_view(pair.backup)
     assert view["active"] is False, view
     assert "0 of 1 votes" in str(view["state"])
@@ -123,7 +122,7 @@ async def test_backup_killed_primary_mid_copy_never_activates_with_partial_data(
     wait_until(lambda: ha_view(backup).get("state") == "copying", 10, "the copy to start")
     kill(primary)
     wait_until(lambda: "before the copy was whole" in str(ha_view(backup).get("state", "")), 10, "the loss")
-    time.sleep(0.5)
+    await asyncio.sleep(0.5)
     assert ha_view(backup)["active"] is False
     assert "backup activated" not in backup.log()
     assert backup.stop() == 0
@@ -216,12 +215,13 @@ async def test_a_link_client_follows_its_pair_to_the_backup(tmp_path: Path) -> N
     """The client knows only the primary; the topology tells it the backup, where it resumes its session."""
     pair = start_pair(tmp_path, "follow", core_ha_activate_without_quorum="true")
     async with LinkClient("127.0.0.1", pair.primary.link_port, follow_topology=True) as c:
-        await asyncio.to_thread(wait_until, lambda: c.nodes.backup_of(("127.0.0.1", pair.primary.link_port))
-                                == ("127.0.0.1", pair.backup.link_port), 10, "the topology to name the backup")  # fmt: skip
+        primary, backup = ("127.0.0.1", pair.primary.link_port), ("127.0.0.1", pair.backup.link_port)
+        await asyncio.to_thread(wait_until, lambda: c.nodes.backup_of(primary) == backup, 10, "the backup named")
         consumer = await c.subscribe("follow.q", credit=100)
         await c.publish(new_message("follow.q", b"before", durable=True))
         first = await consumer.get(timeout=5)
-        assert first is not None and first.body == b"before"
+        assert first is not None
+        assert first.body == b"before"
         consumer.ack(first)
         kill(pair.primary)
         await asyncio.wait_for(c.publish(new_message("follow.q", b"after", durable=True)), 10)
@@ -232,7 +232,8 @@ async def test_a_link_client_follows_its_pair_to_the_backup(tmp_path: Path) -> N
             assert second.redelivered
             consumer.ack(second)
             second = await consumer.get(timeout=5)
-        assert second is not None and second.body == b"after"
+        assert second is not None
+        assert second.body == b"after"
         consumer.ack(second)
     assert pair.backup.stop() == 0
 
@@ -259,7 +260,8 @@ def test_an_mqtt_session_carries_on_through_the_backup(tmp_path: Path) -> None:
         if message.payload in expected:
             got.add(message.payload)
         else:  # an acknowledgement that died with the primary: delivered again, flagged as such
-            assert message.dup and int(message.payload) < 20, (message.payload, message.dup)
+            assert message.dup, message.payload
+            assert int(message.payload) < 20
     assert got == expected
     publisher.disconnect()
     subscriber.disconnect()
