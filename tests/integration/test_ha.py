@@ -267,3 +267,38 @@ def test_an_mqtt_session_carries_on_through_the_backup(tmp_path: Path) -> None:
     subscriber.disconnect()
     stop_cleanly(gateway)
     assert pair.backup.stop() == 0
+
+
+def reread_ports(node: CoreProcess) -> None:
+    """A node that restarted itself in place (failback) wrote its new ports."""
+    wait_until((node.data_dir / "ports.json").exists, 15, "the restarted node's ports")
+    ports = json.loads((node.data_dir / "ports.json").read_text())
+    node.link_port, node.management_port = ports["link"], ports["management"]
+
+
+async def test_failback_hands_the_pair_back_to_its_returned_primary(tmp_path: Path) -> None:
+    pair = start_pair(tmp_path, "fb", core_ha_activate_without_quorum="true")
+    primary_id = node_id(pair.primary)
+    await publish(pair.primary, "fb.q", [b"a%d" % i for i in range(100)])
+    port = pair.primary.link_port
+    kill(pair.primary)
+    wait_until(lambda: ha_view(pair.backup).get("active") is True, 10, "the backup to take over")
+    await publish(pair.backup, "fb.q", [b"b%d" % i for i in range(100)])
+    (pair.backup.data_dir / "ports.json").unlink()
+    # The primary comes back (at its address): it finds its pair active at a newer epoch, copies it as its
+    # backup, and the backup hands the pair back and restarts itself as the backup.
+    primary = start_node(tmp_path, "fb-primary", [pair.backup], core_ha_policy="replication",
+                         core_ha_group_name="fb", core_ha_activate_without_quorum="true",
+                         core_link_port=str(port))  # fmt: skip
+    wait_until(lambda: ha_view(primary).get("active") is True, 20, "the primary to take the pair back")
+    view = ha_view(primary)
+    assert view["epoch"] == 3, view
+    assert node_id(primary) == primary_id
+    assert "starting as a backup" in primary.log()
+    assert "failback done: restarting as a backup" in pair.backup.log()
+    reread_ports(pair.backup)
+    wait_until(lambda: ha_view(pair.backup).get("in_sync") is True, 20, "the old backup to be a backup again")
+    expected = [b"a%d" % i for i in range(100)] + [b"b%d" % i for i in range(100)]
+    assert sorted(await drain(primary, "fb.q", len(expected))) == sorted(expected)
+    assert pair.backup.stop() == 0
+    assert primary.stop() == 0

@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import socket
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -321,7 +322,8 @@ class CoreNode:
             cluster_manager = self.cluster
             self.replication = ReplicationSource(
                 self.broker, self.journal_store, self.identity, self.settings, lambda: self.cluster,
-                cluster_manager.members_view if cluster_manager is not None else list, self._fenced)  # fmt: skip
+                cluster_manager.members_view if cluster_manager is not None else list, self._fenced,
+                self._hand_over)  # fmt: skip
             self.status.ha = self._ha_status
             if self.cluster is not None:
                 self.cluster.backup = self.replication.in_sync_backup
@@ -361,6 +363,36 @@ class CoreNode:
         if self.replication is not None:
             view.update(self.replication.status())
         return view
+
+    async def _hand_over(self) -> None:
+        """Failback: stop serving, let the returned primary (our in-sync backup) copy the last records, tell
+        it to take over, then start again as the backup this node is configured to be."""
+        replication = self.replication
+        assert replication is not None
+        self.active = False  # new links are refused from here on
+        backup_session = replication.session
+        for protocol in list(self.protocols.values()):
+            if protocol.session is not backup_session:
+                protocol.conn.close(ErrorCode.NOT_ACTIVE, "the pair goes back to its primary")
+                protocol.write_pending()
+                protocol.close_transport()
+        if self.cluster is not None:
+            await self.cluster.stop()
+            self.cluster = None
+        if not await replication.drained():
+            log.error("failback: the primary went away before it held everything; serving again")
+            self.active = True
+            replication.failing_back = False
+            return
+        replication.release_backup()
+        self._flush()
+        await asyncio.sleep(0.2)  # the CLOSE reaches the primary
+        log.warning("failback done: restarting as a backup", extra={"epoch": self.identity.epoch})
+        if self.journal is not None:
+            self.journal.close()
+        self.lock.release()
+        logging.shutdown()
+        os.execv(sys.executable, sys.orig_argv)  # noqa: S606 - the same command: this node starts again as a backup
 
     def _fenced(self, reason: str) -> None:
         """Another copy of this pair took over: stop at once, before confirming anything more."""

@@ -136,6 +136,9 @@ class HaSection:
     vote_grace_ms: int = doc(500, "A voter grants a takeover only after the primary has been unreachable from "
                                   "it for this long (the primary notices its own isolation sooner).")  # fmt: skip
     vote_retry_ms: int = doc(250, "Interval of a backup's vote rounds while its primary is lost.")
+    allow_failback: bool = doc(True, "A backup that took over hands the pair back to its primary once the "
+                                     "primary, returned, is in sync as its backup (then it becomes the backup "
+                                     "again).")  # fmt: skip
     sync_window: int = doc(50_000, "Journal records in flight to the backup before the primary waits for its "
                                    "acknowledgements.")  # fmt: skip
 

@@ -81,3 +81,4 @@ class ErrorCode:
     INTERNAL: Final = "internal"
     NOT_ACTIVE: Final = "not-active"  # a backup (or a fenced node) serves no clients: try another node
     FENCED: Final = "fenced"  # the peer's copy of its node was replaced by one at a higher epoch
+    FAILBACK: Final = "failback"  # an active backup hands its pair back to the primary it just brought in sync

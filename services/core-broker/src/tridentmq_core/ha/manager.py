@@ -18,7 +18,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -156,7 +156,8 @@ class ReplicationSource:
 
     def __init__(self, broker: Broker, store: JournalStore, identity: NodeIdentity, settings: CoreSettings,
                  cluster: Callable[[], ClusterManager | None], members: Callable[[], list[dict[str, Any]]],
-                 fenced: Callable[[str], None]) -> None:  # fmt: skip
+                 fenced: Callable[[str], None],
+                 hand_over: Callable[[], Coroutine[Any, Any, None]]) -> None:  # fmt: skip
         self.broker = broker
         self.store = store
         self.identity = identity
@@ -164,10 +165,13 @@ class ReplicationSource:
         self._cluster = cluster
         self._members = members
         self._fenced = fenced
+        self._hand_over = hand_over
+        self.failing_back = False
         self.session: Session | None = None
         self.feed: ReplicaFeed | None = None
         self.backup = ""  # the backup's server id
         self.backup_endpoint: tuple[str, int] = ("", 0)  # where the backup will serve clients once active
+        self.backup_role = BACKUP  # the role the backup is configured with (a returned primary: failback)
         self._sync_end_sent = 0
         self.held_since = 0.0  # monotonic: confirms wait for a quorum since then (0: they do not)
         self._stay_task: asyncio.Task[None] | None = None
@@ -200,10 +204,27 @@ class ReplicationSource:
         self.store.start_compaction(self.broker.durable_snapshot())
         self.session, self.feed, self.backup, self._sync_end_sent = session, feed, server_id, 0
         self.backup_endpoint = (host, port)
+        self.backup_role = str(info.get("role", BACKUP))
         log.info("backup connected: initial synchronisation started", extra={"backup": server_id,
                                                                              "peer": session.peer})  # fmt: skip
         return {"node_id": self.identity.node_id, "epoch": epoch, "name": self.settings.node.name,
                 "members": self._members()}  # fmt: skip
+
+    async def drained(self) -> bool:
+        """Wait until the backup holds every record written (after this node stopped serving); False when the
+        backup went away first."""
+        while (feed := self.feed) is not None and self.session is not None:
+            if feed.pending == 0 and self.journal.synced >= self.journal.appended:
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    def release_backup(self) -> None:
+        """Tell the backup to take over now: the last step of a failback."""
+        session = self.session
+        if session is not None:
+            session.conn.close(ErrorCode.FAILBACK, "the pair goes back to its primary")
+            self.broker.dirty.add(session)
 
     def in_sync_backup(self) -> tuple[str, int] | None:
         """The link endpoint of the backup while it is in sync (clients of this node go there next)."""
@@ -235,6 +256,11 @@ class ReplicationSource:
                      extra={"backup": self.backup, "records": feed.acked - feed.first + 1})  # fmt: skip
             self.broker.audit.emit(_now_ms() * 1000, "ha.backup_in_sync", {"backup": self.backup})
             self._members_changed()
+            ha = self.settings.ha
+            if ha.allow_failback and ha.role == BACKUP and self.backup_role == PRIMARY and not self.failing_back:
+                self.failing_back = True
+                log.warning("failback: the pair's primary is back and in sync; handing the pair back to it")
+                asyncio.get_running_loop().create_task(self._hand_over(), name="ha-failback")
         if feed.in_sync:
             self.store.limit_confirms(feed.acked)
 
@@ -383,6 +409,7 @@ class BackupRunner:
         self._expected = 0
         self._sync_end = 0
         self._early: list[ev.ReplicaRecords] = []  # records that came before the answer to REPLICATE
+        self.handed_over = False  # the active copy handed the pair over (failback): take over without a vote
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -426,7 +453,13 @@ class BackupRunner:
                             heartbeat_ms=self.settings.link.heartbeat_ms,
                             reconnect=ReconnectPolicy(attempts=0, initial_attempts=1), connect_timeout=1.0)  # fmt: skip
         closed = asyncio.Event()
-        client.on_closed = lambda _error: closed.set()
+        why: list[LinkRequestError] = []
+
+        def on_closed(error: LinkRequestError) -> None:
+            why.append(error)
+            closed.set()
+
+        client.on_closed = on_closed
         client.on_replica = self._records
         self.client = client
         self._early.clear()
@@ -434,7 +467,7 @@ class BackupRunner:
             await client.connect()
             reply = await client.replicate({"group": self.settings.ha.group_name, "server_id": self.server_id,
                                             "epoch": self.identity.epoch, "host": self.advertise[0],
-                                            "port": self.advertise[1]})  # fmt: skip
+                                            "port": self.advertise[1], "role": self.settings.ha.role})  # fmt: skip
         except LinkRequestError as exc:
             if exc.code in (ErrorCode.INVALID, ErrorCode.EXISTS, ErrorCode.UNAUTHENTICATED):
                 self._note(f"{host}:{port} refused: {exc.text}", error=exc.code != ErrorCode.INVALID)
@@ -452,6 +485,10 @@ class BackupRunner:
         await closed.wait()
         self.client = None
         in_sync = self.state.in_sync
+        self.handed_over = bool(in_sync and why and why[0].code == ErrorCode.FAILBACK)
+        if self.handed_over:
+            log.warning("failback: the active copy handed the pair back", extra={"from": self.primary})
+            return True
         log.warning("primary lost", extra={"primary": self.primary, "in_sync": in_sync})
         self.reason = "primary lost" + ("" if in_sync else " before the copy was whole")
         return in_sync
@@ -533,7 +570,7 @@ class BackupRunner:
         node_id = self.state.node_id
         epoch = self.state.epoch + 1
         request = VoteRequest(ACTIVATE, node_id, epoch, self.server_id)
-        while True:
+        while not self.handed_over:
             voters = [endpoint for member, endpoint in self.state.members.items() if member != node_id]
             needed = quorum(self.state.pairs)
             if not voters and ha.activate_without_quorum:
