@@ -5,18 +5,21 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
-from tests.conftest import CoreProcess, start_gateway, stop_cleanly
+from tests.conftest import CoreProcess, start_core, start_gateway, stop_cleanly
 from tests.integration.cluster_nodes import client, node_id, start_node, wait_converged, wait_until
 from tests.integration.ha_pairs import Pair, ha_view, start_pair
 from tests.integration.mqtt_clients import Paho
 from tests.jepsen.checker import check
 
 from tridentmq_shared.link.client import LinkClient, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.message import new_message
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster, pytest.mark.fault]
@@ -302,3 +305,65 @@ async def test_failback_hands_the_pair_back_to_its_returned_primary(tmp_path: Pa
     assert sorted(await drain(primary, "fb.q", len(expected))) == sorted(expected)
     assert pair.backup.stop() == 0
     assert primary.stop() == 0
+
+
+def listener(port: int = 0) -> socket.socket:
+    """A TCP listener standing in for the network a node checks."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(16)
+    return sock
+
+
+async def test_a_node_cut_off_from_its_network_stops_serving_until_it_returns(tmp_path: Path) -> None:
+    network = listener()
+    port = network.getsockname()[1]
+    node = start_core(tmp_path, "checked", TRIDENTMQ_CORE_NETWORK_CHECK_TARGETS=f"127.0.0.1:{port}",
+                      TRIDENTMQ_CORE_NETWORK_CHECK_PERIOD_MS="100",
+                      TRIDENTMQ_CORE_NETWORK_CHECK_TIMEOUT_MS="100")  # fmt: skip
+    try:
+        c = client(node)
+        await c.connect()
+        closed: list[LinkRequestError] = []
+        c.on_closed = closed.append
+        network.close()
+        await asyncio.to_thread(wait_until, lambda: bool(closed), 10, "the node to drop its clients")
+        assert closed[0].code == ErrorCode.NOT_ACTIVE
+        with pytest.raises(LinkRequestError, match="network check"):
+            await client(node).connect()
+        assert "network check: isolated" in node.log()
+        network = listener(port)
+
+        async def serving() -> bool:
+            try:
+                async with client(node):
+                    return True
+            except LinkRequestError:
+                return False
+
+        deadline = time.monotonic() + 10
+        while not await serving():
+            assert time.monotonic() < deadline, "the node did not serve again"
+            await asyncio.sleep(0.1)
+    finally:
+        network.close()
+    assert node.stop() == 0
+
+
+async def test_a_backup_cut_off_from_its_network_never_takes_over(tmp_path: Path) -> None:
+    unreachable = listener()
+    port = unreachable.getsockname()[1]
+    unreachable.close()  # nothing answers there
+    primary = start_node(tmp_path, "p", core_ha_policy="replication", core_ha_group_name="iso")
+    backup = start_node(tmp_path, "b", [primary], core_ha_policy="replication", core_ha_group_name="iso",
+                        core_ha_role="backup", core_ha_activate_without_quorum="true",
+                        core_network_check_targets=f"127.0.0.1:{port}", core_network_check_period_ms="100",
+                        core_network_check_timeout_ms="100")  # fmt: skip
+    wait_until(lambda: ha_view(backup).get("in_sync") is True, 20, "the backup to be in sync")
+    kill(primary)
+    wait_until(lambda: "cut off" in str(ha_view(backup).get("state", "")), 10, "the backup to notice")
+    await asyncio.sleep(0.5)
+    assert ha_view(backup)["active"] is False
+    assert "backup activated" not in backup.log()
+    assert backup.stop() == 0

@@ -36,6 +36,7 @@ from tridentmq_core.ha.manager import (
     primary_may_activate,
     validate_ha_settings,
 )
+from tridentmq_core.ha.network_check import NetworkCheck, NetworkHealth, Reachability, parse_targets
 from tridentmq_core.management.app import NodeStatus, QueueRates, create_app
 from tridentmq_core.security import AuthenticationError, Principal, SecurityManager, password_matches
 from tridentmq_core.settings import CoreSettings
@@ -107,8 +108,8 @@ class LinkProtocol(asyncio.Protocol):
         for event in events:
             if not isinstance(event, ev.HelloReceived):
                 continue
-            if not self.node.active:
-                self.conn.refuse(ErrorCode.NOT_ACTIVE, "this node is a backup: connect to the active node")
+            if not self.node.serving:
+                self.conn.refuse(ErrorCode.NOT_ACTIVE, self.node.not_serving_reason())
                 self.write_pending()
                 self.close_transport()
                 return
@@ -189,6 +190,7 @@ class CoreNode:
         self._server: asyncio.Server | None = None
         self._runner: web.AppRunner | None = None
         self._timer: asyncio.Task[None] | None = None
+        self._network_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.management_port = 0
         self.clusters = validate_cluster_settings(settings)
@@ -202,6 +204,8 @@ class CoreNode:
         self.voter = Voter(self.votes, settings, lambda: self.cluster) if self.votes is not None else None
         self.replication: ReplicationSource | None = None
         self.backup: BackupRunner | None = None
+        self.network = self._network_check()
+        self.isolated = False  # the network check reached none of its targets: serve nobody
 
     def authenticate(self, user: str | None, password: str | None, peer: str) -> Principal:
         """The cluster user (when the node clusters) is checked against the cluster credentials, every
@@ -212,6 +216,37 @@ class CoreNode:
                 raise AuthenticationError("wrong cluster credentials")
             return Principal(f"cluster:{user}", frozenset(), unrestricted=True, cluster=True)
         return self.security.authenticate(user, password, peer)
+
+    def _network_check(self) -> NetworkCheck | None:
+        settings = self.settings.network_check
+        if not settings.targets:
+            return None
+        try:
+            targets = parse_targets(settings.targets)
+        except ValueError as exc:
+            raise SettingsError(f"network_check.targets: {exc}") from None
+        health = NetworkHealth(failures_to_isolate=settings.failures_to_isolate)
+        return NetworkCheck(targets, settings.timeout_ms / 1000, health)
+
+    @property
+    def serving(self) -> bool:
+        return self.active and not self.isolated
+
+    def not_serving_reason(self) -> str:
+        if self.isolated:
+            return "this node is cut off from its network (network check): connect to another node"
+        return "this node is a backup: connect to the active node"
+
+    async def _check_network_forever(self, network: NetworkCheck) -> None:
+        period = self.settings.network_check.period_ms / 1000
+        while True:
+            change = await network.run_round()
+            if change is Reachability.ISOLATED:
+                self.isolated = True
+                self._close_client_links(ErrorCode.NOT_ACTIVE, self.not_serving_reason())
+            elif change is Reachability.REACHABLE:
+                self.isolated = False
+            await asyncio.sleep(period)
 
     def _open_audit(self) -> None:
         audit = self.settings.audit
@@ -281,6 +316,11 @@ class CoreNode:
             self.management_port = sock.getsockname()[1]
             await web.SockSite(self._runner, sock).start()
         self._timer = asyncio.create_task(self._tick_forever())
+        if self.network is not None:
+            # One round before anything serves or takes over: until then the node does not know where it is.
+            if await self.network.run_round() is Reachability.ISOLATED:
+                self.isolated = True
+            self._network_task = asyncio.create_task(self._check_network_forever(self.network))
         if self.settings.ha.policy == REPLICATION and not self.is_backup:
             may, why = await primary_may_activate(self.settings, self.identity)
             if not may:
@@ -288,7 +328,8 @@ class CoreNode:
                 self.is_backup = True
         if self.is_backup:
             self.backup = BackupRunner(self.settings, self.identity, self.server_id, self._journal_dir(),
-                                       self._advertise(), self._call_in_loop, self.activate)  # fmt: skip
+                                       self._advertise(), self._call_in_loop, self.activate,
+                                       lambda: self.isolated)  # fmt: skip
             self.status.ha = self._ha_status
             self.backup.start()
             log.info("backup started: looking for its primary", extra={"group": self.settings.ha.group_name,
@@ -493,20 +534,21 @@ class CoreNode:
                 log.info("journal compaction started", extra={"live_messages": live})
                 store.start_compaction(self.broker.durable_snapshot())
 
-    def _close_client_links(self) -> None:
+    def _close_client_links(self, code: str = ErrorCode.SHUTDOWN, text: str = "the node is shutting down") -> None:
         """Close every link but the other cluster nodes': their consumers give their messages back."""
         for protocol in list(self.protocols.values()):
             if protocol.session is not None and not protocol.session.principal.cluster:
-                protocol.conn.close(ErrorCode.SHUTDOWN, "the node is shutting down")
+                protocol.conn.close(code, text)
                 protocol.write_pending()
                 protocol.close_transport()
 
     async def stop(self) -> None:
         """Close every link (telling peers why), stop the listener, seal the audit segment."""
-        if self._timer is not None:
-            self._timer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._timer
+        for task in (self._timer, self._network_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._server is not None:
             self._server.close()
         self.broker.discard_wills()  # the links close because we stop, not because their clients died

@@ -119,6 +119,17 @@ class ClusterSection:
 
 
 @dataclass(frozen=True)
+class NetworkCheckSection:
+    targets: list[str] = doc(list, "Addresses to probe: `host:port` (a TCP connect) or `icmp:host` (one ping). "
+                                   "A node that reaches none of them for `failures_to_isolate` rounds stops "
+                                   "serving, and serves again once one answers; an isolated backup never takes "
+                                   "over. Empty: no check.", factory=True)  # fmt: skip
+    period_ms: int = doc(2000, "Interval of the probe rounds.")
+    timeout_ms: int = doc(1000, "How long a probe may take (below the period).")
+    failures_to_isolate: int = doc(2, "Rounds in a row with no answer before the node counts as isolated.")
+
+
+@dataclass(frozen=True)
 class HaSection:
     policy: str = doc("none", "`none`, or `replication`: this node is one half of a primary/backup pair whose "
                               "backup receives the journal stream (see docs/ha.md). A pair needs the cluster "
@@ -203,6 +214,7 @@ class CoreSettings:
     cluster: ClusterSection = doc(ClusterSection(), "Clustering: cluster connections, load balancing, "
                                                     "redistribution and discovery.")  # fmt: skip
     ha: HaSection = doc(HaSection(), "High availability: primary/backup replication pairs.")
+    network_check: NetworkCheckSection = doc(NetworkCheckSection(), "The network health check.")
     users: list[UserEntry] = doc(list, "Users. With none, loopback clients are accepted whatever their "
                                        "credentials and other addresses are refused.", factory=True)  # fmt: skip
     permissions: list[PermissionEntry] = doc(list, "Role grants per address pattern.", factory=True)

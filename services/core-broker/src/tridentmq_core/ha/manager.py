@@ -389,7 +389,7 @@ class BackupRunner:
 
     def __init__(self, settings: CoreSettings, identity: NodeIdentity, server_id: str, journal_dir: Path,
                  advertise: tuple[str, int], call_in_loop: Callable[[Callable[[], None]], None],
-                 activate: Callable[[], Awaitable[None]]) -> None:  # fmt: skip
+                 activate: Callable[[], Awaitable[None]], isolated: Callable[[], bool]) -> None:  # fmt: skip
         self.settings = settings
         self.advertise = advertise  # this node's link endpoint, where clients find it once it is active
         self.identity = identity
@@ -397,6 +397,7 @@ class BackupRunner:
         self.journal_dir = journal_dir
         self._call_in_loop = call_in_loop
         self._activate = activate
+        self._isolated = isolated  # the network check's verdict: an isolated backup never takes over
         self.state_path = identity.data_dir / HA_STATE_FILE
         # A whole copy from an earlier run may take over when no copy of the pair is active (both halves
         # restarted); votes make sure it is the freshest one.
@@ -571,6 +572,12 @@ class BackupRunner:
         epoch = self.state.epoch + 1
         request = VoteRequest(ACTIVATE, node_id, epoch, self.server_id)
         while not self.handed_over:
+            if self._isolated():
+                self._note("cut off from the network (network check): not taking over")
+                if primary is None or await self._primary_back(*primary):
+                    return False
+                await asyncio.sleep(ha.vote_retry_ms / 1000)
+                continue
             voters = [endpoint for member, endpoint in self.state.members.items() if member != node_id]
             needed = quorum(self.state.pairs)
             if not voters and ha.activate_without_quorum:
