@@ -51,19 +51,37 @@ def status_text(status: dict[str, Any]) -> str:
     counters = status.get("counters", {})
     lines = [
         f"node        {status.get('name')} ({status.get('node_id')})",
-        (
-            f"state       {'ready' if status.get('ready') else 'starting'}, up {status.get('uptime_s', 0):.0f} s, "
-            f"link port {status.get('link_port')}"
-        ),
+        (f"state       {_state(status)}, up {status.get('uptime_s', 0):.0f} s, link port {status.get('link_port')}"),
         f"links       {status.get('connections')}",
         f"addresses   {status.get('addresses')}   queues {status.get('queues')}",
         f"messages    {status.get('messages')} queued, {status.get('in_flight')} in flight",
         "counters    " + ", ".join(f"{k} {v:,}" for k, v in counters.items()),
     ]
+    ha = status.get("ha")
+    if ha:
+        lines.append(ha_line(ha))
     cluster = status.get("cluster")
     if cluster:
         lines += cluster_lines(cluster)
     return "\n".join(lines)
+
+
+def _state(status: dict[str, Any]) -> str:
+    if status.get("ready"):
+        return "ready"
+    return "backup (serves no client)" if status.get("ha") else "starting"
+
+
+def ha_line(ha: dict[str, Any]) -> str:
+    """The replication pair as this node sees it: its role now, the epoch, the other half's sync state."""
+    if ha.get("active"):
+        backup = ha.get("backup") or "none"
+        state = "in sync" if ha.get("backup_in_sync") else "copying" if ha.get("backup") else ""
+        waiting = ", waiting for a quorum" if ha.get("waiting_for_quorum") else ""
+        return (f"pair        {ha['group']}: active (configured {ha['configured_role']}), epoch {ha['epoch']}, "
+                f"backup {backup} {state}{waiting}").rstrip()  # fmt: skip
+    return (f"pair        {ha['group']}: backup of {ha.get('primary') or '?'}, epoch {ha['epoch']}, "
+            f"{'in sync (can take over)' if ha.get('in_sync') else 'not in sync'}; {ha.get('state', '')}")  # fmt: skip
 
 
 def cluster_lines(cluster: dict[str, Any]) -> list[str]:
@@ -86,9 +104,10 @@ def cluster_lines(cluster: dict[str, Any]) -> list[str]:
     lines.append("stranded    " + (", ".join(f"{q} {n:,}" for q, n in stranded.items()) or "none"))
     nodes = cluster.get("nodes")
     if nodes:
-        rows = [[n["name"], n["link"], n.get("backlog", "?"), n.get("stranded", "?"), n.get("forwarding", "?"),
-                 n.get("error", "")] for n in nodes]  # fmt: skip
-        lines.append(format_table(["node", "link", "backlog", "stranded", "to forward", "note"], rows))
+        rows = [[n["name"], n["link"], n.get("backup", "-"), n.get("backlog", "?"), n.get("stranded", "?"),
+                 n.get("forwarding", "?"), n.get("error", "")] for n in nodes]  # fmt: skip
+        lines.append(format_table(["node", "link", "in-sync backup", "backlog", "stranded", "to forward", "note"],
+                                  rows))  # fmt: skip
     return lines
 
 
@@ -96,8 +115,10 @@ def cluster_nodes(cluster: dict[str, Any]) -> list[dict[str, Any]]:
     """Every live member's own figures, read from its management API (an unreachable one says why)."""
     nodes = []
     for member in cluster["members"]:
+        backup = member.get("backup")
         entry: dict[str, Any] = {"name": member["name"] or member["node_id"][:8], "node_id": member["node_id"],
-                                 "link": f"{member['host']}:{member['port']}"}  # fmt: skip
+                                 "link": f"{member['host']}:{member['port']}",
+                                 "backup": f"{backup[0]}:{backup[1]}" if backup else "-"}  # fmt: skip
         if not member.get("management"):
             entry["error"] = "no management port"
         else:

@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "61616, 61617, ... and management ports 8161, 8162, ... (default %(default)s)")  # fmt: skip
     up.add_argument("--discovery", default="", help="with --nodes, find each other through this Redis URL "
                     "(redis://host:port/db) instead of static connectors")  # fmt: skip
+    up.add_argument("--pairs", type=int, default=0, help="a local cluster of this many primary/backup replication "
+                    "pairs: primaries on link ports 61616, ..., their backups after them (3 or more, so that a "
+                    "quorum can let a backup take over)")  # fmt: skip
 
     core = sub.add_parser("core", help="run one core node in the foreground")
     core.add_argument("args", nargs=argparse.REMAINDER, help="arguments for tridentmq-core (see --help)")
@@ -146,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     match args.command:
         case "up":
             children = supervisor.plan(args.data_dir, args.config, args.config_dir, nodes=args.nodes,
-                                       discovery=args.discovery)  # fmt: skip
+                                       discovery=args.discovery, pairs=args.pairs)  # fmt: skip
             return run_main(supervisor.supervise(children))
         case "status":
             status = admin.fetch(args.management, "/api/status")

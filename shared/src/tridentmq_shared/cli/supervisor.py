@@ -41,16 +41,18 @@ def installed_services() -> list[tuple[str, str]]:
 
 
 def plan(data_dir: Path, config: Path | None, config_dir: Path | None = None, *, nodes: int = 1,
-         discovery: str = "") -> list[Child]:  # fmt: skip
+         discovery: str = "", pairs: int = 0) -> list[Child]:  # fmt: skip
     """The children of ``up``: ``config`` is the core's settings file; ``config_dir`` may hold one file per
     process, named after it (``core.toml``, ``stomp.toml``, ``mqtt.toml``, ``amqp.toml``).
 
     With ``nodes`` above 1 the core nodes form a local cluster: node *i* listens on link port 61616 + *i* and
     management port 8161 + *i*, knows the others as static connectors (or finds them through ``discovery``),
-    and the gateways are spread over the nodes. The cluster password is made up on first use and kept in
-    the data directory, since cluster credentials have no default."""
+    and the gateways are spread over the nodes. With ``pairs`` the cluster is made of that many replication
+    pairs: primary *i* is node *i*, its backup node ``pairs`` + *i*. The cluster password is made up on first
+    use and kept in the data directory, since cluster credentials have no default."""
+    cores = _pairs(data_dir, pairs, discovery) if pairs else _cluster(data_dir, nodes, discovery) if nodes > 1 else []
+    actives = [env for _, env in cores if env.get("TRIDENTMQ_CORE_HA_ROLE") != "backup"]
     children = []
-    cluster = _cluster_env(data_dir, nodes, discovery) if nodes > 1 else []
     gateways = 0
     for name, module in installed_services():
         argv = [sys.executable, "-m", module]
@@ -61,15 +63,17 @@ def plan(data_dir: Path, config: Path | None, config_dir: Path | None = None, *,
             argv += ["--config", str(own)]
         if name != "core":
             env = {}
-            if nodes > 1:
+            if actives:
                 kind = name.removeprefix("gateway-").upper()
-                env[f"TRIDENTMQ_{kind}_CORE_PORT"] = str(BASE_LINK_PORT + gateways % nodes)
+                env[f"TRIDENTMQ_{kind}_CORE_PORT"] = actives[gateways % len(actives)]["TRIDENTMQ_CORE_LINK_PORT"]
+                env[f"TRIDENTMQ_{kind}_CORE_CONNECTORS"] = ",".join(
+                    f"127.0.0.1:{e['TRIDENTMQ_CORE_LINK_PORT']}" for _, e in cores)  # fmt: skip
             gateways += 1
             children.append(Child(name, argv, env))
-        elif nodes <= 1:
+        elif not cores:
             children.append(Child(name, argv, {"TRIDENTMQ_CORE_NODE_DATA_DIR": str(data_dir / "core")}))
         else:
-            children += [Child(f"core-{i}", argv, env) for i, env in enumerate(cluster)]
+            children += [Child(child, argv, env) for child, env in cores]
     return children
 
 
@@ -77,17 +81,18 @@ BASE_LINK_PORT = 61616
 BASE_MANAGEMENT_PORT = 8161
 
 
-def _cluster_env(data_dir: Path, nodes: int, discovery: str) -> list[dict[str, str]]:
+def _cluster(data_dir: Path, nodes: int, discovery: str) -> list[tuple[str, dict[str, str]]]:
+    """(name, environment) of each node of a local cluster."""
     data_dir.mkdir(parents=True, exist_ok=True)
     secret = data_dir / "cluster.password"
     if not secret.exists():
         secret.write_text(secrets.token_urlsafe(24))
         secret.chmod(0o600)
     password = secret.read_text().strip()
-    envs = []
+    cores = []
     for i in range(nodes):
         others = [f"127.0.0.1:{BASE_LINK_PORT + j}" for j in range(nodes) if j != i]
-        envs.append({
+        cores.append((f"core-{i}", {
             "TRIDENTMQ_CORE_NODE_DATA_DIR": str(data_dir / f"core-{i}"),
             "TRIDENTMQ_CORE_NODE_NAME": f"core-{i}",
             "TRIDENTMQ_CORE_LINK_PORT": str(BASE_LINK_PORT + i),
@@ -96,8 +101,23 @@ def _cluster_env(data_dir: Path, nodes: int, discovery: str) -> list[dict[str, s
             "TRIDENTMQ_CORE_CLUSTER_PASSWORD": password,
             "TRIDENTMQ_CORE_CLUSTER_CONNECTORS": "" if discovery else ",".join(others),
             "TRIDENTMQ_CORE_CLUSTER_DISCOVERY": discovery,
-        })  # fmt: skip
-    return envs
+        }))  # fmt: skip
+    return cores
+
+
+def _pairs(data_dir: Path, pairs: int, discovery: str) -> list[tuple[str, dict[str, str]]]:
+    """A local cluster of ``pairs`` replication pairs: the first half of the nodes are primaries, each with
+    its backup in the second half (a backup finds its primary among the connectors by the group name)."""
+    cores = _cluster(data_dir, 2 * pairs, discovery)
+    named = []
+    for i, (_, env) in enumerate(cores):
+        pair, backup = i % pairs, i >= pairs
+        name = f"backup-{pair}" if backup else f"core-{pair}"
+        env.update({"TRIDENTMQ_CORE_NODE_NAME": name, "TRIDENTMQ_CORE_NODE_DATA_DIR": str(data_dir / name),
+                    "TRIDENTMQ_CORE_HA_POLICY": "replication", "TRIDENTMQ_CORE_HA_GROUP_NAME": f"pair-{pair}",
+                    "TRIDENTMQ_CORE_HA_ROLE": "backup" if backup else "primary"})  # fmt: skip
+        named.append((name, env))
+    return named
 
 
 async def _pump(name: str, stream: asyncio.StreamReader) -> None:

@@ -158,7 +158,7 @@ class Bridge:
         self.port = port
         self.node_id = ""  # learned from the other node's WELCOME
         self.name = ""
-        self.state = "connecting"  # connecting, up, down, refused, duplicate
+        self.state = "connecting"  # connecting, up, down, refused, duplicate, standby (a passive backup)
         self.reason = ""
         self.down_since = time.monotonic()
         self.leaving = False  # the other node is scaling down: send it nothing new
@@ -206,6 +206,8 @@ class Bridge:
             except LinkRequestError as exc:
                 if exc.code == ErrorCode.UNAUTHENTICATED:
                     self._refused(exc.text)
+                elif exc.code == ErrorCode.NOT_ACTIVE:  # a passive backup: it joins once it takes over
+                    self.state, self.reason = "standby", exc.text
                 else:
                     self._failed(str(exc))
             except (OSError, TimeoutError) as exc:
