@@ -368,6 +368,9 @@ class CoreNode:
             self.status.ha = self._ha_status
             if self.cluster is not None:
                 self.cluster.backup = self.replication.in_sync_backup
+        if self.settings.ha.policy == REPLICATION:
+            self.audit.emit(_now_ms() * 1000, "ha.activated", {"configured_role": self.settings.ha.role,
+                                                                "group": self.settings.ha.group_name})  # fmt: skip
         self.active = True
         self.status.ready = True
         if self.security.embedded_default:
@@ -426,11 +429,13 @@ class CoreNode:
             replication.failing_back = False
             return
         replication.release_backup()
+        self.audit.emit(_now_ms() * 1000, "ha.failback", {"to": replication.backup})
         self._flush()
         await asyncio.sleep(0.2)  # the CLOSE reaches the primary
         log.warning("failback done: restarting as a backup", extra={"epoch": self.identity.epoch})
         if self.journal is not None:
             self.journal.close()
+        self.audit.close()
         self.lock.release()
         logging.shutdown()
         os.execv(sys.executable, sys.orig_argv)  # noqa: S606 - the same command: this node starts again as a backup
@@ -442,6 +447,8 @@ class CoreNode:
         self.active = False
         for protocol in list(self.protocols.values()):
             protocol.close_transport()
+        self.audit.emit(_now_ms() * 1000, "ha.fenced", {"reason": reason})
+        self.audit.close()
         os._exit(FENCED_EXIT_CODE)  # no clean stop: a clean stop would scale down or confirm what is held
 
     def schedule_flush(self) -> None:
