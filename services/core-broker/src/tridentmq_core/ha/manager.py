@@ -31,6 +31,7 @@ from tridentmq_core.store.files import write_durably
 from tridentmq_core.store.identity import NodeIdentity
 from tridentmq_core.store.journal import Journal, list_segments
 from tridentmq_core.store.journal_store import JournalStore
+from tridentmq_core.store.records import MAGIC, RecordType
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.client import LinkClient, LinkRequestError, ReconnectPolicy
 from tridentmq_shared.link.ops import ErrorCode
@@ -409,6 +410,7 @@ class BackupRunner:
         self._offset = 0  # primary record number = local record number + offset
         self._expected = 0
         self._sync_end = 0
+        self._compacted_at = 0  # local number of the last compaction's COMPACTED record, until it is synced
         self._early: list[ev.ReplicaRecords] = []  # records that came before the answer to REPLICATE
         self.handed_over = False  # the active copy handed the pair over (failback): take over without a vote
         self._task: asyncio.Task[None] | None = None
@@ -509,7 +511,7 @@ class BackupRunner:
         journal.on_synced = lambda upto: self._call_in_loop(lambda: self._synced(upto))
         journal.start()
         self.journal = journal
-        self._offset = self._expected = self._sync_end = 0
+        self._offset = self._expected = self._sync_end = self._compacted_at = 0
         self.reason = "copying"
         early, self._early = self._early, []
         for event in early:
@@ -544,8 +546,14 @@ class BackupRunner:
             asyncio.get_running_loop().create_task(client.close())
             return
         if event.records:
+            number = journal.appended
+            for data in event.records:
+                if data:
+                    number += 1
+                    if data[0] == MAGIC and data[1] == RecordType.COMPACTED:
+                        self._compacted_at = number  # once it is on disk, the segments before the roll go
             journal.append_encoded(event.records)
-            self._expected += len(event.records)
+            self._expected = number + self._offset + 1
         if event.sync_end:
             self._sync_end = event.sync_end
             if journal.synced + self._offset >= event.sync_end:
@@ -557,6 +565,10 @@ class BackupRunner:
             return
         primary_upto = upto + self._offset
         client.replica_ack(primary_upto)
+        journal = self.journal
+        if self._compacted_at and upto >= self._compacted_at and journal is not None:
+            self._compacted_at = 0
+            journal.retire_before(journal.rolled_to)  # as the primary did after the same compaction
         if not self.state.in_sync and self._sync_end and primary_upto >= self._sync_end:
             self.state.in_sync = True
             self.state.save(self.state_path)

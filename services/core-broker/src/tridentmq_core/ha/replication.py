@@ -13,10 +13,15 @@ from collections import deque
 from typing import Final
 
 MAX_BATCH_BYTES: Final = 1024 * 1024
+ROLL: Final = b""  # in the stream: the journal starts a new segment here
 
 
 class ReplicaFeed:
-    """What one backup still has to receive, and how far it has acknowledged."""
+    """What one backup still has to receive, and how far it has acknowledged.
+
+    Besides records, the stream carries the journal's segment rolls (``ROLL``, an empty record that takes no
+    number), so the backup's segments follow the primary's and it can retire the old ones after a
+    compaction, as the primary does."""
 
     def __init__(self, epoch: int, first: int, *, window: int, max_batch_bytes: int = MAX_BATCH_BYTES) -> None:
         self.epoch = epoch
@@ -24,7 +29,8 @@ class ReplicaFeed:
         self.window = window
         self.max_batch_bytes = max_batch_bytes
         self._unsent: deque[bytes] = deque()
-        self._next = first  # the number of _unsent[0]
+        self._unsent_records = 0  # rolls not counted
+        self._next = first  # the number of the first record in _unsent
         self.acked = first - 1
         self.sync_end = 0  # 0 until the initial copy is fully appended
         self.in_sync = False
@@ -37,32 +43,40 @@ class ReplicaFeed:
     @property
     def pending(self) -> int:
         """Records appended but not acknowledged by the backup."""
-        return self._next + len(self._unsent) - 1 - self.acked
+        return self._next + self._unsent_records - 1 - self.acked
 
     def append(self, number: int, data: bytes) -> None:
-        expected = self._next + len(self._unsent)
+        """Record ``number`` was appended; ``data`` is empty (and ``number`` ignored) for a segment roll."""
+        if data is ROLL or not data:
+            self._unsent.append(ROLL)
+            return
+        expected = self._next + self._unsent_records
         if number != expected:
             raise ValueError(f"journal record {number} out of order (expected {expected})")
         self._unsent.append(data)
+        self._unsent_records += 1
 
     def copied(self, last: int) -> None:
         """The initial copy ends with record ``last``."""
         self.sync_end = last
 
     def take(self) -> tuple[int, list[bytes]] | None:
-        """The next batch to send (first number, records) within the window, or None."""
+        """The next batch to send (first number, records and rolls) within the window, or None."""
         room = self.window - (self._next - 1 - self.acked)
-        if room <= 0 or not self._unsent:
+        unsent = self._unsent
+        if room <= 0 or not unsent:
             return None
         first = self._next
         batch: list[bytes] = []
-        size = 0
-        unsent = self._unsent
-        while unsent and len(batch) < room and (not batch or size + len(unsent[0]) <= self.max_batch_bytes):
+        records = size = 0
+        while unsent and records < room and (not batch or size + len(unsent[0]) <= self.max_batch_bytes):
             data = unsent.popleft()
             batch.append(data)
             size += len(data)
-        self._next += len(batch)
+            if data:
+                records += 1
+        self._next += records
+        self._unsent_records -= records
         return first, batch
 
     def ack(self, upto: int) -> bool:

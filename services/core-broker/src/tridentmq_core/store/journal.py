@@ -261,13 +261,16 @@ class Journal:
         return number
 
     def append_encoded(self, records: list[bytes]) -> int:
-        """Queue records encoded elsewhere (a backup writing its primary's stream); returns the last number."""
+        """Queue records encoded elsewhere (a backup writing its primary's stream; an empty one is a roll, as
+        the primary's ``roll``); returns the number of the last record."""
+        count = 0
         for data in records:
             if len(data) > self.segment_bytes:
                 raise ValueError(f"a record of {len(data)} bytes does not fit a segment of {self.segment_bytes}")
+            count += bool(data)
         with self._lock:
-            self._pending.extend(records)
-            self._appended += len(records)
+            self._pending.extend(data or _ROLL for data in records)
+            self._appended += count
             number = self._appended
         if not self._wakeup.is_set():
             self._wakeup.set()
@@ -284,6 +287,8 @@ class Journal:
             self._pending.append(_ROLL)
         if not self._wakeup.is_set():
             self._wakeup.set()
+        if self.tap is not None:
+            self.tap(0, _ROLL)  # a roll takes no number
 
     def segments(self) -> list[Path]:
         return list_segments(self.directory)
