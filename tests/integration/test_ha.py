@@ -390,3 +390,82 @@ async def test_the_backup_retires_its_segments_after_each_compaction_of_the_prim
     wait_until(lambda: ha_view(pair.backup).get("active") is True, 10, "the backup to take over")
     assert sorted(await drain(pair.backup, "churn", len(kept))) == sorted(kept)
     assert pair.backup.stop() == 0
+
+
+def shared_pair(tmp_path: Path) -> tuple[CoreProcess, CoreProcess]:
+    """Two nodes on one shared directory: the first to win the lease serves, the other waits."""
+    shared = {
+        "TRIDENTMQ_CORE_HA_POLICY": "shared-store",
+        "TRIDENTMQ_CORE_HA_SHARED_DIRECTORY": str(tmp_path / "shared"),
+        "TRIDENTMQ_CORE_HA_LEASE_RENEW_MS": "200",
+        "TRIDENTMQ_CORE_HA_LEASE_EXPIRY_MS": "1000",
+    }
+    first = start_core(tmp_path, "store-a", **shared)
+    wait_until(lambda: ha_view(first).get("active") is True, 10, "the first node to win the lease")
+    second = start_core(tmp_path, "store-b", **shared)
+    wait_until(lambda: ha_view(second).get("state") == "waiting for the lease", 10, "the second node to wait")
+    return first, second
+
+
+async def test_shared_store_standby_takes_over_a_killed_node_after_its_lease_expires(tmp_path: Path) -> None:
+    active, standby = shared_pair(tmp_path)
+    bodies = [b"s%d" % i for i in range(500)]
+    await publish(active, "shared.q", bodies)
+    kill(active)
+    wait_until(lambda: ha_view(standby).get("active") is True, 10, "the standby to take the lease")
+    assert ha_view(standby)["epoch"] == 2
+    assert sorted(await drain(standby, "shared.q", len(bodies))) == sorted(bodies)
+    assert "journal taken over from the previous epoch" in standby.log()
+    assert standby.stop() == 0
+
+
+async def test_shared_store_paused_node_confirms_nothing_after_waking(tmp_path: Path) -> None:
+    active, standby = shared_pair(tmp_path)
+    confirmed: list[bytes] = []
+    attempted: list[bytes] = []
+    after_wake: list[bytes] = []
+    woke = asyncio.Event()
+
+    async def produce() -> None:
+        async with LinkClient("127.0.0.1", active.link_port, reconnect=ReconnectPolicy(attempts=0)) as producer:
+            for i in range(100_000):
+                body = b"v%d" % i
+                attempted.append(body)
+                try:
+                    future = await asyncio.wait_for(producer.send(new_message("paused.q", body, durable=True)), 1)
+                except (TimeoutError, LinkRequestError):
+                    return
+
+                def settled(f: asyncio.Future[None], body: bytes = body) -> None:
+                    if not f.cancelled() and f.exception() is None:
+                        confirmed.append(body)
+                        if woke.is_set():
+                            after_wake.append(body)
+
+                future.add_done_callback(settled)
+                await asyncio.sleep(0.001)
+
+    producing = asyncio.create_task(produce())
+    await asyncio.sleep(0.5)
+    active.process.send_signal(signal.SIGSTOP)
+    try:
+        await asyncio.to_thread(wait_until, lambda: ha_view(standby).get("active") is True, 15, "the takeover")
+    finally:
+        woke.set()
+        active.process.send_signal(signal.SIGCONT)
+    assert await asyncio.to_thread(active.process.wait, 15) == FENCED_EXIT_CODE
+    await asyncio.wait_for(producing, 10)
+    assert after_wake == []
+    delivered = await drain(standby, "paused.q", len(confirmed))
+    verdict = check(attempted, confirmed, [], delivered)
+    assert verdict.ok, verdict.report()
+    assert standby.stop() == 0
+
+
+async def test_shared_store_clean_stop_hands_the_lease_over_at_once(tmp_path: Path) -> None:
+    active, standby = shared_pair(tmp_path)
+    await publish(active, "handover.q", [b"1", b"2"])
+    assert active.stop() == 0
+    wait_until(lambda: ha_view(standby).get("active") is True, 5, "the standby to take the released lease")
+    assert sorted(await drain(standby, "handover.q", 2)) == [b"1", b"2"]
+    assert standby.stop() == 0

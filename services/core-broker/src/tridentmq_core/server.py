@@ -29,6 +29,7 @@ from tridentmq_core.ha.manager import (
     BACKUP,
     FENCED_EXIT_CODE,
     REPLICATION,
+    SHARED_STORE,
     BackupRunner,
     ReplicationSource,
     Voter,
@@ -37,6 +38,7 @@ from tridentmq_core.ha.manager import (
     validate_ha_settings,
 )
 from tridentmq_core.ha.network_check import NetworkCheck, NetworkHealth, Reachability, parse_targets
+from tridentmq_core.ha.shared_store import SharedStore, journal_for_epoch
 from tridentmq_core.management.app import NodeStatus, QueueRates, create_app
 from tridentmq_core.security import AuthenticationError, Principal, SecurityManager, password_matches
 from tridentmq_core.settings import CoreSettings
@@ -163,7 +165,11 @@ class CoreNode:
         data_dir = settings.node.data_dir
         data_dir.mkdir(parents=True, exist_ok=True)
         self.lock = DataDirectoryLock(data_dir)  # before touching anything in it
-        self.identity = NodeIdentity(data_dir)
+        ha = settings.ha
+        shared = Path(ha.shared_directory) if ha.policy == SHARED_STORE and ha.shared_directory else None
+        if shared is not None:
+            shared.mkdir(parents=True, exist_ok=True)
+        self.identity = NodeIdentity(shared or data_dir)  # a shared-store pair has one identity
         self.node_id = self.identity.node_id
         self.security = SecurityManager(settings.users, settings.permissions)
         self.audit: AuditSink = NullAuditSink()  # opened on activation, under the node id it serves as
@@ -204,6 +210,8 @@ class CoreNode:
         self.voter = Voter(self.votes, settings, lambda: self.cluster) if self.votes is not None else None
         self.replication: ReplicationSource | None = None
         self.backup: BackupRunner | None = None
+        self.shared: SharedStore | None = None
+        self._shared_journal: Path | None = None  # the shared-store pair's journal of this epoch
         self.network = self._network_check()
         self.isolated = False  # the network check reached none of its targets: serve nobody
 
@@ -258,6 +266,8 @@ class CoreNode:
             self.broker.audit = self.audit
 
     def _journal_dir(self) -> Path:
+        if self._shared_journal is not None:
+            return self._shared_journal
         return Path(self.settings.journal.directory or self.settings.node.data_dir / "journal")
 
     def _recover(self) -> None:
@@ -326,7 +336,17 @@ class CoreNode:
             if not may:
                 log.warning("starting as a backup", extra={"reason": why})
                 self.is_backup = True
-        if self.is_backup:
+        if self.settings.ha.policy == SHARED_STORE:
+            # The lease numbers the activations; the identity's epoch (1 before any) is only a floor for it.
+            self.shared = SharedStore(self.settings, self.identity.data_dir, self.server_id, self.identity.epoch - 1,
+                                      self._activate_shared, self._fenced)  # fmt: skip
+            self.status.ha = self._ha_status
+            self.shared.start()
+            log.info(
+                "shared-store node started: waiting for the lease",
+                extra={"server_id": self.server_id, "directory": str(self.shared.directory)},
+            )
+        elif self.is_backup:
             self.backup = BackupRunner(self.settings, self.identity, self.server_id, self._journal_dir(),
                                        self._advertise(), self._call_in_loop, self.activate,
                                        lambda: self.isolated)  # fmt: skip
@@ -380,6 +400,21 @@ class CoreNode:
                                            "epoch": self.identity.epoch, "link_port": self.status.link_port,
                                            "management_port": self.management_port})  # fmt: skip
 
+    async def _activate_shared(self, epoch: int) -> None:
+        """This node won the shared-store lease at ``epoch``: take the journal over into this epoch's directory
+        (a fenced holder may still write into the old one) and serve, confirming only while the lease holds."""
+        shared = self.shared
+        assert shared is not None
+        self.identity = NodeIdentity(shared.directory)  # the other half may have created it
+        self.identity.set_epoch(epoch)
+        self._shared_journal = await asyncio.to_thread(journal_for_epoch, shared.directory, epoch,
+                                                       self.settings.journal.segment_bytes)  # fmt: skip
+        await self.activate()
+        store = self.journal_store
+        if store is not None:
+            store.gate = shared.valid
+            shared.on_renewed = store.recheck
+
     def _advertise(self) -> tuple[str, int]:
         """The link endpoint other nodes and gateways reach this node at."""
         link = self.settings.link
@@ -404,6 +439,8 @@ class CoreNode:
                                 "epoch": self.identity.epoch, "server_id": self.server_id}  # fmt: skip
         if self.backup is not None and not self.active:
             view.update(self.backup.status())
+        if self.shared is not None:
+            view.update(self.shared.status())
         if self.replication is not None:
             view.update(self.replication.status())
         return view
@@ -561,6 +598,8 @@ class CoreNode:
         self.broker.discard_wills()  # the links close because we stop, not because their clients died
         if self.backup is not None:
             await self.backup.stop()
+        if self.shared is not None:
+            await self.shared.stop()
         if self.replication is not None:
             await self.replication.stop()
         if self.cluster is not None:
@@ -578,6 +617,8 @@ class CoreNode:
             await self._runner.cleanup()
         if self.journal is not None:
             self.journal.close()
+        if self.shared is not None and self.active:
+            self.shared.release()
         self.audit.close()
         self.lock.release()
         log.info("core node stopped", extra={"node_id": self.node_id})

@@ -131,9 +131,10 @@ class NetworkCheckSection:
 
 @dataclass(frozen=True)
 class HaSection:
-    policy: str = doc("none", "`none`, or `replication`: this node is one half of a primary/backup pair whose "
-                              "backup receives the journal stream (see docs/ha.md). A pair needs the cluster "
-                              "credentials.")  # fmt: skip
+    policy: str = doc("none", "`none`; `replication`: this node is one half of a primary/backup pair whose "
+                              "backup receives the journal stream (a pair needs the cluster credentials); or "
+                              "`shared-store`: both halves use the journal in `shared_directory`, and the one "
+                              "holding its lease serves (see docs/ha.md).")  # fmt: skip
     role: str = doc("primary", "`primary` (active at first start) or `backup` (waits, copies its primary's "
                                "journal, and takes over when the primary is lost and a quorum agrees).")  # fmt: skip
     group_name: str = doc("", "Names the pair: a backup replicates only the primary with the same group name.")
@@ -150,6 +151,12 @@ class HaSection:
     allow_failback: bool = doc(True, "A backup that took over hands the pair back to its primary once the "
                                      "primary, returned, is in sync as its backup (then it becomes the backup "
                                      "again).")  # fmt: skip
+    shared_directory: str = doc("", "shared-store: the directory both halves of the pair use (a network "
+                                    "filesystem), holding the lease, the pair's identity and its journal.")  # fmt: skip
+    lease_renew_ms: int = doc(1000, "shared-store: how often the active node renews its lease.")
+    lease_expiry_ms: int = doc(5000, "shared-store: a lease not renewed for this long (by the waiting node's own "
+                                     "clock) has expired and the waiting node takes over; it must exceed twice "
+                                     "the renewal interval.")  # fmt: skip
     sync_window: int = doc(50_000, "Journal records in flight to the backup before the primary waits for its "
                                    "acknowledgements.")  # fmt: skip
 

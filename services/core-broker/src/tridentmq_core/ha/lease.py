@@ -226,6 +226,11 @@ class SharedStoreLease:
         """The epoch of our lease while claiming or holding; otherwise the highest epoch seen."""
         return self._lease.epoch if self._lease is not None else self._epoch_floor
 
+    def valid(self, now: float) -> bool:
+        """Whether this node holds the lease and renewed it recently enough that no waiter can have taken it
+        (what a holder checks before it confirms anything: a process that was paused may not)."""
+        return self._state is _State.HOLDING and (now - self._written_at) * 1000 < self.expiry_ms - self.settle_ms
+
     def next_delay(self) -> float:
         """Seconds until the next ``tick``."""
         return (self.settle_ms if self._state is _State.CLAIMING else self.renew_ms) / 1000

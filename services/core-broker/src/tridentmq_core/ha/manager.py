@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tridentmq.core.ha")
 
 REPLICATION: Final = "replication"
+SHARED_STORE: Final = "shared-store"
 PRIMARY: Final = "primary"
 BACKUP: Final = "backup"
 HA_STATE_FILE: Final = "ha.json"
@@ -54,9 +55,17 @@ VOTE_TIMEOUT: Final = 1.0
 
 def validate_ha_settings(settings: CoreSettings, clusters: bool) -> None:
     ha = settings.ha
-    if ha.policy not in ("none", REPLICATION):
-        raise SettingsError("ha.policy must be none or replication")
+    if ha.policy not in ("none", REPLICATION, SHARED_STORE):
+        raise SettingsError("ha.policy must be none, replication or shared-store")
     if ha.policy == "none":
+        return
+    if ha.policy == SHARED_STORE:
+        if not ha.shared_directory:
+            raise SettingsError("ha.shared_directory is required with the shared-store policy")
+        if ha.lease_expiry_ms <= 2 * ha.lease_renew_ms:
+            raise SettingsError("ha.lease_expiry_ms must exceed twice ha.lease_renew_ms")
+        if not settings.journal.enabled:
+            raise SettingsError("a shared-store pair needs the journal (journal.enabled)")
         return
     if ha.role not in (PRIMARY, BACKUP):
         raise SettingsError("ha.role must be primary or backup")

@@ -68,16 +68,11 @@ def finish_offline_compaction(directory: Path) -> None:
     (directory / COMPLETE_MARKER).unlink(missing_ok=True)
 
 
-def compact_offline(directory: Path, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> tuple[int, int]:
-    """Rewrite a stopped node's journal with only its live state; returns (records before, after).
-
-    Crash-safe: the new journal is written and synced beside the old one and marked complete, then swapped
-    in by two renames; ``finish_offline_compaction`` (run by every recovery) completes or undoes a swap that
-    a crash interrupted, so the node always finds exactly one whole journal.
-    """
-    records, _ = Journal(directory, segment_bytes=segment_bytes).recover()
+def write_live_state(source: Path, target: Path, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> tuple[int, int]:
+    """Write the live state of the journal in ``source`` as a fresh journal in ``target`` (synced, marked
+    complete); returns (records read, records written)."""
+    records, _ = Journal(source, segment_bytes=segment_bytes).recover()
     state = replay(records)
-    target = _sibling(directory, COMPACT_SUFFIX)
     shutil.rmtree(target, ignore_errors=True)
     fresh = Journal(target, segment_bytes=segment_bytes)
     fresh.recover()
@@ -103,18 +98,28 @@ def compact_offline(directory: Path, segment_bytes: int = DEFAULT_SEGMENT_BYTES)
         fresh.append(RecordType.MESSAGE, [state.messages[message_id], queues, counts])
         written += 1
     fresh.close()
-    marker = target / COMPLETE_MARKER
-    marker.write_bytes(b"")
+    (target / COMPLETE_MARKER).write_bytes(b"")
     fsync_directory(target)
+    return len(records), written
+
+
+def compact_offline(directory: Path, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> tuple[int, int]:
+    """Rewrite a stopped node's journal with only its live state; returns (records before, after).
+
+    Crash-safe: the new journal is written and synced beside the old one and marked complete, then swapped
+    in by two renames; ``finish_offline_compaction`` (run by every recovery) completes or undoes a swap that
+    a crash interrupted, so the node always finds exactly one whole journal.
+    """
+    target = _sibling(directory, COMPACT_SUFFIX)
+    counts = write_live_state(directory, target, segment_bytes)
     old = _sibling(directory, OLD_SUFFIX)
     directory.rename(old)
     fsync_directory(directory.parent)
     target.rename(directory)
     fsync_directory(directory.parent)
     shutil.rmtree(old)
-    marker = directory / COMPLETE_MARKER
-    marker.unlink()
-    return len(records), written
+    (directory / COMPLETE_MARKER).unlink()
+    return counts
 
 
 def measure_fsync(directory: Path, seconds: float = 2.0, write_bytes: int = 4096) -> float:

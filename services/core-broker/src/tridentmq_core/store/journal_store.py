@@ -59,6 +59,8 @@ class JournalStore:
         self._limit: int | None = None
         #: Called with the number of the last record of a compaction's copy (the end of a backup's sync).
         self.on_copied: Callable[[int], None] = lambda _number: None
+        #: Whether confirms may go out now (a shared-store node whose lease might have lapsed holds them).
+        self.gate: Callable[[], bool] = lambda: True
         self._tx_id = 0  # the open transaction (0: none); random, so no id recurs across restarts
         self._tx_written = False
         journal.on_synced = self._synced_in_writer
@@ -182,7 +184,13 @@ class JournalStore:
         self._limit = upto
         self._release()
 
+    def recheck(self) -> None:
+        """Release what the gate held, if it opens now."""
+        self._release()
+
     def _release(self) -> None:
+        if not self.gate():
+            return
         upto = self._synced if self._limit is None else min(self._synced, self._limit)
         waiting = self._waiting
         while waiting and waiting[0] <= upto:
