@@ -469,3 +469,37 @@ async def test_shared_store_clean_stop_hands_the_lease_over_at_once(tmp_path: Pa
     wait_until(lambda: ha_view(standby).get("active") is True, 5, "the standby to take the released lease")
     assert sorted(await drain(standby, "handover.q", 2)) == [b"1", b"2"]
     assert standby.stop() == 0
+
+
+@pytest.mark.parametrize("first", ["primary", "backup"])
+async def test_after_both_halves_stopped_only_the_freshest_copy_activates(tmp_path: Path, first: str) -> None:
+    """The backup took over (epoch 2) and got more messages; then both halves die. Whatever the start order,
+    the stale primary never serves: the backup's copy activates (epoch 3) and the primary copies it."""
+    a, b, c = three_pairs(tmp_path)
+    before = [b"p%d" % i for i in range(200)]
+    await publish(b.primary, "fresh.q", before)
+    kill(b.primary)
+    wait_until(lambda: ha_view(b.backup).get("active") is True, 15, "b's backup to take over")
+    after = [b"b%d" % i for i in range(100)]
+    await publish(b.backup, "fresh.q", after)
+    kill(b.backup)
+    ha = {"core_ha_policy": "replication", "core_ha_group_name": "b", "core_ha_allow_failback": "false"}
+
+    def start(role: str) -> CoreProcess:
+        extra = {"core_ha_role": "backup"} if role == "backup" else {}
+        return start_node(tmp_path, f"b-{role}", [a.primary], **ha, **extra)
+
+    started = {first: start(first)}
+    if first == "primary":
+        await asyncio.sleep(2.0)
+        assert ha_view(started["primary"])["active"] is False, "the stale primary must not serve"
+        assert "starting as a backup" in started["primary"].log()
+    started["backup" if first == "primary" else "primary"] = start("backup" if first == "primary" else "primary")
+    backup, primary = started["backup"], started["primary"]
+    wait_until(lambda: ha_view(backup).get("active") is True, 20, "the fresh copy to activate")
+    assert ha_view(backup)["epoch"] == 3
+    wait_until(lambda: ha_view(primary).get("in_sync") is True, 20, "the stale primary to copy the fresh one")
+    assert ha_view(primary)["active"] is False
+    assert sorted(await drain(backup, "fresh.q", 300)) == sorted(before + after)
+    for node in (backup, primary, a.primary, a.backup, c.primary, c.backup):
+        assert node.stop() == 0

@@ -25,6 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tridentmq_core.store.journal as journal_module
+import tridentmq_core.store.journal_store as journal_store_module
 from tridentmq_core.broker import DurableSnapshot
 from tridentmq_core.store.journal import (
     Journal,
@@ -1084,3 +1085,238 @@ def test_compaction_retires_exactly_the_segments_before_its_roll(
     [marker] = [r for r in recover(directory, SMALL_SEGMENT)[0] if r.type is RecordType.COMPACTED]
     assert marker.payload == []
     assert [p.name for p in list_segments(directory)] == [segment_name(n) for n in range(2, journal.rolled_to + 1)]
+
+
+# ---------------------------------------------------------------------------------------------------- HA hooks
+def test_tap_sees_every_appended_record_with_its_number_and_the_rolls(tmp_path: Path) -> None:
+    write_journal(tmp_path, make_entries(3, seed=4))
+    journal = Journal(tmp_path, segment_bytes=ONE_SEGMENT)
+    journal.recover()
+    seen: list[tuple[int, bytes]] = []
+    journal.tap = lambda number, data: seen.append((number, data))
+    journal.start()
+    entries = make_entries(12, seed=5)
+    numbers = [journal.append(*entry) for entry in entries[:6]]
+    journal.roll()
+    numbers += [journal.append(*entry) for entry in entries[6:]]
+    journal.tap = None
+    journal.append(RecordType.ACK, ["q", 1])  # no tap: nothing seen
+    journal.close()
+    assert numbers == list(range(4, 16))  # numbering continues after the recovered records
+    # the roll is seen as an empty record without a number, where it was queued
+    assert seen[6] == (0, b"")
+    taken = seen[:6] + seen[7:]
+    assert [number for number, _ in taken] == numbers
+    assert [data for _, data in taken] == [encode(*entry) for entry in entries]
+    assert as_entries(recover(tmp_path)[0])[3:15] == entries
+
+
+def test_appended_counts_every_record_queued(tmp_path: Path) -> None:
+    journal = Journal(tmp_path, segment_bytes=ONE_SEGMENT)
+    assert journal.appended == 0
+    journal.recover()
+    journal.start()
+    assert journal.append(RecordType.ACK, ["q", 1]) == journal.appended == 1
+    journal.roll()  # a roll is no record
+    assert journal.appended == 1
+    assert journal.append_encoded([encode(RecordType.ACK, ["q", 2]), b"", encode(RecordType.ACK, ["q", 3])]) == 3
+    assert journal.appended == 3
+    assert journal.append_encoded([]) == 3
+    assert journal.append_encoded([b""]) == 3  # an empty record is a roll
+    journal.close()
+    assert journal.synced == 3
+    again = Journal(tmp_path, segment_bytes=ONE_SEGMENT)
+    records, report = again.recover()
+    again.close()
+    assert again.appended == len(records) == 3
+    assert report.segments == 4  # the first one, and one per roll (three)
+
+
+def test_append_encoded_of_another_journals_records_recovers_identically(tmp_path: Path) -> None:
+    """A backup writes its primary's stream (rolls included) as it came; recovery reads the same records, and
+    the segments follow the primary's."""
+    source = Journal(tmp_path / "source", segment_bytes=SMALL_SEGMENT)
+    source.recover()
+    stream: list[bytes] = []
+    source.tap = lambda _number, data: stream.append(data)
+    source.start()
+    entries = make_entries(180, seed=11)  # several segments of 4 KB
+    for index, entry in enumerate(entries):
+        source.append(*entry)
+        if index == 90:
+            source.roll()
+    source.close()
+
+    copy = Journal(tmp_path / "copy", segment_bytes=SMALL_SEGMENT)
+    copy.recover()
+    synced: list[int] = []
+    copy.on_synced = synced.append
+    copy.start()
+    numbers = [copy.append_encoded(stream[i : i + 17]) for i in range(0, len(stream), 17)]
+    copy.close()
+    assert numbers[-1] == copy.appended == len(entries)
+    assert synced[-1] == len(entries)
+    assert numbers == sorted(numbers)
+
+    copied, report = recover(tmp_path / "copy", SMALL_SEGMENT)
+    original = recover(tmp_path / "source", SMALL_SEGMENT)[0]
+    assert as_entries(copied) == as_entries(original) == entries
+    assert [r.offset for r in copied] == [r.offset for r in original]  # the same segment boundaries
+    assert report.truncated == []
+    assert [p.read_bytes() for p in list_segments(tmp_path / "copy")] == [
+        p.read_bytes() for p in list_segments(tmp_path / "source")
+    ]
+
+
+def test_append_encoded_refuses_a_record_larger_than_a_segment_and_queues_nothing(tmp_path: Path) -> None:
+    journal = Journal(tmp_path, segment_bytes=SMALL_SEGMENT)
+    journal.recover()
+    journal.start()
+    small = encode(RecordType.ACK, ["q", 1])
+    big = encode(RecordType.MESSAGE, [wire_message(1, bytes(SMALL_SEGMENT)), ["q"]])
+    with pytest.raises(ValueError, match="does not fit"):
+        journal.append_encoded([small, big])
+    assert journal.appended == 0
+    journal.close()
+    assert recover(tmp_path, SMALL_SEGMENT)[0] == []
+
+
+class ManualLoop:
+    """``call_in_loop`` that holds the writer thread's completions until the test runs them."""
+
+    def __init__(self) -> None:
+        self.calls: list[Callable[[], None]] = []
+
+    def __call__(self, fn: Callable[[], None]) -> None:
+        self.calls.append(fn)
+
+    def run(self) -> None:
+        calls, self.calls = self.calls, []
+        for fn in calls:
+            fn()
+
+
+def synced_store(tmp_path: Path) -> tuple[Journal, JournalStore, ManualLoop, list[int]]:
+    journal = Journal(tmp_path, segment_bytes=ONE_SEGMENT)
+    journal.recover()
+    loop = ManualLoop()
+    store = JournalStore(journal, call_in_loop=loop)
+    completed: list[int] = []
+    store.attach(completed.append)
+    journal.start()
+    return journal, store, loop, completed
+
+
+def sync_reported(journal: Journal, loop: ManualLoop) -> None:
+    """Wait until the writer synced everything queued and handed its report to the loop (not run yet)."""
+    wait_until(lambda: journal.synced == journal.appended)
+    wait_until(lambda: bool(loop.calls))
+
+
+def test_limit_confirms_completes_tokens_up_to_min_of_local_sync_and_limit(tmp_path: Path) -> None:
+    journal, store, loop, completed = synced_store(tmp_path)
+    store.add_queue(queue_spec("q"))  # record 1
+    assert [store.add_message(wire_message(n), ("q",)) for n in (1, 2)] == [2, 3]
+    sync_reported(journal, loop)
+    loop.run()
+    assert completed == [2, 3]  # no limit: local sync alone releases
+
+    store.limit_confirms(3)  # a backup came in sync, holding up to record 3
+    tokens = [store.add_message(wire_message(n), ("q",)) for n in (3, 4)]
+    store.acknowledge("q", 1)  # no token
+    tokens.append(store.update_delivery_count("q", 2, 1))
+    assert tokens == [4, 5, 7]
+    sync_reported(journal, loop)
+    loop.run()
+    assert completed == [2, 3]  # on disk here, but the backup does not hold them yet
+    store.limit_confirms(4)
+    assert completed == [2, 3, 4]
+    store.limit_confirms(4)
+    store.limit_confirms(3)  # a lower limit takes nothing back
+    assert completed == [2, 3, 4]
+    store.limit_confirms(6)
+    assert completed == [2, 3, 4, 5]
+
+    store.limit_confirms(100)  # the backup is ahead of the local sync: the local sync bounds
+    assert completed == [2, 3, 4, 5, 7]
+    tokens = [store.add_message(wire_message(n), ("q",)) for n in (5, 6)]
+    assert tokens == [8, 9]
+    store.limit_confirms(200)
+    assert completed == [2, 3, 4, 5, 7]  # not known on disk here yet
+    sync_reported(journal, loop)
+    loop.run()
+    assert completed == [2, 3, 4, 5, 7, 8, 9]
+    journal.close()
+
+
+def test_limit_confirms_none_releases_by_local_sync_alone(tmp_path: Path) -> None:
+    journal, store, loop, completed = synced_store(tmp_path)
+    store.limit_confirms(0)  # an in-sync backup that holds nothing of these yet
+    store.add_queue(queue_spec("q"))
+    tokens = [store.add_message(wire_message(n), ("q",)) for n in range(1, 5)]
+    sync_reported(journal, loop)
+    loop.run()
+    assert completed == []
+    store.limit_confirms(None)  # the backup was lost and a quorum let the primary go on alone
+    assert completed == tokens
+    token = store.add_message(wire_message(9), ("q",))
+    sync_reported(journal, loop)
+    loop.run()
+    assert completed == [*tokens, token]
+    journal.close()
+
+
+def test_a_closed_gate_holds_confirms_until_recheck(tmp_path: Path) -> None:
+    journal, store, loop, completed = synced_store(tmp_path)
+    is_open = False
+    store.gate = lambda: is_open
+    store.add_queue(queue_spec("q"))
+    token = store.add_message(wire_message(1), ("q",))
+    sync_reported(journal, loop)
+    loop.run()
+    store.recheck()
+    assert completed == []
+    is_open = True
+    store.recheck()
+    assert completed == [token]
+    journal.close()
+
+
+def test_on_copied_gets_the_number_of_the_compacted_record_at_the_end_of_the_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(journal_store_module, "COMPACTION_CHUNK", 2)
+    journal = Journal(tmp_path, segment_bytes=SMALL_SEGMENT)
+    journal.recover()
+    store = JournalStore(journal, call_in_loop=lambda fn: fn())
+    journal.start()
+    spec = queue_spec("q")
+    store.add_address("orders", (0,), auto_created=False)
+    store.add_queue(spec)
+    messages = [wire_message(n) for n in range(1, 6)]
+    for message in messages:
+        store.add_message(message, ("q",))
+    copied: list[int] = []
+    store.on_copied = copied.append
+    seen: dict[int, int] = {}  # record number → record type
+    journal.tap = lambda number, data: seen.update({number: data[1]}) if data else None
+    store.start_compaction(
+        DurableSnapshot(addresses=[("orders", [0], False)], queues=[spec], messages=[(m, ["q"], [0]) for m in messages])
+    )
+    steps = 0
+    while store.compacting and not copied:
+        store.compaction_step()
+        steps += 1
+        store.acknowledge("q", steps)  # records appended between the chunks
+        assert steps < 20
+    assert steps == 3  # the address and queue at once, then 5 messages in chunks of 2 and the marker
+    [number] = copied
+    assert seen[number] == RecordType.COMPACTED
+    assert [n for n, kind in seen.items() if kind == RecordType.COMPACTED] == [number]
+    assert number == max(n for n in seen if n < number + 1)
+    assert journal.appended == number + 1  # the ack after the last step followed it
+    store.compaction_step()  # nothing left: not called again
+    wait_until(lambda: store.compactions == 1)
+    journal.close()
+    assert copied == [number]
+    assert [r.type for r in recover(tmp_path, SMALL_SEGMENT)[0]].count(RecordType.COMPACTED) == 1

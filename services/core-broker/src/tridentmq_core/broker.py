@@ -1403,7 +1403,9 @@ class Broker:
                     auto_created=bool(spec.get("auto_created")), auto_delete=bool(spec.get("auto_delete")),
                     expires_ms=int(spec.get("expires_ms", -1)),
                 )  # fmt: skip
-                for message_id, count in state.references.get(name, {}).items():
+                # By id, which grows with publish order: a compaction writes the older messages it copies
+                # after the ones published while it ran.
+                for message_id, count in sorted(state.references.get(name, {}).items()):
                     message = state.messages[message_id]
                     if message[M_SCHEDULED] > self.now_ms:
                         self._schedule(message[M_SCHEDULED], queue, message, 0)  # not due yet

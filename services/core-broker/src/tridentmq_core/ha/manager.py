@@ -28,7 +28,7 @@ from tridentmq_core.ha.replication import ReplicaFeed
 from tridentmq_core.ha.votes import ACTIVATE, STAY, VoteBook, VoteRequest, quorum
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.files import write_durably
-from tridentmq_core.store.identity import NodeIdentity
+from tridentmq_core.store.identity import IdentityError, NodeIdentity
 from tridentmq_core.store.journal import Journal, list_segments
 from tridentmq_core.store.journal_store import JournalStore
 from tridentmq_core.store.records import MAGIC, RecordType
@@ -93,8 +93,8 @@ class VoteStore:
         if self.path.exists():
             try:
                 self.book = VoteBook.from_json(json.loads(self.path.read_text(encoding="utf-8")))
-            except ValueError as exc:
-                raise ValueError(f"{self.path}: {exc}") from None
+            except ValueError as exc:  # forgetting promises could elect two copies: refuse to start instead
+                raise IdentityError(f"{self.path} is unreadable ({exc}); restore it or remove it knowingly") from None
 
     def save(self) -> None:
         write_durably(self.path, json.dumps(self.book.to_json()))
@@ -130,9 +130,10 @@ class Voter:
             granted, why = self.votes.book.decide(request, primary_reachable=self.primary_reachable(request.node_id))
         if self.votes.book.epoch(request.node_id) != before:
             self.votes.save()  # the promise is on disk before the candidate hears of it
-        log.info("vote", extra={"kind": request.kind, "pair": request.node_id, "epoch": request.epoch,
-                                "candidate": request.candidate, "granted": granted, "reason": why,
-                                "peer": session.peer})  # fmt: skip
+        # Refusals repeat every vote round of a candidate: only grants are worth a line at INFO.
+        (log.info if granted else log.debug)("vote", extra={
+            "kind": request.kind, "pair": request.node_id, "epoch": request.epoch, "candidate": request.candidate,
+            "granted": granted, "reason": why, "peer": session.peer})  # fmt: skip
         return {"granted": granted, "reason": why, "epoch": self.votes.book.epoch(request.node_id)}
 
     def observe(self, node_id: str, epoch: int) -> bool:
@@ -194,8 +195,9 @@ class ReplicationSource:
         ha = self.settings.ha
         group, server_id, host, port = info.get("group"), info.get("server_id"), info.get("host"), info.get("port")
         if group != ha.group_name:
-            log.error("backup refused: another group", extra={"peer": session.peer, "group": group,
-                                                              "own_group": ha.group_name})  # fmt: skip
+            # A backup looking for its primary asks every node it knows: normal, not an error here.
+            log.info("backup refused: another group", extra={"peer": session.peer, "group": group,
+                                                             "own_group": ha.group_name})  # fmt: skip
             raise BrokerError(ErrorCode.INVALID, f"group {group!r} is not this pair's ({ha.group_name!r})")
         if not isinstance(server_id, str) or not server_id:
             raise BrokerError(ErrorCode.INVALID, "replicate names the backup's server id")
@@ -422,6 +424,7 @@ class BackupRunner:
         self._compacted_at = 0  # local number of the last compaction's COMPACTED record, until it is synced
         self._early: list[ev.ReplicaRecords] = []  # records that came before the answer to REPLICATE
         self.handed_over = False  # the active copy handed the pair over (failback): take over without a vote
+        self._logged: set[str] = set()  # reasons logged since the last copy started
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -448,14 +451,20 @@ class BackupRunner:
         return seen
 
     async def _run(self) -> None:
-        retry = self.settings.cluster.retry_interval_ms / 1000
+        cluster = self.settings.cluster
+        delay = cluster.retry_interval_ms / 1000
         while True:
             for host, port in self._candidates():
-                if await self._copy_from(host, port) and await self._take_over((host, port)):
+                self.primary = ""
+                copied = await self._copy_from(host, port)
+                if self.primary:  # it had a copy going: look again quickly
+                    delay = cluster.retry_interval_ms / 1000
+                if copied and await self._take_over((host, port)):
                     return
             if self.state.in_sync and await self._take_over(None):
                 return  # no copy of the pair is active anywhere, and this one is the freshest
-            await asyncio.sleep(retry)
+            await asyncio.sleep(delay)
+            delay = min(delay * cluster.retry_multiplier, cluster.max_retry_interval_ms / 1000)
 
     async def _copy_from(self, host: str, port: int) -> bool:
         """Copy the primary at ``host:port`` until the link ends; True when it ended with the copy whole."""
@@ -473,15 +482,21 @@ class BackupRunner:
 
         client.on_closed = on_closed
         client.on_replica = self._records
+        # Follow the cluster's members: they are the voters, their count sets the quorum, and among them is
+        # the pair's active copy wherever it moved (asking every node we reach is how a backup finds it).
+        client.on_topology = lambda update: self._learn(update.get("members"))
         self.client = client
         self._early.clear()
         try:
             await client.connect()
+            with contextlib.suppress(LinkRequestError):
+                self._learn((await client.topology({})).get("members"))
             reply = await client.replicate({"group": self.settings.ha.group_name, "server_id": self.server_id,
                                             "epoch": self.identity.epoch, "host": self.advertise[0],
                                             "port": self.advertise[1], "role": self.settings.ha.role})  # fmt: skip
         except LinkRequestError as exc:
             if exc.code in (ErrorCode.INVALID, ErrorCode.EXISTS, ErrorCode.UNAUTHENTICATED):
+                # Another group's primary is a normal answer while looking; each refusal is logged once.
                 self._note(f"{host}:{port} refused: {exc.text}", error=exc.code != ErrorCode.INVALID)
             await self._close_link()
             return False
@@ -489,11 +504,8 @@ class BackupRunner:
             await self._close_link()
             return False
         self.primary = f"{host}:{port}"
+        self._logged.clear()
         self._start_copy(reply)
-        # Follow the cluster's members while copying: they are the voters, and their count sets the quorum.
-        client.on_topology = lambda update: self._learn(update.get("members"))
-        with contextlib.suppress(LinkRequestError):
-            self._learn((await client.topology({})).get("members"))
         await closed.wait()
         self.client = None
         in_sync = self.state.in_sync
@@ -648,7 +660,9 @@ class BackupRunner:
 
     # ------------------------------------------------------------------ helpers
     def _note(self, reason: str, *, error: bool = False) -> None:
-        if reason != self.reason:
+        """Say why the backup is not copying or taking over: in its status always, in the log once."""
+        if reason not in self._logged:
+            self._logged.add(reason)
             (log.error if error else log.warning)("backup", extra={"state": reason})
         self.reason = reason
 

@@ -1,12 +1,12 @@
 """The ``Store`` backed by the journal: every durable change becomes a record; a durable message's token
 completes when the writer thread has synced its record.
 
-Compaction keeps the journal from growing for ever. It rolls to a fresh segment, copies the live durable
-state (addresses, durable queues, every message still owed with its delivery counts) forward in chunks of
-``COMPACTION_CHUNK`` records per call, and once all of that is synced deletes the segments before the
-roll. It is safe at every step: until the old segments are gone, replaying old and copied records yields
-the same state. Acknowledgements, deletions and delivery counts that happen while it runs are honoured
-by the records still to be copied.
+Compaction keeps the journal from growing for ever. It rolls to a fresh segment, writes the addresses and
+durable queues at once, copies the rest of the live durable state (remembered dedup ids, every message still
+owed with its delivery counts) forward in chunks of ``COMPACTION_CHUNK`` records per call, and once all of
+that is synced deletes the segments before the roll. It is safe at every step: until the old segments
+are gone, replaying old and copied records yields the same state. Acknowledgements, deletions and delivery
+counts that happen while it runs are honoured by the records still to be copied.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ class JournalStore:
         self._retire_after = 0  # when the record with this number is synced, the old segments can go
         self._acked: set[tuple[str, int]] = set()  # changes made while copying, which the copy must honour
         self._deleted: set[str] = set()
-        self._specs: dict[str, dict[str, Any]] = {}  # queue specs recorded while copying (expiry changes)
         self._counts: dict[tuple[str, int], int] = {}
         self._on_durable: Completion = lambda _token: None
         self._synced = 0  # the last record known on disk here
@@ -79,14 +78,11 @@ class JournalStore:
         self._append(RecordType.DELETE_ADDRESS, [name])
 
     def add_queue(self, spec: dict[str, Any]) -> None:
-        # A queue deleted while copying stays excluded from the copy even if a new one takes its name: the
-        # new queue's own records follow in the journal, the old one's must not. A queue's spec recorded
-        # again (a changed expiry) replaces the snapshot's, which the copy may write after it.
-        if self._copying is not None:
-            self._specs[spec["name"]] = spec
         self._append(RecordType.ADD_QUEUE, [spec])
 
     def delete_queue(self, name: str) -> None:
+        # A queue deleted while copying keeps its messages out of the copy even if a new one takes its name:
+        # the new queue's own records follow in the journal, the old one's must not.
         if self._copying is not None:
             self._deleted.add(name)
         self._append(RecordType.DELETE_QUEUE, [name])
@@ -144,16 +140,19 @@ class JournalStore:
         self._written = 0
         self._acked.clear()
         self._deleted.clear()
-        self._specs.clear()
         self._counts.clear()
+        # Addresses and queues go at once, right after the roll: a message published from now on refers to
+        # its queue, which must come before it in the journal, and a later change or deletion must follow.
+        for name, kinds, auto_created in snapshot.addresses:
+            self.journal.append(RecordType.ADD_ADDRESS, [name, kinds, auto_created])
+        for spec in snapshot.queues:
+            self.journal.append(RecordType.ADD_QUEUE, [spec])
         self._copying = self._copy(snapshot)
 
     def _copy(self, snapshot: DurableSnapshot) -> Iterator[tuple[RecordType, Any]]:
-        for name, kinds, auto_created in snapshot.addresses:
-            yield RecordType.ADD_ADDRESS, [name, kinds, auto_created]
-        for spec in snapshot.queues:
-            if spec["name"] not in self._deleted:
-                yield RecordType.ADD_QUEUE, [self._specs.get(spec["name"], spec)]
+        """The rest, in chunks: dedup ids, then every message still owed (replay orders each queue by
+        message id, so messages published meanwhile, written before the older ones copied later, keep
+        their places)."""
         for chunk in dedup_id_chunks(snapshot.dedup_ids, self.journal.segment_bytes):
             yield RecordType.DEDUP_IDS, chunk
         for message, queues, counts in snapshot.messages:

@@ -1,0 +1,300 @@
+"""Quorum votes on which copy of a pair is active: the quorum size, the wire form of a request, and the
+voter's book of promises (refusals while the primary is reachable, epoch fencing, idempotent re-asks)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tridentmq_core.ha.votes import ACTIVATE, STAY, VoteBook, VoteRequest, quorum
+
+PAIR = "node-a"
+
+
+def activate(epoch: int, candidate: str = "backup-1", node_id: str = PAIR) -> VoteRequest:
+    return VoteRequest(ACTIVATE, node_id, epoch, candidate)
+
+
+def stay(epoch: int, node_id: str = PAIR) -> VoteRequest:
+    return VoteRequest(STAY, node_id, epoch, node_id)
+
+
+# ---------------------------------------------------------------------------------------------------- quorum
+@pytest.mark.parametrize(("pairs", "needed"), [(1, 1), (2, 2), (3, 2), (4, 3), (5, 3), (6, 4), (7, 4)])
+def test_quorum_is_a_strict_majority(pairs: int, needed: int) -> None:
+    assert quorum(pairs) == needed
+
+
+@given(st.integers(min_value=1, max_value=10_000))
+def test_two_quorums_of_the_same_pairs_always_overlap(pairs: int) -> None:
+    needed = quorum(pairs)
+    assert needed <= pairs  # reachable when every pair answers
+    assert 2 * needed > pairs  # two disjoint groups of voters cannot both reach it
+    assert 2 * (needed - 1) <= pairs  # and it is the smallest such number
+
+
+# ---------------------------------------------------------------------------------------------------- wire form
+@pytest.mark.parametrize("kind", [ACTIVATE, STAY])
+def test_a_request_round_trips_through_its_wire_form(kind: str) -> None:
+    request = VoteRequest(kind, PAIR, 7, "server-2")
+    wire = request.to_wire()
+    assert wire == {"kind": kind, "node_id": PAIR, "epoch": 7, "candidate": "server-2"}
+    assert VoteRequest.from_wire(wire) == request
+    # and through JSON / msgpack-like plain data, as it travels
+    assert VoteRequest.from_wire(json.loads(json.dumps(wire))) == request
+
+
+def test_from_wire_ignores_unknown_keys_and_accepts_an_empty_candidate() -> None:
+    wire: dict[str, Any] = {"kind": STAY, "node_id": PAIR, "epoch": 1, "candidate": "", "extra": [1, 2]}
+    assert VoteRequest.from_wire(wire) == VoteRequest(STAY, PAIR, 1, "")
+
+
+GOOD: dict[str, Any] = {"kind": ACTIVATE, "node_id": PAIR, "epoch": 3, "candidate": "backup-1"}
+MALFORMED_FIELDS: list[tuple[str, Any]] = [
+    ("kind", None),
+    ("kind", "ACTIVATE"),  # case matters
+    ("kind", "promote"),
+    ("kind", 1),
+    ("node_id", None),
+    ("node_id", ""),
+    ("node_id", 5),
+    ("node_id", b"node-a"),
+    ("epoch", None),
+    ("epoch", 0),
+    ("epoch", -1),
+    ("epoch", True),  # a bool is not an epoch, although it is an int subclass
+    ("epoch", 3.0),
+    ("epoch", "3"),
+    ("candidate", None),
+    ("candidate", 1),
+    ("candidate", b"backup-1"),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), MALFORMED_FIELDS)
+def test_from_wire_refuses_a_field_of_the_wrong_shape(field: str, value: Any) -> None:
+    with pytest.raises(ValueError, match="malformed vote request"):
+        VoteRequest.from_wire({**GOOD, field: value})
+
+
+@pytest.mark.parametrize("field", sorted(GOOD))
+def test_from_wire_refuses_a_missing_field(field: str) -> None:
+    item = {k: v for k, v in GOOD.items() if k != field}
+    with pytest.raises(ValueError, match="malformed vote request"):
+        VoteRequest.from_wire(item)
+
+
+@pytest.mark.parametrize("item", [None, [], [ACTIVATE, PAIR, 3, "b"], "activate", 3, (("kind", ACTIVATE),)])
+def test_from_wire_refuses_anything_but_a_map(item: Any) -> None:
+    with pytest.raises(ValueError, match="a vote request is a map"):
+        VoteRequest.from_wire(item)
+
+
+def test_from_wire_keeps_the_error_message_short() -> None:
+    with pytest.raises(ValueError, match="malformed vote request") as caught:
+        VoteRequest.from_wire({**GOOD, "epoch": 0, "candidate": "x" * 10_000})
+    assert len(str(caught.value)) < 200
+
+
+# ---------------------------------------------------------------------------------------------------- activate
+def test_activate_is_granted_when_the_primary_is_unreachable_and_promises_the_epoch() -> None:
+    book = VoteBook()
+    assert book.epoch(PAIR) == 0
+    assert book.decide(activate(1), primary_reachable=False) == (True, "")
+    assert book.promised == {PAIR: (1, "backup-1")}
+    assert book.epoch(PAIR) == 1
+
+
+def test_activate_is_refused_while_the_primary_is_reachable_and_promises_nothing() -> None:
+    book = VoteBook()
+    granted, why = book.decide(activate(1), primary_reachable=True)
+    assert not granted
+    assert "reachable" in why
+    assert book.promised == {}
+    # a later round, once this voter lost the primary too, is granted
+    assert book.decide(activate(1), primary_reachable=False) == (True, "")
+
+
+@pytest.mark.parametrize("epoch", [1, 4, 5])
+def test_activate_is_refused_for_an_epoch_not_above_the_promised_one(epoch: int) -> None:
+    book = VoteBook({PAIR: (5, "backup-1")})
+    granted, why = book.decide(activate(epoch, "backup-2"), primary_reachable=False)
+    assert not granted
+    assert "epoch 5 was already promised" in why
+    assert book.promised == {PAIR: (5, "backup-1")}
+
+
+def test_activate_above_the_promised_epoch_is_granted_and_replaces_the_promise() -> None:
+    book = VoteBook({PAIR: (5, "backup-1")})
+    assert book.decide(activate(6, "backup-2"), primary_reachable=False) == (True, "")
+    assert book.promised == {PAIR: (6, "backup-2")}
+
+
+def test_the_same_candidate_asking_again_for_the_same_epoch_is_granted_again() -> None:
+    book = VoteBook()
+    assert book.decide(activate(3, "backup-1"), primary_reachable=False) == (True, "")
+    for _ in range(3):  # an earlier answer was lost, or too few voters granted: it asks again
+        assert book.decide(activate(3, "backup-1"), primary_reachable=False) == (True, "")
+    # the promise stands even if this voter now reaches the primary again: it was already made
+    assert book.decide(activate(3, "backup-1"), primary_reachable=True) == (True, "")
+    assert book.promised == {PAIR: (3, "backup-1")}
+
+
+def test_a_different_candidate_for_the_same_epoch_is_refused() -> None:
+    book = VoteBook()
+    assert book.decide(activate(3, "backup-1"), primary_reachable=False) == (True, "")
+    granted, why = book.decide(activate(3, "backup-2"), primary_reachable=False)
+    assert not granted
+    assert "already promised" in why
+    assert book.promised == {PAIR: (3, "backup-1")}
+
+
+def test_the_same_candidate_is_refused_an_epoch_below_its_promise() -> None:
+    book = VoteBook({PAIR: (3, "backup-1")})
+    granted, _ = book.decide(activate(2, "backup-1"), primary_reachable=False)
+    assert not granted
+    assert book.promised == {PAIR: (3, "backup-1")}
+
+
+def test_an_empty_candidate_is_never_taken_for_the_promisee_of_an_observed_epoch() -> None:
+    """``observe`` records an epoch with no promisee (""): a request with an empty candidate must not pass
+    as "the same candidate asking again"."""
+    book = VoteBook()
+    book.observe(PAIR, 4)
+    granted, _ = book.decide(activate(4, ""), primary_reachable=False)
+    assert not granted
+    assert book.promised == {PAIR: (4, "")}
+
+
+def test_promises_are_kept_per_pair() -> None:
+    book = VoteBook()
+    assert book.decide(activate(2, "b-a", node_id="node-a"), primary_reachable=False)[0]
+    assert book.decide(activate(1, "b-b", node_id="node-b"), primary_reachable=False)[0]
+    assert not book.decide(activate(2, "other", node_id="node-a"), primary_reachable=False)[0]
+    assert book.promised == {"node-a": (2, "b-a"), "node-b": (1, "b-b")}
+    assert book.epoch("node-c") == 0
+
+
+# ---------------------------------------------------------------------------------------------------- stay
+@pytest.mark.parametrize("reachable", [False, True])
+def test_stay_is_granted_when_no_higher_epoch_was_promised(reachable: bool) -> None:
+    book = VoteBook()
+    assert book.decide(stay(1), primary_reachable=reachable) == (True, "")
+    assert book.promised == {}  # a stay promises nothing
+    book = VoteBook({PAIR: (4, "")})
+    assert book.decide(stay(4), primary_reachable=reachable) == (True, "")
+    assert book.decide(stay(9), primary_reachable=reachable) == (True, "")
+    assert book.promised == {PAIR: (4, "")}
+
+
+@pytest.mark.parametrize("reachable", [False, True])
+def test_stay_is_refused_once_a_higher_epoch_was_promised(reachable: bool) -> None:
+    book = VoteBook()
+    assert book.decide(activate(5, "backup-1"), primary_reachable=False)[0]  # the backup took over at 5
+    granted, why = book.decide(stay(4), primary_reachable=reachable)
+    assert not granted
+    assert why == "epoch 5 replaced epoch 4"
+    assert book.promised == {PAIR: (5, "backup-1")}
+
+
+def test_stay_is_refused_after_a_higher_epoch_was_observed() -> None:
+    book = VoteBook()
+    book.observe(PAIR, 3)
+    assert not book.decide(stay(2), primary_reachable=True)[0]
+    assert book.decide(stay(3), primary_reachable=True)[0]
+
+
+def test_a_stay_and_an_activate_for_one_pair_cannot_both_win_at_one_voter() -> None:
+    """The backup asks to activate at epoch e + 1 while the primary asks to stay at e: once a voter
+    granted the activation, it refuses the stay."""
+    book = VoteBook({PAIR: (1, "")})
+    assert book.decide(activate(2, "backup-1"), primary_reachable=False)[0]
+    assert not book.decide(stay(1), primary_reachable=False)[0]
+
+
+# ---------------------------------------------------------------------------------------------------- observe
+def test_observe_raises_what_is_known_and_reports_when_it_did() -> None:
+    book = VoteBook()
+    assert book.observe(PAIR, 2) is True
+    assert book.promised == {PAIR: (2, "")}
+    assert book.observe(PAIR, 2) is False
+    assert book.observe(PAIR, 1) is False
+    assert book.promised == {PAIR: (2, "")}
+    assert book.observe(PAIR, 3) is True
+    assert book.epoch(PAIR) == 3
+
+
+def test_observe_of_the_promised_epoch_keeps_the_promisee() -> None:
+    book = VoteBook()
+    assert book.decide(activate(2, "backup-1"), primary_reachable=False)[0]
+    assert book.observe(PAIR, 2) is False
+    assert book.promised == {PAIR: (2, "backup-1")}
+    # so the candidate asking again is still granted
+    assert book.decide(activate(2, "backup-1"), primary_reachable=False) == (True, "")
+
+
+# ---------------------------------------------------------------------------------------------------- JSON
+def test_the_book_round_trips_through_json() -> None:
+    book = VoteBook()
+    book.decide(activate(3, "backup-1", node_id="node-a"), primary_reachable=False)
+    book.observe("node-b", 7)
+    data = json.loads(json.dumps(book.to_json()))
+    assert data == {"node-a": [3, "backup-1"], "node-b": [7, ""]}
+    again = VoteBook.from_json(data)
+    assert again.promised == book.promised
+    # the restored book decides as the original would
+    assert again.decide(activate(3, "backup-1", node_id="node-a"), primary_reachable=False) == (True, "")
+    assert not again.decide(activate(3, "backup-2", node_id="node-a"), primary_reachable=False)[0]
+    assert not again.decide(stay(6, node_id="node-b"), primary_reachable=True)[0]
+
+
+def test_an_empty_book_round_trips() -> None:
+    assert VoteBook().to_json() == {}
+    assert VoteBook.from_json({}).promised == {}
+
+
+def test_the_book_copies_the_promises_it_is_given() -> None:
+    given_promises = {PAIR: (1, "x")}
+    book = VoteBook(given_promises)
+    book.observe(PAIR, 2)
+    assert given_promises == {PAIR: (1, "x")}
+
+
+@pytest.mark.parametrize("data", [None, [], [[PAIR, 1, ""]], "book", 3])
+def test_from_json_refuses_anything_but_a_map(data: Any) -> None:
+    with pytest.raises(ValueError, match="the vote book is a map"):
+        VoteBook.from_json(data)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        None,
+        3,
+        "3",
+        (3, "b"),  # JSON has no tuples: only a list is a stored entry
+        [],
+        [3],
+        [3, "b", "extra"],
+        [True, "b"],
+        [3.0, "b"],
+        ["3", "b"],
+        [None, "b"],
+        [3, None],
+        [3, 4],
+        {"epoch": 3, "candidate": "b"},
+    ],
+)
+def test_from_json_refuses_a_malformed_entry(entry: Any) -> None:
+    with pytest.raises(ValueError, match="malformed vote book entry for 'node-b'"):
+        VoteBook.from_json({"node-a": [1, ""], "node-b": entry})
+
+
+def test_from_json_of_unparsable_text_fails_with_value_error() -> None:
+    """Callers read the file with ``json.loads`` and catch ValueError for any bad content."""
+    with pytest.raises(ValueError, match="Expecting"):
+        VoteBook.from_json(json.loads('{"node-a": [1, '))
