@@ -503,3 +503,35 @@ async def test_after_both_halves_stopped_only_the_freshest_copy_activates(tmp_pa
     assert sorted(await drain(backup, "fresh.q", 300)) == sorted(before + after)
     for node in (backup, primary, a.primary, a.backup, c.primary, c.backup):
         assert node.stop() == 0
+
+
+async def test_votes_and_replication_need_the_cluster_credentials_and_well_formed_requests(tmp_path: Path) -> None:
+    pair = start_pair(tmp_path, "guarded")
+    async with client(pair.primary) as outsider:  # a client without the cluster credentials
+        with pytest.raises(LinkRequestError, match="high availability"):
+            await outsider.vote({"kind": "activate", "node_id": node_id(pair.primary), "epoch": 9, "candidate": "x"})
+        with pytest.raises(LinkRequestError, match="high availability"):
+            await outsider.replicate({"group": "guarded", "server_id": "x", "host": "127.0.0.1", "port": 1})
+    async with LinkClient("127.0.0.1", pair.primary.link_port, user="cluster", password="s3cret-cluster",
+                          reconnect=ReconnectPolicy(attempts=0)) as insider:  # fmt: skip
+        with pytest.raises(LinkRequestError, match="malformed vote request"):
+            await insider.vote({"kind": "crown", "node_id": "n", "epoch": 1, "candidate": "x"})
+        answer = await insider.vote({"kind": "activate", "node_id": node_id(pair.primary), "epoch": 9,
+                                     "candidate": "x"})  # fmt: skip
+        assert answer["granted"] is False  # the asked node is that pair's active copy
+        with pytest.raises(LinkRequestError, match="already has a backup"):
+            await insider.replicate({"group": "guarded", "server_id": "y", "host": "127.0.0.1", "port": 1})
+    assert ha_view(pair.primary)["backup_in_sync"] is True  # the refusals changed nothing
+    for node in (pair.backup, pair.primary):
+        assert node.stop() == 0
+
+
+def test_a_backup_with_the_wrong_cluster_password_is_refused_and_says_so(tmp_path: Path) -> None:
+    primary = start_node(tmp_path, "p", core_ha_policy="replication", core_ha_group_name="pw")
+    backup = start_node(tmp_path, "b", [primary], core_ha_policy="replication", core_ha_group_name="pw",
+                        core_ha_role="backup", password="not-the-password")  # fmt: skip
+    wait_until(lambda: "wrong cluster credentials" in str(ha_view(backup).get("state", "")), 10, "the refusal")
+    assert "link refused" in primary.log()
+    assert ha_view(primary)["backup"] == ""
+    for node in (backup, primary):
+        assert node.stop() == 0
