@@ -20,11 +20,13 @@ from tests.jepsen.checker import check
 
 from tridentmq_shared.link.client import LinkClient, LinkRequestError, ReconnectPolicy
 from tridentmq_shared.link.ops import ErrorCode
+from tridentmq_shared.link.topology import Topology
 from tridentmq_shared.message import new_message
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster, pytest.mark.fault]
 
 FENCED_EXIT_CODE = 3
+NO_RETRY = ReconnectPolicy(attempts=0)
 
 
 async def publish(node: CoreProcess, address: str, bodies: list[bytes]) -> None:
@@ -238,6 +240,17 @@ async def test_a_link_client_follows_its_pair_to_the_backup(tmp_path: Path) -> N
         assert second is not None
         assert second.body == b"after"
         consumer.ack(second)
+        assert c.nodes.epochs[c.node_id] == 2
+        # The old primary's data started again as a plain node (a mistake): a client that knows the pair's
+        # newer epoch refuses that copy.
+        stale = start_core(tmp_path, "follow-primary")
+        refusing = LinkClient(
+            topology=Topology([("127.0.0.1", stale.link_port)]), reconnect=ReconnectPolicy(attempts=0)
+        )
+        refusing.nodes.saw(c.node_id, 2)
+        with pytest.raises(LinkRequestError, match="epoch 2 replaced it"):
+            await refusing.connect()
+        assert stale.stop() == 0
     assert pair.backup.stop() == 0
 
 

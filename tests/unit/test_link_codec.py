@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.codec import (
+    DEFAULT_HEARTBEAT_MS,
     DEFAULT_MAX_FRAME_SIZE,
     DEFAULT_MAX_OPS_PER_FRAME,
     FRAME_OPERATIONS,
@@ -152,6 +153,22 @@ def test_hello_golden_bytes_are_understood_by_a_server() -> None:
     server = LinkConnection(Role.SERVER, heartbeat_ms=100)
     assert server.receive_data(HELLO_GOLDEN, 0.0) == [ev.HelloReceived(1, "alice", "secret", "gw-1", 500)]
     assert server.state is State.AUTHENTICATING
+
+
+def test_welcome_carries_the_node_epoch_when_it_has_one() -> None:
+    client = LinkConnection(Role.CLIENT)
+    server = LinkConnection(Role.SERVER)
+    client.hello(None, None, "gw")
+    pump(client, server)
+    server.accept("node-1", "conn-1", 10, 0.0, epoch=3)
+    assert pump(server, client) == [ev.Welcomed(1, "node-1", "conn-1", DEFAULT_HEARTBEAT_MS, 10, 3)]
+
+
+def test_a_welcome_with_a_bad_epoch_is_malformed() -> None:
+    client = LinkConnection(Role.CLIENT)
+    client.hello(None, None, "gw")
+    client.data_to_send()
+    expect_remote_error(client, frame([[Op.WELCOME, 1, "n", "c", 100, MIN_FRAME_SIZE, 10, -1]]), ErrorCode.MALFORMED)
 
 
 def test_op_codes_are_stable() -> None:

@@ -126,3 +126,17 @@ def test_gateway_settings_give_the_endpoints_and_the_reconnect_policy() -> None:
         == (0.05, 1.5, 0.4, -1, 1)  # fmt: skip
     with pytest.raises(SettingsError, match=r"core\.connectors"):
         CoreLinkSettings(connectors=["nope"]).endpoints()
+
+
+def test_members_carry_their_backup_and_epoch_and_a_lower_epoch_of_a_node_is_refused() -> None:
+    topology = Topology([("127.0.0.1", 1)])
+    topology.update([{"host": "h", "port": 2, "node_id": "n", "epoch": 2, "backup": ["h", 3]}])
+    assert topology.backup_of(("h", 2)) == ("h", 3)
+    assert topology.backup_of(("h", 3)) is None
+    assert topology.saw("n", 2)
+    assert topology.saw("n", 3)
+    assert not topology.saw("n", 2)  # the copy replaced at epoch 3
+    assert topology.saw("other", 1)
+    topology.update([{"host": "h", "port": 2, "node_id": "n", "epoch": "x", "backup": ["h", 0]}])
+    assert topology.members[0].epoch == 0
+    assert topology.members[0].backup is None

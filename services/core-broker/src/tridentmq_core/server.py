@@ -123,7 +123,8 @@ class LinkProtocol(asyncio.Protocol):
                 self.write_pending()
                 self.close_transport()
                 return
-            self.conn.accept(self.node.node_id, self.conn_id, self.node.settings.link.publish_window, time.monotonic())
+            self.conn.accept(self.node.node_id, self.conn_id, self.node.settings.link.publish_window, time.monotonic(),
+                             self.node.identity.epoch)  # fmt: skip
             self.session = self.node.broker.open_session(self.conn, self.conn_id, principal, self.peer,
                                                          event.client_name, _now_ms())  # fmt: skip
             self.write_pending()

@@ -271,6 +271,7 @@ class LinkClient:
         self.reconnect = reconnect or ReconnectPolicy()
         self.connect_timeout = connect_timeout
         self.node_id = ""
+        self.node_epoch = 0  # the activation epoch the node announced (HA)
         self.failovers = 0  # reconnects that succeeded
         self.producer_id = uuid.uuid4().hex[:16]
         self._dedup_seq = itertools.count(1)
@@ -373,6 +374,12 @@ class LinkClient:
             raise
         if self._conn is not conn:  # lost right after the WELCOME
             raise ConnectionError("connection lost")
+        if not self.nodes.saw(self.node_id, self.node_epoch):
+            # A copy of the node that another took over from (a paused or cut-off old primary): not ours.
+            transport.abort()
+            raise LinkClosedError(ErrorCode.FENCED, f"{host}:{port} is node {self.node_id} at epoch "
+                                                    f"{self.node_epoch}; epoch {self.nodes.epochs[self.node_id]} "
+                                                    f"replaced it")  # fmt: skip
         self._heartbeat_task = asyncio.create_task(self._heartbeat(conn))
 
     async def _heartbeat(self, conn: LinkConnection) -> None:
@@ -475,8 +482,9 @@ class LinkClient:
                     future.set_exception(LinkRequestError(code, text))
                 elif req_id == 0:
                     log.warning("server reported: %s: %s", code, text)
-            case ev.Welcomed(_, node_id):
+            case ev.Welcomed(_, node_id, _, _, _, epoch):
                 self.node_id = node_id
+                self.node_epoch = epoch
                 if self._opened is not None and not self._opened.done():
                     self._opened.set_result(None)
             case ev.ConsumerClosed(consumer_id, code, text):

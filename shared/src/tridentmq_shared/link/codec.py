@@ -378,6 +378,11 @@ class LinkConnection:
             self._fail(ErrorCode.UNEXPECTED, f"expected {expected.name} first, and nothing before the answer")
         if count != 1 and self.role is _SERVER:
             self._fail(ErrorCode.UNEXPECTED, "HELLO travels alone in its frame")
+        epoch = 0
+        if self.role is _CLIENT and len(op) == len(_FIELDS[Op.WELCOME]) + 2:  # with the node's epoch (HA)
+            epoch = op.pop()
+            if type(epoch) is not int or epoch < 0:
+                self._fail(ErrorCode.MALFORMED, "WELCOME's epoch is a non-negative integer")
         self._check_fields(op)
         if self.role is _SERVER:
             _, versions, user, password, client_name, heartbeat_ms, max_frame = op
@@ -403,7 +408,7 @@ class LinkConnection:
         self.heartbeat_ms = heartbeat_ms
         self.publish_credit = credit
         self.state = _OPEN
-        events.append(ev.Welcomed(version, node_id, conn_id, heartbeat_ms, credit))
+        events.append(ev.Welcomed(version, node_id, conn_id, heartbeat_ms, credit, epoch))
         self._start_heartbeats(now)
 
     # ------------------------------------------------------------------ timers
@@ -493,14 +498,17 @@ class LinkConnection:
         self._require(_SERVER)
         return True
 
-    def accept(self, node_id: str, conn_id: str, publish_credit: int, now: float) -> None:
+    def accept(self, node_id: str, conn_id: str, publish_credit: int, now: float, epoch: int = 0) -> None:
+        """Open the link; ``epoch`` (HA) lets a client refuse a copy of ``node_id`` older than one it has seen."""
         if self.role is not _SERVER or self.state is not State.AUTHENTICATING:
             raise LocalProtocolError(ErrorCode.UNEXPECTED, "accept() answers a HELLO")
         self.publish_credit = publish_credit
         self.state = _OPEN
         self._start_heartbeats(now)
-        self._out.append([Op.WELCOME, self.version, node_id, conn_id, self.heartbeat_ms,
-                          self.max_frame_size, publish_credit])  # fmt: skip
+        welcome = [Op.WELCOME, self.version, node_id, conn_id, self.heartbeat_ms, self.max_frame_size, publish_credit]
+        if epoch:
+            welcome.append(epoch)
+        self._out.append(welcome)
 
     def refuse(self, code: str, text: str) -> None:
         if self.role is not _SERVER or self.state is not State.AUTHENTICATING:

@@ -38,6 +38,7 @@ class Welcomed:
     conn_id: str
     heartbeat_ms: int
     publish_credit: int
+    epoch: int = 0  # the node's activation epoch (HA); 0 when it did not say
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,6 +50,7 @@ class Member:
     node_id: str = ""
     name: str = ""
     backup: Endpoint | None = None  # its in-sync backup (HA), which takes over its clients when it dies
+    epoch: int = 0  # its activation epoch (HA)
 
     @property
     def endpoint(self) -> Endpoint:
@@ -63,8 +64,10 @@ class Member:
         host, port, node_id, name = (member.get(k) for k in ("host", "port", "node_id", "name"))
         if not isinstance(host, str) or not host or type(port) is not int or not 0 < port < 65536:
             return None
+        epoch = member.get("epoch", 0)
+        epoch = epoch if type(epoch) is int and epoch > 0 else 0
         return cls(host, port, node_id if isinstance(node_id, str) else "", name if isinstance(name, str) else "",
-                   endpoint_from_wire(member.get("backup")))  # fmt: skip
+                   endpoint_from_wire(member.get("backup")), epoch)  # fmt: skip
 
 
 class Policy:
@@ -146,6 +149,7 @@ class Topology:
         self.members: tuple[Member, ...] = tuple(Member(host, port) for host, port in self.seeds)
         #: None until a node answered a TOPOLOGY request; False when it is not part of a cluster.
         self.clustered: bool | None = None
+        self.epochs: dict[str, int] = {}  # node id → highest activation epoch seen (HA)
         self.version = 0  # goes up with each change of the members
 
     @property
@@ -158,10 +162,21 @@ class Topology:
         had no usable member: the cluster always lists at least the node that answers)."""
         self.clustered = True
         found = tuple(m for m in (Member.from_wire(w) for w in members) if m is not None)
+        for member in found:
+            if member.node_id:
+                self.saw(member.node_id, member.epoch)
         if not found or found == self.members:
             return False
         self.members = found
         self.version += 1
+        return True
+
+    def saw(self, node_id: str, epoch: int) -> bool:
+        """A node answered at ``epoch``: False when a newer copy of it was seen (a fenced copy: do not use)."""
+        known = self.epochs.get(node_id, 0)
+        if epoch < known:
+            return False
+        self.epochs[node_id] = epoch
         return True
 
     def backup_of(self, endpoint: Endpoint) -> Endpoint | None:

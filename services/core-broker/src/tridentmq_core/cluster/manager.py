@@ -65,10 +65,11 @@ class Member:
     port: int
     management: int = 0  # its management HTTP port (0: none), for `tridentmq status` across the cluster
     backup: tuple[str, int] | None = None  # the link endpoint of its in-sync backup (HA), where clients go next
+    epoch: int = 0  # its activation epoch: clients refuse a copy of the node at a lower one
 
     def to_wire(self) -> dict[str, Any]:
-        wire = {"node_id": self.node_id, "name": self.name, "host": self.host, "port": self.port,
-                "management": self.management}  # fmt: skip
+        wire: dict[str, Any] = {"node_id": self.node_id, "name": self.name, "host": self.host, "port": self.port,
+                                "management": self.management, "epoch": self.epoch}  # fmt: skip
         if self.backup is not None:
             wire["backup"] = list(self.backup)
         return wire
@@ -86,7 +87,10 @@ class Member:
         backup = endpoint_from_wire(item.get("backup"))
         if backup is None and item.get("backup") is not None:
             raise ValueError(f"malformed backup of member {node_id}")
-        return Member(node_id, name, host, port, management, backup)
+        epoch = item.get("epoch", 0)
+        if type(epoch) is not int or epoch < 0:
+            raise ValueError(f"malformed epoch of member {node_id}")
+        return Member(node_id, name, host, port, management, backup, epoch)
 
 
 @dataclass(slots=True)
@@ -592,7 +596,7 @@ class ClusterManager:
     def members_view(self) -> list[dict[str, Any]]:
         """The live members: this node and the nodes its cluster connections reach."""
         host, port = self.advertise
-        view = [Member(self.node_id, self.name, host, port, self.management_port, self.backup()).to_wire()]
+        view = [Member(self.node_id, self.name, host, port, self.management_port, self.backup(), self.epoch).to_wire()]
         for node_id, bridge in sorted(self.bridges_by_node.items()):
             if bridge.up:
                 member = self.members.get(node_id) or Member(node_id, bridge.name, bridge.host, bridge.port)
