@@ -26,13 +26,14 @@ from tridentmq_core.cluster.balancer import Balancer, is_local_consumer
 from tridentmq_core.cluster.bindings import Binding, BindingError, Key, RemoteBindings
 from tridentmq_core.cluster.discovery import Announcement, RedisDiscovery
 from tridentmq_core.cluster.forward import FORWARD_PROPERTY, ForwardHeader
+from tridentmq_core.cluster.links import node_link, watch_close
 from tridentmq_core.cluster.redistribution import Arrivals, Redistributor, best_target, stranded
 from tridentmq_core.ha.manager import Voter
 from tridentmq_core.queues import Consumer, Queue
 from tridentmq_core.security import Principal
 from tridentmq_core.settings import LOAD_BALANCING_POLICIES, CoreSettings
 from tridentmq_shared.link import events as ev
-from tridentmq_shared.link.client import LinkClient, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.link.client import LinkClient, LinkRequestError
 from tridentmq_shared.link.codec import LinkConnection, Role
 from tridentmq_shared.link.ops import ErrorCode, NackMode, Op
 from tridentmq_shared.link.topology import endpoint_from_wire, parse_endpoint
@@ -239,18 +240,8 @@ class Bridge:
 
     async def _connect_once(self) -> None:
         manager = self.manager
-        cluster = manager.settings.cluster
-        client = LinkClient(self.host, self.port, user=cluster.user, password=cluster.password,
-                            client_name=f"cluster:{manager.name}", heartbeat_ms=manager.settings.link.heartbeat_ms,
-                            reconnect=ReconnectPolicy(attempts=0, initial_attempts=1), connect_timeout=2.0)  # fmt: skip
-        closed = asyncio.Event()
-        why: list[LinkRequestError] = []
-
-        def on_closed(error: LinkRequestError) -> None:
-            why.append(error)
-            closed.set()
-
-        client.on_closed = on_closed
+        client = node_link(manager.settings, self.host, self.port, f"cluster:{manager.name}", connect_timeout=2.0)
+        closed, why = watch_close(client)
         client.on_topology = self._on_update
         client.on_settled = self._on_settled
         self.client = client

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from tridentmq_core.broker import Broker, BrokerError, Session
+from tridentmq_core.cluster.links import node_link, watch_close
 from tridentmq_core.ha.replication import ReplicaFeed
 from tridentmq_core.ha.votes import ACTIVATE, STAY, VoteBook, VoteRequest, quorum
 from tridentmq_core.settings import CoreSettings
@@ -33,7 +34,7 @@ from tridentmq_core.store.journal import Journal, list_segments
 from tridentmq_core.store.journal_store import JournalStore
 from tridentmq_core.store.records import MAGIC, RecordType
 from tridentmq_shared.link import events as ev
-from tridentmq_shared.link.client import LinkClient, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.link.client import LinkClient, LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.link.topology import parse_endpoint
 from tridentmq_shared.settings import SettingsError
@@ -358,10 +359,7 @@ async def ask_votes(settings: CoreSettings, voters: list[tuple[str, int]], reque
 
 
 async def _vote_at(settings: CoreSettings, host: str, port: int, request: VoteRequest) -> dict[str, Any] | None:
-    cluster = settings.cluster
-    client = LinkClient(host, port, user=cluster.user, password=cluster.password,
-                        client_name=f"vote:{settings.node.name}", connect_timeout=VOTE_TIMEOUT,
-                        reconnect=ReconnectPolicy(attempts=0, initial_attempts=1))  # fmt: skip
+    client = node_link(settings, host, port, f"vote:{settings.node.name}", connect_timeout=VOTE_TIMEOUT)
     try:
         await client.connect()
         return await asyncio.wait_for(client.vote(request.to_wire()), VOTE_TIMEOUT)
@@ -468,19 +466,8 @@ class BackupRunner:
 
     async def _copy_from(self, host: str, port: int) -> bool:
         """Copy the primary at ``host:port`` until the link ends; True when it ended with the copy whole."""
-        cluster = self.settings.cluster
-        client = LinkClient(host, port, user=cluster.user, password=cluster.password,
-                            client_name=f"backup:{self.settings.node.name}",
-                            heartbeat_ms=self.settings.link.heartbeat_ms,
-                            reconnect=ReconnectPolicy(attempts=0, initial_attempts=1), connect_timeout=1.0)  # fmt: skip
-        closed = asyncio.Event()
-        why: list[LinkRequestError] = []
-
-        def on_closed(error: LinkRequestError) -> None:
-            why.append(error)
-            closed.set()
-
-        client.on_closed = on_closed
+        client = node_link(self.settings, host, port, f"backup:{self.settings.node.name}", connect_timeout=1.0)
+        closed, why = watch_close(client)
         client.on_replica = self._records
         # Follow the cluster's members: they are the voters, their count sets the quorum, and among them is
         # the pair's active copy wherever it moved (asking every node we reach is how a backup finds it).
@@ -645,10 +632,7 @@ class BackupRunner:
     async def _primary_back(self, host: str, port: int) -> bool:
         """Whether the lost primary completes a handshake again (a paused or dead one cannot): then it is
         copied afresh, not replaced."""
-        cluster = self.settings.cluster
-        client = LinkClient(host, port, user=cluster.user, password=cluster.password,
-                            client_name=f"backup:{self.settings.node.name}",
-                            reconnect=ReconnectPolicy(attempts=0, initial_attempts=1), connect_timeout=0.3)  # fmt: skip
+        client = node_link(self.settings, host, port, f"backup:{self.settings.node.name}", connect_timeout=0.3)
         try:
             await client.connect()
         except (LinkRequestError, OSError, TimeoutError):

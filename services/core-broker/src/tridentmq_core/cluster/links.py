@@ -1,0 +1,30 @@
+"""Links from this node to other nodes: cluster connections, a backup's replication link, vote requests."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tridentmq_core.settings import CoreSettings
+from tridentmq_shared.link.client import LinkClient, LinkRequestError, ReconnectPolicy
+
+
+def node_link(settings: CoreSettings, host: str, port: int, name: str, *, connect_timeout: float) -> LinkClient:
+    """A link to another node, logged in with the cluster credentials; it does not reconnect by itself (its
+    owner decides what a lost link means)."""
+    cluster = settings.cluster
+    return LinkClient(host, port, user=cluster.user, password=cluster.password, client_name=name,
+                      heartbeat_ms=settings.link.heartbeat_ms, connect_timeout=connect_timeout,
+                      reconnect=ReconnectPolicy(attempts=0, initial_attempts=1))  # fmt: skip
+
+
+def watch_close(client: LinkClient) -> tuple[asyncio.Event, list[LinkRequestError]]:
+    """An event set when ``client`` closes for good, and the reason it closed with."""
+    closed = asyncio.Event()
+    why: list[LinkRequestError] = []
+
+    def on_closed(error: LinkRequestError) -> None:
+        why.append(error)
+        closed.set()
+
+    client.on_closed = on_closed
+    return closed, why
