@@ -548,3 +548,19 @@ def test_a_backup_with_the_wrong_cluster_password_is_refused_and_says_so(tmp_pat
     assert ha_view(primary)["backup"] == ""
     for node in (backup, primary):
         assert node.stop() == 0
+
+
+async def test_a_paused_primary_of_a_single_pair_learns_from_its_backup_that_it_was_replaced(tmp_path: Path) -> None:
+    """With no other pairs to vote, a backup allowed to activate alone takes over from a paused primary; the
+    primary, waking, asks it too and stops instead of going on as a second active copy."""
+    pair = start_pair(tmp_path, "single", core_ha_activate_without_quorum="true")
+    await publish(pair.primary, "single.q", [b"before"])
+    pair.primary.process.send_signal(signal.SIGSTOP)
+    try:
+        await asyncio.to_thread(wait_until, lambda: ha_view(pair.backup).get("active") is True, 15, "the takeover")
+    finally:
+        pair.primary.process.send_signal(signal.SIGCONT)
+    assert await asyncio.to_thread(pair.primary.process.wait, 15) == FENCED_EXIT_CODE
+    assert "taken by, another copy" in pair.primary.log()
+    assert await drain(pair.backup, "single.q", 1) == [b"before"]
+    assert pair.backup.stop() == 0

@@ -323,12 +323,14 @@ class ReplicationSource:
             cluster = self._cluster()
             voters = [(m.host, m.port) for m in cluster.members.values()] if cluster is not None else []
             pairs = 1 + len(voters)
-            answers = [a for a in await ask_votes(self.settings, voters, request) if a is not None]
-            newer = max((int(a.get("epoch", 0)) for a in answers), default=0)
+            # The lost backup is asked too, though it does not count: if it took over, it says so (a single
+            # pair whose backup may activate without a quorum learns here that it was replaced).
+            *answers, backup = await ask_votes(self.settings, [*voters, self.backup_endpoint], request)
+            newer = max((int(a.get("epoch", 0)) for a in [*answers, backup] if a is not None), default=0)
             if newer > self.identity.epoch:
-                self._fenced(f"a voter promised epoch {newer} to another copy of this pair")
+                self._fenced(f"epoch {newer} of this pair was promised to, or taken by, another copy")
                 return
-            grants = 1 + sum(1 for a in answers if a.get("granted"))  # this node's own vote counts
+            grants = 1 + sum(1 for a in answers if a is not None and a.get("granted"))  # this node's vote counts
             if grants >= quorum(pairs):
                 log.info("quorum agrees: going on without the backup", extra={"votes": grants, "pairs": pairs})
                 self.held_since = 0.0
