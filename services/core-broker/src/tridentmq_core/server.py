@@ -135,6 +135,11 @@ class LinkProtocol(asyncio.Protocol):
         log.warning("link closed on protocol error", extra={"conn": self.conn_id, "peer": self.peer,
                                                              "code": exc.code, "reason": exc.text})  # fmt: skip
         self.write_pending()
+        if exc.code == ErrorCode.HEARTBEAT_TIMEOUT and self.transport is not None:
+            # A silent peer (dead, paused, cut off) never reads: a close would wait for the buffered output to
+            # drain for ever, and the session, still open, would hide the loss (a backup's, say).
+            self.transport.abort()
+            return
         self.close_transport()
 
     def write_pending(self) -> None:
@@ -385,7 +390,7 @@ class CoreNode:
             self.replication = ReplicationSource(
                 self.broker, self.journal_store, self.identity, self.settings, lambda: self.cluster,
                 cluster_manager.members_view if cluster_manager is not None else list, self._fenced,
-                self._hand_over)  # fmt: skip
+                self._hand_over, self.drop_link)  # fmt: skip
             self.status.ha = self._ha_status
             if self.cluster is not None:
                 self.cluster.backup = self.replication.in_sync_backup
@@ -415,6 +420,13 @@ class CoreNode:
         if store is not None:
             store.gate = shared.valid
             shared.on_renewed = store.recheck
+
+    def drop_link(self, conn_id: str) -> None:
+        """Send what a link has queued (its CLOSE) and close its connection."""
+        protocol = self.protocols.get(conn_id)
+        if protocol is not None:
+            protocol.write_pending()
+            protocol.close_transport()
 
     def _advertise(self) -> tuple[str, int]:
         """The link endpoint other nodes and gateways reach this node at."""

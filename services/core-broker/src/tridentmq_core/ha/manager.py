@@ -168,8 +168,8 @@ class ReplicationSource:
 
     def __init__(self, broker: Broker, store: JournalStore, identity: NodeIdentity, settings: CoreSettings,
                  cluster: Callable[[], ClusterManager | None], members: Callable[[], list[dict[str, Any]]],
-                 fenced: Callable[[str], None],
-                 hand_over: Callable[[], Coroutine[Any, Any, None]]) -> None:  # fmt: skip
+                 fenced: Callable[[str], None], hand_over: Callable[[], Coroutine[Any, Any, None]],
+                 drop_link: Callable[[str], None]) -> None:  # fmt: skip
         self.broker = broker
         self.store = store
         self.identity = identity
@@ -178,6 +178,7 @@ class ReplicationSource:
         self._members = members
         self._fenced = fenced
         self._hand_over = hand_over
+        self._drop_link = drop_link  # closes a link's connection once its CLOSE is written
         self.failing_back = False
         self.session: Session | None = None
         self.feed: ReplicaFeed | None = None
@@ -237,7 +238,7 @@ class ReplicationSource:
         session = self.session
         if session is not None:
             session.conn.close(ErrorCode.FAILBACK, "the pair goes back to its primary")
-            self.broker.dirty.add(session)
+            self._drop_link(session.conn_id)
 
     def in_sync_backup(self) -> tuple[str, int] | None:
         """The link endpoint of the backup while it is in sync (clients of this node go there next)."""
@@ -262,7 +263,7 @@ class ReplicationSource:
         except ValueError as exc:
             log.error("backup acknowledged what it was never sent", extra={"reason": str(exc)})  # noqa: TRY400
             session.conn.close(ErrorCode.MALFORMED, str(exc))
-            self.broker.dirty.add(session)
+            self._drop_link(session.conn_id)
             return
         if became_in_sync:
             log.info("backup in sync: durable writes are confirmed once both copies hold them",
@@ -468,9 +469,10 @@ class BackupRunner:
 
     async def _copy_from(self, host: str, port: int) -> bool:
         """Copy the primary at ``host:port`` until the link ends; True when it ended with the copy whole."""
+        self._close_journal()  # an earlier copy's: what arrives from here on belongs to this link's copy
         client = node_link(self.settings, host, port, f"backup:{self.settings.node.name}", connect_timeout=1.0)
         closed, why = watch_close(client)
-        client.on_replica = self._records
+        client.on_replica = lambda event: self._records(client, event)
         # Follow the cluster's members: they are the voters, their count sets the quorum, and among them is
         # the pair's active copy wherever it moved (asking every node we reach is how a backup finds it).
         client.on_topology = lambda update: self._learn(update.get("members"))
@@ -518,14 +520,15 @@ class BackupRunner:
             path.unlink()
         journal = Journal(self.journal_dir, segment_bytes=self.settings.journal.segment_bytes)
         journal.recover()
-        journal.on_synced = lambda upto: self._call_in_loop(lambda: self._synced(upto))
+        journal.on_synced = lambda upto: self._call_in_loop(lambda: self._synced(journal, upto))
         journal.start()
         self.journal = journal
         self._offset = self._expected = self._sync_end = self._compacted_at = 0
         self.reason = "copying"
         early, self._early = self._early, []
         for event in early:
-            self._records(event)
+            if self.client is not None:
+                self._records(self.client, event)
         log.info("copying the primary's journal", extra={"primary": self.primary, "node_id": node_id,
                                                          "epoch": epoch})  # fmt: skip
 
@@ -540,10 +543,10 @@ class BackupRunner:
             self.state.members, self.state.pairs = known, pairs
             self.state.save(self.state_path)
 
-    def _records(self, event: ev.ReplicaRecords) -> None:
-        journal, client = self.journal, self.client
-        if client is None:
-            return
+    def _records(self, client: LinkClient, event: ev.ReplicaRecords) -> None:
+        journal = self.journal
+        if client is not self.client:
+            return  # a late batch of an earlier link
         if journal is None:  # the first records can arrive in the same read as the answer to REPLICATE
             self._early.append(event)
             return
@@ -567,16 +570,15 @@ class BackupRunner:
         if event.sync_end:
             self._sync_end = event.sync_end
             if journal.synced + self._offset >= event.sync_end:
-                self._synced(journal.synced)
+                self._synced(journal, journal.synced)
 
-    def _synced(self, upto: int) -> None:
+    def _synced(self, journal: Journal, upto: int) -> None:
         client = self.client
-        if client is None or not upto:
-            return
+        if client is None or not upto or journal is not self.journal:
+            return  # nothing to tell, or the sync of an earlier copy's journal
         primary_upto = upto + self._offset
         client.replica_ack(primary_upto)
-        journal = self.journal
-        if self._compacted_at and upto >= self._compacted_at and journal is not None:
+        if self._compacted_at and upto >= self._compacted_at:
             self._compacted_at = 0
             journal.retire_before(journal.rolled_to)  # as the primary did after the same compaction
         if not self.state.in_sync and self._sync_end and primary_upto >= self._sync_end:
