@@ -311,7 +311,7 @@ async def test_failback_hands_the_pair_back_to_its_returned_primary(tmp_path: Pa
     assert view["epoch"] == 3, view
     assert node_id(primary) == primary_id
     assert "starting as a backup" in primary.log()
-    assert "failback done: restarting as a backup" in pair.backup.log()
+    wait_until(lambda: "failback done: restarting as a backup" in pair.backup.log(), 10, "the old backup to restart")
     reread_ports(pair.backup)
     wait_until(lambda: ha_view(pair.backup).get("in_sync") is True, 20, "the old backup to be a backup again")
     expected = [b"a%d" % i for i in range(100)] + [b"b%d" % i for i in range(100)]

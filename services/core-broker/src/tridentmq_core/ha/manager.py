@@ -304,6 +304,8 @@ class ReplicationSource:
         self._members_changed()
         self.journal.tap = None
         self.store.on_copied = lambda _number: None
+        if self.failing_back:
+            return  # this node let the backup go itself: it takes over, and this node restarts as its backup
         if not feed.in_sync:
             log.warning("backup lost before it was in sync", extra={"backup": self.backup})
             return
