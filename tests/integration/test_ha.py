@@ -320,6 +320,29 @@ async def test_failback_hands_the_pair_back_to_its_returned_primary(tmp_path: Pa
     assert primary.stop() == 0
 
 
+async def test_a_replaced_primary_that_copied_its_backup_restarts_as_a_backup(tmp_path: Path) -> None:
+    """Found by the randomised schedule: the old primary copies the pair's active node (its former backup,
+    epoch 2); killed and restarted, its copy holds epoch 2 as well, and it must not serve that epoch too."""
+    pair = start_pair(tmp_path, "copy", core_ha_activate_without_quorum="true", core_ha_allow_failback="false")
+    port = pair.primary.link_port
+    kill(pair.primary)
+    wait_until(lambda: ha_view(pair.backup).get("active") is True, 10, "the backup to take over")
+    await publish(pair.backup, "copy.q", [b"1", b"2"])
+    ha = {"core_ha_policy": "replication", "core_ha_group_name": "copy", "core_ha_activate_without_quorum": "true",
+          "core_ha_allow_failback": "false", "core_link_port": str(port)}  # fmt: skip
+    primary = start_node(tmp_path, "copy-primary", [pair.backup], **ha)
+    wait_until(lambda: ha_view(primary).get("in_sync") is True, 20, "the old primary to copy the active node")
+    kill(primary)
+    primary = start_node(tmp_path, "copy-primary", [pair.backup], **ha)
+    wait_until(lambda: ha_view(primary).get("in_sync") is True, 20, "the restarted copy to copy again")
+    assert "its data is a copy of the pair's active node at epoch 2" in primary.log()
+    assert ha_view(primary)["active"] is False
+    assert ha_view(pair.backup)["active"] is True
+    assert sorted(await drain(pair.backup, "copy.q", 2)) == [b"1", b"2"]
+    for node in (primary, pair.backup):
+        assert node.stop() == 0
+
+
 def listener(port: int = 0) -> socket.socket:
     """A TCP listener standing in for the network a node checks."""
     sock = socket.socket()

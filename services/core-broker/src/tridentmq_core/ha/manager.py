@@ -153,6 +153,10 @@ async def primary_may_activate(settings: CoreSettings, identity: NodeIdentity) -
     state = BackupState.load(state_path)
     if state_path.exists() and not state.in_sync:
         return False, "its data is an unfinished copy"
+    if state_path.exists() and not state.activated:
+        # The node it copied holds this epoch and may still serve: only a vote for a new epoch (a backup's
+        # takeover) may make this copy active again, never a restart with the same epoch.
+        return False, f"its data is a copy of the pair's active node at epoch {state.epoch}"
     voters = list(dict.fromkeys([*(parse_endpoint(c) for c in settings.cluster.connectors),
                                  *state.members.values()]))  # fmt: skip
     request = VoteRequest(STAY, identity.node_id, identity.epoch, identity.node_id)
@@ -384,6 +388,8 @@ class BackupState:
     in_sync: bool = False
     members: dict[str, tuple[str, int]] = field(default_factory=dict)
     pairs: int = 1  # most pairs seen: the quorum is a majority of these
+    #: This copy activated at ``epoch`` itself; False: it copied the node that did, which may still serve.
+    activated: bool = False
 
     @staticmethod
     def load(path: Path) -> BackupState:
@@ -392,11 +398,12 @@ class BackupState:
         data = json.loads(path.read_text(encoding="utf-8"))
         members = {str(k): (str(v[0]), int(v[1])) for k, v in dict(data.get("members") or {}).items()}
         return BackupState(str(data.get("node_id", "")), int(data.get("epoch", 0)), bool(data.get("in_sync")),
-                           members, max(1, int(data.get("pairs", 1))))  # fmt: skip
+                           members, max(1, int(data.get("pairs", 1))), bool(data.get("activated")))  # fmt: skip
 
     def save(self, path: Path) -> None:
         write_durably(path, json.dumps({"node_id": self.node_id, "epoch": self.epoch, "in_sync": self.in_sync,
-                                        "members": self.members, "pairs": self.pairs}))  # fmt: skip
+                                        "members": self.members, "pairs": self.pairs,
+                                        "activated": self.activated}))  # fmt: skip
 
 
 class BackupRunner:
@@ -628,7 +635,7 @@ class BackupRunner:
             await asyncio.sleep(ha.vote_retry_ms / 1000)
         self._close_journal()
         self.identity.set_epoch(epoch)
-        self.state.epoch = epoch
+        self.state.epoch, self.state.activated = epoch, True
         self.state.save(self.state_path)
         self.reason = "active"
         log.warning("backup activated", extra={"node_id": node_id, "epoch": epoch})
