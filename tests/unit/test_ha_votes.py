@@ -15,8 +15,9 @@ from tridentmq_core.ha.votes import ACTIVATE, STAY, VoteBook, VoteRequest, quoru
 PAIR = "node-a"
 
 
-def activate(epoch: int, candidate: str = "backup-1", node_id: str = PAIR) -> VoteRequest:
-    return VoteRequest(ACTIVATE, node_id, epoch, candidate)
+def activate(epoch: int, candidate: str = "backup-1", node_id: str = PAIR, data: int = 0) -> VoteRequest:
+    """A copy at data epoch ``data`` (by default ``epoch`` - 1: its first request) asking for ``epoch``."""
+    return VoteRequest(ACTIVATE, node_id, epoch, candidate, data)
 
 
 def stay(epoch: int, node_id: str = PAIR) -> VoteRequest:
@@ -42,7 +43,8 @@ def test_two_quorums_of_the_same_pairs_always_overlap(pairs: int) -> None:
 def test_a_request_round_trips_through_its_wire_form(kind: str) -> None:
     request = VoteRequest(kind, PAIR, 7, "server-2")
     wire = request.to_wire()
-    assert wire == {"kind": kind, "node_id": PAIR, "epoch": 7, "candidate": "server-2"}
+    assert wire == {"kind": kind, "node_id": PAIR, "epoch": 7, "candidate": "server-2",
+                    "data_epoch": 6 if kind == ACTIVATE else 7}  # fmt: skip
     assert VoteRequest.from_wire(wire) == request
     # and through JSON / msgpack-like plain data, as it travels
     assert VoteRequest.from_wire(json.loads(json.dumps(wire))) == request
@@ -72,6 +74,11 @@ MALFORMED_FIELDS: list[tuple[str, Any]] = [
     ("candidate", None),
     ("candidate", 1),
     ("candidate", b"backup-1"),
+    ("data_epoch", None),
+    ("data_epoch", -1),
+    ("data_epoch", 4),  # above the epoch asked for
+    ("data_epoch", True),
+    ("data_epoch", "2"),
 ]
 
 
@@ -231,7 +238,7 @@ def test_observe_raises_what_is_known_and_reports_when_it_did() -> None:
 def test_observe_of_the_promised_epoch_keeps_the_promisee() -> None:
     book = VoteBook()
     assert book.decide(activate(2, "backup-1"), primary_reachable=False)[0]
-    assert book.observe(PAIR, 2) is False
+    assert book.observe(PAIR, 2) is True  # the promise is unchanged; the pair's data epoch rose to 2
     assert book.promised == {PAIR: (2, "backup-1")}
     # so the candidate asking again is still granted
     assert book.decide(activate(2, "backup-1"), primary_reachable=False) == (True, "")
@@ -243,9 +250,10 @@ def test_the_book_round_trips_through_json() -> None:
     book.decide(activate(3, "backup-1", node_id="node-a"), primary_reachable=False)
     book.observe("node-b", 7)
     data = json.loads(json.dumps(book.to_json()))
-    assert data == {"node-a": [3, "backup-1"], "node-b": [7, ""]}
+    assert data == {"node-a": [3, "backup-1", 2], "node-b": [7, "", 7]}
     again = VoteBook.from_json(data)
     assert again.promised == book.promised
+    assert again.fresh == book.fresh
     # the restored book decides as the original would
     assert again.decide(activate(3, "backup-1", node_id="node-a"), primary_reachable=False) == (True, "")
     assert not again.decide(activate(3, "backup-2", node_id="node-a"), primary_reachable=False)[0]
@@ -279,7 +287,10 @@ def test_from_json_refuses_anything_but_a_map(data: Any) -> None:
         (3, "b"),  # JSON has no tuples: only a list is a stored entry
         [],
         [3],
+        [3, "b"],  # the data epoch is part of an entry
         [3, "b", "extra"],
+        [3, "b", 1, 1],
+        [3, "b", None],
         [True, "b"],
         [3.0, "b"],
         ["3", "b"],
@@ -291,10 +302,54 @@ def test_from_json_refuses_anything_but_a_map(data: Any) -> None:
 )
 def test_from_json_refuses_a_malformed_entry(entry: Any) -> None:
     with pytest.raises(ValueError, match="malformed vote book entry for 'node-b'"):
-        VoteBook.from_json({"node-a": [1, ""], "node-b": entry})
+        VoteBook.from_json({"node-a": [1, "", 1], "node-b": entry})
 
 
 def test_from_json_of_unparsable_text_fails_with_value_error() -> None:
     """Callers read the file with ``json.loads`` and catch ValueError for any bad content."""
     with pytest.raises(ValueError, match="Expecting"):
         VoteBook.from_json(json.loads('{"node-a": [1, '))
+
+
+# ---------------------------------------------------------------------------------------------------- freshness
+def test_a_stale_copy_is_refused_whatever_epoch_it_asks_for() -> None:
+    """The pair was seen active at epoch 3: a copy whose data is from epoch 2 never wins, even asking for an
+    epoch above every promise (as a split-vote candidate does)."""
+    book = VoteBook()
+    book.observe(PAIR, 3)
+    for epoch in (4, 5, 50):
+        granted, why = book.decide(activate(epoch, "stale", data=2), primary_reachable=False)
+        assert not granted
+        assert "stale copy: data epoch 2, the pair's is 3" in why
+    assert book.decide(activate(4, "fresh", data=3), primary_reachable=False) == (True, "")
+
+
+def test_a_split_vote_is_resolved_by_asking_again_above_the_promise() -> None:
+    """Two copies of one pair, both at data epoch 3, ask for epoch 4 and each gets one voter: neither has a
+    majority. Asking again at 5 is granted by the voter that promised 4 to the other copy, since the copy is
+    as fresh as the one it backed; two voters make a majority of three pairs."""
+    first, second = VoteBook(), VoteBook()
+    first.observe(PAIR, 3)
+    second.observe(PAIR, 3)
+    assert first.decide(activate(4, "copy-a", data=3), primary_reachable=False)[0]
+    assert second.decide(activate(4, "copy-b", data=3), primary_reachable=False)[0]
+    assert not first.decide(activate(4, "copy-b", data=3), primary_reachable=False)[0]
+    assert first.decide(activate(5, "copy-b", data=3), primary_reachable=False) == (True, "")
+    assert second.decide(activate(5, "copy-b", data=3), primary_reachable=False) == (True, "")
+    assert first.promised[PAIR] == second.promised[PAIR] == (5, "copy-b")
+
+
+def test_a_promise_raises_the_data_epoch_a_later_candidate_needs() -> None:
+    book = VoteBook()
+    assert book.decide(activate(4, "copy-a", data=3), primary_reachable=False)[0]
+    granted, why = book.decide(activate(5, "older", data=2), primary_reachable=False)
+    assert not granted
+    assert "stale copy" in why
+    assert book.freshness(PAIR) == 3
+
+
+def test_a_granted_stay_means_the_pair_serves_at_that_epoch() -> None:
+    book = VoteBook()
+    assert book.decide(stay(3), primary_reachable=True)[0]
+    assert book.freshness(PAIR) == 3
+    assert not book.decide(activate(4, "stale", data=2), primary_reachable=False)[0]

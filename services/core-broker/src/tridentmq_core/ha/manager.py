@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -123,19 +124,21 @@ class Voter:
             request = VoteRequest.from_wire(raw)
         except ValueError as exc:
             raise BrokerError(ErrorCode.INVALID, str(exc)) from None
-        before = self.votes.book.epoch(request.node_id)
+        book = self.votes.book
+        before = book.epoch(request.node_id), book.freshness(request.node_id)
         cluster = self._cluster()
         if cluster is not None and request.node_id == cluster.node_id and request.kind == ACTIVATE:
             granted, why = False, "this node is that pair's active copy"
         else:
-            granted, why = self.votes.book.decide(request, primary_reachable=self.primary_reachable(request.node_id))
-        if self.votes.book.epoch(request.node_id) != before:
+            granted, why = book.decide(request, primary_reachable=self.primary_reachable(request.node_id))
+        if (book.epoch(request.node_id), book.freshness(request.node_id)) != before:
             self.votes.save()  # the promise is on disk before the candidate hears of it
         # Refusals repeat every vote round of a candidate: only grants are worth a line at INFO.
         (log.info if granted else log.debug)("vote", extra={
             "kind": request.kind, "pair": request.node_id, "epoch": request.epoch, "candidate": request.candidate,
             "granted": granted, "reason": why, "peer": session.peer})  # fmt: skip
-        return {"granted": granted, "reason": why, "epoch": self.votes.book.epoch(request.node_id)}
+        return {"granted": granted, "reason": why, "epoch": book.epoch(request.node_id),
+                "fresh": book.freshness(request.node_id)}  # fmt: skip
 
     def observe(self, node_id: str, epoch: int) -> bool:
         """A node is active at ``epoch``: False when a higher one was promised (it is stale: refuse it)."""
@@ -434,6 +437,7 @@ class BackupRunner:
         self._compacted_at = 0  # local number of the last compaction's COMPACTED record, until it is synced
         self._early: list[ev.ReplicaRecords] = []  # records that came before the answer to REPLICATE
         self.handed_over = False  # the active copy handed the pair over (failback): take over without a vote
+        self._next_epoch = 0  # the epoch to ask for next, above the promises of a split vote
         self._logged: set[str] = set()  # reasons logged since the last copy started
         self._task: asyncio.Task[None] | None = None
 
@@ -601,9 +605,8 @@ class BackupRunner:
         """Vote rounds until a quorum lets this copy activate (True), or the lost ``primary`` answers again.
         Without a primary (none found active), one round only."""
         ha = self.settings.ha
-        node_id = self.state.node_id
-        epoch = self.state.epoch + 1
-        request = VoteRequest(ACTIVATE, node_id, epoch, self.server_id)
+        node_id, data_epoch = self.state.node_id, self.state.epoch
+        epoch = max(data_epoch + 1, self._next_epoch)
         while not self.handed_over:
             if self._isolated():
                 self._note("cut off from the network (network check): not taking over")
@@ -611,28 +614,36 @@ class BackupRunner:
                     return False
                 await asyncio.sleep(ha.vote_retry_ms / 1000)
                 continue
+            await self._refresh_members(node_id)  # the voters' addresses may have moved since the loss
             voters = [endpoint for member, endpoint in self.state.members.items() if member != node_id]
             needed = quorum(self.state.pairs)
             if not voters and ha.activate_without_quorum:
                 log.warning("taking over without a quorum (ha.activate_without_quorum)")
                 break
-            answers = await ask_votes(self.settings, voters, request)
-            grants = sum(1 for a in answers if a is not None and a.get("granted"))
+            request = VoteRequest(ACTIVATE, node_id, epoch, self.server_id, data_epoch)
+            answers = [a for a in await ask_votes(self.settings, voters, request) if a is not None]
+            grants = sum(1 for a in answers if a.get("granted"))
             if voters and grants >= needed:
                 log.info("quorum reached", extra={"votes": grants, "pairs": self.state.pairs, "epoch": epoch})
                 break
-            promised = max((int(a.get("epoch", 0)) for a in answers if a is not None and not a.get("granted")),
-                           default=0)  # fmt: skip
-            if promised >= epoch:
-                self._note(f"epoch {promised} of this pair is newer than this copy: copying the active node")
+            fresh = max((int(a.get("fresh", 0)) for a in answers), default=0)
+            if fresh > data_epoch:
+                self._note(f"the pair was active at epoch {fresh}, newer than this copy's {data_epoch}: "
+                           "copying the active node")  # fmt: skip
                 self.state.in_sync = False  # only a copy of the active node is whole from now on
                 self.state.save(self.state_path)
                 return False
+            promised = max((int(a.get("epoch", 0)) for a in answers if not a.get("granted")), default=0)
+            if promised >= epoch:
+                # Another copy of this pair asked for the same epoch and the votes split (or it won and is
+                # not reachable yet): ask again above it, after a random pause so two candidates do not
+                # keep splitting. Voters refuse a stale copy whatever epoch it asks for.
+                epoch = self._next_epoch = promised + 1
             lost = "primary lost" if primary else "no active copy"
             self.reason = f"{lost}: {grants} of {needed} votes (pairs: {self.state.pairs})"
             if primary is None or await self._primary_back(*primary):
                 return False
-            await asyncio.sleep(ha.vote_retry_ms / 1000)
+            await asyncio.sleep(ha.vote_retry_ms / 1000 * random.uniform(0.5, 1.5))  # noqa: S311 - jitter
         self._close_journal()
         self.identity.set_epoch(epoch)
         self.state.epoch, self.state.activated = epoch, True
@@ -641,6 +652,24 @@ class BackupRunner:
         log.warning("backup activated", extra={"node_id": node_id, "epoch": epoch})
         await self._activate()
         return True
+
+    async def _refresh_members(self, own_node_id: str) -> None:
+        """Learn the cluster's members from the first active node that answers: a voter may have failed over
+        (or failed back) to another address since this backup last heard from its primary."""
+        endpoints = [e for n, e in self.state.members.items() if n != own_node_id]
+        for host, port in dict.fromkeys([*endpoints, *(parse_endpoint(c) for c in self.settings.cluster.connectors)]):
+            client = node_link(self.settings, host, port, f"vote:{self.settings.node.name}",
+                               connect_timeout=VOTE_TIMEOUT)  # fmt: skip
+            try:
+                await client.connect()
+                reply = await asyncio.wait_for(client.topology({}), VOTE_TIMEOUT)
+            except (LinkRequestError, OSError, TimeoutError):
+                continue
+            finally:
+                await client.close()
+            self._learn([m for m in reply.get("members") or [] if isinstance(m, dict)
+                         and m.get("node_id") != own_node_id])  # fmt: skip
+            return
 
     async def _primary_back(self, host: str, port: int) -> bool:
         """Whether the lost primary completes a handshake again (a paused or dead one cannot): then it is

@@ -1,16 +1,21 @@
 """Quorum votes on which copy of a pair is active, fenced by epochs (pure: no I/O, no clock).
 
 A pair is named by its node id (the backup takes over the primary's id) and its active copy by an epoch
-that grows with every activation. Active nodes vote:
+that grows with every activation. Each copy also knows its *data epoch*: the epoch of the node it copied, or
+at which it activated. Active nodes vote:
 
-- ``activate``: a backup lost its primary and asks to become active at ``epoch`` (its last epoch + 1). A
-  voter grants it when it cannot reach that primary either (for at least the grace period) and has never
-  promised this epoch or a higher one for the pair: it then promises ``epoch``.
+- ``activate``: a copy lost its pair's active node and asks to become active at ``epoch``. A voter grants it
+  when it cannot reach that node either (for at least the grace period), has never promised this epoch or
+  a higher one for the pair, and the copy is fresh: its data epoch is not below the epoch the voter saw
+  the pair active at, nor below the data epoch of the copy it last promised to. It then promises
+  ``epoch``. Two copies asking for the same epoch can split the votes so that neither wins; a candidate
+  then asks again at an epoch above every promise (as a Raft candidate starts a new term), which the
+  freshness rule keeps safe: a stale copy never gets ahead by asking for higher numbers.
 - ``stay``: a primary lost its in-sync backup and asks whether it may go on alone at ``epoch``. A voter
   grants it when it has promised no higher epoch (no backup took over meanwhile).
 
 Votes are majorities of the pairs of the cluster, so two requests for one pair cannot both win; a voter's
-promises are kept on disk (the caller persists ``promised``), so a restarted voter does not forget them.
+promises are kept on disk (the caller persists the book), so a restarted voter does not forget them.
 """
 
 from __future__ import annotations
@@ -33,65 +38,93 @@ class VoteRequest:
     node_id: str  # the pair
     epoch: int
     candidate: str  # who asks (a server id), for the log
+    data_epoch: int = 0  # the asking copy's data epoch (ACTIVATE); a STAY's is its epoch
+
+    def __post_init__(self) -> None:
+        if self.kind == STAY or not self.data_epoch:
+            object.__setattr__(self, "data_epoch", self.epoch if self.kind == STAY else self.epoch - 1)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"kind": self.kind, "node_id": self.node_id, "epoch": self.epoch, "candidate": self.candidate}
+        return {"kind": self.kind, "node_id": self.node_id, "epoch": self.epoch, "candidate": self.candidate,
+                "data_epoch": self.data_epoch}  # fmt: skip
 
     @staticmethod
     def from_wire(item: Any) -> VoteRequest:
         if not isinstance(item, dict):
             raise ValueError("a vote request is a map")  # noqa: TRY004 - callers catch ValueError for any bad input
         kind, node_id, epoch = item.get("kind"), item.get("node_id"), item.get("epoch")
-        candidate = item.get("candidate")
+        candidate, data_epoch = item.get("candidate"), item.get("data_epoch", 0)
         if (kind not in (ACTIVATE, STAY) or not isinstance(node_id, str) or not node_id or type(epoch) is not int
-                or epoch < 1 or not isinstance(candidate, str)):  # fmt: skip
+                or epoch < 1 or not isinstance(candidate, str) or type(data_epoch) is not int
+                or not 0 <= data_epoch <= epoch):  # fmt: skip
             raise ValueError(f"malformed vote request {str(item)[:120]}")
-        return VoteRequest(kind, node_id, epoch, candidate)
+        return VoteRequest(kind, node_id, epoch, candidate, data_epoch)
 
 
 class VoteBook:
-    """Per pair, the highest epoch this voter promised (and to whom) or saw active."""
+    """Per pair, the highest epoch this voter promised (and to whom) or saw active, and the data epoch a
+    copy needs to be granted (``fresh``)."""
 
-    def __init__(self, promised: dict[str, tuple[int, str]] | None = None) -> None:
+    def __init__(self, promised: dict[str, tuple[int, str]] | None = None,
+                 fresh: dict[str, int] | None = None) -> None:  # fmt: skip
         self.promised: dict[str, tuple[int, str]] = dict(promised or {})
+        self.fresh: dict[str, int] = dict(fresh or {})
 
     def epoch(self, node_id: str) -> int:
         return self.promised.get(node_id, (0, ""))[0]
 
+    def freshness(self, node_id: str) -> int:
+        return self.fresh.get(node_id, 0)
+
     def decide(self, request: VoteRequest, *, primary_reachable: bool) -> tuple[bool, str]:
-        """(granted, why not). A grant of ``activate`` changes ``promised``: persist it before answering."""
+        """(granted, why not). A grant of ``activate`` changes the book: persist it before answering."""
         known, promisee = self.promised.get(request.node_id, (0, ""))
         if request.kind == STAY:
             if known > request.epoch:
                 return False, f"epoch {known} replaced epoch {request.epoch}"
+            self._raise_fresh(request.node_id, request.epoch)  # it serves at this epoch
             return True, ""
         if known == request.epoch and promisee == request.candidate and request.candidate:
             return True, ""  # the same candidate asking again (an earlier round's answer was lost or too few)
         if request.epoch <= known:
             return False, f"epoch {known} was already promised"
+        if request.data_epoch < (fresh := self.freshness(request.node_id)):
+            return False, f"stale copy: data epoch {request.data_epoch}, the pair's is {fresh}"
         if primary_reachable:
             return False, "the primary is still reachable from this node"
         self.promised[request.node_id] = (request.epoch, request.candidate)
+        self._raise_fresh(request.node_id, request.data_epoch)
         return True, ""
 
     def observe(self, node_id: str, epoch: int) -> bool:
         """A node is active at ``epoch``; True when that raises what was known (persist it)."""
+        changed = self._raise_fresh(node_id, epoch)
         if epoch > self.epoch(node_id):
             self.promised[node_id] = (epoch, "")
+            return True
+        return changed
+
+    def _raise_fresh(self, node_id: str, epoch: int) -> bool:
+        if epoch > self.freshness(node_id):
+            self.fresh[node_id] = epoch
             return True
         return False
 
     def to_json(self) -> dict[str, list[Any]]:
-        return {node_id: [epoch, candidate] for node_id, (epoch, candidate) in self.promised.items()}
+        return {node_id: [epoch, candidate, self.freshness(node_id)]
+                for node_id, (epoch, candidate) in self.promised.items()}  # fmt: skip
 
     @staticmethod
     def from_json(data: Any) -> VoteBook:
         if not isinstance(data, dict):
             raise ValueError("the vote book is a map")  # noqa: TRY004 - callers catch ValueError for any bad input
         promised: dict[str, tuple[int, str]] = {}
+        fresh: dict[str, int] = {}
         for node_id, entry in data.items():
-            if not (isinstance(entry, list) and len(entry) == 2 and type(entry[0]) is int
-                    and isinstance(entry[1], str)):  # fmt: skip
+            if not (isinstance(entry, list) and len(entry) == 3 and type(entry[0]) is int
+                    and isinstance(entry[1], str) and type(entry[2]) is int):  # fmt: skip
                 raise ValueError(f"malformed vote book entry for {node_id!r}")
             promised[node_id] = (entry[0], entry[1])
-        return VoteBook(promised)
+            if entry[2]:
+                fresh[node_id] = entry[2]
+        return VoteBook(promised, fresh)
