@@ -7,8 +7,9 @@ import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from tests.conftest import CoreProcess, start_core
 
@@ -19,7 +20,14 @@ CLUSTER_PASSWORD = "s3cret-cluster"
 NO_RECONNECT = ReconnectPolicy(attempts=0)
 
 
-def cluster_env(connectors: list[CoreProcess] = (), **settings: str) -> dict[str, str]:  # type: ignore[assignment]
+class Connector(Protocol):
+    """Anything with a link port: a running node, or the port a node will come back on."""
+
+    @property
+    def link_port(self) -> int: ...
+
+
+def cluster_env(connectors: Sequence[Connector] = (), **settings: str) -> dict[str, str]:
     env = {
         "TRIDENTMQ_CORE_CLUSTER_USER": CLUSTER_USER,
         "TRIDENTMQ_CORE_CLUSTER_PASSWORD": CLUSTER_PASSWORD,
@@ -29,8 +37,7 @@ def cluster_env(connectors: list[CoreProcess] = (), **settings: str) -> dict[str
     return env
 
 
-def start_node(tmp_path: Path, name: str, connectors: list[CoreProcess] = (),  # type: ignore[assignment]
-               **settings: str) -> CoreProcess:  # fmt: skip
+def start_node(tmp_path: Path, name: str, connectors: Sequence[Connector] = (), **settings: str) -> CoreProcess:
     env = cluster_env(connectors, **{k: v for k, v in settings.items() if not k.startswith("core_")})
     env.update({f"TRIDENTMQ_{k.upper()}": v for k, v in settings.items() if k.startswith("core_")})
     return start_core(tmp_path, name, **env)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tests.conftest import CoreProcess
-from tests.integration.cluster_nodes import start_node, wait_until
+from tests.integration.cluster_nodes import Connector, start_node, wait_until
 
 
 @dataclass
@@ -27,8 +28,7 @@ def ha_view(node: CoreProcess) -> dict[str, Any]:
         return {}
 
 
-def start_pair(tmp_path: Path, group: str, connectors: list[CoreProcess] = (),  # type: ignore[assignment]
-               **settings: str) -> Pair:  # fmt: skip
+def start_pair(tmp_path: Path, group: str, connectors: Sequence[Connector] = (), **settings: str) -> Pair:
     """A primary (pointed at ``connectors``) and its backup (pointed at the primary and ``connectors``), in sync."""
     ha = {"core_ha_policy": "replication", "core_ha_group_name": group, **settings}
     primary = start_node(tmp_path, f"{group}-primary", list(connectors), **ha)
