@@ -287,7 +287,6 @@ def test_from_json_refuses_anything_but_a_map(data: Any) -> None:
         (3, "b"),  # JSON has no tuples: only a list is a stored entry
         [],
         [3],
-        [3, "b"],  # the data epoch is part of an entry
         [3, "b", "extra"],
         [3, "b", 1, 1],
         [3, "b", None],
@@ -303,6 +302,12 @@ def test_from_json_refuses_anything_but_a_map(data: Any) -> None:
 def test_from_json_refuses_a_malformed_entry(entry: Any) -> None:
     with pytest.raises(ValueError, match="malformed vote book entry for 'node-b'"):
         VoteBook.from_json({"node-a": [1, "", 1], "node-b": entry})
+
+
+def test_from_json_reads_an_entry_written_before_data_epochs_were_kept() -> None:
+    book = VoteBook.from_json({"node-a": [3, "backup-1"]})
+    assert book.promised == {"node-a": (3, "backup-1")}
+    assert book.freshness("node-a") == 0
 
 
 def test_from_json_of_unparsable_text_fails_with_value_error() -> None:

@@ -121,6 +121,8 @@ class VoteBook:
         promised: dict[str, tuple[int, str]] = {}
         fresh: dict[str, int] = {}
         for node_id, entry in data.items():
+            if isinstance(entry, list) and len(entry) == 2:
+                entry = [*entry, 0]  # written before data epochs were kept: nothing known yet
             if not (isinstance(entry, list) and len(entry) == 3 and type(entry[0]) is int
                     and isinstance(entry[1], str) and type(entry[2]) is int):  # fmt: skip
                 raise ValueError(f"malformed vote book entry for {node_id!r}")
