@@ -358,3 +358,22 @@ def test_a_granted_stay_means_the_pair_serves_at_that_epoch() -> None:
     assert book.decide(stay(3), primary_reachable=True)[0]
     assert book.freshness(PAIR) == 3
     assert not book.decide(activate(4, "stale", data=2), primary_reachable=False)[0]
+
+
+def test_stay_is_refused_at_an_epoch_promised_to_another_server() -> None:
+    """Failback gives the returned primary an epoch without a vote; if that copy dies unseen and the other
+    one wins the same epoch by vote, the first one, restarting, must not serve that epoch too."""
+    book = VoteBook()
+    assert book.decide(activate(4, "backup-1", data=3), primary_reachable=False)[0]
+    granted, why = book.decide(VoteRequest(STAY, PAIR, 4, "primary-2"), primary_reachable=True)
+    assert not granted
+    assert "epoch 4 was promised to backup-1" in why
+    assert book.decide(VoteRequest(STAY, PAIR, 4, "backup-1"), primary_reachable=True) == (True, "")
+
+
+def test_the_book_keeps_a_data_epoch_learnt_without_a_promise() -> None:
+    book = VoteBook()
+    assert book.decide(stay(3), primary_reachable=True)[0]  # no promise, but the pair serves at 3
+    again = VoteBook.from_json(json.loads(json.dumps(book.to_json())))
+    assert again.freshness(PAIR) == 3
+    assert not again.decide(activate(4, "stale", data=2), primary_reachable=False)[0]

@@ -338,7 +338,7 @@ class CoreNode:
                 self.isolated = True
             self._network_task = asyncio.create_task(self._check_network_forever(self.network))
         if self.settings.ha.policy == REPLICATION and not self.is_backup:
-            may, why = await primary_may_activate(self.settings, self.identity)
+            may, why = await primary_may_activate(self.settings, self.identity, self.server_id)
             if not may:
                 log.warning("starting as a backup", extra={"reason": why})
                 self.is_backup = True
@@ -388,7 +388,7 @@ class CoreNode:
         if self.settings.ha.policy == REPLICATION and self.journal_store is not None:
             cluster_manager = self.cluster
             self.replication = ReplicationSource(
-                self.broker, self.journal_store, self.identity, self.settings, lambda: self.cluster,
+                self.broker, self.journal_store, self.identity, self.server_id, self.settings, lambda: self.cluster,
                 cluster_manager.members_view if cluster_manager is not None else list, self._fenced,
                 self._hand_over, self.drop_link)  # fmt: skip
             self.status.ha = self._ha_status

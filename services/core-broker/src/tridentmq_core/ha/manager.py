@@ -138,7 +138,7 @@ class Voter:
             "kind": request.kind, "pair": request.node_id, "epoch": request.epoch, "candidate": request.candidate,
             "granted": granted, "reason": why, "peer": session.peer})  # fmt: skip
         return {"granted": granted, "reason": why, "epoch": book.epoch(request.node_id),
-                "fresh": book.freshness(request.node_id)}  # fmt: skip
+                "promisee": book.promisee(request.node_id), "fresh": book.freshness(request.node_id)}  # fmt: skip
 
     def observe(self, node_id: str, epoch: int) -> bool:
         """A node is active at ``epoch``: False when a higher one was promised (it is stale: refuse it)."""
@@ -149,7 +149,13 @@ class Voter:
         return True
 
 
-async def primary_may_activate(settings: CoreSettings, identity: NodeIdentity) -> tuple[bool, str]:
+def _number(answer: dict[str, Any], key: str) -> int:
+    """An integer field of a vote answer (0 when missing or malformed: another node's answer is input)."""
+    value = answer.get(key, 0)
+    return value if type(value) is int else 0
+
+
+async def primary_may_activate(settings: CoreSettings, identity: NodeIdentity, server_id: str) -> tuple[bool, str]:
     """Whether a node configured as primary may serve at start: its data must be whole (not a copy cut
     short) and no voter may know a newer epoch of its pair (its backup took over meanwhile)."""
     state_path = identity.data_dir / HA_STATE_FILE
@@ -162,24 +168,29 @@ async def primary_may_activate(settings: CoreSettings, identity: NodeIdentity) -
         return False, f"its data is a copy of the pair's active node at epoch {state.epoch}"
     voters = list(dict.fromkeys([*(parse_endpoint(c) for c in settings.cluster.connectors),
                                  *state.members.values()]))  # fmt: skip
-    request = VoteRequest(STAY, identity.node_id, identity.epoch, identity.node_id)
+    request = VoteRequest(STAY, identity.node_id, identity.epoch, server_id)
     answers = [a for a in await ask_votes(settings, voters, request) if a is not None]
-    newer = max((int(a.get("epoch", 0)) for a in answers), default=0)
+    newer = max((_number(a, "epoch") for a in answers), default=0)
     if newer > identity.epoch:
         return False, f"epoch {newer} of this pair is active elsewhere (this copy has epoch {identity.epoch})"
+    refused = next((a for a in answers if not a.get("granted")), None)
+    if refused is not None:  # e.g. this epoch was won by vote by another copy: only a vote may settle it
+        return False, f"a voter refused: {str(refused.get('reason', ''))[:200]}"
     return True, ""
 
 
 class ReplicationSource:
     """The active node's side of its pair: one backup at a time."""
 
-    def __init__(self, broker: Broker, store: JournalStore, identity: NodeIdentity, settings: CoreSettings,
-                 cluster: Callable[[], ClusterManager | None], members: Callable[[], list[dict[str, Any]]],
-                 fenced: Callable[[str], None], hand_over: Callable[[], Coroutine[Any, Any, None]],
+    def __init__(self, broker: Broker, store: JournalStore, identity: NodeIdentity, server_id: str,
+                 settings: CoreSettings, cluster: Callable[[], ClusterManager | None],
+                 members: Callable[[], list[dict[str, Any]]], fenced: Callable[[str], None],
+                 hand_over: Callable[[], Coroutine[Any, Any, None]],
                  drop_link: Callable[[str], None]) -> None:  # fmt: skip
         self.broker = broker
         self.store = store
         self.identity = identity
+        self.server_id = server_id  # this process: what it asks for in a stay vote
         self.settings = settings
         self._cluster = cluster
         self._members = members
@@ -327,7 +338,7 @@ class ReplicationSource:
         self._stay_task = asyncio.get_running_loop().create_task(self._ask_to_stay(), name="ha-stay")
 
     async def _ask_to_stay(self) -> None:
-        request = VoteRequest(STAY, self.identity.node_id, self.identity.epoch, self.identity.node_id)
+        request = VoteRequest(STAY, self.identity.node_id, self.identity.epoch, self.server_id)
         retry = self.settings.ha.vote_retry_ms / 1000
         while True:
             cluster = self._cluster()
@@ -336,7 +347,7 @@ class ReplicationSource:
             # The lost backup is asked too, though it does not count: if it took over, it says so (a single
             # pair whose backup may activate without a quorum learns here that it was replaced).
             *answers, backup = await ask_votes(self.settings, [*voters, self.backup_endpoint], request)
-            newer = max((int(a.get("epoch", 0)) for a in [*answers, backup] if a is not None), default=0)
+            newer = max((_number(a, "epoch") for a in [*answers, backup] if a is not None), default=0)
             if newer > self.identity.epoch:
                 self._fenced(f"epoch {newer} of this pair was promised to, or taken by, another copy")
                 return
@@ -626,19 +637,24 @@ class BackupRunner:
             if voters and grants >= needed:
                 log.info("quorum reached", extra={"votes": grants, "pairs": self.state.pairs, "epoch": epoch})
                 break
-            fresh = max((int(a.get("fresh", 0)) for a in answers), default=0)
+            fresh = max((_number(a, "fresh") for a in answers), default=0)
             if fresh > data_epoch:
                 self._note(f"the pair was active at epoch {fresh}, newer than this copy's {data_epoch}: "
                            "copying the active node")  # fmt: skip
                 self.state.in_sync = False  # only a copy of the active node is whole from now on
                 self.state.save(self.state_path)
                 return False
-            promised = max((int(a.get("epoch", 0)) for a in answers if not a.get("granted")), default=0)
-            if promised >= epoch:
-                # Another copy of this pair asked for the same epoch and the votes split (or it won and is
-                # not reachable yet): ask again above it, after a random pause so two candidates do not
-                # keep splitting. Voters refuse a stale copy whatever epoch it asks for.
-                epoch = self._next_epoch = promised + 1
+            taken = [a for a in answers if not a.get("granted") and _number(a, "epoch") >= epoch
+                     and a.get("promisee") != self.server_id]  # fmt: skip
+            if taken:
+                # Another copy of this pair asked for this epoch or a higher one. If the voters promised to
+                # it, plus those that did not answer, could make a majority, it may have won and be serving
+                # unseen (still replaying its journal): wait for it. Otherwise the votes split and nobody
+                # can win those epochs: ask above them, after a random pause so the two do not split again.
+                if len(taken) + len(voters) - len(answers) >= needed:
+                    self._note("another copy of this pair may have won: looking for it")
+                    return False
+                epoch = self._next_epoch = max(_number(a, "epoch") for a in taken) + 1
             lost = "primary lost" if primary else "no active copy"
             self.reason = f"{lost}: {grants} of {needed} votes (pairs: {self.state.pairs})"
             if primary is None or await self._primary_back(*primary):
@@ -657,19 +673,28 @@ class BackupRunner:
         """Learn the cluster's members from the first active node that answers: a voter may have failed over
         (or failed back) to another address since this backup last heard from its primary."""
         endpoints = [e for n, e in self.state.members.items() if n != own_node_id]
-        for host, port in dict.fromkeys([*endpoints, *(parse_endpoint(c) for c in self.settings.cluster.connectors)]):
-            client = node_link(self.settings, host, port, f"vote:{self.settings.node.name}",
-                               connect_timeout=VOTE_TIMEOUT)  # fmt: skip
-            try:
-                await client.connect()
-                reply = await asyncio.wait_for(client.topology({}), VOTE_TIMEOUT)
-            except (LinkRequestError, OSError, TimeoutError):
-                continue
-            finally:
-                await client.close()
-            self._learn([m for m in reply.get("members") or [] if isinstance(m, dict)
-                         and m.get("node_id") != own_node_id])  # fmt: skip
-            return
+        endpoints += [parse_endpoint(c) for c in self.settings.cluster.connectors]
+        asking = [asyncio.ensure_future(self._members_at(*e)) for e in dict.fromkeys(endpoints)]
+        try:
+            for answer in asyncio.as_completed(asking):  # the first active node to answer is enough
+                members = await answer
+                if members is not None:
+                    self._learn([m for m in members if isinstance(m, dict) and m.get("node_id") != own_node_id])
+                    return
+        finally:
+            for task in asking:
+                task.cancel()
+
+    async def _members_at(self, host: str, port: int) -> list[Any] | None:
+        client = node_link(self.settings, host, port, f"vote:{self.settings.node.name}", connect_timeout=VOTE_TIMEOUT)
+        try:
+            await client.connect()
+            members = (await asyncio.wait_for(client.topology({}), VOTE_TIMEOUT)).get("members")
+        except (LinkRequestError, OSError, TimeoutError):
+            return None
+        finally:
+            await client.close()
+        return members if isinstance(members, list) else None
 
     async def _primary_back(self, host: str, port: int) -> bool:
         """Whether the lost primary completes a handshake again (a paused or dead one cannot): then it is

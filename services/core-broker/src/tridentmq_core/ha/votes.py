@@ -8,11 +8,13 @@ at which it activated. Active nodes vote:
   when it cannot reach that node either (for at least the grace period), has never promised this epoch or
   a higher one for the pair, and the copy is fresh: its data epoch is not below the epoch the voter saw
   the pair active at, nor below the data epoch of the copy it last promised to. It then promises
-  ``epoch``. Two copies asking for the same epoch can split the votes so that neither wins; a candidate
-  then asks again at an epoch above every promise (as a Raft candidate starts a new term), which the
-  freshness rule keeps safe: a stale copy never gets ahead by asking for higher numbers.
-- ``stay``: a primary lost its in-sync backup and asks whether it may go on alone at ``epoch``. A voter
-  grants it when it has promised no higher epoch (no backup took over meanwhile).
+  ``epoch``. Two copies asking for the same epoch can split the votes so that neither wins. A candidate
+  asks again above the promises only when the answers prove that no other copy can hold a majority at
+  any of those epochs (the candidate's side, outside this module); a stale copy is refused whatever epoch
+  it asks for.
+- ``stay``: a primary lost its in-sync backup (or starts) and asks whether it may go on alone at ``epoch``.
+  A voter grants it when it has promised no higher epoch (no backup took over meanwhile), nor this epoch
+  to another server (a copy that won it by vote, while the asking one held it without a vote: failback).
 
 Votes are majorities of the pairs of the cluster, so two requests for one pair cannot both win; a voter's
 promises are kept on disk (the caller persists the book), so a restarted voter does not forget them.
@@ -82,6 +84,8 @@ class VoteBook:
         if request.kind == STAY:
             if known > request.epoch:
                 return False, f"epoch {known} replaced epoch {request.epoch}"
+            if known == request.epoch and promisee and promisee != request.candidate:
+                return False, f"epoch {known} was promised to {promisee}"
             self._raise_fresh(request.node_id, request.epoch)  # it serves at this epoch
             return True, ""
         if known == request.epoch and promisee == request.candidate and request.candidate:
@@ -110,9 +114,12 @@ class VoteBook:
             return True
         return False
 
+    def promisee(self, node_id: str) -> str:
+        return self.promised.get(node_id, (0, ""))[1]
+
     def to_json(self) -> dict[str, list[Any]]:
-        return {node_id: [epoch, candidate, self.freshness(node_id)]
-                for node_id, (epoch, candidate) in self.promised.items()}  # fmt: skip
+        return {node_id: [*self.promised.get(node_id, (0, "")), self.freshness(node_id)]
+                for node_id in self.promised.keys() | self.fresh.keys()}  # fmt: skip
 
     @staticmethod
     def from_json(data: Any) -> VoteBook:
