@@ -100,12 +100,16 @@ class Cluster:
         return [n for n in self.nodes if n.group == group]
 
     def healed(self) -> bool:
-        """Every pair has exactly one active copy and an in-sync backup."""
+        """Every pair has exactly one active copy and an in-sync backup; with failback, the active copy is
+        the configured primary again (until then a hand-over is still to come)."""
         for group in GROUPS:
             views = [self.view(n) for n in self.pair(group)]
             if sum(v.get("active") is True for v in views) != 1:
                 return False
             if not any(v.get("in_sync") is True for v in views):
+                return False
+            if self.failback and not any(v.get("active") is True and v.get("configured_role") == "primary"
+                                         for v in views):  # fmt: skip
                 return False
         return True
 

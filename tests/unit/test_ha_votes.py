@@ -377,3 +377,19 @@ def test_the_book_keeps_a_data_epoch_learnt_without_a_promise() -> None:
     again = VoteBook.from_json(json.loads(json.dumps(book.to_json())))
     assert again.freshness(PAIR) == 3
     assert not again.decide(activate(4, "stale", data=2), primary_reachable=False)[0]
+
+
+def test_a_commit_and_a_later_rival_exclude_each_other_at_every_voter() -> None:
+    """A winner commits its epoch (a stay from the same server) before serving. At each voter, whichever
+    comes first wins: a committed epoch makes the voter refuse an older copy asking higher; a higher promise
+    made first makes the voter refuse the commit."""
+    committed_first = VoteBook()
+    assert committed_first.decide(activate(4, "winner", data=3), primary_reachable=False)[0]
+    assert committed_first.decide(VoteRequest(STAY, PAIR, 4, "winner"), primary_reachable=False)[0]
+    granted, why = committed_first.decide(activate(5, "rival", data=3), primary_reachable=False)
+    assert not granted
+    assert "stale copy" in why
+    rival_first = VoteBook()
+    assert rival_first.decide(activate(4, "winner", data=3), primary_reachable=False)[0]
+    assert rival_first.decide(activate(5, "rival", data=3), primary_reachable=False)[0]
+    assert not rival_first.decide(VoteRequest(STAY, PAIR, 4, "winner"), primary_reachable=False)[0]

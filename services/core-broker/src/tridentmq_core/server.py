@@ -34,6 +34,7 @@ from tridentmq_core.ha.manager import (
     ReplicationSource,
     Voter,
     VoteStore,
+    mark_released,
     primary_may_activate,
     validate_ha_settings,
 )
@@ -390,7 +391,7 @@ class CoreNode:
             self.replication = ReplicationSource(
                 self.broker, self.journal_store, self.identity, self.server_id, self.settings, lambda: self.cluster,
                 cluster_manager.members_view if cluster_manager is not None else list, self._fenced,
-                self._hand_over, self.drop_link)  # fmt: skip
+                self._hand_over, self.drop_link, self.abort_link)  # fmt: skip
             self.status.ha = self._ha_status
             if self.cluster is not None:
                 self.cluster.backup = self.replication.in_sync_backup
@@ -427,6 +428,12 @@ class CoreNode:
         if protocol is not None:
             protocol.write_pending()
             protocol.close_transport()
+
+    def abort_link(self, conn_id: str) -> None:
+        """Drop a link's connection at once: its peer does not read (a close would wait for it for ever)."""
+        protocol = self.protocols.get(conn_id)
+        if protocol is not None and protocol.transport is not None:
+            protocol.transport.abort()
 
     def _advertise(self) -> tuple[str, int]:
         """The link endpoint other nodes and gateways reach this node at."""
@@ -479,6 +486,7 @@ class CoreNode:
             replication.failing_back = False
             return
         replication.release_backup()
+        mark_released(self.identity.data_dir)
         self.audit.emit(_now_ms() * 1000, "ha.failback", {"to": replication.backup})
         self._flush()
         await asyncio.sleep(0.2)  # the CLOSE reaches the primary

@@ -36,6 +36,7 @@ from tridentmq_core.store.journal_store import JournalStore
 from tridentmq_core.store.records import MAGIC, RecordType
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.client import LinkClient, LinkRequestError
+from tridentmq_shared.link.codec import HEARTBEAT_TIMEOUT_FACTOR
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.link.topology import parse_endpoint
 from tridentmq_shared.settings import SettingsError
@@ -185,8 +186,8 @@ class ReplicationSource:
     def __init__(self, broker: Broker, store: JournalStore, identity: NodeIdentity, server_id: str,
                  settings: CoreSettings, cluster: Callable[[], ClusterManager | None],
                  members: Callable[[], list[dict[str, Any]]], fenced: Callable[[str], None],
-                 hand_over: Callable[[], Coroutine[Any, Any, None]],
-                 drop_link: Callable[[str], None]) -> None:  # fmt: skip
+                 hand_over: Callable[[], Coroutine[Any, Any, None]], drop_link: Callable[[str], None],
+                 abort_link: Callable[[str], None]) -> None:  # fmt: skip
         self.broker = broker
         self.store = store
         self.identity = identity
@@ -197,6 +198,7 @@ class ReplicationSource:
         self._fenced = fenced
         self._hand_over = hand_over
         self._drop_link = drop_link  # closes a link's connection once its CLOSE is written
+        self._abort_link = abort_link  # closes it at once (a peer that does not read)
         self.failing_back = False
         self.session: Session | None = None
         self.feed: ReplicaFeed | None = None
@@ -205,6 +207,7 @@ class ReplicationSource:
         self.backup_role = BACKUP  # the role the backup is configured with (a returned primary: failback)
         self._sync_end_sent = 0
         self.held_since = 0.0  # monotonic: confirms wait for a quorum since then (0: they do not)
+        self._progress_at = 0.0  # monotonic: the backup last acknowledged something, or had nothing to
         self._stay_task: asyncio.Task[None] | None = None
 
     @property
@@ -276,6 +279,7 @@ class ReplicationSource:
         feed = self.feed
         if session is not self.session or feed is None:
             return
+        self._progress_at = time.monotonic()
         try:
             became_in_sync = feed.ack(upto)
         except ValueError as exc:
@@ -316,7 +320,10 @@ class ReplicationSource:
 
     def tick(self) -> None:
         session, feed = self.session, self.feed
-        if session is None or feed is None or session.conn_id in self.broker.sessions:
+        if session is None or feed is None:
+            return
+        if session.conn_id in self.broker.sessions:
+            self._check_progress(session, feed)
             return
         self.session = self.feed = None
         self._members_changed()
@@ -337,6 +344,20 @@ class ReplicationSource:
         self.held_since = time.monotonic()
         self._stay_task = asyncio.get_running_loop().create_task(self._ask_to_stay(), name="ha-stay")
 
+    def _check_progress(self, session: Session, feed: ReplicaFeed) -> None:
+        """A backup that acknowledges nothing for a heartbeat timeout while records wait is lost, even if its
+        heartbeats still arrive: when only this node's packets are dropped, the backup stops hearing from it
+        (and may take over) while its own frames still come through for a while."""
+        now = time.monotonic()
+        if not feed.in_sync or not feed.pending or self.failing_back:
+            self._progress_at = now
+            return
+        timeout = self.settings.link.heartbeat_ms * HEARTBEAT_TIMEOUT_FACTOR / 1000
+        if now - self._progress_at > timeout:
+            log.warning("backup acknowledged nothing for the heartbeat timeout: dropping it",
+                        extra={"backup": self.backup, "pending": feed.pending})  # fmt: skip
+            self._abort_link(session.conn_id)
+
     async def _ask_to_stay(self) -> None:
         request = VoteRequest(STAY, self.identity.node_id, self.identity.epoch, self.server_id)
         retry = self.settings.ha.vote_retry_ms / 1000
@@ -350,6 +371,12 @@ class ReplicationSource:
             newer = max((_number(a, "epoch") for a in [*answers, backup] if a is not None), default=0)
             if newer > self.identity.epoch:
                 self._fenced(f"epoch {newer} of this pair was promised to, or taken by, another copy")
+                return
+            claimed = sum(1 for a in answers if a is not None and a.get("granted") is not True
+                          and _number(a, "epoch") == self.identity.epoch
+                          and a.get("promisee", "") not in ("", self.server_id))  # fmt: skip
+            if claimed >= quorum(pairs):  # another copy won this very epoch by vote (this one had it by failback)
+                self._fenced(f"epoch {self.identity.epoch} of this pair was won by another copy")
                 return
             grants = 1 + sum(1 for a in answers if a is not None and a.get("granted"))  # this node's vote counts
             if grants >= quorum(pairs):
@@ -420,6 +447,15 @@ class BackupState:
                                         "activated": self.activated}))  # fmt: skip
 
 
+def mark_released(data_dir: Path) -> None:
+    """This copy handed its pair over (failback): it may serve again only after copying the node it handed
+    to, never by bidding with its old copy while that node still replays its journal."""
+    path = data_dir / HA_STATE_FILE
+    state = BackupState.load(path)
+    state.in_sync = state.activated = False
+    state.save(path)
+
+
 class BackupRunner:
     """A backup: copy the primary's journal, and take over when it is lost and a quorum agrees."""
 
@@ -488,7 +524,7 @@ class BackupRunner:
                     return
             if self.state.in_sync and await self._take_over(None):
                 return  # no copy of the pair is active anywhere, and this one is the freshest
-            await asyncio.sleep(delay)
+            await asyncio.sleep(delay * random.uniform(0.5, 1.5))  # noqa: S311 - jitter: two copies may both ask
             delay = min(delay * cluster.retry_multiplier, cluster.max_retry_interval_ms / 1000)
 
     async def _copy_from(self, host: str, port: int) -> bool:
@@ -633,10 +669,27 @@ class BackupRunner:
                 break
             request = VoteRequest(ACTIVATE, node_id, epoch, self.server_id, data_epoch)
             answers = [a for a in await ask_votes(self.settings, voters, request) if a is not None]
-            grants = sum(1 for a in answers if a.get("granted"))
-            if voters and grants >= needed:
+            grants = sum(1 for a in answers if a.get("granted") is True)
+            stale = max((_number(a, "fresh") for a in answers), default=0) > data_epoch
+            if voters and grants >= needed and not stale:
                 log.info("quorum reached", extra={"votes": grants, "pairs": self.state.pairs, "epoch": epoch})
-                break
+                # Commit before serving: a majority must still hold this epoch for this copy. A voter that
+                # grants the commit knows the pair serves at ``epoch`` and refuses any copy older than that;
+                # one that promised a higher epoch to another copy meanwhile refuses it, and that copy, not
+                # this one, may activate. Two majorities share a voter, so never both.
+                commit = VoteRequest(STAY, node_id, epoch, self.server_id)
+                answers = [a for a in await ask_votes(self.settings, voters, commit) if a is not None]
+                grants = sum(1 for a in answers if a.get("granted") is True)
+                if grants >= needed:
+                    break
+                log.warning("epoch won but not committed: asking again", extra={"epoch": epoch, "votes": grants})
+                if grants:
+                    # Those voters now refuse copies older than ``epoch``. Nobody else can have served at it
+                    # (a majority promised it to this copy) and this copy wrote nothing at it, so its data
+                    # is whole at ``epoch``: say so, or both copies would be stale against a phantom.
+                    data_epoch = self.state.epoch = epoch
+                    self.state.activated = False
+                    self.state.save(self.state_path)
             fresh = max((_number(a, "fresh") for a in answers), default=0)
             if fresh > data_epoch:
                 self._note(f"the pair was active at epoch {fresh}, newer than this copy's {data_epoch}: "
@@ -644,17 +697,14 @@ class BackupRunner:
                 self.state.in_sync = False  # only a copy of the active node is whole from now on
                 self.state.save(self.state_path)
                 return False
-            taken = [a for a in answers if not a.get("granted") and _number(a, "epoch") >= epoch
-                     and a.get("promisee") != self.server_id]  # fmt: skip
-            if taken:
-                # Another copy of this pair asked for this epoch or a higher one. If the voters promised to
-                # it, plus those that did not answer, could make a majority, it may have won and be serving
-                # unseen (still replaying its journal): wait for it. Otherwise the votes split and nobody
-                # can win those epochs: ask above them, after a random pause so the two do not split again.
-                if len(taken) + len(voters) - len(answers) >= needed:
-                    self._note("another copy of this pair may have won: looking for it")
-                    return False
-                epoch = self._next_epoch = max(_number(a, "epoch") for a in taken) + 1
+            promised = max((_number(a, "epoch") for a in answers if a.get("granted") is not True), default=0)
+            if promised >= epoch and len(answers) >= needed:
+                # Another copy of this pair asked for this epoch or a higher one, and the votes split: ask
+                # above them, after a random pause so the two do not split again. Safe, since a copy
+                # serves only once a majority committed its epoch, and then any majority of answers
+                # includes a voter that refuses this copy as stale. (With fewer answers, a committed
+                # epoch could hide among the silent: bidding above it would fence the serving copy.)
+                epoch = self._next_epoch = promised + 1
             lost = "primary lost" if primary else "no active copy"
             self.reason = f"{lost}: {grants} of {needed} votes (pairs: {self.state.pairs})"
             if primary is None or await self._primary_back(*primary):
@@ -684,6 +734,7 @@ class BackupRunner:
         finally:
             for task in asking:
                 task.cancel()
+            await asyncio.gather(*asking, return_exceptions=True)  # their links are closed before going on
 
     async def _members_at(self, host: str, port: int) -> list[Any] | None:
         client = node_link(self.settings, host, port, f"vote:{self.settings.node.name}", connect_timeout=VOTE_TIMEOUT)
@@ -691,6 +742,9 @@ class BackupRunner:
             await client.connect()
             members = (await asyncio.wait_for(client.topology({}), VOTE_TIMEOUT)).get("members")
         except (LinkRequestError, OSError, TimeoutError):
+            return None
+        except Exception:  # another node's answer is input: one odd answer must not end the backup's task
+            log.exception("unexpected answer to a topology request", extra={"node": f"{host}:{port}"})
             return None
         finally:
             await client.close()

@@ -8,10 +8,9 @@ at which it activated. Active nodes vote:
   when it cannot reach that node either (for at least the grace period), has never promised this epoch or
   a higher one for the pair, and the copy is fresh: its data epoch is not below the epoch the voter saw
   the pair active at, nor below the data epoch of the copy it last promised to. It then promises
-  ``epoch``. Two copies asking for the same epoch can split the votes so that neither wins. A candidate
-  asks again above the promises only when the answers prove that no other copy can hold a majority at
-  any of those epochs (the candidate's side, outside this module); a stale copy is refused whatever epoch
-  it asks for.
+  ``epoch``. A winner commits its epoch before serving with a ``stay`` at that epoch (below), which makes
+  a majority refuse older copies from then on. Two copies asking for the same epoch can split the votes
+  so that neither wins; a candidate then asks again above the promises, which the commit keeps safe.
 - ``stay``: a primary lost its in-sync backup (or starts) and asks whether it may go on alone at ``epoch``.
   A voter grants it when it has promised no higher epoch (no backup took over meanwhile), nor this epoch
   to another server (a copy that won it by vote, while the asking one held it without a vote: failback).
