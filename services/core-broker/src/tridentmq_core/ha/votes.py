@@ -42,6 +42,8 @@ class VoteRequest:
     data_epoch: int = 0  # the asking copy's data epoch (ACTIVATE); a STAY's is its epoch
 
     def __post_init__(self) -> None:
+        # A stay speaks for the copy serving at ``epoch``; an activate that names no data epoch (0, which no
+        # copy has) is a copy asking for the epoch after its own.
         if self.kind == STAY or not self.data_epoch:
             object.__setattr__(self, "data_epoch", self.epoch if self.kind == STAY else self.epoch - 1)
 
@@ -132,7 +134,8 @@ class VoteBook:
             if not (isinstance(entry, list) and len(entry) == 3 and type(entry[0]) is int
                     and isinstance(entry[1], str) and type(entry[2]) is int):  # fmt: skip
                 raise ValueError(f"malformed vote book entry for {node_id!r}")
-            promised[node_id] = (entry[0], entry[1])
+            if entry[0] or entry[1]:  # an entry may carry only a data epoch
+                promised[node_id] = (entry[0], entry[1])
             if entry[2]:
                 fresh[node_id] = entry[2]
         return VoteBook(promised, fresh)
