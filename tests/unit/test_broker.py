@@ -865,6 +865,21 @@ def test_dedup_cache_is_bounded_and_forgets() -> None:
     assert not cache.seen("c", 1021)
 
 
+def test_dedup_cache_evicts_the_oldest_live_id_past_forgotten_and_renewed_ones() -> None:
+    cache = DuplicateIdCache(window_ms=100, max_entries=2)
+    assert not cache.seen("a", 0)
+    assert not cache.seen("b", 50)
+    assert not cache.seen("a", 150)  # a's window has passed: it arrives anew, the newest now
+    assert not cache.seen("c", 160)  # evicts b, the oldest live id, not a's first arrival
+    assert len(cache) == 2
+    assert cache.seen("a", 170)
+    cache.forget("c")
+    assert not cache.seen("d", 180)  # room: c was forgotten, so nothing is evicted
+    assert cache.seen("a", 190)
+    assert cache.seen("d", 190)
+    assert [dedup_id for dedup_id, _ in cache.entries()] == ["a", "d"]
+
+
 # ====================================================================== regressions of fixed bugs
 def test_failed_commit_applies_nothing_and_can_be_rolled_back() -> None:
     h = with_address_settings(auto_create_addresses=False, auto_create_queues=False)
