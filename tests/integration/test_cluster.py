@@ -24,6 +24,7 @@ from tests.integration.cluster_nodes import (
     start_node,
     wait_converged,
     wait_until,
+    wait_until_async,
 )
 from tests.redis_server import RedisServer
 
@@ -433,3 +434,86 @@ async def test_non_durable_messages_reach_a_consumer_on_another_node(tmp_path: P
     assert got == bodies(3000)  # in order: sent straight, or through the forward queue when the link is busy
     assert counters(a)["forwarded"] == 3000
     stop_all(nodes)
+
+
+def journal_records(node: CoreProcess) -> float:
+    with urllib.request.urlopen(node.management_url + "/metrics", timeout=5) as response:
+        lines = response.read().decode().splitlines()
+    return float(next(line.split()[1] for line in lines if line.startswith("tridentmq_journal_records_synced_total ")))
+
+
+async def test_a_durable_message_for_one_other_node_is_written_through_and_a_resend_after_a_crash_is_a_duplicate(
+        tmp_path: Path) -> None:  # fmt: skip
+    nodes = start_cluster(tmp_path, 2)
+    a, b = nodes
+    messages = [(f"m{i}".encode(), f"producer-9:{i}") for i in range(200)]
+
+    async def send_all() -> None:
+        async with client(a) as ca:
+            futures = [await ca.send(new_message("through", body, durable=True, dedup_id=dedup))
+                       for body, dedup in messages]  # fmt: skip
+            await asyncio.gather(*futures)
+
+    async with client(b) as cb:
+        await cb.subscribe("through", credit=0)
+        wait_until(lambda: remote_consumers(a, "through") == 1, what="a to see b's consumer")
+        before = journal_records(a)
+        await send_all()  # confirmed once b has them on disk
+        # Written through: a journaled none of them (store-and-forward would write each twice).
+        assert journal_records(a) - before < len(messages)
+    # a dies before its producers saw the confirms; they send everything again to a's next life.
+    a.process.send_signal(signal.SIGKILL)
+    a.process.wait()
+    a = start_core(tmp_path, "node-0", **cluster_env([b]))
+    wait_converged([a, b])
+    async with client(b) as cb:
+        consumer = await cb.subscribe("through", credit=1000)
+        wait_until(lambda: remote_consumers(a, "through") == 1, what="the restarted node to see b's consumer")
+        await send_all()
+        got = await take(consumer, 2 * len(messages), timeout=3)
+    assert got == [body for body, _ in messages]  # each once, in order: b knew the resends as duplicates
+    stop_all([a, b])
+
+
+async def test_messages_held_for_a_stalled_node_are_stored_and_confirmed_when_it_dies(tmp_path: Path) -> None:
+    nodes = start_cluster(tmp_path, 2, node_gone_ms="60000", core_link_heartbeat_ms="1000")
+    a, b = nodes
+    count = 10_000  # more than b's publish window (8,192) for a's cluster connection: the rest waits on a
+    async with client(b) as cb:
+        await cb.subscribe("stalled", credit=10)
+        wait_until(lambda: remote_consumers(a, "stalled") == 1, what="a to see b's consumer")
+    b.process.send_signal(signal.SIGSTOP)  # b reads nothing more: what a sends fills the socket, then waits
+    try:
+        async with client(a) as ca:
+            futures = [await ca.send(new_message("stalled", body, durable=True)) for body in bodies(count)]
+            await asyncio.sleep(0.3)
+            assert not any(f.done() for f in futures)  # b never confirmed them, so neither did a
+            window = 8192
+            assert ca.publish_credit <= window - (count - window)  # the producer's credit waits with them
+            b.process.send_signal(signal.SIGKILL)
+            b.process.wait()
+            # a declares the link dead, stores what was in flight or held for b, and only then confirms.
+            await asyncio.wait_for(asyncio.gather(*futures), 15)
+            await wait_until_async(lambda: ca.publish_credit == window, what="the producer's credit to return")
+    finally:
+        b.process.send_signal(signal.SIGCONT)
+    b = start_core(tmp_path, "node-1", **cluster_env([a]))
+    wait_converged([a, b])
+    async with client(b) as cb:
+        got = await take(await cb.subscribe("stalled", credit=1000), count + 1, timeout=10)
+    assert sorted(got) == sorted(bodies(count))  # all of them, once each
+    stop_all([a, b])
+
+
+async def test_a_durable_message_refused_by_the_node_it_was_written_through_to_is_kept_here(tmp_path: Path) -> None:
+    a = start_node(tmp_path, "node-0")
+    b = start_node(tmp_path, "node-1", [a], core_broker_max_message_bytes="1000")
+    wait_converged([a, b])
+    async with client(b) as cb:
+        on_b = await cb.subscribe("big", credit=10)
+        wait_until(lambda: remote_consumers(a, "big") == 1, what="a to see b's consumer")
+        await publish(a, "big", [b"x" * 5000])  # too big for b: a stores it itself, then confirms
+        await on_b.close()
+    async with client(a) as ca:
+        assert await take(await ca.subscribe("big", credit=10), 1) == [b"x" * 5000]
+    stop_all([a, b])

@@ -13,6 +13,7 @@ import itertools
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Any, Final
 
 from tridentmq_core.address_settings import AddressSettingsRepository, ResolvedAddressSettings
@@ -65,6 +66,14 @@ ORIGINAL_ADDRESS = "_AMQ_ORIG_ADDRESS"
 ORIGINAL_QUEUE = "_AMQ_ORIG_QUEUE"
 ORIGINAL_REASON = "_AMQ_ORIG_REASON"
 MAX_WILL_KEY = 512
+
+
+class Direct(IntEnum):
+    """What a cluster connection did with a message offered to it directly (``Broker.send_direct``)."""
+
+    REFUSED = 0  # the link cannot take it now: it goes to the forward queue
+    SENT = 1
+    HELD = 2  # waits in memory for the link's credit, and its producer's publish credit waits with it
 
 
 class BrokerError(Exception):
@@ -213,8 +222,13 @@ class Broker:
         self.bindings_version = 0  # bumped whenever a queue or a consumer comes or goes
         self.forward_queues: dict[str, Queue] = {}  # connected node id → its store-and-forward queue
         self.arrivals = Arrivals()  # when messages that came from another node arrived (minimum residence)
-        # Sends a non-durable message to a connected node now, bypassing its forward queue; False: cannot now.
-        self.send_direct: Callable[[str, WireMessage], bool] | None = None
+        # Offers a message to a connected node, bypassing its forward queue: the confirm token of a durable
+        # message written through (0 for a non-durable one), and the producer's session when the message may
+        # wait for the link's credit (holding that producer's credit back meanwhile).
+        self.send_direct: Callable[[str, WireMessage, int, Session | None], Direct] | None = None
+        self._next_through_token = -1  # written-through messages count down: store tokens are positive
+        self._publisher: Session | None = None  # whose publishes ``_publish_batch`` is accepting
+        self._withheld = 0  # how many of them wait for a cluster connection (their credit comes back later)
         store.attach(self.on_durable)
 
     # ------------------------------------------------------------------ sessions
@@ -435,7 +449,8 @@ class Broker:
         conn = session.conn
         send_ok = session.send_ok
         max_bytes = self.settings.broker.max_message_bytes
-        accept = self._accept_from_cluster if session.principal.cluster else self._accept_message
+        accept = self._accept_from_cluster if session.principal.cluster else self._accept_published
+        self._publisher, self._withheld = session, 0
         confirm = conn.confirm
         addresses = self.addresses
         limits = self._limits
@@ -488,15 +503,17 @@ class Broker:
                 self._pending_confirms[token] = (session, seq)
             else:
                 confirm(seq)
+        self._publisher = None
+        credit = len(ops) - self._withheld  # the held ones' comes with ``return_publish_credit``
         if self.memory.used < self._memory_limit and not full and not self._paging_behind():
-            conn.grant_publish_credit(len(ops))
+            conn.grant_publish_credit(credit)
         else:
             if not self._blocked:
                 log.warning("memory, address or paging limit reached: producers are blocked until it clears",
                             extra={"used": self.memory.used, "limit": self._memory_limit,
                                    "full_addresses": ",".join(sorted(full)),
                                    "paging_behind": self._paging_behind()})  # fmt: skip
-            self._blocked[session] = self._blocked.get(session, 0) + len(ops)
+            self._blocked[session] = self._blocked.get(session, 0) + credit
             if full:
                 self._blocked_on.setdefault(session, set()).update(full)
         self.dirty.add(session)
@@ -515,6 +532,17 @@ class Broker:
     def _address_bytes(self, address: str) -> int:
         existing = self.addresses.get(address)
         return sum(q.bytes for q in existing.queues.values()) if existing is not None else 0
+
+    def return_publish_credit(self, session: Session, credit: int) -> None:
+        """Publishes of ``session`` held for a cluster connection's credit went out: it may send as many more
+        (once unblocked, if the node is blocking producers)."""
+        if self.sessions.get(session.conn_id) is not session:
+            return
+        if session in self._blocked:
+            self._blocked[session] += credit
+        else:
+            session.conn.grant_publish_credit(credit)
+            self.dirty.add(session)
 
     def _unblock_producers(self) -> None:
         """Give blocked producers their credit back once memory, and every address they filled, is under 90 %."""
@@ -571,8 +599,13 @@ class Broker:
         self.counters.rejected += 1
         conn.reject(seq, code, text)
 
-    def _accept_message(self, message: WireMessage, now_ms: int) -> int:
-        """Route a message into its queues; returns a store token when the confirm must wait for it."""
+    def _accept_published(self, message: WireMessage, now_ms: int) -> int:
+        """A producer's publish: its confirm may wait for another node's (a durable message written through)."""
+        return self._accept_message(message, now_ms, through=True)
+
+    def _accept_message(self, message: WireMessage, now_ms: int, *, through: bool = False) -> int:
+        """Route a message into its queues; returns a token when the confirm must wait: a store token, or with
+        ``through`` a negative one that another node's confirm releases (see ``_forward``)."""
         dedup_id = message[M_DEDUP]
         if dedup_id is not None and self._dedup.seen(dedup_id, now_ms):
             self.counters.duplicates += 1
@@ -588,7 +621,7 @@ class Broker:
             kinds = self._kinds(message[M_ADDRESS], message[M_ROUTING])
             queues, remote = cluster.balance(message, message[M_ADDRESS], queues, kinds, self.bindings_version)
             if remote:
-                return self._admit(message, queues, now_ms, remote)
+                return self._admit(message, queues, now_ms, remote, through=through)
         return self._admit(message, queues, now_ms)
 
     def _accept_from_cluster(self, message: WireMessage, now_ms: int) -> int:
@@ -619,9 +652,11 @@ class Broker:
         return token
 
     def _admit(self, message: WireMessage, queues: tuple[Queue, ...], now_ms: int,
-               remote: dict[str, list[str]] | None = None, delivered: int = 0) -> int:  # fmt: skip
+               remote: dict[str, list[str]] | None = None, delivered: int = 0, *,
+               through: bool = False) -> int:  # fmt: skip
         """Store a routed message in its local queues and the store-and-forward queues of ``remote``;
-        ``delivered``: delivery attempts it had on another node (its next delivery counts on from them)."""
+        ``delivered``: delivery attempts it had on another node (its next delivery counts on from them);
+        ``through``: a durable message for one other node only may be written through to it."""
         message[M_ID] = self._next_id
         self._next_id += 1
         if not message[M_TIMESTAMP]:
@@ -640,9 +675,13 @@ class Broker:
             if durable_queues:
                 token = self.store.add_message(message, durable_queues)
         if remote:
-            for node_id, names in remote.items():
-                # The journal syncs in order: the last record's token covers the earlier ones.
-                token = max(token, self._forward(message, node_id, tuple(names), 1, now_ms))
+            if through and not token and len(remote) == 1:
+                ((node_id, names),) = remote.items()
+                token = self._forward(message, node_id, tuple(names), 1, now_ms, through=True)
+            else:
+                for node_id, names in remote.items():
+                    # The journal syncs in order: the last record's token covers the earlier ones.
+                    token = max(token, self._forward(message, node_id, tuple(names), 1, now_ms))
         if message[M_SCHEDULED] > now_ms:
             for queue in queues:
                 self._schedule(message[M_SCHEDULED], queue, message, 0)
@@ -657,27 +696,52 @@ class Broker:
                 to_dispatch.add(queue)
         return token
 
-    def _forward(self, message: WireMessage, target: str, queues: tuple[str, ...], hops: int, now_ms: int) -> int:
+    def _forward(self, message: WireMessage, target: str, queues: tuple[str, ...], hops: int, now_ms: int,
+                 *, through: bool = False) -> int:  # fmt: skip
         """Put a copy of ``message`` for node ``target`` in the store-and-forward queue of the connected node
-        it goes through; the copy stays there until that node confirms it. Returns the store token."""
+        it goes through; the copy stays there until that node confirms it. Returns the store token.
+
+        When that queue is empty (so order holds) and the link can take it now, the copy goes straight over
+        the link instead. A non-durable one needs nothing on disk. A durable one may be written through
+        (``through``): the producer's confirm then waits for the other node's, which comes once the message is
+        safe there, and it is never journaled here; the returned token is negative and ``on_durable`` gets it
+        with that confirm. If the link drops or the other node refuses it first, it is stored here after all
+        (``requeue_forwards``, ``place_refused``) and confirmed once that is safe.
+
+        With ``through`` the copy may also wait in memory for the link's credit, and its producer's publish
+        credit with it: when the other node takes messages more slowly than producers send them, producers
+        slow down to its pace rather than this node storing and forwarding every message."""
         assert self.cluster is not None
         via = self.cluster.bindings.next_hop(target) or target
         forward_queue = self.forward_queue(via, now_ms)
         copy = list(message)
         copy[M_ID] = self._next_id
         self._next_id += 1
-        header = ForwardHeader(target, queues, hops, f"{self.node_id}:{copy[M_ID]}")
+        durable = copy[M_DURABLE]
+        # A written-through message was stored nowhere here: if this node dies before the other confirms, the
+        # producer sends it again, so the transfer's id must be the producer's to be a duplicate over there.
+        producer_dedup = message[M_DEDUP] if durable and through else None
+        transfer_id = f"p:{producer_dedup}" if producer_dedup else f"{self.node_id}:{copy[M_ID]}"
+        header = ForwardHeader(target, queues, hops, transfer_id)
         copy[M_PROPS] = {**message[M_PROPS], FORWARD_PROPERTY: header.encode()}
         self.counters.forwarded += 1
-        if not copy[M_DURABLE] and not len(forward_queue) and self.send_direct is not None \
-                and self.send_direct(via, copy):  # fmt: skip
-            if self._audit_all:
-                self._emit_message(now_ms, "msg.forwarded", copy, None, target_node=target, target_queues=list(queues))
-            return 0
-        token = self.store.add_message(copy, (forward_queue.name,)) if copy[M_DURABLE] else 0
+        audit = (durable and self._audit_durable) or self._audit_all
+        if (through or not durable) and not len(forward_queue) and self.send_direct is not None:
+            token = self._next_through_token if durable else 0
+            taken = self.send_direct(via, copy, token, self._publisher if through else None)
+            if taken:
+                if durable:
+                    self._next_through_token -= 1
+                if taken is Direct.HELD:
+                    self._withheld += 1
+                if audit:
+                    self._emit_message(now_ms, "msg.forwarded", copy, None, target_node=target,
+                                       target_queues=list(queues))  # fmt: skip
+                return token
+        token = self.store.add_message(copy, (forward_queue.name,)) if durable else 0
         forward_queue.add(copy)
         self._to_dispatch.add(forward_queue)
-        if (copy[M_DURABLE] and self._audit_durable) or self._audit_all:
+        if audit:
             self._emit_message(now_ms, "msg.forwarded", copy, forward_queue, target_node=target,
                                target_queues=list(queues))  # fmt: skip
         return token
@@ -720,16 +784,32 @@ class Broker:
             queue.add(message)
         return moved
 
-    def requeue_forwards(self, node_id: str, messages: list[WireMessage], now_ms: int) -> None:
-        """Non-durable messages sent straight to ``node_id`` whose link dropped before it confirmed them: they
-        wait in its forward queue like the others (after them: the one exception to their order)."""
+    def requeue_forwards(self, node_id: str, messages: list[tuple[WireMessage, int]], now_ms: int) -> None:
+        """Messages sent straight to ``node_id``, with their confirm tokens, whose link dropped before it
+        confirmed them: they wait in its forward queue like the others (after them: the one exception to their
+        order). A durable one is stored now, and its producer's confirm waits for that instead."""
         queue = self.forward_queue(node_id, now_ms)
-        for message in messages:
+        for message, token in messages:
+            if message[M_DURABLE]:
+                self._pass_confirm(token, self.store.add_message(message, (queue.name,)))
             queue.add(message)
         self._to_dispatch.add(queue)
 
-    def place_refused(self, message: WireMessage, now_ms: int) -> None:
-        """A message sent straight to another node, which refused it: deliver it here instead."""
+    def _pass_confirm(self, token: int, new_token: int) -> None:
+        """The confirm that waited for ``token`` waits for ``new_token`` now (none: it goes at once)."""
+        waiting = self._pending_confirms.pop(token, None) if token else None
+        if waiting is None:
+            return
+        if new_token:
+            self._pending_confirms[new_token] = waiting
+        else:
+            session, seq = waiting
+            session.conn.confirm(seq)
+            self.dirty.add(session)
+
+    def place_refused(self, message: WireMessage, now_ms: int, token: int = 0) -> None:
+        """A message sent straight to another node, which refused it: deliver it here instead. ``token``: the
+        producer's confirm that waits for it (written through), now for its storage here."""
         try:
             header = ForwardHeader.decode(message[M_PROPS].get(FORWARD_PROPERTY))
         except ValueError:
@@ -739,9 +819,16 @@ class Broker:
         copy[M_DEDUP] = None
         local = tuple(q for name in header.queues if (q := self.queues.get(name)) is not None)
         try:
-            self._admit(copy, local or self._route(copy, now_ms, create=True), now_ms)
+            stored = self._admit(copy, local or self._route(copy, now_ms, create=True), now_ms)
         except BrokerError as exc:
-            log.warning("refused forwarded message dropped", extra={"reason": exc.text})
+            waiting = self._pending_confirms.pop(token, None) if token else None
+            if waiting is None:
+                log.warning("refused forwarded message dropped", extra={"reason": exc.text})
+            else:  # not confirmed yet: its producer learns why
+                self._reject(waiting[0].conn, waiting[1], exc.code, exc.text)
+                self.dirty.add(waiting[0])
+            return
+        self._pass_confirm(token, stored)
 
     def reroute_refused(self, session: Session, consumer: Consumer, message_id: int, now_ms: int) -> None:
         """The node a forwarded message was for refused it: deliver it here, by its queues or its address."""
@@ -799,7 +886,8 @@ class Broker:
         self._to_dispatch.add(queue)
 
     def on_durable(self, token: int) -> None:
-        """The store made the message behind ``token`` safe: confirm it to its producer."""
+        """The store made the message behind ``token`` safe, or (a negative token) the node it was written
+        through to confirmed it: confirm it to its producer."""
         held = self._held_deliveries.pop(token, None)
         if held is not None:
             for consumer, delivery_count, message in held:

@@ -102,7 +102,9 @@ class ClusterSection:
                                                    "consumers) or OFF_WITH_REDISTRIBUTION (local routing, but "
                                                    "backlog moves to where the consumers are).")  # fmt: skip
     forward_window: int = doc(10_000, "Forwarded messages in flight to one node (and per queue being "
-                                      "redistributed) before waiting for its confirms.")  # fmt: skip
+                                      "redistributed) before waiting for its confirms; also how many "
+                                      "published messages may wait in memory for room on the link to one "
+                                      "node before more go to its store-and-forward queue.")  # fmt: skip
     min_residence_ms: int = doc(2000, "A message that came from another node is not redistributed again "
                                       "before this long (no ping-pong when consumers flap).")  # fmt: skip
     retry_interval_ms: int = doc(100, "First retry delay of a cluster connection that failed.")

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from tridentmq_core.broker import FORWARD_QUEUE_PREFIX, Broker, BrokerError, Session
+from tridentmq_core.broker import FORWARD_QUEUE_PREFIX, Broker, BrokerError, Direct, Session
 from tridentmq_core.cluster.balancer import Balancer, is_local_consumer
 from tridentmq_core.cluster.bindings import Binding, BindingError, Key, RemoteBindings
 from tridentmq_core.cluster.discovery import Announcement, RedisDiscovery
@@ -171,10 +171,12 @@ class Bridge:
         self.session: Session | None = None
         self.consumers: dict[int, Consumer] = {}
         self._next_consumer = FORWARDER_ID + 1
-        self._waiting: deque[tuple[Consumer, int, WireMessage]] = deque()  # forwards waiting for publish credit
+        # Waiting for the link's publish credit: forwards (consumer, message id, message, None), and messages
+        # held for a producer (None, confirm token, message, the producer's session).
+        self._waiting: deque[tuple[Consumer | None, int, WireMessage, Session | None]] = deque()
         self._confirmed: dict[Consumer, list[int]] = {}
-        # Sent and awaiting the other node's confirm: (future, consumer, message id), or, for a non-durable
-        # message sent without a forward queue, (future, None, 0, the message).
+        # Sent and awaiting the other node's confirm: (future, consumer, message id, None), or, for a message
+        # sent without a forward queue, (future, None, its confirm token or 0 if non-durable, the message).
         self._sent: deque[tuple[asyncio.Future[None], Consumer | None, int, WireMessage | None]] = deque()
         self._stopping = False
         self.task: asyncio.Task[None] | None = None
@@ -321,12 +323,20 @@ class Bridge:
             self.session = None
             manager.schedule_flush()
         self.consumers.clear()
+        held = [(message, token, publisher) for consumer, token, message, publisher in self._waiting
+                if consumer is None and publisher is not None]  # fmt: skip
         self._waiting.clear()
         self._confirmed.clear()
-        # Non-durable messages sent straight and not confirmed wait in the forward queue for the next link.
-        unconfirmed = [m for f, _, _, m in self._sent if m is not None and not (f.done() and not f.exception())]
+        # Messages sent straight and not confirmed, then those held for credit, wait in the forward queue for
+        # the next link.
+        unconfirmed = [(m, token) for f, _, token, m in self._sent
+                       if m is not None and not (f.done() and not f.exception())]  # fmt: skip
+        unconfirmed += [(message, token) for message, token, _ in held]
         if unconfirmed and self.node_id:
             manager.broker.requeue_forwards(self.node_id, unconfirmed, _now_ms())
+        for _, _, publisher in held:
+            manager.broker.return_publish_credit(publisher, 1)
+        if unconfirmed:
             manager.schedule_flush()
         self._sent.clear()
         if self.node_id and manager.bridges_by_node.get(self.node_id) is self:
@@ -352,26 +362,37 @@ class Bridge:
         else:
             outgoing = message
         if self._waiting or not _can_send(client):
-            self._waiting.append((consumer, message[M_ID], outgoing))
-            if len(self._waiting) == 1:
-                asyncio.get_running_loop().create_task(self._send_waiting(client))
+            self._wait((consumer, message[M_ID], outgoing, None), client)
             return
         self._send(client, consumer, message[M_ID], outgoing)
+
+    def _wait(self, entry: tuple[Consumer | None, int, WireMessage, Session | None], client: LinkClient) -> None:
+        self._waiting.append(entry)
+        if len(self._waiting) == 1:
+            asyncio.get_running_loop().create_task(self._send_waiting(client))
 
     def _send(self, client: LinkClient, consumer: Consumer, message_id: int, outgoing: WireMessage) -> None:
         # No callback per message: the other node confirms in order, and ``_on_settled`` walks this queue
         # once per read that brought confirms.
         self._sent.append((client.send_now(outgoing), consumer, message_id, None))
 
-    def send_direct(self, message: WireMessage) -> bool:
-        """Send a non-durable message for the other node at once, not through the forward queue (when that
-        queue is empty, so order holds): nothing needs to be kept on disk for it, and it saves the queue's
-        bookkeeping. False when the link cannot take it now; the message then takes the queue."""
+    def send_direct(self, message: WireMessage, token: int, publisher: Session | None) -> Direct:
+        """Send a message for the other node at once, not through the forward queue (the broker offers it only
+        when that queue is empty, so order holds): a non-durable one needs nothing on disk, a durable one is
+        written through (its producer's confirm waits for ``token``, released when the other node confirms),
+        and it saves the queue's bookkeeping. When the link has no credit now, a message with a ``publisher``
+        waits here for it, up to the forwarding window (the broker holds that producer's credit back until
+        it goes); any other then takes the queue."""
         client = self.client
-        if self.state != "up" or client is None or self._waiting or not _can_send(client):
-            return False
-        self._sent.append((client.send_now(message), None, 0, message))
-        return True
+        if self.state != "up" or client is None:
+            return Direct.REFUSED
+        if not self._waiting and _can_send(client):
+            self._sent.append((client.send_now(message), None, token, message))
+            return Direct.SENT
+        if publisher is None or len(self._waiting) >= self.manager.settings.cluster.forward_window:
+            return Direct.REFUSED
+        self._wait((None, token, message, publisher), client)
+        return Direct.HELD
 
     def _on_settled(self) -> None:
         sent = self._sent
@@ -379,21 +400,36 @@ class Bridge:
             future, consumer, message_id, direct = sent.popleft()
             if consumer is not None:
                 self._settled(future, consumer, message_id)
-            elif not future.cancelled() and isinstance(error := future.exception(), LinkRequestError) and \
-                    error.code != ErrorCode.EOF and direct is not None:  # fmt: skip
+            elif future.cancelled() or direct is None:
+                continue
+            elif (error := future.exception()) is None:
+                if message_id:  # the confirm token of a message written through: safe over there now
+                    self.manager.broker.on_durable(message_id)
+            elif isinstance(error, LinkRequestError) and error.code != ErrorCode.EOF:
                 log.warning("forwarded message refused", extra={"to": self.address, "code": error.code,
                                                                  "reason": error.text})  # fmt: skip
-                self.manager.broker.place_refused(direct, _now_ms())
+                self.manager.broker.place_refused(direct, _now_ms(), message_id)
         if self._confirmed:
             self._settle()
 
     async def _send_waiting(self, client: LinkClient) -> None:
+        broker = self.manager.broker
         try:
             while self._waiting and client is self.client:
                 await client.wait_for_credit()
+                released: dict[Session, int] = {}
                 while self._waiting and _can_send(client):
-                    consumer, message_id, outgoing = self._waiting.popleft()
-                    self._send(client, consumer, message_id, outgoing)
+                    consumer, number, outgoing, publisher = self._waiting.popleft()
+                    if consumer is not None:
+                        self._send(client, consumer, number, outgoing)
+                        continue
+                    self._sent.append((client.send_now(outgoing), None, number, outgoing))
+                    if publisher is not None:
+                        released[publisher] = released.get(publisher, 0) + 1
+                for publisher, count in released.items():
+                    broker.return_publish_credit(publisher, count)
+                if released:
+                    self.manager.schedule_flush()
         except LinkRequestError:
             pass  # the connection went: _teardown gave the messages back
 
@@ -548,9 +584,9 @@ class ClusterManager:
         return {"node_id": self.node_id, "name": self.name, "bindings": list(joined.sent.values()),
                 "members": joined.members_sent, "epoch": self.epoch}  # fmt: skip
 
-    def _send_direct(self, node_id: str, message: WireMessage) -> bool:
+    def _send_direct(self, node_id: str, message: WireMessage, token: int, publisher: Session | None) -> Direct:
         bridge = self.bridges_by_node.get(node_id)
-        return bridge is not None and bridge.send_direct(message)
+        return Direct.REFUSED if bridge is None else bridge.send_direct(message, token, publisher)
 
     def _discovered(self, announced: Mapping[str, Announcement]) -> None:
         """Discovery only finds nodes: connections, not Redis, decide whether a node is alive."""
