@@ -19,7 +19,7 @@ from typing import Any, Final
 from tridentmq_core.address_settings import AddressSettingsRepository, ResolvedAddressSettings
 from tridentmq_core.audit import AuditSink
 from tridentmq_core.cluster.balancer import Balancer
-from tridentmq_core.cluster.forward import DEDUP_PREFIX, FORWARD_PROPERTY, ForwardHeader
+from tridentmq_core.cluster.forward import DEDUP_PREFIX, FORWARD_PROPERTY, ForwardHeader, encode_header
 from tridentmq_core.cluster.redistribution import Arrivals
 from tridentmq_core.deadlines import Deadlines
 from tridentmq_core.dedup import DuplicateIdCache
@@ -56,6 +56,7 @@ log = logging.getLogger("tridentmq.core.broker")
 
 _UNCHECKED: Final[tuple[str, str]] = ("", "")  # marker: the send permission cache has no entry yet
 _MULTICAST: Final = int(RoutingType.MULTICAST)
+_BOTH_KINDS: Final = frozenset((RoutingType.ANYCAST, RoutingType.MULTICAST))
 _NO_LIMIT_YET: Final = (-2, "")  # marker: the address's size limit has not been looked up yet
 _DEFERRED: Final = object()  # marker: a request whose reply is sent later (a commit waiting for the disk)
 
@@ -194,6 +195,7 @@ class Broker:
         # (address, routing) → (queues, simple); simple = no queue filter and at most one anycast queue,
         # so the queues can be used as they are without looking at the message.
         self._routes: dict[tuple[str, int], tuple[tuple[Queue, ...], bool]] = {}
+        self._kinds_cache: dict[tuple[str, int], frozenset[RoutingType]] = {}  # (address, routing) → ``_kinds``
         self._anycast_rr: dict[str, int] = {}
         self._to_dispatch: set[Queue] = set()
         self._next_id = first_message_id
@@ -207,6 +209,7 @@ class Broker:
         self._audit_all = audit_messages == "all"
         self._audit_durable = audit_messages in ("all", "durable")
         self._node_tag = node_id[:8]
+        self._transfer_prefix = f"{node_id}:"  # + a message id: the id of a transfer to another node
         self._last_expiry_scan = 0
         self._idle: Deadlines[Queue] = Deadlines()  # queues with expires_ms and no consumer → deletion time
         self._will_owners: dict[str, Session] = {}  # will key → the open link holding that will
@@ -264,6 +267,7 @@ class Broker:
         """A backup taking over its pair's node id (before anything was restored or connected)."""
         self.node_id = node_id
         self._node_tag = node_id[:8]
+        self._transfer_prefix = f"{node_id}:"  # + a message id: the id of a transfer to another node
 
     # ------------------------------------------------------------------ event entry point
     def handle(self, session: Session, events: Iterable[ev.Event], now_ms: int) -> None:
@@ -643,7 +647,12 @@ class Broker:
         if header.target != self.node_id and cluster is not None and header.hops < cluster.bindings.max_hops \
                 and cluster.bindings.next_hop(header.target) is not None:  # fmt: skip
             return self._forward(message, header.target, header.queues, header.hops + 1, now_ms)  # a relay
-        queues = tuple(q for name in header.queues if (q := self.queues.get(name)) is not None)
+        names = header.queues
+        if len(names) == 1:  # the usual case, without a generator per message
+            queue = self.queues.get(names[0])
+            queues: tuple[Queue, ...] = () if queue is None else (queue,)
+        else:
+            queues = tuple(q for name in names if (q := self.queues.get(name)) is not None)
         if not queues:  # gone meanwhile (or a relay that cannot reach the target): route it here by address
             queues = self._route(message, now_ms, create=True)
         token = self._admit(message, queues, now_ms, delivered=header.delivered)
@@ -656,7 +665,7 @@ class Broker:
                through: bool = False) -> int:  # fmt: skip
         """Store a routed message in its local queues and the store-and-forward queues of ``remote``;
         ``delivered``: delivery attempts it had on another node (its next delivery counts on from them);
-        ``through``: a durable message for one other node only may be written through to it."""
+        ``through``: a message for one other node only (none here) may be written through to it."""
         message[M_ID] = self._next_id
         self._next_id += 1
         if not message[M_TIMESTAMP]:
@@ -675,7 +684,7 @@ class Broker:
             if durable_queues:
                 token = self.store.add_message(message, durable_queues)
         if remote:
-            if through and not token and len(remote) == 1:
+            if through and not queues and len(remote) == 1:
                 ((node_id, names),) = remote.items()
                 token = self._forward(message, node_id, tuple(names), 1, now_ms, through=True)
             else:
@@ -714,16 +723,15 @@ class Broker:
         assert self.cluster is not None
         via = self.cluster.bindings.next_hop(target) or target
         forward_queue = self.forward_queue(via, now_ms)
-        copy = list(message)
-        copy[M_ID] = self._next_id
+        copy = message if through else list(message)  # written through, it goes to that node only
+        copy[M_ID] = message_id = self._next_id
         self._next_id += 1
         durable = copy[M_DURABLE]
         # A written-through message was stored nowhere here: if this node dies before the other confirms, the
         # producer sends it again, so the transfer's id must be the producer's to be a duplicate over there.
         producer_dedup = message[M_DEDUP] if durable and through else None
-        transfer_id = f"p:{producer_dedup}" if producer_dedup else f"{self.node_id}:{copy[M_ID]}"
-        header = ForwardHeader(target, queues, hops, transfer_id)
-        copy[M_PROPS] = {**message[M_PROPS], FORWARD_PROPERTY: header.encode()}
+        transfer_id = f"p:{producer_dedup}" if producer_dedup else f"{self._transfer_prefix}{message_id}"
+        copy[M_PROPS] = {**message[M_PROPS], FORWARD_PROPERTY: encode_header(target, queues, hops, transfer_id)}
         self.counters.forwarded += 1
         audit = (durable and self._audit_durable) or self._audit_all
         if (through or not durable) and not len(forward_queue) and self.send_direct is not None:
@@ -958,18 +966,27 @@ class Broker:
         kinds = self._kinds(address, routing)
         return tuple(q for q in self._trie.match(address) if q.routing_type in kinds)
 
-    def _kinds(self, address: str, routing: int) -> set[RoutingType]:
-        """The routing types a send reaches: its own, else the address's (the default type if it has both)."""
-        if routing != ROUTING_DEFAULT:
-            return {RoutingType(routing)}
-        own = self.addresses.get(address)
-        kinds = own.routing_types if own is not None else {RoutingType.ANYCAST, RoutingType.MULTICAST}
-        if len(kinds) == 2:
-            return {self.address_settings.resolve(address).default_routing_type}
+    def _kinds(self, address: str, routing: int) -> frozenset[RoutingType]:
+        """The routing types a send reaches: its own, else the address's (the default type if it has both).
+        Cached with the routes: a forwarding node asks for every message."""
+        key = (address, routing)
+        kinds = self._kinds_cache.get(key)
+        if kinds is None:
+            if routing != ROUTING_DEFAULT:
+                kinds = frozenset((RoutingType(routing),))
+            else:
+                own = self.addresses.get(address)
+                kinds = frozenset(own.routing_types) if own is not None else _BOTH_KINDS
+                if len(kinds) == 2:
+                    kinds = frozenset((self.address_settings.resolve(address).default_routing_type,))
+            if len(self._kinds_cache) > 100_000:
+                self._kinds_cache.clear()
+            self._kinds_cache[key] = kinds
         return kinds
 
     def _invalidate_routes(self) -> None:
         self._routes.clear()
+        self._kinds_cache.clear()
 
     # ------------------------------------------------------------------ consuming
     def _subscribe(self, session: Session, consumer_id: int, queue_name: str, credit: int,

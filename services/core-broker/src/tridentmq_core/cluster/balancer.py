@@ -99,7 +99,7 @@ class Balancer:
             self._has_remote[address] = found
         return found
 
-    def balance(self, message: WireMessage, address: str, local: tuple[Queue, ...], kinds: set[RoutingType],
+    def balance(self, message: WireMessage, address: str, local: tuple[Queue, ...], kinds: frozenset[RoutingType],
                 local_version: int) -> tuple[tuple[Queue, ...], Remote]:  # fmt: skip
         """Split a routed message between local queues and other nodes. ``local_version`` changes whenever a
         local queue or consumer comes or goes (the broker's ``bindings_version``)."""
@@ -107,7 +107,7 @@ class Balancer:
         if versions != self._plan_versions:
             self._plans.clear()
             self._plan_versions = versions
-        key = (address, frozenset(kinds))
+        key = (address, kinds)
         if key in self._plans:
             plan = self._plans[key]
         else:
@@ -122,7 +122,7 @@ class Balancer:
         chosen = [group[0] if len(group) == 1 else self._turn(name, group) for name, group in plan]
         return self._split(chosen)
 
-    def _plan(self, address: str, local: tuple[Queue, ...], kinds: set[RoutingType]) -> _Plan:
+    def _plan(self, address: str, local: tuple[Queue, ...], kinds: frozenset[RoutingType]) -> _Plan:
         """When no selector or filter is involved, the instances that qualify depend only on consumer counts:
         work them out once per change instead of per message. None: they depend on the message."""
         remote = [b for b in self.bindings.match(address) if RoutingType(b.routing) in kinds]
@@ -137,7 +137,7 @@ class Balancer:
         return groups
 
     def _balance_each(self, message: WireMessage, address: str, local: tuple[Queue, ...],
-                      kinds: set[RoutingType]) -> tuple[tuple[Queue, ...], Remote]:  # fmt: skip
+                      kinds: frozenset[RoutingType]) -> tuple[tuple[Queue, ...], Remote]:  # fmt: skip
         takes = self.selectors.binding_takes
         remote = [b for b in self.bindings.match(address)
                   if RoutingType(b.routing) in kinds and takes(b, message)]  # fmt: skip

@@ -22,8 +22,12 @@ FORWARD_PROPERTY: Final = "$cluster.fwd"
 DEDUP_PREFIX: Final = "$cluster:"
 
 
-_PREFIXES: dict[tuple[str, tuple[str, ...], int], bytes] = {}
-_MAX_PREFIXES: Final = 10_000
+# The header is the msgpack array [dedup_id, delivered, target, queues, hops]: the part that changes from
+# message to message first, so that the rest, the same for every message to one node's queues, is a suffix
+# both sides cache (encoding and decoding it every time was a tenth of each node's time).
+_SUFFIXES: dict[tuple[str, tuple[str, ...], int], bytes] = {}
+_DECODED: dict[bytes, tuple[str, tuple[str, ...], int]] = {}
+_MAX_CACHED: Final = 10_000
 
 
 class ForwardHeader(NamedTuple):
@@ -34,38 +38,61 @@ class ForwardHeader(NamedTuple):
     delivered: int = 0  # delivery attempts it already had (a message redistributed after a failed delivery)
 
     def encode(self) -> bytes:
-        """The msgpack array, built from a cached prefix: every forwarded message needs one, and all but the
-        transfer id repeat from message to message (this was a tenth of a forwarding node's time)."""
-        key = (self.target, self.queues, self.hops)
-        prefix = _PREFIXES.get(key)
-        if prefix is None:
-            prefix = b"\x95" + msgpack.packb(self.target) + msgpack.packb(list(self.queues)) + msgpack.packb(self.hops)
-            if len(_PREFIXES) >= _MAX_PREFIXES:
-                _PREFIXES.clear()
-            _PREFIXES[key] = prefix
-        raw = self.dedup_id.encode()
-        size = len(raw)
-        delivered = bytes((self.delivered,)) if 0 <= self.delivered < 128 else msgpack.packb(self.delivered)
-        if size < 32:
-            return b"".join((prefix, bytes((0xA0 | size,)), raw, delivered))  # msgpack fixstr
-        if size < 256:
-            return b"".join((prefix, bytes((0xD9, size)), raw, delivered))  # str 8: a node id and a message id
-        return b"".join((prefix, msgpack.packb(self.dedup_id), delivered))
+        return encode_header(self.target, self.queues, self.hops, self.dedup_id, self.delivered)
 
     @staticmethod
     def decode(value: object) -> ForwardHeader:
         """Raises ``ValueError`` when the property is not a header."""
         if type(value) is not bytes:
             raise ValueError("the forward header is bytes")
+        # The usual shape: a short non-empty id (fixstr or str 8), a delivery count below 128 (one byte), then
+        # a suffix; one seen before is a dict look-up away.
+        kind = value[1] if len(value) > 3 and value[0] == 0x95 else 0
+        start = 2 if 0xA1 <= kind <= 0xBF else 3 if kind == 0xD9 and value[2] else 0
+        end = start + (kind - 0xA0 if start == 2 else value[2]) if start else 0
+        suffix = value[end + 1 :] if start and end < len(value) and value[end] < 128 else None
+        if suffix is not None and (fixed := _DECODED.get(suffix)) is not None:
+            try:
+                target, queues, hops = fixed  # tuple.__new__: the NamedTuple's own __new__ is a Python call
+                return tuple.__new__(ForwardHeader, (target, queues, hops, value[start:end].decode(), value[end]))
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"undecodable forward header: {exc}") from None
+        header = ForwardHeader._decode_whole(value)
+        if suffix is not None:  # the whole decoded, so the suffix is exactly [target, queues, hops]
+            if len(_DECODED) >= _MAX_CACHED:
+                _DECODED.clear()
+            _DECODED[suffix] = (header.target, header.queues, header.hops)
+        return header
+
+    @staticmethod
+    def _decode_whole(value: bytes) -> ForwardHeader:
         try:
             fields = msgpack.unpackb(value)
         except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
             raise ValueError(f"undecodable forward header: {exc}") from None
         if type(fields) is not list or len(fields) != 5:
-            raise ValueError("the forward header is [target, queues, hops, dedup_id, delivered]")
-        target, queues, hops, dedup_id, delivered = fields
+            raise ValueError("the forward header is [dedup_id, delivered, target, queues, hops]")
+        dedup_id, delivered, target, queues, hops = fields
         if not (type(target) is str and type(queues) is list and all(type(q) is str for q in queues)
                 and type(hops) is int and hops >= 0 and type(dedup_id) is str and dedup_id
                 and type(delivered) is int and delivered >= 0):  # fmt: skip
             raise ValueError("malformed forward header")
         return ForwardHeader(target, tuple(queues), hops, dedup_id, delivered)
+
+
+def encode_header(target: str, queues: tuple[str, ...], hops: int, dedup_id: str, delivered: int = 0) -> bytes:
+    """``ForwardHeader(...).encode()`` without making the header first (a forwarding node's hot path)."""
+    suffix = _SUFFIXES.get((target, queues, hops))
+    if suffix is None:
+        suffix = msgpack.packb(target) + msgpack.packb(list(queues)) + msgpack.packb(hops)
+        if len(_SUFFIXES) >= _MAX_CACHED:
+            _SUFFIXES.clear()
+        _SUFFIXES[(target, queues, hops)] = suffix
+    raw = dedup_id.encode()
+    size = len(raw)
+    count = bytes((delivered,)) if 0 <= delivered < 128 else msgpack.packb(delivered)
+    if size < 32:
+        return b"".join((b"\x95", bytes((0xA0 | size,)), raw, count, suffix))  # msgpack fixstr
+    if size < 256:
+        return b"".join((b"\x95\xd9", bytes((size,)), raw, count, suffix))  # str 8: a node id and a message id
+    return b"".join((b"\x95", msgpack.packb(dedup_id), count, suffix))
