@@ -301,6 +301,10 @@ class LinkClient:
         #: Called after each read that confirmed or rejected publishes (their futures are done by then): one
         #: call for many messages, cheaper than a done-callback on each future.
         self.on_settled: Callable[[], None] | None = None
+        #: For publishes made with ``send_counted``: called with each batch of confirmed sequence ranges and
+        #: with each rejection (sequence, code, text), before ``on_settled``.
+        self.on_confirms: Callable[[list[tuple[int, int]]], None] | None = None
+        self.on_rejected: Callable[[int, str, str], None] | None = None
         #: Called with each TOPOLOGY_UPDATE the server pushes (after a ``topology`` request).
         self.on_topology: Callable[[dict[str, Any]], None] | None = None
         #: Called with each batch of journal records a primary streams (after a ``replicate`` request).
@@ -456,6 +460,8 @@ class LinkClient:
                 for consumer in woken:
                     consumer._wake()
             case ev.Confirms(ranges):
+                if self.on_confirms is not None:
+                    self.on_confirms(ranges)
                 if not self._unconfirmed:
                     return
                 for first, last in ranges:
@@ -470,8 +476,11 @@ class LinkClient:
                         waiter.set_result(None)
             case ev.Rejected(seq, code, text):
                 entry = self._unconfirmed.pop(seq, None)
-                if entry is not None and not entry[2].done():
-                    entry[2].set_exception(LinkRequestError(code, text))
+                if entry is not None:
+                    if not entry[2].done():
+                        entry[2].set_exception(LinkRequestError(code, text))
+                elif self.on_rejected is not None:
+                    self.on_rejected(seq, code, text)
             case ev.Reply(req_id, result):
                 future = self._requests.pop(req_id, None)
                 if future is not None and not future.done():
@@ -927,6 +936,15 @@ class LinkClient:
         self._unconfirmed[seq] = (message, tx_id, future)
         self._queued(conn, message)
         return future
+
+    def send_counted(self, message: WireMessage) -> int:
+        """``send_now`` without a future, for a caller that follows its publishes itself by the sequence number
+        returned (``on_confirms``, ``on_rejected``) and tells a lost link's unconfirmed ones from its own
+        records: nothing here re-sends them or fails them. Check ``can_send`` first."""
+        conn = self._live()
+        seq = conn.publish(message)
+        self._queued(conn, message)
+        return seq
 
     @property
     def publish_credit(self) -> int:

@@ -175,9 +175,10 @@ class Bridge:
         # held for a producer (None, confirm token, message, the producer's session).
         self._waiting: deque[tuple[Consumer | None, int, WireMessage, Session | None]] = deque()
         self._confirmed: dict[Consumer, list[int]] = {}
-        # Sent and awaiting the other node's confirm: (future, consumer, message id, None), or, for a message
-        # sent without a forward queue, (future, None, its confirm token or 0 if non-durable, the message).
-        self._sent: deque[tuple[asyncio.Future[None], Consumer | None, int, WireMessage | None]] = deque()
+        # Sent and awaiting the other node's confirm, by publish sequence number: (consumer, message id, None),
+        # or, for a message sent without a forward queue, (None, its confirm token or 0 if non-durable, it).
+        self._sent: dict[int, tuple[Consumer | None, int, WireMessage | None]] = {}
+        self._tokens_released = False  # a confirm released a producer's confirm (``on_durable``): flush
         self._stopping = False
         self.task: asyncio.Task[None] | None = None
 
@@ -246,6 +247,8 @@ class Bridge:
         closed, why = watch_close(client)
         client.on_topology = self._on_update
         client.on_settled = self._on_settled
+        client.on_confirms = self._on_confirms
+        client.on_rejected = self._on_rejected
         self.client = client
         await client.connect()
         if client.node_id == manager.node_id:
@@ -329,8 +332,7 @@ class Bridge:
         self._confirmed.clear()
         # Messages sent straight and not confirmed, then those held for credit, wait in the forward queue for
         # the next link.
-        unconfirmed = [(m, token) for f, _, token, m in self._sent
-                       if m is not None and not (f.done() and not f.exception())]  # fmt: skip
+        unconfirmed = [(m, token) for _, token, m in self._sent.values() if m is not None]
         unconfirmed += [(message, token) for message, token, _ in held]
         if unconfirmed and self.node_id:
             manager.broker.requeue_forwards(self.node_id, unconfirmed, _now_ms())
@@ -372,9 +374,8 @@ class Bridge:
             asyncio.get_running_loop().create_task(self._send_waiting(client))
 
     def _send(self, client: LinkClient, consumer: Consumer, message_id: int, outgoing: WireMessage) -> None:
-        # No callback per message: the other node confirms in order, and ``_on_settled`` walks this queue
-        # once per read that brought confirms.
-        self._sent.append((client.send_now(outgoing), consumer, message_id, None))
+        # No future per message: ``_on_confirms`` takes the confirms in ranges, one call per read.
+        self._sent[client.send_counted(outgoing)] = (consumer, message_id, None)
 
     def send_direct(self, message: WireMessage, token: int, publisher: Session | None) -> Direct:
         """Send a message for the other node at once, not through the forward queue (the broker offers it only
@@ -387,30 +388,53 @@ class Bridge:
         if self.state != "up" or client is None:
             return Direct.REFUSED
         if not self._waiting and _can_send(client):
-            self._sent.append((client.send_now(message), None, token, message))
+            self._sent[client.send_counted(message)] = (None, token, message)
             return Direct.SENT
         if publisher is None or len(self._waiting) >= self.manager.settings.cluster.forward_window:
             return Direct.REFUSED
         self._wait((None, token, message, publisher), client)
         return Direct.HELD
 
+    def _on_confirms(self, ranges: list[tuple[int, int]]) -> None:
+        sent, consumers, confirmed = self._sent, self.consumers, self._confirmed
+        broker = self.manager.broker
+        for first, last in ranges:
+            for seq in range(first, last + 1):
+                entry = sent.pop(seq, None)
+                if entry is None:
+                    continue
+                consumer, number, _ = entry
+                if consumer is not None:
+                    if consumers.get(consumer.id) is consumer:
+                        ids = confirmed.get(consumer)
+                        if ids is None:
+                            confirmed[consumer] = [number]
+                        else:
+                            ids.append(number)
+                elif number:  # the confirm token of a message written through: safe over there now
+                    broker.on_durable(number)
+                    self._tokens_released = True
+
+    def _on_rejected(self, seq: int, code: str, text: str) -> None:
+        """Refused by the other node (its limits, a queue that went): the message stays here."""
+        entry = self._sent.pop(seq, None)
+        if entry is None:
+            return
+        log.warning("forwarded message refused", extra={"to": self.address, "code": code, "reason": text})
+        consumer, number, direct = entry
+        if consumer is not None:
+            if self.consumers.get(consumer.id) is consumer:
+                self.manager.refused(self, consumer, number)
+        elif direct is not None:
+            self.manager.broker.place_refused(direct, _now_ms(), number)
+            self._tokens_released = True
+
     def _on_settled(self) -> None:
-        sent = self._sent
-        while sent and sent[0][0].done():
-            future, consumer, message_id, direct = sent.popleft()
-            if consumer is not None:
-                self._settled(future, consumer, message_id)
-            elif future.cancelled() or direct is None:
-                continue
-            elif (error := future.exception()) is None:
-                if message_id:  # the confirm token of a message written through: safe over there now
-                    self.manager.broker.on_durable(message_id)
-            elif isinstance(error, LinkRequestError) and error.code != ErrorCode.EOF:
-                log.warning("forwarded message refused", extra={"to": self.address, "code": error.code,
-                                                                 "reason": error.text})  # fmt: skip
-                self.manager.broker.place_refused(direct, _now_ms(), message_id)
         if self._confirmed:
             self._settle()
+        elif self._tokens_released:
+            self.manager.schedule_flush()
+        self._tokens_released = False
 
     async def _send_waiting(self, client: LinkClient) -> None:
         broker = self.manager.broker
@@ -423,7 +447,7 @@ class Bridge:
                     if consumer is not None:
                         self._send(client, consumer, number, outgoing)
                         continue
-                    self._sent.append((client.send_now(outgoing), None, number, outgoing))
+                    self._sent[client.send_counted(outgoing)] = (None, number, outgoing)
                     if publisher is not None:
                         released[publisher] = released.get(publisher, 0) + 1
                 for publisher, count in released.items():
@@ -432,19 +456,6 @@ class Bridge:
                     self.manager.schedule_flush()
         except LinkRequestError:
             pass  # the connection went: _teardown gave the messages back
-
-    def _settled(self, future: asyncio.Future[None], consumer: Consumer, message_id: int) -> None:
-        if future.cancelled() or self.consumers.get(consumer.id) is not consumer:
-            return
-        error = future.exception()
-        if error is None:
-            self._confirmed.setdefault(consumer, []).append(message_id)
-            return
-        if isinstance(error, LinkRequestError) and error.code != ErrorCode.EOF:
-            # Refused by the other node (its limits, a queue that went): keep the message here.
-            log.warning("forwarded message refused", extra={"to": self.address, "code": error.code,
-                                                             "reason": error.text})  # fmt: skip
-            self.manager.refused(self, consumer, message_id)
 
     def _settle(self) -> None:
         session = self.session
