@@ -6,7 +6,8 @@ cluster's aggregate throughput, each next to the single-node figure for the same
 - single node: one producer and one consumer process on one node (``tridentmq perf``'s workload: 100-byte
   messages, the producer keeps its publish window full, the consumer auto-acknowledges);
 - ON_DEMAND A → B: the same, with the producer on node A and the consumer on node B of a 2-node cluster:
-  every message is stored on A, forwarded, stored on B and delivered there;
+  every message is routed on A, forwarded (written through, or through A's store-and-forward queue when
+  the link has no room for it), stored on B and delivered there;
 - redistribution: ``--backlog`` durable messages queued on A with no consumer, then a consumer on B; the
   time from its subscription to the last message (including the 1 s redistribution delay);
 - 3-node aggregate: a producer and a consumer on every node of a 3-node cluster, one queue.
