@@ -476,24 +476,29 @@ async def test_a_durable_message_for_one_other_node_is_written_through_and_a_res
 
 
 async def test_messages_held_for_a_stalled_node_are_stored_and_confirmed_when_it_dies(tmp_path: Path) -> None:
-    nodes = start_cluster(tmp_path, 2, node_gone_ms="60000", core_link_heartbeat_ms="1000")
-    a, b = nodes
-    count = 10_000  # more than b's publish window (8,192) for a's cluster connection: the rest waits on a
+    a = start_node(tmp_path, "node-0", node_gone_ms="60000", core_link_heartbeat_ms="1000")
+    # b lets a's cluster connection have 1,000 publishes in flight: the rest waits on a, in memory.
+    b = start_node(tmp_path, "node-1", [a], node_gone_ms="60000", core_link_heartbeat_ms="1000",
+                   core_link_publish_window="1000")  # fmt: skip
+    wait_converged([a, b])
+    count, window = 3000, 8192  # a producer's window on a
     async with client(b) as cb:
         await cb.subscribe("stalled", credit=10)
         wait_until(lambda: remote_consumers(a, "stalled") == 1, what="a to see b's consumer")
-    b.process.send_signal(signal.SIGSTOP)  # b reads nothing more: what a sends fills the socket, then waits
+    b.process.send_signal(signal.SIGSTOP)  # b reads nothing more
     try:
-        async with client(a) as ca:
-            futures = [await ca.send(new_message("stalled", body, durable=True)) for body in bodies(count)]
+        async with client(a) as ca, client(a) as again:
+            futures = [await ca.send(new_message("stalled", body, durable=True, dedup_id=f"stall-{i}"))
+                       for i, body in enumerate(bodies(count))]  # fmt: skip
+            # The first one sent again (a producer that reconnected): a duplicate of a message in transit.
+            duplicate = await again.send(new_message("stalled", b"m0", durable=True, dedup_id="stall-0"))
             await asyncio.sleep(0.3)
-            assert not any(f.done() for f in futures)  # b never confirmed them, so neither did a
-            window = 8192
-            assert ca.publish_credit <= window - (count - window)  # the producer's credit waits with them
+            assert not any(f.done() for f in [*futures, duplicate])  # b never confirmed them, so neither did a
+            assert ca.publish_credit <= window - (count - 1000)  # the producer's credit waits with them
             b.process.send_signal(signal.SIGKILL)
             b.process.wait()
             # a declares the link dead, stores what was in flight or held for b, and only then confirms.
-            await asyncio.wait_for(asyncio.gather(*futures), 15)
+            await asyncio.wait_for(asyncio.gather(*futures, duplicate), 15)
             await wait_until_async(lambda: ca.publish_credit == window, what="the producer's credit to return")
     finally:
         b.process.send_signal(signal.SIGCONT)

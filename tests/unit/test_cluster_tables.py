@@ -21,6 +21,12 @@ def test_forward_header_round_trips_as_plain_msgpack(dedup_id: str) -> None:
         assert ForwardHeader.decode(header.encode()) == header  # the second time from the cached suffix
 
 
+def test_a_forward_header_in_the_first_layout_still_decodes() -> None:
+    """Messages journaled in a forward queue before the per-message part moved to the front."""
+    old = msgpack.packb(["node-b", ["q1"], 1, "a:7", 2])
+    assert ForwardHeader.decode(old) == ForwardHeader("node-b", ("q1",), 1, "a:7", 2)
+
+
 @pytest.mark.parametrize("value", [
     "text", b"\xc1", msgpack.packb([1, 2, 3]), msgpack.packb(["d", 0, "n", ["q"], -1]),
     msgpack.packb(["d", 0, "n", [1], 0]), msgpack.packb(["", 0, "n", ["q"], 0]),

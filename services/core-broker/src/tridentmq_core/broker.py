@@ -115,7 +115,7 @@ class Session:
     """Broker-side state of one link connection."""
 
     __slots__ = ("client_name", "conn", "conn_id", "consumers", "opened_ms", "peer", "principal", "send_ok",
-                 "temporary_queues", "txs", "will")  # fmt: skip
+                 "temporary_queues", "txs", "will", "withheld")  # fmt: skip
 
     def __init__(self, conn: LinkConnection, conn_id: str, principal: Principal, peer: str, client_name: str,
                  opened_ms: int) -> None:  # fmt: skip
@@ -130,6 +130,7 @@ class Session:
         self.temporary_queues: set[str] = set()
         self.send_ok: dict[str, tuple[str, str] | None] = {}  # address → why a send is refused (None: allowed)
         self.will: Will | None = None
+        self.withheld = 0  # publish credit held back for messages waiting for a cluster connection
 
 
 class Address:
@@ -230,7 +231,13 @@ class Broker:
         # wait for the link's credit (holding that producer's credit back meanwhile).
         self.send_direct: Callable[[str, WireMessage, int, Session | None], Direct] | None = None
         self._next_through_token = -1  # written-through messages count down: store tokens are positive
+        self._max_withheld = max(1, settings.link.publish_window // 2)  # per session
         self._publisher: Session | None = None  # whose publishes ``_publish_batch`` is accepting
+        # Written-through durable messages with a producer's duplicate id, not yet safe anywhere: a duplicate
+        # of one (its producer sending it again) is confirmed only with it, not at once.
+        self._through_by_dedup: dict[str, int] = {}  # duplicate id → confirm token
+        self._through_dedup: dict[int, str] = {}  # confirm token → duplicate id
+        self._aliases: dict[int, list[int]] = {}  # confirm token → tokens of duplicates that wait for it
         self._withheld = 0  # how many of them wait for a cluster connection (their credit comes back later)
         store.attach(self.on_durable)
 
@@ -542,6 +549,7 @@ class Broker:
         (once unblocked, if the node is blocking producers)."""
         if self.sessions.get(session.conn_id) is not session:
             return
+        session.withheld -= credit
         if session in self._blocked:
             self._blocked[session] += credit
         else:
@@ -613,7 +621,13 @@ class Broker:
         dedup_id = message[M_DEDUP]
         if dedup_id is not None and self._dedup.seen(dedup_id, now_ms):
             self.counters.duplicates += 1
-            return 0  # already accepted once: confirm again, store nothing
+            pending = self._through_by_dedup.get(dedup_id) if through and self._through_by_dedup else None
+            if pending is None:
+                return 0  # already accepted once: confirm again, store nothing
+            alias = self._next_through_token  # the first is only on its way to another node: wait with it
+            self._next_through_token -= 1
+            self._aliases.setdefault(pending, []).append(alias)
+            return alias
         try:
             queues = self._route(message, now_ms, create=True)
         except BrokerError:
@@ -728,20 +742,30 @@ class Broker:
         self._next_id += 1
         durable = copy[M_DURABLE]
         # A written-through message was stored nowhere here: if this node dies before the other confirms, the
-        # producer sends it again, so the transfer's id must be the producer's to be a duplicate over there.
+        # producer sends it again to its next life, so the transfer's id must be the producer's (with this
+        # node's, as two nodes' producers may use one id) to be a duplicate over there.
         producer_dedup = message[M_DEDUP] if durable and through else None
-        transfer_id = f"p:{producer_dedup}" if producer_dedup else f"{self._transfer_prefix}{message_id}"
+        transfer_id = f"p:{self._transfer_prefix}{producer_dedup}" if producer_dedup \
+            else f"{self._transfer_prefix}{message_id}"  # fmt: skip
         copy[M_PROPS] = {**message[M_PROPS], FORWARD_PROPERTY: encode_header(target, queues, hops, transfer_id)}
         self.counters.forwarded += 1
         audit = (durable and self._audit_durable) or self._audit_all
         if (through or not durable) and not len(forward_queue) and self.send_direct is not None:
             token = self._next_through_token if durable else 0
-            taken = self.send_direct(via, copy, token, self._publisher if through else None)
+            publisher = self._publisher if through else None
+            if publisher is not None and publisher.withheld >= self._max_withheld:
+                publisher = None  # half its window waits already: the rest keeps flowing, through the queue
+            taken = self.send_direct(via, copy, token, publisher)
             if taken:
                 if durable:
                     self._next_through_token -= 1
+                    if producer_dedup:
+                        self._through_by_dedup[producer_dedup] = token
+                        self._through_dedup[token] = producer_dedup
                 if taken is Direct.HELD:
                     self._withheld += 1
+                    assert publisher is not None
+                    publisher.withheld += 1
                 if audit:
                     self._emit_message(now_ms, "msg.forwarded", copy, None, target_node=target,
                                        target_queues=list(queues))  # fmt: skip
@@ -804,20 +828,51 @@ class Broker:
         self._to_dispatch.add(queue)
 
     def _pass_confirm(self, token: int, new_token: int) -> None:
-        """The confirm that waited for ``token`` waits for ``new_token`` now (none: it goes at once)."""
-        waiting = self._pending_confirms.pop(token, None) if token else None
-        if waiting is None:
+        """The confirm that waited for ``token`` (and those of its duplicates) waits for ``new_token`` now
+        (none: they go at once)."""
+        if not token:
             return
+        self._forget_through(token)
+        aliases = self._aliases.pop(token, None) if self._aliases else None
+        waiting = self._pending_confirms.pop(token, None)
         if new_token:
-            self._pending_confirms[new_token] = waiting
-        else:
+            if waiting is not None:
+                self._pending_confirms[new_token] = waiting
+            if aliases:
+                self._aliases.setdefault(new_token, []).extend(aliases)
+            return
+        if waiting is not None:
             session, seq = waiting
             session.conn.confirm(seq)
             self.dirty.add(session)
+        for alias in aliases or ():
+            self._pass_confirm(alias, 0)
 
-    def place_refused(self, message: WireMessage, now_ms: int, token: int = 0) -> None:
-        """A message sent straight to another node, which refused it: deliver it here instead. ``token``: the
-        producer's confirm that waits for it (written through), now for its storage here."""
+    def _refuse_confirm(self, token: int, code: str, text: str, dedup_id: str | None = None) -> bool:
+        """Reject the publish whose confirm waited for ``token`` (and its duplicates'), forgetting its
+        duplicate id so that it may be sent again; False if none waited."""
+        self._forget_through(token)
+        if dedup_id is not None:
+            self._dedup.forget(dedup_id)
+        waiting = self._pending_confirms.pop(token, None)
+        if waiting is not None:
+            self._reject(waiting[0].conn, waiting[1], code, text)
+            self.dirty.add(waiting[0])
+        aliases = self._aliases.pop(token, None) if self._aliases else None
+        for alias in aliases or ():
+            self._refuse_confirm(alias, code, text)
+        return waiting is not None or bool(aliases)
+
+    def _forget_through(self, token: int) -> None:
+        dedup_id = self._through_dedup.pop(token, None) if self._through_dedup else None
+        if dedup_id is not None:
+            self._through_by_dedup.pop(dedup_id, None)
+
+    def place_refused(self, message: WireMessage, now_ms: int, token: int = 0, code: str = "",
+                      text: str = "") -> None:  # fmt: skip
+        """A message sent straight to another node, which refused it (``code``, ``text``): deliver it here
+        instead. ``token``: the producer's confirm that waits for it (written through), now for its storage
+        here; or, when it has no queue here either, the producer learns the other node's refusal."""
         try:
             header = ForwardHeader.decode(message[M_PROPS].get(FORWARD_PROPERTY))
         except ValueError:
@@ -827,16 +882,15 @@ class Broker:
         copy[M_DEDUP] = None
         local = tuple(q for name in header.queues if (q := self.queues.get(name)) is not None)
         try:
-            stored = self._admit(copy, local or self._route(copy, now_ms, create=True), now_ms)
+            queues = local or self._route(copy, now_ms, create=True)
         except BrokerError as exc:
-            waiting = self._pending_confirms.pop(token, None) if token else None
-            if waiting is None:
+            if not (token and self._refuse_confirm(token, exc.code, exc.text, message[M_DEDUP])):
                 log.warning("refused forwarded message dropped", extra={"reason": exc.text})
-            else:  # not confirmed yet: its producer learns why
-                self._reject(waiting[0].conn, waiting[1], exc.code, exc.text)
-                self.dirty.add(waiting[0])
             return
-        self._pass_confirm(token, stored)
+        if not queues and token and self._refuse_confirm(token, code or ErrorCode.INVALID,
+                                                         text or "refused by its node", message[M_DEDUP]):  # fmt: skip
+            return  # no queue here either, and its producer is still waiting: tell it
+        self._pass_confirm(token, self._admit(copy, queues, now_ms))
 
     def reroute_refused(self, session: Session, consumer: Consumer, message_id: int, now_ms: int) -> None:
         """The node a forwarded message was for refused it: deliver it here, by its queues or its address."""
@@ -910,6 +964,11 @@ class Broker:
             session, req_id = committed
             session.conn.reply(req_id, None)
             self.dirty.add(session)
+        if token < 0:
+            self._forget_through(token)
+        if self._aliases:
+            for alias in self._aliases.pop(token, ()):
+                self.on_durable(alias)
 
     def _route(self, message: WireMessage, now_ms: int, *, create: bool) -> tuple[Queue, ...]:
         address = message[M_ADDRESS]

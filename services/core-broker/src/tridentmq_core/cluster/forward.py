@@ -72,7 +72,10 @@ class ForwardHeader(NamedTuple):
             raise ValueError(f"undecodable forward header: {exc}") from None
         if type(fields) is not list or len(fields) != 5:
             raise ValueError("the forward header is [dedup_id, delivered, target, queues, hops]")
-        dedup_id, delivered, target, queues, hops = fields
+        if type(fields[1]) is list:  # the first layout, [target, queues, hops, dedup_id, delivered]: journaled
+            target, queues, hops, dedup_id, delivered = fields  # in forward queues before the change
+        else:
+            dedup_id, delivered, target, queues, hops = fields
         if not (type(target) is str and type(queues) is list and all(type(q) is str for q in queues)
                 and type(hops) is int and hops >= 0 and type(dedup_id) is str and dedup_id
                 and type(delivered) is int and delivered >= 0):  # fmt: skip

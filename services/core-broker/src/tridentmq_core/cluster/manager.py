@@ -29,7 +29,7 @@ from tridentmq_core.cluster.forward import FORWARD_PROPERTY, ForwardHeader
 from tridentmq_core.cluster.links import node_link, watch_close
 from tridentmq_core.cluster.redistribution import Arrivals, Redistributor, best_target, stranded
 from tridentmq_core.ha.manager import Voter
-from tridentmq_core.queues import Consumer, Queue
+from tridentmq_core.queues import MESSAGE_OVERHEAD, Consumer, Queue
 from tridentmq_core.security import Principal
 from tridentmq_core.settings import LOAD_BALANCING_POLICIES, CoreSettings
 from tridentmq_shared.link import events as ev
@@ -37,7 +37,7 @@ from tridentmq_shared.link.client import LinkClient, LinkRequestError
 from tridentmq_shared.link.codec import LinkConnection, Role
 from tridentmq_shared.link.ops import ErrorCode, NackMode, Op
 from tridentmq_shared.link.topology import endpoint_from_wire, parse_endpoint
-from tridentmq_shared.message import M_ID, M_PROPS, WireMessage
+from tridentmq_shared.message import M_BODY, M_ID, M_PROPS, WireMessage
 from tridentmq_shared.settings import SettingsError
 
 log = logging.getLogger("tridentmq.core.cluster")
@@ -334,6 +334,8 @@ class Bridge:
         # the next link.
         unconfirmed = [(m, token) for _, token, m in self._sent.values() if m is not None]
         unconfirmed += [(message, token) for message, token, _ in held]
+        memory = manager.broker.memory  # counted again by the queue they go to
+        memory.used -= sum(len(message[M_BODY]) + MESSAGE_OVERHEAD for message, _ in unconfirmed)
         if unconfirmed and self.node_id:
             manager.broker.requeue_forwards(self.node_id, unconfirmed, _now_ms())
         for _, _, publisher in held:
@@ -389,21 +391,31 @@ class Bridge:
             return Direct.REFUSED
         if not self._waiting and _can_send(client):
             self._sent[client.send_counted(message)] = (None, token, message)
-            return Direct.SENT
-        if publisher is None or len(self._waiting) >= self.manager.settings.cluster.forward_window:
+            taken = Direct.SENT
+        elif publisher is None or len(self._waiting) >= self.manager.settings.cluster.forward_window:
             return Direct.REFUSED
-        self._wait((None, token, message, publisher), client)
-        return Direct.HELD
+        else:
+            self._wait((None, token, message, publisher), client)
+            taken = Direct.HELD
+        # In no queue until it is confirmed, but in memory: counted, so that the memory limit sees it.
+        self.manager.broker.memory.used += len(message[M_BODY]) + MESSAGE_OVERHEAD
+        return taken
+
+    @property
+    def in_transit(self) -> bool:
+        """Whether messages sent (or waiting to be sent) over this connection await the other node's confirm."""
+        return bool(self._sent or self._waiting)
 
     def _on_confirms(self, ranges: list[tuple[int, int]]) -> None:
         sent, consumers, confirmed = self._sent, self.consumers, self._confirmed
         broker = self.manager.broker
+        freed = 0
         for first, last in ranges:
             for seq in range(first, last + 1):
                 entry = sent.pop(seq, None)
                 if entry is None:
                     continue
-                consumer, number, _ = entry
+                consumer, number, direct = entry
                 if consumer is not None:
                     if consumers.get(consumer.id) is consumer:
                         ids = confirmed.get(consumer)
@@ -411,9 +423,13 @@ class Bridge:
                             confirmed[consumer] = [number]
                         else:
                             ids.append(number)
-                elif number:  # the confirm token of a message written through: safe over there now
+                    continue
+                if direct is not None:
+                    freed += len(direct[M_BODY]) + MESSAGE_OVERHEAD
+                if number:  # the confirm token of a message written through: safe over there now
                     broker.on_durable(number)
                     self._tokens_released = True
+        broker.memory.used -= freed
 
     def _on_rejected(self, seq: int, code: str, text: str) -> None:
         """Refused by the other node (its limits, a queue that went): the message stays here."""
@@ -426,7 +442,8 @@ class Bridge:
             if self.consumers.get(consumer.id) is consumer:
                 self.manager.refused(self, consumer, number)
         elif direct is not None:
-            self.manager.broker.place_refused(direct, _now_ms(), number)
+            self.manager.broker.memory.used -= len(direct[M_BODY]) + MESSAGE_OVERHEAD
+            self.manager.broker.place_refused(direct, _now_ms(), number, code, text)
             self._tokens_released = True
 
     def _on_settled(self) -> None:
@@ -442,18 +459,21 @@ class Bridge:
             while self._waiting and client is self.client:
                 await client.wait_for_credit()
                 released: dict[Session, int] = {}
-                while self._waiting and _can_send(client):
-                    consumer, number, outgoing, publisher = self._waiting.popleft()
-                    if consumer is not None:
-                        self._send(client, consumer, number, outgoing)
-                        continue
-                    self._sent[client.send_counted(outgoing)] = (None, number, outgoing)
-                    if publisher is not None:
-                        released[publisher] = released.get(publisher, 0) + 1
-                for publisher, count in released.items():
-                    broker.return_publish_credit(publisher, count)
-                if released:
-                    self.manager.schedule_flush()
+                try:
+                    while self._waiting and _can_send(client):
+                        consumer, number, outgoing, publisher = self._waiting[0]
+                        if consumer is not None:
+                            self._send(client, consumer, number, outgoing)
+                        else:
+                            self._sent[client.send_counted(outgoing)] = (None, number, outgoing)
+                            if publisher is not None:
+                                released[publisher] = released.get(publisher, 0) + 1
+                        self._waiting.popleft()  # once sent: a failure leaves it for the teardown
+                finally:
+                    for publisher, count in released.items():
+                        broker.return_publish_credit(publisher, count)
+                    if released:
+                        self.manager.schedule_flush()
         except LinkRequestError:
             pass  # the connection went: _teardown gave the messages back
 
@@ -858,7 +878,8 @@ class ClusterManager:
             left = [q for name, q in broker.queues.items() if not name.startswith(FORWARD_QUEUE_PREFIX)
                     and (len(q) or q.in_flight or q.paged)]  # fmt: skip
             pending = [q for q in broker.forward_queues.values() if q.consumers and (len(q) or q.in_flight)]
-            if not left and not pending:
+            in_transit = any(b.in_transit for b in self.bridges.values())  # sent straight, not confirmed yet
+            if not left and not pending and not in_transit:
                 log.info("scale-down complete: no messages left on this node")
                 return
             if not targets:
