@@ -29,7 +29,7 @@ from tests.integration.cluster_nodes import (
 from tests.redis_server import RedisServer
 
 from tridentmq_shared.link.client import Consumer
-from tridentmq_shared.message import M_BODY, M_ID, RoutingType, new_message
+from tridentmq_shared.message import M_BODY, M_ID, M_PROPS, RoutingType, new_message
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster]
 
@@ -521,4 +521,30 @@ async def test_a_durable_message_refused_by_the_node_it_was_written_through_to_i
         await on_b.close()
     async with client(a) as ca:
         assert await take(await ca.subscribe("big", credit=10), 1) == [b"x" * 5000]
+    stop_all([a, b])
+
+
+async def test_a_stored_forward_refused_with_no_queue_here_goes_to_the_dead_letter_address(tmp_path: Path) -> None:
+    a = start_node(tmp_path, "node-0", node_gone_ms="60000")
+    b = start_node(tmp_path, "node-1", [a], node_gone_ms="60000")
+    wait_converged([a, b])
+    async with client(b) as cb:
+        await cb.create_queue("alerts-sub", "alerts", routing_type=RoutingType.MULTICAST, durable=True)
+        await cb.subscribe("alerts-sub", credit=0)
+        wait_until(lambda: remote_consumers(a, "alerts-sub") == 1, what="a to see b's subscriber")
+    b.process.send_signal(signal.SIGSTOP)  # the message goes to b but is never confirmed ...
+    sending = asyncio.create_task(publish(a, "alerts", [b"x" * 5000], routing=RoutingType.MULTICAST))
+    await asyncio.sleep(0.3)
+    b.process.send_signal(signal.SIGKILL)  # ... so a stores it for b once the link is declared dead
+    b.process.wait()
+    await asyncio.wait_for(sending, 15)
+    # b comes back refusing bodies that large: a has no subscription of its own, and must not drop it.
+    b = start_core(tmp_path, "node-1", **cluster_env([a], node_gone_ms="60000"),
+                   TRIDENTMQ_CORE_BROKER_MAX_MESSAGE_BYTES="1000")  # fmt: skip
+    async with client(a) as ca:
+        dead = await ca.subscribe("DLQ", credit=10)
+        batch = await dead.get_batch(timeout=15)
+        dead.ack_ids([m[M_ID] for _, m in batch])  # (left here, a's scale-down would offer it to b for 30 s)
+    assert [bytes(m[M_BODY]) for _, m in batch] == [b"x" * 5000]
+    assert batch[0][1][M_PROPS]["_AMQ_ORIG_REASON"].startswith("refused")
     stop_all([a, b])

@@ -827,7 +827,7 @@ class Broker:
         (none: they go at once)."""
         if not token:
             return
-        self._forget_through(token)
+        dedup_id = self._forget_through(token)
         aliases = self._aliases.pop(token, None) if self._aliases else None
         waiting = self._pending_confirms.pop(token, None)
         if new_token:
@@ -835,6 +835,9 @@ class Broker:
                 self._pending_confirms[new_token] = waiting
             if aliases:
                 self._aliases.setdefault(new_token, []).extend(aliases)
+            if dedup_id is not None:  # duplicates keep waiting, now for the disk here
+                self._through_by_dedup[dedup_id] = new_token
+                self._through_dedup[new_token] = dedup_id
             return
         if waiting is not None:
             session, seq = waiting
@@ -858,13 +861,15 @@ class Broker:
             self._refuse_confirm(alias, code, text)
         return waiting is not None or bool(aliases)
 
-    def _forget_through(self, token: int) -> None:
+    def _forget_through(self, token: int) -> str | None:
+        """Stop holding duplicates back for ``token``; returns the duplicate id they had."""
         dedup_id = self._through_dedup.pop(token, None) if self._through_dedup else None
-        if dedup_id is not None:
-            self._through_by_dedup.pop(dedup_id, None)
+        if dedup_id is not None and self._through_by_dedup.get(dedup_id) == token:
+            del self._through_by_dedup[dedup_id]
+        return dedup_id
 
     def place_refused(self, message: WireMessage, now_ms: int, token: int = 0, code: str = "",
-                      text: str = "") -> None:  # fmt: skip
+                      text: str = "", origin: Queue | None = None) -> None:  # fmt: skip
         """A message sent straight to another node, which refused it (``code``, ``text``): deliver it here
         instead. ``token``: the producer's confirm that waits for it (written through), now for its storage
         here; or, when it has no queue here either, the producer learns the other node's refusal."""
@@ -874,7 +879,8 @@ class Broker:
             header = ForwardHeader("", (), 0, "")
         copy = list(message)
         copy[M_PROPS] = {k: v for k, v in message[M_PROPS].items() if k != FORWARD_PROPERTY}
-        copy[M_DEDUP] = None
+        if not token:  # written through, it keeps its producer's id: stored here, a resend is a duplicate
+            copy[M_DEDUP] = None
         local = tuple(q for name in header.queues if (q := self.queues.get(name)) is not None)
         try:
             queues = local or self._route(copy, now_ms, create=True)
@@ -885,14 +891,22 @@ class Broker:
         if not queues and token and self._refuse_confirm(token, code or ErrorCode.INVALID,
                                                          text or "refused by its node", message[M_DEDUP]):  # fmt: skip
             return  # no queue here either, and its producer is still waiting: tell it
+        if not queues and origin is not None:  # confirmed long ago, from a forward queue: never drop it
+            settings = self.address_settings.resolve(copy[M_ADDRESS])
+            self._emit_message(now_ms, "msg.dead_lettered", copy, origin, reason="refused")
+            self.counters.dead_lettered += 1
+            self._divert(origin, copy, settings.dead_letter_address, f"refused: {text or code}", now_ms)
+            return
         self._pass_confirm(token, self._admit(copy, queues, now_ms))
 
-    def reroute_refused(self, session: Session, consumer: Consumer, message_id: int, now_ms: int) -> None:
-        """The node a forwarded message was for refused it: deliver it here, by its queues or its address."""
+    def reroute_refused(self, session: Session, consumer: Consumer, message_id: int, now_ms: int, code: str = "",
+                        text: str = "") -> None:  # fmt: skip
+        """The node a forwarded message was for refused it: deliver it here, by its queues or its address, or
+        to the dead-letter address when it has neither."""
         taken = consumer.queue.take(consumer, message_id)
         if taken is None:
             return
-        self.place_refused(taken[0], now_ms)
+        self.place_refused(taken[0], now_ms, code=code, text=text, origin=consumer.queue)
         self._settle_acked(consumer.queue, taken[0], now_ms)
         consumer.credit += 1
 
@@ -959,7 +973,7 @@ class Broker:
             session, req_id = committed
             session.conn.reply(req_id, None)
             self.dirty.add(session)
-        if token < 0:
+        if self._through_dedup:
             self._forget_through(token)
         if self._aliases:
             for alias in self._aliases.pop(token, ()):

@@ -429,7 +429,9 @@ class Bridge:
                 if number:  # the confirm token of a message written through: safe over there now
                     broker.on_durable(number)
                     self._tokens_released = True
-        broker.memory.used -= freed
+        if freed:
+            broker.memory.used -= freed
+            self._tokens_released = True  # a flush lets producers blocked on the memory limit go on
 
     def _on_rejected(self, seq: int, code: str, text: str) -> None:
         """Refused by the other node (its limits, a queue that went): the message stays here."""
@@ -440,7 +442,7 @@ class Bridge:
         consumer, number, direct = entry
         if consumer is not None:
             if self.consumers.get(consumer.id) is consumer:
-                self.manager.refused(self, consumer, number)
+                self.manager.refused(self, consumer, number, code, text)
         elif direct is not None:
             self.manager.broker.memory.used -= len(direct[M_BODY]) + MESSAGE_OVERHEAD
             self.manager.broker.place_refused(direct, _now_ms(), number, code, text)
@@ -705,7 +707,7 @@ class ClusterManager:
         except (BindingError, ValueError) as exc:
             log.warning("cluster update refused", extra={"from": bridge.address, "reason": str(exc)})
 
-    def refused(self, bridge: Bridge, consumer: Consumer, message_id: int) -> None:
+    def refused(self, bridge: Bridge, consumer: Consumer, message_id: int, code: str = "", text: str = "") -> None:
         """The other node refused a forwarded message: a redistributor stops and gives it back; a forward
         queue's message is routed here instead."""
         session = bridge.session
@@ -717,7 +719,7 @@ class ClusterManager:
                                now_ms)  # fmt: skip
             consumer.stop()  # the next tick removes it, and starts another if the queue still qualifies
         else:
-            self.broker.reroute_refused(session, consumer, message_id, now_ms)
+            self.broker.reroute_refused(session, consumer, message_id, now_ms, code, text)
         self.schedule_flush()
 
     # ------------------------------------------------------------------ periodic work
