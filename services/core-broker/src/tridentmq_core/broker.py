@@ -231,12 +231,12 @@ class Broker:
         self.send_direct: Callable[[str, WireMessage, int, Session | None], Direct] | None = None
         self._next_through_token = -1  # written-through messages count down: store tokens are positive
         self._publisher: Session | None = None  # whose publishes ``_publish_batch`` is accepting
+        self._withheld = 0  # how many of them wait for a cluster connection (their credit comes back later)
         # Written-through durable messages with a producer's duplicate id, not yet safe anywhere: a duplicate
         # of one (its producer sending it again) is confirmed only with it, not at once.
         self._through_by_dedup: dict[str, int] = {}  # duplicate id → confirm token
         self._through_dedup: dict[int, str] = {}  # confirm token → duplicate id
         self._aliases: dict[int, list[int]] = {}  # confirm token → tokens of duplicates that wait for it
-        self._withheld = 0  # how many of them wait for a cluster connection (their credit comes back later)
         store.attach(self.on_durable)
 
     # ------------------------------------------------------------------ sessions
@@ -893,9 +893,7 @@ class Broker:
             return  # no queue here either, and its producer is still waiting: tell it
         if not queues and origin is not None:  # confirmed long ago, from a forward queue: never drop it
             settings = self.address_settings.resolve(copy[M_ADDRESS])
-            self._emit_message(now_ms, "msg.dead_lettered", copy, origin, reason="refused")
-            self.counters.dead_lettered += 1
-            self._divert(origin, copy, settings.dead_letter_address, f"refused: {text or code}", now_ms)
+            self._to_dead_letter_address(origin, copy, f"refused: {text or code}", settings, now_ms)
             return
         self._pass_confirm(token, self._admit(copy, queues, now_ms))
 
@@ -1450,10 +1448,15 @@ class Broker:
     def _dead_letter(self, queue: Queue, message: WireMessage, reason: str, settings: ResolvedAddressSettings,
                      now_ms: int) -> None:  # fmt: skip
         queue.settle(message)
-        queue.dead_lettered += 1
-        self.counters.dead_lettered += 1
         if message[M_DURABLE] and queue.durable:
             self.store.acknowledge(queue.name, message[M_ID])
+        self._to_dead_letter_address(queue, message, reason, settings, now_ms)
+
+    def _to_dead_letter_address(self, queue: Queue, message: WireMessage, reason: str,
+                                settings: ResolvedAddressSettings, now_ms: int) -> None:  # fmt: skip
+        """Count, audit and divert a message that died in ``queue`` (already taken out of it)."""
+        queue.dead_lettered += 1
+        self.counters.dead_lettered += 1
         self._emit_message(now_ms, "msg.dead_lettered", message, queue, reason=reason)
         self._divert(queue, message, settings.dead_letter_address, reason, now_ms)
 

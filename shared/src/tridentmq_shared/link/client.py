@@ -301,7 +301,7 @@ class LinkClient:
         #: Called after each read that confirmed or rejected publishes (their futures are done by then): one
         #: call for many messages, cheaper than a done-callback on each future.
         self.on_settled: Callable[[], None] | None = None
-        #: For publishes made with ``send_counted``: called with each batch of confirmed sequence ranges and
+        #: For publishes made with ``send_nowait``: called with each batch of confirmed sequence ranges and
         #: with each rejection (sequence, code, text), before ``on_settled``.
         self.on_confirms: Callable[[list[tuple[int, int]]], None] | None = None
         self.on_rejected: Callable[[int, str, str], None] | None = None
@@ -937,15 +937,6 @@ class LinkClient:
         self._queued(conn, message)
         return future
 
-    def send_counted(self, message: WireMessage) -> int:
-        """``send_now`` without a future, for a caller that follows its publishes itself by the sequence number
-        returned (``on_confirms``, ``on_rejected``) and tells a lost link's unconfirmed ones from its own
-        records: nothing here re-sends them or fails them. Check ``can_send`` first."""
-        conn = self._live()
-        seq = conn.publish(message)
-        self._queued(conn, message)
-        return seq
-
     @property
     def publish_credit(self) -> int:
         """Publishes the server allows right now (``send_nowait`` may be called this many times)."""
@@ -957,13 +948,15 @@ class LinkClient:
         await self._wait_credit()
         await self._wait_writable()
 
-    def send_nowait(self, message: WireMessage) -> None:
-        """Publish without a confirm future, for high-rate non-durable producers: the server still
-        confirms, but nothing here waits for it and nothing is re-sent after a reconnect (at most once).
+    def send_nowait(self, message: WireMessage) -> int:
+        """Publish without a confirm future, for high-rate producers: the server still confirms, but nothing
+        here waits for it and nothing is re-sent after a reconnect (at most once). Returns the publish's
+        sequence number, for a caller that follows outcomes itself (``on_confirms``, ``on_rejected``).
         Raises ``LocalProtocolError`` when ``publish_credit`` is 0."""
         conn = self._live()
-        conn.publish(message)
+        seq = conn.publish(message)
         self._queued(conn, message)
+        return seq
 
     async def publish(self, message: WireMessage, tx_id: int = 0) -> None:
         """Publish and wait for the confirm (raises ``LinkRequestError`` on a rejection)."""

@@ -6,9 +6,9 @@ this transfer, and how often it was delivered before (so a redelivery stays flag
 node removes the property before it stores the message, so no client sees it. The id is the sending node's
 and the message's, not the producer's: a message that moves A → B → A must not look like a duplicate of
 itself on A, and a transfer re-sent after a lost link must. The exception is a message written through
-with a producer's duplicate-detection id: its id is ``p:`` and that id, because the sending node stored
-nothing, so the producer's resend after that node died must look like a duplicate over there (a move back
-later carries the other node's id, as any move does).
+with a producer's duplicate-detection id: its id is ``p:``, the sending node's id and that id, because the
+sending node stored nothing, so the producer's resend after that node died and came back must look like a
+duplicate over there (a move back later carries the other node's id, as any move does).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class ForwardHeader(NamedTuple):
     target: str  # node id of the node the message is for
     queues: tuple[str, ...]  # queues on that node; empty: route by address there
     hops: int  # nodes crossed so far
-    dedup_id: str  # sending node id + its message id (or p: + the producer's id, see above)
+    dedup_id: str  # sending node id + its message id (or p: + node id + the producer's id, see above)
     delivered: int = 0  # delivery attempts it already had (a message redistributed after a failed delivery)
 
     def encode(self) -> bytes:

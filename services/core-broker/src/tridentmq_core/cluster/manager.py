@@ -377,7 +377,7 @@ class Bridge:
 
     def _send(self, client: LinkClient, consumer: Consumer, message_id: int, outgoing: WireMessage) -> None:
         # No future per message: ``_on_confirms`` takes the confirms in ranges, one call per read.
-        self._sent[client.send_counted(outgoing)] = (consumer, message_id, None)
+        self._sent[client.send_nowait(outgoing)] = (consumer, message_id, None)
 
     def send_direct(self, message: WireMessage, token: int, publisher: Session | None) -> Direct:
         """Send a message for the other node at once, not through the forward queue (the broker offers it only
@@ -390,7 +390,7 @@ class Bridge:
         if self.state != "up" or client is None:
             return Direct.REFUSED
         if not self._waiting and _can_send(client):
-            self._sent[client.send_counted(message)] = (None, token, message)
+            self._sent[client.send_nowait(message)] = (None, token, message)
             taken = Direct.SENT
         elif publisher is None or len(self._waiting) >= self.manager.settings.cluster.forward_window:
             return Direct.REFUSED
@@ -467,7 +467,7 @@ class Bridge:
                         if consumer is not None:
                             self._send(client, consumer, number, outgoing)
                         else:
-                            self._sent[client.send_counted(outgoing)] = (None, number, outgoing)
+                            self._sent[client.send_nowait(outgoing)] = (None, number, outgoing)
                             if publisher is not None:
                                 released[publisher] = released.get(publisher, 0) + 1
                         self._waiting.popleft()  # once sent: a failure leaves it for the teardown
