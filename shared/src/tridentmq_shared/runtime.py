@@ -37,3 +37,15 @@ def set_nodelay(transport: asyncio.BaseTransport) -> None:
     sock = transport.get_extra_info("socket")
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
+    """Cancel ``task`` and wait until it has ended. Cancelled again until it does: on Python 3.11
+    ``asyncio.wait_for`` swallows a cancellation that arrives as the awaited thing completes, and a task
+    that retries in a loop then goes on (a stopping backup hung in its search for a primary that way)."""
+    while task is not None and not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.5)
+    error = task.exception() if task is not None and not task.cancelled() else None
+    if error is not None:
+        raise error

@@ -39,6 +39,7 @@ from tridentmq_shared.link.client import LinkClient, LinkRequestError
 from tridentmq_shared.link.codec import HEARTBEAT_TIMEOUT_FACTOR
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.link.topology import parse_endpoint
+from tridentmq_shared.runtime import cancel_and_wait
 from tridentmq_shared.settings import SettingsError
 
 if TYPE_CHECKING:
@@ -396,10 +397,7 @@ class ReplicationSource:
         }
 
     async def stop(self) -> None:
-        if self._stay_task is not None:
-            self._stay_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._stay_task
+        await cancel_and_wait(self._stay_task)
 
 
 async def ask_votes(settings: CoreSettings, voters: list[tuple[str, int]], request: VoteRequest,
@@ -492,10 +490,7 @@ class BackupRunner:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="ha-backup")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         await self._close_link()
         self._close_journal()
 
