@@ -275,7 +275,8 @@ class Queue:
             self._replace_last_value(message)
         priority = message[M_PRIORITY]
         self._levels[priority].append(message)
-        self._high = max(self._high, priority)
+        if priority > self._high:  # noqa: PLR1730 - max() is a builtin call per message
+            self._high = priority
         self._count += 1
         self.added += 1
         size = len(message[M_BODY]) + MESSAGE_OVERHEAD
@@ -341,7 +342,8 @@ class Queue:
                 return
         priority = message[M_PRIORITY]
         self._levels[priority].appendleft(message)
-        self._high = max(self._high, priority)
+        if priority > self._high:  # noqa: PLR1730 - max() is a builtin call per message
+            self._high = priority
         self._count += 1
         if delivery_count > 0:
             self._returned[message[M_ID]] = delivery_count
@@ -502,6 +504,10 @@ class Queue:
         consumer.credit -= 1
         self.delivered += 1
         session = consumer.session
+        if not consumer.auto_ack:  # in flight first: a delivery held for the disk is sent only if it still is
+            consumer.in_flight[message_id] = message
+            if count > 1:
+                consumer.counts[message_id] = count
         # A delivery attempt is recorded before the delivery goes out, except to a forwarder: a message it
         # was moving when the node crashed is simply moved again (the other node drops the copy).
         if self.durable and message[M_DURABLE] and not consumer.auto_ack and not consumer.forwarder:
@@ -514,10 +520,6 @@ class Queue:
             self._forget(message)
             self.acked += 1
             self._sink.on_acked(self, message)
-        else:
-            consumer.in_flight[message_id] = message
-            if count > 1:
-                consumer.counts[message_id] = count
 
     def _browse(self, consumer: Consumer, now_ms: int) -> None:
         assert consumer.browse_iter is not None
