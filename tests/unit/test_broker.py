@@ -21,7 +21,8 @@ from tests.unit.broker_harness import (
 
 from tridentmq_core.address_settings import AddressSettingsRepository
 from tridentmq_core.broker import ORIGINAL_ADDRESS, ORIGINAL_QUEUE, ORIGINAL_REASON, Broker
-from tridentmq_core.dedup import DuplicateIdCache
+from tridentmq_core.cluster.forward import DEDUP_PREFIX, FORWARD_PROPERTY, ForwardHeader
+from tridentmq_core.dedup import DuplicateIdCache, TransferIds
 from tridentmq_core.queues import MESSAGE_OVERHEAD
 from tridentmq_core.security import AuthenticationError, Permission, SecurityManager, hash_password, is_loopback
 from tridentmq_core.settings import (
@@ -34,7 +35,7 @@ from tridentmq_core.settings import (
 from tridentmq_core.store.memory import MemoryStore
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.ops import ErrorCode, NackMode
-from tridentmq_shared.message import M_EXPIRATION, M_TIMESTAMP
+from tridentmq_shared.message import M_EXPIRATION, M_ID, M_TIMESTAMP, new_message
 from tridentmq_shared.settings import SettingsError
 
 
@@ -880,6 +881,63 @@ def test_dedup_cache_evicts_the_oldest_live_id_past_forgotten_and_renewed_ones()
     assert [dedup_id for dedup_id, _ in cache.entries()] == ["a", "d"]
 
 
+def test_transfer_ids_are_kept_per_node_for_at_least_the_window() -> None:
+    ids = TransferIds(window_ms=100, max_entries=1_000)
+    ids.expire(0)  # the first generation begins
+    assert not ids.seen("a:", 7, 0)
+    assert ids.seen("a:", 7, 10)
+    assert not ids.seen("b:", 7, 10)  # another node's 7
+    ids.expire(99)
+    assert ids.seen("a:", 7, 99)
+    ids.expire(100)  # a new generation: the old one is still remembered
+    assert ids.seen("a:", 7, 150)
+    assert not ids.seen("a:", 8, 150)
+    ids.expire(199)
+    assert ids.seen("a:", 7, 199)
+    ids.expire(200)  # 7 arrived two generations ago: forgotten; 8, one generation ago, is not
+    assert not ids.seen("a:", 7, 200)
+    assert ids.seen("a:", 8, 200)
+    ids.forget("a:", 8)
+    ids.forget("a:", 7)
+    assert not ids.seen("a:", 8, 201)
+    assert not ids.seen("a:", 7, 201)
+
+
+def test_transfer_ids_are_bounded_keeping_the_newest_half() -> None:
+    ids = TransferIds(window_ms=10_000, max_entries=10)
+    for number in range(12):
+        assert not ids.seen("a:", number, 0)
+    assert len(ids) <= 10
+    assert all(ids.seen("a:", number, 0) for number in range(7, 12))  # the newest five at least
+    assert not ids.seen("a:", 0, 0)
+
+
+def test_a_transfer_sent_again_is_a_duplicate_and_a_durable_one_journals_its_transfer_id() -> None:
+    """Another node re-sends what it sent when its link dropped: numbered headers, non-durable and durable."""
+    h = Harness()
+    node_a = h.connect("node-a")
+    node_a.session.principal = dataclasses.replace(node_a.session.principal, cluster=True)
+    c = h.connect()
+    ok(c.create_queue("orders"))
+    cid = c.consumer("orders", auto_ack=True)
+    header = ForwardHeader("node-1", ("orders",), 1, "node-a:", numbered=True).encode()
+    sent = []
+    for durable, number in ((False, 77), (True, 78), (False, 79)):
+        for _ in range(2):
+            message = new_message("orders", f"m{number}".encode(), durable=durable,
+                                  properties={FORWARD_PROPERTY: header})  # fmt: skip
+            message[M_ID] = number  # its id on node-a, which completes the transfer id
+            sent.append(node_a.conn.publish(message))
+    h.sync()
+    assert set(sent) <= node_a.confirmed
+    got = c.take(cid)
+    assert bodies(got) == [b"m77", b"m78", b"m79"]
+    assert all(FORWARD_PROPERTY not in d.props for d in got)
+    assert h.broker.counters.duplicates == 3
+    # What a restart remembers: the durable one's transfer id (the others are lost with the node anyway).
+    assert [dedup_id for dedup_id, _ in h.broker.durable_snapshot().dedup_ids] == [DEDUP_PREFIX + "node-a:78"]
+
+
 # ====================================================================== regressions of fixed bugs
 def test_failed_commit_applies_nothing_and_can_be_rolled_back() -> None:
     h = with_address_settings(auto_create_addresses=False, auto_create_queues=False)
@@ -896,6 +954,20 @@ def test_failed_commit_applies_nothing_and_can_be_rolled_back() -> None:
     ok(c.tx_rollback(1))
     c.publish("orders", b"after")
     assert bodies(c.take(cid)) == [b"after"]
+
+
+def test_a_durable_delivery_whose_attempt_is_safe_at_once_is_sent() -> None:
+    """A store that reports a delivery attempt as safe at once (0) made the delivery vanish: it was sent only
+    if already in flight, and it became in flight only after."""
+    h = Harness()  # the memory store: everything is "safe" at once
+    c = h.connect()
+    ok(c.create_queue("orders"))
+    cid = c.consumer("orders")
+    c.publish("orders", b"kept", durable=True)
+    got = c.take(cid)
+    assert bodies(got) == [b"kept"]
+    c.ack(cid, ids(got))
+    assert len(h.broker.queues["orders"]) == 0
 
 
 def test_auto_delete_queue_kept_while_a_redelivery_is_delayed() -> None:

@@ -21,6 +21,17 @@ def test_forward_header_round_trips_as_plain_msgpack(dedup_id: str) -> None:
         assert ForwardHeader.decode(header.encode()) == header  # the second time from the cached suffix
 
 
+@pytest.mark.parametrize("delivered", [0, 3, 500])
+def test_a_numbered_header_is_the_same_bytes_for_every_message_and_completes_its_id(delivered: int) -> None:
+    header = ForwardHeader("node-b", ("q1",), 1, "node-a:", delivered, numbered=True)
+    raw = header.encode()
+    assert msgpack.unpackb(raw) == ["node-a:", delivered, "node-b", ["q1"], 1, True]
+    assert ForwardHeader.decode(raw) == header
+    assert ForwardHeader.decode(bytes(raw)) is ForwardHeader.decode(raw)  # kept whole, not parsed again
+    assert header.transfer_id(42) == "node-a:42"
+    assert ForwardHeader("node-b", ("q1",), 1, "p:node-a:x").transfer_id(42) == "p:node-a:x"
+
+
 def test_a_forward_header_in_the_first_layout_still_decodes() -> None:
     """Messages journaled in a forward queue before the per-message part moved to the front."""
     old = msgpack.packb(["node-b", ["q1"], 1, "a:7", 2])
@@ -32,6 +43,7 @@ def test_a_forward_header_in_the_first_layout_still_decodes() -> None:
     msgpack.packb(["d", 0, "n", [1], 0]), msgpack.packb(["", 0, "n", ["q"], 0]),
     msgpack.packb(["d", -1, "n", ["q"], 0]), msgpack.packb(["d", 0, "n", ["q"]]), msgpack.packb({"target": "n"}),
     b"\x95" + b"\x91" * 10_000, msgpack.packb(["d", 0, "n", ["q"], 0]) + b"\x00",
+    msgpack.packb(["d", 0, "n", ["q"], 0, 1]), msgpack.packb(["", 0, "n", ["q"], 0, True]),
     b"\x95\xa2\xff\xfe" + msgpack.packb(0) + msgpack.packb("n") + msgpack.packb(["q"]) + msgpack.packb(0),
 ])  # fmt: skip
 def test_a_malformed_forward_header_is_a_value_error(value: Any) -> None:

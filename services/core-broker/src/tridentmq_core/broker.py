@@ -19,10 +19,10 @@ from typing import Any, Final
 from tridentmq_core.address_settings import AddressSettingsRepository, ResolvedAddressSettings
 from tridentmq_core.audit import AuditSink
 from tridentmq_core.cluster.balancer import Balancer
-from tridentmq_core.cluster.forward import DEDUP_PREFIX, FORWARD_PROPERTY, ForwardHeader, encode_header
+from tridentmq_core.cluster.forward import DEDUP_PREFIX, FORWARD_PROPERTY, ForwardHeader, encode_header, numbered_header
 from tridentmq_core.cluster.redistribution import Arrivals
 from tridentmq_core.deadlines import Deadlines
-from tridentmq_core.dedup import DuplicateIdCache
+from tridentmq_core.dedup import DuplicateIdCache, TransferIds
 from tridentmq_core.queues import Consumer, MemoryGauge, PagerFactory, Queue
 from tridentmq_core.router import AddressTrie, InvalidAddress, validate_address
 from tridentmq_core.security import Permission, Principal
@@ -201,6 +201,9 @@ class Broker:
         self._next_id = first_message_id
         self._dedup = DuplicateIdCache(int(settings.broker.dedup_window_seconds * 1000),
                                        settings.broker.dedup_max_entries)  # fmt: skip
+        # Non-durable transfers from other nodes: a cheaper look-up, and not journaled (see TransferIds).
+        self._transfers = TransferIds(int(settings.broker.dedup_window_seconds * 1000),
+                                      settings.broker.dedup_max_entries)  # fmt: skip
         self._timers: list[tuple[int, int, Queue | None, WireMessage, int]] = []  # due, seq, queue, msg, count
         self._timer_seq = itertools.count()
         self._pending_confirms: dict[int, tuple[Session, int]] = {}
@@ -649,23 +652,37 @@ class Broker:
             header = ForwardHeader.decode(raw)
         except ValueError as exc:
             raise BrokerError(ErrorCode.INVALID, str(exc)) from None
-        dedup_id = message[M_DEDUP] = DEDUP_PREFIX + header.dedup_id
-        if self._dedup.seen(dedup_id, now_ms):
+        number = message[M_ID]  # the message's id on the sending node
+        numbered = header.numbered and not message[M_DURABLE]  # lost with this node anyway: in no journal
+        if numbered:
+            message[M_DEDUP] = None
+            duplicate = self._transfers.seen(header.dedup_id, number, now_ms)
+        else:
+            dedup_id = message[M_DEDUP] = DEDUP_PREFIX + header.transfer_id(number)
+            duplicate = self._dedup.seen(dedup_id, now_ms)
+        if duplicate:
             self.counters.duplicates += 1
             return 0  # a transfer re-sent after its link dropped: stored already
         self.counters.received += 1
         cluster = self.cluster
-        if header.target != self.node_id and cluster is not None and header.hops < cluster.bindings.max_hops \
-                and cluster.bindings.next_hop(header.target) is not None:  # fmt: skip
-            return self._forward(message, header.target, header.queues, header.hops + 1, now_ms)  # a relay
-        names = header.queues
-        if len(names) == 1:  # the usual case, without a generator per message
-            queue = self.queues.get(names[0])
-            queues: tuple[Queue, ...] = () if queue is None else (queue,)
-        else:
-            queues = tuple(q for name in names if (q := self.queues.get(name)) is not None)
-        if not queues:  # gone meanwhile (or a relay that cannot reach the target): route it here by address
-            queues = self._route(message, now_ms, create=True)
+        try:
+            if header.target != self.node_id and cluster is not None and header.hops < cluster.bindings.max_hops \
+                    and cluster.bindings.next_hop(header.target) is not None:  # fmt: skip
+                return self._forward(message, header.target, header.queues, header.hops + 1, now_ms)  # a relay
+            names = header.queues
+            if len(names) == 1:  # the usual case, without a generator per message
+                queue = self.queues.get(names[0])
+                queues: tuple[Queue, ...] = () if queue is None else (queue,)
+            else:
+                queues = tuple(q for name in names if (q := self.queues.get(name)) is not None)
+            if not queues:  # gone meanwhile (or a relay that cannot reach the target): route it here by address
+                queues = self._route(message, now_ms, create=True)
+        except BrokerError:  # refused: sending it again (a redistribution retried later) is no duplicate
+            if numbered:
+                self._transfers.forget(header.dedup_id, number)
+            else:
+                self._dedup.forget(dedup_id)
+            raise
         token = self._admit(message, queues, now_ms, delivered=header.delivered)
         if cluster is not None:
             self.arrivals.add(message[M_ID], now_ms)
@@ -738,16 +755,19 @@ class Broker:
         via = self.cluster.bindings.next_hop(target) or target
         forward_queue = self.forward_queue(via, now_ms)
         copy = message if through else list(message)  # written through, it goes to that node only
-        copy[M_ID] = message_id = self._next_id
+        copy[M_ID] = self._next_id
         self._next_id += 1
         durable = copy[M_DURABLE]
         # A written-through message was stored nowhere here: if this node dies before the other confirms, the
         # producer sends it again to its next life, so the transfer's id must be the producer's (with this
         # node's, as two nodes' producers may use one id) to be a duplicate over there.
         producer_dedup = message[M_DEDUP] if durable and through else None
-        transfer_id = f"p:{self._transfer_prefix}{producer_dedup}" if producer_dedup \
-            else f"{self._transfer_prefix}{message_id}"  # fmt: skip
-        copy[M_PROPS] = {**message[M_PROPS], FORWARD_PROPERTY: encode_header(target, queues, hops, transfer_id)}
+        header = encode_header(target, queues, hops, f"p:{self._transfer_prefix}{producer_dedup}") \
+            if producer_dedup else numbered_header(target, queues, hops, self._transfer_prefix)  # fmt: skip
+        if through:  # the message itself, which goes nowhere else: its properties are its own to change
+            copy[M_PROPS][FORWARD_PROPERTY] = header
+        else:
+            copy[M_PROPS] = {**message[M_PROPS], FORWARD_PROPERTY: header}
         self.counters.forwarded += 1
         audit = (durable and self._audit_durable) or self._audit_all
         if (through or not durable) and not len(forward_queue) and self.send_direct is not None:
@@ -1560,6 +1580,7 @@ class Broker:
                 if queue.added:  # emptied by expiry or dead-lettering, not merely waiting for its first use
                     self._maybe_auto_delete(queue, now_ms)
             self._dedup.expire(now_ms)
+            self._transfers.expire(now_ms)
         self.flush_dispatch(now_ms)
 
     def restore(self, state: RecoveredState, now_ms: int) -> None:

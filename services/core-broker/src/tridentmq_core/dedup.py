@@ -62,3 +62,58 @@ class DuplicateIdCache:
         """Every remembered id with its arrival time, oldest first (what a restart must remember)."""
         window = self._window_ms
         return [(dedup_id, deadline - window) for dedup_id, deadline in self._expiry.items()]
+
+
+class TransferIds:
+    """``seen(node, number, now)`` answers whether the transfer ``number`` from ``node`` arrived lately, and
+    remembers it if not: ``DuplicateIdCache`` for the numbered transfers of non-durable messages between
+    nodes, which need not survive a restart (the messages do not).
+
+    The numbers are kept per node in two generations of sets, the older dropped whole: no id string to build
+    and no queue entry per transfer, and a node's numbers grow, so they sit side by side in their sets (a
+    look-up in a full ``DuplicateIdCache`` took a microsecond, mostly cache misses). A number is remembered
+    for at least ``window_ms``, and the newest ``max_entries // 2`` at least, of at most ``max_entries``."""
+
+    def __init__(self, window_ms: int, max_entries: int) -> None:
+        self._window_ms = window_ms
+        self._generation_size = max(1, max_entries // 2)
+        self._current: dict[str, set[int]] = {}
+        self._previous: dict[str, set[int]] = {}
+        self._size = 0  # numbers in the current generation
+        self._started_ms = 0  # when the current generation began
+
+    def __len__(self) -> int:
+        return self._size + sum(len(numbers) for numbers in self._previous.values())
+
+    def seen(self, node: str, number: int, now_ms: int) -> bool:
+        current = self._current.get(node)
+        if current is None:
+            current = self._current[node] = set()
+        elif number in current:
+            return True
+        previous = self._previous.get(node)
+        if previous is not None and number in previous:
+            return True
+        current.add(number)
+        self._size += 1
+        if self._size >= self._generation_size:
+            self._next_generation(now_ms)
+        return False
+
+    def forget(self, node: str, number: int) -> None:
+        """Undo ``seen`` for a transfer that was then refused, so that sending it again is no duplicate."""
+        for generation in (self._current, self._previous):
+            numbers = generation.get(node)
+            if numbers is not None and number in numbers:
+                numbers.discard(number)
+                if generation is self._current:
+                    self._size -= 1
+
+    def expire(self, now_ms: int) -> None:
+        if now_ms - self._started_ms >= self._window_ms:
+            self._next_generation(now_ms)
+
+    def _next_generation(self, now_ms: int) -> None:
+        self._previous, self._current = self._current, {}
+        self._size = 0
+        self._started_ms = now_ms

@@ -25,7 +25,7 @@ from tridentmq_core.broker import FORWARD_QUEUE_PREFIX, Broker, BrokerError, Dir
 from tridentmq_core.cluster.balancer import Balancer, is_local_consumer
 from tridentmq_core.cluster.bindings import Binding, BindingError, Key, RemoteBindings
 from tridentmq_core.cluster.discovery import Announcement, RedisDiscovery
-from tridentmq_core.cluster.forward import FORWARD_PROPERTY, ForwardHeader
+from tridentmq_core.cluster.forward import FORWARD_PROPERTY, numbered_header
 from tridentmq_core.cluster.links import node_link, watch_close
 from tridentmq_core.cluster.redistribution import Arrivals, Redistributor, best_target, stranded
 from tridentmq_core.ha.manager import Voter
@@ -360,9 +360,9 @@ class Bridge:
             return  # torn down meanwhile: the broker takes the message back with the session
         if isinstance(consumer, Redistributor):
             outgoing = list(message)
-            header = ForwardHeader(consumer.target.node_id, (consumer.queue.name,), 1,
-                                   f"{self.manager.node_id}:{message[M_ID]}", delivered)  # fmt: skip
-            outgoing[M_PROPS] = {**message[M_PROPS], FORWARD_PROPERTY: header.encode()}
+            header = numbered_header(consumer.target.node_id, (consumer.queue.name,), 1, f"{self.manager.node_id}:",
+                                     delivered)  # fmt: skip
+            outgoing[M_PROPS] = {**message[M_PROPS], FORWARD_PROPERTY: header}
         else:
             outgoing = message
         if self._waiting or not _can_send(client):
