@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Final
@@ -689,7 +689,7 @@ class Broker:
         return token
 
     def _admit(self, message: WireMessage, queues: tuple[Queue, ...], now_ms: int,
-               remote: dict[str, list[str]] | None = None, delivered: int = 0, *,
+               remote: Mapping[str, tuple[str, ...]] | None = None, delivered: int = 0, *,
                through: bool = False) -> int:  # fmt: skip
         """Store a routed message in its local queues and the store-and-forward queues of ``remote``;
         ``delivered``: delivery attempts it had on another node (its next delivery counts on from them);
@@ -714,11 +714,11 @@ class Broker:
         if remote:
             if through and not queues and len(remote) == 1:
                 ((node_id, names),) = remote.items()
-                token = self._forward(message, node_id, tuple(names), 1, now_ms, through=True)
+                token = self._forward(message, node_id, names, 1, now_ms, through=True)
             else:
                 for node_id, names in remote.items():
                     # The journal syncs in order: the last record's token covers the earlier ones.
-                    token = max(token, self._forward(message, node_id, tuple(names), 1, now_ms))
+                    token = max(token, self._forward(message, node_id, names, 1, now_ms))
         if message[M_SCHEDULED] > now_ms:
             for queue in queues:
                 self._schedule(message[M_SCHEDULED], queue, message, 0)
@@ -753,7 +753,6 @@ class Broker:
         rate across two nodes with no cap, 51 % with half the window)."""
         assert self.cluster is not None
         via = self.cluster.bindings.next_hop(target) or target
-        forward_queue = self.forward_queue(via, now_ms)
         copy = message if through else list(message)  # written through, it goes to that node only
         copy[M_ID] = self._next_id
         self._next_id += 1
@@ -770,7 +769,8 @@ class Broker:
             copy[M_PROPS] = {**message[M_PROPS], FORWARD_PROPERTY: header}
         self.counters.forwarded += 1
         audit = (durable and self._audit_durable) or self._audit_all
-        if (through or not durable) and not len(forward_queue) and self.send_direct is not None:
+        waiting = self.forward_queues.get(via)
+        if (through or not durable) and (waiting is None or not len(waiting)) and self.send_direct is not None:
             token = self._next_through_token if durable else 0
             taken = self.send_direct(via, copy, token, self._publisher if through else None)
             if taken:
@@ -785,6 +785,7 @@ class Broker:
                     self._emit_message(now_ms, "msg.forwarded", copy, None, target_node=target,
                                        target_queues=list(queues))  # fmt: skip
                 return token
+        forward_queue = self.forward_queue(via, now_ms)
         token = self.store.add_message(copy, (forward_queue.name,)) if durable else 0
         forward_queue.add(copy)
         self._to_dispatch.add(forward_queue)
@@ -944,7 +945,7 @@ class Broker:
                         remote.setdefault(min(reachable, key=lambda b: b.distance).node_id, []).append(name)
         if not local and not remote:
             return False
-        self._admit(message, local, now_ms, remote)
+        self._admit(message, local, now_ms, {node_id: tuple(queues) for node_id, queues in remote.items()})
         return True
 
     def add_forwarder(self, session: Session, consumer: Consumer) -> None:

@@ -958,6 +958,17 @@ class LinkClient:
         self._queued(conn, message)
         return seq
 
+    def send_if_open(self, message: WireMessage) -> int:
+        """``send_nowait`` when ``can_send``, in one call (a forwarding node's hot path); else -1, sending
+        nothing (no credit, a full socket, a link being resumed, or none)."""
+        conn, protocol = self._conn, self._protocol
+        if self._resuming or conn is None or conn.state is not _OPEN or conn.publish_credit <= 0 or \
+                (protocol is not None and not protocol.writable.is_set()):  # fmt: skip
+            return -1
+        seq = conn.publish(message)
+        self._queued(conn, message)
+        return seq
+
     async def publish(self, message: WireMessage, tx_id: int = 0) -> None:
         """Publish and wait for the confirm (raises ``LinkRequestError`` on a rejection)."""
         await (await self.send(message, tx_id))

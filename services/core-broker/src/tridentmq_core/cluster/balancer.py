@@ -27,7 +27,7 @@ STRICT: Final = "STRICT"
 ON_DEMAND: Final = "ON_DEMAND"
 OFF_WITH_REDISTRIBUTION: Final = "OFF_WITH_REDISTRIBUTION"
 
-Remote = dict[str, list[str]]  # node id → names of the queues there that get the message
+Remote = dict[str, tuple[str, ...]]  # node id → names of the queues there that get the message
 _NO_REMOTE: Final[Remote] = {}
 Instance = Queue | Binding
 # A routing plan: None = decide per message; a fixed answer; or per group, the instances to take turns over.
@@ -86,14 +86,12 @@ class Balancer:
 
     def has_remote(self, address: str) -> bool:
         """Whether routing to ``address`` must look at other nodes at all (cached until bindings change)."""
-        if not self.forwards:
-            return False
         if self._version != self.bindings.version:
             self._has_remote.clear()
             self._version = self.bindings.version
         found = self._has_remote.get(address)
         if found is None:
-            found = bool(self.bindings.match(address))
+            found = self.forwards and bool(self.bindings.match(address))
             if len(self._has_remote) > 100_000:
                 self._has_remote.clear()
             self._has_remote[address] = found
@@ -166,11 +164,11 @@ class Balancer:
     @staticmethod
     def _split(chosen: list[Instance]) -> tuple[tuple[Queue, ...], Remote]:
         local_chosen = tuple(i for i in chosen if isinstance(i, Queue))
-        forwarded: Remote = {}
+        forwarded: dict[str, list[str]] = {}
         for instance in chosen:
             if isinstance(instance, Binding):
                 forwarded.setdefault(instance.node_id, []).append(instance.queue)
-        return local_chosen, forwarded
+        return local_chosen, {node_id: tuple(names) for node_id, names in forwarded.items()}
 
     def _qualified(self, instances: list[Instance], message: WireMessage | None) -> list[Instance]:
         """The instances that may get the message under the policy (``message`` None: no selector matters)."""

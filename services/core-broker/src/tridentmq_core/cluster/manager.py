@@ -389,8 +389,9 @@ class Bridge:
         client = self.client
         if self.state != "up" or client is None:
             return Direct.REFUSED
-        if not self._waiting and _can_send(client):
-            self._sent[client.send_nowait(message)] = (None, token, message)
+        seq = -1 if self._waiting else client.send_if_open(message)
+        if seq >= 0:
+            self._sent[seq] = (None, token, message)
             taken = Direct.SENT
         elif publisher is None or len(self._waiting) >= self.manager.settings.cluster.forward_window:
             return Direct.REFUSED
@@ -462,15 +463,21 @@ class Bridge:
                 await client.wait_for_credit()
                 released: dict[Session, int] = {}
                 try:
-                    while self._waiting and _can_send(client):
-                        consumer, number, outgoing, publisher = self._waiting[0]
+                    waiting, sent = self._waiting, self._sent
+                    while waiting:
+                        consumer, number, outgoing, publisher = waiting[0]
                         if consumer is not None:
+                            if not _can_send(client):
+                                break
                             self._send(client, consumer, number, outgoing)
                         else:
-                            self._sent[client.send_nowait(outgoing)] = (None, number, outgoing)
+                            seq = client.send_if_open(outgoing)
+                            if seq < 0:
+                                break
+                            sent[seq] = (None, number, outgoing)
                             if publisher is not None:
                                 released[publisher] = released.get(publisher, 0) + 1
-                        self._waiting.popleft()  # once sent: a failure leaves it for the teardown
+                        waiting.popleft()  # once sent: a failure leaves it for the teardown
                 finally:
                     for publisher, count in released.items():
                         broker.return_publish_credit(publisher, count)
