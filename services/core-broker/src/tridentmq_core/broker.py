@@ -11,14 +11,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Final
 
 from tridentmq_core.address_settings import AddressSettingsRepository, ResolvedAddressSettings
 from tridentmq_core.audit import AuditSink
-from tridentmq_core.cluster.balancer import Balancer
+from tridentmq_core.cluster.balancer import Balancer, Remote
 from tridentmq_core.cluster.forward import DEDUP_PREFIX, FORWARD_PROPERTY, ForwardHeader, encode_header, numbered_header
 from tridentmq_core.cluster.redistribution import Arrivals
 from tridentmq_core.deadlines import Deadlines
@@ -196,6 +196,9 @@ class Broker:
         # so the queues can be used as they are without looking at the message.
         self._routes: dict[tuple[str, int], tuple[tuple[Queue, ...], bool]] = {}
         self._kinds_cache: dict[tuple[str, int], frozenset[RoutingType]] = {}  # (address, routing) → ``_kinds``
+        # (address, routing) → (local queues, other nodes' queues, the two binding versions it holds for): the
+        # route and balance of a send whose split depends on no message, made once instead of per message.
+        self._splits: dict[tuple[str, int], tuple[tuple[Queue, ...], Remote, int, int]] = {}
         self._anycast_rr: dict[str, int] = {}
         self._to_dispatch: set[Queue] = set()
         self._next_id = first_message_id
@@ -628,16 +631,25 @@ class Broker:
             self._next_through_token -= 1
             self._aliases.setdefault(pending, []).append(alias)
             return alias
+        cluster = self.cluster
+        if cluster is not None:
+            key = (message[M_ADDRESS], message[M_ROUTING])
+            split = self._splits.get(key)
+            if split is not None and split[2] == self.bindings_version and split[3] == cluster.bindings.version:
+                return self._admit(message, split[0], now_ms, split[1], through=through)
         try:
             queues = self._route(message, now_ms, create=True)
         except BrokerError:
             if dedup_id is not None:
                 self._dedup.forget(dedup_id)  # refused, so a retry is not a duplicate
             raise
-        cluster = self.cluster
         if cluster is not None and cluster.has_remote(message[M_ADDRESS]):
             kinds = self._kinds(message[M_ADDRESS], message[M_ROUTING])
             queues, remote = cluster.balance(message, message[M_ADDRESS], queues, kinds, self.bindings_version)
+            if self._routes[key][1] and cluster.fixed(message[M_ADDRESS], kinds):  # the same for every message
+                if len(self._splits) > 10_000:
+                    self._splits.clear()
+                self._splits[key] = (queues, remote, self.bindings_version, cluster.bindings.version)
             if remote:
                 return self._admit(message, queues, now_ms, remote, through=through)
         return self._admit(message, queues, now_ms)
@@ -689,7 +701,7 @@ class Broker:
         return token
 
     def _admit(self, message: WireMessage, queues: tuple[Queue, ...], now_ms: int,
-               remote: Mapping[str, tuple[str, ...]] | None = None, delivered: int = 0, *,
+               remote: Remote | None = None, delivered: int = 0, *,
                through: bool = False) -> int:  # fmt: skip
         """Store a routed message in its local queues and the store-and-forward queues of ``remote``;
         ``delivered``: delivery attempts it had on another node (its next delivery counts on from them);
@@ -1074,6 +1086,7 @@ class Broker:
     def _invalidate_routes(self) -> None:
         self._routes.clear()
         self._kinds_cache.clear()
+        self._splits.clear()
 
     # ------------------------------------------------------------------ consuming
     def _subscribe(self, session: Session, consumer_id: int, queue_name: str, credit: int,

@@ -120,6 +120,11 @@ class Balancer:
         chosen = [group[0] if len(group) == 1 else self._turn(name, group) for name, group in plan]
         return self._split(chosen)
 
+    def fixed(self, address: str, kinds: frozenset[RoutingType]) -> bool:
+        """Whether ``balance`` splits every message to ``address`` the same way, until a binding version
+        changes (no filter, selector or round-robin involved)."""
+        return isinstance(self._plans.get((address, kinds)), tuple)
+
     def _plan(self, address: str, local: tuple[Queue, ...], kinds: frozenset[RoutingType]) -> _Plan:
         """When no selector or filter is involved, the instances that qualify depend only on consumer counts:
         work them out once per change instead of per message. None: they depend on the message."""
