@@ -77,6 +77,9 @@ class Direct(IntEnum):
     HELD = 2  # waits in memory for the link's credit, and its producer's publish credit waits with it
 
 
+_HELD = Direct.HELD  # a module constant: enum member access is slow on the forwarding path
+
+
 class BrokerError(Exception):
     """A request the broker refuses; ``code`` is an ``ErrorCode`` and the text is shown to the client."""
 
@@ -791,7 +794,7 @@ class Broker:
                     if producer_dedup:
                         self._through_by_dedup[producer_dedup] = token
                         self._through_dedup[token] = producer_dedup
-                if taken is Direct.HELD:
+                if taken is _HELD:
                     self._withheld += 1
                 if audit:
                     self._emit_message(now_ms, "msg.forwarded", copy, None, target_node=target,

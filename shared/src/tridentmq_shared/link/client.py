@@ -961,9 +961,10 @@ class LinkClient:
     def send_if_open(self, message: WireMessage) -> int:
         """``send_nowait`` when ``can_send``, in one call (a forwarding node's hot path); else -1, sending
         nothing (no credit, a full socket, a link being resumed, or none)."""
-        conn, protocol = self._conn, self._protocol
-        if self._resuming or conn is None or conn.state is not _OPEN or conn.publish_credit <= 0 or \
-                (protocol is not None and not protocol.writable.is_set()):  # fmt: skip
+        conn, protocol, resuming = self._conn, self._protocol, self._reconnecting
+        if conn is None or conn.state is not _OPEN or conn.publish_credit <= 0 or \
+                (protocol is not None and not protocol.writable.is_set()) or \
+                (resuming is not None and not resuming.done()):  # fmt: skip
             return -1
         seq = conn.publish(message)
         self._queued(conn, message)

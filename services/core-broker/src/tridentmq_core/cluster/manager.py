@@ -46,6 +46,9 @@ TICK_SECONDS: Final = 0.1
 FORWARDER_ID: Final = 1  # consumer id of a bridge's store-and-forward consumer; redistributors count up from 2
 
 
+_SENT, _HELD = Direct.SENT, Direct.HELD  # module constants: enum member access is slow per message
+
+
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -392,12 +395,12 @@ class Bridge:
         seq = -1 if self._waiting else client.send_if_open(message)
         if seq >= 0:
             self._sent[seq] = (None, token, message)
-            taken = Direct.SENT
+            taken = _SENT
         elif publisher is None or len(self._waiting) >= self.manager.settings.cluster.forward_window:
             return Direct.REFUSED
         else:
             self._wait((None, token, message, publisher), client)
-            taken = Direct.HELD
+            taken = _HELD
         # In no queue until it is confirmed, but in memory: counted, so that the memory limit sees it.
         self.manager.broker.memory.used += len(message[M_BODY]) + MESSAGE_OVERHEAD
         return taken
