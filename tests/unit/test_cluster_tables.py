@@ -102,3 +102,36 @@ def test_arrivals_are_forgotten_oldest_first() -> None:
     assert len(arrivals) == 5
     assert arrivals.get(4) is None
     assert arrivals.get(5) == 105
+
+
+def test_arrivals_in_runs_answer_for_each_message_and_never_for_one_between_them() -> None:
+    arrivals = Arrivals()
+    for message_id in range(100, 200):
+        arrivals.add(message_id, 1_000 + message_id // 50)  # 50 per millisecond: runs of 50
+    arrivals.add(205, 1_004)  # 200-204 were this node's own messages
+    arrivals.add(206, 1_004)
+    assert len(arrivals) == 102
+    assert [arrivals.get(i) for i in (99, 100, 149, 150, 199, 200, 204, 205, 206, 207)] == [
+        None, 1_002, 1_002, 1_003, 1_003, None, None, 1_004, 1_004, None]  # fmt: skip
+    arrivals.forget_before(1_002)
+    assert len(arrivals) == 52
+    assert arrivals.get(149) is None
+    assert arrivals.get(150) == 1_003
+    arrivals.forget_before(1_004)
+    assert len(arrivals) == 0
+    assert arrivals.get(206) is None
+    arrivals.add(300, 2_000)
+    assert arrivals.get(300) == 2_000
+
+
+def test_arrivals_forget_a_long_history_without_slowing_down() -> None:
+    arrivals = Arrivals()
+    for message_id in range(0, 20_000, 2):  # never consecutive: a run each
+        arrivals.add(message_id, message_id)
+    arrivals.forget_before(15_000)
+    assert len(arrivals) == 2_499
+    assert arrivals.get(15_000) is None
+    assert arrivals.get(15_002) == 15_002
+    assert arrivals.get(19_998) == 19_998
+    arrivals.add(20_000, 20_000)
+    assert arrivals.get(20_000) == 20_000

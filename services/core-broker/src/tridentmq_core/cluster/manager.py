@@ -19,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, Final
 
 from tridentmq_core.broker import FORWARD_QUEUE_PREFIX, Broker, BrokerError, Direct, Session
@@ -415,24 +416,21 @@ class Bridge:
         broker = self.manager.broker
         freed = 0
         for first, last in ranges:
-            for seq in range(first, last + 1):
-                entry = sent.pop(seq, None)
+            for entry in map(sent.pop, range(first, last + 1), repeat(None)):
                 if entry is None:
                     continue
                 consumer, number, direct = entry
-                if consumer is not None:
-                    if consumers.get(consumer.id) is consumer:
-                        ids = confirmed.get(consumer)
-                        if ids is None:
-                            confirmed[consumer] = [number]
-                        else:
-                            ids.append(number)
-                    continue
-                if direct is not None:
+                if direct is not None:  # sent directly: in no queue, but counted in memory until now
                     freed += len(direct[M_BODY]) + MESSAGE_OVERHEAD
-                if number:  # the confirm token of a message written through: safe over there now
-                    broker.on_durable(number)
-                    self._tokens_released = True
+                    if number:  # the confirm token of a message written through: safe over there now
+                        broker.on_durable(number)
+                        self._tokens_released = True
+                elif consumer is not None and consumers.get(consumer.id) is consumer:
+                    ids = confirmed.get(consumer)
+                    if ids is None:
+                        confirmed[consumer] = [number]
+                    else:
+                        ids.append(number)
         if freed:
             broker.memory.used -= freed
             self._tokens_released = True  # a flush lets producers blocked on the memory limit go on

@@ -11,7 +11,7 @@ time ago, so messages do not bounce between nodes whose consumers come and go.
 
 from __future__ import annotations
 
-from collections import deque
+from bisect import bisect_right
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -29,28 +29,62 @@ _EVERYTHING = compile_selector("TRUE")
 
 
 class Arrivals:
-    """When the messages that came from another node arrived, kept for the minimum residence time. Forgotten
-    oldest first through a queue: deleting from the front of a dict leaves holes that make every later
-    look at its first entry slower, which stalled the event loop for seconds under load."""
+    """When the messages that came from another node arrived, kept for the minimum residence time.
+
+    Kept as runs of consecutive message ids that arrived in the same millisecond, oldest first: a node
+    receiving a stream gives its messages consecutive ids, so a run stands for many messages and recording
+    one is mostly a comparison, not a dict entry and a queue entry per message. Forgotten from the front by
+    moving a start index (deleting from the front of a dict leaves holes that make every later look at its
+    first entry slower, which once stalled the event loop for seconds under load)."""
 
     def __init__(self) -> None:
-        self._at: dict[int, int] = {}
-        self._order: deque[tuple[int, int]] = deque()
+        self._firsts: list[int] = []  # each run's first message id, ascending
+        self._lasts: list[int] = []
+        self._times: list[int] = []
+        self._start = 0  # runs before it are forgotten
+        self._count = 0
 
     def __len__(self) -> int:
-        return len(self._at)
+        return self._count
 
     def add(self, message_id: int, now_ms: int) -> None:
-        self._at[message_id] = now_ms
-        self._order.append((now_ms, message_id))
+        self._count += 1
+        times, lasts = self._times, self._lasts
+        if len(times) > self._start and times[-1] == now_ms and lasts[-1] == message_id - 1:
+            lasts[-1] = message_id
+            return
+        if self._firsts and message_id <= lasts[-1]:  # ids grow with arrival; anything else starts afresh
+            self._clear()
+            self._count = 1
+        self._firsts.append(message_id)
+        lasts.append(message_id)
+        times.append(now_ms)
 
     def get(self, message_id: int) -> int | None:
-        return self._at.get(message_id)
+        i = bisect_right(self._firsts, message_id, self._start) - 1
+        if i >= self._start and message_id <= self._lasts[i]:
+            return self._times[i]
+        return None
 
     def forget_before(self, cutoff_ms: int) -> None:
-        order = self._order
-        while order and order[0][0] <= cutoff_ms:
-            self._at.pop(order.popleft()[1], None)
+        times, start = self._times, self._start
+        while start < len(times) and times[start] <= cutoff_ms:
+            self._count -= self._lasts[start] - self._firsts[start] + 1
+            start += 1
+        if start == len(times):
+            self._clear()
+        elif start > 1024 and start * 2 > len(times):  # mostly forgotten: drop them for good
+            del self._firsts[:start], self._lasts[:start], self._times[:start]
+            self._start = 0
+        else:
+            self._start = start
+
+    def _clear(self) -> None:
+        self._firsts.clear()
+        self._lasts.clear()
+        self._times.clear()
+        self._start = 0
+        self._count = 0
 
 
 class Redistributor(Consumer):
