@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+import msgpack
+
 from tridentmq_core.store.files import fsync_directory
 from tridentmq_core.store.records import (
     Record,
@@ -177,6 +179,7 @@ class Journal:
         self._lock = threading.Lock()
         self._wakeup = threading.Event()  # set when records are queued; setting it only when clear is cheap
         self._pending: list[bytes] = []
+        self._pack = msgpack.Packer().pack  # used by ``append`` only, on the event loop
         self._appended = 0  # number of the last record queued
         self.synced = 0  # number of the last record known to be on disk
         self.syncs = 0  # fdatasync calls made for records (group commits), read by the metrics
@@ -252,7 +255,7 @@ class Journal:
 
     def append(self, record_type: RecordType, payload: Any) -> int:
         """Queue a record; returns its number (``on_synced`` reports numbers once they are on disk)."""
-        data = encode(record_type, payload)
+        data = encode(record_type, payload, self._pack)
         if len(data) > self.segment_bytes:
             raise ValueError(f"a record of {len(data)} bytes does not fit a segment of {self.segment_bytes}")
         with self._lock:
