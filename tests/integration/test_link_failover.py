@@ -103,7 +103,7 @@ async def test_a_client_whose_node_is_killed_goes_on_elsewhere_resending_and_res
         got = await take(consumer, 40)  # the consumer was made again on the new node
         expected = [f"{phase} {i}".encode() for phase in ("during", "after") for i in range(20)]
         assert sorted(bytes(m[M_BODY]) for m in got) == sorted(expected)
-        assert all(str(m[M_DEDUP]).startswith(client.producer_id + ":") for m in got)  # re-sends carry their ids
+        assert all(str(m[M_DEDUP]).startswith(f"$link:{client.producer_id}:") for m in got)  # re-sends carry their ids
         await client.close()
     stop_all([n for n in nodes if n is not victim])
 

@@ -881,6 +881,60 @@ def test_dedup_cache_evicts_the_oldest_live_id_past_forgotten_and_renewed_ones()
     assert [dedup_id for dedup_id, _ in cache.entries()] == ["a", "d"]
 
 
+def test_numbered_link_ids_are_runs_per_producer_exact_in_any_order() -> None:
+    cache = DuplicateIdCache(window_ms=1000, max_entries=100)
+    p, q = "$link:p1:", "$cluster:p:node-a:$link:q1:"  # a producer's own ids, and written through another node
+    assert not any(cache.seen(f"{p}{n}", 0) for n in range(1, 1001))
+    assert all(cache.seen(f"{p}{n}", 1) for n in (1, 500, 1000))
+    assert not cache.seen(f"{p}1002", 2)  # 1001 is missing: a second run
+    assert not cache.seen(f"{q}7", 2)
+    assert len(cache) == 3
+    assert not cache.seen(f"{p}1001", 3)  # fills the gap: one run again
+    assert len(cache) == 2
+    assert cache.seen(f"{p}1001", 3)
+    assert not cache.seen(f"{p}0", 3)  # before the run, joins it
+    cache.forget(f"{p}500")  # refused: a retry is no duplicate, its neighbours still are
+    assert len(cache) == 3
+    assert cache.seen(f"{p}499", 4)
+    assert cache.seen(f"{p}501", 4)
+    assert not cache.seen(f"{p}500", 4)
+    assert len(cache) == 2
+    assert sorted(cache.entries()) == [(f"{q}7-7", 2), (f"{p}0-1002", 4)]
+
+
+def test_numbered_link_ids_survive_a_restart_as_runs_and_streams_expire_whole() -> None:
+    cache = DuplicateIdCache(window_ms=1000, max_entries=100)
+    for n in (*range(1, 51), *range(60, 71)):
+        cache.seen(f"$link:a:{n}", 100)
+    cache.seen("$link:b:1", 900)
+    cache.seen("plain-id", 950)
+    entries = cache.entries()
+    assert ("$link:a:1-50", 100) in entries
+    assert ("$link:a:60-70", 100) in entries
+    again = DuplicateIdCache(window_ms=1000, max_entries=100)
+    for dedup_id, arrived in entries:
+        assert not again.seen(dedup_id, arrived)
+    assert again.seen("$link:a:25", 960)
+    assert again.seen("$link:a:60", 960)
+    assert again.seen("$link:b:1", 960)
+    assert again.seen("plain-id", 960)
+    again.expire(1_100)  # a arrived last at 100: forgotten whole; b (900) is not
+    assert not again.seen("$link:a:25", 1_100)
+    assert again.seen("$link:b:1", 1_100)
+    assert not again.seen("$link:b:2", 1_100)
+
+
+def test_numbered_link_ids_are_bounded_in_runs_least_recently_used_stream_first() -> None:
+    cache = DuplicateIdCache(window_ms=10_000, max_entries=4)
+    for n in (1, 3, 5):
+        cache.seen(f"$link:a:{n}", 0)  # three runs
+    cache.seen("$link:b:1", 1)
+    cache.seen("$link:b:3", 2)  # five runs: a, the least recently used, goes
+    assert len(cache) == 2
+    assert not cache.seen("$link:a:1", 3)
+    assert cache.seen("$link:b:3", 3)
+
+
 def test_transfer_ids_are_kept_per_node_for_at_least_the_window() -> None:
     ids = TransferIds(window_ms=100, max_entries=1_000)
     ids.expire(0)  # the first generation begins

@@ -809,6 +809,13 @@ def test_replay_remembers_dedup_ids_of_acknowledged_messages_newest_within_the_l
     assert list(replay(records, dedup_limit=2).dedup_ids) == ["p:2", "p:3"]
 
 
+def test_replay_keeps_the_newest_ids_when_the_journal_holds_far_more_than_the_limit() -> None:
+    """Trimmed in batches: one deletion from the front of the dict per id made this quadratic."""
+    records = [rec(RecordType.DEDUP_IDS, *([f"id:{n}", n] for n in range(i, i + 1000))) for i in range(0, 20_000, 1000)]
+    state = replay(records, dedup_limit=1500)
+    assert list(state.dedup_ids) == [f"id:{n}" for n in range(18_500, 20_000)]
+
+
 def test_replay_delete_queue_drops_its_references_and_unreferenced_messages() -> None:
     m1, m2 = wire_message(1), wire_message(2)
     state = replay(

@@ -40,6 +40,11 @@ M_PROTOCOL: Final = 13  # str | None, protocol of the producer, so a same-protoc
 M_SCHEDULED: Final = 14  # int, ms since the epoch, 0 = deliver now
 MESSAGE_FIELDS: Final = 15
 
+#: Duplicate-detection ids the link client stamps start with this, then its producer id, ``:`` and a number
+#: that grows by one per stamped message. The core keeps such ids as runs of numbers per producer instead of
+#: one entry each (ids under ``$`` are the broker's own: a client's own id should not use it).
+LINK_DEDUP_PREFIX: Final = "$link:"
+
 DEFAULT_PRIORITY: Final = 4
 #: Addresses of gateways' temporary (reply) queues start with this. The core never auto-creates a queue
 #: there, so a reply that arrives after its requester left is dropped instead of kept for ever.

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections import deque
+from bisect import bisect_right
+from collections import OrderedDict, deque
+
+from tridentmq_shared.message import LINK_DEDUP_PREFIX
 
 
 class DuplicateIdCache:
@@ -19,11 +22,21 @@ class DuplicateIdCache:
         self._expiry: dict[str, int] = {}  # id → deadline; insertion order is arrival order
         # (deadline, id) in arrival order; an entry whose id was forgotten or seen again since is stale.
         self._order: deque[tuple[int, str]] = deque()
+        self._streams = _Streams(window_ms, max_entries)  # the link client's numbered ids
 
     def __len__(self) -> int:
-        return len(self._expiry)
+        """Ids remembered one by one, plus runs of numbered ids."""
+        return len(self._expiry) + self._streams.runs
 
     def seen(self, dedup_id: str, now_ms: int) -> bool:
+        if LINK_DEDUP_PREFIX in dedup_id:  # also inside a cluster transfer's id for such a message
+            stream, _, number = dedup_id.rpartition(":")
+            if number.isdigit():
+                return self._streams.seen(stream, int(number), now_ms)
+            first, dash, last = number.partition("-")
+            if dash and first.isdigit() and last.isdigit():  # a run, as ``entries`` writes them for a restart
+                self._streams.add_run(stream, int(first), int(last), now_ms)
+                return False
         expiry = self._expiry
         deadline = expiry.get(dedup_id)
         if deadline is not None:
@@ -39,9 +52,15 @@ class DuplicateIdCache:
 
     def forget(self, dedup_id: str) -> None:
         """Undo ``seen`` for a message that was then refused, so a retry is not mistaken for a duplicate."""
+        if LINK_DEDUP_PREFIX in dedup_id:
+            stream, _, number = dedup_id.rpartition(":")
+            if number.isdigit():
+                self._streams.forget(stream, int(number))
+                return
         self._expiry.pop(dedup_id, None)
 
     def expire(self, now_ms: int) -> None:
+        self._streams.expire(now_ms)
         order, expiry = self._order, self._expiry
         while order and order[0][0] <= now_ms:
             deadline, dedup_id = order.popleft()
@@ -59,9 +78,155 @@ class DuplicateIdCache:
                 return
 
     def entries(self) -> list[tuple[str, int]]:
-        """Every remembered id with its arrival time, oldest first (what a restart must remember)."""
+        """Every remembered id with its arrival time, oldest first (what a restart must remember); numbered
+        ids as runs, ``<stream>:<first>-<last>``, with their stream's last arrival."""
         window = self._window_ms
-        return [(dedup_id, deadline - window) for dedup_id, deadline in self._expiry.items()]
+        return self._streams.entries() + [(dedup_id, deadline - window) for dedup_id, deadline in
+                                          self._expiry.items()]  # fmt: skip
+
+
+class _Stream:
+    """The numbers seen from one producer: sorted, disjoint runs [first, last] in two lists. Its numbers
+    usually arrive in order, so they make one run that grows at its end."""
+
+    __slots__ = ("arrived", "firsts", "lasts")
+
+    def __init__(self) -> None:
+        self.firsts: list[int] = []
+        self.lasts: list[int] = []
+        self.arrived = 0
+
+    def add(self, number: int) -> int:
+        """Remember ``number``; returns how many runs that added (-1: it joined two; 0 with ``number``
+        already in: check with ``has`` first)."""
+        firsts, lasts = self.firsts, self.lasts
+        i = bisect_right(firsts, number) - 1  # the run starting at or before it
+        if i >= 0 and number <= lasts[i] + 1:
+            if number <= lasts[i]:
+                return 0
+            lasts[i] = number
+            if i + 1 < len(firsts) and firsts[i + 1] == number + 1:  # it closed the gap to the next run
+                lasts[i] = lasts[i + 1]
+                del firsts[i + 1], lasts[i + 1]
+                return -1
+            return 0
+        if i + 1 < len(firsts) and firsts[i + 1] == number + 1:
+            firsts[i + 1] = number
+            return 0
+        firsts.insert(i + 1, number)
+        lasts.insert(i + 1, number)
+        return 1
+
+    def has(self, number: int) -> bool:
+        lasts = self.lasts
+        if lasts and lasts[-1] < number:  # the usual case: a number after all the others
+            return False
+        i = bisect_right(self.firsts, number) - 1
+        return i >= 0 and number <= lasts[i]
+
+    def remove(self, number: int) -> int:
+        """Forget ``number``; returns how many runs that added."""
+        i = bisect_right(self.firsts, number) - 1
+        if i < 0 or number > self.lasts[i]:
+            return 0
+        first, last = self.firsts[i], self.lasts[i]
+        if first == last:
+            del self.firsts[i], self.lasts[i]
+            return -1
+        if number == first:
+            self.firsts[i] = number + 1
+        elif number == last:
+            self.lasts[i] = number - 1
+        else:  # split
+            self.lasts[i] = number - 1
+            self.firsts.insert(i + 1, number + 1)
+            self.lasts.insert(i + 1, last)
+            return 1
+        return 0
+
+
+class _Streams:
+    """Numbered duplicate-detection ids (``<stream>:<number>``, see ``LINK_DEDUP_PREFIX``) as runs of numbers
+    per stream: a producer's millionth message costs what its first did, and a restart has a run to copy,
+    not a million ids. A stream is forgotten whole ``window_ms`` after its last arrival, and the least
+    recently used ones go first when there are more than ``max_runs`` runs."""
+
+    def __init__(self, window_ms: int, max_runs: int) -> None:
+        self._window_ms = window_ms
+        self._max_runs = max_runs
+        self._streams: OrderedDict[str, _Stream] = OrderedDict()  # least recently arrived first
+        self.runs = 0
+
+    def seen(self, stream: str, number: int, now_ms: int) -> bool:
+        streams = self._streams
+        numbers = streams.get(stream)
+        if numbers is None:
+            numbers = streams[stream] = _Stream()
+        else:
+            lasts = numbers.lasts
+            if lasts[-1] == number - 1 if lasts else False:  # the usual case: the producer's next number
+                lasts[-1] = number
+                streams.move_to_end(stream)
+                if now_ms > numbers.arrived:  # noqa: PLR1730 - max() is a builtin call per message
+                    numbers.arrived = now_ms
+                return False
+            if numbers.has(number):
+                return True
+            streams.move_to_end(stream)
+        numbers.arrived = max(numbers.arrived, now_ms)
+        self.runs += numbers.add(number)
+        if self.runs > self._max_runs:
+            self._forget_oldest()
+        return False
+
+    def add_run(self, stream: str, first: int, last: int, now_ms: int) -> None:
+        """Remember ``first`` to ``last`` (a restart reading back what ``entries`` wrote)."""
+        numbers = self._streams.get(stream)
+        if numbers is None:
+            numbers = self._streams[stream] = _Stream()
+        else:
+            self._streams.move_to_end(stream)
+        numbers.arrived = max(numbers.arrived, now_ms)
+        firsts, lasts = numbers.firsts, numbers.lasts
+        before = len(firsts)
+        if not firsts or first > lasts[-1] + 1:  # after the others: the usual case
+            firsts.append(first)
+            lasts.append(last)
+        else:  # overlapping or between them: merge
+            merged: list[list[int]] = []
+            for a, b in sorted([*zip(firsts, lasts, strict=True), (first, last)]):
+                if merged and a <= merged[-1][1] + 1:
+                    merged[-1][1] = max(merged[-1][1], b)
+                else:
+                    merged.append([a, b])
+            numbers.firsts = [a for a, _ in merged]
+            numbers.lasts = [b for _, b in merged]
+        self.runs += len(numbers.firsts) - before
+        if self.runs > self._max_runs:
+            self._forget_oldest()
+
+    def forget(self, stream: str, number: int) -> None:
+        numbers = self._streams.get(stream)
+        if numbers is not None:
+            self.runs += numbers.remove(number)
+
+    def expire(self, now_ms: int) -> None:
+        streams, cutoff = self._streams, now_ms - self._window_ms
+        while streams:
+            stream, numbers = next(iter(streams.items()))
+            if numbers.arrived > cutoff:
+                return
+            del streams[stream]
+            self.runs -= len(numbers.firsts)
+
+    def _forget_oldest(self) -> None:
+        while self.runs > self._max_runs and self._streams:
+            _, numbers = self._streams.popitem(last=False)
+            self.runs -= len(numbers.firsts)
+
+    def entries(self) -> list[tuple[str, int]]:
+        return [(f"{stream}:{first}-{last}", numbers.arrived) for stream, numbers in self._streams.items()
+                for first, last in zip(numbers.firsts, numbers.lasts, strict=True)]  # fmt: skip
 
 
 class TransferIds:

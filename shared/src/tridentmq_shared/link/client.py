@@ -29,7 +29,16 @@ from tridentmq_shared.link.codec import DEFAULT_HEARTBEAT_MS, LinkConnection, Ro
 from tridentmq_shared.link.errors import LinkError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.link.topology import Endpoint, LoadBalancing, Topology
-from tridentmq_shared.message import M_BODY, M_DEDUP, M_DURABLE, M_ID, M_PROPS, RoutingType, WireMessage
+from tridentmq_shared.message import (
+    LINK_DEDUP_PREFIX,
+    M_BODY,
+    M_DEDUP,
+    M_DURABLE,
+    M_ID,
+    M_PROPS,
+    RoutingType,
+    WireMessage,
+)
 from tridentmq_shared.runtime import set_nodelay
 
 log = logging.getLogger("tridentmq.link.client")
@@ -275,6 +284,7 @@ class LinkClient:
         self.failovers = 0  # reconnects that succeeded
         self.producer_id = uuid.uuid4().hex[:16]
         self._dedup_seq = itertools.count(1)
+        self._dedup_prefix = f"{LINK_DEDUP_PREFIX}{self.producer_id}:"
         # The loop, kept: asyncio.get_running_loop() makes a getpid() system call each time, a fifth of a
         # gateway's CPU when it is called per message.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -929,7 +939,7 @@ class LinkClient:
         when the window is closed."""
         if message[M_DURABLE] and message[M_DEDUP] is None and self.reconnect.attempts:
             # Only a link that reconnects sends a message twice; without, the id would cost for nothing.
-            message[M_DEDUP] = f"{self.producer_id}:{next(self._dedup_seq)}"
+            message[M_DEDUP] = f"{self._dedup_prefix}{next(self._dedup_seq)}"
         conn = self._live()
         seq = conn.publish(message, tx_id)
         future: asyncio.Future[None] = self._event_loop().create_future()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +57,7 @@ def replay(records: Iterable[Record], dedup_limit: int = DEDUP_LIMIT) -> Recover
                 _remember(state, payload[0], dedup_limit)
             case _:
                 _apply(state, record.type, payload)
+    _trim_ids(state, dedup_limit)
     state.uncommitted = len(open_txs)
     live = {message_id for refs in state.references.values() for message_id in refs}
     state.messages = {k: v for k, v in state.messages.items() if k in live}
@@ -101,8 +103,17 @@ def _remember_id(state: RecoveredState, dedup_id: str, arrived: int, limit: int)
     ids = state.dedup_ids
     ids.pop(dedup_id, None)  # a re-publish after the window: it moves to the end
     ids[dedup_id] = arrived
+    if len(ids) > limit + max(limit // 4, 1024):
+        _trim_ids(state, limit)
+
+
+def _trim_ids(state: RecoveredState, limit: int) -> None:
+    """Keep the newest ``limit`` ids. In batches: deleting the oldest one per id left a hole at the front of
+    the dict that every later look for the oldest stepped over, so a journal with more ids than the limit
+    took quadratic time to replay."""
+    ids = state.dedup_ids
     if len(ids) > limit:
-        del ids[next(iter(ids))]
+        state.dedup_ids = dict(itertools.islice(ids.items(), len(ids) - limit, None))
 
 
 def _ack(state: RecoveredState, queue: str, message_id: int) -> None:
