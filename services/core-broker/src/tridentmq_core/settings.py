@@ -68,7 +68,9 @@ class AuditSection:
 @dataclass(frozen=True)
 class BrokerSection:
     dedup_window_seconds: float = doc(600.0, "How long a duplicate-detection id is remembered.")
-    dedup_max_entries: int = doc(1_000_000, "Most duplicate-detection ids remembered (oldest forgotten first).")
+    dedup_max_entries: int = doc(1_000_000, "Most duplicate-detection ids remembered (oldest forgotten first). "
+                                 "The link client's numbered ids count one per run of consecutive numbers; "
+                                 "non-durable transfers from other nodes are kept apart, as many again.")  # fmt: skip
     max_message_bytes: int = doc(8 * 1024 * 1024, "Largest message body accepted.")
     max_consumer_credit: int = doc(100_000, "Largest delivery window one consumer may grant.")
     expiry_scan_ms: int = doc(1000, "Interval of the scan that expires messages no consumer is reading.")
