@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 from collections.abc import Mapping
 from typing import Any
 
@@ -913,7 +914,7 @@ def test_numbered_link_ids_survive_a_restart_as_runs_and_streams_expire_whole() 
     assert ("$link:a:60-70", 100) in entries
     again = DuplicateIdCache(window_ms=1000, max_entries=100)
     for dedup_id, arrived in entries:
-        assert not again.seen(dedup_id, arrived)
+        again.remember(dedup_id, arrived)
     assert again.seen("$link:a:25", 960)
     assert again.seen("$link:a:60", 960)
     assert again.seen("$link:b:1", 960)
@@ -933,6 +934,62 @@ def test_numbered_link_ids_are_bounded_in_runs_least_recently_used_stream_first(
     assert len(cache) == 2
     assert not cache.seen("$link:a:1", 3)
     assert cache.seen("$link:b:3", 3)
+
+
+def test_a_client_id_shaped_like_a_run_or_an_odd_number_is_one_plain_id() -> None:
+    """Runs are read back only at a restart: a publish with the id "$link:<victim>:1-1000000000" must not make
+    every later message of that producer a duplicate; odd digits must neither raise nor alias."""
+    cache = DuplicateIdCache(window_ms=1000, max_entries=100)
+    assert not cache.seen("$link:victim:1-1000000000", 0)
+    assert not cache.seen("$link:victim:5", 1)
+    assert cache.seen("$link:victim:1-1000000000", 2)
+    for odd in ("$link:v:\u00b2", "$link:v:\u0667", "$link:v:007", "$link:v:" + "9" * 5000):  # ², Arabic-Indic 7
+        assert not cache.seen(odd, 3)
+        assert cache.seen(odd, 4)
+    assert not cache.seen("$link:v:7", 5)  # not "007", nor the Arabic-Indic seven
+    cache.remember("$link:w:10-5", 6)  # an inverted run is no run: one plain id
+    assert not cache.seen("$link:w:7", 7)
+
+
+def test_runs_read_back_in_any_order_merge_exactly() -> None:
+    """A message stamped after a compaction's roll but journaled before its runs comes first at a restart."""
+    cache = DuplicateIdCache(window_ms=1000, max_entries=1_000_000)
+    cache.remember("$link:p:5000", 0)
+    for first in range(1, 4000, 10):  # runs of 5 with gaps of 5, all below 5000
+        cache.remember(f"$link:p:{first}-{first + 4}", 0)
+    cache.remember("$link:p:3-12", 0)  # overlaps two runs and fills the gap between them
+    assert len(cache) == 400
+    expected = {5000, *range(3, 13), *(n for first in range(1, 4000, 10) for n in range(first, first + 5))}
+    assert [n for n in range(5002) if cache.seen(f"$link:p:{n}", 1)] == sorted(expected)
+
+
+def test_numbered_ids_match_a_set_under_random_seen_and_forget() -> None:
+    rng = random.Random(7)
+    for _ in range(50):
+        cache, truth = DuplicateIdCache(window_ms=10**9, max_entries=10**6), set()
+        for _ in range(400):
+            number = rng.randrange(60)
+            if rng.random() < 0.2:
+                cache.forget(f"$link:p:{number}")
+                truth.discard(number)
+            else:
+                assert cache.seen(f"$link:p:{number}", 0) == (number in truth)
+                truth.add(number)
+        again = DuplicateIdCache(window_ms=10**9, max_entries=10**6)
+        for dedup_id, arrived in cache.entries():
+            again.remember(dedup_id, arrived)
+        assert [n for n in range(60) if again.seen(f"$link:p:{n}", 0)] == sorted(truth)
+
+
+def test_too_many_runs_drop_other_streams_then_the_oldest_half_never_the_number_just_seen() -> None:
+    cache = DuplicateIdCache(window_ms=10**9, max_entries=10)
+    cache.seen("$link:old:1", 0)
+    for n in range(0, 40, 2):  # a gappy stream (another node's transfers, round robin): a run each
+        assert not cache.seen(f"$link:p:{n}", 1)
+        assert cache.seen(f"$link:p:{n}", 1)
+    assert len(cache) <= 10
+    assert not cache.seen("$link:old:1", 2)  # the least recently used stream went first
+    assert cache.seen("$link:p:38", 2)
 
 
 def test_transfer_ids_are_kept_per_node_for_at_least_the_window() -> None:

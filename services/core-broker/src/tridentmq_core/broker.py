@@ -678,11 +678,11 @@ class Broker:
         if duplicate:
             self.counters.duplicates += 1
             return 0  # a transfer re-sent after its link dropped: stored already
-        self.counters.received += 1
         cluster = self.cluster
         try:
             if header.target != self.node_id and cluster is not None and header.hops < cluster.bindings.max_hops \
                     and cluster.bindings.next_hop(header.target) is not None:  # fmt: skip
+                self.counters.received += 1
                 return self._forward(message, header.target, header.queues, header.hops + 1, now_ms)  # a relay
             names = header.queues
             if len(names) == 1:  # the usual case, without a generator per message
@@ -698,6 +698,7 @@ class Broker:
             else:
                 self._dedup.forget(dedup_id)
             raise
+        self.counters.received += 1
         token = self._admit(message, queues, now_ms, delivered=header.delivered)
         if cluster is not None:
             self.arrivals.add(message[M_ID], now_ms)
@@ -1630,7 +1631,7 @@ class Broker:
         for message in state.messages.values():
             self._next_id = max(self._next_id, message[M_ID] + 1)
         for dedup_id, arrived in state.dedup_ids.items():  # oldest first, acknowledged messages' ones too
-            self._dedup.seen(dedup_id, arrived)
+            self._dedup.remember(dedup_id, arrived)
         self._dedup.expire(self.now_ms)
 
     def durable_snapshot(self) -> DurableSnapshot:

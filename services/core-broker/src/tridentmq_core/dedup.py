@@ -31,12 +31,22 @@ class DuplicateIdCache:
     def seen(self, dedup_id: str, now_ms: int) -> bool:
         if LINK_DEDUP_PREFIX in dedup_id:  # also inside a cluster transfer's id for such a message
             stream, _, number = dedup_id.rpartition(":")
-            if number.isdigit():
+            if _is_number(number):
                 return self._streams.seen(stream, int(number), now_ms)
+        return self._seen_one(dedup_id, now_ms)
+
+    def remember(self, dedup_id: str, arrived_ms: int) -> None:
+        """``seen`` for an id a restart read back, which may be a run ``<stream>:<first>-<last>`` that
+        ``entries`` wrote (only here: a client's id of that shape is one id, never a run)."""
+        if LINK_DEDUP_PREFIX in dedup_id:
+            stream, _, number = dedup_id.rpartition(":")
             first, dash, last = number.partition("-")
-            if dash and first.isdigit() and last.isdigit():  # a run, as ``entries`` writes them for a restart
-                self._streams.add_run(stream, int(first), int(last), now_ms)
-                return False
+            if dash and _is_number(first) and _is_number(last) and int(first) <= int(last):
+                self._streams.add_run(stream, int(first), int(last), arrived_ms)
+                return
+        self.seen(dedup_id, arrived_ms)
+
+    def _seen_one(self, dedup_id: str, now_ms: int) -> bool:
         expiry = self._expiry
         deadline = expiry.get(dedup_id)
         if deadline is not None:
@@ -54,7 +64,7 @@ class DuplicateIdCache:
         """Undo ``seen`` for a message that was then refused, so a retry is not mistaken for a duplicate."""
         if LINK_DEDUP_PREFIX in dedup_id:
             stream, _, number = dedup_id.rpartition(":")
-            if number.isdigit():
+            if _is_number(number):
                 self._streams.forget(stream, int(number))
                 return
         self._expiry.pop(dedup_id, None)
@@ -78,11 +88,18 @@ class DuplicateIdCache:
                 return
 
     def entries(self) -> list[tuple[str, int]]:
-        """Every remembered id with its arrival time, oldest first (what a restart must remember); numbered
-        ids as runs, ``<stream>:<first>-<last>``, with their stream's last arrival."""
+        """Every remembered id with its arrival time, oldest first (what a restart must remember, through
+        ``remember``); numbered ids as runs, ``<stream>:<first>-<last>``, with their stream's last arrival,
+        after the others: a restart that keeps fewer keeps them."""
         window = self._window_ms
-        return self._streams.entries() + [(dedup_id, deadline - window) for dedup_id, deadline in
-                                          self._expiry.items()]  # fmt: skip
+        return [(dedup_id, deadline - window) for dedup_id, deadline in self._expiry.items()] + \
+            self._streams.entries()  # fmt: skip
+
+
+def _is_number(text: str) -> bool:
+    """Written as the link client writes its numbers: ASCII digits, no leading zero, at most 18 of them
+    (``int`` takes other digits too, and "007" would be 7)."""
+    return text.isascii() and text.isdigit() and len(text) <= 18 and (text[0] != "0" or text == "0")
 
 
 class _Stream:
@@ -116,6 +133,17 @@ class _Stream:
         firsts.insert(i + 1, number)
         lasts.insert(i + 1, number)
         return 1
+
+    def add_run(self, first: int, last: int) -> int:
+        """Remember ``first`` to ``last``, merged with the runs it touches; returns how many runs that added."""
+        firsts, lasts = self.firsts, self.lasts
+        start = bisect_right(lasts, first - 2)  # the first run that ends at or after first - 1
+        end = bisect_right(firsts, last + 1)  # past the last run that starts at or before last + 1
+        if start < end:  # it touches runs start..end-1: one run covers them all
+            first, last = min(first, firsts[start]), max(last, lasts[end - 1])
+        firsts[start:end] = [first]
+        lasts[start:end] = [last]
+        return 1 - (end - start)
 
     def has(self, number: int) -> bool:
         lasts = self.lasts
@@ -176,7 +204,7 @@ class _Streams:
         numbers.arrived = max(numbers.arrived, now_ms)
         self.runs += numbers.add(number)
         if self.runs > self._max_runs:
-            self._forget_oldest()
+            self._forget_oldest(numbers)
         return False
 
     def add_run(self, stream: str, first: int, last: int, now_ms: int) -> None:
@@ -187,23 +215,9 @@ class _Streams:
         else:
             self._streams.move_to_end(stream)
         numbers.arrived = max(numbers.arrived, now_ms)
-        firsts, lasts = numbers.firsts, numbers.lasts
-        before = len(firsts)
-        if not firsts or first > lasts[-1] + 1:  # after the others: the usual case
-            firsts.append(first)
-            lasts.append(last)
-        else:  # overlapping or between them: merge
-            merged: list[list[int]] = []
-            for a, b in sorted([*zip(firsts, lasts, strict=True), (first, last)]):
-                if merged and a <= merged[-1][1] + 1:
-                    merged[-1][1] = max(merged[-1][1], b)
-                else:
-                    merged.append([a, b])
-            numbers.firsts = [a for a, _ in merged]
-            numbers.lasts = [b for _, b in merged]
-        self.runs += len(numbers.firsts) - before
+        self.runs += numbers.add_run(first, last)
         if self.runs > self._max_runs:
-            self._forget_oldest()
+            self._forget_oldest(numbers)
 
     def forget(self, stream: str, number: int) -> None:
         numbers = self._streams.get(stream)
@@ -219,10 +233,20 @@ class _Streams:
             del streams[stream]
             self.runs -= len(numbers.firsts)
 
-    def _forget_oldest(self) -> None:
-        while self.runs > self._max_runs and self._streams:
-            _, numbers = self._streams.popitem(last=False)
-            self.runs -= len(numbers.firsts)
+    def _forget_oldest(self, current: _Stream) -> None:
+        """The least recently used streams go first; the one just added to (the most recent) never whole,
+        but, when it alone holds too many runs, its oldest half (in one go: deleting from the front of a
+        list moves the rest)."""
+        streams = self._streams
+        while self.runs > self._max_runs:
+            numbers = next(iter(streams.values()))
+            if numbers is not current:
+                streams.popitem(last=False)
+                self.runs -= len(numbers.firsts)
+                continue
+            half = (len(numbers.firsts) + 1) // 2
+            del numbers.firsts[:half], numbers.lasts[:half]
+            self.runs -= half
 
     def entries(self) -> list[tuple[str, int]]:
         return [(f"{stream}:{first}-{last}", numbers.arrived) for stream, numbers in self._streams.items()
