@@ -640,16 +640,20 @@ class Broker:
             split = self._splits.get(key)
             if split is not None and split[2] == self.bindings_version and split[3] == cluster.bindings.version:
                 return self._admit(message, split[0], now_ms, split[1], through=through)
+        remote_too = cluster is not None and cluster.has_remote(message[M_ADDRESS])
         try:
-            queues = self._route(message, now_ms, create=True)
+            queues = self._route(message, now_ms, create=True, pick=not remote_too)
         except BrokerError:
             if dedup_id is not None:
                 self._dedup.forget(dedup_id)  # refused, so a retry is not a duplicate
             raise
-        if cluster is not None and cluster.has_remote(message[M_ADDRESS]):
+        if remote_too:
+            assert cluster is not None
             kinds = self._kinds(message[M_ADDRESS], message[M_ROUTING])
-            queues, remote = cluster.balance(message, message[M_ADDRESS], queues, kinds, self.bindings_version)
-            if self._routes[key][1] and cluster.fixed(message[M_ADDRESS], kinds):  # the same for every message
+            whole = self._routes[key][1]  # a simple route: ``queues`` are all of them, not this message's
+            queues, remote = cluster.balance(message, message[M_ADDRESS], queues, kinds, self.bindings_version,
+                                             whole=whole)  # fmt: skip
+            if whole and cluster.fixed(message[M_ADDRESS], kinds):  # the same for every message
                 if len(self._splits) > 10_000:
                     self._splits.clear()
                 self._splits[key] = (queues, remote, self.bindings_version, cluster.bindings.version)
@@ -1014,7 +1018,9 @@ class Broker:
             for alias in self._aliases.pop(token, ()):
                 self.on_durable(alias)
 
-    def _route(self, message: WireMessage, now_ms: int, *, create: bool) -> tuple[Queue, ...]:
+    def _route(self, message: WireMessage, now_ms: int, *, create: bool, pick: bool = True) -> tuple[Queue, ...]:
+        """The local queues that get ``message``; ``pick``: one of several anycast queues, in turn (else all
+        that take it: the cluster's balancer takes the turn, over them and other nodes' queues together)."""
         address = message[M_ADDRESS]
         routing = message[M_ROUTING]
         key = (address, routing)
@@ -1031,7 +1037,7 @@ class Broker:
             return queues
         filtered = tuple(q for q in queues if q.filter is None or q.accepts(message))
         anycast = [q for q in filtered if q.routing_type is RoutingType.ANYCAST]
-        if len(anycast) <= 1:
+        if len(anycast) <= 1 or not pick:
             return filtered
         # Anycast means one queue gets it: round-robin over the anycast queues that match.
         turn = self._anycast_rr.get(address, 0)

@@ -98,9 +98,14 @@ class Balancer:
         return found
 
     def balance(self, message: WireMessage, address: str, local: tuple[Queue, ...], kinds: frozenset[RoutingType],
-                local_version: int) -> tuple[tuple[Queue, ...], Remote]:  # fmt: skip
+                local_version: int, *, whole: bool = True) -> tuple[tuple[Queue, ...], Remote]:  # fmt: skip
         """Split a routed message between local queues and other nodes. ``local_version`` changes whenever a
-        local queue or consumer comes or goes (the broker's ``bindings_version``)."""
+        local queue or consumer comes or goes (the broker's ``bindings_version``). ``whole``: ``local`` is every
+        local queue of the address, not those this message's filters left (a plan made from those would hold
+        for the next message too, and skip queues). Either way it may hold several anycast queues, of which
+        the turn here picks one (one picked before, locally, fell in step with this turn and starved a queue)."""
+        if not whole:
+            return self._balance_each(message, address, local, kinds)
         versions = (local_version, self.bindings.version)
         if versions != self._plan_versions:
             self._plans.clear()
@@ -144,7 +149,7 @@ class Balancer:
         takes = self.selectors.binding_takes
         remote = [b for b in self.bindings.match(address)
                   if RoutingType(b.routing) in kinds and takes(b, message)]  # fmt: skip
-        if not remote:
+        if not remote and sum(q.routing_type is RoutingType.ANYCAST for q in local) <= 1:
             return local, _NO_REMOTE
         chosen = []
         for name, instances in self._groups(address, local, remote):
