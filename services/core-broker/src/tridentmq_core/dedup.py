@@ -176,8 +176,8 @@ class _Stream:
 class _Streams:
     """Numbered duplicate-detection ids (``<stream>:<number>``, see ``LINK_DEDUP_PREFIX``) as runs of numbers
     per stream: a producer's millionth message costs what its first did, and a restart has a run to copy,
-    not a million ids. A stream is forgotten whole ``window_ms`` after its last arrival, and the least
-    recently used ones go first when there are more than ``max_runs`` runs."""
+    not a million ids. A stream is forgotten whole ``window_ms`` after its last arrival; with more than
+    ``max_runs`` runs, the least recently used streams go first (see ``_forget_oldest``)."""
 
     def __init__(self, window_ms: int, max_runs: int) -> None:
         self._window_ms = window_ms
@@ -192,7 +192,7 @@ class _Streams:
             numbers = streams[stream] = _Stream()
         else:
             lasts = numbers.lasts
-            if lasts[-1] == number - 1 if lasts else False:  # the usual case: the producer's next number
+            if lasts and lasts[-1] == number - 1:  # the usual case: the producer's next number
                 lasts[-1] = number
                 streams.move_to_end(stream)
                 if now_ms > numbers.arrived:  # noqa: PLR1730 - max() is a builtin call per message
