@@ -54,14 +54,6 @@ def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def _can_send(client: LinkClient) -> bool:
-    """Whether a publish may go now; False, not an error, on a link that just went down."""
-    try:
-        return client.can_send
-    except LinkRequestError:
-        return False
-
-
 @dataclass(frozen=True, slots=True)
 class Member:
     node_id: str
@@ -369,19 +361,17 @@ class Bridge:
             outgoing[M_PROPS] = {**message[M_PROPS], FORWARD_PROPERTY: header}
         else:
             outgoing = message
-        if self._waiting or not _can_send(client):
+        seq = -1 if self._waiting else client.send_if_open(outgoing)
+        if seq < 0:
             self._wait((consumer, message[M_ID], outgoing, None), client)
             return
-        self._send(client, consumer, message[M_ID], outgoing)
+        # No future per message: ``_on_confirms`` takes the confirms in ranges, one call per read.
+        self._sent[seq] = (consumer, message[M_ID], None)
 
     def _wait(self, entry: tuple[Consumer | None, int, WireMessage, Session | None], client: LinkClient) -> None:
         self._waiting.append(entry)
         if len(self._waiting) == 1:
             asyncio.get_running_loop().create_task(self._send_waiting(client))
-
-    def _send(self, client: LinkClient, consumer: Consumer, message_id: int, outgoing: WireMessage) -> None:
-        # No future per message: ``_on_confirms`` takes the confirms in ranges, one call per read.
-        self._sent[client.send_nowait(outgoing)] = (consumer, message_id, None)
 
     def send_direct(self, message: WireMessage, token: int, publisher: Session | None) -> Direct:
         """Send a message for the other node at once, not through the forward queue (the broker offers it only
@@ -467,17 +457,13 @@ class Bridge:
                     waiting, sent = self._waiting, self._sent
                     while waiting:
                         consumer, number, outgoing, publisher = waiting[0]
-                        if consumer is not None:
-                            if not _can_send(client):
-                                break
-                            self._send(client, consumer, number, outgoing)
-                        else:
-                            seq = client.send_if_open(outgoing)
-                            if seq < 0:
-                                break
-                            sent[seq] = (None, number, outgoing)
-                            if publisher is not None:
-                                released[publisher] = released.get(publisher, 0) + 1
+                        seq = client.send_if_open(outgoing)
+                        if seq < 0:
+                            break
+                        # A forward queue's or redistributor's message stays in its queue; a direct one here.
+                        sent[seq] = (consumer, number, None) if consumer is not None else (None, number, outgoing)
+                        if publisher is not None:
+                            released[publisher] = released.get(publisher, 0) + 1
                         waiting.popleft()  # once sent: a failure leaves it for the teardown
                 finally:
                     for publisher, count in released.items():
