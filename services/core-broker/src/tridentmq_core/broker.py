@@ -218,7 +218,7 @@ class Broker:
         self._audit_all = audit_messages == "all"
         self._audit_durable = audit_messages in ("all", "durable")
         self._node_tag = node_id[:8]
-        self._transfer_prefix = f"{node_id}:"  # + a message id: the id of a transfer to another node
+        self.transfer_prefix = f"{node_id}:"  # + a message id: the id of a transfer to another node
         self._last_expiry_scan = 0
         self._idle: Deadlines[Queue] = Deadlines()  # queues with expires_ms and no consumer → deletion time
         self._will_owners: dict[str, Session] = {}  # will key → the open link holding that will
@@ -281,7 +281,7 @@ class Broker:
         """A backup taking over its pair's node id (before anything was restored or connected)."""
         self.node_id = node_id
         self._node_tag = node_id[:8]
-        self._transfer_prefix = f"{node_id}:"  # + a message id: the id of a transfer to another node
+        self.transfer_prefix = f"{node_id}:"  # + a message id: the id of a transfer to another node
 
     # ------------------------------------------------------------------ event entry point
     def handle(self, session: Session, events: Iterable[ev.Event], now_ms: int) -> None:
@@ -781,8 +781,8 @@ class Broker:
         # producer sends it again to its next life, so the transfer's id must be the producer's (with this
         # node's, as two nodes' producers may use one id) to be a duplicate over there.
         producer_dedup = message[M_DEDUP] if durable and through else None
-        header = encode_header(target, queues, hops, f"p:{self._transfer_prefix}{producer_dedup}") \
-            if producer_dedup else numbered_header(target, queues, hops, self._transfer_prefix)  # fmt: skip
+        header = encode_header(target, queues, hops, f"p:{self.transfer_prefix}{producer_dedup}") \
+            if producer_dedup else numbered_header(target, queues, hops, self.transfer_prefix)  # fmt: skip
         if through:  # the message itself, which goes nowhere else: its properties are its own to change
             copy[M_PROPS][FORWARD_PROPERTY] = header
         else:

@@ -356,8 +356,8 @@ class Bridge:
             return  # torn down meanwhile: the broker takes the message back with the session
         if isinstance(consumer, Redistributor):
             outgoing = list(message)
-            header = numbered_header(consumer.target.node_id, (consumer.queue.name,), 1, f"{self.manager.node_id}:",
-                                     delivered)  # fmt: skip
+            header = numbered_header(consumer.target.node_id, (consumer.queue.name,), 1,
+                                     self.manager.broker.transfer_prefix, delivered)  # fmt: skip
             outgoing[M_PROPS] = {**message[M_PROPS], FORWARD_PROPERTY: header}
         else:
             outgoing = message
