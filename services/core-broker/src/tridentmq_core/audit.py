@@ -15,7 +15,7 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import BinaryIO, Final, Protocol
 
 import orjson
 
@@ -28,6 +28,7 @@ _ACTIVE_DIR = ".active"
 _SUFFIX = ".jsonl"
 _SEQ_DIGITS = 20
 _TAIL_CHUNK = 64 * 1024
+_HEADER_FIELDS: Final = 6  # v, node_id, seq, ts_us, event, epoch: every event starts with them
 
 
 class AuditSink(Protocol):
@@ -132,18 +133,16 @@ class FileAuditSink:
         if self._seg_start_us is not None and ts_us - self._seg_start_us >= self._roll_us:
             self._roll()
         seq = self._next_seq
-        record: dict[str, object] = {
-            "v": SCHEMA_VERSION,
-            "node_id": self.node_id,
-            "seq": seq,
-            "ts_us": ts_us,
-            "event": event,
-            "epoch": self.epoch,
-        }
-        for key, value in fields.items():
-            # The header fields are owned by the sink: a caller must not be able to forge seq or node_id.
-            if value is not None and key not in record:
-                record[key] = value
+        record = self._header(seq, ts_us, event)
+        record.update(fields)
+        # One C-level merge for the usual event. A field that is None, or repeats a header field (then the
+        # record has fewer keys than both together), takes the slow road: None-valued fields are omitted, and
+        # the header is owned by the sink, so a caller must not be able to forge seq or node_id.
+        if len(record) != _HEADER_FIELDS + len(fields) or None in fields.values():
+            record = self._header(seq, ts_us, event)
+            for key, value in fields.items():
+                if value is not None and key not in record:
+                    record[key] = value
         # default=str keeps an odd field value (an enum, a UUID) from failing on the hot path.
         buf = self._buf
         if not buf:
@@ -157,6 +156,10 @@ class FileAuditSink:
             self._roll()
         elif len(buf) > self._flush_bytes:
             self._flush()
+
+    def _header(self, seq: int, ts_us: int, event: str) -> dict[str, object]:
+        return {"v": SCHEMA_VERSION, "node_id": self.node_id, "seq": seq, "ts_us": ts_us, "event": event,
+                "epoch": self.epoch}  # fmt: skip
 
     def tick(self, ts_us: int) -> None:
         """Emit a heartbeat when due, roll a segment that has grown too old, and flush the buffer."""

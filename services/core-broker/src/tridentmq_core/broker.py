@@ -1696,8 +1696,15 @@ class Broker:
 
     def _emit_message(self, now_ms: int, event: str, message: WireMessage, queue: Queue | None,
                       **fields: object) -> None:  # fmt: skip
-        self.audit.emit(now_ms * 1000, event, {
-            "address": message[M_ADDRESS], "queue": queue.name if queue is not None else None,
-            "message_id": f"{self._node_tag}-{message[M_ID]}", "size": len(message[M_BODY]),
-            "protocol": message[M_PROTOCOL] or "link", "sent_ts_us": message[M_TIMESTAMP] * 1000, **fields,
-        })  # fmt: skip
+        # Built to take the sink's fast road (no None value, no key to merge) for the two events of every
+        # durable message: the audit stream is a tenth of the core's work per message.
+        record: dict[str, object] = {
+            "address": message[M_ADDRESS], "message_id": f"{self._node_tag}-{message[M_ID]}",
+            "size": len(message[M_BODY]), "protocol": message[M_PROTOCOL] or "link",
+            "sent_ts_us": message[M_TIMESTAMP] * 1000,
+        }  # fmt: skip
+        if queue is not None:
+            record["queue"] = queue.name
+        if fields:
+            record.update(fields)
+        self.audit.emit(now_ms * 1000, event, record)
