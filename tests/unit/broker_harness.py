@@ -265,12 +265,23 @@ class RecordingAudit:
 
 
 class RecordingStore(MemoryStore):
-    """The memory store, remembering the queue specs and messages the broker asked it to persist."""
+    """The memory store, remembering the queue specs, messages, acks and delivery attempts the broker asked it
+    to persist. With ``hold_attempts``, delivery attempts are safe only when the test completes their token."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, hold_attempts: bool = False) -> None:
         self.specs: list[dict[str, Any]] = []
         self.deleted: list[str] = []
         self.messages: list[WireMessage] = []
+        self.acks: list[tuple[str, list[int]]] = []
+        self.attempts: list[tuple[str, list[int], list[int]]] = []
+        self.hold_attempts = hold_attempts
+
+    def acknowledge(self, queue: str, message_ids: list[int]) -> None:
+        self.acks.append((queue, list(message_ids)))
+
+    def update_delivery_counts(self, queue: str, message_ids: list[int], counts: list[int]) -> int:
+        self.attempts.append((queue, list(message_ids), list(counts)))
+        return len(self.attempts) if self.hold_attempts else 0
 
     def add_queue(self, spec: dict[str, Any]) -> None:
         self.specs.append(dict(spec))
@@ -283,9 +294,10 @@ class RecordingStore(MemoryStore):
         return 0
 
 
-def recorded(settings: CoreSettings | None = None) -> tuple[Harness, RecordingStore, RecordingAudit]:
+def recorded(settings: CoreSettings | None = None, *,
+             hold_attempts: bool = False) -> tuple[Harness, RecordingStore, RecordingAudit]:  # fmt: skip
     """A harness whose broker reports to a recording store and audit sink."""
     h = Harness(settings)
-    store, sink = RecordingStore(), RecordingAudit()
+    store, sink = RecordingStore(hold_attempts=hold_attempts), RecordingAudit()
     h.broker = Broker("node-1", h.settings, store=store, audit=sink, first_message_id=1)
     return h, store, sink

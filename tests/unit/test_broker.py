@@ -18,6 +18,7 @@ from tests.unit.broker_harness import (
     Harness,
     bodies,
     ids,
+    recorded,
 )
 
 from tridentmq_core.address_settings import AddressSettingsRepository
@@ -1078,6 +1079,27 @@ def test_a_durable_delivery_whose_attempt_is_safe_at_once_is_sent() -> None:
     got = c.take(cid)
     assert bodies(got) == [b"kept"]
     c.ack(cid, ids(got))
+    assert len(h.broker.queues["orders"]) == 0
+
+
+def test_a_dispatch_records_its_delivery_attempts_at_once_and_an_ack_batch_its_acks() -> None:
+    """One store call (one journal record) per dispatch and per ack batch, not per message; the deliveries
+    go out only once their attempts are safe."""
+    h, store, _ = recorded(hold_attempts=True)
+    c = h.connect()
+    ok(c.create_queue("orders", durable=True))
+    c.send_all("orders", [b"a", b"b", b"c"], durable=True)
+    c.publish("orders", b"plain")  # not durable: no attempt recorded, sent at once
+    cid = c.consumer("orders")
+    assert store.attempts == [("orders", [1, 2, 3], [1, 1, 1])]
+    assert bodies(c.take(cid)) == [b"plain"]
+    h.broker.on_durable(1)
+    h.sync()
+    got = c.take(cid)
+    assert bodies(got) == [b"a", b"b", b"c"]
+    c.ack(cid, [4, *ids(got)])
+    h.sync()
+    assert store.acks == [("orders", [1, 2, 3])]
     assert len(h.broker.queues["orders"]) == 0
 
 

@@ -451,9 +451,9 @@ def replicate_during_compaction(tmp_path: Path) -> Pair:
     for n in range(1, 61):
         store.add_message(message(n), ("q1", "q2") if n % 3 == 0 else ("q1",) if n % 5 else ("q1", "q3"))
     for n in range(1, 40, 2):
-        store.acknowledge("q1", n)
-    store.acknowledge("q2", 6)
-    store.update_delivery_count("q1", 42, 2)
+        store.acknowledge("q1", [n])
+    store.acknowledge("q2", [6])
+    store.update_delivery_counts("q1", [42], [2])
     store.delete_address("gone")
     feed = pair.connect()
     assert len(pair.primary.segments()) >= 2
@@ -462,11 +462,11 @@ def replicate_during_compaction(tmp_path: Path) -> Pair:
     while not feed.sync_end or step < 30:  # during the copy, and a while after it
         pair.step()
         store.add_message(message(n), ("q1", "q3") if n % 2 else ("q1",))
-        store.acknowledge("q1", 100 - n)  # old messages, some already copied, some still to come
+        store.acknowledge("q1", [100 - n])  # old messages, some already copied, some still to come
         if n % 3 == 0:
-            store.acknowledge("q1", n - 1)  # a new one
+            store.acknowledge("q1", [n - 1])  # a new one
         if n % 4 == 0:
-            store.update_delivery_count("q1", n - 20, 3)  # old ones at first, then new ones
+            store.update_delivery_counts("q1", [n - 20], [3])  # old ones at first, then new ones
         match step:
             case 2:
                 store.delete_queue("q2")
@@ -475,7 +475,7 @@ def replicate_during_compaction(tmp_path: Path) -> Pair:
             case 4:
                 store.begin_transaction()
                 store.add_message(message(1_000), ("q1", "q3"))
-                store.acknowledge("q3", 5)
+                store.acknowledge("q3", [5])
                 store.commit_transaction()
             case 5:
                 store.add_address("late", (1,), auto_created=False)
@@ -514,7 +514,7 @@ def test_a_backup_fed_from_the_compaction_roll_replays_to_the_primary_state(
     compacted = [feed.first + i for i, r in enumerate(stream) if r.type is RecordType.COMPACTED]
     assert compacted == [feed.sync_end]
     copied_at = compacted[0] - feed.first
-    assert any(r.type is RecordType.ACK for r in stream[:copied_at])  # new records came during the copy
+    assert any(r.type is RecordType.ACKS for r in stream[:copied_at])  # new records came during the copy
     assert len(pair.became_in_sync) == 1
     assert pair.became_in_sync[0] >= feed.sync_end
 
@@ -598,7 +598,7 @@ def test_a_backup_connecting_to_an_idle_primary_is_in_sync_after_the_copy(tmp_pa
     pair.store.add_queue(queue_spec("q"))
     for n in range(1, 6):
         pair.store.add_message(message(n), ("q",))
-    pair.store.acknowledge("q", 2)
+    pair.store.acknowledge("q", [2])
     before = pair.primary.appended
     feed = pair.connect(window=2, max_batch_bytes=64)
     assert feed.first == before + 1

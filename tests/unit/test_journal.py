@@ -79,6 +79,11 @@ def make_entry(index: int, rng: random.Random) -> Entry:
             return kind, ["queue.a", index]
         case RecordType.DELIVERY_COUNT:
             return kind, ["queue.a", index, rng.randint(0, 3)]
+        case RecordType.ACKS:
+            return kind, ["queue.a", list(range(index, index + rng.randint(1, 300)))]
+        case RecordType.DELIVERY_COUNTS:
+            ids = list(range(index, index + rng.randint(1, 300)))
+            return kind, ["queue.a", ids, [rng.randint(1, 3) for _ in ids]]
         case RecordType.TX_MESSAGE:
             return kind, [rng.getrandbits(63), wire_message(index, rng.randbytes(rng.randint(0, 400))), ["queue.a"]]
         case RecordType.TX_ACK:
@@ -732,6 +737,28 @@ def test_replay_messages_acks_and_delivery_counts() -> None:
     assert state.live_messages() == 3
 
 
+def test_replay_batched_acks_and_delivery_counts_as_the_single_records() -> None:
+    """A consumer's batch is one ACKS or DELIVERY_COUNTS record; older journals hold one record per message."""
+    m1, m2, m3, m4 = (wire_message(n) for n in (1, 2, 3, 4))
+    state = replay(
+        [
+            rec(RecordType.ADD_QUEUE, queue_spec("a")),
+            rec(RecordType.ADD_QUEUE, queue_spec("b")),
+            rec(RecordType.MESSAGE, m1, ["a", "b"]),
+            rec(RecordType.MESSAGE, m2, ["a"]),
+            rec(RecordType.MESSAGE, m3, ["a"]),
+            rec(RecordType.MESSAGE, m4, ["a"]),
+            rec(RecordType.DELIVERY_COUNTS, "a", [1, 2, 3, 99], [1, 1, 2, 7]),  # 99: unknown, ignored
+            rec(RecordType.DELIVERY_COUNTS, "b", [2], [5]),  # m2 is not on b: ignored
+            rec(RecordType.ACKS, "a", [1, 3, 99]),  # m1 stays on b
+            rec(RecordType.DELIVERY_COUNT, "a", 4, 2),  # an older journal's record, mixed in
+            rec(RecordType.ACKS, "ghost", [2]),  # a queue that is gone: ignored
+        ]
+    )
+    assert state.references == {"a": {2: 1, 4: 2}, "b": {1: 0}}
+    assert state.messages == {1: m1, 2: m2, 4: m4}
+
+
 def test_replay_applies_a_transaction_at_its_commit_and_drops_one_never_committed() -> None:
     m1, m2, m3, m4 = (wire_message(n) for n in (1, 2, 3, 4))
     state = replay(
@@ -772,7 +799,7 @@ def test_a_transaction_counts_only_once_its_commit_is_synced(tmp_path: Path) -> 
     store.begin_transaction()
     assert store.add_message(wire_message(2), ("q",)) == 0  # only the commit's token is worth waiting for
     store.add_message(wire_message(3), ("q",))
-    store.acknowledge("q", 1)
+    store.acknowledge("q", [1])
     token = commit_token = store.commit_transaction()
     assert token > 0
     store.begin_transaction()
@@ -932,9 +959,9 @@ def test_journal_store_completes_every_token_in_order_after_the_sync(tmp_path: P
     for n in range(1, 61):
         tokens.append(store.add_message(wire_message(n, bytes(n)), ("q",)))
         if n % 3 == 0:
-            store.acknowledge("q", n - 1)
+            store.acknowledge("q", [n - 1])
         if n % 5 == 0:
-            tokens.append(store.update_delivery_count("q", n, 1))
+            tokens.append(store.update_delivery_counts("q", [n], [1]))
     # A completion for a token is found by the sync that covers it once the token is in the store's
     # queue; with completions running directly on the writer thread (not on the loop that called
     # add_message), one more sync after the last token makes sure the last one is seen.
@@ -1043,15 +1070,15 @@ def test_compaction_copies_the_live_state_forward_and_retires_old_segments(tmp_p
     for message in messages:
         store.add_message(message, ("q",))
     for n in range(1, 51):
-        store.acknowledge("q", n)
-    last = store.update_delivery_count("q", 55, 2)
+        store.acknowledge("q", [n])
+    last = store.update_delivery_counts("q", [55], [2])
     wait_until(lambda: journal.synced == last)
     assert len(journal.segments()) >= 3
     live = [(m, ["q"], [2 if m[M_ID] == 55 else 0]) for m in messages[50:]]
     remembered = [(f"producer:{n}", 1000 + n) for n in range(2500)]  # ids of messages long acknowledged
     store.start_compaction(DurableSnapshot(addresses=[("orders", [0], False)], queues=[spec], messages=live,
                                            dedup_ids=remembered))  # fmt: skip
-    store.acknowledge("q", 51)  # while copying: the copy must leave 51 out
+    store.acknowledge("q", [51])  # while copying: the copy must leave 51 out
     for _ in range(5):
         store.compaction_step()
     wait_until(lambda: store.compactions == 1)
@@ -1230,8 +1257,8 @@ def test_limit_confirms_completes_tokens_up_to_min_of_local_sync_and_limit(tmp_p
 
     store.limit_confirms(3)  # a backup came in sync, holding up to record 3
     tokens = [store.add_message(wire_message(n), ("q",)) for n in (3, 4)]
-    store.acknowledge("q", 1)  # no token
-    tokens.append(store.update_delivery_count("q", 2, 1))
+    store.acknowledge("q", [1])  # no token
+    tokens.append(store.update_delivery_counts("q", [2], [1]))
     assert tokens == [4, 5, 7]
     sync_reported(journal, loop)
     loop.run()
@@ -1314,7 +1341,7 @@ def test_on_copied_gets_the_number_of_the_compacted_record_at_the_end_of_the_cop
     while store.compacting and not copied:
         store.compaction_step()
         steps += 1
-        store.acknowledge("q", steps)  # records appended between the chunks
+        store.acknowledge("q", [steps])  # records appended between the chunks
         assert steps < 20
     assert steps == 3  # the address and queue at once, then 5 messages in chunks of 2 and the marker
     [number] = copied

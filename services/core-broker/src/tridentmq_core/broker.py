@@ -847,7 +847,7 @@ class Broker:
                 continue
             moved += 1
             if message[M_DURABLE]:
-                self.store.acknowledge(queue.name, message[M_ID])  # after the copy's record: never neither
+                self.store.acknowledge(queue.name, [message[M_ID]])  # after the copy's record: never neither
         for message in kept:
             queue.add(message)
         return moved
@@ -983,6 +983,7 @@ class Broker:
         if session.consumers.get(consumer.id) is not consumer:
             return
         queue = consumer.queue
+        journaled: list[int] = []
         for message_id in ids:
             taken = queue.take(consumer, message_id)
             if taken is None:
@@ -991,7 +992,9 @@ class Broker:
                 self.counters.redistributed += 1
                 if self._audit_all or (self._audit_durable and taken[0][M_DURABLE]):
                     self._emit_message(now_ms, "msg.redistributed", taken[0], queue, target_node=session.client_name)
-            self._settle_acked(queue, taken[0], now_ms)
+            self._settle_acked(queue, taken[0], now_ms, journaled)
+        if journaled:
+            self.store.acknowledge(queue.name, journaled)
         consumer.credit += len(ids)
         self._to_dispatch.add(queue)
 
@@ -1184,17 +1187,21 @@ class Broker:
             tx.acks.extend((consumer, message_id) for message_id in ids if message_id in consumer.in_flight)
             return
         queue = consumer.queue
+        journaled: list[int] = []
         for message_id in ids:
             taken = queue.take(consumer, message_id)
             if taken is not None:
-                self._settle_acked(queue, taken[0], now_ms)
+                self._settle_acked(queue, taken[0], now_ms, journaled)
+        if journaled:
+            self.store.acknowledge(queue.name, journaled)
         if queue.paged:
             self._to_dispatch.add(queue)  # acks free room: read pages back
 
-    def _settle_acked(self, queue: Queue, message: WireMessage, now_ms: int) -> None:
+    def _settle_acked(self, queue: Queue, message: WireMessage, now_ms: int,
+                      journaled: list[int] | None = None) -> None:  # fmt: skip
         queue.settle(message)
         queue.acked += 1
-        self.on_acked(queue, message, now_ms)
+        self.on_acked(queue, message, now_ms, journaled)
 
     def _nack(self, session: Session, consumer_id: int, ids: list[int], mode: NackMode, now_ms: int) -> None:
         consumer = session.consumers.get(consumer_id)
@@ -1493,7 +1500,7 @@ class Broker:
                      now_ms: int) -> None:  # fmt: skip
         queue.settle(message)
         if message[M_DURABLE] and queue.durable:
-            self.store.acknowledge(queue.name, message[M_ID])
+            self.store.acknowledge(queue.name, [message[M_ID]])
         self._to_dead_letter_address(queue, message, reason, settings, now_ms)
 
     def _to_dead_letter_address(self, queue: Queue, message: WireMessage, reason: str,
@@ -1504,27 +1511,35 @@ class Broker:
         self._emit_message(now_ms, "msg.dead_lettered", message, queue, reason=reason)
         self._divert(queue, message, settings.dead_letter_address, reason, now_ms)
 
-    def on_acked(self, queue: Queue, message: WireMessage, now_ms: int | None = None) -> None:
-        """Called for every acknowledged message (also by queues for auto-ack and last-value replacement)."""
+    def on_acked(self, queue: Queue, message: WireMessage, now_ms: int | None = None,
+                 journaled: list[int] | None = None) -> None:  # fmt: skip
+        """Called for every acknowledged message (also by queues for auto-ack and last-value replacement).
+        ``journaled``: a batch's ids, to which the id is added for one record at the end, instead of a record."""
         if now_ms is None:
             now_ms = self.now_ms
         self.counters.acked += 1
         if message[M_DURABLE]:
             if queue.durable:
-                self.store.acknowledge(queue.name, message[M_ID])
+                if journaled is None:
+                    self.store.acknowledge(queue.name, [message[M_ID]])
+                else:
+                    journaled.append(message[M_ID])
             if self._audit_durable:
                 self._emit_message(now_ms, "msg.acked", message, queue)
         elif self._audit_all:
             self._emit_message(now_ms, "msg.acked", message, queue)
 
-    def deliver_durable(self, consumer: Consumer, delivery_count: int, message: WireMessage) -> None:
-        """Record the delivery attempt, and send the delivery only once the record is safe: after a crash the
-        message then comes back flagged as redelivered, never looking like a first delivery."""
-        token = self.store.update_delivery_count(consumer.queue.name, message[M_ID], delivery_count)
+    def deliver_durable(self, queue: Queue, attempts: list[tuple[Consumer, int, WireMessage]]) -> None:
+        """Record a dispatch's delivery attempts (consumer, delivery count, message), and send the deliveries
+        only once the record is safe: after a crash a message then comes back flagged as redelivered, never
+        looking like a first delivery."""
+        token = self.store.update_delivery_counts(queue.name, [attempt[2][M_ID] for attempt in attempts],
+                                                  [attempt[1] for attempt in attempts])  # fmt: skip
         if token:
-            self._held_deliveries.setdefault(token, []).append((consumer, delivery_count, message))
+            self._held_deliveries.setdefault(token, []).extend(attempts)
         else:
-            self._send_delivery(consumer, delivery_count, message)
+            for consumer, delivery_count, message in attempts:
+                self._send_delivery(consumer, delivery_count, message)
 
     def _send_delivery(self, consumer: Consumer, delivery_count: int, message: WireMessage) -> None:
         session = consumer.session
@@ -1542,7 +1557,7 @@ class Broker:
         queue.expired += 1
         self.counters.expired += 1
         if message[M_DURABLE] and queue.durable:
-            self.store.acknowledge(queue.name, message[M_ID])
+            self.store.acknowledge(queue.name, [message[M_ID]])
         now_ms = self.now_ms
         self._emit_message(now_ms, "msg.expired", message, queue, reason="ttl")
         settings = self.address_settings.resolve(queue.address)

@@ -71,7 +71,7 @@ class DeliverySink(Protocol):
     """Where a queue reports what happened to a message (the broker: store, audit, counters)."""
 
     def on_acked(self, queue: Queue, message: WireMessage) -> None: ...
-    def deliver_durable(self, consumer: Consumer, delivery_count: int, message: WireMessage) -> None: ...
+    def deliver_durable(self, queue: Queue, attempts: list[tuple[Consumer, int, WireMessage]]) -> None: ...
     def on_expired(self, queue: Queue, message: WireMessage) -> None: ...
     def on_pages_ready(self, queue: Queue) -> None: ...
 
@@ -111,6 +111,7 @@ class Consumer:
 
 class Queue:
     __slots__ = (
+        "_attempts",
         "_count",
         "_dirty",
         "_expiring",
@@ -190,6 +191,7 @@ class Queue:
         self._sink = sink
         self._dirty = dirty
         self._memory = memory
+        self._attempts: list[tuple[Consumer, int, WireMessage]] = []  # a dispatch's durable deliveries
         # Paging: above page_limit bytes (the address's max_size_bytes with policy PAGE) further messages
         # go to a page file, and keep going there while any are paged, so order is kept.
         self._page_limit = page_limit if pager_factory is not None else -1
@@ -419,6 +421,9 @@ class Queue:
                     self._dispatch_scan(ready, now_ms)
                 else:
                     self._dispatch_fast(ready, now_ms)
+                if self._attempts:  # one record for all of them, and they go out once it is on disk
+                    attempts, self._attempts = self._attempts, []
+                    self._sink.deliver_durable(self, attempts)
         for consumer in self.consumers:
             if consumer.browse and consumer.credit > 0 and consumer.browse_iter is not None:
                 self._browse(consumer, now_ms)
@@ -511,7 +516,7 @@ class Queue:
         # A delivery attempt is recorded before the delivery goes out, except to a forwarder: a message it
         # was moving when the node crashed is simply moved again (the other node drops the copy).
         if self.durable and message[M_DURABLE] and not consumer.auto_ack and not consumer.forwarder:
-            self._sink.deliver_durable(consumer, count, message)  # sent once the attempt is on disk
+            self._attempts.append((consumer, count, message))  # sent once the attempt is on disk
         else:
             session.conn.deliver(consumer.id, count, message)
             if session not in self._dirty:

@@ -26,9 +26,9 @@ class Store(Protocol):
     def add_message(self, message: WireMessage, queues: tuple[str, ...]) -> int:
         """Persist a durable message and its queue references; 0 = already safe, else a token."""
 
-    def acknowledge(self, queue: str, message_id: int) -> None: ...
-    def update_delivery_count(self, queue: str, message_id: int, count: int) -> int:
-        """Record a delivery attempt; 0 = already safe, else a token like ``add_message``'s."""
+    def acknowledge(self, queue: str, message_ids: list[int]) -> None: ...
+    def update_delivery_counts(self, queue: str, message_ids: list[int], counts: list[int]) -> int:
+        """Record delivery attempts; 0 = already safe, else a token like ``add_message``'s."""
 
     def begin_transaction(self) -> None:
         """The ``add_message`` and ``acknowledge`` calls up to ``commit_transaction`` are one unit: after a

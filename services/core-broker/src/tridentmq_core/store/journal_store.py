@@ -96,14 +96,15 @@ class JournalStore:
         self._waiting.append(token)
         return token
 
-    def acknowledge(self, queue: str, message_id: int) -> None:
+    def acknowledge(self, queue: str, message_ids: list[int]) -> None:
         if self._copying is not None:
-            self._acked.add((queue, message_id))
+            self._acked.update((queue, message_id) for message_id in message_ids)
         if self._tx_id:
             self._tx_written = True
-            self._append(RecordType.TX_ACK, [self._tx_id, queue, message_id])
+            for message_id in message_ids:
+                self._append(RecordType.TX_ACK, [self._tx_id, queue, message_id])
         else:
-            self._append(RecordType.ACK, [queue, message_id])
+            self._append(RecordType.ACKS, [queue, message_ids])
 
     def begin_transaction(self) -> None:
         self._tx_id = random.getrandbits(63) or 1
@@ -117,10 +118,10 @@ class JournalStore:
         self._waiting.append(token)
         return token
 
-    def update_delivery_count(self, queue: str, message_id: int, count: int) -> int:
+    def update_delivery_counts(self, queue: str, message_ids: list[int], counts: list[int]) -> int:
         if self._copying is not None:
-            self._counts[(queue, message_id)] = count
-        token = self._append(RecordType.DELIVERY_COUNT, [queue, message_id, count])
+            self._counts.update(zip(((queue, message_id) for message_id in message_ids), counts, strict=True))
+        token = self._append(RecordType.DELIVERY_COUNTS, [queue, message_ids, counts])
         self._waiting.append(token)
         return token
 

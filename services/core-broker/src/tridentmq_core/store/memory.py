@@ -27,10 +27,10 @@ class MemoryStore:
     def add_message(self, message: WireMessage, queues: tuple[str, ...]) -> int:
         return 0
 
-    def acknowledge(self, queue: str, message_id: int) -> None:
+    def acknowledge(self, queue: str, message_ids: list[int]) -> None:
         pass
 
-    def update_delivery_count(self, queue: str, message_id: int, count: int) -> int:
+    def update_delivery_counts(self, queue: str, message_ids: list[int], counts: list[int]) -> int:
         return 0
 
     def begin_transaction(self) -> None:

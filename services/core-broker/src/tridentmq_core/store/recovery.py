@@ -78,10 +78,14 @@ def _apply(state: RecoveredState, record_type: RecordType, payload: Any) -> None
             state.references.pop(payload[0], None)
         case RecordType.ACK:
             _ack(state, payload[0], payload[1])
+        case RecordType.ACKS:
+            for message_id in payload[1]:
+                _ack(state, payload[0], message_id)
         case RecordType.DELIVERY_COUNT:
-            refs = state.references.get(payload[0])
-            if refs is not None and payload[1] in refs:
-                refs[payload[1]] = payload[2]
+            _count(state, payload[0], payload[1], payload[2])
+        case RecordType.DELIVERY_COUNTS:
+            for message_id, count in zip(payload[1], payload[2], strict=True):
+                _count(state, payload[0], message_id, count)
         case RecordType.COMPACTED:
             pass  # a marker for operators and tools: the records before it were copied forward
 
@@ -114,6 +118,12 @@ def _trim_ids(state: RecoveredState, limit: int) -> None:
     ids = state.dedup_ids
     if len(ids) > limit:
         state.dedup_ids = dict(itertools.islice(ids.items(), len(ids) - limit, None))
+
+
+def _count(state: RecoveredState, queue: str, message_id: int, count: int) -> None:
+    refs = state.references.get(queue)
+    if refs is not None and message_id in refs:
+        refs[message_id] = count
 
 
 def _ack(state: RecoveredState, queue: str, message_id: int) -> None:
