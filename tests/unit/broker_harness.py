@@ -254,6 +254,12 @@ class RecordingAudit:
     def emit(self, ts_us: int, event: str, fields: Mapping[str, object]) -> None:
         self.events.append((ts_us, event, dict(fields)))
 
+    def emit_message(self, ts_us: int, event: str, queue: str | None, address: str, message_id: str, size: int,
+                     protocol: str, sent_ts_us: int, extra: Mapping[str, object]) -> None:  # fmt: skip
+        fields = {"address": address, "message_id": message_id, "size": size, "protocol": protocol,
+                  "sent_ts_us": sent_ts_us, "queue": queue, **extra}  # fmt: skip
+        self.emit(ts_us, event, {key: value for key, value in fields.items() if value is not None})
+
     def tick(self, ts_us: int) -> None:
         pass
 

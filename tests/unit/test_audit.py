@@ -67,6 +67,25 @@ def test_lines_and_fields(tmp_path: Path) -> None:
     assert path.name == f"{0:020d}.jsonl"
 
 
+def test_a_message_event_is_the_event_with_its_fields(tmp_path: Path) -> None:
+    sink = FileAuditSink(tmp_path, NODE, epoch=3)
+    sink.emit_message(T0, "msg.sent", None, "orders", "n1-7", 12, "amqp", T0 - 5, {})
+    sink.emit_message(T0 + 1, "msg.nacked", "q", "orders", "n1-7", 12, "amqp", T0 - 5,
+                      {"delivery_count": 2, "seq": 999, "reason": None})  # fmt: skip
+    sink.close()
+
+    [path] = sealed(tmp_path)
+    assert path.read_bytes().split(b"\n")[0] == (
+        b'{"v":1,"node_id":"node-a","seq":0,"ts_us":1700000000000000,"event":"msg.sent","epoch":3,'
+        b'"address":"orders","message_id":"n1-7","size":12,"protocol":"amqp","sent_ts_us":1699999999999995}'
+    )  # no queue: left out
+    _, nacked = read_lines(path)
+    assert nacked["queue"] == "q"
+    assert nacked["delivery_count"] == 2
+    assert nacked["seq"] == 1  # the header cannot be forged through the extra fields either
+    assert "reason" not in nacked
+
+
 def test_epoch_can_change_at_runtime(tmp_path: Path) -> None:
     sink = FileAuditSink(tmp_path, NODE, epoch=1)
     sink.emit(T0, "conn.opened", {})

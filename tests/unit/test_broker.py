@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
-from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -16,6 +15,7 @@ from tests.unit.broker_harness import (
     PUBLISH_WINDOW,
     Client,
     Harness,
+    RecordingAudit,
     bodies,
     ids,
     recorded,
@@ -1605,23 +1605,6 @@ def test_unused_explicit_auto_delete_queue_is_not_swept(h: Harness, c: Client) -
 
 
 # ====================================================================== audit of per-message events
-class RecordingAudit:
-    def __init__(self) -> None:
-        self.events: list[tuple[int, str, dict[str, object]]] = []
-
-    def emit(self, ts_us: int, event: str, fields: Mapping[str, object]) -> None:
-        self.events.append((ts_us, event, dict(fields)))
-
-    def tick(self, ts_us: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def of(self, event: str) -> list[tuple[int, dict[str, object]]]:
-        return [(ts, fields) for ts, name, fields in self.events if name == event]
-
-
 def audited(settings: CoreSettings | None = None) -> tuple[Harness, RecordingAudit]:
     h = Harness(settings)
     sink = RecordingAudit()

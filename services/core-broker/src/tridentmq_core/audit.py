@@ -15,7 +15,7 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import BinaryIO, Final, Protocol
+from typing import BinaryIO, Protocol
 
 import orjson
 
@@ -28,7 +28,6 @@ _ACTIVE_DIR = ".active"
 _SUFFIX = ".jsonl"
 _SEQ_DIGITS = 20
 _TAIL_CHUNK = 64 * 1024
-_HEADER_FIELDS: Final = 6  # v, node_id, seq, ts_us, event, epoch: every event starts with them
 
 
 class AuditSink(Protocol):
@@ -36,6 +35,11 @@ class AuditSink(Protocol):
 
     def emit(self, ts_us: int, event: str, fields: Mapping[str, object]) -> None:
         """Record one event; ``fields`` whose value is None are omitted."""
+
+    def emit_message(self, ts_us: int, event: str, queue: str | None, address: str, message_id: str, size: int,
+                     protocol: str, sent_ts_us: int, extra: Mapping[str, object]) -> None:  # fmt: skip
+        """Record a message event (two per durable message: the hot road): ``emit`` with these fields (none
+        of them None but the queue, which is then left out) and ``extra``."""
 
     def tick(self, ts_us: int) -> None:
         """Called about once a second: time-based roll and the ``node.heartbeat`` event."""
@@ -48,6 +52,10 @@ class NullAuditSink:
     """Audit disabled: every call does nothing."""
 
     def emit(self, ts_us: int, event: str, fields: Mapping[str, object]) -> None:
+        """Ignore the event."""
+
+    def emit_message(self, ts_us: int, event: str, queue: str | None, address: str, message_id: str, size: int,
+                     protocol: str, sent_ts_us: int, extra: Mapping[str, object]) -> None:  # fmt: skip
         """Ignore the event."""
 
     def tick(self, ts_us: int) -> None:
@@ -125,24 +133,50 @@ class FileAuditSink:
 
     def emit(self, ts_us: int, event: str, fields: Mapping[str, object]) -> None:
         """Append one event to the in-memory buffer (no syscall unless a flush or roll is due)."""
-        if self._closed:
+        if not self._accepting(ts_us):
             return
+        seq = self._next_seq
+        record: dict[str, object] = {
+            "v": SCHEMA_VERSION,
+            "node_id": self.node_id,
+            "seq": seq,
+            "ts_us": ts_us,
+            "event": event,
+            "epoch": self.epoch,
+        }
+        _merge(record, fields)
+        self._append(seq, ts_us, record)
+
+    def emit_message(self, ts_us: int, event: str, queue: str | None, address: str, message_id: str, size: int,
+                     protocol: str, sent_ts_us: int, extra: Mapping[str, object]) -> None:  # fmt: skip
+        """``emit`` for a message event: the record in one go, without ``emit``'s checks of each field (a
+        tenth of the core's work per durable message went to its audit events)."""
+        if not self._accepting(ts_us):
+            return
+        seq = self._next_seq
+        record: dict[str, object] = {
+            "v": SCHEMA_VERSION, "node_id": self.node_id, "seq": seq, "ts_us": ts_us, "event": event,
+            "epoch": self.epoch, "address": address, "message_id": message_id, "size": size,
+            "protocol": protocol, "sent_ts_us": sent_ts_us,
+        }  # fmt: skip
+        if queue is not None:
+            record["queue"] = queue
+        if extra:
+            _merge(record, extra)
+        self._append(seq, ts_us, record)
+
+    def _accepting(self, ts_us: int) -> bool:
+        """Whether an event at ``ts_us`` is written (a segment that has grown too old is rolled first)."""
+        if self._closed:
+            return False
         if self._broken:
             self.dropped += 1
-            return
+            return False
         if self._seg_start_us is not None and ts_us - self._seg_start_us >= self._roll_us:
             self._roll()
-        seq = self._next_seq
-        record = self._header(seq, ts_us, event)
-        record.update(fields)
-        # One C-level merge for the usual event. A field that is None, or repeats a header field (then the
-        # record has fewer keys than both together), takes the slow road: None-valued fields are omitted, and
-        # the header is owned by the sink, so a caller must not be able to forge seq or node_id.
-        if len(record) != _HEADER_FIELDS + len(fields) or None in fields.values():
-            record = self._header(seq, ts_us, event)
-            for key, value in fields.items():
-                if value is not None and key not in record:
-                    record[key] = value
+        return True
+
+    def _append(self, seq: int, ts_us: int, record: dict[str, object]) -> None:
         # default=str keeps an odd field value (an enum, a UUID) from failing on the hot path.
         buf = self._buf
         if not buf:
@@ -156,10 +190,6 @@ class FileAuditSink:
             self._roll()
         elif len(buf) > self._flush_bytes:
             self._flush()
-
-    def _header(self, seq: int, ts_us: int, event: str) -> dict[str, object]:
-        return {"v": SCHEMA_VERSION, "node_id": self.node_id, "seq": seq, "ts_us": ts_us, "event": event,
-                "epoch": self.epoch}  # fmt: skip
 
     def tick(self, ts_us: int) -> None:
         """Emit a heartbeat when due, roll a segment that has grown too old, and flush the buffer."""
@@ -280,6 +310,13 @@ class FileAuditSink:
             next_seq = max(next_seq, _seq_of(line) + 1)
             _seal(path, self._node_dir)
         return next_seq
+
+
+def _merge(record: dict[str, object], fields: Mapping[str, object]) -> None:
+    for key, value in fields.items():
+        # The header fields are owned by the sink: a caller must not be able to forge seq or node_id.
+        if value is not None and key not in record:
+            record[key] = value
 
 
 def _segment_name(first_seq: int) -> str:
