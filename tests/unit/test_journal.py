@@ -34,7 +34,7 @@ from tridentmq_core.store.journal import (
     list_segments,
     segment_name,
 )
-from tridentmq_core.store.journal_store import JournalStore
+from tridentmq_core.store.journal_store import IDS_PER_RECORD, JournalStore
 from tridentmq_core.store.records import (
     HEADER_SIZE,
     Record,
@@ -776,6 +776,30 @@ def test_replay_applies_a_transaction_at_its_commit_and_drops_one_never_committe
     assert state.references == {"a": {2: 0, 4: 0}}
     assert state.messages == {2: m2, 4: m4}
     assert state.uncommitted == 1
+
+
+def test_a_large_batch_of_acks_or_attempts_is_split_into_records_that_fit_a_segment(tmp_path: Path) -> None:
+    """A consumer can acknowledge, or be sent, far more messages at once than one record should hold: the
+    batch goes in records of at most IDS_PER_RECORD ids, and the attempts' token is the last one's."""
+    journal = Journal(tmp_path, segment_bytes=256 * 1024)
+    journal.recover()
+    journal.start()
+    store = JournalStore(journal, call_in_loop=lambda fn: fn())
+    count = 2 * IDS_PER_RECORD + 5
+    store.add_queue(queue_spec("q"))
+    for n in range(1, count + 1):
+        store.add_message(wire_message(n), ("q",))
+    ids = list(range(1, count + 1))
+    token = store.update_delivery_counts("q", ids, [2] * count)
+    assert token == journal.appended
+    store.acknowledge("q", ids[: count - 1])
+    assert store.update_delivery_counts("q", [], []) == 0
+    journal.close()
+
+    records, _ = recover(tmp_path, segment_bytes=256 * 1024)
+    batches = [len(r.payload[1]) for r in records if r.type in (RecordType.ACKS, RecordType.DELIVERY_COUNTS)]
+    assert batches == [IDS_PER_RECORD, IDS_PER_RECORD, 5, IDS_PER_RECORD, IDS_PER_RECORD, 4]
+    assert replay(records).references == {"q": {count: 2}}
 
 
 def test_a_transaction_counts_only_once_its_commit_is_synced(tmp_path: Path) -> None:

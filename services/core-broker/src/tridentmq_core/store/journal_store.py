@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from tridentmq_core.broker import DurableSnapshot
 
 COMPACTION_CHUNK = 20_000
+#: Message ids per ACKS or DELIVERY_COUNTS record (about 40 KiB): a client's batch can be far larger, and
+#: every record must fit a segment.
+IDS_PER_RECORD = 4096
 
 
 class JournalStore:
@@ -104,7 +107,8 @@ class JournalStore:
             for message_id in message_ids:
                 self._append(RecordType.TX_ACK, [self._tx_id, queue, message_id])
         else:
-            self._append(RecordType.ACKS, [queue, message_ids])
+            for start in range(0, len(message_ids), IDS_PER_RECORD):
+                self._append(RecordType.ACKS, [queue, message_ids[start : start + IDS_PER_RECORD]])
 
     def begin_transaction(self) -> None:
         self._tx_id = random.getrandbits(63) or 1
@@ -119,9 +123,14 @@ class JournalStore:
         return token
 
     def update_delivery_counts(self, queue: str, message_ids: list[int], counts: list[int]) -> int:
+        if not message_ids:
+            return 0
         if self._copying is not None:
             self._counts.update(zip(((queue, message_id) for message_id in message_ids), counts, strict=True))
-        token = self._append(RecordType.DELIVERY_COUNTS, [queue, message_ids, counts])
+        token = 0
+        for start in range(0, len(message_ids), IDS_PER_RECORD):
+            end = start + IDS_PER_RECORD
+            token = self._append(RecordType.DELIVERY_COUNTS, [queue, message_ids[start:end], counts[start:end]])
         self._waiting.append(token)
         return token
 
