@@ -1103,6 +1103,19 @@ def test_a_dispatch_records_its_delivery_attempts_at_once_and_an_ack_batch_its_a
     assert len(h.broker.queues["orders"]) == 0
 
 
+def test_durable_and_plain_messages_keep_their_order_when_attempts_are_safe_at_once() -> None:
+    """Without a journal the attempts of durable messages are safe at once: collected for one record, they
+    must still go out before a plain message that came after them."""
+    h, _, _ = recorded()
+    c = h.connect()
+    ok(c.create_queue("orders", durable=True))
+    c.publish("orders", b"1", durable=True)
+    c.publish("orders", b"2")
+    c.publish("orders", b"3", durable=True)
+    cid = c.consumer("orders")
+    assert bodies(c.take(cid)) == [b"1", b"2", b"3"]
+
+
 def test_auto_delete_queue_kept_while_a_redelivery_is_delayed() -> None:
     h = with_address_settings(redelivery_delay_ms=100)
     c = h.connect()

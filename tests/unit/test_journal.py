@@ -34,7 +34,7 @@ from tridentmq_core.store.journal import (
     list_segments,
     segment_name,
 )
-from tridentmq_core.store.journal_store import IDS_PER_RECORD, JournalStore
+from tridentmq_core.store.journal_store import IDS_PER_RECORD, JournalStore, ids_per_record
 from tridentmq_core.store.records import (
     HEADER_SIZE,
     Record,
@@ -800,6 +800,24 @@ def test_a_large_batch_of_acks_or_attempts_is_split_into_records_that_fit_a_segm
     batches = [len(r.payload[1]) for r in records if r.type in (RecordType.ACKS, RecordType.DELIVERY_COUNTS)]
     assert batches == [IDS_PER_RECORD, IDS_PER_RECORD, 5, IDS_PER_RECORD, IDS_PER_RECORD, 4]
     assert replay(records).references == {"q": {count: 2}}
+
+
+def test_batch_records_of_a_small_segment_hold_fewer_ids(tmp_path: Path) -> None:
+    """Ids as large as they come (time-based, nine bytes in msgpack) and counts as well: every record still
+    fits the segment, so a large batch never fails to be written."""
+    segment = 32 * 1024
+    journal = Journal(tmp_path, segment_bytes=segment)
+    journal.recover()
+    journal.start()
+    store = JournalStore(journal, call_in_loop=lambda fn: fn())
+    ids = [(1 << 62) + n for n in range(IDS_PER_RECORD)]
+    store.update_delivery_counts("q" * 200, ids, [1 << 40] * len(ids))
+    store.acknowledge("q" * 200, ids)
+    journal.close()
+    records, _ = recover(tmp_path, segment_bytes=segment)
+    assert sum(len(r.payload[1]) for r in records) == 2 * IDS_PER_RECORD
+    assert len(records) > 2
+    assert ids_per_record(segment) < IDS_PER_RECORD
 
 
 def test_a_transaction_counts_only_once_its_commit_is_synced(tmp_path: Path) -> None:

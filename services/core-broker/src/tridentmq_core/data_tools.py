@@ -35,11 +35,11 @@ def describe(record: Record) -> str:
         case RecordType.ACK:
             return f"ack queue={p[0]} id={p[1]}"
         case RecordType.ACKS:
-            return f"ack queue={p[0]} ids={_ids(p[1])}"
+            return f"ack queue={p[0]} ids={','.join(map(str, p[1]))}"
         case RecordType.DELIVERY_COUNT:
             return f"delivery-count queue={p[0]} id={p[1]} count={p[2]}"
         case RecordType.DELIVERY_COUNTS:
-            return f"delivery-count queue={p[0]} ids={_ids(p[1])} counts={_ids(p[2])}"
+            return f"delivery-count queue={p[0]} ids={','.join(map(str, p[1]))} counts={','.join(map(str, p[2]))}"
         case RecordType.ADD_QUEUE:
             return f"add-queue {p[0].get('name')} address={p[0].get('address')} routing={p[0].get('routing_type')}"
         case RecordType.DELETE_QUEUE:
@@ -58,12 +58,6 @@ def describe(record: Record) -> str:
             return f"dedup-ids count={len(p)}"
         case RecordType.COMPACTED:
             return "compacted: the live state above was copied forward; older segments are retired"
-
-
-def _ids(values: list[int], shown: int = 8) -> str:
-    """A batch record's list, cut short: a consumer's batch may hold hundreds."""
-    text = ",".join(map(str, values[:shown]))
-    return f"{text},... ({len(values)})" if len(values) > shown else text
 
 
 def verify(directory: Path) -> int:

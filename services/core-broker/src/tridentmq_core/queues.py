@@ -421,12 +421,17 @@ class Queue:
                     self._dispatch_scan(ready, now_ms)
                 else:
                     self._dispatch_fast(ready, now_ms)
-                if self._attempts:  # one record for all of them, and they go out once it is on disk
-                    attempts, self._attempts = self._attempts, []
-                    self._sink.deliver_durable(self, attempts)
+                self._record_attempts()
         for consumer in self.consumers:
             if consumer.browse and consumer.credit > 0 and consumer.browse_iter is not None:
                 self._browse(consumer, now_ms)
+
+    def _record_attempts(self) -> None:
+        """Hand the durable deliveries collected so far to the sink: one record for all of them, and they go
+        out once it is on disk."""
+        if self._attempts:
+            attempts, self._attempts = self._attempts, []
+            self._sink.deliver_durable(self, attempts)
 
     def _exclusive_owner(self) -> Consumer | None:
         return next((c for c in self.consumers if not c.browse), None)
@@ -518,6 +523,8 @@ class Queue:
         if self.durable and message[M_DURABLE] and not consumer.auto_ack and not consumer.forwarder:
             self._attempts.append((consumer, count, message))  # sent once the attempt is on disk
         else:
+            if self._attempts:  # they come first: with nothing to wait for (no journal), they go out first
+                self._record_attempts()
             session.conn.deliver(consumer.id, count, message)
             if session not in self._dirty:
                 self._dirty.add(session)

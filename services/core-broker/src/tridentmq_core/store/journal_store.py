@@ -28,9 +28,15 @@ if TYPE_CHECKING:
     from tridentmq_core.broker import DurableSnapshot
 
 COMPACTION_CHUNK = 20_000
-#: Message ids per ACKS or DELIVERY_COUNTS record (about 40 KiB): a client's batch can be far larger, and
-#: every record must fit a segment.
+#: Message ids per ACKS or DELIVERY_COUNTS record (about 40 KiB), at most: a client's batch can be far larger,
+#: and every record must fit a segment (a small segment takes fewer, see ``ids_per_record``).
 IDS_PER_RECORD = 4096
+_BYTES_PER_ID = 20  # an id and a count, msgpack-encoded, at most
+
+
+def ids_per_record(segment_bytes: int) -> int:
+    """Ids per batch record for a journal of ``segment_bytes`` segments: records of half a segment at most."""
+    return max(1, min(IDS_PER_RECORD, segment_bytes // 2 // _BYTES_PER_ID))
 
 
 class JournalStore:
@@ -48,6 +54,7 @@ class JournalStore:
         self.compact_live_ratio = compact_live_ratio
         self.compactions = 0
         self._call_in_loop = call_in_loop
+        self._ids_per_record = ids_per_record(journal.segment_bytes)
         self._waiting: deque[int] = deque()
         self._written = 0  # records appended since the last compaction began
         self._copying: Iterator[tuple[RecordType, Any]] | None = None
@@ -107,8 +114,9 @@ class JournalStore:
             for message_id in message_ids:
                 self._append(RecordType.TX_ACK, [self._tx_id, queue, message_id])
         else:
-            for start in range(0, len(message_ids), IDS_PER_RECORD):
-                self._append(RecordType.ACKS, [queue, message_ids[start : start + IDS_PER_RECORD]])
+            step = self._ids_per_record
+            for start in range(0, len(message_ids), step):
+                self._append(RecordType.ACKS, [queue, message_ids[start : start + step]])
 
     def begin_transaction(self) -> None:
         self._tx_id = random.getrandbits(63) or 1
@@ -128,8 +136,9 @@ class JournalStore:
         if self._copying is not None:
             self._counts.update(zip(((queue, message_id) for message_id in message_ids), counts, strict=True))
         token = 0
-        for start in range(0, len(message_ids), IDS_PER_RECORD):
-            end = start + IDS_PER_RECORD
+        step = self._ids_per_record
+        for start in range(0, len(message_ids), step):
+            end = start + step
             token = self._append(RecordType.DELIVERY_COUNTS, [queue, message_ids[start:end], counts[start:end]])
         self._waiting.append(token)
         return token
