@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,6 +24,7 @@ from tests.unit.broker_harness import (
 )
 
 from tridentmq_core.address_settings import AddressSettingsRepository
+from tridentmq_core.audit import FileAuditSink
 from tridentmq_core.broker import ORIGINAL_ADDRESS, ORIGINAL_QUEUE, ORIGINAL_REASON, Broker
 from tridentmq_core.cluster.forward import DEDUP_PREFIX, FORWARD_PROPERTY, ForwardHeader
 from tridentmq_core.dedup import DuplicateIdCache, TransferIds
@@ -1624,6 +1627,31 @@ def audited(settings: CoreSettings | None = None) -> tuple[Harness, RecordingAud
     h.broker = Broker("node-1", h.settings, store=MemoryStore(), audit=sink, first_message_id=1,
                       audit_messages="all")  # fmt: skip
     return h, sink
+
+
+def test_message_events_reach_the_file_sink_whole(tmp_path: Path) -> None:
+    """The broker's message events through the real sink: every field, the queue only where there is one."""
+    h = Harness()
+    sink = FileAuditSink(tmp_path, "node-1")
+    h.broker = Broker("node-1", h.settings, store=MemoryStore(), audit=sink, first_message_id=1)
+    c = h.connect()
+    ok(c.create_queue("orders", durable=True))
+    c.publish("orders", b"hello", durable=True)
+    cid = c.consumer("orders")
+    got = c.take(cid)
+    c.nack(cid, ids(got))
+    c.ack(cid, ids(c.take(cid)))
+    h.sync()
+    sink.close()
+    lines = [json.loads(line) for path in sorted((tmp_path / "node-1").glob("*.jsonl"))
+             for line in path.read_text().splitlines()]  # fmt: skip
+    events = {line["event"]: line for line in lines}
+    message = {"address": "orders", "size": 5, "protocol": "link", "message_id": "node-1-1"}
+    assert events["msg.sent"].items() >= message.items()
+    assert "queue" not in events["msg.sent"]
+    assert events["msg.nacked"].items() >= {**message, "queue": "orders", "delivery_count": 1}.items()
+    assert events["msg.acked"].items() >= {**message, "queue": "orders"}.items()
+    assert events["msg.acked"]["sent_ts_us"] == events["msg.sent"]["sent_ts_us"] > 0
 
 
 def test_audit_auto_ack_deliveries_record_acked_with_queue_and_time() -> None:
