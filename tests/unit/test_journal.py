@@ -45,7 +45,7 @@ from tridentmq_core.store.records import (
     scan,
 )
 from tridentmq_core.store.recovery import replay
-from tridentmq_shared.message import M_DEDUP, M_ID, M_TIMESTAMP, new_message
+from tridentmq_shared.message import M_DEDUP, M_ID, M_TIMESTAMP, WireMessage, new_message
 
 Entry = tuple[RecordType, Any]
 WAIT = 5.0  # seconds any wait for the writer thread may take before the test fails
@@ -711,16 +711,17 @@ def test_replay_addresses_and_queues() -> None:
     assert state.messages == {}
 
 
+def queues_a_and_b_with(*placed: tuple[WireMessage, list[str]]) -> list[Record]:
+    """Records of queues "a" and "b" and of messages placed in them."""
+    return [rec(RecordType.ADD_QUEUE, queue_spec("a")), rec(RecordType.ADD_QUEUE, queue_spec("b")),
+            *(rec(RecordType.MESSAGE, message, queues) for message, queues in placed)]  # fmt: skip
+
+
 def test_replay_messages_acks_and_delivery_counts() -> None:
     m1, m2, m3, m4 = (wire_message(n) for n in (1, 2, 3, 4))
     state = replay(
         [
-            rec(RecordType.ADD_QUEUE, queue_spec("a")),
-            rec(RecordType.ADD_QUEUE, queue_spec("b")),
-            rec(RecordType.MESSAGE, m1, ["a", "b"]),
-            rec(RecordType.MESSAGE, m2, ["a"]),
-            rec(RecordType.MESSAGE, m3, ["b"]),
-            rec(RecordType.MESSAGE, m4, ["a"]),
+            *queues_a_and_b_with((m1, ["a", "b"]), (m2, ["a"]), (m3, ["b"]), (m4, ["a"])),
             rec(RecordType.ACK, "a", 1),  # m1 still referenced by b
             rec(RecordType.ACK, "b", 3),  # m3's only reference: dropped
             rec(RecordType.DELIVERY_COUNT, "a", 2, 1),
@@ -742,12 +743,7 @@ def test_replay_batched_acks_and_delivery_counts_as_the_single_records() -> None
     m1, m2, m3, m4 = (wire_message(n) for n in (1, 2, 3, 4))
     state = replay(
         [
-            rec(RecordType.ADD_QUEUE, queue_spec("a")),
-            rec(RecordType.ADD_QUEUE, queue_spec("b")),
-            rec(RecordType.MESSAGE, m1, ["a", "b"]),
-            rec(RecordType.MESSAGE, m2, ["a"]),
-            rec(RecordType.MESSAGE, m3, ["a"]),
-            rec(RecordType.MESSAGE, m4, ["a"]),
+            *queues_a_and_b_with((m1, ["a", "b"]), (m2, ["a"]), (m3, ["a"]), (m4, ["a"])),
             rec(RecordType.DELIVERY_COUNTS, "a", [1, 2, 3, 99], [1, 1, 2, 7]),  # 99: unknown, ignored
             rec(RecordType.DELIVERY_COUNTS, "b", [2], [5]),  # m2 is not on b: ignored
             rec(RecordType.ACKS, "a", [1, 3, 99]),  # m1 stays on b
