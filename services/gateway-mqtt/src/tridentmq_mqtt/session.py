@@ -660,11 +660,14 @@ class MqttSession:
                     return
                 now_ms = int(time.time() * 1000)
                 done = []
+                # Per batch, not per message: whether any message could be unwanted, and the QoS cap.
+                filtering = sub.dollar_safe or sub.options.no_local
+                sub_qos = sub.options.qos
                 for count, message in batch:
-                    if not self._wanted(sub, message, now_ms):
+                    if (filtering or message[M_EXPIRATION]) and not self._wanted(sub, message, now_ms):
                         done.append(message[M_ID])
                         continue
-                    qos = min(messages.published_qos(message), sub.options.qos)
+                    qos = min(messages.published_qos(message), sub_qos) if sub_qos else 0
                     if qos == 0:
                         if self._write_or_refuse(sub, message, 0, now_ms) is not None:
                             done.append(message[M_ID])

@@ -297,7 +297,9 @@ def encode_plain_publish(encoded_topic: bytes, payload: bytes, version: int, qos
     if version == V5:
         head += b"\x00"
     first = 0x30 | (0x08 if dup else 0) | qos << 1 | (0x01 if retain else 0)
-    return bytes((first,)) + encode_vbi(len(head) + len(payload)) + head + payload
+    size = len(head) + len(payload)
+    fixed = bytes((first, size)) if size < 128 else bytes((first,)) + encode_vbi(size)  # a one-byte size: most
+    return b"".join((fixed, head, payload))
 
 
 def _encode_publish(packet: Publish, version: int) -> bytes:
