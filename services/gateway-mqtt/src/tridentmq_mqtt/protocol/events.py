@@ -24,7 +24,7 @@ class Connect:
     properties: Properties = NO_PROPERTIES
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per message, and a frozen __init__ costs four times as much
 class Publish:
     """An application message from the client. ``topic`` is resolved from a 5.0 topic alias, and
     ``properties`` no longer carry the alias.
@@ -43,7 +43,7 @@ class Publish:
     duplicate: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per message, and a frozen __init__ costs four times as much
 class PubrelReceived:
     """The client released its QoS 2 message ``packet_id``: answer with ``pubcomp``. ``known`` is False when
     no PUBREC was sent for that id on this connection (a PUBREL resent after a reconnect, say)."""
@@ -54,7 +54,7 @@ class PubrelReceived:
     known: bool = True
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per message, and a frozen __init__ costs four times as much
 class PubackReceived:
     """The client acknowledged our QoS 1 PUBLISH; its packet id is free again."""
 
@@ -63,7 +63,7 @@ class PubackReceived:
     properties: Properties = NO_PROPERTIES
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per message, and a frozen __init__ costs four times as much
 class PubrecReceived:
     """The client received our QoS 2 PUBLISH: answer with ``pubrel`` once that is recorded. When
     ``reason_code`` is an error (0x80 or more, 5.0) the flow ends instead and the packet id is free again."""
@@ -73,7 +73,7 @@ class PubrecReceived:
     properties: Properties = NO_PROPERTIES
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per message, and a frozen __init__ costs four times as much
 class PubcompReceived:
     """Our QoS 2 flow is complete; its packet id is free again."""
 

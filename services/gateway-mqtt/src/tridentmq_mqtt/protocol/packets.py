@@ -86,7 +86,7 @@ class Connack:
     properties: Properties = NO_PROPERTIES
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per message, and a frozen __init__ costs four times as much
 class Publish:
     topic: str
     payload: bytes = b""
@@ -97,29 +97,29 @@ class Publish:
     properties: Properties = NO_PROPERTIES
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per message, and a frozen __init__ costs four times as much
 class _Ack:
     packet_id: int
     reason_code: int = 0  # always 0 before 5.0
     properties: Properties = NO_PROPERTIES
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per message, and a frozen __init__ costs four times as much
 class Puback(_Ack):
     pass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per message, and a frozen __init__ costs four times as much
 class Pubrec(_Ack):
     pass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per message, and a frozen __init__ costs four times as much
 class Pubrel(_Ack):
     pass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per message, and a frozen __init__ costs four times as much
 class Pubcomp(_Ack):
     pass
 
