@@ -48,8 +48,11 @@ class MqttLimitsSection:
                                 "others are disconnected when they exceed it.")  # fmt: skip
     receive_maximum: int = doc(1000, "QoS 1 and 2 messages a client may have unacknowledged towards the gateway "
                                      "(5.0 clients learn it from the CONNACK).")  # fmt: skip
-    max_inflight: int = doc(1000, "QoS 1 and 2 messages sent to a subscription ahead of the client's "
-                                  "acknowledgements (lowered to the client's receive maximum).")  # fmt: skip
+    max_inflight: int = doc(4000, "QoS 1 and 2 messages sent to a subscription ahead of the client's "
+                                  "acknowledgements (lowered to the client's receive maximum). Also the "
+                                  "subscription's window on the core: it must cover the messages on their way "
+                                  "between core, gateway and client, or a subscriber that keeps up is held "
+                                  "back by the round trip.")  # fmt: skip
     qos0_window: int = doc(1000, "QoS 0 messages of a subscription fetched from the core ahead of being "
                                  "written to the client.")  # fmt: skip
     topic_alias_maximum: int = doc(64, "Topic aliases a 5.0 client may set up towards the gateway (0 = none).")

@@ -49,6 +49,10 @@ _OPEN = State.OPEN  # a module constant: enum member access is slow on the publi
 EARLY_WRITE_OPERATIONS = 256
 #: ... or this many bytes of message bodies (large messages).
 EARLY_WRITE_BYTES = 1024 * 1024
+#: A consumer's credit goes back to the server in this many parts of its window: a top-up at every quarter
+#: keeps at least three quarters of the window on the way (at every half, a gateway relaying to a client that
+#: acknowledges each message drained measurably slower: docs/benchmarks.md, MQTT gateway).
+CREDIT_TOP_UP_PARTS = 4
 #: How long ``close`` waits for the server to close its side after ours.
 CLOSE_TIMEOUT = 5.0
 #: Queue definitions remembered to re-create a consumer's queue on another node after a failover.
@@ -167,7 +171,7 @@ class Consumer:
 
     def _credit(self, count: int) -> None:
         self._taken += count
-        if self._taken * 2 >= self.window:
+        if self._taken * CREDIT_TOP_UP_PARTS >= self.window:
             self.client._flow(self, self._taken)
             self._taken = 0
 
