@@ -178,6 +178,18 @@ class Raw:
         self.sock.close()
 
 
+def silent(client: Raw, wait: float = 0.5) -> list[Packet]:
+    """Whatever the server sends within ``wait`` seconds (a test expecting nothing asserts it is empty)."""
+    got: list[Packet] = []
+    deadline = time.monotonic() + wait
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            got.append(client.next(left))
+        except AssertionError:
+            break
+    return got
+
+
 @pytest.fixture
 def raw() -> Iterator[Callable[..., Raw]]:
     """Raw clients, closed at the end of the test."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from tests.conftest import CoreProcess, GatewayProcess, start_core, start_gateway, stop_cleanly
-from tests.integration.mqtt_clients import Paho, Raw
+from tests.integration.mqtt_clients import Paho, Raw, silent
 
 from tridentmq_mqtt.protocol.packets import (
     V5,
@@ -91,18 +91,6 @@ def _connected(client: Raw, client_id: str, *, session_present: bool | None = No
     return connack
 
 
-def _silent(client: Raw, wait: float = 0.5) -> list[Packet]:
-    """Whatever the server sends within ``wait`` seconds (a test expecting nothing asserts it is empty)."""
-    got: list[Packet] = []
-    deadline = time.monotonic() + wait
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            got.append(client.next(left))
-        except AssertionError:
-            break
-    return got
-
-
 def _publish_bytes(topic: bytes, payload: bytes, version: int, first: int = 0x30, props: bytes = b"\x00") -> bytes:
     """A PUBLISH written by hand (QoS 0), for what our encoder refuses to write."""
     body = len(topic).to_bytes(2, "big") + topic + (props if version == V5 else b"") + payload
@@ -135,7 +123,7 @@ def test_qos2_inbound_exactly_once_across_a_gateway_kill(replicas: tuple[Gateway
     assert again.next() == Pubcomp(1, 0)
     assert [m.payload for m in sub.receive(1)] == [b"once"]
     assert sub.nothing_more(1.0), "the message was delivered twice"
-    assert _silent(again, 0.2) == []
+    assert silent(again, 0.2) == []
 
 
 # ---------------------------------------------------------------------------------------------------- QoS 2 out
@@ -171,7 +159,7 @@ def test_qos2_outbound_exactly_once_across_a_gateway_kill(replicas: tuple[Gatewa
         again.send(Pubrec(packet_id))
     assert again.next() == Pubrel(packet_id)  # after a PUBREC only the PUBREL, never the PUBLISH again
     again.send(Pubcomp(packet_id))
-    assert _silent(again, 1.0) == [], "a further copy arrived"
+    assert silent(again, 1.0) == [], "a further copy arrived"
 
 
 # ---------------------------------------------------------------------------------------------------- QoS 1
@@ -203,7 +191,7 @@ def test_qos1_nothing_lost_across_a_gateway_kill(replicas: tuple[GatewayProcess,
     assert sorted((p.payload, p.packet_id) for p in resent) == [  # type: ignore[union-attr]
         (f"m{i}".encode(), ids[i]) for i in (1, 3, 4, 5)]  # fmt: skip
     again.send(*(Puback(p.packet_id or 0) for p in resent))  # type: ignore[union-attr]
-    assert _silent(again, 0.5) == []
+    assert silent(again, 0.5) == []
 
 
 # ---------------------------------------------------------------------------------------------------- sessions
@@ -224,7 +212,7 @@ def test_session_expires_after_its_interval(mqtt_gateway: GatewayProcess, raw: C
     pub.publish(topic, b"after the expiry", 1)
     again = raw(mqtt_gateway.port)
     _connected(again, client_id, session_present=False, clean_start=False, properties=PERSISTENT)
-    assert _silent(again, 0.7) == []
+    assert silent(again, 0.7) == []
 
 
 def test_disconnect_with_session_expiry_0_ends_the_session(mqtt_gateway: GatewayProcess,
@@ -258,7 +246,7 @@ def test_clean_start_discards_the_session(mqtt_gateway: GatewayProcess, raw: Cal
     _connected(again, client_id, session_present=False, clean_start=True, properties=PERSISTENT)
     again.send(Subscribe(1, (Subscription(topic, 1),)))  # the same filter again: a new, empty queue
     assert again.next() == Suback(1, (1,))
-    assert _silent(again, 0.7) == []
+    assert silent(again, 0.7) == []
 
 
 # ---------------------------------------------------------------------------------------------------- MQTT 5
@@ -307,7 +295,7 @@ def test_topic_aliases_subscription_ids_no_local_retain_as_published(mqtt_gatewa
     assert delivered[b"r2"].retain is False
     for packet in delivered.values():
         client.send(Puback(packet.packet_id or 0))
-    assert _silent(client, 0.3) == []
+    assert silent(client, 0.3) == []
     client.send(Publish(f"{base}/x", b"", 0, retain=True))  # no retained messages left behind
     client.send(Publish(f"{base}/rap", b"", 1, retain=True, packet_id=6),
                 Publish(f"{base}/plain", b"", 1, retain=True, packet_id=7))  # fmt: skip
@@ -323,7 +311,7 @@ def test_retain_handling(mqtt_gateway: GatewayProcess, raw: Callable[..., Raw]) 
     def subscribe(packet_id: int, handling: int) -> list[Packet]:
         client.send(Subscribe(packet_id, (Subscription(topic, 0, retain_handling=handling),)))
         assert client.next() == Suback(packet_id, (0,))
-        return _silent(client, 0.5)
+        return silent(client, 0.5)
 
     assert subscribe(2, 2) == []  # 2: never
     client.send(Unsubscribe(3, (topic,)))
@@ -332,7 +320,7 @@ def test_retain_handling(mqtt_gateway: GatewayProcess, raw: Callable[..., Raw]) 
     assert subscribe(5, 1) == []  # 1: only for a new subscription
     assert [(p.payload, p.retain) for p in subscribe(6, 0)] == [(b"kept", True)]  # type: ignore[union-attr]
     client.send(Publish(topic, b"", 1, retain=True, packet_id=7))
-    assert Puback(7) in _silent(client, 0.5)
+    assert Puback(7) in silent(client, 0.5)
 
 
 def test_message_expiry_while_the_subscriber_is_offline(mqtt_gateway: GatewayProcess,
@@ -355,7 +343,7 @@ def test_message_expiry_while_the_subscriber_is_offline(mqtt_gateway: GatewayPro
     time.sleep(2.0)
     again = raw(mqtt_gateway.port)
     _connected(again, client_id, session_present=True, clean_start=False, properties=PERSISTENT)
-    got = _silent(again, 1.0)
+    got = silent(again, 1.0)
     assert [p.payload for p in got] == [b"long-lived"], got  # type: ignore[union-attr]
     remaining = got[0].properties.message_expiry_interval  # type: ignore[union-attr]
     assert remaining is not None
@@ -642,4 +630,4 @@ def test_slow_subscriber_bounded_memory(mqtt_gateway: GatewayProcess, raw: Calla
         received += 1
         sub.send(Puback(packet.packet_id or 0))
     assert acked == count
-    assert _silent(sub, 0.3) == []
+    assert silent(sub, 0.3) == []

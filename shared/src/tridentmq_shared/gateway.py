@@ -43,6 +43,8 @@ class Wire(Protocol):
     def pause_reading(self) -> None: ...
     def resume_reading(self) -> None: ...
     async def drained(self) -> None: ...
+    def buffered(self) -> int:
+        """Bytes written and not yet taken by the operating system."""
 
 
 class ClientSession(Protocol):
@@ -145,6 +147,9 @@ class _TcpWire(asyncio.Protocol):
     async def drained(self) -> None:
         await self._writable.wait()
 
+    def buffered(self) -> int:
+        return self.transport.get_write_buffer_size() if self.transport is not None else 0
+
 
 class _WebSocketWire:
     """Frames out in order through one writer task."""
@@ -208,6 +213,9 @@ class _WebSocketWire:
 
     async def drained(self) -> None:
         await self._drained.wait()
+
+    def buffered(self) -> int:
+        return self._pending
 
     async def reading(self) -> None:
         await self._reading.wait()

@@ -31,7 +31,8 @@ The core's ``#`` and ``*`` do match ``$SYS``, so the gateway asks :func:`deliver
 
 **Subscription queues.** :func:`subscription_queue` and :func:`shared_queue` name the core queue of a
 subscription: ``mqtt.sub.<client id>.<filter>.<hash>`` and ``mqtt.shared.<group>.<filter>.<hash>``
-(:func:`session_queue` and :func:`lock_queue` name a client's session queues the same way). The
+(:func:`fanout_queue` names a gateway's QoS 0 fan-out queues, :func:`session_queue` and :func:`lock_queue` a
+client's session queues, the same way). The
 middle words are only there to be read by people: shortened, with every character that is not safe in a
 core word replaced by ``_``. The last word, 32 hex digits of the SHA-256 of the length-prefixed inputs,
 makes the name unique per (client id, filter) or (group, filter). Names are at most 206 characters, hold no
@@ -59,9 +60,10 @@ MAX_ADDRESS_WORDS: Final = 32
 ESCAPE: Final = "%"
 #: The word that stands for an empty level.
 EMPTY_LEVEL: Final = ESCAPE
-#: MQTT 5 reason code for a SUBACK refusing a filter (section 2.4).
+#: The queues of subscriptions: a client's own, a shared subscription's, a gateway's QoS 0 fan-out.
 SUBSCRIPTION_PREFIX: Final = "mqtt.sub."
 SHARED_PREFIX: Final = "mqtt.shared."
+FANOUT_PREFIX: Final = "mqtt.fanout."
 #: The gateways' own queues; ``$`` keeps them out of reach of wildcards (the core's rule for ``$`` addresses).
 SESSION_PREFIX: Final = "$mqtt.session."
 LOCK_PREFIX: Final = "$mqtt.lock."
@@ -231,6 +233,12 @@ def subscription_queue(client_id: str, topic_filter: str) -> str:
 def shared_queue(group: str, topic_filter: str) -> str:
     """The core queue that the members of shared subscription ``$share/<group>/<topic_filter>`` consume from."""
     return _queue_name(SHARED_PREFIX, group, topic_filter)
+
+
+def fanout_queue(owner: str, topic_filter: str) -> str:
+    """The temporary core queue of a gateway's QoS 0 fan-out of ``topic_filter`` (``owner`` tells the gateway
+    process, user and feed apart)."""
+    return _queue_name(FANOUT_PREFIX, owner, topic_filter)
 
 
 def session_queue(client_id: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from tridentmq_mqtt.feeds import Feeds
 from tridentmq_mqtt.session import Counters, MqttSession
 from tridentmq_mqtt.settings import MqttSettings
 from tridentmq_mqtt.state import Registry
@@ -28,6 +29,9 @@ class MqttGateway:
         self.registry = Registry(core.host, core.port, core.user, core.password, settings.node.name,
                                  core.heartbeat_ms)  # fmt: skip
         self.registry.on_lost.append(self._service_link_lost)
+        limits = settings.mqtt
+        self.feeds = Feeds(core, settings.node.name, limits.qos0_window, self._delivered) if limits.qos0_fan_out \
+            else None  # fmt: skip
         listener, http = settings.listener, settings.http
         config = ShellConfig(
             protocol="mqtt", host=listener.host, port=listener.port, websocket_port=listener.websocket_port,
@@ -43,7 +47,10 @@ class MqttGateway:
         return self.shell.ports
 
     def _open_session(self, wire: Wire) -> ClientSession:
-        return MqttSession(self.settings, self.registry, wire, self.counters)
+        return MqttSession(self.settings, self.registry, wire, self.counters, self.feeds)
+
+    def _delivered(self, count: int) -> None:
+        self.counters.messages_delivered += count
 
     async def start(self) -> None:
         self.core_links.start()
@@ -57,6 +64,8 @@ class MqttGateway:
 
     async def stop(self) -> None:
         await self.shell.stop(_shut_down)
+        if self.feeds is not None:
+            await self.feeds.stop()
         await self.registry.close()
         await self.core_links.stop()
 
@@ -79,6 +88,10 @@ class MqttGateway:
             Metric("mqtt_messages_delivered_total", "counter", "Messages sent to subscribers.", c.messages_delivered),
             Metric("mqtt_protocol_errors_total", "counter", "Connections closed for a protocol error.",
                    c.protocol_errors),
+            Metric("mqtt_qos0_dropped_total", "counter", "QoS 0 messages of a fan-out skipped for a connection "
+                   "that fell behind (mqtt.qos0_max_buffered_bytes).", c.qos0_dropped),
+            Metric("mqtt_fanout_feeds", "gauge", "Topic filters fanned out to QoS 0 subscribers by this gateway.",
+                   len(self.feeds) if self.feeds is not None else 0),
         ]  # fmt: skip
 
 

@@ -6,10 +6,13 @@ connection. PUBACKs and PUBRECs go out in the order of their PUBLISH packets, ea
 the message (for QoS 1 and 2: once it is on disk).
 
 Each subscription is a core queue with a consumer on the client's link; a pump per subscription writes its
-messages. A message the client has to acknowledge (QoS 1 and 2) stays unacknowledged in the core until it
-does, so whatever is lost with a connection or a gateway comes back to the next connection of the session.
-Its packet id is derived from the core's message id, so that after a reconnect it is sent again under the
-id the client may have recorded, with DUP set. Once the client has received a QoS 2 message (PUBREC), the
+messages. A QoS 0 subscription of a session that ends with its connection is instead a member of the
+gateway's feed of its filter (see ``feeds``), which writes it the messages that it encodes once for all.
+
+A message the client has to acknowledge (QoS 1 and 2) stays unacknowledged in the core until it does, so
+whatever is lost with a connection or a gateway comes back to the next connection of the session. Its
+packet id is derived from the core's message id, so that after a reconnect it is sent again under the id
+the client may have recorded, with DUP set. Once the client has received a QoS 2 message (PUBREC), the
 session record says so before the PUBREL goes out: it is never sent again.
 
 A persistent session (session expiry above 0) keeps its record and its subscription queues in the core
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 
 from tridentmq_mqtt import convert, messages
 from tridentmq_mqtt.convert import ConversionError
+from tridentmq_mqtt.feeds import Encodings, Feeds
 from tridentmq_mqtt.protocol import events as ev
 from tridentmq_mqtt.protocol import reason_codes as rc
 from tridentmq_mqtt.protocol.connection import MqttServerConnection
@@ -72,21 +76,32 @@ class Counters:
         self.refused = 0  # CONNACKs refusing a connection
         self.protocol_errors = 0
         self.takeovers = 0
+        self.qos0_dropped = 0  # fan-out messages skipped for connections that fell behind
 
 
 @dataclass(eq=False)
 class Sub:
-    """A subscription of this connection."""
+    """A subscription of this connection: a queue of its own with a consumer, or a member of a feed."""
 
     text: str  # the SUBSCRIBE's filter text (with ``$share/<group>/``)
     topic_filter: str
     queue: str
     shared: bool
     options: StoredSubscription
-    consumer: Consumer
+    consumer: Consumer | None  # None for a member of a feed
     dollar_safe: bool  # the filter starts with a wildcard: it must not deliver ``$`` topics
     pump: asyncio.Task[None] | None = None
     closed: bool = False
+    session: MqttSession | None = None  # set for a member of a feed: the connection its messages go to
+
+    # feeds.Subscriber
+    def fan_out(self, batch: Encodings) -> int:
+        assert self.session is not None
+        return self.session.fan_out(self, batch)
+
+    def feed_lost(self) -> None:
+        assert self.session is not None
+        self.session.feed_lost(self)
 
 
 @dataclass(eq=False, slots=True)
@@ -115,10 +130,12 @@ class _Confirm:
 
 
 class MqttSession:
-    def __init__(self, settings: MqttSettings, registry: Registry, wire: Wire, counters: Counters) -> None:
+    def __init__(self, settings: MqttSettings, registry: Registry, wire: Wire, counters: Counters,
+                 feeds: Feeds | None = None) -> None:  # fmt: skip
         limits = settings.mqtt
         self.settings = settings
         self.registry = registry
+        self.feeds = feeds
         self.wire = wire
         self.counters = counters
         self.id = uuid.uuid4().hex[:16]
@@ -148,6 +165,7 @@ class MqttSession:
         self._topics: dict[str, tuple[str, bytes]] = {}  # address → topic, and as a PUBLISH encodes it
         self._closed = False
         self._connected = False
+        self._dropping = False  # fan-out messages are being skipped: the client does not keep up
         self._disconnecting = False
         self._watcher: asyncio.Task[None] | None = None
         loop = asyncio.get_running_loop()
@@ -575,10 +593,17 @@ class MqttSession:
             raise ConversionError("no-local on a shared subscription", rc.PROTOCOL_ERROR)
         options = StoredSubscription(request.qos, request.no_local, request.retain_as_published, subscription_id)
         existing = self.subs.get(request.topic_filter)
-        if existing is not None:  # the same filter again: new options, same queue (nothing queued is lost)
+        if existing is not None and (existing.consumer is not None or options.qos == 0):
+            # The same filter again: new options, same queue (nothing queued is lost).
             existing.options = options
             self.state.subscriptions[request.topic_filter] = options
             return existing, False
+        if existing is not None:  # a feed's member asking for QoS 1 or 2 now: it needs a queue of its own
+            del self.subs[request.topic_filter]
+            await self._close_sub(existing)
+            sub = await self._open_sub(request.topic_filter, options)
+            self.state.subscriptions[request.topic_filter] = options
+            return sub, False
         sub = await self._open_sub(request.topic_filter, options)
         self.state.subscriptions[request.topic_filter] = options
         return sub, True
@@ -591,6 +616,8 @@ class MqttSession:
         group, topic_filter = convert.parse_subscription(text, shared=self.version == V5)
         pattern = convert.filter_to_pattern(topic_filter)
         expiry_ms = self.expiry_s * 1000
+        if self.feeds is not None and options.qos == 0 and group is None and not (self.persistent or resumed):
+            return await self._join_feed(self.feeds, text, topic_filter, options)
         if group is not None:
             queue = convert.shared_queue(group, topic_filter)
             await link.create_queue(queue, pattern, routing_type=RoutingType.MULTICAST, durable=True,
@@ -615,6 +642,58 @@ class MqttSession:
         self.subs[text] = sub
         return sub
 
+    async def _join_feed(self, feeds: Feeds, text: str, topic_filter: str, options: StoredSubscription) -> Sub:
+        """A QoS 0 subscription served by the gateway's feed of its filter for this client's user."""
+        link = self.link
+        assert link is not None
+        sub = Sub(text, topic_filter, "", shared=False, options=options, consumer=None,
+                  dollar_safe=topic_filter[:1] in ("+", "#"), session=self)  # fmt: skip
+        self.subs[text] = sub  # first: should this connection end while it joins, the shutdown makes it leave
+        try:
+            sub.queue = (await feeds.join(sub, link.user, link.password, topic_filter)).queue
+        except BaseException:
+            if self.subs.get(text) is sub:
+                del self.subs[text]
+            raise
+        return sub
+
+    def fan_out(self, sub: Sub, batch: Encodings) -> int:
+        """Write a feed's batch to the client as ``sub`` wants it (see ``feeds.Subscriber``)."""
+        conn = self.conn
+        if sub.closed or self._closed or conn.closed:
+            return 0
+        limits = self.settings.mqtt
+        if self.wire.buffered() > limits.qos0_max_buffered_bytes:
+            if not self._dropping:
+                self._dropping = True
+                log.info("mqtt client falling behind: QoS 0 messages skipped",
+                         extra={"peer": self.wire.peer, "client_id": self.client_id[:60]})  # fmt: skip
+            self.counters.qos0_dropped += len(batch.messages)
+            return 0
+        self._dropping = False
+        options = sub.options
+        encoded = batch.packets(self.version, options.retain_as_published, options.subscription_id)
+        data, count = encoded.joined, encoded.count
+        limit = conn.client_max_packet_size
+        if options.no_local or encoded.largest > limit:
+            client_id = self.client_id
+            kept = [p for p, m in zip(encoded.parts, batch.messages, strict=True) if p and len(p) <= limit
+                    and not (options.no_local and m[M_PROPS].get(messages.CLIENT) == client_id)]  # fmt: skip
+            conn.discarded += sum(1 for p in encoded.parts if len(p) > limit)  # as if sent ([MQTT-3.1.2-25])
+            data, count = b"".join(kept), len(kept)
+        if data:
+            try:
+                conn.publish_encoded(data)
+            except LocalProtocolError:  # closed meanwhile
+                return 0
+            self._flush()
+        return count
+
+    def feed_lost(self, sub: Sub) -> None:
+        if not self._closed and not sub.closed:
+            log.info("fan-out subscription ended", extra={"peer": self.wire.peer, "filter": sub.topic_filter[:100]})
+            self._end(rc.SERVER_UNAVAILABLE)
+
     async def _unsubscribe(self, packet: ev.Unsubscribe) -> None:
         codes = []
         for text in packet.topic_filters:
@@ -624,7 +703,9 @@ class MqttSession:
                 codes.append(rc.NO_SUBSCRIPTION_EXISTED)
                 continue
             await self._close_sub(sub)
-            if not sub.shared:  # a shared queue belongs to its group; it expires when the last member is gone
+            # A shared queue belongs to its group (it expires when the last member is gone), a feed's queue to
+            # the feed.
+            if not sub.shared and sub.consumer is not None:
                 with contextlib.suppress(LinkRequestError):
                     assert self.link is not None
                     await self.link.delete_queue(sub.queue)
@@ -638,6 +719,10 @@ class MqttSession:
         if sub.pump is not None:
             sub.pump.cancel()
         self._parked = deque(o for o in self._parked if o.sub is not sub)
+        if sub.consumer is None:
+            assert self.feeds is not None
+            await self.feeds.leave(sub)
+            return
         with contextlib.suppress(LinkRequestError):
             await sub.consumer.close()
 
@@ -652,6 +737,7 @@ class MqttSession:
     # ------------------------------------------------------------------ deliveries
     async def _pump(self, sub: Sub) -> None:
         consumer = sub.consumer
+        assert consumer is not None
         try:
             while not self._closed and not sub.closed:
                 await self.wire.drained()
@@ -710,6 +796,7 @@ class MqttSession:
             if self.state.released_out.get(packet_id) == message_id or message_id in self._completed_out:
                 # The client has it (its PUBREC is recorded) and the ack was lost with a connection.
                 assert out.sub is not None
+                assert out.sub.consumer is not None
                 out.sub.consumer.ack_ids([message_id])
                 return True
             if self.conn.in_flight(packet_id):
@@ -741,7 +828,7 @@ class MqttSession:
                 return None
             log.warning("message not deliverable over MQTT", extra={"peer": self.wire.peer,
                         "address": message[M_ADDRESS][:100], "reason": str(exc)[:200]})  # fmt: skip
-            if sub is not None and not retained:
+            if sub is not None and sub.consumer is not None and not retained:
                 sub.consumer.nack_ids([message[M_ID]], NackMode.REJECT)
             return -1
 
@@ -857,7 +944,7 @@ class MqttSession:
             assert self.link is not None
             for sub in self.subs.values():
                 await self._close_sub(sub)  # first: a pump seeing its queue deleted would end the connection
-                if not sub.shared:
+                if not sub.shared and sub.consumer is not None:
                     with contextlib.suppress(LinkRequestError):
                         await self.link.delete_queue(sub.queue)
             await registry.drop_session(self.client_id)
@@ -888,7 +975,7 @@ class MqttSession:
         if self._acks:
             acks, self._acks = self._acks, {}
             for sub, ids in acks.items():
-                if not sub.closed:
+                if not sub.closed and sub.consumer is not None:
                     sub.consumer.ack_ids(ids)
 
     def _flush(self) -> None:
@@ -950,13 +1037,18 @@ class MqttSession:
         for sub in self.subs.values():
             if sub.pump is not None:
                 sub.pump.cancel()
+        if self.feeds is not None:
+            for sub in list(self.subs.values()):
+                if sub.consumer is None:
+                    sub.closed = True
+                    await self.feeds.leave(sub)
         link = self.link
         if link is not None:
             link.on_closed = link.on_settled = None
             if not self.persistent and self._lock is not None and self._lock.closed is None:
                 # The session ends here (unless taken over): so do the durable queues of one it resumed.
                 for sub in self.subs.values():
-                    if not sub.shared:
+                    if not sub.shared and sub.consumer is not None:
                         with contextlib.suppress(LinkRequestError):
                             await link.delete_queue(sub.queue)
             await link.close()  # the core returns unacked messages, drops temporary queues, sends the will

@@ -55,6 +55,16 @@ class MqttLimitsSection:
                                   "back by the round trip.")  # fmt: skip
     qos0_window: int = doc(1000, "QoS 0 messages of a subscription fetched from the core ahead of being "
                                  "written to the client.")  # fmt: skip
+    qos0_fan_out: bool = doc(True, "QoS 0 subscriptions of sessions that end with their connection share one "
+                                   "core subscription per user and topic filter on this gateway: each message "
+                                   "comes from the core once and is encoded once for all of them. A connection "
+                                   "that falls behind by more than `qos0_max_buffered_bytes` loses QoS 0 "
+                                   "messages. Off: each such subscription has its own queue in the core, which "
+                                   "holds what a slow client has not taken yet.")  # fmt: skip
+    qos0_max_buffered_bytes: int = doc(4 * 1024 * 1024, "With `qos0_fan_out`: bytes waiting to be written to a "
+                                       "connection above which fan-out messages skip it (counted in "
+                                       "`mqtt_qos0_dropped_total`) rather than hold up the other "
+                                       "subscribers.")  # fmt: skip
     topic_alias_maximum: int = doc(64, "Topic aliases a 5.0 client may set up towards the gateway (0 = none).")
     max_keep_alive_s: int = doc(0, "Longest keep-alive granted; a 5.0 client asking for more (or for none) is "
                                    "given this as server keep-alive (0 = grant what the client asks).")  # fmt: skip

@@ -435,6 +435,14 @@ class MqttServerConnection:
         self._next_id = packet_id % 0xFFFF + 1
         return packet_id
 
+    def publish_encoded(self, packets: bytes) -> None:
+        """Queue QoS 0 PUBLISH packets encoded beforehand for this connection's protocol version (by
+        ``packets.encode`` or ``encode_plain_publish``), so that one encoding serves many connections. The
+        caller leaves out packets above ``client_max_packet_size``."""
+        if self.state is not State.CONNECTED:
+            raise LocalProtocolError(f"cannot publish while {self.state.value}", PROTOCOL_ERROR)
+        self._out.append(packets)
+
     def in_flight(self, packet_id: int) -> bool:
         """Whether an outgoing QoS 1/2 flow holds ``packet_id``."""
         return packet_id in self._outgoing
