@@ -56,6 +56,8 @@ _PROTOCOL_NAMES: Final = {V31: "MQIsdp", V311: "MQTT", V5: "MQTT"}
 
 #: The largest packet the fixed header can describe.
 MAX_PACKET_SIZE: Final = 1 + 4 + 268_435_455
+#: The first byte of a PUBACK; with a remaining length of 2 it is the same in every version (no reason code).
+_PLAIN_PUBACK: Final = PUBACK << 4
 
 
 # ---------------------------------------------------------------------------------------------------- packets
@@ -491,7 +493,13 @@ class PacketParser:
             if stop > end:
                 self._needed = stop - pos
                 return pos
-            packets.append(self._decode(first, data, index, stop))
+            if first == _PLAIN_PUBACK and length == 2:  # a subscriber's PUBACK: one per message it takes
+                packet_id = data[index] << 8 | data[index + 1]
+                if not packet_id:
+                    raise malformed("packet identifier 0")
+                packets.append(Puback(packet_id))
+            else:
+                packets.append(self._decode(first, data, index, stop))
             pos = stop
         return pos
 
