@@ -126,7 +126,7 @@ class _Confirm:
         self.packet_id = packet_id
         self.qos = qos
         self.topic = topic
-        self.retained: list[asyncio.Future[None]] = []
+        self.retained: asyncio.Future[None] | None = None  # a retained message's update of the store
 
 
 class MqttSession:
@@ -264,15 +264,18 @@ class MqttSession:
             if event.qos == 2 or event.retain or not self._connected:
                 return False
             link = self.link
-            if link is None or not link.can_send:
+            if link is None:
                 return False
             if event.duplicate:
                 return True  # still being handled: its PUBACK will follow
             message = self._message(event)
             if message is None:
                 return True
+            confirmed = link.try_send(message)
+            if confirmed is None:
+                return False  # ``_publish`` waits for the link (and makes the message again)
             self.counters.messages_published += 1
-            self._confirms.append(_Confirm(link.send_now(message), event.packet_id or 0, event.qos, event.topic))
+            self._confirms.append(_Confirm(confirmed, event.packet_id or 0, event.qos, event.topic))
             return True
         if kind is ev.PubackReceived:
             assert isinstance(event, ev.PubackReceived)
@@ -499,7 +502,7 @@ class MqttSession:
         if event.retain:
             retained = self.registry.retain(event.topic, message)
             retained.add_done_callback(self._retained_settled)  # confirmed on the gateway's link, not ours
-            confirm.retained.append(retained)
+            confirm.retained = retained
         self._confirms.append(confirm)
 
     def _retained_settled(self, future: asyncio.Future[None]) -> None:
@@ -513,18 +516,23 @@ class MqttSession:
     def _answer_confirmed(self) -> None:
         """PUBACK or PUBREC, in order, for the messages the core has answered."""
         confirms = self._confirms
-        while confirms and confirms[0].future.done() and all(f.done() for f in confirms[0].retained):
-            confirm = confirms.popleft()
-            error = confirm.future.exception()
-            for retained in confirm.retained:
-                error = error or retained.exception()
-            if self.conn.closed:
+        conn = self.conn
+        while confirms:
+            confirm = confirms[0]
+            future, retained = confirm.future, confirm.retained
+            if not future.done() or (retained is not None and not retained.done()):
+                return
+            confirms.popleft()
+            error = future.exception()
+            if error is None and retained is not None:
+                error = retained.exception()
+            if conn.closed:
                 continue
             if error is None:
                 if confirm.qos == 1:
-                    self.conn.puback(confirm.packet_id)
+                    conn.puback(confirm.packet_id)
                 elif confirm.qos == 2:
-                    self.conn.pubrec(confirm.packet_id)
+                    conn.pubrec(confirm.packet_id)
                 continue
             self._refused(confirm, error)
 
@@ -545,7 +553,7 @@ class MqttSession:
             self.conn.pubrec(confirm.packet_id, code, props)
 
     async def _settle_confirms(self) -> None:
-        pending = [f for c in self._confirms for f in (c.future, *c.retained)]
+        pending = [f for c in self._confirms for f in (c.future, c.retained) if f is not None]
         if pending:
             await asyncio.wait(pending)
         self._answer_confirmed()
@@ -803,8 +811,8 @@ class MqttSession:
                 return False
         if self.conn.send_window <= 0:
             return False
-        sent = self._write_or_refuse(out.sub, message, out.qos, int(time.time() * 1000), packet_id, dup=out.dup,
-                                     retained=out.retained)  # fmt: skip
+        now_ms = int(time.time() * 1000) if self.version == V5 else 0  # for a 5.0 message expiry interval
+        sent = self._write_or_refuse(out.sub, message, out.qos, now_ms, packet_id, dup=out.dup, retained=out.retained)
         if sent is None:
             return False
         if sent < 0:
@@ -1058,8 +1066,8 @@ class MqttSession:
         if self._lock is not None:
             await self.registry.release(self.client_id, self._lock)
         for confirm in self._confirms:  # answers nobody will read: retrieved, so asyncio does not warn
-            for future in (confirm.future, *confirm.retained):
-                if future.done() and not future.cancelled():
+            for future in (confirm.future, confirm.retained):
+                if future is not None and future.done() and not future.cancelled():
                     future.exception()
         self._confirms.clear()
         self.wire.close()

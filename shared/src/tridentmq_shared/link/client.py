@@ -941,10 +941,18 @@ class LinkClient:
         """``send`` without waiting (check ``can_send`` first), for callers that publish message by message
         at a high rate: a coroutine per message costs more than the publish. Raises ``LocalProtocolError``
         when the window is closed."""
+        return self._send_on(self._live(), message, tx_id)
+
+    def try_send(self, message: WireMessage) -> asyncio.Future[None] | None:
+        """``send_now`` if ``can_send``, in one call (a gateway's per-message path); else None, sending
+        nothing."""
+        conn = self._open_for_sending()
+        return None if conn is None else self._send_on(conn, message, 0)
+
+    def _send_on(self, conn: LinkConnection, message: WireMessage, tx_id: int) -> asyncio.Future[None]:
         if message[M_DURABLE] and message[M_DEDUP] is None and self.reconnect.attempts:
             # Only a link that reconnects sends a message twice; without, the id would cost for nothing.
             message[M_DEDUP] = f"{self._dedup_prefix}{next(self._dedup_seq)}"
-        conn = self._live()
         seq = conn.publish(message, tx_id)
         future: asyncio.Future[None] = self._event_loop().create_future()
         self._unconfirmed[seq] = (message, tx_id, future)
@@ -975,14 +983,22 @@ class LinkClient:
     def send_if_open(self, message: WireMessage) -> int:
         """``send_nowait`` when ``can_send``, in one call (a forwarding node's hot path); else -1, sending
         nothing (no credit, a full socket, a link being resumed, or none)."""
-        conn, protocol, resuming = self._conn, self._protocol, self._reconnecting
-        if conn is None or conn.state is not _OPEN or conn.publish_credit <= 0 or \
-                (protocol is not None and not protocol.writable.is_set()) or \
-                (resuming is not None and not resuming.done()):  # fmt: skip
+        conn = self._open_for_sending()
+        if conn is None:
             return -1
         seq = conn.publish(message)
         self._queued(conn, message)
         return seq
+
+    def _open_for_sending(self) -> LinkConnection | None:
+        """The connection if a publish may go now: open, with credit, its socket keeping up, not being
+        resumed."""
+        conn, protocol, resuming = self._conn, self._protocol, self._reconnecting
+        if conn is None or conn.state is not _OPEN or conn.publish_credit <= 0 or \
+                (protocol is not None and not protocol.writable.is_set()) or \
+                (resuming is not None and not resuming.done()):  # fmt: skip
+            return None
+        return conn
 
     async def publish(self, message: WireMessage, tx_id: int = 0) -> None:
         """Publish and wait for the confirm (raises ``LinkRequestError`` on a rejection)."""
