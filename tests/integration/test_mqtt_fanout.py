@@ -289,3 +289,21 @@ def test_a_member_leaving_abruptly_does_not_stop_the_feed(mqtt_gateway: GatewayP
     publisher.publish(topic, b"after", 1)
     assert [m.payload for m in staying.receive(2)] == [b"before", b"after"]
     assert _metric(mqtt_gateway, "mqtt_fanout_feeds") == 1
+
+
+def test_no_feed_outlives_its_subscribers(mqtt_gateway: GatewayProcess, core: CoreProcess,
+                                          raw: Callable[..., Raw]) -> None:  # fmt: skip
+    """Connections taken over (their worker cancelled) while they join a feed, and connections that vanish
+    right after subscribing: once they are gone, so are their feeds."""
+    for i in range(10):
+        client_id = f"t-{_id()}"
+        first = raw(mqtt_gateway.port, V311)
+        assert first.connect(client_id) == Connack(session_present=False, reason_code=0)
+        first.send(Subscribe(1, (Subscription(f"race/{i}/a", 0), Subscription(f"race/{i}/b", 0))))
+        second = raw(mqtt_gateway.port, V311)  # takes the session over while the first may still subscribe
+        assert second.connect(client_id) == Connack(session_present=False, reason_code=0)
+        second.send(Subscribe(1, (Subscription(f"race/{i}/c", 0),)))
+        second.close()
+    assert _eventually(lambda: _metric(mqtt_gateway, "mqtt_connections") == 0)
+    assert _eventually(lambda: _metric(mqtt_gateway, "mqtt_fanout_feeds") == 0)
+    assert _eventually(lambda: not _core_queues(core, FANOUT_PREFIX))

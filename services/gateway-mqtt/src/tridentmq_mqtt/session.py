@@ -608,6 +608,7 @@ class MqttSession:
             return existing, False
         if existing is not None:  # a feed's member asking for QoS 1 or 2 now: it needs a queue of its own
             del self.subs[request.topic_filter]
+            self.state.subscriptions.pop(request.topic_filter, None)
             await self._close_sub(existing)
             sub = await self._open_sub(request.topic_filter, options)
             self.state.subscriptions[request.topic_filter] = options
@@ -656,10 +657,11 @@ class MqttSession:
         assert link is not None
         sub = Sub(text, topic_filter, "", shared=False, options=options, consumer=None,
                   dollar_safe=topic_filter[:1] in ("+", "#"), session=self)  # fmt: skip
-        self.subs[text] = sub  # first: should this connection end while it joins, the shutdown makes it leave
+        # Listed first: should this connection end while it joins (the join goes on), the shutdown leaves.
+        self.subs[text] = sub
         try:
             sub.queue = (await feeds.join(sub, link.user, link.password, topic_filter)).queue
-        except BaseException:
+        except Exception:  # refused: it never joined
             if self.subs.get(text) is sub:
                 del self.subs[text]
             raise
