@@ -1,6 +1,6 @@
 """The MQTT gateway's QoS 0 fan-out (feeds): subscribers of one filter on one gateway share one core
-subscription per user, each still gets what its own options say, a slow one loses QoS 0 messages without
-holding up the others, and the feed goes with its last subscriber."""
+subscription per user once there are two of them, each still gets what its own options say, a slow one
+loses QoS 0 messages without holding up the others, and the feed goes with its last subscriber."""
 
 from __future__ import annotations
 
@@ -35,6 +35,14 @@ FANOUT_PREFIX = "mqtt.fanout."
 
 def _id() -> str:
     return uuid.uuid4().hex[:10]
+
+
+@pytest.fixture
+def fanout_gateway(tmp_path: Path, core: CoreProcess) -> Iterator[GatewayProcess]:
+    """A gateway that fans out from the first QoS 0 subscriber on (the default waits for a second)."""
+    gateway = start_gateway(tmp_path, core, "mqtt", name="fanout", TRIDENTMQ_MQTT_MQTT_QOS0_FAN_OUT_FROM="1")
+    yield gateway
+    stop_cleanly(gateway)
 
 
 @pytest.fixture
@@ -93,15 +101,27 @@ def _eventually(check: Callable[[], bool], timeout: float = 5.0) -> bool:
     return check()
 
 
+def _fan_out_links(core: CoreProcess) -> list[dict[str, Any]]:
+    links = json.loads(urlopen(f"{core.management_url}/api/connections", timeout=5).read())
+    return [link for link in links if link["client_name"].startswith("mqtt fan-out")]
+
+
 def test_subscribers_of_a_filter_share_one_core_subscription(mqtt_gateway: GatewayProcess, core: CoreProcess,
                                                              paho: Callable[..., Paho]) -> None:  # fmt: skip
     base = f"fan{_id()}"
     subscribers = [paho(mqtt_gateway.port, version=4), paho(mqtt_gateway.port, version=5),
                    paho(mqtt_gateway.ports["websocket"], version=5, websocket=True)]  # fmt: skip
-    for client in subscribers:
+    assert [code.value for code in subscribers[0].subscribe(f"{base}/+/x", 0)] == [0]
+    # One subscriber of the filter: a queue of its own, no fan-out and no extra link to the core.
+    assert len(_core_queues(core, "mqtt.sub.")) == 1
+    assert not _core_queues(core, FANOUT_PREFIX)
+    assert not _fan_out_links(core)
+    for client in subscribers[1:]:  # the second one makes the fan-out, the third joins it
         assert [code.value for code in client.subscribe(f"{base}/+/x", 0)] == [0]
     (feed,) = _core_queues(core, FANOUT_PREFIX)
     assert (feed["consumers"], feed["temporary"], feed["durable"]) == (1, True, False)
+    assert len(_fan_out_links(core)) == 1
+    assert len(_core_queues(core, "mqtt.sub.")) == 1
     assert _metric(mqtt_gateway, "mqtt_fanout_feeds") == 1
     publisher = paho(mqtt_gateway.port)
     for i in range(30):
@@ -111,17 +131,18 @@ def test_subscribers_of_a_filter_share_one_core_subscription(mqtt_gateway: Gatew
         assert [m.payload for m in got] == [f"m{i}".encode() for i in range(30)]
         assert {m.qos for m in got} == {0}
         assert [m.topic for m in got[:3]] == [f"{base}/0/x", f"{base}/1/x", f"{base}/2/x"]
-    assert _core_queues(core, FANOUT_PREFIX)[0]["delivered"] == 30  # once for all three
+    assert _core_queues(core, FANOUT_PREFIX)[0]["delivered"] == 30  # once for the two in the fan-out
     for client in subscribers:
         client.disconnect()
-    assert _eventually(lambda: not _core_queues(core, FANOUT_PREFIX))
+    assert _eventually(lambda: not _core_queues(core, FANOUT_PREFIX) and not _core_queues(core, "mqtt.sub."))
+    assert _eventually(lambda: not _fan_out_links(core))
     assert _metric(mqtt_gateway, "mqtt_fanout_feeds") == 0
 
 
-def test_each_subscriber_gets_its_own_options(mqtt_gateway: GatewayProcess, raw: Callable[..., Raw]) -> None:
+def test_each_subscriber_gets_its_own_options(fanout_gateway: GatewayProcess, raw: Callable[..., Raw]) -> None:
     base = f"opt{_id()}"
-    plain, tagged, own, v311 = raw(mqtt_gateway.port), raw(mqtt_gateway.port), raw(mqtt_gateway.port), \
-        raw(mqtt_gateway.port, V311)  # fmt: skip
+    plain, tagged, own, v311 = raw(fanout_gateway.port), raw(fanout_gateway.port), raw(fanout_gateway.port), \
+        raw(fanout_gateway.port, V311)  # fmt: skip
     _connected(plain)
     _connected(tagged)
     _connected(own)
@@ -149,16 +170,16 @@ def test_each_subscriber_gets_its_own_options(mqtt_gateway: GatewayProcess, raw:
     assert Puback(3) in silent(plain, 0.3)
 
 
-def test_dollar_topics_and_maximum_packet_size(mqtt_gateway: GatewayProcess, raw: Callable[..., Raw]) -> None:
+def test_dollar_topics_and_maximum_packet_size(fanout_gateway: GatewayProcess, raw: Callable[..., Raw]) -> None:
     base = f"mx{_id()}"
-    small, large, wild = raw(mqtt_gateway.port), raw(mqtt_gateway.port), raw(mqtt_gateway.port)
+    small, large, wild = raw(fanout_gateway.port), raw(fanout_gateway.port), raw(fanout_gateway.port)
     _connected(small, properties=Properties(maximum_packet_size=200))
     _connected(large)
     _connected(wild)
     _subscribed(small, 1, Subscription(f"{base}/#", 0))
     _subscribed(large, 1, Subscription(f"{base}/#", 0))
     _subscribed(wild, 1, Subscription("+/x", 0))
-    publisher = raw(mqtt_gateway.port)
+    publisher = raw(fanout_gateway.port)
     _connected(publisher)
     publisher.send(Publish(f"{base}/1", b"small", 1, packet_id=1), Publish(f"{base}/2", b"L" * 500, 1, packet_id=2),
                    Publish(f"{base}/3", b"small again", 1, packet_id=3), Publish("$dollar/x", b"no", 1, packet_id=4),
@@ -174,7 +195,8 @@ def test_dollar_topics_and_maximum_packet_size(mqtt_gateway: GatewayProcess, raw
 
 def test_a_subscriber_that_falls_behind_loses_qos0_messages_alone(tmp_path: Path, core: CoreProcess,
                                                                   raw: Callable[..., Raw]) -> None:  # fmt: skip
-    gateway = start_gateway(tmp_path, core, "mqtt", TRIDENTMQ_MQTT_MQTT_QOS0_MAX_BUFFERED_BYTES="65536")
+    gateway = start_gateway(tmp_path, core, "mqtt", TRIDENTMQ_MQTT_MQTT_QOS0_MAX_BUFFERED_BYTES="65536",
+                            TRIDENTMQ_MQTT_MQTT_QOS0_FAN_OUT_FROM="1")  # fmt: skip
     topic, count, size = f"slow/{_id()}", 12_000, 1024
     slow = raw(gateway.port)
     slow.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
@@ -205,10 +227,10 @@ def test_a_subscriber_that_falls_behind_loses_qos0_messages_alone(tmp_path: Path
     stop_cleanly(gateway)
 
 
-def test_resubscribing_at_qos1_moves_to_a_queue_of_its_own(mqtt_gateway: GatewayProcess, core: CoreProcess,
+def test_resubscribing_at_qos1_moves_to_a_queue_of_its_own(fanout_gateway: GatewayProcess, core: CoreProcess,
                                                            raw: Callable[..., Raw]) -> None:  # fmt: skip
     topic = f"up/{_id()}"
-    client = raw(mqtt_gateway.port)
+    client = raw(fanout_gateway.port)
     _connected(client)
     _subscribed(client, 1, Subscription(topic, 0))
     assert len(_core_queues(core, FANOUT_PREFIX)) == 1
@@ -238,7 +260,8 @@ def test_feeds_are_per_user(tmp_path: Path, raw: Callable[..., Raw]) -> None:
             config += f'[[permissions]]\nmatch = "#"\npermission = "{permission}"\nroles = ["app"]\n'
     config += '[[permissions]]\nmatch = "open.#"\npermission = "consume"\nroles = ["app"]\n'
     core = start_core(tmp_path, config=config)
-    gateway = start_gateway(tmp_path, core, "mqtt", TRIDENTMQ_MQTT_CORE_USER="gw", TRIDENTMQ_MQTT_CORE_PASSWORD="pw")
+    gateway = start_gateway(tmp_path, core, "mqtt", TRIDENTMQ_MQTT_CORE_USER="gw", TRIDENTMQ_MQTT_CORE_PASSWORD="pw",
+                            TRIDENTMQ_MQTT_MQTT_QOS0_FAN_OUT_FROM="1")  # fmt: skip
     app, ops = raw(gateway.port), raw(gateway.port)
     _connected(app, username="app", password=b"pw")
     _connected(ops, username="ops", password=b"pw")
@@ -259,7 +282,7 @@ def test_feeds_are_per_user(tmp_path: Path, raw: Callable[..., Raw]) -> None:
 
 def test_fan_out_off_gives_each_subscription_a_queue(tmp_path: Path, core: CoreProcess,
                                                      paho: Callable[..., Paho]) -> None:  # fmt: skip
-    gateway = start_gateway(tmp_path, core, "mqtt", TRIDENTMQ_MQTT_MQTT_QOS0_FAN_OUT="false")
+    gateway = start_gateway(tmp_path, core, "mqtt", TRIDENTMQ_MQTT_MQTT_QOS0_FAN_OUT_FROM="0")
     topic = f"off/{_id()}"
     subscribers = [paho(gateway.port) for _ in range(2)]
     for client in subscribers:
@@ -275,35 +298,35 @@ def test_fan_out_off_gives_each_subscription_a_queue(tmp_path: Path, core: CoreP
     stop_cleanly(gateway)
 
 
-def test_a_member_leaving_abruptly_does_not_stop_the_feed(mqtt_gateway: GatewayProcess,
+def test_a_member_leaving_abruptly_does_not_stop_the_feed(fanout_gateway: GatewayProcess,
                                                           paho: Callable[..., Paho]) -> None:  # fmt: skip
     topic = f"drop/{_id()}"
-    staying, leaving = paho(mqtt_gateway.port), paho(mqtt_gateway.port, version=4)
+    staying, leaving = paho(fanout_gateway.port), paho(fanout_gateway.port, version=4)
     staying.subscribe(topic, 0)
     leaving.subscribe(topic, 0)
-    publisher = paho(mqtt_gateway.port)
+    publisher = paho(fanout_gateway.port)
     publisher.publish(topic, b"before", 1)
     assert [m.payload for m in leaving.receive(1)] == [b"before"]
     leaving.drop()
-    assert _eventually(lambda: _metric(mqtt_gateway, "mqtt_connections") == 2)
+    assert _eventually(lambda: _metric(fanout_gateway, "mqtt_connections") == 2)
     publisher.publish(topic, b"after", 1)
     assert [m.payload for m in staying.receive(2)] == [b"before", b"after"]
-    assert _metric(mqtt_gateway, "mqtt_fanout_feeds") == 1
+    assert _metric(fanout_gateway, "mqtt_fanout_feeds") == 1
 
 
-def test_no_feed_outlives_its_subscribers(mqtt_gateway: GatewayProcess, core: CoreProcess,
+def test_no_feed_outlives_its_subscribers(fanout_gateway: GatewayProcess, core: CoreProcess,
                                           raw: Callable[..., Raw]) -> None:  # fmt: skip
     """Connections taken over (their worker cancelled) while they join a feed, and connections that vanish
     right after subscribing: once they are gone, so are their feeds."""
     for i in range(10):
         client_id = f"t-{_id()}"
-        first = raw(mqtt_gateway.port, V311)
+        first = raw(fanout_gateway.port, V311)
         assert first.connect(client_id) == Connack(session_present=False, reason_code=0)
         first.send(Subscribe(1, (Subscription(f"race/{i}/a", 0), Subscription(f"race/{i}/b", 0))))
-        second = raw(mqtt_gateway.port, V311)  # takes the session over while the first may still subscribe
+        second = raw(fanout_gateway.port, V311)  # takes the session over while the first may still subscribe
         assert second.connect(client_id) == Connack(session_present=False, reason_code=0)
         second.send(Subscribe(1, (Subscription(f"race/{i}/c", 0),)))
         second.close()
-    assert _eventually(lambda: _metric(mqtt_gateway, "mqtt_connections") == 0)
-    assert _eventually(lambda: _metric(mqtt_gateway, "mqtt_fanout_feeds") == 0)
+    assert _eventually(lambda: _metric(fanout_gateway, "mqtt_connections") == 0)
+    assert _eventually(lambda: _metric(fanout_gateway, "mqtt_fanout_feeds") == 0)
     assert _eventually(lambda: not _core_queues(core, FANOUT_PREFIX))

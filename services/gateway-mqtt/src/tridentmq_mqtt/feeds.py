@@ -9,11 +9,18 @@ their user, whose messages the gateway decodes once and encodes once per way a P
 version, retain-as-published, subscription identifier), then writes to each subscriber.
 
 The core still decides who may subscribe: a feed's queue is created on a link of the subscribers' own user,
-so a refused user is refused as before, and a feed carries only what its user may read.
+so a refused user is refused as before, and a feed carries only what its user may read. That link is one
+more per user and gateway, which pays only where a user has several subscribers of one filter: a feed is
+made once ``mqtt.qos0_fan_out_from`` subscriptions of a user to a filter are open (the ones before keep
+queues of their own, counted here as *solo*).
 
 A subscriber that does not keep up loses QoS 0 messages instead of holding up the others: while more than
 ``mqtt.qos0_max_buffered_bytes`` wait to be written to its connection, the feed's messages skip it. QoS 1 and
 2 subscriptions, shared subscriptions and persistent sessions keep their own queues in the core.
+
+Joining and leaving never wait for each other: a member is added or removed at once; making a feed (and
+its user's link) is one task per feed that every joiner of it awaits, and closing one happens in the
+background, so a slow core holds up only the subscribers of the feed being made.
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from tridentmq_mqtt import convert
 from tridentmq_mqtt.convert import ConversionError
@@ -36,7 +44,8 @@ from tridentmq_mqtt.protocol.packets import V5, Publish, encode, encode_plain_pu
 from tridentmq_mqtt.protocol.properties import NO_PROPERTIES
 from tridentmq_mqtt.settings import CoreLinkSection
 from tridentmq_shared.core_links import CoreLinks
-from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError
+from tridentmq_shared.link.client import Consumer, LinkClient, LinkClosedError, LinkRequestError
+from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.message import M_ADDRESS, M_BODY, M_EXPIRATION, M_PROPS, RoutingType, WireMessage
 
 log = logging.getLogger("tridentmq.mqtt")
@@ -122,9 +131,12 @@ class Subscriber(Protocol):
         ...
 
 
+Key = tuple[str | None, str]  # user, topic filter
+
+
 @dataclass(eq=False)
 class Feed:
-    key: tuple[str | None, str]  # user, topic filter
+    key: Key
     queue: str
     consumer: Consumer
     link: _UserLink
@@ -132,6 +144,7 @@ class Feed:
     members: dict[Subscriber, None] = field(default_factory=dict)  # an ordered set: written in joining order
     topics: dict[str, tuple[str, bytes] | None] = field(default_factory=dict)
     pump: asyncio.Task[None] | None = None
+    ended: bool = False
 
 
 @dataclass(eq=False)
@@ -139,22 +152,29 @@ class _UserLink:
     user: str | None
     client: LinkClient
     feeds: set[Feed] = field(default_factory=set)
+    opening: int = 0  # feeds being made on it: it is not closed meanwhile
 
 
 class Feeds:
-    """The feeds of one gateway. A feed is made by its first subscriber and dropped with its last; ``join``
-    and ``leave`` run one at a time."""
+    """The feeds of one gateway: made by the subscription that reaches ``threshold`` (0: never), dropped
+    with their last member."""
 
-    def __init__(self, core: CoreLinkSection, gateway_name: str, window: int,
+    def __init__(self, core: CoreLinkSection, gateway_name: str, window: int, threshold: int,
                  on_delivered: Callable[[int], None]) -> None:  # fmt: skip
         self.core = core
         self.gateway_name = gateway_name
         self.window = window
+        self.threshold = threshold
         self.on_delivered = on_delivered
-        self._feeds: dict[tuple[str | None, str], Feed] = {}
+        self._feeds: dict[Key, Feed] = {}
+        self._opening: dict[Key, asyncio.Task[Feed]] = {}
         self._links: dict[str | None, _UserLink] = {}
+        self._linking: dict[str | None, asyncio.Task[_UserLink]] = {}
         self._joined: dict[Subscriber, Feed] = {}
-        self._changing = asyncio.Lock()
+        self._joining: dict[Subscriber, asyncio.Task[Feed]] = {}
+        self._solo: Counter[Key] = Counter()
+        self._background: set[asyncio.Task[None]] = set()
+        self._stopped = False
         # Feed queues are named per gateway process (replicas may share a configured name) and per feed.
         self._process = uuid.uuid4().hex[:12]
         self._made = itertools.count(1)
@@ -162,49 +182,90 @@ class Feeds:
     def __len__(self) -> int:
         return len(self._feeds)
 
+    # ------------------------------------------------------------------ subscribers
+    def fans_out(self, user: str | None, topic_filter: str) -> bool:
+        """Whether a new QoS 0 subscription of ``user`` to ``topic_filter`` is to join a feed (else it takes a
+        queue of its own, and ``solo_opened`` counts it)."""
+        key = (user, topic_filter)
+        if not self.threshold or self._stopped:
+            return False
+        return key in self._feeds or key in self._opening or self._solo[key] + 1 >= self.threshold
+
+    def solo_opened(self, user: str | None, topic_filter: str) -> None:
+        self._solo[(user, topic_filter)] += 1
+
+    def solo_closed(self, user: str | None, topic_filter: str) -> None:
+        key = (user, topic_filter)
+        self._solo[key] -= 1
+        if self._solo[key] <= 0:
+            del self._solo[key]
+
     async def join(self, member: Subscriber, user: str | None, password: str | None, topic_filter: str) -> Feed:
         """Add ``member`` to the feed of ``topic_filter`` for ``user``, made first if there is none (the core
-        may refuse its queue: ``LinkRequestError``). A caller cancelled meanwhile does not stop the join (a feed
-        half made would be left without members): it calls ``leave``, which waits for the join to end."""
-        task = asyncio.get_running_loop().create_task(self._join(member, user, password, topic_filter))
+        may refuse its queue: ``LinkRequestError``). A caller cancelled meanwhile does not stop the join: it
+        calls ``leave``, which waits for the join to end and undoes it."""
+        if self._stopped:
+            raise LinkClosedError(ErrorCode.EOF, "the gateway is stopping")
+        task = asyncio.get_running_loop().create_task(self._join(member, (user, topic_filter), password))
+        self._joining[member] = task
+        task.add_done_callback(lambda done: self._joined_or_not(member, done))
         return await asyncio.shield(task)
 
-    async def _join(self, member: Subscriber, user: str | None, password: str | None, topic_filter: str) -> Feed:
-        async with self._changing:
-            key = (user, topic_filter)
-            feed = self._feeds.get(key)
-            if feed is None:
-                feed = await self._open(key, password)
-            feed.members[member] = None
-            self._joined[member] = feed
-            return feed
+    def _joined_or_not(self, member: Subscriber, task: asyncio.Task[Feed]) -> None:
+        if self._joining.get(member) is task:
+            del self._joining[member]
+        if not task.cancelled():
+            task.exception()  # the joiner's to read; retrieved here should it be gone
+
+    async def _join(self, member: Subscriber, key: Key, password: str | None) -> Feed:
+        feed = self._feeds.get(key)
+        if feed is None:
+            opening = self._opening.get(key)
+            if opening is None:
+                opening = self._opening[key] = asyncio.get_running_loop().create_task(self._open(key, password))
+                opening.add_done_callback(lambda done: self._opened(key, done))
+            feed = await asyncio.shield(opening)
+        if feed.ended:  # lost between its making and now
+            raise LinkClosedError(ErrorCode.EOF, "the fan-out's link to the core was lost")
+        feed.members[member] = None
+        self._joined[member] = feed
+        return feed
+
+    def _opened(self, key: Key, task: asyncio.Task[Feed]) -> None:
+        if self._opening.get(key) is task:
+            del self._opening[key]
+        if not task.cancelled():
+            task.exception()  # every joiner reads it; retrieved here for when none is left
 
     async def leave(self, member: Subscriber) -> None:
-        """Take ``member`` out of its feed (if it is in one), which goes with its last member."""
-        async with self._changing:
-            feed = self._joined.pop(member, None)
-            if feed is None:
-                return
+        """Take ``member`` out of its feed, if it is in one (once its join, if any, has ended)."""
+        joining = self._joining.get(member)
+        if joining is not None:
+            await asyncio.wait([joining])
+        feed = self._joined.pop(member, None)
+        if feed is not None:
             feed.members.pop(member, None)
-            if not feed.members and self._feeds.get(feed.key) is feed:
-                await self._close(feed)
+            if not feed.members:
+                self._retire(feed)
 
     async def stop(self) -> None:
-        async with self._changing:
-            for feed in list(self._feeds.values()):
-                await self._close(feed)
+        self._stopped = True
+        for task in [*self._opening.values(), *self._joining.values()]:
+            task.cancel()
+        for feed in list(self._feeds.values()):
+            self._retire(feed, close=False)
+        links = list(self._links.values())
+        self._links.clear()
+        for link in links:
+            link.client.on_closed = None
+        await asyncio.gather(*(link.client.close() for link in links), *self._background, return_exceptions=True)
 
     # ------------------------------------------------------------------ feeds and their links
-    async def _open(self, key: tuple[str | None, str], password: str | None) -> Feed:
+    async def _open(self, key: Key, password: str | None) -> Feed:
         user, topic_filter = key
         pattern = convert.filter_to_pattern(topic_filter)
-        link = self._links.get(user)
-        if link is None:
-            client = CoreLinks.of(self.core).client(user=user, password=password, heartbeat_ms=self.core.heartbeat_ms,
-                                                    client_name=f"mqtt fan-out {self.gateway_name}")  # fmt: skip
-            await client.connect()
-            link = self._links[user] = _UserLink(user, client)
-            client.on_closed = lambda error: self._link_lost(link, error)
+        link = await self._link(user, password)
+        link.opening += 1
         queue = convert.fanout_queue(f"{self.gateway_name}.{self._process}.{next(self._made)}", topic_filter)
         created = False
         try:
@@ -213,42 +274,88 @@ class Feeds:
             created = True
             consumer = await link.client.subscribe(queue, credit=self.window, auto_ack=True, address=pattern,
                                                    routing_type=int(RoutingType.MULTICAST))  # fmt: skip
-        except LinkRequestError:
-            if not link.feeds:
-                await self._drop_link(link)  # its temporary queue goes with it
+        except BaseException:  # refused (or the gateway stopping)
+            link.opening -= 1
+            if not link.feeds and not link.opening:
+                self._drop_link(link)  # its temporary queues go with it
             elif created:  # the core let the user create the queue but not consume from it
-                with contextlib.suppress(LinkRequestError):
-                    await link.client.delete_queue(queue)
+                self._run(self._delete_queue(link, queue))
             raise
+        link.opening -= 1
         feed = Feed(key, queue, consumer, link, dollar_safe=topic_filter[:1] in ("+", "#"))
+        if self._links.get(user) is not link:  # lost for good meanwhile
+            feed.ended = True
+            return feed
         link.feeds.add(feed)
         self._feeds[key] = feed
         feed.pump = asyncio.get_running_loop().create_task(self._pump(feed))
         return feed
 
-    async def _close(self, feed: Feed) -> None:
-        del self._feeds[feed.key]
+    async def _link(self, user: str | None, password: str | None) -> _UserLink:
+        """The user's link to the core, connected first if there is none."""
+        link = self._links.get(user)
+        if link is not None:
+            return link
+        linking = self._linking.get(user)
+        if linking is None:
+            linking = self._linking[user] = asyncio.get_running_loop().create_task(self._connect(user, password))
+            linking.add_done_callback(lambda done: self._linked(user, done))
+        return await asyncio.shield(linking)
+
+    def _linked(self, user: str | None, task: asyncio.Task[_UserLink]) -> None:
+        if self._linking.get(user) is task:
+            del self._linking[user]
+        if not task.cancelled():
+            task.exception()
+
+    async def _connect(self, user: str | None, password: str | None) -> _UserLink:
+        client = CoreLinks.of(self.core).client(user=user, password=password, heartbeat_ms=self.core.heartbeat_ms,
+                                                client_name=f"mqtt fan-out {self.gateway_name}")  # fmt: skip
+        await client.connect()
+        link = self._links[user] = _UserLink(user, client)
+        client.on_closed = lambda error: self._link_lost(link, error)
+        return link
+
+    def _retire(self, feed: Feed, *, close: bool = True) -> None:
+        """Forget a feed now (a new subscriber makes a new one); its consumer and queue, or its user's link
+        when no feed is left on it, go in the background."""
+        if self._feeds.get(feed.key) is feed:
+            del self._feeds[feed.key]
+        feed.ended = True
+        if feed.pump is not None and feed.pump is not asyncio.current_task():
+            feed.pump.cancel()
         for member in feed.members:
             self._joined.pop(member, None)
-        if feed.pump is not None:
-            feed.pump.cancel()
         link = feed.link
         link.feeds.discard(feed)
-        if not link.feeds:  # the queue is temporary: it goes with the link
-            await self._drop_link(link)
+        if not close:
             return
-        with contextlib.suppress(LinkRequestError):
-            await feed.consumer.close()
-            await link.client.delete_queue(feed.queue)
+        if not link.feeds and not link.opening:
+            self._drop_link(link)  # its temporary queues go with it
+        else:
+            self._run(self._delete_queue(link, feed.queue, feed.consumer))
 
-    async def _drop_link(self, link: _UserLink) -> None:
+    def _drop_link(self, link: _UserLink) -> None:
         if self._links.get(link.user) is link:
             del self._links[link.user]
         link.client.on_closed = None
-        await link.client.close()
+        self._run(link.client.close())
+
+    async def _delete_queue(self, link: _UserLink, queue: str, consumer: Consumer | None = None) -> None:
+        if consumer is not None:
+            with contextlib.suppress(LinkRequestError):
+                await consumer.close()
+        with contextlib.suppress(LinkRequestError):
+            await link.client.delete_queue(queue)  # which the link then no longer makes again after a failover
+
+    def _run(self, work: Coroutine[Any, Any, None]) -> None:
+        """Background work, awaited by ``stop``."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _link_lost(self, link: _UserLink, error: LinkRequestError) -> None:
-        """Lost for good (failing over did not bring it back)."""
+        """Lost for good (failing over did not bring it back): its feeds end."""
         log.info("fan-out link to the core closed", extra={"reason": error.text})
         if self._links.get(link.user) is link:
             del self._links[link.user]
@@ -256,37 +363,37 @@ class Feeds:
             self._ended(feed)
 
     def _ended(self, feed: Feed) -> None:
-        """The feed cannot go on: it is forgotten, and its members are told (their connections end)."""
-        if self._feeds.get(feed.key) is feed:
-            del self._feeds[feed.key]
-        if feed.pump is not None and feed.pump is not asyncio.current_task():
-            feed.pump.cancel()
-        feed.link.feeds.discard(feed)
+        """The feed cannot go on: it is retired, and its members are told (their connections end)."""
         members = list(feed.members)
+        self._retire(feed)
         feed.members.clear()
         for member in members:
-            self._joined.pop(member, None)
             member.feed_lost()
 
     # ------------------------------------------------------------------ fan-out
     async def _pump(self, feed: Feed) -> None:
         consumer = feed.consumer
-        try:
-            while True:
+        while True:
+            try:
                 batch = await consumer.get_batch()
-                now_ms = int(time.time() * 1000)
-                dollar_safe = feed.dollar_safe
-                # What no subscriber of this filter may get, decided once: expired messages, and ``$`` topics
-                # for a filter that starts with a wildcard.
-                messages = [m for _, m in batch if not ((m[M_EXPIRATION] and m[M_EXPIRATION] <= now_ms)
-                                                        or (dollar_safe and m[M_ADDRESS][:1] == "$"))]  # fmt: skip
-                if not messages:
-                    continue
-                encodings = Encodings(messages, now_ms, feed.topics)
-                delivered = 0
-                for member in list(feed.members):
+            except LinkRequestError as exc:  # the core ended the consumer (its queue was deleted, say)
+                log.info("fan-out subscription ended by the core", extra={"queue": feed.queue, "reason": exc.text})
+                self._ended(feed)
+                return
+            now_ms = int(time.time() * 1000)
+            dollar_safe = feed.dollar_safe
+            # What no subscriber of this filter may get, decided once: expired messages, and ``$`` topics for a
+            # filter that starts with a wildcard.
+            messages = [m for _, m in batch if not ((m[M_EXPIRATION] and m[M_EXPIRATION] <= now_ms)
+                                                    or (dollar_safe and m[M_ADDRESS][:1] == "$"))]  # fmt: skip
+            if not messages:
+                continue
+            encodings = Encodings(messages, now_ms, feed.topics)
+            delivered = 0
+            for member in list(feed.members):
+                try:
                     delivered += member.fan_out(encodings)
-                self.on_delivered(delivered)
-        except LinkRequestError as exc:  # the core ended the consumer (its queue was deleted, say)
-            log.info("fan-out subscription ended by the core", extra={"queue": feed.queue, "reason": exc.text})
-            self._ended(feed)
+                except Exception:  # one connection's failure is not the others'
+                    log.exception("fan-out to a subscriber failed")
+                    member.feed_lost()
+            self.on_delivered(delivered)

@@ -30,8 +30,7 @@ class MqttGateway:
                                  core.heartbeat_ms)  # fmt: skip
         self.registry.on_lost.append(self._service_link_lost)
         limits = settings.mqtt
-        self.feeds = Feeds(core, settings.node.name, limits.qos0_window, self._delivered) if limits.qos0_fan_out \
-            else None  # fmt: skip
+        self.feeds = Feeds(core, settings.node.name, limits.qos0_window, limits.qos0_fan_out_from, self._delivered)
         listener, http = settings.listener, settings.http
         config = ShellConfig(
             protocol="mqtt", host=listener.host, port=listener.port, websocket_port=listener.websocket_port,
@@ -64,8 +63,7 @@ class MqttGateway:
 
     async def stop(self) -> None:
         await self.shell.stop(_shut_down)
-        if self.feeds is not None:
-            await self.feeds.stop()
+        await self.feeds.stop()
         await self.registry.close()
         await self.core_links.stop()
 
@@ -91,7 +89,7 @@ class MqttGateway:
             Metric("mqtt_qos0_dropped_total", "counter", "QoS 0 messages of a fan-out skipped for a connection "
                    "that fell behind (mqtt.qos0_max_buffered_bytes).", c.qos0_dropped),
             Metric("mqtt_fanout_feeds", "gauge", "Topic filters fanned out to QoS 0 subscribers by this gateway.",
-                   len(self.feeds) if self.feeds is not None else 0),
+                   len(self.feeds)),
         ]  # fmt: skip
 
 

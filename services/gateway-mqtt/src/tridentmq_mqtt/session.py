@@ -93,6 +93,7 @@ class Sub:
     pump: asyncio.Task[None] | None = None
     closed: bool = False
     session: MqttSession | None = None  # set for a member of a feed: the connection its messages go to
+    solo: bool = False  # a QoS 0 subscription that could have been a feed's member (``Feeds.solo_opened``)
 
     # feeds.Subscriber
     def fan_out(self, batch: Encodings) -> int:
@@ -131,7 +132,7 @@ class _Confirm:
 
 class MqttSession:
     def __init__(self, settings: MqttSettings, registry: Registry, wire: Wire, counters: Counters,
-                 feeds: Feeds | None = None) -> None:  # fmt: skip
+                 feeds: Feeds) -> None:  # fmt: skip
         limits = settings.mqtt
         self.settings = settings
         self.registry = registry
@@ -604,13 +605,13 @@ class MqttSession:
         if existing is not None and (existing.consumer is not None or options.qos == 0):
             # The same filter again: new options, same queue (nothing queued is lost).
             existing.options = options
+            if options.qos:
+                self._not_solo(existing)
             self.state.subscriptions[request.topic_filter] = options
             return existing, False
         if existing is not None:  # a feed's member asking for QoS 1 or 2 now: it needs a queue of its own
-            del self.subs[request.topic_filter]
-            self.state.subscriptions.pop(request.topic_filter, None)
+            sub = await self._open_sub(request.topic_filter, options)  # first: refused, the member stays
             await self._close_sub(existing)
-            sub = await self._open_sub(request.topic_filter, options)
             self.state.subscriptions[request.topic_filter] = options
             return sub, False
         sub = await self._open_sub(request.topic_filter, options)
@@ -625,7 +626,8 @@ class MqttSession:
         group, topic_filter = convert.parse_subscription(text, shared=self.version == V5)
         pattern = convert.filter_to_pattern(topic_filter)
         expiry_ms = self.expiry_s * 1000
-        if self.feeds is not None and options.qos == 0 and group is None and not (self.persistent or resumed):
+        fannable = options.qos == 0 and group is None and not (self.persistent or resumed)
+        if fannable and self.feeds.fans_out(link.user, topic_filter):
             return await self._join_feed(self.feeds, text, topic_filter, options)
         if group is not None:
             queue = convert.shared_queue(group, topic_filter)
@@ -646,10 +648,18 @@ class MqttSession:
                                         routing_type=int(RoutingType.MULTICAST),
                                         durable=group is not None or self.persistent or resumed)  # fmt: skip
         sub = Sub(text, topic_filter, queue, group is not None, options, consumer,
-                  dollar_safe=topic_filter[:1] in ("+", "#"))  # fmt: skip
+                  dollar_safe=topic_filter[:1] in ("+", "#"), solo=fannable)  # fmt: skip
+        if fannable:
+            self.feeds.solo_opened(link.user, topic_filter)
         sub.pump = self._loop.create_task(self._pump(sub))
         self.subs[text] = sub
         return sub
+
+    def _not_solo(self, sub: Sub) -> None:
+        """``sub`` no longer counts towards making a feed of its filter."""
+        if sub.solo and self.link is not None:
+            sub.solo = False
+            self.feeds.solo_closed(self.link.user, sub.topic_filter)
 
     async def _join_feed(self, feeds: Feeds, text: str, topic_filter: str, options: StoredSubscription) -> Sub:
         """A QoS 0 subscription served by the gateway's feed of its filter for this client's user."""
@@ -729,8 +739,8 @@ class MqttSession:
         if sub.pump is not None:
             sub.pump.cancel()
         self._parked = deque(o for o in self._parked if o.sub is not sub)
+        self._not_solo(sub)
         if sub.consumer is None:
-            assert self.feeds is not None
             await self.feeds.leave(sub)
             return
         with contextlib.suppress(LinkRequestError):
@@ -1047,11 +1057,11 @@ class MqttSession:
         for sub in self.subs.values():
             if sub.pump is not None:
                 sub.pump.cancel()
-        if self.feeds is not None:
-            for sub in list(self.subs.values()):
-                if sub.consumer is None:
-                    sub.closed = True
-                    await self.feeds.leave(sub)
+        for sub in list(self.subs.values()):
+            self._not_solo(sub)
+            if sub.consumer is None:
+                sub.closed = True
+                await self.feeds.leave(sub)
         link = self.link
         if link is not None:
             link.on_closed = link.on_settled = None

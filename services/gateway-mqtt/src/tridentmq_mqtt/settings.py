@@ -55,16 +55,18 @@ class MqttLimitsSection:
                                   "back by the round trip.")  # fmt: skip
     qos0_window: int = doc(1000, "QoS 0 messages of a subscription fetched from the core ahead of being "
                                  "written to the client.")  # fmt: skip
-    qos0_fan_out: bool = doc(True, "QoS 0 subscriptions of sessions that end with their connection share one "
-                                   "core subscription per user and topic filter on this gateway: each message "
-                                   "comes from the core once and is encoded once for all of them. A connection "
-                                   "that falls behind by more than `qos0_max_buffered_bytes` loses QoS 0 "
-                                   "messages. Off: each such subscription has its own queue in the core, which "
-                                   "holds what a slow client has not taken yet.")  # fmt: skip
-    qos0_max_buffered_bytes: int = doc(4 * 1024 * 1024, "With `qos0_fan_out`: bytes waiting to be written to a "
-                                       "connection above which fan-out messages skip it (counted in "
-                                       "`mqtt_qos0_dropped_total`) rather than hold up the other "
-                                       "subscribers.")  # fmt: skip
+    qos0_fan_out_from: int = doc(2, "QoS 0 subscriptions of sessions that end with their connection share one "
+                                    "core subscription per user and topic filter on this gateway (a fan-out) once "
+                                    "this many of one user to one filter are open: each message then comes from "
+                                    "the core once and is encoded once for all of them (the ones before keep a "
+                                    "queue of their own; 1 = always, 0 = never). A fan-out takes one more core "
+                                    "link per user, and a connection that falls behind by more than "
+                                    "`qos0_max_buffered_bytes` loses its QoS 0 messages.")  # fmt: skip
+    qos0_max_buffered_bytes: int = doc(4 * 1024 * 1024, "Of a fan-out (`qos0_fan_out_from`): bytes waiting to "
+                                       "be written to a connection above which a batch of the fan-out's messages "
+                                       "skips it (counted in `mqtt_qos0_dropped_total`) rather than hold up the "
+                                       "other subscribers. Checked before each batch, so a connection may go "
+                                       "over by one batch (`qos0_window` messages).")  # fmt: skip
     topic_alias_maximum: int = doc(64, "Topic aliases a 5.0 client may set up towards the gateway (0 = none).")
     max_keep_alive_s: int = doc(0, "Longest keep-alive granted; a 5.0 client asking for more (or for none) is "
                                    "given this as server keep-alive (0 = grant what the client asks).")  # fmt: skip
