@@ -131,12 +131,33 @@ def test_subscribers_of_a_filter_share_one_core_subscription(mqtt_gateway: Gatew
         assert [m.payload for m in got] == [f"m{i}".encode() for i in range(30)]
         assert {m.qos for m in got} == {0}
         assert [m.topic for m in got[:3]] == [f"{base}/0/x", f"{base}/1/x", f"{base}/2/x"]
-    assert _core_queues(core, FANOUT_PREFIX)[0]["delivered"] == 30  # once for the two in the fan-out
+    assert _core_queues(core, FANOUT_PREFIX)[0]["delivered"] == 30  # once for all three
+    assert _eventually(lambda: not _core_queues(core, "mqtt.sub."))  # the first moved over to the fan-out
     for client in subscribers:
         client.disconnect()
     assert _eventually(lambda: not _core_queues(core, FANOUT_PREFIX) and not _core_queues(core, "mqtt.sub."))
     assert _eventually(lambda: not _fan_out_links(core))
     assert _metric(mqtt_gateway, "mqtt_fanout_feeds") == 0
+
+
+def test_the_first_subscriber_moves_to_the_fan_out_without_duplicates(mqtt_gateway: GatewayProcess,
+                                                                      core: CoreProcess,
+                                                                      paho: Callable[..., Paho]) -> None:  # fmt: skip
+    topic = f"move/{_id()}"
+    first, publisher = paho(mqtt_gateway.port), paho(mqtt_gateway.port)
+    first.subscribe(topic, 0)
+    for i in range(100):
+        publisher.publish(topic, b"%d" % i, 1)
+    second = paho(mqtt_gateway.port)
+    second.subscribe(topic, 0)  # makes the fan-out: the first moves over while messages keep coming
+    for i in range(100, 300):
+        publisher.publish(topic, b"%d" % i, 1)
+    got = [int(m.payload) for m in first.receive(300, timeout=5)]
+    assert got == sorted(set(got)), "in order, none twice"
+    assert set(range(100, 300)) <= set(got), "nothing published after the fan-out was made is missed"
+    assert [int(m.payload) for m in second.receive(200)] == list(range(100, 300))
+    assert not _core_queues(core, "mqtt.sub.")
+    assert len(_core_queues(core, FANOUT_PREFIX)) == 1
 
 
 def test_each_subscriber_gets_its_own_options(fanout_gateway: GatewayProcess, raw: Callable[..., Raw]) -> None:

@@ -11,8 +11,8 @@ version, retain-as-published, subscription identifier), then writes to each subs
 The core still decides who may subscribe: a feed's queue is created on a link of the subscribers' own user,
 so a refused user is refused as before, and a feed carries only what its user may read. That link is one
 more per user and gateway, which pays only where a user has several subscribers of one filter: a feed is
-made once ``mqtt.qos0_fan_out_from`` subscriptions of a user to a filter are open (the ones before keep
-queues of their own, counted here as *solo*).
+made once ``mqtt.qos0_fan_out_from`` subscriptions of a user to a filter are open. The ones before have
+queues of their own (counted here as *solo*); each moves over to the feed (``adopt``) at its next batch.
 
 A subscriber that does not keep up loses QoS 0 messages instead of holding up the others: while more than
 ``mqtt.qos0_max_buffered_bytes`` wait to be written to its connection, the feed's messages skip it. QoS 1 and
@@ -71,11 +71,13 @@ class Encodings:
     (protocol version, retain-as-published, subscription identifier) and shared by every subscriber that
     wants them that way."""
 
-    __slots__ = ("_by_kind", "_topics", "messages", "now_ms")
+    __slots__ = ("_by_kind", "_topics", "messages", "node_id", "now_ms")
 
-    def __init__(self, messages: list[WireMessage], now_ms: int, topics: dict[str, tuple[str, bytes] | None]) -> None:
+    def __init__(self, messages: list[WireMessage], now_ms: int, topics: dict[str, tuple[str, bytes] | None],
+                 node_id: str = "") -> None:  # fmt: skip
         self.messages = messages
         self.now_ms = now_ms
+        self.node_id = node_id  # the core node that numbered the messages
         self._topics = topics
         self._by_kind: dict[tuple[int, bool, int | None], Encoded] = {}
 
@@ -193,6 +195,17 @@ class Feeds:
 
     def solo_opened(self, user: str | None, topic_filter: str) -> None:
         self._solo[(user, topic_filter)] += 1
+
+    def feed_for(self, user: str | None, topic_filter: str, node_id: str) -> Feed | None:
+        """The live feed of ``topic_filter`` for ``user`` on core node ``node_id``, if there is one (a solo
+        subscription there moves to it: message ids, by which it tells what it had, are a node's own)."""
+        feed = self._feeds.get((user, topic_filter))
+        return feed if feed is not None and feed.link.client.node_id == node_id else None
+
+    def adopt(self, member: Subscriber, feed: Feed) -> None:
+        """Add ``member`` to ``feed`` at once (a solo subscription moving over: ``feed_for`` gave it)."""
+        feed.members[member] = None
+        self._joined[member] = feed
 
     def solo_closed(self, user: str | None, topic_filter: str) -> None:
         key = (user, topic_filter)
@@ -388,7 +401,7 @@ class Feeds:
                                                     or (dollar_safe and m[M_ADDRESS][:1] == "$"))]  # fmt: skip
             if not messages:
                 continue
-            encodings = Encodings(messages, now_ms, feed.topics)
+            encodings = Encodings(messages, now_ms, feed.topics, feed.link.client.node_id)
             delivered = 0
             for member in list(feed.members):
                 try:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from tridentmq_mqtt import convert, messages
 from tridentmq_mqtt.convert import ConversionError
-from tridentmq_mqtt.feeds import Encodings, Feeds
+from tridentmq_mqtt.feeds import Encodings, Feed, Feeds
 from tridentmq_mqtt.protocol import events as ev
 from tridentmq_mqtt.protocol import reason_codes as rc
 from tridentmq_mqtt.protocol.connection import MqttServerConnection
@@ -94,6 +94,11 @@ class Sub:
     closed: bool = False
     session: MqttSession | None = None  # set for a member of a feed: the connection its messages go to
     solo: bool = False  # a QoS 0 subscription that could have been a feed's member (``Feeds.solo_opened``)
+    # A solo subscription that moved to a feed: the highest message id its own queue gave it, and so the
+    # feed's messages it has had already (the feed's queue holds them too, from the moment it was made),
+    # as numbered by core node ``had_on``.
+    had_upto: int = 0
+    had_on: str = ""
 
     # feeds.Subscriber
     def fan_out(self, batch: Encodings) -> int:
@@ -167,6 +172,7 @@ class MqttSession:
         self._closed = False
         self._connected = False
         self._dropping = False  # fan-out messages are being skipped: the client does not keep up
+        self._background: set[asyncio.Task[None]] = set()
         self._disconnecting = False
         self._watcher: asyncio.Task[None] | None = None
         loop = asyncio.get_running_loop()
@@ -655,6 +661,26 @@ class MqttSession:
         self.subs[text] = sub
         return sub
 
+    def _move_to_feed(self, sub: Sub, feed: Feed) -> None:
+        """A solo subscription of the filter that now has a feed becomes its member; its own queue goes (what
+        it held that the feed's queue also holds comes through the feed; what was queued before the feed
+        was made and not taken yet is lost, as QoS 0 allows)."""
+        consumer, queue = sub.consumer, sub.queue
+        assert consumer is not None
+        self._not_solo(sub)
+        sub.consumer, sub.queue, sub.session = None, feed.queue, self
+        self.feeds.adopt(sub, feed)
+        task = self._loop.create_task(self._drop_queue(consumer, queue))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _drop_queue(self, consumer: Consumer, queue: str) -> None:
+        with contextlib.suppress(LinkRequestError):
+            await consumer.close()
+        with contextlib.suppress(LinkRequestError):
+            if self.link is not None:
+                await self.link.delete_queue(queue)
+
     def _not_solo(self, sub: Sub) -> None:
         """``sub`` no longer counts towards making a feed of its filter."""
         if sub.solo and self.link is not None:
@@ -695,9 +721,13 @@ class MqttSession:
         encoded = batch.packets(self.version, options.retain_as_published, options.subscription_id)
         data, count = encoded.joined, encoded.count
         limit = conn.client_max_packet_size
-        if options.no_local or encoded.largest > limit:
+        had_upto = sub.had_upto
+        if had_upto and (batch.messages[0][M_ID] > had_upto or batch.node_id != sub.had_on):
+            had_upto = sub.had_upto = 0  # past what its own queue gave it (or numbered elsewhere)
+        if options.no_local or encoded.largest > limit or had_upto:
             client_id = self.client_id
             kept = [p for p, m in zip(encoded.parts, batch.messages, strict=True) if p and len(p) <= limit
+                    and m[M_ID] > had_upto
                     and not (options.no_local and m[M_PROPS].get(messages.CLIENT) == client_id)]  # fmt: skip
             conn.discarded += sum(1 for p in encoded.parts if len(p) > limit)  # as if sent ([MQTT-3.1.2-25])
             data, count = b"".join(kept), len(kept)
@@ -783,6 +813,14 @@ class MqttSession:
                     consumer.ack_ids(done)  # QoS 0: written (or skipped) is done
                 self.counters.messages_delivered += len(batch)
                 self._flush()
+                link = self.link
+                if sub.solo and batch and link is not None:
+                    sub.had_upto = max(sub.had_upto, *(message[M_ID] for _, message in batch))
+                    feed = self.feeds.feed_for(link.user, sub.topic_filter, link.node_id)
+                    if feed is not None:
+                        sub.had_on = link.node_id
+                        self._move_to_feed(sub, feed)
+                        return
         except LocalProtocolError:
             if not self.conn.closed:  # the connection closing mid-batch is no error
                 raise
