@@ -160,6 +160,29 @@ def test_the_first_subscriber_moves_to_the_fan_out_without_duplicates(mqtt_gatew
     assert len(_core_queues(core, FANOUT_PREFIX)) == 1
 
 
+def test_a_subscriber_that_moved_over_can_ask_for_qos1_at_once(mqtt_gateway: GatewayProcess, core: CoreProcess,
+                                                                raw: Callable[..., Raw],
+                                                                paho: Callable[..., Paho]) -> None:  # fmt: skip
+    topic = f"up/{_id()}"
+    first = raw(mqtt_gateway.port)
+    _connected(first)
+    _subscribed(first, 1, Subscription(topic, 0))  # a queue of its own, for now
+    paho(mqtt_gateway.port).subscribe(topic, 0)  # the fan-out
+    publisher = raw(mqtt_gateway.port)
+    _connected(publisher)
+    publisher.send(Publish(topic, b"m1", 1, packet_id=1))
+    assert publisher.next() == Puback(1)
+    assert [(p.payload, p.qos) for p in _publishes(first, 1)] == [(b"m1", 0)]  # and it moves over
+    _subscribed(first, 2, Subscription(topic, 1))  # while its old queue may still be on its way out
+    publisher.send(Publish(topic, b"m2", 1, packet_id=2))
+    assert publisher.next() == Puback(2)
+    (m2,) = _publishes(first, 1)
+    assert (m2.payload, m2.qos) == (b"m2", 1)
+    first.send(Puback(m2.packet_id or 0))
+    assert silent(first, 0.5) == []  # still connected, nothing more
+    assert len(_core_queues(core, "mqtt.sub.")) == 1
+
+
 def test_each_subscriber_gets_its_own_options(fanout_gateway: GatewayProcess, raw: Callable[..., Raw]) -> None:
     base = f"opt{_id()}"
     plain, tagged, own, v311 = raw(fanout_gateway.port), raw(fanout_gateway.port), raw(fanout_gateway.port), \

@@ -51,6 +51,13 @@ from tridentmq_shared.message import M_ADDRESS, M_BODY, M_EXPIRATION, M_PROPS, R
 log = logging.getLogger("tridentmq.mqtt")
 
 _TOPIC_CACHE_LIMIT = 4096  # addresses remembered per feed with their topic's encoding
+#: Who gave messages their ids: a core node (its id) in one activation (its epoch; a backup taking over
+#: keeps the node id and numbers anew). Ids of one numbering grow in routing order.
+Numbering = tuple[str, int]
+
+
+def numbering(client: LinkClient) -> Numbering:
+    return client.node_id, client.node_epoch
 
 
 class Encoded:
@@ -71,13 +78,13 @@ class Encodings:
     (protocol version, retain-as-published, subscription identifier) and shared by every subscriber that
     wants them that way."""
 
-    __slots__ = ("_by_kind", "_topics", "messages", "node_id", "now_ms")
+    __slots__ = ("_by_kind", "_topics", "messages", "now_ms", "numbering")
 
     def __init__(self, messages: list[WireMessage], now_ms: int, topics: dict[str, tuple[str, bytes] | None],
-                 node_id: str = "") -> None:  # fmt: skip
+                 numbering: Numbering = ("", 0)) -> None:  # fmt: skip
         self.messages = messages
         self.now_ms = now_ms
-        self.node_id = node_id  # the core node that numbered the messages
+        self.numbering = numbering  # who numbered the messages
         self._topics = topics
         self._by_kind: dict[tuple[int, bool, int | None], Encoded] = {}
 
@@ -196,11 +203,11 @@ class Feeds:
     def solo_opened(self, user: str | None, topic_filter: str) -> None:
         self._solo[(user, topic_filter)] += 1
 
-    def feed_for(self, user: str | None, topic_filter: str, node_id: str) -> Feed | None:
-        """The live feed of ``topic_filter`` for ``user`` on core node ``node_id``, if there is one (a solo
-        subscription there moves to it: message ids, by which it tells what it had, are a node's own)."""
+    def feed_for(self, user: str | None, topic_filter: str, numbered: Numbering) -> Feed | None:
+        """The live feed of ``topic_filter`` for ``user`` whose messages are numbered as ``numbered``, if there
+        is one (a solo subscription numbered so moves to it: it tells what it had by message id)."""
         feed = self._feeds.get((user, topic_filter))
-        return feed if feed is not None and feed.link.client.node_id == node_id else None
+        return feed if feed is not None and numbering(feed.link.client) == numbered else None
 
     def adopt(self, member: Subscriber, feed: Feed) -> None:
         """Add ``member`` to ``feed`` at once (a solo subscription moving over: ``feed_for`` gave it)."""
@@ -222,7 +229,12 @@ class Feeds:
         task = asyncio.get_running_loop().create_task(self._join(member, (user, topic_filter), password))
         self._joining[member] = task
         task.add_done_callback(lambda done: self._joined_or_not(member, done))
-        return await asyncio.shield(task)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled() and self._stopped:  # cancelled by ``stop``, not the caller
+                raise LinkClosedError(ErrorCode.EOF, "the gateway is stopping") from None
+            raise
 
     def _joined_or_not(self, member: Subscriber, task: asyncio.Task[Feed]) -> None:
         if self._joining.get(member) is task:
@@ -263,15 +275,19 @@ class Feeds:
 
     async def stop(self) -> None:
         self._stopped = True
-        for task in [*self._opening.values(), *self._joining.values()]:
+        pending = [*self._linking.values(), *self._opening.values(), *self._joining.values()]
+        for task in pending:
             task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)  # what they leave behind is below
         for feed in list(self._feeds.values()):
             self._retire(feed, close=False)
-        links = list(self._links.values())
-        self._links.clear()
-        for link in links:
-            link.client.on_closed = None
-        await asyncio.gather(*(link.client.close() for link in links), *self._background, return_exceptions=True)
+            if feed.pump is not None:
+                pending.append(feed.pump)
+        for link in list(self._links.values()):
+            self._drop_link(link)
+        await asyncio.gather(*pending, return_exceptions=True)
+        while self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
 
     # ------------------------------------------------------------------ feeds and their links
     async def _open(self, key: Key, password: str | None) -> Feed:
@@ -324,7 +340,11 @@ class Feeds:
     async def _connect(self, user: str | None, password: str | None) -> _UserLink:
         client = CoreLinks.of(self.core).client(user=user, password=password, heartbeat_ms=self.core.heartbeat_ms,
                                                 client_name=f"mqtt fan-out {self.gateway_name}")  # fmt: skip
-        await client.connect()
+        try:
+            await client.connect()
+        except BaseException:
+            await client.close()
+            raise
         link = self._links[user] = _UserLink(user, client)
         client.on_closed = lambda error: self._link_lost(link, error)
         return link
@@ -365,7 +385,12 @@ class Feeds:
         """Background work, awaited by ``stop``."""
         task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._ran)
+
+    def _ran(self, task: asyncio.Task[None]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("fan-out clean-up failed", exc_info=task.exception())
 
     def _link_lost(self, link: _UserLink, error: LinkRequestError) -> None:
         """Lost for good (failing over did not bring it back): its feeds end."""
@@ -385,6 +410,13 @@ class Feeds:
 
     # ------------------------------------------------------------------ fan-out
     async def _pump(self, feed: Feed) -> None:
+        try:
+            await self._fan_out(feed)
+        except Exception:  # a bug: the feed cannot go on, its subscribers reconnect
+            log.exception("fan-out failed", extra={"queue": feed.queue})
+            self._ended(feed)
+
+    async def _fan_out(self, feed: Feed) -> None:
         consumer = feed.consumer
         while True:
             try:
@@ -401,7 +433,7 @@ class Feeds:
                                                     or (dollar_safe and m[M_ADDRESS][:1] == "$"))]  # fmt: skip
             if not messages:
                 continue
-            encodings = Encodings(messages, now_ms, feed.topics, feed.link.client.node_id)
+            encodings = Encodings(messages, now_ms, feed.topics, numbering(feed.link.client))
             delivered = 0
             for member in list(feed.members):
                 try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import uuid
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 from tridentmq_mqtt import convert, messages
 from tridentmq_mqtt.convert import ConversionError
-from tridentmq_mqtt.feeds import Encodings, Feed, Feeds
+from tridentmq_mqtt.feeds import Encodings, Feed, Feeds, Numbering, numbering
 from tridentmq_mqtt.protocol import events as ev
 from tridentmq_mqtt.protocol import reason_codes as rc
 from tridentmq_mqtt.protocol.connection import MqttServerConnection
@@ -94,11 +95,12 @@ class Sub:
     closed: bool = False
     session: MqttSession | None = None  # set for a member of a feed: the connection its messages go to
     solo: bool = False  # a QoS 0 subscription that could have been a feed's member (``Feeds.solo_opened``)
-    # A solo subscription that moved to a feed: the highest message id its own queue gave it, and so the
-    # feed's messages it has had already (the feed's queue holds them too, from the moment it was made),
-    # as numbered by core node ``had_on``.
+    auto_ack: bool = False  # its consumer's messages are done once sent (QoS 0 of a session that ends here)
+    # A solo subscription, and one that moved to a feed: the highest message id its own queue gave it, and so
+    # the feed's messages it has had already (the feed's queue holds them too, from the moment it was made),
+    # in the numbering ``had_on``.
     had_upto: int = 0
-    had_on: str = ""
+    had_on: Numbering = ("", 0)
 
     # feeds.Subscriber
     def fan_out(self, batch: Encodings) -> int:
@@ -172,7 +174,8 @@ class MqttSession:
         self._closed = False
         self._connected = False
         self._dropping = False  # fan-out messages are being skipped: the client does not keep up
-        self._background: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[None]] = set()  # queues dropped after moving to a feed
+        self._queues = itertools.count(1)
         self._disconnecting = False
         self._watcher: asyncio.Task[None] | None = None
         loop = asyncio.get_running_loop()
@@ -608,14 +611,14 @@ class MqttSession:
             raise ConversionError("no-local on a shared subscription", rc.PROTOCOL_ERROR)
         options = StoredSubscription(request.qos, request.no_local, request.retain_as_published, subscription_id)
         existing = self.subs.get(request.topic_filter)
-        if existing is not None and (existing.consumer is not None or options.qos == 0):
+        if existing is not None and ((existing.consumer is not None and not existing.auto_ack) or options.qos == 0):
             # The same filter again: new options, same queue (nothing queued is lost).
             existing.options = options
             if options.qos:
                 self._not_solo(existing)
             self.state.subscriptions[request.topic_filter] = options
             return existing, False
-        if existing is not None:  # a feed's member asking for QoS 1 or 2 now: it needs a queue of its own
+        if existing is not None:  # QoS 0 asking for QoS 1 or 2 now: a queue of its own, acknowledged
             sub = await self._open_sub(request.topic_filter, options)  # first: refused, the member stays
             await self._close_sub(existing)
             self.state.subscriptions[request.topic_filter] = options
@@ -644,17 +647,20 @@ class MqttSession:
             await link.create_queue(queue, pattern, routing_type=RoutingType.MULTICAST, durable=True,
                                     expires_ms=expiry_ms)  # fmt: skip
         else:  # this connection's own: an earlier connection of the client may still be dropping its own
-            queue = f"{convert.subscription_queue(self.client_id, topic_filter)}.{self.id}"
+            # Numbered too: a queue of this filter dropped in the background must not take a new one with it.
+            queue = f"{convert.subscription_queue(self.client_id, topic_filter)}.{self.id}.{next(self._queues)}"
             await link.create_queue(queue, pattern, routing_type=RoutingType.MULTICAST, durable=False, temporary=True)
         limits = self.settings.mqtt
         window = limits.qos0_window if options.qos == 0 else min(limits.max_inflight, self.conn.client_receive_maximum)
         # A queue that expires at once (expiry 0) may be gone before this consumer reaches it: then the core
-        # makes it again from these, as the subscription's queue, not as an anycast queue of its name.
-        consumer = await link.subscribe(queue, credit=window, credit_on_settle=True, address=pattern,
-                                        routing_type=int(RoutingType.MULTICAST),
+        # makes it again from these, as the subscription's queue, not as an anycast queue of its name. QoS 0
+        # messages of a queue that goes with this connection are done once sent (``fannable``): acknowledging
+        # them would keep nothing safe, and the pump still takes no more than the client reads.
+        consumer = await link.subscribe(queue, credit=window, credit_on_settle=not fannable, auto_ack=fannable,
+                                        address=pattern, routing_type=int(RoutingType.MULTICAST),
                                         durable=group is not None or self.persistent or resumed)  # fmt: skip
         sub = Sub(text, topic_filter, queue, group is not None, options, consumer,
-                  dollar_safe=topic_filter[:1] in ("+", "#"), solo=fannable)  # fmt: skip
+                  dollar_safe=topic_filter[:1] in ("+", "#"), solo=fannable, auto_ack=fannable)  # fmt: skip
         if fannable:
             self.feeds.solo_opened(link.user, topic_filter)
         sub.pump = self._loop.create_task(self._pump(sub))
@@ -722,14 +728,19 @@ class MqttSession:
         data, count = encoded.joined, encoded.count
         limit = conn.client_max_packet_size
         had_upto = sub.had_upto
-        if had_upto and (batch.messages[0][M_ID] > had_upto or batch.node_id != sub.had_on):
-            had_upto = sub.had_upto = 0  # past what its own queue gave it (or numbered elsewhere)
+        if had_upto and (batch.numbering != sub.had_on or min(m[M_ID] for m in batch.messages) > had_upto):
+            had_upto = sub.had_upto = 0  # past what its own queue gave it (or numbered otherwise)
         if options.no_local or encoded.largest > limit or had_upto:
             client_id = self.client_id
-            kept = [p for p, m in zip(encoded.parts, batch.messages, strict=True) if p and len(p) <= limit
-                    and m[M_ID] > had_upto
-                    and not (options.no_local and m[M_PROPS].get(messages.CLIENT) == client_id)]  # fmt: skip
-            conn.discarded += sum(1 for p in encoded.parts if len(p) > limit)  # as if sent ([MQTT-3.1.2-25])
+            kept = []
+            for part, message in zip(encoded.parts, batch.messages, strict=True):
+                if not part or message[M_ID] <= had_upto or \
+                        (options.no_local and message[M_PROPS].get(messages.CLIENT) == client_id):  # fmt: skip
+                    continue
+                if len(part) > limit:
+                    conn.discarded += 1  # as if sent ([MQTT-3.1.2-25])
+                    continue
+                kept.append(part)
             data, count = b"".join(kept), len(kept)
         if data:
             try:
@@ -809,16 +820,19 @@ class MqttSession:
                             done.append(message[M_ID])
                     else:
                         self._deliver(_Outgoing(sub, message, qos, dup=count > 1))
-                if done:
+                if done and not sub.auto_ack:
                     consumer.ack_ids(done)  # QoS 0: written (or skipped) is done
                 self.counters.messages_delivered += len(batch)
                 self._flush()
                 link = self.link
                 if sub.solo and batch and link is not None:
-                    sub.had_upto = max(sub.had_upto, *(message[M_ID] for _, message in batch))
-                    feed = self.feeds.feed_for(link.user, sub.topic_filter, link.node_id)
+                    numbered, top = numbering(link), max(message[M_ID] for _, message in batch)
+                    if numbered != sub.had_on:  # the first batch, or the link failed over: numbered anew
+                        sub.had_upto, sub.had_on = top, numbered
+                    else:
+                        sub.had_upto = max(sub.had_upto, top)
+                    feed = self.feeds.feed_for(link.user, sub.topic_filter, numbered)
                     if feed is not None:
-                        sub.had_on = link.node_id
                         self._move_to_feed(sub, feed)
                         return
         except LocalProtocolError:
@@ -886,7 +900,7 @@ class MqttSession:
                 return None
             log.warning("message not deliverable over MQTT", extra={"peer": self.wire.peer,
                         "address": message[M_ADDRESS][:100], "reason": str(exc)[:200]})  # fmt: skip
-            if sub is not None and sub.consumer is not None and not retained:
+            if sub is not None and sub.consumer is not None and not sub.auto_ack and not retained:
                 sub.consumer.nack_ids([message[M_ID]], NackMode.REJECT)
             return -1
 
@@ -1100,6 +1114,8 @@ class MqttSession:
             if sub.consumer is None:
                 sub.closed = True
                 await self.feeds.leave(sub)
+        if self._background:  # queues given up for a feed: gone before the link (or with it, should it fail)
+            await asyncio.gather(*self._background, return_exceptions=True)
         link = self.link
         if link is not None:
             link.on_closed = link.on_settled = None
