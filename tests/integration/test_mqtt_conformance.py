@@ -262,8 +262,14 @@ def test_connack_properties(tmp_path: Path, core: CoreProcess, raw: Callable[...
     long = raw(gateway.port)
     assert _connected(long, f"k-{_id()}", keep_alive=60).properties.server_keep_alive == 10
     short = raw(gateway.port)
-    assert _connected(short, f"k-{_id()}", keep_alive=5).properties.server_keep_alive is None  # granted
-    for client in (empty, long, short):
+    granted = _connected(short, f"k-{_id()}", keep_alive=5).properties
+    assert granted.server_keep_alive is None  # granted
+    assert granted.response_information is None  # not asked for
+    asking = raw(gateway.port)
+    client_id = f"k-{_id()}"
+    connack = _connected(asking, client_id, properties=Properties(request_response_information=True))
+    assert connack.properties.response_information == f"reply/{client_id}"
+    for client in (empty, long, short, asking):
         client.send(Disconnect())
     stop_cleanly(gateway)
 
@@ -578,7 +584,13 @@ def test_authentication_and_authorisation(tmp_path: Path, raw: Callable[..., Raw
     client5.send(Publish("secret/x", b"no", 1, packet_id=1), Publish("open/x", b"yes", 1, packet_id=2))
     refused, accepted = client5.next(), client5.next()
     assert refused == Puback(1, 0x87, refused.properties), refused  # type: ignore[union-attr]
+    assert refused.properties.reason_string, refused  # type: ignore[union-attr]
     assert accepted == Puback(2)
+    terse = raw(port, V5)  # Request Problem Information 0: no reason string on the PUBACK
+    _connected(terse, f"t-{_id()}", username="app", password=b"secret",
+               properties=Properties(request_problem_information=False))  # fmt: skip
+    terse.send(Publish("secret/x", b"no", 1, packet_id=1))
+    assert terse.next() == Puback(1, 0x87)
     client5.send(Subscribe(3, (Subscription("secret/x", 1), Subscription("open/y", 1))))
     assert client5.next() == Suback(3, (0x87, 1))
     client311 = raw(port, V311)

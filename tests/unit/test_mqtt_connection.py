@@ -706,3 +706,23 @@ def test_pubrel_for_a_publish_not_yet_received_is_a_bug_of_the_shell() -> None:
     assert conn.publish("t", b"", 2) == 1
     with pytest.raises(LocalProtocolError):
         conn.pubrel(1)
+
+
+def test_request_problem_information_0_keeps_reason_strings_to_publish_connack_and_disconnect() -> None:
+    """[MQTT-3.1.2-29]: a client that asks for no problem information gets no reason string or user
+    properties but on PUBLISH, CONNACK and DISCONNECT."""
+    problem = Properties(reason_string="why", user_properties=(("k", "v"),))
+    conn = connected(props=Properties(request_problem_information=False))
+    assert conn.problem_information is False
+    feed(conn, encode(Publish("a", b"", 1, packet_id=1), V5) + encode(Subscribe(2, (Subscription("b"),)), V5))
+    conn.puback(1, 0x87, problem)
+    conn.suback(2, (0x87,), problem)
+    conn.publish("t", b"x", properties=Properties(user_properties=(("k", "v"),)))
+    conn.disconnect(0x80, problem)
+    assert sent(conn, V5) == [Puback(1, 0x87), Suback(2, (0x87,)),
+                              Publish("t", b"x", properties=Properties(user_properties=(("k", "v"),))),
+                              Disconnect(0x80, problem)]  # fmt: skip
+    told = connected()  # the default: told
+    feed(told, encode(Publish("a", b"", 1, packet_id=1), V5))
+    told.puback(1, 0x87, problem)
+    assert sent(told, V5) == [Puback(1, 0x87, problem)]

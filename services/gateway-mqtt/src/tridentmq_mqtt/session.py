@@ -388,8 +388,17 @@ class MqttSession:
         keep_alive = None
         if event.version == V5 and limits.max_keep_alive_s and not 0 < event.keep_alive <= limits.max_keep_alive_s:
             keep_alive = limits.max_keep_alive_s
-        granted = Properties(session_expiry_interval=self.expiry_s) if event.version == V5 and \
-            self.expiry_s != asked else NO_PROPERTIES  # fmt: skip
+        granted = NO_PROPERTIES
+        if event.version == V5:
+            response_information = None
+            if props.request_response_information and limits.response_information_prefix:
+                response_information = f"{limits.response_information_prefix}{client_id}"
+                if any(c in response_information for c in "+#\x00"):  # a client id no topic may hold
+                    response_information = None
+            granted = Properties(session_expiry_interval=self.expiry_s if self.expiry_s != asked else None,
+                                 response_information=response_information)  # fmt: skip
+            if granted == NO_PROPERTIES:
+                granted = NO_PROPERTIES
         self.conn.accept(time.monotonic(), session_present=previous is not None and not event.clean_start,
                          assigned_client_id=assigned, server_keep_alive=keep_alive, properties=granted)  # fmt: skip
         self._connected = True

@@ -73,6 +73,10 @@ class MqttLimitsSection:
     max_session_expiry_s: int = doc(7 * 24 * 3600, "Longest session expiry granted, also to 3.1.1 clients "
                                                    "that connect with clean session 0 (whose sessions otherwise "
                                                    "never expire).")  # fmt: skip
+    response_information_prefix: str = doc("reply/", "A 5.0 client that sets Request Response Information is "
+                                           "given this followed by its client id as Response Information in the "
+                                           "CONNACK, to build its response topics on (it still needs the "
+                                           "permissions to use them). Empty = never sent.")  # fmt: skip
     connect_timeout_ms: int = doc(10_000, "A connection that has not sent its CONNECT by then is closed.")
     takeover_timeout_ms: int = doc(5_000, "How long a CONNECT waits for an earlier connection of the same client "
                                           "id, on any gateway, to let go of the session.")  # fmt: skip

@@ -24,6 +24,9 @@ Packet-id bookkeeping, per direction:
   with the same packet id (``publish(packet_id=..., dup=True)``) and its PUBRELs (``pubrel``).
   Acknowledgements for ids not in flight are ignored rather than treated as a protocol error (the spec
   allows either; a client retrying after a reconnect is better served by leniency).
+
+A 5.0 client that sets Request Problem Information to 0 gets no reason string or user properties on any
+packet but PUBLISH, CONNACK and DISCONNECT: the connection leaves them out of what the shell asks for.
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ KEEP_ALIVE_TOLERANCE: Final = 1.5
 DEFAULT_RECEIVE_MAXIMUM: Final = 65_535
 _PUBACK_HEAD: Final = bytes((PUBACK << 4, 2))  # a PUBACK with no reason code is its packet id alone
 
+#: The packets that carry a reason string or user properties whatever the client's Request Problem Information.
+_PROBLEMS_ALLOWED: Final = (Publish, Connack, Disconnect)
 #: 5.0 CONNACK reason codes as 3.1/3.1.1 return codes; anything else is 3, Server unavailable.
 _RETURN_CODES: Final = {
     0x84: 1,  # unacceptable protocol version
@@ -130,6 +135,9 @@ class MqttServerConnection:
         self.keep_alive = 0  # seconds; the client's, or the server keep-alive given to accept() in 5.0
         self.client_receive_maximum = DEFAULT_RECEIVE_MAXIMUM
         self.client_max_packet_size = MAX_PACKET_SIZE
+        # 5.0 Request Problem Information 0: no reason strings or user properties but on PUBLISH, CONNACK and
+        # DISCONNECT ([MQTT-3.1.2-29]); ``_write`` leaves them out of the other packets.
+        self.problem_information = True
         self.discarded = 0  # outgoing packets dropped for exceeding the client's maximum packet size
         self._out: list[bytes] = []
         self._held: list[Packet] = []  # automatic answers to packets read before the CONNACK
@@ -217,6 +225,8 @@ class MqttServerConnection:
             self.client_receive_maximum = props.receive_maximum
         if props.maximum_packet_size is not None:
             self.client_max_packet_size = props.maximum_packet_size
+        if props.request_problem_information is False:
+            self.problem_information = False
         self.state = State.CONNECTING
         return ev.Connect(version, packet.client_id, packet.clean_start, packet.keep_alive, packet.username,
                           packet.password, packet.will, props)  # fmt: skip
@@ -515,6 +525,11 @@ class MqttServerConnection:
 
     def _write(self, packet: Packet) -> None:
         assert self.version is not None
+        if not self.problem_information and type(packet) not in _PROBLEMS_ALLOWED:
+            props = getattr(packet, "properties", NO_PROPERTIES)
+            if props.reason_string is not None or props.user_properties:
+                slim = replace(props, reason_string=None, user_properties=())
+                packet = replace(cast(Any, packet), properties=NO_PROPERTIES if slim == NO_PROPERTIES else slim)
         data = encode(packet, self.version)
         if len(data) > self.client_max_packet_size:
             # [MQTT-3.1.2-25]: drop the reason string and user properties first; if that is not enough, drop it.
