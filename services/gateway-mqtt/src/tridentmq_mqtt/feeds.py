@@ -18,9 +18,10 @@ A subscriber that does not keep up loses QoS 0 messages instead of holding up th
 ``mqtt.qos0_max_buffered_bytes`` wait to be written to its connection, the feed's messages skip it. QoS 1 and
 2 subscriptions, shared subscriptions and persistent sessions keep their own queues in the core.
 
-Joining and leaving never wait for each other: a member is added or removed at once; making a feed (and
-its user's link) is one task per feed that every joiner of it awaits, and closing one happens in the
-background, so a slow core holds up only the subscribers of the feed being made.
+Joining and leaving take no lock: a member is added or removed at once (a leave waits only for that
+member's own join); making a feed (and its user's link) is one task per feed that every joiner of it
+awaits, and closing one happens in the background, so a slow core holds up only the subscribers of the
+feed being made.
 """
 
 from __future__ import annotations
