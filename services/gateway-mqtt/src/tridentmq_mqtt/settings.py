@@ -58,9 +58,9 @@ class MqttLimitsSection:
     qos0_fan_out_from: int = doc(2, "QoS 0 subscriptions of sessions that end with their connection share one "
                                     "core subscription per user and topic filter on this gateway (a fan-out) once "
                                     "this many of one user to one filter are open: each message then comes from "
-                                    "the core once and is encoded once for all of them (the ones before keep a "
-                                    "queue of their own; 1 = always, 0 = never). A fan-out takes one more core "
-                                    "link per user, and a connection that falls behind by more than "
+                                    "the core once and is encoded once for all of them (the ones before had a "
+                                    "queue of their own and move over; 1 = always, 0 = never). A fan-out takes "
+                                    "one more core link per user, and a connection that falls behind by more than "
                                     "`qos0_max_buffered_bytes` loses its QoS 0 messages.")  # fmt: skip
     qos0_max_buffered_bytes: int = doc(4 * 1024 * 1024, "Of a fan-out (`qos0_fan_out_from`): bytes waiting to "
                                        "be written to a connection above which a batch of the fan-out's messages "

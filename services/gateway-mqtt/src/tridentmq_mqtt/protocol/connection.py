@@ -526,17 +526,12 @@ class MqttServerConnection:
     def _write(self, packet: Packet) -> None:
         assert self.version is not None
         if not self.problem_information and type(packet) not in _PROBLEMS_ALLOWED:
-            props = getattr(packet, "properties", NO_PROPERTIES)
-            if props.reason_string is not None or props.user_properties:
-                slim = replace(props, reason_string=None, user_properties=())
-                packet = replace(cast(Any, packet), properties=NO_PROPERTIES if slim == NO_PROPERTIES else slim)
+            packet = _without_problems(packet)
         data = encode(packet, self.version)
         if len(data) > self.client_max_packet_size:
             # [MQTT-3.1.2-25]: drop the reason string and user properties first; if that is not enough, drop it.
-            props = getattr(packet, "properties", NO_PROPERTIES)
-            if props.reason_string is not None or props.user_properties:
-                slim = replace(props, reason_string=None, user_properties=())
-                slimmed: Packet = replace(cast(Any, packet), properties=slim)  # every packet with properties
+            slimmed = _without_problems(packet)
+            if slimmed is not packet:
                 data = encode(slimmed, self.version)
             if len(data) > self.client_max_packet_size:
                 self.discarded += 1
@@ -547,6 +542,15 @@ class MqttServerConnection:
         self.state = State.CLOSED
         self._input_done = True
         self._held.clear()
+
+
+def _without_problems(packet: Packet) -> Packet:
+    """``packet`` without its reason string and user properties (itself when it has neither)."""
+    props: Properties = getattr(packet, "properties", NO_PROPERTIES)
+    if props.reason_string is None and not props.user_properties:
+        return packet
+    slim = replace(props, reason_string=None, user_properties=())
+    return cast(Packet, replace(cast(Any, packet), properties=NO_PROPERTIES if slim == NO_PROPERTIES else slim))
 
 
 __all__ = [
