@@ -20,6 +20,7 @@ from tridentmq_shared.link.client import LinkClient, LinkRequestError, Reconnect
 from tridentmq_shared.link.codec import DEFAULT_HEARTBEAT_MS
 from tridentmq_shared.link.topology import Endpoint, Topology, load_balancing, parse_endpoint
 from tridentmq_shared.settings import SettingsError, doc
+from tridentmq_shared.tls import ClientTls, TlsSection
 
 log = logging.getLogger("tridentmq.gateway")
 
@@ -54,6 +55,8 @@ class CoreLinkSettings:
                         "anonymous, which the core allows on loopback while it has no users). Without it the "
                         "gateway knows only the configured nodes.")  # fmt: skip
     password: str = doc("", "Password of that user.")
+    tls: bool = doc(False, "Connect to the core over TLS (the core's `link.tls`), checking its certificate "
+                           "against `tls.ca_file` and presenting `tls.cert_file` when set.")  # fmt: skip
 
     def endpoints(self) -> list[Endpoint]:
         """``host``:``port`` then the connectors (SettingsError for a malformed one)."""
@@ -79,7 +82,7 @@ class CoreLinks:
     _process: ClassVar[dict[Endpoint, CoreLinks]] = {}
 
     def __init__(self, settings: CoreLinkSettings, *, name: str = "gateway",
-                 heartbeat_ms: int = DEFAULT_HEARTBEAT_MS) -> None:  # fmt: skip
+                 heartbeat_ms: int = DEFAULT_HEARTBEAT_MS, tls: ClientTls | None = None) -> None:  # fmt: skip
         try:
             policy = load_balancing(settings.load_balancing)
         except ValueError as exc:
@@ -87,19 +90,24 @@ class CoreLinks:
         self.settings = settings
         self.name = name
         self.heartbeat_ms = heartbeat_ms
+        self.tls = tls
         self.topology = Topology(settings.endpoints(), policy)
         self.reconnect = settings.reconnect_policy()
         self._watcher: LinkClient | None = None
         self._watching: asyncio.Task[None] | None = None
 
     @classmethod
-    def of(cls, settings: CoreLinkSettings, *, name: str = "gateway",
-           heartbeat_ms: int = DEFAULT_HEARTBEAT_MS) -> CoreLinks:  # fmt: skip
-        """This process's links for ``settings``, made on first use."""
+    def of(cls, settings: CoreLinkSettings, *, name: str = "gateway", heartbeat_ms: int = DEFAULT_HEARTBEAT_MS,
+           tls: TlsSection | None = None) -> CoreLinks:  # fmt: skip
+        """This process's links for ``settings``, made on first use (by the gateway, with its ``[tls]``
+        section: TLS links when ``settings.tls``)."""
         key = (settings.host, settings.port)
         links = cls._process.get(key)
         if links is None:
-            links = cls._process[key] = cls(settings, name=name, heartbeat_ms=heartbeat_ms)
+            client_tls = None
+            if settings.tls:
+                client_tls = ClientTls(tls or TlsSection())
+            links = cls._process[key] = cls(settings, name=name, heartbeat_ms=heartbeat_ms, tls=client_tls)
         return links
 
     @classmethod
@@ -111,7 +119,7 @@ class CoreLinks:
                heartbeat_ms: int = DEFAULT_HEARTBEAT_MS) -> LinkClient:  # fmt: skip
         """A client link (not connected yet) on a node of the topology, failing over as configured."""
         return LinkClient(topology=self.topology, reconnect=self.reconnect, user=user, password=password,
-                          client_name=client_name, heartbeat_ms=heartbeat_ms)  # fmt: skip
+                          client_name=client_name, heartbeat_ms=heartbeat_ms, tls=self.tls)  # fmt: skip
 
     # ------------------------------------------------------------------ the watcher
     def start(self) -> None:
@@ -128,7 +136,7 @@ class CoreLinks:
                                     failover_window=self.reconnect.failover_window)  # fmt: skip
         watcher = LinkClient(topology=self.topology, follow_topology=True, user=settings.user or None,
                              password=settings.password or None, client_name=f"{self.name} topology",
-                             heartbeat_ms=self.heartbeat_ms, reconnect=reconnect)  # fmt: skip
+                             heartbeat_ms=self.heartbeat_ms, reconnect=reconnect, tls=self.tls)  # fmt: skip
         self._watcher = watcher  # from now on ``stop`` closes it
         try:
             await watcher.connect()

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from aiohttp import WSMsgType, web
 from tridentmq_shared.logs import setup_logging
 from tridentmq_shared.runtime import run_main, set_nodelay
 from tridentmq_shared.settings import SettingsError, load_settings
+from tridentmq_shared.tls import ServerTls, TlsSection, peer_common_name
 
 log = logging.getLogger("tridentmq.gateway")
 
@@ -37,6 +39,8 @@ class Wire(Protocol):
     """The client's transport (TCP or WebSocket), as a session sees it."""
 
     peer: str
+    #: The common name of the client certificate the TLS handshake verified (None: no TLS or no certificate).
+    certificate_name: str | None
 
     def write(self, data: bytes) -> None: ...
     def close(self) -> None: ...
@@ -81,6 +85,21 @@ class ShellConfig:
     http_enabled: bool
     http_host: str
     http_port: int
+    tls: ServerTls | None = None  # the TLS listeners' certificates (None: no TLS listener)
+    tls_port: int = -1  # the protocol over TLS (-1: none)
+    websocket_tls_port: int = -1  # the protocol over WebSocket over TLS (-1: none)
+    http_tls: bool = False  # HTTPS instead of HTTP
+
+
+def listener_tls(tls: TlsSection, *ports: int, http_tls: bool = False) -> ServerTls | None:
+    """The TLS context of a gateway's listeners: made when certificates are configured and a TLS listener is
+    wanted (a TLS port >= 0 or HTTPS); HTTPS without certificates is a SettingsError."""
+    if http_tls and not tls.configured:
+        raise SettingsError("http.tls needs a certificate: set tls.cert_file")
+    if not tls.configured or (not http_tls and all(port < 0 for port in ports)):
+        tls.check()
+        return None
+    return ServerTls(tls)
 
 
 class _TcpWire(asyncio.Protocol):
@@ -89,6 +108,7 @@ class _TcpWire(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.session: ClientSession | None = None
         self.peer = "?"
+        self.certificate_name: str | None = None
         self._writable = asyncio.Event()
         self._writable.set()
 
@@ -96,6 +116,7 @@ class _TcpWire(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self.certificate_name = peer_common_name(transport)
         if len(self.shell.sessions) >= self.shell.config.max_connections:
             log.warning("connection refused: too many connections",
                         extra={"peer": self.peer, "protocol": self.shell.config.protocol})  # fmt: skip
@@ -154,9 +175,10 @@ class _TcpWire(asyncio.Protocol):
 class _WebSocketWire:
     """Frames out in order through one writer task."""
 
-    def __init__(self, ws: web.WebSocketResponse, peer: str, *, binary: bool) -> None:
+    def __init__(self, ws: web.WebSocketResponse, peer: str, *, binary: bool, certificate_name: str | None) -> None:
         self.ws = ws
         self.peer = peer
+        self.certificate_name = certificate_name
         self.binary = binary
         self._out: asyncio.Queue[bytes | None] = asyncio.Queue()
         self._pending = 0
@@ -236,44 +258,58 @@ class GatewayShell:
         self.sessions: set[ClientSession] = set()
         self.started = False
         self.ports: dict[str, int] = {}
-        self._server: asyncio.Server | None = None
+        self._servers: list[asyncio.Server] = []
         self._runners: list[web.AppRunner] = []
 
     async def start(self) -> None:
         config = self.config
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _TcpWire(self), config.host, config.port)
-        self.ports[config.protocol] = self._server.sockets[0].getsockname()[1]
-        if config.websocket_port >= 0:
+        server = await loop.create_server(lambda: _TcpWire(self), config.host, config.port)
+        self._servers.append(server)
+        self.ports[config.protocol] = server.sockets[0].getsockname()[1]
+        tls = config.tls.context if config.tls is not None else None
+        if tls is not None and config.tls_port >= 0:
+            server = await loop.create_server(lambda: _TcpWire(self), config.host, config.tls_port, ssl=tls)
+            self._servers.append(server)
+            self.ports[f"{config.protocol}_tls"] = server.sockets[0].getsockname()[1]
+        if config.websocket_port >= 0 or (tls is not None and config.websocket_tls_port >= 0):
             app = web.Application()
             app.router.add_get("/{path:.*}", self._websocket)
-            self.ports["websocket"] = await self._serve(app, config.host, config.websocket_port)
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            self._runners.append(runner)
+            if config.websocket_port >= 0:
+                self.ports["websocket"] = await self._serve(runner, config.host, config.websocket_port)
+            if tls is not None and config.websocket_tls_port >= 0:
+                self.ports["websocket_tls"] = await self._serve(runner, config.host, config.websocket_tls_port, tls)
         if config.http_enabled:
             app = web.Application()
             app.router.add_get("/healthz", self._healthz)
             app.router.add_get("/readyz", self._readyz)
             app.router.add_get("/metrics", self._metrics)
-            self.ports["http"] = await self._serve(app, config.http_host, config.http_port)
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            self._runners.append(runner)
+            self.ports["http"] = await self._serve(runner, config.http_host, config.http_port,
+                                                   tls if config.http_tls else None)  # fmt: skip
         self.started = True
         if self.ports_file is not None:
             tmp = self.ports_file.with_suffix(".tmp")
             tmp.write_text(json.dumps(self.ports))
             tmp.replace(self.ports_file)
 
-    async def _serve(self, app: web.Application, host: str, port: int) -> int:
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
+    @staticmethod
+    async def _serve(runner: web.AppRunner, host: str, port: int, tls: ssl.SSLContext | None = None) -> int:
         sock = socket.create_server((host, port))  # bound here: with port 0 that is the only way to learn it
-        await web.SockSite(runner, sock).start()
-        self._runners.append(runner)
+        await web.SockSite(runner, sock, ssl_context=tls).start()
         return int(sock.getsockname()[1])
 
     async def stop(self, end_session: Callable[[ClientSession], None]) -> None:
         """Stop listening, end every session with ``end_session`` and wait (5 s at most) for them to close
         their links, so that the core returns their messages at once."""
         self.started = False
-        if self._server is not None:
-            self._server.close()
+        for server in self._servers:
+            server.close()
         sessions = list(self.sessions)
         for session in sessions:
             end_session(session)
@@ -281,9 +317,9 @@ class GatewayShell:
             await asyncio.wait([asyncio.ensure_future(s.wait_closed()) for s in sessions], timeout=5)
         for runner in self._runners:
             await runner.cleanup()
-        if self._server is not None:
+        for server in self._servers:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._server.wait_closed(), 5)
+                await asyncio.wait_for(server.wait_closed(), 5)
 
     # ------------------------------------------------------------------ WebSocket
     async def _websocket(self, request: web.Request) -> web.StreamResponse:
@@ -301,7 +337,9 @@ class GatewayShell:
         if len(self.sessions) >= config.max_connections:
             await ws.close(code=1013, message=b"too many connections")
             return ws
-        wire = _WebSocketWire(ws, peer, binary=config.binary_frames)
+        transport = request.transport
+        certificate_name = peer_common_name(transport) if transport is not None else None
+        wire = _WebSocketWire(ws, peer, binary=config.binary_frames, certificate_name=certificate_name)
         session = self.open_session(wire)
         self.sessions.add(session)
         try:

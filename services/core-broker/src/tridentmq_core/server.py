@@ -24,6 +24,7 @@ from aiohttp import web
 
 from tridentmq_core.audit import AuditSink, FileAuditSink, NullAuditSink
 from tridentmq_core.broker import Broker, BrokerError, Session
+from tridentmq_core.cluster.links import client_tls
 from tridentmq_core.cluster.manager import ClusterManager, validate_cluster_settings
 from tridentmq_core.ha.manager import (
     BACKUP,
@@ -57,6 +58,7 @@ from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.message import MAX_PROPERTIES
 from tridentmq_shared.runtime import set_nodelay
 from tridentmq_shared.settings import SettingsError
+from tridentmq_shared.tls import ServerTls
 
 log = logging.getLogger("tridentmq.core")
 
@@ -221,6 +223,11 @@ class CoreNode:
         self._shared_journal: Path | None = None  # the shared-store pair's journal of this epoch
         self.network = self._network_check()
         self.isolated = False  # the network check reached none of its targets: serve nobody
+        settings.tls.check()
+        tls_listener = settings.link.tls or settings.management.tls
+        self.tls = ServerTls(settings.tls) if tls_listener else None
+        if settings.link.tls:
+            client_tls(settings.tls)  # its files are loaded now: a mistake stops the start, not a later link
 
     def authenticate(self, user: str | None, password: str | None, peer: str) -> Principal:
         """The cluster user (when the node clusters) is checked against the cluster credentials, every
@@ -323,7 +330,8 @@ class CoreNode:
     async def start(self) -> None:
         loop = self._loop = asyncio.get_running_loop()
         link = self.settings.link
-        self._server = await loop.create_server(lambda: LinkProtocol(self), link.host, link.port)
+        link_tls = self.tls.context if self.tls is not None and link.tls else None
+        self._server = await loop.create_server(lambda: LinkProtocol(self), link.host, link.port, ssl=link_tls)
         self.status.link_port = self._server.sockets[0].getsockname()[1]
         if self.settings.management.enabled:
             self._runner = web.AppRunner(create_app(self.broker, self.status, self.rates), access_log=None)
@@ -331,7 +339,8 @@ class CoreNode:
             # Bind the socket ourselves: with port 0 that is the only way to learn the port.
             sock = socket.create_server((self.settings.management.host, self.settings.management.port))
             self.management_port = sock.getsockname()[1]
-            await web.SockSite(self._runner, sock).start()
+            management_tls = self.tls.context if self.tls is not None and self.settings.management.tls else None
+            await web.SockSite(self._runner, sock, ssl_context=management_tls).start()
         self._timer = asyncio.create_task(self._tick_forever())
         if self.network is not None:
             # One round before anything serves or takes over: until then the node does not know where it is.

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tridentmq_shared.settings import doc
+from tridentmq_shared.tls import TlsSection
 
 ENV_PREFIX = "TRIDENTMQ_CORE"
 
@@ -26,6 +27,10 @@ class LinkSection:
     publish_window: int = doc(8192, "Publishes a link may have in flight before the core grants more.")
     max_connections: int = doc(10_000, "Link connections accepted at once; more are refused.")
     handshake_timeout_ms: int = doc(10_000, "A connection that has not completed HELLO by then is closed.")
+    tls: bool = doc(False, "Serve the link over TLS only (certificates in `[tls]`). Links this node opens to "
+                           "other nodes (cluster connections, replication, votes) then use TLS too, with "
+                           "`[tls]` as their client certificate: every node of a cluster sets the same. Gateways "
+                           "and the CLI must connect with TLS (`core.tls`, `tridentmq --tls`).")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,7 @@ class ManagementSection:
     enabled: bool = doc(True, "Serve /healthz, /readyz, /metrics and the JSON API over HTTP.")
     host: str = doc("127.0.0.1", "Interface of the management HTTP server.")
     port: int = doc(8161, "Port of the management HTTP server (0 = any free port).")
+    tls: bool = doc(False, "Serve HTTPS instead of HTTP on that port (certificates in `[tls]`).")
 
 
 @dataclass(frozen=True)
@@ -226,6 +232,8 @@ class CoreSettings:
                                                     "redistribution and discovery.")  # fmt: skip
     ha: HaSection = doc(HaSection(), "High availability: primary/backup replication pairs.")
     network_check: NetworkCheckSection = doc(NetworkCheckSection(), "The network health check.")
+    tls: TlsSection = doc(TlsSection(), "TLS certificates of the link (`link.tls`) and management "
+                                        "(`management.tls`) listeners, and of the links to other nodes.")  # fmt: skip
     users: list[UserEntry] = doc(list, "Users. With none, loopback clients are accepted whatever their "
                                        "credentials and other addresses are refused.", factory=True)  # fmt: skip
     permissions: list[PermissionEntry] = doc(list, "Role grants per address pattern.", factory=True)

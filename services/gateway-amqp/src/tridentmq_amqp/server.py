@@ -8,7 +8,7 @@ from pathlib import Path
 from tridentmq_amqp.session import AmqpSession, Counters
 from tridentmq_amqp.settings import AmqpSettings
 from tridentmq_shared.core_links import CoreLinks
-from tridentmq_shared.gateway import ClientSession, GatewayShell, Metric, ShellConfig, Wire
+from tridentmq_shared.gateway import ClientSession, GatewayShell, Metric, ShellConfig, Wire, listener_tls
 
 log = logging.getLogger("tridentmq.amqp")
 
@@ -19,13 +19,16 @@ class AmqpGateway:
     def __init__(self, settings: AmqpSettings, ports_file: Path | None = None) -> None:
         self.settings = settings
         self.counters = Counters()
-        self.core_links = CoreLinks.of(settings.core, name=settings.node.name)  # its sessions' links use it
+        # Its sessions' links use it.
+        self.core_links = CoreLinks.of(settings.core, name=settings.node.name, tls=settings.tls)
         listener, limits, http = settings.listener, settings.amqp, settings.http
         config = ShellConfig(
             protocol="amqp", host=listener.host, port=listener.port, websocket_port=listener.websocket_port,
             max_connections=listener.max_connections, subprotocols=SUBPROTOCOLS, subprotocol_required=True,
             max_websocket_message=max(limits.max_frame_bytes, limits.max_message_bytes) + 1024,
             binary_frames=True, http_enabled=http.enabled, http_host=http.host, http_port=http.port,
+            tls=listener_tls(settings.tls, listener.tls_port, listener.websocket_tls_port, http_tls=http.tls),
+            tls_port=listener.tls_port, websocket_tls_port=listener.websocket_tls_port, http_tls=http.tls,
         )  # fmt: skip
         self.shell = GatewayShell(config, self._open_session, self._metrics, ports_file=ports_file)
 

@@ -11,7 +11,7 @@ from tridentmq_mqtt.session import Counters, MqttSession
 from tridentmq_mqtt.settings import MqttSettings
 from tridentmq_mqtt.state import Registry
 from tridentmq_shared.core_links import CoreLinks
-from tridentmq_shared.gateway import ClientSession, GatewayShell, Metric, ShellConfig, Wire
+from tridentmq_shared.gateway import ClientSession, GatewayShell, Metric, ShellConfig, Wire, listener_tls
 from tridentmq_shared.link.client import LinkRequestError
 
 log = logging.getLogger("tridentmq.mqtt")
@@ -25,7 +25,7 @@ class MqttGateway:
         self.counters = Counters()
         core = settings.core
         # Its sessions' links and the registry's use it.
-        self.core_links = CoreLinks.of(core, name=settings.node.name, heartbeat_ms=core.heartbeat_ms)
+        self.core_links = CoreLinks.of(core, name=settings.node.name, heartbeat_ms=core.heartbeat_ms, tls=settings.tls)
         self.registry = Registry(core.host, core.port, core.user, core.password, settings.node.name,
                                  core.heartbeat_ms)  # fmt: skip
         self.registry.on_lost.append(self._service_link_lost)
@@ -37,6 +37,8 @@ class MqttGateway:
             max_connections=listener.max_connections, subprotocols=SUBPROTOCOLS, subprotocol_required=True,
             max_websocket_message=settings.mqtt.max_packet_bytes + 8, binary_frames=True,
             http_enabled=http.enabled, http_host=http.host, http_port=http.port,
+            tls=listener_tls(settings.tls, listener.tls_port, listener.websocket_tls_port, http_tls=http.tls),
+            tls_port=listener.tls_port, websocket_tls_port=listener.websocket_tls_port, http_tls=http.tls,
         )  # fmt: skip
         self.shell = GatewayShell(config, self._open_session, self._metrics, ready=lambda: self.registry.ready,
                                   ports_file=ports_file)  # fmt: skip

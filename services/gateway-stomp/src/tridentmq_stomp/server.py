@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 
 from tridentmq_shared.core_links import CoreLinks
-from tridentmq_shared.gateway import ClientSession, GatewayShell, Metric, ShellConfig, Wire
+from tridentmq_shared.gateway import ClientSession, GatewayShell, Metric, ShellConfig, Wire, listener_tls
 from tridentmq_stomp.session import Counters, StompSession
 from tridentmq_stomp.settings import StompSettings
 
@@ -20,13 +20,16 @@ class StompGateway:
     def __init__(self, settings: StompSettings, ports_file: Path | None = None) -> None:
         self.settings = settings
         self.counters = Counters()
-        self.core_links = CoreLinks.of(settings.core, name=settings.node.name)  # its sessions' links use it
+        # Its sessions' links use it.
+        self.core_links = CoreLinks.of(settings.core, name=settings.node.name, tls=settings.tls)
         listener, limits, http = settings.listener, settings.stomp, settings.http
         config = ShellConfig(
             protocol="stomp", host=listener.host, port=listener.port, websocket_port=listener.websocket_port,
             max_connections=listener.max_connections, subprotocols=SUBPROTOCOLS, subprotocol_required=False,
             max_websocket_message=limits.max_frame_bytes + limits.max_header_bytes + 16,  # a message holds a frame
             binary_frames=False, http_enabled=http.enabled, http_host=http.host, http_port=http.port,
+            tls=listener_tls(settings.tls, listener.tls_port, listener.websocket_tls_port, http_tls=http.tls),
+            tls_port=listener.tls_port, websocket_tls_port=listener.websocket_tls_port, http_tls=http.tls,
         )  # fmt: skip
         self.shell = GatewayShell(config, self._open_session, self._metrics, ports_file=ports_file)
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from tridentmq_shared.core_links import CoreLinkSettings
 from tridentmq_shared.settings import doc
+from tridentmq_shared.tls import TlsSection
 
 ENV_PREFIX = "TRIDENTMQ_STOMP"
 
@@ -22,6 +23,10 @@ class ListenerSection:
                                  "before listening on 0.0.0.0.")  # fmt: skip
     port: int = doc(61613, "STOMP over TCP (0 = any free port, written to the ports file).")
     websocket_port: int = doc(61614, "STOMP over WebSocket, subprotocols v10/v11/v12.stomp or none (-1 = off).")
+    tls_port: int = doc(61612, "STOMP over TLS, opened when `tls.cert_file` is set (-1 = off; 0 = any free "
+                               "port).")  # fmt: skip
+    websocket_tls_port: int = doc(61615, "STOMP over WebSocket over TLS (wss), opened when `tls.cert_file` is set "
+                                       "(-1 = off).")  # fmt: skip
     max_connections: int = doc(10_000, "STOMP connections accepted at once; more are refused.")
 
 
@@ -55,6 +60,7 @@ class HttpSection:
     enabled: bool = doc(True, "Serve /healthz, /readyz and /metrics over HTTP.")
     host: str = doc("127.0.0.1", "Interface of the HTTP server.")
     port: int = doc(8081, "Port of the HTTP server (0 = any free port).")
+    tls: bool = doc(False, "Serve HTTPS instead of HTTP on that port (certificates in `[tls]`).")
 
 
 @dataclass(frozen=True)
@@ -64,3 +70,6 @@ class StompSettings:
     core: CoreLinkSection = doc(CoreLinkSection(), "The core node behind this gateway.")
     stomp: StompLimitsSection = doc(StompLimitsSection(), "Protocol limits, windows and heart-beats.")
     http: HttpSection = doc(HttpSection(), "Health and metrics HTTP server.")
+    tls: TlsSection = doc(TlsSection(), "Certificates of the TLS listeners (`listener.tls_port`, "
+                                        "`listener.websocket_tls_port`, `http.tls`) and of TLS links to the core "
+                                        "(`core.tls`).")  # fmt: skip

@@ -14,6 +14,7 @@ from tridentmq_shared.cli import admin, perf, supervisor
 from tridentmq_shared.link.client import LinkClient, LinkRequestError
 from tridentmq_shared.message import RoutingType, new_message
 from tridentmq_shared.runtime import run_main
+from tridentmq_shared.tls import ClientTls, TlsSection
 
 DEFAULT_MANAGEMENT = "http://127.0.0.1:8161"
 
@@ -24,6 +25,26 @@ def _link_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--user", default=os.environ.get("TRIDENTMQ_USER"), help="user (env TRIDENTMQ_USER)")
     parser.add_argument("--password", default=os.environ.get("TRIDENTMQ_PASSWORD"),
                         help="password (env TRIDENTMQ_PASSWORD)")  # fmt: skip
+    parser.add_argument("--tls", action="store_true", help="connect over TLS (a core with link.tls)")
+    _tls_file_args(parser)
+    parser.add_argument("--cert-file", default="", help="PEM client certificate, for a core asking for one")
+    parser.add_argument("--key-file", default="", help="PEM key of the client certificate (default: in --cert-file)")
+
+
+def _tls_file_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ca-file", default="", help="PEM authorities to check the server's certificate against "
+                        "(default: the system's)")  # fmt: skip
+
+
+def _link_tls(args: argparse.Namespace) -> TlsSection | None:
+    if not args.tls:
+        return None
+    return TlsSection(cert_file=args.cert_file, key_file=args.key_file, ca_file=args.ca_file)
+
+
+def _client_tls(args: argparse.Namespace) -> ClientTls | None:
+    tls = _link_tls(args)
+    return ClientTls(tls) if tls is not None else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,12 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
         status = sub.add_parser(name, help=text)
         status.add_argument("--management", default=DEFAULT_MANAGEMENT, help="management URL (%(default)s)")
         status.add_argument("--json", action="store_true", help="print JSON for scripts")
+        _tls_file_args(status)
 
     queue = sub.add_parser("queue", help="queue commands")
     queue_sub = queue.add_subparsers(dest="queue_command", required=True, metavar="SUBCOMMAND")
     stat = queue_sub.add_parser("stat", help="table of queues: depth, consumers, in-flight, rates")
     stat.add_argument("--management", default=DEFAULT_MANAGEMENT, help="management URL (%(default)s)")
     stat.add_argument("--json", action="store_true", help="print JSON for scripts")
+    _tls_file_args(stat)
 
     produce = sub.add_parser("produce", help="publish messages and wait for their confirms")
     produce.add_argument("address")
@@ -97,7 +120,7 @@ async def _produce(args: argparse.Namespace) -> int:
         properties[key] = value
     routing = RoutingType.MULTICAST if args.multicast else RoutingType.ANYCAST
     async with LinkClient(args.host, args.port, user=args.user, password=args.password,
-                          client_name="tridentmq-produce") as client:  # fmt: skip
+                          client_name="tridentmq-produce", tls=_client_tls(args)) as client:  # fmt: skip
         futures = []
         for n in range(1, args.count + 1):
             body = args.body.replace("{n}", str(n)).encode()
@@ -111,7 +134,7 @@ async def _produce(args: argparse.Namespace) -> int:
 
 async def _consume(args: argparse.Namespace) -> int:
     async with LinkClient(args.host, args.port, user=args.user, password=args.password,
-                          client_name="tridentmq-consume") as client:  # fmt: skip
+                          client_name="tridentmq-consume", tls=_client_tls(args)) as client:  # fmt: skip
         options: dict[str, Any] = {}
         queue = args.queue
         if args.multicast:
@@ -139,7 +162,7 @@ async def _consume(args: argparse.Namespace) -> int:
 
 def _perf(args: argparse.Namespace) -> int:
     opts = perf.PerfOptions(args.host, args.port, args.user, args.password, args.count, args.size, args.durable,
-                            args.rate, args.window)  # fmt: skip
+                            args.rate, args.window, tls=_link_tls(args))  # fmt: skip
     result = perf.run_once(opts)
     print(json.dumps(result) if args.json else perf.describe(result, opts))
     return 0 if result["received"] == args.count else 1
@@ -152,13 +175,13 @@ def run(args: argparse.Namespace) -> int:
                                        discovery=args.discovery, pairs=args.pairs)  # fmt: skip
             return run_main(supervisor.supervise(children))
         case "status":
-            status = admin.fetch(args.management, "/api/status")
+            status = admin.fetch(args.management, "/api/status", ca_file=args.ca_file)
             if status.get("cluster"):
                 status["cluster"]["nodes"] = admin.cluster_nodes(status["cluster"])
             print(json.dumps(status, indent=2) if args.json else admin.status_text(status))
             return 0
         case "queue":
-            queues = admin.fetch(args.management, "/api/queues")
+            queues = admin.fetch(args.management, "/api/queues", ca_file=args.ca_file)
             print(json.dumps(queues, indent=2) if args.json else admin.queue_table(queues))
             return 0
         case "produce":

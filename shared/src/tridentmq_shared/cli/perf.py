@@ -22,6 +22,7 @@ from typing import Any
 from tridentmq_shared.link.client import LinkClient
 from tridentmq_shared.message import M_BODY, RoutingType, new_message
 from tridentmq_shared.runtime import run_main
+from tridentmq_shared.tls import ClientTls, TlsSection
 
 _STAMP = struct.Struct(">q")
 
@@ -39,6 +40,11 @@ class PerfOptions:
     window: int
     consumer_port: int = 0  # another node of a cluster for the consumer (0: the producer's node)
     queue: str = ""  # an existing queue to use (empty: a fresh one is made)
+    tls: TlsSection | None = None  # connect over TLS with these files
+
+
+def _tls(opts: PerfOptions) -> ClientTls | None:
+    return ClientTls(opts.tls) if opts.tls is not None else None
 
 
 def _body(size: int) -> bytearray:
@@ -47,7 +53,7 @@ def _body(size: int) -> bytearray:
 
 async def _produce(opts: PerfOptions, queue: str) -> dict[str, Any]:
     async with LinkClient(opts.host, opts.port, user=opts.user, password=opts.password,
-                          client_name="perf-producer") as client:  # fmt: skip
+                          client_name="perf-producer", tls=_tls(opts)) as client:  # fmt: skip
         body = _body(opts.size)
         prototype = new_message(queue, b"", durable=opts.durable)
         confirms = []
@@ -74,7 +80,7 @@ async def _produce(opts: PerfOptions, queue: str) -> dict[str, Any]:
 
 async def _consume(opts: PerfOptions, queue: str, ready: Connection) -> dict[str, Any]:
     async with LinkClient(opts.host, opts.consumer_port or opts.port, user=opts.user, password=opts.password,
-                          client_name="perf-consumer") as client:  # fmt: skip
+                          client_name="perf-consumer", tls=_tls(opts)) as client:  # fmt: skip
         consumer = await client.subscribe(queue, credit=opts.window, auto_ack=True)
         ready.send("ready")
         latencies: list[int] = []
@@ -105,7 +111,7 @@ async def _make_queue(opts: PerfOptions) -> str:
         return opts.queue
     queue = f"perf.{uuid.uuid4().hex[:8]}"
     async with LinkClient(opts.host, opts.consumer_port or opts.port, user=opts.user, password=opts.password,
-                          client_name="perf-setup") as client:  # fmt: skip
+                          client_name="perf-setup", tls=_tls(opts)) as client:  # fmt: skip
         await client.create_queue(queue, routing_type=RoutingType.ANYCAST, durable=opts.durable,
                                   auto_delete=True)  # fmt: skip
     return queue

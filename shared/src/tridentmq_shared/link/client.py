@@ -40,6 +40,7 @@ from tridentmq_shared.message import (
     WireMessage,
 )
 from tridentmq_shared.runtime import set_nodelay
+from tridentmq_shared.tls import ClientTls
 
 log = logging.getLogger("tridentmq.link.client")
 _OPEN = State.OPEN  # a module constant: enum member access is slow on the publish path
@@ -272,6 +273,7 @@ class LinkClient:
         heartbeat_ms: int = DEFAULT_HEARTBEAT_MS,
         reconnect: ReconnectPolicy | None = None,
         connect_timeout: float = 5.0,
+        tls: ClientTls | None = None,
     ) -> None:
         #: The nodes this client may use (``topology`` is the TOPOLOGY request).
         self.nodes = topology or Topology(list(endpoints) if endpoints else [(host, port)], load_balancing)
@@ -283,6 +285,7 @@ class LinkClient:
         self.heartbeat_ms = heartbeat_ms
         self.reconnect = reconnect or ReconnectPolicy()
         self.connect_timeout = connect_timeout
+        self.tls = tls  # connect with TLS (the core's link.tls)
         self.node_id = ""
         self.node_epoch = 0  # the activation epoch the node announced (HA)
         self.failovers = 0  # reconnects that succeeded
@@ -361,6 +364,7 @@ class LinkClient:
                         return
                     except (OSError, TimeoutError) as exc:
                         problem = LinkClosedError(ErrorCode.EOF, f"cannot connect to {host}:{port}: {exc}")
+                        problem.__cause__ = exc  # a TLS failure (ssl.SSLError) tells its owner to say so
                     except LinkClosedError as exc:  # refused by that node (stopping, too many links): next one
                         if exc.code in _FATAL:
                             raise
@@ -379,8 +383,9 @@ class LinkClient:
         self._conn = conn
         self._error = None
         self._opened = loop.create_future()
+        context = self.tls.context() if self.tls is not None else None
         transport, protocol = await asyncio.wait_for(
-            loop.create_connection(lambda: _Protocol(self), host, port), self.connect_timeout
+            loop.create_connection(lambda: _Protocol(self), host, port, ssl=context), self.connect_timeout
         )
         self._protocol = protocol
         conn.hello(self.user, self.password, self.client_name)
@@ -438,7 +443,17 @@ class LinkClient:
                 else:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(protocol.gone.wait(), CLOSE_TIMEOUT)
+            elif not transport.is_closing():
+                # TLS has no half-close: the server closes the link once it has read our CLOSE.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(protocol.gone.wait(), CLOSE_TIMEOUT)
             transport.close()
+            if not protocol.gone.is_set():
+                # A TLS close takes a round trip (close_notify) before the socket goes: see it through.
+                try:
+                    await asyncio.wait_for(protocol.gone.wait(), CLOSE_TIMEOUT)
+                except TimeoutError:
+                    transport.abort()
         self._fail_all(LinkClosedError(ErrorCode.EOF, "the client was closed"))
 
     def _received(self, protocol: _Protocol, data: bytes) -> None:

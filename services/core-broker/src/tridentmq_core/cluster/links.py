@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 
 from tridentmq_core.settings import CoreSettings
 from tridentmq_shared.link.client import LinkClient, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.tls import ClientTls, TlsSection
 
 
 def node_link(settings: CoreSettings, host: str, port: int, name: str, *, connect_timeout: float) -> LinkClient:
@@ -14,7 +16,15 @@ def node_link(settings: CoreSettings, host: str, port: int, name: str, *, connec
     cluster = settings.cluster
     return LinkClient(host, port, user=cluster.user, password=cluster.password, client_name=name,
                       heartbeat_ms=settings.link.heartbeat_ms, connect_timeout=connect_timeout,
-                      reconnect=ReconnectPolicy(attempts=0, initial_attempts=1))  # fmt: skip
+                      reconnect=ReconnectPolicy(attempts=0, initial_attempts=1),
+                      tls=client_tls(settings.tls) if settings.link.tls else None)  # fmt: skip
+
+
+@functools.cache
+def client_tls(settings: TlsSection) -> ClientTls:
+    """One client context per process for the links to other nodes (their link listeners are TLS when
+    this node's is: a cluster sets ``link.tls`` alike on every node)."""
+    return ClientTls(settings)
 
 
 def watch_close(client: LinkClient) -> tuple[asyncio.Event, list[LinkRequestError]]:

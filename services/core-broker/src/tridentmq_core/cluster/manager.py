@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -212,6 +213,8 @@ class Bridge:
                     self._refused(exc.text)
                 elif exc.code == ErrorCode.NOT_ACTIVE:  # a passive backup: it joins once it takes over
                     self.state, self.reason = "standby", exc.text
+                elif isinstance(exc.__cause__, ssl.SSLError):  # certificates that do not fit: say so, once
+                    self._refused(exc.text)
                 else:
                     self._failed(str(exc))
             except (OSError, TimeoutError) as exc:
