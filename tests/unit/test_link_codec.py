@@ -1289,6 +1289,54 @@ def test_frame_too_large_during_handshake() -> None:
     expect_remote_error(server, b"\xff\xff\xff\xff", ErrorCode.FRAME_TOO_LARGE)
 
 
+def test_before_hello_succeeds_only_a_small_frame_is_accepted() -> None:
+    # An unauthenticated peer announcing a big frame is refused from the header: nothing of it is buffered.
+    server = LinkConnection(Role.SERVER, handshake_frame_size=4096)
+    expect_remote_error(server, struct.pack(">I", 4097), ErrorCode.FRAME_TOO_LARGE)
+    # The same limit holds while the password is being checked (HELLO received, not yet accepted).
+    client = LinkConnection(Role.CLIENT)
+    server = LinkConnection(Role.SERVER, handshake_frame_size=4096)
+    client.hello("u", "p", "c")
+    pump(client, server)
+    expect_remote_error(server, struct.pack(">I", 4097), ErrorCode.FRAME_TOO_LARGE)
+
+
+def test_after_hello_succeeds_the_full_frame_limit_applies() -> None:
+    _, server = open_pair(server_kw={"handshake_frame_size": 4096})
+    spec = {"name": "q", "filler": "f" * 60_000}  # a 60 KB frame: 15 times the handshake limit
+    [created] = server.receive_data(frame([[Op.CREATE_QUEUE, 1, spec]]), 1.0)
+    assert created == ev.CreateQueue(1, spec)
+
+
+@pytest.mark.parametrize("item", [b"\x90", b"\xc0", b"\x80"], ids=["empty-arrays", "nils", "empty-maps"])
+def test_a_handshake_frame_of_many_small_objects_is_refused_before_decoding_them(item: bytes) -> None:
+    # Decoded, each byte would become an object of ~8-64 bytes: before HELLO, no array or map may be long.
+    count = 60_000
+    payload = b"\xdd" + struct.pack(">I", count) + item * count
+    expect_remote_error(LinkConnection(Role.SERVER), raw_frame(payload), ErrorCode.MALFORMED)
+    tail = b"".join(msgpack.packb(v) for v in ["u", "p", "c", 100, MIN_FRAME_SIZE])
+    nested = b"\x91\x97\x01\xdc" + struct.pack(">H", count) + item * count + tail  # as HELLO's version list
+    expect_remote_error(LinkConnection(Role.SERVER), raw_frame(nested), ErrorCode.MALFORMED)
+
+
+def test_a_client_understands_a_long_first_frame_behind_welcome() -> None:
+    client = LinkConnection(Role.CLIENT)
+    server = LinkConnection(Role.SERVER)
+    client.hello("u", "p", "c")
+    pump(client, server)
+    server.accept("node", "conn", 10, 0.0)
+    for _ in range(100):
+        server.grant_publish_credit(1)
+    events = pump(server, client)
+    assert len(events) == 101
+    assert client.publish_credit == 110
+
+
+def test_a_handshake_frame_limit_below_the_minimum_is_refused_locally() -> None:
+    with pytest.raises(ValueError, match="handshake_frame_size"):
+        LinkConnection(Role.SERVER, handshake_frame_size=100)
+
+
 def test_frame_at_the_limit_is_accepted() -> None:
     _, server = open_pair(server_kw={"max_frame_size": MIN_FRAME_SIZE})
     n = MIN_FRAME_SIZE - 40

@@ -41,6 +41,7 @@ from tridentmq_core.ha.manager import (
 )
 from tridentmq_core.ha.network_check import NetworkCheck, NetworkHealth, Reachability, parse_targets
 from tridentmq_core.ha.shared_store import SharedStore, journal_for_epoch
+from tridentmq_core.log_window import LogWindow
 from tridentmq_core.management.app import NodeStatus, QueueRates, create_app
 from tridentmq_core.security import AuthenticationError, Principal, SecurityManager, password_matches
 from tridentmq_core.settings import CoreSettings
@@ -52,7 +53,7 @@ from tridentmq_core.store.memory import MemoryStore
 from tridentmq_core.store.paging import PageDirectory, ThreadIO
 from tridentmq_core.store.recovery import replay
 from tridentmq_shared.link import events as ev
-from tridentmq_shared.link.codec import MIN_FRAME_SIZE, LinkConnection, Role
+from tridentmq_shared.link.codec import MIN_FRAME_SIZE, MIN_HANDSHAKE_FRAME_SIZE, LinkConnection, Role
 from tridentmq_shared.link.errors import LinkError
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.message import MAX_PROPERTIES
@@ -75,9 +76,10 @@ class LinkProtocol(asyncio.Protocol):
     def __init__(self, node: CoreNode) -> None:
         self.node = node
         # One property more than clients may send: a message forwarded by another node carries its header.
-        self.conn = LinkConnection(Role.SERVER, max_frame_size=node.settings.link.max_frame_bytes,
-                                   heartbeat_ms=node.settings.link.heartbeat_ms,
-                                   max_properties=MAX_PROPERTIES + 1)  # fmt: skip
+        link = node.settings.link
+        self.conn = LinkConnection(Role.SERVER, max_frame_size=link.max_frame_bytes, heartbeat_ms=link.heartbeat_ms,
+                                   max_properties=MAX_PROPERTIES + 1,
+                                   handshake_frame_size=link.handshake_max_frame_bytes)  # fmt: skip
         self.session: Session | None = None
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
@@ -89,13 +91,24 @@ class LinkProtocol(asyncio.Protocol):
         set_nodelay(transport)
         peer = transport.get_extra_info("peername")
         self.peer = str(peer[0]) if isinstance(peer, tuple) else str(peer)
-        if len(self.node.protocols) >= self.node.settings.link.max_connections:
-            log.warning("connection refused: limit reached", extra={"peer": self.peer})
-            self.conn.close(ErrorCode.RESOURCE_LIMIT, "the node has its maximum of connections")
-            self.write_pending()
-            self.close_transport()
+        node = self.node
+        if len(node.protocols) >= node.settings.link.max_connections:
+            self._refuse_connection("connections", "the node has its maximum of connections")
             return
-        self.node.protocols[self.conn_id] = self
+        if len(node.handshaking) >= node.settings.link.max_handshaking:
+            self._refuse_connection("handshaking", "the node has its maximum of connections still in their handshake")
+            return
+        node.protocols[self.conn_id] = self
+        node.handshaking.add(self.conn_id)
+
+    def _refuse_connection(self, limit: str, text: str) -> None:
+        """Refuse at once (cheap: a flood may be what filled the limit) and say so once per window."""
+        if self.node.refusals.first(limit, time.monotonic()):
+            log.warning("connection refused: limit reached (further refusals counted once a minute)",
+                        extra={"limit": limit, "peer": self.peer})  # fmt: skip
+        self.conn.close(ErrorCode.RESOURCE_LIMIT, text)
+        self.write_pending()
+        self.close_transport()
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -128,6 +141,7 @@ class LinkProtocol(asyncio.Protocol):
                 return
             self.conn.accept(self.node.node_id, self.conn_id, self.node.settings.link.publish_window, time.monotonic(),
                              self.node.identity.epoch)  # fmt: skip
+            self.node.handshaking.discard(self.conn_id)
             self.session = self.node.broker.open_session(self.conn, self.conn_id, principal, self.peer,
                                                          event.client_name, _now_ms())  # fmt: skip
             self.write_pending()
@@ -156,6 +170,7 @@ class LinkProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.node.protocols.pop(self.conn_id, None)
+        self.node.handshaking.discard(self.conn_id)
         if self.session is not None:
             self.node.broker.close_session(self.session, _now_ms())
             log.info("link closed", extra={"conn": self.conn_id, "peer": self.peer})
@@ -171,6 +186,11 @@ class CoreNode:
         self.ports_file = ports_file
         if settings.link.max_frame_bytes < MIN_FRAME_SIZE:
             raise SettingsError(f"link.max_frame_bytes must be at least {MIN_FRAME_SIZE}")
+        if not MIN_HANDSHAKE_FRAME_SIZE <= settings.link.handshake_max_frame_bytes <= settings.link.max_frame_bytes:
+            raise SettingsError(f"link.handshake_max_frame_bytes must be between {MIN_HANDSHAKE_FRAME_SIZE} and "
+                                "link.max_frame_bytes")  # fmt: skip
+        if settings.link.max_handshaking < 1:
+            raise SettingsError("link.max_handshaking must be at least 1")
         data_dir = settings.node.data_dir
         data_dir.mkdir(parents=True, exist_ok=True)
         self.lock = DataDirectoryLock(data_dir)  # before touching anything in it
@@ -201,6 +221,8 @@ class CoreNode:
         self.status = NodeStatus(started_at=time.time(), epoch=self.identity.epoch)
         self.rates = QueueRates()
         self.protocols: dict[str, LinkProtocol] = {}
+        self.handshaking: set[str] = set()  # connections that have not completed HELLO (link.max_handshaking)
+        self.refusals = LogWindow(60.0)  # connections refused at a limit, logged once a minute per limit
         self._flush_scheduled = False
         self._server: asyncio.Server | None = None
         self._runner: web.AppRunner | None = None
@@ -567,6 +589,9 @@ class CoreNode:
             self._compact(mono - last_second >= 1.0)
             if mono - last_second >= 1.0:
                 last_second = mono
+                for limit, count in self.refusals.ended(mono):
+                    log.warning("connections refused at a limit in the last minute",
+                                extra={"limit": limit, "refused": count})  # fmt: skip
                 self._check_disk()
                 self.audit.tick(time.time_ns() // 1000)
                 self.rates.sample(self.broker, mono)

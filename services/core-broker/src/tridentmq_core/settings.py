@@ -26,7 +26,13 @@ class LinkSection:
     max_frame_bytes: int = doc(16 * 1024 * 1024, "Largest link frame accepted.")
     publish_window: int = doc(8192, "Publishes a link may have in flight before the core grants more.")
     max_connections: int = doc(10_000, "Link connections accepted at once; more are refused.")
-    handshake_timeout_ms: int = doc(10_000, "A connection that has not completed HELLO by then is closed.")
+    handshake_timeout_ms: int = doc(10_000, "A connection that has not sent its HELLO by then is closed.")
+    handshake_max_frame_bytes: int = doc(64 * 1024, "Largest frame accepted before HELLO succeeds (HELLO takes a "
+                                                    "few hundred bytes; at least 1024). Larger ones close the "
+                                                    "connection, so an unauthenticated peer holds at most this "
+                                                    "much of the node's memory.")  # fmt: skip
+    max_handshaking: int = doc(256, "Connections that have not completed HELLO (sending it, or waiting for their "
+                                    "password check) held at once; more are refused with resource-limit.")  # fmt: skip
     tls: bool = doc(False, "Serve the link over TLS only (certificates in `[tls]`). Links this node opens to "
                            "other nodes (cluster connections, replication, votes) then use TLS too, with "
                            "`[tls]` as their client certificate: every node of a cluster sets the same. Gateways "

@@ -28,6 +28,13 @@ DEFAULT_HEARTBEAT_MS: Final = 250
 #: A peer is declared dead after this many heartbeat intervals of silence.
 HEARTBEAT_TIMEOUT_FACTOR: Final = 4
 MIN_FRAME_SIZE: Final = 64 * 1024
+#: Largest frame a server accepts before the handshake by default: HELLO takes a few hundred bytes.
+DEFAULT_HANDSHAKE_FRAME_SIZE: Final = 64 * 1024
+#: Smallest handshake frame limit: room for HELLO with long names.
+MIN_HANDSHAKE_FRAME_SIZE: Final = 1024
+#: Arrays and maps a frame may hold before the handshake: HELLO or CLOSE and a short list of versions.
+#: msgpack turns each 1-byte empty array into a ~64-byte list, so an unauthenticated peer gets no large ones.
+_HANDSHAKE_CONTAINER_LEN: Final = 16
 #: Operations per outgoing frame (see ``data_to_send``).
 FRAME_OPERATIONS: Final = 512
 
@@ -135,13 +142,19 @@ class LinkConnection:
         max_ops_per_frame: int = DEFAULT_MAX_OPS_PER_FRAME,
         heartbeat_ms: int = DEFAULT_HEARTBEAT_MS,
         max_properties: int = MAX_PROPERTIES,
+        handshake_frame_size: int = DEFAULT_HANDSHAKE_FRAME_SIZE,
     ) -> None:
+        """``handshake_frame_size`` (server): the largest frame accepted until ``accept()``, whoever the peer."""
         if max_frame_size < MIN_FRAME_SIZE:
             raise ValueError(f"max_frame_size must be at least {MIN_FRAME_SIZE}")
+        if handshake_frame_size < MIN_HANDSHAKE_FRAME_SIZE:
+            raise ValueError(f"handshake_frame_size must be at least {MIN_HANDSHAKE_FRAME_SIZE}")
         self.role = role
         self.state = State.HANDSHAKE
         self.version = 0
         self.max_frame_size = max_frame_size
+        # What an unauthenticated peer may make us buffer and decode; the full limit once the link is open.
+        self._frame_limit = min(handshake_frame_size, max_frame_size) if role is Role.SERVER else max_frame_size
         self.max_ops_per_frame = max_ops_per_frame
         self.max_properties = max_properties
         self.heartbeat_ms = heartbeat_ms  # our wish until the handshake, the agreed interval after it
@@ -190,8 +203,9 @@ class LinkConnection:
         with memoryview(buf) as view:
             while end - pos >= HEADER_SIZE:
                 size = int.from_bytes(view[pos : pos + HEADER_SIZE], "big")
-                if size > self.max_frame_size:
-                    self._fail(ErrorCode.FRAME_TOO_LARGE, f"frame of {size} bytes exceeds {self.max_frame_size}")
+                if size > self._frame_limit:
+                    self._fail(ErrorCode.FRAME_TOO_LARGE, f"frame of {size} bytes exceeds {self._frame_limit}"
+                               + ("" if self.state is _OPEN else " before the handshake"))  # fmt: skip
                 if end - pos - HEADER_SIZE < size:
                     break
                 start = pos + HEADER_SIZE
@@ -204,7 +218,13 @@ class LinkConnection:
 
     def _receive_frame(self, payload: memoryview, now: float, events: list[ev.Event]) -> None:
         try:
-            ops = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True)
+            if self.state is _OPEN or self.role is _CLIENT:  # WELCOME may come with more behind it
+                # Lengths are bounded by the frame's size (msgpack's defaults), nesting by its fixed stack.
+                ops = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True)
+            else:
+                ops = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True,
+                                      max_array_len=_HANDSHAKE_CONTAINER_LEN, max_map_len=_HANDSHAKE_CONTAINER_LEN,
+                                      max_ext_len=0)  # fmt: skip
         except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
             self._fail(ErrorCode.MALFORMED, f"undecodable frame: {exc}")
         if type(ops) is not list or not ops:
@@ -504,6 +524,7 @@ class LinkConnection:
             raise LocalProtocolError(ErrorCode.UNEXPECTED, "accept() answers a HELLO")
         self.publish_credit = publish_credit
         self.state = _OPEN
+        self._frame_limit = self.max_frame_size
         self._start_heartbeats(now)
         welcome = [Op.WELCOME, self.version, node_id, conn_id, self.heartbeat_ms, self.max_frame_size, publish_credit]
         if epoch:
