@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -65,6 +66,11 @@ def _spawn(module: str, ports_file: Path, log_path: Path, args: list[str], envir
             raise RuntimeError(f"{module} did not start in {STARTUP_TIMEOUT} s:\n{log_path.read_text()}")
         time.sleep(0.05)
     return process, json.loads(ports_file.read_text())
+
+
+def basic_auth(user: str, password: str) -> dict[str, str]:
+    """The header that authenticates a management API request as ``user`` (HTTP Basic)."""
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
 
 
 @dataclass

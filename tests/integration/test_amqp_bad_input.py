@@ -26,7 +26,7 @@ import aiohttp
 import pytest
 from proton import Message
 from proton.utils import BlockingConnection
-from tests.conftest import CoreProcess, GatewayProcess, start_core, start_gateway, stop_cleanly
+from tests.conftest import CoreProcess, GatewayProcess, basic_auth, start_core, start_gateway, stop_cleanly
 
 from tridentmq_amqp.protocol.types import Described, Symbol, UByte, UInt, ULong, decode, encode
 
@@ -61,8 +61,11 @@ USER, PASSWORD = "app", "secret"
 #: A core with one user: everything on open.#, only consume on consumeonly.#, nothing on secret.#.
 _ALL = ("send", "consume", "browse", "createAddress", "createDurableQueue", "createNonDurableQueue",
         "deleteDurableQueue", "deleteNonDurableQueue")  # fmt: skip
+ADMIN: Final = ("ops", "ops-secret")  # reads the management API (manage on everything), nothing else
 SECURED_CONFIG: Final = (
     f'[[users]]\nname = "{USER}"\npassword = "{PASSWORD}"\nroles = ["app"]\n'
+    f'[[users]]\nname = "{ADMIN[0]}"\npassword = "{ADMIN[1]}"\nroles = ["ops"]\n'
+    '[[permissions]]\nmatch = "#"\npermission = "manage"\nroles = ["ops"]\n'
     + "".join(f'[[permissions]]\nmatch = "open.#"\npermission = "{p}"\nroles = ["app"]\n' for p in _ALL)
     + "".join(
         f'[[permissions]]\nmatch = "consumeonly.#"\npermission = "{p}"\nroles = ["app"]\n'
@@ -308,10 +311,11 @@ def assert_serves(gateway: GatewayProcess, prefix: str = "healthy", **auth: Any)
         conn.close()
 
 
-def queue_depth(core: CoreProcess, name: str) -> int:
+def queue_depth(core: CoreProcess, name: str, auth: tuple[str, str] | None = None) -> int:
     url = f"{core.management_url}/api/queues/{urllib.parse.quote(name, safe='')}"
+    request = urllib.request.Request(url, headers=basic_auth(*auth) if auth else {})
     try:
-        with urllib.request.urlopen(url, timeout=WAIT) as response:
+        with urllib.request.urlopen(request, timeout=WAIT) as response:
             return int(json.loads(response.read())["depth"])
     except urllib.error.HTTPError as exc:
         exc.close()
@@ -574,7 +578,7 @@ def test_an_attach_to_a_forbidden_address_is_refused_and_the_connection_stays_us
         peer.send(transfer_frame(1, 0, message_bytes("fine")))
         disposition = peer.expect(DISPOSITION)
         assert disposition.field(4) == Described(ACCEPTED, []), disposition
-    assert queue_depth(secured.core, queue) == 1
+    assert queue_depth(secured.core, queue, ADMIN) == 1
     assert_serves(secured.gateway, "open.after", **secured_auth())
 
 
@@ -601,7 +605,7 @@ def test_sending_without_the_send_permission_is_rejected_and_the_link_detached(s
         peer.attach_sender("allowed", 1, unique("open.after"))
         peer.send(transfer_frame(1, 1, message_bytes("fine")))
         assert peer.expect(DISPOSITION).field(4) == Described(ACCEPTED, [])
-    assert queue_depth(secured.core, queue) == 0
+    assert queue_depth(secured.core, queue, ADMIN) == 0
     assert_serves(secured.gateway, "open.after", **secured_auth())
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.conftest import basic_auth
 from tests.jepsen.checker import Delivery, Verdict, check, compare_nodes
 from tests.jepsen.nemesis import NetLab, kill9, resume
 
@@ -58,7 +59,8 @@ PASSWORD = "jepsen-secret"
 FENCED_EXIT_CODE = 3
 CONFIRM_GRACE = 1.5  # seconds after a primary is cut off during which confirms already on their way may arrive
 PERMISSIONS = ("send", "consume", "browse", "createAddress", "deleteAddress", "createDurableQueue",
-               "deleteDurableQueue", "createNonDurableQueue", "deleteNonDurableQueue")  # fmt: skip
+               "deleteDurableQueue", "createNonDurableQueue", "deleteNonDurableQueue",
+               "manage")  # fmt: skip  # manage: the monitor reads /api/status
 CONFIG = f'[[users]]\nname = "{USER}"\npassword = "{PASSWORD}"\nroles = ["app"]\n' + "".join(
     f'[[permissions]]\nmatch = "#"\npermission = "{p}"\nroles = ["app"]\n' for p in PERMISSIONS
 )
@@ -90,7 +92,8 @@ def agent_monitor(spec: dict[str, Any]) -> None:
             sent = time.monotonic()
             view: dict[str, Any] | None
             try:
-                with urllib.request.urlopen(url, timeout=0.5) as response:
+                request = urllib.request.Request(url, headers=basic_auth(USER, PASSWORD))
+                with urllib.request.urlopen(request, timeout=0.5) as response:
                     view = _compact_view(dict(json.loads(response.read()).get("ha") or {}))
             except (urllib.error.URLError, OSError, ValueError):
                 view = None

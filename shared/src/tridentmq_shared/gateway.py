@@ -24,6 +24,7 @@ from typing import Protocol, TypeVar, cast
 
 from aiohttp import WSMsgType, web
 
+from tridentmq_shared.http_hosts import HostCheck, host_check_middleware
 from tridentmq_shared.logs import setup_logging
 from tridentmq_shared.runtime import run_main, set_nodelay
 from tridentmq_shared.settings import SettingsError, load_settings
@@ -89,6 +90,7 @@ class ShellConfig:
     tls_port: int = -1  # the protocol over TLS (-1: none)
     websocket_tls_port: int = -1  # the protocol over WebSocket over TLS (-1: none)
     http_tls: bool = False  # HTTPS instead of HTTP
+    http_allowed_hosts: tuple[str, ...] = ()  # Host names allowed besides loopback ones (see http_hosts.py)
 
 
 def listener_tls(tls: TlsSection, *ports: int, http_tls: bool = False) -> ServerTls | None:
@@ -283,7 +285,8 @@ class GatewayShell:
             if tls is not None and config.websocket_tls_port >= 0:
                 self.ports["websocket_tls"] = await self._serve(runner, config.host, config.websocket_tls_port, tls)
         if config.http_enabled:
-            app = web.Application()
+            hosts = HostCheck((*config.http_allowed_hosts, config.http_host))
+            app = web.Application(middlewares=[host_check_middleware(hosts, "http.allowed_hosts")])
             app.router.add_get("/healthz", self._healthz)
             app.router.add_get("/readyz", self._readyz)
             app.router.add_get("/metrics", self._metrics)

@@ -356,7 +356,9 @@ class CoreNode:
         self._server = await loop.create_server(lambda: LinkProtocol(self), link.host, link.port, ssl=link_tls)
         self.status.link_port = self._server.sockets[0].getsockname()[1]
         if self.settings.management.enabled:
-            self._runner = web.AppRunner(create_app(self.broker, self.status, self.rates), access_log=None)
+            self._runner = web.AppRunner(
+                create_app(self.broker, self.status, self.rates, self.security), access_log=None
+            )
             await self._runner.setup()
             # Bind the socket ourselves: with port 0 that is the only way to learn the port.
             sock = socket.create_server((self.settings.management.host, self.settings.management.port))

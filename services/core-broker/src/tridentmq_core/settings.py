@@ -60,6 +60,13 @@ class ManagementSection:
     host: str = doc("127.0.0.1", "Interface of the management HTTP server.")
     port: int = doc(8161, "Port of the management HTTP server (0 = any free port).")
     tls: bool = doc(False, "Serve HTTPS instead of HTTP on that port (certificates in `[tls]`).")
+    allowed_hosts: list[str] = doc(list, "Host names requests may carry in their Host header besides loopback "
+                                         "names, the address they came in on, `management.host`, `link.host` and "
+                                         "`cluster.advertise_host` (a check against DNS rebinding); `*` allows "
+                                         "any.", factory=True)  # fmt: skip
+    public_metrics: bool = doc(True, "/metrics answers without credentials even when users are configured (it "
+                                     "holds names and counts, no secret); false: it needs the manage permission "
+                                     "like /api.")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -189,7 +196,7 @@ class PermissionEntry:
     match: str = doc("#", "Address pattern (`*` one word, `#` any words) this grant applies to.")
     permission: str = doc("send", "One of send, consume, browse, createAddress, deleteAddress, createDurableQueue, "
                                   "deleteDurableQueue, createNonDurableQueue, deleteNonDurableQueue, manage "
-                                  "(manage is not checked yet: the management API listens on loopback).")  # fmt: skip
+                                  "(manage on `$sys.management`: the management API's /api).")  # fmt: skip
     roles: list[str] = doc(list, "Roles granted the permission on matching addresses.", factory=True)
 
 

@@ -39,6 +39,7 @@ class MqttGateway:
             http_enabled=http.enabled, http_host=http.host, http_port=http.port,
             tls=listener_tls(settings.tls, listener.tls_port, listener.websocket_tls_port, http_tls=http.tls),
             tls_port=listener.tls_port, websocket_tls_port=listener.websocket_tls_port, http_tls=http.tls,
+            http_allowed_hosts=tuple(http.allowed_hosts),
         )  # fmt: skip
         self.shell = GatewayShell(config, self._open_session, self._metrics, ready=lambda: self.registry.ready,
                                   ports_file=ports_file)  # fmt: skip

@@ -61,6 +61,9 @@ class HttpSection:
     host: str = doc("127.0.0.1", "Interface of the HTTP server.")
     port: int = doc(8081, "Port of the HTTP server (0 = any free port).")
     tls: bool = doc(False, "Serve HTTPS instead of HTTP on that port (certificates in `[tls]`).")
+    allowed_hosts: list[str] = doc(list, "Host names requests may carry in their Host header besides loopback "
+                                         "names, the address they came in on and `http.host` (a check against "
+                                         "DNS rebinding); `*` allows any.", factory=True)  # fmt: skip
 
 
 @dataclass(frozen=True)

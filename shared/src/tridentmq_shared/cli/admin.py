@@ -2,32 +2,55 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import ssl
 import urllib.error
 import urllib.request
 from typing import Any
 
+Credentials = tuple[str, str] | None  # user and password for HTTP Basic, None: send none
+
+_HINT = {401: "give --user and --password, or set TRIDENTMQ_USER and TRIDENTMQ_PASSWORD",
+         403: "the user needs the manage permission"}  # fmt: skip
+
 
 class AdminError(Exception):
     """The management API could not be reached or answered badly; the text is for the user."""
 
 
-def fetch(base_url: str, path: str, timeout: float = 5.0, *, ca_file: str = "") -> Any:
-    """GET ``path`` as JSON; an https URL's certificate is checked against ``ca_file`` (else the system's
-    authorities)."""
+def fetch(base_url: str, path: str, timeout: float = 5.0, *, ca_file: str = "", credentials: Credentials = None,
+          ) -> Any:  # fmt: skip
+    """GET ``path`` as JSON, as ``credentials``' user when given; an https URL's certificate is checked against
+    ``ca_file`` (else the system's authorities)."""
     url = base_url.rstrip("/") + path
     context = ssl.create_default_context(cafile=ca_file or None) if url.startswith("https:") else None
+    request = urllib.request.Request(url)  # noqa: S310 - an operator-given URL
+    if credentials is not None:
+        token = base64.b64encode(f"{credentials[0]}:{credentials[1]}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
     try:
-        with urllib.request.urlopen(url, timeout=timeout, context=context) as response:  # noqa: S310 - operator-given
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as response:  # noqa: S310 - operator-given
             return json.loads(response.read())
     except urllib.error.HTTPError as exc:
-        raise AdminError(f"{url} answered {exc.code}") from None
+        raise AdminError(f"{url} answered {exc.code}{_why(exc)}") from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise AdminError(f"cannot reach {url}: {reason} (is the core running? see --management)") from None
     except json.JSONDecodeError:
         raise AdminError(f"{url} did not answer JSON") from None
+
+
+def _why(error: urllib.error.HTTPError) -> str:
+    """What the server said about a refusal (its JSON ``error``) and what to do about it."""
+    try:
+        said = json.loads(error.read(4096)).get("error")
+    except (ValueError, AttributeError, OSError):
+        said = None
+    parts = [str(said)] if said else []
+    if error.code in _HINT:
+        parts.append(_HINT[error.code])
+    return f": {'; '.join(parts)}" if parts else ""
 
 
 def format_table(headers: list[str], rows: list[list[Any]]) -> str:
@@ -115,7 +138,7 @@ def cluster_lines(cluster: dict[str, Any]) -> list[str]:
     return lines
 
 
-def cluster_nodes(cluster: dict[str, Any]) -> list[dict[str, Any]]:
+def cluster_nodes(cluster: dict[str, Any], credentials: Credentials = None) -> list[dict[str, Any]]:
     """Every live member's own figures, read from its management API (an unreachable one says why)."""
     nodes = []
     for member in cluster["members"]:
@@ -127,7 +150,12 @@ def cluster_nodes(cluster: dict[str, Any]) -> list[dict[str, Any]]:
             entry["error"] = "no management port"
         else:
             try:
-                view = fetch(f"http://{member['host']}:{member['management']}", "/api/cluster", timeout=2.0)
+                view = fetch(
+                    f"http://{member['host']}:{member['management']}",
+                    "/api/cluster",
+                    timeout=2.0,
+                    credentials=credentials,
+                )
             except AdminError as exc:
                 entry["error"] = str(exc)
             else:

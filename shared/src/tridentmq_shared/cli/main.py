@@ -22,13 +22,24 @@ DEFAULT_MANAGEMENT = "http://127.0.0.1:8161"
 def _link_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="core node host (default %(default)s)")
     parser.add_argument("--port", type=int, default=61616, help="core link port (default %(default)s)")
-    parser.add_argument("--user", default=os.environ.get("TRIDENTMQ_USER"), help="user (env TRIDENTMQ_USER)")
-    parser.add_argument("--password", default=os.environ.get("TRIDENTMQ_PASSWORD"),
-                        help="password (env TRIDENTMQ_PASSWORD)")  # fmt: skip
+    _user_args(parser)
     parser.add_argument("--tls", action="store_true", help="connect over TLS (a core with link.tls)")
     _tls_file_args(parser)
     parser.add_argument("--cert-file", default="", help="PEM client certificate, for a core asking for one")
     parser.add_argument("--key-file", default="", help="PEM key of the client certificate (default: in --cert-file)")
+
+
+def _management_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--management", default=DEFAULT_MANAGEMENT, help="management URL (%(default)s)")
+    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+    _user_args(parser)
+    _tls_file_args(parser)
+
+
+def _user_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--user", default=os.environ.get("TRIDENTMQ_USER"), help="user (env TRIDENTMQ_USER)")
+    parser.add_argument("--password", default=os.environ.get("TRIDENTMQ_PASSWORD"),
+                        help="password (env TRIDENTMQ_PASSWORD)")  # fmt: skip
 
 
 def _tls_file_args(parser: argparse.ArgumentParser) -> None:
@@ -70,17 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("args", nargs=argparse.REMAINDER, help="verify|print [--data-dir DIR] [--journal DIR]")
 
     for name, text in (("status", "show a core node's state"),):
-        status = sub.add_parser(name, help=text)
-        status.add_argument("--management", default=DEFAULT_MANAGEMENT, help="management URL (%(default)s)")
-        status.add_argument("--json", action="store_true", help="print JSON for scripts")
-        _tls_file_args(status)
+        _management_args(sub.add_parser(name, help=text))
 
     queue = sub.add_parser("queue", help="queue commands")
     queue_sub = queue.add_subparsers(dest="queue_command", required=True, metavar="SUBCOMMAND")
-    stat = queue_sub.add_parser("stat", help="table of queues: depth, consumers, in-flight, rates")
-    stat.add_argument("--management", default=DEFAULT_MANAGEMENT, help="management URL (%(default)s)")
-    stat.add_argument("--json", action="store_true", help="print JSON for scripts")
-    _tls_file_args(stat)
+    _management_args(queue_sub.add_parser("stat", help="table of queues: depth, consumers, in-flight, rates"))
 
     produce = sub.add_parser("produce", help="publish messages and wait for their confirms")
     produce.add_argument("address")
@@ -168,6 +173,11 @@ def _perf(args: argparse.Namespace) -> int:
     return 0 if result["received"] == args.count else 1
 
 
+def _credentials(args: argparse.Namespace) -> admin.Credentials:
+    """HTTP Basic credentials for the management API: given when a user is (a node without users needs none)."""
+    return (args.user, args.password or "") if args.user else None
+
+
 def run(args: argparse.Namespace) -> int:
     match args.command:
         case "up":
@@ -175,13 +185,13 @@ def run(args: argparse.Namespace) -> int:
                                        discovery=args.discovery, pairs=args.pairs)  # fmt: skip
             return run_main(supervisor.supervise(children))
         case "status":
-            status = admin.fetch(args.management, "/api/status", ca_file=args.ca_file)
+            status = admin.fetch(args.management, "/api/status", ca_file=args.ca_file, credentials=_credentials(args))
             if status.get("cluster"):
-                status["cluster"]["nodes"] = admin.cluster_nodes(status["cluster"])
+                status["cluster"]["nodes"] = admin.cluster_nodes(status["cluster"], _credentials(args))
             print(json.dumps(status, indent=2) if args.json else admin.status_text(status))
             return 0
         case "queue":
-            queues = admin.fetch(args.management, "/api/queues", ca_file=args.ca_file)
+            queues = admin.fetch(args.management, "/api/queues", ca_file=args.ca_file, credentials=_credentials(args))
             print(json.dumps(queues, indent=2) if args.json else admin.queue_table(queues))
             return 0
         case "produce":

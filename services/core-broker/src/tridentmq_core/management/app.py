@@ -2,7 +2,7 @@
 
 Every handler reads the broker synchronously on the event loop that also drives the broker, so a response
 is a consistent snapshot and nothing here ever awaits in the middle of reading broker state. The API is
-read-only: the broker is changed only through the link.
+read-only: the broker is changed only through the link. Who may read what: ``access.py``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from tridentmq_core.broker import Broker, Session
+from tridentmq_core.management.access import ManagementAccess, access_middlewares
 from tridentmq_core.management.metrics import CONTENT_TYPE, render_metrics
 from tridentmq_core.queues import Queue
+from tridentmq_core.security import SecurityManager
 
 
 class JournalStats(Protocol):
@@ -185,10 +187,16 @@ class _Handlers:
         return web.json_response([connection_view(s) for s in sessions])
 
 
-def create_app(broker: Broker, status: NodeStatus, rates: QueueRates) -> web.Application:
-    """The management application; the caller runs it (``web.AppRunner``) next to the link listener."""
+def create_app(broker: Broker, status: NodeStatus, rates: QueueRates, security: SecurityManager | None = None,
+               ) -> web.Application:  # fmt: skip
+    """The management application; the caller runs it (``web.AppRunner``) next to the link listener.
+    ``security`` holds the users who may use it (by default those of the broker's settings)."""
     handlers = _Handlers(broker, status, rates)
-    app = web.Application()
+    settings = broker.settings
+    if security is None:
+        security = SecurityManager(settings.users, settings.permissions)
+    access = ManagementAccess(security, public_metrics=settings.management.public_metrics)
+    app = web.Application(middlewares=access_middlewares(settings, access))
     app.router.add_get("/healthz", handlers.healthz)
     app.router.add_get("/readyz", handlers.readyz)
     app.router.add_get("/metrics", handlers.metrics)
