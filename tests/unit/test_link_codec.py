@@ -23,6 +23,8 @@ from tridentmq_shared.link.codec import (
     DEFAULT_MAX_OPS_PER_FRAME,
     FRAME_OPERATIONS,
     HEARTBEAT_TIMEOUT_FACTOR,
+    MAX_CREDIT,
+    MAX_FIELD_INT,
     MIN_FRAME_SIZE,
     LinkConnection,
     Role,
@@ -36,6 +38,7 @@ from tridentmq_shared.message import (
     M_PRIORITY,
     M_PROPS,
     M_ROUTING,
+    MAX_TIME_MS,
     MESSAGE_FIELDS,
     ROUTING_DEFAULT,
     RoutingType,
@@ -279,8 +282,8 @@ def test_hello_without_credentials() -> None:
 
 @pytest.mark.parametrize(
     ("client_hb", "server_hb", "agreed"),
-    # The server decides: its 0 disables heartbeats, a client's 0 (or less) cannot.
-    [(100, 300, 300), (300, 100, 300), (250, 250, 250), (0, 300, 300), (300, 0, 0), (0, 0, 0), (-5, 100, 100)],
+    # The server decides: its 0 disables heartbeats, a client's 0 cannot (a negative interval is malformed).
+    [(100, 300, 300), (300, 100, 300), (250, 250, 250), (0, 300, 300), (300, 0, 0), (0, 0, 0)],
 )
 def test_agreed_heartbeat(client_hb: int, server_hb: int, agreed: int) -> None:
     client, server = open_pair(client_kw={"heartbeat_ms": client_hb}, server_kw={"heartbeat_ms": server_hb})
@@ -390,9 +393,7 @@ def test_client_expects_welcome_first(ops: list[Any]) -> None:
     "welcome",
     [
         [Op.WELCOME, 2, "n", "c", 100, MIN_FRAME_SIZE, 10],  # version not offered
-        [Op.WELCOME, 1, "n", "c", -1, MIN_FRAME_SIZE, 10],
         [Op.WELCOME, 1, "n", "c", 100, MIN_FRAME_SIZE - 1, 10],
-        [Op.WELCOME, 1, "n", "c", 100, MIN_FRAME_SIZE, -1],
     ],
 )
 def test_invalid_welcome(welcome: list[Any]) -> None:
@@ -400,6 +401,17 @@ def test_invalid_welcome(welcome: list[Any]) -> None:
     client.hello("u", "p", "c")
     client.data_to_send()
     expect_remote_error(client, frame([welcome]), ErrorCode.INVALID)
+
+
+@pytest.mark.parametrize(
+    "welcome",
+    [[Op.WELCOME, 1, "n", "c", -1, MIN_FRAME_SIZE, 10], [Op.WELCOME, 1, "n", "c", 100, MIN_FRAME_SIZE, -1]],
+)
+def test_a_welcome_with_a_negative_integer_is_malformed(welcome: list[Any]) -> None:
+    client = LinkConnection(Role.CLIENT)
+    client.hello("u", "p", "c")
+    client.data_to_send()
+    expect_remote_error(client, frame([welcome]), ErrorCode.MALFORMED)
 
 
 def test_welcome_with_wrong_field_type_is_malformed() -> None:
@@ -1709,6 +1721,39 @@ def test_wrong_field_count_or_type(op: list[Any]) -> None:
     expect_remote_error(_ready_server(), frame([op]), ErrorCode.MALFORMED)
 
 
+@pytest.mark.parametrize(
+    "op",
+    [
+        [Op.DELETE_QUEUE, -1, "q"],
+        [Op.DELETE_QUEUE, 2**63, "q"],
+        [Op.TX_BEGIN, 1, 2**64 - 1],
+        [Op.UNSUBSCRIBE, 1, -5],
+        [Op.SUBSCRIBE, 1, 1, "q", -1, {}],
+        [Op.SUBSCRIBE, 1, 1, "q", MAX_CREDIT + 1, {}],
+        [Op.FLOW, 1, MAX_CREDIT + 1],
+        [Op.FLOW, -1, 1],
+        [Op.ACK, 1, 0, [1, 2**63]],
+        [Op.NACK, 1, [-1], int(NackMode.REDELIVER)],
+        [Op.PUBLISH, 1, -1, new_message("a", b"")],
+        [Op.PUBLISH, 1, 2**63, new_message("a", b"")],
+    ],
+)
+def test_integer_fields_out_of_range_are_malformed(op: list[Any]) -> None:
+    """Every integer a peer sends stays within what the receiver can add to, store, echo and log."""
+    expect_remote_error(_ready_server(), frame([op]), ErrorCode.MALFORMED)
+
+
+def test_a_credit_grant_out_of_range_is_malformed() -> None:
+    expect_remote_error(_ready_client(), frame([[Op.PUBLISH_CREDIT, MAX_CREDIT + 1]]), ErrorCode.MALFORMED)
+    expect_remote_error(_ready_client(), frame([[Op.DELIVER, 1, -1, message()]]), ErrorCode.MALFORMED)
+
+
+def test_integer_fields_at_their_limits_are_accepted() -> None:
+    server = _ready_server()
+    events = server.receive_data(frame([[Op.FLOW, MAX_FIELD_INT, MAX_CREDIT], [Op.TX_BEGIN, MAX_FIELD_INT, 0]]), 1.0)
+    assert events == [ev.Flow(MAX_FIELD_INT, MAX_CREDIT), ev.TxBegin(MAX_FIELD_INT, 0)]
+
+
 # ---------------------------------------------------------------------------------------------- messages
 def _with(index: int, value: Any) -> list[Any]:
     m = message()
@@ -1744,6 +1789,17 @@ INVALID_MESSAGES = {
     "content-type-not-str": _with(12, 1),
     "protocol-not-str": _with(13, value=True),
     "scheduled-not-int": _with(14, "now"),
+    # Out of range: the core turns times into microseconds and adds to them (a timestamp of 2**63-1 once
+    # stopped a core's timers when its expiry was audited).
+    "id-negative": _with(0, -1),
+    "id-above-int64": _with(0, 2**63),
+    "timestamp-int64-max": _with(6, 2**63 - 1),
+    "timestamp-negative": _with(6, -1),
+    "timestamp-after-9999": _with(6, MAX_TIME_MS + 1),
+    "expiration-int64-max": _with(5, 2**63 - 1),
+    "expiration-negative": _with(5, -1),
+    "scheduled-uint64-max": _with(14, 2**64 - 1),
+    "scheduled-negative": _with(14, -(2**63)),
 }
 
 
@@ -1781,6 +1837,8 @@ def test_max_properties_setting() -> None:
 
 def test_valid_messages_pass_check_message() -> None:
     assert check_message(message()) is None
+    assert check_message(_with(6, MAX_TIME_MS)) is None
+    assert check_message(_with(0, 2**63 - 1)) is None
     assert check_message(message(routing=int(RoutingType.MULTICAST))) is None
     assert check_message(message(routing=ROUTING_DEFAULT, priority=0)) is None
     full = message(
@@ -1810,7 +1868,7 @@ property_values = (
     | st.binary(max_size=10)
 )
 opt_text = st.none() | st.text(max_size=10)
-ms = st.integers(min_value=0, max_value=2**63 - 1)
+ms = st.integers(min_value=0, max_value=MAX_TIME_MS)
 wire_messages = st.builds(
     new_message,
     st.text(min_size=1, max_size=20),

@@ -11,7 +11,7 @@ from tests.unit.broker_harness import BASE_MS, Client, Harness, bodies, failed, 
 from tridentmq_core.broker import MAX_WILL_KEY
 from tridentmq_core.settings import AddressSettingsEntry, BrokerSection, CoreSettings, PermissionEntry, UserEntry
 from tridentmq_shared.link.ops import ErrorCode
-from tridentmq_shared.message import M_BODY, M_DEDUP, M_ID, M_TIMESTAMP, WireMessage, new_message
+from tridentmq_shared.message import M_BODY, M_DEDUP, M_ID, M_TIMESTAMP, MAX_TIME_MS, WireMessage, new_message
 
 
 @pytest.fixture
@@ -185,7 +185,7 @@ def test_a_will_that_could_not_be_published_is_refused(message: WireMessage, cod
     assert bodies(watcher.take(cid)) == [b"kept"]  # the refused one changed nothing
 
 
-@pytest.mark.parametrize(("key", "delay_ms"), [("", 0), ("k" * (MAX_WILL_KEY + 1), 0), ("k", -1)])
+@pytest.mark.parametrize(("key", "delay_ms"), [("", 0), ("k" * (MAX_WILL_KEY + 1), 0), ("k", -1), ("k", MAX_TIME_MS + 1)])
 def test_a_bad_will_key_or_delay_is_invalid(c: Client, key: str, delay_ms: int) -> None:
     failed(c.set_will(key, will(), delay_ms=delay_ms), ErrorCode.INVALID)
     ok(c.set_will("k" * MAX_WILL_KEY, will(), delay_ms=0))

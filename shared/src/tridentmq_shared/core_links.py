@@ -20,6 +20,7 @@ from tridentmq_shared.link.client import LinkClient, LinkRequestError, Reconnect
 from tridentmq_shared.link.codec import DEFAULT_HEARTBEAT_MS
 from tridentmq_shared.link.topology import Endpoint, Topology, load_balancing, parse_endpoint
 from tridentmq_shared.settings import SettingsError, doc
+from tridentmq_shared.supervision import spawn
 from tridentmq_shared.tls import ClientTls, TlsSection
 
 log = logging.getLogger("tridentmq.gateway")
@@ -126,7 +127,7 @@ class CoreLinks:
         """Follow the cluster's topology in the background (the gateway serves meanwhile, from the
         configured nodes)."""
         if self._watching is None:
-            self._watching = asyncio.get_running_loop().create_task(self._watch(), name="core topology")
+            self._watching = spawn(self._watch(), "core topology")
 
     async def _watch(self) -> None:
         settings = self.settings

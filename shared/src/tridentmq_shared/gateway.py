@@ -28,6 +28,7 @@ from tridentmq_shared.http_hosts import HostCheck, host_check_middleware
 from tridentmq_shared.logs import setup_logging
 from tridentmq_shared.runtime import run_main, set_nodelay
 from tridentmq_shared.settings import SettingsError, load_settings
+from tridentmq_shared.supervision import EXIT_TASK_FAILED, Supervisor, current, install
 from tridentmq_shared.tls import ServerTls, TlsSection, peer_common_name
 
 log = logging.getLogger("tridentmq.gateway")
@@ -371,6 +372,9 @@ class GatewayShell:
         return web.json_response({"status": "ok"})
 
     async def _readyz(self, _request: web.Request) -> web.Response:
+        failure = current().failure
+        if failure is not None:  # a background task failed: the process is stopping
+            return web.json_response({"status": "failed", "reason": failure}, status=503)
         if not self.started or not self.is_ready():
             return web.json_response({"status": "starting" if not self.started else "unavailable"}, status=503)
         return web.json_response({"status": "ready", **self.ports})
@@ -416,22 +420,45 @@ def run_gateway(protocol: str, settings_class: type[S], env_prefix: str,
     except SettingsError as exc:
         sys.exit(f"{prog}: {exc}")
     setup_logging(settings.node.log_level)
+    supervisor = Supervisor()
+    install(supervisor)  # before the gateway exists: its parts supervise their tasks with it
     try:
         gateway = make(settings, args.ports_file)
     except SettingsError as exc:  # a value the loader cannot check alone (a malformed connector, say)
         sys.exit(f"{prog}: {exc}")
     try:
-        run_main(_serve(gateway))
+        code = run_main(_serve(gateway, supervisor))
     except OSError as exc:
         sys.exit(f"{prog}: {exc}")
+    if code:
+        sys.exit(code)
 
 
-async def _serve(gateway: Gateway) -> None:
-    stop = asyncio.Event()
+#: How long a stop after a failed task may take before the process exits anyway.
+STOP_TIMEOUT = 30.0
+
+
+async def _serve(gateway: Gateway, supervisor: Supervisor) -> int:
+    """Serve until a signal (exit status 0) or until a background task fails (``EXIT_TASK_FAILED``)."""
+    signalled = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, signalled.set)
+    failed = asyncio.ensure_future(supervisor.wait_failed())
     await gateway.start()
-    await stop.wait()
-    log.info("stopping on signal")
-    await gateway.stop()
+    stop = asyncio.ensure_future(signalled.wait())
+    await asyncio.wait({stop, failed}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if failed.done():
+        code = EXIT_TASK_FAILED
+        log.critical("stopping: a background task failed", extra={"reason": failed.result()})
+    else:
+        log.info("stopping on signal")
+    for waiting in (stop, failed):
+        waiting.cancel()
+    try:
+        await (asyncio.wait_for(gateway.stop(), STOP_TIMEOUT) if code else gateway.stop())
+    except Exception:
+        log.exception("the gateway did not stop cleanly")
+        code = code or EXIT_TASK_FAILED
+    return code

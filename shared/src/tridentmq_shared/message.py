@@ -50,6 +50,12 @@ DEFAULT_PRIORITY: Final = 4
 #: there, so a reply that arrives after its requester left is dropped instead of kept for ever.
 TEMPORARY_ADDRESS_PREFIX: Final = "tmp."
 MAX_PRIORITY: Final = 9
+#: Latest time a message may carry (its timestamp, expiration or scheduled delivery): 9999-12-31T23:59:59.999Z
+#: in ms since the epoch. Times are turned into microseconds (audit) and added to (delays, redelivery), and
+#: must stay far inside 64 bits doing so; no client means a later date.
+MAX_TIME_MS: Final = 253_402_300_799_999
+#: Largest message id (ids are signed 64-bit integers in every protocol that shows them).
+MAX_MESSAGE_ID: Final = 2**63 - 1
 #: Most user properties a message may carry (a link peer refuses a message with more as malformed).
 MAX_PROPERTIES: Final = 256
 #: Properties named under this prefix carry a protocol's original encoding of what the core model has no field
@@ -118,9 +124,12 @@ def check_message(m: Any, max_properties: int = MAX_PROPERTIES) -> str | None:
      proto, scheduled) = m  # fmt: skip
     # One expression for the common, valid case: this runs for every message the core receives.
     if (
-        type(_id) is int and type(address) is str and address and type(routing) is int and -1 <= routing <= 1
+        type(_id) is int and 0 <= _id <= MAX_MESSAGE_ID and type(address) is str and address
+        and type(routing) is int and -1 <= routing <= 1
         and type(durable) is bool and type(priority) is int and 0 <= priority <= MAX_PRIORITY
-        and type(expiration) is int and type(timestamp) is int and type(scheduled) is int
+        and type(expiration) is int and 0 <= expiration <= MAX_TIME_MS
+        and type(timestamp) is int and 0 <= timestamp <= MAX_TIME_MS
+        and type(scheduled) is int and 0 <= scheduled <= MAX_TIME_MS
         and type(body) is bytes and type(props) is dict
         and (group is None or type(group) is str) and (dedup is None or type(dedup) is str)
         and (lvq is None or type(lvq) is str) and (ctype is None or type(ctype) is str)
@@ -149,6 +158,11 @@ def _explain(m: list[Any]) -> str:
         return "message id, expiration and timestamp must be integers"
     if type(scheduled) is not int:
         return "scheduled delivery time must be an integer"
+    if not 0 <= _id <= MAX_MESSAGE_ID:
+        return f"message id must be within 0..{MAX_MESSAGE_ID}"
+    for name, value in (("expiration", expiration), ("timestamp", timestamp), ("scheduled delivery time", scheduled)):
+        if not 0 <= value <= MAX_TIME_MS:
+            return f"{name} must be within 0..{MAX_TIME_MS} (ms since the epoch, at most year 9999)"
     if type(address) is not str or not address:
         return "message address must be a non-empty string"
     if type(routing) is not int or routing not in (ROUTING_DEFAULT, 0, 1):
@@ -162,6 +176,14 @@ def _explain(m: list[Any]) -> str:
     if type(props) is not dict:
         return "properties must be a map"
     return "group id, dedup id, last-value key, content type and protocol must be strings or nil"
+
+
+def time_problem(name: str, value: int) -> str | None:
+    """What is wrong with a time (ms since the epoch, 0 = none) a client gave, or None: for gateways, which
+    refuse it with their protocol's error before the core would close their link over it."""
+    if 0 <= value <= MAX_TIME_MS:
+        return None
+    return f"{name} must be within 0..{MAX_TIME_MS} (ms since the epoch, at most year 9999)"
 
 
 def selector_view(m: WireMessage) -> dict[str, PropertyValue]:

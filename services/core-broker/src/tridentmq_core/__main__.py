@@ -18,8 +18,12 @@ from tridentmq_core.store.journal import JournalCorruptedError, measure_fsync
 from tridentmq_shared.logs import setup_logging
 from tridentmq_shared.runtime import run_main
 from tridentmq_shared.settings import SettingsError, load_settings
+from tridentmq_shared.supervision import EXIT_TASK_FAILED, Supervisor, install
 
 log = logging.getLogger("tridentmq.core")
+
+#: How long a stop after a failed task may take before the process exits anyway.
+STOP_TIMEOUT = 30.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -31,16 +35,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-async def serve(settings: CoreSettings, ports_file: Path | None) -> None:
-    node = CoreNode(settings, ports_file=ports_file)
-    stop = asyncio.Event()
+async def serve(settings: CoreSettings, ports_file: Path | None) -> int:
+    """Run a node until a signal (exit status 0) or until one of its tasks fails (``EXIT_TASK_FAILED``)."""
+    supervisor = Supervisor()
+    install(supervisor)
+    node = CoreNode(settings, ports_file=ports_file, supervisor=supervisor)
     loop = asyncio.get_running_loop()
+    signalled = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, signalled.set)
+    failed = asyncio.ensure_future(supervisor.wait_failed())
     await node.start()
-    await stop.wait()
-    log.info("stopping on signal")
-    await node.stop()
+    stop = asyncio.ensure_future(signalled.wait())
+    await asyncio.wait({stop, failed}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if failed.done():
+        code = EXIT_TASK_FAILED
+        log.critical("stopping: a background task failed", extra={"reason": failed.result()})
+    else:
+        log.info("stopping on signal")
+    for waiting in (stop, failed):
+        waiting.cancel()
+    try:  # the journal is closed and the audit segment sealed after a failure too, within a bound then
+        await (asyncio.wait_for(node.stop(), STOP_TIMEOUT) if code else node.stop())
+    except Exception:
+        log.exception("the node did not stop cleanly")
+        code = code or EXIT_TASK_FAILED
+    return code
 
 
 def tune(settings: CoreSettings) -> None:
@@ -68,9 +89,11 @@ def main(argv: list[str] | None = None) -> None:
         tune(settings)
         return
     try:
-        run_main(serve(settings, args.ports_file))
+        code = run_main(serve(settings, args.ports_file))
     except (OSError, SettingsError, DataDirectoryLockedError, JournalCorruptedError, IdentityError) as exc:
         sys.exit(f"tridentmq-core: {exc}")
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from tridentmq_core.store.base import Store
 from tridentmq_core.store.memory import MemoryStore
 from tridentmq_core.store.recovery import RecoveredState
 from tridentmq_shared.link import events as ev
-from tridentmq_shared.link.codec import LinkConnection
+from tridentmq_shared.link.codec import MAX_FIELD_INT, LinkConnection
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import (
     M_ADDRESS,
@@ -46,6 +46,7 @@ from tridentmq_shared.message import (
     M_ROUTING,
     M_SCHEDULED,
     M_TIMESTAMP,
+    MAX_TIME_MS,
     ROUTING_DEFAULT,
     RoutingType,
     WireMessage,
@@ -375,8 +376,8 @@ class Broker:
             return
         if not key or len(key) > MAX_WILL_KEY:
             raise BrokerError(ErrorCode.INVALID, f"a will key is a string of 1 to {MAX_WILL_KEY} characters")
-        if delay_ms < 0:
-            raise BrokerError(ErrorCode.INVALID, "a will's delay_ms is 0 or more")
+        if not 0 <= delay_ms <= MAX_TIME_MS:
+            raise BrokerError(ErrorCode.INVALID, f"a will's delay_ms is within 0..{MAX_TIME_MS}")
         if message is not None:
             self._check_will_message(session, message)  # before anything changes: a refusal leaves all as it was
         self._drop_will(session)
@@ -1349,8 +1350,8 @@ class Broker:
         temporary = bool(spec.get("temporary", False))
         durable = bool(spec.get("durable", True)) and not temporary  # a temporary queue is never durable
         expires_ms = spec.get("expires_ms")
-        if expires_ms is not None and (type(expires_ms) is not int or expires_ms < -1):
-            raise BrokerError(ErrorCode.INVALID, "expires_ms is an integer, -1 (never) or more")
+        if expires_ms is not None and (type(expires_ms) is not int or not -1 <= expires_ms <= MAX_TIME_MS):
+            raise BrokerError(ErrorCode.INVALID, f"expires_ms is an integer, -1 (never) to {MAX_TIME_MS}")
         existing = self.queues.get(name)
         if existing is not None:
             if existing.address != address or existing.routing_type is not routing:
@@ -1365,8 +1366,9 @@ class Broker:
         self._check_create(session, address, durable)
         lvq = spec.get("last_value_key")
         max_consumers = spec.get("max_consumers", -1)
-        if (lvq is not None and not isinstance(lvq, str)) or type(max_consumers) is not int:
-            raise BrokerError(ErrorCode.INVALID, "last_value_key is a string, max_consumers an integer")
+        if (lvq is not None and not isinstance(lvq, str)) or type(max_consumers) is not int \
+                or not -1 <= max_consumers <= MAX_FIELD_INT:  # fmt: skip
+            raise BrokerError(ErrorCode.INVALID, "last_value_key is a string, max_consumers an integer -1 or more")
         self._create_queue(
             name, address, routing, durable=durable, now_ms=now_ms,
             filter_text=spec.get("filter"), temporary=temporary, exclusive=bool(spec.get("exclusive", False)),

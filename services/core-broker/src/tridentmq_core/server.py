@@ -59,6 +59,7 @@ from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.message import MAX_PROPERTIES
 from tridentmq_shared.runtime import set_nodelay
 from tridentmq_shared.settings import SettingsError
+from tridentmq_shared.supervision import Supervisor, current
 from tridentmq_shared.tls import ServerTls
 
 log = logging.getLogger("tridentmq.core")
@@ -181,8 +182,14 @@ class LinkProtocol(asyncio.Protocol):
 class CoreNode:
     """A running core node: listener, broker, timers, management."""
 
-    def __init__(self, settings: CoreSettings, *, ports_file: Path | None = None) -> None:
+    def __init__(self, settings: CoreSettings, *, ports_file: Path | None = None,
+                 supervisor: Supervisor | None = None) -> None:  # fmt: skip
         self.settings = settings
+        # Its timers and callbacks run under the process's supervisor: one that fails ends readiness.
+        self.supervisor = supervisor or current()
+        self.supervisor.on_failure.append(self._task_failed)
+        self._flush_soon = self.supervisor.guard("flush", self._flush)
+        self._in_loop_soon = self.supervisor.guard("journal callback", self._in_loop)
         self.ports_file = ports_file
         if settings.link.max_frame_bytes < MIN_FRAME_SIZE:
             raise SettingsError(f"link.max_frame_bytes must be at least {MIN_FRAME_SIZE}")
@@ -343,7 +350,7 @@ class CoreNode:
         loop = self._loop
         if loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: we are shutting down
-                loop.call_soon_threadsafe(self._in_loop, fn)
+                loop.call_soon_threadsafe(self._in_loop_soon, fn)
 
     def _in_loop(self, fn: Callable[[], None]) -> None:
         fn()
@@ -365,12 +372,14 @@ class CoreNode:
             self.management_port = sock.getsockname()[1]
             management_tls = self.tls.context if self.tls is not None and self.settings.management.tls else None
             await web.SockSite(self._runner, sock, ssl_context=management_tls).start()
-        self._timer = asyncio.create_task(self._tick_forever())
+        self._timer = self.supervisor.spawn("tick", self._tick_forever)
         if self.network is not None:
             # One round before anything serves or takes over: until then the node does not know where it is.
             if await self.network.run_round() is Reachability.ISOLATED:
                 self.isolated = True
-            self._network_task = asyncio.create_task(self._check_network_forever(self.network))
+            network = self.network
+            self._network_task = self.supervisor.spawn("network check", lambda: self._check_network_forever(network),
+                                                       restart=True)  # fmt: skip
         if self.settings.ha.policy == REPLICATION and not self.is_backup:
             may, why = await primary_may_activate(self.settings, self.identity, self.server_id)
             if not may:
@@ -542,10 +551,15 @@ class CoreNode:
         self.audit.close()
         os._exit(FENCED_EXIT_CODE)  # no clean stop: a clean stop would scale down or confirm what is held
 
+    def _task_failed(self, reason: str) -> None:
+        """A timer or callback failed: this node no longer says it is ready (its entry point stops it)."""
+        self.status.ready = False
+        self.status.failure = reason
+
     def schedule_flush(self) -> None:
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            (self._loop or asyncio.get_running_loop()).call_soon(self._flush)  # the kept loop: no getpid() call
+            (self._loop or asyncio.get_running_loop()).call_soon(self._flush_soon)  # the kept loop: no getpid() call
 
     def _flush(self) -> None:
         """Dispatch what the last batch of events made deliverable, then write each touched link once."""

@@ -43,7 +43,9 @@ from tridentmq_shared.message import (
     M_PROTOCOL,
     M_TIMESTAMP,
     MAX_PRIORITY,
+    MAX_TIME_MS,
     WireMessage,
+    time_problem,
 )
 
 PROTOCOL: Final = "amqp"
@@ -335,6 +337,9 @@ def _to_core(encoded: bytes, address: str | None, routing: int, now_ms: int) -> 
         if not to:
             raise MessageFormatError("a message sent to the anonymous relay needs a to address", INVALID_FIELD)
         address = to
+    if not (0 <= expiration <= MAX_TIME_MS and 0 <= scheduled <= MAX_TIME_MS):  # the core would refuse them
+        problem = time_problem("absolute-expiry-time", expiration) or time_problem(DELIVERY_TIME, scheduled)
+        raise MessageFormatError(str(problem), INVALID_FIELD)
     # The fields of new_message(...), built directly: this runs for every transfer.
     return [0, address, routing, durable, priority, expiration, 0, group, None, None, props, body, content_type,
             PROTOCOL, scheduled]  # fmt: skip

@@ -29,6 +29,7 @@ from tridentmq_shared.message import (
     WireMessage,
     new_message,
     property_text,
+    time_problem,
 )
 
 QUEUE_PREFIX: Final = "/queue/"
@@ -78,14 +79,17 @@ def to_message(address: str, routing: int, headers: dict[str, str], body: bytes)
     priority = _int_header(headers, "priority", DEFAULT_PRIORITY)
     if not 0 <= priority <= 9:
         raise ConversionError(f"priority {priority} is not within 0..9")
-    expires = _int_header(headers, "expires", 0)
+    expires = max(_int_header(headers, "expires", 0), 0)
+    problem = time_problem("expires", expires)
+    if problem is not None:
+        raise ConversionError(problem)
     return new_message(
         address,
         body,
         routing=routing,
         durable=headers.get("persistent", "").lower() == "true",
         priority=priority,
-        expiration_ms=max(expires, 0),
+        expiration_ms=expires,
         properties={k: v for k, v in headers.items() if k not in FRAME_HEADERS},
         content_type=headers.get("content-type"),
         protocol="stomp",

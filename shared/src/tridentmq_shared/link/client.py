@@ -404,6 +404,7 @@ class LinkClient:
                                                     f"{self.node_epoch}; epoch {self.nodes.epochs[self.node_id]} "
                                                     f"replaced it")  # fmt: skip
         self._heartbeat_task = asyncio.create_task(self._heartbeat(conn))
+        self._heartbeat_task.add_done_callback(self._task_ended)
 
     async def _heartbeat(self, conn: LinkConnection) -> None:
         while conn is self._conn:
@@ -576,6 +577,19 @@ class LinkClient:
             self._reconnecting.cancel()  # lost again while resuming: start over
         log.info("link to %s:%s lost, reconnecting", self.host, self.port)
         self._reconnecting = asyncio.get_running_loop().create_task(self._resume((self.host, self.port)))
+        self._reconnecting.add_done_callback(self._task_ended)
+
+    def _task_ended(self, task: asyncio.Task[None]) -> None:
+        """A link's own task (heartbeat, resume) must not die half way unnoticed: one that failed (a bug) is
+        logged with its traceback and the link ends, failing everything that waits on it."""
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        log.error("link task failed: the link is closed", exc_info=exc, extra={"task": task.get_name()})
+        self._closing = True
+        self._fail_all(LinkClosedError(ErrorCode.INTERNAL, f"the link failed: {type(exc).__name__}"))
+        if self._protocol is not None and self._protocol.transport is not None:
+            self._protocol.transport.abort()
 
     async def _resume(self, failed: Endpoint) -> None:
         """Reconnect, to another node first; restore what the old link had; re-send unconfirmed publishes in

@@ -39,6 +39,11 @@ _HANDSHAKE_CONTAINER_LEN: Final = 16
 FRAME_OPERATIONS: Final = 512
 
 _NACK_MODES: Final = frozenset(int(m) for m in NackMode)
+#: Every integer field of an operation (ids, sequence numbers, counts, times) is within 0..MAX_FIELD_INT: a
+#: peer's value is added to, stored, echoed and logged, and must stay a signed 64-bit integer doing so.
+MAX_FIELD_INT: Final = 2**63 - 1
+#: Largest credit one SUBSCRIBE, FLOW or PUBLISH_CREDIT grants (windows are thousands of messages).
+MAX_CREDIT: Final = 2**31 - 1
 #: Error texts are cut to this length so a CLOSE always fits in a frame.
 MAX_ERROR_TEXT: Final = 512
 _PUBLISH: Final = int(Op.PUBLISH)
@@ -246,7 +251,8 @@ class LinkConnection:
                 self._fail(ErrorCode.MALFORMED, "an operation is a non-empty array starting with its code")
             code = op[0]
             # The per-message operation of this direction, checked inline: it is most of the traffic.
-            if code == hot and len(op) == 4 and type(op[1]) is int and type(op[2]) is int:
+            if (code == hot and len(op) == 4 and type(op[1]) is int and type(op[2]) is int
+                    and 0 <= op[1] <= MAX_FIELD_INT and 0 <= op[2] <= MAX_FIELD_INT):  # fmt: skip
                 self._count_hot(op)
                 problem = check_message(op[3], max_properties)
                 if problem is not None:
@@ -277,6 +283,8 @@ class LinkConnection:
         for value, kind in zip(op[1:], spec, strict=True):
             if not isinstance(value, kind):
                 self._fail(ErrorCode.MALFORMED, f"operation {op[0]}: field of type {type(value).__name__}")
+            if type(value) is int and not 0 <= value <= MAX_FIELD_INT:
+                self._fail(ErrorCode.MALFORMED, f"operation {op[0]}: integer field outside 0..{MAX_FIELD_INT}")
 
     def _count_hot(self, op: list[Any]) -> None:
         """Sequence and window accounting of a PUBLISH (server side) or a DELIVER (client side)."""
@@ -303,9 +311,9 @@ class LinkConnection:
             self._count_hot(op)
             self._check_message(op[3])
         elif code == Op.ACK:
-            if not all(type(i) is int for i in op[3]):
+            if not all(type(i) is int and 0 <= i <= MAX_FIELD_INT for i in op[3]):
                 self._fail(ErrorCode.MALFORMED, "acknowledged message ids must be integers")
-        elif not all(type(i) is int for i in op[2]) or op[3] not in _NACK_MODES:
+        elif not all(type(i) is int and 0 <= i <= MAX_FIELD_INT for i in op[2]) or op[3] not in _NACK_MODES:
             self._fail(ErrorCode.MALFORMED, "nack takes integer message ids and a known mode")
 
     def _check_message(self, message: Any) -> None:
@@ -331,12 +339,12 @@ class LinkConnection:
             case Op.SET_WILL:
                 return self._set_will_event(op[1], op[2])
             case Op.SUBSCRIBE:
-                if op[4] < 0:
-                    self._fail(ErrorCode.MALFORMED, "negative credit")
+                if op[4] > MAX_CREDIT:
+                    self._fail(ErrorCode.MALFORMED, f"credit above {MAX_CREDIT}")
                 return ev.Subscribe(op[1], op[2], op[3], op[4], op[5])
             case Op.FLOW:
-                if op[2] < 0:
-                    self._fail(ErrorCode.MALFORMED, "negative credit")
+                if op[2] > MAX_CREDIT:
+                    self._fail(ErrorCode.MALFORMED, f"credit above {MAX_CREDIT}")
                 return ev.Flow(op[1], op[2])
             case Op.OK:
                 return ev.Reply(op[1], op[2])
@@ -349,8 +357,8 @@ class LinkConnection:
             case Op.REJECT:
                 return ev.Rejected(op[1], op[2], op[3])
             case Op.PUBLISH_CREDIT:
-                if op[1] < 0:
-                    self._fail(ErrorCode.MALFORMED, "negative credit")
+                if op[1] > MAX_CREDIT:
+                    self._fail(ErrorCode.MALFORMED, f"credit above {MAX_CREDIT}")
                 self.publish_credit += op[1]
                 return ev.PublishCreditGranted(op[1])
             case Op.CONSUMER_CLOSED:

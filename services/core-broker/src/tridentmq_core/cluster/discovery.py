@@ -31,6 +31,8 @@ from redis.asyncio.client import PubSub
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from tridentmq_shared.supervision import spawn
+
 __all__ = ["LEAVE", "MAX_ANNOUNCEMENT_BYTES", "MAX_MEMBERS", "Announcement", "RedisDiscovery"]
 
 log = logging.getLogger("tridentmq.core.discovery")
@@ -193,7 +195,7 @@ class RedisDiscovery:
         self._client = Redis.from_url(self.url, socket_timeout=timeout, socket_connect_timeout=timeout,
                                       health_check_interval=health_check, retry=Retry(NoBackoff(), 0),
                                       client_name=_client_name(self._me.node_id))  # fmt: skip
-        self._task = asyncio.get_running_loop().create_task(self._run(self._client), name="redis-discovery")
+        self._task = spawn(self._run(self._client), "redis-discovery")
 
     async def stop(self) -> None:
         """Stop, deleting our key and publishing a leave; never raises, even with Redis down."""

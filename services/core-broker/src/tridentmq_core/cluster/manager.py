@@ -41,6 +41,7 @@ from tridentmq_shared.link.ops import ErrorCode, NackMode, Op
 from tridentmq_shared.link.topology import endpoint_from_wire, parse_endpoint
 from tridentmq_shared.message import M_BODY, M_ID, M_PROPS, WireMessage
 from tridentmq_shared.settings import SettingsError
+from tridentmq_shared.supervision import spawn
 
 log = logging.getLogger("tridentmq.core.cluster")
 
@@ -188,7 +189,7 @@ class Bridge:
         return self.state == "up"
 
     def start(self) -> None:
-        self.task = asyncio.get_running_loop().create_task(self._run(), name=f"bridge-{self.address}")
+        self.task = spawn(self._run(), f"bridge-{self.address}")
 
     async def stop(self) -> None:
         self._stopping = True
@@ -532,7 +533,7 @@ class ClusterManager:
             host, port = parse_connector(connector)
             if (host, port) != self.advertise:
                 self.connect(host, port)
-        self._task = asyncio.get_running_loop().create_task(self._tick_forever(), name="cluster")
+        self._task = spawn(self._tick_forever(), "cluster")
         cluster = self.settings.cluster
         if cluster.discovery:
             host, port = self.advertise

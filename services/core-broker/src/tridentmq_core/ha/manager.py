@@ -41,6 +41,7 @@ from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.link.topology import parse_endpoint
 from tridentmq_shared.runtime import cancel_and_wait
 from tridentmq_shared.settings import SettingsError
+from tridentmq_shared.supervision import spawn
 
 if TYPE_CHECKING:
     from tridentmq_core.cluster.manager import ClusterManager
@@ -297,7 +298,7 @@ class ReplicationSource:
             if ha.allow_failback and ha.role == BACKUP and self.backup_role == PRIMARY and not self.failing_back:
                 self.failing_back = True
                 log.warning("failback: the pair's primary is back and in sync; handing the pair back to it")
-                asyncio.get_running_loop().create_task(self._hand_over(), name="ha-failback")
+                spawn(self._hand_over(), "ha-failback")
         if feed.in_sync:
             self.store.limit_confirms(feed.acked)
 
@@ -343,7 +344,7 @@ class ReplicationSource:
         log.warning("in-sync backup lost: durable writes wait for a quorum of the other primaries",
                     extra={"backup": self.backup})  # fmt: skip
         self.held_since = time.monotonic()
-        self._stay_task = asyncio.get_running_loop().create_task(self._ask_to_stay(), name="ha-stay")
+        self._stay_task = spawn(self._ask_to_stay(), "ha-stay")
 
     def _check_progress(self, session: Session, feed: ReplicaFeed) -> None:
         """A backup that acknowledges nothing for a heartbeat timeout while records wait is lost, even if its
@@ -487,7 +488,7 @@ class BackupRunner:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="ha-backup")
+        self._task = spawn(self._run(), "ha-backup")
 
     async def stop(self) -> None:
         await cancel_and_wait(self._task)

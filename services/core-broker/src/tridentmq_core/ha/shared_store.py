@@ -22,6 +22,7 @@ from typing import Any, Final
 from tridentmq_core.ha.lease import LeaseEvent, LeaseFile, SharedStoreLease
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.journal import write_live_state
+from tridentmq_shared.supervision import spawn
 
 log = logging.getLogger("tridentmq.core.ha")
 
@@ -73,7 +74,7 @@ class SharedStore:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="ha-shared-store")
+        self._task = spawn(self._run(), "ha-shared-store")
 
     def valid(self) -> bool:
         return self.lease.valid(time.monotonic())

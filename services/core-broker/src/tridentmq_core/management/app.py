@@ -33,6 +33,7 @@ class NodeStatus:
 
     started_at: float  # unix seconds
     ready: bool = False
+    failure: str | None = None  # a background task failed: the node stops (see tridentmq_shared.supervision)
     link_port: int = 0
     epoch: int = 0  # activation epoch (see store/identity.py)
     journal: JournalStats | None = None  # None: the journal is disabled
@@ -120,6 +121,8 @@ class _Handlers:
         return web.json_response({"status": "ok"})
 
     async def readyz(self, request: web.Request) -> web.Response:
+        if self.status.failure is not None:
+            return web.json_response({"status": "failed", "reason": self.status.failure}, status=503)
         if not self.status.ready:
             if self.status.ha is not None:  # a backup: not serving, but says whether it could take over
                 ha = self.status.ha()

@@ -1,0 +1,130 @@
+"""The supervisor of background tasks: a failure is logged with its traceback, then restarted or fatal."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tridentmq_core.server import CoreNode
+from tridentmq_core.settings import CoreSettings, LinkSection, ManagementSection, NodeSection
+from tridentmq_shared.supervision import Supervisor
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def tracebacks(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.exc_info is not None and isinstance(r.exc_info[1], Boom)]
+
+
+async def test_a_restartable_task_is_logged_and_started_again(caplog: pytest.LogCaptureFixture) -> None:
+    supervisor = Supervisor()
+    runs = 0
+    done = asyncio.Event()
+
+    async def flaky() -> None:
+        nonlocal runs
+        runs += 1
+        if runs < 3:
+            raise Boom(f"run {runs}")
+        done.set()
+
+    supervisor.spawn("flaky", flaky, restart=True)
+    await asyncio.wait_for(done.wait(), 10)
+    assert runs == 3
+    assert supervisor.healthy
+    assert len(tracebacks(caplog)) == 2
+    assert sum(r.getMessage() == "background task restarted" for r in caplog.records) == 2
+
+
+async def test_a_task_failing_too_often_fails_the_process(caplog: pytest.LogCaptureFixture) -> None:
+    supervisor = Supervisor(max_restarts=2)
+    reported: list[str] = []
+    supervisor.on_failure.append(reported.append)
+
+    async def always() -> None:
+        raise Boom("again")
+
+    supervisor.spawn("always", always, restart=True)
+    reason = await asyncio.wait_for(supervisor.wait_failed(), 10)
+    assert reason == "always: Boom: again"
+    assert reported == [reason]
+    assert not supervisor.healthy
+    assert len(tracebacks(caplog)) == 3  # the first run and two restarts
+    assert any(r.levelno == logging.CRITICAL for r in caplog.records)
+
+
+async def test_a_fatal_task_a_watched_task_and_a_guarded_callback_each_fail_the_process(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def fails() -> None:
+        raise Boom("task")
+
+    def callback() -> None:
+        raise Boom("callback")
+
+    fatal = Supervisor()
+    fatal.spawn("fatal", fails)
+    assert await asyncio.wait_for(fatal.wait_failed(), 10) == "fatal: Boom: task"
+
+    watched = Supervisor()
+    watched.watch(asyncio.get_running_loop().create_task(fails()), "watched")
+    assert await asyncio.wait_for(watched.wait_failed(), 10) == "watched: Boom: task"
+
+    guarded = Supervisor()
+    asyncio.get_running_loop().call_soon(guarded.guard("flush", callback))
+    assert await asyncio.wait_for(guarded.wait_failed(), 10) == "flush: Boom: callback"
+    assert len(tracebacks(caplog)) == 3
+
+
+async def test_a_task_that_returns_or_is_cancelled_is_no_failure() -> None:
+    supervisor = Supervisor()
+
+    async def quick() -> None:
+        return
+
+    await supervisor.spawn("quick", quick)
+    sleeper = supervisor.spawn("sleeper", lambda: asyncio.sleep(60))
+    sleeper.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await sleeper
+    assert supervisor.healthy
+
+
+def readyz(port: int) -> tuple[int, dict[str, object]]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+async def test_a_core_whose_tick_fails_is_no_longer_ready(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    settings = CoreSettings(node=NodeSection(data_dir=tmp_path), link=LinkSection(host="127.0.0.1", port=0),
+                            management=ManagementSection(port=0))  # fmt: skip
+    supervisor = Supervisor()
+    node = CoreNode(settings, supervisor=supervisor)
+    await node.start()
+    try:
+        assert (await asyncio.to_thread(readyz, node.management_port))[0] == 200
+
+        def tick(now_ms: int) -> None:  # a bug in the broker's timers, injected
+            raise Boom(f"tick at {now_ms}")
+
+        monkeypatch.setattr(node.broker, "tick", tick)
+        reason = await asyncio.wait_for(supervisor.wait_failed(), 10)
+        assert reason.startswith("tick: Boom: tick at ")
+        status, body = await asyncio.to_thread(readyz, node.management_port)
+        assert (status, body["status"]) == (503, "failed")
+        assert body["reason"] == reason
+        assert tracebacks(caplog)
+    finally:
+        await node.stop()
