@@ -280,6 +280,25 @@ def test_hello_without_credentials() -> None:
     assert hello.client_name == "anonymous"
 
 
+def test_hello_names_the_gateways_client_when_given() -> None:
+    client = LinkConnection(Role.CLIENT)
+    server = LinkConnection(Role.SERVER)
+    client.hello("alice", "secret", "stomp 10.1.2.3:5000", "10.1.2.3")
+    assert decoded_ops(client.data_to_send()) == [[Op.HELLO, [1], "alice", "secret", "stomp 10.1.2.3:5000",
+                                                   client.heartbeat_ms, client.max_frame_size, "10.1.2.3"]]  # fmt: skip
+    client = LinkConnection(Role.CLIENT)
+    client.hello("alice", "secret", "stomp 10.1.2.3:5000", "10.1.2.3")
+    [hello] = pump(client, server)
+    assert hello.client_host == "10.1.2.3"
+
+
+@pytest.mark.parametrize("client_host", [None, 7, "", "x" * 257, ["10.0.0.1"]])
+def test_a_bad_client_host_is_malformed(client_host: Any) -> None:
+    server = LinkConnection(Role.SERVER)
+    expect_remote_error(server, frame([[Op.HELLO, [1], "u", "p", "c", 0, MIN_FRAME_SIZE, client_host]]),
+                        ErrorCode.MALFORMED)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("client_hb", "server_hb", "agreed"),
     # The server decides: its 0 disables heartbeats, a client's 0 cannot (a negative interval is malformed).

@@ -116,11 +116,13 @@ class CoreLinks:
         """This process's links whose first node is ``host``:``port`` (defaults if the gateway made none)."""
         return cls.of(CoreLinkSettings(host=host, port=port))
 
-    def client(self, *, user: str | None, password: str | None, client_name: str,
+    def client(self, *, user: str | None, password: str | None, client_name: str, client_host: str | None = None,
                heartbeat_ms: int = DEFAULT_HEARTBEAT_MS) -> LinkClient:  # fmt: skip
-        """A client link (not connected yet) on a node of the topology, failing over as configured."""
+        """A client link (not connected yet) on a node of the topology, failing over as configured;
+        ``client_host`` is the address of the gateway's client it serves (the core checks it)."""
         return LinkClient(topology=self.topology, reconnect=self.reconnect, user=user, password=password,
-                          client_name=client_name, heartbeat_ms=heartbeat_ms, tls=self.tls)  # fmt: skip
+                          client_name=client_name, client_host=client_host, heartbeat_ms=heartbeat_ms,
+                          tls=self.tls)  # fmt: skip
 
     # ------------------------------------------------------------------ the watcher
     def start(self) -> None:

@@ -40,7 +40,8 @@ _WS_HIGH_WATER = 64 * 1024
 class Wire(Protocol):
     """The client's transport (TCP or WebSocket), as a session sees it."""
 
-    peer: str
+    peer: str  # for logs
+    host: str  # the client's IP address, which the core checks ("?" when unknown: not loopback)
     #: The common name of the client certificate the TLS handshake verified (None: no TLS or no certificate).
     certificate_name: str | None
 
@@ -112,6 +113,7 @@ class _TcpWire(asyncio.Protocol):
         self.session: ClientSession | None = None
         self.peer = "?"
         self.certificate_name: str | None = None
+        self.host = "?"
         self._writable = asyncio.Event()
         self._writable.set()
 
@@ -120,6 +122,7 @@ class _TcpWire(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
         self.certificate_name = peer_common_name(transport)
+        self.host = str(peer[0]) if peer else "?"
         if len(self.shell.sessions) >= self.shell.config.max_connections:
             log.warning("connection refused: too many connections",
                         extra={"peer": self.peer, "protocol": self.shell.config.protocol})  # fmt: skip
@@ -178,9 +181,11 @@ class _TcpWire(asyncio.Protocol):
 class _WebSocketWire:
     """Frames out in order through one writer task."""
 
-    def __init__(self, ws: web.WebSocketResponse, peer: str, *, binary: bool, certificate_name: str | None) -> None:
+    def __init__(self, ws: web.WebSocketResponse, peer: str, host: str, *, binary: bool,
+                 certificate_name: str | None) -> None:  # fmt: skip
         self.ws = ws
         self.peer = peer
+        self.host = host
         self.certificate_name = certificate_name
         self.binary = binary
         self._out: asyncio.Queue[bytes | None] = asyncio.Queue()
@@ -343,7 +348,9 @@ class GatewayShell:
             return ws
         transport = request.transport
         certificate_name = peer_common_name(transport) if transport is not None else None
-        wire = _WebSocketWire(ws, peer, binary=config.binary_frames, certificate_name=certificate_name)
+        wire = _WebSocketWire(
+            ws, peer, request.remote or "?", binary=config.binary_frames, certificate_name=certificate_name
+        )
         session = self.open_session(wire)
         self.sessions.add(session)
         try:

@@ -1,7 +1,10 @@
 """Users, roles and per-address permissions (Artemis security-settings, matched by wildcard).
 
 With no users configured the node runs in its embedded default: loopback clients are accepted whatever
-credentials they present, everything else is refused. ``Principal.allowed`` is cached per address
+credentials they present, everything else is refused (unless ``allow_anonymous_remote``). A gateway opens a
+link per client from its own address, so it names the client's address in HELLO (``client_host``), and both
+must be loopback: a gateway listening on every interface must not lend its loopback address to remote clients.
+``Principal.allowed`` is cached per address
 because it sits on the publish path.
 """
 
@@ -92,18 +95,24 @@ def is_loopback(host: str | None) -> bool:
 
 
 class SecurityManager:
-    def __init__(self, users: Sequence[UserEntry], grants: Sequence[PermissionEntry]) -> None:
+    def __init__(self, users: Sequence[UserEntry], grants: Sequence[PermissionEntry], *,
+                 allow_anonymous_remote: bool = False) -> None:  # fmt: skip
         self._users = {u.name: u for u in users}
         self._grants = tuple(grants)
+        self.allow_anonymous_remote = allow_anonymous_remote
 
     @property
     def embedded_default(self) -> bool:
         return not self._users
 
-    def authenticate(self, user: str | None, password: str | None, peer_host: str | None) -> Principal:
+    def authenticate(self, user: str | None, password: str | None, peer_host: str | None,
+                     client_host: str | None = None) -> Principal:  # fmt: skip
+        """``peer_host`` is the link's peer; ``client_host`` the gateway's client the link serves, if any."""
         if self.embedded_default:
-            if not is_loopback(peer_host):
-                raise AuthenticationError("no users are configured, so only loopback connections are accepted")
+            remote = not is_loopback(peer_host) or (client_host is not None and not is_loopback(client_host))
+            if remote and not self.allow_anonymous_remote:
+                raise AuthenticationError("no users are configured, so only clients on the broker's own host "
+                                          "(loopback) are accepted")  # fmt: skip
             return Principal(user or "anonymous", frozenset(), unrestricted=True)
         entry = self._users.get(user or "")
         if entry is None or not password_matches(entry.password, password or ""):

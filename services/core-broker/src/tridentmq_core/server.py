@@ -133,9 +133,10 @@ class LinkProtocol(asyncio.Protocol):
                 self.close_transport()
                 return
             try:
-                principal = self.node.authenticate(event.user, event.password, self.peer)
+                principal = self.node.authenticate(event.user, event.password, self.peer, event.client_host)
             except AuthenticationError as exc:
-                log.warning("link refused", extra={"peer": self.peer, "user": event.user, "reason": str(exc)})
+                log.warning("link refused", extra={"peer": self.peer, "client_host": event.client_host,
+                                                   "user": event.user, "reason": str(exc)})  # fmt: skip
                 self.conn.refuse(ErrorCode.UNAUTHENTICATED, str(exc))
                 self.write_pending()
                 self.close_transport()
@@ -207,7 +208,8 @@ class CoreNode:
             shared.mkdir(parents=True, exist_ok=True)
         self.identity = NodeIdentity(shared or data_dir)  # a shared-store pair has one identity
         self.node_id = self.identity.node_id
-        self.security = SecurityManager(settings.users, settings.permissions)
+        self.security = SecurityManager(settings.users, settings.permissions,
+                                        allow_anonymous_remote=settings.security.allow_anonymous_remote)  # fmt: skip
         self.audit: AuditSink = NullAuditSink()  # opened on activation, under the node id it serves as
         # Emptied at start: paged messages are journaled or volatile. Its I/O thread reports to the loop.
         self.pages = PageDirectory(data_dir / "paging", ThreadIO(self._call_in_loop))
@@ -258,7 +260,8 @@ class CoreNode:
         if settings.link.tls:
             client_tls(settings.tls)  # its files are loaded now: a mistake stops the start, not a later link
 
-    def authenticate(self, user: str | None, password: str | None, peer: str) -> Principal:
+    def authenticate(self, user: str | None, password: str | None, peer: str,
+                     client_host: str | None = None) -> Principal:  # fmt: skip
         """The cluster user (when the node clusters) is checked against the cluster credentials, every
         other user against the configured users."""
         cluster = self.settings.cluster
@@ -266,7 +269,7 @@ class CoreNode:
             if not password_matches(cluster.password, password or ""):
                 raise AuthenticationError("wrong cluster credentials")
             return Principal(f"cluster:{user}", frozenset(), unrestricted=True, cluster=True)
-        return self.security.authenticate(user, password, peer)
+        return self.security.authenticate(user, password, peer, client_host)
 
     def _network_check(self) -> NetworkCheck | None:
         settings = self.settings.network_check
@@ -442,9 +445,13 @@ class CoreNode:
                                                                 "group": self.settings.ha.group_name})  # fmt: skip
         self.active = True
         self.status.ready = True
-        if self.security.embedded_default:
-            log.warning("NO USERS CONFIGURED: loopback clients are accepted with any credentials and every "
-                        "other address is refused; configure [[users]] before exposing this node")  # fmt: skip
+        if self.security.embedded_default and self.security.allow_anonymous_remote:
+            log.warning("NO USERS CONFIGURED and security.allow_anonymous_remote: every client, from any host, "
+                        "is accepted with any credentials and has every right")  # fmt: skip
+        elif self.security.embedded_default:
+            log.warning("NO USERS CONFIGURED: clients on this host (loopback) are accepted with any credentials "
+                        "and every right; clients from other hosts, directly or through a gateway, are refused; "
+                        "configure [[users]] before exposing this node")  # fmt: skip
         log.info("core node ready", extra={"node_id": self.node_id, "node_name": self.settings.node.name,
                                            "epoch": self.identity.epoch, "link_port": self.status.link_port,
                                            "management_port": self.management_port})  # fmt: skip

@@ -185,6 +185,15 @@ class HaSection:
 
 
 @dataclass(frozen=True)
+class SecuritySection:
+    allow_anonymous_remote: bool = doc(False, "With no [[users]] configured, accept clients from other hosts too "
+                                              "(anonymous, with every right). Off, only clients on this host "
+                                              "(loopback) are accepted: a gateway's clients count by their own "
+                                              "address, not the gateway's. Meaningless once users are "
+                                              "configured.")  # fmt: skip
+
+
+@dataclass(frozen=True)
 class UserEntry:
     name: str = doc("", "User name.")
     password: str = doc("", "Password, plain or `pbkdf2_sha256$iterations$salt_hex$hash_hex`.")
@@ -247,8 +256,11 @@ class CoreSettings:
     network_check: NetworkCheckSection = doc(NetworkCheckSection(), "The network health check.")
     tls: TlsSection = doc(TlsSection(), "TLS certificates of the link (`link.tls`) and management "
                                         "(`management.tls`) listeners, and of the links to other nodes.")  # fmt: skip
-    users: list[UserEntry] = doc(list, "Users. With none, loopback clients are accepted whatever their "
-                                       "credentials and other addresses are refused.", factory=True)  # fmt: skip
+    security: SecuritySection = doc(SecuritySection(), "Anonymous access while no users are configured.")
+    users: list[UserEntry] = doc(list, "Users. With none, loopback clients (a gateway's clients by their own "
+                                       "address) are accepted whatever their credentials and other addresses "
+                                       "are refused, unless security.allow_anonymous_remote.",
+                                 factory=True)  # fmt: skip
     permissions: list[PermissionEntry] = doc(list, "Role grants per address pattern.", factory=True)
     address_settings: list[AddressSettingsEntry] = doc(list, "Per-address behaviour, matched by pattern.",
                                                        factory=True)  # fmt: skip

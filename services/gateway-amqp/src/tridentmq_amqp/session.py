@@ -258,7 +258,9 @@ class AmqpSession:
 
     async def _connect(self, user: str | None, password: str | None) -> LinkRequestError | None:
         core = self.settings.core
-        link = CoreLinks.of(core).client(user=user, password=password, client_name=f"amqp {self.wire.peer}")
+        link = CoreLinks.of(core).client(
+            user=user, password=password, client_name=f"amqp {self.wire.peer}", client_host=self.wire.host
+        )
         try:
             await link.connect()
         except LinkRequestError as exc:

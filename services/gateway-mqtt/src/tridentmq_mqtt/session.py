@@ -350,7 +350,8 @@ class MqttSession:
                 return
         core = self.settings.core
         link = CoreLinks.of(core).client(user=event.username, password=password, heartbeat_ms=core.heartbeat_ms,
-                                         client_name=f"mqtt {client_id[:64]} {self.wire.peer}")  # fmt: skip
+                                         client_name=f"mqtt {client_id[:64]} {self.wire.peer}",
+                                         client_host=self.wire.host)  # fmt: skip
         try:
             await link.connect()
         except LinkRequestError as exc:

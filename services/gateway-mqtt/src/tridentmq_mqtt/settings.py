@@ -19,8 +19,8 @@ class GatewayNodeSection:
 
 @dataclass(frozen=True)
 class ListenerSection:
-    host: str = doc("127.0.0.1", "Interface for MQTT clients. Loopback by default: configure users on the core "
-                                 "before listening on 0.0.0.0.")  # fmt: skip
+    host: str = doc("127.0.0.1", "Interface for MQTT clients. While the core has no users it refuses "
+                                 "clients of other hosts (core security.allow_anonymous_remote).")  # fmt: skip
     port: int = doc(1883, "MQTT over TCP (0 = any free port, written to the ports file).")
     websocket_port: int = doc(8083, "MQTT over WebSocket, subprotocol `mqtt` (-1 = off).")
     tls_port: int = doc(8883, "MQTT over TLS, opened when `tls.cert_file` is set (-1 = off; 0 = any free "

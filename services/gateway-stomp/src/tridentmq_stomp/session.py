@@ -218,7 +218,7 @@ class StompSession:
     async def _connect(self, event: ev.Connect) -> None:
         core = self.settings.core
         link = CoreLinks.of(core).client(user=event.login, password=event.passcode,
-                                         client_name=f"stomp {self.wire.peer}")  # fmt: skip
+                                         client_name=f"stomp {self.wire.peer}", client_host=self.wire.host)  # fmt: skip
         try:
             await link.connect()
         except LinkRequestError as exc:

@@ -270,6 +270,7 @@ class LinkClient:
         user: str | None = None,
         password: str | None = None,
         client_name: str = "tridentmq-client",
+        client_host: str | None = None,
         heartbeat_ms: int = DEFAULT_HEARTBEAT_MS,
         reconnect: ReconnectPolicy | None = None,
         connect_timeout: float = 5.0,
@@ -282,6 +283,7 @@ class LinkClient:
         self.user = user
         self.password = password
         self.client_name = client_name
+        self.client_host = client_host  # a gateway's client's address, for the core's loopback-only default
         self.heartbeat_ms = heartbeat_ms
         self.reconnect = reconnect or ReconnectPolicy()
         self.connect_timeout = connect_timeout
@@ -388,7 +390,7 @@ class LinkClient:
             loop.create_connection(lambda: _Protocol(self), host, port, ssl=context), self.connect_timeout
         )
         self._protocol = protocol
-        conn.hello(self.user, self.password, self.client_name)
+        conn.hello(self.user, self.password, self.client_name, self.client_host)
         transport.write(conn.data_to_send())
         try:
             await asyncio.wait_for(self._opened, self.connect_timeout)

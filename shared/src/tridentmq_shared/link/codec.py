@@ -46,6 +46,7 @@ MAX_FIELD_INT: Final = 2**63 - 1
 MAX_CREDIT: Final = 2**31 - 1
 #: Error texts are cut to this length so a CLOSE always fits in a frame.
 MAX_ERROR_TEXT: Final = 512
+MAX_CLIENT_HOST: Final = 256  # an IPv6 address with a zone fits many times over
 _PUBLISH: Final = int(Op.PUBLISH)
 _DELIVER: Final = int(Op.DELIVER)
 _CONFIRM: Final = int(Op.CONFIRM)
@@ -407,6 +408,11 @@ class LinkConnection:
         if count != 1 and self.role is _SERVER:
             self._fail(ErrorCode.UNEXPECTED, "HELLO travels alone in its frame")
         epoch = 0
+        client_host = None
+        if self.role is _SERVER and len(op) == len(_FIELDS[Op.HELLO]) + 2:  # on behalf of a gateway's client
+            client_host = op.pop()
+            if type(client_host) is not str or not 0 < len(client_host) <= MAX_CLIENT_HOST:
+                self._fail(ErrorCode.MALFORMED, f"HELLO's client_host is a string of 1 to {MAX_CLIENT_HOST} characters")
         if self.role is _CLIENT and len(op) == len(_FIELDS[Op.WELCOME]) + 2:  # with the node's epoch (HA)
             epoch = op.pop()
             if type(epoch) is not int or epoch < 0:
@@ -426,7 +432,7 @@ class LinkConnection:
             if self.heartbeat_ms > 0:
                 self.heartbeat_ms = max(self.heartbeat_ms, heartbeat_ms)
             self.state = State.AUTHENTICATING
-            events.append(ev.HelloReceived(self.version, user, password, client_name, self.heartbeat_ms))
+            events.append(ev.HelloReceived(self.version, user, password, client_name, self.heartbeat_ms, client_host))
             return  # the heartbeat clock starts at accept(): authentication may take a while
         _, version, node_id, conn_id, heartbeat_ms, max_frame, credit = op
         if version not in PROTOCOL_VERSIONS or heartbeat_ms < 0 or credit < 0 or max_frame < MIN_FRAME_SIZE:
@@ -605,12 +611,15 @@ class LinkConnection:
         self._out.append([Op.REPLICA, epoch, first, records, sync_end])
 
     # ------------------------------------------------------------------ client side
-    def hello(self, user: str | None, password: str | None, client_name: str) -> None:
+    def hello(self, user: str | None, password: str | None, client_name: str, client_host: str | None = None) -> None:
+        """Open the link; ``client_host`` is the address of the client a gateway opens it for."""
         if self.role is not _CLIENT or self.state is not State.HANDSHAKE or self._hello_sent:
             raise LocalProtocolError(ErrorCode.UNEXPECTED, "hello() opens a client link, once")
         self._hello_sent = True
-        self._out.append([Op.HELLO, list(PROTOCOL_VERSIONS), user, password, client_name,
-                          self.heartbeat_ms, self.max_frame_size])  # fmt: skip
+        hello = [Op.HELLO, list(PROTOCOL_VERSIONS), user, password, client_name, self.heartbeat_ms, self.max_frame_size]
+        if client_host:
+            hello.append(client_host)
+        self._out.append(hello)
 
     def _request(self, op: Op, *fields: Any) -> int:
         self._require(_CLIENT)

@@ -27,6 +27,8 @@ class HelloReceived:
     password: str | None
     client_name: str
     heartbeat_ms: int
+    # The address of the client a gateway opens this link for (its real peer); None for a link of its own.
+    client_host: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
