@@ -18,7 +18,7 @@ from tridentmq_core.security import SecurityManager
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.memory import MemoryStore
 from tridentmq_shared.link import events as ev
-from tridentmq_shared.link.codec import LinkConnection, Role, State
+from tridentmq_shared.link.codec import UNBOUNDED_BYTES, LinkConnection, Role, State
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import M_BODY, M_ID, M_PROPS, RoutingType, WireMessage, new_message
 
@@ -56,7 +56,8 @@ def bodies(deliveries: list[Delivery]) -> list[bytes]:
 
 
 class Client:
-    def __init__(self, harness: Harness, name: str, user: str | None, password: str | None, peer: str) -> None:
+    def __init__(self, harness: Harness, name: str, user: str | None, password: str | None, peer: str,
+                 publish_bytes: int = UNBOUNDED_BYTES) -> None:  # fmt: skip
         self.h = harness
         self.name = name
         self.conn = LinkConnection(Role.CLIENT)
@@ -67,7 +68,7 @@ class Client:
         assert isinstance(hello[0], ev.HelloReceived)
         principal = harness.security.authenticate(hello[0].user, hello[0].password, peer)
         conn_id = f"conn-{len(harness.clients) + 1}"
-        self.server.accept(harness.broker.node_id, conn_id, PUBLISH_WINDOW, 0.0)
+        self.server.accept(harness.broker.node_id, conn_id, PUBLISH_WINDOW, 0.0, publish_bytes=publish_bytes)
         self.session: Session = harness.broker.open_session(self.server, conn_id, principal, peer, name,
                                                             harness.now_ms)  # fmt: skip
         welcomed = self.conn.receive_data(self.server.data_to_send(), harness.now_s)
@@ -123,7 +124,8 @@ class Client:
         return self._answer(self.conn.delete_queue(name))
 
     def subscribe(self, queue: str, credit: int = 100, **options: Any) -> tuple[int, ev.Reply | ev.RequestFailed]:
-        req_id, consumer_id = self.conn.subscribe(queue, credit, options)
+        credit_bytes = options.pop("credit_bytes", 0)
+        req_id, consumer_id = self.conn.subscribe(queue, credit, options, credit_bytes)
         return consumer_id, self._answer(req_id)
 
     def consumer(self, queue: str, credit: int = 100, **options: Any) -> int:
@@ -173,8 +175,8 @@ class Client:
         self.conn.nack(consumer_id, ids, mode)
         self.h.sync()
 
-    def flow(self, consumer_id: int, credit: int) -> None:
-        self.conn.flow(consumer_id, credit)
+    def flow(self, consumer_id: int, credit: int, credit_bytes: int = 0) -> None:
+        self.conn.flow(consumer_id, credit, credit_bytes)
         self.h.sync()
 
     def close(self) -> None:
@@ -201,8 +203,8 @@ class Harness:
         return self.now_ms / 1000
 
     def connect(self, name: str = "client", user: str | None = None, password: str | None = None,
-                peer: str = "127.0.0.1") -> Client:  # fmt: skip
-        client = Client(self, name, user, password, peer)
+                peer: str = "127.0.0.1", publish_bytes: int = UNBOUNDED_BYTES) -> Client:  # fmt: skip
+        client = Client(self, name, user, password, peer, publish_bytes)
         self.clients.append(client)
         return client
 

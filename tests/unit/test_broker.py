@@ -1253,6 +1253,53 @@ def test_memory_limit_withholds_publish_credit_until_usage_is_under_90_percent(
     assert grants == [1, 3, 1]
 
 
+def test_the_publish_byte_window_is_topped_up_after_each_batch_and_withheld_with_the_credit() -> None:
+    h = with_memory_limit(3000)
+    c = h.connect(publish_bytes=1000)
+    ok(c.create_queue("orders"))
+    c.send_all("orders", [b"x" * 600, b"x" * 600])  # the second starts with 400 left and overdraws
+    assert (c.conn.publish_credit, c.conn.publish_bytes) == (PUBLISH_WINDOW, 1000)  # all given back
+    c.send_all("orders", [b"x" * 900])
+    assert h.broker.memory.used > 2000
+    c.send_all("orders", [b"x" * 900])  # usage passes the limit: neither messages nor bytes come back
+    assert (c.conn.publish_credit, c.conn.publish_bytes) == (PUBLISH_WINDOW - 1, 100)
+    assert c.conn.can_publish
+    c.send_all("orders", [b"x" * 200])
+    assert (c.conn.publish_credit, c.conn.publish_bytes, c.conn.can_publish) == (PUBLISH_WINDOW - 2, -100, False)
+    cid = c.consumer("orders", credit=10)
+    c.ack(cid, ids(c.take(cid)))
+    h.broker.flush_dispatch(h.now_ms)
+    h.sync()
+    assert (c.conn.publish_credit, c.conn.publish_bytes) == (PUBLISH_WINDOW, 1000)
+
+
+def test_a_consumer_window_in_bytes_holds_deliveries_until_flow_returns_bytes(c: Client) -> None:
+    ok(c.create_queue("orders"))
+    c.send_all("orders", [b"x" * 60] * 6)
+    cid = c.consumer("orders", credit=10, credit_bytes=100)
+    assert len(c.take(cid)) == 2  # the second starts with 40 bytes left and overdraws
+    c.flow(cid, 0, 60)  # 40 bytes: one more
+    assert len(c.take(cid)) == 1
+    c.flow(cid, 3)  # messages alone do not help while the bytes are used up
+    assert c.take(cid) == []
+    c.flow(cid, 0, 1000)  # capped at the window: 100 bytes, two more
+    assert len(c.take(cid)) == 2
+    c.flow(cid, 0, 1000)
+    assert len(c.take(cid)) == 1  # the last one
+    assert c.conn.consumer_credit[cid] == 10 + 3 - 6
+
+
+def test_a_byte_window_bounds_auto_ack_consumers_and_browsers(c: Client) -> None:
+    ok(c.create_queue("orders"))
+    c.send_all("orders", [b"x" * 500] * 4)
+    browser = c.consumer("orders", credit=10, credit_bytes=600, browse=True)
+    assert len(c.take(browser)) == 2
+    cid = c.consumer("orders", credit=10, credit_bytes=400, auto_ack=True)
+    assert len(c.take(cid)) == 1
+    c.flow(cid, 1, 500)
+    assert len(c.take(cid)) == 1
+
+
 def test_memory_limit_blocks_every_publishing_link_and_unblocks_them_all(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -137,9 +137,13 @@ def deeply_nested(depth: int) -> bytes:
 
 
 # ---------------------------------------------------------------------------------------------- golden bytes
-HELLO_GOLDEN = (
+HELLO_GOLDEN = (  # a version 1 client's
     b"\x00\x00\x00\x1f"  # length 31
     b"\x91\x97\x01\x91\x01\xa5alice\xa6secret\xa4gw-1\xcd\x01\xf4\xce\x00\x01\x00\x00"
+)
+HELLO_V2_GOLDEN = (
+    b"\x00\x00\x00\x20"  # length 32
+    b"\x91\x97\x01\x92\x01\x02\xa5alice\xa6secret\xa4gw-1\xcd\x01\xf4\xce\x00\x01\x00\x00"
 )
 
 
@@ -147,9 +151,12 @@ def test_hello_golden_bytes() -> None:
     client = LinkConnection(Role.CLIENT, heartbeat_ms=500, max_frame_size=65536)
     client.hello("alice", "secret", "gw-1")
     data = client.data_to_send()
-    assert data == HELLO_GOLDEN
-    assert data == frame([[1, [1], "alice", "secret", "gw-1", 500, 65536]])
+    assert data == HELLO_V2_GOLDEN
+    assert data == frame([[1, [1, 2], "alice", "secret", "gw-1", 500, 65536]])
     assert client.data_to_send() == b""
+    old = LinkConnection(Role.CLIENT, heartbeat_ms=500, max_frame_size=65536, versions=(1,))
+    old.hello("alice", "secret", "gw-1")
+    assert old.data_to_send() == HELLO_GOLDEN
 
 
 def test_hello_golden_bytes_are_understood_by_a_server() -> None:
@@ -164,7 +171,13 @@ def test_welcome_carries_the_node_epoch_when_it_has_one() -> None:
     client.hello(None, None, "gw")
     pump(client, server)
     server.accept("node-1", "conn-1", 10, 0.0, epoch=3)
-    assert pump(server, client) == [ev.Welcomed(1, "node-1", "conn-1", DEFAULT_HEARTBEAT_MS, 10, 3)]
+    assert pump(server, client) == [ev.Welcomed(2, "node-1", "conn-1", DEFAULT_HEARTBEAT_MS, 10, 3)]
+    old = LinkConnection(Role.CLIENT, versions=(1,))
+    server = LinkConnection(Role.SERVER)
+    old.hello(None, None, "gw")
+    pump(old, server)
+    server.accept("node-1", "conn-1", 10, 0.0, epoch=3)
+    assert pump(server, old) == [ev.Welcomed(1, "node-1", "conn-1", DEFAULT_HEARTBEAT_MS, 10, 3)]
 
 
 def test_a_welcome_with_a_bad_epoch_is_malformed() -> None:
@@ -175,7 +188,7 @@ def test_a_welcome_with_a_bad_epoch_is_malformed() -> None:
 
 
 def test_op_codes_are_stable() -> None:
-    assert PROTOCOL_VERSIONS == (1,)
+    assert PROTOCOL_VERSIONS == (1, 2)
     assert HEADER_SIZE == 4
     assert {op.name: int(op) for op in Op} == {
         "HELLO": 1, "WELCOME": 2, "CLOSE": 3, "HEARTBEAT": 4, "OK": 5, "ERROR": 6,
@@ -207,16 +220,23 @@ def test_a_malformed_topology_request_breaks_the_link() -> None:
 
 
 def test_welcome_bytes_match_a_hand_built_frame() -> None:
-    client = LinkConnection(Role.CLIENT, heartbeat_ms=100)
+    client = LinkConnection(Role.CLIENT, heartbeat_ms=100, versions=(1,))
     server = LinkConnection(Role.SERVER, heartbeat_ms=300, max_frame_size=MIN_FRAME_SIZE)
     client.hello(None, None, "c")
     pump(client, server)
     server.accept("node-7", "conn-9", 42, 0.0)
     assert server.data_to_send() == frame([[2, 1, "node-7", "conn-9", 300, MIN_FRAME_SIZE, 42]])
+    # Version 2: the epoch is always there (0: none), then the publish window in bytes.
+    client = LinkConnection(Role.CLIENT, heartbeat_ms=100)
+    server = LinkConnection(Role.SERVER, heartbeat_ms=300, max_frame_size=MIN_FRAME_SIZE)
+    client.hello(None, None, "c")
+    pump(client, server)
+    server.accept("node-7", "conn-9", 42, 0.0, publish_bytes=5000)
+    assert server.data_to_send() == frame([[2, 2, "node-7", "conn-9", 300, MIN_FRAME_SIZE, 42, 0, 5000]])
 
 
 def test_request_and_message_bytes_match_hand_built_frames() -> None:
-    client, server = open_pair()
+    client, server = open_pair(client_kw={"versions": (1,)})
     m = message()
     req = client.create_address("orders", [0, 1])
     seq = client.publish(m, tx_id=3)
@@ -250,7 +270,7 @@ def test_hand_built_frames_are_decoded() -> None:
 
 # ---------------------------------------------------------------------------------------------- handshake
 def test_handshake_events_and_state() -> None:
-    client = LinkConnection(Role.CLIENT, heartbeat_ms=100)
+    client = LinkConnection(Role.CLIENT, heartbeat_ms=100, versions=(1,))
     server = LinkConnection(Role.SERVER, heartbeat_ms=300, max_frame_size=MIN_FRAME_SIZE * 2)
     assert client.state is State.HANDSHAKE
     assert server.state is State.HANDSHAKE
@@ -284,7 +304,7 @@ def test_hello_names_the_gateways_client_when_given() -> None:
     client = LinkConnection(Role.CLIENT)
     server = LinkConnection(Role.SERVER)
     client.hello("alice", "secret", "stomp 10.1.2.3:5000", "10.1.2.3")
-    assert decoded_ops(client.data_to_send()) == [[Op.HELLO, [1], "alice", "secret", "stomp 10.1.2.3:5000",
+    assert decoded_ops(client.data_to_send()) == [[Op.HELLO, [1, 2], "alice", "secret", "stomp 10.1.2.3:5000",
                                                    client.heartbeat_ms, client.max_frame_size, "10.1.2.3"]]  # fmt: skip
     client = LinkConnection(Role.CLIENT)
     client.hello("alice", "secret", "stomp 10.1.2.3:5000", "10.1.2.3")
@@ -342,7 +362,7 @@ def test_client_close_during_handshake_reaches_the_server() -> None:
     assert server.state is State.CLOSED
 
 
-@pytest.mark.parametrize("versions", [[2], [], [0, 99], ["1"], [1.0], [True]])
+@pytest.mark.parametrize("versions", [[3], [], [0, 99], ["1"], [1.0], [True]])
 def test_version_mismatch(versions: list[Any]) -> None:
     server = LinkConnection(Role.SERVER)
     data = frame([[Op.HELLO, versions, "u", "p", "c", 100, MIN_FRAME_SIZE]])
@@ -449,7 +469,7 @@ def test_welcome_followed_by_other_ops_in_the_same_flush_is_understood() -> None
     pump(client, server)
     server.accept("node", "conn", 10, 0.0)
     server.grant_publish_credit(5)
-    assert pump(server, client) == [ev.Welcomed(1, "node", "conn", 250, 10), ev.PublishCreditGranted(5)]
+    assert pump(server, client) == [ev.Welcomed(2, "node", "conn", 250, 10), ev.PublishCreditGranted(5)]
     assert client.publish_credit == 15
 
 
@@ -516,7 +536,7 @@ def test_every_request_reaches_the_server_with_its_fields() -> None:
 
 
 def test_every_server_answer_reaches_the_client_with_its_fields() -> None:
-    client, server = open_pair()
+    client, server = open_pair(client_kw={"versions": (1,)})
     _, cid = client.subscribe("q", 3)
     seq = client.publish(message())
     pump(client, server)
@@ -782,9 +802,99 @@ def test_out_of_order_publish_sequence_is_malformed(seqs: list[int]) -> None:
     expect_remote_error(server, data, ErrorCode.MALFORMED)
 
 
-def test_negative_publish_credit_is_malformed() -> None:
+@pytest.mark.parametrize("op", [[Op.PUBLISH_CREDIT, -1, 0], [Op.PUBLISH_CREDIT, 1, -1], [Op.PUBLISH_CREDIT, 1]])
+def test_negative_publish_credit_is_malformed(op: list[int]) -> None:
     client, _ = open_pair()
-    expect_remote_error(client, frame([[Op.PUBLISH_CREDIT, -1]]), ErrorCode.MALFORMED)
+    expect_remote_error(client, frame([op]), ErrorCode.MALFORMED)
+
+
+# ---------------------------------------------------------------------------------------------- byte credit (v2)
+def open_byte_pair(credit: int = 100, publish_bytes: int = 1000) -> tuple[LinkConnection, LinkConnection]:
+    client = LinkConnection(Role.CLIENT)
+    server = LinkConnection(Role.SERVER)
+    client.hello(None, None, "c")
+    pump(client, server)
+    server.accept("node-1", "conn-1", credit, 0.0, publish_bytes=publish_bytes)
+    pump(server, client)
+    assert (client.version, client.publish_bytes, server.publish_bytes) == (2, publish_bytes, publish_bytes)
+    return client, server
+
+
+def test_the_publish_window_is_counted_in_bytes_and_one_message_may_pass_it() -> None:
+    client, server = open_byte_pair(publish_bytes=1000)
+    client.publish(message(body=b"x" * 600))
+    assert client.can_publish
+    client.publish(message(body=b"x" * 600))  # starts with 400 left: allowed, and the credit goes below 0
+    assert (client.publish_credit, client.publish_bytes, client.can_publish) == (98, -200, False)
+    with pytest.raises(LocalProtocolError) as info:
+        client.publish(message(body=b""))
+    assert info.value.code == ErrorCode.CREDIT
+    [publishes] = pump(client, server)
+    assert len(publishes.ops) == 2
+    assert server.publish_bytes == -200
+    server.grant_publish_credit(2)  # tops the bytes up to the window again
+    assert decoded_ops(server.data_to_send()) == [[Op.PUBLISH_CREDIT, 2, 1200]]
+    assert (server.publish_credit, server.publish_bytes) == (100, 1000)
+    client.receive_data(frame([[Op.PUBLISH_CREDIT, 2, 1200]]), 1.0)
+    assert (client.publish_credit, client.publish_bytes, client.can_publish) == (100, 1000, True)
+
+
+def test_the_server_enforces_the_byte_window() -> None:
+    _, server = open_byte_pair(publish_bytes=1000)
+    big = message(body=b"x" * 1000)
+    data = frame([[Op.PUBLISH, 1, 0, big], [Op.PUBLISH, 2, 0, message(body=b"")]])
+    expect_remote_error(server, data, ErrorCode.CREDIT)
+
+
+def test_a_grant_of_bytes_alone_goes_out_and_a_full_window_gets_none() -> None:
+    client, server = open_byte_pair(publish_bytes=1000)
+    server.grant_publish_credit(0)
+    assert server.data_to_send() == b""  # nothing used: nothing to give
+    client.publish(message(body=b"x" * 10))
+    pump(client, server)
+    server.grant_publish_credit(0)  # the message's credit withheld (a cluster link's), its bytes not
+    assert pump(server, client) == [ev.PublishCreditGranted(0, 10)]
+
+
+def test_a_version_1_link_counts_no_bytes() -> None:
+    client, server = open_pair(client_kw={"versions": (1,)}, credit=3)
+    for _ in range(3):
+        client.publish(message(body=b"x" * 100_000))
+    pump(client, server)
+    server.grant_publish_credit(3)
+    assert decoded_ops(server.data_to_send()) == [[Op.PUBLISH_CREDIT, 3]]
+    assert client.can_publish is False
+    _, cid = client.subscribe("q", 2, credit_bytes=10)  # no byte credit in version 1: not asked for
+    assert decoded_ops(client.data_to_send())[0][-1] == {}
+    client.flow(cid, 1, 5)
+    assert decoded_ops(client.data_to_send()) == [[Op.FLOW, cid, 1]]
+
+
+def test_a_consumer_window_in_bytes_is_tracked_and_enforced_on_the_client() -> None:
+    client, server = open_byte_pair()
+    _, cid = client.subscribe("q", 10, {"auto_ack": True}, credit_bytes=100)
+    [subscribe] = pump(client, server)
+    assert subscribe.options == {"auto_ack": True, "credit_bytes": 100}
+    m = message(body=b"x" * 60)
+    server.deliver(cid, 1, m)
+    server.deliver(cid, 1, m)  # starts with 40 left: allowed
+    pump(server, client)
+    assert (client.consumer_credit[cid], client.consumer_bytes[cid]) == (8, -20)
+    client.flow(cid, 2, 120)
+    assert pump(client, server) == [ev.Flow(cid, 2, 120)]
+    assert client.consumer_bytes[cid] == 100
+    server.deliver(cid, 1, message(body=b"x" * 100))
+    server.deliver(cid, 1, message(body=b""))  # no bytes left: a violation
+    expect_remote_error(client, server.data_to_send(), ErrorCode.CREDIT)
+
+
+def test_flow_of_a_consumer_without_a_byte_window_carries_no_bytes() -> None:
+    client, server = open_byte_pair()
+    _, cid = client.subscribe("q", 1)
+    pump(client, server)
+    client.flow(cid, 1, 500)
+    assert decoded_ops(client.data_to_send()) == [[Op.FLOW, cid, 1, 0]]
+    expect_remote_error(server, frame([[Op.FLOW, cid, 1, -1]]), ErrorCode.MALFORMED)
 
 
 # ---------------------------------------------------------------------------------------------- deliveries
@@ -1040,7 +1150,7 @@ def test_close_from_the_client() -> None:
 
 
 def test_operations_after_a_close_in_the_same_frame_are_ignored() -> None:
-    _, server = open_pair()
+    _, server = open_pair(client_kw={"versions": (1,)})
     data = frame([[Op.FLOW, 1, 1], [Op.CLOSE, "shutdown", "bye"], [Op.FLOW, 1, 2], [Op.HEARTBEAT]])
     assert server.receive_data(data, 1.0) == [ev.Flow(1, 1), ev.Closed("shutdown", "bye")]
 
@@ -1170,7 +1280,7 @@ def test_chunking_property(direction: str, sizes: list[int]) -> None:
 
 
 def test_partial_frame_produces_nothing_until_complete() -> None:
-    _, server = open_pair()
+    _, server = open_pair(client_kw={"versions": (1,)})
     data = frame([[Op.FLOW, 1, 1]])
     assert server.receive_data(data[:2], 1.0) == []
     assert server.receive_data(data[2:5], 1.0) == []
@@ -1731,7 +1841,7 @@ def test_operations_not_valid_from_the_peer(endpoint: str, code: int) -> None:
         [Op.CREATE_QUEUE, 1, ["name", "q"]],
         [Op.SUBSCRIBE, 1, 1, "q", 5, None],
         [Op.HEARTBEAT, 1],
-        [Op.FLOW, 1, 1.5],
+        [Op.FLOW, 1, 1.5, 0],
         [Op.TX_BEGIN, 1, None],
         [Op.PUBLISH, 1, 0, "message"],
     ],
@@ -1749,8 +1859,10 @@ def test_wrong_field_count_or_type(op: list[Any]) -> None:
         [Op.UNSUBSCRIBE, 1, -5],
         [Op.SUBSCRIBE, 1, 1, "q", -1, {}],
         [Op.SUBSCRIBE, 1, 1, "q", MAX_CREDIT + 1, {}],
-        [Op.FLOW, 1, MAX_CREDIT + 1],
-        [Op.FLOW, -1, 1],
+        [Op.FLOW, 1, MAX_CREDIT + 1, 0],
+        [Op.FLOW, -1, 1, 0],
+        [Op.FLOW, 1, 1, -1],
+        [Op.FLOW, 1, 1, 2**63],
         [Op.ACK, 1, 0, [1, 2**63]],
         [Op.NACK, 1, [-1], int(NackMode.REDELIVER)],
         [Op.PUBLISH, 1, -1, new_message("a", b"")],
@@ -1763,14 +1875,15 @@ def test_integer_fields_out_of_range_are_malformed(op: list[Any]) -> None:
 
 
 def test_a_credit_grant_out_of_range_is_malformed() -> None:
-    expect_remote_error(_ready_client(), frame([[Op.PUBLISH_CREDIT, MAX_CREDIT + 1]]), ErrorCode.MALFORMED)
+    expect_remote_error(_ready_client(), frame([[Op.PUBLISH_CREDIT, MAX_CREDIT + 1, 0]]), ErrorCode.MALFORMED)
     expect_remote_error(_ready_client(), frame([[Op.DELIVER, 1, -1, message()]]), ErrorCode.MALFORMED)
 
 
 def test_integer_fields_at_their_limits_are_accepted() -> None:
     server = _ready_server()
-    events = server.receive_data(frame([[Op.FLOW, MAX_FIELD_INT, MAX_CREDIT], [Op.TX_BEGIN, MAX_FIELD_INT, 0]]), 1.0)
-    assert events == [ev.Flow(MAX_FIELD_INT, MAX_CREDIT), ev.TxBegin(MAX_FIELD_INT, 0)]
+    ops = [[Op.FLOW, MAX_FIELD_INT, MAX_CREDIT, MAX_FIELD_INT], [Op.TX_BEGIN, MAX_FIELD_INT, 0]]
+    events = server.receive_data(frame(ops), 1.0)
+    assert events == [ev.Flow(MAX_FIELD_INT, MAX_CREDIT, MAX_FIELD_INT), ev.TxBegin(MAX_FIELD_INT, 0)]
 
 
 # ---------------------------------------------------------------------------------------------- messages

@@ -185,7 +185,9 @@ def test_a_will_that_could_not_be_published_is_refused(message: WireMessage, cod
     assert bodies(watcher.take(cid)) == [b"kept"]  # the refused one changed nothing
 
 
-@pytest.mark.parametrize(("key", "delay_ms"), [("", 0), ("k" * (MAX_WILL_KEY + 1), 0), ("k", -1), ("k", MAX_TIME_MS + 1)])
+@pytest.mark.parametrize(
+    ("key", "delay_ms"), [("", 0), ("k" * (MAX_WILL_KEY + 1), 0), ("k", -1), ("k", MAX_TIME_MS + 1)]
+)
 def test_a_bad_will_key_or_delay_is_invalid(c: Client, key: str, delay_ms: int) -> None:
     failed(c.set_will(key, will(), delay_ms=delay_ms), ErrorCode.INVALID)
     ok(c.set_will("k" * MAX_WILL_KEY, will(), delay_ms=0))

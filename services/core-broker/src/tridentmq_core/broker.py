@@ -32,7 +32,7 @@ from tridentmq_core.store.base import Store
 from tridentmq_core.store.memory import MemoryStore
 from tridentmq_core.store.recovery import RecoveredState
 from tridentmq_shared.link import events as ev
-from tridentmq_shared.link.codec import MAX_FIELD_INT, LinkConnection
+from tridentmq_shared.link.codec import BYTE_CREDIT_VERSION, MAX_FIELD_INT, LinkConnection
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import (
     M_ADDRESS,
@@ -298,8 +298,8 @@ class Broker:
                 case ev.Nacks(ops):
                     for _, consumer_id, ids, mode in ops:
                         self._nack(session, consumer_id, ids, NackMode(mode), now_ms)
-                case ev.Flow(consumer_id, credit):
-                    self._flow(session, consumer_id, credit)
+                case ev.Flow(consumer_id, credit, credit_bytes):
+                    self._flow(session, consumer_id, credit, credit_bytes)
                 case ev.ReplicaAck():
                     if self.on_ha is not None:
                         self.on_ha(session, event)
@@ -1110,6 +1110,11 @@ class Broker:
         if credit > self.settings.broker.max_consumer_credit:
             raise BrokerError(ErrorCode.INVALID, f"credit above {self.settings.broker.max_consumer_credit}")
         browse = bool(options.get("browse", False))
+        credit_bytes = options.get("credit_bytes", 0)
+        if type(credit_bytes) is not int or credit_bytes < 0:
+            raise BrokerError(ErrorCode.INVALID, "credit_bytes is a non-negative integer")
+        if session.conn.version < BYTE_CREDIT_VERSION:
+            credit_bytes = 0  # a version 1 FLOW cannot give bytes back
         selector = self._compile(options.get("selector"))
         address_name, _, queue_part = queue_name.rpartition(FQQN_SEPARATOR)
         queue_name = queue_part if address_name else queue_name
@@ -1134,6 +1139,8 @@ class Broker:
             raise BrokerError(ErrorCode.RESOURCE_LIMIT, f"queue {queue.name!r} has its maximum of consumers")
         consumer = Consumer(consumer_id, session, queue, credit, selector=selector,
                             auto_ack=bool(options.get("auto_ack", False)), browse=browse)  # fmt: skip
+        if credit_bytes:
+            consumer.limit_bytes(credit_bytes)
         queue.add_consumer(consumer)
         session.consumers[consumer_id] = consumer
         if not browse:
@@ -1168,11 +1175,11 @@ class Broker:
             else:
                 queue.return_message(message, count)
 
-    def _flow(self, session: Session, consumer_id: int, credit: int) -> None:
+    def _flow(self, session: Session, consumer_id: int, credit: int, credit_bytes: int) -> None:
         consumer = session.consumers.get(consumer_id)
         if consumer is None:
             return  # a flow racing an unsubscribe
-        consumer.credit = min(consumer.credit + credit, self.settings.broker.max_consumer_credit)
+        consumer.add_credit(credit, credit_bytes, self.settings.broker.max_consumer_credit)
         self._to_dispatch.add(consumer.queue)
 
     def _ack(self, session: Session, consumer_id: int, tx_id: int, ids: list[int], now_ms: int) -> None:

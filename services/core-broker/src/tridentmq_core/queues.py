@@ -77,9 +77,13 @@ class DeliverySink(Protocol):
 
 
 class Consumer:
+    """A subscription's window: ``credit`` deliveries and, when its link asked for a byte window, ``byte_credit``
+    body bytes. A delivery that uses the last of the bytes parks the message credit (``credit`` 0: every
+    dispatch path skips the consumer as it is) until FLOW returns bytes."""
+
     __slots__ = (
-        "auto_ack", "browse", "browse_iter", "counts", "credit", "forwarder", "id", "in_flight", "queue",
-        "selector", "session",
+        "auto_ack", "browse", "browse_iter", "byte_credit", "byte_window", "counts", "credit", "forwarder", "id",
+        "in_flight", "parked_credit", "queue", "selector", "session",
     )  # fmt: skip
 
     def __init__(
@@ -104,6 +108,32 @@ class Consumer:
         self.in_flight: dict[int, WireMessage] = {}
         self.counts: dict[int, int] = {}  # delivery count of in-flight messages delivered more than once
         self.forwarder = False  # moves messages to another node (cluster): not a consumer of a client
+        self.byte_window = 0  # 0: the window is in messages only
+        self.byte_credit = 0
+        self.parked_credit = 0  # message credit held back while the byte credit is used up
+
+    def limit_bytes(self, window: int) -> None:
+        """Bound the window in body bytes too (``credit_bytes`` of a version 2 SUBSCRIBE)."""
+        self.byte_window = self.byte_credit = window
+
+    def spend_bytes(self, size: int) -> None:
+        """A delivery of a body of ``size`` bytes went out (a byte-bounded consumer)."""
+        self.byte_credit -= size
+        if self.byte_credit <= 0:
+            self.parked_credit += self.credit
+            self.credit = 0
+
+    def add_credit(self, credit: int, credit_bytes: int, cap: int) -> None:
+        """FLOW: more deliveries (at most ``cap`` in all) and, for a byte-bounded consumer, more bytes."""
+        if not self.byte_window:
+            self.credit = min(self.credit + credit, cap)
+            return
+        total = min(self.credit + self.parked_credit + credit, cap)
+        self.byte_credit = min(self.byte_credit + credit_bytes, self.byte_window)
+        if self.byte_credit > 0:
+            self.credit, self.parked_credit = total, 0
+        else:
+            self.credit, self.parked_credit = 0, total
 
     def accepts(self, message: WireMessage) -> bool:
         return self.selector is None or self.selector.matches(selector_view(message))
@@ -512,6 +542,8 @@ class Queue:
         message_id = message[M_ID]
         count = self._returned.pop(message_id, 0) + 1 if self._returned else 1
         consumer.credit -= 1
+        if consumer.byte_window:
+            consumer.spend_bytes(len(message[M_BODY]))
         self.delivered += 1
         session = consumer.session
         if not consumer.auto_ack:  # in flight first: a delivery held for the disk is sent only if it still is
@@ -546,5 +578,7 @@ class Queue:
             if (expiration and expiration <= now_ms) or not consumer.accepts(message):
                 continue
             consumer.credit -= 1
+            if consumer.byte_window:
+                consumer.spend_bytes(len(message[M_BODY]))
             session.conn.deliver(consumer.id, 1, message)
         self._dirty.add(session)

@@ -53,7 +53,13 @@ from tridentmq_core.store.memory import MemoryStore
 from tridentmq_core.store.paging import PageDirectory, ThreadIO
 from tridentmq_core.store.recovery import replay
 from tridentmq_shared.link import events as ev
-from tridentmq_shared.link.codec import MIN_FRAME_SIZE, MIN_HANDSHAKE_FRAME_SIZE, LinkConnection, Role
+from tridentmq_shared.link.codec import (
+    BYTE_CREDIT_VERSION,
+    MIN_FRAME_SIZE,
+    MIN_HANDSHAKE_FRAME_SIZE,
+    LinkConnection,
+    Role,
+)
 from tridentmq_shared.link.errors import LinkError
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.message import MAX_PROPERTIES
@@ -141,8 +147,12 @@ class LinkProtocol(asyncio.Protocol):
                 self.write_pending()
                 self.close_transport()
                 return
-            self.conn.accept(self.node.node_id, self.conn_id, self.node.settings.link.publish_window, time.monotonic(),
-                             self.node.identity.epoch)  # fmt: skip
+            link = self.node.settings.link
+            window = link.publish_window
+            if self.conn.version < BYTE_CREDIT_VERSION:  # no byte credit: the message window alone bounds bytes
+                window = min(window, max(1, link.publish_window_bytes // self.node.settings.broker.max_message_bytes))
+            self.conn.accept(self.node.node_id, self.conn_id, window, time.monotonic(), self.node.identity.epoch,
+                             link.publish_window_bytes)  # fmt: skip
             self.node.handshaking.discard(self.conn_id)
             self.session = self.node.broker.open_session(self.conn, self.conn_id, principal, self.peer,
                                                          event.client_name, _now_ms())  # fmt: skip
@@ -199,6 +209,8 @@ class CoreNode:
                                 "link.max_frame_bytes")  # fmt: skip
         if settings.link.max_handshaking < 1:
             raise SettingsError("link.max_handshaking must be at least 1")
+        if settings.link.publish_window_bytes <= 0:
+            raise SettingsError("link.publish_window_bytes must be positive")
         data_dir = settings.node.data_dir
         data_dir.mkdir(parents=True, exist_ok=True)
         self.lock = DataDirectoryLock(data_dir)  # before touching anything in it

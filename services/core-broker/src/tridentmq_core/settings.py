@@ -25,6 +25,11 @@ class LinkSection:
     heartbeat_ms: int = doc(250, "Heartbeat interval offered to peers; a peer silent for 4 intervals is dead.")
     max_frame_bytes: int = doc(16 * 1024 * 1024, "Largest link frame accepted.")
     publish_window: int = doc(8192, "Publishes a link may have in flight before the core grants more.")
+    publish_window_bytes: int = doc(16 * 1024 * 1024, "… and body bytes (one message may pass it): with "
+                                    "`broker.max_memory_bytes`, what bounds the memory producers can fill. A "
+                                    "link speaking version 1 of the protocol (no byte credit) gets only as "
+                                    "many publishes as this holds at `broker.max_message_bytes` each, at "
+                                    "least one.")  # fmt: skip
     max_connections: int = doc(10_000, "Link connections accepted at once; more are refused.")
     handshake_timeout_ms: int = doc(10_000, "A connection that has not sent its HELLO by then is closed.")
     handshake_max_frame_bytes: int = doc(64 * 1024, "Largest frame accepted before HELLO succeeds (HELLO takes a "

@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, cast
 
@@ -123,13 +123,15 @@ _SETTLING: Final = (ev.Confirms, ev.Rejected)
 class Consumer:
     """Deliveries of one subscription. Credit is topped up as the application takes messages, or, with
     ``credit_on_settle``, as it acknowledges or gives them back: then no more than the window is ever
-    out of the queue, whoever holds it (a gateway relaying to a slow client, say)."""
+    out of the queue, whoever holds it (a gateway relaying to a slow client, say). With ``window_bytes``
+    the window is bounded in body bytes as well (one message may pass it)."""
 
     def __init__(self, client: LinkClient, queue: str, credit: int, options: dict[str, Any],
-                 credit_on_settle: bool = False) -> None:  # fmt: skip
+                 credit_on_settle: bool = False, window_bytes: int = 0) -> None:  # fmt: skip
         self.client = client
         self.queue = queue
         self.window = credit
+        self.window_bytes = window_bytes
         self.credit_on_settle = credit_on_settle
         self.options = options
         self.consumer_id = 0
@@ -140,6 +142,9 @@ class Consumer:
         self.closed: LinkRequestError | None = None
         self._buffer: deque[list[Any]] = deque()  # raw DELIVER operations; wrapped when taken
         self._taken = 0
+        self._taken_bytes = 0
+        # Body size of each message taken and not yet settled, for a byte window returned on settlement.
+        self._sizes: dict[int, int] = {}
         self._waiter: asyncio.Future[None] | None = None
 
     def _wake(self) -> None:
@@ -162,26 +167,34 @@ class Consumer:
                 await asyncio.wait_for(self._waiter, remaining)
         return True
 
-    def _took(self, count: int) -> None:
+    def _took(self, count: int, messages: Iterable[WireMessage]) -> None:
         if not self.credit_on_settle:
-            self._credit(count)
+            self._credit(count, sum(len(m[M_BODY]) for m in messages) if self.window_bytes else 0)
+        elif self.window_bytes:
+            sizes = self._sizes
+            for message in messages:
+                sizes[message[M_ID]] = len(message[M_BODY])
 
-    def _settled(self, count: int) -> None:
+    def _settled(self, message_ids: list[int]) -> None:
         if self.credit_on_settle:
-            self._credit(count)
+            sizes = self._sizes
+            settled_bytes = sum(sizes.pop(i, 0) for i in message_ids) if self.window_bytes else 0
+            self._credit(len(message_ids), settled_bytes)
 
-    def _credit(self, count: int) -> None:
+    def _credit(self, count: int, nbytes: int) -> None:
         self._taken += count
-        if self._taken * CREDIT_TOP_UP_PARTS >= self.window:
-            self.client._flow(self, self._taken)
-            self._taken = 0
+        self._taken_bytes += nbytes
+        if self._taken * CREDIT_TOP_UP_PARTS >= self.window or \
+                (self.window_bytes and self._taken_bytes * CREDIT_TOP_UP_PARTS >= self.window_bytes):  # fmt: skip
+            self.client._flow(self, self._taken, self._taken_bytes)
+            self._taken = self._taken_bytes = 0
 
     async def get(self, timeout: float | None = None) -> Delivery | None:
         """The next delivery; None at the end of a browse or after ``timeout`` seconds."""
         if not self._buffer and not await self._wait(timeout):
             return None
         _, _, count, message = self._buffer.popleft()
-        self._took(1)
+        self._took(1, (message,))
         return Delivery(self, count, message)
 
     async def get_batch(self, timeout: float | None = None) -> list[tuple[int, WireMessage]]:
@@ -191,7 +204,7 @@ class Consumer:
             return []
         batch = [(op[2], op[3]) for op in self._buffer]
         self._buffer.clear()
-        self._took(len(batch))
+        self._took(len(batch), (message for _, message in batch))
         return batch
 
     def __aiter__(self) -> AsyncIterator[Delivery]:
@@ -207,7 +220,7 @@ class Consumer:
     def ack_ids(self, message_ids: list[int], tx_id: int = 0) -> None:
         """Acknowledge by message id (for batches taken with ``get_batch``)."""
         self.client._ack(self, message_ids, tx_id)
-        self._settled(len(message_ids))
+        self._settled(message_ids)
 
     def nack(self, *deliveries: Delivery, mode: NackMode = NackMode.REDELIVER) -> None:
         self.nack_ids([d.id for d in deliveries], mode)
@@ -215,7 +228,7 @@ class Consumer:
     def nack_ids(self, message_ids: list[int], mode: NackMode = NackMode.REDELIVER) -> None:
         """Give messages back by message id (for batches taken with ``get_batch``)."""
         self.client._nack(self, message_ids, mode)
-        self._settled(len(message_ids))
+        self._settled(message_ids)
 
     async def close(self) -> None:
         await self.client._unsubscribe(self)
@@ -502,7 +515,7 @@ class LinkClient:
                         if entry is not None and not entry[2].done():
                             entry[2].set_result(None)
             case ev.PublishCreditGranted():
-                while self._credit_waiters and self._conn is not None and self._conn.publish_credit > 0:
+                while self._credit_waiters and self._conn is not None and self._conn.can_publish:
                     waiter = self._credit_waiters.popleft()
                     if not waiter.done():
                         waiter.set_result(None)
@@ -664,12 +677,14 @@ class LinkClient:
         self._consumers.clear()
         for consumer in old_consumers:
             consumer._buffer.clear()
-            consumer._taken = 0
+            consumer._sizes.clear()
+            consumer._taken = consumer._taken_bytes = 0
             options = consumer.options
             if consumer.spec is None and "address" in consumer.info:  # made again as it was, if it must be made
                 options = {"address": consumer.info["address"], "routing_type": consumer.info.get("routing_type"),
                            **options}  # fmt: skip
-            req_id, consumer.consumer_id = conn.subscribe(consumer.queue, consumer.window, options)
+            req_id, consumer.consumer_id = conn.subscribe(consumer.queue, consumer.window, options,
+                                                          consumer.window_bytes)  # fmt: skip
             consumer._on = conn
             self._consumers[consumer.consumer_id] = consumer
             self._background(req_id, functools.partial(self._resubscribed, consumer))
@@ -858,15 +873,17 @@ class LinkClient:
 
     async def subscribe(self, queue: str, *, credit: int = 1000, selector: str | None = None,
                         auto_ack: bool = False, browse: bool = False, credit_on_settle: bool = False,
-                        **options: Any) -> Consumer:  # fmt: skip
+                        credit_bytes: int = 0, **options: Any) -> Consumer:  # fmt: skip
+        """A consumer with a window of ``credit`` messages and, when ``credit_bytes`` > 0, that many body
+        bytes (a slow reader of large messages then holds that much here, not the whole window)."""
         opts: dict[str, Any] = {"auto_ack": auto_ack, "browse": browse, **options}
         if selector:
             opts["selector"] = selector
-        consumer = Consumer(self, queue, credit, opts, credit_on_settle)
+        consumer = Consumer(self, queue, credit, opts, credit_on_settle, credit_bytes)
         consumer.spec = self._queue_specs.get(queue.rpartition("::")[2])
         while True:
             conn = await self._ready()
-            req_id, consumer.consumer_id = conn.subscribe(queue, credit, opts)
+            req_id, consumer.consumer_id = conn.subscribe(queue, credit, opts, credit_bytes)
             consumer._on = conn
             self._consumers[consumer.consumer_id] = consumer
             try:
@@ -888,10 +905,10 @@ class LinkClient:
             if not self._resuming:
                 raise
 
-    def _flow(self, consumer: Consumer, credit: int) -> None:
+    def _flow(self, consumer: Consumer, credit: int, credit_bytes: int) -> None:
         conn = self._conn
         if conn is not None and conn.state is _OPEN and consumer._on is conn:
-            conn.flow(consumer.consumer_id, credit)
+            conn.flow(consumer.consumer_id, credit, credit_bytes)
             self._schedule_flush()
 
     def _settling(self, consumer: Consumer) -> LinkConnection | None:
@@ -938,7 +955,7 @@ class LinkClient:
             if conn is None or conn.state is not _OPEN:
                 if not self._resuming:
                     raise self._error or LinkClosedError(ErrorCode.EOF, "not connected")
-            elif conn.publish_credit > 0:
+            elif conn.can_publish:
                 return
             waiter: asyncio.Future[None] = self._event_loop().create_future()
             self._credit_waiters.append(waiter)
@@ -966,7 +983,7 @@ class LinkClient:
         if self._resuming:
             return False
         protocol = self._protocol
-        return self._live().publish_credit > 0 and (protocol is None or protocol.writable.is_set())
+        return self._live().can_publish and (protocol is None or protocol.writable.is_set())
 
     def send_now(self, message: WireMessage, tx_id: int = 0) -> asyncio.Future[None]:
         """``send`` without waiting (check ``can_send`` first), for callers that publish message by message
@@ -992,8 +1009,10 @@ class LinkClient:
 
     @property
     def publish_credit(self) -> int:
-        """Publishes the server allows right now (``send_nowait`` may be called this many times)."""
-        return self._conn.publish_credit if self._conn is not None and not self._resuming else 0
+        """Publishes the server allows right now (``send_nowait`` may be called this many times, or until the
+        byte window is used up: 0 then)."""
+        conn = self._conn
+        return conn.publish_credit if conn is not None and conn.publish_bytes > 0 and not self._resuming else 0
 
     async def wait_for_credit(self) -> None:
         """Wait until ``send_nowait`` may be called: the server grants credit and the socket keeps up."""
@@ -1025,7 +1044,7 @@ class LinkClient:
         """The connection if a publish may go now: open, with credit, its socket keeping up, not being
         resumed."""
         conn, protocol, resuming = self._conn, self._protocol, self._reconnecting
-        if conn is None or conn.state is not _OPEN or conn.publish_credit <= 0 or \
+        if conn is None or conn.state is not _OPEN or conn.publish_credit <= 0 or conn.publish_bytes <= 0 or \
                 (protocol is not None and not protocol.writable.is_set()) or \
                 (resuming is not None and not resuming.done()):  # fmt: skip
             return None

@@ -5,8 +5,11 @@ class serves both ends; ``role`` decides which operations each side may send and
 
 Flow control both ways: the server grants the client a publish window (``PUBLISH_CREDIT``) and the client
 grants each consumer a delivery window (``SUBSCRIBE`` credit and ``FLOW``); a peer that exceeds a window
-breaks the protocol. Everything queued between two ``data_to_send`` calls leaves as one frame, so a busy
-link costs one write and one msgpack call per event-loop iteration, not per message.
+breaks the protocol. From version 2 both windows are also counted in body bytes (the publish window always,
+a consumer's when it subscribes with ``credit_bytes``): a message may start while any byte credit is left,
+so one large message still passes a small window, and the bytes on their way stay bounded. Everything
+queued between two ``data_to_send`` calls leaves as one frame, so a busy link costs one write and one msgpack
+call per event-loop iteration, not per message.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import msgpack
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.errors import LocalProtocolError, RemoteProtocolError
 from tridentmq_shared.link.ops import HEADER_SIZE, PROTOCOL_VERSIONS, ErrorCode, NackMode, Op
-from tridentmq_shared.message import MAX_PROPERTIES, WireMessage, check_message
+from tridentmq_shared.message import M_BODY, MAX_PROPERTIES, WireMessage, check_message
 
 DEFAULT_MAX_FRAME_SIZE: Final = 16 * 1024 * 1024
 DEFAULT_MAX_OPS_PER_FRAME: Final = 65_536
@@ -37,6 +40,10 @@ MIN_HANDSHAKE_FRAME_SIZE: Final = 1024
 _HANDSHAKE_CONTAINER_LEN: Final = 16
 #: Operations per outgoing frame (see ``data_to_send``).
 FRAME_OPERATIONS: Final = 512
+#: The byte credit of a window that is not counted in bytes (a version 1 link): never used up.
+UNBOUNDED_BYTES: Final = 1 << 62
+#: The first protocol version whose windows are counted in bytes too.
+BYTE_CREDIT_VERSION: Final = 2
 
 _NACK_MODES: Final = frozenset(int(m) for m in NackMode)
 #: Every integer field of an operation (ids, sequence numbers, counts, times) is within 0..MAX_FIELD_INT: a
@@ -108,6 +115,12 @@ _FIELDS: Final[dict[int, tuple[type | tuple[type, ...], ...]]] = {
     Op.REPLICA_ACK: (int,),
     Op.VOTE: (int, dict),
 }
+# Version 2: PUBLISH_CREDIT and FLOW carry bytes after the message credit (WELCOME's extra field is read apart).
+_FIELDS_V2: Final[dict[int, tuple[type | tuple[type, ...], ...]]] = {
+    **_FIELDS,
+    Op.PUBLISH_CREDIT: (int, int),
+    Op.FLOW: (int, int, int),
+}
 
 _RECEIVES: Final = {
     Role.SERVER: frozenset({
@@ -149,13 +162,17 @@ class LinkConnection:
         heartbeat_ms: int = DEFAULT_HEARTBEAT_MS,
         max_properties: int = MAX_PROPERTIES,
         handshake_frame_size: int = DEFAULT_HANDSHAKE_FRAME_SIZE,
+        versions: tuple[int, ...] = PROTOCOL_VERSIONS,
     ) -> None:
         """``handshake_frame_size`` (server): the largest frame accepted until ``accept()``, whoever the peer."""
         if max_frame_size < MIN_FRAME_SIZE:
             raise ValueError(f"max_frame_size must be at least {MIN_FRAME_SIZE}")
         if handshake_frame_size < MIN_HANDSHAKE_FRAME_SIZE:
             raise ValueError(f"handshake_frame_size must be at least {MIN_HANDSHAKE_FRAME_SIZE}")
+        if not versions or not set(versions) <= set(PROTOCOL_VERSIONS):
+            raise ValueError(f"versions must be among {PROTOCOL_VERSIONS}")
         self.role = role
+        self.versions = versions  # offered (client) or accepted (server); a subset only to test older peers
         self.state = State.HANDSHAKE
         self.version = 0
         self.max_frame_size = max_frame_size
@@ -165,6 +182,7 @@ class LinkConnection:
         self.max_properties = max_properties
         self.heartbeat_ms = heartbeat_ms  # our wish until the handshake, the agreed interval after it
         self._peer_max_frame = DEFAULT_MAX_FRAME_SIZE
+        self._fields = _FIELDS  # the field table of the agreed version
         self._inbuf = bytearray()
         self._out: list[list[Any] | tuple[Any, ...]] = []
         self._packer = msgpack.Packer(autoreset=True)
@@ -175,6 +193,8 @@ class LinkConnection:
         # server: publish sequence and window; client: the same seen from the other side
         self._next_seq = 1
         self.publish_credit = 0
+        self.publish_bytes = UNBOUNDED_BYTES  # body bytes the client may still start publishes with (v2)
+        self.publish_window_bytes = UNBOUNDED_BYTES  # server: what each grant tops the byte credit up to
         self._open_confirm: list[Any] | None = None
         # client: ids and per-consumer delivery windows
         self._hello_sent = False
@@ -182,6 +202,7 @@ class LinkConnection:
         self._next_consumer_id = 1
         self._next_tx_id = 1
         self.consumer_credit: dict[int, int] = {}
+        self.consumer_bytes: dict[int, int] = {}  # byte credit of the consumers subscribed with ``credit_bytes``
         self._released_consumers: set[int] = set()
 
     @property
@@ -254,10 +275,10 @@ class LinkConnection:
             # The per-message operation of this direction, checked inline: it is most of the traffic.
             if (code == hot and len(op) == 4 and type(op[1]) is int and type(op[2]) is int
                     and 0 <= op[1] <= MAX_FIELD_INT and 0 <= op[2] <= MAX_FIELD_INT):  # fmt: skip
-                self._count_hot(op)
                 problem = check_message(op[3], max_properties)
                 if problem is not None:
                     self._fail(ErrorCode.MALFORMED, problem)
+                self._count_hot(op)
             else:
                 if code not in receives:
                     self._fail(ErrorCode.UNEXPECTED, f"operation {code} is not valid from the {self._peer_name()}")
@@ -278,7 +299,7 @@ class LinkConnection:
             batch.append(op)
 
     def _check_fields(self, op: list[Any]) -> None:
-        spec = _FIELDS[op[0]]
+        spec = self._fields[op[0]]
         if len(op) != len(spec) + 1:
             self._fail(ErrorCode.MALFORMED, f"operation {op[0]} takes {len(spec)} fields, got {len(op) - 1}")
         for value, kind in zip(op[1:], spec, strict=True):
@@ -296,6 +317,9 @@ class LinkConnection:
             self.publish_credit -= 1
             if self.publish_credit < 0:
                 self._fail(ErrorCode.CREDIT, "publish beyond the granted publish window")
+            if self.publish_bytes <= 0:
+                self._fail(ErrorCode.CREDIT, "publish beyond the granted publish window in bytes")
+            self.publish_bytes -= len(op[3][M_BODY])
             return
         consumer_id = op[1]
         credit = self.consumer_credit.get(consumer_id)
@@ -306,11 +330,17 @@ class LinkConnection:
             self._fail(ErrorCode.CREDIT, f"delivery to consumer {consumer_id} without credit")
         else:
             self.consumer_credit[consumer_id] = credit - 1
+            if self.consumer_bytes:
+                left = self.consumer_bytes.get(consumer_id)
+                if left is not None:
+                    if left <= 0:
+                        self._fail(ErrorCode.CREDIT, f"delivery to consumer {consumer_id} beyond its bytes")
+                    self.consumer_bytes[consumer_id] = left - len(op[3][M_BODY])
 
     def _check_batched(self, code: int, op: list[Any]) -> None:
         if code in (_PUBLISH, _DELIVER):
-            self._count_hot(op)
             self._check_message(op[3])
+            self._count_hot(op)
         elif code == Op.ACK:
             if not all(type(i) is int and 0 <= i <= MAX_FIELD_INT for i in op[3]):
                 self._fail(ErrorCode.MALFORMED, "acknowledged message ids must be integers")
@@ -346,7 +376,7 @@ class LinkConnection:
             case Op.FLOW:
                 if op[2] > MAX_CREDIT:
                     self._fail(ErrorCode.MALFORMED, f"credit above {MAX_CREDIT}")
-                return ev.Flow(op[1], op[2])
+                return ev.Flow(op[1], op[2], op[3] if len(op) > 3 else 0)
             case Op.OK:
                 return ev.Reply(op[1], op[2])
             case Op.ERROR:
@@ -360,10 +390,13 @@ class LinkConnection:
             case Op.PUBLISH_CREDIT:
                 if op[1] > MAX_CREDIT:
                     self._fail(ErrorCode.MALFORMED, f"credit above {MAX_CREDIT}")
+                credit_bytes = op[2] if len(op) > 2 else 0
                 self.publish_credit += op[1]
-                return ev.PublishCreditGranted(op[1])
+                self.publish_bytes += credit_bytes
+                return ev.PublishCreditGranted(op[1], credit_bytes)
             case Op.CONSUMER_CLOSED:
                 self.consumer_credit.pop(op[1], None)
+                self.consumer_bytes.pop(op[1], None)
                 self._released_consumers.add(op[1])
                 return ev.ConsumerClosed(op[1], op[2], op[3])
             case Op.BROWSE_DONE:
@@ -413,6 +446,12 @@ class LinkConnection:
             client_host = op.pop()
             if type(client_host) is not str or not 0 < len(client_host) <= MAX_CLIENT_HOST:
                 self._fail(ErrorCode.MALFORMED, f"HELLO's client_host is a string of 1 to {MAX_CLIENT_HOST} characters")
+        publish_bytes = UNBOUNDED_BYTES
+        byte_form = self.role is _CLIENT and len(op) == len(_FIELDS[Op.WELCOME]) + 3
+        if byte_form:  # version 2: epoch, publish bytes
+            publish_bytes = op.pop()
+            if type(publish_bytes) is not int or publish_bytes <= 0:
+                self._fail(ErrorCode.MALFORMED, "WELCOME's publish bytes are a positive integer")
         if self.role is _CLIENT and len(op) == len(_FIELDS[Op.WELCOME]) + 2:  # with the node's epoch (HA)
             epoch = op.pop()
             if type(epoch) is not int or epoch < 0:
@@ -420,12 +459,14 @@ class LinkConnection:
         self._check_fields(op)
         if self.role is _SERVER:
             _, versions, user, password, client_name, heartbeat_ms, max_frame = op
-            common = set(PROTOCOL_VERSIONS) & {v for v in versions if type(v) is int}
+            common = set(self.versions) & {v for v in versions if type(v) is int}
             if not common:
-                self._fail(ErrorCode.VERSION, f"no common protocol version (supported: {list(PROTOCOL_VERSIONS)})")
+                self._fail(ErrorCode.VERSION, f"no common protocol version (supported: {list(self.versions)})")
             if max_frame < MIN_FRAME_SIZE:
                 self._fail(ErrorCode.INVALID, f"max frame size below {MIN_FRAME_SIZE}")
             self.version = max(common)
+            if self.version >= BYTE_CREDIT_VERSION:
+                self._fields = _FIELDS_V2
             self._peer_max_frame = max_frame
             # The server decides whether heartbeats run: a client cannot switch off dead-peer detection
             # by offering 0, it can only ask for a longer interval.
@@ -435,9 +476,13 @@ class LinkConnection:
             events.append(ev.HelloReceived(self.version, user, password, client_name, self.heartbeat_ms, client_host))
             return  # the heartbeat clock starts at accept(): authentication may take a while
         _, version, node_id, conn_id, heartbeat_ms, max_frame, credit = op
-        if version not in PROTOCOL_VERSIONS or heartbeat_ms < 0 or credit < 0 or max_frame < MIN_FRAME_SIZE:
+        if version not in self.versions or heartbeat_ms < 0 or credit < 0 or max_frame < MIN_FRAME_SIZE or \
+                (version >= BYTE_CREDIT_VERSION) != byte_form:  # fmt: skip
             self._fail(ErrorCode.INVALID, "WELCOME carries values outside what was offered")
         self.version = version
+        if version >= BYTE_CREDIT_VERSION:
+            self._fields = _FIELDS_V2
+        self.publish_bytes = publish_bytes
         self._peer_max_frame = max_frame
         self.heartbeat_ms = heartbeat_ms
         self.publish_credit = credit
@@ -532,16 +577,23 @@ class LinkConnection:
         self._require(_SERVER)
         return True
 
-    def accept(self, node_id: str, conn_id: str, publish_credit: int, now: float, epoch: int = 0) -> None:
-        """Open the link; ``epoch`` (HA) lets a client refuse a copy of ``node_id`` older than one it has seen."""
+    def accept(self, node_id: str, conn_id: str, publish_credit: int, now: float, epoch: int = 0,
+               publish_bytes: int = UNBOUNDED_BYTES) -> None:  # fmt: skip
+        """Open the link; ``epoch`` (HA) lets a client refuse a copy of ``node_id`` older than one it has seen.
+        ``publish_bytes`` is the publish window in body bytes (version 2; a version 1 link has none)."""
         if self.role is not _SERVER or self.state is not State.AUTHENTICATING:
             raise LocalProtocolError(ErrorCode.UNEXPECTED, "accept() answers a HELLO")
+        if publish_bytes <= 0:
+            raise ValueError("publish_bytes must be positive")
         self.publish_credit = publish_credit
         self.state = _OPEN
         self._frame_limit = self.max_frame_size
         self._start_heartbeats(now)
         welcome = [Op.WELCOME, self.version, node_id, conn_id, self.heartbeat_ms, self.max_frame_size, publish_credit]
-        if epoch:
+        if self.version >= BYTE_CREDIT_VERSION:
+            self.publish_bytes = self.publish_window_bytes = min(publish_bytes, UNBOUNDED_BYTES)
+            welcome += [epoch, self.publish_bytes]
+        elif epoch:
             welcome.append(epoch)
         self._out.append(welcome)
 
@@ -577,11 +629,19 @@ class LinkConnection:
         self._out.append([Op.REJECT, seq, code, text])
 
     def grant_publish_credit(self, credit: int) -> None:
+        """``credit`` more publishes; on a version 2 link the byte credit is also topped up to the window."""
         if not self._answering():
             return
-        if credit > 0:
+        if self.version < BYTE_CREDIT_VERSION:
+            if credit > 0:
+                self.publish_credit += credit
+                self._out.append([Op.PUBLISH_CREDIT, credit])
+            return
+        top_up = self.publish_window_bytes - self.publish_bytes
+        if credit > 0 or top_up > 0:
             self.publish_credit += credit
-            self._out.append([Op.PUBLISH_CREDIT, credit])
+            self.publish_bytes += top_up
+            self._out.append([Op.PUBLISH_CREDIT, credit, top_up])
 
     def deliver(self, consumer_id: int, delivery_count: int, message: WireMessage) -> None:
         if (self.state is not _OPEN or self.role is not _SERVER) and not self._answering():
@@ -616,7 +676,7 @@ class LinkConnection:
         if self.role is not _CLIENT or self.state is not State.HANDSHAKE or self._hello_sent:
             raise LocalProtocolError(ErrorCode.UNEXPECTED, "hello() opens a client link, once")
         self._hello_sent = True
-        hello = [Op.HELLO, list(PROTOCOL_VERSIONS), user, password, client_name, self.heartbeat_ms, self.max_frame_size]
+        hello = [Op.HELLO, list(self.versions), user, password, client_name, self.heartbeat_ms, self.max_frame_size]
         if client_host:
             hello.append(client_host)
         self._out.append(hello)
@@ -656,16 +716,23 @@ class LinkConnection:
         """``will``: None, or {"key", "message", "delay_ms", "publish_pending"} (docs/link-protocol.md)."""
         return self._request(Op.SET_WILL, will)
 
-    def subscribe(self, queue: str, credit: int, options: dict[str, Any] | None = None) -> tuple[int, int]:
-        """Returns (req_id, consumer_id)."""
+    def subscribe(self, queue: str, credit: int, options: dict[str, Any] | None = None,
+                  credit_bytes: int = 0) -> tuple[int, int]:  # fmt: skip
+        """Returns (req_id, consumer_id). ``credit_bytes`` > 0 bounds the window in body bytes too (from
+        version 2; a version 1 server knows no byte credit and the window is then in messages only)."""
         self._require(_CLIENT)
         consumer_id = self._next_consumer_id
         self._next_consumer_id += 1
         self.consumer_credit[consumer_id] = credit
-        return self._request(Op.SUBSCRIBE, consumer_id, queue, credit, options or {}), consumer_id
+        options = options or {}
+        if credit_bytes > 0 and self.version >= BYTE_CREDIT_VERSION:
+            options = {**options, "credit_bytes": credit_bytes}
+            self.consumer_bytes[consumer_id] = credit_bytes
+        return self._request(Op.SUBSCRIBE, consumer_id, queue, credit, options), consumer_id
 
     def unsubscribe(self, consumer_id: int) -> int:
         # Deliveries already on their way stay legal; the server requeues what we do not ack.
+        self.consumer_bytes.pop(consumer_id, None)
         if self.consumer_credit.pop(consumer_id, None) is not None:
             self._released_consumers.add(consumer_id)
         return self._request(Op.UNSUBSCRIBE, consumer_id)
@@ -683,13 +750,19 @@ class LinkConnection:
     def tx_rollback(self, tx_id: int) -> int:
         return self._request(Op.TX_ROLLBACK, tx_id)
 
+    @property
+    def can_publish(self) -> bool:
+        """Whether the publish window has room: messages and, from version 2, bytes."""
+        return self.publish_credit > 0 and self.publish_bytes > 0
+
     def publish(self, message: WireMessage, tx_id: int = 0) -> int:
         """Queue a publish within the granted window; returns its sequence number."""
-        if self.publish_credit <= 0:
+        if self.publish_credit <= 0 or self.publish_bytes <= 0:
             raise LocalProtocolError(ErrorCode.CREDIT, "no publish credit: wait for PUBLISH_CREDIT")
         if self.state is not _OPEN or self.role is not _CLIENT:
             self._require(_CLIENT)
         self.publish_credit -= 1
+        self.publish_bytes -= len(message[M_BODY])
         seq = self._next_seq
         self._next_seq += 1
         self._out.append((_PUBLISH, seq, tx_id, message))
@@ -703,8 +776,18 @@ class LinkConnection:
         self._require(_CLIENT)
         self._out.append([Op.NACK, consumer_id, message_ids, int(mode)])
 
-    def flow(self, consumer_id: int, credit: int) -> None:
+    def flow(self, consumer_id: int, credit: int, credit_bytes: int = 0) -> None:
+        """``credit`` more deliveries and, for a consumer subscribed with ``credit_bytes``, that many bytes."""
         self._require(_CLIENT)
-        if consumer_id in self.consumer_credit and credit > 0:
-            self.consumer_credit[consumer_id] += credit
-            self._out.append([Op.FLOW, consumer_id, credit])
+        if consumer_id not in self.consumer_credit or (credit <= 0 and credit_bytes <= 0):
+            return
+        self.consumer_credit[consumer_id] += credit
+        if self.version < BYTE_CREDIT_VERSION:
+            if credit > 0:
+                self._out.append([Op.FLOW, consumer_id, credit])
+            return
+        if consumer_id in self.consumer_bytes:
+            self.consumer_bytes[consumer_id] += credit_bytes
+        else:
+            credit_bytes = 0
+        self._out.append([Op.FLOW, consumer_id, credit, credit_bytes])

@@ -163,6 +163,7 @@ class Rejected:
 @dataclass(frozen=True, slots=True)
 class PublishCreditGranted:
     credit: int
+    credit_bytes: int = 0  # version 2: body bytes added to the publish window
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +185,7 @@ class Nacks:
 class Flow:
     consumer_id: int
     credit: int
+    credit_bytes: int = 0  # version 2: body bytes added to a consumer subscribed with ``credit_bytes``
 
 
 @dataclass(frozen=True, slots=True)

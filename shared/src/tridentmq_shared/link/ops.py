@@ -1,4 +1,4 @@
-"""Operation codes, error codes and enums of the internal link protocol (version 1).
+"""Operation codes, error codes and enums of the internal link protocol (versions 1 and 2).
 
 A frame is a 4-byte big-endian length followed by a msgpack array of operations; each operation is an
 array whose first element is one of the codes below. ``docs/link-protocol.md`` documents every field.
@@ -9,14 +9,16 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import Final
 
-PROTOCOL_VERSIONS: Final = (1,)
+#: Version 2 counts the publish window and, when asked, consumer windows in bytes too (WELCOME's publish
+#: bytes, PUBLISH_CREDIT's and FLOW's byte fields, SUBSCRIBE's ``credit_bytes`` option).
+PROTOCOL_VERSIONS: Final = (1, 2)
 HEADER_SIZE: Final = 4
 
 
 class Op(IntEnum):
     # connection
     HELLO = 1  # C→S [op, versions, user, password, client_name, heartbeat_ms, max_frame, client_host?]
-    WELCOME = 2  # S→C [op, version, node_id, conn_id, heartbeat_ms, max_frame, publish_credit, epoch?]
+    WELCOME = 2  # S→C [op, version, node_id, conn_id, heartbeat_ms, max_frame, publish_credit, epoch?, bytes v2]
     CLOSE = 3  # both [op, code, text]: the sender closes the link after it
     HEARTBEAT = 4  # both [op]
     # request / reply
@@ -36,11 +38,11 @@ class Op(IntEnum):
     PUBLISH = 20  # C→S [op, seq, tx_id, message]
     CONFIRM = 21  # S→C [op, first_seq, last_seq]
     REJECT = 22  # S→C [op, seq, code, text]
-    PUBLISH_CREDIT = 23  # S→C [op, credit]
+    PUBLISH_CREDIT = 23  # S→C [op, credit, bytes v2]
     DELIVER = 24  # S→C [op, consumer_id, delivery_count, message]
     ACK = 25  # C→S [op, consumer_id, tx_id, message_ids]
     NACK = 26  # C→S [op, consumer_id, message_ids, mode]
-    FLOW = 27  # C→S [op, consumer_id, credit]
+    FLOW = 27  # C→S [op, consumer_id, credit, bytes v2]
     CONSUMER_CLOSED = 28  # S→C [op, consumer_id, code, text]
     BROWSE_DONE = 29  # S→C [op, consumer_id]
     # cluster
