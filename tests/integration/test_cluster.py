@@ -26,8 +26,10 @@ from tests.integration.cluster_nodes import (
     wait_until,
     wait_until_async,
 )
+from tests.jepsen.checker import check
 from tests.redis_server import RedisServer
 
+from tridentmq_shared.cli.admin import cluster_lines
 from tridentmq_shared.link.client import Consumer
 from tridentmq_shared.message import M_BODY, M_ID, M_PROPS, RoutingType, new_message
 
@@ -229,6 +231,39 @@ async def test_a_killed_node_loses_nothing_confirmed_and_its_backlog_is_rerouted
             await asyncio.wait_for(asyncio.gather(*(collect(x) for x in consumers)), 20)
     assert seen == set(bodies(1000)), f"lost {len(set(bodies(1000)) - seen)}"
     stop_all([a, restarted, c])
+
+
+async def test_a_durable_subscription_on_a_killed_node_gets_what_was_published_while_it_was_down(
+        tmp_path: Path) -> None:  # fmt: skip
+    """Issue 21: the surviving nodes dropped a killed node's bindings, and a publish that matched no other queue
+    was confirmed and routed nowhere. Its durable subscription stays a destination: what is published while it
+    is down waits on the publisher's node and reaches the subscription when the node is back."""
+    a, b, c = start_cluster(tmp_path, 3)
+    c_id = node_id(c)
+    sent = bodies(300)
+    async with client(c) as cc:
+        await cc.create_queue("news-c", "news", routing_type=RoutingType.MULTICAST, durable=True)
+        subscriber = await cc.subscribe("news-c", credit=1000)
+        wait_until(lambda: remote_consumers(a, "news-c") == 1, what="a to see the subscriber on c")
+        await publish(a, "news", sent[:100], routing=RoutingType.MULTICAST)
+        delivered = await take(subscriber, 100)
+        c.process.send_signal(signal.SIGKILL)
+        c.process.wait()
+    wait_until(lambda: c_id not in members(a), what="a to see c down")
+    await publish(a, "news", sent[100:], routing=RoutingType.MULTICAST)  # every one confirmed
+    during = cluster_view(a)
+    restarted = start_core(tmp_path, "node-2", **cluster_env([a]))
+    wait_converged([a, b, restarted])
+    async with client(restarted) as cc:
+        subscriber = await cc.subscribe("news-c", credit=1000)
+        delivered += await take(subscriber, 200, timeout=20)
+    verdict = check(sent, sent, [], delivered)
+    assert verdict.ok, verdict.report()
+    # Status said what waited, and for what.
+    assert during["unreachable"].get(c_id) == {"queues": ["news-c"], "pending_forward": 200}
+    assert f"down        {c_id[:8]}: 200 messages wait here for its 1 durable queues (news-c)" in cluster_lines(during)
+    assert cluster_view(a)["unreachable"] == {}
+    stop_all([a, b, restarted])
 
 
 async def test_wrong_cluster_password_and_copied_node_id_are_refused(tmp_path: Path) -> None:

@@ -13,11 +13,20 @@ from pathlib import Path
 
 import pytest
 from tests.conftest import CoreProcess, start_core, start_gateway, stop_cleanly
-from tests.integration.cluster_nodes import client, node_id, start_node, wait_converged, wait_until
+from tests.integration.cluster_nodes import (
+    client,
+    cluster_view,
+    node_id,
+    remote_consumers,
+    start_node,
+    wait_converged,
+    wait_until,
+)
 from tests.integration.ha_pairs import Pair, ha_view, start_pair
 from tests.integration.mqtt_clients import Paho
-from tests.jepsen.checker import check
+from tests.jepsen.checker import Delivery, check
 
+from tridentmq_mqtt.convert import subscription_queue
 from tridentmq_shared.link.client import LinkClient, LinkRequestError, ReconnectPolicy
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.link.topology import Topology
@@ -297,6 +306,57 @@ def test_an_mqtt_session_carries_on_through_the_backup(tmp_path: Path) -> None:
     subscriber.disconnect()
     stop_cleanly(gateway)
     assert pair.backup.stop() == 0
+
+
+def test_an_mqtt_subscription_on_a_killed_primary_gets_what_another_node_acknowledged_during_the_failover(
+        tmp_path: Path) -> None:  # fmt: skip
+    """Issue 21: while a pair failed over, the other nodes had dropped its bindings, and a QoS 1 publish through
+    them that matched no other queue was PUBACKed and routed nowhere. The persistent subscription on the lost
+    primary stays a destination: what is acknowledged meanwhile waits on the publisher's node for the backup."""
+    a, b, c = three_pairs(tmp_path)
+    c_id = node_id(c.primary)
+    pinned = {"TRIDENTMQ_MQTT_CORE_LOAD_BALANCING": "FIRST_ELEMENT"}  # each gateway's links on its own node
+    on_c = start_gateway(tmp_path, c.primary, "mqtt", name="mqtt-c", **pinned)
+    on_a = start_gateway(tmp_path, a.primary, "mqtt", name="mqtt-a", **pinned)
+    subscriber = Paho(on_c.port, "gap-sub", clean=False)
+    subscriber.connect(expiry=300)
+    subscriber.subscribe("gap/t", 1)
+    wait_until(lambda: remote_consumers(a.primary, subscription_queue("gap-sub", "gap/t")) == 1, 10,
+               "a to see the subscription on c")  # fmt: skip
+    publisher = Paho(on_a.port, "gap-pub")
+    publisher.connect()
+    attempted: list[bytes] = []
+    waited_on_a = 0  # the most messages seen waiting on a for c's pair: the gap was exercised
+
+    def publish(count: int) -> None:
+        for _ in range(count):
+            attempted.append(b"%d" % len(attempted))
+            publisher.publish("gap/t", attempted[-1], 1)  # returns once PUBACKed
+
+    publish(50)
+    kill(c.primary)
+    while ha_view(c.backup).get("active") is not True:
+        publish(10)
+        waiting = cluster_view(a.primary)["unreachable"].get(c_id)
+        waited_on_a = max(waited_on_a, waiting["pending_forward"] if waiting else 0)
+        assert len(attempted) < 20_000, "c's backup did not take over"
+    publish(50)
+    delivered: list[Delivery[bytes]] = []
+    while set(attempted) - {d.value for d in delivered}:
+        got = subscriber.receive(len(attempted), timeout=15)
+        if not got:
+            break
+        delivered += [Delivery(m.payload, bool(m.dup)) for m in got]
+    verdict = check(attempted, attempted, [], delivered)
+    assert verdict.ok, verdict.report()
+    assert waited_on_a > 0
+    assert subscriber.disconnects.empty()  # a pause, not a disconnect
+    for client_ in (subscriber, publisher):
+        client_.disconnect()
+    for gateway in (on_a, on_c):
+        stop_cleanly(gateway)
+    for node in (a.primary, a.backup, b.primary, b.backup, c.backup):
+        assert node.stop() == 0, node.log()
 
 
 def reread_ports(node: CoreProcess) -> None:

@@ -6,20 +6,25 @@ from typing import Any
 
 from tests.unit.broker_harness import ANYCAST, MULTICAST, Harness, bodies, ok
 
-from tridentmq_core.broker import Direct, WireMessage
+from tridentmq_core.broker import FORWARD_QUEUE_PREFIX, Direct, WireMessage
 from tridentmq_core.cluster.balancer import Balancer
 from tridentmq_core.cluster.bindings import RemoteBindings
-from tridentmq_shared.message import M_BODY
+from tridentmq_core.cluster.forward import FORWARD_PROPERTY, ForwardHeader
+from tridentmq_shared.message import M_BODY, M_PROPS
 
 
-def clustered(policy: str = "ON_DEMAND") -> tuple[Harness, RemoteBindings, list[bytes]]:
-    """A broker with another node, node-2, whose bindings the test sets; what it forwards is recorded."""
+def clustered(policy: str = "ON_DEMAND", down: set[str] | None = None) -> tuple[Harness, RemoteBindings, list[bytes]]:
+    """A broker with another node, node-2, whose bindings the test sets; what it sends straight to another
+    node is recorded (a node in ``down`` has no connection: what is for it goes to its forward queue)."""
     h = Harness()
     bindings = RemoteBindings("node-1", max_hops=1, max_per_node=1000)
     h.broker.cluster = Balancer(bindings, policy)
     forwarded: list[bytes] = []
+    down = set() if down is None else down
 
     def send_direct(via: str, message: WireMessage, token: int, publisher: Any) -> Direct:
+        if via in down:
+            return Direct.REFUSED
         forwarded.append(bytes(message[M_BODY]))
         return Direct.SENT
 
@@ -76,3 +81,63 @@ def test_when_no_remote_queue_takes_the_message_one_local_anycast_queue_still_do
     assert to_first
     assert to_second
     assert sorted(to_first + to_second) == sorted(b"%d" % n for n in range(12))  # each to one queue only
+
+
+def durable_sub(node: str, queue: str = "sub", consumers: int = 1) -> list[Any]:
+    return [node, queue, "t", MULTICAST, None, consumers, None, 1, True]
+
+
+def waiting_for(h: Harness, node: str) -> list[tuple[bytes, tuple[str, ...]]]:
+    """What waits in ``node``'s store-and-forward queue here: bodies and the queues there they are for."""
+    queue = h.broker.queues.get(FORWARD_QUEUE_PREFIX + node)
+    if queue is None:
+        return []
+    return [(bytes(m[M_BODY]), ForwardHeader.decode(m[M_PROPS][FORWARD_PROPERTY]).queues) for m in queue.messages()]
+
+
+def test_a_publish_for_a_durable_subscription_on_a_node_that_is_down_waits_for_it_here() -> None:
+    """Issue 21: the subscription's node was killed (or its pair was failing over); its bindings were dropped
+    with its connection, and a publish that matched nothing else was confirmed and routed nowhere."""
+    down = {"node-2"}
+    h, bindings, forwarded = clustered(down=down)
+    c = h.connect()
+    bindings.replace("node-2", [durable_sub("node-2"), ["node-2", "temp", "t", MULTICAST, None, 1, None, 1, False]])
+    bindings.depart("node-2")
+    seq = c.publish("t", b"during the gap", routing=MULTICAST, durable=True)
+    assert seq in c.confirmed
+    assert waiting_for(h, "node-2") == [(b"during the gap", ("sub",))]  # stored, for its subscription only
+    assert h.broker.counters.unrouted == 0
+    # Its subscriber came back through another node, which has the subscription now, with a consumer: new
+    # messages go there, not to the node that is down.
+    down.discard("node-3")
+    bindings.replace("node-3", [durable_sub("node-3")])
+    c.publish("t", b"after the move", routing=MULTICAST, durable=True)
+    assert forwarded == [b"after the move"]
+    assert len(waiting_for(h, "node-2")) == 1
+    # node-2 is declared gone: what waits for it goes to the subscription that lives on.
+    assert h.broker.reroute_forward_queue("node-2", h.now_ms) == 1
+    assert waiting_for(h, "node-2") == []
+    assert waiting_for(h, "node-3") == [(b"during the gap", ("sub",))]
+
+
+def test_what_waits_for_a_subscription_that_exists_only_on_a_gone_node_stays_for_it() -> None:
+    h, bindings, _ = clustered(down={"node-2"})
+    c = h.connect()
+    bindings.replace("node-2", [durable_sub("node-2")])
+    bindings.depart("node-2")
+    c.publish("t", b"kept", routing=MULTICAST, durable=True)
+    assert h.broker.reroute_forward_queue("node-2", h.now_ms) == 0
+    assert waiting_for(h, "node-2") == [(b"kept", ("sub",))]
+
+
+def test_a_live_instance_of_the_subscription_is_preferred_to_one_on_a_node_that_is_down() -> None:
+    """ON_DEMAND without consumers keeps a message here; STRICT takes turns over the instances it can reach."""
+    for policy in ("ON_DEMAND", "STRICT"):
+        h, bindings, _ = clustered(policy, down={"node-2"})
+        c = h.connect()
+        ok(c.create_queue("sub", "t", MULTICAST))
+        bindings.replace("node-2", [durable_sub("node-2", consumers=3)])
+        bindings.depart("node-2")
+        c.send_all("t", [b"1", b"2", b"3"], routing=MULTICAST, durable=True)
+        assert waiting_for(h, "node-2") == [], policy
+        assert len(h.broker.queues["sub"]) == 3, policy

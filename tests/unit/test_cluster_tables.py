@@ -52,8 +52,52 @@ def test_a_malformed_forward_header_is_a_value_error(value: Any) -> None:
         ForwardHeader.decode(value)
 
 
-def wire(node: str, queue: str, address: str = "orders", consumers: int = 1, distance: int = 1) -> list[Any]:
-    return [node, queue, address, 0, None, consumers, None, distance]
+def wire(node: str, queue: str, address: str = "orders", consumers: int = 1, distance: int = 1,
+         durable: bool | None = None) -> list[Any]:  # fmt: skip
+    item = [node, queue, address, 0, None, consumers, None, distance]
+    return item if durable is None else [*item, durable]  # without the flag: a node before it, never durable
+
+
+def test_a_departed_nodes_durable_queues_stay_as_unreachable_destinations_until_it_reports_again() -> None:
+    """A node's connection drops (killed, or its pair failing over): its durable queues are still where
+    messages must go, so they stay, with no consumers; its temporary ones go with it."""
+    table = RemoteBindings("me", max_hops=1, max_per_node=100)
+    table.replace("c", [wire("c", "sub", consumers=2, durable=True), wire("c", "temp", durable=False),
+                        wire("c", "old", consumers=1)])  # fmt: skip
+    version = table.version
+    table.depart("c")
+    assert table.version > version  # cached routing decisions are made again
+    (kept,) = table.match("orders")
+    assert (kept.queue, kept.reachable, kept.consumers, kept.selectors, kept.durable) == ("sub", False, 0, (), True)
+    assert table.next_hop("c") == "c"  # its store-and-forward queue holds what waits for it
+    assert table.unreachable() == {"c": ["sub"]}
+    table.depart("c")  # a second drop (a retired connection) changes nothing
+    assert table.unreachable() == {"c": ["sub"]}
+    # It (or its backup under its id) is back: its full report replaces what was kept.
+    table.replace("c", [wire("c", "sub", consumers=0, durable=True)])
+    (back,) = table.match("orders")
+    assert (back.reachable, back.consumers) == (True, 0)
+    assert table.unreachable() == {}
+
+
+def test_a_scaled_down_node_leaves_nothing_behind_and_relayed_queues_are_not_kept() -> None:
+    table = RemoteBindings("me", max_hops=2, max_per_node=100)
+    table.replace("c", [wire("c", "sub", durable=True), wire("d", "far", distance=2, durable=True)])
+    table.apply("c", [], [["c", "sub"]])  # it scales down: it reports its queues gone before it leaves
+    table.depart("c")
+    assert list(table) == []
+    assert table.next_hop("c") is None
+    assert table.next_hop("d") is None
+
+
+def test_a_reachable_route_to_a_node_wins_over_its_kept_queues() -> None:
+    table = RemoteBindings("me", max_hops=2, max_per_node=100)
+    table.replace("c", [wire("c", "sub", durable=True)])
+    table.depart("c")
+    table.replace("b", [wire("c", "sub", distance=2, durable=True)])  # b still reaches c
+    (best,) = table.match("orders")
+    assert (best.via, best.reachable) == ("b", True)
+    assert table.next_hop("c") == "b"
 
 
 def test_bindings_from_two_routes_keep_the_shortest_and_routing_follows_it() -> None:
@@ -62,7 +106,7 @@ def test_bindings_from_two_routes_keep_the_shortest_and_routing_follows_it() -> 
     assert table.next_hop("c") == "b"
     table.replace("c", [wire("c", "orders")])
     assert {(x.node_id, x.via, x.distance) for x in table.match("orders")} == {("b", "b", 1), ("c", "c", 1)}
-    table.drop("c")
+    table.depart("c")
     assert table.next_hop("c") == "b"
     table.apply("b", [], [["c", "orders"]])
     assert table.next_hop("c") is None
@@ -88,6 +132,7 @@ def test_a_flood_of_bindings_is_refused_whole() -> None:
 @pytest.mark.parametrize("item", [
     "x", [1] * 8, ["b", "q", "a", 7, None, 1, None, 1], ["b", "q", "a", 0, None, -1, None, 1],
     ["b", "q", "a..b", 0, None, 1, None, 1], ["b", "q", "a", 0, None, 1, [1], 1], ["b", "q", "a", 0, None, 1, None, 0],
+    ["b", "q", "a", 0, None, 1, None, 1, 1], ["b", "q", "a", 0, None, 1, None, 1, True, 0],
 ])  # fmt: skip
 def test_a_malformed_binding_is_refused(item: Any) -> None:
     with pytest.raises(BindingError):

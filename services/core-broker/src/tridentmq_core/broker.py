@@ -961,7 +961,7 @@ class Broker:
         if self.cluster is not None:
             for name in names:
                 if name not in self.queues:
-                    reachable = [b for b in self.cluster.bindings.for_queue(name) if b.via]
+                    reachable = [b for b in self.cluster.bindings.for_queue(name) if b.reachable]
                     if reachable:
                         remote.setdefault(min(reachable, key=lambda b: b.distance).node_id, []).append(name)
         if not local and not remote:

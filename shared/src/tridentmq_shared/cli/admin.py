@@ -129,6 +129,9 @@ def cluster_lines(cluster: dict[str, Any]) -> list[str]:
         lines.append("redistributing " + ", ".join(f"{q} → {n[:8]}" for q, n in cluster["redistributing"].items()))
     stranded = cluster.get("stranded") or {}
     lines.append("stranded    " + (", ".join(f"{q} {n:,}" for q, n in stranded.items()) or "none"))
+    for node, kept in (cluster.get("unreachable") or {}).items():  # down, its durable queues still destinations
+        lines.append(f"down        {node[:8]}: {kept['pending_forward']:,} messages wait here for its "
+                     f"{len(kept['queues'])} durable queues ({', '.join(kept['queues'][:5])})")  # fmt: skip
     nodes = cluster.get("nodes")
     if nodes:
         rows = [[n["name"], n["link"], n.get("backup", "-"), n.get("backlog", "?"), n.get("stranded", "?"),

@@ -181,14 +181,17 @@ class Balancer:
         return local_chosen, {node_id: tuple(names) for node_id, names in forwarded.items()}
 
     def _qualified(self, instances: list[Instance], message: WireMessage | None) -> list[Instance]:
-        """The instances that may get the message under the policy (``message`` None: no selector matters)."""
+        """The instances that may get the message under the policy (``message`` None: no selector matters).
+        A durable queue on a node that is down (unreachable) gets it only when no other instance can: it then
+        waits in this node's store-and-forward queue for that node, rather than go nowhere."""
+        reachable = [i for i in instances if isinstance(i, Queue) or i.reachable]
         if self.policy == STRICT:
-            return instances
-        qualified = [i for i in instances if self._consumes(i, message)]
+            return reachable or instances
+        qualified = [i for i in reachable if self._consumes(i, message)]
         if qualified:
             return qualified
         local: list[Instance] = [i for i in instances if isinstance(i, Queue)]
-        return local or instances  # nobody consumes: keep it here, else where its queue is
+        return local or reachable or instances  # nobody consumes: keep it here, else where its queue is
 
     def _consumes(self, instance: Instance, message: WireMessage | None) -> bool:
         if isinstance(instance, Queue):

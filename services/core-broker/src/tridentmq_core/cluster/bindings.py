@@ -5,12 +5,18 @@ consumers it has (with their selectors, so ON_DEMAND and redistribution can tell
 take a message). Each directly connected node reports its own queues at distance 1 and, with max-hops above
 1, what it learned from others at their distance plus one; of several routes to the same queue the shortest
 wins, and ``via`` says which connected node a message for it goes through.
+
+When the connection to a node drops, its durable queues stay known, marked unreachable and without
+consumers: a durable subscription or queue on a node that is down (or whose pair is failing over) is still
+a destination, and messages for it wait in this node's store-and-forward queue for that node. The node's
+next full report (its return, or its backup's takeover under the same id) replaces them; its scale-down
+removes them. Its other queues (non-durable, and what it relayed from further away) go with the connection.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tridentmq_core.router import AddressTrie, InvalidAddress, validate_address
@@ -35,6 +41,8 @@ class Binding:
     selectors: tuple[str, ...] | None  # None: some consumer takes every message
     distance: int
     via: str = ""  # the connected node this binding was learned from
+    durable: bool = False  # the queue survives its node's restart (and its pair's failover)
+    reachable: bool = True  # False: its node's connection is down; messages for it wait here
 
     @property
     def key(self) -> Key:
@@ -43,17 +51,22 @@ class Binding:
     def to_wire(self, distance: int | None = None) -> list[Any]:
         selectors = None if self.selectors is None else list(self.selectors)
         return [self.node_id, self.queue, self.address, self.routing, self.filter, self.consumers, selectors,
-                self.distance if distance is None else distance]  # fmt: skip
+                self.distance if distance is None else distance, self.durable]  # fmt: skip
+
+    def unreachable(self) -> Binding:
+        """This binding while its node is down: still a destination, with none of the consumers it had."""
+        return replace(self, consumers=0, selectors=(), reachable=False)
 
     @staticmethod
     def from_wire(item: Any, via: str) -> Binding:
-        if type(item) is not list or len(item) != 8:
-            raise BindingError("a binding is a list of 8 fields")
-        node_id, queue, address, routing, filter_text, consumers, selectors, distance = item
+        if type(item) is not list or len(item) not in (8, 9):
+            raise BindingError("a binding is a list of 8 or 9 fields")
+        node_id, queue, address, routing, filter_text, consumers, selectors, distance = item[:8]
+        durable = item[8] if len(item) == 9 else False  # a node before durable bindings: none kept for it
         if not (type(node_id) is str and node_id and type(queue) is str and queue and type(address) is str
                 and type(routing) is int and routing in (RoutingType.ANYCAST, RoutingType.MULTICAST)
                 and (filter_text is None or type(filter_text) is str) and type(consumers) is int and consumers >= 0
-                and type(distance) is int and distance >= 1):  # fmt: skip
+                and type(distance) is int and distance >= 1 and type(durable) is bool):  # fmt: skip
             raise BindingError(f"malformed binding {str(item)[:120]}")
         if selectors is not None:
             if type(selectors) is not list or not all(type(s) is str for s in selectors):
@@ -63,7 +76,7 @@ class Binding:
             validate_address(address, allow_wildcards=True)
         except InvalidAddress as exc:
             raise BindingError(str(exc)) from None
-        return Binding(node_id, queue, address, routing, filter_text, consumers, selectors, distance, via)
+        return Binding(node_id, queue, address, routing, filter_text, consumers, selectors, distance, via, durable)
 
 
 class RemoteBindings:
@@ -110,11 +123,25 @@ class RemoteBindings:
             table[binding.key] = binding
         self._refresh({*removed, *(b.key for b in parsed)})
 
-    def drop(self, via: str) -> None:
-        """``via`` is no longer connected: forget what it reported."""
+    def depart(self, via: str) -> None:
+        """``via`` is no longer connected: keep its own durable queues, unreachable, and forget the rest of
+        what it reported."""
         old = self._by_via.pop(via, None)
-        if old:
-            self._refresh(set(old))
+        if not old:
+            return
+        kept = {key: b.unreachable() for key, b in old.items() if b.durable and b.node_id == via}
+        if kept:
+            self._by_via[via] = kept
+        self._refresh(set(old))
+
+    def unreachable(self) -> dict[str, list[str]]:
+        """Node id → the queues kept for it while its connection is down."""
+        view: dict[str, list[str]] = {}
+        for node_id, table in self._by_via.items():
+            names = sorted(b.queue for b in table.values() if not b.reachable)
+            if names:
+                view[node_id] = names
+        return view
 
     def match(self, address: str) -> tuple[Binding, ...]:
         return self._trie.match(address)
@@ -123,14 +150,18 @@ class RemoteBindings:
         return [self._best[key] for key in self._by_queue.get(queue, ())]
 
     def next_hop(self, node_id: str) -> str | None:
-        """The connected node through which ``node_id`` is reached, None if it is not reachable."""
-        if node_id in self._by_via:
+        """The connected node through which ``node_id`` is reached (itself while only its kept, unreachable
+        queues are known: its store-and-forward queue holds their messages), None if it is not known."""
+        table = self._by_via.get(node_id)
+        if table is not None and any(b.reachable for b in table.values()):
             return node_id
         best: Binding | None = None
         for binding in self._best.values():
-            if binding.node_id == node_id and (best is None or binding.distance < best.distance):
+            if binding.node_id == node_id and binding.reachable and (best is None or binding.distance < best.distance):
                 best = binding
-        return best.via if best is not None else None
+        if best is not None:
+            return best.via
+        return node_id if table is not None else None
 
     def _parse(self, via: str, items: Iterable[Any]) -> list[Binding]:
         parsed = []
@@ -145,7 +176,7 @@ class RemoteBindings:
     def _refresh(self, keys: set[Key]) -> None:
         for key in keys:
             candidates = [table[key] for table in self._by_via.values() if key in table]
-            best = min(candidates, key=lambda b: b.distance) if candidates else None
+            best = min(candidates, key=lambda b: (not b.reachable, b.distance)) if candidates else None
             old = self._best.get(key)
             if old == best:
                 continue

@@ -517,6 +517,7 @@ class ClusterManager:
         self.watchers: dict[str, Session] = {}  # gateways following the topology, by connection id
         self.redistributors: dict[str, tuple[Bridge, Redistributor]] = {}  # by queue name
         self._stranded_since: dict[str, int] = {}
+        self._gone_tried: dict[str, tuple[int, int]] = {}  # gone node → the binding versions its queue was tried at
         self._sent_version = (-1, -1)
         self._members_version = 0
         self._task: asyncio.Task[None] | None = None
@@ -687,7 +688,9 @@ class ClusterManager:
         return True
 
     def bridge_down(self, bridge: Bridge) -> None:
-        self.bindings.drop(bridge.node_id)
+        # Its durable queues stay destinations (unreachable): their messages wait in its forward queue here
+        # until it, or its backup under its id, is back, instead of being routed nowhere meanwhile.
+        self.bindings.depart(bridge.node_id)
         for name, (owner, _) in list(self.redistributors.items()):
             if owner is bridge:
                 del self.redistributors[name]
@@ -783,7 +786,7 @@ class ClusterManager:
         max_hops = self.settings.cluster.max_hops
         if max_hops > 1:
             for binding in self.bindings:
-                if peer not in (binding.via, binding.node_id) and binding.distance < max_hops:
+                if peer not in (binding.via, binding.node_id) and binding.distance < max_hops and binding.reachable:
                     advert[binding.key] = binding.to_wire(binding.distance + 1)
         return advert
 
@@ -841,9 +844,13 @@ class ClusterManager:
                                                           "messages": len(queue)})  # fmt: skip
 
     def _declare_gone(self, now_ms: int) -> None:
-        """Route again what waits for nodes unreachable for longer than node_gone_ms."""
+        """Route again what waits for nodes unreachable for longer than node_gone_ms. What waits for a queue
+        that exists nowhere else stays; it is tried again only when some queue or consumer came or went (a
+        message that came later had nowhere else to go), not at every tick."""
         gone_after = self.settings.cluster.node_gone_ms / 1000
         mono = time.monotonic()
+        versions = (self.broker.bindings_version, self.bindings.version)
+        tried, self._gone_tried = self._gone_tried, {}
         for name, queue in list(self.broker.queues.items()):
             if not name.startswith(FORWARD_QUEUE_PREFIX) or not len(queue) or queue.consumers:
                 continue
@@ -851,6 +858,9 @@ class ClusterManager:
             bridge = self.bridges_by_node.get(node_id)
             down_since = bridge.down_since if bridge is not None else self._started
             if (bridge is not None and bridge.up) or mono - down_since < gone_after:
+                continue
+            self._gone_tried[node_id] = versions
+            if tried.get(node_id) == versions:
                 continue
             moved = self.broker.reroute_forward_queue(node_id, now_ms)
             if moved:
@@ -941,9 +951,19 @@ class ClusterManager:
             "joined": sorted(j.node_id for j in self.joined.values()),
             "remote_bindings": len(self.bindings),
             "remote_consumers": remote_consumers(self.bindings),
+            "unreachable": self.unreachable(),
             "redistributing": {name: r.target.node_id for name, (_, r) in self.redistributors.items()},
             "stranded": self.stranded(),
         }
+
+    def unreachable(self) -> dict[str, dict[str, Any]]:
+        """Nodes whose connection is down but whose durable queues are kept as destinations: the queues, and
+        how many messages wait here for them."""
+        view: dict[str, dict[str, Any]] = {}
+        for node_id, queues in self.bindings.unreachable().items():
+            waiting = self.broker.queues.get(FORWARD_QUEUE_PREFIX + node_id)
+            view[node_id] = {"queues": queues, "pending_forward": (len(waiting) + waiting.in_flight) if waiting else 0}
+        return view
 
     def stranded(self) -> dict[str, int]:
         """Queues of this node whose messages no consumer anywhere in the cluster can take."""
@@ -985,4 +1005,5 @@ def local_binding(node_id: str, queue: Queue) -> list[Any]:
         len(consumers),
         selectors,
         1,
+        durable=queue.durable,
     ).to_wire()
