@@ -133,6 +133,11 @@ class LinkProtocol(asyncio.Protocol):
         for event in events:
             if not isinstance(event, ev.HelloReceived):
                 continue
+            if self.conn.closed:  # its CLOSE came with it: nobody waits for an answer, nor is one allowed
+                log.info("link closed by its peer during the handshake",
+                         extra={"peer": self.peer, "client": event.client_name})  # fmt: skip
+                self.close_transport()
+                return
             if not self.node.serving:
                 self.conn.refuse(ErrorCode.NOT_ACTIVE, self.node.not_serving_reason())
                 self.write_pending()

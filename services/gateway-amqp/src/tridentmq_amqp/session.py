@@ -208,6 +208,13 @@ class AmqpSession:
                     self.counters.protocol_errors += 1
                     self._flush()
                     self._end()
+                except UnicodeDecodeError:  # proton hands out the client's strings (container id, names) decoded
+                    log.warning("amqp client sent a string that is not UTF-8", extra={"peer": self.wire.peer})
+                    self.counters.protocol_errors += 1
+                    if self.engine is not None:
+                        self._close_connection(DECODE_ERROR, "a string is not valid UTF-8")
+                        self._flush()
+                    self._end()
                 except LinkRequestError as exc:  # the core refused a request no handler expected, or went away
                     log.info("amqp core request failed", extra={"peer": self.wire.peer, "reason": exc.text})
                     if self.engine is not None:

@@ -400,6 +400,10 @@ class MqttSession:
                                  response_information=response_information)  # fmt: skip
             if granted == NO_PROPERTIES:
                 granted = NO_PROPERTIES
+        if self.conn.closed:  # the client closed its side while the core was asked: no one reads a CONNACK
+            log.info("mqtt client left before its CONNACK", extra={"peer": self.wire.peer, "client_id": client_id})
+            self._end()
+            return
         self.conn.accept(time.monotonic(), session_present=previous is not None and not event.clean_start,
                          assigned_client_id=assigned, server_keep_alive=keep_alive, properties=granted)  # fmt: skip
         self._connected = True
@@ -472,9 +476,10 @@ class MqttSession:
 
     def _refuse(self, reason_code: int, text: str) -> None:
         self.counters.refused += 1
-        props = Properties(reason_string=text[:200]) if self.version == V5 else NO_PROPERTIES
-        self.conn.refuse(reason_code, props)
-        self._flush()
+        if not self.conn.closed:  # else the client left while its CONNECT was checked: no one reads the answer
+            props = Properties(reason_string=text[:200]) if self.version == V5 else NO_PROPERTIES
+            self.conn.refuse(reason_code, props)
+            self._flush()
         self._closed = True
 
     # ------------------------------------------------------------------ messages from the client
