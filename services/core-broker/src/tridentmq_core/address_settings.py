@@ -28,6 +28,7 @@ class ResolvedAddressSettings:
     auto_create_queues: bool = True
     auto_delete_queues: bool = True
     auto_delete_addresses: bool = True
+    auto_delete_addresses_delay_ms: int = 0
     auto_create_dead_letter_resources: bool = True
     default_routing_type: RoutingType = RoutingType.ANYCAST
     max_size_bytes: int = -1

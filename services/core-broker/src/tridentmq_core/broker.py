@@ -57,6 +57,7 @@ log = logging.getLogger("tridentmq.core.broker")
 
 _UNCHECKED: Final[tuple[str, str]] = ("", "")  # marker: the send permission cache has no entry yet
 _MULTICAST: Final = int(RoutingType.MULTICAST)
+_ROUTINGS: Final = (ROUTING_DEFAULT, *(int(kind) for kind in RoutingType))  # every M_ROUTING a send may carry
 _BOTH_KINDS: Final = frozenset((RoutingType.ANYCAST, RoutingType.MULTICAST))
 _NO_LIMIT_YET: Final = (-2, "")  # marker: the address's size limit has not been looked up yet
 _DEFERRED: Final = object()  # marker: a request whose reply is sent later (a commit waiting for the disk)
@@ -137,12 +138,13 @@ class Session:
 
 
 class Address:
-    __slots__ = ("auto_created", "name", "queues", "routing_types")
+    __slots__ = ("auto_created", "creator", "name", "queues", "routing_types")
 
     def __init__(self, name: str, routing_types: set[RoutingType], *, auto_created: bool) -> None:
         self.name = name
         self.routing_types = routing_types
         self.auto_created = auto_created
+        self.creator: str | None = None  # the user whose publish auto-created it (counted against their cap)
         self.queues: dict[str, Queue] = {}
 
 
@@ -225,6 +227,9 @@ class Broker:
         self._will_owners: dict[str, Session] = {}  # will key → the open link holding that will
         self._pending_wills: dict[str, Will] = {}  # will key → will of a closed link, waiting for its delay
         self._will_due: Deadlines[str] = Deadlines()
+        # Auto-created addresses without queues → when to look at them again (see ``_check_unused_address``).
+        self._unused_addresses: Deadlines[str] = Deadlines()
+        self.auto_created_by: dict[str, int] = {}  # user → addresses its publishes auto-created, still existing
         # Clustering (set by the cluster manager when the node clusters): load balancing over other nodes'
         # bindings, the handler of TOPOLOGY requests, and what the manager watches to report bindings.
         self.cluster: Balancer | None = None
@@ -600,11 +605,11 @@ class Broker:
         address = message[M_ADDRESS]
         settings = self.address_settings.resolve(address)
         needed = []
+        principal = session.principal
         if address not in self.addresses:
             if not settings.auto_create_addresses:
                 return (ErrorCode.NOT_FOUND, f"address {address!r} does not exist")
             needed.append(Permission.CREATE_ADDRESS)
-        principal = session.principal
         kind = self._send_kind(address, message[M_ROUTING], settings)
         if kind is RoutingType.ANYCAST and settings.auto_create_queues and self._lacks_anycast_queue(address):
             needed.append(Permission.CREATE_DURABLE_QUEUE)
@@ -612,6 +617,12 @@ class Broker:
             if not principal.allowed(permission, address):
                 text = f"user {principal.name!r} lacks permission {permission.value} to auto-create {address!r}"
                 return (ErrorCode.FORBIDDEN, text)
+        cap = self.settings.broker.max_auto_created_addresses_per_user
+        if address not in self.addresses and cap > 0 and not principal.cluster and \
+                self.auto_created_by.get(principal.name, 0) >= cap:  # fmt: skip
+            text = (f"user {principal.name!r} already has {cap} auto-created addresses in use "
+                    f"(broker.max_auto_created_addresses_per_user): {address!r} is not created")  # fmt: skip
+            return (ErrorCode.RESOURCE_LIMIT, text)
         return None
 
     def _reject(self, conn: LinkConnection, seq: int, code: str, text: str) -> None:
@@ -1067,9 +1078,16 @@ class Broker:
             if not settings.auto_create_addresses:
                 raise BrokerError(ErrorCode.NOT_FOUND, f"address {address!r} does not exist")
             self._ensure_address(address, {kind}, auto_created=True)
+            publisher = self._publisher
+            if publisher is not None and not publisher.principal.cluster:
+                user = self.addresses[address].creator = publisher.principal.name
+                self.auto_created_by[user] = self.auto_created_by.get(user, 0) + 1
         if kind is RoutingType.ANYCAST and settings.auto_create_queues and self._lacks_anycast_queue(address):
             self._create_queue(address, address, kind, durable=True, auto_created=True, now_ms=now_ms,
                                auto_delete=settings.auto_delete_queues)  # fmt: skip
+        created = self.addresses[address]
+        if created.auto_created and not created.queues:
+            self._watch_unused_address(address, now_ms)
 
     def _lacks_anycast_queue(self, address: str) -> bool:
         existing = self.addresses.get(address)
@@ -1484,9 +1502,12 @@ class Broker:
         if queue.durable:
             self.store.delete_queue(queue.name)
         self._invalidate_routes()
-        if address is not None and address.auto_created and not address.queues and \
-                self.address_settings.resolve(address.name).auto_delete_addresses:  # fmt: skip
-            self._delete_address(address.name, now_ms)
+        if address is not None and address.auto_created and not address.queues:
+            settings = self.address_settings.resolve(address.name)
+            if settings.auto_delete_addresses and settings.auto_delete_addresses_delay_ms <= 0:
+                self._delete_address(address.name, now_ms)
+            else:
+                self._watch_unused_address(address.name, now_ms)
 
     def _delete_address(self, name: str, now_ms: int) -> None:
         address = self.addresses.get(name)
@@ -1496,8 +1517,43 @@ class Broker:
             raise BrokerError(ErrorCode.INVALID, f"address {name!r} still has queues")
         del self.addresses[name]
         self._anycast_rr.pop(name, None)
-        self.store.delete_address(name)
+        self._limits.pop(name, None)
+        self._unused_addresses.cancel(name)
+        if address.creator is not None:
+            left = self.auto_created_by.get(address.creator, 0) - 1
+            if left > 0:
+                self.auto_created_by[address.creator] = left
+            else:
+                self.auto_created_by.pop(address.creator, None)
+        self.store.delete_address(name)  # journaled: it stays deleted after a restart
         self._invalidate_routes()
+
+    # ------------------------------------------------------------------ unused auto-created addresses
+    # An address a publish created keeps no queue when nobody subscribes (a multicast topic): without this it
+    # would stay, journaled, for ever (one per topic ever published). It is deleted once it has had no queue
+    # and no publish for auto_delete_addresses_delay_ms, looked at no more often than every expiry scan. A
+    # publish is seen without a cost on the publish path: the address's cached routes are dropped when it is
+    # looked at, and a publish puts them back.
+    def _watch_unused_address(self, name: str, now_ms: int) -> None:
+        settings = self.address_settings.resolve(name)
+        if settings.auto_delete_addresses and name not in self._unused_addresses:
+            wait = max(settings.auto_delete_addresses_delay_ms, self.settings.broker.expiry_scan_ms)
+            self._unused_addresses.set(name, now_ms + wait)
+
+    def _check_unused_address(self, name: str, now_ms: int) -> None:
+        address = self.addresses.get(name)
+        if address is None or address.queues or not address.auto_created:
+            return  # gone, or in use again (its last queue's deletion watches it anew)
+        published = False
+        for routing in _ROUTINGS:
+            key = (name, routing)
+            published |= self._routes.pop(key, None) is not None
+            self._kinds_cache.pop(key, None)
+            published |= self._splits.pop(key, None) is not None
+        if published:  # used since it was last looked at: look again later
+            self._watch_unused_address(name, now_ms)
+        else:
+            self._delete_address(name, now_ms)
 
     def _maybe_auto_delete(self, queue: Queue, now_ms: int) -> None:
         if queue.auto_delete and not queue.consumers and not len(queue) and queue.name in self.queues \
@@ -1616,6 +1672,8 @@ class Broker:
                 queue.settle(message)  # a delayed redelivery for a deleted queue: release what it held
         for key in self._will_due.pop_due(now_ms):
             self._publish_will(self._pending_wills.pop(key), now_ms)
+        for name in self._unused_addresses.pop_due(now_ms):
+            self._check_unused_address(name, now_ms)
         for expired in self._idle.pop_due(now_ms):
             self._expire_queue(expired, now_ms)
         self.arrivals.forget_before(now_ms - self.settings.cluster.min_residence_ms)
@@ -1663,6 +1721,9 @@ class Broker:
         for dedup_id, arrived in state.dedup_ids.items():  # oldest first, acknowledged messages' ones too
             self._dedup.remember(dedup_id, arrived)
         self._dedup.expire(self.now_ms)
+        for address in self.addresses.values():  # journals written before auto-delete hold unused ones too
+            if address.auto_created and not address.queues:
+                self._watch_unused_address(address.name, now_ms)
 
     def durable_snapshot(self) -> DurableSnapshot:
         """The live durable state as records would rebuild it: what journal compaction copies forward."""

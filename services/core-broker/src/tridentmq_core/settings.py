@@ -97,6 +97,10 @@ class BrokerSection:
                                  "non-durable transfers from other nodes are kept apart, as many again.")  # fmt: skip
     max_message_bytes: int = doc(8 * 1024 * 1024, "Largest message body accepted.")
     max_consumer_credit: int = doc(100_000, "Largest delivery window one consumer may grant.")
+    max_auto_created_addresses_per_user: int = doc(100_000, "Addresses one user's publishes may have auto-created "
+                                                            "and still in use; beyond, a publish to a new address "
+                                                            "is refused with resource-limit (0 = no cap; cluster "
+                                                            "connections are exempt).")  # fmt: skip
     expiry_scan_ms: int = doc(1000, "Interval of the scan that expires messages no consumer is reading.")
     max_memory_bytes: int = doc(1024 * 1024 * 1024, "Memory for queued messages (bodies plus ~256 bytes each); "
                                 "above it producers get no publish credit until usage is back under 90 %.")  # fmt: skip
@@ -228,7 +232,13 @@ class AddressSettingsEntry:
     auto_create_addresses: bool | None = doc(None, "Create an address on first use (default true).")
     auto_create_queues: bool | None = doc(None, "Create a queue on first subscribe (default true).")
     auto_delete_queues: bool | None = doc(None, "Delete auto-created queues when unused (default true).")
-    auto_delete_addresses: bool | None = doc(None, "Delete auto-created addresses when unused (default true).")
+    auto_delete_addresses: bool | None = doc(None, "Delete auto-created addresses when unused: no queue and no "
+                                                   "publish (default true).")  # fmt: skip
+    auto_delete_addresses_delay_ms: int | None = doc(None, "How long an auto-created address stays unused before "
+                                                           "it is deleted (default 0; it is looked at every "
+                                                           "`broker.expiry_scan_ms`, so one that lost its last "
+                                                           "queue goes at once, one that never had a queue after "
+                                                           "one to two scans without a publish).")  # fmt: skip
     auto_create_dead_letter_resources: bool | None = doc(None, "Create the dead-letter (and expiry) address "
                                                                 "with an anycast queue of the same name when "
                                                                 "first needed (default true).")  # fmt: skip

@@ -1,0 +1,170 @@
+"""Auto-created addresses go once unused (no queue, no publish), journaled; each user may auto-create only so many."""
+
+from __future__ import annotations
+
+from tests.unit.broker_harness import ANYCAST, MULTICAST, Client, Harness, ok
+
+from tridentmq_core.settings import AddressSettingsEntry, BrokerSection, CoreSettings
+from tridentmq_core.store.memory import MemoryStore
+from tridentmq_core.store.recovery import RecoveredState
+from tridentmq_shared.link.ops import ErrorCode
+
+SCAN_MS = BrokerSection().expiry_scan_ms
+
+
+class RecordingStore(MemoryStore):
+    """The memory store, remembering the address records a journal would get."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, str]] = []
+
+    def add_address(self, name: str, routing_types: tuple[int, ...], *, auto_created: bool) -> None:
+        self.records.append(("add", name))
+
+    def delete_address(self, name: str) -> None:
+        self.records.append(("delete", name))
+
+
+def harness(settings: CoreSettings | None = None) -> tuple[Harness, RecordingStore]:
+    h = Harness(settings)
+    store = RecordingStore()
+    h.broker.store = store
+    store.attach(h.broker.on_durable)
+    return h, store
+
+
+def after_scans(h: Harness, scans: int = 2) -> None:
+    for _ in range(scans):
+        h.tick(h.now_ms + SCAN_MS)
+
+
+def topics(h: Harness, prefix: str) -> set[str]:
+    return {name for name in h.broker.addresses if name.startswith(prefix)}
+
+
+def test_topics_published_without_subscribers_are_deleted_and_journaled_as_deleted() -> None:
+    h, store = harness()
+    c = h.connect("sensors", user="device")
+    names = [f"sensors.{n}" for n in range(500)]
+    for name in names:
+        c.publish(name, b"21.5", routing=MULTICAST, sync=False)
+    h.sync()
+    assert len(c.confirmed) == 500
+    assert topics(h, "sensors.") == set(names)
+    assert h.broker.auto_created_by == {"device": 500}
+    after_scans(h)
+    assert topics(h, "sensors.") == set()
+    assert sorted(name for kind, name in store.records if kind == "delete") == sorted(names)
+    assert h.broker.auto_created_by == {}
+
+
+def test_a_topic_still_published_to_stays_and_goes_once_publishing_stops() -> None:
+    h, _ = harness()
+    c = h.connect("app")
+    for _ in range(5):
+        c.publish("live", b"x", routing=MULTICAST)
+        h.tick(h.now_ms + SCAN_MS)
+        assert "live" in h.broker.addresses
+    after_scans(h)
+    assert "live" not in h.broker.addresses
+    c.publish("live", b"again", routing=MULTICAST)  # created anew on the next publish
+    assert "live" in h.broker.addresses
+    assert len(c.confirmed) == 6
+
+
+def test_addresses_with_queues_stay_retained_and_durable_subscriptions_included() -> None:
+    h, _ = harness()
+    c = h.connect("app")
+    c.publish("retained.topic", b"first", routing=MULTICAST)  # created by a publish, then given a queue
+    ok(c.create_queue("retained.topic.lvq", "retained.topic", MULTICAST, last_value_key="", durable=True))
+    c.publish("retained.topic", b"kept", routing=MULTICAST, last_value_key="k")
+    ok(c.create_queue("sub.durable", "news", MULTICAST, durable=True))  # a durable subscription, nobody on it
+    c.publish("news", b"n", routing=MULTICAST)
+    after_scans(h, 5)
+    assert {"retained.topic", "news"} <= set(h.broker.addresses)
+    assert len(h.broker.queues["retained.topic.lvq"]) == 1
+
+
+def test_an_address_whose_last_queue_goes_is_deleted_at_once() -> None:
+    h, store = harness()
+    c = h.connect("app")
+    c.publish("orders", b"o", routing=ANYCAST)  # auto-creates the address and its auto-deleting queue
+    consumer = c.consumer("orders")
+    (delivery,) = c.take(consumer)
+    c.ack(consumer, [delivery.id])
+    ok(c.unsubscribe(consumer))
+    assert "orders" not in h.broker.queues
+    assert "orders" not in h.broker.addresses
+    assert ("delete", "orders") in store.records
+
+
+def test_the_delay_is_an_address_setting() -> None:
+    delay = 10 * SCAN_MS
+    h, _ = harness(CoreSettings(address_settings=[
+        AddressSettingsEntry(match="slow.#", auto_delete_addresses_delay_ms=delay),
+        AddressSettingsEntry(match="kept.#", auto_delete_addresses=False),
+    ]))  # fmt: skip
+    c = h.connect("app")
+    for name in ("slow.a", "kept.a", "fast.a"):
+        c.publish(name, b"x", routing=MULTICAST)
+    after_scans(h)
+    assert {"slow.a", "kept.a"} <= set(h.broker.addresses)
+    assert "fast.a" not in h.broker.addresses
+    h.tick(h.now_ms + delay)
+    h.tick(h.now_ms + delay)
+    assert "slow.a" not in h.broker.addresses
+    assert "kept.a" in h.broker.addresses
+
+
+def test_unused_auto_created_addresses_of_an_old_journal_go_after_a_restart() -> None:
+    h, store = harness()
+    state = RecoveredState(addresses={
+        "old.topic": ([MULTICAST], True),  # auto-created, no queue: what earlier versions left behind
+        "made.by.admin": ([MULTICAST], False),  # created on purpose: stays
+        "subscribed": ([MULTICAST], True),
+    }, queues={"subscribed.q": {"address": "subscribed", "routing_type": MULTICAST}})  # fmt: skip
+    h.broker.restore(state, h.now_ms)
+    after_scans(h)
+    assert set(h.broker.addresses) >= {"made.by.admin", "subscribed"}
+    assert "old.topic" not in h.broker.addresses
+    assert ("delete", "old.topic") in store.records
+
+
+def capped(cap: int) -> tuple[Harness, dict[str, Client]]:
+    h, _ = harness(CoreSettings(broker=BrokerSection(max_auto_created_addresses_per_user=cap)))
+    return h, {"alice": h.connect("a", user="alice"), "bob": h.connect("b", user="bob")}
+
+
+def test_a_user_may_auto_create_only_so_many_addresses() -> None:
+    h, clients = capped(3)
+    alice, bob = clients["alice"], clients["bob"]
+    for n in range(3):
+        alice.publish(f"a.{n}", b"x", routing=MULTICAST)
+    seq = alice.publish("a.3", b"x", routing=MULTICAST)
+    refused = alice.rejected[seq]
+    assert refused.code == ErrorCode.RESOURCE_LIMIT
+    assert "max_auto_created_addresses_per_user" in refused.text
+    assert "a.3" not in h.broker.addresses
+    again = alice.publish("a.0", b"existing addresses take messages still", routing=MULTICAST)
+    assert again in alice.confirmed
+    assert bob.publish("b.0", b"another user has a cap of his own", routing=MULTICAST) in bob.confirmed
+    after_scans(h)  # the unused ones go, and with them what they counted
+    assert alice.publish("a.3", b"x", routing=MULTICAST) in alice.confirmed
+
+
+def test_a_refused_anycast_send_creates_neither_address_nor_queue() -> None:
+    h, clients = capped(1)
+    alice = clients["alice"]
+    first = alice.publish("q.1", b"x")
+    second = alice.publish("q.2", b"x")
+    assert first in alice.confirmed
+    assert alice.rejected[second].code == ErrorCode.RESOURCE_LIMIT
+    assert "q.2" not in h.broker.queues
+    assert "q.2" not in h.broker.addresses
+
+
+def test_no_cap_when_it_is_zero() -> None:
+    h, clients = capped(0)
+    seqs = [clients["alice"].publish(f"free.{n}", b"x", routing=MULTICAST, sync=False) for n in range(50)]
+    h.sync()
+    assert all(seq in clients["alice"].confirmed for seq in seqs)
