@@ -1333,9 +1333,13 @@ class Broker:
             raise BrokerError(ErrorCode.INVALID, f"bad selector: {exc}") from None
 
     def _require(self, session: Session, permission: Permission, address: str) -> None:
-        if not session.principal.allowed(permission, address):
-            raise BrokerError(ErrorCode.FORBIDDEN, f"user {session.principal.name!r} lacks permission "
-                              f"{permission.value} on {address!r}")  # fmt: skip
+        principal = session.principal
+        if not principal.allowed(permission, address):
+            text = f"user {principal.name!r} lacks permission {permission.value} on {address!r}"
+            refused = principal.refused_address(permission, address)
+            if refused is not None and refused != address:  # a filter: say which address it would reach
+                text += f" (it matches {refused!r})"
+            raise BrokerError(ErrorCode.FORBIDDEN, text)
 
     def _check_delete(self, session: Session, queue: Queue) -> None:
         if queue.temporary and queue.owner is not session:

@@ -4,8 +4,12 @@ With no users configured the node runs in its embedded default: loopback clients
 credentials they present, everything else is refused (unless ``allow_anonymous_remote``). A gateway opens a
 link per client from its own address, so it names the client's address in HELLO (``client_host``), and both
 must be loopback: a gateway listening on every interface must not lend its loopback address to remote clients.
-``Principal.allowed`` is cached per address
-because it sits on the publish path.
+
+Grants allow a permission on an address pattern; deny rules (``deny = true``) refuse it, and **a deny rule
+wins** over every grant, however specific. A wildcard filter (a subscription to ``sensors.#``) is allowed only
+if *every* address it can match is allowed: it is compared with the rules as a pattern, never matched against
+them as if it were a plain address (where ``*`` would match the literal word ``#``). ``Principal.allowed`` is
+cached per address because it sits on the publish path.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from tridentmq_core.router import pattern_matches
+from tridentmq_core.router import ANY_WORD, ANY_WORDS, DELIMITER, is_wildcard, pattern_matches
 from tridentmq_core.settings import PermissionEntry, UserEntry
 
 
@@ -50,21 +54,99 @@ class Principal:
     _cache: dict[tuple[Permission, str], bool] = field(default_factory=dict)
 
     def allowed(self, permission: Permission, address: str) -> bool:
+        """Whether this user has ``permission`` on ``address``: on every address it matches, for a filter."""
         if self.unrestricted:
             return True
         key = (permission, address)
         found = self._cache.get(key)
         if found is None:
-            found = any(
-                g.permission == permission.value
-                and self.roles.intersection(g.roles)
-                and pattern_matches(g.match, address)
-                for g in self._grants
-            )
+            found = self.refused_address(permission, address) is None
             if len(self._cache) > 10_000:
                 self._cache.clear()
             self._cache[key] = found
         return found
+
+    def refused_address(self, permission: Permission, address: str) -> str | None:
+        """An address (``address`` itself, or one its wildcards match) on which this user lacks
+        ``permission``; None when there is none."""
+        if self.unrestricted:
+            return None
+        rules = [g for g in self._grants if g.permission == permission.value and self.roles.intersection(g.roles)]
+        allow = [g.match for g in rules if not g.deny]
+        deny = [g.match for g in rules if g.deny]
+        if is_wildcard(address):
+            return refused_by_rules(address, allow, deny)
+        if any(pattern_matches(p, address) for p in allow) and not any(pattern_matches(p, address) for p in deny):
+            return None
+        return address
+
+
+#: Pattern states explored before a filter is refused as too costly to decide (fail closed).
+MAX_FILTER_STATES = 20_000
+
+
+def refused_by_rules(address_filter: str, allow: Sequence[str], deny: Sequence[str]) -> str | None:
+    """An address that ``address_filter`` matches and that the rules do not allow (no ``allow`` pattern
+    matches it, or a ``deny`` pattern does), or None when the filter matches no such address.
+
+    Decided exactly on the patterns: every pattern (the filter included) is a small automaton over words
+    (``*`` one word, ``#`` any number of words, another word itself), and a breadth-first walk over all of
+    them at once, one word at a time, finds the shortest address in the filter that the rules refuse. Words
+    that no pattern names behave alike, so one stand-in word represents them all."""
+    patterns = [p.split(DELIMITER) for p in (address_filter, *allow, *deny)]
+    literals = {w for words in patterns for w in words if w not in (ANY_WORD, ANY_WORDS)}
+    other = "x"
+    while other in literals:
+        other += "x"
+    alphabet = [*sorted(literals), other]
+    allow_end = 1 + len(allow)
+    start = tuple(_closure(words, frozenset((0,))) for words in patterns)
+    seen = {start}
+    frontier: list[tuple[tuple[frozenset[int], ...], tuple[str, ...]]] = [(start, ())]
+    while frontier:
+        following = []
+        for states, path in frontier:
+            for word in alphabet:
+                stepped = tuple(
+                    _step(words, positions, word) for words, positions in zip(patterns, states, strict=True)
+                )
+                if not stepped[0]:
+                    continue  # the filter matches no address starting so
+                address = (*path, word)
+                accepts = [len(words) in positions for words, positions in zip(patterns, stepped, strict=True)]
+                if accepts[0] and (not any(accepts[1:allow_end]) or any(accepts[allow_end:])):
+                    return DELIMITER.join(address)
+                if stepped not in seen:
+                    if len(seen) >= MAX_FILTER_STATES:
+                        return address_filter  # too intricate to decide: refused, naming the filter itself
+                    seen.add(stepped)
+                    following.append((stepped, address))
+        frontier = following
+    return None
+
+
+def _step(words: list[str], positions: frozenset[int], word: str) -> frozenset[int]:
+    """The positions in a pattern after it consumed ``word`` from ``positions``."""
+    advanced = set()
+    for i in positions:
+        if i < len(words):
+            if words[i] == ANY_WORDS:
+                advanced.add(i)  # '#' takes the word and may take more
+            elif words[i] in (ANY_WORD, word):
+                advanced.add(i + 1)
+    return _closure(words, frozenset(advanced)) if advanced else frozenset()
+
+
+def _closure(words: list[str], positions: frozenset[int]) -> frozenset[int]:
+    """Add the positions reached by letting each '#' match no word."""
+    found = set(positions)
+    stack = list(positions)
+    while stack:
+        i = stack.pop()
+        if i < len(words) and words[i] == ANY_WORDS and i + 1 not in found:
+            found.add(i + 1)
+            stack.append(i + 1)
+    return frozenset(found)
 
 
 def hash_password(password: str, *, salt: bytes, iterations: int = 200_000) -> str:

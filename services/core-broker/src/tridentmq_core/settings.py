@@ -216,6 +216,9 @@ class PermissionEntry:
                                   "deleteDurableQueue, createNonDurableQueue, deleteNonDurableQueue, manage "
                                   "(manage on `$sys.management`: the management API's /api).")  # fmt: skip
     roles: list[str] = doc(list, "Roles granted the permission on matching addresses.", factory=True)
+    deny: bool = doc(False, "A deny rule: refuses the permission on matching addresses to these roles. A deny "
+                            "wins over every grant, however specific; a wildcard subscription is refused when "
+                            "any address it can match is denied.")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -276,6 +279,7 @@ class CoreSettings:
                                        "address) are accepted whatever their credentials and other addresses "
                                        "are refused, unless security.allow_anonymous_remote.",
                                  factory=True)  # fmt: skip
-    permissions: list[PermissionEntry] = doc(list, "Role grants per address pattern.", factory=True)
+    permissions: list[PermissionEntry] = doc(list, "Role grants (and deny rules) per address pattern.",
+                                             factory=True)  # fmt: skip
     address_settings: list[AddressSettingsEntry] = doc(list, "Per-address behaviour, matched by pattern.",
                                                        factory=True)  # fmt: skip
