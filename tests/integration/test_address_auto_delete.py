@@ -13,6 +13,8 @@ from pathlib import Path
 from urllib.request import urlopen
 
 import pytest
+from proton import Delivery, Message
+from proton.utils import BlockingConnection, SendException
 from tests.conftest import CoreProcess, GatewayProcess, start_core, start_gateway, stop_cleanly
 from tests.integration.mqtt_clients import Paho, Raw
 
@@ -23,6 +25,10 @@ pytestmark = pytest.mark.integration
 
 TOPICS = 2000
 WAIT = 30.0
+# The STOMP and AMQP cap tests send one message at a time: their addresses must not go (and stop counting)
+# before the last one, however slow the machine. The MQTT one (cap.#) sends in one write and waits for them to go.
+SLOW_DELETE = "".join(f'[[address_settings]]\nmatch = "{m}"\nauto_delete_addresses_delay_ms = 600000\n'
+                      for m in ("stomp.#", "amqp.#"))  # fmt: skip
 
 
 def addresses(core: CoreProcess) -> set[str]:
@@ -113,13 +119,34 @@ def test_published_topics_go_and_stay_gone_after_a_restart(tmp_path: Path, clien
 
 @pytest.fixture
 def capped(tmp_path: Path) -> Iterator[tuple[CoreProcess, GatewayProcess, GatewayProcess]]:
-    core = start_core(tmp_path, TRIDENTMQ_CORE_BROKER_MAX_AUTO_CREATED_ADDRESSES_PER_USER="3")
+    core = start_core(tmp_path, config=SLOW_DELETE, TRIDENTMQ_CORE_BROKER_MAX_AUTO_CREATED_ADDRESSES_PER_USER="3")
     mqtt = start_gateway(tmp_path, core, "mqtt")
     stomp = start_gateway(tmp_path, core, "stomp")
     yield core, mqtt, stomp
     stop_cleanly(mqtt)
     stop_cleanly(stomp)
     assert core.stop() == 0, core.log()
+
+
+def test_a_user_over_the_cap_gets_a_rejected_outcome_on_amqp(tmp_path: Path) -> None:
+    core = start_core(tmp_path, config=SLOW_DELETE, TRIDENTMQ_CORE_BROKER_MAX_AUTO_CREATED_ADDRESSES_PER_USER="3")
+    gateway = start_gateway(tmp_path, core, "amqp")
+    run = uuid.uuid4().hex[:6]
+    conn = BlockingConnection(f"amqp://127.0.0.1:{gateway.port}", timeout=WAIT, user=f"amqp-{run}", password="x",
+                              allowed_mechs="PLAIN")  # fmt: skip
+    try:
+        relay = conn.create_sender(None)
+        for n in range(3):
+            relay.send(Message(address=f"topic://amqp.{run}.{n}", body="x"))
+        with pytest.raises(SendException) as refused:
+            relay.send(Message(address=f"topic://amqp.{run}.3", body="x"))
+        assert refused.value.state == Delivery.REJECTED
+        assert f"amqp.{run}.3" not in addresses(core)
+        relay.send(Message(address=f"topic://amqp.{run}.0", body="an existing address still takes messages"))
+    finally:
+        conn.close()
+        stop_cleanly(gateway)
+        assert core.stop() == 0, core.log()
 
 
 def test_a_user_over_the_cap_gets_quota_exceeded_on_mqtt(capped: tuple[CoreProcess, GatewayProcess,
