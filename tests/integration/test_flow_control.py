@@ -1,7 +1,7 @@
 """Flow control in bytes, end to end, against real processes: a producer of large messages is held near the
 core's memory limit (blocked, not refused) and resumes once a consumer drains; a gateway relaying large
-messages to a client that does not read holds a bounded number of bytes, and the client gets every message
-once it reads again.
+messages to a client that does not read (STOMP, MQTT QoS 1) holds a bounded number of bytes, and the client
+gets every message once it reads again.
 
 Memory is a process's VmRSS, sampled in a thread while the traffic runs (its growth over the value on entry).
 """
@@ -13,13 +13,25 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
 import msgpack
 import pytest
-from tests.conftest import start_core
+from tests.conftest import start_core, start_gateway, stop_cleanly
+from tests.integration.mqtt_clients import Raw
+from tests.integration.test_stomp_bad_input import (
+    Peer,
+    assert_gateway_serves,
+    depth,
+    get_json,
+    queue_stats,
+    wait_for,
+)
 
+from tridentmq_mqtt import convert
+from tridentmq_mqtt.protocol.packets import V311, Connack, Puback, Publish, Suback, Subscribe, Subscription
 from tridentmq_shared.link.client import LinkClient
 from tridentmq_shared.link.ops import Op
 from tridentmq_shared.message import new_message
@@ -67,6 +79,22 @@ class PeakRss:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, rss(self.pid))
+
+
+class Settled:
+    """Whether a counter has stopped moving: true once two readings 0.5 s apart are equal (a condition to wait
+    for, not a timing assertion)."""
+
+    def __init__(self, read: Callable[[], int]) -> None:
+        self.read = read
+        self.last = (read(), time.monotonic())
+
+    def steady(self) -> bool:
+        value, now = self.read(), time.monotonic()
+        if value != self.last[0]:
+            self.last = (value, now)
+            return False
+        return now - self.last[1] >= 0.5
 
 
 # ---------------------------------------------------------------------------------------------- the core
@@ -146,4 +174,110 @@ def test_a_version_1_link_gets_a_message_window_that_bounds_its_bytes(tmp_path: 
             assert len(welcome) in (7, 8)
             assert welcome[6] == 4
     finally:
+        assert node.stop() == 0
+
+
+# ---------------------------------------------------------------------------------------------- gateways
+SLOW_BODY = MIB
+SLOW_COUNT = 120  # 120 MiB through one subscription
+# What the gateway may hold for a subscription whose client reads nothing: its byte window (4 MiB) and one
+# message in the link buffer, one batch of that size handed to the client's socket, and the kernel's socket
+# buffers (a few MiB on loopback) -- about ten 1 MiB messages out of the queue; thirty leaves room.
+SLOW_OUT_OF_QUEUE = 30
+
+
+async def publish_numbered(port: int, queue: str, count: int, size: int) -> None:
+    """``count`` messages of ``size`` bytes numbered in their first 8 bytes, straight into the core."""
+    padding = b"." * (size - 8)
+    async with LinkClient("127.0.0.1", port) as producer:
+        futures = [await producer.send(new_message(queue, b"%08d" % n + padding, durable=False))
+                   for n in range(count)]  # fmt: skip
+        await asyncio.gather(*futures)
+
+
+@pytest.mark.parametrize("ack", ["auto", "client-individual"])
+def test_a_stomp_client_that_stops_reading_large_messages_costs_the_gateway_a_bounded_window(
+    tmp_path: Path, ack: str
+) -> None:
+    node = start_core(tmp_path)
+    gateway = start_gateway(tmp_path, node)
+    try:
+        assert_gateway_serves(gateway, "warm-up")  # the baseline includes everything a connection loads
+        slow = Peer(gateway.port, receive_buffer=64 * 1024)
+        try:
+            slow.connect()
+            slow.send(f"SUBSCRIBE\nid:slow\ndestination:/queue/slow\nack:{ack}\nreceipt:sub\n\n\x00".encode())
+            assert slow.expect("RECEIPT").headers["receipt-id"] == "sub"
+            with PeakRss(gateway.process.pid) as memory:  # from here on the slow client reads nothing
+                asyncio.run(publish_numbered(node.link_port, "slow", SLOW_COUNT, SLOW_BODY))
+                # The gateway takes what its window allows: wait until it has, then until it takes no more.
+                wait_for(lambda: (queue_stats(node, "slow") or {}).get("delivered", 0) > 0, "a first delivery")
+                settled = Settled(lambda: (queue_stats(node, "slow") or {}).get("delivered", 0))
+                wait_for(settled.steady, "the gateway to stop taking messages")
+                stats = queue_stats(node, "slow")
+                assert stats is not None
+                assert stats["delivered"] <= SLOW_OUT_OF_QUEUE, f"the gateway pulled too much: {stats}"
+                assert_gateway_serves(gateway, "meanwhile")  # another connection does not notice
+            # Before the byte window it took its whole prefetch: the 120 MiB.
+            assert memory.growth < 64 * MIB, f"the gateway grew by {memory.growth / MIB:.0f} MiB"
+            numbers = []  # now it reads: every message arrives, in order
+            for _ in range(SLOW_COUNT):
+                message = slow.expect("MESSAGE")
+                assert len(message.body) == SLOW_BODY
+                numbers.append(int(message.body[:8]))
+                if ack != "auto":
+                    slow.send(f"ACK\nid:{message.headers['ack']}\n\n\x00".encode())
+            assert numbers == list(range(SLOW_COUNT))
+            wait_for(lambda: depth(node, "slow") == 0, "the queue to be empty")
+        finally:
+            slow.sock.close()
+    finally:
+        stop_cleanly(gateway)
+        assert node.stop() == 0
+
+
+QOS1_BODY = 250 * 1024
+QOS1_COUNT = 200  # 50 MB through one subscription
+# The byte window (4 MiB: 17 messages of 250 KB), one batch of that handed to the client's socket, and the
+# kernel's socket buffers; the QoS 1 window in messages alone is 4000 (max_inflight).
+QOS1_OUT_OF_QUEUE = 80
+
+
+def test_an_mqtt_qos1_client_that_stops_reading_costs_the_gateway_a_bounded_window(tmp_path: Path) -> None:
+    node = start_core(tmp_path)
+    gateway = start_gateway(tmp_path, node, "mqtt")
+    slow = Raw(gateway.port, V311)
+    producer = Raw(gateway.port, V311)
+    try:
+        assert slow.connect("slow") == Connack(session_present=False, reason_code=0)
+        slow.send(Subscribe(1, (Subscription("slow/t", 1),)))
+        assert slow.next() == Suback(1, (1,))
+        assert producer.connect("producer") == Connack(session_present=False, reason_code=0)
+        queue = next(q["name"] for q in get_json(f"{node.management_url}/api/queues") if q["name"].startswith(
+            convert.subscription_queue("slow", "slow/t")))  # fmt: skip
+        with PeakRss(gateway.process.pid) as memory:  # from here on the slow client reads nothing
+            padding = b"." * (QOS1_BODY - 8)
+            for n in range(QOS1_COUNT):
+                producer.send(Publish("slow/t", b"%08d" % n + padding, 1, packet_id=n + 1))
+            assert sorted(producer.next(30).packet_id for _ in range(QOS1_COUNT)) == list(  # type: ignore[attr-defined]
+                range(1, QOS1_COUNT + 1))  # fmt: skip
+            settled = Settled(lambda: (queue_stats(node, queue) or {}).get("delivered", 0))
+            wait_for(settled.steady, "the gateway to stop taking messages")
+            stats = queue_stats(node, queue)
+            assert stats is not None
+            assert 0 < stats["delivered"] <= QOS1_OUT_OF_QUEUE, f"the gateway pulled too much: {stats}"
+        assert memory.growth < 48 * MIB, f"the gateway grew by {memory.growth / MIB:.0f} MiB"
+        numbers = []  # now it reads: every message arrives, in order
+        while len(numbers) < QOS1_COUNT:
+            packet = slow.next(30)
+            assert isinstance(packet, Publish), packet
+            assert len(packet.payload) == QOS1_BODY
+            numbers.append(int(packet.payload[:8]))
+            slow.send(Puback(packet.packet_id or 0))
+        assert numbers == list(range(QOS1_COUNT))
+        wait_for(lambda: (queue_stats(node, queue) or {}).get("acked") == QOS1_COUNT, "every message acked")
+    finally:
+        slow.close()
+        producer.close()
+        stop_cleanly(gateway)
         assert node.stop() == 0

@@ -58,6 +58,10 @@ class CoreLinkSettings:
     password: str = doc("", "Password of that user.")
     tls: bool = doc(False, "Connect to the core over TLS (the core's `link.tls`), checking its certificate "
                            "against `tls.ca_file` and presenting `tls.cert_file` when set.")  # fmt: skip
+    consumer_window_bytes: int = doc(4 * 1024 * 1024, "Message bodies one subscription may have on their way "
+                                     "from the core or waiting in the gateway for its client, besides its "
+                                     "window in messages (one message may pass it): what bounds the gateway's "
+                                     "memory for a client that reads slowly, whatever the message size.")  # fmt: skip
 
     def endpoints(self) -> list[Endpoint]:
         """``host``:``port`` then the connectors (SettingsError for a malformed one)."""

@@ -505,6 +505,7 @@ class AmqpSession:
         consumer = await self.link.subscribe(
             queue, credit=limits.prefetch, selector=None if (durable or temporary) and routing == convert.MULTICAST
             else selector, credit_on_settle=not presettled, browse=browse,
+            credit_bytes=self.settings.core.consumer_window_bytes,
         )  # fmt: skip
         link.source.copy(remote)
         if remote.dynamic:

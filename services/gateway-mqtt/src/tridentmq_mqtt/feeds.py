@@ -303,7 +303,8 @@ class Feeds:
                                            temporary=True)  # fmt: skip
             created = True
             consumer = await link.client.subscribe(queue, credit=self.window, auto_ack=True, address=pattern,
-                                                   routing_type=int(RoutingType.MULTICAST))  # fmt: skip
+                                                   routing_type=int(RoutingType.MULTICAST),
+                                                   credit_bytes=self.core.consumer_window_bytes)  # fmt: skip
         except BaseException:  # refused (or the gateway stopping)
             link.opening -= 1
             if not link.feeds and not link.opening:

@@ -672,6 +672,7 @@ class MqttSession:
         # messages of a queue that goes with this connection are done once sent (``fannable``): acknowledging
         # them would keep nothing safe, and the pump still takes no more than the client reads.
         consumer = await link.subscribe(queue, credit=window, credit_on_settle=not fannable, auto_ack=fannable,
+                                        credit_bytes=self.settings.core.consumer_window_bytes,
                                         address=pattern, routing_type=int(RoutingType.MULTICAST),
                                         durable=group is not None or self.persistent or resumed)  # fmt: skip
         sub = Sub(text, topic_filter, queue, group is not None, options, consumer,

@@ -302,7 +302,8 @@ class StompSession:
                 queue, temporary = f"stomp.{self.id}.{next(self._keys)}", True
                 await _create(link, queue, address, durable=False, selector=selector)
         consumer = await link.subscribe(queue, credit=window, selector=None if durable_name or temporary else
-                                        selector, credit_on_settle=event.ack != "auto")  # fmt: skip
+                                        selector, credit_on_settle=event.ack != "auto",
+                                        credit_bytes=self.settings.core.consumer_window_bytes)  # fmt: skip
         shown = event.destination if event.destination.startswith(convert.TEMP_QUEUE_PREFIX) else None
         subscription = Subscription(event.id, next(self._keys), event.destination, queue, event.ack, consumer,
                                     temporary, shown)  # fmt: skip
