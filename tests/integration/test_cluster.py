@@ -266,6 +266,36 @@ async def test_a_durable_subscription_on_a_killed_node_gets_what_was_published_w
     stop_all([a, b, restarted])
 
 
+async def test_messages_that_reach_a_returned_node_after_its_subscriber_moved_follow_the_subscriber(
+        tmp_path: Path) -> None:  # fmt: skip
+    """Issue 21, stuck messages: what waited on a for the killed node c reached c when it returned, while the
+    subscriber was on b by then. c's redistributor passed over them (they had just arrived from another node,
+    inside the minimum residence time) and never looked at them again: they sat on c with the redistributor
+    as the queue's only consumer, nothing in flight, until something else happened to the queue."""
+    a, b, c = start_cluster(tmp_path, 3, node_gone_ms="60000")  # c returns long before a would reroute
+    c_id = node_id(c)
+    sent = bodies(200)
+    async with client(c) as cc:
+        await cc.create_queue("news-c", "news", routing_type=RoutingType.MULTICAST, durable=True)
+        await cc.subscribe("news-c", credit=1000)
+        wait_until(lambda: remote_consumers(a, "news-c") == 1, what="a to see the subscriber on c")
+        c.process.send_signal(signal.SIGKILL)
+        c.process.wait()
+    wait_until(lambda: c_id not in members(a), what="a to see c down")
+    await publish(a, "news", sent, routing=RoutingType.MULTICAST)  # they wait on a for c
+    async with client(b) as cb:  # the subscriber comes back through b
+        await cb.create_queue("news-c", "news", routing_type=RoutingType.MULTICAST, durable=True)
+        subscriber = await cb.subscribe("news-c", credit=1000)
+        # In threads: the subscriber's link must keep its heartbeats going meanwhile.
+        restarted = await asyncio.to_thread(start_core, tmp_path, "node-2", **cluster_env([a]))
+        await asyncio.to_thread(wait_converged, [a, b, restarted])
+        delivered = await take(subscriber, len(sent), timeout=20)
+    verdict = check(sent, sent, [], delivered)
+    assert verdict.ok, verdict.report()
+    assert cluster_view(restarted)["backlog"].get("news-c", 0) == 0
+    stop_all([a, b, restarted])
+
+
 async def test_wrong_cluster_password_and_copied_node_id_are_refused(tmp_path: Path) -> None:
     first = start_node(tmp_path, "node-0")
     intruder = start_core(tmp_path, "intruder", **{**cluster_env([first]),

@@ -1,4 +1,5 @@
-"""The broker's routing with other nodes' bindings, in process: what stays here and what is forwarded."""
+"""The broker's routing with other nodes' bindings, in process: what stays here, what is forwarded, what a
+redistributor moves."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ from typing import Any
 from tests.unit.broker_harness import ANYCAST, MULTICAST, Harness, bodies, ok
 
 from tridentmq_core.broker import FORWARD_QUEUE_PREFIX, Direct, WireMessage
-from tridentmq_core.cluster.balancer import Balancer
-from tridentmq_core.cluster.bindings import RemoteBindings
+from tridentmq_core.cluster.balancer import Balancer, SelectorCache
+from tridentmq_core.cluster.bindings import Binding, RemoteBindings
 from tridentmq_core.cluster.forward import FORWARD_PROPERTY, ForwardHeader
-from tridentmq_shared.message import M_BODY, M_PROPS
+from tridentmq_core.cluster.redistribution import Redistributor, due_again
+from tridentmq_core.security import Principal
+from tridentmq_shared.link.codec import LinkConnection, Role
+from tridentmq_shared.message import M_BODY, M_ID, M_PROPS
 
 
 def clustered(policy: str = "ON_DEMAND", down: set[str] | None = None) -> tuple[Harness, RemoteBindings, list[bytes]]:
@@ -141,3 +145,49 @@ def test_a_live_instance_of_the_subscription_is_preferred_to_one_on_a_node_that_
         c.send_all("t", [b"1", b"2", b"3"], routing=MULTICAST, durable=True)
         assert waiting_for(h, "node-2") == [], policy
         assert len(h.broker.queues["sub"]) == 3, policy
+
+
+class Moved(LinkConnection):
+    """The broker side of a cluster connection, as the cluster manager's: records what it is handed to move."""
+
+    def __init__(self) -> None:
+        super().__init__(Role.SERVER)
+        self.moved: list[bytes] = []
+
+    def deliver(self, consumer_id: int, delivery_count: int, message: WireMessage) -> None:
+        self.moved.append(bytes(message[M_BODY]))
+
+
+def test_messages_a_redistributor_passed_over_for_their_residence_move_once_it_is_over() -> None:
+    """Issue 21, stuck messages: a queue offers its messages to its consumers only when something happens to
+    it. Messages that had just arrived from another node were passed over by the redistributor, and nothing
+    offered them again: they stayed, the redistributor the queue's only consumer, nothing in flight."""
+    h = Harness()
+    c = h.connect()
+    ok(c.create_queue("work", "work", ANYCAST))
+    c.send_all("work", [b"old", b"new-1", b"new-2"])
+    queue = h.broker.queues["work"]
+    new = [m[M_ID] for m in queue.messages()][1:]
+    arrivals = h.broker.arrivals
+    for message_id in new:
+        arrivals.add(message_id, h.now_ms)  # forwarded here from another node just now
+    port = Moved()
+    principal = Principal("cluster:node-2", frozenset(), unrestricted=True, cluster=True)
+    session = h.broker.open_session(port, "bridge", principal, "127.0.0.1", "cluster:node-2", h.now_ms)
+    target = Binding("node-2", "work", "work", ANYCAST, None, 1, None, 1, "node-2")
+    mover = Redistributor(7, session, queue, 100, target=target, selectors=SelectorCache(), arrivals=arrivals,
+                          min_residence_ms=2000, clock=lambda: h.now_ms)  # fmt: skip
+    h.broker.add_forwarder(session, mover)
+    h.sync()
+    assert port.moved == [b"old"]
+    assert mover.retry_at == h.now_ms + 2000
+    h.tick(h.now_ms + 1999)
+    assert not due_again(mover, h.now_ms)
+    h.tick(h.now_ms + 1)
+    h.sync()
+    assert port.moved == [b"old"]  # nothing happened to the queue: without being offered again they stay
+    assert due_again(mover, h.now_ms)
+    assert not due_again(mover, h.now_ms)  # once
+    h.broker.offer_again(queue)
+    h.sync()
+    assert port.moved == [b"old", b"new-1", b"new-2"]

@@ -15,6 +15,7 @@ from tridentmq_core.audit import NullAuditSink
 from tridentmq_core.broker import Broker, Session
 from tridentmq_core.management import NodeStatus, QueueRates, create_app, render_metrics
 from tridentmq_core.management.metrics import escape_label
+from tridentmq_core.queues import Consumer
 from tridentmq_core.security import Principal
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.memory import MemoryStore
@@ -220,7 +221,7 @@ async def test_queues_list_and_one(api: Api) -> None:
     orders = next(q for q in body if q["name"] == "orders")
     assert orders == {
         "name": "orders", "address": "orders", "routing_type": "anycast", "durable": True, "temporary": False,
-        "exclusive": False, "filter": None, "depth": 3, "in_flight": 1, "consumers": 1, "added": 5,
+        "exclusive": False, "filter": None, "depth": 3, "in_flight": 1, "consumers": 1, "forwarders": 0, "added": 5,
         "acked": 1, "delivered": 2, "expired": 0, "dead_lettered": 0, "enqueue_rate": 0.0, "ack_rate": 0.0,
     }  # fmt: skip
     response = await client.get("/api/queues/audit.eu")
@@ -233,6 +234,24 @@ async def test_queues_list_and_one(api: Api) -> None:
     response = await client.get("/api/queues/" + quote(WEIRD_QUEUE, safe=""))
     assert response.status == 200
     assert (await response.json())["name"] == WEIRD_QUEUE
+
+
+async def test_a_cluster_connection_moving_a_queue_is_no_consumer_of_it(api: Api) -> None:
+    """Issue 21: a queue whose messages sat still showed ``consumers: 1`` with the subscriber on another node;
+    the one consumer was the redistributor that moves them there."""
+    client, broker, _, _ = api
+    populate(broker)
+    principal = Principal("cluster:node-2", frozenset(), unrestricted=True, cluster=True)
+    bridge = broker.open_session(LinkConnection(Role.SERVER), "bridge", principal, "127.0.0.1:6000",
+                                 "cluster:node-2", NOW_MS)  # fmt: skip
+    mover = Consumer(9, bridge, broker.queues["orders"], 0)
+    mover.forwarder = True
+    broker.add_forwarder(bridge, mover)
+    orders = await (await client.get("/api/queues/orders")).json()
+    assert (orders["consumers"], orders["forwarders"]) == (1, 1)
+    _, samples = parse_metrics(await (await client.get("/metrics")).text())
+    labels = q_labels("orders", "orders", "anycast")
+    assert (samples[("tridentmq_queue_consumers", labels)], samples[("tridentmq_queue_forwarders", labels)]) == (1, 1)
 
 
 async def test_missing_queue_is_a_json_404(api: Api) -> None:

@@ -986,6 +986,11 @@ class Broker:
         session.consumers[consumer.id] = consumer
         self._to_dispatch.add(consumer.queue)
 
+    def offer_again(self, queue: Queue) -> None:
+        """Dispatch ``queue`` at the next flush although nothing changed in it: a consumer passed over
+        messages it may take now."""
+        self._to_dispatch.add(queue)
+
     def remove_forwarder(self, session: Session, consumer: Consumer, now_ms: int) -> None:
         if session.consumers.get(consumer.id) is consumer:
             self._remove_consumer(session, consumer, now_ms)
@@ -1390,7 +1395,7 @@ class Broker:
                 self._change_expiry(session, existing, expires_ms, now_ms)
             return {"created": False, "queue": name, "address": address, "expires_ms": existing.expires_ms,
                     "filter": existing.filter.text if existing.filter is not None else None,
-                    "consumers": len(existing.consumers)}  # fmt: skip
+                    "consumers": sum(not c.forwarder for c in existing.consumers)}  # fmt: skip
         self._validate(address, wildcards=True)
         self._check_create(session, address, durable)
         lvq = spec.get("last_value_key")

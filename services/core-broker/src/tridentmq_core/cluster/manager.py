@@ -29,7 +29,7 @@ from tridentmq_core.cluster.bindings import Binding, BindingError, Key, RemoteBi
 from tridentmq_core.cluster.discovery import Announcement, RedisDiscovery
 from tridentmq_core.cluster.forward import FORWARD_PROPERTY, numbered_header
 from tridentmq_core.cluster.links import node_link, watch_close
-from tridentmq_core.cluster.redistribution import Arrivals, Redistributor, best_target, stranded
+from tridentmq_core.cluster.redistribution import Arrivals, Redistributor, best_target, due_again, stranded
 from tridentmq_core.ha.manager import Voter
 from tridentmq_core.queues import MESSAGE_OVERHEAD, Consumer, Queue
 from tridentmq_core.security import Principal
@@ -821,6 +821,8 @@ class ClusterManager:
                     del self.redistributors[name]
             else:
                 redistributor.target = target  # consumers or selectors there may have changed
+                if due_again(redistributor, now_ms):
+                    broker.offer_again(redistributor.queue)
         for name, target in wanted.items():
             if name in self.redistributors:
                 continue

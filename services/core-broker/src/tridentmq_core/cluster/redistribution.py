@@ -6,7 +6,9 @@ has a queue of the same name on the same address with a consumer; after the addr
 ``redistribution-delay`` a ``Redistributor`` is attached to it. It is an ordinary consumer of the queue, so
 order, message groups (a group's owner is the redistributor, so the group moves whole) and selectors work
 as for any consumer. It passes over messages that arrived from another node less than the minimum residence
-time ago, so messages do not bounce between nodes whose consumers come and go.
+time ago, so messages do not bounce between nodes whose consumers come and go, and notes when the first of
+them may move (``retry_at``): a queue offers its messages to its consumers only when something happens to
+it, so the cluster's tick offers them again then, or they would wait for the next message or consumer.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ class Arrivals:
 
 
 class Redistributor(Consumer):
-    __slots__ = ("_arrivals", "_clock", "_min_residence_ms", "_selectors", "stopped", "target")
+    __slots__ = ("_arrivals", "_clock", "_min_residence_ms", "_selectors", "retry_at", "stopped", "target")
 
     def __init__(self, consumer_id: int, session: Session, queue: Queue, credit: int, *, target: Binding,
                  selectors: SelectorCache, arrivals: Arrivals, min_residence_ms: int,
@@ -102,6 +104,7 @@ class Redistributor(Consumer):
         self._arrivals = arrivals
         self._min_residence_ms = min_residence_ms
         self._clock = clock
+        self.retry_at = 0  # when a message passed over for its residence may move (0: none passed over)
 
     def stop(self) -> None:
         """Take no more messages (credit alone would come back with the confirms of those in flight)."""
@@ -112,10 +115,23 @@ class Redistributor(Consumer):
         if self.stopped:
             return False
         arrived = self._arrivals.get(message[M_ID])
-        if arrived is not None and self._clock() - arrived < self._min_residence_ms:
-            return False
+        if arrived is not None:
+            movable_at = arrived + self._min_residence_ms
+            if self._clock() < movable_at:
+                if not self.retry_at or movable_at < self.retry_at:
+                    self.retry_at = movable_at
+                return False
         target = self.target
         return target.selectors is None or any(self._selectors.matches(s, message) for s in target.selectors)
+
+
+def due_again(redistributor: Redistributor, now_ms: int) -> bool:
+    """Whether messages ``redistributor`` passed over for their residence may move now: the queue must offer
+    them again (once; those still too young set the next time)."""
+    if redistributor.stopped or not redistributor.retry_at or now_ms < redistributor.retry_at:
+        return False
+    redistributor.retry_at = 0
+    return True
 
 
 def stranded(queue: Queue) -> bool:

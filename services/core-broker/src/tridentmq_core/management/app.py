@@ -89,7 +89,8 @@ def queue_view(queue: Queue, rates: QueueRates) -> dict[str, Any]:
         "filter": queue.filter.text if queue.filter is not None else None,
         "depth": len(queue),
         "in_flight": queue.in_flight,
-        "consumers": len(queue.consumers),
+        "consumers": sum(not c.forwarder for c in queue.consumers),  # clients' consumers (browsers included)
+        "forwarders": sum(c.forwarder for c in queue.consumers),  # moving its messages to other nodes
         "added": queue.added,
         "acked": queue.acked,
         "delivered": queue.delivered,

@@ -24,7 +24,10 @@ Sample = tuple[Labels, float]
 #: Per-queue families: name suffix, type, help text, how to read the value.
 _QUEUE_FAMILIES: tuple[tuple[str, str, str, Callable[[Queue], int]], ...] = (
     ("queue_depth", "gauge", "Messages waiting in the queue (not in flight).", len),
-    ("queue_consumers", "gauge", "Consumers attached to the queue.", lambda q: len(q.consumers)),
+    ("queue_consumers", "gauge", "Clients' consumers attached to the queue.",
+     lambda q: sum(not c.forwarder for c in q.consumers)),
+    ("queue_forwarders", "gauge", "Cluster connections moving the queue's messages to other nodes.",
+     lambda q: sum(c.forwarder for c in q.consumers)),
     ("queue_in_flight", "gauge", "Messages delivered and not yet settled.", lambda q: q.in_flight),
     ("queue_messages_added_total", "counter", "Messages added to the queue.", lambda q: q.added),
     ("queue_messages_acked_total", "counter", "Messages acknowledged from the queue.", lambda q: q.acked),
