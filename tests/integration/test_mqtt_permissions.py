@@ -1,13 +1,16 @@
-"""Permissions of MQTT clients against a core with users: wildcard subscriptions and deny rules (paho)."""
+"""MQTT clients against a core with users: wildcard subscriptions and deny rules, session and will ownership."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from tests.conftest import GatewayProcess, start_core, start_gateway, stop_cleanly
-from tests.integration.mqtt_clients import Paho
+from tests.conftest import CoreProcess, GatewayProcess, start_core, start_gateway, stop_cleanly
+from tests.integration.mqtt_clients import Paho, Raw
+
+from tridentmq_mqtt.protocol.packets import V5, V311, Connack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -72,3 +75,85 @@ def test_a_wildcard_subscription_needs_every_topic_it_can_match(gateway: Gateway
     finally:
         alice.disconnect()
         publisher.disconnect()
+
+
+# ---------------------------------------------------------------------------------------------- session ownership
+OPEN = (
+    '[[users]]\nname = "gw"\npassword = "gw-secret"\nroles = ["gateway"]\n'
+    '[[users]]\nname = "alice"\npassword = "alice-pw"\nroles = ["app"]\n'
+    '[[users]]\nname = "bob"\npassword = "bob-pw"\nroles = ["app"]\n'
+    + "".join(_rule("#", p, role) for p in ALL for role in ("gateway", "app"))
+)
+
+
+def _open_gateway(tmp_path: Path, **env: str) -> tuple[CoreProcess, GatewayProcess]:
+    core = start_core(tmp_path, config=OPEN)
+    gateway = start_gateway(tmp_path, core, "mqtt", TRIDENTMQ_MQTT_CORE_USER="gw",
+                            TRIDENTMQ_MQTT_CORE_PASSWORD="gw-secret", **env)  # fmt: skip
+    return core, gateway
+
+
+def _stop(core: CoreProcess, gateway: GatewayProcess) -> None:
+    stop_cleanly(gateway)
+    assert core.stop() == 0
+    assert "Traceback" not in core.log()
+
+
+def test_another_user_can_neither_take_over_nor_discard_a_session(tmp_path: Path, raw: Callable[..., Raw]) -> None:
+    """Issue 22: alice connected with bob's client id and clean start, and bob's queued message was lost."""
+    core, gateway = _open_gateway(tmp_path)
+    topic = f"inbox/{uuid.uuid4().hex[:8]}"
+    bob = Paho(gateway.port, "bob-phone", version=4, clean=False, username="bob", password="bob-pw")
+    assert bob.connect()[1] == 0
+    assert _codes(bob.subscribe(topic, 1)) == [1]
+    publisher = Paho(gateway.port, "publisher", username="alice", password="alice-pw")
+    publisher.connect()
+    # bob is online: alice's CONNECT with his client id must not end his connection
+    assert raw(gateway.port, V311).connect("bob-phone", username="alice", password=b"alice-pw") == \
+        Connack(session_present=False, reason_code=5)  # fmt: skip
+    v5 = raw(gateway.port, V5).connect("bob-phone", username="alice", password=b"alice-pw", clean_start=True)
+    assert isinstance(v5, Connack)
+    assert v5.reason_code == NOT_AUTHORIZED_5
+    publisher.publish(topic, b"while online", 1)
+    assert [m.payload for m in bob.receive(1)] == [b"while online"]
+    assert bob.disconnects.empty()
+    bob.disconnect()
+    publisher.publish(topic, b"queued", 1)
+    # bob is away: alice's clean start must not discard his session and its queued message
+    assert raw(gateway.port, V311).connect("bob-phone", username="alice", password=b"alice-pw") == \
+        Connack(session_present=False, reason_code=5)  # fmt: skip
+    anonymous = raw(gateway.port, V311).connect("bob-phone")  # the core refuses it anyway: users are configured
+    assert isinstance(anonymous, Connack)
+    assert anonymous.reason_code != 0
+    back = Paho(gateway.port, "bob-phone", version=4, clean=False, username="bob", password="bob-pw")
+    assert back.connect()[0] is True  # session present
+    assert [m.payload for m in back.receive(1)] == [b"queued"]
+    back.disconnect()
+    publisher.disconnect()
+    assert "client id belongs to another user" in gateway.log()
+    _stop(core, gateway)
+
+
+def test_with_binding_off_any_user_takes_over_but_wills_stay_their_owners(tmp_path: Path,
+                                                                          raw: Callable[..., Raw]) -> None:  # fmt: skip
+    core, gateway = _open_gateway(tmp_path, TRIDENTMQ_MQTT_MQTT_BIND_SESSIONS_TO_USERS="false")
+    topic = f"status/{uuid.uuid4().hex[:8]}"
+    watcher = Paho(gateway.port, "watcher", username="alice", password="alice-pw")
+    watcher.connect()
+    assert _codes(watcher.subscribe(topic, 1)) == [1]
+    bob = Paho(gateway.port, "bob-sensor", username="bob", password="bob-pw")
+    bob.connect(expiry=300, will=(topic, b"bob is gone", 1, False), will_delay=2)
+    bob.drop()  # his will is pending (2 s) on the core
+    # alice may take over the client id, but cancelling bob's pending will is refused
+    refused = raw(gateway.port, V5).connect("bob-sensor", username="alice", password=b"alice-pw", clean_start=True)
+    assert isinstance(refused, Connack)
+    assert refused.reason_code == NOT_AUTHORIZED_5
+    assert [m.payload for m in watcher.receive(1)] == [b"bob is gone"]  # still published, after its delay
+    # with no will in the way, a takeover by another user is accepted (the binding is off)
+    bob = Paho(gateway.port, "bob-sensor", username="bob", password="bob-pw", clean=False)
+    bob.connect(expiry=300)
+    alice = Paho(gateway.port, "bob-sensor", username="alice", password="alice-pw")
+    assert alice.connect()[1] == 0
+    alice.disconnect()
+    watcher.disconnect()
+    _stop(core, gateway)

@@ -233,3 +233,13 @@ def test_deadlines_stay_small_and_right_under_churn() -> None:
     popped = deadlines.pop_due(10**9)
     assert sorted(popped) == sorted(expected)
     assert [expected[k] for k in popped] == sorted(expected.values())
+
+
+def test_a_passive_create_only_looks(h: Harness, c: Client) -> None:
+    assert ok(c.create_queue("session.p", passive=True, expires_ms=0)) == {"created": False, "exists": False,
+                                                                           "queue": "session.p"}  # fmt: skip
+    assert "session.p" not in h.broker.queues  # nothing was made
+    ok(c.create_queue("session.p", expires_ms=60_000))
+    found = ok(c.create_queue("session.p", passive=True, expires_ms=0))
+    assert (found["created"], found["expires_ms"]) == (False, 60_000)  # and nothing was changed
+    assert gone_at(h, "session.p", step_ms=1000) == BASE_MS + 60_000

@@ -213,6 +213,34 @@ def test_a_will_needs_the_rights_its_publish_would_need() -> None:
     assert bodies(watcher.take(watcher.consumer("status.known"))) == [b"gone"]
 
 
+def test_only_the_user_who_set_a_will_may_replace_cancel_or_publish_it() -> None:
+    grants = [*WILL_GRANTS, PermissionEntry("status.#", "send", ["guest"])]
+    h = Harness(CoreSettings(users=WILL_USERS, permissions=grants))
+    owner, guest = h.connect("o", "owner", "pw"), h.connect("g", "guest", "pw")
+    watcher = h.connect("w", "owner", "pw")
+    ok(watcher.create_queue("status.known"))
+    cid = watcher.consumer("status.known")
+    ok(owner.set_will("k", will("status.known"), delay_ms=60_000))
+    # Held by an open link: another user can neither take the key over nor clear it.
+    assert "another user" in failed(guest.set_will("k", will("status.known", b"forged")), ErrorCode.FORBIDDEN)
+    failed(guest.set_will("k", None, publish_pending=False), ErrorCode.FORBIDDEN)
+    owner.close()
+    # Pending (its delay running): another user can neither cancel it nor publish it early.
+    failed(guest.set_will("k", None, publish_pending=False), ErrorCode.FORBIDDEN)
+    failed(guest.set_will("k", None, publish_pending=True), ErrorCode.FORBIDDEN)
+    assert watcher.take(cid) == []
+    h.tick(BASE_MS + 60_000)
+    assert bodies(watcher.take(cid)) == [b"gone"]  # it went out, untouched
+    # The owner's own later link may cancel its pending will.
+    again = h.connect("o2", "owner", "pw")
+    ok(again.set_will("k", will("status.known", b"second"), delay_ms=60_000))
+    again.close()
+    ok(h.connect("o3", "owner", "pw").set_will("k", None, publish_pending=False))
+    h.tick(BASE_MS + 200_000)
+    assert watcher.take(cid) == []
+    ok(guest.set_will("k", will("status.known", b"guest's")))  # a free key: anyone's
+
+
 def test_a_will_to_an_address_that_may_not_be_created_is_not_found() -> None:
     h = Harness(CoreSettings(address_settings=[AddressSettingsEntry(match="#", auto_create_addresses=False)]))
     c = h.connect()

@@ -107,6 +107,7 @@ class Will:
     message: WireMessage
     delay_ms: int
     conn_id: str  # the link that set it, for the audit trail
+    user: str  # the user of that link: only this user may replace, cancel or publish it early
 
 
 @dataclass(slots=True)
@@ -383,13 +384,24 @@ class Broker:
             raise BrokerError(ErrorCode.INVALID, f"a will key is a string of 1 to {MAX_WILL_KEY} characters")
         if not 0 <= delay_ms <= MAX_TIME_MS:
             raise BrokerError(ErrorCode.INVALID, f"a will's delay_ms is within 0..{MAX_TIME_MS}")
+        owner = self._will_user(key)
+        if owner is not None and owner != session.principal.name:
+            raise BrokerError(ErrorCode.FORBIDDEN, f"the will under key {key!r} belongs to another user")
         if message is not None:
             self._check_will_message(session, message)  # before anything changes: a refusal leaves all as it was
         self._drop_will(session)
         self._end_will(key, publish_pending, now_ms)
         if message is not None:
-            session.will = Will(key, message, delay_ms, session.conn_id)
+            session.will = Will(key, message, delay_ms, session.conn_id, session.principal.name)
             self._will_owners[key] = session
+
+    def _will_user(self, key: str) -> str | None:
+        """The user of the will held or pending under ``key``; None when there is none."""
+        pending = self._pending_wills.get(key)
+        if pending is not None:
+            return pending.user
+        holder = self._will_owners.get(key)
+        return holder.will.user if holder is not None and holder.will is not None else None
 
     def _check_will_message(self, session: Session, message: WireMessage) -> None:
         """Refuse a will its link could not publish now, with the code a REJECT would carry."""
@@ -1387,6 +1399,10 @@ class Broker:
         if expires_ms is not None and (type(expires_ms) is not int or not -1 <= expires_ms <= MAX_TIME_MS):
             raise BrokerError(ErrorCode.INVALID, f"expires_ms is an integer, -1 (never) to {MAX_TIME_MS}")
         existing = self.queues.get(name)
+        if spec.get("passive") is True:  # only look: nothing is created or changed
+            if existing is None:
+                return {"created": False, "exists": False, "queue": name}
+            expires_ms = None
         if existing is not None:
             if existing.address != address or existing.routing_type is not routing:
                 raise BrokerError(ErrorCode.EXISTS, f"queue {name!r} exists on address {existing.address!r} "

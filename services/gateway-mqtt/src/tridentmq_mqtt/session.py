@@ -41,7 +41,7 @@ from tridentmq_mqtt.protocol.errors import LocalProtocolError, RemoteProtocolErr
 from tridentmq_mqtt.protocol.packets import V5, Subscription, Will, encode_topic
 from tridentmq_mqtt.protocol.properties import NO_PROPERTIES, Properties
 from tridentmq_mqtt.settings import MqttSettings
-from tridentmq_mqtt.state import Registry, SessionBusyError, SessionState, StoredSubscription
+from tridentmq_mqtt.state import Registry, SessionBusyError, SessionOwnedError, SessionState, StoredSubscription
 from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.gateway import Wire
 from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError
@@ -156,6 +156,7 @@ class MqttSession:
         self.version = 0
         self.expiry_s = 0  # session expiry interval in force
         self.state = SessionState()
+        self.user = ""  # the user this connection logged in as ("" anonymous)
         self.subs: dict[str, Sub] = {}
         self._lock: Consumer | None = None
         self._holder: Consumer | None = None
@@ -365,7 +366,12 @@ class MqttSession:
         self.link = link
         link.on_closed = self._link_closed
         link.on_settled = self._settled
+        self.user = event.username or ""
         try:
+            if limits.bind_sessions_to_users:
+                # Before the takeover: another user's CONNECT must neither end the owner's connection nor
+                # discard the session (a record kept by another node of a cluster is checked on arrival).
+                self._check_owner(await self.registry.session_owner(client_id))
             self._lock = await self.registry.acquire(client_id, limits.takeover_timeout_ms / 1000)
             previous = await self._open_session(event.clean_start)
             self._will_key = convert.lock_queue(client_id)  # unique per client id, and short
@@ -376,6 +382,12 @@ class MqttSession:
             await link.set_will(self._will_key, will_message, delay_ms=delay_ms, publish_pending=event.clean_start)
         except SessionBusyError as exc:
             self._refuse(rc.SERVER_BUSY, str(exc))
+            return
+        except SessionOwnedError as exc:
+            log.warning("mqtt session refused: its client id belongs to another user",
+                        extra={"peer": self.wire.peer, "client_id": client_id[:60], "user": self.user[:60],
+                               "owner": exc.owner[:60]})  # fmt: skip
+            self._refuse(rc.NOT_AUTHORIZED, "this client id's session belongs to another user")
             return
         except OSError as exc:
             log.warning("core unavailable", extra={"peer": self.wire.peer, "reason": str(exc)})
@@ -416,6 +428,8 @@ class MqttSession:
         this one. Returns the earlier session's record, or None when there was none."""
         registry, client_id = self.registry, self.client_id
         previous = await registry.open_session(client_id, self.expiry_s * 1000, resume=not clean_start)
+        if previous is not None and self.settings.mqtt.bind_sessions_to_users:
+            self._check_owner(previous.user)
         if previous is not None and clean_start:
             await self._discard(previous)
         elif previous is not None:
@@ -423,9 +437,15 @@ class MqttSession:
         if not self.persistent:
             await registry.drop_session(client_id)
             return previous
+        self.state.user = self.user
         self._holder = await registry.hold_session(client_id)
         await registry.save(client_id, self.state)
         return previous
+
+    def _check_owner(self, owner: str | None) -> None:
+        """Refuse the session of another user (a record that names nobody predates the binding)."""
+        if owner is not None and owner != self.user:
+            raise SessionOwnedError(owner)
 
     async def _discard(self, previous: SessionState) -> None:
         """End an earlier session: its subscription queues go (shared ones belong to their group)."""

@@ -83,6 +83,11 @@ class MqttLimitsSection:
                                            "CONNACK, to build its response topics on (it still needs the "
                                            "permissions to use them). Empty = never sent.")  # fmt: skip
     connect_timeout_ms: int = doc(10_000, "A connection that has not sent its CONNECT by then is closed.")
+    bind_sessions_to_users: bool = doc(True, "A persistent session belongs to the user who created it: a "
+                                             "CONNECT of another user with its client id is refused (CONNACK "
+                                             "0x87 not authorized; 5 for 3.1.1) instead of taking the session "
+                                             "over or, with clean start, discarding it. Off: any user may take "
+                                             "over any client id.")  # fmt: skip
     takeover_timeout_ms: int = doc(5_000, "How long a CONNECT waits for an earlier connection of the same client "
                                           "id, on any gateway, to let go of the session.")  # fmt: skip
     pending_packets: int = doc(1000, "Client packets read ahead of processing before the gateway stops reading "

@@ -72,24 +72,37 @@ class SessionState:
     subscriptions: dict[str, StoredSubscription] = field(default_factory=dict)  # by the SUBSCRIBE's filter text
     released_in: dict[int, str] = field(default_factory=dict)  # client's QoS 2 packet id → dedup id, until PUBREL
     released_out: dict[int, int] = field(default_factory=dict)  # our QoS 2 packet id → message id, until PUBCOMP
+    user: str | None = None  # who created the session ("" for an anonymous client); None in older records
 
     def encode(self) -> bytes:
         subs = {text: [s.qos, s.no_local, s.retain_as_published, s.subscription_id]
                 for text, s in self.subscriptions.items()}  # fmt: skip
-        return bytes(msgpack.packb({"v": 1, "subs": subs, "in": self.released_in, "out": self.released_out},
-                                   strict_types=True))  # fmt: skip
+        record: dict[str, Any] = {"v": 1, "subs": subs, "in": self.released_in, "out": self.released_out}
+        if self.user is not None:
+            record["user"] = self.user
+        return bytes(msgpack.packb(record, strict_types=True))
 
     @classmethod
     def decode(cls, data: bytes) -> SessionState:
         record = msgpack.unpackb(data, strict_map_key=False)
         subs = {str(text): StoredSubscription(int(q), bool(nl), bool(rap), sid if type(sid) is int else None)
                 for text, (q, nl, rap, sid) in record.get("subs", {}).items()}  # fmt: skip
+        user = record.get("user")
         return cls(subs, {int(k): str(v) for k, v in record.get("in", {}).items()},
-                   {int(k): int(v) for k, v in record.get("out", {}).items()})  # fmt: skip
+                   {int(k): int(v) for k, v in record.get("out", {}).items()},
+                   user if type(user) is str else None)  # fmt: skip
 
 
 class SessionBusyError(Exception):
     """Another connection kept the session past the takeover timeout."""
+
+
+class SessionOwnedError(Exception):
+    """The session belongs to another user (``mqtt.bind_sessions_to_users``)."""
+
+    def __init__(self, owner: str) -> None:
+        super().__init__(owner)
+        self.owner = owner
 
 
 class Registry:
@@ -201,6 +214,17 @@ class Registry:
             await lock.close()
 
     # ------------------------------------------------------------------ session records
+    async def session_owner(self, client_id: str) -> str | None:
+        """The user who created ``client_id``'s persistent session on this node, looked up without creating
+        or changing anything; None when there is no such session here (or its record names nobody)."""
+        link = await self.link()
+        found = await link.create_queue(convert.session_queue(client_id), routing_type=RoutingType.ANYCAST,
+                                        durable=True, passive=True)  # fmt: skip
+        if found.get("exists") is False:
+            return None
+        state = await self._read_session(link, client_id, or_empty=False)
+        return state.user if state is not None else None
+
     async def open_session(self, client_id: str, expiry_ms: int, *, resume: bool = True) -> SessionState | None:
         """Create or find the session queue of a persistent session; the record of an earlier session, if any.
         The queue's expiry is set to ``expiry_ms`` (counted once no connection holds it). With ``resume``, a

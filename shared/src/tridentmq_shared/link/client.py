@@ -846,6 +846,8 @@ class LinkClient:
         spec = {"name": name, "address": address or name, "routing_type": int(routing_type), "durable": durable,
                 **options}  # fmt: skip
         result = dict(await self._request(lambda conn: conn.create_queue(spec)))
+        if options.get("passive"):
+            return result  # a look made nothing to make again
         # Kept to make the queue again on another node after a failover (a temporary one, or a consumer's).
         self._queue_specs[name] = spec
         self._queue_specs.move_to_end(name)
