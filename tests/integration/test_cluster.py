@@ -422,6 +422,10 @@ async def test_joins_of_another_cluster_or_max_hops_and_a_bindings_flood_are_ref
     first = start_node(tmp_path, "node-0", max_bindings="5")
     stranger = start_core(tmp_path, "stranger", **{**cluster_env([first]), "TRIDENTMQ_CORE_CLUSTER_NAME": "other"})
     mismatched = start_core(tmp_path, "hops", **cluster_env([first], max_hops="3"))
+    # A node that takes smaller messages could not hold what the others forward to it.
+    sized = start_core(
+        tmp_path, "sized", **{**cluster_env([first]), "TRIDENTMQ_CORE_BROKER_MAX_MESSAGE_BYTES": "4194304"}
+    )
     second = start_node(tmp_path, "node-1", [first], max_bindings="5")
     wait_converged([first, second])
     async with client(second) as c2:
@@ -433,7 +437,9 @@ async def test_joins_of_another_cluster_or_max_hops_and_a_bindings_flood_are_ref
     assert "join refused" in stranger.log()
     assert "max_hops 3 differs" in first.log()
     assert "join refused" in mismatched.log()
-    stop_all([first, stranger, second, mismatched])
+    wait_until(lambda: "join refused" in sized.log(), what="the node of another message size to be refused")
+    assert "broker.max_message_bytes 4194304 differs from this node's (8388608)" in first.log()
+    stop_all([first, stranger, second, mismatched, sized])
 
 
 async def test_creating_a_queue_that_other_nodes_hold_says_where(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from tridentmq_shared.link.codec import (
     DEFAULT_HEARTBEAT_MS,
     DEFAULT_MAX_FRAME_SIZE,
     DEFAULT_MAX_OPS_PER_FRAME,
+    DELIVERY_HEADROOM,
     FRAME_OPERATIONS,
     HEARTBEAT_TIMEOUT_FACTOR,
     MAX_CREDIT,
@@ -1537,16 +1538,20 @@ def test_client_splits_publishes_to_the_server_limit() -> None:
 
 
 def test_one_operation_larger_than_the_peer_limit_is_a_local_error() -> None:
-    client, server = open_pair(client_kw={"max_frame_size": MIN_FRAME_SIZE})
+    """Larger than what the client announced and than the server's own limit plus the delivery headroom."""
+    client, server = open_pair(
+        client_kw={"max_frame_size": MIN_FRAME_SIZE}, server_kw={"max_frame_size": MIN_FRAME_SIZE}
+    )
     _, cid = client.subscribe("q", 10)
     pump(client, server)
-    server.deliver(cid, 0, message(body=b"x" * MIN_FRAME_SIZE))
+    too_large = MIN_FRAME_SIZE + DELIVERY_HEADROOM
+    server.deliver(cid, 0, message(body=b"x" * too_large))
     with pytest.raises(LocalProtocolError) as info:
         server.data_to_send()
     assert info.value.code == ErrorCode.FRAME_TOO_LARGE
     # the same single operation in a batch of small ones
     server.deliver(cid, 0, message())
-    server.deliver(cid, 0, message(body=b"x" * MIN_FRAME_SIZE))
+    server.deliver(cid, 0, message(body=b"x" * too_large))
     server.deliver(cid, 0, message())
     with pytest.raises(LocalProtocolError):
         server.data_to_send()
@@ -2047,3 +2052,49 @@ def test_default_limits() -> None:
     assert DEFAULT_MAX_FRAME_SIZE == 16 * 1024 * 1024
     assert MIN_FRAME_SIZE == 64 * 1024
     assert HEARTBEAT_TIMEOUT_FACTOR == 4
+
+
+# ---------------------------------------------------------------------------------------------- derived limits
+def _deliver_one(server: LinkConnection, client: LinkConnection, body: bytes) -> list[ev.Event]:
+    client.subscribe("q", 1)
+    pump(client, server)
+    server.deliver(1, 1, message(body=body))
+    return pump(server, client)
+
+
+def test_a_client_takes_deliveries_as_large_as_the_servers_own_limit() -> None:
+    """Whatever the server accepted in a publish (its frame limit) it can deliver, whatever the client
+    announced: the client's limit follows the server's from the WELCOME on (version 2)."""
+    big = 4 * MIN_FRAME_SIZE
+    client, server = open_pair(client_kw={"max_frame_size": MIN_FRAME_SIZE}, server_kw={"max_frame_size": big})
+    assert client.max_frame_size == big + DELIVERY_HEADROOM
+    assert client.max_publish_body == big // 2  # a small limit: half of it for the body
+    [deliveries] = _deliver_one(server, client, b"x" * (big - 1024))
+    assert isinstance(deliveries, ev.Deliveries)
+    assert len(deliveries.ops[0][3][M_BODY]) == big - 1024
+    # Several operations still travel in frames of the size the client announced.
+    client.flow(1, 3)
+    pump(client, server)
+    for _ in range(3):
+        server.deliver(1, 1, message(body=b"y" * (MIN_FRAME_SIZE // 2)))
+    frames = split_frames(server.data_to_send())
+    assert len(frames) == 3
+    assert all(len(p) <= MIN_FRAME_SIZE for p in frames)
+
+
+def test_a_version_1_client_keeps_the_limit_it_announced() -> None:
+    big = 4 * MIN_FRAME_SIZE
+    client, server = open_pair(client_kw={"max_frame_size": MIN_FRAME_SIZE, "versions": (1,)},
+                               server_kw={"max_frame_size": big})  # fmt: skip
+    assert client.max_frame_size == MIN_FRAME_SIZE
+    client.subscribe("q", 1)
+    pump(client, server)
+    server.deliver(1, 1, message(body=b"x" * (2 * MIN_FRAME_SIZE)))
+    with pytest.raises(LocalProtocolError) as too_large:
+        server.data_to_send()
+    assert too_large.value.code == ErrorCode.FRAME_TOO_LARGE
+
+
+def test_the_publish_body_limit_leaves_room_for_the_headers() -> None:
+    client, _ = open_pair(server_kw={"max_frame_size": 32 * 1024 * 1024})
+    assert client.max_publish_body == 31 * 1024 * 1024

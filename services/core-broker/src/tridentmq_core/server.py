@@ -57,6 +57,7 @@ from tridentmq_shared.link.codec import (
     BYTE_CREDIT_VERSION,
     MIN_FRAME_SIZE,
     MIN_HANDSHAKE_FRAME_SIZE,
+    PUBLISH_HEADROOM,
     LinkConnection,
     Role,
 )
@@ -77,6 +78,29 @@ def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+#: The derived link frame limit is never below this (the limit of version 1 peers, and the old default).
+DEFAULT_LINK_FRAME_BYTES = 16 * 1024 * 1024
+
+
+def link_frame_bytes(settings: CoreSettings) -> int:
+    """The node's link frame limit: ``link.max_frame_bytes``, or derived from ``broker.max_message_bytes`` when
+    that is 0, so that a message of the largest body accepted fits in a frame with its headers. A limit set by
+    hand that leaves no such room is refused: the node would accept messages it cannot pass on."""
+    max_message = settings.broker.max_message_bytes
+    if max_message <= 0:
+        raise SettingsError("broker.max_message_bytes must be positive")
+    needed = max_message + PUBLISH_HEADROOM
+    configured = settings.link.max_frame_bytes
+    if configured == 0:
+        return max(needed, DEFAULT_LINK_FRAME_BYTES)
+    if configured < max(needed, MIN_FRAME_SIZE):
+        raise SettingsError(
+            f"link.max_frame_bytes = {configured} cannot carry a message of broker.max_message_bytes "
+            f"= {max_message} with its headers: set it to at least {needed}, or to 0 to derive it"
+        )
+    return configured
+
+
 class LinkProtocol(asyncio.Protocol):
     """One link connection: bytes → codec → broker."""
 
@@ -84,7 +108,7 @@ class LinkProtocol(asyncio.Protocol):
         self.node = node
         # One property more than clients may send: a message forwarded by another node carries its header.
         link = node.settings.link
-        self.conn = LinkConnection(Role.SERVER, max_frame_size=link.max_frame_bytes, heartbeat_ms=link.heartbeat_ms,
+        self.conn = LinkConnection(Role.SERVER, max_frame_size=node.link_frame_bytes, heartbeat_ms=link.heartbeat_ms,
                                    max_properties=MAX_PROPERTIES + 1,
                                    handshake_frame_size=link.handshake_max_frame_bytes)  # fmt: skip
         self.session: Session | None = None
@@ -207,9 +231,8 @@ class CoreNode:
         self._flush_soon = self.supervisor.guard("flush", self._flush)
         self._in_loop_soon = self.supervisor.guard("journal callback", self._in_loop)
         self.ports_file = ports_file
-        if settings.link.max_frame_bytes < MIN_FRAME_SIZE:
-            raise SettingsError(f"link.max_frame_bytes must be at least {MIN_FRAME_SIZE}")
-        if not MIN_HANDSHAKE_FRAME_SIZE <= settings.link.handshake_max_frame_bytes <= settings.link.max_frame_bytes:
+        self.link_frame_bytes = link_frame_bytes(settings)
+        if not MIN_HANDSHAKE_FRAME_SIZE <= settings.link.handshake_max_frame_bytes <= self.link_frame_bytes:
             raise SettingsError(f"link.handshake_max_frame_bytes must be between {MIN_HANDSHAKE_FRAME_SIZE} and "
                                 "link.max_frame_bytes")  # fmt: skip
         if settings.link.max_handshaking < 1:

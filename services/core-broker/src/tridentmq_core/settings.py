@@ -23,7 +23,9 @@ class LinkSection:
     host: str = doc("0.0.0.0", "Interface of the internal link listener (gateways and tools connect here).")
     port: int = doc(61616, "Port of the internal link listener (0 = any free port, written to the ports file).")
     heartbeat_ms: int = doc(250, "Heartbeat interval offered to peers; a peer silent for 4 intervals is dead.")
-    max_frame_bytes: int = doc(16 * 1024 * 1024, "Largest link frame accepted.")
+    max_frame_bytes: int = doc(0, "Largest link frame accepted; 0 derives it from `broker.max_message_bytes` (that "
+                                  "plus 1 MiB for the rest of a message, at least 16 MiB). A value set must leave "
+                                  "that room: what a node accepts it can frame to every consumer.")  # fmt: skip
     publish_window: int = doc(8192, "Publishes a link may have in flight before the core grants more.")
     publish_window_bytes: int = doc(16 * 1024 * 1024, "… and body bytes (one message may pass it): with "
                                     "`broker.max_memory_bytes`, what bounds the memory producers can fill. A "

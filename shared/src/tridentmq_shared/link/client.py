@@ -26,7 +26,7 @@ from typing import Any, Final, cast
 
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.codec import DEFAULT_HEARTBEAT_MS, LinkConnection, Role, State
-from tridentmq_shared.link.errors import LinkError
+from tridentmq_shared.link.errors import LinkError, LocalProtocolError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.link.topology import Endpoint, LoadBalancing, Topology
 from tridentmq_shared.message import (
@@ -777,7 +777,14 @@ class LinkClient:
         conn, protocol = self._conn, self._protocol
         if conn is None or protocol is None or protocol.transport is None or protocol.transport.is_closing():
             return
-        data = conn.data_to_send()
+        try:
+            data = conn.data_to_send()
+        except LocalProtocolError as exc:  # an operation the server cannot take (a message's huge headers)
+            log.error("link closed: %s", exc.text)  # noqa: TRY400 - not a bug: no traceback helps
+            self._closing = True  # no reconnect: it would send the same operation again
+            self._fail_all(LinkClosedError(exc.code, exc.text))
+            protocol.transport.abort()
+            return
         if data:
             protocol.transport.write(data)
 
@@ -1000,6 +1007,12 @@ class LinkClient:
         return None if conn is None else self._send_on(conn, message, 0)
 
     def _send_on(self, conn: LinkConnection, message: WireMessage, tx_id: int) -> asyncio.Future[None]:
+        if len(message[M_BODY]) > conn.max_publish_body:  # refused here: its frame would break the link
+            refused: asyncio.Future[None] = self._event_loop().create_future()
+            refused.set_exception(LinkRequestError(ErrorCode.RESOURCE_LIMIT, f"message body of "
+                                                   f"{len(message[M_BODY])} bytes exceeds the {conn.max_publish_body} "
+                                                   "the core's link takes"))  # fmt: skip
+            return refused
         if message[M_DURABLE] and message[M_DEDUP] is None and self.reconnect.attempts:
             # Only a link that reconnects sends a message twice; without, the id would cost for nothing.
             message[M_DEDUP] = f"{self._dedup_prefix}{next(self._dedup_seq)}"

@@ -31,6 +31,14 @@ DEFAULT_HEARTBEAT_MS: Final = 250
 #: A peer is declared dead after this many heartbeat intervals of silence.
 HEARTBEAT_TIMEOUT_FACTOR: Final = 4
 MIN_FRAME_SIZE: Final = 64 * 1024
+#: What a delivery may add to the message its publish carried: the operation, the id and timestamp the node
+#: fills in, a cluster node's forwarding header. From version 2 a client accepts frames this much larger than
+#: the server's own limit, and the server sends one operation up to that size whatever the client announced,
+#: so whatever a node accepted in a publish it can deliver.
+DELIVERY_HEADROOM: Final = 64 * 1024
+#: What a message may carry besides its body (fields, properties, the operation) within the server's frame
+#: limit: a client refuses a larger body before sending it (gateways bound headers far below this).
+PUBLISH_HEADROOM: Final = 1024 * 1024
 #: Largest frame a server accepts before the handshake by default: HELLO takes a few hundred bytes.
 DEFAULT_HANDSHAKE_FRAME_SIZE: Final = 64 * 1024
 #: Smallest handshake frame limit: room for HELLO with long names.
@@ -182,6 +190,7 @@ class LinkConnection:
         self.max_properties = max_properties
         self.heartbeat_ms = heartbeat_ms  # our wish until the handshake, the agreed interval after it
         self._peer_max_frame = DEFAULT_MAX_FRAME_SIZE
+        self._peer_max_operation = DEFAULT_MAX_FRAME_SIZE  # the largest frame holding one operation
         self._fields = _FIELDS  # the field table of the agreed version
         self._inbuf = bytearray()
         self._out: list[list[Any] | tuple[Any, ...]] = []
@@ -467,7 +476,9 @@ class LinkConnection:
             self.version = max(common)
             if self.version >= BYTE_CREDIT_VERSION:
                 self._fields = _FIELDS_V2
-            self._peer_max_frame = max_frame
+            self._peer_max_frame = self._peer_max_operation = max_frame
+            if self.version >= BYTE_CREDIT_VERSION:  # the client takes frames up to our limit + the headroom
+                self._peer_max_operation = max(max_frame, self.max_frame_size + DELIVERY_HEADROOM)
             # The server decides whether heartbeats run: a client cannot switch off dead-peer detection
             # by offering 0, it can only ask for a longer interval.
             if self.heartbeat_ms > 0:
@@ -483,7 +494,9 @@ class LinkConnection:
         if version >= BYTE_CREDIT_VERSION:
             self._fields = _FIELDS_V2
         self.publish_bytes = publish_bytes
-        self._peer_max_frame = max_frame
+        self._peer_max_frame = self._peer_max_operation = max_frame
+        if version >= BYTE_CREDIT_VERSION:  # whatever the server accepted in a publish, it can deliver here
+            self.max_frame_size = self._frame_limit = max(self.max_frame_size, max_frame + DELIVERY_HEADROOM)
         self.heartbeat_ms = heartbeat_ms
         self.publish_credit = credit
         self.state = _OPEN
@@ -536,11 +549,18 @@ class LinkConnection:
             return self._frame(ops)
         return b"".join(self._frame(ops[i : i + FRAME_OPERATIONS]) for i in range(0, len(ops), FRAME_OPERATIONS))
 
+    @property
+    def max_publish_body(self) -> int:
+        """The largest message body a publish to this server fits in its frames with room for the rest."""
+        return max(self._peer_max_frame - PUBLISH_HEADROOM, self._peer_max_frame // 2)
+
     def _frame(self, ops: list[list[Any] | tuple[Any, ...]]) -> bytes:
         payload: bytes = self._packer.pack(ops)
         if len(payload) <= self._peer_max_frame and len(ops) <= self.max_ops_per_frame:
             return len(payload).to_bytes(HEADER_SIZE, "big") + payload
         if len(ops) == 1:
+            if len(payload) <= self._peer_max_operation:
+                return len(payload).to_bytes(HEADER_SIZE, "big") + payload
             raise LocalProtocolError(ErrorCode.FRAME_TOO_LARGE, f"one operation of {len(payload)} bytes "
                                      f"exceeds the peer's frame limit {self._peer_max_frame}")  # fmt: skip
         half = len(ops) // 2

@@ -568,7 +568,8 @@ class ClusterManager:
         host, port = self.advertise
         return {"cluster": self.settings.cluster.name, "node_id": self.node_id, "name": self.name, "host": host,
                 "port": port, "management": self.management_port, "epoch": self.epoch,
-                "max_hops": self.settings.cluster.max_hops}  # fmt: skip
+                "max_hops": self.settings.cluster.max_hops,
+                "max_message_bytes": self.settings.broker.max_message_bytes}  # fmt: skip
 
     def fresh(self, node_id: str, epoch: Any) -> bool:
         """Whether ``node_id`` at ``epoch`` may be talked to: no newer copy of it was promised or seen."""
@@ -587,11 +588,15 @@ class ClusterManager:
         if not isinstance(join, dict):
             raise BrokerError(ErrorCode.INVALID, "join is a map")
         cluster = self.settings.cluster
+        max_message = self.settings.broker.max_message_bytes
         problem = None
         if join.get("cluster") != cluster.name:
             problem = f"cluster name {join.get('cluster')!r} is not this cluster's ({cluster.name!r})"
         elif join.get("max_hops") != cluster.max_hops:
             problem = f"max_hops {join.get('max_hops')!r} differs from this node's ({cluster.max_hops})"
+        elif join.get("max_message_bytes", max_message) != max_message:  # a message one accepts another refuses
+            problem = (f"broker.max_message_bytes {join.get('max_message_bytes')!r} differs from this node's "
+                       f"({max_message})")  # fmt: skip
         elif join.get("node_id") == self.node_id:
             problem = f"node id {self.node_id} is this node's own (a copied data directory?)"
         elif not self.fresh(str(join.get("node_id")), join.get("epoch", 1)):
