@@ -398,6 +398,31 @@ def test_bad_credentials_get_an_error(tmp_path: Path) -> None:
         core.stop()
 
 
+def test_a_wildcard_subscription_needs_consume_on_every_address_it_matches(tmp_path: Path) -> None:
+    """The core's rule for every protocol: consume on sensors.* does not cover /topic/sensors.# (issue 22)."""
+    grants = "".join(f'[[permissions]]\nmatch = "{match}"\npermission = "{permission}"\nroles = ["all"]\n'
+                     for match, permission in [("#", "send"), ("#", "createAddress"), ("#", "createNonDurableQueue"),
+                                               ("#", "deleteNonDurableQueue"), ("sensors.*", "consume")])  # fmt: skip
+    core = start_core(tmp_path, config='[[users]]\nname = "app"\npassword = "secret"\nroles = ["all"]\n' + grants)
+    gateway = start_gateway(tmp_path, core)
+    try:
+        conn, listener = connect(gateway)
+        conn.subscribe("/topic/sensors.#", id="deep", ack="auto", headers={"receipt": "deep"})
+        listener.wait(lambda: bool(listener.errors), "an ERROR for the filter reaching sensors.a.b")
+        assert listener.errors[0].headers["message"] == "permission denied"
+        conn, listener = connect(gateway)
+        conn.subscribe("/topic/sensors.*", id="level", ack="auto", headers={"receipt": "level"})
+        listener.wait(lambda: "level" in listener.receipts, "the subscription's receipt")
+        conn.send("/topic/sensors.a.b", "too deep")
+        conn.send("/topic/sensors.a", "one level")
+        assert [m.body for m in listener.wait_messages(1)] == ["one level"]
+        assert not listener.errors
+        conn.disconnect()
+    finally:
+        assert gateway.stop() == 0
+        core.stop()
+
+
 # ---------------------------------------------------------------------------------------------------- raw frames
 def read_until_closed(sock: socket.socket) -> bytes:
     data = b""

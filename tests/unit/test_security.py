@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tridentmq_core import security
 from tridentmq_core.router import pattern_matches
 from tridentmq_core.security import AuthenticationError, Permission, Principal, SecurityManager
 from tridentmq_core.settings import PermissionEntry, UserEntry
@@ -159,3 +160,16 @@ def test_the_decision_agrees_with_every_short_address(rules: list[tuple[str, boo
         assert witness is not None
         assert pattern_matches(address_filter, witness)
         assert not user.allowed(Permission.CONSUME, witness)
+
+
+def test_rules_that_share_no_address_with_the_filter_cost_nothing() -> None:
+    rules = [(f"orders.region{i}.*", False) for i in range(2000)] + [("sensors.#", False), ("sensors.x", True)]
+    user = principal(*rules)
+    assert user.allowed(Permission.CONSUME, "sensors.a.#")
+    assert user.refused_address(Permission.CONSUME, "sensors.*") == "sensors.x"
+
+
+def test_a_filter_too_costly_to_decide_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(security, "MAX_FILTER_WORK", 10)
+    user = principal(("a.#", False), ("a.*.b", False), ("a.*.*.c", False))
+    assert user.refused_address(Permission.CONSUME, "a.#") == "a.#"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -81,8 +81,9 @@ class Principal:
         return address
 
 
-#: Pattern states explored before a filter is refused as too costly to decide (fail closed).
-MAX_FILTER_STATES = 20_000
+#: Pattern steps (one pattern consuming one word) a decision may take before the filter is refused as too
+#: costly to decide (fail closed): a few tenths of a second at most, on a subscribe, once per user and filter.
+MAX_FILTER_WORK = 200_000
 
 
 def refused_by_rules(address_filter: str, allow: Sequence[str], deny: Sequence[str]) -> str | None:
@@ -92,33 +93,49 @@ def refused_by_rules(address_filter: str, allow: Sequence[str], deny: Sequence[s
     Decided exactly on the patterns: every pattern (the filter included) is a small automaton over words
     (``*`` one word, ``#`` any number of words, another word itself), and a breadth-first walk over all of
     them at once, one word at a time, finds the shortest address in the filter that the rules refuse. Words
-    that no pattern names behave alike, so one stand-in word represents them all."""
-    patterns = [p.split(DELIMITER) for p in (address_filter, *allow, *deny)]
+    that no pattern names behave alike, so one stand-in word represents them all. Rules that share no address
+    with the filter are left out first: they cannot change the answer."""
+    filter_words = address_filter.split(DELIMITER)
+    allowing = [w for w in (p.split(DELIMITER) for p in allow) if _search([filter_words, w], _both)]
+    denying = [w for w in (p.split(DELIMITER) for p in deny) if _search([filter_words, w], _both)]
+    allow_end = 1 + len(allowing)
+
+    def refused(accepts: list[bool]) -> bool:
+        return accepts[0] and (not any(accepts[1:allow_end]) or any(accepts[allow_end:]))
+
+    return _search([filter_words, *allowing, *denying], refused, too_costly=address_filter)
+
+
+def _both(accepts: list[bool]) -> bool:
+    return all(accepts)
+
+
+def _search(patterns: list[list[str]], wanted: Callable[[list[bool]], bool], too_costly: str = "") -> str | None:
+    """The shortest address (of one word or more) on which the patterns' matches (``accepts[i]``: pattern
+    ``i`` matches it) are ``wanted``, the first pattern always matching; None when there is none."""
     literals = {w for words in patterns for w in words if w not in (ANY_WORD, ANY_WORDS)}
     other = "x"
     while other in literals:
         other += "x"
     alphabet = [*sorted(literals), other]
-    allow_end = 1 + len(allow)
     start = tuple(_closure(words, frozenset((0,))) for words in patterns)
     seen = {start}
     frontier: list[tuple[tuple[frozenset[int], ...], tuple[str, ...]]] = [(start, ())]
+    work = 0
     while frontier:
         following = []
         for states, path in frontier:
+            work += len(alphabet) * len(patterns)
+            if work > MAX_FILTER_WORK:
+                return too_costly or DELIMITER.join(patterns[0])  # undecided: refused, or counted as overlapping
             for word in alphabet:
-                stepped = tuple(
-                    _step(words, positions, word) for words, positions in zip(patterns, states, strict=True)
-                )
+                stepped = tuple(_step(words, at, word) for words, at in zip(patterns, states, strict=True))
                 if not stepped[0]:
-                    continue  # the filter matches no address starting so
+                    continue  # the first pattern matches no address starting so
                 address = (*path, word)
-                accepts = [len(words) in positions for words, positions in zip(patterns, stepped, strict=True)]
-                if accepts[0] and (not any(accepts[1:allow_end]) or any(accepts[allow_end:])):
+                if wanted([len(words) in at for words, at in zip(patterns, stepped, strict=True)]):
                     return DELIMITER.join(address)
                 if stepped not in seen:
-                    if len(seen) >= MAX_FILTER_STATES:
-                        return address_filter  # too intricate to decide: refused, naming the filter itself
                     seen.add(stepped)
                     following.append((stepped, address))
         frontier = following
