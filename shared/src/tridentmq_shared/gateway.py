@@ -147,6 +147,9 @@ class _TcpWire(asyncio.Protocol):
         if self.session is not None:
             self.session.connection_lost()
             self.shell.sessions.discard(self.session)
+            # The session keeps this wire; a reference back would make a cycle that only the (rarely run)
+            # cyclic collector frees, with everything the session holds.
+            self.session = None
 
     def pause_writing(self) -> None:
         self._writable.clear()

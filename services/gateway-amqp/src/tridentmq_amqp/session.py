@@ -45,6 +45,7 @@ from tridentmq_amqp.protocol.errors import (
     CONNECTION_FORCED,
     DECODE_ERROR,
     DETACH_FORCED,
+    FRAMING_ERROR,
     INTERNAL_ERROR,
     INVALID_FIELD,
     MESSAGE_SIZE,
@@ -227,6 +228,10 @@ class AmqpSession:
             if self.engine is not None:
                 self._close_connection(INTERNAL_ERROR, "the gateway failed to handle this connection")
                 self._flush()
+        except asyncio.CancelledError:
+            # ``_end`` stopped the worker: the session ends here like any other way. Not re-raised, because the
+            # task would keep the exception, whose traceback holds this frame and so the session.
+            pass
         finally:
             await self._shutdown()
 
@@ -397,6 +402,12 @@ class AmqpSession:
                 self.counters.protocol_errors += 1
                 log.info("amqp protocol error", extra={"peer": self.wire.peer, "error": "undecodable frame"})
                 self._close_connection(DECODE_ERROR, "a frame could not be decoded")
+            elif not remote_closed and self.engine.error() is None:
+                # The client ended its stream in the middle of a frame: proton reports an abort only between
+                # frames, and would wait for the rest for ever (until the connect or idle timeout).
+                log.debug("amqp connection aborted", extra={"peer": self.wire.peer})
+                self._close_now(FRAMING_ERROR, "connection aborted in the middle of a frame")
+                self._end()  # the client can send nothing more, its CLOSE neither
         elif kind == lib.PN_TRANSPORT_CLOSED:
             self._flush()
 
@@ -925,6 +936,16 @@ class AmqpSession:
             connection.close()
             self._loop.call_later(CLOSE_GRACE_S, self._end)
 
+    def _close_now(self, condition: str, description: str) -> None:
+        """CLOSE with an error and write it at once (the caller ends the session)."""
+        assert self.engine is not None
+        self._close_connection(condition, description)
+        data = self.engine.data_to_send()
+        if not self.engine.connection.state & (Endpoint.REMOTE_ACTIVE | Endpoint.REMOTE_CLOSED):
+            # proton writes no CLOSE before the client's OPEN: our OPEN, then a CLOSE of our own.
+            data += close_frame(condition, description)
+        self.wire.write(data)
+
     def _link_closed(self, error: LinkRequestError) -> None:
         if not self._closed and self.engine is not None:
             self._close_connection(CONNECTION_FORCED, f"the link to the broker closed: {error.text}")
@@ -950,9 +971,7 @@ class AmqpSession:
                 if loop.time() >= connect_deadline:
                     log.info("amqp connect timeout", extra={"peer": self.wire.peer})
                     if self.engine is not None:
-                        # proton writes no CLOSE before the client's OPEN: our OPEN, then a CLOSE of our own.
-                        self._close_connection(CONNECTION_FORCED, "no OPEN in time")
-                        self.wire.write(self.engine.data_to_send() + close_frame(CONNECTION_FORCED, "no OPEN in time"))
+                        self._close_now(CONNECTION_FORCED, "no OPEN in time")
                     self._end()
                     return
             if self.engine is not None:
@@ -971,7 +990,7 @@ class AmqpSession:
 
     async def _shutdown(self) -> None:
         self._closed = True
-        self._timer.cancel()
+        self._rearm.set()  # the timer task sees ``_closed`` and returns (cancelled, it would keep this session)
         for outbound in self.outbound.values():
             if outbound.pump is not None:
                 outbound.pump.cancel()
@@ -985,6 +1004,11 @@ class AmqpSession:
         self.inbound.clear()
         self.outbound.clear()
         self.coordinators.clear()
+        self._incomplete.clear()
+        self._input.clear()
+        # proton's memory goes now, not whenever what still refers to this session (a timer handle, a task
+        # ending) lets it go: thousands of short connections kept their engines that way.
+        self.engine = None
         self.wire.close()
 
 

@@ -17,6 +17,7 @@ MESSAGE_SIZE: Final = "amqp:link:message-size-exceeded"
 TRANSFER_LIMIT: Final = "amqp:link:transfer-limit-exceeded"
 DETACH_FORCED: Final = "amqp:link:detach-forced"
 CONNECTION_FORCED: Final = "amqp:connection:forced"
+FRAMING_ERROR: Final = "amqp:connection:framing-error"
 TX_UNKNOWN: Final = "amqp:transaction:unknown-id"
 TX_ROLLBACK: Final = "amqp:transaction:rollback"
 
