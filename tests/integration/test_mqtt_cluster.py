@@ -93,6 +93,31 @@ def test_a_persistent_session_resumes_through_a_gateway_on_another_node(
     publisher.disconnect()
 
 
+def test_another_user_cannot_take_a_session_kept_on_another_node(
+        two_sides: tuple[GatewayProcess, GatewayProcess]) -> None:  # fmt: skip
+    """The session's record comes over from node a before its owner can be checked: the newcomer of another
+    user is refused then, and the session stays its owner's, with its queued messages."""
+    left, right = two_sides
+    client_id = f"c-{_id()}"
+    topic = f"inbox/{_id()}"
+    bob = Paho(left.port, client_id, clean=False, username="bob")
+    bob.connect(expiry=300)
+    bob.subscribe(topic, 1)
+    bob.disconnect()
+    wait_until(lambda: cluster_view(NODES[right.port])["remote_bindings"] >= 3, what="node b to learn the session")
+    publisher = Paho(left.port, f"p-{_id()}")
+    publisher.connect()
+    publisher.publish(topic, b"queued", 1)
+    alice = Paho(right.port, client_id, username="alice")  # clean start
+    assert alice.connect(expiry=300)[1] == 0x87  # not authorized
+    alice.disconnect()
+    back = Paho(right.port, client_id, clean=False, username="bob")
+    assert back.connect(expiry=300)[0] is True  # still bob's session
+    assert [m.payload for m in back.receive(1)] == [b"queued"]
+    back.disconnect()
+    publisher.disconnect()
+
+
 def test_link_stealing_across_gateways_on_different_nodes(two_sides: tuple[GatewayProcess, GatewayProcess]) -> None:
     left, right = two_sides
     client_id = f"c-{_id()}"

@@ -427,9 +427,16 @@ class MqttSession:
         """Find the earlier session (the record of a persistent one), end it if ``clean_start``, and set up
         this one. Returns the earlier session's record, or None when there was none."""
         registry, client_id = self.registry, self.client_id
-        previous = await registry.open_session(client_id, self.expiry_s * 1000, resume=not clean_start)
-        if previous is not None and self.settings.mqtt.bind_sessions_to_users:
-            self._check_owner(previous.user)
+        # With sessions bound to users, a clean start also waits for a record kept by another node of the
+        # cluster: its owner must be known before the session is discarded.
+        bound = self.settings.mqtt.bind_sessions_to_users
+        previous = await registry.open_session(client_id, self.expiry_s * 1000, resume=not clean_start or bound)
+        if previous is not None and bound:
+            try:
+                self._check_owner(previous.user)
+            except SessionOwnedError:
+                await registry.let_go(client_id)  # a record fetched from another node is not ours to hold
+                raise
         if previous is not None and clean_start:
             await self._discard(previous)
         elif previous is not None:

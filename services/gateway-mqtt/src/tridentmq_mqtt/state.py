@@ -274,6 +274,13 @@ class Registry:
             log.warning("session record unreadable: starting afresh", extra={"client_id": client_id[:60]})
             return SessionState()
 
+    async def let_go(self, client_id: str) -> None:
+        """Stop holding a session fetched from another node (it was refused): its expiry may run again."""
+        holder = self._holders.pop(client_id, None)
+        if holder is not None and holder.closed is None:
+            with contextlib.suppress(LinkRequestError):
+                await holder.close()
+
     async def hold_session(self, client_id: str) -> Consumer:
         """A consumer on the session queue: while it is there the session does not expire."""
         holder = self._holders.pop(client_id, None)
