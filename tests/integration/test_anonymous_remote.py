@@ -158,7 +158,8 @@ def test_no_users_refuses_remote_clients_of_every_gateway(lab: NetLab, tmp_path:
     log = broker.core_log()
     assert "clients from other hosts, directly or through a gateway, are refused" in log
     refusals = [line for line in log.splitlines() if "link refused" in line]
-    assert len(refusals) == 3, log
+    # The three refusals (one per gateway) come from one client address: said once per window, then counted.
+    assert len(refusals) == 1, log
     assert all(lab.address("remote") in line for line in refusals), refusals
 
 

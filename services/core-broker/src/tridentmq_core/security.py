@@ -10,6 +10,10 @@ wins** over every grant, however specific. A wildcard filter (a subscription to 
 if *every* address it can match is allowed: it is compared with the rules as a pattern, never matched against
 them as if it were a plain address (where ``*`` would match the literal word ``#``). ``Principal.allowed`` is
 cached per address because it sits on the publish path.
+
+Checking a hashed password takes PBKDF2's full cost (~55 ms at 200,000 iterations): ``credentials`` says
+what a login must be checked against, and the node's shell (``tridentmq_core.logins``) runs
+``password_matches`` off its event loop.
 """
 
 from __future__ import annotations
@@ -166,13 +170,30 @@ def _closure(words: list[str], positions: frozenset[int]) -> frozenset[int]:
     return frozenset(found)
 
 
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    """What a login's password is checked against, and who it makes the client when it matches."""
+
+    stored: str  # the stored password: plain or ``pbkdf2_sha256$…``
+    principal: Callable[[], Principal] | None  # None: no such user (the check runs all the same)
+    refusal: str = "unknown user or wrong password"  # what the client is told when it does not match
+
+    @property
+    def hashed(self) -> bool:
+        return is_hashed(self.stored)
+
+
+def is_hashed(stored: str) -> bool:
+    return stored.startswith("pbkdf2_sha256$")
+
+
 def hash_password(password: str, *, salt: bytes, iterations: int = 200_000) -> str:
     digest = hashlib.pbkdf2_hmac("sha256", password.encode(), salt, iterations)
     return f"pbkdf2_sha256${iterations}${salt.hex()}${digest.hex()}"
 
 
 def password_matches(stored: str, given: str) -> bool:
-    if stored.startswith("pbkdf2_sha256$"):
+    if is_hashed(stored):
         try:
             _, iterations, salt, expected = stored.split("$")
             digest = hashlib.pbkdf2_hmac("sha256", given.encode(), bytes.fromhex(salt), int(iterations))
@@ -199,14 +220,19 @@ class SecurityManager:
         self._users = {u.name: u for u in users}
         self._grants = tuple(grants)
         self.allow_anonymous_remote = allow_anonymous_remote
+        # An unknown user's password is checked against a hash as costly as the dearest configured one, so
+        # the time to a refusal does not tell which user names exist. It matches no password.
+        iterations = max((int(u.password.split("$")[1]) for u in users if _valid_hash(u.password)), default=0)
+        self._no_user = f"pbkdf2_sha256${iterations}${'00' * 16}${'00' * 32}" if iterations else "\x00no user"
 
     @property
     def embedded_default(self) -> bool:
         return not self._users
 
-    def authenticate(self, user: str | None, password: str | None, peer_host: str | None,
-                     client_host: str | None = None) -> Principal:  # fmt: skip
-        """``peer_host`` is the link's peer; ``client_host`` the gateway's client the link serves, if any."""
+    def credentials(self, user: str | None, peer_host: str | None, client_host: str | None = None
+                    ) -> Principal | Credentials:  # fmt: skip
+        """A principal at once (the embedded default), or what the password must be checked against.
+        ``peer_host`` is the link's peer; ``client_host`` the gateway's client the link serves, if any."""
         if self.embedded_default:
             remote = not is_loopback(peer_host) or (client_host is not None and not is_loopback(client_host))
             if remote and not self.allow_anonymous_remote:
@@ -214,6 +240,22 @@ class SecurityManager:
                                           "(loopback) are accepted")  # fmt: skip
             return Principal(user or "anonymous", frozenset(), unrestricted=True)
         entry = self._users.get(user or "")
-        if entry is None or not password_matches(entry.password, password or ""):
-            raise AuthenticationError("unknown user or wrong password")
-        return Principal(entry.name, frozenset(entry.roles), unrestricted=False, _grants=self._grants)
+        if entry is None:
+            return Credentials(self._no_user, None)
+        name, roles, grants = entry.name, frozenset(entry.roles), self._grants
+        return Credentials(entry.password, lambda: Principal(name, roles, unrestricted=False, _grants=grants))
+
+    def authenticate(self, user: str | None, password: str | None, peer_host: str | None,
+                     client_host: str | None = None) -> Principal:  # fmt: skip
+        """Everything in one call, the password check included (tests and tools; the node checks off-loop)."""
+        found = self.credentials(user, peer_host, client_host)
+        if isinstance(found, Principal):
+            return found
+        if found.principal is None or not password_matches(found.stored, password or ""):
+            raise AuthenticationError(found.refusal)
+        return found.principal()
+
+
+def _valid_hash(stored: str) -> bool:
+    parts = stored.split("$")
+    return is_hashed(stored) and len(parts) == 4 and parts[1].isdigit()

@@ -16,7 +16,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, cast
 
@@ -42,8 +42,9 @@ from tridentmq_core.ha.manager import (
 from tridentmq_core.ha.network_check import NetworkCheck, NetworkHealth, Reachability, parse_targets
 from tridentmq_core.ha.shared_store import SharedStore, journal_for_epoch
 from tridentmq_core.log_window import LogWindow
+from tridentmq_core.logins import LoginGuard
 from tridentmq_core.management.app import NodeStatus, QueueRates, create_app
-from tridentmq_core.security import AuthenticationError, Principal, SecurityManager, password_matches
+from tridentmq_core.security import AuthenticationError, Credentials, Principal, SecurityManager
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.data_lock import DataDirectoryLock
 from tridentmq_core.store.identity import NodeIdentity
@@ -116,6 +117,7 @@ class LinkProtocol(asyncio.Protocol):
         self.peer = "?"
         self.conn_id = uuid.uuid4().hex[:12]
         self.opened = time.monotonic()
+        self._login: asyncio.Task[None] | None = None  # a password check in progress
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
@@ -163,31 +165,63 @@ class LinkProtocol(asyncio.Protocol):
                 self.close_transport()
                 return
             if not self.node.serving:
-                self.conn.refuse(ErrorCode.NOT_ACTIVE, self.node.not_serving_reason())
-                self.write_pending()
-                self.close_transport()
+                self._refuse(ErrorCode.NOT_ACTIVE, self.node.not_serving_reason())
                 return
+            logins = self.node.logins
             try:
-                principal = self.node.authenticate(event.user, event.password, self.peer, event.client_host)
+                found = self.node.credentials(event.user, self.peer, event.client_host)
             except AuthenticationError as exc:
-                log.warning("link refused", extra={"peer": self.peer, "client_host": event.client_host,
-                                                   "user": event.user, "reason": str(exc)})  # fmt: skip
-                self.conn.refuse(ErrorCode.UNAUTHENTICATED, str(exc))
-                self.write_pending()
-                self.close_transport()
+                refusal = logins.refuse(self.peer, event.user, str(exc), event.client_host)
+                task = asyncio.get_running_loop().create_task(self._refuse_after(refusal, str(exc)))
+                self._login = self.node.supervisor.watch(task, "login refusal")
                 return
-            link = self.node.settings.link
-            window = link.publish_window
-            if self.conn.version < BYTE_CREDIT_VERSION:  # no byte credit: the message window alone bounds bytes
-                window = min(window, max(1, link.publish_window_bytes // self.node.settings.broker.max_message_bytes))
-            self.conn.accept(self.node.node_id, self.conn_id, window, time.monotonic(), self.node.identity.epoch,
-                             link.publish_window_bytes)  # fmt: skip
-            self.node.handshaking.discard(self.conn_id)
-            self.session = self.node.broker.open_session(self.conn, self.conn_id, principal, self.peer,
-                                                         event.client_name, _now_ms())  # fmt: skip
-            self.write_pending()
-            log.info("link opened", extra={"conn": self.conn_id, "peer": self.peer, "client": event.client_name,
-                                           "user": principal.name})  # fmt: skip
+            if isinstance(found, Principal):
+                self._open(event, found)
+                return
+            password = event.password or ""
+            if found.principal is not None and logins.known_good(found, event.user or "", password):
+                self._open(event, found.principal())
+                return
+            # PBKDF2, or a refusal after the backoff delay: off the loop, while other links carry on.
+            task = asyncio.get_running_loop().create_task(self._log_in(event, found, password))
+            self._login = self.node.supervisor.watch(task, "login")
+            return
+
+    async def _log_in(self, event: ev.HelloReceived, found: Credentials, password: str) -> None:
+        matched = await self.node.logins.verify(found, event.user or "", password, self.peer, event.client_host)
+        if self.conn.closed or self.transport is None or self.transport.is_closing():
+            return  # gone meanwhile (or timed out)
+        if not self.node.serving:
+            self._refuse(ErrorCode.NOT_ACTIVE, self.node.not_serving_reason())
+        elif matched and found.principal is not None:
+            self._open(event, found.principal())
+        else:
+            self._refuse(ErrorCode.UNAUTHENTICATED, found.refusal)
+
+    async def _refuse_after(self, delay: Coroutine[Any, Any, None], text: str) -> None:
+        await delay
+        if not (self.conn.closed or self.transport is None or self.transport.is_closing()):
+            self._refuse(ErrorCode.UNAUTHENTICATED, text)
+
+    def _refuse(self, code: str, text: str) -> None:
+        self.conn.refuse(code, text)
+        self.write_pending()
+        self.close_transport()
+
+    def _open(self, event: ev.HelloReceived, principal: Principal) -> None:
+        node = self.node
+        link = node.settings.link
+        window = link.publish_window
+        if self.conn.version < BYTE_CREDIT_VERSION:  # no byte credit: the message window alone bounds bytes
+            window = min(window, max(1, link.publish_window_bytes // node.settings.broker.max_message_bytes))
+        self.conn.accept(node.node_id, self.conn_id, window, time.monotonic(), node.identity.epoch,
+                         link.publish_window_bytes)  # fmt: skip
+        node.handshaking.discard(self.conn_id)
+        self.session = node.broker.open_session(self.conn, self.conn_id, principal, self.peer, event.client_name,
+                                                _now_ms())  # fmt: skip
+        self.write_pending()
+        log.info("link opened", extra={"conn": self.conn_id, "peer": self.peer, "client": event.client_name,
+                                       "user": principal.name})  # fmt: skip
 
     def fail(self, exc: LinkError) -> None:
         log.warning("link closed on protocol error", extra={"conn": self.conn_id, "peer": self.peer,
@@ -212,6 +246,9 @@ class LinkProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.node.protocols.pop(self.conn_id, None)
         self.node.handshaking.discard(self.conn_id)
+        if self._login is not None:
+            self._login.cancel()  # its check, if not yet running, never runs
+            self._login = None
         if self.session is not None:
             self.node.broker.close_session(self.session, _now_ms())
             log.info("link closed", extra={"conn": self.conn_id, "peer": self.peer})
@@ -250,6 +287,7 @@ class CoreNode:
         self.node_id = self.identity.node_id
         self.security = SecurityManager(settings.users, settings.permissions,
                                         allow_anonymous_remote=settings.security.allow_anonymous_remote)  # fmt: skip
+        self.logins = LoginGuard(settings.login)
         self.audit: AuditSink = NullAuditSink()  # opened on activation, under the node id it serves as
         # Emptied at start: paged messages are journaled or volatile. Its I/O thread reports to the loop.
         self.pages = PageDirectory(data_dir / "paging", ThreadIO(self._call_in_loop))
@@ -300,16 +338,15 @@ class CoreNode:
         if settings.link.tls:
             client_tls(settings.tls)  # its files are loaded now: a mistake stops the start, not a later link
 
-    def authenticate(self, user: str | None, password: str | None, peer: str,
-                     client_host: str | None = None) -> Principal:  # fmt: skip
+    def credentials(self, user: str | None, peer: str, client_host: str | None = None) -> Principal | Credentials:
         """The cluster user (when the node clusters) is checked against the cluster credentials, every
         other user against the configured users."""
         cluster = self.settings.cluster
         if self.clusters and user == cluster.user:
-            if not password_matches(cluster.password, password or ""):
-                raise AuthenticationError("wrong cluster credentials")
-            return Principal(f"cluster:{user}", frozenset(), unrestricted=True, cluster=True)
-        return self.security.authenticate(user, password, peer, client_host)
+            return Credentials(cluster.password,
+                               lambda: Principal(f"cluster:{user}", frozenset(), unrestricted=True, cluster=True),
+                               "wrong cluster credentials")  # fmt: skip
+        return self.security.credentials(user, peer, client_host)
 
     def _network_check(self) -> NetworkCheck | None:
         settings = self.settings.network_check
@@ -637,8 +674,13 @@ class CoreNode:
             handshake_deadline = mono - self.settings.link.handshake_timeout_ms / 1000
             for protocol in list(self.protocols.values()):
                 if protocol.session is None and protocol.opened < handshake_deadline:
-                    protocol.conn.close(ErrorCode.UNAUTHENTICATED, "no HELLO within the handshake timeout")
-                    protocol.fail(LinkError(ErrorCode.UNAUTHENTICATED, "handshake timeout"))
+                    # Counted, not logged one by one: a login storm leaves many waiting for their check.
+                    if self.refusals.first("handshake-timeout", mono):
+                        log.warning("connection closed: handshake not completed within the timeout (further ones "
+                                    "counted once a minute)", extra={"peer": protocol.peer})  # fmt: skip
+                    protocol.conn.close(ErrorCode.UNAUTHENTICATED, "handshake not completed within the timeout")
+                    protocol.write_pending()
+                    protocol.close_transport()
                     continue
                 try:
                     protocol.conn.handle_timeout(mono)
@@ -652,8 +694,9 @@ class CoreNode:
             self._compact(mono - last_second >= 1.0)
             if mono - last_second >= 1.0:
                 last_second = mono
+                self.logins.tick(mono)
                 for limit, count in self.refusals.ended(mono):
-                    log.warning("connections refused at a limit in the last minute",
+                    log.warning("connections refused or closed at a limit in the last minute",
                                 extra={"limit": limit, "refused": count})  # fmt: skip
                 self._check_disk()
                 self.audit.tick(time.time_ns() // 1000)
@@ -737,6 +780,7 @@ class CoreNode:
             self.journal.close()
         if self.shared is not None and self.active:
             self.shared.release()
+        self.logins.close()
         self.audit.close()
         self.lock.release()
         log.info("core node stopped", extra={"node_id": self.node_id})

@@ -47,6 +47,25 @@ class LinkSection:
 
 
 @dataclass(frozen=True)
+class LoginSection:
+    verify_threads: int = doc(2, "Threads that check hashed passwords (PBKDF2), off the event loop; more checks "
+                                 "wait their turn.")  # fmt: skip
+    cache_entries: int = doc(10_000, "Successful hashed-password checks remembered, so a client reconnecting "
+                                     "with the same credentials skips PBKDF2 (kept in memory as a keyed hash "
+                                     "of user, stored password and password; a changed password or user entry "
+                                     "no longer matches). 0: none.")  # fmt: skip
+    max_pending_per_source: int = doc(4, "Password checks and delayed refusals one client address may have at "
+                                         "once; its further logins wait (a gateway is one address: its "
+                                         "clients share this).")  # fmt: skip
+    failure_delay_ms: int = doc(200, "A failed login is refused after this delay, doubled for each further "
+                                     "failure from the same address within `failure_window_ms`.")  # fmt: skip
+    max_failure_delay_ms: int = doc(5000, "Longest delay of a refusal.")
+    failure_window_ms: int = doc(60_000, "Failures from an address are forgotten after this long without one; "
+                                         "failed logins are logged once per window and address, with a count "
+                                         "at the end of it.")  # fmt: skip
+
+
+@dataclass(frozen=True)
 class JournalSection:
     enabled: bool = doc(True, "Keep durable messages, queues and addresses in the journal (off: memory only).")
     directory: str = doc("", "Where the journal segments go; empty means `<data_dir>/journal`.")
@@ -266,6 +285,8 @@ class AddressSettingsEntry:
 class CoreSettings:
     node: NodeSection = doc(NodeSection(), "This node.")
     link: LinkSection = doc(LinkSection(), "The internal link listener.")
+    login: LoginSection = doc(LoginSection(), "Password checks of link logins (HELLO), off the event loop, "
+                                              "with a cache and a per-address backoff.")  # fmt: skip
     journal: JournalSection = doc(JournalSection(), "The durable journal.")
     management: ManagementSection = doc(ManagementSection(), "Management HTTP server.")
     audit: AuditSection = doc(AuditSection(), "The audit stream.")
