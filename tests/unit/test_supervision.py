@@ -13,7 +13,7 @@ import pytest
 
 from tridentmq_core.server import CoreNode
 from tridentmq_core.settings import CoreSettings, LinkSection, ManagementSection, NodeSection
-from tridentmq_shared.supervision import Supervisor
+from tridentmq_shared.supervision import Supervisor, end_on_failure
 
 
 class Boom(RuntimeError):
@@ -128,3 +128,23 @@ async def test_a_core_whose_tick_fails_is_no_longer_ready(tmp_path: Path, caplog
         assert tracebacks(caplog)
     finally:
         await node.stop()
+
+
+async def test_a_failed_connection_task_is_logged_and_ends_its_connection(caplog: pytest.LogCaptureFixture) -> None:
+    ended: list[str] = []
+
+    async def pump() -> None:
+        raise Boom("a delivery the pump could not convert")
+
+    async def quiet() -> None:
+        return
+
+    failing = end_on_failure(asyncio.get_running_loop().create_task(pump(), name="pump"), lambda: ended.append("x"),
+                             "127.0.0.1:5555")  # fmt: skip
+    fine = end_on_failure(asyncio.get_running_loop().create_task(quiet()), lambda: ended.append("y"), "peer")
+    await asyncio.wait({failing, fine})
+    await asyncio.sleep(0)  # done callbacks run in the next turn
+    assert ended == ["x"]
+    [logged] = tracebacks(caplog)
+    assert logged.getMessage() == "connection task failed: the connection is closed"
+    assert logged.__dict__["peer"] == "127.0.0.1:5555"

@@ -146,3 +146,21 @@ def current() -> Supervisor:
 def spawn(coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
     """``create_task`` under the process's supervisor: the task's unhandled exception fails the process."""
     return _current.watch(asyncio.get_running_loop().create_task(coro, name=name), name)
+
+
+def end_on_failure(task: asyncio.Task[Any], end: Callable[[], None], peer: str) -> asyncio.Task[Any]:
+    """A connection's own task (its worker, timers, a subscription's pump): one that fails is logged with its
+    traceback and ends its connection with ``end``, so the client reconnects instead of keeping a session
+    whose task is dead. The process goes on: one connection's bug is not the others'."""
+
+    def ended(done: asyncio.Task[Any]) -> None:
+        if done.cancelled():
+            return
+        exc = done.exception()
+        if exc is not None:
+            log.error("connection task failed: the connection is closed", exc_info=exc,
+                      extra={"task": done.get_name(), "peer": peer})  # fmt: skip
+            end()
+
+    task.add_done_callback(ended)
+    return task

@@ -74,6 +74,7 @@ from tridentmq_shared.message import (
     RoutingType,
     WireMessage,
 )
+from tridentmq_shared.supervision import end_on_failure
 
 log = logging.getLogger("tridentmq.amqp")
 
@@ -145,9 +146,9 @@ class AmqpSession:
         loop = self._loop = asyncio.get_running_loop()
         self._output_scheduled = False
         self._started = loop.time()
-        self._worker = loop.create_task(self._work())
+        self._worker = end_on_failure(loop.create_task(self._work(), name="amqp worker"), self._end, wire.peer)
         self._rearm = asyncio.Event()
-        self._timer = loop.create_task(self._timers())
+        self._timer = end_on_failure(loop.create_task(self._timers(), name="amqp timers"), self._end, wire.peer)
         counters.connections_total += 1
 
     # ------------------------------------------------------------------ input from the client
@@ -532,7 +533,8 @@ class AmqpSession:
                             durable=subscription and durable, temporary=temporary, shared=shared,
                             address=node.address)  # fmt: skip
         self.outbound[pn_link] = outbound
-        outbound.pump = asyncio.get_running_loop().create_task(self._pump(outbound))
+        outbound.pump = end_on_failure(asyncio.get_running_loop().create_task(self._pump(outbound), name="amqp pump"),
+                                       self._end, self.wire.peer)  # fmt: skip
 
     async def _subscription_queue(self, queue: str, address: str, *, durable: bool, selector: str | None) -> None:
         """A subscription queue on a multicast address. A durable one that exists is kept unless its address or

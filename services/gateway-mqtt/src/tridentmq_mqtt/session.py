@@ -56,6 +56,7 @@ from tridentmq_shared.message import (
     RoutingType,
     WireMessage,
 )
+from tridentmq_shared.supervision import end_on_failure
 
 log = logging.getLogger("tridentmq.mqtt")
 
@@ -181,9 +182,9 @@ class MqttSession:
         self._watcher: asyncio.Task[None] | None = None
         loop = asyncio.get_running_loop()
         self._loop = loop
-        self._worker = loop.create_task(self._work())
+        self._worker = end_on_failure(loop.create_task(self._work(), name="mqtt worker"), self._end, wire.peer)
         self._rearm = asyncio.Event()
-        self._timer = loop.create_task(self._timers())
+        self._timer = end_on_failure(loop.create_task(self._timers(), name="mqtt timers"), self._end, wire.peer)
         counters.connections_total += 1
 
     @property
@@ -420,7 +421,8 @@ class MqttSession:
                          assigned_client_id=assigned, server_keep_alive=keep_alive, properties=granted)  # fmt: skip
         self._connected = True
         self._rearm.set()
-        self._watcher = self._loop.create_task(self._watch_lock(self._lock))
+        self._watcher = end_on_failure(self._loop.create_task(self._watch_lock(self._lock), name="mqtt session lock"),
+                                       self._end, self.wire.peer)  # fmt: skip
         await self._resume()
 
     async def _open_session(self, clean_start: bool) -> SessionState | None:
@@ -706,7 +708,7 @@ class MqttSession:
                   dollar_safe=topic_filter[:1] in ("+", "#"), solo=fannable, auto_ack=fannable)  # fmt: skip
         if fannable:
             self.feeds.solo_opened(link.user, topic_filter)
-        sub.pump = self._loop.create_task(self._pump(sub))
+        sub.pump = end_on_failure(self._loop.create_task(self._pump(sub), name="mqtt pump"), self._end, self.wire.peer)
         self.subs[text] = sub
         return sub
 

@@ -28,6 +28,7 @@ from tridentmq_shared.gateway import Wire
 from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import M_ID, RoutingType
+from tridentmq_shared.supervision import end_on_failure
 from tridentmq_stomp import convert
 from tridentmq_stomp.convert import TEMP_QUEUE_PREFIX
 from tridentmq_stomp.protocol import events as ev
@@ -100,9 +101,9 @@ class StompSession:
         self._receipts: deque[tuple[asyncio.Future[None] | None, str | None]] = deque()
         self._closed = False
         loop = asyncio.get_running_loop()
-        self._worker = loop.create_task(self._work())
+        self._worker = end_on_failure(loop.create_task(self._work(), name="stomp worker"), self._end, wire.peer)
         self._rearm = asyncio.Event()  # the codec's next deadline changed (it connected)
-        self._timer = loop.create_task(self._timers())
+        self._timer = end_on_failure(loop.create_task(self._timers(), name="stomp timers"), self._end, wire.peer)
         counters.connections_total += 1
 
     # ------------------------------------------------------------------ input from the client
@@ -307,7 +308,8 @@ class StompSession:
         shown = event.destination if event.destination.startswith(convert.TEMP_QUEUE_PREFIX) else None
         subscription = Subscription(event.id, next(self._keys), event.destination, queue, event.ack, consumer,
                                     temporary, shown)  # fmt: skip
-        subscription.pump = asyncio.get_running_loop().create_task(self._pump(subscription))
+        pump = asyncio.get_running_loop().create_task(self._pump(subscription), name="stomp pump")
+        subscription.pump = end_on_failure(pump, self._end, self.wire.peer)
         self.subscriptions[event.id] = subscription
 
     async def _unsubscribe(self, event: ev.Unsubscribe) -> None:
