@@ -154,6 +154,10 @@ class LinkProtocol(asyncio.Protocol):
         else:
             self.node.broker.handle(self.session, events, _now_ms())
         self.node.schedule_flush()
+        if self.conn.closed and self.transport is not None:
+            # The client sent CLOSE: end the connection once this batch's output is written (over TCP the
+            # client's half-close would end it too; TLS has none).
+            asyncio.get_running_loop().call_soon(self.close_transport)
 
     def _handshake(self, events: list[ev.Event]) -> None:
         for event in events:

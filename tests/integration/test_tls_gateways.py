@@ -1,0 +1,175 @@
+"""TLS on the gateways: STOMP, MQTT and AMQP over TLS and over WebSocket over TLS, HTTPS health, each
+gateway's link to a TLS-only core with mutual TLS, and client certificates on the gateways' listeners.
+Real clients throughout: stomp.py, paho-mqtt, python-qpid-proton, aiohttp, urllib."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import stomp
+from proton import Message as AmqpMessage
+from proton import SSLDomain
+from proton.utils import BlockingConnection
+from tests.conftest import CoreProcess, GatewayProcess, start_core, start_gateway, stop_cleanly
+from tests.integration.mqtt_clients import Paho
+from tests.integration.test_stomp_gateway import Listener
+from tests.tls_certs import Certificates, Pair
+
+pytestmark = pytest.mark.integration
+
+WAIT = 10.0
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
+    return Certificates.make(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture
+def tls_core(tmp_path: Path, certs: Certificates) -> Iterator[CoreProcess]:
+    """A core whose link is TLS only and asks every link for a trusted client certificate."""
+    node = start_core(tmp_path, TRIDENTMQ_CORE_LINK_TLS="true", TRIDENTMQ_CORE_TLS_CERT_FILE=str(certs.server.cert),
+                      TRIDENTMQ_CORE_TLS_KEY_FILE=str(certs.server.key), TRIDENTMQ_CORE_TLS_CA_FILE=str(certs.ca),
+                      TRIDENTMQ_CORE_TLS_CLIENT_CERTS="required")  # fmt: skip
+    yield node
+    assert node.stop() == 0, node.log()
+    assert "Traceback" not in node.log(), node.log()
+
+
+def tls_gateway(tmp_path: Path, core: CoreProcess, kind: str, certs: Certificates, client_certs: str = "none",
+                **env: str) -> GatewayProcess:  # fmt: skip
+    prefix = f"TRIDENTMQ_{kind.upper()}"
+    settings = {
+        "LISTENER_TLS_PORT": "0", "LISTENER_WEBSOCKET_TLS_PORT": "0", "HTTP_TLS": "true", "CORE_TLS": "true",
+        # Its certificate serves its listeners and is its client certificate towards the core.
+        "TLS_CERT_FILE": str(certs.server.cert), "TLS_KEY_FILE": str(certs.server.key),
+        "TLS_CA_FILE": str(certs.ca), "TLS_CLIENT_CERTS": client_certs,
+    }  # fmt: skip
+    return start_gateway(tmp_path, core, kind, **{f"{prefix}_{k}": v for k, v in settings.items()}, **env)
+
+
+def client_context(certs: Certificates, client: Pair | None = None) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=str(certs.ca))
+    if client is not None:
+        context.load_cert_chain(str(client.cert), str(client.key))
+    return context
+
+
+def https_ready(gateway: GatewayProcess, certs: Certificates) -> dict[str, object]:
+    url = f"https://127.0.0.1:{gateway.ports['http']}/readyz"
+    with urllib.request.urlopen(url, context=client_context(certs), timeout=WAIT) as response:
+        return dict(json.loads(response.read()))
+
+
+def test_stomp_over_tls_and_wss(tmp_path: Path, tls_core: CoreProcess, certs: Certificates) -> None:
+    gateway = tls_gateway(tmp_path, tls_core, "stomp", certs)
+    try:
+        assert https_ready(gateway, certs)["status"] == "ready"
+        port = gateway.ports["stomp_tls"]
+        conn = stomp.Connection12([("127.0.0.1", port)])
+        conn.set_ssl(for_hosts=[("127.0.0.1", port)], ca_certs=str(certs.ca))
+        listener = Listener()
+        conn.set_listener("tls", listener)
+        conn.connect(wait=True)
+        conn.subscribe("/queue/tls", id="s", ack="auto")
+        conn.send("/queue/tls", "over tls", receipt="sent")
+        assert listener.wait_messages(1)[0].body == "over tls"
+        conn.disconnect()
+        ws_port = gateway.ports["websocket_tls"]
+        ws = stomp.WSConnection([("127.0.0.1", ws_port)], ws_path="/stomp")
+        ws.set_ssl(for_hosts=[("127.0.0.1", ws_port)], ca_certs=str(certs.ca))
+        ws_listener = Listener()
+        ws.set_listener("wss", ws_listener)
+        ws.connect(wait=True)
+        ws.subscribe("/queue/wss", id="w", ack="auto")
+        ws.send("/queue/wss", "over wss")
+        assert ws_listener.wait_messages(1)[0].body == "over wss"
+        ws.disconnect()
+    finally:
+        stop_cleanly(gateway)
+
+
+def test_mqtt_over_tls_and_wss(tmp_path: Path, tls_core: CoreProcess, certs: Certificates) -> None:
+    gateway = tls_gateway(tmp_path, tls_core, "mqtt", certs)
+    try:
+        assert https_ready(gateway, certs)["status"] == "ready"
+        subscriber = Paho(gateway.ports["websocket_tls"], "wss-sub", websocket=True)
+        subscriber.client.tls_set(ca_certs=str(certs.ca))
+        subscriber.connect()
+        assert subscriber.subscribe("tls/t", 1) == [1]
+        publisher = Paho(gateway.ports["mqtt_tls"], "tls-pub")
+        publisher.client.tls_set(ca_certs=str(certs.ca))
+        publisher.connect()
+        publisher.publish("tls/t", b"over tls", 1)
+        assert [m.payload for m in subscriber.receive(1)] == [b"over tls"]
+        publisher.disconnect()
+        subscriber.disconnect()
+    finally:
+        stop_cleanly(gateway)
+
+
+def test_amqp_over_amqps_and_wss(tmp_path: Path, tls_core: CoreProcess, certs: Certificates) -> None:
+    gateway = tls_gateway(tmp_path, tls_core, "amqp", certs)
+    try:
+        assert https_ready(gateway, certs)["status"] == "ready"
+        domain = SSLDomain(SSLDomain.MODE_CLIENT)
+        domain.set_trusted_ca_db(str(certs.ca))
+        domain.set_peer_authentication(SSLDomain.VERIFY_PEER_NAME)
+        conn = BlockingConnection(f"amqps://127.0.0.1:{gateway.ports['amqp_tls']}", timeout=WAIT, ssl_domain=domain,
+                                  virtual_host="localhost")  # fmt: skip
+        try:
+            receiver = conn.create_receiver("tls.amqp")
+            conn.create_sender("tls.amqp").send(AmqpMessage(body="over amqps"))
+            message = receiver.receive(timeout=WAIT)
+            receiver.accept()
+            assert message.body == "over amqps"
+        finally:
+            conn.close()
+        # AMQP over wss: the gateway answers the SASL protocol header and offers its mechanisms.
+        assert asyncio.run(_amqp_wss_header(gateway.ports["websocket_tls"], certs)).startswith(b"AMQP\x03\x01\x00\x00")
+    finally:
+        stop_cleanly(gateway)
+
+
+async def _amqp_wss_header(port: int, certs: Certificates) -> bytes:
+    url = f"wss://127.0.0.1:{port}/"
+    async with aiohttp.ClientSession() as session, \
+            session.ws_connect(url, protocols=("amqp",), ssl=client_context(certs)) as ws:  # fmt: skip
+        await ws.send_bytes(b"AMQP\x03\x01\x00\x00")
+        received = b""
+        while len(received) <= 8:  # the header, then the sasl-mechanisms frame
+            message = await ws.receive(timeout=WAIT)
+            assert message.type is aiohttp.WSMsgType.BINARY, message
+            received += message.data
+        return received
+
+
+def test_a_listener_requiring_client_certificates_refuses_a_client_without_one(
+    tmp_path: Path, tls_core: CoreProcess, certs: Certificates
+) -> None:
+    gateway = tls_gateway(tmp_path, tls_core, "mqtt", certs, client_certs="required")
+    try:
+        for refused in (None, certs.client("intruder", "other")):
+            client = Paho(gateway.ports["mqtt_tls"], "refused")
+            if refused is None:
+                client.client.tls_set(ca_certs=str(certs.ca))
+            else:
+                client.client.tls_set(ca_certs=str(certs.ca), certfile=str(refused.cert), keyfile=str(refused.key))
+            with pytest.raises((ssl.SSLError, ConnectionError, OSError, AssertionError)):
+                # Refused in the handshake (TLS 1.2), or right after it (TLS 1.3): no CONNACK either way.
+                client.connect()
+            client.client.loop_stop()
+        device = certs.client("device-1")
+        accepted = Paho(gateway.ports["mqtt_tls"], "device-1")
+        accepted.client.tls_set(ca_certs=str(certs.ca), certfile=str(device.cert), keyfile=str(device.key))
+        assert accepted.connect()[1] == 0
+        accepted.disconnect()
+    finally:
+        stop_cleanly(gateway)
