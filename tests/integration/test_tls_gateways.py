@@ -5,7 +5,9 @@ Real clients throughout: stomp.py, paho-mqtt, python-qpid-proton, aiohttp, urlli
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import socket
 import ssl
 import urllib.request
 from collections.abc import Iterator
@@ -96,6 +98,7 @@ def test_stomp_over_tls_and_wss(tmp_path: Path, tls_core: CoreProcess, certs: Ce
         stop_cleanly(gateway)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_mqtt_over_tls_and_wss(tmp_path: Path, tls_core: CoreProcess, certs: Certificates) -> None:
     gateway = tls_gateway(tmp_path, tls_core, "mqtt", certs)
     try:
@@ -111,6 +114,10 @@ def test_mqtt_over_tls_and_wss(tmp_path: Path, tls_core: CoreProcess, certs: Cer
         assert [m.payload for m in subscriber.receive(1)] == [b"over tls"]
         publisher.disconnect()
         subscriber.disconnect()
+        # paho's loop_start makes a loopback socket pair over one it may have made before without closing it;
+        # collect it here (the warning it gives is ignored for this test) rather than at the end of the session.
+        del publisher, subscriber
+        gc.collect()
     finally:
         stop_cleanly(gateway)
 
@@ -151,25 +158,31 @@ async def _amqp_wss_header(port: int, certs: Certificates) -> bytes:
         return received
 
 
+#: An MQTT 3.1.1 CONNECT: clean session, keep-alive 60 s, empty client id.
+CONNECT = b"\x10\x0c\x00\x04MQTT\x04\x02\x00\x3c\x00\x00"
+
+
+def mqtt_connack_over_tls(port: int, context: ssl.SSLContext) -> bytes:
+    """What the gateway answers a CONNECT with over TLS; b"" when the TLS layer refused the client."""
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as raw:
+        try:
+            with context.wrap_socket(raw, server_hostname="localhost") as tls:
+                tls.sendall(CONNECT)
+                return tls.recv(4)
+        except (ssl.SSLError, ConnectionResetError, BrokenPipeError):
+            # Refused in the handshake (TLS 1.2), or just after it (TLS 1.3: the client's side completes
+            # before the server has checked its certificate).
+            return b""
+
+
 def test_a_listener_requiring_client_certificates_refuses_a_client_without_one(
     tmp_path: Path, tls_core: CoreProcess, certs: Certificates
 ) -> None:
     gateway = tls_gateway(tmp_path, tls_core, "mqtt", certs, client_certs="required")
+    port = gateway.ports["mqtt_tls"]
     try:
-        for refused in (None, certs.client("intruder", "other")):
-            client = Paho(gateway.ports["mqtt_tls"], "refused")
-            if refused is None:
-                client.client.tls_set(ca_certs=str(certs.ca))
-            else:
-                client.client.tls_set(ca_certs=str(certs.ca), certfile=str(refused.cert), keyfile=str(refused.key))
-            with pytest.raises((ssl.SSLError, ConnectionError, OSError, AssertionError)):
-                # Refused in the handshake (TLS 1.2), or right after it (TLS 1.3): no CONNACK either way.
-                client.connect()
-            client.client.loop_stop()
-        device = certs.client("device-1")
-        accepted = Paho(gateway.ports["mqtt_tls"], "device-1")
-        accepted.client.tls_set(ca_certs=str(certs.ca), certfile=str(device.cert), keyfile=str(device.key))
-        assert accepted.connect()[1] == 0
-        accepted.disconnect()
+        assert mqtt_connack_over_tls(port, client_context(certs)) == b""
+        assert mqtt_connack_over_tls(port, client_context(certs, certs.client("intruder", "other"))) == b""
+        assert mqtt_connack_over_tls(port, client_context(certs, certs.client("device-1"))) == b"\x20\x02\x00\x00"
     finally:
         stop_cleanly(gateway)
