@@ -5,15 +5,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from tridentmq_core.__main__ import serve
 from tridentmq_core.server import CoreNode
 from tridentmq_core.settings import CoreSettings, LinkSection, ManagementSection, NodeSection
-from tridentmq_shared.supervision import Supervisor, end_on_failure
+from tridentmq_shared.gateway import ClientSession, GatewayShell, ShellConfig, Wire
+from tridentmq_shared.supervision import EXIT_TASK_FAILED, Supervisor, current, end_on_failure, install
 
 
 class Boom(RuntimeError):
@@ -148,3 +151,57 @@ async def test_a_failed_connection_task_is_logged_and_ends_its_connection(caplog
     [logged] = tracebacks(caplog)
     assert logged.getMessage() == "connection task failed: the connection is closed"
     assert logged.__dict__["peer"] == "127.0.0.1:5555"
+
+
+async def test_serve_stops_a_failed_node_cleanly_and_returns_70(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Crash-only: the node's entry point stops it (journal closed, data directory unlocked) and exits 70."""
+    settings = CoreSettings(node=NodeSection(data_dir=tmp_path), link=LinkSection(host="127.0.0.1", port=0),
+                            management=ManagementSection(port=0))  # fmt: skip
+    started = CoreNode.start
+
+    async def start_then_break(node: CoreNode) -> None:
+        await started(node)
+
+        def tick(now_ms: int) -> None:
+            raise Boom(f"tick at {now_ms}")
+
+        monkeypatch.setattr(node.broker, "tick", tick)
+
+    monkeypatch.setattr(CoreNode, "start", start_then_break)
+    previous = current()
+    loop = asyncio.get_running_loop()
+    try:
+        assert await asyncio.wait_for(serve(settings, None), 30) == EXIT_TASK_FAILED
+    finally:
+        install(previous)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    monkeypatch.setattr(CoreNode, "start", started)
+    again = CoreNode(settings, supervisor=Supervisor())  # the lock was released, the journal closed
+    await again.start()
+    await again.stop()
+
+
+async def test_a_gateway_whose_task_failed_is_no_longer_ready() -> None:
+    config = ShellConfig(protocol="stomp", host="127.0.0.1", port=0, websocket_port=-1, max_connections=10,
+                         subprotocols=(), subprotocol_required=False, max_websocket_message=1024, binary_frames=False,
+                         http_enabled=True, http_host="127.0.0.1", http_port=0)  # fmt: skip
+
+    def no_session(wire: Wire) -> ClientSession:
+        raise AssertionError("no client connects in this test")
+
+    supervisor = Supervisor()
+    previous = install(supervisor)
+    shell = GatewayShell(config, no_session, list)
+    await shell.start()
+    try:
+        assert (await asyncio.to_thread(readyz, shell.ports["http"]))[0] == 200
+        supervisor.spawn("core topology", lambda: asyncio.sleep(0, result=1 / 0))
+        reason = await asyncio.wait_for(supervisor.wait_failed(), 10)
+        status, body = await asyncio.to_thread(readyz, shell.ports["http"])
+        assert (status, body) == (503, {"status": "failed", "reason": reason})
+    finally:
+        install(previous)
+        await shell.stop(lambda _: None)
