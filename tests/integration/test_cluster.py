@@ -266,6 +266,37 @@ async def test_a_durable_subscription_on_a_killed_node_gets_what_was_published_w
     stop_all([a, b, restarted])
 
 
+async def test_a_node_restarted_while_another_is_down_learns_its_subscriptions_from_the_others(
+        tmp_path: Path) -> None:  # fmt: skip
+    """Two faults: c is down, then a is killed and restarts (or a backup takes a's place). a never met c in
+    this life; b kept c's durable subscription and tells a, so what a confirms for it waits for c too."""
+    a, b, c = start_cluster(tmp_path, 3)
+    c_id = node_id(c)
+    sent = bodies(100)
+    async with client(c) as cc:
+        await cc.create_queue("news-c", "news", routing_type=RoutingType.MULTICAST, durable=True)
+        await cc.subscribe("news-c", credit=1000)
+        wait_until(lambda: remote_consumers(a, "news-c") == remote_consumers(b, "news-c") == 1,
+                   what="a and b to see the subscriber on c")  # fmt: skip
+        c.process.send_signal(signal.SIGKILL)
+        c.process.wait()
+    wait_until(lambda: c_id not in members(b), what="b to see c down")
+    a.process.send_signal(signal.SIGKILL)
+    a.process.wait()
+    a = start_core(tmp_path, "node-0", **cluster_env([b]))
+    wait_converged([a, b])
+    wait_until(lambda: c_id in cluster_view(a)["unreachable"], what="a to learn c's subscription from b")
+    await publish(a, "news", sent, routing=RoutingType.MULTICAST)
+    c = start_core(tmp_path, "node-2", **cluster_env([b]))
+    wait_converged([a, b, c])
+    async with client(c) as cc:
+        delivered = await take(await cc.subscribe("news-c", credit=1000), len(sent), timeout=20)
+    verdict = check(sent, sent, [], delivered)
+    assert verdict.ok, verdict.report()
+    assert cluster_view(a)["unreachable"] == cluster_view(b)["unreachable"] == {}
+    stop_all([a, b, c])
+
+
 async def test_messages_that_reach_a_returned_node_after_its_subscriber_moved_follow_the_subscriber(
         tmp_path: Path) -> None:  # fmt: skip
     """Issue 21, stuck messages: what waited on a for the killed node c reached c when it returned, while the

@@ -113,6 +113,32 @@ def test_bindings_from_two_routes_keep_the_shortest_and_routing_follows_it() -> 
     assert [x.node_id for x in table.for_queue("orders")] == ["b"]
 
 
+def test_a_node_that_joins_while_another_is_down_learns_its_durable_queues_from_those_that_kept_them() -> None:
+    """b kept c's subscription when c went down, and tells the others (a node that restarts, a backup that
+    takes over); a copy relayed so counts only until c itself reports."""
+    b = RemoteBindings("b", max_hops=1, max_per_node=100)
+    b.replace("c", [wire("c", "sub", consumers=1, durable=True)])
+    b.depart("c")
+    (kept,) = b.kept()
+    relayed = kept.to_wire()
+    assert relayed == ["c", "sub", "orders", 0, None, 0, [], 1, True, False]
+    a = RemoteBindings("a", max_hops=1, max_per_node=100)  # started while c is down: it knows b only
+    a.replace("b", [wire("b", "own"), relayed])
+    assert list(a.kept()) == []  # a relays only what it kept itself: no copy of a copy goes round
+    (learned,) = a.for_queue("sub")
+    assert (learned.node_id, learned.via, learned.reachable, learned.consumers) == ("c", "b", False, 0)
+    assert a.next_hop("c") == "c"  # what is for it waits in c's own store-and-forward queue
+    assert a.unreachable() == {"c": ["sub"]}
+    a.replace("c", [wire("c", "sub", consumers=2, durable=True)])  # c is back, connected to a
+    (live,) = a.for_queue("sub")
+    assert (live.via, live.reachable, live.consumers) == ("c", True, 2)
+    a.replace("c", [])  # c's own word counts, though b still relays the copy it kept
+    assert a.for_queue("sub") == []
+    assert a.unreachable() == {}
+    b.replace("c", [wire("c", "sub", durable=True)])
+    assert list(b.kept()) == []  # c is back at b too: b relays nothing more for it
+
+
 def test_bindings_beyond_max_hops_and_our_own_are_ignored() -> None:
     table = RemoteBindings("me", max_hops=1, max_per_node=100)
     table.replace("b", [wire("b", "q"), wire("c", "q", distance=2), wire("me", "q")])
@@ -133,6 +159,7 @@ def test_a_flood_of_bindings_is_refused_whole() -> None:
     "x", [1] * 8, ["b", "q", "a", 7, None, 1, None, 1], ["b", "q", "a", 0, None, -1, None, 1],
     ["b", "q", "a..b", 0, None, 1, None, 1], ["b", "q", "a", 0, None, 1, [1], 1], ["b", "q", "a", 0, None, 1, None, 0],
     ["b", "q", "a", 0, None, 1, None, 1, 1], ["b", "q", "a", 0, None, 1, None, 1, True, 0],
+    ["b", "q", "a", 0, None, 1, None, 1, False, False],
 ])  # fmt: skip
 def test_a_malformed_binding_is_refused(item: Any) -> None:
     with pytest.raises(BindingError):

@@ -11,6 +11,9 @@ consumers: a durable subscription or queue on a node that is down (or whose pair
 a destination, and messages for it wait in this node's store-and-forward queue for that node. The node's
 next full report (its return, or its backup's takeover under the same id) replaces them; its scale-down
 removes them. Its other queues (non-durable, and what it relayed from further away) go with the connection.
+A node also tells the others what it kept (``kept``), flagged unreachable, so that a node that starts, or a
+backup that takes over, while that node is down learns its durable queues too; such a relayed copy counts
+only while the node it describes is not connected here (its own report is the truth about it).
 """
 
 from __future__ import annotations
@@ -50,8 +53,11 @@ class Binding:
 
     def to_wire(self, distance: int | None = None) -> list[Any]:
         selectors = None if self.selectors is None else list(self.selectors)
-        return [self.node_id, self.queue, self.address, self.routing, self.filter, self.consumers, selectors,
+        wire = [self.node_id, self.queue, self.address, self.routing, self.filter, self.consumers, selectors,
                 self.distance if distance is None else distance, self.durable]  # fmt: skip
+        if not self.reachable:
+            wire.append(False)
+        return wire
 
     def unreachable(self) -> Binding:
         """This binding while its node is down: still a destination, with none of the consumers it had."""
@@ -59,14 +65,16 @@ class Binding:
 
     @staticmethod
     def from_wire(item: Any, via: str) -> Binding:
-        if type(item) is not list or len(item) not in (8, 9):
-            raise BindingError("a binding is a list of 8 or 9 fields")
+        if type(item) is not list or len(item) not in (8, 9, 10):
+            raise BindingError("a binding is a list of 8 to 10 fields")
         node_id, queue, address, routing, filter_text, consumers, selectors, distance = item[:8]
-        durable = item[8] if len(item) == 9 else False  # a node before durable bindings: none kept for it
+        durable = item[8] if len(item) > 8 else False  # a node before durable bindings: none kept for it
+        reachable = item[9] if len(item) > 9 else True
         if not (type(node_id) is str and node_id and type(queue) is str and queue and type(address) is str
                 and type(routing) is int and routing in (RoutingType.ANYCAST, RoutingType.MULTICAST)
                 and (filter_text is None or type(filter_text) is str) and type(consumers) is int and consumers >= 0
-                and type(distance) is int and distance >= 1 and type(durable) is bool):  # fmt: skip
+                and type(distance) is int and distance >= 1 and type(durable) is bool
+                and (reachable is True or (reachable is False and durable))):  # fmt: skip
             raise BindingError(f"malformed binding {str(item)[:120]}")
         if selectors is not None:
             if type(selectors) is not list or not all(type(s) is str for s in selectors):
@@ -76,7 +84,8 @@ class Binding:
             validate_address(address, allow_wildcards=True)
         except InvalidAddress as exc:
             raise BindingError(str(exc)) from None
-        return Binding(node_id, queue, address, routing, filter_text, consumers, selectors, distance, via, durable)
+        binding = Binding(node_id, queue, address, routing, filter_text, consumers, selectors, distance, via, durable)
+        return binding if reachable else binding.unreachable()
 
 
 class RemoteBindings:
@@ -91,6 +100,7 @@ class RemoteBindings:
         self._best: dict[Key, Binding] = {}
         self._by_queue: dict[str, set[Key]] = {}
         self._trie: AddressTrie[Binding] = AddressTrie()
+        self._live: set[str] = set()  # connected nodes: what they report of themselves is the truth
 
     def __len__(self) -> int:
         return len(self._best)
@@ -103,7 +113,8 @@ class RemoteBindings:
         parsed = self._parse(via, items)
         old = self._by_via.get(via, {})
         self._by_via[via] = {b.key: b for b in parsed}
-        self._refresh(set(old) | {b.key for b in parsed})
+        self._live.add(via)
+        self._refresh(set(old) | {b.key for b in parsed} | self._keys_of(via))
 
     def apply(self, via: str, upserts: Iterable[Any], removals: Iterable[Any]) -> None:
         """Changes reported by ``via``."""
@@ -126,22 +137,26 @@ class RemoteBindings:
     def depart(self, via: str) -> None:
         """``via`` is no longer connected: keep its own durable queues, unreachable, and forget the rest of
         what it reported."""
-        old = self._by_via.pop(via, None)
-        if not old:
-            return
+        self._live.discard(via)
+        old = self._by_via.pop(via, None) or {}
         kept = {key: b.unreachable() for key, b in old.items() if b.durable and b.node_id == via}
         if kept:
             self._by_via[via] = kept
-        self._refresh(set(old))
+        self._refresh(set(old) | self._keys_of(via))
+
+    def kept(self) -> Iterator[Binding]:
+        """The durable queues this node keeps for the nodes whose connection dropped (to tell the others)."""
+        for via, table in self._by_via.items():
+            if via not in self._live:
+                yield from (b for b in table.values() if b.node_id == via)
 
     def unreachable(self) -> dict[str, list[str]]:
-        """Node id → the queues kept for it while its connection is down."""
+        """Node id → the queues kept for it while it is down."""
         view: dict[str, list[str]] = {}
-        for node_id, table in self._by_via.items():
-            names = sorted(b.queue for b in table.values() if not b.reachable)
-            if names:
-                view[node_id] = names
-        return view
+        for binding in self._best.values():
+            if not binding.reachable:
+                view.setdefault(binding.node_id, []).append(binding.queue)
+        return {node_id: sorted(names) for node_id, names in view.items()}
 
     def match(self, address: str) -> tuple[Binding, ...]:
         return self._trie.match(address)
@@ -152,30 +167,41 @@ class RemoteBindings:
     def next_hop(self, node_id: str) -> str | None:
         """The connected node through which ``node_id`` is reached (itself while only its kept, unreachable
         queues are known: its store-and-forward queue holds their messages), None if it is not known."""
-        table = self._by_via.get(node_id)
-        if table is not None and any(b.reachable for b in table.values()):
+        if node_id in self._live:
             return node_id
         best: Binding | None = None
+        kept = False
         for binding in self._best.values():
-            if binding.node_id == node_id and binding.reachable and (best is None or binding.distance < best.distance):
+            if binding.node_id != node_id:
+                continue
+            if not binding.reachable:
+                kept = True
+            elif best is None or binding.distance < best.distance:
                 best = binding
         if best is not None:
             return best.via
-        return node_id if table is not None else None
+        return node_id if kept else None
+
+    def _keys_of(self, node_id: str) -> set[Key]:
+        return {key for table in self._by_via.values() for key in table if key[0] == node_id}
 
     def _parse(self, via: str, items: Iterable[Any]) -> list[Binding]:
         parsed = []
         for item in items:
             binding = Binding.from_wire(item, via)
-            if binding.node_id != self.own_id and binding.distance <= self.max_hops:
+            if binding.node_id != self.own_id and binding.distance <= self.max_hops and \
+                    (binding.reachable or binding.node_id != via):  # fmt: skip
                 parsed.append(binding)
             if len(parsed) > self.max_per_node:
                 raise BindingError(f"more than {self.max_per_node} bindings from one node")
         return parsed
 
     def _refresh(self, keys: set[Key]) -> None:
+        live = self._live
         for key in keys:
             candidates = [table[key] for table in self._by_via.values() if key in table]
+            if key[0] in live:  # connected: a copy kept for it elsewhere says nothing it does not say itself
+                candidates = [b for b in candidates if b.reachable]
             best = min(candidates, key=lambda b: (not b.reachable, b.distance)) if candidates else None
             old = self._best.get(key)
             if old == best:

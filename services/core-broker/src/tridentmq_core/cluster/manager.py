@@ -788,6 +788,9 @@ class ClusterManager:
             if queue.name.startswith(FORWARD_QUEUE_PREFIX):
                 continue
             advert[(own, queue.name)] = local_binding(own, queue)
+        for binding in self.bindings.kept():  # a node that joins while they are down learns of them too
+            if binding.node_id != peer:
+                advert[binding.key] = binding.to_wire()
         max_hops = self.settings.cluster.max_hops
         if max_hops > 1:
             for binding in self.bindings:
