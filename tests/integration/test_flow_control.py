@@ -1,6 +1,6 @@
 """Flow control in bytes, end to end, against real processes: a producer of large messages is held near the
 core's memory limit (blocked, not refused) and resumes once a consumer drains; a gateway relaying large
-messages to a client that does not read (STOMP, MQTT QoS 1) holds a bounded number of bytes, and the client
+messages to a client that does not read (STOMP, MQTT QoS 1, AMQP) holds a bounded number of bytes, and the client
 gets every message once it reads again.
 
 Memory is a process's VmRSS, sampled in a thread while the traffic runs (its growth over the value on entry).
@@ -19,6 +19,7 @@ from types import TracebackType
 
 import msgpack
 import pytest
+from proton.utils import BlockingConnection
 from tests.conftest import start_core, start_gateway, stop_cleanly
 from tests.integration.mqtt_clients import Raw
 from tests.integration.test_stomp_bad_input import (
@@ -279,5 +280,42 @@ def test_an_mqtt_qos1_client_that_stops_reading_costs_the_gateway_a_bounded_wind
     finally:
         slow.close()
         producer.close()
+        stop_cleanly(gateway)
+        assert node.stop() == 0
+
+
+AMQP_COUNT = 100  # 100 MiB through one receiving link
+
+
+def test_an_amqp_receiver_that_grants_no_credit_costs_the_gateway_a_bounded_prefetch(tmp_path: Path) -> None:
+    node = start_core(tmp_path)
+    gateway = start_gateway(tmp_path, node, "amqp")
+    conn = BlockingConnection(f"amqp://127.0.0.1:{gateway.port}", timeout=30)
+    try:
+        # One credit: the gateway fetches its prefetch (1000 messages) ahead of the client's credit, and
+        # holds what it cannot send yet.
+        receiver = conn.create_receiver("slowamqp", credit=1)
+        with PeakRss(gateway.process.pid) as memory:
+            asyncio.run(publish_numbered(node.link_port, "slowamqp", AMQP_COUNT, SLOW_BODY))
+            wait_for(lambda: (queue_stats(node, "slowamqp") or {}).get("delivered", 0) > 0, "a first delivery")
+            settled = Settled(lambda: (queue_stats(node, "slowamqp") or {}).get("delivered", 0))
+            wait_for(settled.steady, "the gateway to stop taking messages")
+            stats = queue_stats(node, "slowamqp")
+            assert stats is not None
+            assert stats["delivered"] <= SLOW_OUT_OF_QUEUE, f"the gateway pulled too much: {stats}"
+        assert memory.growth < 64 * MIB, f"the gateway grew by {memory.growth / MIB:.0f} MiB"
+        numbers = []  # now it takes them: every message arrives, in order
+        for _ in range(AMQP_COUNT):
+            message = receiver.receive(timeout=30)
+            body = bytes(message.body)
+            assert len(body) == SLOW_BODY
+            numbers.append(int(body[:8]))
+            receiver.accept()
+        assert numbers == list(range(AMQP_COUNT))
+        # The blocking client sends its last disposition while it waits: the core then has every one.
+        conn.wait(lambda: (queue_stats(node, "slowamqp") or {}).get("acked") == AMQP_COUNT, timeout=30,
+                  msg="every message acked")  # fmt: skip
+    finally:
+        conn.close()
         stop_cleanly(gateway)
         assert node.stop() == 0

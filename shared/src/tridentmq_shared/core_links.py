@@ -61,7 +61,8 @@ class CoreLinkSettings:
     consumer_window_bytes: int = doc(4 * 1024 * 1024, "Message bodies one subscription may have on their way "
                                      "from the core or waiting in the gateway for its client, besides its "
                                      "window in messages (one message may pass it): what bounds the gateway's "
-                                     "memory for a client that reads slowly, whatever the message size.")  # fmt: skip
+                                     "memory for a client that reads slowly, whatever the message size "
+                                     "(0: messages only).")  # fmt: skip
 
     def endpoints(self) -> list[Endpoint]:
         """``host``:``port`` then the connectors (SettingsError for a malformed one)."""
