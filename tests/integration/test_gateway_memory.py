@@ -5,33 +5,24 @@ trip after them."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
-from proton import Message
-from proton.utils import BlockingConnection
-from tests.conftest import GatewayProcess
+from tests.conftest import CoreProcess, GatewayProcess
+from tests.doors import amqp_round_trip, mqtt_round_trip, stomp_round_trip
 from tests.memory import MIB, rss
+
+from tridentmq_amqp.protocol.sasl import sasl_frame
+from tridentmq_amqp.protocol.types import Symbol
 
 pytestmark = pytest.mark.integration
 
 WAIT = 10.0
 AMQP_HEADER = b"AMQP\x00\x01\x00\x00"
 SASL_HEADER = b"AMQP\x03\x01\x00\x00"
-
-
-def amqp_round_trip(port: int) -> None:
-    """A proton client sends a message and receives it back."""
-    address = f"memory.{os.urandom(4).hex()}"
-    conn = BlockingConnection(f"amqp://127.0.0.1:{port}", timeout=WAIT)
-    try:
-        conn.create_sender(address).send(Message(body="still here"))
-        receiver = conn.create_receiver(address)
-        assert receiver.receive(timeout=WAIT).body == "still here"
-        receiver.accept()
-    finally:
-        conn.close()
 
 
 def short_connection(port: int, data: bytes) -> None:
@@ -79,3 +70,108 @@ def test_an_amqp_stream_ending_mid_frame_is_closed_at_once(amqp_gateway: Gateway
             answer += data
     assert answer.startswith(AMQP_HEADER)
     assert b"amqp:connection:framing-error" in answer
+
+
+# ---------------------------------------------------------------------------------------------- before login
+CONNECTIONS = 40
+BOUND = 48 * MIB  # what 40 connections may grow a gateway by; each used to hold its whole frame (4-8 MiB)
+
+
+def stream(sock: socket.socket, size: int) -> int:
+    """Send up to ``size`` bytes in 64 KiB chunks until the gateway closes or stops reading; return how many
+    went out."""
+    sock.settimeout(0.3)  # a gateway that stops reading fills the socket buffers: then the send times out
+    chunk, sent = b"x" * 65536, 0
+    try:
+        while sent < size:
+            sent += sock.send(chunk[: size - sent])
+    except (TimeoutError, ConnectionError):
+        pass
+    return sent
+
+
+def answer(sock: socket.socket) -> bytes:
+    """What the gateway wrote before closing."""
+    sock.settimeout(WAIT)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+@pytest.mark.parametrize("kind", ["stomp", "mqtt"])
+def test_an_unfinished_connect_is_refused_past_a_small_limit(
+    kind: str, stomp_gateway: GatewayProcess, mqtt_gateway: GatewayProcess
+) -> None:
+    """STOMP 40 x 4 MiB unfinished CONNECTs took a gateway to 363 MB, MQTT 80 x 8 MiB to 1 GB: now each is
+    refused once it sent more than ``max_connect_bytes`` (64 KiB)."""
+    gateway = stomp_gateway if kind == "stomp" else mqtt_gateway
+    if kind == "stomp":
+        size = 4 * MIB
+        head = f"CONNECT\naccept-version:1.2\ncontent-length:{size}\n\n".encode()
+    else:
+        size = 8 * MIB
+        remaining, length = size, b""
+        while True:  # the remaining length, as MQTT encodes it
+            remaining, digit = divmod(remaining, 128)
+            length += bytes([digit | (128 if remaining else 0)])
+            if not remaining:
+                break
+        head = b"\x10" + length + b"\x00\x04MQTT\x05\x02\x00\x1e\x00"
+    baseline = rss(gateway.process.pid)
+    sockets = [socket.create_connection(("127.0.0.1", gateway.port), timeout=WAIT) for _ in range(CONNECTIONS)]
+    try:
+        for sock in sockets:
+            sock.sendall(head)
+            assert stream(sock, size) < size, "the gateway read a whole unfinished CONNECT"
+        growth = rss(gateway.process.pid) - baseline
+        answers = [answer(sock) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+    assert growth < BOUND, f"the {kind} gateway grew by {growth / MIB:.0f} MB"
+    if kind == "stomp":  # an ERROR frame; MQTT closes (the CONNECT was not read, so its version is unknown)
+        assert all(a.startswith(b"ERROR\n") and b"message:frame too large" in a for a in answers), answers[0]
+    (stomp_round_trip if kind == "stomp" else mqtt_round_trip)(gateway.port)
+
+
+@contextmanager
+def stopped(core: CoreProcess) -> Iterator[None]:
+    """The core frozen (SIGSTOP): a login the gateway asks it to check takes as long as this lasts."""
+    core.process.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        core.process.send_signal(signal.SIGCONT)
+
+
+def test_nothing_more_is_read_while_a_login_is_checked(
+    core: CoreProcess, stomp_gateway: GatewayProcess, mqtt_gateway: GatewayProcess, amqp_gateway: GatewayProcess
+) -> None:
+    """A client that pipelines megabytes behind its CONNECT (or sasl-init) while the core checks its login is
+    not read further: what it sent waits in its own socket, not in the gateway (8 MiB each before)."""
+    logins = [
+        (stomp_gateway, b"CONNECT\naccept-version:1.2\n\n\x00"),
+        (mqtt_gateway, b"\x10\x0d\x00\x04MQTT\x04\x02\x00\x1e\x00\x01m"),
+        (amqp_gateway, b"AMQP\x03\x01\x00\x00" + sasl_frame(0x41, [Symbol("ANONYMOUS")])),
+    ]
+    baselines = {gateway.kind: rss(gateway.process.pid) for gateway, _ in logins}
+    sockets: list[socket.socket] = []
+    with stopped(core):
+        for gateway, login in logins:
+            for _ in range(16):
+                sock = socket.create_connection(("127.0.0.1", gateway.port), timeout=WAIT)
+                sockets.append(sock)
+                sock.sendall(login)
+                assert stream(sock, 8 * MIB) < 8 * MIB, f"the {gateway.kind} gateway read on before the login"
+        growth = {gateway.kind: rss(gateway.process.pid) - baselines[gateway.kind] for gateway, _ in logins}
+        for sock in sockets:
+            sock.close()
+    for kind, grown in growth.items():
+        assert grown < BOUND, f"the {kind} gateway grew by {grown / MIB:.0f} MB"
+    stomp_round_trip(stomp_gateway.port)
+    mqtt_round_trip(mqtt_gateway.port)
+    amqp_round_trip(amqp_gateway.port)

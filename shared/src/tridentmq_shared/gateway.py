@@ -237,6 +237,7 @@ class _WebSocketWire:
 
     def close(self) -> None:
         self._out.put_nowait(None)
+        self._reading.set()  # a session that paused reading and ended must not leave the reader waiting for ever
 
     def pause_reading(self) -> None:
         self._reading.clear()

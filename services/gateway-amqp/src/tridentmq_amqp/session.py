@@ -158,7 +158,10 @@ class AmqpSession:
         self._input.append(data)
         self._input_bytes += len(data)
         self._wakeup.set()
-        if not self._paused and self._input_bytes >= self.settings.amqp.pending_bytes:
+        limits = self.settings.amqp
+        if not self._paused and self._input_bytes >= (
+            limits.pending_bytes if self.link is not None else limits.max_connect_bytes  # not logged in yet
+        ):
             self._paused = True
             self.wire.pause_reading()
 

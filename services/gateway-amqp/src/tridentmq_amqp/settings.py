@@ -65,6 +65,11 @@ class AmqpLimitsSection:
                                           "closed.")  # fmt: skip
     pending_bytes: int = doc(8 * 1024 * 1024, "Client bytes read ahead of processing before the gateway stops "
                                               "reading the socket.")  # fmt: skip
+    max_connect_bytes: int = doc(64 * 1024, "The same before the client has logged in (SASL, or the core's "
+                                            "acceptance of an anonymous connection): what a connection that has "
+                                            "not logged in can make the gateway hold. SASL frames are also "
+                                            "limited to 8 KiB, and what is pipelined behind a sasl-init to 64 "
+                                            "KiB.")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -151,6 +151,7 @@ class MqttSession:
         self.conn = MqttServerConnection(max_packet_size=limits.max_packet_bytes,
                                          receive_maximum=limits.receive_maximum,
                                          topic_alias_maximum=limits.topic_alias_maximum,
+                                         max_connect_bytes=limits.max_connect_bytes,
                                          now=time.monotonic())  # fmt: skip
         self.link: LinkClient | None = None
         self.client_id = ""
@@ -214,8 +215,9 @@ class MqttSession:
         self._events.extend(events)
         self._wakeup.set()
         limits = self.settings.mqtt
+        # Nothing more is read from a client not logged in yet.
         if not self._paused and (len(self._events) >= limits.pending_packets
-                                 or self._read_ahead >= limits.pending_bytes):  # fmt: skip
+                                 or self._read_ahead >= limits.pending_bytes or not self._connected):  # fmt: skip
             self._paused = True
             self.wire.pause_reading()
 

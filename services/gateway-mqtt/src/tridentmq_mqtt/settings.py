@@ -83,6 +83,11 @@ class MqttLimitsSection:
                                            "CONNACK, to build its response topics on (it still needs the "
                                            "permissions to use them). Empty = never sent.")  # fmt: skip
     connect_timeout_ms: int = doc(10_000, "A connection that has not sent its CONNECT by then is closed.")
+    max_connect_bytes: int = doc(64 * 1024, "Most bytes a client may send before its CONNECT is complete (will "
+                                            "message included; refused as too large beyond, 0 = no limit); while "
+                                            "its login is checked, the gateway reads nothing more from it. Bounds "
+                                            "what a connection that has not logged in can make the gateway "
+                                            "hold.")  # fmt: skip
     bind_sessions_to_users: bool = doc(True, "A persistent session belongs to the user who created it: a "
                                              "CONNECT of another user with its client id is refused (CONNACK "
                                              "0x87 not authorized; 5 for 3.1.1) instead of taking the session "

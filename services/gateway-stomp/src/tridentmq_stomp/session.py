@@ -32,7 +32,7 @@ from tridentmq_shared.supervision import end_on_failure
 from tridentmq_stomp import convert
 from tridentmq_stomp.convert import TEMP_QUEUE_PREFIX
 from tridentmq_stomp.protocol import events as ev
-from tridentmq_stomp.protocol.connection import StompServerConnection
+from tridentmq_stomp.protocol.connection import State, StompServerConnection
 from tridentmq_stomp.protocol.errors import LocalProtocolError, RemoteProtocolError
 from tridentmq_stomp.protocol.frames import Limits
 from tridentmq_stomp.settings import StompSettings
@@ -86,6 +86,7 @@ class StompSession:
             heartbeat=(limits.heartbeat_send_ms, limits.heartbeat_receive_ms),
             min_heartbeat_ms=limits.min_heartbeat_ms,
             connect_timeout=limits.connect_timeout_ms / 1000,
+            max_connect_bytes=limits.max_connect_bytes,
             now=time.monotonic(),
         )
         self.link: LinkClient | None = None
@@ -119,7 +120,9 @@ class StompSession:
         self._wakeup.set()
         limits = self.settings.stomp
         if not self._paused and (
-            len(self._events) >= limits.pending_frames or self._read_ahead >= limits.pending_bytes
+            len(self._events) >= limits.pending_frames
+            or self._read_ahead >= limits.pending_bytes
+            or self.conn.state is State.CONNECTING  # nothing more is read from a client not logged in yet
         ):
             self._paused = True
             self.wire.pause_reading()

@@ -53,6 +53,11 @@ class StompLimitsSection:
     min_heartbeat_ms: int = doc(100, "Shortest heart-beat interval agreed to, either way.")
     connect_timeout_ms: int = doc(10_000, "A connection that has not sent its CONNECT frame by then gets ERROR "
                                           "`connect timeout` and is closed (0 = wait for ever).")  # fmt: skip
+    max_connect_bytes: int = doc(64 * 1024, "Most bytes a client may send before its CONNECT frame is complete "
+                                            "(ERROR `frame too large` beyond, 0 = no limit); while its login is "
+                                            "checked, the gateway reads nothing more from it. Bounds what a "
+                                            "connection that has not logged in can make the gateway "
+                                            "hold.")  # fmt: skip
 
 
 @dataclass(frozen=True)

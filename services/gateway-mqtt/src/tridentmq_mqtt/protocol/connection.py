@@ -63,7 +63,12 @@ from tridentmq_mqtt.protocol.packets import (
     encode_plain_publish,
 )
 from tridentmq_mqtt.protocol.properties import NO_PROPERTIES, PUBACK, U16, Properties
-from tridentmq_mqtt.protocol.reason_codes import PROTOCOL_ERROR, UNSPECIFIED_ERROR, UNSUPPORTED_PROTOCOL_VERSION
+from tridentmq_mqtt.protocol.reason_codes import (
+    PACKET_TOO_LARGE,
+    PROTOCOL_ERROR,
+    UNSPECIFIED_ERROR,
+    UNSUPPORTED_PROTOCOL_VERSION,
+)
 
 DISCONNECT_WITH_WILL: Final = 0x04
 KEEP_ALIVE_TIMEOUT: Final = 0x8D
@@ -116,10 +121,12 @@ class _Out(Enum):
 
 class MqttServerConnection:
     def __init__(self, *, max_packet_size: int = MAX_PACKET_SIZE, receive_maximum: int = DEFAULT_RECEIVE_MAXIMUM,
-                 topic_alias_maximum: int = 0, now: float = 0.0) -> None:  # fmt: skip
+                 topic_alias_maximum: int = 0, max_connect_bytes: int = 0, now: float = 0.0) -> None:  # fmt: skip
         """The server's limits: the largest packet it reads (also given to the parser), how many incoming
         QoS 1/2 messages may be unacknowledged at once, and the highest topic alias the client may use (0:
-        none). 5.0 clients learn them from the CONNACK."""
+        none). 5.0 clients learn them from the CONNACK. More than ``max_connect_bytes`` (0: no limit) before
+        the CONNECT is complete is refused as too large: an unauthenticated peer cannot make us buffer a
+        packet of the full size."""
         if not 1 <= receive_maximum <= 0xFFFF:
             raise LocalProtocolError(f"receive maximum {receive_maximum} is not in 1..65535")
         if not 0 <= topic_alias_maximum <= 0xFFFF:
@@ -128,6 +135,8 @@ class MqttServerConnection:
             raise LocalProtocolError(f"maximum packet size {max_packet_size} is out of range")
         self._parser = PacketParser(max_packet_size=max_packet_size)
         self.max_packet_size = max_packet_size
+        self._max_connect_bytes = max_connect_bytes
+        self._before_connect = 0  # bytes received while awaiting the CONNECT
         self.receive_maximum = receive_maximum
         self.topic_alias_maximum = topic_alias_maximum
         self.state = State.AWAITING_CONNECT
@@ -167,6 +176,7 @@ class MqttServerConnection:
             self._close()
             return [ev.ConnectionClosed()]
         events: list[ev.Event] = []
+        size = len(data)
         try:
             while packets := self._parser.feed(data):
                 data = b""
@@ -178,10 +188,18 @@ class MqttServerConnection:
                     if type(event) is ev.Disconnect:  # whatever follows is not read
                         self._close()
                         return events
+            if self.state is State.AWAITING_CONNECT and self._max_connect_bytes:
+                self._count_before_connect(size)
         except RemoteProtocolError as exc:
             self._input_done = True
             events.append(ev.ProtocolViolation(exc.message, exc.reason_code))
         return events
+
+    def _count_before_connect(self, size: int) -> None:
+        self._before_connect += size
+        if self._before_connect > self._max_connect_bytes:
+            raise RemoteProtocolError(f"more than {self._max_connect_bytes} bytes before a complete CONNECT",
+                                      PACKET_TOO_LARGE)  # fmt: skip
 
     def _event(self, packet: Packet) -> ev.Event | None:
         match packet:

@@ -34,11 +34,16 @@ class State(Enum):
 
 class StompServerConnection:
     def __init__(self, limits: Limits | None = None, *, heartbeat: tuple[int, int] = (10_000, 10_000),
-                 min_heartbeat_ms: int = 100, connect_timeout: float = 0.0, now: float = 0.0) -> None:  # fmt: skip
+                 min_heartbeat_ms: int = 100, connect_timeout: float = 0.0, max_connect_bytes: int = 0,
+                 now: float = 0.0) -> None:  # fmt: skip
         """``heartbeat`` is what this server offers: (sx, sy) = it can send every sx ms, wants to receive
         every sy ms; ``min_heartbeat_ms`` is the shortest interval it agrees to in either direction. A client
-        that has not sent its CONNECT ``connect_timeout`` seconds after ``now`` (0: no limit) gets an ERROR."""
+        that has not sent its CONNECT ``connect_timeout`` seconds after ``now`` (0: no limit) gets an ERROR,
+        and so does one that sends more than ``max_connect_bytes`` (0: no limit) before its CONNECT is
+        complete: an unauthenticated peer cannot make us buffer a frame of the full size."""
         self._parser = FrameParser(limits)
+        self._max_connect_bytes = max_connect_bytes
+        self._before_connect = 0  # bytes received while awaiting the CONNECT
         self._connect_timeout = connect_timeout
         self._connect_deadline = now + connect_timeout if connect_timeout > 0 else None
         self.state = State.AWAITING_CONNECT
@@ -68,6 +73,7 @@ class StompServerConnection:
             self.state = State.CLOSED
             return [ev.ConnectionClosed()]
         events: list[ev.Event] = []
+        size = len(data)
         try:
             while frames := self._parser.feed(data):
                 data = b""
@@ -76,6 +82,11 @@ class StompServerConnection:
                     events.append(event)
                     if type(event) is ev.Disconnect:  # whatever follows is not read
                         return events
+            if self.state is State.AWAITING_CONNECT and self._max_connect_bytes:
+                self._before_connect += size
+                if self._before_connect > self._max_connect_bytes:
+                    self._fail("frame too large", f"more than {self._max_connect_bytes} bytes before a complete "
+                                                  "CONNECT frame", None)  # fmt: skip
         except RemoteProtocolError as exc:
             self._input_done = True
             events.append(ev.ProtocolViolation(exc.message, exc.detail, exc.receipt_id, exc.headers))
