@@ -67,6 +67,19 @@ def test_lines_and_fields(tmp_path: Path) -> None:
     assert path.name == f"{0:020d}.jsonl"
 
 
+def test_an_integer_beyond_64_bits_is_written_as_text(tmp_path: Path) -> None:
+    """Such a value (a timestamp of 2**63-1 turned into microseconds) once stopped the core's timer task."""
+    sink = FileAuditSink(tmp_path, NODE)
+    sink.emit_message(T0, "msg.expired", "q", "a", "m1", 1, "link", (2**63 - 1) * 1000, {"reason": "ttl"})
+    sink.emit(T0 + 1, "queue.expired", {"expires_ms": 2**64, "nested": {"n": [-(2**70), 5]}})
+    sink.close()
+    first, second = read_lines(sealed(tmp_path)[0])
+    assert first["sent_ts_us"] == str((2**63 - 1) * 1000)
+    assert (first["seq"], second["seq"]) == (0, 1)
+    assert second["expires_ms"] == str(2**64)
+    assert second["nested"] == {"n": [str(-(2**70)), 5]}
+
+
 def test_a_message_event_is_the_event_with_its_fields(tmp_path: Path) -> None:
     sink = FileAuditSink(tmp_path, NODE, epoch=3)
     sink.emit_message(T0, "msg.sent", None, "orders", "n1-7", 12, "amqp", T0 - 5, {})

@@ -181,7 +181,10 @@ class FileAuditSink:
         buf = self._buf
         if not buf:
             self._buf_first_seq = seq
-        buf += orjson.dumps(record, default=str, option=orjson.OPT_APPEND_NEWLINE)
+        try:
+            buf += orjson.dumps(record, default=str, option=orjson.OPT_APPEND_NEWLINE)
+        except TypeError:  # an integer beyond 64 bits: written as text, never a failure of the caller's timer
+            buf += orjson.dumps(_wide_ints_as_text(record), default=str, option=orjson.OPT_APPEND_NEWLINE)
         self._buf_lines += 1
         self._next_seq = seq + 1
         if self._seg_start_us is None:
@@ -310,6 +313,17 @@ class FileAuditSink:
             next_seq = max(next_seq, _seq_of(line) + 1)
             _seal(path, self._node_dir)
         return next_seq
+
+
+def _wide_ints_as_text(value: object) -> object:
+    """``value`` with integers JSON cannot carry as 64-bit numbers turned into their decimal text."""
+    if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**64:
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _wide_ints_as_text(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_wide_ints_as_text(v) for v in value]
+    return value
 
 
 def _merge(record: dict[str, object], fields: Mapping[str, object]) -> None:
