@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from tests.conftest import CoreProcess, GatewayProcess, start_core, start_gateway, stop_cleanly
+from tests.integration.cluster_nodes import wait_until
 from tests.integration.mqtt_clients import Paho, Raw
 
 from tridentmq_mqtt.protocol.packets import V5, V311, Connack
@@ -131,6 +132,36 @@ def test_another_user_can_neither_take_over_nor_discard_a_session(tmp_path: Path
     back.disconnect()
     publisher.disconnect()
     assert "client id belongs to another user" in gateway.log()
+    _stop(core, gateway)
+
+
+def test_another_user_cannot_take_over_a_live_session_that_keeps_nothing(
+    tmp_path: Path, raw: Callable[..., Raw]
+) -> None:
+    core, gateway = _open_gateway(tmp_path)
+    topic = f"live/{uuid.uuid4().hex[:8]}"
+    bob = Paho(gateway.port, "bob-laptop", version=4, clean=True, username="bob", password="bob-pw")  # no record
+    assert bob.connect()[1] == 0
+    assert _codes(bob.subscribe(topic, 0)) == [0]
+    assert raw(gateway.port, V311).connect("bob-laptop", username="alice", password=b"alice-pw") == \
+        Connack(session_present=False, reason_code=5)  # fmt: skip
+    bob.publish(topic, b"still here", 1)
+    assert [m.payload for m in bob.receive(1)] == [b"still here"]
+    assert bob.disconnects.empty()
+    again = Paho(gateway.port, "bob-laptop", version=4, clean=True, username="bob", password="bob-pw")
+    assert again.connect()[1] == 0  # bob himself takes his client id over
+    assert bob.disconnects.get(timeout=10) is not None
+    again.disconnect()
+
+    # bob's session ended with his connection: once the gateway has seen it go, the client id is free (his
+    # idle lock queue, left until the core's next tick, does not count)
+    def alice_gets_in() -> bool:
+        alice = Paho(gateway.port, "bob-laptop", version=4, clean=True, username="alice", password="alice-pw")
+        accepted = alice.connect()[1] == 0
+        alice.disconnect()
+        return accepted
+
+    wait_until(alice_gets_in, what="bob's client id to be free")
     _stop(core, gateway)
 
 

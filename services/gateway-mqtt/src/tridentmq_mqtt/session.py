@@ -375,7 +375,9 @@ class MqttSession:
                 # Before the takeover: another user's CONNECT must neither end the owner's connection nor
                 # discard the session (a record kept by another node of a cluster is checked on arrival).
                 self._check_owner(await self.registry.session_owner(client_id))
-            self._lock = await self.registry.acquire(client_id, limits.takeover_timeout_ms / 1000)
+            self._lock = await self.registry.acquire(
+                client_id, limits.takeover_timeout_ms / 1000, self.user if limits.bind_sessions_to_users else None
+            )
             previous = await self._open_session(event.clean_start)
             self._will_key = convert.lock_queue(client_id)  # unique per client id, and short
             delay_ms = 0

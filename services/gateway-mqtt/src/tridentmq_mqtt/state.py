@@ -5,7 +5,9 @@ Per client id (queue names in ``convert``):
 * **the lock queue**, with one consumer: the connection that owns the session. A new connection deletes it
   (the owner's consumer is closed: that is its notice of the takeover, on whichever gateway it runs),
   creates it again and takes the consumer. It expires as soon as it has no consumer, so it goes with a
-  dead gateway's link.
+  dead gateway's link. With sessions bound to users, its filter names the owner (``... OR owner = 'bob'``,
+  letting every takeover notice in all the same): a connection of another user on the same node finds it so
+  and is refused before it takes anything.
 * **the session queue** of a persistent session: a durable last-value queue holding one record (the
   subscriptions and the QoS 2 packet ids in flight) and expiring ``session expiry`` after its owner's
   consumer left. The subscription queues expire with it.
@@ -53,6 +55,7 @@ log = logging.getLogger("tridentmq.mqtt")
 
 STATE_KEY = "state"
 TAKEOVER = "takeover"  # property of a takeover notice: the token of the connection that sent it
+OWNER = "owner"  # named in a lock queue's filter: the user whose connection holds the session
 #: How long a connection waits for its session's record to come over from another node of the cluster.
 FETCH_TIMEOUT = 5.0
 
@@ -168,15 +171,27 @@ class Registry:
             await link.close()
 
     # ------------------------------------------------------------------ session ownership
-    async def acquire(self, client_id: str, timeout: float) -> Consumer:
+    async def acquire(self, client_id: str, timeout: float, user: str | None = None) -> Consumer:
         """Become the owner of ``client_id``'s session, taking it from any earlier connection. The returned
-        consumer is closed by the core when a later connection takes the session in turn."""
+        consumer is closed by the core when a later connection takes the session in turn. With ``user``
+        (sessions bound to users), a connection of another user holding the session is left alone and
+        ``SessionOwnedError`` raised."""
         link = await self.link()
         name = convert.lock_queue(client_id)
+        owner_filter = None if user is None else _owner_filter(user)
         deadline = time.monotonic() + timeout
         while True:
             created = await link.create_queue(name, routing_type=RoutingType.ANYCAST, durable=False, max_consumers=1,
-                                              expires_ms=0)  # fmt: skip
+                                              expires_ms=0, filter=owner_filter)  # fmt: skip
+            held_by = created.get("filter")
+            if owner_filter is not None and not created.get("created") and held_by and held_by != owner_filter:
+                if created.get("consumers"):
+                    raise SessionOwnedError(_owner_named(held_by))
+                # Another user's ended connection left it (it expires at the core's next tick): not theirs any
+                # more, and ours must name us.
+                with contextlib.suppress(LinkRequestError):
+                    await link.delete_queue(name)
+                continue
             if created.get("created"):
                 token = uuid.uuid4().hex
                 if created.get("elsewhere"):
@@ -352,6 +367,19 @@ class Registry:
             with contextlib.suppress(LinkRequestError):
                 await browser.close()
         return found
+
+
+def _owner_filter(user: str) -> str:
+    """A lock queue's filter naming its owner. Every takeover notice has a token, so all pass it whoever sent
+    them (another user's connection on another node is refused once the session's record has come over)."""
+    quoted = user.replace("'", "''")
+    return f"{TAKEOVER} IS NOT NULL OR {OWNER} = '{quoted}'"
+
+
+def _owner_named(owner_filter: str) -> str:
+    """The user a lock queue's filter names, for the log."""
+    _, _, quoted = owner_filter.partition(f"{OWNER} = '")
+    return quoted[:-1].replace("''", "'")
 
 
 def _literal_prefix(topic_filter: str) -> str:
