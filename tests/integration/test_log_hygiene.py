@@ -89,18 +89,26 @@ def test_hello_and_close_in_one_write_is_no_error(core: CoreProcess) -> None:
 
 
 def test_an_mqtt_connect_then_a_half_close_is_no_error(mqtt_gateway: GatewayProcess) -> None:
+    """The session ends quietly whether the end of input is seen while the login is checked (no CONNACK then)
+    or after it (the gateway reads nothing more from a client until it is logged in)."""
     connect = bytes([0x10, 12]) + b"\x00\x04MQTT\x04\x02\x00\x3c\x00\x00"  # 3.1.1, clean session, no client id
-    with socket.create_connection(("127.0.0.1", mqtt_gateway.port), timeout=WAIT) as sock:
-        sock.sendall(connect)
-        sock.shutdown(socket.SHUT_WR)
-        while sock.recv(65536):  # the gateway closes (after a CONNACK or without one)
-            pass
-    log = wait_for_log(mqtt_gateway, "mqtt client left before its CONNACK")
-    assert_clean(log)
+    for _ in range(5):
+        with socket.create_connection(("127.0.0.1", mqtt_gateway.port), timeout=WAIT) as sock:
+            sock.sendall(connect)
+            sock.shutdown(socket.SHUT_WR)
+            reply = b""
+            while chunk := sock.recv(65536):  # the gateway closes (after a CONNACK or without one)
+                reply += chunk
+        assert reply in (b"", b"\x20\x02\x00\x00"), reply
     client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="after-half-close")
     client.connect("127.0.0.1", mqtt_gateway.port)
-    assert client.publish("still/fine", b"x", qos=1).rc == 0
-    client.disconnect()
+    client.loop_start()
+    try:
+        client.publish("still/fine", b"x", qos=1).wait_for_publish(WAIT)
+    finally:
+        client.disconnect()
+        client.loop_stop()
+    assert_clean(mqtt_gateway.log())
 
 
 def test_an_amqp_container_id_that_is_not_utf8_gets_a_decode_error(amqp_gateway: GatewayProcess) -> None:
