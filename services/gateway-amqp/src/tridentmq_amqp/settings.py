@@ -39,8 +39,9 @@ class CoreLinkSection(CoreLinkSettings):
 @dataclass(frozen=True)
 class AmqpLimitsSection:
     allow_anonymous: bool = doc(True, "Accept SASL ANONYMOUS and connections without a SASL layer; they reach "
-                                      "the core without credentials, which it allows on loopback while it has "
-                                      "no users.")  # fmt: skip
+                                      "the core without credentials, which it allows only while it has no "
+                                      "users, and then only from clients on its host (unless its "
+                                      "security.allow_anonymous_remote).")  # fmt: skip
     max_frame_bytes: int = doc(1024 * 1024, "Largest AMQP frame accepted (the OPEN's max-frame-size).")
     max_message_bytes: int = doc(8 * 1024 * 1024, "Largest message accepted on a link (announced as the link's "
                                                   "max-message-size; a larger one closes the link with "
