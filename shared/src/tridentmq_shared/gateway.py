@@ -14,8 +14,6 @@ import json
 import logging
 import os
 import signal
-import socket
-import ssl
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +23,7 @@ from typing import Protocol, TypeVar, cast
 from aiohttp import WSMsgType, web
 
 from tridentmq_shared.http_hosts import HostCheck, host_check_middleware
+from tridentmq_shared.http_limits import http_runner, serve
 from tridentmq_shared.logs import setup_logging
 from tridentmq_shared.runtime import run_main, set_nodelay
 from tridentmq_shared.settings import SettingsError, load_settings
@@ -93,6 +92,8 @@ class ShellConfig:
     websocket_tls_port: int = -1  # the protocol over WebSocket over TLS (-1: none)
     http_tls: bool = False  # HTTPS instead of HTTP
     http_allowed_hosts: tuple[str, ...] = ()  # Host names allowed besides loopback ones (see http_hosts.py)
+    http_request_timeout_ms: int = 10_000  # HTTP and WebSocket handshakes: a whole request head within this
+    http_max_connections: int = 256  # HTTP connections at once (the WebSocket listeners take ``max_connections``)
 
 
 def listener_tls(tls: TlsSection, *ports: int, http_tls: bool = False) -> ServerTls | None:
@@ -287,35 +288,33 @@ class GatewayShell:
         if config.websocket_port >= 0 or (tls is not None and config.websocket_tls_port >= 0):
             app = web.Application()
             app.router.add_get("/{path:.*}", self._websocket)
-            runner = web.AppRunner(app, access_log=None)
+            runner = http_runner(app, request_timeout_ms=config.http_request_timeout_ms)
             await runner.setup()
             self._runners.append(runner)
+            cap = config.max_connections
             if config.websocket_port >= 0:
-                self.ports["websocket"] = await self._serve(runner, config.host, config.websocket_port)
+                self.ports["websocket"] = await serve(runner, config.host, config.websocket_port,
+                                                      max_connections=cap, listener="websocket")  # fmt: skip
             if tls is not None and config.websocket_tls_port >= 0:
-                self.ports["websocket_tls"] = await self._serve(runner, config.host, config.websocket_tls_port, tls)
+                self.ports["websocket_tls"] = await serve(runner, config.host, config.websocket_tls_port, tls=tls,
+                                                          max_connections=cap, listener="websocket_tls")  # fmt: skip
         if config.http_enabled:
             hosts = HostCheck((*config.http_allowed_hosts, config.http_host))
             app = web.Application(middlewares=[host_check_middleware(hosts, "http.allowed_hosts")])
             app.router.add_get("/healthz", self._healthz)
             app.router.add_get("/readyz", self._readyz)
             app.router.add_get("/metrics", self._metrics)
-            runner = web.AppRunner(app, access_log=None)
+            runner = http_runner(app, request_timeout_ms=config.http_request_timeout_ms)
             await runner.setup()
             self._runners.append(runner)
-            self.ports["http"] = await self._serve(runner, config.http_host, config.http_port,
-                                                   tls if config.http_tls else None)  # fmt: skip
+            self.ports["http"] = await serve(runner, config.http_host, config.http_port,
+                                             tls=tls if config.http_tls else None,
+                                             max_connections=config.http_max_connections, listener="http")  # fmt: skip
         self.started = True
         if self.ports_file is not None:
             tmp = self.ports_file.with_suffix(".tmp")
             tmp.write_text(json.dumps(self.ports))
             tmp.replace(self.ports_file)
-
-    @staticmethod
-    async def _serve(runner: web.AppRunner, host: str, port: int, tls: ssl.SSLContext | None = None) -> int:
-        sock = socket.create_server((host, port))  # bound here: with port 0 that is the only way to learn it
-        await web.SockSite(runner, sock, ssl_context=tls).start()
-        return int(sock.getsockname()[1])
 
     async def stop(self, end_session: Callable[[ClientSession], None]) -> None:
         """Stop listening, end every session with ``end_session`` and wait (5 s at most) for them to close

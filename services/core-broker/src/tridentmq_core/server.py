@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import sys
 import time
 import uuid
@@ -53,6 +52,7 @@ from tridentmq_core.store.journal_store import JournalStore
 from tridentmq_core.store.memory import MemoryStore
 from tridentmq_core.store.paging import PageDirectory, ThreadIO
 from tridentmq_core.store.recovery import replay
+from tridentmq_shared.http_limits import http_runner, serve
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.codec import (
     BYTE_CREDIT_VERSION,
@@ -447,15 +447,14 @@ class CoreNode:
         self._server = await loop.create_server(lambda: LinkProtocol(self), link.host, link.port, ssl=link_tls)
         self.status.link_port = self._server.sockets[0].getsockname()[1]
         if self.settings.management.enabled:
-            self._runner = web.AppRunner(
-                create_app(self.broker, self.status, self.rates, self.security), access_log=None
-            )
+            management = self.settings.management
+            self._runner = http_runner(create_app(self.broker, self.status, self.rates, self.security),
+                                       request_timeout_ms=management.request_timeout_ms)  # fmt: skip
             await self._runner.setup()
-            # Bind the socket ourselves: with port 0 that is the only way to learn the port.
-            sock = socket.create_server((self.settings.management.host, self.settings.management.port))
-            self.management_port = sock.getsockname()[1]
-            management_tls = self.tls.context if self.tls is not None and self.settings.management.tls else None
-            await web.SockSite(self._runner, sock, ssl_context=management_tls).start()
+            management_tls = self.tls.context if self.tls is not None and management.tls else None
+            self.management_port = await serve(self._runner, management.host, management.port, tls=management_tls,
+                                               max_connections=management.max_connections,
+                                               listener="management")  # fmt: skip
         self._timer = self.supervisor.spawn("tick", self._tick_forever)
         if self.network is not None:
             # One round before anything serves or takes over: until then the node does not know where it is.

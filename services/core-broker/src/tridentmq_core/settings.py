@@ -93,6 +93,10 @@ class ManagementSection:
     public_metrics: bool = doc(True, "/metrics answers without credentials even when users are configured (it "
                                      "holds names and counts, no secret); false: it needs the manage permission "
                                      "like /api.")  # fmt: skip
+    request_timeout_ms: int = doc(10_000, "A connection must send a whole request head within this, and is "
+                                          "closed after as long idle.")  # fmt: skip
+    max_connections: int = doc(256, "HTTP connections open at once; more get 503 and are closed (logged once a "
+                                    "minute).")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ class AmqpGateway:
             tls=listener_tls(settings.tls, listener.tls_port, listener.websocket_tls_port, http_tls=http.tls),
             tls_port=listener.tls_port, websocket_tls_port=listener.websocket_tls_port, http_tls=http.tls,
             http_allowed_hosts=tuple(http.allowed_hosts),
+            http_request_timeout_ms=http.request_timeout_ms, http_max_connections=http.max_connections,
         )  # fmt: skip
         self.shell = GatewayShell(config, self._open_session, self._metrics, ports_file=ports_file)
 

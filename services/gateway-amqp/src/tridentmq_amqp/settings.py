@@ -82,6 +82,11 @@ class HttpSection:
     allowed_hosts: list[str] = doc(list, "Host names requests may carry in their Host header besides loopback "
                                          "names, the address they came in on and `http.host` (a check against "
                                          "DNS rebinding); `*` allows any.", factory=True)  # fmt: skip
+    request_timeout_ms: int = doc(10_000, "A connection to the HTTP port or to the WebSocket listeners must send "
+                                          "a whole request head within this, and is closed after as long "
+                                          "idle.")  # fmt: skip
+    max_connections: int = doc(256, "HTTP connections open at once; more get 503 and are closed (logged once a "
+                                    "minute). The WebSocket listeners take `listener.max_connections`.")  # fmt: skip
 
 
 @dataclass(frozen=True)
