@@ -454,8 +454,8 @@ async def _serve(gateway: Gateway, supervisor: Supervisor) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, signalled.set)
-    failed = asyncio.ensure_future(supervisor.wait_failed())
     await gateway.start()
+    failed = asyncio.ensure_future(supervisor.wait_failed())  # a failure during the start counts too
     stop = asyncio.ensure_future(signalled.wait())
     await asyncio.wait({stop, failed}, return_when=asyncio.FIRST_COMPLETED)
     code = 0

@@ -44,8 +44,8 @@ async def serve(settings: CoreSettings, ports_file: Path | None) -> int:
     signalled = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, signalled.set)
-    failed = asyncio.ensure_future(supervisor.wait_failed())
     await node.start()
+    failed = asyncio.ensure_future(supervisor.wait_failed())  # a failure during the start counts too
     stop = asyncio.ensure_future(signalled.wait())
     await asyncio.wait({stop, failed}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
