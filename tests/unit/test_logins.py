@@ -146,3 +146,21 @@ async def test_refusals_without_a_check_are_throttled_and_logged_per_gateway_cli
         ]
     finally:
         guard.close()
+
+
+async def test_a_check_that_outlives_its_login_still_fills_the_cache() -> None:
+    # A login closed by the handshake timeout while its check runs: the client's retry finds the result.
+    guard = LoginGuard(LoginSection())
+    found = _credentials(_security(hash_password("secret", salt=b"slow", iterations=200_000)))
+    try:
+        login = asyncio.create_task(guard.verify(found, "alice", "secret", "10.0.0.1"))
+        while guard.hashed_checks == 0:  # the check has been handed to a thread
+            await asyncio.sleep(0.001)
+            assert not login.done()
+        login.cancel()
+        while guard.cache_size() == 0:
+            await asyncio.sleep(0.01)
+            assert login.cancelled()
+        assert guard.known_good(found, "alice", "secret")
+    finally:
+        guard.close()

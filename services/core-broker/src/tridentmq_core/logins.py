@@ -17,12 +17,13 @@ parallel guessers made every other link wait seconds and heartbeats lapse. Here:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tridentmq_core.log_window import LogWindow
@@ -97,10 +98,12 @@ class LoginGuard:
             async with state.slots:
                 if found.hashed:
                     self.hashed_checks += 1
-                    loop = asyncio.get_running_loop()
-                    matched = await loop.run_in_executor(self._pool, password_matches, found.stored, password)
-                    if matched and found.principal is not None:
-                        self._remember(self._key(user, found.stored, password))
+                    check = self._pool.submit(password_matches, found.stored, password)
+                    if found.principal is not None:  # remembered even if this login is gone when it ends
+                        key = self._key(user, found.stored, password)
+                        loop = asyncio.get_running_loop()
+                        check.add_done_callback(lambda done: self._report(loop, done, key))
+                    if await asyncio.wrap_future(check) and found.principal is not None:
                         return True
                 elif found.principal is not None and password_matches(found.stored, password):
                     return True  # known_good was not asked (or the entry changed): still a match
@@ -135,6 +138,15 @@ class LoginGuard:
                         extra={"peer": source, "client_host": client_host, "user": user,
                                "reason": refusal})  # fmt: skip
         return failure_delay(state.failures, self.settings)
+
+    def _report(self, loop: asyncio.AbstractEventLoop, done: Future[bool], key: bytes) -> None:
+        """From the checking thread: hand the outcome to the loop (gone at shutdown: nothing to keep)."""
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(self._checked, done, key)
+
+    def _checked(self, done: Future[bool], key: bytes) -> None:
+        if not done.cancelled() and done.exception() is None and done.result():
+            self._remember(key)
 
     def _remember(self, key: bytes) -> None:
         if self.settings.cache_entries <= 0:

@@ -73,6 +73,9 @@ from tridentmq_shared.tls import ServerTls
 log = logging.getLogger("tridentmq.core")
 
 TICK_SECONDS = 0.05
+#: A HELLO still waiting for its password check at the handshake timeout: retryable (its check, once done,
+#: is in the cache), unlike a peer that never sent HELLO.
+LOGIN_BUSY = "the password checks of this address did not finish within the handshake timeout: retry"
 
 
 def _now_ms() -> int:
@@ -681,7 +684,10 @@ class CoreNode:
                     if self.refusals.first("handshake-timeout", mono):
                         log.warning("connection closed: handshake not completed within the timeout (further ones "
                                     "counted once a minute)", extra={"peer": protocol.peer})  # fmt: skip
-                    protocol.conn.close(ErrorCode.UNAUTHENTICATED, "handshake not completed within the timeout")
+                    if protocol._login is not None:  # its HELLO waits for a password check: ours to finish
+                        protocol.conn.close(ErrorCode.RESOURCE_LIMIT, LOGIN_BUSY)
+                    else:
+                        protocol.conn.close(ErrorCode.UNAUTHENTICATED, "handshake not completed within the timeout")
                     protocol.write_pending()
                     protocol.close_transport()
                     continue
