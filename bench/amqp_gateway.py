@@ -60,7 +60,7 @@ from multiprocessing.synchronize import Event as MpEvent
 from typing import Any, TypedDict, TypeVar, cast
 
 from bench.client import RawClient
-from bench.node import amqp_gateway, broker_cpu_text, cpu_of, cpu_self, gateway_target, machine, quantile_ms
+from bench.node import amqp_gateway, broker_cpu_text, client_tls, cpu_of, cpu_self, gateway_target, machine, quantile_ms
 
 from tridentmq_amqp.protocol.types import Array, Described, Symbol, UByte, UInt, ULong, UShort, decode, encode, skip
 from tridentmq_shared.runtime import run_main
@@ -103,6 +103,7 @@ class RunOptions:
     deadline_s: int
     sasl_user: str | None  # SASL PLAIN with these credentials; None: no SASL layer
     sasl_password: str
+    ca_file: str = ""  # TLS to the gateway, checked against this authority (empty: plain TCP)
 
 
 class ProducerResult(TypedDict):
@@ -534,7 +535,9 @@ class _Consumer(_AmqpClient):
 
 
 async def _connect(opts: RunOptions, name: str, factory: Callable[[], C], *, receiver: bool) -> C:
-    _, client = await asyncio.get_running_loop().create_connection(factory, opts.host, opts.port)
+    _, client = await asyncio.get_running_loop().create_connection(
+        factory, opts.host, opts.port, ssl=client_tls(opts.ca_file)
+    )
     await client.connect(opts, name, receiver=receiver)
     return client
 
@@ -753,6 +756,8 @@ def main() -> None:
     parser.add_argument("--user", default=None, help="with --sasl plain: the user name")
     parser.add_argument("--password", default="", help="with --sasl plain: the password")
     parser.add_argument("--deadline", type=int, default=120, help="seconds after which a client gives up")
+    parser.add_argument("--tls", action="store_true", help="every connection over TLS (clients to the gateway, "
+                        "the gateway to its core), with throw-away certificates")  # fmt: skip
     args = parser.parse_args()
     if args.runs < 1 or (args.count is not None and args.count < 1) or args.rate < 0 or args.seconds < 1:
         parser.error("--runs, --count and --seconds must be positive, --rate not negative")
@@ -764,12 +769,18 @@ def main() -> None:
     mode = "pre-settled" if args.presettled else f"unsettled, {MAX_UNSETTLED} in flight"
     title = f"S4 AMQP DURABLE QUEUE ({mode}){paced}"
     with gateway_target(
-        "amqp", amqp_gateway, args.host, args.port, {"core": args.core_pid, "gateway": args.gateway_pid}
-    ) as (port, servers):
+        "amqp",
+        amqp_gateway,
+        args.host,
+        args.port,
+        {"core": args.core_pid, "gateway": args.gateway_pid},
+        tls=args.tls,
+    ) as (port, servers, ca_file):
         results = []
         for n in range(1, args.runs + 1):
+            user = args.user if args.sasl == "plain" else None
             opts = RunOptions(args.host, port, f"bench.{uuid.uuid4().hex[:12]}", args.presettled, count, args.rate,
-                              args.deadline, args.user if args.sasl == "plain" else None, args.password)  # fmt: skip
+                              args.deadline, user, args.password, ca_file)  # fmt: skip
             result = run_once(opts, servers)
             results.append(result)
             print(f"S4 run {n}{paced}: {_describe(result, paced=bool(args.rate))}", flush=True)

@@ -49,7 +49,7 @@ from multiprocessing.synchronize import Event as MpEvent
 from typing import Any, TypedDict, TypeVar, cast
 
 from bench.client import RawClient
-from bench.node import broker_cpu_text, cpu_of, cpu_self, gateway_target, machine, mqtt_gateway, quantile_ms
+from bench.node import broker_cpu_text, client_tls, cpu_of, cpu_self, gateway_target, machine, mqtt_gateway, quantile_ms
 
 from tridentmq_shared.runtime import run_main
 
@@ -97,6 +97,7 @@ class RunOptions:
     expected: int  # messages each subscriber connection should receive
     rate: int  # msgs/s across all publishers; 0 = unthrottled
     deadline_s: int
+    ca_file: str = ""  # TLS to the gateway, checked against this authority (empty: plain TCP)
 
     @property
     def topic(self) -> bytes:
@@ -324,7 +325,9 @@ class _Subscriber(_MqttClient):
 
 
 async def _connect(opts: RunOptions, name: str, factory: Callable[[], C]) -> C:
-    _, client = await asyncio.get_running_loop().create_connection(factory, opts.host, opts.port)
+    _, client = await asyncio.get_running_loop().create_connection(
+        factory, opts.host, opts.port, ssl=client_tls(opts.ca_file)
+    )
     await asyncio.wait_for(client.connect(f"bench-{opts.run_id}-{name}"), 30)
     return client
 
@@ -550,14 +553,21 @@ def main() -> None:
     parser.add_argument("--core-pid", type=int, default=None, help="with --port: the core process to watch")
     parser.add_argument("--gateway-pid", type=int, default=None, help="with --port: the gateway process to watch")
     parser.add_argument("--deadline", type=int, default=120, help="seconds after which a client gives up")
+    parser.add_argument("--tls", action="store_true", help="every connection over TLS (clients to the gateway, "
+                        "the gateway to its core), with throw-away certificates")  # fmt: skip
     args = parser.parse_args()
     if args.runs < 1 or (args.count is not None and args.count < 1) or args.rate < 0 or args.seconds < 1:
         parser.error("--runs, --count and --seconds must be positive, --rate not negative")
     print(f"machine: {machine()}")
     scenarios = [s for s in SCENARIOS if not args.scenario or s.key in args.scenario]
     with gateway_target(
-        "mqtt", mqtt_gateway, args.host, args.port, {"core": args.core_pid, "gateway": args.gateway_pid}
-    ) as (port, servers):
+        "mqtt",
+        mqtt_gateway,
+        args.host,
+        args.port,
+        {"core": args.core_pid, "gateway": args.gateway_pid},
+        tls=args.tls,
+    ) as (port, servers, ca_file):
         for scenario in scenarios:
             count = args.count or (math.ceil(args.rate * args.seconds / scenario.publishers) if args.rate
                                    else scenario.count)  # fmt: skip
@@ -565,7 +575,7 @@ def main() -> None:
             results = []
             for n in range(1, args.runs + 1):
                 opts = RunOptions(args.host, port, uuid.uuid4().hex[:12], scenario.qos, scenario.publishers, count,
-                                  count * scenario.publishers, args.rate, args.deadline)  # fmt: skip
+                                  count * scenario.publishers, args.rate, args.deadline, ca_file)  # fmt: skip
                 result = run_once(opts, scenario, servers)
                 results.append(result)
                 print(f"{scenario.key} run {n}{paced}: {_describe(result, paced=bool(args.rate))}", flush=True)

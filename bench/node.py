@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import resource
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -16,6 +17,8 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.request import urlopen
+
+from tests.tls_certs import Certificates
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class Gateway:
     process: subprocess.Popen[bytes]
     port: int
     http_port: int
+    tls_port: int = -1  # the client listener over TLS (-1: none)
 
 
 @contextmanager
@@ -89,7 +93,7 @@ def _gateway(module: str, what: str, prefix: str, port_key: str, core: Core, dir
                    f"{prefix}_CORE_PORT": str(core.link_port), f"{prefix}_NODE_LOG_LEVEL": "WARNING",
                    **{f"{prefix}_{key.upper()}": value for key, value in env.items()}}  # fmt: skip
     with _service(module, what, directory / "ports.json", [], environment) as (process, bound):
-        yield Gateway(process, bound[port_key], bound.get("http", -1))
+        yield Gateway(process, bound[port_key], bound.get("http", -1), bound.get(f"{port_key}_tls", -1))
 
 
 @contextmanager
@@ -161,21 +165,43 @@ def cpu_of(pid: int) -> float:
 @contextmanager
 def gateway_target(
     protocol: str,
-    start: Callable[[Core, Path], AbstractContextManager[Gateway]],
+    start: Callable[..., AbstractContextManager[Gateway]],
     host: str,
     port: int | None,
     watched: dict[str, int | None],
-) -> Iterator[tuple[int, dict[str, int]]]:
-    """The gateway's client port and the server processes to watch: a core and gateway of our own (``start``
-    makes the gateway), unless ``port`` names a gateway that is already running (then ``watched``)."""
+    *,
+    tls: bool = False,
+) -> Iterator[tuple[int, dict[str, int], str]]:
+    """The gateway's client port, the server processes to watch and the authority file clients check the
+    gateway's certificate with (empty without TLS): a core and gateway of our own (``start`` makes the
+    gateway), unless ``port`` names a gateway that is already running (then ``watched``). With ``tls`` every
+    connection is TLS: the clients' to the gateway, and the gateway's links to a TLS-only core."""
     if port is not None:
+        if tls:
+            raise SystemExit("--tls runs a core and gateway of its own: leave out --port")
         print(f"gateway: {host}:{port} (already running)")
-        yield port, {name: pid for name, pid in watched.items() if pid is not None}
+        yield port, {name: pid for name, pid in watched.items() if pid is not None}, ""
         return
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"tridentmq-{protocol}-bench-")))
-        core = stack.enter_context(core_node(tmp / "core"))
-        gateway = stack.enter_context(start(core, tmp / "gateway"))
-        print(f"gateway: started on 127.0.0.1:{gateway.port} with its core on link port {core.link_port} "
-              "(throw-away data directory)")  # fmt: skip
-        yield gateway.port, {"core": core.process.pid, "gateway": gateway.process.pid}
+        core_env: dict[str, str] = {}
+        gateway_env: dict[str, str] = {}
+        ca_file = ""
+        if tls:
+            certs = Certificates.make(tmp / "certs")
+            files = {"tls_cert_file": str(certs.server.cert), "tls_key_file": str(certs.server.key),
+                     "tls_ca_file": str(certs.ca)}  # fmt: skip
+            core_env = {**files, "link_tls": "true"}
+            gateway_env = {**files, "core_tls": "true", "listener_tls_port": "0"}
+            ca_file = str(certs.ca)
+        core = stack.enter_context(core_node(tmp / "core", **core_env))
+        gateway = stack.enter_context(start(core, tmp / "gateway", **gateway_env))
+        client_port = gateway.tls_port if tls else gateway.port
+        print(f"gateway: started on 127.0.0.1:{client_port}{' (TLS)' if tls else ''} with its core on link port "
+              f"{core.link_port}{' (TLS)' if tls else ''} (throw-away data directory)")  # fmt: skip
+        yield client_port, {"core": core.process.pid, "gateway": gateway.process.pid}, ca_file
+
+
+def client_tls(ca_file: str) -> ssl.SSLContext | None:
+    """The clients' TLS context (None: plain TCP): checks the gateway's certificate against ``ca_file``."""
+    return ssl.create_default_context(cafile=ca_file) if ca_file else None

@@ -38,7 +38,7 @@ from multiprocessing.synchronize import Event as MpEvent
 from typing import Any, TypedDict, TypeVar, cast
 
 from bench.client import RawClient
-from bench.node import cpu_of, cpu_self, gateway_target, machine, quantile_ms, stomp_gateway
+from bench.node import client_tls, cpu_of, cpu_self, gateway_target, machine, quantile_ms, stomp_gateway
 
 from tridentmq_shared.runtime import run_main
 
@@ -77,6 +77,7 @@ class RunOptions:
     count: int
     rate: int  # msgs/s; 0 = as fast as the receipt window allows
     deadline_s: int
+    ca_file: str = ""  # TLS to the gateway, checked against this authority (empty: plain TCP)
 
 
 class ProducerResult(TypedDict):
@@ -236,7 +237,9 @@ class _Consumer(_StompClient):
 
 
 async def _connect(opts: RunOptions, factory: Callable[[], C]) -> C:
-    _, client = await asyncio.get_running_loop().create_connection(factory, opts.host, opts.port)
+    _, client = await asyncio.get_running_loop().create_connection(
+        factory, opts.host, opts.port, ssl=client_tls(opts.ca_file)
+    )
     await asyncio.wait_for(client.connect(), 30)
     return client
 
@@ -421,12 +424,14 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1", help="gateway host (with --port)")
     parser.add_argument("--port", type=int, default=None, help="STOMP port of a gateway already running")
     parser.add_argument("--deadline", type=int, default=120, help="seconds after which a client gives up")
+    parser.add_argument("--tls", action="store_true", help="every connection over TLS (clients to the gateway, "
+                        "the gateway to its core), with throw-away certificates")  # fmt: skip
     args = parser.parse_args()
     if args.runs < 1 or (args.count is not None and args.count < 1) or args.rate < 0 or args.seconds < 1:
         parser.error("--runs, --count and --seconds must be positive, --rate not negative")
     print(f"machine: {machine()}")
     scenarios = [s for s in SCENARIOS if not args.scenario or s.key in args.scenario]
-    with gateway_target("stomp", stomp_gateway, args.host, args.port, {}) as (port, servers):
+    with gateway_target("stomp", stomp_gateway, args.host, args.port, {}, tls=args.tls) as (port, servers, ca_file):
         for scenario in scenarios:
             count = args.count or (args.rate * args.seconds if args.rate else scenario.count)
             paced = f" at {args.rate:,} msgs/s" if args.rate else ""
@@ -434,7 +439,7 @@ def main() -> None:
             results = []
             for n in range(1, args.runs + 1):
                 opts = RunOptions(args.host, port, f"/queue/bench.{uuid.uuid4().hex[:12]}", scenario.persistent,
-                                  scenario.ack, count, args.rate, args.deadline)  # fmt: skip
+                                  scenario.ack, count, args.rate, args.deadline, ca_file)  # fmt: skip
                 result = run_once(opts, servers)
                 results.append(result)
                 print(f"{scenario.key} run {n}{paced}: {_describe(result)}", flush=True)

@@ -96,6 +96,7 @@ def test_stomp_over_tls_and_wss(tmp_path: Path, tls_core: CoreProcess, certs: Ce
         ws.disconnect()
     finally:
         stop_cleanly(gateway)
+    assert "eof_received" not in gateway.log()  # a TLS client's close is no warning
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -178,7 +179,10 @@ def mqtt_connack_over_tls(port: int, context: ssl.SSLContext) -> bytes:
 def test_a_listener_requiring_client_certificates_refuses_a_client_without_one(
     tmp_path: Path, tls_core: CoreProcess, certs: Certificates
 ) -> None:
-    gateway = tls_gateway(tmp_path, tls_core, "mqtt", certs, client_certs="required")
+    # Cleartext TCP off: TLS with a client certificate is the only way in (besides WebSocket over TLS).
+    gateway = tls_gateway(tmp_path, tls_core, "mqtt", certs, client_certs="required",
+                          TRIDENTMQ_MQTT_LISTENER_PORT="-1", TRIDENTMQ_MQTT_LISTENER_WEBSOCKET_PORT="-1")  # fmt: skip
+    assert set(gateway.ports) == {"mqtt_tls", "websocket_tls", "http"}
     port = gateway.ports["mqtt_tls"]
     try:
         assert mqtt_connack_over_tls(port, client_context(certs)) == b""

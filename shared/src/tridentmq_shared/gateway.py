@@ -77,7 +77,7 @@ class ShellConfig:
 
     protocol: str  # "stomp", "mqtt", ...: the key of the client port in the ports file, and in logs
     host: str
-    port: int
+    port: int  # -1: no cleartext TCP listener
     websocket_port: int  # -1: no WebSocket listener
     max_connections: int
     subprotocols: tuple[str, ...]  # WebSocket subprotocols, best first
@@ -138,10 +138,11 @@ class _TcpWire(asyncio.Protocol):
             self.session.feed(data)
 
     def eof_received(self) -> bool:
-        """The client closed its side: the session answers what it sent, then closes."""
+        """The client closed its side: the session answers what it sent, then closes (over TLS, which has no
+        half-close, the transport closes now)."""
         if self.session is not None:
             self.session.feed(b"")
-        return True
+        return self.transport is None or self.transport.get_extra_info("sslcontext") is None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._writable.set()
@@ -277,9 +278,10 @@ class GatewayShell:
     async def start(self) -> None:
         config = self.config
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: _TcpWire(self), config.host, config.port)
-        self._servers.append(server)
-        self.ports[config.protocol] = server.sockets[0].getsockname()[1]
+        if config.port >= 0:
+            server = await loop.create_server(lambda: _TcpWire(self), config.host, config.port)
+            self._servers.append(server)
+            self.ports[config.protocol] = server.sockets[0].getsockname()[1]
         tls = config.tls.context if config.tls is not None else None
         if tls is not None and config.tls_port >= 0:
             server = await loop.create_server(lambda: _TcpWire(self), config.host, config.tls_port, ssl=tls)

@@ -21,7 +21,8 @@ class GatewayNodeSection:
 class ListenerSection:
     host: str = doc("127.0.0.1", "Interface for MQTT clients. While the core has no users it refuses "
                                  "clients of other hosts (core security.allow_anonymous_remote).")  # fmt: skip
-    port: int = doc(1883, "MQTT over TCP (0 = any free port, written to the ports file).")
+    port: int = doc(1883, "MQTT over TCP (0 = any free port, written to the ports file; -1 = off, for "
+                                   "clients over TLS only).")  # fmt: skip
     websocket_port: int = doc(8083, "MQTT over WebSocket, subprotocol `mqtt` (-1 = off).")
     tls_port: int = doc(8883, "MQTT over TLS, opened when `tls.cert_file` is set (-1 = off; 0 = any free "
                                "port).")  # fmt: skip

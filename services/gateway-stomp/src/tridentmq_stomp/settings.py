@@ -21,7 +21,8 @@ class GatewayNodeSection:
 class ListenerSection:
     host: str = doc("127.0.0.1", "Interface for STOMP clients. While the core has no users it refuses "
                                  "clients of other hosts (core security.allow_anonymous_remote).")  # fmt: skip
-    port: int = doc(61613, "STOMP over TCP (0 = any free port, written to the ports file).")
+    port: int = doc(61613, "STOMP over TCP (0 = any free port, written to the ports file; -1 = off, for "
+                                   "clients over TLS only).")  # fmt: skip
     websocket_port: int = doc(61614, "STOMP over WebSocket, subprotocols v10/v11/v12.stomp or none (-1 = off).")
     tls_port: int = doc(61612, "STOMP over TLS, opened when `tls.cert_file` is set (-1 = off; 0 = any free "
                                "port).")  # fmt: skip
