@@ -113,11 +113,13 @@ def test_mqtt_over_tls_and_wss(tmp_path: Path, tls_core: CoreProcess, certs: Cer
         publisher.connect()
         publisher.publish("tls/t", b"over tls", 1)
         assert [m.payload for m in subscriber.receive(1)] == [b"over tls"]
-        publisher.disconnect()
-        subscriber.disconnect()
-        # paho's loop_start makes a loopback socket pair over one it may have made before without closing it;
-        # collect it here (the warning it gives is ignored for this test) rather than at the end of the session.
-        del publisher, subscriber
+        for client in (publisher, subscriber):
+            client.disconnect()
+            # paho closes the loopback socket pair that wakes its loop only when the client is collected,
+            # and in a reference cycle the pair's own finaliser may warn first: close it now, and collect
+            # whatever is left here rather than at the end of the session.
+            client.client._reset_sockets()
+        del publisher, subscriber, client
         gc.collect()
     finally:
         stop_cleanly(gateway)
