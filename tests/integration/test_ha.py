@@ -359,6 +359,55 @@ def test_an_mqtt_subscription_on_a_killed_primary_gets_what_another_node_acknowl
         assert node.stop() == 0, node.log()
 
 
+def test_an_mqtt_subscription_gets_what_another_node_acknowledged_during_a_failback(tmp_path: Path) -> None:
+    """Issue 21, failback: the pair goes back to its returned primary, so its active copy stops serving for a
+    moment again; what another node PUBACKs meanwhile for the subscription waits there for the pair."""
+    a, b, c = three_pairs(tmp_path)
+    pinned = {"TRIDENTMQ_MQTT_CORE_LOAD_BALANCING": "FIRST_ELEMENT"}
+    on_c = start_gateway(tmp_path, c.primary, "mqtt", name="mqtt-c", **pinned)
+    on_a = start_gateway(tmp_path, a.primary, "mqtt", name="mqtt-a", **pinned)
+    subscriber = Paho(on_c.port, "fb-sub", clean=False)
+    subscriber.connect(expiry=300)
+    subscriber.subscribe("fb/t", 1)
+    wait_until(lambda: remote_consumers(a.primary, subscription_queue("fb-sub", "fb/t")) == 1, 10,
+               "a to see the subscription on c")  # fmt: skip
+    publisher = Paho(on_a.port, "fb-pub")
+    publisher.connect()
+    attempted: list[bytes] = []
+
+    def publish(count: int) -> None:
+        for _ in range(count):
+            attempted.append(b"%d" % len(attempted))
+            publisher.publish("fb/t", attempted[-1], 1)
+
+    port = c.primary.link_port
+    kill(c.primary)
+    wait_until(lambda: ha_view(c.backup).get("active") is True, 15, "c's backup to take over")
+    publish(50)
+    (c.backup.data_dir / "ports.json").unlink()  # it restarts itself as the backup after the failback
+    primary = start_node(tmp_path, "c-primary", [c.backup, a.primary], core_ha_policy="replication",
+                         core_ha_group_name="c", core_link_port=str(port))  # fmt: skip
+    while not (ha_view(primary).get("active") is True and "failback done" in c.backup.log()):
+        publish(10)
+        assert len(attempted) < 30_000, "the pair did not go back to its primary"
+    publish(50)
+    delivered: list[Delivery[bytes]] = []
+    while set(attempted) - {d.value for d in delivered}:
+        got = subscriber.receive(len(attempted), timeout=20)
+        if not got:
+            break
+        delivered += [Delivery(m.payload, bool(m.dup)) for m in got]
+    verdict = check(attempted, attempted, [], delivered)
+    assert verdict.ok, verdict.report()
+    for client_ in (subscriber, publisher):
+        client_.disconnect()
+    for gateway in (on_a, on_c):
+        stop_cleanly(gateway)
+    reread_ports(c.backup)
+    for node in (a.primary, a.backup, b.primary, b.backup, primary, c.backup):
+        assert node.stop() == 0, node.log()
+
+
 def reread_ports(node: CoreProcess) -> None:
     """A node that restarted itself in place (failback) wrote its new ports."""
     wait_until((node.data_dir / "ports.json").exists, 15, "the restarted node's ports")
