@@ -24,6 +24,8 @@ from tests.integration.mqtt_clients import Paho
 from tests.integration.test_stomp_gateway import Listener
 from tests.tls_certs import Certificates, Pair
 
+from tridentmq_shared.link.client import LinkClient, LinkRequestError, ReconnectPolicy
+
 pytestmark = pytest.mark.integration
 
 WAIT = 10.0
@@ -54,7 +56,7 @@ def tls_gateway(tmp_path: Path, core: CoreProcess, kind: str, certs: Certificate
         "TLS_CERT_FILE": str(certs.server.cert), "TLS_KEY_FILE": str(certs.server.key),
         "TLS_CA_FILE": str(certs.ca), "TLS_CLIENT_CERTS": client_certs,
     }  # fmt: skip
-    return start_gateway(tmp_path, core, kind, **{f"{prefix}_{k}": v for k, v in settings.items()}, **env)
+    return start_gateway(tmp_path, core, kind, **{**{f"{prefix}_{k}": v for k, v in settings.items()}, **env})
 
 
 def client_context(certs: Certificates, client: Pair | None = None) -> ssl.SSLContext:
@@ -192,3 +194,66 @@ def test_a_listener_requiring_client_certificates_refuses_a_client_without_one(
         assert mqtt_connack_over_tls(port, client_context(certs, certs.client("device-1"))) == b"\x20\x02\x00\x00"
     finally:
         stop_cleanly(gateway)
+
+
+ALL_PERMISSIONS = ("send", "consume", "browse", "createAddress", "deleteAddress", "createDurableQueue",
+                   "deleteDurableQueue", "createNonDurableQueue", "deleteNonDurableQueue", "manage")  # fmt: skip
+DEVICE_CONFIG = (
+    '[link]\nproxy_users = ["gw"]\n'
+    '[[users]]\nname = "gw"\npassword = "gw-secret"\nroles = ["gateway"]\n'
+    '[[users]]\nname = "device-1"\npassword = "not-used-by-the-device"\nroles = ["device"]\n'
+    + "".join(f'[[permissions]]\nmatch = "#"\npermission = "{p}"\nroles = ["gateway"]\n' for p in ALL_PERMISSIONS)
+    + "".join(
+        f'[[permissions]]\nmatch = "#"\npermission = "{p}"\nroles = ["device"]\n'
+        for p in ALL_PERMISSIONS
+        if p not in ("consume", "browse")
+    )
+    + '[[permissions]]\nmatch = "telemetry.#"\npermission = "consume"\nroles = ["device"]\n'
+)
+
+
+def test_mqtt_device_certificates_are_users_with_their_permissions(tmp_path: Path, certs: Certificates) -> None:
+    core = start_core(tmp_path, config=DEVICE_CONFIG)
+    gateway = tls_gateway(tmp_path, core, "mqtt", certs, client_certs="required", TRIDENTMQ_MQTT_CORE_TLS="false",
+                          TRIDENTMQ_MQTT_CORE_USER="gw", TRIDENTMQ_MQTT_CORE_PASSWORD="gw-secret",
+                          TRIDENTMQ_MQTT_MQTT_USE_IDENTITY_AS_USERNAME="true")  # fmt: skip
+    clients: list[Paho] = []
+
+    def device(name: str) -> Paho:
+        pair = certs.client(name)
+        # The user name and password it sends are ignored: its certificate says who it is.
+        client = Paho(gateway.ports["mqtt_tls"], name, username="mallory", password="guess")
+        client.client.tls_set(ca_certs=str(certs.ca), certfile=str(pair.cert), keyfile=str(pair.key))
+        clients.append(client)
+        return client
+
+    try:
+        known = device("device-1")
+        assert int(known.connect()[1].value) == 0
+        assert [int(getattr(c, "value", c)) for c in known.subscribe("telemetry/+", 1)] == [1]
+        assert [int(getattr(c, "value", c)) for c in known.subscribe("admin/#", 1)] == [0x87]  # its permissions
+        known.publish("telemetry/device-1", b"21.5", 1)
+        assert [m.payload for m in known.receive(1)] == [b"21.5"]
+        # A certificate from the trusted authority for a user the core does not know is refused.
+        unknown = device("device-2")
+        assert int(unknown.connect()[1].value) == 0x86
+        assert "acting_for=device-2" in core.log()
+        # Only link.proxy_users may act for another user: a device's own login cannot become the gateway.
+        with pytest.raises(LinkRequestError, match="may not open links for other users"):
+            asyncio.run(_open_link(core.link_port, "device-1", "not-used-by-the-device", acting_for="gw"))
+        known.disconnect()
+    finally:
+        for client in clients:
+            client.client.loop_stop()
+            client.client._reset_sockets()  # see test_mqtt_over_tls_and_wss
+        clients.clear()
+        gc.collect()
+        stop_cleanly(gateway)
+        assert core.stop() == 0, core.log()
+        assert "Traceback" not in core.log()
+
+
+async def _open_link(port: int, user: str, password: str, *, acting_for: str) -> None:
+    async with LinkClient("127.0.0.1", port, user=user, password=password, acting_for=acting_for,
+                          reconnect=ReconnectPolicy(attempts=0)):  # fmt: skip
+        pass

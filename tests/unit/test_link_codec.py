@@ -313,6 +313,21 @@ def test_hello_names_the_gateways_client_when_given() -> None:
     assert hello.client_host == "10.1.2.3"
 
 
+def test_hello_names_the_user_a_gateway_acts_for() -> None:
+    client = LinkConnection(Role.CLIENT)
+    server = LinkConnection(Role.SERVER)
+    client.hello("gw", "secret", "mqtt d1 10.1.2.3:5000", "10.1.2.3", acting_for="device-1")
+    [hello] = pump(client, server)
+    assert (hello.user, hello.client_host, hello.acting_for) == ("gw", "10.1.2.3", "device-1")
+
+
+@pytest.mark.parametrize("acting_for", [None, 7, "", "x" * 257, ["device-1"]])
+def test_a_bad_acting_for_is_malformed(acting_for: Any) -> None:
+    server = LinkConnection(Role.SERVER)
+    expect_remote_error(server, frame([[Op.HELLO, [1], "u", "p", "c", 0, MIN_FRAME_SIZE, "10.0.0.1", acting_for]]),
+                        ErrorCode.MALFORMED)  # fmt: skip
+
+
 @pytest.mark.parametrize("client_host", [None, 7, "", "x" * 257, ["10.0.0.1"]])
 def test_a_bad_client_host_is_malformed(client_host: Any) -> None:
     server = LinkConnection(Role.SERVER)

@@ -122,12 +122,13 @@ class CoreLinks:
         return cls.of(CoreLinkSettings(host=host, port=port))
 
     def client(self, *, user: str | None, password: str | None, client_name: str, client_host: str | None = None,
-               heartbeat_ms: int = DEFAULT_HEARTBEAT_MS) -> LinkClient:  # fmt: skip
+               heartbeat_ms: int = DEFAULT_HEARTBEAT_MS, acting_for: str | None = None) -> LinkClient:  # fmt: skip
         """A client link (not connected yet) on a node of the topology, failing over as configured;
-        ``client_host`` is the address of the gateway's client it serves (the core checks it)."""
+        ``client_host`` is the address of the gateway's client it serves (the core checks it); with
+        ``acting_for``, ``user`` is the gateway's own and the link has ``acting_for``'s permissions."""
         return LinkClient(topology=self.topology, reconnect=self.reconnect, user=user, password=password,
                           client_name=client_name, client_host=client_host, heartbeat_ms=heartbeat_ms,
-                          tls=self.tls)  # fmt: skip
+                          tls=self.tls, acting_for=acting_for)  # fmt: skip
 
     # ------------------------------------------------------------------ the watcher
     def start(self) -> None:

@@ -245,6 +245,14 @@ class SecurityManager:
         name, roles, grants = entry.name, frozenset(entry.roles), self._grants
         return Credentials(entry.password, lambda: Principal(name, roles, unrestricted=False, _grants=grants))
 
+    def principal_of(self, user: str) -> Principal:
+        """The principal of a configured ``user`` whose identity was established without its password (a
+        gateway vouching for a client certificate); AuthenticationError for an unknown user."""
+        entry = self._users.get(user)
+        if entry is None:
+            raise AuthenticationError(f"no user {user!r} is configured")
+        return Principal(entry.name, frozenset(entry.roles), unrestricted=False, _grants=self._grants)
+
     def authenticate(self, user: str | None, password: str | None, peer_host: str | None,
                      client_host: str | None = None) -> Principal:  # fmt: skip
         """Everything in one call, the password check included (tests and tools; the node checks off-loop)."""

@@ -217,6 +217,14 @@ class LinkProtocol(asyncio.Protocol):
 
     def _open(self, event: ev.HelloReceived, principal: Principal) -> None:
         node = self.node
+        if event.acting_for is not None:
+            try:
+                principal = node.act_for(principal, event.acting_for)
+            except AuthenticationError as exc:
+                log.warning("link refused", extra={"peer": self.peer, "user": principal.name,
+                                                   "acting_for": event.acting_for, "reason": str(exc)})  # fmt: skip
+                self._refuse(ErrorCode.UNAUTHENTICATED, str(exc))
+                return
         link = node.settings.link
         window = link.publish_window
         if self.conn.version < BYTE_CREDIT_VERSION:  # no byte credit: the message window alone bounds bytes
@@ -354,6 +362,16 @@ class CoreNode:
                                lambda: Principal(f"cluster:{user}", frozenset(), unrestricted=True, cluster=True),
                                "wrong cluster credentials")  # fmt: skip
         return self.security.credentials(user, peer, client_host)
+
+    def act_for(self, principal: Principal, user: str) -> Principal:
+        """The principal of ``user`` for a link that ``principal`` (a gateway) opened for it, vouching for its
+        identity (a client certificate): only ``link.proxy_users`` may, for configured users."""
+        if self.security.embedded_default:
+            return Principal(user, frozenset(), unrestricted=True)  # the gateway's link was already let in
+        if principal.cluster or principal.name not in self.settings.link.proxy_users:
+            raise AuthenticationError(f"user {principal.name} may not open links for other users "
+                                      "(link.proxy_users)")  # fmt: skip
+        return self.security.principal_of(user)
 
     def _network_check(self) -> NetworkCheck | None:
         settings = self.settings.network_check

@@ -44,6 +44,12 @@ class LinkSection:
                            "other nodes (cluster connections, replication, votes) then use TLS too, with "
                            "`[tls]` as their client certificate: every node of a cluster sets the same. Gateways "
                            "and the CLI must connect with TLS (`core.tls`, `tridentmq --tls`).")  # fmt: skip
+    proxy_users: list[str] = doc(list, "Users that may open links for another user without that user's password: "
+                                       "a gateway's own `core.user`, for MQTT clients it knows by their "
+                                       "certificate (`mqtt.use_identity_as_username`). Such a link has the other "
+                                       "user's permissions, and that user must be configured in `[[users]]`. "
+                                       "Empty: no link acts for another user (with no users configured, loopback "
+                                       "links may, as they may do anything).", factory=True)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -353,14 +353,22 @@ class MqttSession:
                 self._refuse(exc.reason_code, str(exc))
                 return
         core = self.settings.core
-        link = CoreLinks.of(core).client(user=event.username, password=password, heartbeat_ms=core.heartbeat_ms,
+        user, acting_for = event.username, None
+        if limits.use_identity_as_username:
+            # The certificate names the user; the gateway vouches for it on its own core credentials.
+            if self.wire.certificate_name is None:
+                log.info("mqtt login refused: no client certificate", extra={"peer": self.wire.peer})
+                self._refuse(rc.NOT_AUTHORIZED, "a client certificate is required")
+                return
+            user, password, acting_for = core.user or None, core.password or None, self.wire.certificate_name
+        link = CoreLinks.of(core).client(user=user, password=password, heartbeat_ms=core.heartbeat_ms,
                                          client_name=f"mqtt {client_id[:64]} {self.wire.peer}",
-                                         client_host=self.wire.host)  # fmt: skip
+                                         client_host=self.wire.host, acting_for=acting_for)  # fmt: skip
         try:
             await link.connect()
         except LinkRequestError as exc:
             if exc.code == ErrorCode.UNAUTHENTICATED:
-                log.info("mqtt login refused", extra={"peer": self.wire.peer, "user": event.username})
+                log.info("mqtt login refused", extra={"peer": self.wire.peer, "user": acting_for or user})
                 self._refuse(rc.BAD_USER_NAME_OR_PASSWORD, "bad user name or password")
             else:
                 log.warning("core unavailable", extra={"peer": self.wire.peer, "reason": exc.text})
@@ -369,7 +377,7 @@ class MqttSession:
         self.link = link
         link.on_closed = self._link_closed
         link.on_settled = self._settled
-        self.user = event.username or ""
+        self.user = acting_for or event.username or ""
         try:
             if limits.bind_sessions_to_users:
                 # Before the takeover: another user's CONNECT must neither end the owner's connection nor

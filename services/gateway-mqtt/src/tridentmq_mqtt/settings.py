@@ -100,6 +100,13 @@ class MqttLimitsSection:
                                      "the socket (back-pressure to a fast publisher).")  # fmt: skip
     pending_bytes: int = doc(8 * 1024 * 1024, "Bytes read ahead of processing before the gateway stops reading "
                                               "the socket, whatever the packet count (large packets).")  # fmt: skip
+    use_identity_as_username: bool = doc(False, "Clients are the user named by the common name of their TLS "
+                                         "client certificate (as Mosquitto's option of that name): the CONNECT's "
+                                         "user name and password are ignored, a client without a verified "
+                                         "certificate (cleartext, or `tls.client_certs` not `required`) is "
+                                         "refused, and the gateway opens the client's core link with its own "
+                                         "`core.user`, which the core must list in `link.proxy_users`. The "
+                                         "core enforces that user's permissions.")  # fmt: skip
 
 
 @dataclass(frozen=True)

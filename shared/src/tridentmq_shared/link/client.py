@@ -284,6 +284,7 @@ class LinkClient:
         password: str | None = None,
         client_name: str = "tridentmq-client",
         client_host: str | None = None,
+        acting_for: str | None = None,
         heartbeat_ms: int = DEFAULT_HEARTBEAT_MS,
         reconnect: ReconnectPolicy | None = None,
         connect_timeout: float = 5.0,
@@ -296,6 +297,7 @@ class LinkClient:
         self.user = user
         self.password = password
         self.client_name = client_name
+        self.acting_for = acting_for  # the user ``user`` opens the link for (a gateway's certificate login)
         self.client_host = client_host  # a gateway's client's address, for the core's loopback-only default
         self.heartbeat_ms = heartbeat_ms
         self.reconnect = reconnect or ReconnectPolicy()
@@ -403,7 +405,7 @@ class LinkClient:
             loop.create_connection(lambda: _Protocol(self), host, port, ssl=context), self.connect_timeout
         )
         self._protocol = protocol
-        conn.hello(self.user, self.password, self.client_name, self.client_host)
+        conn.hello(self.user, self.password, self.client_name, self.client_host, self.acting_for)
         transport.write(conn.data_to_send())
         try:
             await asyncio.wait_for(self._opened, self.connect_timeout)

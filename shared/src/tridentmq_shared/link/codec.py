@@ -450,7 +450,11 @@ class LinkConnection:
         if count != 1 and self.role is _SERVER:
             self._fail(ErrorCode.UNEXPECTED, "HELLO travels alone in its frame")
         epoch = 0
-        client_host = None
+        client_host = acting_for = None
+        if self.role is _SERVER and len(op) == len(_FIELDS[Op.HELLO]) + 3:  # for a user the gateway vouches for
+            acting_for = op.pop()
+            if type(acting_for) is not str or not 0 < len(acting_for) <= MAX_CLIENT_HOST:
+                self._fail(ErrorCode.MALFORMED, f"HELLO's acting_for is a string of 1 to {MAX_CLIENT_HOST} characters")
         if self.role is _SERVER and len(op) == len(_FIELDS[Op.HELLO]) + 2:  # on behalf of a gateway's client
             client_host = op.pop()
             if type(client_host) is not str or not 0 < len(client_host) <= MAX_CLIENT_HOST:
@@ -484,7 +488,8 @@ class LinkConnection:
             if self.heartbeat_ms > 0:
                 self.heartbeat_ms = max(self.heartbeat_ms, heartbeat_ms)
             self.state = State.AUTHENTICATING
-            events.append(ev.HelloReceived(self.version, user, password, client_name, self.heartbeat_ms, client_host))
+            events.append(ev.HelloReceived(self.version, user, password, client_name, self.heartbeat_ms, client_host,
+                                           acting_for))  # fmt: skip
             return  # the heartbeat clock starts at accept(): authentication may take a while
         _, version, node_id, conn_id, heartbeat_ms, max_frame, credit = op
         if version not in self.versions or heartbeat_ms < 0 or credit < 0 or max_frame < MIN_FRAME_SIZE or \
@@ -691,14 +696,19 @@ class LinkConnection:
         self._out.append([Op.REPLICA, epoch, first, records, sync_end])
 
     # ------------------------------------------------------------------ client side
-    def hello(self, user: str | None, password: str | None, client_name: str, client_host: str | None = None) -> None:
-        """Open the link; ``client_host`` is the address of the client a gateway opens it for."""
+    def hello(self, user: str | None, password: str | None, client_name: str, client_host: str | None = None,
+              acting_for: str | None = None) -> None:  # fmt: skip
+        """Open the link; ``client_host`` is the address of the client a gateway opens it for, ``acting_for``
+        the user that client proved to be by other means than a password (its TLS certificate), for whom
+        ``user`` (the gateway's own) opens the link."""
         if self.role is not _CLIENT or self.state is not State.HANDSHAKE or self._hello_sent:
             raise LocalProtocolError(ErrorCode.UNEXPECTED, "hello() opens a client link, once")
         self._hello_sent = True
         hello = [Op.HELLO, list(self.versions), user, password, client_name, self.heartbeat_ms, self.max_frame_size]
-        if client_host:
-            hello.append(client_host)
+        if client_host or acting_for:
+            hello.append(client_host or "?")
+        if acting_for:
+            hello.append(acting_for)
         self._out.append(hello)
 
     def _request(self, op: Op, *fields: Any) -> int:

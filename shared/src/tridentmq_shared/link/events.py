@@ -29,6 +29,9 @@ class HelloReceived:
     heartbeat_ms: int
     # The address of the client a gateway opens this link for (its real peer); None for a link of its own.
     client_host: str | None = None
+    # The user a gateway opens this link for, on its own credentials (a client certificate's name); the core
+    # lets only its link.proxy_users do so.
+    acting_for: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ HEADER_SIZE: Final = 4
 
 class Op(IntEnum):
     # connection
-    HELLO = 1  # C→S [op, versions, user, password, client_name, heartbeat_ms, max_frame, client_host?]
+    HELLO = 1  # C→S [op, versions, user, password, client_name, heartbeat_ms, max_frame, client_host?, acting_for?]
     WELCOME = 2  # S→C [op, version, node_id, conn_id, heartbeat_ms, max_frame, publish_credit, epoch?, bytes v2]
     CLOSE = 3  # both [op, code, text]: the sender closes the link after it
     HEARTBEAT = 4  # both [op]
