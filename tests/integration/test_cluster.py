@@ -327,6 +327,25 @@ async def test_messages_that_reach_a_returned_node_after_its_subscriber_moved_fo
     stop_all([a, b, restarted])
 
 
+async def test_a_backlog_pulled_over_just_before_its_consumer_moved_back_follows_it(tmp_path: Path) -> None:
+    """Issue 21, the seed problem under load: 1,000 messages on b, a consumer on a (window 1) pulls them over,
+    then moves back to b at once; a's redistributor passed over all of them (just arrived: inside the
+    minimum residence time) and nothing offered them again: 0 of 1,000 arrived in 200 s."""
+    a, b = start_cluster(tmp_path, 2)
+    await publish(b, "work", bodies(1000))
+    async with client(a) as ca:
+        first = await ca.subscribe("work", credit=1)
+        await wait_until_async(lambda: cluster_view(a)["backlog"].get("work", 0) >= 999,
+                               what="b's backlog to move to a")  # fmt: skip
+        got = await take(first, 1)
+        await first.close()
+    async with client(b) as cb:
+        moved = await cb.subscribe("work", credit=1000)
+        got += await take(moved, 999, timeout=20)
+    assert sorted(got) == sorted(bodies(1000))
+    stop_all([a, b])
+
+
 async def test_wrong_cluster_password_and_copied_node_id_are_refused(tmp_path: Path) -> None:
     first = start_node(tmp_path, "node-0")
     intruder = start_core(tmp_path, "intruder", **{**cluster_env([first]),
