@@ -16,8 +16,9 @@ import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
-from tridentmq_shared.link.client import LinkClient, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.link.client import LinkClient, LinkClosedError, LinkRequestError, ReconnectPolicy
 from tridentmq_shared.link.codec import DEFAULT_HEARTBEAT_MS
+from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.link.topology import Endpoint, Topology, load_balancing, parse_endpoint
 from tridentmq_shared.settings import SettingsError, doc
 from tridentmq_shared.supervision import spawn
@@ -129,6 +130,24 @@ class CoreLinks:
         return LinkClient(topology=self.topology, reconnect=self.reconnect, user=user, password=password,
                           client_name=client_name, client_host=client_host, heartbeat_ms=heartbeat_ms,
                           tls=self.tls, acting_for=acting_for)  # fmt: skip
+
+    async def reachable(self) -> bool:
+        """Whether a core node of the topology answers a link now (one try over the nodes): what a gateway
+        needs before it can serve a client. A node refusing the gateway's own credentials answers too (its
+        clients bring theirs)."""
+        probe = LinkClient(topology=self.topology, reconnect=ReconnectPolicy(attempts=0, initial_attempts=1),
+                           user=self.settings.user or None, password=self.settings.password or None,
+                           client_name=f"{self.name} readiness", heartbeat_ms=self.heartbeat_ms,
+                           tls=self.tls)  # fmt: skip
+        try:
+            await probe.connect()
+        except LinkClosedError as exc:
+            return exc.code == ErrorCode.UNAUTHENTICATED
+        except (LinkRequestError, OSError, TimeoutError):
+            return False
+        finally:
+            await probe.close()
+        return True
 
     # ------------------------------------------------------------------ the watcher
     def start(self) -> None:

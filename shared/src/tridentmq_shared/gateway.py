@@ -15,7 +15,8 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar, cast
@@ -34,6 +35,10 @@ log = logging.getLogger("tridentmq.gateway")
 
 #: A WebSocket message written ahead of the client's reading above this many bytes makes writers wait.
 _WS_HIGH_WATER = 64 * 1024
+#: How long /readyz trusts its last look at the core (load balancers ask every few seconds, per replica).
+CORE_CHECK_SECONDS = 1.0
+#: Longest wait between two looks at the core while a gateway waits for it to open its client ports.
+CORE_WAIT_MAX_SECONDS = 2.0
 
 
 class Wire(Protocol):
@@ -257,32 +262,54 @@ class _WebSocketWire:
         await self._reading.wait()
 
 
+async def _always() -> bool:
+    return True
+
+
 class GatewayShell:
     """Listeners, HTTP and the ports file of one gateway; ``open_session`` makes the protocol session of a
-    new client connection, ``metrics`` lists what /metrics shows, ``ready`` says whether /readyz is green."""
+    new client connection, ``metrics`` lists what /metrics shows, ``core_ready`` says whether the core
+    answers (the client ports open once it does, and /readyz is green only while it does)."""
 
     def __init__(self, config: ShellConfig, open_session: Callable[[Wire], ClientSession],
-                 metrics: Callable[[], list[Metric]], ready: Callable[[], bool] = lambda: True,
+                 metrics: Callable[[], list[Metric]], core_ready: Callable[[], Awaitable[bool]] = _always,
                  ports_file: Path | None = None) -> None:  # fmt: skip
         self.config = config
         self.open_session = open_session
         self.metrics = metrics
-        self.is_ready = ready
+        self.core_ready = core_ready
         self.ports_file = ports_file
         self.sessions: set[ClientSession] = set()
         self.started = False
         self.ports: dict[str, int] = {}
         self._servers: list[asyncio.Server] = []
         self._runners: list[web.AppRunner] = []
+        self._core_seen: tuple[float, bool] = (-CORE_CHECK_SECONDS, False)  # (when, answer) of the last look
+        self._core_looking: asyncio.Task[bool] | None = None
 
     async def start(self) -> None:
+        """HTTP first (/healthz answers, /readyz says "starting"), then, once the core answers, the client
+        ports: a client connecting earlier would be refused for nothing it did."""
         config = self.config
         loop = asyncio.get_running_loop()
+        tls = config.tls.context if config.tls is not None else None
+        if config.http_enabled:
+            hosts = HostCheck((*config.http_allowed_hosts, config.http_host))
+            app = web.Application(middlewares=[host_check_middleware(hosts, "http.allowed_hosts")])
+            app.router.add_get("/healthz", self._healthz)
+            app.router.add_get("/readyz", self._readyz)
+            app.router.add_get("/metrics", self._metrics)
+            runner = http_runner(app, request_timeout_ms=config.http_request_timeout_ms)
+            await runner.setup()
+            self._runners.append(runner)
+            self.ports["http"] = await serve(runner, config.http_host, config.http_port,
+                                             tls=tls if config.http_tls else None,
+                                             max_connections=config.http_max_connections, listener="http")  # fmt: skip
+        await self._wait_for_core()
         if config.port >= 0:
             server = await loop.create_server(lambda: _TcpWire(self), config.host, config.port)
             self._servers.append(server)
             self.ports[config.protocol] = server.sockets[0].getsockname()[1]
-        tls = config.tls.context if config.tls is not None else None
         if tls is not None and config.tls_port >= 0:
             server = await loop.create_server(lambda: _TcpWire(self), config.host, config.tls_port, ssl=tls)
             self._servers.append(server)
@@ -300,23 +327,35 @@ class GatewayShell:
             if tls is not None and config.websocket_tls_port >= 0:
                 self.ports["websocket_tls"] = await serve(runner, config.host, config.websocket_tls_port, tls=tls,
                                                           max_connections=cap, listener="websocket_tls")  # fmt: skip
-        if config.http_enabled:
-            hosts = HostCheck((*config.http_allowed_hosts, config.http_host))
-            app = web.Application(middlewares=[host_check_middleware(hosts, "http.allowed_hosts")])
-            app.router.add_get("/healthz", self._healthz)
-            app.router.add_get("/readyz", self._readyz)
-            app.router.add_get("/metrics", self._metrics)
-            runner = http_runner(app, request_timeout_ms=config.http_request_timeout_ms)
-            await runner.setup()
-            self._runners.append(runner)
-            self.ports["http"] = await serve(runner, config.http_host, config.http_port,
-                                             tls=tls if config.http_tls else None,
-                                             max_connections=config.http_max_connections, listener="http")  # fmt: skip
         self.started = True
         if self.ports_file is not None:
             tmp = self.ports_file.with_suffix(".tmp")
             tmp.write_text(json.dumps(self.ports))
             tmp.replace(self.ports_file)
+
+    async def _wait_for_core(self) -> None:
+        delay = 0.1
+        warned = False
+        while not await self.core_answers():
+            if not warned:
+                log.warning("waiting for the core before opening the client ports",
+                            extra={"protocol": self.config.protocol})  # fmt: skip
+                warned = True
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, CORE_WAIT_MAX_SECONDS)
+        if warned:
+            log.info("core reachable: opening the client ports", extra={"protocol": self.config.protocol})
+
+    async def core_answers(self) -> bool:
+        """``core_ready``, asked at most once per ``CORE_CHECK_SECONDS`` (concurrent askers share one look)."""
+        when, answer = self._core_seen
+        if time.monotonic() - when < CORE_CHECK_SECONDS:
+            return answer
+        if self._core_looking is None or self._core_looking.done():
+            self._core_looking = asyncio.ensure_future(self.core_ready())
+        answer = await asyncio.shield(self._core_looking)
+        self._core_seen = (time.monotonic(), answer)
+        return answer
 
     async def stop(self, end_session: Callable[[ClientSession], None]) -> None:
         """Stop listening, end every session with ``end_session`` and wait (5 s at most) for them to close
@@ -387,8 +426,10 @@ class GatewayShell:
         failure = current().failure
         if failure is not None:  # a background task failed: the process is stopping
             return web.json_response({"status": "failed", "reason": failure}, status=503)
-        if not self.started or not self.is_ready():
-            return web.json_response({"status": "starting" if not self.started else "unavailable"}, status=503)
+        if not self.started:
+            return web.json_response({"status": "starting"}, status=503)
+        if not await self.core_answers():
+            return web.json_response({"status": "unavailable", "reason": "core unreachable"}, status=503)
         return web.json_response({"status": "ready", **self.ports})
 
     async def _metrics(self, _request: web.Request) -> web.Response:
@@ -456,9 +497,16 @@ async def _serve(gateway: Gateway, supervisor: Supervisor) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, signalled.set)
-    await gateway.start()
     failed = asyncio.ensure_future(supervisor.wait_failed())  # a failure during the start counts too
     stop = asyncio.ensure_future(signalled.wait())
+    starting = asyncio.ensure_future(gateway.start())  # waits for the core: a signal meanwhile stops it
+    await asyncio.wait({starting, stop}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+    else:
+        starting.result()
     await asyncio.wait({stop, failed}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
     if failed.done():

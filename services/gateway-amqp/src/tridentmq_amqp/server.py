@@ -32,7 +32,8 @@ class AmqpGateway:
             http_allowed_hosts=tuple(http.allowed_hosts),
             http_request_timeout_ms=http.request_timeout_ms, http_max_connections=http.max_connections,
         )  # fmt: skip
-        self.shell = GatewayShell(config, self._open_session, self._metrics, ports_file=ports_file)
+        self.shell = GatewayShell(config, self._open_session, self._metrics, self.core_links.reachable,
+                                  ports_file=ports_file)  # fmt: skip
 
     @property
     def ports(self) -> dict[str, int]:

@@ -42,7 +42,7 @@ class MqttGateway:
             http_allowed_hosts=tuple(http.allowed_hosts),
             http_request_timeout_ms=http.request_timeout_ms, http_max_connections=http.max_connections,
         )  # fmt: skip
-        self.shell = GatewayShell(config, self._open_session, self._metrics, ready=lambda: self.registry.ready,
+        self.shell = GatewayShell(config, self._open_session, self._metrics, self._core_ready,
                                   ports_file=ports_file)  # fmt: skip
 
     @property
@@ -55,12 +55,17 @@ class MqttGateway:
     def _delivered(self, count: int) -> None:
         self.counters.messages_delivered += count
 
-    async def start(self) -> None:
-        self.core_links.start()
+    async def _core_ready(self) -> bool:
+        """The gateway serves when its service link is up: opened here (again), so that it comes back with
+        the core even before a client asks for it."""
         try:
             await self.registry.link()
-        except (LinkRequestError, OSError) as exc:  # clients are refused (0x88) until the core is back
-            log.warning("core unavailable at start", extra={"reason": str(exc)})
+        except (LinkRequestError, OSError, TimeoutError):  # clients are refused (0x88) until the core is back
+            return False
+        return True
+
+    async def start(self) -> None:
+        self.core_links.start()
         await self.shell.start()
         core = self.settings.core
         log.info("mqtt gateway ready", extra={**self.ports, "core": f"{core.host}:{core.port}"})

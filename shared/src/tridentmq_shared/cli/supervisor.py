@@ -14,6 +14,7 @@ import secrets
 import signal
 import sys
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +64,9 @@ def plan(data_dir: Path, config: Path | None, config_dir: Path | None = None, *,
             argv += ["--config", str(own)]
         if name != "core":
             env = {}
+            if not cores:  # the gateways dial the core started here, wherever its settings put it
+                kind = name.removeprefix("gateway-").upper()
+                env[f"TRIDENTMQ_{kind}_CORE_HOST"], env[f"TRIDENTMQ_{kind}_CORE_PORT"] = _core_link(config)
             if actives:
                 kind = name.removeprefix("gateway-").upper()
                 env[f"TRIDENTMQ_{kind}_CORE_PORT"] = actives[gateways % len(actives)]["TRIDENTMQ_CORE_LINK_PORT"]
@@ -79,6 +83,20 @@ def plan(data_dir: Path, config: Path | None, config_dir: Path | None = None, *,
 
 BASE_LINK_PORT = 61616
 BASE_MANAGEMENT_PORT = 8161
+_ANY_ADDRESS = ("", "0.0.0.0", "::")  # a listener on every address is reached on loopback
+
+
+def _core_link(config: Path | None) -> tuple[str, str]:
+    """(host, port) of the single core's link listener, as the core reads its settings: the environment
+    over the ``[link]`` table of its file over the defaults."""
+    link: dict[str, object] = {}
+    if config is not None and config.exists():
+        with config.open("rb") as file:
+            table = tomllib.load(file).get("link", {})
+        link = table if isinstance(table, dict) else {}
+    host = os.environ.get("TRIDENTMQ_CORE_LINK_HOST", str(link.get("host", "127.0.0.1")))
+    port = os.environ.get("TRIDENTMQ_CORE_LINK_PORT", str(link.get("port", BASE_LINK_PORT)))
+    return ("127.0.0.1" if host in _ANY_ADDRESS else host), port
 
 
 def _cluster(data_dir: Path, nodes: int, discovery: str) -> list[tuple[str, dict[str, str]]]:
