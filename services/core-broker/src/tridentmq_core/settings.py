@@ -33,7 +33,9 @@ class LinkSection:
                                     "many publishes as this holds at `broker.max_message_bytes` each, at "
                                     "least one.")  # fmt: skip
     max_connections: int = doc(10_000, "Link connections accepted at once; more are refused.")
-    handshake_timeout_ms: int = doc(10_000, "A connection that has not sent its HELLO by then is closed.")
+    handshake_timeout_ms: int = doc(10_000, "A connection that has not completed HELLO by then is closed "
+                                            "(`resource-limit` when its HELLO still waits for its password "
+                                            "check: the client retries).")  # fmt: skip
     handshake_max_frame_bytes: int = doc(64 * 1024, "Largest frame accepted before HELLO succeeds (HELLO takes a "
                                                     "few hundred bytes; at least 1024). Larger ones close the "
                                                     "connection, so an unauthenticated peer holds at most this "
