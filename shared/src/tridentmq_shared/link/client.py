@@ -436,8 +436,8 @@ class LinkClient:
             except LinkError as exc:
                 log.warning("link to %s:%s dead: %s", self.host, self.port, exc.text)
                 self._write_now()
-                if self._protocol is not None and self._protocol.transport is not None:
-                    self._protocol.transport.abort()
+                if self._protocol is not None:
+                    self._drop(self._protocol, abort=True)
                 return
             self._schedule_flush()
 
@@ -483,8 +483,7 @@ class LinkClient:
         except LinkError as exc:
             log.warning("protocol error from %s:%s: %s", self.host, self.port, exc)
             self._write_now()
-            if protocol.transport is not None:
-                protocol.transport.close()
+            self._drop(protocol)
             return
         settled = False
         for event in events:
@@ -566,6 +565,21 @@ class LinkClient:
                 if self._opened is not None and not self._opened.done():
                     self._opened.set_exception(self._error)
                 log.info("server closed the link: %s: %s", code, text)
+                if self._protocol is not None and not self._connecting and code not in _FATAL:
+                    # A node that stops serving (failback, shutdown, isolation) says so before its socket
+                    # goes: the link is lost from here, not from when the socket closes.
+                    self._drop(self._protocol)
+
+    def _drop(self, protocol: _Protocol, *, abort: bool = False) -> None:
+        """End a connection found dead or closed by its node, and count it lost now: its socket's own end
+        comes a loop turn later, and an ack or send in between must wait for the resume (as in a failover)
+        rather than raise the old connection's error to the application."""
+        if protocol.transport is not None:
+            if abort:
+                protocol.transport.abort()
+            else:
+                protocol.transport.close()
+        self._lost(protocol, None)
 
     def _lost(self, protocol: _Protocol, exc: Exception | None) -> None:
         if protocol is not self._protocol:
