@@ -140,3 +140,23 @@ def test_members_carry_their_backup_and_epoch_and_a_lower_epoch_of_a_node_is_ref
     topology.update([{"host": "h", "port": 2, "node_id": "n", "epoch": "x", "backup": ["h", 0]}])
     assert topology.members[0].epoch == 0
     assert topology.members[0].backup is None
+
+
+def test_a_node_cut_off_from_the_others_does_not_make_the_client_forget_the_cluster() -> None:
+    """The cut-off node reports itself alone and without its backup: the backup (which takes over) and the
+    other nodes are still known, tried after the reported members."""
+    topology = Topology([A], "FIRST_ELEMENT")
+    members = [{"host": h, "port": p, "node_id": f"id-{h}", "epoch": 1} for h, p in (A, B)]
+    members[0]["backup"] = list(C)
+    topology.update(members)
+    assert topology.backup_of(A) == C
+    topology.update([{"host": A[0], "port": A[1], "node_id": f"id-{A[0]}", "epoch": 1}])  # cut off: alone
+    assert topology.endpoints == [A]
+    assert topology.backup_of(A) == C  # where its pair goes on
+    assert topology.connection_order(failed=A) == [B, A]  # the other node is still tried
+    # The backup took over at epoch 2 (the same node id, at C): the old copy's view is no member any more.
+    topology.update([{"host": C[0], "port": C[1], "node_id": f"id-{A[0]}", "epoch": 2},
+                     {"host": B[0], "port": B[1], "node_id": f"id-{B[0]}", "epoch": 1}])  # fmt: skip
+    assert topology.backup_of(C) is None  # the backup that took over has none yet; not itself
+    assert not topology.update([{"host": A[0], "port": A[1], "node_id": f"id-{A[0]}", "epoch": 1}])
+    assert topology.endpoints == [C, B]

@@ -151,6 +151,12 @@ class Topology:
         self.clustered: bool | None = None
         self.epochs: dict[str, int] = {}  # node id → highest activation epoch seen (HA)
         self.version = 0  # goes up with each change of the members
+        # The last known good view, merged from every answer: a node cut off from the others reports itself
+        # alone and without its backup, and a client that replaced its view with that one would forget where
+        # the pair's backup (which takes over) and the other nodes are. The reported members come first; these
+        # are tried after them (a member that left for good only costs a refused connection).
+        self.known: dict[str, Member] = {}  # node id → the member at its newest epoch
+        self.backups: dict[str, tuple[int, Endpoint]] = {}  # node id → (epoch, its in-sync backup) last reported
 
     @property
     def endpoints(self) -> list[Endpoint]:
@@ -162,9 +168,11 @@ class Topology:
         had no usable member: the cluster always lists at least the node that answers)."""
         self.clustered = True
         found = tuple(m for m in (Member.from_wire(w) for w in members) if m is not None)
+        # A copy at an older epoch than one seen (a cut-off old primary reporting itself) is no member.
+        found = tuple(m for m in found if not (m.node_id and m.epoch) or self.saw(m.node_id, m.epoch))
         for member in found:
             if member.node_id:
-                self.saw(member.node_id, member.epoch)
+                self._remember(member)
         if not found or found == self.members:
             return False
         self.members = found
@@ -179,9 +187,32 @@ class Topology:
         self.epochs[node_id] = epoch
         return True
 
+    def _remember(self, member: Member) -> None:
+        known = self.known.get(member.node_id)
+        if known is None or member.epoch >= known.epoch:
+            self.known[member.node_id] = member
+        if member.backup is not None:
+            self.backups[member.node_id] = (member.epoch, member.backup)
+
+    @property
+    def last_known(self) -> list[Endpoint]:
+        """Endpoints of nodes known from earlier views that the current one does not list, newest first."""
+        live = set(self.endpoints)
+        return list(dict.fromkeys(m.endpoint for m in reversed(self.known.values()) if m.endpoint not in live))
+
     def backup_of(self, endpoint: Endpoint) -> Endpoint | None:
-        """The in-sync backup of the member at ``endpoint``, if it has one."""
-        return next((m.backup for m in self.members if m.endpoint == endpoint and m.backup is not None), None)
+        """The in-sync backup of the member at ``endpoint``: as the current view says, else as last reported for
+        the node at its current epoch (a node that lost its backup, by a cut, reports none; the backup is where
+        the pair goes on)."""
+        found = next((m.backup for m in self.members if m.endpoint == endpoint and m.backup is not None), None)
+        if found is not None:
+            return found
+        for node_id, member in self.known.items():
+            if member.endpoint == endpoint:
+                epoch, backup = self.backups.get(node_id, (0, endpoint))
+                if backup != endpoint and epoch >= member.epoch:
+                    return backup
+        return None
 
     def not_clustered(self) -> None:
         """The node refused TOPOLOGY: a single node (or several unclustered ones) is just the configured list."""
@@ -189,13 +220,15 @@ class Topology:
 
     def connection_order(self, failed: Endpoint | None = None) -> list[Endpoint]:
         """The endpoints to try, in order, for one connection attempt: the policy's choice among the live
-        members, the other members after it, then the configured endpoints that are not members, and the
-        endpoint that just ``failed`` last (it may be back, and for a single node it is the only one)."""
+        members, the other members after it, then the nodes of earlier views, the configured endpoints that are
+        not members, and the endpoint that just ``failed`` last (it may be back, and for a single node it is
+        the only one)."""
         live = [e for e in self.endpoints if e != failed]
         order: list[Endpoint] = []
         if live:
             first = live.index(self.policy.choose(live))
             order = live[first:] + live[:first]
+        order += [e for e in self.last_known if e != failed and e not in order]
         order += [e for e in self.seeds if e != failed and e not in order]
         if failed is not None:
             order.append(failed)
