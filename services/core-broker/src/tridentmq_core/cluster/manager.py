@@ -298,6 +298,7 @@ class Bridge:
         self.consumers[FORWARDER_ID] = forwarder
         broker.add_forwarder(self.session, forwarder)
         self.state = "up"
+        self.reason = ""  # a failure from before (the node was not up yet at our start) is not why it is up
         self.leaving = False
 
     def add_redistributor(self, make: Callable[[int, Session], Redistributor]) -> Redistributor | None:
