@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="inspect a stopped node's journal: verify | print")
     data.add_argument("args", nargs=argparse.REMAINDER, help="verify|print [--data-dir DIR] [--journal DIR]")
 
+    audit = sub.add_parser("audit", help="analyse the audit stream with Spark: report | trace | stream")
+    audit.add_argument("args", nargs=argparse.REMAINDER, help="report|trace|stream ... (see tridentmq audit --help)")
+
     for name, text in (("status", "show a core node's state"),):
         _management_args(sub.add_parser(name, help=text))
 
@@ -210,6 +213,10 @@ def main(argv: list[str] | None = None) -> None:
         os.execv(sys.executable, [sys.executable, "-m", "tridentmq_core", *argv[1:]])  # noqa: S606
     if argv[:1] == ["data"]:
         os.execv(sys.executable, [sys.executable, "-m", "tridentmq_core.data_tools", *argv[1:]])  # noqa: S606
+    # `audit` runs the Spark jobs (the optional `spark` dependency group), in their own interpreter so that
+    # nothing here imports pyspark.
+    if argv[:1] == ["audit"]:
+        os.execv(sys.executable, [sys.executable, "-m", "tridentmq_spark", *argv[1:]])  # noqa: S606
     args = build_parser().parse_args(argv)
     try:
         code = run(args)

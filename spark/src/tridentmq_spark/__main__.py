@@ -1,0 +1,5 @@
+"""``python -m tridentmq_spark`` (also the script spark-submit runs)."""
+
+from tridentmq_spark.cli import main
+
+main()

@@ -1,0 +1,227 @@
+"""Reading sealed audit segments from disk into Arrow batches (plain Python: it runs in Spark's workers).
+
+Layout (docs/audit.md): ``<audit dir>/<node_id>/<first_seq:020d>.jsonl``; hidden folders (``.active``) are
+never read. A sealed file never changes, so a node's readable log ends at the last seq of its newest sealed
+segment.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+import pyarrow as pa
+
+from tridentmq_spark import schema
+
+__all__ = ["Segment", "list_nodes", "list_segments", "node_end", "read_range"]
+
+_SUFFIX = ".jsonl"
+_TAIL_CHUNK = 64 * 1024
+_BATCH_ROWS = 65_536
+_INT_COLUMNS = frozenset(name for name, kind in schema.COLUMNS if kind == pa.int64())
+_EVENT_COLUMNS = tuple(name for name, _ in schema.COLUMNS if name not in {"bad_reason", "raw"})
+_TARGET_QUEUES = "target_queues"
+
+
+@dataclass(frozen=True)
+class Segment:
+    path: Path
+    first_seq: int
+
+
+def list_nodes(audit_dir: Path) -> list[str]:
+    """Node folders present now (a node that appears later is picked up by the next call)."""
+    try:
+        entries = os.scandir(audit_dir)
+    except FileNotFoundError:
+        return []
+    with entries:
+        return sorted(e.name for e in entries if e.is_dir() and not e.name.startswith("."))
+
+
+def list_segments(node_dir: Path) -> list[Segment]:
+    """Sealed segments of one node, by first seq."""
+    found = []
+    try:
+        entries = os.scandir(node_dir)
+    except FileNotFoundError:
+        return []
+    with entries:
+        for e in entries:
+            stem = e.name[: -len(_SUFFIX)]
+            if e.name.endswith(_SUFFIX) and stem.isdigit() and e.is_file():
+                found.append(Segment(Path(e.path), int(stem)))
+    found.sort(key=lambda s: s.first_seq)
+    return found
+
+
+def node_end(segments: list[Segment]) -> int:
+    """One past the last seq of the newest sealed segment (0 when there is none)."""
+    if not segments:
+        return 0
+    last = segments[-1]
+    seq = _last_seq(last.path)
+    return max(seq + 1, last.first_seq + 1) if seq is not None else last.first_seq + 1
+
+
+def _last_seq(path: Path) -> int | None:
+    """The seq on the last line that carries one, read from the file's tail."""
+    with path.open("rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        start = max(0, size - _TAIL_CHUNK)
+        f.seek(start)
+        tail = f.read()
+    lines = tail.split(b"\n")
+    if start > 0:
+        lines = lines[1:]  # the first piece may be a partial line
+    for line in reversed(lines):
+        seq = _seq_of(line)
+        if seq is not None:
+            return seq
+    if start > 0:  # no readable line in the tail: scan the whole file
+        seqs = [s for s in map(_seq_of, path.read_bytes().split(b"\n")) if s is not None]
+        return max(seqs) if seqs else None
+    return None
+
+
+def _seq_of(line: bytes) -> int | None:
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    seq = record.get("seq") if isinstance(record, dict) else None
+    return seq if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0 else None
+
+
+def read_range(node_dir: Path, node_id: str, start: int, end: int) -> Iterator[pa.RecordBatch]:
+    """Every record of ``node_id`` with ``start <= seq < end`` as Arrow batches, bad lines included.
+
+    Offsets always fall on segment boundaries (a stream's end is a sealed segment's end), so the segments
+    read are those whose first seq lies in [start, end); a bad line in them is reported exactly once.
+    Missing seqs inside the range become one ``seq_gap`` row each run.
+    """
+    builder = _BatchBuilder()
+    expected = start
+    for segment in list_segments(node_dir):
+        if not start <= segment.first_seq < end:
+            continue
+        with segment.path.open("rb") as f:
+            for line in f:
+                row = _parse(line, node_id)
+                seq = row.get("seq")
+                if row.get("bad_reason") is None or isinstance(seq, int):
+                    assert isinstance(seq, int)
+                    if seq >= end or seq < start:
+                        continue  # a later batch owns it (cannot happen with sealed files; kept defensive)
+                    if seq > expected:
+                        builder.add(_gap(node_id, expected, seq))
+                    elif seq < expected:
+                        row = {**row, "bad_reason": schema.BAD_DUPLICATE_SEQ, "raw": _raw(line)}
+                    expected = max(expected, seq + 1)
+                builder.add(row)
+                if builder.rows >= _BATCH_ROWS:
+                    yield builder.take()
+    if expected < end:
+        builder.add(_gap(node_id, expected, end))
+    if builder.rows:
+        yield builder.take()
+
+
+def _gap(node_id: str, first_missing: int, next_present: int) -> dict[str, object]:
+    count = next_present - first_missing
+    return {"node_id": node_id, "seq": first_missing, "bad_reason": schema.BAD_SEQ_GAP, "raw": f"{count} missing"}
+
+
+def _raw(line: bytes) -> str:
+    return line.rstrip(b"\n").decode("utf-8", "replace")[:4096]
+
+
+def _parse(line: bytes, node_id: str) -> dict[str, object]:
+    """One line as a row: the event's fields, or a bad row with the reason and the raw line."""
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return {"node_id": node_id, "bad_reason": schema.BAD_NOT_JSON, "raw": _raw(line)}
+    if not isinstance(record, dict):
+        return {"node_id": node_id, "bad_reason": schema.BAD_NOT_JSON, "raw": _raw(line)}
+    seq, v, ts, event = record.get("seq"), record.get("v"), record.get("ts_us"), record.get("event")
+    if not (_is_int(seq) and _is_int(v) and _is_int(ts) and isinstance(event, str)):
+        return {
+            "node_id": node_id,
+            "seq": seq if _is_int(seq) else None,
+            "bad_reason": schema.BAD_MISSING_HEADER,
+            "raw": _raw(line),
+        }
+    record["node_id"] = node_id  # the folder names the node; a line claiming another one is not trusted
+    if v > schema.SCHEMA_VERSION:  # type: ignore[operator]
+        return {
+            "node_id": node_id,
+            "seq": seq,
+            "ts_us": ts,
+            "event": event,
+            "v": v,
+            "bad_reason": schema.BAD_NEWER_VERSION,
+            "raw": _raw(line),
+        }
+    if event not in schema.KNOWN_EVENTS:
+        return {
+            "node_id": node_id,
+            "seq": seq,
+            "ts_us": ts,
+            "event": event,
+            "v": v,
+            "bad_reason": schema.BAD_UNKNOWN_EVENT,
+            "raw": _raw(line),
+        }
+    queues = record.get(_TARGET_QUEUES)
+    if isinstance(queues, list):
+        record[_TARGET_QUEUES] = ",".join(map(str, queues))
+    for name in _INT_COLUMNS:
+        value = record.get(name)
+        if value is not None and not _is_int(value):
+            return {
+                "node_id": node_id,
+                "seq": seq,
+                "ts_us": ts,
+                "event": event,
+                "v": v,
+                "bad_reason": schema.BAD_FIELD_TYPE,
+                "raw": _raw(line),
+            }
+    return record
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class _BatchBuilder:
+    """Collects rows column by column and turns them into one Arrow batch."""
+
+    def __init__(self) -> None:
+        self._rows: list[dict[str, object]] = []
+
+    @property
+    def rows(self) -> int:
+        return len(self._rows)
+
+    def add(self, row: dict[str, object]) -> None:
+        self._rows.append(row)
+
+    def take(self) -> pa.RecordBatch:
+        rows, self._rows = self._rows, []
+        arrays = []
+        for name, kind in schema.COLUMNS:
+            values = [r.get(name) for r in rows]
+            if kind == pa.string():
+                values = [x if x is None or isinstance(x, str) else _text(x) for x in values]
+            arrays.append(pa.array(values, type=kind))
+        return pa.RecordBatch.from_arrays(arrays, schema=schema.arrow_schema())
+
+
+def _text(value: object) -> str:
+    return orjson.dumps(value).decode()

@@ -1,0 +1,191 @@
+"""``tridentmq audit stream``: Structured Streaming over the audit source, continuously.
+
+Queries, each with its own checkpoint under ``--checkpoint`` and its own sink under ``--out`` (Parquet, or the
+console when no ``--out``):
+
+- ``events``: every event as Parquet rows (exactly once: file sink + checkpointed source offsets).
+- ``rates``: per address and event-time window: messages sent/acked per second, latency percentiles.
+- ``alerts``: per node, address and window: ``stranded`` (messages sent, none delivered or acked within the
+  window) and ``dead_letter_spike``; plus ``failover`` alerts straight from the lifecycle events.
+- ``bad_records``: lines that are not v1 events, and seq gaps.
+
+Event-time windows close on a watermark. It is set on the unfiltered stream and the aggregations pick their
+events with conditional aggregates instead of a filter, so ``node.heartbeat`` (every 10 s per node) keeps the
+watermark moving when traffic stops; a ``where`` before the aggregation could be pushed below the watermark.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.streaming.query import StreamingQuery
+
+from tridentmq_spark.source import FORMAT
+
+__all__ = ["StreamOptions", "alerts", "rates", "run_stream", "start_queries"]
+
+_FAILOVER_EVENTS = ("ha.activated", "ha.failback", "ha.fenced", "node.left")
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    audit_dir: Path
+    checkpoint: Path
+    out: Path | None = None
+    window_seconds: int = 60
+    watermark_seconds: int = 30
+    stranded_seconds: int = 60
+    dead_letter_spike: int = 10
+    trigger_seconds: float = 5.0
+    once: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> StreamOptions:
+        return cls(
+            args.audit_dir,
+            args.checkpoint,
+            args.out,
+            args.window_seconds,
+            args.watermark_seconds,
+            args.stranded_seconds,
+            args.dead_letter_spike,
+            args.trigger_seconds,
+            args.once,
+        )
+
+
+def _count(condition: Column) -> Column:
+    return F.count(F.when(condition, 1))
+
+
+def rates(rows: DataFrame, window_seconds: int) -> DataFrame:
+    ev = F.col("event")
+    latency_ms = F.when(ev == "msg.acked", (F.col("ts_us") - F.col("sent_ts_us")) / 1000.0)
+    pct = F.percentile_approx(latency_ms, [0.5, 0.9, 0.99], 1000)
+    agg = rows.groupBy(F.window("ts", f"{window_seconds} seconds"), "address").agg(
+        _count(ev == "msg.sent").alias("sent"),
+        _count(ev == "msg.acked").alias("acked"),
+        _count(ev == "msg.dead_lettered").alias("dead_lettered"),
+        pct.alias("p"),
+    )
+    return agg.where(F.col("address").isNotNull()).select(
+        F.col("window.start").alias("window_start"),
+        F.col("window.end").alias("window_end"),
+        "address",
+        (F.col("sent") / window_seconds).alias("sent_per_s"),
+        (F.col("acked") / window_seconds).alias("acked_per_s"),
+        "dead_lettered",
+        F.col("p")[0].alias("p50_ms"),
+        F.col("p")[1].alias("p90_ms"),
+        F.col("p")[2].alias("p99_ms"),
+    )
+
+
+def alerts(rows: DataFrame, stranded_seconds: int, dead_letter_spike: int) -> DataFrame:
+    ev = F.col("event")
+    agg = rows.groupBy(F.window("ts", f"{stranded_seconds} seconds"), "node_id", "address").agg(
+        _count(ev == "msg.sent").alias("sent"),
+        _count(ev.isin("msg.delivered", "msg.acked", "msg.forwarded", "msg.redistributed")).alias("taken"),
+        _count(ev == "msg.dead_lettered").alias("dead_lettered"),
+    )
+    kinds = F.filter(
+        F.array(
+            F.when((F.col("sent") > 0) & (F.col("taken") == 0), F.lit("stranded")),
+            F.when(F.col("dead_lettered") >= dead_letter_spike, F.lit("dead_letter_spike")),
+        ),
+        lambda k: k.isNotNull(),
+    )
+    return (
+        agg.where(F.col("address").isNotNull())
+        .select(
+            F.col("window.start").alias("ts"),
+            "node_id",
+            "address",
+            F.explode(kinds).alias("alert"),
+            F.when(
+                F.col("sent") > 0,
+                F.format_string("%d sent, none delivered within %d s", "sent", F.lit(stranded_seconds)),
+            ).alias("stranded_detail"),
+            "dead_lettered",
+        )
+        .select(
+            "ts",
+            "node_id",
+            "address",
+            "alert",
+            F.when(F.col("alert") == "stranded", F.col("stranded_detail"))
+            .otherwise(F.format_string("%d dead letters in %d s", "dead_lettered", F.lit(stranded_seconds)))
+            .alias("detail"),
+        )
+    )
+
+
+def failover_alerts(rows: DataFrame) -> DataFrame:
+    return rows.where(F.col("event").isin(*_FAILOVER_EVENTS)).select(
+        "ts",
+        "node_id",
+        F.lit(None).cast("string").alias("address"),
+        F.lit("failover").alias("alert"),
+        F.concat_ws(
+            " ",
+            "event",
+            F.concat(F.lit("epoch="), F.col("epoch").cast("string")),
+            F.coalesce("peer_node", "to", "reason", "configured_role"),
+        ).alias("detail"),
+    )
+
+
+def start_queries(spark: SparkSession, opts: StreamOptions) -> list[StreamingQuery]:
+    raw = spark.readStream.format(FORMAT).load(str(opts.audit_dir)).withColumn("ts", F.timestamp_micros("ts_us"))
+    good = raw.where(F.col("bad_reason").isNull()).drop("bad_reason", "raw")
+    timed = good.withWatermark("ts", f"{opts.watermark_seconds} seconds")
+    outputs: dict[str, DataFrame] = {
+        "events": good.select(
+            "node_id",
+            "seq",
+            "ts",
+            "event",
+            "epoch",
+            "address",
+            "queue",
+            "message_id",
+            "delivery_count",
+            "consumer_id",
+            "sent_ts_us",
+        ),
+        "rates": rates(timed, opts.window_seconds),
+        "alerts": alerts(timed, opts.stranded_seconds, opts.dead_letter_spike),
+        "failover_alerts": failover_alerts(good),
+        "bad_records": raw.where(F.col("bad_reason").isNotNull()).select(
+            "node_id", "seq", "ts", "event", "bad_reason", "raw"
+        ),
+    }
+    queries = []
+    for name, df in outputs.items():
+        writer = df.writeStream.queryName(name).outputMode("append")
+        writer = writer.option("checkpointLocation", str(opts.checkpoint / name))
+        if opts.once:
+            writer = writer.trigger(availableNow=True)
+        else:
+            writer = writer.trigger(processingTime=f"{opts.trigger_seconds} seconds")
+        if opts.out is not None:
+            writer = writer.format("parquet").option("path", str(opts.out / name))
+        else:
+            writer = writer.format("console").option("truncate", "false")
+        queries.append(writer.start())
+    return queries
+
+
+def run_stream(spark: SparkSession, opts: StreamOptions) -> None:
+    """Run until stopped (Ctrl-C), or until everything sealed now is processed with ``once``."""
+    queries = start_queries(spark, opts)
+    try:
+        for q in queries:
+            q.awaitTermination()
+    finally:
+        for q in queries:
+            q.stop()
