@@ -1699,6 +1699,9 @@ def test_message_events_reach_the_file_sink_whole(tmp_path: Path) -> None:
     assert events["msg.nacked"].items() >= {**message, "queue": "orders", "delivery_count": 1}.items()
     assert events["msg.acked"].items() >= {**message, "queue": "orders"}.items()
     assert events["msg.acked"]["sent_ts_us"] == events["msg.sent"]["sent_ts_us"] > 0
+    assert events["msg.acked"]["consumer_id"] == str(cid)  # who acknowledged it, as in consumer.opened
+    assert events["msg.acked"]["conn_id"] == events["consumer.opened"]["conn_id"]
+    assert events["msg.acked"]["client_id"] == events["conn.opened"]["client_id"]
 
 
 def test_audit_auto_ack_deliveries_record_acked_with_queue_and_time() -> None:

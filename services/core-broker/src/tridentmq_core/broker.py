@@ -1234,17 +1234,17 @@ class Broker:
         for message_id in ids:
             taken = queue.take(consumer, message_id)
             if taken is not None:
-                self._settle_acked(queue, taken[0], now_ms, journaled)
+                self._settle_acked(queue, taken[0], now_ms, journaled, consumer)
         if journaled:
             self.store.acknowledge(queue.name, journaled)
         if queue.paged:
             self._to_dispatch.add(queue)  # acks free room: read pages back
 
     def _settle_acked(self, queue: Queue, message: WireMessage, now_ms: int,
-                      journaled: list[int] | None = None) -> None:  # fmt: skip
+                      journaled: list[int] | None = None, consumer: Consumer | None = None) -> None:  # fmt: skip
         queue.settle(message)
         queue.acked += 1
-        self.on_acked(queue, message, now_ms, journaled)
+        self.on_acked(queue, message, now_ms, journaled, consumer)
 
     def _nack(self, session: Session, consumer_id: int, ids: list[int], mode: NackMode, now_ms: int) -> None:
         consumer = session.consumers.get(consumer_id)
@@ -1314,7 +1314,7 @@ class Broker:
             for consumer, message_id in tx.acks:
                 taken = consumer.queue.take(consumer, message_id)
                 if taken is not None:
-                    self._settle_acked(consumer.queue, taken[0], now_ms)
+                    self._settle_acked(consumer.queue, taken[0], now_ms, None, consumer)
         finally:
             token = self.store.commit_transaction()
         return token
@@ -1602,9 +1602,10 @@ class Broker:
         self._divert(queue, message, settings.dead_letter_address, reason, now_ms)
 
     def on_acked(self, queue: Queue, message: WireMessage, now_ms: int | None = None,
-                 journaled: list[int] | None = None) -> None:  # fmt: skip
+                 journaled: list[int] | None = None, consumer: Consumer | None = None) -> None:  # fmt: skip
         """Called for every acknowledged message (also by queues for auto-ack and last-value replacement).
-        ``journaled``: a batch's ids, to which the id is added for one record at the end, instead of a record."""
+        ``journaled``: a batch's ids, to which the id is added for one record at the end, instead of a record;
+        ``consumer``: the one that acknowledged it (named in the audit event)."""
         if now_ms is None:
             now_ms = self.now_ms
         self.counters.acked += 1
@@ -1615,9 +1616,16 @@ class Broker:
                 else:
                     journaled.append(message[M_ID])
             if self._audit_durable:
-                self._emit_message(now_ms, "msg.acked", message, queue)
+                self._emit_acked(now_ms, message, queue, consumer)
         elif self._audit_all:
+            self._emit_acked(now_ms, message, queue, consumer)
+
+    def _emit_acked(self, now_ms: int, message: WireMessage, queue: Queue, consumer: Consumer | None) -> None:
+        if consumer is None:  # auto-ack and last-value replacement: no acknowledging consumer
             self._emit_message(now_ms, "msg.acked", message, queue)
+        else:
+            self._emit_message(now_ms, "msg.acked", message, queue, conn_id=consumer.session.conn_id,
+                               consumer_id=str(consumer.id), client_id=consumer.session.client_name)  # fmt: skip
 
     def deliver_durable(self, queue: Queue, attempts: list[tuple[Consumer, int, WireMessage]]) -> None:
         """Record a dispatch's delivery attempts (consumer, delivery count, message), and send the deliveries
