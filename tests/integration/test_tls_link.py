@@ -23,6 +23,7 @@ from tests.integration.cluster_nodes import (
     wait_until,
     wait_until_async,
 )
+from tests.integration.ha_pairs import ha_view, start_pair
 from tests.tls_certs import Certificates, Pair, replace
 
 from tridentmq_shared.link.client import LinkClient, LinkClosedError, ReconnectPolicy
@@ -193,3 +194,29 @@ async def test_cluster_connections_over_tls(tmp_path: Path, certs: Certificates)
     finally:
         stop(b)
         stop(a)
+
+
+async def test_replication_to_a_backup_and_its_takeover_over_tls(tmp_path: Path, certs: Certificates) -> None:
+    settings = {**tls_env(certs, client_certs="required"), "TRIDENTMQ_CORE_MANAGEMENT_TLS": "false"}
+    env = {f"core_{k.removeprefix('TRIDENTMQ_CORE_').lower()}": v for k, v in settings.items()}
+    # In sync means the backup copied the primary's journal over its TLS replication link.
+    pair = await asyncio.to_thread(start_pair, tmp_path, "tls", core_ha_activate_without_quorum="true", **env)
+    tls = client_tls(certs, certs.client("app"))
+    async with LinkClient("127.0.0.1", pair.primary.link_port, tls=tls, reconnect=NO_RECONNECT) as producer:
+        await producer.create_queue("ha.tls")
+        for n in range(100):
+            await producer.send(new_message("ha.tls", b"m%d" % n, durable=True))
+        await (await producer.send(new_message("ha.tls", b"last", durable=True)))
+    pair.primary.process.kill()
+    pair.primary.process.wait(timeout=10)
+    await wait_until_async(lambda: ha_view(pair.backup).get("active") is True, what="the backup to take over")
+    async with LinkClient("127.0.0.1", pair.backup.link_port, tls=tls, reconnect=NO_RECONNECT) as consumer_side:
+        consumer = await consumer_side.subscribe("ha.tls", credit=200)
+        bodies = []
+        while len(bodies) < 101:
+            delivery = await consumer.get(timeout=15)
+            assert delivery is not None, f"{len(bodies)} of 101 messages after the takeover"
+            consumer.ack(delivery)
+            bodies.append(delivery.body)
+    assert sorted(bodies) == sorted([b"m%d" % n for n in range(100)] + [b"last"])
+    stop(pair.backup)
