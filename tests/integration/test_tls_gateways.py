@@ -1,6 +1,6 @@
 """TLS on the gateways: STOMP, MQTT and AMQP over TLS and over WebSocket over TLS, HTTPS health, each
 gateway's link to a TLS-only core with mutual TLS, and client certificates on the gateways' listeners.
-Real clients throughout: stomp.py, paho-mqtt, python-qpid-proton, aiohttp, urllib."""
+Real clients throughout: stomp.py, paho-mqtt, python-qpid-proton, websocket-client, urllib."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import aiohttp
 import pytest
 import stomp
+import websocket
 from proton import Message as AmqpMessage
 from proton import SSLDomain
 from proton.utils import BlockingConnection
@@ -145,22 +145,24 @@ def test_amqp_over_amqps_and_wss(tmp_path: Path, tls_core: CoreProcess, certs: C
         finally:
             conn.close()
         # AMQP over wss: the gateway answers the SASL protocol header and offers its mechanisms.
-        assert asyncio.run(_amqp_wss_header(gateway.ports["websocket_tls"], certs)).startswith(b"AMQP\x03\x01\x00\x00")
+        assert _amqp_wss_header(gateway.ports["websocket_tls"], certs).startswith(b"AMQP\x03\x01\x00\x00")
     finally:
         stop_cleanly(gateway)
 
 
-async def _amqp_wss_header(port: int, certs: Certificates) -> bytes:
-    url = f"wss://127.0.0.1:{port}/"
-    async with aiohttp.ClientSession() as session, \
-            session.ws_connect(url, protocols=("amqp",), ssl=client_context(certs)) as ws:  # fmt: skip
-        await ws.send_bytes(b"AMQP\x03\x01\x00\x00")
+def _amqp_wss_header(port: int, certs: Certificates) -> bytes:
+    # websocket-client (stomp.py's): its socket is closed when close() returns, unlike an aiohttp session's
+    # TLS transport, which may still be closing when the event loop ends.
+    ws = websocket.create_connection(f"wss://127.0.0.1:{port}/", subprotocols=["amqp"], timeout=WAIT,
+                                     sslopt={"ca_certs": str(certs.ca)})  # fmt: skip
+    try:
+        ws.send_binary(b"AMQP\x03\x01\x00\x00")
         received = b""
         while len(received) <= 8:  # the header, then the sasl-mechanisms frame
-            message = await ws.receive(timeout=WAIT)
-            assert message.type is aiohttp.WSMsgType.BINARY, message
-            received += message.data
+            received += ws.recv()
         return received
+    finally:
+        ws.close()
 
 
 #: An MQTT 3.1.1 CONNECT: clean session, keep-alive 60 s, empty client id.
