@@ -25,6 +25,7 @@ _BATCH_ROWS = 65_536
 _INT_COLUMNS = frozenset(name for name, kind in schema.COLUMNS if kind == pa.int64())
 _EVENT_COLUMNS = tuple(name for name, _ in schema.COLUMNS if name not in {"bad_reason", "raw"})
 _TARGET_QUEUES = "target_queues"
+_GATEWAY_PROTOCOLS = frozenset({"stomp", "mqtt", "amqp"})
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,11 @@ def _parse(line: bytes, node_id: str) -> dict[str, object]:
             "bad_reason": schema.BAD_UNKNOWN_EVENT,
             "raw": _raw(line),
         }
+    client = record.get("client_id")
+    if event == "msg.acked" and isinstance(client, str):
+        # A gateway's link is named "<protocol> <peer>"; any other client is a link client.
+        kind = client.split(" ", 1)[0]
+        record["consumer_protocol"] = kind if kind in _GATEWAY_PROTOCOLS else "link"
     queues = record.get(_TARGET_QUEUES)
     if isinstance(queues, list):
         record[_TARGET_QUEUES] = ",".join(map(str, queues))

@@ -3,7 +3,8 @@
 Queries, each with its own checkpoint under ``--checkpoint`` and its own sink under ``--out`` (Parquet, or the
 console when no ``--out``):
 
-- ``events``: every event as Parquet rows (exactly once: file sink + checkpointed source offsets).
+- ``events``: every row of the audit source as Parquet (exactly once: file sink + checkpointed source offsets),
+  bad ones with ``bad_reason`` set. The other queries read this sink back with Spark's file source.
 - ``rates``: per address and event-time window: messages sent/acked per second, latency percentiles.
 - ``alerts``: per node, address and window: ``stranded`` (messages sent, none delivered or acked within the
   window) and ``dead_letter_spike``; plus ``failover`` alerts straight from the lifecycle events.
@@ -23,10 +24,11 @@ from pathlib import Path
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming.query import StreamingQuery
+from pyspark.sql.types import StructType
 
 from tridentmq_spark.source import FORMAT
 
-__all__ = ["StreamOptions", "alerts", "rates", "run_stream", "start_queries"]
+__all__ = ["StreamOptions", "alerts", "rates", "run_stream", "start_analyses", "start_ingest"]
 
 _FAILOVER_EVENTS = ("ha.activated", "ha.failback", "ha.fenced", "node.left")
 
@@ -139,53 +141,68 @@ def failover_alerts(rows: DataFrame) -> DataFrame:
     )
 
 
-def start_queries(spark: SparkSession, opts: StreamOptions) -> list[StreamingQuery]:
+def _start(df: DataFrame, name: str, opts: StreamOptions, path: Path | None) -> StreamingQuery:
+    writer = df.writeStream.queryName(name).outputMode("append")
+    writer = writer.option("checkpointLocation", str(opts.checkpoint / name))
+    writer = writer.trigger(processingTime=f"{opts.trigger_seconds} seconds")
+    if path is not None:
+        writer = writer.format("parquet").option("path", str(path))
+    else:
+        writer = writer.format("console").option("truncate", "false")
+    return writer.start()
+
+
+def _events_path(opts: StreamOptions) -> Path:
+    return (opts.out if opts.out is not None else opts.checkpoint / "data") / "events"
+
+
+def start_ingest(spark: SparkSession, opts: StreamOptions) -> StreamingQuery:
+    """Stage 1: the audit source into the ``events`` Parquet sink, every row (bad ones with ``bad_reason``)."""
     raw = spark.readStream.format(FORMAT).load(str(opts.audit_dir)).withColumn("ts", F.timestamp_micros("ts_us"))
-    good = raw.where(F.col("bad_reason").isNull()).drop("bad_reason", "raw")
+    return _start(raw, "events", opts, _events_path(opts))
+
+
+def start_analyses(spark: SparkSession, opts: StreamOptions, events_schema: StructType) -> list[StreamingQuery]:
+    """Stage 2: rates, alerts and bad records, read back from the ``events`` sink with Spark's file source.
+
+    Only one query runs Python (the audit source); these run in the JVM on Parquet, read exactly once from
+    the sink's commit log, and a failure or restart of either stage never reads a segment twice.
+    """
+    rows = spark.readStream.schema(events_schema).parquet(str(_events_path(opts)))
+    good = rows.where(F.col("bad_reason").isNull()).drop("bad_reason", "raw")
     timed = good.withWatermark("ts", f"{opts.watermark_seconds} seconds")
     outputs: dict[str, DataFrame] = {
-        "events": good.select(
-            "node_id",
-            "seq",
-            "ts",
-            "event",
-            "epoch",
-            "address",
-            "queue",
-            "message_id",
-            "delivery_count",
-            "consumer_id",
-            "sent_ts_us",
-        ),
         "rates": rates(timed, opts.window_seconds),
         "alerts": alerts(timed, opts.stranded_seconds, opts.dead_letter_spike),
         "failover_alerts": failover_alerts(good),
-        "bad_records": raw.where(F.col("bad_reason").isNotNull()).select(
+        "bad_records": rows.where(F.col("bad_reason").isNotNull()).select(
             "node_id", "seq", "ts", "event", "bad_reason", "raw"
         ),
     }
-    queries = []
-    for name, df in outputs.items():
-        writer = df.writeStream.queryName(name).outputMode("append")
-        writer = writer.option("checkpointLocation", str(opts.checkpoint / name))
-        if opts.once:
-            writer = writer.trigger(availableNow=True)
-        else:
-            writer = writer.trigger(processingTime=f"{opts.trigger_seconds} seconds")
-        if opts.out is not None:
-            writer = writer.format("parquet").option("path", str(opts.out / name))
-        else:
-            writer = writer.format("console").option("truncate", "false")
-        queries.append(writer.start())
-    return queries
+    return [_start(df, name, opts, opts.out / name if opts.out is not None else None) for name, df in outputs.items()]
+
+
+def events_schema(spark: SparkSession, opts: StreamOptions) -> StructType:
+    return spark.read.format(FORMAT).load(str(opts.audit_dir)).withColumn("ts", F.timestamp_micros("ts_us")).schema
 
 
 def run_stream(spark: SparkSession, opts: StreamOptions) -> None:
     """Run until stopped (Ctrl-C), or until everything sealed now is processed with ``once``."""
-    queries = start_queries(spark, opts)
+    schema = events_schema(spark, opts)
+    queries = [start_ingest(spark, opts)]
     try:
+        if opts.once:
+            # Not Trigger.AvailableNow: Spark 4.3 runs a Python source that way as a single batch, which
+            # after a restart only replays the batch the checkpoint left unfinished.
+            queries[0].processAllAvailable()  # stage 2 must see everything stage 1 wrote
+            queries[0].stop()
+        queries += start_analyses(spark, opts, schema)
         for q in queries:
-            q.awaitTermination()
+            if opts.once:
+                q.processAllAvailable()
+                q.stop()
+            else:
+                q.awaitTermination()
     finally:
         for q in queries:
             q.stop()

@@ -1,0 +1,98 @@
+"""`tridentmq audit stream` exactly once across a kill -9 of the Spark driver and a restart from the checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from pyspark.sql import SparkSession
+
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(900)]
+
+T0_US = 1_795_000_000_000_000
+PER_SEGMENT = 300
+
+
+def _seal(audit: Path, node: str, first_seq: int, *, torn: bool = False) -> None:
+    """A segment as the core publishes it: written in .active, then renamed into the node folder."""
+    active = audit / node / ".active"
+    active.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for seq in range(first_seq, first_seq + PER_SEGMENT):
+        ts = T0_US + seq * 20_000  # 50 events per second of event time
+        event = "node.heartbeat" if seq % 50 == 0 else "msg.sent" if seq % 2 else "msg.acked"
+        record = {"v": 1, "node_id": node, "seq": seq, "ts_us": ts, "event": event, "epoch": 1}
+        if event != "node.heartbeat":
+            record |= {"address": "orders", "message_id": f"{node[:2]}-{seq}", "size": 5, "protocol": "stomp",
+                       "sent_ts_us": ts - 3000, "queue": "orders"}  # fmt: skip
+        lines.append(json.dumps(record))
+    if torn:
+        lines.append('{"v":1,"seq":')
+    name = f"{first_seq:020d}.jsonl"
+    (active / name).write_text("\n".join(lines) + "\n")
+    os.rename(active / name, audit / node / name)
+
+
+def _committed_batches(sink: Path) -> int:
+    log = sink / "_spark_metadata"
+    return len([p for p in log.iterdir() if p.name.split(".")[0].isdigit()]) if log.is_dir() else 0
+
+
+def _stream(audit: Path, checkpoint: Path, out: Path, log: Path, *extra: str) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "tridentmq_shared.cli", "audit", "stream", "--audit-dir", str(audit),
+               "--checkpoint", str(checkpoint), "--out", str(out), "--window-seconds", "2",
+               "--watermark-seconds", "1", "--stranded-seconds", "2", "--trigger-seconds", "1", *extra]  # fmt: skip
+    with log.open("ab") as f:
+        return subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait(predicate: object, process: subprocess.Popen[bytes], log: Path, what: str, timeout: float = 400) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        assert process.poll() is None, f"stream exited with {process.returncode}:\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{log.read_text()[-4000:]}"
+        time.sleep(0.2)
+
+
+def test_the_stream_is_exactly_once_across_a_kill_of_the_driver(spark: SparkSession, tmp_path: Path) -> None:
+    audit, checkpoint, out, log = tmp_path / "audit", tmp_path / "checkpoint", tmp_path / "out", tmp_path / "log"
+    for first in range(0, 3 * PER_SEGMENT, PER_SEGMENT):
+        _seal(audit, "node-a", first)
+    _seal(audit, "node-b", 0, torn=True)
+    first_run = _stream(audit, checkpoint, out, log)
+    try:
+        _wait(lambda: _committed_batches(out / "events") >= 1, first_run, log, "a first committed batch")
+        _seal(audit, "node-c", 0)  # a node folder that appears while the stream runs
+        for first in range(3 * PER_SEGMENT, 6 * PER_SEGMENT, PER_SEGMENT):
+            _seal(audit, "node-a", first)
+        seen = _committed_batches(out / "events")
+        _wait(lambda: _committed_batches(out / "events") > seen, first_run, log, "a later batch")
+        _seal(audit, "node-b", PER_SEGMENT)  # likely read by a batch the kill interrupts
+    finally:
+        os.killpg(first_run.pid, signal.SIGKILL)  # the driver and its JVM, without any clean-up
+        first_run.wait()
+    _seal(audit, "node-c", PER_SEGMENT)
+    second_run = _stream(audit, checkpoint, out, log, "--once")
+    try:
+        assert second_run.wait(timeout=600) == 0, log.read_text()[-4000:]
+    finally:
+        if second_run.poll() is None:
+            os.killpg(second_run.pid, signal.SIGKILL)
+
+    rows = spark.read.parquet(str(out / "events")).where("bad_reason IS NULL")
+    events = [(r.node_id, r.seq) for r in rows.select("node_id", "seq").collect()]
+    assert len(events) == len(set(events)), "duplicates in the sink"
+    expected = {("node-a", s) for s in range(6 * PER_SEGMENT)}
+    expected |= {(n, s) for n in ("node-b", "node-c") for s in range(2 * PER_SEGMENT)}
+    assert set(events) == expected
+    bad = spark.read.parquet(str(out / "bad_records")).collect()
+    assert [(r.node_id, r.bad_reason) for r in bad] == [("node-b", "not_json")]
+    rates = spark.read.parquet(str(out / "rates")).where("address = 'orders'").collect()
+    assert rates, "no closed window"
+    assert all(r.sent_per_s > 0 and r.p50_ms == 3.0 for r in rates), rates
