@@ -75,7 +75,7 @@ def queue_of(pair: str) -> str:
 
 
 def _compact_view(ha: dict[str, Any]) -> dict[str, Any]:
-    keys = ("active", "epoch", "waiting_for_quorum", "in_sync", "backup_in_sync", "pairs", "state", "backup")
+    keys = ("active", "epoch", "waiting_for_quorum", "cut_off", "in_sync", "backup_in_sync", "pairs", "state", "backup")
     return {key: ha[key] for key in keys if key in ha}
 
 
@@ -120,18 +120,26 @@ def agent_monitor(spec: dict[str, Any]) -> None:
 
 
 async def agent_produce(spec: dict[str, Any]) -> None:
-    """Publish durable messages with confirms until a line on stdin; then print what happened to each:
-    confirmed (with the monotonic time of its confirm), rejected (with the code) or unknown."""
+    """Publish durable messages with confirms until a line on stdin (``where`` instead prints the node the
+    client is on and how many were confirmed so far); then print what happened to each: confirmed (with the
+    monotonic time of its confirm), rejected (with the code) or unknown. With ``follow`` the client follows
+    the topology and reconnects, as an application's would."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    attempted: list[str] = []
+    confirmed: dict[str, float] = {}
+
+    def where() -> None:
+        print(json.dumps({"host": client.host, "confirmed": len(confirmed)}), flush=True)
 
     def wait_for_stop() -> None:
-        sys.stdin.readline()
+        for line in sys.stdin:
+            if line.strip() != "where":
+                break
+            loop.call_soon_threadsafe(where)
         loop.call_soon_threadsafe(stop.set)
 
     threading.Thread(target=wait_for_stop, daemon=True).start()
-    attempted: list[str] = []
-    confirmed: dict[str, float] = {}
     rejected: dict[str, str] = {}
     unknown_codes: dict[str, int] = {}
     in_flight = 0
@@ -154,8 +162,10 @@ async def agent_produce(spec: dict[str, Any]) -> None:
         else:
             rejected[body] = error.code
 
-    client = LinkClient(spec["host"], spec["port"], user=USER, password=PASSWORD,
-                        reconnect=ReconnectPolicy(attempts=0), connect_timeout=5.0)  # fmt: skip
+    follow = bool(spec.get("follow"))
+    reconnect = ReconnectPolicy(retry_interval=0.05, max_interval=0.5) if follow else ReconnectPolicy(attempts=0)
+    client = LinkClient(spec["host"], spec["port"], user=USER, password=PASSWORD, follow_topology=follow,
+                        reconnect=reconnect, connect_timeout=5.0)  # fmt: skip
     await client.connect()
     print(json.dumps("ready"), flush=True)
     interval, window = float(spec.get("interval", 0.002)), int(spec.get("window", 200))
@@ -410,9 +420,11 @@ class HaLab:
         self.agents.append(agent)
         return agent
 
-    def producer(self, at: str, target: str, pair: str, prefix: str) -> Agent:
-        """A producer in ``at``'s namespace publishing to ``target`` (a node name), on ``pair``'s queue."""
-        spec = {"host": self.lab.address(target), "port": LINK_PORT, "address": queue_of(pair), "prefix": prefix}
+    def producer(self, at: str, target: str, pair: str, prefix: str, *, follow: bool = False) -> Agent:
+        """A producer in ``at``'s namespace publishing to ``target`` (a node name), on ``pair``'s queue;
+        ``follow``: a client that follows the topology and reconnects."""
+        spec = {"host": self.lab.address(target), "port": LINK_PORT, "address": queue_of(pair), "prefix": prefix,
+                "follow": follow}  # fmt: skip
         agent = self.agent(at, "produce", spec)
         assert agent.read(15) == "ready"
         return agent
@@ -611,6 +623,54 @@ def test_isolated_primary_is_replaced_and_confirms_nothing_after_isolation(ha_la
     if not comparison.ok:
         problems.append(comparison.report())
     print(f"a2 took over {took_over:.2f} s after the isolation; a1 ended with {a1_code}")
+    assert problems == [], "\n".join(problems)
+
+
+def test_a_primary_cut_off_from_the_cluster_says_so_and_its_following_client_finds_the_backup(ha_lab: HaLab) -> None:
+    """a1 cut off from every other core, its client (in the client namespace) still reaching it: a2 takes
+    over; a1, holding every confirm, reports that it serves nobody (not "active" beside a2) and sends its
+    clients away; the client, which follows the topology, keeps the cluster it knew (a1 now reports itself
+    alone) and carries on at a2. Nothing confirmed is lost."""
+    problems: list[str] = []
+    a1 = ha_lab.nodes["a1"]
+    producer = ha_lab.producer(CLIENT, "a1", "a", "cut", follow=True)
+    ha_lab.wait(lambda: producer.ask("where")["confirmed"] > 0, 10, "the first confirms")
+    for other in (node for pair in PAIRS.values() for node in pair if node != "a1"):
+        ha_lab.lab.partition("a1", other)
+    cut = time.monotonic()
+    ha_lab.wait(lambda: ha_lab.view("a2").get("active") is True, 20, "a2 to take over")
+    took_over = time.monotonic() - cut
+    if not ha_lab.poll(lambda: ha_lab.view("a1").get("cut_off") is True, 10):
+        problems.append(f"a1 does not say it is cut off: {ha_lab.view('a1')}")
+    a1_view, a2_view = ha_lab.view("a1"), ha_lab.view("a2")
+    if a1_view.get("active") is not False:
+        problems.append(f"a1 reports active beside a2 (epoch {a2_view.get('epoch')}): {a1_view}")
+    confirmed_before = producer.ask("where")["confirmed"]
+    a2_host = ha_lab.lab.address("a2")
+
+    def moved() -> bool:
+        now = producer.ask("where")
+        return bool(now["host"] == a2_host and now["confirmed"] > confirmed_before)
+
+    if not ha_lab.poll(moved, 15):
+        problems.append(f"the client did not carry on at a2 within 15 s: {producer.ask('where')}")
+    carried_on = time.monotonic() - cut
+    ha_lab.lab.heal()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        a1.process.wait(timeout=15)
+    if a1.process.poll() not in (None, FENCED_EXIT_CODE):
+        problems.append(f"a1 exited with {a1.process.poll()}:\n{a1.log()[-2000:]}")
+    produced = ha_lab.produced(producer)
+    timeline = ha_lab.timeline()
+    delivered = ha_lab.drain("a2", "a", len(produced.confirmed))
+    verdict = verdict_of([produced], delivered)
+    if not verdict.ok:
+        problems.append(verdict.report())
+    problems += serving_overlaps(timeline, "a")[:5]
+    codes = ha_lab.stop_cores()
+    if any(code != 0 for name, code in codes.items() if name != "a1"):
+        problems.append(f"exit codes: {codes}")
+    print(f"a2 took over {took_over:.2f} s after the cut; the client confirmed at a2 {carried_on:.2f} s after it")
     assert problems == [], "\n".join(problems)
 
 

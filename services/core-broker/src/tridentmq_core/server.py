@@ -386,12 +386,17 @@ class CoreNode:
 
     @property
     def serving(self) -> bool:
-        return self.active and not self.isolated
+        return self.active and not self.isolated and not (self.replication is not None and self.replication.cut_off)
 
     def not_serving_reason(self) -> str:
         if self.isolated:
             return "this node is cut off from its network (network check): connect to another node"
+        if self.active:
+            return "this node is cut off from its backup and from a quorum: connect to its backup"
         return "this node is a backup: connect to the active node"
+
+    def _cut_off(self) -> None:
+        self._close_client_links(ErrorCode.NOT_ACTIVE, self.not_serving_reason())
 
     async def _check_network_forever(self, network: NetworkCheck) -> None:
         period = self.settings.network_check.period_ms / 1000
@@ -537,7 +542,7 @@ class CoreNode:
             self.replication = ReplicationSource(
                 self.broker, self.journal_store, self.identity, self.server_id, self.settings, lambda: self.cluster,
                 cluster_manager.members_view if cluster_manager is not None else list, self._fenced,
-                self._hand_over, self.drop_link, self.abort_link)  # fmt: skip
+                self._hand_over, self.drop_link, self.abort_link, self._cut_off)  # fmt: skip
             self.status.ha = self._ha_status
             if self.cluster is not None:
                 self.cluster.backup = self.replication.in_sync_backup
@@ -605,8 +610,12 @@ class CoreNode:
 
     def _ha_status(self) -> dict[str, Any]:
         ha = self.settings.ha
-        view: dict[str, Any] = {"group": ha.group_name, "configured_role": ha.role, "active": self.active,
+        # "active" is the truth a client can use: a copy that is cut off (it may have been replaced) or isolated
+        # serves nobody, and says why in "state".
+        view: dict[str, Any] = {"group": ha.group_name, "configured_role": ha.role, "active": self.serving,
                                 "epoch": self.identity.epoch, "server_id": self.server_id}  # fmt: skip
+        if self.active and not self.serving:
+            view["state"] = self.not_serving_reason()
         if self.backup is not None and not self.active:
             view.update(self.backup.status())
         if self.shared is not None:

@@ -107,6 +107,9 @@ def ha_line(ha: dict[str, Any]) -> str:
         waiting = ", waiting for a quorum" if ha.get("waiting_for_quorum") else ""
         return (f"pair        {ha['group']}: active (configured {ha['configured_role']}), epoch {ha['epoch']}, "
                 f"backup {backup} {state}{waiting}").rstrip()  # fmt: skip
+    if "waiting_for_quorum" in ha:  # the pair's active copy, serving nobody (cut off or isolated)
+        return (f"pair        {ha['group']}: NOT SERVING (configured {ha['configured_role']}), epoch {ha['epoch']}: "
+                f"{ha.get('state', '')}")  # fmt: skip
     return (f"pair        {ha['group']}: backup of {ha.get('primary') or '?'}, epoch {ha['epoch']}, "
             f"{'in sync (can take over)' if ha.get('in_sync') else 'not in sync'}; {ha.get('state', '')}")  # fmt: skip
 

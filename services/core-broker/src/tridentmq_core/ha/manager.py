@@ -189,7 +189,7 @@ class ReplicationSource:
                  settings: CoreSettings, cluster: Callable[[], ClusterManager | None],
                  members: Callable[[], list[dict[str, Any]]], fenced: Callable[[str], None],
                  hand_over: Callable[[], Coroutine[Any, Any, None]], drop_link: Callable[[str], None],
-                 abort_link: Callable[[str], None]) -> None:  # fmt: skip
+                 abort_link: Callable[[str], None], cut_off: Callable[[], None] = lambda: None) -> None:  # fmt: skip
         self.broker = broker
         self.store = store
         self.identity = identity
@@ -201,6 +201,9 @@ class ReplicationSource:
         self._hand_over = hand_over
         self._drop_link = drop_link  # closes a link's connection once its CLOSE is written
         self._abort_link = abort_link  # closes it at once (a peer that does not read)
+        self._cut_off = cut_off  # this node stops serving its clients: its backup may have taken over
+        #: Held for a quorum longer than the backup needs to take over, without one: its clients go elsewhere.
+        self.cut_off = False
         self.failing_back = False
         self.session: Session | None = None
         self.feed: ReplicaFeed | None = None
@@ -384,9 +387,22 @@ class ReplicationSource:
             if grants >= quorum(pairs):
                 log.info("quorum agrees: going on without the backup", extra={"votes": grants, "pairs": pairs})
                 self.held_since = 0.0
+                self.cut_off = False
                 self.store.limit_confirms(None)
                 return
+            if not self.cut_off and time.monotonic() - self.held_since >= self._takeover_time():
+                # The backup may be active by now: saying "active" and keeping the clients, whose writes
+                # are never confirmed here, would strand them. They are sent on (to the backup first).
+                log.warning("cut off from the backup and from a quorum: serving no client until a quorum "
+                            "answers", extra={"votes": grants, "pairs": pairs})  # fmt: skip
+                self.cut_off = True
+                self._cut_off()
             await asyncio.sleep(retry)
+
+    def _takeover_time(self) -> float:
+        """The earliest a backup that lost this node can be active: it notices (a heartbeat timeout), then
+        the voters must have missed this node for the vote grace."""
+        return (self.settings.link.heartbeat_ms * HEARTBEAT_TIMEOUT_FACTOR + self.settings.ha.vote_grace_ms) / 1000
 
     def status(self) -> dict[str, Any]:
         feed = self.feed
@@ -395,6 +411,7 @@ class ReplicationSource:
             "backup_in_sync": bool(feed is not None and feed.in_sync),
             "backup_pending_records": feed.pending if feed is not None else 0,
             "waiting_for_quorum": bool(self.held_since),
+            "cut_off": self.cut_off,
         }
 
     async def stop(self) -> None:
