@@ -718,6 +718,19 @@ def test_oversized_message_is_rejected() -> None:
     assert bodies(c.take(c.consumer("orders"))) == [b"x" * 10]
 
 
+def test_a_durable_body_the_store_cannot_hold_is_rejected_and_a_plain_one_passes() -> None:
+    h = Harness(CoreSettings(broker=BrokerSection(max_message_bytes=10)))
+    h.broker.max_durable_body = 5  # the journal's segments are smaller than the message limit
+    c = h.connect()
+    ok(c.create_queue("orders"))
+    durable = c.publish("orders", b"x" * 6, durable=True)
+    plain = c.publish("orders", b"y" * 6)
+    assert c.rejected[durable].code == ErrorCode.RESOURCE_LIMIT
+    assert "exceeds 5 bytes" in c.rejected[durable].text
+    assert plain in c.confirmed
+    assert bodies(c.take(c.consumer("orders"))) == [b"y" * 6]
+
+
 def test_delete_queue_with_consumer_closes_it(h: Harness, c: Client) -> None:
     other = h.connect("other")
     ok(c.create_queue("orders"))

@@ -194,6 +194,9 @@ class Broker:
         # Set by the server while durable writes cannot be made safe (disk nearly full, journal failed):
         # durable publishes are then refused with this (code, text) instead of being accepted unsafely.
         self.durable_refusal: tuple[str, str] | None = None
+        #: The largest durable body the store can hold (a journal record fits one segment): at most the
+        #: largest body accepted, lowered by the shell when the journal's segments are smaller.
+        self.max_durable_body = settings.broker.max_message_bytes
         self._blocked: dict[Session, int] = {}  # publish credit withheld while over the memory limit
         self._blocked_on: dict[Session, set[str]] = {}  # … or while these addresses are over their size limit
         self._limits: dict[str, tuple[int, str] | None] = {}  # address → (max_size_bytes, policy), None: none
@@ -413,7 +416,7 @@ class Broker:
         if refusal is None and (address not in self.addresses or
                                 (message[M_ROUTING] != _MULTICAST and address not in self.queues)):  # fmt: skip
             refusal = self._creation_problem(session, message)
-        max_bytes = self.settings.broker.max_message_bytes
+        max_bytes = self.max_durable_body if message[M_DURABLE] else self.settings.broker.max_message_bytes
         if refusal is None and len(message[M_BODY]) > max_bytes:
             refusal = (ErrorCode.RESOURCE_LIMIT, f"message body exceeds {max_bytes} bytes")
         if refusal is not None:
@@ -484,7 +487,7 @@ class Broker:
     def _publish_batch(self, session: Session, ops: list[list[Any]], now_ms: int) -> None:
         conn = session.conn
         send_ok = session.send_ok
-        max_bytes = self.settings.broker.max_message_bytes
+        max_bytes, max_durable = self.settings.broker.max_message_bytes, self.max_durable_body
         accept = self._accept_from_cluster if session.principal.cluster else self._accept_published
         self._publisher, self._withheld = session, 0
         confirm = conn.confirm
@@ -501,8 +504,9 @@ class Broker:
                 problem = self._creation_problem(session, message)
             if problem is None and message[M_DURABLE] and self.durable_refusal is not None:
                 problem = self.durable_refusal
-            if problem is None and len(message[M_BODY]) > max_bytes:
-                problem = (ErrorCode.RESOURCE_LIMIT, f"message body exceeds {max_bytes} bytes")
+            if problem is None and len(message[M_BODY]) > (max_durable if message[M_DURABLE] else max_bytes):
+                limit_bytes = max_durable if message[M_DURABLE] else max_bytes
+                problem = (ErrorCode.RESOURCE_LIMIT, f"message body exceeds {limit_bytes} bytes")
             if problem is None:
                 limit = limits.get(address, _NO_LIMIT_YET)
                 if limit is _NO_LIMIT_YET:

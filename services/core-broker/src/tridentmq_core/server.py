@@ -450,6 +450,10 @@ class CoreNode:
         )  # fmt: skip
         self.journal_store = store
         self.broker.store = store
+        # A record never spans segments: refuse at publish a durable body the journal could not write.
+        segment = journal_settings.segment_bytes
+        self.broker.max_durable_body = min(self.settings.broker.max_message_bytes,
+                                           segment - min(PUBLISH_HEADROOM, segment // 2))  # fmt: skip
         store.attach(self.broker.on_durable)
         journal.start()
         self.journal = journal

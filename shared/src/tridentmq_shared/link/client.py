@@ -1061,6 +1061,12 @@ class LinkClient:
         self._queued(conn, message)
         return seq
 
+    def body_fits(self, message: WireMessage) -> bool:
+        """Whether the core's link can take this message's body: a larger one would be refused (``send``) or,
+        sent with ``send_if_open``, break the link on a frame it refuses. True while no link is open."""
+        conn = self._conn
+        return conn is None or len(message[M_BODY]) <= conn.max_publish_body
+
     def send_if_open(self, message: WireMessage) -> int:
         """``send_nowait`` when ``can_send``, in one call (a forwarding node's hot path); else -1, sending
         nothing (no credit, a full socket, a link being resumed, or none)."""

@@ -366,12 +366,24 @@ class Bridge:
             outgoing[M_PROPS] = {**message[M_PROPS], FORWARD_PROPERTY: header}
         else:
             outgoing = message
+        if not client.body_fits(outgoing):  # its frame would break the link: refused as the other node would
+            asyncio.get_running_loop().call_soon(self._refuse_too_big, consumer, message[M_ID])
+            return
         seq = -1 if self._waiting else client.send_if_open(outgoing)
         if seq < 0:
             self._wait((consumer, message[M_ID], outgoing, None), client)
             return
         # No future per message: ``_on_confirms`` takes the confirms in ranges, one call per read.
         self._sent[seq] = (consumer, message[M_ID], None)
+
+    def _refuse_too_big(self, consumer: Consumer, message_id: int) -> None:
+        """A message larger than the other node's link takes (nodes may differ in ``broker.max_message_bytes``):
+        handled as that node's refusal, after the dispatch that handed it over."""
+        if self.consumers.get(consumer.id) is consumer:
+            reason = "larger than the other node's link takes"
+            log.warning("forwarded message refused",
+                        extra={"to": self.address, "code": ErrorCode.RESOURCE_LIMIT, "reason": reason})  # fmt: skip
+            self.manager.refused(self, consumer, message_id, ErrorCode.RESOURCE_LIMIT, reason)
 
     def _wait(self, entry: tuple[Consumer | None, int, WireMessage, Session | None], client: LinkClient) -> None:
         self._waiting.append(entry)
@@ -386,7 +398,7 @@ class Bridge:
         waits here for it, up to the forwarding window (the broker holds that producer's credit back until
         it goes); any other then takes the queue."""
         client = self.client
-        if self.state != "up" or client is None:
+        if self.state != "up" or client is None or not client.body_fits(message):
             return Direct.REFUSED
         seq = -1 if self._waiting else client.send_if_open(message)
         if seq >= 0:
@@ -569,8 +581,7 @@ class ClusterManager:
         host, port = self.advertise
         return {"cluster": self.settings.cluster.name, "node_id": self.node_id, "name": self.name, "host": host,
                 "port": port, "management": self.management_port, "epoch": self.epoch,
-                "max_hops": self.settings.cluster.max_hops,
-                "max_message_bytes": self.settings.broker.max_message_bytes}  # fmt: skip
+                "max_hops": self.settings.cluster.max_hops}  # fmt: skip
 
     def fresh(self, node_id: str, epoch: Any) -> bool:
         """Whether ``node_id`` at ``epoch`` may be talked to: no newer copy of it was promised or seen."""
@@ -589,15 +600,11 @@ class ClusterManager:
         if not isinstance(join, dict):
             raise BrokerError(ErrorCode.INVALID, "join is a map")
         cluster = self.settings.cluster
-        max_message = self.settings.broker.max_message_bytes
         problem = None
         if join.get("cluster") != cluster.name:
             problem = f"cluster name {join.get('cluster')!r} is not this cluster's ({cluster.name!r})"
         elif join.get("max_hops") != cluster.max_hops:
             problem = f"max_hops {join.get('max_hops')!r} differs from this node's ({cluster.max_hops})"
-        elif join.get("max_message_bytes", max_message) != max_message:  # a message one accepts another refuses
-            problem = (f"broker.max_message_bytes {join.get('max_message_bytes')!r} differs from this node's "
-                       f"({max_message})")  # fmt: skip
         elif join.get("node_id") == self.node_id:
             problem = f"node id {self.node_id} is this node's own (a copied data directory?)"
         elif not self.fresh(str(join.get("node_id")), join.get("epoch", 1)):
