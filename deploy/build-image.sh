@@ -68,10 +68,9 @@ mkdir -p "$wheels"
 cd "$root"
 uv export --frozen --no-dev --no-emit-workspace --no-hashes --no-header \
     --package tridentmq-core --package tridentmq-stomp --package tridentmq-mqtt --package tridentmq-amqp \
-    >"$wheels/requirements.txt" 2>/dev/null \
-    || uv export --frozen --no-dev --no-emit-workspace --no-hashes --no-header >"$wheels/requirements.txt"
-uv run --frozen --no-sync python -m pip --version >/dev/null 2>&1 && pip=(uv run --frozen --no-sync python -m pip) \
-    || pip=(python3 -m pip)
+    >"$wheels/requirements.txt"
+# pip from uv's tool cache, on a Python 3.11 as in the image (the binary wheels are built for it)
+pip=(uv tool run --quiet --python 3.11 --from pip pip)
 # Every locked package whatever its environment marker: the image's Python (3.11.2 in Debian) may need one
 # that this host's does not (async-timeout below 3.11.3); the install in the image applies the markers.
 sed 's/ *;.*//' "$wheels/requirements.txt" >"$wheels/all-platforms.txt"
