@@ -102,6 +102,7 @@ class CoreLinks:
         self.reconnect = settings.reconnect_policy()
         self._watcher: LinkClient | None = None
         self._watching: asyncio.Task[None] | None = None
+        self._readiness: LinkClient | None = None  # the link ``reachable`` keeps
 
     @classmethod
     def of(cls, settings: CoreLinkSettings, *, name: str = "gateway", heartbeat_ms: int = DEFAULT_HEARTBEAT_MS,
@@ -132,9 +133,12 @@ class CoreLinks:
                           tls=self.tls, acting_for=acting_for)  # fmt: skip
 
     async def reachable(self) -> bool:
-        """Whether a core node of the topology answers a link now (one try over the nodes): what a gateway
-        needs before it can serve a client. A node refusing the gateway's own credentials answers too (its
+        """Whether a core node of the topology answers a link: what a gateway needs before it can serve a
+        client. One link is kept open for the question (a new one per look would fill the core's log); once
+        lost, each look tries the nodes once. A node refusing the gateway's own credentials answers too (its
         clients bring theirs)."""
+        if self._readiness is not None and self._readiness.connected:
+            return True
         probe = LinkClient(topology=self.topology, reconnect=ReconnectPolicy(attempts=0, initial_attempts=1),
                            user=self.settings.user or None, password=self.settings.password or None,
                            client_name=f"{self.name} readiness", heartbeat_ms=self.heartbeat_ms,
@@ -142,11 +146,14 @@ class CoreLinks:
         try:
             await probe.connect()
         except LinkClosedError as exc:
+            await probe.close()
             return exc.code == ErrorCode.UNAUTHENTICATED
         except (LinkRequestError, OSError, TimeoutError):
-            return False
-        finally:
             await probe.close()
+            return False
+        if self._readiness is not None:
+            await self._readiness.close()
+        self._readiness = probe
         return True
 
     # ------------------------------------------------------------------ the watcher
@@ -189,4 +196,6 @@ class CoreLinks:
                 await self._watching
         if self._watcher is not None:
             await self._watcher.close()
+        if self._readiness is not None:
+            await self._readiness.close()
         self._process.pop((self.settings.host, self.settings.port), None)

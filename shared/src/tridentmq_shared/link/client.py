@@ -363,6 +363,11 @@ class LinkClient:
                 self.nodes.not_clustered()
 
     @property
+    def connected(self) -> bool:
+        """The link is up now (not closed, not lost, not between a loss and a resume)."""
+        return self._conn is not None and not self._closing
+
+    @property
     def _resuming(self) -> bool:
         task = self._reconnecting
         return task is not None and not task.done()
