@@ -3,7 +3,7 @@
     uv run python -m bench.audit_report --events 1000000
 
 Writes ``--events`` schema-v1 events (3 nodes, 64k-line segments, a mix of msg.sent / msg.delivered /
-msg.acked with heartbeats and connection events) into a temporary folder, then times, each in a fresh Spark
+msg.acked with heartbeats and connection events) into a temporary folder, then times, in one local Spark
 session: the full batch report (session start included) and the streaming source alone (availableNow into
 Spark's no-op sink).
 """
