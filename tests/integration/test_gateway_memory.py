@@ -9,9 +9,11 @@ import signal
 import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
-from tests.conftest import CoreProcess, GatewayProcess
+import stomp
+from tests.conftest import CoreProcess, GatewayProcess, start_gateway, stop_cleanly
 from tests.doors import amqp_round_trip, mqtt_round_trip, stomp_round_trip
 from tests.memory import MIB, rss
 
@@ -175,3 +177,28 @@ def test_nothing_more_is_read_while_a_login_is_checked(
     stomp_round_trip(stomp_gateway.port)
     mqtt_round_trip(mqtt_gateway.port)
     amqp_round_trip(amqp_gateway.port)
+
+
+def test_connections_not_logged_in_are_capped(tmp_path: Path, core: CoreProcess) -> None:
+    """Each connection that has not logged in is bounded; so is their number (``listener.max_logging_in``).
+    Logged-in clients do not count."""
+    gateway = start_gateway(tmp_path, core, "stomp", TRIDENTMQ_STOMP_LISTENER_MAX_LOGGING_IN="10")
+    logged_in = [stomp.Connection12([("127.0.0.1", gateway.port)]) for _ in range(12)]
+    for conn in logged_in:
+        conn.connect(wait=True)
+    pending = [socket.create_connection(("127.0.0.1", gateway.port), timeout=WAIT) for _ in range(10)]
+    for sock in pending:
+        sock.sendall(b"CONNECT\naccept-version:1.2\n")  # and no more
+    for _ in range(2):  # over the cap: closed without an answer
+        with socket.create_connection(("127.0.0.1", gateway.port), timeout=WAIT) as extra:
+            extra.sendall(b"CONNECT\naccept-version:1.2\n\n\x00")
+            assert answer(extra) == b""
+    assert gateway.log().count("too many connections logging in") == 1, gateway.log()
+    for sock in pending:  # their end frees their places
+        sock.shutdown(socket.SHUT_WR)
+        answer(sock)
+        sock.close()
+    stomp_round_trip(gateway.port)
+    for conn in logged_in:
+        conn.disconnect()
+    stop_cleanly(gateway)

@@ -57,6 +57,9 @@ class Wire(Protocol):
     def buffered(self) -> int:
         """Bytes written and not yet taken by the operating system."""
 
+    def logged_in(self) -> None:
+        """The client has logged in: it no longer counts against ``max_logging_in``."""
+
 
 class ClientSession(Protocol):
     """One client connection's protocol session, as the listeners drive it."""
@@ -99,6 +102,7 @@ class ShellConfig:
     http_allowed_hosts: tuple[str, ...] = ()  # Host names allowed besides loopback ones (see http_hosts.py)
     http_request_timeout_ms: int = 10_000  # HTTP and WebSocket handshakes: a whole request head within this
     http_max_connections: int = 256  # HTTP connections at once (the WebSocket listeners take ``max_connections``)
+    max_logging_in: int = 1000  # connections at once that have not logged in yet; more are refused
 
 
 def listener_tls(tls: TlsSection, *ports: int, http_tls: bool = False) -> ServerTls | None:
@@ -134,6 +138,9 @@ class _TcpWire(asyncio.Protocol):
                         extra={"peer": self.peer, "protocol": self.shell.config.protocol})  # fmt: skip
             self.transport.close()
             return
+        if not self.shell.admit_login(self, self.peer):
+            self.transport.close()
+            return
         set_nodelay(transport)
         self.session = self.shell.open_session(self)
         self.shell.sessions.add(self.session)
@@ -151,6 +158,7 @@ class _TcpWire(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._writable.set()
+        self.shell.logging_in.discard(self)
         if self.session is not None:
             self.session.connection_lost()
             self.shell.sessions.discard(self.session)
@@ -187,13 +195,17 @@ class _TcpWire(asyncio.Protocol):
     def buffered(self) -> int:
         return self.transport.get_write_buffer_size() if self.transport is not None else 0
 
+    def logged_in(self) -> None:
+        self.shell.logging_in.discard(self)
+
 
 class _WebSocketWire:
     """Frames out in order through one writer task."""
 
     def __init__(self, ws: web.WebSocketResponse, peer: str, host: str, *, binary: bool,
-                 certificate_name: str | None) -> None:  # fmt: skip
+                 certificate_name: str | None, logging_in: set[object]) -> None:  # fmt: skip
         self.ws = ws
+        self._logging_in = logging_in  # the shell's, which holds this wire until the client logged in
         self.peer = peer
         self.host = host
         self.certificate_name = certificate_name
@@ -258,6 +270,9 @@ class _WebSocketWire:
     def buffered(self) -> int:
         return self._pending
 
+    def logged_in(self) -> None:
+        self._logging_in.discard(self)
+
     async def reading(self) -> None:
         await self._reading.wait()
 
@@ -280,6 +295,8 @@ class GatewayShell:
         self.core_ready = core_ready
         self.ports_file = ports_file
         self.sessions: set[ClientSession] = set()
+        self.logging_in: set[object] = set()  # the wires of connections that have not logged in yet
+        self._login_refusal_logged: float | None = None
         self.started = False
         self.ports: dict[str, int] = {}
         self._servers: list[asyncio.Server] = []
@@ -374,6 +391,21 @@ class GatewayShell:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(server.wait_closed(), 5)
 
+    def admit_login(self, wire: object, peer: str) -> bool:
+        """Count ``wire`` among the connections logging in, or refuse it when there are ``max_logging_in``
+        already (what each may send before login is bounded; their number is bounded here). The first
+        refusal of each minute is logged."""
+        if len(self.logging_in) >= self.config.max_logging_in:
+            now = time.monotonic()
+            if self._login_refusal_logged is None or now - self._login_refusal_logged >= 60:
+                self._login_refusal_logged = now
+                log.warning("connection refused: too many connections logging in (further refusals not logged "
+                            "for a minute)", extra={"peer": peer, "protocol": self.config.protocol,
+                                                    "max_logging_in": self.config.max_logging_in})  # fmt: skip
+            return False
+        self.logging_in.add(wire)
+        return True
+
     # ------------------------------------------------------------------ WebSocket
     async def _websocket(self, request: web.Request) -> web.StreamResponse:
         config = self.config
@@ -392,9 +424,11 @@ class GatewayShell:
             return ws
         transport = request.transport
         certificate_name = peer_common_name(transport) if transport is not None else None
-        wire = _WebSocketWire(
-            ws, peer, request.remote or "?", binary=config.binary_frames, certificate_name=certificate_name
-        )
+        wire = _WebSocketWire(ws, peer, request.remote or "?", binary=config.binary_frames,
+                              certificate_name=certificate_name, logging_in=self.logging_in)  # fmt: skip
+        if not self.admit_login(wire, peer):
+            await ws.close(code=1013, message=b"too many connections logging in")
+            return ws
         session = self.open_session(wire)
         self.sessions.add(session)
         try:
@@ -412,6 +446,7 @@ class GatewayShell:
                 await wire.reading()
         finally:
             wire.lost()
+            self.logging_in.discard(wire)
             session.connection_lost()
             self.sessions.discard(session)
             with contextlib.suppress(Exception):

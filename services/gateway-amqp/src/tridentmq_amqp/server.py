@@ -24,7 +24,8 @@ class AmqpGateway:
         listener, limits, http = settings.listener, settings.amqp, settings.http
         config = ShellConfig(
             protocol="amqp", host=listener.host, port=listener.port, websocket_port=listener.websocket_port,
-            max_connections=listener.max_connections, subprotocols=SUBPROTOCOLS, subprotocol_required=True,
+            max_connections=listener.max_connections, max_logging_in=listener.max_logging_in,
+            subprotocols=SUBPROTOCOLS, subprotocol_required=True,
             max_websocket_message=max(limits.max_frame_bytes, limits.max_message_bytes) + 1024,
             binary_frames=True, http_enabled=http.enabled, http_host=http.host, http_port=http.port,
             tls=listener_tls(settings.tls, listener.tls_port, listener.websocket_tls_port, http_tls=http.tls),

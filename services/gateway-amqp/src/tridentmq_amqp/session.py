@@ -284,6 +284,7 @@ class AmqpSession:
         except OSError as exc:
             return LinkRequestError(ErrorCode.EOF, str(exc))
         self.link = link
+        self.wire.logged_in()
         link.on_closed = self._link_closed
         link.on_settled = self._settle_inbound
         return None

@@ -30,6 +30,9 @@ class ListenerSection:
     websocket_tls_port: int = doc(5674, "AMQP 1.0 over WebSocket over TLS (wss), opened when `tls.cert_file` is set "
                                        "(-1 = off).")  # fmt: skip
     max_connections: int = doc(10_000, "AMQP connections accepted at once; more are refused.")
+    max_logging_in: int = doc(1000, "Connections at once that have not logged in yet (each bounded by "
+                                    "`max_connect_bytes`); more are refused, the first refusal of each minute "
+                                    "logged.")  # fmt: skip
 
 
 @dataclass(frozen=True)

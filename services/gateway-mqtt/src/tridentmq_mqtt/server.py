@@ -34,7 +34,8 @@ class MqttGateway:
         listener, http = settings.listener, settings.http
         config = ShellConfig(
             protocol="mqtt", host=listener.host, port=listener.port, websocket_port=listener.websocket_port,
-            max_connections=listener.max_connections, subprotocols=SUBPROTOCOLS, subprotocol_required=True,
+            max_connections=listener.max_connections, max_logging_in=listener.max_logging_in,
+            subprotocols=SUBPROTOCOLS, subprotocol_required=True,
             max_websocket_message=settings.mqtt.max_packet_bytes + 8, binary_frames=True,
             http_enabled=http.enabled, http_host=http.host, http_port=http.port,
             tls=listener_tls(settings.tls, listener.tls_port, listener.websocket_tls_port, http_tls=http.tls),

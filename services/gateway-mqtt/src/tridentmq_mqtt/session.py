@@ -432,6 +432,7 @@ class MqttSession:
         self.conn.accept(time.monotonic(), session_present=previous is not None and not event.clean_start,
                          assigned_client_id=assigned, server_keep_alive=keep_alive, properties=granted)  # fmt: skip
         self._connected = True
+        self.wire.logged_in()
         self._rearm.set()
         self._watcher = end_on_failure(self._loop.create_task(self._watch_lock(self._lock), name="mqtt session lock"),
                                        self._end, self.wire.peer)  # fmt: skip

@@ -25,7 +25,8 @@ class StompGateway:
         listener, limits, http = settings.listener, settings.stomp, settings.http
         config = ShellConfig(
             protocol="stomp", host=listener.host, port=listener.port, websocket_port=listener.websocket_port,
-            max_connections=listener.max_connections, subprotocols=SUBPROTOCOLS, subprotocol_required=False,
+            max_connections=listener.max_connections, max_logging_in=listener.max_logging_in,
+            subprotocols=SUBPROTOCOLS, subprotocol_required=False,
             max_websocket_message=limits.max_frame_bytes + limits.max_header_bytes + 16,  # a message holds a frame
             binary_frames=False, http_enabled=http.enabled, http_host=http.host, http_port=http.port,
             tls=listener_tls(settings.tls, listener.tls_port, listener.websocket_tls_port, http_tls=http.tls),

@@ -240,6 +240,7 @@ class StompSession:
         link.on_settled = self._settled
         self.client_id = event.headers.get("client-id")
         self.conn.accept(self.id, SERVER_NAME, time.monotonic())
+        self.wire.logged_in()
         self._rearm.set()
 
     def _link(self) -> LinkClient:
