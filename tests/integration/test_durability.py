@@ -265,3 +265,29 @@ async def test_journal_metrics_count_records_and_group_commits(tmp_path: Path) -
         assert 1 <= syncs <= records
     finally:
         assert node.stop() == 0
+
+
+def _audit_records(node_dir: Path) -> list[dict[str, object]]:
+    """Every record of a node's audit log, sealed segments and the active one."""
+    paths = sorted(node_dir.glob("*.jsonl")) + sorted((node_dir / ".active").glob("*.jsonl"))
+    return [json.loads(line) for path in paths for line in path.read_bytes().splitlines()]
+
+
+async def test_the_audit_events_of_confirmed_durable_messages_survive_kill_9(tmp_path: Path) -> None:
+    # Heartbeats and time-based flushes far apart: only the flush before each confirm can save the events.
+    env = {"TRIDENTMQ_CORE_AUDIT_HEARTBEAT_SECONDS": "3600", "TRIDENTMQ_CORE_AUDIT_ROLL_SECONDS": "3600"}
+    node = start_core(tmp_path, **env)
+    port = node.link_port
+    await publish_confirmed(node, "audited.q", [f"a{n}".encode() for n in range(300)])
+    node.process.send_signal(signal.SIGKILL)  # at once: the events live only in the OS now, if anywhere
+    node.process.wait(timeout=10)
+    node = start_core(tmp_path, TRIDENTMQ_CORE_LINK_PORT=str(port), **env)
+    await publish_confirmed(node, "audited.q", [f"b{n}".encode() for n in range(20)])
+    assert node.stop() == 0
+    (node_dir,) = [d for d in (tmp_path / "core" / "audit").iterdir() if d.is_dir()]
+    records = _audit_records(node_dir)
+    sent = [r for r in records if r["event"] == "msg.sent" and r["address"] == "audited.q"]
+    assert len(sent) == 320
+    assert len({r["message_id"] for r in sent}) == 320
+    seqs = [r["seq"] for r in records]
+    assert seqs == list(range(len(records))), "seqs are gap-free, unique and in file order"

@@ -265,6 +265,9 @@ class RecordingAudit:
     def tick(self, ts_us: int) -> None:
         pass
 
+    def flush(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

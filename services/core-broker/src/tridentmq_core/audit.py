@@ -44,6 +44,10 @@ class AuditSink(Protocol):
     def tick(self, ts_us: int) -> None:
         """Called about once a second: time-based roll and the ``node.heartbeat`` event."""
 
+    def flush(self) -> None:
+        """Hand the buffered events to the OS (a write, no fsync): called before confirms go out, so that the
+        events of a confirmed message survive a kill of the process."""
+
     def close(self) -> None:
         """Seal the active segment (publish it) and stop."""
 
@@ -61,6 +65,9 @@ class NullAuditSink:
     def tick(self, ts_us: int) -> None:
         """Nothing to do."""
 
+    def flush(self) -> None:
+        """Nothing to do."""
+
     def close(self) -> None:
         """Nothing to do."""
 
@@ -68,9 +75,11 @@ class NullAuditSink:
 class FileAuditSink:
     """Writes the audit stream of one node into segment files (see the module docstring).
 
-    Events are buffered in memory and written when the buffer exceeds ``flush_bytes``, on ``tick``, on roll
-    and on close; files are fsynced only when a segment is sealed. A crash therefore loses at most the
-    unflushed tail, and the next start continues after the last seq that reached the disk.
+    Events are buffered in memory and written when the buffer exceeds ``flush_bytes``, on ``flush`` (the
+    server calls it before it sends what an event-loop turn produced, confirms included), on ``tick``, on roll
+    and on close; files are fsynced only when a segment is sealed. A killed process therefore loses no event
+    that a client could have seen the outcome of (an OS crash can lose the unsynced tail), and the next start
+    continues after the last seq that reached the file, so seqs stay gap-free and are never reused.
     """
 
     def __init__(
@@ -204,6 +213,11 @@ class FileAuditSink:
         if self._seg_start_us is not None and ts_us - self._seg_start_us >= self._roll_us:
             self._roll()
         else:
+            self._flush()
+
+    def flush(self) -> None:
+        """Write the buffered events to the active file (no fsync)."""
+        if self._buf and not self._closed:
             self._flush()
 
     def close(self) -> None:

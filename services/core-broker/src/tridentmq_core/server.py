@@ -585,6 +585,7 @@ class CoreNode:
         """Send what a link has queued (its CLOSE) and close its connection."""
         protocol = self.protocols.get(conn_id)
         if protocol is not None:
+            self.audit.flush()
             protocol.write_pending()
             protocol.close_transport()
 
@@ -635,6 +636,7 @@ class CoreNode:
         assert replication is not None
         self.active = False  # new links are refused from here on
         backup_session = replication.session
+        self.audit.flush()
         for protocol in list(self.protocols.values()):
             if protocol.session is not backup_session:
                 protocol.conn.close(ErrorCode.NOT_ACTIVE, "the pair goes back to its primary")
@@ -690,6 +692,8 @@ class CoreNode:
         if self.replication is not None:
             self.replication.pump()
         protocols = self.protocols
+        # The audit events of what this turn confirms reach the file before the confirms reach the wire.
+        self.audit.flush()
         for session in broker.take_dirty():
             protocol = protocols.get(session.conn_id)
             if protocol is None:
@@ -781,6 +785,7 @@ class CoreNode:
 
     def _close_client_links(self, code: str = ErrorCode.SHUTDOWN, text: str = "the node is shutting down") -> None:
         """Close every link but the other cluster nodes': their consumers give their messages back."""
+        self.audit.flush()
         for protocol in list(self.protocols.values()):
             if protocol.session is not None and not protocol.session.principal.cluster:
                 protocol.conn.close(code, text)
