@@ -102,4 +102,10 @@ class Stack:
             time.sleep(1)
 
     def down(self, *, volumes: bool) -> None:
-        self.compose("down", "--timeout", "30", *(["--volumes"] if volumes else []), check=False)
+        """Remove the stack; again if something was left (a container restarting after a kill, say, keeps
+        the network busy the first time)."""
+        for _ in range(3):
+            result = self.compose("down", "--timeout", "30", *(["--volumes"] if volumes else []), check=False)
+            if result.returncode == 0 and not self.compose("ps", "-q", check=False).stdout.split():
+                return
+        pytest.fail(f"compose down left the stack behind:\n{result.stdout}\n{result.stderr}")
