@@ -1715,6 +1715,29 @@ def test_message_events_reach_the_file_sink_whole(tmp_path: Path) -> None:
     assert events["msg.acked"]["consumer_id"] == str(cid)  # who acknowledged it, as in consumer.opened
     assert events["msg.acked"]["conn_id"] == events["consumer.opened"]["conn_id"]
     assert events["msg.acked"]["client_id"] == events["conn.opened"]["client_id"]
+    # One msg.delivered per delivery, with its count and the consumer it went to, between sent and acked.
+    delivered = [line for line in lines if line["event"] == "msg.delivered"]
+    assert [line["delivery_count"] for line in delivered] == [1, 2]
+    for line in delivered:
+        assert line.items() >= {**message, "queue": "orders", "consumer_id": str(cid)}.items()
+        assert line["conn_id"] == events["consumer.opened"]["conn_id"]
+        assert line["client_id"] == events["conn.opened"]["client_id"]
+        assert line["sent_ts_us"] == events["msg.sent"]["sent_ts_us"]
+    order = [line["event"] for line in lines if line["event"].startswith("msg.")]
+    assert order == ["msg.sent", "msg.delivered", "msg.nacked", "msg.delivered", "msg.acked"]
+
+
+def test_non_durable_deliveries_are_audited_only_with_all_message_events(tmp_path: Path) -> None:
+    h = Harness()
+    sink = RecordingAudit()
+    h.broker = Broker("node-1", h.settings, store=MemoryStore(), audit=sink, first_message_id=1)
+    c = h.connect()
+    ok(c.create_queue("orders"))
+    c.publish("orders", b"fast")
+    c.publish("orders", b"safe", durable=True)
+    cid = c.consumer("orders")
+    assert bodies(c.take(cid)) == [b"fast", b"safe"]
+    assert [f["message_id"] for _, f in sink.of("msg.delivered")] == ["node-1-2"]
 
 
 def test_audit_auto_ack_deliveries_record_acked_with_queue_and_time() -> None:

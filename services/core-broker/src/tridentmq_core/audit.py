@@ -41,6 +41,11 @@ class AuditSink(Protocol):
         """Record a message event (two per durable message: the hot road): ``emit`` with these fields (none
         of them None but the queue, which is then left out) and ``extra``."""
 
+    def emit_delivered(self, ts_us: int, queue: str, address: str, message_id: str, size: int, protocol: str,
+                       sent_ts_us: int, delivery_count: int, conn_id: str, consumer_id: str,
+                       client_id: str | None) -> None:  # fmt: skip
+        """Record a ``msg.delivered`` event (one per delivery: the hottest road, so no dict of extra fields)."""
+
     def tick(self, ts_us: int) -> None:
         """Called about once a second: time-based roll and the ``node.heartbeat`` event."""
 
@@ -60,6 +65,11 @@ class NullAuditSink:
 
     def emit_message(self, ts_us: int, event: str, queue: str | None, address: str, message_id: str, size: int,
                      protocol: str, sent_ts_us: int, extra: Mapping[str, object]) -> None:  # fmt: skip
+        """Ignore the event."""
+
+    def emit_delivered(self, ts_us: int, queue: str, address: str, message_id: str, size: int, protocol: str,
+                       sent_ts_us: int, delivery_count: int, conn_id: str, consumer_id: str,
+                       client_id: str | None) -> None:  # fmt: skip
         """Ignore the event."""
 
     def tick(self, ts_us: int) -> None:
@@ -172,6 +182,23 @@ class FileAuditSink:
             record["queue"] = queue
         if extra:
             _merge(record, extra)
+        self._append(seq, ts_us, record)
+
+    def emit_delivered(self, ts_us: int, queue: str, address: str, message_id: str, size: int, protocol: str,
+                       sent_ts_us: int, delivery_count: int, conn_id: str, consumer_id: str,
+                       client_id: str | None) -> None:  # fmt: skip
+        """``emit`` for ``msg.delivered``, the record built in one go like ``emit_message``'s."""
+        if not self._accepting(ts_us):
+            return
+        seq = self._next_seq
+        record: dict[str, object] = {
+            "v": SCHEMA_VERSION, "node_id": self.node_id, "seq": seq, "ts_us": ts_us, "event": "msg.delivered",
+            "epoch": self.epoch, "address": address, "queue": queue, "message_id": message_id, "size": size,
+            "protocol": protocol, "sent_ts_us": sent_ts_us, "delivery_count": delivery_count, "conn_id": conn_id,
+            "consumer_id": consumer_id,
+        }  # fmt: skip
+        if client_id is not None:
+            record["client_id"] = client_id
         self._append(seq, ts_us, record)
 
     def _accepting(self, ts_us: int) -> bool:

@@ -1650,6 +1650,15 @@ class Broker:
         session.conn.deliver(consumer.id, delivery_count, message)
         self.dirty.add(session)
 
+    def on_delivered(self, queue: Queue, consumer: Consumer, delivery_count: int, message: WireMessage) -> None:
+        """Audit a delivery to a consumer (``msg.delivered``), when message events cover the message."""
+        if self._audit_all or (self._audit_durable and message[M_DURABLE]):
+            session = consumer.session
+            self.audit.emit_delivered(self.now_ms * 1000, queue.name, message[M_ADDRESS],
+                                      f"{self._node_tag}-{message[M_ID]}", len(message[M_BODY]),
+                                      message[M_PROTOCOL] or "link", message[M_TIMESTAMP] * 1000, delivery_count,
+                                      session.conn_id, str(consumer.id), session.client_name)  # fmt: skip
+
     def on_pages_ready(self, queue: Queue) -> None:
         """Paged messages were read back from disk (the shell flushes after calling this)."""
         if self.queues.get(queue.name) is queue:

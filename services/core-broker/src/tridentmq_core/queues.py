@@ -74,6 +74,7 @@ class DeliverySink(Protocol):
     def deliver_durable(self, queue: Queue, attempts: list[tuple[Consumer, int, WireMessage]]) -> None: ...
     def on_expired(self, queue: Queue, message: WireMessage) -> None: ...
     def on_pages_ready(self, queue: Queue) -> None: ...
+    def on_delivered(self, queue: Queue, consumer: Consumer, delivery_count: int, message: WireMessage) -> None: ...
 
 
 class Consumer:
@@ -546,6 +547,8 @@ class Queue:
             consumer.spend_bytes(len(message[M_BODY]))
         self.delivered += 1
         session = consumer.session
+        if not consumer.forwarder:  # a forwarder's take is audited as forwarded or redistributed
+            self._sink.on_delivered(self, consumer, count, message)
         if not consumer.auto_ack:  # in flight first: a delivery held for the disk is sent only if it still is
             consumer.in_flight[message_id] = message
             if count > 1:
