@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -169,6 +170,65 @@ async def test_selectors_are_honoured_across_nodes(tmp_path: Path) -> None:
         assert await reds.get_batch(timeout=1.5) == []
     # The blue ones stayed on a, where no consumer wanted them.
     assert cluster_view(a)["backlog"].get("paint", 0) == 20
+    stop_all(nodes)
+
+
+async def paint(node: CoreProcess, count: int) -> list[bytes]:
+    """``count`` red and ``count`` blue durable messages on ``node``'s queue "paint", no consumer anywhere."""
+    painted = [f"{colour}-{i}".encode() for colour in ("red", "blue") for i in range(count)]
+    async with client(node) as c:
+        await c.create_queue("paint", "paint", durable=True)
+        for body in painted:
+            colour = body.split(b"-")[0].decode()
+            await (await c.send(new_message("paint", body, durable=True, properties={"colour": colour})))
+    return painted
+
+
+async def test_a_backlog_goes_to_every_node_whose_consumers_take_it(tmp_path: Path) -> None:
+    """Issue 21: A holds red and blue with no consumer, B's consumer selects red, C's takes all. Red went to B
+    and blue stayed on A; now red goes to B or C and blue to C, and the backlog is shared between them."""
+    nodes = start_cluster(tmp_path, 3)
+    a, b, c = nodes
+    painted = await paint(a, 200)
+    async with client(b) as cb, client(c) as cc:
+        reds = await cb.subscribe("paint", selector="colour = 'red'", credit=500)
+        everything = await cc.subscribe("paint", credit=500)
+        await wait_until_async(lambda: remote_consumers(a, "paint") == 2, what="a to see both consumers")
+        got_b: list[bytes] = []
+        got_c: list[bytes] = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while len(got_b) + len(got_c) < 400 and loop.time() < deadline:
+            for consumer, got in ((reds, got_b), (everything, got_c)):
+                batch = await consumer.get_batch(timeout=0.2)
+                got.extend(bytes(m[M_BODY]) for _, m in batch)
+                consumer.ack_ids([m[M_ID] for _, m in batch])
+    assert sorted(got_b + got_c) == sorted(painted)
+    assert all(body.startswith(b"red") for body in got_b)
+    assert sum(body.startswith(b"blue") for body in got_c) == 200
+    assert got_b
+    assert any(body.startswith(b"red") for body in got_c)
+    assert cluster_view(a)["backlog"].get("paint", 0) == 0
+    stop_all(nodes)
+
+
+async def test_status_calls_messages_no_redistribution_moves_stranded(tmp_path: Path) -> None:
+    """Issue 21: status said ``redistributing paint -> B`` and ``stranded none`` while messages no consumer
+    anywhere would take stayed on A for good (B's consumer selects only red)."""
+    nodes = start_cluster(tmp_path, 2)
+    a, b = nodes
+    await paint(a, 50)
+    async with client(b) as cb:
+        reds = await cb.subscribe("paint", selector="colour = 'red'", credit=100)
+        got = await take(reds, 50, timeout=15)
+        assert sorted(got) == sorted(f"red-{i}".encode() for i in range(50))
+        await wait_until_async(lambda: cluster_view(a)["stranded"] == {"paint": 50},
+                               what="a to call the blue ones stranded")  # fmt: skip
+        view = cluster_view(a)
+        assert view["remote_consumers"]["paint"] == {node_id(b): 1}  # B's consumer is there, wanting none of them
+        assert view["stranded_since"]["paint"] <= time.time() * 1000
+        text = "\n".join(cluster_lines(view))
+        assert "stranded    paint 50 for " in text
     stop_all(nodes)
 
 

@@ -11,7 +11,7 @@ from tridentmq_core.broker import FORWARD_QUEUE_PREFIX, Direct, WireMessage
 from tridentmq_core.cluster.balancer import Balancer, SelectorCache
 from tridentmq_core.cluster.bindings import Binding, RemoteBindings
 from tridentmq_core.cluster.forward import FORWARD_PROPERTY, ForwardHeader
-from tridentmq_core.cluster.redistribution import Redistributor, due_again
+from tridentmq_core.cluster.redistribution import Arrivals, Redistributor, due_again, targets
 from tridentmq_core.security import Principal
 from tridentmq_shared.link.codec import LinkConnection, Role
 from tridentmq_shared.message import M_BODY, M_ID, M_PROPS
@@ -191,3 +191,45 @@ def test_messages_a_redistributor_passed_over_for_their_residence_move_once_it_i
     h.broker.offer_again(queue)
     h.sync()
     assert port.moved == [b"old", b"new-1", b"new-2"]
+
+
+def test_redistribution_targets_are_every_reachable_node_with_consumers_for_the_queue() -> None:
+    h = Harness()
+    ok(h.connect().create_queue("paint", "paint", ANYCAST))
+    queue = h.broker.queues["paint"]
+    few = Binding("node-2", "paint", "paint", ANYCAST, None, 1, ("color = 'red'",), 1, "node-2")
+    many = Binding("node-3", "paint", "paint", ANYCAST, None, 3, None, 1, "node-3")
+    none = Binding("node-4", "paint", "paint", ANYCAST, None, 0, None, 1, "node-4")
+    elsewhere = Binding("node-5", "paint", "other", ANYCAST, None, 2, None, 1, "node-5")
+    down = Binding("node-6", "paint", "paint", ANYCAST, None, 2, None, 1, "node-6").unreachable()
+    assert [b.node_id for b in targets(queue, [few, many, none, elsewhere, down])] == ["node-3", "node-2"]
+
+
+def test_a_backlog_goes_to_the_nodes_whose_consumers_take_it_and_is_spread_over_them() -> None:
+    """Issue 21: with 200 red and 200 blue on A, B's consumer selecting red and C's taking all, blue stayed on
+    A (the one redistributor went to B). One redistributor per node with consumers, each taking what a
+    consumer there takes: red goes to B and C in turn, blue to C only."""
+    h = Harness()
+    c = h.connect()
+    ok(c.create_queue("paint", "paint", ANYCAST))
+    painted = [f"{color}-{i}".encode() for color in ("red", "blue") for i in range(20)]
+    for body in painted:
+        c.publish("paint", body, properties={"color": body.split(b"-")[0].decode()})
+    queue = h.broker.queues["paint"]
+    principal = Principal("cluster:peers", frozenset(), unrestricted=True, cluster=True)
+    ports = {}
+    for node_id, selectors in (("node-2", ("color = 'red'",)), ("node-3", None)):
+        port = ports[node_id] = Moved()
+        session = h.broker.open_session(port, "bridge", principal, "127.0.0.1", f"cluster:{node_id}", h.now_ms)
+        target = Binding(node_id, "paint", "paint", ANYCAST, None, 1, selectors, 1, node_id)
+        mover = Redistributor(2, session, queue, 1000, target=target, selectors=SelectorCache(),
+                              arrivals=Arrivals(), min_residence_ms=2000, clock=lambda: h.now_ms)  # fmt: skip
+        h.broker.add_forwarder(session, mover)
+    h.sync()
+    to_b, to_c = ports["node-2"].moved, ports["node-3"].moved
+    assert len(queue) == 0
+    assert sorted(to_b + to_c) == sorted(painted)
+    assert to_b
+    assert all(body.startswith(b"red") for body in to_b)
+    assert sum(body.startswith(b"blue") for body in to_c) == 20
+    assert 0 < len([b for b in to_c if b.startswith(b"red")]) < 20  # red is shared, not all sent to one node

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import ssl
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -129,9 +130,15 @@ def cluster_lines(cluster: dict[str, Any]) -> list[str]:
     if rows:
         lines.append(format_table(["to node", "address", "state", "to forward", "reason"], rows))
     if cluster.get("redistributing"):
-        lines.append("redistributing " + ", ".join(f"{q} → {n[:8]}" for q, n in cluster["redistributing"].items()))
+        moves = [f"{q} → {', '.join(n[:8] for n in ([nodes] if isinstance(nodes, str) else nodes))}"
+                 for q, nodes in cluster["redistributing"].items()]  # fmt: skip
+        lines.append("redistributing " + "; ".join(moves))
     stranded = cluster.get("stranded") or {}
-    lines.append("stranded    " + (", ".join(f"{q} {n:,}" for q, n in stranded.items()) or "none"))
+    since = cluster.get("stranded_since") or {}
+    now_ms = time.time() * 1000
+    lines.append("stranded    " + (", ".join(
+        f"{q} {n:,}" + (f" for {max(0.0, now_ms - since[q]) / 1000:,.0f} s" if q in since else "")
+        for q, n in stranded.items()) or "none"))  # fmt: skip
     for node, kept in (cluster.get("unreachable") or {}).items():  # down, its durable queues still destinations
         lines.append(f"down        {node[:8]}: {kept['pending_forward']:,} messages wait here for its "
                      f"{len(kept['queues'])} durable queues ({', '.join(kept['queues'][:5])})")  # fmt: skip

@@ -29,7 +29,7 @@ from tridentmq_core.cluster.bindings import Binding, BindingError, Key, RemoteBi
 from tridentmq_core.cluster.discovery import Announcement, RedisDiscovery
 from tridentmq_core.cluster.forward import FORWARD_PROPERTY, numbered_header
 from tridentmq_core.cluster.links import node_link, watch_close
-from tridentmq_core.cluster.redistribution import Arrivals, Redistributor, best_target, due_again, stranded
+from tridentmq_core.cluster.redistribution import Arrivals, Redistributor, best_target, due_again, stranded, targets
 from tridentmq_core.ha.manager import Voter
 from tridentmq_core.queues import MESSAGE_OVERHEAD, Consumer, Queue
 from tridentmq_core.security import Principal
@@ -360,6 +360,7 @@ class Bridge:
         if consumer is None or client is None:
             return  # torn down meanwhile: the broker takes the message back with the session
         if isinstance(consumer, Redistributor):
+            consumer.moved += 1
             outgoing = list(message)
             header = numbered_header(consumer.target.node_id, (consumer.queue.name,), 1,
                                      self.manager.broker.transfer_prefix, delivered)  # fmt: skip
@@ -528,8 +529,12 @@ class ClusterManager:
         self.members: dict[str, Member] = {}  # every node heard of, by id
         self.joined: dict[str, Joined] = {}  # by link connection id
         self.watchers: dict[str, Session] = {}  # gateways following the topology, by connection id
-        self.redistributors: dict[str, tuple[Bridge, Redistributor]] = {}  # by queue name
+        # By queue name and target node: one per node with consumers for the queue.
+        self.redistributors: dict[tuple[str, str], tuple[Bridge, Redistributor]] = {}
         self._stranded_since: dict[str, int] = {}
+        self._moved_seen: dict[tuple[str, str], int] = {}  # each redistributor's ``moved`` at the last tick
+        self._moving: set[str] = set()  # queues a redistributor moved messages of since the last tick
+        self._stuck_since: dict[str, int] = {}  # queues with messages nobody here takes nor moves → since when
         self._gone_tried: dict[str, tuple[int, int]] = {}  # gone node → the binding versions its queue was tried at
         self._sent_version = (-1, -1)
         self._members_version = 0
@@ -704,9 +709,9 @@ class ClusterManager:
         # Its durable queues stay destinations (unreachable): their messages wait in its forward queue here
         # until it, or its backup under its id, is back, instead of being routed nowhere meanwhile.
         self.bindings.depart(bridge.node_id)
-        for name, (owner, _) in list(self.redistributors.items()):
+        for key, (owner, _) in list(self.redistributors.items()):
             if owner is bridge:
-                del self.redistributors[name]
+                del self.redistributors[key]
         self._members_version += 1
         self.broker.audit.emit(_now_ms() * 1000, "node.left", {"peer_node": bridge.node_id, "name": bridge.name})
 
@@ -808,40 +813,51 @@ class ClusterManager:
 
     def _redistribute(self, now_ms: int) -> None:
         broker = self.broker
-        wanted: dict[str, Binding] = {}
+        wanted: dict[tuple[str, str], Binding] = {}
         waiting: dict[str, int] = {}  # queues that qualify now → since when (their delay runs from there)
+        running = {name for name, _ in self.redistributors}
         if self.policy != "OFF":
             for queue in broker.queues.values():
                 if queue.name.startswith(FORWARD_QUEUE_PREFIX) or any(is_local_consumer(c) for c in queue.consumers):
                     continue
-                running = self.redistributors.get(queue.name)
-                if running is None and not stranded(queue):
+                if queue.name not in running and not stranded(queue):
                     continue
-                target = best_target(queue, self.bindings.for_queue(queue.name))
-                if target is None:
+                found = targets(queue, self.bindings.for_queue(queue.name))
+                if not found:
                     continue
                 delay = broker.address_settings.resolve(queue.address).redistribution_delay_ms
                 if delay < 0:
                     continue
                 since = waiting[queue.name] = self._stranded_since.get(queue.name, now_ms)
-                if running is not None or now_ms - since >= delay:
-                    wanted[queue.name] = target
+                if queue.name in running or now_ms - since >= delay:
+                    for target in found:
+                        wanted[(queue.name, target.node_id)] = target
         self._stranded_since = waiting  # a queue that stopped qualifying waits its full delay next time
-        for name, (bridge, redistributor) in list(self.redistributors.items()):
-            target = wanted.get(name)
-            if target is None or target.node_id != redistributor.target.node_id or not bridge.up or \
-                    redistributor.stopped:  # fmt: skip
+        moving: set[str] = set()
+        moved_seen: dict[tuple[str, str], int] = {}
+        for key, (bridge, redistributor) in list(self.redistributors.items()):
+            if redistributor.in_flight or redistributor.moved != self._moved_seen.get(key, 0):
+                moving.add(key[0])
+            moved_seen[key] = redistributor.moved
+            wants = wanted.get(key)
+            if wants is None or not bridge.up or redistributor.stopped:
                 redistributor.stop()  # take nothing more; leave once what it sent is confirmed
                 if not redistributor.in_flight:
                     bridge.remove_consumer(redistributor)
-                    del self.redistributors[name]
+                    del self.redistributors[key]
             else:
-                redistributor.target = target  # consumers or selectors there may have changed
+                redistributor.target = wants  # consumers or selectors there may have changed
                 if due_again(redistributor, now_ms):
                     broker.offer_again(redistributor.queue)
-        for name, target in wanted.items():
-            if name in self.redistributors:
+                    moving.add(key[0])  # passed over for their residence, not stuck: they may move now
+                elif redistributor.retry_at:
+                    moving.add(key[0])  # messages wait out their residence, then move
+        self._moving, self._moved_seen = moving, moved_seen
+        self._stuck_since = {name: self._stuck_since.get(name, now_ms) for name in self.stranded()}
+        for key, target in wanted.items():
+            if key in self.redistributors:
                 continue
+            name = key[0]
             via = self.bindings.next_hop(target.node_id)
             through = self.bridges_by_node.get(via or "")
             if through is None or not through.up:
@@ -857,7 +873,8 @@ class ClusterManager:
 
             started = through.add_redistributor(make)
             if started is not None:
-                self.redistributors[name] = (through, started)
+                self.redistributors[key] = (through, started)
+                self._moving.add(name)  # just started: give it a tick before calling the queue stuck
                 log.info("redistribution started", extra={"queue": name, "to_node": target.node_id,
                                                           "messages": len(queue)})  # fmt: skip
 
@@ -953,6 +970,7 @@ class ClusterManager:
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict[str, Any]:
+        now_ms = _now_ms()
         bridges = []
         for bridge in self.bridges.values():
             queue = self.broker.queues.get(FORWARD_QUEUE_PREFIX + bridge.node_id) if bridge.node_id else None
@@ -970,9 +988,18 @@ class ClusterManager:
             "remote_bindings": len(self.bindings),
             "remote_consumers": remote_consumers(self.bindings),
             "unreachable": self.unreachable(),
-            "redistributing": {name: r.target.node_id for name, (_, r) in self.redistributors.items()},
+            "redistributing": self.redistributing(),
             "stranded": self.stranded(),
+            "stranded_since": {name: self._stuck_since.get(name, now_ms) for name in self.stranded()},
         }
+
+    def redistributing(self) -> dict[str, list[str]]:
+        """Queue name → the nodes its backlog is being moved to."""
+        view: dict[str, list[str]] = {}
+        for (name, node_id), (_, redistributor) in self.redistributors.items():
+            if not redistributor.stopped:
+                view.setdefault(name, []).append(node_id)
+        return view
 
     def unreachable(self) -> dict[str, dict[str, Any]]:
         """Nodes whose connection is down but whose durable queues are kept as destinations: the queues, and
@@ -984,12 +1011,13 @@ class ClusterManager:
         return view
 
     def stranded(self) -> dict[str, int]:
-        """Queues of this node whose messages no consumer anywhere in the cluster can take."""
+        """Queues of this node with messages that no consumer here takes and no redistribution moved since the
+        last tick (none runs, none can take them, or it stopped): queue name → messages. A node elsewhere with
+        consumers does not make a queue's messages move (a selector there may want none of them)."""
         view = {}
         for name, queue in self.broker.queues.items():
-            if len(queue) and not name.startswith(FORWARD_QUEUE_PREFIX) and \
-                    not any(is_local_consumer(c) for c in queue.consumers) and \
-                    not any(b.consumers for b in self.bindings.for_queue(name)):  # fmt: skip
+            if len(queue) and name not in self._moving and not name.startswith(FORWARD_QUEUE_PREFIX) and \
+                    not any(is_local_consumer(c) for c in queue.consumers):  # fmt: skip
                 view[name] = len(queue)
         return view
 

@@ -1,14 +1,17 @@
-"""Redistribution: moving a queue's backlog to another node that has consumers for it. Pure.
+"""Redistribution: moving a queue's backlog to other nodes that have consumers for it. Pure.
 
 Artemis leaves redistribution off by default, which strands messages on a node whose consumers moved away;
 here it is on. A queue qualifies when it holds messages, none of its own consumers is left, and another node
 has a queue of the same name on the same address with a consumer; after the address's
-``redistribution-delay`` a ``Redistributor`` is attached to it. It is an ordinary consumer of the queue, so
-order, message groups (a group's owner is the redistributor, so the group moves whole) and selectors work
-as for any consumer. It passes over messages that arrived from another node less than the minimum residence
-time ago, so messages do not bounce between nodes whose consumers come and go, and notes when the first of
-them may move (``retry_at``): a queue offers its messages to its consumers only when something happens to
-it, so the cluster's tick offers them again then, or they would wait for the next message or consumer.
+``redistribution-delay`` a ``Redistributor`` per such node is attached to it. Each is an ordinary consumer of
+the queue that takes only what a consumer on its node would take (their selectors): a message goes to a node
+that wants it (red to the node selecting red or to one taking all, blue only to the latter), and the queue's
+turn among its consumers spreads a backlog over every node with consumers. Order and message groups work as
+for any consumer (a group's owner is one redistributor, so the group moves whole). A redistributor passes
+over messages that arrived from another node less than the minimum residence time ago, so messages do not
+bounce between nodes whose consumers come and go, and notes when the first of them may move (``retry_at``):
+a queue offers its messages to its consumers only when something happens to it, so the cluster's tick offers
+them again then, or they would wait for the next message or consumer.
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ class Arrivals:
 
 
 class Redistributor(Consumer):
-    __slots__ = ("_arrivals", "_clock", "_min_residence_ms", "_selectors", "retry_at", "stopped", "target")
+    __slots__ = ("_arrivals", "_clock", "_min_residence_ms", "_selectors", "moved", "retry_at", "stopped", "target")
 
     def __init__(self, consumer_id: int, session: Session, queue: Queue, credit: int, *, target: Binding,
                  selectors: SelectorCache, arrivals: Arrivals, min_residence_ms: int,
@@ -105,6 +108,7 @@ class Redistributor(Consumer):
         self._min_residence_ms = min_residence_ms
         self._clock = clock
         self.retry_at = 0  # when a message passed over for its residence may move (0: none passed over)
+        self.moved = 0  # messages handed to it so far (status tells a queue that moves from one that is stuck)
 
     def stop(self) -> None:
         """Take no more messages (credit alone would come back with the confirms of those in flight)."""
@@ -139,10 +143,16 @@ def stranded(queue: Queue) -> bool:
     return len(queue) > 0 and not any(is_local_consumer(c) for c in queue.consumers)
 
 
+def targets(queue: Queue, candidates: Iterable[Binding]) -> list[Binding]:
+    """The reachable remote queues of the same name and address that have consumers, most consumers first
+    (nearest first on a tie): one redistributor each, so the backlog goes to every node that can take it."""
+    usable = [b for b in candidates if b.address == queue.address and b.routing == int(queue.routing_type)
+              and b.consumers > 0 and b.reachable]  # fmt: skip
+    usable.sort(key=lambda b: (-b.consumers, b.distance, b.node_id))
+    return usable
+
+
 def best_target(queue: Queue, candidates: Iterable[Binding]) -> Binding | None:
     """The remote queue of the same name and address with the most consumers (nearest first on a tie)."""
-    usable = [b for b in candidates if b.address == queue.address and b.routing == int(queue.routing_type)
-              and b.consumers > 0]  # fmt: skip
-    if not usable:
-        return None
-    return max(usable, key=lambda b: (b.consumers, -b.distance, b.node_id))
+    found = targets(queue, candidates)
+    return found[0] if found else None
