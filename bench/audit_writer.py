@@ -4,7 +4,8 @@ Drives the core's real ``FileAuditSink`` the way the broker does for a durable m
 ``msg.acked``, two events) into a real segment folder, and flushes the buffer once per event-loop turn as
 the server does since the audit events of confirmed messages must survive a kill of the process. A turn
 carries as many messages as a batch from the clients brought: the cost of the flush (one ``write``) is
-shared by them. ``--turn 0`` is the writer before that change (a write only every 256 KiB or once a second).
+shared by them. Flushing never is the writer before that change (a write only every 256 KiB or once a
+second); the last setting adds the ``msg.delivered`` event each delivery writes now.
 
     uv run python -m bench.audit_writer [--messages 200000] [--runs 3]
 """
@@ -24,8 +25,9 @@ from tridentmq_core.audit import FileAuditSink
 _EMPTY: dict[str, object] = {}
 
 
-def run(directory: Path, messages: int, turn: int) -> float:
-    """µs of writer CPU per durable message (two events), flushing every ``turn`` messages (0: never)."""
+def run(directory: Path, messages: int, turn: int, delivered: bool = False) -> float:
+    """µs of writer CPU per durable message (two events, three with ``delivered``), flushing every ``turn``
+    messages (0: never)."""
     sink = FileAuditSink(directory, "bench", roll_seconds=3600, heartbeat_seconds=3600)
     acked = {"conn_id": "c-1", "consumer_id": "7", "client_id": "bench-client"}
     ts = time.time_ns() // 1000
@@ -33,6 +35,8 @@ def run(directory: Path, messages: int, turn: int) -> float:
     for n in range(messages):
         message_id = f"node-{n}"
         sink.emit_message(ts, "msg.sent", None, "bench.q", message_id, 100, "link", ts, _EMPTY)
+        if delivered:
+            sink.emit_delivered(ts, "bench.q", "bench.q", message_id, 100, "link", ts, 1, "c-1", "7", "bench-client")
         sink.emit_message(ts, "msg.acked", "bench.q", "bench.q", message_id, 100, "link", ts, acked)
         if turn and n % turn == 0:
             sink.flush()
@@ -48,12 +52,15 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="runs per setting (the median is reported)")
     args = parser.parse_args()
     print(f"machine: {machine()}")
-    for turn in (0, 1000, 100, 10, 1):
+    settings = [(turn, False) for turn in (0, 1000, 100, 10, 1)] + [(100, True)]
+    for turn, delivered in settings:
         costs = []
         for _ in range(args.runs):
             with tempfile.TemporaryDirectory(prefix="tridentmq-audit-") as tmp:
-                costs.append(run(Path(tmp), args.messages, turn))
+                costs.append(run(Path(tmp), args.messages, turn, delivered))
         label = "before (no flush per turn)" if turn == 0 else f"flush every {turn} messages"
+        if delivered:
+            label += " + msg.delivered"
         print(
             f"{label:>30}: {statistics.median(costs):.2f} µs per durable message (runs: "
             + ", ".join(f"{c:.2f}" for c in costs)

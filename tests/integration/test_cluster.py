@@ -742,3 +742,41 @@ async def test_a_stored_forward_refused_with_no_queue_here_goes_to_the_dead_lett
     assert [bytes(m[M_BODY]) for _, m in batch] == [b"x" * 5000]
     assert batch[0][1][M_PROPS]["_AMQ_ORIG_REASON"].startswith("refused")
     stop_all([a, b])
+
+
+def audit_records(node: CoreProcess) -> list[dict[str, object]]:
+    """The sealed audit segments of a stopped node."""
+    return [json.loads(line) for path in sorted((node.data_dir / "audit").glob("*/*.jsonl"))
+            for line in path.read_text().splitlines()]  # fmt: skip
+
+
+async def test_audit_events_name_where_a_forwarded_or_redistributed_message_was_first_accepted(
+    tmp_path: Path,
+) -> None:
+    nodes = start_cluster(tmp_path, 2)
+    a, b = nodes
+    async with client(b) as cb:
+        forwarded = await cb.subscribe("fwd", credit=100)
+        wait_until(lambda: remote_consumers(a, "fwd") == 1, what="a to see b's consumer")
+        await publish(a, "fwd", bodies(20))  # on demand: straight to b's consumer
+        assert len(await take(forwarded, 20)) == 20
+    await publish(a, "moved", bodies(20))  # no consumer anywhere: they wait on a
+    async with client(b) as cb:
+        assert len(await take(await cb.subscribe("moved", credit=100), 20)) == 20  # redistributed to b
+    stop_all(nodes)
+    on_a, on_b = audit_records(a), audit_records(b)
+    for address in ("fwd", "moved"):
+        roots = {r["message_id"] for r in on_a if r["event"] == "msg.sent" and r["address"] == address}
+        assert len(roots) == 20
+        assert not any("origin_message_id" in r for r in on_a if r["event"] == "msg.sent" and r["address"] == address)
+        for event in ("msg.sent", "msg.delivered", "msg.acked"):
+            there = [r for r in on_b if r["event"] == event and r["address"] == address]
+            assert {r["origin_message_id"] for r in there} == roots, (address, event)
+            assert not {r["message_id"] for r in there} & roots  # b gave them ids of its own
+    # a's side of the move names the same origin: the forwarded copies, and the redistributed messages themselves.
+    copies = [r for r in on_a if r["event"] == "msg.forwarded" and r["address"] == "fwd"]
+    assert len(copies) == 20
+    assert all(r["origin_message_id"] != r["message_id"] for r in copies)
+    moves = [r for r in on_a if r["event"] == "msg.redistributed" and r["address"] == "moved"]
+    assert len(moves) == 20
+    assert all("origin_message_id" not in r for r in moves)

@@ -267,10 +267,10 @@ class RecordingAudit:
 
     def emit_delivered(self, ts_us: int, queue: str, address: str, message_id: str, size: int, protocol: str,
                        sent_ts_us: int, delivery_count: int, conn_id: str, consumer_id: str,
-                       client_id: str | None) -> None:  # fmt: skip
+                       client_id: str | None, origin_message_id: str | None = None) -> None:  # fmt: skip
         self.emit_message(ts_us, "msg.delivered", queue, address, message_id, size, protocol, sent_ts_us,
                           {"delivery_count": delivery_count, "conn_id": conn_id, "consumer_id": consumer_id,
-                           "client_id": client_id})  # fmt: skip
+                           "client_id": client_id, "origin_message_id": origin_message_id})  # fmt: skip
 
     def flush(self) -> None:
         pass

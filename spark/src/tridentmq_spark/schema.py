@@ -76,6 +76,7 @@ COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
     ("address", _STR),
     ("queue", _STR),
     ("message_id", _STR),
+    ("origin_message_id", _STR),
     ("size", _INT),
     ("protocol", _STR),
     ("sent_ts_us", _INT),

@@ -43,7 +43,7 @@ class AuditSink(Protocol):
 
     def emit_delivered(self, ts_us: int, queue: str, address: str, message_id: str, size: int, protocol: str,
                        sent_ts_us: int, delivery_count: int, conn_id: str, consumer_id: str,
-                       client_id: str | None) -> None:  # fmt: skip
+                       client_id: str | None, origin_message_id: str | None = None) -> None:  # fmt: skip
         """Record a ``msg.delivered`` event (one per delivery: the hottest road, so no dict of extra fields)."""
 
     def tick(self, ts_us: int) -> None:
@@ -69,7 +69,7 @@ class NullAuditSink:
 
     def emit_delivered(self, ts_us: int, queue: str, address: str, message_id: str, size: int, protocol: str,
                        sent_ts_us: int, delivery_count: int, conn_id: str, consumer_id: str,
-                       client_id: str | None) -> None:  # fmt: skip
+                       client_id: str | None, origin_message_id: str | None = None) -> None:  # fmt: skip
         """Ignore the event."""
 
     def tick(self, ts_us: int) -> None:
@@ -186,7 +186,7 @@ class FileAuditSink:
 
     def emit_delivered(self, ts_us: int, queue: str, address: str, message_id: str, size: int, protocol: str,
                        sent_ts_us: int, delivery_count: int, conn_id: str, consumer_id: str,
-                       client_id: str | None) -> None:  # fmt: skip
+                       client_id: str | None, origin_message_id: str | None = None) -> None:  # fmt: skip
         """``emit`` for ``msg.delivered``, the record built in one go like ``emit_message``'s."""
         if not self._accepting(ts_us):
             return
@@ -199,6 +199,8 @@ class FileAuditSink:
         }  # fmt: skip
         if client_id is not None:
             record["client_id"] = client_id
+        if origin_message_id is not None:
+            record["origin_message_id"] = origin_message_id
         self._append(seq, ts_us, record)
 
     def _accepting(self, ts_us: int) -> bool:

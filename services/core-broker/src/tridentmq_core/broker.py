@@ -68,6 +68,9 @@ FORWARD_QUEUE_PREFIX = "$sys.cluster.sf."
 ORIGINAL_ADDRESS = "_AMQ_ORIG_ADDRESS"
 ORIGINAL_QUEUE = "_AMQ_ORIG_QUEUE"
 ORIGINAL_REASON = "_AMQ_ORIG_REASON"
+#: The audit id (``<node tag>-<id>``) a message was given where it was first accepted, carried by the copies
+#: that move to other nodes (forwarded, redistributed) so their audit events name it as ``origin_message_id``.
+ORIGIN_MESSAGE_ID = "_TMQ_ORIG_MESSAGE_ID"
 MAX_WILL_KEY = 512
 
 
@@ -710,6 +713,12 @@ class Broker:
         if duplicate:
             self.counters.duplicates += 1
             return 0  # a transfer re-sent after its link dropped: stored already
+        if header.numbered and ((message[M_DURABLE] and self._audit_durable) or self._audit_all):
+            # A redistributed message left its queue over there under the id it had (a forwarded copy carries
+            # its origin already): that id is where it was first accepted.
+            props = message[M_PROPS]
+            if ORIGIN_MESSAGE_ID not in props:
+                props[ORIGIN_MESSAGE_ID] = f"{header.dedup_id[:-1][:8]}-{number}"
         cluster = self.cluster
         try:
             if header.target != self.node_id and cluster is not None and header.hops < cluster.bindings.max_hops \
@@ -801,6 +810,8 @@ class Broker:
         rate across two nodes with no cap, 51 % with half the window)."""
         assert self.cluster is not None
         via = self.cluster.bindings.next_hop(target) or target
+        audit = (message[M_DURABLE] and self._audit_durable) or self._audit_all
+        origin = (message[M_PROPS].get(ORIGIN_MESSAGE_ID) or f"{self._node_tag}-{message[M_ID]}") if audit else None
         copy = message if through else list(message)  # written through, it goes to that node only
         copy[M_ID] = self._next_id
         self._next_id += 1
@@ -813,10 +824,13 @@ class Broker:
             if producer_dedup else numbered_header(target, queues, hops, self.transfer_prefix)  # fmt: skip
         if through:  # the message itself, which goes nowhere else: its properties are its own to change
             copy[M_PROPS][FORWARD_PROPERTY] = header
+            if origin is not None:
+                copy[M_PROPS][ORIGIN_MESSAGE_ID] = origin
+        elif origin is not None:
+            copy[M_PROPS] = {**message[M_PROPS], FORWARD_PROPERTY: header, ORIGIN_MESSAGE_ID: origin}
         else:
             copy[M_PROPS] = {**message[M_PROPS], FORWARD_PROPERTY: header}
         self.counters.forwarded += 1
-        audit = (durable and self._audit_durable) or self._audit_all
         waiting = self.forward_queues.get(via)
         if (through or not durable) and (waiting is None or not len(waiting)) and self.send_direct is not None:
             token = self._next_through_token if durable else 0
@@ -1657,7 +1671,8 @@ class Broker:
             self.audit.emit_delivered(self.now_ms * 1000, queue.name, message[M_ADDRESS],
                                       f"{self._node_tag}-{message[M_ID]}", len(message[M_BODY]),
                                       message[M_PROTOCOL] or "link", message[M_TIMESTAMP] * 1000, delivery_count,
-                                      session.conn_id, str(consumer.id), session.client_name)  # fmt: skip
+                                      session.conn_id, str(consumer.id), session.client_name,
+                                      message[M_PROPS].get(ORIGIN_MESSAGE_ID))  # fmt: skip
 
     def on_pages_ready(self, queue: Queue) -> None:
         """Paged messages were read back from disk (the shell flushes after calling this)."""
@@ -1827,6 +1842,9 @@ class Broker:
 
     def _emit_message(self, now_ms: int, event: str, message: WireMessage, queue: Queue | None,
                       **fields: object) -> None:  # fmt: skip
+        origin = message[M_PROPS].get(ORIGIN_MESSAGE_ID)
+        if origin is not None:
+            fields["origin_message_id"] = origin
         self.audit.emit_message(now_ms * 1000, event, queue.name if queue is not None else None, message[M_ADDRESS],
                                 f"{self._node_tag}-{message[M_ID]}", len(message[M_BODY]),
                                 message[M_PROTOCOL] or "link", message[M_TIMESTAMP] * 1000, fields)  # fmt: skip
