@@ -232,6 +232,33 @@ async def test_status_calls_messages_no_redistribution_moves_stranded(tmp_path: 
     stop_all(nodes)
 
 
+async def test_a_consumer_moving_between_three_nodes_every_1_5_s_gets_every_message_once(tmp_path: Path) -> None:
+    """Issue 21's flapping consumer. Removing a redistributor to one node could delete the emptied queue
+    before the next one to another node was started, and the cluster tick failed on it."""
+    nodes = start_cluster(tmp_path, 3)
+    total = 150
+    await publish(nodes[0], "flap", bodies(total))
+    got: list[bytes] = []
+    loop = asyncio.get_running_loop()
+    for turn in range(60):
+        if len(got) == total:
+            break
+        async with client(nodes[turn % 3]) as c:
+            consumer = await c.subscribe("flap", credit=5)
+            end, taken = loop.time() + 1.5, 0
+            while loop.time() < end:  # a slow consumer: at most 15 messages a turn, the rest stays behind
+                batch = await consumer.get_batch(timeout=0.1)
+                if batch and taken < 15:
+                    got.extend(bytes(m[M_BODY]) for _, m in batch)
+                    consumer.ack_ids([m[M_ID] for _, m in batch])
+                    taken += len(batch)
+            await consumer.close()
+    assert sorted(got) == sorted(bodies(total))
+    for node in nodes:
+        assert "cluster tick failed" not in node.log()
+    stop_all(nodes)
+
+
 async def test_multicast_subscriptions_on_every_node_each_get_every_message(tmp_path: Path) -> None:
     nodes = start_cluster(tmp_path, 3)
     a, b, c = nodes

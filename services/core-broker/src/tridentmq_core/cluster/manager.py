@@ -860,8 +860,8 @@ class ClusterManager:
             name = key[0]
             via = self.bindings.next_hop(target.node_id)
             through = self.bridges_by_node.get(via or "")
-            if through is None or not through.up:
-                continue
+            if through is None or not through.up or name not in broker.queues:
+                continue  # (removing a redistributor to another node may have deleted an auto-created queue)
             queue = broker.queues[name]
 
             def make(consumer_id: int, session: Session, queue: Queue = queue, target: Binding = target
