@@ -26,11 +26,12 @@ def _seal(audit: Path, node: str, first_seq: int, *, torn: bool = False) -> None
     lines = []
     for seq in range(first_seq, first_seq + PER_SEGMENT):
         ts = T0_US + seq * 20_000  # 50 events per second of event time
-        event = "node.heartbeat" if seq % 50 == 0 else "msg.sent" if seq % 2 else "msg.acked"
+        event = "node.heartbeat" if seq % 50 == 0 else "msg.sent" if seq % 2 else \
+            "msg.delivered" if seq % 4 == 2 else "msg.acked"  # fmt: skip
         record = {"v": 1, "node_id": node, "seq": seq, "ts_us": ts, "event": event, "epoch": 1}
-        if event != "node.heartbeat":
+        if event != "node.heartbeat":  # 3 ms from sent to ack, 1 ms from sent to delivery
             record |= {"address": "orders", "message_id": f"{node[:2]}-{seq}", "size": 5, "protocol": "stomp",
-                       "sent_ts_us": ts - 3000, "queue": "orders"}  # fmt: skip
+                       "sent_ts_us": ts - (1000 if event == "msg.delivered" else 3000), "queue": "orders"}  # fmt: skip
         lines.append(json.dumps(record))
     if torn:
         lines.append('{"v":1,"seq":')
@@ -96,3 +97,4 @@ def test_the_stream_is_exactly_once_across_a_kill_of_the_driver(spark: SparkSess
     rates = spark.read.parquet(str(out / "rates")).where("address = 'orders'").collect()
     assert rates, "no closed window"
     assert all(r.sent_per_s > 0 and r.p50_ms == 3.0 for r in rates), rates
+    assert all(r.delivered_per_s > 0 and r.in_queue_p50_ms == r.in_queue_p99_ms == 1.0 for r in rates), rates

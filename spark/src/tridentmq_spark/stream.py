@@ -5,7 +5,8 @@ console when no ``--out``):
 
 - ``events``: every row of the audit source as Parquet (exactly once: file sink + checkpointed source offsets),
   bad ones with ``bad_reason`` set. The other queries read this sink back with Spark's file source.
-- ``rates``: per address and event-time window: messages sent/acked per second, latency percentiles.
+- ``rates``: per address and event-time window: messages sent/delivered/acked per second, latency (sent to
+  ack) and time-in-queue (sent to delivery) percentiles.
 - ``alerts``: per node, address and window: ``stranded`` (messages sent, none delivered or acked within the
   window) and ``dead_letter_spike``; plus ``failover`` alerts straight from the lifecycle events.
 - ``bad_records``: lines that are not v1 events, and seq gaps.
@@ -66,24 +67,31 @@ def _count(condition: Column) -> Column:
 
 def rates(rows: DataFrame, window_seconds: int) -> DataFrame:
     ev = F.col("event")
-    latency_ms = F.when(ev == "msg.acked", (F.col("ts_us") - F.col("sent_ts_us")) / 1000.0)
+    since_sent_ms = (F.col("ts_us") - F.col("sent_ts_us")) / 1000.0
+    latency_ms = F.when(ev == "msg.acked", since_sent_ms)
+    in_queue_ms = F.when(ev == "msg.delivered", since_sent_ms)
     pct = F.percentile_approx(latency_ms, [0.5, 0.9, 0.99], 1000)
     agg = rows.groupBy(F.window("ts", f"{window_seconds} seconds"), "address").agg(
         _count(ev == "msg.sent").alias("sent"),
+        _count(ev == "msg.delivered").alias("delivered"),
         _count(ev == "msg.acked").alias("acked"),
         _count(ev == "msg.dead_lettered").alias("dead_lettered"),
         pct.alias("p"),
+        F.percentile_approx(in_queue_ms, [0.5, 0.99], 1000).alias("q"),
     )
     return agg.where(F.col("address").isNotNull()).select(
         F.col("window.start").alias("window_start"),
         F.col("window.end").alias("window_end"),
         "address",
         (F.col("sent") / window_seconds).alias("sent_per_s"),
+        (F.col("delivered") / window_seconds).alias("delivered_per_s"),
         (F.col("acked") / window_seconds).alias("acked_per_s"),
         "dead_lettered",
         F.col("p")[0].alias("p50_ms"),
         F.col("p")[1].alias("p90_ms"),
         F.col("p")[2].alias("p99_ms"),
+        F.col("q")[0].alias("in_queue_p50_ms"),
+        F.col("q")[1].alias("in_queue_p99_ms"),
     )
 
 
