@@ -9,7 +9,7 @@ import pytest
 
 from tridentmq_core.cluster.bindings import Binding, BindingError, RemoteBindings
 from tridentmq_core.cluster.forward import ForwardHeader
-from tridentmq_core.cluster.redistribution import Arrivals
+from tridentmq_core.cluster.redistribution import Arrivals, residence_ms
 
 
 @pytest.mark.parametrize("dedup_id", ["a:1", "x" * 31, "y" * 32, "z" * 300])
@@ -207,3 +207,18 @@ def test_arrivals_forget_a_long_history_without_slowing_down() -> None:
     assert arrivals.get(19_998) == 19_998
     arrivals.add(20_000, 20_000)
     assert arrivals.get(20_000) == 20_000
+
+
+def test_a_message_moved_again_and_again_stays_longer_each_time() -> None:
+    """Issue 21: a consumer moving between nodes every 1.5 s dragged its backlog along, each message moved
+    4 to 8 times. The residence doubles with each earlier move, up to four times the minimum."""
+    assert [residence_ms(2000, moves) for moves in range(6)] == [2000, 2000, 4000, 8000, 8000, 8000]
+    arrivals = Arrivals()
+    arrivals.add(1, 100)  # forwarded at publish: not a move
+    arrivals.add(2, 100, 1)  # same millisecond, next id, but a different history: a run of its own
+    arrivals.add(3, 100, 1)
+    arrivals.add(4, 100, 3)
+    assert [arrivals.moves(i) for i in (1, 2, 3, 4, 5)] == [0, 1, 1, 3, 0]
+    assert [arrivals.get(i) for i in (1, 2, 3, 4)] == [100, 100, 100, 100]
+    arrivals.forget_before(100)
+    assert arrivals.moves(4) == 0

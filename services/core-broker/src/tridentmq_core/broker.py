@@ -19,8 +19,15 @@ from typing import Any, Final
 from tridentmq_core.address_settings import AddressSettingsRepository, ResolvedAddressSettings
 from tridentmq_core.audit import AuditSink
 from tridentmq_core.cluster.balancer import Balancer, Remote
-from tridentmq_core.cluster.forward import DEDUP_PREFIX, FORWARD_PROPERTY, ForwardHeader, encode_header, numbered_header
-from tridentmq_core.cluster.redistribution import Arrivals
+from tridentmq_core.cluster.forward import (
+    DEDUP_PREFIX,
+    FORWARD_PROPERTY,
+    MOVES_PROPERTY,
+    ForwardHeader,
+    encode_header,
+    numbered_header,
+)
+from tridentmq_core.cluster.redistribution import MAX_RESIDENCE_FACTOR, Arrivals
 from tridentmq_core.deadlines import Deadlines
 from tridentmq_core.dedup import DuplicateIdCache, TransferIds
 from tridentmq_core.queues import Consumer, MemoryGauge, PagerFactory, Queue
@@ -698,6 +705,9 @@ class Broker:
         raw = message[M_PROPS].pop(FORWARD_PROPERTY, None)
         if raw is None:
             return self._accept_message(message, now_ms)  # a plain publish over a cluster connection
+        moves = message[M_PROPS].pop(MOVES_PROPERTY, 0)
+        if type(moves) is not int or not 0 <= moves <= 1_000:
+            moves = 0  # not ours to trust beyond a number: it only lengthens a residence
         try:
             header = ForwardHeader.decode(raw)
         except ValueError as exc:
@@ -742,7 +752,7 @@ class Broker:
         self.counters.received += 1
         token = self._admit(message, queues, now_ms, delivered=header.delivered)
         if cluster is not None:
-            self.arrivals.add(message[M_ID], now_ms)
+            self.arrivals.add(message[M_ID], now_ms, moves)
         return token
 
     def _admit(self, message: WireMessage, queues: tuple[Queue, ...], now_ms: int,
@@ -1737,7 +1747,7 @@ class Broker:
             self._check_unused_address(name, now_ms)
         for expired in self._idle.pop_due(now_ms):
             self._expire_queue(expired, now_ms)
-        self.arrivals.forget_before(now_ms - self.settings.cluster.min_residence_ms)
+        self.arrivals.forget_before(now_ms - self.settings.cluster.min_residence_ms * MAX_RESIDENCE_FACTOR)
         if now_ms - self._last_expiry_scan >= self.settings.broker.expiry_scan_ms:
             self._last_expiry_scan = now_ms
             for queue in list(self.queues.values()):

@@ -169,7 +169,8 @@ class ClusterSection:
                                       "published messages may wait in memory for room on the link to one "
                                       "node before more go to its store-and-forward queue.")  # fmt: skip
     min_residence_ms: int = doc(2000, "A message that came from another node is not redistributed again "
-                                      "before this long (no ping-pong when consumers flap).")  # fmt: skip
+                                      "before this long (no ping-pong when consumers flap); doubled for each "
+                                      "time it was already redistributed, up to 4 times.")  # fmt: skip
     retry_interval_ms: int = doc(100, "First retry delay of a cluster connection that failed.")
     retry_multiplier: float = doc(2.0, "Factor applied to the retry delay after each failed attempt.")
     max_retry_interval_ms: int = doc(2000, "Longest retry delay of a cluster connection.")

@@ -24,6 +24,8 @@ import msgpack
 
 #: The property; ``$``-prefixed names are the broker's own.
 FORWARD_PROPERTY: Final = "$cluster.fwd"
+#: How often a redistributed message was redistributed, this move included (its residence grows with it).
+MOVES_PROPERTY: Final = "$cluster.moves"
 DEDUP_PREFIX: Final = "$cluster:"
 
 

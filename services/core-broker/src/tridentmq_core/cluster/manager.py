@@ -27,7 +27,7 @@ from tridentmq_core.broker import FORWARD_QUEUE_PREFIX, Broker, BrokerError, Dir
 from tridentmq_core.cluster.balancer import Balancer, is_local_consumer
 from tridentmq_core.cluster.bindings import Binding, BindingError, Key, RemoteBindings
 from tridentmq_core.cluster.discovery import Announcement, RedisDiscovery
-from tridentmq_core.cluster.forward import FORWARD_PROPERTY, numbered_header
+from tridentmq_core.cluster.forward import FORWARD_PROPERTY, MOVES_PROPERTY, numbered_header
 from tridentmq_core.cluster.links import node_link, watch_close
 from tridentmq_core.cluster.redistribution import Arrivals, Redistributor, best_target, due_again, stranded, targets
 from tridentmq_core.ha.manager import Voter
@@ -364,7 +364,8 @@ class Bridge:
             outgoing = list(message)
             header = numbered_header(consumer.target.node_id, (consumer.queue.name,), 1,
                                      self.manager.broker.transfer_prefix, delivered)  # fmt: skip
-            outgoing[M_PROPS] = {**message[M_PROPS], FORWARD_PROPERTY: header}
+            moves = self.manager.broker.arrivals.moves(message[M_ID]) + 1
+            outgoing[M_PROPS] = {**message[M_PROPS], FORWARD_PROPERTY: header, MOVES_PROPERTY: moves}
         else:
             outgoing = message
         if not client.body_fits(outgoing):  # its frame would break the link: refused as the other node would

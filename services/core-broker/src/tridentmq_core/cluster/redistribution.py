@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from tridentmq_core.cluster.balancer import SelectorCache, is_local_consumer
 from tridentmq_core.cluster.bindings import Binding
@@ -46,16 +46,18 @@ class Arrivals:
         self._firsts: list[int] = []  # each run's first message id, ascending
         self._lasts: list[int] = []
         self._times: list[int] = []
+        self._moves: list[int] = []  # how often the run's messages were redistributed so far (0: forwarded)
         self._start = 0  # runs before it are forgotten
         self._count = 0
 
     def __len__(self) -> int:
         return self._count
 
-    def add(self, message_id: int, now_ms: int) -> None:
+    def add(self, message_id: int, now_ms: int, moves: int = 0) -> None:
         self._count += 1
         times, lasts = self._times, self._lasts
-        if len(times) > self._start and times[-1] == now_ms and lasts[-1] == message_id - 1:
+        if len(times) > self._start and times[-1] == now_ms and lasts[-1] == message_id - 1 and \
+                self._moves[-1] == moves:  # fmt: skip
             lasts[-1] = message_id
             return
         if self._firsts and message_id <= lasts[-1]:  # ids grow with arrival; anything else starts afresh
@@ -64,12 +66,20 @@ class Arrivals:
         self._firsts.append(message_id)
         lasts.append(message_id)
         times.append(now_ms)
+        self._moves.append(moves)
 
     def get(self, message_id: int) -> int | None:
+        i = self._run(message_id)
+        return self._times[i] if i >= 0 else None
+
+    def moves(self, message_id: int) -> int:
+        """How often the message was redistributed before it came here (0: not known as redistributed)."""
+        i = self._run(message_id)
+        return self._moves[i] if i >= 0 else 0
+
+    def _run(self, message_id: int) -> int:
         i = bisect_right(self._firsts, message_id, self._start) - 1
-        if i >= self._start and message_id <= self._lasts[i]:
-            return self._times[i]
-        return None
+        return i if i >= self._start and message_id <= self._lasts[i] else -1
 
     def forget_before(self, cutoff_ms: int) -> None:
         times, start = self._times, self._start
@@ -79,7 +89,7 @@ class Arrivals:
         if start == len(times):
             self._clear()
         elif start > 1024 and start * 2 > len(times):  # mostly forgotten: drop them for good
-            del self._firsts[:start], self._lasts[:start], self._times[:start]
+            del self._firsts[:start], self._lasts[:start], self._times[:start], self._moves[:start]
             self._start = 0
         else:
             self._start = start
@@ -88,6 +98,7 @@ class Arrivals:
         self._firsts.clear()
         self._lasts.clear()
         self._times.clear()
+        self._moves.clear()
         self._start = 0
         self._count = 0
 
@@ -120,13 +131,23 @@ class Redistributor(Consumer):
             return False
         arrived = self._arrivals.get(message[M_ID])
         if arrived is not None:
-            movable_at = arrived + self._min_residence_ms
+            movable_at = arrived + residence_ms(self._min_residence_ms, self._arrivals.moves(message[M_ID]))
             if self._clock() < movable_at:
                 if not self.retry_at or movable_at < self.retry_at:
                     self.retry_at = movable_at
                 return False
         target = self.target
         return target.selectors is None or any(self._selectors.matches(s, message) for s in target.selectors)
+
+
+MAX_RESIDENCE_FACTOR: Final = 4
+
+
+def residence_ms(min_residence_ms: int, moves: int) -> int:
+    """How long a message that came from another node stays before it may move again: the minimum residence,
+    doubled for each time it was already redistributed, up to four times it. A consumer that keeps moving
+    between nodes would otherwise drag its backlog along at every move."""
+    return min_residence_ms << min(max(moves - 1, 0), 2)
 
 
 def due_again(redistributor: Redistributor, now_ms: int) -> bool:
