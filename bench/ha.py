@@ -212,7 +212,11 @@ def mqtt_publish(port: int) -> Callable[[bytes], None]:
 
 def amqp_publish(port: int) -> Callable[[bytes], None]:
     sender = BlockingConnection(f"amqp://127.0.0.1:{port}", timeout=60).create_sender("bench.ha.amqp")
-    return lambda body: sender.send(Message(body=body, durable=True))
+
+    def publish(body: bytes) -> None:
+        sender.send(Message(body=body, durable=True))  # returns once accepted
+
+    return publish
 
 
 def link_publish(port: int) -> Callable[[bytes], None]:
