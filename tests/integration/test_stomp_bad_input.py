@@ -208,7 +208,9 @@ def depth(core: CoreProcess, name: str) -> int:
 
 
 def link_connections(core: CoreProcess) -> int:
-    return len(get_json(f"{core.management_url}/api/connections"))
+    """The core's links of client sessions: a gateway's own readiness link stays open throughout."""
+    links = get_json(f"{core.management_url}/api/connections")
+    return sum(1 for link in links if not str(link.get("client_name", "")).endswith(" readiness"))
 
 
 def rss(pid: int) -> int:
