@@ -11,11 +11,9 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 
 import msgpack
 import pytest
@@ -30,6 +28,7 @@ from tests.integration.test_stomp_bad_input import (
     queue_stats,
     wait_for,
 )
+from tests.memory import MIB, PeakRss
 
 from tridentmq_mqtt import convert
 from tridentmq_mqtt.protocol.packets import V311, Connack, Puback, Publish, Suback, Subscribe, Subscription
@@ -38,48 +37,6 @@ from tridentmq_shared.link.ops import Op
 from tridentmq_shared.message import new_message
 
 pytestmark = pytest.mark.integration
-
-MIB = 1024 * 1024
-
-
-def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for process {pid}")
-
-
-class PeakRss:
-    """A process's VmRSS growth over its value on entry, sampled in a thread until exit."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.baseline = rss(pid)
-        self.peak = self.baseline
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    @property
-    def growth(self) -> int:
-        return self.peak - self.baseline
-
-    def _sample(self) -> None:
-        deadline = time.monotonic() + 300
-        while not self._stop.wait(0.005) and time.monotonic() < deadline:
-            try:
-                self.peak = max(self.peak, rss(self.pid))
-            except (FileNotFoundError, ProcessLookupError):  # the process died: the test says so
-                return
-
-    def __enter__(self) -> PeakRss:
-        self._thread.start()
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss(self.pid))
 
 
 class Settled:

@@ -24,13 +24,13 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import aiohttp
 import pytest
 import websocket
 from tests.conftest import CoreProcess, GatewayProcess, start_core, start_gateway
+from tests.memory import PeakRss
 
 pytestmark = pytest.mark.integration
 
@@ -213,47 +213,14 @@ def link_connections(core: CoreProcess) -> int:
     return sum(1 for link in links if not str(link.get("client_name", "")).endswith(" readiness"))
 
 
-def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for process {pid}")
-
-
-class PeakRss:
+class GatewayRss(PeakRss):
     """The gateway's VmRSS growth over its value on entry, sampled in a thread until exit."""
 
     def __init__(self, gateway: GatewayProcess) -> None:
-        self.pid = gateway.process.pid
-        self.baseline = rss(self.pid)
-        self.peak = self.baseline
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    @property
-    def growth(self) -> int:
-        return self.peak - self.baseline
+        super().__init__(gateway.process.pid, limit_s=120)
 
     def over(self) -> bool:
         return self.growth > RSS_BOUND
-
-    def _sample(self) -> None:
-        deadline = time.monotonic() + 120
-        while not self._stop.wait(0.005) and time.monotonic() < deadline:
-            try:
-                self.peak = max(self.peak, rss(self.pid))
-            except (FileNotFoundError, ProcessLookupError):  # the process died: the test says so
-                return
-
-    def __enter__(self) -> PeakRss:
-        self._thread.start()
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss(self.pid))
 
     def check(self) -> None:
         assert not self.over(), f"the gateway's RSS grew by {self.growth / MIB:.0f} MB (bound {RSS_BOUND // MIB} MB)"
@@ -522,7 +489,7 @@ def test_an_endless_frame_is_cut_off_with_frame_too_large(
     small: GatewayProcess, core: CoreProcess, start: bytes, filler: bytes
 ) -> None:
     total = 256 * MIB  # the bound of the stream: far more than the gateway may read of one frame
-    with PeakRss(small) as memory:
+    with GatewayRss(small) as memory:
         reply, writer = stream_until_cut(small, CONNECT + start, filler, total)
     assert_error_then_close(reply, "frame too large", connected=True)
     assert writer.sent < total // 4, f"the gateway read {writer.sent / MIB:.0f} MB of one frame before closing"
@@ -604,7 +571,7 @@ def test_a_consumer_that_stops_reading_leaves_the_messages_in_the_core(
         slow.connect()
         slow.send(f"SUBSCRIBE\nid:slow\ndestination:/queue/slow\nack:{ack}\nreceipt:sub\n\n\x00".encode())
         assert slow.expect("RECEIPT").headers["receipt-id"] == "sub"
-        with PeakRss(gateway) as memory:  # from here on the slow consumer reads nothing
+        with GatewayRss(gateway) as memory:  # from here on the slow consumer reads nothing
             produce(gateway, "slow", SLOW_COUNT)
             stats = queue_stats(core, "slow")
             assert stats is not None
@@ -637,7 +604,7 @@ def test_a_producer_that_never_reads_its_receipts_is_held_back(gateway: GatewayP
     receipt = "r" * 8192
     chunks = (b"".join(b"SEND\ndestination:/queue/receipts\nreceipt:%s-%d\n\nx\x00" % (receipt.encode(), n)
                        for n in range(first, first + 100)) for first in range(0, 40_000, 100))  # fmt: skip
-    with Peer(gateway.port, receive_buffer=64 * 1024) as peer, PeakRss(gateway) as memory:
+    with Peer(gateway.port, receive_buffer=64 * 1024) as peer, GatewayRss(gateway) as memory:
         peer.connect()
         writer = Writer(peer.sock, chunks, give_up=memory.over).start()  # 330 MB of receipts at most
         wait_for(lambda: writer.done.is_set() or writer.stalled(1.0), "the writer to finish or stall", 40)
@@ -662,7 +629,7 @@ def test_a_flood_of_sends_without_receipts_is_slowed_at_tcp_and_nothing_is_lost(
     gateway: GatewayProcess, core: CoreProcess
 ) -> None:
     assert_gateway_serves(gateway, "warm-up")
-    with Peer(gateway.port) as flooder, PeakRss(gateway) as memory:
+    with Peer(gateway.port) as flooder, GatewayRss(gateway) as memory:
         flooder.connect()
         writer = Writer(flooder.sock, flood_chunks("flood", FLOOD)).start()
         wait_for(lambda: writer.blocked > 0 or writer.done.is_set(), "the flood to fill the socket", 30)
@@ -703,7 +670,7 @@ def test_a_flood_into_a_full_address_stops_at_the_producers_socket(
     gateway = start_gateway(tmp_path, core)
     try:
         assert_gateway_serves(gateway, "warm-up")
-        with Peer(gateway.port, send_buffer=64 * 1024) as flooder, PeakRss(gateway) as memory:
+        with Peer(gateway.port, send_buffer=64 * 1024) as flooder, GatewayRss(gateway) as memory:
             flooder.connect()
             chunks = list(flood_chunks("blocked", count, body=body))  # built first: making them is no stall
             writer = Writer(flooder.sock, chunks).start()
@@ -782,7 +749,7 @@ def test_an_endless_websocket_message_is_cut_off(gateway: GatewayProcess) -> Non
     try:
         ws.send(CONNECT.decode())
         assert ws.recv().startswith("CONNECTED\n")
-        with PeakRss(gateway) as memory:
+        with GatewayRss(gateway) as memory:
             start = b"SEND\ndestination:/queue/wsbig\n\n"
             ws.send_frame(websocket.ABNF.create_frame(start, websocket.ABNF.OPCODE_BINARY, fin=0))
             try:
