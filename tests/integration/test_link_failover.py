@@ -6,16 +6,19 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
+import struct
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
+import uvloop
 from tests.conftest import CoreProcess, start_core, start_gateway, stop_cleanly
 from tests.integration.cluster_nodes import start_cluster, start_node, wait_until, wait_until_async
 from tests.integration.test_stomp_gateway import connect
 
-from tridentmq_shared.link.client import Consumer, LinkClient, ReconnectPolicy
+from tridentmq_shared.link.client import Consumer, LinkClient, LinkClosedError, ReconnectPolicy
 from tridentmq_shared.message import M_BODY, M_DEDUP, M_ID, new_message
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster]
@@ -162,3 +165,32 @@ def test_stomp_clients_are_spread_and_keep_their_connection_and_subscription_whe
         other.disconnect()
     stop_cleanly(gateway)
     stop_all(live)
+
+
+def test_a_connection_reset_at_once_is_a_connection_error_under_uvloop() -> None:
+    """A node that resets a link right after accepting it (it is dying, or turns links away) made the HELLO's
+    write raise RuntimeError under uvloop, the cores' loop: a cluster bridge died of it and stopped its node
+    (found by the randomised run over ``up --pairs 3``). It is a connection error like any other."""
+
+    async def run() -> list[BaseException]:
+        def reset(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+            writer.transport.abort()
+
+        server = await asyncio.start_server(reset, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        errors: list[BaseException] = []
+        async with server:
+            for _ in range(5):
+                client = LinkClient("127.0.0.1", port, reconnect=ReconnectPolicy(attempts=0))
+                try:
+                    await client.connect()
+                except Exception as exc:  # the test is about which exception it is
+                    errors.append(exc)
+                else:
+                    await client.close()
+        return errors
+
+    errors = uvloop.run(run())
+    assert [type(e) for e in errors] == [LinkClosedError] * 5, errors

@@ -410,6 +410,10 @@ class LinkClient:
             loop.create_connection(lambda: _Protocol(self), host, port, ssl=context), self.connect_timeout
         )
         self._protocol = protocol
+        if transport.is_closing():
+            # Reset by the peer between the connect and now (a node dying or turning a link away): writing
+            # would raise RuntimeError with uvloop, which is no connection error, and end the caller.
+            raise ConnectionResetError(f"{host}:{port} closed the connection at once")
         conn.hello(self.user, self.password, self.client_name, self.client_host, self.acting_for)
         transport.write(conn.data_to_send())
         try:
