@@ -30,6 +30,12 @@ def _stop_leftover_processes() -> Iterator[None]:
             process.wait()
 
 
+def shared_by_module(*processes: subprocess.Popen[bytes]) -> None:
+    """Processes a module-scoped fixture starts and stops itself: the per-test clean-up leaves them alone."""
+    for process in processes:
+        _started.remove(process)
+
+
 @dataclass
 class ServiceProcess:
     process: subprocess.Popen[bytes]

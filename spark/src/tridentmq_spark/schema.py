@@ -50,6 +50,21 @@ KNOWN_EVENTS = frozenset(
         "ha.backup_lost",
         "ha.failback",
         "ha.fenced",
+        # An operator's action through the management API (tridentmq_core.management.operations_api).
+        "mgmt.queue.create",
+        "mgmt.queue.delete",
+        "mgmt.queue.purge",
+        "mgmt.messages.move",
+        "mgmt.messages.copy",
+        "mgmt.pause",
+        "mgmt.resume",
+        "mgmt.connection.close",
+        "mgmt.client.close",
+        "mgmt.mqtt.session.delete",
+        "mgmt.mqtt.retained.delete",
+        "mgmt.failback",
+        "mgmt.scale_down",
+        "mgmt.address_settings.set",
     }
 )
 

@@ -1,7 +1,8 @@
 """Artemis-style address settings: per-address behaviour resolved from wildcard entries.
 
 The most specific matching entry wins field by field; unset fields fall through to less specific
-entries and finally to ``BUILT_IN``. Resolution is cached per address (settings are immutable at run time).
+entries and finally to ``BUILT_IN``. Resolution is cached per address; an operator's change at run time
+(``set_entry``) clears the cache.
 """
 
 from __future__ import annotations
@@ -59,17 +60,42 @@ def _specificity(pattern: str) -> tuple[int, int, int]:
 FULL_POLICIES = ("PAGE", "BLOCK", "FAIL", "DROP")
 
 
+def _check_policy(entry: AddressSettingsEntry) -> None:
+    policy = entry.address_full_policy
+    if policy is not None and policy.upper() not in FULL_POLICIES:
+        raise SettingsError(f"address_settings {entry.match!r}: address_full_policy {policy!r} is not one of "
+                            f"{', '.join(FULL_POLICIES)}")  # fmt: skip
+
+
 class AddressSettingsRepository:
     def __init__(self, entries: Sequence[AddressSettingsEntry]) -> None:
         for entry in entries:
-            policy = entry.address_full_policy
-            if policy is not None and policy.upper() not in FULL_POLICIES:
-                raise SettingsError(f"address_settings {entry.match!r}: address_full_policy {policy!r} is not one of "
-                                    f"{', '.join(FULL_POLICIES)}")  # fmt: skip
-        # Configured entries first: among equally specific patterns the first one found wins.
-        entries = [*entries, *BUILT_IN_ENTRIES]
-        self._entries = sorted(entries, key=lambda e: _specificity(e.match), reverse=True)
+            _check_policy(entry)
+        self._configured = list(entries)
+        self._entries: list[AddressSettingsEntry] = []
         self._cache: dict[str, ResolvedAddressSettings] = {}
+        self._sort()
+
+    def _sort(self) -> None:
+        # Configured entries first: among equally specific patterns the first one found wins.
+        entries = [*self._configured, *BUILT_IN_ENTRIES]
+        self._entries = sorted(entries, key=lambda e: _specificity(e.match), reverse=True)
+        self._cache.clear()
+
+    @property
+    def entries(self) -> list[AddressSettingsEntry]:
+        """The configured entries (with changes made at run time), in the order they were given."""
+        return list(self._configured)
+
+    def set_entry(self, entry: AddressSettingsEntry) -> None:
+        """Add the entry for ``entry.match``, or replace the one there is (a change at run time, not saved)."""
+        _check_policy(entry)
+        matches = [e.match for e in self._configured]
+        if entry.match in matches:
+            self._configured[matches.index(entry.match)] = entry  # keeps its place among equally specific ones
+        else:
+            self._configured.append(entry)
+        self._sort()
 
     def resolve(self, address: str) -> ResolvedAddressSettings:
         found = self._cache.get(address)

@@ -266,6 +266,7 @@ class Broker:
         self._through_by_dedup: dict[str, int] = {}  # duplicate id → confirm token
         self._through_dedup: dict[int, str] = {}  # confirm token → duplicate id
         self._aliases: dict[int, list[int]] = {}  # confirm token → tokens of duplicates that wait for it
+        self.paused_addresses: set[str] = set()  # paused by an operator: their queues (new ones too) deliver none
         store.attach(self.on_durable)
 
     # ------------------------------------------------------------------ sessions
@@ -1514,6 +1515,7 @@ class Broker:
             auto_created=auto_created, auto_delete=auto_delete, expires_ms=expires_ms, owner=owner,
             page_limit=settings.max_size_bytes if paging else -1, pager_factory=self._pager_factory,
         )  # fmt: skip
+        queue.paused = address in self.paused_addresses
         self.queues[name] = queue
         self.addresses[address].queues[name] = queue
         self._trie.add(address, queue)
@@ -1845,6 +1847,75 @@ class Broker:
             pending, self._to_dispatch = self._to_dispatch, set()
             for queue in pending:
                 queue.dispatch(now_ms)
+
+    # ------------------------------------------------------------------ operators (see operations.py)
+    def create_queue(self, name: str, address: str, routing: RoutingType, *, durable: bool, now_ms: int,
+                     filter_text: str | None, exclusive: bool, last_value_key: str | None,
+                     max_consumers: int) -> Queue:  # fmt: skip
+        """An operator's queue (BrokerError when the name, address or filter is bad)."""
+        self._validate(address, wildcards=True)
+        return self._create_queue(name, address, routing, durable=durable, now_ms=now_ms, filter_text=filter_text,
+                                  exclusive=exclusive, last_value_key=last_value_key,
+                                  max_consumers=max_consumers)  # fmt: skip
+
+    def delete_queue(self, queue: Queue, now_ms: int) -> None:
+        """Delete ``queue`` with its messages; its consumers are told (CONSUMER_CLOSED not-found)."""
+        self._delete_queue(queue, now_ms)
+
+    def take_messages(self, queue: Queue, predicate: Callable[[WireMessage], bool], limit: int, reason: str,
+                      now_ms: int) -> list[WireMessage]:  # fmt: skip
+        """Take up to ``limit`` (-1: all) queued messages matching ``predicate`` out of ``queue`` for good (an
+        operator's purge or move): their journal records are acknowledged and each is audited as ``msg.acked``
+        with ``reason``. In-flight and paged messages stay."""
+        left = [limit]
+
+        def wanted(message: WireMessage) -> bool:
+            if left[0] == 0 or not predicate(message):
+                return False
+            left[0] -= 1
+            return True
+
+        taken = queue.remove_where(wanted)
+        self._settle_taken(queue, taken, reason, now_ms)
+        return taken
+
+    def purge_queue(self, queue: Queue, now_ms: int) -> int:
+        """Drop every queued and paged message of ``queue`` (in-flight ones stay with their consumers)."""
+        paged = [message for message, _, state in queue.browse_messages() if state == "paged"]
+        taken = queue.purge()
+        self._settle_taken(queue, [*taken, *paged], "purged", now_ms)
+        return len(taken) + len(paged)
+
+    def _settle_taken(self, queue: Queue, taken: list[WireMessage], reason: str, now_ms: int) -> None:
+        if queue.durable:
+            ids = [message[M_ID] for message in taken if message[M_DURABLE]]
+            if ids:
+                self.store.acknowledge(queue.name, ids)
+        for message in taken:
+            if (message[M_DURABLE] and self._audit_durable) or self._audit_all:
+                self._emit_message(now_ms, "msg.acked", message, queue, reason=reason)
+
+    def place_copy(self, message: WireMessage, queue: Queue, origin_id: str, now_ms: int) -> None:
+        """Put ``message`` (a new copy: id 0) into ``queue`` alone, stored and audited like a publish; when its
+        events are audited it names ``origin_id`` (the audit id of the message it copies, or of that one's
+        origin) as its origin, as a forwarded message does."""
+        if (message[M_DURABLE] and self._audit_durable) or self._audit_all:
+            message[M_PROPS].setdefault(ORIGIN_MESSAGE_ID, origin_id)
+        self._admit(message, (queue,), now_ms)
+
+    def publish(self, message: WireMessage, now_ms: int) -> None:
+        """Accept a message the node itself sends (an operator's), routed by its address like a publish."""
+        self._accept_message(message, now_ms)
+
+    def set_paused(self, queue: Queue, paused: bool) -> None:
+        queue.paused = paused
+        if not paused:
+            self._to_dispatch.add(queue)
+
+    def address_settings_changed(self) -> None:
+        """The address settings were changed at run time: forget what was derived from them."""
+        self._limits.clear()
+        self._invalidate_routes()
 
     # ------------------------------------------------------------------ audit
     def _emit(self, now_ms: int, event: str, **fields: object) -> None:

@@ -177,6 +177,7 @@ class Queue:
         "max_consumers",
         "name",
         "owner",
+        "paused",
         "routing_type",
         "temporary",
     )  # fmt: skip
@@ -216,6 +217,7 @@ class Queue:
         self.auto_delete = auto_delete
         self.expires_ms = expires_ms  # deleted after this long without consumers; -1 = never
         self.owner = owner
+        self.paused = False  # an operator paused it: it takes messages in and delivers none
         self.consumers: list[Consumer] = []
         self.added = self.acked = self.delivered = self.expired = self.dead_lettered = 0
         self.bytes = 0  # accounted size of the messages this queue owns (queued and in flight)
@@ -258,6 +260,18 @@ class Queue:
         """Queued (not in-flight) messages in delivery order."""
         for level in range(MAX_PRIORITY, -1, -1):
             yield from self._levels[level]
+
+    def browse_messages(self) -> Iterator[tuple[WireMessage, int, str]]:
+        """What the queue holds, for an operator: (message, delivery count so far, state), the queued messages
+        in delivery order, then those in flight, then those in the page file (``queued``/``in_flight``/``paged``)."""
+        for message in self.messages():
+            yield message, self._returned.get(message[M_ID], 0), "queued"
+        for consumer in self.consumers:
+            for message_id, message in consumer.in_flight.items():
+                yield message, consumer.counts.get(message_id, 1), "in_flight"
+        if self._pager is not None and self._paged:
+            for message in self._pager.peek():
+                yield message, 0, "paged"
 
     def live_messages(self) -> Iterator[tuple[WireMessage, int]]:
         """Every message this queue still owes, queued or in flight, with its delivery count so far."""
@@ -443,7 +457,7 @@ class Queue:
             self._depage()
         if not self.consumers:
             return
-        if self._count:
+        if self._count and not self.paused:
             ready = [c for c in self.consumers if c.credit > 0 and not c.browse]
             if self.exclusive:
                 ready = ready[:1] if ready and ready[0] is self._exclusive_owner() else []

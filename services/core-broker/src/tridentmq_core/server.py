@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import time
 import uuid
@@ -43,6 +44,7 @@ from tridentmq_core.ha.shared_store import SharedStore, journal_for_epoch
 from tridentmq_core.log_window import LogWindow
 from tridentmq_core.logins import LoginGuard
 from tridentmq_core.management.app import NodeStatus, QueueRates, create_app
+from tridentmq_core.management.operations_api import NodeControl
 from tridentmq_core.security import AuthenticationError, Credentials, Principal, SecurityManager
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.data_lock import DataDirectoryLock
@@ -342,6 +344,7 @@ class CoreNode:
         self.votes = VoteStore(data_dir) if self.clusters else None
         self.voter = Voter(self.votes, settings, lambda: self.cluster) if self.votes is not None else None
         self.replication: ReplicationSource | None = None
+        self.scale_down_requested = False  # an operator asked this node to scale down and stop
         self.backup: BackupRunner | None = None
         self.shared: SharedStore | None = None
         self._shared_journal: Path | None = None  # the shared-store pair's journal of this epoch
@@ -478,8 +481,11 @@ class CoreNode:
         self.status.link_port = self._server.sockets[0].getsockname()[1]
         if self.settings.management.enabled:
             management = self.settings.management
-            self._runner = http_runner(create_app(self.broker, self.status, self.rates, self.security),
-                                       request_timeout_ms=management.request_timeout_ms)  # fmt: skip
+            control = NodeControl(flush=self.schedule_flush, close_link=self.close_link, failback=self._failback,
+                                  scale_down=self._request_scale_down, tls_ca_file=self.settings.tls.ca_file,
+                                  https=management.tls)  # fmt: skip
+            app = create_app(self.broker, self.status, self.rates, self.security, control)
+            self._runner = http_runner(app, request_timeout_ms=management.request_timeout_ms)
             await self._runner.setup()
             management_tls = self.tls.context if self.tls is not None and management.tls else None
             self.management_port = await serve(self._runner, management.host, management.port, tls=management_tls,
@@ -588,6 +594,25 @@ class CoreNode:
             self.audit.flush()
             protocol.write_pending()
             protocol.close_transport()
+
+    def close_link(self, conn_id: str, code: str, text: str) -> None:
+        """Close a link telling its peer why (an operator's close)."""
+        protocol = self.protocols.get(conn_id)
+        if protocol is not None:
+            protocol.conn.close(code, text)
+            self.drop_link(conn_id)
+
+    def _failback(self) -> str | None:
+        if self.replication is None:
+            return "this node is not the active half of a replication pair"
+        return self.replication.request_failback()
+
+    def _request_scale_down(self) -> None:
+        """Stop as on SIGTERM, moving every message to the other nodes first (even with ``cluster.scale_down``
+        off), once the answer to the operator is out."""
+        self.scale_down_requested = True
+        log.warning("scale-down requested by an operator: moving every message to other nodes, then stopping")
+        asyncio.get_running_loop().call_later(0.2, os.kill, os.getpid(), signal.SIGTERM)
 
     def abort_link(self, conn_id: str) -> None:
         """Drop a link's connection at once: its peer does not read (a close would wait for it for ever)."""
@@ -810,7 +835,8 @@ class CoreNode:
             await self.replication.stop()
         if self.cluster is not None:
             has_backup = self.replication is not None and self.replication.feed is not None
-            if self.settings.cluster.scale_down and not has_backup:  # a backup keeps the messages instead
+            scale_down = self.settings.cluster.scale_down or self.scale_down_requested
+            if scale_down and not has_backup:  # a backup keeps the messages instead
                 await self.cluster.scale_down(self._close_client_links)
             await self.cluster.stop()
         for protocol in list(self.protocols.values()):

@@ -41,10 +41,10 @@ wherever it takes a name.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Final, NamedTuple
 
 from tridentmq_mqtt.protocol.reason_codes import TOPIC_FILTER_INVALID, TOPIC_NAME_INVALID
+from tridentmq_shared import mqtt_queues
 
 LEVEL_SEPARATOR: Final = "/"
 SINGLE_LEVEL: Final = "+"
@@ -60,16 +60,19 @@ MAX_ADDRESS_WORDS: Final = 32
 ESCAPE: Final = "%"
 #: The word that stands for an empty level.
 EMPTY_LEVEL: Final = ESCAPE
-#: The queues of subscriptions: a client's own, a shared subscription's, a gateway's QoS 0 fan-out.
-SUBSCRIPTION_PREFIX: Final = "mqtt.sub."
-SHARED_PREFIX: Final = "mqtt.shared."
-FANOUT_PREFIX: Final = "mqtt.fanout."
-#: The gateways' own queues; ``$`` keeps them out of reach of wildcards (the core's rule for ``$`` addresses).
-SESSION_PREFIX: Final = "$mqtt.session."
-LOCK_PREFIX: Final = "$mqtt.lock."
-#: Retained messages are published (multicast) here; every core node keeps its own last-value copy of all of
-#: them, so a gateway reads its own node's and sees what was retained through any node of the cluster.
-RETAINED_ADDRESS: Final = "$mqtt.retained"
+
+#: The core queues of MQTT state are named in the shared library (the core finds sessions by them too).
+SUBSCRIPTION_PREFIX: Final = mqtt_queues.SUBSCRIPTION_PREFIX
+SHARED_PREFIX: Final = mqtt_queues.SHARED_PREFIX
+FANOUT_PREFIX: Final = mqtt_queues.FANOUT_PREFIX
+SESSION_PREFIX: Final = mqtt_queues.SESSION_PREFIX
+LOCK_PREFIX: Final = mqtt_queues.LOCK_PREFIX
+RETAINED_ADDRESS: Final = mqtt_queues.RETAINED_ADDRESS
+queue_name = mqtt_queues.queue_name
+subscription_queue = mqtt_queues.subscription_queue
+session_queue = mqtt_queues.session_queue
+lock_queue = mqtt_queues.lock_queue
+retained_queue = mqtt_queues.retained_queue
 
 _CONTROL: Final = frozenset(chr(c) for c in (*range(0x01, 0x20), *range(0x7F, 0xA0)))
 _ALWAYS_ESCAPED: Final = frozenset({ESCAPE, DELIMITER, ANY_WORD}) | _CONTROL
@@ -78,9 +81,6 @@ _SPECIAL: Final = _ALWAYS_ESCAPED | {":"}
 #: escape → character, for exactly the escapes _escape writes.
 _UNESCAPE: Final = {f"{ESCAPE}{ord(c):02X}": c for c in (*_ALWAYS_ESCAPED, ":")}
 _FORBIDDEN_IN_TOPIC: Final = (SINGLE_LEVEL, MULTI_LEVEL, "\x00")
-_HASH_HEX_DIGITS: Final = 32
-_READABLE_CLIENT: Final = 64
-_READABLE_FILTER: Final = 96
 
 
 class ConversionError(ValueError):
@@ -225,35 +225,15 @@ def parse_subscription(text: str, *, shared: bool = True) -> ParsedFilter:
 # ---------------------------------------------------------------------------------------------- queues
 
 
-def subscription_queue(client_id: str, topic_filter: str) -> str:
-    """The core queue of client ``client_id``'s subscription on ``topic_filter`` (one per client and filter)."""
-    return _queue_name(SUBSCRIPTION_PREFIX, client_id, topic_filter)
-
-
 def shared_queue(group: str, topic_filter: str) -> str:
     """The core queue that the members of shared subscription ``$share/<group>/<topic_filter>`` consume from."""
-    return _queue_name(SHARED_PREFIX, group, topic_filter)
+    return queue_name(SHARED_PREFIX, group, topic_filter)
 
 
 def fanout_queue(owner: str, topic_filter: str) -> str:
     """The temporary core queue of a gateway's QoS 0 fan-out of ``topic_filter`` (``owner`` tells the gateway
     process, user and feed apart)."""
-    return _queue_name(FANOUT_PREFIX, owner, topic_filter)
-
-
-def session_queue(client_id: str) -> str:
-    """The core queue holding the persistent state of client ``client_id``'s session (one record)."""
-    return _queue_name(SESSION_PREFIX, client_id, "")
-
-
-def retained_queue(node_id: str) -> str:
-    """The queue of core node ``node_id``'s copy of the retained messages."""
-    return f"{RETAINED_ADDRESS}.{node_id}"
-
-
-def lock_queue(client_id: str) -> str:
-    """The core queue whose one consumer is the connection that owns client ``client_id``'s session."""
-    return _queue_name(LOCK_PREFIX, client_id, "")
+    return queue_name(FANOUT_PREFIX, owner, topic_filter)
 
 
 # ---------------------------------------------------------------------------------------------- internals
@@ -304,18 +284,6 @@ def _checked(address: str, source: str, reason_code: int = TOPIC_NAME_INVALID) -
             f"{_show(source)} has {words} levels, the core's limit is {MAX_ADDRESS_WORDS}", reason_code
         )
     return address
-
-
-def _queue_name(prefix: str, owner: str, topic_filter: str) -> str:
-    digest = hashlib.sha256(f"{len(owner)}:{owner}{topic_filter}".encode(errors="surrogatepass")).hexdigest()
-    readable = (_readable(owner, _READABLE_CLIENT), _readable(topic_filter, _READABLE_FILTER))
-    return f"{prefix}{readable[0]}.{readable[1]}.{digest[:_HASH_HEX_DIGITS]}"
-
-
-def _readable(text: str, limit: int) -> str:
-    """A non-empty core word that shows ``text`` to people: characters the core treats specially become '_'."""
-    safe = "".join(c if c.isprintable() and c not in " .*#:%" else "_" for c in text[:limit])
-    return safe or "_"
 
 
 def _show(text: str) -> str:

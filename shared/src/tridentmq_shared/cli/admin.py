@@ -1,4 +1,4 @@
-"""``tridentmq status`` and ``tridentmq queue stat``: read a core node's management API."""
+"""Talk to a core node's management API: ``tridentmq status``, ``queue stat`` and the operations."""
 
 from __future__ import annotations
 
@@ -24,9 +24,18 @@ def fetch(base_url: str, path: str, timeout: float = 5.0, *, ca_file: str = "", 
           ) -> Any:  # fmt: skip
     """GET ``path`` as JSON, as ``credentials``' user when given; an https URL's certificate is checked against
     ``ca_file`` (else the system's authorities)."""
+    return send(base_url, "GET", path, None, timeout, ca_file=ca_file, credentials=credentials)
+
+
+def send(base_url: str, method: str, path: str, body: dict[str, Any] | None, timeout: float = 5.0, *,
+         ca_file: str = "", credentials: Credentials = None) -> Any:  # fmt: skip
+    """``method`` ``path`` with ``body`` as JSON (none when None); the answer's JSON. See ``fetch``."""
     url = base_url.rstrip("/") + path
     context = ssl.create_default_context(cafile=ca_file or None) if url.startswith("https:") else None
-    request = urllib.request.Request(url)  # noqa: S310 - an operator-given URL
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method)  # noqa: S310 - an operator-given URL
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
     if credentials is not None:
         token = base64.b64encode(f"{credentials[0]}:{credentials[1]}".encode()).decode()
         request.add_header("Authorization", f"Basic {token}")

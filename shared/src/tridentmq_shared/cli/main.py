@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tridentmq_shared.cli import admin, perf, supervisor
+from tridentmq_shared.cli import admin, operations, perf, supervisor
 from tridentmq_shared.link.client import LinkClient, LinkRequestError
 from tridentmq_shared.message import RoutingType, new_message
 from tridentmq_shared.runtime import run_main
@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     queue = sub.add_parser("queue", help="queue commands")
     queue_sub = queue.add_subparsers(dest="queue_command", required=True, metavar="SUBCOMMAND")
     _management_args(queue_sub.add_parser("stat", help="table of queues: depth, consumers, in-flight, rates"))
+    operations.add_queue_commands(queue_sub, _management_args)
+    operations.add_commands(sub, _management_args)
 
     produce = sub.add_parser("produce", help="publish messages and wait for their confirms")
     produce.add_argument("address")
@@ -193,10 +195,12 @@ def run(args: argparse.Namespace) -> int:
                 status["cluster"]["nodes"] = admin.cluster_nodes(status["cluster"], _credentials(args))
             print(json.dumps(status, indent=2) if args.json else admin.status_text(status))
             return 0
-        case "queue":
+        case "queue" if args.queue_command == "stat":
             queues = admin.fetch(args.management, "/api/queues", ca_file=args.ca_file, credentials=_credentials(args))
             print(json.dumps(queues, indent=2) if args.json else admin.queue_table(queues))
             return 0
+        case "queue" | "address" | "connection" | "client" | "mqtt" | "node":
+            return operations.run(args)
         case "produce":
             return run_main(_produce(args))
         case "consume":

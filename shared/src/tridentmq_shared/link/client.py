@@ -59,7 +59,7 @@ CLOSE_TIMEOUT = 5.0
 #: Queue definitions remembered to re-create a consumer's queue on another node after a failover.
 MAX_REMEMBERED_QUEUES = 1024
 #: Refusals that another node or a later attempt would give again: a (re)connect stops at them.
-_FATAL: Final = (ErrorCode.UNAUTHENTICATED, ErrorCode.VERSION)
+_FATAL: Final = (ErrorCode.UNAUTHENTICATED, ErrorCode.VERSION, ErrorCode.CLOSED_BY_OPERATOR)
 
 
 class LinkRequestError(Exception):

@@ -84,3 +84,4 @@ class ErrorCode:
     NOT_ACTIVE: Final = "not-active"  # a backup (or a fenced node) serves no clients: try another node
     FENCED: Final = "fenced"  # the peer's copy of its node was replaced by one at a higher epoch
     FAILBACK: Final = "failback"  # an active backup hands its pair back to the primary it just brought in sync
+    CLOSED_BY_OPERATOR: Final = "closed-by-operator"  # the management API closed the link: do not reconnect

@@ -297,13 +297,26 @@ class ReplicationSource:
                      extra={"backup": self.backup, "records": feed.acked - feed.first + 1})  # fmt: skip
             self.broker.audit.emit(_now_ms() * 1000, "ha.backup_in_sync", {"backup": self.backup})
             self._members_changed()
-            ha = self.settings.ha
-            if ha.allow_failback and ha.role == BACKUP and self.backup_role == PRIMARY and not self.failing_back:
-                self.failing_back = True
-                log.warning("failback: the pair's primary is back and in sync; handing the pair back to it")
-                spawn(self._hand_over(), "ha-failback")
+            if self.settings.ha.allow_failback:
+                self.request_failback()
         if feed.in_sync:
             self.store.limit_confirms(feed.acked)
+
+    def request_failback(self) -> str | None:
+        """Hand the pair back to its primary now, if this is an active backup whose primary is back and in sync
+        (with ``ha.allow_failback`` that happens by itself; an operator asks for it otherwise): None when the
+        failback starts, else why it cannot."""
+        feed = self.feed
+        if self.settings.ha.role != BACKUP or self.backup_role != PRIMARY:
+            return "this node is not a backup serving in place of its primary"
+        if self.failing_back:
+            return "a failback is already under way"
+        if feed is None or not feed.in_sync:
+            return "the primary is not back and in sync yet"
+        self.failing_back = True
+        log.warning("failback: the pair's primary is back and in sync; handing the pair back to it")
+        spawn(self._hand_over(), "ha-failback")
+        return None
 
     def pump(self) -> None:
         """Queue what the backup has not been sent yet (called before each write of the links)."""

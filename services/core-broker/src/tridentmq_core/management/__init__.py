@@ -1,4 +1,5 @@
-"""The management HTTP server of a core node: health probes, Prometheus metrics and a read-only JSON API."""
+"""The management HTTP server of a core node: health probes, Prometheus metrics and a JSON API of views and
+operations."""
 
 from __future__ import annotations
 

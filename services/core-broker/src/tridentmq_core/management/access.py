@@ -36,6 +36,7 @@ MAX_WAITING_CHECKS = 64  # beyond, a login is answered 429 at once instead of qu
 CACHE_SECONDS = 60.0  # a verified user and password pair is trusted this long without hashing again
 CACHE_ENTRIES = 256
 FAILURE_LOG_SECONDS = 10.0  # failed logins are logged once per window, with their count
+USER_KEY = web.RequestKey("user", str)  # the name of a request's authenticated user (audited operations)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Authenticate = Callable[[str | None, str | None, str | None], Principal]
@@ -81,6 +82,7 @@ class ManagementAccess:
         peer = request.remote
         if self.security.embedded_default:
             if is_loopback(peer):
+                request[USER_KEY] = "anonymous"
                 return None
             return _error(403, "no users are configured, so the management API answers loopback clients only")
         given = _credentials(request.headers.get("Authorization", ""))
@@ -93,6 +95,7 @@ class ManagementAccess:
             return _error(401, "unknown user or wrong password")
         if not principal.allowed(Permission.MANAGE, MANAGEMENT_ADDRESS):
             return _error(403, f"user {principal.name!r} lacks the manage permission on {MANAGEMENT_ADDRESS}")
+        request[USER_KEY] = principal.name
         return None
 
     async def _principal(self, user: str, password: str, peer: str | None) -> Principal | None:

@@ -1,8 +1,8 @@
 """The management HTTP application: ``/healthz``, ``/readyz``, ``/metrics`` and the JSON API under ``/api``.
 
 Every handler reads the broker synchronously on the event loop that also drives the broker, so a response
-is a consistent snapshot and nothing here ever awaits in the middle of reading broker state. The API is
-read-only: the broker is changed only through the link. Who may read what: ``access.py``.
+is a consistent snapshot and nothing here ever awaits in the middle of reading broker state. The views are
+here; the operations that change the broker are in ``operations_api.py``. Who may do what: ``access.py``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from aiohttp import web
 from tridentmq_core.broker import Broker, Session
 from tridentmq_core.management.access import ManagementAccess, access_middlewares
 from tridentmq_core.management.metrics import CONTENT_TYPE, render_metrics
+from tridentmq_core.management.operations_api import NodeControl, OperationsApi, add_routes
 from tridentmq_core.queues import Queue
 from tridentmq_core.security import SecurityManager
 
@@ -192,9 +193,10 @@ class _Handlers:
 
 
 def create_app(broker: Broker, status: NodeStatus, rates: QueueRates, security: SecurityManager | None = None,
-               ) -> web.Application:  # fmt: skip
+               control: NodeControl | None = None) -> web.Application:  # fmt: skip
     """The management application; the caller runs it (``web.AppRunner``) next to the link listener.
-    ``security`` holds the users who may use it (by default those of the broker's settings)."""
+    ``security`` holds the users who may use it (by default those of the broker's settings); ``control`` is what
+    the operations need of the running node (``operations_api.py``)."""
     handlers = _Handlers(broker, status, rates)
     settings = broker.settings
     if security is None:
@@ -211,4 +213,5 @@ def create_app(broker: Broker, status: NodeStatus, rates: QueueRates, security: 
     app.router.add_get(r"/api/queues/{name:[\s\S]+}", handlers.queue)
     app.router.add_get("/api/connections", handlers.connections)
     app.router.add_get("/api/cluster", handlers.cluster)
+    add_routes(app, OperationsApi(broker, lambda: status.cluster, control or NodeControl()))
     return app

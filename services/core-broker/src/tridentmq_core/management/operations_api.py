@@ -1,0 +1,589 @@
+"""The management API's operations: queues, messages, pause, connections, MQTT state, failback, scale-down and
+address settings, for the cluster as a whole.
+
+Any node answers for all: a request without ``node`` runs here and on every live member of the cluster (each
+gets it over HTTP with the caller's own credentials and ``node=<its id>``, so it runs there alone and is
+checked and audited there), and the answer sums their counts and lists each node's. ``node=<id, id prefix or
+name>`` runs it on that node only. The semantics are in ``tridentmq_core.operations`` (pure); this module
+checks each parameter's shape (400 with a JSON ``error``), audits every operation as a ``mgmt.*`` event and
+fans out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import aiohttp
+from aiohttp import web
+
+from tridentmq_core.broker import Broker
+from tridentmq_core.management.access import USER_KEY
+from tridentmq_core.mqtt_admin import MqttAdmin
+from tridentmq_core.operations import (
+    DEFAULT_PREVIEW_BYTES,
+    MAX_BROWSE_LIMIT,
+    MAX_PREVIEW_BYTES,
+    OperationError,
+    Operations,
+    check_selector,
+    settings_entry,
+)
+from tridentmq_shared.link.ops import ErrorCode
+from tridentmq_shared.message import RoutingType
+
+log = logging.getLogger("tridentmq.core.management")
+
+FORWARD_TIMEOUT_S: Final = 10.0
+MAX_BODY_BYTES: Final = 64 * 1024
+MAX_TEXT: Final = 4096  # longest name, selector or client id accepted
+#: The operations that change something, each audited as ``mgmt.<operation>`` (docs/audit.md; the Spark jobs
+#: list them as known events).
+AUDITED_OPERATIONS: Final = ("queue.create", "queue.delete", "queue.purge", "messages.move", "messages.copy",
+                             "pause", "resume", "connection.close", "client.close", "mqtt.session.delete",
+                             "mqtt.retained.delete", "failback", "scale_down", "address_settings.set")  # fmt: skip
+#: What a closed client's link is told (the link client does not reconnect after it).
+CLOSED_TEXT: Final = "closed by an operator"
+
+
+@dataclass
+class NodeControl:
+    """What the operations need of the running node beyond its broker (all optional: a bare app in tests)."""
+
+    flush: Callable[[], None] = lambda: None  # write what the broker queued (deliveries, closes)
+    close_link: Callable[[str, str, str], None] | None = None  # conn id, code, text: close a link
+    failback: Callable[[], str | None] | None = None  # hand the pair back to its primary: None, or why not
+    scale_down: Callable[[], None] | None = None  # move every message to other nodes, then stop
+    tls_ca_file: str = ""  # to check the other nodes' certificates when the management port serves HTTPS
+    https: bool = False
+
+
+class RequestRefusedError(Exception):
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(text)
+        self.status = status
+        self.text = text
+
+
+Local = Callable[[], dict[str, Any]]
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class OperationsApi:
+    def __init__(self, broker: Broker, cluster: Callable[[], Callable[[], dict[str, Any]] | None],
+                 control: NodeControl) -> None:  # fmt: skip
+        self.broker = broker
+        self.ops = Operations(broker)
+        self.mqtt = MqttAdmin(broker)
+        self._cluster = cluster
+        self.control = control
+        self._client: aiohttp.ClientSession | None = None
+
+    # ------------------------------------------------------------------ plumbing
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        if not request.can_read_body:
+            return {}
+        if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+            raise RequestRefusedError(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
+        raw = await request.read()  # bounded by the application's client_max_size; kept for forwarding
+        if len(raw) > MAX_BODY_BYTES:
+            raise RequestRefusedError(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
+        if not raw.strip():
+            return {}
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise RequestRefusedError(400, "the body is not JSON") from None
+        if not isinstance(body, dict):
+            raise RequestRefusedError(400, "the body is a JSON object")
+        return body
+
+    def _members(self) -> list[dict[str, Any]]:
+        view = self._cluster()
+        return list(view()["members"]) if view is not None else []
+
+    def _target(self, request: web.Request) -> tuple[bool, list[dict[str, Any]]]:
+        """(run here?, the other members to forward to)."""
+        wanted = request.query.get("node")
+        others = [m for m in self._members() if m["node_id"] != self.broker.node_id]
+        if wanted is None:
+            return True, others
+        me = self.broker.node_id
+        if wanted and (me.startswith(wanted) or wanted == self.broker.settings.node.name):
+            return True, []
+        found = [m for m in others if wanted and (m["node_id"].startswith(wanted) or m.get("name") == wanted)]
+        if len(found) != 1:
+            raise RequestRefusedError(404, f"no live node {wanted!r} in the cluster" if not found else
+                           f"{wanted!r} names several nodes: give more of the node id")  # fmt: skip
+        return False, found
+
+    async def _forward(self, request: web.Request, member: dict[str, Any], body: bytes) -> dict[str, Any]:
+        entry: dict[str, Any] = {"node_id": member["node_id"], "name": member.get("name", "")}
+        if not member.get("management"):
+            return {**entry, "status": 503, "error": "that node has no management port"}
+        if self._client is None:
+            context = ssl.create_default_context(cafile=self.control.tls_ca_file or None) if self.control.https \
+                else None  # fmt: skip
+            self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=FORWARD_TIMEOUT_S),
+                                                 connector=aiohttp.TCPConnector(ssl=context or False))  # fmt: skip
+        scheme = "https" if self.control.https else "http"
+        host = member["host"]
+        host = f"[{host}]" if ":" in host else host
+        query = {**request.query, "node": member["node_id"]}
+        headers = {"Content-Type": "application/json"}
+        if "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]
+        url = f"{scheme}://{host}:{member['management']}{request.rel_url.raw_path}"
+        try:
+            async with self._client.request(request.method, url, params=query, data=body or None,
+                                            headers=headers) as response:  # fmt: skip
+                answer = await response.json(content_type=None)
+                status = response.status
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            return {**entry, "status": 502, "error": f"cannot reach it: {type(exc).__name__} {exc}".strip()}
+        if status >= 300:
+            return {**entry, "status": status, "error": answer.get("error") if isinstance(answer, dict) else None}
+        inner = answer.get("nodes", [{}])[0] if isinstance(answer, dict) else {}
+        return {**entry, "status": status, "result": inner.get("result", answer)}
+
+    async def run(self, request: web.Request, operation: str, target: str, local: Local) -> web.Response:
+        """Run ``local`` here and on the other nodes it is meant for, audit it here, and sum the answers."""
+        try:
+            here, others = self._target(request)
+        except RequestRefusedError as exc:
+            return _error(exc.status, exc.text)
+        results: list[dict[str, Any]] = []
+        body = await request.read() if request.can_read_body else b""
+        forwards = [self._forward(request, m, body) for m in others]
+        if here:
+            results.append(self._local(request, operation, target, local))
+        if forwards:
+            results += await asyncio.gather(*forwards)
+        return _combine(results)
+
+    def _local(self, request: web.Request, operation: str, target: str, local: Local) -> dict[str, Any]:
+        entry: dict[str, Any] = {"node_id": self.broker.node_id, "name": self.broker.settings.node.name}
+        audited = operation in AUDITED_OPERATIONS  # the others only read
+        try:
+            result = local()
+        except OperationError as exc:
+            if audited:
+                self._audit(request, operation, target, f"refused: {exc.text}")
+            return {**entry, "status": exc.status, "error": exc.text}
+        self.control.flush()
+        if audited:
+            self._audit(request, operation, target, "ok", result)
+        return {**entry, "status": 200, "result": result}
+
+    def _audit(self, request: web.Request, operation: str, target: str, result: str,
+               counts: dict[str, Any] | None = None) -> None:  # fmt: skip
+        fields: dict[str, object] = {"user": request.get(USER_KEY, "anonymous"), "operation": operation,
+                                     "target": target, "result": result, "peer": request.remote}  # fmt: skip
+        if counts:
+            fields["counts"] = json.dumps({k: v for k, v in counts.items() if isinstance(v, int)}, sort_keys=True)
+        self.broker.audit.emit(_now_ms() * 1000, f"mgmt.{operation}", fields)
+        self.broker.audit.flush()  # an operator's action is on disk before the answer says it was done
+        level = logging.INFO if result == "ok" else logging.WARNING
+        log.log(level, "management operation", extra={"operation": operation, "target": target[:200],
+                                                       "result": result[:200], "user": fields["user"]})  # fmt: skip
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+    # ------------------------------------------------------------------ handlers
+    async def create_queue(self, request: web.Request) -> web.Response:
+        async def prepare() -> tuple[str, Local]:
+            body = await self._body(request)
+            name = _text(body, "name", required=True)
+            address = _text(body, "address") or name
+            routing = _routing(body.get("routing_type", "anycast"))
+            durable = _flag(body, "durable", default=True)
+            filter_text = _text(body, "filter") or None
+            check_selector_400(filter_text)
+            exclusive = _flag(body, "exclusive", default=False)
+            lvq = _text(body, "last_value_key")
+            max_consumers = _int(body, "max_consumers", -1, minimum=-1)
+            return name, lambda: self.ops.create_queue(
+                name, address, routing, durable=durable, filter_text=filter_text, exclusive=exclusive,
+                last_value_key=lvq, max_consumers=max_consumers, now_ms=_now_ms())  # fmt: skip
+
+        return await self._guarded(request, "queue.create", prepare)
+
+    async def delete_queue(self, request: web.Request) -> web.Response:
+        async def prepare() -> tuple[str, Local]:
+            name = _name(request.match_info["name"])
+            return name, lambda: self.ops.delete_queue(name, _now_ms())
+
+        return await self._guarded(request, "queue.delete", prepare)
+
+    async def purge(self, request: web.Request) -> web.Response:
+        async def prepare() -> tuple[str, Local]:
+            body = await self._body(request)
+            name = _text(body, "queue", required=True)
+            selector = _text(body, "selector") or None
+            check_selector_400(selector)
+            return name, lambda: self.ops.purge(name, selector, _now_ms())
+
+        return await self._guarded(request, "queue.purge", prepare)
+
+    async def move(self, request: web.Request) -> web.Response:
+        return await self._move(request, copy=False)
+
+    async def copy(self, request: web.Request) -> web.Response:
+        return await self._move(request, copy=True)
+
+    async def _move(self, request: web.Request, *, copy: bool) -> web.Response:
+        async def prepare() -> tuple[str, Local]:
+            body = await self._body(request)
+            name = _text(body, "queue", required=True)
+            to = _text(body, "to") or None
+            selector = _text(body, "selector") or None
+            check_selector_400(selector)
+            ids = body.get("message_ids")
+            if ids is not None and (not isinstance(ids, list) or len(ids) > 10_000
+                                    or not all(type(i) is int and i > 0 for i in ids)):  # fmt: skip
+                raise RequestRefusedError(400, "message_ids is a list of at most 10000 positive integers")
+            if ids is not None and request.query.get("node") is None and self._members():
+                raise RequestRefusedError(400, "message ids are a node's own: give node= with message_ids")
+            limit = _int(body, "limit", -1, minimum=-1)
+            return f"{name} -> {to or 'origin'}", lambda: self.ops.move(
+                name, to, selector=selector, message_ids=ids, limit=limit, copy=copy, now_ms=_now_ms())  # fmt: skip
+
+        return await self._guarded(request, "messages.copy" if copy else "messages.move", prepare)
+
+    async def browse(self, request: web.Request) -> web.Response:
+        try:
+            name = _name(request.query.get("queue", ""))
+            offset = _query_int(request, "offset", 0, 0, 10**9)
+            limit = _query_int(request, "limit", 50, 0, MAX_BROWSE_LIMIT)
+            preview = _query_int(request, "preview", DEFAULT_PREVIEW_BYTES, 0, MAX_PREVIEW_BYTES)
+            selector = _query_selector(request)
+            here, others = self._target(request)
+        except RequestRefusedError as exc:
+            return _error(exc.status, exc.text)
+        if others or not here:
+            return await self._browse_cluster(request, name, offset, limit, here, others)
+        return self._browse_reply(
+            [
+                self._local(
+                    request, "messages.browse", name, lambda: self.ops.browse(name, offset, limit, selector, preview)
+                )
+            ]
+        )
+
+    async def _browse_cluster(self, request: web.Request, name: str, offset: int, limit: int, here: bool,
+                              others: list[dict[str, Any]]) -> web.Response:  # fmt: skip
+        """One page over the nodes in turn (by node id): first each node's count, then the slices wanted."""
+        selector = request.query.get("selector") or None
+        preview = _query_int(request, "preview", DEFAULT_PREVIEW_BYTES, 0, MAX_PREVIEW_BYTES)
+        members = sorted(([{"node_id": self.broker.node_id, "name": self.broker.settings.node.name, "self": True}]
+                          if here else []) + others, key=lambda m: m["node_id"])  # fmt: skip
+
+        async def ask(member: dict[str, Any], start: int, count: int) -> dict[str, Any]:
+            if member.get("self"):
+                return self._local(request, "messages.browse", name,
+                                   lambda: self.ops.browse(name, start, count, selector, preview))  # fmt: skip
+            forwarded = request.clone(rel_url=request.rel_url.with_query(
+                {**request.query, "offset": str(start), "limit": str(count)}))  # fmt: skip
+            return await self._forward(forwarded, member, b"")
+
+        counted = await asyncio.gather(*(ask(m, 0, 0) for m in members))
+        slices = []
+        position = 0
+        for member, answer in zip(members, counted, strict=True):
+            total = answer.get("result", {}).get("total", 0) if answer.get("status") == 200 else 0
+            start = max(offset - position, 0)
+            count = min(offset + limit - position, total) - start
+            if count > 0 and start < total:
+                slices.append((member, start, count))
+            position += total
+        pages = {id(m): r for (m, _, _), r in
+                 zip(slices, await asyncio.gather(*(ask(m, s, c) for m, s, c in slices)), strict=True)}  # fmt: skip
+        results = [pages.get(id(m), answer) for m, answer in zip(members, counted, strict=True)]
+        return self._browse_reply(results)
+
+    @staticmethod
+    def _browse_reply(results: list[dict[str, Any]]) -> web.Response:
+        good = [r for r in results if r.get("status") == 200]
+        if not good:
+            return _combine(results)
+        messages = [{**m, "node_id": r["node_id"], "node": r["name"]}
+                    for r in good for m in r["result"]["messages"]]  # fmt: skip
+        nodes = [{k: v for k, v in r.items() if k != "result"} | ({"total": r["result"]["total"]} if "result" in r
+                 else {}) for r in results]  # fmt: skip
+        return web.json_response({"total": sum(r["result"]["total"] for r in good), "messages": messages,
+                                  "nodes": nodes})  # fmt: skip
+
+    async def pause(self, request: web.Request) -> web.Response:
+        return await self._pause(request, paused=True)
+
+    async def resume(self, request: web.Request) -> web.Response:
+        return await self._pause(request, paused=False)
+
+    async def _pause(self, request: web.Request, *, paused: bool) -> web.Response:
+        async def prepare() -> tuple[str, Local]:
+            body = await self._body(request)
+            queue = _text(body, "queue") or None
+            address = _text(body, "address") or None
+            if (queue is None) == (address is None):
+                raise RequestRefusedError(400, "give either queue or address")
+            target = f"queue {queue}" if queue is not None else f"address {address}"
+            return target, lambda: self.ops.pause(queue=queue, address=address, paused=paused)
+
+        return await self._guarded(request, "pause" if paused else "resume", prepare)
+
+    async def close_connection(self, request: web.Request) -> web.Response:
+        async def prepare() -> tuple[str, Local]:
+            conn_id = _name(request.match_info["conn_id"])
+            return conn_id, lambda: self._close(lambda s: s.conn_id == conn_id)
+
+        return await self._guarded(request, "connection.close", prepare)
+
+    async def close_client(self, request: web.Request) -> web.Response:
+        async def prepare() -> tuple[str, Local]:
+            client = _name(request.match_info["client"])
+            return client, lambda: self._close(lambda s: s in self.ops.sessions_of(client))
+
+        return await self._guarded(request, "client.close", prepare)
+
+    def _close(self, chosen: Callable[[Any], bool]) -> dict[str, Any]:
+        close_link = self.control.close_link
+        if close_link is None:
+            raise OperationError(409, "this node cannot close links")
+        sessions = [s for s in list(self.broker.sessions.values()) if not s.principal.cluster and chosen(s)]
+        for session in sessions:
+            close_link(session.conn_id, ErrorCode.CLOSED_BY_OPERATOR, CLOSED_TEXT)
+        return {"closed": len(sessions)}
+
+    async def mqtt_sessions(self, request: web.Request) -> web.Response:
+        async def prepare() -> tuple[str, Local]:
+            return "", lambda: {"sessions": self.mqtt.sessions()}
+
+        return await self._guarded(request, "mqtt.sessions", prepare, merge_lists="sessions")
+
+    async def delete_mqtt_session(self, request: web.Request) -> web.Response:
+        async def prepare() -> tuple[str, Local]:
+            client = _name(request.match_info["client_id"])
+            return client, lambda: self.mqtt.delete_session(client, _now_ms())
+
+        return await self._guarded(request, "mqtt.session.delete", prepare)
+
+    async def retained(self, request: web.Request) -> web.Response:
+        async def prepare() -> tuple[str, Local]:
+            prefix = request.query.get("prefix", "")
+            limit = _query_int(request, "limit", 100, 1, MAX_BROWSE_LIMIT)
+            preview = _query_int(request, "preview", DEFAULT_PREVIEW_BYTES, 0, MAX_PREVIEW_BYTES)
+            return prefix, lambda: self.mqtt.retained(prefix, limit, preview)
+
+        # Every node keeps a copy of all retained messages: this node's answers for the cluster.
+        return await self._guarded(request, "mqtt.retained", prepare, here_only=True)
+
+    async def delete_retained(self, request: web.Request) -> web.Response:
+        async def prepare() -> tuple[str, Local]:
+            topic = request.match_info["topic"]
+            if not topic or len(topic) > MAX_TEXT:
+                raise RequestRefusedError(400, f"a topic is 1 to {MAX_TEXT} characters")
+            return topic, lambda: self.mqtt.delete_retained(topic, _now_ms())
+
+        # One clearing message, published here, reaches every node's copy (as a retained publish does).
+        return await self._guarded(request, "mqtt.retained.delete", prepare, here_only=True)
+
+    async def failback(self, request: web.Request) -> web.Response:
+        async def prepare() -> tuple[str, Local]:
+            if "node" not in request.query and self._members():
+                raise RequestRefusedError(400, "name the node: node=<node id or name>")
+            return self.broker.node_id, self._failback
+
+        return await self._guarded(request, "failback", prepare)
+
+    def _failback(self) -> dict[str, Any]:
+        if self.control.failback is None:
+            raise OperationError(409, "this node is not half of a replication pair")
+        why = self.control.failback()
+        if why is not None:
+            raise OperationError(409, why)
+        return {"failback": 1}
+
+    async def scale_down(self, request: web.Request) -> web.Response:
+        async def prepare() -> tuple[str, Local]:
+            if "node" not in request.query:
+                raise RequestRefusedError(400, "name the node that scales down: node=<node id or name>")
+            return self.broker.node_id, self._scale_down
+
+        return await self._guarded(request, "scale_down", prepare)
+
+    def _scale_down(self) -> dict[str, Any]:
+        if self.control.scale_down is None or self._cluster() is None:
+            raise OperationError(409, "this node is not part of a cluster: there is nowhere to move its messages")
+        self.control.scale_down()
+        return {"scale_down": 1}
+
+    async def address_settings(self, request: web.Request) -> web.Response:
+        async def prepare() -> tuple[str, Local]:
+            address = request.query.get("address") or None
+            if address is not None and len(address) > MAX_TEXT:
+                raise RequestRefusedError(400, f"address is longer than {MAX_TEXT} characters")
+            return address or "", lambda: self.ops.address_settings(address)
+
+        return await self._guarded(request, "address_settings", prepare, here_only=True)
+
+    async def set_address_settings(self, request: web.Request) -> web.Response:
+        async def prepare() -> tuple[str, Local]:
+            body = await self._body(request)
+            match = _text(body, "match", required=True)
+            values = body.get("settings")
+            if not isinstance(values, dict):
+                raise RequestRefusedError(400, "settings is a JSON object of address settings")
+            try:
+                settings_entry(match, values)
+            except OperationError as exc:
+                raise RequestRefusedError(exc.status, exc.text) from None
+            return match, lambda: self.ops.set_address_settings(match, values)
+
+        return await self._guarded(request, "address_settings.set", prepare)
+
+    async def _guarded(self, request: web.Request, operation: str, prepare: Callable[[], Awaitable[tuple[str, Local]]],
+                       *, here_only: bool = False, merge_lists: str = "") -> web.Response:  # fmt: skip
+        """Check the request (``prepare``: 400 before anything runs anywhere), then run it."""
+        try:
+            target, local = await prepare()
+        except RequestRefusedError as exc:
+            return _error(exc.status, exc.text)
+        if here_only:
+            result = self._local(request, operation, target, local)
+            if result["status"] != 200:
+                return _error(result["status"], result["error"])
+            return web.json_response(result["result"])
+        response = await self.run(request, operation, target, local)
+        if merge_lists and response.status == 200:
+            answer = json.loads(response.body)  # type: ignore[arg-type]
+            merged = [{**item, "node_id": n["node_id"]} for n in answer["nodes"] if n.get("status") == 200
+                      for item in n["result"][merge_lists]]  # fmt: skip
+            answer[merge_lists] = merged
+            return web.json_response(answer)
+        return response
+
+
+def check_selector_400(selector: str | None) -> None:
+    try:
+        check_selector(selector)
+    except OperationError as exc:
+        raise RequestRefusedError(400, exc.text) from None
+
+
+def _combine(results: list[dict[str, Any]]) -> web.Response:
+    """Sum the nodes' counts: 200 when any node did it, else the nodes' common refusal (502 when they differ)."""
+    good = [r for r in results if r.get("status") == 200]
+    answer: dict[str, Any] = {}
+    for result in good:
+        for key, value in result["result"].items():
+            if isinstance(value, int) and not isinstance(value, bool):
+                answer[key] = answer.get(key, 0) + value
+    answer["nodes"] = results
+    if good:
+        return web.json_response(answer)
+    statuses = {r.get("status", 502) for r in results}
+    status = statuses.pop() if len(statuses) == 1 else 502
+    errors = "; ".join(f"{r.get('name') or r['node_id'][:8]}: {r.get('error')}" for r in results)
+    return web.json_response({"error": errors if len(results) > 1 else results[0].get("error"), "nodes": results},
+                             status=status)  # fmt: skip
+
+
+def _error(status: int, text: str) -> web.Response:
+    return web.json_response({"error": text}, status=status)
+
+
+def _text(body: dict[str, Any], key: str, *, required: bool = False) -> str:
+    value = body.get(key)
+    if value is None:
+        if required:
+            raise RequestRefusedError(400, f"{key} is required")
+        return ""
+    if not isinstance(value, str) or len(value) > MAX_TEXT or (required and not value):
+        raise RequestRefusedError(400, f"{key} is a string of {1 if required else 0} to {MAX_TEXT} characters")
+    return value
+
+
+def _name(value: str) -> str:
+    if not value or len(value) > MAX_TEXT:
+        raise RequestRefusedError(400, f"a name is 1 to {MAX_TEXT} characters")
+    return value
+
+
+def _flag(body: dict[str, Any], key: str, *, default: bool) -> bool:
+    value = body.get(key, default)
+    if type(value) is not bool:
+        raise RequestRefusedError(400, f"{key} is true or false")
+    return value
+
+
+def _int(body: dict[str, Any], key: str, default: int, *, minimum: int) -> int:
+    value = body.get(key, default)
+    if type(value) is not int or not minimum <= value <= 2**31:
+        raise RequestRefusedError(400, f"{key} is an integer from {minimum}")
+    return value
+
+
+def _query_int(request: web.Request, key: str, default: int, minimum: int, maximum: int) -> int:
+    raw = request.query.get(key)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise RequestRefusedError(400, f"{key} is an integer") from None
+    if not minimum <= value <= maximum:
+        raise RequestRefusedError(400, f"{key} is from {minimum} to {maximum}")
+    return value
+
+
+def _query_selector(request: web.Request) -> str | None:
+    selector = request.query.get("selector") or None
+    if selector is not None and len(selector) > MAX_TEXT:
+        raise RequestRefusedError(400, f"selector is longer than {MAX_TEXT} characters")
+    check_selector_400(selector)
+    return selector
+
+
+def _routing(value: Any) -> RoutingType:
+    if value not in ("anycast", "multicast"):
+        raise RequestRefusedError(400, "routing_type is anycast or multicast")
+    return RoutingType.ANYCAST if value == "anycast" else RoutingType.MULTICAST
+
+
+def add_routes(app: web.Application, api: OperationsApi) -> None:
+    """The operations' routes; names that may hold ``/`` take the rest of the path (percent-encode the rest)."""
+    router = app.router
+    router.add_post("/api/queues", api.create_queue)
+    router.add_delete(r"/api/queues/{name:[\s\S]+}", api.delete_queue)
+    router.add_get("/api/messages", api.browse)
+    router.add_post("/api/purge", api.purge)
+    router.add_post("/api/move", api.move)
+    router.add_post("/api/copy", api.copy)
+    router.add_post("/api/pause", api.pause)
+    router.add_post("/api/resume", api.resume)
+    router.add_delete(r"/api/connections/{conn_id:[\s\S]+}", api.close_connection)
+    router.add_delete(r"/api/clients/{client:[\s\S]+}", api.close_client)
+    router.add_get("/api/mqtt/sessions", api.mqtt_sessions)
+    router.add_delete(r"/api/mqtt/sessions/{client_id:[\s\S]+}", api.delete_mqtt_session)
+    router.add_get("/api/mqtt/retained", api.retained)
+    router.add_delete(r"/api/mqtt/retained/{topic:[\s\S]+}", api.delete_retained)
+    router.add_post("/api/failback", api.failback)
+    router.add_post("/api/scale-down", api.scale_down)
+    router.add_get("/api/address-settings", api.address_settings)
+    router.add_put("/api/address-settings", api.set_address_settings)
+
+    async def close_client(_app: web.Application) -> None:
+        await api.close()
+
+    app.on_cleanup.append(close_client)

@@ -1,0 +1,134 @@
+"""MQTT sessions and retained messages as an operator sees them: the core queues the MQTT gateway keeps them in
+(named in ``tridentmq_shared.mqtt_queues``), read and changed on one node. Pure: no I/O, no clock.
+
+A session is its lock queue (while a connection holds it) and, when persistent, its session queue with one
+record (subscriptions, QoS 2 state, owner) and a subscription queue per filter. Deleting a session deletes them
+all: the connection holding it loses its lock consumer, which is how the gateway learns of a takeover, so it
+closes that client's connection.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from tridentmq_core.broker import Broker
+from tridentmq_core.operations import OperationError, message_view
+from tridentmq_core.queues import Queue
+from tridentmq_shared.message import M_BODY, M_PROPS, RoutingType, new_message
+from tridentmq_shared.mqtt_queues import (
+    LOCK_PREFIX,
+    RETAINED_ADDRESS,
+    SESSION_PREFIX,
+    TOPIC_PROPERTY,
+    lock_queue,
+    retained_queue,
+    session_queue,
+    subscription_queue,
+)
+
+
+def _record(queue: Queue) -> dict[str, Any]:
+    """The session record (the newest message of its last-value queue), {} when absent or unreadable."""
+    latest = None
+    for message, _, _ in queue.browse_messages():
+        latest = message
+    if latest is None:
+        return {}
+    try:
+        record = msgpack.unpackb(bytes(latest[M_BODY]), strict_map_key=False)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _client_of(name: str, prefix: str) -> tuple[str, str | None]:
+    """(the readable client id in a queue name, the client id itself when the name proves it)."""
+    label = name[len(prefix) :].rsplit(".", 2)[0]
+    maker = session_queue if prefix == SESSION_PREFIX else lock_queue
+    return label, label if maker(label) == name else None
+
+
+class MqttAdmin:
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+
+    def _connected(self, name: str) -> bool:
+        queue = self.broker.queues.get(name)
+        return queue is not None and any(not c.browse and not c.forwarder for c in queue.consumers)
+
+    def sessions(self) -> list[dict[str, Any]]:
+        """Every MQTT session this node holds a queue of, by client."""
+        found: dict[str, dict[str, Any]] = {}
+        for name, queue in sorted(self.broker.queues.items()):
+            if name.startswith(SESSION_PREFIX):
+                label, client = _client_of(name, SESSION_PREFIX)
+                record = _record(queue)
+                subs = record.get("subs")
+                filters = sorted(str(f) for f in subs) if isinstance(subs, dict) else []
+                user = record.get("user")
+                lock = lock_queue(client) if client is not None else LOCK_PREFIX + name[len(SESSION_PREFIX) :]
+                queued = sum(len(q) for f in filters if client is not None
+                             and (q := self.broker.queues.get(subscription_queue(client, f))) is not None)  # fmt: skip
+                found[name[len(SESSION_PREFIX) :]] = {
+                    "client_id": client, "label": label, "persistent": True, "connected": self._connected(lock),
+                    "user": user if isinstance(user, str) else None, "subscriptions": filters, "queued": queued,
+                    "expires_ms": queue.expires_ms,
+                }  # fmt: skip
+            elif name.startswith(LOCK_PREFIX):
+                key = name[len(LOCK_PREFIX) :]
+                if key in found or SESSION_PREFIX + key in self.broker.queues:
+                    continue
+                label, client = _client_of(name, LOCK_PREFIX)
+                found[key] = {"client_id": client, "label": label, "persistent": False,
+                              "connected": self._connected(name), "user": None, "subscriptions": [], "queued": 0,
+                              "expires_ms": queue.expires_ms}  # fmt: skip
+        return list(found.values())
+
+    def delete_session(self, client_id: str, now_ms: int) -> dict[str, Any]:
+        """Delete client ``client_id``'s session here: its record, lock and subscription queues."""
+        queues = self.broker.queues
+        session = queues.get(session_queue(client_id))
+        names = [session_queue(client_id), lock_queue(client_id)]
+        if session is not None:
+            subs = _record(session).get("subs")
+            if isinstance(subs, dict):
+                names += [subscription_queue(client_id, str(f)) for f in subs]
+        present = [queues[n] for n in names if n in queues]
+        if not present:
+            raise OperationError(404, f"no MQTT session of client {client_id!r} on this node")
+        for queue in present:
+            self.broker.delete_queue(queue, now_ms)
+        return {"deleted": 1 if session is not None or lock_queue(client_id) in {q.name for q in present} else 0,
+                "queues": len(present)}  # fmt: skip
+
+    def retained(self, prefix: str, limit: int, preview: int) -> dict[str, Any]:
+        """The retained messages (this node's copy holds all of them) whose topic starts with ``prefix``."""
+        queue = self.broker.queues.get(retained_queue(self.broker.node_id))
+        items: list[dict[str, Any]] = []
+        total = 0
+        if queue is not None:
+            tag = self.broker.node_id[:8]
+            for message, count, state in queue.browse_messages():
+                topic = message[M_PROPS].get(TOPIC_PROPERTY)
+                if type(topic) is not str or not message[M_BODY] or not topic.startswith(prefix):
+                    continue  # an empty one only marks a cleared topic
+                total += 1
+                if len(items) < limit:
+                    items.append({"topic": topic, **message_view(message, tag, count, state, preview)})
+        items.sort(key=lambda item: item["topic"])
+        return {"total": total, "retained": items}
+
+    def delete_retained(self, topic: str, now_ms: int) -> dict[str, Any]:
+        """Clear ``topic``'s retained message as an MQTT client would (an empty retained publish): one message
+        to the retained address reaches every node's copy."""
+        queue = self.broker.queues.get(retained_queue(self.broker.node_id))
+        held = queue is not None and any(m[M_PROPS].get(TOPIC_PROPERTY) == topic and m[M_BODY]
+                                         for m, _, _ in queue.browse_messages())  # fmt: skip
+        if not held:
+            raise OperationError(404, f"no retained message on topic {topic!r}")
+        clear = new_message(RETAINED_ADDRESS, b"", routing=RoutingType.MULTICAST, durable=True,
+                            properties={TOPIC_PROPERTY: topic}, protocol="mqtt")  # fmt: skip
+        self.broker.publish(clear, now_ms)
+        return {"deleted": 1}
