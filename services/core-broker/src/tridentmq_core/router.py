@@ -15,7 +15,7 @@ import re
 from collections.abc import Hashable
 from typing import Generic, TypeVar
 
-__all__ = ["AddressTrie", "InvalidAddress", "is_wildcard", "pattern_matches", "validate_address"]
+__all__ = ["AddressIndex", "AddressTrie", "InvalidAddress", "is_wildcard", "pattern_matches", "validate_address"]
 
 T = TypeVar("T", bound=Hashable)
 
@@ -112,6 +112,117 @@ def _pattern_closure(pwords: list[str], states: set[int]) -> set[int]:
     return states
 
 
+class _IndexNode:
+    __slots__ = ("children", "present")
+
+    def __init__(self) -> None:
+        self.children: dict[str, _IndexNode] | None = None  # made on the first child: most nodes are leaves
+        self.present = False
+
+
+class AddressIndex:
+    """A set of addresses that finds the ones a pattern matches without looking at the others.
+
+    A cache keyed by address keeps one beside it, so that a binding added or removed on a pattern drops only
+    the entries that pattern matches (a word trie: ``devices.d42.#`` visits the entries under ``devices.d42``,
+    not the 100,000 other devices). Matching follows :class:`AddressTrie`, ``$`` rule included.
+    """
+
+    __slots__ = ("_root", "_size")
+
+    def __init__(self) -> None:
+        self._root = _IndexNode()
+        self._size = 0
+
+    def add(self, address: str) -> None:
+        node = self._root
+        for word in address.split(DELIMITER):
+            children = node.children
+            if children is None:
+                children = node.children = {}
+            child = children.get(word)
+            if child is None:
+                child = children[word] = _IndexNode()
+            node = child
+        if not node.present:
+            node.present = True
+            self._size += 1
+
+    def discard(self, address: str) -> bool:
+        """Remove ``address``; return whether it was there. Nodes left empty are pruned."""
+        words = address.split(DELIMITER)
+        path = [self._root]
+        for word in words:
+            children = path[-1].children
+            child = None if children is None else children.get(word)
+            if child is None:
+                return False
+            path.append(child)
+        node = path[-1]
+        if not node.present:
+            return False
+        node.present = False
+        self._size -= 1
+        for depth in range(len(words), 0, -1):
+            node = path[depth]
+            if node.present or node.children:
+                break
+            parent = path[depth - 1]
+            assert parent.children is not None
+            del parent.children[words[depth - 1]]
+        return True
+
+    def remove_matching(self, pattern: str) -> list[str]:
+        """Remove and return every address that ``pattern`` matches."""
+        if not is_wildcard(pattern):
+            return [pattern] if self.discard(pattern) else []
+        found = self._matching(pattern.split(DELIMITER))
+        for address in found:
+            self.discard(address)
+        return found
+
+    def clear(self) -> None:
+        self._root = _IndexNode()
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def _matching(self, pwords: list[str]) -> list[str]:
+        # Depth-first over (node, pattern position); the seen set keeps several '#' from walking a node twice.
+        end = len(pwords)
+        root = self._root
+        found: list[str] = []
+        seen: set[tuple[_IndexNode, int]] = set()
+        stack: list[tuple[_IndexNode, int, str]] = [(root, 0, "")]
+        while stack:
+            node, i, prefix = stack.pop()
+            if (node, i) in seen:
+                continue
+            seen.add((node, i))
+            if i == end:
+                if node.present and node is not root:
+                    found.append(prefix)
+                continue
+            pword = pwords[i]
+            if pword == ANY_WORDS:
+                stack.append((node, i + 1, prefix))  # '#' matching no word
+            children = node.children
+            if not children:
+                continue
+            if pword in _WILDCARD_WORDS:
+                step = i if pword == ANY_WORDS else i + 1
+                for word, child in children.items():
+                    if node is root and word.startswith(SYSTEM_MARK):
+                        continue  # a wildcard never leads to the broker's own addresses
+                    stack.append((child, step, f"{prefix}.{word}" if prefix else word))
+            else:
+                literal = children.get(pword)
+                if literal is not None and not (node is root and i and pword.startswith(SYSTEM_MARK)):
+                    stack.append((literal, i + 1, f"{prefix}.{pword}" if prefix else pword))
+        return found
+
+
 class _Node(Generic[T]):
     """One trie node; wildcard children live in their own slots so the walk needs no key lookups."""
 
@@ -133,7 +244,7 @@ class _Node(Generic[T]):
 class AddressTrie(Generic[T]):
     """Bindings of patterns to values, with a bounded cache of address -> matching values."""
 
-    __slots__ = ("_cache", "_cache_size", "_count", "_patterns", "_root", "_seq")
+    __slots__ = ("_cache", "_cache_size", "_cached", "_count", "_patterns", "_root", "_seq")
 
     def __init__(self, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
         if cache_size < 0:
@@ -142,6 +253,7 @@ class AddressTrie(Generic[T]):
         # pattern -> its terminal node, so remove() and patterns() need no walk.
         self._patterns: dict[str, _Node[T]] = {}
         self._cache: dict[str, tuple[T, ...]] = {}
+        self._cached = AddressIndex()  # the addresses in ``_cache``: what a binding change drops (see _forget)
         self._cache_size = cache_size
         self._count = 0
         # Monotonic binding number: gives match() its insertion order across nodes.
@@ -161,7 +273,7 @@ class AddressTrie(Generic[T]):
         node.values[value] = self._seq
         self._seq += 1
         self._count += 1
-        self._cache.clear()
+        self._forget(pattern)
 
     def remove(self, pattern: str, value: T) -> bool:
         """Unbind ``value`` from ``pattern``; return whether it was bound. Empty nodes are pruned."""
@@ -170,7 +282,7 @@ class AddressTrie(Generic[T]):
             return False
         del node.values[value]
         self._count -= 1
-        self._cache.clear()
+        self._forget(pattern)
         if not node.values:
             del self._patterns[pattern]
             self._prune(pattern.split(DELIMITER))
@@ -186,7 +298,9 @@ class AddressTrie(Generic[T]):
             if len(self._cache) >= self._cache_size:
                 # Clearing is O(1) amortised and needs no bookkeeping on the hit path, unlike LRU.
                 self._cache.clear()
+                self._cached.clear()
             self._cache[address] = result
+            self._cached.add(address)
         return result
 
     def patterns(self) -> list[str]:
@@ -200,6 +314,13 @@ class AddressTrie(Generic[T]):
         return f"AddressTrie(patterns={len(self._patterns)}, bindings={self._count})"
 
     # ------------------------------------------------------------------ internals
+
+    def _forget(self, pattern: str) -> None:
+        """Drop the cached matches a binding on ``pattern`` changes: only addresses the pattern matches."""
+        if self._cache:
+            cache = self._cache
+            for address in self._cached.remove_matching(pattern):
+                del cache[address]
 
     @staticmethod
     def _child(node: _Node[T], word: str) -> _Node[T]:
