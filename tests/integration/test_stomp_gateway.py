@@ -91,6 +91,20 @@ def test_send_and_receive_with_headers_preserved_in_every_version(gateway: Gatew
     conn.disconnect()
 
 
+def test_a_message_names_the_destination_its_send_named(gateway: GatewayProcess) -> None:
+    """A bare name or another broker's syntax is an address as it is, and comes back as it was sent."""
+    conn, listener = connect(gateway)
+    destinations = ["probe-bare", "/exchange/amq.direct/route", "/queue/probe-q", "/topic/probe-t"]
+    for n, destination in enumerate(destinations):
+        conn.subscribe(destination, id=f"s{n}", ack="auto", headers={"receipt": f"sub-{n}"})
+        listener.wait(lambda n=n: f"sub-{n}" in listener.receipts, f"the SUBSCRIBE to {destination}")
+    for destination in destinations:
+        conn.send(destination, destination)
+    got = {m.body: m.headers["destination"] for m in listener.wait_messages(len(destinations))}
+    assert got == {destination: destination for destination in destinations}
+    conn.disconnect()
+
+
 def test_topic_fans_out_to_every_subscriber_and_queue_competes(gateway: GatewayProcess) -> None:
     conn, listener = connect(gateway)
     other, other_listener = connect(gateway)

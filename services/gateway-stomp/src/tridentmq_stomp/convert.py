@@ -4,6 +4,10 @@
 an address as it is, with the routing type from the ``destination-type`` header (ANYCAST or MULTICAST) or
 the address's default. Headers that STOMP defines become message fields; every other header is kept as a
 string property and handed back unchanged to STOMP consumers.
+
+A MESSAGE names the destination its SEND named: ``/queue/x`` and ``/topic/x`` follow from the address and
+routing type, and a destination without either prefix (``orders``, ``/exchange/amq.direct/key``) travels with
+the message as :data:`SENT_DESTINATION`, since the address alone would come back as ``/queue/orders``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ QUEUE_PREFIX: Final = "/queue/"
 TOPIC_PREFIX: Final = "/topic/"
 TEMP_QUEUE_PREFIX: Final = "/temp-queue/"
 FQQN_SEPARATOR: Final = "::"  # address::queue
+#: The SEND's destination when it is the address as it is (no ``/queue/`` or ``/topic/``); hidden from others.
+SENT_DESTINATION: Final = ENCODING_PREFIX + "stomp.destination"
 #: Headers with a meaning of their own in STOMP frames: never stored as properties.
 FRAME_HEADERS: Final = frozenset({
     "destination", "content-length", "content-type", "receipt", "transaction", "persistent", "priority",
@@ -83,6 +89,9 @@ def to_message(address: str, routing: int, headers: dict[str, str], body: bytes)
     problem = time_problem("expires", expires)
     if problem is not None:
         raise ConversionError(problem)
+    properties = {k: v for k, v in headers.items() if k not in FRAME_HEADERS}
+    if headers.get("destination") == address:  # named without a prefix: say it again as it was
+        properties[SENT_DESTINATION] = address
     return new_message(
         address,
         body,
@@ -90,7 +99,7 @@ def to_message(address: str, routing: int, headers: dict[str, str], body: bytes)
         durable=headers.get("persistent", "").lower() == "true",
         priority=priority,
         expiration_ms=expires,
-        properties={k: v for k, v in headers.items() if k not in FRAME_HEADERS},
+        properties=properties,
         content_type=headers.get("content-type"),
         protocol="stomp",
     )
@@ -99,8 +108,13 @@ def to_message(address: str, routing: int, headers: dict[str, str], body: bytes)
 def message_headers(message: WireMessage, subscription: str, ack_id: str, delivery_count: int,
                     destination: str | None = None) -> list[tuple[str, str]]:  # fmt: skip
     """The headers of the MESSAGE frame for a delivery."""
+    if destination is None:
+        address = message[M_ADDRESS]
+        # Only while the message is still at that address: a dead-lettered copy is at another one.
+        sent = message[M_PROPS].get(SENT_DESTINATION)
+        destination = address if sent == address else address_to_destination(address, message[M_ROUTING])
     headers = [
-        ("destination", destination or address_to_destination(message[M_ADDRESS], message[M_ROUTING])),
+        ("destination", destination),
         ("message-id", str(message[M_ID])),
         ("subscription", subscription),
         ("ack", ack_id),
