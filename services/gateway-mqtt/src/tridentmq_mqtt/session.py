@@ -41,7 +41,14 @@ from tridentmq_mqtt.protocol.errors import LocalProtocolError, RemoteProtocolErr
 from tridentmq_mqtt.protocol.packets import V5, Subscription, Will, encode_topic
 from tridentmq_mqtt.protocol.properties import NO_PROPERTIES, Properties
 from tridentmq_mqtt.settings import MqttSettings
-from tridentmq_mqtt.state import Registry, SessionBusyError, SessionOwnedError, SessionState, StoredSubscription
+from tridentmq_mqtt.state import (
+    Registry,
+    SessionBusyError,
+    SessionOwnedError,
+    SessionState,
+    SessionUnreachableError,
+    StoredSubscription,
+)
 from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.gateway import Wire
 from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError
@@ -395,6 +402,10 @@ class MqttSession:
             await link.set_will(self._will_key, will_message, delay_ms=delay_ms, publish_pending=event.clean_start)
         except SessionBusyError as exc:
             self._refuse(rc.SERVER_BUSY, str(exc))
+            return
+        except SessionUnreachableError:  # logged where it was found: once per attempt
+            self._refuse(rc.SERVER_UNAVAILABLE, "this client's session is kept by a node that cannot be reached "
+                                                "now; try again")  # fmt: skip
             return
         except SessionOwnedError as exc:
             log.warning("mqtt session refused: its client id belongs to another user",

@@ -100,6 +100,11 @@ class SessionBusyError(Exception):
     """Another connection kept the session past the takeover timeout."""
 
 
+class SessionUnreachableError(Exception):
+    """The session's record is kept by another node of the cluster that does not hand it over now (it is down,
+    cut off, or failing over): starting afresh would drop the messages its subscriptions hold."""
+
+
 class SessionOwnedError(Exception):
     """The session belongs to another user (``mqtt.bind_sessions_to_users``)."""
 
@@ -250,24 +255,27 @@ class Registry:
                                         expires_ms=expiry_ms)  # fmt: skip
         if found.get("created") and not (resume and found.get("elsewhere")):
             return None
-        if found.get("created"):
+        if found.get("created") or (resume and client_id in self._holders):  # (an earlier fetch still waits)
             return await self._fetch_session(client_id)
         return await self._read_session(link, client_id)
 
-    async def _fetch_session(self, client_id: str) -> SessionState | None:
+    async def _fetch_session(self, client_id: str) -> SessionState:
         """The session lives on another node: hold it here, so redistribution moves its record over, and
-        wait for it. None if it does not come (that node is down, say): the session starts afresh."""
+        wait for it. If it does not come (that node is down, say), SessionUnreachableError: the client is
+        refused and tries again, while the holder stays, so the record comes here once that node is back."""
         link = await self.link()
-        self._holders[client_id] = await link.subscribe(convert.session_queue(client_id), credit=0)
+        holder = self._holders.get(client_id)
+        if holder is None or holder.closed is not None:
+            self._holders[client_id] = await link.subscribe(convert.session_queue(client_id), credit=0)
         deadline = time.monotonic() + FETCH_TIMEOUT
         while time.monotonic() < deadline:
             state = await self._read_session(link, client_id, or_empty=False)
             if state is not None:
                 return state
             await asyncio.sleep(0.1)
-        log.warning("session record on another node did not arrive: starting afresh",
+        log.warning("session record on another node did not arrive: the client is refused until it does",
                     extra={"client_id": client_id[:60]})  # fmt: skip
-        return None
+        raise SessionUnreachableError(client_id)
 
     async def _read_session(self, link: LinkClient, client_id: str, *, or_empty: bool = True) -> SessionState | None:
         """The record in the session queue here; with none, an empty session (``or_empty``) or None."""
