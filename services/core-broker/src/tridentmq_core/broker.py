@@ -1175,6 +1175,13 @@ class Broker:
                 self._routes.pop(key, None)
                 self._splits.pop(key, None)
 
+    def _forget_all_routes(self) -> None:
+        """Every route, for a change that can alter any of them (the address settings' default routing type)."""
+        self._routes.clear()
+        self._kinds_cache.clear()
+        self._splits.clear()
+        self._routed.clear()
+
     def _address_changed(self, address: str) -> None:
         """The address's own routing types changed (it came, went or gained a type): its kinds and routes."""
         for routing in _ROUTINGS:
@@ -1935,7 +1942,7 @@ class Broker:
     def address_settings_changed(self) -> None:
         """The address settings were changed at run time: forget what was derived from them."""
         self._limits.clear()
-        self._invalidate_routes()
+        self._forget_all_routes()
 
     # ------------------------------------------------------------------ audit
     def _emit(self, now_ms: int, event: str, **fields: object) -> None:
