@@ -12,22 +12,44 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
-STARTUP_TIMEOUT = 20.0
+STARTUP_TIMEOUT = 60.0  # a ceiling, not a wait: a start takes seconds, 20 s and more on a loaded 2-core machine
 _started: list[subprocess.Popen[bytes]] = []  # every process a test started: none outlives its test
+_shared: list[subprocess.Popen[bytes]] = []  # processes of module fixtures: none outlives the session
+
+
+def _kill_all(processes: list[subprocess.Popen[bytes]]) -> None:
+    while processes:
+        process = processes.pop()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 @pytest.fixture(autouse=True)
 def _stop_leftover_processes() -> Iterator[None]:
     """A failing test may not reach its own clean-up: kill what it left running."""
     yield
-    while _started:
-        process = _started.pop()
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    _kill_all(_started)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _stop_shared_processes() -> Iterator[None]:
+    yield
+    _kill_all(_shared)
+
+
+def shared(service: ServiceProcessT) -> ServiceProcessT:
+    """``service`` outlives the test that started it: a module fixture stops it (or the session's end kills it)."""
+    _started.remove(service.process)
+    _shared.append(service.process)
+    return service
+
+
+ServiceProcessT = TypeVar("ServiceProcessT", bound="ServiceProcess")
 
 
 def shared_by_module(*processes: subprocess.Popen[bytes]) -> None:
@@ -113,13 +135,17 @@ def start_core(tmp_path: Path, name: str = "core", config: str | None = None, **
     return CoreProcess(process, log_path, ports["link"], ports["management"], data_dir)
 
 
+def stop_core_cleanly(node: CoreProcess) -> None:
+    code = node.stop()
+    assert code == 0, f"core exited with {code}:\n{node.log()}"
+    assert "Traceback" not in node.log(), node.log()
+
+
 @pytest.fixture
 def core(tmp_path: Path) -> Iterator[CoreProcess]:
     node = start_core(tmp_path)
     yield node
-    code = node.stop()
-    assert code == 0, f"core exited with {code}:\n{node.log()}"
-    assert "Traceback" not in node.log(), node.log()
+    stop_core_cleanly(node)
 
 
 @dataclass
@@ -178,3 +204,41 @@ def amqp_gateway(tmp_path: Path, core: CoreProcess) -> Iterator[GatewayProcess]:
     gateway = start_gateway(tmp_path, core, "amqp")
     yield gateway
     stop_cleanly(gateway)
+
+
+# Module-wide processes. Starting a core and a gateway costs seconds of CPU each (the interpreter and its
+# imports), more than most protocol tests run. A module whose tests keep to their own queues, topics, client
+# ids and connections takes these instead, by defining in its own namespace
+#
+#     core = module_core
+#     stomp_gateway = module_stomp_gateway  (and the other kinds it uses)
+#
+# (imported from here) so that its tests and the fixtures they use all get the same processes; they are
+# stopped, and their logs checked for tracebacks, after the module's last test. Tests that stop, kill or
+# reconfigure a process start their own (start_core / start_gateway with ``tmp_path``).
+@pytest.fixture(scope="module")
+def module_core(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CoreProcess]:
+    node = shared(start_core(tmp_path_factory.mktemp("module")))
+    yield node
+    stop_core_cleanly(node)
+
+
+def _module_gateway(tmp_path_factory: pytest.TempPathFactory, core: CoreProcess, kind: str) -> Iterator[GatewayProcess]:
+    gateway = shared(start_gateway(tmp_path_factory.mktemp("module"), core, kind))
+    yield gateway
+    stop_cleanly(gateway)
+
+
+@pytest.fixture(scope="module")
+def module_stomp_gateway(tmp_path_factory: pytest.TempPathFactory, core: CoreProcess) -> Iterator[GatewayProcess]:
+    yield from _module_gateway(tmp_path_factory, core, "stomp")
+
+
+@pytest.fixture(scope="module")
+def module_mqtt_gateway(tmp_path_factory: pytest.TempPathFactory, core: CoreProcess) -> Iterator[GatewayProcess]:
+    yield from _module_gateway(tmp_path_factory, core, "mqtt")
+
+
+@pytest.fixture(scope="module")
+def module_amqp_gateway(tmp_path_factory: pytest.TempPathFactory, core: CoreProcess) -> Iterator[GatewayProcess]:
+    yield from _module_gateway(tmp_path_factory, core, "amqp")

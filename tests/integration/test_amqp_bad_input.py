@@ -19,14 +19,24 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
 import pytest
 from proton import Message
 from proton.utils import BlockingConnection
-from tests.conftest import CoreProcess, GatewayProcess, basic_auth, start_core, start_gateway, stop_cleanly
+from tests.conftest import (
+    CoreProcess,
+    GatewayProcess,
+    basic_auth,
+    module_amqp_gateway,
+    module_core,
+    shared,
+    start_core,
+    start_gateway,
+    stop_cleanly,
+    stop_core_cleanly,
+)
 
 from tridentmq_amqp.protocol.types import Described, Symbol, UByte, UInt, ULong, decode, encode
 
@@ -325,6 +335,11 @@ def queue_depth(core: CoreProcess, name: str, auth: tuple[str, str] | None = Non
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
+# One core and one gateway for the module (every test keeps to queues of its own and to its own connections).
+core = module_core
+amqp_gateway = module_amqp_gateway
+
+
 @pytest.fixture
 def gateway(amqp_gateway: GatewayProcess) -> GatewayProcess:
     return amqp_gateway
@@ -336,31 +351,44 @@ class Secured:
     gateway: GatewayProcess
 
 
-@pytest.fixture
-def secured(tmp_path: Path) -> Iterator[Secured]:
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
     """A core with users and permissions (SECURED_CONFIG) behind an AMQP gateway."""
-    core = start_core(tmp_path, name="secured-core", config=SECURED_CONFIG)
-    try:
-        gateway = start_gateway(tmp_path, core, "amqp", name="secured")
-        yield Secured(core, gateway)
-        stop_cleanly(gateway)
-    finally:
-        assert core.stop() == 0
-    assert "Traceback" not in core.log(), core.log()
+    directory = tmp_path_factory.mktemp("secured")
+    core = shared(start_core(directory, name="secured-core", config=SECURED_CONFIG))
+    gateway = shared(start_gateway(directory, core, "amqp", name="secured"))
+    yield Secured(core, gateway)
+    stop_cleanly(gateway)
+    stop_core_cleanly(core)
 
 
 def secured_auth() -> dict[str, Any]:
     return {"user": USER, "password": PASSWORD, "allowed_mechs": "PLAIN"}
 
 
+TunedGateways = dict[tuple[tuple[str, str], ...], GatewayProcess]
+
+
+@pytest.fixture(scope="module")
+def tuned_gateways(core: CoreProcess) -> Iterator[TunedGateways]:
+    """The module's tuned gateways, one per set of settings, made on first use."""
+    gateways: TunedGateways = {}
+    yield gateways
+    for gateway in gateways.values():
+        stop_cleanly(gateway)
+
+
 @pytest.fixture
-def tuned(tmp_path: Path, core: CoreProcess, request: pytest.FixtureRequest) -> Iterator[GatewayProcess]:
+def tuned(tuned_gateways: TunedGateways, tmp_path_factory: pytest.TempPathFactory, core: CoreProcess,
+          request: pytest.FixtureRequest) -> GatewayProcess:  # fmt: skip
     """A gateway with the ``[amqp]`` settings given by ``@pytest.mark.parametrize("tuned", [{...}],
-    indirect=True)`` (names of AmqpLimitsSection, values as strings)."""
-    env = {f"TRIDENTMQ_AMQP_AMQP_{name.upper()}": value for name, value in request.param.items()}
-    gateway = start_gateway(tmp_path, core, "amqp", name="tuned", **env)
-    yield gateway
-    stop_cleanly(gateway)
+    indirect=True)`` (names of AmqpLimitsSection, values as strings), shared by the tests that give the same."""
+    key = tuple(sorted(request.param.items()))
+    if key not in tuned_gateways:
+        env = {f"TRIDENTMQ_AMQP_AMQP_{name.upper()}": value for name, value in key}
+        directory = tmp_path_factory.mktemp("tuned")
+        tuned_gateways[key] = shared(start_gateway(directory, core, "amqp", name="tuned", **env))
+    return tuned_gateways[key]
 
 
 def tuned_with(**settings: str) -> pytest.MarkDecorator:

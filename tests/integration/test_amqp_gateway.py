@@ -20,7 +20,7 @@ from proton import Data, Delivery, Event, Message, Receiver, Timeout, symbol, ul
 from proton.handlers import MessagingHandler, TransactionalClientHandler
 from proton.reactor import AtMostOnce, Container, Copy, DurableSubscription, ReceiverOption, Selector, Transaction
 from proton.utils import BlockingConnection, BlockingReceiver, SendException
-from tests.conftest import CoreProcess, GatewayProcess, start_gateway, stop_cleanly
+from tests.conftest import CoreProcess, GatewayProcess, module_amqp_gateway, module_core, start_gateway, stop_cleanly
 from tests.integration.mqtt_clients import Paho
 
 from tridentmq_shared.link.client import LinkClient
@@ -29,6 +29,10 @@ from tridentmq_shared.message import RoutingType, new_message
 pytestmark = pytest.mark.integration
 
 WAIT = 10.0
+
+# One core and one AMQP gateway for the module: each test keeps to queues, topics and container ids of its own.
+core = module_core
+amqp_gateway = module_amqp_gateway
 
 
 def url(gateway: GatewayProcess) -> str:
@@ -408,12 +412,22 @@ def test_local_transactions_commit_or_roll_back_sends_and_acks(amqp_gateway: Gat
 class StompCollector(stomp.ConnectionListener):  # type: ignore[misc]
     def __init__(self) -> None:
         self.frames: list[stomp.utils.Frame] = []
+        self.receipts: set[str] = set()
         self.arrived = threading.Condition()
 
     def on_message(self, frame: stomp.utils.Frame) -> None:
         with self.arrived:
             self.frames.append(frame)
             self.arrived.notify_all()
+
+    def on_receipt(self, frame: stomp.utils.Frame) -> None:
+        with self.arrived:
+            self.receipts.add(frame.headers["receipt-id"])
+            self.arrived.notify_all()
+
+    def wait_receipt(self, receipt: str) -> None:
+        with self.arrived:
+            assert self.arrived.wait_for(lambda: receipt in self.receipts, WAIT), self.receipts
 
     def wait(self, count: int) -> list[stomp.utils.Frame]:
         with self.arrived:
@@ -436,7 +450,7 @@ def test_amqp_stomp_mqtt_and_the_link_client_interoperate(
     conn = connect(amqp_gateway)
     try:
         receiver = conn.create_receiver(f"topic://a.{topic}")
-        time.sleep(0.2)  # the STOMP subscription's RECEIPT is not waited for by stomp.py's subscribe
+        collector.wait_receipt("subscribed")  # stomp.py's subscribe does not wait for it
         # AMQP -> everyone: the body as bytes, application properties as headers and user properties
         conn.create_sender(f"topic://a.{topic}").send(
             Message(body=b"from amqp", inferred=True, properties={"region": "eu", "n": 7}, durable=True,
@@ -511,17 +525,18 @@ def test_durable_subscriptions_and_unsettled_messages_outlive_a_killed_gateway(
         conn.close()
 
 
-def test_a_heartbeating_client_stays_connected_for_a_minute(tmp_path: Path, core: CoreProcess) -> None:
+def test_a_heartbeating_client_stays_connected_long_past_the_idle_timeouts(tmp_path: Path, core: CoreProcess) -> None:
     gateway = start_gateway(tmp_path, core, "amqp", name="heartbeats", TRIDENTMQ_AMQP_AMQP_IDLE_TIMEOUT_MS="1000")
     queue = unique("idle")
     try:
         conn = BlockingConnection(url(gateway), timeout=WAIT, heartbeat=1)
         try:
             receiver = conn.create_receiver(queue)
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:  # idle but heartbeating both ways (1 s idle timeouts)
+            # Idle but heartbeating both ways for 8 s: four times the 2 s of silence after which the gateway
+            # closes a connection, eight times the client's own 1 s idle timeout.
+            for _ in range(4):
                 with pytest.raises(Timeout):
-                    receiver.receive(timeout=5)
+                    receiver.receive(timeout=2)
             conn.create_sender(queue).send(Message(body="still here"))
             assert receive_all(receiver, 1)[0].body == "still here"
         finally:
@@ -536,16 +551,23 @@ def test_health_readiness_and_metrics(amqp_gateway: GatewayProcess) -> None:
         assert json.load(reply) == {"status": "ok"}
     with urlopen(f"{base}/readyz", timeout=WAIT) as reply:
         assert json.load(reply)["amqp"] == amqp_gateway.port
+
+    def metrics() -> dict[str, str]:
+        with urlopen(f"{base}/metrics", timeout=WAIT) as reply:
+            text = reply.read().decode()
+        return dict(line.split(" ") for line in text.splitlines() if line and not line.startswith("#"))
+
     conn = connect(amqp_gateway)
     try:
         queue = unique("metrics")
         conn.create_sender(queue).send(Message(body="x"))
         receive_all(conn.create_receiver(queue), 1)
-        with urlopen(f"{base}/metrics", timeout=WAIT) as reply:
-            text = reply.read().decode()
+        # Ours is the one connection once those of the module's earlier tests are gone (each closes its own).
+        deadline = time.monotonic() + WAIT
+        while (values := metrics())["tridentmq_amqp_connections"] != "1" and time.monotonic() < deadline:
+            time.sleep(0.05)
     finally:
         conn.close()
-    values = dict(line.split(" ") for line in text.splitlines() if line and not line.startswith("#"))
     assert values["tridentmq_amqp_connections"] == "1"
     assert int(values["tridentmq_amqp_messages_published_total"]) >= 1
     assert int(values["tridentmq_amqp_messages_delivered_total"]) >= 1

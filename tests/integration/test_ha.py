@@ -55,7 +55,7 @@ async def drain(node: CoreProcess, queue: str, expected: int, timeout: float = 1
                 break
             got.append(delivery.body)
             consumer.ack(delivery)
-        await asyncio.sleep(0.1)  # the acks reach the node before the link closes
+        await consumer.close()  # answered once the node has taken every acknowledgement sent before it
     return got
 
 
@@ -257,10 +257,14 @@ async def test_a_link_client_follows_its_pair_to_the_backup(tmp_path: Path) -> N
             topology=Topology([("127.0.0.1", stale.link_port)]), reconnect=ReconnectPolicy(attempts=0)
         )
         refusing.nodes.saw(c.node_id, 2)
-        with pytest.raises(LinkRequestError, match="epoch 2 replaced it"):
-            await refusing.connect()
-        assert stale.stop() == 0
-    assert pair.backup.stop() == 0
+        try:
+            with pytest.raises(LinkRequestError, match="epoch 2 replaced it"):
+                await refusing.connect()
+        finally:
+            await refusing.close()
+        # Stopped from a thread: the loop goes on serving ``c`` (a blocked loop misses its heartbeats).
+        assert await asyncio.to_thread(stale.stop) == 0
+    assert await asyncio.to_thread(pair.backup.stop) == 0
 
 
 def test_an_mqtt_session_carries_on_through_the_backup(tmp_path: Path) -> None:

@@ -6,17 +6,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
-from tests.conftest import CoreProcess, GatewayProcess, start_core, start_gateway, stop_cleanly
+from tests.conftest import (
+    CoreProcess,
+    GatewayProcess,
+    module_core,
+    module_mqtt_gateway,
+    start_core,
+    start_gateway,
+    stop_cleanly,
+)
 from tests.integration.mqtt_clients import Paho, Raw, silent
 
+from tridentmq_mqtt.convert import subscription_queue
 from tridentmq_mqtt.protocol.packets import (
     V5,
     V311,
@@ -43,6 +57,11 @@ from tridentmq_mqtt.protocol.packets import (
 from tridentmq_mqtt.protocol.properties import Properties, encode_vbi
 
 PERSISTENT = Properties(session_expiry_interval=300)
+
+# One core and one gateway for the module: each test keeps to topics and client ids of its own (the gateways a
+# test kills are its own: ``replicas``).
+core = module_core
+mqtt_gateway = module_mqtt_gateway
 
 
 def _id() -> str:
@@ -80,6 +99,30 @@ def replicas(tmp_path: Path, core: CoreProcess) -> Iterator[tuple[GatewayProcess
     stop_cleanly(b)
     if a.process.poll() is None:
         stop_cleanly(a)
+
+
+def _get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def _subscription(core: CoreProcess, client_id: str, topic_filter: str) -> dict[str, Any] | None:
+    """The core's view of the queue of ``client_id``'s subscription to ``topic_filter`` (None: it has none)."""
+    name = urllib.parse.quote(subscription_queue(client_id, topic_filter), safe="")
+    try:
+        return _get_json(f"{core.management_url}/api/queues/{name}")  # type: ignore[no-any-return]
+    except urllib.error.HTTPError as exc:
+        exc.close()
+        if exc.code == 404:
+            return None
+        raise
+
+
+def _wait_for(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
 
 
 def _connected(client: Raw, client_id: str, *, session_present: bool | None = None, **fields: object) -> Connack:
@@ -164,8 +207,8 @@ def test_qos2_outbound_exactly_once_across_a_gateway_kill(replicas: tuple[Gatewa
 
 # ---------------------------------------------------------------------------------------------------- QoS 1
 def test_qos1_nothing_lost_across_a_gateway_kill(replicas: tuple[GatewayProcess, GatewayProcess],
-                                                 raw: Callable[..., Raw],
-                                                 paho: Callable[..., Paho]) -> None:  # fmt: skip
+                                                 raw: Callable[..., Raw], paho: Callable[..., Paho],
+                                                 core: CoreProcess) -> None:  # fmt: skip
     a, b = replicas
     topic = f"q1/{_id()}"
     client_id = f"s1-{_id()}"
@@ -182,7 +225,8 @@ def test_qos1_nothing_lost_across_a_gateway_kill(replicas: tuple[GatewayProcess,
     assert [p.payload for p in got] == [f"m{i}".encode() for i in range(6)]  # type: ignore[union-attr]
     ids = [p.packet_id for p in got]  # type: ignore[union-attr]
     first.send(Puback(ids[0]), Puback(ids[2]))  # the rest stays unacknowledged
-    time.sleep(0.5)  # the gateway passes the acknowledgements on to the core
+    # The gateway passes the acknowledgements on to the core:
+    _wait_for(lambda: (_subscription(core, client_id, topic) or {}).get("acked") == 2, "the PUBACKs in the core")
     _kill(a)
     again = raw(b.port)
     _connected(again, client_id, session_present=True, clean_start=False, properties=PERSISTENT)
@@ -196,7 +240,7 @@ def test_qos1_nothing_lost_across_a_gateway_kill(replicas: tuple[GatewayProcess,
 
 # ---------------------------------------------------------------------------------------------------- sessions
 def test_session_expires_after_its_interval(mqtt_gateway: GatewayProcess, raw: Callable[..., Raw],
-                                            paho: Callable[..., Paho]) -> None:  # fmt: skip
+                                            paho: Callable[..., Paho], core: CoreProcess) -> None:  # fmt: skip
     topic = f"exp/{_id()}"
     client_id = f"e-{_id()}"
     first = raw(mqtt_gateway.port)
@@ -208,7 +252,7 @@ def test_session_expires_after_its_interval(mqtt_gateway: GatewayProcess, raw: C
     pub = paho(mqtt_gateway.port)
     pub.connect()
     pub.publish(topic, b"queued, then expired with the session", 1)
-    time.sleep(2.5)
+    _wait_for(lambda: _subscription(core, client_id, topic) is None, "the session to expire with its queue")
     pub.publish(topic, b"after the expiry", 1)
     again = raw(mqtt_gateway.port)
     _connected(again, client_id, session_present=False, clean_start=False, properties=PERSISTENT)
@@ -329,8 +373,8 @@ def test_retain_handling(mqtt_gateway: GatewayProcess, raw: Callable[..., Raw]) 
     assert Puback(7) in silent(client, 0.5)
 
 
-def test_message_expiry_while_the_subscriber_is_offline(mqtt_gateway: GatewayProcess,
-                                                        raw: Callable[..., Raw]) -> None:  # fmt: skip
+def test_message_expiry_while_the_subscriber_is_offline(mqtt_gateway: GatewayProcess, raw: Callable[..., Raw],
+                                                        core: CoreProcess) -> None:  # fmt: skip
     topic = f"mx/{_id()}"
     client_id = f"m-{_id()}"
     sub = raw(mqtt_gateway.port)
@@ -346,7 +390,7 @@ def test_message_expiry_while_the_subscriber_is_offline(mqtt_gateway: GatewayPro
         Publish(topic, b"long-lived", 1, packet_id=2, properties=Properties(message_expiry_interval=60)),
     )
     assert [pub.next(), pub.next()] == [Puback(1), Puback(2)]
-    time.sleep(2.0)
+    _wait_for(lambda: (_subscription(core, client_id, topic) or {}).get("expired") == 1, "the first to expire")
     again = raw(mqtt_gateway.port)
     _connected(again, client_id, session_present=True, clean_start=False, properties=PERSISTENT)
     got = silent(again, 1.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -235,16 +236,20 @@ def test_mqtt_and_stomp_and_the_link_client_interoperate(
     sub.connect()
     sub.subscribe("a/b", 1)
     received: list[stomp.utils.Frame] = []
+    subscribed = threading.Event()
     conn = stomp.Connection12([("127.0.0.1", stomp_gateway.port)])
 
     class Listener(stomp.ConnectionListener):
         def on_message(self, frame: stomp.utils.Frame) -> None:
             received.append(frame)
 
+        def on_receipt(self, frame: stomp.utils.Frame) -> None:
+            subscribed.set()
+
     conn.set_listener("l", Listener())
     conn.connect(wait=True)
-    conn.subscribe("/topic/a.b", "1", ack="auto")
-    time.sleep(0.2)
+    conn.subscribe("/topic/a.b", "1", ack="auto", headers={"receipt": "sub"})
+    assert subscribed.wait(10), "no RECEIPT for the SUBSCRIBE"
     conn.send("/topic/a.b", b"from stomp", headers={"region": "eu", "persistent": "true"})
     pub = Paho(mqtt_gateway.port, f"p-{_id()}")
     pub.connect()

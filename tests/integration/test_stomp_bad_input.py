@@ -21,6 +21,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +30,17 @@ from typing import Any
 import aiohttp
 import pytest
 import websocket
-from tests.conftest import CoreProcess, GatewayProcess, start_core, start_gateway
+from tests.conftest import (
+    CoreProcess,
+    GatewayProcess,
+    module_core,
+    module_stomp_gateway,
+    shared,
+    start_core,
+    start_gateway,
+    stop_cleanly,
+    stop_core_cleanly,
+)
 from tests.memory import PeakRss
 
 pytestmark = pytest.mark.integration
@@ -305,22 +316,42 @@ def assert_error_then_close(reply: bytes, message: str | None = None, *, connect
     return error
 
 
+# One core and one gateway for the module's light tests (each keeps to destinations of its own); the tests
+# that push tens of megabytes through, or measure the gateway's memory, take a core and a gateway of their own
+# (``heavy``), so that what they leave behind weighs on no other test.
+core = module_core
+stomp_gateway = module_stomp_gateway
+
+
 @pytest.fixture
 def gateway(stomp_gateway: GatewayProcess) -> GatewayProcess:
     return stomp_gateway
 
 
+@dataclass
+class Heavy:
+    core: CoreProcess
+    gateway: GatewayProcess
+
+
 @pytest.fixture
-def small(tmp_path: Path, core: CoreProcess) -> Iterator[GatewayProcess]:
+def heavy(tmp_path: Path) -> Iterator[Heavy]:
+    node = start_core(tmp_path)
+    gateway = start_gateway(tmp_path, node)
+    yield Heavy(node, gateway)
+    stop_cleanly(gateway)
+    stop_core_cleanly(node)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory, core: CoreProcess) -> Iterator[GatewayProcess]:
     """A gateway with small limits, so that going past them takes little traffic."""
-    gateway = start_gateway(tmp_path, core, name="small",
-                            TRIDENTMQ_STOMP_STOMP_MAX_FRAME_BYTES=str(SMALL_FRAME),
-                            TRIDENTMQ_STOMP_STOMP_MAX_HEADERS=str(SMALL_HEADERS),
-                            TRIDENTMQ_STOMP_STOMP_MAX_HEADER_BYTES=str(SMALL_HEADER_BYTES))  # fmt: skip
+    gateway = shared(start_gateway(tmp_path_factory.mktemp("small"), core, name="small",
+                                   TRIDENTMQ_STOMP_STOMP_MAX_FRAME_BYTES=str(SMALL_FRAME),
+                                   TRIDENTMQ_STOMP_STOMP_MAX_HEADERS=str(SMALL_HEADERS),
+                                   TRIDENTMQ_STOMP_STOMP_MAX_HEADER_BYTES=str(SMALL_HEADER_BYTES)))  # fmt: skip
     yield gateway
-    code = gateway.stop()
-    assert code == 0, f"gateway exited with {code}:\n{gateway.log()}"
-    assert "Traceback" not in gateway.log(), gateway.log()
+    stop_cleanly(gateway)
 
 
 def exchange(gateway: GatewayProcess, data: bytes) -> bytes:
@@ -384,9 +415,12 @@ def test_frames_before_the_garbage_are_handled_and_answered_before_the_error(
 ) -> None:
     """A client pipelines a good SEND and then garbage, in one write. The SEND came first: it is published
     and its RECEIPT comes back before the ERROR, so the client knows it need not send it again."""
-    reply = exchange(gateway, CONNECT + b"SEND\ndestination:/queue/before\nreceipt:good\n\nfirst\x00" + bad)
+    queue = f"before-{uuid.uuid4().hex[:8]}"
+    reply = exchange(
+        gateway, CONNECT + b"SEND\ndestination:/queue/%s\nreceipt:good\n\nfirst\x00" % queue.encode() + bad
+    )
     wait_for(lambda: link_connections(core) == 0, "the session's link to close")
-    assert depth(core, "before") == 1, "the SEND before the bad frame was not published"
+    assert depth(core, queue) == 1, "the SEND before the bad frame was not published"
     frames = frames_of(reply)
     answers = [(f.command, f.headers.get("receipt-id")) for f in frames]
     assert answers == [("CONNECTED", None), ("RECEIPT", "good"), ("ERROR", None)], frames
@@ -562,9 +596,8 @@ def produce(gateway: GatewayProcess, queue: str, count: int) -> None:
 
 
 @pytest.mark.parametrize("ack", ["auto", "client-individual"])
-def test_a_consumer_that_stops_reading_leaves_the_messages_in_the_core(
-    gateway: GatewayProcess, core: CoreProcess, ack: str
-) -> None:
+def test_a_consumer_that_stops_reading_leaves_the_messages_in_the_core(heavy: Heavy, ack: str) -> None:
+    core, gateway = heavy.core, heavy.gateway
     assert_gateway_serves(gateway, "warm-up")  # the baseline includes everything a connection loads
     slow = Peer(gateway.port, receive_buffer=64 * 1024)
     try:
@@ -596,10 +629,11 @@ def test_a_consumer_that_stops_reading_leaves_the_messages_in_the_core(
     assert_gateway_serves(gateway, "afterwards")
 
 
-def test_a_producer_that_never_reads_its_receipts_is_held_back(gateway: GatewayProcess) -> None:
+def test_a_producer_that_never_reads_its_receipts_is_held_back(heavy: Heavy) -> None:
     """A slow reader on the other side: it sends SENDs with receipts (8 KiB receipt ids, well within the
     header limits) and never reads. The RECEIPT frames must not pile up in the gateway: it should stop
     reading the client once its own output to it is backed up, so the writer ends up blocked."""
+    gateway = heavy.gateway
     assert_gateway_serves(gateway, "warm-up")
     receipt = "r" * 8192
     chunks = (b"".join(b"SEND\ndestination:/queue/receipts\nreceipt:%s-%d\n\nx\x00" % (receipt.encode(), n)
@@ -625,9 +659,8 @@ def flood_chunks(queue: str, count: int, body: int = 64) -> Iterator[bytes]:
         yield b"".join(template % n for n in range(first, min(first + 1000, count)))
 
 
-def test_a_flood_of_sends_without_receipts_is_slowed_at_tcp_and_nothing_is_lost(
-    gateway: GatewayProcess, core: CoreProcess
-) -> None:
+def test_a_flood_of_sends_without_receipts_is_slowed_at_tcp_and_nothing_is_lost(heavy: Heavy) -> None:
+    core, gateway = heavy.core, heavy.gateway
     assert_gateway_serves(gateway, "warm-up")
     with Peer(gateway.port) as flooder, GatewayRss(gateway) as memory:
         flooder.connect()

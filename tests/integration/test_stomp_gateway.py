@@ -15,7 +15,7 @@ from urllib.request import urlopen
 import pytest
 import stomp
 from stomp.utils import Frame
-from tests.conftest import CoreProcess, GatewayProcess, start_core, start_gateway
+from tests.conftest import CoreProcess, GatewayProcess, module_core, module_stomp_gateway, start_core, start_gateway
 
 from tridentmq_shared.link.client import LinkClient, ReconnectPolicy
 from tridentmq_shared.message import M_BODY, M_CONTENT_TYPE, M_DURABLE, M_PROPS, RoutingType, new_message
@@ -67,6 +67,11 @@ def connect(gateway: GatewayProcess, version: str = "1.2", **kwargs: Any) -> tup
     else:
         conn.connect(username="app", passcode="secret", wait=True, headers=connect_headers)
     return conn, listener
+
+
+# One core and one gateway for the module: each test keeps to destinations and client ids of its own.
+core = module_core
+stomp_gateway = module_stomp_gateway
 
 
 @pytest.fixture

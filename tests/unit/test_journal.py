@@ -483,13 +483,12 @@ def test_a_torn_tail_followed_only_by_an_empty_segment_is_cut_off(tmp_path: Path
 
 @pytest.mark.usefixtures("no_sync")
 def test_zeroed_records_with_valid_records_behind_them_refuse_to_start(one_segment: OneSegment) -> None:
-    """BUG: a zeroed record header is taken for the clean end of the segment without looking further.
+    """A zeroed record header with valid records behind it is damage, not the clean end of the segment.
 
-    Zeroing record 10 (of 30) leaves records 11..30 valid behind it. The module's own rule is that damage
-    with valid records behind it stops the node; instead recovery returns records 1..9 with an empty
-    ``truncated`` list and positions the writer at record 10's offset. Records 10..30 are dropped silently;
-    after one more append and a clean close, the next recovery hits the remains of the old records and
-    raises JournalCorruptedError on a journal that was shut down cleanly.
+    Zeroing record 10 (of 30) leaves records 11..30 valid behind it, and damage with valid records behind it
+    stops the node. (A regression test: recovery used to take the zeros for the end, return records 1..9 and
+    put the writer at record 10's offset, dropping 10..30 silently; after one more append and a clean close
+    the next recovery then hit the remains of the old records and refused a cleanly shut down journal.)
     """
     data, bounds = one_segment.data, one_segment.bounds
     hole = data[: bounds[9]] + bytes(bounds[10] - bounds[9]) + data[bounds[10] :]
@@ -638,14 +637,14 @@ def test_power_loss_keeps_exactly_what_was_synced(tmp_path: Path, monkeypatch: p
 
 
 def test_power_loss_with_pages_written_back_out_of_order(tmp_path: Path) -> None:
-    """BUG (same cause as the zeroed-records test): unsynced pages reach the disk in any order.
+    """Unsynced pages reach the disk in any order: records the restarted node never wrote never come back.
 
     Records 1..5 are synced; the next batch R6 (a 6 KB message), R7, R8 is written but not synced when the
     power fails, and the page holding R6's header is lost while the later pages holding R7 and R8 survive.
-    Recovery returns 1..5 (right: nothing after 5 was confirmed) but leaves R7 and R8 in the file behind
-    zeros. The producer resends R6 (the same bytes), the node closes cleanly, and the next recovery returns
-    R7 and R8 as well: records the restarted broker never wrote come back (an ACK or DELETE_QUEUE replayed
-    out of nowhere). Refusing to start at the first recovery would also be acceptable.
+    Recovery must return 1..5 (nothing after 5 was confirmed) and not leave R7 and R8 behind the zeros to be
+    found later: after the producer resends R6 (the same bytes) and the node closes cleanly, the next
+    recovery must not return them (an ACK or DELETE_QUEUE replayed out of nowhere). Refusing to start at the
+    first recovery would also be acceptable. (A regression test, same cause as the zeroed-records one.)
     """
     directory = tmp_path / "journal"
     synced_entries = make_entries(5)
@@ -1041,12 +1040,12 @@ async def test_journal_store_completes_tokens_on_the_event_loop(tmp_path: Path) 
 
 # ---------------------------------------------------------------------------------------------------- compaction
 def test_compaction_does_not_bring_back_messages_of_a_queue_deleted_and_recreated_meanwhile(tmp_path: Path) -> None:
-    """BUG: ``add_queue`` forgets that the queue was deleted while the copy is still to come.
+    """A queue deleted and created again while compaction copies gets nothing of the old one back.
 
     The snapshot holds queue "q" (address "orders") with message 1. While compaction copies, the broker
-    deletes "q" and creates a new "q" on address "other". ``add_queue`` discards "q" from the deleted set,
-    so the copy then writes the old ADD_QUEUE spec and message 1 for "q" after the new queue's record.
-    After a restart the new queue has the old queue's address and message 1.
+    deletes "q" and creates a new "q" on address "other"; after a restart the new queue must have its own
+    address and no message. (A regression test: ``add_queue`` used to forget the deletion, so the copy wrote
+    the old ADD_QUEUE spec and message 1 for "q" after the new queue's record.)
     """
     journal = Journal(tmp_path, segment_bytes=SMALL_SEGMENT)
     journal.recover()

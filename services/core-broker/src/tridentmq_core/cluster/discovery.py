@@ -22,14 +22,14 @@ import logging
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 import orjson
-from redis.asyncio import Redis
-from redis.asyncio.client import PubSub
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+
+if TYPE_CHECKING:  # redis-py is imported by ``start``: it is a third of a node's start-up, and few nodes use it
+    from redis.asyncio import Redis
+    from redis.asyncio.client import PubSub
 
 from tridentmq_shared.supervision import spawn
 
@@ -188,6 +188,10 @@ class RedisDiscovery:
         if self._task is not None:
             return
         self._stopping = False
+        from redis.asyncio import Redis  # noqa: PLC0415 (see the imports)
+        from redis.asyncio.retry import Retry  # noqa: PLC0415
+        from redis.backoff import NoBackoff  # noqa: PLC0415
+
         # Redis is a hint service: time out fast, never retry inside the client (the session loop retries and
         # rescans), and ping idle connections so a silently dead one is noticed.
         timeout = max(0.5, min(2.0, self._refresh_timeout / 2))
