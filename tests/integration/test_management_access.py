@@ -13,7 +13,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.conftest import CoreProcess, GatewayProcess, basic_auth, start_core, start_gateway, stop_cleanly
+from tests.conftest import (
+    CoreProcess,
+    GatewayProcess,
+    basic_auth,
+    shared,
+    start_core,
+    start_gateway,
+    stop_cleanly,
+    stop_core_cleanly,
+)
 
 from tridentmq_core.security import hash_password
 
@@ -63,12 +72,12 @@ def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str,
             return exc.code, dict(exc.headers), exc.read().decode()
 
 
-@pytest.fixture
-def secured(tmp_path: Path) -> Iterator[CoreProcess]:
-    core = start_core(tmp_path, config=CONFIG)
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CoreProcess]:
+    """One core for the module's tests, which only read from it."""
+    core = shared(start_core(tmp_path_factory.mktemp("secured"), config=CONFIG))
     yield core
-    assert core.stop() == 0, core.log()
-    assert "Traceback" not in core.log()
+    stop_core_cleanly(core)
 
 
 def test_the_api_needs_credentials(secured: CoreProcess) -> None:
