@@ -74,8 +74,10 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[CoreProcess
 def call(core: CoreProcess, method: str, path: str, body: Any = None, user: tuple[str, str] | None = ADMIN,
          raw: bytes | None = None) -> tuple[int, Any]:  # fmt: skip
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    request = urllib.request.Request(core.management_url + path, data=data, method=method,
-                                     headers=basic_auth(*user) if user else {})  # fmt: skip
+    headers = basic_auth(*user) if user else {}
+    if data is not None:  # as the CLI and the console send it (a POST of a form is refused: CSRF)
+        headers["Content-Type"] = "application/json"
+    request = urllib.request.Request(core.management_url + path, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=15) as response:
             return response.status, json.loads(response.read())

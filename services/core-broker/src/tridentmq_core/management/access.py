@@ -3,9 +3,15 @@
 - Every request: its ``Host`` must be allowed (DNS rebinding, see ``tridentmq_shared.http_hosts``).
 - ``/healthz`` and ``/readyz`` are open (probes), ``/metrics`` too unless ``management.public_metrics`` is off
   (Prometheus; it holds names and counts, no secret).
+- The web console's files (``/console/...``) are open: they hold no data (see ``console.py``).
 - Everything else (``/api/...``): with users configured, HTTP Basic credentials of a user holding the ``manage``
   permission on the address ``$sys.management`` (a grant matching ``#`` covers it); with no users (the embedded
   default), loopback clients only, as on the link.
+- A request that may change something is refused when a browser could have sent it for another site (CSRF: a
+  browser that once got the user's Basic credentials sends them along by itself): an ``Origin`` header, when
+  present, must name the host the request was sent to, and a POST (the one such method a form or a plain
+  cross-site fetch can send) must carry ``Content-Type: application/json`` or the header ``X-TridentMQ-Request``,
+  which a page of another origin cannot set without a CORS preflight (never granted here).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from tridentmq_core.management.console import is_console_path
 from tridentmq_core.security import AuthenticationError, Permission, Principal, SecurityManager, is_loopback
 from tridentmq_core.settings import CoreSettings
 from tridentmq_shared.http_hosts import HostCheck, host_check_middleware
@@ -29,7 +36,10 @@ from tridentmq_shared.http_hosts import HostCheck, host_check_middleware
 log = logging.getLogger("tridentmq.core.management")
 
 MANAGEMENT_ADDRESS = "$sys.management"
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/"})
+REQUEST_HEADER = "X-TridentMQ-Request"  # marks a request as sent by a program (the console, the CLI), not a form
+CONSOLE_HEADER = "X-TridentMQ-Console"  # the console's calls: a 401 without WWW-Authenticate (no browser prompt)
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 REALM = 'Basic realm="tridentmq", charset="UTF-8"'
 MAX_PARALLEL_CHECKS = 2  # password hashes checked at once, in threads: a flood of guesses queues, the loop runs on
 MAX_WAITING_CHECKS = 64  # beyond, a login is answered 429 at once instead of queueing
@@ -75,7 +85,7 @@ class ManagementAccess:
         self._failure_window = 0.0
 
     def is_open(self, path: str) -> bool:
-        return path in OPEN_PATHS or (path == "/metrics" and self.public_metrics)
+        return path in OPEN_PATHS or is_console_path(path) or (path == "/metrics" and self.public_metrics)
 
     async def refusal(self, request: web.Request) -> web.Response | None:
         """None when ``request`` may go on, else the answer that refuses it (401 or 403)."""
@@ -135,6 +145,28 @@ def _error(status: int, text: str) -> web.Response:
     return web.json_response({"error": text}, status=status, headers=headers)
 
 
+def cross_site_refusal(request: web.Request) -> web.Response | None:
+    """None when ``request`` cannot be a forgery by a page of another site (see the module docstring)."""
+    if request.method in SAFE_METHODS:
+        return None
+    origin = request.headers.get("Origin")
+    if origin is not None and origin != "null":
+        _, _, authority = origin.partition("://")
+        if authority.lower() != request.host.lower():
+            return _error(403, f"a request from the page of another site ({origin[:100]}) is refused")
+    elif origin == "null":
+        return _error(403, "a request from a page without an origin is refused")
+    # Only a POST can come from a form or a plain cross-site fetch: other methods need a preflight first.
+    if (
+        request.method == "POST"
+        and request.content_type != "application/json"
+        and REQUEST_HEADER not in request.headers
+    ):
+        return _error(403, f"a request that changes something needs a JSON body (Content-Type: application/json) "
+                           f"or the header {REQUEST_HEADER}: 1 (a defence against cross-site requests)")  # fmt: skip
+    return None
+
+
 def allowed_host_names(settings: CoreSettings) -> list[str]:
     """The names besides loopback that requests may carry in ``Host``: the configured ones and the node's own."""
     return [*settings.management.allowed_hosts, settings.management.host, settings.link.host,
@@ -146,10 +178,13 @@ def access_middlewares(settings: CoreSettings, access: ManagementAccess) -> list
 
     @web.middleware
     async def authorise(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not access.is_open(request.path):
+        refused = cross_site_refusal(request)
+        if refused is None and not access.is_open(request.path):
             refused = await access.refusal(request)
-            if refused is not None:
-                return refused
+        if refused is not None:
+            if CONSOLE_HEADER in request.headers:
+                refused.headers.popall("WWW-Authenticate", None)
+            return refused
         return await handler(request)
 
     hosts = HostCheck(allowed_host_names(settings))

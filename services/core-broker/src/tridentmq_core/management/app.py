@@ -11,14 +11,18 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from aiohttp import web
 
 from tridentmq_core.broker import Broker, Session
 from tridentmq_core.management.access import ManagementAccess, access_middlewares
+from tridentmq_core.management.audit_trail import add_audit_trail
+from tridentmq_core.management.console import CONSOLE_PATH, add_console
 from tridentmq_core.management.metrics import CONTENT_TYPE, render_metrics
 from tridentmq_core.management.operations_api import NodeControl, OperationsApi, add_routes
+from tridentmq_core.management.peers import PeerApi, add_peer_api
 from tridentmq_core.queues import Queue
 from tridentmq_core.security import SecurityManager
 
@@ -119,6 +123,9 @@ class _Handlers:
         self.status = status
         self.rates = rates
 
+    async def root(self, request: web.Request) -> web.Response:
+        raise web.HTTPFound(CONSOLE_PATH + "/")
+
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
@@ -214,4 +221,11 @@ def create_app(broker: Broker, status: NodeStatus, rates: QueueRates, security: 
     app.router.add_get("/api/connections", handlers.connections)
     app.router.add_get("/api/cluster", handlers.cluster)
     add_routes(app, OperationsApi(broker, lambda: status.cluster, control or NodeControl()))
+    app.router.add_get("/", handlers.root)
+    add_console(app)
+    add_peer_api(app, PeerApi(broker.node_id, lambda: status.cluster() if status.cluster is not None else None,
+                              tls=settings.tls if settings.management.tls else None))  # fmt: skip
+    audit = settings.audit
+    audit_dir = Path(audit.directory) if audit.directory else settings.node.data_dir / "audit"
+    add_audit_trail(app, audit_dir if audit.enabled else None)
     return app

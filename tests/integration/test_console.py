@@ -1,0 +1,330 @@
+"""The web console in a real headless browser (Debian's chromium and chromium-driver, through selenium) against
+a real cluster with users: a replication pair and two more nodes (three live nodes). It logs in, sees the
+three nodes, reads the queues, purges a queue, moves dead letters back, follows a message's audit trail and
+watches the pair's backup take over when its primary is killed. Screenshots of every page are written to the
+test's folder; ``TRIDENTMQ_CONSOLE_SHOTS=DIR`` also copies them to DIR (how docs/console/*.png are made)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import stomp
+from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
+from tests.conftest import CoreProcess, _started, basic_auth, start_core, start_gateway
+from tests.integration.cluster_nodes import CLUSTER_PASSWORD, CLUSTER_USER, cluster_env, wait_until
+
+from tridentmq_core.security import hash_password
+from tridentmq_shared.link.client import Delivery, LinkClient, ReconnectPolicy
+from tridentmq_shared.message import M_PROPS, new_message
+
+pytestmark = pytest.mark.integration
+
+ADMIN, ADMIN_PASSWORD = "admin", "console-admin-5d1"
+APP, APP_PASSWORD = "app", "console-app-0b7"
+CONFIG = f"""
+[cluster]
+user = "{CLUSTER_USER}"
+password = "{CLUSTER_PASSWORD}"
+
+[[users]]
+name = "{ADMIN}"
+password = "{hash_password(ADMIN_PASSWORD, salt=b"console-test", iterations=10_000)}"
+roles = ["admin"]
+
+[[users]]
+name = "{APP}"
+password = "{APP_PASSWORD}"
+roles = ["app"]
+
+[[permissions]]
+match = "#"
+permission = "manage"
+roles = ["admin"]
+
+""" + "".join(
+    f"""
+[[permissions]]
+match = "#"
+permission = "{permission}"
+roles = ["app"]
+"""
+    for permission in ("send", "consume", "browse", "createAddress", "createDurableQueue")
+)
+ADMIN_AUTH = basic_auth(ADMIN, ADMIN_PASSWORD)
+WAIT = 30.0
+
+
+@dataclass
+class Cluster:
+    primary: CoreProcess  # of the pair "a"; the browser talks to node b
+    backup: CoreProcess
+    b: CoreProcess
+    c: CoreProcess
+
+
+def api(node: CoreProcess, path: str) -> Any:
+    request = urllib.request.Request(node.management_url + path, headers=ADMIN_AUTH)
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return json.loads(response.read())
+
+
+def status(node: CoreProcess) -> dict[str, Any]:
+    try:
+        return dict(api(node, "/api/status"))
+    except (urllib.error.URLError, OSError):
+        return {}
+
+
+def node(tmp_path: Path, name: str, connectors: list[CoreProcess], **settings: str) -> CoreProcess:
+    env = cluster_env(connectors)
+    env.update({f"TRIDENTMQ_{k.upper()}": v for k, v in settings.items()})
+    return start_core(tmp_path, name, config=CONFIG, **env)
+
+
+def members(node: CoreProcess) -> set[str]:
+    cluster = status(node).get("cluster") or {}
+    return {m["name"] for m in cluster.get("members", [])}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    tmp_path = tmp_path_factory.mktemp("console")
+    ha = {"core_ha_policy": "replication", "core_ha_group_name": "a", "core_ha_activate_without_quorum": "true",
+          "core_ha_allow_failback": "false", "core_audit_message_events": "all"}  # fmt: skip
+    primary = node(tmp_path, "a-primary", [], **ha)
+    b = node(tmp_path, "b", [primary], core_audit_message_events="all")
+    c = node(tmp_path, "c", [primary], core_audit_message_events="all")
+    # The backup knows the other nodes: when it takes over, it joins them itself.
+    backup = node(tmp_path, "a-backup", [primary, b, c], core_ha_role="backup", **ha)
+    nodes = [primary, backup, b, c]
+    for n in nodes:  # they outlive each test (stopped below), unlike what a test starts
+        _started.remove(n.process)
+    try:
+        wait_until(lambda: (status(backup).get("ha") or {}).get("in_sync") is True, WAIT, "the backup in sync")
+        wait_until(lambda: all(members(n) == {"a-primary", "b", "c"} for n in (primary, b, c)), WAIT, "3 members")
+        yield Cluster(primary, backup, b, c)
+    finally:
+        for n in nodes:
+            if n.process.poll() is None:
+                n.stop()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[webdriver.Chrome]:
+    driver = shutil.which("chromedriver")
+    chromium = shutil.which("chromium")
+    if driver is None or chromium is None:
+        pytest.skip("needs Debian's chromium and chromium-driver (installed by .ci/run)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1400,1000"):
+        options.add_argument(arg)
+    chrome = webdriver.Chrome(options=options, service=Service(driver))
+    try:
+        yield chrome
+    finally:
+        chrome.quit()
+
+
+def shot(browser: webdriver.Chrome, tmp_path: Path, name: str) -> None:
+    """A screenshot of the whole page (the viewport grows to the page's height for it)."""
+    height = int(browser.execute_script("return document.documentElement.scrollHeight"))
+    metrics = {"width": 1400, "height": max(700, min(height, 4000)), "deviceScaleFactor": 1, "mobile": False}
+    browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", metrics)
+    path = tmp_path / f"{name}.png"
+    try:
+        assert browser.save_screenshot(str(path))
+    finally:
+        browser.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+    out = os.environ.get("TRIDENTMQ_CONSOLE_SHOTS")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, Path(out) / path.name)
+
+
+def wait_for(browser: webdriver.Chrome, what: str, predicate: Callable[[webdriver.Chrome], Any]) -> Any:
+    def check(driver: webdriver.Chrome) -> Any:
+        try:
+            return predicate(driver)
+        except (StaleElementReferenceException, WebDriverException):
+            return False  # the page was redrawn between finding and reading an element
+
+    try:
+        return WebDriverWait(browser, WAIT, poll_frequency=0.1).until(check)
+    except Exception as exc:
+        page = browser.find_element(By.TAG_NAME, "body").text[:3000]
+        raise AssertionError(f"timed out waiting for {what}; the page says: {page}") from exc
+
+
+def text(browser: webdriver.Chrome, selector: str) -> str:
+    return str(browser.find_element(By.CSS_SELECTOR, selector).text)
+
+
+def open_page(browser: webdriver.Chrome, cluster: Cluster, page: str) -> None:
+    browser.get("about:blank")  # a new document even when only the fragment differs
+    browser.get(f"{cluster.b.management_url}/console/#/{page}")
+
+
+def log_in(browser: webdriver.Chrome, cluster: Cluster, page: str = "cluster") -> None:
+    """A fresh login (the tab's session storage keeps the credentials of the previous test), then ``page``."""
+    open_page(browser, cluster, page)
+    browser.execute_script("sessionStorage.clear()")
+    open_page(browser, cluster, page)
+    wait_for(browser, "the login form", lambda d: d.find_element(By.ID, "login-user").is_displayed())
+    browser.find_element(By.ID, "login-user").send_keys(ADMIN)
+    browser.find_element(By.ID, "login-password").send_keys(ADMIN_PASSWORD)
+    browser.find_element(By.ID, "login-submit").click()
+    wait_for(browser, "the console", lambda d: d.find_element(By.ID, "top").is_displayed())
+
+
+def app_client(node: CoreProcess) -> LinkClient:
+    return LinkClient("127.0.0.1", node.link_port, user=APP, password=APP_PASSWORD,
+                      reconnect=ReconnectPolicy(attempts=0))  # fmt: skip
+
+
+async def publish(node: CoreProcess, address: str, count: int) -> None:
+    async with app_client(node) as client:
+        for n in range(count):
+            await client.publish(new_message(address, f"{address} {n}".encode(), durable=True))
+
+
+def test_a_wrong_password_is_refused_and_the_page_holds_no_credentials(browser: webdriver.Chrome, cluster: Cluster,
+                                                                         tmp_path: Path) -> None:  # fmt: skip
+    open_page(browser, cluster, "cluster")
+    wait_for(browser, "the login form", lambda d: d.find_element(By.ID, "login-user").is_displayed())
+    browser.find_element(By.ID, "login-user").send_keys(ADMIN)
+    browser.find_element(By.ID, "login-password").send_keys("wrong")
+    browser.find_element(By.ID, "login-submit").click()
+    wait_for(browser, "the refusal", lambda d: "wrong password" in text(d, "#login-error"))
+    assert "wrong" not in browser.current_url
+    assert ADMIN not in browser.current_url
+    shot(browser, tmp_path, "login")
+
+
+def test_the_cluster_page_shows_three_nodes_and_the_pair(browser: webdriver.Chrome, cluster: Cluster,
+                                                        tmp_path: Path) -> None:  # fmt: skip
+    log_in(browser, cluster)
+    wait_for(browser, "three node cards", lambda d: len(d.find_elements(By.CSS_SELECTOR, "#topology .node")) == 3)
+    names = {e.get_attribute("data-name") for e in browser.find_elements(By.CSS_SELECTOR, "#topology .node")}
+    assert names == {"a-primary", "b", "c"}
+    pair = text(browser, '#topology .node[data-name="a-primary"]')
+    assert "pair a" in pair, pair
+    assert "in sync" in pair, pair
+    wait_for(browser, "six cluster connections up",
+             lambda d: text(d, "#cluster-connections tbody").count(" up") == 6)  # fmt: skip
+    shot(browser, tmp_path, "cluster")
+
+
+def test_the_queues_page_sorts_and_searches_the_queues_of_every_node(browser: webdriver.Chrome, cluster: Cluster,
+                                                                     tmp_path: Path) -> None:  # fmt: skip
+    asyncio.run(publish(cluster.c, "orders.eu", 5))
+    asyncio.run(publish(cluster.b, "orders.us", 2))
+    log_in(browser, cluster, "queues")
+
+    def rows(driver: webdriver.Chrome) -> list[list[str]]:
+        return [[td.text for td in tr.find_elements(By.TAG_NAME, "td")]
+                for tr in driver.find_elements(By.CSS_SELECTOR, "#queues tbody tr")]  # fmt: skip
+
+    wait_for(browser, "both queues", lambda d: {(r[0], r[1], r[4]) for r in rows(d) if r[0].startswith("orders")}
+             == {("orders.eu", "c", "5"), ("orders.us", "b", "2")})  # fmt: skip
+    browser.find_element(By.CSS_SELECTOR, '#queues th[data-key="depth"]').click()  # numbers: largest first
+    wait_for(browser, "the deepest first", lambda d: rows(d)[0][0] == "orders.eu")
+    browser.find_element(By.ID, "queue-search").send_keys("US")
+    wait_for(browser, "one queue found", lambda d: [r[0] for r in rows(d)] == ["orders.us"])
+    browser.find_element(By.ID, "queue-search").clear()
+    browser.find_element(By.ID, "queue-search").send_keys("orders")
+    wait_for(browser, "two queues found", lambda d: len(rows(d)) == 2)
+    shot(browser, tmp_path, "queues")
+    browser.find_element(By.LINK_TEXT, "orders.eu").click()
+    wait_for(browser, "the queue page", lambda d: text(d, '#queue-details dd[data-field="depth"]') == "5")
+    assert text(browser, '#queue-details dd[data-field="node"]') == "c"
+    shot(browser, tmp_path, "queue")
+
+
+def test_the_gateways_page_lists_clients_per_protocol(browser: webdriver.Chrome, cluster: Cluster,
+                                                      tmp_path: Path) -> None:  # fmt: skip
+    gateway = start_gateway(tmp_path, cluster.b, TRIDENTMQ_STOMP_NODE_NAME="stomp-1",  # its own links: as "app"
+                            TRIDENTMQ_STOMP_CORE_USER=APP, TRIDENTMQ_STOMP_CORE_PASSWORD=APP_PASSWORD)  # fmt: skip
+    try:
+        connection = stomp.Connection12([("127.0.0.1", gateway.port)])
+        connection.connect(username=APP, passcode=APP_PASSWORD, wait=True)
+        try:
+            log_in(browser, cluster, "gateways")
+            wait_for(browser, "the STOMP client", lambda d: "stomp 127.0.0.1:" in text(d, "#clients-stomp tbody"))
+            assert APP in text(browser, "#clients-stomp tbody")
+            wait_for(browser, "the gateway's own link",
+                     lambda d: "stomp-1 readiness" in text(d, "#clients-gateway tbody"))  # fmt: skip
+            assert "cluster:" in text(browser, "#clients-cluster tbody")
+            shot(browser, tmp_path, "gateways")
+        finally:
+            connection.disconnect()
+    finally:
+        gateway.stop()
+
+
+async def consume_one(node: CoreProcess, queue: str) -> Delivery:
+    async with app_client(node) as client:
+        consumer = await client.subscribe(queue, credit=1)
+        delivery = await consumer.get(timeout=WAIT)
+        assert delivery is not None
+        consumer.ack(delivery)
+        await client.create_queue(queue)  # a round trip: the ack was handled before its answer
+        return delivery
+
+
+def test_the_audit_page_follows_a_message_across_nodes(browser: webdriver.Chrome, cluster: Cluster,
+                                                       tmp_path: Path) -> None:  # fmt: skip
+    """Published on c, consumed on b: c moved it to b, so its history is on both nodes, under c's id."""
+    asyncio.run(publish(cluster.c, "payments", 1))
+    delivery = asyncio.run(consume_one(cluster.b, "payments"))
+    origin = delivery.message[M_PROPS]["_TMQ_ORIG_MESSAGE_ID"]
+    log_in(browser, cluster, f"audit/{origin}")
+
+    def events(driver: webdriver.Chrome) -> list[tuple[str, str]]:
+        return [(tr.find_elements(By.TAG_NAME, "td")[1].text, str(tr.get_attribute("data-event")))
+                for tr in driver.find_elements(By.CSS_SELECTOR, "#audit-events tbody tr[data-event]")]  # fmt: skip
+
+    wait_for(browser, "the events on both nodes", lambda d: {("c", "msg.sent"), ("b", "msg.sent"),
+             ("b", "msg.delivered"), ("b", "msg.acked")} <= set(events(d)))  # fmt: skip
+    seen = events(browser)
+    assert seen[0] == ("c", "msg.sent")
+    assert {("c", "msg.forwarded"), ("c", "msg.redistributed")} & set(seen), seen  # moved before or after it waited
+    shot(browser, tmp_path, "audit")
+
+
+def test_the_charts_page_draws_the_rates(browser: webdriver.Chrome, cluster: Cluster, tmp_path: Path) -> None:
+    log_in(browser, cluster, "charts")
+    wait_for(browser, "three charts", lambda d: len(d.find_elements(By.CSS_SELECTOR, ".chart canvas")) == 3)
+    asyncio.run(publish(cluster.b, "charts", 20))
+    rates = browser.find_element(By.ID, "chart-rates")
+    wait_for(browser, "a sample with the messages", lambda d: int(rates.get_attribute("data-routed") or 0) >= 20)
+    wait_for(browser, "a few samples more", lambda d: int(rates.get_attribute("data-samples") or 0) >= 5)
+    shot(browser, tmp_path, "charts")
+
+
+def test_a_failover_appears_on_the_cluster_page(browser: webdriver.Chrome, cluster: Cluster, tmp_path: Path) -> None:
+    """The last test of the module: the pair's primary is killed and its backup takes over, with epoch 2."""
+    log_in(browser, cluster)
+    wait_for(browser, "the primary", lambda d: d.find_elements(By.CSS_SELECTOR, '.node[data-name="a-primary"]'))
+    cluster.primary.process.send_signal(signal.SIGKILL)
+    cluster.primary.process.wait(timeout=10)
+    backup = '.node[data-name="a-backup"]'
+    wait_for(browser, "the backup serving", lambda d: "backup, active" in text(d, backup))
+    assert text(browser, f"{backup} .epoch") == "2"
+    assert not browser.find_elements(By.CSS_SELECTOR, '.node[data-name="a-primary"]')
+    shot(browser, tmp_path, "failover")
