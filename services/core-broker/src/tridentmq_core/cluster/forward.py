@@ -8,7 +8,9 @@ and the message's, not the producer's: a message that moves A → B → A must n
 itself on A, and a transfer re-sent after a lost link must. The exception is a message written through
 with a producer's duplicate-detection id: its id is ``p:``, the sending node's id and that id, because the
 sending node stored nothing, so the producer's resend after that node died and came back must look like a
-duplicate over there (a move back later carries the other node's id, as any move does).
+duplicate over there (a move back later carries the other node's id, as any move does). A redistributed
+message's id also names the queue it leaves: a topic's message sits in several subscription queues under one
+id, and each queue's copy moving to the same node is a transfer of its own, not a duplicate of the first.
 
 Usually the id is the sending node's id and the message's id as sent, which the message carries anyway: the
 header is then *numbered* and holds only the node's part, so it is the same bytes for every message to one

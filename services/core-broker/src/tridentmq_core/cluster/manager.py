@@ -362,8 +362,10 @@ class Bridge:
         if isinstance(consumer, Redistributor):
             consumer.moved += 1
             outgoing = list(message)
-            header = numbered_header(consumer.target.node_id, (consumer.queue.name,), 1,
-                                     self.manager.broker.transfer_prefix, delivered)  # fmt: skip
+            # The queue is part of the transfer id: a topic's message is in several subscription queues under
+            # one id, and each queue's copy that moves to the same node is a transfer of its own, no duplicate.
+            node_part = f"{self.manager.broker.transfer_prefix}{consumer.queue.name}:"
+            header = numbered_header(consumer.target.node_id, (consumer.queue.name,), 1, node_part, delivered)
             moves = self.manager.broker.arrivals.moves(message[M_ID]) + 1
             outgoing[M_PROPS] = {**message[M_PROPS], FORWARD_PROPERTY: header, MOVES_PROPERTY: moves}
         else:
