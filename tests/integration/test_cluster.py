@@ -92,6 +92,32 @@ async def test_on_demand_skips_nodes_without_consumers(tmp_path: Path) -> None:
     stop_all(nodes)
 
 
+async def test_a_subscription_is_confirmed_only_once_every_node_routes_to_it(tmp_path: Path) -> None:
+    """A message published on another node the moment a subscription (a queue, or a consumer) is confirmed
+    reaches it: the confirm waits until every connected node applied the binding (before, the other node
+    routed by the bindings it had 0-100 ms earlier and confirmed the message to nobody)."""
+    nodes = start_cluster(tmp_path, 3)
+    a, b, c = nodes
+    async with client(a) as ca, client(b) as cb, client(c) as cc:
+        consumers = []
+        for i in range(30):
+            await cb.create_queue(f"sub-{i}", f"news.{i}", routing_type=RoutingType.MULTICAST, durable=False)
+            consumers.append(await cb.subscribe(f"sub-{i}"))
+            await (
+                await (ca if i % 2 else cc).send(
+                    new_message(f"news.{i}", b"first", durable=True, routing=RoutingType.MULTICAST)
+                )
+            )
+        # A consumer on another node of an anycast queue here: the next message goes to it, not stays.
+        await ca.create_queue("work", durable=True)
+        on_b = await cb.subscribe("work")
+        await (await ca.send(new_message("work", b"job", durable=True)))
+        got = await asyncio.gather(*(take(consumer, 1, timeout=5) for consumer in consumers))
+        assert [i for i, bodies_ in enumerate(got) if bodies_ != [b"first"]] == []
+        assert await take(on_b, 1, timeout=5) == [b"job"]
+    stop_all(nodes)
+
+
 @pytest.mark.parametrize("policy", ["STRICT", "OFF"])
 async def test_strict_spreads_regardless_of_consumers_and_off_keeps_messages_local(tmp_path: Path,
                                                                                   policy: str) -> None:  # fmt: skip

@@ -183,3 +183,31 @@ def test_a_session_kept_by_a_node_that_is_down_is_refused_for_now_not_started_af
         gateway.stop()
     for node in (a, b):
         assert node.stop() == 0, node.log()
+
+
+def test_a_qos1_message_published_on_another_node_right_after_the_suback_is_delivered(tmp_path: Path) -> None:
+    """The SUBACK says the subscription is known to every live node: a QoS 1 message published through a
+    gateway on another node the moment it comes is routed to it, never matched against a cluster that has
+    not heard of the subscription yet (acknowledged and dropped)."""
+    nodes = start_cluster(tmp_path, 3)
+    pinned = {"TRIDENTMQ_MQTT_CORE_LOAD_BALANCING": "FIRST_ELEMENT"}
+    gateways = [start_gateway(tmp_path, node, "mqtt", name=f"mqtt-{i}", **pinned) for i, node in enumerate(nodes[:2])]
+    subscriber, publisher = Paho(gateways[1].port, f"s-{_id()}"), Paho(gateways[0].port, f"p-{_id()}")
+    try:
+        subscriber.connect()
+        publisher.connect()
+        topics = [f"race/{_id()}/{i}" for i in range(30)]
+        for topic in topics:
+            subscriber.subscribe(topic, 1)
+            publisher.publish(topic, topic.encode(), 1)  # waits for the PUBACK
+        got = {m.topic for m in subscriber.receive(len(topics))}
+        missed = [t for t in topics if t not in got]
+        assert not missed, f"{len(missed)} of 30 acknowledged messages published after the SUBACK were lost"
+    finally:
+        for paho_client in (subscriber, publisher):
+            paho_client.disconnect()
+        for gateway in gateways:
+            stop_cleanly(gateway)
+        for node in nodes:
+            assert node.stop() == 0, node.log()
+            assert "Traceback" not in node.log(), node.log()

@@ -251,6 +251,9 @@ class Broker:
         # bindings, the handler of TOPOLOGY requests, and what the manager watches to report bindings.
         self.cluster: Balancer | None = None
         self.on_topology: Callable[[Session, dict[str, Any]], dict[str, Any]] | None = None
+        # Takes over the reply to a request that changed this node's bindings (a queue or consumer made),
+        # to send it once the other nodes route by the change; False: reply now.
+        self.hold_reply: Callable[[Session, int, Any], bool] | None = None
         # High availability (set when the node is half of a pair or votes for pairs): REPLICATE, REPLICA_ACK
         # and VOTE go to it; a request it answers returns the reply.
         self.on_ha: Callable[[Session, ev.Event], Any] | None = None
@@ -331,8 +334,12 @@ class Broker:
                 case _:
                     req_id: int = getattr(event, "req_id", 0)
                     try:
+                        version = self.bindings_version
                         result = self._request(session, event, now_ms)
-                        if result is not _DEFERRED:
+                        if result is _DEFERRED:
+                            pass
+                        elif version == self.bindings_version or self.hold_reply is None or \
+                                not self.hold_reply(session, req_id, result):  # fmt: skip
                             conn.reply(req_id, result)
                     except BrokerError as exc:
                         conn.error(req_id, exc.code, exc.text)

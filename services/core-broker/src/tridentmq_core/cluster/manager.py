@@ -30,6 +30,7 @@ from tridentmq_core.cluster.discovery import Announcement, RedisDiscovery
 from tridentmq_core.cluster.forward import FORWARD_PROPERTY, MOVES_PROPERTY, numbered_header
 from tridentmq_core.cluster.links import node_link, watch_close
 from tridentmq_core.cluster.redistribution import Arrivals, Redistributor, best_target, due_again, stranded, targets
+from tridentmq_core.cluster.sync import BindingSync
 from tridentmq_core.ha.manager import Voter
 from tridentmq_core.queues import MESSAGE_OVERHEAD, Consumer, Queue
 from tridentmq_core.security import Principal
@@ -98,6 +99,7 @@ class Joined:
 
     session: Session
     node_id: str
+    acks_bindings: bool = False  # acknowledges the sync numbers of binding changes (``BindingSync``)
     sent: dict[Key, list[Any]] = field(default_factory=dict)
     members_sent: list[dict[str, Any]] = field(default_factory=list)
 
@@ -178,6 +180,9 @@ class Bridge:
         self._sent: dict[int, tuple[Consumer | None, int, WireMessage | None]] = {}
         self._tokens_released = False  # a confirm released a producer's confirm (``on_durable``): flush
         self._stopping = False
+        # Binding changes read before the join's answer was taken in (the same read may hold both): applied
+        # right after it, else the change would be missing here until that binding changed again.
+        self._early: list[dict[str, Any]] | None = None
         self.task: asyncio.Task[None] | None = None
 
     @property
@@ -265,6 +270,7 @@ class Bridge:
             manager.retire(other)  # the node moved here (a backup took over): this connection serves it now
         self.node_id = client.node_id
         manager.bridges_by_node[self.node_id] = self
+        self._early = []
         try:
             reply = await client.topology({"join": manager.join_info()})
         except LinkRequestError as exc:
@@ -273,9 +279,13 @@ class Bridge:
             self._refused(f"join refused: {exc.text}")
             await client.close()
             return
+        finally:
+            early, self._early = self._early, None
         if not manager.bridge_up(self, reply):
             await client.close()
             return
+        for update in early:
+            self._take_update(update)
         await closed.wait()
         if why and why[0].code == ErrorCode.SHUTDOWN:
             log.info("cluster connection closed: the other node stopped", extra={"to": self.address})
@@ -285,7 +295,16 @@ class Bridge:
 
     def _on_update(self, update: dict[str, Any]) -> None:
         if self.up:
-            self.manager.apply_update(self, update)
+            self._take_update(update)
+        elif self._early is not None:
+            self._early.append(update)
+
+    def _take_update(self, update: dict[str, Any]) -> None:
+        self.manager.apply_update(self, update)
+        sync = update.get("sync")
+        client = self.client
+        if type(sync) is int and client is not None:  # the other node holds replies until we route by it
+            asyncio.get_running_loop().create_task(_acknowledge_sync(client, sync))
 
     def open_session(self, principal: Principal) -> None:
         broker = self.manager.broker
@@ -506,6 +525,11 @@ class Bridge:
         self.manager.schedule_flush()
 
 
+async def _acknowledge_sync(client: LinkClient, number: int) -> None:
+    with contextlib.suppress(LinkRequestError):  # a connection that went: the other node stops waiting
+        await client.topology({"synced": number})
+
+
 class ClusterManager:
     def __init__(self, broker: Broker, settings: CoreSettings, *, node_id: str, name: str, advertise: tuple[str, int],
                  schedule_flush: Callable[[], None], management_port: int = 0, epoch: int = 1,
@@ -541,12 +565,16 @@ class ClusterManager:
         self._gone_tried: dict[str, tuple[int, int]] = {}  # gone node → the binding versions its queue was tried at
         self._sent_version = (-1, -1)
         self._members_version = 0
+        # Replies to clients whose queue or consumer the other nodes must know first.
+        self.sync = BindingSync(timeout_ms=max(2000, 8 * settings.link.heartbeat_ms))
+        self._push_scheduled = False
         self._task: asyncio.Task[None] | None = None
         self._started = time.monotonic()
         self.discovery: RedisDiscovery | None = None
         self.leaving = False  # scaling down: this node advertises no bindings, so nothing new comes
         broker.cluster = self.balancer
         broker.on_topology = self.on_topology
+        broker.hold_reply = self.hold_reply
         broker.send_direct = self._send_direct
 
     # ------------------------------------------------------------------ life cycle
@@ -589,7 +617,7 @@ class ClusterManager:
         host, port = self.advertise
         return {"cluster": self.settings.cluster.name, "node_id": self.node_id, "name": self.name, "host": host,
                 "port": port, "management": self.management_port, "epoch": self.epoch,
-                "max_hops": self.settings.cluster.max_hops}  # fmt: skip
+                "max_hops": self.settings.cluster.max_hops, "binding_acks": True}  # fmt: skip
 
     def fresh(self, node_id: str, epoch: Any) -> bool:
         """Whether ``node_id`` at ``epoch`` may be talked to: no newer copy of it was promised or seen."""
@@ -600,6 +628,9 @@ class ClusterManager:
     # ------------------------------------------------------------------ another node joins us
     def on_topology(self, session: Session, info: dict[str, Any]) -> dict[str, Any]:
         join = info.get("join")
+        if "synced" in info and session.principal.cluster:  # a node applied our binding changes up to there
+            self.sync.acknowledged(session.conn_id, info["synced"])
+            return {}
         if join is None:  # a gateway following the topology
             self.watchers[session.conn_id] = session
             return {"node_id": self.node_id, "members": self.members_view()}
@@ -626,7 +657,7 @@ class ClusterManager:
         if problem is not None:
             log.error("cluster join refused", extra={"peer": session.peer, "reason": problem})
             raise BrokerError(ErrorCode.INVALID, problem)
-        joined = Joined(session, member.node_id)
+        joined = Joined(session, member.node_id, acks_bindings=join.get("binding_acks") is True)
         joined.sent = self._advertisement(member.node_id)
         joined.members_sent = self.members_view()
         self.joined[session.conn_id] = joined
@@ -768,10 +799,43 @@ class ClusterManager:
             del self.joined[conn_id]
         for conn_id in [c for c in self.watchers if c not in sessions]:
             del self.watchers[conn_id]
+        if self.sync:
+            for late in self.sync.sweep(set(self.joined), _now_ms()):
+                log.warning("binding change not acknowledged in time: replied anyway",
+                            extra={"nodes": ",".join(sorted(self.joined[c].node_id for c in late)),
+                                   "timeout_ms": self.sync.timeout_ms})  # fmt: skip
+
+    # ------------------------------------------------------------------ replies that wait for the other nodes
+    def hold_reply(self, session: Session, req_id: int, result: Any) -> bool:
+        """A client's request changed this node's bindings: reply once every node connected to this one
+        applied the change (see ``BindingSync``), sent now rather than at the next tick."""
+        if session.principal.cluster or self.leaving:
+            return False
+        broker = self.broker
+        peers = {c for c, joined in self.joined.items() if joined.acks_bindings and c in broker.sessions}
+        if not peers:
+            return False
+
+        def reply() -> None:
+            if session.conn_id in broker.sessions:
+                session.conn.reply(req_id, result)
+                broker.dirty.add(session)
+
+        self.sync.hold(reply, peers, _now_ms())
+        if not self._push_scheduled:  # one push for every change of this turn of the event loop
+            self._push_scheduled = True
+            asyncio.get_running_loop().call_soon(self._push_now)
+        return True
+
+    def _push_now(self) -> None:
+        self._push_scheduled = False
+        self._push_updates()
+        self.schedule_flush()
 
     def _push_updates(self) -> None:
         version = (self.broker.bindings_version + self.bindings.version * 1_000_003, self._members_version)
-        if version == self._sent_version:
+        sync, self.sync.unsent = self.sync.unsent, 0
+        if version == self._sent_version and not sync:
             return
         self._sent_version = version
         members = self.members_view()
@@ -786,6 +850,8 @@ class ClusterManager:
                 update["members"] = joined.members_sent = members
             if self.leaving:
                 update["leaving"] = True
+            if sync and joined.acks_bindings:
+                update["sync"] = sync
             if update:
                 joined.sent = current
                 joined.session.conn.topology_update(update)
