@@ -30,6 +30,7 @@ from tests.conftest import (
 )
 from tests.integration.mqtt_clients import Paho, Raw, silent
 
+from tridentmq_mqtt import convert
 from tridentmq_mqtt.convert import subscription_queue
 from tridentmq_mqtt.protocol.packets import (
     V5,
@@ -55,6 +56,8 @@ from tridentmq_mqtt.protocol.packets import (
     encode,
 )
 from tridentmq_mqtt.protocol.properties import Properties, encode_vbi
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.message import RoutingType, new_message
 
 PERSISTENT = Properties(session_expiry_interval=300)
 
@@ -291,6 +294,45 @@ def test_clean_start_discards_the_session(mqtt_gateway: GatewayProcess, raw: Cal
     again.send(Subscribe(1, (Subscription(topic, 1),)))  # the same filter again: a new, empty queue
     assert again.next() == Suback(1, (1,))
     assert silent(again, 0.7) == []
+
+
+def test_a_new_subscription_does_not_inherit_a_queue_no_session_lists(
+        mqtt_gateway: GatewayProcess, core: CoreProcess, raw: Callable[..., Raw],
+        paho: Callable[..., Paho]) -> None:  # fmt: skip
+    """paho's MQTT 5 offline queueing test once got 13 messages for 3 published: a subscription queue that no
+    session record listed (a gateway gone between making it and saving the record) outlived the clean start,
+    gathered what other tests published, and the same filter subscribed again took it over with its backlog."""
+    client_id = f"off-{_id()}"
+    topic_filter = f"off{_id()}/#"
+    prefix = topic_filter[:-2]
+
+    async def leave_an_orphan() -> None:  # what the lost record leaves behind: the queue, full
+        async with LinkClient("127.0.0.1", core.link_port) as link:
+            await link.create_queue(
+                convert.subscription_queue(client_id, topic_filter),
+                convert.filter_to_pattern(topic_filter),
+                routing_type=RoutingType.MULTICAST,
+            )
+            for n in range(10):
+                await link.publish(new_message(convert.topic_to_address(f"{prefix}/old"), f"old {n}".encode(),
+                                               routing=RoutingType.MULTICAST))  # fmt: skip
+
+    asyncio.run(leave_an_orphan())
+    first = raw(mqtt_gateway.port)
+    _connected(first, client_id, session_present=False, clean_start=True, properties=PERSISTENT)
+    first.send(Subscribe(1, (Subscription(topic_filter, 2),)))
+    assert first.next() == Suback(1, (2,))
+    first.send(Disconnect())
+    assert first.closed()
+    publisher = paho(mqtt_gateway.port)
+    publisher.connect()
+    for qos in (0, 1, 2):
+        publisher.publish(f"{prefix}/q{qos}", f"qos {qos}".encode(), qos)
+    again = paho(mqtt_gateway.port, client_id, clean=False)
+    assert again.connect(expiry=300)[0] is True  # session present
+    assert [m.payload for m in again.receive(3)] == [b"qos 0", b"qos 1", b"qos 2"]
+    publisher.publish(f"{prefix}/last", b"last", 1)
+    assert [m.payload for m in again.receive(1)] == [b"last"]  # and nothing else came between
 
 
 # ---------------------------------------------------------------------------------------------------- MQTT 5

@@ -712,8 +712,18 @@ class MqttSession:
                                     expires_ms=expiry_ms)  # fmt: skip
         elif self.persistent or resumed:
             queue = convert.subscription_queue(self.client_id, topic_filter)
-            await link.create_queue(queue, pattern, routing_type=RoutingType.MULTICAST, durable=True,
-                                    expires_ms=expiry_ms)  # fmt: skip
+            found = await link.create_queue(queue, pattern, routing_type=RoutingType.MULTICAST, durable=True,
+                                            expires_ms=expiry_ms)  # fmt: skip
+            if not resumed and not found.get("created"):
+                # No session record lists it (a gateway died between making it and saving the record), so a
+                # clean start did not end it: a new subscription starts empty, not with what it gathered since.
+                log.info(
+                    "mqtt subscription queue left by an earlier session dropped",
+                    extra={"peer": self.wire.peer, "client_id": self.client_id[:60], "queue": queue[:100]},
+                )
+                await link.delete_queue(queue)
+                await link.create_queue(queue, pattern, routing_type=RoutingType.MULTICAST, durable=True,
+                                        expires_ms=expiry_ms)  # fmt: skip
         else:  # this connection's own: an earlier connection of the client may still be dropping its own
             # Numbered too: a queue of this filter dropped in the background must not take a new one with it.
             queue = f"{convert.subscription_queue(self.client_id, topic_filter)}.{self.id}.{next(self._queues)}"
