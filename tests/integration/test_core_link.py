@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from tests.conftest import CoreProcess, start_core
+from tests.conftest import CoreProcess, module_core, start_core
 
 from tridentmq_shared.link.client import LinkClient, LinkClosedError, LinkRequestError, ReconnectPolicy
 from tridentmq_shared.link.ops import NackMode
@@ -23,6 +23,10 @@ from tridentmq_shared.message import M_BODY, RoutingType, new_message
 pytestmark = pytest.mark.integration
 
 NO_RECONNECT = ReconnectPolicy(attempts=0)
+
+# One core for the module: each test keeps to addresses and queues of its own (tests that restart a node or
+# configure users start their own).
+core = module_core
 
 
 def client(core: CoreProcess, **kwargs: object) -> LinkClient:
