@@ -16,6 +16,7 @@ import pytest
 import stomp
 from stomp.utils import Frame
 from tests.conftest import CoreProcess, GatewayProcess, module_core, module_stomp_gateway, start_core, start_gateway
+from tests.integration.cluster_nodes import wait_until
 
 from tridentmq_shared.link.client import LinkClient, ReconnectPolicy
 from tridentmq_shared.message import M_BODY, M_CONTENT_TYPE, M_DURABLE, M_PROPS, RoutingType, new_message
@@ -219,6 +220,12 @@ def test_request_reply_through_a_temporary_queue(gateway: GatewayProcess, core: 
     server.disconnect()
 
 
+def acked_in_core(core: CoreProcess, addresses: tuple[str, ...]) -> int:
+    """Acknowledgements the core counted on the queues of ``addresses``."""
+    with urlopen(f"{core.management_url}/api/queues", timeout=WAIT) as response:
+        return sum(q["acked"] for q in json.loads(response.read()) if q["address"] in addresses)
+
+
 def temporary_queues(core: CoreProcess) -> list[str]:
     with urlopen(f"{core.management_url}/api/queues", timeout=WAIT) as response:
         return [q["name"] for q in json.loads(response.read()) if q["name"].startswith("tmp.")]
@@ -303,6 +310,8 @@ def test_unacknowledged_deliveries_return_when_the_gateway_is_killed(tmp_path: P
     listener.wait(lambda: len(listener.messages) == 8, "8 deliveries")
     conn.ack(listener.messages[0].headers["ack"], receipt="acked")
     listener.wait(lambda: "acked" in listener.receipts)
+    # The RECEIPT says the gateway took the ACK; it passes it on to the core without waiting (see docs/stomp.md).
+    wait_until(lambda: acked_in_core(core, ("jobs", "work")) == 1, WAIT, "the acknowledgement in the core")
     gateway.process.kill()  # no goodbye: the core only sees the gateway's links drop
     gateway.process.wait()
     replacement = start_gateway(tmp_path, core, name="replacement")
