@@ -219,9 +219,10 @@ def depth(core: CoreProcess, name: str) -> int:
 
 
 def link_connections(core: CoreProcess) -> int:
-    """The core's links of client sessions: a gateway's own readiness link stays open throughout."""
+    """The core's sessions of clients: a gateway's own links (readiness, and the shared link that carries its
+    clients' sessions) stay open throughout."""
     links = get_json(f"{core.management_url}/api/connections")
-    return sum(1 for link in links if not str(link.get("client_name", "")).endswith(" readiness"))
+    return sum(1 for link in links if not str(link.get("client_name", "")).endswith((" readiness", " sessions")))
 
 
 class GatewayRss(PeakRss):

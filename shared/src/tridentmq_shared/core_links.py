@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
+from tridentmq_shared.link.channels import SharedLinks
 from tridentmq_shared.link.client import LinkClient, LinkClosedError, LinkRequestError, ReconnectPolicy
 from tridentmq_shared.link.codec import DEFAULT_HEARTBEAT_MS
 from tridentmq_shared.link.ops import ErrorCode
@@ -59,6 +60,11 @@ class CoreLinkSettings:
     password: str = doc("", "Password of that user.")
     tls: bool = doc(False, "Connect to the core over TLS (the core's `link.tls`), checking its certificate "
                            "against `tls.ca_file` and presenting `tls.cert_file` when set.")  # fmt: skip
+    shared_links: int = doc(1, "Links to each core node that carry the gateway's client sessions, each session a "
+                               "channel of one of them (opened with `core.user`, which the core must accept): "
+                               "a session then costs the core its state, not a connection. 0: one link per "
+                               "client session. Should the core refuse `core.user`, sessions fall back to a "
+                               "link each.")  # fmt: skip
     consumer_window_bytes: int = doc(4 * 1024 * 1024, "Message bodies one subscription may have on their way "
                                      "from the core or waiting in the gateway for its client, besides its "
                                      "window in messages (one message may pass it): what bounds the gateway's "
@@ -103,6 +109,13 @@ class CoreLinks:
         self._watcher: LinkClient | None = None
         self._watching: asyncio.Task[None] | None = None
         self._readiness: LinkClient | None = None  # the link ``reachable`` keeps
+        if settings.shared_links < 0:
+            raise SettingsError("core.shared_links must be 0 or more")
+        self.shared: SharedLinks | None = None
+        if settings.shared_links:
+            self.shared = SharedLinks(per_node=settings.shared_links, user=settings.user or None,
+                                      password=settings.password or None, name=name, heartbeat_ms=heartbeat_ms,
+                                      tls=tls)  # fmt: skip
 
     @classmethod
     def of(cls, settings: CoreLinkSettings, *, name: str = "gateway", heartbeat_ms: int = DEFAULT_HEARTBEAT_MS,
@@ -130,7 +143,7 @@ class CoreLinks:
         ``acting_for``, ``user`` is the gateway's own and the link has ``acting_for``'s permissions."""
         return LinkClient(topology=self.topology, reconnect=self.reconnect, user=user, password=password,
                           client_name=client_name, client_host=client_host, heartbeat_ms=heartbeat_ms,
-                          tls=self.tls, acting_for=acting_for)  # fmt: skip
+                          tls=self.tls, acting_for=acting_for, channels=self.shared)  # fmt: skip
 
     async def reachable(self) -> bool:
         """Whether a core node of the topology answers a link: what a gateway needs before it can serve a
@@ -198,4 +211,6 @@ class CoreLinks:
             await self._watcher.close()
         if self._readiness is not None:
             await self._readiness.close()
+        if self.shared is not None:
+            await self.shared.close()
         self._process.pop((self.settings.host, self.settings.port), None)

@@ -107,16 +107,60 @@ def link_frame_bytes(settings: CoreSettings) -> int:
     return configured
 
 
-class LinkProtocol(asyncio.Protocol):
-    """One link connection: bytes → codec → broker."""
+#: A channel's frames travel inside its link's frames: this much of the link's frame limit is left for the
+#: CHANNEL operation around them.
+CHANNEL_FRAME_MARGIN = 1024
 
-    def __init__(self, node: CoreNode) -> None:
+
+class ChannelTransport:
+    """The byte stream of one session multiplexed over a link (a CHANNEL), as a transport for the session's own
+    ``LinkProtocol``: what the session writes goes out as CHANNEL operations of the link; closing it ends the
+    channel on both sides."""
+
+    __slots__ = ("channel_id", "closing", "link")
+
+    def __init__(self, link: LinkProtocol, channel_id: int) -> None:
+        self.link = link
+        self.channel_id = channel_id
+        self.closing = False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        transport = self.link.transport
+        return transport.get_extra_info(name, default) if name == "peername" and transport is not None else default
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def write(self, data: bytes) -> None:
+        if not self.closing:
+            self.link.channel_write(self.channel_id, data)
+
+    def close(self) -> None:
+        if not self.closing:
+            self.closing = True
+            self.link.channel_closed(self.channel_id, tell_peer=True)
+
+    abort = close
+
+
+class LinkProtocol(asyncio.Protocol):
+    """One link connection: bytes → codec → broker. A channel of a link (one session of a gateway's shared
+    link) is a ``LinkProtocol`` too, over a ``ChannelTransport``: ``carrier`` is then its link."""
+
+    def __init__(self, node: CoreNode, carrier: LinkProtocol | None = None) -> None:
         self.node = node
+        self.carrier = carrier
         # One property more than clients may send: a message forwarded by another node carries its header.
         link = node.settings.link
-        self.conn = LinkConnection(Role.SERVER, max_frame_size=node.link_frame_bytes, heartbeat_ms=link.heartbeat_ms,
+        # A channel has no heartbeats of its own (its link's tell whether the peer lives), and frames that fit
+        # in its link's with the CHANNEL operation around them.
+        frame = node.link_frame_bytes - (CHANNEL_FRAME_MARGIN if carrier is not None else 0)
+        self.conn = LinkConnection(Role.SERVER, max_frame_size=frame,
+                                   heartbeat_ms=0 if carrier is not None else link.heartbeat_ms,
                                    max_properties=MAX_PROPERTIES + 1,
                                    handshake_frame_size=link.handshake_max_frame_bytes)  # fmt: skip
+        self.channels: dict[int, LinkProtocol] = {}  # sessions multiplexed over this link, by channel id
+        self.channel_transport: ChannelTransport | None = None  # when this is a channel
         self.session: Session | None = None
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
@@ -130,13 +174,19 @@ class LinkProtocol(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.peer = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         node = self.node
-        if len(node.protocols) >= node.settings.link.max_connections:
+        if self.carrier is not None:
+            if len(self.carrier.channels) > node.settings.link.max_channels:  # itself counted already
+                self._refuse_connection("channels", "the link has its maximum of sessions (link.max_channels)")
+                return
+        elif len(node.links) >= node.settings.link.max_connections:
             self._refuse_connection("connections", "the node has its maximum of connections")
             return
         if len(node.handshaking) >= node.settings.link.max_handshaking:
             self._refuse_connection("handshaking", "the node has its maximum of connections still in their handshake")
             return
         node.protocols[self.conn_id] = self
+        if self.carrier is None:
+            node.links[self.conn_id] = self
         node.handshaking.add(self.conn_id)
 
     def _refuse_connection(self, limit: str, text: str) -> None:
@@ -158,12 +208,60 @@ class LinkProtocol(asyncio.Protocol):
             self._handshake(events)
         else:
             self.node.broker.handle(self.session, events, _now_ms())
+        if self.conn.channel_data:
+            self._channels_received()
         self.node.schedule_flush()
         if self.conn.closed and self.transport is not None:
             # The client sent CLOSE: end the connection once this batch's output is written (over TCP the
             # client's half-close would end it too; TLS has none).
             asyncio.get_running_loop().call_soon(self.close_transport)
 
+    # ------------------------------------------------------------------ channels (on a link)
+    def _channels_received(self) -> None:
+        """Bytes of the sessions multiplexed over this link: each channel is fed to its own protocol, made on
+        its first bytes; empty bytes: the peer ended that session."""
+        received, self.conn.channel_data = self.conn.channel_data, []
+        if self.session is None:
+            return  # not open (yet, or any more): the codec accepts no CHANNEL before WELCOME anyway
+        for channel_id, data in received:
+            channel = self.channels.get(channel_id)
+            if not data:
+                if channel is not None:
+                    self._end_channel(channel_id, channel)
+                continue
+            if channel is None:
+                channel = self.channels[channel_id] = LinkProtocol(self.node, carrier=self)
+                transport = channel.channel_transport = ChannelTransport(self, channel_id)
+                channel.connection_made(cast(asyncio.Transport, transport))
+                if transport.closing:  # refused at a limit
+                    continue
+            channel.data_received(data)
+
+    def channel_write(self, channel_id: int, data: bytes) -> None:
+        """A channel's output, carried as a CHANNEL operation of this link (written with this turn's flush)."""
+        if self.conn.open:
+            self.conn.channel(channel_id, data)
+            node = self.node
+            node.carriers.add(self)
+            node.schedule_flush()
+
+    def channel_closed(self, channel_id: int, *, tell_peer: bool) -> None:
+        """A channel's session ended here (a refusal, a protocol error, a shutdown): the peer learns it."""
+        channel = self.channels.get(channel_id)
+        if channel is None:
+            return
+        if tell_peer:
+            self.channel_write(channel_id, b"")
+        self._end_channel(channel_id, channel)
+
+    def _end_channel(self, channel_id: int, channel: LinkProtocol) -> None:
+        del self.channels[channel_id]
+        if channel.channel_transport is not None:
+            channel.channel_transport.closing = True
+        # Like a socket's end, a loop turn later: the caller may be in the middle of the node's flush.
+        asyncio.get_running_loop().call_soon(channel.connection_lost, None)
+
+    # ------------------------------------------------------------------ handshake
     def _handshake(self, events: list[ev.Event]) -> None:
         for event in events:
             if not isinstance(event, ev.HelloReceived):
@@ -175,6 +273,12 @@ class LinkProtocol(asyncio.Protocol):
                 return
             if not self.node.serving:
                 self._refuse(ErrorCode.NOT_ACTIVE, self.node.not_serving_reason())
+                return
+            carrier = self.carrier
+            if carrier is not None and event.acting_for is not None and carrier.session is not None:
+                # A session asserted by its link's user (a gateway that authenticated the client): no password
+                # here; ``_open`` lets only link.proxy_users do so.
+                self._open(event, carrier.session.principal)
                 return
             logins = self.node.logins
             try:
@@ -237,8 +341,9 @@ class LinkProtocol(asyncio.Protocol):
         self.session = node.broker.open_session(self.conn, self.conn_id, principal, self.peer, event.client_name,
                                                 _now_ms())  # fmt: skip
         self.write_pending()
-        log.info("link opened", extra={"conn": self.conn_id, "peer": self.peer, "client": event.client_name,
-                                       "user": principal.name})  # fmt: skip
+        if self.carrier is None:  # a gateway's sessions come by the thousand: their link is logged
+            log.info("link opened", extra={"conn": self.conn_id, "peer": self.peer, "client": event.client_name,
+                                           "user": principal.name})  # fmt: skip
 
     def fail(self, exc: LinkError) -> None:
         log.warning("link closed on protocol error", extra={"conn": self.conn_id, "peer": self.peer,
@@ -261,16 +366,23 @@ class LinkProtocol(asyncio.Protocol):
             self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.node.protocols.pop(self.conn_id, None)
-        self.node.handshaking.discard(self.conn_id)
+        node = self.node
+        node.protocols.pop(self.conn_id, None)
+        node.links.pop(self.conn_id, None)
+        node.handshaking.discard(self.conn_id)
+        node.carriers.discard(self)
         if self._login is not None:
             self._login.cancel()  # its check, if not yet running, never runs
             self._login = None
+        # The sessions this link carried end with it, each as if its own connection had dropped.
+        for channel_id, channel in list(self.channels.items()):
+            self._end_channel(channel_id, channel)
         if self.session is not None:
-            self.node.broker.close_session(self.session, _now_ms())
-            log.info("link closed", extra={"conn": self.conn_id, "peer": self.peer})
+            node.broker.close_session(self.session, _now_ms())
+            if self.carrier is None:
+                log.info("link closed", extra={"conn": self.conn_id, "peer": self.peer})
             self.session = None
-            self.node.schedule_flush()
+            node.schedule_flush()
 
 
 class CoreNode:
@@ -323,8 +435,11 @@ class CoreNode:
         self.journal: Journal | None = None
         self.journal_store: JournalStore | None = None
         self.status = NodeStatus(started_at=time.time(), epoch=self.identity.epoch)
+        self.status.links = lambda: len(self.links)
         self.rates = QueueRates()
-        self.protocols: dict[str, LinkProtocol] = {}
+        self.protocols: dict[str, LinkProtocol] = {}  # links and the channels they carry, by connection id
+        self.links: dict[str, LinkProtocol] = {}  # the links alone (connections)
+        self.carriers: set[LinkProtocol] = set()  # links with channel output to write at this turn's flush
         self.handshaking: set[str] = set()  # connections that have not completed HELLO (link.max_handshaking)
         self.refusals = LogWindow(60.0)  # connections refused at a limit, logged once a minute per limit
         self._flush_scheduled = False
@@ -728,6 +843,10 @@ class CoreNode:
             except LinkError as exc:  # an operation larger than the peer accepts: a bug, not the peer's
                 log.exception("cannot frame output", extra={"conn": session.conn_id, "reason": exc.text})
                 protocol.close_transport()
+        if self.carriers:  # after the channels' own output, which travels in their links' frames
+            carriers, self.carriers = self.carriers, set()
+            for protocol in carriers:
+                protocol.write_pending()
 
     async def _tick_forever(self) -> None:
         last_second = 0.0
@@ -738,7 +857,9 @@ class CoreNode:
             if self.replication is not None:
                 self.replication.tick()
             handshake_deadline = mono - self.settings.link.handshake_timeout_ms / 1000
-            for protocol in list(self.protocols.values()):
+            # Links, and the channels still in their handshake: an open channel has no timer of its own.
+            channels = [p for conn_id in self.handshaking if (p := self.protocols.get(conn_id)) and p.carrier]
+            for protocol in [*self.links.values(), *channels]:
                 if protocol.session is None and protocol.opened < handshake_deadline:
                     # Counted, not logged one by one: a login storm leaves many waiting for their check.
                     if self.refusals.first("handshake-timeout", mono):

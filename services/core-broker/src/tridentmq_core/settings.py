@@ -33,6 +33,10 @@ class LinkSection:
                                     "many publishes as this holds at `broker.max_message_bytes` each, at "
                                     "least one.")  # fmt: skip
     max_connections: int = doc(10_000, "Link connections accepted at once; more are refused.")
+    max_channels: int = doc(100_000, "Sessions one link may carry as channels (a gateway multiplexes its "
+                                     "clients' sessions over a few links: `core.shared_links`); more are "
+                                     "refused with resource-limit. Each costs the node a session's state, not a "
+                                     "connection.")  # fmt: skip
     handshake_timeout_ms: int = doc(10_000, "A connection that has not completed HELLO by then is closed "
                                             "(`resource-limit` when its HELLO still waits for its password "
                                             "check: the client retries).")  # fmt: skip

@@ -22,7 +22,7 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.codec import DEFAULT_HEARTBEAT_MS, LinkConnection, Role, State
@@ -41,6 +41,9 @@ from tridentmq_shared.message import (
 )
 from tridentmq_shared.runtime import set_nodelay
 from tridentmq_shared.tls import ClientTls
+
+if TYPE_CHECKING:
+    from tridentmq_shared.link.channels import SharedLinks
 
 log = logging.getLogger("tridentmq.link.client")
 _OPEN = State.OPEN  # a module constant: enum member access is slow on the publish path
@@ -73,6 +76,10 @@ class LinkRequestError(Exception):
 
 class LinkClosedError(LinkRequestError):
     """The link is closed (by us, or by the server and reconnecting is off or exhausted)."""
+
+
+class SharedLinksRefusedError(Exception):
+    """The core does not let the gateway's own user open a shared link: a session connects on its own."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,6 +296,7 @@ class LinkClient:
         reconnect: ReconnectPolicy | None = None,
         connect_timeout: float = 5.0,
         tls: ClientTls | None = None,
+        channels: SharedLinks | None = None,
     ) -> None:
         #: The nodes this client may use (``topology`` is the TOPOLOGY request).
         self.nodes = topology or Topology(list(endpoints) if endpoints else [(host, port)], load_balancing)
@@ -303,6 +311,8 @@ class LinkClient:
         self.reconnect = reconnect or ReconnectPolicy()
         self.connect_timeout = connect_timeout
         self.tls = tls  # connect with TLS (the core's link.tls)
+        #: A gateway's shared links: this client's link is then a channel of one of them, not a connection.
+        self.channels = channels
         self.node_id = ""
         self.node_epoch = 0  # the activation epoch the node announced (HA)
         self.failovers = 0  # reconnects that succeeded
@@ -343,6 +353,8 @@ class LinkClient:
         self.on_topology: Callable[[dict[str, Any]], None] | None = None
         #: Called with each batch of journal records a primary streams (after a ``replicate`` request).
         self.on_replica: Callable[[ev.ReplicaRecords], None] | None = None
+        #: Called with the (channel id, bytes) the server sent for the sessions this link carries.
+        self.on_channels: Callable[[list[tuple[int, bytes]]], None] | None = None
 
     async def __aenter__(self) -> LinkClient:
         await self.connect()
@@ -405,10 +417,16 @@ class LinkClient:
         self._conn = conn
         self._error = None
         self._opened = loop.create_future()
-        context = self.tls.context() if self.tls is not None else None
-        transport, protocol = await asyncio.wait_for(
-            loop.create_connection(lambda: _Protocol(self), host, port, ssl=context), self.connect_timeout
-        )
+        transport: asyncio.Transport
+        if self.channels is not None:
+            try:
+                transport, protocol = await asyncio.wait_for(
+                    self.channels.open(host, port, lambda: _Protocol(self)), self.connect_timeout
+                )
+            except SharedLinksRefusedError:
+                transport, protocol = await self._connect_directly(host, port)
+        else:
+            transport, protocol = await self._connect_directly(host, port)
         self._protocol = protocol
         if transport.is_closing():
             # Reset by the peer between the connect and now (a node dying or turning a link away): writing
@@ -431,6 +449,13 @@ class LinkClient:
                                                     f"replaced it")  # fmt: skip
         self._heartbeat_task = asyncio.create_task(self._heartbeat(conn))
         self._heartbeat_task.add_done_callback(self._task_ended)
+
+    async def _connect_directly(self, host: str, port: int) -> tuple[asyncio.Transport, _Protocol]:
+        context = self.tls.context() if self.tls is not None else None
+        loop = self._event_loop()
+        return await asyncio.wait_for(
+            loop.create_connection(lambda: _Protocol(self), host, port, ssl=context), self.connect_timeout
+        )
 
     async def _heartbeat(self, conn: LinkConnection) -> None:
         while conn is self._conn:
@@ -500,6 +525,10 @@ class LinkClient:
             settled = settled or type(event) in _SETTLING
         if settled and self.on_settled is not None:
             self.on_settled()
+        if conn.channel_data:
+            received, conn.channel_data = conn.channel_data, []
+            if self.on_channels is not None:
+                self.on_channels(received)
         self._schedule_flush()
 
     def _dispatch(self, event: ev.Event) -> None:

@@ -122,6 +122,7 @@ _FIELDS: Final[dict[int, tuple[type | tuple[type, ...], ...]]] = {
     Op.REPLICA: (int, int, list, int),
     Op.REPLICA_ACK: (int,),
     Op.VOTE: (int, dict),
+    Op.CHANNEL: (int, bytes),
 }
 # Version 2: PUBLISH_CREDIT and FLOW carry bytes after the message credit (WELCOME's extra field is read apart).
 _FIELDS_V2: Final[dict[int, tuple[type | tuple[type, ...], ...]]] = {
@@ -134,11 +135,11 @@ _RECEIVES: Final = {
     Role.SERVER: frozenset({
         Op.CLOSE, Op.HEARTBEAT, Op.CREATE_ADDRESS, Op.DELETE_ADDRESS, Op.CREATE_QUEUE, Op.DELETE_QUEUE,
         Op.SUBSCRIBE, Op.UNSUBSCRIBE, Op.TX_BEGIN, Op.TX_COMMIT, Op.TX_ROLLBACK, Op.SET_WILL, Op.PUBLISH,
-        Op.ACK, Op.NACK, Op.FLOW, Op.TOPOLOGY, Op.REPLICATE, Op.REPLICA_ACK, Op.VOTE,
+        Op.ACK, Op.NACK, Op.FLOW, Op.TOPOLOGY, Op.REPLICATE, Op.REPLICA_ACK, Op.VOTE, Op.CHANNEL,
     }),
     Role.CLIENT: frozenset({
         Op.CLOSE, Op.HEARTBEAT, Op.OK, Op.ERROR, Op.CONFIRM, Op.REJECT, Op.PUBLISH_CREDIT, Op.DELIVER,
-        Op.CONSUMER_CLOSED, Op.BROWSE_DONE, Op.TOPOLOGY_UPDATE, Op.REPLICA,
+        Op.CONSUMER_CLOSED, Op.BROWSE_DONE, Op.TOPOLOGY_UPDATE, Op.REPLICA, Op.CHANNEL,
     }),
 }  # fmt: skip
 
@@ -213,6 +214,9 @@ class LinkConnection:
         self.consumer_credit: dict[int, int] = {}
         self.consumer_bytes: dict[int, int] = {}  # byte credit of the consumers subscribed with ``credit_bytes``
         self._released_consumers: set[int] = set()
+        #: (channel id, bytes) of the CHANNEL operations received, in order, for the shell to drain after each
+        #: ``receive_data``: the streams of sessions multiplexed over this link (empty bytes: the channel closed).
+        self.channel_data: list[tuple[int, bytes]] = []
 
     @property
     def open(self) -> bool:
@@ -363,6 +367,11 @@ class LinkConnection:
 
     def _control_event(self, code: int, op: list[Any]) -> ev.Event | None:
         if code == Op.HEARTBEAT:
+            return None
+        if code == Op.CHANNEL:
+            if op[1] == 0:
+                self._fail(ErrorCode.MALFORMED, "channel ids start at 1")
+            self.channel_data.append((op[1], op[2]))
             return None
         if code == Op.CLOSE:
             self.state = _CLOSED
@@ -694,6 +703,14 @@ class LinkConnection:
         if not self._answering():
             return
         self._out.append([Op.REPLICA, epoch, first, records, sync_end])
+
+    # ------------------------------------------------------------------ both sides
+    def channel(self, channel_id: int, data: bytes) -> None:
+        """Queue bytes of channel ``channel_id``'s stream (``b""``: the channel is closed from this side and
+        gone on both: a session multiplexed over this link ends)."""
+        if self.state is not _OPEN:
+            raise LocalProtocolError(ErrorCode.UNEXPECTED, f"link is {self.state.value}, not open")
+        self._out.append((Op.CHANNEL, channel_id, data))
 
     # ------------------------------------------------------------------ client side
     def hello(self, user: str | None, password: str | None, client_name: str, client_host: str | None = None,

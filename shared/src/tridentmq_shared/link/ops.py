@@ -53,6 +53,8 @@ class Op(IntEnum):
     REPLICA = 33  # S→C [op, epoch, first, records, sync_end]: journal records numbered from ``first``
     REPLICA_ACK = 34  # C→S [op, upto]: the backup holds every record up to this number
     VOTE = 35  # C→S [op, req_id, request]: a node asks an active node for its vote on a pair's epoch
+    # sessions multiplexed over one link
+    CHANNEL = 36  # both [op, channel_id, data]: bytes of a session's own link stream; empty data closes it
 
 
 class NackMode(IntEnum):

@@ -46,6 +46,7 @@ class NodeStatus:
     truncated: list[str] = field(default_factory=list)  # journal tails cut off at start, one line each
     cluster: Callable[[], dict[str, Any]] | None = None  # the cluster view, when the node clusters
     ha: Callable[[], dict[str, Any]] | None = None  # the pair's view, when the node is half of one
+    links: Callable[[], int] = lambda: 0  # link connections (a gateway's shared link carries many sessions)
 
 
 class QueueRates:
@@ -156,6 +157,7 @@ class _Handlers:
             "ready": self.status.ready,
             "link_port": self.status.link_port,
             "connections": len(broker.sessions),
+            "links": self.status.links(),
             "addresses": len(broker.addresses),
             "queues": len(broker.queues),
             "messages": sum(len(q) for q in queues),

@@ -1,0 +1,223 @@
+"""A gateway's shared links: a few links per core node carrying its clients' sessions as channels.
+
+Each session keeps its own ``LinkClient`` and its own link stream (HELLO with the client's credentials or the
+user the gateway asserts, its consumers, credit, publishes), but that stream travels as CHANNEL operations of
+a link the gateway shares with its other sessions, rather than over a connection of its own: the core's cost
+per session is its state, not a socket, a TCP handshake and a file descriptor on both sides. A session sees
+its channel as a transport; when the shared link dies, every channel on it is lost as a connection would
+be, and each session fails over as it always did (to a channel of another node's shared link).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+from tridentmq_shared.link.client import (
+    EARLY_WRITE_OPERATIONS,
+    LinkClient,
+    LinkRequestError,
+    ReconnectPolicy,
+    SharedLinksRefusedError,
+)
+from tridentmq_shared.link.codec import DEFAULT_HEARTBEAT_MS
+from tridentmq_shared.link.ops import ErrorCode
+from tridentmq_shared.link.topology import Endpoint
+from tridentmq_shared.tls import ClientTls
+
+log = logging.getLogger("tridentmq.gateway")
+P = TypeVar("P", bound=asyncio.Protocol)
+
+#: After the core refused the gateway's own user for a shared link, sessions connect one link each for this
+#: long before a shared link is tried again.
+REFUSED_RETRY_SECONDS = 30.0
+
+
+class ChannelTransport:
+    """One session's stream over a shared link, as the transport of that session's link protocol."""
+
+    __slots__ = ("carrier", "channel_id", "closing", "protocol")
+
+    def __init__(self, carrier: Carrier, channel_id: int, protocol: asyncio.Protocol) -> None:
+        self.carrier = carrier
+        self.channel_id = channel_id
+        self.protocol = protocol
+        self.closing = False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def can_write_eof(self) -> bool:
+        return False  # a session's link closes after the core answered its CLOSE, as over TLS
+
+    def write(self, data: bytes) -> None:
+        if not self.closing and data:
+            self.carrier.write(self.channel_id, data)
+
+    def close(self) -> None:
+        """End the channel on both sides; the session's protocol sees the end a loop turn later."""
+        if not self.closing:
+            self.carrier.write(self.channel_id, b"")
+            self.carrier.ended(self.channel_id)
+
+    abort = close
+
+
+class Carrier:
+    """One shared link to a core node and the channels it carries."""
+
+    def __init__(self, links: SharedLinks, client: LinkClient) -> None:
+        self.links = links
+        self.client = client
+        self.channels: dict[int, ChannelTransport] = {}
+        self._ids = itertools.count(1)
+        self.alive = True
+        client.on_channels = self._received
+        client.on_closed = self._closed
+
+    def open_channel(self, protocol_factory: Callable[[], P]) -> tuple[asyncio.Transport, P]:
+        protocol = protocol_factory()
+        transport = ChannelTransport(self, next(self._ids), protocol)
+        self.channels[transport.channel_id] = transport
+        carried = self.client._protocol
+        if carried is not None and hasattr(protocol, "writable"):
+            # The session waits while the shared link's socket is full (its own would have paused it).
+            protocol.writable = carried.writable
+        channel = cast(asyncio.Transport, transport)  # what a session needs of a transport, duck-typed
+        protocol.connection_made(channel)
+        return channel, protocol
+
+    def write(self, channel_id: int, data: bytes) -> None:
+        conn = self.client._conn
+        if conn is None or not conn.open:
+            return  # the link is gone: its channels learn it from ``_closed``
+        conn.channel(channel_id, data)
+        if conn.pending_operations >= EARLY_WRITE_OPERATIONS:
+            self.client._write_now()
+        else:
+            self.client._schedule_flush()
+
+    def ended(self, channel_id: int) -> None:
+        transport = self.channels.pop(channel_id, None)
+        if transport is not None:
+            transport.closing = True
+            asyncio.get_running_loop().call_soon(transport.protocol.connection_lost, None)
+
+    def _received(self, received: list[tuple[int, bytes]]) -> None:
+        channels = self.channels
+        for channel_id, data in received:
+            transport = channels.get(channel_id)
+            if transport is None:
+                continue  # ended here already; what was on its way is dropped
+            if data:
+                transport.protocol.data_received(data)
+            else:
+                self.ended(channel_id)
+
+    def _closed(self, error: LinkRequestError) -> None:
+        """The shared link is gone: each of its sessions is lost as its own connection would have been."""
+        self.alive = False
+        self.links.forget(self)
+        if self.channels:
+            log.warning("shared core link lost: its sessions fail over",
+                        extra={"core": f"{self.client.host}:{self.client.port}", "sessions": len(self.channels),
+                               "reason": error.text})  # fmt: skip
+        for channel_id in list(self.channels):
+            self.ended(channel_id)
+
+
+class SharedLinks:
+    """The shared links of one gateway process to its core nodes, ``per_node`` to each, opened on first use
+    with the gateway's own core user. Sessions are spread over a node's links by their count of channels."""
+
+    def __init__(self, *, per_node: int, user: str | None, password: str | None, name: str,
+                 heartbeat_ms: int = DEFAULT_HEARTBEAT_MS, tls: ClientTls | None = None,
+                 connect_timeout: float = 5.0) -> None:  # fmt: skip
+        self.per_node = per_node
+        self.user = user
+        self.password = password
+        self.name = name
+        self.heartbeat_ms = heartbeat_ms
+        self.tls = tls
+        self.connect_timeout = connect_timeout
+        self._carriers: dict[Endpoint, list[Carrier]] = {}
+        self._connecting: dict[Endpoint, asyncio.Future[Carrier]] = {}
+        self._refused_until: dict[Endpoint, float] = {}
+        self._closing = False
+
+    @property
+    def carriers(self) -> list[Carrier]:
+        return [carrier for carriers in self._carriers.values() for carrier in carriers]
+
+    async def open(self, host: str, port: int, protocol_factory: Callable[[], P]) -> tuple[asyncio.Transport, P]:
+        """A new channel to ``host``:``port`` for a session's protocol. Raises as a connection would (OSError,
+        TimeoutError, LinkClosedError), or ``SharedLinksRefusedError`` when the core refuses the gateway's user."""
+        endpoint = (host, port)
+        if self._refused_until.get(endpoint, 0.0) > time.monotonic():
+            raise SharedLinksRefusedError(f"{host}:{port}")
+        carriers = [c for c in self._carriers.get(endpoint, ()) if c.alive]
+        if len(carriers) < self.per_node:
+            carriers.append(await self._connect(endpoint))
+        carrier = min(carriers, key=lambda c: len(c.channels))
+        return carrier.open_channel(protocol_factory)
+
+    async def _connect(self, endpoint: Endpoint) -> Carrier:
+        """A new shared link to ``endpoint``; sessions asking meanwhile wait for the same one."""
+        pending = self._connecting.get(endpoint)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[Carrier] = asyncio.get_running_loop().create_future()
+        self._connecting[endpoint] = future
+        try:
+            carrier = await self._new_carrier(endpoint)
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # taken: nobody else may be waiting
+            raise
+        finally:
+            del self._connecting[endpoint]
+        future.set_result(carrier)
+        return carrier
+
+    async def _new_carrier(self, endpoint: Endpoint) -> Carrier:
+        client = LinkClient(*endpoint, user=self.user, password=self.password, client_name=f"{self.name} sessions",
+                            heartbeat_ms=self.heartbeat_ms, reconnect=ReconnectPolicy(attempts=0, initial_attempts=1),
+                            connect_timeout=self.connect_timeout, tls=self.tls)  # fmt: skip
+        core = f"{endpoint[0]}:{endpoint[1]}"
+        try:
+            await client.connect()
+        except LinkRequestError as exc:
+            if exc.code != ErrorCode.UNAUTHENTICATED:
+                raise
+            self._refused_until[endpoint] = time.monotonic() + REFUSED_RETRY_SECONDS
+            log.warning("the core refused the gateway's core.user for a shared link: one link per client session "
+                        "instead", extra={"core": core, "reason": exc.text})  # fmt: skip
+            raise SharedLinksRefusedError(exc.text) from exc
+        if self._closing:
+            await client.close()
+            raise ConnectionError("the gateway is stopping")
+        carrier = Carrier(self, client)
+        self._carriers.setdefault(endpoint, []).append(carrier)
+        log.info("shared core link opened", extra={"core": core})
+        return carrier
+
+    def forget(self, carrier: Carrier) -> None:
+        endpoint = (carrier.client.host, carrier.client.port)
+        carriers = self._carriers.get(endpoint)
+        if carriers is not None and carrier in carriers:
+            carriers.remove(carrier)
+
+    async def close(self) -> None:
+        """Close every shared link (their sessions are lost, as by a closed connection)."""
+        self._closing = True
+        carriers = self.carriers
+        self._carriers.clear()
+        for carrier in carriers:
+            await carrier.client.close()
