@@ -197,7 +197,7 @@ def test_op_codes_are_stable() -> None:
         "SUBSCRIBE": 14, "UNSUBSCRIBE": 15, "TX_BEGIN": 16, "TX_COMMIT": 17, "TX_ROLLBACK": 18, "SET_WILL": 19,
         "PUBLISH": 20, "CONFIRM": 21, "REJECT": 22, "PUBLISH_CREDIT": 23, "DELIVER": 24, "ACK": 25,
         "NACK": 26, "FLOW": 27, "CONSUMER_CLOSED": 28, "BROWSE_DONE": 29, "TOPOLOGY": 30, "TOPOLOGY_UPDATE": 31,
-        "REPLICATE": 32, "REPLICA": 33, "REPLICA_ACK": 34, "VOTE": 35,
+        "REPLICATE": 32, "REPLICA": 33, "REPLICA_ACK": 34, "VOTE": 35, "CHANNEL": 36,
     }  # fmt: skip
     assert [int(m) for m in NackMode] == [0, 1, 2]
 
@@ -212,6 +212,35 @@ def test_topology_request_and_updates_cross_the_link() -> None:
         ev.Reply(req, {"members": []}),
         ev.TopologyUpdate({"bindings": [], "removed": []}),
     ]
+
+
+def test_channel_bytes_cross_the_link_both_ways_beside_other_operations() -> None:
+    client, server = open_pair()
+    client.channel(7, b"session seven")
+    req = client.create_address("orders", [0])
+    client.channel(8, b"")  # channel 8 ends
+    assert server.receive_data(client.data_to_send(), 0.0) == [ev.CreateAddress(req, "orders", (0,))]
+    assert server.channel_data == [(7, b"session seven"), (8, b"")]
+    server.channel(7, b"answer")
+    assert client.receive_data(server.data_to_send(), 0.0) == []
+    assert client.channel_data == [(7, b"answer")]
+
+
+@pytest.mark.parametrize("op", [[36, 0, b"x"], [36, 1, "not bytes"], [36, 1], [36, -1, b"x"]])
+def test_a_malformed_channel_operation_breaks_the_link(op: list[Any]) -> None:
+    _client, server = open_pair()
+    with pytest.raises(RemoteProtocolError) as error:
+        server.receive_data(frame([op]), 0.0)
+    assert error.value.code == ErrorCode.MALFORMED
+
+
+def test_channel_bytes_need_an_open_link() -> None:
+    client = LinkConnection(Role.CLIENT)
+    with pytest.raises(LocalProtocolError):
+        client.channel(1, b"too early")
+    server = LinkConnection(Role.SERVER)
+    with pytest.raises(RemoteProtocolError):  # nothing but HELLO before the handshake
+        server.receive_data(frame([[36, 1, b"x"]]), 0.0)
 
 
 def test_a_malformed_topology_request_breaks_the_link() -> None:

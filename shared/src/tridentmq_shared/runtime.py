@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import resource
 import socket
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -22,8 +23,23 @@ def tune_gc() -> None:
     gc.freeze()  # what exists at start-up (modules, settings) lives for ever: never scan it again
 
 
+def raise_open_file_limit() -> int:
+    """Raise this process's soft limit of open files to its hard limit, as far as the OS lets it: a gateway
+    holds a descriptor per client connection (plus a few for its links to the core), and the usual soft limit
+    of 1,024 would refuse clients long before memory runs out. Returns the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft >= hard:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):  # an infinite hard limit the kernel caps lower (nr_open): keep the soft one
+        return soft
+    return hard
+
+
 def run_main(main: Coroutine[Any, Any, T]) -> T:
     tune_gc()
+    raise_open_file_limit()
     try:
         import uvloop  # noqa: PLC0415 - optional accelerator
     except ImportError:

@@ -54,6 +54,9 @@ UNBOUNDED_BYTES: Final = 1 << 62
 BYTE_CREDIT_VERSION: Final = 2
 
 _NACK_MODES: Final = frozenset(int(m) for m in NackMode)
+#: One packer for every connection: each holds a 4 KiB buffer, and a gateway or a core has a connection per
+#: client session. A pack of our plain types runs whole under the GIL and returns its bytes (autoreset).
+_PACKER: Final = msgpack.Packer(autoreset=True)
 #: Every integer field of an operation (ids, sequence numbers, counts, times) is within 0..MAX_FIELD_INT: a
 #: peer's value is added to, stored, echoed and logged, and must stay a signed 64-bit integer doing so.
 MAX_FIELD_INT: Final = 2**63 - 1
@@ -195,7 +198,6 @@ class LinkConnection:
         self._fields = _FIELDS  # the field table of the agreed version
         self._inbuf = bytearray()
         self._out: list[list[Any] | tuple[Any, ...]] = []
-        self._packer = msgpack.Packer(autoreset=True)
         # heartbeats
         self._last_recv = 0.0
         self._next_send_check = 0.0
@@ -569,7 +571,7 @@ class LinkConnection:
         return max(self._peer_max_frame - PUBLISH_HEADROOM, self._peer_max_frame // 2)
 
     def _frame(self, ops: list[list[Any] | tuple[Any, ...]]) -> bytes:
-        payload: bytes = self._packer.pack(ops)
+        payload: bytes = _PACKER.pack(ops)
         if len(payload) <= self._peer_max_frame and len(ops) <= self.max_ops_per_frame:
             return len(payload).to_bytes(HEADER_SIZE, "big") + payload
         if len(ops) == 1:
