@@ -110,6 +110,10 @@ def link_frame_bytes(settings: CoreSettings) -> int:
 #: A channel's frames travel inside its link's frames: this much of the link's frame limit is left for the
 #: CHANNEL operation around them.
 CHANNEL_FRAME_MARGIN = 1024
+#: A channel's output goes in CHANNEL operations of at most this many bytes, and its link is written as soon
+#: as this many are queued: the peer then decodes small link frames as they come, and neither side holds a
+#: second copy of a large batch of deliveries for longer than a small frame takes.
+CHANNEL_CHUNK_BYTES = 64 * 1024
 
 
 class ChannelTransport:
@@ -132,8 +136,15 @@ class ChannelTransport:
         return self.closing
 
     def write(self, data: bytes) -> None:
-        if not self.closing:
-            self.link.channel_write(self.channel_id, data)
+        if self.closing:
+            return
+        link, channel_id = self.link, self.channel_id
+        if len(data) <= CHANNEL_CHUNK_BYTES:
+            link.channel_write(channel_id, data)
+            return
+        with memoryview(data) as view:
+            for start in range(0, len(data), CHANNEL_CHUNK_BYTES):
+                link.channel_write(channel_id, bytes(view[start : start + CHANNEL_CHUNK_BYTES]))
 
     def close(self) -> None:
         if not self.closing:
@@ -160,6 +171,7 @@ class LinkProtocol(asyncio.Protocol):
                                    max_properties=MAX_PROPERTIES + 1,
                                    handshake_frame_size=link.handshake_max_frame_bytes)  # fmt: skip
         self.channels: dict[int, LinkProtocol] = {}  # sessions multiplexed over this link, by channel id
+        self._channel_bytes = 0  # channel output queued since this link was last written
         self.channel_transport: ChannelTransport | None = None  # when this is a channel
         self.session: Session | None = None
         self.transport: asyncio.Transport | None = None
@@ -241,6 +253,10 @@ class LinkProtocol(asyncio.Protocol):
         """A channel's output, carried as a CHANNEL operation of this link (written with this turn's flush)."""
         if self.conn.open:
             self.conn.channel(channel_id, data)
+            self._channel_bytes += len(data)
+            if self._channel_bytes >= CHANNEL_CHUNK_BYTES:
+                self.write_pending()
+                return
             node = self.node
             node.carriers.add(self)
             node.schedule_flush()
@@ -357,6 +373,7 @@ class LinkProtocol(asyncio.Protocol):
         self.close_transport()
 
     def write_pending(self) -> None:
+        self._channel_bytes = 0
         data = self.conn.data_to_send()
         if data and self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)

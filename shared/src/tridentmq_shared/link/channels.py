@@ -35,6 +35,10 @@ P = TypeVar("P", bound=asyncio.Protocol)
 #: After the core refused the gateway's own user for a shared link, sessions connect one link each for this
 #: long before a shared link is tried again.
 REFUSED_RETRY_SECONDS = 30.0
+#: A session's output goes in CHANNEL operations of at most this many bytes, and the shared link is written as
+#: soon as this many are queued: the core decodes small frames as they come, and no second copy of a large
+#: batch of publishes waits here for the end of the loop turn.
+CHUNK_BYTES = 64 * 1024
 
 
 class ChannelTransport:
@@ -58,8 +62,15 @@ class ChannelTransport:
         return False  # a session's link closes after the core answered its CLOSE, as over TLS
 
     def write(self, data: bytes) -> None:
-        if not self.closing and data:
-            self.carrier.write(self.channel_id, data)
+        if self.closing or not data:
+            return
+        carrier, channel_id = self.carrier, self.channel_id
+        if len(data) <= CHUNK_BYTES:
+            carrier.write(channel_id, data)
+            return
+        with memoryview(data) as view:
+            for start in range(0, len(data), CHUNK_BYTES):
+                carrier.write(channel_id, bytes(view[start : start + CHUNK_BYTES]))
 
     def close(self) -> None:
         """End the channel on both sides; the session's protocol sees the end a loop turn later."""
@@ -78,6 +89,7 @@ class Carrier:
         self.client = client
         self.channels: dict[int, ChannelTransport] = {}
         self._ids = itertools.count(1)
+        self._pending_bytes = 0  # channel bytes queued since the link was last written
         self.alive = True
         client.on_channels = self._received
         client.on_closed = self._closed
@@ -99,7 +111,9 @@ class Carrier:
         if conn is None or not conn.open:
             return  # the link is gone: its channels learn it from ``_closed``
         conn.channel(channel_id, data)
-        if conn.pending_operations >= EARLY_WRITE_OPERATIONS:
+        self._pending_bytes += len(data)
+        if conn.pending_operations >= EARLY_WRITE_OPERATIONS or self._pending_bytes >= CHUNK_BYTES:
+            self._pending_bytes = 0
             self.client._write_now()
         else:
             self.client._schedule_flush()
