@@ -221,8 +221,9 @@ async def test_queues_list_and_one(api: Api) -> None:
     orders = next(q for q in body if q["name"] == "orders")
     assert orders == {
         "name": "orders", "address": "orders", "routing_type": "anycast", "durable": True, "temporary": False,
-        "exclusive": False, "filter": None, "depth": 3, "in_flight": 1, "consumers": 1, "forwarders": 0, "added": 5,
-        "acked": 1, "delivered": 2, "expired": 0, "dead_lettered": 0, "enqueue_rate": 0.0, "ack_rate": 0.0,
+        "exclusive": False, "paused": False, "filter": None, "depth": 3, "in_flight": 1, "consumers": 1,
+        "forwarders": 0, "added": 5, "acked": 1, "delivered": 2, "expired": 0, "dead_lettered": 0,
+        "enqueue_rate": 0.0, "ack_rate": 0.0,
     }  # fmt: skip
     response = await client.get("/api/queues/audit.eu")
     assert response.status == 200

@@ -274,7 +274,7 @@ def test_retained_messages_are_listed_and_cleared_by_an_empty_retained_publish()
     listed = admin.retained("home/", 10, 64)
     assert listed["total"] == 2
     assert [r["topic"] for r in listed["retained"]] == ["home/hall/temp", "home/kitchen/temp"]
-    assert admin.delete_retained("home/hall/temp", NOW) == {"deleted": 1}
+    assert admin.delete_retained("home/hall/temp", NOW) == {"cleared": 1}
     h.sync()
     assert [r["topic"] for r in admin.retained("", 10, 64)["retained"]] == ["garden/rain", "home/kitchen/temp"]
     with pytest.raises(OperationError) as gone:

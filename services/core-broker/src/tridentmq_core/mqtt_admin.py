@@ -104,31 +104,30 @@ class MqttAdmin:
                 "queues": len(present)}  # fmt: skip
 
     def retained(self, prefix: str, limit: int, preview: int) -> dict[str, Any]:
-        """The retained messages (this node's copy holds all of them) whose topic starts with ``prefix``."""
+        """The first ``limit`` retained messages by topic, of the topics starting with ``prefix``, in this node's
+        copy (a node has one once a gateway used it; it then gets every retained message)."""
         queue = self.broker.queues.get(retained_queue(self.broker.node_id))
-        items: list[dict[str, Any]] = []
-        total = 0
+        found: list[tuple[str, Any, int, str]] = []
         if queue is not None:
-            tag = self.broker.node_id[:8]
             for message, count, state in queue.browse_messages():
                 topic = message[M_PROPS].get(TOPIC_PROPERTY)
-                if type(topic) is not str or not message[M_BODY] or not topic.startswith(prefix):
-                    continue  # an empty one only marks a cleared topic
-                total += 1
-                if len(items) < limit:
-                    items.append({"topic": topic, **message_view(message, tag, count, state, preview)})
-        items.sort(key=lambda item: item["topic"])
-        return {"total": total, "retained": items}
+                if type(topic) is str and message[M_BODY] and topic.startswith(prefix):  # empty: a cleared topic
+                    found.append((topic, message, count, state))
+        found.sort(key=lambda item: item[0])
+        tag = self.broker.node_id[:8]
+        items = [{"topic": topic, **message_view(message, tag, count, state, preview)}
+                 for topic, message, count, state in found[:limit]]  # fmt: skip
+        return {"total": len(found), "retained": items}
 
     def delete_retained(self, topic: str, now_ms: int) -> dict[str, Any]:
-        """Clear ``topic``'s retained message as an MQTT client would (an empty retained publish): one message
-        to the retained address reaches every node's copy."""
+        """Clear ``topic``'s retained message as an MQTT client would, with an empty retained publish, which
+        reaches every node's copy; done by each node whose copy holds it (the clears are alike)."""
         queue = self.broker.queues.get(retained_queue(self.broker.node_id))
         held = queue is not None and any(m[M_PROPS].get(TOPIC_PROPERTY) == topic and m[M_BODY]
                                          for m, _, _ in queue.browse_messages())  # fmt: skip
         if not held:
-            raise OperationError(404, f"no retained message on topic {topic!r}")
+            raise OperationError(404, f"no retained message on topic {topic!r} on this node")
         clear = new_message(RETAINED_ADDRESS, b"", routing=RoutingType.MULTICAST, durable=True,
                             properties={TOPIC_PROPERTY: topic}, protocol="mqtt")  # fmt: skip
         self.broker.publish(clear, now_ms)
-        return {"deleted": 1}
+        return {"cleared": 1}

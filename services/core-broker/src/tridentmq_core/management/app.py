@@ -92,6 +92,7 @@ def queue_view(queue: Queue, rates: QueueRates) -> dict[str, Any]:
         "durable": queue.durable,
         "temporary": queue.temporary,
         "exclusive": queue.exclusive,
+        "paused": queue.paused,
         "filter": queue.filter.text if queue.filter is not None else None,
         "depth": len(queue),
         "in_flight": queue.in_flight,

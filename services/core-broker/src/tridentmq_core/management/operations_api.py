@@ -162,7 +162,7 @@ class OperationsApi:
         except RequestRefusedError as exc:
             return _error(exc.status, exc.text)
         results: list[dict[str, Any]] = []
-        body = await request.read() if request.can_read_body else b""
+        body = await request.read()  # read (and kept) by the checks already, when there is one
         forwards = [self._forward(request, m, body) for m in others]
         if here:
             results.append(self._local(request, operation, target, local))
@@ -385,8 +385,19 @@ class OperationsApi:
             preview = _query_int(request, "preview", DEFAULT_PREVIEW_BYTES, 0, MAX_PREVIEW_BYTES)
             return prefix, lambda: self.mqtt.retained(prefix, limit, preview)
 
-        # Every node keeps a copy of all retained messages: this node's answers for the cluster.
-        return await self._guarded(request, "mqtt.retained", prepare, here_only=True)
+        response = await self._guarded(request, "mqtt.retained", prepare)
+        if response.status != 200:
+            return response
+        # The nodes' copies hold the same messages (those a gateway used): one entry per topic, first by topic.
+        answer = json.loads(response.body)  # type: ignore[arg-type]
+        merged: dict[str, dict[str, Any]] = {}
+        for node in answer["nodes"]:
+            for item in node.get("result", {}).get("retained", []) if node.get("status") == 200 else []:
+                merged.setdefault(item["topic"], {**item, "node_id": node["node_id"]})
+        limit = _query_int(request, "limit", 100, 1, MAX_BROWSE_LIMIT)
+        answer["retained"] = [merged[topic] for topic in sorted(merged)][:limit]
+        answer["total"] = max((n["result"]["total"] for n in answer["nodes"] if n.get("status") == 200), default=0)
+        return web.json_response(answer)
 
     async def delete_retained(self, request: web.Request) -> web.Response:
         async def prepare() -> tuple[str, Local]:
@@ -395,8 +406,7 @@ class OperationsApi:
                 raise RequestRefusedError(400, f"a topic is 1 to {MAX_TEXT} characters")
             return topic, lambda: self.mqtt.delete_retained(topic, _now_ms())
 
-        # One clearing message, published here, reaches every node's copy (as a retained publish does).
-        return await self._guarded(request, "mqtt.retained.delete", prepare, here_only=True)
+        return await self._guarded(request, "mqtt.retained.delete", prepare)
 
     async def failback(self, request: web.Request) -> web.Response:
         async def prepare() -> tuple[str, Local]:
