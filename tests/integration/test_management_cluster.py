@@ -37,7 +37,8 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[CoreProcess
 
 def call(node: CoreProcess, method: str, path: str, body: Any = None) -> tuple[int, Any]:
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(node.management_url + path, data=data, method=method)
+    request = urllib.request.Request(node.management_url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, json.loads(response.read())
