@@ -211,3 +211,34 @@ def test_a_qos1_message_published_on_another_node_right_after_the_suback_is_deli
         for node in nodes:
             assert node.stop() == 0, node.log()
             assert "Traceback" not in node.log(), node.log()
+
+
+def test_a_session_whose_record_moved_away_is_fetched_back_not_resumed_empty(tmp_path: Path) -> None:
+    """A scale-down (or redistribution) moves a session's record to another node and leaves its empty queue on
+    the node that comes back. A client resuming there got "session present" with no subscriptions: nothing it
+    had subscribed to reached it any more (found by the randomised run over ``up --nodes 3``)."""
+    a, b = start_cluster(tmp_path, 2)
+    pinned = {"TRIDENTMQ_MQTT_CORE_LOAD_BALANCING": "FIRST_ELEMENT"}
+    left = start_gateway(tmp_path, a, "mqtt", name="mqtt-a", **pinned)
+    client_id = f"c-{_id()}"
+    first = Paho(left.port, client_id, clean=False)
+    assert first.connect(expiry=300)[0] is False
+    first.subscribe("moved/#", 1)
+    first.disconnect()
+    left.stop()
+    assert a.stop() == 0, a.log()  # graceful: scale-down moves its messages, the session record too, to b
+    assert "scale-down complete" in a.log()
+    a = start_node(tmp_path, "node-0", [b])
+    wait_until(lambda: cluster_view(b)["remote_bindings"] >= 1, what="b to see a again")
+    left = start_gateway(tmp_path, a, "mqtt", name="mqtt-a2", **pinned)
+    again = Paho(left.port, client_id, clean=False)
+    assert again.connect(expiry=300)[0] is True
+    publisher = Paho(left.port, f"p-{_id()}")
+    publisher.connect()
+    publisher.publish("moved/1", b"still subscribed", 1)
+    assert [m.payload for m in again.receive(1)] == [b"still subscribed"]
+    for client in (again, publisher):
+        client.disconnect()
+    left.stop()
+    for node in (a, b):
+        assert node.stop() == 0, node.log()

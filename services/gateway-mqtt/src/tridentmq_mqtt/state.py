@@ -257,7 +257,15 @@ class Registry:
             return None
         if found.get("created") or (resume and client_id in self._holders):  # (an earlier fetch still waits)
             return await self._fetch_session(client_id)
-        return await self._read_session(link, client_id)
+        state = await self._read_session(link, client_id, or_empty=False)
+        if state is None and resume:
+            # The queue is here, its record is not: redistribution or a scale-down moved it to another node.
+            # Fetch it back; if it does not come, a new session (session present 0, so the client subscribes
+            # again), never an empty one passed off as the client's (it would wait for its subscriptions' messages
+            # in vain, as the randomised run over up --nodes 3 found).
+            with contextlib.suppress(SessionUnreachableError):
+                return await self._fetch_session(client_id)
+        return state
 
     async def _fetch_session(self, client_id: str) -> SessionState:
         """The session lives on another node: hold it here, so redistribution moves its record over, and
