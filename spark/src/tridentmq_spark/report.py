@@ -7,9 +7,10 @@ import html
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from tridentmq_spark import jobs, segments
@@ -45,97 +46,143 @@ def _bucket_seconds(span_s: float) -> int:
     return _BUCKETS_S[-1]
 
 
-def _tables(ev: DataFrame, bad: DataFrame, bucket_s: int) -> dict[str, DataFrame]:
-    msg = ev.where(F.col("event").startswith("msg."))
-    bucket = F.window("ts", f"{bucket_s} seconds").start.alias("bucket")
-    latency_ms = (F.col("ts_us") - F.col("sent_ts_us")) / 1000.0
-    acked = ev.where((F.col("event") == "msg.acked") & F.col("sent_ts_us").isNotNull())
-    delivered = ev.where((F.col("event") == "msg.delivered") & F.col("sent_ts_us").isNotNull())
-    pct = F.percentile_approx(latency_ms, [0.5, 0.9, 0.99], 10000)
+_MSG_COUNTED = ("msg.sent", "msg.acked", "msg.nacked", "msg.dead_lettered", "msg.expired")
+_CONN_EVENTS = ("conn.opened", "conn.closed", "consumer.opened", "consumer.closed")
+_LATENCY_EVENTS = {"msg.acked": "latency", "msg.delivered": "time_in_queue"}
+_BIN_RATIO = 1.005  # latency histogram bins 0.5 % wide: a percentile is the largest latency of its bin
 
-    def percentiles(df: DataFrame) -> DataFrame:
-        return (
-            df.groupBy("address")
-            .agg(F.count("*").alias("messages"), pct.alias("p"), F.max(latency_ms).alias("max_ms"))
-            .select(
-                "address",
-                "messages",
-                F.col("p")[0].alias("p50_ms"),
-                F.col("p")[1].alias("p90_ms"),
-                F.col("p")[2].alias("p99_ms"),
-                "max_ms",
-            )
-            .orderBy("address")
-        )
 
-    conns = ev.where(F.col("event").isin("conn.opened", "conn.closed", "consumer.opened", "consumer.closed"))
-    epochs = (
-        ev.groupBy("node_id", "epoch")
-        .agg(F.min("ts").alias("ts"))
-        .select("ts", "node_id", F.lit("epoch").alias("event"), "epoch", F.lit(None).cast("string").alias("detail"))
+def _facts(rows: DataFrame, bucket_s: int) -> DataFrame:
+    """The ONE aggregation over the events that every table is cut from (plain counts, sums, min and max:
+    Spark runs it as a code-generated hash aggregate).
+
+    Grouped by everything a table splits by (time bucket, node, epoch, event, address, queue, reason, ...),
+    so it is small; a lifecycle event or a bad record keeps its own row (its seq is part of the key). An
+    event with a latency (msg.acked, msg.delivered) is counted a second time into a latency histogram:
+    ``lat_bin`` set, by event and address only, with the smallest and largest latency of each bin.
+    """
+    ev = F.col("event")
+    bad = F.col("bad_reason").isNotNull()
+    single = bad | ev.isin(*_LIFECYCLE)  # rows the report lists one by one
+    latency_ms = F.when(
+        ev.isin(*_LATENCY_EVENTS) & F.col("sent_ts_us").isNotNull(), (F.col("ts_us") - F.col("sent_ts_us")) / 1000.0
     )
-    lifecycle = ev.where(F.col("event").isin(_LIFECYCLE)).select(
-        "ts",
-        "node_id",
+    detail = F.concat_ws(" ", F.coalesce("peer_node", "to", "backup", "reason", "configured_role"), F.col("name"))
+    # False: the event's own row; True: its histogram row (only events with a latency have one).
+    own_row, histogram_row = F.lit(False), F.lit(True)  # noqa: FBT003
+    as_histogram = F.explode(
+        F.when(latency_ms.isNotNull(), F.array(own_row, histogram_row)).otherwise(F.array(own_row))
+    )
+    rows = rows.select("*", latency_ms.alias("latency_ms"), as_histogram.alias("hist"))
+    hist = F.col("hist")
+
+    def own(column: Column) -> Column:
+        return F.when(~hist, column)
+
+    lat = F.col("latency_ms")
+    keyed = rows.select(
+        own(F.timestamp_seconds(F.floor(F.col("ts_us") / (bucket_s * 1_000_000)) * bucket_s)).alias("bucket"),
+        own(F.col("node_id")).alias("node_id"),
+        own(F.col("epoch")).alias("epoch"),
         "event",
-        "epoch",
-        F.concat_ws(" ", F.coalesce("peer_node", "to", "backup", "reason", "configured_role"), F.col("name")).alias(
-            "detail"
-        ),
+        "address",
+        own(F.col("queue")).alias("queue"),
+        own(F.col("reason")).alias("reason"),
+        own(F.when(ev.isin(*_CONN_EVENTS), F.coalesce("protocol", "consumer_protocol"))).alias("protocol"),
+        own((ev == "msg.acked") & (F.col("delivery_count") > 1)).alias("redelivered"),
+        "bad_reason",
+        own(F.when(single, F.col("seq"))).alias("row_seq"),
+        own(F.when(single, F.col("ts"))).alias("row_ts"),
+        F.when(bad, F.col("v")).alias("row_v"),
+        F.when(bad, F.col("raw")).alias("raw"),
+        own(F.when(ev.isin(*_LIFECYCLE) & ~bad, detail)).alias("detail"),
+        F.when(hist, F.when(lat > 0, F.floor(F.log(_BIN_RATIO, lat))).otherwise(F.lit(-(2**31)))).alias("lat_bin"),
+        "ts",
+        own(F.col("size")).alias("size"),
+        F.when(hist, lat).alias("latency_ms"),
     )
+    key = [c for c in keyed.columns if c not in {"ts", "size", "latency_ms"}]
+    return keyed.groupBy(*key).agg(
+        F.count("*").alias("n"),
+        F.sum("size").alias("bytes"),
+        F.min("ts").alias("first_ts"),
+        F.min("latency_ms").alias("latency_min_ms"),
+        F.max("latency_ms").alias("latency_max_ms"),
+    )
+
+
+def _percentiles(histogram: pd.DataFrame, event: str) -> pd.DataFrame:
+    """p50/p90/p99/max per address from the latency histogram of one event: the largest latency of the bin
+    the rank falls in (at most 0.5 % above the exact value)."""
+    out = []
+    for address, g in histogram[histogram["event"] == event].groupby("address", dropna=False):
+        g = g.sort_values("lat_bin")
+        total = int(g["n"].sum())
+        cumulative = g["n"].cumsum().to_numpy()
+        highs = g["latency_max_ms"].to_numpy()
+        p = [float(highs[int(np.searchsorted(cumulative, np.ceil(q * total)))]) for q in (0.5, 0.9, 0.99)]
+        out.append((address, total, *p, float(highs[-1])))
+    columns = ["address", "messages", "p50_ms", "p90_ms", "p99_ms", "max_ms"]
+    return pd.DataFrame(out, columns=columns).sort_values("address").reset_index(drop=True)
+
+
+def _sum(df: pd.DataFrame, by: list[str], column: str = "n", name: str = "messages") -> pd.DataFrame:
+    out = df.groupby(by, dropna=False, as_index=False)[column].sum().rename(columns={column: name})
+    return out.sort_values(by, na_position="first", kind="stable").reset_index(drop=True)
+
+
+def _tables(f: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """Every table of the report, cut from the facts (pandas: they are small)."""
+    histogram, f = f[f["lat_bin"].notna()], f[f["lat_bin"].isna()]
+    good, bad = f[f["bad_reason"].isna()], f[f["bad_reason"].notna()]
+    ev = good["event"]
+    throughput = good[ev.isin(["msg.sent", "msg.acked"])]
+    throughput = throughput.groupby(["bucket", "address", "event"], dropna=False, as_index=False)[["n", "bytes"]].sum()
+    throughput = throughput.rename(columns={"n": "messages"}).sort_values(["bucket", "address", "event"])
+    redelivered = good[ev.isin(["msg.nacked", "msg.dead_lettered", "msg.expired"]) | good["redelivered"]]
+    lifecycle = good[ev.isin(_LIFECYCLE)][["row_ts", "node_id", "event", "epoch", "detail"]]
+    epochs = good.groupby(["node_id", "epoch"], as_index=False)["first_ts"].min().rename(columns={"first_ts": "ts"})
+    epochs["event"], epochs["detail"] = "epoch", None
+    timeline = pd.concat([lifecycle.rename(columns={"row_ts": "ts"}), epochs[["ts", "node_id", "event", "epoch",
+                                                                                "detail"]]])  # fmt: skip
     return {
-        "throughput": msg.where(F.col("event").isin("msg.sent", "msg.acked"))
-        .groupBy(bucket, "address", "event")
-        .agg(F.count("*").alias("messages"), F.sum("size").alias("bytes"))
-        .orderBy("bucket", "address", "event"),
-        "latency": percentiles(acked),
-        "time_in_queue": percentiles(delivered),
-        "redeliveries": msg.where(
-            F.col("event").isin("msg.nacked", "msg.dead_lettered", "msg.expired")
-            | ((F.col("event") == "msg.acked") & (F.col("delivery_count") > 1))
-        )
-        .groupBy("address", "queue", "event", "reason")
-        .agg(F.count("*").alias("messages"))
-        .orderBy("address", "event"),
-        "dead_letters": msg.where(F.col("event") == "msg.dead_lettered")
-        .groupBy(bucket, "address", "reason")
-        .agg(F.count("*").alias("messages"))
-        .orderBy("bucket"),
-        "connections": conns.groupBy(
-            bucket, "node_id", "event", F.coalesce("protocol", "consumer_protocol").alias("protocol")
-        )
-        .agg(F.count("*").alias("count"))
-        .orderBy("bucket"),
-        "cluster_timeline": lifecycle.unionByName(epochs).orderBy("ts", "node_id"),
-        "bad_records_by_reason": bad.groupBy("node_id", "bad_reason")
-        .agg(F.count("*").alias("records"))
-        .orderBy("node_id", "bad_reason"),
+        "throughput": throughput.reset_index(drop=True),
+        "latency": _percentiles(histogram, "msg.acked"),
+        "time_in_queue": _percentiles(histogram, "msg.delivered"),
+        "redeliveries": _sum(redelivered, ["address", "queue", "event", "reason"]),
+        "dead_letters": _sum(good[ev == "msg.dead_lettered"], ["bucket", "address", "reason"]),
+        "connections": _sum(good[ev.isin(_CONN_EVENTS)], ["bucket", "node_id", "event", "protocol"], name="count"),
+        "cluster_timeline": timeline.sort_values(["ts", "node_id"], kind="stable").reset_index(drop=True),
+        "bad_records_by_reason": _sum(bad, ["node_id", "bad_reason"], name="records"),
     }
 
 
 def build_report(spark: SparkSession, audit_dir: Path, out: Path, *, bucket_seconds: int = 0) -> ReportResult:
-    rows = jobs.load(spark, audit_dir).cache()
-    ev, bad = jobs.events(rows), jobs.bad_records(rows)
-    counts = rows.agg(
-        F.count("*").alias("rows"),
-        F.count("bad_reason").alias("bad"),
-        F.min("ts_us").alias("first"),
-        F.max("ts_us").alias("last"),
-    ).first()
-    assert counts is not None
-    total, bad_count = int(counts["rows"]), int(counts["bad"])
-    first, last = counts["first"], counts["last"]
-    span_s = (last - first) / 1e6 if first is not None and last is not None else 0.0
-    bucket_s = bucket_seconds or _bucket_seconds(span_s)
-    out.mkdir(parents=True, exist_ok=True)
-    tables = _tables(ev, bad, bucket_s)
-    frames: dict[str, pd.DataFrame] = {}
-    for name, df in tables.items():
-        frame: pd.DataFrame = df.toPandas()  # aggregates are small; one pass each, then written as Parquet from pandas
+    """One read of the segments: a single aggregation (cached, small) that every table and chart comes from."""
+    first, last = segments.time_span(audit_dir)
+    bucket_s = bucket_seconds or _bucket_seconds((last - first) / 1e6 if first is not None and last is not None else 0)
+    facts = _facts(jobs.load(spark, audit_dir), bucket_s).cache()
+    try:
+        f: pd.DataFrame = facts.drop("raw").toPandas()  # the one pass over the events
+        out.mkdir(parents=True, exist_ok=True)
+        facts.where(F.col("bad_reason").isNotNull()).select(
+            "node_id",
+            F.col("row_seq").alias("seq"),
+            F.col("row_ts").alias("ts"),
+            "event",
+            F.col("row_v").alias("v"),
+            "bad_reason",
+            "raw",
+            F.explode(F.array_repeat(F.lit(0), F.col("n").cast("int"))),  # identical bad lines: one row each
+        ).drop("col").write.mode("overwrite").parquet(str(out / "bad_records"))
+    finally:
+        facts.unpersist()
+    frames = _tables(f)
+    for name, frame in frames.items():
         frame.to_parquet(out / f"{name}.parquet", index=False)
-        frames[name] = frame
-    bad.write.mode("overwrite").parquet(str(out / "bad_records"))
-    rows.unpersist()
+    own = f[f["lat_bin"].isna()]
+    total = int(own["n"].sum())
+    bad_count = int(own.loc[own["bad_reason"].notna(), "n"].sum())
     html_path = out / HTML_NAME
     html_path.write_text(_html(frames, audit_dir, total - bad_count, bad_count, bucket_s), encoding="utf-8")
     return ReportResult(html_path, total - bad_count, bad_count, {k: len(v) for k, v in frames.items()})

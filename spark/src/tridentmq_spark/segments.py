@@ -20,7 +20,7 @@ import pyarrow.json as pj
 
 from tridentmq_spark import schema
 
-__all__ = ["Segment", "list_nodes", "list_segments", "node_end", "read_range"]
+__all__ = ["Segment", "list_nodes", "list_segments", "node_end", "read_range", "split", "time_span"]
 
 _SUFFIX = ".jsonl"
 _TAIL_CHUNK = 64 * 1024
@@ -72,7 +72,43 @@ def node_end(segments: list[Segment]) -> int:
     return max(seq + 1, last.first_seq + 1) if seq is not None else last.first_seq + 1
 
 
+def split(segments: list[Segment], end: int, target_bytes: int) -> list[tuple[int, int]]:
+    """Seq ranges [start, end) of consecutive segments of about ``target_bytes`` each, cut at segment starts:
+    a batch read spreads one node's log over several tasks."""
+    ranges: list[tuple[int, int]] = []
+    start, size = None, 0
+    for segment in segments:
+        if start is None:
+            start = segment.first_seq
+        elif size >= target_bytes:
+            ranges.append((start, segment.first_seq))
+            start, size = segment.first_seq, 0
+        size += segment.path.stat().st_size
+    if start is not None and start < end:
+        ranges.append((start, end))
+    return ranges
+
+
+def time_span(audit_dir: Path) -> tuple[int | None, int | None]:
+    """Event time (ts_us) of the first line of the oldest and the last line of the newest sealed segment over
+    all nodes: the span a report covers, read from a few file ends without a pass over the data."""
+    firsts, lasts = [], []
+    for node in list_nodes(audit_dir):
+        found = list_segments(audit_dir / node)
+        if found:
+            with found[0].path.open("rb") as f:
+                first = _field_of(f.readline(), "ts_us")
+            last = _last_field(found[-1].path, "ts_us")
+            firsts += [first] if first is not None else []
+            lasts += [last] if last is not None else []
+    return (min(firsts) if firsts else None), (max(lasts) if lasts else None)
+
+
 def _last_seq(path: Path) -> int | None:
+    return _last_field(path, "seq")
+
+
+def _last_field(path: Path, name: str) -> int | None:
     """The seq on the last line that carries one, read from the file's tail."""
     with path.open("rb") as f:
         size = f.seek(0, os.SEEK_END)
@@ -83,22 +119,23 @@ def _last_seq(path: Path) -> int | None:
     if start > 0:
         lines = lines[1:]  # the first piece may be a partial line
     for line in reversed(lines):
-        seq = _seq_of(line)
-        if seq is not None:
-            return seq
+        value = _field_of(line, name)
+        if value is not None:
+            return value
     if start > 0:  # no readable line in the tail: scan the whole file
-        seqs = [s for s in map(_seq_of, path.read_bytes().split(b"\n")) if s is not None]
-        return max(seqs) if seqs else None
+        values = [v for v in (_field_of(line, name) for line in path.read_bytes().split(b"\n")) if v is not None]
+        return max(values) if values else None
     return None
 
 
-def _seq_of(line: bytes) -> int | None:
+def _field_of(line: bytes, name: str) -> int | None:
+    """A non-negative integer field of one line, or None (torn, not JSON, missing)."""
     try:
         record = orjson.loads(line)
     except orjson.JSONDecodeError:
         return None
-    seq = record.get("seq") if isinstance(record, dict) else None
-    return seq if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0 else None
+    value = record.get(name) if isinstance(record, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def read_range(node_dir: Path, node_id: str, start: int, end: int) -> Iterator[pa.RecordBatch]:
@@ -128,8 +165,8 @@ def read_range(node_dir: Path, node_id: str, start: int, end: int) -> Iterator[p
                 seq = row.get("seq")
                 if row.get("bad_reason") is None or isinstance(seq, int):
                     assert isinstance(seq, int)
-                    if seq >= end or seq < start:
-                        continue  # a later batch owns it (cannot happen with sealed files; kept defensive)
+                    if seq >= end:
+                        continue  # a later range owns it (cannot happen with sealed files; kept defensive)
                     if seq > expected:
                         builder.add(_gap(node_id, expected, seq))
                     elif seq < expected:

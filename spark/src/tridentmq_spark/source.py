@@ -23,6 +23,7 @@ from tridentmq_spark import schema, segments
 __all__ = ["FORMAT", "AuditDataSource"]
 
 FORMAT = "tridentmq_audit"
+_PARTITION_BYTES = 32 << 20
 
 
 @dataclass
@@ -75,7 +76,16 @@ class _BatchReader(DataSourceReader):
         self._dir = audit_dir
 
     def partitions(self) -> list[NodeRange]:
-        return [NodeRange(node, 0, end) for node, end in sorted(_ends(self._dir).items())]
+        """Each node's log in pieces of about 32 MiB of segments, so the tasks spread over every core (one
+        partition per node kept a core idle while the largest node was read). Ranges are cut at segment
+        starts, so a seq gap before a cut is reported by the range before it, and a line repeating a seq of
+        an earlier range is a duplicate_seq of the range it is in."""
+        parts = []
+        for node in segments.list_nodes(self._dir):
+            found = segments.list_segments(self._dir / node)
+            end = segments.node_end(found)
+            parts += [NodeRange(node, a, b) for a, b in segments.split(found, end, _PARTITION_BYTES)]
+        return parts
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         return _read(self._dir, partition)
