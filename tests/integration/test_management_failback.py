@@ -1,0 +1,46 @@
+"""A failback an operator asks for: a pair with ``ha.allow_failback`` off stays on its backup after the primary
+comes back and catches up, until ``tridentmq node failback`` hands it back (real core processes)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tests.conftest import CoreProcess
+from tests.integration.cluster_nodes import node_id, start_node, wait_until
+from tests.integration.ha_pairs import ha_view, start_pair
+from tests.integration.test_ha import kill
+
+pytestmark = [pytest.mark.integration, pytest.mark.cluster, pytest.mark.fault]
+
+WAIT = 30.0
+
+
+def failback(node: CoreProcess, node_id: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tridentmq_shared.cli", "node", "failback", "--node", node_id,
+                           "--management", node.management_url],
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+
+
+def test_an_operator_hands_the_pair_back_to_its_returned_primary(tmp_path: Path) -> None:
+    settings = {"core_ha_activate_without_quorum": "true", "core_ha_allow_failback": "false"}
+    pair = start_pair(tmp_path, "mf", **settings)
+    primary_id = node_id(pair.primary)
+    port = pair.primary.link_port
+    refused = failback(pair.primary, primary_id)  # the primary serves in its own place: nothing to hand back
+    assert refused.returncode == 1
+    assert "409" in refused.stderr
+    kill(pair.primary)
+    wait_until(lambda: ha_view(pair.backup).get("active") is True, WAIT, "the takeover")
+    (pair.backup.data_dir / "ports.json").unlink()
+    returned = start_node(tmp_path, "mf-primary", [pair.backup], core_ha_policy="replication",
+                          core_ha_group_name="mf", core_link_port=str(port), **settings)  # fmt: skip
+    wait_until(lambda: ha_view(pair.backup).get("backup_in_sync") is True, WAIT, "the returned primary in sync")
+    assert ha_view(returned).get("active") is not True  # allow_failback is off: it stays the backup
+    done = failback(pair.backup, primary_id)  # the backup serves as that node
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("failback 1"), done.stdout
+    wait_until(lambda: ha_view(returned).get("active") is True, WAIT, "the failback")
+    assert node_id(returned) == primary_id
