@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -222,3 +223,14 @@ def test_a_message_moved_again_and_again_stays_longer_each_time() -> None:
     assert [arrivals.get(i) for i in (1, 2, 3, 4)] == [100, 100, 100, 100]
     arrivals.forget_before(100)
     assert arrivals.moves(4) == 0
+
+
+def test_a_bindings_backlog_flag_round_trips_and_an_older_nodes_binding_has_none() -> None:
+    busy = Binding("node-b", "q", "q", 0, None, 1, None, 1, durable=True, backlog=True)
+    wire = busy.to_wire()
+    assert len(wire) == 11
+    assert Binding.from_wire(wire, "node-b") == replace(busy, via="node-b")
+    assert Binding.from_wire(wire[:10], "node-b").backlog is False  # what a node before the flag is sent
+    assert busy.unreachable().backlog is False
+    with pytest.raises(BindingError):
+        Binding.from_wire([*wire[:10], "yes"], "node-b")

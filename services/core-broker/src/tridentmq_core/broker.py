@@ -27,7 +27,7 @@ from tridentmq_core.cluster.forward import (
     encode_header,
     numbered_header,
 )
-from tridentmq_core.cluster.redistribution import MAX_RESIDENCE_FACTOR, Arrivals
+from tridentmq_core.cluster.redistribution import MAX_RESIDENCE_FACTOR, Arrivals, Redistributor
 from tridentmq_core.deadlines import Deadlines
 from tridentmq_core.dedup import DuplicateIdCache, TransferIds
 from tridentmq_core.queues import Consumer, MemoryGauge, PagerFactory, Queue
@@ -1063,7 +1063,10 @@ class Broker:
             self._settle_acked(queue, taken[0], now_ms, journaled)
         if journaled:
             self.store.acknowledge(queue.name, journaled)
-        consumer.credit += len(ids)
+        if type(consumer) is Redistributor:
+            consumer.confirmed(len(ids))
+        else:
+            consumer.credit += len(ids)
         self._to_dispatch.add(queue)
 
     def on_durable(self, token: int) -> None:

@@ -46,6 +46,9 @@ class Binding:
     via: str = ""  # the connected node this binding was learned from
     durable: bool = False  # the queue survives its node's restart (and its pair's failover)
     reachable: bool = True  # False: its node's connection is down; messages for it wait here
+    # Messages wait there and each of its consumers has a full window: a node redistributing to it holds
+    # back, so that a backlog goes to the nodes whose consumers have room (one that comes later included).
+    backlog: bool = False
 
     @property
     def key(self) -> Key:
@@ -55,25 +58,28 @@ class Binding:
         selectors = None if self.selectors is None else list(self.selectors)
         wire = [self.node_id, self.queue, self.address, self.routing, self.filter, self.consumers, selectors,
                 self.distance if distance is None else distance, self.durable]  # fmt: skip
-        if not self.reachable:
-            wire.append(False)
+        if not self.reachable or self.backlog:
+            wire.append(self.reachable)
+        if self.backlog:
+            wire.append(True)
         return wire
 
     def unreachable(self) -> Binding:
         """This binding while its node is down: still a destination, with none of the consumers it had."""
-        return replace(self, consumers=0, selectors=(), reachable=False)
+        return replace(self, consumers=0, selectors=(), reachable=False, backlog=False)
 
     @staticmethod
     def from_wire(item: Any, via: str) -> Binding:
-        if type(item) is not list or len(item) not in (8, 9, 10):
-            raise BindingError("a binding is a list of 8 to 10 fields")
+        if type(item) is not list or len(item) not in (8, 9, 10, 11):
+            raise BindingError("a binding is a list of 8 to 11 fields")
         node_id, queue, address, routing, filter_text, consumers, selectors, distance = item[:8]
         durable = item[8] if len(item) > 8 else False  # a node before durable bindings: none kept for it
         reachable = item[9] if len(item) > 9 else True
+        backlog = item[10] if len(item) > 10 else False
         if not (type(node_id) is str and node_id and type(queue) is str and queue and type(address) is str
                 and type(routing) is int and routing in (RoutingType.ANYCAST, RoutingType.MULTICAST)
                 and (filter_text is None or type(filter_text) is str) and type(consumers) is int and consumers >= 0
-                and type(distance) is int and distance >= 1 and type(durable) is bool
+                and type(distance) is int and distance >= 1 and type(durable) is bool and type(backlog) is bool
                 and (reachable is True or (reachable is False and durable))):  # fmt: skip
             raise BindingError(f"malformed binding {str(item)[:120]}")
         if selectors is not None:
@@ -84,7 +90,8 @@ class Binding:
             validate_address(address, allow_wildcards=True)
         except InvalidAddress as exc:
             raise BindingError(str(exc)) from None
-        binding = Binding(node_id, queue, address, routing, filter_text, consumers, selectors, distance, via, durable)
+        binding = Binding(node_id, queue, address, routing, filter_text, consumers, selectors, distance, via, durable,
+                          backlog=backlog)  # fmt: skip
         return binding if reachable else binding.unreachable()
 
 

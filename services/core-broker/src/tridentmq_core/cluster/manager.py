@@ -29,7 +29,15 @@ from tridentmq_core.cluster.bindings import Binding, BindingError, Key, RemoteBi
 from tridentmq_core.cluster.discovery import Announcement, RedisDiscovery
 from tridentmq_core.cluster.forward import FORWARD_PROPERTY, MOVES_PROPERTY, numbered_header
 from tridentmq_core.cluster.links import node_link, watch_close
-from tridentmq_core.cluster.redistribution import Arrivals, Redistributor, best_target, due_again, stranded, targets
+from tridentmq_core.cluster.redistribution import (
+    Arrivals,
+    Redistributor,
+    best_target,
+    due_again,
+    saturated,
+    stranded,
+    targets,
+)
 from tridentmq_core.cluster.sync import BindingSync
 from tridentmq_core.ha.manager import Voter
 from tridentmq_core.queues import MESSAGE_OVERHEAD, Consumer, Queue
@@ -100,6 +108,7 @@ class Joined:
     session: Session
     node_id: str
     acks_bindings: bool = False  # acknowledges the sync numbers of binding changes (``BindingSync``)
+    knows_backlog: bool = False  # reads a binding's backlog flag (an older node refuses an 11-field binding)
     sent: dict[Key, list[Any]] = field(default_factory=dict)
     members_sent: list[dict[str, Any]] = field(default_factory=list)
 
@@ -564,6 +573,7 @@ class ClusterManager:
         self._stuck_since: dict[str, int] = {}  # queues with messages nobody here takes nor moves → since when
         self._gone_tried: dict[str, tuple[int, int]] = {}  # gone node → the binding versions its queue was tried at
         self._sent_version = (-1, -1)
+        self._backlogged: frozenset[str] = frozenset()  # own queues last advertised as saturated
         self._members_version = 0
         # Replies to clients whose queue or consumer the other nodes must know first.
         self.sync = BindingSync(timeout_ms=max(2000, 8 * settings.link.heartbeat_ms))
@@ -617,7 +627,8 @@ class ClusterManager:
         host, port = self.advertise
         return {"cluster": self.settings.cluster.name, "node_id": self.node_id, "name": self.name, "host": host,
                 "port": port, "management": self.management_port, "epoch": self.epoch,
-                "max_hops": self.settings.cluster.max_hops, "binding_acks": True}  # fmt: skip
+                "max_hops": self.settings.cluster.max_hops, "binding_acks": True,
+                "binding_backlog": True}  # fmt: skip
 
     def fresh(self, node_id: str, epoch: Any) -> bool:
         """Whether ``node_id`` at ``epoch`` may be talked to: no newer copy of it was promised or seen."""
@@ -657,8 +668,9 @@ class ClusterManager:
         if problem is not None:
             log.error("cluster join refused", extra={"peer": session.peer, "reason": problem})
             raise BrokerError(ErrorCode.INVALID, problem)
-        joined = Joined(session, member.node_id, acks_bindings=join.get("binding_acks") is True)
-        joined.sent = self._advertisement(member.node_id)
+        joined = Joined(session, member.node_id, acks_bindings=join.get("binding_acks") is True,
+                        knows_backlog=join.get("binding_backlog") is True)  # fmt: skip
+        joined.sent = self._advertisement(member.node_id, backlog=joined.knows_backlog)
         joined.members_sent = self.members_view()
         self.joined[session.conn_id] = joined
         self.learn(member)
@@ -835,12 +847,13 @@ class ClusterManager:
     def _push_updates(self) -> None:
         version = (self.broker.bindings_version + self.bindings.version * 1_000_003, self._members_version)
         sync, self.sync.unsent = self.sync.unsent, 0
-        if version == self._sent_version and not sync:
+        backlogged = frozenset(name for name, queue in self.broker.queues.items() if saturated(queue))
+        if version == self._sent_version and not sync and backlogged == self._backlogged:
             return
-        self._sent_version = version
+        self._sent_version, self._backlogged = version, backlogged
         members = self.members_view()
         for joined in self.joined.values():
-            current = self._advertisement(joined.node_id)
+            current = self._advertisement(joined.node_id, backlog=joined.knows_backlog)
             upserts = [wire for key, wire in current.items() if joined.sent.get(key) != wire]
             removed = [list(key) for key in joined.sent if key not in current]
             update: dict[str, Any] = {}
@@ -860,8 +873,9 @@ class ClusterManager:
             session.conn.topology_update({"members": members})
             self.broker.dirty.add(session)
 
-    def _advertisement(self, peer: str) -> dict[Key, list[Any]]:
-        """What ``peer`` should know: this node's queues and, beyond one hop, what we reach that it may not."""
+    def _advertisement(self, peer: str, *, backlog: bool = True) -> dict[Key, list[Any]]:
+        """What ``peer`` should know: this node's queues and, beyond one hop, what we reach that it may not.
+        ``backlog``: whether the peer reads the backlog flag (else bindings end before it)."""
         advert: dict[Key, list[Any]] = {}
         if self.leaving:
             return advert
@@ -878,6 +892,8 @@ class ClusterManager:
             for binding in self.bindings:
                 if peer not in (binding.via, binding.node_id) and binding.distance < max_hops and binding.reachable:
                     advert[binding.key] = binding.to_wire(binding.distance + 1)
+        if not backlog:
+            advert = {key: wire[:10] for key, wire in advert.items()}
         return advert
 
     def _redistribute(self, now_ms: int) -> None:
@@ -916,6 +932,10 @@ class ClusterManager:
                     del self.redistributors[key]
             else:
                 redistributor.target = wants  # consumers or selectors there may have changed
+                if redistributor.pace():
+                    broker.offer_again(redistributor.queue)
+                if redistributor.held_back:
+                    moving.add(key[0])  # waiting for the consumers over there to take what they have
                 if due_again(redistributor, now_ms):
                     broker.offer_again(redistributor.queue)
                     moving.add(key[0])  # passed over for their residence, not stuck: they may move now
@@ -1028,7 +1048,7 @@ class ClusterManager:
         def make(consumer_id: int, session: Session) -> Redistributor:
             return Redistributor(consumer_id, session, queue, self.settings.cluster.forward_window, target=target,
                                  selectors=self.balancer.selectors, arrivals=Arrivals(), min_residence_ms=0,
-                                 clock=lambda: self.broker.now_ms)  # fmt: skip
+                                 clock=lambda: self.broker.now_ms, paced=False)  # fmt: skip
 
         mover = bridge.add_redistributor(make)
         assert mover is not None
@@ -1058,6 +1078,7 @@ class ClusterManager:
             "remote_consumers": remote_consumers(self.bindings),
             "unreachable": self.unreachable(),
             "redistributing": self.redistributing(),
+            "held_back": self.held_back(),
             "stranded": self.stranded(),
             "stranded_since": {name: self._stuck_since.get(name, now_ms) for name in self.stranded()},
         }
@@ -1067,6 +1088,14 @@ class ClusterManager:
         view: dict[str, list[str]] = {}
         for (name, node_id), (_, redistributor) in self.redistributors.items():
             if not redistributor.stopped:
+                view.setdefault(name, []).append(node_id)
+        return view
+
+    def held_back(self) -> dict[str, list[str]]:
+        """Queue name → the nodes its backlog waits for: their consumers have full windows (see ``pace``)."""
+        view: dict[str, list[str]] = {}
+        for (name, node_id), (_, redistributor) in self.redistributors.items():
+            if redistributor.held_back and not redistributor.stopped:
                 view.setdefault(name, []).append(node_id)
         return view
 
@@ -1121,4 +1150,5 @@ def local_binding(node_id: str, queue: Queue) -> list[Any]:
         selectors,
         1,
         durable=queue.durable,
+        backlog=saturated(queue),
     ).to_wire()

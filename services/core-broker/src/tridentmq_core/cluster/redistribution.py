@@ -7,7 +7,11 @@ has a queue of the same name on the same address with a consumer; after the addr
 the queue that takes only what a consumer on its node would take (their selectors): a message goes to a node
 that wants it (red to the node selecting red or to one taking all, blue only to the latter), and the queue's
 turn among its consumers spreads a backlog over every node with consumers. Order and message groups work as
-for any consumer (a group's owner is one redistributor, so the group moves whole). A redistributor passes
+for any consumer (a group's owner is one redistributor, so the group moves whole). A redistributor is paced
+by the demand over there: it sends a window of messages per cluster tick, doubled while the other node's
+consumers keep up, and none while they have full windows and messages wait (the binding's ``backlog``); so a
+backlog stays here until consumers can take it, and a node whose consumer comes later gets its share instead
+of finding everything already moved to the first one. A redistributor passes
 over messages that arrived from another node less than the minimum residence time ago, so messages do not
 bounce between nodes whose consumers come and go, and notes when the first of them may move (``retry_at``):
 a queue offers its messages to its consumers only when something happens to it, so the cluster's tick offers
@@ -31,6 +35,7 @@ if TYPE_CHECKING:
 
 
 _EVERYTHING = compile_selector("TRUE")
+PACE_START: Final = 20  # messages a redistributor sends in its first tick; doubles each tick they all went
 
 
 class Arrivals:
@@ -104,14 +109,20 @@ class Arrivals:
 
 
 class Redistributor(Consumer):
-    __slots__ = ("_arrivals", "_clock", "_min_residence_ms", "_selectors", "moved", "retry_at", "stopped", "target")
+    __slots__ = ("_arrivals", "_clock", "_min_residence_ms", "_selectors", "held_back", "max_window", "moved",
+                 "paced", "retry_at", "stopped", "target", "window")  # fmt: skip
 
     def __init__(self, consumer_id: int, session: Session, queue: Queue, credit: int, *, target: Binding,
                  selectors: SelectorCache, arrivals: Arrivals, min_residence_ms: int,
-                 clock: Callable[[], int]) -> None:  # fmt: skip
+                 clock: Callable[[], int], paced: bool = True) -> None:  # fmt: skip
         # A selector that takes everything: its presence makes the queue offer each message to ``accepts``.
-        super().__init__(consumer_id, session, queue, credit, selector=_EVERYTHING)
+        window = min(credit, PACE_START) if paced else credit
+        super().__init__(consumer_id, session, queue, window, selector=_EVERYTHING)
         self.forwarder = True
+        self.paced = paced  # False: as fast as the window allows (a scale-down moves everything)
+        self.window = window
+        self.max_window = credit
+        self.held_back = False  # the target's consumers are full: nothing moves until they take more
         self.stopped = False
         self.target = target
         self._selectors = selectors
@@ -125,6 +136,30 @@ class Redistributor(Consumer):
         """Take no more messages (credit alone would come back with the confirms of those in flight)."""
         self.stopped = True
         self.credit = 0
+
+    def confirmed(self, count: int) -> None:
+        """The other node took ``count`` of its messages. An unpaced one may send as many more; a paced one
+        waits for the next look at the other node (``pace``)."""
+        if not self.paced:
+            self.credit += count
+
+    def pace(self) -> bool:
+        """At each cluster tick: no credit while the target has a backlog (its window halves), else a window
+        less what is in flight, doubled when the last one was used up. True when it may take messages again
+        after it could take none: the queue must offer them."""
+        if not self.paced or self.stopped:
+            return False
+        if self.target.backlog:
+            self.window = max(PACE_START, self.window // 2)
+            self.credit = 0
+            self.held_back = True
+            return False
+        self.held_back = False
+        before = self.credit
+        if before <= 0:
+            self.window = min(self.window * 2, self.max_window)
+        self.credit = max(0, self.window - len(self.in_flight))
+        return before <= 0 < self.credit
 
     def accepts(self, message: WireMessage) -> bool:
         if self.stopped:
@@ -157,6 +192,14 @@ def due_again(redistributor: Redistributor, now_ms: int) -> bool:
         return False
     redistributor.retry_at = 0
     return True
+
+
+def saturated(queue: Queue) -> bool:
+    """Messages wait and every consumer of this node's clients has a full window (a backlog here)."""
+    if not len(queue):
+        return False
+    local = [c for c in queue.consumers if is_local_consumer(c)]
+    return bool(local) and all(c.credit <= 0 for c in local)
 
 
 def stranded(queue: Queue) -> bool:
