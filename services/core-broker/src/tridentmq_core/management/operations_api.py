@@ -160,7 +160,7 @@ class OperationsApi:
         try:
             here, others = self._target(request)
         except RequestRefusedError as exc:
-            return _error(exc.status, exc.text)
+            return _refused(request, exc)
         results: list[dict[str, Any]] = []
         body = await request.read()  # read (and kept) by the checks already, when there is one
         forwards = [self._forward(request, m, body) for m in others]
@@ -270,7 +270,7 @@ class OperationsApi:
             selector = _query_selector(request)
             here, others = self._target(request)
         except RequestRefusedError as exc:
-            return _error(exc.status, exc.text)
+            return _refused(request, exc)
         if others or not here:
             return await self._browse_cluster(request, name, offset, limit, here, others)
         return self._browse_reply(
@@ -468,7 +468,7 @@ class OperationsApi:
         try:
             target, local = await prepare()
         except RequestRefusedError as exc:
-            return _error(exc.status, exc.text)
+            return _refused(request, exc)
         if here_only:
             result = self._local(request, operation, target, local)
             if result["status"] != 200:
@@ -507,6 +507,13 @@ def _combine(results: list[dict[str, Any]]) -> web.Response:
     errors = "; ".join(f"{r.get('name') or r['node_id'][:8]}: {r.get('error')}" for r in results)
     return web.json_response({"error": errors if len(results) > 1 else results[0].get("error"), "nodes": results},
                              status=status)  # fmt: skip
+
+
+def _refused(request: web.Request, exc: RequestRefusedError) -> web.Response:
+    """A request refused before it ran anywhere: one WARNING line, and the JSON error."""
+    log.warning("management request refused", extra={"path": request.path[:200], "status": exc.status,
+                                                      "reason": exc.text[:200], "peer": request.remote})  # fmt: skip
+    return _error(exc.status, exc.text)
 
 
 def _error(status: int, text: str) -> web.Response:
