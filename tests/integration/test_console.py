@@ -30,6 +30,7 @@ from tests.integration.cluster_nodes import CLUSTER_PASSWORD, CLUSTER_USER, clus
 
 from tridentmq_core.security import hash_password
 from tridentmq_shared.link.client import Delivery, LinkClient, ReconnectPolicy
+from tridentmq_shared.link.ops import NackMode
 from tridentmq_shared.message import M_PROPS, new_message
 
 pytestmark = pytest.mark.integration
@@ -172,7 +173,20 @@ def wait_for(browser: webdriver.Chrome, what: str, predicate: Callable[[webdrive
 
 
 def text(browser: webdriver.Chrome, selector: str) -> str:
-    return str(browser.find_element(By.CSS_SELECTOR, selector).text)
+    """The text of ``selector``, read again when the page redrew it between finding and reading (it refreshes
+    itself every 2 s)."""
+    return str(wait_for(browser, f"the text of {selector}",
+                        lambda d: (d.find_element(By.CSS_SELECTOR, selector).text,))[0])  # fmt: skip
+
+
+def click(browser: webdriver.Chrome, by: str, value: str) -> None:
+    """Click an element of a part of the page that redraws itself (found again if it was redrawn)."""
+
+    def clicked(driver: webdriver.Chrome) -> bool:
+        driver.find_element(by, value).click()
+        return True
+
+    wait_for(browser, f"a click on {value}", clicked)
 
 
 def open_page(browser: webdriver.Chrome, cluster: Cluster, page: str) -> None:
@@ -197,8 +211,12 @@ def app_client(node: CoreProcess) -> LinkClient:
                       reconnect=ReconnectPolicy(attempts=0))  # fmt: skip
 
 
-async def publish(node: CoreProcess, address: str, count: int) -> None:
+async def publish(node: CoreProcess, address: str, count: int, *, create: bool = False) -> None:
+    """``count`` durable messages to ``address``; with ``create``, into a queue made first by hand (an
+    auto-created one is deleted once unused: a purged one could be gone before the page shows it empty)."""
     async with app_client(node) as client:
+        if create:
+            await client.create_queue(address)
         for n in range(count):
             await client.publish(new_message(address, f"{address} {n}".encode(), durable=True))
 
@@ -220,8 +238,8 @@ def test_the_cluster_page_shows_three_nodes_and_the_pair(browser: webdriver.Chro
                                                         tmp_path: Path) -> None:  # fmt: skip
     log_in(browser, cluster)
     wait_for(browser, "three node cards", lambda d: len(d.find_elements(By.CSS_SELECTOR, "#topology .node")) == 3)
-    names = {e.get_attribute("data-name") for e in browser.find_elements(By.CSS_SELECTOR, "#topology .node")}
-    assert names == {"a-primary", "b", "c"}
+    wait_for(browser, "the three nodes", lambda d: {e.get_attribute("data-name") for e in
+             d.find_elements(By.CSS_SELECTOR, "#topology .node")} == {"a-primary", "b", "c"})  # fmt: skip
     pair = text(browser, '#topology .node[data-name="a-primary"]')
     assert "pair a" in pair, pair
     assert "in sync" in pair, pair
@@ -250,7 +268,7 @@ def test_the_queues_page_sorts_and_searches_the_queues_of_every_node(browser: we
     browser.find_element(By.ID, "queue-search").send_keys("orders")
     wait_for(browser, "two queues found", lambda d: len(rows(d)) == 2)
     shot(browser, tmp_path, "queues")
-    browser.find_element(By.LINK_TEXT, "orders.eu").click()
+    click(browser, By.LINK_TEXT, "orders.eu")
     wait_for(browser, "the queue page", lambda d: text(d, '#queue-details dd[data-field="depth"]') == "5")
     assert text(browser, '#queue-details dd[data-field="node"]') == "c"
     shot(browser, tmp_path, "queue")
@@ -315,6 +333,88 @@ def test_the_charts_page_draws_the_rates(browser: webdriver.Chrome, cluster: Clu
     wait_for(browser, "a sample with the messages", lambda d: int(rates.get_attribute("data-routed") or 0) >= 20)
     wait_for(browser, "a few samples more", lambda d: int(rates.get_attribute("data-samples") or 0) >= 5)
     shot(browser, tmp_path, "charts")
+
+
+def node_id(node: CoreProcess) -> str:
+    return str(status(node)["node_id"])
+
+
+def depth(node: CoreProcess, queue: str) -> int:
+    return int(api(node, f"/api/queues/{queue}")["depth"])
+
+
+def message_rows(browser: webdriver.Chrome) -> int:
+    return len(browser.find_elements(By.CSS_SELECTOR, "#messages tbody tr td.body"))
+
+
+def click_and_confirm(browser: webdriver.Chrome, button: str) -> str:
+    """Click ``button``, accept the question it asks; what the console then says (its toast)."""
+    browser.find_element(By.ID, button).click()
+    wait_for(browser, "the confirmation", lambda d: d.switch_to.alert).accept()
+    return str(wait_for(browser, "the answer", lambda d: text(d, ".toast")))
+
+
+def test_a_queue_is_purged_from_its_page(browser: webdriver.Chrome, cluster: Cluster, tmp_path: Path) -> None:
+    asyncio.run(publish(cluster.c, "returns", 4, create=True))
+    assert depth(cluster.c, "returns") == 4
+    log_in(browser, cluster, f"queue/{node_id(cluster.c)}/returns")
+    wait_for(
+        browser, "four messages listed", lambda d: len(d.find_elements(By.CSS_SELECTOR, "#messages tbody tr")) == 4
+    )
+    assert "returns 0" in text(browser, "#messages tbody")  # the body preview
+    said = click_and_confirm(browser, "op-purge")
+    assert said == "Purge: purged 4", said
+    wait_for(browser, "the empty queue", lambda d: text(d, '#queue-details dd[data-field="depth"]') == "0")
+    assert depth(cluster.c, "returns") == 0
+    wait_for(browser, "no message listed", lambda d: "no messages" in text(d, "#messages tbody"))
+
+
+async def dead_letter(node: CoreProcess, queue: str, count: int) -> None:
+    """``count`` messages published to ``queue`` and rejected by their consumer: they go to the DLQ."""
+    async with app_client(node) as client:
+        await client.create_queue(queue)  # made by hand: it stays when its consumer leaves
+        for n in range(count):
+            await client.publish(new_message(queue, f"{queue} {n}".encode(), durable=True))
+        consumer = await client.subscribe(queue, credit=count)
+        for _ in range(count):
+            delivery = await consumer.get(timeout=WAIT)
+            assert delivery is not None
+            consumer.nack(delivery, mode=NackMode.REJECT)
+        await client.create_queue(queue)  # a round trip: the rejections were handled before its answer
+
+
+def test_dead_letters_are_moved_back_to_their_queue(browser: webdriver.Chrome, cluster: Cluster,
+                                                    tmp_path: Path) -> None:  # fmt: skip
+    asyncio.run(dead_letter(cluster.b, "refunds", 3))
+    wait_until(lambda: depth(cluster.b, "DLQ") == 3, WAIT, "three dead letters")
+    assert depth(cluster.b, "refunds") == 0
+    log_in(browser, cluster, f"queue/{node_id(cluster.b)}/DLQ")
+    wait_for(
+        browser, "the dead letters listed", lambda d: len(d.find_elements(By.CSS_SELECTOR, "#messages tbody tr")) == 3
+    )
+    assert "_AMQ_ORIG_QUEUE=refunds" in text(browser, "#messages tbody")
+    shot(browser, tmp_path, "dlq")
+    browser.find_element(By.ID, "op-move").click()  # no target: each goes back where it came from
+    wait_for(browser, "the empty DLQ", lambda d: text(d, '#queue-details dd[data-field="depth"]') == "0")
+    assert depth(cluster.b, "refunds") == 3
+    assert "moved 3" in text(browser, ".toast")
+
+
+def test_an_address_setting_is_changed_from_the_settings_page(browser: webdriver.Chrome, cluster: Cluster,
+                                                              tmp_path: Path) -> None:  # fmt: skip
+    log_in(browser, cluster, "settings")
+    wait_for(browser, "the entries", lambda d: d.find_elements(By.CSS_SELECTOR, "#settings-entries table"))
+    browser.find_element(By.ID, "settings-match").send_keys("refunds.#")
+    browser.find_element(By.ID, "settings-values").send_keys('{"max_delivery_attempts": 3}')
+    browser.find_element(By.CSS_SELECTOR, "#page form.panel button[type=submit]").click()
+    wait_for(browser, "the new entry", lambda d: "refunds.#" in text(d, "#settings-entries"))
+    browser.find_element(By.ID, "settings-address").send_keys("refunds.eu")
+    browser.find_element(By.CSS_SELECTOR, "#page form.toolbar button[type=submit]").click()
+    wait_for(browser, "what applies", lambda d: '"max_delivery_attempts": 3' in text(d, "#settings-resolved"))
+    for node in (cluster.b, cluster.c):  # every node changed
+        entries = api(node, "/api/address-settings")["entries"]
+        assert {"match": "refunds.#", "max_delivery_attempts": 3} in entries, entries
+    shot(browser, tmp_path, "settings")
 
 
 def test_a_failover_appears_on_the_cluster_page(browser: webdriver.Chrome, cluster: Cluster, tmp_path: Path) -> None:

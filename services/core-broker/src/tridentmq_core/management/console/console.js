@@ -261,6 +261,19 @@
       if (ha.state) pair.append(el("div", {}, ha.state));
       box.append(pair);
     }
+    if (status) {
+      const nodeAct = (label, op, question) => el("button", { class: "small", type: "button", onclick: async () => {
+        if (!confirm(question)) return;
+        try {
+          toast(`${label}: ${outcome(await runOperation(op, { node: member.node_id }))}`);
+        } catch (error) {
+          toast(`${label}: ${error.message}`, "bad");
+        }
+      } }, label);
+      box.append(el("div", { class: "toolbar" },
+        ha && ha.active && ha.configured_role === "backup" ? nodeAct("Fail back", "failback", `Hand pair ${ha.group} back to its primary?`) : null,
+        cluster ? nodeAct("Scale down", "scale-down", `Move every message of ${member.name} to the other nodes and stop it?`) : null));
+    }
     if (cluster) {
       const stranded = Object.entries(cluster.stranded || {});
       const moving = Object.entries(cluster.redistributing || {});
@@ -320,7 +333,8 @@
     if (!confirm(`Close the connection of ${row.client_name}?`)) return;
     try {
       const done = await runOperation("close-connection", { node: row.node_id, client: row.conn_id });
-      toast(`closed: ${JSON.stringify(done)}`);
+      toast(`close: ${outcome(done)}`);
+      await refreshNow();
     } catch (error) {
       toast(error.message, "bad");
     }
@@ -381,6 +395,7 @@
   }
 
   pages.queue = async (root, [nodeId, name]) => {
+    if (!state.nodes.length) await loadNodes(); // the node's name, for the operations' scope
     const details = el("dl", { class: "details", id: "queue-details" });
     const operations = el("section", { class: "panel", id: "queue-operations" });
     const browser = el("section", { id: "queue-messages" });
@@ -388,7 +403,7 @@
       details, operations, browser);
     fillOperations(operations, nodeId, name);
     let lastBrowse = 0;
-    return async () => {
+    return async (force) => {
       if (!state.nodes.length) await loadNodes();
       let queue;
       try {
@@ -405,7 +420,7 @@
         ["in/s", num(queue.enqueue_rate)], ["ack/s", num(queue.ack_rate)]];
       if (queue.paused !== undefined) pairs.push(["paused", String(queue.paused)]);
       details.replaceChildren(...pairs.flatMap(([k, v]) => [el("dt", {}, k), el("dd", { "data-field": k }, v)]));
-      if (operation("browse") && Date.now() - lastBrowse > 5000) {
+      if (force || Date.now() - lastBrowse > 5000) {
         lastBrowse = Date.now();
         await browse(browser, nodeId, name);
       }
@@ -432,37 +447,116 @@
   }
 
   function fillOperations(box, nodeId, name) {
-    const buttons = [];
-    const act = (id, label, op, params, confirmText, kind = "") => {
-      if (!operation(op)) return;
-      buttons.push(el("button", { id, class: kind, type: "button", onclick: async () => {
-        const extra = typeof params === "function" ? params() : params;
-        if (extra === null) return;
-        if (confirmText && !confirm(confirmText)) return;
-        try {
-          const done = await runOperation(op, { node: nodeId, queue: name, ...extra });
-          toast(`${label}: ${JSON.stringify(done)}`);
-          await refreshNow();
-        } catch (error) {
-          toast(`${label}: ${error.message}`, "bad");
-        }
-      } }, label));
-    };
+    const scope = el("select", { id: "op-scope", "aria-label": "where" },
+      el("option", { value: "node" }, `on ${nodeName(nodeId)} only`), el("option", { value: "cluster" }, "on every node"));
     const selector = el("input", { id: "op-selector", placeholder: "selector (optional), e.g. priority > 4" });
     const target = el("input", { id: "op-target", placeholder: "target queue (empty: back to where each came from)" });
-    const sel = () => (selector.value.trim() ? { selector: selector.value.trim() } : {});
-    act("op-purge", "Purge", "purge", sel, `Drop the queued messages of ${name}?`, "danger");
-    act("op-move", "Move", "move", () => ({ ...sel(), ...(target.value.trim() ? { target: target.value.trim() } : {}) }));
-    act("op-copy", "Copy", "copy", () => (target.value.trim() ? { ...sel(), target: target.value.trim() } : (toast("a copy needs a target queue", "bad"), null)));
-    act("op-pause", "Pause", "pause", {});
-    act("op-resume", "Resume", "resume", {});
-    act("op-delete", "Delete queue", "delete-queue", {}, `Delete the queue ${name} and its messages?`, "danger");
-    if (!buttons.length) {
-      box.append(el("h2", {}, "Operations"), el("p", { class: "hint" }, "This node offers no operations."));
-      return;
-    }
-    box.append(el("h2", {}, "Operations"), el("div", { class: "toolbar" }, selector, target), el("div", { class: "toolbar" }, buttons));
+    const common = () => ({
+      ...(scope.value === "node" ? { node: nodeId } : {}),
+      ...(selector.value.trim() ? { selector: selector.value.trim() } : {}),
+    });
+    const act = (id, label, op, params, confirmText, kind = "") => el("button", { id, class: kind, type: "button", onclick: async () => {
+      const extra = params();
+      if (extra === null) return;
+      if (confirmText && !confirm(confirmText)) return;
+      try {
+        const done = await runOperation(op, { queue: name, ...common(), ...extra });
+        toast(`${label}: ${outcome(done)}`);
+        await refreshNow(true);
+      } catch (error) {
+        toast(`${label}: ${error.message}`, "bad");
+      }
+    } }, label);
+    const withTarget = (required) => () => {
+      const to = target.value.trim();
+      if (required && !to) {
+        toast("give the target queue", "bad");
+        return null;
+      }
+      return to ? { target: to } : {};
+    };
+    box.append(el("h2", {}, "Operations"),
+      el("div", { class: "toolbar" }, scope, selector, target),
+      el("div", { class: "toolbar" },
+        act("op-purge", "Purge", "purge", () => ({}), `Drop the queued messages of ${name} (those the selector picks)?`, "danger"),
+        act("op-move", "Move", "move", withTarget(false)),
+        act("op-copy", "Copy", "copy", withTarget(true)),
+        act("op-pause", "Pause", "pause", () => ({})),
+        act("op-resume", "Resume", "resume", () => ({})),
+        act("op-delete", "Delete queue", "delete-queue", () => ({}), `Delete the queue ${name} and its messages?`, "danger")),
+      el("p", { class: "hint" }, "Move without a target sends each message back to the queue it was dead-lettered or expired from (a DLQ back to its origin)."));
   }
+
+  pages.mqtt = async (root) => {
+    const sessions = sortableTable("mqtt-sessions", [
+      { key: "client_id", label: "Client id" }, { key: "node", label: "Node" },
+      { key: "connected", label: "Connected", render: (r) => badge(r.connected ? "connected" : "offline", r.connected ? "good" : "info") },
+      { key: "persistent", label: "Persistent", render: (r) => (r.persistent ? "yes" : "no") }, { key: "user", label: "User" },
+      { key: "subscriptions", label: "Subscriptions", value: (r) => (r.subscriptions || []).join(" "), render: (r) => (r.subscriptions || []).join(", ") || "–" },
+      { key: "queued", label: "Queued", numeric: true },
+      { key: "delete", label: "", render: (r) => el("button", { class: "small danger", onclick: () => act(`Delete the session of ${r.client_id}?`, "delete-mqtt-session", { client_id: r.client_id }) }, "Delete") },
+    ]);
+    const retained = sortableTable("mqtt-retained", [
+      { key: "topic", label: "Topic" }, { key: "size", label: "Bytes", numeric: true },
+      { key: "timestamp_ms", label: "Set", render: (r) => when(r.timestamp_ms) },
+      { key: "body", label: "Payload", render: (r) => el("span", { class: "mono" }, r.body_encoding === "utf-8" ? r.body : `(base64) ${r.body}`, r.body_truncated ? " …" : "") },
+      { key: "delete", label: "", render: (r) => el("button", { class: "small danger", onclick: () => act(`Clear the retained message of ${r.topic}?`, "delete-retained", { topic: r.topic }) }, "Clear") },
+    ]);
+    async function act(question, op, params) {
+      if (!confirm(question)) return;
+      try {
+        toast(outcome(await runOperation(op, params)));
+        await refreshNow();
+      } catch (error) {
+        toast(error.message, "bad");
+      }
+    }
+    root.append(el("h1", {}, "MQTT"), el("h2", {}, "Sessions"), sessions.table, el("h2", {}, "Retained messages"), retained.table);
+    return async () => {
+      if (!state.nodes.length) await loadNodes();
+      const [s, r] = await Promise.all([runOperation("mqtt-sessions", {}), runOperation("retained", {})]);
+      sessions.set((s.sessions || []).map((x) => ({ ...x, node: nodeName(x.node_id) })));
+      retained.set(r.retained || []);
+    };
+  };
+
+  pages.settings = async (root) => {
+    const entries = el("section", { id: "settings-entries" });
+    const address = el("input", { id: "settings-address", placeholder: "an address, to see what applies to it" });
+    const resolved = el("pre", { id: "settings-resolved", class: "panel mono" });
+    const match = el("input", { id: "settings-match", placeholder: "match, e.g. orders.# (an entry is replaced whole)" });
+    const values = el("textarea", { id: "settings-values", rows: 5, placeholder: '{"max_delivery_attempts": 3, "dead_letter_address": "DLQ"}' });
+    const show = async () => {
+      const answer = await runOperation("address-settings", { address: address.value.trim() });
+      entries.replaceChildren(el("table", { class: "grid" }, el("thead", {}, el("tr", {}, el("th", {}, "Match"), el("th", {}, "Settings"))),
+        el("tbody", {}, (answer.entries || []).map((e) => el("tr", {}, el("td", { class: "mono" }, e.match),
+          el("td", { class: "props" }, Object.entries(e).filter(([k, v]) => k !== "match" && v !== null).map(([k, v]) => `${k}=${v}`).join(", ")))))));
+      resolved.textContent = answer.resolved ? `${answer.address}:\n${JSON.stringify(answer.resolved, null, 2)}` : "";
+      resolved.hidden = !answer.resolved;
+    };
+    root.append(el("h1", {}, "Address settings"), el("h2", {}, "Entries"), entries,
+      el("form", { class: "toolbar", onsubmit: (event) => { event.preventDefault(); show().catch((e) => toast(e.message, "bad")); } },
+        address, el("button", { type: "submit" }, "Resolve")), resolved,
+      el("form", { class: "panel", onsubmit: async (event) => {
+        event.preventDefault();
+        let settings;
+        try {
+          settings = JSON.parse(values.value || "{}");
+        } catch {
+          toast("the settings are not JSON", "bad");
+          return;
+        }
+        try {
+          toast(`changed: ${outcome(await runOperation("set-address-settings", { match: match.value.trim(), settings }))}`);
+          await show();
+        } catch (error) {
+          toast(error.message, "bad");
+        }
+      } }, el("h2", {}, "Change an entry (every node, at once)"), match, values, el("button", { type: "submit" }, "Apply")));
+    resolved.hidden = true;
+    await show();
+    return null;
+  };
 
   pages.charts = async (root) => {
     const rates = el("div", { class: "chart", id: "chart-rates" });
@@ -474,7 +568,9 @@
     const charts = [];
     const width = () => Math.max(400, root.clientWidth - 40);
     const make = (target, series, data) => {
-      const chart = new uPlot({ width: width(), height: 220, series: [{}, ...series], axes: [{}, { size: 60 }], legend: { live: false } }, data, target);
+      const clock = (u, ticks) => ticks.map((t) => new Date(t * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit", second: "2-digit" }));
+      const chart = new uPlot({ width: width(), height: 220, series: [{}, ...series], axes: [{ space: 90, values: clock }, { size: 60 }],
+        legend: { live: false } }, data, target);
       charts.push(chart);
       return chart;
     };
@@ -544,25 +640,54 @@
   };
 
   // ------------------------------------------------------------------ operations (routes of the management API)
-  // Each operation the console offers: how to call it. Buttons appear only for the operations the node has.
-  const OPERATIONS = {};
+  // Each operation the console offers and its call (docs/management.md, "Operations"). ``node`` limits one to
+  // that node; without it, the node asked runs it on every live member of the cluster.
+  const where = (p) => (p.node ? `?node=${q(p.node)}` : "");
+  const OPERATIONS = {
+    "create-queue": { method: "POST", path: () => "/api/queues", body: (p) => ({ name: p.name, address: p.address, routing_type: p.routing_type, durable: p.durable }) },
+    "delete-queue": { method: "DELETE", path: (p) => `/api/queues/${q(p.queue)}${where(p)}` },
+    browse: { method: "GET", path: (p) => `/api/messages?queue=${q(p.queue)}&limit=${p.limit || 50}${p.node ? `&node=${q(p.node)}` : ""}` },
+    purge: { method: "POST", path: where, body: (p) => ({ queue: p.queue, selector: p.selector }), url: "/api/purge" },
+    move: { method: "POST", path: where, body: (p) => ({ queue: p.queue, to: p.target, selector: p.selector }), url: "/api/move" },
+    copy: { method: "POST", path: where, body: (p) => ({ queue: p.queue, to: p.target, selector: p.selector }), url: "/api/copy" },
+    pause: { method: "POST", path: where, body: (p) => ({ queue: p.queue }), url: "/api/pause" },
+    resume: { method: "POST", path: where, body: (p) => ({ queue: p.queue }), url: "/api/resume" },
+    "close-connection": { method: "DELETE", path: (p) => `/api/connections/${q(p.client)}${where(p)}` },
+    "mqtt-sessions": { method: "GET", path: () => "/api/mqtt/sessions" },
+    "delete-mqtt-session": { method: "DELETE", path: (p) => `/api/mqtt/sessions/${q(p.client_id)}` },
+    retained: { method: "GET", path: () => "/api/mqtt/retained?limit=500" },
+    "delete-retained": { method: "DELETE", path: (p) => `/api/mqtt/retained/${q(p.topic)}` },
+    failback: { method: "POST", path: where, body: () => ({}), url: "/api/failback" },
+    "scale-down": { method: "POST", path: where, body: () => ({}), url: "/api/scale-down" },
+    "address-settings": { method: "GET", path: (p) => `/api/address-settings${p.address ? `?address=${q(p.address)}` : ""}` },
+    "set-address-settings": { method: "PUT", path: () => "/api/address-settings", body: (p) => ({ match: p.match, settings: p.settings }) },
+  };
 
   const operation = (name) => Object.prototype.hasOwnProperty.call(OPERATIONS, name);
 
   async function runOperation(name, params) {
     const spec = OPERATIONS[name];
-    return api(spec.path(params), { method: spec.method, body: spec.body ? spec.body(params) : undefined });
+    const path = (spec.url || "") + spec.path(params);
+    const body = spec.body ? JSON.parse(JSON.stringify(spec.body(params))) : undefined; // drops undefined fields
+    return api(path, { method: spec.method, body });
+  }
+
+  // A summary of an operation's answer: its counts, and the nodes that refused it.
+  function outcome(answer) {
+    const counts = Object.entries(answer || {}).filter(([k, v]) => k !== "nodes" && typeof v === "number").map(([k, v]) => `${k} ${v}`);
+    const refused = ((answer && answer.nodes) || []).filter((n) => n.status !== 200).map((n) => `${n.name || shortId(n.node_id)}: ${n.error}`);
+    return [counts.join(", ") || "done", ...refused].join("; ");
   }
 
   // ------------------------------------------------------------------ routing, polling, login
   let current = { refresh: null, token: 0 };
   let timer = null;
 
-  async function refreshNow() {
+  async function refreshNow(force = false) {
     const { refresh, token } = current;
     if (!refresh) return;
     try {
-      await refresh();
+      await refresh(force === true);
     } catch (error) {
       if (token === current.token && !(error instanceof ApiError && error.status === 401)) toast(error.message, "bad");
     }
@@ -613,13 +738,8 @@
     $("#top").hidden = false;
     $("#page").hidden = false;
     $("#whoami").textContent = who;
-    await discoverOperations();
     startPolling();
     await route();
-  }
-
-  async function discoverOperations() {
-    // Filled in by the operations of the management API that this node offers (see docs/management.md).
   }
 
   async function start() {
