@@ -40,6 +40,11 @@ def add_commands(parser: argparse.ArgumentParser) -> None:
     )
     stream.add_argument("--trigger-seconds", type=float, default=5.0, help="micro-batch interval")
     stream.add_argument("--once", action="store_true", help="process what is sealed now, then stop")
+    stream.add_argument(
+        "--alerts-to",
+        metavar="tmq://HOST:PORT/ADDRESS",
+        help="also publish each alert as a durable JSON message to this address of a core node (link port)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from pyspark.sql import Column, DataFrame, SparkSession
@@ -27,6 +28,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.types import StructType
 
+from tridentmq_spark.alert_sink import AlertTarget, publish_batch
 from tridentmq_spark.source import FORMAT
 
 __all__ = ["StreamOptions", "alerts", "rates", "run_stream", "start_analyses", "start_ingest"]
@@ -45,6 +47,7 @@ class StreamOptions:
     dead_letter_spike: int = 10
     trigger_seconds: float = 5.0
     once: bool = False
+    alerts_to: str | None = None  # tmq://host:port/address: alerts also published as messages there
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> StreamOptions:
@@ -58,6 +61,7 @@ class StreamOptions:
             args.dead_letter_spike,
             args.trigger_seconds,
             args.once,
+            args.alerts_to,
         )
 
 
@@ -187,7 +191,17 @@ def start_analyses(spark: SparkSession, opts: StreamOptions, events_schema: Stru
             "node_id", "seq", "ts", "event", "bad_reason", "raw"
         ),
     }
-    return [_start(df, name, opts, opts.out / name if opts.out is not None else None) for name, df in outputs.items()]
+    queries = [_start(df, name, opts, None if opts.out is None else opts.out / name) for name, df in outputs.items()]
+    if opts.alerts_to is not None:
+        target = AlertTarget.parse(opts.alerts_to)
+        for name in ("alerts", "failover_alerts"):
+            query = f"{name}_to_tmq"
+            writer = outputs[name].writeStream.queryName(query).outputMode("append")
+            writer = writer.option("checkpointLocation", str(opts.checkpoint / query))
+            writer = writer.trigger(processingTime=f"{opts.trigger_seconds} seconds")
+            writer = writer.foreachBatch(partial(publish_batch, target, query))
+            queries.append(writer.start())
+    return queries
 
 
 def events_schema(spark: SparkSession, opts: StreamOptions) -> StructType:
