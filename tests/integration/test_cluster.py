@@ -890,3 +890,34 @@ async def test_one_message_in_two_subscriptions_reaches_both_when_they_move_to_a
         got = [sorted(await take(consumer, 50, timeout=15)) for consumer in consumers]
     assert got == [sorted(bodies(50))] * 2
     stop_all(nodes)
+
+
+async def test_an_operator_forgets_a_node_that_never_comes_back(tmp_path: Path) -> None:
+    """A durable subscription of a node whose data is lost was kept as a destination for ever, and what was
+    published for it waited on the other nodes. POST /api/cluster/nodes/<id>/forget on any node makes every
+    live node drop it: what waited for it goes to the dead-letter address, and nothing waits for it again."""
+    a, b, c = start_cluster(tmp_path, 3)
+    c_id = node_id(c)
+    async with client(c) as cc:
+        await cc.create_queue("news-c", "news", routing_type=RoutingType.MULTICAST, durable=True)
+    c.process.send_signal(signal.SIGKILL)
+    c.process.wait()
+    wait_until(lambda: c_id not in members(a) and c_id not in members(b), what="a and b to see c down")
+    await publish(a, "news", bodies(30), routing=RoutingType.MULTICAST)  # kept on a for news-c
+    assert cluster_view(a)["unreachable"][c_id]["pending_forward"] == 30
+    request = urllib.request.Request(f"{b.management_url}/api/cluster/nodes/{c_id}/forget", data=b"{}",
+                                     method="POST", headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=10) as response:
+        answer = json.loads(response.read())
+    results = {entry["node_id"]: entry["result"] for entry in answer["nodes"]}
+    assert results[node_id(a)]["dead_lettered"] == 30
+    assert results[node_id(b)]["bindings"] == 1
+    assert cluster_view(a)["backlog"].get("DLQ") == 30  # the default dead-letter address, with its queue
+    for node in (a, b):
+        view = cluster_view(node)
+        assert view["unreachable"] == {}
+        assert c_id not in {entry["node_id"] for entry in view["connections"]}
+    await publish(a, "news", bodies(5), routing=RoutingType.MULTICAST)  # confirmed; a subscription nowhere
+    assert cluster_view(a)["unreachable"] == {}
+    assert "node forgotten by an operator" in a.log()
+    stop_all([a, b])

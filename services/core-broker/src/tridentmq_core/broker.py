@@ -887,10 +887,11 @@ class Broker:
             self.forward_queues[node_id] = queue
         return queue
 
-    def reroute_forward_queue(self, node_id: str, now_ms: int) -> int:
+    def reroute_forward_queue(self, node_id: str, now_ms: int, *, forgotten: bool = False) -> int:
         """``node_id`` is gone: route what waits for it again, to the queues it was meant for, here or on the
-        nodes that remain. A message for a subscription that exists nowhere else keeps waiting. Returns how
-        many messages moved."""
+        nodes that remain. A message for a subscription that exists nowhere else keeps waiting, or, when an
+        operator forgot that node (``forgotten``), goes to its dead-letter address. Returns how many messages
+        moved."""
         queue = self.queues.get(FORWARD_QUEUE_PREFIX + node_id)
         if queue is None or queue.consumers or not len(queue):
             return 0
@@ -906,7 +907,13 @@ class Broker:
             copy[M_PROPS] = {k: v for k, v in message[M_PROPS].items() if k != FORWARD_PROPERTY}
             copy[M_DEDUP] = None
             if not self._place(copy, header.queues, now_ms):
-                kept.append(message)
+                if not forgotten:
+                    kept.append(message)
+                    continue
+                settings = self.address_settings.resolve(copy[M_ADDRESS])
+                self._to_dead_letter_address(queue, copy, f"node forgotten: {node_id}", settings, now_ms)
+                if message[M_DURABLE]:
+                    self.store.acknowledge(queue.name, [message[M_ID]])
                 continue
             moved += 1
             if message[M_DURABLE]:

@@ -614,7 +614,8 @@ class CoreNode:
         if self.settings.management.enabled:
             management = self.settings.management
             control = NodeControl(flush=self.schedule_flush, close_link=self.close_link, failback=self._failback,
-                                  scale_down=self._request_scale_down, tls_ca_file=self.settings.tls.ca_file,
+                                  scale_down=self._request_scale_down, forget_node=self._forget_node,
+                                  tls_ca_file=self.settings.tls.ca_file,
                                   https=management.tls)  # fmt: skip
             app = create_app(self.broker, self.status, self.rates, self.security, control)
             self._runner = http_runner(app, request_timeout_ms=management.request_timeout_ms)
@@ -738,6 +739,11 @@ class CoreNode:
         if self.replication is None:
             return "this node is not the active half of a replication pair"
         return self.replication.request_failback()
+
+    def _forget_node(self, node_id: str) -> dict[str, Any]:
+        if self.cluster is None:
+            raise ValueError("this node is not part of a cluster")
+        return self.cluster.forget(node_id)
 
     def _request_scale_down(self) -> None:
         """Stop as on SIGTERM, moving every message to the other nodes first (even with ``cluster.scale_down``

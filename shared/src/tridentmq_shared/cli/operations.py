@@ -101,11 +101,14 @@ def add_commands(sub: Any, management_args: ManagementArgs) -> None:
     delete = _op(mqtt_sub, "retained-delete", "clear a topic's retained message", management_args)
     delete.add_argument("topic")
 
-    node = sub.add_parser("node", help="node commands: failback | scale-down")
+    node = sub.add_parser("node", help="node commands: failback | scale-down | forget")
     node_sub = node.add_subparsers(dest="node_command", required=True, metavar="SUBCOMMAND")
     _op(node_sub, "failback", "hand a replication pair back to its primary now (on its active backup)",
         management_args)  # fmt: skip
     _op(node_sub, "scale-down", "move every message of a node to the others, then stop it", management_args)
+    forget = _op(node_sub, "forget", "drop a departed node that never comes back (its messages waiting on the "
+                 "others go to the remaining queues or the dead-letter address)", management_args)  # fmt: skip
+    forget.add_argument("node_id", help="the full node id of the departed node")
 
 
 def _call(args: argparse.Namespace, method: str, path: str, body: dict[str, Any] | None = None,
@@ -206,8 +209,11 @@ def run(args: argparse.Namespace) -> int:
         case "mqtt":
             answer, text = _mqtt(args)
         case "node":
-            path = "/api/failback" if args.node_command == "failback" else "/api/scale-down"
-            answer = _call(args, "POST", path, {})
+            if args.node_command == "forget":
+                answer = _call(args, "POST", f"/api/cluster/nodes/{quote(args.node_id, safe='')}/forget", {})
+            else:
+                path = "/api/failback" if args.node_command == "failback" else "/api/scale-down"
+                answer = _call(args, "POST", path, {})
         case _:
             raise AssertionError(command)
     print(json.dumps(answer, indent=2) if args.json else text(answer))

@@ -108,6 +108,7 @@ class RemoteBindings:
         self._by_queue: dict[str, set[Key]] = {}
         self._trie: AddressTrie[Binding] = AddressTrie()
         self._live: set[str] = set()  # connected nodes: what they report of themselves is the truth
+        self.forgotten: set[str] = set()  # nodes an operator said never come back: their copies are ignored
 
     def __len__(self) -> int:
         return len(self._best)
@@ -117,6 +118,7 @@ class RemoteBindings:
 
     def replace(self, via: str, items: Iterable[Any]) -> None:
         """A full report from ``via`` (after it connected): replaces what it said before."""
+        self.forgotten.discard(via)  # it came back after all: what it says of itself counts again
         parsed = self._parse(via, items)
         old = self._by_via.get(via, {})
         self._by_via[via] = {b.key: b for b in parsed}
@@ -150,6 +152,19 @@ class RemoteBindings:
         if kept:
             self._by_via[via] = kept
         self._refresh(set(old) | self._keys_of(via))
+
+    def forget(self, node_id: str) -> int:
+        """An operator says ``node_id`` (not connected) never comes back: drop every binding of it, kept here or
+        relayed, and ignore copies of them the other nodes still relay. Returns how many were dropped."""
+        self.forgotten.add(node_id)
+        keys = self._keys_of(node_id)
+        for table in self._by_via.values():
+            for key in [k for k in table if k[0] == node_id]:
+                del table[key]
+        if not self._by_via.get(node_id, True):
+            del self._by_via[node_id]
+        self._refresh(keys)
+        return len(keys)
 
     def kept(self) -> Iterator[Binding]:
         """The durable queues this node keeps for the nodes whose connection dropped (to tell the others)."""
@@ -197,7 +212,8 @@ class RemoteBindings:
         for item in items:
             binding = Binding.from_wire(item, via)
             if binding.node_id != self.own_id and binding.distance <= self.max_hops and \
-                    (binding.reachable or binding.node_id != via):  # fmt: skip
+                    (binding.reachable or binding.node_id != via) and \
+                    binding.node_id not in self.forgotten:  # fmt: skip
                 parsed.append(binding)
             if len(parsed) > self.max_per_node:
                 raise BindingError(f"more than {self.max_per_node} bindings from one node")

@@ -991,6 +991,33 @@ class ClusterManager:
                 log.warning("node declared gone: its pending messages were routed again",
                             extra={"node_id": node_id, "messages": moved})  # fmt: skip
 
+    # ------------------------------------------------------------------ an operator forgets a node
+    def forget(self, node_id: str) -> dict[str, Any]:
+        """``node_id`` will never come back (its data is lost): stop keeping its durable queues as destinations,
+        stop reconnecting to it, and route what waits here for it to the remaining queues of those names, or
+        to the dead-letter address. Refused (ValueError) while it is connected."""
+        bridge = self.bridges_by_node.get(node_id)
+        if bridge is not None and bridge.up:
+            raise ValueError(f"node {node_id} is connected: stop it first (or scale it down)")
+        known = node_id in self.members or node_id in self.bindings.unreachable() or \
+            FORWARD_QUEUE_PREFIX + node_id in self.broker.queues  # fmt: skip
+        if not known:
+            raise ValueError(f"no node {node_id!r} is known here")
+        dropped = self.bindings.forget(node_id)
+        if bridge is not None:
+            self.retire(bridge)
+        if self.members.pop(node_id, None) is not None:
+            self._members_version += 1
+        waiting = self.broker.queues.get(FORWARD_QUEUE_PREFIX + node_id)
+        before = len(waiting) if waiting is not None else 0
+        moved = self.broker.reroute_forward_queue(node_id, _now_ms(), forgotten=True)
+        log.warning("node forgotten by an operator", extra={"node_id": node_id, "bindings": dropped,
+                                                            "messages": before, "rerouted": moved})  # fmt: skip
+        self.broker.audit.emit(_now_ms() * 1000, "node.forgotten", {"peer_node": node_id})
+        self._sent_version = (-1, -1)  # tell the others what we no longer keep
+        self.schedule_flush()
+        return {"bindings": dropped, "messages": before, "rerouted": moved, "dead_lettered": before - moved}
+
     # ------------------------------------------------------------------ scale-down
     async def scale_down(self, close_clients: Callable[[], None]) -> None:
         """Before a graceful stop: tell the others to send nothing more, let this node's clients go, and move

@@ -47,7 +47,8 @@ MAX_TEXT: Final = 4096  # longest name, selector or client id accepted
 #: list them as known events).
 AUDITED_OPERATIONS: Final = ("queue.create", "queue.delete", "queue.purge", "messages.move", "messages.copy",
                              "pause", "resume", "connection.close", "client.close", "mqtt.session.delete",
-                             "mqtt.retained.delete", "failback", "scale_down", "address_settings.set")  # fmt: skip
+                             "mqtt.retained.delete", "failback", "scale_down", "address_settings.set",
+                             "node.forget")  # fmt: skip
 #: What a closed client's link is told (the link client does not reconnect after it).
 CLOSED_TEXT: Final = "closed by an operator"
 
@@ -60,6 +61,7 @@ class NodeControl:
     close_link: Callable[[str, str, str], None] | None = None  # conn id, code, text: close a link
     failback: Callable[[], str | None] | None = None  # hand the pair back to its primary: None, or why not
     scale_down: Callable[[], None] | None = None  # move every message to other nodes, then stop
+    forget_node: Callable[[str], dict[str, Any]] | None = None  # drop a departed node (ValueError: why not)
     tls_ca_file: str = ""  # to check the other nodes' certificates when the management port serves HTTPS
     https: bool = False
 
@@ -438,6 +440,25 @@ class OperationsApi:
         self.control.scale_down()
         return {"scale_down": 1}
 
+    async def forget_node(self, request: web.Request) -> web.Response:
+        """Every live node drops a node that never comes back (``docs/clustering.md``, forgetting a node)."""
+
+        async def prepare() -> tuple[str, Local]:
+            node_id = request.match_info["node_id"]
+            if not node_id or len(node_id) > MAX_TEXT:
+                raise RequestRefusedError(400, f"a node id is 1 to {MAX_TEXT} characters")
+            return node_id, lambda: self._forget_node(node_id)
+
+        return await self._guarded(request, "node.forget", prepare)
+
+    def _forget_node(self, node_id: str) -> dict[str, Any]:
+        if self.control.forget_node is None:
+            raise OperationError(409, "this node is not part of a cluster")
+        try:
+            return self.control.forget_node(node_id)
+        except ValueError as exc:
+            raise OperationError(409, str(exc)) from None
+
     async def address_settings(self, request: web.Request) -> web.Response:
         async def prepare() -> tuple[str, Local]:
             address = request.query.get("address") or None
@@ -597,6 +618,7 @@ def add_routes(app: web.Application, api: OperationsApi) -> None:
     router.add_delete(r"/api/mqtt/retained/{topic:[\s\S]+}", api.delete_retained)
     router.add_post("/api/failback", api.failback)
     router.add_post("/api/scale-down", api.scale_down)
+    router.add_post("/api/cluster/nodes/{node_id}/forget", api.forget_node)
     router.add_get("/api/address-settings", api.address_settings)
     router.add_put("/api/address-settings", api.set_address_settings)
 
