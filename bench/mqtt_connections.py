@@ -191,33 +191,38 @@ def main() -> None:
                          core_shared_links=str(args.shared_links)) as gateway:  # fmt: skip
         before = {"core": _proc(core.process.pid), "gateway": _proc(gateway.process.pid)}
         start = multiprocessing.Event()
-        pipes = []
-        share = -(-args.count // args.procs)
-        for p in range(args.procs):
-            first = p * share
-            count = min(share, args.count - first)
-            here, there = multiprocessing.Pipe()
-            process = multiprocessing.Process(
-                target=_client_process, args=(gateway.port, run, first, count, args.concurrency, start, there)
-            )
-            process.start()
-            pipes.append((here, process))
-        time.sleep(1.0)  # the client processes are up and waiting (their start is the event, not this)
-        cpu_before = {"core": cpu_of(core.process.pid), "gateway": cpu_of(gateway.process.pid)}
-        start.set()
-        results = [here.recv() for here, _ in pipes]
-        cpu = {"core": cpu_of(core.process.pid) - cpu_before["core"],
-               "gateway": cpu_of(gateway.process.pid) - cpu_before["gateway"]}  # fmt: skip
-        subscribed = sum(r[0] for r in results)
-        refused = sum(r[1] for r in results)
-        elapsed = max(r[2] for r in results)
-        after = {"core": _proc(core.process.pid), "gateway": _proc(gateway.process.pid)}
-        status = _status(core)
-        asyncio.run(_publish_all(gateway.port, run, args.count))
-        received = sum(here.recv() for here, _ in pipes)
-        for here, process in pipes:
-            here.send("done")
-            process.join(60)
+        pipes: list[tuple[Connection, multiprocessing.Process]] = []
+        try:
+            share = -(-args.count // args.procs)
+            for p in range(args.procs):
+                first = p * share
+                count = min(share, args.count - first)
+                here, there = multiprocessing.Pipe()
+                process = multiprocessing.Process(
+                    target=_client_process, args=(gateway.port, run, first, count, args.concurrency, start, there)
+                )
+                process.start()
+                pipes.append((here, process))
+            time.sleep(1.0)  # the client processes are up and waiting (their start is the event, not this)
+            cpu_before = {"core": cpu_of(core.process.pid), "gateway": cpu_of(gateway.process.pid)}
+            start.set()
+            results = [here.recv() for here, _ in pipes]
+            cpu = {"core": cpu_of(core.process.pid) - cpu_before["core"],
+                   "gateway": cpu_of(gateway.process.pid) - cpu_before["gateway"]}  # fmt: skip
+            subscribed = sum(r[0] for r in results)
+            refused = sum(r[1] for r in results)
+            elapsed = max(r[2] for r in results)
+            after = {"core": _proc(core.process.pid), "gateway": _proc(gateway.process.pid)}
+            status = _status(core)
+            asyncio.run(_publish_all(gateway.port, run, args.count))
+            received = sum(here.recv() for here, _ in pipes)
+            for here, process in pipes:
+                here.send("done")
+                process.join(60)
+        finally:  # the clients never outlive the run, whatever failed
+            for _, process in pipes:
+                if process.is_alive():
+                    process.terminate()
     print(f"subscribed {subscribed} / {args.count} (refused {refused}), received {received} / {args.count}")
     print(f"connect + subscribe: {subscribed / elapsed:,.0f} /s ({elapsed:.1f} s for {subscribed})")
     print(f"core: {status['connections']} sessions over {status['links']} link connections")
