@@ -274,7 +274,7 @@ def test_the_queues_page_sorts_and_searches_the_queues_of_every_node(browser: we
     shot(browser, tmp_path, "queue")
 
 
-def test_the_gateways_page_lists_clients_per_protocol(browser: webdriver.Chrome, cluster: Cluster,
+def test_the_gateways_page_lists_clients_per_protocol_and_closes_one(browser: webdriver.Chrome, cluster: Cluster,
                                                       tmp_path: Path) -> None:  # fmt: skip
     gateway = start_gateway(tmp_path, cluster.b, TRIDENTMQ_STOMP_NODE_NAME="stomp-1",  # its own links: as "app"
                             TRIDENTMQ_STOMP_CORE_USER=APP, TRIDENTMQ_STOMP_CORE_PASSWORD=APP_PASSWORD)  # fmt: skip
@@ -289,8 +289,14 @@ def test_the_gateways_page_lists_clients_per_protocol(browser: webdriver.Chrome,
                      lambda d: "stomp-1 readiness" in text(d, "#clients-gateway tbody"))  # fmt: skip
             assert "cluster:" in text(browser, "#clients-cluster tbody")
             shot(browser, tmp_path, "gateways")
+            click(browser, By.CSS_SELECTOR, "#clients-stomp tbody button")  # Close
+            wait_for(browser, "the confirmation", lambda d: d.switch_to.alert).accept()
+            wait_for(browser, "the answer", lambda d: text(d, ".toast") == "close: closed 1")
+            wait_for(browser, "no STOMP client", lambda d: "nothing to show" in text(d, "#clients-stomp tbody"))
+            wait_until(lambda: not connection.is_connected(), WAIT, "the STOMP client cut off")
         finally:
-            connection.disconnect()
+            if connection.is_connected():
+                connection.disconnect()
     finally:
         gateway.stop()
 
