@@ -126,7 +126,9 @@ def parse_metrics(text: str) -> tuple[dict[str, tuple[str, str]], dict[SampleKey
             match = sample_re.match(line)
             assert match, f"bad sample line {line!r}"
             name, raw_labels, value = match.groups()
-            assert name == seen_order[-1], f"{name} is outside its family block"
+            family = seen_order[-1]
+            suffixes = ("_bucket", "_sum", "_count") if families[family][0] == "histogram" else ("",)
+            assert any(name == family + suffix for suffix in suffixes), f"{name} is outside its family block"
             labels: list[tuple[str, str]] = []
             pos = 0
             while raw_labels and pos < len(raw_labels):

@@ -30,6 +30,7 @@ from tridentmq_core.cluster.forward import (
 from tridentmq_core.cluster.redistribution import MAX_RESIDENCE_FACTOR, Arrivals, Redistributor
 from tridentmq_core.deadlines import Deadlines
 from tridentmq_core.dedup import DuplicateIdCache, TransferIds
+from tridentmq_core.latency import LatencyHistogram
 from tridentmq_core.queues import Consumer, MemoryGauge, PagerFactory, Queue
 from tridentmq_core.router import AddressIndex, AddressTrie, InvalidAddress, validate_address
 from tridentmq_core.security import Permission, Principal
@@ -198,6 +199,10 @@ class Broker:
         self.addresses: dict[str, Address] = {}
         self.queues: dict[str, Queue] = {}
         self.counters = Counters()
+        #: Since the node started: end-to-end latency (publish timestamp to a consumer's acknowledgement,
+        #: auto-ack deliveries included) and time in queue (publish timestamp to each delivery), per node.
+        self.latency: Final = LatencyHistogram()
+        self.time_in_queue: Final = LatencyHistogram()
         self.dirty: Final[set[Session]] = set()  # sessions with output to write; see take_dirty
         self.memory: Final = MemoryGauge()
         self.now_ms = 0  # time of the event being handled, for callbacks that are not handed it
@@ -1316,6 +1321,8 @@ class Broker:
                       journaled: list[int] | None = None, consumer: Consumer | None = None) -> None:  # fmt: skip
         queue.settle(message)
         queue.acked += 1
+        if consumer is not None:  # a client's acknowledgement (not a forward's confirmation)
+            self.latency.record(now_ms - message[M_TIMESTAMP])
         self.on_acked(queue, message, now_ms, journaled, consumer)
 
     def _nack(self, session: Session, consumer_id: int, ids: list[int], mode: NackMode, now_ms: int) -> None:
@@ -1721,7 +1728,12 @@ class Broker:
         self.dirty.add(session)
 
     def on_delivered(self, queue: Queue, consumer: Consumer, delivery_count: int, message: WireMessage) -> None:
-        """Audit a delivery to a consumer (``msg.delivered``), when message events cover the message."""
+        """Audit a delivery to a consumer (``msg.delivered``), when message events cover the message, and
+        time it (with an auto-ack consumer the delivery is the acknowledgement)."""
+        waited = self.now_ms - message[M_TIMESTAMP]
+        self.time_in_queue.record(waited)
+        if consumer.auto_ack:
+            self.latency.record(waited)
         if self._audit_all or (self._audit_durable and message[M_DURABLE]):
             session = consumer.session
             self.audit.emit_delivered(self.now_ms * 1000, queue.name, message[M_ADDRESS],

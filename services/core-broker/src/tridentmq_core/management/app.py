@@ -164,6 +164,8 @@ class _Handlers:
             "messages": sum(len(q) for q in queues),
             "in_flight": sum(q.in_flight for q in queues),
             "counters": dataclasses.asdict(broker.counters),
+            "latency": broker.latency.as_json(),
+            "time_in_queue": broker.time_in_queue.as_json(),
             "cluster": self.status.cluster() if self.status.cluster is not None else None,
             "ha": self.status.ha() if self.status.ha is not None else None,
         })  # fmt: skip

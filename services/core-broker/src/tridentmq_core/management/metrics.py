@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from tridentmq_core.broker import Broker
+from tridentmq_core.latency import BOUNDS_MS, LatencyHistogram
 from tridentmq_core.queues import Queue
 
 if TYPE_CHECKING:
@@ -83,6 +84,21 @@ def _family(lines: list[str], name: str, kind: str, help_text: str, samples: Ite
             lines.append(f"{metric} {_number(value)}")
 
 
+def _histogram(lines: list[str], name: str, help_text: str, histogram: LatencyHistogram) -> None:
+    """A histogram family in seconds: cumulative ``_bucket`` samples by ``le``, then ``_sum`` and ``_count``."""
+    metric = PREFIX + name
+    lines.append(f"# HELP {metric} {_escape_help(help_text)}")
+    lines.append(f"# TYPE {metric} histogram")
+    cumulative = 0
+    for bound, n in zip(BOUNDS_MS, histogram.counts, strict=False):
+        cumulative += n
+        lines.append(f'{metric}_bucket{{le="{bound / 1000!r}"}} {cumulative}')
+    count = cumulative + histogram.counts[-1]
+    lines.append(f'{metric}_bucket{{le="+Inf"}} {count}')
+    lines.append(f"{metric}_sum {histogram.sum_ms / 1000!r}")
+    lines.append(f"{metric}_count {count}")
+
+
 def render_metrics(broker: Broker, status: NodeStatus, rates: QueueRates) -> str:
     """The whole exposition, ending with a newline."""
     queues = [q for _, q in sorted(broker.queues.items())]
@@ -107,6 +123,12 @@ def render_metrics(broker: Broker, status: NodeStatus, rates: QueueRates) -> str
     counters = broker.counters
     for name, attr, help_text in _BROKER_COUNTERS:
         _family(lines, name, "counter", help_text, [({}, getattr(counters, attr))])
+    _histogram(lines, "message_latency_seconds",
+               "End-to-end latency: a message's publish timestamp to its acknowledgement by a consumer.",
+               broker.latency)  # fmt: skip
+    _histogram(lines, "message_time_in_queue_seconds",
+               "Time in queue: a message's publish timestamp to each of its deliveries to a consumer.",
+               broker.time_in_queue)  # fmt: skip
     cluster = status.cluster() if status.cluster is not None else None
     if cluster is not None:
         _family(lines, "cluster_members", "gauge", "Live cluster members this node sees, itself included.",
