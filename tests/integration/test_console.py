@@ -331,12 +331,34 @@ def test_the_audit_page_follows_a_message_across_nodes(browser: webdriver.Chrome
     shot(browser, tmp_path, "audit")
 
 
-def test_the_charts_page_draws_the_rates(browser: webdriver.Chrome, cluster: Cluster, tmp_path: Path) -> None:
+async def consume(node: CoreProcess, queue: str, count: int) -> None:
+    """Take and acknowledge ``count`` messages of ``queue``, each as it comes."""
+    async with app_client(node) as client:
+        consumer = await client.subscribe(queue, credit=count)
+        for _ in range(count):
+            delivery = await consumer.get(timeout=WAIT)
+            assert delivery is not None
+            consumer.ack(delivery)
+        await client.create_queue(f"{queue}.done")  # a round trip: the acks were handled before its answer
+
+
+def test_the_charts_page_draws_the_rates_and_the_latency(browser: webdriver.Chrome, cluster: Cluster,
+                                                         tmp_path: Path) -> None:  # fmt: skip
     log_in(browser, cluster, "charts")
-    wait_for(browser, "three charts", lambda d: len(d.find_elements(By.CSS_SELECTOR, ".chart canvas")) == 3)
-    asyncio.run(publish(cluster.b, "charts", 20))
+    wait_for(browser, "four charts", lambda d: len(d.find_elements(By.CSS_SELECTOR, ".chart canvas")) == 4)
     rates = browser.find_element(By.ID, "chart-rates")
-    wait_for(browser, "a sample with the messages", lambda d: int(rates.get_attribute("data-routed") or 0) >= 20)
+    latency = browser.find_element(By.ID, "chart-latency")
+    for batch in range(3):  # one batch per sample, for a line rather than a dot
+        samples = int(rates.get_attribute("data-samples") or 0)
+        asyncio.run(publish(cluster.b, "charts", 10, create=batch == 0))
+        asyncio.run(consume(cluster.b, "charts", 10))
+        wait_for(browser, "a sample after the batch",
+                 lambda d, seen=samples: int(rates.get_attribute("data-samples") or 0) > seen)  # fmt: skip
+    wait_for(browser, "a sample with the messages", lambda d: int(rates.get_attribute("data-routed") or 0) >= 30)
+    wait_for(browser, "the acks timed", lambda d: int(latency.get_attribute("data-timed") or 0) >= 30)
+    legend = latency.find_element(By.CSS_SELECTOR, ".u-legend").text
+    assert "p50" in legend
+    assert "p99" in legend
     wait_for(browser, "a few samples more", lambda d: int(rates.get_attribute("data-samples") or 0) >= 5)
     shot(browser, tmp_path, "charts")
 

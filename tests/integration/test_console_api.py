@@ -5,6 +5,8 @@ from the node's audit files (the browser itself: test_console.py)."""
 from __future__ import annotations
 
 import json
+import math
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -12,6 +14,7 @@ from typing import Any
 import pytest
 from tests.conftest import CoreProcess
 
+from tridentmq_core.latency import BOUNDS_MS, percentile
 from tridentmq_core.management.audit_trail import find_events
 from tridentmq_shared.link.client import LinkClient, ReconnectPolicy
 from tridentmq_shared.link.ops import NackMode
@@ -97,6 +100,41 @@ async def test_the_audit_trail_of_a_message_lists_its_events(core: CoreProcess) 
     status, _, body = call(core.management_url + "/api/audit/messages/%22x%3C")
     assert status == 400
     assert b"message id" in body
+
+
+async def test_the_latency_histogram_counts_every_acknowledged_message(core: CoreProcess) -> None:
+    """After N acked messages the node's latency histogram has N more, and its percentiles lie within what
+    the client measured (the first publish to the answer after the acks: longer than any message took)."""
+    count = 40
+    before = json.loads(call(core.management_url + "/api/status")[2])
+    async with LinkClient("127.0.0.1", core.link_port, reconnect=ReconnectPolicy(attempts=0)) as client:
+        await client.create_queue("timed")
+        started = time.time()
+        for n in range(count):
+            await client.publish(new_message("timed", b"t%d" % n))
+        consumer = await client.subscribe("timed", credit=count)
+        for _ in range(count):
+            delivery = await consumer.get(timeout=10)
+            assert delivery is not None
+            consumer.ack(delivery)
+        await client.create_queue("ping")  # a round trip: the acks were handled before its answer
+        longest_ms = (time.time() - started) * 1000
+    after = json.loads(call(core.management_url + "/api/status")[2])
+    for name in ("latency", "time_in_queue"):
+        assert after[name]["le_ms"] == list(BOUNDS_MS)
+        assert after[name]["count"] - before[name]["count"] == count, name
+    counts = [b - a for a, b in zip(before["latency"]["counts"], after["latency"]["counts"], strict=True)]
+    p50, p99, p100 = (percentile(counts, f) for f in (0.5, 0.99, 1.0))
+    assert p50 is not None
+    assert p99 is not None
+    assert p100 is not None
+    assert p50 <= p99 <= p100
+    slowest = max(i for i, n in enumerate(counts) if n)
+    floor_ms = BOUNDS_MS[slowest - 1] + 1 if slowest else 0  # the smallest latency the slowest bucket holds
+    assert floor_ms <= math.ceil(longest_ms) + 1  # the ms clock of the node may round the other way
+    assert after["latency"]["sum_ms"] - before["latency"]["sum_ms"] <= count * (math.ceil(longest_ms) + 1)
+    metrics = call(core.management_url + "/metrics")[2].decode()
+    assert f"tridentmq_message_latency_seconds_count {after['latency']['count']}" in metrics
 
 
 def _trail(core: CoreProcess, message_id: str) -> dict[str, Any]:

@@ -86,7 +86,7 @@
   const state = {
     selfId: null,
     nodes: [], // [{member, status, error}]
-    history: { t: [], routed: [], acked: [], deadLettered: [], depth: [], inFlight: [], perNode: {}, routedSince: 0 },
+    history: { t: [], routed: [], acked: [], deadLettered: [], depth: [], inFlight: [], perNode: {}, latency: {}, timedSince: 0, routedSince: 0 },
     lastCounters: null,
     routes: new Set(), // the operations this node offers (from /api/operations when present)
   };
@@ -114,15 +114,34 @@
     return found ? found.member.name || shortId(nodeId) : shortId(nodeId);
   };
 
+  // The upper bound (ms) of the histogram bucket holding the given fraction of the latencies counted in
+  // `counts` (the node's cumulative buckets, differenced between two polls); null when nothing was counted.
+  function percentile(bounds, counts, fraction) {
+    const total = counts.reduce((s, n) => s + n, 0);
+    if (total <= 0) return null;
+    const rank = Math.max(1, Math.ceil(fraction * total));
+    let seen = 0;
+    for (let i = 0; i < counts.length; i++) {
+      seen += counts[i];
+      if (seen >= rank) return i < bounds.length ? bounds[i] : Infinity;
+    }
+    return null;
+  }
+
   // One chart sample per poll: cluster-wide rates from the counters' differences, depth and in-flight totals.
   function sample() {
     const now = Date.now() / 1000;
     const sum = (key) => state.nodes.reduce((s, n) => s + ((n.status && n.status.counters[key]) || 0), 0);
     const counters = { routed: sum("routed"), acked: sum("acked"), dead_lettered: sum("dead_lettered"), t: now };
     const perNode = {};
-    for (const n of state.nodes) if (n.status) perNode[n.member.node_id] = n.status.counters.routed;
+    const latency = {};
+    for (const n of state.nodes) {
+      if (!n.status) continue;
+      perNode[n.member.node_id] = n.status.counters.routed;
+      if (n.status.latency) latency[n.member.node_id] = n.status.latency;
+    }
     const last = state.lastCounters;
-    state.lastCounters = { ...counters, perNode };
+    state.lastCounters = { ...counters, perNode, latency };
     if (!last || now - last.t <= 0) return;
     const dt = now - last.t;
     const rate = (key) => Math.max(0, (counters[key] - last[key]) / dt);
@@ -140,9 +159,21 @@
       series.push(before === undefined ? null : Math.max(0, (routed - before) / dt));
     }
     for (const series of Object.values(h.perNode)) while (series.length < h.t.length) series.push(null);
+    // Latency percentiles of the messages acknowledged on each node since the last poll (none: a gap).
+    for (const [id, now] of Object.entries(latency)) {
+      const series = h.latency[id] || (h.latency[id] = { p50: new Array(h.t.length - 1).fill(null), p99: new Array(h.t.length - 1).fill(null) });
+      const before = last.latency && last.latency[id];
+      const counts = before && before.counts.length === now.counts.length ? now.counts.map((n, i) => n - before.counts[i]) : null;
+      const valid = counts && counts.every((n) => n >= 0); // a restarted node starts its counts again
+      if (valid) h.timedSince += counts.reduce((s, n) => s + n, 0);
+      series.p50.push(valid ? percentile(now.le_ms, counts, 0.5) : null);
+      series.p99.push(valid ? percentile(now.le_ms, counts, 0.99) : null);
+    }
+    for (const series of Object.values(h.latency)) for (const key of ["p50", "p99"]) while (series[key].length < h.t.length) series[key].push(null);
     if (h.t.length > HISTORY_POINTS) {
       for (const key of ["t", "routed", "acked", "deadLettered", "depth", "inFlight"]) h[key].shift();
       for (const series of Object.values(h.perNode)) series.shift();
+      for (const series of Object.values(h.latency)) { series.p50.shift(); series.p99.shift(); }
     }
   }
 
@@ -562,21 +593,26 @@
     const rates = el("div", { class: "chart", id: "chart-rates" });
     const depth = el("div", { class: "chart", id: "chart-depth" });
     const perNode = el("div", { class: "chart", id: "chart-nodes" });
+    const latency = el("div", { class: "chart", id: "chart-latency" });
     root.append(el("h1", {}, "Charts"), el("p", { class: "hint" }, `Sampled every ${POLL_MS / 1000} s while the console is open (the last ${HISTORY_POINTS * POLL_MS / 60000} minutes).`),
       el("h2", {}, "Messages per second, whole cluster"), rates, el("h2", {}, "Messages queued and in flight"), depth,
-      el("h2", {}, "Messages routed per second, per node"), perNode);
+      el("h2", {}, "Messages routed per second, per node"), perNode,
+      el("h2", {}, "End-to-end latency per node, ms (publish to acknowledgement, p50 solid, p99 dashed)"), latency);
     const charts = [];
     const width = () => Math.max(400, root.clientWidth - 40);
-    const make = (target, series, data) => {
+    const make = (target, series, data, scales = {}) => {
       const clock = (u, ticks) => ticks.map((t) => new Date(t * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit", second: "2-digit" }));
       const chart = new uPlot({ width: width(), height: 220, series: [{}, ...series], axes: [{ space: 90, values: clock }, { size: 60 }],
-        legend: { live: false } }, data, target);
+        scales, legend: { live: false } }, data, target);
       charts.push(chart);
       return chart;
     };
     const colours = ["#2563eb", "#16a34a", "#dc2626", "#9333ea", "#ea580c", "#0891b2"];
     let nodeChart = null;
     let nodeIds = "";
+    let latencyChart = null;
+    let latencyIds = "";
+    const latencyData = (ids) => [h.t, ...ids.flatMap((id) => [h.latency[id].p50, h.latency[id].p99])];
     await loadNodes();
     const h = state.history;
     const rateChart = make(rates, [{ label: "routed/s", stroke: colours[0], width: 2 }, { label: "acked/s", stroke: colours[1], width: 2 },
@@ -598,6 +634,19 @@
           [h.t, ...ids.map((id) => h.perNode[id])]);
       } else if (nodeChart) {
         nodeChart.setData([h.t, ...ids.map((id) => h.perNode[id])]);
+      }
+      const timed = Object.keys(h.latency);
+      latency.dataset.timed = String(h.timedSince);
+      if (timed.join() !== latencyIds) {
+        latencyIds = timed.join();
+        if (latencyChart) latencyChart.destroy();
+        latency.replaceChildren();
+        latencyChart = make(latency, timed.flatMap((id, i) => [
+          { label: `${nodeName(id)} p50`, stroke: colours[i % colours.length], width: 2 },
+          { label: `${nodeName(id)} p99`, stroke: colours[i % colours.length], width: 2, dash: [6, 4] },
+        ]), latencyData(timed), { y: { range: (u, min, max) => [0, Math.max(1, max) * 1.1] } });
+      } else if (latencyChart) {
+        latencyChart.setData(latencyData(timed));
       }
     };
   };
