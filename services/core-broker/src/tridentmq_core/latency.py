@@ -45,6 +45,9 @@ def upper_bound(index: int) -> float:
 
 #: Every finite bucket's inclusive upper bound (ms), in order.
 BOUNDS_MS: Final[tuple[int, ...]] = tuple(int(upper_bound(i)) for i in range(FINITE))
+#: Latencies below this (ms) find their bucket in ``SMALL_BUCKETS`` (an index, no arithmetic: the hot path).
+SMALL_MS: Final = 4096
+SMALL_BUCKETS: Final[tuple[int, ...]] = tuple(bucket_of(ms) for ms in range(SMALL_MS))
 
 
 class LatencyHistogram:
@@ -57,16 +60,17 @@ class LatencyHistogram:
         self.sum_ms = 0
 
     def record(self, latency_ms: int) -> None:
-        if latency_ms < EXACT:
-            if latency_ms <= 0:
-                self.counts[0] += 1
-                return
-            self.counts[latency_ms] += 1
+        if 0 <= latency_ms < SMALL_MS:
+            self.counts[SMALL_BUCKETS[latency_ms]] += 1
+            self.sum_ms += latency_ms
         else:
-            bits = latency_ms.bit_length()
-            index = (bits - 3) * 4 + (latency_ms >> (bits - 3)) if bits <= MAX_BITS else OVERFLOW
-            self.counts[index] += 1
-        self.sum_ms += latency_ms
+            self.add(bucket_of(latency_ms), latency_ms)
+
+    def add(self, index: int, latency_ms: int) -> None:
+        """Count ``latency_ms`` in bucket ``index`` (``bucket_of(latency_ms)``, known to the caller)."""
+        self.counts[index] += 1
+        if latency_ms > 0:
+            self.sum_ms += latency_ms
 
     @property
     def count(self) -> int:
