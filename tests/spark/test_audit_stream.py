@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from pyspark.sql import SparkSession
 
-from tridentmq_spark.stream import StreamOptions, run_stream
+from tridentmq_spark.stream import StreamOptions, drop_torn_log_writes, run_stream
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(900)]
 
@@ -97,3 +97,19 @@ def test_the_stream_is_exactly_once_across_a_kill_of_the_driver(spark: SparkSess
     assert rates, "no closed window"
     assert all(r.sent_per_s > 0 and r.p50_ms == 3.0 for r in rates), rates
     assert all(r.delivered_per_s > 0 and r.in_queue_p50_ms == r.in_queue_p99_ms == 1.0 for r in rates), rates
+
+
+def test_a_log_entry_a_killed_driver_left_half_written_is_dropped_and_entries_are_kept(tmp_path: Path) -> None:
+    """Seen in CI: the driver killed while its analysis queries wrote their first offsets left only
+    ``.0.<uuid>.tmp`` in each ``offsets`` folder, and Spark then refused to restart them ("should be empty on
+    batch 0")."""
+    offsets, commits = tmp_path / "rates" / "offsets", tmp_path / "events" / "commits"
+    offsets.mkdir(parents=True)
+    commits.mkdir(parents=True)
+    torn = [offsets / ".0.4a34ec8f.tmp", offsets / "..0.4a34ec8f.tmp.crc", commits / ".3.77aa.tmp"]
+    kept = [offsets / "0", offsets / ".0.crc", commits / "2", tmp_path / "rates" / "metadata"]
+    for path in [*torn, *kept]:
+        path.write_text("{}")
+    assert sorted(drop_torn_log_writes(tmp_path)) == sorted(torn)
+    assert all(path.exists() for path in kept)
+    assert not any(path.exists() for path in torn)

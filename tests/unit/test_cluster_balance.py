@@ -218,12 +218,14 @@ def test_a_backlog_goes_to_the_nodes_whose_consumers_take_it_and_is_spread_over_
     queue = h.broker.queues["paint"]
     principal = Principal("cluster:peers", frozenset(), unrestricted=True, cluster=True)
     ports = {}
+    # Unpaced: pacing is the cluster tick's, tested on real nodes (tests/integration/test_cluster.py).
     for node_id, selectors in (("node-2", ("color = 'red'",)), ("node-3", None)):
         port = ports[node_id] = Moved()
         session = h.broker.open_session(port, "bridge", principal, "127.0.0.1", f"cluster:{node_id}", h.now_ms)
         target = Binding(node_id, "paint", "paint", ANYCAST, None, 1, selectors, 1, node_id)
         mover = Redistributor(2, session, queue, 1000, target=target, selectors=SelectorCache(),
-                              arrivals=Arrivals(), min_residence_ms=2000, clock=lambda: h.now_ms)  # fmt: skip
+                              arrivals=Arrivals(), min_residence_ms=2000, clock=lambda: h.now_ms,
+                              paced=False)  # fmt: skip
         h.broker.add_forwarder(session, mover)
     h.sync()
     to_b, to_c = ports["node-2"].moved, ports["node-3"].moved

@@ -65,6 +65,7 @@ KNOWN_EVENTS = frozenset(
         "mgmt.failback",
         "mgmt.scale_down",
         "mgmt.address_settings.set",
+        "mgmt.node.forget",
     }
 )
 

@@ -208,8 +208,24 @@ def events_schema(spark: SparkSession, opts: StreamOptions) -> StructType:
     return spark.read.format(FORMAT).load(str(opts.audit_dir)).withColumn("ts", F.timestamp_micros("ts_us")).schema
 
 
+def drop_torn_log_writes(checkpoint: Path) -> list[Path]:
+    """Remove what a killed driver left half-written in the checkpoint's offset and commit logs: Spark writes
+    each entry as ``.<batch>.<uuid>.tmp`` and renames it, and a kill before the rename leaves the temp file
+    (and its ``.crc``). Never an entry, but a query that had not finished its first entry then refuses to
+    start (STATE_STORE_CHECKPOINT_LOCATION_NOT_EMPTY, "offsets should be empty on batch 0"). Returns what
+    was removed."""
+    removed = []
+    for log in (*checkpoint.glob("*/offsets"), *checkpoint.glob("*/commits")):
+        for leftover in log.glob(".*.tmp*"):
+            if leftover.is_file() and leftover.name.endswith((".tmp", ".tmp.crc")):
+                leftover.unlink()
+                removed.append(leftover)
+    return removed
+
+
 def run_stream(spark: SparkSession, opts: StreamOptions) -> None:
     """Run until stopped (Ctrl-C), or until everything sealed now is processed with ``once``."""
+    drop_torn_log_writes(opts.checkpoint)
     schema = events_schema(spark, opts)
     queries = [start_ingest(spark, opts)]
     try:
