@@ -27,6 +27,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 from tests.conftest import CoreProcess, _started, basic_auth, start_core, start_gateway
 from tests.integration.cluster_nodes import CLUSTER_PASSWORD, CLUSTER_USER, cluster_env, wait_until
+from tests.integration.mqtt_clients import Paho
 
 from tridentmq_core.security import hash_password
 from tridentmq_shared.link.client import Delivery, LinkClient, ReconnectPolicy
@@ -64,7 +65,16 @@ match = "#"
 permission = "{permission}"
 roles = ["app"]
 """
-    for permission in ("send", "consume", "browse", "createAddress", "createDurableQueue")
+    for permission in (
+        "send",
+        "consume",
+        "browse",
+        "createAddress",
+        "createDurableQueue",
+        "deleteDurableQueue",
+        "createNonDurableQueue",
+        "deleteNonDurableQueue",
+    )  # an MQTT gateway's sessions need them all
 )
 ADMIN_AUTH = basic_auth(ADMIN, ADMIN_PASSWORD)
 WAIT = 30.0
@@ -298,6 +308,40 @@ def test_the_gateways_page_lists_clients_per_protocol_and_closes_one(browser: we
             if connection.is_connected():
                 connection.disconnect()
     finally:
+        gateway.stop()
+
+
+def test_the_mqtt_page_lists_sessions_and_clears_a_retained_message(browser: webdriver.Chrome, cluster: Cluster,
+                                                                   tmp_path: Path) -> None:  # fmt: skip
+    gateway = start_gateway(tmp_path, cluster.b, "mqtt", TRIDENTMQ_MQTT_NODE_NAME="mqtt-1",
+                            TRIDENTMQ_MQTT_CORE_USER=APP, TRIDENTMQ_MQTT_CORE_PASSWORD=APP_PASSWORD)  # fmt: skip
+    device = Paho(gateway.port, "console-sensor-7", clean=False, username=APP, password=APP_PASSWORD)
+    try:
+        device.connect(expiry=3600)
+        device.subscribe("console/sensors/+/cmd", qos=1)
+        device.publish("console/sensors/7/state", b"online", qos=1, retain=True)
+        log_in(browser, cluster, "mqtt")
+        wait_for(browser, "the session", lambda d: "console-sensor-7" in text(d, "#mqtt-sessions tbody"))
+        assert "console/sensors/+/cmd" in text(browser, "#mqtt-sessions tbody")
+        wait_for(browser, "the retained message",
+                 lambda d: "console/sensors/7/state" in text(d, "#mqtt-retained tbody"))  # fmt: skip
+        assert "online" in text(browser, "#mqtt-retained tbody")
+        shot(browser, tmp_path, "mqtt")
+        click(browser, By.CSS_SELECTOR, "#mqtt-retained tbody button")  # Clear
+        wait_for(browser, "the confirmation", lambda d: d.switch_to.alert).accept()
+        wait_for(browser, "the retained message gone",
+                 lambda d: "console/sensors/7/state" not in text(d, "#mqtt-retained tbody"))  # fmt: skip
+        # A new subscriber gets no retained message for it any more: cleared in the core, not only on the page.
+        late = Paho(gateway.port, "console-late", username=APP, password=APP_PASSWORD)
+        late.connect()
+        try:
+            late.subscribe("console/sensors/7/state", qos=1)
+            device.publish("console/sensors/7/state", b"live", qos=1)  # not retained: after the SUBACK
+            assert [m.payload for m in late.receive(1)] == [b"live"]
+        finally:
+            late.disconnect()
+    finally:
+        device.disconnect()
         gateway.stop()
 
 
