@@ -179,9 +179,11 @@ async def test_failback_is_a_pause_for_stomp_mqtt_amqp_and_link_clients(tmp_path
     await asyncio.to_thread(wait_until, lambda: ha_view(pair.backup).get("active") is True, WAIT, "the takeover")
     await asyncio.to_thread(wait_until, progressed(), WAIT, "every producer to publish through the backup")
     (pair.backup.data_dir / "ports.json").unlink()
-    returned = start_node(tmp_path, "fb-primary", [pair.backup], core_ha_policy="replication",
-                          core_ha_group_name="fb", core_ha_activate_without_quorum="true",
-                          core_link_port=str(port))  # fmt: skip
+    # In a thread: starting a process takes seconds under load, and this event loop runs the link client,
+    # whose heartbeats must go on (a blocked loop once made the returned primary drop its link).
+    returned = await asyncio.to_thread(start_node, tmp_path, "fb-primary", [pair.backup],
+                                       core_ha_policy="replication", core_ha_group_name="fb",
+                                       core_ha_activate_without_quorum="true", core_link_port=str(port))  # fmt: skip
     await asyncio.to_thread(wait_until, lambda: ha_view(returned).get("active") is True, 40, "the failback")
     assert node_id(returned) == primary_id
     await asyncio.to_thread(wait_until, progressed(), WAIT, "every producer to publish after the failback")
@@ -198,7 +200,8 @@ async def test_failback_is_a_pause_for_stomp_mqtt_amqp_and_link_clients(tmp_path
         received["mqtt"] += [Delivery(m.payload.decode(), bool(m.dup)) for m in mqtt_sub.receive(1000, timeout=0.1)]
         return all(expected[k] <= {d.value for d in received[k]} for k in expected)
 
-    await asyncio.to_thread(wait_until, all_arrived, 30, "every acknowledged message to arrive")
+    with contextlib.suppress(AssertionError):  # what is still missing then, the checker names per protocol
+        await asyncio.to_thread(wait_until, all_arrived, 30, "every acknowledged message to arrive")
     for producer in producers:
         verdict = check(producer.attempted, producer.acked, [], received[producer.prefix])
         assert verdict.ok, f"{producer.prefix}: {verdict.report()}"
