@@ -15,7 +15,7 @@ import pytest
 from redis.asyncio import Redis
 from tests.redis_server import RedisServer, redis_server
 
-from tridentmq_core.cluster.discovery import LEAVE, MAX_MEMBERS, Announcement, RedisDiscovery
+from tridentmq_core.cluster.discovery import _MAX_BACKOFF, LEAVE, MAX_MEMBERS, Announcement, RedisDiscovery
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster]
 
@@ -57,13 +57,15 @@ def ignored(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 class Changes:
-    """Records every on_change call."""
+    """Records every on_change call and when it came (``time.monotonic``)."""
 
     def __init__(self) -> None:
         self.calls: list[dict[str, Announcement]] = []
+        self.times: list[float] = []
 
     def __call__(self, members: Mapping[str, Announcement]) -> None:
         self.calls.append(dict(members))
+        self.times.append(time.monotonic())
 
 
 NodeFactory = Callable[..., Awaitable[RedisDiscovery]]
@@ -236,10 +238,13 @@ async def test_clean_stop_is_seen_at_once(redis: RedisServer, raw: Redis, nodes:
 
 
 async def test_redis_outage_freezes_membership(redis: RedisServer, nodes: NodeFactory) -> None:
+    # A refresh timeout well above the reconnect backoff's ceiling: a clock that did not restart at the
+    # reconnection would expire d within one backoff of Redis's return, a restarted one a whole timeout later.
+    refresh = 3 * _MAX_BACKOFF
     changes = Changes()
-    a = await nodes(redis.url, announcement("a"), on_change=changes)
-    b = await nodes(redis.url, announcement("b"))
-    d = await nodes(redis.url, announcement("d"))
+    a = await nodes(redis.url, announcement("a"), on_change=changes, refresh=refresh)
+    b = await nodes(redis.url, announcement("b"), refresh=refresh)
+    d = await nodes(redis.url, announcement("d"), refresh=refresh)
     await until(lambda: set(a.members) == {b.me.node_id, d.me.node_id} and a.me.node_id in b.members, "discovery")
     calls = len(changes.calls)
 
@@ -247,12 +252,12 @@ async def test_redis_outage_freezes_membership(redis: RedisServer, nodes: NodeFa
     await until(lambda: not a.connected and not b.connected, "the outage to be noticed")
     # A node joining while Redis is down starts at once and waits; one leaving cannot say so.
     started = time.monotonic()
-    c = await nodes(redis.url, announcement("c"))
+    c = await nodes(redis.url, announcement("c"), refresh=refresh)
     assert time.monotonic() - started < 0.5
     assert not c.connected
     await d.stop()
     # Nobody can be told dead while Redis is: membership is kept well past refresh_timeout.
-    outage_end = time.monotonic() + 2.5 * REFRESH
+    outage_end = time.monotonic() + 1.5 * refresh
     while time.monotonic() < outage_end:
         assert set(a.members) == {b.me.node_id, d.me.node_id}
         assert a.me.node_id in b.members
@@ -260,15 +265,13 @@ async def test_redis_outage_freezes_membership(redis: RedisServer, nodes: NodeFa
     assert len(changes.calls) == calls
 
     redis.start()  # same port, empty: everything is announced again and found by the rescan
-    # Each node reconnects on its own backoff; d's refresh clock in a restarts when a reconnects.
-    await until(lambda: a.connected, "a's reconnection")
-    reconnected = time.monotonic()
-    assert d.me.node_id in a.members  # its refresh clock restarted at the reconnection
-    await until(lambda: b.connected and c.connected, "the others' reconnection")
+    back = time.monotonic()  # a's reconnection, and so the restart of d's refresh clock, comes after this
+    await until(lambda: a.connected and b.connected and c.connected, "the reconnections")
     everyone = {a.me.node_id, b.me.node_id, c.me.node_id}
     await until(lambda: set(a.members) == everyone - {a.me.node_id} and set(c.members) == everyone - {c.me.node_id},
                 "the node that joined during the outage and the expiry of the one that left")  # fmt: skip
-    assert time.monotonic() - reconnected >= 0.8 * REFRESH
+    expired_at = next(t for call, t in zip(changes.calls, changes.times, strict=True) if d.me.node_id not in call)
+    assert expired_at - back >= refresh  # its clock restarted at the reconnection
     assert b.me.node_id in a.members  # never dropped
     assert all(b.me.node_id in call for call in changes.calls)
 
