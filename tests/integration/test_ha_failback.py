@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,9 +16,9 @@ import pytest
 from proton import Message, Timeout
 from proton.utils import BlockingConnection
 from stomp.utils import Frame
-from tests.conftest import GatewayProcess, start_gateway, stop_cleanly
+from tests.conftest import CoreProcess, GatewayProcess, start_gateway, stop_cleanly
 from tests.integration.cluster_nodes import node_id, start_node, wait_until
-from tests.integration.ha_pairs import ha_view, start_pair
+from tests.integration.ha_pairs import Pair, ha_view, start_pair
 from tests.integration.mqtt_clients import Paho
 from tests.integration.test_ha import kill, reread_ports
 from tests.integration.test_stomp_gateway import connect as stomp_connect
@@ -117,14 +120,45 @@ class AmqpReceiver:
             self.connection.close()
 
 
+def _queues(node: CoreProcess) -> str:
+    """The test's queues on ``node`` as its management API shows them, for a failure's report."""
+    try:
+        with urllib.request.urlopen(node.management_url + "/api/queues", timeout=5) as response:
+            queues = json.loads(response.read())
+    except (urllib.error.URLError, OSError) as exc:
+        return f"{node.data_dir.name}: unreachable ({exc})"
+    keys = ("message_count", "consumers", "in_flight")
+    return f"{node.data_dir.name}: " + "; ".join(f"{q['name']} {[q.get(k) for k in keys]}" for q in queues
+                                        if q["name"].startswith("fb."))  # fmt: skip
+
+
+def _warnings(log: str) -> str:
+    return "\n".join(line for line in log.splitlines() if " WARNING " in line or " ERROR " in line)[-3000:]
+
+
 async def test_failback_is_a_pause_for_stomp_mqtt_amqp_and_link_clients(tmp_path: Path) -> None:
     pair = start_pair(tmp_path, "fb", core_ha_activate_without_quorum="true")
-    primary_id = node_id(pair.primary)
     gateways = {kind: start_gateway(tmp_path, pair.primary, kind) for kind in ("stomp", "mqtt", "amqp")}
     for gateway in gateways.values():
         wait_until(lambda g=gateway: "following the cluster topology" in g.log(), WAIT, "the gateway to follow")
+    async with contextlib.AsyncExitStack() as clients:  # closed however the test ends: no socket left behind
+        returned = await _fail_over_and_back(tmp_path, pair, gateways, clients)
+    for gateway in gateways.values():
+        stop_cleanly(gateway)
+    wait_until(lambda: "failback done: restarting as a backup" in pair.backup.log(), WAIT, "the old backup to restart")
+    reread_ports(pair.backup)
+    for node in (pair.backup, returned):
+        assert node.stop() == 0, node.log()
+
+
+async def _fail_over_and_back(tmp_path: Path, pair: Pair, gateways: dict[str, GatewayProcess],
+                              clients: contextlib.AsyncExitStack) -> CoreProcess:  # fmt: skip
+    """Clients of every kind publishing and consuming through a failover and a failback; returns the primary
+    that came back, once every acknowledged message arrived."""
+    primary_id = node_id(pair.primary)
     # Consumers, one per protocol, that stay connected throughout.
     stomp_sub, stomp_listener = stomp_connect(gateways["stomp"])
+    clients.callback(_quietly, stomp_sub.disconnect)
     stomp_sub.subscribe("/queue/fb.stomp", id="s", ack="client-individual", headers={"receipt": "sub"})
     stomp_listener.wait(lambda: "sub" in stomp_listener.receipts, "the SUBSCRIBE's receipt")
     stomp_got: list[Delivery[str]] = []
@@ -135,12 +169,15 @@ async def test_failback_is_a_pause_for_stomp_mqtt_amqp_and_link_clients(tmp_path
 
     stomp_listener.on_message = stomp_message  # type: ignore[method-assign]
     mqtt_sub = Paho(gateways["mqtt"].port, "fb-sub", clean=False)
+    clients.callback(_quietly, mqtt_sub.disconnect)
     mqtt_sub.connect(expiry=300)
     mqtt_sub.subscribe("fb/mqtt", 1)
     amqp_receiver = AmqpReceiver(gateways["amqp"])
+    clients.callback(amqp_receiver.stop)
     fast = ReconnectPolicy(retry_interval=0.05, max_interval=0.5)
     link = LinkClient("127.0.0.1", pair.primary.link_port, follow_topology=True, reconnect=fast)
     await link.connect()
+    clients.push_async_callback(link.close)
     primary, backup = ("127.0.0.1", pair.primary.link_port), ("127.0.0.1", pair.backup.link_port)
     await asyncio.to_thread(wait_until, lambda: link.nodes.backup_of(primary) == backup, WAIT, "the backup named")
     await link.create_queue("fb.link")
@@ -158,8 +195,10 @@ async def test_failback_is_a_pause_for_stomp_mqtt_amqp_and_link_clients(tmp_path
             raise
 
     consuming = asyncio.create_task(consume_link())
+    clients.callback(consuming.cancel)
     loop = asyncio.get_running_loop()
     mqtt_pub, mqtt_publish = mqtt_publisher(gateways["mqtt"])
+    clients.callback(_quietly, mqtt_pub.disconnect)
     producers = [
         Producer("stomp", stomp_publisher(gateways["stomp"])),
         Producer("mqtt", mqtt_publish),
@@ -167,6 +206,8 @@ async def test_failback_is_a_pause_for_stomp_mqtt_amqp_and_link_clients(tmp_path
         Producer("link", lambda body: asyncio.run_coroutine_threadsafe(
             link.publish(new_message("fb.link", body.encode(), durable=True)), loop).result(WAIT * 2)),
     ]  # fmt: skip
+    for producer in producers:
+        clients.callback(producer.stop)
 
     def progressed() -> Callable[[], bool]:
         marks = [len(p.acked) for p in producers]
@@ -204,21 +245,18 @@ async def test_failback_is_a_pause_for_stomp_mqtt_amqp_and_link_clients(tmp_path
         await asyncio.to_thread(wait_until, all_arrived, 30, "every acknowledged message to arrive")
     for producer in producers:
         verdict = check(producer.attempted, producer.acked, [], received[producer.prefix])
-        assert verdict.ok, f"{producer.prefix}: {verdict.report()}"
+        gateway = gateways.get(producer.prefix)
+        assert verdict.ok, "\n".join([f"{producer.prefix}: {verdict.report()}", _queues(returned), _queues(pair.backup),
+                                      f"STOMP errors: {[e.body for e in stomp_listener.errors]}",
+                                      _warnings(gateway.log()) if gateway is not None else ""])  # fmt: skip
     assert not stomp_listener.errors, stomp_listener.errors[0].body
     assert mqtt_sub.disconnects.empty()
     assert mqtt_pub.disconnects.empty()
     assert amqp_receiver.failure is None
     assert not link_failure
-    consuming.cancel()
-    amqp_receiver.stop()
-    await link.close()
-    stomp_sub.disconnect()
-    for client in (mqtt_sub, mqtt_pub):
-        client.disconnect()
-    for gateway in gateways.values():
-        stop_cleanly(gateway)
-    wait_until(lambda: "failback done: restarting as a backup" in pair.backup.log(), WAIT, "the old backup to restart")
-    reread_ports(pair.backup)
-    for node in (pair.backup, returned):
-        assert node.stop() == 0, node.log()
+    return returned
+
+
+def _quietly(close: Callable[[], object]) -> None:
+    with contextlib.suppress(Exception):
+        close()

@@ -384,6 +384,46 @@ def test_persistent_messages_survive_a_core_restart(tmp_path: Path) -> None:
         core.stop()
 
 
+def test_a_lost_links_frame_and_its_redelivery_are_each_acknowledged(tmp_path: Path) -> None:
+    """The core restarts under a client that holds a message: the gateway's link comes back and the message is
+    redelivered with the same ack header before the client acknowledged the first frame. Both ACKs are
+    accepted (no ERROR: the connection goes on), the message is settled, and the window stays one message."""
+    core = start_core(tmp_path)
+    port = core.link_port
+    gateway = start_gateway(tmp_path, core)
+    conn, listener = connect(gateway)
+    other, other_listener = connect(gateway)
+    try:
+        conn.subscribe("/queue/twice", id="t", ack="client-individual", headers={"consumer-window-size": "1",
+                                                                               "receipt": "sub"})  # fmt: skip
+        listener.wait(lambda: "sub" in listener.receipts, "the SUBSCRIBE's receipt")
+        conn.send("/queue/twice", "held", headers={"persistent": "true"}, receipt="sent")
+        first = listener.wait_messages(1)[0]
+        core.process.kill()
+        core.process.wait()
+        core = start_core(tmp_path, TRIDENTMQ_CORE_LINK_PORT=str(port))
+        second = listener.wait_messages(2)[1]
+        assert (second.body, second.headers["redelivered"]) == ("held", "true")
+        assert second.headers["ack"] == first.headers["ack"]
+        for n, frame in enumerate((first, second)):
+            conn.ack(frame.headers["ack"], receipt=f"ack{n}")
+        listener.wait(lambda: {"ack0", "ack1"} <= set(listener.receipts) or bool(listener.errors), "the ACKs")
+        assert not listener.errors, listener.errors[0].body
+        for n in range(2):
+            conn.send("/queue/twice", f"m{n}", headers={"persistent": "true"}, receipt=f"m{n}")
+        listener.wait(lambda: len(listener.messages) == 3 and {"m0", "m1"} <= set(listener.receipts), "m0")
+        # The acknowledged message is gone and the window is still one: m1 waits for another consumer.
+        other.subscribe("/queue/twice", id="o", ack="client-individual")
+        assert [m.body for m in other_listener.wait_messages(1)] == ["m1"]
+        assert [m.body for m in listener.messages] == ["held", "held", "m0"]
+        assert not listener.errors
+    finally:
+        conn.disconnect()
+        other.disconnect()
+        assert gateway.stop() == 0
+        core.stop()
+
+
 def test_a_stomp_message_reaches_a_link_consumer_intact(gateway: GatewayProcess, core: CoreProcess) -> None:
     conn, listener = connect(gateway)
     conn.send("/queue/cross", b"\x00binary\xffbody", content_type="application/octet-stream",

@@ -70,7 +70,10 @@ class Subscription:
     consumer: Consumer
     temporary: bool
     shown_destination: str | None = None  # MESSAGE's destination when the address would not say it (temp queues)
-    unacked: dict[int, None] = field(default_factory=dict)  # message ids in delivery order (client modes)
+    # Message id -> MESSAGE frames of it not yet acknowledged, in delivery order (client modes). Two when a
+    # failover's redelivery came before the client acknowledged the frame of the lost link: the ack header
+    # (subscription key and message id) is the same in both, and each frame's ACK must be accepted.
+    unacked: dict[int, int] = field(default_factory=dict)
     pump: asyncio.Task[None] | None = None
 
 
@@ -351,8 +354,10 @@ class StompSession:
                 if pending == message_id:
                     break
         else:
-            del subscription.unacked[message_id]
-            ids = [message_id]
+            frames = subscription.unacked.pop(message_id)
+            if frames > 1:
+                subscription.unacked[message_id] = frames - 1
+            ids = [message_id]  # for either frame: the core settles the copy it has out, if any
         if event.nack:
             subscription.consumer.nack_ids(ids, NackMode.REDELIVER)  # at once, even within a transaction
         else:
@@ -437,7 +442,8 @@ class StompSession:
                 if auto:
                     consumer.ack_ids(ids)
                 else:
-                    unacked.update(dict.fromkeys(ids))
+                    for message_id in ids:
+                        unacked[message_id] = unacked.get(message_id, 0) + 1
                 self.counters.messages_delivered += len(batch)
                 self._flush()
         except LinkRequestError as exc:

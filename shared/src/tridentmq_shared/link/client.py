@@ -150,8 +150,10 @@ class Consumer:
         self._buffer: deque[list[Any]] = deque()  # raw DELIVER operations; wrapped when taken
         self._taken = 0
         self._taken_bytes = 0
-        # Body size of each message taken and not yet settled, for a byte window returned on settlement.
-        self._sizes: dict[int, int] = {}
+        # With credit_on_settle: message id -> body size of each message taken on this link and not yet
+        # settled. Settling anything else (a delivery of a link lost since) returns no credit: the node
+        # granted a whole new window when the consumer was restored.
+        self._unsettled: dict[int, int] = {}
         self._waiter: asyncio.Future[None] | None = None
 
     def _wake(self) -> None:
@@ -177,16 +179,17 @@ class Consumer:
     def _took(self, count: int, messages: Iterable[WireMessage]) -> None:
         if not self.credit_on_settle:
             self._credit(count, sum(len(m[M_BODY]) for m in messages) if self.window_bytes else 0)
-        elif self.window_bytes:
-            sizes = self._sizes
+        else:
+            unsettled = self._unsettled
             for message in messages:
-                sizes[message[M_ID]] = len(message[M_BODY])
+                unsettled[message[M_ID]] = len(message[M_BODY])
 
     def _settled(self, message_ids: list[int]) -> None:
         if self.credit_on_settle:
-            sizes = self._sizes
-            settled_bytes = sum(sizes.pop(i, 0) for i in message_ids) if self.window_bytes else 0
-            self._credit(len(message_ids), settled_bytes)
+            unsettled = self._unsettled
+            sizes = [unsettled.pop(i) for i in message_ids if i in unsettled]
+            if sizes:
+                self._credit(len(sizes), sum(sizes) if self.window_bytes else 0)
 
     def _credit(self, count: int, nbytes: int) -> None:
         self._taken += count
@@ -731,7 +734,7 @@ class LinkClient:
         self._consumers.clear()
         for consumer in old_consumers:
             consumer._buffer.clear()
-            consumer._sizes.clear()
+            consumer._unsettled.clear()
             consumer._taken = consumer._taken_bytes = 0
             options = consumer.options
             if consumer.spec is None and "address" in consumer.info:  # made again as it was, if it must be made
