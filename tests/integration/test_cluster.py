@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from tests.conftest import CoreProcess, start_core
 from tests.integration.cluster_nodes import (
+    NO_RECONNECT,
     client,
     cluster_env,
     cluster_view,
@@ -31,7 +32,7 @@ from tests.jepsen.checker import check
 from tests.redis_server import RedisServer
 
 from tridentmq_shared.cli.admin import cluster_lines
-from tridentmq_shared.link.client import Consumer
+from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError
 from tridentmq_shared.message import M_BODY, M_ID, M_PROPS, RoutingType, new_message
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster]
@@ -436,6 +437,48 @@ async def test_a_node_restarted_while_another_is_down_learns_its_subscriptions_f
     assert verdict.ok, verdict.report()
     assert cluster_view(a)["unreachable"] == cluster_view(b)["unreachable"] == {}
     stop_all([a, b, c])
+
+
+async def test_a_restarted_node_serves_clients_only_once_the_others_told_it_their_subscriptions(
+        tmp_path: Path) -> None:  # fmt: skip
+    """A node that starts (or a backup that takes over) and served at once would confirm a publish before its
+    cluster connections brought the other nodes' queues, routing it nowhere: an MQTT subscriber on another pair
+    lost what was published there. b is frozen while a restarts; a refuses clients as joining until b, thawed,
+    reported its subscription, and the first message a accepts reaches it."""
+    a, b = start_cluster(tmp_path, 2)
+    port = a.link_port
+    async with client(b) as bc:
+        await bc.create_queue("join-b", "join.news", routing_type=RoutingType.MULTICAST, durable=True)
+        subscriber = await bc.subscribe("join-b", credit=10)
+        wait_until(lambda: remote_consumers(a, "join-b") == 1, what="a to see the subscriber on b")
+        a.process.send_signal(signal.SIGKILL)
+        a.process.wait()
+        b.process.send_signal(signal.SIGSTOP)
+        try:
+            starting = asyncio.create_task(asyncio.to_thread(
+                start_core, tmp_path, "node-0", TRIDENTMQ_CORE_LINK_PORT=str(port), **cluster_env([b])))  # fmt: skip
+            answers: list[str] = []
+            deadline = time.monotonic() + 30
+            publisher: LinkClient | None = None
+            while publisher is None:
+                assert time.monotonic() < deadline, f"a never accepted a client: {answers[-3:]}"
+                attempt = LinkClient("127.0.0.1", port, reconnect=NO_RECONNECT)
+                try:
+                    await attempt.connect()
+                    publisher = attempt
+                except LinkRequestError as exc:
+                    answers.append(exc.text)
+                    b.process.send_signal(signal.SIGCONT)  # a is up, waiting for b: let b answer
+                except OSError:
+                    await asyncio.sleep(0.01)  # a is not listening yet
+            await publisher.publish(new_message("join.news", b"first", durable=True, routing=RoutingType.MULTICAST))
+            await publisher.close()
+        finally:
+            b.process.send_signal(signal.SIGCONT)
+        a = await starting
+        assert await take(subscriber, 1) == [b"first"]
+        assert any("joining its cluster" in answer for answer in answers), answers
+    stop_all([a, b])
 
 
 async def test_messages_that_reach_a_returned_node_after_its_subscriber_moved_follow_the_subscriber(

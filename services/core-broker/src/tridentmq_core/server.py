@@ -482,6 +482,7 @@ class CoreNode:
         self._shared_journal: Path | None = None  # the shared-store pair's journal of this epoch
         self.network = self._network_check()
         self.isolated = False  # the network check reached none of its targets: serve nobody
+        self.joining = False  # activated, learning the other nodes' queues before serving
         settings.tls.check()
         tls_listener = settings.link.tls or settings.management.tls
         self.tls = ServerTls(settings.tls) if tls_listener else None
@@ -524,6 +525,8 @@ class CoreNode:
         return self.active and not self.isolated and not (self.replication is not None and self.replication.cut_off)
 
     def not_serving_reason(self) -> str:
+        if self.joining:
+            return "this node is joining its cluster (learning the other nodes' queues): try again in a moment"
         if self.isolated:
             return "this node is cut off from its network (network check): connect to another node"
         if self.active:
@@ -677,6 +680,7 @@ class CoreNode:
             self.status.cluster = self.cluster.status
             self.cluster.on_fenced = self._fenced
             await self.cluster.start()
+            await self._join_cluster(self.cluster)
         if self.voter is not None:
             self.voter.observe(self.node_id, self.identity.epoch)  # asked about its own pair, it knows this
             self.broker.on_ha = self._on_ha
@@ -704,6 +708,23 @@ class CoreNode:
         log.info("core node ready", extra={"node_id": self.node_id, "node_name": self.settings.node.name,
                                            "epoch": self.identity.epoch, "link_port": self.status.link_port,
                                            "management_port": self.management_port})  # fmt: skip
+
+    async def _join_cluster(self, cluster: ClusterManager) -> None:
+        """Before serving, learn the queues of the other nodes (until then links are refused as "joining"): a
+        node that served at once would acknowledge a publish to a subscription held elsewhere and route it
+        nowhere, as a backup that took over did to MQTT sessions on the other pairs."""
+        wait = self.settings.cluster.join_wait_ms / 1000
+        if wait <= 0:
+            return
+        self.joining = True
+        started = time.monotonic()
+        try:
+            primary = self.backup.primary if self.backup is not None else ""
+            reported, known = await cluster.join(wait, ignore=(primary,) if primary else ())
+        finally:
+            self.joining = False
+        log.info("joined the cluster", extra={"nodes_reported": reported, "nodes_known": known,
+                                              "waited_ms": round((time.monotonic() - started) * 1000)})  # fmt: skip
 
     async def _activate_shared(self, epoch: int) -> None:
         """This node won the shared-store lease at ``epoch``: take the journal over into this epoch's directory

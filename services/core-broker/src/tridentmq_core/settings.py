@@ -178,6 +178,11 @@ class ClusterSection:
     retry_interval_ms: int = doc(100, "First retry delay of a cluster connection that failed.")
     retry_multiplier: float = doc(2.0, "Factor applied to the retry delay after each failed attempt.")
     max_retry_interval_ms: int = doc(2000, "Longest retry delay of a cluster connection.")
+    join_wait_ms: int = doc(3000, "A node that starts or takes over serves clients only once every other node it "
+                                  "knows (connectors, discovery) has answered its cluster connection with its "
+                                  "queues, or failed to, or this long has passed: before, a message for a "
+                                  "subscription on another node would be routed nowhere. 0: serve at "
+                                  "once.")  # fmt: skip
     node_gone_ms: int = doc(10_000, "A node unreachable for this long is declared gone: the messages waiting to "
                                     "be forwarded to it are routed again among the nodes that remain.")  # fmt: skip
     max_bindings: int = doc(100_000, "Bindings accepted from one node; beyond, its updates are refused (flood).")

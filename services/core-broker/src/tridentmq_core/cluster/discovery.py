@@ -169,6 +169,7 @@ class RedisDiscovery:
         self._refresh_timeout = refresh_timeout
         self._on_change = on_change
         self._seen: dict[str, float] = {}  # node id → event-loop time of its last announcement
+        self.first_look = asyncio.Event()  # set once the first try to reach Redis is over (scanned, or down)
         self._read_at = 0.0  # event-loop time the pub/sub reader last ran: announcements up to then are applied
         self._key_prefix = f"tridentmq:{me.cluster}:node:"
         self._channel = f"tridentmq:{me.cluster}:announce"
@@ -261,6 +262,7 @@ class RedisDiscovery:
                 else:
                     log.debug("discovery: Redis still unreachable", extra={"reason": _reason(exc)})
             self.connected = False
+            self.first_look.set()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, _MAX_BACKOFF)
 
@@ -276,6 +278,7 @@ class RedisDiscovery:
             await self._scan(client, loop)
             self._read_at = loop.time()
             self.connected = True
+            self.first_look.set()
             if self._outage_logged:
                 self._outage_logged = False
                 log.info("discovery: Redis reachable again", extra={"url": _redact(self.url),

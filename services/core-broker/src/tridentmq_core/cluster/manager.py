@@ -18,7 +18,7 @@ import logging
 import ssl
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, Final
@@ -236,6 +236,7 @@ class Bridge:
                 self._failed(str(exc) or type(exc).__name__)
             finally:
                 self._teardown()
+            self.manager.bridge_answered()
             if self.state == "duplicate":
                 return  # another bridge serves that node
             # A refusal will not fix itself quickly: retry, but slowly (an operator may be fixing it).
@@ -326,6 +327,7 @@ class Bridge:
         self.consumers[FORWARDER_ID] = forwarder
         broker.add_forwarder(self.session, forwarder)
         self.state = "up"
+        self.manager.bridge_answered()
         self.reason = ""  # a failure from before (the node was not up yet at our start) is not why it is up
         self.leaving = False
 
@@ -562,6 +564,7 @@ class ClusterManager:
         self.balancer = Balancer(self.bindings, self.policy)
         self.bridges: dict[str, Bridge] = {}  # by host:port
         self.bridges_by_node: dict[str, Bridge] = {}
+        self._bridge_answered = asyncio.Event()
         self.members: dict[str, Member] = {}  # every node heard of, by id
         self.joined: dict[str, Joined] = {}  # by link connection id
         self.watchers: dict[str, Session] = {}  # gateways following the topology, by connection id
@@ -605,6 +608,27 @@ class ClusterManager:
         log.info("clustering", extra={"cluster": self.settings.cluster.name, "policy": self.policy,
                                       "max_hops": self.settings.cluster.max_hops,
                                       "connectors": ",".join(self.settings.cluster.connectors)})  # fmt: skip
+
+    async def join(self, timeout: float, ignore: Collection[str] = ()) -> tuple[int, int]:
+        """Wait, at most ``timeout`` seconds, until discovery (if any) has had its first look and every node known
+        here has answered a first cluster connection (reporting its queues, or refusing as a passive backup
+        does) or failed to. ``ignore``: addresses (host:port) not waited for (a backup's own primary holds no
+        queue it does not). Returns (nodes that reported, nodes known)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                if self.discovery is not None:
+                    await self.discovery.first_look.wait()
+                while True:
+                    self._bridge_answered.clear()
+                    if all(b.state != "connecting" for a, b in self.bridges.items() if a not in ignore):
+                        break
+                    await self._bridge_answered.wait()
+        bridges = [bridge for address, bridge in self.bridges.items() if address not in ignore]
+        return sum(bridge.up for bridge in bridges), len(bridges)
+
+    def bridge_answered(self) -> None:
+        """A cluster connection got an answer (it is up, or it failed): ``join`` looks again."""
+        self._bridge_answered.set()
 
     async def stop(self) -> None:
         if self.discovery is not None:
