@@ -3,17 +3,27 @@ client ids (link stealing), as the cluster moves the state to where the client c
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from tests.conftest import CoreProcess, GatewayProcess, start_gateway, stop_cleanly
-from tests.integration.cluster_nodes import cluster_view, remote_consumers, start_cluster, start_node, wait_until
+from tests.integration.cluster_nodes import (
+    client,
+    cluster_view,
+    remote_consumers,
+    start_cluster,
+    start_node,
+    wait_until,
+)
 from tests.integration.mqtt_clients import Paho, Raw
 
-from tridentmq_mqtt.convert import lock_queue
+from tridentmq_mqtt.convert import lock_queue, session_queue
 from tridentmq_mqtt.protocol.packets import Connack, Disconnect
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster]
@@ -39,6 +49,11 @@ def two_sides(tmp_path: Path) -> Iterator[tuple[GatewayProcess, GatewayProcess]]
 
 
 NODES: dict[int, CoreProcess] = {}  # gateway port → its core node
+
+
+def _warnings(log: str) -> str:
+    """A gateway's warnings, for a failure's report."""
+    return "\n".join(line for line in log.splitlines() if " WARNING " in line or " ERROR " in line)[-2000:]
 
 
 def _id() -> str:
@@ -121,20 +136,51 @@ def test_another_user_cannot_take_a_session_kept_on_another_node(
 def test_link_stealing_across_gateways_on_different_nodes(two_sides: tuple[GatewayProcess, GatewayProcess]) -> None:
     left, right = two_sides
     client_id = f"c-{_id()}"
-    first = Raw(left.port)
-    assert isinstance(first.connect(client_id), Connack)
-    wait_until(
-        lambda: remote_consumers(NODES[right.port], lock_queue(client_id)) == 1,
-        what="node b to learn the lock queue's consumer on node a",
-    )
-    second = Raw(right.port)
-    connack = second.connect(client_id)
-    assert isinstance(connack, Connack)
-    assert connack.reason_code == 0
-    assert first.next() == Disconnect(0x8E)  # Session taken over
-    assert first.closed()
-    first.close()
-    second.close()
+    with contextlib.ExitStack() as sockets:  # closed however the test ends
+        first = Raw(left.port)
+        sockets.callback(first.close)
+        assert isinstance(first.connect(client_id), Connack)
+        wait_until(
+            lambda: remote_consumers(NODES[right.port], lock_queue(client_id)) == 1,
+            what="node b to learn the lock queue's consumer on node a",
+        )
+        second = Raw(right.port)
+        sockets.callback(second.close)
+        connack = second.connect(client_id)
+        assert isinstance(connack, Connack)
+        assert connack.reason_code == 0, (connack, _warnings(right.log()), _warnings(left.log()))
+        assert first.next() == Disconnect(0x8E)  # Session taken over
+        assert first.closed()
+
+
+def test_a_session_that_ends_on_its_node_while_fetched_is_no_session_not_a_refusal(
+        two_sides: tuple[GatewayProcess, GatewayProcess]) -> None:  # fmt: skip
+    """Node b still knew node a's queue of a client's session when the client came to b: the gateway on b
+    waits for its record. That queue goes from a meanwhile (the session ended there; here an operator deletes
+    it) with no record: the client gets a new session, not "server unavailable" after the fetch timeout."""
+    left, right = two_sides
+    client_id = f"c-{_id()}"
+    queue = session_queue(client_id)
+
+    async def make_then_delete() -> None:
+        async with client(NODES[left.port]) as on_a:
+            # A session queue whose record is not written yet; answered once node b knows it.
+            await on_a.create_queue(queue, durable=True)
+            with ThreadPoolExecutor(1) as pool:
+                connecting = pool.submit(lambda: Raw(right.port))
+                newcomer = connecting.result()
+                connack = pool.submit(newcomer.connect, client_id)
+                await asyncio.to_thread(wait_until, lambda: remote_consumers(NODES[left.port], queue) == 1,
+                                        10.0, "the gateway on b to hold the session queue")  # fmt: skip
+                await on_a.delete_queue(queue)
+                try:
+                    answer = connack.result(timeout=10)
+                finally:
+                    newcomer.close()
+        assert isinstance(answer, Connack)
+        assert (answer.reason_code, answer.session_present) == (0, False), answer
+
+    asyncio.run(make_then_delete())
 
 
 def test_a_session_kept_by_a_node_that_is_down_is_refused_for_now_not_started_afresh(tmp_path: Path) -> None:
@@ -237,8 +283,8 @@ def test_a_session_whose_record_moved_away_is_fetched_back_not_resumed_empty(tmp
     publisher.connect()
     publisher.publish("moved/1", b"still subscribed", 1)
     assert [m.payload for m in again.receive(1)] == [b"still subscribed"]
-    for client in (again, publisher):
-        client.disconnect()
+    for paho in (again, publisher):
+        paho.disconnect()
     left.stop()
     for node in (a, b):
         assert node.stop() == 0, node.log()

@@ -1488,9 +1488,10 @@ class Broker:
                                   f"as {existing.routing_type.name.lower()}")  # fmt: skip
             if expires_ms is not None and expires_ms != existing.expires_ms:
                 self._change_expiry(session, existing, expires_ms, now_ms)
-            return {"created": False, "queue": name, "address": address, "expires_ms": existing.expires_ms,
-                    "filter": existing.filter.text if existing.filter is not None else None,
-                    "consumers": sum(not c.forwarder for c in existing.consumers)}  # fmt: skip
+            reply = {"created": False, "queue": name, "address": address, "expires_ms": existing.expires_ms,
+                     "filter": existing.filter.text if existing.filter is not None else None,
+                     "consumers": sum(not c.forwarder for c in existing.consumers)}  # fmt: skip
+            return self._say_elsewhere(reply, name, address)
         self._validate(address, wildcards=True)
         self._check_create(session, address, durable)
         lvq = spec.get("last_value_key")
@@ -1504,8 +1505,12 @@ class Broker:
             last_value_key=lvq, max_consumers=max_consumers, auto_delete=bool(spec.get("auto_delete", False)),
             expires_ms=-1 if expires_ms is None else expires_ms, owner=session if temporary else None,
         )  # fmt: skip
-        reply: dict[str, Any] = {"created": True, "queue": name, "address": address}
-        if self.cluster is not None:  # new here, but other nodes may hold a queue of that name (and its messages)
+        return self._say_elsewhere({"created": True, "queue": name, "address": address}, name, address)
+
+    def _say_elsewhere(self, reply: dict[str, Any], name: str, address: str) -> dict[str, Any]:
+        """``reply`` naming (``elsewhere``) the other nodes that hold a queue of that name and address too, and
+        perhaps messages of it: a consumer here makes redistribution bring them over."""
+        if self.cluster is not None:
             elsewhere = sorted({b.node_id for b in self.cluster.bindings.for_queue(name) if b.address == address})
             if elsewhere:
                 reply["elsewhere"] = elsewhere

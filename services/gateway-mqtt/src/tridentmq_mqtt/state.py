@@ -267,19 +267,25 @@ class Registry:
                 return await self._fetch_session(client_id)
         return state
 
-    async def _fetch_session(self, client_id: str) -> SessionState:
+    async def _fetch_session(self, client_id: str) -> SessionState | None:
         """The session lives on another node: hold it here, so redistribution moves its record over, and
-        wait for it. If it does not come (that node is down, say), SessionUnreachableError: the client is
-        refused and tries again, while the holder stays, so the record comes here once that node is back."""
+        wait for it. None if no other node holds its queue any more without the record having come (that
+        session ended there). If it does not come (that node is down, say), SessionUnreachableError: the
+        client is refused and tries again, while the holder stays, so the record comes here once that node is
+        back."""
         link = await self.link()
+        name = convert.session_queue(client_id)
         holder = self._holders.get(client_id)
         if holder is None or holder.closed is not None:
-            self._holders[client_id] = await link.subscribe(convert.session_queue(client_id), credit=0)
+            self._holders[client_id] = await link.subscribe(name, credit=0)
         deadline = time.monotonic() + FETCH_TIMEOUT
         while time.monotonic() < deadline:
             state = await self._read_session(link, client_id, or_empty=False)
             if state is not None:
                 return state
+            here = await link.create_queue(name, routing_type=RoutingType.ANYCAST, passive=True)
+            if not here.get("elsewhere"):  # gone from the node that had it (after this read: no record lost)
+                return await self._read_session(link, client_id, or_empty=False)
             await asyncio.sleep(0.1)
         log.warning("session record on another node did not arrive: the client is refused until it does",
                     extra={"client_id": client_id[:60]})  # fmt: skip
