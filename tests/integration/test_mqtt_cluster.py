@@ -51,6 +51,11 @@ def two_sides(tmp_path: Path) -> Iterator[tuple[GatewayProcess, GatewayProcess]]
 NODES: dict[int, CoreProcess] = {}  # gateway port → its core node
 
 
+async def _make_queue(node: CoreProcess, name: str) -> None:
+    async with client(node) as link:
+        await link.create_queue(name, durable=True, last_value_key="")
+
+
 def _warnings(log: str) -> str:
     """A gateway's warnings, for a failure's report."""
     return "\n".join(line for line in log.splitlines() if " WARNING " in line or " ERROR " in line)[-2000:]
@@ -183,11 +188,15 @@ def test_a_session_that_ends_on_its_node_while_fetched_is_no_session_not_a_refus
     asyncio.run(make_then_delete())
 
 
-def test_a_session_kept_by_a_node_that_is_down_is_refused_for_now_not_started_afresh(tmp_path: Path) -> None:
+@pytest.mark.parametrize("queue_here", [False, True], ids=["new-here", "queue-here-without-record"])
+def test_a_session_kept_by_a_node_that_is_down_is_refused_for_now_not_started_afresh(
+        tmp_path: Path, queue_here: bool) -> None:  # fmt: skip
     """A client coming back with its persistent session while the node holding it is down used to get a new,
     empty session after five seconds: the messages its subscription held on that node were lost to it
     (found by the randomised run over ``up --nodes 3``). It is refused with "server unavailable" instead, and
-    resumes its session, messages and all, once that node is back."""
+    resumes its session, messages and all, once that node is back. The same when node b already has a queue
+    of the session without its record (an earlier fetch's, say): there the new session's SUBSCRIBE then
+    dropped the subscription's queue as an earlier session's leftover (found by the run over ``--pairs 3``)."""
     a, b = start_cluster(tmp_path, 2)
     pinned = {"TRIDENTMQ_MQTT_CORE_LOAD_BALANCING": "FIRST_ELEMENT"}  # each gateway's links stay on its node
     left = start_gateway(tmp_path, a, "mqtt", name="mqtt-a", **pinned)
@@ -203,6 +212,8 @@ def test_a_session_kept_by_a_node_that_is_down_is_refused_for_now_not_started_af
     for i in range(5):
         publisher.publish(f"held/{i}", str(i).encode(), 1)  # PUBACKed: in node a's subscription queue
     publisher.disconnect()
+    if queue_here:
+        asyncio.run(_make_queue(b, session_queue(client_id)))
     a.process.kill()
     a.process.wait()
     again = Paho(right.port, client_id, clean=False)

@@ -260,11 +260,12 @@ class Registry:
         state = await self._read_session(link, client_id, or_empty=False)
         if state is None and resume:
             # The queue is here, its record is not: redistribution or a scale-down moved it to another node.
-            # Fetch it back; if it does not come, a new session (session present 0, so the client subscribes
-            # again), never an empty one passed off as the client's (it would wait for its subscriptions' messages
-            # in vain, as the randomised run over up --nodes 3 found).
-            with contextlib.suppress(SessionUnreachableError):
-                return await self._fetch_session(client_id)
+            # Fetch it back. A new session (session present 0, so the client subscribes again) only when no node
+            # holds the queue any more; never an empty one passed off as the client's (it would wait for its
+            # subscriptions' messages in vain, as the randomised run over up --nodes 3 found), nor a new one
+            # while that node is down (its SUBSCRIBE would drop the subscription's queue and its messages as an
+            # earlier session's, as the run over up --pairs 3 found): refused until the record can come.
+            return await self._fetch_session(client_id)
         return state
 
     async def _fetch_session(self, client_id: str) -> SessionState | None:
