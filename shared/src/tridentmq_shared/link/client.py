@@ -403,7 +403,7 @@ class LinkClient:
                         problem = LinkClosedError(ErrorCode.EOF, f"cannot connect to {host}:{port}: {exc}")
                         problem.__cause__ = exc  # a TLS failure (ssl.SSLError) tells its owner to say so
                     except LinkClosedError as exc:  # refused by that node (stopping, too many links): next one
-                        if exc.code in _FATAL:
+                        if exc.code in _FATAL or self._closing:
                             raise
                         problem = exc
                 if attempts >= 0 and attempt >= attempts:
@@ -431,6 +431,7 @@ class LinkClient:
         else:
             transport, protocol = await self._connect_directly(host, port)
         self._protocol = protocol
+        self._abort_if_closed(transport)
         if transport.is_closing():
             # Reset by the peer between the connect and now (a node dying or turning a link away): writing
             # would raise RuntimeError with uvloop, which is no connection error, and end the caller.
@@ -442,6 +443,7 @@ class LinkClient:
         except BaseException:
             transport.abort()
             raise
+        self._abort_if_closed(transport)
         if self._conn is not conn:  # lost right after the WELCOME
             raise ConnectionError("connection lost")
         if not self.nodes.saw(self.node_id, self.node_epoch):
@@ -452,6 +454,14 @@ class LinkClient:
                                                     f"replaced it")  # fmt: skip
         self._heartbeat_task = asyncio.create_task(self._heartbeat(conn))
         self._heartbeat_task.add_done_callback(self._task_ended)
+
+    def _abort_if_closed(self, transport: asyncio.Transport) -> None:
+        """A connection made for a client closed meanwhile: close() cancelled the resume it belongs to, but
+        asyncio.wait_for (Python 3.11) can let a connection through all the same. Unwanted, it would keep
+        its consumers' messages out of their queue for as long as it lives (found by the randomised run)."""
+        if self._closing:
+            transport.abort()
+            raise LinkClosedError(ErrorCode.EOF, "the client was closed")
 
     async def _connect_directly(self, host: str, port: int) -> tuple[asyncio.Transport, _Protocol]:
         context = self.tls.context() if self.tls is not None else None
@@ -711,7 +721,7 @@ class LinkClient:
                 except (OSError, TimeoutError):
                     pass
                 except LinkClosedError as exc:
-                    if exc.code in _FATAL:
+                    if exc.code in _FATAL or self._closing:
                         raise
                 await asyncio.sleep(0.05)
         finally:
