@@ -4,8 +4,8 @@ SIGSTOP, partitions (symmetric, one-way, node-only), failback and scale-down: se
 
 The run is a process of its own (it enters the lab's client namespace, which pytest's process must not). Both
 are marked ``slow`` for now: on the 2-core CI machine the short one takes about 150 s (six processes start in
-45-85 s under load), and it still finds acknowledged MQTT messages lost on ``--nodes 3`` (see docs/ha.md,
-"Randomised fault tests"), so it would fail the default suite. The long one:
+45-85 s under load), and duplicates without the redelivered flag (about 1 in 1,000 deliveries, see docs/ha.md,
+"Randomised fault tests") would fail it. The long one:
 
     TRIDENTMQ_RANDOM_SEED=N TRIDENTMQ_RANDOM_SECONDS=1800 uv run pytest -m slow \
         tests/integration/test_jepsen_defaults.py
