@@ -299,8 +299,7 @@ def test_the_gateways_page_lists_clients_per_protocol_and_closes_one(browser: we
                      lambda d: "stomp-1 readiness" in text(d, "#clients-gateway tbody"))  # fmt: skip
             assert "cluster:" in text(browser, "#clients-cluster tbody")
             shot(browser, tmp_path, "gateways")
-            click(browser, By.CSS_SELECTOR, "#clients-stomp tbody button")  # Close
-            wait_for(browser, "the confirmation", lambda d: d.switch_to.alert).accept()
+            click_and_confirm(browser, By.CSS_SELECTOR, "#clients-stomp tbody button")  # Close
             wait_for(browser, "the answer", lambda d: text(d, ".toast") == "close: closed 1")
             wait_for(browser, "no STOMP client", lambda d: "nothing to show" in text(d, "#clients-stomp tbody"))
             wait_until(lambda: not connection.is_connected(), WAIT, "the STOMP client cut off")
@@ -327,8 +326,7 @@ def test_the_mqtt_page_lists_sessions_and_clears_a_retained_message(browser: web
                  lambda d: "console/sensors/7/state" in text(d, "#mqtt-retained tbody"))  # fmt: skip
         assert "online" in text(browser, "#mqtt-retained tbody")
         shot(browser, tmp_path, "mqtt")
-        click(browser, By.CSS_SELECTOR, "#mqtt-retained tbody button")  # Clear
-        wait_for(browser, "the confirmation", lambda d: d.switch_to.alert).accept()
+        click_and_confirm(browser, By.CSS_SELECTOR, "#mqtt-retained tbody button")  # Clear
         wait_for(browser, "the retained message gone",
                  lambda d: "console/sensors/7/state" not in text(d, "#mqtt-retained tbody"))  # fmt: skip
         # A new subscriber gets no retained message for it any more: cleared in the core, not only on the page.
@@ -419,9 +417,9 @@ def message_rows(browser: webdriver.Chrome) -> int:
     return len(browser.find_elements(By.CSS_SELECTOR, "#messages tbody tr td.body"))
 
 
-def click_and_confirm(browser: webdriver.Chrome, button: str) -> str:
-    """Click ``button``, accept the question it asks; what the console then says (its toast)."""
-    browser.find_element(By.ID, button).click()
+def click_and_confirm(browser: webdriver.Chrome, by: str, value: str) -> str:
+    """Click a button, accept the question it asks; what the console then says (its toast)."""
+    click(browser, by, value)
     wait_for(browser, "the confirmation", lambda d: d.switch_to.alert).accept()
     return str(wait_for(browser, "the answer", lambda d: text(d, ".toast")))
 
@@ -434,7 +432,7 @@ def test_a_queue_is_purged_from_its_page(browser: webdriver.Chrome, cluster: Clu
         browser, "four messages listed", lambda d: len(d.find_elements(By.CSS_SELECTOR, "#messages tbody tr")) == 4
     )
     assert "returns 0" in text(browser, "#messages tbody")  # the body preview
-    said = click_and_confirm(browser, "op-purge")
+    said = click_and_confirm(browser, By.ID, "op-purge")
     assert said == "Purge: purged 4", said
     wait_for(browser, "the empty queue", lambda d: text(d, '#queue-details dd[data-field="depth"]') == "0")
     assert depth(cluster.c, "returns") == 0
