@@ -173,6 +173,49 @@ async def test_primary_that_loses_its_backup_goes_on_with_a_quorum(tmp_path: Pat
         assert node.stop() == 0
 
 
+@pytest.mark.parametrize("first_fault", ["backup killed", "primary restarted"])
+async def test_a_backup_whose_primary_confirmed_more_after_losing_it_never_takes_over(
+    tmp_path: Path, first_fault: str
+) -> None:
+    """Two faults in a row in one pair. First the primary serves without its backup: the backup was killed
+    (the primary goes on alone with a quorum), or the backup was paused while the primary restarted. The
+    primary confirms more, then it is killed too. The backup's copy lacks those messages: it must not win a
+    vote with it (it did, at the epoch after its copy's), and the returned primary serves every message."""
+    a, b, c = three_pairs(tmp_path)
+    before = [b"p%d" % i for i in range(100)]
+    await publish(b.primary, "twice.q", before)
+    ha = {"core_ha_policy": "replication", "core_ha_group_name": "b"}
+    backup = b.backup
+    if first_fault == "backup killed":
+        kill(backup)
+        wait_until(lambda: ha_view(b.primary).get("backup") == "" and not ha_view(b.primary)["waiting_for_quorum"],
+                   10, "b's primary to go on alone")  # fmt: skip
+        primary = b.primary
+    else:
+        backup.process.send_signal(signal.SIGSTOP)
+        kill(b.primary)
+        primary = start_node(tmp_path, "b-primary", [a.primary], **ha)
+        wait_until(lambda: ha_view(primary).get("active") is True, 15, "b's primary to serve again")
+    assert ha_view(primary)["epoch"] == 2  # a new epoch: the backup's copy is of epoch 1
+    alone = [b"a%d" % i for i in range(100)]
+    await publish(primary, "twice.q", alone)
+    kill(primary)
+    if first_fault == "backup killed":
+        backup = start_node(tmp_path, "b-backup", [b.primary, a.primary], core_ha_role="backup", **ha)
+    else:
+        backup.process.send_signal(signal.SIGCONT)
+    wait_until(lambda: "newer than this copy's 1: copying the active node" in backup.log(), 20,
+               "the backup to learn that its copy is stale")  # fmt: skip
+    assert ha_view(backup)["active"] is False
+    primary = start_node(tmp_path, "b-primary", [a.primary], **ha)
+    wait_until(lambda: ha_view(primary).get("active") is True, 15, "b's primary to serve again")
+    assert ha_view(primary)["epoch"] == 3
+    assert sorted(await drain(primary, "twice.q", 200)) == sorted(before + alone)
+    wait_until(lambda: ha_view(backup).get("in_sync") is True, 20, "the backup to copy the primary again")
+    for node in (backup, primary, a.primary, a.backup, c.primary, c.backup):
+        assert node.stop() == 0
+
+
 async def test_paused_primary_confirms_nothing_after_waking_and_is_fenced(tmp_path: Path) -> None:
     """SIGSTOP a primary while a producer publishes to it; its backup takes over; SIGCONT: the old primary
     must not confirm a single publish after it wakes, and every confirmed message is on the new active."""

@@ -393,3 +393,52 @@ def test_a_commit_and_a_later_rival_exclude_each_other_at_every_voter() -> None:
     assert rival_first.decide(activate(4, "winner", data=3), primary_reachable=False)[0]
     assert rival_first.decide(activate(5, "rival", data=3), primary_reachable=False)[0]
     assert not rival_first.decide(VoteRequest(STAY, PAIR, 4, "winner"), primary_reachable=False)[0]
+
+
+# ---------------------------------------------------------------------------------------------------- a new epoch
+def going_on(epoch: int, data: int, candidate: str = "primary-1") -> VoteRequest:
+    """A primary that lost its backup (or restarted) asks to serve at ``epoch``, its data being at ``data``."""
+    return VoteRequest(STAY, PAIR, epoch, candidate, data)
+
+
+def test_going_on_at_a_new_epoch_makes_the_lost_backups_copy_stale() -> None:
+    book = VoteBook({PAIR: (1, "")})
+    assert book.decide(going_on(2, 1), primary_reachable=True) == (True, "")
+    assert book.promised == {PAIR: (1, "")}  # no promise: the pair's data epoch rose to 2
+    for epoch in (2, 3, 9):  # whatever it asks for, the backup's copy of epoch 1 lacks what came since
+        granted, why = book.decide(activate(epoch, "backup-1", data=1), primary_reachable=False)
+        assert not granted
+        assert "stale copy: data epoch 1, the pair's is 2" in why
+    assert book.decide(activate(3, "backup-1", data=2), primary_reachable=False) == (True, "")  # a copy of it
+
+
+def test_a_new_epoch_is_refused_once_another_copy_was_promised_or_seen_at_it() -> None:
+    promised = VoteBook({PAIR: (1, "")})
+    assert promised.decide(activate(2, "backup-1", data=1), primary_reachable=False)[0]
+    assert promised.decide(going_on(2, 1), primary_reachable=True) == (False, "epoch 2 was promised to backup-1")
+    seen = VoteBook()
+    seen.observe(PAIR, 2)  # a copy serves at 2 (it won without asking this voter, or by failback)
+    assert seen.decide(going_on(2, 1), primary_reachable=True) == (False, "epoch 2 is active elsewhere")
+    assert seen.decide(VoteRequest(STAY, PAIR, 2, "backup-1"), primary_reachable=True) == (True, "")  # itself
+
+
+def test_a_new_epoch_is_refused_when_another_copy_won_the_data_epoch() -> None:
+    """Failback gave the asking copy epoch 4 without a vote, while another copy won 4 by vote: the first one
+    must not go on at 5 over it."""
+    book = VoteBook()
+    assert book.decide(activate(4, "backup-1", data=3), primary_reachable=False)[0]
+    assert book.decide(going_on(5, 4), primary_reachable=True) == (False, "epoch 4 was won by backup-1")
+    assert book.decide(going_on(5, 4, "backup-1"), primary_reachable=True) == (True, "")
+
+
+def test_a_new_epoch_is_refused_after_a_later_one_was_promised() -> None:
+    book = VoteBook()
+    assert book.decide(activate(6, "backup-1", data=2), primary_reachable=False)[0]
+    assert book.decide(going_on(5, 4), primary_reachable=True) == (False, "epoch 6 replaced epoch 4")
+
+
+def test_a_restarted_voter_keeps_the_data_epoch_of_a_new_epoch() -> None:
+    book = VoteBook({PAIR: (1, "")})
+    assert book.decide(going_on(2, 1), primary_reachable=True)[0]
+    again = VoteBook.from_json(json.loads(json.dumps(book.to_json())))
+    assert not again.decide(activate(2, "backup-1", data=1), primary_reachable=False)[0]

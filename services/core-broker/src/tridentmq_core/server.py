@@ -689,7 +689,7 @@ class CoreNode:
             self.replication = ReplicationSource(
                 self.broker, self.journal_store, self.identity, self.server_id, self.settings, lambda: self.cluster,
                 cluster_manager.members_view if cluster_manager is not None else list, self._fenced,
-                self._hand_over, self.drop_link, self.abort_link, self._cut_off)  # fmt: skip
+                self._hand_over, self.drop_link, self.abort_link, self._cut_off, self._serve_at)  # fmt: skip
             self.status.ha = self._ha_status
             if self.cluster is not None:
                 self.cluster.backup = self.replication.in_sync_backup
@@ -708,6 +708,17 @@ class CoreNode:
         log.info("core node ready", extra={"node_id": self.node_id, "node_name": self.settings.node.name,
                                            "epoch": self.identity.epoch, "link_port": self.status.link_port,
                                            "management_port": self.management_port})  # fmt: skip
+
+    def _serve_at(self, epoch: int) -> None:
+        """The pair moved to a new ``epoch`` (recorded already): stamp it on what this node says from now on."""
+        self.status.epoch = epoch
+        if isinstance(self.audit, FileAuditSink):
+            self.audit.epoch = epoch
+        if self.voter is not None:
+            self.voter.observe(self.node_id, epoch)
+        if self.cluster is not None:
+            self.cluster.epoch = epoch
+            self.cluster.members_changed()
 
     async def _join_cluster(self, cluster: ClusterManager) -> None:
         """Before serving, learn the queues of the other nodes (until then links are refused as "joining"): a

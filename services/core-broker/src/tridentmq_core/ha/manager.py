@@ -4,7 +4,8 @@
   compaction (whose copy plus what follows is the whole state, see ``replication.py``), streams every journal
   record from there, and once the backup holds the copy, confirms durable writes only when both copies hold
   them. When an in-sync backup is lost, confirms wait until a quorum of the other primaries says no backup
-  took over (``stay``); a refusal means this node was replaced: it stops at once.
+  took over (``stay``) and the pair moves to a new epoch, which makes the lost backup's copy stale; a
+  refusal means this node was replaced: it stops at once.
 - On every active clustered node, ``Voter`` answers VOTE requests and keeps its promises on disk.
 - On a backup, ``BackupRunner`` finds its primary among the connectors, copies its journal into a fresh
   journal of its own (acknowledging what is on disk), and when the primary is lost while in sync, asks the
@@ -171,7 +172,10 @@ async def primary_may_activate(settings: CoreSettings, identity: NodeIdentity, s
         return False, f"its data is a copy of the pair's active node at epoch {state.epoch}"
     voters = list(dict.fromkeys([*(parse_endpoint(c) for c in settings.cluster.connectors),
                                  *state.members.values()]))  # fmt: skip
-    request = VoteRequest(STAY, identity.node_id, identity.epoch, server_id)
+    # A restart serves at a new epoch: the backup's copy may be of the last life, and writes confirmed in this
+    # one before it copies again must make that copy stale (a brand-new node has no copy anywhere).
+    epoch = identity.epoch if identity.first_start else identity.epoch + 1
+    request = VoteRequest(STAY, identity.node_id, epoch, server_id, identity.epoch)
     answers = [a for a in await ask_votes(settings, voters, request) if a is not None]
     newer = max((_number(a, "epoch") for a in answers), default=0)
     if newer > identity.epoch:
@@ -179,7 +183,20 @@ async def primary_may_activate(settings: CoreSettings, identity: NodeIdentity, s
     refused = next((a for a in answers if not a.get("granted")), None)
     if refused is not None:  # e.g. this epoch was won by vote by another copy: only a vote may settle it
         return False, f"a voter refused: {str(refused.get('reason', ''))[:200]}"
+    record_epoch(identity, epoch)
     return True, ""
+
+
+def record_epoch(identity: NodeIdentity, epoch: int) -> None:
+    """The active copy serves at a new ``epoch`` that a quorum granted it: on disk before it confirms anything
+    at it, in its identity and, for a copy that was a backup once, in its HA state (its data epoch)."""
+    identity.set_epoch(epoch)
+    path = identity.data_dir / HA_STATE_FILE
+    if path.exists():
+        state = BackupState.load(path)
+        if state.epoch != epoch:
+            state.epoch = epoch
+            state.save(path)
 
 
 class ReplicationSource:
@@ -189,7 +206,8 @@ class ReplicationSource:
                  settings: CoreSettings, cluster: Callable[[], ClusterManager | None],
                  members: Callable[[], list[dict[str, Any]]], fenced: Callable[[str], None],
                  hand_over: Callable[[], Coroutine[Any, Any, None]], drop_link: Callable[[str], None],
-                 abort_link: Callable[[str], None], cut_off: Callable[[], None] = lambda: None) -> None:  # fmt: skip
+                 abort_link: Callable[[str], None], cut_off: Callable[[], None] = lambda: None,
+                 new_epoch: Callable[[int], None] = lambda _epoch: None) -> None:  # fmt: skip
         self.broker = broker
         self.store = store
         self.identity = identity
@@ -202,6 +220,7 @@ class ReplicationSource:
         self._drop_link = drop_link  # closes a link's connection once its CLOSE is written
         self._abort_link = abort_link  # closes it at once (a peer that does not read)
         self._cut_off = cut_off  # this node stops serving its clients: its backup may have taken over
+        self._new_epoch = new_epoch  # this node serves at a new epoch (recorded): tell the cluster and the audit
         #: Held for a quorum longer than the backup needs to take over, without one: its clients go elsewhere.
         self.cut_off = False
         self.failing_back = False
@@ -377,7 +396,11 @@ class ReplicationSource:
             self._abort_link(session.conn_id)
 
     async def _ask_to_stay(self) -> None:
-        request = VoteRequest(STAY, self.identity.node_id, self.identity.epoch, self.server_id)
+        # Going on alone is a new epoch: once a quorum granted it, the lost backup's copy (of the epoch served
+        # so far) is stale to a majority, so it can never win a vote without the writes confirmed from now on.
+        serving = self.identity.epoch
+        epoch = serving + 1
+        request = VoteRequest(STAY, self.identity.node_id, epoch, self.server_id, serving)
         retry = self.settings.ha.vote_retry_ms / 1000
         while True:
             cluster = self._cluster()
@@ -387,18 +410,21 @@ class ReplicationSource:
             # pair whose backup may activate without a quorum learns here that it was replaced).
             *answers, backup = await ask_votes(self.settings, [*voters, self.backup_endpoint], request)
             newer = max((_number(a, "epoch") for a in [*answers, backup] if a is not None), default=0)
-            if newer > self.identity.epoch:
+            if newer > epoch or (backup is not None and backup.get("granted") is not True
+                                 and _number(backup, "epoch") >= epoch):  # fmt: skip
                 self._fenced(f"epoch {newer} of this pair was promised to, or taken by, another copy")
                 return
-            claimed = sum(1 for a in answers if a is not None and a.get("granted") is not True
-                          and _number(a, "epoch") == self.identity.epoch
-                          and a.get("promisee", "") not in ("", self.server_id))  # fmt: skip
-            if claimed >= quorum(pairs):  # another copy won this very epoch by vote (this one had it by failback)
-                self._fenced(f"epoch {self.identity.epoch} of this pair was won by another copy")
+            # Every refusal names another copy that has, or may have, served since ``serving``.
+            claimed = sum(1 for a in answers if a is not None and a.get("granted") is not True)
+            if claimed >= quorum(pairs):
+                self._fenced(f"a quorum says another copy of this pair served since epoch {serving}")
                 return
             grants = 1 + sum(1 for a in answers if a is not None and a.get("granted"))  # this node's vote counts
             if grants >= quorum(pairs):
-                log.info("quorum agrees: going on without the backup", extra={"votes": grants, "pairs": pairs})
+                log.info("quorum agrees: going on without the backup at a new epoch",
+                         extra={"votes": grants, "pairs": pairs, "epoch": epoch})  # fmt: skip
+                record_epoch(self.identity, epoch)
+                self._new_epoch(epoch)
                 self.held_since = 0.0
                 self.cut_off = False
                 self.store.limit_confirms(None)

@@ -11,9 +11,14 @@ at which it activated. Active nodes vote:
   ``epoch``. A winner commits its epoch before serving with a ``stay`` at that epoch (below), which makes
   a majority refuse older copies from then on. Two copies asking for the same epoch can split the votes
   so that neither wins; a candidate then asks again above the promises, which the commit keeps safe.
-- ``stay``: a primary lost its in-sync backup (or starts) and asks whether it may go on alone at ``epoch``.
-  A voter grants it when it has promised no higher epoch (no backup took over meanwhile), nor this epoch
-  to another server (a copy that won it by vote, while the asking one held it without a vote: failback).
+- ``stay``: a primary lost its in-sync backup (or restarts) and asks whether it may go on alone at a new
+  ``epoch``, its data being at ``data_epoch``. A voter grants it when no other copy can have served since
+  that data epoch: it has promised no higher epoch (no backup took over meanwhile), has not promised or
+  seen this epoch for another copy, nor the data epoch won by vote by another server (a copy that won it
+  while the asking one held it without a vote: failback). A grant raises the pair's data epoch to
+  ``epoch``, so the lost backup's copy, which lacks the writes confirmed from now on, is stale at every
+  voter that granted it and can never win a majority. The winner of an ``activate`` commits with a stay
+  at the epoch it won (no new one: ``data_epoch`` equal to ``epoch``).
 
 Votes are majorities of the pairs of the cluster, so two requests for one pair cannot both win; a voter's
 promises are kept on disk (the caller persists the book), so a restarted voter does not forget them.
@@ -39,12 +44,12 @@ class VoteRequest:
     node_id: str  # the pair
     epoch: int
     candidate: str  # who asks (a server id), for the log
-    data_epoch: int = 0  # the asking copy's data epoch (ACTIVATE); a STAY's is its epoch
+    data_epoch: int = 0  # the asking copy's data epoch: the one it copied (ACTIVATE) or served at (STAY)
 
     def __post_init__(self) -> None:
-        # A stay speaks for the copy serving at ``epoch``; an activate that names no data epoch (0, which no
-        # copy has) is a copy asking for the epoch after its own.
-        if self.kind == STAY or not self.data_epoch:
+        # A request that names no data epoch (0, which no copy has) is an activate asking for the epoch after
+        # its copy's, or a stay of the copy serving at ``epoch`` (a commit).
+        if not self.data_epoch:
             object.__setattr__(self, "data_epoch", self.epoch if self.kind == STAY else self.epoch - 1)
 
     def to_wire(self) -> dict[str, Any]:
@@ -83,10 +88,9 @@ class VoteBook:
         """(granted, why not). A grant of ``activate`` changes the book: persist it before answering."""
         known, promisee = self.promised.get(request.node_id, (0, ""))
         if request.kind == STAY:
-            if known > request.epoch:
-                return False, f"epoch {known} replaced epoch {request.epoch}"
-            if known == request.epoch and promisee and promisee != request.candidate:
-                return False, f"epoch {known} was promised to {promisee}"
+            why = self._stay_refusal(request, known, promisee)
+            if why:
+                return False, why
             self._raise_fresh(request.node_id, request.epoch)  # it serves at this epoch
             return True, ""
         if known == request.epoch and promisee == request.candidate and request.candidate:
@@ -100,6 +104,21 @@ class VoteBook:
         self.promised[request.node_id] = (request.epoch, request.candidate)
         self._raise_fresh(request.node_id, request.data_epoch)
         return True, ""
+
+    @staticmethod
+    def _stay_refusal(request: VoteRequest, known: int, promisee: str) -> str:
+        """Why another copy may have served since the asking copy's data epoch ("" when none can have)."""
+        epoch, data_epoch, candidate = request.epoch, request.data_epoch, request.candidate
+        if known > epoch:
+            return f"epoch {known} replaced epoch {data_epoch}"
+        if known == epoch and promisee != candidate and (promisee or data_epoch < epoch):
+            # Promised to another copy, or (a new epoch asked for) seen active: another copy has it.
+            return f"epoch {known} was promised to {promisee}" if promisee else f"epoch {known} is active elsewhere"
+        if data_epoch < known < epoch:
+            return f"epoch {known} replaced epoch {data_epoch}"
+        if known == data_epoch < epoch and promisee not in ("", candidate):
+            return f"epoch {known} was won by {promisee}"
+        return ""
 
     def observe(self, node_id: str, epoch: int) -> bool:
         """A node is active at ``epoch``; True when that raises what was known (persist it)."""

@@ -1,8 +1,9 @@
 """A node's identity and activation epoch, kept in its data directory.
 
 The node id is created on first start and never changes. The epoch counts activations: 1 after the first
-start, raised by one whenever the node takes over as the active copy of its data (HA failover), and
-stamped on the audit stream, so a node that was fenced can be told apart from the one that replaced it.
+start, raised by one whenever the node takes over as the active copy of its data (HA failover) and, in a
+replicated pair, whenever its primary restarts or goes on without its backup. It is stamped on the audit
+stream, so a node that was fenced can be told apart from the one that replaced it.
 Both files are written to a temporary name, synced and renamed, so a crash leaves the old value or the new.
 """
 
@@ -32,6 +33,8 @@ class NodeIdentity:
             self.node_id = str(uuid.uuid4())
             self._write(id_path, self.node_id)
         epoch_path = data_dir / EPOCH_FILE
+        #: No epoch was recorded before: this directory never served, so no other copy holds its data.
+        self.first_start = not epoch_path.exists()
         if epoch_path.exists():
             text = epoch_path.read_text(encoding="ascii").strip()
             if not text.isdigit():
