@@ -33,7 +33,7 @@ from tests.redis_server import RedisServer
 
 from tridentmq_shared.cli.admin import cluster_lines
 from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError
-from tridentmq_shared.message import M_BODY, M_ID, M_PROPS, RoutingType, new_message
+from tridentmq_shared.message import HOME_PROPERTY, M_BODY, M_ID, M_PROPS, RoutingType, new_message
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster]
 
@@ -778,6 +778,49 @@ async def test_a_durable_message_for_one_other_node_is_written_through_and_a_res
         await send_all()
         got = await take(consumer, 2 * len(messages), timeout=3)
     assert got == [body for body, _ in messages]  # each once, in order: b knew the resends as duplicates
+    stop_all([a, b])
+
+
+async def test_a_publish_sent_again_through_another_node_after_its_link_dropped_is_stored_once(
+        tmp_path: Path) -> None:  # fmt: skip
+    """The producer's link to node a times out (a is paused) with a publish unconfirmed; the client sends it
+    again through node b. Node a, waking, reads the publish from its socket and stores it all the same. Node b
+    sends the copy it got to a, where it is a duplicate under the producer's id: one message, not two that
+    both reach consumers as new ones (each with its redelivered flag unset)."""
+    a, b = start_cluster(tmp_path, 2)
+    async with LinkClient("127.0.0.1", a.link_port, follow_topology=True, heartbeat_ms=200) as producer:
+        await wait_until_async(lambda: len(producer.nodes.endpoints) == 2, what="the producer to learn of b")
+        a.process.send_signal(signal.SIGSTOP)
+        try:
+            confirmed = await producer.send(new_message("home.q", b"once", durable=True))
+            await asyncio.wait_for(confirmed, 20)  # by b, once the link to a timed out
+            assert producer.port == b.link_port
+        finally:
+            a.process.send_signal(signal.SIGCONT)
+    async with client(a) as ca, client(b) as cb:
+        on_a, on_b = await ca.subscribe("home.q", credit=10), await cb.subscribe("home.q", credit=10)
+        got = await asyncio.gather(take(on_a, 2, timeout=5), take(on_b, 2, timeout=5))
+    assert sorted(got[0] + got[1]) == [b"once"], got
+    stop_all([a, b])
+
+
+async def test_a_publish_that_names_its_home_node_is_routed_there_under_its_producers_id(tmp_path: Path) -> None:
+    """What the client does after a dropped link, step by step: a publish node a stored although its confirm
+    was lost, sent again through node b naming a as its home, is a duplicate there; one a never got is
+    routed there as a's own publish; both are confirmed by b."""
+    a, b = start_cluster(tmp_path, 2)
+    home = {HOME_PROPERTY: node_id(a)}
+    async with client(a) as ca:
+        await ca.publish(new_message("home.q", b"stored", durable=True, dedup_id="producer-7:1"))
+    async with client(b) as cb:
+        await cb.publish(new_message("home.q", b"stored", durable=True, dedup_id="producer-7:1", properties=home))
+        await cb.publish(new_message("home.q", b"not stored", durable=True, dedup_id="producer-7:2",
+                                     properties=home))  # fmt: skip
+    async with client(a) as ca, client(b) as cb:
+        on_a, on_b = await ca.subscribe("home.q", credit=10), await cb.subscribe("home.q", credit=10)
+        got = await asyncio.gather(take(on_a, 3, timeout=3), take(on_b, 3, timeout=3))
+    assert sorted(got[0] + got[1]) == [b"not stored", b"stored"], got
+    assert got[0] == [b"stored", b"not stored"]  # both routed by a
     stop_all([a, b])
 
 

@@ -83,7 +83,9 @@ async def test_a_client_given_one_node_learns_the_others_and_a_lone_node_is_just
 
 
 async def test_a_client_whose_node_is_killed_goes_on_elsewhere_resending_and_resubscribing(tmp_path: Path) -> None:
-    nodes = await asyncio.to_thread(start_cluster, tmp_path, 3)
+    """The re-sent publishes name the killed node, which may have stored them: the new node holds them for it
+    and, as it stays away for ``cluster.node_gone_ms`` (here 2 s), routes them itself."""
+    nodes = await asyncio.to_thread(start_cluster, tmp_path, 3, core_cluster_node_gone_ms="2000")
     by_port = {n.link_port: n for n in nodes}
     async with LinkClient(*endpoint(nodes[0]), follow_topology=True, reconnect=FAST) as watcher:
         client = LinkClient(topology=watcher.nodes, reconnect=FAST)

@@ -44,6 +44,11 @@ MESSAGE_FIELDS: Final = 15
 #: that grows by one per stamped message. The core keeps such ids as runs of numbers per producer instead of
 #: one entry each (ids under ``$`` are the broker's own: a client's own id should not use it).
 LINK_DEDUP_PREFIX: Final = "$link:"
+#: A publish the link client sends again after its link dropped before the node confirmed it carries this
+#: property: the id of that node, which may have stored it all the same. Another node that takes the publish
+#: in sends it there to be routed (see the core's ``_send_home``), so that the copy the first node may hold
+#: makes it a duplicate under the producer's id, instead of both copies reaching consumers as new messages.
+HOME_PROPERTY: Final = "$link.home"
 
 DEFAULT_PRIORITY: Final = 4
 #: Addresses of gateways' temporary (reply) queues start with this. The core never auto-creates a queue

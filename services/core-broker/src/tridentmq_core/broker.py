@@ -22,6 +22,7 @@ from tridentmq_core.cluster.balancer import Balancer, Remote
 from tridentmq_core.cluster.forward import (
     DEDUP_PREFIX,
     FORWARD_PROPERTY,
+    HOME_PREFIX,
     MOVES_PROPERTY,
     ForwardHeader,
     encode_header,
@@ -43,6 +44,7 @@ from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.codec import BYTE_CREDIT_VERSION, MAX_FIELD_INT, LinkConnection
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import (
+    HOME_PROPERTY,
     M_ADDRESS,
     M_BODY,
     M_DEDUP,
@@ -673,7 +675,32 @@ class Broker:
 
     def _accept_published(self, message: WireMessage, now_ms: int) -> int:
         """A producer's publish: its confirm may wait for another node's (a durable message written through)."""
+        props = message[M_PROPS]
+        if props and HOME_PROPERTY in props:
+            home = props.pop(HOME_PROPERTY)
+            cluster = self.cluster
+            if type(home) is str and home != self.node_id and cluster is not None and message[M_DURABLE] \
+                    and message[M_DEDUP] is not None and cluster.bindings.knows(home):  # fmt: skip
+                return self._send_home(message, home, now_ms)
         return self._accept_message(message, now_ms, through=True)
+
+    def _send_home(self, message: WireMessage, home: str, now_ms: int) -> int:
+        """A publish its producer sends again after its link to node ``home`` dropped unconfirmed: ``home`` may
+        have stored it. It goes there (stored here until that node confirms it, for however long it is down),
+        and that node routes it as its own publish under the producer's duplicate id: a copy it holds makes
+        this one a duplicate, where routing it here would deliver both as new messages. A node gone for
+        ``cluster.node_gone_ms`` has it routed again from here (``reroute_forward_queue``)."""
+        if self._dedup.seen(message[M_DEDUP], now_ms):
+            self.counters.duplicates += 1
+            return 0  # sent again to this node too: on its way home already
+        message[M_ID] = self._next_id
+        self._next_id += 1
+        if not message[M_TIMESTAMP]:
+            message[M_TIMESTAMP] = now_ms
+        if (message[M_DURABLE] and self._audit_durable) or self._audit_all:
+            self._emit_message(now_ms, "msg.sent", message, None)
+        self.counters.routed += 1
+        return self._forward(message, home, (), 1, now_ms, home=True)
 
     def _accept_message(self, message: WireMessage, now_ms: int, *, through: bool = False) -> int:
         """Route a message into its queues; returns a token when the confirm must wait: a store token, or with
@@ -728,6 +755,9 @@ class Broker:
             header = ForwardHeader.decode(raw)
         except ValueError as exc:
             raise BrokerError(ErrorCode.INVALID, str(exc)) from None
+        producer_dedup = header.producer_dedup
+        if producer_dedup is not None:
+            return self._accept_home(message, header, producer_dedup, now_ms)
         number = message[M_ID]  # the message's id on the sending node
         numbered = header.numbered and not message[M_DURABLE]  # lost with this node anyway: in no journal
         if numbered:
@@ -770,6 +800,17 @@ class Broker:
         if cluster is not None:
             self.arrivals.add(message[M_ID], now_ms, moves)
         return token
+
+    def _accept_home(self, message: WireMessage, header: ForwardHeader, producer_dedup: str, now_ms: int) -> int:
+        """A publish another node took in for this one (``_send_home``): routed as this node's own, under its
+        producer's duplicate id (or passed on towards its home)."""
+        message[M_DEDUP] = producer_dedup
+        self.counters.received += 1
+        cluster = self.cluster
+        if header.target != self.node_id and cluster is not None and header.hops < cluster.bindings.max_hops \
+                and cluster.bindings.next_hop(header.target) is not None:  # fmt: skip
+            return self._forward(message, header.target, (), header.hops + 1, now_ms, home=True)
+        return self._accept_message(message, now_ms)
 
     def _admit(self, message: WireMessage, queues: tuple[Queue, ...], now_ms: int,
                remote: Remote | None = None, delivered: int = 0, *,
@@ -817,7 +858,7 @@ class Broker:
         return token
 
     def _forward(self, message: WireMessage, target: str, queues: tuple[str, ...], hops: int, now_ms: int,
-                 *, through: bool = False) -> int:  # fmt: skip
+                 *, through: bool = False, home: bool = False) -> int:  # fmt: skip
         """Put a copy of ``message`` for node ``target`` in the store-and-forward queue of the connected node
         it goes through; the copy stays there until that node confirms it. Returns the store token.
 
@@ -833,7 +874,10 @@ class Broker:
         slow down to its pace rather than this node storing and forwarding every message. A cap below the
         producer's whole window would not do: under a lasting overload the overflow takes the queue, and
         the queue keeps every later message until it drains (measured: 71 % of a single node's durable
-        rate across two nodes with no cap, 51 % with half the window)."""
+        rate across two nodes with no cap, 51 % with half the window).
+
+        ``home``: a producer's publish for the node it was first sent to (``_send_home``), to be routed there
+        under the producer's duplicate id."""
         assert self.cluster is not None
         via = self.cluster.bindings.next_hop(target) or target
         audit = (message[M_DURABLE] and self._audit_durable) or self._audit_all
@@ -846,8 +890,12 @@ class Broker:
         # producer sends it again to its next life, so the transfer's id must be the producer's (with this
         # node's, as two nodes' producers may use one id) to be a duplicate over there.
         producer_dedup = message[M_DEDUP] if durable and through else None
-        header = encode_header(target, queues, hops, f"p:{self.transfer_prefix}{producer_dedup}") \
-            if producer_dedup else numbered_header(target, queues, hops, self.transfer_prefix)  # fmt: skip
+        if home:
+            header = encode_header(target, (), hops, f"{HOME_PREFIX}{message[M_DEDUP]}")
+        elif producer_dedup:
+            header = encode_header(target, queues, hops, f"p:{self.transfer_prefix}{producer_dedup}")
+        else:
+            header = numbered_header(target, queues, hops, self.transfer_prefix)
         if through:  # the message itself, which goes nowhere else: its properties are its own to change
             copy[M_PROPS][FORWARD_PROPERTY] = header
             if origin is not None:
@@ -910,7 +958,10 @@ class Broker:
                 header = ForwardHeader(node_id, (), 0, "")
             copy = list(message)
             copy[M_PROPS] = {k: v for k, v in message[M_PROPS].items() if k != FORWARD_PROPERTY}
-            copy[M_DEDUP] = None
+            if header.producer_dedup is not None:  # sent home, it is routed here under its producer's id after all
+                self._dedup.forget(header.producer_dedup)
+            else:
+                copy[M_DEDUP] = None
             if not self._place(copy, header.queues, now_ms):
                 if not forgotten:
                     kept.append(message)

@@ -184,7 +184,8 @@ class ClusterSection:
                                   "subscription on another node would be routed nowhere. 0: serve at "
                                   "once.")  # fmt: skip
     node_gone_ms: int = doc(10_000, "A node unreachable for this long is declared gone: the messages waiting to "
-                                    "be forwarded to it are routed again among the nodes that remain.")  # fmt: skip
+                                    "be forwarded to it (publishes re-sent here that it may have stored among "
+                                    "them) are routed again among the nodes that remain.")  # fmt: skip
     max_bindings: int = doc(100_000, "Bindings accepted from one node; beyond, its updates are refused (flood).")
     scale_down: bool = doc(True, "On a graceful stop, move this node's messages (durable and not) to another "
                                  "live node of the cluster before exiting, so none wait for this node's "

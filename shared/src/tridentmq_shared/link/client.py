@@ -30,6 +30,7 @@ from tridentmq_shared.link.errors import LinkError, LocalProtocolError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.link.topology import Endpoint, LoadBalancing, Topology
 from tridentmq_shared.message import (
+    HOME_PROPERTY,
     LINK_DEDUP_PREFIX,
     M_BODY,
     M_DEDUP,
@@ -653,7 +654,8 @@ class LinkClient:
             self._fail_all(self._error or error)  # the server's reason when it said one (shutdown, say)
             return
         # Unconfirmed publishes go again, before those a resume cut short had not re-sent yet.
-        self._unsent.extendleft(self._unconfirmed[seq] for seq in sorted(self._unconfirmed, reverse=True))
+        self._unsent.extendleft(_homed(self._unconfirmed[seq], self.node_id)
+                                for seq in sorted(self._unconfirmed, reverse=True))  # fmt: skip
         self._unconfirmed.clear()
         if self._reconnecting is not None:
             self._reconnecting.cancel()  # lost again while resuming: start over
@@ -1141,6 +1143,19 @@ class LinkClient:
     async def publish(self, message: WireMessage, tx_id: int = 0) -> None:
         """Publish and wait for the confirm (raises ``LinkRequestError`` on a rejection)."""
         await (await self.send(message, tx_id))
+
+
+def _homed(entry: tuple[WireMessage, int, asyncio.Future[None]], node_id: str,
+           ) -> tuple[WireMessage, int, asyncio.Future[None]]:  # fmt: skip
+    """An unconfirmed publish about to go again: a durable one with a duplicate id names the node it was first
+    sent to (``HOME_PROPERTY``), which may hold it although its confirm never came."""
+    message = entry[0]
+    props = message[M_PROPS]
+    if not node_id or not message[M_DURABLE] or message[M_DEDUP] is None or HOME_PROPERTY in props:
+        return entry
+    homed = list(message)
+    homed[M_PROPS] = {**props, HOME_PROPERTY: node_id}
+    return homed, entry[1], entry[2]
 
 
 def _ignore_answer(future: asyncio.Future[Any]) -> None:

@@ -109,6 +109,7 @@ class RemoteBindings:
         self._trie: AddressTrie[Binding] = AddressTrie()
         self._live: set[str] = set()  # connected nodes: what they report of themselves is the truth
         self.forgotten: set[str] = set()  # nodes an operator said never come back: their copies are ignored
+        self._connected_once: set[str] = set()  # nodes connected since this node started (not forgotten)
 
     def __len__(self) -> int:
         return len(self._best)
@@ -123,6 +124,7 @@ class RemoteBindings:
         old = self._by_via.get(via, {})
         self._by_via[via] = {b.key: b for b in parsed}
         self._live.add(via)
+        self._connected_once.add(via)
         self._refresh(set(old) | {b.key for b in parsed} | self._keys_of(via))
 
     def apply(self, via: str, upserts: Iterable[Any], removals: Iterable[Any]) -> None:
@@ -157,6 +159,7 @@ class RemoteBindings:
         """An operator says ``node_id`` (not connected) never comes back: drop every binding of it, kept here or
         relayed, and ignore copies of them the other nodes still relay. Returns how many were dropped."""
         self.forgotten.add(node_id)
+        self._connected_once.discard(node_id)
         keys = self._keys_of(node_id)
         for table in self._by_via.values():
             for key in [k for k in table if k[0] == node_id]:
@@ -203,6 +206,11 @@ class RemoteBindings:
         if best is not None:
             return best.via
         return node_id if kept else None
+
+    def knows(self, node_id: str) -> bool:
+        """Whether ``node_id`` is a node of this cluster, up or down: one that connected since this node
+        started and was not forgotten, or one reached through another."""
+        return node_id in self._connected_once or self.next_hop(node_id) is not None
 
     def _keys_of(self, node_id: str) -> set[Key]:
         return {key for table in self._by_via.values() for key in table if key[0] == node_id}

@@ -29,6 +29,10 @@ FORWARD_PROPERTY: Final = "$cluster.fwd"
 #: How often a redistributed message was redistributed, this move included (its residence grows with it).
 MOVES_PROPERTY: Final = "$cluster.moves"
 DEDUP_PREFIX: Final = "$cluster:"
+#: A producer's publish taken in for the node it was first sent to (its ``$link.home``), queues left empty:
+#: ``h:`` and the producer's id. That node routes it as its own publish under the producer's id, so a copy it
+#: stored before its confirm was lost makes this one a duplicate.
+HOME_PREFIX: Final = "h:"
 
 
 # The header is the msgpack array [dedup_id, delivered, target, queues, hops]: the part that changes from
@@ -53,6 +57,12 @@ class ForwardHeader(NamedTuple):
         if self.numbered:
             return numbered_header(self.target, self.queues, self.hops, self.dedup_id, self.delivered)
         return encode_header(self.target, self.queues, self.hops, self.dedup_id, self.delivered)
+
+    @property
+    def producer_dedup(self) -> str | None:
+        """The producer's duplicate id of a publish sent to its home node (``HOME_PREFIX``), else None."""
+        home = not self.numbered and self.dedup_id.startswith(HOME_PREFIX)
+        return self.dedup_id[len(HOME_PREFIX) :] if home else None
 
     def transfer_id(self, message_id: int) -> str:
         """The id of this transfer of the message whose id, as sent, is ``message_id``."""
