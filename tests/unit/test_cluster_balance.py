@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.unit.broker_harness import ANYCAST, MULTICAST, Harness, bodies, ok
+import pytest
+from tests.unit.broker_harness import ANYCAST, MULTICAST, Harness, bodies, ok, recorded
 
 from tridentmq_core.broker import FORWARD_QUEUE_PREFIX, Direct, WireMessage
 from tridentmq_core.cluster.balancer import Balancer, SelectorCache
 from tridentmq_core.cluster.bindings import Binding, RemoteBindings
 from tridentmq_core.cluster.forward import FORWARD_PROPERTY, ForwardHeader
 from tridentmq_core.cluster.redistribution import Arrivals, Redistributor, due_again, targets
+from tridentmq_core.queues import Consumer
 from tridentmq_core.security import Principal
 from tridentmq_shared.link.codec import LinkConnection, Role
 from tridentmq_shared.message import M_BODY, M_ID, M_PROPS
@@ -191,6 +193,40 @@ def test_messages_a_redistributor_passed_over_for_their_residence_move_once_it_i
     h.broker.offer_again(queue)
     h.sync()
     assert port.moved == [b"old", b"new-1", b"new-2"]
+
+
+@pytest.mark.parametrize("mover", ["redistributor", "forward queue"])
+def test_a_move_goes_out_once_its_delivery_attempt_is_safe_but_a_forward_queues_transfer_at_once(mover: str) -> None:
+    """Issue 21: a backup that took over delivered again, without the redelivered flag, messages its primary
+    had just moved to another node (and that node delivered): the move was recorded nowhere. A redistributor
+    records a move as a delivery attempt before it goes, as a client's consumer does; a store-and-forward
+    queue's forwarder does not (its copies are sent again after a crash, and the other node drops them)."""
+    h, store, _ = recorded(hold_attempts=True)
+    c = h.connect()
+    ok(c.create_queue("work", "work", ANYCAST, durable=True))
+    c.send_all("work", [b"a", b"b"], durable=True)
+    queue = h.broker.queues["work"]
+    port = Moved()
+    principal = Principal("cluster:node-2", frozenset(), unrestricted=True, cluster=True)
+    session = h.broker.open_session(port, "bridge", principal, "127.0.0.1", "cluster:node-2", h.now_ms)
+    if mover == "redistributor":
+        target = Binding("node-2", "work", "work", ANYCAST, None, 1, None, 1, "node-2")
+        consumer: Consumer = Redistributor(7, session, queue, 100, target=target, selectors=SelectorCache(),
+                                           arrivals=h.broker.arrivals, min_residence_ms=0,
+                                           clock=lambda: h.now_ms)  # fmt: skip
+    else:
+        consumer = Consumer(7, session, queue, 100)
+        consumer.forwarder, consumer.records_attempts = True, False  # as the cluster manager makes it
+    h.broker.add_forwarder(session, consumer)
+    h.sync()
+    if mover == "forward queue":
+        assert (store.attempts, port.moved) == ([], [b"a", b"b"])
+        return
+    assert store.attempts == [("work", [1, 2], [1, 1])]  # recovered, they come back with one attempt each
+    assert port.moved == []
+    h.broker.on_durable(1)
+    h.sync()
+    assert port.moved == [b"a", b"b"]
 
 
 def test_redistribution_targets_are_every_reachable_node_with_consumers_for_the_queue() -> None:

@@ -177,6 +177,26 @@ def test_in_sync_only_once_sync_end_is_known_and_acknowledged() -> None:
     assert [feed.in_sync, feed.acked] == [True, 18]
 
 
+def test_writes_after_the_copy_are_confirmable_only_once_the_backup_holds_them() -> None:
+    """A write confirmed after the end of the copy but before the primary heard that the backup was in sync
+    (it is once it holds the copy) could be missing from that backup when it took over: from the moment the
+    copy's end is known, a later record waits for the backup."""
+    feed = fed(10, 6, window=10)
+    feed.take()
+    assert feed.confirmable is None  # the copy runs: writes are confirmed once on disk here
+    feed.copied(17)
+    assert feed.confirmable == 17  # up to the copy's end: the backup holds it before it counts itself in sync
+    for number in (16, 17, 18, 19):
+        feed.append(number, data(number))
+    feed.take()
+    feed.ack(16)
+    assert feed.confirmable == 17
+    feed.ack(17)
+    assert (feed.in_sync, feed.confirmable) == (True, 17)  # 18 waits although it may be on disk here
+    feed.ack(19)
+    assert feed.confirmable == 19
+
+
 def test_an_ack_past_sync_end_makes_it_in_sync_too() -> None:
     feed = fed(1, 5, window=10)
     feed.copied(3)

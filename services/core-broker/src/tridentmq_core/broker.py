@@ -311,6 +311,12 @@ class Broker:
         self._release_will(session, now_ms)
         self._emit(now_ms, "conn.closed", conn_id=session.conn_id, client_id=session.client_name)
 
+    def number_from(self, first: int) -> None:
+        """Give messages ids from ``first`` on at least: a backup that takes over numbers its messages after
+        every id its primary may have used without leaving it in the journal (written through, or
+        acknowledged and compacted away), so no two messages of a pair share an id in the audit stream."""
+        self._next_id = max(self._next_id, first)
+
     def assume_identity(self, node_id: str) -> None:
         """A backup taking over its pair's node id (before anything was restored or connected)."""
         self.node_id = node_id

@@ -670,6 +670,7 @@ class CoreNode:
         self.node_id = self.identity.node_id
         self.status.epoch = self.identity.epoch
         self.broker.assume_identity(self.node_id)
+        self.broker.number_from(_now_ms() << 20)  # as at the start of the process: ids grow with time
         self._open_audit()
         self._recover()
         if self.clusters:

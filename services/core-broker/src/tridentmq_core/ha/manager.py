@@ -259,7 +259,7 @@ class ReplicationSource:
         epoch = self.identity.epoch
         feed = ReplicaFeed(epoch, self.journal.appended + 1, window=ha.sync_window)
         self.journal.tap = feed.append
-        self.store.on_copied = feed.copied
+        self.store.on_copied = lambda last: self._copied(feed, last)
         self.store.start_compaction(self.broker.durable_snapshot())
         self.session, self.feed, self.backup, self._sync_end_sent = session, feed, server_id, 0
         self.backup_endpoint = (host, port)
@@ -268,6 +268,10 @@ class ReplicationSource:
                                                                              "peer": session.peer})  # fmt: skip
         return {"node_id": self.identity.node_id, "epoch": epoch, "name": self.settings.node.name,
                 "members": self._members()}  # fmt: skip
+
+    def _copied(self, feed: ReplicaFeed, last: int) -> None:
+        feed.copied(last)
+        self.store.limit_confirms(feed.confirmable)
 
     async def drained(self) -> bool:
         """Wait until the backup holds every record written (after this node stopped serving); False when the
@@ -318,8 +322,8 @@ class ReplicationSource:
             self._members_changed()
             if self.settings.ha.allow_failback:
                 self.request_failback()
-        if feed.in_sync:
-            self.store.limit_confirms(feed.acked)
+        if feed.sync_end:
+            self.store.limit_confirms(feed.confirmable)
 
     def request_failback(self) -> str | None:
         """Hand the pair back to its primary now, if this is an active backup whose primary is back and in sync
@@ -368,8 +372,11 @@ class ReplicationSource:
         self.store.on_copied = lambda _number: None
         if self.failing_back:
             return  # this node let the backup go itself: it takes over, and this node restarts as its backup
-        if not feed.in_sync:
+        # Once the end of the copy was sent, the backup may hold it and count itself in sync (its acknowledgement
+        # can be lost with the link): it may take over, so this node needs a quorum to go on, as below.
+        if not feed.in_sync and not (feed.sync_end and self._sync_end_sent == feed.sync_end):
             log.warning("backup lost before it was in sync", extra={"backup": self.backup})
+            self.store.limit_confirms(None)
             return
         self.broker.audit.emit(_now_ms() * 1000, "ha.backup_lost", {"backup": self.backup})
         if not self.settings.ha.vote_on_replication_failure:

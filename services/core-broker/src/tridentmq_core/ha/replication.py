@@ -45,6 +45,15 @@ class ReplicaFeed:
         """Records appended but not acknowledged by the backup."""
         return self._next + self._unsent_records - 1 - self.acked
 
+    @property
+    def confirmable(self) -> int | None:
+        """The last record whose write may be confirmed (None: any on disk here, while the copy runs). The
+        backup is in sync, and may take over, once it holds the copy's last record, so from the moment that
+        record is known a later write waits until the backup holds it: confirmed here before this node heard
+        that the backup is in sync, it could be missing from a backup that took over (as could a delivery
+        let out, whose attempt record it is)."""
+        return max(self.acked, self.sync_end) if self.sync_end else None
+
     def append(self, number: int, data: bytes) -> None:
         """Record ``number`` was appended; ``data`` is empty (and ``number`` ignored) for a segment roll."""
         if data is ROLL or not data:
