@@ -84,7 +84,7 @@ class Consumer:
 
     __slots__ = (
         "auto_ack", "browse", "browse_iter", "byte_credit", "byte_window", "counts", "credit", "forwarder", "id",
-        "in_flight", "parked_credit", "queue", "records_attempts", "selector", "session",
+        "in_flight", "parked_credit", "queue", "selector", "session",
     )  # fmt: skip
 
     def __init__(
@@ -109,11 +109,6 @@ class Consumer:
         self.in_flight: dict[int, WireMessage] = {}
         self.counts: dict[int, int] = {}  # delivery count of in-flight messages delivered more than once
         self.forwarder = False  # moves messages to another node (cluster): not a consumer of a client
-        #: A durable message goes out once its delivery attempt is recorded (on disk, and at the backup), so
-        #: that a copy recovered after a crash or failover is flagged redelivered. A client's consumer and a
-        #: redistributor (what it moves may be delivered over there) record; a store-and-forward queue's
-        #: forwarder does not: a copy a crash leaves is sent again, and the other node drops it.
-        self.records_attempts = True
         self.byte_window = 0  # 0: the window is in messages only
         self.byte_credit = 0
         self.parked_credit = 0  # message credit held back while the byte credit is used up
@@ -572,7 +567,12 @@ class Queue:
             consumer.in_flight[message_id] = message
             if count > 1:
                 consumer.counts[message_id] = count
-        if self.durable and message[M_DURABLE] and not consumer.auto_ack and consumer.records_attempts:
+        # A durable message goes out once its delivery attempt is recorded (on disk, and at the backup): a copy
+        # that a crash or failover leaves comes back flagged as redelivered. So does a forwarder's move: what a
+        # redistributor moves may be delivered over there, and a store-and-forward copy sent before it was
+        # safe here (its producer unconfirmed) could reach the other node while its producer's re-send was
+        # routed again after a failover: two copies, neither flagged.
+        if self.durable and message[M_DURABLE] and not consumer.auto_ack:
             self._attempts.append((consumer, count, message))  # sent once the attempt is on disk
         else:
             if self._attempts:  # they come first: with nothing to wait for (no journal), they go out first

@@ -324,7 +324,6 @@ class Bridge:
         queue = broker.forward_queue(self.node_id, now_ms)
         forwarder = Consumer(FORWARDER_ID, self.session, queue, self.manager.settings.cluster.forward_window)
         forwarder.forwarder = True
-        forwarder.records_attempts = False
         self.consumers[FORWARDER_ID] = forwarder
         broker.add_forwarder(self.session, forwarder)
         self.state = "up"
