@@ -824,6 +824,34 @@ async def test_a_publish_that_names_its_home_node_is_routed_there_under_its_prod
     stop_all([a, b])
 
 
+async def test_a_publish_sent_home_after_its_node_restarted_is_a_duplicate_where_it_was_written_through(
+        tmp_path: Path) -> None:  # fmt: skip
+    """Node a wrote a publish through to c (storing nothing) and died before its producer saw the confirm. The
+    producer sent it again through b, naming a as its home; a, restarted, no longer knows the producer's id
+    and routes it again: written through under that id, c drops it as a duplicate (routed as a plain
+    transfer, c stored it twice, both first deliveries: seen at failovers in the randomised runs)."""
+    a, b, c = start_cluster(tmp_path, 3)
+    message = {"durable": True, "dedup_id": "producer-9:1"}
+    async with client(c) as cc:
+        await cc.subscribe("home.through", credit=0)
+        wait_until(lambda: remote_consumers(a, "home.through") == 1, what="a to see c's consumer")
+        async with client(a) as ca:
+            await ca.publish(new_message("home.through", b"once", **message))  # type: ignore[arg-type]
+    home = node_id(a)
+    a.process.send_signal(signal.SIGKILL)
+    a.process.wait()
+    a = start_core(tmp_path, "node-0", **cluster_env([b]))
+    wait_converged([a, b, c])
+    async with client(c) as cc:
+        consumer = await cc.subscribe("home.through", credit=10)
+        wait_until(lambda: remote_consumers(a, "home.through") == 1, what="the restarted node to see c's consumer")
+        async with client(b) as cb:
+            await cb.publish(new_message("home.through", b"once", properties={HOME_PROPERTY: home}, **message))  # type: ignore[arg-type]
+        got = await take(consumer, 2, timeout=3)
+    assert got == [b"once"]
+    stop_all([a, b, c])
+
+
 async def test_messages_held_for_a_stalled_node_are_stored_and_confirmed_when_it_dies(tmp_path: Path) -> None:
     a = start_node(tmp_path, "node-0", node_gone_ms="60000", core_link_heartbeat_ms="1000")
     # b lets a's cluster connection have 1,000 publishes in flight: the rest waits on a, in memory.

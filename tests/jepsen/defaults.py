@@ -687,7 +687,9 @@ def link_consumer(run: Run, cluster: Cluster, name: str, address: str, stream: S
                 while not run.stop_consuming.is_set() and (run.settle.is_set() or time.monotonic() < deadline):
                     delivery = await consumer.get(timeout=0.1)
                     if delivery is not None:
-                        origin = f"{name}@{client.host} count {delivery.delivery_count}"
+                        # The node's message id finds the delivery in the audit stream (node tag + "-" + id).
+                        audit_id = f"{client.node_id[:8]}-{delivery.id}"
+                        origin = f"{name}@{client.host} {audit_id} count {delivery.delivery_count}"
                         stream.deliver(delivery.body.decode(), delivery.redelivered, origin)
                         consumer.ack(delivery)
                 run.moves += 1

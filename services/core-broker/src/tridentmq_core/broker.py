@@ -816,7 +816,9 @@ class Broker:
         if header.target != self.node_id and cluster is not None and header.hops < cluster.bindings.max_hops \
                 and cluster.bindings.next_hop(header.target) is not None:  # fmt: skip
             return self._forward(message, header.target, (), header.hops + 1, now_ms, home=True)
-        return self._accept_message(message, now_ms)
+        # As its producer's publish here would be: written through to another node under the producer's id, so
+        # a copy this node wrote through there before it died (and forgot the id) makes it a duplicate.
+        return self._accept_message(message, now_ms, through=True)
 
     def _admit(self, message: WireMessage, queues: tuple[Queue, ...], now_ms: int,
                remote: Remote | None = None, delivered: int = 0, *,
