@@ -25,15 +25,19 @@ TIMEOUT = 10.0
 
 
 class Paho:
-    """A paho-mqtt client run by its own thread; received messages and disconnects land in queues."""
+    """A paho-mqtt client run by its own thread; received messages and disconnects land in queues. With
+    ``reconnect`` (paho's default) a dropped connection is tried again every second or so: a client that is
+    meant to stay away once the server ended its connection (a takeover) says ``reconnect=False``."""
 
     def __init__(self, port: int, client_id: str = "", *, version: int = 5, websocket: bool = False,
-                 clean: bool = True, username: str | None = None, password: str | None = None) -> None:  # fmt: skip
+                 clean: bool = True, username: str | None = None, password: str | None = None,
+                 reconnect: bool = True) -> None:  # fmt: skip
         self.version = version
         protocol = paho.MQTTv5 if version == 5 else paho.MQTTv311
         self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=protocol,
                                   transport="websockets" if websocket else "tcp",
-                                  clean_session=None if version == 5 else clean)  # fmt: skip
+                                  clean_session=None if version == 5 else clean,
+                                  reconnect_on_failure=reconnect)  # fmt: skip
         if websocket:
             self.client.ws_set_options(path="/mqtt")
         if username is not None:

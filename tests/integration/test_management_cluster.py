@@ -145,7 +145,7 @@ def test_mqtt_sessions_and_retained_messages_are_listed_and_deleted_from_any_nod
     first, second, third = nodes
     gateway = start_gateway(tmp_path, first, "mqtt")
     try:
-        sensor = Paho(gateway.port, "sensor-7", clean=False)
+        sensor = Paho(gateway.port, "sensor-7", clean=False, reconnect=False)  # its session is deleted below
         sensor.connect(expiry=3600)
         sensor.subscribe("home/+/temp", 1)
         sensor.publish("home/attic/temp", b"31", 1, retain=True)

@@ -140,7 +140,8 @@ def test_another_user_cannot_take_over_a_live_session_that_keeps_nothing(
 ) -> None:
     core, gateway = _open_gateway(tmp_path)
     topic = f"live/{uuid.uuid4().hex[:8]}"
-    bob = Paho(gateway.port, "bob-laptop", version=4, clean=True, username="bob", password="bob-pw")  # no record
+    # no record; taken over below, it must not come back by itself (paho would) and take the client id again
+    bob = Paho(gateway.port, "bob-laptop", version=4, clean=True, username="bob", password="bob-pw", reconnect=False)
     assert bob.connect()[1] == 0
     assert _codes(bob.subscribe(topic, 0)) == [0]
     assert raw(gateway.port, V311).connect("bob-laptop", username="alice", password=b"alice-pw") == \
