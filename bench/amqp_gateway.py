@@ -422,9 +422,11 @@ class _AmqpClient(RawClient):
         attach: list[Any] = [f"{name}-{opts.address}", UInt(HANDLE), receiver, UByte(settle), UByte(0), source, target]
         if not receiver:
             attach += [None, False, UInt(0)]  # unsettled, incomplete-unsettled, initial-delivery-count
-        self.write(frame(OPEN, [f"bench-{name}-{uuid.uuid4().hex[:8]}", opts.host, UInt(MAX_FRAME), UShort(0)])
-                   + frame(BEGIN, [None, UInt(0), UInt(WINDOW), UInt(WINDOW)])
-                   + frame(ATTACH, attach))  # fmt: skip
+        self.write(
+            frame(OPEN, [f"bench-{name}-{uuid.uuid4().hex[:8]}", opts.host, UInt(MAX_FRAME), UShort(0)])
+            + frame(BEGIN, [None, UInt(0), UInt(WINDOW), UInt(WINDOW)])
+            + frame(ATTACH, attach)
+        )
         await self.wait("open")
         if self.remote_idle_ms:
             self._keepalive = self.loop.create_task(self._heartbeats(self.remote_idle_ms / 2000))
@@ -452,8 +454,9 @@ class _AmqpClient(RawClient):
         if self.transport is None:
             return
         if not self.error and not self.transport.is_closing():
-            self.transport.write((b"" if detached else frame(DETACH, [UInt(HANDLE), True])) + frame(END, [])
-                                 + frame(CLOSE, []))  # fmt: skip
+            self.transport.write(
+                (b"" if detached else frame(DETACH, [UInt(HANDLE), True])) + frame(END, []) + frame(CLOSE, [])
+            )
             with contextlib.suppress(AmqpError):
                 await self.wait("close", CLOSE_S)
         await self._shut(CLOSE_S)
@@ -489,8 +492,18 @@ class _Consumer(_AmqpClient):
     def grant(self) -> bytes:
         """A flow frame that sets our link credit to ``CREDIT`` (delivery-count: what we received)."""
         received = self._granted_at = self.delivered
-        return frame(FLOW, [UInt(self.remote_next_outgoing + received), UInt(WINDOW), UInt(0), UInt(WINDOW),
-                            UInt(HANDLE), UInt(self.remote_delivery_count + received), UInt(CREDIT)])  # fmt: skip
+        return frame(
+            FLOW,
+            [
+                UInt(self.remote_next_outgoing + received),
+                UInt(WINDOW),
+                UInt(0),
+                UInt(WINDOW),
+                UInt(HANDLE),
+                UInt(self.remote_delivery_count + received),
+                UInt(CREDIT),
+            ],
+        )
 
     def transfer(self, buf: bytearray, at: int, end: int) -> None:
         code = buf[at]
@@ -590,13 +603,13 @@ async def _produce(opts: RunOptions, attached: MpEvent, subscribed: MpEvent, res
     await client.close(detached=presettled)
 
 
-async def _consume(opts: RunOptions, attached: MpEvent, subscribed: MpEvent, produced: MpEvent,
-                   result: ConsumerResult) -> None:  # fmt: skip
+async def _consume(
+    opts: RunOptions, attached: MpEvent, subscribed: MpEvent, produced: MpEvent, result: ConsumerResult
+) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + opts.deadline_s
     await _wait_for(attached, deadline, "the producer did not attach")
-    client = await _connect(opts, "consumer", lambda: _Consumer(opts.count, presettled=opts.presettled),
-                            receiver=True)  # fmt: skip
+    client = await _connect(opts, "consumer", lambda: _Consumer(opts.count, presettled=opts.presettled), receiver=True)
     client.write(client.grant())
     cpu = cpu_self()
     subscribed.set()
@@ -622,8 +635,9 @@ async def _consume(opts: RunOptions, attached: MpEvent, subscribed: MpEvent, pro
     await client.close()
 
 
-def _producer_main(opts: RunOptions, attached: MpEvent, subscribed: MpEvent, produced: MpEvent,
-                   out: Connection) -> None:  # fmt: skip
+def _producer_main(
+    opts: RunOptions, attached: MpEvent, subscribed: MpEvent, produced: MpEvent, out: Connection
+) -> None:
     signal.alarm(opts.deadline_s + 30)  # the last resort: SIGALRM ends the process
     result = ProducerResult(error="", t0_ns=0, done_ns=0, sent=0, confirmed=0, cpu_s=0.0)
     try:
@@ -636,13 +650,15 @@ def _producer_main(opts: RunOptions, attached: MpEvent, subscribed: MpEvent, pro
     out.send(result)
 
 
-def _consumer_main(opts: RunOptions, attached: MpEvent, subscribed: MpEvent, produced: MpEvent,
-                   out: Connection) -> None:  # fmt: skip
+def _consumer_main(
+    opts: RunOptions, attached: MpEvent, subscribed: MpEvent, produced: MpEvent, out: Connection
+) -> None:
     signal.alarm(opts.deadline_s + 30)
     result = ConsumerResult(error="", delivered=0, distinct=0, last_ns=0, latencies_ns=[], cpu_s=0.0)
     try:
-        run_main(asyncio.wait_for(_consume(opts, attached, subscribed, produced, result),
-                                  opts.deadline_s + 2 * GRACE_S))  # fmt: skip
+        run_main(
+            asyncio.wait_for(_consume(opts, attached, subscribed, produced, result), opts.deadline_s + 2 * GRACE_S)
+        )
     except TimeoutError:
         result["error"] = f"consumer deadline of {opts.deadline_s} s"
     except Exception as exc:
@@ -683,10 +699,12 @@ def run_once(opts: RunOptions, servers: dict[str, int]) -> RunResult:
     attached, subscribed, produced = ctx.Event(), ctx.Event(), ctx.Event()
     consumer_end, consumer_out = ctx.Pipe(duplex=False)
     producer_end, producer_out = ctx.Pipe(duplex=False)
-    consumer = ctx.Process(target=_consumer_main, args=(opts, attached, subscribed, produced, consumer_out),
-                           daemon=True)  # fmt: skip
-    producer = ctx.Process(target=_producer_main, args=(opts, attached, subscribed, produced, producer_out),
-                           daemon=True)  # fmt: skip
+    consumer = ctx.Process(
+        target=_consumer_main, args=(opts, attached, subscribed, produced, consumer_out), daemon=True
+    )
+    producer = ctx.Process(
+        target=_producer_main, args=(opts, attached, subscribed, produced, producer_out), daemon=True
+    )
     cpu = {name: cpu_of(pid) for name, pid in servers.items()}
     consumer.start()
     producer.start()
@@ -715,11 +733,23 @@ def run_once(opts: RunOptions, servers: dict[str, int]) -> RunResult:
         return quantile_ms(latencies, q)
 
     clients = produced_result["cpu_s"] + consumed_result["cpu_s"]
-    return RunResult(produced_result["sent"], delivered, delivered - distinct, produced_result["sent"] - distinct,
-                     elapsed, delivered / elapsed if elapsed else 0.0,
-                     produced_result["confirmed"] / confirmed_s if confirmed_s > 0 else 0.0,
-                     pick(0.50), pick(0.99), pick(0.999), pick(1.0), len(latencies),
-                     clients / elapsed if elapsed else 0.0, cpu, error)  # fmt: skip
+    return RunResult(
+        produced_result["sent"],
+        delivered,
+        delivered - distinct,
+        produced_result["sent"] - distinct,
+        elapsed,
+        delivered / elapsed if elapsed else 0.0,
+        produced_result["confirmed"] / confirmed_s if confirmed_s > 0 else 0.0,
+        pick(0.50),
+        pick(0.99),
+        pick(0.999),
+        pick(1.0),
+        len(latencies),
+        clients / elapsed if elapsed else 0.0,
+        cpu,
+        error,
+    )
 
 
 def _broker(result: RunResult) -> str:
@@ -728,18 +758,21 @@ def _broker(result: RunResult) -> str:
 
 def _describe(result: RunResult, *, paced: bool) -> str:
     p999 = f" p99.9 {result.p999_ms:.2f}" if paced else ""
-    text = (f"{result.rate:,.0f} msgs/s delivered ({result.delivered:,} of {result.sent:,} in {result.elapsed_s:.2f} "
-            f"s), {result.confirmed_rate:,.0f} msgs/s producer-confirmed; latency ms p50 {result.p50_ms:.2f} p99 "
-            f"{result.p99_ms:.2f}{p999} max {result.max_ms:.2f} ({result.samples:,} samples); lost {result.lost:,}, "
-            f"duplicates {result.duplicates:,}; {_broker(result)}; client cores {result.client_cores:.2f}")  # fmt: skip
+    text = (
+        f"{result.rate:,.0f} msgs/s delivered ({result.delivered:,} of {result.sent:,} in {result.elapsed_s:.2f} "
+        f"s), {result.confirmed_rate:,.0f} msgs/s producer-confirmed; latency ms p50 {result.p50_ms:.2f} p99 "
+        f"{result.p99_ms:.2f}{p999} max {result.max_ms:.2f} ({result.samples:,} samples); lost {result.lost:,}, "
+        f"duplicates {result.duplicates:,}; {_broker(result)}; client cores {result.client_cores:.2f}"
+    )
     return f"{text}; FAILED: {result.error}" if result.error else text
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="runs (the median is reported)")
-    parser.add_argument("--count", type=int, default=None,
-                        help="messages per run (default: 100,000; with --rate: rate x --seconds)")  # fmt: skip
+    parser.add_argument(
+        "--count", type=int, default=None, help="messages per run (default: 100,000; with --rate: rate x --seconds)"
+    )
     parser.add_argument(
         "--presettled",
         action="store_true",
@@ -751,13 +784,21 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=None, help="AMQP port of a gateway already running")
     parser.add_argument("--core-pid", type=int, default=None, help="with --port: the core process to watch")
     parser.add_argument("--gateway-pid", type=int, default=None, help="with --port: the gateway process to watch")
-    parser.add_argument("--sasl", choices=["none", "plain"], default="none",
-                        help="connect without a SASL layer (default) or with SASL PLAIN")  # fmt: skip
+    parser.add_argument(
+        "--sasl",
+        choices=["none", "plain"],
+        default="none",
+        help="connect without a SASL layer (default) or with SASL PLAIN",
+    )
     parser.add_argument("--user", default=None, help="with --sasl plain: the user name")
     parser.add_argument("--password", default="", help="with --sasl plain: the password")
     parser.add_argument("--deadline", type=int, default=120, help="seconds after which a client gives up")
-    parser.add_argument("--tls", action="store_true", help="every connection over TLS (clients to the gateway, "
-                        "the gateway to its core), with throw-away certificates")  # fmt: skip
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="every connection over TLS (clients to the gateway, "
+        "the gateway to its core), with throw-away certificates",
+    )
     args = parser.parse_args()
     if args.runs < 1 or (args.count is not None and args.count < 1) or args.rate < 0 or args.seconds < 1:
         parser.error("--runs, --count and --seconds must be positive, --rate not negative")
@@ -779,24 +820,36 @@ def main() -> None:
         results = []
         for n in range(1, args.runs + 1):
             user = args.user if args.sasl == "plain" else None
-            opts = RunOptions(args.host, port, f"bench.{uuid.uuid4().hex[:12]}", args.presettled, count, args.rate,
-                              args.deadline, user, args.password, ca_file)  # fmt: skip
+            opts = RunOptions(
+                args.host,
+                port,
+                f"bench.{uuid.uuid4().hex[:12]}",
+                args.presettled,
+                count,
+                args.rate,
+                args.deadline,
+                user,
+                args.password,
+                ca_file,
+            )
             result = run_once(opts, servers)
             results.append(result)
             print(f"S4 run {n}{paced}: {_describe(result, paced=bool(args.rate))}", flush=True)
         fields = ("rate", "confirmed_rate", "elapsed_s", "p50_ms", "p99_ms", "p999_ms", "max_ms", "client_cores")
-        median = replace(results[0], **{name: statistics.median(getattr(r, name) for r in results)
-                                        for name in fields})  # fmt: skip
+        median = replace(results[0], **{name: statistics.median(getattr(r, name) for r in results) for name in fields})
         rates = [r.rate for r in results]
         failed = sum(1 for r in results if r.error)
         broker = statistics.median(r.broker_us for r in results)
         p999 = f" p99.9 {median.p999_ms:.2f}" if args.rate else ""
-        print(f"{title.upper()} median {median.rate:,.0f} msgs/s delivered (min {min(rates):,.0f}, max "
-              f"{max(rates):,.0f}), {median.confirmed_rate:,.0f} msgs/s producer-confirmed, over {args.runs} runs "
-              f"of {count:,}; latency ms p50 {median.p50_ms:.2f} p99 {median.p99_ms:.2f}{p999} max "
-              f"{median.max_ms:.2f}; lost {sum(r.lost for r in results):,}, duplicates "
-              f"{sum(r.duplicates for r in results):,} in all; broker CPU µs/msg {broker:.1f}; client cores "
-              f"{median.client_cores:.2f}" + (f"; {failed} FAILED" if failed else ""), flush=True)  # fmt: skip
+        print(
+            f"{title.upper()} median {median.rate:,.0f} msgs/s delivered (min {min(rates):,.0f}, max "
+            f"{max(rates):,.0f}), {median.confirmed_rate:,.0f} msgs/s producer-confirmed, over {args.runs} runs "
+            f"of {count:,}; latency ms p50 {median.p50_ms:.2f} p99 {median.p99_ms:.2f}{p999} max "
+            f"{median.max_ms:.2f}; lost {sum(r.lost for r in results):,}, duplicates "
+            f"{sum(r.duplicates for r in results):,} in all; broker CPU µs/msg {broker:.1f}; client cores "
+            f"{median.client_cores:.2f}" + (f"; {failed} FAILED" if failed else ""),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -40,9 +40,15 @@ def generate(audit: Path, events: int) -> None:
                 record |= {"conn_id": f"c{seq % 7}", "consumer_id": f"k{seq}", "queue": f"q{seq % 5}"}
             else:
                 msg = seq // 3
-                record |= {"event": ("msg.sent", "msg.delivered", "msg.acked")[kind % 3], "address": f"q{msg % 5}",
-                           "queue": f"q{msg % 5}", "message_id": f"{n}-{msg}", "size": 100, "protocol": "stomp",
-                           "sent_ts_us": T0_US + msg * 3000}  # fmt: skip
+                record |= {
+                    "event": ("msg.sent", "msg.delivered", "msg.acked")[kind % 3],
+                    "address": f"q{msg % 5}",
+                    "queue": f"q{msg % 5}",
+                    "message_id": f"{n}-{msg}",
+                    "size": 100,
+                    "protocol": "stomp",
+                    "sent_ts_us": T0_US + msg * 3000,
+                }
             lines.append(orjson.dumps(record))
             if len(lines) == SEGMENT_LINES or seq == per_node - 1:
                 (folder / f"{first:020d}.jsonl").write_bytes(b"\n".join(lines) + b"\n")

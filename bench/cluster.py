@@ -40,9 +40,12 @@ CLUSTER = {"cluster_user": "cluster", "cluster_password": "bench-secret"}
 def cluster(tmp: Path, count: int) -> Iterator[list[Core]]:
     with ExitStack() as stack:
         first = stack.enter_context(core_node(tmp / "node-0", **CLUSTER))
-        nodes = [first] + [stack.enter_context(core_node(tmp / f"node-{i}", cluster_connectors=f"127.0.0.1:"
-                                                         f"{first.link_port}", **CLUSTER))
-                           for i in range(1, count)]  # fmt: skip
+        nodes = [first] + [
+            stack.enter_context(
+                core_node(tmp / f"node-{i}", cluster_connectors=f"127.0.0.1:{first.link_port}", **CLUSTER)
+            )
+            for i in range(1, count)
+        ]
         deadline = time.monotonic() + 30
         while any(len(json.loads(n.get("/api/cluster"))["members"]) != count for n in nodes):
             if time.monotonic() > deadline:
@@ -60,8 +63,18 @@ def wait_for_remote_consumer(node: Core, queue: str, consumers: int = 1) -> None
 
 
 def perf(node: Core, count: int, durable: bool, consumer: Core | None = None) -> float:
-    opts = PerfOptions("127.0.0.1", node.link_port, None, None, count, 100, durable=durable, rate=0, window=10_000,
-                       consumer_port=consumer.link_port if consumer is not None else 0)  # fmt: skip
+    opts = PerfOptions(
+        "127.0.0.1",
+        node.link_port,
+        None,
+        None,
+        count,
+        100,
+        durable=durable,
+        rate=0,
+        window=10_000,
+        consumer_port=consumer.link_port if consumer is not None else 0,
+    )
     wait = (lambda queue: wait_for_remote_consumer(node, queue)) if consumer is not None else None
     result = run_once(opts, before_producing=wait)
     if result["received"] != count:
@@ -90,11 +103,12 @@ async def redistribution(a: Core, b: Core, backlog: int) -> tuple[float, float]:
         return time.monotonic() - subscribed, publish_rate
 
 
-def _aggregate_worker(producer_port: int, consumer_port: int, queue: str, count: int, total: int,
-                      out: Any) -> None:  # fmt: skip
+def _aggregate_worker(producer_port: int, consumer_port: int, queue: str, count: int, total: int, out: Any) -> None:
     async def work() -> tuple[int, float]:
-        async with LinkClient("127.0.0.1", consumer_port) as receiving, \
-                LinkClient("127.0.0.1", producer_port) as sending:  # fmt: skip
+        async with (
+            LinkClient("127.0.0.1", consumer_port) as receiving,
+            LinkClient("127.0.0.1", producer_port) as sending,
+        ):
             consumer = await receiving.subscribe(queue, credit=10_000, auto_ack=True)
             out.send("ready")
             out.recv()  # go
@@ -126,8 +140,11 @@ def aggregate(nodes: list[Core], count: int) -> float:
     pipes, workers = [], []
     for node in nodes:
         mine, theirs = ctx.Pipe()
-        worker = ctx.Process(target=_aggregate_worker, args=(node.link_port, node.link_port, queue, count,
-                                                             count * len(nodes), theirs), daemon=True)  # fmt: skip
+        worker = ctx.Process(
+            target=_aggregate_worker,
+            args=(node.link_port, node.link_port, queue, count, count * len(nodes), theirs),
+            daemon=True,
+        )
         worker.start()
         pipes.append(mine)
         workers.append(worker)
@@ -171,9 +188,11 @@ def main() -> None:
             print(f"{kind:>11} ON_DEMAND A → B  {median(across)}  = {ratio:.0%} of single node")
         with cluster(Path(tmp) / "redistribution", 2) as (a, b):
             seconds, publish_rate = asyncio.run(redistribution(a, b, args.backlog))
-            print(f"redistribution: {args.backlog:,} durable messages queued on A (published at "
-                  f"{publish_rate:,.0f} msgs/s) reached a new consumer on B in {seconds:.2f} s "
-                  f"(1 s redistribution delay included)")  # fmt: skip
+            print(
+                f"redistribution: {args.backlog:,} durable messages queued on A (published at "
+                f"{publish_rate:,.0f} msgs/s) reached a new consumer on B in {seconds:.2f} s "
+                f"(1 s redistribution delay included)"
+            )
         with core_node(Path(tmp) / "single-aggregate") as single:
             one = [aggregate([single], args.count) for _ in range(args.runs)]
         with cluster(Path(tmp) / "three", 3) as nodes:

@@ -35,13 +35,23 @@ def main() -> None:
             result = run_once(base)
             rates.append(result["rate"])
             print(f"throughput run {n}: {result['rate']:,.0f} msgs/s delivered ({result['received']:,} messages)")
-        print(f"THROUGHPUT median {statistics.median(rates):,.0f} msgs/s "
-              f"(min {min(rates):,.0f}, max {max(rates):,.0f}) over {args.runs} runs")  # fmt: skip
-        paced = PerfOptions("127.0.0.1", port, None, None, args.latency_rate * args.latency_seconds, 100,
-                            durable=False, rate=args.latency_rate, window=10_000)  # fmt: skip
+        print(
+            f"THROUGHPUT median {statistics.median(rates):,.0f} msgs/s "
+            f"(min {min(rates):,.0f}, max {max(rates):,.0f}) over {args.runs} runs"
+        )
+        paced = PerfOptions(
+            "127.0.0.1",
+            port,
+            None,
+            None,
+            args.latency_rate * args.latency_seconds,
+            100,
+            durable=False,
+            rate=args.latency_rate,
+            window=10_000,
+        )
         latency = run_once(paced)["latency_ms"]
-        print(f"LATENCY at {args.latency_rate:,} msgs/s (ms): " +
-              "  ".join(f"{k} {v:.3f}" for k, v in latency.items()))  # fmt: skip
+        print(f"LATENCY at {args.latency_rate:,} msgs/s (ms): " + "  ".join(f"{k} {v:.3f}" for k, v in latency.items()))
 
 
 if __name__ == "__main__":

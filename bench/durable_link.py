@@ -36,17 +36,22 @@ def main() -> None:
             for n in range(1, args.runs + 1):
                 records = core.metric("tridentmq_journal_records_synced_total")
                 syncs = core.metric("tridentmq_journal_syncs_total")
-                opts = PerfOptions("127.0.0.1", core.link_port, None, None, args.count, 100, durable=True, rate=0,
-                                   window=10_000)  # fmt: skip
+                opts = PerfOptions(
+                    "127.0.0.1", core.link_port, None, None, args.count, 100, durable=True, rate=0, window=10_000
+                )
                 result = run_once(opts)
                 records = core.metric("tridentmq_journal_records_synced_total") - records
                 syncs = core.metric("tridentmq_journal_syncs_total") - syncs
                 rates.append(result["rate"])
                 per_second, per_sync = syncs / result["elapsed_s"], records / max(syncs, 1)
-                print(f"run {n}: {result['rate']:,.0f} msgs/s delivered; {syncs:,.0f} group commits "
-                      f"({per_second:,.0f}/s) of {per_sync:,.1f} records each")  # fmt: skip
-    print(f"DURABLE median {statistics.median(rates):,.0f} msgs/s delivered (min {min(rates):,.0f}, "
-          f"max {max(rates):,.0f}) over {args.runs} runs; disk {rate:,.0f} fdatasync/s")  # fmt: skip
+                print(
+                    f"run {n}: {result['rate']:,.0f} msgs/s delivered; {syncs:,.0f} group commits "
+                    f"({per_second:,.0f}/s) of {per_sync:,.1f} records each"
+                )
+    print(
+        f"DURABLE median {statistics.median(rates):,.0f} msgs/s delivered (min {min(rates):,.0f}, "
+        f"max {max(rates):,.0f}) over {args.runs} runs; disk {rate:,.0f} fdatasync/s"
+    )
 
 
 if __name__ == "__main__":

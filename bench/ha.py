@@ -74,9 +74,14 @@ def pairs(tmp: Path, count: int) -> Iterator[list[tuple[Core, Core]]]:
                     tmp / f"primary-{i}", cluster_connectors=",".join(f"127.0.0.1:{s.link_port}" for s in seeds), **ha
                 )
             )
-            backup = stack.enter_context(core_node(
-                tmp / f"backup-{i}", cluster_connectors=",".join(f"127.0.0.1:{s.link_port}" for s in [primary, *seeds]),
-                ha_role="backup", **ha))  # fmt: skip
+            backup = stack.enter_context(
+                core_node(
+                    tmp / f"backup-{i}",
+                    cluster_connectors=",".join(f"127.0.0.1:{s.link_port}" for s in [primary, *seeds]),
+                    ha_role="backup",
+                    **ha,
+                )
+            )
             made.append((primary, backup))
         wait(
             "every backup in sync and seeing every pair",
@@ -254,9 +259,14 @@ def failover_and_failback(tmp: Path) -> dict[str, tuple[float, float, list[str]]
         wait("the backup to take over", lambda: ha_view(backup).get("active") is True)
         restarted = time.monotonic()
         ha = {"ha_policy": "replication", "ha_group_name": "pair-1", **CLUSTER}
-        returned = stack.enter_context(core_node(
-            tmp / "primary-1", link_port=str(primary.link_port),
-            cluster_connectors=f"127.0.0.1:{backup.link_port},127.0.0.1:{made[0][0].link_port}", **ha))  # fmt: skip
+        returned = stack.enter_context(
+            core_node(
+                tmp / "primary-1",
+                link_port=str(primary.link_port),
+                cluster_connectors=f"127.0.0.1:{backup.link_port},127.0.0.1:{made[0][0].link_port}",
+                **ha,
+            )
+        )
         wait("the failback", lambda: ha_view(returned).get("active") is True, 120)
         back = time.monotonic()
         failback = {p.name: p.longest_wait(restarted, back) for p in publishers}
@@ -270,23 +280,31 @@ def protocols(tmp: Path, runs: int) -> None:
     for run in range(runs):
         for name, outcome in failover_and_failback(tmp / f"protocols-{run}").items():
             results.setdefault(name, []).append(outcome)
-            print(f"  run {run + 1} {name}: failover {outcome[0] * 1000:,.0f} ms, failback {outcome[1] * 1000:,.0f} ms"
-                  + (f", errors {outcome[2]}" if outcome[2] else ""), flush=True)  # fmt: skip
+            print(
+                f"  run {run + 1} {name}: failover {outcome[0] * 1000:,.0f} ms, failback {outcome[1] * 1000:,.0f} ms"
+                + (f", errors {outcome[2]}" if outcome[2] else ""),
+                flush=True,
+            )
     for name, outcomes in results.items():
         over, back = [o[0] * 1000 for o in outcomes], [o[1] * 1000 for o in outcomes]
         errors = sum(len(o[2]) for o in outcomes)
-        print(f"{name:5}: failover median {statistics.median(over):,.0f} ms, max {max(over):,.0f} ms; failback "
-              f"median {statistics.median(back):,.0f} ms, max {max(back):,.0f} ms; client errors {errors} "
-              f"({len(outcomes)} runs)")  # fmt: skip
+        print(
+            f"{name:5}: failover median {statistics.median(over):,.0f} ms, max {max(over):,.0f} ms; failback "
+            f"median {statistics.median(back):,.0f} ms, max {max(back):,.0f} ms; client errors {errors} "
+            f"({len(outcomes)} runs)"
+        )
 
 
 def throughput(tmp: Path, count: int, runs: int) -> tuple[list[float], list[float]]:
     ha = {"ha_policy": "replication", "ha_group_name": "solo", **CLUSTER}
     with core_node(tmp / "alone", **ha) as alone:
         without = [perf(alone, count, durable=True) for _ in range(runs)]
-    with core_node(tmp / "primary", **ha) as primary, \
-            core_node(tmp / "backup", cluster_connectors=f"127.0.0.1:{primary.link_port}", ha_role="backup", **ha
-                      ) as backup:  # fmt: skip
+    with (
+        core_node(tmp / "primary", **ha) as primary,
+        core_node(
+            tmp / "backup", cluster_connectors=f"127.0.0.1:{primary.link_port}", ha_role="backup", **ha
+        ) as backup,
+    ):
         wait("the backup in sync", lambda: ha_view(backup).get("in_sync") is True)
         replicated = [perf(primary, count, durable=True) for _ in range(runs)]
     return without, replicated
@@ -311,14 +329,20 @@ def main() -> None:
         times.sort()
         p90 = times[min(len(times) - 1, int(0.9 * len(times)))]
         ms = [f"{t * 1000:,.0f} ms" for t in (statistics.median(times), p90, times[0], times[-1])]
-        print(f"failover (kill -9 of a primary → PUBACK of the next publish through its gateway), {len(times)} runs: "
-              f"median {ms[0]}, p90 {ms[1]}, min {ms[2]}, max {ms[3]}")  # fmt: skip
+        print(
+            f"failover (kill -9 of a primary → PUBACK of the next publish through its gateway), {len(times)} runs: "
+            f"median {ms[0]}, p90 {ms[1]}, min {ms[2]}, max {ms[3]}"
+        )
         without, replicated = throughput(Path(tmp), args.count, 3)
         ratio = statistics.median(replicated) / statistics.median(without)
-        print(f"durable, no backup      {statistics.median(without):,.0f} msgs/s (min {min(without):,.0f}, "
-              f"max {max(without):,.0f})")  # fmt: skip
-        print(f"durable, in-sync backup {statistics.median(replicated):,.0f} msgs/s (min {min(replicated):,.0f}, "
-              f"max {max(replicated):,.0f}) = {ratio:.0%} of no backup")  # fmt: skip
+        print(
+            f"durable, no backup      {statistics.median(without):,.0f} msgs/s (min {min(without):,.0f}, "
+            f"max {max(without):,.0f})"
+        )
+        print(
+            f"durable, in-sync backup {statistics.median(replicated):,.0f} msgs/s (min {min(replicated):,.0f}, "
+            f"max {max(replicated):,.0f}) = {ratio:.0%} of no backup"
+        )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,10 @@ def _config(fresh: int) -> str:
     bob = hash_password("builder", salt=b"bob-salt", iterations=200_000)
     # The reconnect storm's users seen for the first time: each with its own salt, so each costs a PBKDF2.
     crowd = [(f"fresh{n}", hash_password("builder", salt=b"fresh-%d" % n, iterations=200_000)) for n in range(fresh)]
-    grants = "\n".join(f'[[permissions]]\nmatch = "#"\npermission = "{p}"\nroles = ["app"]\n'
-                       for p in ("send", "consume", "createAddress", "createNonDurableQueue"))  # fmt: skip
+    grants = "\n".join(
+        f'[[permissions]]\nmatch = "#"\npermission = "{p}"\nroles = ["app"]\n'
+        for p in ("send", "consume", "createAddress", "createNonDurableQueue")
+    )
     newcomers = [(f"bob{n}", bob) for n in range(3)]  # one first login per phase
     users = [("alice", alice), *newcomers, ("carol", "plain-password"), *crowd]
     return "".join(f'[[users]]\nname = "{n}"\npassword = "{p}"\nroles = ["app"]\n\n' for n, p in users) + grants
@@ -146,8 +148,10 @@ async def _reconnect(port: int, known: int, fresh: int) -> tuple[float, int]:
     policy = ReconnectPolicy(retry_interval=0.05, max_interval=1.0, initial_attempts=1000)
     users = [("alice", "wonderland")] * known + [(f"fresh{n}", "builder") for n in range(fresh)]
     # Slow heartbeats: a few thousand links in one client process must not spend it on heartbeats.
-    clients = [LinkClient("127.0.0.1", port, user=u, password=p, reconnect=policy, connect_timeout=60,
-                          heartbeat_ms=10_000) for u, p in users]  # fmt: skip
+    clients = [
+        LinkClient("127.0.0.1", port, user=u, password=p, reconnect=policy, connect_timeout=60, heartbeat_ms=10_000)
+        for u, p in users
+    ]
     started = time.monotonic()
     await asyncio.gather(*[c.connect() for c in clients])
     elapsed = time.monotonic() - started
@@ -174,17 +178,18 @@ def reconnect_storm(port: int, known: int, fresh: int) -> str:
     """Other clients' round trips while ``known`` + ``fresh`` clients reconnect at once (another process)."""
     phase = Phase("reconnect storm")
     receiver, sender = multiprocessing.get_context("spawn").Pipe(duplex=False)
-    process = multiprocessing.get_context("spawn").Process(target=_reconnect_process,
-                                                           args=(port, known, fresh, sender))  # fmt: skip
+    process = multiprocessing.get_context("spawn").Process(target=_reconnect_process, args=(port, known, fresh, sender))
     process.start()
     asyncio.run(_probe_until(port, phase, receiver))
     elapsed, _ = receiver.recv()
     process.join()
     trips = sorted(phase.round_trips_ns)
-    return (f"reconnect storm of {known:,} known clients and {fresh} first logins: all in after {elapsed:.1f} s "
-            f"({(known + fresh) / elapsed:,.0f} logins/s); meanwhile round trip p50 {quantile_ms(trips, 0.5):.2f} "
-            f"ms, p99 {quantile_ms(trips, 0.99):.2f} ms, max {quantile_ms(trips, 1.0):.2f} ms "
-            f"({len(trips)} trips)")  # fmt: skip
+    return (
+        f"reconnect storm of {known:,} known clients and {fresh} first logins: all in after {elapsed:.1f} s "
+        f"({(known + fresh) / elapsed:,.0f} logins/s); meanwhile round trip p50 {quantile_ms(trips, 0.5):.2f} "
+        f"ms, p99 {quantile_ms(trips, 0.99):.2f} ms, max {quantile_ms(trips, 1.0):.2f} ms "
+        f"({len(trips)} trips)"
+    )
 
 
 def report(phase: Phase) -> str:
@@ -192,12 +197,16 @@ def report(phase: Phase) -> str:
     logins = sorted(phase.logins_ns)
     storm = ""
     if phase.refusals or phase.other_answers:
-        storm = (f"; wrong passwords refused {phase.refusals / phase.seconds:,.1f}/s, handshakes timed out "
-                 f"{phase.other_answers / phase.seconds:,.1f}/s")  # fmt: skip
-    return (f"{phase.name}: round trip p50 {quantile_ms(trips, 0.5):.2f} ms, p99 {quantile_ms(trips, 0.99):.2f} ms, "
-            f"max {quantile_ms(trips, 1.0):.2f} ms ({len(trips)} trips); known-user login p50 "
-            f"{quantile_ms(logins, 0.5):.1f} ms, max {quantile_ms(logins, 1.0):.1f} ms; a first login (PBKDF2) "
-            f"{phase.first_login_ns / 1e6:.0f} ms{storm}")  # fmt: skip
+        storm = (
+            f"; wrong passwords refused {phase.refusals / phase.seconds:,.1f}/s, handshakes timed out "
+            f"{phase.other_answers / phase.seconds:,.1f}/s"
+        )
+    return (
+        f"{phase.name}: round trip p50 {quantile_ms(trips, 0.5):.2f} ms, p99 {quantile_ms(trips, 0.99):.2f} ms, "
+        f"max {quantile_ms(trips, 1.0):.2f} ms ({len(trips)} trips); known-user login p50 "
+        f"{quantile_ms(logins, 0.5):.1f} ms, max {quantile_ms(logins, 1.0):.1f} ms; a first login (PBKDF2) "
+        f"{phase.first_login_ns / 1e6:.0f} ms{storm}"
+    )
 
 
 def main() -> None:
@@ -208,8 +217,10 @@ def main() -> None:
     parser.add_argument("--fresh", type=int, default=100, help="reconnect storm: users logging in first time")
     args = parser.parse_args()
     print(f"machine: {machine()}")
-    with tempfile.TemporaryDirectory(prefix="tridentmq-bench-") as tmp, \
-            core_node(Path(tmp), config=_config(args.fresh)) as core:  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory(prefix="tridentmq-bench-") as tmp,
+        core_node(Path(tmp), config=_config(args.fresh)) as core,
+    ):
         phases = (("no storm", None), ("storm on a hashed password", "alice"), ("storm on a plain password", "carol"))
         for n, (name, user) in enumerate(phases):
             phase = run_phase(core.link_port, name, user, args.guessers, args.seconds, f"bob{n}")

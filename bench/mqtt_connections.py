@@ -82,8 +82,9 @@ async def read_packet(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     return head >> 4, await reader.readexactly(length)
 
 
-async def _clients(port: int, run: str, first: int, count: int, concurrency: int, start: MpEvent,
-                   out: Connection) -> None:  # fmt: skip
+async def _clients(
+    port: int, run: str, first: int, count: int, concurrency: int, start: MpEvent, out: Connection
+) -> None:
     """``count`` clients from number ``first``: report (subscribed, refused, seconds to the last SUBACK), then
     (received) once each got its message or waited ``WAIT_S``, then hold the connections until told."""
     handshakes = asyncio.Semaphore(concurrency)
@@ -178,17 +179,26 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=1000)
     parser.add_argument("--procs", type=int, default=2, help="client processes")
     parser.add_argument("--concurrency", type=int, default=500, help="handshakes under way per client process")
-    parser.add_argument("--shared-links", type=int, default=1, help="the gateway's core.shared_links (0: a link "
-                        "per client)")  # fmt: skip
+    parser.add_argument(
+        "--shared-links", type=int, default=1, help="the gateway's core.shared_links (0: a link per client)"
+    )
     args = parser.parse_args()
     run = uuid.uuid4().hex[:6]
     limit = raise_open_file_limit()
-    print(f"{machine()}; open-file limit {limit}; {args.count} MQTT 3.1.1 clients from {args.procs} processes, "
-          f"core.shared_links = {args.shared_links}")  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp, \
-            core_node(Path(tmp) / "core", link_max_connections=str(args.count + 100)) as core, \
-            mqtt_gateway(core, Path(tmp) / "gw", listener_max_connections=str(args.count + 100),
-                         core_shared_links=str(args.shared_links)) as gateway:  # fmt: skip
+    print(
+        f"{machine()}; open-file limit {limit}; {args.count} MQTT 3.1.1 clients from {args.procs} processes, "
+        f"core.shared_links = {args.shared_links}"
+    )
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        core_node(Path(tmp) / "core", link_max_connections=str(args.count + 100)) as core,
+        mqtt_gateway(
+            core,
+            Path(tmp) / "gw",
+            listener_max_connections=str(args.count + 100),
+            core_shared_links=str(args.shared_links),
+        ) as gateway,
+    ):
         before = {"core": _proc(core.process.pid), "gateway": _proc(gateway.process.pid)}
         start = multiprocessing.Event()
         pipes: list[tuple[Connection, multiprocessing.Process]] = []
@@ -207,8 +217,10 @@ def main() -> None:
             cpu_before = {"core": cpu_of(core.process.pid), "gateway": cpu_of(gateway.process.pid)}
             start.set()
             results = [here.recv() for here, _ in pipes]
-            cpu = {"core": cpu_of(core.process.pid) - cpu_before["core"],
-                   "gateway": cpu_of(gateway.process.pid) - cpu_before["gateway"]}  # fmt: skip
+            cpu = {
+                "core": cpu_of(core.process.pid) - cpu_before["core"],
+                "gateway": cpu_of(gateway.process.pid) - cpu_before["gateway"],
+            }
             subscribed = sum(r[0] for r in results)
             refused = sum(r[1] for r in results)
             elapsed = max(r[2] for r in results)
@@ -228,10 +240,12 @@ def main() -> None:
     print(f"core: {status['connections']} sessions over {status['links']} link connections")
     for name in ("gateway", "core"):
         grown = after[name]["rss_kib"] - before[name]["rss_kib"]
-        print(f"{name}: RSS {before[name]['rss_kib'] / 1024:.0f} -> {after[name]['rss_kib'] / 1024:.0f} MiB, "
-              f"{grown * 1024 / max(subscribed, 1) / 1024:.1f} KiB per connection; "
-              f"fds {before[name]['fds']} -> {after[name]['fds']}; CPU {cpu[name] * 1e6 / max(subscribed, 1):.0f} µs "
-              "per connect + subscribe")  # fmt: skip
+        print(
+            f"{name}: RSS {before[name]['rss_kib'] / 1024:.0f} -> {after[name]['rss_kib'] / 1024:.0f} MiB, "
+            f"{grown * 1024 / max(subscribed, 1) / 1024:.1f} KiB per connection; "
+            f"fds {before[name]['fds']} -> {after[name]['fds']}; CPU {cpu[name] * 1e6 / max(subscribed, 1):.0f} µs "
+            "per connect + subscribe"
+        )
 
 
 if __name__ == "__main__":

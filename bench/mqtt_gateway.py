@@ -141,8 +141,9 @@ def _packet(first: int, body: bytes) -> bytes:
 
 def connect_packet(client_id: str) -> bytes:
     """CONNECT, protocol level 4 (3.1.1), clean session, no will, no user name."""
-    return _packet(0x10, _string(b"MQTT") + bytes([4, 0x02]) + KEEP_ALIVE_S.to_bytes(2, "big")
-                   + _string(client_id.encode()))  # fmt: skip
+    return _packet(
+        0x10, _string(b"MQTT") + bytes([4, 0x02]) + KEEP_ALIVE_S.to_bytes(2, "big") + _string(client_id.encode())
+    )
 
 
 def subscribe_packet(packet_id: int, topic: bytes, qos: int) -> bytes:
@@ -381,10 +382,17 @@ async def _publish(opts: RunOptions, index: int, subscribed: list[MpEvent], resu
     await client.close()
 
 
-async def _subscribe(opts: RunOptions, first: int, connections: int, subscribed: MpEvent, produced: list[MpEvent],
-                     result: SubscriberResult) -> None:  # fmt: skip
-    clients = await asyncio.gather(*(_connect(opts, f"s{first + k}", lambda: _Subscriber(opts.expected))
-                                     for k in range(connections)))  # fmt: skip
+async def _subscribe(
+    opts: RunOptions,
+    first: int,
+    connections: int,
+    subscribed: MpEvent,
+    produced: list[MpEvent],
+    result: SubscriberResult,
+) -> None:
+    clients = await asyncio.gather(
+        *(_connect(opts, f"s{first + k}", lambda: _Subscriber(opts.expected)) for k in range(connections))
+    )
     loop = asyncio.get_running_loop()
     deadline = loop.time() + opts.deadline_s
     await asyncio.wait_for(asyncio.gather(*(client.subscribe(opts.topic, opts.qos) for client in clients)), 30)
@@ -417,8 +425,9 @@ async def _subscribe(opts: RunOptions, first: int, connections: int, subscribed:
     await asyncio.gather(*(client.close() for client in clients))
 
 
-def _publisher_main(opts: RunOptions, index: int, subscribed: list[MpEvent], produced: MpEvent,
-                    out: Connection) -> None:  # fmt: skip
+def _publisher_main(
+    opts: RunOptions, index: int, subscribed: list[MpEvent], produced: MpEvent, out: Connection
+) -> None:
     signal.alarm(opts.deadline_s + 30)  # the last resort: SIGALRM ends the process
     result = PublisherResult(error="", t0_ns=0, done_ns=0, sent=0, cpu_s=0.0)
     try:
@@ -431,13 +440,17 @@ def _publisher_main(opts: RunOptions, index: int, subscribed: list[MpEvent], pro
     out.send(result)
 
 
-def _subscriber_main(opts: RunOptions, first: int, connections: int, subscribed: MpEvent,
-                     produced: list[MpEvent], out: Connection) -> None:  # fmt: skip
+def _subscriber_main(
+    opts: RunOptions, first: int, connections: int, subscribed: MpEvent, produced: list[MpEvent], out: Connection
+) -> None:
     signal.alarm(opts.deadline_s + 30)
     result = SubscriberResult(error="", delivered=[0] * connections, last_ns=0, latencies_ns=[], cpu_s=0.0)
     try:
-        run_main(asyncio.wait_for(_subscribe(opts, first, connections, subscribed, produced, result),
-                                  opts.deadline_s + 2 * GRACE_S))  # fmt: skip
+        run_main(
+            asyncio.wait_for(
+                _subscribe(opts, first, connections, subscribed, produced, result), opts.deadline_s + 2 * GRACE_S
+            )
+        )
     except TimeoutError:
         result["error"] = f"subscribers {first}..{first + connections - 1}: deadline of {opts.deadline_s} s"
     except Exception as exc:
@@ -482,13 +495,15 @@ def run_once(opts: RunOptions, scenario: Scenario, servers: dict[str, int]) -> R
         first = n * per_proc
         connections = min(per_proc, scenario.subscribers - first)
         end, out = ctx.Pipe(duplex=False)
-        processes.append(ctx.Process(target=_subscriber_main, daemon=True,
-                                     args=(opts, first, connections, subscribed[n], produced, out)))  # fmt: skip
+        processes.append(
+            ctx.Process(
+                target=_subscriber_main, daemon=True, args=(opts, first, connections, subscribed[n], produced, out)
+            )
+        )
         ends.append(end)
     for n in range(scenario.publishers):
         end, out = ctx.Pipe(duplex=False)
-        processes.append(ctx.Process(target=_publisher_main, daemon=True,
-                                     args=(opts, n, subscribed, produced[n], out)))  # fmt: skip
+        processes.append(ctx.Process(target=_publisher_main, daemon=True, args=(opts, n, subscribed, produced[n], out)))
         ends.append(end)
     cpu = {name: cpu_of(pid) for name, pid in servers.items()}
     for process in processes:
@@ -520,9 +535,21 @@ def run_once(opts: RunOptions, scenario: Scenario, servers: dict[str, int]) -> R
         return quantile_ms(latencies, q)
 
     clients = sum(r["cpu_s"] for r in [*publishers, *subscribers])
-    return RunResult(delivered, expected, expected - delivered, elapsed, delivered / elapsed if elapsed else 0.0,
-                     pick(0.50), pick(0.99), pick(0.999), pick(1.0), len(latencies),
-                     clients / elapsed if elapsed else 0.0, cpu, error)  # fmt: skip
+    return RunResult(
+        delivered,
+        expected,
+        expected - delivered,
+        elapsed,
+        delivered / elapsed if elapsed else 0.0,
+        pick(0.50),
+        pick(0.99),
+        pick(0.999),
+        pick(1.0),
+        len(latencies),
+        clients / elapsed if elapsed else 0.0,
+        cpu,
+        error,
+    )
 
 
 def _broker(result: RunResult) -> str:
@@ -531,21 +558,32 @@ def _broker(result: RunResult) -> str:
 
 def _describe(result: RunResult, *, paced: bool) -> str:
     p999 = f" p99.9 {result.p999_ms:.2f}" if paced else ""
-    text = (f"{result.rate:,.0f} msgs/s delivered ({result.delivered:,} of {result.expected:,} in "
-            f"{result.elapsed_s:.2f} s); latency ms p50 {result.p50_ms:.2f} p99 {result.p99_ms:.2f}{p999} "
-            f"max {result.max_ms:.2f} ({result.samples:,} samples); lost {result.lost:,}; {_broker(result)}; "
-            f"client cores {result.client_cores:.2f}")  # fmt: skip
+    text = (
+        f"{result.rate:,.0f} msgs/s delivered ({result.delivered:,} of {result.expected:,} in "
+        f"{result.elapsed_s:.2f} s); latency ms p50 {result.p50_ms:.2f} p99 {result.p99_ms:.2f}{p999} "
+        f"max {result.max_ms:.2f} ({result.samples:,} samples); lost {result.lost:,}; {_broker(result)}; "
+        f"client cores {result.client_cores:.2f}"
+    )
     return f"{text}; FAILED: {result.error}" if result.error else text
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="runs of each scenario (the median is reported)")
-    parser.add_argument("--count", type=int, default=None,
-                        help="messages per publisher and run (default: S1 50,000, S2 25,000, S5 20,000; "
-                             "with --rate: rate x --seconds / publishers)")  # fmt: skip
-    parser.add_argument("--scenario", type=str.upper, choices=[s.key for s in SCENARIOS], action="append",
-                        help="run only this scenario (may be repeated; default: all in turn)")  # fmt: skip
+    parser.add_argument(
+        "--count",
+        type=int,
+        default=None,
+        help="messages per publisher and run (default: S1 50,000, S2 25,000, S5 20,000; "
+        "with --rate: rate x --seconds / publishers)",
+    )
+    parser.add_argument(
+        "--scenario",
+        type=str.upper,
+        choices=[s.key for s in SCENARIOS],
+        action="append",
+        help="run only this scenario (may be repeated; default: all in turn)",
+    )
     parser.add_argument("--rate", type=int, default=0, help="publish this many msgs/s in all (a latency run)")
     parser.add_argument("--seconds", type=int, default=10, help="length of a --rate run")
     parser.add_argument("--host", default="127.0.0.1", help="gateway host (with --port)")
@@ -553,8 +591,12 @@ def main() -> None:
     parser.add_argument("--core-pid", type=int, default=None, help="with --port: the core process to watch")
     parser.add_argument("--gateway-pid", type=int, default=None, help="with --port: the gateway process to watch")
     parser.add_argument("--deadline", type=int, default=120, help="seconds after which a client gives up")
-    parser.add_argument("--tls", action="store_true", help="every connection over TLS (clients to the gateway, "
-                        "the gateway to its core), with throw-away certificates")  # fmt: skip
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="every connection over TLS (clients to the gateway, "
+        "the gateway to its core), with throw-away certificates",
+    )
     args = parser.parse_args()
     if args.runs < 1 or (args.count is not None and args.count < 1) or args.rate < 0 or args.seconds < 1:
         parser.error("--runs, --count and --seconds must be positive, --rate not negative")
@@ -569,28 +611,43 @@ def main() -> None:
         tls=args.tls,
     ) as (port, servers, ca_file):
         for scenario in scenarios:
-            count = args.count or (math.ceil(args.rate * args.seconds / scenario.publishers) if args.rate
-                                   else scenario.count)  # fmt: skip
+            count = args.count or (
+                math.ceil(args.rate * args.seconds / scenario.publishers) if args.rate else scenario.count
+            )
             paced = f" at {args.rate:,} msgs/s" if args.rate else ""
             results = []
             for n in range(1, args.runs + 1):
-                opts = RunOptions(args.host, port, uuid.uuid4().hex[:12], scenario.qos, scenario.publishers, count,
-                                  count * scenario.publishers, args.rate, args.deadline, ca_file)  # fmt: skip
+                opts = RunOptions(
+                    args.host,
+                    port,
+                    uuid.uuid4().hex[:12],
+                    scenario.qos,
+                    scenario.publishers,
+                    count,
+                    count * scenario.publishers,
+                    args.rate,
+                    args.deadline,
+                    ca_file,
+                )
                 result = run_once(opts, scenario, servers)
                 results.append(result)
                 print(f"{scenario.key} run {n}{paced}: {_describe(result, paced=bool(args.rate))}", flush=True)
             fields = ("rate", "elapsed_s", "p50_ms", "p99_ms", "p999_ms", "max_ms", "client_cores")
-            median = replace(results[0], **{name: statistics.median(getattr(r, name) for r in results)
-                                            for name in fields})  # fmt: skip
+            median = replace(
+                results[0], **{name: statistics.median(getattr(r, name) for r in results) for name in fields}
+            )
             rates = [r.rate for r in results]
             failed = sum(1 for r in results if r.error)
             broker = statistics.median(r.broker_us for r in results)
             p999 = f" p99.9 {median.p999_ms:.2f}" if args.rate else ""
-            print(f"{scenario.title}{paced.upper()} median {median.rate:,.0f} msgs/s delivered (min {min(rates):,.0f}, "
-                  f"max {max(rates):,.0f}) over {args.runs} runs of {scenario.publishers} x {count:,}; latency ms "
-                  f"p50 {median.p50_ms:.2f} p99 {median.p99_ms:.2f}{p999} max {median.max_ms:.2f}; lost "
-                  f"{sum(r.lost for r in results):,} in all; broker CPU µs/msg {broker:.1f}"
-                  + (f"; {failed} FAILED" if failed else ""), flush=True)  # fmt: skip
+            print(
+                f"{scenario.title}{paced.upper()} median {median.rate:,.0f} msgs/s delivered (min {min(rates):,.0f}, "
+                f"max {max(rates):,.0f}) over {args.runs} runs of {scenario.publishers} x {count:,}; latency ms "
+                f"p50 {median.p50_ms:.2f} p99 {median.p99_ms:.2f}{p999} max {median.max_ms:.2f}; lost "
+                f"{sum(r.lost for r in results):,} in all; broker CPU µs/msg {broker:.1f}"
+                + (f"; {failed} FAILED" if failed else ""),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

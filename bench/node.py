@@ -41,8 +41,9 @@ class Core:
 
 
 @contextmanager
-def _service(module: str, what: str, ports: Path, args: list[str], environment: dict[str, str]
-             ) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, int]]]:  # fmt: skip
+def _service(
+    module: str, what: str, ports: Path, args: list[str], environment: dict[str, str]
+) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, int]]]:
     """Run ``python -m module``, wait for the ports it writes to ``ports``, stop it at the end."""
     ports.unlink(missing_ok=True)
     process = subprocess.Popen([sys.executable, "-m", module, "--ports-file", str(ports), *args], env=environment)
@@ -66,10 +67,15 @@ def core_node(data_dir: Path, config: str | None = None, **env: str) -> Iterator
     if config is not None:
         (data_dir / "core.toml").write_text(config)
         args += ["--config", str(data_dir / "core.toml")]
-    environment = {**os.environ, "TRIDENTMQ_CORE_NODE_DATA_DIR": str(data_dir),
-                   "TRIDENTMQ_CORE_LINK_HOST": "127.0.0.1", "TRIDENTMQ_CORE_LINK_PORT": "0",
-                   "TRIDENTMQ_CORE_MANAGEMENT_PORT": "0", "TRIDENTMQ_CORE_NODE_LOG_LEVEL": "WARNING",
-                   **{f"TRIDENTMQ_CORE_{key.upper()}": value for key, value in env.items()}}  # fmt: skip
+    environment = {
+        **os.environ,
+        "TRIDENTMQ_CORE_NODE_DATA_DIR": str(data_dir),
+        "TRIDENTMQ_CORE_LINK_HOST": "127.0.0.1",
+        "TRIDENTMQ_CORE_LINK_PORT": "0",
+        "TRIDENTMQ_CORE_MANAGEMENT_PORT": "0",
+        "TRIDENTMQ_CORE_NODE_LOG_LEVEL": "WARNING",
+        **{f"TRIDENTMQ_CORE_{key.upper()}": value for key, value in env.items()},
+    }
     with _service("tridentmq_core", "core", data_dir / "ports.json", args, environment) as (process, bound):
         yield Core(process, bound["link"], bound["management"])
 
@@ -83,15 +89,22 @@ class Gateway:
 
 
 @contextmanager
-def _gateway(module: str, what: str, prefix: str, port_key: str, core: Core, directory: Path, env: dict[str, str]
-             ) -> Iterator[Gateway]:  # fmt: skip
+def _gateway(
+    module: str, what: str, prefix: str, port_key: str, core: Core, directory: Path, env: dict[str, str]
+) -> Iterator[Gateway]:
     """A gateway linked to ``core``: its client listener (``port_key`` in its ports file) and HTTP on free
     loopback ports, no WebSocket listener; more settings from ``<prefix>_*`` variables."""
     directory.mkdir(parents=True, exist_ok=True)
-    environment = {**os.environ, f"{prefix}_LISTENER_HOST": "127.0.0.1", f"{prefix}_LISTENER_PORT": "0",
-                   f"{prefix}_LISTENER_WEBSOCKET_PORT": "-1", f"{prefix}_HTTP_PORT": "0",
-                   f"{prefix}_CORE_PORT": str(core.link_port), f"{prefix}_NODE_LOG_LEVEL": "WARNING",
-                   **{f"{prefix}_{key.upper()}": value for key, value in env.items()}}  # fmt: skip
+    environment = {
+        **os.environ,
+        f"{prefix}_LISTENER_HOST": "127.0.0.1",
+        f"{prefix}_LISTENER_PORT": "0",
+        f"{prefix}_LISTENER_WEBSOCKET_PORT": "-1",
+        f"{prefix}_HTTP_PORT": "0",
+        f"{prefix}_CORE_PORT": str(core.link_port),
+        f"{prefix}_NODE_LOG_LEVEL": "WARNING",
+        **{f"{prefix}_{key.upper()}": value for key, value in env.items()},
+    }
     with _service(module, what, directory / "ports.json", [], environment) as (process, bound):
         yield Gateway(process, bound[port_key], bound.get("http", -1), bound.get(f"{port_key}_tls", -1))
 
@@ -142,8 +155,10 @@ def broker_cpu_text(server_cpu_s: dict[str, float], delivered: int, elapsed_s: f
     if not server_cpu_s:
         return "broker CPU not watched"
     elapsed = elapsed_s or float("nan")
-    parts = [f"{name} {used * 1e6 / delivered if delivered else float('nan'):.1f} ({used / elapsed:.2f} cores)"
-             for name, used in server_cpu_s.items()]  # fmt: skip
+    parts = [
+        f"{name} {used * 1e6 / delivered if delivered else float('nan'):.1f} ({used / elapsed:.2f} cores)"
+        for name, used in server_cpu_s.items()
+    ]
     return f"broker CPU µs/msg {broker_us:.1f}: {', '.join(parts)}"
 
 
@@ -189,16 +204,21 @@ def gateway_target(
         ca_file = ""
         if tls:
             certs = Certificates.make(tmp / "certs")
-            files = {"tls_cert_file": str(certs.server.cert), "tls_key_file": str(certs.server.key),
-                     "tls_ca_file": str(certs.ca)}  # fmt: skip
+            files = {
+                "tls_cert_file": str(certs.server.cert),
+                "tls_key_file": str(certs.server.key),
+                "tls_ca_file": str(certs.ca),
+            }
             core_env = {**files, "link_tls": "true"}
             gateway_env = {**files, "core_tls": "true", "listener_tls_port": "0"}
             ca_file = str(certs.ca)
         core = stack.enter_context(core_node(tmp / "core", **core_env))
         gateway = stack.enter_context(start(core, tmp / "gateway", **gateway_env))
         client_port = gateway.tls_port if tls else gateway.port
-        print(f"gateway: started on 127.0.0.1:{client_port}{' (TLS)' if tls else ''} with its core on link port "
-              f"{core.link_port}{' (TLS)' if tls else ''} (throw-away data directory)")  # fmt: skip
+        print(
+            f"gateway: started on 127.0.0.1:{client_port}{' (TLS)' if tls else ''} with its core on link port "
+            f"{core.link_port}{' (TLS)' if tls else ''} (throw-away data directory)"
+        )
         yield client_port, {"core": core.process.pid, "gateway": gateway.process.pid}, ca_file
 
 

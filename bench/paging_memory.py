@@ -72,8 +72,10 @@ def main() -> None:
     parser.add_argument("--limit-mib", type=int, default=64)
     args = parser.parse_args()
     count = int(args.gigabytes * 2**30 / SIZE)
-    config = (f'[[address_settings]]\nmatch = "bench.#"\nmax_size_bytes = {args.limit_mib << 20}\n'
-              'address_full_policy = "PAGE"\n')  # fmt: skip
+    config = (
+        f'[[address_settings]]\nmatch = "bench.#"\nmax_size_bytes = {args.limit_mib << 20}\n'
+        'address_full_policy = "PAGE"\n'
+    )
     # A broker memory limit far above the address limit: only paging may keep the memory down.
     with (
         tempfile.TemporaryDirectory(prefix="tridentmq-paging-") as tmp,
@@ -81,10 +83,14 @@ def main() -> None:
     ):
         idle = rss_mib(core.process.pid)
         peak, published, drained = run_main(workload(core.link_port, core.process.pid, count))
-    print(f"{count:,} messages of 64 KiB ({args.gigabytes:g} GiB) paged against a {args.limit_mib} MiB address "
-          f"limit: published in {published:.1f} s, drained in order in {drained:.1f} s")  # fmt: skip
-    print(f"PAGING MEMORY: core RSS idle {idle:.0f} MiB, peak {peak:.0f} MiB "
-          f"(limit {args.limit_mib} MiB + {peak - idle - args.limit_mib:.0f} MiB above idle)")  # fmt: skip
+    print(
+        f"{count:,} messages of 64 KiB ({args.gigabytes:g} GiB) paged against a {args.limit_mib} MiB address "
+        f"limit: published in {published:.1f} s, drained in order in {drained:.1f} s"
+    )
+    print(
+        f"PAGING MEMORY: core RSS idle {idle:.0f} MiB, peak {peak:.0f} MiB "
+        f"(limit {args.limit_mib} MiB + {peak - idle - args.limit_mib:.0f} MiB above idle)"
+    )
 
 
 if __name__ == "__main__":

@@ -75,8 +75,10 @@ def main() -> None:
             broker._route(target, harness.now_ms, create=True)
     wall = time.perf_counter() - wall
     cpu = time.process_time() - cpu
-    print(f"CREATE {args.devices:,} device addresses with {args.publishes_per_device} look-ups after each: "
-          f"{wall:.1f} s wall, {cpu:.1f} s CPU ({args.devices / wall:,.0f} addresses/s)")  # fmt: skip
+    print(
+        f"CREATE {args.devices:,} device addresses with {args.publishes_per_device} look-ups after each: "
+        f"{wall:.1f} s wall, {cpu:.1f} s CPU ({args.devices / wall:,.0f} addresses/s)"
+    )
     steady = route_cost(harness, args.devices, args.publishes, 0, rng)
     print(f"ROUTE steady: {steady:.2f} µs CPU per publish ({args.devices:,} devices, {len(WILDCARDS)} wildcards)")
     joining = route_cost(harness, args.devices, args.publishes, args.churn, rng)

@@ -295,9 +295,10 @@ async def _consume(opts: RunOptions, subscribed: MpEvent, produced: MpEvent, res
     loop = asyncio.get_running_loop()
     deadline = loop.time() + opts.deadline_s
     client.outstanding += 1
-    client.write(f"SUBSCRIBE\nid:0\ndestination:{opts.destination}\nack:{opts.ack}\n"
-                 f"activemq.prefetchSize:{PREFETCH}\nconsumer-window-size:{PREFETCH}\nreceipt:subscribe\n\n\x00"
-                 .encode())  # fmt: skip
+    client.write(
+        f"SUBSCRIBE\nid:0\ndestination:{opts.destination}\nack:{opts.ack}\n"
+        f"activemq.prefetchSize:{PREFETCH}\nconsumer-window-size:{PREFETCH}\nreceipt:subscribe\n\n\x00".encode()
+    )
     await asyncio.wait_for(client.receipt(), 30)
     cpu = cpu_self()
     subscribed.set()
@@ -397,35 +398,59 @@ def run_once(opts: RunOptions, servers: dict[str, int]) -> RunResult:
         return quantile_ms(latencies, q)
 
     clients = produced_result["cpu_s"] + consumed_result["cpu_s"]
-    return RunResult(delivered, opts.count - delivered, elapsed, delivered / elapsed if elapsed else 0.0,
-                     pick(0.50), pick(0.99), pick(1.0), len(latencies), clients / elapsed if elapsed else 0.0,
-                     {name: used / elapsed if elapsed else 0.0 for name, used in cpu.items()}, error)  # fmt: skip
+    return RunResult(
+        delivered,
+        opts.count - delivered,
+        elapsed,
+        delivered / elapsed if elapsed else 0.0,
+        pick(0.50),
+        pick(0.99),
+        pick(1.0),
+        len(latencies),
+        clients / elapsed if elapsed else 0.0,
+        {name: used / elapsed if elapsed else 0.0 for name, used in cpu.items()},
+        error,
+    )
 
 
 def _describe(result: RunResult) -> str:
-    cores = ", ".join(f"{name} {used:.2f}" for name, used in {"clients": result.client_cores,
-                                                              **result.server_cores}.items())  # fmt: skip
-    text = (f"{result.rate:,.0f} msgs/s delivered ({result.delivered:,} in {result.elapsed_s:.2f} s); latency ms "
-            f"p50 {result.p50_ms:.2f} p99 {result.p99_ms:.2f} max {result.max_ms:.2f} ({result.samples:,} samples); "
-            f"lost {result.lost:,}; CPU cores: {cores}")  # fmt: skip
+    cores = ", ".join(
+        f"{name} {used:.2f}" for name, used in {"clients": result.client_cores, **result.server_cores}.items()
+    )
+    text = (
+        f"{result.rate:,.0f} msgs/s delivered ({result.delivered:,} in {result.elapsed_s:.2f} s); latency ms "
+        f"p50 {result.p50_ms:.2f} p99 {result.p99_ms:.2f} max {result.max_ms:.2f} ({result.samples:,} samples); "
+        f"lost {result.lost:,}; CPU cores: {cores}"
+    )
     return f"{text}; FAILED: {result.error}" if result.error else text
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="runs of each scenario (the median is reported)")
-    parser.add_argument("--count", type=int, default=None,
-                        help="messages per run (default: 100,000 persistent, 200,000 non-persistent; "
-                             "with --rate: rate x --seconds)")  # fmt: skip
-    parser.add_argument("--scenario", choices=[s.key for s in SCENARIOS], action="append",
-                        help="run only this scenario (may be repeated; default: all)")  # fmt: skip
+    parser.add_argument(
+        "--count",
+        type=int,
+        default=None,
+        help="messages per run (default: 100,000 persistent, 200,000 non-persistent; with --rate: rate x --seconds)",
+    )
+    parser.add_argument(
+        "--scenario",
+        choices=[s.key for s in SCENARIOS],
+        action="append",
+        help="run only this scenario (may be repeated; default: all)",
+    )
     parser.add_argument("--rate", type=int, default=0, help="publish at this many msgs/s (a latency run)")
     parser.add_argument("--seconds", type=int, default=10, help="length of a --rate run")
     parser.add_argument("--host", default="127.0.0.1", help="gateway host (with --port)")
     parser.add_argument("--port", type=int, default=None, help="STOMP port of a gateway already running")
     parser.add_argument("--deadline", type=int, default=120, help="seconds after which a client gives up")
-    parser.add_argument("--tls", action="store_true", help="every connection over TLS (clients to the gateway, "
-                        "the gateway to its core), with throw-away certificates")  # fmt: skip
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="every connection over TLS (clients to the gateway, "
+        "the gateway to its core), with throw-away certificates",
+    )
     args = parser.parse_args()
     if args.runs < 1 or (args.count is not None and args.count < 1) or args.rate < 0 or args.seconds < 1:
         parser.error("--runs, --count and --seconds must be positive, --rate not negative")
@@ -438,20 +463,36 @@ def main() -> None:
             label = f"{scenario.title} (ack {scenario.ack}){paced}"
             results = []
             for n in range(1, args.runs + 1):
-                opts = RunOptions(args.host, port, f"/queue/bench.{uuid.uuid4().hex[:12]}", scenario.persistent,
-                                  scenario.ack, count, args.rate, args.deadline, ca_file)  # fmt: skip
+                opts = RunOptions(
+                    args.host,
+                    port,
+                    f"/queue/bench.{uuid.uuid4().hex[:12]}",
+                    scenario.persistent,
+                    scenario.ack,
+                    count,
+                    args.rate,
+                    args.deadline,
+                    ca_file,
+                )
                 result = run_once(opts, servers)
                 results.append(result)
                 print(f"{scenario.key} run {n}{paced}: {_describe(result)}", flush=True)
-            median = replace(results[0], **{
-                name: statistics.median(getattr(r, name) for r in results)
-                for name in ("rate", "elapsed_s", "p50_ms", "p99_ms", "max_ms", "client_cores")})  # fmt: skip
+            median = replace(
+                results[0],
+                **{
+                    name: statistics.median(getattr(r, name) for r in results)
+                    for name in ("rate", "elapsed_s", "p50_ms", "p99_ms", "max_ms", "client_cores")
+                },
+            )
             rates = [r.rate for r in results]
             failed = sum(1 for r in results if r.error)
-            print(f"{label.upper()} median {median.rate:,.0f} msgs/s delivered (min {min(rates):,.0f}, max "
-                  f"{max(rates):,.0f}) over {args.runs} runs of {count:,}; latency ms p50 {median.p50_ms:.2f} "
-                  f"p99 {median.p99_ms:.2f} max {median.max_ms:.2f}; lost {sum(r.lost for r in results):,} in all"
-                  + (f"; {failed} FAILED" if failed else ""), flush=True)  # fmt: skip
+            print(
+                f"{label.upper()} median {median.rate:,.0f} msgs/s delivered (min {min(rates):,.0f}, max "
+                f"{max(rates):,.0f}) over {args.runs} runs of {count:,}; latency ms p50 {median.p50_ms:.2f} "
+                f"p99 {median.p99_ms:.2f} max {median.max_ms:.2f}; lost {sum(r.lost for r in results):,} in all"
+                + (f"; {failed} FAILED" if failed else ""),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -55,10 +55,16 @@ redelivery_multiplier = 2.0
 
 
 def render() -> str:
-    return (HEADER + render_reference("Core node (`tridentmq-core`)", CoreSettings, CORE_PREFIX) + "\n"
-            + render_reference("STOMP gateway (`tridentmq-stomp`)", StompSettings, STOMP_PREFIX) + "\n"
-            + render_reference("MQTT gateway (`tridentmq-mqtt`)", MqttSettings, MQTT_PREFIX) + "\n"
-            + render_reference("AMQP gateway (`tridentmq-amqp`)", AmqpSettings, AMQP_PREFIX))  # fmt: skip
+    return (
+        HEADER
+        + render_reference("Core node (`tridentmq-core`)", CoreSettings, CORE_PREFIX)
+        + "\n"
+        + render_reference("STOMP gateway (`tridentmq-stomp`)", StompSettings, STOMP_PREFIX)
+        + "\n"
+        + render_reference("MQTT gateway (`tridentmq-mqtt`)", MqttSettings, MQTT_PREFIX)
+        + "\n"
+        + render_reference("AMQP gateway (`tridentmq-amqp`)", AmqpSettings, AMQP_PREFIX)
+    )
 
 
 def main() -> int:

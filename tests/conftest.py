@@ -77,13 +77,18 @@ class ServiceProcess:
         return self.process.returncode
 
 
-def _spawn(module: str, ports_file: Path, log_path: Path, args: list[str], environment: dict[str, str]
-           ) -> tuple[subprocess.Popen[bytes], dict[str, int]]:  # fmt: skip
+def _spawn(
+    module: str, ports_file: Path, log_path: Path, args: list[str], environment: dict[str, str]
+) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
     """Start ``python -m module`` logging to ``log_path``; wait for the ports it writes to ``ports_file``."""
     ports_file.unlink(missing_ok=True)  # a restart in the same directory must not read the old ports
     with log_path.open("wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", module, "--ports-file", str(ports_file), *args],
-                                   env=environment, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        process = subprocess.Popen(
+            [sys.executable, "-m", module, "--ports-file", str(ports_file), *args],
+            env=environment,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     _started.append(process)
     deadline = time.monotonic() + STARTUP_TIMEOUT
     while not ports_file.exists():
@@ -159,8 +164,9 @@ class GatewayProcess(ServiceProcess):
         return self.ports[self.kind]
 
 
-def start_gateway(tmp_path: Path, core: CoreProcess, kind: str = "stomp", name: str | None = None,
-                  **env: str) -> GatewayProcess:  # fmt: skip
+def start_gateway(
+    tmp_path: Path, core: CoreProcess, kind: str = "stomp", name: str | None = None, **env: str
+) -> GatewayProcess:
     """A gateway process (``tridentmq_<kind>``) on OS-assigned loopback ports, linked to ``core``."""
     directory = tmp_path / (name or f"gateway-{kind}")
     directory.mkdir(parents=True, exist_ok=True)

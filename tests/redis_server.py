@@ -61,11 +61,28 @@ class RedisServer:
         if self.running:
             return
         self.starts += 1
-        arguments = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                     "--appendonly", "no", "--dir", str(self.directory), "--logfile", str(self.log_path),
-                     "--daemonize", "no", "--databases", "1"]  # fmt: skip
-        self.process = subprocess.Popen(arguments, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.STDOUT, cwd=self.directory)  # fmt: skip
+        arguments = [
+            REDIS_SERVER,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.directory),
+            "--logfile",
+            str(self.log_path),
+            "--daemonize",
+            "no",
+            "--databases",
+            "1",
+        ]
+        self.process = subprocess.Popen(
+            arguments, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=self.directory
+        )
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while not _pong(self.port):
             if self.process.poll() is not None:

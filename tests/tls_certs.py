@@ -22,8 +22,9 @@ class Pair:
     key: Path
 
     def serial(self) -> int:
-        out = subprocess.run(["openssl", "x509", "-noout", "-serial", "-in", str(self.cert)], check=True,
-                             capture_output=True, text=True).stdout  # fmt: skip
+        out = subprocess.run(
+            ["openssl", "x509", "-noout", "-serial", "-in", str(self.cert)], check=True, capture_output=True, text=True
+        ).stdout
         return int(out.strip().partition("=")[2], 16)
 
 
@@ -50,8 +51,22 @@ class Certificates:
 
 
 def _authority(directory: Path, name: str) -> Path:
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.pem",
-             "-days", "2", "-subj", f"/CN=TridentMQ test authority {name}", cwd=directory)  # fmt: skip
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.pem",
+        "-days",
+        "2",
+        "-subj",
+        f"/CN=TridentMQ test authority {name}",
+        cwd=directory,
+    )
     return directory / f"{name}.pem"
 
 
@@ -61,11 +76,37 @@ def issue(directory: Path, stem: str, common_name: str, authority: str, *, serve
         extensions.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
     else:
         extensions.write_text("extendedKeyUsage=clientAuth\n")
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{stem}.key", "-out", f"{stem}.csr",
-             "-subj", f"/CN={common_name}", cwd=directory)  # fmt: skip
-    _openssl("x509", "-req", "-in", f"{stem}.csr", "-CA", f"{authority}.pem", "-CAkey", f"{authority}.key",
-             "-CAcreateserial", "-out", f"{stem}.pem", "-days", "2", "-extfile", extensions.name,
-             cwd=directory)  # fmt: skip
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        f"{stem}.key",
+        "-out",
+        f"{stem}.csr",
+        "-subj",
+        f"/CN={common_name}",
+        cwd=directory,
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        f"{stem}.csr",
+        "-CA",
+        f"{authority}.pem",
+        "-CAkey",
+        f"{authority}.key",
+        "-CAcreateserial",
+        "-out",
+        f"{stem}.pem",
+        "-days",
+        "2",
+        "-extfile",
+        extensions.name,
+        cwd=directory,
+    )
     return Pair(directory / f"{stem}.pem", directory / f"{stem}.key")
 
 

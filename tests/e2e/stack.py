@@ -51,8 +51,10 @@ def build_image() -> None:
     """deploy/build-image.sh, reusing its cached base images; the local Debian base unless the official
     Python image is already here (no registry is needed)."""
     env = dict(os.environ)
-    have_official = subprocess.run(["docker", "image", "inspect", "python:3.11-slim"],
-                                   capture_output=True, check=False).returncode == 0  # fmt: skip
+    have_official = (
+        subprocess.run(["docker", "image", "inspect", "python:3.11-slim"], capture_output=True, check=False).returncode
+        == 0
+    )
     env.setdefault("TRIDENTMQ_BASE", "python:3.11-slim" if have_official else "local")
     env.setdefault("TRIDENTMQ_PULL", "0")
     result = subprocess.run([str(DEPLOY / "build-image.sh")], env=env, capture_output=True, text=True, check=False)
@@ -72,8 +74,15 @@ class Stack:
         command = compose_command()
         assert command is not None
         files = [arg for name in self.files for arg in ("-f", str(DEPLOY / name))]
-        result = subprocess.run([*command, "-p", self.project, *files, *args], env=self.env(), cwd=DEPLOY,
-                                capture_output=True, text=True, check=False, timeout=timeout)  # fmt: skip
+        result = subprocess.run(
+            [*command, "-p", self.project, *files, *args],
+            env=self.env(),
+            cwd=DEPLOY,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=timeout,
+        )
         if check:
             assert result.returncode == 0, f"compose {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}"
         return result
@@ -84,8 +93,12 @@ class Stack:
     def health(self, service: str) -> list[str]:
         states = []
         for container in self.containers(service):
-            inspect = subprocess.run(["docker", "inspect", "-f", "{{.State.Health.Status}}", container],
-                                     capture_output=True, text=True, check=False)  # fmt: skip
+            inspect = subprocess.run(
+                ["docker", "inspect", "-f", "{{.State.Health.Status}}", container],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
             states.append(inspect.stdout.strip())
         return states
 

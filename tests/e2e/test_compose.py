@@ -87,16 +87,20 @@ def stomp_client(stack: Stack) -> tuple[stomp.Connection12, StompListener]:
 
 
 def amqp_client(stack: Stack) -> BlockingConnection:
-    return retrying(lambda: BlockingConnection(f"amqp://127.0.0.1:{stack.ports['AMQP']}", timeout=WAIT, user=USER,
-                                               password=PASSWORD, allowed_mechs="PLAIN"))  # fmt: skip
+    return retrying(
+        lambda: BlockingConnection(
+            f"amqp://127.0.0.1:{stack.ports['AMQP']}", timeout=WAIT, user=USER, password=PASSWORD, allowed_mechs="PLAIN"
+        )
+    )
 
 
 class MqttClient:
     """A paho client that records what it receives and reconnects by itself (through the load balancer)."""
 
     def __init__(self, stack: Stack, client_id: str, *, clean: bool = True) -> None:
-        self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=clean,
-                                  protocol=paho.MQTTv311)  # fmt: skip
+        self.client = paho.Client(
+            paho.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=clean, protocol=paho.MQTTv311
+        )
         self.client.username_pw_set(USER, PASSWORD)
         self.client.reconnect_delay_set(0.2, 2)
         self.received: list[tuple[bytes, bool]] = []  # (payload, dup flag)

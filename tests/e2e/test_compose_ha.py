@@ -31,8 +31,9 @@ def stack() -> Iterator[Stack]:
     stack = Stack(f"tmqe2eha{os.getpid()}", files=("compose.yaml", "compose.ha.yaml"))
     try:
         stack.compose("up", "-d")
-        stack.wait_healthy("core-1", "core-2", "core-3", "backup-1", "backup-2", "backup-3", "gateway-stomp",
-                           "gateway-amqp")  # fmt: skip
+        stack.wait_healthy(
+            "core-1", "core-2", "core-3", "backup-1", "backup-2", "backup-3", "gateway-stomp", "gateway-amqp"
+        )
         yield stack
     finally:
         stack.down(volumes=True)
@@ -98,8 +99,9 @@ def test_kill_9_of_a_primary_core_loses_no_acknowledged_message(stack: Stack) ->
     deadline = time.monotonic() + 120
     while len(acknowledged) < 300 and time.monotonic() < deadline:  # after the takeover: the gateways follow
         publish_until(None, 50)
-    amqp = BlockingConnection(f"amqp://127.0.0.1:{stack.ports['AMQP']}", timeout=WAIT, user=USER, password=PASSWORD,
-                              allowed_mechs="PLAIN")  # fmt: skip
+    amqp = BlockingConnection(
+        f"amqp://127.0.0.1:{stack.ports['AMQP']}", timeout=WAIT, user=USER, password=PASSWORD, allowed_mechs="PLAIN"
+    )
     delivered: list[int] = []
     try:
         receiver = amqp.create_receiver(queue)

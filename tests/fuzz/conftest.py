@@ -68,18 +68,41 @@ def _doors(core: CoreProcess, gateways: dict[str, GatewayProcess]) -> dict[str, 
     stomp, mqtt, amqp = gateways["stomp"], gateways["mqtt"], gateways["amqp"]
     doors = [
         Door("link", core.link_port, "link", "tcp", round_trip=partial(link_round_trip, core.link_port)),
-        Door("management", core.management_port, "http", "http",
-             round_trip=partial(http_round_trip, core.management_port, "/api/queues")),
+        Door(
+            "management",
+            core.management_port,
+            "http",
+            "http",
+            round_trip=partial(http_round_trip, core.management_port, "/api/queues"),
+        ),
         Door("stomp", stomp.port, "stomp", "tcp", round_trip=partial(stomp_round_trip, stomp.port)),
-        Door("stomp-ws", stomp.ports["websocket"], "stomp", "ws", "v12.stomp",
-             partial(stomp_round_trip, stomp.ports["websocket"], websocket=True)),
+        Door(
+            "stomp-ws",
+            stomp.ports["websocket"],
+            "stomp",
+            "ws",
+            "v12.stomp",
+            partial(stomp_round_trip, stomp.ports["websocket"], websocket=True),
+        ),
         Door("mqtt", mqtt.port, "mqtt", "tcp", round_trip=partial(mqtt_round_trip, mqtt.port)),
-        Door("mqtt-ws", mqtt.ports["websocket"], "mqtt", "ws", "mqtt",
-             partial(mqtt_round_trip, mqtt.ports["websocket"], websocket=True)),
+        Door(
+            "mqtt-ws",
+            mqtt.ports["websocket"],
+            "mqtt",
+            "ws",
+            "mqtt",
+            partial(mqtt_round_trip, mqtt.ports["websocket"], websocket=True),
+        ),
         Door("amqp", amqp.port, "amqp", "tcp", round_trip=partial(amqp_round_trip, amqp.port)),
-        Door("amqp-ws", amqp.ports["websocket"], "amqp", "ws", "amqp",
-             partial(amqp_websocket_round_trip, amqp.ports["websocket"])),
-    ]  # fmt: skip
+        Door(
+            "amqp-ws",
+            amqp.ports["websocket"],
+            "amqp",
+            "ws",
+            "amqp",
+            partial(amqp_websocket_round_trip, amqp.ports["websocket"]),
+        ),
+    ]
     for kind, gateway in gateways.items():
         port = gateway.ports["http"]
         doors.append(Door(f"{kind}-http", port, "http", "http", round_trip=partial(http_round_trip, port)))
@@ -115,10 +138,12 @@ def seeds(node: Node) -> dict[str, list[bytes]]:
         "mqtt": record(gateways["mqtt"].port, mqtt_round_trip),
         "amqp": record(gateways["amqp"].port, amqp_round_trip),
         "link": record(core.link_port, link_round_trip),
-        "http": [*record(gateways["stomp"].ports["http"], http_round_trip),
-                 *record(gateways["mqtt"].ports["http"], partial(http_round_trip, path="/metrics")),
-                 *record(core.management_port, partial(http_round_trip, path="/api/queues"))],
-    }  # fmt: skip
+        "http": [
+            *record(gateways["stomp"].ports["http"], http_round_trip),
+            *record(gateways["mqtt"].ports["http"], partial(http_round_trip, path="/metrics")),
+            *record(core.management_port, partial(http_round_trip, path="/api/queues")),
+        ],
+    }
     for family, sessions in recorded.items():
         assert sessions, f"nothing recorded of {family}"
     return recorded

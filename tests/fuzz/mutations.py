@@ -48,8 +48,24 @@ _BODY = st.binary(max_size=300)
 
 @st.composite
 def stomp_frames(draw: st.DrawFn) -> bytes:
-    command = draw(st.sampled_from(["CONNECT", "STOMP", "SEND", "SUBSCRIBE", "UNSUBSCRIBE", "ACK", "NACK", "BEGIN",
-                                    "COMMIT", "ABORT", "DISCONNECT"]) | _TEXT)  # fmt: skip
+    command = draw(
+        st.sampled_from(
+            [
+                "CONNECT",
+                "STOMP",
+                "SEND",
+                "SUBSCRIBE",
+                "UNSUBSCRIBE",
+                "ACK",
+                "NACK",
+                "BEGIN",
+                "COMMIT",
+                "ABORT",
+                "DISCONNECT",
+            ]
+        )
+        | _TEXT
+    )
     headers = draw(st.lists(st.tuples(_TEXT, _TEXT), max_size=8))
     head = command + "\n" + "".join(f"{k}:{v}\n" for k, v in headers) + "\n"
     return head.encode("utf-8", "surrogatepass") + draw(_BODY) + draw(st.sampled_from([b"\x00", b"\x00\n", b""]))
@@ -81,8 +97,9 @@ def _nested(leaf: Strategy, containers: Callable[[Strategy], Strategy]) -> Strat
     return level | containers(level)
 
 
-_AMQP_VALUES = _nested(st.none() | st.booleans() | _TEXT | st.binary(max_size=40),
-                       lambda inner: st.lists(inner, max_size=5))  # fmt: skip
+_AMQP_VALUES = _nested(
+    st.none() | st.booleans() | _TEXT | st.binary(max_size=40), lambda inner: st.lists(inner, max_size=5)
+)
 
 
 @st.composite
@@ -97,8 +114,10 @@ def amqp_frames(draw: st.DrawFn) -> bytes:
         else:
             body = draw(_BODY)
         size = 8 + len(body) if draw(st.booleans()) else draw(st.integers(0, 2**32 - 1))
-        frames += struct.pack(">IBBH", size, draw(st.integers(0, 255)), draw(st.integers(0, 2)),
-                              draw(st.integers(0, 65535))) + body  # fmt: skip
+        frames += (
+            struct.pack(">IBBH", size, draw(st.integers(0, 255)), draw(st.integers(0, 2)), draw(st.integers(0, 65535)))
+            + body
+        )
     return header + frames
 
 
@@ -125,5 +144,9 @@ def http_requests(draw: st.DrawFn) -> bytes:
 
 
 STRATEGIES: dict[str, Callable[[], st.SearchStrategy[bytes]]] = {
-    "stomp": stomp_frames, "mqtt": mqtt_packets, "amqp": amqp_frames, "link": link_frames, "http": http_requests,
-}  # fmt: skip
+    "stomp": stomp_frames,
+    "mqtt": mqtt_packets,
+    "amqp": amqp_frames,
+    "link": link_frames,
+    "http": http_requests,
+}

@@ -19,8 +19,19 @@ from tests.fuzz.mutations import STRATEGIES, mutate
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.integration]
 
-DOORS = ["link", "management", "stomp", "stomp-ws", "stomp-http", "mqtt", "mqtt-ws", "mqtt-http", "amqp",
-         "amqp-ws", "amqp-http"]  # fmt: skip
+DOORS = [
+    "link",
+    "management",
+    "stomp",
+    "stomp-ws",
+    "stomp-http",
+    "mqtt",
+    "mqtt-ws",
+    "mqtt-http",
+    "amqp",
+    "amqp-ws",
+    "amqp-http",
+]
 CONCURRENCY = 32
 #: A case's connection is given this long to be answered and closed; one still open is closed by us (a
 #: half-finished frame may rightly be waited for until a protocol timeout).
@@ -94,8 +105,13 @@ def test_generated_frames(node: Node, seeds: dict[str, list[bytes]], name: str) 
 
     # Hypothesis draws the cases; they go out together afterwards, many connections at once (one at a time,
     # each waiting for its answer, a WebSocket port alone took half a minute).
-    @settings(max_examples=GENERATED_CASES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
+    @settings(
+        max_examples=GENERATED_CASES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(opening, st.lists(strategy, min_size=1, max_size=4))
     def draw(start: bytes, frames: list[bytes]) -> None:
         cases.append(start + b"".join(frames))

@@ -29,15 +29,28 @@ class Paho:
     ``reconnect`` (paho's default) a dropped connection is tried again every second or so: a client that is
     meant to stay away once the server ended its connection (a takeover) says ``reconnect=False``."""
 
-    def __init__(self, port: int, client_id: str = "", *, version: int = 5, websocket: bool = False,
-                 clean: bool = True, username: str | None = None, password: str | None = None,
-                 reconnect: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        port: int,
+        client_id: str = "",
+        *,
+        version: int = 5,
+        websocket: bool = False,
+        clean: bool = True,
+        username: str | None = None,
+        password: str | None = None,
+        reconnect: bool = True,
+    ) -> None:
         self.version = version
         protocol = paho.MQTTv5 if version == 5 else paho.MQTTv311
-        self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=protocol,
-                                  transport="websockets" if websocket else "tcp",
-                                  clean_session=None if version == 5 else clean,
-                                  reconnect_on_failure=reconnect)  # fmt: skip
+        self.client = paho.Client(
+            paho.CallbackAPIVersion.VERSION2,
+            client_id=client_id,
+            protocol=protocol,
+            transport="websockets" if websocket else "tcp",
+            clean_session=None if version == 5 else clean,
+            reconnect_on_failure=reconnect,
+        )
         if websocket:
             self.client.ws_set_options(path="/mqtt")
         if username is not None:
@@ -56,8 +69,14 @@ class Paho:
         self.connack = (bool(flags.session_present), reason, props)
         self._connected.set()
 
-    def connect(self, *, expiry: int | None = None, will: tuple[str, bytes, int, bool] | None = None,
-                will_delay: int | None = None, keepalive: int = 30) -> tuple[bool, ReasonCode, Any]:  # fmt: skip
+    def connect(
+        self,
+        *,
+        expiry: int | None = None,
+        will: tuple[str, bytes, int, bool] | None = None,
+        will_delay: int | None = None,
+        keepalive: int = 30,
+    ) -> tuple[bool, ReasonCode, Any]:
         props = None
         if self.version == 5 and expiry is not None:
             props = PahoProperties(PacketTypes.CONNECT)
@@ -95,8 +114,9 @@ class Paho:
         assert done.wait(TIMEOUT), "no SUBACK"
         return granted
 
-    def publish(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False,
-                properties: PahoProperties | None = None) -> paho.MQTTMessageInfo:  # fmt: skip
+    def publish(
+        self, topic: str, payload: bytes, qos: int = 0, retain: bool = False, properties: PahoProperties | None = None
+    ) -> paho.MQTTMessageInfo:
         info = self.client.publish(topic, payload, qos, retain, properties=properties)
         if qos:
             info.wait_for_publish(TIMEOUT)

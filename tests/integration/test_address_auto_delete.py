@@ -27,8 +27,9 @@ TOPICS = 2000
 WAIT = 30.0
 # The STOMP and AMQP cap tests send one message at a time: their addresses must not go (and stop counting)
 # before the last one, however slow the machine. The MQTT one (cap.#) sends in one write and waits for them to go.
-SLOW_DELETE = "".join(f'[[address_settings]]\nmatch = "{m}"\nauto_delete_addresses_delay_ms = 600000\n'
-                      for m in ("stomp.#", "amqp.#"))  # fmt: skip
+SLOW_DELETE = "".join(
+    f'[[address_settings]]\nmatch = "{m}"\nauto_delete_addresses_delay_ms = 600000\n' for m in ("stomp.#", "amqp.#")
+)
 
 
 def addresses(core: CoreProcess) -> set[str]:
@@ -79,8 +80,10 @@ def test_published_topics_go_and_stay_gone_after_a_restart(tmp_path: Path, clien
     publisher = Raw(gateway.port)
     clients.append(publisher)
     publisher.connect(f"pub-{run}")
-    publisher.send(Publish(f"kept/{run}/retained", b"last", 1, retain=True, packet_id=9000),
-                   Publish(f"kept/{run}/sub", b"while away", 1, packet_id=9001))  # fmt: skip
+    publisher.send(
+        Publish(f"kept/{run}/retained", b"last", 1, retain=True, packet_id=9000),
+        Publish(f"kept/{run}/sub", b"while away", 1, packet_id=9001),
+    )
     assert [publisher.next(), publisher.next()] == [Puback(9000), Puback(9001)]
     topics = [f"load/{run}/{n}" for n in range(TOPICS)]
     assert {ack.reason_code for ack in publish_all(publisher, topics)} == {0}
@@ -132,8 +135,9 @@ def test_a_user_over_the_cap_gets_a_rejected_outcome_on_amqp(tmp_path: Path) -> 
     core = start_core(tmp_path, config=SLOW_DELETE, TRIDENTMQ_CORE_BROKER_MAX_AUTO_CREATED_ADDRESSES_PER_USER="3")
     gateway = start_gateway(tmp_path, core, "amqp")
     run = uuid.uuid4().hex[:6]
-    conn = BlockingConnection(f"amqp://127.0.0.1:{gateway.port}", timeout=WAIT, user=f"amqp-{run}", password="x",
-                              allowed_mechs="PLAIN")  # fmt: skip
+    conn = BlockingConnection(
+        f"amqp://127.0.0.1:{gateway.port}", timeout=WAIT, user=f"amqp-{run}", password="x", allowed_mechs="PLAIN"
+    )
     try:
         relay = conn.create_sender(None)
         for n in range(3):
@@ -149,9 +153,10 @@ def test_a_user_over_the_cap_gets_a_rejected_outcome_on_amqp(tmp_path: Path) -> 
         assert core.stop() == 0, core.log()
 
 
-def test_a_user_over_the_cap_gets_quota_exceeded_on_mqtt(capped: tuple[CoreProcess, GatewayProcess,
-                                                                        GatewayProcess], clients: list[Paho | Raw],
-                                                         ) -> None:  # fmt: skip
+def test_a_user_over_the_cap_gets_quota_exceeded_on_mqtt(
+    capped: tuple[CoreProcess, GatewayProcess, GatewayProcess],
+    clients: list[Paho | Raw],
+) -> None:
     core, mqtt, _ = capped
     run = uuid.uuid4().hex[:6]
     device = Raw(mqtt.port)
@@ -169,8 +174,9 @@ def test_a_user_over_the_cap_gets_quota_exceeded_on_mqtt(capped: tuple[CoreProce
     assert publish_all(device, [f"cap/{run}/3"])[0].reason_code == 0
 
 
-def test_a_user_over_the_cap_gets_an_error_frame_on_stomp(capped: tuple[CoreProcess, GatewayProcess,
-                                                                         GatewayProcess]) -> None:  # fmt: skip
+def test_a_user_over_the_cap_gets_an_error_frame_on_stomp(
+    capped: tuple[CoreProcess, GatewayProcess, GatewayProcess],
+) -> None:
     _, _, stomp = capped
     run = uuid.uuid4().hex[:6]
     with socket.create_connection(("127.0.0.1", stomp.port), timeout=WAIT) as sock:

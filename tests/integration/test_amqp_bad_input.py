@@ -53,11 +53,21 @@ _HEAD: Final = struct.Struct(">IBBH")  # size, doff, type, channel
 OPEN, BEGIN, ATTACH, FLOW, TRANSFER, DISPOSITION, DETACH, END, CLOSE = range(0x10, 0x19)
 SASL_MECHANISMS, SASL_INIT, SASL_CHALLENGE, SASL_RESPONSE, SASL_OUTCOME = range(0x40, 0x45)
 NAMES: Final = {
-    OPEN: "open", BEGIN: "begin", ATTACH: "attach", FLOW: "flow", TRANSFER: "transfer",
-    DISPOSITION: "disposition", DETACH: "detach", END: "end", CLOSE: "close",
-    SASL_MECHANISMS: "sasl-mechanisms", SASL_INIT: "sasl-init", SASL_CHALLENGE: "sasl-challenge",
-    SASL_RESPONSE: "sasl-response", SASL_OUTCOME: "sasl-outcome",
-}  # fmt: skip
+    OPEN: "open",
+    BEGIN: "begin",
+    ATTACH: "attach",
+    FLOW: "flow",
+    TRANSFER: "transfer",
+    DISPOSITION: "disposition",
+    DETACH: "detach",
+    END: "end",
+    CLOSE: "close",
+    SASL_MECHANISMS: "sasl-mechanisms",
+    SASL_INIT: "sasl-init",
+    SASL_CHALLENGE: "sasl-challenge",
+    SASL_RESPONSE: "sasl-response",
+    SASL_OUTCOME: "sasl-outcome",
+}
 ERROR: Final = 0x1D
 SOURCE: Final = 0x28
 TARGET: Final = 0x29
@@ -69,8 +79,16 @@ SASL_OK, SASL_AUTH, SASL_SYS, SASL_SYS_PERM, SASL_SYS_TEMP = range(5)
 
 USER, PASSWORD = "app", "secret"
 #: A core with one user: everything on open.#, only consume on consumeonly.#, nothing on secret.#.
-_ALL = ("send", "consume", "browse", "createAddress", "createDurableQueue", "createNonDurableQueue",
-        "deleteDurableQueue", "deleteNonDurableQueue")  # fmt: skip
+_ALL = (
+    "send",
+    "consume",
+    "browse",
+    "createAddress",
+    "createDurableQueue",
+    "createNonDurableQueue",
+    "deleteDurableQueue",
+    "deleteNonDurableQueue",
+)
 ADMIN: Final = ("ops", "ops-secret")  # reads the management API (manage on everything), nothing else
 SECURED_CONFIG: Final = (
     f'[[users]]\nname = "{USER}"\npassword = "{PASSWORD}"\nroles = ["app"]\n'
@@ -108,13 +126,38 @@ def begin_frame(channel: int = 0) -> bytes:
 
 def attach_sender(name: str, handle: int, address: str | None, *, channel: int = 0) -> bytes:
     """The client sends: role sender (false), unsettled, with the initial delivery-count a sender must give."""
-    return frame(ATTACH, [name, UInt(handle), False, UByte(0), UByte(0), Described(ULong(SOURCE), [None]),
-                          Described(ULong(TARGET), [address]), None, False, UInt(0)], channel=channel)  # fmt: skip
+    return frame(
+        ATTACH,
+        [
+            name,
+            UInt(handle),
+            False,
+            UByte(0),
+            UByte(0),
+            Described(ULong(SOURCE), [None]),
+            Described(ULong(TARGET), [address]),
+            None,
+            False,
+            UInt(0),
+        ],
+        channel=channel,
+    )
 
 
 def attach_receiver(name: str, handle: int, address: str | None, *, channel: int = 0) -> bytes:
-    return frame(ATTACH, [name, UInt(handle), True, UByte(0), UByte(0), Described(ULong(SOURCE), [address]),
-                          Described(ULong(TARGET), [None])], channel=channel)  # fmt: skip
+    return frame(
+        ATTACH,
+        [
+            name,
+            UInt(handle),
+            True,
+            UByte(0),
+            UByte(0),
+            Described(ULong(SOURCE), [address]),
+            Described(ULong(TARGET), [None]),
+        ],
+        channel=channel,
+    )
 
 
 def message_bytes(body: str | bytes, *, to: str | None = None) -> bytes:
@@ -126,8 +169,9 @@ def message_bytes(body: str | bytes, *, to: str | None = None) -> bytes:
     return sections + encode(Described(ULong(AMQP_VALUE), body))
 
 
-def transfer_frame(handle: int, delivery_id: int, payload: bytes, *, more: bool = False, channel: int = 0,
-                   first: bool = True) -> bytes:  # fmt: skip
+def transfer_frame(
+    handle: int, delivery_id: int, payload: bytes, *, more: bool = False, channel: int = 0, first: bool = True
+) -> bytes:
     """A transfer; the continuation frames of a multi-frame delivery (``first=False``) may omit the ids."""
     if first:
         fields: list[Any] = [UInt(handle), UInt(delivery_id), f"t{delivery_id}".encode(), UInt(0), False, more]
@@ -379,8 +423,12 @@ def tuned_gateways(core: CoreProcess) -> Iterator[TunedGateways]:
 
 
 @pytest.fixture
-def tuned(tuned_gateways: TunedGateways, tmp_path_factory: pytest.TempPathFactory, core: CoreProcess,
-          request: pytest.FixtureRequest) -> GatewayProcess:  # fmt: skip
+def tuned(
+    tuned_gateways: TunedGateways,
+    tmp_path_factory: pytest.TempPathFactory,
+    core: CoreProcess,
+    request: pytest.FixtureRequest,
+) -> GatewayProcess:
     """A gateway with the ``[amqp]`` settings given by ``@pytest.mark.parametrize("tuned", [{...}],
     indirect=True)`` (names of AmqpLimitsSection, values as strings), shared by the tests that give the same."""
     key = tuple(sorted(request.param.items()))
@@ -701,8 +749,7 @@ def test_a_sender_without_a_target_address_is_the_anonymous_relay(gateway: Gatew
 # ------------------------------------------------------------------------------------------------ 5. credit
 @tuned_with(link_credit="4")
 @pytest.mark.parametrize("extra", [1, 8])
-def test_more_transfers_than_the_credit_detach_the_link(tuned: GatewayProcess, core: CoreProcess,
-                                                       extra: int) -> None:  # fmt: skip
+def test_more_transfers_than_the_credit_detach_the_link(tuned: GatewayProcess, core: CoreProcess, extra: int) -> None:
     queue = unique("credit")
     with Peer(tuned.port) as peer:
         peer.open()
@@ -757,8 +804,9 @@ MAX_MESSAGE = 4096
 
 @tuned_with(max_message_bytes=str(MAX_MESSAGE))
 @pytest.mark.parametrize("frames", [pytest.param(1, id="one-frame"), pytest.param(5, id="five-frames")])
-def test_a_message_over_max_message_size_detaches_the_link(tuned: GatewayProcess, core: CoreProcess,
-                                                           frames: int) -> None:  # fmt: skip
+def test_a_message_over_max_message_size_detaches_the_link(
+    tuned: GatewayProcess, core: CoreProcess, frames: int
+) -> None:
     queue, other = unique("big"), unique("big.other")
     payload = message_bytes(b"x" * 10 * 1024)
     with Peer(tuned.port) as peer:
@@ -769,8 +817,9 @@ def test_a_message_over_max_message_size_detaches_the_link(tuned: GatewayProcess
         peer.attach_sender("other", 1, other)
         step = -(-len(payload) // frames)
         chunks = [payload[i : i + step] for i in range(0, len(payload), step)]
-        peer.send(*(transfer_frame(0, 0, chunk, more=n < len(chunks) - 1, first=n == 0)
-                    for n, chunk in enumerate(chunks)))  # fmt: skip
+        peer.send(
+            *(transfer_frame(0, 0, chunk, more=n < len(chunks) - 1, first=n == 0) for n, chunk in enumerate(chunks))
+        )
         got = peer.next()
         assert got.code == DETACH, f"expected a detach, got {got}"
         assert got.condition == "amqp:link:message-size-exceeded", got
@@ -797,8 +846,12 @@ def test_too_many_incomplete_messages_at_once_close_the_connection(tuned: Gatewa
         for handle, queue in enumerate(queues):
             peer.attach_sender(f"slow{handle}", handle, queue)
         # the first frames of three messages of 30 KiB, each 10 KiB so far: 30 KiB pending in all
-        peer.send(*(transfer_frame(handle, handle, message_bytes(b"x" * 30 * 1024)[: 10 * 1024], more=True, first=True)
-                    for handle in range(len(queues))))  # fmt: skip
+        peer.send(
+            *(
+                transfer_frame(handle, handle, message_bytes(b"x" * 30 * 1024)[: 10 * 1024], more=True, first=True)
+                for handle in range(len(queues))
+            )
+        )
         assert_closed_with(peer.until_closed(), "amqp:resource-limit-exceeded")
     assert all(queue_depth(core, queue) == 0 for queue in queues)
     assert_serves(tuned)

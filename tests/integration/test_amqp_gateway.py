@@ -155,8 +155,9 @@ def test_request_reply_through_a_dynamic_reply_queue(amqp_gateway: GatewayProces
         client.create_sender(service).send(Message(body="ping", reply_to=reply_to, correlation_id="c-1"))
         request = requests.receive(timeout=WAIT)
         requests.accept()
-        server.create_sender(None).send(Message(address=request.reply_to, body=request.body.upper(),
-                                               correlation_id=request.correlation_id))  # fmt: skip
+        server.create_sender(None).send(
+            Message(address=request.reply_to, body=request.body.upper(), correlation_id=request.correlation_id)
+        )
         reply = replies.receive(timeout=WAIT)
         replies.accept()
         assert (reply.body, reply.correlation_id) == ("PING", "c-1")
@@ -168,11 +169,19 @@ def test_request_reply_through_a_dynamic_reply_queue(amqp_gateway: GatewayProces
 def test_message_sections_survive_the_core(amqp_gateway: GatewayProcess) -> None:
     queue = unique("sections")
     sent = Message(
-        body={"k": [1, 2.5, "x"]}, id=uuid.UUID(int=7), subject="subj", content_type="application/x", priority=7,
-        ttl=60.0, durable=True, correlation_id=42, group_id="g", reply_to="replies",
+        body={"k": [1, 2.5, "x"]},
+        id=uuid.UUID(int=7),
+        subject="subj",
+        content_type="application/x",
+        priority=7,
+        ttl=60.0,
+        durable=True,
+        correlation_id=42,
+        group_id="g",
+        reply_to="replies",
         properties={"i": 1, "f": 2.5, "b": True, "s": "str", "bin": b"\x00\x01"},
         annotations={symbol("x-opt-trace"): "t"},
-    )  # fmt: skip
+    )
     conn = connect(amqp_gateway)
     try:
         conn.create_sender(queue).send(sent)
@@ -181,7 +190,13 @@ def test_message_sections_survive_the_core(amqp_gateway: GatewayProcess) -> None
         conn.close()
     assert got.body == sent.body
     assert (got.id, got.subject, got.content_type, got.correlation_id, got.group_id, got.reply_to) == (
-        sent.id, sent.subject, sent.content_type, sent.correlation_id, sent.group_id, sent.reply_to)  # fmt: skip
+        sent.id,
+        sent.subject,
+        sent.content_type,
+        sent.correlation_id,
+        sent.group_id,
+        sent.reply_to,
+    )
     assert (got.priority, got.durable) == (7, True)
     assert 0 < got.ttl <= 60.0
     assert got.properties == sent.properties
@@ -453,8 +468,16 @@ def test_amqp_stomp_mqtt_and_the_link_client_interoperate(
         collector.wait_receipt("subscribed")  # stomp.py's subscribe does not wait for it
         # AMQP -> everyone: the body as bytes, application properties as headers and user properties
         conn.create_sender(f"topic://a.{topic}").send(
-            Message(body=b"from amqp", inferred=True, properties={"region": "eu", "n": 7}, durable=True,
-                    correlation_id="c-1", reply_to="/queue/replies", content_type="text/plain"))  # fmt: skip
+            Message(
+                body=b"from amqp",
+                inferred=True,
+                properties={"region": "eu", "n": 7},
+                durable=True,
+                correlation_id="c-1",
+                reply_to="/queue/replies",
+                content_type="text/plain",
+            )
+        )
         frame = collector.wait(1)[0]
         assert frame.body == b"from amqp"
         assert (frame.headers["region"], frame.headers["n"], frame.headers["persistent"]) == ("eu", "7", "true")
@@ -466,11 +489,18 @@ def test_amqp_stomp_mqtt_and_the_link_client_interoperate(
         assert ("region", "eu") in published.properties.UserProperty
         assert receive_all(receiver, 1)[0].body == b"from amqp"
         # STOMP -> AMQP
-        stomp_conn.send(f"/topic/a.{topic}", b"from stomp", headers={"region": "us", "correlation-id": "c-2",
-                                                                     "reply-to": "/queue/r"})  # fmt: skip
+        stomp_conn.send(
+            f"/topic/a.{topic}",
+            b"from stomp",
+            headers={"region": "us", "correlation-id": "c-2", "reply-to": "/queue/r"},
+        )
         got = receive_all(receiver, 1)[0]
         assert (got.body, got.properties["region"], got.correlation_id, got.reply_to) == (
-            b"from stomp", "us", "c-2", "/queue/r")  # fmt: skip
+            b"from stomp",
+            "us",
+            "c-2",
+            "/queue/r",
+        )
         # MQTT -> AMQP: user properties as application properties, correlation data as the correlation id
         props = PahoProperties(PacketTypes.PUBLISH)
         props.UserProperty = [("k", "v")]
@@ -484,8 +514,14 @@ def test_amqp_stomp_mqtt_and_the_link_client_interoperate(
         # the link client -> AMQP: typed properties keep their types
         async def via_link() -> None:
             async with LinkClient("127.0.0.1", core.link_port) as link:
-                await link.publish(new_message(f"a.{topic}", b"from link", routing=RoutingType.MULTICAST,
-                                               properties={"n": 1, "f": 0.5, "flag": True}))  # fmt: skip
+                await link.publish(
+                    new_message(
+                        f"a.{topic}",
+                        b"from link",
+                        routing=RoutingType.MULTICAST,
+                        properties={"n": 1, "f": 0.5, "flag": True},
+                    )
+                )
 
         asyncio.run(via_link())
         got = receive_all(receiver, 1)[0]
@@ -786,8 +822,9 @@ class UppercaseServer(MessagingHandler):
 
     def on_message(self, event: Event) -> None:
         request = event.message
-        self.relay.send(Message(address=request.reply_to, body=str(request.body).upper(),
-                                correlation_id=request.correlation_id))  # fmt: skip
+        self.relay.send(
+            Message(address=request.reply_to, body=str(request.body).upper(), correlation_id=request.correlation_id)
+        )
         self.requests -= 1
         if not self.requests:
             self.conn.close()

@@ -85,8 +85,13 @@ def _start(lab: NetLab, module: str, directory: Path, environment: dict[str, str
     directory.mkdir(parents=True, exist_ok=True)
     ports_file = directory / "ports.json"
     with (directory / "log").open("wb") as log:
-        process = lab.run("broker", [sys.executable, "-m", module, "--ports-file", str(ports_file)],
-                          env={**os.environ, **environment}, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        process = lab.run(
+            "broker",
+            [sys.executable, "-m", module, "--ports-file", str(ports_file)],
+            env={**os.environ, **environment},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     deadline = time.monotonic() + STARTUP_TIMEOUT
     while not ports_file.exists():
         assert process.poll() is None, (directory / "log").read_text()
@@ -102,26 +107,50 @@ class Broker:
         self.lab = lab
         self.directory = directory
         core_dir = directory / "core"
-        self.core, core_ports = _start(lab, "tridentmq_core", core_dir, {
-            "TRIDENTMQ_CORE_NODE_DATA_DIR": str(core_dir), "TRIDENTMQ_CORE_LINK_HOST": "127.0.0.1",
-            "TRIDENTMQ_CORE_LINK_PORT": "0", "TRIDENTMQ_CORE_MANAGEMENT_PORT": "0",
-            "TRIDENTMQ_CORE_JOURNAL_SEGMENT_BYTES": str(8 * 1024 * 1024), **core_env})  # fmt: skip
+        self.core, core_ports = _start(
+            lab,
+            "tridentmq_core",
+            core_dir,
+            {
+                "TRIDENTMQ_CORE_NODE_DATA_DIR": str(core_dir),
+                "TRIDENTMQ_CORE_LINK_HOST": "127.0.0.1",
+                "TRIDENTMQ_CORE_LINK_PORT": "0",
+                "TRIDENTMQ_CORE_MANAGEMENT_PORT": "0",
+                "TRIDENTMQ_CORE_JOURNAL_SEGMENT_BYTES": str(8 * 1024 * 1024),
+                **core_env,
+            },
+        )
         self.gateways: list[Any] = []
         self.ports: list[int] = []
         for kind in GATEWAYS:
             prefix = f"TRIDENTMQ_{kind.upper()}"
-            process, ports = _start(lab, f"tridentmq_{kind}", directory / kind, {
-                f"{prefix}_LISTENER_HOST": "0.0.0.0", f"{prefix}_LISTENER_PORT": "0",
-                f"{prefix}_LISTENER_WEBSOCKET_PORT": "-1", f"{prefix}_HTTP_HOST": "127.0.0.1",
-                f"{prefix}_HTTP_PORT": "0", f"{prefix}_CORE_PORT": str(core_ports["link"])})  # fmt: skip
+            process, ports = _start(
+                lab,
+                f"tridentmq_{kind}",
+                directory / kind,
+                {
+                    f"{prefix}_LISTENER_HOST": "0.0.0.0",
+                    f"{prefix}_LISTENER_PORT": "0",
+                    f"{prefix}_LISTENER_WEBSOCKET_PORT": "-1",
+                    f"{prefix}_HTTP_HOST": "127.0.0.1",
+                    f"{prefix}_HTTP_PORT": "0",
+                    f"{prefix}_CORE_PORT": str(core_ports["link"]),
+                },
+            )
             self.gateways.append(process)
             self.ports.append(ports[kind])
 
     def probe(self, node: str, host: str) -> list[str]:
         """What each protocol's client in ``node`` gets from the gateways at ``host``."""
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        agent = self.lab.run(node, [sys.executable, str(Path(__file__).resolve()), host, *map(str, self.ports)],
-                             stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)  # fmt: skip
+        agent = self.lab.run(
+            node,
+            [sys.executable, str(Path(__file__).resolve()), host, *map(str, self.ports)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=REPO,
+        )
         out, _ = agent.communicate(timeout=90)
         assert agent.returncode == 0, out
         return [json.loads(line) for line in out.splitlines()]

@@ -120,8 +120,10 @@ def stomp_round_trip(port: int) -> bytes:
                 raise
             time.sleep(0.2)
     with sock:
-        sock.sendall(b"CONNECT\naccept-version:1.2\n\n\x00SUBSCRIBE\nid:0\ndestination:/queue/up.stomp\n\n\x00"
-                     b"SEND\ndestination:/queue/up.stomp\n\nvia stomp\x00")  # fmt: skip
+        sock.sendall(
+            b"CONNECT\naccept-version:1.2\n\n\x00SUBSCRIBE\nid:0\ndestination:/queue/up.stomp\n\n\x00"
+            b"SEND\ndestination:/queue/up.stomp\n\nvia stomp\x00"
+        )
         data = b""
         while b"MESSAGE" not in data or not data.endswith(b"\x00"):
             chunk = sock.recv(65536)
@@ -154,13 +156,21 @@ def amqp_round_trip(port: int) -> str:
 
 def test_up_starts_serves_and_stops_cleanly(tmp_path: Path) -> None:
     link, management, stomp_port, amqp_port = free_port(), free_port(), free_port(), free_port()
-    env = {**os.environ, "TRIDENTMQ_CORE_LINK_PORT": str(link), "TRIDENTMQ_CORE_MANAGEMENT_PORT": str(management),
-           "TRIDENTMQ_CORE_LINK_HOST": "127.0.0.1",
-           "TRIDENTMQ_STOMP_LISTENER_PORT": str(stomp_port), "TRIDENTMQ_STOMP_LISTENER_WEBSOCKET_PORT": "0",
-           "TRIDENTMQ_STOMP_HTTP_PORT": "0",
-           "TRIDENTMQ_AMQP_LISTENER_PORT": str(amqp_port), "TRIDENTMQ_AMQP_LISTENER_WEBSOCKET_PORT": "0",
-           "TRIDENTMQ_AMQP_HTTP_PORT": "0", "TRIDENTMQ_MQTT_LISTENER_PORT": "0",
-           "TRIDENTMQ_MQTT_LISTENER_WEBSOCKET_PORT": "0", "TRIDENTMQ_MQTT_HTTP_PORT": "0"}  # fmt: skip
+    env = {
+        **os.environ,
+        "TRIDENTMQ_CORE_LINK_PORT": str(link),
+        "TRIDENTMQ_CORE_MANAGEMENT_PORT": str(management),
+        "TRIDENTMQ_CORE_LINK_HOST": "127.0.0.1",
+        "TRIDENTMQ_STOMP_LISTENER_PORT": str(stomp_port),
+        "TRIDENTMQ_STOMP_LISTENER_WEBSOCKET_PORT": "0",
+        "TRIDENTMQ_STOMP_HTTP_PORT": "0",
+        "TRIDENTMQ_AMQP_LISTENER_PORT": str(amqp_port),
+        "TRIDENTMQ_AMQP_LISTENER_WEBSOCKET_PORT": "0",
+        "TRIDENTMQ_AMQP_HTTP_PORT": "0",
+        "TRIDENTMQ_MQTT_LISTENER_PORT": "0",
+        "TRIDENTMQ_MQTT_LISTENER_WEBSOCKET_PORT": "0",
+        "TRIDENTMQ_MQTT_HTTP_PORT": "0",
+    }
     # The core's link is moved off 61616 and the gateways are not told: ``up`` points them at it itself.
     up = subprocess.Popen(
         [sys.executable, "-m", "tridentmq_shared.cli", "up", "--data-dir", str(tmp_path / "data")],

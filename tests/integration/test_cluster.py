@@ -120,8 +120,7 @@ async def test_a_subscription_is_confirmed_only_once_every_node_routes_to_it(tmp
 
 
 @pytest.mark.parametrize("policy", ["STRICT", "OFF"])
-async def test_strict_spreads_regardless_of_consumers_and_off_keeps_messages_local(tmp_path: Path,
-                                                                                  policy: str) -> None:  # fmt: skip
+async def test_strict_spreads_regardless_of_consumers_and_off_keeps_messages_local(tmp_path: Path, policy: str) -> None:
     nodes = start_cluster(tmp_path, 2, message_load_balancing=policy)
     a, b = nodes
     async with client(a) as ca, client(b) as cb:
@@ -189,8 +188,11 @@ async def test_selectors_are_honoured_across_nodes(tmp_path: Path) -> None:
         async with client(a) as ca:
             for i in range(40):
                 colour = "red" if i % 2 else "blue"
-                await (await ca.send(new_message("paint", f"{colour}{i}".encode(), durable=True,
-                                                 properties={"colour": colour})))  # fmt: skip
+                await (
+                    await ca.send(
+                        new_message("paint", f"{colour}{i}".encode(), durable=True, properties={"colour": colour})
+                    )
+                )
         got = await take(reds, 20)
         assert len(got) == 20
         assert all(body.startswith(b"red") for body in got)
@@ -249,8 +251,10 @@ async def test_a_node_whose_consumer_comes_later_gets_a_share_of_a_backlog(tmp_p
     await publish(a, "late", sent)
     async with client(b) as cb, client(c) as cc:
         slow = await cb.subscribe("late", credit=10)  # takes 10 and acknowledges none of them for now
-        await wait_until_async(lambda: cluster_view(a)["held_back"] == {"late": [node_id(b)]},
-                               what="a to hold the backlog back for b's full consumer")  # fmt: skip
+        await wait_until_async(
+            lambda: cluster_view(a)["held_back"] == {"late": [node_id(b)]},
+            what="a to hold the backlog back for b's full consumer",
+        )
         assert cluster_view(a)["backlog"]["late"] > 0
         fast = await cc.subscribe("late", credit=500)
         got_c = await take(fast, 1, timeout=10)
@@ -277,8 +281,9 @@ async def test_status_calls_messages_no_redistribution_moves_stranded(tmp_path: 
         reds = await cb.subscribe("paint", selector="colour = 'red'", credit=100)
         got = await take(reds, 50, timeout=15)
         assert sorted(got) == sorted(f"red-{i}".encode() for i in range(50))
-        await wait_until_async(lambda: cluster_view(a)["stranded"] == {"paint": 50},
-                               what="a to call the blue ones stranded")  # fmt: skip
+        await wait_until_async(
+            lambda: cluster_view(a)["stranded"] == {"paint": 50}, what="a to call the blue ones stranded"
+        )
         view = cluster_view(a)
         assert view["remote_consumers"]["paint"] == {node_id(b): 1}  # B's consumer is there, wanting none of them
         assert view["stranded_since"]["paint"] <= time.time() * 1000
@@ -376,7 +381,8 @@ async def test_a_killed_node_loses_nothing_confirmed_and_its_backlog_is_rerouted
 
 
 async def test_a_durable_subscription_on_a_killed_node_gets_what_was_published_while_it_was_down(
-        tmp_path: Path) -> None:  # fmt: skip
+    tmp_path: Path,
+) -> None:
     """Issue 21: the surviving nodes dropped a killed node's bindings, and a publish that matched no other queue
     was confirmed and routed nowhere. Its durable subscription stays a destination: what is published while it
     is down waits on the publisher's node and reaches the subscription when the node is back."""
@@ -408,8 +414,7 @@ async def test_a_durable_subscription_on_a_killed_node_gets_what_was_published_w
     stop_all([a, b, restarted])
 
 
-async def test_a_node_restarted_while_another_is_down_learns_its_subscriptions_from_the_others(
-        tmp_path: Path) -> None:  # fmt: skip
+async def test_a_node_restarted_while_another_is_down_learns_its_subscriptions_from_the_others(tmp_path: Path) -> None:
     """Two faults: c is down, then a is killed and restarts (or a backup takes a's place). a never met c in
     this life; b kept c's durable subscription and tells a, so what a confirms for it waits for c too."""
     a, b, c = start_cluster(tmp_path, 3)
@@ -418,8 +423,10 @@ async def test_a_node_restarted_while_another_is_down_learns_its_subscriptions_f
     async with client(c) as cc:
         await cc.create_queue("news-c", "news", routing_type=RoutingType.MULTICAST, durable=True)
         await cc.subscribe("news-c", credit=1000)
-        wait_until(lambda: remote_consumers(a, "news-c") == remote_consumers(b, "news-c") == 1,
-                   what="a and b to see the subscriber on c")  # fmt: skip
+        wait_until(
+            lambda: remote_consumers(a, "news-c") == remote_consumers(b, "news-c") == 1,
+            what="a and b to see the subscriber on c",
+        )
         c.process.send_signal(signal.SIGKILL)
         c.process.wait()
     wait_until(lambda: c_id not in members(b), what="b to see c down")
@@ -439,8 +446,7 @@ async def test_a_node_restarted_while_another_is_down_learns_its_subscriptions_f
     stop_all([a, b, c])
 
 
-async def test_a_restarted_node_serves_clients_only_once_the_others_told_it_their_subscriptions(
-        tmp_path: Path) -> None:  # fmt: skip
+async def test_a_restarted_node_serves_clients_only_once_the_others_told_it_their_subscriptions(tmp_path: Path) -> None:
     """A node that starts (or a backup that takes over) and served at once would confirm a publish before its
     cluster connections brought the other nodes' queues, routing it nowhere: an MQTT subscriber on another pair
     lost what was published there. b is frozen while a restarts; a refuses clients as joining until b, thawed,
@@ -455,8 +461,11 @@ async def test_a_restarted_node_serves_clients_only_once_the_others_told_it_thei
         a.process.wait()
         b.process.send_signal(signal.SIGSTOP)
         try:
-            starting = asyncio.create_task(asyncio.to_thread(
-                start_core, tmp_path, "node-0", TRIDENTMQ_CORE_LINK_PORT=str(port), **cluster_env([b])))  # fmt: skip
+            starting = asyncio.create_task(
+                asyncio.to_thread(
+                    start_core, tmp_path, "node-0", TRIDENTMQ_CORE_LINK_PORT=str(port), **cluster_env([b])
+                )
+            )
             answers: list[str] = []
             deadline = time.monotonic() + 30
             publisher: LinkClient | None = None
@@ -482,7 +491,8 @@ async def test_a_restarted_node_serves_clients_only_once_the_others_told_it_thei
 
 
 async def test_messages_that_reach_a_returned_node_after_its_subscriber_moved_follow_the_subscriber(
-        tmp_path: Path) -> None:  # fmt: skip
+    tmp_path: Path,
+) -> None:
     """Issue 21, stuck messages: what waited on a for the killed node c reached c when it returned, while the
     subscriber was on b by then. c's redistributor passed over them (they had just arrived from another node,
     inside the minimum residence time) and never looked at them again: they sat on c with the redistributor
@@ -539,8 +549,7 @@ async def test_a_backlog_pulled_over_just_before_its_consumer_moved_back_follows
 
 async def test_wrong_cluster_password_and_copied_node_id_are_refused(tmp_path: Path) -> None:
     first = start_node(tmp_path, "node-0")
-    intruder = start_core(tmp_path, "intruder", **{**cluster_env([first]),
-                                                   "TRIDENTMQ_CORE_CLUSTER_PASSWORD": "wrong"})  # fmt: skip
+    intruder = start_core(tmp_path, "intruder", **{**cluster_env([first]), "TRIDENTMQ_CORE_CLUSTER_PASSWORD": "wrong"})
     copy_dir = tmp_path / "copy"
     copy_dir.mkdir()
     (copy_dir / "node.id").write_text((first.data_dir / "node.id").read_text())
@@ -749,15 +758,17 @@ def journal_records(node: CoreProcess) -> float:
 
 
 async def test_a_durable_message_for_one_other_node_is_written_through_and_a_resend_after_a_crash_is_a_duplicate(
-        tmp_path: Path) -> None:  # fmt: skip
+    tmp_path: Path,
+) -> None:
     nodes = start_cluster(tmp_path, 2)
     a, b = nodes
     messages = [(f"m{i}".encode(), f"producer-9:{i}") for i in range(200)]
 
     async def send_all() -> None:
         async with client(a) as ca:
-            futures = [await ca.send(new_message("through", body, durable=True, dedup_id=dedup))
-                       for body, dedup in messages]  # fmt: skip
+            futures = [
+                await ca.send(new_message("through", body, durable=True, dedup_id=dedup)) for body, dedup in messages
+            ]
             await asyncio.gather(*futures)
 
     async with client(b) as cb:
@@ -781,8 +792,7 @@ async def test_a_durable_message_for_one_other_node_is_written_through_and_a_res
     stop_all([a, b])
 
 
-async def test_a_publish_sent_again_through_another_node_after_its_link_dropped_is_stored_once(
-        tmp_path: Path) -> None:  # fmt: skip
+async def test_a_publish_sent_again_through_another_node_after_its_link_dropped_is_stored_once(tmp_path: Path) -> None:
     """The producer's link to node a times out (a is paused) with a publish unconfirmed; the client sends it
     again through node b. Node a, waking, reads the publish from its socket and stores it all the same. Node b
     sends the copy it got to a, where it is a duplicate under the producer's id: one message, not two that
@@ -814,8 +824,7 @@ async def test_a_publish_that_names_its_home_node_is_routed_there_under_its_prod
         await ca.publish(new_message("home.q", b"stored", durable=True, dedup_id="producer-7:1"))
     async with client(b) as cb:
         await cb.publish(new_message("home.q", b"stored", durable=True, dedup_id="producer-7:1", properties=home))
-        await cb.publish(new_message("home.q", b"not stored", durable=True, dedup_id="producer-7:2",
-                                     properties=home))  # fmt: skip
+        await cb.publish(new_message("home.q", b"not stored", durable=True, dedup_id="producer-7:2", properties=home))
     async with client(a) as ca, client(b) as cb:
         on_a, on_b = await ca.subscribe("home.q", credit=10), await cb.subscribe("home.q", credit=10)
         got = await asyncio.gather(take(on_a, 3, timeout=3), take(on_b, 3, timeout=3))
@@ -825,7 +834,8 @@ async def test_a_publish_that_names_its_home_node_is_routed_there_under_its_prod
 
 
 async def test_a_publish_sent_home_after_its_node_restarted_is_a_duplicate_where_it_was_written_through(
-        tmp_path: Path) -> None:  # fmt: skip
+    tmp_path: Path,
+) -> None:
     """Node a wrote a publish through to c (storing nothing) and died before its producer saw the confirm. The
     producer sent it again through b, naming a as its home; a, restarted, no longer knows the producer's id
     and routes it again: written through under that id, c drops it as a duplicate (routed as a plain
@@ -855,8 +865,9 @@ async def test_a_publish_sent_home_after_its_node_restarted_is_a_duplicate_where
 async def test_messages_held_for_a_stalled_node_are_stored_and_confirmed_when_it_dies(tmp_path: Path) -> None:
     a = start_node(tmp_path, "node-0", node_gone_ms="60000", core_link_heartbeat_ms="1000")
     # b lets a's cluster connection have 1,000 publishes in flight: the rest waits on a, in memory.
-    b = start_node(tmp_path, "node-1", [a], node_gone_ms="60000", core_link_heartbeat_ms="1000",
-                   core_link_publish_window="1000")  # fmt: skip
+    b = start_node(
+        tmp_path, "node-1", [a], node_gone_ms="60000", core_link_heartbeat_ms="1000", core_link_publish_window="1000"
+    )
     wait_converged([a, b])
     count, window = 3000, 8192  # a producer's window on a
     async with client(b) as cb:
@@ -865,8 +876,10 @@ async def test_messages_held_for_a_stalled_node_are_stored_and_confirmed_when_it
     b.process.send_signal(signal.SIGSTOP)  # b reads nothing more
     try:
         async with client(a) as ca, client(a) as again:
-            futures = [await ca.send(new_message("stalled", body, durable=True, dedup_id=f"stall-{i}"))
-                       for i, body in enumerate(bodies(count))]  # fmt: skip
+            futures = [
+                await ca.send(new_message("stalled", body, durable=True, dedup_id=f"stall-{i}"))
+                for i, body in enumerate(bodies(count))
+            ]
             # The first one sent again (a producer that reconnected): a duplicate of a message in transit.
             duplicate = await again.send(new_message("stalled", b"m0", durable=True, dedup_id="stall-0"))
             await asyncio.sleep(0.3)
@@ -903,8 +916,9 @@ async def test_a_durable_message_refused_by_the_node_it_was_written_through_to_i
 
 async def test_a_message_larger_than_the_other_nodes_link_takes_is_kept_here(tmp_path: Path) -> None:
     # Nodes may differ in their message limit: b keeps the default (8 MiB, a 16 MiB link), a takes 24 MiB.
-    a = start_node(tmp_path, "node-0", core_broker_max_message_bytes=str(24 << 20),
-                   core_journal_segment_bytes=str(32 << 20))  # fmt: skip
+    a = start_node(
+        tmp_path, "node-0", core_broker_max_message_bytes=str(24 << 20), core_journal_segment_bytes=str(32 << 20)
+    )
     b = start_node(tmp_path, "node-1", [a])
     wait_converged([a, b])
     huge = b"x" * (17 << 20)  # a frame b's link would refuse, dropping the cluster connection each time
@@ -935,8 +949,9 @@ async def test_a_stored_forward_refused_with_no_queue_here_goes_to_the_dead_lett
     b.process.wait()
     await asyncio.wait_for(sending, 15)
     # b comes back refusing bodies that large: a has no subscription of its own, and must not drop it.
-    b = start_core(tmp_path, "node-1", **cluster_env([a], node_gone_ms="60000"),
-                   TRIDENTMQ_CORE_BROKER_MAX_MESSAGE_BYTES="1000")  # fmt: skip
+    b = start_core(
+        tmp_path, "node-1", **cluster_env([a], node_gone_ms="60000"), TRIDENTMQ_CORE_BROKER_MAX_MESSAGE_BYTES="1000"
+    )
     async with client(a) as ca:
         dead = await ca.subscribe("DLQ", credit=10)
         batch = await dead.get_batch(timeout=15)
@@ -948,8 +963,11 @@ async def test_a_stored_forward_refused_with_no_queue_here_goes_to_the_dead_lett
 
 def audit_records(node: CoreProcess) -> list[dict[str, object]]:
     """The sealed audit segments of a stopped node."""
-    return [json.loads(line) for path in sorted((node.data_dir / "audit").glob("*/*.jsonl"))
-            for line in path.read_text().splitlines()]  # fmt: skip
+    return [
+        json.loads(line)
+        for path in sorted((node.data_dir / "audit").glob("*/*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
 
 
 async def test_audit_events_name_where_a_forwarded_or_redistributed_message_was_first_accepted(
@@ -1019,8 +1037,12 @@ async def test_an_operator_forgets_a_node_that_never_comes_back(tmp_path: Path) 
     wait_until(lambda: c_id not in members(a) and c_id not in members(b), what="a and b to see c down")
     await publish(a, "news", bodies(30), routing=RoutingType.MULTICAST)  # kept on a for news-c
     assert cluster_view(a)["unreachable"][c_id]["pending_forward"] == 30
-    request = urllib.request.Request(f"{b.management_url}/api/cluster/nodes/{c_id}/forget", data=b"{}",
-                                     method="POST", headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        f"{b.management_url}/api/cluster/nodes/{c_id}/forget",
+        data=b"{}",
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=10) as response:
         answer = json.loads(response.read())
     results = {entry["node_id"]: entry["result"] for entry in answer["nodes"]}

@@ -115,8 +115,13 @@ def members(node: CoreProcess) -> set[str]:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tmp_path = tmp_path_factory.mktemp("console")
-    ha = {"core_ha_policy": "replication", "core_ha_group_name": "a", "core_ha_activate_without_quorum": "true",
-          "core_ha_allow_failback": "false", "core_audit_message_events": "all"}  # fmt: skip
+    ha = {
+        "core_ha_policy": "replication",
+        "core_ha_group_name": "a",
+        "core_ha_activate_without_quorum": "true",
+        "core_ha_allow_failback": "false",
+        "core_audit_message_events": "all",
+    }
     primary = node(tmp_path, "a-primary", [], **ha)
     b = node(tmp_path, "b", [primary], core_audit_message_events="all")
     c = node(tmp_path, "c", [primary], core_audit_message_events="all")
@@ -185,8 +190,9 @@ def wait_for(browser: webdriver.Chrome, what: str, predicate: Callable[[webdrive
 def text(browser: webdriver.Chrome, selector: str) -> str:
     """The text of ``selector``, read again when the page redrew it between finding and reading (it refreshes
     itself every 2 s)."""
-    return str(wait_for(browser, f"the text of {selector}",
-                        lambda d: (d.find_element(By.CSS_SELECTOR, selector).text,))[0])  # fmt: skip
+    return str(
+        wait_for(browser, f"the text of {selector}", lambda d: (d.find_element(By.CSS_SELECTOR, selector).text,))[0]
+    )
 
 
 def click(browser: webdriver.Chrome, by: str, value: str) -> None:
@@ -217,8 +223,9 @@ def log_in(browser: webdriver.Chrome, cluster: Cluster, page: str = "cluster") -
 
 
 def app_client(node: CoreProcess) -> LinkClient:
-    return LinkClient("127.0.0.1", node.link_port, user=APP, password=APP_PASSWORD,
-                      reconnect=ReconnectPolicy(attempts=0))  # fmt: skip
+    return LinkClient(
+        "127.0.0.1", node.link_port, user=APP, password=APP_PASSWORD, reconnect=ReconnectPolicy(attempts=0)
+    )
 
 
 async def publish(node: CoreProcess, address: str, count: int, *, create: bool = False) -> None:
@@ -231,8 +238,9 @@ async def publish(node: CoreProcess, address: str, count: int, *, create: bool =
             await client.publish(new_message(address, f"{address} {n}".encode(), durable=True))
 
 
-def test_a_wrong_password_is_refused_and_the_page_holds_no_credentials(browser: webdriver.Chrome, cluster: Cluster,
-                                                                         tmp_path: Path) -> None:  # fmt: skip
+def test_a_wrong_password_is_refused_and_the_page_holds_no_credentials(
+    browser: webdriver.Chrome, cluster: Cluster, tmp_path: Path
+) -> None:
     open_page(browser, cluster, "cluster")
     wait_for(browser, "the login form", lambda d: d.find_element(By.ID, "login-user").is_displayed())
     browser.find_element(By.ID, "login-user").send_keys(ADMIN)
@@ -244,32 +252,47 @@ def test_a_wrong_password_is_refused_and_the_page_holds_no_credentials(browser: 
     shot(browser, tmp_path, "login")
 
 
-def test_the_cluster_page_shows_three_nodes_and_the_pair(browser: webdriver.Chrome, cluster: Cluster,
-                                                        tmp_path: Path) -> None:  # fmt: skip
+def test_the_cluster_page_shows_three_nodes_and_the_pair(
+    browser: webdriver.Chrome, cluster: Cluster, tmp_path: Path
+) -> None:
     log_in(browser, cluster)
     wait_for(browser, "three node cards", lambda d: len(d.find_elements(By.CSS_SELECTOR, "#topology .node")) == 3)
-    wait_for(browser, "the three nodes", lambda d: {e.get_attribute("data-name") for e in
-             d.find_elements(By.CSS_SELECTOR, "#topology .node")} == {"a-primary", "b", "c"})  # fmt: skip
+    wait_for(
+        browser,
+        "the three nodes",
+        lambda d: (
+            {e.get_attribute("data-name") for e in d.find_elements(By.CSS_SELECTOR, "#topology .node")}
+            == {"a-primary", "b", "c"}
+        ),
+    )
     pair = text(browser, '#topology .node[data-name="a-primary"]')
     assert "pair a" in pair, pair
     assert "in sync" in pair, pair
-    wait_for(browser, "six cluster connections up",
-             lambda d: text(d, "#cluster-connections tbody").count(" up") == 6)  # fmt: skip
+    wait_for(browser, "six cluster connections up", lambda d: text(d, "#cluster-connections tbody").count(" up") == 6)
     shot(browser, tmp_path, "cluster")
 
 
-def test_the_queues_page_sorts_and_searches_the_queues_of_every_node(browser: webdriver.Chrome, cluster: Cluster,
-                                                                     tmp_path: Path) -> None:  # fmt: skip
+def test_the_queues_page_sorts_and_searches_the_queues_of_every_node(
+    browser: webdriver.Chrome, cluster: Cluster, tmp_path: Path
+) -> None:
     asyncio.run(publish(cluster.c, "orders.eu", 5))
     asyncio.run(publish(cluster.b, "orders.us", 2))
     log_in(browser, cluster, "queues")
 
     def rows(driver: webdriver.Chrome) -> list[list[str]]:
-        return [[td.text for td in tr.find_elements(By.TAG_NAME, "td")]
-                for tr in driver.find_elements(By.CSS_SELECTOR, "#queues tbody tr")]  # fmt: skip
+        return [
+            [td.text for td in tr.find_elements(By.TAG_NAME, "td")]
+            for tr in driver.find_elements(By.CSS_SELECTOR, "#queues tbody tr")
+        ]
 
-    wait_for(browser, "both queues", lambda d: {(r[0], r[1], r[4]) for r in rows(d) if r[0].startswith("orders")}
-             == {("orders.eu", "c", "5"), ("orders.us", "b", "2")})  # fmt: skip
+    wait_for(
+        browser,
+        "both queues",
+        lambda d: (
+            {(r[0], r[1], r[4]) for r in rows(d) if r[0].startswith("orders")}
+            == {("orders.eu", "c", "5"), ("orders.us", "b", "2")}
+        ),
+    )
     browser.find_element(By.CSS_SELECTOR, '#queues th[data-key="depth"]').click()  # numbers: largest first
     wait_for(browser, "the deepest first", lambda d: rows(d)[0][0] == "orders.eu")
     browser.find_element(By.ID, "queue-search").send_keys("US")
@@ -284,10 +307,16 @@ def test_the_queues_page_sorts_and_searches_the_queues_of_every_node(browser: we
     shot(browser, tmp_path, "queue")
 
 
-def test_the_gateways_page_lists_clients_per_protocol_and_closes_one(browser: webdriver.Chrome, cluster: Cluster,
-                                                      tmp_path: Path) -> None:  # fmt: skip
-    gateway = start_gateway(tmp_path, cluster.b, TRIDENTMQ_STOMP_NODE_NAME="stomp-1",  # its own links: as "app"
-                            TRIDENTMQ_STOMP_CORE_USER=APP, TRIDENTMQ_STOMP_CORE_PASSWORD=APP_PASSWORD)  # fmt: skip
+def test_the_gateways_page_lists_clients_per_protocol_and_closes_one(
+    browser: webdriver.Chrome, cluster: Cluster, tmp_path: Path
+) -> None:
+    gateway = start_gateway(
+        tmp_path,
+        cluster.b,
+        TRIDENTMQ_STOMP_NODE_NAME="stomp-1",  # its own links: as "app"
+        TRIDENTMQ_STOMP_CORE_USER=APP,
+        TRIDENTMQ_STOMP_CORE_PASSWORD=APP_PASSWORD,
+    )
     try:
         connection = stomp.Connection12([("127.0.0.1", gateway.port)])
         connection.connect(username=APP, passcode=APP_PASSWORD, wait=True)
@@ -295,8 +324,9 @@ def test_the_gateways_page_lists_clients_per_protocol_and_closes_one(browser: we
             log_in(browser, cluster, "gateways")
             wait_for(browser, "the STOMP client", lambda d: "stomp 127.0.0.1:" in text(d, "#clients-stomp tbody"))
             assert APP in text(browser, "#clients-stomp tbody")
-            wait_for(browser, "the gateway's own link",
-                     lambda d: "stomp-1 readiness" in text(d, "#clients-gateway tbody"))  # fmt: skip
+            wait_for(
+                browser, "the gateway's own link", lambda d: "stomp-1 readiness" in text(d, "#clients-gateway tbody")
+            )
             assert "cluster:" in text(browser, "#clients-cluster tbody")
             shot(browser, tmp_path, "gateways")
             click_and_confirm(browser, By.CSS_SELECTOR, "#clients-stomp tbody button")  # Close
@@ -310,10 +340,17 @@ def test_the_gateways_page_lists_clients_per_protocol_and_closes_one(browser: we
         gateway.stop()
 
 
-def test_the_mqtt_page_lists_sessions_and_clears_a_retained_message(browser: webdriver.Chrome, cluster: Cluster,
-                                                                   tmp_path: Path) -> None:  # fmt: skip
-    gateway = start_gateway(tmp_path, cluster.b, "mqtt", TRIDENTMQ_MQTT_NODE_NAME="mqtt-1",
-                            TRIDENTMQ_MQTT_CORE_USER=APP, TRIDENTMQ_MQTT_CORE_PASSWORD=APP_PASSWORD)  # fmt: skip
+def test_the_mqtt_page_lists_sessions_and_clears_a_retained_message(
+    browser: webdriver.Chrome, cluster: Cluster, tmp_path: Path
+) -> None:
+    gateway = start_gateway(
+        tmp_path,
+        cluster.b,
+        "mqtt",
+        TRIDENTMQ_MQTT_NODE_NAME="mqtt-1",
+        TRIDENTMQ_MQTT_CORE_USER=APP,
+        TRIDENTMQ_MQTT_CORE_PASSWORD=APP_PASSWORD,
+    )
     device = Paho(gateway.port, "console-sensor-7", clean=False, username=APP, password=APP_PASSWORD)
     try:
         device.connect(expiry=3600)
@@ -322,13 +359,17 @@ def test_the_mqtt_page_lists_sessions_and_clears_a_retained_message(browser: web
         log_in(browser, cluster, "mqtt")
         wait_for(browser, "the session", lambda d: "console-sensor-7" in text(d, "#mqtt-sessions tbody"))
         assert "console/sensors/+/cmd" in text(browser, "#mqtt-sessions tbody")
-        wait_for(browser, "the retained message",
-                 lambda d: "console/sensors/7/state" in text(d, "#mqtt-retained tbody"))  # fmt: skip
+        wait_for(
+            browser, "the retained message", lambda d: "console/sensors/7/state" in text(d, "#mqtt-retained tbody")
+        )
         assert "online" in text(browser, "#mqtt-retained tbody")
         shot(browser, tmp_path, "mqtt")
         click_and_confirm(browser, By.CSS_SELECTOR, "#mqtt-retained tbody button")  # Clear
-        wait_for(browser, "the retained message gone",
-                 lambda d: "console/sensors/7/state" not in text(d, "#mqtt-retained tbody"))  # fmt: skip
+        wait_for(
+            browser,
+            "the retained message gone",
+            lambda d: "console/sensors/7/state" not in text(d, "#mqtt-retained tbody"),
+        )
         # A new subscriber gets no retained message for it any more: cleared in the core, not only on the page.
         late = Paho(gateway.port, "console-late", username=APP, password=APP_PASSWORD)
         late.connect()
@@ -353,8 +394,9 @@ async def consume_one(node: CoreProcess, queue: str) -> Delivery:
         return delivery
 
 
-def test_the_audit_page_follows_a_message_across_nodes(browser: webdriver.Chrome, cluster: Cluster,
-                                                       tmp_path: Path) -> None:  # fmt: skip
+def test_the_audit_page_follows_a_message_across_nodes(
+    browser: webdriver.Chrome, cluster: Cluster, tmp_path: Path
+) -> None:
     """Published on c, consumed on b: c moved it to b, so its history is on both nodes, under c's id."""
     asyncio.run(publish(cluster.c, "payments", 1))
     delivery = asyncio.run(consume_one(cluster.b, "payments"))
@@ -362,11 +404,16 @@ def test_the_audit_page_follows_a_message_across_nodes(browser: webdriver.Chrome
     log_in(browser, cluster, f"audit/{origin}")
 
     def events(driver: webdriver.Chrome) -> list[tuple[str, str]]:
-        return [(tr.find_elements(By.TAG_NAME, "td")[1].text, str(tr.get_attribute("data-event")))
-                for tr in driver.find_elements(By.CSS_SELECTOR, "#audit-events tbody tr[data-event]")]  # fmt: skip
+        return [
+            (tr.find_elements(By.TAG_NAME, "td")[1].text, str(tr.get_attribute("data-event")))
+            for tr in driver.find_elements(By.CSS_SELECTOR, "#audit-events tbody tr[data-event]")
+        ]
 
-    wait_for(browser, "the events on both nodes", lambda d: {("c", "msg.sent"), ("b", "msg.sent"),
-             ("b", "msg.delivered"), ("b", "msg.acked")} <= set(events(d)))  # fmt: skip
+    wait_for(
+        browser,
+        "the events on both nodes",
+        lambda d: {("c", "msg.sent"), ("b", "msg.sent"), ("b", "msg.delivered"), ("b", "msg.acked")} <= set(events(d)),
+    )
     seen = events(browser)
     assert seen[0] == ("c", "msg.sent")
     assert {("c", "msg.forwarded"), ("c", "msg.redistributed")} & set(seen), seen  # moved before or after it waited
@@ -384,8 +431,9 @@ async def consume(node: CoreProcess, queue: str, count: int) -> None:
         await client.create_queue(f"{queue}.done")  # a round trip: the acks were handled before its answer
 
 
-def test_the_charts_page_draws_the_rates_and_the_latency(browser: webdriver.Chrome, cluster: Cluster,
-                                                         tmp_path: Path) -> None:  # fmt: skip
+def test_the_charts_page_draws_the_rates_and_the_latency(
+    browser: webdriver.Chrome, cluster: Cluster, tmp_path: Path
+) -> None:
     log_in(browser, cluster, "charts")
     wait_for(browser, "four charts", lambda d: len(d.find_elements(By.CSS_SELECTOR, ".chart canvas")) == 4)
     rates = browser.find_element(By.ID, "chart-rates")
@@ -394,8 +442,11 @@ def test_the_charts_page_draws_the_rates_and_the_latency(browser: webdriver.Chro
         samples = int(rates.get_attribute("data-samples") or 0)
         asyncio.run(publish(cluster.b, "charts", 10, create=batch == 0))
         asyncio.run(consume(cluster.b, "charts", 10))
-        wait_for(browser, "a sample after the batch",
-                 lambda d, seen=samples: int(rates.get_attribute("data-samples") or 0) > seen)  # fmt: skip
+        wait_for(
+            browser,
+            "a sample after the batch",
+            lambda d, seen=samples: int(rates.get_attribute("data-samples") or 0) > seen,
+        )
     wait_for(browser, "a sample with the messages", lambda d: int(rates.get_attribute("data-routed") or 0) >= 30)
     wait_for(browser, "the acks timed", lambda d: int(latency.get_attribute("data-timed") or 0) >= 30)
     legend = latency.find_element(By.CSS_SELECTOR, ".u-legend").text
@@ -453,8 +504,9 @@ async def dead_letter(node: CoreProcess, queue: str, count: int) -> None:
         await client.create_queue(queue)  # a round trip: the rejections were handled before its answer
 
 
-def test_dead_letters_are_moved_back_to_their_queue(browser: webdriver.Chrome, cluster: Cluster,
-                                                    tmp_path: Path) -> None:  # fmt: skip
+def test_dead_letters_are_moved_back_to_their_queue(
+    browser: webdriver.Chrome, cluster: Cluster, tmp_path: Path
+) -> None:
     asyncio.run(dead_letter(cluster.b, "refunds", 3))
     wait_until(lambda: depth(cluster.b, "DLQ") == 3, WAIT, "three dead letters")
     assert depth(cluster.b, "refunds") == 0
@@ -470,8 +522,9 @@ def test_dead_letters_are_moved_back_to_their_queue(browser: webdriver.Chrome, c
     assert "moved 3" in text(browser, ".toast")
 
 
-def test_an_address_setting_is_changed_from_the_settings_page(browser: webdriver.Chrome, cluster: Cluster,
-                                                              tmp_path: Path) -> None:  # fmt: skip
+def test_an_address_setting_is_changed_from_the_settings_page(
+    browser: webdriver.Chrome, cluster: Cluster, tmp_path: Path
+) -> None:
     log_in(browser, cluster, "settings")
     wait_for(browser, "the entries", lambda d: d.find_elements(By.CSS_SELECTOR, "#settings-entries table"))
     browser.find_element(By.ID, "settings-match").send_keys("refunds.#")

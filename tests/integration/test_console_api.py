@@ -23,8 +23,12 @@ from tridentmq_shared.message import new_message
 pytestmark = pytest.mark.integration
 
 
-def call(url: str, method: str = "GET", headers: dict[str, str] | None = None, body: bytes | None = None,
-         ) -> tuple[int, dict[str, str], bytes]:  # fmt: skip
+def call(
+    url: str,
+    method: str = "GET",
+    headers: dict[str, str] | None = None,
+    body: bytes | None = None,
+) -> tuple[int, dict[str, str], bytes]:
     request = urllib.request.Request(url, method=method, headers=headers or {}, data=body)
     try:
         with urllib.request.urlopen(request, timeout=10) as response:

@@ -36,11 +36,14 @@ async def test_a_flood_is_held_at_the_memory_limit_and_resumes(tmp_path: Path) -
     limit = 2 * 1024 * 1024
     body = b"x" * 1000  # ~1256 bytes accounted per message
     total = 8000  # ~10 MB: five times the limit
-    node = start_core(tmp_path, TRIDENTMQ_CORE_BROKER_MAX_MEMORY_BYTES=str(limit),
-                      TRIDENTMQ_CORE_LINK_PUBLISH_WINDOW="100")  # fmt: skip
+    node = start_core(
+        tmp_path, TRIDENTMQ_CORE_BROKER_MAX_MEMORY_BYTES=str(limit), TRIDENTMQ_CORE_LINK_PUBLISH_WINDOW="100"
+    )
     try:
-        async with LinkClient("127.0.0.1", node.link_port) as producer, \
-                LinkClient("127.0.0.1", node.link_port) as consumer_link:  # fmt: skip
+        async with (
+            LinkClient("127.0.0.1", node.link_port) as producer,
+            LinkClient("127.0.0.1", node.link_port) as consumer_link,
+        ):
             await producer.create_queue("flood", durable=False)
 
             confirmed = 0

@@ -35,8 +35,10 @@ WRONG = "unknown user or wrong password"
 def _users() -> str:
     alice = hash_password("wonderland", salt=b"alice-salt", iterations=200_000)
     bob = hash_password("builder", salt=b"bob-salt", iterations=200_000)
-    grants = "\n".join(f'[[permissions]]\nmatch = "#"\npermission = "{p}"\nroles = ["app"]\n'
-                       for p in ("send", "consume", "createAddress", "createNonDurableQueue"))  # fmt: skip
+    grants = "\n".join(
+        f'[[permissions]]\nmatch = "#"\npermission = "{p}"\nroles = ["app"]\n'
+        for p in ("send", "consume", "createAddress", "createNonDurableQueue")
+    )
     return f"""
 [[users]]
 name = "alice"
@@ -90,12 +92,18 @@ async def _round_trip(producer: LinkClient, consumer_link: LinkClient, queue: st
 
 async def test_a_wrong_password_storm_does_not_stall_the_node(tmp_path: Path) -> None:
     # Shorter refusal delays than the defaults: the same bound on guesses, reached in fewer seconds.
-    node = start_core(tmp_path, config=_users(), TRIDENTMQ_CORE_LOGIN_FAILURE_DELAY_MS="100",
-                      TRIDENTMQ_CORE_LOGIN_MAX_FAILURE_DELAY_MS="1000")  # fmt: skip
+    node = start_core(
+        tmp_path,
+        config=_users(),
+        TRIDENTMQ_CORE_LOGIN_FAILURE_DELAY_MS="100",
+        TRIDENTMQ_CORE_LOGIN_MAX_FAILURE_DELAY_MS="1000",
+    )
     port = node.link_port
     try:
-        async with LinkClient("127.0.0.1", port, user="alice", password="wonderland") as producer, \
-                LinkClient("127.0.0.1", port, user="alice", password="wonderland") as consumer_link:  # fmt: skip
+        async with (
+            LinkClient("127.0.0.1", port, user="alice", password="wonderland") as producer,
+            LinkClient("127.0.0.1", port, user="alice", password="wonderland") as consumer_link,
+        ):
             await producer.create_queue("work", durable=False)
             await _round_trip(producer, consumer_link, "work", 20)
             answers: Counter[str] = Counter()

@@ -118,8 +118,10 @@ async def _round_trip(producer: LinkClient, consumer_link: LinkClient, queue: st
 async def test_hostile_handshakes_leave_memory_bounded_and_the_core_serving(tmp_path: Path) -> None:
     node = start_core(tmp_path, TRIDENTMQ_CORE_LINK_MAX_HANDSHAKING=str(MAX_HANDSHAKING))
     try:
-        async with LinkClient("127.0.0.1", node.link_port) as producer, \
-                LinkClient("127.0.0.1", node.link_port) as consumer_link:  # fmt: skip
+        async with (
+            LinkClient("127.0.0.1", node.link_port) as producer,
+            LinkClient("127.0.0.1", node.link_port) as consumer_link,
+        ):
             await producer.create_queue("live", durable=False)
             await _round_trip(producer, consumer_link, "live", 200)  # warmed up before the baseline
             baseline = _rss(node.process.pid)
@@ -134,8 +136,10 @@ async def test_hostile_handshakes_leave_memory_bounded_and_the_core_serving(tmp_
             threads = [threading.Thread(target=_attack, args=(node.link_port, h, b, n, closed)) for h, b, n in attacks]
             stop_silent = threading.Event()
             silent_closed: list[bool] = []
-            silent = [threading.Thread(target=_silent, args=(node.link_port, stop_silent, silent_closed))
-                      for _ in range(PER_KIND)]  # fmt: skip
+            silent = [
+                threading.Thread(target=_silent, args=(node.link_port, stop_silent, silent_closed))
+                for _ in range(PER_KIND)
+            ]
             for thread in threads + silent:
                 thread.start()
             rounds = 0

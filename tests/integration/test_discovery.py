@@ -28,10 +28,12 @@ DEADLINE = 10.0  # generous for a loaded machine; the assertions below expect th
 _ports = itertools.count(31000)  # announced, never bound: discovery does not connect to the nodes
 
 
-def announcement(name: str, *, cluster: str = CLUSTER, node_id: str | None = None, port: int | None = None
-                 ) -> Announcement:  # fmt: skip
-    return Announcement(cluster=cluster, node_id=node_id or str(uuid.uuid4()), name=name, host="127.0.0.1",
-                        port=port or next(_ports))  # fmt: skip
+def announcement(
+    name: str, *, cluster: str = CLUSTER, node_id: str | None = None, port: int | None = None
+) -> Announcement:
+    return Announcement(
+        cluster=cluster, node_id=node_id or str(uuid.uuid4()), name=name, host="127.0.0.1", port=port or next(_ports)
+    )
 
 
 def key(a: Announcement) -> str:
@@ -97,9 +99,13 @@ async def raw(redis: RedisServer) -> AsyncIterator[Redis]:
 async def nodes() -> AsyncIterator[NodeFactory]:
     started: list[RedisDiscovery] = []
 
-    async def start(url: str, me: Announcement, *, refresh: float = REFRESH,
-                    on_change: Callable[[Mapping[str, Announcement]], None] | None = None
-                    ) -> RedisDiscovery:  # fmt: skip
+    async def start(
+        url: str,
+        me: Announcement,
+        *,
+        refresh: float = REFRESH,
+        on_change: Callable[[Mapping[str, Announcement]], None] | None = None,
+    ) -> RedisDiscovery:
         node = RedisDiscovery(url, me, broadcast_period=PERIOD, refresh_timeout=refresh, on_change=on_change)
         started.append(node)
         await node.start()
@@ -116,8 +122,9 @@ async def nodes() -> AsyncIterator[NodeFactory]:
 
 
 def test_announcement_round_trip() -> None:
-    a = Announcement(cluster="c", node_id="id-1", name="n1", host="10.0.0.1", port=6000, role="backup",
-                     pair="g1", epoch=7)  # fmt: skip
+    a = Announcement(
+        cluster="c", node_id="id-1", name="n1", host="10.0.0.1", port=6000, role="backup", pair="g1", epoch=7
+    )
     encoded = a.encode()
     assert orjson.loads(encoded)["v"] == 1
     assert Announcement.decode(encoded) == a
@@ -177,8 +184,9 @@ def test_announcement_validates_construction() -> None:
 # ---------------------------------------------------------------------- discovery
 
 
-async def test_nodes_of_one_cluster_discover_each_other(redis: RedisServer, nodes: NodeFactory,
-                                                        caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+async def test_nodes_of_one_cluster_discover_each_other(
+    redis: RedisServer, nodes: NodeFactory, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.WARNING, logger=LOGGER)
     changes = Changes()
     a = await nodes(redis.url, announcement("a"), on_change=changes)
@@ -268,16 +276,19 @@ async def test_redis_outage_freezes_membership(redis: RedisServer, nodes: NodeFa
     back = time.monotonic()  # a's reconnection, and so the restart of d's refresh clock, comes after this
     await until(lambda: a.connected and b.connected and c.connected, "the reconnections")
     everyone = {a.me.node_id, b.me.node_id, c.me.node_id}
-    await until(lambda: set(a.members) == everyone - {a.me.node_id} and set(c.members) == everyone - {c.me.node_id},
-                "the node that joined during the outage and the expiry of the one that left")  # fmt: skip
+    await until(
+        lambda: set(a.members) == everyone - {a.me.node_id} and set(c.members) == everyone - {c.me.node_id},
+        "the node that joined during the outage and the expiry of the one that left",
+    )
     expired_at = next(t for call, t in zip(changes.calls, changes.times, strict=True) if d.me.node_id not in call)
     assert expired_at - back >= refresh  # its clock restarted at the reconnection
     assert b.me.node_id in a.members  # never dropped
     assert all(b.me.node_id in call for call in changes.calls)
 
 
-async def test_rescan_after_reconnect_finds_what_pubsub_missed(redis: RedisServer, raw: Redis,
-                                                              nodes: NodeFactory) -> None:  # fmt: skip
+async def test_rescan_after_reconnect_finds_what_pubsub_missed(
+    redis: RedisServer, raw: Redis, nodes: NodeFactory
+) -> None:
     a = await nodes(redis.url, announcement("a"), refresh=30.0)
     await until(lambda: a.connected, "connected")
     quiet = announcement("quiet")
@@ -314,16 +325,18 @@ async def test_stop_with_redis_down_returns_promptly(redis: RedisServer, nodes: 
     assert not a.connected
 
 
-async def test_malformed_input_is_ignored(redis: RedisServer, raw: Redis, nodes: NodeFactory,
-                                          caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+async def test_malformed_input_is_ignored(
+    redis: RedisServer, raw: Redis, nodes: NodeFactory, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.WARNING, logger=LOGGER)
     prefix = f"tridentmq:{CLUSTER}:node:"
     stranger = announcement("stranger", cluster="beta")
     mismatched = announcement("mismatched")
     # Keys found by the scan: garbage, a wrong type, a huge value, a key of another type, a foreign cluster.
     await raw.set(prefix + "garbage", b"\xff\xfe\x00garbage")
-    await raw.set(prefix + "wrong-type", orjson.dumps({**GOOD, "cluster": CLUSTER, "node_id": "wrong-type",
-                                                       "port": "80"}))  # fmt: skip
+    await raw.set(
+        prefix + "wrong-type", orjson.dumps({**GOOD, "cluster": CLUSTER, "node_id": "wrong-type", "port": "80"})
+    )
     await raw.set(prefix + "huge", b"{" + b" " * 100_000 + b"}")
     await raw.hset(prefix + "hash", "field", "value")
     await raw.set(prefix + stranger.node_id, stranger.encode())
@@ -334,16 +347,32 @@ async def test_malformed_input_is_ignored(redis: RedisServer, raw: Redis, nodes:
     assert a.members == {}
 
     # Channel messages: garbage, wrong shapes, oversize, a foreign cluster, a malformed leave.
-    for payload in [b"\xff\x00", b"[1, 2]", b"{}", orjson.dumps({**GOOD, "v": 2}), orjson.dumps({**GOOD, "port": -1}),
-                    b'{"v": 1, "name": "' + b"x" * 10_000 + b'"}', stranger.encode(),
-                    orjson.dumps({"v": 1, LEAVE: 5, "cluster": CLUSTER}),
-                    orjson.dumps({"v": 1, LEAVE: "someone", "cluster": "beta"}),
-                    orjson.dumps({"v": 1, "cluster": CLUSTER})]:  # fmt: skip
+    for payload in [
+        b"\xff\x00",
+        b"[1, 2]",
+        b"{}",
+        orjson.dumps({**GOOD, "v": 2}),
+        orjson.dumps({**GOOD, "port": -1}),
+        b'{"v": 1, "name": "' + b"x" * 10_000 + b'"}',
+        stranger.encode(),
+        orjson.dumps({"v": 1, LEAVE: 5, "cluster": CLUSTER}),
+        orjson.dumps({"v": 1, LEAVE: "someone", "cluster": "beta"}),
+        orjson.dumps({"v": 1, "cluster": CLUSTER}),
+    ]:
         await raw.publish(channel(), payload)
     await until(lambda: len(ignored(caplog)) == 6 + 10, "one log line per ignored message")
     reasons = " | ".join(ignored(caplog))
-    for expected in ["not JSON", "not a JSON object", "missing field", "version", "port", "exceeds", "cluster 'beta'",
-                     "key does not match", "malformed leave"]:  # fmt: skip
+    for expected in [
+        "not JSON",
+        "not a JSON object",
+        "missing field",
+        "version",
+        "port",
+        "exceeds",
+        "cluster 'beta'",
+        "key does not match",
+        "malformed leave",
+    ]:
         assert expected in reasons, reasons
 
     # Still working: a real node is discovered and nothing else got in.
@@ -352,16 +381,19 @@ async def test_malformed_input_is_ignored(redis: RedisServer, raw: Redis, nodes:
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
-async def test_same_node_id_from_another_process_is_a_duplicate(redis: RedisServer, nodes: NodeFactory,
-                                                                caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+async def test_same_node_id_from_another_process_is_a_duplicate(
+    redis: RedisServer, nodes: NodeFactory, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.WARNING, logger=LOGGER)
     original = announcement("original")
     copy = dataclasses.replace(original, name="copy", port=next(_ports))  # a copied data directory
     a = await nodes(redis.url, original)
     b = await nodes(redis.url, copy)
     c = await nodes(redis.url, announcement("c"))
-    await until(lambda: a.duplicates == {(copy.host, copy.port)} and b.duplicates == {(original.host, original.port)},
-                "the duplicate to be detected")  # fmt: skip
+    await until(
+        lambda: a.duplicates == {(copy.host, copy.port)} and b.duplicates == {(original.host, original.port)},
+        "the duplicate to be detected",
+    )
     await until(lambda: c.me.node_id in a.members and c.me.node_id in b.members, "discovery of c")
     await asyncio.sleep(5 * PERIOD)  # many more announcements from the impostor: still one error each
     assert set(a.members) == set(b.members) == {c.me.node_id}
@@ -369,8 +401,9 @@ async def test_same_node_id_from_another_process_is_a_duplicate(redis: RedisServ
     assert sorted(getattr(r, "impostor_port", 0) for r in errors) == sorted([original.port, copy.port])
 
 
-async def test_members_are_capped(redis: RedisServer, raw: Redis, nodes: NodeFactory,
-                                  caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+async def test_members_are_capped(
+    redis: RedisServer, raw: Redis, nodes: NodeFactory, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.WARNING, logger=LOGGER)
     async with raw.pipeline(transaction=False) as pipe:
         for n in range(MAX_MEMBERS + 20):
@@ -383,8 +416,9 @@ async def test_members_are_capped(redis: RedisServer, raw: Redis, nodes: NodeFac
     assert len([r for r in caplog.records if "limit" in r.getMessage()]) == 1
 
 
-async def test_failing_on_change_is_contained(redis: RedisServer, nodes: NodeFactory,
-                                              caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+async def test_failing_on_change_is_contained(
+    redis: RedisServer, nodes: NodeFactory, caplog: pytest.LogCaptureFixture
+) -> None:
     def broken(members: Mapping[str, Announcement]) -> None:
         raise RuntimeError("callback bug")
 

@@ -109,8 +109,9 @@ async def test_durable_messages_reach_an_auto_acknowledging_consumer(tmp_path: P
 
 
 async def test_compaction_retires_dead_segments_and_keeps_live_messages(tmp_path: Path) -> None:
-    node = start_core(tmp_path, TRIDENTMQ_CORE_JOURNAL_SEGMENT_BYTES="65536",
-                      TRIDENTMQ_CORE_JOURNAL_COMPACT_MIN_SEGMENTS="3")  # fmt: skip
+    node = start_core(
+        tmp_path, TRIDENTMQ_CORE_JOURNAL_SEGMENT_BYTES="65536", TRIDENTMQ_CORE_JOURNAL_COMPACT_MIN_SEGMENTS="3"
+    )
     port = node.link_port
     journal = tmp_path / "core" / "journal"
     try:

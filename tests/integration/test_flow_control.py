@@ -61,11 +61,16 @@ async def test_a_producer_of_large_messages_is_blocked_near_the_memory_limit_and
     window = 8 * MIB
     body = b"x" * MIB
     total = 160  # 160 MiB: more than six times the limit
-    node = start_core(tmp_path, TRIDENTMQ_CORE_BROKER_MAX_MEMORY_BYTES=str(limit),
-                      TRIDENTMQ_CORE_LINK_PUBLISH_WINDOW_BYTES=str(window))  # fmt: skip
+    node = start_core(
+        tmp_path,
+        TRIDENTMQ_CORE_BROKER_MAX_MEMORY_BYTES=str(limit),
+        TRIDENTMQ_CORE_LINK_PUBLISH_WINDOW_BYTES=str(window),
+    )
     try:
-        async with LinkClient("127.0.0.1", node.link_port) as producer, \
-                LinkClient("127.0.0.1", node.link_port) as consumer_link:  # fmt: skip
+        async with (
+            LinkClient("127.0.0.1", node.link_port) as producer,
+            LinkClient("127.0.0.1", node.link_port) as consumer_link,
+        ):
             await producer.create_queue("big", durable=False)
             sent = confirmed = 0
             blocked = asyncio.Event()
@@ -148,8 +153,7 @@ async def publish_numbered(port: int, queue: str, count: int, size: int) -> None
     """``count`` messages of ``size`` bytes numbered in their first 8 bytes, straight into the core."""
     padding = b"." * (size - 8)
     async with LinkClient("127.0.0.1", port) as producer:
-        futures = [await producer.send(new_message(queue, b"%08d" % n + padding, durable=False))
-                   for n in range(count)]  # fmt: skip
+        futures = [await producer.send(new_message(queue, b"%08d" % n + padding, durable=False)) for n in range(count)]
         await asyncio.gather(*futures)
 
 
@@ -211,14 +215,18 @@ def test_an_mqtt_qos1_client_that_stops_reading_costs_the_gateway_a_bounded_wind
         slow.send(Subscribe(1, (Subscription("slow/t", 1),)))
         assert slow.next() == Suback(1, (1,))
         assert producer.connect("producer") == Connack(session_present=False, reason_code=0)
-        queue = next(q["name"] for q in get_json(f"{node.management_url}/api/queues") if q["name"].startswith(
-            convert.subscription_queue("slow", "slow/t")))  # fmt: skip
+        queue = next(
+            q["name"]
+            for q in get_json(f"{node.management_url}/api/queues")
+            if q["name"].startswith(convert.subscription_queue("slow", "slow/t"))
+        )
         with PeakRss(gateway.process.pid) as memory:  # from here on the slow client reads nothing
             padding = b"." * (QOS1_BODY - 8)
             for n in range(QOS1_COUNT):
                 producer.send(Publish("slow/t", b"%08d" % n + padding, 1, packet_id=n + 1))
             assert sorted(producer.next(30).packet_id for _ in range(QOS1_COUNT)) == list(  # type: ignore[attr-defined]
-                range(1, QOS1_COUNT + 1))  # fmt: skip
+                range(1, QOS1_COUNT + 1)
+            )
             settled = Settled(lambda: (queue_stats(node, queue) or {}).get("delivered", 0))
             wait_for(settled.steady, "the gateway to stop taking messages")
             stats = queue_stats(node, queue)
@@ -270,8 +278,11 @@ def test_an_amqp_receiver_that_grants_no_credit_costs_the_gateway_a_bounded_pref
             receiver.accept()
         assert numbers == list(range(AMQP_COUNT))
         # The blocking client sends its last disposition while it waits: the core then has every one.
-        conn.wait(lambda: (queue_stats(node, "slowamqp") or {}).get("acked") == AMQP_COUNT, timeout=30,
-                  msg="every message acked")  # fmt: skip
+        conn.wait(
+            lambda: (queue_stats(node, "slowamqp") or {}).get("acked") == AMQP_COUNT,
+            timeout=30,
+            msg="every message acked",
+        )
     finally:
         conn.close()
         stop_cleanly(gateway)

@@ -52,13 +52,19 @@ def listening(port: int) -> bool:
 def test_gateway_serves_only_while_its_core_answers(tmp_path: Path, kind: str) -> None:
     link, http, client = free_port(), free_port(), free_port()
     prefix = f"TRIDENTMQ_{kind.upper()}"
-    env = {**os.environ, f"{prefix}_CORE_PORT": str(link), f"{prefix}_HTTP_PORT": str(http),
-           f"{prefix}_LISTENER_HOST": "127.0.0.1", f"{prefix}_LISTENER_PORT": str(client),
-           f"{prefix}_LISTENER_WEBSOCKET_PORT": "-1"}  # fmt: skip
+    env = {
+        **os.environ,
+        f"{prefix}_CORE_PORT": str(link),
+        f"{prefix}_HTTP_PORT": str(http),
+        f"{prefix}_LISTENER_HOST": "127.0.0.1",
+        f"{prefix}_LISTENER_PORT": str(client),
+        f"{prefix}_LISTENER_WEBSOCKET_PORT": "-1",
+    }
     log_path = tmp_path / "gateway.log"
     with log_path.open("wb") as log:
-        gateway = subprocess.Popen([sys.executable, "-m", f"tridentmq_{kind}"], env=env, stdout=log,
-                                   stderr=subprocess.STDOUT)  # fmt: skip
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", f"tridentmq_{kind}"], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
     _started.append(gateway)
     assert wait_for(http, 503) == {"status": "starting"}
     assert not listening(client), "the client port opened before the core answered"
@@ -80,10 +86,16 @@ def test_gateway_serves_only_while_its_core_answers(tmp_path: Path, kind: str) -
 
 def test_gateway_waiting_for_its_core_stops_on_sigterm(tmp_path: Path) -> None:
     http = free_port()
-    env = {**os.environ, "TRIDENTMQ_STOMP_CORE_PORT": str(free_port()), "TRIDENTMQ_STOMP_HTTP_PORT": str(http),
-           "TRIDENTMQ_STOMP_LISTENER_PORT": "0", "TRIDENTMQ_STOMP_LISTENER_WEBSOCKET_PORT": "-1"}  # fmt: skip
-    gateway = subprocess.Popen([sys.executable, "-m", "tridentmq_stomp"], env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT)  # fmt: skip
+    env = {
+        **os.environ,
+        "TRIDENTMQ_STOMP_CORE_PORT": str(free_port()),
+        "TRIDENTMQ_STOMP_HTTP_PORT": str(http),
+        "TRIDENTMQ_STOMP_LISTENER_PORT": "0",
+        "TRIDENTMQ_STOMP_LISTENER_WEBSOCKET_PORT": "-1",
+    }
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "tridentmq_stomp"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     _started.append(gateway)
     wait_for(http, 503)
     gateway.terminate()

@@ -116,8 +116,9 @@ async def test_single_pair_backup_waits_without_a_quorum(tmp_path: Path) -> None
 
 def test_backup_of_another_group_is_refused(tmp_path: Path) -> None:
     primary = start_node(tmp_path, "p", core_ha_policy="replication", core_ha_group_name="east")
-    backup = start_node(tmp_path, "b", [primary], core_ha_policy="replication", core_ha_group_name="west",
-                        core_ha_role="backup")  # fmt: skip
+    backup = start_node(
+        tmp_path, "b", [primary], core_ha_policy="replication", core_ha_group_name="west", core_ha_role="backup"
+    )
     wait_until(lambda: "refused" in str(ha_view(backup).get("state", "")), 10, "the refusal")
     assert "'west' is not this pair's ('east')" in str(ha_view(backup)["state"])
     assert "backup refused: another group" in primary.log()
@@ -128,11 +129,17 @@ def test_backup_of_another_group_is_refused(tmp_path: Path) -> None:
 
 async def test_backup_killed_primary_mid_copy_never_activates_with_partial_data(tmp_path: Path) -> None:
     """A backup whose copy is not whole stays passive even when allowed to take over without a quorum."""
-    primary = start_node(tmp_path, "p", core_ha_policy="replication", core_ha_group_name="g",
-                         core_ha_sync_window="50")  # fmt: skip
+    primary = start_node(tmp_path, "p", core_ha_policy="replication", core_ha_group_name="g", core_ha_sync_window="50")
     await publish(primary, "big", [b"%06d" % i + b"." * 2000 for i in range(20_000)])
-    backup = start_node(tmp_path, "b", [primary], core_ha_policy="replication", core_ha_group_name="g",
-                        core_ha_role="backup", core_ha_activate_without_quorum="true")  # fmt: skip
+    backup = start_node(
+        tmp_path,
+        "b",
+        [primary],
+        core_ha_policy="replication",
+        core_ha_group_name="g",
+        core_ha_role="backup",
+        core_ha_activate_without_quorum="true",
+    )
     wait_until(lambda: ha_view(backup).get("state") == "copying", 10, "the copy to start")
     kill(primary)
     wait_until(lambda: "before the copy was whole" in str(ha_view(backup).get("state", "")), 10, "the loss")
@@ -165,8 +172,11 @@ async def test_quorum_of_three_pairs_activates_the_backup_of_a_killed_primary(tm
 async def test_primary_that_loses_its_backup_goes_on_with_a_quorum(tmp_path: Path) -> None:
     a, b, c = three_pairs(tmp_path)
     kill(a.backup)
-    wait_until(lambda: ha_view(a.primary).get("backup") == "" and not ha_view(a.primary)["waiting_for_quorum"], 10,
-               "the primary to go on alone")  # fmt: skip
+    wait_until(
+        lambda: ha_view(a.primary).get("backup") == "" and not ha_view(a.primary)["waiting_for_quorum"],
+        10,
+        "the primary to go on alone",
+    )
     await asyncio.wait_for(publish(a.primary, "after", [b"1", b"2"]), 10)
     assert "quorum agrees: going on without the backup" in a.primary.log()
     for node in (a.primary, b.primary, b.backup, c.primary, c.backup):
@@ -188,8 +198,11 @@ async def test_a_backup_whose_primary_confirmed_more_after_losing_it_never_takes
     backup = b.backup
     if first_fault == "backup killed":
         kill(backup)
-        wait_until(lambda: ha_view(b.primary).get("backup") == "" and not ha_view(b.primary)["waiting_for_quorum"],
-                   10, "b's primary to go on alone")  # fmt: skip
+        wait_until(
+            lambda: ha_view(b.primary).get("backup") == "" and not ha_view(b.primary)["waiting_for_quorum"],
+            10,
+            "b's primary to go on alone",
+        )
         primary = b.primary
     else:
         backup.process.send_signal(signal.SIGSTOP)
@@ -204,8 +217,11 @@ async def test_a_backup_whose_primary_confirmed_more_after_losing_it_never_takes
         backup = start_node(tmp_path, "b-backup", [b.primary, a.primary], core_ha_role="backup", **ha)
     else:
         backup.process.send_signal(signal.SIGCONT)
-    wait_until(lambda: "newer than this copy's 1: copying the active node" in backup.log(), 20,
-               "the backup to learn that its copy is stale")  # fmt: skip
+    wait_until(
+        lambda: "newer than this copy's 1: copying the active node" in backup.log(),
+        20,
+        "the backup to learn that its copy is stale",
+    )
     assert ha_view(backup)["active"] is False
     primary = start_node(tmp_path, "b-primary", [a.primary], **ha)
     wait_until(lambda: ha_view(primary).get("active") is True, 15, "b's primary to serve again")
@@ -356,7 +372,8 @@ def test_an_mqtt_session_carries_on_through_the_backup(tmp_path: Path) -> None:
 
 
 def test_an_mqtt_subscription_on_a_killed_primary_gets_what_another_node_acknowledged_during_the_failover(
-        tmp_path: Path) -> None:  # fmt: skip
+    tmp_path: Path,
+) -> None:
     """Issue 21: while a pair failed over, the other nodes had dropped its bindings, and a QoS 1 publish through
     them that matched no other queue was PUBACKed and routed nowhere. The persistent subscription on the lost
     primary stays a destination: what is acknowledged meanwhile waits on the publisher's node for the backup."""
@@ -368,8 +385,11 @@ def test_an_mqtt_subscription_on_a_killed_primary_gets_what_another_node_acknowl
     subscriber = Paho(on_c.port, "gap-sub", clean=False)
     subscriber.connect(expiry=300)
     subscriber.subscribe("gap/t", 1)
-    wait_until(lambda: remote_consumers(a.primary, subscription_queue("gap-sub", "gap/t")) == 1, 10,
-               "a to see the subscription on c")  # fmt: skip
+    wait_until(
+        lambda: remote_consumers(a.primary, subscription_queue("gap-sub", "gap/t")) == 1,
+        10,
+        "a to see the subscription on c",
+    )
     publisher = Paho(on_a.port, "gap-pub")
     publisher.connect()
     attempted: list[bytes] = []
@@ -416,8 +436,11 @@ def test_an_mqtt_subscription_gets_what_another_node_acknowledged_during_a_failb
     subscriber = Paho(on_c.port, "fb-sub", clean=False)
     subscriber.connect(expiry=300)
     subscriber.subscribe("fb/t", 1)
-    wait_until(lambda: remote_consumers(a.primary, subscription_queue("fb-sub", "fb/t")) == 1, 10,
-               "a to see the subscription on c")  # fmt: skip
+    wait_until(
+        lambda: remote_consumers(a.primary, subscription_queue("fb-sub", "fb/t")) == 1,
+        10,
+        "a to see the subscription on c",
+    )
     publisher = Paho(on_a.port, "fb-pub")
     publisher.connect()
     attempted: list[bytes] = []
@@ -432,8 +455,14 @@ def test_an_mqtt_subscription_gets_what_another_node_acknowledged_during_a_failb
     wait_until(lambda: ha_view(c.backup).get("active") is True, 15, "c's backup to take over")
     publish(50)
     (c.backup.data_dir / "ports.json").unlink()  # it restarts itself as the backup after the failback
-    primary = start_node(tmp_path, "c-primary", [c.backup, a.primary], core_ha_policy="replication",
-                         core_ha_group_name="c", core_link_port=str(port))  # fmt: skip
+    primary = start_node(
+        tmp_path,
+        "c-primary",
+        [c.backup, a.primary],
+        core_ha_policy="replication",
+        core_ha_group_name="c",
+        core_link_port=str(port),
+    )
     while not (ha_view(primary).get("active") is True and "failback done" in c.backup.log()):
         publish(10)
         assert len(attempted) < 30_000, "the pair did not go back to its primary"
@@ -473,9 +502,15 @@ async def test_failback_hands_the_pair_back_to_its_returned_primary(tmp_path: Pa
     (pair.backup.data_dir / "ports.json").unlink()
     # The primary comes back (at its address): it finds its pair active at a newer epoch, copies it as its
     # backup, and the backup hands the pair back and restarts itself as the backup.
-    primary = start_node(tmp_path, "fb-primary", [pair.backup], core_ha_policy="replication",
-                         core_ha_group_name="fb", core_ha_activate_without_quorum="true",
-                         core_link_port=str(port))  # fmt: skip
+    primary = start_node(
+        tmp_path,
+        "fb-primary",
+        [pair.backup],
+        core_ha_policy="replication",
+        core_ha_group_name="fb",
+        core_ha_activate_without_quorum="true",
+        core_link_port=str(port),
+    )
     wait_until(lambda: ha_view(primary).get("active") is True, 20, "the primary to take the pair back")
     view = ha_view(primary)
     assert view["epoch"] == 3, view
@@ -498,8 +533,13 @@ async def test_a_replaced_primary_that_copied_its_backup_restarts_as_a_backup(tm
     kill(pair.primary)
     wait_until(lambda: ha_view(pair.backup).get("active") is True, 10, "the backup to take over")
     await publish(pair.backup, "copy.q", [b"1", b"2"])
-    ha = {"core_ha_policy": "replication", "core_ha_group_name": "copy", "core_ha_activate_without_quorum": "true",
-          "core_ha_allow_failback": "false", "core_link_port": str(port)}  # fmt: skip
+    ha = {
+        "core_ha_policy": "replication",
+        "core_ha_group_name": "copy",
+        "core_ha_activate_without_quorum": "true",
+        "core_ha_allow_failback": "false",
+        "core_link_port": str(port),
+    }
     primary = start_node(tmp_path, "copy-primary", [pair.backup], **ha)
     wait_until(lambda: ha_view(primary).get("in_sync") is True, 20, "the old primary to copy the active node")
     kill(primary)
@@ -525,9 +565,13 @@ def listener(port: int = 0) -> socket.socket:
 async def test_a_node_cut_off_from_its_network_stops_serving_until_it_returns(tmp_path: Path) -> None:
     network = listener()
     port = network.getsockname()[1]
-    node = start_core(tmp_path, "checked", TRIDENTMQ_CORE_NETWORK_CHECK_TARGETS=f"127.0.0.1:{port}",
-                      TRIDENTMQ_CORE_NETWORK_CHECK_PERIOD_MS="100",
-                      TRIDENTMQ_CORE_NETWORK_CHECK_TIMEOUT_MS="100")  # fmt: skip
+    node = start_core(
+        tmp_path,
+        "checked",
+        TRIDENTMQ_CORE_NETWORK_CHECK_TARGETS=f"127.0.0.1:{port}",
+        TRIDENTMQ_CORE_NETWORK_CHECK_PERIOD_MS="100",
+        TRIDENTMQ_CORE_NETWORK_CHECK_TIMEOUT_MS="100",
+    )
     try:
         c = client(node)
         await c.connect()
@@ -562,10 +606,18 @@ async def test_a_backup_cut_off_from_its_network_never_takes_over(tmp_path: Path
     port = unreachable.getsockname()[1]
     unreachable.close()  # nothing answers there
     primary = start_node(tmp_path, "p", core_ha_policy="replication", core_ha_group_name="iso")
-    backup = start_node(tmp_path, "b", [primary], core_ha_policy="replication", core_ha_group_name="iso",
-                        core_ha_role="backup", core_ha_activate_without_quorum="true",
-                        core_network_check_targets=f"127.0.0.1:{port}", core_network_check_period_ms="100",
-                        core_network_check_timeout_ms="100")  # fmt: skip
+    backup = start_node(
+        tmp_path,
+        "b",
+        [primary],
+        core_ha_policy="replication",
+        core_ha_group_name="iso",
+        core_ha_role="backup",
+        core_ha_activate_without_quorum="true",
+        core_network_check_targets=f"127.0.0.1:{port}",
+        core_network_check_period_ms="100",
+        core_network_check_timeout_ms="100",
+    )
     wait_until(lambda: ha_view(backup).get("in_sync") is True, 20, "the backup to be in sync")
     kill(primary)
     wait_until(lambda: "cut off" in str(ha_view(backup).get("state", "")), 10, "the backup to notice")
@@ -718,12 +770,18 @@ async def test_votes_and_replication_need_the_cluster_credentials_and_well_forme
             await outsider.vote({"kind": "activate", "node_id": node_id(pair.primary), "epoch": 9, "candidate": "x"})
         with pytest.raises(LinkRequestError, match="high availability"):
             await outsider.replicate({"group": "guarded", "server_id": "x", "host": "127.0.0.1", "port": 1})
-    async with LinkClient("127.0.0.1", pair.primary.link_port, user="cluster", password="s3cret-cluster",
-                          reconnect=ReconnectPolicy(attempts=0)) as insider:  # fmt: skip
+    async with LinkClient(
+        "127.0.0.1",
+        pair.primary.link_port,
+        user="cluster",
+        password="s3cret-cluster",
+        reconnect=ReconnectPolicy(attempts=0),
+    ) as insider:
         with pytest.raises(LinkRequestError, match="malformed vote request"):
             await insider.vote({"kind": "crown", "node_id": "n", "epoch": 1, "candidate": "x"})
-        answer = await insider.vote({"kind": "activate", "node_id": node_id(pair.primary), "epoch": 9,
-                                     "candidate": "x"})  # fmt: skip
+        answer = await insider.vote(
+            {"kind": "activate", "node_id": node_id(pair.primary), "epoch": 9, "candidate": "x"}
+        )
         assert answer["granted"] is False  # the asked node is that pair's active copy
         with pytest.raises(LinkRequestError, match="already has a backup"):
             await insider.replicate({"group": "guarded", "server_id": "y", "host": "127.0.0.1", "port": 1})
@@ -734,8 +792,15 @@ async def test_votes_and_replication_need_the_cluster_credentials_and_well_forme
 
 def test_a_backup_with_the_wrong_cluster_password_is_refused_and_says_so(tmp_path: Path) -> None:
     primary = start_node(tmp_path, "p", core_ha_policy="replication", core_ha_group_name="pw")
-    backup = start_node(tmp_path, "b", [primary], core_ha_policy="replication", core_ha_group_name="pw",
-                        core_ha_role="backup", password="not-the-password")  # fmt: skip
+    backup = start_node(
+        tmp_path,
+        "b",
+        [primary],
+        core_ha_policy="replication",
+        core_ha_group_name="pw",
+        core_ha_role="backup",
+        password="not-the-password",
+    )
     wait_until(lambda: "wrong cluster credentials" in str(ha_view(backup).get("state", "")), 10, "the refusal")
     assert "link refused" in primary.log()
     assert ha_view(primary)["backup"] == ""

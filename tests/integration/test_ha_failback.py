@@ -128,8 +128,9 @@ def _queues(node: CoreProcess) -> str:
     except (urllib.error.URLError, OSError) as exc:
         return f"{node.data_dir.name}: unreachable ({exc})"
     keys = ("message_count", "consumers", "in_flight")
-    return f"{node.data_dir.name}: " + "; ".join(f"{q['name']} {[q.get(k) for k in keys]}" for q in queues
-                                        if q["name"].startswith("fb."))  # fmt: skip
+    return f"{node.data_dir.name}: " + "; ".join(
+        f"{q['name']} {[q.get(k) for k in keys]}" for q in queues if q["name"].startswith("fb.")
+    )
 
 
 def _warnings(log: str) -> str:
@@ -151,8 +152,9 @@ async def test_failback_is_a_pause_for_stomp_mqtt_amqp_and_link_clients(tmp_path
         assert node.stop() == 0, node.log()
 
 
-async def _fail_over_and_back(tmp_path: Path, pair: Pair, gateways: dict[str, GatewayProcess],
-                              clients: contextlib.AsyncExitStack) -> CoreProcess:  # fmt: skip
+async def _fail_over_and_back(
+    tmp_path: Path, pair: Pair, gateways: dict[str, GatewayProcess], clients: contextlib.AsyncExitStack
+) -> CoreProcess:
     """Clients of every kind publishing and consuming through a failover and a failback; returns the primary
     that came back, once every acknowledged message arrived."""
     primary_id = node_id(pair.primary)
@@ -203,9 +205,13 @@ async def _fail_over_and_back(tmp_path: Path, pair: Pair, gateways: dict[str, Ga
         Producer("stomp", stomp_publisher(gateways["stomp"])),
         Producer("mqtt", mqtt_publish),
         Producer("amqp", amqp_publisher(gateways["amqp"])),
-        Producer("link", lambda body: asyncio.run_coroutine_threadsafe(
-            link.publish(new_message("fb.link", body.encode(), durable=True)), loop).result(WAIT * 2)),
-    ]  # fmt: skip
+        Producer(
+            "link",
+            lambda body: asyncio.run_coroutine_threadsafe(
+                link.publish(new_message("fb.link", body.encode(), durable=True)), loop
+            ).result(WAIT * 2),
+        ),
+    ]
     for producer in producers:
         clients.callback(producer.stop)
 
@@ -222,9 +228,16 @@ async def _fail_over_and_back(tmp_path: Path, pair: Pair, gateways: dict[str, Ga
     (pair.backup.data_dir / "ports.json").unlink()
     # In a thread: starting a process takes seconds under load, and this event loop runs the link client,
     # whose heartbeats must go on (a blocked loop once made the returned primary drop its link).
-    returned = await asyncio.to_thread(start_node, tmp_path, "fb-primary", [pair.backup],
-                                       core_ha_policy="replication", core_ha_group_name="fb",
-                                       core_ha_activate_without_quorum="true", core_link_port=str(port))  # fmt: skip
+    returned = await asyncio.to_thread(
+        start_node,
+        tmp_path,
+        "fb-primary",
+        [pair.backup],
+        core_ha_policy="replication",
+        core_ha_group_name="fb",
+        core_ha_activate_without_quorum="true",
+        core_link_port=str(port),
+    )
     await asyncio.to_thread(wait_until, lambda: ha_view(returned).get("active") is True, 40, "the failback")
     assert node_id(returned) == primary_id
     await asyncio.to_thread(wait_until, progressed(), WAIT, "every producer to publish after the failback")
@@ -246,9 +259,15 @@ async def _fail_over_and_back(tmp_path: Path, pair: Pair, gateways: dict[str, Ga
     for producer in producers:
         verdict = check(producer.attempted, producer.acked, [], received[producer.prefix])
         gateway = gateways.get(producer.prefix)
-        assert verdict.ok, "\n".join([f"{producer.prefix}: {verdict.report()}", _queues(returned), _queues(pair.backup),
-                                      f"STOMP errors: {[e.body for e in stomp_listener.errors]}",
-                                      _warnings(gateway.log()) if gateway is not None else ""])  # fmt: skip
+        assert verdict.ok, "\n".join(
+            [
+                f"{producer.prefix}: {verdict.report()}",
+                _queues(returned),
+                _queues(pair.backup),
+                f"STOMP errors: {[e.body for e in stomp_listener.errors]}",
+                _warnings(gateway.log()) if gateway is not None else "",
+            ]
+        )
     assert not stomp_listener.errors, stomp_listener.errors[0].body
     assert mqtt_sub.disconnects.empty()
     assert mqtt_pub.disconnects.empty()

@@ -58,9 +58,18 @@ USER = "jepsen"
 PASSWORD = "jepsen-secret"
 FENCED_EXIT_CODE = 3
 CONFIRM_GRACE = 1.5  # seconds after a primary is cut off during which confirms already on their way may arrive
-PERMISSIONS = ("send", "consume", "browse", "createAddress", "deleteAddress", "createDurableQueue",
-               "deleteDurableQueue", "createNonDurableQueue", "deleteNonDurableQueue",
-               "manage")  # fmt: skip  # manage: the monitor reads /api/status
+PERMISSIONS = (
+    "send",
+    "consume",
+    "browse",
+    "createAddress",
+    "deleteAddress",
+    "createDurableQueue",
+    "deleteDurableQueue",
+    "createNonDurableQueue",
+    "deleteNonDurableQueue",
+    "manage",
+)  # manage: the monitor reads /api/status
 CONFIG = f'[[users]]\nname = "{USER}"\npassword = "{PASSWORD}"\nroles = ["app"]\n' + "".join(
     f'[[permissions]]\nmatch = "#"\npermission = "{p}"\nroles = ["app"]\n' for p in PERMISSIONS
 )
@@ -164,8 +173,15 @@ async def agent_produce(spec: dict[str, Any]) -> None:
 
     follow = bool(spec.get("follow"))
     reconnect = ReconnectPolicy(retry_interval=0.05, max_interval=0.5) if follow else ReconnectPolicy(attempts=0)
-    client = LinkClient(spec["host"], spec["port"], user=USER, password=PASSWORD, follow_topology=follow,
-                        reconnect=reconnect, connect_timeout=5.0)  # fmt: skip
+    client = LinkClient(
+        spec["host"],
+        spec["port"],
+        user=USER,
+        password=PASSWORD,
+        follow_topology=follow,
+        reconnect=reconnect,
+        connect_timeout=5.0,
+    )
     await client.connect()
     print(json.dumps("ready"), flush=True)
     interval, window = float(spec.get("interval", 0.002)), int(spec.get("window", 200))
@@ -178,8 +194,7 @@ async def agent_produce(spec: dict[str, Any]) -> None:
         number += 1
         attempted.append(body)
         try:
-            future = await asyncio.wait_for(client.send(new_message(spec["address"], body.encode(), durable=True)),
-                                            1.0)  # fmt: skip
+            future = await asyncio.wait_for(client.send(new_message(spec["address"], body.encode(), durable=True)), 1.0)
         except TimeoutError:
             continue  # no credit for a second: the outcome of this one is unknown (it was never sent)
         except LinkRequestError as exc:
@@ -194,8 +209,18 @@ async def agent_produce(spec: dict[str, Any]) -> None:
             await asyncio.wait_for(all_settled.wait(), 3.0)
     with contextlib.suppress(Exception):
         await asyncio.wait_for(client.close(), 2.0)
-    print(json.dumps({"attempted": attempted, "confirmed": confirmed, "rejected": rejected,
-                      "unknown_codes": unknown_codes, "ended": ended}), flush=True)  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "attempted": attempted,
+                "confirmed": confirmed,
+                "rejected": rejected,
+                "unknown_codes": unknown_codes,
+                "ended": ended,
+            }
+        ),
+        flush=True,
+    )
 
 
 async def agent_drain(spec: dict[str, Any]) -> None:
@@ -204,8 +229,14 @@ async def agent_drain(spec: dict[str, Any]) -> None:
     distinct: set[str] = set()
     expected = int(spec["expected"])
     start = time.monotonic()
-    async with LinkClient(spec["host"], spec["port"], user=USER, password=PASSWORD,
-                          reconnect=ReconnectPolicy(attempts=0), connect_timeout=5.0) as client:  # fmt: skip
+    async with LinkClient(
+        spec["host"],
+        spec["port"],
+        user=USER,
+        password=PASSWORD,
+        reconnect=ReconnectPolicy(attempts=0),
+        connect_timeout=5.0,
+    ) as client:
         consumer = await client.subscribe(spec["queue"], credit=1000)
         last = time.monotonic()
         while time.monotonic() - start < float(spec.get("limit", 25.0)):
@@ -249,9 +280,16 @@ class Agent:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         with log_path.open("ab") as log:
             self.process: subprocess.Popen[str] = lab.run(
-                node, [sys.executable, str(Path(__file__).resolve()), role, json.dumps(spec)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1, env=env, cwd=REPO,
-            )  # fmt: skip
+                node,
+                [sys.executable, str(Path(__file__).resolve()), role, json.dumps(spec)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                bufsize=1,
+                env=env,
+                cwd=REPO,
+            )
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read_lines, daemon=True).start()
 
@@ -268,8 +306,10 @@ class Agent:
         except queue.Empty:
             raise AssertionError(f"the {self.role} agent on {self.node} said nothing for {timeout} s") from None
         if line is None:
-            raise AssertionError(f"the {self.role} agent on {self.node} exited with {self.process.wait()}:\n"
-                                 f"{self.log_path.read_text(errors='replace')[-3000:]}")  # fmt: skip
+            raise AssertionError(
+                f"the {self.role} agent on {self.node} exited with {self.process.wait()}:\n"
+                f"{self.log_path.read_text(errors='replace')[-3000:]}"
+            )
         return json.loads(line)
 
     def send(self, command: str) -> None:
@@ -374,8 +414,15 @@ class HaLab:
             "TRIDENTMQ_CORE_HA_GROUP_NAME": pair,
             "TRIDENTMQ_CORE_HA_ROLE": role,
         }
-        argv = [sys.executable, "-m", "tridentmq_core", "--ports-file", str(data_dir / "ports.json"),
-                "--config", str(data_dir / "core.toml")]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "tridentmq_core",
+            "--ports-file",
+            str(data_dir / "ports.json"),
+            "--config",
+            str(data_dir / "core.toml"),
+        ]
         with (data_dir / "core.log").open("wb") as log:
             process = self.lab.run(name, argv, env=env, stdout=log, stderr=subprocess.STDOUT)
         self.nodes[name] = Node(name, pair, role, address, data_dir, process)
@@ -423,8 +470,13 @@ class HaLab:
     def producer(self, at: str, target: str, pair: str, prefix: str, *, follow: bool = False) -> Agent:
         """A producer in ``at``'s namespace publishing to ``target`` (a node name), on ``pair``'s queue;
         ``follow``: a client that follows the topology and reconnects."""
-        spec = {"host": self.lab.address(target), "port": LINK_PORT, "address": queue_of(pair), "prefix": prefix,
-                "follow": follow}  # fmt: skip
+        spec = {
+            "host": self.lab.address(target),
+            "port": LINK_PORT,
+            "address": queue_of(pair),
+            "prefix": prefix,
+            "follow": follow,
+        }
         agent = self.agent(at, "produce", spec)
         assert agent.read(15) == "ready"
         return agent
@@ -435,8 +487,9 @@ class HaLab:
         with contextlib.suppress(BrokenPipeError):
             agent.send("stop")
         result = agent.read(20)
-        return Produced(result["attempted"], result["confirmed"], result["rejected"], result["unknown_codes"],
-                        result["ended"])  # fmt: skip
+        return Produced(
+            result["attempted"], result["confirmed"], result["rejected"], result["unknown_codes"], result["ended"]
+        )
 
     def drain(self, node: str, pair: str, expected: int) -> list[Delivery[str]]:
         spec = {"host": self.lab.address(node), "port": LINK_PORT, "queue": queue_of(pair), "expected": expected}

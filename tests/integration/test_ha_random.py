@@ -78,8 +78,12 @@ class Cluster:
             shutil.move(node.process.log_path, node.process.log_path.with_suffix(f".{node.incarnations}.log"))
         node.incarnations += 1
         others = [Port(n.port) for n in self.nodes if n is not node]
-        settings = {"core_ha_policy": "replication", "core_ha_group_name": node.group,
-                    "core_ha_allow_failback": str(self.failback).lower(), "core_link_port": str(node.port)}  # fmt: skip
+        settings = {
+            "core_ha_policy": "replication",
+            "core_ha_group_name": node.group,
+            "core_ha_allow_failback": str(self.failback).lower(),
+            "core_link_port": str(node.port),
+        }
         if node.role == "backup":
             settings["core_ha_role"] = "backup"
         node.process = start_node(self.tmp_path, node.name, others, **settings)
@@ -108,8 +112,9 @@ class Cluster:
                 return False
             if not any(v.get("in_sync") is True for v in views):
                 return False
-            if self.failback and not any(v.get("active") is True and v.get("configured_role") == "primary"
-                                         for v in views):  # fmt: skip
+            if self.failback and not any(
+                v.get("active") is True and v.get("configured_role") == "primary" for v in views
+            ):
                 return False
         return True
 
@@ -141,8 +146,11 @@ class Ledger:
 async def produce(cluster: Cluster, group: str, ledger: Ledger, stop: asyncio.Event) -> None:
     """Publish ``<group>-<n>`` values with confirms through a client that follows its pair."""
     ports = [n.port for n in cluster.pair(group)]
-    producer = LinkClient(topology=Topology([("127.0.0.1", p) for p in ports]), follow_topology=True,
-                          reconnect=ReconnectPolicy(max_interval=0.5, initial_attempts=-1))  # fmt: skip
+    producer = LinkClient(
+        topology=Topology([("127.0.0.1", p) for p in ports]),
+        follow_topology=True,
+        reconnect=ReconnectPolicy(max_interval=0.5, initial_attempts=-1),
+    )
     await producer.connect()
     pending: set[asyncio.Future[None]] = set()
     window = asyncio.Semaphore(100)  # unconfirmed publishes at a time
@@ -168,8 +176,13 @@ async def produce(cluster: Cluster, group: str, ledger: Ledger, stop: asyncio.Ev
         await producer.close()
 
 
-def settled(ledger: Ledger, value: str, future: asyncio.Future[None], pending: set[asyncio.Future[None]],
-            window: asyncio.Semaphore) -> None:  # fmt: skip
+def settled(
+    ledger: Ledger,
+    value: str,
+    future: asyncio.Future[None],
+    pending: set[asyncio.Future[None]],
+    window: asyncio.Semaphore,
+) -> None:
     pending.discard(future)
     window.release()
     if future.cancelled():
@@ -243,8 +256,10 @@ async def test_random_kills_and_pauses_of_three_pairs_lose_nothing_confirmed(tmp
     ports = free_ports(2 * len(GROUPS))
     cluster = Cluster(tmp_path, failback)
     for i, group in enumerate(GROUPS):
-        cluster.nodes += [Node(f"{group}-primary", group, "primary", ports[2 * i]),
-                          Node(f"{group}-backup", group, "backup", ports[2 * i + 1])]  # fmt: skip
+        cluster.nodes += [
+            Node(f"{group}-primary", group, "primary", ports[2 * i]),
+            Node(f"{group}-backup", group, "backup", ports[2 * i + 1]),
+        ]
     for node in cluster.nodes:
         cluster.start(node)
     await asyncio.to_thread(wait_until, cluster.healed, 30, "three pairs in sync")

@@ -23,17 +23,25 @@ PARTIAL_HEAD = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "  # never 
 
 @pytest.fixture
 def core(tmp_path: Path) -> Iterator[CoreProcess]:
-    node = start_core(tmp_path, TRIDENTMQ_CORE_MANAGEMENT_MAX_CONNECTIONS=str(CAP),
-                      TRIDENTMQ_CORE_MANAGEMENT_REQUEST_TIMEOUT_MS="1000")  # fmt: skip
+    node = start_core(
+        tmp_path,
+        TRIDENTMQ_CORE_MANAGEMENT_MAX_CONNECTIONS=str(CAP),
+        TRIDENTMQ_CORE_MANAGEMENT_REQUEST_TIMEOUT_MS="1000",
+    )
     yield node
     assert node.stop() == 0, node.log()
 
 
 @pytest.fixture
 def gateway(tmp_path: Path, core: CoreProcess) -> Iterator[GatewayProcess]:
-    gateway = start_gateway(tmp_path, core, "stomp", TRIDENTMQ_STOMP_HTTP_MAX_CONNECTIONS=str(CAP),
-                            TRIDENTMQ_STOMP_HTTP_REQUEST_TIMEOUT_MS="1000",
-                            TRIDENTMQ_STOMP_LISTENER_MAX_CONNECTIONS=str(CAP))  # fmt: skip
+    gateway = start_gateway(
+        tmp_path,
+        core,
+        "stomp",
+        TRIDENTMQ_STOMP_HTTP_MAX_CONNECTIONS=str(CAP),
+        TRIDENTMQ_STOMP_HTTP_REQUEST_TIMEOUT_MS="1000",
+        TRIDENTMQ_STOMP_LISTENER_MAX_CONNECTIONS=str(CAP),
+    )
     yield gateway
     stop_cleanly(gateway)
 

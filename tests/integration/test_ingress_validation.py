@@ -52,8 +52,9 @@ def ready(core: CoreProcess) -> object:
     ("field", "value"),
     [(M_TIMESTAMP, 2**63 - 1), (M_TIMESTAMP, -1), (M_SCHEDULED, 2**64 - 1), (M_ID, -(2**63))],
 )
-async def test_a_poison_message_is_refused_and_the_node_keeps_its_timers(tmp_path: Path, field: int,
-                                                                         value: int) -> None:  # fmt: skip
+async def test_a_poison_message_is_refused_and_the_node_keeps_its_timers(
+    tmp_path: Path, field: int, value: int
+) -> None:
     # Audit heartbeats every 0.2 s and link heartbeats every 0.1 s: both stop at once if the node's tick dies.
     core = start_core(tmp_path, TRIDENTMQ_CORE_AUDIT_HEARTBEAT_SECONDS="0.2")
     try:

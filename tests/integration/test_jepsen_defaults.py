@@ -24,27 +24,52 @@ from tests.jepsen.nemesis import NetLab
 
 AVAILABLE = NetLab.available()
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.integration, pytest.mark.cluster, pytest.mark.fault,
-              pytest.mark.skipif(not AVAILABLE, reason=f"no network lab: {AVAILABLE.reason}")]  # fmt: skip
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.cluster,
+    pytest.mark.fault,
+    pytest.mark.skipif(not AVAILABLE, reason=f"no network lab: {AVAILABLE.reason}"),
+]
 
 
 def jepsen(tmp_path: Path, topology: str, seconds: float, gateway_sets: int) -> dict[str, object]:
     seed = int(os.environ.get("TRIDENTMQ_RANDOM_SEED") or random.randrange(2**31))
     out = tmp_path / "verdict.json"
-    argv = [sys.executable, "-m", "tests.jepsen.defaults", "--topology", topology, "--seed", str(seed),
-            "--seconds", str(seconds), "--gateway-sets", str(gateway_sets), "--dir", str(tmp_path / "run"),
-            "--out", str(out)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "tests.jepsen.defaults",
+        "--topology",
+        topology,
+        "--seed",
+        str(seed),
+        "--seconds",
+        str(seconds),
+        "--gateway-sets",
+        str(gateway_sets),
+        "--dir",
+        str(tmp_path / "run"),
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=seconds + 600, check=False)
     assert out.exists(), f"seed {seed}: the run ended without a verdict ({done.returncode}):\n{done.stderr[-5000:]}"
     result: dict[str, object] = json.loads(out.read_text())
     verdicts = result["verdicts"]
     assert isinstance(verdicts, dict)
     summary = "\n".join(
-        [f"seed {seed} ({topology}): {result['failure'] or 'healed'}; faults {result['faults']}",
-         *(f"{name}: {v['report']}\n  stuck after heal: {v['stuck']} e.g. {v['stuck_examples']}"
-           for name, v in verdicts.items()),
-         "schedule:", *result["schedule"], "client notes (last):", *result["client_notes"][-40:]]  # type: ignore[misc]
-    )  # fmt: skip
+        [
+            f"seed {seed} ({topology}): {result['failure'] or 'healed'}; faults {result['faults']}",
+            *(
+                f"{name}: {v['report']}\n  stuck after heal: {v['stuck']} e.g. {v['stuck_examples']}"
+                for name, v in verdicts.items()
+            ),
+            "schedule:",
+            *result["schedule"],
+            "client notes (last):",
+            *result["client_notes"][-40:],
+        ]  # type: ignore[misc]
+    )
     assert result["ok"], summary
     assert all(v["acknowledged"] > 0 and v["unflagged_duplicates"] == 0 for v in verdicts.values()), summary
     return result

@@ -123,8 +123,7 @@ async def test_a_stopped_and_restarted_node_is_used_again(tmp_path: Path) -> Non
         for client in clients:
             await client.connect()
         assert last.link_port not in {c.port for c in clients}
-        restarted = await asyncio.to_thread(start_node, tmp_path, "node-2", [first],
-                                            core_link_port=str(last.link_port))  # fmt: skip
+        restarted = await asyncio.to_thread(start_node, tmp_path, "node-2", [first], core_link_port=str(last.link_port))
         await wait_until_async(lambda: endpoint(restarted) in watcher.nodes.endpoints, what="the node to return")
         again = [LinkClient(topology=watcher.nodes, reconnect=FAST) for _ in range(3)]
         for client in again:

@@ -139,10 +139,12 @@ def http_exchange(port: int, request: bytes) -> bytes:
     return reply
 
 
-def test_malformed_http_requests_get_400_and_one_warning_each(core: CoreProcess,
-                                                             stomp_gateway: GatewayProcess) -> None:  # fmt: skip
-    ports = {"core": (core, core.management_port), "http": (stomp_gateway, stomp_gateway.ports["http"]),
-             "websocket": (stomp_gateway, stomp_gateway.ports["websocket"])}  # fmt: skip
+def test_malformed_http_requests_get_400_and_one_warning_each(core: CoreProcess, stomp_gateway: GatewayProcess) -> None:
+    ports = {
+        "core": (core, core.management_port),
+        "http": (stomp_gateway, stomp_gateway.ports["http"]),
+        "websocket": (stomp_gateway, stomp_gateway.ports["websocket"]),
+    }
     for process, port in ports.values():
         before = process.log().count("bad HTTP request refused")
         for request in BAD_REQUESTS:
@@ -154,8 +156,10 @@ def test_malformed_http_requests_get_400_and_one_warning_each(core: CoreProcess,
             time.sleep(0.05)
     # A broken WebSocket handshake is answered 400 by the handler itself: nothing worth a line.
     with socket.create_connection(("127.0.0.1", stomp_gateway.ports["websocket"]), timeout=WAIT) as sock:
-        sock.sendall(b"GET /stomp HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                     b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: !!\r\n\r\n")  # fmt: skip
+        sock.sendall(
+            b"GET /stomp HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: !!\r\n\r\n"
+        )
         reply = sock.recv(65536)  # the connection stays open (keep-alive): the status line is enough
     assert re.match(rb"HTTP/1\.[01] 400 ", reply), reply[:200]
     for process, _ in ports.values():

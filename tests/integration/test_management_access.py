@@ -145,8 +145,12 @@ def test_loopback_host_names_are_allowed(secured: CoreProcess, host: str) -> Non
 
 
 def test_configured_host_names_are_allowed_and_metrics_may_need_manage(tmp_path: Path) -> None:
-    core = start_core(tmp_path, config=CONFIG, TRIDENTMQ_CORE_MANAGEMENT_ALLOWED_HOSTS="broker.internal",
-                      TRIDENTMQ_CORE_MANAGEMENT_PUBLIC_METRICS="false")  # fmt: skip
+    core = start_core(
+        tmp_path,
+        config=CONFIG,
+        TRIDENTMQ_CORE_MANAGEMENT_ALLOWED_HOSTS="broker.internal",
+        TRIDENTMQ_CORE_MANAGEMENT_PUBLIC_METRICS="false",
+    )
     try:
         admin = basic_auth("admin", ADMIN_PASSWORD)
         assert get(core.management_url + "/healthz", {"Host": "broker.internal:8161"})[0] == 200
@@ -163,8 +167,14 @@ def test_configured_host_names_are_allowed_and_metrics_may_need_manage(tmp_path:
 
 def tridentmq(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     environment = {k: v for k, v in os.environ.items() if k not in ("TRIDENTMQ_USER", "TRIDENTMQ_PASSWORD")}
-    return subprocess.run([sys.executable, "-m", "tridentmq_shared.cli", *args], capture_output=True, text=True,
-                          timeout=60, check=False, env={**environment, **env})  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "tridentmq_shared.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**environment, **env},
+    )
 
 
 def test_the_cli_passes_credentials(secured: CoreProcess) -> None:
@@ -179,8 +189,7 @@ def test_the_cli_passes_credentials(secured: CoreProcess) -> None:
     by_option = tridentmq("status", "--json", "--management", url, "--user", "admin", "--password", ADMIN_PASSWORD)
     assert by_option.returncode == 0, by_option.stderr
     assert json.loads(by_option.stdout)["ready"] is True
-    by_env = tridentmq("queue", "stat", "--management", url, TRIDENTMQ_USER="admin",
-                       TRIDENTMQ_PASSWORD=ADMIN_PASSWORD)  # fmt: skip
+    by_env = tridentmq("queue", "stat", "--management", url, TRIDENTMQ_USER="admin", TRIDENTMQ_PASSWORD=ADMIN_PASSWORD)
     assert by_env.returncode == 0, by_env.stderr
 
 

@@ -37,8 +37,9 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[CoreProcess
 
 def call(node: CoreProcess, method: str, path: str, body: Any = None) -> tuple[int, Any]:
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(node.management_url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        node.management_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, json.loads(response.read())
@@ -61,8 +62,13 @@ async def fill(node: CoreProcess, name: str, count: int, **properties: Any) -> N
 
 
 def cli(node: CoreProcess, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tridentmq_shared.cli", *args, "--management", node.management_url],
-                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "tridentmq_shared.cli", *args, "--management", node.management_url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 async def test_a_queue_made_browsed_and_purged_through_one_node_is_so_on_all(nodes: list[CoreProcess]) -> None:
@@ -140,8 +146,9 @@ async def test_dead_letters_on_every_node_go_back_through_one_call(nodes: list[C
     assert all((queue(n, "DLQ") or {}).get("depth", 0) == 0 for n in nodes)
 
 
-def test_mqtt_sessions_and_retained_messages_are_listed_and_deleted_from_any_node(nodes: list[CoreProcess],
-                                                                                   tmp_path: Path) -> None:  # fmt: skip
+def test_mqtt_sessions_and_retained_messages_are_listed_and_deleted_from_any_node(
+    nodes: list[CoreProcess], tmp_path: Path
+) -> None:
     first, second, third = nodes
     gateway = start_gateway(tmp_path, first, "mqtt")
     try:
@@ -159,8 +166,10 @@ def test_mqtt_sessions_and_retained_messages_are_listed_and_deleted_from_any_nod
         assert "home/attic/temp" in table.stdout, table.stdout + table.stderr
         cleared = cli(third, "mqtt", "retained-delete", "home/attic/temp")
         assert cleared.stdout.startswith("cleared 1"), cleared.stdout + cleared.stderr
-        wait_until(lambda: all(call(n, "GET", "/api/mqtt/retained")[1]["total"] == 0 for n in nodes),
-                   what="the retained message to be cleared on every node")  # fmt: skip
+        wait_until(
+            lambda: all(call(n, "GET", "/api/mqtt/retained")[1]["total"] == 0 for n in nodes),
+            what="the retained message to be cleared on every node",
+        )
         dropped = cli(second, "mqtt", "session-delete", "sensor-7")
         assert dropped.stdout.startswith("deleted 1"), dropped.stdout + dropped.stderr
         sensor.disconnects.get(timeout=10)  # the gateway ends the connection that held the session

@@ -19,9 +19,23 @@ WAIT = 30.0
 
 
 def failback(node: CoreProcess, node_id: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tridentmq_shared.cli", "node", "failback", "--node", node_id,
-                           "--management", node.management_url],
-                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tridentmq_shared.cli",
+            "node",
+            "failback",
+            "--node",
+            node_id,
+            "--management",
+            node.management_url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def test_an_operator_hands_the_pair_back_to_its_returned_primary(tmp_path: Path) -> None:
@@ -35,8 +49,15 @@ def test_an_operator_hands_the_pair_back_to_its_returned_primary(tmp_path: Path)
     kill(pair.primary)
     wait_until(lambda: ha_view(pair.backup).get("active") is True, WAIT, "the takeover")
     (pair.backup.data_dir / "ports.json").unlink()
-    returned = start_node(tmp_path, "mf-primary", [pair.backup], core_ha_policy="replication",
-                          core_ha_group_name="mf", core_link_port=str(port), **settings)  # fmt: skip
+    returned = start_node(
+        tmp_path,
+        "mf-primary",
+        [pair.backup],
+        core_ha_policy="replication",
+        core_ha_group_name="mf",
+        core_link_port=str(port),
+        **settings,
+    )
     wait_until(lambda: ha_view(pair.backup).get("backup_in_sync") is True, WAIT, "the returned primary in sync")
     assert ha_view(returned).get("active") is not True  # allow_failback is off: it stays the backup
     done = failback(pair.backup, primary_id)  # the backup serves as that node

@@ -34,8 +34,16 @@ pytestmark = pytest.mark.integration
 
 ADMIN = ("admin", "admin-pass-5d1")
 APP = ("app", "app-pass-0c7")
-PERMISSIONS = ("send", "consume", "browse", "createAddress", "createDurableQueue", "deleteDurableQueue",
-               "createNonDurableQueue", "deleteNonDurableQueue")  # fmt: skip
+PERMISSIONS = (
+    "send",
+    "consume",
+    "browse",
+    "createAddress",
+    "createDurableQueue",
+    "deleteDurableQueue",
+    "createNonDurableQueue",
+    "deleteNonDurableQueue",
+)
 CONFIG = f"""
 [[users]]
 name = "admin"
@@ -51,12 +59,15 @@ roles = ["app"]
 match = "#"
 permission = "manage"
 roles = ["admin"]
-""" + "".join(f"""
+""" + "".join(
+    f"""
 [[permissions]]
 match = "#"
 permission = "{p}"
 roles = ["admin", "app"]
-""" for p in PERMISSIONS)  # fmt: skip
+"""
+    for p in PERMISSIONS
+)
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +82,14 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[CoreProcess
     assert "Traceback" not in core.log()
 
 
-def call(core: CoreProcess, method: str, path: str, body: Any = None, user: tuple[str, str] | None = ADMIN,
-         raw: bytes | None = None) -> tuple[int, Any]:  # fmt: skip
+def call(
+    core: CoreProcess,
+    method: str,
+    path: str,
+    body: Any = None,
+    user: tuple[str, str] | None = ADMIN,
+    raw: bytes | None = None,
+) -> tuple[int, Any]:
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     headers = basic_auth(*user) if user else {}
     if data is not None:  # as the CLI and the console send it (a POST of a form is refused: CSRF)
@@ -87,9 +104,24 @@ def call(core: CoreProcess, method: str, path: str, body: Any = None, user: tupl
 
 
 def cli(core: CoreProcess, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tridentmq_shared.cli", *args, "--management", core.management_url,
-                           "--user", ADMIN[0], "--password", ADMIN[1]],
-                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tridentmq_shared.cli",
+            *args,
+            "--management",
+            core.management_url,
+            "--user",
+            ADMIN[0],
+            "--password",
+            ADMIN[1],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def depth(core: CoreProcess, queue: str) -> dict[str, Any]:
@@ -109,8 +141,9 @@ def stomp_consumer(gateway: GatewayProcess, destination: str) -> tuple[stomp.Con
 
 
 def link(core: CoreProcess) -> LinkClient:
-    return LinkClient("127.0.0.1", core.link_port, user=ADMIN[0], password=ADMIN[1],
-                      reconnect=ReconnectPolicy(attempts=0))  # fmt: skip
+    return LinkClient(
+        "127.0.0.1", core.link_port, user=ADMIN[0], password=ADMIN[1], reconnect=ReconnectPolicy(attempts=0)
+    )
 
 
 def audit_events(core: CoreProcess, prefix: str) -> list[dict[str, Any]]:
@@ -154,22 +187,25 @@ def test_operations_need_the_manage_permission(node: tuple[CoreProcess, GatewayP
         ("POST", "/api/scale-down", b"{}", 400, "name the node"),
     ],
 )  # fmt: skip
-def test_bad_parameters_get_a_clear_json_error(node: tuple[CoreProcess, GatewayProcess], method: str, path: str,
-                                               body: bytes | None, status: int, text: str) -> None:  # fmt: skip
+def test_bad_parameters_get_a_clear_json_error(
+    node: tuple[CoreProcess, GatewayProcess], method: str, path: str, body: bytes | None, status: int, text: str
+) -> None:
     core, _ = node
     answer = call(core, method, path, raw=body)
     assert answer[0] == status, answer
     assert text in answer[1]["error"]
 
 
-async def test_dead_letters_move_back_and_a_stomp_consumer_gets_them(node: tuple[CoreProcess, GatewayProcess],
-                                                                     ) -> None:  # fmt: skip
+async def test_dead_letters_move_back_and_a_stomp_consumer_gets_them(
+    node: tuple[CoreProcess, GatewayProcess],
+) -> None:
     core, gateway = node
     async with link(core) as client:
         await client.create_queue("dlq.orders", "dlq.orders", durable=True)
         for n in range(4):
-            await (await client.send(new_message("dlq.orders", f"order {n}".encode(), durable=True,
-                                                 properties={"n": n})))  # fmt: skip
+            await (
+                await client.send(new_message("dlq.orders", f"order {n}".encode(), durable=True, properties={"n": n}))
+            )
         consumer = await client.subscribe("dlq.orders", credit=10)
         for _ in range(4):
             delivery = await consumer.get(timeout=10)
@@ -189,8 +225,18 @@ async def test_dead_letters_move_back_and_a_stomp_consumer_gets_them(node: tuple
         frames = listener.wait_messages(2)
         assert sorted(f.body for f in frames) == ["order 2", "order 3"]
         assert all("_AMQ_ORIG_QUEUE" not in f.headers for f in frames)
-        copied = cli(core, "queue", "copy", "DLQ", "--to", "dlq.orders", "--limit", "1", "--selector",
-                     "_AMQ_ORIG_QUEUE = 'dlq.orders'")  # fmt: skip
+        copied = cli(
+            core,
+            "queue",
+            "copy",
+            "DLQ",
+            "--to",
+            "dlq.orders",
+            "--limit",
+            "1",
+            "--selector",
+            "_AMQ_ORIG_QUEUE = 'dlq.orders'",
+        )
         assert copied.stdout.startswith("copied 1"), copied.stdout + copied.stderr
         assert listener.wait_messages(3)[2].body == "order 0"
     finally:
@@ -226,8 +272,13 @@ async def test_purge_browse_and_delete_through_the_cli(node: tuple[CoreProcess, 
     async with link(core) as client:
         await client.create_queue("purge.q", "purge.q", durable=True)
         for n in range(6):
-            await (await client.send(new_message("purge.q", f"p{n}".encode(), durable=True,
-                                                 properties={"kind": "old" if n < 4 else "new"})))  # fmt: skip
+            await (
+                await client.send(
+                    new_message(
+                        "purge.q", f"p{n}".encode(), durable=True, properties={"kind": "old" if n < 4 else "new"}
+                    )
+                )
+            )
     table = cli(core, "queue", "browse", "purge.q", "--limit", "2")
     assert table.returncode == 0, table.stderr
     assert table.stdout.splitlines()[0] == "6 message(s)"

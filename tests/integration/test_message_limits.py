@@ -19,8 +19,9 @@ MIB = 1024 * 1024
 
 
 def send(peer: Peer, queue: str, body: bytes, receipt: str) -> None:
-    peer.send(f"SEND\ndestination:/queue/{queue}\ncontent-length:{len(body)}\nreceipt:{receipt}\n\n".encode()
-              + body + b"\x00")  # fmt: skip
+    peer.send(
+        f"SEND\ndestination:/queue/{queue}\ncontent-length:{len(body)}\nreceipt:{receipt}\n\n".encode() + body + b"\x00"
+    )
 
 
 def test_a_message_above_16_mib_is_delivered_when_the_core_accepts_it(tmp_path: Path) -> None:
@@ -53,8 +54,12 @@ def test_a_message_the_core_cannot_take_is_refused_to_its_producer(tmp_path: Pat
     """A gateway configured to take larger frames than the core: the producer gets an ERROR naming the limit,
     whether the core refuses the body (broker.max_message_bytes) or the gateway's link would (the core's frame)."""
     core = start_core(tmp_path, TRIDENTMQ_CORE_BROKER_MAX_MESSAGE_BYTES=str(2 * MIB))
-    gateway = start_gateway(tmp_path, core, TRIDENTMQ_STOMP_STOMP_MAX_FRAME_BYTES=str(40 * MIB),
-                            TRIDENTMQ_STOMP_STOMP_PENDING_BYTES=str(64 * MIB))  # fmt: skip
+    gateway = start_gateway(
+        tmp_path,
+        core,
+        TRIDENTMQ_STOMP_STOMP_MAX_FRAME_BYTES=str(40 * MIB),
+        TRIDENTMQ_STOMP_STOMP_PENDING_BYTES=str(64 * MIB),
+    )
     try:
         for size, limit in ((3 * MIB, str(2 * MIB)), (17 * MIB, "the core's link takes")):
             with Peer(gateway.port) as producer:
@@ -74,8 +79,12 @@ def test_a_message_the_core_cannot_take_is_refused_to_its_producer(tmp_path: Pat
 
 def test_a_link_frame_limit_that_cannot_carry_the_largest_message_is_refused_at_start(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError) as refused:
-        start_core(tmp_path, TRIDENTMQ_CORE_BROKER_MAX_MESSAGE_BYTES=str(32 * MIB),
-                   TRIDENTMQ_CORE_LINK_MAX_FRAME_BYTES=str(16 * MIB))  # fmt: skip
-    assert "link.max_frame_bytes = 16777216 cannot carry a message of broker.max_message_bytes = 33554432" \
-        in str(refused.value)  # fmt: skip
+        start_core(
+            tmp_path,
+            TRIDENTMQ_CORE_BROKER_MAX_MESSAGE_BYTES=str(32 * MIB),
+            TRIDENTMQ_CORE_LINK_MAX_FRAME_BYTES=str(16 * MIB),
+        )
+    assert "link.max_frame_bytes = 16777216 cannot carry a message of broker.max_message_bytes = 33554432" in str(
+        refused.value
+    )
     assert "Traceback" not in str(refused.value)

@@ -66,7 +66,8 @@ def _id() -> str:
 
 
 def test_a_retained_message_is_seen_through_a_gateway_on_another_node(
-        two_sides: tuple[GatewayProcess, GatewayProcess]) -> None:  # fmt: skip
+    two_sides: tuple[GatewayProcess, GatewayProcess],
+) -> None:
     left, right = two_sides
     topic = f"state/{_id()}"
     publisher = Paho(left.port, f"p-{_id()}")
@@ -88,7 +89,8 @@ def test_a_retained_message_is_seen_through_a_gateway_on_another_node(
 
 
 def test_a_persistent_session_resumes_through_a_gateway_on_another_node(
-        two_sides: tuple[GatewayProcess, GatewayProcess]) -> None:  # fmt: skip
+    two_sides: tuple[GatewayProcess, GatewayProcess],
+) -> None:
     left, right = two_sides
     client_id = f"c-{_id()}"
     first = Paho(left.port, client_id, clean=False)
@@ -114,7 +116,8 @@ def test_a_persistent_session_resumes_through_a_gateway_on_another_node(
 
 
 def test_another_user_cannot_take_a_session_kept_on_another_node(
-        two_sides: tuple[GatewayProcess, GatewayProcess]) -> None:  # fmt: skip
+    two_sides: tuple[GatewayProcess, GatewayProcess],
+) -> None:
     """The session's record comes over from node a before its owner can be checked: the newcomer of another
     user is refused then, and the session stays its owner's, with its queued messages."""
     left, right = two_sides
@@ -159,7 +162,8 @@ def test_link_stealing_across_gateways_on_different_nodes(two_sides: tuple[Gatew
 
 
 def test_a_session_that_ends_on_its_node_while_fetched_is_no_session_not_a_refusal(
-        two_sides: tuple[GatewayProcess, GatewayProcess]) -> None:  # fmt: skip
+    two_sides: tuple[GatewayProcess, GatewayProcess],
+) -> None:
     """Node b still knew node a's queue of a client's session when the client came to b: the gateway on b
     waits for its record. That queue goes from a meanwhile (the session ended there; here an operator deletes
     it) with no record: the client gets a new session, not "server unavailable" after the fetch timeout."""
@@ -175,8 +179,12 @@ def test_a_session_that_ends_on_its_node_while_fetched_is_no_session_not_a_refus
                 connecting = pool.submit(lambda: Raw(right.port))
                 newcomer = connecting.result()
                 connack = pool.submit(newcomer.connect, client_id)
-                await asyncio.to_thread(wait_until, lambda: remote_consumers(NODES[left.port], queue) == 1,
-                                        10.0, "the gateway on b to hold the session queue")  # fmt: skip
+                await asyncio.to_thread(
+                    wait_until,
+                    lambda: remote_consumers(NODES[left.port], queue) == 1,
+                    10.0,
+                    "the gateway on b to hold the session queue",
+                )
                 await on_a.delete_queue(queue)
                 try:
                     answer = connack.result(timeout=10)
@@ -190,7 +198,8 @@ def test_a_session_that_ends_on_its_node_while_fetched_is_no_session_not_a_refus
 
 @pytest.mark.parametrize("queue_here", [False, True], ids=["new-here", "queue-here-without-record"])
 def test_a_session_kept_by_a_node_that_is_down_is_refused_for_now_not_started_afresh(
-        tmp_path: Path, queue_here: bool) -> None:  # fmt: skip
+    tmp_path: Path, queue_here: bool
+) -> None:
     """A client coming back with its persistent session while the node holding it is down used to get a new,
     empty session after five seconds: the messages its subscription held on that node were lost to it
     (found by the randomised run over ``up --nodes 3``). It is refused with "server unavailable" instead, and

@@ -145,9 +145,9 @@ def _publish_bytes(topic: bytes, payload: bytes, version: int, first: int = 0x30
 
 # ---------------------------------------------------------------------------------------------------- QoS 2 in
 @pytest.mark.parametrize("lost", ["pubcomp", "pubrec"])
-def test_qos2_inbound_exactly_once_across_a_gateway_kill(replicas: tuple[GatewayProcess, GatewayProcess],
-                                                         raw: Callable[..., Raw], paho: Callable[..., Paho],
-                                                         lost: str) -> None:  # fmt: skip
+def test_qos2_inbound_exactly_once_across_a_gateway_kill(
+    replicas: tuple[GatewayProcess, GatewayProcess], raw: Callable[..., Raw], paho: Callable[..., Paho], lost: str
+) -> None:
     a, b = replicas
     topic = f"eo/{_id()}"
     sub = paho(b.port)
@@ -174,9 +174,9 @@ def test_qos2_inbound_exactly_once_across_a_gateway_kill(replicas: tuple[Gateway
 
 # ---------------------------------------------------------------------------------------------------- QoS 2 out
 @pytest.mark.parametrize("lost", ["pubrec", "pubcomp"])
-def test_qos2_outbound_exactly_once_across_a_gateway_kill(replicas: tuple[GatewayProcess, GatewayProcess],
-                                                          raw: Callable[..., Raw], paho: Callable[..., Paho],
-                                                          lost: str) -> None:  # fmt: skip
+def test_qos2_outbound_exactly_once_across_a_gateway_kill(
+    replicas: tuple[GatewayProcess, GatewayProcess], raw: Callable[..., Raw], paho: Callable[..., Paho], lost: str
+) -> None:
     a, b = replicas
     topic = f"eo/{_id()}"
     client_id = f"s2-{_id()}"
@@ -209,9 +209,12 @@ def test_qos2_outbound_exactly_once_across_a_gateway_kill(replicas: tuple[Gatewa
 
 
 # ---------------------------------------------------------------------------------------------------- QoS 1
-def test_qos1_nothing_lost_across_a_gateway_kill(replicas: tuple[GatewayProcess, GatewayProcess],
-                                                 raw: Callable[..., Raw], paho: Callable[..., Paho],
-                                                 core: CoreProcess) -> None:  # fmt: skip
+def test_qos1_nothing_lost_across_a_gateway_kill(
+    replicas: tuple[GatewayProcess, GatewayProcess],
+    raw: Callable[..., Raw],
+    paho: Callable[..., Paho],
+    core: CoreProcess,
+) -> None:
     a, b = replicas
     topic = f"q1/{_id()}"
     client_id = f"s1-{_id()}"
@@ -236,14 +239,16 @@ def test_qos1_nothing_lost_across_a_gateway_kill(replicas: tuple[GatewayProcess,
     resent = [again.next() for _ in range(4)]
     assert all(isinstance(p, Publish) and p.dup and p.qos == 1 for p in resent), resent
     assert sorted((p.payload, p.packet_id) for p in resent) == [  # type: ignore[union-attr]
-        (f"m{i}".encode(), ids[i]) for i in (1, 3, 4, 5)]  # fmt: skip
+        (f"m{i}".encode(), ids[i]) for i in (1, 3, 4, 5)
+    ]
     again.send(*(Puback(p.packet_id or 0) for p in resent))  # type: ignore[union-attr]
     assert silent(again, 0.5) == []
 
 
 # ---------------------------------------------------------------------------------------------------- sessions
-def test_session_expires_after_its_interval(mqtt_gateway: GatewayProcess, raw: Callable[..., Raw],
-                                            paho: Callable[..., Paho], core: CoreProcess) -> None:  # fmt: skip
+def test_session_expires_after_its_interval(
+    mqtt_gateway: GatewayProcess, raw: Callable[..., Raw], paho: Callable[..., Paho], core: CoreProcess
+) -> None:
     topic = f"exp/{_id()}"
     client_id = f"e-{_id()}"
     first = raw(mqtt_gateway.port)
@@ -262,8 +267,9 @@ def test_session_expires_after_its_interval(mqtt_gateway: GatewayProcess, raw: C
     assert silent(again, 0.7) == []
 
 
-def test_disconnect_with_session_expiry_0_ends_the_session(mqtt_gateway: GatewayProcess,
-                                                           raw: Callable[..., Raw]) -> None:  # fmt: skip
+def test_disconnect_with_session_expiry_0_ends_the_session(
+    mqtt_gateway: GatewayProcess, raw: Callable[..., Raw]
+) -> None:
     client_id = f"z-{_id()}"
     first = raw(mqtt_gateway.port)
     _connected(first, client_id, properties=PERSISTENT)
@@ -275,8 +281,9 @@ def test_disconnect_with_session_expiry_0_ends_the_session(mqtt_gateway: Gateway
     _connected(again, client_id, session_present=False, clean_start=False, properties=PERSISTENT)
 
 
-def test_clean_start_discards_the_session(mqtt_gateway: GatewayProcess, raw: Callable[..., Raw],
-                                          paho: Callable[..., Paho]) -> None:  # fmt: skip
+def test_clean_start_discards_the_session(
+    mqtt_gateway: GatewayProcess, raw: Callable[..., Raw], paho: Callable[..., Paho]
+) -> None:
     topic = f"cs/{_id()}"
     client_id = f"c-{_id()}"
     first = raw(mqtt_gateway.port)
@@ -297,8 +304,8 @@ def test_clean_start_discards_the_session(mqtt_gateway: GatewayProcess, raw: Cal
 
 
 def test_a_new_subscription_does_not_inherit_a_queue_no_session_lists(
-        mqtt_gateway: GatewayProcess, core: CoreProcess, raw: Callable[..., Raw],
-        paho: Callable[..., Paho]) -> None:  # fmt: skip
+    mqtt_gateway: GatewayProcess, core: CoreProcess, raw: Callable[..., Raw], paho: Callable[..., Paho]
+) -> None:
     """paho's MQTT 5 offline queueing test once got 13 messages for 3 published: a subscription queue that no
     session record listed (a gateway gone between making it and saving the record) outlived the clean start,
     gathered what other tests published, and the same filter subscribed again took it over with its backlog."""
@@ -314,8 +321,11 @@ def test_a_new_subscription_does_not_inherit_a_queue_no_session_lists(
                 routing_type=RoutingType.MULTICAST,
             )
             for n in range(10):
-                await link.publish(new_message(convert.topic_to_address(f"{prefix}/old"), f"old {n}".encode(),
-                                               routing=RoutingType.MULTICAST))  # fmt: skip
+                await link.publish(
+                    new_message(
+                        convert.topic_to_address(f"{prefix}/old"), f"old {n}".encode(), routing=RoutingType.MULTICAST
+                    )
+                )
 
     asyncio.run(leave_an_orphan())
     first = raw(mqtt_gateway.port)
@@ -360,21 +370,25 @@ def test_connack_properties(tmp_path: Path, core: CoreProcess, raw: Callable[...
     stop_cleanly(gateway)
 
 
-def test_topic_aliases_subscription_ids_no_local_retain_as_published(mqtt_gateway: GatewayProcess,
-                                                                     raw: Callable[..., Raw]) -> None:  # fmt: skip
+def test_topic_aliases_subscription_ids_no_local_retain_as_published(
+    mqtt_gateway: GatewayProcess, raw: Callable[..., Raw]
+) -> None:
     base = f"f{_id()}"
     client = raw(mqtt_gateway.port)
     _connected(client, f"f-{_id()}")
-    client.send(Subscribe(1, (Subscription(f"{base}/alias", 1),), Properties(subscription_identifiers=(7,))),
-                Subscribe(2, (Subscription(f"{base}/mine", 1, no_local=True),)),
-                Subscribe(3, (Subscription(f"{base}/rap", 1, retain_as_published=True),
-                              Subscription(f"{base}/plain", 1))))  # fmt: skip
+    client.send(
+        Subscribe(1, (Subscription(f"{base}/alias", 1),), Properties(subscription_identifiers=(7,))),
+        Subscribe(2, (Subscription(f"{base}/mine", 1, no_local=True),)),
+        Subscribe(3, (Subscription(f"{base}/rap", 1, retain_as_published=True), Subscription(f"{base}/plain", 1))),
+    )
     assert [client.next() for _ in range(3)] == [Suback(1, (1,)), Suback(2, (1,)), Suback(3, (1, 1))]
-    client.send(Publish(f"{base}/alias", b"set", 1, packet_id=1, properties=Properties(topic_alias=3)),
-                Publish("", b"used", 1, packet_id=2, properties=Properties(topic_alias=3)),
-                Publish(f"{base}/mine", b"own", 1, packet_id=3),
-                Publish(f"{base}/rap", b"r1", 1, retain=True, packet_id=4),
-                Publish(f"{base}/plain", b"r2", 1, retain=True, packet_id=5))  # fmt: skip
+    client.send(
+        Publish(f"{base}/alias", b"set", 1, packet_id=1, properties=Properties(topic_alias=3)),
+        Publish("", b"used", 1, packet_id=2, properties=Properties(topic_alias=3)),
+        Publish(f"{base}/mine", b"own", 1, packet_id=3),
+        Publish(f"{base}/rap", b"r1", 1, retain=True, packet_id=4),
+        Publish(f"{base}/plain", b"r2", 1, retain=True, packet_id=5),
+    )
     got = [client.next() for _ in range(9)]
     acks = [p for p in got if isinstance(p, Puback)]
     assert acks == [Puback(i) for i in range(1, 6)]
@@ -389,8 +403,10 @@ def test_topic_aliases_subscription_ids_no_local_retain_as_published(mqtt_gatewa
         client.send(Puback(packet.packet_id or 0))
     assert silent(client, 0.3) == []
     client.send(Publish(f"{base}/x", b"", 0, retain=True))  # no retained messages left behind
-    client.send(Publish(f"{base}/rap", b"", 1, retain=True, packet_id=6),
-                Publish(f"{base}/plain", b"", 1, retain=True, packet_id=7))  # fmt: skip
+    client.send(
+        Publish(f"{base}/rap", b"", 1, retain=True, packet_id=6),
+        Publish(f"{base}/plain", b"", 1, retain=True, packet_id=7),
+    )
 
 
 def test_retain_handling(mqtt_gateway: GatewayProcess, raw: Callable[..., Raw]) -> None:
@@ -415,8 +431,9 @@ def test_retain_handling(mqtt_gateway: GatewayProcess, raw: Callable[..., Raw]) 
     assert Puback(7) in silent(client, 0.5)
 
 
-def test_message_expiry_while_the_subscriber_is_offline(mqtt_gateway: GatewayProcess, raw: Callable[..., Raw],
-                                                        core: CoreProcess) -> None:  # fmt: skip
+def test_message_expiry_while_the_subscriber_is_offline(
+    mqtt_gateway: GatewayProcess, raw: Callable[..., Raw], core: CoreProcess
+) -> None:
     topic = f"mx/{_id()}"
     client_id = f"m-{_id()}"
     sub = raw(mqtt_gateway.port)
@@ -463,8 +480,9 @@ def test_pingreq_is_answered(mqtt_gateway: GatewayProcess, raw: Callable[..., Ra
 
 
 # ---------------------------------------------------------------------------------------------------- keep-alive
-def test_keep_alive_timeout_disconnects_and_sends_the_will(mqtt_gateway: GatewayProcess, raw: Callable[..., Raw],
-                                                          paho: Callable[..., Paho]) -> None:  # fmt: skip
+def test_keep_alive_timeout_disconnects_and_sends_the_will(
+    mqtt_gateway: GatewayProcess, raw: Callable[..., Raw], paho: Callable[..., Paho]
+) -> None:
     topic = f"ka/{_id()}"
     watcher = paho(mqtt_gateway.port)
     watcher.connect()
@@ -526,14 +544,19 @@ def test_malformed_input(tmp_path: Path, core: CoreProcess) -> None:
         ("reserved packet type 0", V5, True, b"\x00\x00", {0x81, 0x82}),
         ("SUBSCRIBE with flags 0", V5, True, bytes((0x80,)) + subscribe[1:], {0x81}),
         ("PUBLISH with QoS 3", V5, True, bytes((0x36,)) + bytes((len(qos3),)) + qos3, {0x81}),
-        ("session expiry in a PUBLISH", V5, True, _publish_bytes(b"a/b", b"x", V5, props=b"\x05\x11\x00\x00\x00\x0a"),
-         {0x81}),
+        (
+            "session expiry in a PUBLISH",
+            V5,
+            True,
+            _publish_bytes(b"a/b", b"x", V5, props=b"\x05\x11\x00\x00\x00\x0a"),
+            {0x81},
+        ),
         ("packet larger than the maximum", V5, True, too_large, {0x95}),
         ("wildcard in a topic name", V5, True, _publish_bytes(b"a/+", b"x", V5), {0x90}),
         ("wildcard in a topic name 3.1.1", V311, True, _publish_bytes(b"a/#", b"x", V311), None),
         ("a second CONNECT", V5, True, connect, {0x82}),
         ("first packet not a CONNECT", V5, False, encode(Pingreq(), V5), None),
-    ]  # fmt: skip
+    ]
     problems: list[str] = []
     for name, version, connect_first, data, codes in cases:
         client = Raw(port, version)
@@ -547,10 +570,12 @@ def test_malformed_input(tmp_path: Path, core: CoreProcess) -> None:
         seen = [(type(p).__name__, getattr(p, "reason_code", None)) for p in got]
         if codes is None and (got or not closed):
             problems.append(f"{name}: expected a close and nothing else, got {seen}, closed={closed}")
-        elif codes is not None and (len(got) != 1 or not isinstance(got[0], Disconnect)
-                                    or got[0].reason_code not in codes or not closed):  # fmt: skip
-            problems.append(f"{name}: expected DISCONNECT {sorted(hex(c) for c in codes)} and a close, "
-                            f"got {seen}, closed={closed}")  # fmt: skip
+        elif codes is not None and (
+            len(got) != 1 or not isinstance(got[0], Disconnect) or got[0].reason_code not in codes or not closed
+        ):
+            problems.append(
+                f"{name}: expected DISCONNECT {sorted(hex(c) for c in codes)} and a close, got {seen}, closed={closed}"
+            )
         if problem := _works(port):
             problems.append(f"after {name}: {problem}")
     # A protocol level the gateway does not speak: a 3.1.1 CONNACK with return code 1, then the close.
@@ -642,8 +667,18 @@ def test_websocket_framing(mqtt_gateway: GatewayProcess) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- security
-_PERMISSIONS = ("send", "consume", "browse", "createAddress", "deleteAddress", "createDurableQueue",
-                "deleteDurableQueue", "createNonDurableQueue", "deleteNonDurableQueue", "manage")  # fmt: skip
+_PERMISSIONS = (
+    "send",
+    "consume",
+    "browse",
+    "createAddress",
+    "deleteAddress",
+    "createDurableQueue",
+    "deleteDurableQueue",
+    "createNonDurableQueue",
+    "deleteNonDurableQueue",
+    "manage",
+)
 
 
 def _grant(match: str, permission: str, role: str) -> str:
@@ -651,14 +686,18 @@ def _grant(match: str, permission: str, role: str) -> str:
 
 
 def test_authentication_and_authorisation(tmp_path: Path, raw: Callable[..., Raw]) -> None:
-    config = ('[[users]]\nname = "gw"\npassword = "gw-secret"\nroles = ["gateway"]\n'
-              '[[users]]\nname = "app"\npassword = "secret"\nroles = ["app"]\n'
-              + "".join(_grant("#", p, "gateway") for p in _PERMISSIONS)
-              + "".join(_grant("#", p, "app") for p in _PERMISSIONS if p not in ("send", "consume", "browse"))
-              + _grant("open.#", "send", "app") + _grant("open.#", "consume", "app"))  # fmt: skip
+    config = (
+        '[[users]]\nname = "gw"\npassword = "gw-secret"\nroles = ["gateway"]\n'
+        '[[users]]\nname = "app"\npassword = "secret"\nroles = ["app"]\n'
+        + "".join(_grant("#", p, "gateway") for p in _PERMISSIONS)
+        + "".join(_grant("#", p, "app") for p in _PERMISSIONS if p not in ("send", "consume", "browse"))
+        + _grant("open.#", "send", "app")
+        + _grant("open.#", "consume", "app")
+    )
     core = start_core(tmp_path, config=config)
-    gateway = start_gateway(tmp_path, core, "mqtt", TRIDENTMQ_MQTT_CORE_USER="gw",
-                            TRIDENTMQ_MQTT_CORE_PASSWORD="gw-secret")  # fmt: skip
+    gateway = start_gateway(
+        tmp_path, core, "mqtt", TRIDENTMQ_MQTT_CORE_USER="gw", TRIDENTMQ_MQTT_CORE_PASSWORD="gw-secret"
+    )
     port = gateway.port
     bad5 = raw(port, V5).connect(f"a-{_id()}", username="app", password=b"wrong")
     assert bad5 == Connack(session_present=False, reason_code=0x86, properties=bad5.properties), bad5  # type: ignore[union-attr]
@@ -673,8 +712,13 @@ def test_authentication_and_authorisation(tmp_path: Path, raw: Callable[..., Raw
     assert refused.properties.reason_string, refused  # type: ignore[union-attr]
     assert accepted == Puback(2)
     terse = raw(port, V5)  # Request Problem Information 0: no reason string on the PUBACK
-    _connected(terse, f"t-{_id()}", username="app", password=b"secret",
-               properties=Properties(request_problem_information=False))  # fmt: skip
+    _connected(
+        terse,
+        f"t-{_id()}",
+        username="app",
+        password=b"secret",
+        properties=Properties(request_problem_information=False),
+    )
     terse.send(Publish("secret/x", b"no", 1, packet_id=1))
     assert terse.next() == Puback(1, 0x87)
     client5.send(Subscribe(3, (Subscription("secret/x", 1), Subscription("open/y", 1))))

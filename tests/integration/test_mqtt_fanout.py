@@ -106,11 +106,15 @@ def _fan_out_links(core: CoreProcess) -> list[dict[str, Any]]:
     return [link for link in links if link["client_name"].startswith("mqtt fan-out")]
 
 
-def test_subscribers_of_a_filter_share_one_core_subscription(mqtt_gateway: GatewayProcess, core: CoreProcess,
-                                                             paho: Callable[..., Paho]) -> None:  # fmt: skip
+def test_subscribers_of_a_filter_share_one_core_subscription(
+    mqtt_gateway: GatewayProcess, core: CoreProcess, paho: Callable[..., Paho]
+) -> None:
     base = f"fan{_id()}"
-    subscribers = [paho(mqtt_gateway.port, version=4), paho(mqtt_gateway.port, version=5),
-                   paho(mqtt_gateway.ports["websocket"], version=5, websocket=True)]  # fmt: skip
+    subscribers = [
+        paho(mqtt_gateway.port, version=4),
+        paho(mqtt_gateway.port, version=5),
+        paho(mqtt_gateway.ports["websocket"], version=5, websocket=True),
+    ]
     assert [code.value for code in subscribers[0].subscribe(f"{base}/+/x", 0)] == [0]
     # One subscriber of the filter: a queue of its own, no fan-out and no extra link to the core.
     assert len(_core_queues(core, "mqtt.sub.")) == 1
@@ -140,9 +144,9 @@ def test_subscribers_of_a_filter_share_one_core_subscription(mqtt_gateway: Gatew
     assert _metric(mqtt_gateway, "mqtt_fanout_feeds") == 0
 
 
-def test_the_first_subscriber_moves_to_the_fan_out_without_duplicates(mqtt_gateway: GatewayProcess,
-                                                                      core: CoreProcess,
-                                                                      paho: Callable[..., Paho]) -> None:  # fmt: skip
+def test_the_first_subscriber_moves_to_the_fan_out_without_duplicates(
+    mqtt_gateway: GatewayProcess, core: CoreProcess, paho: Callable[..., Paho]
+) -> None:
     topic = f"move/{_id()}"
     first, publisher = paho(mqtt_gateway.port), paho(mqtt_gateway.port)
     first.subscribe(topic, 0)
@@ -160,9 +164,9 @@ def test_the_first_subscriber_moves_to_the_fan_out_without_duplicates(mqtt_gatew
     assert len(_core_queues(core, FANOUT_PREFIX)) == 1
 
 
-def test_a_subscriber_that_moved_over_can_ask_for_qos1_at_once(mqtt_gateway: GatewayProcess, core: CoreProcess,
-                                                                raw: Callable[..., Raw],
-                                                                paho: Callable[..., Paho]) -> None:  # fmt: skip
+def test_a_subscriber_that_moved_over_can_ask_for_qos1_at_once(
+    mqtt_gateway: GatewayProcess, core: CoreProcess, raw: Callable[..., Raw], paho: Callable[..., Paho]
+) -> None:
     topic = f"up/{_id()}"
     first = raw(mqtt_gateway.port)
     _connected(first)
@@ -185,24 +189,36 @@ def test_a_subscriber_that_moved_over_can_ask_for_qos1_at_once(mqtt_gateway: Gat
 
 def test_each_subscriber_gets_its_own_options(fanout_gateway: GatewayProcess, raw: Callable[..., Raw]) -> None:
     base = f"opt{_id()}"
-    plain, tagged, own, v311 = raw(fanout_gateway.port), raw(fanout_gateway.port), raw(fanout_gateway.port), \
-        raw(fanout_gateway.port, V311)  # fmt: skip
+    plain, tagged, own, v311 = (
+        raw(fanout_gateway.port),
+        raw(fanout_gateway.port),
+        raw(fanout_gateway.port),
+        raw(fanout_gateway.port, V311),
+    )
     _connected(plain)
     _connected(tagged)
     _connected(own)
     _connected(v311)
     everything = Subscription(f"{base}/#", 0)
     _subscribed(plain, 1, everything)
-    _subscribed(tagged, 1, Subscription(f"{base}/#", 0, retain_as_published=True),
-                props=Properties(subscription_identifiers=(42,)))  # fmt: skip
+    _subscribed(
+        tagged,
+        1,
+        Subscription(f"{base}/#", 0, retain_as_published=True),
+        props=Properties(subscription_identifiers=(42,)),
+    )
     _subscribed(own, 1, Subscription(f"{base}/#", 0, no_local=True))
     _subscribed(v311, 1, everything)
-    own.send(Publish(f"{base}/a", b"from-own", 1, packet_id=1),
-             Publish(f"{base}/b", b"retained", 1, retain=True, packet_id=2))  # fmt: skip
+    own.send(
+        Publish(f"{base}/a", b"from-own", 1, packet_id=1),
+        Publish(f"{base}/b", b"retained", 1, retain=True, packet_id=2),
+    )
     for client in (plain, tagged, v311):
         got = _publishes(client, 2)
-        assert [(p.topic, p.payload, p.qos) for p in got] == [(f"{base}/a", b"from-own", 0),
-                                                               (f"{base}/b", b"retained", 0)]  # fmt: skip
+        assert [(p.topic, p.payload, p.qos) for p in got] == [
+            (f"{base}/a", b"from-own", 0),
+            (f"{base}/b", b"retained", 0),
+        ]
         retain_flag = got[1].retain
         assert retain_flag is (client is tagged)  # retain as published: only where asked
         ids = {p.properties.subscription_identifiers for p in got}
@@ -225,9 +241,13 @@ def test_dollar_topics_and_maximum_packet_size(fanout_gateway: GatewayProcess, r
     _subscribed(wild, 1, Subscription("+/x", 0))
     publisher = raw(fanout_gateway.port)
     _connected(publisher)
-    publisher.send(Publish(f"{base}/1", b"small", 1, packet_id=1), Publish(f"{base}/2", b"L" * 500, 1, packet_id=2),
-                   Publish(f"{base}/3", b"small again", 1, packet_id=3), Publish("$dollar/x", b"no", 1, packet_id=4),
-                   Publish(f"{base}x/x", b"yes", 1, packet_id=5))  # fmt: skip
+    publisher.send(
+        Publish(f"{base}/1", b"small", 1, packet_id=1),
+        Publish(f"{base}/2", b"L" * 500, 1, packet_id=2),
+        Publish(f"{base}/3", b"small again", 1, packet_id=3),
+        Publish("$dollar/x", b"no", 1, packet_id=4),
+        Publish(f"{base}x/x", b"yes", 1, packet_id=5),
+    )
     assert [publisher.next() for _ in range(5)] == [Puback(i) for i in range(1, 6)]
     assert [p.payload for p in _publishes(large, 3)] == [b"small", b"L" * 500, b"small again"]
     # Too large for the client: dropped for it alone, as if sent ([MQTT-3.1.2-25]).
@@ -237,10 +257,16 @@ def test_dollar_topics_and_maximum_packet_size(fanout_gateway: GatewayProcess, r
         assert silent(client, 0.3) == []
 
 
-def test_a_subscriber_that_falls_behind_loses_qos0_messages_alone(tmp_path: Path, core: CoreProcess,
-                                                                  raw: Callable[..., Raw]) -> None:  # fmt: skip
-    gateway = start_gateway(tmp_path, core, "mqtt", TRIDENTMQ_MQTT_MQTT_QOS0_MAX_BUFFERED_BYTES="65536",
-                            TRIDENTMQ_MQTT_MQTT_QOS0_FAN_OUT_FROM="1")  # fmt: skip
+def test_a_subscriber_that_falls_behind_loses_qos0_messages_alone(
+    tmp_path: Path, core: CoreProcess, raw: Callable[..., Raw]
+) -> None:
+    gateway = start_gateway(
+        tmp_path,
+        core,
+        "mqtt",
+        TRIDENTMQ_MQTT_MQTT_QOS0_MAX_BUFFERED_BYTES="65536",
+        TRIDENTMQ_MQTT_MQTT_QOS0_FAN_OUT_FROM="1",
+    )
     topic, count, size = f"slow/{_id()}", 12_000, 1024
     slow = raw(gateway.port)
     slow.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
@@ -253,8 +279,12 @@ def test_a_subscriber_that_falls_behind_loses_qos0_messages_alone(tmp_path: Path
     _connected(publisher)
     window = 500
     for start in range(0, count, window):
-        publisher.send(*(Publish(topic, i.to_bytes(4, "big") + b"x" * size, 1, packet_id=i + 1)
-                         for i in range(start, start + window)))  # fmt: skip
+        publisher.send(
+            *(
+                Publish(topic, i.to_bytes(4, "big") + b"x" * size, 1, packet_id=i + 1)
+                for i in range(start, start + window)
+            )
+        )
         assert [publisher.next() for _ in range(window)] == [Puback(i + 1) for i in range(start, start + window)]
         # The fast one reads as it goes: it keeps up.
         assert [int.from_bytes(p.payload[:4], "big") for p in _publishes(fast, window)] == list(
@@ -271,8 +301,9 @@ def test_a_subscriber_that_falls_behind_loses_qos0_messages_alone(tmp_path: Path
     stop_cleanly(gateway)
 
 
-def test_resubscribing_at_qos1_moves_to_a_queue_of_its_own(fanout_gateway: GatewayProcess, core: CoreProcess,
-                                                           raw: Callable[..., Raw]) -> None:  # fmt: skip
+def test_resubscribing_at_qos1_moves_to_a_queue_of_its_own(
+    fanout_gateway: GatewayProcess, core: CoreProcess, raw: Callable[..., Raw]
+) -> None:
     topic = f"up/{_id()}"
     client = raw(fanout_gateway.port)
     _connected(client)
@@ -295,17 +326,35 @@ def test_resubscribing_at_qos1_moves_to_a_queue_of_its_own(fanout_gateway: Gatew
 
 
 def test_feeds_are_per_user(tmp_path: Path, raw: Callable[..., Raw]) -> None:
-    config = "".join(f'[[users]]\nname = "{name}"\npassword = "pw"\nroles = ["{role}"]\n'
-                     for name, role in (("gw", "all"), ("app", "app"), ("ops", "all")))  # fmt: skip
-    for permission in ("send", "consume", "createNonDurableQueue", "deleteNonDurableQueue", "createAddress",
-                       "createDurableQueue", "deleteDurableQueue", "deleteAddress", "browse", "manage"):  # fmt: skip
+    config = "".join(
+        f'[[users]]\nname = "{name}"\npassword = "pw"\nroles = ["{role}"]\n'
+        for name, role in (("gw", "all"), ("app", "app"), ("ops", "all"))
+    )
+    for permission in (
+        "send",
+        "consume",
+        "createNonDurableQueue",
+        "deleteNonDurableQueue",
+        "createAddress",
+        "createDurableQueue",
+        "deleteDurableQueue",
+        "deleteAddress",
+        "browse",
+        "manage",
+    ):
         config += f'[[permissions]]\nmatch = "#"\npermission = "{permission}"\nroles = ["all"]\n'
         if permission not in ("send", "consume", "browse"):
             config += f'[[permissions]]\nmatch = "#"\npermission = "{permission}"\nroles = ["app"]\n'
     config += '[[permissions]]\nmatch = "open.#"\npermission = "consume"\nroles = ["app"]\n'
     core = start_core(tmp_path, config=config)
-    gateway = start_gateway(tmp_path, core, "mqtt", TRIDENTMQ_MQTT_CORE_USER="gw", TRIDENTMQ_MQTT_CORE_PASSWORD="pw",
-                            TRIDENTMQ_MQTT_MQTT_QOS0_FAN_OUT_FROM="1")  # fmt: skip
+    gateway = start_gateway(
+        tmp_path,
+        core,
+        "mqtt",
+        TRIDENTMQ_MQTT_CORE_USER="gw",
+        TRIDENTMQ_MQTT_CORE_PASSWORD="pw",
+        TRIDENTMQ_MQTT_MQTT_QOS0_FAN_OUT_FROM="1",
+    )
     app, ops = raw(gateway.port), raw(gateway.port)
     _connected(app, username="app", password=b"pw")
     _connected(ops, username="ops", password=b"pw")
@@ -324,8 +373,9 @@ def test_feeds_are_per_user(tmp_path: Path, raw: Callable[..., Raw]) -> None:
     assert core.stop() == 0
 
 
-def test_fan_out_off_gives_each_subscription_a_queue(tmp_path: Path, core: CoreProcess,
-                                                     paho: Callable[..., Paho]) -> None:  # fmt: skip
+def test_fan_out_off_gives_each_subscription_a_queue(
+    tmp_path: Path, core: CoreProcess, paho: Callable[..., Paho]
+) -> None:
     gateway = start_gateway(tmp_path, core, "mqtt", TRIDENTMQ_MQTT_MQTT_QOS0_FAN_OUT_FROM="0")
     topic = f"off/{_id()}"
     subscribers = [paho(gateway.port) for _ in range(2)]
@@ -342,8 +392,9 @@ def test_fan_out_off_gives_each_subscription_a_queue(tmp_path: Path, core: CoreP
     stop_cleanly(gateway)
 
 
-def test_a_member_leaving_abruptly_does_not_stop_the_feed(fanout_gateway: GatewayProcess,
-                                                          paho: Callable[..., Paho]) -> None:  # fmt: skip
+def test_a_member_leaving_abruptly_does_not_stop_the_feed(
+    fanout_gateway: GatewayProcess, paho: Callable[..., Paho]
+) -> None:
     topic = f"drop/{_id()}"
     staying, leaving = paho(fanout_gateway.port), paho(fanout_gateway.port, version=4)
     staying.subscribe(topic, 0)
@@ -358,8 +409,9 @@ def test_a_member_leaving_abruptly_does_not_stop_the_feed(fanout_gateway: Gatewa
     assert _metric(fanout_gateway, "mqtt_fanout_feeds") == 1
 
 
-def test_no_feed_outlives_its_subscribers(fanout_gateway: GatewayProcess, core: CoreProcess,
-                                          raw: Callable[..., Raw]) -> None:  # fmt: skip
+def test_no_feed_outlives_its_subscribers(
+    fanout_gateway: GatewayProcess, core: CoreProcess, raw: Callable[..., Raw]
+) -> None:
     """Connections taken over (their worker cancelled) while they join a feed, and connections that vanish
     right after subscribing: once they are gone, so are their feeds."""
     for i in range(10):

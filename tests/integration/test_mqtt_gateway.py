@@ -95,7 +95,11 @@ def test_5_0_properties_round_trip(mqtt_gateway: GatewayProcess) -> None:
     (m,) = sub.receive(1)
     got = m.properties
     assert (got.ResponseTopic, got.CorrelationData, got.ContentType, got.PayloadFormatIndicator) == (
-        "resp/1", b"\x01\x02", "text/plain", 1)  # fmt: skip
+        "resp/1",
+        b"\x01\x02",
+        "text/plain",
+        1,
+    )
     assert got.UserProperty == [("a", "1"), ("a", "2")]
     assert 58 <= got.MessageExpiryInterval <= 60
 
@@ -121,11 +125,12 @@ def test_retained_messages(mqtt_gateway: GatewayProcess, second_gateway: Gateway
     late.connect()
     late.subscribe("home/#", 0)
     assert sorted((m.topic, m.payload) for m in late.receive(3, timeout=1)) == [
-        ("home/hall/humidity", b"40"), ("home/kitchen/temp", b"21")]  # fmt: skip
+        ("home/hall/humidity", b"40"),
+        ("home/kitchen/temp", b"21"),
+    ]
 
 
-def test_session_resumes_through_another_gateway(mqtt_gateway: GatewayProcess,
-                                                 second_gateway: GatewayProcess) -> None:  # fmt: skip
+def test_session_resumes_through_another_gateway(mqtt_gateway: GatewayProcess, second_gateway: GatewayProcess) -> None:
     client_id = f"c-{_id()}"
     first = Paho(mqtt_gateway.port, client_id, clean=False)
     assert first.connect(expiry=300)[0] is False
@@ -161,8 +166,9 @@ def test_a_3_1_1_clean_session_0_keeps_queued_messages(mqtt_gateway: GatewayProc
     clean.disconnect()
 
 
-def test_link_stealing_across_gateways(mqtt_gateway: GatewayProcess, second_gateway: GatewayProcess,
-                                       raw: Callable[..., Raw]) -> None:  # fmt: skip
+def test_link_stealing_across_gateways(
+    mqtt_gateway: GatewayProcess, second_gateway: GatewayProcess, raw: Callable[..., Raw]
+) -> None:
     client_id = f"c-{_id()}"
     first = raw(mqtt_gateway.port)
     assert isinstance(first.connect(client_id), Connack)
@@ -259,8 +265,7 @@ def test_mqtt_and_stomp_and_the_link_client_interoperate(
 
     async def via_link() -> None:
         async with LinkClient("127.0.0.1", core.link_port) as link:
-            await link.publish(new_message("a.b", b"from link", routing=RoutingType.MULTICAST,
-                                           properties={"n": 1}))  # fmt: skip
+            await link.publish(new_message("a.b", b"from link", routing=RoutingType.MULTICAST, properties={"n": 1}))
 
     asyncio.run(via_link())
     got = {m.payload: m for m in sub.receive(3)}
@@ -353,8 +358,7 @@ def test_a_message_mqtt_cannot_carry_is_dead_lettered(mqtt_gateway: GatewayProce
     async def via_link() -> list[bytes]:
         async with LinkClient("127.0.0.1", core.link_port) as link:
             for address in ("odd.a+b", "odd.fine"):  # '+' is no character of an MQTT topic name
-                await link.publish(new_message(address, address.encode(), routing=RoutingType.MULTICAST,
-                                               durable=True))  # fmt: skip
+                await link.publish(new_message(address, address.encode(), routing=RoutingType.MULTICAST, durable=True))
             dead = await link.subscribe("DLQ", credit=10)
             delivery = await dead.get(timeout=5)
             return [] if delivery is None else [delivery.body]

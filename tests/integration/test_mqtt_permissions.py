@@ -17,8 +17,18 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 NOT_AUTHORIZED_5 = 0x87
 FAILURE_311 = 0x80
-ALL = ("send", "consume", "browse", "createAddress", "deleteAddress", "createDurableQueue", "deleteDurableQueue",
-       "createNonDurableQueue", "deleteNonDurableQueue", "manage")  # fmt: skip
+ALL = (
+    "send",
+    "consume",
+    "browse",
+    "createAddress",
+    "deleteAddress",
+    "createDurableQueue",
+    "deleteDurableQueue",
+    "createNonDurableQueue",
+    "deleteNonDurableQueue",
+    "manage",
+)
 
 
 def _rule(match: str, permission: str, role: str, *, deny: bool = False) -> str:
@@ -41,8 +51,9 @@ CONFIG = (
 @pytest.fixture
 def gateway(tmp_path: Path) -> Iterator[GatewayProcess]:
     core = start_core(tmp_path, config=CONFIG)
-    gateway = start_gateway(tmp_path, core, "mqtt", TRIDENTMQ_MQTT_CORE_USER="gw",
-                            TRIDENTMQ_MQTT_CORE_PASSWORD="gw-secret")  # fmt: skip
+    gateway = start_gateway(
+        tmp_path, core, "mqtt", TRIDENTMQ_MQTT_CORE_USER="gw", TRIDENTMQ_MQTT_CORE_PASSWORD="gw-secret"
+    )
     yield gateway
     stop_cleanly(gateway)
     assert core.stop() == 0
@@ -54,8 +65,9 @@ def _codes(granted: list[object]) -> list[int]:
 
 
 @pytest.mark.parametrize(("version", "refused"), [(5, NOT_AUTHORIZED_5), (4, FAILURE_311)])
-def test_a_wildcard_subscription_needs_every_topic_it_can_match(gateway: GatewayProcess, version: int,
-                                                                refused: int) -> None:  # fmt: skip
+def test_a_wildcard_subscription_needs_every_topic_it_can_match(
+    gateway: GatewayProcess, version: int, refused: int
+) -> None:
     alice = Paho(gateway.port, f"alice-{version}", version=version, username="alice", password="alice-pw")
     alice.connect()
     publisher = Paho(gateway.port, f"pub-{version}", username="bob", password="bob-pw")
@@ -89,8 +101,9 @@ OPEN = (
 
 def _open_gateway(tmp_path: Path, **env: str) -> tuple[CoreProcess, GatewayProcess]:
     core = start_core(tmp_path, config=OPEN)
-    gateway = start_gateway(tmp_path, core, "mqtt", TRIDENTMQ_MQTT_CORE_USER="gw",
-                            TRIDENTMQ_MQTT_CORE_PASSWORD="gw-secret", **env)  # fmt: skip
+    gateway = start_gateway(
+        tmp_path, core, "mqtt", TRIDENTMQ_MQTT_CORE_USER="gw", TRIDENTMQ_MQTT_CORE_PASSWORD="gw-secret", **env
+    )
     return core, gateway
 
 
@@ -110,8 +123,9 @@ def test_another_user_can_neither_take_over_nor_discard_a_session(tmp_path: Path
     publisher = Paho(gateway.port, "publisher", username="alice", password="alice-pw")
     publisher.connect()
     # bob is online: alice's CONNECT with his client id must not end his connection
-    assert raw(gateway.port, V311).connect("bob-phone", username="alice", password=b"alice-pw") == \
-        Connack(session_present=False, reason_code=5)  # fmt: skip
+    assert raw(gateway.port, V311).connect("bob-phone", username="alice", password=b"alice-pw") == Connack(
+        session_present=False, reason_code=5
+    )
     v5 = raw(gateway.port, V5).connect("bob-phone", username="alice", password=b"alice-pw", clean_start=True)
     assert isinstance(v5, Connack)
     assert v5.reason_code == NOT_AUTHORIZED_5
@@ -121,8 +135,9 @@ def test_another_user_can_neither_take_over_nor_discard_a_session(tmp_path: Path
     bob.disconnect()
     publisher.publish(topic, b"queued", 1)
     # bob is away: alice's clean start must not discard his session and its queued message
-    assert raw(gateway.port, V311).connect("bob-phone", username="alice", password=b"alice-pw") == \
-        Connack(session_present=False, reason_code=5)  # fmt: skip
+    assert raw(gateway.port, V311).connect("bob-phone", username="alice", password=b"alice-pw") == Connack(
+        session_present=False, reason_code=5
+    )
     anonymous = raw(gateway.port, V311).connect("bob-phone")  # the core refuses it anyway: users are configured
     assert isinstance(anonymous, Connack)
     assert anonymous.reason_code != 0
@@ -144,8 +159,9 @@ def test_another_user_cannot_take_over_a_live_session_that_keeps_nothing(
     bob = Paho(gateway.port, "bob-laptop", version=4, clean=True, username="bob", password="bob-pw", reconnect=False)
     assert bob.connect()[1] == 0
     assert _codes(bob.subscribe(topic, 0)) == [0]
-    assert raw(gateway.port, V311).connect("bob-laptop", username="alice", password=b"alice-pw") == \
-        Connack(session_present=False, reason_code=5)  # fmt: skip
+    assert raw(gateway.port, V311).connect("bob-laptop", username="alice", password=b"alice-pw") == Connack(
+        session_present=False, reason_code=5
+    )
     bob.publish(topic, b"still here", 1)
     assert [m.payload for m in bob.receive(1)] == [b"still here"]
     assert bob.disconnects.empty()
@@ -166,8 +182,9 @@ def test_another_user_cannot_take_over_a_live_session_that_keeps_nothing(
     _stop(core, gateway)
 
 
-def test_with_binding_off_any_user_takes_over_but_wills_stay_their_owners(tmp_path: Path,
-                                                                          raw: Callable[..., Raw]) -> None:  # fmt: skip
+def test_with_binding_off_any_user_takes_over_but_wills_stay_their_owners(
+    tmp_path: Path, raw: Callable[..., Raw]
+) -> None:
     core, gateway = _open_gateway(tmp_path, TRIDENTMQ_MQTT_MQTT_BIND_SESSIONS_TO_USERS="false")
     topic = f"status/{uuid.uuid4().hex[:8]}"
     watcher = Paho(gateway.port, "watcher", username="alice", password="alice-pw")

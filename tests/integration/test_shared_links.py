@@ -28,8 +28,18 @@ from tridentmq_shared.message import new_message
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 NO_RECONNECT = ReconnectPolicy(attempts=0)
-ALL = ("send", "consume", "browse", "createAddress", "deleteAddress", "createDurableQueue", "deleteDurableQueue",
-       "createNonDurableQueue", "deleteNonDurableQueue", "manage")  # fmt: skip
+ALL = (
+    "send",
+    "consume",
+    "browse",
+    "createAddress",
+    "deleteAddress",
+    "createDurableQueue",
+    "deleteDurableQueue",
+    "createNonDurableQueue",
+    "deleteNonDurableQueue",
+    "manage",
+)
 
 
 def _grant(match: str, role: str) -> str:
@@ -71,10 +81,12 @@ def _shared(user: str, password: str) -> SharedLinks:
     return SharedLinks(per_node=1, user=user, password=password, name="test gateway")
 
 
-def _session(core: CoreProcess, shared: SharedLinks, *, reconnect: ReconnectPolicy = NO_RECONNECT,
-             **login: str) -> LinkClient:  # fmt: skip
-    return LinkClient("127.0.0.1", core.link_port, channels=shared, reconnect=reconnect, client_host="127.0.0.1",
-                      **login)  # type: ignore[arg-type]  # fmt: skip
+def _session(
+    core: CoreProcess, shared: SharedLinks, *, reconnect: ReconnectPolicy = NO_RECONNECT, **login: str
+) -> LinkClient:
+    return LinkClient(
+        "127.0.0.1", core.link_port, channels=shared, reconnect=reconnect, client_host="127.0.0.1", **login
+    )  # type: ignore[arg-type]
 
 
 async def test_sessions_share_one_link_each_with_its_own_users_permissions(core: CoreProcess) -> None:
@@ -189,8 +201,9 @@ async def test_one_misbehaving_session_disturbs_no_other_on_its_link(core: CoreP
 async def test_sessions_of_a_lost_shared_link_fail_over_each_on_its_own(core: CoreProcess) -> None:
     shared = _shared("gw", "gw-secret")
     again = ReconnectPolicy(retry_interval=0.05, attempts=20)
-    sessions = [_session(core, shared, reconnect=again, user="gw", password="gw-secret", acting_for="alice")
-                for _ in range(3)]  # fmt: skip
+    sessions = [
+        _session(core, shared, reconnect=again, user="gw", password="gw-secret", acting_for="alice") for _ in range(3)
+    ]
     try:
         consumers = []
         for n, session in enumerate(sessions):
@@ -219,8 +232,9 @@ async def test_sessions_of_a_lost_shared_link_fail_over_each_on_its_own(core: Co
 
 def test_mqtt_clients_of_a_gateway_share_its_core_link(tmp_path: Path, core: CoreProcess) -> None:
     links_before = _status(core)["links"]
-    gateway = start_gateway(tmp_path, core, "mqtt", TRIDENTMQ_MQTT_CORE_USER="gw",
-                            TRIDENTMQ_MQTT_CORE_PASSWORD="gw-secret")  # fmt: skip
+    gateway = start_gateway(
+        tmp_path, core, "mqtt", TRIDENTMQ_MQTT_CORE_USER="gw", TRIDENTMQ_MQTT_CORE_PASSWORD="gw-secret"
+    )
     clients: list[Raw] = []
     try:
         for n in range(40):

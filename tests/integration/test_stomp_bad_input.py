@@ -347,10 +347,16 @@ def heavy(tmp_path: Path) -> Iterator[Heavy]:
 @pytest.fixture(scope="module")
 def small(tmp_path_factory: pytest.TempPathFactory, core: CoreProcess) -> Iterator[GatewayProcess]:
     """A gateway with small limits, so that going past them takes little traffic."""
-    gateway = shared(start_gateway(tmp_path_factory.mktemp("small"), core, name="small",
-                                   TRIDENTMQ_STOMP_STOMP_MAX_FRAME_BYTES=str(SMALL_FRAME),
-                                   TRIDENTMQ_STOMP_STOMP_MAX_HEADERS=str(SMALL_HEADERS),
-                                   TRIDENTMQ_STOMP_STOMP_MAX_HEADER_BYTES=str(SMALL_HEADER_BYTES)))  # fmt: skip
+    gateway = shared(
+        start_gateway(
+            tmp_path_factory.mktemp("small"),
+            core,
+            name="small",
+            TRIDENTMQ_STOMP_STOMP_MAX_FRAME_BYTES=str(SMALL_FRAME),
+            TRIDENTMQ_STOMP_STOMP_MAX_HEADERS=str(SMALL_HEADERS),
+            TRIDENTMQ_STOMP_STOMP_MAX_HEADER_BYTES=str(SMALL_HEADER_BYTES),
+        )
+    )
     yield gateway
     stop_cleanly(gateway)
 
@@ -567,11 +573,17 @@ def test_a_body_over_the_limit_is_refused_even_when_its_nul_arrives_with_it(
 ) -> None:
     """Without content-length the body runs to the first NUL; ``max_frame_bytes`` caps it whether the NUL is
     in the same read as the rest or not. A body of exactly the limit is fine."""
-    exact = frames_of(exchange(small, CONNECT + b"SEND\ndestination:/queue/capped\nreceipt:r\n\n"
-                               + b"e" * SMALL_FRAME + b"\x00" + DISCONNECT))  # fmt: skip
+    exact = frames_of(
+        exchange(
+            small,
+            CONNECT + b"SEND\ndestination:/queue/capped\nreceipt:r\n\n" + b"e" * SMALL_FRAME + b"\x00" + DISCONNECT,
+        )
+    )
     assert [f.command for f in exact] == ["CONNECTED", "RECEIPT", "RECEIPT"], exact
-    reply = exchange(small, CONNECT + b"SEND\ndestination:/queue/capped\nreceipt:r\n\n"
-                     + b"o" * (SMALL_FRAME + 1) + b"\x00" + DISCONNECT)  # fmt: skip
+    reply = exchange(
+        small,
+        CONNECT + b"SEND\ndestination:/queue/capped\nreceipt:r\n\n" + b"o" * (SMALL_FRAME + 1) + b"\x00" + DISCONNECT,
+    )
     wait_for(lambda: link_connections(core) == 0, "every session's link to close")
     published = depth(core, "capped") - 1  # the body of exactly the limit is in the queue
     assert_error_then_close(reply, "frame too large", connected=True)
@@ -637,8 +649,13 @@ def test_a_producer_that_never_reads_its_receipts_is_held_back(heavy: Heavy) -> 
     gateway = heavy.gateway
     assert_gateway_serves(gateway, "warm-up")
     receipt = "r" * 8192
-    chunks = (b"".join(b"SEND\ndestination:/queue/receipts\nreceipt:%s-%d\n\nx\x00" % (receipt.encode(), n)
-                       for n in range(first, first + 100)) for first in range(0, 40_000, 100))  # fmt: skip
+    chunks = (
+        b"".join(
+            b"SEND\ndestination:/queue/receipts\nreceipt:%s-%d\n\nx\x00" % (receipt.encode(), n)
+            for n in range(first, first + 100)
+        )
+        for first in range(0, 40_000, 100)
+    )
     with Peer(gateway.port, receive_buffer=64 * 1024) as peer, GatewayRss(gateway) as memory:
         peer.connect()
         writer = Writer(peer.sock, chunks, give_up=memory.over).start()  # 330 MB of receipts at most
@@ -776,8 +793,9 @@ async def test_websocket_garbage_gets_an_error_frame(gateway: GatewayProcess, ki
 def test_an_endless_websocket_message_is_cut_off(gateway: GatewayProcess) -> None:
     """One WebSocket message, sent in 1 MB fragments that never end it, holding a SEND whose body never
     ends: the gateway must stop it at its frame limit (4 MiB) like on TCP, not gather the whole message."""
-    ws = websocket.create_connection(f"ws://127.0.0.1:{gateway.ports['websocket']}/stomp", timeout=WAIT,
-                                     subprotocols=["v12.stomp"])  # fmt: skip
+    ws = websocket.create_connection(
+        f"ws://127.0.0.1:{gateway.ports['websocket']}/stomp", timeout=WAIT, subprotocols=["v12.stomp"]
+    )
     fragment = b"w" * MIB
     sent = 0
     try:

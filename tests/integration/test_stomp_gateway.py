@@ -243,8 +243,12 @@ def test_a_selector_filters_what_a_subscription_gets(gateway: GatewayProcess) ->
 def test_a_durable_subscription_keeps_messages_across_a_gateway_restart(tmp_path: Path, core: CoreProcess) -> None:
     gateway = start_gateway(tmp_path, core, name="first")
     conn, listener = connect(gateway, connect_headers={"client-id": "app-1"})
-    conn.subscribe("/topic/events", id="d", ack="client-individual",
-                   headers={"durable-subscription-name": "audit", "receipt": "subscribed"})  # fmt: skip
+    conn.subscribe(
+        "/topic/events",
+        id="d",
+        ack="client-individual",
+        headers={"durable-subscription-name": "audit", "receipt": "subscribed"},
+    )
     listener.wait(lambda: "subscribed" in listener.receipts)
     conn.disconnect()
     assert gateway.stop() == 0
@@ -255,8 +259,9 @@ def test_a_durable_subscription_keeps_messages_across_a_gateway_restart(tmp_path
             producer.send("/topic/events", f"event {n}", headers={"persistent": "true"}, receipt=f"e{n}")
         producer_listener.wait(lambda: len(producer_listener.receipts) == 3)
         again, again_listener = connect(replacement, connect_headers={"client-id": "app-1"})
-        again.subscribe("/topic/events", id="d", ack="client-individual",
-                        headers={"durable-subscription-name": "audit"})  # fmt: skip
+        again.subscribe(
+            "/topic/events", id="d", ack="client-individual", headers={"durable-subscription-name": "audit"}
+        )
         assert [m.body for m in again_listener.wait_messages(3)] == [f"event {n}" for n in range(3)]
         for message in again_listener.messages:
             again.ack(message.headers["ack"])
@@ -300,8 +305,12 @@ def test_a_durable_subscription_with_a_new_selector_or_topic_starts_afresh(gatew
 def test_unacknowledged_deliveries_return_when_the_gateway_is_killed(tmp_path: Path, core: CoreProcess) -> None:
     gateway = start_gateway(tmp_path, core, name="doomed")
     conn, listener = connect(gateway, connect_headers={"client-id": "app-2"})
-    conn.subscribe("/topic/jobs", id="d", ack="client-individual",
-                   headers={"durable-subscription-name": "worker", "receipt": "subscribed"})  # fmt: skip
+    conn.subscribe(
+        "/topic/jobs",
+        id="d",
+        ack="client-individual",
+        headers={"durable-subscription-name": "worker", "receipt": "subscribed"},
+    )
     listener.wait(lambda: "subscribed" in listener.receipts)
     for n in range(4):
         conn.send("/topic/jobs", f"job {n}", headers={"persistent": "true"}, receipt=f"j{n}")
@@ -341,9 +350,17 @@ def test_a_link_client_message_reaches_a_stomp_consumer_with_its_properties(
     async def publish() -> None:
         async with LinkClient("127.0.0.1", core.link_port, reconnect=ReconnectPolicy(attempts=0)) as client:
             properties = {"count": 3, "ratio": 0.5, "flag": True, "text": "a:b\\c", "correlation-id": "c-9"}
-            await client.publish(new_message("from.link", b"\x01bytes\x00", routing=RoutingType.ANYCAST,
-                                             durable=True, priority=7, properties=properties,
-                                             content_type="application/x-test"))  # fmt: skip
+            await client.publish(
+                new_message(
+                    "from.link",
+                    b"\x01bytes\x00",
+                    routing=RoutingType.ANYCAST,
+                    durable=True,
+                    priority=7,
+                    properties=properties,
+                    content_type="application/x-test",
+                )
+            )
 
     import asyncio  # noqa: PLC0415
 
@@ -353,7 +370,12 @@ def test_a_link_client_message_reaches_a_stomp_consumer_with_its_properties(
     assert (message.headers["persistent"], message.headers["priority"]) == ("true", "7")
     assert message.headers["content-type"] == "application/x-test"
     assert {k: message.headers[k] for k in ("count", "ratio", "flag", "text", "correlation-id")} == {
-        "count": "3", "ratio": "0.5", "flag": "true", "text": "a:b\\c", "correlation-id": "c-9"}  # fmt: skip
+        "count": "3",
+        "ratio": "0.5",
+        "flag": "true",
+        "text": "a:b\\c",
+        "correlation-id": "c-9",
+    }
     assert message.headers["content-length"] == "7"
     conn.disconnect()
 
@@ -394,8 +416,9 @@ def test_a_lost_links_frame_and_its_redelivery_are_each_acknowledged(tmp_path: P
     conn, listener = connect(gateway)
     other, other_listener = connect(gateway)
     try:
-        conn.subscribe("/queue/twice", id="t", ack="client-individual", headers={"consumer-window-size": "1",
-                                                                               "receipt": "sub"})  # fmt: skip
+        conn.subscribe(
+            "/queue/twice", id="t", ack="client-individual", headers={"consumer-window-size": "1", "receipt": "sub"}
+        )
         listener.wait(lambda: "sub" in listener.receipts, "the SUBSCRIBE's receipt")
         conn.send("/queue/twice", "held", headers={"persistent": "true"}, receipt="sent")
         first = listener.wait_messages(1)[0]
@@ -426,8 +449,13 @@ def test_a_lost_links_frame_and_its_redelivery_are_each_acknowledged(tmp_path: P
 
 def test_a_stomp_message_reaches_a_link_consumer_intact(gateway: GatewayProcess, core: CoreProcess) -> None:
     conn, listener = connect(gateway)
-    conn.send("/queue/cross", b"\x00binary\xffbody", content_type="application/octet-stream",
-              headers={"persistent": "true", "x-key": "v"}, receipt="sent")  # fmt: skip
+    conn.send(
+        "/queue/cross",
+        b"\x00binary\xffbody",
+        content_type="application/octet-stream",
+        headers={"persistent": "true", "x-key": "v"},
+        receipt="sent",
+    )
     listener.wait(lambda: "sent" in listener.receipts)
     conn.disconnect()
 
@@ -468,9 +496,16 @@ def test_bad_credentials_get_an_error(tmp_path: Path) -> None:
 
 def test_a_wildcard_subscription_needs_consume_on_every_address_it_matches(tmp_path: Path) -> None:
     """The core's rule for every protocol: consume on sensors.* does not cover /topic/sensors.# (issue 22)."""
-    grants = "".join(f'[[permissions]]\nmatch = "{match}"\npermission = "{permission}"\nroles = ["all"]\n'
-                     for match, permission in [("#", "send"), ("#", "createAddress"), ("#", "createNonDurableQueue"),
-                                               ("#", "deleteNonDurableQueue"), ("sensors.*", "consume")])  # fmt: skip
+    grants = "".join(
+        f'[[permissions]]\nmatch = "{match}"\npermission = "{permission}"\nroles = ["all"]\n'
+        for match, permission in [
+            ("#", "send"),
+            ("#", "createAddress"),
+            ("#", "createNonDurableQueue"),
+            ("#", "deleteNonDurableQueue"),
+            ("sensors.*", "consume"),
+        ]
+    )
     core = start_core(tmp_path, config='[[users]]\nname = "app"\npassword = "secret"\nroles = ["all"]\n' + grants)
     gateway = start_gateway(tmp_path, core)
     try:
@@ -545,18 +580,22 @@ def test_frames_before_connect_and_unsupported_versions_are_refused(raw: Callabl
 
 
 def test_escaped_headers_come_back_escaped(raw: Callable[[bytes], bytes]) -> None:
-    reply = raw(CONNECT + b"SUBSCRIBE\nid:0\ndestination:/queue/escaped\n\n\x00"
-                b"SEND\ndestination:/queue/escaped\nkey\\cwith\\ccolons:line\\none\\\\two\\r\n\nx\x00"
-                b"DISCONNECT\nreceipt:done\n\n\x00")  # fmt: skip
+    reply = raw(
+        CONNECT + b"SUBSCRIBE\nid:0\ndestination:/queue/escaped\n\n\x00"
+        b"SEND\ndestination:/queue/escaped\nkey\\cwith\\ccolons:line\\none\\\\two\\r\n\nx\x00"
+        b"DISCONNECT\nreceipt:done\n\n\x00"
+    )
     assert b"\nkey\\cwith\\ccolons:line\\none\\\\two\\r\n" in reply
 
 
 def test_frames_pipelined_before_a_disconnect_are_all_handled(
     raw: Callable[[bytes], bytes], gateway: GatewayProcess
 ) -> None:
-    reply = raw(CONNECT + b"BEGIN\ntransaction:t\n\n\x00SEND\ndestination:/queue/piped\ntransaction:t\n\nin tx\x00"
-                b"COMMIT\ntransaction:t\n\n\x00SEND\ndestination:/queue/piped\n\nplain\x00DISCONNECT\n\n\x00"
-                b"SEND\ndestination:/queue/piped\n\nafter the end\x00")  # fmt: skip
+    reply = raw(
+        CONNECT + b"BEGIN\ntransaction:t\n\n\x00SEND\ndestination:/queue/piped\ntransaction:t\n\nin tx\x00"
+        b"COMMIT\ntransaction:t\n\n\x00SEND\ndestination:/queue/piped\n\nplain\x00DISCONNECT\n\n\x00"
+        b"SEND\ndestination:/queue/piped\n\nafter the end\x00"
+    )
     assert reply.startswith(b"CONNECTED\n")
     assert b"ERROR" not in reply
     conn, listener = connect(gateway)
@@ -603,8 +642,9 @@ def test_auto_ack_messages_the_client_was_not_sent_stay_in_the_queue(gateway: Ga
 def test_client_mode_prefetch_holds_back_no_more_than_the_window(gateway: GatewayProcess) -> None:
     first, first_listener = connect(gateway)
     second, second_listener = connect(gateway)
-    first.subscribe("/queue/fair", id="a", ack="client-individual", headers={"consumer-window-size": "1",
-                                                                           "receipt": "a"})  # fmt: skip
+    first.subscribe(
+        "/queue/fair", id="a", ack="client-individual", headers={"consumer-window-size": "1", "receipt": "a"}
+    )
     first_listener.wait(lambda: "a" in first_listener.receipts)
     for n in range(4):
         first.send("/queue/fair", f"m{n}", receipt=f"s{n}")
@@ -618,9 +658,11 @@ def test_client_mode_prefetch_holds_back_no_more_than_the_window(gateway: Gatewa
 
 
 def test_stomp_10_header_values_are_trimmed(raw: Callable[[bytes], bytes]) -> None:
-    reply = raw(b"CONNECT\n\n\x00SUBSCRIBE\ndestination: /queue/padded \n\n\x00"
-                b"SEND\ndestination: /queue/padded\ncontent-length: 2\n\nhi\x00"
-                b"DISCONNECT\nreceipt:done\n\n\x00")  # fmt: skip
+    reply = raw(
+        b"CONNECT\n\n\x00SUBSCRIBE\ndestination: /queue/padded \n\n\x00"
+        b"SEND\ndestination: /queue/padded\ncontent-length: 2\n\nhi\x00"
+        b"DISCONNECT\nreceipt:done\n\n\x00"
+    )
     assert b"MESSAGE\ndestination:/queue/padded\n" in reply
     assert reply.endswith(b"RECEIPT\nreceipt-id:done\n\n\x00")
 
@@ -636,9 +678,11 @@ def test_a_client_that_half_closes_after_disconnect_still_gets_its_receipt(gatew
 
 
 def test_frames_split_at_every_byte_over_the_socket(gateway: GatewayProcess) -> None:
-    data = (CONNECT + b"SUBSCRIBE\nid:0\ndestination:/queue/split\n\n\x00"
-            b"SEND\r\ndestination:/queue/split\r\ncontent-length:3\r\n\r\na\x00b\x00\n\n"
-            b"DISCONNECT\nreceipt:done\n\n\x00")  # fmt: skip
+    data = (
+        CONNECT + b"SUBSCRIBE\nid:0\ndestination:/queue/split\n\n\x00"
+        b"SEND\r\ndestination:/queue/split\r\ncontent-length:3\r\n\r\na\x00b\x00\n\n"
+        b"DISCONNECT\nreceipt:done\n\n\x00"
+    )
     with socket.create_connection(("127.0.0.1", gateway.port), timeout=WAIT) as sock:
         for byte in data:
             sock.sendall(bytes([byte]))

@@ -39,23 +39,34 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
 @pytest.fixture
 def tls_core(tmp_path: Path, certs: Certificates) -> Iterator[CoreProcess]:
     """A core whose link is TLS only and asks every link for a trusted client certificate."""
-    node = start_core(tmp_path, TRIDENTMQ_CORE_LINK_TLS="true", TRIDENTMQ_CORE_TLS_CERT_FILE=str(certs.server.cert),
-                      TRIDENTMQ_CORE_TLS_KEY_FILE=str(certs.server.key), TRIDENTMQ_CORE_TLS_CA_FILE=str(certs.ca),
-                      TRIDENTMQ_CORE_TLS_CLIENT_CERTS="required")  # fmt: skip
+    node = start_core(
+        tmp_path,
+        TRIDENTMQ_CORE_LINK_TLS="true",
+        TRIDENTMQ_CORE_TLS_CERT_FILE=str(certs.server.cert),
+        TRIDENTMQ_CORE_TLS_KEY_FILE=str(certs.server.key),
+        TRIDENTMQ_CORE_TLS_CA_FILE=str(certs.ca),
+        TRIDENTMQ_CORE_TLS_CLIENT_CERTS="required",
+    )
     yield node
     assert node.stop() == 0, node.log()
     assert "Traceback" not in node.log(), node.log()
 
 
-def tls_gateway(tmp_path: Path, core: CoreProcess, kind: str, certs: Certificates, client_certs: str = "none",
-                **env: str) -> GatewayProcess:  # fmt: skip
+def tls_gateway(
+    tmp_path: Path, core: CoreProcess, kind: str, certs: Certificates, client_certs: str = "none", **env: str
+) -> GatewayProcess:
     prefix = f"TRIDENTMQ_{kind.upper()}"
     settings = {
-        "LISTENER_TLS_PORT": "0", "LISTENER_WEBSOCKET_TLS_PORT": "0", "HTTP_TLS": "true", "CORE_TLS": "true",
+        "LISTENER_TLS_PORT": "0",
+        "LISTENER_WEBSOCKET_TLS_PORT": "0",
+        "HTTP_TLS": "true",
+        "CORE_TLS": "true",
         # Its certificate serves its listeners and is its client certificate towards the core.
-        "TLS_CERT_FILE": str(certs.server.cert), "TLS_KEY_FILE": str(certs.server.key),
-        "TLS_CA_FILE": str(certs.ca), "TLS_CLIENT_CERTS": client_certs,
-    }  # fmt: skip
+        "TLS_CERT_FILE": str(certs.server.cert),
+        "TLS_KEY_FILE": str(certs.server.key),
+        "TLS_CA_FILE": str(certs.ca),
+        "TLS_CLIENT_CERTS": client_certs,
+    }
     return start_gateway(tmp_path, core, kind, **{**{f"{prefix}_{k}": v for k, v in settings.items()}, **env})
 
 
@@ -134,8 +145,9 @@ def test_amqp_over_amqps_and_wss(tmp_path: Path, tls_core: CoreProcess, certs: C
         domain = SSLDomain(SSLDomain.MODE_CLIENT)
         domain.set_trusted_ca_db(str(certs.ca))
         domain.set_peer_authentication(SSLDomain.VERIFY_PEER_NAME)
-        conn = BlockingConnection(f"amqps://127.0.0.1:{gateway.ports['amqp_tls']}", timeout=WAIT, ssl_domain=domain,
-                                  virtual_host="localhost")  # fmt: skip
+        conn = BlockingConnection(
+            f"amqps://127.0.0.1:{gateway.ports['amqp_tls']}", timeout=WAIT, ssl_domain=domain, virtual_host="localhost"
+        )
         try:
             receiver = conn.create_receiver("tls.amqp")
             conn.create_sender("tls.amqp").send(AmqpMessage(body="over amqps"))
@@ -153,8 +165,9 @@ def test_amqp_over_amqps_and_wss(tmp_path: Path, tls_core: CoreProcess, certs: C
 def _amqp_wss_header(port: int, certs: Certificates) -> bytes:
     # websocket-client (stomp.py's): its socket is closed when close() returns, unlike an aiohttp session's
     # TLS transport, which may still be closing when the event loop ends.
-    ws = websocket.create_connection(f"wss://127.0.0.1:{port}/", subprotocols=["amqp"], timeout=WAIT,
-                                     sslopt={"ca_certs": str(certs.ca)})  # fmt: skip
+    ws = websocket.create_connection(
+        f"wss://127.0.0.1:{port}/", subprotocols=["amqp"], timeout=WAIT, sslopt={"ca_certs": str(certs.ca)}
+    )
     try:
         ws.send_binary(b"AMQP\x03\x01\x00\x00")
         received = b""
@@ -186,8 +199,15 @@ def test_a_listener_requiring_client_certificates_refuses_a_client_without_one(
     tmp_path: Path, tls_core: CoreProcess, certs: Certificates
 ) -> None:
     # Cleartext TCP off: TLS with a client certificate is the only way in (besides WebSocket over TLS).
-    gateway = tls_gateway(tmp_path, tls_core, "mqtt", certs, client_certs="required",
-                          TRIDENTMQ_MQTT_LISTENER_PORT="-1", TRIDENTMQ_MQTT_LISTENER_WEBSOCKET_PORT="-1")  # fmt: skip
+    gateway = tls_gateway(
+        tmp_path,
+        tls_core,
+        "mqtt",
+        certs,
+        client_certs="required",
+        TRIDENTMQ_MQTT_LISTENER_PORT="-1",
+        TRIDENTMQ_MQTT_LISTENER_WEBSOCKET_PORT="-1",
+    )
     assert set(gateway.ports) == {"mqtt_tls", "websocket_tls", "http"}
     port = gateway.ports["mqtt_tls"]
     try:
@@ -198,8 +218,18 @@ def test_a_listener_requiring_client_certificates_refuses_a_client_without_one(
         stop_cleanly(gateway)
 
 
-ALL_PERMISSIONS = ("send", "consume", "browse", "createAddress", "deleteAddress", "createDurableQueue",
-                   "deleteDurableQueue", "createNonDurableQueue", "deleteNonDurableQueue", "manage")  # fmt: skip
+ALL_PERMISSIONS = (
+    "send",
+    "consume",
+    "browse",
+    "createAddress",
+    "deleteAddress",
+    "createDurableQueue",
+    "deleteDurableQueue",
+    "createNonDurableQueue",
+    "deleteNonDurableQueue",
+    "manage",
+)
 DEVICE_CONFIG = (
     '[link]\nproxy_users = ["gw"]\n'
     '[[users]]\nname = "gw"\npassword = "gw-secret"\nroles = ["gateway"]\n'
@@ -216,9 +246,17 @@ DEVICE_CONFIG = (
 
 def test_mqtt_device_certificates_are_users_with_their_permissions(tmp_path: Path, certs: Certificates) -> None:
     core = start_core(tmp_path, config=DEVICE_CONFIG)
-    gateway = tls_gateway(tmp_path, core, "mqtt", certs, client_certs="required", TRIDENTMQ_MQTT_CORE_TLS="false",
-                          TRIDENTMQ_MQTT_CORE_USER="gw", TRIDENTMQ_MQTT_CORE_PASSWORD="gw-secret",
-                          TRIDENTMQ_MQTT_MQTT_USE_IDENTITY_AS_USERNAME="true")  # fmt: skip
+    gateway = tls_gateway(
+        tmp_path,
+        core,
+        "mqtt",
+        certs,
+        client_certs="required",
+        TRIDENTMQ_MQTT_CORE_TLS="false",
+        TRIDENTMQ_MQTT_CORE_USER="gw",
+        TRIDENTMQ_MQTT_CORE_PASSWORD="gw-secret",
+        TRIDENTMQ_MQTT_MQTT_USE_IDENTITY_AS_USERNAME="true",
+    )
     clients: list[Paho] = []
 
     def device(name: str) -> Paho:
@@ -256,6 +294,7 @@ def test_mqtt_device_certificates_are_users_with_their_permissions(tmp_path: Pat
 
 
 async def _open_link(port: int, user: str, password: str, *, acting_for: str) -> None:
-    async with LinkClient("127.0.0.1", port, user=user, password=password, acting_for=acting_for,
-                          reconnect=ReconnectPolicy(attempts=0)):  # fmt: skip
+    async with LinkClient(
+        "127.0.0.1", port, user=user, password=password, acting_for=acting_for, reconnect=ReconnectPolicy(attempts=0)
+    ):
         pass

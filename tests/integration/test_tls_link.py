@@ -53,8 +53,13 @@ def tls_env(certs: Certificates, server: Pair | None = None, client_certs: str =
 
 
 def client_tls(certs: Certificates, client: Pair | None = None) -> ClientTls:
-    return ClientTls(TlsSection(ca_file=str(certs.ca), cert_file=str(client.cert) if client else "",
-                                key_file=str(client.key) if client else ""))  # fmt: skip
+    return ClientTls(
+        TlsSection(
+            ca_file=str(certs.ca),
+            cert_file=str(client.cert) if client else "",
+            key_file=str(client.key) if client else "",
+        )
+    )
 
 
 def stop(node: CoreProcess) -> None:
@@ -66,8 +71,10 @@ def stop(node: CoreProcess) -> None:
 def presented_serial(port: int, certs: Certificates) -> int:
     """The serial number of the certificate the server presents to a new connection."""
     context = ssl.create_default_context(cafile=str(certs.ca))
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
-            context.wrap_socket(raw, server_hostname="localhost") as tls:  # fmt: skip
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname="localhost") as tls,
+    ):
         cert = tls.getpeercert()
     assert cert is not None
     return int(cert["serialNumber"], 16)
@@ -99,7 +106,7 @@ async def test_link_and_management_over_tls_refuse_cleartext(tmp_path: Path, cer
                 reconnect=NO_RECONNECT,
                 tls=ClientTls(TlsSection(ca_file=str(certs.client("x", "other").cert))),
             ):
-                pass  # fmt: skip
+                pass
         # Management over HTTPS, checked against the test authority.
         context = ssl.create_default_context(cafile=str(certs.ca))
         url = f"https://127.0.0.1:{core.management_port}/healthz"
@@ -108,16 +115,35 @@ async def test_link_and_management_over_tls_refuse_cleartext(tmp_path: Path, cer
         # The CLI: produce over a TLS link, status over HTTPS.
         env = {**os.environ, "PYTHONWARNINGS": "error"}
         cli = [sys.executable, "-m", "tridentmq_shared.cli"]
-        produce = [*cli, "produce", "tls.cli", "--count", "3", "--port", str(core.link_port), "--tls",
-                   "--ca-file", str(certs.ca)]  # fmt: skip
-        produced = await asyncio.to_thread(subprocess.run, produce, env=env, capture_output=True, text=True,
-                                           timeout=60, check=False)  # fmt: skip
+        produce = [
+            *cli,
+            "produce",
+            "tls.cli",
+            "--count",
+            "3",
+            "--port",
+            str(core.link_port),
+            "--tls",
+            "--ca-file",
+            str(certs.ca),
+        ]
+        produced = await asyncio.to_thread(
+            subprocess.run, produce, env=env, capture_output=True, text=True, timeout=60, check=False
+        )
         assert produced.returncode == 0, produced.stderr
         assert "3 message(s) confirmed on tls.cli" in produced.stdout
-        status_command = [*cli, "status", "--json", "--management", f"https://127.0.0.1:{core.management_port}",
-                          "--ca-file", str(certs.ca)]  # fmt: skip
-        status = await asyncio.to_thread(subprocess.run, status_command, env=env, capture_output=True, text=True,
-                                         timeout=60, check=False)  # fmt: skip
+        status_command = [
+            *cli,
+            "status",
+            "--json",
+            "--management",
+            f"https://127.0.0.1:{core.management_port}",
+            "--ca-file",
+            str(certs.ca),
+        ]
+        status = await asyncio.to_thread(
+            subprocess.run, status_command, env=env, capture_output=True, text=True, timeout=60, check=False
+        )
         assert status.returncode == 0, status.stderr
         assert json.loads(status.stdout)["node_id"]
     finally:

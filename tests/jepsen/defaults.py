@@ -136,8 +136,9 @@ class Cluster:
             env["TRIDENTMQ_CORE_SECURITY_ALLOW_ANONYMOUS_REMOTE"] = "true"  # gateways and clients are in `cl`
             env["TRIDENTMQ_CORE_JOURNAL_SEGMENT_BYTES"] = str(8 * 1024 * 1024)  # smaller pre-allocated files
             argv = [*core.argv, "--ports-file", str(root / f"{core.name}.ports.json")]
-            self.procs[core.name] = Proc(Child(core.name, argv, core.env), core.name.replace("-", ""), env,
-                                         root / f"{core.name}.log")  # fmt: skip
+            self.procs[core.name] = Proc(
+                Child(core.name, argv, core.env), core.name.replace("-", ""), env, root / f"{core.name}.log"
+            )
         self.gateway_ports: dict[str, list[int]] = {}
         for index, gateway in enumerate(gateways):
             kind = gateway.name.removeprefix("gateway-")
@@ -160,9 +161,10 @@ class Cluster:
                 self.procs[name] = Proc(Child(name, gateway.argv, gateway.env), CLIENT_NS, env, root / f"{name}.log")
             self.gateway_ports[kind] = [FIRST_GATEWAY[kind], SECOND_GATEWAY[kind]][:gateway_sets]
             del index
-        self._status = {c.name: ThreadPoolExecutor(1, initializer=enter_netns,
-                                                  initargs=(self.lab.netns(c.name.replace("-", "")),))
-                        for c in self.cores}  # fmt: skip
+        self._status = {
+            c.name: ThreadPoolExecutor(1, initializer=enter_netns, initargs=(self.lab.netns(c.name.replace("-", "")),))
+            for c in self.cores
+        }
 
     # -------------------------------------------------------------------------------------- processes
 
@@ -173,8 +175,9 @@ class Cluster:
         with proc.log.open("ab") as log:
             log.write(f"---- incarnation {proc.incarnations} at {time.monotonic():.1f}\n".encode())
             log.flush()
-            proc.process = self.lab.run(proc.netns_node, proc.child.argv, env={**os.environ, **proc.env},
-                                        stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+            proc.process = self.lab.run(
+                proc.netns_node, proc.child.argv, env={**os.environ, **proc.env}, stdout=log, stderr=subprocess.STDOUT
+            )
 
     def start_all(self) -> None:
         for name, proc in self.procs.items():
@@ -257,8 +260,11 @@ def _compact(status: dict[str, Any]) -> dict[str, Any]:
     ha = status.get("ha") or {}
     members = (status.get("cluster") or {}).get("members")
     keys = ("active", "epoch", "in_sync", "backup_in_sync", "waiting_for_quorum", "cut_off", "pairs")
-    return {"up": bool(status), "members": len(members) if isinstance(members, list) else None,
-            **{k: ha[k] for k in keys if k in ha}}  # fmt: skip
+    return {
+        "up": bool(status),
+        "members": len(members) if isinstance(members, list) else None,
+        **{k: ha[k] for k in keys if k in ha},
+    }
 
 
 def _get_any(url: str) -> Any:
@@ -345,8 +351,9 @@ class Run:
 MqttConnection = tuple[paho.Client, threading.Event, list[bool]]  # the client, CONNACK received, session present
 
 
-def mqtt_client(client_id: str, port: int, *, persistent: bool,
-                on_message: Callable[[Any, Any, Any], None] | None = None) -> MqttConnection:  # fmt: skip
+def mqtt_client(
+    client_id: str, port: int, *, persistent: bool, on_message: Callable[[Any, Any, Any], None] | None = None
+) -> MqttConnection:
     client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv5)
     if on_message is not None:  # before CONNECT: a resumed session's messages follow the CONNACK at once
         client.on_message = on_message
@@ -406,8 +413,11 @@ def mqtt_subscriber(run: Run, cluster: Cluster, client_id: str, topic: str, stre
         port = run.choice(cluster.gateway_ports["mqtt"])
         try:
             client, connected, present = mqtt_client(
-                client_id, port, persistent=True,
-                on_message=lambda _c, _u, m, at=port: stream.deliver(m.payload.decode(), m.dup, str(at)))  # fmt: skip
+                client_id,
+                port,
+                persistent=True,
+                on_message=lambda _c, _u, m, at=port: stream.deliver(m.payload.decode(), m.dup, str(at)),
+            )
         except OSError as exc:
             run.note(f"{client_id} connect: {exc}")
             run.pause(0.2, 0.5)
@@ -617,8 +627,9 @@ def amqp_consumer(run: Run, cluster: Cluster, name: str, address: str, stream: S
 def link_producer(run: Run, cluster: Cluster, address: str, stream: Stream, prefix: str) -> None:
     async def main() -> None:
         topology = Topology([(cluster.address[c], cluster.link_port[c]) for c in cluster.primaries()])
-        client = LinkClient(topology=topology, follow_topology=True,
-                            reconnect=ReconnectPolicy(max_interval=0.5, initial_attempts=-1))  # fmt: skip
+        client = LinkClient(
+            topology=topology, follow_topology=True, reconnect=ReconnectPolicy(max_interval=0.5, initial_attempts=-1)
+        )
         await client.connect()
         pending: set[asyncio.Future[None]] = set()
         window = asyncio.Semaphore(20)
@@ -648,8 +659,9 @@ def link_producer(run: Run, cluster: Cluster, address: str, stream: Stream, pref
                     run.note(f"link producer moved from {node} to {client.host} before {value}")
                     node = client.host
                 try:
-                    future = await asyncio.wait_for(client.send(new_message(address, value.encode(), durable=True)),
-                                                    ACK_TIMEOUT)  # fmt: skip
+                    future = await asyncio.wait_for(
+                        client.send(new_message(address, value.encode(), durable=True)), ACK_TIMEOUT
+                    )
                 except (TimeoutError, LinkRequestError) as exc:
                     window.release()
                     run.note(f"link send {value}: {exc!r}")
@@ -670,8 +682,12 @@ def link_consumer(run: Run, cluster: Cluster, name: str, address: str, stream: S
     async def main() -> None:
         while not run.stop_consuming.is_set():
             node = run.choice(cluster.primaries())
-            client = LinkClient(cluster.address[node], cluster.link_port[node], follow_topology=True,
-                                reconnect=ReconnectPolicy(max_interval=0.5))  # fmt: skip
+            client = LinkClient(
+                cluster.address[node],
+                cluster.link_port[node],
+                follow_topology=True,
+                reconnect=ReconnectPolicy(max_interval=0.5),
+            )
             try:
                 await asyncio.wait_for(client.connect(), 10)
                 consumer = await asyncio.wait_for(client.subscribe(address, credit=10), 10)
@@ -810,8 +826,11 @@ class Nemesis:
             proc.process.kill()
             proc.process.wait()
         with contextlib.suppress(TimeoutError):
-            wait_for(f"{backup} to take over",
-                     lambda: (self.cluster.status(backup).get("ha") or {}).get("active") is True, 30)  # fmt: skip
+            wait_for(
+                f"{backup} to take over",
+                lambda: (self.cluster.status(backup).get("ha") or {}).get("active") is True,
+                30,
+            )
             self.failovers.append(time.monotonic() - killed)
         self.cluster.start(proc)
 
@@ -831,8 +850,9 @@ class Nemesis:
 # ----------------------------------------------------------------------------------------------- the run
 
 
-def run_once(topology: str, seed: int, seconds: float, root: Path, gateway_sets: int = 2,
-             faults: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
+def run_once(
+    topology: str, seed: int, seconds: float, root: Path, gateway_sets: int = 2, faults: tuple[str, ...] = ()
+) -> dict[str, Any]:
     rng = random.Random(seed)
     cluster = Cluster(root, topology, gateway_sets)
     enter_netns(cluster.lab.netns(CLIENT_NS))  # before any thread: clients and gateways share this namespace
@@ -871,8 +891,9 @@ def run_once(topology: str, seed: int, seconds: float, root: Path, gateway_sets:
         # Start-up: until each queue delivered its first message, a publish may still reach a node that does
         # not know the consumers' queues yet (bindings travel); those are reported apart, as "at start".
         wait_for("a first delivery on every queue", lambda: all(s.first_seen for s in streams.values()), START_TIMEOUT)
-        at_start = {name: set(fanout.acknowledged if name.startswith("mqtt") else s.acknowledged)
-                    for name, s in streams.items()}  # fmt: skip
+        at_start = {
+            name: set(fanout.acknowledged if name.startswith("mqtt") else s.acknowledged) for name, s in streams.items()
+        }
         failure = ""
         try:
             nemesis.run(seconds)
@@ -894,17 +915,24 @@ def run_once(topology: str, seed: int, seconds: float, root: Path, gateway_sets:
         healed_at = time.monotonic()
         result["consumers_connected"] = {c: bool(run.connected.get(c)) for c in consumers}
         with contextlib.suppress(TimeoutError):
-            wait_for("every acknowledged message delivered",
-                     lambda: not any(s.missing() for s in streams.values()), STUCK_SECONDS)  # fmt: skip
+            wait_for(
+                "every acknowledged message delivered",
+                lambda: not any(s.missing() for s in streams.values()),
+                STUCK_SECONDS,
+            )
         stuck = {name: sorted(s.missing()) for name, s in streams.items()}
         with contextlib.suppress(TimeoutError):
             wait_for("the stuck messages", lambda: not any(s.missing() for s in streams.values()), LOST_GRACE)
         if any(s.missing() for s in streams.values()):
             # Where the missing messages wait, for the report only (the check above reads no node).
             result["queues_holding_messages"] = {
-                c.name: [{k: q.get(k) for k in ("name", "messages", "consumers", "in_flight")}
-                         for q in cluster.queues(c.name) if q.get("messages")]
-                for c in cluster.cores}  # fmt: skip
+                c.name: [
+                    {k: q.get(k) for k in ("name", "messages", "consumers", "in_flight")}
+                    for q in cluster.queues(c.name)
+                    if q.get("messages")
+                ]
+                for c in cluster.cores
+            }
         run.stop_consuming.set()
         for thread in threads:
             thread.join(timeout=15)
@@ -917,22 +945,37 @@ def run_once(topology: str, seed: int, seconds: float, root: Path, gateway_sets:
             lost = verdict.lost - at_start[name]
             verdicts[name] = {
                 "ok": not (lost or verdict.unexpected or verdict.rejected_delivered or stuck[name]),
-                "lost_at_start": len(lost_at_start), "lost_at_start_examples": lost_at_start[:10],
-                "attempted": verdict.attempted, "acknowledged": verdict.acknowledged, "unknown": verdict.unknown,
-                "deliveries": verdict.deliveries, "lost": len(lost), "unexpected": len(verdict.unexpected),
-                "stuck": len(stuck[name]), "stuck_then_delivered_s": [
-                    round(s.first_seen[v] - healed_at, 1) for v in late][:10],
-                "duplicates": verdict.duplicate_deliveries, "unflagged_duplicates": verdict.unflagged_duplicates,
+                "lost_at_start": len(lost_at_start),
+                "lost_at_start_examples": lost_at_start[:10],
+                "attempted": verdict.attempted,
+                "acknowledged": verdict.acknowledged,
+                "unknown": verdict.unknown,
+                "deliveries": verdict.deliveries,
+                "lost": len(lost),
+                "unexpected": len(verdict.unexpected),
+                "stuck": len(stuck[name]),
+                "stuck_then_delivered_s": [round(s.first_seen[v] - healed_at, 1) for v in late][:10],
+                "duplicates": verdict.duplicate_deliveries,
+                "unflagged_duplicates": verdict.unflagged_duplicates,
                 "recovered": len(verdict.recovered),
-                "report": verdict.report(), "stuck_examples": stuck[name][:10],
+                "report": verdict.report(),
+                "stuck_examples": stuck[name][:10],
                 "duplicate_origins": {v: s.origins.get(v) for v in sorted(verdict.unflagged_duplicated)[:10]},
-            }  # fmt: skip
-        result.update({
-            "failure": failure, "verdicts": verdicts, "faults": nemesis.counts, "schedule": nemesis.schedule,
-            "moves": run.moves, "client_notes": run.errors[-200:], "client_note_count": len(run.errors),
-            "heal_seconds": _summary(nemesis.heal_times), "failover_seconds": _summary(nemesis.failovers),
-            "wall_seconds": round(time.monotonic() - wall, 1),
-        })  # fmt: skip
+            }
+        result.update(
+            {
+                "failure": failure,
+                "verdicts": verdicts,
+                "faults": nemesis.counts,
+                "schedule": nemesis.schedule,
+                "moves": run.moves,
+                "client_notes": run.errors[-200:],
+                "client_note_count": len(run.errors),
+                "heal_seconds": _summary(nemesis.heal_times),
+                "failover_seconds": _summary(nemesis.failovers),
+                "wall_seconds": round(time.monotonic() - wall, 1),
+            }
+        )
         result["ok"] = not failure and all(v["ok"] for v in verdicts.values())
         return result
     finally:

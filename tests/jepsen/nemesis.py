@@ -170,9 +170,20 @@ class NetLab:
             self._add_netns(netns)
             self._cmd(self._ip, "-n", netns, "link", "set", "lo", "up")
             self._cmd(
-                self._ip, "-n", self.bridge_netns, "link", "add", port, "type", "veth",
-                "peer", "name", "eth0", "netns", netns,
-            )  # fmt: skip
+                self._ip,
+                "-n",
+                self.bridge_netns,
+                "link",
+                "add",
+                port,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                netns,
+            )
             self._cmd(self._ip, "-n", self.bridge_netns, "link", "set", port, "master", "br0")
             self._cmd(self._ip, "-n", self.bridge_netns, "link", "set", port, "up")
             prefix = f"{self._addresses[node]}/{self.subnet.prefixlen}"

@@ -40,14 +40,32 @@ def test_alerts_become_messages_a_stomp_client_receives(spark: SparkSession, tmp
 
         # Five messages sent to "orders" on node-a and never taken (stranded), a node.left seen by node-a
         # (a failover alert), and a heartbeat 10 s later whose event time closes the 2 s windows.
-        sent = [{"ts_us": T0_US + i * 1000, "event": "msg.sent", "address": "orders", "message_id": f"m{i}",
-                 "size": 1, "protocol": "stomp", "sent_ts_us": T0_US + i * 1000} for i in range(5)]  # fmt: skip
+        sent = [
+            {
+                "ts_us": T0_US + i * 1000,
+                "event": "msg.sent",
+                "address": "orders",
+                "message_id": f"m{i}",
+                "size": 1,
+                "protocol": "stomp",
+                "sent_ts_us": T0_US + i * 1000,
+            }
+            for i in range(5)
+        ]
         left = {"ts_us": T0_US + 6000, "event": "node.left", "peer_node": "node-b"}
         heartbeat = {"ts_us": T0_US + 10_000_000, "event": "node.heartbeat"}
         _seal(tmp_path / "audit", "node-a", [*sent, left, heartbeat])
-        options = StreamOptions(tmp_path / "audit", tmp_path / "ckpt", tmp_path / "out", window_seconds=2,
-                                watermark_seconds=1, stranded_seconds=2, trigger_seconds=1, once=True,
-                                alerts_to=f"tmq://127.0.0.1:{core.link_port}/audit.alerts")  # fmt: skip
+        options = StreamOptions(
+            tmp_path / "audit",
+            tmp_path / "ckpt",
+            tmp_path / "out",
+            window_seconds=2,
+            watermark_seconds=1,
+            stranded_seconds=2,
+            trigger_seconds=1,
+            once=True,
+            alerts_to=f"tmq://127.0.0.1:{core.link_port}/audit.alerts",
+        )
         run_stream(spark, options)
 
         # The failover alert is written as soon as its batch runs. (The stranded one closes with its window

@@ -25,8 +25,15 @@ pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
 
 
 def _line(node: str, seq: int, event: str = "node.heartbeat", **fields: object) -> str:
-    record = {"v": 1, "node_id": node, "seq": seq, "ts_us": 1_795_000_000_000_000 + seq * 1000, "event": event,
-              "epoch": 1, **fields}  # fmt: skip
+    record = {
+        "v": 1,
+        "node_id": node,
+        "seq": seq,
+        "ts_us": 1_795_000_000_000_000 + seq * 1000,
+        "event": event,
+        "epoch": 1,
+        **fields,
+    }
     return json.dumps(record) + "\n"
 
 
@@ -34,11 +41,13 @@ def test_the_source_reads_sealed_segments_and_reports_every_bad_line(spark: Spar
     audit = tmp_path / "audit"
     (audit / "n1" / ".active").mkdir(parents=True)
     (audit / "n1" / "00000000000000000000.jsonl").write_text(
-        "".join(_line("n1", i, "msg.sent", address="q", message_id=f"m{i}", size=1, protocol="link",
-                      sent_ts_us=1) for i in range(4))
+        "".join(
+            _line("n1", i, "msg.sent", address="q", message_id=f"m{i}", size=1, protocol="link", sent_ts_us=1)
+            for i in range(4)
+        )
         + '{"v":1,"node_id":"n1","seq":4,"ts_us":17950\n'  # torn
         + "not json at all\n"
-    )  # fmt: skip
+    )
     (audit / "n1" / "00000000000000000006.jsonl").write_text(
         _line("n1", 8, "msg.teleported")  # seqs 6 and 7 missing
         + _line("n1", 9).replace('"v": 1', '"v": 2')
@@ -50,11 +59,22 @@ def test_the_source_reads_sealed_segments_and_reports_every_bad_line(spark: Spar
     (audit / ".hidden").mkdir()
     rows = jobs.load(spark, audit)
     good = sorted((r.node_id, r.seq, r.event) for r in jobs.events(rows).collect())
-    assert good == [("n1", 0, "msg.sent"), ("n1", 1, "msg.sent"), ("n1", 2, "msg.sent"), ("n1", 3, "msg.sent"),
-                    ("n1", 11, "node.heartbeat")]  # fmt: skip
+    assert good == [
+        ("n1", 0, "msg.sent"),
+        ("n1", 1, "msg.sent"),
+        ("n1", 2, "msg.sent"),
+        ("n1", 3, "msg.sent"),
+        ("n1", 11, "node.heartbeat"),
+    ]
     bad = sorted((r.seq if r.seq is not None else -1, r.bad_reason) for r in jobs.bad_records(rows).collect())
-    assert bad == [(-1, "not_json"), (-1, "not_json"), (4, "seq_gap"), (8, "unknown_event"), (9, "newer_version"),
-                   (10, "bad_field_type")], bad  # fmt: skip
+    assert bad == [
+        (-1, "not_json"),
+        (-1, "not_json"),
+        (4, "seq_gap"),
+        (8, "unknown_event"),
+        (9, "newer_version"),
+        (10, "bad_field_type"),
+    ], bad
     gap = jobs.bad_records(rows).where("bad_reason = 'seq_gap'").first()
     assert gap is not None
     assert gap.raw == "4 missing"  # seqs 4 (torn), 5 (garbled), 6, 7
@@ -72,8 +92,9 @@ def _browser() -> webdriver.Chrome:
     return webdriver.Chrome(options=options, service=Service(driver))
 
 
-def test_the_report_of_a_real_cluster_run_opens_in_a_browser(spark: SparkSession, cluster_audit: ClusterAudit,
-                                                             tmp_path: Path) -> None:  # fmt: skip
+def test_the_report_of_a_real_cluster_run_opens_in_a_browser(
+    spark: SparkSession, cluster_audit: ClusterAudit, tmp_path: Path
+) -> None:
     out = tmp_path / "report"
     result = build_report(spark, cluster_audit.audit_dir, out)
     sent = cluster_audit.stomp_sent + cluster_audit.link_sent
@@ -81,14 +102,19 @@ def test_the_report_of_a_real_cluster_run_opens_in_a_browser(spark: SparkSession
     throughput = pd.read_parquet(out / "throughput.parquet")
     orders = throughput[throughput["address"] == "orders"].groupby("event")["messages"].sum().to_dict()
     # Every node that accepts a message writes msg.sent (forwarded arrivals and dead-letter copies too).
-    assert orders == {"msg.sent": _count_lines(cluster_audit, "msg.sent", "orders"),
-                      "msg.acked": sent - cluster_audit.rejected}, orders  # fmt: skip
+    assert orders == {
+        "msg.sent": _count_lines(cluster_audit, "msg.sent", "orders"),
+        "msg.acked": sent - cluster_audit.rejected,
+    }, orders
     latency = pd.read_parquet(out / "latency.parquet").set_index("address")
     assert latency.loc["orders", "messages"] == sent - cluster_audit.rejected
     assert 0 <= latency.loc["orders", "p50_ms"] <= latency.loc["orders", "p99_ms"] <= latency.loc["orders", "max_ms"]
     # A percentile is the largest latency of its 0.5 % histogram bin: within 0.5 % above the exact one.
-    exact = sorted((r["ts_us"] - r["sent_ts_us"]) / 1000 for r in _records(cluster_audit)  # type: ignore[operator]
-                   if r["event"] == "msg.acked" and r.get("address") == "orders")  # fmt: skip
+    exact = sorted(
+        (r["ts_us"] - r["sent_ts_us"]) / 1000
+        for r in _records(cluster_audit)  # type: ignore[operator]
+        if r["event"] == "msg.acked" and r.get("address") == "orders"
+    )
     for q in (50, 90, 99):
         nearest_rank = exact[math.ceil(q / 100 * len(exact)) - 1]
         assert nearest_rank <= latency.loc["orders", f"p{q}_ms"] <= nearest_rank * 1.005 + 1e-9, (q, exact)
@@ -122,9 +148,12 @@ def test_the_report_of_a_real_cluster_run_opens_in_a_browser(spark: SparkSession
 
 
 def _records(cluster_audit: ClusterAudit) -> list[dict[str, object]]:
-    return [json.loads(line) for node in cluster_audit.node_ids
-            for segment in list_segments(cluster_audit.audit_dir / node)
-            for line in segment.path.read_text().splitlines()]  # fmt: skip
+    return [
+        json.loads(line)
+        for node in cluster_audit.node_ids
+        for segment in list_segments(cluster_audit.audit_dir / node)
+        for line in segment.path.read_text().splitlines()
+    ]
 
 
 def _count_lines(cluster_audit: ClusterAudit, event: str, address: str) -> int:
@@ -160,14 +189,48 @@ def test_clean_and_damaged_segments_give_the_same_events(tmp_path: Path) -> None
     lines = [
         _line("n", 0, "conn.opened", conn_id="c1", client_id="stomp 127.0.0.1:4000", protocol="link"),
         _line("n", 1, "msg.sent", address="a", message_id="m1", size=3, protocol="mqtt", sent_ts_us=5),
-        _line("n", 2, "msg.forwarded", address="a", message_id="m2", size=3, protocol="mqtt", sent_ts_us=5,
-              target_node="x", target_queues=["q1", "q2"]),
-        _line("n", 3, "msg.acked", address="a", queue="q1", message_id="m1", size=3, protocol="mqtt",
-              sent_ts_us=5, conn_id="c1", consumer_id="7", client_id="amqp 127.0.0.1:5"),
-        _line("n", 4, "msg.acked", address="a", queue="q1", message_id="m3", size=3, protocol="mqtt",
-              sent_ts_us=5, conn_id="c2", consumer_id="8", client_id="my-app"),
+        _line(
+            "n",
+            2,
+            "msg.forwarded",
+            address="a",
+            message_id="m2",
+            size=3,
+            protocol="mqtt",
+            sent_ts_us=5,
+            target_node="x",
+            target_queues=["q1", "q2"],
+        ),
+        _line(
+            "n",
+            3,
+            "msg.acked",
+            address="a",
+            queue="q1",
+            message_id="m1",
+            size=3,
+            protocol="mqtt",
+            sent_ts_us=5,
+            conn_id="c1",
+            consumer_id="7",
+            client_id="amqp 127.0.0.1:5",
+        ),
+        _line(
+            "n",
+            4,
+            "msg.acked",
+            address="a",
+            queue="q1",
+            message_id="m3",
+            size=3,
+            protocol="mqtt",
+            sent_ts_us=5,
+            conn_id="c2",
+            consumer_id="8",
+            client_id="my-app",
+        ),
         _line("n", 5, "ha.activated", configured_role="backup", group="g"),
-    ]  # fmt: skip
+    ]
     for name, extra in (("clean", ""), ("damaged", '{"v":1,"seq":6,"ts\n')):
         (tmp_path / name / "n").mkdir(parents=True)
         (tmp_path / name / "n" / "00000000000000000000.jsonl").write_text("".join(lines) + extra)

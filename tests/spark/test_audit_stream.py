@@ -28,12 +28,25 @@ def _seal(audit: Path, node: str, first_seq: int, *, torn: bool = False) -> None
     lines = []
     for seq in range(first_seq, first_seq + PER_SEGMENT):
         ts = T0_US + seq * 20_000  # 50 events per second of event time
-        event = "node.heartbeat" if seq % 50 == 0 else "msg.sent" if seq % 2 else \
-            "msg.delivered" if seq % 4 == 2 else "msg.acked"  # fmt: skip
+        event = (
+            "node.heartbeat"
+            if seq % 50 == 0
+            else "msg.sent"
+            if seq % 2
+            else "msg.delivered"
+            if seq % 4 == 2
+            else "msg.acked"
+        )
         record = {"v": 1, "node_id": node, "seq": seq, "ts_us": ts, "event": event, "epoch": 1}
         if event != "node.heartbeat":  # 3 ms from sent to ack, 1 ms from sent to delivery
-            record |= {"address": "orders", "message_id": f"{node[:2]}-{seq}", "size": 5, "protocol": "stomp",
-                       "sent_ts_us": ts - (1000 if event == "msg.delivered" else 3000), "queue": "orders"}  # fmt: skip
+            record |= {
+                "address": "orders",
+                "message_id": f"{node[:2]}-{seq}",
+                "size": 5,
+                "protocol": "stomp",
+                "sent_ts_us": ts - (1000 if event == "msg.delivered" else 3000),
+                "queue": "orders",
+            }
         lines.append(json.dumps(record))
     if torn:
         lines.append('{"v":1,"seq":')
@@ -48,9 +61,28 @@ def _committed_batches(sink: Path) -> int:
 
 
 def _stream(audit: Path, checkpoint: Path, out: Path, log: Path, *extra: str) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "tridentmq_shared.cli", "audit", "stream", "--audit-dir", str(audit),
-               "--checkpoint", str(checkpoint), "--out", str(out), "--window-seconds", "2",
-               "--watermark-seconds", "1", "--stranded-seconds", "2", "--trigger-seconds", "1", *extra]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "tridentmq_shared.cli",
+        "audit",
+        "stream",
+        "--audit-dir",
+        str(audit),
+        "--checkpoint",
+        str(checkpoint),
+        "--out",
+        str(out),
+        "--window-seconds",
+        "2",
+        "--watermark-seconds",
+        "1",
+        "--stranded-seconds",
+        "2",
+        "--trigger-seconds",
+        "1",
+        *extra,
+    ]
     with log.open("ab") as f:
         return subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -82,8 +114,19 @@ def test_the_stream_is_exactly_once_across_a_kill_of_the_driver(spark: SparkSess
         first_run.wait()
     _seal(audit, "node-c", PER_SEGMENT)
     # The restart from the checkpoint, as `--once` runs it, in the tests' Spark session (not a second JVM).
-    run_stream(spark, StreamOptions(audit, checkpoint, out, window_seconds=2, watermark_seconds=1,
-                                    stranded_seconds=2, trigger_seconds=1, once=True))  # fmt: skip
+    run_stream(
+        spark,
+        StreamOptions(
+            audit,
+            checkpoint,
+            out,
+            window_seconds=2,
+            watermark_seconds=1,
+            stranded_seconds=2,
+            trigger_seconds=1,
+            once=True,
+        ),
+    )
 
     rows = spark.read.parquet(str(out / "events")).where("bad_reason IS NULL")
     events = [(r.node_id, r.seq) for r in rows.select("node_id", "seq").collect()]

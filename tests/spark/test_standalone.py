@@ -28,11 +28,16 @@ _REGISTERED = re.compile(rb"(Registering worker )")
 
 
 def _spark_class(cls: str, log: Path, *args: str) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "SPARK_HOME": str(SPARK_HOME), "SPARK_LOCAL_IP": "127.0.0.1",
-           "SPARK_MASTER_OPTS": "-Dspark.master.rest.enabled=false"}  # fmt: skip
+    env = {
+        **os.environ,
+        "SPARK_HOME": str(SPARK_HOME),
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "SPARK_MASTER_OPTS": "-Dspark.master.rest.enabled=false",
+    }
     with log.open("wb") as f:  # spark-class execs java: this pid is the JVM's
-        return subprocess.Popen([str(SPARK_HOME / "bin" / "spark-class"), cls, *args], stdout=f,
-                                stderr=subprocess.STDOUT, env=env)  # fmt: skip
+        return subprocess.Popen(
+            [str(SPARK_HOME / "bin" / "spark-class"), cls, *args], stdout=f, stderr=subprocess.STDOUT, env=env
+        )
 
 
 def _wait_for(log: Path, pattern: re.Pattern[bytes], process: subprocess.Popen[bytes], count: int = 1) -> bytes:
@@ -51,15 +56,39 @@ def standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, 
     tmp = tmp_path_factory.mktemp("standalone")
     processes = []
     try:
-        master = _spark_class("org.apache.spark.deploy.master.Master", tmp / "master.log",
-                              "--host", "127.0.0.1", "--port", "0", "--webui-port", "0")  # fmt: skip
+        master = _spark_class(
+            "org.apache.spark.deploy.master.Master",
+            tmp / "master.log",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--webui-port",
+            "0",
+        )
         processes.append(master)
         url = _wait_for(tmp / "master.log", _MASTER_URL, master).decode()
         work_dirs = [tmp / f"work-{i}" for i in range(2)]
         for i, work in enumerate(work_dirs):
-            processes.append(_spark_class("org.apache.spark.deploy.worker.Worker", tmp / f"worker-{i}.log",
-                                          "--host", "127.0.0.1", "--port", "0", "--webui-port", "0",
-                                          "--cores", "1", "--memory", "1g", "--work-dir", str(work), url))  # fmt: skip
+            processes.append(
+                _spark_class(
+                    "org.apache.spark.deploy.worker.Worker",
+                    tmp / f"worker-{i}.log",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "0",
+                    "--webui-port",
+                    "0",
+                    "--cores",
+                    "1",
+                    "--memory",
+                    "1g",
+                    "--work-dir",
+                    str(work),
+                    url,
+                )
+            )
         _wait_for(tmp / "master.log", _REGISTERED, master, count=2)
         yield url, work_dirs
     finally:
@@ -84,16 +113,29 @@ def test_report_and_stream_run_on_a_standalone_cluster(
     spark: SparkSession, cluster_audit: ClusterAudit, standalone: tuple[str, list[Path]], tmp_path: Path
 ) -> None:
     url, work_dirs = standalone
-    records = {(node, segment.first_seq + i) for node in cluster_audit.node_ids
-               for segment in list_segments(cluster_audit.audit_dir / node)
-               for i in range(len(segment.path.read_bytes().splitlines()))}  # fmt: skip
+    records = {
+        (node, segment.first_seq + i)
+        for node in cluster_audit.node_ids
+        for segment in list_segments(cluster_audit.audit_dir / node)
+        for i in range(len(segment.path.read_bytes().splitlines()))
+    }
 
     out = _audit("report", "--master", url, "--audit-dir", str(cluster_audit.audit_dir), "--out", str(tmp_path / "r"))
     assert out.splitlines()[0] == f"{len(records)} events, 0 bad records", out
     assert (tmp_path / "r" / "report.html").is_file()
 
-    _audit("stream", "--master", url, "--audit-dir", str(cluster_audit.audit_dir), "--once",
-           "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "s"))  # fmt: skip
+    _audit(
+        "stream",
+        "--master",
+        url,
+        "--audit-dir",
+        str(cluster_audit.audit_dir),
+        "--once",
+        "--checkpoint",
+        str(tmp_path / "ckpt"),
+        "--out",
+        str(tmp_path / "s"),
+    )
     rows = spark.read.parquet(str(tmp_path / "s" / "events")).select("node_id", "seq").collect()
     assert sorted((r.node_id, r.seq) for r in rows) == sorted(records)
 

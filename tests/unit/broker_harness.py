@@ -56,8 +56,15 @@ def bodies(deliveries: list[Delivery]) -> list[bytes]:
 
 
 class Client:
-    def __init__(self, harness: Harness, name: str, user: str | None, password: str | None, peer: str,
-                 publish_bytes: int = UNBOUNDED_BYTES) -> None:  # fmt: skip
+    def __init__(
+        self,
+        harness: Harness,
+        name: str,
+        user: str | None,
+        password: str | None,
+        peer: str,
+        publish_bytes: int = UNBOUNDED_BYTES,
+    ) -> None:
         self.h = harness
         self.name = name
         self.conn = LinkConnection(Role.CLIENT)
@@ -69,8 +76,7 @@ class Client:
         principal = harness.security.authenticate(hello[0].user, hello[0].password, peer)
         conn_id = f"conn-{len(harness.clients) + 1}"
         self.server.accept(harness.broker.node_id, conn_id, PUBLISH_WINDOW, 0.0, publish_bytes=publish_bytes)
-        self.session: Session = harness.broker.open_session(self.server, conn_id, principal, peer, name,
-                                                            harness.now_ms)  # fmt: skip
+        self.session: Session = harness.broker.open_session(self.server, conn_id, principal, peer, name, harness.now_ms)
         welcomed = self.conn.receive_data(self.server.data_to_send(), harness.now_s)
         assert isinstance(welcomed[0], ev.Welcomed)
         assert self.conn.state is State.OPEN
@@ -115,8 +121,9 @@ class Client:
         return found[0]
 
     # ------------------------------------------------------------------ requests (synced)
-    def create_queue(self, name: str, address: str | None = None, routing: int = ANYCAST,
-                     **spec: Any) -> ev.Reply | ev.RequestFailed:  # fmt: skip
+    def create_queue(
+        self, name: str, address: str | None = None, routing: int = ANYCAST, **spec: Any
+    ) -> ev.Reply | ev.RequestFailed:
         full = {"name": name, "address": address or name, "routing_type": routing, **spec}
         return self._answer(self.conn.create_queue(full))
 
@@ -146,8 +153,9 @@ class Client:
     def tx_rollback(self, tx_id: int) -> ev.Reply | ev.RequestFailed:
         return self._answer(self.conn.tx_rollback(tx_id))
 
-    def set_will(self, key: str, message: WireMessage | None, *, delay_ms: int = 0,
-                 publish_pending: bool = False) -> ev.Reply | ev.RequestFailed:  # fmt: skip
+    def set_will(
+        self, key: str, message: WireMessage | None, *, delay_ms: int = 0, publish_pending: bool = False
+    ) -> ev.Reply | ev.RequestFailed:
         will = {"key": key, "message": message, "delay_ms": delay_ms, "publish_pending": publish_pending}
         return self._answer(self.conn.set_will(will))
 
@@ -193,8 +201,14 @@ class Harness:
     def __init__(self, settings: CoreSettings | None = None, pager_factory: PagerFactory | None = None) -> None:
         self.settings = settings or CoreSettings()
         self.security = SecurityManager(self.settings.users, self.settings.permissions)
-        self.broker = Broker("node-1", self.settings, store=MemoryStore(), audit=NullAuditSink(),
-                             first_message_id=1, pager_factory=pager_factory)  # fmt: skip
+        self.broker = Broker(
+            "node-1",
+            self.settings,
+            store=MemoryStore(),
+            audit=NullAuditSink(),
+            first_message_id=1,
+            pager_factory=pager_factory,
+        )
         self.now_ms = BASE_MS
         self.clients: list[Client] = []
 
@@ -202,8 +216,14 @@ class Harness:
     def now_s(self) -> float:
         return self.now_ms / 1000
 
-    def connect(self, name: str = "client", user: str | None = None, password: str | None = None,
-                peer: str = "127.0.0.1", publish_bytes: int = UNBOUNDED_BYTES) -> Client:  # fmt: skip
+    def connect(
+        self,
+        name: str = "client",
+        user: str | None = None,
+        password: str | None = None,
+        peer: str = "127.0.0.1",
+        publish_bytes: int = UNBOUNDED_BYTES,
+    ) -> Client:
         client = Client(self, name, user, password, peer, publish_bytes)
         self.clients.append(client)
         return client
@@ -256,21 +276,64 @@ class RecordingAudit:
     def emit(self, ts_us: int, event: str, fields: Mapping[str, object]) -> None:
         self.events.append((ts_us, event, dict(fields)))
 
-    def emit_message(self, ts_us: int, event: str, queue: str | None, address: str, message_id: str, size: int,
-                     protocol: str, sent_ts_us: int, extra: Mapping[str, object]) -> None:  # fmt: skip
-        fields = {"address": address, "message_id": message_id, "size": size, "protocol": protocol,
-                  "sent_ts_us": sent_ts_us, "queue": queue, **extra}  # fmt: skip
+    def emit_message(
+        self,
+        ts_us: int,
+        event: str,
+        queue: str | None,
+        address: str,
+        message_id: str,
+        size: int,
+        protocol: str,
+        sent_ts_us: int,
+        extra: Mapping[str, object],
+    ) -> None:
+        fields = {
+            "address": address,
+            "message_id": message_id,
+            "size": size,
+            "protocol": protocol,
+            "sent_ts_us": sent_ts_us,
+            "queue": queue,
+            **extra,
+        }
         self.emit(ts_us, event, {key: value for key, value in fields.items() if value is not None})
 
     def tick(self, ts_us: int) -> None:
         pass
 
-    def emit_delivered(self, ts_us: int, queue: str, address: str, message_id: str, size: int, protocol: str,
-                       sent_ts_us: int, delivery_count: int, conn_id: str, consumer_id: str,
-                       client_id: str | None, origin_message_id: str | None = None) -> None:  # fmt: skip
-        self.emit_message(ts_us, "msg.delivered", queue, address, message_id, size, protocol, sent_ts_us,
-                          {"delivery_count": delivery_count, "conn_id": conn_id, "consumer_id": consumer_id,
-                           "client_id": client_id, "origin_message_id": origin_message_id})  # fmt: skip
+    def emit_delivered(
+        self,
+        ts_us: int,
+        queue: str,
+        address: str,
+        message_id: str,
+        size: int,
+        protocol: str,
+        sent_ts_us: int,
+        delivery_count: int,
+        conn_id: str,
+        consumer_id: str,
+        client_id: str | None,
+        origin_message_id: str | None = None,
+    ) -> None:
+        self.emit_message(
+            ts_us,
+            "msg.delivered",
+            queue,
+            address,
+            message_id,
+            size,
+            protocol,
+            sent_ts_us,
+            {
+                "delivery_count": delivery_count,
+                "conn_id": conn_id,
+                "consumer_id": consumer_id,
+                "client_id": client_id,
+                "origin_message_id": origin_message_id,
+            },
+        )
 
     def flush(self) -> None:
         pass
@@ -312,8 +375,9 @@ class RecordingStore(MemoryStore):
         return 0
 
 
-def recorded(settings: CoreSettings | None = None, *,
-             hold_attempts: bool = False) -> tuple[Harness, RecordingStore, RecordingAudit]:  # fmt: skip
+def recorded(
+    settings: CoreSettings | None = None, *, hold_attempts: bool = False
+) -> tuple[Harness, RecordingStore, RecordingAudit]:
     """A harness whose broker reports to a recording store and audit sink."""
     h = Harness(settings)
     store, sink = RecordingStore(hold_attempts=hold_attempts), RecordingAudit()

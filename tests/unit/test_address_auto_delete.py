@@ -100,10 +100,14 @@ def test_an_address_whose_last_queue_goes_is_deleted_at_once() -> None:
 
 def test_the_delay_is_an_address_setting() -> None:
     delay = 10 * SCAN_MS
-    h, _ = harness(CoreSettings(address_settings=[
-        AddressSettingsEntry(match="slow.#", auto_delete_addresses_delay_ms=delay),
-        AddressSettingsEntry(match="kept.#", auto_delete_addresses=False),
-    ]))  # fmt: skip
+    h, _ = harness(
+        CoreSettings(
+            address_settings=[
+                AddressSettingsEntry(match="slow.#", auto_delete_addresses_delay_ms=delay),
+                AddressSettingsEntry(match="kept.#", auto_delete_addresses=False),
+            ]
+        )
+    )
     c = h.connect("app")
     for name in ("slow.a", "kept.a", "fast.a"):
         c.publish(name, b"x", routing=MULTICAST)
@@ -118,11 +122,14 @@ def test_the_delay_is_an_address_setting() -> None:
 
 def test_unused_auto_created_addresses_of_an_old_journal_go_after_a_restart() -> None:
     h, store = harness()
-    state = RecoveredState(addresses={
-        "old.topic": ([MULTICAST], True),  # auto-created, no queue: what earlier versions left behind
-        "made.by.admin": ([MULTICAST], False),  # created on purpose: stays
-        "subscribed": ([MULTICAST], True),
-    }, queues={"subscribed.q": {"address": "subscribed", "routing_type": MULTICAST}})  # fmt: skip
+    state = RecoveredState(
+        addresses={
+            "old.topic": ([MULTICAST], True),  # auto-created, no queue: what earlier versions left behind
+            "made.by.admin": ([MULTICAST], False),  # created on purpose: stays
+            "subscribed": ([MULTICAST], True),
+        },
+        queues={"subscribed.q": {"address": "subscribed", "routing_type": MULTICAST}},
+    )
     h.broker.restore(state, h.now_ms)
     after_scans(h)
     assert set(h.broker.addresses) >= {"made.by.admin", "subscribed"}

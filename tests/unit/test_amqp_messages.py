@@ -190,8 +190,15 @@ def test_message_ids_of_every_type() -> None:
 
 
 def test_application_property_values_become_plain_values() -> None:
-    app = {"sym": Symbol("a"), "ch": Char("c"), "ts": Timestamp(5), "u": U, "dec": Decimal(0x74, b"\x00\x00\x00\x01"),
-           "ui": UInt(3), "f": 0.5}  # fmt: skip
+    app = {
+        "sym": Symbol("a"),
+        "ch": Char("c"),
+        "ts": Timestamp(5),
+        "u": U,
+        "dec": Decimal(0x74, b"\x00\x00\x00\x01"),
+        "ui": UInt(3),
+        "f": 0.5,
+    }
     m = core(section(0x74, app))
     props = m[M_PROPS]
     assert {k: (v, type(v)) for k, v in props.items() if not k.startswith("$enc.")} == {
@@ -236,10 +243,15 @@ def test_symbolic_section_descriptors_are_accepted() -> None:
     def named(name: str, value: Any) -> bytes:
         return encode(Described(Symbol(name), value))
 
-    data = (named("amqp:header:list", [True]) + named("amqp:delivery-annotations:map", {})
-            + named("amqp:message-annotations:map", {Symbol("x-opt-delivery-delay"): 10})
-            + named("amqp:properties:list", ["id"]) + named("amqp:application-properties:map", {"a": 1})
-            + named("amqp:data:binary", b"x") + named("amqp:footer:map", {}))  # fmt: skip
+    data = (
+        named("amqp:header:list", [True])
+        + named("amqp:delivery-annotations:map", {})
+        + named("amqp:message-annotations:map", {Symbol("x-opt-delivery-delay"): 10})
+        + named("amqp:properties:list", ["id"])
+        + named("amqp:application-properties:map", {"a": 1})
+        + named("amqp:data:binary", b"x")
+        + named("amqp:footer:map", {})
+    )
     m = core(data)
     assert (m[M_DURABLE], m[M_SCHEDULED], m[M_BODY]) == (True, NOW + 10, b"x")
     assert (m[M_PROPS]["amqp_message_id"], m[M_PROPS]["a"]) == ("id", 1)
@@ -396,26 +408,59 @@ def test_many_annotations_merge_into_a_wide_map() -> None:
 
 
 def test_a_stomp_message_reaches_proton_with_properties_and_application_properties() -> None:
-    m = new_message("orders", b"hello", durable=True, priority=6, expiration_ms=NOW + 9000, group_id="g",
-                    content_type="text/plain", protocol="stomp",
-                    properties={"reply-to": "/queue/replies", "correlation-id": "c-1", "amqp_subject": "subj",
-                                "colour": "red", "n": 5, "big": 2**70, "f": 0.25, "yes": True, "none": None,
-                                "raw": b"\x01", "$enc.stomp.x": "hidden", **DEAD})  # fmt: skip
+    m = new_message(
+        "orders",
+        b"hello",
+        durable=True,
+        priority=6,
+        expiration_ms=NOW + 9000,
+        group_id="g",
+        content_type="text/plain",
+        protocol="stomp",
+        properties={
+            "reply-to": "/queue/replies",
+            "correlation-id": "c-1",
+            "amqp_subject": "subj",
+            "colour": "red",
+            "n": 5,
+            "big": 2**70,
+            "f": 0.25,
+            "yes": True,
+            "none": None,
+            "raw": b"\x01",
+            "$enc.stomp.x": "hidden",
+            **DEAD,
+        },
+    )
     m[M_ID] = 77
     m[M_TIMESTAMP] = NOW - 5
     back = decoded(to_amqp(m, 1, NOW))
     assert (back.id, back.address, back.reply_to, back.correlation_id, back.subject) == (
-        77, "orders", "/queue/replies", "c-1", "subj"
-    )  # fmt: skip
+        77,
+        "orders",
+        "/queue/replies",
+        "c-1",
+        "subj",
+    )
     properties = next(s.value for s in proton_sections(to_amqp(m, 1, NOW)) if s.descriptor == 0x73)
     assert type(properties[0]) is proton.ulong
     assert type(back.content_type) is proton.symbol
     assert (back.content_type, back.group_id, back.creation_time, back.expiry_time) == (
-        "text/plain", "g", (NOW - 5) / 1000, (NOW + 9000) / 1000
-    )  # fmt: skip
+        "text/plain",
+        "g",
+        (NOW - 5) / 1000,
+        (NOW + 9000) / 1000,
+    )
     assert (back.durable, back.priority, back.ttl) == (True, 6, 9.0)
-    assert back.properties == {"colour": "red", "n": 5, "big": str(2**70), "f": 0.25, "yes": True, "none": None,
-                               "raw": b"\x01"}  # fmt: skip
+    assert back.properties == {
+        "colour": "red",
+        "n": 5,
+        "big": str(2**70),
+        "f": 0.25,
+        "yes": True,
+        "none": None,
+        "raw": b"\x01",
+    }
     assert back.annotations == DEAD_ANNOTATIONS
     assert back.body == b"hello"
 

@@ -40,8 +40,11 @@ def frame(body: bytes, *, doff: int = 2, frame_type: int = 1) -> bytes:
 def performative(descriptor: int | str, *fields: Any) -> bytes:
     """A described list encoded by proton: ``proton.symbol``, ``bytes``, ``str``, ``None`` fields."""
     data = proton.Data()
-    data.put_object(proton.Described(proton.symbol(descriptor) if isinstance(descriptor, str) else
-                                     proton.ulong(descriptor), list(fields)))  # fmt: skip
+    data.put_object(
+        proton.Described(
+            proton.symbol(descriptor) if isinstance(descriptor, str) else proton.ulong(descriptor), list(fields)
+        )
+    )
     return bytes(data.encode())
 
 
@@ -212,8 +215,10 @@ def test_extended_header_and_extra_fields_are_ignored() -> None:
     assert feed(layer, SASL_HEADER + frame(body, doff=3)) == [AuthRequest("PLAIN", "a", "b", "h")]
 
 
-@pytest.mark.parametrize(("offered", "chosen"), [(("PLAIN", "ANONYMOUS"), "EXTERNAL"), (("PLAIN",), "ANONYMOUS"),
-                                                 (("ANONYMOUS",), "PLAIN"), (("PLAIN",), "plain")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("offered", "chosen"),
+    [(("PLAIN", "ANONYMOUS"), "EXTERNAL"), (("PLAIN",), "ANONYMOUS"), (("ANONYMOUS",), "PLAIN"), (("PLAIN",), "plain")],
+)
 def test_a_mechanism_not_offered_is_refused_by_the_layer(offered: tuple[str, ...], chosen: str) -> None:
     layer = SaslLayer(mechanisms=offered)
     layer.receive_data(SASL_HEADER)
@@ -491,8 +496,9 @@ def test_sasl_init_encoded_by_proton() -> None:
         ("PLAIN", "mallory", False, proton.SASL.AUTH),
     ],
 )
-def test_end_to_end_with_proton_client_and_server(mechanism: str, user: str | None, accept: bool,
-                                                  expected: int) -> None:  # fmt: skip
+def test_end_to_end_with_proton_client_and_server(
+    mechanism: str, user: str | None, accept: bool, expected: int
+) -> None:
     client = proton_client(mechanism, user, None if user is None else "secret")
     server = proton.Transport(proton.Transport.SERVER)  # the engine behind the layer: no SASL of its own
     server_connection = proton.Connection()

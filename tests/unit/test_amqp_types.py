@@ -91,17 +91,23 @@ GOLDEN: list[tuple[Any, bytes, Any]] = [
     (Array([1, 2]), h("e0 04 02 55 01 02"), Array([1, 2])),
     (Array([1, 200]), h("e0 12 02 81 0000000000000001 00000000000000c8"), Array([1, 200])),
     (Array([True, False]), h("e0 04 02 56 01 00"), Array([True, False])),
-    (Array(["a", LONG_TEXT]), h("f0 0000013a 00000002 b1 00000001 61 0000012c") + LONG_TEXT.encode(),
-     Array(["a", LONG_TEXT])),
+    (
+        Array(["a", LONG_TEXT]),
+        h("f0 0000013a 00000002 b1 00000001 61 0000012c") + LONG_TEXT.encode(),
+        Array(["a", LONG_TEXT]),
+    ),
     (Array([UInt(0), UInt(1)]), h("e0 0a 02 70 00000000 00000001"), Array([0, 1])),
     (Array([[], [1]]), h("e0 14 02 d0 00000004 00000000 00000006 00000001 5501"), Array([[], [1]])),
     (Array([]), h("e0 02 00 a3"), Array([])),
-    (Array([Described(1, "a"), Described(1, "b")]), h("e0 09 02 00 53 01 a1 01 61 01 62"),
-     Array([Described(1, "a"), Described(1, "b")])),
+    (
+        Array([Described(1, "a"), Described(1, "b")]),
+        h("e0 09 02 00 53 01 a1 01 61 01 62"),
+        Array([Described(1, "a"), Described(1, "b")]),
+    ),
     (Decimal(0x74, b"\x01\x02\x03\x04"), h("74 01020304"), Decimal(0x74, b"\x01\x02\x03\x04")),
     (Decimal(0x84, bytes(8)), h("84 0000000000000000"), Decimal(0x84, bytes(8))),
     (Decimal(0x94, bytes(range(16))), h("94 000102030405060708090a0b0c0d0e0f"), Decimal(0x94, bytes(range(16)))),
-]  # fmt: skip
+]
 
 # Encodings ours never produces but must read.
 DECODE_ONLY: list[tuple[bytes, Any]] = [
@@ -388,9 +394,19 @@ def test_round_trip(value: Any) -> None:
 
 def to_proton(v: Any) -> Any:
     """Our value as python-qpid-proton's."""
-    simple = {ULong: proton.ulong, UInt: proton.uint, UByte: proton.ubyte, UShort: proton.ushort, Byte: proton.byte,
-              Short: proton.short, Int: proton.int32, Timestamp: proton.timestamp, Float: proton.float32,
-              Char: proton.char, Symbol: proton.symbol}  # fmt: skip
+    simple = {
+        ULong: proton.ulong,
+        UInt: proton.uint,
+        UByte: proton.ubyte,
+        UShort: proton.ushort,
+        Byte: proton.byte,
+        Short: proton.short,
+        Int: proton.int32,
+        Timestamp: proton.timestamp,
+        Float: proton.float32,
+        Char: proton.char,
+        Symbol: proton.symbol,
+    }
     if type(v) in simple:
         return simple[type(v)](v)
     if isinstance(v, list):
@@ -404,10 +420,21 @@ def to_proton(v: Any) -> Any:
     return v
 
 
-_PROTON_TYPES = {bool: proton.Data.BOOL, int: proton.Data.LONG, ULong: proton.Data.ULONG, UInt: proton.Data.UINT,
-                 Int: proton.Data.INT, str: proton.Data.STRING, Symbol: proton.Data.SYMBOL, bytes: proton.Data.BINARY,
-                 uuid.UUID: proton.Data.UUID, float: proton.Data.DOUBLE, Timestamp: proton.Data.TIMESTAMP,
-                 list: proton.Data.LIST, dict: proton.Data.MAP}  # fmt: skip
+_PROTON_TYPES = {
+    bool: proton.Data.BOOL,
+    int: proton.Data.LONG,
+    ULong: proton.Data.ULONG,
+    UInt: proton.Data.UINT,
+    Int: proton.Data.INT,
+    str: proton.Data.STRING,
+    Symbol: proton.Data.SYMBOL,
+    bytes: proton.Data.BINARY,
+    uuid.UUID: proton.Data.UUID,
+    float: proton.Data.DOUBLE,
+    Timestamp: proton.Data.TIMESTAMP,
+    list: proton.Data.LIST,
+    dict: proton.Data.MAP,
+}
 
 
 def to_proton_array(v: Array) -> proton.Array:

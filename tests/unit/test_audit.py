@@ -83,8 +83,17 @@ def test_an_integer_beyond_64_bits_is_written_as_text(tmp_path: Path) -> None:
 def test_a_message_event_is_the_event_with_its_fields(tmp_path: Path) -> None:
     sink = FileAuditSink(tmp_path, NODE, epoch=3)
     sink.emit_message(T0, "msg.sent", None, "orders", "n1-7", 12, "amqp", T0 - 5, {})
-    sink.emit_message(T0 + 1, "msg.nacked", "q", "orders", "n1-7", 12, "amqp", T0 - 5,
-                      {"delivery_count": 2, "seq": 999, "reason": None})  # fmt: skip
+    sink.emit_message(
+        T0 + 1,
+        "msg.nacked",
+        "q",
+        "orders",
+        "n1-7",
+        12,
+        "amqp",
+        T0 - 5,
+        {"delivery_count": 2, "seq": 999, "reason": None},
+    )
     sink.close()
 
     [path] = sealed(tmp_path)

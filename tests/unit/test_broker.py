@@ -221,8 +221,9 @@ def test_nack_redeliver_increments_delivery_count() -> None:
 
 
 def test_redelivery_delay_with_multiplier_and_cap() -> None:
-    h = with_address_settings(max_delivery_attempts=10, redelivery_delay_ms=100, redelivery_multiplier=2.0,
-                              max_redelivery_delay_ms=250)  # fmt: skip
+    h = with_address_settings(
+        max_delivery_attempts=10, redelivery_delay_ms=100, redelivery_multiplier=2.0, max_redelivery_delay_ms=250
+    )
     c = h.connect()
     ok(c.create_queue("orders"))
     cid = c.consumer("orders")
@@ -258,8 +259,12 @@ def test_max_delivery_attempts_moves_message_to_dlq() -> None:
     dead = c.take(dlq)
     assert bodies(dead) == [b"poison"]
     assert dead[0].count == 1
-    assert dead[0].props == {"k": 7, ORIGINAL_ADDRESS: "orders", ORIGINAL_QUEUE: "orders",
-                             ORIGINAL_REASON: "max_deliveries"}  # fmt: skip
+    assert dead[0].props == {
+        "k": 7,
+        ORIGINAL_ADDRESS: "orders",
+        ORIGINAL_QUEUE: "orders",
+        ORIGINAL_REASON: "max_deliveries",
+    }
     assert dead[0].message[1] == "DLQ"
 
 
@@ -609,8 +614,10 @@ def test_refused_message_does_not_burn_its_dedup_id() -> None:
 
 
 # ====================================================================== security
-USERS = [UserEntry("alice", "secret", ["app"]), UserEntry("bob", hash_password("pw", salt=b"salt", iterations=10),
-                                                          ["reader"])]  # fmt: skip
+USERS = [
+    UserEntry("alice", "secret", ["app"]),
+    UserEntry("bob", hash_password("pw", salt=b"salt", iterations=10), ["reader"]),
+]
 GRANTS = [
     PermissionEntry("orders.#", "send", ["app"]),
     PermissionEntry("orders.#", "consume", ["app", "reader"]),
@@ -701,8 +708,14 @@ def test_bad_selector_is_invalid(c: Client) -> None:
 
 def test_create_queue_conflict_is_exists(c: Client) -> None:
     ok(c.create_queue("orders"))
-    assert ok(c.create_queue("orders")) == {"created": False, "queue": "orders", "address": "orders", "filter": None,
-                                            "expires_ms": -1, "consumers": 0}  # fmt: skip
+    assert ok(c.create_queue("orders")) == {
+        "created": False,
+        "queue": "orders",
+        "address": "orders",
+        "filter": None,
+        "expires_ms": -1,
+        "consumers": 0,
+    }
     failed(c.create_queue("orders", "elsewhere"), ErrorCode.EXISTS)
     failed(c.create_queue("orders", routing=MULTICAST), ErrorCode.EXISTS)
 
@@ -797,10 +810,12 @@ def test_auto_created_queue_is_auto_deleted(h: Harness, c: Client) -> None:
 
 
 def test_settings_are_per_address() -> None:
-    settings = CoreSettings(address_settings=[
-        AddressSettingsEntry(match="#", max_delivery_attempts=5),
-        AddressSettingsEntry(match="orders.#", max_delivery_attempts=1),
-    ])  # fmt: skip
+    settings = CoreSettings(
+        address_settings=[
+            AddressSettingsEntry(match="#", max_delivery_attempts=5),
+            AddressSettingsEntry(match="orders.#", max_delivery_attempts=1),
+        ]
+    )
     h = Harness(dataclasses.replace(settings))
     c = h.connect()
     ok(c.create_queue("orders.eu"))
@@ -824,11 +839,13 @@ def test_temporary_addresses_never_auto_create_queues_unless_configured_to() -> 
 
 
 def test_address_settings_fall_through_field_by_field() -> None:
-    repo = AddressSettingsRepository([
-        AddressSettingsEntry(match="#", max_delivery_attempts=5, dead_letter_address="DEAD"),
-        AddressSettingsEntry(match="orders.#", redelivery_delay_ms=50),
-        AddressSettingsEntry(match="orders.eu", max_delivery_attempts=2),
-    ])  # fmt: skip
+    repo = AddressSettingsRepository(
+        [
+            AddressSettingsEntry(match="#", max_delivery_attempts=5, dead_letter_address="DEAD"),
+            AddressSettingsEntry(match="orders.#", redelivery_delay_ms=50),
+            AddressSettingsEntry(match="orders.eu", max_delivery_attempts=2),
+        ]
+    )
     eu = repo.resolve("orders.eu")
     assert (eu.max_delivery_attempts, eu.redelivery_delay_ms, eu.dead_letter_address) == (2, 50, "DEAD")
     us = repo.resolve("orders.us")
@@ -1052,8 +1069,9 @@ def test_a_transfer_sent_again_is_a_duplicate_and_a_durable_one_journals_its_tra
     sent = []
     for durable, number in ((False, 77), (True, 78), (False, 79)):
         for _ in range(2):
-            message = new_message("orders", f"m{number}".encode(), durable=durable,
-                                  properties={FORWARD_PROPERTY: header})  # fmt: skip
+            message = new_message(
+                "orders", f"m{number}".encode(), durable=durable, properties={FORWARD_PROPERTY: header}
+            )
             message[M_ID] = number  # its id on node-a, which completes the transfer id
             sent.append(node_a.conn.publish(message))
     h.sync()
@@ -1218,8 +1236,11 @@ def record_credit_grants(monkeypatch: pytest.MonkeyPatch, client: Client) -> lis
 
 
 def with_memory_limit(limit: int, **fields: Any) -> Harness:
-    return Harness(CoreSettings(broker=BrokerSection(max_memory_bytes=limit),
-                                address_settings=[AddressSettingsEntry(match="#", **fields)]))  # fmt: skip
+    return Harness(
+        CoreSettings(
+            broker=BrokerSection(max_memory_bytes=limit), address_settings=[AddressSettingsEntry(match="#", **fields)]
+        )
+    )
 
 
 def test_memory_limit_withholds_publish_credit_until_usage_is_under_90_percent(
@@ -1486,8 +1507,11 @@ def test_publish_to_new_multicast_address_needs_only_create_address() -> None:
 
 def test_publish_to_existing_address_needs_no_create_permission() -> None:
     users = [UserEntry("creator", "p", ["app", "create"]), UserEntry("sender", "p", ["app"])]
-    grants = [PermissionEntry("#", "send", ["app"]), PermissionEntry("#", "createAddress", ["create"]),
-              PermissionEntry("#", "createDurableQueue", ["create"])]  # fmt: skip
+    grants = [
+        PermissionEntry("#", "send", ["app"]),
+        PermissionEntry("#", "createAddress", ["create"]),
+        PermissionEntry("#", "createDurableQueue", ["create"]),
+    ]
     h = Harness(CoreSettings(users=users, permissions=grants))
     creator = h.connect("creator", "creator", "p")
     sender = h.connect("sender", "sender", "p")
@@ -1514,8 +1538,12 @@ def test_subscribe_to_missing_queue_without_consume_permission_leaves_nothing(br
 
 
 def test_delete_queue_permissions() -> None:
-    users = [UserEntry("owner", "p", ["app"]), UserEntry("dd", "p", ["app", "dd"]),
-             UserEntry("dn", "p", ["app", "dn"]), UserEntry("all", "p", ["app", "dd", "dn"])]  # fmt: skip
+    users = [
+        UserEntry("owner", "p", ["app"]),
+        UserEntry("dd", "p", ["app", "dd"]),
+        UserEntry("dn", "p", ["app", "dn"]),
+        UserEntry("all", "p", ["app", "dd", "dn"]),
+    ]
     grants = [
         PermissionEntry("#", "createAddress", ["app"]),
         PermissionEntry("#", "createDurableQueue", ["app"]),
@@ -1602,8 +1630,12 @@ def test_session_close_dead_letters_a_message_out_of_delivery_attempts() -> None
     dead = third.take(third.consumer("DLQ"))
     assert bodies(dead) == [b"poison"]
     assert dead[0].count == 1
-    assert dead[0].props == {"k": 1, ORIGINAL_ADDRESS: "orders", ORIGINAL_QUEUE: "orders",
-                             ORIGINAL_REASON: "max_deliveries"}  # fmt: skip
+    assert dead[0].props == {
+        "k": 1,
+        ORIGINAL_ADDRESS: "orders",
+        ORIGINAL_QUEUE: "orders",
+        ORIGINAL_REASON: "max_deliveries",
+    }
     assert h.broker.counters.dead_lettered == 1
     assert h.broker.memory.used == message_cost(b"poison")  # only the DLQ copy
 
@@ -1684,8 +1716,7 @@ def test_unused_explicit_auto_delete_queue_is_not_swept(h: Harness, c: Client) -
 def audited(settings: CoreSettings | None = None) -> tuple[Harness, RecordingAudit]:
     h = Harness(settings)
     sink = RecordingAudit()
-    h.broker = Broker("node-1", h.settings, store=MemoryStore(), audit=sink, first_message_id=1,
-                      audit_messages="all")  # fmt: skip
+    h.broker = Broker("node-1", h.settings, store=MemoryStore(), audit=sink, first_message_id=1, audit_messages="all")
     return h, sink
 
 
@@ -1703,8 +1734,11 @@ def test_message_events_reach_the_file_sink_whole(tmp_path: Path) -> None:
     c.ack(cid, ids(c.take(cid)))
     h.sync()
     sink.close()
-    lines = [json.loads(line) for path in sorted((tmp_path / "node-1").glob("*.jsonl"))
-             for line in path.read_text().splitlines()]  # fmt: skip
+    lines = [
+        json.loads(line)
+        for path in sorted((tmp_path / "node-1").glob("*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
     events = {line["event"]: line for line in lines}
     message = {"address": "orders", "size": 5, "protocol": "link", "message_id": "node-1-1"}
     assert events["msg.sent"].items() >= message.items()

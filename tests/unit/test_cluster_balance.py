@@ -58,8 +58,9 @@ def test_a_filtered_subscription_gets_its_messages_when_another_node_has_one_too
     assert forwarded == [b"blue", b"red", b"red", b"blue"]
 
 
-def two_anycast_queues_here_and_q3_there(filter_there: str | None = None) -> tuple[list[bytes], list[bytes],
-                                                                                list[bytes]]:  # fmt: skip
+def two_anycast_queues_here_and_q3_there(
+    filter_there: str | None = None,
+) -> tuple[list[bytes], list[bytes], list[bytes]]:
     """Twelve messages to address "a": what q1 and q2 here got, and what went to node-2's q3."""
     h, bindings, forwarded = clustered()
     c = h.connect()
@@ -177,8 +178,17 @@ def test_messages_a_redistributor_passed_over_for_their_residence_move_once_it_i
     principal = Principal("cluster:node-2", frozenset(), unrestricted=True, cluster=True)
     session = h.broker.open_session(port, "bridge", principal, "127.0.0.1", "cluster:node-2", h.now_ms)
     target = Binding("node-2", "work", "work", ANYCAST, None, 1, None, 1, "node-2")
-    mover = Redistributor(7, session, queue, 100, target=target, selectors=SelectorCache(), arrivals=arrivals,
-                          min_residence_ms=2000, clock=lambda: h.now_ms)  # fmt: skip
+    mover = Redistributor(
+        7,
+        session,
+        queue,
+        100,
+        target=target,
+        selectors=SelectorCache(),
+        arrivals=arrivals,
+        min_residence_ms=2000,
+        clock=lambda: h.now_ms,
+    )
     h.broker.add_forwarder(session, mover)
     h.sync()
     assert port.moved == [b"old"]
@@ -212,9 +222,17 @@ def test_a_move_to_another_node_goes_out_once_its_delivery_attempt_is_safe(mover
     session = h.broker.open_session(port, "bridge", principal, "127.0.0.1", "cluster:node-2", h.now_ms)
     if mover == "redistributor":
         target = Binding("node-2", "work", "work", ANYCAST, None, 1, None, 1, "node-2")
-        consumer: Consumer = Redistributor(7, session, queue, 100, target=target, selectors=SelectorCache(),
-                                           arrivals=h.broker.arrivals, min_residence_ms=0,
-                                           clock=lambda: h.now_ms)  # fmt: skip
+        consumer: Consumer = Redistributor(
+            7,
+            session,
+            queue,
+            100,
+            target=target,
+            selectors=SelectorCache(),
+            arrivals=h.broker.arrivals,
+            min_residence_ms=0,
+            clock=lambda: h.now_ms,
+        )
     else:
         consumer = Consumer(7, session, queue, 100)
         consumer.forwarder = True  # as a cluster connection makes the one of its store-and-forward queue
@@ -257,9 +275,18 @@ def test_a_backlog_goes_to_the_nodes_whose_consumers_take_it_and_is_spread_over_
         port = ports[node_id] = Moved()
         session = h.broker.open_session(port, "bridge", principal, "127.0.0.1", f"cluster:{node_id}", h.now_ms)
         target = Binding(node_id, "paint", "paint", ANYCAST, None, 1, selectors, 1, node_id)
-        mover = Redistributor(2, session, queue, 1000, target=target, selectors=SelectorCache(),
-                              arrivals=Arrivals(), min_residence_ms=2000, clock=lambda: h.now_ms,
-                              paced=False)  # fmt: skip
+        mover = Redistributor(
+            2,
+            session,
+            queue,
+            1000,
+            target=target,
+            selectors=SelectorCache(),
+            arrivals=Arrivals(),
+            min_residence_ms=2000,
+            clock=lambda: h.now_ms,
+            paced=False,
+        )
         h.broker.add_forwarder(session, mover)
     h.sync()
     to_b, to_c = ports["node-2"].moved, ports["node-3"].moved

@@ -53,8 +53,9 @@ def test_a_malformed_forward_header_is_a_value_error(value: Any) -> None:
         ForwardHeader.decode(value)
 
 
-def wire(node: str, queue: str, address: str = "orders", consumers: int = 1, distance: int = 1,
-         durable: bool | None = None) -> list[Any]:  # fmt: skip
+def wire(
+    node: str, queue: str, address: str = "orders", consumers: int = 1, distance: int = 1, durable: bool | None = None
+) -> list[Any]:
     item = [node, queue, address, 0, None, consumers, None, distance]
     return item if durable is None else [*item, durable]  # without the flag: a node before it, never durable
 
@@ -63,8 +64,10 @@ def test_a_departed_nodes_durable_queues_stay_as_unreachable_destinations_until_
     """A node's connection drops (killed, or its pair failing over): its durable queues are still where
     messages must go, so they stay, with no consumers; its temporary ones go with it."""
     table = RemoteBindings("me", max_hops=1, max_per_node=100)
-    table.replace("c", [wire("c", "sub", consumers=2, durable=True), wire("c", "temp", durable=False),
-                        wire("c", "old", consumers=1)])  # fmt: skip
+    table.replace(
+        "c",
+        [wire("c", "sub", consumers=2, durable=True), wire("c", "temp", durable=False), wire("c", "old", consumers=1)],
+    )
     version = table.version
     table.depart("c")
     assert table.version > version  # cached routing decisions are made again
@@ -185,7 +188,17 @@ def test_arrivals_in_runs_answer_for_each_message_and_never_for_one_between_them
     arrivals.add(206, 1_004)
     assert len(arrivals) == 102
     assert [arrivals.get(i) for i in (99, 100, 149, 150, 199, 200, 204, 205, 206, 207)] == [
-        None, 1_002, 1_002, 1_003, 1_003, None, None, 1_004, 1_004, None]  # fmt: skip
+        None,
+        1_002,
+        1_002,
+        1_003,
+        1_003,
+        None,
+        None,
+        1_004,
+        1_004,
+        None,
+    ]
     arrivals.forget_before(1_002)
     assert len(arrivals) == 52
     assert arrivals.get(149) is None

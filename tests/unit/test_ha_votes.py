@@ -43,8 +43,13 @@ def test_two_quorums_of_the_same_pairs_always_overlap(pairs: int) -> None:
 def test_a_request_round_trips_through_its_wire_form(kind: str) -> None:
     request = VoteRequest(kind, PAIR, 7, "server-2")
     wire = request.to_wire()
-    assert wire == {"kind": kind, "node_id": PAIR, "epoch": 7, "candidate": "server-2",
-                    "data_epoch": 6 if kind == ACTIVATE else 7}  # fmt: skip
+    assert wire == {
+        "kind": kind,
+        "node_id": PAIR,
+        "epoch": 7,
+        "candidate": "server-2",
+        "data_epoch": 6 if kind == ACTIVATE else 7,
+    }
     assert VoteRequest.from_wire(wire) == request
     # and through JSON / msgpack-like plain data, as it travels
     assert VoteRequest.from_wire(json.loads(json.dumps(wire))) == request

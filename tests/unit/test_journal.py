@@ -712,8 +712,11 @@ def test_replay_addresses_and_queues() -> None:
 
 def queues_a_and_b_with(*placed: tuple[WireMessage, list[str]]) -> list[Record]:
     """Records of queues "a" and "b" and of messages placed in them."""
-    return [rec(RecordType.ADD_QUEUE, queue_spec("a")), rec(RecordType.ADD_QUEUE, queue_spec("b")),
-            *(rec(RecordType.MESSAGE, message, queues) for message, queues in placed)]  # fmt: skip
+    return [
+        rec(RecordType.ADD_QUEUE, queue_spec("a")),
+        rec(RecordType.ADD_QUEUE, queue_spec("b")),
+        *(rec(RecordType.MESSAGE, message, queues) for message, queues in placed),
+    ]
 
 
 def test_replay_messages_acks_and_delivery_counts() -> None:
@@ -1113,8 +1116,9 @@ def test_compaction_copies_the_live_state_forward_and_retires_old_segments(tmp_p
     assert len(journal.segments()) >= 3
     live = [(m, ["q"], [2 if m[M_ID] == 55 else 0]) for m in messages[50:]]
     remembered = [(f"producer:{n}", 1000 + n) for n in range(2500)]  # ids of messages long acknowledged
-    store.start_compaction(DurableSnapshot(addresses=[("orders", [0], False)], queues=[spec], messages=live,
-                                           dedup_ids=remembered))  # fmt: skip
+    store.start_compaction(
+        DurableSnapshot(addresses=[("orders", [0], False)], queues=[spec], messages=live, dedup_ids=remembered)
+    )
     store.acknowledge("q", [51])  # while copying: the copy must leave 51 out
     for _ in range(5):
         store.compaction_step()

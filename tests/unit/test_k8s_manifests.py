@@ -40,8 +40,12 @@ def test_a_broken_manifest_is_refused() -> None:
 
 
 def containers() -> list[tuple[str, dict[str, Any]]]:
-    return [(d["metadata"]["name"], c) for d in documents() if d["kind"] in ("StatefulSet", "Deployment")
-            for c in d["spec"]["template"]["spec"]["containers"]]  # fmt: skip
+    return [
+        (d["metadata"]["name"], c)
+        for d in documents()
+        if d["kind"] in ("StatefulSet", "Deployment")
+        for c in d["spec"]["template"]["spec"]["containers"]
+    ]
 
 
 def test_every_container_is_probed_on_readyz_and_healthz_and_runs_as_non_root() -> None:

@@ -192,13 +192,40 @@ def test_op_codes_are_stable() -> None:
     assert PROTOCOL_VERSIONS == (1, 2)
     assert HEADER_SIZE == 4
     assert {op.name: int(op) for op in Op} == {
-        "HELLO": 1, "WELCOME": 2, "CLOSE": 3, "HEARTBEAT": 4, "OK": 5, "ERROR": 6,
-        "CREATE_ADDRESS": 10, "DELETE_ADDRESS": 11, "CREATE_QUEUE": 12, "DELETE_QUEUE": 13,
-        "SUBSCRIBE": 14, "UNSUBSCRIBE": 15, "TX_BEGIN": 16, "TX_COMMIT": 17, "TX_ROLLBACK": 18, "SET_WILL": 19,
-        "PUBLISH": 20, "CONFIRM": 21, "REJECT": 22, "PUBLISH_CREDIT": 23, "DELIVER": 24, "ACK": 25,
-        "NACK": 26, "FLOW": 27, "CONSUMER_CLOSED": 28, "BROWSE_DONE": 29, "TOPOLOGY": 30, "TOPOLOGY_UPDATE": 31,
-        "REPLICATE": 32, "REPLICA": 33, "REPLICA_ACK": 34, "VOTE": 35, "CHANNEL": 36,
-    }  # fmt: skip
+        "HELLO": 1,
+        "WELCOME": 2,
+        "CLOSE": 3,
+        "HEARTBEAT": 4,
+        "OK": 5,
+        "ERROR": 6,
+        "CREATE_ADDRESS": 10,
+        "DELETE_ADDRESS": 11,
+        "CREATE_QUEUE": 12,
+        "DELETE_QUEUE": 13,
+        "SUBSCRIBE": 14,
+        "UNSUBSCRIBE": 15,
+        "TX_BEGIN": 16,
+        "TX_COMMIT": 17,
+        "TX_ROLLBACK": 18,
+        "SET_WILL": 19,
+        "PUBLISH": 20,
+        "CONFIRM": 21,
+        "REJECT": 22,
+        "PUBLISH_CREDIT": 23,
+        "DELIVER": 24,
+        "ACK": 25,
+        "NACK": 26,
+        "FLOW": 27,
+        "CONSUMER_CLOSED": 28,
+        "BROWSE_DONE": 29,
+        "TOPOLOGY": 30,
+        "TOPOLOGY_UPDATE": 31,
+        "REPLICATE": 32,
+        "REPLICA": 33,
+        "REPLICA_ACK": 34,
+        "VOTE": 35,
+        "CHANNEL": 36,
+    }
     assert [int(m) for m in NackMode] == [0, 1, 2]
 
 
@@ -272,12 +299,14 @@ def test_request_and_message_bytes_match_hand_built_frames() -> None:
     seq = client.publish(m, tx_id=3)
     client.ack(5, [7, 8])
     client.nack(5, [9], NackMode.REJECT)
-    assert client.data_to_send() == frame([
-        [10, req, "orders", [0, 1]],
-        [20, seq, 3, m],
-        [25, 5, 0, [7, 8]],
-        [26, 5, [9], 2],
-    ])  # fmt: skip
+    assert client.data_to_send() == frame(
+        [
+            [10, req, "orders", [0, 1]],
+            [20, seq, 3, m],
+            [25, 5, 0, [7, 8]],
+            [26, 5, [9], 2],
+        ]
+    )
     server.reply(req, {"created": True})
     server.confirm(seq)
     server.grant_publish_credit(10)
@@ -334,8 +363,18 @@ def test_hello_names_the_gateways_client_when_given() -> None:
     client = LinkConnection(Role.CLIENT)
     server = LinkConnection(Role.SERVER)
     client.hello("alice", "secret", "stomp 10.1.2.3:5000", "10.1.2.3")
-    assert decoded_ops(client.data_to_send()) == [[Op.HELLO, [1, 2], "alice", "secret", "stomp 10.1.2.3:5000",
-                                                   client.heartbeat_ms, client.max_frame_size, "10.1.2.3"]]  # fmt: skip
+    assert decoded_ops(client.data_to_send()) == [
+        [
+            Op.HELLO,
+            [1, 2],
+            "alice",
+            "secret",
+            "stomp 10.1.2.3:5000",
+            client.heartbeat_ms,
+            client.max_frame_size,
+            "10.1.2.3",
+        ]
+    ]
     client = LinkConnection(Role.CLIENT)
     client.hello("alice", "secret", "stomp 10.1.2.3:5000", "10.1.2.3")
     [hello] = pump(client, server)
@@ -353,15 +392,17 @@ def test_hello_names_the_user_a_gateway_acts_for() -> None:
 @pytest.mark.parametrize("acting_for", [None, 7, "", "x" * 257, ["device-1"]])
 def test_a_bad_acting_for_is_malformed(acting_for: Any) -> None:
     server = LinkConnection(Role.SERVER)
-    expect_remote_error(server, frame([[Op.HELLO, [1], "u", "p", "c", 0, MIN_FRAME_SIZE, "10.0.0.1", acting_for]]),
-                        ErrorCode.MALFORMED)  # fmt: skip
+    expect_remote_error(
+        server, frame([[Op.HELLO, [1], "u", "p", "c", 0, MIN_FRAME_SIZE, "10.0.0.1", acting_for]]), ErrorCode.MALFORMED
+    )
 
 
 @pytest.mark.parametrize("client_host", [None, 7, "", "x" * 257, ["10.0.0.1"]])
 def test_a_bad_client_host_is_malformed(client_host: Any) -> None:
     server = LinkConnection(Role.SERVER)
-    expect_remote_error(server, frame([[Op.HELLO, [1], "u", "p", "c", 0, MIN_FRAME_SIZE, client_host]]),
-                        ErrorCode.MALFORMED)  # fmt: skip
+    expect_remote_error(
+        server, frame([[Op.HELLO, [1], "u", "p", "c", 0, MIN_FRAME_SIZE, client_host]]), ErrorCode.MALFORMED
+    )
 
 
 @pytest.mark.parametrize(
@@ -1032,8 +1073,10 @@ def test_set_will_bytes_and_events() -> None:
     assert client.data_to_send() == frame([[19, first, will], [19, second, None]])
     client.set_will(will)
     client.set_will(None)
-    assert pump(client, server) == [ev.SetWill(3, "session-1", m, 5000, publish_pending=True),
-                                    ev.SetWill(4, None, None, 0, publish_pending=False)]  # fmt: skip
+    assert pump(client, server) == [
+        ev.SetWill(3, "session-1", m, 5000, publish_pending=True),
+        ev.SetWill(4, None, None, 0, publish_pending=False),
+    ]
 
 
 def test_set_will_fields_default_and_unknown_ones_are_ignored() -> None:
@@ -2128,8 +2171,9 @@ def test_a_client_takes_deliveries_as_large_as_the_servers_own_limit() -> None:
 
 def test_a_version_1_client_keeps_the_limit_it_announced() -> None:
     big = 4 * MIN_FRAME_SIZE
-    client, server = open_pair(client_kw={"max_frame_size": MIN_FRAME_SIZE, "versions": (1,)},
-                               server_kw={"max_frame_size": big})  # fmt: skip
+    client, server = open_pair(
+        client_kw={"max_frame_size": MIN_FRAME_SIZE, "versions": (1,)}, server_kw={"max_frame_size": big}
+    )
     assert client.max_frame_size == MIN_FRAME_SIZE
     client.subscribe("q", 1)
     pump(client, server)

@@ -23,8 +23,15 @@ def raised(exc: BaseException) -> BaseException:
 
 
 def record(msg: str, *args: object, exc: BaseException | None = None, **extra: object) -> logging.LogRecord:
-    made = logging.LogRecord("tridentmq.test", logging.INFO, __file__, 1, msg, args or None,
-                             (type(exc), exc, exc.__traceback__) if exc is not None else None)  # fmt: skip
+    made = logging.LogRecord(
+        "tridentmq.test",
+        logging.INFO,
+        __file__,
+        1,
+        msg,
+        args or None,
+        (type(exc), exc, exc.__traceback__) if exc is not None else None,
+    )
     made.__dict__.update(extra)
     return made
 

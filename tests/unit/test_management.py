@@ -45,8 +45,9 @@ class Link:
         assert isinstance(hello[0], ev.HelloReceived)
         self.server.accept(broker.node_id, conn_id, 1000, 0.0)
         principal = Principal(user, frozenset(), unrestricted=True)
-        self.session: Session = broker.open_session(self.server, conn_id, principal, "127.0.0.1:5000",
-                                                    hello[0].client_name, NOW_MS)  # fmt: skip
+        self.session: Session = broker.open_session(
+            self.server, conn_id, principal, "127.0.0.1:5000", hello[0].client_name, NOW_MS
+        )
         welcomed = self.client.receive_data(self.server.data_to_send(), 0.0)
         assert isinstance(welcomed[0], ev.Welcomed)
         assert self.client.state is State.OPEN
@@ -73,15 +74,21 @@ def populate(broker: Broker) -> Link:
     one unrouted multicast publish (which auto-creates its address)."""
     link = Link(broker, "conn-1", 'producer "one"')
     link.client.create_queue({"name": "orders", "address": "orders", "routing_type": ANYCAST})
-    link.client.create_queue({"name": "audit.eu", "address": "events", "filter": "region = 'eu'",
-                              "routing_type": MULTICAST, "durable": False})  # fmt: skip
+    link.client.create_queue(
+        {
+            "name": "audit.eu",
+            "address": "events",
+            "filter": "region = 'eu'",
+            "routing_type": MULTICAST,
+            "durable": False,
+        }
+    )
     link.client.create_queue({"name": WEIRD_QUEUE, "address": "weird"})
     replies = link.roundtrip()
     assert [type(e) for e in replies] == [ev.Reply] * 3, replies
     for n in range(5):
         link.client.publish(new_message("orders", b"x%d" % n, routing=ANYCAST))
-    link.client.publish(new_message("events", b"e", routing=MULTICAST,
-                                    properties={"region": "eu"}))  # fmt: skip
+    link.client.publish(new_message("events", b"e", routing=MULTICAST, properties={"region": "eu"}))
     link.client.publish(new_message("weird", b"w"))
     link.client.publish(new_message("nowhere.multicast", b"lost", routing=MULTICAST))
     link.roundtrip()
@@ -198,9 +205,19 @@ async def test_status(api: Api) -> None:
     assert body["queues"] == 3
     assert body["messages"] == 3 + 1 + 1  # orders: 5 - 2 delivered; audit.eu 1; weird 1
     assert body["in_flight"] == 1
-    assert body["counters"] == {"routed": 7, "unrouted": 1, "duplicates": 0, "acked": 1, "expired": 0,
-                                "dead_lettered": 0, "rejected": 0, "dropped": 0, "forwarded": 0,
-                                "received": 0, "redistributed": 0}  # fmt: skip
+    assert body["counters"] == {
+        "routed": 7,
+        "unrouted": 1,
+        "duplicates": 0,
+        "acked": 1,
+        "expired": 0,
+        "dead_lettered": 0,
+        "rejected": 0,
+        "dropped": 0,
+        "forwarded": 0,
+        "received": 0,
+        "redistributed": 0,
+    }
 
 
 async def test_addresses(api: Api) -> None:
@@ -222,11 +239,26 @@ async def test_queues_list_and_one(api: Api) -> None:
     assert [q["name"] for q in body] == sorted(["orders", "audit.eu", WEIRD_QUEUE])
     orders = next(q for q in body if q["name"] == "orders")
     assert orders == {
-        "name": "orders", "address": "orders", "routing_type": "anycast", "durable": True, "temporary": False,
-        "exclusive": False, "paused": False, "filter": None, "depth": 3, "in_flight": 1, "consumers": 1,
-        "forwarders": 0, "added": 5, "acked": 1, "delivered": 2, "expired": 0, "dead_lettered": 0,
-        "enqueue_rate": 0.0, "ack_rate": 0.0,
-    }  # fmt: skip
+        "name": "orders",
+        "address": "orders",
+        "routing_type": "anycast",
+        "durable": True,
+        "temporary": False,
+        "exclusive": False,
+        "paused": False,
+        "filter": None,
+        "depth": 3,
+        "in_flight": 1,
+        "consumers": 1,
+        "forwarders": 0,
+        "added": 5,
+        "acked": 1,
+        "delivered": 2,
+        "expired": 0,
+        "dead_lettered": 0,
+        "enqueue_rate": 0.0,
+        "ack_rate": 0.0,
+    }
     response = await client.get("/api/queues/audit.eu")
     assert response.status == 200
     audit = await response.json()
@@ -245,8 +277,9 @@ async def test_a_cluster_connection_moving_a_queue_is_no_consumer_of_it(api: Api
     client, broker, _, _ = api
     populate(broker)
     principal = Principal("cluster:node-2", frozenset(), unrestricted=True, cluster=True)
-    bridge = broker.open_session(LinkConnection(Role.SERVER), "bridge", principal, "127.0.0.1:6000",
-                                 "cluster:node-2", NOW_MS)  # fmt: skip
+    bridge = broker.open_session(
+        LinkConnection(Role.SERVER), "bridge", principal, "127.0.0.1:6000", "cluster:node-2", NOW_MS
+    )
     mover = Consumer(9, bridge, broker.queues["orders"], 0)
     mover.forwarder = True
     broker.add_forwarder(bridge, mover)
@@ -270,11 +303,23 @@ async def test_connections(api: Api) -> None:
     Link(broker, "conn-2", "idle")
     body = await (await client.get("/api/connections")).json()
     assert body == [
-        {"conn_id": "conn-1", "peer": "127.0.0.1:5000", "client_name": 'producer "one"', "user": "alice",
-         "opened_ms": NOW_MS, "consumers": 1},
-        {"conn_id": "conn-2", "peer": "127.0.0.1:5000", "client_name": "idle", "user": "alice",
-         "opened_ms": NOW_MS, "consumers": 0},
-    ]  # fmt: skip
+        {
+            "conn_id": "conn-1",
+            "peer": "127.0.0.1:5000",
+            "client_name": 'producer "one"',
+            "user": "alice",
+            "opened_ms": NOW_MS,
+            "consumers": 1,
+        },
+        {
+            "conn_id": "conn-2",
+            "peer": "127.0.0.1:5000",
+            "client_name": "idle",
+            "user": "alice",
+            "opened_ms": NOW_MS,
+            "consumers": 0,
+        },
+    ]
     broker.close_session(link.session, NOW_MS)
     body = await (await client.get("/api/connections")).json()
     assert [c["conn_id"] for c in body] == ["conn-2"]
@@ -292,8 +337,16 @@ async def test_metrics_exposition(api: Api) -> None:
     assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
     families, samples = parse_metrics(await response.text())
 
-    for name in ("connections", "addresses", "queues", "queue_depth", "queue_consumers", "queue_in_flight",
-                 "uptime_seconds", "node_info"):  # fmt: skip
+    for name in (
+        "connections",
+        "addresses",
+        "queues",
+        "queue_depth",
+        "queue_consumers",
+        "queue_in_flight",
+        "uptime_seconds",
+        "node_info",
+    ):
         assert families[f"tridentmq_{name}"][0] == "gauge", name
     for name in ("added", "acked", "delivered", "expired", "dead_lettered"):
         assert families[f"tridentmq_queue_messages_{name}_total"][0] == "counter", name

@@ -17,11 +17,15 @@ from tridentmq_core.store.memory import MemoryStore
 
 PASSWORD = "s3cret"
 SETTINGS = CoreSettings(
-    users=[UserEntry("ops", hash_password(PASSWORD, salt=b"unit", iterations=1000), ["ops"]),
-           UserEntry("muted", PASSWORD, ["ops", "muted"])],
-    permissions=[PermissionEntry("#", "manage", ["ops"]),
-                 PermissionEntry("$sys.management", "manage", ["muted"], deny=True)],
-)  # fmt: skip
+    users=[
+        UserEntry("ops", hash_password(PASSWORD, salt=b"unit", iterations=1000), ["ops"]),
+        UserEntry("muted", PASSWORD, ["ops", "muted"]),
+    ],
+    permissions=[
+        PermissionEntry("#", "manage", ["ops"]),
+        PermissionEntry("$sys.management", "manage", ["muted"], deny=True),
+    ],
+)
 
 
 class CountingSecurity(SecurityManager):
@@ -31,8 +35,9 @@ class CountingSecurity(SecurityManager):
         super().__init__(SETTINGS.users, SETTINGS.permissions)
         self.threads: list[threading.Thread] = []
 
-    def authenticate(self, user: str | None, password: str | None, peer_host: str | None,
-                     client_host: str | None = None) -> Principal:  # fmt: skip
+    def authenticate(
+        self, user: str | None, password: str | None, peer_host: str | None, client_host: str | None = None
+    ) -> Principal:
         self.threads.append(threading.current_thread())
         return super().authenticate(user, password, peer_host, client_host)
 

@@ -53,8 +53,9 @@ def sent(conn: MqttServerConnection, version: int) -> list[Packet]:
     return PacketParser(version).feed(conn.data_to_send())
 
 
-def connected(version: int = V5, *, props: Properties = NO_PROPERTIES, keep_alive: int = 0,
-              **server: int) -> MqttServerConnection:  # fmt: skip
+def connected(
+    version: int = V5, *, props: Properties = NO_PROPERTIES, keep_alive: int = 0, **server: int
+) -> MqttServerConnection:
     conn = MqttServerConnection(**server)
     events = conn.receive_data(encode(Connect("c1", keep_alive=keep_alive, properties=props), version), 0.0)
     assert [type(e) for e in events] == [ev.Connect]
@@ -68,8 +69,16 @@ def state(conn: MqttServerConnection) -> State:
     return conn.state
 
 
-def pub(topic: str, payload: bytes, qos: int = 0, *, packet_id: int | None = None, retain: bool = False,
-        dup: bool = False, duplicate: bool = False) -> ev.Publish:  # fmt: skip
+def pub(
+    topic: str,
+    payload: bytes,
+    qos: int = 0,
+    *,
+    packet_id: int | None = None,
+    retain: bool = False,
+    dup: bool = False,
+    duplicate: bool = False,
+) -> ev.Publish:
     return ev.Publish(topic, payload, qos, retain=retain, dup=dup, packet_id=packet_id, duplicate=duplicate)
 
 
@@ -86,8 +95,9 @@ def violation(conn: MqttServerConnection, data: bytes, piece: int | None = None)
 def test_connect_event_carries_the_request(version: int, piece: int | None) -> None:
     props = Properties(session_expiry_interval=60, receive_maximum=10) if version == V5 else NO_PROPERTIES
     will = Will("last/words", b"bye", qos=1, retain=True)
-    packet = Connect("dev-1", clean_start=False, keep_alive=30, username="u", password=b"p", will=will,
-                     properties=props)  # fmt: skip
+    packet = Connect(
+        "dev-1", clean_start=False, keep_alive=30, username="u", password=b"p", will=will, properties=props
+    )
     conn = MqttServerConnection()
     assert feed(conn, encode(packet, version), piece) == [
         ev.Connect(
@@ -106,12 +116,18 @@ def test_connect_event_carries_the_request(version: int, piece: int | None) -> N
 def test_accept_in_5_announces_the_server_limits_and_assignments() -> None:
     conn = MqttServerConnection(max_packet_size=1000, receive_maximum=20, topic_alias_maximum=8)
     conn.receive_data(encode(Connect("", keep_alive=100), V5), 0.0)
-    conn.accept(0.0, assigned_client_id="auto-1", server_keep_alive=10,
-                properties=Properties(retain_available=False))  # fmt: skip
+    conn.accept(0.0, assigned_client_id="auto-1", server_keep_alive=10, properties=Properties(retain_available=False))
     [connack] = sent(conn, V5)
-    assert connack == Connack(properties=Properties(
-        assigned_client_identifier="auto-1", server_keep_alive=10, receive_maximum=20, topic_alias_maximum=8,
-        retain_available=False, maximum_packet_size=1000))  # fmt: skip
+    assert connack == Connack(
+        properties=Properties(
+            assigned_client_identifier="auto-1",
+            server_keep_alive=10,
+            receive_maximum=20,
+            topic_alias_maximum=8,
+            retain_available=False,
+            maximum_packet_size=1000,
+        )
+    )
     assert conn.keep_alive == 10
     assert conn.next_deadline() == 15.0
 
@@ -252,8 +268,9 @@ def test_eof_is_connection_closed() -> None:
 @pytest.mark.parametrize("version", VERSIONS)
 def test_incoming_qos0_and_qos1(version: int, piece: int | None) -> None:
     conn = connected(version)
-    data = encode(Publish("a/b", b"zero", retain=True), version) + encode(Publish("a/c", b"one", 1, packet_id=7),
-                                                                          version)  # fmt: skip
+    data = encode(Publish("a/b", b"zero", retain=True), version) + encode(
+        Publish("a/c", b"one", 1, packet_id=7), version
+    )
     assert feed(conn, data, piece) == [
         pub("a/b", b"zero", 0, retain=True),
         pub("a/c", b"one", 1, packet_id=7),
@@ -383,8 +400,12 @@ def test_topic_aliases_are_resolved_and_can_be_remapped(piece: int | None) -> No
     )
     events = feed(conn, data, piece)
     assert [(e.topic, e.payload) for e in events if isinstance(e, ev.Publish)] == [
-        ("a/b", b"1"), ("a/b", b"2"), ("c", b"3"), ("c", b"4"), ("d", b"5"),
-    ]  # fmt: skip
+        ("a/b", b"1"),
+        ("a/b", b"2"),
+        ("c", b"3"),
+        ("c", b"4"),
+        ("d", b"5"),
+    ]
     assert isinstance(events[0], ev.Publish)
     assert events[0].properties == Properties(content_type="x")  # the alias is not passed on
     assert all(isinstance(e, ev.Publish) and e.properties.topic_alias is None for e in events)
@@ -551,8 +572,9 @@ def test_subscribe_properties_are_passed_on() -> None:
         (V31, Disconnect(), ev.Disconnect()),
     ],
 )
-def test_client_disconnect_ends_the_input(version: int, packet: Disconnect, event: ev.Disconnect,
-                                          piece: int | None) -> None:  # fmt: skip
+def test_client_disconnect_ends_the_input(
+    version: int, packet: Disconnect, event: ev.Disconnect, piece: int | None
+) -> None:
     conn = connected(version)
     data = encode(Publish("t", b""), version) + encode(packet, version) + encode(Pingreq(), version)
     assert feed(conn, data, piece) == [pub("t", b"", 0), event]
@@ -719,9 +741,12 @@ def test_request_problem_information_0_keeps_reason_strings_to_publish_connack_a
     conn.suback(2, (0x87,), problem)
     conn.publish("t", b"x", properties=Properties(user_properties=(("k", "v"),)))
     conn.disconnect(0x80, problem)
-    assert sent(conn, V5) == [Puback(1, 0x87), Suback(2, (0x87,)),
-                              Publish("t", b"x", properties=Properties(user_properties=(("k", "v"),))),
-                              Disconnect(0x80, problem)]  # fmt: skip
+    assert sent(conn, V5) == [
+        Puback(1, 0x87),
+        Suback(2, (0x87,)),
+        Publish("t", b"x", properties=Properties(user_properties=(("k", "v"),))),
+        Disconnect(0x80, problem),
+    ]
     told = connected()  # the default: told
     feed(told, encode(Publish("a", b"", 1, packet_id=1), V5))
     told.puback(1, 0x87, problem)

@@ -392,8 +392,10 @@ def test_topic_round_trip_property(topic: str) -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.one_of(st.text(ALPHABET.filter(lambda c: c != "/"), max_size=4), st.just("+")), min_size=1,
-                max_size=6), st.booleans())  # fmt: skip
+@given(
+    st.lists(st.one_of(st.text(ALPHABET.filter(lambda c: c != "/"), max_size=4), st.just("+")), min_size=1, max_size=6),
+    st.booleans(),
+)
 def test_filter_round_trip_property(levels: list[str], multi: bool) -> None:
     topic_filter = "/".join([*levels, "#"] if multi else levels)
     if not topic_filter:

@@ -23,13 +23,19 @@ def test_each_message_is_what_the_codec_writes() -> None:
     batch = _batch()
     encodings = Encodings(batch, NOW + 10_000, {})
     v311 = encodings.packets(V311, retain_as_published=True, subscription_id=None)
-    assert v311.parts == [encode(Publish("a/b", b"one", 0), V311), encode(Publish("a/c", b"two", 0, retain=True), V311),
-                          encode(Publish("a/", b"three", 0), V311)]  # fmt: skip
+    assert v311.parts == [
+        encode(Publish("a/b", b"one", 0), V311),
+        encode(Publish("a/c", b"two", 0, retain=True), V311),
+        encode(Publish("a/", b"three", 0), V311),
+    ]
     assert (v311.joined, v311.count, v311.largest) == (b"".join(v311.parts), 3, max(map(len, v311.parts)))
     v5 = encodings.packets(V5, retain_as_published=False, subscription_id=9)
     parsed = PacketParser(version=V5).feed(v5.joined)
     assert [(p.topic, p.payload, p.qos, p.retain) for p in parsed] == [  # type: ignore[union-attr]
-        ("a/b", b"one", 0, False), ("a/c", b"two", 0, False), ("a/", b"three", 0, False)]  # fmt: skip
+        ("a/b", b"one", 0, False),
+        ("a/c", b"two", 0, False),
+        ("a/", b"three", 0, False),
+    ]
     assert {p.properties.subscription_identifiers for p in parsed} == {(9,)}  # type: ignore[union-attr]
     rich = parsed[2].properties  # type: ignore[union-attr]
     assert (rich.content_type, rich.message_expiry_interval, rich.user_properties) == ("text/plain", 20, (("k", "v"),))
@@ -39,8 +45,9 @@ def test_a_kind_is_encoded_once_and_shared() -> None:
     encodings = Encodings(_batch(), NOW, {})
     first = encodings.packets(V5, retain_as_published=False, subscription_id=None)
     assert encodings.packets(V5, retain_as_published=False, subscription_id=None) is first
-    assert encodings.packets(V311, retain_as_published=False, subscription_id=7) is \
-        encodings.packets(V311, retain_as_published=False, subscription_id=None)  # fmt: skip  # no ids before 5.0
+    assert encodings.packets(V311, retain_as_published=False, subscription_id=7) is encodings.packets(
+        V311, retain_as_published=False, subscription_id=None
+    )  # no ids before 5.0
     assert encodings.packets(V5, retain_as_published=True, subscription_id=None) is not first
 
 

@@ -47,18 +47,29 @@ def test_other_protocols_messages_have_a_qos_from_their_durability() -> None:
 
 
 def test_every_5_0_property_round_trips() -> None:
-    props = Properties(payload_format_indicator=1, message_expiry_interval=30, content_type="text/plain",
-                       response_topic="r/1", correlation_data=b"\x00\x01",
-                       user_properties=(("a", "1"), ("b", "2")))  # fmt: skip
+    props = Properties(
+        payload_format_indicator=1,
+        message_expiry_interval=30,
+        content_type="text/plain",
+        response_topic="r/1",
+        correlation_data=b"\x00\x01",
+        user_properties=(("a", "1"), ("b", "2")),
+    )
     m = messages.to_message("t", b"hi", 1, props, "c", NOW)
     assert check_message(m) is None
     assert m[M_EXPIRATION] == NOW + 30_000
     assert m[M_CONTENT_TYPE] == "text/plain"
     assert m[M_PROPS]["a"] == "1"  # visible to other protocols as a plain property
     back = messages.publish_properties(m, NOW + 10_500, 7)
-    assert back == Properties(payload_format_indicator=1, message_expiry_interval=20, content_type="text/plain",
-                              response_topic="r/1", correlation_data=b"\x00\x01", subscription_identifiers=(7,),
-                              user_properties=(("a", "1"), ("b", "2")))  # fmt: skip
+    assert back == Properties(
+        payload_format_indicator=1,
+        message_expiry_interval=20,
+        content_type="text/plain",
+        response_topic="r/1",
+        correlation_data=b"\x00\x01",
+        subscription_identifiers=(7,),
+        user_properties=(("a", "1"), ("b", "2")),
+    )
 
 
 def test_repeated_or_clashing_user_property_names_keep_their_order() -> None:
@@ -82,8 +93,10 @@ def test_properties_of_other_protocols_become_user_properties() -> None:
 
 
 def test_the_session_record_round_trips() -> None:
-    subscriptions = {"a/+": StoredSubscription(2, no_local=True, retain_as_published=True, subscription_id=9),
-                     "$share/g/b": StoredSubscription(0)}  # fmt: skip
+    subscriptions = {
+        "a/+": StoredSubscription(2, no_local=True, retain_as_published=True, subscription_id=9),
+        "$share/g/b": StoredSubscription(0),
+    }
     state = SessionState(subscriptions, {3: "mqtt:c:x"}, {65535: 123456789})
     assert SessionState.decode(state.encode()) == state
     assert SessionState.decode(SessionState().encode()) == SessionState()

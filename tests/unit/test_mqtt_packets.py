@@ -270,9 +270,15 @@ SAMPLES_ALL: list[Packet] = [
     Pingresp(),
     Disconnect(),
 ]
-_FULL_WILL = Properties(payload_format_indicator=1, message_expiry_interval=9, content_type="text/plain",
-                        response_topic="r", correlation_data=b"\x01", will_delay_interval=5,
-                        user_properties=(("a", "1"), ("a", "2")))  # fmt: skip
+_FULL_WILL = Properties(
+    payload_format_indicator=1,
+    message_expiry_interval=9,
+    content_type="text/plain",
+    response_topic="r",
+    correlation_data=b"\x01",
+    will_delay_interval=5,
+    user_properties=(("a", "1"), ("a", "2")),
+)
 SAMPLES_5: list[Packet] = [
     Connack(
         session_present=True,
@@ -408,30 +414,60 @@ def packets(draw: st.DrawFn, version: int) -> Packet:
     def code() -> int:
         return draw(st.integers(0, 255)) if v5 else 0
 
-    kind = draw(st.sampled_from(["connect", "connack", "publish", "ack", "subscribe", "suback", "unsubscribe",
-                                 "unsuback", "ping", "disconnect", "auth"]))  # fmt: skip
+    kind = draw(
+        st.sampled_from(
+            [
+                "connect",
+                "connack",
+                "publish",
+                "ack",
+                "subscribe",
+                "suback",
+                "unsubscribe",
+                "unsuback",
+                "ping",
+                "disconnect",
+                "auth",
+            ]
+        )
+    )
     if kind == "connect":
         will = None
         if draw(st.booleans()):
             will = Will(draw(TOPIC), draw(st.binary(max_size=20)), draw(QOS), draw(st.booleans()), props(WILL))
         username = draw(st.none() | TEXT)
         password = draw(st.none() | st.binary(max_size=8)) if v5 or username is not None else None
-        return Connect(draw(TEXT), draw(st.booleans()), draw(st.integers(0, 0xFFFF)), username, password, will,
-                       props(CONNECT))  # fmt: skip
+        return Connect(
+            draw(TEXT), draw(st.booleans()), draw(st.integers(0, 0xFFFF)), username, password, will, props(CONNECT)
+        )
     if kind == "connack":
         return Connack(draw(st.booleans()) and version != V31, draw(st.integers(0, 255)), props(CONNACK))
     if kind == "publish":
         qos = draw(QOS)
-        return Publish(draw(TOPIC), draw(st.binary(max_size=64)), qos, draw(st.booleans()),
-                       qos > 0 and draw(st.booleans()), draw(PACKET_ID) if qos else None, props(PUBLISH))  # fmt: skip
+        return Publish(
+            draw(TOPIC),
+            draw(st.binary(max_size=64)),
+            qos,
+            draw(st.booleans()),
+            qos > 0 and draw(st.booleans()),
+            draw(PACKET_ID) if qos else None,
+            props(PUBLISH),
+        )
     if kind == "ack":
         acks: list[tuple[type[Puback | Pubrec | Pubrel | Pubcomp], int]] = [
-            (Puback, PUBACK), (Pubrec, PUBREC), (Pubrel, PUBREL), (Pubcomp, PUBCOMP)]  # fmt: skip
+            (Puback, PUBACK),
+            (Pubrec, PUBREC),
+            (Pubrel, PUBREL),
+            (Pubcomp, PUBCOMP),
+        ]
         cls, packet_type = draw(st.sampled_from(acks))
         return cls(draw(PACKET_ID), code(), props(packet_type))
     if kind == "subscribe":
-        options = st.builds(Subscription, TEXT, QOS, st.booleans(), st.booleans(), st.integers(0, 2)) if v5 else (
-            st.builds(Subscription, TEXT, QOS))  # fmt: skip
+        options = (
+            st.builds(Subscription, TEXT, QOS, st.booleans(), st.booleans(), st.integers(0, 2))
+            if v5
+            else (st.builds(Subscription, TEXT, QOS))
+        )
         return Subscribe(draw(PACKET_ID), tuple(draw(st.lists(options, min_size=1, max_size=4))), props(SUBSCRIBE))
     if kind == "suback":
         granted = st.integers(0, 255) if v5 else st.sampled_from([0, 1, 2, 0x80])
@@ -468,8 +504,9 @@ def test_any_packet_round_trips(data: st.DataObject) -> None:
 
 @settings(max_examples=100, deadline=None)
 @given(st.sampled_from(VERSIONS), st.binary(max_size=200), st.integers(1, 20))
-def test_garbage_after_a_connect_gives_packets_or_a_remote_protocol_error(version: int, garbage: bytes,
-                                                                           piece: int) -> None:  # fmt: skip
+def test_garbage_after_a_connect_gives_packets_or_a_remote_protocol_error(
+    version: int, garbage: bytes, piece: int
+) -> None:
     parser = PacketParser(max_packet_size=1000)
     stream = CONNECTS[version] + garbage
     try:
@@ -731,15 +768,19 @@ def test_bad_properties(wire: str, reason: int) -> None:
 
 def test_repeatable_properties_repeat() -> None:
     wire = h("30 14 00 01 74 10 0b 01 0b 02 26 00 01 61 00 00 26 00 01 61 00 00")
-    assert after_connect(V5, wire) == [Publish("t", properties=Properties(
-        subscription_identifiers=(1, 2), user_properties=(("a", ""), ("a", ""))))]  # fmt: skip
+    assert after_connect(V5, wire) == [
+        Publish("t", properties=Properties(subscription_identifiers=(1, 2), user_properties=(("a", ""), ("a", ""))))
+    ]
 
 
 def test_connect_properties_are_checked() -> None:
     base = "00 04 4d 51 54 54 05 02 00 3c"
-    for props, reason in [("03 21 00 00", PROTOCOL_ERROR), ("02 17 02", PROTOCOL_ERROR),
-                          ("0a 11 00 00 00 01 11 00 00 00 02", PROTOCOL_ERROR),
-                          ("03 23 00 01", MALFORMED_PACKET)]:  # fmt: skip
+    for props, reason in [
+        ("03 21 00 00", PROTOCOL_ERROR),
+        ("02 17 02", PROTOCOL_ERROR),
+        ("0a 11 00 00 00 01 11 00 00 00 02", PROTOCOL_ERROR),
+        ("03 23 00 01", MALFORMED_PACKET),
+    ]:
         body = h(f"{base} {props} 00 00")
         with pytest.raises(RemoteProtocolError) as info:
             parse_every_way(bytes((0x10, len(body))) + body)
@@ -838,8 +879,9 @@ def test_encoding_something_else_is_a_local_error() -> None:
 @pytest.mark.parametrize("retain", [False, True])
 @pytest.mark.parametrize("size", [0, 100, 200_000])
 @pytest.mark.parametrize(("qos", "packet_id", "dup"), [(0, None, False), (1, 7, False), (2, 65535, True)])
-def test_a_plain_publish_encodes_as_the_packet_does(version: int, retain: bool, size: int, qos: int,
-                                                    packet_id: int | None, dup: bool) -> None:  # fmt: skip
+def test_a_plain_publish_encodes_as_the_packet_does(
+    version: int, retain: bool, size: int, qos: int, packet_id: int | None, dup: bool
+) -> None:
     payload = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
     plain = encode_plain_publish(encode_topic("a/ü/c"), payload, version, qos, packet_id, dup=dup, retain=retain)
     assert plain == encode(Publish("a/ü/c", payload, qos, retain, dup, packet_id), version)

@@ -91,8 +91,10 @@ def test_dead_letters_move_back_to_their_origin_queue_and_are_delivered_there() 
     c.nack(consumer, [d.id for d in c.take(consumer)], NackMode.REJECT)  # dead-lettered at once
     assert len(h.broker.queues["DLQ"]) == 3
     ops = Operations(h.broker)
-    assert ops.move("DLQ", None, selector=None, message_ids=None, limit=2, copy=False, now_ms=NOW) == \
-        {"moved": 2, "skipped": 0}  # fmt: skip
+    assert ops.move("DLQ", None, selector=None, message_ids=None, limit=2, copy=False, now_ms=NOW) == {
+        "moved": 2,
+        "skipped": 0,
+    }
     back = c.take(consumer)
     assert bodies(back) == [b"a", b"b"]
     assert all(d.count == 1 for d in back)  # a fresh message: its delivery count starts again
@@ -104,8 +106,12 @@ def test_move_to_a_named_queue_and_copy_keep_the_source_as_it_should() -> None:
     h, ops = _filled(4)
     c = h.clients[0]
     ok(c.create_queue("audit"))
-    assert ops.move("orders", "audit", selector="color = 'red'", message_ids=None, limit=-1, copy=True,
-                    now_ms=NOW)["copied"] == 2  # fmt: skip
+    assert (
+        ops.move("orders", "audit", selector="color = 'red'", message_ids=None, limit=-1, copy=True, now_ms=NOW)[
+            "copied"
+        ]
+        == 2
+    )
     assert len(h.broker.queues["orders"]) == 4
     assert ops.move("orders", "audit", selector=None, message_ids=[1], limit=-1, copy=False, now_ms=NOW)["moved"] == 1
     assert len(h.broker.queues["orders"]) == 3
@@ -166,16 +172,43 @@ def test_pausing_an_address_pauses_its_queues_and_those_it_gets_later() -> None:
 def test_create_and_delete_queue_and_their_refusals() -> None:
     h = Harness()
     ops = Operations(h.broker)
-    assert ops.create_queue("jobs", "jobs", RoutingType.ANYCAST, durable=True, filter_text="prio > 3", exclusive=False,
-                            last_value_key=None, max_consumers=-1, now_ms=NOW) == {"created": 1}  # fmt: skip
+    assert ops.create_queue(
+        "jobs",
+        "jobs",
+        RoutingType.ANYCAST,
+        durable=True,
+        filter_text="prio > 3",
+        exclusive=False,
+        last_value_key=None,
+        max_consumers=-1,
+        now_ms=NOW,
+    ) == {"created": 1}
     assert h.broker.queues["jobs"].filter is not None
     with pytest.raises(OperationError) as exists:
-        ops.create_queue("jobs", "jobs", RoutingType.ANYCAST, durable=True, filter_text=None, exclusive=False,
-                         last_value_key=None, max_consumers=-1, now_ms=NOW)  # fmt: skip
+        ops.create_queue(
+            "jobs",
+            "jobs",
+            RoutingType.ANYCAST,
+            durable=True,
+            filter_text=None,
+            exclusive=False,
+            last_value_key=None,
+            max_consumers=-1,
+            now_ms=NOW,
+        )
     assert exists.value.status == 409
     with pytest.raises(OperationError) as bad:
-        ops.create_queue("x", "a..b", RoutingType.ANYCAST, durable=True, filter_text=None, exclusive=False,
-                         last_value_key=None, max_consumers=-1, now_ms=NOW)  # fmt: skip
+        ops.create_queue(
+            "x",
+            "a..b",
+            RoutingType.ANYCAST,
+            durable=True,
+            filter_text=None,
+            exclusive=False,
+            last_value_key=None,
+            max_consumers=-1,
+            now_ms=NOW,
+        )
     assert bad.value.status == 400
     c = h.connect()
     consumer = c.consumer("jobs")
@@ -249,9 +282,16 @@ def test_mqtt_sessions_are_listed_and_deleted_with_their_subscription_queues() -
     ok(c.create_queue(lock_queue("clean:one")))  # a clean session: a lock queue only
     admin = MqttAdmin(h.broker)
     sessions = {s["label"]: s for s in admin.sessions()}
-    assert sessions["sensor-1"] == {"client_id": "sensor-1", "label": "sensor-1", "persistent": True,
-                                    "connected": True, "user": "bob", "subscriptions": ["a/b"], "queued": 1,
-                                    "expires_ms": -1}  # fmt: skip
+    assert sessions["sensor-1"] == {
+        "client_id": "sensor-1",
+        "label": "sensor-1",
+        "persistent": True,
+        "connected": True,
+        "user": "bob",
+        "subscriptions": ["a/b"],
+        "queued": 1,
+        "expires_ms": -1,
+    }
     assert sessions["clean_one"]["client_id"] is None  # its id holds a character the queue name cannot show
     assert not sessions["clean_one"]["persistent"]
     assert admin.delete_session(client, NOW) == {"deleted": 1, "queues": 3}
@@ -265,11 +305,19 @@ def test_retained_messages_are_listed_and_cleared_by_an_empty_retained_publish()
     h = Harness()
     c = h.connect("mqtt gateway")
     name = retained_queue(h.broker.node_id)
-    ok(c.create_queue(name, RETAINED_ADDRESS, routing=int(RoutingType.MULTICAST), durable=True,
-                      last_value_key=TOPIC_PROPERTY))  # fmt: skip
+    ok(
+        c.create_queue(
+            name, RETAINED_ADDRESS, routing=int(RoutingType.MULTICAST), durable=True, last_value_key=TOPIC_PROPERTY
+        )
+    )
     for topic in ("home/kitchen/temp", "home/hall/temp", "garden/rain"):
-        c.publish(RETAINED_ADDRESS, topic.encode(), routing=int(RoutingType.MULTICAST), durable=True,
-                  properties={TOPIC_PROPERTY: topic})  # fmt: skip
+        c.publish(
+            RETAINED_ADDRESS,
+            topic.encode(),
+            routing=int(RoutingType.MULTICAST),
+            durable=True,
+            properties={TOPIC_PROPERTY: topic},
+        )
     admin = MqttAdmin(h.broker)
     listed = admin.retained("home/", 10, 64)
     assert listed["total"] == 2

@@ -37,8 +37,11 @@ def gone_at(h: Harness, queue: str, step_ms: int = 50) -> int:
 def test_idle_queue_is_deleted_with_its_messages_once_its_time_is_up() -> None:
     h, store, sink = recorded()
     c = h.connect()
-    assert ok(c.create_queue("session.a", expires_ms=1000)) == {"created": True, "queue": "session.a",
-                                                                 "address": "session.a"}  # fmt: skip
+    assert ok(c.create_queue("session.a", expires_ms=1000)) == {
+        "created": True,
+        "queue": "session.a",
+        "address": "session.a",
+    }
     c.send_all("session.a", [b"1", b"2"], durable=True)
     h.tick(BASE_MS + 999)
     assert len(h.broker.queues["session.a"]) == 2
@@ -47,8 +50,9 @@ def test_idle_queue_is_deleted_with_its_messages_once_its_time_is_up() -> None:
     assert store.deleted == ["session.a"]
     assert store.specs[0]["expires_ms"] == 1000
     assert h.broker.memory.used == 0
-    assert sink.of("queue.expired") == [((BASE_MS + 1000) * 1000, {"queue": "session.a", "address": "session.a",
-                                                                  "expires_ms": 1000, "messages": 2})]  # fmt: skip
+    assert sink.of("queue.expired") == [
+        ((BASE_MS + 1000) * 1000, {"queue": "session.a", "address": "session.a", "expires_ms": 1000, "messages": 2})
+    ]
 
 
 def test_a_consumer_stops_the_clock_and_its_leaving_restarts_it_in_full(h: Harness, c: Client) -> None:
@@ -182,8 +186,10 @@ def test_restored_queues_keep_their_expiry_and_get_their_full_time_again() -> No
     spec, kept = store.specs
     assert h.broker.durable_snapshot().queues == [spec, kept]
     restarted, _, _ = recorded()
-    restarted.broker.restore(RecoveredState(queues={"q": spec, "keep": kept, "old": {
-        "name": "old", "address": "old", "routing_type": 0}}), BASE_MS + 60_000)  # fmt: skip
+    restarted.broker.restore(
+        RecoveredState(queues={"q": spec, "keep": kept, "old": {"name": "old", "address": "old", "routing_type": 0}}),
+        BASE_MS + 60_000,
+    )
     assert restarted.broker.queues["q"].expires_ms == 1000
     assert restarted.broker.queues["old"].expires_ms == -1  # recorded before expires_ms existed
     restarted.tick(BASE_MS + 60_999)
@@ -236,8 +242,11 @@ def test_deadlines_stay_small_and_right_under_churn() -> None:
 
 
 def test_a_passive_create_only_looks(h: Harness, c: Client) -> None:
-    assert ok(c.create_queue("session.p", passive=True, expires_ms=0)) == {"created": False, "exists": False,
-                                                                           "queue": "session.p"}  # fmt: skip
+    assert ok(c.create_queue("session.p", passive=True, expires_ms=0)) == {
+        "created": False,
+        "exists": False,
+        "queue": "session.p",
+    }
     assert "session.p" not in h.broker.queues  # nothing was made
     ok(c.create_queue("session.p", expires_ms=60_000))
     found = ok(c.create_queue("session.p", passive=True, expires_ms=0))

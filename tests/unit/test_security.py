@@ -107,8 +107,11 @@ def test_plain_addresses_are_matched_as_before() -> None:
 
 
 def test_rules_of_other_roles_do_not_count() -> None:
-    grants = [PermissionEntry("#", "consume", ["admin"]), PermissionEntry("a.#", "consume", ["r"]),
-              PermissionEntry("a.b", "consume", ["other"], deny=True)]  # fmt: skip
+    grants = [
+        PermissionEntry("#", "consume", ["admin"]),
+        PermissionEntry("a.#", "consume", ["r"]),
+        PermissionEntry("a.b", "consume", ["other"], deny=True),
+    ]
     user = SecurityManager([UserEntry("u", "p", ["r"])], grants).authenticate("u", "p", "127.0.0.1")
     assert user.allowed(Permission.CONSUME, "a.#")
     assert not user.allowed(Permission.CONSUME, "b.#")
@@ -136,8 +139,9 @@ def _instances(address_filter: str, choose: st.DataObject) -> str:
 
 @given(rules=rule_sets, address_filter=patterns, choose=st.data())
 @settings(max_examples=400, deadline=None)
-def test_an_allowed_filter_reaches_only_allowed_addresses(rules: list[tuple[str, bool]], address_filter: str,
-                                                          choose: st.DataObject) -> None:  # fmt: skip
+def test_an_allowed_filter_reaches_only_allowed_addresses(
+    rules: list[tuple[str, bool]], address_filter: str, choose: st.DataObject
+) -> None:
     user = principal(*rules)
     if user.allowed(Permission.CONSUME, address_filter):
         for _ in range(10):

@@ -69,10 +69,14 @@ def test_frames_split_at_every_byte_parse_the_same(piece: int | None) -> None:
 
 @pytest.mark.parametrize("piece", [None, 1, 5])
 def test_crlf_and_lf_blank_lines_end_the_headers_whichever_comes_first(piece: int | None) -> None:
-    data = (b"SEND\r\ndestination:a\r\n\r\n\nbody\x00"  # CRLF blank line, then a body starting with LF
-            b"SEND\ndestination:b\n\nx\n\r\ny\x00")  # LF blank line, then a body holding CR LF  # fmt: skip
+    data = (
+        b"SEND\r\ndestination:a\r\n\r\n\nbody\x00"  # CRLF blank line, then a body starting with LF
+        b"SEND\ndestination:b\n\nx\n\r\ny\x00"
+    )  # LF blank line, then a body holding CR LF
     assert [(f.headers["destination"], f.body) for f in feed_in_pieces(data, piece)] == [
-        ("a", b"\nbody"), ("b", b"x\n\r\ny")]  # fmt: skip
+        ("a", b"\nbody"),
+        ("b", b"x\n\r\ny"),
+    ]
 
 
 def test_the_first_of_repeated_headers_wins() -> None:
@@ -313,10 +317,25 @@ def test_each_command_becomes_its_event() -> None:
     )
     events = conn.receive_data(data, 1.0)
     assert events == [
-        ev.Send("/queue/a", "t1", "1", {"destination": "/queue/a", "transaction": "t1", "receipt": "1",
-                                         "custom": "v", }, b"body"),
-        ev.Subscribe("s1", "/topic/t", "client-individual", None,
-                     {"id": "s1", "destination": "/topic/t", "ack": "client-individual"}),
+        ev.Send(
+            "/queue/a",
+            "t1",
+            "1",
+            {
+                "destination": "/queue/a",
+                "transaction": "t1",
+                "receipt": "1",
+                "custom": "v",
+            },
+            b"body",
+        ),
+        ev.Subscribe(
+            "s1",
+            "/topic/t",
+            "client-individual",
+            None,
+            {"id": "s1", "destination": "/topic/t", "ack": "client-individual"},
+        ),
         ev.Ack("a-1", None, "t1", None, nack=False),
         ev.Ack("a-2", None, None, None, nack=True),
         ev.Transaction("BEGIN", "t1", None),
@@ -324,13 +343,15 @@ def test_each_command_becomes_its_event() -> None:
         ev.Transaction("ABORT", "t2", None),
         ev.Unsubscribe("s1", None, None, {"id": "s1"}),
         ev.Disconnect("bye"),
-    ]  # fmt: skip
+    ]
 
 
 def test_stomp_10_defaults_subscription_id_and_acks_by_message_id() -> None:
     conn = connected(version_header="1.0")
-    events = conn.receive_data(b"SUBSCRIBE\ndestination:/queue/a\n\n\x00ACK\nmessage-id:m1\n\n\x00"
-                               b"UNSUBSCRIBE\ndestination:/queue/a\n\n\x00", 1.0)  # fmt: skip
+    events = conn.receive_data(
+        b"SUBSCRIBE\ndestination:/queue/a\n\n\x00ACK\nmessage-id:m1\n\n\x00UNSUBSCRIBE\ndestination:/queue/a\n\n\x00",
+        1.0,
+    )
     assert events == [
         ev.Subscribe("/queue/a", "/queue/a", "auto", None, {"destination": "/queue/a"}),
         ev.Ack("m1", None, None, None, nack=False),
@@ -359,11 +380,13 @@ def test_messages_receipts_and_errors_are_encoded_in_the_negotiated_version() ->
     conn = connected(version_header="1.1")
     conn.message([("destination", "/queue/a"), ("x", "a:b")], b"hi")
     conn.receipt("r1")
-    assert conn.data_to_send() == (b"MESSAGE\ndestination:/queue/a\nx:a\\cb\ncontent-length:2\n\nhi\x00"
-                                   b"RECEIPT\nreceipt-id:r1\n\n\x00")  # fmt: skip
+    assert conn.data_to_send() == (
+        b"MESSAGE\ndestination:/queue/a\nx:a\\cb\ncontent-length:2\n\nhi\x00RECEIPT\nreceipt-id:r1\n\n\x00"
+    )
     conn.error("send refused", "address full", "r2")
-    assert conn.data_to_send() == (b"ERROR\nmessage:send refused\ncontent-type:text/plain\nreceipt-id:r2\n"
-                                   b"content-length:12\n\naddress full\x00")  # fmt: skip
+    assert conn.data_to_send() == (
+        b"ERROR\nmessage:send refused\ncontent-type:text/plain\nreceipt-id:r2\ncontent-length:12\n\naddress full\x00"
+    )
     with pytest.raises(LocalProtocolError):
         conn.receipt("late")
 

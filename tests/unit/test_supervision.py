@@ -109,10 +109,14 @@ def readyz(port: int) -> tuple[int, dict[str, object]]:
         return error.code, json.loads(error.read())
 
 
-async def test_a_core_whose_tick_fails_is_no_longer_ready(tmp_path: Path, caplog: pytest.LogCaptureFixture,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    settings = CoreSettings(node=NodeSection(data_dir=tmp_path), link=LinkSection(host="127.0.0.1", port=0),
-                            management=ManagementSection(port=0))  # fmt: skip
+async def test_a_core_whose_tick_fails_is_no_longer_ready(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = CoreSettings(
+        node=NodeSection(data_dir=tmp_path),
+        link=LinkSection(host="127.0.0.1", port=0),
+        management=ManagementSection(port=0),
+    )
     supervisor = Supervisor()
     node = CoreNode(settings, supervisor=supervisor)
     await node.start()
@@ -142,8 +146,9 @@ async def test_a_failed_connection_task_is_logged_and_ends_its_connection(caplog
     async def quiet() -> None:
         return
 
-    failing = end_on_failure(asyncio.get_running_loop().create_task(pump(), name="pump"), lambda: ended.append("x"),
-                             "127.0.0.1:5555")  # fmt: skip
+    failing = end_on_failure(
+        asyncio.get_running_loop().create_task(pump(), name="pump"), lambda: ended.append("x"), "127.0.0.1:5555"
+    )
     fine = end_on_failure(asyncio.get_running_loop().create_task(quiet()), lambda: ended.append("y"), "peer")
     await asyncio.wait({failing, fine})
     await asyncio.sleep(0)  # done callbacks run in the next turn
@@ -157,8 +162,11 @@ async def test_serve_stops_a_failed_node_cleanly_and_returns_70(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Crash-only: the node's entry point stops it (journal closed, data directory unlocked) and exits 70."""
-    settings = CoreSettings(node=NodeSection(data_dir=tmp_path), link=LinkSection(host="127.0.0.1", port=0),
-                            management=ManagementSection(port=0))  # fmt: skip
+    settings = CoreSettings(
+        node=NodeSection(data_dir=tmp_path),
+        link=LinkSection(host="127.0.0.1", port=0),
+        management=ManagementSection(port=0),
+    )
     started = CoreNode.start
 
     async def start_then_break(node: CoreNode) -> None:
@@ -185,9 +193,20 @@ async def test_serve_stops_a_failed_node_cleanly_and_returns_70(
 
 
 async def test_a_gateway_whose_task_failed_is_no_longer_ready() -> None:
-    config = ShellConfig(protocol="stomp", host="127.0.0.1", port=0, websocket_port=-1, max_connections=10,
-                         subprotocols=(), subprotocol_required=False, max_websocket_message=1024, binary_frames=False,
-                         http_enabled=True, http_host="127.0.0.1", http_port=0)  # fmt: skip
+    config = ShellConfig(
+        protocol="stomp",
+        host="127.0.0.1",
+        port=0,
+        websocket_port=-1,
+        max_connections=10,
+        subprotocols=(),
+        subprotocol_required=False,
+        max_websocket_message=1024,
+        binary_frames=False,
+        http_enabled=True,
+        http_host="127.0.0.1",
+        http_port=0,
+    )
 
     def no_session(wire: Wire) -> ClientSession:
         raise AssertionError("no client connects in this test")

@@ -118,12 +118,24 @@ def test_endpoints_parse_as_host_colon_port() -> None:
 
 
 def test_gateway_settings_give_the_endpoints_and_the_reconnect_policy() -> None:
-    settings = CoreLinkSettings(host="a", port=1, connectors=["b:2", "c:3"], retry_interval_ms=50,
-                                retry_multiplier=1.5, max_retry_interval_ms=400, reconnect_attempts=-1)  # fmt: skip
+    settings = CoreLinkSettings(
+        host="a",
+        port=1,
+        connectors=["b:2", "c:3"],
+        retry_interval_ms=50,
+        retry_multiplier=1.5,
+        max_retry_interval_ms=400,
+        reconnect_attempts=-1,
+    )
     assert settings.endpoints() == [("a", 1), ("b", 2), ("c", 3)]
     policy = settings.reconnect_policy()
-    assert (policy.retry_interval, policy.multiplier, policy.max_interval, policy.attempts, policy.initial_attempts) \
-        == (0.05, 1.5, 0.4, -1, 1)  # fmt: skip
+    assert (
+        policy.retry_interval,
+        policy.multiplier,
+        policy.max_interval,
+        policy.attempts,
+        policy.initial_attempts,
+    ) == (0.05, 1.5, 0.4, -1, 1)
     with pytest.raises(SettingsError, match=r"core\.connectors"):
         CoreLinkSettings(connectors=["nope"]).endpoints()
 
@@ -155,8 +167,12 @@ def test_a_node_cut_off_from_the_others_does_not_make_the_client_forget_the_clus
     assert topology.backup_of(A) == C  # where its pair goes on
     assert topology.connection_order(failed=A) == [B, A]  # the other node is still tried
     # The backup took over at epoch 2 (the same node id, at C): the old copy's view is no member any more.
-    topology.update([{"host": C[0], "port": C[1], "node_id": f"id-{A[0]}", "epoch": 2},
-                     {"host": B[0], "port": B[1], "node_id": f"id-{B[0]}", "epoch": 1}])  # fmt: skip
+    topology.update(
+        [
+            {"host": C[0], "port": C[1], "node_id": f"id-{A[0]}", "epoch": 2},
+            {"host": B[0], "port": B[1], "node_id": f"id-{B[0]}", "epoch": 1},
+        ]
+    )
     assert topology.backup_of(C) is None  # the backup that took over has none yet; not itself
     assert not topology.update([{"host": A[0], "port": A[1], "node_id": f"id-{A[0]}", "epoch": 1}])
     assert topology.endpoints == [C, B]

@@ -43,8 +43,9 @@ def test_a_will_is_published_when_its_link_closes() -> None:
     assert (got.body, got.props, got.message[M_DEDUP]) == (b"gone", {"p": 1}, "w-1")
     assert got.message[M_ID] > 0
     assert got.message[M_TIMESTAMP] == BASE_MS + 10_000  # stamped when published, not when set
-    assert sink.of("will.published") == [((BASE_MS + 10_000) * 1000, {
-        "key": "session-1", "address": "status", "conn_id": dying.session.conn_id})]  # fmt: skip
+    assert sink.of("will.published") == [
+        ((BASE_MS + 10_000) * 1000, {"key": "session-1", "address": "status", "conn_id": dying.session.conn_id})
+    ]
 
 
 def test_a_will_is_published_when_the_connection_is_lost(h: Harness) -> None:

@@ -34,42 +34,71 @@ class CoreLinkSettings:
 
     host: str = doc("127.0.0.1", "Core node to connect clients to (the first one tried).")
     port: int = doc(61616, "Its link port.")
-    connectors: list[str] = doc(list, "More core nodes, as `host:port`, tried when the first is down. The gateway "
-                                      "learns the other nodes of a cluster from whichever node it reaches, so one "
-                                      "is enough while it is up.", factory=True)  # fmt: skip
-    load_balancing: str = doc("ROUND_ROBIN", "How each client link picks its core node among the live ones: "
-                                             "`ROUND_ROBIN` (a random start, then in turn), `RANDOM`, "
-                                             "`RANDOM_STICKY` (one random node, for as long as it lives) or "
-                                             "`FIRST_ELEMENT`.")  # fmt: skip
-    retry_interval_ms: int = doc(100, "Wait before trying the nodes again when a client link lost its node and "
-                                      "no live node answered (each try goes over every live node, the lost one "
-                                      "last).")  # fmt: skip
+    connectors: list[str] = doc(
+        list,
+        "More core nodes, as `host:port`, tried when the first is down. The gateway "
+        "learns the other nodes of a cluster from whichever node it reaches, so one "
+        "is enough while it is up.",
+        factory=True,
+    )
+    load_balancing: str = doc(
+        "ROUND_ROBIN",
+        "How each client link picks its core node among the live ones: "
+        "`ROUND_ROBIN` (a random start, then in turn), `RANDOM`, "
+        "`RANDOM_STICKY` (one random node, for as long as it lives) or "
+        "`FIRST_ELEMENT`.",
+    )
+    retry_interval_ms: int = doc(
+        100,
+        "Wait before trying the nodes again when a client link lost its node and "
+        "no live node answered (each try goes over every live node, the lost one "
+        "last).",
+    )
     retry_multiplier: float = doc(2.0, "Factor by which that wait grows after each try.")
     max_retry_interval_ms: int = doc(2000, "Longest wait between tries.")
-    reconnect_attempts: int = doc(10, "Tries before a client link that lost its node gives up (about 11 s with the "
-                                      "defaults): then its client is disconnected as by an unavailable broker. "
-                                      "-1 = try for ever, 0 = no failover.")  # fmt: skip
-    initial_connect_attempts: int = doc(1, "Tries over the nodes when a client connects before it is refused as "
-                                           "unavailable (-1 = for ever).")  # fmt: skip
-    failover_window_ms: int = doc(5000, "When a lost node has an in-sync backup (HA), how long a client link "
-                                        "waits for that backup to take over before it goes to another "
-                                        "node.")  # fmt: skip
-    user: str = doc("", "Core user of the gateway's own link that follows the cluster's topology (empty = "
-                        "anonymous, which the core allows on loopback while it has no users). Without it the "
-                        "gateway knows only the configured nodes.")  # fmt: skip
+    reconnect_attempts: int = doc(
+        10,
+        "Tries before a client link that lost its node gives up (about 11 s with the "
+        "defaults): then its client is disconnected as by an unavailable broker. "
+        "-1 = try for ever, 0 = no failover.",
+    )
+    initial_connect_attempts: int = doc(
+        1, "Tries over the nodes when a client connects before it is refused as unavailable (-1 = for ever)."
+    )
+    failover_window_ms: int = doc(
+        5000,
+        "When a lost node has an in-sync backup (HA), how long a client link "
+        "waits for that backup to take over before it goes to another "
+        "node.",
+    )
+    user: str = doc(
+        "",
+        "Core user of the gateway's own link that follows the cluster's topology (empty = "
+        "anonymous, which the core allows on loopback while it has no users). Without it the "
+        "gateway knows only the configured nodes.",
+    )
     password: str = doc("", "Password of that user.")
-    tls: bool = doc(False, "Connect to the core over TLS (the core's `link.tls`), checking its certificate "
-                           "against `tls.ca_file` and presenting `tls.cert_file` when set.")  # fmt: skip
-    shared_links: int = doc(1, "Links to each core node that carry the gateway's client sessions, each session a "
-                               "channel of one of them (opened with `core.user`, which the core must accept): "
-                               "a session then costs the core its state, not a connection. 0: one link per "
-                               "client session. Should the core refuse `core.user`, sessions fall back to a "
-                               "link each.")  # fmt: skip
-    consumer_window_bytes: int = doc(4 * 1024 * 1024, "Message bodies one subscription may have on their way "
-                                     "from the core or waiting in the gateway for its client, besides its "
-                                     "window in messages (one message may pass it): what bounds the gateway's "
-                                     "memory for a client that reads slowly, whatever the message size "
-                                     "(0: messages only).")  # fmt: skip
+    tls: bool = doc(
+        False,
+        "Connect to the core over TLS (the core's `link.tls`), checking its certificate "
+        "against `tls.ca_file` and presenting `tls.cert_file` when set.",
+    )
+    shared_links: int = doc(
+        1,
+        "Links to each core node that carry the gateway's client sessions, each session a "
+        "channel of one of them (opened with `core.user`, which the core must accept): "
+        "a session then costs the core its state, not a connection. 0: one link per "
+        "client session. Should the core refuse `core.user`, sessions fall back to a "
+        "link each.",
+    )
+    consumer_window_bytes: int = doc(
+        4 * 1024 * 1024,
+        "Message bodies one subscription may have on their way "
+        "from the core or waiting in the gateway for its client, besides its "
+        "window in messages (one message may pass it): what bounds the gateway's "
+        "memory for a client that reads slowly, whatever the message size "
+        "(0: messages only).",
+    )
 
     def endpoints(self) -> list[Endpoint]:
         """``host``:``port`` then the connectors (SettingsError for a malformed one)."""
@@ -82,10 +111,14 @@ class CoreLinkSettings:
         return found
 
     def reconnect_policy(self) -> ReconnectPolicy:
-        return ReconnectPolicy(retry_interval=self.retry_interval_ms / 1000, multiplier=self.retry_multiplier,
-                               max_interval=self.max_retry_interval_ms / 1000, attempts=self.reconnect_attempts,
-                               initial_attempts=self.initial_connect_attempts,
-                               failover_window=self.failover_window_ms / 1000)  # fmt: skip
+        return ReconnectPolicy(
+            retry_interval=self.retry_interval_ms / 1000,
+            multiplier=self.retry_multiplier,
+            max_interval=self.max_retry_interval_ms / 1000,
+            attempts=self.reconnect_attempts,
+            initial_attempts=self.initial_connect_attempts,
+            failover_window=self.failover_window_ms / 1000,
+        )
 
 
 class CoreLinks:
@@ -94,8 +127,14 @@ class CoreLinks:
     #: One per gateway process, found by its first configured node (sessions reach it through their settings).
     _process: ClassVar[dict[Endpoint, CoreLinks]] = {}
 
-    def __init__(self, settings: CoreLinkSettings, *, name: str = "gateway",
-                 heartbeat_ms: int = DEFAULT_HEARTBEAT_MS, tls: ClientTls | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        settings: CoreLinkSettings,
+        *,
+        name: str = "gateway",
+        heartbeat_ms: int = DEFAULT_HEARTBEAT_MS,
+        tls: ClientTls | None = None,
+    ) -> None:
         try:
             policy = load_balancing(settings.load_balancing)
         except ValueError as exc:
@@ -113,13 +152,24 @@ class CoreLinks:
             raise SettingsError("core.shared_links must be 0 or more")
         self.shared: SharedLinks | None = None
         if settings.shared_links:
-            self.shared = SharedLinks(per_node=settings.shared_links, user=settings.user or None,
-                                      password=settings.password or None, name=name, heartbeat_ms=heartbeat_ms,
-                                      tls=tls)  # fmt: skip
+            self.shared = SharedLinks(
+                per_node=settings.shared_links,
+                user=settings.user or None,
+                password=settings.password or None,
+                name=name,
+                heartbeat_ms=heartbeat_ms,
+                tls=tls,
+            )
 
     @classmethod
-    def of(cls, settings: CoreLinkSettings, *, name: str = "gateway", heartbeat_ms: int = DEFAULT_HEARTBEAT_MS,
-           tls: TlsSection | None = None) -> CoreLinks:  # fmt: skip
+    def of(
+        cls,
+        settings: CoreLinkSettings,
+        *,
+        name: str = "gateway",
+        heartbeat_ms: int = DEFAULT_HEARTBEAT_MS,
+        tls: TlsSection | None = None,
+    ) -> CoreLinks:
         """This process's links for ``settings``, made on first use (by the gateway, with its ``[tls]``
         section: TLS links when ``settings.tls``)."""
         key = (settings.host, settings.port)
@@ -136,14 +186,31 @@ class CoreLinks:
         """This process's links whose first node is ``host``:``port`` (defaults if the gateway made none)."""
         return cls.of(CoreLinkSettings(host=host, port=port))
 
-    def client(self, *, user: str | None, password: str | None, client_name: str, client_host: str | None = None,
-               heartbeat_ms: int = DEFAULT_HEARTBEAT_MS, acting_for: str | None = None) -> LinkClient:  # fmt: skip
+    def client(
+        self,
+        *,
+        user: str | None,
+        password: str | None,
+        client_name: str,
+        client_host: str | None = None,
+        heartbeat_ms: int = DEFAULT_HEARTBEAT_MS,
+        acting_for: str | None = None,
+    ) -> LinkClient:
         """A client link (not connected yet) on a node of the topology, failing over as configured;
         ``client_host`` is the address of the gateway's client it serves (the core checks it); with
         ``acting_for``, ``user`` is the gateway's own and the link has ``acting_for``'s permissions."""
-        return LinkClient(topology=self.topology, reconnect=self.reconnect, user=user, password=password,
-                          client_name=client_name, client_host=client_host, heartbeat_ms=heartbeat_ms,
-                          tls=self.tls, acting_for=acting_for, channels=self.shared)  # fmt: skip
+        return LinkClient(
+            topology=self.topology,
+            reconnect=self.reconnect,
+            user=user,
+            password=password,
+            client_name=client_name,
+            client_host=client_host,
+            heartbeat_ms=heartbeat_ms,
+            tls=self.tls,
+            acting_for=acting_for,
+            channels=self.shared,
+        )
 
     async def reachable(self) -> bool:
         """Whether a core node of the topology answers a link: what a gateway needs before it can serve a
@@ -152,10 +219,15 @@ class CoreLinks:
         clients bring theirs)."""
         if self._readiness is not None and self._readiness.connected:
             return True
-        probe = LinkClient(topology=self.topology, reconnect=ReconnectPolicy(attempts=0, initial_attempts=1),
-                           user=self.settings.user or None, password=self.settings.password or None,
-                           client_name=f"{self.name} readiness", heartbeat_ms=self.heartbeat_ms,
-                           tls=self.tls)  # fmt: skip
+        probe = LinkClient(
+            topology=self.topology,
+            reconnect=ReconnectPolicy(attempts=0, initial_attempts=1),
+            user=self.settings.user or None,
+            password=self.settings.password or None,
+            client_name=f"{self.name} readiness",
+            heartbeat_ms=self.heartbeat_ms,
+            tls=self.tls,
+        )
         try:
             await probe.connect()
         except LinkClosedError as exc:
@@ -179,28 +251,48 @@ class CoreLinks:
     async def _watch(self) -> None:
         settings = self.settings
         # The gateway's own link keeps trying for as long as the gateway runs.
-        reconnect = ReconnectPolicy(self.reconnect.retry_interval, self.reconnect.multiplier,
-                                    self.reconnect.max_interval, attempts=-1, initial_attempts=-1,
-                                    failover_window=self.reconnect.failover_window)  # fmt: skip
-        watcher = LinkClient(topology=self.topology, follow_topology=True, user=settings.user or None,
-                             password=settings.password or None, client_name=f"{self.name} topology",
-                             heartbeat_ms=self.heartbeat_ms, reconnect=reconnect, tls=self.tls)  # fmt: skip
+        reconnect = ReconnectPolicy(
+            self.reconnect.retry_interval,
+            self.reconnect.multiplier,
+            self.reconnect.max_interval,
+            attempts=-1,
+            initial_attempts=-1,
+            failover_window=self.reconnect.failover_window,
+        )
+        watcher = LinkClient(
+            topology=self.topology,
+            follow_topology=True,
+            user=settings.user or None,
+            password=settings.password or None,
+            client_name=f"{self.name} topology",
+            heartbeat_ms=self.heartbeat_ms,
+            reconnect=reconnect,
+            tls=self.tls,
+        )
         self._watcher = watcher  # from now on ``stop`` closes it
         try:
             await watcher.connect()
         except LinkRequestError as exc:
-            log.warning("cannot follow the cluster topology: only the configured core nodes are used",
-                        extra={"reason": exc.text})  # fmt: skip
+            log.warning(
+                "cannot follow the cluster topology: only the configured core nodes are used",
+                extra={"reason": exc.text},
+            )
             await watcher.close()
             return
         if self.topology.clustered is False:
-            log.info("core node not clustered: only the configured core nodes are used",
-                     extra={"core": f"{watcher.host}:{watcher.port}"})  # fmt: skip
+            log.info(
+                "core node not clustered: only the configured core nodes are used",
+                extra={"core": f"{watcher.host}:{watcher.port}"},
+            )
             await watcher.close()
             return
-        log.info("following the cluster topology", extra={
-            "core": f"{watcher.host}:{watcher.port}",
-            "members": ",".join(f"{host}:{port}" for host, port in self.topology.endpoints)})  # fmt: skip
+        log.info(
+            "following the cluster topology",
+            extra={
+                "core": f"{watcher.host}:{watcher.port}",
+                "members": ",".join(f"{host}:{port}" for host, port in self.topology.endpoints),
+            },
+        )
 
     async def stop(self) -> None:
         if self._watching is not None:

@@ -134,8 +134,10 @@ class _TcpWire(asyncio.Protocol):
         self.certificate_name = peer_common_name(transport)
         self.host = str(peer[0]) if peer else "?"
         if len(self.shell.sessions) >= self.shell.config.max_connections:
-            log.warning("connection refused: too many connections",
-                        extra={"peer": self.peer, "protocol": self.shell.config.protocol})  # fmt: skip
+            log.warning(
+                "connection refused: too many connections",
+                extra={"peer": self.peer, "protocol": self.shell.config.protocol},
+            )
             self.transport.close()
             return
         if not self.shell.admit_login(self, self.peer):
@@ -202,8 +204,16 @@ class _TcpWire(asyncio.Protocol):
 class _WebSocketWire:
     """Frames out in order through one writer task."""
 
-    def __init__(self, ws: web.WebSocketResponse, peer: str, host: str, *, binary: bool,
-                 certificate_name: str | None, logging_in: set[object]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ws: web.WebSocketResponse,
+        peer: str,
+        host: str,
+        *,
+        binary: bool,
+        certificate_name: str | None,
+        logging_in: set[object],
+    ) -> None:
         self.ws = ws
         self._logging_in = logging_in  # the shell's, which holds this wire until the client logged in
         self.peer = peer
@@ -286,9 +296,14 @@ class GatewayShell:
     new client connection, ``metrics`` lists what /metrics shows, ``core_ready`` says whether the core
     answers (the client ports open once it does, and /readyz is green only while it does)."""
 
-    def __init__(self, config: ShellConfig, open_session: Callable[[Wire], ClientSession],
-                 metrics: Callable[[], list[Metric]], core_ready: Callable[[], Awaitable[bool]] = _always,
-                 ports_file: Path | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: ShellConfig,
+        open_session: Callable[[Wire], ClientSession],
+        metrics: Callable[[], list[Metric]],
+        core_ready: Callable[[], Awaitable[bool]] = _always,
+        ports_file: Path | None = None,
+    ) -> None:
         self.config = config
         self.open_session = open_session
         self.metrics = metrics
@@ -319,9 +334,14 @@ class GatewayShell:
             runner = http_runner(app, request_timeout_ms=config.http_request_timeout_ms)
             await runner.setup()
             self._runners.append(runner)
-            self.ports["http"] = await serve(runner, config.http_host, config.http_port,
-                                             tls=tls if config.http_tls else None,
-                                             max_connections=config.http_max_connections, listener="http")  # fmt: skip
+            self.ports["http"] = await serve(
+                runner,
+                config.http_host,
+                config.http_port,
+                tls=tls if config.http_tls else None,
+                max_connections=config.http_max_connections,
+                listener="http",
+            )
         await self._wait_for_core()
         if config.port >= 0:
             server = await loop.create_server(lambda: _TcpWire(self), config.host, config.port)
@@ -339,11 +359,18 @@ class GatewayShell:
             self._runners.append(runner)
             cap = config.max_connections
             if config.websocket_port >= 0:
-                self.ports["websocket"] = await serve(runner, config.host, config.websocket_port,
-                                                      max_connections=cap, listener="websocket")  # fmt: skip
+                self.ports["websocket"] = await serve(
+                    runner, config.host, config.websocket_port, max_connections=cap, listener="websocket"
+                )
             if tls is not None and config.websocket_tls_port >= 0:
-                self.ports["websocket_tls"] = await serve(runner, config.host, config.websocket_tls_port, tls=tls,
-                                                          max_connections=cap, listener="websocket_tls")  # fmt: skip
+                self.ports["websocket_tls"] = await serve(
+                    runner,
+                    config.host,
+                    config.websocket_tls_port,
+                    tls=tls,
+                    max_connections=cap,
+                    listener="websocket_tls",
+                )
         self.started = True
         if self.ports_file is not None:
             tmp = self.ports_file.with_suffix(".tmp")
@@ -355,8 +382,9 @@ class GatewayShell:
         warned = False
         while not await self.core_answers():
             if not warned:
-                log.warning("waiting for the core before opening the client ports",
-                            extra={"protocol": self.config.protocol})  # fmt: skip
+                log.warning(
+                    "waiting for the core before opening the client ports", extra={"protocol": self.config.protocol}
+                )
                 warned = True
             await asyncio.sleep(delay)
             delay = min(delay * 2, CORE_WAIT_MAX_SECONDS)
@@ -399,9 +427,14 @@ class GatewayShell:
             now = time.monotonic()
             if self._login_refusal_logged is None or now - self._login_refusal_logged >= 60:
                 self._login_refusal_logged = now
-                log.warning("connection refused: too many connections logging in (further refusals not logged "
-                            "for a minute)", extra={"peer": peer, "protocol": self.config.protocol,
-                                                    "max_logging_in": self.config.max_logging_in})  # fmt: skip
+                log.warning(
+                    "connection refused: too many connections logging in (further refusals not logged for a minute)",
+                    extra={
+                        "peer": peer,
+                        "protocol": self.config.protocol,
+                        "max_logging_in": self.config.max_logging_in,
+                    },
+                )
             return False
         self.logging_in.add(wire)
         return True
@@ -424,8 +457,14 @@ class GatewayShell:
             return ws
         transport = request.transport
         certificate_name = peer_common_name(transport) if transport is not None else None
-        wire = _WebSocketWire(ws, peer, request.remote or "?", binary=config.binary_frames,
-                              certificate_name=certificate_name, logging_in=self.logging_in)  # fmt: skip
+        wire = _WebSocketWire(
+            ws,
+            peer,
+            request.remote or "?",
+            binary=config.binary_frames,
+            certificate_name=certificate_name,
+            logging_in=self.logging_in,
+        )
         if not self.admit_login(wire, peer):
             await ws.close(code=1013, message=b"too many connections logging in")
             return ws
@@ -494,8 +533,13 @@ class GatewaySettings(Protocol):
 S = TypeVar("S", bound=GatewaySettings)
 
 
-def run_gateway(protocol: str, settings_class: type[S], env_prefix: str,
-                make: Callable[[S, Path | None], Gateway], argv: list[str] | None = None) -> None:  # fmt: skip
+def run_gateway(
+    protocol: str,
+    settings_class: type[S],
+    env_prefix: str,
+    make: Callable[[S, Path | None], Gateway],
+    argv: list[str] | None = None,
+) -> None:
     """The ``main`` of ``tridentmq-<protocol>``: read the settings (``--config`` file, then environment), run
     the gateway ``make`` builds until SIGINT or SIGTERM, then stop it."""
     prog = f"tridentmq-{protocol}"

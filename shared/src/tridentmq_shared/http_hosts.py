@@ -89,8 +89,10 @@ def host_check_middleware(check: HostCheck, what: str) -> Middleware:
         if check.allows(header, local):
             return await handler(request)
         shown = ascii(header)  # the client's bytes, control characters escaped, for the log and the answer
-        log.warning("HTTP request refused: Host not allowed", extra={"host": shown, "peer": request.remote,
-                                                                     "path": ascii(request.path)})  # fmt: skip
+        log.warning(
+            "HTTP request refused: Host not allowed",
+            extra={"host": shown, "peer": request.remote, "path": ascii(request.path)},
+        )
         return web.json_response({"error": f"host {shown} is not allowed here (add it to {what})"}, status=421)
 
     return host_check

@@ -72,8 +72,15 @@ class CappedSite(web.SockSite):
     """A listening socket of ``runner`` that accepts at most ``max_connections`` connections at once; more get
     503 and are closed, and the first refusal of each minute is logged."""
 
-    def __init__(self, runner: web.AppRunner, sock: socket.socket, *, max_connections: int, listener: str,
-                 ssl_context: ssl.SSLContext | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        runner: web.AppRunner,
+        sock: socket.socket,
+        *,
+        max_connections: int,
+        listener: str,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         super().__init__(runner, sock, ssl_context=ssl_context)
         self.max_connections = max_connections
         self.listener = listener  # names the listener in the log line
@@ -88,23 +95,33 @@ class CappedSite(web.SockSite):
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
             lambda: _Counted(self, server()) if self.open < self.max_connections else self._refuse(),
-            sock=self._sock, ssl=self._ssl_context, backlog=self._backlog,
-        )  # fmt: skip
+            sock=self._sock,
+            ssl=self._ssl_context,
+            backlog=self._backlog,
+        )
 
     def _refuse(self) -> asyncio.Protocol:
         self.refused += 1
         now = time.monotonic()
         if self._logged_at is None or now - self._logged_at >= REFUSAL_LOG_SECONDS:
-            log.warning("http connection refused: too many connections (further refusals counted once a minute)",
-                        extra={"listener": self.listener, "max_connections": self.max_connections,
-                               "refused": self.refused})  # fmt: skip
+            log.warning(
+                "http connection refused: too many connections (further refusals counted once a minute)",
+                extra={"listener": self.listener, "max_connections": self.max_connections, "refused": self.refused},
+            )
             self._logged_at = now
             self.refused = 0
         return _Busy()
 
 
-async def serve(runner: web.AppRunner, host: str, port: int, *, max_connections: int, listener: str,
-                tls: ssl.SSLContext | None = None) -> int:  # fmt: skip
+async def serve(
+    runner: web.AppRunner,
+    host: str,
+    port: int,
+    *,
+    max_connections: int,
+    listener: str,
+    tls: ssl.SSLContext | None = None,
+) -> int:
     """Listen on ``host:port`` for ``runner`` with the connection cap; returns the port (``port`` 0: the one the
     system chose)."""
     sock = socket.create_server((host, port))  # bound here: with port 0 that is the only way to learn it

@@ -125,21 +125,48 @@ def check_message(m: Any, max_properties: int = MAX_PROPERTIES) -> str | None:
     """Return what is wrong with a message that came off the wire, or None when it is well formed."""
     if type(m) is not list or len(m) != MESSAGE_FIELDS:
         return f"a message is a list of {MESSAGE_FIELDS} fields"
-    (_id, address, routing, durable, priority, expiration, timestamp, group, dedup, lvq, props, body, ctype,
-     proto, scheduled) = m  # fmt: skip
+    (
+        _id,
+        address,
+        routing,
+        durable,
+        priority,
+        expiration,
+        timestamp,
+        group,
+        dedup,
+        lvq,
+        props,
+        body,
+        ctype,
+        proto,
+        scheduled,
+    ) = m
     # One expression for the common, valid case: this runs for every message the core receives.
     if (
-        type(_id) is int and 0 <= _id <= MAX_MESSAGE_ID and type(address) is str and address
-        and type(routing) is int and -1 <= routing <= 1
-        and type(durable) is bool and type(priority) is int and 0 <= priority <= MAX_PRIORITY
-        and type(expiration) is int and 0 <= expiration <= MAX_TIME_MS
-        and type(timestamp) is int and 0 <= timestamp <= MAX_TIME_MS
-        and type(scheduled) is int and 0 <= scheduled <= MAX_TIME_MS
-        and type(body) is bytes and type(props) is dict
-        and (group is None or type(group) is str) and (dedup is None or type(dedup) is str)
-        and (lvq is None or type(lvq) is str) and (ctype is None or type(ctype) is str)
+        type(_id) is int
+        and 0 <= _id <= MAX_MESSAGE_ID
+        and type(address) is str
+        and address
+        and type(routing) is int
+        and -1 <= routing <= 1
+        and type(durable) is bool
+        and type(priority) is int
+        and 0 <= priority <= MAX_PRIORITY
+        and type(expiration) is int
+        and 0 <= expiration <= MAX_TIME_MS
+        and type(timestamp) is int
+        and 0 <= timestamp <= MAX_TIME_MS
+        and type(scheduled) is int
+        and 0 <= scheduled <= MAX_TIME_MS
+        and type(body) is bytes
+        and type(props) is dict
+        and (group is None or type(group) is str)
+        and (dedup is None or type(dedup) is str)
+        and (lvq is None or type(lvq) is str)
+        and (ctype is None or type(ctype) is str)
         and (proto is None or type(proto) is str)
-    ):  # fmt: skip
+    ):
         return _check_properties(props, max_properties) if props else None
     return _explain(m)
 
@@ -157,8 +184,7 @@ def _check_properties(props: dict[Any, Any], max_properties: int) -> str | None:
 
 def _explain(m: list[Any]) -> str:
     """The first problem of a message that failed ``check_message``'s fast test (never echoes values)."""
-    (_id, address, routing, durable, priority, expiration, timestamp, _, _, _, props, body, _, _,
-     scheduled) = m  # fmt: skip
+    (_id, address, routing, durable, priority, expiration, timestamp, _, _, _, props, body, _, _, scheduled) = m
     if type(_id) is not int or type(expiration) is not int or type(timestamp) is not int:
         return "message id, expiration and timestamp must be integers"
     if type(scheduled) is not int:

@@ -139,12 +139,18 @@ def render_reference(title: str, cls: type[Any], prefix: str, intro: str = "") -
 
 def _table(cls: type[Any], env_prefix: str | None) -> list[str]:
     hints = typing.get_type_hints(cls)
-    header = "| setting | type | default | environment | meaning |" if env_prefix else \
-        "| setting | type | default | meaning |"  # fmt: skip
+    header = (
+        "| setting | type | default | environment | meaning |"
+        if env_prefix
+        else "| setting | type | default | meaning |"
+    )
     rows = [header, "|---|---|---|---|---|" if env_prefix else "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")  # fmt: skip
+        default = (
+            f.default
+            if f.default is not dataclasses.MISSING
+            else (f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")
+        )
         kind = _type_name(hints[f.name])
         shown = f"`{default!s}`" if default not in ("", None) else ('`""`' if default == "" else "none")
         cells = [f"`{f.name}`", kind, shown]

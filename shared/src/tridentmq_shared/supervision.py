@@ -30,8 +30,9 @@ _BACKOFF_MAX: Final = 5.0
 class Supervisor:
     """Runs and watches the background tasks of one process."""
 
-    def __init__(self, *, max_restarts: int = 5, restart_window: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self, *, max_restarts: int = 5, restart_window: float = 60.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.max_restarts = max_restarts
         self.restart_window = restart_window
         self._clock = clock
@@ -44,8 +45,9 @@ class Supervisor:
     def healthy(self) -> bool:
         return self.failure is None
 
-    def spawn(self, name: str, factory: Callable[[], Coroutine[Any, Any, Any]], *,
-              restart: bool = False) -> asyncio.Task[None]:  # fmt: skip
+    def spawn(
+        self, name: str, factory: Callable[[], Coroutine[Any, Any, Any]], *, restart: bool = False
+    ) -> asyncio.Task[None]:
         """Run ``factory()`` as a task; when it raises, start it again (``restart``) or fail the process.
         A task that returns or is cancelled simply ends."""
         task = asyncio.get_running_loop().create_task(self._run(name, factory, restart), name=name)
@@ -77,8 +79,10 @@ class Supervisor:
         if self.failure is not None:
             return
         self.failure = f"{name}: {type(exc).__name__}: {exc}"[:512]
-        log.critical("a background task failed: the process is no longer ready and stops",
-                     extra={"task": name, "reason": self.failure})  # fmt: skip
+        log.critical(
+            "a background task failed: the process is no longer ready and stops",
+            extra={"task": name, "reason": self.failure},
+        )
         for report in self.on_failure:
             report(self.failure)
         if self._failed is not None:
@@ -158,8 +162,11 @@ def end_on_failure(task: asyncio.Task[Any], end: Callable[[], None], peer: str) 
             return
         exc = done.exception()
         if exc is not None:
-            log.error("connection task failed: the connection is closed", exc_info=exc,
-                      extra={"task": done.get_name(), "peer": peer})  # fmt: skip
+            log.error(
+                "connection task failed: the connection is closed",
+                exc_info=exc,
+                extra={"task": done.get_name(), "peer": peer},
+            )
             end()
 
     task.add_done_callback(ended)

@@ -29,23 +29,36 @@ VERSIONS = {"TLSv1.2": ssl.TLSVersion.TLSv1_2, "TLSv1.3": ssl.TLSVersion.TLSv1_3
 class TlsSection:
     """Certificates of this process, for its TLS listeners and the TLS links it opens."""
 
-    cert_file: str = doc("", "PEM certificate (chain) this process presents: on its TLS listeners, and as its "
-                             "client certificate on the TLS links it opens. Empty: no TLS listener can be "
-                             "enabled. Re-read when the file changes: new connections get the new "
-                             "certificate, open ones keep theirs.")  # fmt: skip
+    cert_file: str = doc(
+        "",
+        "PEM certificate (chain) this process presents: on its TLS listeners, and as its "
+        "client certificate on the TLS links it opens. Empty: no TLS listener can be "
+        "enabled. Re-read when the file changes: new connections get the new "
+        "certificate, open ones keep theirs.",
+    )
     key_file: str = doc("", "PEM private key of that certificate (empty: it is in `cert_file`).")
-    ca_file: str = doc("", "PEM bundle of the certificate authorities trusted to sign peers' certificates: "
-                           "clients' certificates on the listeners, the server's on outgoing TLS links (empty: "
-                           "the system's authorities for outgoing links; client certificates cannot be "
-                           "checked).")  # fmt: skip
-    client_certs: str = doc("none", "Client certificates on the TLS listeners (mutual TLS): `none` (not asked "
-                                    "for), `optional` (checked against `ca_file` when a client sends one) or "
-                                    "`required` (a client without a valid one is refused in the "
-                                    "handshake).")  # fmt: skip
-    min_version: str = doc("TLSv1.2", "Oldest TLS version accepted, on listeners and outgoing links: `TLSv1.2` "
-                                      "or `TLSv1.3`.")  # fmt: skip
-    verify_hostname: bool = doc(True, "Outgoing TLS links check that the server's certificate names the host "
-                                      "connected to (its DNS name or IP address).")  # fmt: skip
+    ca_file: str = doc(
+        "",
+        "PEM bundle of the certificate authorities trusted to sign peers' certificates: "
+        "clients' certificates on the listeners, the server's on outgoing TLS links (empty: "
+        "the system's authorities for outgoing links; client certificates cannot be "
+        "checked).",
+    )
+    client_certs: str = doc(
+        "none",
+        "Client certificates on the TLS listeners (mutual TLS): `none` (not asked "
+        "for), `optional` (checked against `ca_file` when a client sends one) or "
+        "`required` (a client without a valid one is refused in the "
+        "handshake).",
+    )
+    min_version: str = doc(
+        "TLSv1.2", "Oldest TLS version accepted, on listeners and outgoing links: `TLSv1.2` or `TLSv1.3`."
+    )
+    verify_hostname: bool = doc(
+        True,
+        "Outgoing TLS links check that the server's certificate names the host "
+        "connected to (its DNS name or IP address).",
+    )
 
     @property
     def configured(self) -> bool:
@@ -54,13 +67,16 @@ class TlsSection:
     def check(self, section: str = "tls") -> None:
         """SettingsError for a value the loader cannot check by type."""
         if self.client_certs not in CLIENT_CERT_MODES:
-            raise SettingsError(f"{section}.client_certs: expected none, optional or required, "
-                                f"got {self.client_certs!r}")  # fmt: skip
+            raise SettingsError(
+                f"{section}.client_certs: expected none, optional or required, got {self.client_certs!r}"
+            )
         if self.min_version not in VERSIONS:
             raise SettingsError(f"{section}.min_version: expected TLSv1.2 or TLSv1.3, got {self.min_version!r}")
         if self.client_certs != "none" and not self.ca_file:
-            raise SettingsError(f"{section}.client_certs = {self.client_certs}: set {section}.ca_file to the "
-                                f"authorities that sign client certificates")  # fmt: skip
+            raise SettingsError(
+                f"{section}.client_certs = {self.client_certs}: set {section}.ca_file to the "
+                f"authorities that sign client certificates"
+            )
 
 
 class _Files:
@@ -150,8 +166,9 @@ class ServerTls:
         self.reloads += 1
         log.info("TLS certificate reloaded", extra={"cert_file": self.settings.cert_file})
 
-    def _select(self, connection: ssl.SSLObject | ssl.SSLSocket, _server_name: str | None,
-                _context: ssl.SSLContext) -> None:  # fmt: skip
+    def _select(
+        self, connection: ssl.SSLObject | ssl.SSLSocket, _server_name: str | None, _context: ssl.SSLContext
+    ) -> None:
         self.refresh()
         connection.context = self._current
 

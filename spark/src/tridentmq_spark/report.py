@@ -143,8 +143,9 @@ def _tables(f: pd.DataFrame) -> dict[str, pd.DataFrame]:
     lifecycle = good[ev.isin(_LIFECYCLE)][["row_ts", "node_id", "event", "epoch", "detail"]]
     epochs = good.groupby(["node_id", "epoch"], as_index=False)["first_ts"].min().rename(columns={"first_ts": "ts"})
     epochs["event"], epochs["detail"] = "epoch", None
-    timeline = pd.concat([lifecycle.rename(columns={"row_ts": "ts"}), epochs[["ts", "node_id", "event", "epoch",
-                                                                                "detail"]]])  # fmt: skip
+    timeline = pd.concat(
+        [lifecycle.rename(columns={"row_ts": "ts"}), epochs[["ts", "node_id", "event", "epoch", "detail"]]]
+    )
     return {
         "throughput": throughput.reset_index(drop=True),
         "latency": _percentiles(histogram, "msg.acked"),

@@ -182,9 +182,12 @@ def read_range(node_dir: Path, node_id: str, start: int, end: int) -> Iterator[p
 
 
 _JSON_SCHEMA = pa.schema(
-    [pa.field(name, pa.list_(pa.string()) if name == _TARGET_QUEUES else kind)
-     for name, kind in schema.COLUMNS if name not in {"node_id", "consumer_protocol", "bad_reason", "raw"}]
-)  # fmt: skip
+    [
+        pa.field(name, pa.list_(pa.string()) if name == _TARGET_QUEUES else kind)
+        for name, kind in schema.COLUMNS
+        if name not in {"node_id", "consumer_protocol", "bad_reason", "raw"}
+    ]
+)
 _KNOWN_EVENTS = pa.array(sorted(schema.KNOWN_EVENTS), pa.string())
 _GATEWAYS = pa.array(sorted(_GATEWAY_PROTOCOLS), pa.string())
 
@@ -196,9 +199,11 @@ def _read_clean_segment(path: Path, node_id: str) -> pa.Table | None:
     unknown event, seqs not consecutive) sends the segment down the line-by-line road, which names the fault.
     """
     try:
-        table = pj.read_json(path, read_options=pj.ReadOptions(block_size=16 << 20),
-                             parse_options=pj.ParseOptions(explicit_schema=_JSON_SCHEMA,
-                                                           unexpected_field_behavior="ignore"))  # fmt: skip
+        table = pj.read_json(
+            path,
+            read_options=pj.ReadOptions(block_size=16 << 20),
+            parse_options=pj.ParseOptions(explicit_schema=_JSON_SCHEMA, unexpected_field_behavior="ignore"),
+        )
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError):
         return None
     n = table.num_rows

@@ -30,8 +30,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tridentmq-core", description="Run a TridentMQ core broker node.")
     parser.add_argument("--config", type=Path, help="TOML settings file (see docs/configuration.md)")
     parser.add_argument("--ports-file", type=Path, help="write the bound ports here as JSON once ready")
-    parser.add_argument("--tune", action="store_true",
-                        help="measure the journal disk's fsync rate, suggest journal settings and exit")  # fmt: skip
+    parser.add_argument(
+        "--tune", action="store_true", help="measure the journal disk's fsync rate, suggest journal settings and exit"
+    )
     return parser.parse_args(argv)
 
 

@@ -63,8 +63,9 @@ FULL_POLICIES = ("PAGE", "BLOCK", "FAIL", "DROP")
 def _check_policy(entry: AddressSettingsEntry) -> None:
     policy = entry.address_full_policy
     if policy is not None and policy.upper() not in FULL_POLICIES:
-        raise SettingsError(f"address_settings {entry.match!r}: address_full_policy {policy!r} is not one of "
-                            f"{', '.join(FULL_POLICIES)}")  # fmt: skip
+        raise SettingsError(
+            f"address_settings {entry.match!r}: address_full_policy {policy!r} is not one of {', '.join(FULL_POLICIES)}"
+        )
 
 
 class AddressSettingsRepository:

@@ -36,14 +36,36 @@ class AuditSink(Protocol):
     def emit(self, ts_us: int, event: str, fields: Mapping[str, object]) -> None:
         """Record one event; ``fields`` whose value is None are omitted."""
 
-    def emit_message(self, ts_us: int, event: str, queue: str | None, address: str, message_id: str, size: int,
-                     protocol: str, sent_ts_us: int, extra: Mapping[str, object]) -> None:  # fmt: skip
+    def emit_message(
+        self,
+        ts_us: int,
+        event: str,
+        queue: str | None,
+        address: str,
+        message_id: str,
+        size: int,
+        protocol: str,
+        sent_ts_us: int,
+        extra: Mapping[str, object],
+    ) -> None:
         """Record a message event (two per durable message: the hot road): ``emit`` with these fields (none
         of them None but the queue, which is then left out) and ``extra``."""
 
-    def emit_delivered(self, ts_us: int, queue: str, address: str, message_id: str, size: int, protocol: str,
-                       sent_ts_us: int, delivery_count: int, conn_id: str, consumer_id: str,
-                       client_id: str | None, origin_message_id: str | None = None) -> None:  # fmt: skip
+    def emit_delivered(
+        self,
+        ts_us: int,
+        queue: str,
+        address: str,
+        message_id: str,
+        size: int,
+        protocol: str,
+        sent_ts_us: int,
+        delivery_count: int,
+        conn_id: str,
+        consumer_id: str,
+        client_id: str | None,
+        origin_message_id: str | None = None,
+    ) -> None:
         """Record a ``msg.delivered`` event (one per delivery: the hottest road, so no dict of extra fields)."""
 
     def tick(self, ts_us: int) -> None:
@@ -63,13 +85,35 @@ class NullAuditSink:
     def emit(self, ts_us: int, event: str, fields: Mapping[str, object]) -> None:
         """Ignore the event."""
 
-    def emit_message(self, ts_us: int, event: str, queue: str | None, address: str, message_id: str, size: int,
-                     protocol: str, sent_ts_us: int, extra: Mapping[str, object]) -> None:  # fmt: skip
+    def emit_message(
+        self,
+        ts_us: int,
+        event: str,
+        queue: str | None,
+        address: str,
+        message_id: str,
+        size: int,
+        protocol: str,
+        sent_ts_us: int,
+        extra: Mapping[str, object],
+    ) -> None:
         """Ignore the event."""
 
-    def emit_delivered(self, ts_us: int, queue: str, address: str, message_id: str, size: int, protocol: str,
-                       sent_ts_us: int, delivery_count: int, conn_id: str, consumer_id: str,
-                       client_id: str | None, origin_message_id: str | None = None) -> None:  # fmt: skip
+    def emit_delivered(
+        self,
+        ts_us: int,
+        queue: str,
+        address: str,
+        message_id: str,
+        size: int,
+        protocol: str,
+        sent_ts_us: int,
+        delivery_count: int,
+        conn_id: str,
+        consumer_id: str,
+        client_id: str | None,
+        origin_message_id: str | None = None,
+    ) -> None:
         """Ignore the event."""
 
     def tick(self, ts_us: int) -> None:
@@ -166,37 +210,78 @@ class FileAuditSink:
         _merge(record, fields)
         self._append(seq, ts_us, record)
 
-    def emit_message(self, ts_us: int, event: str, queue: str | None, address: str, message_id: str, size: int,
-                     protocol: str, sent_ts_us: int, extra: Mapping[str, object]) -> None:  # fmt: skip
+    def emit_message(
+        self,
+        ts_us: int,
+        event: str,
+        queue: str | None,
+        address: str,
+        message_id: str,
+        size: int,
+        protocol: str,
+        sent_ts_us: int,
+        extra: Mapping[str, object],
+    ) -> None:
         """``emit`` for a message event: the record in one go, without ``emit``'s checks of each field (a
         tenth of the core's work per durable message went to its audit events)."""
         if not self._accepting(ts_us):
             return
         seq = self._next_seq
         record: dict[str, object] = {
-            "v": SCHEMA_VERSION, "node_id": self.node_id, "seq": seq, "ts_us": ts_us, "event": event,
-            "epoch": self.epoch, "address": address, "message_id": message_id, "size": size,
-            "protocol": protocol, "sent_ts_us": sent_ts_us,
-        }  # fmt: skip
+            "v": SCHEMA_VERSION,
+            "node_id": self.node_id,
+            "seq": seq,
+            "ts_us": ts_us,
+            "event": event,
+            "epoch": self.epoch,
+            "address": address,
+            "message_id": message_id,
+            "size": size,
+            "protocol": protocol,
+            "sent_ts_us": sent_ts_us,
+        }
         if queue is not None:
             record["queue"] = queue
         if extra:
             _merge(record, extra)
         self._append(seq, ts_us, record)
 
-    def emit_delivered(self, ts_us: int, queue: str, address: str, message_id: str, size: int, protocol: str,
-                       sent_ts_us: int, delivery_count: int, conn_id: str, consumer_id: str,
-                       client_id: str | None, origin_message_id: str | None = None) -> None:  # fmt: skip
+    def emit_delivered(
+        self,
+        ts_us: int,
+        queue: str,
+        address: str,
+        message_id: str,
+        size: int,
+        protocol: str,
+        sent_ts_us: int,
+        delivery_count: int,
+        conn_id: str,
+        consumer_id: str,
+        client_id: str | None,
+        origin_message_id: str | None = None,
+    ) -> None:
         """``emit`` for ``msg.delivered``, the record built in one go like ``emit_message``'s."""
         if not self._accepting(ts_us):
             return
         seq = self._next_seq
         record: dict[str, object] = {
-            "v": SCHEMA_VERSION, "node_id": self.node_id, "seq": seq, "ts_us": ts_us, "event": "msg.delivered",
-            "epoch": self.epoch, "address": address, "queue": queue, "message_id": message_id, "size": size,
-            "protocol": protocol, "sent_ts_us": sent_ts_us, "delivery_count": delivery_count, "conn_id": conn_id,
+            "v": SCHEMA_VERSION,
+            "node_id": self.node_id,
+            "seq": seq,
+            "ts_us": ts_us,
+            "event": "msg.delivered",
+            "epoch": self.epoch,
+            "address": address,
+            "queue": queue,
+            "message_id": message_id,
+            "size": size,
+            "protocol": protocol,
+            "sent_ts_us": sent_ts_us,
+            "delivery_count": delivery_count,
+            "conn_id": conn_id,
             "consumer_id": consumer_id,
-        }  # fmt: skip
+        }
         if client_id is not None:
             record["client_id"] = client_id
         if origin_message_id is not None:

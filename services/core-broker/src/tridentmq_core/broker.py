@@ -133,11 +133,23 @@ class Transaction:
 class Session:
     """Broker-side state of one link connection."""
 
-    __slots__ = ("client_name", "conn", "conn_id", "consumers", "opened_ms", "peer", "principal", "send_ok",
-                 "temporary_queues", "txs", "will")  # fmt: skip
+    __slots__ = (
+        "client_name",
+        "conn",
+        "conn_id",
+        "consumers",
+        "opened_ms",
+        "peer",
+        "principal",
+        "send_ok",
+        "temporary_queues",
+        "txs",
+        "will",
+    )
 
-    def __init__(self, conn: LinkConnection, conn_id: str, principal: Principal, peer: str, client_name: str,
-                 opened_ms: int) -> None:  # fmt: skip
+    def __init__(
+        self, conn: LinkConnection, conn_id: str, principal: Principal, peer: str, client_name: str, opened_ms: int
+    ) -> None:
         self.conn = conn
         self.conn_id = conn_id
         self.principal = principal
@@ -232,11 +244,13 @@ class Broker:
         self._anycast_rr: dict[str, int] = {}
         self._to_dispatch: set[Queue] = set()
         self._next_id = first_message_id
-        self._dedup = DuplicateIdCache(int(settings.broker.dedup_window_seconds * 1000),
-                                       settings.broker.dedup_max_entries)  # fmt: skip
+        self._dedup = DuplicateIdCache(
+            int(settings.broker.dedup_window_seconds * 1000), settings.broker.dedup_max_entries
+        )
         # Non-durable transfers from other nodes: a cheaper look-up, and not journaled (see TransferIds).
-        self._transfers = TransferIds(int(settings.broker.dedup_window_seconds * 1000),
-                                      settings.broker.dedup_max_entries)  # fmt: skip
+        self._transfers = TransferIds(
+            int(settings.broker.dedup_window_seconds * 1000), settings.broker.dedup_max_entries
+        )
         self._timers: list[tuple[int, int, Queue | None, WireMessage, int]] = []  # due, seq, queue, msg, count
         self._timer_seq = itertools.count()
         self._pending_confirms: dict[int, tuple[Session, int]] = {}
@@ -283,8 +297,9 @@ class Broker:
         store.attach(self.on_durable)
 
     # ------------------------------------------------------------------ sessions
-    def open_session(self, conn: LinkConnection, conn_id: str, principal: Principal, peer: str,
-                     client_name: str, now_ms: int) -> Session:  # fmt: skip
+    def open_session(
+        self, conn: LinkConnection, conn_id: str, principal: Principal, peer: str, client_name: str, now_ms: int
+    ) -> Session:
         session = Session(conn, conn_id, principal, peer, client_name, now_ms)
         self.sessions[conn_id] = session
         self._emit(now_ms, "conn.opened", conn_id=conn_id, client_id=client_name, protocol="link")
@@ -351,8 +366,11 @@ class Broker:
                         result = self._request(session, event, now_ms)
                         if result is _DEFERRED:
                             pass
-                        elif version == self.bindings_version or self.hold_reply is None or \
-                                not self.hold_reply(session, req_id, result):  # fmt: skip
+                        elif (
+                            version == self.bindings_version
+                            or self.hold_reply is None
+                            or not self.hold_reply(session, req_id, result)
+                        ):
                             conn.reply(req_id, result)
                     except BrokerError as exc:
                         conn.error(req_id, exc.code, exc.text)
@@ -412,8 +430,15 @@ class Broker:
         raise BrokerError(ErrorCode.UNEXPECTED, f"unexpected operation {type(event).__name__}")
 
     # ------------------------------------------------------------------ wills
-    def _set_will(self, session: Session, key: str | None, message: WireMessage | None, delay_ms: int,
-                  publish_pending: bool, now_ms: int) -> None:  # fmt: skip
+    def _set_will(
+        self,
+        session: Session,
+        key: str | None,
+        message: WireMessage | None,
+        delay_ms: int,
+        publish_pending: bool,
+        now_ms: int,
+    ) -> None:
         if key is None:  # a nil will: clear this link's own, nothing else
             self._drop_will(session)
             return
@@ -447,8 +472,9 @@ class Broker:
             raise BrokerError(ErrorCode.INVALID, problem)
         address = message[M_ADDRESS]
         refusal = self._check_send(session, address)
-        if refusal is None and (address not in self.addresses or
-                                (message[M_ROUTING] != _MULTICAST and address not in self.queues)):  # fmt: skip
+        if refusal is None and (
+            address not in self.addresses or (message[M_ROUTING] != _MULTICAST and address not in self.queues)
+        ):
             refusal = self._creation_problem(session, message)
         max_bytes = self.max_durable_body if message[M_DURABLE] else self.settings.broker.max_message_bytes
         if refusal is None and len(message[M_BODY]) > max_bytes:
@@ -533,8 +559,9 @@ class Broker:
             problem = send_ok.get(address, _UNCHECKED)
             if problem is _UNCHECKED:
                 problem = self._check_send(session, address)
-            if problem is None and (address not in addresses or
-                                    (message[M_ROUTING] != _MULTICAST and address not in self.queues)):  # fmt: skip
+            if problem is None and (
+                address not in addresses or (message[M_ROUTING] != _MULTICAST and address not in self.queues)
+            ):
                 problem = self._creation_problem(session, message)
             if problem is None and message[M_DURABLE] and self.durable_refusal is not None:
                 problem = self.durable_refusal
@@ -583,10 +610,15 @@ class Broker:
             conn.grant_publish_credit(credit)
         else:
             if not self._blocked:
-                log.warning("memory, address or paging limit reached: producers are blocked until it clears",
-                            extra={"used": self.memory.used, "limit": self._memory_limit,
-                                   "full_addresses": ",".join(sorted(full)),
-                                   "paging_behind": self._paging_behind()})  # fmt: skip
+                log.warning(
+                    "memory, address or paging limit reached: producers are blocked until it clears",
+                    extra={
+                        "used": self.memory.used,
+                        "limit": self._memory_limit,
+                        "full_addresses": ",".join(sorted(full)),
+                        "paging_behind": self._paging_behind(),
+                    },
+                )
             self._blocked[session] = self._blocked.get(session, 0) + credit
             if full:
                 self._blocked_on.setdefault(session, set()).update(full)
@@ -623,9 +655,11 @@ class Broker:
         if not self._blocked or self.memory.used * 10 >= self._memory_limit * 9 or self._paging_behind():
             return
         for session in list(self._blocked):
-            still_full = [a for a in self._blocked_on.get(session, ())
-                          if (limit := self._address_limit(a)) is not None and
-                          self._address_bytes(a) * 10 >= limit[0] * 9]  # fmt: skip
+            still_full = [
+                a
+                for a in self._blocked_on.get(session, ())
+                if (limit := self._address_limit(a)) is not None and self._address_bytes(a) * 10 >= limit[0] * 9
+            ]
             if still_full:
                 continue
             session.conn.grant_publish_credit(self._blocked.pop(session))
@@ -668,10 +702,16 @@ class Broker:
                 text = f"user {principal.name!r} lacks permission {permission.value} to auto-create {address!r}"
                 return (ErrorCode.FORBIDDEN, text)
         cap = self.settings.broker.max_auto_created_addresses_per_user
-        if address not in self.addresses and cap > 0 and not principal.cluster and \
-                self.auto_created_by.get(principal.name, 0) >= cap:  # fmt: skip
-            text = (f"user {principal.name!r} already has {cap} auto-created addresses in use "
-                    f"(broker.max_auto_created_addresses_per_user): {address!r} is not created")  # fmt: skip
+        if (
+            address not in self.addresses
+            and cap > 0
+            and not principal.cluster
+            and self.auto_created_by.get(principal.name, 0) >= cap
+        ):
+            text = (
+                f"user {principal.name!r} already has {cap} auto-created addresses in use "
+                f"(broker.max_auto_created_addresses_per_user): {address!r} is not created"
+            )
             return (ErrorCode.RESOURCE_LIMIT, text)
         return None
 
@@ -685,8 +725,14 @@ class Broker:
         if props and HOME_PROPERTY in props:
             home = props.pop(HOME_PROPERTY)
             cluster = self.cluster
-            if type(home) is str and home != self.node_id and cluster is not None and message[M_DURABLE] \
-                    and message[M_DEDUP] is not None and cluster.bindings.knows(home):  # fmt: skip
+            if (
+                type(home) is str
+                and home != self.node_id
+                and cluster is not None
+                and message[M_DURABLE]
+                and message[M_DEDUP] is not None
+                and cluster.bindings.knows(home)
+            ):
                 return self._send_home(message, home, now_ms)
         return self._accept_message(message, now_ms, through=True)
 
@@ -738,8 +784,9 @@ class Broker:
             assert cluster is not None
             kinds = self._kinds(message[M_ADDRESS], message[M_ROUTING])
             whole = self._routes[key][1]  # a simple route: ``queues`` are all of them, not this message's
-            queues, remote = cluster.balance(message, message[M_ADDRESS], queues, kinds, self.bindings_version,
-                                             whole=whole)  # fmt: skip
+            queues, remote = cluster.balance(
+                message, message[M_ADDRESS], queues, kinds, self.bindings_version, whole=whole
+            )
             if whole and cluster.fixed(message[M_ADDRESS], kinds):  # the same for every message
                 if len(self._splits) > 10_000:
                     self._splits.clear()
@@ -783,8 +830,12 @@ class Broker:
                 props[ORIGIN_MESSAGE_ID] = f"{header.dedup_id[:-1][:8]}-{number}"
         cluster = self.cluster
         try:
-            if header.target != self.node_id and cluster is not None and header.hops < cluster.bindings.max_hops \
-                    and cluster.bindings.next_hop(header.target) is not None:  # fmt: skip
+            if (
+                header.target != self.node_id
+                and cluster is not None
+                and header.hops < cluster.bindings.max_hops
+                and cluster.bindings.next_hop(header.target) is not None
+            ):
                 self.counters.received += 1
                 return self._forward(message, header.target, header.queues, header.hops + 1, now_ms)  # a relay
             names = header.queues
@@ -813,16 +864,27 @@ class Broker:
         message[M_DEDUP] = producer_dedup
         self.counters.received += 1
         cluster = self.cluster
-        if header.target != self.node_id and cluster is not None and header.hops < cluster.bindings.max_hops \
-                and cluster.bindings.next_hop(header.target) is not None:  # fmt: skip
+        if (
+            header.target != self.node_id
+            and cluster is not None
+            and header.hops < cluster.bindings.max_hops
+            and cluster.bindings.next_hop(header.target) is not None
+        ):
             return self._forward(message, header.target, (), header.hops + 1, now_ms, home=True)
         # As its producer's publish here would be: written through to another node under the producer's id, so
         # a copy this node wrote through there before it died (and forgot the id) makes it a duplicate.
         return self._accept_message(message, now_ms, through=True)
 
-    def _admit(self, message: WireMessage, queues: tuple[Queue, ...], now_ms: int,
-               remote: Remote | None = None, delivered: int = 0, *,
-               through: bool = False) -> int:  # fmt: skip
+    def _admit(
+        self,
+        message: WireMessage,
+        queues: tuple[Queue, ...],
+        now_ms: int,
+        remote: Remote | None = None,
+        delivered: int = 0,
+        *,
+        through: bool = False,
+    ) -> int:
         """Store a routed message in its local queues and the store-and-forward queues of ``remote``;
         ``delivered``: delivery attempts it had on another node (its next delivery counts on from them);
         ``through``: a message for one other node only (none here) may be written through to it."""
@@ -865,8 +927,17 @@ class Broker:
                 to_dispatch.add(queue)
         return token
 
-    def _forward(self, message: WireMessage, target: str, queues: tuple[str, ...], hops: int, now_ms: int,
-                 *, through: bool = False, home: bool = False) -> int:  # fmt: skip
+    def _forward(
+        self,
+        message: WireMessage,
+        target: str,
+        queues: tuple[str, ...],
+        hops: int,
+        now_ms: int,
+        *,
+        through: bool = False,
+        home: bool = False,
+    ) -> int:
         """Put a copy of ``message`` for node ``target`` in the store-and-forward queue of the connected node
         it goes through; the copy stays there until that node confirms it. Returns the store token.
 
@@ -926,16 +997,18 @@ class Broker:
                 if taken is _HELD:
                     self._withheld += 1
                 if audit:
-                    self._emit_message(now_ms, "msg.forwarded", copy, None, target_node=target,
-                                       target_queues=list(queues))  # fmt: skip
+                    self._emit_message(
+                        now_ms, "msg.forwarded", copy, None, target_node=target, target_queues=list(queues)
+                    )
                 return token
         forward_queue = self.forward_queue(via, now_ms)
         token = self.store.add_message(copy, (forward_queue.name,)) if durable else 0
         forward_queue.add(copy)
         self._to_dispatch.add(forward_queue)
         if audit:
-            self._emit_message(now_ms, "msg.forwarded", copy, forward_queue, target_node=target,
-                               target_queues=list(queues))  # fmt: skip
+            self._emit_message(
+                now_ms, "msg.forwarded", copy, forward_queue, target_node=target, target_queues=list(queues)
+            )
         return token
 
     def forward_queue(self, node_id: str, now_ms: int) -> Queue:
@@ -943,8 +1016,9 @@ class Broker:
         queue = self.forward_queues.get(node_id)
         if queue is None:
             name = FORWARD_QUEUE_PREFIX + node_id
-            queue = self.queues.get(name) or self._create_queue(name, name, RoutingType.ANYCAST, durable=True,
-                                                                 now_ms=now_ms)  # fmt: skip
+            queue = self.queues.get(name) or self._create_queue(
+                name, name, RoutingType.ANYCAST, durable=True, now_ms=now_ms
+            )
             self.forward_queues[node_id] = queue
         return queue
 
@@ -1043,8 +1117,15 @@ class Broker:
             del self._through_by_dedup[dedup_id]
         return dedup_id
 
-    def place_refused(self, message: WireMessage, now_ms: int, token: int = 0, code: str = "",
-                      text: str = "", origin: Queue | None = None) -> None:  # fmt: skip
+    def place_refused(
+        self,
+        message: WireMessage,
+        now_ms: int,
+        token: int = 0,
+        code: str = "",
+        text: str = "",
+        origin: Queue | None = None,
+    ) -> None:
         """A message sent straight to another node, which refused it (``code``, ``text``): deliver it here
         instead. ``token``: the producer's confirm that waits for it (written through), now for its storage
         here; or, when it has no queue here either, the producer learns the other node's refusal."""
@@ -1063,8 +1144,11 @@ class Broker:
             if not (token and self._refuse_confirm(token, exc.code, exc.text, message[M_DEDUP])):
                 log.warning("refused forwarded message dropped", extra={"reason": exc.text})
             return
-        if not queues and token and self._refuse_confirm(token, code or ErrorCode.INVALID,
-                                                         text or "refused by its node", message[M_DEDUP]):  # fmt: skip
+        if (
+            not queues
+            and token
+            and self._refuse_confirm(token, code or ErrorCode.INVALID, text or "refused by its node", message[M_DEDUP])
+        ):
             return  # no queue here either, and its producer is still waiting: tell it
         if not queues and origin is not None:  # confirmed long ago, from a forward queue: never drop it
             settings = self.address_settings.resolve(copy[M_ADDRESS])
@@ -1072,8 +1156,9 @@ class Broker:
             return
         self._pass_confirm(token, self._admit(copy, queues, now_ms))
 
-    def reroute_refused(self, session: Session, consumer: Consumer, message_id: int, now_ms: int, code: str = "",
-                        text: str = "") -> None:  # fmt: skip
+    def reroute_refused(
+        self, session: Session, consumer: Consumer, message_id: int, now_ms: int, code: str = "", text: str = ""
+    ) -> None:
         """The node a forwarded message was for refused it: deliver it here, by its queues or its address, or
         to the dead-letter address when it has neither."""
         taken = consumer.queue.take(consumer, message_id)
@@ -1174,8 +1259,10 @@ class Broker:
             if create:
                 self._auto_create(address, routing, now_ms)
             queues = self._compute_route(address, routing)
-            simple = all(q.filter is None for q in queues) and \
-                sum(q.routing_type is RoutingType.ANYCAST for q in queues) <= 1  # fmt: skip
+            simple = (
+                all(q.filter is None for q in queues)
+                and sum(q.routing_type is RoutingType.ANYCAST for q in queues) <= 1
+            )
             route = self._routes[key] = (queues, simple)
             self._routed.add(address)
         queues, simple = route
@@ -1214,8 +1301,15 @@ class Broker:
                 user = self.addresses[address].creator = publisher.principal.name
                 self.auto_created_by[user] = self.auto_created_by.get(user, 0) + 1
         if kind is RoutingType.ANYCAST and settings.auto_create_queues and self._lacks_anycast_queue(address):
-            self._create_queue(address, address, kind, durable=True, auto_created=True, now_ms=now_ms,
-                               auto_delete=settings.auto_delete_queues)  # fmt: skip
+            self._create_queue(
+                address,
+                address,
+                kind,
+                durable=True,
+                auto_created=True,
+                now_ms=now_ms,
+                auto_delete=settings.auto_delete_queues,
+            )
         created = self.addresses[address]
         if created.auto_created and not created.queues:
             self._watch_unused_address(address, now_ms)
@@ -1274,8 +1368,9 @@ class Broker:
                 self._splits.pop(key, None)
 
     # ------------------------------------------------------------------ consuming
-    def _subscribe(self, session: Session, consumer_id: int, queue_name: str, credit: int,
-                   options: dict[str, Any], now_ms: int) -> dict[str, Any]:  # fmt: skip
+    def _subscribe(
+        self, session: Session, consumer_id: int, queue_name: str, credit: int, options: dict[str, Any], now_ms: int
+    ) -> dict[str, Any]:
         if consumer_id in session.consumers:
             raise BrokerError(ErrorCode.EXISTS, f"consumer id {consumer_id} is in use on this link")
         if credit > self.settings.broker.max_consumer_credit:
@@ -1300,16 +1395,30 @@ class Broker:
             durable = bool(options.get("durable", routing is RoutingType.ANYCAST))
             self._require(session, Permission.BROWSE if browse else Permission.CONSUME, address)
             self._check_create(session, address, durable)
-            queue = self._create_queue(queue_name, address, routing, durable=durable, auto_created=True,
-                                       auto_delete=settings.auto_delete_queues, now_ms=now_ms)  # fmt: skip
+            queue = self._create_queue(
+                queue_name,
+                address,
+                routing,
+                durable=durable,
+                auto_created=True,
+                auto_delete=settings.auto_delete_queues,
+                now_ms=now_ms,
+            )
         elif address_name and queue.address != address_name:
             raise BrokerError(ErrorCode.NOT_FOUND, f"queue {queue_name!r} is not bound to {address_name!r}")
         self._require(session, Permission.BROWSE if browse else Permission.CONSUME, queue.address)
         active = [c for c in queue.consumers if not c.browse]
         if not browse and 0 <= queue.max_consumers <= len(active):
             raise BrokerError(ErrorCode.RESOURCE_LIMIT, f"queue {queue.name!r} has its maximum of consumers")
-        consumer = Consumer(consumer_id, session, queue, credit, selector=selector,
-                            auto_ack=bool(options.get("auto_ack", False)), browse=browse)  # fmt: skip
+        consumer = Consumer(
+            consumer_id,
+            session,
+            queue,
+            credit,
+            selector=selector,
+            auto_ack=bool(options.get("auto_ack", False)),
+            browse=browse,
+        )
         if credit_bytes:
             consumer.limit_bytes(credit_bytes)
         queue.add_consumer(consumer)
@@ -1318,8 +1427,14 @@ class Broker:
             self._idle.cancel(queue)  # a consumer stops the expiry clock
             self.bindings_version += 1
         self._to_dispatch.add(queue)
-        self._emit(now_ms, "consumer.opened", conn_id=session.conn_id, consumer_id=str(consumer_id),
-                   queue=queue.name, address=queue.address)  # fmt: skip
+        self._emit(
+            now_ms,
+            "consumer.opened",
+            conn_id=session.conn_id,
+            consumer_id=str(consumer_id),
+            queue=queue.name,
+            address=queue.address,
+        )
         return {"queue": queue.name, "address": queue.address, "routing_type": int(queue.routing_type)}
 
     def _remove_consumer(self, session: Session, consumer: Consumer, now_ms: int) -> None:
@@ -1329,8 +1444,7 @@ class Broker:
         if consumer in queue.consumers:
             self._requeue(queue, queue.remove_consumer(consumer), now_ms)
             self._to_dispatch.add(queue)
-        self._emit(now_ms, "consumer.closed", conn_id=session.conn_id, consumer_id=str(consumer.id),
-                   queue=queue.name)  # fmt: skip
+        self._emit(now_ms, "consumer.closed", conn_id=session.conn_id, consumer_id=str(consumer.id), queue=queue.name)
         if not consumer.browse:
             self._start_idle_clock(queue, now_ms)
         self._maybe_auto_delete(queue, now_ms)
@@ -1376,8 +1490,14 @@ class Broker:
         if queue.paged:
             self._to_dispatch.add(queue)  # acks free room: read pages back
 
-    def _settle_acked(self, queue: Queue, message: WireMessage, now_ms: int,
-                      journaled: list[int] | None = None, consumer: Consumer | None = None) -> None:  # fmt: skip
+    def _settle_acked(
+        self,
+        queue: Queue,
+        message: WireMessage,
+        now_ms: int,
+        journaled: list[int] | None = None,
+        consumer: Consumer | None = None,
+    ) -> None:
         queue.settle(message)
         queue.acked += 1
         if consumer is not None:  # a client's acknowledgement (not a forward's confirmation)
@@ -1442,8 +1562,7 @@ class Broker:
         # with part of it applied, and a retried commit would apply that part twice.
         for message in tx.publishes:
             address = message[M_ADDRESS]
-            if address not in self.addresses and \
-                    not self.address_settings.resolve(address).auto_create_addresses:  # fmt: skip
+            if address not in self.addresses and not self.address_settings.resolve(address).auto_create_addresses:
                 raise BrokerError(ErrorCode.NOT_FOUND, f"address {address!r} does not exist")
         self.store.begin_transaction()
         try:
@@ -1506,8 +1625,9 @@ class Broker:
     def _check_create(self, session: Session, address: str, durable: bool) -> None:
         if address not in self.addresses:
             self._require(session, Permission.CREATE_ADDRESS, address)
-        self._require(session, Permission.CREATE_DURABLE_QUEUE if durable else Permission.CREATE_NON_DURABLE_QUEUE,
-                      address)  # fmt: skip
+        self._require(
+            session, Permission.CREATE_DURABLE_QUEUE if durable else Permission.CREATE_NON_DURABLE_QUEUE, address
+        )
 
     def _ensure_address(self, name: str, kinds: set[RoutingType], *, auto_created: bool) -> bool:
         existing = self.addresses.get(name)
@@ -1543,27 +1663,46 @@ class Broker:
             expires_ms = None
         if existing is not None:
             if existing.address != address or existing.routing_type is not routing:
-                raise BrokerError(ErrorCode.EXISTS, f"queue {name!r} exists on address {existing.address!r} "
-                                  f"as {existing.routing_type.name.lower()}")  # fmt: skip
+                raise BrokerError(
+                    ErrorCode.EXISTS,
+                    f"queue {name!r} exists on address {existing.address!r} as {existing.routing_type.name.lower()}",
+                )
             if expires_ms is not None and expires_ms != existing.expires_ms:
                 self._change_expiry(session, existing, expires_ms, now_ms)
-            reply = {"created": False, "queue": name, "address": address, "expires_ms": existing.expires_ms,
-                     "filter": existing.filter.text if existing.filter is not None else None,
-                     "consumers": sum(not c.forwarder for c in existing.consumers)}  # fmt: skip
+            reply = {
+                "created": False,
+                "queue": name,
+                "address": address,
+                "expires_ms": existing.expires_ms,
+                "filter": existing.filter.text if existing.filter is not None else None,
+                "consumers": sum(not c.forwarder for c in existing.consumers),
+            }
             return self._say_elsewhere(reply, name, address)
         self._validate(address, wildcards=True)
         self._check_create(session, address, durable)
         lvq = spec.get("last_value_key")
         max_consumers = spec.get("max_consumers", -1)
-        if (lvq is not None and not isinstance(lvq, str)) or type(max_consumers) is not int \
-                or not -1 <= max_consumers <= MAX_FIELD_INT:  # fmt: skip
+        if (
+            (lvq is not None and not isinstance(lvq, str))
+            or type(max_consumers) is not int
+            or not -1 <= max_consumers <= MAX_FIELD_INT
+        ):
             raise BrokerError(ErrorCode.INVALID, "last_value_key is a string, max_consumers an integer -1 or more")
         self._create_queue(
-            name, address, routing, durable=durable, now_ms=now_ms,
-            filter_text=spec.get("filter"), temporary=temporary, exclusive=bool(spec.get("exclusive", False)),
-            last_value_key=lvq, max_consumers=max_consumers, auto_delete=bool(spec.get("auto_delete", False)),
-            expires_ms=-1 if expires_ms is None else expires_ms, owner=session if temporary else None,
-        )  # fmt: skip
+            name,
+            address,
+            routing,
+            durable=durable,
+            now_ms=now_ms,
+            filter_text=spec.get("filter"),
+            temporary=temporary,
+            exclusive=bool(spec.get("exclusive", False)),
+            last_value_key=lvq,
+            max_consumers=max_consumers,
+            auto_delete=bool(spec.get("auto_delete", False)),
+            expires_ms=-1 if expires_ms is None else expires_ms,
+            owner=session if temporary else None,
+        )
         return self._say_elsewhere({"created": True, "queue": name, "address": address}, name, address)
 
     def _say_elsewhere(self, reply: dict[str, Any], name: str, address: str) -> dict[str, Any]:
@@ -1590,15 +1729,27 @@ class Broker:
 
     def _start_idle_clock(self, queue: Queue, since_ms: int) -> None:
         """With an expiry, and no consumer left (browsers aside), the queue is idle from ``since_ms``."""
-        if queue.expires_ms >= 0 and self.queues.get(queue.name) is queue and \
-                all(c.browse for c in queue.consumers):  # fmt: skip
+        if queue.expires_ms >= 0 and self.queues.get(queue.name) is queue and all(c.browse for c in queue.consumers):
             self._idle.set(queue, since_ms + queue.expires_ms)
 
     def _expire_queue(self, queue: Queue, now_ms: int) -> None:
-        log.info("queue expired", extra={"queue": queue.name, "address": queue.address,
-                                         "expires_ms": queue.expires_ms, "messages": len(queue)})  # fmt: skip
-        self._emit(now_ms, "queue.expired", queue=queue.name, address=queue.address, expires_ms=queue.expires_ms,
-                   messages=len(queue))  # fmt: skip
+        log.info(
+            "queue expired",
+            extra={
+                "queue": queue.name,
+                "address": queue.address,
+                "expires_ms": queue.expires_ms,
+                "messages": len(queue),
+            },
+        )
+        self._emit(
+            now_ms,
+            "queue.expired",
+            queue=queue.name,
+            address=queue.address,
+            expires_ms=queue.expires_ms,
+            messages=len(queue),
+        )
         self._delete_queue(queue, now_ms)
 
     def _create_queue(
@@ -1624,11 +1775,25 @@ class Broker:
         settings = self.address_settings.resolve(address)
         paging = settings.address_full_policy == "PAGE" and settings.max_size_bytes >= 0
         queue = Queue(
-            name, address, routing, sink=self, dirty=self.dirty, memory=self.memory, durable=durable, filter=selector,
-            temporary=temporary, exclusive=exclusive, last_value_key=last_value_key, max_consumers=max_consumers,
-            auto_created=auto_created, auto_delete=auto_delete, expires_ms=expires_ms, owner=owner,
-            page_limit=settings.max_size_bytes if paging else -1, pager_factory=self._pager_factory,
-        )  # fmt: skip
+            name,
+            address,
+            routing,
+            sink=self,
+            dirty=self.dirty,
+            memory=self.memory,
+            durable=durable,
+            filter=selector,
+            temporary=temporary,
+            exclusive=exclusive,
+            last_value_key=last_value_key,
+            max_consumers=max_consumers,
+            auto_created=auto_created,
+            auto_delete=auto_delete,
+            expires_ms=expires_ms,
+            owner=owner,
+            page_limit=settings.max_size_bytes if paging else -1,
+            pager_factory=self._pager_factory,
+        )
         queue.paused = address in self.paused_addresses
         self.queues[name] = queue
         self.addresses[address].queues[name] = queue
@@ -1654,8 +1819,7 @@ class Broker:
             consumer.session.consumers.pop(consumer.id, None)
             for message, _ in queue.remove_consumer(consumer):
                 queue.settle(message)  # the queue goes away with what its consumers held
-            consumer.session.conn.consumer_closed(consumer.id, ErrorCode.NOT_FOUND,
-                                                  f"queue {queue.name!r} was deleted")  # fmt: skip
+            consumer.session.conn.consumer_closed(consumer.id, ErrorCode.NOT_FOUND, f"queue {queue.name!r} was deleted")
             self.dirty.add(consumer.session)
         queue.purge()
         del self.queues[queue.name]
@@ -1726,28 +1890,41 @@ class Broker:
             self._delete_address(name, now_ms)
 
     def _maybe_auto_delete(self, queue: Queue, now_ms: int) -> None:
-        if queue.auto_delete and not queue.consumers and not len(queue) and queue.name in self.queues \
-                and not any(timer[2] is queue for timer in self._timers):  # fmt: skip
+        if (
+            queue.auto_delete
+            and not queue.consumers
+            and not len(queue)
+            and queue.name in self.queues
+            and not any(timer[2] is queue for timer in self._timers)
+        ):
             self._delete_queue(queue, now_ms)  # (a timer holds a delayed or scheduled message of the queue)
 
     # ------------------------------------------------------------------ dead letters, expiry, timers
-    def _dead_letter(self, queue: Queue, message: WireMessage, reason: str, settings: ResolvedAddressSettings,
-                     now_ms: int) -> None:  # fmt: skip
+    def _dead_letter(
+        self, queue: Queue, message: WireMessage, reason: str, settings: ResolvedAddressSettings, now_ms: int
+    ) -> None:
         queue.settle(message)
         if message[M_DURABLE] and queue.durable:
             self.store.acknowledge(queue.name, [message[M_ID]])
         self._to_dead_letter_address(queue, message, reason, settings, now_ms)
 
-    def _to_dead_letter_address(self, queue: Queue, message: WireMessage, reason: str,
-                                settings: ResolvedAddressSettings, now_ms: int) -> None:  # fmt: skip
+    def _to_dead_letter_address(
+        self, queue: Queue, message: WireMessage, reason: str, settings: ResolvedAddressSettings, now_ms: int
+    ) -> None:
         """Count, audit and divert a message that died in ``queue`` (already taken out of it)."""
         queue.dead_lettered += 1
         self.counters.dead_lettered += 1
         self._emit_message(now_ms, "msg.dead_lettered", message, queue, reason=reason)
         self._divert(queue, message, settings.dead_letter_address, reason, now_ms)
 
-    def on_acked(self, queue: Queue, message: WireMessage, now_ms: int | None = None,
-                 journaled: list[int] | None = None, consumer: Consumer | None = None) -> None:  # fmt: skip
+    def on_acked(
+        self,
+        queue: Queue,
+        message: WireMessage,
+        now_ms: int | None = None,
+        journaled: list[int] | None = None,
+        consumer: Consumer | None = None,
+    ) -> None:
         """Called for every acknowledged message (also by queues for auto-ack and last-value replacement).
         ``journaled``: a batch's ids, to which the id is added for one record at the end, instead of a record;
         ``consumer``: the one that acknowledged it (named in the audit event)."""
@@ -1769,15 +1946,23 @@ class Broker:
         if consumer is None:  # auto-ack and last-value replacement: no acknowledging consumer
             self._emit_message(now_ms, "msg.acked", message, queue)
         else:
-            self._emit_message(now_ms, "msg.acked", message, queue, conn_id=consumer.session.conn_id,
-                               consumer_id=str(consumer.id), client_id=consumer.session.client_name)  # fmt: skip
+            self._emit_message(
+                now_ms,
+                "msg.acked",
+                message,
+                queue,
+                conn_id=consumer.session.conn_id,
+                consumer_id=str(consumer.id),
+                client_id=consumer.session.client_name,
+            )
 
     def deliver_durable(self, queue: Queue, attempts: list[tuple[Consumer, int, WireMessage]]) -> None:
         """Record a dispatch's delivery attempts (consumer, delivery count, message), and send the deliveries
         only once the record is safe: after a crash a message then comes back flagged as redelivered, never
         looking like a first delivery."""
-        token = self.store.update_delivery_counts(queue.name, [attempt[2][M_ID] for attempt in attempts],
-                                                  [attempt[1] for attempt in attempts])  # fmt: skip
+        token = self.store.update_delivery_counts(
+            queue.name, [attempt[2][M_ID] for attempt in attempts], [attempt[1] for attempt in attempts]
+        )
         if token:
             self._held_deliveries.setdefault(token, []).extend(attempts)
         else:
@@ -1811,11 +1996,20 @@ class Broker:
                 self.latency.add(index, waited)
         if self._audit_all or (self._audit_durable and message[M_DURABLE]):
             session = consumer.session
-            self.audit.emit_delivered(self.now_ms * 1000, queue.name, message[M_ADDRESS],
-                                      f"{self._node_tag}-{message[M_ID]}", len(message[M_BODY]),
-                                      message[M_PROTOCOL] or "link", message[M_TIMESTAMP] * 1000, delivery_count,
-                                      session.conn_id, str(consumer.id), session.client_name,
-                                      message[M_PROPS].get(ORIGIN_MESSAGE_ID))  # fmt: skip
+            self.audit.emit_delivered(
+                self.now_ms * 1000,
+                queue.name,
+                message[M_ADDRESS],
+                f"{self._node_tag}-{message[M_ID]}",
+                len(message[M_BODY]),
+                message[M_PROTOCOL] or "link",
+                message[M_TIMESTAMP] * 1000,
+                delivery_count,
+                session.conn_id,
+                str(consumer.id),
+                session.client_name,
+                message[M_PROPS].get(ORIGIN_MESSAGE_ID),
+            )
 
     def on_pages_ready(self, queue: Queue) -> None:
         """Paged messages were read back from disk (the shell flushes after calling this)."""
@@ -1836,8 +2030,11 @@ class Broker:
         """Send a copy of a dead or expired message to ``target`` with its origin recorded."""
         if not target or target == queue.address:
             # Expired messages go silently without an expiry address, as in Artemis; dead letters do not.
-            log.log(logging.DEBUG if reason == "expired" else logging.WARNING, "message dropped",
-                    extra={"queue": queue.name, "reason": reason, "message_id": message[M_ID]})  # fmt: skip
+            log.log(
+                logging.DEBUG if reason == "expired" else logging.WARNING,
+                "message dropped",
+                extra={"queue": queue.name, "reason": reason, "message_id": message[M_ID]},
+            )
             return
         copy = list(message)
         copy[M_ID] = 0
@@ -1846,10 +2043,13 @@ class Broker:
         copy[M_EXPIRATION] = 0
         copy[M_SCHEDULED] = 0
         copy[M_DEDUP] = None
-        copy[M_PROPS] = {**message[M_PROPS], ORIGINAL_ADDRESS: message[M_ADDRESS], ORIGINAL_QUEUE: queue.name,
-                         ORIGINAL_REASON: reason}  # fmt: skip
-        if target not in self.addresses and \
-                self.address_settings.resolve(target).auto_create_dead_letter_resources:  # fmt: skip
+        copy[M_PROPS] = {
+            **message[M_PROPS],
+            ORIGINAL_ADDRESS: message[M_ADDRESS],
+            ORIGINAL_QUEUE: queue.name,
+            ORIGINAL_REASON: reason,
+        }
+        if target not in self.addresses and self.address_settings.resolve(target).auto_create_dead_letter_resources:
             self._create_queue(target, target, RoutingType.ANYCAST, durable=True, now_ms=now_ms)
         try:
             self._accept_message(copy, now_ms)
@@ -1904,12 +2104,19 @@ class Broker:
                 self._ensure_address(name, {RoutingType(k) for k in kinds}, auto_created=auto_created)
             for name, spec in state.queues.items():
                 queue = self._create_queue(
-                    name, spec["address"], RoutingType(spec["routing_type"]), durable=True, now_ms=self.now_ms,
-                    filter_text=spec.get("filter"), exclusive=bool(spec.get("exclusive")),
-                    last_value_key=spec.get("last_value_key"), max_consumers=int(spec.get("max_consumers", -1)),
-                    auto_created=bool(spec.get("auto_created")), auto_delete=bool(spec.get("auto_delete")),
+                    name,
+                    spec["address"],
+                    RoutingType(spec["routing_type"]),
+                    durable=True,
+                    now_ms=self.now_ms,
+                    filter_text=spec.get("filter"),
+                    exclusive=bool(spec.get("exclusive")),
+                    last_value_key=spec.get("last_value_key"),
+                    max_consumers=int(spec.get("max_consumers", -1)),
+                    auto_created=bool(spec.get("auto_created")),
+                    auto_delete=bool(spec.get("auto_delete")),
                     expires_ms=int(spec.get("expires_ms", -1)),
-                )  # fmt: skip
+                )
                 # By id, which grows with publish order: a compaction writes the older messages it copies
                 # after the ones published while it ran.
                 for message_id, count in sorted(state.references.get(name, {}).items()):
@@ -1948,21 +2155,30 @@ class Broker:
             if held is not None and held.durable and self.queues.get(held.name) is held:
                 owe(held, message, count)
         return DurableSnapshot(
-            addresses=[(a.name, sorted(int(r) for r in a.routing_types), a.auto_created)
-                       for a in self.addresses.values()
-                       if a.name in names],
+            addresses=[
+                (a.name, sorted(int(r) for r in a.routing_types), a.auto_created)
+                for a in self.addresses.values()
+                if a.name in names
+            ],
             queues=[self._queue_spec(q) for q in queues],
             messages=list(messages.values()),
             dedup_ids=self._dedup.entries(),
-        )  # fmt: skip
+        )
 
     @staticmethod
     def _queue_spec(queue: Queue) -> dict[str, Any]:
-        return {"name": queue.name, "address": queue.address, "routing_type": int(queue.routing_type),
-                "filter": queue.filter.text if queue.filter is not None else None, "exclusive": queue.exclusive,
-                "last_value_key": queue.last_value_key, "max_consumers": queue.max_consumers,
-                "auto_created": queue.auto_created, "auto_delete": queue.auto_delete,
-                "expires_ms": queue.expires_ms}  # fmt: skip
+        return {
+            "name": queue.name,
+            "address": queue.address,
+            "routing_type": int(queue.routing_type),
+            "filter": queue.filter.text if queue.filter is not None else None,
+            "exclusive": queue.exclusive,
+            "last_value_key": queue.last_value_key,
+            "max_consumers": queue.max_consumers,
+            "auto_created": queue.auto_created,
+            "auto_delete": queue.auto_delete,
+            "expires_ms": queue.expires_ms,
+        }
 
     def take_dirty(self) -> list[Session]:
         """Sessions with output to write since the last call. The set is cleared in place, never
@@ -1980,21 +2196,40 @@ class Broker:
                 queue.dispatch(now_ms)
 
     # ------------------------------------------------------------------ operators (see operations.py)
-    def create_queue(self, name: str, address: str, routing: RoutingType, *, durable: bool, now_ms: int,
-                     filter_text: str | None, exclusive: bool, last_value_key: str | None,
-                     max_consumers: int) -> Queue:  # fmt: skip
+    def create_queue(
+        self,
+        name: str,
+        address: str,
+        routing: RoutingType,
+        *,
+        durable: bool,
+        now_ms: int,
+        filter_text: str | None,
+        exclusive: bool,
+        last_value_key: str | None,
+        max_consumers: int,
+    ) -> Queue:
         """An operator's queue (BrokerError when the name, address or filter is bad)."""
         self._validate(address, wildcards=True)
-        return self._create_queue(name, address, routing, durable=durable, now_ms=now_ms, filter_text=filter_text,
-                                  exclusive=exclusive, last_value_key=last_value_key,
-                                  max_consumers=max_consumers)  # fmt: skip
+        return self._create_queue(
+            name,
+            address,
+            routing,
+            durable=durable,
+            now_ms=now_ms,
+            filter_text=filter_text,
+            exclusive=exclusive,
+            last_value_key=last_value_key,
+            max_consumers=max_consumers,
+        )
 
     def delete_queue(self, queue: Queue, now_ms: int) -> None:
         """Delete ``queue`` with its messages; its consumers are told (CONSUMER_CLOSED not-found)."""
         self._delete_queue(queue, now_ms)
 
-    def take_messages(self, queue: Queue, predicate: Callable[[WireMessage], bool], limit: int, reason: str,
-                      now_ms: int) -> list[WireMessage]:  # fmt: skip
+    def take_messages(
+        self, queue: Queue, predicate: Callable[[WireMessage], bool], limit: int, reason: str, now_ms: int
+    ) -> list[WireMessage]:
         """Take up to ``limit`` (-1: all) queued messages matching ``predicate`` out of ``queue`` for good (an
         operator's purge or move): their journal records are acknowledged and each is audited as ``msg.acked``
         with ``reason``. In-flight and paged messages stay."""
@@ -2052,11 +2287,20 @@ class Broker:
     def _emit(self, now_ms: int, event: str, **fields: object) -> None:
         self.audit.emit(now_ms * 1000, event, fields)
 
-    def _emit_message(self, now_ms: int, event: str, message: WireMessage, queue: Queue | None,
-                      **fields: object) -> None:  # fmt: skip
+    def _emit_message(
+        self, now_ms: int, event: str, message: WireMessage, queue: Queue | None, **fields: object
+    ) -> None:
         origin = message[M_PROPS].get(ORIGIN_MESSAGE_ID)
         if origin is not None:
             fields["origin_message_id"] = origin
-        self.audit.emit_message(now_ms * 1000, event, queue.name if queue is not None else None, message[M_ADDRESS],
-                                f"{self._node_tag}-{message[M_ID]}", len(message[M_BODY]),
-                                message[M_PROTOCOL] or "link", message[M_TIMESTAMP] * 1000, fields)  # fmt: skip
+        self.audit.emit_message(
+            now_ms * 1000,
+            event,
+            queue.name if queue is not None else None,
+            message[M_ADDRESS],
+            f"{self._node_tag}-{message[M_ID]}",
+            len(message[M_BODY]),
+            message[M_PROTOCOL] or "link",
+            message[M_TIMESTAMP] * 1000,
+            fields,
+        )

@@ -30,8 +30,10 @@ def describe(record: Record) -> str:
     match record.type:
         case RecordType.MESSAGE:
             message, queues = p[0], p[1]  # compaction adds the delivery counts
-            return (f"message id={message[M_ID]} address={message[M_ADDRESS]} queues={','.join(queues)} "
-                    f"body={len(message[M_BODY])}B durable={message[M_DURABLE]}")  # fmt: skip
+            return (
+                f"message id={message[M_ID]} address={message[M_ADDRESS]} queues={','.join(queues)} "
+                f"body={len(message[M_BODY])}B durable={message[M_DURABLE]}"
+            )
         case RecordType.ACK:
             return f"ack queue={p[0]} id={p[1]}"
         case RecordType.ACKS:

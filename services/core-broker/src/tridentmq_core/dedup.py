@@ -92,8 +92,7 @@ class DuplicateIdCache:
         ``remember``); numbered ids as runs, ``<stream>:<first>-<last>``, with their stream's last arrival,
         after the others: a restart that keeps fewer keeps them."""
         window = self._window_ms
-        return [(dedup_id, deadline - window) for dedup_id, deadline in self._expiry.items()] + \
-            self._streams.entries()  # fmt: skip
+        return [(dedup_id, deadline - window) for dedup_id, deadline in self._expiry.items()] + self._streams.entries()
 
 
 def _is_number(text: str) -> bool:
@@ -249,8 +248,11 @@ class _Streams:
             self.runs -= half
 
     def entries(self) -> list[tuple[str, int]]:
-        return [(f"{stream}:{first}-{last}", numbers.arrived) for stream, numbers in self._streams.items()
-                for first, last in zip(numbers.firsts, numbers.lasts, strict=True)]  # fmt: skip
+        return [
+            (f"{stream}:{first}-{last}", numbers.arrived)
+            for stream, numbers in self._streams.items()
+            for first, last in zip(numbers.firsts, numbers.lasts, strict=True)
+        ]
 
 
 class TransferIds:

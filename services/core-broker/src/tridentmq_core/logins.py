@@ -55,8 +55,9 @@ class _Source:
 class LoginGuard:
     def __init__(self, settings: LoginSection) -> None:
         self.settings = settings
-        self._pool = ThreadPoolExecutor(max_workers=max(1, settings.verify_threads),
-                                        thread_name_prefix="password-check")  # fmt: skip
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(1, settings.verify_threads), thread_name_prefix="password-check"
+        )
         self._secret = os.urandom(32)  # this process's cache key: the cache means nothing outside it
         self._cache: OrderedDict[bytes, None] = OrderedDict()
         self._sources: dict[str, _Source] = {}
@@ -88,8 +89,9 @@ class LoginGuard:
             return True
         return False
 
-    async def verify(self, found: Credentials, user: str, password: str, source: str,
-                     client_host: str | None = None) -> bool:  # fmt: skip
+    async def verify(
+        self, found: Credentials, user: str, password: str, source: str, client_host: str | None = None
+    ) -> bool:
         """Check off the loop, one of at most ``max_pending_per_source`` of ``source``'s at a time; a failure
         returns False only after the address's current backoff delay."""
         state = self._source(source)
@@ -124,8 +126,9 @@ class LoginGuard:
         finally:
             state.pending -= 1
 
-    def _failure(self, state: _Source, source: str, user: str | None, refusal: str, client_host: str | None,
-                 now: float) -> float:  # fmt: skip
+    def _failure(
+        self, state: _Source, source: str, user: str | None, refusal: str, client_host: str | None, now: float
+    ) -> float:
         if now - state.last_failure > self._window:
             state.failures = 0
         state.failures += 1
@@ -134,9 +137,10 @@ class LoginGuard:
         # Keyed by the gateway's client too, when a gateway names it: each remote client is said once.
         key = source if client_host is None else f"{source} {client_host}"
         if self._failure_log.first(key, now):
-            log.warning("link refused (further failures from this address are counted until the window ends)",
-                        extra={"peer": source, "client_host": client_host, "user": user,
-                               "reason": refusal})  # fmt: skip
+            log.warning(
+                "link refused (further failures from this address are counted until the window ends)",
+                extra={"peer": source, "client_host": client_host, "user": user, "reason": refusal},
+            )
         return failure_delay(state.failures, self.settings)
 
     def _report(self, loop: asyncio.AbstractEventLoop, done: Future[bool], key: bytes) -> None:
@@ -173,9 +177,15 @@ class LoginGuard:
         """About once a second: report the windows that ended with failures counted, forget idle addresses."""
         for key, count in self._failure_log.ended(now):
             source, _, client_host = key.partition(" ")
-            log.warning("failed logins from one address in the last window",
-                        extra={"peer": source, "client_host": client_host or None, "failures": count + 1,
-                               "window_s": self._window})  # fmt: skip
+            log.warning(
+                "failed logins from one address in the last window",
+                extra={
+                    "peer": source,
+                    "client_host": client_host or None,
+                    "failures": count + 1,
+                    "window_s": self._window,
+                },
+            )
         self._forget_idle(now)
 
     def cache_size(self) -> int:

@@ -69,21 +69,36 @@ class MqttAdmin:
                 filters = sorted(str(f) for f in subs) if isinstance(subs, dict) else []
                 user = record.get("user")
                 lock = lock_queue(client) if client is not None else LOCK_PREFIX + name[len(SESSION_PREFIX) :]
-                queued = sum(len(q) for f in filters if client is not None
-                             and (q := self.broker.queues.get(subscription_queue(client, f))) is not None)  # fmt: skip
+                queued = sum(
+                    len(q)
+                    for f in filters
+                    if client is not None and (q := self.broker.queues.get(subscription_queue(client, f))) is not None
+                )
                 found[name[len(SESSION_PREFIX) :]] = {
-                    "client_id": client, "label": label, "persistent": True, "connected": self._connected(lock),
-                    "user": user if isinstance(user, str) else None, "subscriptions": filters, "queued": queued,
+                    "client_id": client,
+                    "label": label,
+                    "persistent": True,
+                    "connected": self._connected(lock),
+                    "user": user if isinstance(user, str) else None,
+                    "subscriptions": filters,
+                    "queued": queued,
                     "expires_ms": queue.expires_ms,
-                }  # fmt: skip
+                }
             elif name.startswith(LOCK_PREFIX):
                 key = name[len(LOCK_PREFIX) :]
                 if key in found or SESSION_PREFIX + key in self.broker.queues:
                     continue
                 label, client = _client_of(name, LOCK_PREFIX)
-                found[key] = {"client_id": client, "label": label, "persistent": False,
-                              "connected": self._connected(name), "user": None, "subscriptions": [], "queued": 0,
-                              "expires_ms": queue.expires_ms}  # fmt: skip
+                found[key] = {
+                    "client_id": client,
+                    "label": label,
+                    "persistent": False,
+                    "connected": self._connected(name),
+                    "user": None,
+                    "subscriptions": [],
+                    "queued": 0,
+                    "expires_ms": queue.expires_ms,
+                }
         return list(found.values())
 
     def delete_session(self, client_id: str, now_ms: int) -> dict[str, Any]:
@@ -100,8 +115,10 @@ class MqttAdmin:
             raise OperationError(404, f"no MQTT session of client {client_id!r} on this node")
         for queue in present:
             self.broker.delete_queue(queue, now_ms)
-        return {"deleted": 1 if session is not None or lock_queue(client_id) in {q.name for q in present} else 0,
-                "queues": len(present)}  # fmt: skip
+        return {
+            "deleted": 1 if session is not None or lock_queue(client_id) in {q.name for q in present} else 0,
+            "queues": len(present),
+        }
 
     def retained(self, prefix: str, limit: int, preview: int) -> dict[str, Any]:
         """The first ``limit`` retained messages by topic, of the topics starting with ``prefix``, in this node's
@@ -115,19 +132,28 @@ class MqttAdmin:
                     found.append((topic, message, count, state))
         found.sort(key=lambda item: item[0])
         tag = self.broker.node_id[:8]
-        items = [{"topic": topic, **message_view(message, tag, count, state, preview)}
-                 for topic, message, count, state in found[:limit]]  # fmt: skip
+        items = [
+            {"topic": topic, **message_view(message, tag, count, state, preview)}
+            for topic, message, count, state in found[:limit]
+        ]
         return {"total": len(found), "retained": items}
 
     def delete_retained(self, topic: str, now_ms: int) -> dict[str, Any]:
         """Clear ``topic``'s retained message as an MQTT client would, with an empty retained publish, which
         reaches every node's copy; done by each node whose copy holds it (the clears are alike)."""
         queue = self.broker.queues.get(retained_queue(self.broker.node_id))
-        held = queue is not None and any(m[M_PROPS].get(TOPIC_PROPERTY) == topic and m[M_BODY]
-                                         for m, _, _ in queue.browse_messages())  # fmt: skip
+        held = queue is not None and any(
+            m[M_PROPS].get(TOPIC_PROPERTY) == topic and m[M_BODY] for m, _, _ in queue.browse_messages()
+        )
         if not held:
             raise OperationError(404, f"no retained message on topic {topic!r} on this node")
-        clear = new_message(RETAINED_ADDRESS, b"", routing=RoutingType.MULTICAST, durable=True,
-                            properties={TOPIC_PROPERTY: topic}, protocol="mqtt")  # fmt: skip
+        clear = new_message(
+            RETAINED_ADDRESS,
+            b"",
+            routing=RoutingType.MULTICAST,
+            durable=True,
+            properties={TOPIC_PROPERTY: topic},
+            protocol="mqtt",
+        )
         self.broker.publish(clear, now_ms)
         return {"cleared": 1}

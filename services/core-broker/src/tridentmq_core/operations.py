@@ -57,12 +57,23 @@ DEFAULT_PREVIEW_BYTES: Final = 256
 _ORIGIN_PROPERTIES: Final = (ORIGINAL_ADDRESS, ORIGINAL_QUEUE, ORIGINAL_REASON)
 #: Address settings fields and the types their values must have (from the settings dataclass).
 _SETTING_TYPES: Final = {
-    "dead_letter_address": str, "expiry_address": str, "max_delivery_attempts": int, "redelivery_delay_ms": int,
-    "redelivery_multiplier": float, "max_redelivery_delay_ms": int, "auto_create_addresses": bool,
-    "auto_create_queues": bool, "auto_delete_queues": bool, "auto_delete_addresses": bool,
-    "auto_delete_addresses_delay_ms": int, "auto_create_dead_letter_resources": bool, "max_size_bytes": int,
-    "address_full_policy": str, "default_routing_type": str, "redistribution_delay_ms": int,
-}  # fmt: skip
+    "dead_letter_address": str,
+    "expiry_address": str,
+    "max_delivery_attempts": int,
+    "redelivery_delay_ms": int,
+    "redelivery_multiplier": float,
+    "max_redelivery_delay_ms": int,
+    "auto_create_addresses": bool,
+    "auto_create_queues": bool,
+    "auto_delete_queues": bool,
+    "auto_delete_addresses": bool,
+    "auto_delete_addresses_delay_ms": int,
+    "auto_create_dead_letter_resources": bool,
+    "max_size_bytes": int,
+    "address_full_policy": str,
+    "default_routing_type": str,
+    "redistribution_delay_ms": int,
+}
 
 
 class OperationError(Exception):
@@ -95,8 +106,13 @@ def _json_value(value: Any) -> Any:
     return value
 
 
-def message_view(message: WireMessage, node_tag: str, delivery_count: int, state: str, preview: int,
-                 ) -> dict[str, Any]:  # fmt: skip
+def message_view(
+    message: WireMessage,
+    node_tag: str,
+    delivery_count: int,
+    state: str,
+    preview: int,
+) -> dict[str, Any]:
     """A message as an operator sees it: its headers, properties and the first ``preview`` body bytes (as text
     when they are UTF-8, else base64)."""
     body = bytes(message[M_BODY])
@@ -153,9 +169,19 @@ class Operations:
         return queue
 
     # ------------------------------------------------------------------ queues
-    def create_queue(self, name: str, address: str, routing: RoutingType, *, durable: bool, filter_text: str | None,
-                     exclusive: bool, last_value_key: str | None, max_consumers: int, now_ms: int,
-                     ) -> dict[str, Any]:  # fmt: skip
+    def create_queue(
+        self,
+        name: str,
+        address: str,
+        routing: RoutingType,
+        *,
+        durable: bool,
+        filter_text: str | None,
+        exclusive: bool,
+        last_value_key: str | None,
+        max_consumers: int,
+        now_ms: int,
+    ) -> dict[str, Any]:
         broker = self.broker
         existing = broker.queues.get(name)
         if existing is not None:
@@ -171,9 +197,17 @@ class Operations:
             kinds = ", ".join(sorted(k.name.lower() for k in known.routing_types))
             raise OperationError(409, f"address {address!r} is {kinds}; it has no {routing.name.lower()} queues")
         try:
-            broker.create_queue(name, address, routing, durable=durable, now_ms=now_ms, filter_text=filter_text,
-                                exclusive=exclusive, last_value_key=last_value_key,
-                                max_consumers=max_consumers)  # fmt: skip
+            broker.create_queue(
+                name,
+                address,
+                routing,
+                durable=durable,
+                now_ms=now_ms,
+                filter_text=filter_text,
+                exclusive=exclusive,
+                last_value_key=last_value_key,
+                max_consumers=max_consumers,
+            )
         except BrokerError as exc:
             raise OperationError(400, exc.text) from None
         return {"created": 1}
@@ -209,8 +243,17 @@ class Operations:
             total += 1
         return {"total": total, "messages": page}
 
-    def move(self, name: str, target: str | None, *, selector: str | None, message_ids: list[int] | None,
-             limit: int, copy: bool, now_ms: int) -> dict[str, Any]:  # fmt: skip
+    def move(
+        self,
+        name: str,
+        target: str | None,
+        *,
+        selector: str | None,
+        message_ids: list[int] | None,
+        limit: int,
+        copy: bool,
+        now_ms: int,
+    ) -> dict[str, Any]:
         """Move (or copy) queued messages of ``name`` into the queue ``target``, or with ``target`` None each
         back to the queue it was dead-lettered or expired from (its ``_AMQ_ORIG_QUEUE``). A message whose
         target queue does not exist here stays where it is and is counted as ``skipped``."""
@@ -235,8 +278,9 @@ class Operations:
 
         skipped = 0
         if destination is None:
-            skipped = sum(1 for m in source.messages() if (ids is None or m[M_ID] in ids) and wanted(m)
-                          and where(m) is None)  # fmt: skip
+            skipped = sum(
+                1 for m in source.messages() if (ids is None or m[M_ID] in ids) and wanted(m) and where(m) is None
+            )
         if copy:
             picked = [m for m in source.messages() if chosen(m)]
             picked = picked if limit < 0 else picked[:limit]
@@ -343,5 +387,14 @@ def _copy_for(message: WireMessage, queue: Queue) -> WireMessage:
     return copy
 
 
-__all__ = ["DEFAULT_PREVIEW_BYTES", "MAX_BROWSE_LIMIT", "MAX_PREVIEW_BYTES", "OperationError",
-           "Operations", "check_selector", "client_matches", "message_view", "settings_entry"]  # fmt: skip
+__all__ = [
+    "DEFAULT_PREVIEW_BYTES",
+    "MAX_BROWSE_LIMIT",
+    "MAX_PREVIEW_BYTES",
+    "OperationError",
+    "Operations",
+    "check_selector",
+    "client_matches",
+    "message_view",
+    "settings_entry",
+]

@@ -83,9 +83,21 @@ class Consumer:
     dispatch path skips the consumer as it is) until FLOW returns bytes."""
 
     __slots__ = (
-        "auto_ack", "browse", "browse_iter", "byte_credit", "byte_window", "counts", "credit", "forwarder", "id",
-        "in_flight", "parked_credit", "queue", "selector", "session",
-    )  # fmt: skip
+        "auto_ack",
+        "browse",
+        "browse_iter",
+        "byte_credit",
+        "byte_window",
+        "counts",
+        "credit",
+        "forwarder",
+        "id",
+        "in_flight",
+        "parked_credit",
+        "queue",
+        "selector",
+        "session",
+    )
 
     def __init__(
         self,
@@ -180,7 +192,7 @@ class Queue:
         "paused",
         "routing_type",
         "temporary",
-    )  # fmt: skip
+    )
 
     def __init__(
         self,

@@ -215,8 +215,9 @@ def is_loopback(host: str | None) -> bool:
 
 
 class SecurityManager:
-    def __init__(self, users: Sequence[UserEntry], grants: Sequence[PermissionEntry], *,
-                 allow_anonymous_remote: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, users: Sequence[UserEntry], grants: Sequence[PermissionEntry], *, allow_anonymous_remote: bool = False
+    ) -> None:
         self._users = {u.name: u for u in users}
         self._grants = tuple(grants)
         self.allow_anonymous_remote = allow_anonymous_remote
@@ -229,15 +230,17 @@ class SecurityManager:
     def embedded_default(self) -> bool:
         return not self._users
 
-    def credentials(self, user: str | None, peer_host: str | None, client_host: str | None = None
-                    ) -> Principal | Credentials:  # fmt: skip
+    def credentials(
+        self, user: str | None, peer_host: str | None, client_host: str | None = None
+    ) -> Principal | Credentials:
         """A principal at once (the embedded default), or what the password must be checked against.
         ``peer_host`` is the link's peer; ``client_host`` the gateway's client the link serves, if any."""
         if self.embedded_default:
             remote = not is_loopback(peer_host) or (client_host is not None and not is_loopback(client_host))
             if remote and not self.allow_anonymous_remote:
-                raise AuthenticationError("no users are configured, so only clients on the broker's own host "
-                                          "(loopback) are accepted")  # fmt: skip
+                raise AuthenticationError(
+                    "no users are configured, so only clients on the broker's own host (loopback) are accepted"
+                )
             return Principal(user or "anonymous", frozenset(), unrestricted=True)
         entry = self._users.get(user or "")
         if entry is None:
@@ -253,8 +256,9 @@ class SecurityManager:
             raise AuthenticationError(f"no user {user!r} is configured")
         return Principal(entry.name, frozenset(entry.roles), unrestricted=False, _grants=self._grants)
 
-    def authenticate(self, user: str | None, password: str | None, peer_host: str | None,
-                     client_host: str | None = None) -> Principal:  # fmt: skip
+    def authenticate(
+        self, user: str | None, password: str | None, peer_host: str | None, client_host: str | None = None
+    ) -> Principal:
         """Everything in one call, the password check included (tests and tools; the node checks off-loop)."""
         found = self.credentials(user, peer_host, client_host)
         if isinstance(found, Principal):

@@ -166,10 +166,13 @@ class LinkProtocol(asyncio.Protocol):
         # A channel has no heartbeats of its own (its link's tell whether the peer lives), and frames that fit
         # in its link's with the CHANNEL operation around them.
         frame = node.link_frame_bytes - (CHANNEL_FRAME_MARGIN if carrier is not None else 0)
-        self.conn = LinkConnection(Role.SERVER, max_frame_size=frame,
-                                   heartbeat_ms=0 if carrier is not None else link.heartbeat_ms,
-                                   max_properties=MAX_PROPERTIES + 1,
-                                   handshake_frame_size=link.handshake_max_frame_bytes)  # fmt: skip
+        self.conn = LinkConnection(
+            Role.SERVER,
+            max_frame_size=frame,
+            heartbeat_ms=0 if carrier is not None else link.heartbeat_ms,
+            max_properties=MAX_PROPERTIES + 1,
+            handshake_frame_size=link.handshake_max_frame_bytes,
+        )
         self.channels: dict[int, LinkProtocol] = {}  # sessions multiplexed over this link, by channel id
         self._channel_bytes = 0  # channel output queued since this link was last written
         self.channel_transport: ChannelTransport | None = None  # when this is a channel
@@ -204,8 +207,10 @@ class LinkProtocol(asyncio.Protocol):
     def _refuse_connection(self, limit: str, text: str) -> None:
         """Refuse at once (cheap: a flood may be what filled the limit) and say so once per window."""
         if self.node.refusals.first(limit, time.monotonic()):
-            log.warning("connection refused: limit reached (further refusals counted once a minute)",
-                        extra={"limit": limit, "peer": self.peer})  # fmt: skip
+            log.warning(
+                "connection refused: limit reached (further refusals counted once a minute)",
+                extra={"limit": limit, "peer": self.peer},
+            )
         self.conn.close(ErrorCode.RESOURCE_LIMIT, text)
         self.write_pending()
         self.close_transport()
@@ -283,8 +288,10 @@ class LinkProtocol(asyncio.Protocol):
             if not isinstance(event, ev.HelloReceived):
                 continue
             if self.conn.closed:  # its CLOSE came with it: nobody waits for an answer, nor is one allowed
-                log.info("link closed by its peer during the handshake",
-                         extra={"peer": self.peer, "client": event.client_name})  # fmt: skip
+                log.info(
+                    "link closed by its peer during the handshake",
+                    extra={"peer": self.peer, "client": event.client_name},
+                )
                 self.close_transport()
                 return
             if not self.node.serving:
@@ -343,27 +350,40 @@ class LinkProtocol(asyncio.Protocol):
             try:
                 principal = node.act_for(principal, event.acting_for)
             except AuthenticationError as exc:
-                log.warning("link refused", extra={"peer": self.peer, "user": principal.name,
-                                                   "acting_for": event.acting_for, "reason": str(exc)})  # fmt: skip
+                log.warning(
+                    "link refused",
+                    extra={
+                        "peer": self.peer,
+                        "user": principal.name,
+                        "acting_for": event.acting_for,
+                        "reason": str(exc),
+                    },
+                )
                 self._refuse(ErrorCode.UNAUTHENTICATED, str(exc))
                 return
         link = node.settings.link
         window = link.publish_window
         if self.conn.version < BYTE_CREDIT_VERSION:  # no byte credit: the message window alone bounds bytes
             window = min(window, max(1, link.publish_window_bytes // node.settings.broker.max_message_bytes))
-        self.conn.accept(node.node_id, self.conn_id, window, time.monotonic(), node.identity.epoch,
-                         link.publish_window_bytes)  # fmt: skip
+        self.conn.accept(
+            node.node_id, self.conn_id, window, time.monotonic(), node.identity.epoch, link.publish_window_bytes
+        )
         node.handshaking.discard(self.conn_id)
-        self.session = node.broker.open_session(self.conn, self.conn_id, principal, self.peer, event.client_name,
-                                                _now_ms())  # fmt: skip
+        self.session = node.broker.open_session(
+            self.conn, self.conn_id, principal, self.peer, event.client_name, _now_ms()
+        )
         self.write_pending()
         if self.carrier is None:  # a gateway's sessions come by the thousand: their link is logged
-            log.info("link opened", extra={"conn": self.conn_id, "peer": self.peer, "client": event.client_name,
-                                           "user": principal.name})  # fmt: skip
+            log.info(
+                "link opened",
+                extra={"conn": self.conn_id, "peer": self.peer, "client": event.client_name, "user": principal.name},
+            )
 
     def fail(self, exc: LinkError) -> None:
-        log.warning("link closed on protocol error", extra={"conn": self.conn_id, "peer": self.peer,
-                                                             "code": exc.code, "reason": exc.text})  # fmt: skip
+        log.warning(
+            "link closed on protocol error",
+            extra={"conn": self.conn_id, "peer": self.peer, "code": exc.code, "reason": exc.text},
+        )
         self.write_pending()
         if exc.code == ErrorCode.HEARTBEAT_TIMEOUT and self.transport is not None:
             # A silent peer (dead, paused, cut off) never reads: a close would wait for the buffered output to
@@ -405,8 +425,9 @@ class LinkProtocol(asyncio.Protocol):
 class CoreNode:
     """A running core node: listener, broker, timers, management."""
 
-    def __init__(self, settings: CoreSettings, *, ports_file: Path | None = None,
-                 supervisor: Supervisor | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, settings: CoreSettings, *, ports_file: Path | None = None, supervisor: Supervisor | None = None
+    ) -> None:
         self.settings = settings
         # Its timers and callbacks run under the process's supervisor: one that fails ends readiness.
         self.supervisor = supervisor or current()
@@ -416,8 +437,9 @@ class CoreNode:
         self.ports_file = ports_file
         self.link_frame_bytes = link_frame_bytes(settings)
         if not MIN_HANDSHAKE_FRAME_SIZE <= settings.link.handshake_max_frame_bytes <= self.link_frame_bytes:
-            raise SettingsError(f"link.handshake_max_frame_bytes must be between {MIN_HANDSHAKE_FRAME_SIZE} and "
-                                "link.max_frame_bytes")  # fmt: skip
+            raise SettingsError(
+                f"link.handshake_max_frame_bytes must be between {MIN_HANDSHAKE_FRAME_SIZE} and link.max_frame_bytes"
+            )
         if settings.link.max_handshaking < 1:
             raise SettingsError("link.max_handshaking must be at least 1")
         if settings.link.publish_window_bytes <= 0:
@@ -431,8 +453,9 @@ class CoreNode:
             shared.mkdir(parents=True, exist_ok=True)
         self.identity = NodeIdentity(shared or data_dir)  # a shared-store pair has one identity
         self.node_id = self.identity.node_id
-        self.security = SecurityManager(settings.users, settings.permissions,
-                                        allow_anonymous_remote=settings.security.allow_anonymous_remote)  # fmt: skip
+        self.security = SecurityManager(
+            settings.users, settings.permissions, allow_anonymous_remote=settings.security.allow_anonymous_remote
+        )
         self.logins = LoginGuard(settings.login)
         self.audit: AuditSink = NullAuditSink()  # opened on activation, under the node id it serves as
         # Emptied at start: paged messages are journaled or volatile. Its I/O thread reports to the loop.
@@ -494,9 +517,11 @@ class CoreNode:
         other user against the configured users."""
         cluster = self.settings.cluster
         if self.clusters and user == cluster.user:
-            return Credentials(cluster.password,
-                               lambda: Principal(f"cluster:{user}", frozenset(), unrestricted=True, cluster=True),
-                               "wrong cluster credentials")  # fmt: skip
+            return Credentials(
+                cluster.password,
+                lambda: Principal(f"cluster:{user}", frozenset(), unrestricted=True, cluster=True),
+                "wrong cluster credentials",
+            )
         return self.security.credentials(user, peer, client_host)
 
     def act_for(self, principal: Principal, user: str) -> Principal:
@@ -505,8 +530,7 @@ class CoreNode:
         if self.security.embedded_default:
             return Principal(user, frozenset(), unrestricted=True)  # the gateway's link was already let in
         if principal.cluster or principal.name not in self.settings.link.proxy_users:
-            raise AuthenticationError(f"user {principal.name} may not open links for other users "
-                                      "(link.proxy_users)")  # fmt: skip
+            raise AuthenticationError(f"user {principal.name} may not open links for other users (link.proxy_users)")
         return self.security.principal_of(user)
 
     def _network_check(self) -> NetworkCheck | None:
@@ -551,9 +575,14 @@ class CoreNode:
         audit = self.settings.audit
         if audit.enabled:
             audit_dir = Path(audit.directory) if audit.directory else self.settings.node.data_dir / "audit"
-            self.audit = FileAuditSink(audit_dir, self.node_id, epoch=self.identity.epoch,
-                                       roll_bytes=audit.roll_bytes, roll_seconds=audit.roll_seconds,
-                                       heartbeat_seconds=audit.heartbeat_seconds)  # fmt: skip
+            self.audit = FileAuditSink(
+                audit_dir,
+                self.node_id,
+                epoch=self.identity.epoch,
+                roll_bytes=audit.roll_bytes,
+                roll_seconds=audit.roll_seconds,
+                heartbeat_seconds=audit.heartbeat_seconds,
+            )
             self.broker.audit = self.audit
 
     def _journal_dir(self) -> Path:
@@ -567,8 +596,11 @@ class CoreNode:
         if not journal_settings.enabled:
             log.warning("journal disabled: durable messages will not survive a restart")
             return
-        journal = Journal(self._journal_dir(), segment_bytes=journal_settings.segment_bytes,
-                          sync_delay_us=journal_settings.sync_delay_us)  # fmt: skip
+        journal = Journal(
+            self._journal_dir(),
+            segment_bytes=journal_settings.segment_bytes,
+            sync_delay_us=journal_settings.sync_delay_us,
+        )
         started = time.monotonic()
         records, report = journal.recover()
         state = replay(records, dedup_limit=self.settings.broker.dedup_max_entries)
@@ -577,21 +609,30 @@ class CoreNode:
             log.warning("journal tail cut off after a crash", extra={"detail": line})
         self.status.recovered = state.queue_counts()
         self.status.truncated = list(report.truncated)
-        log.info("journal recovered", extra={"segments": report.segments, "records": report.records,
-                                             "messages": state.live_messages(), "queues": len(state.queues),
-                                             "uncommitted_transactions_dropped": state.uncommitted,
-                                             "seconds": round(time.monotonic() - started, 3)})  # fmt: skip
+        log.info(
+            "journal recovered",
+            extra={
+                "segments": report.segments,
+                "records": report.records,
+                "messages": state.live_messages(),
+                "queues": len(state.queues),
+                "uncommitted_transactions_dropped": state.uncommitted,
+                "seconds": round(time.monotonic() - started, 3),
+            },
+        )
         store = JournalStore(
-            journal, self._call_in_loop,
+            journal,
+            self._call_in_loop,
             compact_min_segments=journal_settings.compact_min_segments,
             compact_live_ratio=journal_settings.compact_live_ratio,
-        )  # fmt: skip
+        )
         self.journal_store = store
         self.broker.store = store
         # A record never spans segments: refuse at publish a durable body the journal could not write.
         segment = journal_settings.segment_bytes
-        self.broker.max_durable_body = min(self.settings.broker.max_message_bytes,
-                                           segment - min(PUBLISH_HEADROOM, segment // 2))  # fmt: skip
+        self.broker.max_durable_body = min(
+            self.settings.broker.max_message_bytes, segment - min(PUBLISH_HEADROOM, segment // 2)
+        )
         store.attach(self.broker.on_durable)
         journal.start()
         self.journal = journal
@@ -616,25 +657,36 @@ class CoreNode:
         self.status.link_port = self._server.sockets[0].getsockname()[1]
         if self.settings.management.enabled:
             management = self.settings.management
-            control = NodeControl(flush=self.schedule_flush, close_link=self.close_link, failback=self._failback,
-                                  scale_down=self._request_scale_down, forget_node=self._forget_node,
-                                  tls_ca_file=self.settings.tls.ca_file,
-                                  https=management.tls)  # fmt: skip
+            control = NodeControl(
+                flush=self.schedule_flush,
+                close_link=self.close_link,
+                failback=self._failback,
+                scale_down=self._request_scale_down,
+                forget_node=self._forget_node,
+                tls_ca_file=self.settings.tls.ca_file,
+                https=management.tls,
+            )
             app = create_app(self.broker, self.status, self.rates, self.security, control)
             self._runner = http_runner(app, request_timeout_ms=management.request_timeout_ms)
             await self._runner.setup()
             management_tls = self.tls.context if self.tls is not None and management.tls else None
-            self.management_port = await serve(self._runner, management.host, management.port, tls=management_tls,
-                                               max_connections=management.max_connections,
-                                               listener="management")  # fmt: skip
+            self.management_port = await serve(
+                self._runner,
+                management.host,
+                management.port,
+                tls=management_tls,
+                max_connections=management.max_connections,
+                listener="management",
+            )
         self._timer = self.supervisor.spawn("tick", self._tick_forever)
         if self.network is not None:
             # One round before anything serves or takes over: until then the node does not know where it is.
             if await self.network.run_round() is Reachability.ISOLATED:
                 self.isolated = True
             network = self.network
-            self._network_task = self.supervisor.spawn("network check", lambda: self._check_network_forever(network),
-                                                       restart=True)  # fmt: skip
+            self._network_task = self.supervisor.spawn(
+                "network check", lambda: self._check_network_forever(network), restart=True
+            )
         if self.settings.ha.policy == REPLICATION and not self.is_backup:
             may, why = await primary_may_activate(self.settings, self.identity, self.server_id)
             if not may:
@@ -642,8 +694,14 @@ class CoreNode:
                 self.is_backup = True
         if self.settings.ha.policy == SHARED_STORE:
             # The lease numbers the activations; the identity's epoch (1 before any) is only a floor for it.
-            self.shared = SharedStore(self.settings, self.identity.data_dir, self.server_id, self.identity.epoch - 1,
-                                      self._activate_shared, self._fenced)  # fmt: skip
+            self.shared = SharedStore(
+                self.settings,
+                self.identity.data_dir,
+                self.server_id,
+                self.identity.epoch - 1,
+                self._activate_shared,
+                self._fenced,
+            )
             self.status.ha = self._ha_status
             self.shared.start()
             log.info(
@@ -651,13 +709,22 @@ class CoreNode:
                 extra={"server_id": self.server_id, "directory": str(self.shared.directory)},
             )
         elif self.is_backup:
-            self.backup = BackupRunner(self.settings, self.identity, self.server_id, self._journal_dir(),
-                                       self._advertise(), self._call_in_loop, self.activate,
-                                       lambda: self.isolated)  # fmt: skip
+            self.backup = BackupRunner(
+                self.settings,
+                self.identity,
+                self.server_id,
+                self._journal_dir(),
+                self._advertise(),
+                self._call_in_loop,
+                self.activate,
+                lambda: self.isolated,
+            )
             self.status.ha = self._ha_status
             self.backup.start()
-            log.info("backup started: looking for its primary", extra={"group": self.settings.ha.group_name,
-                                                                       "server_id": self.server_id})  # fmt: skip
+            log.info(
+                "backup started: looking for its primary",
+                extra={"group": self.settings.ha.group_name, "server_id": self.server_id},
+            )
         else:
             await self.activate()
         if self.ports_file is not None:
@@ -674,10 +741,17 @@ class CoreNode:
         self._open_audit()
         self._recover()
         if self.clusters:
-            self.cluster = ClusterManager(self.broker, self.settings, node_id=self.node_id,
-                                          name=self.settings.node.name, advertise=self._advertise(),
-                                          schedule_flush=self.schedule_flush, management_port=self.management_port,
-                                          epoch=self.identity.epoch, voter=self.voter)  # fmt: skip
+            self.cluster = ClusterManager(
+                self.broker,
+                self.settings,
+                node_id=self.node_id,
+                name=self.settings.node.name,
+                advertise=self._advertise(),
+                schedule_flush=self.schedule_flush,
+                management_port=self.management_port,
+                epoch=self.identity.epoch,
+                voter=self.voter,
+            )
             self.status.cluster = self.cluster.status
             self.cluster.on_fenced = self._fenced
             await self.cluster.start()
@@ -688,27 +762,52 @@ class CoreNode:
         if self.settings.ha.policy == REPLICATION and self.journal_store is not None:
             cluster_manager = self.cluster
             self.replication = ReplicationSource(
-                self.broker, self.journal_store, self.identity, self.server_id, self.settings, lambda: self.cluster,
-                cluster_manager.members_view if cluster_manager is not None else list, self._fenced,
-                self._hand_over, self.drop_link, self.abort_link, self._cut_off, self._serve_at)  # fmt: skip
+                self.broker,
+                self.journal_store,
+                self.identity,
+                self.server_id,
+                self.settings,
+                lambda: self.cluster,
+                cluster_manager.members_view if cluster_manager is not None else list,
+                self._fenced,
+                self._hand_over,
+                self.drop_link,
+                self.abort_link,
+                self._cut_off,
+                self._serve_at,
+            )
             self.status.ha = self._ha_status
             if self.cluster is not None:
                 self.cluster.backup = self.replication.in_sync_backup
         if self.settings.ha.policy == REPLICATION:
-            self.audit.emit(_now_ms() * 1000, "ha.activated", {"configured_role": self.settings.ha.role,
-                                                                "group": self.settings.ha.group_name})  # fmt: skip
+            self.audit.emit(
+                _now_ms() * 1000,
+                "ha.activated",
+                {"configured_role": self.settings.ha.role, "group": self.settings.ha.group_name},
+            )
         self.active = True
         self.status.ready = True
         if self.security.embedded_default and self.security.allow_anonymous_remote:
-            log.warning("NO USERS CONFIGURED and security.allow_anonymous_remote: every client, from any host, "
-                        "is accepted with any credentials and has every right")  # fmt: skip
+            log.warning(
+                "NO USERS CONFIGURED and security.allow_anonymous_remote: every client, from any host, "
+                "is accepted with any credentials and has every right"
+            )
         elif self.security.embedded_default:
-            log.warning("NO USERS CONFIGURED: clients on this host (loopback) are accepted with any credentials "
-                        "and every right; clients from other hosts, directly or through a gateway, are refused; "
-                        "configure [[users]] before exposing this node")  # fmt: skip
-        log.info("core node ready", extra={"node_id": self.node_id, "node_name": self.settings.node.name,
-                                           "epoch": self.identity.epoch, "link_port": self.status.link_port,
-                                           "management_port": self.management_port})  # fmt: skip
+            log.warning(
+                "NO USERS CONFIGURED: clients on this host (loopback) are accepted with any credentials "
+                "and every right; clients from other hosts, directly or through a gateway, are refused; "
+                "configure [[users]] before exposing this node"
+            )
+        log.info(
+            "core node ready",
+            extra={
+                "node_id": self.node_id,
+                "node_name": self.settings.node.name,
+                "epoch": self.identity.epoch,
+                "link_port": self.status.link_port,
+                "management_port": self.management_port,
+            },
+        )
 
     def _serve_at(self, epoch: int) -> None:
         """The pair moved to a new ``epoch`` (recorded already): stamp it on what this node says from now on."""
@@ -735,8 +834,14 @@ class CoreNode:
             reported, known = await cluster.join(wait, ignore=(primary,) if primary else ())
         finally:
             self.joining = False
-        log.info("joined the cluster", extra={"nodes_reported": reported, "nodes_known": known,
-                                              "waited_ms": round((time.monotonic() - started) * 1000)})  # fmt: skip
+        log.info(
+            "joined the cluster",
+            extra={
+                "nodes_reported": reported,
+                "nodes_known": known,
+                "waited_ms": round((time.monotonic() - started) * 1000),
+            },
+        )
 
     async def _activate_shared(self, epoch: int) -> None:
         """This node won the shared-store lease at ``epoch``: take the journal over into this epoch's directory
@@ -745,8 +850,9 @@ class CoreNode:
         assert shared is not None
         self.identity = NodeIdentity(shared.directory)  # the other half may have created it
         self.identity.set_epoch(epoch)
-        self._shared_journal = await asyncio.to_thread(journal_for_epoch, shared.directory, epoch,
-                                                       self.settings.journal.segment_bytes)  # fmt: skip
+        self._shared_journal = await asyncio.to_thread(
+            journal_for_epoch, shared.directory, epoch, self.settings.journal.segment_bytes
+        )
         await self.activate()
         store = self.journal_store
         if store is not None:
@@ -794,8 +900,9 @@ class CoreNode:
     def _advertise(self) -> tuple[str, int]:
         """The link endpoint other nodes and gateways reach this node at."""
         link = self.settings.link
-        host = self.settings.cluster.advertise_host or \
-            (link.host if link.host not in ("0.0.0.0", "::", "") else "127.0.0.1")  # fmt: skip
+        host = self.settings.cluster.advertise_host or (
+            link.host if link.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        )
         return host, self.status.link_port
 
     def _on_ha(self, session: Session, event: ev.Event) -> Any:
@@ -813,8 +920,13 @@ class CoreNode:
         ha = self.settings.ha
         # "active" is the truth a client can use: a copy that is cut off (it may have been replaced) or isolated
         # serves nobody, and says why in "state".
-        view: dict[str, Any] = {"group": ha.group_name, "configured_role": ha.role, "active": self.serving,
-                                "epoch": self.identity.epoch, "server_id": self.server_id}  # fmt: skip
+        view: dict[str, Any] = {
+            "group": ha.group_name,
+            "configured_role": ha.role,
+            "active": self.serving,
+            "epoch": self.identity.epoch,
+            "server_id": self.server_id,
+        }
         if self.active and not self.serving:
             view["state"] = self.not_serving_reason()
         if self.backup is not None and not self.active:
@@ -861,8 +973,11 @@ class CoreNode:
 
     def _fenced(self, reason: str) -> None:
         """Another copy of this pair took over: stop at once, before confirming anything more."""
-        log.critical("fenced: another copy of this pair is active; stopping (restart this node to make it a "
-                     "backup of the active one)", extra={"reason": reason, "epoch": self.identity.epoch})  # fmt: skip
+        log.critical(
+            "fenced: another copy of this pair is active; stopping (restart this node to make it a "
+            "backup of the active one)",
+            extra={"reason": reason, "epoch": self.identity.epoch},
+        )
         self.active = False
         for protocol in list(self.protocols.values()):
             protocol.close_transport()
@@ -919,8 +1034,11 @@ class CoreNode:
                 if protocol.session is None and protocol.opened < handshake_deadline:
                     # Counted, not logged one by one: a login storm leaves many waiting for their check.
                     if self.refusals.first("handshake-timeout", mono):
-                        log.warning("connection closed: handshake not completed within the timeout (further ones "
-                                    "counted once a minute)", extra={"peer": protocol.peer})  # fmt: skip
+                        log.warning(
+                            "connection closed: handshake not completed within the timeout (further ones "
+                            "counted once a minute)",
+                            extra={"peer": protocol.peer},
+                        )
                     if protocol._login is not None:  # its HELLO waits for a password check: ours to finish
                         protocol.conn.close(ErrorCode.RESOURCE_LIMIT, LOGIN_BUSY)
                     else:
@@ -942,8 +1060,10 @@ class CoreNode:
                 last_second = mono
                 self.logins.tick(mono)
                 for limit, count in self.refusals.ended(mono):
-                    log.warning("connections refused or closed at a limit in the last minute",
-                                extra={"limit": limit, "refused": count})  # fmt: skip
+                    log.warning(
+                        "connections refused or closed at a limit in the last minute",
+                        extra={"limit": limit, "refused": count},
+                    )
                 self._check_disk()
                 self.audit.tick(time.time_ns() // 1000)
                 self.rates.sample(self.broker, mono)

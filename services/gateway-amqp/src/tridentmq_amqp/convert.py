@@ -18,9 +18,13 @@ from tridentmq_shared.message import ROUTING_DEFAULT, TEMPORARY_ADDRESS_PREFIX, 
 ANYCAST: Final = int(RoutingType.ANYCAST)
 MULTICAST: Final = int(RoutingType.MULTICAST)
 PREFIXES: Final = (
-    ("queue://", ANYCAST), ("topic://", MULTICAST), ("anycast://", ANYCAST), ("multicast://", MULTICAST),
-    ("/queue/", ANYCAST), ("/topic/", MULTICAST),
-)  # fmt: skip
+    ("queue://", ANYCAST),
+    ("topic://", MULTICAST),
+    ("anycast://", ANYCAST),
+    ("multicast://", MULTICAST),
+    ("/queue/", ANYCAST),
+    ("/topic/", MULTICAST),
+)
 CAPABILITIES: Final = {"queue": ANYCAST, "topic": MULTICAST}
 FQQN_SEPARATOR: Final = "::"
 

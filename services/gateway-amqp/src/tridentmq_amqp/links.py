@@ -25,8 +25,12 @@ DECLARED: Final = 0x33
 TRANSACTIONAL_STATE: Final = 0x34
 
 #: Outcomes inside a transactional state, when a client names them by symbol rather than by code.
-OUTCOME_CODES: Final = {"amqp:accepted:list": 0x24, "amqp:rejected:list": 0x25, "amqp:released:list": 0x26,
-                        "amqp:modified:list": 0x27}  # fmt: skip
+OUTCOME_CODES: Final = {
+    "amqp:accepted:list": 0x24,
+    "amqp:rejected:list": 0x25,
+    "amqp:released:list": 0x26,
+    "amqp:modified:list": 0x27,
+}
 
 
 @dataclass(eq=False)

@@ -185,8 +185,9 @@ def _application_properties(value: dict[Any, Any], props: dict[str, Any]) -> Non
         if not isinstance(key, str):
             raise MessageFormatError("application property names must be strings", INVALID_FIELD)
         if key.startswith(ENCODING_PREFIX):  # the gateway's own: a client must not forge what others receive
-            raise MessageFormatError(f"application property names may not start with {ENCODING_PREFIX!r}",
-                                     INVALID_FIELD)  # fmt: skip
+            raise MessageFormatError(
+                f"application property names may not start with {ENCODING_PREFIX!r}", INVALID_FIELD
+            )
         t = type(v)
         if t not in _IDENTITY:
             convert = _SIMPLE.get(t)
@@ -341,22 +342,55 @@ def _to_core(encoded: bytes, address: str | None, routing: int, now_ms: int) -> 
         problem = time_problem("absolute-expiry-time", expiration) or time_problem(DELIVERY_TIME, scheduled)
         raise MessageFormatError(str(problem), INVALID_FIELD)
     # The fields of new_message(...), built directly: this runs for every transfer.
-    return [0, address, routing, durable, priority, expiration, 0, group, None, None, props, body, content_type,
-            PROTOCOL, scheduled]  # fmt: skip
+    return [
+        0,
+        address,
+        routing,
+        durable,
+        priority,
+        expiration,
+        0,
+        group,
+        None,
+        None,
+        props,
+        body,
+        content_type,
+        PROTOCOL,
+        scheduled,
+    ]
 
 
 def _properties(value: list[Any]) -> tuple[dict[str, Any], int, str | None, str | None]:
     """(core properties, absolute expiry time, group id, content type) of a properties section's list."""
     value = value + [None] * (13 - len(value))
-    (message_id, user_id, to, subject, reply_to, correlation_id, content_type, content_encoding, expiry,
-     creation, group, group_sequence, reply_to_group) = value[:13]  # fmt: skip
+    (
+        message_id,
+        user_id,
+        to,
+        subject,
+        reply_to,
+        correlation_id,
+        content_type,
+        content_encoding,
+        expiry,
+        creation,
+        group,
+        group_sequence,
+        reply_to_group,
+    ) = value[:13]
     fields: dict[str, Any] = {}
     if message_id is not None:
         fields[MESSAGE_ID] = _identifier(message_id, "message-id")
     if user_id is not None:
         fields[USER_ID] = _optional(user_id, bytes, "user-id")
-    for name, v in ((TO, to), (SUBJECT, subject), (REPLY_TO, reply_to), (CONTENT_ENCODING, content_encoding),
-                    (REPLY_TO_GROUP_ID, reply_to_group)):  # fmt: skip
+    for name, v in (
+        (TO, to),
+        (SUBJECT, subject),
+        (REPLY_TO, reply_to),
+        (CONTENT_ENCODING, content_encoding),
+        (REPLY_TO_GROUP_ID, reply_to_group),
+    ):
         if v is not None:
             fields[name] = str(_optional(v, str, name))
     if correlation_id is not None:
@@ -368,16 +402,25 @@ def _properties(value: list[Any]) -> tuple[dict[str, Any], int, str | None, str 
     expiry = int(_optional(expiry, int, "absolute-expiry-time") or 0)
     group = _optional(group, str, "group-id")
     content_type = _optional(content_type, str, "content-type")
-    return (fields, max(expiry, 0), None if group is None else str(group),
-            None if content_type is None else str(content_type))  # fmt: skip
+    return (
+        fields,
+        max(expiry, 0),
+        None if group is None else str(group),
+        None if content_type is None else str(content_type),
+    )
 
 
 # ---------------------------------------------------------------- core → AMQP
 
 
 def _encode_header(durable: bool, priority: int, ttl: int, count: int) -> bytes:
-    fields: list[Any] = [True if durable else None, None if priority == DEFAULT_PRIORITY else UByte(priority),
-                         UInt(ttl) if ttl else None, None, UInt(count) if count else None]  # fmt: skip
+    fields: list[Any] = [
+        True if durable else None,
+        None if priority == DEFAULT_PRIORITY else UByte(priority),
+        UInt(ttl) if ttl else None,
+        None,
+        UInt(count) if count else None,
+    ]
     while fields and fields[-1] is None:
         fields.pop()  # trailing defaults are left out
     return b"\x00\x53\x70" + encode(fields) if fields else b""
@@ -459,24 +502,38 @@ def to_amqp(message: WireMessage, delivery_count: int, now_ms: int) -> bytes:
     if not props:
         return header + _data(body)  # the common case: a plain data message
     extra = _core_annotations(props)
-    annotations = props.get(ENC_MESSAGE_ANNOTATIONS, b"") if extra is None else _annotations(
-        props.get(ENC_MESSAGE_ANNOTATIONS), extra)  # fmt: skip
+    annotations = (
+        props.get(ENC_MESSAGE_ANNOTATIONS, b"")
+        if extra is None
+        else _annotations(props.get(ENC_MESSAGE_ANNOTATIONS), extra)
+    )
     kind = props.get(ENC_BODY)
     if kind is None:
         sections = _data(body)
     elif kind == BODY_ENCODED:
         sections = body
     elif kind == BODY_STRING:
-        sections = _VALUE + (b"\xa1" + len(body).to_bytes(1, "big") if len(body) < 256 else b"\xb1" + _U32.pack(
-            len(body))) + body  # fmt: skip
+        sections = (
+            _VALUE
+            + (b"\xa1" + len(body).to_bytes(1, "big") if len(body) < 256 else b"\xb1" + _U32.pack(len(body)))
+            + body
+        )
     elif kind == BODY_BINARY:
         sections = _VALUE + encode(body)
     elif kind == BODY_NONE:
         sections = b""
     else:
         sections = _data(body)
-    return b"".join((header, annotations, props.get(ENC_PROPERTIES, b""), props.get(ENC_APPLICATION_PROPERTIES, b""),
-                     sections, props.get(ENC_FOOTER, b"")))  # fmt: skip
+    return b"".join(
+        (
+            header,
+            annotations,
+            props.get(ENC_PROPERTIES, b""),
+            props.get(ENC_APPLICATION_PROPERTIES, b""),
+            sections,
+            props.get(ENC_FOOTER, b""),
+        )
+    )
 
 
 def _foreign(message: WireMessage, props: dict[str, Any], body: bytes) -> bytes:
@@ -511,10 +568,19 @@ def _foreign(message: WireMessage, props: dict[str, Any], body: bytes) -> bytes:
     content_type = message[M_CONTENT_TYPE]
     expiration = message[M_EXPIRATION]
     timestamp = message[M_TIMESTAMP]
-    fields = [ULong(message[M_ID]), None, message[M_ADDRESS], subject, reply_to, correlation,
-              None if content_type is None else Symbol(content_type), None,
-              Timestamp(expiration) if expiration else None, Timestamp(timestamp) if timestamp else None,
-              message[M_GROUP]]  # fmt: skip
+    fields = [
+        ULong(message[M_ID]),
+        None,
+        message[M_ADDRESS],
+        subject,
+        reply_to,
+        correlation,
+        None if content_type is None else Symbol(content_type),
+        None,
+        Timestamp(expiration) if expiration else None,
+        Timestamp(timestamp) if timestamp else None,
+        message[M_GROUP],
+    ]
     while fields[-1] is None:
         fields.pop()
     properties = b"\x00\x53\x73" + encode(fields)

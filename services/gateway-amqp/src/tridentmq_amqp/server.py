@@ -23,18 +23,30 @@ class AmqpGateway:
         self.core_links = CoreLinks.of(settings.core, name=settings.node.name, tls=settings.tls)
         listener, limits, http = settings.listener, settings.amqp, settings.http
         config = ShellConfig(
-            protocol="amqp", host=listener.host, port=listener.port, websocket_port=listener.websocket_port,
-            max_connections=listener.max_connections, max_logging_in=listener.max_logging_in,
-            subprotocols=SUBPROTOCOLS, subprotocol_required=True,
+            protocol="amqp",
+            host=listener.host,
+            port=listener.port,
+            websocket_port=listener.websocket_port,
+            max_connections=listener.max_connections,
+            max_logging_in=listener.max_logging_in,
+            subprotocols=SUBPROTOCOLS,
+            subprotocol_required=True,
             max_websocket_message=max(limits.max_frame_bytes, limits.max_message_bytes) + 1024,
-            binary_frames=True, http_enabled=http.enabled, http_host=http.host, http_port=http.port,
+            binary_frames=True,
+            http_enabled=http.enabled,
+            http_host=http.host,
+            http_port=http.port,
             tls=listener_tls(settings.tls, listener.tls_port, listener.websocket_tls_port, http_tls=http.tls),
-            tls_port=listener.tls_port, websocket_tls_port=listener.websocket_tls_port, http_tls=http.tls,
+            tls_port=listener.tls_port,
+            websocket_tls_port=listener.websocket_tls_port,
+            http_tls=http.tls,
             http_allowed_hosts=tuple(http.allowed_hosts),
-            http_request_timeout_ms=http.request_timeout_ms, http_max_connections=http.max_connections,
-        )  # fmt: skip
-        self.shell = GatewayShell(config, self._open_session, self._metrics, self.core_links.reachable,
-                                  ports_file=ports_file)  # fmt: skip
+            http_request_timeout_ms=http.request_timeout_ms,
+            http_max_connections=http.max_connections,
+        )
+        self.shell = GatewayShell(
+            config, self._open_session, self._metrics, self.core_links.reachable, ports_file=ports_file
+        )
 
     @property
     def ports(self) -> dict[str, int]:
@@ -58,14 +70,13 @@ class AmqpGateway:
         return [
             Metric("amqp_connections", "gauge", "Open AMQP connections.", len(self.shell.sessions)),
             Metric("amqp_connections_total", "counter", "AMQP connections accepted.", c.connections_total),
-            Metric("amqp_connections_refused_total", "counter", "Connections refused by SASL or the core.",
-                   c.refused),
+            Metric("amqp_connections_refused_total", "counter", "Connections refused by SASL or the core.", c.refused),
             Metric("amqp_messages_published_total", "counter", "Transfers passed to the core.", c.messages_published),
-            Metric("amqp_messages_delivered_total", "counter", "Transfers sent to clients.",
-                   c.messages_delivered),
-            Metric("amqp_protocol_errors_total", "counter", "Connections closed for a protocol error.",
-                   c.protocol_errors),
-        ]  # fmt: skip
+            Metric("amqp_messages_delivered_total", "counter", "Transfers sent to clients.", c.messages_delivered),
+            Metric(
+                "amqp_protocol_errors_total", "counter", "Connections closed for a protocol error.", c.protocol_errors
+            ),
+        ]
 
 
 def _shut_down(session: ClientSession) -> None:

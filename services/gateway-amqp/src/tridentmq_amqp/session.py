@@ -85,9 +85,14 @@ SHARED_VOLATILE_EXPIRY_MS: Final = 1000
 #: How long a client may take to answer the gateway's CLOSE before its socket is closed anyway.
 CLOSE_GRACE_S: Final = 2.0
 #: AMQP conditions for the core's refusals.
-_CONDITIONS: Final = {ErrorCode.FORBIDDEN: UNAUTHORIZED, ErrorCode.NOT_FOUND: NOT_FOUND,
-                      ErrorCode.INVALID: INVALID_FIELD, ErrorCode.RESOURCE_LIMIT: RESOURCE_LIMIT,
-                      ErrorCode.UNAUTHENTICATED: UNAUTHORIZED, ErrorCode.EXISTS: RESOURCE_LOCKED}  # fmt: skip
+_CONDITIONS: Final = {
+    ErrorCode.FORBIDDEN: UNAUTHORIZED,
+    ErrorCode.NOT_FOUND: NOT_FOUND,
+    ErrorCode.INVALID: INVALID_FIELD,
+    ErrorCode.RESOURCE_LIMIT: RESOURCE_LIMIT,
+    ErrorCode.UNAUTHENTICATED: UNAUTHORIZED,
+    ErrorCode.EXISTS: RESOURCE_LOCKED,
+}
 
 _PN_DELIVERY: Final = lib.PN_DELIVERY
 _PN_LINK_FLOW: Final = lib.PN_LINK_FLOW
@@ -294,20 +299,22 @@ class AmqpSession:
         if engine is None:
             limits = self.settings.amqp
             engine = self.engine = Engine(
-                container_id=self.settings.node.name, max_frame_bytes=limits.max_frame_bytes,
-                channel_max=limits.channel_max, idle_timeout_ms=limits.idle_timeout_ms,
+                container_id=self.settings.node.name,
+                max_frame_bytes=limits.max_frame_bytes,
+                channel_max=limits.channel_max,
+                idle_timeout_ms=limits.idle_timeout_ms,
                 offered_capabilities=OFFERED_CAPABILITIES,
-            )  # fmt: skip
+            )
             self._rearm.set()
             if self.link is None:  # no SASL layer: an anonymous connection, tried once
                 error = await self._connect(None, None)
                 if error is not None:
                     self.counters.refused += 1
-                    log.info("amqp anonymous connection refused", extra={"peer": self.wire.peer,
-                                                                         "reason": error.text})  # fmt: skip
+                    log.info("amqp anonymous connection refused", extra={"peer": self.wire.peer, "reason": error.text})
                     engine.receive_data(data)
-                    self._refuse_open(UNAUTHORIZED if error.code == ErrorCode.UNAUTHENTICATED else INTERNAL_ERROR,
-                                      error.text)  # fmt: skip
+                    self._refuse_open(
+                        UNAUTHORIZED if error.code == ErrorCode.UNAUTHENTICATED else INTERNAL_ERROR, error.text
+                    )
                     return
         elif self.link is None:  # refused: the client's bytes go to proton only to see its CLOSE
             engine.receive_data(data)
@@ -397,8 +404,10 @@ class AmqpSession:
                 log.debug("amqp connection aborted", extra={"peer": self.wire.peer})
             elif error is not None:
                 self.counters.protocol_errors += 1
-                log.info("amqp connection error", extra={"peer": self.wire.peer, "condition": error[0],
-                                                         "error": error[1][:200]})  # fmt: skip
+                log.info(
+                    "amqp connection error",
+                    extra={"peer": self.wire.peer, "condition": error[0], "error": error[1][:200]},
+                )
         elif kind == lib.PN_TRANSPORT_TAIL_CLOSED:
             assert self.engine is not None
             remote_closed = self.engine.connection.state & Endpoint.REMOTE_CLOSED
@@ -447,8 +456,9 @@ class AmqpSession:
 
     def _refuse_link(self, link: Link, condition: str, description: str) -> None:
         """Attach with a null terminus and detach at once with the reason (AMQP 1.0 2.6.3)."""
-        log.info("amqp link refused", extra={"peer": self.wire.peer, "condition": condition,
-                                             "error": description[:200]})  # fmt: skip
+        log.info(
+            "amqp link refused", extra={"peer": self.wire.peer, "condition": condition, "error": description[:200]}
+        )
         link.condition = Condition(condition, description)
         link.source.type = link.target.type = Terminus.UNSPECIFIED  # encoded as null
         link.open()
@@ -505,8 +515,9 @@ class AmqpSession:
         capabilities = terminus_symbols(remote.capabilities)
         shared = "shared" in capabilities and routing == convert.MULTICAST and node.queue is None
         if shared:  # JMS 2.0 shared subscriptions: every link of that name, on any connection, shares one queue
-            queue = convert.shared_subscription_queue(self.container_id, link.name, shared_globally="global" in
-                                                      capabilities)  # fmt: skip
+            queue = convert.shared_subscription_queue(
+                self.container_id, link.name, shared_globally="global" in capabilities
+            )
             await self._shared_queue(queue, node.address, durable=durable, selector=selector)
         elif node.queue is None and routing == convert.MULTICAST:
             if durable:
@@ -519,10 +530,13 @@ class AmqpSession:
         browse = remote.distribution_mode == Terminus.DIST_MODE_COPY and routing != convert.MULTICAST
         presettled = browse or link.remote_snd_settle_mode == Link.SND_SETTLED
         consumer = await self.link.subscribe(
-            queue, credit=limits.prefetch, selector=None if (durable or temporary) and routing == convert.MULTICAST
-            else selector, credit_on_settle=not presettled, browse=browse,
+            queue,
+            credit=limits.prefetch,
+            selector=None if (durable or temporary) and routing == convert.MULTICAST else selector,
+            credit_on_settle=not presettled,
+            browse=browse,
             credit_bytes=self.settings.core.consumer_window_bytes,
-        )  # fmt: skip
+        )
         link.source.copy(remote)
         if remote.dynamic:
             link.source.address = node.address
@@ -533,12 +547,21 @@ class AmqpSession:
         link.snd_settle_mode = Link.SND_SETTLED if presettled else Link.SND_UNSETTLED
         link.open()
         subscription = routing == convert.MULTICAST and node.queue is None
-        outbound = Outbound(pn_link := link._impl, consumer, presettled, browse, queue,
-                            durable=subscription and durable, temporary=temporary, shared=shared,
-                            address=node.address)  # fmt: skip
+        outbound = Outbound(
+            pn_link := link._impl,
+            consumer,
+            presettled,
+            browse,
+            queue,
+            durable=subscription and durable,
+            temporary=temporary,
+            shared=shared,
+            address=node.address,
+        )
         self.outbound[pn_link] = outbound
-        outbound.pump = end_on_failure(asyncio.get_running_loop().create_task(self._pump(outbound), name="amqp pump"),
-                                       self._end, self.wire.peer)  # fmt: skip
+        outbound.pump = end_on_failure(
+            asyncio.get_running_loop().create_task(self._pump(outbound), name="amqp pump"), self._end, self.wire.peer
+        )
 
     async def _subscription_queue(self, queue: str, address: str, *, durable: bool, selector: str | None) -> None:
         """A subscription queue on a multicast address. A durable one that exists is kept unless its address or
@@ -548,8 +571,9 @@ class AmqpSession:
         if selector:
             options["filter"] = selector
         try:
-            found = await self.link.create_queue(queue, address, routing_type=RoutingType.MULTICAST, durable=durable,
-                                                 **options)  # fmt: skip
+            found = await self.link.create_queue(
+                queue, address, routing_type=RoutingType.MULTICAST, durable=durable, **options
+            )
         except LinkRequestError as exc:
             if not durable or exc.code != ErrorCode.EXISTS:
                 raise
@@ -566,8 +590,9 @@ class AmqpSession:
         options: dict[str, Any] = {} if durable else {"expires_ms": SHARED_VOLATILE_EXPIRY_MS}
         if selector:
             options["filter"] = selector
-        found = await self.link.create_queue(queue, address, routing_type=RoutingType.MULTICAST, durable=durable,
-                                             **options)  # fmt: skip
+        found = await self.link.create_queue(
+            queue, address, routing_type=RoutingType.MULTICAST, durable=durable, **options
+        )
         if found.get("created") or (found.get("filter") or None) == (selector or None):
             return
         if found.get("consumers"):
@@ -589,8 +614,10 @@ class AmqpSession:
                 try:  # the subscription ends for good
                     await self.link.delete_queue(outbound.queue)
                 except LinkRequestError as exc:
-                    log.info("amqp subscription kept", extra={"peer": self.wire.peer, "queue": outbound.queue,
-                                                              "reason": exc.text})  # fmt: skip
+                    log.info(
+                        "amqp subscription kept",
+                        extra={"peer": self.wire.peer, "queue": outbound.queue, "reason": exc.text},
+                    )
         if link.state & Endpoint.LOCAL_ACTIVE:
             if closed:
                 link.close()
@@ -602,13 +629,13 @@ class AmqpSession:
         while others consume from it, closing one link only takes that consumer away."""
         assert self.link is not None
         try:
-            found = await self.link.create_queue(outbound.queue, outbound.address,
-                                                 routing_type=RoutingType.MULTICAST)  # fmt: skip
+            found = await self.link.create_queue(outbound.queue, outbound.address, routing_type=RoutingType.MULTICAST)
             if not found.get("consumers"):
                 await self.link.delete_queue(outbound.queue)
         except LinkRequestError as exc:
-            log.info("amqp subscription kept", extra={"peer": self.wire.peer, "queue": outbound.queue,
-                                                      "reason": exc.text})  # fmt: skip
+            log.info(
+                "amqp subscription kept", extra={"peer": self.wire.peer, "queue": outbound.queue, "reason": exc.text}
+            )
 
     async def _stop(self, outbound: Outbound) -> None:
         if outbound.pump is not None:
@@ -617,8 +644,9 @@ class AmqpSession:
             await outbound.consumer.close()
 
     async def _end_links(self, *, session: Any) -> None:
-        for pn_link in [p for p in (*self.inbound, *self.outbound, *self.coordinators)
-                        if lib.pn_link_session(p) == session]:  # fmt: skip
+        for pn_link in [
+            p for p in (*self.inbound, *self.outbound, *self.coordinators) if lib.pn_link_session(p) == session
+        ]:
             await self._detach(pn_link, closed=False)
 
     # ------------------------------------------------------------------ messages from the client
@@ -842,8 +870,10 @@ class AmqpSession:
                 except (messages.MessageFormatError, TypeError, ValueError) as exc:
                     # Kept AMQP sections that do not hold together (a link client can write any property):
                     # no AMQP client can be given this message, so it goes to the dead letters.
-                    log.warning("amqp message undeliverable", extra={"peer": self.wire.peer, "id": message_id,
-                                                                     "error": str(exc)[:200]})  # fmt: skip
+                    log.warning(
+                        "amqp message undeliverable",
+                        extra={"peer": self.wire.peer, "id": message_id, "error": str(exc)[:200]},
+                    )
                     outbound.consumer.nack_ids([message_id], NackMode.REJECT)
                     continue
                 tag = message_id.to_bytes(8, "big")
@@ -924,8 +954,7 @@ class AmqpSession:
 
     def _close_link(self, pn_link: Any, condition: str, description: str) -> None:
         link = wrap_link(pn_link)
-        log.info("amqp link closed", extra={"peer": self.wire.peer, "condition": condition,
-                                            "error": description[:200]})  # fmt: skip
+        log.info("amqp link closed", extra={"peer": self.wire.peer, "condition": condition, "error": description[:200]})
         if link.state & Endpoint.LOCAL_ACTIVE:
             link.condition = Condition(condition, description)
             link.close()

@@ -13,26 +13,35 @@ ENV_PREFIX = "TRIDENTMQ_AMQP"
 
 @dataclass(frozen=True)
 class GatewayNodeSection:
-    name: str = doc("gateway-amqp", "Name of this gateway in logs and status output; also the container id "
-                                    "it announces in its OPEN frames.")  # fmt: skip
+    name: str = doc(
+        "gateway-amqp",
+        "Name of this gateway in logs and status output; also the container id it announces in its OPEN frames.",
+    )
     log_level: str = doc("INFO", "Log level: DEBUG, INFO, WARNING or ERROR.")
 
 
 @dataclass(frozen=True)
 class ListenerSection:
-    host: str = doc("127.0.0.1", "Interface for AMQP clients. While the core has no users it refuses "
-                                 "clients of other hosts (core security.allow_anonymous_remote).")  # fmt: skip
-    port: int = doc(5672, "AMQP 1.0 over TCP (0 = any free port, written to the ports file; -1 = off, for "
-                                   "clients over TLS only).")  # fmt: skip
+    host: str = doc(
+        "127.0.0.1",
+        "Interface for AMQP clients. While the core has no users it refuses "
+        "clients of other hosts (core security.allow_anonymous_remote).",
+    )
+    port: int = doc(
+        5672, "AMQP 1.0 over TCP (0 = any free port, written to the ports file; -1 = off, for clients over TLS only)."
+    )
     websocket_port: int = doc(5673, "AMQP 1.0 over WebSocket, subprotocol `amqp` (-1 = off).")
-    tls_port: int = doc(5671, "AMQP 1.0 over TLS, opened when `tls.cert_file` is set (-1 = off; 0 = any free "
-                               "port).")  # fmt: skip
-    websocket_tls_port: int = doc(5674, "AMQP 1.0 over WebSocket over TLS (wss), opened when `tls.cert_file` is set "
-                                       "(-1 = off).")  # fmt: skip
+    tls_port: int = doc(5671, "AMQP 1.0 over TLS, opened when `tls.cert_file` is set (-1 = off; 0 = any free port).")
+    websocket_tls_port: int = doc(
+        5674, "AMQP 1.0 over WebSocket over TLS (wss), opened when `tls.cert_file` is set (-1 = off)."
+    )
     max_connections: int = doc(10_000, "AMQP connections accepted at once; more are refused.")
-    max_logging_in: int = doc(1000, "Connections at once that have not logged in yet (each bounded by "
-                                    "`max_connect_bytes`); more are refused, the first refusal of each minute "
-                                    "logged.")  # fmt: skip
+    max_logging_in: int = doc(
+        1000,
+        "Connections at once that have not logged in yet (each bounded by "
+        "`max_connect_bytes`); more are refused, the first refusal of each minute "
+        "logged.",
+    )
 
 
 @dataclass(frozen=True)
@@ -42,39 +51,60 @@ class CoreLinkSection(CoreLinkSettings):
 
 @dataclass(frozen=True)
 class AmqpLimitsSection:
-    allow_anonymous: bool = doc(True, "Accept SASL ANONYMOUS and connections without a SASL layer; they reach "
-                                      "the core without credentials, which it allows only while it has no "
-                                      "users, and then only from clients on its host (unless its "
-                                      "security.allow_anonymous_remote).")  # fmt: skip
+    allow_anonymous: bool = doc(
+        True,
+        "Accept SASL ANONYMOUS and connections without a SASL layer; they reach "
+        "the core without credentials, which it allows only while it has no "
+        "users, and then only from clients on its host (unless its "
+        "security.allow_anonymous_remote).",
+    )
     max_frame_bytes: int = doc(1024 * 1024, "Largest AMQP frame accepted (the OPEN's max-frame-size).")
-    max_message_bytes: int = doc(8 * 1024 * 1024, "Largest message accepted on a link (announced as the link's "
-                                                  "max-message-size; a larger one closes the link with "
-                                                  "`amqp:link:message-size-exceeded`).")  # fmt: skip
-    max_incomplete_bytes: int = doc(32 * 1024 * 1024, "Bytes of messages still arriving in several frames that "
-                                                      "one connection may have at once; more closes it with "
-                                                      "`amqp:resource-limit-exceeded`.")  # fmt: skip
+    max_message_bytes: int = doc(
+        8 * 1024 * 1024,
+        "Largest message accepted on a link (announced as the link's "
+        "max-message-size; a larger one closes the link with "
+        "`amqp:link:message-size-exceeded`).",
+    )
+    max_incomplete_bytes: int = doc(
+        32 * 1024 * 1024,
+        "Bytes of messages still arriving in several frames that "
+        "one connection may have at once; more closes it with "
+        "`amqp:resource-limit-exceeded`.",
+    )
     channel_max: int = doc(255, "Most sessions on one connection.")
-    max_links: int = doc(1000, "Most links on one connection; another attach is refused with "
-                               "`amqp:resource-limit-exceeded`.")  # fmt: skip
-    link_credit: int = doc(1000, "Credit granted to a client's sending link, topped up at half the window "
-                                 "while the core keeps up.")  # fmt: skip
-    prefetch: int = doc(1000, "Messages of a consumer fetched from the core ahead of the client's credit and "
-                              "settlements.")  # fmt: skip
-    idle_timeout_ms: int = doc(30_000, "Idle timeout announced in OPEN: clients send a frame at least this "
-                                       "often, and one silent for twice as long is disconnected (0 = "
-                                       "none).")  # fmt: skip
-    session_window: int = doc(1024, "Transfer frames a session may receive ahead of the gateway (its incoming "
-                                    "window; at most 2 GiB worth of frames). Link credit is what bounds "
-                                    "messages.")  # fmt: skip
-    connect_timeout_ms: int = doc(10_000, "A connection that has not finished SASL and sent OPEN by then is "
-                                          "closed.")  # fmt: skip
-    pending_bytes: int = doc(8 * 1024 * 1024, "Client bytes read ahead of processing before the gateway stops "
-                                              "reading the socket.")  # fmt: skip
-    max_connect_bytes: int = doc(64 * 1024, "The same before the client has logged in (SASL, or the core's "
-                                            "acceptance of an anonymous connection): what a connection that has "
-                                            "not logged in can make the gateway hold. SASL frames are also "
-                                            "limited to 8 KiB, and what is pipelined behind a sasl-init to 64 "
-                                            "KiB.")  # fmt: skip
+    max_links: int = doc(
+        1000, "Most links on one connection; another attach is refused with `amqp:resource-limit-exceeded`."
+    )
+    link_credit: int = doc(
+        1000, "Credit granted to a client's sending link, topped up at half the window while the core keeps up."
+    )
+    prefetch: int = doc(
+        1000, "Messages of a consumer fetched from the core ahead of the client's credit and settlements."
+    )
+    idle_timeout_ms: int = doc(
+        30_000,
+        "Idle timeout announced in OPEN: clients send a frame at least this "
+        "often, and one silent for twice as long is disconnected (0 = "
+        "none).",
+    )
+    session_window: int = doc(
+        1024,
+        "Transfer frames a session may receive ahead of the gateway (its incoming "
+        "window; at most 2 GiB worth of frames). Link credit is what bounds "
+        "messages.",
+    )
+    connect_timeout_ms: int = doc(10_000, "A connection that has not finished SASL and sent OPEN by then is closed.")
+    pending_bytes: int = doc(
+        8 * 1024 * 1024, "Client bytes read ahead of processing before the gateway stops reading the socket."
+    )
+    max_connect_bytes: int = doc(
+        64 * 1024,
+        "The same before the client has logged in (SASL, or the core's "
+        "acceptance of an anonymous connection): what a connection that has "
+        "not logged in can make the gateway hold. SASL frames are also "
+        "limited to 8 KiB, and what is pipelined behind a sasl-init to 64 "
+        "KiB.",
+    )
 
 
 @dataclass(frozen=True)
@@ -83,14 +113,24 @@ class HttpSection:
     host: str = doc("127.0.0.1", "Interface of the HTTP server.")
     port: int = doc(8084, "Port of the HTTP server (0 = any free port).")
     tls: bool = doc(False, "Serve HTTPS instead of HTTP on that port (certificates in `[tls]`).")
-    allowed_hosts: list[str] = doc(list, "Host names requests may carry in their Host header besides loopback "
-                                         "names, the address they came in on and `http.host` (a check against "
-                                         "DNS rebinding); `*` allows any.", factory=True)  # fmt: skip
-    request_timeout_ms: int = doc(10_000, "A connection to the HTTP port or to the WebSocket listeners must send "
-                                          "a whole request head within this, and is closed after as long "
-                                          "idle.")  # fmt: skip
-    max_connections: int = doc(256, "HTTP connections open at once; more get 503 and are closed (logged once a "
-                                    "minute). The WebSocket listeners take `listener.max_connections`.")  # fmt: skip
+    allowed_hosts: list[str] = doc(
+        list,
+        "Host names requests may carry in their Host header besides loopback "
+        "names, the address they came in on and `http.host` (a check against "
+        "DNS rebinding); `*` allows any.",
+        factory=True,
+    )
+    request_timeout_ms: int = doc(
+        10_000,
+        "A connection to the HTTP port or to the WebSocket listeners must send "
+        "a whole request head within this, and is closed after as long "
+        "idle.",
+    )
+    max_connections: int = doc(
+        256,
+        "HTTP connections open at once; more get 503 and are closed (logged once a "
+        "minute). The WebSocket listeners take `listener.max_connections`.",
+    )
 
 
 @dataclass(frozen=True)
@@ -100,6 +140,9 @@ class AmqpSettings:
     core: CoreLinkSection = doc(CoreLinkSection(), "The core node behind this gateway.")
     amqp: AmqpLimitsSection = doc(AmqpLimitsSection(), "Protocol limits, windows and timers.")
     http: HttpSection = doc(HttpSection(), "Health and metrics HTTP server.")
-    tls: TlsSection = doc(TlsSection(), "Certificates of the TLS listeners (`listener.tls_port`, "
-                                        "`listener.websocket_tls_port`, `http.tls`) and of TLS links to the core "
-                                        "(`core.tls`).")  # fmt: skip
+    tls: TlsSection = doc(
+        TlsSection(),
+        "Certificates of the TLS listeners (`listener.tls_port`, "
+        "`listener.websocket_tls_port`, `http.tls`) and of TLS links to the core "
+        "(`core.tls`).",
+    )

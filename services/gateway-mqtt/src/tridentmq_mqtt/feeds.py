@@ -81,8 +81,13 @@ class Encodings:
 
     __slots__ = ("_by_kind", "_topics", "messages", "now_ms", "numbering")
 
-    def __init__(self, messages: list[WireMessage], now_ms: int, topics: dict[str, tuple[str, bytes] | None],
-                 numbering: Numbering = ("", 0)) -> None:  # fmt: skip
+    def __init__(
+        self,
+        messages: list[WireMessage],
+        now_ms: int,
+        topics: dict[str, tuple[str, bytes] | None],
+        numbering: Numbering = ("", 0),
+    ) -> None:
         self.messages = messages
         self.now_ms = now_ms
         self.numbering = numbering  # who numbered the messages
@@ -96,8 +101,9 @@ class Encodings:
             known = self._by_kind[kind] = Encoded([self._encode(m, *kind) for m in self.messages])
         return known
 
-    def _encode(self, message: WireMessage, version: int, retain_as_published: bool,
-                subscription_id: int | None) -> bytes:  # fmt: skip
+    def _encode(
+        self, message: WireMessage, version: int, retain_as_published: bool, subscription_id: int | None
+    ) -> bytes:
         topic = self._topic(message[M_ADDRESS])
         if topic is None:
             return b""
@@ -108,8 +114,10 @@ class Encodings:
                 return encode_plain_publish(topic[1], message[M_BODY], version, retain=retain)
             return encode(Publish(topic[0], message[M_BODY], 0, retain, properties=props), version)
         except LocalProtocolError as exc:  # a property no MQTT string can hold
-            log.warning("message not deliverable over MQTT", extra={"address": message[M_ADDRESS][:100],
-                                                                    "reason": str(exc)[:200]})  # fmt: skip
+            log.warning(
+                "message not deliverable over MQTT",
+                extra={"address": message[M_ADDRESS][:100], "reason": str(exc)[:200]},
+            )
             return b""
 
     def _topic(self, address: str) -> tuple[str, bytes] | None:
@@ -169,8 +177,9 @@ class Feeds:
     """The feeds of one gateway: made by the subscription that reaches ``threshold`` (0: never), dropped
     with their last member."""
 
-    def __init__(self, core: CoreLinkSection, gateway_name: str, window: int, threshold: int,
-                 on_delivered: Callable[[int], None]) -> None:  # fmt: skip
+    def __init__(
+        self, core: CoreLinkSection, gateway_name: str, window: int, threshold: int, on_delivered: Callable[[int], None]
+    ) -> None:
         self.core = core
         self.gateway_name = gateway_name
         self.window = window
@@ -299,12 +308,18 @@ class Feeds:
         queue = convert.fanout_queue(f"{self.gateway_name}.{self._process}.{next(self._made)}", topic_filter)
         created = False
         try:
-            await link.client.create_queue(queue, pattern, routing_type=RoutingType.MULTICAST, durable=False,
-                                           temporary=True)  # fmt: skip
+            await link.client.create_queue(
+                queue, pattern, routing_type=RoutingType.MULTICAST, durable=False, temporary=True
+            )
             created = True
-            consumer = await link.client.subscribe(queue, credit=self.window, auto_ack=True, address=pattern,
-                                                   routing_type=int(RoutingType.MULTICAST),
-                                                   credit_bytes=self.core.consumer_window_bytes)  # fmt: skip
+            consumer = await link.client.subscribe(
+                queue,
+                credit=self.window,
+                auto_ack=True,
+                address=pattern,
+                routing_type=int(RoutingType.MULTICAST),
+                credit_bytes=self.core.consumer_window_bytes,
+            )
         except BaseException:  # refused (or the gateway stopping)
             link.opening -= 1
             if not link.feeds and not link.opening:
@@ -340,8 +355,12 @@ class Feeds:
             task.exception()
 
     async def _connect(self, user: str | None, password: str | None) -> _UserLink:
-        client = CoreLinks.of(self.core).client(user=user, password=password, heartbeat_ms=self.core.heartbeat_ms,
-                                                client_name=f"mqtt fan-out {self.gateway_name}")  # fmt: skip
+        client = CoreLinks.of(self.core).client(
+            user=user,
+            password=password,
+            heartbeat_ms=self.core.heartbeat_ms,
+            client_name=f"mqtt fan-out {self.gateway_name}",
+        )
         try:
             await client.connect()
         except BaseException:
@@ -431,8 +450,11 @@ class Feeds:
             dollar_safe = feed.dollar_safe
             # What no subscriber of this filter may get, decided once: expired messages, and ``$`` topics for a
             # filter that starts with a wildcard.
-            messages = [m for _, m in batch if not ((m[M_EXPIRATION] and m[M_EXPIRATION] <= now_ms)
-                                                    or (dollar_safe and m[M_ADDRESS][:1] == "$"))]  # fmt: skip
+            messages = [
+                m
+                for _, m in batch
+                if not ((m[M_EXPIRATION] and m[M_EXPIRATION] <= now_ms) or (dollar_safe and m[M_ADDRESS][:1] == "$"))
+            ]
             if not messages:
                 continue
             encodings = Encodings(messages, now_ms, feed.topics, numbering(feed.link.client))

@@ -45,8 +45,9 @@ _MULTICAST: Final = int(RoutingType.MULTICAST)
 _PLAIN: Final = frozenset({QOS, CLIENT})  # the properties every MQTT message has
 
 
-def to_message(address: str, payload: bytes, qos: int, properties: Properties, client_id: str, now_ms: int, *,
-               retain: bool = False) -> WireMessage:  # fmt: skip
+def to_message(
+    address: str, payload: bytes, qos: int, properties: Properties, client_id: str, now_ms: int, *, retain: bool = False
+) -> WireMessage:
     """The core message of a PUBLISH (or will) to the topic at ``address``."""
     props: dict[str, str | int | bytes | bool | float | None] = {QOS: qos, CLIENT: client_id}
     if retain:
@@ -70,8 +71,23 @@ def to_message(address: str, payload: bytes, qos: int, properties: Properties, c
                 props.update(user)
     # The fields of new_message(address, payload, routing=MULTICAST, durable=qos > 0, expiration_ms=expiration,
     # properties=props, content_type=..., protocol=PROTOCOL), built directly: this runs for every PUBLISH.
-    return [0, address, _MULTICAST, qos > 0, DEFAULT_PRIORITY, expiration, 0, None, None, None, props, payload,
-            properties.content_type, PROTOCOL, 0]  # fmt: skip
+    return [
+        0,
+        address,
+        _MULTICAST,
+        qos > 0,
+        DEFAULT_PRIORITY,
+        expiration,
+        0,
+        None,
+        None,
+        None,
+        props,
+        payload,
+        properties.content_type,
+        PROTOCOL,
+        0,
+    ]
 
 
 def published_qos(message: WireMessage) -> int:
@@ -92,22 +108,28 @@ def publish_properties(message: WireMessage, now_ms: int, subscription_id: int |
     props = message[M_PROPS]
     expiration = message[M_EXPIRATION]
     content_type = message[M_CONTENT_TYPE]
-    if (not expiration and content_type is None and subscription_id is None and len(props) <= 2
-            and all(name in _PLAIN for name in props)):  # fmt: skip
+    if (
+        not expiration
+        and content_type is None
+        and subscription_id is None
+        and len(props) <= 2
+        and all(name in _PLAIN for name in props)
+    ):
         return NO_PROPERTIES  # the common case: a plain MQTT message
     fmt = props.get(PAYLOAD_FORMAT)
     response_topic = props.get(RESPONSE_TOPIC)
     correlation = props.get(CORRELATION_DATA)
     return Properties(
         payload_format_indicator=1 if fmt == 1 else None,
-        message_expiry_interval=(min(max(math.ceil((expiration - now_ms) / 1000), 1), _MAX_EXPIRY)
-                                 if expiration else None),
+        message_expiry_interval=(
+            min(max(math.ceil((expiration - now_ms) / 1000), 1), _MAX_EXPIRY) if expiration else None
+        ),
         content_type=content_type,
         response_topic=response_topic if type(response_topic) is str else None,
         correlation_data=correlation if type(correlation) is bytes else None,
         subscription_identifiers=(subscription_id,) if subscription_id is not None else (),
         user_properties=user_properties(props),
-    )  # fmt: skip
+    )
 
 
 def user_properties(props: dict[str, object]) -> tuple[tuple[str, str], ...]:
@@ -119,5 +141,8 @@ def user_properties(props: dict[str, object]) -> tuple[tuple[str, str], ...]:
             return tuple((str(name), str(value)) for name, value in pairs)
         except (ValueError, TypeError):
             pass  # not ours after all: shown as it is below
-    return tuple((name, property_text(value)) for name, value in props.items()
-                 if name not in INTERNAL and not name.startswith(ENCODING_PREFIX))  # fmt: skip
+    return tuple(
+        (name, property_text(value))
+        for name, value in props.items()
+        if name not in INTERNAL and not name.startswith(ENCODING_PREFIX)
+    )

@@ -26,25 +26,34 @@ class MqttGateway:
         core = settings.core
         # Its sessions' links and the registry's use it.
         self.core_links = CoreLinks.of(core, name=settings.node.name, heartbeat_ms=core.heartbeat_ms, tls=settings.tls)
-        self.registry = Registry(core.host, core.port, core.user, core.password, settings.node.name,
-                                 core.heartbeat_ms)  # fmt: skip
+        self.registry = Registry(core.host, core.port, core.user, core.password, settings.node.name, core.heartbeat_ms)
         self.registry.on_lost.append(self._service_link_lost)
         limits = settings.mqtt
         self.feeds = Feeds(core, settings.node.name, limits.qos0_window, limits.qos0_fan_out_from, self._delivered)
         listener, http = settings.listener, settings.http
         config = ShellConfig(
-            protocol="mqtt", host=listener.host, port=listener.port, websocket_port=listener.websocket_port,
-            max_connections=listener.max_connections, max_logging_in=listener.max_logging_in,
-            subprotocols=SUBPROTOCOLS, subprotocol_required=True,
-            max_websocket_message=settings.mqtt.max_packet_bytes + 8, binary_frames=True,
-            http_enabled=http.enabled, http_host=http.host, http_port=http.port,
+            protocol="mqtt",
+            host=listener.host,
+            port=listener.port,
+            websocket_port=listener.websocket_port,
+            max_connections=listener.max_connections,
+            max_logging_in=listener.max_logging_in,
+            subprotocols=SUBPROTOCOLS,
+            subprotocol_required=True,
+            max_websocket_message=settings.mqtt.max_packet_bytes + 8,
+            binary_frames=True,
+            http_enabled=http.enabled,
+            http_host=http.host,
+            http_port=http.port,
             tls=listener_tls(settings.tls, listener.tls_port, listener.websocket_tls_port, http_tls=http.tls),
-            tls_port=listener.tls_port, websocket_tls_port=listener.websocket_tls_port, http_tls=http.tls,
+            tls_port=listener.tls_port,
+            websocket_tls_port=listener.websocket_tls_port,
+            http_tls=http.tls,
             http_allowed_hosts=tuple(http.allowed_hosts),
-            http_request_timeout_ms=http.request_timeout_ms, http_max_connections=http.max_connections,
-        )  # fmt: skip
-        self.shell = GatewayShell(config, self._open_session, self._metrics, self._core_ready,
-                                  ports_file=ports_file)  # fmt: skip
+            http_request_timeout_ms=http.request_timeout_ms,
+            http_max_connections=http.max_connections,
+        )
+        self.shell = GatewayShell(config, self._open_session, self._metrics, self._core_ready, ports_file=ports_file)
 
     @property
     def ports(self) -> dict[str, int]:
@@ -88,19 +97,33 @@ class MqttGateway:
             Metric("mqtt_connections", "gauge", "Open MQTT connections.", len(self.shell.sessions)),
             Metric("mqtt_connections_total", "counter", "MQTT connections accepted.", c.connections_total),
             Metric("mqtt_connections_refused_total", "counter", "CONNECTs refused.", c.refused),
-            Metric("mqtt_session_takeovers_total", "counter", "Connections ended by a later connection with "
-                   "the same client id.", c.takeovers),
+            Metric(
+                "mqtt_session_takeovers_total",
+                "counter",
+                "Connections ended by a later connection with the same client id.",
+                c.takeovers,
+            ),
             Metric("mqtt_packets_received_total", "counter", "Client packets received.", c.packets_received),
-            Metric("mqtt_messages_published_total", "counter", "PUBLISH packets passed to the core.",
-                   c.messages_published),
+            Metric(
+                "mqtt_messages_published_total", "counter", "PUBLISH packets passed to the core.", c.messages_published
+            ),
             Metric("mqtt_messages_delivered_total", "counter", "Messages sent to subscribers.", c.messages_delivered),
-            Metric("mqtt_protocol_errors_total", "counter", "Connections closed for a protocol error.",
-                   c.protocol_errors),
-            Metric("mqtt_qos0_dropped_total", "counter", "QoS 0 messages of a fan-out skipped for a connection "
-                   "that fell behind (mqtt.qos0_max_buffered_bytes).", c.qos0_dropped),
-            Metric("mqtt_fanout_feeds", "gauge", "Topic filters fanned out to QoS 0 subscribers by this gateway.",
-                   len(self.feeds)),
-        ]  # fmt: skip
+            Metric(
+                "mqtt_protocol_errors_total", "counter", "Connections closed for a protocol error.", c.protocol_errors
+            ),
+            Metric(
+                "mqtt_qos0_dropped_total",
+                "counter",
+                "QoS 0 messages of a fan-out skipped for a connection that fell behind (mqtt.qos0_max_buffered_bytes).",
+                c.qos0_dropped,
+            ),
+            Metric(
+                "mqtt_fanout_feeds",
+                "gauge",
+                "Topic filters fanned out to QoS 0 subscribers by this gateway.",
+                len(self.feeds),
+            ),
+        ]
 
 
 def _shut_down(session: ClientSession, *, unavailable: bool = False) -> None:

@@ -69,8 +69,12 @@ log = logging.getLogger("tridentmq.mqtt")
 
 _NEVER = 0xFFFFFFFF  # session expiry interval meaning "does not expire"
 #: Refusals of the core as 5.0 reason codes (PUBACK, PUBREC, SUBACK).
-_REFUSALS = {ErrorCode.FORBIDDEN: rc.NOT_AUTHORIZED, ErrorCode.RESOURCE_LIMIT: rc.QUOTA_EXCEEDED,
-             ErrorCode.INVALID: rc.TOPIC_NAME_INVALID, ErrorCode.NOT_FOUND: rc.TOPIC_NAME_INVALID}  # fmt: skip
+_REFUSALS = {
+    ErrorCode.FORBIDDEN: rc.NOT_AUTHORIZED,
+    ErrorCode.RESOURCE_LIMIT: rc.QUOTA_EXCEEDED,
+    ErrorCode.INVALID: rc.TOPIC_NAME_INVALID,
+    ErrorCode.NOT_FOUND: rc.TOPIC_NAME_INVALID,
+}
 _CACHE_LIMIT = 4096  # topics remembered per connection in each direction
 
 
@@ -146,8 +150,9 @@ class _Confirm:
 
 
 class MqttSession:
-    def __init__(self, settings: MqttSettings, registry: Registry, wire: Wire, counters: Counters,
-                 feeds: Feeds) -> None:  # fmt: skip
+    def __init__(
+        self, settings: MqttSettings, registry: Registry, wire: Wire, counters: Counters, feeds: Feeds
+    ) -> None:
         limits = settings.mqtt
         self.settings = settings
         self.registry = registry
@@ -155,11 +160,13 @@ class MqttSession:
         self.wire = wire
         self.counters = counters
         self.id = uuid.uuid4().hex[:16]
-        self.conn = MqttServerConnection(max_packet_size=limits.max_packet_bytes,
-                                         receive_maximum=limits.receive_maximum,
-                                         topic_alias_maximum=limits.topic_alias_maximum,
-                                         max_connect_bytes=limits.max_connect_bytes,
-                                         now=time.monotonic())  # fmt: skip
+        self.conn = MqttServerConnection(
+            max_packet_size=limits.max_packet_bytes,
+            receive_maximum=limits.receive_maximum,
+            topic_alias_maximum=limits.topic_alias_maximum,
+            max_connect_bytes=limits.max_connect_bytes,
+            now=time.monotonic(),
+        )
         self.link: LinkClient | None = None
         self.client_id = ""
         self.version = 0
@@ -223,8 +230,11 @@ class MqttSession:
         self._wakeup.set()
         limits = self.settings.mqtt
         # Nothing more is read from a client not logged in yet.
-        if not self._paused and (len(self._events) >= limits.pending_packets
-                                 or self._read_ahead >= limits.pending_bytes or not self._connected):  # fmt: skip
+        if not self._paused and (
+            len(self._events) >= limits.pending_packets
+            or self._read_ahead >= limits.pending_bytes
+            or not self._connected
+        ):
             self._paused = True
             self.wire.pause_reading()
 
@@ -325,8 +335,10 @@ class MqttSession:
             case ev.ConnectionClosed():
                 self._closed = True
             case ev.ProtocolViolation():
-                log.info("mqtt protocol error", extra={"peer": self.wire.peer, "error": event.message[:200],
-                                                       "reason_code": event.reason_code})  # fmt: skip
+                log.info(
+                    "mqtt protocol error",
+                    extra={"peer": self.wire.peer, "error": event.message[:200], "reason_code": event.reason_code},
+                )
                 self.counters.protocol_errors += 1
                 await self._settle_confirms()
                 self.conn.reject(event)
@@ -368,9 +380,14 @@ class MqttSession:
                 self._refuse(rc.NOT_AUTHORIZED, "a client certificate is required")
                 return
             user, password, acting_for = core.user or None, core.password or None, self.wire.certificate_name
-        link = CoreLinks.of(core).client(user=user, password=password, heartbeat_ms=core.heartbeat_ms,
-                                         client_name=f"mqtt {client_id[:64]} {self.wire.peer}",
-                                         client_host=self.wire.host, acting_for=acting_for)  # fmt: skip
+        link = CoreLinks.of(core).client(
+            user=user,
+            password=password,
+            heartbeat_ms=core.heartbeat_ms,
+            client_name=f"mqtt {client_id[:64]} {self.wire.peer}",
+            client_host=self.wire.host,
+            acting_for=acting_for,
+        )
         try:
             await link.connect()
         except LinkRequestError as exc:
@@ -404,13 +421,20 @@ class MqttSession:
             self._refuse(rc.SERVER_BUSY, str(exc))
             return
         except SessionUnreachableError:  # logged where it was found: once per attempt
-            self._refuse(rc.SERVER_UNAVAILABLE, "this client's session is kept by a node that cannot be reached "
-                                                "now; try again")  # fmt: skip
+            self._refuse(
+                rc.SERVER_UNAVAILABLE, "this client's session is kept by a node that cannot be reached now; try again"
+            )
             return
         except SessionOwnedError as exc:
-            log.warning("mqtt session refused: its client id belongs to another user",
-                        extra={"peer": self.wire.peer, "client_id": client_id[:60], "user": self.user[:60],
-                               "owner": exc.owner[:60]})  # fmt: skip
+            log.warning(
+                "mqtt session refused: its client id belongs to another user",
+                extra={
+                    "peer": self.wire.peer,
+                    "client_id": client_id[:60],
+                    "user": self.user[:60],
+                    "owner": exc.owner[:60],
+                },
+            )
             self._refuse(rc.NOT_AUTHORIZED, "this client id's session belongs to another user")
             return
         except OSError as exc:
@@ -432,21 +456,29 @@ class MqttSession:
                 response_information = f"{limits.response_information_prefix}{client_id}"
                 if any(c in response_information for c in "+#\x00"):  # a client id no topic may hold
                     response_information = None
-            granted = Properties(session_expiry_interval=self.expiry_s if self.expiry_s != asked else None,
-                                 response_information=response_information)  # fmt: skip
+            granted = Properties(
+                session_expiry_interval=self.expiry_s if self.expiry_s != asked else None,
+                response_information=response_information,
+            )
             if granted == NO_PROPERTIES:
                 granted = NO_PROPERTIES
         if self.conn.closed:  # the client closed its side while the core was asked: no one reads a CONNACK
             log.info("mqtt client left before its CONNACK", extra={"peer": self.wire.peer, "client_id": client_id})
             self._end()
             return
-        self.conn.accept(time.monotonic(), session_present=previous is not None and not event.clean_start,
-                         assigned_client_id=assigned, server_keep_alive=keep_alive, properties=granted)  # fmt: skip
+        self.conn.accept(
+            time.monotonic(),
+            session_present=previous is not None and not event.clean_start,
+            assigned_client_id=assigned,
+            server_keep_alive=keep_alive,
+            properties=granted,
+        )
         self._connected = True
         self.wire.logged_in()
         self._rearm.set()
-        self._watcher = end_on_failure(self._loop.create_task(self._watch_lock(self._lock), name="mqtt session lock"),
-                                       self._end, self.wire.peer)  # fmt: skip
+        self._watcher = end_on_failure(
+            self._loop.create_task(self._watch_lock(self._lock), name="mqtt session lock"), self._end, self.wire.peer
+        )
         await self._resume()
 
     async def _open_session(self, clean_start: bool) -> SessionState | None:
@@ -507,8 +539,15 @@ class MqttSession:
 
     def _will_message(self, will: Will) -> WireMessage:
         address = self._address(will.topic)
-        return messages.to_message(address, will.payload, will.qos, will.properties, self.client_id,
-                                   int(time.time() * 1000), retain=will.retain)  # fmt: skip
+        return messages.to_message(
+            address,
+            will.payload,
+            will.qos,
+            will.properties,
+            self.client_id,
+            int(time.time() * 1000),
+            retain=will.retain,
+        )
 
     async def _watch_lock(self, lock: Consumer) -> None:
         """End this connection when another one takes the session: on this node the newcomer deletes the lock
@@ -554,8 +593,15 @@ class MqttSession:
             except UnicodeDecodeError:
                 self._violation(rc.PAYLOAD_FORMAT_INVALID, "the payload is not UTF-8 as its format says")
                 return None
-        return messages.to_message(self._address(event.topic), event.payload, event.qos, event.properties,
-                                   self.client_id, int(time.time() * 1000), retain=event.retain)  # fmt: skip
+        return messages.to_message(
+            self._address(event.topic),
+            event.payload,
+            event.qos,
+            event.properties,
+            self.client_id,
+            int(time.time() * 1000),
+            retain=event.retain,
+        )
 
     async def _publish(self, event: ev.Publish) -> None:
         """The PUBLISH packets ``_handle_now`` leaves: QoS 2, retained, or waiting for the core's credit."""
@@ -615,11 +661,15 @@ class MqttSession:
             self._refused(confirm, error)
 
     def _refused(self, confirm: _Confirm, error: BaseException) -> None:
-        code = _REFUSALS.get(error.code, rc.UNSPECIFIED_ERROR) if isinstance(error, LinkRequestError) \
-            else rc.UNSPECIFIED_ERROR  # fmt: skip
+        code = (
+            _REFUSALS.get(error.code, rc.UNSPECIFIED_ERROR)
+            if isinstance(error, LinkRequestError)
+            else rc.UNSPECIFIED_ERROR
+        )
         text = error.text if isinstance(error, LinkRequestError) else str(error)
-        log.info("mqtt publish refused", extra={"peer": self.wire.peer, "topic": confirm.topic[:100],
-                                                "reason": text[:200]})  # fmt: skip
+        log.info(
+            "mqtt publish refused", extra={"peer": self.wire.peer, "topic": confirm.topic[:100], "reason": text[:200]}
+        )
         if self.version != V5 and confirm.qos:
             self._end(rc.UNSPECIFIED_ERROR)  # 3.1.1 has no way to say no but closing ([MQTT-3.3.5-2])
             return
@@ -659,8 +709,10 @@ class MqttSession:
                 codes.append(exc.reason_code)
                 continue
             except LinkRequestError as exc:
-                log.info("mqtt subscribe refused", extra={"peer": self.wire.peer, "filter": request.topic_filter[:100],
-                                                          "reason": exc.text})  # fmt: skip
+                log.info(
+                    "mqtt subscribe refused",
+                    extra={"peer": self.wire.peer, "filter": request.topic_filter[:100], "reason": exc.text},
+                )
                 codes.append(rc.NOT_AUTHORIZED if exc.code == ErrorCode.FORBIDDEN else rc.UNSPECIFIED_ERROR)
                 continue
             codes.append(request.qos)
@@ -708,12 +760,14 @@ class MqttSession:
             return await self._join_feed(self.feeds, text, topic_filter, options)
         if group is not None:
             queue = convert.shared_queue(group, topic_filter)
-            await link.create_queue(queue, pattern, routing_type=RoutingType.MULTICAST, durable=True,
-                                    expires_ms=expiry_ms)  # fmt: skip
+            await link.create_queue(
+                queue, pattern, routing_type=RoutingType.MULTICAST, durable=True, expires_ms=expiry_ms
+            )
         elif self.persistent or resumed:
             queue = convert.subscription_queue(self.client_id, topic_filter)
-            found = await link.create_queue(queue, pattern, routing_type=RoutingType.MULTICAST, durable=True,
-                                            expires_ms=expiry_ms)  # fmt: skip
+            found = await link.create_queue(
+                queue, pattern, routing_type=RoutingType.MULTICAST, durable=True, expires_ms=expiry_ms
+            )
             if not resumed and not found.get("created"):
                 # No session record lists it (a gateway died between making it and saving the record), so a
                 # clean start did not end it: a new subscription starts empty, not with what it gathered since.
@@ -722,8 +776,9 @@ class MqttSession:
                     extra={"peer": self.wire.peer, "client_id": self.client_id[:60], "queue": queue[:100]},
                 )
                 await link.delete_queue(queue)
-                await link.create_queue(queue, pattern, routing_type=RoutingType.MULTICAST, durable=True,
-                                        expires_ms=expiry_ms)  # fmt: skip
+                await link.create_queue(
+                    queue, pattern, routing_type=RoutingType.MULTICAST, durable=True, expires_ms=expiry_ms
+                )
         else:  # this connection's own: an earlier connection of the client may still be dropping its own
             # Numbered too: a queue of this filter dropped in the background must not take a new one with it.
             queue = f"{convert.subscription_queue(self.client_id, topic_filter)}.{self.id}.{next(self._queues)}"
@@ -734,12 +789,27 @@ class MqttSession:
         # makes it again from these, as the subscription's queue, not as an anycast queue of its name. QoS 0
         # messages of a queue that goes with this connection are done once sent (``fannable``): acknowledging
         # them would keep nothing safe, and the pump still takes no more than the client reads.
-        consumer = await link.subscribe(queue, credit=window, credit_on_settle=not fannable, auto_ack=fannable,
-                                        credit_bytes=self.settings.core.consumer_window_bytes,
-                                        address=pattern, routing_type=int(RoutingType.MULTICAST),
-                                        durable=group is not None or self.persistent or resumed)  # fmt: skip
-        sub = Sub(text, topic_filter, queue, group is not None, options, consumer,
-                  dollar_safe=topic_filter[:1] in ("+", "#"), solo=fannable, auto_ack=fannable)  # fmt: skip
+        consumer = await link.subscribe(
+            queue,
+            credit=window,
+            credit_on_settle=not fannable,
+            auto_ack=fannable,
+            credit_bytes=self.settings.core.consumer_window_bytes,
+            address=pattern,
+            routing_type=int(RoutingType.MULTICAST),
+            durable=group is not None or self.persistent or resumed,
+        )
+        sub = Sub(
+            text,
+            topic_filter,
+            queue,
+            group is not None,
+            options,
+            consumer,
+            dollar_safe=topic_filter[:1] in ("+", "#"),
+            solo=fannable,
+            auto_ack=fannable,
+        )
         if fannable:
             self.feeds.solo_opened(link.user, topic_filter)
         sub.pump = end_on_failure(self._loop.create_task(self._pump(sub), name="mqtt pump"), self._end, self.wire.peer)
@@ -776,8 +846,16 @@ class MqttSession:
         """A QoS 0 subscription served by the gateway's feed of its filter for this client's user."""
         link = self.link
         assert link is not None
-        sub = Sub(text, topic_filter, "", shared=False, options=options, consumer=None,
-                  dollar_safe=topic_filter[:1] in ("+", "#"), session=self)  # fmt: skip
+        sub = Sub(
+            text,
+            topic_filter,
+            "",
+            shared=False,
+            options=options,
+            consumer=None,
+            dollar_safe=topic_filter[:1] in ("+", "#"),
+            session=self,
+        )
         # Listed first: should this connection end while it joins (the join goes on), the shutdown leaves.
         self.subs[text] = sub
         try:
@@ -797,8 +875,10 @@ class MqttSession:
         if self.wire.buffered() > limits.qos0_max_buffered_bytes:
             if not self._dropping:
                 self._dropping = True
-                log.info("mqtt client falling behind: QoS 0 messages skipped",
-                         extra={"peer": self.wire.peer, "client_id": self.client_id[:60]})  # fmt: skip
+                log.info(
+                    "mqtt client falling behind: QoS 0 messages skipped",
+                    extra={"peer": self.wire.peer, "client_id": self.client_id[:60]},
+                )
             self.counters.qos0_dropped += len(batch.messages)
             return 0
         self._dropping = False
@@ -813,8 +893,11 @@ class MqttSession:
             client_id = self.client_id
             kept = []
             for part, message in zip(encoded.parts, batch.messages, strict=True):
-                if not part or message[M_ID] <= had_upto or \
-                        (options.no_local and message[M_PROPS].get(messages.CLIENT) == client_id):  # fmt: skip
+                if (
+                    not part
+                    or message[M_ID] <= had_upto
+                    or (options.no_local and message[M_PROPS].get(messages.CLIENT) == client_id)
+                ):
                     continue
                 if len(part) > limit:
                     conn.discarded += 1  # as if sent ([MQTT-3.1.2-25])
@@ -870,8 +953,7 @@ class MqttSession:
         for message in await self.registry.retained(sub.topic_filter):
             if self._closed:
                 return
-            self._deliver(_Outgoing(sub, message, min(sub.options.qos, messages.published_qos(message)),
-                                    retained=True))  # fmt: skip
+            self._deliver(_Outgoing(sub, message, min(sub.options.qos, messages.published_qos(message)), retained=True))
         self._flush()
 
     # ------------------------------------------------------------------ deliveries
@@ -966,9 +1048,17 @@ class MqttSession:
             self._inflight[sent] = out
         return True
 
-    def _write_or_refuse(self, sub: Sub | None, message: WireMessage, qos: int, now_ms: int,
-                         packet_id: int | None = None, *, dup: bool = False,
-                         retained: bool = False) -> int | None:  # fmt: skip
+    def _write_or_refuse(
+        self,
+        sub: Sub | None,
+        message: WireMessage,
+        qos: int,
+        now_ms: int,
+        packet_id: int | None = None,
+        *,
+        dup: bool = False,
+        retained: bool = False,
+    ) -> int | None:
         """``_write_publish``, or -1 for a message MQTT cannot carry (an address that is no topic name, a
         property no MQTT string can hold): it goes to the dead-letter address instead of stopping the
         subscription (None when the connection closed meanwhile: nothing is written)."""
@@ -977,21 +1067,40 @@ class MqttSession:
         except (ConversionError, LocalProtocolError) as exc:
             if self.conn.closed:
                 return None
-            log.warning("message not deliverable over MQTT", extra={"peer": self.wire.peer,
-                        "address": message[M_ADDRESS][:100], "reason": str(exc)[:200]})  # fmt: skip
+            log.warning(
+                "message not deliverable over MQTT",
+                extra={"peer": self.wire.peer, "address": message[M_ADDRESS][:100], "reason": str(exc)[:200]},
+            )
             if sub is not None and sub.consumer is not None and not sub.auto_ack and not retained:
                 sub.consumer.nack_ids([message[M_ID]], NackMode.REJECT)
             return -1
 
-    def _write_publish(self, sub: Sub | None, message: WireMessage, qos: int, now_ms: int, packet_id: int | None = None,
-                       *, dup: bool = False, retained: bool = False) -> int | None:  # fmt: skip
+    def _write_publish(
+        self,
+        sub: Sub | None,
+        message: WireMessage,
+        qos: int,
+        now_ms: int,
+        packet_id: int | None = None,
+        *,
+        dup: bool = False,
+        retained: bool = False,
+    ) -> int | None:
         topic, encoded = self._topic(message)
         retain = retained or (sub is not None and sub.options.retain_as_published and messages.was_retained(message))
         props = NO_PROPERTIES
         if self.version == V5:
             props = messages.publish_properties(message, now_ms, sub.options.subscription_id if sub else None)
-        return self.conn.publish(topic, message[M_BODY], qos, retain=retain, properties=props, packet_id=packet_id,
-                                 dup=dup, encoded_topic=encoded)  # fmt: skip
+        return self.conn.publish(
+            topic,
+            message[M_BODY],
+            qos,
+            retain=retain,
+            properties=props,
+            packet_id=packet_id,
+            dup=dup,
+            encoded_topic=encoded,
+        )
 
     def _topic(self, message: WireMessage) -> tuple[str, bytes]:
         """The topic of a message, and its encoding in a PUBLISH (remembered per address)."""
@@ -1100,11 +1209,16 @@ class MqttSession:
                         await self.link.delete_queue(sub.queue)
             await registry.drop_session(self.client_id)
             return
-        await registry.set_expiry(convert.session_queue(self.client_id), convert.session_queue(self.client_id),
-                                  RoutingType.ANYCAST, expiry_s * 1000)  # fmt: skip
+        await registry.set_expiry(
+            convert.session_queue(self.client_id),
+            convert.session_queue(self.client_id),
+            RoutingType.ANYCAST,
+            expiry_s * 1000,
+        )
         for sub in self.subs.values():
-            await registry.set_expiry(sub.queue, convert.filter_to_pattern(sub.topic_filter), RoutingType.MULTICAST,
-                                      expiry_s * 1000)  # fmt: skip
+            await registry.set_expiry(
+                sub.queue, convert.filter_to_pattern(sub.topic_filter), RoutingType.MULTICAST, expiry_s * 1000
+            )
 
     def _violation(self, reason_code: int, text: str) -> None:
         log.info("mqtt protocol error", extra={"peer": self.wire.peer, "error": text[:200], "reason_code": reason_code})

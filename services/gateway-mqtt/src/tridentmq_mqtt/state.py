@@ -78,8 +78,10 @@ class SessionState:
     user: str | None = None  # who created the session ("" for an anonymous client); None in older records
 
     def encode(self) -> bytes:
-        subs = {text: [s.qos, s.no_local, s.retain_as_published, s.subscription_id]
-                for text, s in self.subscriptions.items()}  # fmt: skip
+        subs = {
+            text: [s.qos, s.no_local, s.retain_as_published, s.subscription_id]
+            for text, s in self.subscriptions.items()
+        }
         record: dict[str, Any] = {"v": 1, "subs": subs, "in": self.released_in, "out": self.released_out}
         if self.user is not None:
             record["user"] = self.user
@@ -88,12 +90,17 @@ class SessionState:
     @classmethod
     def decode(cls, data: bytes) -> SessionState:
         record = msgpack.unpackb(data, strict_map_key=False)
-        subs = {str(text): StoredSubscription(int(q), bool(nl), bool(rap), sid if type(sid) is int else None)
-                for text, (q, nl, rap, sid) in record.get("subs", {}).items()}  # fmt: skip
+        subs = {
+            str(text): StoredSubscription(int(q), bool(nl), bool(rap), sid if type(sid) is int else None)
+            for text, (q, nl, rap, sid) in record.get("subs", {}).items()
+        }
         user = record.get("user")
-        return cls(subs, {int(k): str(v) for k, v in record.get("in", {}).items()},
-                   {int(k): int(v) for k, v in record.get("out", {}).items()},
-                   user if type(user) is str else None)  # fmt: skip
+        return cls(
+            subs,
+            {int(k): str(v) for k, v in record.get("in", {}).items()},
+            {int(k): int(v) for k, v in record.get("out", {}).items()},
+            user if type(user) is str else None,
+        )
 
 
 class SessionBusyError(Exception):
@@ -141,8 +148,9 @@ class Registry:
 
     async def _open(self) -> LinkClient:
         host, port, user, password, name = self._args
-        link = CoreLinks.at(host, port).client(user=user, password=password, client_name=f"mqtt gateway {name}",
-                                               heartbeat_ms=self._heartbeat_ms)  # fmt: skip
+        link = CoreLinks.at(host, port).client(
+            user=user, password=password, client_name=f"mqtt gateway {name}", heartbeat_ms=self._heartbeat_ms
+        )
         await link.connect()
         try:
             await self._retained_queue(link)
@@ -158,8 +166,9 @@ class Registry:
         """The retained-message queue of the node the link is on now (made on first use there)."""
         name = convert.retained_queue(link.node_id)
         if name not in self._retained_queues:
-            await link.create_queue(name, convert.RETAINED_ADDRESS, routing_type=RoutingType.MULTICAST, durable=True,
-                                    last_value_key=TOPIC)  # fmt: skip
+            await link.create_queue(
+                name, convert.RETAINED_ADDRESS, routing_type=RoutingType.MULTICAST, durable=True, last_value_key=TOPIC
+            )
             self._retained_queues.add(name)
         return name
 
@@ -186,8 +195,14 @@ class Registry:
         owner_filter = None if user is None else _owner_filter(user)
         deadline = time.monotonic() + timeout
         while True:
-            created = await link.create_queue(name, routing_type=RoutingType.ANYCAST, durable=False, max_consumers=1,
-                                              expires_ms=0, filter=owner_filter)  # fmt: skip
+            created = await link.create_queue(
+                name,
+                routing_type=RoutingType.ANYCAST,
+                durable=False,
+                max_consumers=1,
+                expires_ms=0,
+                filter=owner_filter,
+            )
             held_by = created.get("filter")
             if owner_filter is not None and not created.get("created") and held_by and held_by != owner_filter:
                 if created.get("consumers"):
@@ -238,8 +253,9 @@ class Registry:
         """The user who created ``client_id``'s persistent session on this node, looked up without creating
         or changing anything; None when there is no such session here (or its record names nobody)."""
         link = await self.link()
-        found = await link.create_queue(convert.session_queue(client_id), routing_type=RoutingType.ANYCAST,
-                                        durable=True, passive=True)  # fmt: skip
+        found = await link.create_queue(
+            convert.session_queue(client_id), routing_type=RoutingType.ANYCAST, durable=True, passive=True
+        )
         if found.get("exists") is False:
             return None
         state = await self._read_session(link, client_id, or_empty=False)
@@ -251,8 +267,9 @@ class Registry:
         record kept by another node of the cluster is waited for (up to ``FETCH_TIMEOUT``)."""
         link = await self.link()
         name = convert.session_queue(client_id)
-        found = await link.create_queue(name, routing_type=RoutingType.ANYCAST, durable=True, last_value_key="",
-                                        expires_ms=expiry_ms)  # fmt: skip
+        found = await link.create_queue(
+            name, routing_type=RoutingType.ANYCAST, durable=True, last_value_key="", expires_ms=expiry_ms
+        )
         if found.get("created") and not (resume and found.get("elsewhere")):
             return None
         if found.get("created") or (resume and client_id in self._holders):  # (an earlier fetch still waits)
@@ -288,8 +305,10 @@ class Registry:
             if not here.get("elsewhere"):  # gone from the node that had it (after this read: no record lost)
                 return await self._read_session(link, client_id, or_empty=False)
             await asyncio.sleep(0.1)
-        log.warning("session record on another node did not arrive: the client is refused until it does",
-                    extra={"client_id": client_id[:60]})  # fmt: skip
+        log.warning(
+            "session record on another node did not arrive: the client is refused until it does",
+            extra={"client_id": client_id[:60]},
+        )
         raise SessionUnreachableError(client_id)
 
     async def _read_session(self, link: LinkClient, client_id: str, *, or_empty: bool = True) -> SessionState | None:
@@ -328,8 +347,13 @@ class Registry:
 
     def save(self, client_id: str, state: SessionState) -> asyncio.Future[None]:
         """Replace the session record; the future resolves once it is on disk."""
-        message = new_message(convert.session_queue(client_id), state.encode(), routing=RoutingType.ANYCAST,
-                              durable=True, last_value_key=STATE_KEY)  # fmt: skip
+        message = new_message(
+            convert.session_queue(client_id),
+            state.encode(),
+            routing=RoutingType.ANYCAST,
+            durable=True,
+            last_value_key=STATE_KEY,
+        )
         return self._send_in_order(message)
 
     def _send_in_order(self, message: WireMessage) -> asyncio.Future[None]:

@@ -43,10 +43,24 @@ FQQN_SEPARATOR: Final = "::"  # address::queue
 #: The SEND's destination when it is the address as it is (no ``/queue/`` or ``/topic/``); hidden from others.
 SENT_DESTINATION: Final = ENCODING_PREFIX + "stomp.destination"
 #: Headers with a meaning of their own in STOMP frames: never stored as properties.
-FRAME_HEADERS: Final = frozenset({
-    "destination", "content-length", "content-type", "receipt", "transaction", "persistent", "priority",
-    "expires", "message-id", "subscription", "ack", "redelivered", "destination-type", "timestamp",
-})  # fmt: skip
+FRAME_HEADERS: Final = frozenset(
+    {
+        "destination",
+        "content-length",
+        "content-type",
+        "receipt",
+        "transaction",
+        "persistent",
+        "priority",
+        "expires",
+        "message-id",
+        "subscription",
+        "ack",
+        "redelivered",
+        "destination-type",
+        "timestamp",
+    }
+)
 
 
 class ConversionError(ValueError):
@@ -105,8 +119,9 @@ def to_message(address: str, routing: int, headers: dict[str, str], body: bytes)
     )
 
 
-def message_headers(message: WireMessage, subscription: str, ack_id: str, delivery_count: int,
-                    destination: str | None = None) -> list[tuple[str, str]]:  # fmt: skip
+def message_headers(
+    message: WireMessage, subscription: str, ack_id: str, delivery_count: int, destination: str | None = None
+) -> list[tuple[str, str]]:
     """The headers of the MESSAGE frame for a delivery."""
     if destination is None:
         address = message[M_ADDRESS]

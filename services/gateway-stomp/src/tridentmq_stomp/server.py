@@ -24,18 +24,30 @@ class StompGateway:
         self.core_links = CoreLinks.of(settings.core, name=settings.node.name, tls=settings.tls)
         listener, limits, http = settings.listener, settings.stomp, settings.http
         config = ShellConfig(
-            protocol="stomp", host=listener.host, port=listener.port, websocket_port=listener.websocket_port,
-            max_connections=listener.max_connections, max_logging_in=listener.max_logging_in,
-            subprotocols=SUBPROTOCOLS, subprotocol_required=False,
+            protocol="stomp",
+            host=listener.host,
+            port=listener.port,
+            websocket_port=listener.websocket_port,
+            max_connections=listener.max_connections,
+            max_logging_in=listener.max_logging_in,
+            subprotocols=SUBPROTOCOLS,
+            subprotocol_required=False,
             max_websocket_message=limits.max_frame_bytes + limits.max_header_bytes + 16,  # a message holds a frame
-            binary_frames=False, http_enabled=http.enabled, http_host=http.host, http_port=http.port,
+            binary_frames=False,
+            http_enabled=http.enabled,
+            http_host=http.host,
+            http_port=http.port,
             tls=listener_tls(settings.tls, listener.tls_port, listener.websocket_tls_port, http_tls=http.tls),
-            tls_port=listener.tls_port, websocket_tls_port=listener.websocket_tls_port, http_tls=http.tls,
+            tls_port=listener.tls_port,
+            websocket_tls_port=listener.websocket_tls_port,
+            http_tls=http.tls,
             http_allowed_hosts=tuple(http.allowed_hosts),
-            http_request_timeout_ms=http.request_timeout_ms, http_max_connections=http.max_connections,
-        )  # fmt: skip
-        self.shell = GatewayShell(config, self._open_session, self._metrics, self.core_links.reachable,
-                                  ports_file=ports_file)  # fmt: skip
+            http_request_timeout_ms=http.request_timeout_ms,
+            http_max_connections=http.max_connections,
+        )
+        self.shell = GatewayShell(
+            config, self._open_session, self._metrics, self.core_links.reachable, ports_file=ports_file
+        )
 
     @property
     def ports(self) -> dict[str, int]:
@@ -60,8 +72,9 @@ class StompGateway:
             Metric("stomp_connections", "gauge", "Open STOMP connections.", len(self.shell.sessions)),
             Metric("stomp_connections_total", "counter", "STOMP connections accepted.", c.connections_total),
             Metric("stomp_frames_received_total", "counter", "Client frames received.", c.frames_received),
-            Metric("stomp_messages_published_total", "counter", "SEND frames passed to the core.",
-                   c.messages_published),
+            Metric(
+                "stomp_messages_published_total", "counter", "SEND frames passed to the core.", c.messages_published
+            ),
             Metric("stomp_messages_delivered_total", "counter", "MESSAGE frames sent.", c.messages_delivered),
             Metric("stomp_errors_total", "counter", "ERROR frames sent (the connection closed after each).", c.errors),
-        ]  # fmt: skip
+        ]

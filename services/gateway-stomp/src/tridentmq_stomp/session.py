@@ -44,9 +44,13 @@ SERVER_NAME = "TridentMQ/0.1"
 _DECIMAL = re.compile(r"-?[0-9]{1,9}")
 _DIGITS = re.compile(r"[0-9]{1,20}")
 #: ERROR ``message`` headers for the core's refusals of a request.
-_ERROR_NAMES = {ErrorCode.FORBIDDEN: "permission denied", ErrorCode.NOT_FOUND: "not found",
-                ErrorCode.INVALID: "invalid request", ErrorCode.RESOURCE_LIMIT: "resource limit",
-                ErrorCode.EXISTS: "already exists"}  # fmt: skip
+_ERROR_NAMES = {
+    ErrorCode.FORBIDDEN: "permission denied",
+    ErrorCode.NOT_FOUND: "not found",
+    ErrorCode.INVALID: "invalid request",
+    ErrorCode.RESOURCE_LIMIT: "resource limit",
+    ErrorCode.EXISTS: "already exists",
+}
 
 
 class Counters:
@@ -188,8 +192,12 @@ class StompSession:
             return False
         link = self._link()
         headers = event.headers
-        if (event.transaction is not None or not link.can_send or event.destination.startswith(TEMP_QUEUE_PREFIX)
-                or headers.get("reply-to", "").startswith(TEMP_QUEUE_PREFIX)):  # fmt: skip
+        if (
+            event.transaction is not None
+            or not link.can_send
+            or event.destination.startswith(TEMP_QUEUE_PREFIX)
+            or headers.get("reply-to", "").startswith(TEMP_QUEUE_PREFIX)
+        ):
             return False
         address, routing = convert.destination_to_address(event.destination, headers.get("destination-type"))
         self._published(link.send_now(convert.to_message(address, routing, headers, event.body)), event.receipt)
@@ -216,16 +224,19 @@ class StompSession:
             case ev.ConnectionClosed():
                 self._closed = True
             case ev.ProtocolViolation():
-                log.info("stomp protocol error", extra={"peer": self.wire.peer, "error": event.message,
-                                                        "detail": event.detail[:200]})  # fmt: skip
+                log.info(
+                    "stomp protocol error",
+                    extra={"peer": self.wire.peer, "error": event.message, "detail": event.detail[:200]},
+                )
                 self.counters.errors += 1
                 await self._settle_receipts()  # the frames before it are answered first
                 self.conn.reject(event)
 
     async def _connect(self, event: ev.Connect) -> None:
         core = self.settings.core
-        link = CoreLinks.of(core).client(user=event.login, password=event.passcode,
-                                         client_name=f"stomp {self.wire.peer}", client_host=self.wire.host)  # fmt: skip
+        link = CoreLinks.of(core).client(
+            user=event.login, password=event.passcode, client_name=f"stomp {self.wire.peer}", client_host=self.wire.host
+        )
         try:
             await link.connect()
         except LinkRequestError as exc:
@@ -301,27 +312,34 @@ class StompSession:
         if routing == RoutingType.MULTICAST:
             if durable_name is not None:
                 if not self.client_id:
-                    self._error("missing header", "a durable subscription needs client-id on CONNECT",
-                                event.receipt)  # fmt: skip
+                    self._error("missing header", "a durable subscription needs client-id on CONNECT", event.receipt)
                     return
                 queue = f"{self.client_id}.{durable_name}"
                 await _create(link, queue, address, durable=True, selector=selector)
             else:
                 queue, temporary = f"stomp.{self.id}.{next(self._keys)}", True
                 await _create(link, queue, address, durable=False, selector=selector)
-        consumer = await link.subscribe(queue, credit=window, selector=None if durable_name or temporary else
-                                        selector, credit_on_settle=event.ack != "auto",
-                                        credit_bytes=self.settings.core.consumer_window_bytes)  # fmt: skip
+        consumer = await link.subscribe(
+            queue,
+            credit=window,
+            selector=None if durable_name or temporary else selector,
+            credit_on_settle=event.ack != "auto",
+            credit_bytes=self.settings.core.consumer_window_bytes,
+        )
         shown = event.destination if event.destination.startswith(convert.TEMP_QUEUE_PREFIX) else None
-        subscription = Subscription(event.id, next(self._keys), event.destination, queue, event.ack, consumer,
-                                    temporary, shown)  # fmt: skip
+        subscription = Subscription(
+            event.id, next(self._keys), event.destination, queue, event.ack, consumer, temporary, shown
+        )
         pump = asyncio.get_running_loop().create_task(self._pump(subscription), name="stomp pump")
         subscription.pump = end_on_failure(pump, self._end, self.wire.peer)
         self.subscriptions[event.id] = subscription
 
     async def _unsubscribe(self, event: ev.Unsubscribe) -> None:
-        subscription = self.subscriptions.get(event.id) if event.id is not None else next(
-            (s for s in self.subscriptions.values() if s.destination == event.destination), None)  # fmt: skip
+        subscription = (
+            self.subscriptions.get(event.id)
+            if event.id is not None
+            else next((s for s in self.subscriptions.values() if s.destination == event.destination), None)
+        )
         if subscription is None:
             self._error("no such subscription", f"{event.id or event.destination!r} is not subscribed", event.receipt)
             return
@@ -436,8 +454,13 @@ class StompSession:
                 for count, message in batch:
                     message_id = message[M_ID]
                     ids.append(message_id)
-                    headers = convert.message_headers(message, subscription.id, f"{subscription.key}-{message_id}",
-                                                      count, subscription.shown_destination)  # fmt: skip
+                    headers = convert.message_headers(
+                        message,
+                        subscription.id,
+                        f"{subscription.key}-{message_id}",
+                        count,
+                        subscription.shown_destination,
+                    )
                     self.conn.message(headers, convert.body_of(message))
                 if auto:
                     consumer.ack_ids(ids)
@@ -498,8 +521,9 @@ class StompSession:
         self._flush()
 
     def _protocol_error(self, exc: RemoteProtocolError) -> None:
-        log.info("stomp protocol error", extra={"peer": self.wire.peer, "error": exc.message,
-                                                "detail": exc.detail[:200]})  # fmt: skip
+        log.info(
+            "stomp protocol error", extra={"peer": self.wire.peer, "error": exc.message, "detail": exc.detail[:200]}
+        )
         self.counters.errors += 1
         self._flush()
 

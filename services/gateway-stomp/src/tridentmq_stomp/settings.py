@@ -19,19 +19,26 @@ class GatewayNodeSection:
 
 @dataclass(frozen=True)
 class ListenerSection:
-    host: str = doc("127.0.0.1", "Interface for STOMP clients. While the core has no users it refuses "
-                                 "clients of other hosts (core security.allow_anonymous_remote).")  # fmt: skip
-    port: int = doc(61613, "STOMP over TCP (0 = any free port, written to the ports file; -1 = off, for "
-                                   "clients over TLS only).")  # fmt: skip
+    host: str = doc(
+        "127.0.0.1",
+        "Interface for STOMP clients. While the core has no users it refuses "
+        "clients of other hosts (core security.allow_anonymous_remote).",
+    )
+    port: int = doc(
+        61613, "STOMP over TCP (0 = any free port, written to the ports file; -1 = off, for clients over TLS only)."
+    )
     websocket_port: int = doc(61614, "STOMP over WebSocket, subprotocols v10/v11/v12.stomp or none (-1 = off).")
-    tls_port: int = doc(61612, "STOMP over TLS, opened when `tls.cert_file` is set (-1 = off; 0 = any free "
-                               "port).")  # fmt: skip
-    websocket_tls_port: int = doc(61615, "STOMP over WebSocket over TLS (wss), opened when `tls.cert_file` is set "
-                                       "(-1 = off).")  # fmt: skip
+    tls_port: int = doc(61612, "STOMP over TLS, opened when `tls.cert_file` is set (-1 = off; 0 = any free port).")
+    websocket_tls_port: int = doc(
+        61615, "STOMP over WebSocket over TLS (wss), opened when `tls.cert_file` is set (-1 = off)."
+    )
     max_connections: int = doc(10_000, "STOMP connections accepted at once; more are refused.")
-    max_logging_in: int = doc(1000, "Connections at once that have not logged in yet (each bounded by "
-                                    "`max_connect_bytes`); more are refused, the first refusal of each minute "
-                                    "logged.")  # fmt: skip
+    max_logging_in: int = doc(
+        1000,
+        "Connections at once that have not logged in yet (each bounded by "
+        "`max_connect_bytes`); more are refused, the first refusal of each minute "
+        "logged.",
+    )
 
 
 @dataclass(frozen=True)
@@ -44,24 +51,42 @@ class StompLimitsSection:
     max_frame_bytes: int = doc(4 * 1024 * 1024, "Largest frame body accepted (ERROR `frame too large` above).")
     max_headers: int = doc(64, "Most headers in one frame.")
     max_header_bytes: int = doc(64 * 1024, "Most bytes of command and header lines in one frame.")
-    prefetch: int = doc(1000, "Messages sent to a subscription ahead of its acks, unless the SUBSCRIBE says "
-                              "`consumer-window-size` or `activemq.prefetchSize`.")  # fmt: skip
+    prefetch: int = doc(
+        1000,
+        "Messages sent to a subscription ahead of its acks, unless the SUBSCRIBE says "
+        "`consumer-window-size` or `activemq.prefetchSize`.",
+    )
     max_prefetch: int = doc(10_000, "Largest prefetch a subscription may ask for.")
-    pending_frames: int = doc(1000, "Client frames read ahead of processing before the gateway stops reading "
-                                    "the socket (back-pressure to a fast producer).")  # fmt: skip
-    pending_bytes: int = doc(8 * 1024 * 1024, "Bytes read ahead of processing before the gateway stops reading "
-                                              "the socket, whatever the frame count (large frames).")  # fmt: skip
+    pending_frames: int = doc(
+        1000,
+        "Client frames read ahead of processing before the gateway stops reading "
+        "the socket (back-pressure to a fast producer).",
+    )
+    pending_bytes: int = doc(
+        8 * 1024 * 1024,
+        "Bytes read ahead of processing before the gateway stops reading "
+        "the socket, whatever the frame count (large frames).",
+    )
     heartbeat_send_ms: int = doc(10_000, "Heart-beat interval the gateway offers to send (sx of CONNECTED).")
-    heartbeat_receive_ms: int = doc(10_000, "Heart-beat interval the gateway asks of clients (sy); a client "
-                                            "silent for twice the agreed interval is disconnected.")  # fmt: skip
+    heartbeat_receive_ms: int = doc(
+        10_000,
+        "Heart-beat interval the gateway asks of clients (sy); a client "
+        "silent for twice the agreed interval is disconnected.",
+    )
     min_heartbeat_ms: int = doc(100, "Shortest heart-beat interval agreed to, either way.")
-    connect_timeout_ms: int = doc(10_000, "A connection that has not sent its CONNECT frame by then gets ERROR "
-                                          "`connect timeout` and is closed (0 = wait for ever).")  # fmt: skip
-    max_connect_bytes: int = doc(64 * 1024, "Most bytes a client may send before its CONNECT frame is complete "
-                                            "(ERROR `frame too large` beyond, 0 = no limit); while its login is "
-                                            "checked, the gateway reads nothing more from it. Bounds what a "
-                                            "connection that has not logged in can make the gateway "
-                                            "hold.")  # fmt: skip
+    connect_timeout_ms: int = doc(
+        10_000,
+        "A connection that has not sent its CONNECT frame by then gets ERROR "
+        "`connect timeout` and is closed (0 = wait for ever).",
+    )
+    max_connect_bytes: int = doc(
+        64 * 1024,
+        "Most bytes a client may send before its CONNECT frame is complete "
+        "(ERROR `frame too large` beyond, 0 = no limit); while its login is "
+        "checked, the gateway reads nothing more from it. Bounds what a "
+        "connection that has not logged in can make the gateway "
+        "hold.",
+    )
 
 
 @dataclass(frozen=True)
@@ -70,14 +95,24 @@ class HttpSection:
     host: str = doc("127.0.0.1", "Interface of the HTTP server.")
     port: int = doc(8081, "Port of the HTTP server (0 = any free port).")
     tls: bool = doc(False, "Serve HTTPS instead of HTTP on that port (certificates in `[tls]`).")
-    allowed_hosts: list[str] = doc(list, "Host names requests may carry in their Host header besides loopback "
-                                         "names, the address they came in on and `http.host` (a check against "
-                                         "DNS rebinding); `*` allows any.", factory=True)  # fmt: skip
-    request_timeout_ms: int = doc(10_000, "A connection to the HTTP port or to the WebSocket listeners must send "
-                                          "a whole request head within this, and is closed after as long "
-                                          "idle.")  # fmt: skip
-    max_connections: int = doc(256, "HTTP connections open at once; more get 503 and are closed (logged once a "
-                                    "minute). The WebSocket listeners take `listener.max_connections`.")  # fmt: skip
+    allowed_hosts: list[str] = doc(
+        list,
+        "Host names requests may carry in their Host header besides loopback "
+        "names, the address they came in on and `http.host` (a check against "
+        "DNS rebinding); `*` allows any.",
+        factory=True,
+    )
+    request_timeout_ms: int = doc(
+        10_000,
+        "A connection to the HTTP port or to the WebSocket listeners must send "
+        "a whole request head within this, and is closed after as long "
+        "idle.",
+    )
+    max_connections: int = doc(
+        256,
+        "HTTP connections open at once; more get 503 and are closed (logged once a "
+        "minute). The WebSocket listeners take `listener.max_connections`.",
+    )
 
 
 @dataclass(frozen=True)
@@ -87,6 +122,9 @@ class StompSettings:
     core: CoreLinkSection = doc(CoreLinkSection(), "The core node behind this gateway.")
     stomp: StompLimitsSection = doc(StompLimitsSection(), "Protocol limits, windows and heart-beats.")
     http: HttpSection = doc(HttpSection(), "Health and metrics HTTP server.")
-    tls: TlsSection = doc(TlsSection(), "Certificates of the TLS listeners (`listener.tls_port`, "
-                                        "`listener.websocket_tls_port`, `http.tls`) and of TLS links to the core "
-                                        "(`core.tls`).")  # fmt: skip
+    tls: TlsSection = doc(
+        TlsSection(),
+        "Certificates of the TLS listeners (`listener.tls_port`, "
+        "`listener.websocket_tls_port`, `http.tls`) and of TLS links to the core "
+        "(`core.tls`).",
+    )

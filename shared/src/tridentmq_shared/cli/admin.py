@@ -12,23 +12,39 @@ from typing import Any
 
 Credentials = tuple[str, str] | None  # user and password for HTTP Basic, None: send none
 
-_HINT = {401: "give --user and --password, or set TRIDENTMQ_USER and TRIDENTMQ_PASSWORD",
-         403: "the user needs the manage permission"}  # fmt: skip
+_HINT = {
+    401: "give --user and --password, or set TRIDENTMQ_USER and TRIDENTMQ_PASSWORD",
+    403: "the user needs the manage permission",
+}
 
 
 class AdminError(Exception):
     """The management API could not be reached or answered badly; the text is for the user."""
 
 
-def fetch(base_url: str, path: str, timeout: float = 5.0, *, ca_file: str = "", credentials: Credentials = None,
-          ) -> Any:  # fmt: skip
+def fetch(
+    base_url: str,
+    path: str,
+    timeout: float = 5.0,
+    *,
+    ca_file: str = "",
+    credentials: Credentials = None,
+) -> Any:
     """GET ``path`` as JSON, as ``credentials``' user when given; an https URL's certificate is checked against
     ``ca_file`` (else the system's authorities)."""
     return send(base_url, "GET", path, None, timeout, ca_file=ca_file, credentials=credentials)
 
 
-def send(base_url: str, method: str, path: str, body: dict[str, Any] | None, timeout: float = 5.0, *,
-         ca_file: str = "", credentials: Credentials = None) -> Any:  # fmt: skip
+def send(
+    base_url: str,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None,
+    timeout: float = 5.0,
+    *,
+    ca_file: str = "",
+    credentials: Credentials = None,
+) -> Any:
     """``method`` ``path`` with ``body`` as JSON (none when None); the answer's JSON. See ``fetch``."""
     url = base_url.rstrip("/") + path
     context = ssl.create_default_context(cafile=ca_file or None) if url.startswith("https:") else None
@@ -116,13 +132,19 @@ def ha_line(ha: dict[str, Any]) -> str:
         backup = ha.get("backup") or "none"
         state = "in sync" if ha.get("backup_in_sync") else "copying" if ha.get("backup") else ""
         waiting = ", waiting for a quorum" if ha.get("waiting_for_quorum") else ""
-        return (f"pair        {ha['group']}: active (configured {ha['configured_role']}), epoch {ha['epoch']}, "
-                f"backup {backup} {state}{waiting}").rstrip()  # fmt: skip
+        return (
+            f"pair        {ha['group']}: active (configured {ha['configured_role']}), epoch {ha['epoch']}, "
+            f"backup {backup} {state}{waiting}"
+        ).rstrip()
     if "waiting_for_quorum" in ha:  # the pair's active copy, serving nobody (cut off or isolated)
-        return (f"pair        {ha['group']}: NOT SERVING (configured {ha['configured_role']}), epoch {ha['epoch']}: "
-                f"{ha.get('state', '')}")  # fmt: skip
-    return (f"pair        {ha['group']}: backup of {ha.get('primary') or '?'}, epoch {ha['epoch']}, "
-            f"{'in sync (can take over)' if ha.get('in_sync') else 'not in sync'}; {ha.get('state', '')}")  # fmt: skip
+        return (
+            f"pair        {ha['group']}: NOT SERVING (configured {ha['configured_role']}), epoch {ha['epoch']}: "
+            f"{ha.get('state', '')}"
+        )
+    return (
+        f"pair        {ha['group']}: backup of {ha.get('primary') or '?'}, epoch {ha['epoch']}, "
+        f"{'in sync (can take over)' if ha.get('in_sync') else 'not in sync'}; {ha.get('state', '')}"
+    )
 
 
 def cluster_lines(cluster: dict[str, Any]) -> list[str]:
@@ -135,29 +157,53 @@ def cluster_lines(cluster: dict[str, Any]) -> list[str]:
         ),
         f"members     {members}",
     ]
-    rows = [[c["name"] or c["node_id"][:8] or "?", c["address"], c["state"], c["pending_forward"], c["reason"]]
-            for c in cluster["connections"]]  # fmt: skip
+    rows = [
+        [c["name"] or c["node_id"][:8] or "?", c["address"], c["state"], c["pending_forward"], c["reason"]]
+        for c in cluster["connections"]
+    ]
     if rows:
         lines.append(format_table(["to node", "address", "state", "to forward", "reason"], rows))
     if cluster.get("redistributing"):
-        moves = [f"{q} → {', '.join(n[:8] for n in ([nodes] if isinstance(nodes, str) else nodes))}"
-                 for q, nodes in cluster["redistributing"].items()]  # fmt: skip
+        moves = [
+            f"{q} → {', '.join(n[:8] for n in ([nodes] if isinstance(nodes, str) else nodes))}"
+            for q, nodes in cluster["redistributing"].items()
+        ]
         lines.append("redistributing " + "; ".join(moves))
     stranded = cluster.get("stranded") or {}
     since = cluster.get("stranded_since") or {}
     now_ms = time.time() * 1000
-    lines.append("stranded    " + (", ".join(
-        f"{q} {n:,}" + (f" for {max(0.0, now_ms - since[q]) / 1000:,.0f} s" if q in since else "")
-        for q, n in stranded.items()) or "none"))  # fmt: skip
+    lines.append(
+        "stranded    "
+        + (
+            ", ".join(
+                f"{q} {n:,}" + (f" for {max(0.0, now_ms - since[q]) / 1000:,.0f} s" if q in since else "")
+                for q, n in stranded.items()
+            )
+            or "none"
+        )
+    )
     for node, kept in (cluster.get("unreachable") or {}).items():  # down, its durable queues still destinations
-        lines.append(f"down        {node[:8]}: {kept['pending_forward']:,} messages wait here for its "
-                     f"{len(kept['queues'])} durable queues ({', '.join(kept['queues'][:5])})")  # fmt: skip
+        lines.append(
+            f"down        {node[:8]}: {kept['pending_forward']:,} messages wait here for its "
+            f"{len(kept['queues'])} durable queues ({', '.join(kept['queues'][:5])})"
+        )
     nodes = cluster.get("nodes")
     if nodes:
-        rows = [[n["name"], n["link"], n.get("backup", "-"), n.get("backlog", "?"), n.get("stranded", "?"),
-                 n.get("forwarding", "?"), n.get("error", "")] for n in nodes]  # fmt: skip
-        lines.append(format_table(["node", "link", "in-sync backup", "backlog", "stranded", "to forward", "note"],
-                                  rows))  # fmt: skip
+        rows = [
+            [
+                n["name"],
+                n["link"],
+                n.get("backup", "-"),
+                n.get("backlog", "?"),
+                n.get("stranded", "?"),
+                n.get("forwarding", "?"),
+                n.get("error", ""),
+            ]
+            for n in nodes
+        ]
+        lines.append(
+            format_table(["node", "link", "in-sync backup", "backlog", "stranded", "to forward", "note"], rows)
+        )
     return lines
 
 
@@ -166,9 +212,12 @@ def cluster_nodes(cluster: dict[str, Any], credentials: Credentials = None) -> l
     nodes = []
     for member in cluster["members"]:
         backup = member.get("backup")
-        entry: dict[str, Any] = {"name": member["name"] or member["node_id"][:8], "node_id": member["node_id"],
-                                 "link": f"{member['host']}:{member['port']}",
-                                 "backup": f"{backup[0]}:{backup[1]}" if backup else "-"}  # fmt: skip
+        entry: dict[str, Any] = {
+            "name": member["name"] or member["node_id"][:8],
+            "node_id": member["node_id"],
+            "link": f"{member['host']}:{member['port']}",
+            "backup": f"{backup[0]}:{backup[1]}" if backup else "-",
+        }
         if not member.get("management"):
             entry["error"] = "no management port"
         else:
@@ -202,6 +251,19 @@ def queue_table(queues: list[dict[str, Any]]) -> str:
         "in/s",
         "ack/s",
     ]
-    rows = [[q["name"], q["address"], q["routing_type"], q["depth"], q["consumers"], q["in_flight"], q["added"],
-             q["acked"], q.get("enqueue_rate", 0.0), q.get("ack_rate", 0.0)] for q in queues]  # fmt: skip
+    rows = [
+        [
+            q["name"],
+            q["address"],
+            q["routing_type"],
+            q["depth"],
+            q["consumers"],
+            q["in_flight"],
+            q["added"],
+            q["acked"],
+            q.get("enqueue_rate", 0.0),
+            q.get("ack_rate", 0.0),
+        ]
+        for q in queues
+    ]
     return format_table(headers, rows) if rows else "no queues"

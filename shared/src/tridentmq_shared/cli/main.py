@@ -38,13 +38,17 @@ def _management_args(parser: argparse.ArgumentParser) -> None:
 
 def _user_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--user", default=os.environ.get("TRIDENTMQ_USER"), help="user (env TRIDENTMQ_USER)")
-    parser.add_argument("--password", default=os.environ.get("TRIDENTMQ_PASSWORD"),
-                        help="password (env TRIDENTMQ_PASSWORD)")  # fmt: skip
+    parser.add_argument(
+        "--password", default=os.environ.get("TRIDENTMQ_PASSWORD"), help="password (env TRIDENTMQ_PASSWORD)"
+    )
 
 
 def _tls_file_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ca-file", default="", help="PEM authorities to check the server's certificate against "
-                        "(default: the system's)")  # fmt: skip
+    parser.add_argument(
+        "--ca-file",
+        default="",
+        help="PEM authorities to check the server's certificate against (default: the system's)",
+    )
 
 
 def _link_tls(args: argparse.Namespace) -> TlsSection | None:
@@ -65,15 +69,32 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run a core node and every installed gateway (Ctrl-C stops all)")
     up.add_argument("--data-dir", type=Path, default=Path("data"), help="data directory (default %(default)s)")
     up.add_argument("--config", type=Path, help="the core's TOML settings file")
-    up.add_argument("--config-dir", type=Path, help="a directory of settings files, one per process: core.toml, "
-                    "stomp.toml, mqtt.toml, amqp.toml (each optional)")  # fmt: skip
-    up.add_argument("--nodes", type=int, default=1, help="core nodes: above 1, a local cluster on link ports "
-                    "61616, 61617, ... and management ports 8161, 8162, ... (default %(default)s)")  # fmt: skip
-    up.add_argument("--discovery", default="", help="with --nodes, find each other through this Redis URL "
-                    "(redis://host:port/db) instead of static connectors")  # fmt: skip
-    up.add_argument("--pairs", type=int, default=0, help="a local cluster of this many primary/backup replication "
-                    "pairs: primaries on link ports 61616, ..., their backups after them (3 or more, so that a "
-                    "quorum can let a backup take over)")  # fmt: skip
+    up.add_argument(
+        "--config-dir",
+        type=Path,
+        help="a directory of settings files, one per process: core.toml, "
+        "stomp.toml, mqtt.toml, amqp.toml (each optional)",
+    )
+    up.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="core nodes: above 1, a local cluster on link ports "
+        "61616, 61617, ... and management ports 8161, 8162, ... (default %(default)s)",
+    )
+    up.add_argument(
+        "--discovery",
+        default="",
+        help="with --nodes, find each other through this Redis URL (redis://host:port/db) instead of static connectors",
+    )
+    up.add_argument(
+        "--pairs",
+        type=int,
+        default=0,
+        help="a local cluster of this many primary/backup replication "
+        "pairs: primaries on link ports 61616, ..., their backups after them (3 or more, so that a "
+        "quorum can let a backup take over)",
+    )
 
     core = sub.add_parser("core", help="run one core node in the foreground")
     core.add_argument("args", nargs=argparse.REMAINDER, help="arguments for tridentmq-core (see --help)")
@@ -129,13 +150,20 @@ async def _produce(args: argparse.Namespace) -> int:
             raise SystemExit(f"tridentmq: --property takes KEY=VALUE, got {item!r}")
         properties[key] = value
     routing = RoutingType.MULTICAST if args.multicast else RoutingType.ANYCAST
-    async with LinkClient(args.host, args.port, user=args.user, password=args.password,
-                          client_name="tridentmq-produce", tls=_client_tls(args)) as client:  # fmt: skip
+    async with LinkClient(
+        args.host,
+        args.port,
+        user=args.user,
+        password=args.password,
+        client_name="tridentmq-produce",
+        tls=_client_tls(args),
+    ) as client:
         futures = []
         for n in range(1, args.count + 1):
             body = args.body.replace("{n}", str(n)).encode()
-            message = new_message(args.address, body, routing=routing, durable=args.durable,
-                                  properties=properties, protocol="link")  # fmt: skip
+            message = new_message(
+                args.address, body, routing=routing, durable=args.durable, properties=properties, protocol="link"
+            )
             futures.append(await client.send(message))
         await asyncio.gather(*futures)
     print(f"{args.count} message(s) confirmed on {args.address}")
@@ -143,16 +171,22 @@ async def _produce(args: argparse.Namespace) -> int:
 
 
 async def _consume(args: argparse.Namespace) -> int:
-    async with LinkClient(args.host, args.port, user=args.user, password=args.password,
-                          client_name="tridentmq-consume", tls=_client_tls(args)) as client:  # fmt: skip
+    async with LinkClient(
+        args.host,
+        args.port,
+        user=args.user,
+        password=args.password,
+        client_name="tridentmq-consume",
+        tls=_client_tls(args),
+    ) as client:
         options: dict[str, Any] = {}
         queue = args.queue
         if args.multicast:
             address, queue = args.queue, f"{args.queue}.consume-{os.getpid()}"
-            await client.create_queue(queue, address, routing_type=RoutingType.MULTICAST, durable=False,
-                                      temporary=True)  # fmt: skip
-        consumer = await client.subscribe(queue, credit=min(max(args.count, 1), 1000), selector=args.selector,
-                                          **options)  # fmt: skip
+            await client.create_queue(queue, address, routing_type=RoutingType.MULTICAST, durable=False, temporary=True)
+        consumer = await client.subscribe(
+            queue, credit=min(max(args.count, 1), 1000), selector=args.selector, **options
+        )
         received = 0
         while received < args.count:
             delivery = await consumer.get(timeout=args.timeout)
@@ -171,8 +205,18 @@ async def _consume(args: argparse.Namespace) -> int:
 
 
 def _perf(args: argparse.Namespace) -> int:
-    opts = perf.PerfOptions(args.host, args.port, args.user, args.password, args.count, args.size, args.durable,
-                            args.rate, args.window, tls=_link_tls(args))  # fmt: skip
+    opts = perf.PerfOptions(
+        args.host,
+        args.port,
+        args.user,
+        args.password,
+        args.count,
+        args.size,
+        args.durable,
+        args.rate,
+        args.window,
+        tls=_link_tls(args),
+    )
     result = perf.run_once(opts)
     print(json.dumps(result) if args.json else perf.describe(result, opts))
     return 0 if result["received"] == args.count else 1
@@ -186,8 +230,14 @@ def _credentials(args: argparse.Namespace) -> admin.Credentials:
 def run(args: argparse.Namespace) -> int:
     match args.command:
         case "up":
-            children = supervisor.plan(args.data_dir, args.config, args.config_dir, nodes=args.nodes,
-                                       discovery=args.discovery, pairs=args.pairs)  # fmt: skip
+            children = supervisor.plan(
+                args.data_dir,
+                args.config,
+                args.config_dir,
+                nodes=args.nodes,
+                discovery=args.discovery,
+                pairs=args.pairs,
+            )
             return run_main(supervisor.supervise(children))
         case "status":
             status = admin.fetch(args.management, "/api/status", ca_file=args.ca_file, credentials=_credentials(args))

@@ -45,18 +45,28 @@ def add_queue_commands(queue_sub: Any, management_args: ManagementArgs) -> None:
     browse.add_argument("--limit", type=int, default=20)
     browse.add_argument("--selector")
     browse.add_argument("--preview", type=int, default=60, help="body bytes shown (default %(default)s)")
-    for verb, text in (("move", "move messages to another queue, or each back where it was dead-lettered from"),
-                       ("copy", "copy messages to another queue (or each to where it came from)")):  # fmt: skip
+    for verb, text in (
+        ("move", "move messages to another queue, or each back where it was dead-lettered from"),
+        ("copy", "copy messages to another queue (or each to where it came from)"),
+    ):
         parser = _op(queue_sub, verb, text, management_args)
         parser.add_argument("name")
         parser.add_argument("--to", help="the target queue (default: each message's original queue)")
         parser.add_argument("--selector", help="only the messages this selector matches")
         parser.add_argument("--limit", type=int, default=-1, help="at most this many per node (default all)")
-        parser.add_argument("--message-id", type=int, action="append", dest="message_ids",
-                            help="only this message (repeatable; needs --node)")  # fmt: skip
+        parser.add_argument(
+            "--message-id",
+            type=int,
+            action="append",
+            dest="message_ids",
+            help="only this message (repeatable; needs --node)",
+        )
     for verb in ("pause", "resume"):
-        text = "pause deliveries from a queue (it still takes messages in)" if verb == "pause" else \
-            "deliver from a paused queue again"  # fmt: skip
+        text = (
+            "pause deliveries from a queue (it still takes messages in)"
+            if verb == "pause"
+            else "deliver from a paused queue again"
+        )
         parser = _op(queue_sub, verb, text, management_args)
         parser.add_argument("name")
 
@@ -68,11 +78,11 @@ def add_commands(sub: Any, management_args: ManagementArgs) -> None:
     for verb in ("pause", "resume"):
         parser = _op(address_sub, verb, f"{verb} deliveries from every queue of an address", management_args)
         parser.add_argument("name")
-    settings = _op(address_sub, "settings", "show the address settings (and what applies to ADDRESS)",
-                   management_args)  # fmt: skip
+    settings = _op(address_sub, "settings", "show the address settings (and what applies to ADDRESS)", management_args)
     settings.add_argument("name", nargs="?", metavar="ADDRESS")
-    change = _op(address_sub, "set", "replace the address settings entry for MATCH at run time (not saved)",
-                 management_args)  # fmt: skip
+    change = _op(
+        address_sub, "set", "replace the address settings entry for MATCH at run time (not saved)", management_args
+    )
     change.add_argument("match")
     change.add_argument("values", nargs="+", metavar="KEY=VALUE", help="a setting (JSON value, else a string)")
 
@@ -84,16 +94,24 @@ def add_commands(sub: Any, management_args: ManagementArgs) -> None:
 
     client = sub.add_parser("client", help="clients: close")
     client_sub = client.add_subparsers(dest="client_command", required=True, metavar="SUBCOMMAND")
-    close = _op(client_sub, "close", "close every link of a client: its connection id, client name, MQTT client "
-                "id or a gateway client's host:port (the client is told and does not come back by itself)",
-                management_args)  # fmt: skip
+    close = _op(
+        client_sub,
+        "close",
+        "close every link of a client: its connection id, client name, MQTT client "
+        "id or a gateway client's host:port (the client is told and does not come back by itself)",
+        management_args,
+    )
     close.add_argument("client")
 
     mqtt = sub.add_parser("mqtt", help="MQTT state: sessions | session-delete | retained | retained-delete")
     mqtt_sub = mqtt.add_subparsers(dest="mqtt_command", required=True, metavar="SUBCOMMAND")
     _op(mqtt_sub, "sessions", "list MQTT sessions", management_args)
-    delete = _op(mqtt_sub, "session-delete", "delete a client's MQTT session (a connected client is disconnected)",
-                 management_args)  # fmt: skip
+    delete = _op(
+        mqtt_sub,
+        "session-delete",
+        "delete a client's MQTT session (a connected client is disconnected)",
+        management_args,
+    )
     delete.add_argument("client_id")
     retained = _op(mqtt_sub, "retained", "list retained messages", management_args)
     retained.add_argument("--prefix", default="", help="only topics starting with this")
@@ -103,31 +121,42 @@ def add_commands(sub: Any, management_args: ManagementArgs) -> None:
 
     node = sub.add_parser("node", help="node commands: failback | scale-down | forget")
     node_sub = node.add_subparsers(dest="node_command", required=True, metavar="SUBCOMMAND")
-    _op(node_sub, "failback", "hand a replication pair back to its primary now (on its active backup)",
-        management_args)  # fmt: skip
+    _op(node_sub, "failback", "hand a replication pair back to its primary now (on its active backup)", management_args)
     _op(node_sub, "scale-down", "move every message of a node to the others, then stop it", management_args)
-    forget = _op(node_sub, "forget", "drop a departed node that never comes back (its messages waiting on the "
-                 "others go to the remaining queues or the dead-letter address)", management_args)  # fmt: skip
+    forget = _op(
+        node_sub,
+        "forget",
+        "drop a departed node that never comes back (its messages waiting on the "
+        "others go to the remaining queues or the dead-letter address)",
+        management_args,
+    )
     forget.add_argument("node_id", help="the full node id of the departed node")
 
 
-def _call(args: argparse.Namespace, method: str, path: str, body: dict[str, Any] | None = None,
-          query: dict[str, Any] | None = None) -> Any:  # fmt: skip
+def _call(
+    args: argparse.Namespace,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None = None,
+    query: dict[str, Any] | None = None,
+) -> Any:
     params = {k: v for k, v in (query or {}).items() if v is not None}
     if getattr(args, "node", None):
         params["node"] = args.node
     if params:
         path += "?" + urlencode(params)
     credentials = (args.user, args.password or "") if args.user else None
-    return admin.send(args.management, method, path, body, timeout=30.0, ca_file=args.ca_file,
-                      credentials=credentials)  # fmt: skip
+    return admin.send(args.management, method, path, body, timeout=30.0, ca_file=args.ca_file, credentials=credentials)
 
 
 def _summary(answer: dict[str, Any]) -> str:
     counts = ", ".join(f"{k} {v}" for k, v in answer.items() if isinstance(v, int) and not isinstance(v, bool))
     lines = [counts or "done"]
-    lines += [f"  {node.get('name') or node['node_id'][:8]}: {node.get('status')} {node.get('error')}"
-              for node in answer.get("nodes", []) if node.get("status") != 200]  # fmt: skip
+    lines += [
+        f"  {node.get('name') or node['node_id'][:8]}: {node.get('status')} {node.get('error')}"
+        for node in answer.get("nodes", [])
+        if node.get("status") != 200
+    ]
     return "\n".join(lines)
 
 
@@ -142,21 +171,38 @@ def _queue(args: argparse.Namespace) -> Any:
     name = args.name
     match args.queue_command:
         case "create":
-            body = {"name": name, "address": args.address, "routing_type": "multicast" if args.multicast else "anycast",
-                    "durable": not args.non_durable, "filter": args.filter, "exclusive": args.exclusive,
-                    "last_value_key": args.last_value_key, "max_consumers": args.max_consumers}  # fmt: skip
+            body = {
+                "name": name,
+                "address": args.address,
+                "routing_type": "multicast" if args.multicast else "anycast",
+                "durable": not args.non_durable,
+                "filter": args.filter,
+                "exclusive": args.exclusive,
+                "last_value_key": args.last_value_key,
+                "max_consumers": args.max_consumers,
+            }
             return _call(args, "POST", "/api/queues", {k: v for k, v in body.items() if v is not None})
         case "delete":
             return _call(args, "DELETE", "/api/queues/" + quote(name, safe=""))
         case "purge":
             return _call(args, "POST", "/api/purge", {"queue": name, "selector": args.selector})
         case "browse":
-            query = {"queue": name, "offset": args.offset, "limit": args.limit, "selector": args.selector,
-                     "preview": args.preview}  # fmt: skip
+            query = {
+                "queue": name,
+                "offset": args.offset,
+                "limit": args.limit,
+                "selector": args.selector,
+                "preview": args.preview,
+            }
             return _call(args, "GET", "/api/messages", query=query)
         case "move" | "copy":
-            body = {"queue": name, "to": args.to, "selector": args.selector, "limit": args.limit,
-                    "message_ids": args.message_ids}  # fmt: skip
+            body = {
+                "queue": name,
+                "to": args.to,
+                "selector": args.selector,
+                "limit": args.limit,
+                "message_ids": args.message_ids,
+            }
             return _call(args, "POST", f"/api/{args.queue_command}", {k: v for k, v in body.items() if v is not None})
         case "pause" | "resume":
             return _call(args, "POST", f"/api/{args.queue_command}", {"queue": name})
@@ -164,9 +210,19 @@ def _queue(args: argparse.Namespace) -> Any:
 
 
 def _browse_text(answer: dict[str, Any]) -> str:
-    rows = [[m.get("node", ""), m["message_id"], m["state"], m["delivery_count"], m["priority"], m["size"],
-             ", ".join(f"{k}={v}" for k, v in m["properties"].items())[:40], m["body"].replace("\n", " ")[:60]]
-            for m in answer["messages"]]  # fmt: skip
+    rows = [
+        [
+            m.get("node", ""),
+            m["message_id"],
+            m["state"],
+            m["delivery_count"],
+            m["priority"],
+            m["size"],
+            ", ".join(f"{k}={v}" for k, v in m["properties"].items())[:40],
+            m["body"].replace("\n", " ")[:60],
+        ]
+        for m in answer["messages"]
+    ]
     table = admin.format_table(["node", "id", "state", "count", "prio", "size", "properties", "body"], rows)
     return f"{answer['total']} message(s)\n" + (table if rows else "")
 
@@ -225,11 +281,22 @@ def _mqtt(args: argparse.Namespace) -> tuple[Any, Callable[[Any], str]]:
         case "sessions":
 
             def sessions(answer: Any) -> str:
-                rows = [[s["client_id"] or s["label"], s.get("user") or "", "yes" if s["connected"] else "no",
-                         "yes" if s["persistent"] else "no", s["queued"], ", ".join(s["subscriptions"])[:60]]
-                        for s in answer["sessions"]]  # fmt: skip
-                return admin.format_table(["client", "user", "connected", "persistent", "queued", "subscriptions"],
-                                          rows) if rows else "no MQTT sessions"  # fmt: skip
+                rows = [
+                    [
+                        s["client_id"] or s["label"],
+                        s.get("user") or "",
+                        "yes" if s["connected"] else "no",
+                        "yes" if s["persistent"] else "no",
+                        s["queued"],
+                        ", ".join(s["subscriptions"])[:60],
+                    ]
+                    for s in answer["sessions"]
+                ]
+                return (
+                    admin.format_table(["client", "user", "connected", "persistent", "queued", "subscriptions"], rows)
+                    if rows
+                    else "no MQTT sessions"
+                )
 
             return _call(args, "GET", "/api/mqtt/sessions"), sessions
         case "session-delete":

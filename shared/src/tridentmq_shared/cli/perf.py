@@ -52,8 +52,9 @@ def _body(size: int) -> bytearray:
 
 
 async def _produce(opts: PerfOptions, queue: str) -> dict[str, Any]:
-    async with LinkClient(opts.host, opts.port, user=opts.user, password=opts.password,
-                          client_name="perf-producer", tls=_tls(opts)) as client:  # fmt: skip
+    async with LinkClient(
+        opts.host, opts.port, user=opts.user, password=opts.password, client_name="perf-producer", tls=_tls(opts)
+    ) as client:
         body = _body(opts.size)
         prototype = new_message(queue, b"", durable=opts.durable)
         confirms = []
@@ -79,8 +80,14 @@ async def _produce(opts: PerfOptions, queue: str) -> dict[str, Any]:
 
 
 async def _consume(opts: PerfOptions, queue: str, ready: Connection) -> dict[str, Any]:
-    async with LinkClient(opts.host, opts.consumer_port or opts.port, user=opts.user, password=opts.password,
-                          client_name="perf-consumer", tls=_tls(opts)) as client:  # fmt: skip
+    async with LinkClient(
+        opts.host,
+        opts.consumer_port or opts.port,
+        user=opts.user,
+        password=opts.password,
+        client_name="perf-consumer",
+        tls=_tls(opts),
+    ) as client:
         consumer = await client.subscribe(queue, credit=opts.window, auto_ack=True)
         ready.send("ready")
         latencies: list[int] = []
@@ -110,10 +117,15 @@ async def _make_queue(opts: PerfOptions) -> str:
     if opts.queue:
         return opts.queue
     queue = f"perf.{uuid.uuid4().hex[:8]}"
-    async with LinkClient(opts.host, opts.consumer_port or opts.port, user=opts.user, password=opts.password,
-                          client_name="perf-setup", tls=_tls(opts)) as client:  # fmt: skip
-        await client.create_queue(queue, routing_type=RoutingType.ANYCAST, durable=opts.durable,
-                                  auto_delete=True)  # fmt: skip
+    async with LinkClient(
+        opts.host,
+        opts.consumer_port or opts.port,
+        user=opts.user,
+        password=opts.password,
+        client_name="perf-setup",
+        tls=_tls(opts),
+    ) as client:
+        await client.create_queue(queue, routing_type=RoutingType.ANYCAST, durable=opts.durable, auto_delete=True)
     return queue
 
 
@@ -140,8 +152,12 @@ def run_once(opts: PerfOptions, before_producing: Callable[[str], None] | None =
     consumer.join()
     elapsed = (consumed["end_ns"] - produced["start_ns"]) / 1e9
     latencies_ms = sorted(x / 1e6 for x in consumed["latencies"])
-    return {"received": consumed["received"], "elapsed_s": elapsed, "rate": consumed["received"] / elapsed,
-            "latency_ms": _percentiles(latencies_ms)}  # fmt: skip
+    return {
+        "received": consumed["received"],
+        "elapsed_s": elapsed,
+        "rate": consumed["received"] / elapsed,
+        "latency_ms": _percentiles(latencies_ms),
+    }
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
@@ -151,8 +167,14 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     def pick(q: float) -> float:
         return values[min(len(values) - 1, int(q * len(values)))]
 
-    return {"p50": pick(0.50), "p90": pick(0.90), "p99": pick(0.99), "p99.9": pick(0.999), "max": values[-1],
-            "mean": statistics.fmean(values)}  # fmt: skip
+    return {
+        "p50": pick(0.50),
+        "p90": pick(0.90),
+        "p99": pick(0.99),
+        "p99.9": pick(0.999),
+        "max": values[-1],
+        "mean": statistics.fmean(values),
+    }
 
 
 def describe(result: dict[str, Any], opts: PerfOptions) -> str:

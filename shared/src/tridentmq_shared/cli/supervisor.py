@@ -41,8 +41,15 @@ def installed_services() -> list[tuple[str, str]]:
     return services
 
 
-def plan(data_dir: Path, config: Path | None, config_dir: Path | None = None, *, nodes: int = 1,
-         discovery: str = "", pairs: int = 0) -> list[Child]:  # fmt: skip
+def plan(
+    data_dir: Path,
+    config: Path | None,
+    config_dir: Path | None = None,
+    *,
+    nodes: int = 1,
+    discovery: str = "",
+    pairs: int = 0,
+) -> list[Child]:
     """The children of ``up``: ``config`` is the core's settings file; ``config_dir`` may hold one file per
     process, named after it (``core.toml``, ``stomp.toml``, ``mqtt.toml``, ``amqp.toml``).
 
@@ -71,7 +78,8 @@ def plan(data_dir: Path, config: Path | None, config_dir: Path | None = None, *,
                 kind = name.removeprefix("gateway-").upper()
                 env[f"TRIDENTMQ_{kind}_CORE_PORT"] = actives[gateways % len(actives)]["TRIDENTMQ_CORE_LINK_PORT"]
                 env[f"TRIDENTMQ_{kind}_CORE_CONNECTORS"] = ",".join(
-                    f"127.0.0.1:{e['TRIDENTMQ_CORE_LINK_PORT']}" for _, e in cores)  # fmt: skip
+                    f"127.0.0.1:{e['TRIDENTMQ_CORE_LINK_PORT']}" for _, e in cores
+                )
             gateways += 1
             children.append(Child(name, argv, env))
         elif not cores:
@@ -110,16 +118,21 @@ def _cluster(data_dir: Path, nodes: int, discovery: str) -> list[tuple[str, dict
     cores = []
     for i in range(nodes):
         others = [f"127.0.0.1:{BASE_LINK_PORT + j}" for j in range(nodes) if j != i]
-        cores.append((f"core-{i}", {
-            "TRIDENTMQ_CORE_NODE_DATA_DIR": str(data_dir / f"core-{i}"),
-            "TRIDENTMQ_CORE_NODE_NAME": f"core-{i}",
-            "TRIDENTMQ_CORE_LINK_PORT": str(BASE_LINK_PORT + i),
-            "TRIDENTMQ_CORE_MANAGEMENT_PORT": str(BASE_MANAGEMENT_PORT + i),
-            "TRIDENTMQ_CORE_CLUSTER_USER": "cluster",
-            "TRIDENTMQ_CORE_CLUSTER_PASSWORD": password,
-            "TRIDENTMQ_CORE_CLUSTER_CONNECTORS": "" if discovery else ",".join(others),
-            "TRIDENTMQ_CORE_CLUSTER_DISCOVERY": discovery,
-        }))  # fmt: skip
+        cores.append(
+            (
+                f"core-{i}",
+                {
+                    "TRIDENTMQ_CORE_NODE_DATA_DIR": str(data_dir / f"core-{i}"),
+                    "TRIDENTMQ_CORE_NODE_NAME": f"core-{i}",
+                    "TRIDENTMQ_CORE_LINK_PORT": str(BASE_LINK_PORT + i),
+                    "TRIDENTMQ_CORE_MANAGEMENT_PORT": str(BASE_MANAGEMENT_PORT + i),
+                    "TRIDENTMQ_CORE_CLUSTER_USER": "cluster",
+                    "TRIDENTMQ_CORE_CLUSTER_PASSWORD": password,
+                    "TRIDENTMQ_CORE_CLUSTER_CONNECTORS": "" if discovery else ",".join(others),
+                    "TRIDENTMQ_CORE_CLUSTER_DISCOVERY": discovery,
+                },
+            )
+        )
     return cores
 
 
@@ -131,9 +144,15 @@ def _pairs(data_dir: Path, pairs: int, discovery: str) -> list[tuple[str, dict[s
     for i, (_, env) in enumerate(cores):
         pair, backup = i % pairs, i >= pairs
         name = f"backup-{pair}" if backup else f"core-{pair}"
-        env.update({"TRIDENTMQ_CORE_NODE_NAME": name, "TRIDENTMQ_CORE_NODE_DATA_DIR": str(data_dir / name),
-                    "TRIDENTMQ_CORE_HA_POLICY": "replication", "TRIDENTMQ_CORE_HA_GROUP_NAME": f"pair-{pair}",
-                    "TRIDENTMQ_CORE_HA_ROLE": "backup" if backup else "primary"})  # fmt: skip
+        env.update(
+            {
+                "TRIDENTMQ_CORE_NODE_NAME": name,
+                "TRIDENTMQ_CORE_NODE_DATA_DIR": str(data_dir / name),
+                "TRIDENTMQ_CORE_HA_POLICY": "replication",
+                "TRIDENTMQ_CORE_HA_GROUP_NAME": f"pair-{pair}",
+                "TRIDENTMQ_CORE_HA_ROLE": "backup" if backup else "primary",
+            }
+        )
         named.append((name, env))
     return named
 
@@ -150,8 +169,12 @@ async def _run_child(child: Child, stopping: asyncio.Event) -> None:
     while not stopping.is_set():
         started = time.monotonic()
         child.process = await asyncio.create_subprocess_exec(
-            *child.argv, env={**os.environ, **child.env}, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            *child.argv,
+            env={**os.environ, **child.env},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+        )
         assert child.process.stdout is not None
         pump = asyncio.create_task(_pump(child.name, child.process.stdout))
         code = await child.process.wait()

@@ -140,9 +140,14 @@ class Carrier:
         self.alive = False
         self.links.forget(self)
         if self.channels:
-            log.warning("shared core link lost: its sessions fail over",
-                        extra={"core": f"{self.client.host}:{self.client.port}", "sessions": len(self.channels),
-                               "reason": error.text})  # fmt: skip
+            log.warning(
+                "shared core link lost: its sessions fail over",
+                extra={
+                    "core": f"{self.client.host}:{self.client.port}",
+                    "sessions": len(self.channels),
+                    "reason": error.text,
+                },
+            )
         for channel_id in list(self.channels):
             self.ended(channel_id)
 
@@ -151,9 +156,17 @@ class SharedLinks:
     """The shared links of one gateway process to its core nodes, ``per_node`` to each, opened on first use
     with the gateway's own core user. Sessions are spread over a node's links by their count of channels."""
 
-    def __init__(self, *, per_node: int, user: str | None, password: str | None, name: str,
-                 heartbeat_ms: int = DEFAULT_HEARTBEAT_MS, tls: ClientTls | None = None,
-                 connect_timeout: float = 5.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        per_node: int,
+        user: str | None,
+        password: str | None,
+        name: str,
+        heartbeat_ms: int = DEFAULT_HEARTBEAT_MS,
+        tls: ClientTls | None = None,
+        connect_timeout: float = 5.0,
+    ) -> None:
         self.per_node = per_node
         self.user = user
         self.password = password
@@ -201,9 +214,16 @@ class SharedLinks:
         return carrier
 
     async def _new_carrier(self, endpoint: Endpoint) -> Carrier:
-        client = LinkClient(*endpoint, user=self.user, password=self.password, client_name=f"{self.name} sessions",
-                            heartbeat_ms=self.heartbeat_ms, reconnect=ReconnectPolicy(attempts=0, initial_attempts=1),
-                            connect_timeout=self.connect_timeout, tls=self.tls)  # fmt: skip
+        client = LinkClient(
+            *endpoint,
+            user=self.user,
+            password=self.password,
+            client_name=f"{self.name} sessions",
+            heartbeat_ms=self.heartbeat_ms,
+            reconnect=ReconnectPolicy(attempts=0, initial_attempts=1),
+            connect_timeout=self.connect_timeout,
+            tls=self.tls,
+        )
         core = f"{endpoint[0]}:{endpoint[1]}"
         try:
             await client.connect()
@@ -211,8 +231,10 @@ class SharedLinks:
             if exc.code != ErrorCode.UNAUTHENTICATED:
                 raise
             self._refused_until[endpoint] = time.monotonic() + REFUSED_RETRY_SECONDS
-            log.warning("the core refused the gateway's core.user for a shared link: one link per client session "
-                        "instead", extra={"core": core, "reason": exc.text})  # fmt: skip
+            log.warning(
+                "the core refused the gateway's core.user for a shared link: one link per client session instead",
+                extra={"core": core, "reason": exc.text},
+            )
             raise SharedLinksRefusedError(exc.text) from exc
         if self._closing:
             await client.close()

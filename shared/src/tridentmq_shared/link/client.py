@@ -134,8 +134,15 @@ class Consumer:
     out of the queue, whoever holds it (a gateway relaying to a slow client, say). With ``window_bytes``
     the window is bounded in body bytes as well (one message may pass it)."""
 
-    def __init__(self, client: LinkClient, queue: str, credit: int, options: dict[str, Any],
-                 credit_on_settle: bool = False, window_bytes: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        client: LinkClient,
+        queue: str,
+        credit: int,
+        options: dict[str, Any],
+        credit_on_settle: bool = False,
+        window_bytes: int = 0,
+    ) -> None:
         self.client = client
         self.queue = queue
         self.window = credit
@@ -195,8 +202,9 @@ class Consumer:
     def _credit(self, count: int, nbytes: int) -> None:
         self._taken += count
         self._taken_bytes += nbytes
-        if self._taken * CREDIT_TOP_UP_PARTS >= self.window or \
-                (self.window_bytes and self._taken_bytes * CREDIT_TOP_UP_PARTS >= self.window_bytes):  # fmt: skip
+        if self._taken * CREDIT_TOP_UP_PARTS >= self.window or (
+            self.window_bytes and self._taken_bytes * CREDIT_TOP_UP_PARTS >= self.window_bytes
+        ):
             self.client._flow(self, self._taken, self._taken_bytes)
             self._taken = self._taken_bytes = 0
 
@@ -450,9 +458,12 @@ class LinkClient:
         if not self.nodes.saw(self.node_id, self.node_epoch):
             # A copy of the node that another took over from (a paused or cut-off old primary): not ours.
             transport.abort()
-            raise LinkClosedError(ErrorCode.FENCED, f"{host}:{port} is node {self.node_id} at epoch "
-                                                    f"{self.node_epoch}; epoch {self.nodes.epochs[self.node_id]} "
-                                                    f"replaced it")  # fmt: skip
+            raise LinkClosedError(
+                ErrorCode.FENCED,
+                f"{host}:{port} is node {self.node_id} at epoch "
+                f"{self.node_epoch}; epoch {self.nodes.epochs[self.node_id]} "
+                f"replaced it",
+            )
         self._heartbeat_task = asyncio.create_task(self._heartbeat(conn))
         self._heartbeat_task.add_done_callback(self._task_ended)
 
@@ -654,8 +665,9 @@ class LinkClient:
             self._fail_all(self._error or error)  # the server's reason when it said one (shutdown, say)
             return
         # Unconfirmed publishes go again, before those a resume cut short had not re-sent yet.
-        self._unsent.extendleft(_homed(self._unconfirmed[seq], self.node_id)
-                                for seq in sorted(self._unconfirmed, reverse=True))  # fmt: skip
+        self._unsent.extendleft(
+            _homed(self._unconfirmed[seq], self.node_id) for seq in sorted(self._unconfirmed, reverse=True)
+        )
         self._unconfirmed.clear()
         if self._reconnecting is not None:
             self._reconnecting.cancel()  # lost again while resuming: start over
@@ -750,10 +762,14 @@ class LinkClient:
             consumer._taken = consumer._taken_bytes = 0
             options = consumer.options
             if consumer.spec is None and "address" in consumer.info:  # made again as it was, if it must be made
-                options = {"address": consumer.info["address"], "routing_type": consumer.info.get("routing_type"),
-                           **options}  # fmt: skip
-            req_id, consumer.consumer_id = conn.subscribe(consumer.queue, consumer.window, options,
-                                                          consumer.window_bytes)  # fmt: skip
+                options = {
+                    "address": consumer.info["address"],
+                    "routing_type": consumer.info.get("routing_type"),
+                    **options,
+                }
+            req_id, consumer.consumer_id = conn.subscribe(
+                consumer.queue, consumer.window, options, consumer.window_bytes
+            )
             consumer._on = conn
             self._consumers[consumer.consumer_id] = consumer
             self._background(req_id, functools.partial(self._resubscribed, consumer))
@@ -888,8 +904,11 @@ class LinkClient:
                 if not (again and self._resuming):
                     raise
 
-    async def create_address(self, address: str, routing_types: tuple[RoutingType, ...] = (RoutingType.ANYCAST,),
-                             ) -> dict[str, Any]:  # fmt: skip
+    async def create_address(
+        self,
+        address: str,
+        routing_types: tuple[RoutingType, ...] = (RoutingType.ANYCAST,),
+    ) -> dict[str, Any]:
         return dict(await self._request(lambda conn: conn.create_address(address, [int(r) for r in routing_types])))
 
     async def topology(self, info: dict[str, Any]) -> dict[str, Any]:
@@ -916,11 +935,22 @@ class LinkClient:
     async def delete_address(self, address: str) -> None:
         await self._request(lambda conn: conn.delete_address(address), again=False)
 
-    async def create_queue(self, name: str, address: str | None = None, *,
-                           routing_type: RoutingType = RoutingType.ANYCAST, durable: bool = True,
-                           **options: Any) -> dict[str, Any]:  # fmt: skip
-        spec = {"name": name, "address": address or name, "routing_type": int(routing_type), "durable": durable,
-                **options}  # fmt: skip
+    async def create_queue(
+        self,
+        name: str,
+        address: str | None = None,
+        *,
+        routing_type: RoutingType = RoutingType.ANYCAST,
+        durable: bool = True,
+        **options: Any,
+    ) -> dict[str, Any]:
+        spec = {
+            "name": name,
+            "address": address or name,
+            "routing_type": int(routing_type),
+            "durable": durable,
+            **options,
+        }
         result = dict(await self._request(lambda conn: conn.create_queue(spec)))
         if options.get("passive"):
             return result  # a look made nothing to make again
@@ -935,8 +965,9 @@ class LinkClient:
         self._queue_specs.pop(name.rpartition("::")[2], None)
         await self._request(lambda conn: conn.delete_queue(name), again=False)
 
-    async def set_will(self, key: str, message: WireMessage | None, *, delay_ms: int = 0,
-                       publish_pending: bool = False) -> None:  # fmt: skip
+    async def set_will(
+        self, key: str, message: WireMessage | None, *, delay_ms: int = 0, publish_pending: bool = False
+    ) -> None:
         """Set this link's will: ``message`` is published ``delay_ms`` after the link closes without clearing
         it. ``message`` None clears it. Either way a pending will under ``key`` (left by a closed link) is
         cancelled or, with ``publish_pending``, published now. The will is re-sent after a reconnect."""
@@ -949,9 +980,18 @@ class LinkClient:
         await self._request(lambda conn: conn.set_will(None))
         self._will = None
 
-    async def subscribe(self, queue: str, *, credit: int = 1000, selector: str | None = None,
-                        auto_ack: bool = False, browse: bool = False, credit_on_settle: bool = False,
-                        credit_bytes: int = 0, **options: Any) -> Consumer:  # fmt: skip
+    async def subscribe(
+        self,
+        queue: str,
+        *,
+        credit: int = 1000,
+        selector: str | None = None,
+        auto_ack: bool = False,
+        browse: bool = False,
+        credit_on_settle: bool = False,
+        credit_bytes: int = 0,
+        **options: Any,
+    ) -> Consumer:
         """A consumer with a window of ``credit`` messages and, when ``credit_bytes`` > 0, that many body
         bytes (a slow reader of large messages then holds that much here, not the whole window)."""
         opts: dict[str, Any] = {"auto_ack": auto_ack, "browse": browse, **options}
@@ -1078,9 +1118,14 @@ class LinkClient:
     def _send_on(self, conn: LinkConnection, message: WireMessage, tx_id: int) -> asyncio.Future[None]:
         if len(message[M_BODY]) > conn.max_publish_body:  # refused here: its frame would break the link
             refused: asyncio.Future[None] = self._event_loop().create_future()
-            refused.set_exception(LinkRequestError(ErrorCode.RESOURCE_LIMIT, f"message body of "
-                                                   f"{len(message[M_BODY])} bytes exceeds the {conn.max_publish_body} "
-                                                   "the core's link takes"))  # fmt: skip
+            refused.set_exception(
+                LinkRequestError(
+                    ErrorCode.RESOURCE_LIMIT,
+                    f"message body of "
+                    f"{len(message[M_BODY])} bytes exceeds the {conn.max_publish_body} "
+                    "the core's link takes",
+                )
+            )
             return refused
         if message[M_DURABLE] and message[M_DEDUP] is None and self.reconnect.attempts:
             # Only a link that reconnects sends a message twice; without, the id would cost for nothing.
@@ -1134,9 +1179,14 @@ class LinkClient:
         """The connection if a publish may go now: open, with credit, its socket keeping up, not being
         resumed."""
         conn, protocol, resuming = self._conn, self._protocol, self._reconnecting
-        if conn is None or conn.state is not _OPEN or conn.publish_credit <= 0 or conn.publish_bytes <= 0 or \
-                (protocol is not None and not protocol.writable.is_set()) or \
-                (resuming is not None and not resuming.done()):  # fmt: skip
+        if (
+            conn is None
+            or conn.state is not _OPEN
+            or conn.publish_credit <= 0
+            or conn.publish_bytes <= 0
+            or (protocol is not None and not protocol.writable.is_set())
+            or (resuming is not None and not resuming.done())
+        ):
             return None
         return conn
 
@@ -1145,8 +1195,10 @@ class LinkClient:
         await (await self.send(message, tx_id))
 
 
-def _homed(entry: tuple[WireMessage, int, asyncio.Future[None]], node_id: str,
-           ) -> tuple[WireMessage, int, asyncio.Future[None]]:  # fmt: skip
+def _homed(
+    entry: tuple[WireMessage, int, asyncio.Future[None]],
+    node_id: str,
+) -> tuple[WireMessage, int, asyncio.Future[None]]:
     """An unconfirmed publish about to go again: a durable one with a duplicate id names the node it was first
     sent to (``HOME_PROPERTY``), which may hold it although its confirm never came."""
     message = entry[0]

@@ -135,16 +135,49 @@ _FIELDS_V2: Final[dict[int, tuple[type | tuple[type, ...], ...]]] = {
 }
 
 _RECEIVES: Final = {
-    Role.SERVER: frozenset({
-        Op.CLOSE, Op.HEARTBEAT, Op.CREATE_ADDRESS, Op.DELETE_ADDRESS, Op.CREATE_QUEUE, Op.DELETE_QUEUE,
-        Op.SUBSCRIBE, Op.UNSUBSCRIBE, Op.TX_BEGIN, Op.TX_COMMIT, Op.TX_ROLLBACK, Op.SET_WILL, Op.PUBLISH,
-        Op.ACK, Op.NACK, Op.FLOW, Op.TOPOLOGY, Op.REPLICATE, Op.REPLICA_ACK, Op.VOTE, Op.CHANNEL,
-    }),
-    Role.CLIENT: frozenset({
-        Op.CLOSE, Op.HEARTBEAT, Op.OK, Op.ERROR, Op.CONFIRM, Op.REJECT, Op.PUBLISH_CREDIT, Op.DELIVER,
-        Op.CONSUMER_CLOSED, Op.BROWSE_DONE, Op.TOPOLOGY_UPDATE, Op.REPLICA, Op.CHANNEL,
-    }),
-}  # fmt: skip
+    Role.SERVER: frozenset(
+        {
+            Op.CLOSE,
+            Op.HEARTBEAT,
+            Op.CREATE_ADDRESS,
+            Op.DELETE_ADDRESS,
+            Op.CREATE_QUEUE,
+            Op.DELETE_QUEUE,
+            Op.SUBSCRIBE,
+            Op.UNSUBSCRIBE,
+            Op.TX_BEGIN,
+            Op.TX_COMMIT,
+            Op.TX_ROLLBACK,
+            Op.SET_WILL,
+            Op.PUBLISH,
+            Op.ACK,
+            Op.NACK,
+            Op.FLOW,
+            Op.TOPOLOGY,
+            Op.REPLICATE,
+            Op.REPLICA_ACK,
+            Op.VOTE,
+            Op.CHANNEL,
+        }
+    ),
+    Role.CLIENT: frozenset(
+        {
+            Op.CLOSE,
+            Op.HEARTBEAT,
+            Op.OK,
+            Op.ERROR,
+            Op.CONFIRM,
+            Op.REJECT,
+            Op.PUBLISH_CREDIT,
+            Op.DELIVER,
+            Op.CONSUMER_CLOSED,
+            Op.BROWSE_DONE,
+            Op.TOPOLOGY_UPDATE,
+            Op.REPLICA,
+            Op.CHANNEL,
+        }
+    ),
+}
 
 _SIMPLE_REQUESTS: Final[dict[int, Callable[[int, Any], ev.Event]]] = {
     Op.DELETE_ADDRESS: ev.DeleteAddress,
@@ -246,8 +279,11 @@ class LinkConnection:
             while end - pos >= HEADER_SIZE:
                 size = int.from_bytes(view[pos : pos + HEADER_SIZE], "big")
                 if size > self._frame_limit:
-                    self._fail(ErrorCode.FRAME_TOO_LARGE, f"frame of {size} bytes exceeds {self._frame_limit}"
-                               + ("" if self.state is _OPEN else " before the handshake"))  # fmt: skip
+                    self._fail(
+                        ErrorCode.FRAME_TOO_LARGE,
+                        f"frame of {size} bytes exceeds {self._frame_limit}"
+                        + ("" if self.state is _OPEN else " before the handshake"),
+                    )
                 if end - pos - HEADER_SIZE < size:
                     break
                 start = pos + HEADER_SIZE
@@ -264,9 +300,15 @@ class LinkConnection:
                 # Lengths are bounded by the frame's size (msgpack's defaults), nesting by its fixed stack.
                 ops = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True)
             else:
-                ops = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True,
-                                      max_array_len=_HANDSHAKE_CONTAINER_LEN, max_map_len=_HANDSHAKE_CONTAINER_LEN,
-                                      max_ext_len=0)  # fmt: skip
+                ops = msgpack.unpackb(
+                    payload,
+                    raw=False,
+                    strict_map_key=True,
+                    use_list=True,
+                    max_array_len=_HANDSHAKE_CONTAINER_LEN,
+                    max_map_len=_HANDSHAKE_CONTAINER_LEN,
+                    max_ext_len=0,
+                )
         except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
             self._fail(ErrorCode.MALFORMED, f"undecodable frame: {exc}")
         if type(ops) is not list or not ops:
@@ -288,8 +330,14 @@ class LinkConnection:
                 self._fail(ErrorCode.MALFORMED, "an operation is a non-empty array starting with its code")
             code = op[0]
             # The per-message operation of this direction, checked inline: it is most of the traffic.
-            if (code == hot and len(op) == 4 and type(op[1]) is int and type(op[2]) is int
-                    and 0 <= op[1] <= MAX_FIELD_INT and 0 <= op[2] <= MAX_FIELD_INT):  # fmt: skip
+            if (
+                code == hot
+                and len(op) == 4
+                and type(op[1]) is int
+                and type(op[2]) is int
+                and 0 <= op[1] <= MAX_FIELD_INT
+                and 0 <= op[2] <= MAX_FIELD_INT
+            ):
                 problem = check_message(op[3], max_properties)
                 if problem is not None:
                     self._fail(ErrorCode.MALFORMED, problem)
@@ -442,10 +490,16 @@ class LinkConnection:
             return ev.SetWill(req_id, None, None, 0, publish_pending=False)
         key, message = will.get("key"), will.get("message")
         delay_ms, publish_pending = will.get("delay_ms", 0), will.get("publish_pending", False)
-        if (type(key) is not str or (message is not None and type(message) is not list)
-                or type(delay_ms) is not int or type(publish_pending) is not bool):  # fmt: skip
-            self._fail(ErrorCode.MALFORMED, "a will is nil or {key: str, message: message or nil, delay_ms: int, "
-                       "publish_pending: bool}")  # fmt: skip
+        if (
+            type(key) is not str
+            or (message is not None and type(message) is not list)
+            or type(delay_ms) is not int
+            or type(publish_pending) is not bool
+        ):
+            self._fail(
+                ErrorCode.MALFORMED,
+                "a will is nil or {key: str, message: message or nil, delay_ms: int, publish_pending: bool}",
+            )
         return ev.SetWill(req_id, key, message, delay_ms, publish_pending)
 
     def _receive_handshake(self, op: Any, count: int, now: float, events: list[ev.Event]) -> None:
@@ -455,8 +509,13 @@ class LinkConnection:
             code, text = (v if type(v) is str else "?" for v in op[1:])
             events.append(ev.Closed(code[:MAX_ERROR_TEXT], text[:MAX_ERROR_TEXT]))
             return
-        if (self.state is not State.HANDSHAKE or type(op) is not list or not op or type(op[0]) is not int
-                or op[0] != expected):  # fmt: skip
+        if (
+            self.state is not State.HANDSHAKE
+            or type(op) is not list
+            or not op
+            or type(op[0]) is not int
+            or op[0] != expected
+        ):
             self._fail(ErrorCode.UNEXPECTED, f"expected {expected.name} first, and nothing before the answer")
         if count != 1 and self.role is _SERVER:
             self._fail(ErrorCode.UNEXPECTED, "HELLO travels alone in its frame")
@@ -499,12 +558,18 @@ class LinkConnection:
             if self.heartbeat_ms > 0:
                 self.heartbeat_ms = max(self.heartbeat_ms, heartbeat_ms)
             self.state = State.AUTHENTICATING
-            events.append(ev.HelloReceived(self.version, user, password, client_name, self.heartbeat_ms, client_host,
-                                           acting_for))  # fmt: skip
+            events.append(
+                ev.HelloReceived(self.version, user, password, client_name, self.heartbeat_ms, client_host, acting_for)
+            )
             return  # the heartbeat clock starts at accept(): authentication may take a while
         _, version, node_id, conn_id, heartbeat_ms, max_frame, credit = op
-        if version not in self.versions or heartbeat_ms < 0 or credit < 0 or max_frame < MIN_FRAME_SIZE or \
-                (version >= BYTE_CREDIT_VERSION) != byte_form:  # fmt: skip
+        if (
+            version not in self.versions
+            or heartbeat_ms < 0
+            or credit < 0
+            or max_frame < MIN_FRAME_SIZE
+            or (version >= BYTE_CREDIT_VERSION) != byte_form
+        ):
             self._fail(ErrorCode.INVALID, "WELCOME carries values outside what was offered")
         self.version = version
         if version >= BYTE_CREDIT_VERSION:
@@ -577,8 +642,10 @@ class LinkConnection:
         if len(ops) == 1:
             if len(payload) <= self._peer_max_operation:
                 return len(payload).to_bytes(HEADER_SIZE, "big") + payload
-            raise LocalProtocolError(ErrorCode.FRAME_TOO_LARGE, f"one operation of {len(payload)} bytes "
-                                     f"exceeds the peer's frame limit {self._peer_max_frame}")  # fmt: skip
+            raise LocalProtocolError(
+                ErrorCode.FRAME_TOO_LARGE,
+                f"one operation of {len(payload)} bytes exceeds the peer's frame limit {self._peer_max_frame}",
+            )
         half = len(ops) // 2
         return self._frame(ops[:half]) + self._frame(ops[half:])
 
@@ -613,8 +680,15 @@ class LinkConnection:
         self._require(_SERVER)
         return True
 
-    def accept(self, node_id: str, conn_id: str, publish_credit: int, now: float, epoch: int = 0,
-               publish_bytes: int = UNBOUNDED_BYTES) -> None:  # fmt: skip
+    def accept(
+        self,
+        node_id: str,
+        conn_id: str,
+        publish_credit: int,
+        now: float,
+        epoch: int = 0,
+        publish_bytes: int = UNBOUNDED_BYTES,
+    ) -> None:
         """Open the link; ``epoch`` (HA) lets a client refuse a copy of ``node_id`` older than one it has seen.
         ``publish_bytes`` is the publish window in body bytes (version 2; a version 1 link has none)."""
         if self.role is not _SERVER or self.state is not State.AUTHENTICATING:
@@ -715,8 +789,14 @@ class LinkConnection:
         self._out.append((Op.CHANNEL, channel_id, data))
 
     # ------------------------------------------------------------------ client side
-    def hello(self, user: str | None, password: str | None, client_name: str, client_host: str | None = None,
-              acting_for: str | None = None) -> None:  # fmt: skip
+    def hello(
+        self,
+        user: str | None,
+        password: str | None,
+        client_name: str,
+        client_host: str | None = None,
+        acting_for: str | None = None,
+    ) -> None:
         """Open the link; ``client_host`` is the address of the client a gateway opens it for, ``acting_for``
         the user that client proved to be by other means than a password (its TLS certificate), for whom
         ``user`` (the gateway's own) opens the link."""
@@ -765,8 +845,9 @@ class LinkConnection:
         """``will``: None, or {"key", "message", "delay_ms", "publish_pending"} (docs/link-protocol.md)."""
         return self._request(Op.SET_WILL, will)
 
-    def subscribe(self, queue: str, credit: int, options: dict[str, Any] | None = None,
-                  credit_bytes: int = 0) -> tuple[int, int]:  # fmt: skip
+    def subscribe(
+        self, queue: str, credit: int, options: dict[str, Any] | None = None, credit_bytes: int = 0
+    ) -> tuple[int, int]:
         """Returns (req_id, consumer_id). ``credit_bytes`` > 0 bounds the window in body bytes too (from
         version 2; a version 1 server knows no byte credit and the window is then in messages only)."""
         self._require(_CLIENT)

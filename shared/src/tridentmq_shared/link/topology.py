@@ -66,8 +66,14 @@ class Member:
             return None
         epoch = member.get("epoch", 0)
         epoch = epoch if type(epoch) is int and epoch > 0 else 0
-        return cls(host, port, node_id if isinstance(node_id, str) else "", name if isinstance(name, str) else "",
-                   endpoint_from_wire(member.get("backup")), epoch)  # fmt: skip
+        return cls(
+            host,
+            port,
+            node_id if isinstance(node_id, str) else "",
+            name if isinstance(name, str) else "",
+            endpoint_from_wire(member.get("backup")),
+            epoch,
+        )
 
 
 class Policy:
@@ -140,8 +146,12 @@ class Topology:
     endpoints. The configured endpoints stay as a last resort behind the members (a cluster restarted as a
     whole comes back under new identities, or elsewhere)."""
 
-    def __init__(self, endpoints: Sequence[Endpoint], policy: str | LoadBalancing = LoadBalancing.ROUND_ROBIN,
-                 rng: random.Random | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        endpoints: Sequence[Endpoint],
+        policy: str | LoadBalancing = LoadBalancing.ROUND_ROBIN,
+        rng: random.Random | None = None,
+    ) -> None:
         if not endpoints:
             raise ValueError("a topology needs at least one endpoint")
         self.seeds: tuple[Endpoint, ...] = tuple(dict.fromkeys(endpoints))

@@ -97,8 +97,16 @@ class Balancer:
             self._has_remote[address] = found
         return found
 
-    def balance(self, message: WireMessage, address: str, local: tuple[Queue, ...], kinds: frozenset[RoutingType],
-                local_version: int, *, whole: bool = True) -> tuple[tuple[Queue, ...], Remote]:  # fmt: skip
+    def balance(
+        self,
+        message: WireMessage,
+        address: str,
+        local: tuple[Queue, ...],
+        kinds: frozenset[RoutingType],
+        local_version: int,
+        *,
+        whole: bool = True,
+    ) -> tuple[tuple[Queue, ...], Remote]:
         """Split a routed message between local queues and other nodes. ``local_version`` changes whenever a
         local queue or consumer comes or goes (the broker's ``bindings_version``). ``whole``: ``local`` is every
         local queue of the address, not those this message's filters left (a plan made from those would hold
@@ -134,21 +142,24 @@ class Balancer:
         """When no selector or filter is involved, the instances that qualify depend only on consumer counts:
         work them out once per change instead of per message. None: they depend on the message."""
         remote = [b for b in self.bindings.match(address) if RoutingType(b.routing) in kinds]
-        if any(q.filter is not None or any(c.selector is not None for c in q.consumers) for q in local) or \
-                any(b.filter is not None or b.selectors for b in remote) or \
-                sum(q.routing_type is RoutingType.ANYCAST for q in local) > 1:  # fmt: skip
+        if (
+            any(q.filter is not None or any(c.selector is not None for c in q.consumers) for q in local)
+            or any(b.filter is not None or b.selectors for b in remote)
+            or sum(q.routing_type is RoutingType.ANYCAST for q in local) > 1
+        ):
             return None
-        groups = [(name, tuple(self._qualified(instances, None))) for name, instances in
-                  self._groups(address, local, remote)]  # fmt: skip
+        groups = [
+            (name, tuple(self._qualified(instances, None))) for name, instances in self._groups(address, local, remote)
+        ]
         if all(len(group) == 1 for _, group in groups):
             return self._split([group[0] for _, group in groups])
         return groups
 
-    def _balance_each(self, message: WireMessage, address: str, local: tuple[Queue, ...],
-                      kinds: frozenset[RoutingType]) -> tuple[tuple[Queue, ...], Remote]:  # fmt: skip
+    def _balance_each(
+        self, message: WireMessage, address: str, local: tuple[Queue, ...], kinds: frozenset[RoutingType]
+    ) -> tuple[tuple[Queue, ...], Remote]:
         takes = self.selectors.binding_takes
-        remote = [b for b in self.bindings.match(address)
-                  if RoutingType(b.routing) in kinds and takes(b, message)]  # fmt: skip
+        remote = [b for b in self.bindings.match(address) if RoutingType(b.routing) in kinds and takes(b, message)]
         if not remote and sum(q.routing_type is RoutingType.ANYCAST for q in local) <= 1:
             return local, _NO_REMOTE
         chosen = []

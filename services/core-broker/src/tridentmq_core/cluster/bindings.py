@@ -56,8 +56,17 @@ class Binding:
 
     def to_wire(self, distance: int | None = None) -> list[Any]:
         selectors = None if self.selectors is None else list(self.selectors)
-        wire = [self.node_id, self.queue, self.address, self.routing, self.filter, self.consumers, selectors,
-                self.distance if distance is None else distance, self.durable]  # fmt: skip
+        wire = [
+            self.node_id,
+            self.queue,
+            self.address,
+            self.routing,
+            self.filter,
+            self.consumers,
+            selectors,
+            self.distance if distance is None else distance,
+            self.durable,
+        ]
         if not self.reachable or self.backlog:
             wire.append(self.reachable)
         if self.backlog:
@@ -76,11 +85,23 @@ class Binding:
         durable = item[8] if len(item) > 8 else False  # a node before durable bindings: none kept for it
         reachable = item[9] if len(item) > 9 else True
         backlog = item[10] if len(item) > 10 else False
-        if not (type(node_id) is str and node_id and type(queue) is str and queue and type(address) is str
-                and type(routing) is int and routing in (RoutingType.ANYCAST, RoutingType.MULTICAST)
-                and (filter_text is None or type(filter_text) is str) and type(consumers) is int and consumers >= 0
-                and type(distance) is int and distance >= 1 and type(durable) is bool and type(backlog) is bool
-                and (reachable is True or (reachable is False and durable))):  # fmt: skip
+        if not (
+            type(node_id) is str
+            and node_id
+            and type(queue) is str
+            and queue
+            and type(address) is str
+            and type(routing) is int
+            and routing in (RoutingType.ANYCAST, RoutingType.MULTICAST)
+            and (filter_text is None or type(filter_text) is str)
+            and type(consumers) is int
+            and consumers >= 0
+            and type(distance) is int
+            and distance >= 1
+            and type(durable) is bool
+            and type(backlog) is bool
+            and (reachable is True or (reachable is False and durable))
+        ):
             raise BindingError(f"malformed binding {str(item)[:120]}")
         if selectors is not None:
             if type(selectors) is not list or not all(type(s) is str for s in selectors):
@@ -90,8 +111,9 @@ class Binding:
             validate_address(address, allow_wildcards=True)
         except InvalidAddress as exc:
             raise BindingError(str(exc)) from None
-        binding = Binding(node_id, queue, address, routing, filter_text, consumers, selectors, distance, via, durable,
-                          backlog=backlog)  # fmt: skip
+        binding = Binding(
+            node_id, queue, address, routing, filter_text, consumers, selectors, distance, via, durable, backlog=backlog
+        )
         return binding if reachable else binding.unreachable()
 
 
@@ -136,8 +158,7 @@ class RemoteBindings:
                 raise BindingError("a removal is [node_id, queue]")
             removed.append((item[0], item[1]))
         table = self._by_via.setdefault(via, {})
-        if len(table) + len(parsed) > self.max_per_node and \
-                len({*table, *(b.key for b in parsed)}) > self.max_per_node:  # fmt: skip
+        if len(table) + len(parsed) > self.max_per_node and len({*table, *(b.key for b in parsed)}) > self.max_per_node:
             raise BindingError(f"more than {self.max_per_node} bindings from one node")
         for key in removed:
             table.pop(key, None)
@@ -219,9 +240,12 @@ class RemoteBindings:
         parsed = []
         for item in items:
             binding = Binding.from_wire(item, via)
-            if binding.node_id != self.own_id and binding.distance <= self.max_hops and \
-                    (binding.reachable or binding.node_id != via) and \
-                    binding.node_id not in self.forgotten:  # fmt: skip
+            if (
+                binding.node_id != self.own_id
+                and binding.distance <= self.max_hops
+                and (binding.reachable or binding.node_id != via)
+                and binding.node_id not in self.forgotten
+            ):
                 parsed.append(binding)
             if len(parsed) > self.max_per_node:
                 raise BindingError(f"more than {self.max_per_node} bindings from one node")

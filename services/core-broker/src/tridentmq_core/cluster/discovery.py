@@ -115,10 +115,16 @@ def _field(fields: Mapping[str, Any], key: str, kind: type, default: Any = None)
 
 
 def _announcement(fields: Mapping[str, Any]) -> Announcement:
-    return Announcement(cluster=_field(fields, "cluster", str), node_id=_field(fields, "node_id", str),
-                        name=_field(fields, "name", str), host=_field(fields, "host", str),
-                        port=_field(fields, "port", int), role=_field(fields, "role", str, "primary"),
-                        pair=_field(fields, "pair", str, ""), epoch=_field(fields, "epoch", int, 1))  # fmt: skip
+    return Announcement(
+        cluster=_field(fields, "cluster", str),
+        node_id=_field(fields, "node_id", str),
+        name=_field(fields, "name", str),
+        host=_field(fields, "host", str),
+        port=_field(fields, "port", int),
+        role=_field(fields, "role", str, "primary"),
+        pair=_field(fields, "pair", str, ""),
+        epoch=_field(fields, "epoch", int, 1),
+    )
 
 
 def _redact(url: str) -> str:
@@ -155,8 +161,15 @@ class RedisDiscovery:
     changes its announcement.
     """
 
-    def __init__(self, url: str, me: Announcement, *, broadcast_period: float = 1.0, refresh_timeout: float = 5.0,
-                 on_change: Callable[[Mapping[str, Announcement]], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        me: Announcement,
+        *,
+        broadcast_period: float = 1.0,
+        refresh_timeout: float = 5.0,
+        on_change: Callable[[Mapping[str, Announcement]], None] | None = None,
+    ) -> None:
         if broadcast_period <= 0 or refresh_timeout <= 0:
             raise ValueError("broadcast_period and refresh_timeout must be positive")
         self.url = url
@@ -197,9 +210,14 @@ class RedisDiscovery:
         # rescans), and ping idle connections so a silently dead one is noticed.
         timeout = max(0.5, min(2.0, self._refresh_timeout / 2))
         health_check = max(1, round(self._refresh_timeout / 2))
-        self._client = Redis.from_url(self.url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                                      health_check_interval=health_check, retry=Retry(NoBackoff(), 0),
-                                      client_name=_client_name(self._me.node_id))  # fmt: skip
+        self._client = Redis.from_url(
+            self.url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            health_check_interval=health_check,
+            retry=Retry(NoBackoff(), 0),
+            client_name=_client_name(self._me.node_id),
+        )
         self._task = spawn(self._run(self._client), "redis-discovery")
 
     async def stop(self) -> None:
@@ -257,8 +275,10 @@ class RedisDiscovery:
                     backoff = _MIN_BACKOFF
                 if not self._outage_logged:
                     self._outage_logged = True
-                    log.warning("discovery: Redis unreachable, membership frozen until it is back",
-                                extra={"url": _redact(self.url), "reason": _reason(exc)})  # fmt: skip
+                    log.warning(
+                        "discovery: Redis unreachable, membership frozen until it is back",
+                        extra={"url": _redact(self.url), "reason": _reason(exc)},
+                    )
                 else:
                     log.debug("discovery: Redis still unreachable", extra={"reason": _reason(exc)})
             self.connected = False
@@ -281,8 +301,9 @@ class RedisDiscovery:
             self.first_look.set()
             if self._outage_logged:
                 self._outage_logged = False
-                log.info("discovery: Redis reachable again", extra={"url": _redact(self.url),
-                                                                     "members": len(self.members)})  # fmt: skip
+                log.info(
+                    "discovery: Redis reachable again", extra={"url": _redact(self.url), "members": len(self.members)}
+                )
             if self._stopped():
                 return
             async with asyncio.TaskGroup() as group:
@@ -320,8 +341,11 @@ class RedisDiscovery:
             # A bounded wait, so the client pings the connection (health check) between messages.
             message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=min(self._period, _POLL))
             self._read_at = loop.time()
-            if (message is not None and message.get("type") == "message"
-                    and self._receive(message.get("data"), "channel", loop.time())):  # fmt: skip
+            if (
+                message is not None
+                and message.get("type") == "message"
+                and self._receive(message.get("data"), "channel", loop.time())
+            ):
                 self._changed()
 
     async def _scan(self, client: Redis, loop: asyncio.AbstractEventLoop) -> None:
@@ -383,16 +407,26 @@ class RedisDiscovery:
         if known is None and len(self.members) >= MAX_MEMBERS:
             if not self._full_logged:
                 self._full_logged = True
-                log.warning("discovery: member limit reached, further nodes ignored",
-                            extra={"limit": MAX_MEMBERS, "node_id": node_id})  # fmt: skip
+                log.warning(
+                    "discovery: member limit reached, further nodes ignored",
+                    extra={"limit": MAX_MEMBERS, "node_id": node_id},
+                )
             return False
         self._seen[node_id] = now
         if known == announcement:
             return False
         self.members[node_id] = announcement
-        log.info("discovery: member joined" if known is None else "discovery: member changed",
-                 extra={"node_id": node_id, "node_name": announcement.name, "host": announcement.host,
-                        "port": announcement.port, "role": announcement.role, "epoch": announcement.epoch})  # fmt: skip
+        log.info(
+            "discovery: member joined" if known is None else "discovery: member changed",
+            extra={
+                "node_id": node_id,
+                "node_name": announcement.name,
+                "host": announcement.host,
+                "port": announcement.port,
+                "role": announcement.role,
+                "epoch": announcement.epoch,
+            },
+        )
         return True
 
     def _leave(self, fields: Mapping[str, Any], source: str, data: bytes | str) -> bool:
@@ -415,8 +449,10 @@ class RedisDiscovery:
         for node_id in expired:
             del self._seen[node_id]
             gone = self.members.pop(node_id)
-            log.warning("discovery: member expired", extra={"node_id": node_id, "node_name": gone.name,
-                                                            "timeout_s": self._refresh_timeout})  # fmt: skip
+            log.warning(
+                "discovery: member expired",
+                extra={"node_id": node_id, "node_name": gone.name, "timeout_s": self._refresh_timeout},
+            )
         if expired:
             self._full_logged = False
             self._changed()
@@ -428,9 +464,15 @@ class RedisDiscovery:
         if len(self.duplicates) >= _MAX_DUPLICATES:
             return
         self.duplicates.add(address)
-        log.error("discovery: another process announces this node's id: was the data directory copied?",
-                  extra={"node_id": announcement.node_id, "impostor_host": announcement.host,
-                         "impostor_port": announcement.port, "impostor_name": announcement.name})  # fmt: skip
+        log.error(
+            "discovery: another process announces this node's id: was the data directory copied?",
+            extra={
+                "node_id": announcement.node_id,
+                "impostor_host": announcement.host,
+                "impostor_port": announcement.port,
+                "impostor_name": announcement.name,
+            },
+        )
 
     def _ignore(self, reason: str, source: str, data: object) -> None:
         size = len(data) if isinstance(data, bytes | str) else None

@@ -111,9 +111,17 @@ class ForwardHeader(NamedTuple):
             target, queues, hops, dedup_id, delivered = fields  # in forward queues before the change
         else:
             dedup_id, delivered, target, queues, hops = fields
-        if not (type(target) is str and type(queues) is list and all(type(q) is str for q in queues)
-                and type(hops) is int and hops >= 0 and type(dedup_id) is str and dedup_id
-                and type(delivered) is int and delivered >= 0):  # fmt: skip
+        if not (
+            type(target) is str
+            and type(queues) is list
+            and all(type(q) is str for q in queues)
+            and type(hops) is int
+            and hops >= 0
+            and type(dedup_id) is str
+            and dedup_id
+            and type(delivered) is int
+            and delivered >= 0
+        ):
             raise ValueError("malformed forward header")
         header = ForwardHeader(target, tuple(queues), hops, dedup_id, delivered, numbered)
         if numbered:

@@ -14,10 +14,17 @@ def node_link(settings: CoreSettings, host: str, port: int, name: str, *, connec
     """A link to another node, logged in with the cluster credentials; it does not reconnect by itself (its
     owner decides what a lost link means)."""
     cluster = settings.cluster
-    return LinkClient(host, port, user=cluster.user, password=cluster.password, client_name=name,
-                      heartbeat_ms=settings.link.heartbeat_ms, connect_timeout=connect_timeout,
-                      reconnect=ReconnectPolicy(attempts=0, initial_attempts=1),
-                      tls=client_tls(settings.tls) if settings.link.tls else None)  # fmt: skip
+    return LinkClient(
+        host,
+        port,
+        user=cluster.user,
+        password=cluster.password,
+        client_name=name,
+        heartbeat_ms=settings.link.heartbeat_ms,
+        connect_timeout=connect_timeout,
+        reconnect=ReconnectPolicy(attempts=0, initial_attempts=1),
+        tls=client_tls(settings.tls) if settings.link.tls else None,
+    )
 
 
 @functools.cache

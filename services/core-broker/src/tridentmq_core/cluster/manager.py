@@ -76,8 +76,14 @@ class Member:
     epoch: int = 0  # its activation epoch: clients refuse a copy of the node at a lower one
 
     def to_wire(self) -> dict[str, Any]:
-        wire: dict[str, Any] = {"node_id": self.node_id, "name": self.name, "host": self.host, "port": self.port,
-                                "management": self.management, "epoch": self.epoch}  # fmt: skip
+        wire: dict[str, Any] = {
+            "node_id": self.node_id,
+            "name": self.name,
+            "host": self.host,
+            "port": self.port,
+            "management": self.management,
+            "epoch": self.epoch,
+        }
         if self.backup is not None:
             wire["backup"] = list(self.backup)
         return wire
@@ -88,9 +94,17 @@ class Member:
             raise ValueError("a member is a map")  # noqa: TRY004 - callers catch ValueError for any bad input
         node_id, name, host, port = item.get("node_id"), item.get("name", ""), item.get("host"), item.get("port")
         management = item.get("management", 0)
-        if not (isinstance(node_id, str) and node_id and isinstance(name, str) and isinstance(host, str) and host
-                and type(port) is int and 0 < port < 65536 and type(management) is int
-                and 0 <= management < 65536):  # fmt: skip
+        if not (
+            isinstance(node_id, str)
+            and node_id
+            and isinstance(name, str)
+            and isinstance(host, str)
+            and host
+            and type(port) is int
+            and 0 < port < 65536
+            and type(management) is int
+            and 0 <= management < 65536
+        ):
             raise ValueError(f"malformed member {str(item)[:120]}")
         backup = endpoint_from_wire(item.get("backup"))
         if backup is None and item.get("backup") is not None:
@@ -119,8 +133,10 @@ def validate_cluster_settings(settings: CoreSettings) -> bool:
     wants = bool(cluster.connectors or cluster.discovery)
     has_credentials = bool(cluster.user and cluster.password)
     if wants and not has_credentials:
-        raise SettingsError("cluster.user and cluster.password are required to cluster (they have no default): "
-                            "set them, the same on every node")  # fmt: skip
+        raise SettingsError(
+            "cluster.user and cluster.password are required to cluster (they have no default): "
+            "set them, the same on every node"
+        )
     if cluster.message_load_balancing.upper() not in LOAD_BALANCING_POLICIES:
         raise SettingsError(f"cluster.message_load_balancing must be one of {', '.join(LOAD_BALANCING_POLICIES)}")
     if cluster.max_hops < 1:
@@ -267,8 +283,10 @@ class Bridge:
         self.client = client
         await client.connect()
         if client.node_id == manager.node_id:
-            self._refused("the node at this address has this node's id (a copied data directory?); remove one "
-                          "node's node.id to give it a new identity")  # fmt: skip
+            self._refused(
+                "the node at this address has this node's id (a copied data directory?); remove one "
+                "node's node.id to give it a new identity"
+            )
             await client.close()
             return
         other = manager.bridges_by_node.get(client.node_id)
@@ -300,8 +318,10 @@ class Bridge:
         if why and why[0].code == ErrorCode.SHUTDOWN:
             log.info("cluster connection closed: the other node stopped", extra={"to": self.address})
         elif not self._stopping:
-            log.warning("cluster connection lost", extra={"to": self.address, "node_id": self.node_id,
-                                                           "reason": why[0].text if why else ""})  # fmt: skip
+            log.warning(
+                "cluster connection lost",
+                extra={"to": self.address, "node_id": self.node_id, "reason": why[0].text if why else ""},
+            )
 
     def _on_update(self, update: dict[str, Any]) -> None:
         if self.up:
@@ -319,8 +339,9 @@ class Bridge:
     def open_session(self, principal: Principal) -> None:
         broker = self.manager.broker
         now_ms = _now_ms()
-        self.session = broker.open_session(_BridgePort(self), f"bridge-{self.node_id[:8]}", principal, self.address,
-                                           f"cluster:{self.node_id}", now_ms)  # fmt: skip
+        self.session = broker.open_session(
+            _BridgePort(self), f"bridge-{self.node_id[:8]}", principal, self.address, f"cluster:{self.node_id}", now_ms
+        )
         queue = broker.forward_queue(self.node_id, now_ms)
         forwarder = Consumer(FORWARDER_ID, self.session, queue, self.manager.settings.cluster.forward_window)
         forwarder.forwarder = True
@@ -357,8 +378,11 @@ class Bridge:
             self.session = None
             manager.schedule_flush()
         self.consumers.clear()
-        held = [(message, token, publisher) for consumer, token, message, publisher in self._waiting
-                if consumer is None and publisher is not None]  # fmt: skip
+        held = [
+            (message, token, publisher)
+            for consumer, token, message, publisher in self._waiting
+            if consumer is None and publisher is not None
+        ]
         self._waiting.clear()
         self._confirmed.clear()
         # Messages sent straight and not confirmed, then those held for credit, wait in the forward queue for
@@ -415,8 +439,10 @@ class Bridge:
         handled as that node's refusal, after the dispatch that handed it over."""
         if self.consumers.get(consumer.id) is consumer:
             reason = "larger than the other node's link takes"
-            log.warning("forwarded message refused",
-                        extra={"to": self.address, "code": ErrorCode.RESOURCE_LIMIT, "reason": reason})  # fmt: skip
+            log.warning(
+                "forwarded message refused",
+                extra={"to": self.address, "code": ErrorCode.RESOURCE_LIMIT, "reason": reason},
+            )
             self.manager.refused(self, consumer, message_id, ErrorCode.RESOURCE_LIMIT, reason)
 
     def _wait(self, entry: tuple[Consumer | None, int, WireMessage, Session | None], client: LinkClient) -> None:
@@ -542,9 +568,19 @@ async def _acknowledge_sync(client: LinkClient, number: int) -> None:
 
 
 class ClusterManager:
-    def __init__(self, broker: Broker, settings: CoreSettings, *, node_id: str, name: str, advertise: tuple[str, int],
-                 schedule_flush: Callable[[], None], management_port: int = 0, epoch: int = 1,
-                 voter: Voter | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        broker: Broker,
+        settings: CoreSettings,
+        *,
+        node_id: str,
+        name: str,
+        advertise: tuple[str, int],
+        schedule_flush: Callable[[], None],
+        management_port: int = 0,
+        epoch: int = 1,
+        voter: Voter | None = None,
+    ) -> None:
         cluster = settings.cluster
         self.epoch = epoch  # this node's activation epoch: a copy of it at a lower one is refused
         self.voter = voter  # knows the highest epoch promised or seen per node id
@@ -601,13 +637,23 @@ class ClusterManager:
         if cluster.discovery:
             host, port = self.advertise
             me = Announcement(cluster.name, self.node_id, self.name, host, port)
-            self.discovery = RedisDiscovery(cluster.discovery, me, broadcast_period=cluster.broadcast_period_ms / 1000,
-                                            refresh_timeout=cluster.refresh_timeout_ms / 1000,
-                                            on_change=self._discovered)  # fmt: skip
+            self.discovery = RedisDiscovery(
+                cluster.discovery,
+                me,
+                broadcast_period=cluster.broadcast_period_ms / 1000,
+                refresh_timeout=cluster.refresh_timeout_ms / 1000,
+                on_change=self._discovered,
+            )
             await self.discovery.start()
-        log.info("clustering", extra={"cluster": self.settings.cluster.name, "policy": self.policy,
-                                      "max_hops": self.settings.cluster.max_hops,
-                                      "connectors": ",".join(self.settings.cluster.connectors)})  # fmt: skip
+        log.info(
+            "clustering",
+            extra={
+                "cluster": self.settings.cluster.name,
+                "policy": self.policy,
+                "max_hops": self.settings.cluster.max_hops,
+                "connectors": ",".join(self.settings.cluster.connectors),
+            },
+        )
 
     async def join(self, timeout: float, ignore: Collection[str] = ()) -> tuple[int, int]:
         """Wait, at most ``timeout`` seconds, until discovery (if any) has had its first look and every node known
@@ -649,10 +695,18 @@ class ClusterManager:
 
     def join_info(self) -> dict[str, Any]:
         host, port = self.advertise
-        return {"cluster": self.settings.cluster.name, "node_id": self.node_id, "name": self.name, "host": host,
-                "port": port, "management": self.management_port, "epoch": self.epoch,
-                "max_hops": self.settings.cluster.max_hops, "binding_acks": True,
-                "binding_backlog": True}  # fmt: skip
+        return {
+            "cluster": self.settings.cluster.name,
+            "node_id": self.node_id,
+            "name": self.name,
+            "host": host,
+            "port": port,
+            "management": self.management_port,
+            "epoch": self.epoch,
+            "max_hops": self.settings.cluster.max_hops,
+            "binding_acks": True,
+            "binding_backlog": True,
+        }
 
     def fresh(self, node_id: str, epoch: Any) -> bool:
         """Whether ``node_id`` at ``epoch`` may be talked to: no newer copy of it was promised or seen."""
@@ -692,17 +746,28 @@ class ClusterManager:
         if problem is not None:
             log.error("cluster join refused", extra={"peer": session.peer, "reason": problem})
             raise BrokerError(ErrorCode.INVALID, problem)
-        joined = Joined(session, member.node_id, acks_bindings=join.get("binding_acks") is True,
-                        knows_backlog=join.get("binding_backlog") is True)  # fmt: skip
+        joined = Joined(
+            session,
+            member.node_id,
+            acks_bindings=join.get("binding_acks") is True,
+            knows_backlog=join.get("binding_backlog") is True,
+        )
         joined.sent = self._advertisement(member.node_id, backlog=joined.knows_backlog)
         joined.members_sent = self.members_view()
         self.joined[session.conn_id] = joined
         self.learn(member)
-        log.info("node joined", extra={"node_id": member.node_id, "node_name": member.name,
-                                       "address": f"{member.host}:{member.port}"})  # fmt: skip
+        log.info(
+            "node joined",
+            extra={"node_id": member.node_id, "node_name": member.name, "address": f"{member.host}:{member.port}"},
+        )
         self.broker.audit.emit(_now_ms() * 1000, "node.joined", {"peer_node": member.node_id, "name": member.name})
-        return {"node_id": self.node_id, "name": self.name, "bindings": list(joined.sent.values()),
-                "members": joined.members_sent, "epoch": self.epoch}  # fmt: skip
+        return {
+            "node_id": self.node_id,
+            "name": self.name,
+            "bindings": list(joined.sent.values()),
+            "members": joined.members_sent,
+            "epoch": self.epoch,
+        }
 
     def _send_direct(self, node_id: str, message: WireMessage, token: int, publisher: Session | None) -> Direct:
         bridge = self.bridges_by_node.get(node_id)
@@ -770,8 +835,10 @@ class ClusterManager:
         self._members_version += 1
         for member in members:
             self.learn(member)
-        log.info("cluster connection up", extra={"to": bridge.address, "node_id": bridge.node_id,
-                                                  "bindings": len(reply.get("bindings") or [])})  # fmt: skip
+        log.info(
+            "cluster connection up",
+            extra={"to": bridge.address, "node_id": bridge.node_id, "bindings": len(reply.get("bindings") or [])},
+        )
         self.schedule_flush()
         return True
 
@@ -804,8 +871,9 @@ class ClusterManager:
             return
         now_ms = _now_ms()
         if isinstance(consumer, Redistributor):
-            self.broker.handle(session, [ev.Nacks([[Op.NACK, consumer.id, [message_id], int(NackMode.RELEASE)]])],
-                               now_ms)  # fmt: skip
+            self.broker.handle(
+                session, [ev.Nacks([[Op.NACK, consumer.id, [message_id], int(NackMode.RELEASE)]])], now_ms
+            )
             consumer.stop()  # the next tick removes it, and starts another if the queue still qualifies
         else:
             self.broker.reroute_refused(session, consumer, message_id, now_ms, code, text)
@@ -837,9 +905,13 @@ class ClusterManager:
             del self.watchers[conn_id]
         if self.sync:
             for late in self.sync.sweep(set(self.joined), _now_ms()):
-                log.warning("binding change not acknowledged in time: replied anyway",
-                            extra={"nodes": ",".join(sorted(self.joined[c].node_id for c in late)),
-                                   "timeout_ms": self.sync.timeout_ms})  # fmt: skip
+                log.warning(
+                    "binding change not acknowledged in time: replied anyway",
+                    extra={
+                        "nodes": ",".join(sorted(self.joined[c].node_id for c in late)),
+                        "timeout_ms": self.sync.timeout_ms,
+                    },
+                )
 
     # ------------------------------------------------------------------ replies that wait for the other nodes
     def hold_reply(self, session: Session, req_id: int, result: Any) -> bool:
@@ -977,19 +1049,28 @@ class ClusterManager:
                 continue  # (removing a redistributor to another node may have deleted an auto-created queue)
             queue = broker.queues[name]
 
-            def make(consumer_id: int, session: Session, queue: Queue = queue, target: Binding = target
-                     ) -> Redistributor:  # fmt: skip
-                return Redistributor(consumer_id, session, queue, self.settings.cluster.forward_window,
-                                     target=target, selectors=self.balancer.selectors, arrivals=broker.arrivals,
-                                     min_residence_ms=self.settings.cluster.min_residence_ms,
-                                     clock=lambda: broker.now_ms)  # fmt: skip
+            def make(
+                consumer_id: int, session: Session, queue: Queue = queue, target: Binding = target
+            ) -> Redistributor:
+                return Redistributor(
+                    consumer_id,
+                    session,
+                    queue,
+                    self.settings.cluster.forward_window,
+                    target=target,
+                    selectors=self.balancer.selectors,
+                    arrivals=broker.arrivals,
+                    min_residence_ms=self.settings.cluster.min_residence_ms,
+                    clock=lambda: broker.now_ms,
+                )
 
             started = through.add_redistributor(make)
             if started is not None:
                 self.redistributors[key] = (through, started)
                 self._moving.add(name)  # just started: give it a tick before calling the queue stuck
-                log.info("redistribution started", extra={"queue": name, "to_node": target.node_id,
-                                                          "messages": len(queue)})  # fmt: skip
+                log.info(
+                    "redistribution started", extra={"queue": name, "to_node": target.node_id, "messages": len(queue)}
+                )
 
     def _declare_gone(self, now_ms: int) -> None:
         """Route again what waits for nodes unreachable for longer than node_gone_ms. What waits for a queue
@@ -1012,8 +1093,10 @@ class ClusterManager:
                 continue
             moved = self.broker.reroute_forward_queue(node_id, now_ms)
             if moved:
-                log.warning("node declared gone: its pending messages were routed again",
-                            extra={"node_id": node_id, "messages": moved})  # fmt: skip
+                log.warning(
+                    "node declared gone: its pending messages were routed again",
+                    extra={"node_id": node_id, "messages": moved},
+                )
 
     # ------------------------------------------------------------------ an operator forgets a node
     def forget(self, node_id: str) -> dict[str, Any]:
@@ -1023,8 +1106,11 @@ class ClusterManager:
         bridge = self.bridges_by_node.get(node_id)
         if bridge is not None and bridge.up:
             raise ValueError(f"node {node_id} is connected: stop it first (or scale it down)")
-        known = node_id in self.members or node_id in self.bindings.unreachable() or \
-            FORWARD_QUEUE_PREFIX + node_id in self.broker.queues  # fmt: skip
+        known = (
+            node_id in self.members
+            or node_id in self.bindings.unreachable()
+            or FORWARD_QUEUE_PREFIX + node_id in self.broker.queues
+        )
         if not known:
             raise ValueError(f"no node {node_id!r} is known here")
         dropped = self.bindings.forget(node_id)
@@ -1035,8 +1121,10 @@ class ClusterManager:
         waiting = self.broker.queues.get(FORWARD_QUEUE_PREFIX + node_id)
         before = len(waiting) if waiting is not None else 0
         moved = self.broker.reroute_forward_queue(node_id, _now_ms(), forgotten=True)
-        log.warning("node forgotten by an operator", extra={"node_id": node_id, "bindings": dropped,
-                                                            "messages": before, "rerouted": moved})  # fmt: skip
+        log.warning(
+            "node forgotten by an operator",
+            extra={"node_id": node_id, "bindings": dropped, "messages": before, "rerouted": moved},
+        )
         self.broker.audit.emit(_now_ms() * 1000, "node.forgotten", {"peer_node": node_id})
         self._sent_version = (-1, -1)  # tell the others what we no longer keep
         self.schedule_flush()
@@ -1058,10 +1146,14 @@ class ClusterManager:
         broker = self.broker
         movers: dict[str, Redistributor] = {}
         while time.monotonic() < deadline:
-            targets = sorted((b for b in self.bridges_by_node.values() if b.up and not b.leaving),
-                             key=lambda b: b.node_id)  # fmt: skip
-            left = [q for name, q in broker.queues.items() if not name.startswith(FORWARD_QUEUE_PREFIX)
-                    and (len(q) or q.in_flight or q.paged)]  # fmt: skip
+            targets = sorted(
+                (b for b in self.bridges_by_node.values() if b.up and not b.leaving), key=lambda b: b.node_id
+            )
+            left = [
+                q
+                for name, q in broker.queues.items()
+                if not name.startswith(FORWARD_QUEUE_PREFIX) and (len(q) or q.in_flight or q.paged)
+            ]
             pending = [q for q in broker.forward_queues.values() if q.consumers and (len(q) or q.in_flight)]
             in_transit = any(b.in_transit for b in self.bridges.values())  # sent straight, not confirmed yet
             if not left and not pending and not in_transit:
@@ -1075,8 +1167,10 @@ class ClusterManager:
                 movers[queue.name] = await self._move_queue(queue, targets)
             await asyncio.sleep(0.05)
         remaining = sum(len(q) + q.in_flight for q in broker.queues.values())
-        log.warning("scale-down incomplete: messages stay in this node's journal",
-                    extra={"messages": remaining, "live_targets": len(targets)})  # fmt: skip
+        log.warning(
+            "scale-down incomplete: messages stay in this node's journal",
+            extra={"messages": remaining, "live_targets": len(targets)},
+        )
 
     async def _move_queue(self, queue: Queue, targets: list[Bridge]) -> Redistributor:
         """Move a queue's messages to the node with the most consumers for it (else the first live node),
@@ -1085,26 +1179,40 @@ class ClusterManager:
         remote = best_target(queue, [b for b in self.bindings.for_queue(queue.name) if b.node_id in by_node])
         bridge = by_node[remote.node_id] if remote is not None else targets[0]
         assert bridge.client is not None
-        spec: dict[str, Any] = {"filter": queue.filter.text if queue.filter is not None else None,
-                                "last_value_key": queue.last_value_key, "exclusive": queue.exclusive}  # fmt: skip
+        spec: dict[str, Any] = {
+            "filter": queue.filter.text if queue.filter is not None else None,
+            "last_value_key": queue.last_value_key,
+            "exclusive": queue.exclusive,
+        }
         try:
-            await bridge.client.create_queue(queue.name, queue.address, routing_type=queue.routing_type,
-                                             durable=queue.durable, **spec)  # fmt: skip
+            await bridge.client.create_queue(
+                queue.name, queue.address, routing_type=queue.routing_type, durable=queue.durable, **spec
+            )
         except LinkRequestError as exc:  # exists there with another shape: messages go by name anyway
-            log.warning("scale-down: queue not created on the target", extra={"queue": queue.name,
-                                                                             "reason": exc.text})  # fmt: skip
-        target = Binding(bridge.node_id, queue.name, queue.address, int(queue.routing_type), None, 1, None, 1,
-                         bridge.node_id)  # fmt: skip
+            log.warning("scale-down: queue not created on the target", extra={"queue": queue.name, "reason": exc.text})
+        target = Binding(
+            bridge.node_id, queue.name, queue.address, int(queue.routing_type), None, 1, None, 1, bridge.node_id
+        )
 
         def make(consumer_id: int, session: Session) -> Redistributor:
-            return Redistributor(consumer_id, session, queue, self.settings.cluster.forward_window, target=target,
-                                 selectors=self.balancer.selectors, arrivals=Arrivals(), min_residence_ms=0,
-                                 clock=lambda: self.broker.now_ms, paced=False)  # fmt: skip
+            return Redistributor(
+                consumer_id,
+                session,
+                queue,
+                self.settings.cluster.forward_window,
+                target=target,
+                selectors=self.balancer.selectors,
+                arrivals=Arrivals(),
+                min_residence_ms=0,
+                clock=lambda: self.broker.now_ms,
+                paced=False,
+            )
 
         mover = bridge.add_redistributor(make)
         assert mover is not None
-        log.info("scale-down: moving queue", extra={"queue": queue.name, "to_node": bridge.node_id,
-                                                    "messages": len(queue)})  # fmt: skip
+        log.info(
+            "scale-down: moving queue", extra={"queue": queue.name, "to_node": bridge.node_id, "messages": len(queue)}
+        )
         self.schedule_flush()
         return mover
 
@@ -1114,9 +1222,16 @@ class ClusterManager:
         bridges = []
         for bridge in self.bridges.values():
             queue = self.broker.queues.get(FORWARD_QUEUE_PREFIX + bridge.node_id) if bridge.node_id else None
-            bridges.append({"address": bridge.address, "node_id": bridge.node_id, "name": bridge.name,
-                            "state": bridge.state, "reason": bridge.reason,
-                            "pending_forward": (len(queue) + queue.in_flight) if queue is not None else 0})  # fmt: skip
+            bridges.append(
+                {
+                    "address": bridge.address,
+                    "node_id": bridge.node_id,
+                    "name": bridge.name,
+                    "state": bridge.state,
+                    "reason": bridge.reason,
+                    "pending_forward": (len(queue) + queue.in_flight) if queue is not None else 0,
+                }
+            )
         return {
             "cluster": self.settings.cluster.name,
             "node_id": self.node_id,
@@ -1165,8 +1280,12 @@ class ClusterManager:
         consumers does not make a queue's messages move (a selector there may want none of them)."""
         view = {}
         for name, queue in self.broker.queues.items():
-            if len(queue) and name not in self._moving and not name.startswith(FORWARD_QUEUE_PREFIX) and \
-                    not any(is_local_consumer(c) for c in queue.consumers):  # fmt: skip
+            if (
+                len(queue)
+                and name not in self._moving
+                and not name.startswith(FORWARD_QUEUE_PREFIX)
+                and not any(is_local_consumer(c) for c in queue.consumers)
+            ):
                 view[name] = len(queue)
         return view
 

@@ -61,8 +61,12 @@ class Arrivals:
     def add(self, message_id: int, now_ms: int, moves: int = 0) -> None:
         self._count += 1
         times, lasts = self._times, self._lasts
-        if len(times) > self._start and times[-1] == now_ms and lasts[-1] == message_id - 1 and \
-                self._moves[-1] == moves:  # fmt: skip
+        if (
+            len(times) > self._start
+            and times[-1] == now_ms
+            and lasts[-1] == message_id - 1
+            and self._moves[-1] == moves
+        ):
             lasts[-1] = message_id
             return
         if self._firsts and message_id <= lasts[-1]:  # ids grow with arrival; anything else starts afresh
@@ -109,12 +113,35 @@ class Arrivals:
 
 
 class Redistributor(Consumer):
-    __slots__ = ("_arrivals", "_clock", "_min_residence_ms", "_selectors", "held_back", "max_window", "moved",
-                 "paced", "retry_at", "stopped", "target", "window")  # fmt: skip
+    __slots__ = (
+        "_arrivals",
+        "_clock",
+        "_min_residence_ms",
+        "_selectors",
+        "held_back",
+        "max_window",
+        "moved",
+        "paced",
+        "retry_at",
+        "stopped",
+        "target",
+        "window",
+    )
 
-    def __init__(self, consumer_id: int, session: Session, queue: Queue, credit: int, *, target: Binding,
-                 selectors: SelectorCache, arrivals: Arrivals, min_residence_ms: int,
-                 clock: Callable[[], int], paced: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        consumer_id: int,
+        session: Session,
+        queue: Queue,
+        credit: int,
+        *,
+        target: Binding,
+        selectors: SelectorCache,
+        arrivals: Arrivals,
+        min_residence_ms: int,
+        clock: Callable[[], int],
+        paced: bool = True,
+    ) -> None:
         # A selector that takes everything: its presence makes the queue offer each message to ``accepts``.
         window = min(credit, PACE_START) if paced else credit
         super().__init__(consumer_id, session, queue, window, selector=_EVERYTHING)
@@ -210,8 +237,11 @@ def stranded(queue: Queue) -> bool:
 def targets(queue: Queue, candidates: Iterable[Binding]) -> list[Binding]:
     """The reachable remote queues of the same name and address that have consumers, most consumers first
     (nearest first on a tie): one redistributor each, so the backlog goes to every node that can take it."""
-    usable = [b for b in candidates if b.address == queue.address and b.routing == int(queue.routing_type)
-              and b.consumers > 0 and b.reachable]  # fmt: skip
+    usable = [
+        b
+        for b in candidates
+        if b.address == queue.address and b.routing == int(queue.routing_type) and b.consumers > 0 and b.reachable
+    ]
     usable.sort(key=lambda b: (-b.consumers, b.distance, b.node_id))
     return usable
 

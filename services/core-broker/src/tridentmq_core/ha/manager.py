@@ -138,11 +138,25 @@ class Voter:
         if (book.epoch(request.node_id), book.freshness(request.node_id)) != before:
             self.votes.save()  # the promise is on disk before the candidate hears of it
         # Refusals repeat every vote round of a candidate: only grants are worth a line at INFO.
-        (log.info if granted else log.debug)("vote", extra={
-            "kind": request.kind, "pair": request.node_id, "epoch": request.epoch, "candidate": request.candidate,
-            "granted": granted, "reason": why, "peer": session.peer})  # fmt: skip
-        return {"granted": granted, "reason": why, "epoch": book.epoch(request.node_id),
-                "promisee": book.promisee(request.node_id), "fresh": book.freshness(request.node_id)}  # fmt: skip
+        (log.info if granted else log.debug)(
+            "vote",
+            extra={
+                "kind": request.kind,
+                "pair": request.node_id,
+                "epoch": request.epoch,
+                "candidate": request.candidate,
+                "granted": granted,
+                "reason": why,
+                "peer": session.peer,
+            },
+        )
+        return {
+            "granted": granted,
+            "reason": why,
+            "epoch": book.epoch(request.node_id),
+            "promisee": book.promisee(request.node_id),
+            "fresh": book.freshness(request.node_id),
+        }
 
     def observe(self, node_id: str, epoch: int) -> bool:
         """A node is active at ``epoch``: False when a higher one was promised (it is stale: refuse it)."""
@@ -170,8 +184,7 @@ async def primary_may_activate(settings: CoreSettings, identity: NodeIdentity, s
         # The node it copied holds this epoch and may still serve: only a vote for a new epoch (a backup's
         # takeover) may make this copy active again, never a restart with the same epoch.
         return False, f"its data is a copy of the pair's active node at epoch {state.epoch}"
-    voters = list(dict.fromkeys([*(parse_endpoint(c) for c in settings.cluster.connectors),
-                                 *state.members.values()]))  # fmt: skip
+    voters = list(dict.fromkeys([*(parse_endpoint(c) for c in settings.cluster.connectors), *state.members.values()]))
     # A restart serves at a new epoch: the backup's copy may be of the last life, and writes confirmed in this
     # one before it copies again must make that copy stale (a brand-new node has no copy anywhere).
     epoch = identity.epoch if identity.first_start else identity.epoch + 1
@@ -202,12 +215,22 @@ def record_epoch(identity: NodeIdentity, epoch: int) -> None:
 class ReplicationSource:
     """The active node's side of its pair: one backup at a time."""
 
-    def __init__(self, broker: Broker, store: JournalStore, identity: NodeIdentity, server_id: str,
-                 settings: CoreSettings, cluster: Callable[[], ClusterManager | None],
-                 members: Callable[[], list[dict[str, Any]]], fenced: Callable[[str], None],
-                 hand_over: Callable[[], Coroutine[Any, Any, None]], drop_link: Callable[[str], None],
-                 abort_link: Callable[[str], None], cut_off: Callable[[], None] = lambda: None,
-                 new_epoch: Callable[[int], None] = lambda _epoch: None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        broker: Broker,
+        store: JournalStore,
+        identity: NodeIdentity,
+        server_id: str,
+        settings: CoreSettings,
+        cluster: Callable[[], ClusterManager | None],
+        members: Callable[[], list[dict[str, Any]]],
+        fenced: Callable[[str], None],
+        hand_over: Callable[[], Coroutine[Any, Any, None]],
+        drop_link: Callable[[str], None],
+        abort_link: Callable[[str], None],
+        cut_off: Callable[[], None] = lambda: None,
+        new_epoch: Callable[[int], None] = lambda _epoch: None,
+    ) -> None:
         self.broker = broker
         self.store = store
         self.identity = identity
@@ -243,8 +266,10 @@ class ReplicationSource:
         group, server_id, host, port = info.get("group"), info.get("server_id"), info.get("host"), info.get("port")
         if group != ha.group_name:
             # A backup looking for its primary asks every node it knows: normal, not an error here.
-            log.info("backup refused: another group", extra={"peer": session.peer, "group": group,
-                                                             "own_group": ha.group_name})  # fmt: skip
+            log.info(
+                "backup refused: another group",
+                extra={"peer": session.peer, "group": group, "own_group": ha.group_name},
+            )
             raise BrokerError(ErrorCode.INVALID, f"group {group!r} is not this pair's ({ha.group_name!r})")
         if not isinstance(server_id, str) or not server_id:
             raise BrokerError(ErrorCode.INVALID, "replicate names the backup's server id")
@@ -264,10 +289,13 @@ class ReplicationSource:
         self.session, self.feed, self.backup, self._sync_end_sent = session, feed, server_id, 0
         self.backup_endpoint = (host, port)
         self.backup_role = str(info.get("role", BACKUP))
-        log.info("backup connected: initial synchronisation started", extra={"backup": server_id,
-                                                                             "peer": session.peer})  # fmt: skip
-        return {"node_id": self.identity.node_id, "epoch": epoch, "name": self.settings.node.name,
-                "members": self._members()}  # fmt: skip
+        log.info("backup connected: initial synchronisation started", extra={"backup": server_id, "peer": session.peer})
+        return {
+            "node_id": self.identity.node_id,
+            "epoch": epoch,
+            "name": self.settings.node.name,
+            "members": self._members(),
+        }
 
     def _copied(self, feed: ReplicaFeed, last: int) -> None:
         feed.copied(last)
@@ -316,8 +344,10 @@ class ReplicationSource:
             self._drop_link(session.conn_id)
             return
         if became_in_sync:
-            log.info("backup in sync: durable writes are confirmed once both copies hold them",
-                     extra={"backup": self.backup, "records": feed.acked - feed.first + 1})  # fmt: skip
+            log.info(
+                "backup in sync: durable writes are confirmed once both copies hold them",
+                extra={"backup": self.backup, "records": feed.acked - feed.first + 1},
+            )
             self.broker.audit.emit(_now_ms() * 1000, "ha.backup_in_sync", {"backup": self.backup})
             self._members_changed()
             if self.settings.ha.allow_failback:
@@ -383,8 +413,10 @@ class ReplicationSource:
             log.warning("in-sync backup lost: going on alone (ha.vote_on_replication_failure is off)")
             self.store.limit_confirms(None)
             return
-        log.warning("in-sync backup lost: durable writes wait for a quorum of the other primaries",
-                    extra={"backup": self.backup})  # fmt: skip
+        log.warning(
+            "in-sync backup lost: durable writes wait for a quorum of the other primaries",
+            extra={"backup": self.backup},
+        )
         self.held_since = time.monotonic()
         self._stay_task = spawn(self._ask_to_stay(), "ha-stay")
 
@@ -398,8 +430,10 @@ class ReplicationSource:
             return
         timeout = self.settings.link.heartbeat_ms * HEARTBEAT_TIMEOUT_FACTOR / 1000
         if now - self._progress_at > timeout:
-            log.warning("backup acknowledged nothing for the heartbeat timeout: dropping it",
-                        extra={"backup": self.backup, "pending": feed.pending})  # fmt: skip
+            log.warning(
+                "backup acknowledged nothing for the heartbeat timeout: dropping it",
+                extra={"backup": self.backup, "pending": feed.pending},
+            )
             self._abort_link(session.conn_id)
 
     async def _ask_to_stay(self) -> None:
@@ -417,8 +451,9 @@ class ReplicationSource:
             # pair whose backup may activate without a quorum learns here that it was replaced).
             *answers, backup = await ask_votes(self.settings, [*voters, self.backup_endpoint], request)
             newer = max((_number(a, "epoch") for a in [*answers, backup] if a is not None), default=0)
-            if newer > epoch or (backup is not None and backup.get("granted") is not True
-                                 and _number(backup, "epoch") >= epoch):  # fmt: skip
+            if newer > epoch or (
+                backup is not None and backup.get("granted") is not True and _number(backup, "epoch") >= epoch
+            ):
                 self._fenced(f"epoch {newer} of this pair was promised to, or taken by, another copy")
                 return
             # Every refusal names another copy that has, or may have, served since ``serving``.
@@ -428,8 +463,10 @@ class ReplicationSource:
                 return
             grants = 1 + sum(1 for a in answers if a is not None and a.get("granted"))  # this node's vote counts
             if grants >= quorum(pairs):
-                log.info("quorum agrees: going on without the backup at a new epoch",
-                         extra={"votes": grants, "pairs": pairs, "epoch": epoch})  # fmt: skip
+                log.info(
+                    "quorum agrees: going on without the backup at a new epoch",
+                    extra={"votes": grants, "pairs": pairs, "epoch": epoch},
+                )
                 record_epoch(self.identity, epoch)
                 self._new_epoch(epoch)
                 self.held_since = 0.0
@@ -439,8 +476,10 @@ class ReplicationSource:
             if not self.cut_off and time.monotonic() - self.held_since >= self._takeover_time():
                 # The backup may be active by now: saying "active" and keeping the clients, whose writes
                 # are never confirmed here, would strand them. They are sent on (to the backup first).
-                log.warning("cut off from the backup and from a quorum: serving no client until a quorum "
-                            "answers", extra={"votes": grants, "pairs": pairs})  # fmt: skip
+                log.warning(
+                    "cut off from the backup and from a quorum: serving no client until a quorum answers",
+                    extra={"votes": grants, "pairs": pairs},
+                )
                 self.cut_off = True
                 self._cut_off()
             await asyncio.sleep(retry)
@@ -464,8 +503,11 @@ class ReplicationSource:
         await cancel_and_wait(self._stay_task)
 
 
-async def ask_votes(settings: CoreSettings, voters: list[tuple[str, int]], request: VoteRequest,
-                    ) -> list[dict[str, Any] | None]:  # fmt: skip
+async def ask_votes(
+    settings: CoreSettings,
+    voters: list[tuple[str, int]],
+    request: VoteRequest,
+) -> list[dict[str, Any] | None]:
     """Every voter's answer (None: it did not answer in time), each over a short link of its own."""
     return list(await asyncio.gather(*(_vote_at(settings, host, port, request) for host, port in voters)))
 
@@ -500,13 +542,29 @@ class BackupState:
             return BackupState()
         data = json.loads(path.read_text(encoding="utf-8"))
         members = {str(k): (str(v[0]), int(v[1])) for k, v in dict(data.get("members") or {}).items()}
-        return BackupState(str(data.get("node_id", "")), int(data.get("epoch", 0)), bool(data.get("in_sync")),
-                           members, max(1, int(data.get("pairs", 1))), bool(data.get("activated")))  # fmt: skip
+        return BackupState(
+            str(data.get("node_id", "")),
+            int(data.get("epoch", 0)),
+            bool(data.get("in_sync")),
+            members,
+            max(1, int(data.get("pairs", 1))),
+            bool(data.get("activated")),
+        )
 
     def save(self, path: Path) -> None:
-        write_durably(path, json.dumps({"node_id": self.node_id, "epoch": self.epoch, "in_sync": self.in_sync,
-                                        "members": self.members, "pairs": self.pairs,
-                                        "activated": self.activated}))  # fmt: skip
+        write_durably(
+            path,
+            json.dumps(
+                {
+                    "node_id": self.node_id,
+                    "epoch": self.epoch,
+                    "in_sync": self.in_sync,
+                    "members": self.members,
+                    "pairs": self.pairs,
+                    "activated": self.activated,
+                }
+            ),
+        )
 
 
 def mark_released(data_dir: Path) -> None:
@@ -521,9 +579,17 @@ def mark_released(data_dir: Path) -> None:
 class BackupRunner:
     """A backup: copy the primary's journal, and take over when it is lost and a quorum agrees."""
 
-    def __init__(self, settings: CoreSettings, identity: NodeIdentity, server_id: str, journal_dir: Path,
-                 advertise: tuple[str, int], call_in_loop: Callable[[Callable[[], None]], None],
-                 activate: Callable[[], Awaitable[None]], isolated: Callable[[], bool]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        settings: CoreSettings,
+        identity: NodeIdentity,
+        server_id: str,
+        journal_dir: Path,
+        advertise: tuple[str, int],
+        call_in_loop: Callable[[Callable[[], None]], None],
+        activate: Callable[[], Awaitable[None]],
+        isolated: Callable[[], bool],
+    ) -> None:
         self.settings = settings
         self.advertise = advertise  # this node's link endpoint, where clients find it once it is active
         self.identity = identity
@@ -559,8 +625,7 @@ class BackupRunner:
         self._close_journal()
 
     def status(self) -> dict[str, Any]:
-        return {"primary": self.primary, "in_sync": self.state.in_sync, "state": self.reason,
-                "pairs": self.state.pairs}  # fmt: skip
+        return {"primary": self.primary, "in_sync": self.state.in_sync, "state": self.reason, "pairs": self.state.pairs}
 
     # ------------------------------------------------------------------ the loop
     def _candidates(self) -> list[tuple[str, int]]:
@@ -601,9 +666,16 @@ class BackupRunner:
             await client.connect()
             with contextlib.suppress(LinkRequestError):
                 self._learn((await client.topology({})).get("members"))
-            reply = await client.replicate({"group": self.settings.ha.group_name, "server_id": self.server_id,
-                                            "epoch": self.identity.epoch, "host": self.advertise[0],
-                                            "port": self.advertise[1], "role": self.settings.ha.role})  # fmt: skip
+            reply = await client.replicate(
+                {
+                    "group": self.settings.ha.group_name,
+                    "server_id": self.server_id,
+                    "epoch": self.identity.epoch,
+                    "host": self.advertise[0],
+                    "port": self.advertise[1],
+                    "role": self.settings.ha.role,
+                }
+            )
         except LinkRequestError as exc:
             if exc.code in (ErrorCode.INVALID, ErrorCode.EXISTS, ErrorCode.UNAUTHENTICATED):
                 # Another group's primary is a normal answer while looking; each refusal is logged once.
@@ -648,8 +720,7 @@ class BackupRunner:
         for event in early:
             if self.client is not None:
                 self._records(self.client, event)
-        log.info("copying the primary's journal", extra={"primary": self.primary, "node_id": node_id,
-                                                         "epoch": epoch})  # fmt: skip
+        log.info("copying the primary's journal", extra={"primary": self.primary, "node_id": node_id, "epoch": epoch})
 
     def _learn(self, members: Any) -> None:
         known = dict(self.state.members)
@@ -673,8 +744,10 @@ class BackupRunner:
             self._offset = event.first - 1
             self._expected = event.first
         if event.epoch != self.state.epoch or event.first != self._expected:
-            log.error("replication stream out of order: copying again",
-                      extra={"epoch": event.epoch, "first": event.first, "expected": self._expected})  # fmt: skip
+            log.error(
+                "replication stream out of order: copying again",
+                extra={"epoch": event.epoch, "first": event.first, "expected": self._expected},
+            )
             asyncio.get_running_loop().create_task(client.close())
             return
         if event.records:
@@ -751,8 +824,10 @@ class BackupRunner:
                     self.state.save(self.state_path)
             fresh = max((_number(a, "fresh") for a in answers), default=0)
             if fresh > data_epoch:
-                self._note(f"the pair was active at epoch {fresh}, newer than this copy's {data_epoch}: "
-                           "copying the active node")  # fmt: skip
+                self._note(
+                    f"the pair was active at epoch {fresh}, newer than this copy's {data_epoch}: "
+                    "copying the active node"
+                )
                 self.state.in_sync = False  # only a copy of the active node is whole from now on
                 self.state.save(self.state_path)
                 return False

@@ -60,13 +60,26 @@ def journal_for_epoch(shared: Path, epoch: int, segment_bytes: int) -> Path:
 class SharedStore:
     """Drives the lease from a timer: activates the node when it wins the lease, fences it when it loses it."""
 
-    def __init__(self, settings: CoreSettings, directory: Path, server_id: str, min_epoch: int,
-                 activate: Callable[[int], Awaitable[None]], fenced: Callable[[str], None]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        settings: CoreSettings,
+        directory: Path,
+        server_id: str,
+        min_epoch: int,
+        activate: Callable[[int], Awaitable[None]],
+        fenced: Callable[[str], None],
+    ) -> None:
         ha = settings.ha
         self.directory = directory
         settle = max(50, ha.lease_renew_ms // 2)
-        self.lease = SharedStoreLease(LeaseFile(directory), server_id, renew_ms=ha.lease_renew_ms,
-                                      expiry_ms=ha.lease_expiry_ms, settle_ms=settle, min_epoch=min_epoch)  # fmt: skip
+        self.lease = SharedStoreLease(
+            LeaseFile(directory),
+            server_id,
+            renew_ms=ha.lease_renew_ms,
+            expiry_ms=ha.lease_expiry_ms,
+            settle_ms=settle,
+            min_epoch=min_epoch,
+        )
         self._activate = activate
         self._fenced = fenced
         self.on_renewed: Callable[[], None] = lambda: None  # the node releases confirms held for a renewal

@@ -53,8 +53,13 @@ class VoteRequest:
             object.__setattr__(self, "data_epoch", self.epoch if self.kind == STAY else self.epoch - 1)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"kind": self.kind, "node_id": self.node_id, "epoch": self.epoch, "candidate": self.candidate,
-                "data_epoch": self.data_epoch}  # fmt: skip
+        return {
+            "kind": self.kind,
+            "node_id": self.node_id,
+            "epoch": self.epoch,
+            "candidate": self.candidate,
+            "data_epoch": self.data_epoch,
+        }
 
     @staticmethod
     def from_wire(item: Any) -> VoteRequest:
@@ -62,9 +67,16 @@ class VoteRequest:
             raise ValueError("a vote request is a map")  # noqa: TRY004 - callers catch ValueError for any bad input
         kind, node_id, epoch = item.get("kind"), item.get("node_id"), item.get("epoch")
         candidate, data_epoch = item.get("candidate"), item.get("data_epoch", 0)
-        if (kind not in (ACTIVATE, STAY) or not isinstance(node_id, str) or not node_id or type(epoch) is not int
-                or epoch < 1 or not isinstance(candidate, str) or type(data_epoch) is not int
-                or not 0 <= data_epoch <= epoch):  # fmt: skip
+        if (
+            kind not in (ACTIVATE, STAY)
+            or not isinstance(node_id, str)
+            or not node_id
+            or type(epoch) is not int
+            or epoch < 1
+            or not isinstance(candidate, str)
+            or type(data_epoch) is not int
+            or not 0 <= data_epoch <= epoch
+        ):
             raise ValueError(f"malformed vote request {str(item)[:120]}")
         return VoteRequest(kind, node_id, epoch, candidate, data_epoch)
 
@@ -73,8 +85,7 @@ class VoteBook:
     """Per pair, the highest epoch this voter promised (and to whom) or saw active, and the data epoch a
     copy needs to be granted (``fresh``)."""
 
-    def __init__(self, promised: dict[str, tuple[int, str]] | None = None,
-                 fresh: dict[str, int] | None = None) -> None:  # fmt: skip
+    def __init__(self, promised: dict[str, tuple[int, str]] | None = None, fresh: dict[str, int] | None = None) -> None:
         self.promised: dict[str, tuple[int, str]] = dict(promised or {})
         self.fresh: dict[str, int] = dict(fresh or {})
 
@@ -138,8 +149,10 @@ class VoteBook:
         return self.promised.get(node_id, (0, ""))[1]
 
     def to_json(self) -> dict[str, list[Any]]:
-        return {node_id: [*self.promised.get(node_id, (0, "")), self.freshness(node_id)]
-                for node_id in self.promised.keys() | self.fresh.keys()}  # fmt: skip
+        return {
+            node_id: [*self.promised.get(node_id, (0, "")), self.freshness(node_id)]
+            for node_id in self.promised.keys() | self.fresh.keys()
+        }
 
     @staticmethod
     def from_json(data: Any) -> VoteBook:
@@ -150,8 +163,13 @@ class VoteBook:
         for node_id, entry in data.items():
             if isinstance(entry, list) and len(entry) == 2:
                 entry = [*entry, 0]  # written before data epochs were kept: nothing known yet
-            if not (isinstance(entry, list) and len(entry) == 3 and type(entry[0]) is int
-                    and isinstance(entry[1], str) and type(entry[2]) is int):  # fmt: skip
+            if not (
+                isinstance(entry, list)
+                and len(entry) == 3
+                and type(entry[0]) is int
+                and isinstance(entry[1], str)
+                and type(entry[2]) is int
+            ):
                 raise ValueError(f"malformed vote book entry for {node_id!r}")
             if entry[0] or entry[1]:  # an entry may carry only a data epoch
                 promised[node_id] = (entry[0], entry[1])

@@ -134,8 +134,10 @@ class ManagementAccess:
         """One WARNING line per window however many guesses came in it (the count is in the next one)."""
         self._failures += 1
         if now - self._failure_window >= FAILURE_LOG_SECONDS:
-            log.warning("management API login failed", extra={"user": ascii(user), "peer": peer,
-                                                              "failures_in_window": self._failures})  # fmt: skip
+            log.warning(
+                "management API login failed",
+                extra={"user": ascii(user), "peer": peer, "failures_in_window": self._failures},
+            )
             self._failures = 0
             self._failure_window = now
 
@@ -162,15 +164,22 @@ def cross_site_refusal(request: web.Request) -> web.Response | None:
         and request.content_type != "application/json"
         and REQUEST_HEADER not in request.headers
     ):
-        return _error(403, f"a request that changes something needs a JSON body (Content-Type: application/json) "
-                           f"or the header {REQUEST_HEADER}: 1 (a defence against cross-site requests)")  # fmt: skip
+        return _error(
+            403,
+            f"a request that changes something needs a JSON body (Content-Type: application/json) "
+            f"or the header {REQUEST_HEADER}: 1 (a defence against cross-site requests)",
+        )
     return None
 
 
 def allowed_host_names(settings: CoreSettings) -> list[str]:
     """The names besides loopback that requests may carry in ``Host``: the configured ones and the node's own."""
-    return [*settings.management.allowed_hosts, settings.management.host, settings.link.host,
-            settings.cluster.advertise_host]  # fmt: skip
+    return [
+        *settings.management.allowed_hosts,
+        settings.management.host,
+        settings.link.host,
+        settings.cluster.advertise_host,
+    ]
 
 
 def access_middlewares(settings: CoreSettings, access: ManagementAccess) -> list[Middleware]:

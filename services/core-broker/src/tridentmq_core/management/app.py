@@ -137,11 +137,13 @@ class _Handlers:
         if not self.status.ready:
             if self.status.ha is not None:  # a backup: not serving, but says whether it could take over
                 ha = self.status.ha()
-                return web.json_response({"status": "backup", "in_sync": ha.get("in_sync", False),
-                                          "state": ha.get("state", "")}, status=503)  # fmt: skip
+                return web.json_response(
+                    {"status": "backup", "in_sync": ha.get("in_sync", False), "state": ha.get("state", "")}, status=503
+                )
             return web.json_response({"status": "starting"}, status=503)
-        return web.json_response({"status": "ready", "recovered": dict(self.status.recovered),
-                                  "truncated": list(self.status.truncated)})  # fmt: skip
+        return web.json_response(
+            {"status": "ready", "recovered": dict(self.status.recovered), "truncated": list(self.status.truncated)}
+        )
 
     async def metrics(self, request: web.Request) -> web.Response:
         text = render_metrics(self.broker, self.status, self.rates)
@@ -150,25 +152,27 @@ class _Handlers:
     async def status_(self, request: web.Request) -> web.Response:
         broker = self.broker
         queues = broker.queues.values()
-        return web.json_response({
-            "node_id": broker.node_id,
-            "name": broker.settings.node.name,
-            "epoch": self.status.epoch,
-            "uptime_s": round(max(time.time() - self.status.started_at, 0.0), 3),
-            "ready": self.status.ready,
-            "link_port": self.status.link_port,
-            "connections": len(broker.sessions),
-            "links": self.status.links(),
-            "addresses": len(broker.addresses),
-            "queues": len(broker.queues),
-            "messages": sum(len(q) for q in queues),
-            "in_flight": sum(q.in_flight for q in queues),
-            "counters": dataclasses.asdict(broker.counters),
-            "latency": broker.latency.as_json(),
-            "time_in_queue": broker.time_in_queue.as_json(),
-            "cluster": self.status.cluster() if self.status.cluster is not None else None,
-            "ha": self.status.ha() if self.status.ha is not None else None,
-        })  # fmt: skip
+        return web.json_response(
+            {
+                "node_id": broker.node_id,
+                "name": broker.settings.node.name,
+                "epoch": self.status.epoch,
+                "uptime_s": round(max(time.time() - self.status.started_at, 0.0), 3),
+                "ready": self.status.ready,
+                "link_port": self.status.link_port,
+                "connections": len(broker.sessions),
+                "links": self.status.links(),
+                "addresses": len(broker.addresses),
+                "queues": len(broker.queues),
+                "messages": sum(len(q) for q in queues),
+                "in_flight": sum(q.in_flight for q in queues),
+                "counters": dataclasses.asdict(broker.counters),
+                "latency": broker.latency.as_json(),
+                "time_in_queue": broker.time_in_queue.as_json(),
+                "cluster": self.status.cluster() if self.status.cluster is not None else None,
+                "ha": self.status.ha() if self.status.ha is not None else None,
+            }
+        )
 
     async def cluster(self, request: web.Request) -> web.Response:
         if self.status.cluster is None:
@@ -179,15 +183,17 @@ class _Handlers:
         return web.json_response(view)
 
     async def addresses(self, request: web.Request) -> web.Response:
-        return web.json_response([
-            {
-                "name": address.name,
-                "routing_types": [kind.name.lower() for kind in sorted(address.routing_types)],
-                "queues": sorted(address.queues),
-                "auto_created": address.auto_created,
-            }
-            for _, address in sorted(self.broker.addresses.items())
-        ])  # fmt: skip
+        return web.json_response(
+            [
+                {
+                    "name": address.name,
+                    "routing_types": [kind.name.lower() for kind in sorted(address.routing_types)],
+                    "queues": sorted(address.queues),
+                    "auto_created": address.auto_created,
+                }
+                for _, address in sorted(self.broker.addresses.items())
+            ]
+        )
 
     async def queues(self, request: web.Request) -> web.Response:
         return web.json_response([queue_view(q, self.rates) for _, q in sorted(self.broker.queues.items())])
@@ -204,8 +210,13 @@ class _Handlers:
         return web.json_response([connection_view(s) for s in sessions])
 
 
-def create_app(broker: Broker, status: NodeStatus, rates: QueueRates, security: SecurityManager | None = None,
-               control: NodeControl | None = None) -> web.Application:  # fmt: skip
+def create_app(
+    broker: Broker,
+    status: NodeStatus,
+    rates: QueueRates,
+    security: SecurityManager | None = None,
+    control: NodeControl | None = None,
+) -> web.Application:
     """The management application; the caller runs it (``web.AppRunner``) next to the link listener.
     ``security`` holds the users who may use it (by default those of the broker's settings); ``control`` is what
     the operations need of the running node (``operations_api.py``)."""
@@ -228,8 +239,14 @@ def create_app(broker: Broker, status: NodeStatus, rates: QueueRates, security: 
     add_routes(app, OperationsApi(broker, lambda: status.cluster, control or NodeControl()))
     app.router.add_get("/", handlers.root)
     add_console(app)
-    add_peer_api(app, PeerApi(broker.node_id, lambda: status.cluster() if status.cluster is not None else None,
-                              tls=settings.tls if settings.management.tls else None))  # fmt: skip
+    add_peer_api(
+        app,
+        PeerApi(
+            broker.node_id,
+            lambda: status.cluster() if status.cluster is not None else None,
+            tls=settings.tls if settings.management.tls else None,
+        ),
+    )
     audit = settings.audit
     audit_dir = Path(audit.directory) if audit.directory else settings.node.data_dir / "audit"
     add_audit_trail(app, audit_dir if audit.enabled else None)

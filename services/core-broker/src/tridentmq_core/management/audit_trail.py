@@ -45,8 +45,9 @@ def _files(audit_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: (modified(p), p.name), reverse=True)
 
 
-def find_events(audit_dir: Path, message_id: str, *, max_bytes: int = MAX_SCAN_BYTES,
-                max_events: int = MAX_EVENTS) -> tuple[list[dict[str, Any]], bool]:  # fmt: skip
+def find_events(
+    audit_dir: Path, message_id: str, *, max_bytes: int = MAX_SCAN_BYTES, max_events: int = MAX_EVENTS
+) -> tuple[list[dict[str, Any]], bool]:
     """The events of ``message_id`` (sorted by time, then node and seq) and whether every file was searched."""
     needle = orjson.dumps(message_id)  # with its quotes: "ab-12" must not match "ab-123"
     events: list[dict[str, Any]] = []
@@ -72,8 +73,15 @@ def find_events(audit_dir: Path, message_id: str, *, max_bytes: int = MAX_SCAN_B
     return events, complete
 
 
-def _scan(data: bytes, needle: bytes, message_id: str, events: list[dict[str, Any]], max_events: int, *,
-          first_line_whole: bool) -> None:  # fmt: skip
+def _scan(
+    data: bytes,
+    needle: bytes,
+    message_id: str,
+    events: list[dict[str, Any]],
+    max_events: int,
+    *,
+    first_line_whole: bool,
+) -> None:
     at = data.find(needle)
     while at >= 0 and len(events) < max_events:
         line_start = data.rfind(b"\n", 0, at) + 1
@@ -102,8 +110,7 @@ class AuditTrail:
         if not MESSAGE_ID.fullmatch(message_id):
             return web.json_response({"error": "a message id is 1 to 80 letters, digits and ._:-"}, status=400)
         if self.audit_dir is None:
-            return web.json_response({"error": "this node writes no audit stream (audit.enabled = false)"},
-                                     status=404)  # fmt: skip
+            return web.json_response({"error": "this node writes no audit stream (audit.enabled = false)"}, status=404)
         audit_dir = self.audit_dir
         async with self._one_at_a_time:
             events, complete = await asyncio.to_thread(find_events, audit_dir, message_id)

@@ -16,12 +16,12 @@ CONSOLE_PATH = "/console"
 FILES = Path(__file__).parent / "console"
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-                               "connect-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
+    "connect-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
     "X-Content-Type-Options": "nosniff",
     "X-Frame-Options": "DENY",
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-cache",
-}  # fmt: skip
+}
 # The files a browser may ask for, by URL path below /console/: nothing else of the package is served.
 SERVED = {
     "": ("index.html", "text/html"),

@@ -25,18 +25,30 @@ Sample = tuple[Labels, float]
 #: Per-queue families: name suffix, type, help text, how to read the value.
 _QUEUE_FAMILIES: tuple[tuple[str, str, str, Callable[[Queue], int]], ...] = (
     ("queue_depth", "gauge", "Messages waiting in the queue (not in flight).", len),
-    ("queue_consumers", "gauge", "Clients' consumers attached to the queue.",
-     lambda q: sum(not c.forwarder for c in q.consumers)),
-    ("queue_forwarders", "gauge", "Cluster connections moving the queue's messages to other nodes.",
-     lambda q: sum(c.forwarder for c in q.consumers)),
+    (
+        "queue_consumers",
+        "gauge",
+        "Clients' consumers attached to the queue.",
+        lambda q: sum(not c.forwarder for c in q.consumers),
+    ),
+    (
+        "queue_forwarders",
+        "gauge",
+        "Cluster connections moving the queue's messages to other nodes.",
+        lambda q: sum(c.forwarder for c in q.consumers),
+    ),
     ("queue_in_flight", "gauge", "Messages delivered and not yet settled.", lambda q: q.in_flight),
     ("queue_messages_added_total", "counter", "Messages added to the queue.", lambda q: q.added),
     ("queue_messages_acked_total", "counter", "Messages acknowledged from the queue.", lambda q: q.acked),
     ("queue_messages_delivered_total", "counter", "Deliveries made from the queue.", lambda q: q.delivered),
     ("queue_messages_expired_total", "counter", "Messages that expired in the queue.", lambda q: q.expired),
-    ("queue_messages_dead_lettered_total", "counter", "Messages dead-lettered from the queue.",
-     lambda q: q.dead_lettered),
-)  # fmt: skip
+    (
+        "queue_messages_dead_lettered_total",
+        "counter",
+        "Messages dead-lettered from the queue.",
+        lambda q: q.dead_lettered,
+    ),
+)
 
 #: Broker-wide counters: name suffix, ``Counters`` field, help text.
 _BROKER_COUNTERS: tuple[tuple[str, str, str], ...] = (
@@ -104,47 +116,96 @@ def render_metrics(broker: Broker, status: NodeStatus, rates: QueueRates) -> str
     queues = [q for _, q in sorted(broker.queues.items())]
     labels = [{"queue": q.name, "address": q.address, "routing": q.routing_type.name.lower()} for q in queues]
     lines: list[str] = []
-    _family(lines, "node_info", "gauge", "Identity of this node (always 1).",
-            [({"node_id": broker.node_id, "name": broker.settings.node.name}, 1)])  # fmt: skip
-    _family(lines, "uptime_seconds", "gauge", "Seconds since the node started.",
-            [({}, round(max(time.time() - status.started_at, 0.0), 3))])  # fmt: skip
-    _family(lines, "ready", "gauge", "1 when the node accepts traffic, 0 while it starts.",
-            [({}, int(status.ready))])  # fmt: skip
+    _family(
+        lines,
+        "node_info",
+        "gauge",
+        "Identity of this node (always 1).",
+        [({"node_id": broker.node_id, "name": broker.settings.node.name}, 1)],
+    )
+    _family(
+        lines,
+        "uptime_seconds",
+        "gauge",
+        "Seconds since the node started.",
+        [({}, round(max(time.time() - status.started_at, 0.0), 3))],
+    )
+    _family(lines, "ready", "gauge", "1 when the node accepts traffic, 0 while it starts.", [({}, int(status.ready))])
     _family(lines, "connections", "gauge", "Open link connections.", [({}, len(broker.sessions))])
     _family(lines, "addresses", "gauge", "Addresses defined.", [({}, len(broker.addresses))])
     _family(lines, "queues", "gauge", "Queues defined.", [({}, len(broker.queues))])
     for name, kind, help_text, read in _QUEUE_FAMILIES:
         _family(lines, name, kind, help_text, [(lab, read(q)) for lab, q in zip(labels, queues, strict=True)])
     queue_rates = [rates.rates(q.name) for q in queues]
-    _family(lines, "queue_enqueue_rate", "gauge", "Messages added per second over the last sample interval.",
-            [(lab, r[0]) for lab, r in zip(labels, queue_rates, strict=True)])  # fmt: skip
-    _family(lines, "queue_ack_rate", "gauge", "Messages acked per second over the last sample interval.",
-            [(lab, r[1]) for lab, r in zip(labels, queue_rates, strict=True)])  # fmt: skip
+    _family(
+        lines,
+        "queue_enqueue_rate",
+        "gauge",
+        "Messages added per second over the last sample interval.",
+        [(lab, r[0]) for lab, r in zip(labels, queue_rates, strict=True)],
+    )
+    _family(
+        lines,
+        "queue_ack_rate",
+        "gauge",
+        "Messages acked per second over the last sample interval.",
+        [(lab, r[1]) for lab, r in zip(labels, queue_rates, strict=True)],
+    )
     counters = broker.counters
     for name, attr, help_text in _BROKER_COUNTERS:
         _family(lines, name, "counter", help_text, [({}, getattr(counters, attr))])
-    _histogram(lines, "message_latency_seconds",
-               "End-to-end latency: a message's publish timestamp to its acknowledgement by a consumer.",
-               broker.latency)  # fmt: skip
-    _histogram(lines, "message_time_in_queue_seconds",
-               "Time in queue: a message's publish timestamp to each of its deliveries to a consumer.",
-               broker.time_in_queue)  # fmt: skip
+    _histogram(
+        lines,
+        "message_latency_seconds",
+        "End-to-end latency: a message's publish timestamp to its acknowledgement by a consumer.",
+        broker.latency,
+    )
+    _histogram(
+        lines,
+        "message_time_in_queue_seconds",
+        "Time in queue: a message's publish timestamp to each of its deliveries to a consumer.",
+        broker.time_in_queue,
+    )
     cluster = status.cluster() if status.cluster is not None else None
     if cluster is not None:
-        _family(lines, "cluster_members", "gauge", "Live cluster members this node sees, itself included.",
-                [({}, len(cluster["members"]))])  # fmt: skip
-        _family(lines, "cluster_connection_up", "gauge", "1 while the cluster connection to a node is up.",
-                [({"to": c["address"], "node_id": c["node_id"]}, int(c["state"] == "up"))
-                 for c in cluster["connections"]])  # fmt: skip
-        _family(lines, "cluster_pending_forward", "gauge", "Messages waiting to be confirmed by another node.",
-                [({"to": c["address"], "node_id": c["node_id"]}, c["pending_forward"])
-                 for c in cluster["connections"]])  # fmt: skip
-        _family(lines, "cluster_remote_bindings", "gauge", "Queues of other nodes known here.",
-                [({}, cluster["remote_bindings"])])  # fmt: skip
+        _family(
+            lines,
+            "cluster_members",
+            "gauge",
+            "Live cluster members this node sees, itself included.",
+            [({}, len(cluster["members"]))],
+        )
+        _family(
+            lines,
+            "cluster_connection_up",
+            "gauge",
+            "1 while the cluster connection to a node is up.",
+            [({"to": c["address"], "node_id": c["node_id"]}, int(c["state"] == "up")) for c in cluster["connections"]],
+        )
+        _family(
+            lines,
+            "cluster_pending_forward",
+            "gauge",
+            "Messages waiting to be confirmed by another node.",
+            [({"to": c["address"], "node_id": c["node_id"]}, c["pending_forward"]) for c in cluster["connections"]],
+        )
+        _family(
+            lines,
+            "cluster_remote_bindings",
+            "gauge",
+            "Queues of other nodes known here.",
+            [({}, cluster["remote_bindings"])],
+        )
     journal = status.journal
     if journal is not None:
-        _family(lines, "journal_records_synced_total", "counter", "Journal records known to be on disk.",
-                [({}, journal.synced)])  # fmt: skip
-        _family(lines, "journal_syncs_total", "counter", "Journal group commits (fdatasync calls).",
-                [({}, journal.syncs)])  # fmt: skip
+        _family(
+            lines,
+            "journal_records_synced_total",
+            "counter",
+            "Journal records known to be on disk.",
+            [({}, journal.synced)],
+        )
+        _family(
+            lines, "journal_syncs_total", "counter", "Journal group commits (fdatasync calls).", [({}, journal.syncs)]
+        )
     return "\n".join(lines) + "\n"

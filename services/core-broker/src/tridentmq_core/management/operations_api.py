@@ -45,10 +45,23 @@ MAX_BODY_BYTES: Final = 64 * 1024
 MAX_TEXT: Final = 4096  # longest name, selector or client id accepted
 #: The operations that change something, each audited as ``mgmt.<operation>`` (docs/audit.md; the Spark jobs
 #: list them as known events).
-AUDITED_OPERATIONS: Final = ("queue.create", "queue.delete", "queue.purge", "messages.move", "messages.copy",
-                             "pause", "resume", "connection.close", "client.close", "mqtt.session.delete",
-                             "mqtt.retained.delete", "failback", "scale_down", "address_settings.set",
-                             "node.forget")  # fmt: skip
+AUDITED_OPERATIONS: Final = (
+    "queue.create",
+    "queue.delete",
+    "queue.purge",
+    "messages.move",
+    "messages.copy",
+    "pause",
+    "resume",
+    "connection.close",
+    "client.close",
+    "mqtt.session.delete",
+    "mqtt.retained.delete",
+    "failback",
+    "scale_down",
+    "address_settings.set",
+    "node.forget",
+)
 #: What a closed client's link is told (the link client does not reconnect after it).
 CLOSED_TEXT: Final = "closed by an operator"
 
@@ -81,8 +94,9 @@ def _now_ms() -> int:
 
 
 class OperationsApi:
-    def __init__(self, broker: Broker, cluster: Callable[[], Callable[[], dict[str, Any]] | None],
-                 control: NodeControl) -> None:  # fmt: skip
+    def __init__(
+        self, broker: Broker, cluster: Callable[[], Callable[[], dict[str, Any]] | None], control: NodeControl
+    ) -> None:
         self.broker = broker
         self.ops = Operations(broker)
         self.mqtt = MqttAdmin(broker)
@@ -124,8 +138,12 @@ class OperationsApi:
             return True, []
         found = [m for m in others if wanted and (m["node_id"].startswith(wanted) or m.get("name") == wanted)]
         if len(found) != 1:
-            raise RequestRefusedError(404, f"no live node {wanted!r} in the cluster" if not found else
-                           f"{wanted!r} names several nodes: give more of the node id")  # fmt: skip
+            raise RequestRefusedError(
+                404,
+                f"no live node {wanted!r} in the cluster"
+                if not found
+                else f"{wanted!r} names several nodes: give more of the node id",
+            )
         return False, found
 
     async def _forward(self, request: web.Request, member: dict[str, Any], body: bytes) -> dict[str, Any]:
@@ -133,10 +151,13 @@ class OperationsApi:
         if not member.get("management"):
             return {**entry, "status": 503, "error": "that node has no management port"}
         if self._client is None:
-            context = ssl.create_default_context(cafile=self.control.tls_ca_file or None) if self.control.https \
-                else None  # fmt: skip
-            self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=FORWARD_TIMEOUT_S),
-                                                 connector=aiohttp.TCPConnector(ssl=context or False))  # fmt: skip
+            context = (
+                ssl.create_default_context(cafile=self.control.tls_ca_file or None) if self.control.https else None
+            )
+            self._client = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=FORWARD_TIMEOUT_S),
+                connector=aiohttp.TCPConnector(ssl=context or False),
+            )
         scheme = "https" if self.control.https else "http"
         host = member["host"]
         host = f"[{host}]" if ":" in host else host
@@ -146,8 +167,9 @@ class OperationsApi:
             headers["Authorization"] = request.headers["Authorization"]
         url = f"{scheme}://{host}:{member['management']}{request.rel_url.raw_path}"
         try:
-            async with self._client.request(request.method, url, params=query, data=body or None,
-                                            headers=headers) as response:  # fmt: skip
+            async with self._client.request(
+                request.method, url, params=query, data=body or None, headers=headers
+            ) as response:
                 answer = await response.json(content_type=None)
                 status = response.status
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
@@ -186,17 +208,26 @@ class OperationsApi:
             self._audit(request, operation, target, "ok", result)
         return {**entry, "status": 200, "result": result}
 
-    def _audit(self, request: web.Request, operation: str, target: str, result: str,
-               counts: dict[str, Any] | None = None) -> None:  # fmt: skip
-        fields: dict[str, object] = {"user": request.get(USER_KEY, "anonymous"), "operation": operation,
-                                     "target": target, "result": result, "peer": request.remote}  # fmt: skip
+    def _audit(
+        self, request: web.Request, operation: str, target: str, result: str, counts: dict[str, Any] | None = None
+    ) -> None:
+        fields: dict[str, object] = {
+            "user": request.get(USER_KEY, "anonymous"),
+            "operation": operation,
+            "target": target,
+            "result": result,
+            "peer": request.remote,
+        }
         if counts:
             fields["counts"] = json.dumps({k: v for k, v in counts.items() if isinstance(v, int)}, sort_keys=True)
         self.broker.audit.emit(_now_ms() * 1000, f"mgmt.{operation}", fields)
         self.broker.audit.flush()  # an operator's action is on disk before the answer says it was done
         level = logging.INFO if result == "ok" else logging.WARNING
-        log.log(level, "management operation", extra={"operation": operation, "target": target[:200],
-                                                       "result": result[:200], "user": fields["user"]})  # fmt: skip
+        log.log(
+            level,
+            "management operation",
+            extra={"operation": operation, "target": target[:200], "result": result[:200], "user": fields["user"]},
+        )
 
     async def close(self) -> None:
         if self._client is not None:
@@ -216,8 +247,16 @@ class OperationsApi:
             lvq = _text(body, "last_value_key")
             max_consumers = _int(body, "max_consumers", -1, minimum=-1)
             return name, lambda: self.ops.create_queue(
-                name, address, routing, durable=durable, filter_text=filter_text, exclusive=exclusive,
-                last_value_key=lvq, max_consumers=max_consumers, now_ms=_now_ms())  # fmt: skip
+                name,
+                address,
+                routing,
+                durable=durable,
+                filter_text=filter_text,
+                exclusive=exclusive,
+                last_value_key=lvq,
+                max_consumers=max_consumers,
+                now_ms=_now_ms(),
+            )
 
         return await self._guarded(request, "queue.create", prepare)
 
@@ -252,14 +291,16 @@ class OperationsApi:
             selector = _text(body, "selector") or None
             check_selector_400(selector)
             ids = body.get("message_ids")
-            if ids is not None and (not isinstance(ids, list) or len(ids) > 10_000
-                                    or not all(type(i) is int and i > 0 for i in ids)):  # fmt: skip
+            if ids is not None and (
+                not isinstance(ids, list) or len(ids) > 10_000 or not all(type(i) is int and i > 0 for i in ids)
+            ):
                 raise RequestRefusedError(400, "message_ids is a list of at most 10000 positive integers")
             if ids is not None and request.query.get("node") is None and self._members():
                 raise RequestRefusedError(400, "message ids are a node's own: give node= with message_ids")
             limit = _int(body, "limit", -1, minimum=-1)
             return f"{name} -> {to or 'origin'}", lambda: self.ops.move(
-                name, to, selector=selector, message_ids=ids, limit=limit, copy=copy, now_ms=_now_ms())  # fmt: skip
+                name, to, selector=selector, message_ids=ids, limit=limit, copy=copy, now_ms=_now_ms()
+            )
 
         return await self._guarded(request, "messages.copy" if copy else "messages.move", prepare)
 
@@ -283,20 +324,26 @@ class OperationsApi:
             ]
         )
 
-    async def _browse_cluster(self, request: web.Request, name: str, offset: int, limit: int, here: bool,
-                              others: list[dict[str, Any]]) -> web.Response:  # fmt: skip
+    async def _browse_cluster(
+        self, request: web.Request, name: str, offset: int, limit: int, here: bool, others: list[dict[str, Any]]
+    ) -> web.Response:
         """One page over the nodes in turn (by node id): first each node's count, then the slices wanted."""
         selector = request.query.get("selector") or None
         preview = _query_int(request, "preview", DEFAULT_PREVIEW_BYTES, 0, MAX_PREVIEW_BYTES)
-        members = sorted(([{"node_id": self.broker.node_id, "name": self.broker.settings.node.name, "self": True}]
-                          if here else []) + others, key=lambda m: m["node_id"])  # fmt: skip
+        members = sorted(
+            ([{"node_id": self.broker.node_id, "name": self.broker.settings.node.name, "self": True}] if here else [])
+            + others,
+            key=lambda m: m["node_id"],
+        )
 
         async def ask(member: dict[str, Any], start: int, count: int) -> dict[str, Any]:
             if member.get("self"):
-                return self._local(request, "messages.browse", name,
-                                   lambda: self.ops.browse(name, start, count, selector, preview))  # fmt: skip
-            forwarded = request.clone(rel_url=request.rel_url.with_query(
-                {**request.query, "offset": str(start), "limit": str(count)}))  # fmt: skip
+                return self._local(
+                    request, "messages.browse", name, lambda: self.ops.browse(name, start, count, selector, preview)
+                )
+            forwarded = request.clone(
+                rel_url=request.rel_url.with_query({**request.query, "offset": str(start), "limit": str(count)})
+            )
             return await self._forward(forwarded, member, b"")
 
         counted = await asyncio.gather(*(ask(m, 0, 0) for m in members))
@@ -309,8 +356,10 @@ class OperationsApi:
             if count > 0 and start < total:
                 slices.append((member, start, count))
             position += total
-        pages = {id(m): r for (m, _, _), r in
-                 zip(slices, await asyncio.gather(*(ask(m, s, c) for m, s, c in slices)), strict=True)}  # fmt: skip
+        pages = {
+            id(m): r
+            for (m, _, _), r in zip(slices, await asyncio.gather(*(ask(m, s, c) for m, s, c in slices)), strict=True)
+        }
         results = [pages.get(id(m), answer) for m, answer in zip(members, counted, strict=True)]
         return self._browse_reply(results)
 
@@ -319,12 +368,14 @@ class OperationsApi:
         good = [r for r in results if r.get("status") == 200]
         if not good:
             return _combine(results)
-        messages = [{**m, "node_id": r["node_id"], "node": r["name"]}
-                    for r in good for m in r["result"]["messages"]]  # fmt: skip
-        nodes = [{k: v for k, v in r.items() if k != "result"} | ({"total": r["result"]["total"]} if "result" in r
-                 else {}) for r in results]  # fmt: skip
-        return web.json_response({"total": sum(r["result"]["total"] for r in good), "messages": messages,
-                                  "nodes": nodes})  # fmt: skip
+        messages = [{**m, "node_id": r["node_id"], "node": r["name"]} for r in good for m in r["result"]["messages"]]
+        nodes = [
+            {k: v for k, v in r.items() if k != "result"} | ({"total": r["result"]["total"]} if "result" in r else {})
+            for r in results
+        ]
+        return web.json_response(
+            {"total": sum(r["result"]["total"] for r in good), "messages": messages, "nodes": nodes}
+        )
 
     async def pause(self, request: web.Request) -> web.Response:
         return await self._pause(request, paused=True)
@@ -483,8 +534,15 @@ class OperationsApi:
 
         return await self._guarded(request, "address_settings.set", prepare)
 
-    async def _guarded(self, request: web.Request, operation: str, prepare: Callable[[], Awaitable[tuple[str, Local]]],
-                       *, here_only: bool = False, merge_lists: str = "") -> web.Response:  # fmt: skip
+    async def _guarded(
+        self,
+        request: web.Request,
+        operation: str,
+        prepare: Callable[[], Awaitable[tuple[str, Local]]],
+        *,
+        here_only: bool = False,
+        merge_lists: str = "",
+    ) -> web.Response:
         """Check the request (``prepare``: 400 before anything runs anywhere), then run it."""
         try:
             target, local = await prepare()
@@ -498,8 +556,12 @@ class OperationsApi:
         response = await self.run(request, operation, target, local)
         if merge_lists and response.status == 200:
             answer = json.loads(response.body)  # type: ignore[arg-type]
-            merged = [{**item, "node_id": n["node_id"]} for n in answer["nodes"] if n.get("status") == 200
-                      for item in n["result"][merge_lists]]  # fmt: skip
+            merged = [
+                {**item, "node_id": n["node_id"]}
+                for n in answer["nodes"]
+                if n.get("status") == 200
+                for item in n["result"][merge_lists]
+            ]
             answer[merge_lists] = merged
             return web.json_response(answer)
         return response
@@ -526,14 +588,17 @@ def _combine(results: list[dict[str, Any]]) -> web.Response:
     statuses = {r.get("status", 502) for r in results}
     status = statuses.pop() if len(statuses) == 1 else 502
     errors = "; ".join(f"{r.get('name') or r['node_id'][:8]}: {r.get('error')}" for r in results)
-    return web.json_response({"error": errors if len(results) > 1 else results[0].get("error"), "nodes": results},
-                             status=status)  # fmt: skip
+    return web.json_response(
+        {"error": errors if len(results) > 1 else results[0].get("error"), "nodes": results}, status=status
+    )
 
 
 def _refused(request: web.Request, exc: RequestRefusedError) -> web.Response:
     """A request refused before it ran anywhere: one WARNING line, and the JSON error."""
-    log.warning("management request refused", extra={"path": request.path[:200], "status": exc.status,
-                                                      "reason": exc.text[:200], "peer": request.remote})  # fmt: skip
+    log.warning(
+        "management request refused",
+        extra={"path": request.path[:200], "status": exc.status, "reason": exc.text[:200], "peer": request.remote},
+    )
     return _error(exc.status, exc.text)
 
 

@@ -29,8 +29,13 @@ PASSED_HEADERS = ("Authorization", "Accept")
 class PeerApi:
     """Forwards API reads to the other members (``cluster`` returns the node's cluster view, or None)."""
 
-    def __init__(self, node_id: str, cluster: Callable[[], dict[str, Any] | None], *, tls: TlsSection | None,
-                 ) -> None:  # fmt: skip
+    def __init__(
+        self,
+        node_id: str,
+        cluster: Callable[[], dict[str, Any] | None],
+        *,
+        tls: TlsSection | None,
+    ) -> None:
         self.node_id = node_id
         self.cluster = cluster
         self._tls = ClientTls(tls) if tls is not None else None
@@ -38,8 +43,9 @@ class PeerApi:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_SECONDS),
-                                                  auto_decompress=True)  # fmt: skip
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=TIMEOUT_SECONDS), auto_decompress=True
+            )
         return self._session
 
     async def close(self, app: web.Application) -> None:
@@ -74,8 +80,9 @@ class PeerApi:
                 body = await answer.content.read(MAX_ANSWER_BYTES + 1)
                 if len(body) > MAX_ANSWER_BYTES:
                     return web.json_response({"error": f"the answer of node {node_id!r} is too large"}, status=502)
-                return web.Response(body=body, status=answer.status,
-                                    content_type=answer.content_type or "application/json")  # fmt: skip
+                return web.Response(
+                    body=body, status=answer.status, content_type=answer.content_type or "application/json"
+                )
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             reason = str(exc) or type(exc).__name__
             return web.json_response({"error": f"node {node_id!r} did not answer: {reason}"}, status=502)

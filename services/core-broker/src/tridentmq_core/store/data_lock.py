@@ -28,7 +28,8 @@ class DataDirectoryLock:
         except BlockingIOError:
             os.close(self._fd)
             raise DataDirectoryLockedError(
-                f"{data_dir} is in use by another TridentMQ process (stop it first)") from None  # fmt: skip
+                f"{data_dir} is in use by another TridentMQ process (stop it first)"
+            ) from None
         os.ftruncate(self._fd, 0)
         os.write(self._fd, f"{os.getpid()}\n".encode())
 

@@ -212,13 +212,15 @@ class Journal:
                 # A zeroed header (e.g. a lost page) looks like the clean end, but valid records follow it.
                 raise JournalCorruptedError(
                     f"{path.name}: zeros at offset {end.offset} with valid records behind them; refusing to "
-                    f"start rather than drop them (inspect with `tridentmq data verify`)")  # fmt: skip
+                    f"start rather than drop them (inspect with `tridentmq data verify`)"
+                )
             if end.reason is not None:
                 later_data = any(self._has_records(p) for p in segments[index + 1 :])
                 if later_data or not damage_is_tail(data, end.offset):
                     raise JournalCorruptedError(
                         f"{path.name}: {end.reason}, and valid records follow it; refusing to start rather than "
-                        f"drop them (inspect with `tridentmq data verify`)")  # fmt: skip
+                        f"drop them (inspect with `tridentmq data verify`)"
+                    )
                 self._zero_from(path, end.offset)
                 report.truncated.append(f"{path.name}: {end.reason}; cut at offset {end.offset}")
             self._segment_number = int(path.name[len(SEGMENT_PREFIX) : -len(SEGMENT_SUFFIX)])

@@ -176,8 +176,11 @@ class JournalStore:
             yield RecordType.DEDUP_IDS, chunk
         for message, queues, counts in snapshot.messages:
             message_id = message[M_ID]
-            keep = [(q, max(c, self._counts.get((q, message_id), 0))) for q, c in zip(queues, counts, strict=True)
-                    if q not in self._deleted and (q, message_id) not in self._acked]  # fmt: skip
+            keep = [
+                (q, max(c, self._counts.get((q, message_id), 0)))
+                for q, c in zip(queues, counts, strict=True)
+                if q not in self._deleted and (q, message_id) not in self._acked
+            ]
             if keep:
                 yield RecordType.MESSAGE, [message, [q for q, _ in keep], [c for _, c in keep]]
 

@@ -142,8 +142,9 @@ class FilePager:
     could not return earlier.
     """
 
-    def __init__(self, directory: Path, queue_name: str, io: PageIO, on_ready: Job,
-                 file_bytes: int = PAGE_FILE_BYTES) -> None:  # fmt: skip
+    def __init__(
+        self, directory: Path, queue_name: str, io: PageIO, on_ready: Job, file_bytes: int = PAGE_FILE_BYTES
+    ) -> None:
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in queue_name)[:64]
         self._prefix = f"{safe}-{uuid.uuid4().hex[:8]}"
         self._directory = directory

@@ -33,8 +33,15 @@ _OUTPUT_MEMORY: Final = memoryview(_OUTPUT)
 class Engine:
     """One client connection's AMQP engine, after SASL (the SASL layer hands it the plain AMQP stream)."""
 
-    def __init__(self, *, container_id: str, max_frame_bytes: int, channel_max: int, idle_timeout_ms: int,
-                 offered_capabilities: Iterable[str] = ()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        container_id: str,
+        max_frame_bytes: int,
+        channel_max: int,
+        idle_timeout_ms: int,
+        offered_capabilities: Iterable[str] = (),
+    ) -> None:
         self.connection = Connection()
         self.connection.container = container_id
         capabilities = [symbol(c) for c in offered_capabilities]

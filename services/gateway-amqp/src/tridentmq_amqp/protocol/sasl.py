@@ -118,9 +118,14 @@ _OUTCOMES: Final = {code: sasl_frame(_SASL_OUTCOME, [UByte(code)]) for code in (
 class SaslLayer:
     """The server side of one connection's SASL exchange (see the module docstring)."""
 
-    def __init__(self, *, mechanisms: tuple[str, ...] = MECHANISMS, allow_no_sasl: bool = True,
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-                 max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        mechanisms: tuple[str, ...] = MECHANISMS,
+        allow_no_sasl: bool = True,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+    ) -> None:
         """``mechanisms`` are offered in order of preference; ``allow_no_sasl`` admits clients that skip SASL
         (as anonymous); ``max_frame_bytes`` bounds a SASL frame, ``max_pending_bytes`` the bytes held behind a
         sasl-init until ``outcome``."""

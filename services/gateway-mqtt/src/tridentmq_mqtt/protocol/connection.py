@@ -120,8 +120,15 @@ class _Out(Enum):
 
 
 class MqttServerConnection:
-    def __init__(self, *, max_packet_size: int = MAX_PACKET_SIZE, receive_maximum: int = DEFAULT_RECEIVE_MAXIMUM,
-                 topic_alias_maximum: int = 0, max_connect_bytes: int = 0, now: float = 0.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        max_packet_size: int = MAX_PACKET_SIZE,
+        receive_maximum: int = DEFAULT_RECEIVE_MAXIMUM,
+        topic_alias_maximum: int = 0,
+        max_connect_bytes: int = 0,
+        now: float = 0.0,
+    ) -> None:
         """The server's limits: the largest packet it reads (also given to the parser), how many incoming
         QoS 1/2 messages may be unacknowledged at once, and the highest topic alias the client may use (0:
         none). 5.0 clients learn them from the CONNACK. More than ``max_connect_bytes`` (0: no limit) before
@@ -198,8 +205,9 @@ class MqttServerConnection:
     def _count_before_connect(self, size: int) -> None:
         self._before_connect += size
         if self._before_connect > self._max_connect_bytes:
-            raise RemoteProtocolError(f"more than {self._max_connect_bytes} bytes before a complete CONNECT",
-                                      PACKET_TOO_LARGE)  # fmt: skip
+            raise RemoteProtocolError(
+                f"more than {self._max_connect_bytes} bytes before a complete CONNECT", PACKET_TOO_LARGE
+            )
 
     def _event(self, packet: Packet) -> ev.Event | None:
         match packet:
@@ -246,16 +254,25 @@ class MqttServerConnection:
         if props.request_problem_information is False:
             self.problem_information = False
         self.state = State.CONNECTING
-        return ev.Connect(version, packet.client_id, packet.clean_start, packet.keep_alive, packet.username,
-                          packet.password, packet.will, props)  # fmt: skip
+        return ev.Connect(
+            version,
+            packet.client_id,
+            packet.clean_start,
+            packet.keep_alive,
+            packet.username,
+            packet.password,
+            packet.will,
+            props,
+        )
 
     def _publish_received(self, packet: Publish) -> ev.Publish:
         topic, props = packet.topic, packet.properties
         alias = props.topic_alias
         if alias is not None:  # 5.0 only: the parser has refused 0 already (Protocol Error)
             if not 0 < alias <= self.topic_alias_maximum:
-                raise RemoteProtocolError(f"topic alias {alias} exceeds the maximum {self.topic_alias_maximum}",
-                                          TOPIC_ALIAS_INVALID)  # fmt: skip
+                raise RemoteProtocolError(
+                    f"topic alias {alias} exceeds the maximum {self.topic_alias_maximum}", TOPIC_ALIAS_INVALID
+                )
             if topic:
                 self._aliases[alias] = topic
             else:
@@ -270,8 +287,9 @@ class MqttServerConnection:
             state = self._incoming.get(packet_id)
             if state is None:
                 if self.version == V5 and len(self._incoming) >= self.receive_maximum:
-                    raise RemoteProtocolError(f"more than {self.receive_maximum} QoS 1/2 messages unacknowledged",
-                                              RECEIVE_MAXIMUM_EXCEEDED)  # fmt: skip
+                    raise RemoteProtocolError(
+                        f"more than {self.receive_maximum} QoS 1/2 messages unacknowledged", RECEIVE_MAXIMUM_EXCEEDED
+                    )
                 self._incoming[packet_id] = _In.QOS1 if packet.qos == 1 else _In.RECEIVED
             elif (state is _In.QOS1 and packet.qos == 1) or (packet.qos == 2 and state in (_In.RECEIVED, _In.RECORDED)):
                 duplicate = True
@@ -304,8 +322,15 @@ class MqttServerConnection:
         return ev.PubrelReceived(packet_id, packet.reason_code, packet.properties, known=state is not None)
 
     # ------------------------------------------------------------------ answering the CONNECT
-    def accept(self, now: float, *, session_present: bool = False, assigned_client_id: str | None = None,
-               server_keep_alive: int | None = None, properties: Properties = NO_PROPERTIES) -> None:  # fmt: skip
+    def accept(
+        self,
+        now: float,
+        *,
+        session_present: bool = False,
+        assigned_client_id: str | None = None,
+        server_keep_alive: int | None = None,
+        properties: Properties = NO_PROPERTIES,
+    ) -> None:
         """Answer the CONNECT with a successful CONNACK. In 5.0 it carries the server's receive maximum,
         maximum packet size and topic alias maximum (where they differ from the defaults), the assigned client
         id and the server keep-alive (which then replaces the client's), plus ``properties``; before 5.0 those
@@ -318,14 +343,18 @@ class MqttServerConnection:
                 self.keep_alive = server_keep_alive
             props = replace(
                 properties,
-                receive_maximum=(self.receive_maximum if self.receive_maximum != DEFAULT_RECEIVE_MAXIMUM
-                                 else properties.receive_maximum),
-                maximum_packet_size=(self.max_packet_size if self.max_packet_size < MAX_PACKET_SIZE
-                                     else properties.maximum_packet_size),
+                receive_maximum=(
+                    self.receive_maximum
+                    if self.receive_maximum != DEFAULT_RECEIVE_MAXIMUM
+                    else properties.receive_maximum
+                ),
+                maximum_packet_size=(
+                    self.max_packet_size if self.max_packet_size < MAX_PACKET_SIZE else properties.maximum_packet_size
+                ),
                 topic_alias_maximum=self.topic_alias_maximum or properties.topic_alias_maximum,
                 assigned_client_identifier=assigned_client_id,
                 server_keep_alive=server_keep_alive,
-            )  # fmt: skip
+            )
             if props == NO_PROPERTIES:
                 props = NO_PROPERTIES
         self._write(Connack(session_present and self.version != V31, 0, props))
@@ -410,8 +439,9 @@ class MqttServerConnection:
                 codes = tuple(min(code, UNSPECIFIED_ERROR) if code > 2 else code for code in reason_codes)
                 self._write(Suback(packet_id, codes))
 
-    def unsuback(self, packet_id: int, reason_codes: tuple[int, ...] = (),
-                 properties: Properties = NO_PROPERTIES) -> None:  # fmt: skip
+    def unsuback(
+        self, packet_id: int, reason_codes: tuple[int, ...] = (), properties: Properties = NO_PROPERTIES
+    ) -> None:
         """Answer an UNSUBSCRIBE; the reason codes (one per filter) and properties are 5.0 only."""
         if self._sendable("unsuback"):
             if self.version == V5:
@@ -420,9 +450,18 @@ class MqttServerConnection:
                 self._write(Unsuback(packet_id))
 
     # ------------------------------------------------------------------ outgoing messages
-    def publish(self, topic: str, payload: bytes, qos: int = 0, *, retain: bool = False,
-                properties: Properties = NO_PROPERTIES, packet_id: int | None = None, dup: bool = False,
-                encoded_topic: bytes | None = None) -> int | None:  # fmt: skip
+    def publish(
+        self,
+        topic: str,
+        payload: bytes,
+        qos: int = 0,
+        *,
+        retain: bool = False,
+        properties: Properties = NO_PROPERTIES,
+        packet_id: int | None = None,
+        dup: bool = False,
+        encoded_topic: bytes | None = None,
+    ) -> int | None:
         """Queue a PUBLISH to the client. Returns the packet id whose acknowledgement event will follow (QoS 1
         or 2), or 0 when none will: QoS 0, or a packet larger than the client's maximum packet size, which
         is discarded as if it had been sent ([MQTT-3.1.2-25]; counted in ``discarded``). Returns ``None`` and

@@ -106,8 +106,19 @@ class ProtocolViolation:
     reason_code: int  # the 5.0 reason code for the CONNACK or DISCONNECT
 
 
-Event = (Connect | Publish | PubrelReceived | PubackReceived | PubrecReceived | PubcompReceived | Subscribe
-         | Unsubscribe | Disconnect | ConnectionClosed | ProtocolViolation)  # fmt: skip
+Event = (
+    Connect
+    | Publish
+    | PubrelReceived
+    | PubackReceived
+    | PubrecReceived
+    | PubcompReceived
+    | Subscribe
+    | Unsubscribe
+    | Disconnect
+    | ConnectionClosed
+    | ProtocolViolation
+)
 
 __all__ = [
     "Connect",

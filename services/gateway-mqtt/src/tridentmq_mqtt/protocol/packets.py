@@ -273,8 +273,14 @@ def _encode_connect(packet: Connect, version: int) -> bytes:
         tail += encode_bin(packet.password)
     if not 0 <= packet.keep_alive <= 0xFFFF:
         raise LocalProtocolError(f"keep-alive {packet.keep_alive} is not in 0..65535")
-    body = (encode_str(_PROTOCOL_NAMES[version]) + bytes((version, flags)) + U16.pack(packet.keep_alive)
-            + _props(packet.properties, CONNECT, version) + encode_str(packet.client_id) + tail)  # fmt: skip
+    body = (
+        encode_str(_PROTOCOL_NAMES[version])
+        + bytes((version, flags))
+        + U16.pack(packet.keep_alive)
+        + _props(packet.properties, CONNECT, version)
+        + encode_str(packet.client_id)
+        + tail
+    )
     return _frame(0x10, body)
 
 
@@ -291,8 +297,16 @@ def encode_topic(topic: str) -> bytes:
     return encode_str(topic)
 
 
-def encode_plain_publish(encoded_topic: bytes, payload: bytes, version: int, qos: int = 0, packet_id: int | None = None,
-                         *, dup: bool = False, retain: bool = False) -> bytes:  # fmt: skip
+def encode_plain_publish(
+    encoded_topic: bytes,
+    payload: bytes,
+    version: int,
+    qos: int = 0,
+    packet_id: int | None = None,
+    *,
+    dup: bool = False,
+    retain: bool = False,
+) -> bytes:
     """A PUBLISH without properties from a topic encoded once by ``encode_topic``: the bytes ``encode(Publish(
     topic, payload, qos, retain, dup, packet_id), version)`` gives, without a packet object per message."""
     head = encoded_topic + _packet_id(packet_id) if qos and packet_id is not None else encoded_topic
@@ -488,8 +502,9 @@ class PacketParser:
                 raise malformed("remaining length longer than four bytes")
             stop = index + length
             if stop - pos > self.max_packet_size:  # refused before the rest is buffered
-                raise RemoteProtocolError(f"packet of {stop - pos} bytes exceeds {self.max_packet_size}",
-                                          PACKET_TOO_LARGE)  # fmt: skip
+                raise RemoteProtocolError(
+                    f"packet of {stop - pos} bytes exceeds {self.max_packet_size}", PACKET_TOO_LARGE
+                )
             if stop > end:
                 self._needed = stop - pos
                 return pos
@@ -524,8 +539,9 @@ class PacketParser:
             raise RemoteProtocolError("a second CONNECT", PROTOCOL_ERROR)
         version, pos = _read_protocol(data, pos, end)
         if self._version is not None and version != self._version:
-            raise RemoteProtocolError(f"CONNECT of level {version} on a level {self._version} parser",
-                                      UNSUPPORTED_PROTOCOL_VERSION)  # fmt: skip
+            raise RemoteProtocolError(
+                f"CONNECT of level {version} on a level {self._version} parser", UNSUPPORTED_PROTOCOL_VERSION
+            )
         packet = _decode_connect_body(data, pos, end, version)
         self._version = version
         self._connect_seen = True
@@ -684,8 +700,9 @@ def _decode_ack(packet_type: int, cls: type[_A]) -> Callable[[bytes, int, int, i
     return decode
 
 
-def _read_reason_and_props(data: bytes, pos: int, end: int, packet_type: int,
-                           version: int) -> tuple[int, Properties, int]:  # fmt: skip
+def _read_reason_and_props(
+    data: bytes, pos: int, end: int, packet_type: int, version: int
+) -> tuple[int, Properties, int]:
     """5.0 may leave out the reason code (then 0) and the properties (then none) at the end of a packet."""
     if version != V5 or pos == end:
         return 0, NO_PROPERTIES, pos

@@ -155,8 +155,11 @@ class Properties:
     shared_subscription_available: bool | None = None
 
     def __repr__(self) -> str:  # only what is present: 27 fields of None drown the rest
-        fields = ", ".join(f"{spec.name}={getattr(self, spec.name)!r}" for spec in PROPERTY_SPECS.values()
-                           if getattr(self, spec.name) not in (None, ()))  # fmt: skip
+        fields = ", ".join(
+            f"{spec.name}={getattr(self, spec.name)!r}"
+            for spec in PROPERTY_SPECS.values()
+            if getattr(self, spec.name) not in (None, ())
+        )
         return f"Properties({fields})"
 
 

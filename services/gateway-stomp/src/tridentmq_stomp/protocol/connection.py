@@ -21,8 +21,9 @@ from tridentmq_stomp.protocol.frames import V10, V11, V12, VERSIONS, Frame, Fram
 #: tolerance open; network and scheduling delays make one interval too tight).
 HEARTBEAT_TOLERANCE: Final = 2
 ACK_MODES: Final = frozenset({"auto", "client", "client-individual"})
-_COMMANDS: Final = frozenset({"SEND", "SUBSCRIBE", "UNSUBSCRIBE", "ACK", "NACK", "BEGIN", "COMMIT", "ABORT",
-                              "DISCONNECT", "CONNECT", "STOMP"})  # fmt: skip
+_COMMANDS: Final = frozenset(
+    {"SEND", "SUBSCRIBE", "UNSUBSCRIBE", "ACK", "NACK", "BEGIN", "COMMIT", "ABORT", "DISCONNECT", "CONNECT", "STOMP"}
+)
 
 
 class State(Enum):
@@ -33,9 +34,16 @@ class State(Enum):
 
 
 class StompServerConnection:
-    def __init__(self, limits: Limits | None = None, *, heartbeat: tuple[int, int] = (10_000, 10_000),
-                 min_heartbeat_ms: int = 100, connect_timeout: float = 0.0, max_connect_bytes: int = 0,
-                 now: float = 0.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        limits: Limits | None = None,
+        *,
+        heartbeat: tuple[int, int] = (10_000, 10_000),
+        min_heartbeat_ms: int = 100,
+        connect_timeout: float = 0.0,
+        max_connect_bytes: int = 0,
+        now: float = 0.0,
+    ) -> None:
         """``heartbeat`` is what this server offers: (sx, sy) = it can send every sx ms, wants to receive
         every sy ms; ``min_heartbeat_ms`` is the shortest interval it agrees to in either direction. A client
         that has not sent its CONNECT ``connect_timeout`` seconds after ``now`` (0: no limit) gets an ERROR,
@@ -85,8 +93,11 @@ class StompServerConnection:
             if self.state is State.AWAITING_CONNECT and self._max_connect_bytes:
                 self._before_connect += size
                 if self._before_connect > self._max_connect_bytes:
-                    self._fail("frame too large", f"more than {self._max_connect_bytes} bytes before a complete "
-                                                  "CONNECT frame", None)  # fmt: skip
+                    self._fail(
+                        "frame too large",
+                        f"more than {self._max_connect_bytes} bytes before a complete CONNECT frame",
+                        None,
+                    )
         except RemoteProtocolError as exc:
             self._input_done = True
             events.append(ev.ProtocolViolation(exc.message, exc.detail, exc.receipt_id, exc.headers))
@@ -107,8 +118,13 @@ class StompServerConnection:
             self._fail("malformed frame", f"{command} frames have no body", receipt)
         match command:
             case "SEND":
-                return ev.Send(self._need(headers, "destination", command), headers.get("transaction"), receipt,
-                               headers, frame.body)  # fmt: skip
+                return ev.Send(
+                    self._need(headers, "destination", command),
+                    headers.get("transaction"),
+                    receipt,
+                    headers,
+                    frame.body,
+                )
             case "SUBSCRIBE":
                 destination = self._need(headers, "destination", command)
                 sub_id = headers.get("id") if self.version != V10 else headers.get("id", destination)
@@ -116,8 +132,9 @@ class StompServerConnection:
                     self._fail("missing header", "SUBSCRIBE needs an id header", receipt)
                 ack = headers.get("ack", "auto")
                 if ack not in ACK_MODES:
-                    self._fail("invalid header", f"ack mode {ack[:40]!r} is not auto, client or client-individual",
-                               receipt)  # fmt: skip
+                    self._fail(
+                        "invalid header", f"ack mode {ack[:40]!r} is not auto, client or client-individual", receipt
+                    )
                 return ev.Subscribe(sub_id, destination, ack, receipt, headers)
             case "UNSUBSCRIBE":
                 unsubscribe_id, named = headers.get("id"), headers.get("destination")
@@ -133,8 +150,9 @@ class StompServerConnection:
                     self._fail("missing header", f"{command} needs a {name} header", receipt)
                 if self.version == V11 and "subscription" not in headers:
                     self._fail("missing header", f"{command} needs a subscription header in STOMP 1.1", receipt)
-                return ev.Ack(ack_id, headers.get("subscription"), headers.get("transaction"), receipt,
-                              nack=command == "NACK")  # fmt: skip
+                return ev.Ack(
+                    ack_id, headers.get("subscription"), headers.get("transaction"), receipt, nack=command == "NACK"
+                )
             case "BEGIN" | "COMMIT" | "ABORT":
                 return ev.Transaction(command, self._need(headers, "transaction", command), receipt)
             case _:  # DISCONNECT: the shell handles the frames before it, answers, then closes
@@ -164,8 +182,9 @@ class StompServerConnection:
         cx, cy = _heartbeat_header(headers.get("heart-beat", "0,0")) if self.version != V10 else (0, 0)
         self._client_heartbeat = (cx, cy)
         self.state = State.CONNECTING
-        return ev.Connect(self.version, headers.get("login"), headers.get("passcode"), headers.get("host"),
-                          (cx, cy), headers)  # fmt: skip
+        return ev.Connect(
+            self.version, headers.get("login"), headers.get("passcode"), headers.get("host"), (cx, cy), headers
+        )
 
     @staticmethod
     def _need(headers: dict[str, str], name: str, command: str) -> str:
@@ -220,8 +239,9 @@ class StompServerConnection:
             raise LocalProtocolError("not connected", f"cannot send {command} while {self.state.value}")
         self._out.append(encode(command, headers, body, self.version))
 
-    def _error_frame(self, message: str, detail: str, receipt_id: str | None,
-                     extra: tuple[tuple[str, str], ...] = ()) -> None:  # fmt: skip
+    def _error_frame(
+        self, message: str, detail: str, receipt_id: str | None, extra: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         headers = [*extra, ("message", message), ("content-type", "text/plain")]
         if receipt_id is not None:
             headers.append(("receipt-id", receipt_id))

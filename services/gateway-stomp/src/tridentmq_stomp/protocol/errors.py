@@ -6,8 +6,9 @@ from __future__ import annotations
 class StompError(Exception):
     """Base class: ``message`` goes in the ERROR frame's ``message`` header, ``detail`` in its body."""
 
-    def __init__(self, message: str, detail: str = "", receipt_id: str | None = None,
-                 headers: tuple[tuple[str, str], ...] = ()) -> None:  # fmt: skip
+    def __init__(
+        self, message: str, detail: str = "", receipt_id: str | None = None, headers: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         super().__init__(f"{message}: {detail}" if detail else message)
         self.message = message
         self.detail = detail

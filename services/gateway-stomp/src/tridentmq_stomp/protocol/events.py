@@ -85,5 +85,4 @@ class ProtocolViolation:
     headers: tuple[tuple[str, str], ...] = ()  # extra ERROR headers (``version`` for a version mismatch)
 
 
-Event = (Connect | Send | Subscribe | Unsubscribe | Ack | Transaction | Disconnect | ConnectionClosed
-         | ProtocolViolation)  # fmt: skip
+Event = Connect | Send | Subscribe | Unsubscribe | Ack | Transaction | Disconnect | ConnectionClosed | ProtocolViolation

@@ -104,25 +104,32 @@ class FrameParser:
             length_text = headers.get("content-length")
             if length_text is not None:
                 if not (length_text.isascii() and length_text.isdigit()):  # int() also reads non-ASCII digits
-                    raise RemoteProtocolError("malformed frame", f"content-length {length_text[:20]!r}",
-                                              headers.get("receipt"))  # fmt: skip
+                    raise RemoteProtocolError(
+                        "malformed frame", f"content-length {length_text[:20]!r}", headers.get("receipt")
+                    )
                 length = int(length_text)
                 if length > limits.max_frame_bytes:
-                    raise RemoteProtocolError("frame too large",
-                                              f"body of {length} bytes exceeds {limits.max_frame_bytes}",
-                                              headers.get("receipt"))  # fmt: skip
+                    raise RemoteProtocolError(
+                        "frame too large",
+                        f"body of {length} bytes exceeds {limits.max_frame_bytes}",
+                        headers.get("receipt"),
+                    )
                 if end < body_start + length + 1:
                     return pos
                 if buffer[body_start + length] != 0:
-                    raise RemoteProtocolError("malformed frame", "the body is not followed by a NUL "
-                                              "(content-length wrong?)", headers.get("receipt"))  # fmt: skip
+                    raise RemoteProtocolError(
+                        "malformed frame",
+                        "the body is not followed by a NUL (content-length wrong?)",
+                        headers.get("receipt"),
+                    )
                 body_end = body_start + length
             else:
                 body_end = buffer.find(b"\x00", body_start, body_start + limits.max_frame_bytes + 1)
                 if body_end == -1:
                     if end - body_start > limits.max_frame_bytes:
-                        raise RemoteProtocolError("frame too large", f"body exceeds {limits.max_frame_bytes} bytes",
-                                                  headers.get("receipt"))  # fmt: skip
+                        raise RemoteProtocolError(
+                            "frame too large", f"body exceeds {limits.max_frame_bytes} bytes", headers.get("receipt")
+                        )
                     return pos
             frames.append(Frame(command, headers, bytes(buffer[body_start:body_end])))
             pos = body_end + 1
@@ -140,8 +147,11 @@ class FrameParser:
             raise RemoteProtocolError("malformed frame", f"bad command line {command[:40]!r}")
         if len(lines) - 1 > self.limits.max_headers:
             raise RemoteProtocolError("frame too large", f"more than {self.limits.max_headers} headers")
-        unescape = None if command in _RAW_COMMANDS or self.version == V10 else (
-            _UNESCAPE_12 if self.version == V12 else _UNESCAPE_11)  # fmt: skip
+        unescape = (
+            None
+            if command in _RAW_COMMANDS or self.version == V10
+            else (_UNESCAPE_12 if self.version == V12 else _UNESCAPE_11)
+        )
         lines = lines[1:]
         trim = self.version == V10 and command not in _RAW_COMMANDS  # 1.0 clients pad: "destination: /queue/a"
         if "\r" not in text and (unescape is None or "\\" not in text) and not trim:
