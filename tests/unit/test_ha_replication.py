@@ -16,9 +16,10 @@ from tests.unit.test_journal import SMALL_SEGMENT, as_entries, queue_spec, recov
 
 import tridentmq_core.store.journal_store as journal_store_module
 from tridentmq_core.audit import NullAuditSink
-from tridentmq_core.broker import Broker, DurableSnapshot
+from tridentmq_core.broker import Broker
 from tridentmq_core.ha.replication import MAX_BATCH_BYTES, ROLL, ReplicaFeed
 from tridentmq_core.settings import CoreSettings
+from tridentmq_core.store.base import DurableSnapshot
 from tridentmq_core.store.journal import Journal, list_segments, read_segment
 from tridentmq_core.store.journal_store import JournalStore
 from tridentmq_core.store.memory import MemoryStore

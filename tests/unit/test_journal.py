@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import tridentmq_core.store.journal as journal_module
 import tridentmq_core.store.journal_store as journal_store_module
-from tridentmq_core.broker import DurableSnapshot
+from tridentmq_core.store.base import DurableSnapshot
 from tridentmq_core.store.journal import (
     Journal,
     JournalCorruptedError,

@@ -37,7 +37,7 @@ from tridentmq_core.router import AddressIndex, AddressTrie, InvalidAddress, val
 from tridentmq_core.security import Permission, Principal
 from tridentmq_core.selector import Selector, SelectorError, compile_selector
 from tridentmq_core.settings import CoreSettings
-from tridentmq_core.store.base import Store
+from tridentmq_core.store.base import DurableSnapshot, Store
 from tridentmq_core.store.memory import MemoryStore
 from tridentmq_core.store.recovery import RecoveredState
 from tridentmq_shared.link import events as ev
@@ -102,14 +102,6 @@ class BrokerError(Exception):
         super().__init__(text)
         self.code = code
         self.text = text
-
-
-@dataclass(frozen=True, slots=True)
-class DurableSnapshot:
-    addresses: list[tuple[str, list[int], bool]]  # name, routing types, auto-created
-    queues: list[dict[str, Any]]
-    messages: list[tuple[WireMessage, list[str], list[int]]]  # message, its queues, delivery count per queue
-    dedup_ids: list[tuple[str, int]] = field(default_factory=list)  # remembered ids, arrival ms, oldest first
 
 
 @dataclass(frozen=True, slots=True)

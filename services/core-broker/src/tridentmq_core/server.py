@@ -43,8 +43,9 @@ from tridentmq_core.ha.network_check import NetworkCheck, NetworkHealth, Reachab
 from tridentmq_core.ha.shared_store import SharedStore, journal_for_epoch
 from tridentmq_core.log_window import LogWindow
 from tridentmq_core.logins import LoginGuard
-from tridentmq_core.management.app import NodeStatus, QueueRates, create_app
+from tridentmq_core.management.app import create_app
 from tridentmq_core.management.operations_api import NodeControl
+from tridentmq_core.management.status import NodeStatus, QueueRates
 from tridentmq_core.security import AuthenticationError, Credentials, Principal, SecurityManager
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.data_lock import DataDirectoryLock

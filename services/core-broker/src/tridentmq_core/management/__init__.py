@@ -3,7 +3,8 @@ operations."""
 
 from __future__ import annotations
 
-from tridentmq_core.management.app import NodeStatus, QueueRates, create_app
+from tridentmq_core.management.app import create_app
 from tridentmq_core.management.metrics import render_metrics
+from tridentmq_core.management.status import NodeStatus, QueueRates
 
 __all__ = ["NodeStatus", "QueueRates", "create_app", "render_metrics"]

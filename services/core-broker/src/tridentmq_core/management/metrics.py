@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 from tridentmq_core.broker import Broker
 from tridentmq_core.latency import BOUNDS_MS, LatencyHistogram
+from tridentmq_core.management.status import NodeStatus, QueueRates
 from tridentmq_core.queues import Queue
-
-if TYPE_CHECKING:
-    from tridentmq_core.management.app import NodeStatus, QueueRates
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "tridentmq_"

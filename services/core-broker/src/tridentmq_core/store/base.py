@@ -8,11 +8,22 @@ write is safe (the journal's group commit); only then does the broker confirm th
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tridentmq_shared.message import WireMessage
 
 Completion = Callable[[int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class DurableSnapshot:
+    """The broker's durable state at one instant, which a journal compaction writes as its new base."""
+
+    addresses: list[tuple[str, list[int], bool]]  # name, routing types, auto-created
+    queues: list[dict[str, Any]]
+    messages: list[tuple[WireMessage, list[str], list[int]]]  # message, its queues, delivery count per queue
+    dedup_ids: list[tuple[str, int]] = field(default_factory=list)  # remembered ids, arrival ms, oldest first
 
 
 class Store(Protocol):

@@ -15,17 +15,14 @@ import logging
 import random
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tridentmq_core.store.base import Completion
+from tridentmq_core.store.base import Completion, DurableSnapshot
 from tridentmq_core.store.journal import Journal
 from tridentmq_core.store.records import RecordType, dedup_id_chunks
 from tridentmq_shared.message import M_ID, WireMessage
 
 log = logging.getLogger("tridentmq.core.journal")
-
-if TYPE_CHECKING:
-    from tridentmq_core.broker import DurableSnapshot
 
 COMPACTION_CHUNK = 20_000
 #: Message ids per ACKS or DELIVERY_COUNTS record (about 40 KiB), at most: a client's batch can be far larger,
