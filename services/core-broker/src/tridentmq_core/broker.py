@@ -32,6 +32,7 @@ from tridentmq_core.cluster.redistribution import MAX_RESIDENCE_FACTOR, Arrivals
 from tridentmq_core.deadlines import Deadlines
 from tridentmq_core.dedup import DuplicateIdCache, TransferIds
 from tridentmq_core.latency import SMALL_BUCKETS, SMALL_MS, LatencyHistogram, bucket_of
+from tridentmq_core.outlet import Outlet
 from tridentmq_core.queues import Consumer, MemoryGauge, PagerFactory, Queue
 from tridentmq_core.router import AddressIndex, AddressTrie, InvalidAddress, validate_address
 from tridentmq_core.security import Permission, Principal
@@ -41,7 +42,7 @@ from tridentmq_core.store.base import DurableSnapshot, Store
 from tridentmq_core.store.memory import MemoryStore
 from tridentmq_core.store.recovery import RecoveredState
 from tridentmq_shared.link import events as ev
-from tridentmq_shared.link.codec import BYTE_CREDIT_VERSION, MAX_FIELD_INT, LinkConnection
+from tridentmq_shared.link.codec import BYTE_CREDIT_VERSION, MAX_FIELD_INT
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import (
     HOME_PROPERTY,
@@ -140,7 +141,7 @@ class Session:
     )
 
     def __init__(
-        self, conn: LinkConnection, conn_id: str, principal: Principal, peer: str, client_name: str, opened_ms: int
+        self, conn: Outlet, conn_id: str, principal: Principal, peer: str, client_name: str, opened_ms: int
     ) -> None:
         self.conn = conn
         self.conn_id = conn_id
@@ -290,7 +291,7 @@ class Broker:
 
     # ------------------------------------------------------------------ sessions
     def open_session(
-        self, conn: LinkConnection, conn_id: str, principal: Principal, peer: str, client_name: str, now_ms: int
+        self, conn: Outlet, conn_id: str, principal: Principal, peer: str, client_name: str, now_ms: int
     ) -> Session:
         session = Session(conn, conn_id, principal, peer, client_name, now_ms)
         self.sessions[conn_id] = session
@@ -707,7 +708,7 @@ class Broker:
             return (ErrorCode.RESOURCE_LIMIT, text)
         return None
 
-    def _reject(self, conn: LinkConnection, seq: int, code: str, text: str) -> None:
+    def _reject(self, conn: Outlet, seq: int, code: str, text: str) -> None:
         self.counters.rejected += 1
         conn.reject(seq, code, text)
 

@@ -45,10 +45,9 @@ from tridentmq_core.security import Principal
 from tridentmq_core.settings import LOAD_BALANCING_POLICIES, CoreSettings
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.client import LinkClient, LinkRequestError
-from tridentmq_shared.link.codec import LinkConnection, Role
 from tridentmq_shared.link.ops import ErrorCode, NackMode, Op
 from tridentmq_shared.link.topology import endpoint_from_wire, parse_endpoint
-from tridentmq_shared.message import M_BODY, M_ID, M_PROPS, WireMessage
+from tridentmq_shared.message import M_BODY, M_ID, M_PROPS, MAX_PROPERTIES, WireMessage
 from tridentmq_shared.settings import SettingsError
 from tridentmq_shared.supervision import spawn
 
@@ -155,12 +154,14 @@ def parse_connector(text: str) -> tuple[str, int]:
         raise SettingsError(f"cluster connector: {exc}") from None
 
 
-class _BridgePort(LinkConnection):
-    """Stands in for a link connection on the broker side of a bridge: what the broker 'sends' to the bridge's
-    session goes straight to the bridge instead of onto a socket."""
+class _BridgePort:
+    """The outlet of a bridge's session on the broker side: what the broker 'sends' to it goes straight to the
+    bridge instead of onto a socket."""
+
+    version = 0  # no link was negotiated: nothing of a later protocol version is used on it
+    max_properties = MAX_PROPERTIES
 
     def __init__(self, bridge: Bridge) -> None:
-        super().__init__(Role.SERVER)
         self.bridge = bridge
 
     def deliver(self, consumer_id: int, delivery_count: int, message: WireMessage) -> None:

@@ -37,7 +37,7 @@ from tridentmq_core.store.journal_store import JournalStore
 from tridentmq_core.store.records import MAGIC, RecordType
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.client import LinkClient, LinkRequestError
-from tridentmq_shared.link.codec import HEARTBEAT_TIMEOUT_FACTOR
+from tridentmq_shared.link.codec import HEARTBEAT_TIMEOUT_FACTOR, LinkConnection
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.link.topology import parse_endpoint
 from tridentmq_shared.runtime import cancel_and_wait
@@ -248,6 +248,7 @@ class ReplicationSource:
         self.cut_off = False
         self.failing_back = False
         self.session: Session | None = None
+        self._link: LinkConnection | None = None  # the backup's link connection: the session's outlet
         self.feed: ReplicaFeed | None = None
         self.backup = ""  # the backup's server id
         self.backup_endpoint: tuple[str, int] = ("", 0)  # where the backup will serve clients once active
@@ -281,12 +282,15 @@ class ReplicationSource:
             raise BrokerError(ErrorCode.RESOURCE_LIMIT, "waiting for a quorum after losing the backup; retry")
         if self.store.compacting:
             raise BrokerError(ErrorCode.RESOURCE_LIMIT, "a compaction is running; retry")
+        if not isinstance(session.conn, LinkConnection):
+            raise BrokerError(ErrorCode.INVALID, "a backup replicates over a link connection of its own")
         epoch = self.identity.epoch
         feed = ReplicaFeed(epoch, self.journal.appended + 1, window=ha.sync_window)
         self.journal.tap = feed.append
         self.store.on_copied = lambda last: self._copied(feed, last)
         self.store.start_compaction(self.broker.durable_snapshot())
         self.session, self.feed, self.backup, self._sync_end_sent = session, feed, server_id, 0
+        self._link = session.conn
         self.backup_endpoint = (host, port)
         self.backup_role = str(info.get("role", BACKUP))
         log.info("backup connected: initial synchronisation started", extra={"backup": server_id, "peer": session.peer})
@@ -312,9 +316,9 @@ class ReplicationSource:
 
     def release_backup(self) -> None:
         """Tell the backup to take over now: the last step of a failback."""
-        session = self.session
-        if session is not None:
-            session.conn.close(ErrorCode.FAILBACK, "the pair goes back to its primary")
+        session, link = self.session, self._link
+        if session is not None and link is not None:
+            link.close(ErrorCode.FAILBACK, "the pair goes back to its primary")
             self._drop_link(session.conn_id)
 
     def in_sync_backup(self) -> tuple[str, int] | None:
@@ -332,15 +336,15 @@ class ReplicationSource:
         return feed is None or feed.pending < feed.window
 
     def acked(self, session: Session, upto: int) -> None:
-        feed = self.feed
-        if session is not self.session or feed is None:
+        feed, link = self.feed, self._link
+        if session is not self.session or feed is None or link is None:
             return
         self._progress_at = time.monotonic()
         try:
             became_in_sync = feed.ack(upto)
         except ValueError as exc:
             log.error("backup acknowledged what it was never sent", extra={"reason": str(exc)})  # noqa: TRY400
-            session.conn.close(ErrorCode.MALFORMED, str(exc))
+            link.close(ErrorCode.MALFORMED, str(exc))
             self._drop_link(session.conn_id)
             return
         if became_in_sync:
@@ -373,10 +377,9 @@ class ReplicationSource:
 
     def pump(self) -> None:
         """Queue what the backup has not been sent yet (called before each write of the links)."""
-        feed, session = self.feed, self.session
-        if feed is None or session is None:
+        feed, session, conn = self.feed, self.session, self._link
+        if feed is None or session is None or conn is None:
             return
-        conn = session.conn
         sent = False
         while (batch := feed.take()) is not None:
             conn.replica(feed.epoch, batch[0], batch[1], feed.sync_end)
@@ -396,7 +399,7 @@ class ReplicationSource:
         if session.conn_id in self.broker.sessions:
             self._check_progress(session, feed)
             return
-        self.session = self.feed = None
+        self.session = self.feed = self._link = None
         self._members_changed()
         self.journal.tap = None
         self.store.on_copied = lambda _number: None
