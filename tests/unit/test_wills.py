@@ -64,7 +64,7 @@ def test_a_cleared_will_is_not_published(h: Harness, clear: str) -> None:
     ok(leaving.clear_will() if clear == "nil" else leaving.set_will("k", None))
     leaving.close()
     assert watcher.take(cid) == []
-    assert not h.broker._will_owners
+    assert not h.broker.wills.holders
 
 
 def test_a_new_will_replaces_the_earlier_one(h: Harness) -> None:
@@ -259,4 +259,4 @@ def test_a_will_that_cannot_be_routed_when_it_fires_is_dropped(caplog: pytest.Lo
     with caplog.at_level(logging.WARNING, logger="tridentmq.core.broker"):
         h.tick(BASE_MS + 100)
     assert [r.message for r in caplog.records] == ["will dropped"]
-    assert not h.broker._pending_wills
+    assert not h.broker.wills.pending

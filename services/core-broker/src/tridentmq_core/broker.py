@@ -41,6 +41,7 @@ from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.base import DurableSnapshot, Store
 from tridentmq_core.store.memory import MemoryStore
 from tridentmq_core.store.recovery import RecoveredState
+from tridentmq_core.wills import Will, Wills
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.codec import BYTE_CREDIT_VERSION, MAX_FIELD_INT
 from tridentmq_shared.link.ops import ErrorCode, NackMode
@@ -103,17 +104,6 @@ class BrokerError(Exception):
         super().__init__(text)
         self.code = code
         self.text = text
-
-
-@dataclass(frozen=True, slots=True)
-class Will:
-    """A message published when the link that set it closes without clearing it (see SET_WILL)."""
-
-    key: str
-    message: WireMessage
-    delay_ms: int
-    conn_id: str  # the link that set it, for the audit trail
-    user: str  # the user of that link: only this user may replace, cancel or publish it early
 
 
 @dataclass(slots=True)
@@ -255,9 +245,7 @@ class Broker:
         self.transfer_prefix = f"{node_id}:"  # + a message id: the id of a transfer to another node
         self._last_expiry_scan = 0
         self._idle: Deadlines[Queue] = Deadlines()  # queues with expires_ms and no consumer → deletion time
-        self._will_owners: dict[str, Session] = {}  # will key → the open link holding that will
-        self._pending_wills: dict[str, Will] = {}  # will key → will of a closed link, waiting for its delay
-        self._will_due: Deadlines[str] = Deadlines()
+        self.wills = Wills()
         # Auto-created addresses without queues → when to look at them again (see ``_check_unused_address``).
         self._unused_addresses: Deadlines[str] = Deadlines()
         self.auto_created_by: dict[str, int] = {}  # user → addresses its publishes auto-created, still existing
@@ -316,7 +304,9 @@ class Broker:
         self._blocked_on.pop(session, None)
         self._pending_confirms = {t: v for t, v in self._pending_confirms.items() if v[0] is not session}
         self._pending_replies = {t: v for t, v in self._pending_replies.items() if v[0] is not session}
-        self._release_will(session, now_ms)
+        will = self.wills.release(session, now_ms)
+        if will is not None:
+            self._publish_will(will, now_ms)
         self._emit(now_ms, "conn.closed", conn_id=session.conn_id, client_id=session.client_name)
 
     def number_from(self, first: int) -> None:
@@ -433,30 +423,27 @@ class Broker:
         now_ms: int,
     ) -> None:
         if key is None:  # a nil will: clear this link's own, nothing else
-            self._drop_will(session)
+            self.wills.drop(session)
             return
         if not key or len(key) > MAX_WILL_KEY:
             raise BrokerError(ErrorCode.INVALID, f"a will key is a string of 1 to {MAX_WILL_KEY} characters")
         if not 0 <= delay_ms <= MAX_TIME_MS:
             raise BrokerError(ErrorCode.INVALID, f"a will's delay_ms is within 0..{MAX_TIME_MS}")
-        owner = self._will_user(key)
+        owner = self.wills.user(key)
         if owner is not None and owner != session.principal.name:
             raise BrokerError(ErrorCode.FORBIDDEN, f"the will under key {key!r} belongs to another user")
         if message is not None:
             self._check_will_message(session, message)  # before anything changes: a refusal leaves all as it was
-        self._drop_will(session)
-        self._end_will(key, publish_pending, now_ms)
+        self.wills.drop(session)
+        pending, holder = self.wills.take_key(key)
+        if pending is not None and publish_pending:
+            self._publish_will(pending, now_ms)
+        elif pending is not None:
+            log.debug("pending will cancelled", extra={"will_key": key})
+        if holder is not None:
+            log.debug("will taken over", extra={"will_key": key, "conn": holder.conn_id})
         if message is not None:
-            session.will = Will(key, message, delay_ms, session.conn_id, session.principal.name)
-            self._will_owners[key] = session
-
-    def _will_user(self, key: str) -> str | None:
-        """The user of the will held or pending under ``key``; None when there is none."""
-        pending = self._pending_wills.get(key)
-        if pending is not None:
-            return pending.user
-        holder = self._will_owners.get(key)
-        return holder.will.user if holder is not None and holder.will is not None else None
+            self.wills.hold(session, Will(key, message, delay_ms, session.conn_id, session.principal.name))
 
     def _check_will_message(self, session: Session, message: WireMessage) -> None:
         """Refuse a will its link could not publish now, with the code a REJECT would carry."""
@@ -474,40 +461,6 @@ class Broker:
             refusal = (ErrorCode.RESOURCE_LIMIT, f"message body exceeds {max_bytes} bytes")
         if refusal is not None:
             raise BrokerError(*refusal)
-
-    def _drop_will(self, session: Session) -> None:
-        will, session.will = session.will, None
-        if will is not None and self._will_owners.get(will.key) is session:
-            del self._will_owners[will.key]
-
-    def _end_will(self, key: str, publish: bool, now_ms: int) -> None:
-        """A SET_WILL names ``key``: the pending will under it is cancelled or published now, and one that
-        another open link holds under it is dropped (a reconnected client takes over its key before the
-        core has noticed that the old link is gone)."""
-        pending = self._pending_wills.pop(key, None)
-        if pending is not None:
-            self._will_due.cancel(key)
-            if publish:
-                self._publish_will(pending, now_ms)
-            else:
-                log.debug("pending will cancelled", extra={"will_key": key})
-        holder = self._will_owners.pop(key, None)
-        if holder is not None:
-            holder.will = None
-            log.debug("will taken over", extra={"will_key": key, "conn": holder.conn_id})
-
-    def _release_will(self, session: Session, now_ms: int) -> None:
-        """The link closed holding a will: publish it, at once or after its delay. A newer pending will
-        replaces an older one under the same key."""
-        will = session.will
-        if will is None:
-            return
-        self._drop_will(session)
-        if will.delay_ms == 0:
-            self._publish_will(will, now_ms)
-            return
-        self._pending_wills[will.key] = will
-        self._will_due.set(will.key, now_ms + will.delay_ms)
 
     def _publish_will(self, will: Will, now_ms: int) -> None:
         """Route a will like a publish (its permissions were checked when it was set)."""
@@ -530,11 +483,7 @@ class Broker:
     def discard_wills(self) -> None:
         """The node is stopping: its links close because of that, not because their clients went away, so
         no will is published. Pending wills are kept in memory only and would be lost anyway."""
-        for session in self.sessions.values():
-            session.will = None
-        self._will_owners.clear()
-        self._pending_wills.clear()
-        self._will_due = Deadlines()
+        self.wills.discard(self.sessions.values())
 
     # ------------------------------------------------------------------ publishing
     def _publish_batch(self, session: Session, ops: list[list[Any]], now_ms: int) -> None:
@@ -2067,8 +2016,8 @@ class Broker:
                 self._to_dispatch.add(queue)
             elif queue is not None and count:
                 queue.settle(message)  # a delayed redelivery for a deleted queue: release what it held
-        for key in self._will_due.pop_due(now_ms):
-            self._publish_will(self._pending_wills.pop(key), now_ms)
+        for will in self.wills.due(now_ms):
+            self._publish_will(will, now_ms)
         for name in self._unused_addresses.pop_due(now_ms):
             self._check_unused_address(name, now_ms)
         for expired in self._idle.pop_due(now_ms):
