@@ -139,14 +139,20 @@ class Paho:
 
     def disconnect(self) -> None:
         self.client.disconnect()
-        self.client.loop_stop()
+        self.stop()
 
     def drop(self) -> None:
         """Vanish without DISCONNECT (the socket closes under the client)."""
-        self.client.loop_stop()
+        self.stop()
         sock = self.client.socket()
         if sock is not None:
             sock.close()
+
+    def stop(self) -> None:
+        """Stop the client's thread. paho leaves open the socket pair that woke that thread, which Python
+        reports when it collects it (an error of the run with warnings as errors): it is closed here."""
+        self.client.loop_stop()
+        self.client._reset_sockets(sockpair_only=True)
 
 
 class Raw:

@@ -65,7 +65,7 @@ def clients() -> Iterator[list[Paho | Raw]]:
         if isinstance(client, Raw):
             client.close()
         else:
-            client.client.loop_stop()
+            client.stop()
 
 
 def test_published_topics_go_and_stay_gone_after_a_restart(tmp_path: Path, clients: list[Paho | Raw]) -> None:

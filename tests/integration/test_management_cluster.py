@@ -173,7 +173,7 @@ def test_mqtt_sessions_and_retained_messages_are_listed_and_deleted_from_any_nod
         dropped = cli(second, "mqtt", "session-delete", "sensor-7")
         assert dropped.stdout.startswith("deleted 1"), dropped.stdout + dropped.stderr
         sensor.disconnects.get(timeout=10)  # the gateway ends the connection that held the session
-        sensor.client.loop_stop()
+        sensor.stop()
         assert not [s for s in call(first, "GET", "/api/mqtt/sessions")[1]["sessions"] if s["label"] == "sensor-7"]
         assert cli(first, "mqtt", "session-delete", "sensor-7").returncode == 1  # gone everywhere: 404
     finally:

@@ -90,7 +90,7 @@ def paho() -> Iterator[Callable[..., Paho]]:
     for client in made:
         with contextlib.suppress(Exception):
             client.client.disconnect()
-        client.client.loop_stop()
+        client.stop()
 
 
 @pytest.fixture

@@ -57,7 +57,7 @@ def paho() -> Iterator[Callable[..., Paho]]:
     yield make
     for client in made:
         client.client.disconnect()
-        client.client.loop_stop()
+        client.stop()
 
 
 def _connected(client: Raw, **fields: Any) -> None:

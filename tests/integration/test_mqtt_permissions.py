@@ -179,6 +179,7 @@ def test_another_user_cannot_take_over_a_live_session_that_keeps_nothing(
         return accepted
 
     wait_until(alice_gets_in, what="bob's client id to be free")
+    bob.disconnect()  # (its thread ended with its connection)
     _stop(core, gateway)
 
 

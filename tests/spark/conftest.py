@@ -84,8 +84,7 @@ def cluster_audit(tmp_path_factory: pytest.TempPathFactory) -> ClusterAudit:
         mqtt.connect()
         for i in range(5):
             mqtt.client.publish("sensors/temp", f"{i}".encode(), qos=1).wait_for_publish(10)
-        mqtt.client.disconnect()
-        mqtt.client.loop_stop()
+        mqtt.disconnect()
         for gateway in gateways:
             gateway.stop()
         assert nodes[2].stop() == 0  # the others write node.left
