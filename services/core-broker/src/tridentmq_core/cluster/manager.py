@@ -799,6 +799,15 @@ class ClusterManager:
         """Something in this node's own entry changed (its backup): tell the others and the gateways."""
         self._members_version += 1
 
+    def member_endpoints(self) -> list[tuple[str, int]]:
+        """The link endpoint of every other node heard of."""
+        return [(member.host, member.port) for member in self.members.values()]
+
+    def reachable(self, node_id: str, grace_s: float) -> bool:
+        """Whether the cluster connection to ``node_id`` is up, or went down less than ``grace_s`` ago."""
+        bridge = self.bridges_by_node.get(node_id)
+        return bridge is not None and (bridge.up or time.monotonic() - bridge.down_since < grace_s)
+
     def retire(self, bridge: Bridge) -> None:
         """Drop a bridge whose node now lives at another address."""
         if self.bridges_by_node.get(bridge.node_id) is bridge:

@@ -23,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 from tridentmq_core.broker import Broker, BrokerError, Session
 from tridentmq_core.cluster.links import node_link, watch_close
@@ -43,9 +43,6 @@ from tridentmq_shared.link.topology import parse_endpoint
 from tridentmq_shared.runtime import cancel_and_wait
 from tridentmq_shared.settings import SettingsError
 from tridentmq_shared.supervision import spawn
-
-if TYPE_CHECKING:
-    from tridentmq_core.cluster.manager import ClusterManager
 
 log = logging.getLogger("tridentmq.core.ha")
 
@@ -106,22 +103,32 @@ class VoteStore:
         write_durably(self.path, json.dumps(self.book.to_json()))
 
 
+class ClusterView(Protocol):
+    """What a pair asks of its node's cluster connections (``cluster/manager.py``)."""
+
+    node_id: str
+
+    def member_endpoints(self) -> list[tuple[str, int]]:
+        """The link endpoint of every other node heard of."""
+
+    def reachable(self, node_id: str, grace_s: float) -> bool:
+        """Whether the cluster connection to ``node_id`` is up, or went down less than ``grace_s`` ago."""
+
+    def members_changed(self) -> None:
+        """Something in this node's own entry changed (its backup): tell the others and the gateways."""
+
+
 class Voter:
     """Answers VOTE requests of backups (``activate``) and of primaries that lost their backup (``stay``)."""
 
-    def __init__(self, votes: VoteStore, settings: CoreSettings, cluster: Callable[[], ClusterManager | None]) -> None:
+    def __init__(self, votes: VoteStore, settings: CoreSettings, cluster: Callable[[], ClusterView | None]) -> None:
         self.votes = votes
         self.settings = settings
         self._cluster = cluster
 
     def primary_reachable(self, node_id: str) -> bool:
         cluster = self._cluster()
-        if cluster is None:
-            return False
-        bridge = cluster.bridges_by_node.get(node_id)
-        if bridge is None:
-            return False
-        return bridge.up or time.monotonic() - bridge.down_since < self.settings.ha.vote_grace_ms / 1000
+        return cluster is not None and cluster.reachable(node_id, self.settings.ha.vote_grace_ms / 1000)
 
     def vote(self, session: Session, raw: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -222,7 +229,7 @@ class ReplicationSource:
         identity: NodeIdentity,
         server_id: str,
         settings: CoreSettings,
-        cluster: Callable[[], ClusterManager | None],
+        cluster: Callable[[], ClusterView | None],
         members: Callable[[], list[dict[str, Any]]],
         fenced: Callable[[str], None],
         hand_over: Callable[[], Coroutine[Any, Any, None]],
@@ -448,7 +455,7 @@ class ReplicationSource:
         retry = self.settings.ha.vote_retry_ms / 1000
         while True:
             cluster = self._cluster()
-            voters = [(m.host, m.port) for m in cluster.members.values()] if cluster is not None else []
+            voters = cluster.member_endpoints() if cluster is not None else []
             pairs = 1 + len(voters)
             # The lost backup is asked too, though it does not count: if it took over, it says so (a single
             # pair whose backup may activate without a quorum learns here that it was replaced).
