@@ -612,6 +612,9 @@ class ClusterManager:
         self._moving: set[str] = set()  # queues a redistributor moved messages of since the last tick
         self._stuck_since: dict[str, int] = {}  # queues with messages nobody here takes nor moves → since when
         self._gone_tried: dict[str, tuple[int, int]] = {}  # gone node → the binding versions its queue was tried at
+        # A node whose connection was replaced (it came back at another address: a failback, a backup that took
+        # over) → since when it has been unreachable: the new connection does not start its clock again.
+        self._moved_down_since: dict[str, float] = {}
         self._sent_version = (-1, -1)
         self._backlogged: frozenset[str] = frozenset()  # own queues last advertised as saturated
         self._members_version = 0
@@ -676,6 +679,17 @@ class ClusterManager:
     def bridge_answered(self) -> None:
         """A cluster connection got an answer (it is up, or it failed): ``join`` looks again."""
         self._bridge_answered.set()
+
+    def down_since(self, node_id: str) -> float | None:
+        """Since when ``node_id`` has been unreachable (``time.monotonic()``), None while it is connected. A
+        node heard of but never connected counts from this node's start."""
+        bridge = self.bridges_by_node.get(node_id)
+        if bridge is not None and bridge.up:
+            return None
+        moved = self._moved_down_since.get(node_id)
+        if bridge is None:
+            return self._started if moved is None else moved
+        return bridge.down_since if moved is None else min(bridge.down_since, moved)
 
     async def stop(self) -> None:
         if self.discovery is not None:
@@ -805,13 +819,21 @@ class ClusterManager:
 
     def reachable(self, node_id: str, grace_s: float) -> bool:
         """Whether the cluster connection to ``node_id`` is up, or went down less than ``grace_s`` ago."""
-        bridge = self.bridges_by_node.get(node_id)
-        return bridge is not None and (bridge.up or time.monotonic() - bridge.down_since < grace_s)
+        since = self.down_since(node_id)
+        if since is None:
+            return True
+        if node_id not in self.bridges_by_node and node_id not in self._moved_down_since:
+            return False  # never connected from here: nothing says it is alive
+        return time.monotonic() - since < grace_s
 
     def retire(self, bridge: Bridge) -> None:
         """Drop a bridge whose node now lives at another address."""
         if self.bridges_by_node.get(bridge.node_id) is bridge:
             del self.bridges_by_node[bridge.node_id]
+            if not bridge.up:  # until its new connection is up, the node is away since the old one went down
+                self._moved_down_since[bridge.node_id] = min(
+                    bridge.down_since, self._moved_down_since.get(bridge.node_id, bridge.down_since)
+                )
         self.bridges.pop(bridge.address, None)
         asyncio.get_running_loop().create_task(bridge.stop())
 
@@ -842,6 +864,7 @@ class ClusterManager:
         bridge.name = str(reply.get("name", ""))
         principal = Principal(f"cluster:{bridge.node_id}", frozenset(), unrestricted=True, cluster=True)
         bridge.open_session(principal)
+        self._moved_down_since.pop(bridge.node_id, None)
         self._members_version += 1
         for member in members:
             self.learn(member)
@@ -1094,9 +1117,8 @@ class ClusterManager:
             if not name.startswith(FORWARD_QUEUE_PREFIX) or not len(queue) or queue.consumers:
                 continue
             node_id = name[len(FORWARD_QUEUE_PREFIX) :]
-            bridge = self.bridges_by_node.get(node_id)
-            down_since = bridge.down_since if bridge is not None else self._started
-            if (bridge is not None and bridge.up) or mono - down_since < gone_after:
+            down_since = self.down_since(node_id)
+            if down_since is None or mono - down_since < gone_after:
                 continue
             self._gone_tried[node_id] = versions
             if tried.get(node_id) == versions:

@@ -1,0 +1,78 @@
+"""When the cluster manager declares another node gone (``cluster.node_gone_ms``) and routes again what waits
+for it. It runs in process with a real broker; no connection is opened (a bridge is only its state here)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from tests.unit.broker_harness import ANYCAST, Harness, ok
+
+from tridentmq_core.cluster.manager import Bridge, ClusterManager
+from tridentmq_core.settings import ClusterSection, CoreSettings
+from tridentmq_shared.message import M_ID, new_message
+
+GONE_MS = 10_000
+OTHER = "node-2"
+
+
+def _manager(h: Harness) -> ClusterManager:
+    manager = ClusterManager(
+        h.broker, h.settings, node_id="node-1", name="one", advertise=("127.0.0.1", 1), schedule_flush=lambda: None
+    )
+    manager._started -= 600  # this node has run for a while
+    return manager
+
+
+def _down_bridge(manager: ClusterManager, port: int, down_for_s: float) -> Bridge:
+    """A cluster connection to OTHER at ``port`` that was up and went down ``down_for_s`` ago."""
+    bridge = Bridge(manager, "127.0.0.1", port)
+    bridge.node_id, bridge.state, bridge.down_since = OTHER, "down", time.monotonic() - down_for_s
+    manager.bridges[bridge.address] = manager.bridges_by_node[OTHER] = bridge
+    return bridge
+
+
+def _waiting_for_other(h: Harness) -> int:
+    """A message held here for OTHER (whose queue of its address this node also has), and how many wait."""
+    ok(h.connect().create_queue("orders", "orders", ANYCAST))
+    queue = h.broker.forward_queue(OTHER, h.now_ms)
+    message = new_message("orders", b"for node-2", routing=ANYCAST, durable=True)
+    message[M_ID] = 1_000
+    queue.add(message)
+    return len(queue)
+
+
+def _held(h: Harness) -> int:
+    return len(h.broker.forward_queue(OTHER, h.now_ms))
+
+
+async def test_a_node_that_comes_back_at_another_address_is_not_declared_gone_in_between() -> None:
+    """A failback (or a backup taking over) brings a node back at another address: its old connection is
+    retired before the new one is up. In between, the node counted as away since this node started, so a
+    tick declared it gone at once and routed its held messages elsewhere, while the copy it already had was
+    delivered too (duplicates without the redelivered flag in a 30-minute randomised run)."""
+    h = Harness(CoreSettings(cluster=ClusterSection(node_gone_ms=GONE_MS)))
+    manager = _manager(h)
+    assert _waiting_for_other(h) == 1
+    old = _down_bridge(manager, 61617, down_for_s=0.5)
+    manager.retire(old)  # the node was heard of at its new address; the new connection is not up yet
+    await asyncio.sleep(0)  # (the retired bridge's stop runs)
+    manager._declare_gone(h.now_ms)
+    assert _held(h) == 1
+    assert manager.reachable(OTHER, grace_s=2.0)
+
+
+async def test_a_node_away_longer_than_node_gone_ms_is_gone_whatever_its_address() -> None:
+    h = Harness(CoreSettings(cluster=ClusterSection(node_gone_ms=GONE_MS)))
+    manager = _manager(h)
+    _waiting_for_other(h)
+    manager.retire(_down_bridge(manager, 61617, down_for_s=GONE_MS / 1000 + 1))
+    await asyncio.sleep(0)
+    _down_bridge(manager, 61620, down_for_s=0)  # its new connection, not up yet: the clock does not restart
+    manager._declare_gone(h.now_ms)
+    assert _held(h) == 0  # routed to this node's queue of its address
+    assert not manager.reachable(OTHER, grace_s=2.0)
+
+
+async def test_a_node_never_connected_from_here_is_not_reachable() -> None:
+    assert not _manager(Harness()).reachable(OTHER, grace_s=2.0)
