@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from tests.unit.broker_harness import ANYCAST, MULTICAST, Harness, bodies, ok, recorded
+from tests.unit.broker_harness import ANYCAST, IDS_TOKEN, MULTICAST, Harness, bodies, ok, recorded
 
 from tridentmq_core.broker import FORWARD_QUEUE_PREFIX, Direct, WireMessage
 from tridentmq_core.cluster.balancer import Balancer, SelectorCache
@@ -243,6 +243,42 @@ def test_a_move_to_another_node_goes_out_once_its_delivery_attempt_is_safe(mover
     h.broker.on_durable(1)
     h.sync()
     assert port.moved == [b"a", b"b"]
+
+
+def test_a_publish_written_through_is_confirmed_once_this_nodes_store_keeps_its_producers_id() -> None:
+    """Issue 21, duplicates without the redelivered flag. A durable publish written through to another node
+    is stored nowhere here. When this node died after the other had stored it but before its producer heard
+    so, the producer sent it again to the node's next life (its backup), whose balancing picked a third
+    node: two first deliveries. The producer's id is now kept here (journal, backup) once the other node has
+    the message, and only then confirmed; not before, or a resend of a message that never arrived there
+    would be taken for a duplicate."""
+    h, store, _ = recorded(hold_attempts=True)
+    bindings = RemoteBindings("node-1", max_hops=1, max_per_node=1000)
+    h.broker.cluster = Balancer(bindings, "ON_DEMAND")
+    tokens: list[int] = []
+
+    def send_direct(via: str, message: WireMessage, token: int, publisher: Any) -> Direct:
+        tokens.append(token)
+        return Direct.SENT
+
+    h.broker.send_direct = send_direct
+    bindings.replace("node-2", [binding("work", "work", ANYCAST)])
+    c = h.connect()
+    seqs = [c.publish("work", b"once", durable=True, dedup_id=f"producer-{n}") for n in (7, 8)]
+    assert all(token < 0 for token in tokens)  # written through: node-2's confirms release them
+    assert not {"producer-7", "producer-8"} & dict(h.broker.durable_snapshot().dedup_ids).keys()  # in flight
+    for token in tokens:
+        h.broker.on_durable(token)  # node-2 holds it
+    h.sync()
+    assert [dedup_id for dedup_id, _ in store.ids] == ["producer-7", "producer-8"]  # one record for the turn
+    assert not set(seqs) & c.confirmed
+    again = c.publish("work", b"once", durable=True, dedup_id="producer-7")  # a resend: node-2 has it
+    assert len(tokens) == 2
+    assert again in c.confirmed
+    h.broker.on_durable(IDS_TOKEN + 2)
+    h.sync()
+    assert set(seqs) <= c.confirmed
+    assert {"producer-7", "producer-8"} <= dict(h.broker.durable_snapshot().dedup_ids).keys()
 
 
 def test_redistribution_targets_are_every_reachable_node_with_consumers_for_the_queue() -> None:

@@ -856,6 +856,19 @@ def test_a_transaction_counts_only_once_its_commit_is_synced(tmp_path: Path) -> 
     assert replay(records).references == {"q": {1: 0}}
 
 
+def test_producers_ids_of_messages_stored_elsewhere_are_remembered_after_a_restart(tmp_path: Path) -> None:
+    """A durable publish written through to another node leaves no message record here, only its producer's
+    id: the next life of this node (restarted, or its backup, which copies these records) must know it."""
+    journal = Journal(tmp_path)
+    journal.recover()
+    journal.start()
+    store = JournalStore(journal, call_in_loop=lambda fn: fn())
+    token = store.remember_ids([("producer-7", 1_700_000_000_000)])
+    assert token == journal.appended
+    journal.close()
+    assert replay(recover(tmp_path)[0]).dedup_ids == {"producer-7": 1_700_000_000_000}
+
+
 def test_replay_remembers_dedup_ids_of_acknowledged_messages_newest_within_the_limit() -> None:
     def stamped(n: int) -> list[Any]:
         message = wire_message(n)

@@ -273,6 +273,9 @@ class Broker:
         # of one (its producer sending it again) is confirmed only with it, not at once.
         self._through_by_dedup: dict[str, int] = {}  # duplicate id → confirm token
         self._through_dedup: dict[int, str] = {}  # confirm token → duplicate id
+        # Written-through publishes the other node confirmed: (confirm token, producer's id), whose ids this
+        # node's store keeps, all of a turn in one record, before their producers hear (``flush_dispatch``).
+        self._ids_to_keep: list[tuple[int, str]] = []
         self._aliases: dict[int, list[int]] = {}  # confirm token → tokens of duplicates that wait for it
         self.paused_addresses: set[str] = set()  # paused by an operator: their queues (new ones too) deliver none
         store.attach(self.on_durable)
@@ -1170,6 +1173,15 @@ class Broker:
     def on_durable(self, token: int) -> None:
         """The store made the message behind ``token`` safe, or (a negative token) the node it was written
         through to confirmed it: confirm it to its producer."""
+        if token < 0 and self._through_dedup:
+            dedup_id = self._through_dedup.get(token)
+            if dedup_id is not None:
+                # Safe over there, and stored nowhere here: before its producer hears so, this node's store
+                # (and backup) keeps the producer's id. A producer that missed the confirm sends it again to
+                # this node's next life (restarted, or its backup), whose balancing may pick another node:
+                # the id makes it a duplicate here instead of a second message there.
+                self._ids_to_keep.append((token, dedup_id))
+                return
         held = self._held_deliveries.pop(token, None)
         if held is not None:
             for consumer, delivery_count, message in held:
@@ -2104,8 +2116,17 @@ class Broker:
             ],
             queues=[self._queue_spec(q) for q in queues],
             messages=list(messages.values()),
-            dedup_ids=self._dedup.entries(),
+            dedup_ids=self._remembered_ids(),
         )
+
+    def _remembered_ids(self) -> list[tuple[str, int]]:
+        """The duplicate ids a restart must remember, less those of publishes on their way to the node they are
+        written through to: if that node never stores one, its producer's resend must not be a duplicate."""
+        entries = self._dedup.entries()
+        if not self._through_by_dedup:
+            return entries
+        in_flight = self._through_by_dedup
+        return [entry for entry in entries if in_flight.get(entry[0], 0) >= 0]
 
     @staticmethod
     def _queue_spec(queue: Queue) -> dict[str, Any]:
@@ -2131,11 +2152,26 @@ class Broker:
 
     def flush_dispatch(self, now_ms: int) -> None:
         self.now_ms = now_ms
+        if self._ids_to_keep:
+            self._keep_ids(now_ms)
         self._unblock_producers()
         while self._to_dispatch:
             pending, self._to_dispatch = self._to_dispatch, set()
             for queue in pending:
                 queue.dispatch(now_ms)
+
+    def _keep_ids(self, now_ms: int) -> None:
+        """Write the producers' ids of the written-through publishes confirmed this turn; their confirms wait
+        for that record (see ``on_durable``)."""
+        kept, self._ids_to_keep = self._ids_to_keep, []
+        recorded = self.store.remember_ids([(dedup_id, now_ms) for _, dedup_id in kept])
+        for token, _ in kept:
+            # A resend from now on is a plain duplicate, confirmed at once: the other node holds the message.
+            self._forget_through(token)
+            if recorded:
+                self._aliases.setdefault(recorded, []).append(token)  # its confirm goes with the record's
+            else:
+                self.on_durable(token)
 
     # ------------------------------------------------------------------ operators (see operations.py)
     def create_queue(

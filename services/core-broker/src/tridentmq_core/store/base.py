@@ -41,6 +41,10 @@ class Store(Protocol):
     def update_delivery_counts(self, queue: str, message_ids: list[int], counts: list[int]) -> int:
         """Record delivery attempts; 0 = already safe, else a token like ``add_message``'s."""
 
+    def remember_ids(self, ids: list[tuple[str, int]]) -> int:
+        """Keep producers' duplicate ids (with their arrival ms) across a restart or a failover, for messages
+        stored on another node; 0 = already safe, else a token like ``add_message``'s."""
+
     def begin_transaction(self) -> None:
         """The ``add_message`` and ``acknowledge`` calls up to ``commit_transaction`` are one unit: after a
         crash all of them count or none does. Their own tokens do not mean the unit is safe."""

@@ -115,6 +115,11 @@ class JournalStore:
             for start in range(0, len(message_ids), step):
                 self._append(RecordType.ACKS, [queue, message_ids[start : start + step]])
 
+    def remember_ids(self, ids: list[tuple[str, int]]) -> int:
+        token = self._append(RecordType.DEDUP_IDS, [list(pair) for pair in ids])
+        self._waiting.append(token)
+        return token
+
     def begin_transaction(self) -> None:
         self._tx_id = random.getrandbits(63) or 1
         self._tx_written = False

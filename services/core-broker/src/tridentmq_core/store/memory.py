@@ -33,6 +33,9 @@ class MemoryStore:
     def update_delivery_counts(self, queue: str, message_ids: list[int], counts: list[int]) -> int:
         return 0
 
+    def remember_ids(self, ids: list[tuple[str, int]]) -> int:
+        return 0
+
     def begin_transaction(self) -> None:
         pass
 
