@@ -865,8 +865,12 @@ def test_producers_ids_of_messages_stored_elsewhere_are_remembered_after_a_resta
     store = JournalStore(journal, call_in_loop=lambda fn: fn())
     token = store.remember_ids([("producer-7", 1_700_000_000_000)])
     assert token == journal.appended
+    many = [(f"producer-{n:06d}", 1_700_000_000_001) for n in range(20_000)]  # a turn of many confirms
+    assert store.remember_ids(many) == journal.appended > token + 1  # in records that each fit a segment
     journal.close()
-    assert replay(recover(tmp_path)[0]).dedup_ids == {"producer-7": 1_700_000_000_000}
+    remembered = replay(recover(tmp_path)[0]).dedup_ids
+    assert remembered["producer-7"] == 1_700_000_000_000
+    assert len(remembered) == 1 + len(many)
 
 
 def test_replay_remembers_dedup_ids_of_acknowledged_messages_newest_within_the_limit() -> None:

@@ -1148,6 +1148,7 @@ class ClusterManager:
         dropped = self.bindings.forget(node_id)
         if bridge is not None:
             self.retire(bridge)
+        self._moved_down_since.pop(node_id, None)
         if self.members.pop(node_id, None) is not None:
             self._members_version += 1
         waiting = self.broker.queues.get(FORWARD_QUEUE_PREFIX + node_id)

@@ -116,8 +116,11 @@ class JournalStore:
                 self._append(RecordType.ACKS, [queue, message_ids[start : start + step]])
 
     def remember_ids(self, ids: list[tuple[str, int]]) -> int:
-        token = self._append(RecordType.DEDUP_IDS, [list(pair) for pair in ids])
-        self._waiting.append(token)
+        token = 0
+        for chunk in dedup_id_chunks(ids, self.journal.segment_bytes):  # each record fits a segment
+            token = self._append(RecordType.DEDUP_IDS, [list(pair) for pair in chunk])
+        if token:
+            self._waiting.append(token)
         return token
 
     def begin_transaction(self) -> None:
