@@ -776,7 +776,7 @@ async def test_a_durable_message_for_one_other_node_is_written_through_and_a_res
         wait_until(lambda: remote_consumers(a, "through") == 1, what="a to see b's consumer")
         before = journal_records(a)
         await send_all()  # confirmed once b has them on disk
-        # Written through: a journaled no message, only their producers' ids, a record per batch of confirms
+        # Written through: a journaled no message, only notes of where they went, a record per turn
         # (store-and-forward would write each message twice).
         assert journal_records(a) - before < len(messages)
     # a dies before its producers saw the confirms; they send everything again to a's next life.

@@ -345,16 +345,13 @@ class RecordingAudit:
         return [(ts, fields) for ts, name, fields in self.events if name == event]
 
 
-IDS_TOKEN = 1_000_000  # + the number of ids kept: the token of ``remember_ids``
-
-
 class RecordingStore(MemoryStore):
-    """The memory store, remembering the queue specs, messages, acks, delivery attempts and producers' ids the
-    broker asked it to persist. With ``hold_attempts``, delivery attempts and ids are safe only when the test
-    completes their token."""
+    """The memory store, remembering the queue specs, messages, acks, delivery attempts and written-through
+    publishes the broker asked it to persist. With ``hold_attempts``, delivery attempts are safe only when the
+    test completes their token."""
 
     def __init__(self, *, hold_attempts: bool = False) -> None:
-        self.ids: list[tuple[str, int]] = []  # producers' ids kept for messages stored on another node
+        self.through: list[tuple[str, str, int]] = []  # publishes written through to another node
         self.specs: list[dict[str, Any]] = []
         self.deleted: list[str] = []
         self.messages: list[WireMessage] = []
@@ -369,9 +366,8 @@ class RecordingStore(MemoryStore):
         self.attempts.append((queue, list(message_ids), list(counts)))
         return len(self.attempts) if self.hold_attempts else 0
 
-    def remember_ids(self, ids: list[tuple[str, int]]) -> int:
-        self.ids.extend(ids)
-        return IDS_TOKEN + len(self.ids) if self.hold_attempts else 0
+    def note_through(self, entries: list[tuple[str, str, int]]) -> None:
+        self.through.extend(entries)
 
     def add_queue(self, spec: dict[str, Any]) -> None:
         self.specs.append(dict(spec))

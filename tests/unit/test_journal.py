@@ -33,6 +33,7 @@ from tridentmq_core.store.journal import (
     RecoveryReport,
     list_segments,
     segment_name,
+    write_live_state,
 )
 from tridentmq_core.store.journal_store import IDS_PER_RECORD, JournalStore, ids_per_record
 from tridentmq_core.store.records import (
@@ -856,21 +857,25 @@ def test_a_transaction_counts_only_once_its_commit_is_synced(tmp_path: Path) -> 
     assert replay(records).references == {"q": {1: 0}}
 
 
-def test_producers_ids_of_messages_stored_elsewhere_are_remembered_after_a_restart(tmp_path: Path) -> None:
+def test_publishes_written_through_elsewhere_are_known_after_a_restart_and_a_rewrite(tmp_path: Path) -> None:
     """A durable publish written through to another node leaves no message record here, only its producer's
-    id: the next life of this node (restarted, or its backup, which copies these records) must know it."""
-    journal = Journal(tmp_path)
+    id and that node's: the next life of this node (restarted, or its backup, which copies these records)
+    must know them, also after the journal is rewritten to its live state."""
+    journal = Journal(tmp_path / "j")
     journal.recover()
     journal.start()
     store = JournalStore(journal, call_in_loop=lambda fn: fn())
-    token = store.remember_ids([("producer-7", 1_700_000_000_000)])
-    assert token == journal.appended
-    many = [(f"producer-{n:06d}", 1_700_000_000_001) for n in range(20_000)]  # a turn of many confirms
-    assert store.remember_ids(many) == journal.appended > token + 1  # in records that each fit a segment
+    store.note_through([("producer-7", "node-2", 1_700_000_000_000)])
+    many = [(f"producer-{n:06d}", "node-3", 1_700_000_000_001) for n in range(20_000)]  # a turn of many
+    before = journal.appended
+    store.note_through(many)
+    assert journal.appended > before + 1  # in records that each fit a segment
     journal.close()
-    remembered = replay(recover(tmp_path)[0]).dedup_ids
-    assert remembered["producer-7"] == 1_700_000_000_000
-    assert len(remembered) == 1 + len(many)
+    through = replay(recover(tmp_path / "j")[0]).through_ids
+    assert through["producer-7"] == ("node-2", 1_700_000_000_000)
+    assert len(through) == 1 + len(many)
+    write_live_state(tmp_path / "j", tmp_path / "fresh")
+    assert replay(recover(tmp_path / "fresh")[0]).through_ids == through
 
 
 def test_replay_remembers_dedup_ids_of_acknowledged_messages_newest_within_the_limit() -> None:

@@ -84,6 +84,9 @@ ORIGINAL_REASON = "_AMQ_ORIG_REASON"
 #: that move to other nodes (forwarded, redistributed) so their audit events name it as ``origin_message_id``.
 ORIGIN_MESSAGE_ID = "_TMQ_ORIG_MESSAGE_ID"
 MAX_WILL_KEY = 512
+#: Producers' ids of publishes written through to another node kept here (and copied by a compaction): what
+#: producers' publish windows can hold unconfirmed at once, with room to spare.
+THROUGH_KEPT: Final = 100_000
 
 
 class Direct(IntEnum):
@@ -273,9 +276,13 @@ class Broker:
         # of one (its producer sending it again) is confirmed only with it, not at once.
         self._through_by_dedup: dict[str, int] = {}  # duplicate id → confirm token
         self._through_dedup: dict[int, str] = {}  # confirm token → duplicate id
-        # Written-through publishes the other node confirmed: (confirm token, producer's id), whose ids this
-        # node's store keeps, all of a turn in one record, before their producers hear (``flush_dispatch``).
-        self._ids_to_keep: list[tuple[int, str]] = []
+        # Durable publishes written through to another node: producer's id → (that node, arrival ms), the latest
+        # THROUGH_KEPT; and this turn's, which the store notes at the end of the turn (``flush_dispatch``). A
+        # producer that missed its confirm sends the publish again to this node's next life (restarted, or
+        # its backup): that life sends it to the same node under the same transfer id, where it is a
+        # duplicate if that node got it, whichever node its own balancing would pick.
+        self._through_targets: dict[str, tuple[str, int]] = {}
+        self._through_notes: list[tuple[str, str, int]] = []
         self._aliases: dict[int, list[int]] = {}  # confirm token → tokens of duplicates that wait for it
         self.paused_addresses: set[str] = set()  # paused by an operator: their queues (new ones too) deliver none
         store.attach(self.on_durable)
@@ -713,6 +720,12 @@ class Broker:
             self._aliases.setdefault(pending, []).append(alias)
             return alias
         cluster = self.cluster
+        if through and dedup_id is not None and self._through_targets and cluster is not None:
+            sent = self._through_targets.get(dedup_id)
+            if sent is not None and cluster.bindings.knows(sent[0]):
+                # Written through by an earlier life of this node, whose producer missed the confirm: to the
+                # same node again, where the transfer id makes it a duplicate if that node got it.
+                return self._admit(message, (), now_ms, {sent[0]: ()}, through=True)
         if cluster is not None:
             key = (message[M_ADDRESS], message[M_ROUTING])
             split = self._splits.get(key)
@@ -939,6 +952,7 @@ class Broker:
                     if producer_dedup:
                         self._through_by_dedup[producer_dedup] = token
                         self._through_dedup[token] = producer_dedup
+                        self._note_through(producer_dedup, target, now_ms)
                 if taken is _HELD:
                     self._withheld += 1
                 if audit:
@@ -955,6 +969,14 @@ class Broker:
                 now_ms, "msg.forwarded", copy, forward_queue, target_node=target, target_queues=list(queues)
             )
         return token
+
+    def _note_through(self, dedup_id: str, target: str, now_ms: int) -> None:
+        targets = self._through_targets
+        targets.pop(dedup_id, None)
+        targets[dedup_id] = (target, now_ms)
+        if len(targets) > THROUGH_KEPT:
+            del targets[next(iter(targets))]
+        self._through_notes.append((dedup_id, target, now_ms))
 
     def forward_queue(self, node_id: str, now_ms: int) -> Queue:
         """The store-and-forward queue of a connected node (created on first use, durable)."""
@@ -1173,15 +1195,6 @@ class Broker:
     def on_durable(self, token: int) -> None:
         """The store made the message behind ``token`` safe, or (a negative token) the node it was written
         through to confirmed it: confirm it to its producer."""
-        if token < 0 and self._through_dedup:
-            dedup_id = self._through_dedup.get(token)
-            if dedup_id is not None:
-                # Safe over there, and stored nowhere here: before its producer hears so, this node's store
-                # (and backup) keeps the producer's id. A producer that missed the confirm sends it again to
-                # this node's next life (restarted, or its backup), whose balancing may pick another node:
-                # the id makes it a duplicate here instead of a second message there.
-                self._ids_to_keep.append((token, dedup_id))
-                return
         held = self._held_deliveries.pop(token, None)
         if held is not None:
             for consumer, delivery_count, message in held:
@@ -2085,6 +2098,8 @@ class Broker:
             self._next_id = max(self._next_id, message[M_ID] + 1)
         for dedup_id, arrived in state.dedup_ids.items():  # oldest first, acknowledged messages' ones too
             self._dedup.remember(dedup_id, arrived)
+        for dedup_id, (node_id, arrived) in list(state.through_ids.items())[-THROUGH_KEPT:]:
+            self._through_targets[dedup_id] = (node_id, arrived)
         self._dedup.expire(self.now_ms)
         for address in self.addresses.values():  # journals written before auto-delete hold unused ones too
             if address.auto_created and not address.queues:
@@ -2117,6 +2132,7 @@ class Broker:
             queues=[self._queue_spec(q) for q in queues],
             messages=list(messages.values()),
             dedup_ids=self._remembered_ids(),
+            through_ids=[(dedup_id, node_id, at) for dedup_id, (node_id, at) in self._through_targets.items()],
         )
 
     def _remembered_ids(self) -> list[tuple[str, int]]:
@@ -2152,26 +2168,14 @@ class Broker:
 
     def flush_dispatch(self, now_ms: int) -> None:
         self.now_ms = now_ms
-        if self._ids_to_keep:
-            self._keep_ids(now_ms)
+        if self._through_notes:
+            notes, self._through_notes = self._through_notes, []
+            self.store.note_through(notes)
         self._unblock_producers()
         while self._to_dispatch:
             pending, self._to_dispatch = self._to_dispatch, set()
             for queue in pending:
                 queue.dispatch(now_ms)
-
-    def _keep_ids(self, now_ms: int) -> None:
-        """Write the producers' ids of the written-through publishes confirmed this turn; their confirms wait
-        for that record (see ``on_durable``)."""
-        kept, self._ids_to_keep = self._ids_to_keep, []
-        recorded = self.store.remember_ids([(dedup_id, now_ms) for _, dedup_id in kept])
-        for token, _ in kept:
-            # A resend from now on is a plain duplicate, confirmed at once: the other node holds the message.
-            self._forget_through(token)
-            if recorded:
-                self._aliases.setdefault(recorded, []).append(token)  # its confirm goes with the record's
-            else:
-                self.on_durable(token)
 
     # ------------------------------------------------------------------ operators (see operations.py)
     def create_queue(

@@ -58,6 +58,8 @@ def describe(record: Record) -> str:
             return f"commit tx={p[0]}"
         case RecordType.DEDUP_IDS:
             return f"dedup-ids count={len(p)}"
+        case RecordType.THROUGH_IDS:
+            return f"through-ids count={len(p)}"
         case RecordType.COMPACTED:
             return "compacted: the live state above was copied forward; older segments are retired"
 

@@ -24,6 +24,7 @@ class DurableSnapshot:
     queues: list[dict[str, Any]]
     messages: list[tuple[WireMessage, list[str], list[int]]]  # message, its queues, delivery count per queue
     dedup_ids: list[tuple[str, int]] = field(default_factory=list)  # remembered ids, arrival ms, oldest first
+    through_ids: list[tuple[str, str, int]] = field(default_factory=list)  # see ``Store.note_through``
 
 
 class Store(Protocol):
@@ -41,9 +42,9 @@ class Store(Protocol):
     def update_delivery_counts(self, queue: str, message_ids: list[int], counts: list[int]) -> int:
         """Record delivery attempts; 0 = already safe, else a token like ``add_message``'s."""
 
-    def remember_ids(self, ids: list[tuple[str, int]]) -> int:
-        """Keep producers' duplicate ids (with their arrival ms) across a restart or a failover, for messages
-        stored on another node; 0 = already safe, else a token like ``add_message``'s."""
+    def note_through(self, entries: list[tuple[str, str, int]]) -> None:
+        """Durable publishes written through to another node, stored nowhere here: (producer's dedup id, that
+        node's id, arrival ms). Nobody waits for these: they serve a resend to this node's next life."""
 
     def begin_transaction(self) -> None:
         """The ``add_message`` and ``acknowledge`` calls up to ``commit_transaction`` are one unit: after a

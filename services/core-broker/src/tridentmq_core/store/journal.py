@@ -89,6 +89,10 @@ def write_live_state(source: Path, target: Path, segment_bytes: int = DEFAULT_SE
     for chunk in dedup_id_chunks(state.dedup_ids.items(), segment_bytes):
         fresh.append(RecordType.DEDUP_IDS, chunk)
         written += 1
+    through = [(dedup_id, node_id, arrived) for dedup_id, (node_id, arrived) in state.through_ids.items()]
+    for entries in dedup_id_chunks(through, segment_bytes):
+        fresh.append(RecordType.THROUGH_IDS, entries)
+        written += 1
     owed: dict[int, tuple[list[str], list[int]]] = {}
     for queue, references in state.references.items():
         for message_id, count in references.items():

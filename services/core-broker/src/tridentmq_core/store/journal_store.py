@@ -115,13 +115,9 @@ class JournalStore:
             for start in range(0, len(message_ids), step):
                 self._append(RecordType.ACKS, [queue, message_ids[start : start + step]])
 
-    def remember_ids(self, ids: list[tuple[str, int]]) -> int:
-        token = 0
-        for chunk in dedup_id_chunks(ids, self.journal.segment_bytes):  # each record fits a segment
-            token = self._append(RecordType.DEDUP_IDS, [list(pair) for pair in chunk])
-        if token:
-            self._waiting.append(token)
-        return token
+    def note_through(self, entries: list[tuple[str, str, int]]) -> None:
+        for chunk in dedup_id_chunks(entries, self.journal.segment_bytes):  # each record fits a segment
+            self._append(RecordType.THROUGH_IDS, [list(entry) for entry in chunk])
 
     def begin_transaction(self) -> None:
         self._tx_id = random.getrandbits(63) or 1
@@ -179,6 +175,8 @@ class JournalStore:
         their places)."""
         for chunk in dedup_id_chunks(snapshot.dedup_ids, self.journal.segment_bytes):
             yield RecordType.DEDUP_IDS, chunk
+        for entries in dedup_id_chunks(snapshot.through_ids, self.journal.segment_bytes):
+            yield RecordType.THROUGH_IDS, entries
         for message, queues, counts in snapshot.messages:
             message_id = message[M_ID]
             keep = [

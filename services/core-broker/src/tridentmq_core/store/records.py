@@ -16,7 +16,7 @@ import struct
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import msgpack
 from crc32c import crc32c
@@ -46,12 +46,17 @@ class RecordType(IntEnum):
     # One record for a consumer's batch: a record costs the core about 1 µs to encode and queue.
     ACKS = 13  # [queue, [message ids]]
     DELIVERY_COUNTS = 14  # [queue, [message ids], [counts]]
+    # Durable publishes written through to another node (stored nowhere here): so that a resend to this node's
+    # next life goes to that node again, under the same transfer id, and is a duplicate there if it got it.
+    THROUGH_IDS = 15  # [[producer's dedup id, node id, arrival ms], ...]
 
 
 _TYPES: Final = frozenset(int(t) for t in RecordType)
 #: The CRC32C of each type byte, indexed by type: the seed of its records' checksums (a list, as an IntEnum's
 #: hash is Python code).
 _CRC_SEEDS: Final = [crc32c(bytes((t,))) for t in range(max(_TYPES) + 1)]
+#: An id record's entry: (dedup id, arrival ms) or (dedup id, node id, arrival ms).
+IdEntry = TypeVar("IdEntry", tuple[str, int], tuple[str, str, int])
 #: Bytes of ids per DEDUP_IDS record that compaction writes (at most a quarter of a segment).
 DEDUP_IDS_RECORD_BYTES: Final = 64 * 1024
 
@@ -130,14 +135,15 @@ def damage_is_tail(data: bytes | memoryview, offset: int) -> bool:
         pos += 1
 
 
-def dedup_id_chunks(ids: Iterable[tuple[str, int]], segment_bytes: int) -> Iterator[list[tuple[str, int]]]:
-    """Remembered duplicate-detection ids in chunks that each fit one DEDUP_IDS record of a segment."""
+def dedup_id_chunks(ids: Iterable[IdEntry], segment_bytes: int) -> Iterator[list[IdEntry]]:
+    """Duplicate-detection ids, with what goes with each (DEDUP_IDS, THROUGH_IDS), in chunks that each fit one
+    record of a segment."""
     budget = min(DEDUP_IDS_RECORD_BYTES, segment_bytes // 4)
-    chunk: list[tuple[str, int]] = []
+    chunk: list[IdEntry] = []
     size = 0
     for entry in ids:
         chunk.append(entry)
-        size += len(entry[0]) + 16
+        size += sum(len(part) for part in entry if isinstance(part, str)) + 16
         if size >= budget:
             yield chunk
             chunk, size = [], 0

@@ -21,6 +21,8 @@ class RecoveredState:
     uncommitted: int = 0  # transactions whose records were written but whose commit was not
     # duplicate-detection id → arrival ms, oldest first, of every message the journal still shows
     dedup_ids: dict[str, int] = field(default_factory=dict)
+    # producer's dedup id → (node it was written through to, arrival ms), oldest first
+    through_ids: dict[str, tuple[str, int]] = field(default_factory=dict)
 
     def queue_counts(self) -> dict[str, int]:
         return {name: len(refs) for name, refs in self.references.items()}
@@ -52,12 +54,21 @@ def replay(records: Iterable[Record], dedup_limit: int = DEDUP_LIMIT) -> Recover
             case RecordType.DEDUP_IDS:
                 for dedup_id, arrived in payload:
                     _remember_id(state, dedup_id, arrived, dedup_limit)
+            case RecordType.THROUGH_IDS:
+                through = state.through_ids
+                for dedup_id, node_id, arrived in payload:
+                    through.pop(dedup_id, None)
+                    through[dedup_id] = (node_id, arrived)
             case RecordType.MESSAGE:
                 _add_message(state, payload[0], payload[1], payload[2] if len(payload) > 2 else None)
                 _remember(state, payload[0], dedup_limit)
             case _:
                 _apply(state, record.type, payload)
     _trim_ids(state, dedup_limit)
+    if len(state.through_ids) > dedup_limit:
+        state.through_ids = dict(
+            itertools.islice(state.through_ids.items(), len(state.through_ids) - dedup_limit, None)
+        )
     state.uncommitted = len(open_txs)
     live = {message_id for refs in state.references.values() for message_id in refs}
     state.messages = {k: v for k, v in state.messages.items() if k in live}
