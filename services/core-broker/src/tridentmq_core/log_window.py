@@ -6,6 +6,7 @@ the counts of the windows that are over (called from the node's timer), so nothi
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 
@@ -19,7 +20,7 @@ class LogWindow:
     def __init__(self, seconds: float, *, max_keys: int = 10_000) -> None:
         self.seconds = seconds
         self.max_keys = max_keys  # many sources at once: forget the oldest windows rather than grow
-        self._windows: dict[str, _Window] = {}
+        self._windows: OrderedDict[str, _Window] = OrderedDict()  # forgetting the oldest of a dict is slow
 
     def first(self, key: str, now: float) -> bool:
         """Count an event of ``key``; True when it opens a window (log it), False when only counted."""
@@ -28,7 +29,7 @@ class LogWindow:
             window.suppressed += 1
             return False
         if window is None and len(self._windows) >= self.max_keys:
-            del self._windows[next(iter(self._windows))]
+            self._windows.popitem(last=False)
         self._windows[key] = _Window(now)
         return True
 
