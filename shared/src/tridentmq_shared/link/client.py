@@ -429,6 +429,8 @@ class LinkClient:
         self._conn = conn
         self._error = None
         self._opened = loop.create_future()
+        # Lost before the HELLO was sent, the open fails at once and nobody awaits this outcome.
+        self._opened.add_done_callback(_take_outcome)
         transport: asyncio.Transport
         if self.channels is not None:
             try:
@@ -1208,6 +1210,12 @@ def _homed(
     homed = list(message)
     homed[M_PROPS] = {**props, HOME_PROPERTY: node_id}
     return homed, entry[1], entry[2]
+
+
+def _take_outcome(future: asyncio.Future[Any]) -> None:
+    """Taken so asyncio does not report an outcome nobody read ("exception was never retrieved")."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _ignore_answer(future: asyncio.Future[Any]) -> None:
