@@ -73,7 +73,7 @@ def core_node(data_dir: Path, config: str | None = None, **env: str) -> Iterator
         "TRIDENTMQ_CORE_LINK_HOST": "127.0.0.1",
         "TRIDENTMQ_CORE_LINK_PORT": "0",
         "TRIDENTMQ_CORE_MANAGEMENT_PORT": "0",
-        "TRIDENTMQ_CORE_NODE_LOG_LEVEL": "WARNING",
+        "TRIDENTMQ_CORE_NODE_LOG_LEVEL": os.environ.get("TRIDENTMQ_CORE_NODE_LOG_LEVEL", "WARNING"),
         **{f"TRIDENTMQ_CORE_{key.upper()}": value for key, value in env.items()},
     }
     with _service("tridentmq_core", "core", data_dir / "ports.json", args, environment) as (process, bound):
