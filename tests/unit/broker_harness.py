@@ -347,11 +347,13 @@ class RecordingAudit:
 
 class RecordingStore(MemoryStore):
     """The memory store, remembering the queue specs, messages, acks, delivery attempts and written-through
-    publishes the broker asked it to persist. With ``hold_attempts``, delivery attempts are safe only when the
-    test completes their token."""
+    publishes the broker asked it to persist. With ``hold_attempts`` (``hold_notes``), delivery attempts (notes
+    of written-through publishes) are safe only when the test completes their token."""
 
-    def __init__(self, *, hold_attempts: bool = False) -> None:
+    def __init__(self, *, hold_attempts: bool = False, hold_notes: bool = False) -> None:
         self.through: list[tuple[str, str, int]] = []  # publishes written through to another node
+        self.note_tokens: list[int] = []  # with ``hold_notes``: one per call, apart from the attempts' tokens
+        self.hold_notes = hold_notes
         self.specs: list[dict[str, Any]] = []
         self.deleted: list[str] = []
         self.messages: list[WireMessage] = []
@@ -366,8 +368,12 @@ class RecordingStore(MemoryStore):
         self.attempts.append((queue, list(message_ids), list(counts)))
         return len(self.attempts) if self.hold_attempts else 0
 
-    def note_through(self, entries: list[tuple[str, str, int]]) -> None:
+    def note_through(self, entries: list[tuple[str, str, int]]) -> int:
         self.through.extend(entries)
+        if not self.hold_notes:
+            return 0
+        self.note_tokens.append(1_000_000 + len(self.note_tokens))
+        return self.note_tokens[-1]
 
     def add_queue(self, spec: dict[str, Any]) -> None:
         self.specs.append(dict(spec))
@@ -381,10 +387,10 @@ class RecordingStore(MemoryStore):
 
 
 def recorded(
-    settings: CoreSettings | None = None, *, hold_attempts: bool = False
+    settings: CoreSettings | None = None, *, hold_attempts: bool = False, hold_notes: bool = False
 ) -> tuple[Harness, RecordingStore, RecordingAudit]:
     """A harness whose broker reports to a recording store and audit sink."""
     h = Harness(settings)
-    store, sink = RecordingStore(hold_attempts=hold_attempts), RecordingAudit()
+    store, sink = RecordingStore(hold_attempts=hold_attempts, hold_notes=hold_notes), RecordingAudit()
     h.broker = Broker("node-1", h.settings, store=store, audit=sink, first_message_id=1)
     return h, store, sink

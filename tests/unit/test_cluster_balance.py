@@ -287,6 +287,50 @@ def test_a_resend_to_the_next_life_of_a_node_goes_where_the_publish_was_written_
     assert transfer[0] == transfer[1] == "p:node-1:producer-7"  # the same transfer id: a duplicate if it got it
 
 
+def test_a_publish_written_through_leaves_only_once_the_note_of_where_it_went_is_safe() -> None:
+    """Issue 21, duplicates without the redelivered flag: the last cause left in the 30-minute randomised runs.
+    The note of where a written-through publish went reached the journal and the backup at the end of the
+    turn, after the publish had left. A partition of this node just then let the other node store the
+    message while the backup never got the note; the producer sent it again to the backup, whose balancing
+    picked a third node. Now the publish leaves once its note is safe, with its producer's credit; a later
+    send to the same node waits behind it; one the link cannot take by then is stored here and forwarded."""
+    h, store, _ = recorded(hold_notes=True)
+    bindings = RemoteBindings("node-1", max_hops=1, max_per_node=1000)
+    h.broker.cluster = Balancer(bindings, "ON_DEMAND")
+    sent: list[bytes] = []
+    link_takes = [True]
+
+    def send_direct(via: str, message: WireMessage, token: int, publisher: Any) -> Direct:
+        if not link_takes[0]:
+            return Direct.REFUSED
+        sent.append(bytes(message[M_BODY]))
+        return Direct.SENT
+
+    h.broker.send_direct = send_direct
+    bindings.replace("node-2", [binding("work", "work", ANYCAST)])
+    c = h.connect()
+    credit = c.conn.publish_credit
+    durable = c.publish("work", b"durable", durable=True, dedup_id="p-1")
+    c.publish("work", b"fast")  # not durable, nothing to note: behind the first all the same
+    assert sent == []
+    assert [entry[:2] for entry in store.through] == [("p-1", "node-2")]
+    assert c.conn.publish_credit == credit - 2  # their producer's credit waits with them
+    h.broker.on_durable(store.note_tokens[0])
+    h.sync()
+    assert sent == [b"durable", b"fast"]
+    assert c.conn.publish_credit == credit
+    assert durable not in c.confirmed  # written through: confirmed when node-2 confirms it
+
+    link_takes[0] = False
+    later = c.publish("work", b"later", durable=True, dedup_id="p-2")
+    h.broker.on_durable(store.note_tokens[1])
+    h.sync()
+    assert sent == [b"durable", b"fast"]
+    assert [bytes(m[M_BODY]) for m in store.messages] == [b"later"]  # stored here after all
+    assert [bytes(m[M_BODY]) for m in h.broker.queues[FORWARD_QUEUE_PREFIX + "node-2"].messages()] == [b"later"]
+    assert later in c.confirmed  # the recording store's writes are safe at once
+
+
 def test_redistribution_targets_are_every_reachable_node_with_consumers_for_the_queue() -> None:
     h = Harness()
     ok(h.connect().create_queue("paint", "paint", ANYCAST))

@@ -1417,3 +1417,21 @@ def test_on_copied_gets_the_number_of_the_compacted_record_at_the_end_of_the_cop
     journal.close()
     assert copied == [number]
     assert [r.type for r in recover(tmp_path, SMALL_SEGMENT)[0]].count(RecordType.COMPACTED) == 1
+
+
+def test_a_note_of_written_through_publishes_completes_like_a_message_once_safe_here_and_on_the_backup(
+    tmp_path: Path,
+) -> None:
+    """The publishes a note names leave this node only when its token completes: on disk here, and held by
+    the in-sync backup (its next life must know where they went)."""
+    journal, store, loop, completed = synced_store(tmp_path)
+    store.limit_confirms(0)  # an in-sync backup that holds nothing yet
+    token = store.note_through([("producer-7", "node-2", 1_700_000_000_000)])
+    assert token == journal.appended
+    sync_reported(journal, loop)
+    loop.run()
+    assert completed == []
+    store.limit_confirms(token)
+    assert completed == [token]
+    assert store.note_through([]) == 0  # nothing to note: nothing to wait for
+    journal.close()

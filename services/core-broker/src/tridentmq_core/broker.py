@@ -33,7 +33,7 @@ from tridentmq_core.deadlines import Deadlines
 from tridentmq_core.dedup import DuplicateIdCache, TransferIds
 from tridentmq_core.latency import SMALL_BUCKETS, SMALL_MS, LatencyHistogram, bucket_of
 from tridentmq_core.outlet import Outlet
-from tridentmq_core.queues import Consumer, MemoryGauge, PagerFactory, Queue
+from tridentmq_core.queues import MESSAGE_OVERHEAD, Consumer, MemoryGauge, PagerFactory, Queue
 from tridentmq_core.router import AddressIndex, AddressTrie, InvalidAddress, validate_address
 from tridentmq_core.security import Permission, Principal
 from tridentmq_core.selector import Selector, SelectorError, compile_selector
@@ -42,6 +42,7 @@ from tridentmq_core.store.base import DurableSnapshot, Store
 from tridentmq_core.store.memory import MemoryStore
 from tridentmq_core.store.recovery import RecoveredState
 from tridentmq_core.wills import Will, Wills
+from tridentmq_core.write_through import Unsent, WriteThrough
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.codec import BYTE_CREDIT_VERSION, MAX_FIELD_INT
 from tridentmq_shared.link.ops import ErrorCode, NackMode
@@ -84,9 +85,6 @@ ORIGINAL_REASON = "_AMQ_ORIG_REASON"
 #: that move to other nodes (forwarded, redistributed) so their audit events name it as ``origin_message_id``.
 ORIGIN_MESSAGE_ID = "_TMQ_ORIG_MESSAGE_ID"
 MAX_WILL_KEY = 512
-#: Producers' ids of publishes written through to another node kept here (and copied by a compaction): what
-#: producers' publish windows can hold unconfirmed at once, with room to spare.
-THROUGH_KEPT: Final = 100_000
 
 
 class Direct(IntEnum):
@@ -276,13 +274,8 @@ class Broker:
         # of one (its producer sending it again) is confirmed only with it, not at once.
         self._through_by_dedup: dict[str, int] = {}  # duplicate id → confirm token
         self._through_dedup: dict[int, str] = {}  # confirm token → duplicate id
-        # Durable publishes written through to another node: producer's id → (that node, arrival ms), the latest
-        # THROUGH_KEPT; and this turn's, which the store notes at the end of the turn (``flush_dispatch``). A
-        # producer that missed its confirm sends the publish again to this node's next life (restarted, or
-        # its backup): that life sends it to the same node under the same transfer id, where it is a
-        # duplicate if that node got it, whichever node its own balancing would pick.
-        self._through_targets: dict[str, tuple[str, int]] = {}
-        self._through_notes: list[tuple[str, str, int]] = []
+        # Where durable publishes written through went, noted before they leave (see write_through).
+        self.write_through: WriteThrough[Session] = WriteThrough()
         self._aliases: dict[int, list[int]] = {}  # confirm token → tokens of duplicates that wait for it
         self.paused_addresses: set[str] = set()  # paused by an operator: their queues (new ones too) deliver none
         store.attach(self.on_durable)
@@ -720,12 +713,12 @@ class Broker:
             self._aliases.setdefault(pending, []).append(alias)
             return alias
         cluster = self.cluster
-        if through and dedup_id is not None and self._through_targets and cluster is not None:
-            sent = self._through_targets.get(dedup_id)
-            if sent is not None and cluster.bindings.knows(sent[0]):
+        if through and dedup_id is not None and self.write_through.targets and cluster is not None:
+            sent_to = self.write_through.target(dedup_id)
+            if sent_to is not None and cluster.bindings.knows(sent_to):
                 # Written through by an earlier life of this node, whose producer missed the confirm: to the
                 # same node again, where the transfer id makes it a duplicate if that node got it.
-                return self._admit(message, (), now_ms, {sent[0]: ()}, through=True)
+                return self._admit(message, (), now_ms, {sent_to: ()}, through=True)
         if cluster is not None:
             key = (message[M_ADDRESS], message[M_ROUTING])
             split = self._splits.get(key)
@@ -945,14 +938,22 @@ class Broker:
         waiting = self.forward_queues.get(via)
         if (through or not durable) and (waiting is None or not len(waiting)) and self.send_direct is not None:
             token = self._next_through_token if durable else 0
-            taken = self.send_direct(via, copy, token, self._publisher if through else None)
+            publisher = self._publisher if through else None
+            if producer_dedup or self.write_through.holds_for(via):
+                # It leaves once the note of where it went is safe, later ones behind it (see write_through);
+                # its producer's credit waits with it.
+                self.write_through.hold(via, copy, token, publisher)
+                self.memory.used += len(copy[M_BODY]) + MESSAGE_OVERHEAD
+                taken = Direct.SENT if publisher is None else _HELD
+            else:
+                taken = self.send_direct(via, copy, token, publisher)
             if taken:
                 if durable:
                     self._next_through_token -= 1
                     if producer_dedup:
                         self._through_by_dedup[producer_dedup] = token
                         self._through_dedup[token] = producer_dedup
-                        self._note_through(producer_dedup, target, now_ms)
+                        self.write_through.note(producer_dedup, target, now_ms)
                 if taken is _HELD:
                     self._withheld += 1
                 if audit:
@@ -970,13 +971,26 @@ class Broker:
             )
         return token
 
-    def _note_through(self, dedup_id: str, target: str, now_ms: int) -> None:
-        targets = self._through_targets
-        targets.pop(dedup_id, None)
-        targets[dedup_id] = (target, now_ms)
-        if len(targets) > THROUGH_KEPT:
-            del targets[next(iter(targets))]
-        self._through_notes.append((dedup_id, target, now_ms))
+    def _send_held(self, unsent: list[Unsent[Session]], now_ms: int) -> None:
+        """Send, in order, what waited for its note (see ``_forward``). What the link cannot take now goes to
+        the forward queue, a durable one stored here, its producer's confirm waiting for that."""
+        returned: dict[Session, int] = {}
+        for via, message, token, publisher in unsent:
+            self.memory.used -= len(message[M_BODY]) + MESSAGE_OVERHEAD
+            queue = self.forward_queues.get(via)
+            taken = Direct.REFUSED
+            if (queue is None or not len(queue)) and self.send_direct is not None:
+                taken = self.send_direct(via, message, token, publisher)
+            if not taken:
+                queue = self.forward_queue(via, now_ms)
+                if message[M_DURABLE]:
+                    self._pass_confirm(token, self.store.add_message(message, (queue.name,)))
+                queue.add(message)
+                self._to_dispatch.add(queue)
+            if publisher is not None and taken is not _HELD:  # a held one's comes when the link takes it
+                returned[publisher] = returned.get(publisher, 0) + 1
+        for publisher, credit in returned.items():
+            self.return_publish_credit(publisher, credit)
 
     def forward_queue(self, node_id: str, now_ms: int) -> Queue:
         """The store-and-forward queue of a connected node (created on first use, durable)."""
@@ -1211,6 +1225,8 @@ class Broker:
             self.dirty.add(session)
         if self._through_dedup:
             self._forget_through(token)
+        if token > 0 and (unsent := self.write_through.noted(token)):
+            self._send_held(unsent, self.now_ms)
         if self._aliases:
             for alias in self._aliases.pop(token, ()):
                 self.on_durable(alias)
@@ -2098,8 +2114,7 @@ class Broker:
             self._next_id = max(self._next_id, message[M_ID] + 1)
         for dedup_id, arrived in state.dedup_ids.items():  # oldest first, acknowledged messages' ones too
             self._dedup.remember(dedup_id, arrived)
-        for dedup_id, (node_id, arrived) in list(state.through_ids.items())[-THROUGH_KEPT:]:
-            self._through_targets[dedup_id] = (node_id, arrived)
+        self.write_through.restore(state.through_ids)
         self._dedup.expire(self.now_ms)
         for address in self.addresses.values():  # journals written before auto-delete hold unused ones too
             if address.auto_created and not address.queues:
@@ -2132,7 +2147,7 @@ class Broker:
             queues=[self._queue_spec(q) for q in queues],
             messages=list(messages.values()),
             dedup_ids=self._remembered_ids(),
-            through_ids=[(dedup_id, node_id, at) for dedup_id, (node_id, at) in self._through_targets.items()],
+            through_ids=self.write_through.snapshot(),
         )
 
     def _remembered_ids(self) -> list[tuple[str, int]]:
@@ -2168,9 +2183,8 @@ class Broker:
 
     def flush_dispatch(self, now_ms: int) -> None:
         self.now_ms = now_ms
-        if self._through_notes:
-            notes, self._through_notes = self._through_notes, []
-            self.store.note_through(notes)
+        if unsent := self.write_through.end_turn(self.store):
+            self._send_held(unsent, now_ms)
         self._unblock_producers()
         while self._to_dispatch:
             pending, self._to_dispatch = self._to_dispatch, set()

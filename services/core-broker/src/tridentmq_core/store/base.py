@@ -42,9 +42,10 @@ class Store(Protocol):
     def update_delivery_counts(self, queue: str, message_ids: list[int], counts: list[int]) -> int:
         """Record delivery attempts; 0 = already safe, else a token like ``add_message``'s."""
 
-    def note_through(self, entries: list[tuple[str, str, int]]) -> None:
+    def note_through(self, entries: list[tuple[str, str, int]]) -> int:
         """Durable publishes written through to another node, stored nowhere here: (producer's dedup id, that
-        node's id, arrival ms). Nobody waits for these: they serve a resend to this node's next life."""
+        node's id, arrival ms), for a resend to this node's next life. 0 = already safe, else a token like
+        ``add_message``'s: the publishes leave only once it completes."""
 
     def begin_transaction(self) -> None:
         """The ``add_message`` and ``acknowledge`` calls up to ``commit_transaction`` are one unit: after a

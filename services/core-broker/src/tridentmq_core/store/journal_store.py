@@ -115,9 +115,13 @@ class JournalStore:
             for start in range(0, len(message_ids), step):
                 self._append(RecordType.ACKS, [queue, message_ids[start : start + step]])
 
-    def note_through(self, entries: list[tuple[str, str, int]]) -> None:
+    def note_through(self, entries: list[tuple[str, str, int]]) -> int:
+        token = 0
         for chunk in dedup_id_chunks(entries, self.journal.segment_bytes):  # each record fits a segment
-            self._append(RecordType.THROUGH_IDS, [list(entry) for entry in chunk])
+            token = self._append(RecordType.THROUGH_IDS, [list(entry) for entry in chunk])
+        if token:
+            self._waiting.append(token)
+        return token
 
     def begin_transaction(self) -> None:
         self._tx_id = random.getrandbits(63) or 1

@@ -33,8 +33,8 @@ class MemoryStore:
     def update_delivery_counts(self, queue: str, message_ids: list[int], counts: list[int]) -> int:
         return 0
 
-    def note_through(self, entries: list[tuple[str, str, int]]) -> None:
-        pass
+    def note_through(self, entries: list[tuple[str, str, int]]) -> int:
+        return 0
 
     def begin_transaction(self) -> None:
         pass
