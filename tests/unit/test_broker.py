@@ -26,8 +26,8 @@ from tests.unit.broker_harness import (
 from tridentmq_core.address_settings import AddressSettingsRepository
 from tridentmq_core.audit import FileAuditSink
 from tridentmq_core.broker import ORIGINAL_ADDRESS, ORIGINAL_QUEUE, ORIGINAL_REASON, Broker
-from tridentmq_core.cluster.forward import DEDUP_PREFIX, FORWARD_PROPERTY, ForwardHeader
 from tridentmq_core.dedup import DuplicateIdCache, TransferIds
+from tridentmq_core.forwarding import DEDUP_PREFIX, FORWARD_PROPERTY, ForwardHeader
 from tridentmq_core.queues import MESSAGE_OVERHEAD
 from tridentmq_core.security import AuthenticationError, Permission, SecurityManager, hash_password, is_loopback
 from tridentmq_core.settings import (

@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 from tests.unit.broker_harness import ANYCAST, MULTICAST, Harness, bodies, ok, recorded
 
+from tridentmq_core.balancer import Balancer, SelectorCache
 from tridentmq_core.broker import FORWARD_QUEUE_PREFIX, Direct, WireMessage
-from tridentmq_core.cluster.balancer import Balancer, SelectorCache
-from tridentmq_core.cluster.bindings import Binding, RemoteBindings
-from tridentmq_core.cluster.forward import FORWARD_PROPERTY, ForwardHeader
-from tridentmq_core.cluster.redistribution import Arrivals, Redistributor, due_again, targets
+from tridentmq_core.forwarding import FORWARD_PROPERTY, ForwardHeader
 from tridentmq_core.queues import Consumer
+from tridentmq_core.redistribution import Arrivals, Redistributor, due_again, targets
+from tridentmq_core.remote_bindings import Binding, RemoteBindings
 from tridentmq_core.security import Principal
 from tridentmq_core.store.recovery import RecoveredState
 from tridentmq_shared.link.codec import LinkConnection, Role

@@ -8,9 +8,9 @@ from typing import Any
 import msgpack
 import pytest
 
-from tridentmq_core.cluster.bindings import Binding, BindingError, RemoteBindings
-from tridentmq_core.cluster.forward import ForwardHeader
-from tridentmq_core.cluster.redistribution import Arrivals, residence_ms
+from tridentmq_core.forwarding import ForwardHeader
+from tridentmq_core.redistribution import Arrivals, residence_ms
+from tridentmq_core.remote_bindings import Binding, BindingError, RemoteBindings
 
 
 @pytest.mark.parametrize("dedup_id", ["a:1", "x" * 31, "y" * 32, "z" * 300])

@@ -18,8 +18,10 @@ from typing import Any, Final
 
 from tridentmq_core.address_settings import AddressSettingsRepository, ResolvedAddressSettings
 from tridentmq_core.audit import AuditSink
-from tridentmq_core.cluster.balancer import Balancer, Remote
-from tridentmq_core.cluster.forward import (
+from tridentmq_core.balancer import Balancer, Remote
+from tridentmq_core.deadlines import Deadlines
+from tridentmq_core.dedup import DuplicateIdCache, TransferIds
+from tridentmq_core.forwarding import (
     DEDUP_PREFIX,
     FORWARD_PROPERTY,
     HOME_PREFIX,
@@ -28,12 +30,10 @@ from tridentmq_core.cluster.forward import (
     encode_header,
     numbered_header,
 )
-from tridentmq_core.cluster.redistribution import MAX_RESIDENCE_FACTOR, Arrivals, Redistributor
-from tridentmq_core.deadlines import Deadlines
-from tridentmq_core.dedup import DuplicateIdCache, TransferIds
 from tridentmq_core.latency import SMALL_BUCKETS, SMALL_MS, LatencyHistogram, bucket_of
 from tridentmq_core.outlet import Outlet
 from tridentmq_core.queues import MESSAGE_OVERHEAD, Consumer, MemoryGauge, PagerFactory, Queue
+from tridentmq_core.redistribution import MAX_RESIDENCE_FACTOR, Arrivals, Redistributor
 from tridentmq_core.router import AddressIndex, AddressTrie, InvalidAddress, validate_address
 from tridentmq_core.security import Permission, Principal
 from tridentmq_core.selector import Selector, SelectorError, compile_selector

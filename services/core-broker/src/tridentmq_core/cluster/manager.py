@@ -23,13 +23,15 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, Final
 
+from tridentmq_core.balancer import Balancer, is_local_consumer
 from tridentmq_core.broker import FORWARD_QUEUE_PREFIX, Broker, BrokerError, Direct, Session
-from tridentmq_core.cluster.balancer import Balancer, is_local_consumer
-from tridentmq_core.cluster.bindings import Binding, BindingError, Key, RemoteBindings
 from tridentmq_core.cluster.discovery import Announcement, RedisDiscovery
-from tridentmq_core.cluster.forward import FORWARD_PROPERTY, MOVES_PROPERTY, numbered_header
 from tridentmq_core.cluster.links import node_link, watch_close
-from tridentmq_core.cluster.redistribution import (
+from tridentmq_core.cluster.sync import BindingSync
+from tridentmq_core.forwarding import FORWARD_PROPERTY, MOVES_PROPERTY, numbered_header
+from tridentmq_core.ha.manager import Voter
+from tridentmq_core.queues import MESSAGE_OVERHEAD, Consumer, Queue
+from tridentmq_core.redistribution import (
     Arrivals,
     Redistributor,
     best_target,
@@ -38,9 +40,7 @@ from tridentmq_core.cluster.redistribution import (
     stranded,
     targets,
 )
-from tridentmq_core.cluster.sync import BindingSync
-from tridentmq_core.ha.manager import Voter
-from tridentmq_core.queues import MESSAGE_OVERHEAD, Consumer, Queue
+from tridentmq_core.remote_bindings import Binding, BindingError, Key, RemoteBindings
 from tridentmq_core.security import Principal
 from tridentmq_core.settings import LOAD_BALANCING_POLICIES, CoreSettings
 from tridentmq_shared.link import events as ev

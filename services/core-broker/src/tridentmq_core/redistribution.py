@@ -24,9 +24,9 @@ from bisect import bisect_right
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Final
 
-from tridentmq_core.cluster.balancer import SelectorCache, is_local_consumer
-from tridentmq_core.cluster.bindings import Binding
+from tridentmq_core.balancer import SelectorCache, is_local_consumer
 from tridentmq_core.queues import Consumer, Queue
+from tridentmq_core.remote_bindings import Binding
 from tridentmq_core.selector import compile_selector
 from tridentmq_shared.message import M_ID, WireMessage
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-from tridentmq_core.cluster.bindings import Binding, RemoteBindings
 from tridentmq_core.queues import Consumer, Queue
+from tridentmq_core.remote_bindings import Binding, RemoteBindings
 from tridentmq_core.selector import Selector, SelectorError, compile_selector
 from tridentmq_shared.message import RoutingType, WireMessage, selector_view
 
