@@ -77,3 +77,20 @@ def test_with_notes_that_are_safe_at_once_held_sends_go_at_the_end_of_their_turn
     assert not book.holds_for("node-2")
     assert not book.holds_for("node-3")
     assert book.end_turn(MemoryStore()) == []
+
+
+def test_a_publish_on_its_way_holds_its_duplicates_back_and_is_not_remembered_by_a_restart() -> None:
+    book: WriteThrough[str] = WriteThrough()
+    book.track("p-1", -1)  # on its way to the other node
+    book.track("p-2", -2)
+    assert book.token_of("p-1") == -1
+    entries = [("p-1", 10), ("p-2", 11), ("p-3", 12)]
+    assert book.to_remember(entries) == [("p-3", 12)]
+    assert book.forget(-2) == "p-2"  # the other node confirmed it: safe
+    assert book.forget(-1) == "p-1"  # the link dropped: stored here after all, and its confirm passes on
+    book.track("p-1", 7)  # to store token 7
+    assert book.token_of("p-1") == 7
+    assert book.forget(-1) is None  # the old token stands for nothing now
+    assert book.to_remember(entries) == entries  # stored here: a resend after a restart is a duplicate
+    assert book.forget(7) == "p-1"
+    assert book.token_of("p-1") is None

@@ -270,10 +270,6 @@ class Broker:
         self._next_through_token = -1  # written-through messages count down: store tokens are positive
         self._publisher: Session | None = None  # whose publishes ``_publish_batch`` is accepting
         self._withheld = 0  # how many of them wait for a cluster connection (their credit comes back later)
-        # Written-through durable messages with a producer's duplicate id, not yet safe anywhere: a duplicate
-        # of one (its producer sending it again) is confirmed only with it, not at once.
-        self._through_by_dedup: dict[str, int] = {}  # duplicate id → confirm token
-        self._through_dedup: dict[int, str] = {}  # confirm token → duplicate id
         # Where durable publishes written through went, noted before they leave (see write_through).
         self.write_through: WriteThrough[Session] = WriteThrough()
         self._aliases: dict[int, list[int]] = {}  # confirm token → tokens of duplicates that wait for it
@@ -705,7 +701,7 @@ class Broker:
         dedup_id = message[M_DEDUP]
         if dedup_id is not None and self._dedup.seen(dedup_id, now_ms):
             self.counters.duplicates += 1
-            pending = self._through_by_dedup.get(dedup_id) if through and self._through_by_dedup else None
+            pending = self.write_through.token_of(dedup_id) if through else None
             if pending is None:
                 return 0  # already accepted once: confirm again, store nothing
             alias = self._next_through_token  # the first is only on its way to another node: wait with it
@@ -951,8 +947,7 @@ class Broker:
                 if durable:
                     self._next_through_token -= 1
                     if producer_dedup:
-                        self._through_by_dedup[producer_dedup] = token
-                        self._through_dedup[token] = producer_dedup
+                        self.write_through.track(producer_dedup, token)
                         self.write_through.note(producer_dedup, target, now_ms)
                 if taken is _HELD:
                     self._withheld += 1
@@ -1057,7 +1052,7 @@ class Broker:
         (none: they go at once)."""
         if not token:
             return
-        dedup_id = self._forget_through(token)
+        dedup_id = self.write_through.forget(token)
         aliases = self._aliases.pop(token, None) if self._aliases else None
         waiting = self._pending_confirms.pop(token, None)
         if new_token:
@@ -1066,8 +1061,7 @@ class Broker:
             if aliases:
                 self._aliases.setdefault(new_token, []).extend(aliases)
             if dedup_id is not None:  # duplicates keep waiting, now for the disk here
-                self._through_by_dedup[dedup_id] = new_token
-                self._through_dedup[new_token] = dedup_id
+                self.write_through.track(dedup_id, new_token)
             return
         if waiting is not None:
             session, seq = waiting
@@ -1079,7 +1073,7 @@ class Broker:
     def _refuse_confirm(self, token: int, code: str, text: str, dedup_id: str | None = None) -> bool:
         """Reject the publish whose confirm waited for ``token`` (and its duplicates'), forgetting its
         duplicate id so that it may be sent again; False if none waited."""
-        self._forget_through(token)
+        self.write_through.forget(token)
         if dedup_id is not None:
             self._dedup.forget(dedup_id)
         waiting = self._pending_confirms.pop(token, None)
@@ -1090,13 +1084,6 @@ class Broker:
         for alias in aliases or ():
             self._refuse_confirm(alias, code, text)
         return waiting is not None or bool(aliases)
-
-    def _forget_through(self, token: int) -> str | None:
-        """Stop holding duplicates back for ``token``; returns the duplicate id they had."""
-        dedup_id = self._through_dedup.pop(token, None) if self._through_dedup else None
-        if dedup_id is not None and self._through_by_dedup.get(dedup_id) == token:
-            del self._through_by_dedup[dedup_id]
-        return dedup_id
 
     def place_refused(
         self,
@@ -1223,8 +1210,7 @@ class Broker:
             session, req_id = committed
             session.conn.reply(req_id, None)
             self.dirty.add(session)
-        if self._through_dedup:
-            self._forget_through(token)
+        self.write_through.forget(token)
         if token > 0 and (unsent := self.write_through.noted(token)):
             self._send_held(unsent, self.now_ms)
         if self._aliases:
@@ -2146,18 +2132,9 @@ class Broker:
             ],
             queues=[self._queue_spec(q) for q in queues],
             messages=list(messages.values()),
-            dedup_ids=self._remembered_ids(),
+            dedup_ids=self.write_through.to_remember(self._dedup.entries()),
             through_ids=self.write_through.snapshot(),
         )
-
-    def _remembered_ids(self) -> list[tuple[str, int]]:
-        """The duplicate ids a restart must remember, less those of publishes on their way to the node they are
-        written through to: if that node never stores one, its producer's resend must not be a duplicate."""
-        entries = self._dedup.entries()
-        if not self._through_by_dedup:
-            return entries
-        in_flight = self._through_by_dedup
-        return [entry for entry in entries if in_flight.get(entry[0], 0) >= 0]
 
     @staticmethod
     def _queue_spec(queue: Queue) -> dict[str, Any]:

@@ -42,6 +42,11 @@ class WriteThrough(Generic[P]):
         self._unsent: list[Unsent[P]] = []  # this turn's held sends
         self._by_note: dict[int, list[Unsent[P]]] = {}  # store token of a note → the sends waiting for it, in order
         self._held_to: dict[str, int] = {}  # connected node → how many sends wait to go through it
+        # Those not yet safe anywhere, by producer's id and confirm token (negative while on their way; a
+        # positive store token once stored here after all): a duplicate (its producer sending it again) is
+        # confirmed only with the first, not at once.
+        self._token_of: dict[str, int] = {}
+        self._id_of: dict[int, str] = {}
 
     def note(self, dedup_id: str, target: str, now_ms: int) -> None:
         targets = self.targets
@@ -50,6 +55,32 @@ class WriteThrough(Generic[P]):
         if len(targets) > THROUGH_KEPT:
             targets.popitem(last=False)
         self._notes.append((dedup_id, target, now_ms))
+
+    def track(self, dedup_id: str, token: int) -> None:
+        """The publish with this producer's id is safe once ``token`` completes."""
+        self._token_of[dedup_id] = token
+        self._id_of[token] = dedup_id
+
+    def token_of(self, dedup_id: str) -> int | None:
+        """The confirm token a duplicate of this producer's publish must wait for (None: safe, or unknown)."""
+        return self._token_of.get(dedup_id) if self._token_of else None
+
+    def forget(self, token: int) -> str | None:
+        """``token`` completed, or its confirm passed to another: stop holding duplicates back for it;
+        returns their producer's id."""
+        dedup_id = self._id_of.pop(token, None) if self._id_of else None
+        if dedup_id is not None and self._token_of.get(dedup_id) == token:
+            del self._token_of[dedup_id]
+        return dedup_id
+
+    def to_remember(self, entries: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        """The duplicate ids (producer's id, arrival) a restart must remember: ``entries`` less the ids of
+        publishes still on their way to the node they are written through to (if that node never stores one,
+        its producer's resend must not be a duplicate)."""
+        token_of = self._token_of
+        if not token_of:
+            return entries
+        return [entry for entry in entries if token_of.get(entry[0], 0) >= 0]
 
     def target(self, dedup_id: str) -> str | None:
         """The node an earlier publish with this producer's id was written through to, if noted."""
