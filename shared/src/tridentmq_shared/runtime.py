@@ -6,6 +6,7 @@ import asyncio
 import gc
 import resource
 import socket
+import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -15,6 +16,12 @@ T = TypeVar("T")
 #: Young-generation threshold of the cyclic GC. Messages are acyclic lists that arrive by the hundred
 #: thousand; at CPython's default (700) the collector rescans them thousands of times a second.
 GC_THRESHOLD = 100_000
+
+
+def wall_ms() -> int:
+    """The wall clock in milliseconds: what a node stamps on messages and audit events (the pure code is
+    given it; shells read it here)."""
+    return time.time_ns() // 1_000_000
 
 
 def tune_gc() -> None:

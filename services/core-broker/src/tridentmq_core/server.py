@@ -68,7 +68,7 @@ from tridentmq_shared.link.codec import (
 from tridentmq_shared.link.errors import LinkError
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.message import MAX_PROPERTIES
-from tridentmq_shared.runtime import set_nodelay
+from tridentmq_shared.runtime import set_nodelay, wall_ms
 from tridentmq_shared.settings import SettingsError
 from tridentmq_shared.supervision import Supervisor, current
 from tridentmq_shared.tls import ServerTls
@@ -79,10 +79,6 @@ TICK_SECONDS = 0.05
 #: A HELLO still waiting for its password check at the handshake timeout: retryable (its check, once done,
 #: is in the cache), unlike a peer that never sent HELLO.
 LOGIN_BUSY = "the password checks of this address did not finish within the handshake timeout: retry"
-
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 #: The derived link frame limit is never below this (the limit of version 1 peers, and the old default).
@@ -225,7 +221,7 @@ class LinkProtocol(asyncio.Protocol):
         if self.session is None:
             self._handshake(events)
         else:
-            self.node.broker.handle(self.session, events, _now_ms())
+            self.node.broker.handle(self.session, events, wall_ms())
         if self.conn.channel_data:
             self._channels_received()
         self.node.schedule_flush()
@@ -371,7 +367,7 @@ class LinkProtocol(asyncio.Protocol):
         )
         node.handshaking.discard(self.conn_id)
         self.session = node.broker.open_session(
-            self.conn, self.conn_id, principal, self.peer, event.client_name, _now_ms()
+            self.conn, self.conn_id, principal, self.peer, event.client_name, wall_ms()
         )
         self.write_pending()
         if self.carrier is None:  # a gateway's sessions come by the thousand: their link is logged
@@ -416,7 +412,7 @@ class LinkProtocol(asyncio.Protocol):
         for channel_id, channel in list(self.channels.items()):
             self._end_channel(channel_id, channel)
         if self.session is not None:
-            node.broker.close_session(self.session, _now_ms())
+            node.broker.close_session(self.session, wall_ms())
             if self.carrier is None:
                 log.info("link closed", extra={"conn": self.conn_id, "peer": self.peer})
             self.session = None
@@ -468,7 +464,7 @@ class CoreNode:
             settings,
             store=MemoryStore(),
             audit=self.audit,
-            first_message_id=_now_ms() << 20,
+            first_message_id=wall_ms() << 20,
             audit_messages=settings.audit.message_events,
             pager_factory=self.pages.pager,
             paging_behind=self.pages.io.behind,
@@ -605,7 +601,7 @@ class CoreNode:
         started = time.monotonic()
         records, report = journal.recover()
         state = replay(records, dedup_limit=self.settings.broker.dedup_max_entries)
-        self.broker.restore(state, _now_ms())
+        self.broker.restore(state, wall_ms())
         for line in report.truncated:
             log.warning("journal tail cut off after a crash", extra={"detail": line})
         self.status.recovered = state.queue_counts()
@@ -738,7 +734,7 @@ class CoreNode:
         self.node_id = self.identity.node_id
         self.status.epoch = self.identity.epoch
         self.broker.assume_identity(self.node_id)
-        self.broker.number_from(_now_ms() << 20)  # as at the start of the process: ids grow with time
+        self.broker.number_from(wall_ms() << 20)  # as at the start of the process: ids grow with time
         self._open_audit()
         self._recover()
         if self.clusters:
@@ -782,7 +778,7 @@ class CoreNode:
                 self.cluster.backup = self.replication.in_sync_backup
         if self.settings.ha.policy == REPLICATION:
             self.audit.emit(
-                _now_ms() * 1000,
+                wall_ms() * 1000,
                 "ha.activated",
                 {"configured_role": self.settings.ha.role, "group": self.settings.ha.group_name},
             )
@@ -961,7 +957,7 @@ class CoreNode:
             return
         replication.release_backup()
         mark_released(self.identity.data_dir)
-        self.audit.emit(_now_ms() * 1000, "ha.failback", {"to": replication.backup})
+        self.audit.emit(wall_ms() * 1000, "ha.failback", {"to": replication.backup})
         self._flush()
         await asyncio.sleep(0.2)  # the CLOSE reaches the primary
         log.warning("failback done: restarting as a backup", extra={"epoch": self.identity.epoch})
@@ -982,7 +978,7 @@ class CoreNode:
         self.active = False
         for protocol in list(self.protocols.values()):
             protocol.close_transport()
-        self.audit.emit(_now_ms() * 1000, "ha.fenced", {"reason": reason})
+        self.audit.emit(wall_ms() * 1000, "ha.fenced", {"reason": reason})
         self.audit.close()
         os._exit(FENCED_EXIT_CODE)  # no clean stop: a clean stop would scale down or confirm what is held
 
@@ -1000,7 +996,7 @@ class CoreNode:
         """Dispatch what the last batch of events made deliverable, then write each touched link once."""
         self._flush_scheduled = False
         broker = self.broker
-        broker.flush_dispatch(_now_ms())
+        broker.flush_dispatch(wall_ms())
         if self.replication is not None:
             self.replication.pump()
         protocols = self.protocols
@@ -1025,7 +1021,7 @@ class CoreNode:
         while True:
             await asyncio.sleep(TICK_SECONDS)
             mono = time.monotonic()
-            self.broker.tick(_now_ms())
+            self.broker.tick(wall_ms())
             if self.replication is not None:
                 self.replication.tick()
             handshake_deadline = mono - self.settings.link.handshake_timeout_ms / 1000

@@ -48,6 +48,7 @@ from tridentmq_shared.link.client import LinkClient, LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode, Op
 from tridentmq_shared.link.topology import endpoint_from_wire, parse_endpoint
 from tridentmq_shared.message import M_BODY, M_ID, M_PROPS, MAX_PROPERTIES, WireMessage
+from tridentmq_shared.runtime import wall_ms
 from tridentmq_shared.settings import SettingsError
 from tridentmq_shared.supervision import spawn
 
@@ -58,10 +59,6 @@ FORWARDER_ID: Final = 1  # consumer id of a bridge's store-and-forward consumer;
 
 
 _SENT, _HELD = Direct.SENT, Direct.HELD  # module constants: enum member access is slow per message
-
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,7 +336,7 @@ class Bridge:
 
     def open_session(self, principal: Principal) -> None:
         broker = self.manager.broker
-        now_ms = _now_ms()
+        now_ms = wall_ms()
         self.session = broker.open_session(
             _BridgePort(self), f"bridge-{self.node_id[:8]}", principal, self.address, f"cluster:{self.node_id}", now_ms
         )
@@ -365,7 +362,7 @@ class Bridge:
     def remove_consumer(self, consumer: Consumer) -> None:
         self.consumers.pop(consumer.id, None)
         if self.session is not None:
-            self.manager.broker.remove_forwarder(self.session, consumer, _now_ms())
+            self.manager.broker.remove_forwarder(self.session, consumer, wall_ms())
 
     def consumer_closed(self, consumer_id: int) -> None:
         """The broker deleted the queue under a consumer of ours."""
@@ -375,7 +372,7 @@ class Bridge:
         manager = self.manager
         if self.session is not None:
             # Unconfirmed forwards go back to their queues; the other node drops any copy it already has.
-            manager.broker.close_session(self.session, _now_ms())
+            manager.broker.close_session(self.session, wall_ms())
             self.session = None
             manager.schedule_flush()
         self.consumers.clear()
@@ -393,7 +390,7 @@ class Bridge:
         memory = manager.broker.memory  # counted again by the queue they go to
         memory.used -= sum(len(message[M_BODY]) + MESSAGE_OVERHEAD for message, _ in unconfirmed)
         if unconfirmed and self.node_id:
-            manager.broker.requeue_forwards(self.node_id, unconfirmed, _now_ms())
+            manager.broker.requeue_forwards(self.node_id, unconfirmed, wall_ms())
         for _, _, publisher in held:
             manager.broker.return_publish_credit(publisher, 1)
         if unconfirmed:
@@ -515,7 +512,7 @@ class Bridge:
                 self.manager.refused(self, consumer, number, code, text)
         elif direct is not None:
             self.manager.broker.memory.used -= len(direct[M_BODY]) + MESSAGE_OVERHEAD
-            self.manager.broker.place_refused(direct, _now_ms(), number, code, text)
+            self.manager.broker.place_refused(direct, wall_ms(), number, code, text)
             self._tokens_released = True
 
     def _on_settled(self) -> None:
@@ -555,7 +552,7 @@ class Bridge:
         session = self.session
         if session is None:
             return
-        now_ms = _now_ms()
+        now_ms = wall_ms()
         broker = self.manager.broker
         for consumer, ids in self._confirmed.items():
             broker.settle_forwarded(session, consumer, ids, now_ms)
@@ -775,7 +772,7 @@ class ClusterManager:
             "node joined",
             extra={"node_id": member.node_id, "node_name": member.name, "address": f"{member.host}:{member.port}"},
         )
-        self.broker.audit.emit(_now_ms() * 1000, "node.joined", {"peer_node": member.node_id, "name": member.name})
+        self.broker.audit.emit(wall_ms() * 1000, "node.joined", {"peer_node": member.node_id, "name": member.name})
         return {
             "node_id": self.node_id,
             "name": self.name,
@@ -883,7 +880,7 @@ class ClusterManager:
             if owner is bridge:
                 del self.redistributors[key]
         self._members_version += 1
-        self.broker.audit.emit(_now_ms() * 1000, "node.left", {"peer_node": bridge.node_id, "name": bridge.name})
+        self.broker.audit.emit(wall_ms() * 1000, "node.left", {"peer_node": bridge.node_id, "name": bridge.name})
 
     def apply_update(self, bridge: Bridge, update: dict[str, Any]) -> None:
         if update.get("leaving") is True:
@@ -902,7 +899,7 @@ class ClusterManager:
         session = bridge.session
         if session is None:
             return
-        now_ms = _now_ms()
+        now_ms = wall_ms()
         if isinstance(consumer, Redistributor):
             self.broker.handle(
                 session, [ev.Nacks([[Op.NACK, consumer.id, [message_id], int(NackMode.RELEASE)]])], now_ms
@@ -922,7 +919,7 @@ class ClusterManager:
                 log.exception("cluster tick failed")
 
     def tick(self) -> None:
-        now_ms = _now_ms()
+        now_ms = wall_ms()
         self.broker.now_ms = now_ms
         self._forget_closed()
         self._push_updates()
@@ -937,7 +934,7 @@ class ClusterManager:
         for conn_id in [c for c in self.watchers if c not in sessions]:
             del self.watchers[conn_id]
         if self.sync:
-            for late in self.sync.sweep(set(self.joined), _now_ms()):
+            for late in self.sync.sweep(set(self.joined), wall_ms()):
                 log.warning(
                     "binding change not acknowledged in time: replied anyway",
                     extra={
@@ -962,7 +959,7 @@ class ClusterManager:
                 session.conn.reply(req_id, result)
                 broker.dirty.add(session)
 
-        self.sync.hold(reply, peers, _now_ms())
+        self.sync.hold(reply, peers, wall_ms())
         if not self._push_scheduled:  # one push for every change of this turn of the event loop
             self._push_scheduled = True
             asyncio.get_running_loop().call_soon(self._push_now)
@@ -1153,12 +1150,12 @@ class ClusterManager:
             self._members_version += 1
         waiting = self.broker.queues.get(FORWARD_QUEUE_PREFIX + node_id)
         before = len(waiting) if waiting is not None else 0
-        moved = self.broker.reroute_forward_queue(node_id, _now_ms(), forgotten=True)
+        moved = self.broker.reroute_forward_queue(node_id, wall_ms(), forgotten=True)
         log.warning(
             "node forgotten by an operator",
             extra={"node_id": node_id, "bindings": dropped, "messages": before, "rerouted": moved},
         )
-        self.broker.audit.emit(_now_ms() * 1000, "node.forgotten", {"peer_node": node_id})
+        self.broker.audit.emit(wall_ms() * 1000, "node.forgotten", {"peer_node": node_id})
         self._sent_version = (-1, -1)  # tell the others what we no longer keep
         self.schedule_flush()
         return {"bindings": dropped, "messages": before, "rerouted": moved, "dead_lettered": before - moved}
@@ -1251,7 +1248,7 @@ class ClusterManager:
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict[str, Any]:
-        now_ms = _now_ms()
+        now_ms = wall_ms()
         bridges = []
         for bridge in self.bridges.values():
             queue = self.broker.queues.get(FORWARD_QUEUE_PREFIX + bridge.node_id) if bridge.node_id else None

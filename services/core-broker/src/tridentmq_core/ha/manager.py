@@ -40,7 +40,7 @@ from tridentmq_shared.link.client import LinkClient, LinkRequestError
 from tridentmq_shared.link.codec import HEARTBEAT_TIMEOUT_FACTOR, LinkConnection
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.link.topology import parse_endpoint
-from tridentmq_shared.runtime import cancel_and_wait
+from tridentmq_shared.runtime import cancel_and_wait, wall_ms
 from tridentmq_shared.settings import SettingsError
 from tridentmq_shared.supervision import spawn
 
@@ -81,10 +81,6 @@ def validate_ha_settings(settings: CoreSettings, clusters: bool) -> None:
         )
     if not settings.journal.enabled:
         raise SettingsError("a replication pair needs the journal (journal.enabled)")
-
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 class VoteStore:
@@ -359,7 +355,7 @@ class ReplicationSource:
                 "backup in sync: durable writes are confirmed once both copies hold them",
                 extra={"backup": self.backup, "records": feed.acked - feed.first + 1},
             )
-            self.broker.audit.emit(_now_ms() * 1000, "ha.backup_in_sync", {"backup": self.backup})
+            self.broker.audit.emit(wall_ms() * 1000, "ha.backup_in_sync", {"backup": self.backup})
             self._members_changed()
             if self.settings.ha.allow_failback:
                 self.request_failback()
@@ -418,7 +414,7 @@ class ReplicationSource:
             log.warning("backup lost before it was in sync", extra={"backup": self.backup})
             self.store.limit_confirms(None)
             return
-        self.broker.audit.emit(_now_ms() * 1000, "ha.backup_lost", {"backup": self.backup})
+        self.broker.audit.emit(wall_ms() * 1000, "ha.backup_lost", {"backup": self.backup})
         if not self.settings.ha.vote_on_replication_failure:
             log.warning("in-sync backup lost: going on alone (ha.vote_on_replication_failure is off)")
             self.store.limit_confirms(None)

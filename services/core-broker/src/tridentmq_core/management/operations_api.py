@@ -15,7 +15,6 @@ import asyncio
 import json
 import logging
 import ssl
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final
@@ -37,6 +36,7 @@ from tridentmq_core.operations import (
 )
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.message import RoutingType
+from tridentmq_shared.runtime import wall_ms
 
 log = logging.getLogger("tridentmq.core.management")
 
@@ -87,10 +87,6 @@ class RequestRefusedError(Exception):
 
 
 Local = Callable[[], dict[str, Any]]
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 class OperationsApi:
@@ -220,7 +216,7 @@ class OperationsApi:
         }
         if counts:
             fields["counts"] = json.dumps({k: v for k, v in counts.items() if isinstance(v, int)}, sort_keys=True)
-        self.broker.audit.emit(_now_ms() * 1000, f"mgmt.{operation}", fields)
+        self.broker.audit.emit(wall_ms() * 1000, f"mgmt.{operation}", fields)
         self.broker.audit.flush()  # an operator's action is on disk before the answer says it was done
         level = logging.INFO if result == "ok" else logging.WARNING
         log.log(
@@ -255,7 +251,7 @@ class OperationsApi:
                 exclusive=exclusive,
                 last_value_key=lvq,
                 max_consumers=max_consumers,
-                now_ms=_now_ms(),
+                now_ms=wall_ms(),
             )
 
         return await self._guarded(request, "queue.create", prepare)
@@ -263,7 +259,7 @@ class OperationsApi:
     async def delete_queue(self, request: web.Request) -> web.Response:
         async def prepare() -> tuple[str, Local]:
             name = _name(request.match_info["name"])
-            return name, lambda: self.ops.delete_queue(name, _now_ms())
+            return name, lambda: self.ops.delete_queue(name, wall_ms())
 
         return await self._guarded(request, "queue.delete", prepare)
 
@@ -273,7 +269,7 @@ class OperationsApi:
             name = _text(body, "queue", required=True)
             selector = _text(body, "selector") or None
             check_selector_400(selector)
-            return name, lambda: self.ops.purge(name, selector, _now_ms())
+            return name, lambda: self.ops.purge(name, selector, wall_ms())
 
         return await self._guarded(request, "queue.purge", prepare)
 
@@ -299,7 +295,7 @@ class OperationsApi:
                 raise RequestRefusedError(400, "message ids are a node's own: give node= with message_ids")
             limit = _int(body, "limit", -1, minimum=-1)
             return f"{name} -> {to or 'origin'}", lambda: self.ops.move(
-                name, to, selector=selector, message_ids=ids, limit=limit, copy=copy, now_ms=_now_ms()
+                name, to, selector=selector, message_ids=ids, limit=limit, copy=copy, now_ms=wall_ms()
             )
 
         return await self._guarded(request, "messages.copy" if copy else "messages.move", prepare)
@@ -427,7 +423,7 @@ class OperationsApi:
     async def delete_mqtt_session(self, request: web.Request) -> web.Response:
         async def prepare() -> tuple[str, Local]:
             client = _name(request.match_info["client_id"])
-            return client, lambda: self.mqtt.delete_session(client, _now_ms())
+            return client, lambda: self.mqtt.delete_session(client, wall_ms())
 
         return await self._guarded(request, "mqtt.session.delete", prepare)
 
@@ -457,7 +453,7 @@ class OperationsApi:
             topic = request.match_info["topic"]
             if not topic or len(topic) > MAX_TEXT:
                 raise RequestRefusedError(400, f"a topic is 1 to {MAX_TEXT} characters")
-            return topic, lambda: self.mqtt.delete_retained(topic, _now_ms())
+            return topic, lambda: self.mqtt.delete_retained(topic, wall_ms())
 
         return await self._guarded(request, "mqtt.retained.delete", prepare)
 
