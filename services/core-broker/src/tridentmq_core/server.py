@@ -26,21 +26,19 @@ from tridentmq_core.audit import AuditSink, FileAuditSink, NullAuditSink
 from tridentmq_core.broker import Broker, BrokerError, Session
 from tridentmq_core.cluster.links import client_tls
 from tridentmq_core.cluster.manager import ClusterManager, validate_cluster_settings
-from tridentmq_core.ha.manager import (
+from tridentmq_core.ha.backup import BackupRunner
+from tridentmq_core.ha.network_check import NetworkCheck, NetworkHealth, Reachability, parse_targets
+from tridentmq_core.ha.pair import (
     BACKUP,
     FENCED_EXIT_CODE,
     REPLICATION,
     SHARED_STORE,
-    BackupRunner,
-    ReplicationSource,
-    Voter,
-    VoteStore,
     mark_released,
-    primary_may_activate,
     validate_ha_settings,
 )
-from tridentmq_core.ha.network_check import NetworkCheck, NetworkHealth, Reachability, parse_targets
 from tridentmq_core.ha.shared_store import SharedStore, journal_for_epoch
+from tridentmq_core.ha.source import ReplicationSource
+from tridentmq_core.ha.voting import Voter, VoteStore, primary_may_activate
 from tridentmq_core.log_window import LogWindow
 from tridentmq_core.logins import LoginGuard
 from tridentmq_core.management.app import create_app

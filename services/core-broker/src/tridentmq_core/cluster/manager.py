@@ -29,7 +29,7 @@ from tridentmq_core.cluster.discovery import Announcement, RedisDiscovery
 from tridentmq_core.cluster.links import node_link, watch_close
 from tridentmq_core.cluster.sync import BindingSync
 from tridentmq_core.forwarding import FORWARD_PROPERTY, MOVES_PROPERTY, numbered_header
-from tridentmq_core.ha.manager import Voter
+from tridentmq_core.ha.voting import Voter
 from tridentmq_core.queues import MESSAGE_OVERHEAD, Consumer, Queue
 from tridentmq_core.redistribution import (
     Arrivals,

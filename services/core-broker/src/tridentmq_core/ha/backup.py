@@ -1,0 +1,370 @@
+"""A backup: ``BackupRunner`` finds its primary among the connectors, copies its journal into a fresh journal of
+its own (acknowledging what is on disk), and when the primary is lost while in sync, asks the other primaries
+for their votes; with a majority it takes the pair's node id and a new epoch and activates."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from tridentmq_core.cluster.links import node_link, watch_close
+from tridentmq_core.ha.pair import HA_STATE_FILE, BackupState
+from tridentmq_core.ha.votes import ACTIVATE, STAY, VoteRequest, quorum
+from tridentmq_core.ha.voting import VOTE_TIMEOUT, answer_int, ask_votes
+from tridentmq_core.settings import CoreSettings
+from tridentmq_core.store.identity import NodeIdentity
+from tridentmq_core.store.journal import Journal, list_segments
+from tridentmq_core.store.records import MAGIC, RecordType
+from tridentmq_shared.link import events as ev
+from tridentmq_shared.link.client import LinkClient, LinkRequestError
+from tridentmq_shared.link.ops import ErrorCode
+from tridentmq_shared.link.topology import parse_endpoint
+from tridentmq_shared.runtime import cancel_and_wait
+from tridentmq_shared.supervision import spawn
+
+log = logging.getLogger("tridentmq.core.ha")
+
+
+class BackupRunner:
+    """A backup: copy the primary's journal, and take over when it is lost and a quorum agrees."""
+
+    def __init__(
+        self,
+        settings: CoreSettings,
+        identity: NodeIdentity,
+        server_id: str,
+        journal_dir: Path,
+        advertise: tuple[str, int],
+        call_in_loop: Callable[[Callable[[], None]], None],
+        activate: Callable[[], Awaitable[None]],
+        isolated: Callable[[], bool],
+    ) -> None:
+        self.settings = settings
+        self.advertise = advertise  # this node's link endpoint, where clients find it once it is active
+        self.identity = identity
+        self.server_id = server_id
+        self.journal_dir = journal_dir
+        self._call_in_loop = call_in_loop
+        self._activate = activate
+        self._isolated = isolated  # the network check's verdict: an isolated backup never takes over
+        self.state_path = identity.data_dir / HA_STATE_FILE
+        # A whole copy from an earlier run may take over when no copy of the pair is active (both halves
+        # restarted); votes make sure it is the freshest one.
+        self.state = BackupState.load(self.state_path)
+        self.primary = ""  # host:port of the primary being copied
+        self.reason = "looking for the primary"
+        self.journal: Journal | None = None
+        self.client: LinkClient | None = None
+        self._offset = 0  # primary record number = local record number + offset
+        self._expected = 0
+        self._sync_end = 0
+        self._compacted_at = 0  # local number of the last compaction's COMPACTED record, until it is synced
+        self._early: list[ev.ReplicaRecords] = []  # records that came before the answer to REPLICATE
+        self.handed_over = False  # the active copy handed the pair over (failback): take over without a vote
+        self._next_epoch = 0  # the epoch to ask for next, above the promises of a split vote
+        self._logged: set[str] = set()  # reasons logged since the last copy started
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = spawn(self._run(), "ha-backup")
+
+    async def stop(self) -> None:
+        await cancel_and_wait(self._task)
+        await self._close_link()
+        self._close_journal()
+
+    def status(self) -> dict[str, Any]:
+        return {"primary": self.primary, "in_sync": self.state.in_sync, "state": self.reason, "pairs": self.state.pairs}
+
+    # ------------------------------------------------------------------ the loop
+    def _candidates(self) -> list[tuple[str, int]]:
+        seen: list[tuple[str, int]] = []
+        for endpoint in [*(parse_endpoint(c) for c in self.settings.cluster.connectors), *self.state.members.values()]:
+            if endpoint not in seen:
+                seen.append(endpoint)
+        return seen
+
+    async def _run(self) -> None:
+        cluster = self.settings.cluster
+        delay = cluster.retry_interval_ms / 1000
+        while True:
+            for host, port in self._candidates():
+                self.primary = ""
+                copied = await self._copy_from(host, port)
+                if self.primary:  # it had a copy going: look again quickly
+                    delay = cluster.retry_interval_ms / 1000
+                if copied and await self._take_over((host, port)):
+                    return
+            if self.state.in_sync and await self._take_over(None):
+                return  # no copy of the pair is active anywhere, and this one is the freshest
+            await asyncio.sleep(delay * random.uniform(0.5, 1.5))  # noqa: S311 - jitter: two copies may both ask
+            delay = min(delay * cluster.retry_multiplier, cluster.max_retry_interval_ms / 1000)
+
+    async def _copy_from(self, host: str, port: int) -> bool:
+        """Copy the primary at ``host:port`` until the link ends; True when it ended with the copy whole."""
+        self._close_journal()  # an earlier copy's: what arrives from here on belongs to this link's copy
+        client = node_link(self.settings, host, port, f"backup:{self.settings.node.name}", connect_timeout=1.0)
+        closed, why = watch_close(client)
+        client.on_replica = lambda event: self._records(client, event)
+        # Follow the cluster's members: they are the voters, their count sets the quorum, and among them is
+        # the pair's active copy wherever it moved (asking every node we reach is how a backup finds it).
+        client.on_topology = lambda update: self._learn(update.get("members"))
+        self.client = client
+        self._early.clear()
+        try:
+            await client.connect()
+            with contextlib.suppress(LinkRequestError):
+                self._learn((await client.topology({})).get("members"))
+            reply = await client.replicate(
+                {
+                    "group": self.settings.ha.group_name,
+                    "server_id": self.server_id,
+                    "epoch": self.identity.epoch,
+                    "host": self.advertise[0],
+                    "port": self.advertise[1],
+                    "role": self.settings.ha.role,
+                }
+            )
+        except LinkRequestError as exc:
+            if exc.code in (ErrorCode.INVALID, ErrorCode.EXISTS, ErrorCode.UNAUTHENTICATED):
+                # Another group's primary is a normal answer while looking; each refusal is logged once.
+                self._note(f"{host}:{port} refused: {exc.text}", error=exc.code != ErrorCode.INVALID)
+            await self._close_link()
+            return False
+        except (OSError, TimeoutError):
+            await self._close_link()
+            return False
+        self.primary = f"{host}:{port}"
+        self._logged.clear()
+        self._start_copy(reply)
+        await closed.wait()
+        self.client = None
+        in_sync = self.state.in_sync
+        self.handed_over = bool(in_sync and why and why[0].code == ErrorCode.FAILBACK)
+        if self.handed_over:
+            log.warning("failback: the active copy handed the pair back", extra={"from": self.primary})
+            return True
+        log.warning("primary lost", extra={"primary": self.primary, "in_sync": in_sync})
+        self.reason = "primary lost" + ("" if in_sync else " before the copy was whole")
+        return in_sync
+
+    def _start_copy(self, reply: dict[str, Any]) -> None:
+        node_id, epoch = str(reply.get("node_id", "")), int(reply.get("epoch", 0))
+        self._learn(reply.get("members"))
+        # Not in sync, on disk, before the old copy is wiped: a crash from here on never activates.
+        self.state = BackupState(node_id, epoch, in_sync=False, members=self.state.members, pairs=self.state.pairs)
+        self.state.save(self.state_path)
+        self.identity.adopt(node_id, epoch)
+        self._close_journal()
+        for path in list_segments(self.journal_dir):
+            path.unlink()
+        journal = Journal(self.journal_dir, segment_bytes=self.settings.journal.segment_bytes)
+        journal.recover()
+        journal.on_synced = lambda upto: self._call_in_loop(lambda: self._synced(journal, upto))
+        journal.start()
+        self.journal = journal
+        self._offset = self._expected = self._sync_end = self._compacted_at = 0
+        self.reason = "copying"
+        early, self._early = self._early, []
+        for event in early:
+            if self.client is not None:
+                self._records(self.client, event)
+        log.info("copying the primary's journal", extra={"primary": self.primary, "node_id": node_id, "epoch": epoch})
+
+    def _learn(self, members: Any) -> None:
+        known = dict(self.state.members)
+        for item in members or []:
+            if isinstance(item, dict) and isinstance(item.get("node_id"), str):
+                with contextlib.suppress(KeyError, TypeError, ValueError):
+                    known[item["node_id"]] = (str(item["host"]), int(item["port"]))
+        pairs = max(self.state.pairs, len(known))
+        if known != self.state.members or pairs != self.state.pairs:
+            self.state.members, self.state.pairs = known, pairs
+            self.state.save(self.state_path)
+
+    def _records(self, client: LinkClient, event: ev.ReplicaRecords) -> None:
+        journal = self.journal
+        if client is not self.client:
+            return  # a late batch of an earlier link
+        if journal is None:  # the first records can arrive in the same read as the answer to REPLICATE
+            self._early.append(event)
+            return
+        if not self._expected:
+            self._offset = event.first - 1
+            self._expected = event.first
+        if event.epoch != self.state.epoch or event.first != self._expected:
+            log.error(
+                "replication stream out of order: copying again",
+                extra={"epoch": event.epoch, "first": event.first, "expected": self._expected},
+            )
+            asyncio.get_running_loop().create_task(client.close())
+            return
+        if event.records:
+            number = journal.appended
+            for data in event.records:
+                if data:
+                    number += 1
+                    if data[0] == MAGIC and data[1] == RecordType.COMPACTED:
+                        self._compacted_at = number  # once it is on disk, the segments before the roll go
+            journal.append_encoded(event.records)
+            self._expected = number + self._offset + 1
+        if event.sync_end:
+            self._sync_end = event.sync_end
+            if journal.synced + self._offset >= event.sync_end:
+                self._synced(journal, journal.synced)
+
+    def _synced(self, journal: Journal, upto: int) -> None:
+        client = self.client
+        if client is None or not upto or journal is not self.journal:
+            return  # nothing to tell, or the sync of an earlier copy's journal
+        primary_upto = upto + self._offset
+        client.replica_ack(primary_upto)
+        if self._compacted_at and upto >= self._compacted_at:
+            self._compacted_at = 0
+            journal.retire_before(journal.rolled_to)  # as the primary did after the same compaction
+        if not self.state.in_sync and self._sync_end and primary_upto >= self._sync_end:
+            self.state.in_sync = True
+            self.state.save(self.state_path)
+            self.reason = "in sync"
+            log.info("in sync with the primary: ready to take over", extra={"primary": self.primary})
+
+    # ------------------------------------------------------------------ takeover
+    async def _take_over(self, primary: tuple[str, int] | None) -> bool:
+        """Vote rounds until a quorum lets this copy activate (True), or the lost ``primary`` answers again.
+        Without a primary (none found active), one round only."""
+        ha = self.settings.ha
+        node_id, data_epoch = self.state.node_id, self.state.epoch
+        epoch = max(data_epoch + 1, self._next_epoch)
+        while not self.handed_over:
+            if self._isolated():
+                self._note("cut off from the network (network check): not taking over")
+                if primary is None or await self._primary_back(*primary):
+                    return False
+                await asyncio.sleep(ha.vote_retry_ms / 1000)
+                continue
+            await self._refresh_members(node_id)  # the voters' addresses may have moved since the loss
+            voters = [endpoint for member, endpoint in self.state.members.items() if member != node_id]
+            needed = quorum(self.state.pairs)
+            if not voters and ha.activate_without_quorum:
+                log.warning("taking over without a quorum (ha.activate_without_quorum)")
+                break
+            request = VoteRequest(ACTIVATE, node_id, epoch, self.server_id, data_epoch)
+            answers = [a for a in await ask_votes(self.settings, voters, request) if a is not None]
+            grants = sum(1 for a in answers if a.get("granted") is True)
+            stale = max((answer_int(a, "fresh") for a in answers), default=0) > data_epoch
+            if voters and grants >= needed and not stale:
+                log.info("quorum reached", extra={"votes": grants, "pairs": self.state.pairs, "epoch": epoch})
+                # Commit before serving: a majority must still hold this epoch for this copy. A voter that
+                # grants the commit knows the pair serves at ``epoch`` and refuses any copy older than that;
+                # one that promised a higher epoch to another copy meanwhile refuses it, and that copy, not
+                # this one, may activate. Two majorities share a voter, so never both.
+                commit = VoteRequest(STAY, node_id, epoch, self.server_id)
+                answers = [a for a in await ask_votes(self.settings, voters, commit) if a is not None]
+                grants = sum(1 for a in answers if a.get("granted") is True)
+                if grants >= needed:
+                    break
+                log.warning("epoch won but not committed: asking again", extra={"epoch": epoch, "votes": grants})
+                if grants:
+                    # Those voters now refuse copies older than ``epoch``. Nobody else can have served at it
+                    # (a majority promised it to this copy) and this copy wrote nothing at it, so its data
+                    # is whole at ``epoch``: say so, or both copies would be stale against a phantom.
+                    data_epoch = self.state.epoch = epoch
+                    self.state.activated = False
+                    self.state.save(self.state_path)
+            fresh = max((answer_int(a, "fresh") for a in answers), default=0)
+            if fresh > data_epoch:
+                self._note(
+                    f"the pair was active at epoch {fresh}, newer than this copy's {data_epoch}: "
+                    "copying the active node"
+                )
+                self.state.in_sync = False  # only a copy of the active node is whole from now on
+                self.state.save(self.state_path)
+                return False
+            promised = max((answer_int(a, "epoch") for a in answers if a.get("granted") is not True), default=0)
+            if promised >= epoch and len(answers) >= needed:
+                # Another copy of this pair asked for this epoch or a higher one, and the votes split: ask
+                # above them, after a random pause so the two do not split again. Safe, since a copy
+                # serves only once a majority committed its epoch, and then any majority of answers
+                # includes a voter that refuses this copy as stale. (With fewer answers, a committed
+                # epoch could hide among the silent: bidding above it would fence the serving copy.)
+                epoch = self._next_epoch = promised + 1
+            lost = "primary lost" if primary else "no active copy"
+            self.reason = f"{lost}: {grants} of {needed} votes (pairs: {self.state.pairs})"
+            if primary is None or await self._primary_back(*primary):
+                return False
+            await asyncio.sleep(ha.vote_retry_ms / 1000 * random.uniform(0.5, 1.5))  # noqa: S311 - jitter
+        self._close_journal()
+        self.identity.set_epoch(epoch)
+        self.state.epoch, self.state.activated = epoch, True
+        self.state.save(self.state_path)
+        self.reason = "active"
+        log.warning("backup activated", extra={"node_id": node_id, "epoch": epoch})
+        await self._activate()
+        return True
+
+    async def _refresh_members(self, own_node_id: str) -> None:
+        """Learn the cluster's members from the first active node that answers: a voter may have failed over
+        (or failed back) to another address since this backup last heard from its primary."""
+        endpoints = [e for n, e in self.state.members.items() if n != own_node_id]
+        endpoints += [parse_endpoint(c) for c in self.settings.cluster.connectors]
+        asking = [asyncio.ensure_future(self._members_at(*e)) for e in dict.fromkeys(endpoints)]
+        try:
+            for answer in asyncio.as_completed(asking):  # the first active node to answer is enough
+                members = await answer
+                if members is not None:
+                    self._learn([m for m in members if isinstance(m, dict) and m.get("node_id") != own_node_id])
+                    return
+        finally:
+            for task in asking:
+                task.cancel()
+            await asyncio.gather(*asking, return_exceptions=True)  # their links are closed before going on
+
+    async def _members_at(self, host: str, port: int) -> list[Any] | None:
+        client = node_link(self.settings, host, port, f"vote:{self.settings.node.name}", connect_timeout=VOTE_TIMEOUT)
+        try:
+            await client.connect()
+            members = (await asyncio.wait_for(client.topology({}), VOTE_TIMEOUT)).get("members")
+        except (LinkRequestError, OSError, TimeoutError):
+            return None
+        except Exception:  # another node's answer is input: one odd answer must not end the backup's task
+            log.exception("unexpected answer to a topology request", extra={"node": f"{host}:{port}"})
+            return None
+        finally:
+            await client.close()
+        return members if isinstance(members, list) else None
+
+    async def _primary_back(self, host: str, port: int) -> bool:
+        """Whether the lost primary completes a handshake again (a paused or dead one cannot): then it is
+        copied afresh, not replaced."""
+        client = node_link(self.settings, host, port, f"backup:{self.settings.node.name}", connect_timeout=0.3)
+        try:
+            await client.connect()
+        except (LinkRequestError, OSError, TimeoutError):
+            return False
+        finally:
+            await client.close()
+        log.info("the primary answers again: copying it afresh", extra={"primary": f"{host}:{port}"})
+        return True
+
+    # ------------------------------------------------------------------ helpers
+    def _note(self, reason: str, *, error: bool = False) -> None:
+        """Say why the backup is not copying or taking over: in its status always, in the log once."""
+        if reason not in self._logged:
+            self._logged.add(reason)
+            (log.error if error else log.warning)("backup", extra={"state": reason})
+        self.reason = reason
+
+    def _close_journal(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
+
+    async def _close_link(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+            self.client = None
