@@ -8,7 +8,8 @@ import time
 
 from tests.unit.broker_harness import ANYCAST, Harness, ok
 
-from tridentmq_core.cluster.manager import Bridge, ClusterManager
+from tridentmq_core.cluster.bridge import Bridge
+from tridentmq_core.cluster.manager import ClusterManager
 from tridentmq_core.settings import ClusterSection, CoreSettings
 from tridentmq_shared.message import M_ID, new_message
 
