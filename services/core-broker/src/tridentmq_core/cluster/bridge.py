@@ -167,10 +167,10 @@ class Bridge:
         self.reason = reason
         log.debug("cluster connection failed", extra={"to": self.address, "reason": reason})
 
-    def _refused(self, reason: str) -> None:
+    def _refused(self, reason: str, level: int = logging.ERROR) -> None:
         """Log a refusal once, not at every retry."""
         if self.state != "refused" or self.reason != reason:
-            log.error("cluster connection refused", extra={"to": self.address, "reason": reason})
+            log.log(level, "cluster connection refused", extra={"to": self.address, "reason": reason})
         self.state = "refused"
         self.reason = reason
 
@@ -184,6 +184,12 @@ class Bridge:
         client.on_rejected = self._on_rejected
         self.client = client
         await client.connect()
+        if client.node_id == manager.node_id and manager.settings.ha.policy != "none":
+            # The other copy of this pair, active there (a failover or a failback moves the pair's node id
+            # between addresses): the epochs decide which copy serves; nothing for an operator to fix.
+            self._refused(f"another copy of this pair serves at this address (epoch {client.node_epoch})", logging.INFO)
+            await client.close()
+            return
         if client.node_id == manager.node_id:
             self._refused(
                 "the node at this address has this node's id (a copied data directory?); remove one "
