@@ -32,7 +32,7 @@ from tridentmq_core.forwarding import (
 )
 from tridentmq_core.latency import SMALL_BUCKETS, SMALL_MS, LatencyHistogram, bucket_of
 from tridentmq_core.outlet import Outlet
-from tridentmq_core.queues import MESSAGE_OVERHEAD, Consumer, MemoryGauge, PagerFactory, Queue
+from tridentmq_core.queues import MESSAGE_OVERHEAD, Consumer, LinkSession, MemoryGauge, PagerFactory, Queue
 from tridentmq_core.redistribution import MAX_RESIDENCE_FACTOR, Arrivals, Redistributor
 from tridentmq_core.router import AddressIndex, AddressTrie, InvalidAddress, validate_address
 from tridentmq_core.security import Permission, Principal
@@ -201,7 +201,7 @@ class Broker:
         #: auto-ack deliveries included) and time in queue (publish timestamp to each delivery), per node.
         self.latency: Final = LatencyHistogram()
         self.time_in_queue: Final = LatencyHistogram()
-        self.dirty: Final[set[Session]] = set()  # sessions with output to write; see take_dirty
+        self.dirty: Final[set[LinkSession]] = set()  # sessions with output to write; see take_dirty
         self.memory: Final = MemoryGauge()
         self.now_ms = 0  # time of the event being handled, for callbacks that are not handed it
         # Set by the server while durable writes cannot be made safe (disk nearly full, journal failed):
@@ -2151,7 +2151,7 @@ class Broker:
             "expires_ms": queue.expires_ms,
         }
 
-    def take_dirty(self) -> list[Session]:
+    def take_dirty(self) -> list[LinkSession]:
         """Sessions with output to write since the last call. The set is cleared in place, never
         replaced: every queue holds a reference to it."""
         dirty = list(self.dirty)

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
+from tridentmq_core.outlet import Outlet
 from tridentmq_core.selector import Selector
 from tridentmq_shared.message import (
     M_BODY,
@@ -30,8 +31,22 @@ from tridentmq_shared.message import (
     selector_view,
 )
 
-if TYPE_CHECKING:
-    from tridentmq_core.broker import Session
+
+class LinkSession(Protocol):
+    """The link session a consumer (or a temporary queue) belongs to, as the queues see it: where its
+    deliveries go, and what names it. The broker's ``Session`` is one."""
+
+    @property
+    def conn(self) -> Outlet: ...
+    @property
+    def conn_id(self) -> str: ...
+    @property
+    def client_name(self) -> str: ...
+    @property
+    def consumers(self) -> dict[int, Consumer]: ...
+    @property
+    def temporary_queues(self) -> set[str]: ...
+
 
 #: How many messages the scanning dispatch looks at per call; beyond it, messages wait for the next call.
 SCAN_LIMIT = 10_000
@@ -102,7 +117,7 @@ class Consumer:
     def __init__(
         self,
         consumer_id: int,
-        session: Session,
+        session: LinkSession,
         queue: Queue,
         credit: int,
         *,
@@ -201,7 +216,7 @@ class Queue:
         routing_type: RoutingType,
         *,
         sink: DeliverySink,
-        dirty: set[Session],
+        dirty: set[LinkSession],
         memory: MemoryGauge,
         durable: bool = False,
         filter: Selector | None = None,
@@ -212,7 +227,7 @@ class Queue:
         auto_created: bool = False,
         auto_delete: bool = False,
         expires_ms: int = -1,
-        owner: Session | None = None,
+        owner: LinkSession | None = None,
         page_limit: int = -1,
         pager_factory: PagerFactory | None = None,
     ) -> None:

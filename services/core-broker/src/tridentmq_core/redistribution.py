@@ -22,17 +22,13 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from tridentmq_core.balancer import SelectorCache, is_local_consumer
-from tridentmq_core.queues import Consumer, Queue
+from tridentmq_core.queues import Consumer, LinkSession, Queue
 from tridentmq_core.remote_bindings import Binding
 from tridentmq_core.selector import compile_selector
 from tridentmq_shared.message import M_ID, WireMessage
-
-if TYPE_CHECKING:
-    from tridentmq_core.broker import Session
-
 
 _EVERYTHING = compile_selector("TRUE")
 PACE_START: Final = 20  # messages a redistributor sends in its first tick; doubles each tick they all went
@@ -131,7 +127,7 @@ class Redistributor(Consumer):
     def __init__(
         self,
         consumer_id: int,
-        session: Session,
+        session: LinkSession,
         queue: Queue,
         credit: int,
         *,

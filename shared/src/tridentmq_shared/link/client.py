@@ -22,7 +22,7 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import Any, Final, Protocol, TypeVar, cast
 
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.codec import DEFAULT_HEARTBEAT_MS, LinkConnection, Role, State
@@ -43,8 +43,16 @@ from tridentmq_shared.message import (
 from tridentmq_shared.runtime import set_nodelay
 from tridentmq_shared.tls import ClientTls
 
-if TYPE_CHECKING:
-    from tridentmq_shared.link.channels import SharedLinks
+_P = TypeVar("_P", bound=asyncio.Protocol)
+
+
+class ChannelOpener(Protocol):
+    """Opens a session's link as a channel of a shared link (``channels.SharedLinks``, a gateway's)."""
+
+    async def open(self, host: str, port: int, protocol_factory: Callable[[], _P]) -> tuple[asyncio.Transport, _P]:
+        """Raises as a connection would, or ``SharedLinksRefusedError`` (then the client connects directly)."""
+        ...
+
 
 log = logging.getLogger("tridentmq.link.client")
 _OPEN = State.OPEN  # a module constant: enum member access is slow on the publish path
@@ -308,7 +316,7 @@ class LinkClient:
         reconnect: ReconnectPolicy | None = None,
         connect_timeout: float = 5.0,
         tls: ClientTls | None = None,
-        channels: SharedLinks | None = None,
+        channels: ChannelOpener | None = None,
     ) -> None:
         #: The nodes this client may use (``topology`` is the TOPOLOGY request).
         self.nodes = topology or Topology(list(endpoints) if endpoints else [(host, port)], load_balancing)

@@ -17,8 +17,8 @@ from itertools import repeat
 from typing import Any, Final, Protocol
 
 from tridentmq_core.broker import Broker, Direct, Session
-from tridentmq_core.cluster.links import node_link, watch_close
 from tridentmq_core.forwarding import FORWARD_PROPERTY, MOVES_PROPERTY, numbered_header
+from tridentmq_core.node_links import node_link, watch_close
 from tridentmq_core.queues import MESSAGE_OVERHEAD, Consumer
 from tridentmq_core.redistribution import Redistributor
 from tridentmq_core.security import Principal
