@@ -35,8 +35,8 @@ Unsent = tuple[str, WireMessage, int, P | None]
 class WriteThrough(Generic[P]):
     def __init__(self) -> None:
         # Producer's id → (the node it went to, arrival ms), oldest first. Ordered: forgetting the oldest of a
-        # plain dict scans the holes deletions leave at its front, which made each note cost up to
-        # milliseconds once full (a 2-node benchmark fell from 46,000 to 9,500 msgs/s over four runs).
+        # plain dict scans the holes deletions leave at its front, so each note cost more once it was full
+        # (docs/benchmarks.md, Cluster).
         self.targets: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self._notes: list[tuple[str, str, int]] = []  # this turn's, for the store
         self._unsent: list[Unsent[P]] = []  # this turn's held sends
