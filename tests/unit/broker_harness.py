@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from tridentmq_core.audit import NullAuditSink
-from tridentmq_core.broker import Broker, Session
+from tridentmq_core.broker import Broker
 from tridentmq_core.queues import PagerFactory
 from tridentmq_core.security import SecurityManager
+from tridentmq_core.sessions import Session
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.memory import MemoryStore
 from tridentmq_shared.link import events as ev

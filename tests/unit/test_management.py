@@ -12,11 +12,12 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from tridentmq_core.audit import NullAuditSink
-from tridentmq_core.broker import Broker, Session
+from tridentmq_core.broker import Broker
 from tridentmq_core.management import NodeStatus, QueueRates, create_app, render_metrics
 from tridentmq_core.management.metrics import escape_label
 from tridentmq_core.queues import Consumer
 from tridentmq_core.security import Principal
+from tridentmq_core.sessions import Session
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.memory import MemoryStore
 from tridentmq_shared.link import events as ev

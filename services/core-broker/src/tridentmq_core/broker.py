@@ -12,7 +12,7 @@ import heapq
 import itertools
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Final
 
@@ -37,6 +37,7 @@ from tridentmq_core.redistribution import MAX_RESIDENCE_FACTOR, Arrivals, Redist
 from tridentmq_core.router import AddressIndex, AddressTrie, InvalidAddress, validate_address
 from tridentmq_core.security import Permission, Principal
 from tridentmq_core.selector import Selector, SelectorError, compile_selector
+from tridentmq_core.sessions import Session, Transaction
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.base import DurableSnapshot, Store
 from tridentmq_core.store.memory import MemoryStore
@@ -105,46 +106,6 @@ class BrokerError(Exception):
         super().__init__(text)
         self.code = code
         self.text = text
-
-
-@dataclass(slots=True)
-class Transaction:
-    publishes: list[WireMessage] = field(default_factory=list)
-    acks: list[tuple[Consumer, int]] = field(default_factory=list)
-    failed: tuple[str, str] | None = None  # a publish of it was refused: commit must fail (rollback-only)
-
-
-class Session:
-    """Broker-side state of one link connection."""
-
-    __slots__ = (
-        "client_name",
-        "conn",
-        "conn_id",
-        "consumers",
-        "opened_ms",
-        "peer",
-        "principal",
-        "send_ok",
-        "temporary_queues",
-        "txs",
-        "will",
-    )
-
-    def __init__(
-        self, conn: Outlet, conn_id: str, principal: Principal, peer: str, client_name: str, opened_ms: int
-    ) -> None:
-        self.conn = conn
-        self.conn_id = conn_id
-        self.principal = principal
-        self.peer = peer
-        self.client_name = client_name
-        self.opened_ms = opened_ms
-        self.consumers: dict[int, Consumer] = {}
-        self.txs: dict[int, Transaction] = {}
-        self.temporary_queues: set[str] = set()
-        self.send_ok: dict[str, tuple[str, str] | None] = {}  # address → why a send is refused (None: allowed)
-        self.will: Will | None = None
 
 
 class Address:

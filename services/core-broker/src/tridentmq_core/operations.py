@@ -22,11 +22,11 @@ from tridentmq_core.broker import (
     ORIGINAL_REASON,
     Broker,
     BrokerError,
-    Session,
 )
 from tridentmq_core.queues import Queue
 from tridentmq_core.router import InvalidAddress, validate_address
 from tridentmq_core.selector import SelectorError, compile_selector
+from tridentmq_core.sessions import Session
 from tridentmq_core.settings import AddressSettingsEntry
 from tridentmq_shared.message import (
     M_ADDRESS,

@@ -34,7 +34,7 @@ from tridentmq_shared.message import (
 
 class LinkSession(Protocol):
     """The link session a consumer (or a temporary queue) belongs to, as the queues see it: where its
-    deliveries go, and what names it. The broker's ``Session`` is one."""
+    deliveries go, and what names it. A ``sessions.Session`` is one."""
 
     @property
     def conn(self) -> Outlet: ...

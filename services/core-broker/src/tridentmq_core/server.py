@@ -23,7 +23,7 @@ from typing import Any, cast
 from aiohttp import web
 
 from tridentmq_core.audit import AuditSink, FileAuditSink, NullAuditSink
-from tridentmq_core.broker import Broker, BrokerError, Session
+from tridentmq_core.broker import Broker, BrokerError
 from tridentmq_core.cluster.manager import ClusterManager, validate_cluster_settings
 from tridentmq_core.ha.backup import BackupRunner
 from tridentmq_core.ha.network_check import NetworkCheck, NetworkHealth, Reachability, parse_targets
@@ -45,6 +45,7 @@ from tridentmq_core.management.operations_api import NodeControl
 from tridentmq_core.management.status import NodeStatus, QueueRates
 from tridentmq_core.node_links import client_tls
 from tridentmq_core.security import AuthenticationError, Credentials, Principal, SecurityManager
+from tridentmq_core.sessions import Session
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.data_lock import DataDirectoryLock
 from tridentmq_core.store.identity import NodeIdentity

@@ -16,12 +16,13 @@ from collections.abc import Callable
 from itertools import repeat
 from typing import Any, Final, Protocol
 
-from tridentmq_core.broker import Broker, Direct, Session
+from tridentmq_core.broker import Broker, Direct
 from tridentmq_core.forwarding import FORWARD_PROPERTY, MOVES_PROPERTY, numbered_header
 from tridentmq_core.node_links import node_link, watch_close
 from tridentmq_core.queues import MESSAGE_OVERHEAD, Consumer
 from tridentmq_core.redistribution import Redistributor
 from tridentmq_core.security import Principal
+from tridentmq_core.sessions import Session
 from tridentmq_core.settings import CoreSettings
 from tridentmq_shared.link.client import LinkClient, LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode

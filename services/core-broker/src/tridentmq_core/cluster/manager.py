@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from tridentmq_core.balancer import Balancer, is_local_consumer
-from tridentmq_core.broker import FORWARD_QUEUE_PREFIX, Broker, BrokerError, Direct, Session
+from tridentmq_core.broker import FORWARD_QUEUE_PREFIX, Broker, BrokerError, Direct
 from tridentmq_core.cluster.bridge import Bridge
 from tridentmq_core.cluster.discovery import Announcement, RedisDiscovery
 from tridentmq_core.cluster.sync import BindingSync
@@ -39,6 +39,7 @@ from tridentmq_core.redistribution import (
 )
 from tridentmq_core.remote_bindings import Binding, BindingError, Key, RemoteBindings
 from tridentmq_core.security import Principal
+from tridentmq_core.sessions import Session
 from tridentmq_core.settings import LOAD_BALANCING_POLICIES, CoreSettings
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.client import LinkRequestError

@@ -13,11 +13,12 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from tridentmq_core.broker import Broker, BrokerError, Session
+from tridentmq_core.broker import Broker, BrokerError
 from tridentmq_core.ha.pair import BACKUP, PRIMARY, ClusterView, record_epoch
 from tridentmq_core.ha.replication import ReplicaFeed
 from tridentmq_core.ha.votes import STAY, VoteRequest, quorum
 from tridentmq_core.ha.voting import answer_int, ask_votes
+from tridentmq_core.sessions import Session
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.identity import NodeIdentity
 from tridentmq_core.store.journal import Journal

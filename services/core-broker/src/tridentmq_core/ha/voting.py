@@ -11,10 +11,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
-from tridentmq_core.broker import BrokerError, Session
+from tridentmq_core.broker import BrokerError
 from tridentmq_core.ha.pair import HA_STATE_FILE, VOTES_FILE, BackupState, ClusterView, record_epoch
 from tridentmq_core.ha.votes import ACTIVATE, STAY, VoteBook, VoteRequest
 from tridentmq_core.node_links import node_link
+from tridentmq_core.sessions import Session
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.files import write_durably
 from tridentmq_core.store.identity import IdentityError, NodeIdentity

@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from tridentmq_core.broker import Broker, Session
+from tridentmq_core.broker import Broker
 from tridentmq_core.management.access import ManagementAccess, access_middlewares
 from tridentmq_core.management.audit_trail import add_audit_trail
 from tridentmq_core.management.console import CONSOLE_PATH, add_console
@@ -24,6 +24,7 @@ from tridentmq_core.management.peers import PeerApi, add_peer_api
 from tridentmq_core.management.status import NodeStatus, QueueRates
 from tridentmq_core.queues import Queue
 from tridentmq_core.security import SecurityManager
+from tridentmq_core.sessions import Session
 
 
 def queue_view(queue: Queue, rates: QueueRates) -> dict[str, Any]:
