@@ -325,11 +325,19 @@ class ClusterManager:
             problem = f"cluster name {join.get('cluster')!r} is not this cluster's ({cluster.name!r})"
         elif join.get("max_hops") != cluster.max_hops:
             problem = f"max_hops {join.get('max_hops')!r} differs from this node's ({cluster.max_hops})"
+        elif join.get("node_id") == self.node_id and self.settings.ha.policy != "none":
+            # The other copy of this pair (a failover or failback moved the pair's node id): the epochs decide
+            # which one serves, nothing for an operator to fix.
+            problem = f"another copy of this pair (epoch {join.get('epoch')}; this one {self.epoch})"
+            log.info("cluster join refused", extra={"peer": session.peer, "reason": problem})
+            raise BrokerError(ErrorCode.INVALID, problem)
         elif join.get("node_id") == self.node_id:
             problem = f"node id {self.node_id} is this node's own (a copied data directory?)"
         elif not self.fresh(str(join.get("node_id")), join.get("epoch", 1)):
+            # A copy of a pair that another replaced: the fencing at work during a failover or failback; that
+            # copy stops when it hears this.
             problem = f"epoch {join.get('epoch')} of node {join.get('node_id')} was replaced by a newer one"
-            log.error("cluster join refused", extra={"peer": session.peer, "reason": problem})
+            log.warning("cluster join refused", extra={"peer": session.peer, "reason": problem})
             raise BrokerError(ErrorCode.FENCED, problem)
         try:
             member = Member.from_wire(join)
