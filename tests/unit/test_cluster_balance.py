@@ -16,6 +16,7 @@ from tridentmq_core.redistribution import Arrivals, Redistributor, due_again, ta
 from tridentmq_core.remote_bindings import Binding, RemoteBindings
 from tridentmq_core.security import Principal
 from tridentmq_core.store.recovery import RecoveredState
+from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.codec import LinkConnection, Role
 from tridentmq_shared.message import M_BODY, M_ID, M_PROPS
 
@@ -329,6 +330,36 @@ def test_a_publish_written_through_leaves_only_once_the_note_of_where_it_went_is
     assert [bytes(m[M_BODY]) for m in store.messages] == [b"later"]  # stored here after all
     assert [bytes(m[M_BODY]) for m in h.broker.queues[FORWARD_QUEUE_PREFIX + "node-2"].messages()] == [b"later"]
     assert later in c.confirmed  # the recording store's writes are safe at once
+
+
+def test_a_queue_of_a_node_scaling_down_counts_as_elsewhere_until_that_node_is_gone() -> None:
+    """Issue 21, a loss in the 30-minute randomised run over up --nodes 3: an MQTT client reconnected while
+    the node holding its session record scaled down. That node's bindings went with its first update, so the
+    gateway's lookup found the record nowhere ("not elsewhere") while it was on its way here: a new session,
+    whose SUBSCRIBE dropped the subscription's queue, with messages in it, as an earlier session's. A durable
+    queue of a node that scales down now counts as elsewhere until that node is gone: the gateway waits for
+    the record (or refuses the client for now) instead."""
+    h, bindings, _ = clustered()
+    record = "$mqtt.session.client-7"
+    bindings.replace("node-2", [[*binding(record, record, ANYCAST, consumers=0), True], binding("tmp", "tmp", ANYCAST)])
+    c = h.connect()
+    made = c.create_queue(record, record, ANYCAST, durable=True)  # the gateway's, to hold the session here
+    assert isinstance(made, ev.Reply), made
+    assert made.result["elsewhere"] == ["node-2"]
+
+    def elsewhere() -> object:
+        answer = c.create_queue(record, record, ANYCAST, durable=True, passive=True)
+        assert isinstance(answer, ev.Reply), answer
+        return answer.result.get("elsewhere")
+
+    assert elsewhere() == ["node-2"]
+    bindings.leave("node-2")  # it scales down: its bindings go with the same update
+    bindings.apply("node-2", [], [["node-2", record], ["node-2", "tmp"]])
+    assert bindings.for_queue(record) == []  # no destination: it takes nothing new
+    assert elsewhere() == ["node-2"]  # but what it held is on its way
+    assert bindings.moving("tmp", "tmp") == []  # a non-durable queue is not moved: nothing to wait for
+    bindings.depart("node-2")  # gone
+    assert elsewhere() is None
 
 
 def test_redistribution_targets_are_every_reachable_node_with_consumers_for_the_queue() -> None:

@@ -1637,9 +1637,12 @@ class Broker:
 
     def _say_elsewhere(self, reply: dict[str, Any], name: str, address: str) -> dict[str, Any]:
         """``reply`` naming (``elsewhere``) the other nodes that hold a queue of that name and address too, and
-        perhaps messages of it: a consumer here makes redistribution bring them over."""
+        perhaps messages of it: a consumer here makes redistribution bring them over (a node scaling down
+        counts until it is gone: its messages are on their way to wherever there are consumers)."""
         if self.cluster is not None:
-            elsewhere = sorted({b.node_id for b in self.cluster.bindings.for_queue(name) if b.address == address})
+            bindings = self.cluster.bindings
+            holders = {b.node_id for b in bindings.for_queue(name) if b.address == address}
+            elsewhere = sorted(holders.union(bindings.moving(name, address)))
             if elsewhere:
                 reply["elsewhere"] = elsewhere
         return reply

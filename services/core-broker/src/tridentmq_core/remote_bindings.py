@@ -132,6 +132,9 @@ class RemoteBindings:
         self._live: set[str] = set()  # connected nodes: what they report of themselves is the truth
         self.forgotten: set[str] = set()  # nodes an operator said never come back: their copies are ignored
         self._connected_once: set[str] = set()  # nodes connected since this node started (not forgotten)
+        # Durable queues of nodes scaling down, by node: (queue, address). Not destinations (those nodes take
+        # nothing new), but their messages are on the move, so a queue of that name here may still get them.
+        self._moving: dict[str, set[tuple[str, str]]] = {}
 
     def __len__(self) -> int:
         return len(self._best)
@@ -166,9 +169,22 @@ class RemoteBindings:
             table[binding.key] = binding
         self._refresh({*removed, *(b.key for b in parsed)})
 
+    def leave(self, node_id: str) -> None:
+        """``node_id`` scales down (its bindings go next): remember its durable queues as on the move until it
+        is gone."""
+        self._moving[node_id] = {
+            (b.queue, b.address) for b in self._best.values() if b.node_id == node_id and b.durable
+        }
+
+    def moving(self, queue: str, address: str) -> list[str]:
+        """The nodes scaling down that had a durable queue ``queue`` on ``address``: its messages are on the
+        move (to wherever it has consumers)."""
+        return [node for node, queues in self._moving.items() if (queue, address) in queues] if self._moving else []
+
     def depart(self, via: str) -> None:
         """``via`` is no longer connected: keep its own durable queues, unreachable, and forget the rest of
         what it reported."""
+        self._moving.pop(via, None)
         self._live.discard(via)
         old = self._by_via.pop(via, None) or {}
         kept = {key: b.unreachable() for key, b in old.items() if b.durable and b.node_id == via}

@@ -192,6 +192,7 @@ class ClusterManager:
         # A node whose connection was replaced (it came back at another address: a failback, a backup that took
         # over) → since when it has been unreachable: the new connection does not start its clock again.
         self._moved_down_since: dict[str, float] = {}
+        self._joined_until: dict[str, float] = {}  # node id → when its own connection to this node last closed
         self._sent_version = (-1, -1)
         self._backlogged: frozenset[str] = frozenset()  # own queues last advertised as saturated
         self._members_version = 0
@@ -471,8 +472,9 @@ class ClusterManager:
         self.broker.audit.emit(wall_ms() * 1000, "node.left", {"peer_node": bridge.node_id, "name": bridge.name})
 
     def apply_update(self, bridge: Bridge, update: dict[str, Any]) -> None:
-        if update.get("leaving") is True:
+        if update.get("leaving") is True and not bridge.leaving:
             bridge.leaving = True
+            self.bindings.leave(bridge.node_id)  # before its bindings go with this update
         try:
             if "bindings" in update or "removed" in update:
                 self.bindings.apply(bridge.node_id, update.get("bindings") or [], update.get("removed") or [])
@@ -518,7 +520,7 @@ class ClusterManager:
     def _forget_closed(self) -> None:
         sessions = self.broker.sessions
         for conn_id in [c for c in self.joined if c not in sessions]:
-            del self.joined[conn_id]
+            self._joined_until[self.joined.pop(conn_id).node_id] = time.monotonic()
         for conn_id in [c for c in self.watchers if c not in sessions]:
             del self.watchers[conn_id]
         if self.sync:
@@ -703,7 +705,7 @@ class ClusterManager:
                 continue
             node_id = name[len(FORWARD_QUEUE_PREFIX) :]
             down_since = self.down_since(node_id)
-            if down_since is None or mono - down_since < gone_after:
+            if down_since is None or mono - max(down_since, self._last_joined(node_id, mono)) < gone_after:
                 continue
             self._gone_tried[node_id] = versions
             if tried.get(node_id) == versions:
@@ -714,6 +716,15 @@ class ClusterManager:
                     "node declared gone: its pending messages were routed again",
                     extra={"node_id": node_id, "messages": moved},
                 )
+
+    def _last_joined(self, node_id: str, now: float) -> float:
+        """When ``node_id``'s own connection to this node was last up (``now`` while it is): a node heard from
+        is not gone, even while this node's connection to it is still reconnecting. (In a randomised run a
+        node killed, restarted and at once cut off again was declared gone 10 s after the first fault
+        although it had joined in between: a resend held for it was routed again, and delivered twice.)"""
+        if any(joined.node_id == node_id for joined in self.joined.values()):
+            return now
+        return self._joined_until.get(node_id, 0.0)
 
     # ------------------------------------------------------------------ an operator forgets a node
     def forget(self, node_id: str) -> dict[str, Any]:
@@ -734,6 +745,7 @@ class ClusterManager:
         if bridge is not None:
             self.retire(bridge)
         self._moved_down_since.pop(node_id, None)
+        self._joined_until.pop(node_id, None)
         if self.members.pop(node_id, None) is not None:
             self._members_version += 1
         waiting = self.broker.queues.get(FORWARD_QUEUE_PREFIX + node_id)
