@@ -13,7 +13,7 @@ from typing import Any
 
 from tridentmq_core.audit import NullAuditSink
 from tridentmq_core.broker import Broker
-from tridentmq_core.queues import PagerFactory
+from tridentmq_core.queues import LinkSession, PagerFactory
 from tridentmq_core.security import SecurityManager
 from tridentmq_core.sessions import Session
 from tridentmq_core.settings import CoreSettings
@@ -249,7 +249,7 @@ class Harness:
     def _drain(self) -> None:
         """Write what the broker marked as having output, exactly as the server shell does: output the
         broker forgot to mark stays unsent and fails the test."""
-        by_session = {client.session: client for client in self.clients}
+        by_session: dict[LinkSession, Client] = {client.session: client for client in self.clients}
         for session in self.broker.take_dirty():
             client = by_session.get(session)
             if client is None:
