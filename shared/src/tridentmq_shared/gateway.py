@@ -25,6 +25,7 @@ from aiohttp import WSMsgType, web
 
 from tridentmq_shared.http_hosts import HostCheck, host_check_middleware
 from tridentmq_shared.http_limits import http_runner, serve
+from tridentmq_shared.light_event import LightEvent
 from tridentmq_shared.logs import setup_logging
 from tridentmq_shared.runtime import run_main, set_nodelay
 from tridentmq_shared.settings import SettingsError, load_settings
@@ -117,6 +118,9 @@ def listener_tls(tls: TlsSection, *ports: int, http_tls: bool = False) -> Server
 
 
 class _TcpWire(asyncio.Protocol):
+    # Slots: tens of thousands of these live at once, one or more per client connection.
+    __slots__ = ("_writable", "certificate_name", "host", "peer", "session", "shell", "transport")
+
     def __init__(self, shell: GatewayShell) -> None:
         self.shell = shell
         self.transport: asyncio.Transport | None = None
@@ -124,8 +128,7 @@ class _TcpWire(asyncio.Protocol):
         self.peer = "?"
         self.certificate_name: str | None = None
         self.host = "?"
-        self._writable = asyncio.Event()
-        self._writable.set()
+        self._writable = LightEvent(is_set=True)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
@@ -222,10 +225,8 @@ class _WebSocketWire:
         self.binary = binary
         self._out: asyncio.Queue[bytes | None] = asyncio.Queue()
         self._pending = 0
-        self._drained = asyncio.Event()
-        self._drained.set()
-        self._reading = asyncio.Event()
-        self._reading.set()
+        self._drained = LightEvent(is_set=True)
+        self._reading = LightEvent(is_set=True)
         self._lost = False
         self.writer = asyncio.get_running_loop().create_task(self._write_all())
 

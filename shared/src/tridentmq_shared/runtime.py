@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import random
 import resource
 import socket
 import time
@@ -22,6 +23,13 @@ def wall_ms() -> int:
     """The wall clock in milliseconds: what a node stamps on messages and audit events (the pure code is
     given it; shells read it here)."""
     return time.time_ns() // 1_000_000
+
+
+def random_hex(digits: int) -> str:
+    """``digits`` random hex digits for an identifier that must not repeat across processes and restarts (a
+    connection, a session, a producer), not for a secret: ``uuid4`` asks the kernel each time, a thirtieth of
+    the CPU of a connect. (The generator is seeded from the OS and re-seeded in a forked child.)"""
+    return f"{random.getrandbits(digits * 4):0{digits}x}"
 
 
 def tune_gc() -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any, Final, Protocol, cast
 
 from tridentmq_core.outlet import Outlet
 from tridentmq_core.selector import Selector
@@ -53,6 +53,9 @@ SCAN_LIMIT = 10_000
 #: Bytes a queued message costs beyond its body (the list, its fields, queue bookkeeping): an estimate
 #: that makes the memory limit meaningful for small messages.
 MESSAGE_OVERHEAD = 256
+#: A priority level that never held a message: empty to iterate, test and count, without a deque's 600 bytes
+#: (ten deques per queue were half of a core's memory per MQTT session). Its first message makes the deque.
+_UNUSED_LEVEL: Final = cast("deque[WireMessage]", ())
 
 
 class MemoryGauge:
@@ -259,7 +262,7 @@ class Queue:
         self._pager: Pager | None = None
         self._paged = 0
         self._paged_bytes = 0
-        self._levels: list[deque[WireMessage]] = [deque() for _ in range(MAX_PRIORITY + 1)]
+        self._levels: list[deque[WireMessage]] = [_UNUSED_LEVEL] * (MAX_PRIORITY + 1)
         self._high = 0
         self._count = 0
         self._expiring = 0
@@ -348,7 +351,10 @@ class Queue:
         if self.last_value_key is not None:
             self._replace_last_value(message)
         priority = message[M_PRIORITY]
-        self._levels[priority].append(message)
+        try:
+            self._levels[priority].append(message)
+        except AttributeError:  # the first message of this priority
+            self._levels[priority] = deque((message,))
         if priority > self._high:  # noqa: PLR1730 - max() is a builtin call per message
             self._high = priority
         self._count += 1
@@ -415,7 +421,10 @@ class Queue:
                 self._sink.on_acked(self, message)
                 return
         priority = message[M_PRIORITY]
-        self._levels[priority].appendleft(message)
+        try:
+            self._levels[priority].appendleft(message)
+        except AttributeError:  # the first message of this priority
+            self._levels[priority] = deque((message,))
         if priority > self._high:  # noqa: PLR1730 - max() is a builtin call per message
             self._high = priority
         self._count += 1

@@ -67,7 +67,7 @@ from tridentmq_shared.link.codec import (
 from tridentmq_shared.link.errors import LinkError
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.message import MAX_PROPERTIES
-from tridentmq_shared.runtime import set_nodelay, wall_ms
+from tridentmq_shared.runtime import random_hex, set_nodelay, wall_ms
 from tridentmq_shared.settings import SettingsError
 from tridentmq_shared.supervision import Supervisor, current
 from tridentmq_shared.tls import ServerTls
@@ -175,7 +175,7 @@ class LinkProtocol(asyncio.Protocol):
         self.session: Session | None = None
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
-        self.conn_id = uuid.uuid4().hex[:12]
+        self.conn_id = random_hex(12)
         self.opened = time.monotonic()
         self._login: asyncio.Task[None] | None = None  # a password check in progress
 

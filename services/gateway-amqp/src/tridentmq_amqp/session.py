@@ -17,7 +17,6 @@ import contextlib
 import itertools
 import logging
 import time
-import uuid
 from collections import deque
 from typing import Any, Final
 
@@ -62,6 +61,7 @@ from tridentmq_amqp.protocol.sasl import AuthRequest, SaslLayer
 from tridentmq_amqp.settings import AmqpSettings
 from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.gateway import Wire
+from tridentmq_shared.light_event import LightEvent
 from tridentmq_shared.link.client import LinkClient, LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import (
@@ -74,6 +74,7 @@ from tridentmq_shared.message import (
     RoutingType,
     WireMessage,
 )
+from tridentmq_shared.runtime import random_hex
 from tridentmq_shared.supervision import end_on_failure
 
 log = logging.getLogger("tridentmq.amqp")
@@ -121,7 +122,7 @@ class AmqpSession:
         self.settings = settings
         self.wire = wire
         self.counters = counters
-        self.id = uuid.uuid4().hex[:16]  # unique across gateway replicas: it names temporary queues
+        self.id = random_hex(16)  # unique across gateway replicas: it names temporary queues
         mechanisms = ("PLAIN", "ANONYMOUS") if limits.allow_anonymous else ("PLAIN",)
         self.sasl = SaslLayer(mechanisms=mechanisms, allow_no_sasl=limits.allow_anonymous)
         self.engine: Engine | None = None
@@ -142,7 +143,7 @@ class AmqpSession:
         self._unsettled_in: deque[tuple[asyncio.Future[None], Any, Inbound, bytes | None]] = deque()
         self._input: deque[bytes] = deque()
         self._input_bytes = 0
-        self._wakeup = asyncio.Event()
+        self._wakeup = LightEvent()
         self._paused = False
         self._closed = False
         self._lost = False  # the socket closed
@@ -152,7 +153,7 @@ class AmqpSession:
         self._output_scheduled = False
         self._started = loop.time()
         self._worker = end_on_failure(loop.create_task(self._work(), name="amqp worker"), self._end, wire.peer)
-        self._rearm = asyncio.Event()
+        self._rearm = LightEvent()
         self._timer = end_on_failure(loop.create_task(self._timers(), name="amqp timers"), self._end, wire.peer)
         counters.connections_total += 1
 

@@ -51,6 +51,7 @@ from tridentmq_mqtt.state import (
 )
 from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.gateway import Wire
+from tridentmq_shared.light_event import LightEvent
 from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import (
@@ -63,6 +64,7 @@ from tridentmq_shared.message import (
     RoutingType,
     WireMessage,
 )
+from tridentmq_shared.runtime import random_hex
 from tridentmq_shared.supervision import end_on_failure
 
 log = logging.getLogger("tridentmq.mqtt")
@@ -150,6 +152,47 @@ class _Confirm:
 
 
 class MqttSession:
+    # Slots: tens of thousands of these live at once, one or more per client connection.
+    __slots__ = (
+        "_acks",
+        "_addresses",
+        "_background",
+        "_closed",
+        "_completed_out",
+        "_confirms",
+        "_connected",
+        "_disconnecting",
+        "_dropping",
+        "_events",
+        "_holder",
+        "_inflight",
+        "_lock",
+        "_loop",
+        "_parked",
+        "_paused",
+        "_queues",
+        "_read_ahead",
+        "_timer",
+        "_topics",
+        "_wakeup",
+        "_will_key",
+        "_worker",
+        "client_id",
+        "conn",
+        "counters",
+        "expiry_s",
+        "feeds",
+        "id",
+        "link",
+        "registry",
+        "settings",
+        "state",
+        "subs",
+        "user",
+        "version",
+        "wire",
+    )
+
     def __init__(
         self, settings: MqttSettings, registry: Registry, wire: Wire, counters: Counters, feeds: Feeds
     ) -> None:
@@ -159,7 +202,7 @@ class MqttSession:
         self.feeds = feeds
         self.wire = wire
         self.counters = counters
-        self.id = uuid.uuid4().hex[:16]
+        self.id = random_hex(16)
         self.conn = MqttServerConnection(
             max_packet_size=limits.max_packet_bytes,
             receive_maximum=limits.receive_maximum,
@@ -178,7 +221,7 @@ class MqttSession:
         self._holder: Consumer | None = None
         self._will_key = ""
         self._events: deque[ev.Event] = deque()
-        self._wakeup = asyncio.Event()
+        self._wakeup = LightEvent()
         self._paused = False
         self._read_ahead = 0
         self._confirms: deque[_Confirm] = deque()
@@ -194,12 +237,14 @@ class MqttSession:
         self._background: set[asyncio.Task[None]] = set()  # queues dropped after moving to a feed
         self._queues = itertools.count(1)
         self._disconnecting = False
-        self._watcher: asyncio.Task[None] | None = None
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._worker = end_on_failure(loop.create_task(self._work(), name="mqtt worker"), self._end, wire.peer)
-        self._rearm = asyncio.Event()
-        self._timer = end_on_failure(loop.create_task(self._timers(), name="mqtt timers"), self._end, wire.peer)
+        # The CONNECT deadline, then the keep-alive's: a timer, not a task, per connection.
+        connect_timeout = settings.mqtt.connect_timeout_ms / 1000
+        self._timer: asyncio.TimerHandle | None = (
+            loop.call_later(connect_timeout, self._connect_deadline) if connect_timeout > 0 else None
+        )
         counters.connections_total += 1
 
     @property
@@ -475,10 +520,8 @@ class MqttSession:
         )
         self._connected = True
         self.wire.logged_in()
-        self._rearm.set()
-        self._watcher = end_on_failure(
-            self._loop.create_task(self._watch_lock(self._lock), name="mqtt session lock"), self._end, self.wire.peer
-        )
+        self._keep_alive_deadline()
+        self._watch_lock(self._lock)
         await self._resume()
 
     async def _open_session(self, clean_start: bool) -> SessionState | None:
@@ -549,21 +592,30 @@ class MqttSession:
             retain=will.retain,
         )
 
-    async def _watch_lock(self, lock: Consumer) -> None:
+    def _watch_lock(self, lock: Consumer) -> None:
         """End this connection when another one takes the session: on this node the newcomer deletes the lock
-        queue (the core closes our consumer); from another node of the cluster it sends a takeover notice."""
+        queue (the core closes our consumer); from another node of the cluster it sends a takeover notice. The
+        lock consumer calls back when either happens: no task waits on it."""
+        lock.on_wake = lambda: self._lock_woken(lock)
+        self._lock_woken(lock)
+
+    def _lock_woken(self, lock: Consumer) -> None:
         notified = False
-        with contextlib.suppress(LinkRequestError):
-            while not self._closed and not notified:
-                notices = await lock.get_batch()
-                notified = bool(notices) and self.registry.taken_over(lock, notices)
-        if not self._closed and (notified or (lock.closed is not None and lock.closed.code == ErrorCode.NOT_FOUND)):
+        if not self._closed:
+            notices = lock.take_batch()
+            notified = bool(notices) and self.registry.taken_over(lock, notices)
+            if not notified and lock.closed is None:
+                return  # nothing, or our own notice come back
+        lock.on_wake = None
+        if self._closed:
+            return
+        if notified or (lock.closed is not None and lock.closed.code == ErrorCode.NOT_FOUND):
             log.info("mqtt session taken over", extra={"peer": self.wire.peer, "client_id": self.client_id[:60]})
             self.counters.takeovers += 1
             if not notified:
                 self._lock = None  # the queue is the new owner's now (a notified one is ours to let go)
             self._end(rc.SESSION_TAKEN_OVER)
-        elif not self._closed:
+        else:
             self._end(rc.SERVER_UNAVAILABLE)
 
     def _refuse(self, reason_code: int, text: str) -> None:
@@ -1266,39 +1318,37 @@ class MqttSession:
         if asyncio.current_task() is not self._worker:
             self._worker.cancel()
 
-    async def _timers(self) -> None:
-        """The CONNECT deadline, then the keep-alive."""
-        conn = self.conn
-        connect_timeout = self.settings.mqtt.connect_timeout_ms / 1000
-        with contextlib.suppress(TimeoutError):
-            if connect_timeout > 0:
-                await asyncio.wait_for(self._rearm.wait(), connect_timeout)
-            else:
-                await self._rearm.wait()
-        if not self._connected:
-            if not self._closed and not self.version:  # no CONNECT yet (one being handled may take its time)
-                log.info("mqtt connect timeout", extra={"peer": self.wire.peer})
-                self._end()
+    def _connect_deadline(self) -> None:
+        self._timer = None
+        if not self._connected and not self._closed and not self.version:  # a CONNECT being handled may take its time
+            log.info("mqtt connect timeout", extra={"peer": self.wire.peer})
+            self._end()
+
+    def _keep_alive_deadline(self) -> None:
+        """Ends a connection silent for longer than its keep-alive allows, else waits for the next deadline."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._closed:
             return
-        while not self._closed:
-            deadline = conn.next_deadline()
-            self._rearm.clear()
-            timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._rearm.wait(), timeout)
-            try:
-                conn.handle_timeout(time.monotonic())
-            except RemoteProtocolError as exc:
-                log.info("mqtt keep-alive timeout", extra={"peer": self.wire.peer, "error": exc.message})
-                self._flush()
-                self._end()
-                return
+        conn = self.conn
+        try:
+            conn.handle_timeout(time.monotonic())
+        except RemoteProtocolError as exc:
+            log.info("mqtt keep-alive timeout", extra={"peer": self.wire.peer, "error": exc.message})
+            self._flush()
+            self._end()
+            return
+        deadline = conn.next_deadline()
+        if deadline is not None:
+            self._timer = self._loop.call_later(max(deadline - time.monotonic(), 0.0), self._keep_alive_deadline)
 
     async def _shutdown(self) -> None:
         self._closed = True
-        self._timer.cancel()
-        if self._watcher is not None:
-            self._watcher.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._lock is not None:
+            self._lock.on_wake = None
         for sub in self.subs.values():
             if sub.pump is not None:
                 sub.pump.cancel()

@@ -18,16 +18,17 @@ import itertools
 import logging
 import re
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.gateway import Wire
+from tridentmq_shared.light_event import LightEvent
 from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import M_ID, RoutingType
+from tridentmq_shared.runtime import random_hex
 from tridentmq_shared.supervision import end_on_failure
 from tridentmq_stomp import convert
 from tridentmq_stomp.convert import TEMP_QUEUE_PREFIX
@@ -87,7 +88,7 @@ class StompSession:
         self.settings = settings
         self.wire = wire
         self.counters = counters
-        self.id = uuid.uuid4().hex[:16]  # unique across gateway replicas: it names temporary queues
+        self.id = random_hex(16)  # unique across gateway replicas: it names temporary queues
         self.conn = StompServerConnection(
             Limits(limits.max_frame_bytes, limits.max_headers, limits.max_header_bytes),
             heartbeat=(limits.heartbeat_send_ms, limits.heartbeat_receive_ms),
@@ -103,14 +104,14 @@ class StompSession:
         self.transactions: dict[str, int] = {}
         self._keys = itertools.count(1)
         self._events: deque[ev.Event] = deque()
-        self._wakeup = asyncio.Event()
+        self._wakeup = LightEvent()
         self._paused = False
         self._read_ahead = 0
         self._receipts: deque[tuple[asyncio.Future[None] | None, str | None]] = deque()
         self._closed = False
         loop = asyncio.get_running_loop()
         self._worker = end_on_failure(loop.create_task(self._work(), name="stomp worker"), self._end, wire.peer)
-        self._rearm = asyncio.Event()  # the codec's next deadline changed (it connected)
+        self._rearm = LightEvent()  # the codec's next deadline changed (it connected)
         self._timer = end_on_failure(loop.create_task(self._timers(), name="stomp timers"), self._end, wire.peer)
         counters.connections_total += 1
 

@@ -18,12 +18,12 @@ import functools
 import itertools
 import logging
 import time
-import uuid
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeVar, cast
 
+from tridentmq_shared.light_event import LightEvent
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.codec import DEFAULT_HEARTBEAT_MS, LinkConnection, Role, State
 from tridentmq_shared.link.errors import LinkError, LocalProtocolError
@@ -40,7 +40,7 @@ from tridentmq_shared.message import (
     RoutingType,
     WireMessage,
 )
-from tridentmq_shared.runtime import set_nodelay
+from tridentmq_shared.runtime import random_hex, set_nodelay
 from tridentmq_shared.tls import ClientTls
 
 _P = TypeVar("_P", bound=asyncio.Protocol)
@@ -142,6 +142,28 @@ class Consumer:
     out of the queue, whoever holds it (a gateway relaying to a slow client, say). With ``window_bytes``
     the window is bounded in body bytes as well (one message may pass it)."""
 
+    # Slots: tens of thousands of these live at once, one or more per client connection.
+    __slots__ = (
+        "_buffer",
+        "_on",
+        "_taken",
+        "_taken_bytes",
+        "_unsettled",
+        "_waiter",
+        "browse_done",
+        "client",
+        "closed",
+        "consumer_id",
+        "credit_on_settle",
+        "info",
+        "on_wake",
+        "options",
+        "queue",
+        "spec",
+        "window",
+        "window_bytes",
+    )
+
     def __init__(
         self,
         client: LinkClient,
@@ -171,9 +193,17 @@ class Consumer:
         # granted a whole new window when the consumer was restored.
         self._unsettled: dict[int, int] = {}
         self._waiter: asyncio.Future[None] | None = None
+        #: Called instead of waking a waiter when deliveries arrive or the consumer closes: its holder then
+        #: takes them with ``take_batch`` from the callback, and keeps no task waiting on ``get_batch``.
+        self.on_wake: Callable[[], None] | None = None
 
     def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
+        if self.on_wake is not None:
+            try:
+                self.on_wake()
+            except Exception:  # its holder's bug must not break the link every other holder shares
+                log.exception("a consumer's wake-up callback failed", extra={"queue": self.queue})
+        elif self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
     async def _wait(self, timeout: float | None) -> bool:
@@ -229,9 +259,14 @@ class Consumer:
         empty at the end of a browse or after ``timeout``."""
         if not self._buffer and not await self._wait(timeout):
             return []
+        return self.take_batch()
+
+    def take_batch(self) -> list[tuple[int, WireMessage]]:
+        """What is buffered now as (delivery count, message) pairs, without waiting (see ``on_wake``)."""
         batch = [(op[2], op[3]) for op in self._buffer]
         self._buffer.clear()
-        self._took(len(batch), (message for _, message in batch))
+        if batch:
+            self._took(len(batch), (message for _, message in batch))
         return batch
 
     def __aiter__(self) -> AsyncIterator[Delivery]:
@@ -262,14 +297,16 @@ class Consumer:
 
 
 class _Protocol(asyncio.Protocol):
+    # Slots: tens of thousands of these live at once, one or more per client connection.
+    __slots__ = ("client", "gone", "transport", "writable")
+
     def __init__(self, client: LinkClient) -> None:
         self.client = client
         self.transport: asyncio.Transport | None = None
         # Cleared while the transport's write buffer is above its high-water mark: publishers wait, so the
         # loop keeps turning (writing, reading confirms, heartbeating) instead of buffering without bound.
-        self.writable = asyncio.Event()
-        self.writable.set()
-        self.gone = asyncio.Event()  # set once the connection is closed both ways
+        self.writable = LightEvent(is_set=True)
+        self.gone = LightEvent()  # set once the connection is closed both ways
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
@@ -297,6 +334,55 @@ class LinkClient:
     clients; ``load_balancing`` picks among them when the client makes its own topology. With
     ``follow_topology`` the client asks its node for the cluster's members after each (re)connect and keeps
     the topology up to date from the node's pushes (one such client per process is enough)."""
+
+    # Slots: tens of thousands of these live at once, one or more per client connection.
+    __slots__ = (
+        "_closing",
+        "_conn",
+        "_connecting",
+        "_consumers",
+        "_credit_waiters",
+        "_dedup_prefix",
+        "_dedup_seq",
+        "_error",
+        "_flush_scheduled",
+        "_heartbeat_task",
+        "_loop",
+        "_opened",
+        "_pending_bytes",
+        "_protocol",
+        "_queue_specs",
+        "_reconnecting",
+        "_requests",
+        "_unconfirmed",
+        "_unsent",
+        "_will",
+        "acting_for",
+        "channels",
+        "client_host",
+        "client_name",
+        "connect_timeout",
+        "failovers",
+        "follow_topology",
+        "heartbeat_ms",
+        "host",
+        "node_epoch",
+        "node_id",
+        "nodes",
+        "on_channels",
+        "on_closed",
+        "on_confirms",
+        "on_rejected",
+        "on_replica",
+        "on_settled",
+        "on_topology",
+        "password",
+        "port",
+        "producer_id",
+        "reconnect",
+        "tls",
+        "user",
+    )
 
     def __init__(
         self,
@@ -336,7 +422,7 @@ class LinkClient:
         self.node_id = ""
         self.node_epoch = 0  # the activation epoch the node announced (HA)
         self.failovers = 0  # reconnects that succeeded
-        self.producer_id = uuid.uuid4().hex[:16]
+        self.producer_id = random_hex(16)
         self._dedup_seq = itertools.count(1)
         self._dedup_prefix = f"{LINK_DEDUP_PREFIX}{self.producer_id}:"
         # The loop, kept: asyncio.get_running_loop() makes a getpid() system call each time, a fifth of a

@@ -198,6 +198,40 @@ _BATCHED: Final[dict[int, Callable[[list[ev.OpList]], ev.Event]]] = {
 class LinkConnection:
     """One end of an internal link."""
 
+    # Slots: tens of thousands of these live at once, one or more per client connection.
+    __slots__ = (
+        "_fields",
+        "_frame_limit",
+        "_hello_sent",
+        "_inbuf",
+        "_last_recv",
+        "_next_consumer_id",
+        "_next_req_id",
+        "_next_send_check",
+        "_next_seq",
+        "_next_tx_id",
+        "_open_confirm",
+        "_out",
+        "_peer_max_frame",
+        "_peer_max_operation",
+        "_released_consumers",
+        "_sent_since_check",
+        "channel_data",
+        "consumer_bytes",
+        "consumer_credit",
+        "heartbeat_ms",
+        "max_frame_size",
+        "max_ops_per_frame",
+        "max_properties",
+        "publish_bytes",
+        "publish_credit",
+        "publish_window_bytes",
+        "role",
+        "state",
+        "version",
+        "versions",
+    )
+
     def __init__(
         self,
         role: Role,

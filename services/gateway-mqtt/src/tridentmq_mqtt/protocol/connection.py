@@ -120,6 +120,31 @@ class _Out(Enum):
 
 
 class MqttServerConnection:
+    # Slots: tens of thousands of these live at once, one or more per client connection.
+    __slots__ = (
+        "_aliases",
+        "_before_connect",
+        "_held",
+        "_incoming",
+        "_input_done",
+        "_last_received",
+        "_max_connect_bytes",
+        "_next_id",
+        "_out",
+        "_outgoing",
+        "_parser",
+        "client_max_packet_size",
+        "client_receive_maximum",
+        "discarded",
+        "keep_alive",
+        "max_packet_size",
+        "problem_information",
+        "receive_maximum",
+        "state",
+        "topic_alias_maximum",
+        "version",
+    )
+
     def __init__(
         self,
         *,
