@@ -54,19 +54,24 @@ def _string(text: str) -> bytes:
     return len(data).to_bytes(2, "big") + data
 
 
-def connect_packet(client_id: str) -> bytes:
-    body = _string("MQTT") + bytes([4, 0x02]) + (0).to_bytes(2, "big") + _string(client_id)
+def connect_packet(client_id: str, *, clean: bool = True) -> bytes:
+    """An MQTT 3.1.1 CONNECT without keep-alive; ``clean`` False asks for a persistent session."""
+    body = _string("MQTT") + bytes([4, 0x02 if clean else 0x00]) + (0).to_bytes(2, "big") + _string(client_id)
     return b"\x10" + _length(len(body)) + body
 
 
-def subscribe_packet(topic: str) -> bytes:
-    body = (1).to_bytes(2, "big") + _string(topic) + b"\x00"
+def subscribe_packet(topic: str, qos: int = 0) -> bytes:
+    body = (1).to_bytes(2, "big") + _string(topic) + bytes([qos])
     return b"\x82" + _length(len(body)) + body
 
 
-def publish_packet(topic: str, payload: bytes) -> bytes:
-    body = _string(topic) + payload
-    return b"\x30" + _length(len(body)) + body
+def publish_packet(topic: str, payload: bytes, packet_id: int = 0) -> bytes:
+    """A PUBLISH: QoS 0, or QoS 1 with a ``packet_id``."""
+    if not packet_id:
+        body = _string(topic) + payload
+        return b"\x30" + _length(len(body)) + body
+    body = _string(topic) + packet_id.to_bytes(2, "big") + payload
+    return b"\x32" + _length(len(body)) + body
 
 
 async def read_packet(reader: asyncio.StreamReader) -> tuple[int, bytes]:
@@ -147,7 +152,7 @@ def _client_process(*args: Any) -> None:
     run_main(_clients(*args))
 
 
-def _proc(pid: int) -> dict[str, int]:
+def proc_usage(pid: int) -> dict[str, int]:
     rss_kib = 0
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -199,7 +204,7 @@ def main() -> None:
             core_shared_links=str(args.shared_links),
         ) as gateway,
     ):
-        before = {"core": _proc(core.process.pid), "gateway": _proc(gateway.process.pid)}
+        before = {"core": proc_usage(core.process.pid), "gateway": proc_usage(gateway.process.pid)}
         start = multiprocessing.Event()
         pipes: list[tuple[Connection, multiprocessing.Process]] = []
         try:
@@ -224,7 +229,7 @@ def main() -> None:
             subscribed = sum(r[0] for r in results)
             refused = sum(r[1] for r in results)
             elapsed = max(r[2] for r in results)
-            after = {"core": _proc(core.process.pid), "gateway": _proc(gateway.process.pid)}
+            after = {"core": proc_usage(core.process.pid), "gateway": proc_usage(gateway.process.pid)}
             status = _status(core)
             asyncio.run(_publish_all(gateway.port, run, args.count))
             received = sum(here.recv() for here, _ in pipes)
