@@ -55,6 +55,9 @@ class Wire(Protocol):
     def pause_reading(self) -> None: ...
     def resume_reading(self) -> None: ...
     async def drained(self) -> None: ...
+    def writable(self) -> bool:
+        """Whether the client reads what is written: false until ``drained`` returns."""
+
     def buffered(self) -> int:
         """Bytes written and not yet taken by the operating system."""
 
@@ -197,6 +200,9 @@ class _TcpWire(asyncio.Protocol):
     async def drained(self) -> None:
         await self._writable.wait()
 
+    def writable(self) -> bool:
+        return self._writable.is_set()
+
     def buffered(self) -> int:
         return self.transport.get_write_buffer_size() if self.transport is not None else 0
 
@@ -277,6 +283,9 @@ class _WebSocketWire:
 
     async def drained(self) -> None:
         await self._drained.wait()
+
+    def writable(self) -> bool:
+        return self._drained.is_set()
 
     def buffered(self) -> int:
         return self._pending

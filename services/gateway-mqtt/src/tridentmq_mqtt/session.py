@@ -104,7 +104,7 @@ class Sub:
     options: StoredSubscription
     consumer: Consumer | None  # None for a member of a feed
     dollar_safe: bool  # the filter starts with a wildcard: it must not deliver ``$`` topics
-    pump: asyncio.Task[None] | None = None
+    draining: bool = False  # its messages wait for the client to read what was written (``_pump``)
     closed: bool = False
     session: MqttSession | None = None  # set for a member of a feed: the connection its messages go to
     solo: bool = False  # a QoS 0 subscription that could have been a feed's member (``Feeds.solo_opened``)
@@ -863,8 +863,9 @@ class MqttSession:
         )
         if fannable:
             self.feeds.solo_opened(link.user, topic_filter)
-        sub.pump = end_on_failure(self._loop.create_task(self._pump(sub), name="mqtt pump"), self._end, self.wire.peer)
         self.subs[text] = sub
+        consumer.on_wake = lambda: self._pump(sub)
+        self._pump(sub)  # what arrived with the subscribe's answer
         return sub
 
     def _move_to_feed(self, sub: Sub, feed: Feed) -> None:
@@ -873,6 +874,7 @@ class MqttSession:
         was made and not taken yet is lost, as QoS 0 allows)."""
         consumer, queue = sub.consumer, sub.queue
         assert consumer is not None
+        consumer.on_wake = None
         self._not_solo(sub)
         sub.consumer, sub.queue, sub.session = None, feed.queue, self
         self.feeds.adopt(sub, feed)
@@ -990,8 +992,8 @@ class MqttSession:
 
     async def _close_sub(self, sub: Sub) -> None:
         sub.closed = True
-        if sub.pump is not None:
-            sub.pump.cancel()
+        if sub.consumer is not None:
+            sub.consumer.on_wake = None
         self._parked = [o for o in self._parked if o.sub is not sub]
         self._not_solo(sub)
         if sub.consumer is None:
@@ -1008,52 +1010,77 @@ class MqttSession:
         self._flush()
 
     # ------------------------------------------------------------------ deliveries
-    async def _pump(self, sub: Sub) -> None:
+    def _pump(self, sub: Sub) -> None:
+        """Write what ``sub``'s consumer holds to the client. The consumer calls it when deliveries arrive (no
+        task per subscription); while the client does not read what was written, the deliveries wait in the
+        consumer, whose credit then stops the core, and a task waits for the client to drain."""
         consumer = sub.consumer
-        assert consumer is not None
+        if self._closed or sub.closed or sub.draining or consumer is None:
+            return
+        if not self.wire.writable():
+            sub.draining = True
+            task = self._loop.create_task(self._pump_when_drained(sub))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            return
         try:
-            while not self._closed and not sub.closed:
-                await self.wire.drained()
-                batch = await consumer.get_batch()
-                if self.conn.closed or sub.closed:
-                    return
-                now_ms = int(time.time() * 1000)
-                done = []
-                # Per batch, not per message: whether any message could be unwanted, and the QoS cap.
-                filtering = sub.dollar_safe or sub.options.no_local
-                sub_qos = sub.options.qos
-                for count, message in batch:
-                    if (filtering or message[M_EXPIRATION]) and not self._wanted(sub, message, now_ms):
-                        done.append(message[M_ID])
-                        continue
-                    qos = min(messages.published_qos(message), sub_qos) if sub_qos else 0
-                    if qos == 0:
-                        if self._write_or_refuse(sub, message, 0, now_ms) is not None:
-                            done.append(message[M_ID])
-                    else:
-                        self._deliver(_Outgoing(sub, message, qos, dup=count > 1))
-                if done and not sub.auto_ack:
-                    consumer.ack_ids(done)  # QoS 0: written (or skipped) is done
-                self.counters.messages_delivered += len(batch)
-                self._flush()
-                link = self.link
-                if sub.solo and batch and link is not None:
-                    numbered, top = numbering(link), max(message[M_ID] for _, message in batch)
-                    if numbered != sub.had_on:  # the first batch, or the link failed over: numbered anew
-                        sub.had_upto, sub.had_on = top, numbered
-                    else:
-                        sub.had_upto = max(sub.had_upto, top)
-                    feed = self.feeds.feed_for(link.user, sub.topic_filter, numbered)
-                    if feed is not None:
-                        self._move_to_feed(sub, feed)
-                        return
+            self._write_batch(sub, consumer)
+        except LinkRequestError as exc:
+            self._subscription_ended(exc)
         except LocalProtocolError:
             if not self.conn.closed:  # the connection closing mid-batch is no error
-                raise
-        except LinkRequestError as exc:
-            if not self._closed and not sub.closed:
-                log.info("subscription ended by the core", extra={"peer": self.wire.peer, "reason": exc.text})
-                self._end(rc.UNSPECIFIED_ERROR)
+                log.exception("mqtt subscription failed", extra={"peer": self.wire.peer})
+                self._end(rc.IMPLEMENTATION_SPECIFIC_ERROR)
+        except Exception:  # as a task's failure would: this connection ends, the gateway goes on
+            log.exception("mqtt subscription failed", extra={"peer": self.wire.peer})
+            self._end(rc.IMPLEMENTATION_SPECIFIC_ERROR)
+
+    def _subscription_ended(self, error: LinkRequestError) -> None:
+        log.info("subscription ended by the core", extra={"peer": self.wire.peer, "reason": error.text})
+        self._end(rc.UNSPECIFIED_ERROR)
+
+    async def _pump_when_drained(self, sub: Sub) -> None:
+        await self.wire.drained()
+        sub.draining = False
+        self._pump(sub)
+
+    def _write_batch(self, sub: Sub, consumer: Consumer) -> None:
+        batch = consumer.take_batch()
+        if not batch:
+            if consumer.closed is not None:
+                self._subscription_ended(consumer.closed)
+            return
+        if self.conn.closed:
+            return
+        now_ms = int(time.time() * 1000)
+        done = []
+        # Per batch, not per message: whether any message could be unwanted, and the QoS cap.
+        filtering = sub.dollar_safe or sub.options.no_local
+        sub_qos = sub.options.qos
+        for count, message in batch:
+            if (filtering or message[M_EXPIRATION]) and not self._wanted(sub, message, now_ms):
+                done.append(message[M_ID])
+                continue
+            qos = min(messages.published_qos(message), sub_qos) if sub_qos else 0
+            if qos == 0:
+                if self._write_or_refuse(sub, message, 0, now_ms) is not None:
+                    done.append(message[M_ID])
+            else:
+                self._deliver(_Outgoing(sub, message, qos, dup=count > 1))
+        if done and not sub.auto_ack:
+            consumer.ack_ids(done)  # QoS 0: written (or skipped) is done
+        self.counters.messages_delivered += len(batch)
+        self._flush()
+        link = self.link
+        if sub.solo and link is not None:
+            numbered, top = numbering(link), max(message[M_ID] for _, message in batch)
+            if numbered != sub.had_on:  # the first batch, or the link failed over: numbered anew
+                sub.had_upto, sub.had_on = top, numbered
+            else:
+                sub.had_upto = max(sub.had_upto, top)
+            feed = self.feeds.feed_for(link.user, sub.topic_filter, numbered)
+            if feed is not None:
+                self._move_to_feed(sub, feed)
 
     def _wanted(self, sub: Sub, message: WireMessage, now_ms: int) -> bool:
         """Whether a message of ``sub``'s queue goes to the client: not an expired one, not a ``$`` topic for a
@@ -1352,8 +1379,8 @@ class MqttSession:
         if self._lock is not None:
             self._lock.on_wake = None
         for sub in self.subs.values():
-            if sub.pump is not None:
-                sub.pump.cancel()
+            if sub.consumer is not None:
+                sub.consumer.on_wake = None
         for sub in list(self.subs.values()):
             self._not_solo(sub)
             if sub.consumer is None:
