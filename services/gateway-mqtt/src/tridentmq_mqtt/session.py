@@ -50,7 +50,6 @@ from tridentmq_mqtt.state import (
 )
 from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.gateway import Wire
-from tridentmq_shared.light_event import LightEvent
 from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import (
@@ -173,7 +172,6 @@ class MqttSession:
         "_read_ahead",
         "_timer",
         "_topics",
-        "_wakeup",
         "_will_key",
         "_worker",
         "client_id",
@@ -221,7 +219,6 @@ class MqttSession:
         self._will_key = ""
         # Lists, not deques: an empty deque is 600 bytes, and each is taken whole (a batch) or cut once.
         self._events: list[ev.Event] = []
-        self._wakeup = LightEvent()
         self._paused = False
         self._read_ahead = 0
         self._confirms: list[_Confirm] = []
@@ -239,7 +236,9 @@ class MqttSession:
         self._disconnecting = False
         loop = asyncio.get_running_loop()
         self._loop = loop
-        self._worker = end_on_failure(loop.create_task(self._work(), name="mqtt worker"), self._end, wire.peer)
+        # The packet worker runs while there are packets to handle, and the shutdown after the end: an idle
+        # connection holds no task.
+        self._worker: asyncio.Task[None] | None = None
         # The CONNECT deadline, then the keep-alive's: a timer, not a task, per connection.
         connect_timeout = settings.mqtt.connect_timeout_ms / 1000
         self._timer: asyncio.TimerHandle | None = (
@@ -272,7 +271,7 @@ class MqttSession:
         if type(events[-1]) is ev.Disconnect:
             self._disconnecting = True  # the codec is closed from now on, but the DISCONNECT is still to handle
         self._events.extend(events)
-        self._wakeup.set()
+        self._run_worker()
         limits = self.settings.mqtt
         # Nothing more is read from a client not logged in yet.
         if not self._paused and (
@@ -286,27 +285,29 @@ class MqttSession:
     def connection_lost(self) -> None:
         if not self._closed:
             self._events.append(ev.ConnectionClosed())
-            self._wakeup.set()
+            self._run_worker()
 
     async def wait_closed(self) -> None:
-        await asyncio.shield(self._worker)
+        if self._worker is not None:
+            await asyncio.shield(self._worker)
 
     def shutdown(self, *, unavailable: bool = False) -> None:
         """The gateway is stopping (5.0 clients are told so: 0x8B), or lost the core (0x88)."""
         self._end(rc.SERVER_UNAVAILABLE if unavailable else rc.SERVER_SHUTTING_DOWN)
 
     # ------------------------------------------------------------------ the packet worker
+    def _run_worker(self) -> None:
+        if self._worker is None:
+            self._worker = end_on_failure(
+                self._loop.create_task(self._work(), name="mqtt worker"), self._end, self.wire.peer
+            )
+
     async def _work(self) -> None:
+        """Handle the packets received, until there are none: then reading goes on and the task ends, or the
+        session has ended and the task shuts it down."""
+        ended = True
         try:
-            while not self._closed:
-                if not self._events:
-                    self._read_ahead = 0
-                    if self._paused:
-                        self._paused = False
-                        self.wire.resume_reading()
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
-                    continue
+            while not self._closed and self._events:
                 await self.wire.drained()  # a client that does not read is not read either
                 batch, self._events = iter(self._events), []
                 while not self._closed and (event := next(batch, None)) is not None:
@@ -325,8 +326,16 @@ class MqttSession:
                         self._end(rc.IMPLEMENTATION_SPECIFIC_ERROR)
                 self._answer_confirmed()
                 self._flush()
+            if not self._closed:
+                ended = False
+                self._read_ahead = 0
+                if self._paused:
+                    self._paused = False
+                    self.wire.resume_reading()
+                self._worker = None
         finally:
-            await self._shutdown()
+            if ended:
+                await self._shutdown()
 
     def _handle_now(self, event: ev.Event) -> bool:
         """QoS 0/1 PUBLISH and PUBACK without a coroutine each: at tens of thousands a second that is most of
@@ -1343,9 +1352,13 @@ class MqttSession:
             if data:
                 self.wire.write(data)
         self._closed = True
-        self._wakeup.set()
-        if asyncio.current_task() is not self._worker:
-            self._worker.cancel()
+        worker = self._worker
+        if worker is None:
+            self._worker = end_on_failure(
+                self._loop.create_task(self._shutdown(), name="mqtt shutdown"), self._end, self.wire.peer
+            )
+        elif worker is not asyncio.current_task():
+            worker.cancel()
 
     def _connect_deadline(self) -> None:
         self._timer = None
