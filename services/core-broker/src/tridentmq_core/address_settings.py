@@ -75,6 +75,8 @@ class AddressSettingsRepository:
         self._configured = list(entries)
         self._entries: list[AddressSettingsEntry] = []
         self._cache: dict[str, ResolvedAddressSettings] = {}
+        # Addresses matched by the same entries share one resolved object: 100,000 device topics are one.
+        self._combined: dict[tuple[int, ...], ResolvedAddressSettings] = {}
         self._sort()
 
     def _sort(self) -> None:
@@ -82,6 +84,7 @@ class AddressSettingsRepository:
         entries = [*self._configured, *BUILT_IN_ENTRIES]
         self._entries = sorted(entries, key=lambda e: _specificity(e.match), reverse=True)
         self._cache.clear()
+        self._combined.clear()
 
     @property
     def entries(self) -> list[AddressSettingsEntry]:
@@ -102,10 +105,20 @@ class AddressSettingsRepository:
         found = self._cache.get(address)
         if found is not None:
             return found
+        matched = tuple(i for i, entry in enumerate(self._entries) if pattern_matches(entry.match, address))
+        resolved = self._combined.get(matched)
+        if resolved is None:
+            resolved = self._combined[matched] = self._combine([self._entries[i] for i in matched])
+        if len(self._cache) > 100_000:
+            self._cache.clear()
+        self._cache[address] = resolved
+        return resolved
+
+    @staticmethod
+    def _combine(entries: list[AddressSettingsEntry]) -> ResolvedAddressSettings:
+        """The settings of the given entries, most specific first, over the built-in defaults."""
         values: dict[str, object] = {}
-        for entry in self._entries:
-            if not pattern_matches(entry.match, address):
-                continue
+        for entry in entries:
             for f in dataclasses.fields(entry):
                 value = getattr(entry, f.name)
                 if f.name != "match" and value is not None and f.name not in values:
@@ -116,7 +129,4 @@ class AddressSettingsRepository:
         resolved = dataclasses.replace(BUILT_IN, **values)  # type: ignore[arg-type]
         if routing is not None:
             resolved = dataclasses.replace(resolved, default_routing_type=RoutingType[str(routing).upper()])
-        if len(self._cache) > 100_000:
-            self._cache.clear()
-        self._cache[address] = resolved
         return resolved
