@@ -63,7 +63,7 @@ from tridentmq_shared.message import (
     WireMessage,
 )
 from tridentmq_shared.runtime import random_hex
-from tridentmq_shared.supervision import end_on_failure
+from tridentmq_shared.session_driver import SessionDriver
 
 log = logging.getLogger("tridentmq.mqtt")
 
@@ -155,25 +155,20 @@ class MqttSession:
         "_acks",
         "_addresses",
         "_background",
-        "_closed",
         "_completed_out",
         "_confirms",
         "_connected",
         "_disconnecting",
+        "_driver",
         "_dropping",
-        "_events",
         "_holder",
         "_inflight",
         "_lock",
         "_loop",
         "_parked",
-        "_paused",
         "_queues",
-        "_read_ahead",
-        "_timer",
         "_topics",
         "_will_key",
-        "_worker",
         "client_id",
         "conn",
         "counters",
@@ -218,9 +213,6 @@ class MqttSession:
         self._holder: Consumer | None = None
         self._will_key = ""
         # Lists, not deques: an empty deque is 600 bytes, and each is taken whole (a batch) or cut once.
-        self._events: list[ev.Event] = []
-        self._paused = False
-        self._read_ahead = 0
         self._confirms: list[_Confirm] = []
         self._inflight: dict[int, _Outgoing] = {}  # packet id → what the client is to acknowledge
         self._parked: list[_Outgoing] = []  # waiting for the client's receive maximum or a packet id
@@ -228,7 +220,6 @@ class MqttSession:
         self._acks: dict[Sub, list[int]] = {}  # acknowledged by the client, for the core at the next flush
         self._addresses: dict[str, str] = {}  # topic → address
         self._topics: dict[str, tuple[str, bytes]] = {}  # address → topic, and as a PUBLISH encodes it
-        self._closed = False
         self._connected = False
         self._dropping = False  # fan-out messages are being skipped: the client does not keep up
         self._background: set[asyncio.Task[None]] = set()  # queues dropped after moving to a feed
@@ -236,15 +227,17 @@ class MqttSession:
         self._disconnecting = False
         loop = asyncio.get_running_loop()
         self._loop = loop
-        # The packet worker runs while there are packets to handle, and the shutdown after the end: an idle
-        # connection holds no task.
-        self._worker: asyncio.Task[None] | None = None
-        # The CONNECT deadline, then the keep-alive's: a timer, not a task, per connection.
-        connect_timeout = settings.mqtt.connect_timeout_ms / 1000
-        self._timer: asyncio.TimerHandle | None = (
-            loop.call_later(connect_timeout, self._connect_deadline) if connect_timeout > 0 else None
+        self._driver = SessionDriver(
+            self, wire, "mqtt", max_events=limits.pending_packets, max_bytes=limits.pending_bytes
         )
+        connect_timeout = settings.mqtt.connect_timeout_ms / 1000
+        if connect_timeout > 0:
+            self._driver.arm_timer(connect_timeout, self._connect_deadline)
         counters.connections_total += 1
+
+    @property
+    def _closed(self) -> bool:
+        return self._driver.closed
 
     @property
     def persistent(self) -> bool:
@@ -260,8 +253,8 @@ class MqttSession:
             log.exception("mqtt codec failed", extra={"peer": self.wire.peer})
             self._end()
             return
-        self._read_ahead += len(data)
         if not events:  # a PINGREQ is answered by the codec alone
+            self._driver.receive(events, len(data))
             if self._connected:
                 out = self.conn.data_to_send()
                 if out:
@@ -270,74 +263,53 @@ class MqttSession:
         self.counters.packets_received += len(events)
         if type(events[-1]) is ev.Disconnect:
             self._disconnecting = True  # the codec is closed from now on, but the DISCONNECT is still to handle
-        self._events.extend(events)
-        self._run_worker()
-        limits = self.settings.mqtt
         # Nothing more is read from a client not logged in yet.
-        if not self._paused and (
-            len(self._events) >= limits.pending_packets
-            or self._read_ahead >= limits.pending_bytes
-            or not self._connected
-        ):
-            self._paused = True
-            self.wire.pause_reading()
+        self._driver.receive(events, len(data), hold=not self._connected)
 
     def connection_lost(self) -> None:
-        if not self._closed:
-            self._events.append(ev.ConnectionClosed())
-            self._run_worker()
+        self._driver.connection_lost(ev.ConnectionClosed())
 
     async def wait_closed(self) -> None:
-        if self._worker is not None:
-            await asyncio.shield(self._worker)
+        await self._driver.wait_closed()
 
     def shutdown(self, *, unavailable: bool = False) -> None:
         """The gateway is stopping (5.0 clients are told so: 0x8B), or lost the core (0x88)."""
         self._end(rc.SERVER_UNAVAILABLE if unavailable else rc.SERVER_SHUTTING_DOWN)
 
-    # ------------------------------------------------------------------ the packet worker
-    def _run_worker(self) -> None:
-        if self._worker is None:
-            self._worker = end_on_failure(
-                self._loop.create_task(self._work(), name="mqtt worker"), self._end, self.wire.peer
-            )
+    # ------------------------------------------------------------------ the packet worker (SessionHooks)
+    handled_errors: tuple[type[Exception], ...] = (
+        ConversionError,
+        LinkRequestError,
+        AssertionError,
+        LookupError,
+        TypeError,
+        ValueError,
+        LocalProtocolError,
+    )
 
-    async def _work(self) -> None:
-        """Handle the packets received, until there are none: then reading goes on and the task ends, or the
-        session has ended and the task shuts it down."""
-        ended = True
-        try:
-            while not self._closed and self._events:
-                await self.wire.drained()  # a client that does not read is not read either
-                batch, self._events = iter(self._events), []
-                while not self._closed and (event := next(batch, None)) is not None:
-                    try:
-                        if not self._handle_now(event):
-                            self._answer_confirmed()
-                            self._flush()
-                            await self._handle(event)
-                    except ConversionError as exc:
-                        self._violation(exc.reason_code, str(exc))
-                    except LinkRequestError as exc:
-                        log.info("core refused a request", extra={"peer": self.wire.peer, "reason": exc.text})
-                        self._end(rc.UNSPECIFIED_ERROR)
-                    except (AssertionError, LookupError, TypeError, ValueError, LocalProtocolError):
-                        log.exception("mqtt session failed", extra={"peer": self.wire.peer})
-                        self._end(rc.IMPLEMENTATION_SPECIFIC_ERROR)
-                self._answer_confirmed()
-                self._flush()
-            if not self._closed:
-                ended = False
-                self._read_ahead = 0
-                if self._paused:
-                    self._paused = False
-                    self.wire.resume_reading()
-                self._worker = None
-        finally:
-            if ended:
-                await self._shutdown()
+    def handle_error(self, event: ev.Event, error: Exception) -> None:
+        if isinstance(error, ConversionError):
+            self._violation(error.reason_code, str(error))
+        elif isinstance(error, LinkRequestError):
+            log.info("core refused a request", extra={"peer": self.wire.peer, "reason": error.text})
+            self._end(rc.UNSPECIFIED_ERROR)
+        else:
+            log.error("mqtt session failed", exc_info=error, extra={"peer": self.wire.peer})
+            self._end(rc.IMPLEMENTATION_SPECIFIC_ERROR)
 
-    def _handle_now(self, event: ev.Event) -> bool:
+    def before_handle(self) -> None:
+        self._answer_confirmed()
+        self._flush()
+
+    after_batch = before_handle
+
+    def reading_paused(self) -> None:
+        pass
+
+    def reading_resumed(self) -> None:
+        pass
+
+    def handle_now(self, event: ev.Event) -> bool:
         """QoS 0/1 PUBLISH and PUBACK without a coroutine each: at tens of thousands a second that is most of
         the cost."""
         kind = type(event)
@@ -365,7 +337,7 @@ class MqttSession:
             return True
         return False
 
-    async def _handle(self, event: ev.Event) -> None:
+    async def handle(self, event: ev.Event) -> None:
         match event:
             case ev.Connect():
                 await self._connect(event)
@@ -384,7 +356,7 @@ class MqttSession:
             case ev.Disconnect():
                 await self._disconnect(event)
             case ev.ConnectionClosed():
-                self._closed = True
+                self._driver.end()
             case ev.ProtocolViolation():
                 log.info(
                     "mqtt protocol error",
@@ -630,7 +602,7 @@ class MqttSession:
             props = Properties(reason_string=text[:200]) if self.version == V5 else NO_PROPERTIES
             self.conn.refuse(reason_code, props)
             self._flush()
-        self._closed = True
+        self._driver.end()
 
     # ------------------------------------------------------------------ messages from the client
     def _address(self, topic: str) -> str:
@@ -1283,7 +1255,7 @@ class MqttSession:
         if valid and not event.with_will and self.link is not None:
             with contextlib.suppress(LinkRequestError):
                 await self.link.set_will(self._will_key, None)
-        self._closed = True
+        self._driver.end()
 
     async def _change_expiry(self, expiry_s: int) -> None:
         if expiry_s == self.expiry_s:
@@ -1351,26 +1323,15 @@ class MqttSession:
             data = self.conn.data_to_send()
             if data:
                 self.wire.write(data)
-        self._closed = True
-        worker = self._worker
-        if worker is None:
-            self._worker = end_on_failure(
-                self._loop.create_task(self._shutdown(), name="mqtt shutdown"), self._end, self.wire.peer
-            )
-        elif worker is not asyncio.current_task():
-            worker.cancel()
+        self._driver.end()
 
     def _connect_deadline(self) -> None:
-        self._timer = None
         if not self._connected and not self._closed and not self.version:  # a CONNECT being handled may take its time
             log.info("mqtt connect timeout", extra={"peer": self.wire.peer})
             self._end()
 
     def _keep_alive_deadline(self) -> None:
         """Ends a connection silent for longer than its keep-alive allows, else waits for the next deadline."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         if self._closed:
             return
         conn = self.conn
@@ -1382,13 +1343,9 @@ class MqttSession:
             self._end()
             return
         deadline = conn.next_deadline()
-        if deadline is not None:
-            self._timer = self._loop.call_later(max(deadline - time.monotonic(), 0.0), self._keep_alive_deadline)
+        self._driver.arm_timer(None if deadline is None else deadline - time.monotonic(), self._keep_alive_deadline)
 
-    async def _shutdown(self) -> None:
-        self._closed = True
-        if self._timer is not None:
-            self._timer.cancel()
+    async def clean_up(self) -> None:
         if self._lock is not None:
             self._lock.on_wake = None
         for sub in self.subs.values():

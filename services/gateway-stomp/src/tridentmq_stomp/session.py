@@ -24,11 +24,11 @@ from typing import Any
 
 from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.gateway import Wire
-from tridentmq_shared.light_event import LightEvent
 from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import M_ID, RoutingType
 from tridentmq_shared.runtime import random_hex
+from tridentmq_shared.session_driver import SessionDriver
 from tridentmq_shared.supervision import end_on_failure
 from tridentmq_stomp import convert
 from tridentmq_stomp.convert import TEMP_QUEUE_PREFIX
@@ -103,16 +103,11 @@ class StompSession:
         self.temporary_queues: set[str] = set()  # addresses of this connection's /temp-queue/ destinations
         self.transactions: dict[str, int] = {}
         self._keys = itertools.count(1)
-        self._events: deque[ev.Event] = deque()
-        self._wakeup = LightEvent()
-        self._paused = False
-        self._read_ahead = 0
         self._receipts: deque[tuple[asyncio.Future[None] | None, str | None]] = deque()
-        self._closed = False
-        loop = asyncio.get_running_loop()
-        self._worker = end_on_failure(loop.create_task(self._work(), name="stomp worker"), self._end, wire.peer)
-        self._rearm = LightEvent()  # the codec's next deadline changed (it connected)
-        self._timer = end_on_failure(loop.create_task(self._timers(), name="stomp timers"), self._end, wire.peer)
+        self._driver = SessionDriver(
+            self, wire, "stomp", max_events=limits.pending_frames, max_bytes=limits.pending_bytes
+        )
+        self._arm_timer()  # the CONNECT's deadline
         counters.connections_total += 1
 
     # ------------------------------------------------------------------ input from the client
@@ -120,69 +115,56 @@ class StompSession:
         if self._closed:
             return
         events = self.conn.receive_data(data, time.monotonic())
-        self._read_ahead += len(data)  # bytes read since the worker last caught up (an upper bound of its backlog)
-        if not events:
-            return
         self.counters.frames_received += len(events)
-        self._events.extend(events)
-        self._wakeup.set()
-        limits = self.settings.stomp
-        if not self._paused and (
-            len(self._events) >= limits.pending_frames
-            or self._read_ahead >= limits.pending_bytes
-            or self.conn.state is State.CONNECTING  # nothing more is read from a client not logged in yet
-        ):
-            self._paused = True
-            self.wire.pause_reading()
-            self.conn.reading_paused()  # the client's heart-beats wait in the socket meanwhile
+        # Nothing more is read from a client not logged in yet.
+        self._driver.receive(events, len(data), hold=self.conn.state is State.CONNECTING)
 
     async def wait_closed(self) -> None:
-        await asyncio.shield(self._worker)
+        await self._driver.wait_closed()
+
+    @property
+    def _closed(self) -> bool:
+        return self._driver.closed
 
     def connection_lost(self) -> None:
         """The socket closed: end the session (the link's close returns unacked messages)."""
-        if not self._closed:
-            self._events.append(ev.ConnectionClosed())
-            self._wakeup.set()
+        self._driver.connection_lost(ev.ConnectionClosed())
 
-    # ------------------------------------------------------------------ the frame worker
-    async def _work(self) -> None:
-        events = self._events
-        try:
-            while not self._closed:
-                if not events:
-                    self._read_ahead = 0
-                    if self._paused:
-                        self._paused = False
-                        self.wire.resume_reading()
-                        self.conn.reading_resumed(time.monotonic())
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
-                    continue
-                await self.wire.drained()  # a client that does not read its receipts is not read either
-                batch = len(events)  # the frames read so far, then one write
-                while batch and not self._closed:
-                    batch -= 1
-                    event = events.popleft()
-                    try:
-                        if not self._handle_now(event):
-                            self._drain_receipts()  # what the frames before it produced goes out first
-                            self._flush()
-                            await self._handle(event)
-                    except LinkRequestError as exc:
-                        self._link_error(event, exc)
-                    except convert.ConversionError as exc:
-                        self._error("invalid header", str(exc), getattr(event, "receipt", None))
-                    except (AssertionError, LookupError, TypeError, ValueError, LocalProtocolError):
-                        # A bug of ours, not the client's fault: say so and end this connection only.
-                        log.exception("stomp session failed", extra={"peer": self.wire.peer})
-                        self._error("internal error", "the gateway failed to handle this frame", None)
-                self._drain_receipts()
-                self._flush()
-        finally:
-            await self._shutdown()
+    # ------------------------------------------------------------------ the frame worker (SessionHooks)
+    handled_errors: tuple[type[Exception], ...] = (
+        LinkRequestError,
+        convert.ConversionError,
+        AssertionError,
+        LookupError,
+        TypeError,
+        ValueError,
+        LocalProtocolError,
+    )
 
-    def _handle_now(self, event: ev.Event) -> bool:
+    def handle_error(self, event: ev.Event, error: Exception) -> None:
+        if isinstance(error, LinkRequestError):
+            self._link_error(event, error)
+        elif isinstance(error, convert.ConversionError):
+            self._error("invalid header", str(error), getattr(event, "receipt", None))
+        else:  # a bug of ours, not the client's fault: say so and end this connection only
+            log.error("stomp session failed", exc_info=error, extra={"peer": self.wire.peer})
+            self._error("internal error", "the gateway failed to handle this frame", None)
+
+    def before_handle(self) -> None:
+        """What the frames before one that waits produced goes out first."""
+        self._drain_receipts()
+        self._flush()
+
+    after_batch = before_handle
+
+    def reading_paused(self) -> None:
+        self.conn.reading_paused()  # the client's heart-beats wait in the socket meanwhile
+
+    def reading_resumed(self) -> None:
+        self.conn.reading_resumed(time.monotonic())
+        self._arm_timer()  # the client's heart-beats are due again
+
+    def handle_now(self, event: ev.Event) -> bool:
         """Handle the frames that need no waiting (ACK, NACK, and a SEND while the core's window is open)
         without a coroutine each: at tens of thousands of frames a second that is most of the cost."""
         if isinstance(event, ev.Ack):
@@ -204,7 +186,7 @@ class StompSession:
         self._published(link.send_now(convert.to_message(address, routing, headers, event.body)), event.receipt)
         return True
 
-    async def _handle(self, event: ev.Event) -> None:
+    async def handle(self, event: ev.Event) -> None:
         """The other frames (ACK and NACK always go through ``_handle_now``)."""
         match event:
             case ev.Connect():
@@ -223,7 +205,7 @@ class StompSession:
             case ev.Disconnect():
                 await self._disconnect(event)
             case ev.ConnectionClosed():
-                self._closed = True
+                self._driver.end()
             case ev.ProtocolViolation():
                 log.info(
                     "stomp protocol error",
@@ -248,7 +230,7 @@ class StompSession:
                 log.warning("core unavailable", extra={"peer": self.wire.peer, "reason": exc.text})
                 self.conn.refuse("server unavailable", "the broker cannot be reached; try again")
             self.counters.errors += 1
-            self._closed = True
+            self._driver.end()
             return
         self.link = link
         link.on_closed = self._link_closed
@@ -256,7 +238,7 @@ class StompSession:
         self.client_id = event.headers.get("client-id")
         self.conn.accept(self.id, SERVER_NAME, time.monotonic())
         self.wire.logged_in()
-        self._rearm.set()
+        self._arm_timer()  # the heart-beats' deadlines
 
     def _link(self) -> LinkClient:
         assert self.link is not None  # the codec only lets frames through after CONNECTED
@@ -435,7 +417,7 @@ class StompSession:
         if event.receipt is not None and not self.conn.closed:
             self.conn.receipt(event.receipt)
         self._flush()
-        self._closed = True
+        self._driver.end()
 
     # ------------------------------------------------------------------ deliveries
     async def _pump(self, subscription: Subscription) -> None:
@@ -508,12 +490,7 @@ class StompSession:
         """End the session wherever that is noticed (an ERROR sent, the link lost, a missed heart-beat): the
         worker may be waiting for credit, a confirm or a drained socket, so it is cancelled, and its
         clean-up closes the link (the core takes back unacknowledged messages) and the socket."""
-        if self._closed:
-            return
-        self._closed = True
-        self._wakeup.set()
-        if asyncio.current_task() is not self._worker:
-            self._worker.cancel()
+        self._driver.end()
 
     def _error(self, message: str, detail: str, receipt: str | None) -> None:
         log.info("stomp error sent", extra={"peer": self.wire.peer, "error": message, "detail": detail[:200]})
@@ -536,25 +513,23 @@ class StompSession:
             self._error("server unavailable", f"the link to the broker closed: {error.text}", None)
 
     # ------------------------------------------------------------------ heart-beats and the end
-    async def _timers(self) -> None:
-        """The codec's deadlines: CONNECT in time, then heart-beats both ways."""
-        conn = self.conn
-        while not self._closed:
-            deadline = conn.next_deadline()
-            self._rearm.clear()
-            timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._rearm.wait(), timeout)
-            try:
-                conn.handle_timeout(time.monotonic())
-            except RemoteProtocolError as exc:
-                self._protocol_error(exc)
-                return
-            self._flush()
+    def _arm_timer(self) -> None:
+        """Wait for the codec's next deadline: CONNECT in time, then heart-beats both ways."""
+        deadline = self.conn.next_deadline()
+        self._driver.arm_timer(None if deadline is None else deadline - time.monotonic(), self._deadline)
 
-    async def _shutdown(self) -> None:
-        self._closed = True
-        self._timer.cancel()
+    def _deadline(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.conn.handle_timeout(time.monotonic())
+        except RemoteProtocolError as exc:
+            self._protocol_error(exc)
+            return
+        self._flush()
+        self._arm_timer()
+
+    async def clean_up(self) -> None:
         for subscription in self.subscriptions.values():
             if subscription.pump is not None:
                 subscription.pump.cancel()

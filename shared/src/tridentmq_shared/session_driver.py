@@ -1,0 +1,170 @@
+"""What every gateway's client session does the same way, whatever its protocol: handle the client's events in
+order with a worker that runs only while there are events (an idle connection holds no task), stop reading the
+client while too much waits, keep one timer for the protocol's next deadline, and end once: the protocol's
+clean-up runs in a task of its own, or at the end of the worker that noticed the end.
+
+The protocol session decodes the client's bytes, gives the driver the events and answers them through the hooks
+below; its protocol's rules stay its own."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from tridentmq_shared.gateway import Wire
+from tridentmq_shared.supervision import end_on_failure
+
+
+class SessionHooks(Protocol):
+    """What the driver asks of the protocol session."""
+
+    #: Errors of handling one event that end neither the worker nor the connection by themselves: the
+    #: session answers them with ``handle_error`` (any other is a bug: the connection ends, logged).
+    handled_errors: tuple[type[Exception], ...]
+
+    def handle_now(self, event: Any) -> bool:
+        """Handle ``event`` if that needs no waiting (the common, fast case); False to have it ``handle``d."""
+
+    async def handle(self, event: Any) -> None:
+        """Handle an event that may wait (for the core, say)."""
+
+    def handle_error(self, event: Any, error: Exception) -> None: ...
+
+    def before_handle(self) -> None:
+        """An event is about to wait: what the events before it produced goes out first."""
+
+    def after_batch(self) -> None:
+        """The events read so far are handled: write what they produced."""
+
+    def reading_paused(self) -> None: ...
+    def reading_resumed(self) -> None: ...
+
+    async def clean_up(self) -> None:
+        """The session has ended: release what it holds (links, queues) and close the client's transport."""
+
+
+class SessionDriver:
+    # Slots: one per client connection.
+    __slots__ = (
+        "_events",
+        "_hooks",
+        "_loop",
+        "_max_bytes",
+        "_max_events",
+        "_paused",
+        "_read_ahead",
+        "_timer",
+        "_wire",
+        "_worker",
+        "closed",
+        "name",
+    )
+
+    def __init__(self, hooks: SessionHooks, wire: Wire, name: str, *, max_events: int, max_bytes: int) -> None:
+        self._hooks = hooks
+        self._wire = wire
+        self.name = name  # of its tasks: "mqtt", "stomp"
+        self._max_events = max_events  # reading pauses while this many events wait...
+        self._max_bytes = max_bytes  # ...or this many bytes were read since the worker last caught up
+        self._loop = asyncio.get_running_loop()
+        # A list, not a deque (600 bytes empty): the worker takes it whole.
+        self._events: list[Any] = []
+        self._worker: asyncio.Task[None] | None = None
+        self._paused = False
+        self._read_ahead = 0
+        self._timer: asyncio.TimerHandle | None = None
+        #: The session has ended (or is ending): no more events are handled.
+        self.closed = False
+
+    # ------------------------------------------------------------------ input
+    def receive(self, events: list[Any], nbytes: int, *, hold: bool = False) -> None:
+        """``events`` decoded from ``nbytes`` more bytes of the client. With ``hold`` (a client not logged in
+        yet) nothing more is read until these are handled."""
+        self._read_ahead += nbytes
+        if not events:
+            return
+        self._events.extend(events)
+        self._run()
+        if not self._paused and (hold or len(self._events) >= self._max_events or self._read_ahead >= self._max_bytes):
+            self._paused = True
+            self._wire.pause_reading()
+            self._hooks.reading_paused()
+
+    def connection_lost(self, event: Any) -> None:
+        """The client's transport closed: ``event`` says so to the session, after what came before it."""
+        if not self.closed:
+            self._events.append(event)
+            self._run()
+
+    # ------------------------------------------------------------------ time
+    def arm_timer(self, delay_s: float | None, callback: Callable[[], None]) -> None:
+        """Call ``callback`` in ``delay_s`` seconds instead of what was armed before (None: nothing). The
+        callback must not raise: the event loop would only log it."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if delay_s is not None and not self.closed:
+            self._timer = self._loop.call_later(max(delay_s, 0.0), callback)
+
+    # ------------------------------------------------------------------ the end
+    def end(self) -> None:
+        """End the session: the worker stops (it may be waiting for the core or the client), and the
+        protocol's ``clean_up`` runs once."""
+        if self.closed:
+            return
+        self.closed = True
+        worker = self._worker
+        if worker is None:
+            self._worker = self._task(self._shut_down(), "shutdown")
+        elif worker is not asyncio.current_task():
+            worker.cancel()
+
+    async def wait_closed(self) -> None:
+        """Wait for the worker (the clean-up after an end), however it ended: a cancelled worker cleaned up too."""
+        if self._worker is not None:
+            await asyncio.wait([self._worker])
+
+    # ------------------------------------------------------------------ the worker
+    def _run(self) -> None:
+        if self._worker is None:
+            self._worker = self._task(self._work(), "worker")
+
+    def _task(self, coroutine: Any, what: str) -> asyncio.Task[None]:
+        task = self._loop.create_task(coroutine, name=f"{self.name} {what}")
+        return end_on_failure(task, self.end, self._wire.peer)
+
+    async def _work(self) -> None:
+        hooks = self._hooks
+        handled_errors = hooks.handled_errors
+        ended = True
+        try:
+            while not self.closed and self._events:
+                await self._wire.drained()  # a client that does not read is not read either
+                batch, self._events = iter(self._events), []
+                while not self.closed and (event := next(batch, None)) is not None:
+                    try:
+                        if not hooks.handle_now(event):
+                            hooks.before_handle()
+                            await hooks.handle(event)
+                    except handled_errors as error:
+                        hooks.handle_error(event, error)
+                hooks.after_batch()
+            if not self.closed:
+                ended = False
+                self._read_ahead = 0
+                if self._paused:
+                    self._paused = False
+                    self._wire.resume_reading()
+                    hooks.reading_resumed()
+                self._worker = None
+        finally:
+            if ended:
+                await self._shut_down()
+
+    async def _shut_down(self) -> None:
+        self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        await self._hooks.clean_up()

@@ -1,0 +1,187 @@
+"""The session driver the gateways share: order, no idle task, reading paused and resumed, one clean-up."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from tridentmq_shared.session_driver import SessionDriver
+
+
+class RecordingWire:
+    """A client transport that records what the driver asks of it."""
+
+    peer = "test"
+    host = "127.0.0.1"
+    certificate_name = None
+
+    def __init__(self) -> None:
+        self.reading = True
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    async def drained(self) -> None:
+        pass
+
+    def writable(self) -> bool:
+        return True
+
+    def buffered(self) -> int:
+        return 0
+
+    def logged_in(self) -> None:
+        pass
+
+
+class Session:
+    """Events are strings: "now:x" is handled at once, "wait:x" after a turn of the loop, "fail" raises a
+    handled error, "bug" an unexpected one, "block" waits until the test lets it go."""
+
+    handled_errors: tuple[type[Exception], ...] = (ValueError,)
+
+    def __init__(self) -> None:
+        self.wire = RecordingWire()
+        self.driver = SessionDriver(self, self.wire, "test", max_events=3, max_bytes=1000)
+        self.handled: list[str] = []
+        self.errors: list[str] = []
+        self.clean_ups = 0
+        self.batches = 0
+        self.resumed = 0
+        self.release = asyncio.Event()
+
+    def handle_now(self, event: Any) -> bool:
+        if event.startswith("now:"):
+            self.handled.append(event)
+            return True
+        return False
+
+    async def handle(self, event: Any) -> None:
+        if event == "fail":
+            raise ValueError("refused")
+        if event == "bug":
+            raise RuntimeError("a bug")
+        if event == "block":
+            await self.release.wait()
+        await asyncio.sleep(0)
+        self.handled.append(event)
+
+    def handle_error(self, event: Any, error: Exception) -> None:
+        self.errors.append(f"{event}: {error}")
+
+    def before_handle(self) -> None:
+        pass
+
+    def after_batch(self) -> None:
+        self.batches += 1
+
+    def reading_paused(self) -> None:
+        pass
+
+    def reading_resumed(self) -> None:
+        self.resumed += 1
+
+    async def clean_up(self) -> None:
+        self.clean_ups += 1
+        self.wire.close()
+
+
+async def settle() -> None:
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+async def test_events_are_handled_in_order_and_an_idle_session_holds_no_task() -> None:
+    session = Session()
+    tasks_before = len(asyncio.all_tasks())
+    session.driver.receive(["now:1", "wait:2", "now:3"], 30)
+    session.driver.receive(["wait:4"], 10)
+    await settle()
+    assert session.handled == ["now:1", "wait:2", "now:3", "wait:4"]
+    assert len(asyncio.all_tasks()) == tasks_before
+    assert session.clean_ups == 0
+
+
+async def test_reading_held_for_a_login_resumes_once_the_events_are_handled() -> None:
+    session = Session()
+    session.driver.receive(["wait:connect"], 10, hold=True)
+    assert not session.wire.reading
+    await settle()
+    assert session.wire.reading
+    assert session.resumed == 1
+
+
+async def test_too_many_waiting_events_pause_reading() -> None:
+    session = Session()
+    session.driver.receive(["block", "now:1", "now:2"], 10)
+    assert not session.wire.reading
+    session.release.set()
+    await settle()
+    assert session.wire.reading
+    assert session.handled == ["block", "now:1", "now:2"]
+
+
+async def test_a_handled_error_goes_to_the_session_and_the_worker_goes_on() -> None:
+    session = Session()
+    session.driver.receive(["fail", "now:after"], 10)
+    await settle()
+    assert session.errors == ["fail: refused"]
+    assert session.handled == ["now:after"]
+    assert not session.driver.closed
+
+
+async def test_an_unexpected_error_ends_the_session_with_its_clean_up() -> None:
+    session = Session()
+    session.driver.receive(["bug", "now:never"], 10)
+    await settle()
+    assert session.driver.closed
+    assert session.clean_ups == 1
+    assert session.wire.closed
+    assert session.handled == []
+
+
+async def test_ending_an_idle_session_cleans_up_once() -> None:
+    session = Session()
+    session.driver.end()
+    session.driver.end()
+    await session.driver.wait_closed()
+    assert session.clean_ups == 1
+    session.driver.receive(["now:late"], 10)
+    session.driver.connection_lost("lost")
+    await settle()
+    assert session.handled == []
+    assert session.clean_ups == 1
+
+
+async def test_ending_a_waiting_worker_cancels_it_and_cleans_up_once() -> None:
+    session = Session()
+    session.driver.receive(["block", "now:after"], 10)
+    await settle()
+    session.driver.end()
+    await asyncio.wait_for(session.driver.wait_closed(), 1)
+    assert session.clean_ups == 1
+    assert session.handled == []
+
+
+async def test_the_timer_fires_once_is_replaced_by_a_later_arm_and_is_cancelled_by_the_end() -> None:
+    session = Session()
+    fired: list[str] = []
+    session.driver.arm_timer(0.01, lambda: fired.append("first"))
+    session.driver.arm_timer(0.02, lambda: fired.append("second"))
+    await asyncio.sleep(0.05)
+    assert fired == ["second"]
+    session.driver.arm_timer(0.01, lambda: fired.append("third"))
+    session.driver.end()
+    await session.driver.wait_closed()
+    await asyncio.sleep(0.03)
+    assert fired == ["second"]
