@@ -263,14 +263,17 @@ def main() -> None:
             for _, process in sides:
                 if process.is_alive():
                     process.terminate()
-    (received_a, back, no_session, back_at), received_b, t_kill, samples, storm_end = storm
+    (received_a, back, no_session, back_at), (received_b, dropped_b), t_kill, samples, storm_end = storm
     back_s = [t - t_kill for t in back_at] or [float("nan")]
     print(
         f"A's {half} clients: {back} back through B ({no_session} without their session), {received_a} received "
         f"their message; last back {back_s[-1]:.1f} s after the kill (median {back_s[len(back_s) // 2]:.1f} s), "
         f"all done {storm_end - t_kill:.1f} s after it"
     )
-    print(f"B's {half} clients: {received_b} received their message after the storm")
+    print(
+        f"B's {half} clients: {received_b} received their message after the storm; {dropped_b} of them lost their "
+        "connection meanwhile (and came back)"
+    )
     during = sorted(ns for sent, ns in samples if t_kill <= sent <= storm_end)
     quiet = sorted(ns for sent, ns in samples if sent < t_kill)
     print(
@@ -296,7 +299,7 @@ async def _storm(
     run: str,
     half: int,
     sides: list[tuple[Connection, multiprocessing.Process]],
-) -> tuple[tuple[int, int, int, list[float]], int, float, list[tuple[float, int]], float]:
+) -> tuple[tuple[int, int, int, list[float]], tuple[int, int], float, list[tuple[float, int]], float]:
     """Kill A with the probe running, publish to A's clients, wait for them, then serve B's clients."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -310,8 +313,8 @@ async def _storm(
     stop.set()
     samples = await probe
     await _publish_qos1(port_b, f"pb{run}", [f"storm/{run}/{i}" for i in range(half, 2 * half)])
-    received_b, _, _, _ = await loop.run_in_executor(None, sides[1][0].recv)
-    return result_a, received_b, t_kill, samples, storm_end
+    received_b, dropped_b, _, _ = await loop.run_in_executor(None, sides[1][0].recv)
+    return result_a, (received_b, dropped_b), t_kill, samples, storm_end
 
 
 if __name__ == "__main__":

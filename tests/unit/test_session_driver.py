@@ -185,3 +185,16 @@ async def test_the_timer_fires_once_is_replaced_by_a_later_arm_and_is_cancelled_
     await session.driver.wait_closed()
     await asyncio.sleep(0.03)
     assert fired == ["second"]
+
+
+async def test_a_timer_callback_that_fails_ends_the_session_with_its_clean_up() -> None:
+    session = Session()
+
+    def broken() -> None:
+        raise RuntimeError("a bug in a deadline")
+
+    session.driver.arm_timer(0.0, broken)
+    await asyncio.sleep(0.01)
+    await session.driver.wait_closed()
+    assert session.driver.closed
+    assert session.clean_ups == 1

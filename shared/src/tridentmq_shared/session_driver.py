@@ -9,11 +9,14 @@ below; its protocol's rules stay its own."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from tridentmq_shared.gateway import Wire
 from tridentmq_shared.supervision import end_on_failure
+
+log = logging.getLogger("tridentmq.gateway")
 
 
 class SessionHooks(Protocol):
@@ -99,13 +102,21 @@ class SessionDriver:
 
     # ------------------------------------------------------------------ time
     def arm_timer(self, delay_s: float | None, callback: Callable[[], None]) -> None:
-        """Call ``callback`` in ``delay_s`` seconds instead of what was armed before (None: nothing). The
-        callback must not raise: the event loop would only log it."""
+        """Call ``callback`` in ``delay_s`` seconds instead of what was armed before (None: nothing). A
+        callback that raises ends the session, logged, as a failed task would."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         if delay_s is not None and not self.closed:
-            self._timer = self._loop.call_later(max(delay_s, 0.0), callback)
+            self._timer = self._loop.call_later(max(delay_s, 0.0), self._fire, callback)
+
+    def _fire(self, callback: Callable[[], None]) -> None:
+        self._timer = None
+        try:
+            callback()
+        except Exception:
+            log.exception("session timer failed: the connection is closed", extra={"peer": self._wire.peer})
+            self.end()
 
     # ------------------------------------------------------------------ the end
     def end(self) -> None:

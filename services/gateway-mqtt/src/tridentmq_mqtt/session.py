@@ -578,6 +578,13 @@ class MqttSession:
         self._lock_woken(lock)
 
     def _lock_woken(self, lock: Consumer) -> None:
+        try:
+            self._lock_notices(lock)
+        except Exception:  # as a task's failure would: this connection ends, the gateway goes on
+            log.exception("mqtt session lock failed", extra={"peer": self.wire.peer})
+            self._end(rc.IMPLEMENTATION_SPECIFIC_ERROR)
+
+    def _lock_notices(self, lock: Consumer) -> None:
         notified = False
         if not self._closed:
             notices = lock.take_batch()
