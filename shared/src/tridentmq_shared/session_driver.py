@@ -64,11 +64,11 @@ class SessionDriver:
         "name",
     )
 
-    def __init__(self, hooks: SessionHooks, wire: Wire, name: str, *, max_events: int, max_bytes: int) -> None:
+    def __init__(self, hooks: SessionHooks, wire: Wire, name: str, *, max_events: int | None, max_bytes: int) -> None:
         self._hooks = hooks
         self._wire = wire
         self.name = name  # of its tasks: "mqtt", "stomp"
-        self._max_events = max_events  # reading pauses while this many events wait...
+        self._max_events = max_events  # reading pauses while this many events wait (None: no bound)...
         self._max_bytes = max_bytes  # ...or this many bytes were read since the worker last caught up
         self._loop = asyncio.get_running_loop()
         # A list, not a deque (600 bytes empty): the worker takes it whole.
@@ -84,15 +84,25 @@ class SessionDriver:
     def receive(self, events: list[Any], nbytes: int, *, hold: bool = False) -> None:
         """``events`` decoded from ``nbytes`` more bytes of the client. With ``hold`` (a client not logged in
         yet) nothing more is read until these are handled."""
+        if self.closed:
+            return
         self._read_ahead += nbytes
         if not events:
             return
         self._events.extend(events)
         self._run()
-        if not self._paused and (hold or len(self._events) >= self._max_events or self._read_ahead >= self._max_bytes):
+        max_events = self._max_events
+        if not self._paused and (
+            hold or self._read_ahead >= self._max_bytes or (max_events is not None and len(self._events) >= max_events)
+        ):
             self._paused = True
             self._wire.pause_reading()
             self._hooks.reading_paused()
+
+    @property
+    def read_ahead(self) -> int:
+        """Bytes received since the worker last caught up: an upper bound of what waits to be handled."""
+        return self._read_ahead
 
     def connection_lost(self, event: Any) -> None:
         """The client's transport closed: ``event`` says so to the session, after what came before it."""
@@ -169,6 +179,11 @@ class SessionDriver:
                     self._wire.resume_reading()
                     hooks.reading_resumed()
                 self._worker = None
+        except asyncio.CancelledError:
+            if not self.closed:
+                raise
+            # ``end`` stopped the worker: the session ends here like any other way. Not re-raised, because the
+            # task would keep the exception, whose traceback holds this frame and so the session.
         finally:
             if ended:
                 await self._shut_down()

@@ -61,7 +61,6 @@ from tridentmq_amqp.protocol.sasl import AuthRequest, SaslLayer
 from tridentmq_amqp.settings import AmqpSettings
 from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.gateway import Wire
-from tridentmq_shared.light_event import LightEvent
 from tridentmq_shared.link.client import LinkClient, LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import (
@@ -75,11 +74,20 @@ from tridentmq_shared.message import (
     WireMessage,
 )
 from tridentmq_shared.runtime import random_hex
+from tridentmq_shared.session_driver import SessionDriver
 from tridentmq_shared.supervision import end_on_failure
 
 log = logging.getLogger("tridentmq.amqp")
 
 OFFERED_CAPABILITIES: Final = ("ANONYMOUS-RELAY", "SHARED-SUBS")
+
+
+class _Marker:
+    """An event of the session's own among the client's bytes."""
+
+
+_TIMER_EVENTS: Final = _Marker()  # proton's timer raised events (an idle timeout): process them
+_ENGINE_DONE: Final = _Marker()  # proton has said all it will: end once the input before is handled
 #: A non-durable shared subscription outlives its last consumer by this much (so that a consumer reattaching
 #: at once finds it, and the core never deletes it between its creation and the first consumer).
 SHARED_VOLATILE_EXPIRY_MS: Final = 1000
@@ -141,46 +149,40 @@ class AmqpSession:
         self._temporary = itertools.count(1)
         # (confirm future, pn_delivery_t* or None when pre-settled, inbound link, txn-id) in publish order
         self._unsettled_in: deque[tuple[asyncio.Future[None], Any, Inbound, bytes | None]] = deque()
-        self._input: deque[bytes] = deque()
-        self._input_bytes = 0
-        self._wakeup = LightEvent()
-        self._paused = False
-        self._closed = False
         self._lost = False  # the socket closed
-        self._events_due = False  # the timer left proton events for the worker
         self._opened = False  # the client's OPEN was answered
-        loop = self._loop = asyncio.get_running_loop()
+        self._loop = asyncio.get_running_loop()
         self._output_scheduled = False
-        self._started = loop.time()
-        self._worker = end_on_failure(loop.create_task(self._work(), name="amqp worker"), self._end, wire.peer)
-        self._rearm = LightEvent()
-        self._timer = end_on_failure(loop.create_task(self._timers(), name="amqp timers"), self._end, wire.peer)
+        connect_timeout = limits.connect_timeout_ms / 1000
+        self._connect_deadline = time.monotonic() + connect_timeout if connect_timeout > 0 else None
+        # The client's bytes are the events: reading pauses on their size alone.
+        self._driver = SessionDriver(self, wire, "amqp", max_events=None, max_bytes=limits.pending_bytes)
+        self._arm_timer()
         counters.connections_total += 1
 
     # ------------------------------------------------------------------ input from the client
     def feed(self, data: bytes) -> None:
         if self._closed:
             return
-        self._input.append(data)
-        self._input_bytes += len(data)
-        self._wakeup.set()
-        limits = self.settings.amqp
-        if not self._paused and self._input_bytes >= (
-            limits.pending_bytes if self.link is not None else limits.max_connect_bytes  # not logged in yet
-        ):
-            self._paused = True
-            self.wire.pause_reading()
+        # Until the client is logged in, at most max_connect_bytes are read ahead.
+        waiting = self._driver.read_ahead + len(data)
+        self._driver.receive(
+            [data], len(data), hold=self.link is None and waiting >= self.settings.amqp.max_connect_bytes
+        )
 
     def connection_lost(self) -> None:
         """The socket is gone: whatever proton still wants to say cannot be sent, so the session ends once the
         input before it is handled."""
         if not self._closed:
             self._lost = True
-            self._input.append(b"")
-            self._wakeup.set()
+            self._driver.connection_lost(b"")
 
     async def wait_closed(self) -> None:
-        await asyncio.shield(self._worker)
+        await self._driver.wait_closed()
+
+    @property
+    def _closed(self) -> bool:
+        return self._driver.closed
 
     def shutdown(self) -> None:
         """The gateway is stopping: close the connection with ``amqp:connection:forced``."""
@@ -189,61 +191,69 @@ class AmqpSession:
             self._flush()
         self._end()
 
-    # ------------------------------------------------------------------ the worker
-    async def _work(self) -> None:
-        try:
-            while not self._closed:
-                if not self._input:
-                    if self._events_due:  # raised by proton's timer (an idle timeout, say)
-                        self._events_due = False
-                        await self._process()
-                        self._output_soon()
-                        continue
-                    if self._lost or (self.engine is not None and self.engine.closed):
-                        break  # everything the client sent is handled, and nothing more can be said
-                    self._input_bytes = 0
-                    if self._paused:
-                        self._paused = False
-                        self.wire.resume_reading()
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
-                    continue
-                data = self._input.popleft()
-                try:
-                    if self.sasl.done:
-                        await self._to_engine(data)
-                    else:
-                        await self._through_sasl(data)
-                except RemoteProtocolError as exc:
-                    log.info("amqp protocol error", extra={"peer": self.wire.peer, "error": exc.message})
-                    self.counters.protocol_errors += 1
-                    self._flush()
-                    self._end()
-                except UnicodeDecodeError:  # proton hands out the client's strings (container id, names) decoded
-                    log.warning("amqp client sent a string that is not UTF-8", extra={"peer": self.wire.peer})
-                    self.counters.protocol_errors += 1
-                    if self.engine is not None:
-                        self._close_connection(DECODE_ERROR, "a string is not valid UTF-8")
-                        self._flush()
-                    self._end()
-                except LinkRequestError as exc:  # the core refused a request no handler expected, or went away
-                    log.info("amqp core request failed", extra={"peer": self.wire.peer, "reason": exc.text})
-                    if self.engine is not None:
-                        self._close_connection(CONNECTION_FORCED, f"the broker refused: {exc.text}")
-                        self._flush()
-                    self._end()
-                self._output_soon()
-        except (AssertionError, LookupError, TypeError, ValueError, AttributeError):
-            log.exception("amqp session failed", extra={"peer": self.wire.peer})
+    # ------------------------------------------------------------------ the worker (SessionHooks)
+    handled_errors: tuple[type[Exception], ...] = (
+        RemoteProtocolError,
+        UnicodeDecodeError,
+        LinkRequestError,
+        AssertionError,
+        LookupError,
+        TypeError,
+        ValueError,
+        AttributeError,
+    )
+
+    def handle_now(self, event: bytes | _Marker) -> bool:
+        return False  # every chunk goes through SASL or proton, which may wait for the core
+
+    async def handle(self, event: bytes | _Marker) -> None:
+        if event is _TIMER_EVENTS:  # raised by proton's timer (an idle timeout, say)
+            await self._process()
+        elif event is _ENGINE_DONE or (self._lost and event == b""):
+            if isinstance(event, bytes) and self.engine is not None:
+                await self._to_engine(event)  # the end of the client's input
+            # Everything the client sent before is handled, and nothing more can be said.
+            self._end()
+        elif isinstance(event, bytes):
+            if self.sasl.done:
+                await self._to_engine(event)
+            else:
+                await self._through_sasl(event)
+
+    def handle_error(self, event: bytes | _Marker, error: Exception) -> None:
+        if isinstance(error, RemoteProtocolError):
+            log.info("amqp protocol error", extra={"peer": self.wire.peer, "error": error.message})
+            self.counters.protocol_errors += 1
+            self._flush()
+        elif isinstance(error, UnicodeDecodeError):  # proton hands out the client's strings (ids, names) decoded
+            log.warning("amqp client sent a string that is not UTF-8", extra={"peer": self.wire.peer})
+            self.counters.protocol_errors += 1
+            if self.engine is not None:
+                self._close_connection(DECODE_ERROR, "a string is not valid UTF-8")
+                self._flush()
+        elif isinstance(error, LinkRequestError):  # the core refused a request no handler expected, or went away
+            log.info("amqp core request failed", extra={"peer": self.wire.peer, "reason": error.text})
+            if self.engine is not None:
+                self._close_connection(CONNECTION_FORCED, f"the broker refused: {error.text}")
+                self._flush()
+        else:  # a bug of ours: this connection ends, the gateway goes on
+            log.error("amqp session failed", exc_info=error, extra={"peer": self.wire.peer})
             if self.engine is not None:
                 self._close_connection(INTERNAL_ERROR, "the gateway failed to handle this connection")
                 self._flush()
-        except asyncio.CancelledError:
-            # ``_end`` stopped the worker: the session ends here like any other way. Not re-raised, because the
-            # task would keep the exception, whose traceback holds this frame and so the session.
-            pass
-        finally:
-            await self._shutdown()
+        self._end()
+
+    def before_handle(self) -> None:
+        self._output_soon()  # what the chunk before produced
+
+    def after_batch(self) -> None:
+        self._output_soon()
+
+    def reading_paused(self) -> None:
+        pass
+
+    def reading_resumed(self) -> None:
+        pass
 
     async def _through_sasl(self, data: bytes) -> None:
         try:
@@ -306,7 +316,7 @@ class AmqpSession:
                 idle_timeout_ms=limits.idle_timeout_ms,
                 offered_capabilities=OFFERED_CAPABILITIES,
             )
-            self._rearm.set()
+            self._arm_timer()
             if self.link is None:  # no SASL layer: an anonymous connection, tried once
                 error = await self._connect(None, None)
                 if error is not None:
@@ -435,7 +445,7 @@ class AmqpSession:
         if connection.state & Endpoint.LOCAL_UNINIT:
             connection.open()
         self._opened = True
-        self._rearm.set()  # the idle timeouts are known now: heartbeats and the silence check start
+        self._arm_timer()  # the idle timeouts are known now: heartbeats and the silence check start
 
     # ------------------------------------------------------------------ attach and detach
     async def _attach(self, pn_link: Any) -> None:
@@ -950,8 +960,8 @@ class AmqpSession:
         data = engine.data_to_send()
         if data:
             self.wire.write(data)
-        if engine.closed:  # proton has said all it will (a CLOSE, or an error): the worker ends the session
-            self._wakeup.set()
+        if engine.closed:  # proton has said all it will (a CLOSE, or an error): the session ends after the input
+            self._driver.receive([_ENGINE_DONE], 0)
 
     def _close_link(self, pn_link: Any, condition: str, description: str) -> None:
         link = wrap_link(pn_link)
@@ -989,44 +999,33 @@ class AmqpSession:
             self._end()
 
     def _end(self) -> None:
+        self._driver.end()
+
+    def _arm_timer(self) -> None:
+        """Wait for the next deadline: the OPEN's (connect timeout), then proton's idle-timeout ticks."""
+        now = time.monotonic()
+        deadline = None if self._opened else self._connect_deadline
+        if self.engine is not None:
+            tick = self.engine.tick(now)
+            if lib.pn_collector_peek(self.engine.pn_collector) != NULL:  # e.g. the idle timeout expired
+                self._driver.receive([_TIMER_EVENTS], 0)
+            self._flush()  # heartbeats
+            if tick is not None:
+                deadline = tick if deadline is None else min(deadline, tick)
+        self._driver.arm_timer(None if deadline is None else deadline - now, self._deadline)
+
+    def _deadline(self) -> None:
         if self._closed:
             return
-        self._closed = True
-        self._wakeup.set()
-        if asyncio.current_task() is not self._worker:
-            self._worker.cancel()
-
-    async def _timers(self) -> None:
-        """Connect timeout until the OPEN, then proton's idle-timeout deadlines."""
-        loop = asyncio.get_running_loop()
-        connect_deadline = self._started + self.settings.amqp.connect_timeout_ms / 1000
-        while not self._closed:
-            deadline = None
-            if not self._opened and self.settings.amqp.connect_timeout_ms > 0:
-                deadline = connect_deadline
-                if loop.time() >= connect_deadline:
-                    log.info("amqp connect timeout", extra={"peer": self.wire.peer})
-                    if self.engine is not None:
-                        self._close_now(CONNECTION_FORCED, "no OPEN in time")
-                    self._end()
-                    return
+        if not self._opened and self._connect_deadline is not None and time.monotonic() >= self._connect_deadline:
+            log.info("amqp connect timeout", extra={"peer": self.wire.peer})
             if self.engine is not None:
-                tick = self.engine.tick(time.monotonic())
-                if lib.pn_collector_peek(self.engine.pn_collector) != NULL:  # e.g. the idle timeout expired
-                    self._events_due = True
-                    self._wakeup.set()
-                self._flush()  # heartbeats
-                if tick is not None:
-                    at = loop.time() + max(tick - time.monotonic(), 0.0)
-                    deadline = at if deadline is None else min(deadline, at)
-            self._rearm.clear()
-            timeout = None if deadline is None else max(deadline - loop.time(), 0.0)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._rearm.wait(), timeout)
+                self._close_now(CONNECTION_FORCED, "no OPEN in time")
+            self._end()
+            return
+        self._arm_timer()
 
-    async def _shutdown(self) -> None:
-        self._closed = True
-        self._rearm.set()  # the timer task sees ``_closed`` and returns (cancelled, it would keep this session)
+    async def clean_up(self) -> None:
         for outbound in self.outbound.values():
             if outbound.pump is not None:
                 outbound.pump.cancel()
@@ -1041,7 +1040,6 @@ class AmqpSession:
         self.outbound.clear()
         self.coordinators.clear()
         self._incomplete.clear()
-        self._input.clear()
         # proton's memory goes now, not whenever what still refers to this session (a timer handle, a task
         # ending) lets it go: thousands of short connections kept their engines that way.
         self.engine = None
