@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing
 import signal
 import statistics
@@ -164,11 +165,14 @@ class _StompClient(RawClient):
         return self._connected, self._receipt
 
     # ---------------------------------------------------------------- the client's side
-    async def receipt(self) -> None:
-        """Waits for the next RECEIPT frame."""
-        self._check()
-        self._receipt = self.loop.create_future()
-        await self._receipt
+    async def receipts_below(self, limit: int) -> None:
+        """Waits until fewer than ``limit`` receipts are outstanding. It counts instead of waiting for "the next"
+        RECEIPT: one that arrives before this coroutine first runs (``wait_for`` starts it a loop turn later)
+        is not missed."""
+        while self.outstanding >= limit:
+            self._check()
+            self._receipt = self.loop.create_future()
+            await self._receipt
 
     async def connect(self) -> None:
         self.write(b"CONNECT\naccept-version:1.2\nhost:/\nheart-beat:0,0\n\n\x00")
@@ -180,11 +184,8 @@ class _StompClient(RawClient):
         if not self.error and self.transport is not None and not self.transport.is_closing():
             self.outstanding += 1
             self.write(b"DISCONNECT\nreceipt:disconnect\n\n\x00")
-            try:
-                while self.outstanding > 0:
-                    await asyncio.wait_for(self.receipt(), CLOSE_S)
-            except (TimeoutError, StompError):
-                pass
+            with contextlib.suppress(TimeoutError, StompError):
+                await asyncio.wait_for(self.receipts_below(1), CLOSE_S)
         if self.transport is not None:
             self.transport.close()
 
@@ -264,8 +265,7 @@ async def _produce(opts: RunOptions, subscribed: MpEvent, produced: MpEvent, res
     t0 = result["t0_ns"] = clock()
     sent = 0
     while sent < count:
-        while client.outstanding >= MAX_RECEIPTS:
-            await client.receipt()
+        await client.receipts_below(MAX_RECEIPTS)
         await client.writable()
         end = min(count, (sent // RECEIPT_EVERY + 1) * RECEIPT_EVERY)  # up to the next receipt
         if interval:
@@ -282,8 +282,7 @@ async def _produce(opts: RunOptions, subscribed: MpEvent, produced: MpEvent, res
                 parts += (plain, b"%020d" % clock(), filler)
         client.write(b"".join(parts))
         sent = result["sent"] = end
-    while client.outstanding > 0:
-        await client.receipt()
+    await client.receipts_below(1)
     result["done_ns"] = clock()
     produced.set()
     result["cpu_s"] = cpu_self() - cpu
@@ -299,7 +298,7 @@ async def _consume(opts: RunOptions, subscribed: MpEvent, produced: MpEvent, res
         f"SUBSCRIBE\nid:0\ndestination:{opts.destination}\nack:{opts.ack}\n"
         f"activemq.prefetchSize:{PREFETCH}\nconsumer-window-size:{PREFETCH}\nreceipt:subscribe\n\n\x00".encode()
     )
-    await asyncio.wait_for(client.receipt(), 30)
+    await asyncio.wait_for(client.receipts_below(1), 30)
     cpu = cpu_self()
     subscribed.set()
     result["latencies_ns"] = client.latencies_ns
