@@ -1,9 +1,9 @@
 """One AMQP 1.0 client connection: SASL, proton's engine, the client's own link to the core, and the AMQP
 links mapped onto core publishes and consumers.
 
-One worker task handles the client's bytes in order: SASL first (authenticated by the core with the client's
-credentials), then proton's events. A client's sending link gets credit while the core keeps up, and its
-unsettled transfers are settled (accepted, or rejected with the core's reason) once the core confirmed them:
+The shared session driver's worker handles the client's bytes in order: SASL first (authenticated by the core
+with the client's credentials), then proton's events. A client's sending link gets credit while the core keeps
+up, and its unsettled transfers are settled (accepted, or rejected with the core's reason) once the core confirmed them:
 for a durable message, once it is on disk. Each of the client's receiving links is a core consumer with a
 pump that sends transfers while the client grants credit; the client's dispositions become core acks and
 nacks. Nothing is kept here that the core does not also know: when the connection ends its link closes, and

@@ -1,13 +1,15 @@
 """One MQTT client connection: the codec, the client's own link to the core, its session and subscriptions.
 
-Packets are handled strictly in order by one worker task; reading the socket pauses while too many wait,
-so a flood of PUBLISH packets is held back by the core's publish credit all the way to the client's TCP
-connection. PUBACKs and PUBRECs go out in the order of their PUBLISH packets, each once the core confirmed
-the message (for QoS 1 and 2: once it is on disk).
+Packets are handled strictly in order by the shared session driver's worker, which runs only while there are
+packets (an idle connection holds no task); reading the socket pauses while too many wait, so a flood of
+PUBLISH packets is held back by the core's publish credit all the way to the client's TCP connection. PUBACKs
+and PUBRECs go out in the order of their PUBLISH packets, each once the core confirmed the message (for QoS 1
+and 2: once it is on disk).
 
-Each subscription is a core queue with a consumer on the client's link; a pump per subscription writes its
-messages. A QoS 0 subscription of a session that ends with its connection is instead a member of the
-gateway's feed of its filter (see ``feeds``), which writes it the messages that it encodes once for all.
+Each subscription is a core queue with a consumer on the client's link, which calls the session back when
+messages arrive (``_pump``) and holds them while the client does not read. A QoS 0 subscription of a session
+that ends with its connection is instead a member of the gateway's feed of its filter (see ``feeds``), which
+writes it the messages that it encodes once for all.
 
 A message the client has to acknowledge (QoS 1 and 2) stays unacknowledged in the core until it does, so
 whatever is lost with a connection or a gateway comes back to the next connection of the session. Its
@@ -1272,7 +1274,7 @@ class MqttSession:
         if expiry_s == 0:
             assert self.link is not None
             for sub in self.subs.values():
-                await self._close_sub(sub)  # first: a pump seeing its queue deleted would end the connection
+                await self._close_sub(sub)  # first: its consumer seeing its queue deleted would end the connection
                 if not sub.shared and sub.consumer is not None:
                     with contextlib.suppress(LinkRequestError):
                         await self.link.delete_queue(sub.queue)

@@ -1,8 +1,8 @@
 """One STOMP client connection: the codec, the client's own link to the core, its subscriptions and
 transactions.
 
-Frames are handled strictly in order by one task; reading the socket pauses while too many wait, so a
-flood of SENDs is held back by the core's publish credit all the way to the client's TCP connection.
+Frames are handled strictly in order by the shared session driver's worker; reading the socket pauses while
+too many wait, so a flood of SENDs is held back by the core's publish credit all the way to the client's TCP connection.
 Receipts go out in the order of their frames, each once its frame is done (a SEND's once the core
 confirmed it: for a persistent message, once it is on disk). Each subscription has a pump that sends
 MESSAGE frames while the socket keeps up and, in the client ack modes, while fewer than its prefetch are
