@@ -4,7 +4,7 @@ transactions.
 Frames are handled strictly in order by the shared session driver's worker; reading the socket pauses while
 too many wait, so a flood of SENDs is held back by the core's publish credit all the way to the client's TCP connection.
 Receipts go out in the order of their frames, each once its frame is done (a SEND's once the core
-confirmed it: for a persistent message, once it is on disk). Each subscription has a pump that sends
+confirmed it: for a persistent message, once it is on disk). Each subscription's consumer calls back to send
 MESSAGE frames while the socket keeps up and, in the client ack modes, while fewer than its prefetch are
 unacknowledged. Nothing is kept here that the core does not also know: when the connection ends its link
 closes, and the core returns unacknowledged messages to their queues and drops temporary ones.
@@ -29,7 +29,6 @@ from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import M_ID, RoutingType
 from tridentmq_shared.runtime import random_hex
 from tridentmq_shared.session_driver import SessionDriver
-from tridentmq_shared.supervision import end_on_failure
 from tridentmq_stomp import convert
 from tridentmq_stomp.convert import TEMP_QUEUE_PREFIX
 from tridentmq_stomp.protocol import events as ev
@@ -79,7 +78,8 @@ class Subscription:
     # failover's redelivery came before the client acknowledged the frame of the lost link: the ack header
     # (subscription key and message id) is the same in both, and each frame's ACK must be accepted.
     unacked: dict[int, int] = field(default_factory=dict)
-    pump: asyncio.Task[None] | None = None
+    stopped: bool = False
+    drain: asyncio.Task[None] | None = None  # waits for the client to read what was written, while it does not
 
 
 class StompSession:
@@ -104,6 +104,7 @@ class StompSession:
         self.transactions: dict[str, int] = {}
         self._keys = itertools.count(1)
         self._receipts: deque[tuple[asyncio.Future[None] | None, str | None]] = deque()
+        self._loop = asyncio.get_running_loop()
         self._driver = SessionDriver(
             self, wire, "stomp", max_events=limits.pending_frames, max_bytes=limits.pending_bytes
         )
@@ -313,9 +314,10 @@ class StompSession:
         subscription = Subscription(
             event.id, next(self._keys), event.destination, queue, event.ack, consumer, temporary, shown
         )
-        pump = asyncio.get_running_loop().create_task(self._pump(subscription), name="stomp pump")
-        subscription.pump = end_on_failure(pump, self._end, self.wire.peer)
         self.subscriptions[event.id] = subscription
+        consumer.on_wake = lambda: self._pump(subscription)
+        # What came with the subscribe's answer goes out a turn later, after the SUBSCRIBE's RECEIPT.
+        self._loop.call_soon(self._pump, subscription)
 
     async def _unsubscribe(self, event: ev.Unsubscribe) -> None:
         subscription = (
@@ -333,8 +335,7 @@ class StompSession:
             await self._link().delete_queue(subscription.queue)
 
     async def _stop(self, subscription: Subscription) -> None:
-        if subscription.pump is not None:
-            subscription.pump.cancel()
+        self._stop_pump(subscription)
         with contextlib.suppress(LinkRequestError):
             await subscription.consumer.close()
 
@@ -420,42 +421,64 @@ class StompSession:
         self._driver.end()
 
     # ------------------------------------------------------------------ deliveries
-    async def _pump(self, subscription: Subscription) -> None:
-        """MESSAGE frames while the client reads. In the client modes the core's credit comes back only with
-        the client's ACK or NACK, so at most the prefetch is out; in auto mode a message counts as consumed
-        once it is written to the client (until then the core keeps it: a gateway that dies loses nothing)."""
-        consumer = subscription.consumer
-        auto = subscription.ack == "auto"
-        unacked = subscription.unacked
+    def _pump(self, subscription: Subscription) -> None:
+        """MESSAGE frames while the client reads. The consumer calls this when deliveries arrive (no task per
+        subscription); while the client does not read what was written they wait in the consumer, whose credit
+        then stops the core, and a task waits for the client to drain. In the client modes the core's credit
+        comes back only with the client's ACK or NACK, so at most the prefetch is out; in auto mode a message
+        counts as consumed once it is written to the client (until then the core keeps it: a gateway that dies
+        loses nothing)."""
+        if self._closed or subscription.stopped or subscription.drain is not None:
+            return
+        if not self.wire.writable():
+            subscription.drain = self._loop.create_task(self._pump_when_drained(subscription))
+            return
         try:
-            while not self._closed:
-                await self.wire.drained()
-                batch = await consumer.get_batch()
-                if self.conn.closed:
-                    return
-                ids = []
-                for count, message in batch:
-                    message_id = message[M_ID]
-                    ids.append(message_id)
-                    headers = convert.message_headers(
-                        message,
-                        subscription.id,
-                        f"{subscription.key}-{message_id}",
-                        count,
-                        subscription.shown_destination,
-                    )
-                    self.conn.message(headers, convert.body_of(message))
-                if auto:
-                    consumer.ack_ids(ids)
-                else:
-                    for message_id in ids:
-                        unacked[message_id] = unacked.get(message_id, 0) + 1
-                self.counters.messages_delivered += len(batch)
-                self._flush()
+            self._write_batch(subscription)
         except LinkRequestError as exc:
             if not self._closed:
                 self._error("subscription ended", exc.text, None)
                 self._end()
+        except Exception:  # as a task's failure would: this connection ends, the gateway goes on
+            log.exception("stomp subscription failed", extra={"peer": self.wire.peer})
+            self._end()
+
+    async def _pump_when_drained(self, subscription: Subscription) -> None:
+        await self.wire.drained()
+        subscription.drain = None
+        self._pump(subscription)
+
+    def _stop_pump(self, subscription: Subscription) -> None:
+        subscription.stopped = True
+        subscription.consumer.on_wake = None
+        if subscription.drain is not None:
+            subscription.drain.cancel()
+
+    def _write_batch(self, subscription: Subscription) -> None:
+        consumer = subscription.consumer
+        batch = consumer.take_batch()
+        if not batch:
+            if consumer.closed is not None:
+                raise consumer.closed
+            return
+        if self.conn.closed:
+            return
+        ids = []
+        for count, message in batch:
+            message_id = message[M_ID]
+            ids.append(message_id)
+            headers = convert.message_headers(
+                message, subscription.id, f"{subscription.key}-{message_id}", count, subscription.shown_destination
+            )
+            self.conn.message(headers, convert.body_of(message))
+        if subscription.ack == "auto":
+            consumer.ack_ids(ids)
+        else:
+            unacked = subscription.unacked
+            for message_id in ids:
+                unacked[message_id] = unacked.get(message_id, 0) + 1
+        self.counters.messages_delivered += len(batch)
+        self._flush()
 
     # ------------------------------------------------------------------ output
     def _receipt_now(self, receipt: str | None) -> None:
@@ -531,8 +554,7 @@ class StompSession:
 
     async def clean_up(self) -> None:
         for subscription in self.subscriptions.values():
-            if subscription.pump is not None:
-                subscription.pump.cancel()
+            self._stop_pump(subscription)
         if self.link is not None:
             self.link.on_closed = self.link.on_settled = None
             await self.link.close()  # the core returns unacked messages and drops temporary queues
