@@ -76,6 +76,12 @@ def publish_packet(topic: str, payload: bytes, packet_id: int = 0) -> bytes:
 
 async def read_packet(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     """(packet type, body) of the next packet."""
+    head, body = await read_packet_with_flags(reader)
+    return head >> 4, body
+
+
+async def read_packet_with_flags(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """(first byte: packet type and flags, body) of the next packet."""
     head = (await reader.readexactly(1))[0]
     length, shift = 0, 0
     while True:
@@ -84,7 +90,7 @@ async def read_packet(reader: asyncio.StreamReader) -> tuple[int, bytes]:
         shift += 7
         if not byte & 0x80:
             break
-    return head >> 4, await reader.readexactly(length)
+    return head, await reader.readexactly(length)
 
 
 async def _clients(

@@ -38,6 +38,7 @@ from bench.mqtt_connections import (
     proc_usage,
     publish_packet,
     read_packet,
+    read_packet_with_flags,
     subscribe_packet,
 )
 from bench.node import Core, core_node, cpu_of, machine, mqtt_gateway, quantile_ms
@@ -65,25 +66,12 @@ def _qos1_delivery(body: bytes, flags: int) -> tuple[int, bytes]:
 async def _read_publish(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
     """The payload of the next PUBLISH (acknowledged if QoS 1); other packets are skipped."""
     while True:
-        head, body = await _read_with_flags(reader)
+        head, body = await read_packet_with_flags(reader)
         if head >> 4 == PUBLISH:
             packet_id, payload = _qos1_delivery(body, head & 0x0F)
             if packet_id:
                 writer.write(_puback(packet_id))
             return payload
-
-
-async def _read_with_flags(reader: asyncio.StreamReader) -> tuple[int, bytes]:
-    """(first byte, body) of the next packet."""
-    head = (await reader.readexactly(1))[0]
-    length, shift = 0, 0
-    while True:
-        byte = (await reader.readexactly(1))[0]
-        length += (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            break
-    return head, await reader.readexactly(length)
 
 
 async def _login(
@@ -193,7 +181,7 @@ async def _probe(port: int, run: str, stop: asyncio.Event) -> list[tuple[float, 
         begin = time.perf_counter_ns()
         writer.write(publish_packet(f"storm/{run}/probe", b"probe", packet_id=packet_id))
         while True:  # its PUBACK and its delivery, in either order
-            head, body = await asyncio.wait_for(_read_with_flags(reader), WAIT_S)
+            head, body = await asyncio.wait_for(read_packet_with_flags(reader), WAIT_S)
             if head >> 4 == PUBLISH:
                 delivered_id, _ = _qos1_delivery(body, head & 0x0F)
                 writer.write(_puback(delivered_id))

@@ -11,12 +11,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from tridentmq_shared.gateway import Wire
 from tridentmq_shared.supervision import end_on_failure
 
 log = logging.getLogger("tridentmq.gateway")
+
+
+#: Errors of handling one event that are bugs of ours, not the client's: every protocol session counts them
+#: among its ``handled_errors`` and ends that connection only, logged with the traceback.
+HANDLING_BUGS: Final[tuple[type[Exception], ...]] = (AssertionError, LookupError, TypeError, ValueError)
 
 
 class SessionHooks(Protocol):

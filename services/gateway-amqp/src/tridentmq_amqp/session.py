@@ -74,7 +74,7 @@ from tridentmq_shared.message import (
     WireMessage,
 )
 from tridentmq_shared.runtime import random_hex
-from tridentmq_shared.session_driver import SessionDriver
+from tridentmq_shared.session_driver import HANDLING_BUGS, SessionDriver
 from tridentmq_shared.supervision import end_on_failure
 
 log = logging.getLogger("tridentmq.amqp")
@@ -194,13 +194,10 @@ class AmqpSession:
     # ------------------------------------------------------------------ the worker (SessionHooks)
     handled_errors: tuple[type[Exception], ...] = (
         RemoteProtocolError,
-        UnicodeDecodeError,
+        UnicodeDecodeError,  # a ValueError: handle_error tells it apart first
         LinkRequestError,
-        AssertionError,
-        LookupError,
-        TypeError,
-        ValueError,
         AttributeError,
+        *HANDLING_BUGS,
     )
 
     def handle_now(self, event: bytes | _Marker) -> bool:

@@ -65,7 +65,7 @@ from tridentmq_shared.message import (
     WireMessage,
 )
 from tridentmq_shared.runtime import random_hex
-from tridentmq_shared.session_driver import SessionDriver
+from tridentmq_shared.session_driver import HANDLING_BUGS, SessionDriver
 
 log = logging.getLogger("tridentmq.mqtt")
 
@@ -282,11 +282,8 @@ class MqttSession:
     handled_errors: tuple[type[Exception], ...] = (
         ConversionError,
         LinkRequestError,
-        AssertionError,
-        LookupError,
-        TypeError,
-        ValueError,
         LocalProtocolError,
+        *HANDLING_BUGS,
     )
 
     def handle_error(self, event: ev.Event, error: Exception) -> None:

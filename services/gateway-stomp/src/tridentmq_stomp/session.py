@@ -28,7 +28,7 @@ from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import M_ID, RoutingType
 from tridentmq_shared.runtime import random_hex
-from tridentmq_shared.session_driver import SessionDriver
+from tridentmq_shared.session_driver import HANDLING_BUGS, SessionDriver
 from tridentmq_stomp import convert
 from tridentmq_stomp.convert import TEMP_QUEUE_PREFIX
 from tridentmq_stomp.protocol import events as ev
@@ -135,11 +135,8 @@ class StompSession:
     handled_errors: tuple[type[Exception], ...] = (
         LinkRequestError,
         convert.ConversionError,
-        AssertionError,
-        LookupError,
-        TypeError,
-        ValueError,
         LocalProtocolError,
+        *HANDLING_BUGS,
     )
 
     def handle_error(self, event: ev.Event, error: Exception) -> None:
