@@ -51,11 +51,11 @@ def test_topics_published_without_subscribers_are_deleted_and_journaled_as_delet
     h.sync()
     assert len(c.confirmed) == 500
     assert topics(h, "sensors.") == set(names)
-    assert h.broker.auto_created_by == {"device": 500}
+    assert h.broker.catalog.auto_created_by == {"device": 500}
     after_scans(h)
     assert topics(h, "sensors.") == set()
     assert sorted(name for kind, name in store.records if kind == "delete") == sorted(names)
-    assert h.broker.auto_created_by == {}
+    assert h.broker.catalog.auto_created_by == {}
 
 
 def test_a_topic_still_published_to_stays_and_goes_once_publishing_stops() -> None:

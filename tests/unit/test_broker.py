@@ -25,7 +25,8 @@ from tests.unit.broker_harness import (
 
 from tridentmq_core.address_settings import AddressSettingsRepository
 from tridentmq_core.audit import FileAuditSink
-from tridentmq_core.broker import ORIGINAL_ADDRESS, ORIGINAL_QUEUE, ORIGINAL_REASON, Broker
+from tridentmq_core.broker import Broker
+from tridentmq_core.dead_letters import ORIGINAL_ADDRESS, ORIGINAL_QUEUE, ORIGINAL_REASON
 from tridentmq_core.dedup import DuplicateIdCache, TransferIds
 from tridentmq_core.forwarding import DEDUP_PREFIX, FORWARD_PROPERTY, ForwardHeader
 from tridentmq_core.queues import MESSAGE_OVERHEAD
@@ -733,7 +734,7 @@ def test_oversized_message_is_rejected() -> None:
 
 def test_a_durable_body_the_store_cannot_hold_is_rejected_and_a_plain_one_passes() -> None:
     h = Harness(CoreSettings(broker=BrokerSection(max_message_bytes=10)))
-    h.broker.max_durable_body = 5  # the journal's segments are smaller than the message limit
+    h.broker.admission.max_durable_body = 5  # the journal's segments are smaller than the message limit
     c = h.connect()
     ok(c.create_queue("orders"))
     durable = c.publish("orders", b"x" * 6, durable=True)

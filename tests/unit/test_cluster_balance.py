@@ -9,7 +9,7 @@ import pytest
 from tests.unit.broker_harness import ANYCAST, MULTICAST, Harness, bodies, ok, recorded
 
 from tridentmq_core.balancer import Balancer, SelectorCache
-from tridentmq_core.broker import FORWARD_QUEUE_PREFIX, Direct, WireMessage
+from tridentmq_core.forwarder import FORWARD_QUEUE_PREFIX, Direct
 from tridentmq_core.forwarding import FORWARD_PROPERTY, ForwardHeader
 from tridentmq_core.queues import Consumer
 from tridentmq_core.redistribution import Arrivals, Redistributor, due_again, targets
@@ -18,7 +18,7 @@ from tridentmq_core.security import Principal
 from tridentmq_core.store.recovery import RecoveredState
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.codec import LinkConnection, Role
-from tridentmq_shared.message import M_BODY, M_ID, M_PROPS
+from tridentmq_shared.message import M_BODY, M_ID, M_PROPS, WireMessage
 
 
 def clustered(policy: str = "ON_DEMAND", down: set[str] | None = None) -> tuple[Harness, RemoteBindings, list[bytes]]:
@@ -36,7 +36,7 @@ def clustered(policy: str = "ON_DEMAND", down: set[str] | None = None) -> tuple[
         forwarded.append(bytes(message[M_BODY]))
         return Direct.SENT
 
-    h.broker.send_direct = send_direct
+    h.broker.forwarder.send_direct = send_direct
     return h, bindings, forwarded
 
 
@@ -173,7 +173,7 @@ def test_messages_a_redistributor_passed_over_for_their_residence_move_once_it_i
     c.send_all("work", [b"old", b"new-1", b"new-2"])
     queue = h.broker.queues["work"]
     new = [m[M_ID] for m in queue.messages()][1:]
-    arrivals = h.broker.arrivals
+    arrivals = h.broker.forwarder.arrivals
     for message_id in new:
         arrivals.add(message_id, h.now_ms)  # forwarded here from another node just now
     port = Moved()
@@ -191,7 +191,7 @@ def test_messages_a_redistributor_passed_over_for_their_residence_move_once_it_i
         min_residence_ms=2000,
         clock=lambda: h.now_ms,
     )
-    h.broker.add_forwarder(session, mover)
+    h.broker.consuming.add_forwarder(session, mover)
     h.sync()
     assert port.moved == [b"old"]
     assert mover.retry_at == h.now_ms + 2000
@@ -231,14 +231,14 @@ def test_a_move_to_another_node_goes_out_once_its_delivery_attempt_is_safe(mover
             100,
             target=target,
             selectors=SelectorCache(),
-            arrivals=h.broker.arrivals,
+            arrivals=h.broker.forwarder.arrivals,
             min_residence_ms=0,
             clock=lambda: h.now_ms,
         )
     else:
         consumer = Consumer(7, session, queue, 100)
         consumer.forwarder = True  # as a cluster connection makes the one of its store-and-forward queue
-    h.broker.add_forwarder(session, consumer)
+    h.broker.consuming.add_forwarder(session, consumer)
     h.sync()
     assert store.attempts == [("work", [1, 2], [1, 1])]  # recovered, they come back with one attempt each
     assert port.moved == []
@@ -263,7 +263,7 @@ def test_a_resend_to_the_next_life_of_a_node_goes_where_the_publish_was_written_
         sent.append((via, message))
         return Direct.SENT
 
-    first.broker.send_direct = send_direct
+    first.broker.forwarder.send_direct = send_direct
     bindings.replace("node-2", [binding("work", "work", ANYCAST)])
     first.connect().publish("work", b"once", durable=True, dedup_id="producer-7")
     ((via, message),) = sent
@@ -278,7 +278,7 @@ def test_a_resend_to_the_next_life_of_a_node_goes_where_the_publish_was_written_
     h.broker.cluster = Balancer(bindings, "ON_DEMAND")
     h.broker.restore(RecoveredState(through_ids={"producer-7": ("node-2", h.now_ms)}), h.now_ms)
     sent.clear()
-    h.broker.send_direct = send_direct
+    h.broker.forwarder.send_direct = send_direct
     bindings.replace("node-2", [binding("work", "work", ANYCAST, consumers=0)])
     bindings.replace("node-3", [["node-3", "work", "work", ANYCAST, None, 1, None, 1]])
     h.connect().publish("work", b"once", durable=True, dedup_id="producer-7")
@@ -307,7 +307,7 @@ def test_a_publish_written_through_leaves_only_once_the_note_of_where_it_went_is
         sent.append(bytes(message[M_BODY]))
         return Direct.SENT
 
-    h.broker.send_direct = send_direct
+    h.broker.forwarder.send_direct = send_direct
     bindings.replace("node-2", [binding("work", "work", ANYCAST)])
     c = h.connect()
     credit = c.conn.publish_credit
@@ -404,7 +404,7 @@ def test_a_backlog_goes_to_the_nodes_whose_consumers_take_it_and_is_spread_over_
             clock=lambda: h.now_ms,
             paced=False,
         )
-        h.broker.add_forwarder(session, mover)
+        h.broker.consuming.add_forwarder(session, mover)
     h.sync()
     to_b, to_c = ports["node-2"].moved, ports["node-3"].moved
     assert len(queue) == 0

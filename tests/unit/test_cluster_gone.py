@@ -36,7 +36,7 @@ def _down_bridge(manager: ClusterManager, port: int, down_for_s: float) -> Bridg
 def _waiting_for_other(h: Harness) -> int:
     """A message held here for OTHER (whose queue of its address this node also has), and how many wait."""
     ok(h.connect().create_queue("orders", "orders", ANYCAST))
-    queue = h.broker.forward_queue(OTHER, h.now_ms)
+    queue = h.broker.forwarder.forward_queue(OTHER, h.now_ms)
     message = new_message("orders", b"for node-2", routing=ANYCAST, durable=True)
     message[M_ID] = 1_000
     queue.add(message)
@@ -44,7 +44,7 @@ def _waiting_for_other(h: Harness) -> int:
 
 
 def _held(h: Harness) -> int:
-    return len(h.broker.forward_queue(OTHER, h.now_ms))
+    return len(h.broker.forwarder.forward_queue(OTHER, h.now_ms))
 
 
 async def test_a_node_that_comes_back_at_another_address_is_not_declared_gone_in_between() -> None:

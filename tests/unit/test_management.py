@@ -283,7 +283,7 @@ async def test_a_cluster_connection_moving_a_queue_is_no_consumer_of_it(api: Api
     )
     mover = Consumer(9, bridge, broker.queues["orders"], 0)
     mover.forwarder = True
-    broker.add_forwarder(bridge, mover)
+    broker.consuming.add_forwarder(bridge, mover)
     orders = await (await client.get("/api/queues/orders")).json()
     assert (orders["consumers"], orders["forwarders"]) == (1, 1)
     _, samples = parse_metrics(await (await client.get("/metrics")).text())

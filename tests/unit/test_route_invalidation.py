@@ -147,7 +147,7 @@ def test_a_new_device_topic_keeps_the_other_devices_routes() -> None:
     c.create_queue("watch", "devices.#", MULTICAST, durable=False)
     for i in range(200):
         c.send_all(f"devices.d{i}.up", [b"x"], routing=MULTICAST)
-    routes = h.broker._routes
+    routes = h.broker.routes.cache
     assert len(routes) == 200
     c.create_queue("d7", "devices.d7.up", MULTICAST, durable=False)
     assert len(routes) == 199  # only the new queue's own address

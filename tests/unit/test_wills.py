@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from tests.unit.broker_harness import BASE_MS, Client, Harness, bodies, failed, ok, recorded
 
-from tridentmq_core.broker import MAX_WILL_KEY
 from tridentmq_core.settings import AddressSettingsEntry, BrokerSection, CoreSettings, PermissionEntry, UserEntry
+from tridentmq_core.will_keeper import MAX_WILL_KEY
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.message import M_BODY, M_DEDUP, M_ID, M_TIMESTAMP, MAX_TIME_MS, WireMessage, new_message
 
@@ -64,7 +64,7 @@ def test_a_cleared_will_is_not_published(h: Harness, clear: str) -> None:
     ok(leaving.clear_will() if clear == "nil" else leaving.set_will("k", None))
     leaving.close()
     assert watcher.take(cid) == []
-    assert not h.broker.wills.holders
+    assert not h.broker.wills.book.holders
 
 
 def test_a_new_will_replaces_the_earlier_one(h: Harness) -> None:
@@ -150,7 +150,7 @@ def test_wills_are_not_published_when_the_node_stops(h: Harness) -> None:
     ok(delayed.set_will("d", will(), delay_ms=1000))
     delayed.close()
     ok(dying.set_will("k", will()))
-    h.broker.discard_wills()
+    h.broker.wills.discard(h.broker.sessions.values())
     dying.drop()
     h.tick(BASE_MS + 10_000)
     assert watcher.take(cid) == []
@@ -259,4 +259,4 @@ def test_a_will_that_cannot_be_routed_when_it_fires_is_dropped(caplog: pytest.Lo
     with caplog.at_level(logging.WARNING, logger="tridentmq.core.broker"):
         h.tick(BASE_MS + 100)
     assert [r.message for r in caplog.records] == ["will dropped"]
-    assert not h.broker.wills.pending
+    assert not h.broker.wills.book.pending

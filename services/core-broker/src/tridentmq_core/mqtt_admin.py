@@ -114,7 +114,7 @@ class MqttAdmin:
         if not present:
             raise OperationError(404, f"no MQTT session of client {client_id!r} on this node")
         for queue in present:
-            self.broker.delete_queue(queue, now_ms)
+            self.broker.catalog.delete_queue(queue, now_ms)
         return {
             "deleted": 1 if session is not None or lock_queue(client_id) in {q.name for q in present} else 0,
             "queues": len(present),

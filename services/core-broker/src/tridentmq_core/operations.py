@@ -15,14 +15,10 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from tridentmq_core.address_settings import ResolvedAddressSettings
-from tridentmq_core.broker import (
-    FORWARD_QUEUE_PREFIX,
-    ORIGINAL_ADDRESS,
-    ORIGINAL_QUEUE,
-    ORIGINAL_REASON,
-    Broker,
-    BrokerError,
-)
+from tridentmq_core.broker import Broker
+from tridentmq_core.checks import BrokerError
+from tridentmq_core.dead_letters import ORIGINAL_ADDRESS, ORIGINAL_QUEUE, ORIGINAL_REASON
+from tridentmq_core.forwarder import FORWARD_QUEUE_PREFIX
 from tridentmq_core.queues import Queue
 from tridentmq_core.router import InvalidAddress, validate_address
 from tridentmq_core.selector import SelectorError, compile_selector
@@ -197,7 +193,7 @@ class Operations:
             kinds = ", ".join(sorted(k.name.lower() for k in known.routing_types))
             raise OperationError(409, f"address {address!r} is {kinds}; it has no {routing.name.lower()} queues")
         try:
-            broker.create_queue(
+            broker.catalog.create_queue(
                 name,
                 address,
                 routing,
@@ -217,15 +213,15 @@ class Operations:
         if name.startswith(FORWARD_QUEUE_PREFIX):
             raise OperationError(409, f"{name!r} is a cluster connection's store-and-forward queue")
         messages = len(queue) + queue.in_flight
-        self.broker.delete_queue(queue, now_ms)
+        self.broker.catalog.delete_queue(queue, now_ms)
         return {"deleted": 1, "messages": messages}
 
     def purge(self, name: str, selector: str | None, now_ms: int) -> dict[str, Any]:
         """Drop the queued messages (those ``selector`` matches; all, paged ones included, without one)."""
         queue = self._queue(name)
         if not selector:
-            return {"purged": self.broker.purge_queue(queue, now_ms)}
-        taken = self.broker.take_messages(queue, _compile(selector), -1, "purged", now_ms)
+            return {"purged": self.broker.catalog.purge_queue(queue, now_ms)}
+        taken = self.broker.catalog.take_messages(queue, _compile(selector), -1, "purged", now_ms)
         return {"purged": len(taken)}
 
     def browse(self, name: str, offset: int, limit: int, selector: str | None, preview: int) -> dict[str, Any]:
@@ -285,7 +281,7 @@ class Operations:
             picked = [m for m in source.messages() if chosen(m)]
             picked = picked if limit < 0 else picked[:limit]
         else:
-            picked = broker.take_messages(source, chosen, limit, "moved", now_ms)
+            picked = broker.catalog.take_messages(source, chosen, limit, "moved", now_ms)
         tag = broker.node_id[:8]
         for message in picked:
             into = where(message)
@@ -299,18 +295,18 @@ class Operations:
         broker = self.broker
         if queue is not None:
             found = self._queue(queue)
-            broker.set_paused(found, paused)
+            broker.catalog.set_paused(found, paused)
             return {"queues": 1}
         assert address is not None
         known = broker.addresses.get(address)
         if paused:
-            broker.paused_addresses.add(address)
+            broker.catalog.paused_addresses.add(address)
         else:
-            broker.paused_addresses.discard(address)
+            broker.catalog.paused_addresses.discard(address)
         if known is None:
             return {"queues": 0}
         for found in known.queues.values():
-            broker.set_paused(found, paused)
+            broker.catalog.set_paused(found, paused)
         return {"queues": len(known.queues)}
 
     # ------------------------------------------------------------------ connections

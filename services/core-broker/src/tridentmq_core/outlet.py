@@ -2,7 +2,7 @@
 
 A client's session writes to its link connection's codec (``tridentmq_shared.link.codec.LinkConnection``,
 which has these methods); a cluster bridge's session hands deliveries to the bridge instead
-(``cluster/manager.py``). The broker sees only this protocol, so neither needs to pretend to be the other.
+(``cluster/bridge.py``). The broker sees only this protocol, so neither needs to pretend to be the other.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ from typing import Any, cast
 from aiohttp import web
 
 from tridentmq_core.audit import AuditSink, FileAuditSink, NullAuditSink
-from tridentmq_core.broker import Broker, BrokerError
+from tridentmq_core.broker import Broker
+from tridentmq_core.checks import BrokerError
 from tridentmq_core.cluster.manager import ClusterManager, validate_cluster_settings
 from tridentmq_core.ha.backup import BackupRunner
 from tridentmq_core.ha.network_check import NetworkCheck, NetworkHealth, Reachability, parse_targets
@@ -626,7 +627,7 @@ class CoreNode:
         self.broker.store = store
         # A record never spans segments: refuse at publish a durable body the journal could not write.
         segment = journal_settings.segment_bytes
-        self.broker.max_durable_body = min(
+        self.broker.admission.max_durable_body = min(
             self.settings.broker.max_message_bytes, segment - min(PUBLISH_HEADROOM, segment // 2)
         )
         store.attach(self.broker.on_durable)
@@ -1080,12 +1081,12 @@ class CoreNode:
             if percent >= limit:
                 text = f"disk usage {percent:.1f} % is at or above journal.max_disk_usage {limit:g} %"
                 refusal = (ErrorCode.RESOURCE_LIMIT, f"{text}: durable publishes are refused")
-        if refusal != self.broker.durable_refusal:
+        if refusal != self.broker.admission.durable_refusal:
             if refusal is None:
                 log.info("durable publishes accepted again")
             else:
                 log.error("durable publishes refused", extra={"reason": refusal[1]})
-            self.broker.durable_refusal = refusal
+            self.broker.admission.durable_refusal = refusal
 
     def _compact(self, consider: bool) -> None:
         """One chunk of a running compaction per tick; about once a second, see whether one is due."""
@@ -1119,7 +1120,8 @@ class CoreNode:
                     await task
         if self._server is not None:
             self._server.close()
-        self.broker.discard_wills()  # the links close because we stop, not because their clients died
+        # The links close because we stop, not because their clients died: no will is published.
+        self.broker.wills.discard(self.broker.sessions.values())
         if self.backup is not None:
             await self.backup.stop()
         if self.shared is not None:

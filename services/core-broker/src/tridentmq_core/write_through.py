@@ -1,5 +1,5 @@
 """The book of durable publishes written through to another node: stored nowhere here, confirmed to their
-producer once that node has them safe (see ``Broker._forward``).
+producer once that node has them safe (see ``Forwarder.forward``).
 
 A producer that misses its confirm sends the publish again, perhaps to this node's next life (restarted from
 its journal, or its backup). That life must send it to the same node under the same transfer id, where it is

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from itertools import repeat
 from typing import Any, Final, Protocol
 
-from tridentmq_core.broker import Broker, Direct
+from tridentmq_core.broker import Broker
+from tridentmq_core.forwarder import Direct
 from tridentmq_core.forwarding import FORWARD_PROPERTY, MOVES_PROPERTY, numbered_header
 from tridentmq_core.node_links import node_link, watch_close
 from tridentmq_core.queues import MESSAGE_OVERHEAD, Consumer
@@ -56,7 +57,7 @@ class BridgeHost(Protocol):
     def refused(self, bridge: Bridge, consumer: Consumer, message_id: int, code: str = "", text: str = "") -> None: ...
 
 
-class _BridgePort:
+class BridgeOutlet:
     """The outlet of a bridge's session on the broker side: what the broker 'sends' to it goes straight to the
     bridge instead of onto a socket."""
 
@@ -249,13 +250,13 @@ class Bridge:
         broker = self.manager.broker
         now_ms = wall_ms()
         self.session = broker.open_session(
-            _BridgePort(self), f"bridge-{self.node_id[:8]}", principal, self.address, f"cluster:{self.node_id}", now_ms
+            BridgeOutlet(self), f"bridge-{self.node_id[:8]}", principal, self.address, f"cluster:{self.node_id}", now_ms
         )
-        queue = broker.forward_queue(self.node_id, now_ms)
+        queue = broker.forwarder.forward_queue(self.node_id, now_ms)
         forwarder = Consumer(FORWARDER_ID, self.session, queue, self.manager.settings.cluster.forward_window)
         forwarder.forwarder = True
         self.consumers[FORWARDER_ID] = forwarder
-        broker.add_forwarder(self.session, forwarder)
+        broker.consuming.add_forwarder(self.session, forwarder)
         self.state = "up"
         self.manager.bridge_answered()
         self.reason = ""  # a failure from before (the node was not up yet at our start) is not why it is up
@@ -267,13 +268,13 @@ class Bridge:
         consumer = make(self._next_consumer, self.session)
         self._next_consumer += 1
         self.consumers[consumer.id] = consumer
-        self.manager.broker.add_forwarder(self.session, consumer)
+        self.manager.broker.consuming.add_forwarder(self.session, consumer)
         return consumer
 
     def remove_consumer(self, consumer: Consumer) -> None:
         self.consumers.pop(consumer.id, None)
         if self.session is not None:
-            self.manager.broker.remove_forwarder(self.session, consumer, wall_ms())
+            self.manager.broker.consuming.remove_forwarder(self.session, consumer, wall_ms())
 
     def consumer_closed(self, consumer_id: int) -> None:
         """The broker deleted the queue under a consumer of ours."""
@@ -301,9 +302,9 @@ class Bridge:
         memory = manager.broker.memory  # counted again by the queue they go to
         memory.used -= sum(len(message[M_BODY]) + MESSAGE_OVERHEAD for message, _ in unconfirmed)
         if unconfirmed and self.node_id:
-            manager.broker.requeue_forwards(self.node_id, unconfirmed, wall_ms())
+            manager.broker.forwarder.requeue_forwards(self.node_id, unconfirmed, wall_ms())
         for _, _, publisher in held:
-            manager.broker.return_publish_credit(publisher, 1)
+            manager.broker.admission.return_credit(publisher, 1)
         if unconfirmed:
             manager.schedule_flush()
         self._sent.clear()
@@ -329,7 +330,7 @@ class Bridge:
             # one id, and each queue's copy that moves to the same node is a transfer of its own, no duplicate.
             node_part = f"{self.manager.broker.transfer_prefix}{consumer.queue.name}:"
             header = numbered_header(consumer.target.node_id, (consumer.queue.name,), 1, node_part, delivered)
-            moves = self.manager.broker.arrivals.moves(message[M_ID]) + 1
+            moves = self.manager.broker.forwarder.arrivals.moves(message[M_ID]) + 1
             outgoing[M_PROPS] = {**message[M_PROPS], FORWARD_PROPERTY: header, MOVES_PROPERTY: moves}
         else:
             outgoing = message
@@ -423,7 +424,7 @@ class Bridge:
                 self.manager.refused(self, consumer, number, code, text)
         elif direct is not None:
             self.manager.broker.memory.used -= len(direct[M_BODY]) + MESSAGE_OVERHEAD
-            self.manager.broker.place_refused(direct, wall_ms(), number, code, text)
+            self.manager.broker.forwarder.place_refused(direct, wall_ms(), number, code, text)
             self._tokens_released = True
 
     def _on_settled(self) -> None:
@@ -453,7 +454,7 @@ class Bridge:
                         waiting.popleft()  # once sent: a failure leaves it for the teardown
                 finally:
                     for publisher, count in released.items():
-                        broker.return_publish_credit(publisher, count)
+                        broker.admission.return_credit(publisher, count)
                     if released:
                         self.manager.schedule_flush()
         except LinkRequestError:
@@ -466,7 +467,7 @@ class Bridge:
         now_ms = wall_ms()
         broker = self.manager.broker
         for consumer, ids in self._confirmed.items():
-            broker.settle_forwarded(session, consumer, ids, now_ms)
+            broker.forwarder.settle_forwarded(session, consumer, ids, now_ms)
         self._confirmed.clear()
         self.manager.schedule_flush()
 

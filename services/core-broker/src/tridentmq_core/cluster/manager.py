@@ -22,10 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from tridentmq_core.balancer import Balancer, is_local_consumer
-from tridentmq_core.broker import FORWARD_QUEUE_PREFIX, Broker, BrokerError, Direct
+from tridentmq_core.broker import Broker
+from tridentmq_core.checks import BrokerError
 from tridentmq_core.cluster.bridge import Bridge
 from tridentmq_core.cluster.discovery import Announcement, RedisDiscovery
 from tridentmq_core.cluster.sync import BindingSync
+from tridentmq_core.forwarder import FORWARD_QUEUE_PREFIX, Direct
 from tridentmq_core.ha.voting import Voter
 from tridentmq_core.queues import Consumer, Queue
 from tridentmq_core.redistribution import (
@@ -206,7 +208,7 @@ class ClusterManager:
         broker.cluster = self.balancer
         broker.on_topology = self.on_topology
         broker.hold_reply = self.hold_reply
-        broker.send_direct = self._send_direct
+        broker.forwarder.send_direct = self._send_direct
 
     # ------------------------------------------------------------------ life cycle
     async def start(self) -> None:
@@ -496,7 +498,7 @@ class ClusterManager:
             )
             consumer.stop()  # the next tick removes it, and starts another if the queue still qualifies
         else:
-            self.broker.reroute_refused(session, consumer, message_id, now_ms, code, text)
+            self.broker.forwarder.reroute_refused(consumer, message_id, now_ms, code, text)
         self.schedule_flush()
 
     # ------------------------------------------------------------------ periodic work
@@ -679,7 +681,7 @@ class ClusterManager:
                     self.settings.cluster.forward_window,
                     target=target,
                     selectors=self.balancer.selectors,
-                    arrivals=broker.arrivals,
+                    arrivals=broker.forwarder.arrivals,
                     min_residence_ms=self.settings.cluster.min_residence_ms,
                     clock=lambda: broker.now_ms,
                 )
@@ -784,7 +786,7 @@ class ClusterManager:
                 for name, q in broker.queues.items()
                 if not name.startswith(FORWARD_QUEUE_PREFIX) and (len(q) or q.in_flight or q.paged)
             ]
-            pending = [q for q in broker.forward_queues.values() if q.consumers and (len(q) or q.in_flight)]
+            pending = [q for q in broker.forwarder.forward_queues.values() if q.consumers and (len(q) or q.in_flight)]
             in_transit = any(b.in_transit for b in self.bridges.values())  # sent straight, not confirmed yet
             if not left and not pending and not in_transit:
                 log.info("scale-down complete: no messages left on this node")

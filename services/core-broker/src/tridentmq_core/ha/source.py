@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from tridentmq_core.broker import Broker, BrokerError
+from tridentmq_core.broker import Broker
+from tridentmq_core.checks import BrokerError
 from tridentmq_core.ha.pair import BACKUP, PRIMARY, ClusterView, record_epoch
 from tridentmq_core.ha.replication import ReplicaFeed
 from tridentmq_core.ha.votes import STAY, VoteRequest, quorum

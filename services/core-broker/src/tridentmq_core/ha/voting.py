@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
-from tridentmq_core.broker import BrokerError
+from tridentmq_core.checks import BrokerError
 from tridentmq_core.ha.pair import HA_STATE_FILE, VOTES_FILE, BackupState, ClusterView, record_epoch
 from tridentmq_core.ha.votes import ACTIVATE, STAY, VoteBook, VoteRequest
 from tridentmq_core.node_links import node_link

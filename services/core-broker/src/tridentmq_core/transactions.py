@@ -1,0 +1,89 @@
+"""A link's transactions: publishes and acknowledgements staged until COMMIT applies them all at once (one
+store transaction), or ROLLBACK redelivers what it acknowledged."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tridentmq_core.address_settings import AddressSettingsRepository
+from tridentmq_core.catalog import Catalog
+from tridentmq_core.checks import BrokerError
+from tridentmq_core.consuming import Consuming
+from tridentmq_core.queues import Queue
+from tridentmq_core.sessions import Session, Transaction
+from tridentmq_core.store.base import Store
+from tridentmq_shared.link.ops import ErrorCode, NackMode
+from tridentmq_shared.message import M_ADDRESS, WireMessage
+
+
+class Transactions:
+    def __init__(
+        self,
+        address_settings: AddressSettingsRepository,
+        *,
+        store: Store,
+        catalog: Catalog,
+        consuming: Consuming,
+        accept: Callable[[WireMessage, int], object],
+        to_dispatch: set[Queue],
+    ) -> None:
+        self.address_settings = address_settings
+        self.store = store
+        self._catalog = catalog
+        self._consuming = consuming
+        self._accept = accept  # routes a message like a publish
+        self._to_dispatch = to_dispatch
+
+    @staticmethod
+    def begin(session: Session, tx_id: int) -> None:
+        if tx_id in session.txs:
+            raise BrokerError(ErrorCode.EXISTS, f"transaction {tx_id} is already open")
+        session.txs[tx_id] = Transaction()
+
+    def commit(self, session: Session, tx_id: int, now_ms: int) -> int:
+        """Apply the transaction and close it; returns the store's token for it (0: safe already)."""
+        tx = self._open(session, tx_id)
+        if tx.failed is not None:
+            code, text = tx.failed
+            raise BrokerError(code, f"transaction is rollback-only: a publish in it was refused ({text})")
+        # All or nothing: refuse before applying anything. A missing address that may not be auto-created
+        # is the only reason accepting a message refuses; failing half-way would leave the transaction open
+        # with part of it applied, and a retried commit would apply that part twice.
+        for message in tx.publishes:
+            address = message[M_ADDRESS]
+            if (
+                address not in self._catalog.addresses
+                and not self.address_settings.resolve(address).auto_create_addresses
+            ):
+                raise BrokerError(ErrorCode.NOT_FOUND, f"address {address!r} does not exist")
+        self.store.begin_transaction()
+        try:
+            for message in tx.publishes:
+                self._accept(message, now_ms)
+            for consumer, message_id in tx.acks:
+                taken = consumer.queue.take(consumer, message_id)
+                if taken is not None:
+                    self._consuming.settle(consumer.queue, taken[0], now_ms, None, consumer)
+        finally:
+            token = self.store.commit_transaction()
+        del session.txs[tx_id]
+        return token
+
+    def rollback(self, session: Session, tx_id: int, now_ms: int) -> None:
+        self.undo(self._open(session, tx_id), now_ms)
+        del session.txs[tx_id]
+
+    def undo(self, tx: Transaction, now_ms: int) -> None:
+        """Redeliver what the transaction acknowledged (its publishes were never applied)."""
+        for consumer, message_id in tx.acks:
+            taken = consumer.queue.take(consumer, message_id)
+            if taken is not None:
+                self._consuming.give_back(consumer.queue, taken[0], taken[1], NackMode.REDELIVER, now_ms)
+                self._to_dispatch.add(consumer.queue)
+
+    @staticmethod
+    def _open(session: Session, tx_id: int) -> Transaction:
+        tx = session.txs.get(tx_id)
+        if tx is None:
+            raise BrokerError(ErrorCode.NOT_FOUND, f"no open transaction {tx_id}")
+        return tx

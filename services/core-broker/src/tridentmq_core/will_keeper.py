@@ -1,0 +1,139 @@
+"""SET_WILL and the publishing of wills: a will is checked when it is set as its link's publish would be
+(so that a will that could never be published is refused then, not dropped later), and routed like a publish
+when it is due. The book of who holds which will is ``wills.Wills``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+from tridentmq_core.admission import Admission
+from tridentmq_core.audit_events import AuditEvents
+from tridentmq_core.catalog import Catalog
+from tridentmq_core.checks import BrokerError
+from tridentmq_core.sessions import Session
+from tridentmq_core.settings import CoreSettings
+from tridentmq_core.wills import Will, Wills
+from tridentmq_shared.link.ops import ErrorCode
+from tridentmq_shared.message import (
+    M_ADDRESS,
+    M_BODY,
+    M_DURABLE,
+    M_ID,
+    M_ROUTING,
+    M_TIMESTAMP,
+    MAX_TIME_MS,
+    RoutingType,
+    WireMessage,
+    check_message,
+)
+
+log = logging.getLogger("tridentmq.core.broker")
+
+MAX_WILL_KEY = 512
+_MULTICAST = int(RoutingType.MULTICAST)
+
+
+class WillKeeper:
+    def __init__(
+        self,
+        settings: CoreSettings,
+        *,
+        admission: Admission,
+        catalog: Catalog,
+        audit: AuditEvents,
+        accept: Callable[[WireMessage, int], object],
+    ) -> None:
+        self.settings = settings
+        self.book = Wills()
+        self._admission = admission
+        self._catalog = catalog
+        self._audit = audit
+        self._accept = accept  # routes a message like a publish (BrokerError if it cannot be)
+
+    def set(
+        self,
+        session: Session,
+        key: str | None,
+        message: WireMessage | None,
+        delay_ms: int,
+        publish_pending: bool,
+        now_ms: int,
+    ) -> None:
+        """A link's SET_WILL: ``key`` None clears its own will; ``message`` None frees the key (publishing the
+        will pending under it when ``publish_pending``)."""
+        book = self.book
+        if key is None:  # a nil will: clear this link's own, nothing else
+            book.drop(session)
+            return
+        if not key or len(key) > MAX_WILL_KEY:
+            raise BrokerError(ErrorCode.INVALID, f"a will key is a string of 1 to {MAX_WILL_KEY} characters")
+        if not 0 <= delay_ms <= MAX_TIME_MS:
+            raise BrokerError(ErrorCode.INVALID, f"a will's delay_ms is within 0..{MAX_TIME_MS}")
+        owner = book.user(key)
+        if owner is not None and owner != session.principal.name:
+            raise BrokerError(ErrorCode.FORBIDDEN, f"the will under key {key!r} belongs to another user")
+        if message is not None:
+            self._check(session, message)  # before anything changes: a refusal leaves all as it was
+        book.drop(session)
+        pending, holder = book.take_key(key)
+        if pending is not None and publish_pending:
+            self._publish(pending, now_ms)
+        elif pending is not None:
+            log.debug("pending will cancelled", extra={"will_key": key})
+        if holder is not None:
+            log.debug("will taken over", extra={"will_key": key, "conn": holder.conn_id})
+        if message is not None:
+            book.hold(session, Will(key, message, delay_ms, session.conn_id, session.principal.name))
+
+    def closed(self, session: Session, now_ms: int) -> None:
+        """The link is gone: its will is published now, or waits for its delay."""
+        will = self.book.release(session, now_ms)
+        if will is not None:
+            self._publish(will, now_ms)
+
+    def tick(self, now_ms: int) -> None:
+        for will in self.book.due(now_ms):
+            self._publish(will, now_ms)
+
+    def discard(self, sessions: Iterable[Session]) -> None:
+        """The node is stopping: its links close because of that, not because their clients went away, so
+        no will is published. Pending wills are kept in memory only and would be lost anyway."""
+        self.book.discard(sessions)
+
+    def _check(self, session: Session, message: WireMessage) -> None:
+        """Refuse a will its link could not publish now, with the code a REJECT would carry."""
+        problem = check_message(message, session.conn.max_properties)
+        if problem is not None:
+            raise BrokerError(ErrorCode.INVALID, problem)
+        admission = self._admission
+        address = message[M_ADDRESS]
+        refusal = admission.check_send(session, address)
+        if refusal is None and (
+            address not in self._catalog.addresses
+            or (message[M_ROUTING] != _MULTICAST and address not in self._catalog.queues)
+        ):
+            refusal = admission.creation_problem(session, message)
+        max_bytes = admission.max_durable_body if message[M_DURABLE] else self.settings.broker.max_message_bytes
+        if refusal is None and len(message[M_BODY]) > max_bytes:
+            refusal = (ErrorCode.RESOURCE_LIMIT, f"message body exceeds {max_bytes} bytes")
+        if refusal is not None:
+            raise BrokerError(*refusal)
+
+    def _publish(self, will: Will, now_ms: int) -> None:
+        """Route a will like a publish (its permissions were checked when it was set)."""
+        message = list(will.message)
+        message[M_ID] = 0
+        message[M_TIMESTAMP] = 0  # a fresh id and timestamp, as for any publish
+        address = message[M_ADDRESS]
+        refusal = self._admission.durable_refusal if message[M_DURABLE] else None
+        if refusal is None:
+            try:
+                self._accept(message, now_ms)
+            except BrokerError as exc:
+                refusal = (exc.code, exc.text)
+        if refusal is not None:
+            log.warning("will dropped", extra={"will_key": will.key, "address": address, "reason": refusal[1]})
+            return
+        log.debug("will published", extra={"will_key": will.key, "address": address})
+        self._audit.emit(now_ms, "will.published", key=will.key, address=address, conn_id=will.conn_id)
