@@ -58,8 +58,8 @@ class Outbound:
     shared: bool  # a shared subscription: its queue is others' too
     address: str  # the address the link consumes from
     pending: deque[tuple[int, WireMessage]] = field(default_factory=deque)  # fetched, waiting for credit
-    room: asyncio.Event = field(default_factory=asyncio.Event)  # set when ``pending`` empties
-    pump: asyncio.Task[None] | None = None
+    # Waits for the client to read what was written; the deliveries wait in the consumer meanwhile.
+    draining: asyncio.Task[None] | None = None
 
 
 @dataclass(eq=False)

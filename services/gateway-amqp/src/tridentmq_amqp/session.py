@@ -3,11 +3,12 @@ links mapped onto core publishes and consumers.
 
 The shared session driver's worker handles the client's bytes in order: SASL first (authenticated by the core
 with the client's credentials), then proton's events. A client's sending link gets credit while the core keeps
-up, and its unsettled transfers are settled (accepted, or rejected with the core's reason) once the core confirmed them:
-for a durable message, once it is on disk. Each of the client's receiving links is a core consumer with a
-pump that sends transfers while the client grants credit; the client's dispositions become core acks and
-nacks. Nothing is kept here that the core does not also know: when the connection ends its link closes, and
-the core returns unsettled messages to their queues and drops temporary ones.
+up, and its unsettled transfers are settled (accepted, or rejected with the core's reason) once the core
+confirmed them: for a durable message, once it is on disk. Each of the client's receiving links is a core
+consumer that calls the session back when deliveries arrive, and they go out as transfers while the client
+grants credit; the client's dispositions become core acks and nacks. Nothing is kept here that the core does
+not also know: when the connection ends its link closes, and the core returns unsettled messages to their
+queues and drops temporary ones.
 """
 
 from __future__ import annotations
@@ -375,6 +376,7 @@ class AmqpSession:
                 outbound = self.outbound.get(pn_link)
                 if outbound is not None:
                     self._send_pending(outbound)
+                    self._pump(outbound)  # what waited for credit went: take what came meanwhile
             else:
                 _ack_all(acks)  # before a detach closes their consumer
                 await self._endpoint_event(kind, event)
@@ -567,9 +569,8 @@ class AmqpSession:
             address=node.address,
         )
         self.outbound[pn_link] = outbound
-        outbound.pump = end_on_failure(
-            asyncio.get_running_loop().create_task(self._pump(outbound), name="amqp pump"), self._end, self.wire.peer
-        )
+        consumer.on_wake = lambda: self._pump(outbound)
+        self._pump(outbound)  # what arrived with the subscribe's answer
 
     async def _subscription_queue(self, queue: str, address: str, *, durable: bool, selector: str | None) -> None:
         """A subscription queue on a multicast address. A durable one that exists is kept unless its address or
@@ -646,8 +647,7 @@ class AmqpSession:
             )
 
     async def _stop(self, outbound: Outbound) -> None:
-        if outbound.pump is not None:
-            outbound.pump.cancel()
+        self._stop_pumping(outbound)
         with contextlib.suppress(LinkRequestError):
             await outbound.consumer.close()
 
@@ -835,31 +835,53 @@ class AmqpSession:
         wrapped.settle()
 
     # ------------------------------------------------------------------ messages to the client
-    async def _pump(self, outbound: Outbound) -> None:
-        """Fetch the consumer's messages and send them while the client grants credit. At most the prefetch
-        is out of the queue: an unsettled link's core credit comes back with the client's dispositions, and
-        a pre-settled link's with its transfers written."""
+    def _pump(self, outbound: Outbound) -> None:
+        """Send what the link's consumer holds while the client grants credit. The consumer calls it when
+        deliveries arrive, and the client's FLOW once what waited for credit is sent: no task per link. At most
+        the prefetch is out of the queue: an unsettled link's core credit comes back with the client's
+        dispositions, and a pre-settled link's with its transfers written. While the client does not read what
+        was written, the deliveries wait in the consumer, whose credit then stops the core, and a task waits
+        for the client to drain."""
+        if self._closed or outbound.draining is not None or self.outbound.get(outbound.link) is not outbound:
+            return  # (detached: the core takes back what its consumer holds)
+        if outbound.pending:
+            return  # waiting for the client's credit
+        if not self.wire.writable():
+            outbound.draining = end_on_failure(
+                self._loop.create_task(self._pump_when_drained(outbound), name="amqp drain"), self._end, self.wire.peer
+            )
+            return
         consumer = outbound.consumer
         try:
-            while not self._closed:
-                await self.wire.drained()
-                if outbound.pending:
-                    outbound.room.clear()
-                    await outbound.room.wait()
-                    continue
-                batch = await consumer.get_batch()
-                if outbound.link not in self.outbound:  # detached meanwhile: the core takes them back
-                    return
-                if not batch and consumer.browse_done:  # a browse shows what was there, then ends
-                    return
-                outbound.pending.extend(batch)
-                self._send_pending(outbound)
-                self._output_soon()
-        except LinkRequestError as exc:
-            if not self._closed and self.outbound.get(outbound.link) is outbound:
-                self.outbound.pop(outbound.link, None)
-                self._close_link(outbound.link, _CONDITIONS.get(exc.code, DETACH_FORCED), exc.text)
-                self._flush()
+            batch = consumer.take_batch()
+            if not batch:
+                if consumer.closed is not None:
+                    self._consumer_ended(outbound, consumer.closed)
+                return  # (or a browse that showed what was there: it ends)
+            outbound.pending.extend(batch)
+            self._send_pending(outbound)
+            self._output_soon()
+        except Exception:  # as a task's failure would: this connection ends, the gateway goes on
+            log.exception("amqp delivery failed", extra={"peer": self.wire.peer})
+            self._end()
+
+    async def _pump_when_drained(self, outbound: Outbound) -> None:
+        await self.wire.drained()
+        outbound.draining = None
+        self._pump(outbound)
+
+    def _stop_pumping(self, outbound: Outbound) -> None:
+        outbound.consumer.on_wake = None
+        if outbound.draining is not None:
+            outbound.draining.cancel()
+            outbound.draining = None
+
+    def _consumer_ended(self, outbound: Outbound, error: LinkRequestError) -> None:
+        """The core ended the link's consumer (its queue was deleted, or not restored after a failover)."""
+        self.outbound.pop(outbound.link, None)
+        self._stop_pumping(outbound)
+        self._close_link(outbound.link, _CONDITIONS.get(error.code, DETACH_FORCED), error.text)
+        self._flush()
 
     def _send_pending(self, outbound: Outbound) -> None:
         pn_link = outbound.link
@@ -895,8 +917,6 @@ class AmqpSession:
             if sent and not outbound.browse:
                 outbound.consumer.ack_ids(sent)
             self.counters.messages_delivered += available - credit
-            if not pending:
-                outbound.room.set()
         if lib.pn_link_get_drain(pn_link) and not pending:
             lib.pn_link_drained(pn_link)  # nothing more right now: the rest of the credit is used up
 
@@ -904,8 +924,7 @@ class AmqpSession:
         """Close a receiving link of the client's on our side: its consumer goes (the core takes back what it
         held), and the client's answering detach is not taken for an unsubscribe."""
         self.outbound.pop(outbound.link, None)
-        if outbound.pump is not None:
-            outbound.pump.cancel()
+        self._stop_pumping(outbound)
         self._loop.create_task(self._stop(outbound))
         self._close_link(outbound.link, condition, description)
 
@@ -1024,8 +1043,7 @@ class AmqpSession:
 
     async def clean_up(self) -> None:
         for outbound in self.outbound.values():
-            if outbound.pump is not None:
-                outbound.pump.cancel()
+            self._stop_pumping(outbound)
         if self.link is not None:
             self.link.on_closed = self.link.on_settled = None
             await self.link.close()  # the core returns unsettled messages and drops temporary queues
