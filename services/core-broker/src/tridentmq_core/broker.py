@@ -10,12 +10,12 @@ This module coordinates; each concern is a part in a module named after it:
 - ``admission``: which publishes are taken, and the producer credit that paces them;
 - ``routes`` and ``catalog``: the addresses and queues, and which queues a send reaches;
 - ``consuming`` and ``transactions``: consumers, acknowledgements, transactions;
+- ``deliveries``: what becomes of what the queues deliver (they report to it);
 - ``confirms``: producers' confirms waiting for the disk or for another node;
 - ``forwarder``: messages to and from other cluster nodes;
-- ``dead_letters``, ``timers``, ``will_keeper``, ``audit_events``.
+- ``dead_letters``, ``timers``, ``will_keeper``, ``audit_events``, and ``durable_state`` (restore and snapshot).
 
-The broker itself routes and admits each accepted message, is the queues' ``DeliverySink``, runs the timers,
-and rebuilds its state from a recovered journal.
+The broker itself takes each link's events, routes and admits each accepted message, and keeps the time.
 """
 
 from __future__ import annotations
@@ -28,17 +28,19 @@ from tridentmq_core.admission import Admission
 from tridentmq_core.audit import AuditSink
 from tridentmq_core.audit_events import ORIGIN_MESSAGE_ID, AuditEvents
 from tridentmq_core.balancer import Balancer, Remote
-from tridentmq_core.catalog import Catalog, queue_spec
+from tridentmq_core.catalog import Catalog
 from tridentmq_core.checks import BrokerError, require, require_delete, routing_type
 from tridentmq_core.confirms import Confirms
 from tridentmq_core.consuming import Consuming
 from tridentmq_core.counters import Counters
 from tridentmq_core.dead_letters import DeadLetters
 from tridentmq_core.dedup import DuplicateIdCache
+from tridentmq_core.deliveries import Deliveries
+from tridentmq_core.durable_state import DurableState
 from tridentmq_core.forwarder import Forwarder
-from tridentmq_core.latency import SMALL_BUCKETS, SMALL_MS, LatencyHistogram, bucket_of
+from tridentmq_core.latency import LatencyHistogram
 from tridentmq_core.outlet import Outlet
-from tridentmq_core.queues import Consumer, LinkSession, MemoryGauge, PagerFactory, Queue
+from tridentmq_core.queues import LinkSession, MemoryGauge, PagerFactory, Queue
 from tridentmq_core.redistribution import MAX_RESIDENCE_FACTOR
 from tridentmq_core.routes import Routes
 from tridentmq_core.security import Permission, Principal
@@ -95,11 +97,9 @@ class Broker:
         self.dirty: Final[set[LinkSession]] = set()  # sessions with output to write; see take_dirty
         self.memory: Final = MemoryGauge()
         self.to_dispatch: Final[set[Queue]] = set()  # queues to dispatch at the next flush
-        self.now_ms = 0  # time of the event being handled, for callbacks that are not handed it
         self.transfer_prefix = f"{node_id}:"  # + a message id: the id of a transfer to another node
         self._next_id = first_message_id
         self._store = store
-        self._held_deliveries: dict[int, list[tuple[Consumer, int, WireMessage]]] = {}  # token → deliveries
         self._last_expiry_scan = 0
         # Clustering (set by the cluster manager when the node clusters): load balancing over other nodes'
         # bindings, and the handler of TOPOLOGY requests.
@@ -124,7 +124,6 @@ class Broker:
             routes=routes,
             timers=timers,
             audit=events,
-            sink=self,
             dirty=self.dirty,
             memory=self.memory,
             to_dispatch=self.to_dispatch,
@@ -154,6 +153,18 @@ class Broker:
         self.dead_letters = dead_letters = DeadLetters(
             address_settings, store=store, counters=counters, catalog=catalog, audit=events, accept=self.accept_message
         )
+        self.deliveries = deliveries = Deliveries(
+            store=store,
+            dead_letters=dead_letters,
+            audit=events,
+            counters=counters,
+            latency=self.latency,
+            time_in_queue=self.time_in_queue,
+            queues=catalog.queues,
+            dirty=self.dirty,
+            to_dispatch=self.to_dispatch,
+        )
+        catalog.sink = deliveries
         self.consuming = consuming = Consuming(
             settings,
             address_settings,
@@ -162,8 +173,7 @@ class Broker:
             dead_letters=dead_letters,
             timers=timers,
             audit=events,
-            counters=counters,
-            latency=self.latency,
+            deliveries=deliveries,
             to_dispatch=self.to_dispatch,
             dirty=self.dirty,
         )
@@ -172,6 +182,7 @@ class Broker:
             store=store,
             catalog=catalog,
             consuming=consuming,
+            deliveries=deliveries,
             accept=self.accept_message,
             to_dispatch=self.to_dispatch,
         )
@@ -181,7 +192,7 @@ class Broker:
             store=store,
             catalog=catalog,
             admission=admission,
-            consuming=consuming,
+            deliveries=deliveries,
             dead_letters=dead_letters,
             confirms=confirms,
             write_through=self.write_through,
@@ -193,6 +204,7 @@ class Broker:
             dedup_window_ms=dedup_ms,
             dedup_max_entries=settings.broker.dedup_max_entries,
         )
+        self.durable_state = DurableState(catalog=catalog, timers=timers, dedup=dedup, write_through=self.write_through)
         self.wills = WillKeeper(
             settings, admission=admission, catalog=catalog, audit=events, accept=self.accept_message
         )
@@ -206,7 +218,8 @@ class Broker:
     def store(self, store: Store) -> None:
         """The shell swaps the store in once the journal is recovered (and ``restore`` swaps one in meanwhile)."""
         self._store = store
-        for part in (self.catalog, self.dead_letters, self.consuming, self.transactions, self.forwarder):
+        parts = (self.catalog, self.dead_letters, self.deliveries, self.consuming, self.transactions, self.forwarder)
+        for part in parts:
             part.store = store
 
     @property
@@ -217,6 +230,15 @@ class Broker:
     def audit(self, sink: AuditSink) -> None:
         """The shell swaps the audit sink in once the node knows the id it serves as."""
         self.events.sink = sink
+
+    @property
+    def now_ms(self) -> int:
+        """The time of the event being handled, for the queues' callbacks, which are not handed it."""
+        return self.deliveries.now_ms
+
+    @now_ms.setter
+    def now_ms(self, now_ms: int) -> None:
+        self.deliveries.now_ms = now_ms
 
     @property
     def bindings_version(self) -> int:
@@ -496,70 +518,12 @@ class Broker:
     def on_durable(self, token: int) -> None:
         """The store made the message behind ``token`` safe, or (a negative token) the node it was written
         through to confirmed it: send the deliveries that waited for it and confirm it to its producer."""
-        held = self._held_deliveries.pop(token, None)
-        if held is not None:
-            for consumer, delivery_count, message in held:
-                self._send_delivery(consumer, delivery_count, message)
+        self.deliveries.release(token)
         aliases = self.confirms.done(token)
         if token > 0 and (unsent := self.write_through.noted(token)):
             self.forwarder.send_held(unsent, self.now_ms)
         for alias in aliases:
             self.on_durable(alias)
-
-    # ------------------------------------------------------------------ the queues' sink
-    def on_acked(self, queue: Queue, message: WireMessage) -> None:
-        """Auto-ack and last-value replacement: gone for good like an acknowledged message."""
-        self.consuming.acked(queue, message, self.now_ms)
-
-    def deliver_durable(self, queue: Queue, attempts: list[tuple[Consumer, int, WireMessage]]) -> None:
-        """Record a dispatch's delivery attempts (consumer, delivery count, message), and send the deliveries
-        only once the record is safe: after a crash a message then comes back flagged as redelivered, never
-        looking like a first delivery."""
-        token = self._store.update_delivery_counts(
-            queue.name, [attempt[2][M_ID] for attempt in attempts], [attempt[1] for attempt in attempts]
-        )
-        if token:
-            self._held_deliveries.setdefault(token, []).extend(attempts)
-        else:
-            for consumer, delivery_count, message in attempts:
-                self._send_delivery(consumer, delivery_count, message)
-
-    def _send_delivery(self, consumer: Consumer, delivery_count: int, message: WireMessage) -> None:
-        session = consumer.session
-        if session.consumers.get(consumer.id) is not consumer or message[M_ID] not in consumer.in_flight:
-            return  # the consumer left meanwhile: the message went back to its queue
-        session.conn.deliver(consumer.id, delivery_count, message)
-        self.dirty.add(session)
-
-    def on_delivered(self, queue: Queue, consumer: Consumer, delivery_count: int, message: WireMessage) -> None:
-        """Audit a delivery to a consumer (``msg.delivered``), when message events cover the message, and
-        time it (with an auto-ack consumer the delivery is the acknowledgement)."""
-        waited = self.now_ms - message[M_TIMESTAMP]
-        if 0 <= waited < SMALL_MS:  # inlined LatencyHistogram.record: once per delivery, twice with auto-ack
-            index = SMALL_BUCKETS[waited]
-            times = self.time_in_queue
-            times.counts[index] += 1
-            times.sum_ms += waited
-            if consumer.auto_ack:
-                times = self.latency
-                times.counts[index] += 1
-                times.sum_ms += waited
-        else:
-            index = bucket_of(waited)
-            self.time_in_queue.add(index, waited)
-            if consumer.auto_ack:
-                self.latency.add(index, waited)
-        events = self.events
-        if events.all or (events.durable and message[M_DURABLE]):
-            events.delivered(self.now_ms, queue, consumer, delivery_count, message)
-
-    def on_pages_ready(self, queue: Queue) -> None:
-        """Paged messages were read back from disk (the shell flushes after calling this)."""
-        if self.queues.get(queue.name) is queue:
-            self.to_dispatch.add(queue)
-
-    def on_expired(self, queue: Queue, message: WireMessage) -> None:
-        self.dead_letters.expired(queue, message, self.now_ms)
 
     # ------------------------------------------------------------------ time and dispatch
     def tick(self, now_ms: int) -> None:
@@ -641,75 +605,14 @@ class Broker:
     # ------------------------------------------------------------------ recovery and compaction
     def restore(self, state: RecoveredState, now_ms: int) -> None:
         """Rebuild addresses, durable queues and their messages from a recovered journal, writing nothing
-        back to the store. Message ids continue after the highest recovered one. Every queue starts idle at
-        ``now_ms``: one with an expiry gets its full time again."""
+        back to the store. Message ids continue after the highest recovered one."""
         self.now_ms = now_ms
-        catalog = self.catalog
         store, self.store = self.store, MemoryStore()
         try:
-            for name, (kinds, auto_created) in state.addresses.items():
-                catalog.ensure_address(name, {RoutingType(k) for k in kinds}, auto_created=auto_created)
-            for name, spec in state.queues.items():
-                queue = catalog.create_queue(
-                    name,
-                    spec["address"],
-                    RoutingType(spec["routing_type"]),
-                    durable=True,
-                    now_ms=now_ms,
-                    filter_text=spec.get("filter"),
-                    exclusive=bool(spec.get("exclusive")),
-                    last_value_key=spec.get("last_value_key"),
-                    max_consumers=int(spec.get("max_consumers", -1)),
-                    auto_created=bool(spec.get("auto_created")),
-                    auto_delete=bool(spec.get("auto_delete")),
-                    expires_ms=int(spec.get("expires_ms", -1)),
-                )
-                # By id, which grows with publish order: a compaction writes the older messages it copies
-                # after the ones published while it ran.
-                for message_id, count in sorted(state.references.get(name, {}).items()):
-                    message = state.messages[message_id]
-                    if message[M_SCHEDULED] > now_ms:
-                        self.timers.schedule(message[M_SCHEDULED], queue, message, 0)  # not due yet
-                    else:
-                        queue.restore(message, count)
+            self._next_id = max(self._next_id, self.durable_state.restore(state, now_ms))
         finally:
             self.store = store
-        for message in state.messages.values():
-            self._next_id = max(self._next_id, message[M_ID] + 1)
-        for dedup_id, arrived in state.dedup_ids.items():  # oldest first, acknowledged messages' ones too
-            self._dedup.remember(dedup_id, arrived)
-        self.write_through.restore(state.through_ids)
-        self._dedup.expire(now_ms)
-        for address in self.addresses.values():  # journals written before auto-delete hold unused ones too
-            if address.auto_created and not address.queues:
-                catalog.watch_unused_address(address.name, now_ms)
 
     def durable_snapshot(self) -> DurableSnapshot:
         """The live durable state as records would rebuild it: what journal compaction copies forward."""
-        queues = [q for q in self.queues.values() if q.durable]
-        names = {q.address for q in queues}
-        messages: dict[int, tuple[WireMessage, list[str], list[int]]] = {}
-
-        def owe(queue: Queue, message: WireMessage, count: int) -> None:
-            if message[M_DURABLE]:
-                entry = messages.setdefault(message[M_ID], (message, [], []))
-                entry[1].append(queue.name)
-                entry[2].append(count)
-
-        for queue in queues:
-            for message, count in queue.live_messages():
-                owe(queue, message, count)
-        for held, message, count in self.timers:  # scheduled and delayed redeliveries
-            if held is not None and held.durable and self.queues.get(held.name) is held:
-                owe(held, message, count)
-        return DurableSnapshot(
-            addresses=[
-                (a.name, sorted(int(r) for r in a.routing_types), a.auto_created)
-                for a in self.addresses.values()
-                if a.name in names
-            ],
-            queues=[queue_spec(q) for q in queues],
-            messages=list(messages.values()),
-            dedup_ids=self.write_through.to_remember(self._dedup.entries()),
-            through_ids=self.write_through.snapshot(),
-        )
+        return self.durable_state.snapshot()

@@ -36,6 +36,10 @@ FQQN_SEPARATOR = "::"
 
 
 class Catalog:
+    #: Where the queues report what happens to their messages: set by the broker before any queue is made
+    #: (what it reports to needs the catalog in turn).
+    sink: DeliverySink
+
     def __init__(
         self,
         settings: CoreSettings,
@@ -45,7 +49,6 @@ class Catalog:
         routes: Routes,
         timers: Timers,
         audit: AuditEvents,
-        sink: DeliverySink,
         dirty: set[LinkSession],
         memory: MemoryGauge,
         to_dispatch: set[Queue],
@@ -59,7 +62,6 @@ class Catalog:
         self.queues: dict[str, Queue] = {}
         self._timers = timers
         self._audit = audit
-        self._sink = sink
         self._dirty = dirty
         self._memory = memory
         self._to_dispatch = to_dispatch
@@ -242,7 +244,7 @@ class Catalog:
             name,
             address,
             routing,
-            sink=self._sink,
+            sink=self.sink,
             dirty=self._dirty,
             memory=self._memory,
             durable=durable,

@@ -17,9 +17,8 @@ from tridentmq_core.checks import (
     routing_type,
     valid_address,
 )
-from tridentmq_core.counters import Counters
 from tridentmq_core.dead_letters import DeadLetters
-from tridentmq_core.latency import LatencyHistogram
+from tridentmq_core.deliveries import Deliveries
 from tridentmq_core.queues import Consumer, LinkSession, Queue
 from tridentmq_core.security import Permission
 from tridentmq_core.sessions import Session
@@ -28,7 +27,7 @@ from tridentmq_core.store.base import Store
 from tridentmq_core.timers import Timers
 from tridentmq_shared.link.codec import BYTE_CREDIT_VERSION
 from tridentmq_shared.link.ops import ErrorCode, NackMode
-from tridentmq_shared.message import M_DURABLE, M_ID, M_TIMESTAMP, RoutingType, WireMessage
+from tridentmq_shared.message import RoutingType, WireMessage
 
 
 class Consuming:
@@ -42,8 +41,7 @@ class Consuming:
         dead_letters: DeadLetters,
         timers: Timers,
         audit: AuditEvents,
-        counters: Counters,
-        latency: LatencyHistogram,
+        deliveries: Deliveries,
         to_dispatch: set[Queue],
         dirty: set[LinkSession],
     ) -> None:
@@ -54,8 +52,7 @@ class Consuming:
         self._dead_letters = dead_letters
         self._timers = timers
         self._audit = audit
-        self._counters = counters
-        self._latency = latency
+        self._deliveries = deliveries
         self._to_dispatch = to_dispatch
         self._dirty = dirty
 
@@ -197,51 +194,11 @@ class Consuming:
         for message_id in ids:
             taken = queue.take(consumer, message_id)
             if taken is not None:
-                self.settle(queue, taken[0], now_ms, journaled, consumer)
+                self._deliveries.settle(queue, taken[0], now_ms, journaled, consumer)
         if journaled:
             self.store.acknowledge(queue.name, journaled)
         if queue.paged:
             self._to_dispatch.add(queue)  # acks free room: read pages back
-
-    def settle(
-        self,
-        queue: Queue,
-        message: WireMessage,
-        now_ms: int,
-        journaled: list[int] | None = None,
-        consumer: Consumer | None = None,
-    ) -> None:
-        """``message``, taken from ``queue``, is done with: acknowledged by ``consumer``, or confirmed by the
-        node it moved to (no consumer)."""
-        queue.settle(message)
-        queue.acked += 1
-        if consumer is not None:  # a client's acknowledgement (not a forward's confirmation)
-            self._latency.record(now_ms - message[M_TIMESTAMP])
-        self.acked(queue, message, now_ms, journaled, consumer)
-
-    def acked(
-        self,
-        queue: Queue,
-        message: WireMessage,
-        now_ms: int,
-        journaled: list[int] | None = None,
-        consumer: Consumer | None = None,
-    ) -> None:
-        """Count, journal and audit an acknowledged message (also of auto-ack and last-value replacement).
-        ``journaled``: a batch's ids, to which the id is added for one record at the end, instead of a record;
-        ``consumer``: the one that acknowledged it (named in the audit event)."""
-        self._counters.acked += 1
-        audit = self._audit
-        if message[M_DURABLE]:
-            if queue.durable:
-                if journaled is None:
-                    self.store.acknowledge(queue.name, [message[M_ID]])
-                else:
-                    journaled.append(message[M_ID])
-            if audit.durable:
-                audit.acked(now_ms, message, queue, consumer)
-        elif audit.all:
-            audit.acked(now_ms, message, queue, consumer)
 
     def nack(self, session: Session, consumer_id: int, ids: list[int], mode: NackMode, now_ms: int) -> None:
         consumer = session.consumers.get(consumer_id)

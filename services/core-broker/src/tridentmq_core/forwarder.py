@@ -19,10 +19,10 @@ from tridentmq_core.balancer import Balancer, Remote
 from tridentmq_core.catalog import Catalog
 from tridentmq_core.checks import BrokerError
 from tridentmq_core.confirms import Confirms
-from tridentmq_core.consuming import Consuming
 from tridentmq_core.counters import Counters
 from tridentmq_core.dead_letters import DeadLetters
 from tridentmq_core.dedup import DuplicateIdCache, TransferIds
+from tridentmq_core.deliveries import Deliveries
 from tridentmq_core.forwarding import (
     DEDUP_PREFIX,
     FORWARD_PROPERTY,
@@ -105,7 +105,7 @@ class Forwarder:
         store: Store,
         catalog: Catalog,
         admission: Admission,
-        consuming: Consuming,
+        deliveries: Deliveries,
         dead_letters: DeadLetters,
         confirms: Confirms,
         write_through: WriteThrough[Session],
@@ -122,7 +122,7 @@ class Forwarder:
         self.store = store
         self._catalog = catalog
         self._admission = admission
-        self._consuming = consuming
+        self._deliveries = deliveries
         self._dead_letters = dead_letters
         self._confirms = confirms
         self.write_through = write_through
@@ -389,7 +389,7 @@ class Forwarder:
                 self._counters.redistributed += 1
                 if audit.covers(taken[0]):
                     audit.message(now_ms, "msg.redistributed", taken[0], queue, target_node=session.client_name)
-            self._consuming.settle(queue, taken[0], now_ms, journaled)
+            self._deliveries.settle(queue, taken[0], now_ms, journaled)
         if journaled:
             self.store.acknowledge(queue.name, journaled)
         if type(consumer) is Redistributor:
@@ -486,7 +486,7 @@ class Forwarder:
         if taken is None:
             return
         self.place_refused(taken[0], now_ms, code=code, text=text, origin=consumer.queue)
-        self._consuming.settle(consumer.queue, taken[0], now_ms)
+        self._deliveries.settle(consumer.queue, taken[0], now_ms)
         consumer.credit += 1
 
     def _place(self, message: WireMessage, names: tuple[str, ...], now_ms: int) -> bool:

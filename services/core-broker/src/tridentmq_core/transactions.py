@@ -9,6 +9,7 @@ from tridentmq_core.address_settings import AddressSettingsRepository
 from tridentmq_core.catalog import Catalog
 from tridentmq_core.checks import BrokerError
 from tridentmq_core.consuming import Consuming
+from tridentmq_core.deliveries import Deliveries
 from tridentmq_core.queues import Queue
 from tridentmq_core.sessions import Session, Transaction
 from tridentmq_core.store.base import Store
@@ -24,6 +25,7 @@ class Transactions:
         store: Store,
         catalog: Catalog,
         consuming: Consuming,
+        deliveries: Deliveries,
         accept: Callable[[WireMessage, int], object],
         to_dispatch: set[Queue],
     ) -> None:
@@ -31,6 +33,7 @@ class Transactions:
         self.store = store
         self._catalog = catalog
         self._consuming = consuming
+        self._deliveries = deliveries
         self._accept = accept  # routes a message like a publish
         self._to_dispatch = to_dispatch
 
@@ -63,7 +66,7 @@ class Transactions:
             for consumer, message_id in tx.acks:
                 taken = consumer.queue.take(consumer, message_id)
                 if taken is not None:
-                    self._consuming.settle(consumer.queue, taken[0], now_ms, None, consumer)
+                    self._deliveries.settle(consumer.queue, taken[0], now_ms, None, consumer)
         finally:
             token = self.store.commit_transaction()
         del session.txs[tx_id]
