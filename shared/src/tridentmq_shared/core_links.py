@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import ClassVar
 
 from tridentmq_shared.link.channels import SharedLinks
 from tridentmq_shared.link.client import LinkClient, LinkClosedError, LinkRequestError, ReconnectPolicy
@@ -122,10 +121,8 @@ class CoreLinkSettings:
 
 
 class CoreLinks:
-    """The core nodes behind one gateway process and the client links to them."""
-
-    #: One per gateway process, found by its first configured node (sessions reach it through their settings).
-    _process: ClassVar[dict[Endpoint, CoreLinks]] = {}
+    """The core nodes behind one gateway process and the client links to them. The gateway makes one and
+    hands it to its sessions."""
 
     def __init__(
         self,
@@ -162,29 +159,11 @@ class CoreLinks:
             )
 
     @classmethod
-    def of(
-        cls,
-        settings: CoreLinkSettings,
-        *,
-        name: str = "gateway",
-        heartbeat_ms: int = DEFAULT_HEARTBEAT_MS,
-        tls: TlsSection | None = None,
+    def for_gateway(
+        cls, settings: CoreLinkSettings, *, name: str, heartbeat_ms: int = DEFAULT_HEARTBEAT_MS, tls: TlsSection
     ) -> CoreLinks:
-        """This process's links for ``settings``, made on first use (by the gateway, with its ``[tls]``
-        section: TLS links when ``settings.tls``)."""
-        key = (settings.host, settings.port)
-        links = cls._process.get(key)
-        if links is None:
-            client_tls = None
-            if settings.tls:
-                client_tls = ClientTls(tls or TlsSection())
-            links = cls._process[key] = cls(settings, name=name, heartbeat_ms=heartbeat_ms, tls=client_tls)
-        return links
-
-    @classmethod
-    def at(cls, host: str, port: int) -> CoreLinks:
-        """This process's links whose first node is ``host``:``port`` (defaults if the gateway made none)."""
-        return cls.of(CoreLinkSettings(host=host, port=port))
+        """A gateway's links, TLS ones with its ``[tls]`` section when ``settings.tls``."""
+        return cls(settings, name=name, heartbeat_ms=heartbeat_ms, tls=ClientTls(tls) if settings.tls else None)
 
     def client(
         self,
@@ -305,4 +284,3 @@ class CoreLinks:
             await self._readiness.close()
         if self.shared is not None:
             await self.shared.close()
-        self._process.pop((self.settings.host, self.settings.port), None)

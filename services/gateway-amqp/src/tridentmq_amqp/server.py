@@ -20,7 +20,7 @@ class AmqpGateway:
         self.settings = settings
         self.counters = Counters()
         # Its sessions' links use it.
-        self.core_links = CoreLinks.of(settings.core, name=settings.node.name, tls=settings.tls)
+        self.core_links = CoreLinks.for_gateway(settings.core, name=settings.node.name, tls=settings.tls)
         listener, limits, http = settings.listener, settings.amqp, settings.http
         config = ShellConfig(
             protocol="amqp",
@@ -53,7 +53,7 @@ class AmqpGateway:
         return self.shell.ports
 
     def _open_session(self, wire: Wire) -> ClientSession:
-        return AmqpSession(self.settings, wire, self.counters)
+        return AmqpSession(self.settings, self.core_links, wire, self.counters)
 
     async def start(self) -> None:
         self.core_links.start()

@@ -126,8 +126,9 @@ class Counters:
 
 
 class AmqpSession:
-    def __init__(self, settings: AmqpSettings, wire: Wire, counters: Counters) -> None:
+    def __init__(self, settings: AmqpSettings, core_links: CoreLinks, wire: Wire, counters: Counters) -> None:
         limits = settings.amqp
+        self.core_links = core_links
         self.settings = settings
         self.wire = wire
         self.counters = counters
@@ -287,8 +288,7 @@ class AmqpSession:
             await self._to_engine(item.data)
 
     async def _connect(self, user: str | None, password: str | None) -> LinkRequestError | None:
-        core = self.settings.core
-        link = CoreLinks.of(core).client(
+        link = self.core_links.client(
             user=user, password=password, client_name=f"amqp {self.wire.peer}", client_host=self.wire.host
         )
         try:

@@ -178,8 +178,15 @@ class Feeds:
     with their last member."""
 
     def __init__(
-        self, core: CoreLinkSection, gateway_name: str, window: int, threshold: int, on_delivered: Callable[[int], None]
+        self,
+        core_links: CoreLinks,
+        core: CoreLinkSection,
+        gateway_name: str,
+        window: int,
+        threshold: int,
+        on_delivered: Callable[[int], None],
     ) -> None:
+        self.core_links = core_links
         self.core = core
         self.gateway_name = gateway_name
         self.window = window
@@ -355,7 +362,7 @@ class Feeds:
             task.exception()
 
     async def _connect(self, user: str | None, password: str | None) -> _UserLink:
-        client = CoreLinks.of(self.core).client(
+        client = self.core_links.client(
             user=user,
             password=password,
             heartbeat_ms=self.core.heartbeat_ms,

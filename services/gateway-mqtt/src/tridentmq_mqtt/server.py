@@ -25,11 +25,15 @@ class MqttGateway:
         self.counters = Counters()
         core = settings.core
         # Its sessions' links and the registry's use it.
-        self.core_links = CoreLinks.of(core, name=settings.node.name, heartbeat_ms=core.heartbeat_ms, tls=settings.tls)
-        self.registry = Registry(core.host, core.port, core.user, core.password, settings.node.name, core.heartbeat_ms)
+        self.core_links = CoreLinks.for_gateway(
+            core, name=settings.node.name, heartbeat_ms=core.heartbeat_ms, tls=settings.tls
+        )
+        self.registry = Registry(self.core_links, core.user, core.password, settings.node.name, core.heartbeat_ms)
         self.registry.on_lost.append(self._service_link_lost)
         limits = settings.mqtt
-        self.feeds = Feeds(core, settings.node.name, limits.qos0_window, limits.qos0_fan_out_from, self._delivered)
+        self.feeds = Feeds(
+            self.core_links, core, settings.node.name, limits.qos0_window, limits.qos0_fan_out_from, self._delivered
+        )
         listener, http = settings.listener, settings.http
         config = ShellConfig(
             protocol="mqtt",
@@ -60,7 +64,7 @@ class MqttGateway:
         return self.shell.ports
 
     def _open_session(self, wire: Wire) -> ClientSession:
-        return MqttSession(self.settings, self.registry, wire, self.counters, self.feeds)
+        return MqttSession(self.settings, self.core_links, self.registry, wire, self.counters, self.feeds)
 
     def _delivered(self, count: int) -> None:
         self.counters.messages_delivered += count

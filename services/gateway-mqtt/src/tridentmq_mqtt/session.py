@@ -173,6 +173,7 @@ class MqttSession:
         "_will_key",
         "client_id",
         "conn",
+        "core_links",
         "counters",
         "expiry_s",
         "feeds",
@@ -188,10 +189,17 @@ class MqttSession:
     )
 
     def __init__(
-        self, settings: MqttSettings, registry: Registry, wire: Wire, counters: Counters, feeds: Feeds
+        self,
+        settings: MqttSettings,
+        core_links: CoreLinks,
+        registry: Registry,
+        wire: Wire,
+        counters: Counters,
+        feeds: Feeds,
     ) -> None:
         limits = settings.mqtt
         self.settings = settings
+        self.core_links = core_links
         self.registry = registry
         self.feeds = feeds
         self.wire = wire
@@ -402,7 +410,7 @@ class MqttSession:
                 self._refuse(rc.NOT_AUTHORIZED, "a client certificate is required")
                 return
             user, password, acting_for = core.user or None, core.password or None, self.wire.certificate_name
-        link = CoreLinks.of(core).client(
+        link = self.core_links.client(
             user=user,
             password=password,
             heartbeat_ms=core.heartbeat_ms,

@@ -123,8 +123,9 @@ class SessionOwnedError(Exception):
 class Registry:
     """The gateway's service link and the operations on session, lock and retained-message queues."""
 
-    def __init__(self, host: str, port: int, user: str, password: str, name: str, heartbeat_ms: int) -> None:
-        self._args = (host, port, user or None, password or None, name)
+    def __init__(self, core_links: CoreLinks, user: str, password: str, name: str, heartbeat_ms: int) -> None:
+        self._core_links = core_links
+        self._args = (user or None, password or None, name)
         self._heartbeat_ms = heartbeat_ms
         self._link: LinkClient | None = None
         self._opening: asyncio.Task[LinkClient] | None = None
@@ -147,8 +148,8 @@ class Registry:
         return await asyncio.shield(self._opening)
 
     async def _open(self) -> LinkClient:
-        host, port, user, password, name = self._args
-        link = CoreLinks.at(host, port).client(
+        user, password, name = self._args
+        link = self._core_links.client(
             user=user, password=password, client_name=f"mqtt gateway {name}", heartbeat_ms=self._heartbeat_ms
         )
         await link.connect()
@@ -159,7 +160,8 @@ class Registry:
             raise
         link.on_closed = self._lost
         self._link = link
-        log.info("service link open", extra={"core": f"{host}:{port}"})
+        core = self._core_links.settings
+        log.info("service link open", extra={"core": f"{core.host}:{core.port}"})
         return link
 
     async def _retained_queue(self, link: LinkClient) -> str:

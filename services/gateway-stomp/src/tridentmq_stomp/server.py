@@ -21,7 +21,7 @@ class StompGateway:
         self.settings = settings
         self.counters = Counters()
         # Its sessions' links use it.
-        self.core_links = CoreLinks.of(settings.core, name=settings.node.name, tls=settings.tls)
+        self.core_links = CoreLinks.for_gateway(settings.core, name=settings.node.name, tls=settings.tls)
         listener, limits, http = settings.listener, settings.stomp, settings.http
         config = ShellConfig(
             protocol="stomp",
@@ -54,7 +54,7 @@ class StompGateway:
         return self.shell.ports
 
     def _open_session(self, wire: Wire) -> ClientSession:
-        return StompSession(self.settings, wire, self.counters)
+        return StompSession(self.settings, self.core_links, wire, self.counters)
 
     async def start(self) -> None:
         self.core_links.start()

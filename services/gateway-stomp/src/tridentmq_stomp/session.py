@@ -83,9 +83,10 @@ class Subscription:
 
 
 class StompSession:
-    def __init__(self, settings: StompSettings, wire: Wire, counters: Counters) -> None:
+    def __init__(self, settings: StompSettings, core_links: CoreLinks, wire: Wire, counters: Counters) -> None:
         limits = settings.stomp
         self.settings = settings
+        self.core_links = core_links
         self.wire = wire
         self.counters = counters
         self.id = random_hex(16)  # unique across gateway replicas: it names temporary queues
@@ -214,8 +215,7 @@ class StompSession:
                 self.conn.reject(event)
 
     async def _connect(self, event: ev.Connect) -> None:
-        core = self.settings.core
-        link = CoreLinks.of(core).client(
+        link = self.core_links.client(
             user=event.login, password=event.passcode, client_name=f"stomp {self.wire.peer}", client_host=self.wire.host
         )
         try:
