@@ -30,18 +30,17 @@ from multiprocessing.synchronize import Event as MpEvent
 from pathlib import Path
 from typing import Any
 
-from bench.mqtt_connections import (
+from bench.mqtt_packets import (
     CONNACK,
     PUBLISH,
     SUBACK,
     connect_packet,
-    proc_usage,
     publish_packet,
     read_packet,
     read_packet_with_flags,
     subscribe_packet,
 )
-from bench.node import Core, core_node, cpu_of, machine, mqtt_gateway, quantile_ms
+from bench.node import Core, core_node, cpu_of, machine, mqtt_gateway, proc_usage, quantile_ms
 
 from tridentmq_shared.runtime import raise_open_file_limit, run_main
 

@@ -177,6 +177,15 @@ def cpu_of(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def proc_usage(pid: int) -> dict[str, int]:
+    """A process's resident memory (KiB) and open file descriptors, from ``/proc``."""
+    rss_kib = 0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            rss_kib = int(line.split()[1])
+    return {"rss_kib": rss_kib, "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+
+
 @contextmanager
 def gateway_target(
     protocol: str,

@@ -1,0 +1,307 @@
+"""Connection-scale benchmark of a gateway: many clients, each connects, subscribes to its own topic and
+receives one message.
+
+N clients connect to one gateway (``--protocol mqtt``: MQTT 3.1.1, clean sessions, no keep-alive;
+``stomp``: STOMP 1.2 without heart-beats) from ``--procs`` client processes (raw asyncio sockets, at most
+``--concurrency`` handshakes under way per process): each logs in, waits for the answer, subscribes to a topic
+of its own (MQTT QoS 0 ``conn/<run>/<i>``, STOMP ``/topic/conn.<run>.<i>`` with a receipt) and waits for the
+SUBACK or RECEIPT. The connect + subscribe rate is N / the time from the start to the last one; the CPU time
+the core and the gateway spent meanwhile, per client, says what it costs whatever else the machine runs. With
+every client subscribed, the script reads the resident memory (VmRSS) and open file descriptors of the core
+and the gateway, and the core's sessions and link connections; then one publisher sends one message to each
+client's topic, and every client must receive its own. Memory per connection is (RSS with N clients - RSS
+before the first) / N.
+
+A gateway holds one descriptor per client and the clients one each, so the clients run in processes of their
+own: each process's open-file limit then counts only its share. The script starts its own core (throw-away
+data directory) and gateway on free loopback ports, with ``listener.max_connections`` above N.
+
+    uv run python -m bench.connections --count 19000 [--protocol mqtt|stomp] [--procs 2] [--concurrency 500]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.synchronize import Event as MpEvent
+from pathlib import Path
+from typing import Any
+
+from bench.mqtt_packets import CONNACK, PUBLISH, SUBACK, connect_packet, publish_packet, read_packet, subscribe_packet
+from bench.node import Core, Gateway, core_node, cpu_of, machine, mqtt_gateway, proc_usage, stomp_gateway
+
+from tridentmq_shared.runtime import raise_open_file_limit, run_main
+
+WAIT_S = 120.0  # longest wait for one client's login, subscription or message
+BATCH = 1000  # messages the publisher writes at once
+
+
+# ---------------------------------------------------------------------- MQTT
+async def _mqtt_subscribe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, run: str, i: int) -> bool:
+    writer.write(connect_packet(f"c{run}-{i}"))
+    kind, body = await asyncio.wait_for(read_packet(reader), WAIT_S)
+    if kind != CONNACK or body[1] != 0:
+        return False
+    writer.write(subscribe_packet(f"conn/{run}/{i}"))
+    kind, body = await asyncio.wait_for(read_packet(reader), WAIT_S)
+    return kind == SUBACK and body[-1] == 0
+
+
+async def _mqtt_received(reader: asyncio.StreamReader) -> bool:
+    kind, _ = await read_packet(reader)
+    return kind == PUBLISH
+
+
+async def _mqtt_publish_all(port: int, run: str, count: int) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(connect_packet(f"p{run}"))
+    await read_packet(reader)
+    for start in range(0, count, BATCH):
+        writer.write(
+            b"".join(publish_packet(f"conn/{run}/{i}", b"hello") for i in range(start, min(count, start + BATCH)))
+        )
+        await writer.drain()
+    writer.write(b"\xc0\x00")  # PINGREQ: its PINGRESP says every PUBLISH before it was read
+    await read_packet(reader)
+    writer.close()
+
+
+# ---------------------------------------------------------------------- STOMP
+def _stomp_frame(command: str, headers: dict[str, str], body: bytes = b"") -> bytes:
+    head = "".join(f"{name}:{value}\n" for name, value in headers.items())
+    return f"{command}\n{head}\n".encode() + body + b"\0"
+
+
+async def _stomp_read(reader: asyncio.StreamReader) -> str:
+    """The command of the next frame (heart-beat newlines between frames skipped)."""
+    frame = await reader.readuntil(b"\0")
+    return frame.lstrip(b"\r\n").split(b"\n", 1)[0].decode()
+
+
+_STOMP_CONNECT = _stomp_frame("CONNECT", {"accept-version": "1.2", "host": "/", "heart-beat": "0,0"})
+
+
+async def _stomp_subscribe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, run: str, i: int) -> bool:
+    writer.write(_STOMP_CONNECT)
+    if await asyncio.wait_for(_stomp_read(reader), WAIT_S) != "CONNECTED":
+        return False
+    writer.write(_stomp_frame("SUBSCRIBE", {"id": "0", "destination": f"/topic/conn.{run}.{i}", "receipt": "s"}))
+    return await asyncio.wait_for(_stomp_read(reader), WAIT_S) == "RECEIPT"
+
+
+async def _stomp_received(reader: asyncio.StreamReader) -> bool:
+    return await _stomp_read(reader) == "MESSAGE"
+
+
+async def _stomp_publish_all(port: int, run: str, count: int) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(_STOMP_CONNECT)
+    await _stomp_read(reader)
+    for start in range(0, count, BATCH):
+        writer.write(
+            b"".join(
+                _stomp_frame("SEND", {"destination": f"/topic/conn.{run}.{i}"}, b"hello")
+                for i in range(start, min(count, start + BATCH))
+            )
+        )
+        await writer.drain()
+    writer.write(_stomp_frame("DISCONNECT", {"receipt": "end"}))  # its RECEIPT: every SEND before it was taken
+    await _stomp_read(reader)
+    writer.close()
+
+
+@dataclass(frozen=True)
+class Protocol:
+    name: str
+    gateway: Callable[..., AbstractContextManager[Gateway]]
+    subscribe: Callable[[asyncio.StreamReader, asyncio.StreamWriter, str, int], Any]  # -> bool: subscribed
+    received: Callable[[asyncio.StreamReader], Any]  # -> bool: the next thing read is the client's message
+    publish_all: Callable[[int, str, int], Any]
+
+
+PROTOCOLS = {
+    "mqtt": Protocol("MQTT 3.1.1", mqtt_gateway, _mqtt_subscribe, _mqtt_received, _mqtt_publish_all),
+    "stomp": Protocol("STOMP 1.2", stomp_gateway, _stomp_subscribe, _stomp_received, _stomp_publish_all),
+}
+
+
+async def _clients(
+    protocol: str, port: int, run: str, first: int, count: int, concurrency: int, start: MpEvent, out: Connection
+) -> None:
+    """``count`` clients from number ``first``: report (subscribed, refused, seconds to the last subscription),
+    then (received) once each got its message or waited ``WAIT_S``, then hold the connections until told."""
+    speaks = PROTOCOLS[protocol]
+    handshakes = asyncio.Semaphore(concurrency)
+    writers: list[asyncio.StreamWriter] = []
+    refused = 0
+    received = 0
+    subscribed = 0
+    last_subscribed = 0.0
+    handshakes_done = asyncio.Event()  # every client subscribed or refused
+
+    async def handshake(i: int) -> asyncio.StreamReader | None:
+        """The client's reader once subscribed; None when refused (or failed)."""
+        async with handshakes:
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writers.append(writer)
+                done: bool = await speaks.subscribe(reader, writer, run, i)
+            except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
+                return None
+            return reader if done else None
+
+    async def one(i: int) -> None:
+        nonlocal refused, received, subscribed, last_subscribed
+        reader = await handshake(i)
+        if reader is None:
+            refused += 1
+        else:
+            subscribed += 1
+            last_subscribed = time.perf_counter()
+        if subscribed + refused == count:
+            handshakes_done.set()
+        if reader is None:
+            return
+        try:
+            if await asyncio.wait_for(speaks.received(reader), WAIT_S * 2):
+                received += 1
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
+            pass
+
+    raise_open_file_limit()
+    await asyncio.get_running_loop().run_in_executor(None, start.wait)
+    t0 = time.perf_counter()
+    tasks = [asyncio.create_task(one(first + i)) for i in range(count)]
+    await handshakes_done.wait()
+    out.send((subscribed, refused, last_subscribed - t0 if subscribed else 0.0))
+    await asyncio.gather(*tasks)
+    out.send(received)
+    await asyncio.get_running_loop().run_in_executor(None, out.recv)  # hold until the parent is done
+    for writer in writers:
+        writer.close()
+
+
+def _client_process(*args: Any) -> None:
+    run_main(_clients(*args))
+
+
+def _status(core: Core) -> dict[str, Any]:
+    status: dict[str, Any] = json.loads(core.get("/api/status"))
+    return status
+
+
+@dataclass
+class Figures:
+    subscribed: int
+    refused: int
+    received: int
+    elapsed: float
+    before: dict[str, dict[str, int]]
+    after: dict[str, dict[str, int]]
+    cpu: dict[str, float]
+    status: dict[str, Any]
+
+
+def _clients_processes(args: argparse.Namespace, port: int, run: str, start: MpEvent) -> Iterator[Any]:
+    share = -(-args.count // args.procs)
+    for p in range(args.procs):
+        first = p * share
+        count = min(share, args.count - first)
+        here, there = multiprocessing.Pipe()
+        process = multiprocessing.Process(
+            target=_client_process,
+            args=(args.protocol, port, run, first, count, args.concurrency, start, there),
+        )
+        process.start()
+        yield here, process
+
+
+def measure(args: argparse.Namespace) -> Figures:
+    run = uuid.uuid4().hex[:6]
+    speaks = PROTOCOLS[args.protocol]
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        core_node(Path(tmp) / "core", link_max_connections=str(args.count + 100)) as core,
+        speaks.gateway(
+            core,
+            Path(tmp) / "gw",
+            listener_max_connections=str(args.count + 100),
+            core_shared_links=str(args.shared_links),
+        ) as gateway,
+    ):
+        before = {"core": proc_usage(core.process.pid), "gateway": proc_usage(gateway.process.pid)}
+        start = multiprocessing.Event()
+        pipes: list[tuple[Connection, multiprocessing.Process]] = []
+        try:
+            pipes.extend(_clients_processes(args, gateway.port, run, start))
+            time.sleep(1.0)  # the client processes are up and waiting (their start is the event, not this)
+            cpu_before = {"core": cpu_of(core.process.pid), "gateway": cpu_of(gateway.process.pid)}
+            start.set()
+            results = [here.recv() for here, _ in pipes]
+            cpu = {
+                "core": cpu_of(core.process.pid) - cpu_before["core"],
+                "gateway": cpu_of(gateway.process.pid) - cpu_before["gateway"],
+            }
+            after = {"core": proc_usage(core.process.pid), "gateway": proc_usage(gateway.process.pid)}
+            status = _status(core)
+            asyncio.run(speaks.publish_all(gateway.port, run, args.count))
+            received = sum(here.recv() for here, _ in pipes)
+            for here, process in pipes:
+                here.send("done")
+                process.join(60)
+        finally:  # the clients never outlive the run, whatever failed
+            for _, process in pipes:
+                if process.is_alive():
+                    process.terminate()
+    return Figures(
+        subscribed=sum(r[0] for r in results),
+        refused=sum(r[1] for r in results),
+        received=received,
+        elapsed=max(r[2] for r in results),
+        before=before,
+        after=after,
+        cpu=cpu,
+        status=status,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--protocol", choices=sorted(PROTOCOLS), default="mqtt")
+    parser.add_argument("--count", type=int, default=1000)
+    parser.add_argument("--procs", type=int, default=2, help="client processes")
+    parser.add_argument("--concurrency", type=int, default=500, help="handshakes under way per client process")
+    parser.add_argument(
+        "--shared-links", type=int, default=1, help="the gateway's core.shared_links (0: a link per client)"
+    )
+    args = parser.parse_args()
+    limit = raise_open_file_limit()
+    print(
+        f"{machine()}; open-file limit {limit}; {args.count} {PROTOCOLS[args.protocol].name} clients from "
+        f"{args.procs} processes, core.shared_links = {args.shared_links}"
+    )
+    f = measure(args)
+    print(f"subscribed {f.subscribed} / {args.count} (refused {f.refused}), received {f.received} / {args.count}")
+    print(f"connect + subscribe: {f.subscribed / f.elapsed:,.0f} /s ({f.elapsed:.1f} s for {f.subscribed})")
+    print(f"core: {f.status['connections']} sessions over {f.status['links']} link connections")
+    for name in ("gateway", "core"):
+        grown = f.after[name]["rss_kib"] - f.before[name]["rss_kib"]
+        print(
+            f"{name}: RSS {f.before[name]['rss_kib'] / 1024:.0f} -> {f.after[name]['rss_kib'] / 1024:.0f} MiB, "
+            f"{grown * 1024 / max(f.subscribed, 1) / 1024:.1f} KiB per connection; "
+            f"fds {f.before[name]['fds']} -> {f.after[name]['fds']}; "
+            f"CPU {f.cpu[name] * 1e6 / max(f.subscribed, 1):.0f} µs per connect + subscribe"
+        )
+
+
+if __name__ == "__main__":
+    main()
