@@ -117,9 +117,9 @@ def _aggregate_worker(producer_port: int, consumer_port: int, queue: str, count:
 
             async def produce() -> None:
                 for _ in range(count):
-                    if sending.publish_credit <= 0:
+                    message = new_message(queue, body)
+                    while sending.send_if_open(message) < 0:
                         await sending.wait_for_credit()
-                    sending.send_nowait(new_message(queue, body))
 
             task = asyncio.create_task(produce())
             while True:

@@ -702,9 +702,10 @@ class AmqpSession:
             return None
         link = self.link
         assert link is not None
-        if not link.can_send:
+        confirmed = link.try_send(message, tx)
+        if confirmed is None:
             return message, tx, txn_id
-        self._published(link.send_now(message, tx), delivery, inbound, txn_id)
+        self._published(confirmed, delivery, inbound, txn_id)
         return None
 
     def _published(self, future: asyncio.Future[None], delivery: Any, inbound: Inbound, txn_id: bytes | None) -> None:

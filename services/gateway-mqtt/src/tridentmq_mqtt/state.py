@@ -362,8 +362,8 @@ class Registry:
         """Publish on the service link in call order, whether the link has credit now or not: these go to
         last-value queues, where a write overtaken by an older one would leave the older value."""
         link, tail = self._link, self._tail
-        if link is not None and link.can_send and (tail is None or tail.done()):
-            return link.send_now(message)
+        if link is not None and (tail is None or tail.done()) and (sent := link.try_send(message)) is not None:
+            return sent
         self._tail = asyncio.ensure_future(self._publish_after(tail, message))
         return self._tail
 

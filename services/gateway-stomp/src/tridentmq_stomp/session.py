@@ -176,13 +176,15 @@ class StompSession:
         headers = event.headers
         if (
             event.transaction is not None
-            or not link.can_send
             or event.destination.startswith(TEMP_QUEUE_PREFIX)
             or headers.get("reply-to", "").startswith(TEMP_QUEUE_PREFIX)
         ):
             return False
         address, routing = convert.destination_to_address(event.destination, headers.get("destination-type"))
-        self._published(link.send_now(convert.to_message(address, routing, headers, event.body)), event.receipt)
+        confirmed = link.try_send(convert.to_message(address, routing, headers, event.body))
+        if confirmed is None:  # no credit now: the frame goes the slow way, which waits for it
+            return False
+        self._published(confirmed, event.receipt)
         return True
 
     async def handle(self, event: ev.Event) -> None:

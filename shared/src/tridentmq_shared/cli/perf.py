@@ -72,9 +72,8 @@ async def _produce(opts: PerfOptions, queue: str) -> dict[str, Any]:
             if opts.durable or i == last:
                 confirms.append(await client.send(message))  # durable: wait for every confirm (the store's promise)
                 continue
-            if client.publish_credit <= 0:
+            while client.send_if_open(message) < 0:
                 await client.wait_for_credit()
-            client.send_nowait(message)
         await asyncio.gather(*confirms)
         return {"start_ns": start, "confirmed_ns": time.monotonic_ns()}
 

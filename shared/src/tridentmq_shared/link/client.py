@@ -453,7 +453,7 @@ class LinkClient:
         #: Called after each read that confirmed or rejected publishes (their futures are done by then): one
         #: call for many messages, cheaper than a done-callback on each future.
         self.on_settled: Callable[[], None] | None = None
-        #: For publishes made with ``send_nowait``: called with each batch of confirmed sequence ranges and
+        #: For publishes made with ``send_if_open``: called with each batch of confirmed sequence ranges and
         #: with each rejection (sequence, code, text), before ``on_settled``.
         self.on_confirms: Callable[[list[tuple[int, int]]], None] | None = None
         self.on_rejected: Callable[[int, str, str], None] | None = None
@@ -1188,28 +1188,23 @@ class LinkClient:
             await self._wait_credit()
             await self._wait_writable()
             if not self._resuming:
-                return self.send_now(message, tx_id)
+                return self._send_on(self._live(), message, tx_id)
 
     @property
     def can_send(self) -> bool:
-        """Whether ``send_now`` may be called: the window is open and the socket keeps up (False while the link
-        is being resumed: ``send`` waits for that)."""
+        """Whether a publish may go now: the window is open and the socket keeps up (False while the link is
+        being resumed: ``send`` waits for that)."""
         if self._resuming:
             return False
         protocol = self._protocol
         return self._live().can_publish and (protocol is None or protocol.writable.is_set())
 
-    def send_now(self, message: WireMessage, tx_id: int = 0) -> asyncio.Future[None]:
-        """``send`` without waiting (check ``can_send`` first), for callers that publish message by message
-        at a high rate: a coroutine per message costs more than the publish. Raises ``LocalProtocolError``
-        when the window is closed."""
-        return self._send_on(self._live(), message, tx_id)
-
-    def try_send(self, message: WireMessage) -> asyncio.Future[None] | None:
-        """``send_now`` if ``can_send``, in one call (a gateway's per-message path); else None, sending
-        nothing."""
+    def try_send(self, message: WireMessage, tx_id: int = 0) -> asyncio.Future[None] | None:
+        """``send`` without waiting, for callers that publish message by message at a high rate (a coroutine
+        per message costs more than the publish): None, sending nothing, when the publish cannot go now (no
+        credit, a full socket, a link being resumed)."""
         conn = self._open_for_sending()
-        return None if conn is None else self._send_on(conn, message, 0)
+        return None if conn is None else self._send_on(conn, message, tx_id)
 
     def _send_on(self, conn: LinkConnection, message: WireMessage, tx_id: int) -> asyncio.Future[None]:
         if len(message[M_BODY]) > conn.max_publish_body:  # refused here: its frame would break the link
@@ -1234,26 +1229,15 @@ class LinkClient:
 
     @property
     def publish_credit(self) -> int:
-        """Publishes the server allows right now (``send_nowait`` may be called this many times, or until the
-        byte window is used up: 0 then)."""
+        """Publishes the server allows right now (or until the byte window is used up: 0 then)."""
         conn = self._conn
         return conn.publish_credit if conn is not None and conn.publish_bytes > 0 and not self._resuming else 0
 
     async def wait_for_credit(self) -> None:
-        """Wait until ``send_nowait`` may be called: the server grants credit and the socket keeps up."""
+        """Wait until ``send_if_open`` may send: the server grants credit and the socket keeps up."""
         await self._ready()
         await self._wait_credit()
         await self._wait_writable()
-
-    def send_nowait(self, message: WireMessage) -> int:
-        """Publish without a confirm future, for high-rate producers: the server still confirms, but nothing
-        here waits for it and nothing is re-sent after a reconnect (at most once). Returns the publish's
-        sequence number, for a caller that follows outcomes itself (``on_confirms``, ``on_rejected``).
-        Raises ``LocalProtocolError`` when ``publish_credit`` is 0."""
-        conn = self._live()
-        seq = conn.publish(message)
-        self._queued(conn, message)
-        return seq
 
     def body_fits(self, message: WireMessage) -> bool:
         """Whether the core's link can take this message's body: a larger one would be refused (``send``) or,
@@ -1262,8 +1246,11 @@ class LinkClient:
         return conn is None or len(message[M_BODY]) <= conn.max_publish_body
 
     def send_if_open(self, message: WireMessage) -> int:
-        """``send_nowait`` when ``can_send``, in one call (a forwarding node's hot path); else -1, sending
-        nothing (no credit, a full socket, a link being resumed, or none)."""
+        """Publish without a confirm future (a forwarding node's and a fast producer's path): the server still
+        confirms, but nothing here waits for it and nothing is re-sent after a reconnect (at most once).
+        Returns the publish's sequence number, for a caller that follows outcomes itself (``on_confirms``,
+        ``on_rejected``); -1, sending nothing, when the publish cannot go now (no credit, a full socket, a link
+        being resumed, or none: ``wait_for_credit``)."""
         conn = self._open_for_sending()
         if conn is None:
             return -1
