@@ -29,6 +29,40 @@ def _kill_all(processes: list[subprocess.Popen[bytes]]) -> None:
             process.wait()
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The suite runs on several pytest-xdist workers (``--dist loadgroup``, see pyproject): a test on its own
+    goes to whichever worker is free, but the tests sharing a fixture wider than one test (a module's core and
+    gateways, the Spark session) are one group that one worker runs, so that it starts those processes once."""
+    for item in items:
+        if not isinstance(item, pytest.Function) or item.get_closest_marker("xdist_group"):
+            continue
+        groups = []
+        for name in item.fixturenames:
+            definitions = item._fixtureinfo.name2fixturedefs.get(name)  # no public way to ask
+            if not definitions or name.startswith("_") or not definitions[-1].baseid:
+                continue  # pytest's and plugins' own fixtures (no base id), autouse clean-ups: they start nothing
+            definition = definitions[-1]
+            if definition.scope == "session":
+                groups.append((0, definition.baseid))
+            elif definition.scope in ("package", "module", "class"):
+                groups.append((1, item.nodeid.split("::")[0]))
+        if groups:
+            item.add_marker(pytest.mark.xdist_group(min(groups)[1]))
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: they all collect, and hand out, in this order
+        items.sort(key=_schedule_rank)
+
+
+def _schedule_rank(item: pytest.Item) -> int:
+    """Groups first, the one of a session fixture (the Spark session: minutes of tests) before those of a
+    module, so that none of them is still running alone at the end; single tests then fill the gaps in their
+    collection order (the quick unit tests last)."""
+    group = item.get_closest_marker("xdist_group")
+    if group is None:
+        return 2
+    return 1 if str(group.args[0]).endswith(".py") else 0
+
+
 @pytest.fixture(autouse=True)
 def _stop_leftover_processes() -> Iterator[None]:
     """A failing test may not reach its own clean-up: kill what it left running."""
