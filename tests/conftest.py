@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import signal
@@ -29,38 +30,61 @@ def _kill_all(processes: list[subprocess.Popen[bytes]]) -> None:
             process.wait()
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+# The suite runs on several pytest-xdist workers (see pyproject). A test on its own goes to whichever worker is
+# free; the tests sharing processes wider than one test (a module's core and gateways, the Spark session of
+# tests/spark) are one unit that one worker runs, so that they are started once. (pytest-xdist's own
+# ``--dist loadgroup`` renames test ids to find its groups, which the pytest in use ignores: this scheduler
+# finds the units from the files instead.)
+_TESTS = Path(__file__).parent
+_SHARED_BY_MODULE = ('scope="module"', "module_core")
+
+
+@functools.cache
+def _text(path: Path) -> str:
+    return path.read_text() if path.is_file() else ""
+
+
+@functools.cache
+def _unit_of(path: str) -> str | None:
+    """The unit of work of the tests in ``path`` (rootdir-relative), or None when each test is one."""
+    module = _TESTS.parent / path
+    directory = module.parent
+    while directory != _TESTS and _TESTS in directory.parents:
+        if 'scope="session"' in _text(directory / "conftest.py"):
+            return str(directory.relative_to(_TESTS.parent))
+        directory = directory.parent
+    shared_here = _text(module) + _text(module.parent / "conftest.py") if module.parent != _TESTS else _text(module)
+    return path if any(word in shared_here for word in _SHARED_BY_MODULE) else None
+
+
+def _unit(nodeid: str) -> str:
+    return _unit_of(nodeid.split("::", 1)[0]) or nodeid
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    from xdist.scheduler import LoadScopeScheduling  # noqa: PLC0415 (only the controller of a run schedules)
+
+    class SharedProcessScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return SharedProcessScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The suite runs on several pytest-xdist workers (``--dist loadgroup``, see pyproject): a test on its own
-    goes to whichever worker is free, but the tests sharing a fixture wider than one test (a module's core and
-    gateways, the Spark session) are one group that one worker runs, so that it starts those processes once."""
-    for item in items:
-        if not isinstance(item, pytest.Function) or item.get_closest_marker("xdist_group"):
-            continue
-        groups = []
-        for name in item.fixturenames:
-            definitions = item._fixtureinfo.name2fixturedefs.get(name)  # no public way to ask
-            if not definitions or name.startswith("_") or not definitions[-1].baseid:
-                continue  # pytest's and plugins' own fixtures (no base id), autouse clean-ups: they start nothing
-            definition = definitions[-1]
-            if definition.scope == "session":
-                groups.append((0, definition.baseid))
-            elif definition.scope in ("package", "module", "class"):
-                groups.append((1, item.nodeid.split("::")[0]))
-        if groups:
-            item.add_marker(pytest.mark.xdist_group(min(groups)[1]))
-    if hasattr(config, "workerinput"):  # a pytest-xdist worker: they all collect, and hand out, in this order
+    """Workers collect, and the scheduler hands out, in this order: the shared units first, the one of a
+    session fixture (the Spark session: minutes of tests) before those of a module, so that none of them is
+    still running alone at the end; single tests then fill the gaps in their collection order (the quick unit
+    tests last)."""
+    if hasattr(config, "workerinput"):
         items.sort(key=_schedule_rank)
 
 
 def _schedule_rank(item: pytest.Item) -> int:
-    """Groups first, the one of a session fixture (the Spark session: minutes of tests) before those of a
-    module, so that none of them is still running alone at the end; single tests then fill the gaps in their
-    collection order (the quick unit tests last)."""
-    group = item.get_closest_marker("xdist_group")
-    if group is None:
+    unit = _unit(item.nodeid)
+    if unit == item.nodeid:
         return 2
-    return 1 if str(group.args[0]).endswith(".py") else 0
+    return 1 if unit.endswith(".py") else 0
 
 
 @pytest.fixture(autouse=True)
