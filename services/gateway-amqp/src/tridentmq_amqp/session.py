@@ -1023,6 +1023,10 @@ class AmqpSession:
         now = time.monotonic()
         deadline = None if self._opened else self._connect_deadline
         if self.engine is not None:
+            # What is due goes out first (the OPEN, after the client's): proton counts output made after a
+            # tick as traffic, and would have put the first heartbeat off by another half idle timeout (a
+            # whole one after the OPEN, when the client gives up).
+            self._flush()
             tick = self.engine.tick(now)
             if lib.pn_collector_peek(self.engine.pn_collector) != NULL:  # e.g. the idle timeout expired
                 self._driver.receive([_TIMER_EVENTS], 0)
