@@ -175,7 +175,11 @@ async def test_a_replaced_certificate_is_served_to_new_connections_without_a_res
     core = start_core(tmp_path, **tls_env(certs, server=live))
     try:
         tls = client_tls(certs)
-        async with LinkClient("127.0.0.1", core.link_port, tls=tls, reconnect=NO_RECONNECT) as before:
+        # Its heartbeat is slow: this is about the certificate, and a loaded machine (the suite runs on several
+        # workers) can keep the core quiet for the 4 default intervals (1 s) that declare a peer dead.
+        async with LinkClient(
+            "127.0.0.1", core.link_port, tls=tls, reconnect=NO_RECONNECT, heartbeat_ms=2000
+        ) as before:
             assert await asyncio.to_thread(presented_serial, core.link_port, certs) == certs.server.serial()
             renewed = certs.another_server("renewed")
             replace(live, renewed)

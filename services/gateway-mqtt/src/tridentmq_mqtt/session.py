@@ -516,7 +516,7 @@ class MqttSession:
         # With sessions bound to users, a clean start also waits for a record kept by another node of the
         # cluster: its owner must be known before the session is discarded.
         bound = self.settings.mqtt.bind_sessions_to_users
-        previous = await registry.open_session(client_id, self.expiry_s * 1000, resume=not clean_start or bound)
+        previous = await registry.open_session(client_id, resume=not clean_start or bound)
         if previous is not None and bound:
             try:
                 self._check_owner(previous.user)
@@ -532,6 +532,12 @@ class MqttSession:
             return previous
         self.state.user = self.user
         self._holder = await registry.hold_session(client_id)
+        await registry.set_expiry(  # held: it counts from when this connection ends (see open_session)
+            convert.session_queue(client_id),
+            convert.session_queue(client_id),
+            RoutingType.ANYCAST,
+            self.expiry_s * 1000,
+        )
         await registry.save(client_id, self.state)
         return previous
 
@@ -811,8 +817,15 @@ class MqttSession:
             )
         elif self.persistent or resumed:
             queue = convert.subscription_queue(self.client_id, topic_filter)
+            # A resumed queue gets this session's expiry once it is consumed from: set now, the expiry would
+            # count the time the queue waited for the client, and a shorter one (0: the session ends with this
+            # connection) could delete it, with its messages, before the consumer reaches it.
             found = await link.create_queue(
-                queue, pattern, routing_type=RoutingType.MULTICAST, durable=True, expires_ms=expiry_ms
+                queue,
+                pattern,
+                routing_type=RoutingType.MULTICAST,
+                durable=True,
+                expires_ms=None if resumed else expiry_ms,
             )
             if not resumed and not found.get("created"):
                 # No session record lists it (a gateway died between making it and saving the record), so a
@@ -845,6 +858,8 @@ class MqttSession:
             routing_type=int(RoutingType.MULTICAST),
             durable=group is not None or self.persistent or resumed,
         )
+        if resumed:
+            await link.create_queue(queue, pattern, routing_type=RoutingType.MULTICAST, expires_ms=expiry_ms)
         sub = Sub(
             text,
             topic_filter,

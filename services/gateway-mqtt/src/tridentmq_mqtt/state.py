@@ -263,15 +263,14 @@ class Registry:
         state = await self._read_session(link, client_id, or_empty=False)
         return state.user if state is not None else None
 
-    async def open_session(self, client_id: str, expiry_ms: int, *, resume: bool = True) -> SessionState | None:
+    async def open_session(self, client_id: str, *, resume: bool = True) -> SessionState | None:
         """Create or find the session queue of a persistent session; the record of an earlier session, if any.
-        The queue's expiry is set to ``expiry_ms`` (counted once no connection holds it). With ``resume``, a
-        record kept by another node of the cluster is waited for (up to ``FETCH_TIMEOUT``)."""
+        With ``resume``, a record kept by another node of the cluster is waited for (up to ``FETCH_TIMEOUT``).
+        The queue's expiry is left as it is: the new session's counts once it holds the queue (a shorter one set
+        now would count the time the queue waited for the client, and could delete it before it is read)."""
         link = await self.link()
         name = convert.session_queue(client_id)
-        found = await link.create_queue(
-            name, routing_type=RoutingType.ANYCAST, durable=True, last_value_key="", expires_ms=expiry_ms
-        )
+        found = await link.create_queue(name, routing_type=RoutingType.ANYCAST, durable=True, last_value_key="")
         if found.get("created") and not (resume and found.get("elsewhere")):
             return None
         if found.get("created") or (resume and client_id in self._holders):  # (an earlier fetch still waits)

@@ -501,6 +501,7 @@ class LinkClient:
             for attempt in itertools.count(1):
                 problem: LinkClosedError | None = None
                 for host, port in self.nodes.connection_order(failed):
+                    self._stop_if_closed()
                     try:
                         await self._open(host, port)
                         return
@@ -564,6 +565,13 @@ class LinkClient:
             )
         self._heartbeat_task = asyncio.create_task(self._heartbeat(conn))
         self._heartbeat_task.add_done_callback(self._task_ended)
+
+    def _stop_if_closed(self) -> None:
+        """``close`` cancels a resume, but on Python 3.11 ``asyncio.wait_for`` can swallow that cancellation
+        (when what it waited for completes at the same moment): a resume that goes on must not try the nodes
+        for ever, keeping its owner's shutdown waiting."""
+        if self._closing:
+            raise LinkClosedError(ErrorCode.EOF, "the client was closed")
 
     def _abort_if_closed(self, transport: asyncio.Transport) -> None:
         """A connection made for a client closed meanwhile: close() cancelled the resume it belongs to, but
@@ -825,6 +833,7 @@ class LinkClient:
         self._connecting = True
         try:
             while loop.time() < deadline:
+                self._stop_if_closed()
                 try:
                     await self._open(*backup)
                     return True
