@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from tests.tls_certs import Certificates
 
 STARTUP_TIMEOUT = 60.0  # a ceiling, not a wait: a start takes seconds, 20 s and more on a loaded 2-core machine
 _started: list[subprocess.Popen[bytes]] = []  # every process a test started: none outlives its test
@@ -85,6 +86,12 @@ def _schedule_rank(item: pytest.Item) -> int:
     if unit == item.nodeid:
         return 2
     return 1 if unit.endswith(".py") else 0
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
+    """A test CA with server and client certificates, for the TLS tests (made once per module)."""
+    return Certificates.make(tmp_path_factory.mktemp("certs"))
 
 
 @pytest.fixture(autouse=True)

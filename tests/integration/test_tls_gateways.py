@@ -31,11 +31,6 @@ pytestmark = pytest.mark.integration
 WAIT = 10.0
 
 
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
-    return Certificates.make(tmp_path_factory.mktemp("certs"))
-
-
 @pytest.fixture
 def tls_core(tmp_path: Path, certs: Certificates) -> Iterator[CoreProcess]:
     """A core whose link is TLS only and asks every link for a trusted client certificate."""

@@ -35,11 +35,6 @@ pytestmark = pytest.mark.integration
 NO_RECONNECT = ReconnectPolicy(attempts=0)
 
 
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
-    return Certificates.make(tmp_path_factory.mktemp("certs"))
-
-
 def tls_env(certs: Certificates, server: Pair | None = None, client_certs: str = "none") -> dict[str, str]:
     server = server or certs.server
     return {
