@@ -101,6 +101,7 @@ class Broker:
         self._next_id = first_message_id
         self._store = store
         self._last_expiry_scan = 0
+        self._on_route_miss = self._create_for_send  # bound once: routing passes it per message
         # Clustering (set by the cluster manager when the node clusters): load balancing over other nodes'
         # bindings, and the handler of TOPOLOGY requests.
         self.cluster: Balancer | None = None
@@ -435,7 +436,7 @@ class Broker:
                 return self.admit(message, split[0], now_ms, split[1], through=through)
         remote_too = cluster is not None and cluster.has_remote(message[M_ADDRESS])
         try:
-            queues = routes.route(message, now_ms, pick=not remote_too, on_miss=self._create_for_send)
+            queues = routes.route(message, now_ms, pick=not remote_too, on_miss=self._on_route_miss)
         except BrokerError:
             if dedup_id is not None:
                 self._dedup.forget(dedup_id)  # refused, so a retry is not a duplicate
@@ -454,7 +455,7 @@ class Broker:
 
     def route(self, message: WireMessage, now_ms: int) -> tuple[Queue, ...]:
         """The local queues that get ``message``, creating what a send to its address creates."""
-        return self.routes.route(message, now_ms, on_miss=self._create_for_send)
+        return self.routes.route(message, now_ms, on_miss=self._on_route_miss)
 
     def _create_for_send(self, address: str, routing: int, now_ms: int) -> None:
         publisher = self.admission.publisher

@@ -228,7 +228,7 @@ class Operations:
         """A page of the queue's messages: queued ones in delivery order, then in-flight, then paged ones."""
         queue = self._queue(name)
         wanted = _compile(selector)
-        tag = self.broker.node_id[:8]
+        tag = self.broker.events.tag
         total = 0
         page = []
         for message, count, state in queue.browse_messages():
@@ -282,11 +282,10 @@ class Operations:
             picked = picked if limit < 0 else picked[:limit]
         else:
             picked = broker.catalog.take_messages(source, chosen, limit, "moved", now_ms)
-        tag = broker.node_id[:8]
         for message in picked:
             into = where(message)
             assert into is not None
-            broker.place_copy(_copy_for(message, into), into, f"{tag}-{message[M_ID]}", now_ms)
+            broker.place_copy(_copy_for(message, into), into, broker.events.audit_id(message), now_ms)
         return {"copied" if copy else "moved": len(picked), "skipped": skipped}
 
     # ------------------------------------------------------------------ pause
