@@ -43,7 +43,8 @@ from paho.mqtt.enums import CallbackAPIVersion
 from proton import Message
 from proton.utils import BlockingConnection
 
-from tridentmq_shared.link.client import LinkClient, ReconnectPolicy
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.message import new_message
 
 CLUSTER = {"cluster_user": "cluster", "cluster_password": "bench-secret"}

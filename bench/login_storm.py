@@ -30,8 +30,9 @@ import msgpack
 from bench.node import core_node, machine, quantile_ms
 
 from tridentmq_core.security import hash_password
-from tridentmq_shared.link.client import LinkClient, ReconnectPolicy
+from tridentmq_shared.link.client import LinkClient
 from tridentmq_shared.link.codec import LinkConnection, Role
+from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.message import new_message
 
 ATTACKER = "127.0.0.2"

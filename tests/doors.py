@@ -18,7 +18,8 @@ from proton.utils import BlockingConnection
 from tests.integration.mqtt_clients import Paho
 
 from tridentmq_amqp.protocol.types import Described, ULong, decode, encode
-from tridentmq_shared.link.client import LinkClient, ReconnectPolicy
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.message import new_message
 
 WAIT = 10.0

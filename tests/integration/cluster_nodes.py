@@ -13,7 +13,8 @@ from typing import Any, Protocol
 
 from tests.conftest import CoreProcess, start_core
 
-from tridentmq_shared.link.client import LinkClient, ReconnectPolicy
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.failover import ReconnectPolicy
 
 CLUSTER_USER = "cluster"
 CLUSTER_PASSWORD = "s3cret-cluster"

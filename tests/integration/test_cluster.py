@@ -32,7 +32,8 @@ from tests.jepsen.checker import check
 from tests.redis_server import RedisServer
 
 from tridentmq_shared.cli.admin import cluster_lines
-from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError
+from tridentmq_shared.link.client import Consumer, LinkClient
+from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.message import HOME_PROPERTY, M_BODY, M_ID, M_PROPS, RoutingType, new_message
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster]

@@ -30,7 +30,8 @@ from tests.integration.cluster_nodes import CLUSTER_PASSWORD, CLUSTER_USER, clus
 from tests.integration.mqtt_clients import Paho
 
 from tridentmq_core.security import hash_password
-from tridentmq_shared.link.client import Delivery, LinkClient, ReconnectPolicy
+from tridentmq_shared.link.client import Delivery, LinkClient
+from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.link.ops import NackMode
 from tridentmq_shared.message import M_PROPS, new_message
 

@@ -16,7 +16,8 @@ from tests.conftest import CoreProcess
 
 from tridentmq_core.latency import BOUNDS_MS, percentile
 from tridentmq_core.management.audit_trail import find_events
-from tridentmq_shared.link.client import LinkClient, ReconnectPolicy
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.link.ops import NackMode
 from tridentmq_shared.message import new_message
 

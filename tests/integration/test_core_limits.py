@@ -11,7 +11,8 @@ import msgpack
 import pytest
 from tests.conftest import start_core
 
-from tridentmq_shared.link.client import LinkClient, ReconnectPolicy
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.message import new_message
 
 pytestmark = pytest.mark.integration

@@ -16,7 +16,9 @@ import msgpack
 import pytest
 from tests.conftest import CoreProcess, module_core, start_core
 
-from tridentmq_shared.link.client import LinkClient, LinkClosedError, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.errors import LinkClosedError, LinkRequestError
+from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.link.ops import NackMode
 from tridentmq_shared.message import M_BODY, RoutingType, new_message
 

@@ -18,7 +18,9 @@ import msgpack
 import pytest
 from tests.conftest import CoreProcess, start_core
 
-from tridentmq_shared.link.client import LinkClient, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.errors import LinkRequestError
+from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.message import new_message
 

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 from tests.conftest import CoreProcess, start_core
 
-from tridentmq_shared.link.client import LinkClient, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.errors import LinkRequestError
+from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.message import M_BODY, M_ID, new_message
 
 pytestmark = pytest.mark.integration

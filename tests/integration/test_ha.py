@@ -28,8 +28,11 @@ from tests.integration.mqtt_clients import Paho
 from tests.jepsen.checker import Delivery, check
 
 from tridentmq_mqtt.convert import subscription_queue
-from tridentmq_shared.link.client import LinkClient, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.errors import LinkRequestError
+from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.link.ops import ErrorCode
+from tridentmq_shared.link.peer import PeerLink
 from tridentmq_shared.link.topology import Topology
 from tridentmq_shared.message import new_message
 
@@ -766,12 +769,13 @@ async def test_after_both_halves_stopped_only_the_freshest_copy_activates(tmp_pa
 
 async def test_votes_and_replication_need_the_cluster_credentials_and_well_formed_requests(tmp_path: Path) -> None:
     pair = start_pair(tmp_path, "guarded")
-    async with client(pair.primary) as outsider:  # a client without the cluster credentials
+    outsider_link = PeerLink("127.0.0.1", pair.primary.link_port, reconnect=ReconnectPolicy(attempts=0))
+    async with outsider_link as outsider:  # a node's link without the cluster credentials
         with pytest.raises(LinkRequestError, match="high availability"):
             await outsider.vote({"kind": "activate", "node_id": node_id(pair.primary), "epoch": 9, "candidate": "x"})
         with pytest.raises(LinkRequestError, match="high availability"):
             await outsider.replicate({"group": "guarded", "server_id": "x", "host": "127.0.0.1", "port": 1})
-    async with LinkClient(
+    async with PeerLink(
         "127.0.0.1",
         pair.primary.link_port,
         user="cluster",

@@ -24,7 +24,8 @@ from tests.integration.test_ha import kill, reread_ports
 from tests.integration.test_stomp_gateway import connect as stomp_connect
 from tests.jepsen.checker import Delivery, check
 
-from tridentmq_shared.link.client import LinkClient, ReconnectPolicy
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.message import new_message
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster, pytest.mark.fault]

@@ -42,7 +42,9 @@ from tests.jepsen.nemesis import NetLab, kill9, resume
 
 from tridentmq_core.store.journal import list_segments
 from tridentmq_core.store.records import Record, RecordType, scan
-from tridentmq_shared.link.client import LinkClient, LinkClosedError, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.errors import LinkClosedError, LinkRequestError
+from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.message import M_BODY, new_message
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.cluster, pytest.mark.timeout(90)]

@@ -30,7 +30,9 @@ from tests.integration.cluster_nodes import start_node, wait_until
 from tests.integration.ha_pairs import ha_view
 from tests.jepsen.checker import check
 
-from tridentmq_shared.link.client import LinkClient, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.errors import LinkRequestError
+from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.link.topology import Topology
 from tridentmq_shared.message import new_message
 

@@ -23,7 +23,9 @@ from tests.conftest import CoreProcess, GatewayProcess, start_core
 from tests.integration.test_amqp_bad_input import assert_serves as assert_amqp_serves
 from tests.integration.test_stomp_bad_input import assert_gateway_serves, exchange, frames_of
 
-from tridentmq_shared.link.client import LinkClient, LinkClosedError, ReconnectPolicy
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.errors import LinkClosedError
+from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.message import M_ID, M_SCHEDULED, M_TIMESTAMP, new_message
 
 pytestmark = pytest.mark.integration

@@ -18,7 +18,9 @@ from tests.conftest import CoreProcess, start_core, start_gateway, stop_cleanly
 from tests.integration.cluster_nodes import start_cluster, start_node, wait_until, wait_until_async
 from tests.integration.test_stomp_gateway import connect
 
-from tridentmq_shared.link.client import Consumer, LinkClient, LinkClosedError, ReconnectPolicy
+from tridentmq_shared.link.client import Consumer, LinkClient
+from tridentmq_shared.link.errors import LinkClosedError
+from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.message import M_BODY, M_DEDUP, M_ID, new_message
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster]

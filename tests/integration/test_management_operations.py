@@ -26,7 +26,8 @@ from tests.conftest import (
 )
 from tests.integration.test_stomp_gateway import Listener
 
-from tridentmq_shared.link.client import LinkClient, ReconnectPolicy
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.link.ops import NackMode
 from tridentmq_shared.message import new_message
 

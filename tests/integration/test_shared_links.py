@@ -21,7 +21,9 @@ from tests.integration.mqtt_clients import Raw
 
 from tridentmq_mqtt.protocol.packets import V311, Connack, Publish, Suback, Subscribe, Subscription
 from tridentmq_shared.link.channels import SharedLinks
-from tridentmq_shared.link.client import LinkClient, LinkClosedError, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.errors import LinkClosedError, LinkRequestError
+from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.message import new_message
 

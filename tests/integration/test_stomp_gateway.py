@@ -18,7 +18,8 @@ from stomp.utils import Frame
 from tests.conftest import CoreProcess, GatewayProcess, module_core, module_stomp_gateway, start_core, start_gateway
 from tests.integration.cluster_nodes import wait_until
 
-from tridentmq_shared.link.client import LinkClient, ReconnectPolicy
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.message import M_BODY, M_CONTENT_TYPE, M_DURABLE, M_PROPS, RoutingType, new_message
 
 pytestmark = pytest.mark.integration

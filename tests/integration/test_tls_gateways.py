@@ -24,7 +24,9 @@ from tests.integration.mqtt_clients import Paho
 from tests.integration.test_stomp_gateway import Listener
 from tests.tls_certs import Certificates, Pair
 
-from tridentmq_shared.link.client import LinkClient, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.errors import LinkRequestError
+from tridentmq_shared.link.failover import ReconnectPolicy
 
 pytestmark = pytest.mark.integration
 

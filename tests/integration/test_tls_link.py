@@ -26,7 +26,9 @@ from tests.integration.cluster_nodes import (
 from tests.integration.ha_pairs import ha_view, start_pair
 from tests.tls_certs import Certificates, Pair, replace
 
-from tridentmq_shared.link.client import LinkClient, LinkClosedError, ReconnectPolicy
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.errors import LinkClosedError
+from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.message import new_message
 from tridentmq_shared.tls import ClientTls, TlsSection
 

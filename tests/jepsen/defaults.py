@@ -60,7 +60,9 @@ from tests.jepsen.checker import Delivery, check
 from tests.jepsen.nemesis import NetLab
 
 from tridentmq_shared.cli.supervisor import Child, plan
-from tridentmq_shared.link.client import LinkClient, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.errors import LinkRequestError
+from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.link.topology import Topology
 from tridentmq_shared.message import new_message
 

@@ -16,8 +16,10 @@ import logging
 from dataclasses import dataclass
 
 from tridentmq_shared.link.channels import SharedLinks
-from tridentmq_shared.link.client import LinkClient, LinkClosedError, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.link.client import LinkClient
 from tridentmq_shared.link.codec import DEFAULT_HEARTBEAT_MS
+from tridentmq_shared.link.errors import LinkClosedError, LinkRequestError
+from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.link.topology import Endpoint, Topology, load_balancing, parse_endpoint
 from tridentmq_shared.settings import SettingsError, doc

@@ -6,15 +6,17 @@ import asyncio
 import functools
 
 from tridentmq_core.settings import CoreSettings
-from tridentmq_shared.link.client import LinkClient, LinkRequestError, ReconnectPolicy
+from tridentmq_shared.link.errors import LinkRequestError
+from tridentmq_shared.link.failover import ReconnectPolicy
+from tridentmq_shared.link.peer import PeerLink
 from tridentmq_shared.tls import ClientTls, TlsSection
 
 
-def node_link(settings: CoreSettings, host: str, port: int, name: str, *, connect_timeout: float) -> LinkClient:
+def node_link(settings: CoreSettings, host: str, port: int, name: str, *, connect_timeout: float) -> PeerLink:
     """A link to another node, logged in with the cluster credentials; it does not reconnect by itself (its
     owner decides what a lost link means)."""
     cluster = settings.cluster
-    return LinkClient(
+    return PeerLink(
         host,
         port,
         user=cluster.user,
@@ -34,7 +36,7 @@ def client_tls(settings: TlsSection) -> ClientTls:
     return ClientTls(settings)
 
 
-def watch_close(client: LinkClient) -> tuple[asyncio.Event, list[LinkRequestError]]:
+def watch_close(client: PeerLink) -> tuple[asyncio.Event, list[LinkRequestError]]:
     """An event set when ``client`` closes for good, and the reason it closed with."""
     closed = asyncio.Event()
     why: list[LinkRequestError] = []

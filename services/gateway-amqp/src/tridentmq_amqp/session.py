@@ -62,7 +62,8 @@ from tridentmq_amqp.protocol.sasl import AuthRequest, SaslLayer
 from tridentmq_amqp.settings import AmqpSettings
 from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.gateway import Wire
-from tridentmq_shared.link.client import LinkClient, LinkRequestError
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import (
     M_ADDRESS,

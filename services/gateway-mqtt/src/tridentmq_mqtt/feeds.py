@@ -45,7 +45,8 @@ from tridentmq_mqtt.protocol.packets import V5, Publish, encode, encode_plain_pu
 from tridentmq_mqtt.protocol.properties import NO_PROPERTIES
 from tridentmq_mqtt.settings import CoreLinkSection
 from tridentmq_shared.core_links import CoreLinks
-from tridentmq_shared.link.client import Consumer, LinkClient, LinkClosedError, LinkRequestError
+from tridentmq_shared.link.client import Consumer, LinkClient
+from tridentmq_shared.link.errors import LinkClosedError, LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.message import M_ADDRESS, M_BODY, M_EXPIRATION, M_PROPS, RoutingType, WireMessage
 

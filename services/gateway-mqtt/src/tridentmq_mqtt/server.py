@@ -12,7 +12,7 @@ from tridentmq_mqtt.settings import MqttSettings
 from tridentmq_mqtt.state import Registry
 from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.gateway import ClientSession, GatewayShell, Metric, ShellConfig, Wire, listener_tls
-from tridentmq_shared.link.client import LinkRequestError
+from tridentmq_shared.link.errors import LinkRequestError
 
 log = logging.getLogger("tridentmq.mqtt")
 

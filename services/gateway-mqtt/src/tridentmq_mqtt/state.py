@@ -36,7 +36,8 @@ import msgpack
 from tridentmq_mqtt import convert
 from tridentmq_mqtt.messages import TOPIC
 from tridentmq_shared.core_links import CoreLinks
-from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError
+from tridentmq_shared.link.client import Consumer, LinkClient
+from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.message import (
     M_ADDRESS,

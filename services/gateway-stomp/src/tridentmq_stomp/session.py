@@ -24,7 +24,8 @@ from typing import Any
 
 from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.gateway import Wire
-from tridentmq_shared.link.client import Consumer, LinkClient, LinkRequestError
+from tridentmq_shared.link.client import Consumer, LinkClient
+from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import M_ID, RoutingType
 from tridentmq_shared.runtime import random_hex

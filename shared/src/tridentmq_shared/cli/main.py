@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from tridentmq_shared.cli import admin, operations, perf, supervisor
-from tridentmq_shared.link.client import LinkClient, LinkRequestError
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.message import RoutingType, new_message
 from tridentmq_shared.runtime import run_main
 from tridentmq_shared.tls import ClientTls, TlsSection

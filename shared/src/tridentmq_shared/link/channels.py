@@ -17,14 +17,10 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-from tridentmq_shared.link.client import (
-    EARLY_WRITE_OPERATIONS,
-    LinkClient,
-    LinkRequestError,
-    ReconnectPolicy,
-    SharedLinksRefusedError,
-)
+from tridentmq_shared.link.client import EARLY_WRITE_OPERATIONS, LinkClient
 from tridentmq_shared.link.codec import DEFAULT_HEARTBEAT_MS
+from tridentmq_shared.link.errors import LinkRequestError, SharedLinksRefusedError
+from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.link.topology import Endpoint
 from tridentmq_shared.tls import ClientTls

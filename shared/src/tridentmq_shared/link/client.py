@@ -20,17 +20,22 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeVar, cast
 
 from tridentmq_shared.light_event import LightEvent
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.codec import DEFAULT_HEARTBEAT_MS, LinkConnection, Role, State
-from tridentmq_shared.link.errors import LinkError, LocalProtocolError
+from tridentmq_shared.link.errors import (
+    LinkClosedError,
+    LinkError,
+    LinkRequestError,
+    LocalProtocolError,
+    SharedLinksRefusedError,
+)
+from tridentmq_shared.link.failover import FATAL, ReconnectPolicy, Unconfirmed, connect_first, homed, reach_backup
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.link.topology import Endpoint, LoadBalancing, Topology
 from tridentmq_shared.message import (
-    HOME_PROPERTY,
     LINK_DEDUP_PREFIX,
     M_BODY,
     M_DEDUP,
@@ -70,40 +75,6 @@ CREDIT_TOP_UP_PARTS = 4
 CLOSE_TIMEOUT = 5.0
 #: Queue definitions remembered to re-create a consumer's queue on another node after a failover.
 MAX_REMEMBERED_QUEUES = 1024
-#: Refusals that another node or a later attempt would give again: a (re)connect stops at them.
-_FATAL: Final = (ErrorCode.UNAUTHENTICATED, ErrorCode.VERSION, ErrorCode.CLOSED_BY_OPERATOR)
-
-
-class LinkRequestError(Exception):
-    """The server refused a request or a publish; ``code`` is an ``ErrorCode``."""
-
-    def __init__(self, code: str, text: str) -> None:
-        super().__init__(f"{code}: {text}")
-        self.code = code
-        self.text = text
-
-
-class LinkClosedError(LinkRequestError):
-    """The link is closed (by us, or by the server and reconnecting is off or exhausted)."""
-
-
-class SharedLinksRefusedError(Exception):
-    """The core does not let the gateway's own user open a shared link: a session connects on its own."""
-
-
-@dataclass(frozen=True, slots=True)
-class ReconnectPolicy:
-    """Artemis' reconnect parameters: -1 attempts = forever. One attempt tries every node of the topology
-    once; the wait between attempts starts at ``retry_interval`` seconds and grows to ``max_interval``."""
-
-    retry_interval: float = 0.1
-    multiplier: float = 2.0
-    max_interval: float = 5.0
-    attempts: int = -1
-    initial_attempts: int = 1
-    #: How long a link whose node has an in-sync backup (HA) waits for that backup to take over before it
-    #: tries the other nodes: the session then stays on its pair.
-    failover_window: float = 5.0
 
 
 class Delivery:
@@ -374,9 +345,7 @@ class LinkClient:
         "on_closed",
         "on_confirms",
         "on_rejected",
-        "on_replica",
         "on_settled",
-        "on_topology",
         "password",
         "port",
         "producer_id",
@@ -405,7 +374,7 @@ class LinkClient:
         tls: ClientTls | None = None,
         channels: ChannelOpener | None = None,
     ) -> None:
-        #: The nodes this client may use (``topology`` is the TOPOLOGY request).
+        #: The nodes this client may use.
         self.nodes = topology or Topology(list(endpoints) if endpoints else [(host, port)], load_balancing)
         self.follow_topology = follow_topology
         self.host, self.port = self.nodes.seeds[0]  # the node connected to, once connected
@@ -435,10 +404,10 @@ class LinkClient:
         self._connecting = False
         self._requests: dict[int, asyncio.Future[Any]] = {}
         # seq → (message, transaction, confirm future) of publishes the server has not confirmed yet
-        self._unconfirmed: dict[int, tuple[WireMessage, int, asyncio.Future[None]]] = {}
+        self._unconfirmed: dict[int, Unconfirmed] = {}
         # publishes of a lost connection still to be re-sent, in order
         # (lists: an empty deque is 600 bytes, and a gateway has a link client per client connection)
-        self._unsent: list[tuple[WireMessage, int, asyncio.Future[None]]] = []
+        self._unsent: list[Unconfirmed] = []
         self._consumers: dict[int, Consumer] = {}
         self._queue_specs: OrderedDict[str, dict[str, Any]] = OrderedDict()  # CREATE_QUEUE specs, by queue name
         self._will: dict[str, Any] | None = None  # the will the server accepted, re-sent after a reconnect
@@ -457,10 +426,6 @@ class LinkClient:
         #: with each rejection (sequence, code, text), before ``on_settled``.
         self.on_confirms: Callable[[list[tuple[int, int]]], None] | None = None
         self.on_rejected: Callable[[int, str, str], None] | None = None
-        #: Called with each TOPOLOGY_UPDATE the server pushes (after a ``topology`` request).
-        self.on_topology: Callable[[dict[str, Any]], None] | None = None
-        #: Called with each batch of journal records a primary streams (after a ``replicate`` request).
-        self.on_replica: Callable[[ev.ReplicaRecords], None] | None = None
         #: Called with the (channel id, bytes) the server sent for the sessions this link carries.
         self.on_channels: Callable[[list[tuple[int, bytes]]], None] | None = None
 
@@ -476,7 +441,7 @@ class LinkClient:
         await self._connect_with_retries(self.reconnect.initial_attempts)
         if self.follow_topology:
             try:
-                self._learn(await self.topology({}))
+                self._learn(await self._members())
             except LinkRequestError as exc:
                 if exc.code != ErrorCode.INVALID:
                     raise
@@ -493,29 +458,9 @@ class LinkClient:
         return task is not None and not task.done()
 
     async def _connect_with_retries(self, attempts: int, failed: Endpoint | None = None) -> None:
-        """Connect to the first node that answers, trying them in the topology's order (``failed`` last),
-        ``attempts`` times over (-1: until one answers)."""
-        delay = self.reconnect.retry_interval
         self._connecting = True
         try:
-            for attempt in itertools.count(1):
-                problem: LinkClosedError | None = None
-                for host, port in self.nodes.connection_order(failed):
-                    self._stop_if_closed()
-                    try:
-                        await self._open(host, port)
-                        return
-                    except (OSError, TimeoutError) as exc:
-                        problem = LinkClosedError(ErrorCode.EOF, f"cannot connect to {host}:{port}: {exc}")
-                        problem.__cause__ = exc  # a TLS failure (ssl.SSLError) tells its owner to say so
-                    except LinkClosedError as exc:  # refused by that node (stopping, too many links): next one
-                        if exc.code in _FATAL or self._closing:
-                            raise
-                        problem = exc
-                if attempts >= 0 and attempt >= attempts:
-                    raise problem or LinkClosedError(ErrorCode.EOF, "no node to connect to")
-                await asyncio.sleep(delay)
-                delay = min(delay * self.reconnect.multiplier, self.reconnect.max_interval)
+            await connect_first(self.nodes, self.reconnect, self._open, self._stop_if_closed, attempts, failed)
         finally:
             self._connecting = False
 
@@ -724,20 +669,21 @@ class LinkClient:
             case ev.TopologyUpdate(update):
                 if self.follow_topology:
                     self._learn(update)
-                if self.on_topology is not None:
-                    self.on_topology(update)
+                self._peer_event(event)
             case ev.ReplicaRecords():
-                if self.on_replica is not None:
-                    self.on_replica(event)
+                self._peer_event(event)
             case ev.Closed(code, text):
                 self._error = LinkClosedError(code, text)
                 if self._opened is not None and not self._opened.done():
                     self._opened.set_exception(self._error)
                 log.info("server closed the link: %s: %s", code, text)
-                if self._protocol is not None and not self._connecting and code not in _FATAL:
+                if self._protocol is not None and not self._connecting and code not in FATAL:
                     # A node that stops serving (failback, shutdown, isolation) says so before its socket
                     # goes: the link is lost from here, not from when the socket closes.
                     self._drop(self._protocol)
+
+    def _peer_event(self, event: ev.TopologyUpdate | ev.ReplicaRecords) -> None:
+        """What a node sends only to its peers (``peer.PeerLink``): an application client has none."""
 
     def _drop(self, protocol: _Protocol, *, abort: bool = False) -> None:
         """End a connection found dead or closed by its node, and count it lost now: its socket's own end
@@ -759,7 +705,7 @@ class LinkClient:
             if self._opened is not None and not self._opened.done():
                 self._opened.set_exception(ConnectionError("connection lost during the handshake"))
             return
-        if self._closing or (self._error is not None and self._error.code in _FATAL):
+        if self._closing or (self._error is not None and self._error.code in FATAL):
             self._fail_all(self._error or LinkClosedError(ErrorCode.EOF, "connection lost"))
             return
         error = LinkClosedError(ErrorCode.EOF, f"connection lost: {exc}" if exc else "connection lost")
@@ -771,7 +717,7 @@ class LinkClient:
             self._fail_all(self._error or error)  # the server's reason when it said one (shutdown, say)
             return
         # Unconfirmed publishes go again, before those a resume cut short had not re-sent yet.
-        self._unsent[:0] = [_homed(self._unconfirmed[seq], self.node_id) for seq in sorted(self._unconfirmed)]
+        self._unsent[:0] = [homed(self._unconfirmed[seq], self.node_id) for seq in sorted(self._unconfirmed)]
         self._unconfirmed.clear()
         if self._reconnecting is not None:
             self._reconnecting.cancel()  # lost again while resuming: start over
@@ -823,30 +769,11 @@ class LinkClient:
                 waiter.set_result(None)
 
     async def _reach_backup(self, failed: Endpoint) -> bool:
-        """Connect to the in-sync backup of the node that ``failed`` once it has taken over (it refuses links
-        until then); False when it has none or did not take over within the failover window."""
-        backup = self.nodes.backup_of(failed)
-        if backup is None:
-            return False
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.reconnect.failover_window
         self._connecting = True
         try:
-            while loop.time() < deadline:
-                self._stop_if_closed()
-                try:
-                    await self._open(*backup)
-                    return True
-                except (OSError, TimeoutError):
-                    pass
-                except LinkClosedError as exc:
-                    if exc.code in _FATAL or self._closing:
-                        raise
-                await asyncio.sleep(0.05)
+            return await reach_backup(self.nodes, self.reconnect, self._open, self._stop_if_closed, failed)
         finally:
             self._connecting = False
-        log.warning("the backup of %s:%s did not take over in time: trying the other nodes", *failed)
-        return False
 
     def _restore(self, conn: LinkConnection) -> None:
         """Everything the old link had set up, queued at once on the new one (the node answers in order): the
@@ -1016,25 +943,9 @@ class LinkClient:
     ) -> dict[str, Any]:
         return dict(await self._request(lambda conn: conn.create_address(address, [int(r) for r in routing_types])))
 
-    async def topology(self, info: dict[str, Any]) -> dict[str, Any]:
-        """Join the cluster (``info`` names this node) or follow its topology; updates go to ``on_topology``."""
-        result = await self._request(lambda conn: conn.topology(info))
-        return dict(result) if isinstance(result, dict) else {}
-
-    async def replicate(self, info: dict[str, Any]) -> dict[str, Any]:
-        """Ask a primary for its journal stream (``info`` names this backup); records go to ``on_replica``."""
-        result = await self._request(lambda conn: conn.replicate(info), again=False)
-        return dict(result) if isinstance(result, dict) else {}
-
-    def replica_ack(self, upto: int) -> None:
-        """Tell the primary every record up to ``upto`` is held here."""
-        conn = self._conn
-        if conn is not None and conn.open:
-            conn.replica_ack(upto)
-            self._schedule_flush()
-
-    async def vote(self, request: dict[str, Any]) -> dict[str, Any]:
-        result = await self._request(lambda conn: conn.vote(request), again=False)
+    async def _members(self) -> dict[str, Any]:
+        """The cluster's members (a TOPOLOGY request); its node pushes later changes."""
+        result = await self._request(lambda conn: conn.topology({}))
         return dict(result) if isinstance(result, dict) else {}
 
     async def delete_address(self, address: str) -> None:
@@ -1285,21 +1196,6 @@ class LinkClient:
     async def publish(self, message: WireMessage, tx_id: int = 0) -> None:
         """Publish and wait for the confirm (raises ``LinkRequestError`` on a rejection)."""
         await (await self.send(message, tx_id))
-
-
-def _homed(
-    entry: tuple[WireMessage, int, asyncio.Future[None]],
-    node_id: str,
-) -> tuple[WireMessage, int, asyncio.Future[None]]:
-    """An unconfirmed publish about to go again: a durable one with a duplicate id names the node it was first
-    sent to (``HOME_PROPERTY``), which may hold it although its confirm never came."""
-    message = entry[0]
-    props = message[M_PROPS]
-    if not node_id or not message[M_DURABLE] or message[M_DEDUP] is None or HOME_PROPERTY in props:
-        return entry
-    homed = list(message)
-    homed[M_PROPS] = {**props, HOME_PROPERTY: node_id}
-    return homed, entry[1], entry[2]
 
 
 def _take_outcome(future: asyncio.Future[Any]) -> None:

@@ -25,8 +25,9 @@ from tridentmq_core.redistribution import Redistributor
 from tridentmq_core.security import Principal
 from tridentmq_core.sessions import Session
 from tridentmq_core.settings import CoreSettings
-from tridentmq_shared.link.client import LinkClient, LinkRequestError
+from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode
+from tridentmq_shared.link.peer import PeerLink
 from tridentmq_shared.message import M_BODY, M_ID, M_PROPS, MAX_PROPERTIES, WireMessage
 from tridentmq_shared.runtime import wall_ms
 from tridentmq_shared.supervision import spawn
@@ -96,7 +97,7 @@ class Bridge:
         self.reason = ""
         self.down_since = time.monotonic()
         self.leaving = False  # the other node is scaling down: send it nothing new
-        self.client: LinkClient | None = None
+        self.client: PeerLink | None = None
         self.session: Session | None = None
         self.consumers: dict[int, Consumer] = {}
         self._next_consumer = FORWARDER_ID + 1
@@ -355,7 +356,7 @@ class Bridge:
             )
             self.manager.refused(self, consumer, message_id, ErrorCode.RESOURCE_LIMIT, reason)
 
-    def _wait(self, entry: tuple[Consumer | None, int, WireMessage, Session | None], client: LinkClient) -> None:
+    def _wait(self, entry: tuple[Consumer | None, int, WireMessage, Session | None], client: PeerLink) -> None:
         self._waiting.append(entry)
         if len(self._waiting) == 1:
             asyncio.get_running_loop().create_task(self._send_waiting(client))
@@ -434,7 +435,7 @@ class Bridge:
             self.manager.schedule_flush()
         self._tokens_released = False
 
-    async def _send_waiting(self, client: LinkClient) -> None:
+    async def _send_waiting(self, client: PeerLink) -> None:
         broker = self.manager.broker
         try:
             while self._waiting and client is self.client:
@@ -472,6 +473,6 @@ class Bridge:
         self.manager.schedule_flush()
 
 
-async def _acknowledge_sync(client: LinkClient, number: int) -> None:
+async def _acknowledge_sync(client: PeerLink, number: int) -> None:
     with contextlib.suppress(LinkRequestError):  # a connection that went: the other node stops waiting
         await client.topology({"synced": number})

@@ -44,7 +44,7 @@ from tridentmq_core.security import Principal
 from tridentmq_core.sessions import Session
 from tridentmq_core.settings import LOAD_BALANCING_POLICIES, CoreSettings
 from tridentmq_shared.link import events as ev
-from tridentmq_shared.link.client import LinkRequestError
+from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode, Op
 from tridentmq_shared.link.topology import endpoint_from_wire, parse_endpoint
 from tridentmq_shared.message import WireMessage

@@ -21,8 +21,9 @@ from tridentmq_core.store.identity import NodeIdentity
 from tridentmq_core.store.journal import Journal, list_segments
 from tridentmq_core.store.records import MAGIC, RecordType
 from tridentmq_shared.link import events as ev
-from tridentmq_shared.link.client import LinkClient, LinkRequestError
+from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode
+from tridentmq_shared.link.peer import PeerLink
 from tridentmq_shared.link.topology import parse_endpoint
 from tridentmq_shared.runtime import cancel_and_wait
 from tridentmq_shared.supervision import spawn
@@ -59,7 +60,7 @@ class BackupRunner:
         self.primary = ""  # host:port of the primary being copied
         self.reason = "looking for the primary"
         self.journal: Journal | None = None
-        self.client: LinkClient | None = None
+        self.client: PeerLink | None = None
         self._offset = 0  # primary record number = local record number + offset
         self._expected = 0
         self._sync_end = 0
@@ -187,7 +188,7 @@ class BackupRunner:
             self.state.members, self.state.pairs = known, pairs
             self.state.save(self.state_path)
 
-    def _records(self, client: LinkClient, event: ev.ReplicaRecords) -> None:
+    def _records(self, client: PeerLink, event: ev.ReplicaRecords) -> None:
         journal = self.journal
         if client is not self.client:
             return  # a late batch of an earlier link

@@ -19,7 +19,7 @@ from tridentmq_core.sessions import Session
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.files import write_durably
 from tridentmq_core.store.identity import IdentityError, NodeIdentity
-from tridentmq_shared.link.client import LinkRequestError
+from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.link.topology import parse_endpoint
 
