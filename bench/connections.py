@@ -1,22 +1,23 @@
 """Connection-scale benchmark of a gateway: many clients, each connects, subscribes to its own topic and
 receives one message.
 
-N clients connect to one gateway (``--protocol mqtt``: MQTT 3.1.1, clean sessions, no keep-alive;
-``stomp``: STOMP 1.2 without heart-beats) from ``--procs`` client processes (raw asyncio sockets, at most
-``--concurrency`` handshakes under way per process): each logs in, waits for the answer, subscribes to a topic
-of its own (MQTT QoS 0 ``conn/<run>/<i>``, STOMP ``/topic/conn.<run>.<i>`` with a receipt) and waits for the
-SUBACK or RECEIPT. The connect + subscribe rate is N / the time from the start to the last one; the CPU time
-the core and the gateway spent meanwhile, per client, says what it costs whatever else the machine runs. With
-every client subscribed, the script reads the resident memory (VmRSS) and open file descriptors of the core
+N clients connect to one gateway (``--protocol mqtt``: MQTT 3.1.1, clean sessions, no keep-alive; ``stomp``: STOMP
+1.2 without heart-beats; ``amqp``: AMQP 1.0 without SASL or idle timeout) from ``--procs`` client processes (raw
+asyncio sockets, at most ``--concurrency`` handshakes under way per process): each logs in, waits for the answer,
+subscribes to a topic of its own (MQTT QoS 0 ``conn/<run>/<i>``, STOMP ``/topic/conn.<run>.<i>`` with a receipt,
+AMQP a receiving link from ``topic://conn.<run>.<i>``) and waits for the SUBACK, RECEIPT or the gateway's ATTACH
+(with its source: not refused). The connect + subscribe rate is N / the time from the start to the last one; the
+CPU time the core and the gateway spent meanwhile, per client, says what it costs whatever else the machine runs.
+With every client subscribed, the script reads the resident memory (VmRSS) and open file descriptors of the core
 and the gateway, and the core's sessions and link connections; then one publisher sends one message to each
-client's topic, and every client must receive its own. Memory per connection is (RSS with N clients - RSS
-before the first) / N.
+client's topic (AMQP: through the core's link), and every client must receive its own. Memory per connection is
+(RSS with N clients - RSS before the first) / N.
 
 A gateway holds one descriptor per client and the clients one each, so the clients run in processes of their
 own: each process's open-file limit then counts only its share. The script starts its own core (throw-away
 data directory) and gateway on free loopback ports, with ``listener.max_connections`` above N.
 
-    uv run python -m bench.connections --count 19000 [--protocol mqtt|stomp] [--procs 2] [--concurrency 500]
+    uv run python -m bench.connections --count 19000 [--protocol mqtt|stomp|amqp] [--procs 2] [--concurrency 500]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import struct
 import tempfile
 import time
 import uuid
@@ -36,9 +38,25 @@ from multiprocessing.synchronize import Event as MpEvent
 from pathlib import Path
 from typing import Any
 
+from bench.amqp_gateway import (
+    AMQP_HEADER,
+    ATTACH,
+    BEGIN,
+    FLOW,
+    MAX_FRAME,
+    OPEN,
+    SOURCE,
+    TARGET,
+    TRANSFER,
+    WINDOW,
+    frame,
+)
 from bench.mqtt_packets import CONNACK, PUBLISH, SUBACK, connect_packet, publish_packet, read_packet, subscribe_packet
-from bench.node import Core, Gateway, core_node, cpu_of, machine, mqtt_gateway, proc_usage, stomp_gateway
+from bench.node import Core, Gateway, amqp_gateway, core_node, cpu_of, machine, mqtt_gateway, proc_usage, stomp_gateway
 
+from tridentmq_amqp.protocol.types import Described, UByte, UInt, ULong, UShort, decode
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.message import RoutingType, new_message
 from tridentmq_shared.runtime import raise_open_file_limit, run_main
 
 WAIT_S = 120.0  # longest wait for one client's login, subscription or message
@@ -61,7 +79,7 @@ async def _mqtt_received(reader: asyncio.StreamReader) -> bool:
     return kind == PUBLISH
 
 
-async def _mqtt_publish_all(port: int, run: str, count: int) -> None:
+async def _mqtt_publish_all(port: int, _core_port: int, run: str, count: int) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(connect_packet(f"p{run}"))
     await read_packet(reader)
@@ -102,7 +120,7 @@ async def _stomp_received(reader: asyncio.StreamReader) -> bool:
     return await _stomp_read(reader) == "MESSAGE"
 
 
-async def _stomp_publish_all(port: int, run: str, count: int) -> None:
+async def _stomp_publish_all(port: int, _core_port: int, run: str, count: int) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(_STOMP_CONNECT)
     await _stomp_read(reader)
@@ -119,18 +137,76 @@ async def _stomp_publish_all(port: int, run: str, count: int) -> None:
     writer.close()
 
 
+# ---------------------------------------------------------------------- AMQP 1.0
+_FRAME_HEAD = struct.Struct(">IBBH")  # size, doff, type, channel
+
+
+async def _amqp_frame(reader: asyncio.StreamReader) -> tuple[int, list[Any]]:
+    """The performative code and fields of the next frame (heartbeats skipped)."""
+    while True:
+        size, doff, _, _ = _FRAME_HEAD.unpack(await reader.readexactly(8))
+        body = await reader.readexactly(size - 8)
+        if 4 * doff - 8 < len(body):
+            performative, _ = decode(body, 4 * doff - 8)
+            assert isinstance(performative, Described)
+            return int(performative.descriptor), list(performative.value)
+
+
+async def _amqp_subscribe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, run: str, i: int) -> bool:
+    source = Described(ULong(SOURCE), [f"topic://conn.{run}.{i}"])
+    writer.write(
+        AMQP_HEADER
+        + frame(OPEN, [f"c{run}-{i}", "localhost", UInt(MAX_FRAME), UShort(0)])
+        + frame(BEGIN, [None, UInt(0), UInt(WINDOW), UInt(WINDOW)])
+        + frame(ATTACH, [f"r{i}", UInt(0), True, UByte(0), UByte(0), source, Described(ULong(TARGET), [])])
+    )
+    if await asyncio.wait_for(reader.readexactly(8), WAIT_S) != AMQP_HEADER:
+        return False
+    while True:
+        code, fields = await asyncio.wait_for(_amqp_frame(reader), WAIT_S)
+        if code == ATTACH:
+            break
+        if code not in (OPEN, BEGIN):
+            return False
+    if len(fields) < 6 or fields[5] is None:  # no source: refused (a detach follows)
+        return False
+    # credit 1 for the one message (next-incoming-id, windows, handle, delivery-count, link-credit)
+    writer.write(frame(FLOW, [UInt(0), UInt(WINDOW), UInt(0), UInt(WINDOW), UInt(0), UInt(0), UInt(1)]))
+    return True
+
+
+async def _amqp_received(reader: asyncio.StreamReader) -> bool:
+    while True:
+        code, _ = await _amqp_frame(reader)
+        if code == TRANSFER:
+            return True
+        if code != FLOW:
+            return False
+
+
+async def _amqp_publish_all(_port: int, core_port: int, run: str, count: int) -> None:
+    """Through the core's link: the gateway's side under test is the receivers'."""
+    async with LinkClient("127.0.0.1", core_port) as client:
+        confirms = [
+            await client.send(new_message(f"conn.{run}.{i}", b"hello", routing=int(RoutingType.MULTICAST)))
+            for i in range(count)
+        ]
+        await asyncio.gather(*confirms)
+
+
 @dataclass(frozen=True)
 class Protocol:
     name: str
     gateway: Callable[..., AbstractContextManager[Gateway]]
     subscribe: Callable[[asyncio.StreamReader, asyncio.StreamWriter, str, int], Any]  # -> bool: subscribed
     received: Callable[[asyncio.StreamReader], Any]  # -> bool: the next thing read is the client's message
-    publish_all: Callable[[int, str, int], Any]
+    publish_all: Callable[[int, int, str, int], Any]  # gateway port, core port, run, count
 
 
 PROTOCOLS = {
     "mqtt": Protocol("MQTT 3.1.1", mqtt_gateway, _mqtt_subscribe, _mqtt_received, _mqtt_publish_all),
     "stomp": Protocol("STOMP 1.2", stomp_gateway, _stomp_subscribe, _stomp_received, _stomp_publish_all),
+    "amqp": Protocol("AMQP 1.0", amqp_gateway, _amqp_subscribe, _amqp_received, _amqp_publish_all),
 }
 
 
@@ -253,7 +329,7 @@ def measure(args: argparse.Namespace) -> Figures:
             }
             after = {"core": proc_usage(core.process.pid), "gateway": proc_usage(gateway.process.pid)}
             status = _status(core)
-            asyncio.run(speaks.publish_all(gateway.port, run, args.count))
+            asyncio.run(speaks.publish_all(gateway.port, core.link_port, run, args.count))
             received = sum(here.recv() for here, _ in pipes)
             for here, process in pipes:
                 here.send("done")

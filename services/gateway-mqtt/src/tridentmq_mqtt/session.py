@@ -30,7 +30,9 @@ import itertools
 import logging
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from tridentmq_mqtt import convert, messages
 from tridentmq_mqtt.convert import ConversionError
@@ -227,13 +229,15 @@ class MqttSession:
         self._confirms: list[_Confirm] = []
         self._inflight: dict[int, _Outgoing] = {}  # packet id → what the client is to acknowledge
         self._parked: list[_Outgoing] = []  # waiting for the client's receive maximum or a packet id
-        self._completed_out: set[int] = set()  # message ids of QoS 2 flows completed after a resume
+        # Message ids of QoS 2 flows completed after a resume (made when one is: an empty set is 216 bytes).
+        self._completed_out: set[int] | None = None
         self._acks: dict[Sub, list[int]] = {}  # acknowledged by the client, for the core at the next flush
         self._addresses: dict[str, str] = {}  # topic → address
         self._topics: dict[str, tuple[str, bytes]] = {}  # address → topic, and as a PUBLISH encodes it
         self._connected = False
         self._dropping = False  # fan-out messages are being skipped: the client does not keep up
-        self._background: set[asyncio.Task[None]] = set()  # queues dropped after moving to a feed
+        # Queues dropped after moving to a feed, a wait for the client to read (made when needed, as above).
+        self._background: set[asyncio.Task[None]] | None = None
         self._queues = itertools.count(1)
         self._disconnecting = False
         loop = asyncio.get_running_loop()
@@ -889,7 +893,13 @@ class MqttSession:
         self._not_solo(sub)
         sub.consumer, sub.queue, sub.session = None, feed.queue, self
         self.feeds.adopt(sub, feed)
-        task = self._loop.create_task(self._drop_queue(consumer, queue))
+        self._in_background(self._drop_queue(consumer, queue))
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        """A task of this session's, kept until done; the clean-up waits for those still running."""
+        if self._background is None:
+            self._background = set()
+        task = self._loop.create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -1030,9 +1040,7 @@ class MqttSession:
             return
         if not self.wire.writable():
             sub.draining = True
-            task = self._loop.create_task(self._pump_when_drained(sub))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._in_background(self._pump_when_drained(sub))
             return
         try:
             self._write_batch(sub, consumer)
@@ -1115,7 +1123,10 @@ class MqttSession:
         else:
             message_id = message[M_ID]
             packet_id = message_id % 0xFFFF + 1
-            if self.state.released_out.get(packet_id) == message_id or message_id in self._completed_out:
+            completed = self._completed_out
+            if self.state.released_out.get(packet_id) == message_id or (
+                completed is not None and message_id in completed
+            ):
                 # The client has it (its PUBREC is recorded) and the ack was lost with a connection.
                 assert out.sub is not None
                 assert out.sub.consumer is not None
@@ -1240,6 +1251,8 @@ class MqttSession:
         self._inflight.pop(packet_id, None)
         message_id = self.state.released_out.pop(packet_id, None)
         if message_id is not None:
+            if self._completed_out is None:
+                self._completed_out = set()
             self._completed_out.add(message_id)  # its core ack may have died with a gateway: see _try_send
         if message_id is not None and self.persistent:
             # Not awaited: should it be lost, the stale entry only costs a PUBREL answered by PUBCOMP.

@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +50,7 @@ from tridentmq_shared.message import (
     WireMessage,
     new_message,
 )
+from tridentmq_shared.runtime import random_hex
 
 log = logging.getLogger("tridentmq.mqtt")
 
@@ -216,7 +216,7 @@ class Registry:
                     await link.delete_queue(name)
                 continue
             if created.get("created"):
-                token = uuid.uuid4().hex
+                token = random_hex(32)  # only ours to recognise: no system call for it
                 if created.get("elsewhere"):
                     # The owner's lock queue is on another node: the core forwards this notice to its consumer.
                     # It may also come back here (no owner left there): the token tells it is our own.

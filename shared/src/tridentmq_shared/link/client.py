@@ -17,8 +17,8 @@ import contextlib
 import functools
 import itertools
 import logging
+import sys
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, Final, Protocol, TypeVar, cast
 
@@ -121,12 +121,12 @@ class Consumer:
         "_taken_bytes",
         "_unsettled",
         "_waiter",
+        "bound_to",
         "browse_done",
         "client",
         "closed",
         "consumer_id",
         "credit_on_settle",
-        "info",
         "on_wake",
         "options",
         "queue",
@@ -151,8 +151,10 @@ class Consumer:
         self.credit_on_settle = credit_on_settle
         self.options = options
         self.consumer_id = 0
-        self.info: dict[str, Any] = {}
         self.spec: dict[str, Any] | None = None  # the CREATE_QUEUE of its queue on this link, if any
+        #: Without ``spec``: the address and routing type of its queue as the node said, to make the queue
+        #: again after a failover to a node that lacks it (kept only then: tens of thousands of these live).
+        self.bound_to: tuple[Any, Any] | None = None
         self._on: LinkConnection | None = None  # the connection it is subscribed on
         self.browse_done = False
         self.closed: LinkRequestError | None = None
@@ -168,6 +170,11 @@ class Consumer:
         #: Called instead of waking a waiter when deliveries arrive or the consumer closes: its holder then
         #: takes them with ``take_batch`` from the callback, and keeps no task waiting on ``get_batch``.
         self.on_wake: Callable[[], None] | None = None
+
+    def subscribed(self, answer: Any) -> None:
+        """The node's answer to its SUBSCRIBE."""
+        if self.spec is None and isinstance(answer, dict) and "address" in answer:
+            self.bound_to = (answer["address"], answer.get("routing_type"))
 
     def _wake(self) -> None:
         if self.on_wake is not None:
@@ -409,7 +416,8 @@ class LinkClient:
         # (lists: an empty deque is 600 bytes, and a gateway has a link client per client connection)
         self._unsent: list[Unconfirmed] = []
         self._consumers: dict[int, Consumer] = {}
-        self._queue_specs: OrderedDict[str, dict[str, Any]] = OrderedDict()  # CREATE_QUEUE specs, by queue name
+        # CREATE_QUEUE specs by queue name, oldest first (a dict: an OrderedDict is twice the size)
+        self._queue_specs: dict[str, dict[str, Any]] = {}
         self._will: dict[str, Any] | None = None  # the will the server accepted, re-sent after a reconnect
         self._credit_waiters: list[asyncio.Future[None]] = []
         self._flush_scheduled = False
@@ -508,8 +516,10 @@ class LinkClient:
                 f"{self.node_epoch}; epoch {self.nodes.epochs[self.node_id]} "
                 f"replaced it",
             )
-        self._heartbeat_task = asyncio.create_task(self._heartbeat(conn))
-        self._heartbeat_task.add_done_callback(self._task_ended)
+        self._opened = None  # done with: tens of thousands of clients would keep a future each
+        if conn.next_deadline() is not None:  # a channel of a shared link has no heartbeats: its link's count
+            self._heartbeat_task = asyncio.create_task(self._heartbeat(conn))
+            self._heartbeat_task.add_done_callback(self._task_ended)
 
     def _stop_if_closed(self) -> None:
         """``close`` cancels a resume, but on Python 3.11 ``asyncio.wait_for`` can swallow that cancellation
@@ -642,17 +652,17 @@ class LinkClient:
                 elif self.on_rejected is not None:
                     self.on_rejected(seq, code, text)
             case ev.Reply(req_id, result):
-                future = self._requests.pop(req_id, None)
+                future = self._answered(req_id)
                 if future is not None and not future.done():
                     future.set_result(result)
             case ev.RequestFailed(req_id, code, text):
-                future = self._requests.pop(req_id, None)
+                future = self._answered(req_id)
                 if future is not None and not future.done():
                     future.set_exception(LinkRequestError(code, text))
                 elif req_id == 0:
                     log.warning("server reported: %s: %s", code, text)
             case ev.Welcomed(_, node_id, _, _, _, epoch):
-                self.node_id = node_id
+                self.node_id = sys.intern(node_id)  # one string for the node, not a copy per client
                 self.node_epoch = epoch
                 if self._opened is not None and not self._opened.done():
                     self._opened.set_result(None)
@@ -681,6 +691,15 @@ class LinkClient:
                     # A node that stops serving (failback, shutdown, isolation) says so before its socket
                     # goes: the link is lost from here, not from when the socket closes.
                     self._drop(self._protocol)
+
+    def _answered(self, req_id: int) -> asyncio.Future[Any] | None:
+        """The future of a request the node answered. A dict keeps the room it once needed: an idle client's
+        empty one is made anew (tens of thousands of clients, mostly idle once their session is set up)."""
+        requests = self._requests
+        future = requests.pop(req_id, None)
+        if not requests:
+            self._requests = {}
+        return future
 
     def _peer_event(self, event: ev.TopologyUpdate | ev.ReplicaRecords) -> None:
         """What a node sends only to its peers (``peer.PeerLink``): an application client has none."""
@@ -793,12 +812,8 @@ class LinkClient:
             consumer._unsettled.clear()
             consumer._taken = consumer._taken_bytes = 0
             options = consumer.options
-            if consumer.spec is None and "address" in consumer.info:  # made again as it was, if it must be made
-                options = {
-                    "address": consumer.info["address"],
-                    "routing_type": consumer.info.get("routing_type"),
-                    **options,
-                }
+            if consumer.bound_to is not None:  # made again as it was, if it must be made
+                options = {"address": consumer.bound_to[0], "routing_type": consumer.bound_to[1], **options}
             req_id, consumer.consumer_id = conn.subscribe(
                 consumer.queue, consumer.window, options, consumer.window_bytes
             )
@@ -819,7 +834,7 @@ class LinkClient:
         error = None if future.cancelled() else future.exception()
         if error is None:
             if not future.cancelled():
-                consumer.info = dict(future.result())
+                consumer.subscribed(future.result())
             return
         if isinstance(error, LinkClosedError) or not isinstance(error, LinkRequestError):
             return  # lost again: the next resume subscribes it again
@@ -971,10 +986,11 @@ class LinkClient:
         if options.get("passive"):
             return result  # a look made nothing to make again
         # Kept to make the queue again on another node after a failover (a temporary one, or a consumer's).
-        self._queue_specs[name] = spec
-        self._queue_specs.move_to_end(name)
-        if len(self._queue_specs) > MAX_REMEMBERED_QUEUES:
-            self._queue_specs.popitem(last=False)
+        specs = self._queue_specs
+        specs.pop(name, None)  # to the end: the newest
+        specs[name] = spec
+        if len(specs) > MAX_REMEMBERED_QUEUES:
+            del specs[next(iter(specs))]
         return result
 
     async def delete_queue(self, name: str) -> None:
@@ -1021,7 +1037,7 @@ class LinkClient:
             consumer._on = conn
             self._consumers[consumer.consumer_id] = consumer
             try:
-                consumer.info = dict(await self._call(req_id))
+                consumer.subscribed(await self._call(req_id))
                 return consumer
             except LinkRequestError as exc:
                 self._consumers.pop(consumer.consumer_id, None)

@@ -282,7 +282,7 @@ class LinkConnection:
         self._next_tx_id = 1
         self.consumer_credit: dict[int, int] = {}
         self.consumer_bytes: dict[int, int] = {}  # byte credit of the consumers subscribed with ``credit_bytes``
-        self._released_consumers: set[int] = set()
+        self._released_consumers: set[int] | None = None  # made by the first release (an empty set: 216 bytes)
         #: (channel id, bytes) of the CHANNEL operations received, in order, for the shell to drain after each
         #: ``receive_data``: the streams of sessions multiplexed over this link (empty bytes: the channel closed).
         self.channel_data: list[tuple[int, bytes]] = []
@@ -421,7 +421,7 @@ class LinkConnection:
         consumer_id = op[1]
         credit = self.consumer_credit.get(consumer_id)
         if credit is None:
-            if consumer_id not in self._released_consumers:
+            if self._released_consumers is None or consumer_id not in self._released_consumers:
                 self._fail(ErrorCode.UNEXPECTED, f"delivery to unknown consumer {consumer_id}")
         elif credit <= 0:
             self._fail(ErrorCode.CREDIT, f"delivery to consumer {consumer_id} without credit")
@@ -499,7 +499,7 @@ class LinkConnection:
             case Op.CONSUMER_CLOSED:
                 self.consumer_credit.pop(op[1], None)
                 self.consumer_bytes.pop(op[1], None)
-                self._released_consumers.add(op[1])
+                self._released(op[1])
                 return ev.ConsumerClosed(op[1], op[2], op[3])
             case Op.BROWSE_DONE:
                 return ev.BrowseDone(op[1])
@@ -898,8 +898,14 @@ class LinkConnection:
         # Deliveries already on their way stay legal; the server requeues what we do not ack.
         self.consumer_bytes.pop(consumer_id, None)
         if self.consumer_credit.pop(consumer_id, None) is not None:
-            self._released_consumers.add(consumer_id)
+            self._released(consumer_id)
         return self._request(Op.UNSUBSCRIBE, consumer_id)
+
+    def _released(self, consumer_id: int) -> None:
+        """A consumer gone: deliveries to it that were already on their way stay legal."""
+        if self._released_consumers is None:
+            self._released_consumers = set()
+        self._released_consumers.add(consumer_id)
 
     def new_tx_id(self) -> int:
         self._next_tx_id += 1
