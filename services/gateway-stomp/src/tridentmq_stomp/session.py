@@ -16,10 +16,8 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import re
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tridentmq_shared.core_links import CoreLinks
@@ -30,20 +28,19 @@ from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import M_ID, RoutingType
 from tridentmq_shared.runtime import random_hex
 from tridentmq_shared.session_driver import HANDLING_BUGS, SessionDriver
-from tridentmq_stomp import convert
+from tridentmq_stomp import convert, subscribing
+from tridentmq_stomp.acks import AUTO, Unacked, locate
 from tridentmq_stomp.convert import TEMP_QUEUE_PREFIX
 from tridentmq_stomp.protocol import events as ev
 from tridentmq_stomp.protocol.connection import State, StompServerConnection
 from tridentmq_stomp.protocol.errors import LocalProtocolError, RemoteProtocolError
 from tridentmq_stomp.protocol.frames import Limits
+from tridentmq_stomp.receipts import Receipts, refusal
 from tridentmq_stomp.settings import StompSettings
 
 log = logging.getLogger("tridentmq.stomp")
 
 SERVER_NAME = "TridentMQ/0.1"
-# Numbers in headers: str.isdigit() also accepts digits that int() cannot read.
-_DECIMAL = re.compile(r"-?[0-9]{1,9}")
-_DIGITS = re.compile(r"[0-9]{1,20}")
 #: ERROR ``message`` headers for the core's refusals of a request.
 _ERROR_NAMES = {
     ErrorCode.FORBIDDEN: "permission denied",
@@ -68,17 +65,12 @@ class Counters:
 @dataclass(eq=False)
 class Subscription:
     id: str
-    key: int  # a number of ours: ack ids are "<key>-<message id>"
     destination: str
     queue: str
-    ack: str
+    acks: Unacked  # its frames waiting for the client's ACK or NACK (client ack modes)
     consumer: Consumer
     temporary: bool
     shown_destination: str | None = None  # MESSAGE's destination when the address would not say it (temp queues)
-    # Message id -> MESSAGE frames of it not yet acknowledged, in delivery order (client modes). Two when a
-    # failover's redelivery came before the client acknowledged the frame of the lost link: the ack header
-    # (subscription key and message id) is the same in both, and each frame's ACK must be accepted.
-    unacked: dict[int, int] = field(default_factory=dict)
     stopped: bool = False
     drain: asyncio.Task[None] | None = None  # waits for the client to read what was written, while it does not
 
@@ -105,7 +97,7 @@ class StompSession:
         self.temporary_queues: set[str] = set()  # addresses of this connection's /temp-queue/ destinations
         self.transactions: dict[str, int] = {}
         self._keys = itertools.count(1)
-        self._receipts: deque[tuple[asyncio.Future[None] | None, str | None]] = deque()
+        self.receipts: Receipts[asyncio.Future[None]] = Receipts()
         self._loop = asyncio.get_running_loop()
         self._driver = SessionDriver(
             self, wire, "stomp", max_events=limits.pending_frames, max_bytes=limits.pending_bytes
@@ -272,7 +264,7 @@ class StompSession:
 
     def _published(self, future: asyncio.Future[None], receipt: str | None) -> None:
         self.counters.messages_published += 1
-        self._receipts.append((future, receipt))  # answered by _settled once the core confirms or refuses
+        self.receipts.after(future, receipt)  # answered by _settled once the core confirms or refuses
 
     def _settled(self) -> None:
         """The link read confirms or refusals of SENDs: send what is now answerable, in order."""
@@ -286,34 +278,31 @@ class StompSession:
         headers = event.headers
         address, routing = await self._resolve(event.destination, headers.get("destination-type"))
         limits = self.settings.stomp
-        asked = headers.get("consumer-window-size") or headers.get("activemq.prefetchSize")
-        window = int(asked) if asked is not None and _DECIMAL.fullmatch(asked) else limits.prefetch
-        window = min(max(window, 1), limits.max_prefetch) if window > 0 else limits.max_prefetch
-        selector = headers.get("selector")
-        durable_name = headers.get("durable-subscription-name") or headers.get("activemq.subscriptionName")
+        plan = subscribing.plan(
+            address,
+            routing,
+            headers,
+            client_id=self.client_id,
+            temporary_queue=f"stomp.{self.id}.{next(self._keys)}",
+            prefetch=limits.prefetch,
+            max_prefetch=limits.max_prefetch,
+        )
+        if isinstance(plan, subscribing.Refused):
+            self._error(plan.message, plan.detail, event.receipt)
+            return
         link = self._link()
-        queue, temporary = address, False
-        if routing == RoutingType.MULTICAST:
-            if durable_name is not None:
-                if not self.client_id:
-                    self._error("missing header", "a durable subscription needs client-id on CONNECT", event.receipt)
-                    return
-                queue = f"{self.client_id}.{durable_name}"
-                await _create(link, queue, address, durable=True, selector=selector)
-            else:
-                queue, temporary = f"stomp.{self.id}.{next(self._keys)}", True
-                await _create(link, queue, address, durable=False, selector=selector)
+        if plan.make is not None:
+            await _create(link, plan.make)
         consumer = await link.subscribe(
-            queue,
-            credit=window,
-            selector=None if durable_name or temporary else selector,
-            credit_on_settle=event.ack != "auto",
+            plan.queue,
+            credit=plan.window,
+            selector=plan.consumer_selector,
+            credit_on_settle=event.ack != AUTO,
             credit_bytes=self.settings.core.consumer_window_bytes,
         )
         shown = event.destination if event.destination.startswith(convert.TEMP_QUEUE_PREFIX) else None
-        subscription = Subscription(
-            event.id, next(self._keys), event.destination, queue, event.ack, consumer, temporary, shown
-        )
+        acks = Unacked(event.id, next(self._keys), event.ack)
+        subscription = Subscription(event.id, event.destination, plan.queue, acks, consumer, plan.temporary, shown)
         self.subscriptions[event.id] = subscription
         consumer.on_wake = lambda: self._pump(subscription)
         # What came with the subscribe's answer goes out a turn later, after the SUBSCRIBE's RECEIPT.
@@ -330,8 +319,7 @@ class StompSession:
             return
         del self.subscriptions[subscription.id]
         await self._stop(subscription)
-        durable_name = event.headers.get("durable-subscription-name") or event.headers.get("activemq.subscriptionName")
-        if subscription.temporary or durable_name is not None:  # ending a durable subscription for good
+        if subscription.temporary or subscribing.durable_name(event.headers) is not None:  # a durable one for good
             await self._link().delete_queue(subscription.queue)
 
     async def _stop(self, subscription: Subscription) -> None:
@@ -340,47 +328,20 @@ class StompSession:
             await subscription.consumer.close()
 
     def _ack(self, event: ev.Ack) -> None:
-        found = self._find_delivery(event)
+        found = locate((s.acks for s in self.subscriptions.values()), event.id, event.subscription)
         if found is None:
             self._error("unknown ack id", f"{event.id[:60]!r} names no unacknowledged message", event.receipt)
             return
         tx_id = self._tx(event.transaction, event.receipt) if event.transaction is not None else 0
         if tx_id < 0:
             return
-        subscription, message_id = found
-        if subscription.ack == "client":  # cumulative: everything delivered up to this one
-            ids = []
-            for pending in list(subscription.unacked):
-                ids.append(pending)
-                del subscription.unacked[pending]
-                if pending == message_id:
-                    break
-        else:
-            frames = subscription.unacked.pop(message_id)
-            if frames > 1:
-                subscription.unacked[message_id] = frames - 1
-            ids = [message_id]  # for either frame: the core settles the copy it has out, if any
+        acks, message_id = found
+        ids = acks.settle(message_id)
+        consumer = self.subscriptions[acks.subscription_id].consumer
         if event.nack:
-            subscription.consumer.nack_ids(ids, NackMode.REDELIVER)  # at once, even within a transaction
+            consumer.nack_ids(ids, NackMode.REDELIVER)  # at once, even within a transaction
         else:
-            subscription.consumer.ack_ids(ids, tx_id)  # with a transaction: at its commit
-
-    def _find_delivery(self, event: ev.Ack) -> tuple[Subscription, int] | None:
-        key, dash, number = event.id.partition("-")
-        if dash and _DIGITS.fullmatch(key) and _DIGITS.fullmatch(number):  # our ack header: "<key>-<message id>"
-            for subscription in self.subscriptions.values():
-                if subscription.key == int(key) and int(number) in subscription.unacked:
-                    return subscription, int(number)
-            return None
-        if not _DIGITS.fullmatch(event.id):
-            return None
-        message_id = int(event.id)  # a message-id (STOMP 1.0 and 1.1)
-        for subscription in self.subscriptions.values():
-            if event.subscription not in (None, subscription.id):
-                continue
-            if message_id in subscription.unacked:
-                return subscription, message_id
-        return None
+            consumer.ack_ids(ids, tx_id)  # with a transaction: at its commit
 
     def _tx(self, name: str, receipt: str | None) -> int:
         tx_id = self.transactions.get(name)
@@ -408,7 +369,7 @@ class StompSession:
 
     async def _settle_receipts(self) -> None:
         """Wait for the core's answers to every SEND so far, and send their receipts (or errors)."""
-        pending = [future for future, _ in self._receipts if future is not None]
+        pending = self.receipts.outstanding()
         if pending:
             await asyncio.wait(pending)
         self._drain_receipts()
@@ -464,40 +425,30 @@ class StompSession:
         if self.conn.closed:
             return
         ids = []
+        acks = subscription.acks
         for count, message in batch:
             message_id = message[M_ID]
             ids.append(message_id)
             headers = convert.message_headers(
-                message, subscription.id, f"{subscription.key}-{message_id}", count, subscription.shown_destination
+                message, subscription.id, acks.ack_header(message_id), count, subscription.shown_destination
             )
             self.conn.message(headers, convert.body_of(message))
-        if subscription.ack == "auto":
+        if acks.delivered(ids):
             consumer.ack_ids(ids)
-        else:
-            unacked = subscription.unacked
-            for message_id in ids:
-                unacked[message_id] = unacked.get(message_id, 0) + 1
         self.counters.messages_delivered += len(batch)
         self._flush()
 
     # ------------------------------------------------------------------ output
     def _receipt_now(self, receipt: str | None) -> None:
-        if receipt is not None:
-            self._receipts.append((None, receipt))
+        self.receipts.done(receipt)
 
     def _drain_receipts(self) -> None:
         """Answer finished frames in order: a RECEIPT, or an ERROR for a refused SEND."""
-        receipts = self._receipts
-        while receipts and (receipts[0][0] is None or receipts[0][0].done()):
-            future, receipt = receipts.popleft()
+        for receipt, error in self.receipts.answerable():
             if self.conn.closed:
                 continue
-            error = future.exception() if future is not None else None
-            if isinstance(error, LinkRequestError):
-                name = "permission denied" if error.code == ErrorCode.FORBIDDEN else "send refused"
-                self._error(name, error.text, receipt)
-            elif error is not None:
-                self._error("send refused", str(error), receipt)
+            if error is not None:
+                self._error(*refusal(error), receipt)
             elif receipt is not None:
                 self.conn.receipt(receipt)
 
@@ -558,25 +509,25 @@ class StompSession:
         if self.link is not None:
             self.link.on_closed = self.link.on_settled = None
             await self.link.close()  # the core returns unacked messages and drops temporary queues
-        for future, _ in self._receipts:  # answers nobody will read: retrieved, so asyncio does not warn
-            if future is not None and future.done() and not future.cancelled():
-                future.exception()
-        self._receipts.clear()
+        self.receipts.drop()
         self.wire.close()
 
 
-async def _create(link: LinkClient, queue: str, address: str, *, durable: bool, selector: str | None) -> None:
+async def _create(link: LinkClient, queue: subscribing.QueueToMake) -> None:
     """Create a subscription queue on a multicast address. A durable one that exists already is kept, unless
     its topic or selector changed: then, as in JMS, it is a new subscription and the old one's messages go."""
+    durable, selector = queue.durable, queue.selector
     options: dict[str, Any] = {} if durable else {"temporary": True}  # the core drops it with this link
     if selector:
         options["filter"] = selector
     try:
-        found = await link.create_queue(queue, address, routing_type=RoutingType.MULTICAST, durable=durable, **options)
+        found = await link.create_queue(
+            queue.name, queue.address, routing_type=RoutingType.MULTICAST, durable=durable, **options
+        )
     except LinkRequestError as exc:
         if not durable or exc.code != ErrorCode.EXISTS:
             raise
         found = {"created": False, "filter": "-"}  # on another topic
     if durable and not found.get("created") and (found.get("filter") or None) != (selector or None):
-        await link.delete_queue(queue)
-        await link.create_queue(queue, address, routing_type=RoutingType.MULTICAST, durable=True, **options)
+        await link.delete_queue(queue.name)
+        await link.create_queue(queue.name, queue.address, routing_type=RoutingType.MULTICAST, durable=True, **options)
