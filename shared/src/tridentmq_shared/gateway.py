@@ -27,7 +27,7 @@ from tridentmq_shared.http_hosts import HostCheck, host_check_middleware
 from tridentmq_shared.http_limits import http_runner, serve
 from tridentmq_shared.light_event import LightEvent
 from tridentmq_shared.logs import setup_logging
-from tridentmq_shared.runtime import run_main, set_nodelay
+from tridentmq_shared.runtime import LISTEN_BACKLOG, run_main, set_nodelay
 from tridentmq_shared.settings import SettingsError, load_settings
 from tridentmq_shared.supervision import EXIT_TASK_FAILED, Supervisor, current, install
 from tridentmq_shared.tls import ServerTls, TlsSection, peer_common_name
@@ -354,11 +354,13 @@ class GatewayShell:
             )
         await self._wait_for_core()
         if config.port >= 0:
-            server = await loop.create_server(lambda: _TcpWire(self), config.host, config.port)
+            server = await loop.create_server(lambda: _TcpWire(self), config.host, config.port, backlog=LISTEN_BACKLOG)
             self._servers.append(server)
             self.ports[config.protocol] = server.sockets[0].getsockname()[1]
         if tls is not None and config.tls_port >= 0:
-            server = await loop.create_server(lambda: _TcpWire(self), config.host, config.tls_port, ssl=tls)
+            server = await loop.create_server(
+                lambda: _TcpWire(self), config.host, config.tls_port, ssl=tls, backlog=LISTEN_BACKLOG
+            )
             self._servers.append(server)
             self.ports[f"{config.protocol}_tls"] = server.sockets[0].getsockname()[1]
         if config.websocket_port >= 0 or (tls is not None and config.websocket_tls_port >= 0):

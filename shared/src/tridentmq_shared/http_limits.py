@@ -16,6 +16,8 @@ from typing import Final, cast
 
 from aiohttp import web
 
+from tridentmq_shared.runtime import LISTEN_BACKLOG
+
 log = logging.getLogger("tridentmq.http")
 
 #: The answer of a connection over the cap, written before it is closed.
@@ -81,7 +83,7 @@ class CappedSite(web.SockSite):
         listener: str,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
-        super().__init__(runner, sock, ssl_context=ssl_context)
+        super().__init__(runner, sock, ssl_context=ssl_context, backlog=LISTEN_BACKLOG)
         self.max_connections = max_connections
         self.listener = listener  # names the listener in the log line
         self.open = 0  # connections now

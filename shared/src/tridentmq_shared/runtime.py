@@ -9,7 +9,7 @@ import resource
 import socket
 import time
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 T = TypeVar("T")
 
@@ -17,6 +17,10 @@ T = TypeVar("T")
 #: Young-generation threshold of the cyclic GC. Messages are acyclic lists that arrive by the hundred
 #: thousand; at CPython's default (700) the collector rescans them thousands of times a second.
 GC_THRESHOLD = 100_000
+#: Connections a listener keeps waiting to be accepted. At asyncio's default of 100 a burst of connects (a
+#: reconnect storm, a fleet of devices starting) overflows the queue: the kernel drops the rest, and each
+#: dropped client tries again only 1, 3, 7 ... seconds later. The kernel caps it at ``net.core.somaxconn``.
+LISTEN_BACKLOG: Final = 4096
 
 
 def wall_ms() -> int:

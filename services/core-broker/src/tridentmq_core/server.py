@@ -68,7 +68,7 @@ from tridentmq_shared.link.codec import (
 from tridentmq_shared.link.errors import LinkError
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.message import MAX_PROPERTIES
-from tridentmq_shared.runtime import random_hex, set_nodelay, wall_ms
+from tridentmq_shared.runtime import LISTEN_BACKLOG, random_hex, set_nodelay, wall_ms
 from tridentmq_shared.settings import SettingsError
 from tridentmq_shared.supervision import Supervisor, current
 from tridentmq_shared.tls import ServerTls
@@ -650,7 +650,9 @@ class CoreNode:
         loop = self._loop = asyncio.get_running_loop()
         link = self.settings.link
         link_tls = self.tls.context if self.tls is not None and link.tls else None
-        self._server = await loop.create_server(lambda: LinkProtocol(self), link.host, link.port, ssl=link_tls)
+        self._server = await loop.create_server(
+            lambda: LinkProtocol(self), link.host, link.port, ssl=link_tls, backlog=LISTEN_BACKLOG
+        )
         self.status.link_port = self._server.sockets[0].getsockname()[1]
         if self.settings.management.enabled:
             management = self.settings.management
