@@ -1575,7 +1575,7 @@ def test_delete_queue_permissions() -> None:
     ok(dn.delete_queue("plain"))
     ok(owner.delete_queue("reply.owner"))  # its own temporary queue: no grant needed
     assert set(h.broker.queues) == {"reply.other"}
-    assert owner.session.temporary_queues == {"reply.other"}
+    assert list(owner.session.temporary_queues) == ["reply.other"]
 
 
 def test_delete_address_needs_delete_address_permission() -> None:

@@ -20,7 +20,7 @@ from tridentmq_core.checks import (
 )
 from tridentmq_core.deadlines import Deadlines
 from tridentmq_core.queues import DeliverySink, LinkSession, MemoryGauge, PagerFactory, Queue
-from tridentmq_core.routes import Address, Routes
+from tridentmq_core.routes import Address, Routes, routing_kinds
 from tridentmq_core.sessions import Session
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.base import Store
@@ -80,12 +80,12 @@ class Catalog:
         existing = self.addresses.get(name)
         if existing is not None:
             if not kinds <= existing.routing_types:
-                existing.routing_types |= kinds
+                existing.routing_types = routing_kinds(existing.routing_types | kinds)
                 self.store.add_address(name, tuple(sorted(existing.routing_types)), auto_created=existing.auto_created)
                 self.routes.address_changed(name)
             return False
         valid_address(name, wildcards=True)
-        self.addresses[name] = Address(name, set(kinds), auto_created=auto_created)
+        self.addresses[name] = Address(name, kinds, auto_created=auto_created)
         self.store.add_address(name, tuple(sorted(kinds)), auto_created=auto_created)
         self.routes.address_changed(name)
         return True
@@ -265,7 +265,7 @@ class Catalog:
         self.routes.bind(queue)
         self.bindings_version += 1
         if owner is not None:
-            owner.temporary_queues.add(name)
+            owner.temporary_queues[name] = None
         if durable:
             self.store.add_queue(queue_spec(queue))
         self.start_idle_clock(queue, now_ms)
@@ -294,7 +294,7 @@ class Catalog:
         self._to_dispatch.discard(queue)
         self._idle.cancel(queue)
         if queue.owner is not None:
-            queue.owner.temporary_queues.discard(queue.name)
+            queue.owner.temporary_queues.pop(queue.name, None)
         if queue.durable:
             self.store.delete_queue(queue.name)
         if address is not None and address.auto_created and not address.queues:

@@ -7,7 +7,7 @@ topics with devices joining do not make every route again.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Final
 
 from tridentmq_core.address_settings import AddressSettingsRepository, ResolvedAddressSettings
@@ -19,16 +19,27 @@ from tridentmq_shared.message import M_ADDRESS, M_ROUTING, ROUTING_DEFAULT, Rout
 #: Every M_ROUTING a send may carry.
 ROUTINGS: Final = (ROUTING_DEFAULT, *(int(kind) for kind in RoutingType))
 _BOTH_KINDS: Final = frozenset((RoutingType.ANYCAST, RoutingType.MULTICAST))
+#: Every combination of routing types, one set each: an address holds one of these rather than a set of its own
+#: (an empty set is 216 bytes, and a topic per device makes tens of thousands of addresses).
+_KIND_SETS: Final = {
+    kinds: kinds for kinds in (frozenset({RoutingType.ANYCAST}), frozenset({RoutingType.MULTICAST}), _BOTH_KINDS)
+}
 _MAX_CACHED: Final = 100_000  # kinds cached beyond this start again from empty
 _MAX_SPLITS: Final = 10_000
+
+
+def routing_kinds(routing_types: Iterable[RoutingType]) -> frozenset[RoutingType]:
+    """The shared set of these routing types."""
+    kinds = frozenset(routing_types)
+    return _KIND_SETS.get(kinds, kinds)
 
 
 class Address:
     __slots__ = ("auto_created", "creator", "name", "queues", "routing_types")
 
-    def __init__(self, name: str, routing_types: set[RoutingType], *, auto_created: bool) -> None:
+    def __init__(self, name: str, routing_types: Iterable[RoutingType], *, auto_created: bool) -> None:
         self.name = name
-        self.routing_types = routing_types
+        self.routing_types = routing_kinds(routing_types)
         self.auto_created = auto_created
         self.creator: str | None = None  # the user whose publish auto-created it (counted against their cap)
         self.queues: dict[str, Queue] = {}

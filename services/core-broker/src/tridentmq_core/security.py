@@ -24,6 +24,7 @@ import ipaddress
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Final
 
 from tridentmq_core.router import ANY_WORD, ANY_WORDS, DELIMITER, is_wildcard, pattern_matches
 from tridentmq_core.settings import PermissionEntry, UserEntry
@@ -44,6 +45,9 @@ class Permission(StrEnum):
 
 class AuthenticationError(Exception):
     """Credentials refused; the message is safe to show to the client."""
+
+
+_NO_ROLES: Final[frozenset[str]] = frozenset()
 
 
 @dataclass(slots=True)
@@ -219,6 +223,8 @@ class SecurityManager:
         self, users: Sequence[UserEntry], grants: Sequence[PermissionEntry], *, allow_anonymous_remote: bool = False
     ) -> None:
         self._users = {u.name: u for u in users}
+        # Each user's roles as one set: every link of the user shares it (an empty set is 216 bytes).
+        self._roles = {u.name: frozenset(u.roles) for u in users}
         self._grants = tuple(grants)
         self.allow_anonymous_remote = allow_anonymous_remote
         # An unknown user's password is checked against a hash as costly as the dearest configured one, so
@@ -241,11 +247,11 @@ class SecurityManager:
                 raise AuthenticationError(
                     "no users are configured, so only clients on the broker's own host (loopback) are accepted"
                 )
-            return Principal(user or "anonymous", frozenset(), unrestricted=True)
+            return Principal(user or "anonymous", _NO_ROLES, unrestricted=True)
         entry = self._users.get(user or "")
         if entry is None:
             return Credentials(self._no_user, None)
-        name, roles, grants = entry.name, frozenset(entry.roles), self._grants
+        name, roles, grants = entry.name, self._roles[entry.name], self._grants
         return Credentials(entry.password, lambda: Principal(name, roles, unrestricted=False, _grants=grants))
 
     def principal_of(self, user: str) -> Principal:
@@ -254,7 +260,7 @@ class SecurityManager:
         entry = self._users.get(user)
         if entry is None:
             raise AuthenticationError(f"no user {user!r} is configured")
-        return Principal(entry.name, frozenset(entry.roles), unrestricted=False, _grants=self._grants)
+        return Principal(entry.name, self._roles[entry.name], unrestricted=False, _grants=self._grants)
 
     def authenticate(
         self, user: str | None, password: str | None, peer_host: str | None, client_host: str | None = None

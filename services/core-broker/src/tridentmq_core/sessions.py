@@ -47,6 +47,7 @@ class Session:
         self.opened_ms = opened_ms
         self.consumers: dict[int, Consumer] = {}
         self.txs: dict[int, Transaction] = {}
-        self.temporary_queues: set[str] = set()
+        # The names of its temporary queues (a dict as an ordered set: 64 bytes empty, a set 216).
+        self.temporary_queues: dict[str, None] = {}
         self.send_ok: dict[str, tuple[str, str] | None] = {}  # address → why a send is refused (None: allowed)
         self.will: Will | None = None

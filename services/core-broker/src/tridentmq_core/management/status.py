@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from tridentmq_core.broker import Broker
 
@@ -32,6 +32,9 @@ class NodeStatus:
     links: Callable[[], int] = lambda: 0  # link connections (a gateway's shared link carries many sessions)
 
 
+_NONE: Final = (0, 0)
+
+
 class QueueRates:
     """Per-queue enqueue and acknowledge rates (messages/s) from successive samples of the queue counters.
 
@@ -47,15 +50,20 @@ class QueueRates:
 
     def sample(self, broker: Broker, now: float) -> None:
         """Record the counters of every queue at ``now`` (seconds, any monotonic origin)."""
-        current = {name: (q.added, q.acked) for name, q in broker.queues.items()}
+        # Most queues of a node with many clients never had a message: they share one (0, 0) and get no rate
+        # entry (tens of thousands of them would otherwise cost a tuple, a rate and two floats each).
+        current = {name: (q.added, q.acked) if q.added or q.acked else _NONE for name, q in broker.queues.items()}
         elapsed = None if self._last_time is None else now - self._last_time
         if elapsed is not None and elapsed <= 0:
             return  # same instant or a clock step back: keep the previous baseline and rates
         rates: dict[str, tuple[float, float]] = {}
         if elapsed is not None:
-            for name, (added, acked) in current.items():
+            for name, counts in current.items():
                 previous = self._last.get(name)
-                if previous is not None and added >= previous[0] and acked >= previous[1]:
+                if previous is None or previous is counts:
+                    continue
+                added, acked = counts
+                if added >= previous[0] and acked >= previous[1] and (added, acked) != previous:
                     rates[name] = ((added - previous[0]) / elapsed, (acked - previous[1]) / elapsed)
         self._rates = rates
         self._last = current
