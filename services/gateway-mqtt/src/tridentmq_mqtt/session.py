@@ -43,6 +43,7 @@ from tridentmq_mqtt.protocol.connection import MqttServerConnection
 from tridentmq_mqtt.protocol.errors import LocalProtocolError, RemoteProtocolError
 from tridentmq_mqtt.protocol.packets import V5, Subscription, Will, encode_topic
 from tridentmq_mqtt.protocol.properties import NO_PROPERTIES, Properties
+from tridentmq_mqtt.publish_answers import Pending, PublishAnswers, Refusal
 from tridentmq_mqtt.settings import MqttSettings
 from tridentmq_mqtt.state import (
     Registry,
@@ -74,12 +75,6 @@ log = logging.getLogger("tridentmq.mqtt")
 
 _NEVER = 0xFFFFFFFF  # session expiry interval meaning "does not expire"
 #: Refusals of the core as 5.0 reason codes (PUBACK, PUBREC, SUBACK).
-_REFUSALS = {
-    ErrorCode.FORBIDDEN: rc.NOT_AUTHORIZED,
-    ErrorCode.RESOURCE_LIMIT: rc.QUOTA_EXCEEDED,
-    ErrorCode.INVALID: rc.TOPIC_NAME_INVALID,
-    ErrorCode.NOT_FOUND: rc.TOPIC_NAME_INVALID,
-}
 _CACHE_LIMIT = 4096  # topics remembered per connection in each direction
 
 
@@ -140,28 +135,14 @@ class _Outgoing:
     retained: bool = False
 
 
-class _Confirm:
-    """The core's answer to a client's PUBLISH, awaited in order (packet id 0: QoS 0). A plain class: one is
-    made per message, and a dataclass's __init__ costs more."""
-
-    __slots__ = ("future", "packet_id", "qos", "retained", "topic")
-
-    def __init__(self, future: asyncio.Future[None], packet_id: int, qos: int, topic: str) -> None:
-        self.future = future
-        self.packet_id = packet_id
-        self.qos = qos
-        self.topic = topic
-        self.retained: asyncio.Future[None] | None = None  # a retained message's update of the store
-
-
 class MqttSession:
     # Slots: tens of thousands of these live at once, one or more per client connection.
     __slots__ = (
         "_acks",
         "_addresses",
+        "_answers",
         "_background",
         "_completed_out",
-        "_confirms",
         "_connected",
         "_disconnecting",
         "_driver",
@@ -226,7 +207,7 @@ class MqttSession:
         self._holder: Consumer | None = None
         self._will_key = ""
         # Lists, not deques: an empty deque is 600 bytes, and each is taken whole (a batch) or cut once.
-        self._confirms: list[_Confirm] = []
+        self._answers: PublishAnswers[asyncio.Future[None]] = PublishAnswers()  # of the client's PUBLISH packets
         self._inflight: dict[int, _Outgoing] = {}  # packet id → what the client is to acknowledge
         self._parked: list[_Outgoing] = []  # waiting for the client's receive maximum or a packet id
         # Message ids of QoS 2 flows completed after a resume (made when one is: an empty set is 216 bytes).
@@ -341,7 +322,7 @@ class MqttSession:
             if confirmed is None:
                 return False  # ``_publish`` waits for the link (and makes the message again)
             self.counters.messages_published += 1
-            self._confirms.append(_Confirm(confirmed, event.packet_id or 0, event.qos, event.topic))
+            self._answers.waits(Pending(confirmed, event.packet_id or 0, event.qos, event.topic))
             return True
         if kind is ev.PubackReceived:
             assert isinstance(event, ev.PubackReceived)
@@ -677,12 +658,12 @@ class MqttSession:
                 await self.registry.save(self.client_id, self.state)
             message[M_DEDUP] = dedup
         self.counters.messages_published += 1
-        confirm = _Confirm(await link.send(message), packet_id, event.qos, event.topic)
+        confirm = Pending(await link.send(message), packet_id, event.qos, event.topic)
         if event.retain:
             retained = self.registry.retain(event.topic, message)
             retained.add_done_callback(self._retained_settled)  # confirmed on the gateway's link, not ours
             confirm.retained = retained
-        self._confirms.append(confirm)
+        self._answers.waits(confirm)
 
     def _retained_settled(self, future: asyncio.Future[None]) -> None:
         _retrieve(future)  # its outcome is read by _answer_confirmed, unless the session ended first
@@ -694,51 +675,34 @@ class MqttSession:
 
     def _answer_confirmed(self) -> None:
         """PUBACK or PUBREC, in order, for the messages the core has answered."""
-        confirms = self._confirms
         conn = self.conn
-        answered = 0
-        for confirm in confirms:
-            future, retained = confirm.future, confirm.retained
-            if not future.done() or (retained is not None and not retained.done()):
-                break
-            answered += 1
-            error = future.exception()
-            if error is None and retained is not None:
-                error = retained.exception()
+        for answer in self._answers.answerable(v5=self.version == V5):
             if conn.closed:
                 continue
-            if error is None:
-                if confirm.qos == 1:
-                    conn.puback(confirm.packet_id)
-                elif confirm.qos == 2:
-                    conn.pubrec(confirm.packet_id)
-                continue
-            self._refused(confirm, error)
-        if answered:
-            del confirms[:answered]
+            if type(answer) is Refusal:
+                self._refused(answer)
+            elif answer.qos == 1:
+                conn.puback(answer.packet_id)
+            elif answer.qos == 2:
+                conn.pubrec(answer.packet_id)
 
-    def _refused(self, confirm: _Confirm, error: BaseException) -> None:
-        code = (
-            _REFUSALS.get(error.code, rc.UNSPECIFIED_ERROR)
-            if isinstance(error, LinkRequestError)
-            else rc.UNSPECIFIED_ERROR
-        )
-        text = error.text if isinstance(error, LinkRequestError) else str(error)
+    def _refused(self, refusal: Refusal) -> None:
         log.info(
-            "mqtt publish refused", extra={"peer": self.wire.peer, "topic": confirm.topic[:100], "reason": text[:200]}
+            "mqtt publish refused",
+            extra={"peer": self.wire.peer, "topic": refusal.topic[:100], "reason": refusal.text[:200]},
         )
-        if self.version != V5 and confirm.qos:
-            self._end(rc.UNSPECIFIED_ERROR)  # 3.1.1 has no way to say no but closing ([MQTT-3.3.5-2])
+        if refusal.close:
+            self._end(rc.UNSPECIFIED_ERROR)
             return
-        props = Properties(reason_string=text[:200])
-        if confirm.qos == 1:
-            self.conn.puback(confirm.packet_id, code, props)
-        elif confirm.qos == 2:
-            self.state.released_in.pop(confirm.packet_id, None)
-            self.conn.pubrec(confirm.packet_id, code, props)
+        props = Properties(reason_string=refusal.text[:200])
+        if refusal.qos == 1:
+            self.conn.puback(refusal.packet_id, refusal.reason_code, props)
+        elif refusal.qos == 2:
+            self.state.released_in.pop(refusal.packet_id, None)
+            self.conn.pubrec(refusal.packet_id, refusal.reason_code, props)
 
     async def _settle_confirms(self) -> None:
-        pending = [f for c in self._confirms for f in (c.future, c.retained) if f is not None]
+        pending = self._answers.outstanding()
         if pending:
             await asyncio.wait(pending)
         self._answer_confirmed()
@@ -1416,11 +1380,7 @@ class MqttSession:
                 await self._holder.close()  # the session's expiry starts now
         if self._lock is not None:
             await self.registry.release(self.client_id, self._lock)
-        for confirm in self._confirms:  # answers nobody will read: retrieved, so asyncio does not warn
-            for future in (confirm.future, confirm.retained):
-                if future is not None and future.done() and not future.cancelled():
-                    future.exception()
-        self._confirms.clear()
+        self._answers.drop()
         self.wire.close()
 
 
