@@ -362,6 +362,23 @@ def test_a_queue_of_a_node_scaling_down_counts_as_elsewhere_until_that_node_is_g
     assert elsewhere() is None
 
 
+def test_a_passive_look_names_the_nodes_that_hold_a_queue_not_here() -> None:
+    """An MQTT gateway looks before making a clean session's record queue: none here and none elsewhere, and
+    nothing is made (nor deleted again); held by another node, it fetches the record."""
+    h, bindings, _ = clustered()
+    record = "$mqtt.session.client-8"
+    bindings.replace("node-2", [binding(record, record, ANYCAST, consumers=0)])
+    c = h.connect()
+    answer = c.create_queue(record, record, ANYCAST, durable=True, passive=True)
+    assert isinstance(answer, ev.Reply), answer
+    assert answer.result["exists"] is False
+    assert answer.result["elsewhere"] == ["node-2"]
+    nowhere = c.create_queue("$mqtt.session.client-9", "$mqtt.session.client-9", ANYCAST, passive=True)
+    assert isinstance(nowhere, ev.Reply), nowhere
+    assert "elsewhere" not in nowhere.result
+    assert record not in h.broker.queues
+
+
 def test_redistribution_targets_are_every_reachable_node_with_consumers_for_the_queue() -> None:
     h = Harness()
     ok(h.connect().create_queue("paint", "paint", ANYCAST))

@@ -246,6 +246,7 @@ def test_a_passive_create_only_looks(h: Harness, c: Client) -> None:
         "created": False,
         "exists": False,
         "queue": "session.p",
+        "address": "session.p",  # so that a cluster says which nodes hold it (``elsewhere``)
     }
     assert "session.p" not in h.broker.queues  # nothing was made
     ok(c.create_queue("session.p", expires_ms=60_000))

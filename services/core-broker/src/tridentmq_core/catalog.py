@@ -173,7 +173,7 @@ class Catalog:
         existing = self.queues.get(name)
         if spec.get("passive") is True:  # only look: nothing is created or changed
             if existing is None:
-                return {"created": False, "exists": False, "queue": name}
+                return {"created": False, "exists": False, "queue": name, "address": address}  # and elsewhere?
             expires_ms = None
         if existing is not None:
             if existing.address != address or existing.routing_type is not routing:

@@ -508,6 +508,13 @@ class MqttSession:
         # With sessions bound to users, a clean start also waits for a record kept by another node of the
         # cluster: its owner must be known before the session is discarded.
         bound = self.settings.mqtt.bind_sessions_to_users
+        if clean_start and not self.persistent:
+            # A session that ends with this connection, and no node keeps an earlier one: nothing to make or end
+            # (a durable session queue made and deleted again cost every such connect two requests and two
+            # journal records).
+            found = await registry.look_up_session(client_id)
+            if not (found.here or found.elsewhere):
+                return None
         previous = await registry.open_session(client_id, resume=not clean_start or bound)
         if previous is not None and bound:
             try:

@@ -113,6 +113,13 @@ class SessionUnreachableError(Exception):
     cut off, or failing over): starting afresh would drop the messages its subscriptions hold."""
 
 
+@dataclass(frozen=True, slots=True)
+class FoundSession:
+    here: bool  # its session queue is on this node
+    elsewhere: bool  # other nodes of the cluster hold a queue of that name
+    state: SessionState | None  # the record in the queue here
+
+
 class SessionOwnedError(Exception):
     """The session belongs to another user (``mqtt.bind_sessions_to_users``)."""
 
@@ -255,14 +262,20 @@ class Registry:
     async def session_owner(self, client_id: str) -> str | None:
         """The user who created ``client_id``'s persistent session on this node, looked up without creating
         or changing anything; None when there is no such session here (or its record names nobody)."""
+        found = await self.look_up_session(client_id)
+        return found.state.user if found.state is not None else None
+
+    async def look_up_session(self, client_id: str) -> FoundSession:
+        """``client_id``'s session on this node and on others, looked up without creating or changing anything."""
         link = await self.link()
         found = await link.create_queue(
             convert.session_queue(client_id), routing_type=RoutingType.ANYCAST, durable=True, passive=True
         )
+        elsewhere = bool(found.get("elsewhere"))
         if found.get("exists") is False:
-            return None
+            return FoundSession(here=False, elsewhere=elsewhere, state=None)
         state = await self._read_session(link, client_id, or_empty=False)
-        return state.user if state is not None else None
+        return FoundSession(here=True, elsewhere=elsewhere, state=state)
 
     async def open_session(self, client_id: str, *, resume: bool = True) -> SessionState | None:
         """Create or find the session queue of a persistent session; the record of an earlier session, if any.
