@@ -17,6 +17,7 @@ from pathlib import Path
 import msgpack
 import pytest
 from tests.conftest import CoreProcess, start_core
+from tests.integration.cluster_nodes import wait_until_async
 
 from tridentmq_shared.link.client import LinkClient
 from tridentmq_shared.link.errors import LinkRequestError
@@ -149,6 +150,11 @@ async def test_hostile_handshakes_leave_memory_bounded_and_the_core_serving(tmp_
                 await _round_trip(producer, consumer_link, "live", 50)
                 rounds += 1
             await asyncio.to_thread(lambda: [t.join() for t in threads])
+            # The silent connections came last: a loaded core may still have some waiting in its accept queue
+            # once the attacks are over. Those beyond the limit must be refused when it gets to them.
+            await wait_until_async(
+                lambda: len(silent_closed) >= PER_KIND - MAX_HANDSHAKING, 30, "the connections beyond the limit refused"
+            )
             stop_silent.set()
             await asyncio.to_thread(lambda: [t.join() for t in silent])
             peak = sampler.stop()
@@ -156,7 +162,6 @@ async def test_hostile_handshakes_leave_memory_bounded_and_the_core_serving(tmp_
             mib = 2**20
             assert peak <= bound, f"RSS {peak / mib:.0f} MiB above {bound / mib:.0f} (baseline {baseline / mib:.0f})"
             assert len(closed) == len(attacks)  # the core closed every hostile connection
-            assert len(silent_closed) >= PER_KIND - MAX_HANDSHAKING  # those beyond the limit were refused
             await _round_trip(producer, consumer_link, "live", 50)
     finally:
         assert node.stop() == 0
