@@ -4,6 +4,7 @@ message the retained store) has the message, and how each version says no."""
 from __future__ import annotations
 
 import pytest
+from tests.unit.outcomes import FakeOutcome
 
 from tridentmq_mqtt.protocol import reason_codes as rc
 from tridentmq_mqtt.publish_answers import Pending, PublishAnswers, Refusal
@@ -11,40 +12,12 @@ from tridentmq_shared.link.errors import LinkClosedError, LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode
 
 
-class Outcome:
-    """Stands for the core's confirm future."""
-
-    def __init__(self) -> None:
-        self.finished = False
-        self.error: BaseException | None = None
-        self.read = False
-
-    def done(self) -> bool:
-        return self.finished
-
-    def cancelled(self) -> bool:
-        return False
-
-    def exception(self) -> BaseException | None:
-        assert self.finished
-        self.read = True
-        return self.error
-
-    def confirm(self) -> Outcome:
-        self.finished = True
-        return self
-
-    def refuse(self, error: BaseException) -> Outcome:
-        self.finished, self.error = True, error
-        return self
-
-
-def pending(packet_id: int, qos: int, outcome: Outcome | None = None, topic: str = "t") -> Pending[Outcome]:
-    return Pending(outcome or Outcome(), packet_id, qos, topic)
+def pending(packet_id: int, qos: int, outcome: FakeOutcome | None = None, topic: str = "t") -> Pending[FakeOutcome]:
+    return Pending(outcome or FakeOutcome(), packet_id, qos, topic)
 
 
 def test_answers_go_out_in_the_order_of_the_packets() -> None:
-    answers: PublishAnswers[Outcome] = PublishAnswers()
+    answers: PublishAnswers[FakeOutcome] = PublishAnswers()
     first, second, third = pending(1, 1), pending(0, 0), pending(2, 2)
     for p in (first, second, third):
         answers.waits(p)
@@ -60,9 +33,9 @@ def test_answers_go_out_in_the_order_of_the_packets() -> None:
 
 
 def test_a_retained_message_is_answered_once_the_retained_store_has_it_too() -> None:
-    answers: PublishAnswers[Outcome] = PublishAnswers()
-    retained = pending(7, 1, Outcome().confirm())
-    retained.retained = Outcome()
+    answers: PublishAnswers[FakeOutcome] = PublishAnswers()
+    retained = pending(7, 1, FakeOutcome().confirm())
+    retained.retained = FakeOutcome()
     answers.waits(retained)
     assert answers.answerable(v5=True) == []
     assert answers.outstanding() == [retained.retained]
@@ -81,16 +54,16 @@ def test_a_retained_message_is_answered_once_the_retained_store_has_it_too() -> 
     ],
 )
 def test_a_refusal_says_why_in_its_reason_code(code: str, reason_code: int) -> None:
-    answers: PublishAnswers[Outcome] = PublishAnswers()
-    answers.waits(pending(3, 2, Outcome().refuse(LinkRequestError(code, "no")), topic="a/b"))
+    answers: PublishAnswers[FakeOutcome] = PublishAnswers()
+    answers.waits(pending(3, 2, FakeOutcome().refuse(LinkRequestError(code, "no")), topic="a/b"))
     assert answers.answerable(v5=True) == [Refusal(3, 2, "a/b", reason_code, "no", close=False)]
 
 
 def test_mqtt_3_1_1_can_only_refuse_a_qos_1_or_2_message_by_closing() -> None:
-    answers: PublishAnswers[Outcome] = PublishAnswers()
+    answers: PublishAnswers[FakeOutcome] = PublishAnswers()
     lost = LinkClosedError(ErrorCode.EOF, "connection lost")
-    answers.waits(pending(0, 0, Outcome().refuse(ValueError("odd"))))
-    answers.waits(pending(4, 1, Outcome().refuse(lost)))
+    answers.waits(pending(0, 0, FakeOutcome().refuse(ValueError("odd"))))
+    answers.waits(pending(4, 1, FakeOutcome().refuse(lost)))
     assert answers.answerable(v5=False) == [
         Refusal(0, 0, "t", rc.UNSPECIFIED_ERROR, "odd", close=False),  # QoS 0: logged only
         Refusal(4, 1, "t", rc.UNSPECIFIED_ERROR, "connection lost", close=True),
@@ -98,9 +71,9 @@ def test_mqtt_3_1_1_can_only_refuse_a_qos_1_or_2_message_by_closing() -> None:
 
 
 def test_answers_nobody_will_read_are_retrieved_when_the_connection_ends() -> None:
-    answers: PublishAnswers[Outcome] = PublishAnswers()
-    finished = pending(1, 1, Outcome().refuse(LinkRequestError(ErrorCode.INVALID, "bad")))
-    finished.retained = Outcome().confirm()
+    answers: PublishAnswers[FakeOutcome] = PublishAnswers()
+    finished = pending(1, 1, FakeOutcome().refuse(LinkRequestError(ErrorCode.INVALID, "bad")))
+    finished.retained = FakeOutcome().confirm()
     waiting = pending(2, 1)
     answers.waits(finished)
     answers.waits(waiting)

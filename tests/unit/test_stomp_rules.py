@@ -4,6 +4,7 @@ of receipts, and what a SUBSCRIBE asks of the core."""
 from __future__ import annotations
 
 import pytest
+from tests.unit.outcomes import FakeOutcome
 
 from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode
@@ -83,40 +84,14 @@ def test_a_message_id_is_found_on_the_subscription_named_or_on_any() -> None:
 # ---------------------------------------------------------------------- receipts
 
 
-class Outcome:
-    """Stands for a SEND's confirm future."""
-
-    def __init__(self) -> None:
-        self.finished = False
-        self.error: BaseException | None = None
-        self.read = False
-
-    def done(self) -> bool:
-        return self.finished
-
-    def cancelled(self) -> bool:
-        return False
-
-    def exception(self) -> BaseException | None:
-        assert self.finished
-        self.read = True
-        return self.error
-
-    def confirm(self) -> None:
-        self.finished = True
-
-    def refuse(self, error: BaseException) -> None:
-        self.finished, self.error = True, error
-
-
 def test_receipts_go_out_in_the_order_of_their_frames() -> None:
-    receipts: Receipts[Outcome] = Receipts()
-    first, second = Outcome(), Outcome()
+    receipts: Receipts[FakeOutcome] = Receipts()
+    first, second = FakeOutcome(), FakeOutcome()
     receipts.after(first, "send-1")
     receipts.done("subscribe")  # handled at once, but after the SEND before it
     receipts.after(second, None)  # no receipt asked: an ERROR only if refused
     receipts.done(None)  # a frame without a receipt header answers nothing
-    receipts.after(Outcome(), "send-3")
+    receipts.after(FakeOutcome(), "send-3")
     assert receipts.answerable() == []
     assert receipts.outstanding() == [first, second, receipts.outstanding()[2]]
     second.confirm()
@@ -127,8 +102,8 @@ def test_receipts_go_out_in_the_order_of_their_frames() -> None:
 
 
 def test_a_refused_send_is_answered_with_its_refusal_in_its_place() -> None:
-    receipts: Receipts[Outcome] = Receipts()
-    refused = Outcome()
+    receipts: Receipts[FakeOutcome] = Receipts()
+    refused = FakeOutcome()
     receipts.after(refused, "r1")
     receipts.done("r2")
     error = LinkRequestError(ErrorCode.FORBIDDEN, "no right to send to orders")
@@ -138,8 +113,8 @@ def test_a_refused_send_is_answered_with_its_refusal_in_its_place() -> None:
 
 
 def test_answers_nobody_will_read_are_retrieved_when_the_connection_ends() -> None:
-    receipts: Receipts[Outcome] = Receipts()
-    finished, waiting = Outcome(), Outcome()
+    receipts: Receipts[FakeOutcome] = Receipts()
+    finished, waiting = FakeOutcome(), FakeOutcome()
     finished.refuse(LinkRequestError(ErrorCode.INVALID, "bad"))
     receipts.after(waiting, "r1")
     receipts.after(finished, "r2")

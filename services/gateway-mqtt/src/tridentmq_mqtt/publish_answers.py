@@ -9,11 +9,12 @@ reason code (MQTT 5.0). MQTT 3.1.1 has no way to refuse a QoS 1 or 2 message but
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final, Generic, Protocol, TypeVar
+from typing import Final, Generic, TypeVar
 
 from tridentmq_mqtt.protocol import reason_codes as rc
 from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode
+from tridentmq_shared.outcome import Outcome
 
 #: The reason code of a PUBACK or PUBREC for the core's refusal.
 REFUSALS: Final = {
@@ -22,16 +23,6 @@ REFUSALS: Final = {
     ErrorCode.INVALID: rc.TOPIC_NAME_INVALID,
     ErrorCode.NOT_FOUND: rc.TOPIC_NAME_INVALID,
 }
-
-
-class Outcome(Protocol):
-    """What an answer waits for: the core's confirm, the retained store's (``asyncio.Future``)."""
-
-    def done(self) -> bool: ...
-
-    def cancelled(self) -> bool: ...
-
-    def exception(self) -> BaseException | None: ...
 
 
 OutcomeT = TypeVar("OutcomeT", bound=Outcome)

@@ -7,21 +7,11 @@ disk) or refused it; the other frames once handled.
 
 from __future__ import annotations
 
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
 from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode
-
-
-class Outcome(Protocol):
-    """What a SEND's answer waits for: the core's confirm (an ``asyncio.Future``)."""
-
-    def done(self) -> bool: ...
-
-    def cancelled(self) -> bool: ...
-
-    def exception(self) -> BaseException | None: ...
-
+from tridentmq_shared.outcome import Outcome
 
 OutcomeT = TypeVar("OutcomeT", bound=Outcome)
 
