@@ -50,7 +50,7 @@ class ForwardHeader(NamedTuple):
     queues: tuple[str, ...]  # queues on that node; empty: route by address there
     hops: int  # nodes crossed so far
     dedup_id: str  # sending node id + its message id (or p: + node id + the producer's id, see above)
-    delivered: int = 0  # delivery attempts it already had (a redistributed message: at least 1, its move)
+    delivered: int = 0  # delivery attempts it already had (a message redistributed after a failed delivery)
     numbered: bool = False  # ``dedup_id`` is the sending node's id and a colon; the message's id completes it
 
     def encode(self) -> bytes:

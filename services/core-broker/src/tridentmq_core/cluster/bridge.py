@@ -284,8 +284,7 @@ class Bridge:
     def _teardown(self) -> None:
         manager = self.manager
         if self.session is not None:
-            # Unconfirmed forwards go back to their queues. The other node may have stored them already: a move's
-            # copy there counts as redelivered (``forward``), and so does the one taken back here.
+            # Unconfirmed forwards go back to their queues; the other node drops any copy it already has.
             manager.broker.close_session(self.session, wall_ms())
             self.session = None
             manager.schedule_flush()
@@ -331,11 +330,6 @@ class Bridge:
             # The queue is part of the transfer id: a topic's message is in several subscription queues under
             # one id, and each queue's copy that moves to the same node is a transfer of its own, no duplicate.
             node_part = f"{self.manager.broker.transfer_prefix}{consumer.queue.name}:"
-            # The move counts as a delivery attempt over there too, as it does here: should its confirm be lost
-            # (the link drops first), this node takes its copy back and delivers it again, flagged, while the
-            # other node delivers the one it stored, which must be flagged as well. Once: a message that keeps
-            # moving does not use up its delivery attempts.
-            delivered = max(delivered, 1)
             header = numbered_header(consumer.target.node_id, (consumer.queue.name,), 1, node_part, delivered)
             moves = self.manager.broker.forwarder.arrivals.moves(message[M_ID]) + 1
             outgoing[M_PROPS] = {**message[M_PROPS], FORWARD_PROPERTY: header, MOVES_PROPERTY: moves}
