@@ -234,7 +234,7 @@ class LinkProtocol(asyncio.Protocol):
     def _channels_received(self) -> None:
         """Bytes of the sessions multiplexed over this link: each channel is fed to its own protocol, made on
         its first bytes; empty bytes: the peer ended that session."""
-        received, self.conn.channel_data = self.conn.channel_data, []
+        received, self.conn.channel_data = self.conn.channel_data or [], None
         if self.session is None:
             return  # not open (yet, or any more): the codec accepts no CHANNEL before WELCOME anyway
         for channel_id, data in received:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 import uuid
@@ -225,7 +224,7 @@ class MqttSession:
         self._dropping = False  # fan-out messages are being skipped: the client does not keep up
         # Queues dropped after moving to a feed, a wait for the client to read (made when needed, as above).
         self._background: set[asyncio.Task[None]] | None = None
-        self._queues = itertools.count(1)
+        self._queues = 0  # this connection's own subscription queues made so far (an int: a count() is 56 bytes)
         self._disconnecting = False
         loop = asyncio.get_running_loop()
         self._loop = loop
@@ -825,7 +824,8 @@ class MqttSession:
                 )
         else:  # this connection's own: an earlier connection of the client may still be dropping its own
             # Numbered too: a queue of this filter dropped in the background must not take a new one with it.
-            queue = f"{convert.subscription_queue(self.client_id, topic_filter)}.{self.id}.{next(self._queues)}"
+            self._queues += 1
+            queue = f"{convert.subscription_queue(self.client_id, topic_filter)}.{self.id}.{self._queues}"
             await link.create_queue(queue, pattern, routing_type=RoutingType.MULTICAST, durable=False, temporary=True)
         limits = self.settings.mqtt
         window = limits.qos0_window if options.qos == 0 else min(limits.max_inflight, self.conn.client_receive_maximum)

@@ -61,7 +61,7 @@ OWNER = "owner"  # named in a lock queue's filter: the user whose connection hol
 FETCH_TIMEOUT = 5.0
 
 
-@dataclass
+@dataclass(slots=True)
 class StoredSubscription:
     qos: int
     no_local: bool = False
@@ -69,7 +69,7 @@ class StoredSubscription:
     subscription_id: int | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class SessionState:
     """The record of a persistent session."""
 

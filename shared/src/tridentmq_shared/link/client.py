@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import itertools
 import logging
 import sys
 import time
@@ -158,8 +157,9 @@ class Consumer:
         self._on: LinkConnection | None = None  # the connection it is subscribed on
         self.browse_done = False
         self.closed: LinkRequestError | None = None
-        # Raw DELIVER operations, wrapped when taken: a list (an empty deque is 600 bytes), taken whole.
-        self._buffer: list[list[Any]] = []
+        # Raw DELIVER operations, wrapped when taken: a list made by the first (an empty one is 56 bytes, and
+        # tens of thousands of consumers wait idle), taken whole.
+        self._buffer: list[list[Any]] | None = None
         self._taken = 0
         self._taken_bytes = 0
         # With credit_on_settle: message id -> body size of each message taken on this link and not yet
@@ -229,6 +229,7 @@ class Consumer:
         """The next delivery; None at the end of a browse or after ``timeout`` seconds."""
         if not self._buffer and not await self._wait(timeout):
             return None
+        assert self._buffer is not None
         _, _, count, message = self._buffer.pop(0)
         self._took(1, (message,))
         return Delivery(self, count, message)
@@ -242,10 +243,11 @@ class Consumer:
 
     def take_batch(self) -> list[tuple[int, WireMessage]]:
         """What is buffered now as (delivery count, message) pairs, without waiting (see ``on_wake``)."""
-        buffer, self._buffer = self._buffer, []
+        buffer, self._buffer = self._buffer, None
+        if not buffer:
+            return []
         batch = [(op[2], op[3]) for op in buffer]
-        if batch:
-            self._took(len(batch), (message for _, message in batch))
+        self._took(len(batch), (message for _, message in batch))
         return batch
 
     def __aiter__(self) -> AsyncIterator[Delivery]:
@@ -321,7 +323,6 @@ class LinkClient:
         "_connecting",
         "_consumers",
         "_credit_waiters",
-        "_dedup_prefix",
         "_dedup_seq",
         "_error",
         "_flush_scheduled",
@@ -400,8 +401,7 @@ class LinkClient:
         self.node_epoch = 0  # the activation epoch the node announced (HA)
         self.failovers = 0  # reconnects that succeeded
         self.producer_id = random_hex(16)
-        self._dedup_seq = itertools.count(1)
-        self._dedup_prefix = f"{LINK_DEDUP_PREFIX}{self.producer_id}:"
+        self._dedup_seq = 0  # durable publishes given a dedup id so far (an int: a count() is 56 bytes)
         # The loop, kept: asyncio.get_running_loop() makes a getpid() system call each time, a fifth of a
         # gateway's CPU when it is called per message.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -612,7 +612,7 @@ class LinkClient:
         if settled and self.on_settled is not None:
             self.on_settled()
         if conn.channel_data:
-            received, conn.channel_data = conn.channel_data, []
+            received, conn.channel_data = conn.channel_data, None
             if self.on_channels is not None:
                 self.on_channels(received)
         self._schedule_flush()
@@ -625,7 +625,10 @@ class LinkClient:
                 for op in ops:
                     consumer = consumers.get(op[1])
                     if consumer is not None:
-                        consumer._buffer.append(op)
+                        if consumer._buffer is None:
+                            consumer._buffer = [op]
+                        else:
+                            consumer._buffer.append(op)
                         woken.add(consumer)
                 for consumer in woken:
                     consumer._wake()
@@ -808,7 +811,7 @@ class LinkClient:
         old_consumers = list(self._consumers.values())
         self._consumers.clear()
         for consumer in old_consumers:
-            consumer._buffer.clear()
+            consumer._buffer = None
             consumer._unsettled.clear()
             consumer._taken = consumer._taken_bytes = 0
             options = consumer.options
@@ -1156,7 +1159,8 @@ class LinkClient:
             return refused
         if message[M_DURABLE] and message[M_DEDUP] is None and self.reconnect.attempts:
             # Only a link that reconnects sends a message twice; without, the id would cost for nothing.
-            message[M_DEDUP] = f"{self._dedup_prefix}{next(self._dedup_seq)}"
+            self._dedup_seq += 1
+            message[M_DEDUP] = f"{LINK_DEDUP_PREFIX}{self.producer_id}:{self._dedup_seq}"
         seq = conn.publish(message, tx_id)
         future: asyncio.Future[None] = self._event_loop().create_future()
         self._unconfirmed[seq] = (message, tx_id, future)

@@ -285,7 +285,8 @@ class LinkConnection:
         self._released_consumers: set[int] | None = None  # made by the first release (an empty set: 216 bytes)
         #: (channel id, bytes) of the CHANNEL operations received, in order, for the shell to drain after each
         #: ``receive_data``: the streams of sessions multiplexed over this link (empty bytes: the channel closed).
-        self.channel_data: list[tuple[int, bytes]] = []
+        #: None until one is received: the links of the sessions themselves never have any.
+        self.channel_data: list[tuple[int, bytes]] | None = None
 
     @property
     def open(self) -> bool:
@@ -455,7 +456,10 @@ class LinkConnection:
         if code == Op.CHANNEL:
             if op[1] == 0:
                 self._fail(ErrorCode.MALFORMED, "channel ids start at 1")
-            self.channel_data.append((op[1], op[2]))
+            if self.channel_data is None:
+                self.channel_data = [(op[1], op[2])]
+            else:
+                self.channel_data.append((op[1], op[2]))
             return None
         if code == Op.CLOSE:
             self.state = _CLOSED

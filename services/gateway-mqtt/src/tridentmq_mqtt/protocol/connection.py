@@ -181,7 +181,8 @@ class MqttServerConnection:
         self.problem_information = True
         self.discarded = 0  # outgoing packets dropped for exceeding the client's maximum packet size
         self._out: list[bytes] = []
-        self._held: list[Packet] = []  # automatic answers to packets read before the CONNACK
+        # Automatic answers to packets read before the CONNACK (a list only while connecting: each is 56 bytes).
+        self._held: list[Packet] | None = None
         self._input_done = False  # input after a violation or a DISCONNECT is ignored
         self._last_received = now
         self._aliases: dict[int, str] = {}
@@ -385,8 +386,8 @@ class MqttServerConnection:
         self._write(Connack(session_present and self.version != V31, 0, props))
         self.state = State.CONNECTED
         self._last_received = max(self._last_received, now)
-        held, self._held = self._held, []
-        for packet in held:
+        held, self._held = self._held, None
+        for packet in held or ():
             self._write(packet)
 
     def refuse(self, reason_code: int = UNSPECIFIED_ERROR, properties: Properties = NO_PROPERTIES) -> None:
@@ -603,6 +604,8 @@ class MqttServerConnection:
         if self.state is State.CONNECTED:
             self._write(packet)
         elif self.state is State.CONNECTING:
+            if self._held is None:
+                self._held = []
             self._held.append(packet)
 
     def _write(self, packet: Packet) -> None:
@@ -623,7 +626,7 @@ class MqttServerConnection:
     def _close(self) -> None:
         self.state = State.CLOSED
         self._input_done = True
-        self._held.clear()
+        self._held = None
 
 
 def _without_problems(packet: Packet) -> Packet:

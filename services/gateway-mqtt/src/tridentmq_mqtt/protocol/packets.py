@@ -438,6 +438,8 @@ class PacketParser:
     Bad input raises ``RemoteProtocolError``, but only once the packets before it have been returned: then
     the next call raises. The parser stays failed."""
 
+    __slots__ = ("_awaiting_connect", "_buffer", "_connect_seen", "_failure", "_needed", "_version", "max_packet_size")
+
     def __init__(self, version: int | None = None, max_packet_size: int = MAX_PACKET_SIZE) -> None:
         if version is not None and version not in VERSIONS:
             raise LocalProtocolError(f"unknown protocol version {version}")
