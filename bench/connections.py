@@ -11,7 +11,8 @@ CPU time the core and the gateway spent meanwhile, per client, says what it cost
 With every client subscribed, the script reads the resident memory (VmRSS) and open file descriptors of the core
 and the gateway, and the core's sessions and link connections; then one publisher sends one message to each
 client's topic (AMQP: through the core's link), and every client must receive its own. Memory per connection is
-(RSS with N clients - RSS before the first) / N.
+(RSS with N clients - RSS before the first) / N, read once all are subscribed and again once each had its message
+(what an idle device costs after some traffic, plus what the allocators kept of the publisher's burst).
 
 A gateway holds one descriptor per client and the clients one each, so the clients run in processes of their
 own: each process's open-file limit then counts only its share. The script starts its own core (throw-away
@@ -283,6 +284,7 @@ class Figures:
     elapsed: float
     before: dict[str, dict[str, int]]
     after: dict[str, dict[str, int]]
+    delivered: dict[str, dict[str, int]]  # once every client had its message
     cpu: dict[str, float]
     status: dict[str, Any]
 
@@ -331,6 +333,7 @@ def measure(args: argparse.Namespace) -> Figures:
             status = _status(core)
             asyncio.run(speaks.publish_all(gateway.port, core.link_port, run, args.count))
             received = sum(here.recv() for here, _ in pipes)
+            delivered = {"core": proc_usage(core.process.pid), "gateway": proc_usage(gateway.process.pid)}
             for here, process in pipes:
                 here.send("done")
                 process.join(60)
@@ -345,6 +348,7 @@ def measure(args: argparse.Namespace) -> Figures:
         elapsed=max(r[2] for r in results),
         before=before,
         after=after,
+        delivered=delivered,
         cpu=cpu,
         status=status,
     )
@@ -376,6 +380,12 @@ def main() -> None:
             f"{grown * 1024 / max(f.subscribed, 1) / 1024:.1f} KiB per connection; "
             f"fds {f.before[name]['fds']} -> {f.after[name]['fds']}; "
             f"CPU {f.cpu[name] * 1e6 / max(f.subscribed, 1):.0f} µs per connect + subscribe"
+        )
+    for name in ("gateway", "core"):
+        grown = f.delivered[name]["rss_kib"] - f.before[name]["rss_kib"]
+        print(
+            f"{name} once each client had its message: RSS {f.delivered[name]['rss_kib'] / 1024:.0f} MiB, "
+            f"{grown * 1024 / max(f.subscribed, 1) / 1024:.1f} KiB per connection"
         )
 
 

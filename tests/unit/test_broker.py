@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import random
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from tests.unit.broker_harness import (
     recorded,
 )
 
+from tridentmq_core import queues
 from tridentmq_core.address_settings import AddressSettingsRepository
 from tridentmq_core.audit import FileAuditSink
 from tridentmq_core.broker import Broker
@@ -1451,6 +1453,33 @@ def test_memory_released_when_a_queue_with_a_delayed_redelivery_is_deleted() -> 
     ok(c.delete_queue("orders"))
     h.tick(h.now_ms + 100)
     assert h.broker.memory.used == 0
+
+
+def test_a_message_that_came_and_went_leaves_its_queue_and_consumer_as_they_were(h: Harness, c: Client) -> None:
+    """An idle queue holds no deque, and an idle consumer no grown in-flight table, after its traffic: a core
+    holds one or more of each per MQTT session, and a deque alone is 600 bytes."""
+    count = 200
+    consumers = []
+    for i in range(count):
+        ok(c.create_queue(f"idle.{i}"))
+        consumers.append(c.consumer(f"idle.{i}", credit=10))
+    queues_module = [tracemalloc.Filter(inclusive=True, filename_pattern=queues.__file__)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot().filter_traces(queues_module)
+        for i in range(count):
+            c.publish(f"idle.{i}", b"x", sync=False)
+        h.sync()
+        for consumer_id in consumers:
+            got = c.take(consumer_id)
+            assert len(got) == 1
+            c.conn.ack(consumer_id, ids(got), 0)
+        h.sync()
+        after = tracemalloc.take_snapshot().filter_traces(queues_module)
+    finally:
+        tracemalloc.stop()
+    kept = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+    assert kept / count < 16, f"{kept / count:.0f} bytes kept per queue"
 
 
 # ====================================================================== permissions of the newer operations

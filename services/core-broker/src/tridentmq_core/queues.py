@@ -56,6 +56,13 @@ MESSAGE_OVERHEAD = 256
 #: A priority level that never held a message: empty to iterate, test and count, without a deque's 600 bytes
 #: (ten deques per queue were half of a core's memory per MQTT session). Its first message makes the deque.
 _UNUSED_LEVEL: Final = cast("deque[WireMessage]", ())
+# Shared empty containers, one per kind, that a queue or consumer holds until its first entry: most never get
+# one (an empty dict is 64 bytes, a list 56, and a core holds a queue and a consumer or more per MQTT session).
+# They are only ever read: each writer first swaps in a container of its own.
+_NO_COUNTS: Final[dict[int, int]] = {}
+_NO_GROUPS: Final[dict[str, Consumer]] = {}
+_NO_LAST_VALUES: Final[dict[Any, WireMessage]] = {}
+_NO_ATTEMPTS: Final[list[tuple[Consumer, int, WireMessage]]] = []
 
 
 class MemoryGauge:
@@ -137,7 +144,7 @@ class Consumer:
         self.browse = browse
         self.browse_iter: Iterator[WireMessage] | None = None
         self.in_flight: dict[int, WireMessage] = {}
-        self.counts: dict[int, int] = {}  # delivery count of in-flight messages delivered more than once
+        self.counts = _NO_COUNTS  # delivery count of in-flight messages delivered more than once
         self.forwarder = False  # moves messages to another node (cluster): not a consumer of a client
         self.byte_window = 0  # 0: the window is in messages only
         self.byte_credit = 0
@@ -254,7 +261,7 @@ class Queue:
         self._sink = sink
         self._dirty = dirty
         self._memory = memory
-        self._attempts: list[tuple[Consumer, int, WireMessage]] = []  # a dispatch's durable deliveries
+        self._attempts = _NO_ATTEMPTS  # a dispatch's durable deliveries
         # Paging: above page_limit bytes (the address's max_size_bytes with policy PAGE) further messages
         # go to a page file, and keep going there while any are paged, so order is kept.
         self._page_limit = page_limit if pager_factory is not None else -1
@@ -267,9 +274,9 @@ class Queue:
         self._count = 0
         self._expiring = 0
         self._rr = 0
-        self._returned: dict[int, int] = {}
-        self._groups: dict[str, Consumer] = {}
-        self._lvq: dict[Any, WireMessage] = {}
+        self._returned = _NO_COUNTS  # delivery counts of the queued messages delivered before
+        self._groups = _NO_GROUPS
+        self._lvq = _NO_LAST_VALUES if last_value_key is None else {}
 
     # ------------------------------------------------------------------ state
     def __len__(self) -> int:
@@ -351,10 +358,11 @@ class Queue:
         if self.last_value_key is not None:
             self._replace_last_value(message)
         priority = message[M_PRIORITY]
-        try:
-            self._levels[priority].append(message)
-        except AttributeError:  # the first message of this priority
+        level = self._levels[priority]
+        if level is _UNUSED_LEVEL:
             self._levels[priority] = deque((message,))
+        else:
+            level.append(message)
         if priority > self._high:  # noqa: PLR1730 - max() is a builtin call per message
             self._high = priority
         self._count += 1
@@ -378,8 +386,8 @@ class Queue:
         if previous is not None:
             try:
                 self._levels[previous[M_PRIORITY]].remove(previous)
-            except ValueError:
-                pass  # in flight: it is no longer ours to replace
+            except (ValueError, AttributeError):  # in flight (its level may be unused again): not ours to replace
+                pass
             else:
                 self._count -= 1
                 self._forget(previous)
@@ -408,7 +416,7 @@ class Queue:
         """Add a message recovered from the journal, remembering how often it was delivered before."""
         self.add(message)
         if delivery_count > 0:
-            self._returned[message[M_ID]] = delivery_count
+            self._count_returned(message[M_ID], delivery_count)
 
     def return_message(self, message: WireMessage, delivery_count: int) -> None:
         """Put a message back at the head of its priority (after nack, release, close, rollback)."""
@@ -421,15 +429,21 @@ class Queue:
                 self._sink.on_acked(self, message)
                 return
         priority = message[M_PRIORITY]
-        try:
-            self._levels[priority].appendleft(message)
-        except AttributeError:  # the first message of this priority
+        level = self._levels[priority]
+        if level is _UNUSED_LEVEL:
             self._levels[priority] = deque((message,))
+        else:
+            level.appendleft(message)
         if priority > self._high:  # noqa: PLR1730 - max() is a builtin call per message
             self._high = priority
         self._count += 1
         if delivery_count > 0:
-            self._returned[message[M_ID]] = delivery_count
+            self._count_returned(message[M_ID], delivery_count)
+
+    def _count_returned(self, message_id: int, delivery_count: int) -> None:
+        if self._returned is _NO_COUNTS:
+            self._returned = {}
+        self._returned[message_id] = delivery_count
 
     def remove_where(self, predicate: Callable[[WireMessage], bool]) -> list[WireMessage]:
         """Take out the queued messages matching ``predicate`` (expiry scan, management)."""
@@ -472,15 +486,18 @@ class Queue:
             if owner is consumer:
                 del self._groups[group]
         unacked = [(consumer.in_flight[i], consumer.counts.get(i, 1)) for i in sorted(consumer.in_flight, reverse=True)]
-        consumer.in_flight.clear()
-        consumer.counts.clear()
+        consumer.in_flight = {}
+        consumer.counts = _NO_COUNTS
         return unacked
 
     def take(self, consumer: Consumer, message_id: int) -> tuple[WireMessage, int] | None:
         """Remove an in-flight message from ``consumer``: (message, delivery count), None if unknown."""
-        message = consumer.in_flight.pop(message_id, None)
+        in_flight = consumer.in_flight
+        message = in_flight.pop(message_id, None)
         if message is None:
             return None
+        if not in_flight:  # a dict keeps its table when emptied: an idle consumer holds an empty one instead
+            consumer.in_flight = {}
         return message, consumer.counts.pop(message_id, 1)
 
     def settle(self, message: WireMessage) -> None:
@@ -511,7 +528,7 @@ class Queue:
         """Hand the durable deliveries collected so far to the sink: one record for all of them, and they go
         out once it is on disk."""
         if self._attempts:
-            attempts, self._attempts = self._attempts, []
+            attempts, self._attempts = self._attempts, _NO_ATTEMPTS
             self._sink.deliver_durable(self, attempts)
 
     def _exclusive_owner(self) -> Consumer | None:
@@ -543,6 +560,8 @@ class Queue:
             if not consumer.credit:
                 ready.remove(consumer)
         self._rr = rr
+        if not self._count:  # drained: an idle queue keeps no deque (600 bytes) for the next message
+            self._levels[self._high] = _UNUSED_LEVEL
 
     def _dispatch_scan(self, ready: list[Consumer], now_ms: int) -> None:
         scanned = 0
@@ -569,7 +588,7 @@ class Queue:
                 if not target.credit:
                     ready.remove(target)
             kept.extend(level)
-            self._levels[priority] = kept
+            self._levels[priority] = kept or _UNUSED_LEVEL
             if not ready or scanned >= SCAN_LIMIT:
                 return
 
@@ -585,6 +604,8 @@ class Queue:
             if candidate.accepts(message):
                 self._rr += i + 1
                 if group is not None:
+                    if self._groups is _NO_GROUPS:
+                        self._groups = {}
                     self._groups[group] = candidate
                 return candidate
         return None
@@ -602,6 +623,8 @@ class Queue:
         if not consumer.auto_ack:  # in flight first: a delivery held for the disk is sent only if it still is
             consumer.in_flight[message_id] = message
             if count > 1:
+                if consumer.counts is _NO_COUNTS:
+                    consumer.counts = {}
                 consumer.counts[message_id] = count
         # A durable message goes out once its delivery attempt is recorded (on disk, and at the backup): a copy
         # that a crash or failover leaves comes back flagged as redelivered. So does a forwarder's move: what a
@@ -609,6 +632,8 @@ class Queue:
         # safe here (its producer unconfirmed) could reach the other node while its producer's re-send was
         # routed again after a failover: two copies, neither flagged.
         if self.durable and message[M_DURABLE] and not consumer.auto_ack:
+            if self._attempts is _NO_ATTEMPTS:
+                self._attempts = []
             self._attempts.append((consumer, count, message))  # sent once the attempt is on disk
         else:
             if self._attempts:  # they come first: with nothing to wait for (no journal), they go out first

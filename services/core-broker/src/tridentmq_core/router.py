@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Hashable
-from typing import Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 __all__ = ["AddressIndex", "AddressTrie", "InvalidAddress", "is_wildcard", "pattern_matches", "validate_address"]
 
@@ -223,19 +223,24 @@ class AddressIndex:
         return found
 
 
+# What a node holds until its first child or binding: one shared empty dict, only ever read (most nodes are
+# leaves or inner nodes, not both, and 100,000 device topics make 100,000 nodes; an empty dict is 64 bytes).
+_NOTHING: Final[dict[Any, Any]] = {}
+
+
 class _Node(Generic[T]):
     """One trie node; wildcard children live in their own slots so the walk needs no key lookups."""
 
     __slots__ = ("children", "hash", "is_hash", "star", "values")
 
     def __init__(self, *, is_hash: bool = False) -> None:
-        self.children: dict[str, _Node[T]] = {}
+        self.children: dict[str, _Node[T]] = _NOTHING
         self.star: _Node[T] | None = None
         self.hash: _Node[T] | None = None
         # A node reached through '#' loops on itself: it may consume any number of further words.
         self.is_hash = is_hash
         # value -> binding sequence number; insertion order equals sequence order (see AddressTrie.add).
-        self.values: dict[T, int] = {}
+        self.values: dict[T, int] = _NOTHING
 
     def is_empty(self) -> bool:
         return not self.values and not self.children and self.star is None and self.hash is None
@@ -270,6 +275,8 @@ class AddressTrie(Generic[T]):
             for word in pattern.split(DELIMITER):
                 node = self._child(node, word)
             self._patterns[pattern] = node
+        if node.values is _NOTHING:
+            node.values = {}
         node.values[value] = self._seq
         self._seq += 1
         self._count += 1
@@ -334,6 +341,8 @@ class AddressTrie(Generic[T]):
             return node.hash
         child = node.children.get(word)
         if child is None:
+            if node.children is _NOTHING:
+                node.children = {}
             child = node.children[word] = _Node()
         return child
 
