@@ -261,6 +261,30 @@ def test_a_malformed_channel_operation_breaks_the_link(op: list[Any]) -> None:
     assert error.value.code == ErrorCode.MALFORMED
 
 
+def test_a_channel_carries_no_channels() -> None:
+    """A channel's own link may not open channels: they would multiply a link's ``max_channels``."""
+    _client, server = open_pair(server_kw={"carries_channels": False})
+    with pytest.raises(RemoteProtocolError) as error:
+        server.receive_data(frame([[36, 1, b"x"]]), 0.0)
+    assert error.value.code == ErrorCode.MALFORMED
+    assert server.closed
+
+
+def test_frames_split_anywhere_arrive_whole_and_once() -> None:
+    """Whole frames are read from the caller's bytes; only an incomplete frame's start is kept between reads."""
+
+    def requests() -> tuple[LinkConnection, bytes, list[ev.Event]]:
+        client, server = open_pair()
+        reqs = [client.create_address(f"orders.{i}", [0]) for i in range(20)]
+        return server, client.data_to_send(), [ev.CreateAddress(r, f"orders.{i}", (0,)) for i, r in enumerate(reqs)]
+
+    for cut in (1, 3, 5, 200, -1):
+        server, data, expected = requests()
+        assert server.receive_data(data[:cut], 0.0) + server.receive_data(data[cut:], 0.0) == expected
+    server, data, expected = requests()
+    assert [event for i in range(len(data)) for event in server.receive_data(data[i : i + 1], 0.0)] == expected
+
+
 def test_channel_bytes_need_an_open_link() -> None:
     client = LinkConnection(Role.CLIENT)
     with pytest.raises(LocalProtocolError):

@@ -36,10 +36,15 @@ def queue_name(prefix: str, owner: str, topic_filter: str) -> str:
     return f"{prefix}{readable[0]}.{readable[1]}.{digest[:_HASH_HEX_DIGITS]}"
 
 
+_SPECIAL: Final = str.maketrans(dict.fromkeys(" .*#:%", "_"))
+
+
 def _readable(text: str, limit: int) -> str:
     """A non-empty core word that shows ``text`` to people: characters the core treats specially become '_'."""
-    safe = "".join(c if c.isprintable() and c not in " .*#:%" else "_" for c in text[:limit])
-    return safe or "_"
+    text = text[:limit]
+    if text.isprintable():  # the usual case, a C loop instead of a Python one per character
+        return text.translate(_SPECIAL) or "_"
+    return "".join(c if c.isprintable() and c not in " .*#:%" else "_" for c in text) or "_"
 
 
 def subscription_queue(client_id: str, topic_filter: str) -> str:

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Final, cast
 
 from aiohttp import web
 
@@ -111,6 +111,7 @@ CHANNEL_FRAME_MARGIN = 1024
 #: as this many are queued: the peer then decodes small link frames as they come, and neither side holds a
 #: second copy of a large batch of deliveries for longer than a small frame takes.
 CHANNEL_CHUNK_BYTES = 64 * 1024
+_NO_CHANNELS: Final[dict[int, LinkProtocol]] = {}
 
 
 class ChannelTransport:
@@ -169,8 +170,11 @@ class LinkProtocol(asyncio.Protocol):
             heartbeat_ms=0 if carrier is not None else link.heartbeat_ms,
             max_properties=MAX_PROPERTIES + 1,
             handshake_frame_size=link.handshake_max_frame_bytes,
+            carries_channels=carrier is None,
         )
-        self.channels: dict[int, LinkProtocol] = {}  # sessions multiplexed over this link, by channel id
+        # Sessions multiplexed over this link, by channel id (a channel's codec refuses any: it shares one
+        # empty table, only ever read, instead of a dict of its own).
+        self.channels: dict[int, LinkProtocol] = {} if carrier is None else _NO_CHANNELS
         self._channel_bytes = 0  # channel output queued since this link was last written
         self.channel_transport: ChannelTransport | None = None  # when this is a channel
         self.session: Session | None = None

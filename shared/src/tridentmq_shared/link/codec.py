@@ -92,6 +92,10 @@ _SERVER: Final = Role.SERVER
 _CLIENT: Final = Role.CLIENT
 
 # Field types of control operations after the op code, checked before an event is built.
+#: The consumer windows of a link that has no consumers: one shared empty dict, only ever read (each link
+#: swaps in its own on its first SUBSCRIBE).
+_NO_CONSUMERS: Final[dict[int, int]] = {}
+
 _FIELDS: Final[dict[int, tuple[type | tuple[type, ...], ...]]] = {
     Op.HELLO: (list, _OPT_STR, _OPT_STR, str, int, int),
     Op.WELCOME: (int, str, str, int, int, int),
@@ -216,6 +220,7 @@ class LinkConnection:
         "_peer_max_operation",
         "_released_consumers",
         "_sent_since_check",
+        "carries_channels",
         "channel_data",
         "consumer_bytes",
         "consumer_credit",
@@ -242,8 +247,11 @@ class LinkConnection:
         max_properties: int = MAX_PROPERTIES,
         handshake_frame_size: int = DEFAULT_HANDSHAKE_FRAME_SIZE,
         versions: tuple[int, ...] = PROTOCOL_VERSIONS,
+        carries_channels: bool = True,
     ) -> None:
-        """``handshake_frame_size`` (server): the largest frame accepted until ``accept()``, whoever the peer."""
+        """``handshake_frame_size`` (server): the largest frame accepted until ``accept()``, whoever the peer.
+        ``carries_channels`` False: the link is itself a channel, and a CHANNEL in it is a protocol error
+        (channels do not nest: a link's ``max_channels`` bounds its sessions)."""
         if max_frame_size < MIN_FRAME_SIZE:
             raise ValueError(f"max_frame_size must be at least {MIN_FRAME_SIZE}")
         if handshake_frame_size < MIN_HANDSHAKE_FRAME_SIZE:
@@ -251,6 +259,7 @@ class LinkConnection:
         if not versions or not set(versions) <= set(PROTOCOL_VERSIONS):
             raise ValueError(f"versions must be among {PROTOCOL_VERSIONS}")
         self.role = role
+        self.carries_channels = carries_channels
         self.versions = versions  # offered (client) or accepted (server); a subset only to test older peers
         self.state = State.HANDSHAKE
         self.version = 0
@@ -263,7 +272,9 @@ class LinkConnection:
         self._peer_max_frame = DEFAULT_MAX_FRAME_SIZE
         self._peer_max_operation = DEFAULT_MAX_FRAME_SIZE  # the largest frame holding one operation
         self._fields = _FIELDS  # the field table of the agreed version
-        self._inbuf = bytearray()
+        # The start of an incomplete frame; None when none is (most reads end on a frame's end, and a
+        # bytearray keeps its largest size: tens of thousands of idle session links would each hold one).
+        self._inbuf: bytearray | None = None
         self._out: list[list[Any] | tuple[Any, ...]] = []
         # heartbeats
         self._last_recv = 0.0
@@ -280,8 +291,9 @@ class LinkConnection:
         self._next_req_id = 0
         self._next_consumer_id = 1
         self._next_tx_id = 1
-        self.consumer_credit: dict[int, int] = {}
-        self.consumer_bytes: dict[int, int] = {}  # byte credit of the consumers subscribed with ``credit_bytes``
+        # (Empty and shared until the first SUBSCRIBE: a server's and a producer's links never have any.)
+        self.consumer_credit: dict[int, int] = _NO_CONSUMERS
+        self.consumer_bytes: dict[int, int] = _NO_CONSUMERS  # byte credit of those subscribed with ``credit_bytes``
         self._released_consumers: set[int] | None = None  # made by the first release (an empty set: 216 bytes)
         #: (channel id, bytes) of the CHANNEL operations received, in order, for the shell to drain after each
         #: ``receive_data``: the streams of sessions multiplexed over this link (empty bytes: the channel closed).
@@ -306,11 +318,13 @@ class LinkConnection:
             self.state = _CLOSED
             return [ev.Closed(ErrorCode.EOF, "the peer closed the connection")]
         buf = self._inbuf
-        buf += data
+        if buf is not None:
+            buf += data
+        source = data if buf is None else buf  # whole frames are read from the caller's bytes, uncopied
         events: list[ev.Event] = []
         pos = 0
-        end = len(buf)
-        with memoryview(buf) as view:
+        end = len(source)
+        with memoryview(source) as view:
             while end - pos >= HEADER_SIZE:
                 size = int.from_bytes(view[pos : pos + HEADER_SIZE], "big")
                 if size > self._frame_limit:
@@ -326,7 +340,13 @@ class LinkConnection:
                 self._receive_frame(view[start:pos], now, events)
                 if self.closed:
                     break
-        del buf[:pos]
+        if buf is None:
+            if pos < end:
+                self._inbuf = bytearray(source[pos:])
+        elif pos == end:
+            self._inbuf = None
+        else:
+            del buf[:pos]
         return events
 
     def _receive_frame(self, payload: memoryview, now: float, events: list[ev.Event]) -> None:
@@ -456,6 +476,8 @@ class LinkConnection:
         if code == Op.CHANNEL:
             if op[1] == 0:
                 self._fail(ErrorCode.MALFORMED, "channel ids start at 1")
+            if not self.carries_channels:
+                self._fail(ErrorCode.MALFORMED, "a channel carries no channels")
             if self.channel_data is None:
                 self.channel_data = [(op[1], op[2])]
             else:
@@ -891,10 +913,14 @@ class LinkConnection:
         self._require(_CLIENT)
         consumer_id = self._next_consumer_id
         self._next_consumer_id += 1
+        if self.consumer_credit is _NO_CONSUMERS:
+            self.consumer_credit = {}
         self.consumer_credit[consumer_id] = credit
         options = options or {}
         if credit_bytes > 0 and self.version >= BYTE_CREDIT_VERSION:
             options = {**options, "credit_bytes": credit_bytes}
+            if self.consumer_bytes is _NO_CONSUMERS:
+                self.consumer_bytes = {}
             self.consumer_bytes[consumer_id] = credit_bytes
         return self._request(Op.SUBSCRIBE, consumer_id, queue, credit, options), consumer_id
 
