@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 from tridentmq_shared.link.channels import SharedLinks
 from tridentmq_shared.link.client import LinkClient
-from tridentmq_shared.link.codec import DEFAULT_HEARTBEAT_MS
 from tridentmq_shared.link.errors import LinkClosedError, LinkRequestError
 from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.link.ops import ErrorCode
@@ -84,6 +83,14 @@ class CoreLinkSettings:
         "Connect to the core over TLS (the core's `link.tls`), checking its certificate "
         "against `tls.ca_file` and presenting `tls.cert_file` when set.",
     )
+    heartbeat_ms: int = doc(
+        1000,
+        "Heartbeat interval asked of the core on the gateway's links: either side "
+        "silent for 4 intervals is taken for dead. Longer than the core's 250 ms: a "
+        "shared link carries thousands of sessions, and a gateway busy for a second "
+        "(a burst of thousands of connections) or a core pausing under load (a full "
+        "garbage collection with millions of messages queued) must not drop them all.",
+    )
     shared_links: int = doc(
         1,
         "Links to each core node that carry the gateway's client sessions, each session a "
@@ -131,7 +138,6 @@ class CoreLinks:
         settings: CoreLinkSettings,
         *,
         name: str = "gateway",
-        heartbeat_ms: int = DEFAULT_HEARTBEAT_MS,
         tls: ClientTls | None = None,
     ) -> None:
         try:
@@ -140,7 +146,7 @@ class CoreLinks:
             raise SettingsError(f"core.load_balancing: {exc}") from None
         self.settings = settings
         self.name = name
-        self.heartbeat_ms = heartbeat_ms
+        self.heartbeat_ms = settings.heartbeat_ms
         self.tls = tls
         self.topology = Topology(settings.endpoints(), policy)
         self.reconnect = settings.reconnect_policy()
@@ -156,16 +162,14 @@ class CoreLinks:
                 user=settings.user or None,
                 password=settings.password or None,
                 name=name,
-                heartbeat_ms=heartbeat_ms,
+                heartbeat_ms=settings.heartbeat_ms,
                 tls=tls,
             )
 
     @classmethod
-    def for_gateway(
-        cls, settings: CoreLinkSettings, *, name: str, heartbeat_ms: int = DEFAULT_HEARTBEAT_MS, tls: TlsSection
-    ) -> CoreLinks:
+    def for_gateway(cls, settings: CoreLinkSettings, *, name: str, tls: TlsSection) -> CoreLinks:
         """A gateway's links, TLS ones with its ``[tls]`` section when ``settings.tls``."""
-        return cls(settings, name=name, heartbeat_ms=heartbeat_ms, tls=ClientTls(tls) if settings.tls else None)
+        return cls(settings, name=name, tls=ClientTls(tls) if settings.tls else None)
 
     def client(
         self,
@@ -174,7 +178,6 @@ class CoreLinks:
         password: str | None,
         client_name: str,
         client_host: str | None = None,
-        heartbeat_ms: int = DEFAULT_HEARTBEAT_MS,
         acting_for: str | None = None,
     ) -> LinkClient:
         """A client link (not connected yet) on a node of the topology, failing over as configured;
@@ -187,7 +190,7 @@ class CoreLinks:
             password=password,
             client_name=client_name,
             client_host=client_host,
-            heartbeat_ms=heartbeat_ms,
+            heartbeat_ms=self.heartbeat_ms,
             tls=self.tls,
             acting_for=acting_for,
             channels=self.shared,

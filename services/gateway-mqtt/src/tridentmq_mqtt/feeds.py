@@ -366,7 +366,6 @@ class Feeds:
         client = self.core_links.client(
             user=user,
             password=password,
-            heartbeat_ms=self.core.heartbeat_ms,
             client_name=f"mqtt fan-out {self.gateway_name}",
         )
         try:

@@ -25,10 +25,8 @@ class MqttGateway:
         self.counters = Counters()
         core = settings.core
         # Its sessions' links and the registry's use it.
-        self.core_links = CoreLinks.for_gateway(
-            core, name=settings.node.name, heartbeat_ms=core.heartbeat_ms, tls=settings.tls
-        )
-        self.registry = Registry(self.core_links, core.user, core.password, settings.node.name, core.heartbeat_ms)
+        self.core_links = CoreLinks.for_gateway(core, name=settings.node.name, tls=settings.tls)
+        self.registry = Registry(self.core_links, core.user, core.password, settings.node.name)
         self.registry.on_lost.append(self._service_link_lost)
         limits = settings.mqtt
         self.feeds = Feeds(

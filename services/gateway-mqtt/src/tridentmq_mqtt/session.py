@@ -404,7 +404,6 @@ class MqttSession:
         link = self.core_links.client(
             user=user,
             password=password,
-            heartbeat_ms=core.heartbeat_ms,
             client_name=f"mqtt {client_id[:64]} {self.wire.peer}",
             client_host=self.wire.host,
             acting_for=acting_for,

@@ -54,13 +54,6 @@ class CoreLinkSection(CoreLinkSettings):
         "themselves.",
     )
     password: str = doc("", "Password of that user.")
-    heartbeat_ms: int = doc(
-        1000,
-        "Heartbeat interval asked of the core on the gateway's links; a core silent for "
-        "4 intervals is taken for dead. Longer than the core's 250 ms so that a "
-        "core pausing under load (a full garbage collection with millions of "
-        "messages queued) is not mistaken for a dead one.",
-    )
 
 
 @dataclass(frozen=True)

@@ -131,10 +131,9 @@ class SessionOwnedError(Exception):
 class Registry:
     """The gateway's service link and the operations on session, lock and retained-message queues."""
 
-    def __init__(self, core_links: CoreLinks, user: str, password: str, name: str, heartbeat_ms: int) -> None:
+    def __init__(self, core_links: CoreLinks, user: str, password: str, name: str) -> None:
         self._core_links = core_links
         self._args = (user or None, password or None, name)
-        self._heartbeat_ms = heartbeat_ms
         self._link: LinkClient | None = None
         self._opening: asyncio.Task[LinkClient] | None = None
         self._tail: asyncio.Future[None] | None = None  # the last write still waiting for credit
@@ -157,9 +156,7 @@ class Registry:
 
     async def _open(self) -> LinkClient:
         user, password, name = self._args
-        link = self._core_links.client(
-            user=user, password=password, client_name=f"mqtt gateway {name}", heartbeat_ms=self._heartbeat_ms
-        )
+        link = self._core_links.client(user=user, password=password, client_name=f"mqtt gateway {name}")
         await link.connect()
         try:
             await self._retained_queue(link)
