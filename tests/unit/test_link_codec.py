@@ -6,6 +6,7 @@ by hand with msgpack), events and ``data_to_send()`` bytes compared with what th
 
 from __future__ import annotations
 
+import contextlib
 import random
 import struct
 from collections.abc import Callable
@@ -1497,11 +1498,30 @@ def test_traffic_from_the_peer_keeps_the_link_alive() -> None:
     assert client.state is State.OPEN
     assert server.state is State.OPEN
     # partial data counts as traffic as well
-    server.receive_data(b"\x00", 3.8)
-    server.handle_timeout(4.2)
+    server.receive_data(b"\x00", 3.7)
+    for now in (3.75, 3.875, 4.0, 4.125):  # the shell's timer keeps its deadlines
+        server.handle_timeout(now)
     assert server.state is State.OPEN
     with pytest.raises(RemoteProtocolError):
-        server.handle_timeout(3.8 + INTERVAL * HEARTBEAT_TIMEOUT_FACTOR + 0.01)
+        server.handle_timeout(3.7 + INTERVAL * HEARTBEAT_TIMEOUT_FACTOR + 0.01)
+
+
+def test_a_stall_of_this_side_is_not_the_peers_silence() -> None:
+    """A timer call long after the one before means this side's loop was busy: the peer's heartbeats may wait
+    unread in the socket. The peer gets its time again, and one that stays silent is found dead after it."""
+    client, _server = open_pair(client_kw=HB, server_kw=HB, now=0.0)
+    client.handle_timeout(INTERVAL)
+    stalled_until = 10 * INTERVAL * HEARTBEAT_TIMEOUT_FACTOR
+    client.handle_timeout(stalled_until)
+    assert client.state is State.OPEN
+    now = stalled_until
+    while client.state is State.OPEN:
+        deadline = client.next_deadline()
+        assert deadline is not None
+        now = max(now, deadline)
+        with contextlib.suppress(RemoteProtocolError):
+            client.handle_timeout(now)
+    assert stalled_until + INTERVAL < now <= stalled_until + INTERVAL * HEARTBEAT_TIMEOUT_FACTOR
 
 
 def test_heartbeat_zero_disables_timers() -> None:

@@ -30,6 +30,8 @@ DEFAULT_MAX_OPS_PER_FRAME: Final = 65_536
 DEFAULT_HEARTBEAT_MS: Final = 250
 #: A peer is declared dead after this many heartbeat intervals of silence.
 HEARTBEAT_TIMEOUT_FACTOR: Final = 4
+#: Intervals between two timer calls beyond which this side was stalled, not the peer silent.
+STALL_INTERVALS: Final = 2
 MIN_FRAME_SIZE: Final = 64 * 1024
 #: What a delivery may add to the message its publish carried: the operation, the id and timestamp the node
 #: fills in, a cluster node's forwarding header. From version 2 a client accepts frames this much larger than
@@ -209,6 +211,7 @@ class LinkConnection:
         "_hello_sent",
         "_inbuf",
         "_last_recv",
+        "_last_timer",
         "_next_consumer_id",
         "_next_req_id",
         "_next_send_check",
@@ -278,6 +281,7 @@ class LinkConnection:
         self._out: list[list[Any] | tuple[Any, ...]] = []
         # heartbeats
         self._last_recv = 0.0
+        self._last_timer = 0.0  # when ``handle_timeout`` was last called
         self._next_send_check = 0.0
         self._sent_since_check = False
         # server: publish sequence and window; client: the same seen from the other side
@@ -646,7 +650,7 @@ class LinkConnection:
 
     # ------------------------------------------------------------------ timers
     def _start_heartbeats(self, now: float) -> None:
-        self._last_recv = now
+        self._last_recv = self._last_timer = now
         self._next_send_check = now + self.heartbeat_ms / 1000
 
     def next_deadline(self) -> float | None:
@@ -657,10 +661,19 @@ class LinkConnection:
         return min(self._next_send_check, self._last_recv + timeout)
 
     def handle_timeout(self, now: float) -> None:
-        """Queue a heartbeat if we have been silent; raise if the peer has been silent too long."""
+        """Queue a heartbeat if we have been silent; raise if the peer has been silent too long.
+
+        The shell calls it at its deadlines (``next_deadline``, at most an interval apart). A call more than
+        ``STALL_INTERVALS`` intervals after the one before tells of a stall on this side (its event loop busy
+        or paused): what the peer sent meanwhile may be waiting unread, so the stall does not count as the
+        peer's silence. A gateway busy for a second must not drop the thousands of sessions its link
+        carries, and then again while it restores them."""
         if self.state is not _OPEN or self.heartbeat_ms <= 0:
             return
         interval = self.heartbeat_ms / 1000
+        if now - self._last_timer > interval * STALL_INTERVALS:
+            self._last_recv = max(self._last_recv, now - interval)
+        self._last_timer = now
         if now - self._last_recv >= interval * HEARTBEAT_TIMEOUT_FACTOR:
             self._fail(ErrorCode.HEARTBEAT_TIMEOUT, f"nothing received for {now - self._last_recv:.3f} s")
         if now >= self._next_send_check:
