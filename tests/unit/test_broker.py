@@ -492,6 +492,33 @@ def test_browse_respects_credit_and_selector(c: Client) -> None:
     assert len(c.events(ev.BrowseDone)) == 1
 
 
+def test_a_browser_of_a_last_value_queue_finds_its_key_by_key(c: Client) -> None:
+    """``sym = '<key>'`` on a queue keyed on ``sym`` (the MQTT retained store) offers that key's one message: the
+    same as a scan would, newest value included, and also while a consumer holds some in flight (then it scans)."""
+    ok(c.create_queue("prices", last_value_key="sym"))
+    for round_ in range(2):
+        c.send_all("prices", [b"%d-%d" % (round_, k) for k in range(50)], properties={"sym": "?"})
+        for k in range(50):
+            c.publish("prices", b"%d-%d" % (round_, k), properties={"sym": f"k{k}", "n": str(k)}, sync=False)
+    c.publish("prices", b"it's", properties={"sym": "it's"})
+
+    def browse(selector: str) -> list[bytes]:
+        browser = c.consumer("prices", credit=100, browse=True, selector=selector)
+        got = bodies(c.take(browser))
+        assert len(c.events(ev.BrowseDone)) == 1
+        ok(c.unsubscribe(browser))
+        return got
+
+    assert browse("sym = 'k7'") == [b"1-7"]
+    assert browse("sym = 'it''s'") == [b"it's"]
+    assert browse("sym = 'k99'") == []
+    assert browse("n = '7'") == [b"1-7"]  # not the key: a scan
+    holder = c.consumer("prices", credit=3)
+    assert len(c.take(holder)) == 3  # the oldest three keys are in flight now
+    assert browse("sym = 'k7'") == [b"1-7"]
+    assert browse("sym = '?'") == []  # in flight: a browser sees the queued messages only
+
+
 def test_consumer_selector_leaves_others_for_another_consumer(h: Harness, c: Client) -> None:
     ok(c.create_queue("orders"))
     red = c.consumer("orders", selector="color = 'red'")

@@ -20,6 +20,7 @@ from tridentmq_core.selector import (
     SelectorError,
     compile_selector,
 )
+from tridentmq_shared.message import SELECTOR_HEADERS, new_message, selector_view
 
 
 class Colour(enum.IntEnum):
@@ -695,3 +696,28 @@ def reference_like(pattern: str, value: str) -> bool:
 def test_like_agrees_with_a_plain_regex(pattern: str, value: str) -> None:
     selector = compile_selector(f"s LIKE '{pattern}' ESCAPE '!'")
     assert selector.matches({"s": value}) is reference_like(pattern, value)
+
+
+@pytest.mark.parametrize(
+    ("text", "equals"),
+    [
+        ("sym = 'k7'", ("sym", "k7")),
+        ("'k7' = sym", ("sym", "k7")),
+        ("(sym = 'it''s')", ("sym", "it's")),
+        ("sym = 'a' AND n = 'b'", None),
+        ("sym = 'a' OR sym = 'b'", None),
+        ("NOT sym = 'a'", None),
+        ("sym <> 'a'", None),
+        ("sym = 7", None),
+        ("sym LIKE 'a%'", None),
+        ("'a' = 'a'", None),
+    ],
+)
+def test_a_selector_that_is_one_property_equal_to_a_string_says_so(text: str, equals: tuple[str, str] | None) -> None:
+    """What lets a last-value queue find a browser's one candidate by key instead of scanning."""
+    assert compile_selector(text).equals == equals
+
+
+def test_the_selector_headers_are_the_names_a_selector_sees_beside_the_properties() -> None:
+    message = new_message("a", b"", group_id="g", properties={"JMSPriority": "a property", "p": 1})
+    assert set(selector_view(message)) - {"p"} == SELECTOR_HEADERS

@@ -217,6 +217,12 @@ def time_problem(name: str, value: int) -> str | None:
     return f"{name} must be within 0..{MAX_TIME_MS} (ms since the epoch, at most year 9999)"
 
 
+#: The header fields a selector sees under these names, whatever the message's properties of the same names.
+SELECTOR_HEADERS: Final = frozenset(
+    {"JMSPriority", "JMSDeliveryMode", "JMSTimestamp", "JMSExpiration", "JMSMessageID", "AMQAddress", "JMSXGroupID"}
+)
+
+
 def selector_view(m: WireMessage) -> dict[str, PropertyValue]:
     """The names a selector can test: user properties plus the JMS-style header fields."""
     view: dict[str, PropertyValue] = dict(m[M_PROPS])

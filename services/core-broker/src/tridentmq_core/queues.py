@@ -26,6 +26,7 @@ from tridentmq_shared.message import (
     M_PRIORITY,
     M_PROPS,
     MAX_PRIORITY,
+    SELECTOR_HEADERS,
     RoutingType,
     WireMessage,
     selector_view,
@@ -475,8 +476,26 @@ class Queue:
     # ------------------------------------------------------------------ consumers
     def add_consumer(self, consumer: Consumer) -> None:
         if consumer.browse:
-            consumer.browse_iter = iter(list(self.messages()))
+            consumer.browse_iter = iter(self._browsed(consumer.selector))
         self.consumers.append(consumer)
+
+    def _browsed(self, selector: Selector | None) -> list[WireMessage]:
+        """What a browser is offered: the queued messages in delivery order. On a last-value queue keyed on the
+        one property the selector must equal, only that key's message, found by key: an MQTT SUBSCRIBE browses
+        the retained messages this way, and a scan of 100,000 of them per device is what it must not cost."""
+        key = self.last_value_key
+        equals = selector.equals if selector is not None else None
+        if (
+            equals is not None
+            and key
+            and equals[0] == key
+            and key not in SELECTOR_HEADERS
+            and not self._paged  # a paged message is not keyed yet
+            and not any(c.in_flight for c in self.consumers)  # so every keyed message is queued
+        ):
+            message = self._lvq.get(equals[1])
+            return [] if message is None else [message]
+        return list(self.messages())
 
     def remove_consumer(self, consumer: Consumer) -> list[tuple[WireMessage, int]]:
         """Detach a consumer and hand back its unacknowledged messages with their delivery counts, newest

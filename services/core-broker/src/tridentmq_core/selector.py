@@ -53,6 +53,9 @@ class Selector:
 
     text: str
     _evaluate: _Eval = field(repr=False, compare=False)
+    #: (property, value) when the whole selector is ``property = 'value'``: the only messages it can accept
+    #: are those whose property has that string, so a queue keyed on that property finds them by key.
+    equals: tuple[str, str] | None = field(default=None, compare=False)
 
     def matches(self, props: Mapping[str, object]) -> bool:
         """True only if the selector is TRUE for ``props``; FALSE and UNKNOWN both reject."""
@@ -69,7 +72,8 @@ def compile_selector(text: str) -> Selector:
     tokens = _tokenize(text)
     if tokens[0].kind == "eof":
         raise SelectorError("empty selector", 0)
-    return Selector(text, _Parser(tokens).parse().fn)
+    node = _Parser(tokens).parse()
+    return Selector(text, node.fn, node.equals)
 
 
 # ---------------------------------------------------------------------------------- values
@@ -196,6 +200,8 @@ class _Node:
     pos: int
     is_const: bool = False
     value: object = None
+    name: str | None = None  # an identifier's
+    equals: tuple[str, str] | None = None  # an ``identifier = 'string'`` comparison's (see Selector.equals)
 
 
 def _const(value: object, kind: _Kind, pos: int) -> _Node:
@@ -219,7 +225,7 @@ def _identifier(name: str, pos: int) -> _Node:
             return value
         return _normalise(value)
 
-    return _Node(identifier, "any", pos)
+    return _Node(identifier, "any", pos, name=name)
 
 
 def _logical(operands: list[_Node], *, is_and: bool) -> _Node:
@@ -263,7 +269,8 @@ def _comparison(op: str, left: _Node, right: _Node) -> _Node:
     if left.is_const and not right.is_const:
         op, left, right = _MIRRORED[op], right, left
     if right.is_const and not left.is_const:
-        return _Node(_compare_to_constant(op, left.fn, right.value), "bool", pos)
+        equals = (left.name, right.value) if op == "=" and left.name is not None and type(right.value) is str else None
+        return _Node(_compare_to_constant(op, left.fn, right.value), "bool", pos, equals=equals)
     compare, get_left, get_right = _COMPARATORS[op], left.fn, right.fn
 
     def comparison(props: _Props) -> object:

@@ -410,7 +410,10 @@ class Registry:
         link = await self.link()
         prefix = _literal_prefix(topic_filter)
         selector = None
-        if prefix:
+        if prefix == topic_filter:  # no wildcard: one topic, which the core finds by key (no scan of them all)
+            quoted = topic_filter.replace("'", "''")
+            selector = f"{TOPIC} = '{quoted}'"
+        elif prefix:
             escaped = prefix.replace("'", "''").replace("!", "!!").replace("%", "!%").replace("_", "!_")
             selector = f"{TOPIC} LIKE '{escaped}%' ESCAPE '!'"
         queue = await self._retained_queue(link)
