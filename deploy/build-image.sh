@@ -13,6 +13,10 @@
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
+# One build at a time: two at once would each make the base images, and one would delete the wheels the
+# other just built (the end-to-end test modules build on separate test workers).
+exec 9>"$here/.build.lock"
+flock 9
 export PATH="/usr/sbin:/sbin:$PATH"
 image="${TRIDENTMQ_IMAGE:-tridentmq:latest}"
 base="${TRIDENTMQ_BASE:-auto}"
