@@ -238,6 +238,7 @@ class Harness:
                 broker.handle(client.session, client.server.receive_data(data, self.now_s), self.now_ms)
         broker.flush_dispatch(self.now_ms)
         self._drain()
+        self._check_in_flight()
 
     def tick(self, now_ms: int) -> None:
         """Advance the clock to ``now_ms`` and run the broker's timers."""
@@ -245,6 +246,12 @@ class Harness:
         self.now_ms = now_ms
         self.broker.tick(now_ms)
         self._drain()
+        self._check_in_flight()
+
+    def _check_in_flight(self) -> None:
+        """Each queue keeps its count of in-flight messages instead of summing them: it must be the sum."""
+        for queue in self.broker.queues.values():
+            assert queue.in_flight == sum(len(c.in_flight) for c in queue.consumers), queue.name
 
     def _drain(self) -> None:
         """Write what the broker marked as having output, exactly as the server shell does: output the

@@ -97,8 +97,7 @@ class Consuming:
         elif address_name and queue.address != address_name:
             raise BrokerError(ErrorCode.NOT_FOUND, f"queue {queue_name!r} is not bound to {address_name!r}")
         require(principal, Permission.BROWSE if browse else Permission.CONSUME, queue.address)
-        active = [c for c in queue.consumers if not c.browse]
-        if not browse and 0 <= queue.max_consumers <= len(active):
+        if not browse and 0 <= queue.max_consumers <= sum(not c.browse for c in queue.consumers):
             raise BrokerError(ErrorCode.RESOURCE_LIMIT, f"queue {queue.name!r} has its maximum of consumers")
         consumer = Consumer(
             consumer_id,

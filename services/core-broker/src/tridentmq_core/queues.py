@@ -186,6 +186,7 @@ class Queue:
         "_expiring",
         "_groups",
         "_high",
+        "_in_flight",
         "_levels",
         "_lvq",
         "_memory",
@@ -273,6 +274,7 @@ class Queue:
         self._levels: list[deque[WireMessage]] = [_UNUSED_LEVEL] * (MAX_PRIORITY + 1)
         self._high = 0
         self._count = 0
+        self._in_flight = 0  # messages its consumers hold unsettled (kept, not summed over them each time)
         self._expiring = 0
         self._rr = 0
         self._returned = _NO_COUNTS  # delivery counts of the queued messages delivered before
@@ -289,7 +291,7 @@ class Queue:
 
     @property
     def in_flight(self) -> int:
-        return sum(len(c.in_flight) for c in self.consumers)
+        return self._in_flight
 
     def accepts(self, message: WireMessage) -> bool:
         return self.filter is None or self.filter.matches(selector_view(message))
@@ -491,7 +493,7 @@ class Queue:
             and equals[0] == key
             and key not in SELECTOR_HEADERS
             and not self._paged  # a paged message is not keyed yet
-            and not any(c.in_flight for c in self.consumers)  # so every keyed message is queued
+            and not self._in_flight  # so every keyed message is queued
         ):
             message = self._lvq.get(equals[1])
             return [] if message is None else [message]
@@ -505,6 +507,7 @@ class Queue:
             if owner is consumer:
                 del self._groups[group]
         unacked = [(consumer.in_flight[i], consumer.counts.get(i, 1)) for i in sorted(consumer.in_flight, reverse=True)]
+        self._in_flight -= len(unacked)
         consumer.in_flight = {}
         consumer.counts = _NO_COUNTS
         return unacked
@@ -515,6 +518,7 @@ class Queue:
         message = in_flight.pop(message_id, None)
         if message is None:
             return None
+        self._in_flight -= 1
         if not in_flight:  # a dict keeps its table when emptied: an idle consumer holds an empty one instead
             consumer.in_flight = {}
         return message, consumer.counts.pop(message_id, 1)
@@ -641,6 +645,7 @@ class Queue:
             self._sink.on_delivered(self, consumer, count, message)
         if not consumer.auto_ack:  # in flight first: a delivery held for the disk is sent only if it still is
             consumer.in_flight[message_id] = message
+            self._in_flight += 1
             if count > 1:
                 if consumer.counts is _NO_COUNTS:
                     consumer.counts = {}
