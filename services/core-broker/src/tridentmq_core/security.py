@@ -18,6 +18,7 @@ what a login must be checked against, and the node's shell (``tridentmq_core.log
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -207,7 +208,9 @@ def password_matches(stored: str, given: str) -> bool:
     return hmac.compare_digest(stored.encode(), given.encode())
 
 
+@functools.lru_cache(maxsize=1024)
 def is_loopback(host: str | None) -> bool:
+    """Parsed once per address: every session of a gateway's shared link asks for the same two."""
     if host is None:
         return False
     try:
