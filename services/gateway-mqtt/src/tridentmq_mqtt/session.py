@@ -423,10 +423,9 @@ class MqttSession:
         link.on_settled = self._settled
         self.user = acting_for or event.username or ""
         try:
-            if limits.bind_sessions_to_users:
-                # Before the takeover: another user's CONNECT must neither end the owner's connection nor
-                # discard the session (a record kept by another node of a cluster is checked on arrival).
-                self._check_owner(await self.registry.session_owner(client_id))
+            # Another user's CONNECT must neither end the owner's connection nor discard the session: the lock
+            # is refused while another user's connection holds it, and the record (here, or fetched from
+            # another node) is checked before anything of it is discarded or resumed.
             self._lock = await self.registry.acquire(
                 client_id, limits.takeover_timeout_ms / 1000, self.user if limits.bind_sessions_to_users else None
             )

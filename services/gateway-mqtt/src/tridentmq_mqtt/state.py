@@ -256,12 +256,6 @@ class Registry:
             await lock.close()
 
     # ------------------------------------------------------------------ session records
-    async def session_owner(self, client_id: str) -> str | None:
-        """The user who created ``client_id``'s persistent session on this node, looked up without creating
-        or changing anything; None when there is no such session here (or its record names nobody)."""
-        found = await self.look_up_session(client_id)
-        return found.state.user if found.state is not None else None
-
     async def look_up_session(self, client_id: str) -> FoundSession:
         """``client_id``'s session on this node and on others, looked up without creating or changing anything."""
         link = await self.link()
