@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tridentmq_core import queues, router
 from tridentmq_core.audit import NullAuditSink
 from tridentmq_core.broker import Broker
 from tridentmq_core.queues import LinkSession, PagerFactory
@@ -18,6 +19,7 @@ from tridentmq_core.security import SecurityManager
 from tridentmq_core.sessions import Session
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.memory import MemoryStore
+from tridentmq_shared.link import codec
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.codec import UNBOUNDED_BYTES, LinkConnection, Role, State
 from tridentmq_shared.link.ops import ErrorCode, NackMode
@@ -238,7 +240,7 @@ class Harness:
                 broker.handle(client.session, client.server.receive_data(data, self.now_s), self.now_ms)
         broker.flush_dispatch(self.now_ms)
         self._drain()
-        self._check_in_flight()
+        self._check_invariants()
 
     def tick(self, now_ms: int) -> None:
         """Advance the clock to ``now_ms`` and run the broker's timers."""
@@ -246,12 +248,23 @@ class Harness:
         self.now_ms = now_ms
         self.broker.tick(now_ms)
         self._drain()
-        self._check_in_flight()
+        self._check_invariants()
 
-    def _check_in_flight(self) -> None:
-        """Each queue keeps its count of in-flight messages instead of summing them: it must be the sum."""
+    def _check_invariants(self) -> None:
+        """Each queue keeps its count of in-flight messages instead of summing them: it must be the sum. The
+        shared empty containers that queues, consumers, trie nodes and codecs hold until their first entry must
+        still be empty (a write into one would be a write into all)."""
         for queue in self.broker.queues.values():
             assert queue.in_flight == sum(len(c.in_flight) for c in queue.consumers), queue.name
+        shared = (
+            queues._NO_COUNTS,
+            queues._NO_GROUPS,
+            queues._NO_LAST_VALUES,
+            queues._NO_ATTEMPTS,
+            router._NOTHING,
+            codec._NO_CONSUMERS,
+        )
+        assert not any(shared), shared
 
     def _drain(self) -> None:
         """Write what the broker marked as having output, exactly as the server shell does: output the

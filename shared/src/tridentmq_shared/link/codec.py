@@ -93,11 +93,11 @@ _CLOSED: Final = State.CLOSED
 _SERVER: Final = Role.SERVER
 _CLIENT: Final = Role.CLIENT
 
-# Field types of control operations after the op code, checked before an event is built.
 #: The consumer windows of a link that has no consumers: one shared empty dict, only ever read (each link
 #: swaps in its own on its first SUBSCRIBE).
 _NO_CONSUMERS: Final[dict[int, int]] = {}
 
+# Field types of control operations after the op code, checked before an event is built.
 _FIELDS: Final[dict[int, tuple[type | tuple[type, ...], ...]]] = {
     Op.HELLO: (list, _OPT_STR, _OPT_STR, str, int, int),
     Op.WELCOME: (int, str, str, int, int, int),
