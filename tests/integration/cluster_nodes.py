@@ -96,6 +96,4 @@ def remote_consumers(node: CoreProcess, queue: str) -> int:
 
 
 def client(node: CoreProcess) -> LinkClient:
-    # A slower heartbeat than the core's 250 ms: a node of a loaded test machine (a cluster per test worker on
-    # two cores) can be quiet for a second, and these clients do not reconnect.
-    return LinkClient("127.0.0.1", node.link_port, reconnect=NO_RECONNECT, heartbeat_ms=1000)
+    return LinkClient("127.0.0.1", node.link_port, reconnect=NO_RECONNECT)

@@ -1506,10 +1506,11 @@ def test_traffic_from_the_peer_keeps_the_link_alive() -> None:
         server.handle_timeout(3.7 + INTERVAL * HEARTBEAT_TIMEOUT_FACTOR + 0.01)
 
 
-def test_a_stall_of_this_side_is_not_the_peers_silence() -> None:
+def test_a_gateway_s_stall_is_not_the_peers_silence() -> None:
     """A timer call long after the one before means this side's loop was busy: the peer's heartbeats may wait
-    unread in the socket. The peer gets its time again, and one that stays silent is found dead after it."""
-    client, _server = open_pair(client_kw=HB, server_kw=HB, now=0.0)
+    unread in the socket. A link that forgives its own stalls (a gateway's) gives the peer its time again, and
+    one that stays silent is found dead after it."""
+    client, _server = open_pair(client_kw={**HB, "forgive_own_stalls": True}, server_kw=HB, now=0.0)
     client.handle_timeout(INTERVAL)
     stalled_until = 10 * INTERVAL * HEARTBEAT_TIMEOUT_FACTOR
     client.handle_timeout(stalled_until)
@@ -1522,6 +1523,18 @@ def test_a_stall_of_this_side_is_not_the_peers_silence() -> None:
         with contextlib.suppress(RemoteProtocolError):
             client.handle_timeout(now)
     assert stalled_until + INTERVAL < now <= stalled_until + INTERVAL * HEARTBEAT_TIMEOUT_FACTOR
+
+
+@pytest.mark.parametrize("role", [Role.CLIENT, Role.SERVER])
+def test_a_node_s_own_pause_shows_as_its_peers_silence(role: Role) -> None:
+    """A node's links do not forgive their own stalls: a node paused past the timeout may have lost its role
+    (its backup took over), and on waking its first timer call finds its peers silent."""
+    client, server = open_pair(client_kw=HB, server_kw=HB, now=0.0)
+    conn = client if role is Role.CLIENT else server
+    conn.handle_timeout(INTERVAL)
+    with pytest.raises(RemoteProtocolError) as info:
+        conn.handle_timeout(10 * INTERVAL * HEARTBEAT_TIMEOUT_FACTOR)
+    assert info.value.code == ErrorCode.HEARTBEAT_TIMEOUT
 
 
 def test_heartbeat_zero_disables_timers() -> None:

@@ -191,6 +191,7 @@ class CoreLinks:
             client_name=client_name,
             client_host=client_host,
             heartbeat_ms=self.heartbeat_ms,
+            forgive_own_stalls=True,  # a gateway's link (see LinkConnection.handle_timeout)
             tls=self.tls,
             acting_for=acting_for,
             channels=self.shared,
@@ -210,6 +211,7 @@ class CoreLinks:
             password=self.settings.password or None,
             client_name=f"{self.name} readiness",
             heartbeat_ms=self.heartbeat_ms,
+            forgive_own_stalls=True,  # a gateway's link (see LinkConnection.handle_timeout)
             tls=self.tls,
         )
         try:
@@ -250,6 +252,7 @@ class CoreLinks:
             password=settings.password or None,
             client_name=f"{self.name} topology",
             heartbeat_ms=self.heartbeat_ms,
+            forgive_own_stalls=True,  # a gateway's link (see LinkConnection.handle_timeout)
             reconnect=reconnect,
             tls=self.tls,
         )

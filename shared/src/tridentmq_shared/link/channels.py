@@ -216,6 +216,7 @@ class SharedLinks:
             password=self.password,
             client_name=f"{self.name} sessions",
             heartbeat_ms=self.heartbeat_ms,
+            forgive_own_stalls=True,  # a gateway's: its stall must not drop every session the link carries
             reconnect=ReconnectPolicy(attempts=0, initial_attempts=1),
             connect_timeout=self.connect_timeout,
             tls=self.tls,

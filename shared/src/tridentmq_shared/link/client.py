@@ -344,6 +344,7 @@ class LinkClient:
         "connect_timeout",
         "failovers",
         "follow_topology",
+        "forgive_own_stalls",
         "heartbeat_ms",
         "host",
         "node_epoch",
@@ -381,6 +382,7 @@ class LinkClient:
         connect_timeout: float = 5.0,
         tls: ClientTls | None = None,
         channels: ChannelOpener | None = None,
+        forgive_own_stalls: bool = False,
     ) -> None:
         #: The nodes this client may use.
         self.nodes = topology or Topology(list(endpoints) if endpoints else [(host, port)], load_balancing)
@@ -392,6 +394,8 @@ class LinkClient:
         self.acting_for = acting_for  # the user ``user`` opens the link for (a gateway's certificate login)
         self.client_host = client_host  # a gateway's client's address, for the core's loopback-only default
         self.heartbeat_ms = heartbeat_ms
+        #: A stall of this process does not count as the node's silence (a gateway's links; see the codec).
+        self.forgive_own_stalls = forgive_own_stalls
         self.reconnect = reconnect or ReconnectPolicy()
         self.connect_timeout = connect_timeout
         self.tls = tls  # connect with TLS (the core's link.tls)
@@ -475,7 +479,7 @@ class LinkClient:
     async def _open(self, host: str, port: int) -> None:
         loop = self._loop = asyncio.get_running_loop()
         self.host, self.port = host, port
-        conn = LinkConnection(Role.CLIENT, heartbeat_ms=self.heartbeat_ms)
+        conn = LinkConnection(Role.CLIENT, heartbeat_ms=self.heartbeat_ms, forgive_own_stalls=self.forgive_own_stalls)
         self._conn = conn
         self._error = None
         self._opened = loop.create_future()

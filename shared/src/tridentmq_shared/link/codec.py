@@ -227,6 +227,7 @@ class LinkConnection:
         "channel_data",
         "consumer_bytes",
         "consumer_credit",
+        "forgive_own_stalls",
         "heartbeat_ms",
         "max_frame_size",
         "max_ops_per_frame",
@@ -251,10 +252,12 @@ class LinkConnection:
         handshake_frame_size: int = DEFAULT_HANDSHAKE_FRAME_SIZE,
         versions: tuple[int, ...] = PROTOCOL_VERSIONS,
         carries_channels: bool = True,
+        forgive_own_stalls: bool = False,
     ) -> None:
         """``handshake_frame_size`` (server): the largest frame accepted until ``accept()``, whoever the peer.
         ``carries_channels`` False: the link is itself a channel, and a CHANNEL in it is a protocol error
-        (channels do not nest: a link's ``max_channels`` bounds its sessions)."""
+        (channels do not nest: a link's ``max_channels`` bounds its sessions). ``forgive_own_stalls``: see
+        ``handle_timeout``."""
         if max_frame_size < MIN_FRAME_SIZE:
             raise ValueError(f"max_frame_size must be at least {MIN_FRAME_SIZE}")
         if handshake_frame_size < MIN_HANDSHAKE_FRAME_SIZE:
@@ -263,6 +266,7 @@ class LinkConnection:
             raise ValueError(f"versions must be among {PROTOCOL_VERSIONS}")
         self.role = role
         self.carries_channels = carries_channels
+        self.forgive_own_stalls = forgive_own_stalls
         self.versions = versions  # offered (client) or accepted (server); a subset only to test older peers
         self.state = State.HANDSHAKE
         self.version = 0
@@ -663,15 +667,17 @@ class LinkConnection:
     def handle_timeout(self, now: float) -> None:
         """Queue a heartbeat if we have been silent; raise if the peer has been silent too long.
 
-        The shell calls it at its deadlines (``next_deadline``, at most an interval apart). A call more than
-        ``STALL_INTERVALS`` intervals after the one before tells of a stall on this side (its event loop busy
-        or paused): what the peer sent meanwhile may be waiting unread, so the stall does not count as the
-        peer's silence. A gateway busy for a second must not drop the thousands of sessions its link
-        carries, and then again while it restores them."""
+        The shell calls it at its deadlines (``next_deadline``, at most an interval apart). With
+        ``forgive_own_stalls``, a call more than ``STALL_INTERVALS`` intervals after the one before tells of a
+        stall on this side (its event loop busy or paused): what the peer sent meanwhile may be waiting unread,
+        so the stall does not count as the peer's silence. That is for a gateway's links: a gateway busy for a
+        second must not drop the thousands of sessions its shared link carries, and then again while it
+        restores them. Never for a node's own links: a node that was paused may have lost its role meanwhile
+        (its backup took over), and its peers' silence is what tells it so on waking."""
         if self.state is not _OPEN or self.heartbeat_ms <= 0:
             return
         interval = self.heartbeat_ms / 1000
-        if now - self._last_timer > interval * STALL_INTERVALS:
+        if self.forgive_own_stalls and now - self._last_timer > interval * STALL_INTERVALS:
             self._last_recv = max(self._last_recv, now - interval)
         self._last_timer = now
         if now - self._last_recv >= interval * HEARTBEAT_TIMEOUT_FACTOR:
