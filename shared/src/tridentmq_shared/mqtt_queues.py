@@ -42,9 +42,9 @@ _SPECIAL: Final = str.maketrans(dict.fromkeys(" .*#:%", "_"))
 def _readable(text: str, limit: int) -> str:
     """A non-empty core word that shows ``text`` to people: characters the core treats specially become '_'."""
     text = text[:limit]
-    if text.isprintable():  # the usual case, a C loop instead of a Python one per character
-        return text.translate(_SPECIAL) or "_"
-    return "".join(c if c.isprintable() and c not in " .*#:%" else "_" for c in text) or "_"
+    if not text.isprintable():  # rare: the usual case stays a C loop instead of a Python one per character
+        text = "".join(c if c.isprintable() else "_" for c in text)
+    return text.translate(_SPECIAL) or "_"
 
 
 def subscription_queue(client_id: str, topic_filter: str) -> str:
