@@ -238,7 +238,11 @@ async def test_a_backup_whose_primary_confirmed_more_after_losing_it_never_takes
 
 async def test_paused_primary_confirms_nothing_after_waking_and_is_fenced(tmp_path: Path) -> None:
     """SIGSTOP a primary while a producer publishes to it; its backup takes over; SIGCONT: the old primary
-    must not confirm a single publish after it wakes, and every confirmed message is on the new active."""
+    must not confirm a single publish after it wakes, and every confirmed message is on the new active.
+
+    The producer's link outlives the pause (a 1 s heartbeat: 4 s of silence allowed), as a client's does
+    whose heartbeat is slower than a takeover; the woken primary reads what it sent meanwhile, and what
+    the backup acknowledged before it took over, before it hears of the takeover."""
     a, b, c = three_pairs(tmp_path)
     attempted: list[bytes] = []
     confirmed: list[bytes] = []
@@ -255,7 +259,7 @@ async def test_paused_primary_confirms_nothing_after_waking_and_is_fenced(tmp_pa
             confirmed_after_wake.append(body)
 
     async def produce() -> None:
-        async with client(a.primary) as producer:
+        async with LinkClient("127.0.0.1", a.primary.link_port, reconnect=NO_RETRY, heartbeat_ms=1000) as producer:
             i = 0
             while not stop.is_set():
                 body = b"v%d" % i

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -37,7 +38,7 @@ from tridentmq_core.ha.pair import (
     validate_ha_settings,
 )
 from tridentmq_core.ha.shared_store import SharedStore, journal_for_epoch
-from tridentmq_core.ha.source import ReplicationSource
+from tridentmq_core.ha.source import ReplicationSource, takeover_time
 from tridentmq_core.ha.voting import Voter, VoteStore, primary_may_activate
 from tridentmq_core.log_window import LogWindow
 from tridentmq_core.logins import LoginGuard
@@ -217,8 +218,13 @@ class LinkProtocol(asyncio.Protocol):
         self.close_transport()
 
     def data_received(self, data: bytes) -> None:
+        now = time.monotonic()
+        node = self.node
+        if now - node.turned_at > node.stall_limit:
+            node.stalled(now)  # before this input, which may have waited out the stall
+        node.turned_at = now
         try:
-            events = self.conn.receive_data(data, time.monotonic())
+            events = self.conn.receive_data(data, now)
         except LinkError as exc:
             self.fail(exc)
             return
@@ -500,6 +506,10 @@ class CoreNode:
         self.votes = VoteStore(data_dir) if self.clusters else None
         self.voter = Voter(self.votes, settings, lambda: self.cluster) if self.votes is not None else None
         self.replication: ReplicationSource | None = None
+        # When this process last ran (a link's input or a tick), and how long it may stand still before its
+        # backup could have taken over: past that, its replication source is told before any input is handled.
+        self.turned_at = time.monotonic()
+        self.stall_limit = takeover_time(settings) if settings.ha.policy == REPLICATION else math.inf
         self.scale_down_requested = False  # an operator asked this node to scale down and stop
         self.backup: BackupRunner | None = None
         self.shared: SharedStore | None = None
@@ -894,6 +904,12 @@ class CoreNode:
         log.warning("scale-down requested by an operator: moving every message to other nodes, then stopping")
         asyncio.get_running_loop().call_later(0.2, os.kill, os.getpid(), signal.SIGTERM)
 
+    def stalled(self, now: float) -> None:
+        """This process ran nothing (paused, or its loop blocked) for longer than ``stall_limit``: its pair's
+        backup may have taken over meanwhile. Called before anything that waited out the stall is handled."""
+        if self.replication is not None:
+            self.replication.stalled(now - self.turned_at)
+
     def abort_link(self, conn_id: str) -> None:
         """Drop a link's connection at once: its peer does not read (a close would wait for it for ever)."""
         protocol = self.protocols.get(conn_id)
@@ -1024,9 +1040,13 @@ class CoreNode:
 
     async def _tick_forever(self) -> None:
         last_second = 0.0
+        self.turned_at = time.monotonic()  # the start (a journal's replay, say) is no stall
         while True:
             await asyncio.sleep(TICK_SECONDS)
             mono = time.monotonic()
+            if mono - self.turned_at > self.stall_limit:
+                self.stalled(mono)
+            self.turned_at = mono
             self.broker.tick(wall_ms())
             if self.replication is not None:
                 self.replication.tick()

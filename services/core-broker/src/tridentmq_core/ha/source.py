@@ -32,6 +32,12 @@ from tridentmq_shared.supervision import spawn
 log = logging.getLogger("tridentmq.core.ha")
 
 
+def takeover_time(settings: CoreSettings) -> float:
+    """The earliest, in seconds, a backup that lost this node can be active: it notices (a heartbeat timeout),
+    then the voters must have missed this node for the vote grace."""
+    return (settings.link.heartbeat_ms * HEARTBEAT_TIMEOUT_FACTOR + settings.ha.vote_grace_ms) / 1000
+
+
 class ReplicationSource:
     """The active node's side of its pair: one backup at a time."""
 
@@ -77,6 +83,7 @@ class ReplicationSource:
         self.held_since = 0.0  # monotonic: confirms wait for a quorum since then (0: they do not)
         self._progress_at = 0.0  # monotonic: the backup last acknowledged something, or had nothing to
         self._stay_task: asyncio.Task[None] | None = None
+        self._dropped = False  # the backup is being dropped (``stalled``): what it acknowledges no longer counts
 
     @property
     def journal(self) -> Journal:
@@ -157,7 +164,7 @@ class ReplicationSource:
 
     def acked(self, session: Session, upto: int) -> None:
         feed, link = self.feed, self._link
-        if session is not self.session or feed is None or link is None:
+        if session is not self.session or feed is None or link is None or self._dropped:
             return
         self._progress_at = time.monotonic()
         try:
@@ -220,6 +227,7 @@ class ReplicationSource:
             self._check_progress(session, feed)
             return
         self.session = self.feed = self._link = None
+        self._dropped = False
         self._members_changed()
         self.journal.tap = None
         self.store.on_copied = lambda answer_int: None
@@ -242,6 +250,22 @@ class ReplicationSource:
         )
         self.held_since = time.monotonic()
         self._stay_task = spawn(self._ask_to_stay(), "ha-stay")
+
+    def stalled(self, seconds: float) -> None:
+        """This node stood still for ``seconds``, long enough for its backup to have taken over (a SIGSTOP, a
+        blocked loop). Before anything that waited meanwhile is handled, the backup is dropped as lost, so
+        that nothing is confirmed from now on until a quorum says this node may go on: an acknowledgement the
+        backup sent before it took over would otherwise let this node confirm writes to clients that should
+        have been sent on (``tick`` then waits for a quorum as for any lost backup)."""
+        session, feed = self.session, self.feed
+        if session is None or feed is None or self._dropped or self.failing_back:
+            return
+        log.warning(
+            "this node stood still longer than its backup needs to take over: dropping the backup",
+            extra={"backup": self.backup, "stalled_s": round(seconds, 3)},
+        )
+        self._dropped = True
+        self._abort_link(session.conn_id)
 
     def _check_progress(self, session: Session, feed: ReplicaFeed) -> None:
         """A backup that acknowledges nothing for a heartbeat timeout while records wait is lost, even if its
@@ -296,7 +320,7 @@ class ReplicationSource:
                 self.cut_off = False
                 self.store.limit_confirms(None)
                 return
-            if not self.cut_off and time.monotonic() - self.held_since >= self._takeover_time():
+            if not self.cut_off and time.monotonic() - self.held_since >= takeover_time(self.settings):
                 # The backup may be active by now: saying "active" and keeping the clients, whose writes
                 # are never confirmed here, would strand them. They are sent on (to the backup first).
                 log.warning(
@@ -306,11 +330,6 @@ class ReplicationSource:
                 self.cut_off = True
                 self._cut_off()
             await asyncio.sleep(retry)
-
-    def _takeover_time(self) -> float:
-        """The earliest a backup that lost this node can be active: it notices (a heartbeat timeout), then
-        the voters must have missed this node for the vote grace."""
-        return (self.settings.link.heartbeat_ms * HEARTBEAT_TIMEOUT_FACTOR + self.settings.ha.vote_grace_ms) / 1000
 
     def status(self) -> dict[str, Any]:
         feed = self.feed
