@@ -34,6 +34,7 @@ from tests.redis_server import RedisServer
 from tridentmq_shared.cli.admin import cluster_lines
 from tridentmq_shared.link.client import Consumer, LinkClient
 from tridentmq_shared.link.errors import LinkRequestError
+from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.message import HOME_PROPERTY, M_BODY, M_ID, M_PROPS, RoutingType, new_message
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster]
@@ -454,7 +455,8 @@ async def test_a_restarted_node_serves_clients_only_once_the_others_told_it_thei
     reported its subscription, and the first message a accepts reaches it."""
     a, b = start_cluster(tmp_path, 2)
     port = a.link_port
-    async with client(b) as bc:
+    # The subscriber's link outlives b's pause (which lasts while a starts): a 5 s heartbeat, 20 s of silence.
+    async with LinkClient("127.0.0.1", b.link_port, reconnect=NO_RECONNECT, heartbeat_ms=5000) as bc:
         await bc.create_queue("join-b", "join.news", routing_type=RoutingType.MULTICAST, durable=True)
         subscriber = await bc.subscribe("join-b", credit=10)
         wait_until(lambda: remote_consumers(a, "join-b") == 1, what="a to see the subscriber on b")
@@ -477,10 +479,11 @@ async def test_a_restarted_node_serves_clients_only_once_the_others_told_it_thei
                     await attempt.connect()
                     publisher = attempt
                 except LinkRequestError as exc:
+                    if exc.code == ErrorCode.EOF:  # no answer: a is not listening yet
+                        await asyncio.sleep(0.01)
+                        continue
                     answers.append(exc.text)
                     b.process.send_signal(signal.SIGCONT)  # a is up, waiting for b: let b answer
-                except OSError:
-                    await asyncio.sleep(0.01)  # a is not listening yet
             await publisher.publish(new_message("join.news", b"first", durable=True, routing=RoutingType.MULTICAST))
             await publisher.close()
         finally:
