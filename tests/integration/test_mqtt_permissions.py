@@ -45,6 +45,7 @@ CONFIG = (
     + _rule("sensors.*", "consume", "app")  # one level under sensors, nothing deeper
     + _rule("test.#", "consume", "app")
     + _rule("test.nosubscribe", "consume", "app", deny=True)  # paho's test: refused inside a granted test/#
+    + _rule("readonly.#", "send", "app", deny=True)
 )
 
 
@@ -88,6 +89,30 @@ def test_a_wildcard_subscription_needs_every_topic_it_can_match(
     finally:
         alice.disconnect()
         publisher.disconnect()
+
+
+@pytest.mark.parametrize("version", [5, 4])
+def test_a_refused_qos_0_message_is_dropped_and_logged_and_the_connection_goes_on(
+    gateway: GatewayProcess, version: int
+) -> None:
+    """QoS 0 has no answer to carry a refusal: the core drops the message, the gateway logs it, and the
+    publisher's next messages go through on the same connection."""
+    watcher = Paho(gateway.port, f"watch-{version}", version=version, username="gw", password="gw-secret")
+    watcher.connect()
+    bob = Paho(gateway.port, f"bob-{version}", version=version, username="bob", password="bob-pw")
+    bob.connect()
+    try:
+        assert _codes(watcher.subscribe("readonly/#", 0)) == [0]
+        assert _codes(watcher.subscribe("test/after", 0)) == [0]
+        bob.publish("readonly/a", b"refused", 0)
+        bob.publish("test/after", b"qos 0", 0)
+        bob.publish("test/after", b"qos 1", 1)  # its PUBACK: the connection is still up
+        assert sorted(m.payload for m in watcher.receive(2)) == [b"qos 0", b"qos 1"]
+        assert watcher.nothing_more()
+        wait_until(lambda: "mqtt publish refused" in gateway.log(), what="the refusal logged")
+    finally:
+        watcher.disconnect()
+        bob.disconnect()
 
 
 # ---------------------------------------------------------------------------------------------- session ownership

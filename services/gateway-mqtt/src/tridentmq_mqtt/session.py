@@ -323,11 +323,17 @@ class MqttSession:
             message = self._message(event)
             if message is None:
                 return True
-            confirmed = link.try_send(message)
-            if confirmed is None:
-                return False  # ``_publish`` waits for the link (and makes the message again)
+            if event.qos == 0:
+                # No answer to wait for: sent without a confirm future (at most once, as QoS 0 is); a refusal
+                # comes to ``_qos0_refused``. One too large for the link is refused by ``_publish``.
+                if not link.body_fits(message) or link.send_if_open(message) < 0:
+                    return False  # ``_publish`` waits for the link (and makes the message again)
+            else:
+                confirmed = link.try_send(message)
+                if confirmed is None:
+                    return False
+                self._answers.waits(Pending(confirmed, event.packet_id or 0, event.qos, event.topic))
             self.counters.messages_published += 1
-            self._answers.waits(Pending(confirmed, event.packet_id or 0, event.qos, event.topic))
             return True
         if kind is ev.PubackReceived:
             assert isinstance(event, ev.PubackReceived)
@@ -421,6 +427,7 @@ class MqttSession:
         self.link = link
         link.on_closed = self._link_closed
         link.on_settled = self._settled
+        link.on_rejected = self._qos0_refused
         self.user = acting_for or event.username or ""
         try:
             # Another user's CONNECT must neither end the owner's connection nor discard the session: the lock
@@ -698,6 +705,10 @@ class MqttSession:
                 conn.puback(answer.packet_id)
             elif answer.qos == 2:
                 conn.pubrec(answer.packet_id)
+
+    def _qos0_refused(self, _seq: int, code: str, text: str) -> None:
+        """The core refused a QoS 0 message sent without a confirm future: there is no answer to give."""
+        log.info("mqtt publish refused", extra={"peer": self.wire.peer, "qos": 0, "code": code, "reason": text[:200]})
 
     def _refused(self, refusal: Refusal) -> None:
         log.info(
