@@ -33,7 +33,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from tridentmq_mqtt import convert, messages
+from tridentmq_mqtt import convert, messages, outbound
 from tridentmq_mqtt.convert import ConversionError
 from tridentmq_mqtt.feeds import Encodings, Feed, Feeds, Numbering, numbering
 from tridentmq_mqtt.protocol import events as ev
@@ -147,16 +147,14 @@ class MqttSession:
         "_addresses",
         "_answers",
         "_background",
-        "_completed_out",
         "_connected",
         "_disconnecting",
         "_driver",
         "_dropping",
         "_holder",
-        "_inflight",
         "_lock",
         "_loop",
-        "_parked",
+        "_outbound",
         "_queues",
         "_topics",
         "_will_key",
@@ -213,10 +211,7 @@ class MqttSession:
         self._will_key = ""
         # Lists, not deques: an empty deque is 600 bytes, and each is taken whole (a batch) or cut once.
         self._answers: PublishAnswers[asyncio.Future[None]] = PublishAnswers()  # of the client's PUBLISH packets
-        self._inflight: dict[int, _Outgoing] = {}  # packet id → what the client is to acknowledge
-        self._parked: list[_Outgoing] = []  # waiting for the client's receive maximum or a packet id
-        # Message ids of QoS 2 flows completed after a resume (made when one is: an empty set is 216 bytes).
-        self._completed_out: set[int] | None = None
+        self._outbound: outbound.Outbound[_Outgoing] = outbound.Outbound()  # QoS 1/2 PUBLISH packets to the client
         self._acks: dict[Sub, list[int]] = {}  # acknowledged by the client, for the core at the next flush
         self._addresses: dict[str, str] = {}  # topic → address
         self._topics: dict[str, tuple[str, bytes]] = {}  # address → topic, and as a PUBLISH encodes it
@@ -1005,7 +1000,7 @@ class MqttSession:
         sub.closed = True
         if sub.consumer is not None:
             sub.consumer.on_wake = None
-        self._parked = [o for o in self._parked if o.sub is not sub]
+        self._outbound.forget_parked(lambda out: out.sub is sub)
         self._not_solo(sub)
         if sub.consumer is None:
             await self.feeds.leave(sub)
@@ -1103,8 +1098,8 @@ class MqttSession:
 
     def _deliver(self, out: _Outgoing) -> None:
         """Send a QoS 1/2 message, or park it while the client's window is full or its packet id is taken."""
-        if self._parked or not self._try_send(out):
-            self._parked.append(out)
+        if self._outbound.must_wait() or not self._try_send(out):
+            self._outbound.parked.append(out)
 
     def _try_send(self, out: _Outgoing) -> bool:
         message = out.message
@@ -1112,16 +1107,12 @@ class MqttSession:
             packet_id = None
         else:
             message_id = message[M_ID]
-            packet_id = message_id % 0xFFFF + 1
-            completed = self._completed_out
-            if self.state.released_out.get(packet_id) == message_id or (
-                completed is not None and message_id in completed
-            ):
-                # The client has it (its PUBREC is recorded) and the ack was lost with a connection.
+            if self._outbound.client_has(message_id, self.state.released_out):
                 assert out.sub is not None
                 assert out.sub.consumer is not None
                 out.sub.consumer.ack_ids([message_id])
                 return True
+            packet_id = outbound.packet_id(message_id)
             if self.conn.in_flight(packet_id):
                 return False
         if self.conn.send_window <= 0:
@@ -1135,7 +1126,7 @@ class MqttSession:
         if sent == 0:  # too large for the client: dropped as if sent ([MQTT-3.1.2-25])
             self._done(out)
         else:
-            self._inflight[sent] = out
+            self._outbound.sent(sent, out)
         return True
 
     def _write_or_refuse(
@@ -1209,7 +1200,7 @@ class MqttSession:
 
     def _acknowledged(self, packet_id: int) -> None:
         """PUBACK: the message is the client's."""
-        out = self._inflight.pop(packet_id, None)
+        out = self._outbound.acknowledged(packet_id)
         if out is not None:
             self._done(out)
             self._unpark()
@@ -1217,9 +1208,9 @@ class MqttSession:
     async def _received(self, event: ev.PubrecReceived) -> None:
         """PUBREC: record that the client has the message before the PUBREL (which forbids sending it again)."""
         packet_id = event.packet_id
-        out = self._inflight.get(packet_id)
+        out = self._outbound.in_flight.get(packet_id)
         if event.reason_code >= rc.UNSPECIFIED_ERROR:  # the client refused it: done all the same
-            self._inflight.pop(packet_id, None)
+            self._outbound.acknowledged(packet_id)
             if out is not None:
                 self._done(out)
             self._unpark()
@@ -1238,12 +1229,7 @@ class MqttSession:
 
     def _completed(self, packet_id: int) -> None:
         """PUBCOMP: the QoS 2 flow is over."""
-        self._inflight.pop(packet_id, None)
-        message_id = self.state.released_out.pop(packet_id, None)
-        if message_id is not None:
-            if self._completed_out is None:
-                self._completed_out = set()
-            self._completed_out.add(message_id)  # its core ack may have died with a gateway: see _try_send
+        message_id = self._outbound.completed(packet_id, self.state.released_out)
         if message_id is not None and self.persistent:
             # Not awaited: should it be lost, the stale entry only costs a PUBREL answered by PUBCOMP.
             self.registry.save(self.client_id, self.state).add_done_callback(_retrieve)
@@ -1260,14 +1246,10 @@ class MqttSession:
                 acks.append(out.message[M_ID])
 
     def _unpark(self) -> None:
-        parked = self._parked
-        sent = 0
-        for out in parked:
-            if self.conn.closed or not self._try_send(out):
-                break
-            sent += 1
-        if sent:
-            del parked[:sent]
+        self._outbound.unpark(self._send_parked)
+
+    def _send_parked(self, out: _Outgoing) -> bool:
+        return not self.conn.closed and self._try_send(out)
 
     # ------------------------------------------------------------------ the end
     async def _disconnect(self, event: ev.Disconnect) -> None:
