@@ -33,7 +33,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from tridentmq_mqtt import convert, messages, outbound
+from tridentmq_mqtt import connecting, convert, messages, outbound
 from tridentmq_mqtt.convert import ConversionError
 from tridentmq_mqtt.feeds import Encodings, Feed, Feeds, Numbering, numbering
 from tridentmq_mqtt.protocol import events as ev
@@ -72,7 +72,6 @@ from tridentmq_shared.session_driver import HANDLING_BUGS, SessionDriver
 
 log = logging.getLogger("tridentmq.mqtt")
 
-_NEVER = 0xFFFFFFFF  # session expiry interval meaning "does not expire"
 #: Refusals of the core as 5.0 reason codes (PUBACK, PUBREC, SUBACK).
 _CACHE_LIMIT = 4096  # topics remembered per connection in each direction
 
@@ -370,22 +369,13 @@ class MqttSession:
     async def _connect(self, event: ev.Connect) -> None:
         limits = self.settings.mqtt
         self.version = event.version
-        client_id = event.client_id
-        assigned = None
-        if not client_id:
-            if event.version != V5 and not event.clean_start:
-                self._refuse(rc.CLIENT_IDENTIFIER_NOT_VALID, "an empty client id needs a clean session")
-                return
-            client_id = assigned = f"auto-{uuid.uuid4().hex}"
-        self.client_id = client_id
-        props = event.properties
-        asked = (props.session_expiry_interval or 0) if event.version == V5 else (0 if event.clean_start else _NEVER)
-        self.expiry_s = min(asked, limits.max_session_expiry_s)
-        try:
-            password = event.password.decode("utf-8") if event.password is not None else None
-        except UnicodeDecodeError:
-            self._refuse(rc.BAD_USER_NAME_OR_PASSWORD, "the password is not UTF-8")
+        terms = connecting.negotiate(event, limits, _new_client_id)
+        if isinstance(terms, connecting.Refused):
+            self._refuse(terms.reason_code, terms.text)
             return
+        self.client_id = client_id = terms.client_id
+        self.expiry_s = terms.expiry_s
+        password = terms.password
         will_message = None
         if event.will is not None:
             try:
@@ -433,10 +423,7 @@ class MqttSession:
             )
             previous = await self._open_session(event.clean_start)
             self._will_key = convert.lock_queue(client_id)  # unique per client id, and short
-            delay_ms = 0
-            if event.will is not None:
-                delay = event.will.properties.will_delay_interval or 0
-                delay_ms = min(delay, self.expiry_s) * 1000  # the will goes when the session ends, at the latest
+            delay_ms = connecting.will_delay_ms(event.will, self.expiry_s) if event.will is not None else 0
             await link.set_will(self._will_key, will_message, delay_ms=delay_ms, publish_pending=event.clean_start)
         except SessionBusyError as exc:
             self._refuse(rc.SERVER_BUSY, str(exc))
@@ -467,22 +454,6 @@ class MqttSession:
             log.info("mqtt session refused", extra={"peer": self.wire.peer, "reason": exc.text})
             self._refuse(code, exc.text)
             return
-        keep_alive = None
-        if event.version == V5 and limits.max_keep_alive_s and not 0 < event.keep_alive <= limits.max_keep_alive_s:
-            keep_alive = limits.max_keep_alive_s
-        granted = NO_PROPERTIES
-        if event.version == V5:
-            response_information = None
-            if props.request_response_information and limits.response_information_prefix:
-                response_information = f"{limits.response_information_prefix}{client_id}"
-                if any(c in response_information for c in "+#\x00"):  # a client id no topic may hold
-                    response_information = None
-            granted = Properties(
-                session_expiry_interval=self.expiry_s if self.expiry_s != asked else None,
-                response_information=response_information,
-            )
-            if granted == NO_PROPERTIES:
-                granted = NO_PROPERTIES
         if self.conn.closed:  # the client closed its side while the core was asked: no one reads a CONNACK
             log.info("mqtt client left before its CONNACK", extra={"peer": self.wire.peer, "client_id": client_id})
             self._end()
@@ -490,9 +461,9 @@ class MqttSession:
         self.conn.accept(
             time.monotonic(),
             session_present=previous is not None and not event.clean_start,
-            assigned_client_id=assigned,
-            server_keep_alive=keep_alive,
-            properties=granted,
+            assigned_client_id=terms.assigned_client_id,
+            server_keep_alive=terms.server_keep_alive,
+            properties=terms.properties,
         )
         self._connected = True
         self.wire.logged_in()
@@ -1396,3 +1367,8 @@ def _retrieve(future: asyncio.Future[None]) -> None:
     """Mark a failure nobody waits for as seen (asyncio would warn); the link's loss is handled elsewhere."""
     if not future.cancelled():
         future.exception()
+
+
+def _new_client_id() -> str:
+    """The id the server assigns to a client that sent an empty one."""
+    return f"auto-{uuid.uuid4().hex}"
