@@ -33,7 +33,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from tridentmq_mqtt import connecting, convert, messages, outbound
+from tridentmq_mqtt import connecting, convert, messages, outbound, subscribing
 from tridentmq_mqtt.convert import ConversionError
 from tridentmq_mqtt.feeds import Encodings, Feed, Feeds, Numbering, numbering
 from tridentmq_mqtt.protocol import events as ev
@@ -727,7 +727,7 @@ class MqttSession:
                 codes.append(rc.NOT_AUTHORIZED if exc.code == ErrorCode.FORBIDDEN else rc.UNSPECIFIED_ERROR)
                 continue
             codes.append(request.qos)
-            if not sub.shared and (request.retain_handling == 0 or (request.retain_handling == 1 and new)):
+            if subscribing.sends_retained(request.retain_handling, shared=sub.shared, new=new):
                 retained.append((sub, new))
         if self.persistent:
             await self.registry.save(self.client_id, self.state)
@@ -737,13 +737,11 @@ class MqttSession:
             await self._send_retained(sub)
 
     async def _add_sub(self, request: Subscription, subscription_id: int | None) -> tuple[Sub, bool]:
-        group, _ = convert.parse_subscription(request.topic_filter, shared=self.version == V5)
-        if group is not None and request.no_local:
-            raise ConversionError("no-local on a shared subscription", rc.PROTOCOL_ERROR)
+        subscribing.check_options(request.topic_filter, no_local=request.no_local, v5=self.version == V5)
         options = StoredSubscription(request.qos, request.no_local, request.retain_as_published, subscription_id)
         existing = self.subs.get(request.topic_filter)
-        if existing is not None and ((existing.consumer is not None and not existing.auto_ack) or options.qos == 0):
-            # The same filter again: new options, same queue (nothing queued is lost).
+        acknowledged = existing is not None and existing.consumer is not None and not existing.auto_ack
+        if existing is not None and subscribing.keeps_its_queue(acknowledged=acknowledged, qos=options.qos):
             existing.options = options
             if options.qos:
                 self._not_solo(existing)
@@ -763,19 +761,23 @@ class MqttSession:
         is the durable one of the earlier session, even when this session ends with its connection)."""
         link = self.link
         assert link is not None
-        group, topic_filter = convert.parse_subscription(text, shared=self.version == V5)
-        pattern = convert.filter_to_pattern(topic_filter)
+        planned = subscribing.plan(
+            text,
+            options.qos,
+            v5=self.version == V5,
+            client_id=self.client_id,
+            persistent=self.persistent,
+            resumed=resumed,
+        )
+        topic_filter, pattern, queue, fannable = planned.topic_filter, planned.pattern, planned.queue, planned.fannable
         expiry_ms = self.expiry_s * 1000
-        fannable = options.qos == 0 and group is None and not (self.persistent or resumed)
         if fannable and self.feeds.fans_out(link.user, topic_filter):
             return await self._join_feed(self.feeds, text, topic_filter, options)
-        if group is not None:
-            queue = convert.shared_queue(group, topic_filter)
+        if planned.kind is subscribing.QueueKind.SHARED:
             await link.create_queue(
                 queue, pattern, routing_type=RoutingType.MULTICAST, durable=True, expires_ms=expiry_ms
             )
-        elif self.persistent or resumed:
-            queue = convert.subscription_queue(self.client_id, topic_filter)
+        elif planned.kind is subscribing.QueueKind.DURABLE:
             # A resumed queue gets this session's expiry once it is consumed from: set now, the expiry would
             # count the time the queue waited for the client, and a shorter one (0: the session ends with this
             # connection) could delete it, with its messages, before the consumer reaches it.
@@ -800,10 +802,9 @@ class MqttSession:
         else:  # this connection's own: an earlier connection of the client may still be dropping its own
             # Numbered too: a queue of this filter dropped in the background must not take a new one with it.
             self._queues += 1
-            queue = f"{convert.subscription_queue(self.client_id, topic_filter)}.{self.id}.{self._queues}"
+            queue = f"{queue}.{self.id}.{self._queues}"
             await link.create_queue(queue, pattern, routing_type=RoutingType.MULTICAST, durable=False, temporary=True)
-        limits = self.settings.mqtt
-        window = limits.qos0_window if options.qos == 0 else min(limits.max_inflight, self.conn.client_receive_maximum)
+        window = subscribing.window(options.qos, self.settings.mqtt, self.conn.client_receive_maximum)
         # A queue that expires at once (expiry 0) may be gone before this consumer reaches it: then the core
         # makes it again from these, as the subscription's queue, not as an anycast queue of its name. QoS 0
         # messages of a queue that goes with this connection are done once sent (``fannable``): acknowledging
@@ -816,7 +817,7 @@ class MqttSession:
             credit_bytes=self.settings.core.consumer_window_bytes,
             address=pattern,
             routing_type=int(RoutingType.MULTICAST),
-            durable=group is not None or self.persistent or resumed,
+            durable=planned.durable,
         )
         if resumed:
             await link.create_queue(queue, pattern, routing_type=RoutingType.MULTICAST, expires_ms=expiry_ms)
@@ -824,7 +825,7 @@ class MqttSession:
             text,
             topic_filter,
             queue,
-            group is not None,
+            planned.group is not None,
             options,
             consumer,
             dollar_safe=topic_filter[:1] in ("+", "#"),
