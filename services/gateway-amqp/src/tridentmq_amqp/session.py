@@ -25,7 +25,7 @@ from cproton_ffi import ffi, lib
 from proton import Condition, Delivery, Endpoint, Link, Terminus, ulong
 from proton import Described as PnDescribed
 
-from tridentmq_amqp import convert, messages
+from tridentmq_amqp import convert, messages, receiving
 from tridentmq_amqp.links import (
     DECLARE,
     DECLARED,
@@ -518,55 +518,49 @@ class AmqpSession:
             node = convert.resolve(remote.address, terminus_symbols(remote.capabilities))
         else:
             raise convert.ConversionError("a receiving link needs a source address (or a dynamic source)")
-        selector = terminus_selector(remote.filter)
-        durable = remote.durability != Terminus.NONDURABLE or remote.expiry_policy == Terminus.EXPIRE_NEVER
-        queue, temporary = node.queue or node.address, False
-        # Without a prefix or capability, a consumer takes from the anycast queue of that name (auto-created).
-        routing = convert.ANYCAST if node.routing == ROUTING_DEFAULT else node.routing
         capabilities = terminus_symbols(remote.capabilities)
-        shared = "shared" in capabilities and routing == convert.MULTICAST and node.queue is None
-        if shared:  # JMS 2.0 shared subscriptions: every link of that name, on any connection, shares one queue
-            queue = convert.shared_subscription_queue(
-                self.container_id, link.name, shared_globally="global" in capabilities
-            )
-            await self._shared_queue(queue, node.address, durable=durable, selector=selector)
-        elif node.queue is None and routing == convert.MULTICAST:
-            if durable:
-                queue = convert.durable_subscription_queue(self.container_id, link.name)
-                await self._subscription_queue(queue, node.address, durable=True, selector=selector)
-            else:
-                queue, temporary = f"amqp.{self.id}.{next(self._temporary)}", True
-                await self._subscription_queue(queue, node.address, durable=False, selector=selector)
-        # A copying source on a queue browses it (as in Artemis): messages are shown, not taken.
-        browse = remote.distribution_mode == Terminus.DIST_MODE_COPY and routing != convert.MULTICAST
-        presettled = browse or link.remote_snd_settle_mode == Link.SND_SETTLED
+        source = receiving.Source(
+            node,
+            capabilities,
+            durable=remote.durability != Terminus.NONDURABLE or remote.expiry_policy == Terminus.EXPIRE_NEVER,
+            copy=remote.distribution_mode == Terminus.DIST_MODE_COPY,
+            settled=link.remote_snd_settle_mode == Link.SND_SETTLED,
+            selector=terminus_selector(remote.filter),
+        )
+        planned = receiving.plan(source, container_id=self.container_id, link_name=link.name)
+        queue, kind = planned.queue, planned.kind
+        if kind is receiving.QueueKind.SHARED:  # JMS 2.0 shared subscriptions
+            await self._shared_queue(queue, node.address, durable=planned.durable, selector=planned.queue_selector)
+        elif kind is receiving.QueueKind.DURABLE_SUBSCRIPTION:
+            await self._subscription_queue(queue, node.address, durable=True, selector=planned.queue_selector)
+        elif kind is receiving.QueueKind.VOLATILE_SUBSCRIPTION:
+            queue = f"amqp.{self.id}.{next(self._temporary)}"
+            await self._subscription_queue(queue, node.address, durable=False, selector=planned.queue_selector)
         consumer = await self.link.subscribe(
             queue,
             credit=limits.prefetch,
-            selector=None if (durable or temporary) and routing == convert.MULTICAST else selector,
-            credit_on_settle=not presettled,
-            browse=browse,
+            selector=planned.consumer_selector,
+            credit_on_settle=not planned.presettled,
+            browse=planned.browse,
             credit_bytes=self.settings.core.consumer_window_bytes,
         )
         link.source.copy(remote)
         if remote.dynamic:
             link.source.address = node.address
-        capability = convert.capability_of(routing)
-        if capability is not None and not capabilities:
-            put_capabilities(link.source.capabilities, capability)
+        if planned.announce is not None:
+            put_capabilities(link.source.capabilities, planned.announce)
         link.target.copy(link.remote_target)
-        link.snd_settle_mode = Link.SND_SETTLED if presettled else Link.SND_UNSETTLED
+        link.snd_settle_mode = Link.SND_SETTLED if planned.presettled else Link.SND_UNSETTLED
         link.open()
-        subscription = routing == convert.MULTICAST and node.queue is None
         outbound = Outbound(
             pn_link := link._impl,
             consumer,
-            presettled,
-            browse,
+            planned.presettled,
+            planned.browse,
             queue,
-            durable=subscription and durable,
-            temporary=temporary,
-            shared=shared,
+            durable=planned.durable,
+            temporary=kind is receiving.QueueKind.VOLATILE_SUBSCRIPTION,
+            shared=kind is receiving.QueueKind.SHARED,
             address=node.address,
         )
         self.outbound[pn_link] = outbound
