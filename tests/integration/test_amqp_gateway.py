@@ -142,6 +142,30 @@ def test_selector_filters_what_a_receiver_gets(amqp_gateway: GatewayProcess) -> 
         conn.close()
 
 
+def test_a_fully_qualified_queue_of_a_topic_is_made_on_that_topic_and_its_receiver_s_selector_applies(
+    amqp_gateway: GatewayProcess,
+) -> None:
+    """``topic::queue`` names a queue of a topic: a missing one is made on the topic (it was made on an address
+    of its own name, and got nothing sent to the topic), and, not being a subscription of the link's own, its
+    consumer applies the selector (with a durable terminus the selector was dropped)."""
+    topic = unique("fq")
+    conn = connect(amqp_gateway)
+    try:
+        blues = conn.create_receiver(
+            f"topic://{topic}::{topic}-archive",
+            name="blues",
+            options=[DurableSubscription(), Selector("colour = 'blue'")],
+        )
+        sender = conn.create_sender(f"topic://{topic}")
+        for colour in ("red", "blue", "red", "blue"):
+            sender.send(Message(body=colour, properties={"colour": colour}))
+        assert [m.body for m in receive_all(blues, 2)] == ["blue", "blue"]
+        everything = conn.create_receiver(f"topic://{topic}::{topic}-archive", name="everything")
+        assert [m.body for m in receive_all(everything, 2)] == ["red", "red"]  # the queue kept what blues left
+    finally:
+        conn.close()
+
+
 def test_request_reply_through_a_dynamic_reply_queue(amqp_gateway: GatewayProcess) -> None:
     service = unique("service")
     server = connect(amqp_gateway)

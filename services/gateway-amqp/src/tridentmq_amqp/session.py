@@ -536,6 +536,15 @@ class AmqpSession:
         elif kind is receiving.QueueKind.VOLATILE_SUBSCRIPTION:
             queue = f"amqp.{self.id}.{next(self._temporary)}"
             await self._subscription_queue(queue, node.address, durable=False, selector=planned.queue_selector)
+        fully_qualified: dict[str, Any] = {}
+        if node.queue is not None:
+            # ``address::queue``: the core makes a missing queue on that address (not on one of its own name),
+            # with the routing type asked; on a topic, as durable as the terminus.
+            queue = f"{node.address}{convert.FQQN_SEPARATOR}{node.queue}"
+            fully_qualified = {
+                "routing_type": planned.routing,
+                "durable": planned.routing == convert.ANYCAST or source.durable,
+            }
         consumer = await self.link.subscribe(
             queue,
             credit=limits.prefetch,
@@ -543,6 +552,7 @@ class AmqpSession:
             credit_on_settle=not planned.presettled,
             browse=planned.browse,
             credit_bytes=self.settings.core.consumer_window_bytes,
+            **fully_qualified,
         )
         link.source.copy(remote)
         if remote.dynamic:
