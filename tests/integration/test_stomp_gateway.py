@@ -7,6 +7,7 @@ import re
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,21 @@ def test_a_message_names_the_destination_its_send_named(gateway: GatewayProcess)
         conn.send(destination, destination)
     got = {m.body: m.headers["destination"] for m in listener.wait_messages(len(destinations))}
     assert got == {destination: destination for destination in destinations}
+    conn.disconnect()
+
+
+def test_a_fully_qualified_queue_of_a_topic_is_made_on_the_topic_and_gets_its_messages(gateway: GatewayProcess) -> None:
+    """``/topic/news::archive`` subscribes to the queue ``archive`` of the topic ``news`` (made on it when
+    missing), as in Artemis: it was a subscription queue bound to an address named ``news::archive``."""
+    topic = f"fq-{uuid.uuid4().hex[:8]}"
+    conn, listener = connect(gateway)
+    conn.subscribe(
+        f"/topic/{topic}::{topic}-archive", id="a", ack="auto", headers={"receipt": "sub-a", "selector": "n <> '0'"}
+    )
+    listener.wait(lambda: "sub-a" in listener.receipts)
+    for n in range(3):
+        conn.send(f"/topic/{topic}", f"news {n}", headers={"n": str(n)})
+    assert [m.body for m in listener.wait_messages(2)] == ["news 1", "news 2"]
     conn.disconnect()
 
 

@@ -8,7 +8,7 @@ from tests.unit.outcomes import FakeOutcome
 
 from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode
-from tridentmq_shared.message import RoutingType
+from tridentmq_shared.message import ROUTING_DEFAULT, RoutingType
 from tridentmq_stomp.acks import AUTO, CLIENT, CLIENT_INDIVIDUAL, Unacked, locate
 from tridentmq_stomp.receipts import Receipts, refusal
 from tridentmq_stomp.subscribing import Plan, QueueToMake, Refused, durable_name, plan, window
@@ -163,6 +163,17 @@ def test_an_anycast_destination_is_consumed_as_it_is_and_its_consumer_filters() 
     assert plan("orders", ANYCAST, durable, client_id="c", temporary_queue="t", **LIMITS) == (
         Plan("orders", None, temporary=False, window=100, consumer_selector="x = 1")
     )
+
+
+def test_a_fully_qualified_queue_is_consumed_as_it_is_and_made_with_its_destination_s_routing() -> None:
+    """``/topic/news::archive`` is the queue ``archive`` of ``news``: no subscription queue of its own, the
+    consumer filters, and the core makes a missing queue on ``news`` as multicast."""
+    headers = {"selector": "x = 1", "durable-subscription-name": "d"}
+    assert plan("news::archive", MULTICAST, headers, client_id="c", temporary_queue="t", **LIMITS) == (
+        Plan("news::archive", None, temporary=False, window=100, consumer_selector="x = 1", routing=MULTICAST)
+    )
+    assert plan("orders::eu", ANYCAST, {}, client_id=None, temporary_queue="t", **LIMITS).routing == ANYCAST
+    assert plan("orders::eu", ROUTING_DEFAULT, {}, client_id=None, temporary_queue="t", **LIMITS).routing is None
 
 
 def test_a_topic_gets_a_temporary_queue_of_the_connection_that_the_selector_filters() -> None:

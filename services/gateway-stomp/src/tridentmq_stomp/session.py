@@ -293,12 +293,14 @@ class StompSession:
         link = self._link()
         if plan.make is not None:
             await _create(link, plan.make)
+        fully_qualified: dict[str, Any] = {} if plan.routing is None else {"routing_type": plan.routing}
         consumer = await link.subscribe(
             plan.queue,
             credit=plan.window,
             selector=plan.consumer_selector,
             credit_on_settle=event.ack != AUTO,
             credit_bytes=self.settings.core.consumer_window_bytes,
+            **fully_qualified,
         )
         shown = event.destination if event.destination.startswith(convert.TEMP_QUEUE_PREFIX) else None
         acks = Unacked(event.id, next(self._keys), event.ack)

@@ -2,6 +2,9 @@
 it first, the consumer's window and where the selector applies.
 
 - An anycast destination is consumed as it is: the queue of that name.
+- A fully qualified queue name (``address::queue``, with ``/queue/`` or ``/topic/``) is that queue of the
+  address, consumed as it is; the core makes a missing one on the address, with the destination's routing
+  type.
 - A multicast one (``/topic/``) gets a subscription queue: a durable one named ``<client-id>.<name>`` with the
   ``durable-subscription-name`` (or ``activemq.subscriptionName``) header, which needs the CONNECT's
   ``client-id``; else a temporary one of this connection, gone with it.
@@ -17,7 +20,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tridentmq_shared.message import RoutingType
+from tridentmq_shared.message import ROUTING_DEFAULT, RoutingType
+from tridentmq_stomp.convert import FQQN_SEPARATOR
 
 _DECIMAL = re.compile(r"-?[0-9]{1,9}")
 
@@ -37,6 +41,8 @@ class Plan:
     temporary: bool  # the queue is this connection's, deleted when the subscription ends
     window: int
     consumer_selector: str | None
+    #: A fully qualified queue's routing type, for the core to make it with when it is missing (None: not one).
+    routing: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +77,9 @@ def plan(
     non-durable multicast subscription."""
     selector = headers.get("selector") or None
     size = window(headers, prefetch, max_prefetch)
+    if FQQN_SEPARATOR in address:
+        fully_qualified = None if routing == ROUTING_DEFAULT else routing
+        return Plan(address, None, temporary=False, window=size, consumer_selector=selector, routing=fully_qualified)
     if routing != RoutingType.MULTICAST:
         return Plan(address, None, temporary=False, window=size, consumer_selector=selector)
     name = durable_name(headers)
