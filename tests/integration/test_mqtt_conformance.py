@@ -281,6 +281,26 @@ def test_disconnect_with_session_expiry_0_ends_the_session(
     _connected(again, client_id, session_present=False, clean_start=False, properties=PERSISTENT)
 
 
+def test_a_disconnect_setting_an_expiry_after_a_connect_that_asked_for_0_is_no_disconnect(
+    mqtt_gateway: GatewayProcess, raw: Callable[..., Raw], paho: Callable[..., Paho]
+) -> None:
+    """5.0 3.14.2.2.2: a protocol error, so not a normal DISCONNECT: the will goes; a valid one keeps it back."""
+    topic = f"dw/{_id()}"
+    watcher = paho(mqtt_gateway.port)
+    watcher.connect()
+    watcher.subscribe(topic, 1)
+    invalid = raw(mqtt_gateway.port)
+    _connected(invalid, f"dw-{_id()}", will=Will(topic, b"invalid disconnect", 1))
+    invalid.send(Disconnect(0, Properties(session_expiry_interval=60)))
+    assert invalid.closed()
+    assert [m.payload for m in watcher.receive(1)] == [b"invalid disconnect"]
+    valid = raw(mqtt_gateway.port)
+    _connected(valid, f"dw-{_id()}", will=Will(topic, b"valid disconnect", 1))
+    valid.send(Disconnect(0, Properties(session_expiry_interval=0)))
+    assert valid.closed()
+    assert watcher.nothing_more()
+
+
 def test_clean_start_discards_the_session(
     mqtt_gateway: GatewayProcess, raw: Callable[..., Raw], paho: Callable[..., Paho]
 ) -> None:

@@ -1,6 +1,7 @@
 """What a CONNECT asks and what the gateway grants, without I/O: the client id (assigned when empty), the
-session expiry in force, the keep alive the server sets, the CONNACK's properties, and how long a will may
-wait. The session asks the core for the rest (the login, the session's lock and record)."""
+session expiry in force, the keep alive the server sets, the CONNACK's properties, how long a will may wait,
+and what a DISCONNECT may change. The session asks the core for the rest (the login, the session's lock and
+record)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,21 @@ def will_delay_ms(will: Will, expiry_s: int) -> int:
     """How long the will waits after the connection is lost: its delay, but no longer than the session lasts
     (the will goes when the session ends, at the latest)."""
     return min(will.properties.will_delay_interval or 0, expiry_s) * 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Leaving:
+    """What a DISCONNECT does to the session."""
+
+    valid: bool  # False: a protocol error; the DISCONNECT counts as none (the will stays)
+    expiry_s: int | None  # the session expiry from now on (None: as it was)
+
+
+def leaving(asked_on_connect: int, asked: int | None, limits: MqttLimitsSection) -> Leaving:
+    """A 5.0 DISCONNECT's session expiry (``asked``; None when it sets none): capped as on CONNECT, and a
+    protocol error after a CONNECT that asked for 0 (5.0, 3.14.2.2.2)."""
+    if asked is None:
+        return Leaving(valid=True, expiry_s=None)
+    if asked_on_connect == 0 and asked > 0:
+        return Leaving(valid=False, expiry_s=None)
+    return Leaving(valid=True, expiry_s=min(asked, limits.max_session_expiry_s))

@@ -145,6 +145,7 @@ class MqttSession:
         "_acks",
         "_addresses",
         "_answers",
+        "_asked_expiry_s",
         "_background",
         "_connected",
         "_disconnecting",
@@ -202,6 +203,7 @@ class MqttSession:
         self.client_id = ""
         self.version = 0
         self.expiry_s = 0  # session expiry interval in force
+        self._asked_expiry_s = 0  # the one the CONNECT asked for
         self.state = SessionState()
         self.user = ""  # the user this connection logged in as ("" anonymous)
         self.subs: dict[str, Sub] = {}
@@ -375,6 +377,7 @@ class MqttSession:
             return
         self.client_id = client_id = terms.client_id
         self.expiry_s = terms.expiry_s
+        self._asked_expiry_s = terms.asked_expiry_s
         password = terms.password
         will_message = None
         if event.will is not None:
@@ -1227,19 +1230,16 @@ class MqttSession:
     async def _disconnect(self, event: ev.Disconnect) -> None:
         await self._settle_confirms()
         self._flush()
-        asked = event.properties.session_expiry_interval
-        valid = True
-        if asked is not None and self.version == V5:
-            if self.expiry_s == 0 and asked > 0:
-                # A protocol error, and no valid DISCONNECT (5.0 3.14.2.2.2): the will stays. The codec has
-                # closed on the DISCONNECT, so no DISCONNECT 0x82 can go back.
-                error = "session expiry set on DISCONNECT after 0"
-                log.info("mqtt protocol error", extra={"peer": self.wire.peer, "error": error})
-                self.counters.protocol_errors += 1
-                valid = False
-            else:
-                await self._change_expiry(min(asked, self.settings.mqtt.max_session_expiry_s))
-        if valid and not event.with_will and self.link is not None:
+        asked = event.properties.session_expiry_interval if self.version == V5 else None
+        leaving = connecting.leaving(self._asked_expiry_s, asked, self.settings.mqtt)
+        if not leaving.valid:
+            # The codec has closed on the DISCONNECT, so no DISCONNECT 0x82 can go back.
+            error = "session expiry set on DISCONNECT after 0"
+            log.info("mqtt protocol error", extra={"peer": self.wire.peer, "error": error})
+            self.counters.protocol_errors += 1
+        elif leaving.expiry_s is not None:
+            await self._change_expiry(leaving.expiry_s)
+        if leaving.valid and not event.with_will and self.link is not None:
             with contextlib.suppress(LinkRequestError):
                 await self.link.set_will(self._will_key, None)
         self._driver.end()
@@ -1347,7 +1347,7 @@ class MqttSession:
             await asyncio.gather(*self._background, return_exceptions=True)
         link = self.link
         if link is not None:
-            link.on_closed = link.on_settled = None
+            link.on_closed = link.on_settled = link.on_rejected = None
             if not self.persistent and self._lock is not None and self._lock.closed is None:
                 # The session ends here (unless taken over): so do the durable queues of one it resumed.
                 for sub in self.subs.values():
