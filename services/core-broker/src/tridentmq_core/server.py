@@ -38,7 +38,7 @@ from tridentmq_core.ha.pair import (
     validate_ha_settings,
 )
 from tridentmq_core.ha.shared_store import SharedStore, journal_for_epoch
-from tridentmq_core.ha.source import ReplicationSource, takeover_time
+from tridentmq_core.ha.source import ReplicationSource, stall_limit
 from tridentmq_core.ha.voting import Voter, VoteStore, primary_may_activate
 from tridentmq_core.log_window import LogWindow
 from tridentmq_core.logins import LoginGuard
@@ -509,7 +509,7 @@ class CoreNode:
         # When this process last ran (a link's input or a tick), and how long it may stand still before its
         # backup could have taken over: past that, its replication source is told before any input is handled.
         self.turned_at = time.monotonic()
-        self.stall_limit = takeover_time(settings) if settings.ha.policy == REPLICATION else math.inf
+        self.stall_limit = stall_limit(settings) if settings.ha.policy == REPLICATION else math.inf
         self.scale_down_requested = False  # an operator asked this node to scale down and stop
         self.backup: BackupRunner | None = None
         self.shared: SharedStore | None = None

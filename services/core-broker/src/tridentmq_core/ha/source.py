@@ -33,9 +33,21 @@ log = logging.getLogger("tridentmq.core.ha")
 
 
 def takeover_time(settings: CoreSettings) -> float:
-    """The earliest, in seconds, a backup that lost this node can be active: it notices (a heartbeat timeout),
-    then the voters must have missed this node for the vote grace."""
+    """How long, in seconds, after a backup last heard of this node it can be active at the earliest: it
+    notices (a heartbeat timeout), then the voters must have missed this node for the vote grace."""
     return (settings.link.heartbeat_ms * HEARTBEAT_TIMEOUT_FACTOR + settings.ha.vote_grace_ms) / 1000
+
+
+def stall_limit(settings: CoreSettings) -> float:
+    """How long this node may stand still before its backup may have taken over: as ``takeover_time``, counted
+    from the last frame this node sent, which can be two heartbeat intervals before it last ran (a heartbeat
+    goes only after an interval with nothing sent); a backup that activates without a quorum waits for no
+    vote grace."""
+    heartbeat_s = settings.link.heartbeat_ms / 1000
+    limit = heartbeat_s * (HEARTBEAT_TIMEOUT_FACTOR - 2)
+    if not settings.ha.activate_without_quorum:
+        limit += settings.ha.vote_grace_ms / 1000
+    return limit
 
 
 class ReplicationSource:
@@ -117,6 +129,7 @@ class ReplicationSource:
         self.store.on_copied = lambda last: self._copied(feed, last)
         self.store.start_compaction(self.broker.durable_snapshot())
         self.session, self.feed, self.backup, self._sync_end_sent = session, feed, server_id, 0
+        self._dropped = False
         self._link = session.conn
         self.backup_endpoint = (host, port)
         self.backup_role = str(info.get("role", BACKUP))
@@ -265,6 +278,7 @@ class ReplicationSource:
             extra={"backup": self.backup, "stalled_s": round(seconds, 3)},
         )
         self._dropped = True
+        self.store.hold_confirms()
         self._abort_link(session.conn_id)
 
     def _check_progress(self, session: Session, feed: ReplicaFeed) -> None:

@@ -212,6 +212,11 @@ class JournalStore:
         self._limit = upto
         self._release()
 
+    def hold_confirms(self) -> None:
+        """Confirm nothing more than is confirmed now (until ``limit_confirms`` says otherwise): not a record
+        the backup held before this node stalled, nor one whose local sync completes only now."""
+        self._limit = self._synced if self._limit is None else min(self._synced, self._limit)
+
     def recheck(self) -> None:
         """Release what the gate held, if it opens now."""
         self._release()
