@@ -293,7 +293,10 @@ class StompSession:
         link = self._link()
         if plan.make is not None:
             await _create(link, plan.make)
-        fully_qualified: dict[str, Any] = {} if plan.routing is None else {"routing_type": plan.routing}
+        # A fully qualified queue the core makes is a named queue: durable, like any queue of an address.
+        fully_qualified: dict[str, Any] = (
+            {} if plan.routing is None else {"routing_type": plan.routing, "durable": True}
+        )
         consumer = await link.subscribe(
             plan.queue,
             credit=plan.window,

@@ -3,8 +3,8 @@ it first, the consumer's window and where the selector applies.
 
 - An anycast destination is consumed as it is: the queue of that name.
 - A fully qualified queue name (``address::queue``, with ``/queue/`` or ``/topic/``) is that queue of the
-  address, consumed as it is; the core makes a missing one on the address, with the destination's routing
-  type.
+  address, consumed as it is; the core makes a missing one on the address, durable, with the destination's
+  routing type.
 - A multicast one (``/topic/``) gets a subscription queue: a durable one named ``<client-id>.<name>`` with the
   ``durable-subscription-name`` (or ``activemq.subscriptionName``) header, which needs the CONNECT's
   ``client-id``; else a temporary one of this connection, gone with it.
