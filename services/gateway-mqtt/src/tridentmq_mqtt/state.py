@@ -28,7 +28,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import msgpack
 
@@ -128,6 +128,11 @@ class SessionOwnedError(Exception):
         self.owner = owner
 
 
+#: How often a CONNECT looks again at another user's lock queue that has no consumer (it expires at the core's
+#: next tick, 50 ms, when its connection has ended).
+FOREIGN_LOCK_RETRY_S: Final = 0.05
+
+
 class Registry:
     """The gateway's service link and the operations on session, lock and retained-message queues."""
 
@@ -214,10 +219,12 @@ class Registry:
             if owner_filter is not None and not created.get("created") and held_by and held_by != owner_filter:
                 if created.get("consumers"):
                     raise SessionOwnedError(_owner_named(held_by))
-                # Another user's ended connection left it (it expires at the core's next tick): not theirs any
-                # more, and ours must name us.
-                with contextlib.suppress(LinkRequestError):
-                    await link.delete_queue(name)
+                # Another user's, with no consumer: an ended connection's, which expires at the core's next tick
+                # (then ours is made, naming us). Not deleted here: the owner's consumer may only be attaching
+                # again (its link failing over), and deleting its lock would end a live connection.
+                if time.monotonic() > deadline:
+                    raise SessionBusyError(f"the session of {client_id[:60]!r} is still in use")
+                await asyncio.sleep(FOREIGN_LOCK_RETRY_S)
                 continue
             if created.get("created"):
                 token = random_hex(32)  # only ours to recognise: no system call for it
