@@ -18,7 +18,8 @@ import tridentmq_core.store.journal_store as journal_store_module
 from tridentmq_core.audit import NullAuditSink
 from tridentmq_core.broker import Broker
 from tridentmq_core.ha.replication import MAX_BATCH_BYTES, ROLL, ReplicaFeed
-from tridentmq_core.settings import CoreSettings
+from tridentmq_core.ha.source import stall_limit, takeover_time
+from tridentmq_core.settings import CoreSettings, HaSection, LinkSection
 from tridentmq_core.store.base import DurableSnapshot
 from tridentmq_core.store.journal import Journal, list_segments, read_segment
 from tridentmq_core.store.journal_store import JournalStore
@@ -636,3 +637,16 @@ def test_a_backup_connecting_to_an_idle_primary_is_in_sync_after_the_copy(tmp_pa
     assert feed.in_sync
     assert pair.became_in_sync == [feed.sync_end]
     assert pair.backup_state().references == pair.live_state().references == {"q": {1: 0, 3: 0, 4: 0, 5: 0}}
+
+
+# ---------------------------------------------------------------------------------------------- a primary's stall
+def test_a_primary_may_stand_still_less_than_its_backup_may_need_to_take_over() -> None:
+    """The backup counts from the last frame it got, which may be two heartbeat intervals older than the
+    primary's last run: 4 x 250 ms less 500 ms, plus the 500 ms vote grace by default."""
+    defaults = CoreSettings()
+    assert stall_limit(defaults) == pytest.approx(1.0)
+    assert takeover_time(defaults) == pytest.approx(1.5)  # counted from the backup's last frame
+    alone = CoreSettings(ha=HaSection(activate_without_quorum=True))  # no voters to wait for
+    assert stall_limit(alone) == pytest.approx(0.5)
+    slower = CoreSettings(link=LinkSection(heartbeat_ms=1000), ha=HaSection(vote_grace_ms=2000))
+    assert stall_limit(slower) == pytest.approx(4.0)

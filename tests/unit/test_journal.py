@@ -1310,6 +1310,31 @@ def sync_reported(journal: Journal, loop: ManualLoop) -> None:
     wait_until(lambda: bool(loop.calls))
 
 
+@pytest.mark.parametrize("backup_limit", [None, 100])
+def test_held_confirms_release_nothing_more_until_a_new_limit(tmp_path: Path, backup_limit: int | None) -> None:
+    """A primary that stood still holds what it has not confirmed yet: a record the backup holds (under the
+    limit) whose local sync completes only on waking is not confirmed, nor is a later one, until the quorum's
+    answer sets a limit again."""
+    journal, store, loop, completed = synced_store(tmp_path)
+    store.add_queue(queue_spec("q"))  # record 1
+    store.limit_confirms(backup_limit)
+    assert store.add_message(wire_message(1), ("q",)) == 2
+    sync_reported(journal, loop)
+    loop.run()
+    assert completed == [2]
+    assert store.add_message(wire_message(2), ("q",)) == 3  # the backup may hold it already; not synced here
+    sync_reported(journal, loop)  # its sync completes while the node stands still: reported, not yet run
+    store.hold_confirms()
+    loop.run()
+    assert completed == [2]
+    assert store.add_message(wire_message(3), ("q",)) == 4  # read on waking
+    sync_reported(journal, loop)
+    loop.run()
+    assert completed == [2]
+    store.limit_confirms(None)  # a quorum says this node goes on
+    assert completed == [2, 3, 4]
+
+
 def test_limit_confirms_completes_tokens_up_to_min_of_local_sync_and_limit(tmp_path: Path) -> None:
     journal, store, loop, completed = synced_store(tmp_path)
     store.add_queue(queue_spec("q"))  # record 1
