@@ -610,6 +610,47 @@ def test_transaction_errors(c: Client) -> None:
     assert [e.code for e in c.events(ev.RequestFailed)] == [ErrorCode.NOT_FOUND]
 
 
+def test_a_transaction_holds_at_most_max_transaction_bytes_then_can_only_roll_back() -> None:
+    """Staged publishes are held until the commit: a transaction that grew without one would hold memory
+    without bound. Past the limit the publish is refused and the commit fails; a rollback ends it."""
+    h = Harness(CoreSettings(broker=BrokerSection(max_transaction_bytes=3 * (100 + MESSAGE_OVERHEAD))))
+    c = h.connect()
+    ok(c.create_queue("orders"))
+    tx = c.conn.new_tx_id()
+    ok(c.tx_begin(tx))
+    staged = [c.publish("orders", b"x" * 100, tx=tx) for _ in range(3)]
+    assert all(seq in c.confirmed for seq in staged)
+    over = c.publish("orders", b"x" * 100, tx=tx)
+    assert c.rejected[over].code == ErrorCode.RESOURCE_LIMIT
+    failed(c.tx_commit(tx), ErrorCode.RESOURCE_LIMIT)  # rollback-only
+    ok(c.tx_rollback(tx))
+    cid = c.consumer("orders")
+    assert c.take(cid) == []
+    again = c.conn.new_tx_id()  # a new transaction starts with nothing held
+    ok(c.tx_begin(again))
+    assert all(c.publish("orders", b"y" * 100, tx=again) in c.confirmed for _ in range(2))
+    beside = c.conn.new_tx_id()  # the limit counts every open transaction of the session
+    ok(c.tx_begin(beside))
+    assert c.publish("orders", b"z" * 100, tx=beside) in c.confirmed
+    assert c.rejected[c.publish("orders", b"z" * 100, tx=beside)].code == ErrorCode.RESOURCE_LIMIT
+    ok(c.tx_commit(again))
+    assert bodies(c.take(cid)) == [b"y" * 100] * 2
+
+
+def test_a_session_has_at_most_max_open_transactions() -> None:
+    h = Harness(CoreSettings(broker=BrokerSection(max_open_transactions=2)))
+    c = h.connect()
+    first, second, third = (c.conn.new_tx_id() for _ in range(3))
+    ok(c.tx_begin(first))
+    ok(c.tx_begin(second))
+    failed(c.tx_begin(third), ErrorCode.RESOURCE_LIMIT)
+    ok(c.tx_rollback(first))
+    ok(c.tx_begin(third))
+    other = h.connect("other")  # each session counts its own
+    ok(other.tx_begin(other.conn.new_tx_id()))
+    ok(other.tx_begin(other.conn.new_tx_id()))
+
+
 # ====================================================================== duplicate detection
 def test_duplicate_detection_confirms_both_stores_one(h: Harness, c: Client) -> None:
     ok(c.create_queue("orders"))

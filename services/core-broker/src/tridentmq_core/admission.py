@@ -14,7 +14,7 @@ from tridentmq_core.catalog import Catalog
 from tridentmq_core.checks import BrokerError
 from tridentmq_core.confirms import Confirms, reject_publish
 from tridentmq_core.counters import Counters
-from tridentmq_core.queues import LinkSession, MemoryGauge
+from tridentmq_core.queues import MESSAGE_OVERHEAD, LinkSession, MemoryGauge
 from tridentmq_core.router import InvalidAddress, validate_address
 from tridentmq_core.routes import Routes
 from tridentmq_core.security import Permission
@@ -125,6 +125,19 @@ class Admission:
                 if tx is None:
                     reject_publish(self._counters, conn, seq, ErrorCode.NOT_FOUND, f"no open transaction {tx_id}")
                     continue
+                size = len(message[M_BODY]) + MESSAGE_OVERHEAD
+                held = tx.staged_bytes if len(session.txs) == 1 else sum(t.staged_bytes for t in session.txs.values())
+                if held + size > self.settings.broker.max_transaction_bytes:
+                    # Staged messages are held until the commit: transactions that grew without one would
+                    # hold memory without bound. This one can only roll back now.
+                    problem = (
+                        ErrorCode.RESOURCE_LIMIT,
+                        "the session's transactions exceed broker.max_transaction_bytes",
+                    )
+                    reject_publish(self._counters, conn, seq, *problem)
+                    tx.failed = tx.failed or problem
+                    continue
+                tx.staged_bytes += size
                 tx.publishes.append(message)
                 conn.confirm(seq)  # staged; the commit reply is what makes it count
                 continue

@@ -180,6 +180,7 @@ class Broker:
         )
         self.transactions = Transactions(
             address_settings,
+            max_open=settings.broker.max_open_transactions,
             store=store,
             catalog=catalog,
             consuming=consuming,

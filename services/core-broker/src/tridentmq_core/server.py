@@ -451,6 +451,10 @@ class CoreNode:
             raise SettingsError("link.max_handshaking must be at least 1")
         if settings.link.publish_window_bytes <= 0:
             raise SettingsError("link.publish_window_bytes must be positive")
+        if settings.broker.max_transaction_bytes <= 0 or settings.broker.max_open_transactions < 1:
+            raise SettingsError(
+                "broker.max_transaction_bytes must be positive and broker.max_open_transactions at least 1"
+            )
         data_dir = settings.node.data_dir
         data_dir.mkdir(parents=True, exist_ok=True)
         self.lock = DataDirectoryLock(data_dir)  # before touching anything in it

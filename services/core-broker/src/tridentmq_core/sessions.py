@@ -17,6 +17,7 @@ class Transaction:
     publishes: list[WireMessage] = field(default_factory=list)
     acks: list[tuple[Consumer, int]] = field(default_factory=list)
     failed: tuple[str, str] | None = None  # a publish of it was refused: commit must fail (rollback-only)
+    staged_bytes: int = 0  # what its publishes hold until the commit (bodies plus MESSAGE_OVERHEAD each)
 
 
 class Session:

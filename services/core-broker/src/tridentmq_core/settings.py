@@ -206,6 +206,15 @@ class BrokerSection:
         "Memory for queued messages (bodies plus ~256 bytes each); "
         "above it producers get no publish credit until usage is back under 90 %.",
     )
+    max_transaction_bytes: int = doc(
+        64 * 1024 * 1024,
+        "Messages the open transactions of one link session may hold until their "
+        "commits (bodies plus ~256 bytes each); a publish beyond is refused with "
+        "resource-limit and its transaction can only roll back.",
+    )
+    max_open_transactions: int = doc(
+        64, "Transactions one link session may have open at once; a BEGIN beyond is refused with resource-limit."
+    )
 
 
 LOAD_BALANCING_POLICIES = ("OFF", "STRICT", "ON_DEMAND", "OFF_WITH_REDISTRIBUTION")

@@ -22,6 +22,7 @@ class Transactions:
         self,
         address_settings: AddressSettingsRepository,
         *,
+        max_open: int,
         store: Store,
         catalog: Catalog,
         consuming: Consuming,
@@ -30,6 +31,7 @@ class Transactions:
         to_dispatch: set[Queue],
     ) -> None:
         self.address_settings = address_settings
+        self._max_open = max_open  # transactions one session may have open (broker.max_open_transactions)
         self.store = store
         self._catalog = catalog
         self._consuming = consuming
@@ -37,10 +39,13 @@ class Transactions:
         self._accept = accept  # routes a message like a publish
         self._to_dispatch = to_dispatch
 
-    @staticmethod
-    def begin(session: Session, tx_id: int) -> None:
+    def begin(self, session: Session, tx_id: int) -> None:
         if tx_id in session.txs:
             raise BrokerError(ErrorCode.EXISTS, f"transaction {tx_id} is already open")
+        if len(session.txs) >= self._max_open:
+            raise BrokerError(
+                ErrorCode.RESOURCE_LIMIT, f"{self._max_open} transactions are open (broker.max_open_transactions)"
+            )
         session.txs[tx_id] = Transaction()
 
     def commit(self, session: Session, tx_id: int, now_ms: int) -> int:
