@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -21,6 +21,8 @@ from tests.tls_certs import Certificates
 STARTUP_TIMEOUT = 60.0  # a ceiling, not a wait: a start takes seconds, 20 s and more on a loaded 2-core machine
 _started: list[subprocess.Popen[bytes]] = []  # every process a test started: none outlives its test
 _shared: list[subprocess.Popen[bytes]] = []  # processes of module fixtures: none outlives the session
+_logs: dict[int, Path] = {}  # process id → its log, for the report of a test that fails
+LOG_LINES_ON_FAILURE = 40  # of each process the failing test started: what a flaky run leaves to read
 
 
 def _kill_all(processes: list[subprocess.Popen[bytes]]) -> None:
@@ -86,6 +88,22 @@ def _schedule_rank(item: pytest.Item) -> int:
     if unit == item.nodeid:
         return 2
     return 1 if unit.endswith(".py") else 0
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failing test's report ends with the last lines of the logs of the processes it started (and of the
+    module's shared ones): a failure seen once in a loaded run is then not lost with its temporary directory."""
+    report = yield
+    if call.when == "call" and getattr(report, "failed", False):
+        for process in [*_started, *_shared]:
+            log = _logs.get(process.pid)
+            if log is not None and log.is_file():
+                tail = log.read_text(errors="replace").splitlines()[-LOG_LINES_ON_FAILURE:]
+                report.sections.append((f"log of {log.parent.name}/{log.name} (pid {process.pid})", "\n".join(tail)))
+    return report
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +173,7 @@ def _spawn(
             stderr=subprocess.STDOUT,
         )
     _started.append(process)
+    _logs[process.pid] = log_path
     deadline = time.monotonic() + STARTUP_TIMEOUT
     while not ports_file.exists():
         if process.poll() is not None:
