@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -174,9 +175,27 @@ def test_nothing_more_is_read_while_a_login_is_checked(
             sock.close()
     for kind, grown in growth.items():
         assert grown < BOUND, f"the {kind} gateway grew by {grown / MIB:.0f} MB"
-    stomp_round_trip(stomp_gateway.port)
-    mqtt_round_trip(mqtt_gateway.port)
-    amqp_round_trip(amqp_gateway.port)
+    # The core was frozen for as long as the logins waited (over 10 s on a loaded machine), and its links were
+    # lost: a gateway serves again once they are back. (Once, an MQTT gateway still refused sessions with "not
+    # connected" 7 s after the core woke: see the closing note of that session; this waits, bounded.)
+    for round_trip, gateway in (
+        (stomp_round_trip, stomp_gateway),
+        (mqtt_round_trip, mqtt_gateway),
+        (amqp_round_trip, amqp_gateway),
+    ):
+        _served_again(round_trip, gateway.port)
+
+
+def _served_again(round_trip: Callable[[int], None], port: int, within: float = 45.0) -> None:
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            round_trip(port)
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def test_connections_not_logged_in_are_capped(tmp_path: Path, core: CoreProcess) -> None:
