@@ -219,10 +219,7 @@ class LinkProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         now = time.monotonic()
-        node = self.node
-        if now - node.turned_at > node.stall_limit:
-            node.stalled(now)  # before this input, which may have waited out the stall
-        node.turned_at = now
+        self.node.awake(now)  # before this input, which may have waited out a stall
         try:
             events = self.conn.receive_data(data, now)
         except LinkError as exc:
@@ -661,6 +658,7 @@ class CoreNode:
                 loop.call_soon_threadsafe(self._in_loop_soon, fn)
 
     def _in_loop(self, fn: Callable[[], None]) -> None:
+        self.awake(time.monotonic())  # a journal sync that completes on waking must not confirm first
         fn()
         self.schedule_flush()  # what it produced (confirms, deliveries) must be written
 
@@ -908,11 +906,14 @@ class CoreNode:
         log.warning("scale-down requested by an operator: moving every message to other nodes, then stopping")
         asyncio.get_running_loop().call_later(0.2, os.kill, os.getpid(), signal.SIGTERM)
 
-    def stalled(self, now: float) -> None:
-        """This process ran nothing (paused, or its loop blocked) for longer than ``stall_limit``: its pair's
-        backup may have taken over meanwhile. Called before anything that waited out the stall is handled."""
-        if self.replication is not None:
+    def awake(self, now: float) -> None:
+        """Called first by everything that runs on the loop and may confirm a write (a link's input, a
+        journal sync's completion, the tick). If this process ran nothing (paused, or its loop blocked) for
+        longer than ``stall_limit``, its pair's backup may have taken over meanwhile: the replication source
+        hears of it before anything that waited out the stall is handled."""
+        if now - self.turned_at > self.stall_limit and self.replication is not None:
             self.replication.stalled(now - self.turned_at)
+        self.turned_at = now
 
     def abort_link(self, conn_id: str) -> None:
         """Drop a link's connection at once: its peer does not read (a close would wait for it for ever)."""
@@ -1048,9 +1049,7 @@ class CoreNode:
         while True:
             await asyncio.sleep(TICK_SECONDS)
             mono = time.monotonic()
-            if mono - self.turned_at > self.stall_limit:
-                self.stalled(mono)
-            self.turned_at = mono
+            self.awake(mono)
             self.broker.tick(wall_ms())
             if self.replication is not None:
                 self.replication.tick()
