@@ -176,8 +176,9 @@ def test_nothing_more_is_read_while_a_login_is_checked(
     for kind, grown in growth.items():
         assert grown < BOUND, f"the {kind} gateway grew by {grown / MIB:.0f} MB"
     # The core was frozen for as long as the logins waited (over 10 s on a loaded machine), and its links were
-    # lost: a gateway serves again once they are back. (Once, an MQTT gateway still refused sessions with "not
-    # connected" 7 s after the core woke: see the closing note of that session; this waits, bounded.)
+    # lost: a gateway serves again once they are back, its links resumed (a retry interval may pass first).
+    # Once, the MQTT gateway never did: a client that left cancelled the shared link's connect that its
+    # service link's resume waited for (test_shared_links covers that now).
     for round_trip, gateway in (
         (stomp_round_trip, stomp_gateway),
         (mqtt_round_trip, mqtt_gateway),

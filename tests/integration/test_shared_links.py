@@ -8,7 +8,9 @@ other, and when the shared link dies each session fails over on its own.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -229,6 +231,63 @@ async def test_sessions_of_a_lost_shared_link_fail_over_each_on_its_own(core: Co
     finally:
         for session in sessions:
             await session.close()
+        await shared.close()
+
+
+async def test_a_session_that_gives_up_on_a_frozen_core_leaves_the_others_waiting(core: CoreProcess) -> None:
+    """While the core is frozen, two sessions wait for the same new shared link, and the first to ask gives up
+    (its client left). The other gets its channel once the core is back. Before, the first to ask owned the
+    shared link's connect: cancelling it cancelled every session waiting with it, and a session's resume
+    cancelled so ended without a word, its link down for good ("not connected" to every request after)."""
+    shared = _shared("gw", "gw-secret")
+    core.process.send_signal(signal.SIGSTOP)
+    try:
+        leaving = asyncio.create_task(shared.open("127.0.0.1", core.link_port, asyncio.Protocol))
+        await asyncio.sleep(0.2)
+        staying = asyncio.create_task(shared.open("127.0.0.1", core.link_port, asyncio.Protocol))
+        await asyncio.sleep(0.2)
+        leaving.cancel()
+        await asyncio.sleep(0.2)
+        assert not staying.done(), staying
+    finally:
+        core.process.send_signal(signal.SIGCONT)
+    try:
+        transport, _ = await asyncio.wait_for(staying, 15)
+        (carrier,) = shared.carriers
+        assert carrier.alive
+        transport.close()
+    finally:
+        await shared.close()
+
+
+async def test_a_resume_cancelled_by_mistake_ends_the_link_for_its_owner(core: CoreProcess) -> None:
+    """Only ``close`` and a new loss cancel a link's resume. Cancelled by anything else, the link must not
+    stay down in silence (neither open nor resuming, its owner never told): it ends, with its reason."""
+    shared = _shared("gw", "gw-secret")
+    again = ReconnectPolicy(retry_interval=0.05, max_interval=0.2)
+    session = _session(core, shared, reconnect=again, user="gw", password="gw-secret", acting_for="alice")
+    ended: list[LinkRequestError] = []
+    session.on_closed = ended.append
+    try:
+        await session.connect()
+        core.process.send_signal(signal.SIGSTOP)
+        try:
+            (carrier,) = shared.carriers
+            assert carrier.client._protocol is not None
+            assert carrier.client._protocol.transport is not None
+            carrier.client._protocol.transport.abort()
+            await wait_until_async(lambda: session._resuming, 5, "the resume")
+            assert session._reconnecting is not None
+            session._reconnecting.cancel()
+            await wait_until_async(lambda: bool(ended), 5, "the link to end")
+        finally:
+            core.process.send_signal(signal.SIGCONT)
+        assert "resume was cancelled" in ended[0].text
+        assert not session.connected
+        with pytest.raises(LinkClosedError, match="resume was cancelled"):
+            await session.create_queue("a.after", durable=False)
+    finally:
+        await session.close()
         await shared.close()
 
 

@@ -69,12 +69,12 @@ class MqttGateway:
 
     async def _core_ready(self) -> bool:
         """The gateway serves when its service link is up: opened here (again), so that it comes back with
-        the core even before a client asks for it."""
+        the core even before a client asks for it. A link being resumed is not up: a session would wait."""
         try:
-            await self.registry.link()
+            link = await self.registry.link()
         except (LinkRequestError, OSError, TimeoutError):  # clients are refused (0x88) until the core is back
             return False
-        return True
+        return link.connected
 
     async def start(self) -> None:
         self.core_links.start()

@@ -147,10 +147,6 @@ class Registry:
         self._holders: dict[str, Consumer] = {}  # session holders taken while fetching a record from elsewhere
         self._tokens: dict[int, str] = {}  # id of a lock consumer → the token of its takeover notices
 
-    @property
-    def ready(self) -> bool:
-        return self._link is not None
-
     async def link(self) -> LinkClient:
         """The service link, opened (again) on demand."""
         if self._link is not None:

@@ -171,7 +171,7 @@ class SharedLinks:
         self.tls = tls
         self.connect_timeout = connect_timeout
         self._carriers: dict[Endpoint, list[Carrier]] = {}
-        self._connecting: dict[Endpoint, asyncio.Future[Carrier]] = {}
+        self._connecting: dict[Endpoint, asyncio.Task[Carrier]] = {}
         self._refused_until: dict[Endpoint, float] = {}
         self._closing = False
 
@@ -192,22 +192,21 @@ class SharedLinks:
         return carrier.open_channel(protocol_factory)
 
     async def _connect(self, endpoint: Endpoint) -> Carrier:
-        """A new shared link to ``endpoint``; sessions asking meanwhile wait for the same one."""
+        """A new shared link to ``endpoint``; sessions asking meanwhile wait for the same one. The connect is a
+        task of its own (bounded by the link's connect timeout): a session that gives up waiting, or whose
+        client leaves, must not cancel it for the others (a resuming session would end cancelled, silently)."""
         pending = self._connecting.get(endpoint)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        future: asyncio.Future[Carrier] = asyncio.get_running_loop().create_future()
-        self._connecting[endpoint] = future
-        try:
-            carrier = await self._new_carrier(endpoint)
-        except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()  # taken: nobody else may be waiting
-            raise
-        finally:
+        if pending is None:
+            pending = asyncio.get_running_loop().create_task(self._new_carrier(endpoint), name="shared link connect")
+            self._connecting[endpoint] = pending
+            pending.add_done_callback(lambda task: self._connected(endpoint, task))
+        return await asyncio.shield(pending)
+
+    def _connected(self, endpoint: Endpoint, task: asyncio.Task[Carrier]) -> None:
+        if self._connecting.get(endpoint) is task:
             del self._connecting[endpoint]
-        future.set_result(carrier)
-        return carrier
+        if not task.cancelled():
+            task.exception()  # taken: every session that asked may have given up
 
     async def _new_carrier(self, endpoint: Endpoint) -> Carrier:
         client = LinkClient(
@@ -250,6 +249,8 @@ class SharedLinks:
     async def close(self) -> None:
         """Close every shared link (their sessions are lost, as by a closed connection)."""
         self._closing = True
+        for pending in list(self._connecting.values()):
+            pending.cancel()
         carriers = self.carriers
         self._carriers.clear()
         for carrier in carriers:

@@ -462,7 +462,8 @@ class LinkClient:
     @property
     def connected(self) -> bool:
         """The link is up now (not closed, not lost, not between a loss and a resume)."""
-        return self._conn is not None and not self._closing
+        conn = self._conn  # set at the start of each attempt: open only once the node welcomed it
+        return conn is not None and conn.state is _OPEN and not self._closing
 
     @property
     def _resuming(self) -> bool:
@@ -754,7 +755,14 @@ class LinkClient:
     def _task_ended(self, task: asyncio.Task[None]) -> None:
         """A link's own task (heartbeat, resume) must not die half way unnoticed: one that failed (a bug) is
         logged with its traceback and the link ends, failing everything that waits on it."""
-        if task.cancelled() or task.exception() is None:
+        if task.cancelled():
+            if task is self._reconnecting and not self._closing:
+                # Only ``close`` and a new loss (which replaces the task first) cancel a resume. Cancelled by
+                # anything else, the link would stay down without a word: say so, and end it for its owner.
+                log.error("link resume cancelled: the link is closed", extra={"task": task.get_name()})
+                self._fail_all(LinkClosedError(ErrorCode.EOF, "the link's resume was cancelled"))
+            return
+        if task.exception() is None:
             return
         exc = task.exception()
         log.error("link task failed: the link is closed", exc_info=exc, extra={"task": task.get_name()})
