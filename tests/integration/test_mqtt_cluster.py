@@ -115,6 +115,39 @@ def test_a_persistent_session_resumes_through_a_gateway_on_another_node(
     publisher.disconnect()
 
 
+def test_a_clean_start_on_another_node_discards_the_session_and_its_queued_messages(
+    two_sides: tuple[GatewayProcess, GatewayProcess],
+) -> None:
+    """MQTT 3.1.2.4: with Clean Start, the server discards any existing session. The earlier session's queues
+    were on node a; the client comes back with Clean Start through node b, then subscribes to the same filter:
+    it must get none of what was queued for the old session, on node a or on its way over."""
+    left, right = two_sides
+    client_id = f"c-{_id()}"
+    first = Paho(left.port, client_id, clean=False)
+    first.connect(expiry=300)
+    first.subscribe("clean/#", 1)
+    first.disconnect()
+    wait_until(lambda: cluster_view(NODES[right.port])["remote_bindings"] >= 3, what="node b to learn the session")
+    publisher = Paho(left.port, f"p-{_id()}")
+    publisher.connect()
+    for i in range(5):
+        publisher.publish(f"clean/{i}", b"old %d" % i, 1)
+    again = Paho(right.port, client_id, clean=True)
+    assert again.connect(expiry=300)[0] is False  # a new session
+    again.subscribe("clean/#", 1)
+    publisher.publish("clean/new", b"new", 1)
+    assert [m.payload for m in again.receive(1)] == [b"new"]
+    assert again.receive(1, timeout=2) == [], "a message queued for the discarded session came"
+    again.disconnect()
+    back = Paho(left.port, client_id, clean=False)  # the old session is gone from node a too
+    back.connect(expiry=300)
+    publisher.publish("clean/later", b"later", 1)
+    assert [m.payload for m in back.receive(1)] == [b"later"]  # the session of the clean start, resumed
+    assert back.receive(1, timeout=1) == []
+    back.disconnect()
+    publisher.disconnect()
+
+
 def test_another_user_cannot_take_a_session_kept_on_another_node(
     two_sides: tuple[GatewayProcess, GatewayProcess],
 ) -> None:

@@ -130,8 +130,8 @@ class Client:
         full = {"name": name, "address": address or name, "routing_type": routing, **spec}
         return self._answer(self.conn.create_queue(full))
 
-    def delete_queue(self, name: str) -> ev.Reply | ev.RequestFailed:
-        return self._answer(self.conn.delete_queue(name))
+    def delete_queue(self, name: str, *, everywhere: bool = False) -> ev.Reply | ev.RequestFailed:
+        return self._answer(self.conn.delete_queue(name, everywhere=everywhere))
 
     def subscribe(self, queue: str, credit: int = 100, **options: Any) -> tuple[int, ev.Reply | ev.RequestFailed]:
         credit_bytes = options.pop("credit_bytes", 0)

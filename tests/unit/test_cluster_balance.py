@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from tests.unit.broker_harness import ANYCAST, MULTICAST, Harness, bodies, ok, recorded
+from tests.unit.broker_harness import ANYCAST, MULTICAST, Harness, bodies, failed, ok, recorded
 
 from tridentmq_core.balancer import Balancer, SelectorCache
 from tridentmq_core.forwarder import FORWARD_QUEUE_PREFIX, Direct
@@ -15,9 +15,11 @@ from tridentmq_core.queues import Consumer
 from tridentmq_core.redistribution import Arrivals, Redistributor, due_again, targets
 from tridentmq_core.remote_bindings import Binding, RemoteBindings
 from tridentmq_core.security import Principal
+from tridentmq_core.settings import CoreSettings, PermissionEntry, UserEntry
 from tridentmq_core.store.recovery import RecoveredState
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.codec import LinkConnection, Role
+from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.message import M_BODY, M_ID, M_PROPS, WireMessage
 
 
@@ -430,3 +432,59 @@ def test_a_backlog_goes_to_the_nodes_whose_consumers_take_it_and_is_spread_over_
     assert all(body.startswith(b"red") for body in to_b)
     assert sum(body.startswith(b"blue") for body in to_c) == 20
     assert 0 < len([b for b in to_c if b.startswith(b"red")]) < 20  # red is shared, not all sent to one node
+
+
+def test_a_queue_deleted_everywhere_goes_here_and_its_copies_are_deleted_on_their_nodes_before_the_reply() -> None:
+    """DELETE_QUEUE_EVERYWHERE: the copy here goes at once; the other nodes holding a queue of that name are
+    asked (the cluster manager's part), and the client's answer waits for theirs."""
+    h, bindings, _ = clustered()
+    asked: list[tuple[int, str, list[str]]] = []
+    h.broker.delete_elsewhere = lambda session, req_id, queue, nodes: asked.append((req_id, queue, nodes))
+    c = h.connect()
+    ok(c.create_queue("sub.c1", "t.#", MULTICAST))
+    bindings.replace("node-2", [binding("sub.c1", "t.#", MULTICAST, consumers=0)])
+    req_id = c.conn.delete_queue("sub.c1", everywhere=True)
+    h.sync()
+    assert "sub.c1" not in h.broker.queues
+    assert asked == [(req_id, "sub.c1", ["node-2"])]
+    assert c.events(ev.Reply) == []  # the manager replies once node-2 answered
+    # Only another node's copy: deleted there all the same; none anywhere: not found.
+    ok(c.create_queue("elsewhere-only.x", "x", MULTICAST))
+    ok(c.delete_queue("elsewhere-only.x"))
+    bindings.replace("node-2", [binding("elsewhere-only.x", "x", MULTICAST, consumers=0)])
+    c.conn.delete_queue("elsewhere-only.x", everywhere=True)
+    h.sync()
+    assert asked[-1][1:] == ("elsewhere-only.x", ["node-2"])
+    failed(c.delete_queue("nowhere", everywhere=True), ErrorCode.NOT_FOUND)
+
+
+def test_a_queue_deleted_everywhere_without_copies_elsewhere_is_answered_at_once() -> None:
+    h, _, _ = clustered()
+    h.broker.delete_elsewhere = lambda *_: pytest.fail("no other node holds the queue")
+    c = h.connect()
+    ok(c.create_queue("solo", "solo"))
+    assert ok(c.delete_queue("solo", everywhere=True)) is None
+    assert "solo" not in h.broker.queues
+
+
+def test_deleting_everywhere_needs_the_right_to_delete_each_copy() -> None:
+    """A copy on another node is checked against its address and durability as the copy here would be:
+    refused, nothing is deleted anywhere."""
+    users = [UserEntry("u", "p", ["app"])]
+    grants = [
+        PermissionEntry("#", "createAddress", ["app"]),
+        PermissionEntry("#", "createDurableQueue", ["app"]),
+        PermissionEntry("mine.#", "deleteDurableQueue", ["app"]),
+    ]
+    h = Harness(CoreSettings(users=users, permissions=grants))
+    bindings = RemoteBindings("node-1", max_hops=1, max_per_node=1000)
+    h.broker.cluster = Balancer(bindings, "ON_DEMAND")
+    asked: list[str] = []
+    h.broker.delete_elsewhere = lambda session, req_id, queue, nodes: asked.append(queue)
+    c = h.connect("u", "u", "p")
+    ok(c.create_queue("q", "mine.a"))
+    copy = ["node-2", "q", "theirs.a", MULTICAST, None, 0, None, 1, True]  # durable
+    bindings.replace("node-2", [copy])
+    failed(c.delete_queue("q", everywhere=True), ErrorCode.FORBIDDEN)
+    assert "q" in h.broker.queues
+    assert asked == []

@@ -28,7 +28,7 @@ from tridentmq_core.admission import Admission
 from tridentmq_core.audit import AuditSink
 from tridentmq_core.audit_events import ORIGIN_MESSAGE_ID, AuditEvents
 from tridentmq_core.balancer import Balancer, Remote
-from tridentmq_core.catalog import Catalog
+from tridentmq_core.catalog import FQQN_SEPARATOR, Catalog
 from tridentmq_core.checks import BrokerError, require, require_delete, routing_type
 from tridentmq_core.confirms import Confirms
 from tridentmq_core.consuming import Consuming
@@ -109,6 +109,8 @@ class Broker:
         # Takes over the reply to a request that changed this node's bindings (a queue or consumer made),
         # to send it once the other nodes route by the change; False: reply now.
         self.hold_reply: Callable[[Session, int, Any], bool] | None = None
+        # Deletes a queue's namesakes on the given other nodes, then replies to the request (DELETE_QUEUE_EVERYWHERE).
+        self.delete_elsewhere: Callable[[Session, int, str, list[str]], None] | None = None
         # High availability (set when the node is half of a pair or votes for pairs): REPLICATE, REPLICA_ACK
         # and VOTE go to it; a request it answers returns the reply.
         self.on_ha: Callable[[Session, ev.Event], Any] | None = None
@@ -356,6 +358,8 @@ class Broker:
                 require_delete(session, queue)
                 catalog.delete_queue(queue, now_ms)
                 return None
+            case ev.DeleteQueueEverywhere(req_id, name):
+                return self._delete_everywhere(session, req_id, name, now_ms)
             case ev.CreateAddress(_, name, routing_types):
                 require(session.principal, Permission.CREATE_ADDRESS, name)
                 kinds = {routing_type(r) for r in routing_types} or {RoutingType.ANYCAST}
@@ -380,6 +384,28 @@ class Broker:
                 self.wills.set(session, key, message, delay_ms, publish_pending, now_ms)
                 return None
         raise BrokerError(ErrorCode.UNEXPECTED, f"unexpected operation {type(event).__name__}")
+
+    def _delete_everywhere(self, session: Session, req_id: int, name: str, now_ms: int) -> Any:
+        """Delete the queue here and its namesakes on the other nodes (a session's queue that moved with its
+        client, whose copy left behind would keep its messages and hand them over again). Each copy needs the
+        right to delete it; the reply waits until the other nodes answered, so that a queue made again next
+        cannot draw a copy's messages over before that copy is gone. A peer deletes its own only."""
+        short = name.rpartition(FQQN_SEPARATOR)[2]
+        queue = self.catalog.queues.get(short)
+        elsewhere = [] if self.cluster is None or session.principal.cluster else self.cluster.bindings.for_queue(short)
+        if queue is None and not elsewhere:
+            raise BrokerError(ErrorCode.NOT_FOUND, f"queue {name!r} does not exist")
+        if queue is not None:
+            require_delete(session, queue)
+        for binding in elsewhere:
+            kind = Permission.DELETE_DURABLE_QUEUE if binding.durable else Permission.DELETE_NON_DURABLE_QUEUE
+            require(session.principal, kind, binding.address)
+        if queue is not None:
+            self.catalog.delete_queue(queue, now_ms)
+        if not elsewhere or self.delete_elsewhere is None:
+            return None
+        self.delete_elsewhere(session, req_id, short, sorted({b.node_id for b in elsewhere}))
+        return _DEFERRED
 
     def _say_elsewhere(self, reply: dict[str, Any]) -> dict[str, Any]:
         """``reply`` naming (``elsewhere``) the other nodes that hold a queue of that name and address too, and

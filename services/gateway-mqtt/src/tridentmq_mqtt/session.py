@@ -478,8 +478,8 @@ class MqttSession:
         """Find the earlier session (the record of a persistent one), end it if ``clean_start``, and set up
         this one. Returns the earlier session's record, or None when there was none."""
         registry, client_id = self.registry, self.client_id
-        # With sessions bound to users, a clean start also waits for a record kept by another node of the
-        # cluster: its owner must be known before the session is discarded.
+        # A clean start also waits for a record kept by another node of the cluster: the session it discards
+        # has its queues there (MQTT 3.1.2.4), and with sessions bound to users its owner must be known first.
         bound = self.settings.mqtt.bind_sessions_to_users
         if clean_start and not self.persistent:
             # A session that ends with this connection, and no node keeps an earlier one: nothing to make or end
@@ -488,7 +488,7 @@ class MqttSession:
             found = await registry.look_up_session(client_id)
             if not (found.here or found.elsewhere):
                 return None
-        previous = await registry.open_session(client_id, resume=not clean_start or bound)
+        previous = await registry.open_session(client_id)
         if previous is not None and bound:
             try:
                 self._check_owner(previous.user)
@@ -519,13 +519,15 @@ class MqttSession:
             raise SessionOwnedError(owner)
 
     async def _discard(self, previous: SessionState) -> None:
-        """End an earlier session: its subscription queues go (shared ones belong to their group)."""
+        """End an earlier session: its subscription queues go, on every node that has one (shared ones belong
+        to their group)."""
         assert self.link is not None
         for text in previous.subscriptions:
             with contextlib.suppress(LinkRequestError, ConversionError):
                 group, topic_filter = convert.parse_subscription(text)
                 if group is None:
-                    await self.link.delete_queue(convert.subscription_queue(self.client_id, topic_filter))
+                    queue = convert.subscription_queue(self.client_id, topic_filter)
+                    await self.link.delete_queue(queue, everywhere=True)
 
     async def _resume(self) -> None:
         """Resume a session: PUBREL for what the client received but we did not see completed, then the
@@ -798,7 +800,7 @@ class MqttSession:
                     "mqtt subscription queue left by an earlier session dropped",
                     extra={"peer": self.wire.peer, "client_id": self.client_id[:60], "queue": queue[:100]},
                 )
-                await link.delete_queue(queue)
+                await link.delete_queue(queue, everywhere=True)
                 await link.create_queue(
                     queue, pattern, routing_type=RoutingType.MULTICAST, durable=True, expires_ms=expiry_ms
                 )
@@ -965,7 +967,7 @@ class MqttSession:
             if not sub.shared and sub.consumer is not None:
                 with contextlib.suppress(LinkRequestError):
                     assert self.link is not None
-                    await self.link.delete_queue(sub.queue)
+                    await self.link.delete_queue(sub.queue, everywhere=True)
             codes.append(0)
         if self.persistent:
             await self.registry.save(self.client_id, self.state)
@@ -1255,7 +1257,7 @@ class MqttSession:
                 await self._close_sub(sub)  # first: its consumer seeing its queue deleted would end the connection
                 if not sub.shared and sub.consumer is not None:
                     with contextlib.suppress(LinkRequestError):
-                        await self.link.delete_queue(sub.queue)
+                        await self.link.delete_queue(sub.queue, everywhere=True)
             await registry.drop_session(self.client_id)
             return
         await registry.set_expiry(
@@ -1353,7 +1355,7 @@ class MqttSession:
                 for sub in self.subs.values():
                     if not sub.shared and sub.consumer is not None:
                         with contextlib.suppress(LinkRequestError):
-                            await link.delete_queue(sub.queue)
+                            await link.delete_queue(sub.queue, everywhere=True)
             await link.close()  # the core returns unacked messages, drops temporary queues, sends the will
         if self._holder is not None:
             with contextlib.suppress(LinkRequestError):

@@ -271,20 +271,21 @@ class Registry:
         state = await self._read_session(link, client_id, or_empty=False)
         return FoundSession(here=True, elsewhere=elsewhere, state=state)
 
-    async def open_session(self, client_id: str, *, resume: bool = True) -> SessionState | None:
+    async def open_session(self, client_id: str) -> SessionState | None:
         """Create or find the session queue of a persistent session; the record of an earlier session, if any.
-        With ``resume``, a record kept by another node of the cluster is waited for (up to ``FETCH_TIMEOUT``).
+        A record kept by another node of the cluster is waited for (up to ``FETCH_TIMEOUT``): to resume that
+        session, or to discard it and its queues there (a clean start).
         The queue's expiry is left as it is: the new session's counts once it holds the queue (a shorter one set
         now would count the time the queue waited for the client, and could delete it before it is read)."""
         link = await self.link()
         name = convert.session_queue(client_id)
         found = await link.create_queue(name, routing_type=RoutingType.ANYCAST, durable=True, last_value_key="")
-        if found.get("created") and not (resume and found.get("elsewhere")):
+        if found.get("created") and not found.get("elsewhere"):
             return None
-        if found.get("created") or (resume and client_id in self._holders):  # (an earlier fetch still waits)
+        if found.get("created") or client_id in self._holders:  # (an earlier fetch still waits)
             return await self._fetch_session(client_id)
         state = await self._read_session(link, client_id, or_empty=False)
-        if state is None and resume:
+        if state is None:
             # The queue is here, its record is not: redistribution or a scale-down moved it to another node.
             # Fetch it back. A new session (session present 0, so the client subscribes again) only when no node
             # holds the queue any more; never an empty one passed off as the client's (it would wait for its
@@ -386,7 +387,7 @@ class Registry:
     async def drop_session(self, client_id: str) -> None:
         self._holders.pop(client_id, None)  # goes with its queue
         with contextlib.suppress(LinkRequestError):
-            await (await self.link()).delete_queue(convert.session_queue(client_id))
+            await (await self.link()).delete_queue(convert.session_queue(client_id), everywhere=True)
 
     # ------------------------------------------------------------------ retained messages
     def retain(self, topic: str, message: WireMessage) -> asyncio.Future[None]:

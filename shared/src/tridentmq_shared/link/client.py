@@ -1008,9 +1008,12 @@ class LinkClient:
             del specs[next(iter(specs))]
         return result
 
-    async def delete_queue(self, name: str) -> None:
+    async def delete_queue(self, name: str, *, everywhere: bool = False) -> None:
+        """Delete a queue of this node; with ``everywhere``, its namesakes on the other nodes of the cluster too
+        (a session's queue that moved with its client: a copy left behind would keep its messages). A node of
+        protocol version 2 deletes its own only."""
         self._queue_specs.pop(name.rpartition("::")[2], None)
-        await self._request(lambda conn: conn.delete_queue(name), again=False)
+        await self._request(lambda conn: conn.delete_queue(name, everywhere=everywhere), again=False)
 
     async def set_will(
         self, key: str, message: WireMessage | None, *, delay_ms: int = 0, publish_pending: bool = False

@@ -54,6 +54,8 @@ FRAME_OPERATIONS: Final = 512
 UNBOUNDED_BYTES: Final = 1 << 62
 #: The first protocol version whose windows are counted in bytes too.
 BYTE_CREDIT_VERSION: Final = 2
+#: The first protocol version with DELETE_QUEUE_EVERYWHERE.
+EVERYWHERE_VERSION: Final = 3
 
 _NACK_MODES: Final = frozenset(int(m) for m in NackMode)
 #: One packer for every connection: each holds a 4 KiB buffer, and a gateway or a core has a connection per
@@ -140,6 +142,12 @@ _FIELDS_V2: Final[dict[int, tuple[type | tuple[type, ...], ...]]] = {
     Op.FLOW: (int, int, int),
 }
 
+_FIELDS_V3: Final[dict[int, tuple[type | tuple[type, ...], ...]]] = {
+    **_FIELDS_V2,
+    Op.DELETE_QUEUE_EVERYWHERE: (int, str),
+}
+_FIELDS_OF_VERSION: Final = {1: _FIELDS, 2: _FIELDS_V2, 3: _FIELDS_V3}
+
 _RECEIVES: Final = {
     Role.SERVER: frozenset(
         {
@@ -149,6 +157,7 @@ _RECEIVES: Final = {
             Op.DELETE_ADDRESS,
             Op.CREATE_QUEUE,
             Op.DELETE_QUEUE,
+            Op.DELETE_QUEUE_EVERYWHERE,
             Op.SUBSCRIBE,
             Op.UNSUBSCRIBE,
             Op.TX_BEGIN,
@@ -188,6 +197,7 @@ _RECEIVES: Final = {
 _SIMPLE_REQUESTS: Final[dict[int, Callable[[int, Any], ev.Event]]] = {
     Op.DELETE_ADDRESS: ev.DeleteAddress,
     Op.DELETE_QUEUE: ev.DeleteQueue,
+    Op.DELETE_QUEUE_EVERYWHERE: ev.DeleteQueueEverywhere,
     Op.UNSUBSCRIBE: ev.Unsubscribe,
     Op.TX_BEGIN: ev.TxBegin,
     Op.TX_COMMIT: ev.TxCommit,
@@ -425,7 +435,9 @@ class LinkConnection:
             batch.append(op)
 
     def _check_fields(self, op: list[Any]) -> None:
-        spec = self._fields[op[0]]
+        spec = self._fields.get(op[0])
+        if spec is None:  # an operation of a later version than this link's
+            self._fail(ErrorCode.UNEXPECTED, f"operation {op[0]} is not in protocol version {self.version}")
         if len(op) != len(spec) + 1:
             self._fail(ErrorCode.MALFORMED, f"operation {op[0]} takes {len(spec)} fields, got {len(op) - 1}")
         for value, kind in zip(op[1:], spec, strict=True):
@@ -616,8 +628,7 @@ class LinkConnection:
             if max_frame < MIN_FRAME_SIZE:
                 self._fail(ErrorCode.INVALID, f"max frame size below {MIN_FRAME_SIZE}")
             self.version = max(common)
-            if self.version >= BYTE_CREDIT_VERSION:
-                self._fields = _FIELDS_V2
+            self._fields = _FIELDS_OF_VERSION[self.version]
             self._peer_max_frame = self._peer_max_operation = max_frame
             if self.version >= BYTE_CREDIT_VERSION:  # the client takes frames up to our limit + the headroom
                 self._peer_max_operation = max(max_frame, self.max_frame_size + DELIVERY_HEADROOM)
@@ -640,8 +651,7 @@ class LinkConnection:
         ):
             self._fail(ErrorCode.INVALID, "WELCOME carries values outside what was offered")
         self.version = version
-        if version >= BYTE_CREDIT_VERSION:
-            self._fields = _FIELDS_V2
+        self._fields = _FIELDS_OF_VERSION[version]
         self.publish_bytes = publish_bytes
         self._peer_max_frame = self._peer_max_operation = max_frame
         if version >= BYTE_CREDIT_VERSION:  # whatever the server accepted in a publish, it can deliver here
@@ -917,7 +927,10 @@ class LinkConnection:
     def create_queue(self, spec: dict[str, Any]) -> int:
         return self._request(Op.CREATE_QUEUE, spec)
 
-    def delete_queue(self, queue: str) -> int:
+    def delete_queue(self, queue: str, *, everywhere: bool = False) -> int:
+        """With ``everywhere`` (a version 3 link), its namesakes on the other nodes of the cluster go too."""
+        if everywhere and self.version >= EVERYWHERE_VERSION:
+            return self._request(Op.DELETE_QUEUE_EVERYWHERE, queue)
         return self._request(Op.DELETE_QUEUE, queue)
 
     def set_will(self, will: dict[str, Any] | None) -> int:

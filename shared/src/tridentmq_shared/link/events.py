@@ -96,6 +96,14 @@ class DeleteQueue:
 
 
 @dataclass(frozen=True, slots=True)
+class DeleteQueueEverywhere:
+    """Version 3: delete the queue here and its namesakes on the other nodes of the cluster."""
+
+    req_id: int
+    queue: str
+
+
+@dataclass(frozen=True, slots=True)
 class Subscribe:
     """``options`` keys: selector, browse, auto_ack, and for a queue auto-created by the subscription:
     address, routing_type, durable."""
@@ -252,6 +260,7 @@ ServerEvent = (
     | DeleteAddress
     | CreateQueue
     | DeleteQueue
+    | DeleteQueueEverywhere
     | Subscribe
     | Unsubscribe
     | TxBegin

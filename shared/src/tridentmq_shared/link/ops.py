@@ -11,7 +11,7 @@ from typing import Final
 
 #: Version 2 counts the publish window and, when asked, consumer windows in bytes too (WELCOME's publish
 #: bytes, PUBLISH_CREDIT's and FLOW's byte fields, SUBSCRIBE's ``credit_bytes`` option).
-PROTOCOL_VERSIONS: Final = (1, 2)
+PROTOCOL_VERSIONS: Final = (1, 2, 3)
 HEADER_SIZE: Final = 4
 
 
@@ -55,6 +55,8 @@ class Op(IntEnum):
     VOTE = 35  # C→S [op, req_id, request]: a node asks an active node for its vote on a pair's epoch
     # sessions multiplexed over one link
     CHANNEL = 36  # both [op, channel_id, data]: bytes of a session's own link stream; empty data closes it
+    # version 3
+    DELETE_QUEUE_EVERYWHERE = 37  # C→S [op, req_id, queue]: the queue of that name on every node of the cluster
 
 
 class NackMode(IntEnum):

@@ -53,6 +53,8 @@ from tridentmq_shared.settings import SettingsError
 from tridentmq_shared.supervision import spawn
 
 log = logging.getLogger("tridentmq.core.cluster")
+#: How long a node waits for another to delete a queue's copy (DELETE_QUEUE_EVERYWHERE), in heartbeat intervals.
+DELETE_ELSEWHERE_TIMEOUT_FACTOR: Final = 4
 
 TICK_SECONDS: Final = 0.1
 
@@ -208,6 +210,7 @@ class ClusterManager:
         broker.cluster = self.balancer
         broker.on_topology = self.on_topology
         broker.hold_reply = self.hold_reply
+        broker.delete_elsewhere = self.delete_elsewhere
         broker.forwarder.send_direct = self._send_direct
 
     # ------------------------------------------------------------------ life cycle
@@ -556,6 +559,41 @@ class ClusterManager:
             self._push_scheduled = True
             asyncio.get_running_loop().call_soon(self._push_now)
         return True
+
+    def delete_elsewhere(self, session: Session, req_id: int, queue: str, node_ids: list[str]) -> None:
+        """Delete ``queue`` on each of ``node_ids`` over this node's cluster connection to it, then reply to the
+        client's DELETE_QUEUE_EVERYWHERE: ``{"elsewhere": deleted, "unreachable": [node ids]}``. A node down
+        keeps its copy (it expires as it would have); the client is told which."""
+        spawn(self._delete_elsewhere(session, req_id, queue, node_ids), "delete-elsewhere")
+
+    async def _delete_elsewhere(self, session: Session, req_id: int, queue: str, node_ids: list[str]) -> None:
+        timeout = DELETE_ELSEWHERE_TIMEOUT_FACTOR * self.settings.link.heartbeat_ms / 1000
+
+        async def delete_on(node_id: str) -> bool:
+            bridge = self.bridges_by_node.get(node_id)
+            client = bridge.client if bridge is not None and bridge.up else None
+            if client is None:
+                return False
+            try:
+                await asyncio.wait_for(client.delete_queue(queue), timeout)
+            except LinkRequestError as exc:
+                return exc.code == ErrorCode.NOT_FOUND  # gone meanwhile: as good as deleted
+            except TimeoutError:
+                return False
+            return True
+
+        done = await asyncio.gather(*(delete_on(node_id) for node_id in node_ids))
+        unreachable = [node_id for node_id, ok in zip(node_ids, done, strict=True) if not ok]
+        if unreachable:
+            log.warning(
+                "a queue's copy on another node was not deleted (down, silent or refusing): it expires there",
+                extra={"queue": queue[:120], "nodes": unreachable},
+            )
+        broker = self.broker
+        if session.conn_id in broker.sessions:
+            session.conn.reply(req_id, {"elsewhere": len(node_ids) - len(unreachable), "unreachable": unreachable})
+            broker.dirty.add(session)
+            self.schedule_flush()
 
     def _push_now(self) -> None:
         self._push_scheduled = False
