@@ -260,28 +260,47 @@ async def test_a_session_that_gives_up_on_a_frozen_core_leaves_the_others_waitin
         await shared.close()
 
 
-async def test_a_resume_cancelled_by_mistake_ends_the_link_for_its_owner(core: CoreProcess) -> None:
-    """Only ``close`` and a new loss cancel a link's resume. Cancelled by anything else, the link must not
-    stay down in silence (neither open nor resuming, its owner never told): it ends, with its reason."""
+class _StrayCancellation:
+    """Opens channels through real shared links; once armed, the next open ends with a CancelledError that no
+    cancel() of the caller raised (as a shared connect cancelled by another session used to)."""
+
+    def __init__(self, shared: SharedLinks) -> None:
+        self.shared = shared
+        self.armed = False
+
+    async def open(self, host: str, port: int, protocol_factory: Any) -> Any:
+        if self.armed:
+            self.armed = False
+            raise asyncio.CancelledError
+        return await self.shared.open(host, port, protocol_factory)
+
+
+async def test_a_resume_ended_by_a_stray_cancellation_ends_the_link_for_its_owner(core: CoreProcess) -> None:
+    """A resume that ends with a CancelledError no cancel() raised must not leave its link down in silence
+    (neither open nor resuming, its owner never told): the link ends, with its reason."""
     shared = _shared("gw", "gw-secret")
+    opener = _StrayCancellation(shared)
     again = ReconnectPolicy(retry_interval=0.05, max_interval=0.2)
-    session = _session(core, shared, reconnect=again, user="gw", password="gw-secret", acting_for="alice")
+    session = LinkClient(
+        "127.0.0.1",
+        core.link_port,
+        channels=opener,
+        reconnect=again,
+        client_host="127.0.0.1",
+        user="gw",
+        password="gw-secret",
+        acting_for="alice",
+    )
     ended: list[LinkRequestError] = []
     session.on_closed = ended.append
     try:
         await session.connect()
-        core.process.send_signal(signal.SIGSTOP)
-        try:
-            (carrier,) = shared.carriers
-            assert carrier.client._protocol is not None
-            assert carrier.client._protocol.transport is not None
-            carrier.client._protocol.transport.abort()
-            await wait_until_async(lambda: session._resuming, 5, "the resume")
-            assert session._reconnecting is not None
-            session._reconnecting.cancel()
-            await wait_until_async(lambda: bool(ended), 5, "the link to end")
-        finally:
-            core.process.send_signal(signal.SIGCONT)
+        (carrier,) = shared.carriers
+        assert carrier.client._protocol is not None
+        assert carrier.client._protocol.transport is not None
+        opener.armed = True
+        carrier.client._protocol.transport.abort()
+        await wait_until_async(lambda: bool(ended), 5, "the link to end")
         assert "resume was cancelled" in ended[0].text
         assert not session.connected
         with pytest.raises(LinkClosedError, match="resume was cancelled"):

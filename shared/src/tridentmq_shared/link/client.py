@@ -755,14 +755,7 @@ class LinkClient:
     def _task_ended(self, task: asyncio.Task[None]) -> None:
         """A link's own task (heartbeat, resume) must not die half way unnoticed: one that failed (a bug) is
         logged with its traceback and the link ends, failing everything that waits on it."""
-        if task.cancelled():
-            if task is self._reconnecting and not self._closing:
-                # Only ``close`` and a new loss (which replaces the task first) cancel a resume. Cancelled by
-                # anything else, the link would stay down without a word: say so, and end it for its owner.
-                log.error("link resume cancelled: the link is closed", extra={"task": task.get_name()})
-                self._fail_all(LinkClosedError(ErrorCode.EOF, "the link's resume was cancelled"))
-            return
-        if task.exception() is None:
+        if task.cancelled() or task.exception() is None:
             return
         exc = task.exception()
         log.error("link task failed: the link is closed", exc_info=exc, extra={"task": task.get_name()})
@@ -779,6 +772,15 @@ class LinkClient:
                 await self._connect_with_retries(self.reconnect.attempts, failed)
         except LinkClosedError as exc:
             self._fail_all(exc)
+            return
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # cancelled: by ``close``, a new loss (which starts another resume) or the loop's end
+            # A CancelledError that no cancel() of this task raised (a future it awaited ended so): the resume
+            # would end as cancelled and the link stay down without a word. End it for its owner, loudly.
+            log.exception("link resume ended by a stray cancellation: the link is closed")
+            self._fail_all(LinkClosedError(ErrorCode.EOF, "the link's resume was cancelled"))
             return
         conn = self._conn
         assert conn is not None
