@@ -500,7 +500,7 @@ class MqttSession:
         elif previous is not None:
             self.state = previous  # resumed, even by a connection whose session ends with it
         if not self.persistent:
-            await registry.drop_session(client_id)
+            await registry.drop_session(client_id, everywhere=True)  # we hold the lock: any earlier one goes
             return previous
         self.state.user = self.user
         self._holder = await registry.hold_session(client_id)
@@ -1256,9 +1256,11 @@ class MqttSession:
             for sub in self.subs.values():
                 await self._close_sub(sub)  # first: its consumer seeing its queue deleted would end the connection
                 if not sub.shared and sub.consumer is not None:
+                    # This node's copies only, here and below: a connection that took the session over through
+                    # another node meanwhile has its own copies there.
                     with contextlib.suppress(LinkRequestError):
-                        await self.link.delete_queue(sub.queue, everywhere=True)
-            await registry.drop_session(self.client_id)
+                        await self.link.delete_queue(sub.queue)
+            await registry.drop_session(self.client_id, everywhere=False)
             return
         await registry.set_expiry(
             convert.session_queue(self.client_id),
@@ -1351,11 +1353,12 @@ class MqttSession:
         if link is not None:
             link.on_closed = link.on_settled = link.on_rejected = None
             if not self.persistent and self._lock is not None and self._lock.closed is None:
-                # The session ends here (unless taken over): so do the durable queues of one it resumed.
+                # The session ends here (unless taken over): so do the durable queues of one it resumed (this
+                # node's copies: a takeover through another node, its notice not read yet, has its own there).
                 for sub in self.subs.values():
                     if not sub.shared and sub.consumer is not None:
                         with contextlib.suppress(LinkRequestError):
-                            await link.delete_queue(sub.queue, everywhere=True)
+                            await link.delete_queue(sub.queue)
             await link.close()  # the core returns unacked messages, drops temporary queues, sends the will
         if self._holder is not None:
             with contextlib.suppress(LinkRequestError):

@@ -384,10 +384,12 @@ class Registry:
         with contextlib.suppress(LinkRequestError):
             await (await self.link()).create_queue(queue, address, routing_type=routing, expires_ms=expiry_ms)
 
-    async def drop_session(self, client_id: str) -> None:
+    async def drop_session(self, client_id: str, *, everywhere: bool) -> None:
+        """Delete the session queue here; ``everywhere``: its copies on the other nodes too (only for the holder
+        of the session's lock, which no connection through another node can have taken meanwhile)."""
         self._holders.pop(client_id, None)  # goes with its queue
         with contextlib.suppress(LinkRequestError):
-            await (await self.link()).delete_queue(convert.session_queue(client_id), everywhere=True)
+            await (await self.link()).delete_queue(convert.session_queue(client_id), everywhere=everywhere)
 
     # ------------------------------------------------------------------ retained messages
     def retain(self, topic: str, message: WireMessage) -> asyncio.Future[None]:

@@ -200,7 +200,13 @@ class SharedLinks:
             pending = asyncio.get_running_loop().create_task(self._new_carrier(endpoint), name="shared link connect")
             self._connecting[endpoint] = pending
             pending.add_done_callback(lambda task: self._connected(endpoint, task))
-        return await asyncio.shield(pending)
+        try:
+            return await asyncio.shield(pending)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if pending.cancelled() and self._closing and task is not None and not task.cancelling():
+                raise ConnectionError("the gateway is stopping") from None  # ``close`` cancelled the connect
+            raise
 
     def _connected(self, endpoint: Endpoint, task: asyncio.Task[Carrier]) -> None:
         if self._connecting.get(endpoint) is task:

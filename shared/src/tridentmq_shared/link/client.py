@@ -780,7 +780,10 @@ class LinkClient:
             # A CancelledError that no cancel() of this task raised (a future it awaited ended so): the resume
             # would end as cancelled and the link stay down without a word. End it for its owner, loudly.
             log.exception("link resume ended by a stray cancellation: the link is closed")
+            self._closing = True  # no resume after this one
             self._fail_all(LinkClosedError(ErrorCode.EOF, "the link's resume was cancelled"))
+            if self._protocol is not None and self._protocol.transport is not None:
+                self._protocol.transport.abort()
             return
         conn = self._conn
         assert conn is not None

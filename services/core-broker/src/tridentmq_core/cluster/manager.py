@@ -53,8 +53,10 @@ from tridentmq_shared.settings import SettingsError
 from tridentmq_shared.supervision import spawn
 
 log = logging.getLogger("tridentmq.core.cluster")
-#: How long a node waits for another to delete a queue's copy (DELETE_QUEUE_EVERYWHERE), in heartbeat intervals.
+#: How long a node waits for another to delete a queue's copy (DELETE_QUEUE_EVERYWHERE): this many heartbeat
+#: intervals, and at least the floor (heartbeats may be off).
 DELETE_ELSEWHERE_TIMEOUT_FACTOR: Final = 4
+DELETE_ELSEWHERE_MIN_TIMEOUT_S: Final = 2.0
 
 TICK_SECONDS: Final = 0.1
 
@@ -567,7 +569,9 @@ class ClusterManager:
         spawn(self._delete_elsewhere(session, req_id, queue, node_ids), "delete-elsewhere")
 
     async def _delete_elsewhere(self, session: Session, req_id: int, queue: str, node_ids: list[str]) -> None:
-        timeout = DELETE_ELSEWHERE_TIMEOUT_FACTOR * self.settings.link.heartbeat_ms / 1000
+        timeout = max(
+            DELETE_ELSEWHERE_TIMEOUT_FACTOR * self.settings.link.heartbeat_ms / 1000, DELETE_ELSEWHERE_MIN_TIMEOUT_S
+        )
 
         async def delete_on(node_id: str) -> bool:
             bridge = self.bridges_by_node.get(node_id)
@@ -580,6 +584,9 @@ class ClusterManager:
                 return exc.code == ErrorCode.NOT_FOUND  # gone meanwhile: as good as deleted
             except TimeoutError:
                 return False
+            except Exception:  # a bug: logged, and the client still gets its answer
+                log.exception("deleting a queue's copy on another node failed", extra={"node_id": node_id})
+                return False
             return True
 
         done = await asyncio.gather(*(delete_on(node_id) for node_id in node_ids))
@@ -590,8 +597,11 @@ class ClusterManager:
                 extra={"queue": queue[:120], "nodes": unreachable},
             )
         broker = self.broker
-        if session.conn_id in broker.sessions:
-            session.conn.reply(req_id, {"elsewhere": len(node_ids) - len(unreachable), "unreachable": unreachable})
+        if session.conn_id not in broker.sessions:
+            return
+        result = {"elsewhere": len(node_ids) - len(unreachable), "unreachable": unreachable}
+        if not self.hold_reply(session, req_id, result):  # else once the others route without the copy here
+            session.conn.reply(req_id, result)
             broker.dirty.add(session)
             self.schedule_flush()
 
