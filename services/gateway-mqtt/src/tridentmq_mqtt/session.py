@@ -500,7 +500,7 @@ class MqttSession:
         elif previous is not None:
             self.state = previous  # resumed, even by a connection whose session ends with it
         if not self.persistent:
-            await registry.drop_session(client_id, everywhere=True)  # we hold the lock: any earlier one goes
+            await registry.drop_session(client_id, everywhere=self._holds_lock())  # any earlier session goes
             return previous
         self.state.user = self.user
         self._holder = await registry.hold_session(client_id)
@@ -527,7 +527,7 @@ class MqttSession:
                 group, topic_filter = convert.parse_subscription(text)
                 if group is None:
                     queue = convert.subscription_queue(self.client_id, topic_filter)
-                    await self.link.delete_queue(queue, everywhere=True)
+                    await self.link.delete_queue(queue, everywhere=self._holds_lock())
 
     async def _resume(self) -> None:
         """Resume a session: PUBREL for what the client received but we did not see completed, then the
@@ -556,6 +556,10 @@ class MqttSession:
             int(time.time() * 1000),
             retain=will.retain,
         )
+
+    def _holds_lock(self) -> bool:
+        """Whether this connection may delete the session's queues on other nodes too (see ``Registry.holds``)."""
+        return self._lock is not None and self.registry.holds(self._lock)
 
     def _watch_lock(self, lock: Consumer) -> None:
         """End this connection when another one takes the session: on this node the newcomer deletes the lock
@@ -800,7 +804,7 @@ class MqttSession:
                     "mqtt subscription queue left by an earlier session dropped",
                     extra={"peer": self.wire.peer, "client_id": self.client_id[:60], "queue": queue[:100]},
                 )
-                await link.delete_queue(queue, everywhere=True)
+                await link.delete_queue(queue, everywhere=self._holds_lock())
                 await link.create_queue(
                     queue, pattern, routing_type=RoutingType.MULTICAST, durable=True, expires_ms=expiry_ms
                 )
@@ -967,7 +971,7 @@ class MqttSession:
             if not sub.shared and sub.consumer is not None:
                 with contextlib.suppress(LinkRequestError):
                     assert self.link is not None
-                    await self.link.delete_queue(sub.queue, everywhere=True)
+                    await self.link.delete_queue(sub.queue, everywhere=self._holds_lock())
             codes.append(0)
         if self.persistent:
             await self.registry.save(self.client_id, self.state)

@@ -242,6 +242,16 @@ class Registry:
             with contextlib.suppress(LinkRequestError):  # closes the owner's consumer: its notice
                 await link.delete_queue(name)
 
+    def holds(self, lock: Consumer) -> bool:
+        """Whether ``lock`` still stands for this connection's ownership: not closed, and no takeover notice of
+        another connection waiting in it (looked at, not taken: the session reads them once its CONNECT is
+        answered). A session deletes queues on other nodes only while it holds its lock: a connection that took
+        the session over through another node has its own there."""
+        if lock.closed is not None:
+            return False
+        token = self._tokens.get(id(lock))
+        return all(message[M_PROPS].get(TAKEOVER) == token for message in lock.peek())
+
     def taken_over(self, lock: Consumer, notices: list[tuple[int, WireMessage]]) -> bool:
         """Whether takeover notices that reached our lock queue come from another connection (our own
         notice may come back to us); they are acknowledged either way."""

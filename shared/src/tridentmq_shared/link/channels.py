@@ -19,7 +19,7 @@ from typing import Any, TypeVar, cast
 
 from tridentmq_shared.link.client import EARLY_WRITE_OPERATIONS, LinkClient
 from tridentmq_shared.link.codec import DEFAULT_HEARTBEAT_MS
-from tridentmq_shared.link.errors import LinkRequestError, SharedLinksRefusedError
+from tridentmq_shared.link.errors import LinkClosedError, LinkRequestError, SharedLinksRefusedError
 from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.link.topology import Endpoint
@@ -183,6 +183,8 @@ class SharedLinks:
         """A new channel to ``host``:``port`` for a session's protocol. Raises as a connection would (OSError,
         TimeoutError, LinkClosedError), or ``SharedLinksRefusedError`` when the core refuses the gateway's user."""
         endpoint = (host, port)
+        if self._closing:
+            raise _stopping()
         if self._refused_until.get(endpoint, 0.0) > time.monotonic():
             raise SharedLinksRefusedError(f"{host}:{port}")
         carriers = [c for c in self._carriers.get(endpoint, ()) if c.alive]
@@ -205,7 +207,7 @@ class SharedLinks:
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if pending.cancelled() and self._closing and task is not None and not task.cancelling():
-                raise ConnectionError("the gateway is stopping") from None  # ``close`` cancelled the connect
+                raise _stopping() from None  # ``close`` cancelled the connect
             raise
 
     def _connected(self, endpoint: Endpoint, task: asyncio.Task[Carrier]) -> None:
@@ -240,7 +242,7 @@ class SharedLinks:
             raise SharedLinksRefusedError(exc.text) from exc
         if self._closing:
             await client.close()
-            raise ConnectionError("the gateway is stopping")
+            raise _stopping()
         carrier = Carrier(self, client)
         self._carriers.setdefault(endpoint, []).append(carrier)
         log.info("shared core link opened", extra={"core": core})
@@ -261,3 +263,9 @@ class SharedLinks:
         self._carriers.clear()
         for carrier in carriers:
             await carrier.client.close()
+
+
+def _stopping() -> LinkClosedError:
+    """What a session asking for a channel gets once the shared links are closed: final, so that its connect or
+    resume stops at once rather than trying the nodes again."""
+    return LinkClosedError(ErrorCode.CLOSED_BY_OPERATOR, "the gateway is stopping")

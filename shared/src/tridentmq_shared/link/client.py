@@ -241,6 +241,10 @@ class Consumer:
             return []
         return self.take_batch()
 
+    def peek(self) -> list[WireMessage]:
+        """The messages buffered now, left where they are."""
+        return [op[3] for op in self._buffer or ()]
+
     def take_batch(self) -> list[tuple[int, WireMessage]]:
         """What is buffered now as (delivery count, message) pairs, without waiting (see ``on_wake``)."""
         buffer, self._buffer = self._buffer, None
