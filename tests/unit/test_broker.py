@@ -1988,3 +1988,16 @@ def test_address_full_policy_block_withholds_credit_until_the_address_drains() -
 def test_unknown_address_full_policy_is_refused_at_start() -> None:
     with pytest.raises(SettingsError, match="address_full_policy 'SPILL'"):
         limited("SPILL", 100)
+
+
+def test_subscribe_with_create_false_never_makes_the_queue(h: Harness, c: Client) -> None:
+    """A queue made with a spec (a lock: one consumer, an owner filter, expiry 0) may expire between its
+    creation and the subscribe: with ``create: false`` the subscribe is refused rather than auto-creating a
+    plain queue of that name, which would hold neither the consumer limit nor the filter."""
+    _, answer = c.subscribe("lock.x", credit=1, create=False)
+    failed(answer, ErrorCode.NOT_FOUND)
+    assert "lock.x" not in h.broker.queues
+    ok(c.create_queue("lock.x", durable=False, max_consumers=1, expires_ms=0))
+    _, answer = c.subscribe("lock.x", credit=1, create=False)
+    ok(answer)
+    assert h.broker.queues["lock.x"].max_consumers == 1

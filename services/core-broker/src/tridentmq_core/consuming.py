@@ -79,7 +79,9 @@ class Consuming:
             address = address_name or str(options.get("address") or queue_name)
             valid_address(address, wildcards=True)
             settings = self.address_settings.resolve(address)
-            if not settings.auto_create_queues:
+            # ``create: false``: the queue must exist as made (a lock queue whose expiry may delete it between
+            # its creation and this subscribe must not come back as a plain queue without its spec).
+            if not settings.auto_create_queues or options.get("create") is False:
                 raise BrokerError(ErrorCode.NOT_FOUND, f"queue {queue_name!r} does not exist")
             routing = routing_type(options.get("routing_type", RoutingType.ANYCAST))
             durable = bool(options.get("durable", routing is RoutingType.ANYCAST))

@@ -230,7 +230,10 @@ class Registry:
                     notice = new_message(name, b"", routing=RoutingType.ANYCAST, properties={TAKEOVER: token})
                     await link.publish(notice)
                 try:
-                    lock = await link.subscribe(name, credit=1)  # a message here may be a takeover notice
+                    # A message here may be a takeover notice. Not made again if it expired meanwhile (it may, at
+                    # the core's next tick): a plain queue would hold no owner and no consumer limit, and another
+                    # user's CONNECT would take this live session (seen under load).
+                    lock = await link.subscribe(name, credit=1, create=False)
                 except LinkRequestError as exc:  # another connection got there first: take it from that one
                     if exc.code not in (ErrorCode.RESOURCE_LIMIT, ErrorCode.NOT_FOUND):
                         raise
