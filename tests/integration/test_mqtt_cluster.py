@@ -88,18 +88,23 @@ def test_a_retained_message_is_seen_through_a_gateway_on_another_node(
     publisher.disconnect()
 
 
+def _persistent_session_left_on(left: GatewayProcess, right: GatewayProcess, client_id: str, topic_filter: str) -> None:
+    """A new persistent session subscribed (QoS 1) through ``left``, disconnected, once ``right``'s node knows
+    its queues (session record, subscription): a client coming back sooner than that through another node
+    would start a new session."""
+    first = Paho(left.port, client_id, clean=False)
+    assert first.connect(expiry=300)[0] is False
+    first.subscribe(topic_filter, 1)
+    first.disconnect()
+    wait_until(lambda: cluster_view(NODES[right.port])["remote_bindings"] >= 3, what="node b to learn the session")
+
+
 def test_a_persistent_session_resumes_through_a_gateway_on_another_node(
     two_sides: tuple[GatewayProcess, GatewayProcess],
 ) -> None:
     left, right = two_sides
     client_id = f"c-{_id()}"
-    first = Paho(left.port, client_id, clean=False)
-    assert first.connect(expiry=300)[0] is False
-    first.subscribe("orders/#", 1)
-    first.disconnect()
-    # The other node learns of the session's queues (session record, subscription) within a moment; a client
-    # coming back sooner than that through another node would start a new session.
-    wait_until(lambda: cluster_view(NODES[right.port])["remote_bindings"] >= 3, what="node b to learn the session")
+    _persistent_session_left_on(left, right, client_id, "orders/#")
     publisher = Paho(left.port, f"p-{_id()}")
     publisher.connect()
     for i in range(10):
@@ -123,11 +128,7 @@ def test_a_clean_start_on_another_node_discards_the_session_and_its_queued_messa
     it must get none of what was queued for the old session, on node a or on its way over."""
     left, right = two_sides
     client_id = f"c-{_id()}"
-    first = Paho(left.port, client_id, clean=False)
-    first.connect(expiry=300)
-    first.subscribe("clean/#", 1)
-    first.disconnect()
-    wait_until(lambda: cluster_view(NODES[right.port])["remote_bindings"] >= 3, what="node b to learn the session")
+    _persistent_session_left_on(left, right, client_id, "clean/#")
     publisher = Paho(left.port, f"p-{_id()}")
     publisher.connect()
     for i in range(5):
