@@ -95,6 +95,20 @@ def _wait(predicate: object, process: subprocess.Popen[bytes], log: Path, what: 
         time.sleep(0.2)
 
 
+def _kill_source_worker(group: int) -> int:
+    """SIGKILL the Python process serving the audit source's offsets to the driver's JVM; its pid."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or os.getpgid(int(proc.name)) != group:
+                continue
+            if b"python_streaming_source_runner" in (proc / "cmdline").read_bytes():
+                os.kill(int(proc.name), signal.SIGKILL)
+                return int(proc.name)
+        except (ProcessLookupError, FileNotFoundError):
+            continue
+    raise AssertionError("no Python source worker in the stream's process group")
+
+
 def test_the_stream_is_exactly_once_across_a_kill_of_the_driver(spark: SparkSession, tmp_path: Path) -> None:
     audit, checkpoint, out, log = tmp_path / "audit", tmp_path / "checkpoint", tmp_path / "out", tmp_path / "log"
     for first in range(0, 3 * PER_SEGMENT, PER_SEGMENT):
@@ -103,6 +117,10 @@ def test_the_stream_is_exactly_once_across_a_kill_of_the_driver(spark: SparkSess
     first_run = _stream(audit, checkpoint, out, log)
     try:
         _wait(lambda: _committed_batches(out / "events") >= 1, first_run, log, "a first committed batch")
+        # The query fails on its next trigger; the stream restarts it from its checkpoint instead of exiting
+        # (`_wait` fails if the process ends).
+        _kill_source_worker(first_run.pid)
+        _wait(lambda: "query events failed" in log.read_text(), first_run, log, "the failed query to be seen")
         _seal(audit, "node-c", 0)  # a node folder that appears while the stream runs
         for first in range(3 * PER_SEGMENT, 6 * PER_SEGMENT, PER_SEGMENT):
             _seal(audit, "node-a", first)

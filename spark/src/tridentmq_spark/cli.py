@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -45,6 +46,12 @@ def add_commands(parser: argparse.ArgumentParser) -> None:
         metavar="tmq://HOST:PORT/ADDRESS",
         help="also publish each alert as a durable JSON message to this address of a core node (link port)",
     )
+    stream.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="restart a failed query from its checkpoint up to this many times in 10 minutes (default %(default)s)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="python -m tridentmq_spark", description="TridentMQ audit analytics.")
     add_commands(parser)
     sys.exit(run(parser.parse_args(argv)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -188,8 +189,14 @@ _JSON_SCHEMA = pa.schema(
         if name not in {"node_id", "consumer_protocol", "bad_reason", "raw"}
     ]
 )
-_KNOWN_EVENTS = pa.array(sorted(schema.KNOWN_EVENTS), pa.string())
-_GATEWAYS = pa.array(sorted(_GATEWAY_PROTOCOLS), pa.string())
+
+
+@cache
+def _value_sets() -> tuple[pa.Array, pa.Array]:
+    """The known events and the gateway protocols as Arrow arrays, made on first use: ``pa.array`` imports
+    pandas (over a second), and this module is imported by every Python worker Spark starts, whose
+    connection back to the JVM must come within 10 s."""
+    return pa.array(sorted(schema.KNOWN_EVENTS), pa.string()), pa.array(sorted(_GATEWAY_PROTOCOLS), pa.string())
 
 
 def _read_clean_segment(path: Path, node_id: str) -> pa.Table | None:
@@ -209,13 +216,11 @@ def _read_clean_segment(path: Path, node_id: str) -> pa.Table | None:
     n = table.num_rows
     if n == 0:
         return None
+    known_events, gateways = _value_sets()
     for header in ("v", "seq", "ts_us", "event"):
         if table[header].null_count:
             return None
-    if (
-        pc.max(table["v"]).as_py() > schema.SCHEMA_VERSION
-        or not pc.all(pc.is_in(table["event"], _KNOWN_EVENTS)).as_py()
-    ):
+    if pc.max(table["v"]).as_py() > schema.SCHEMA_VERSION or not pc.all(pc.is_in(table["event"], known_events)).as_py():
         return None
     seqs = table["seq"].to_numpy()
     if seqs[0] < 0 or (n > 1 and not np.all(np.diff(seqs) == 1)):
@@ -225,7 +230,7 @@ def _read_clean_segment(path: Path, node_id: str) -> pa.Table | None:
     columns[_TARGET_QUEUES] = pc.binary_join(table[_TARGET_QUEUES], ",")
     kind = pc.list_element(pc.split_pattern(table["client_id"], " ", max_splits=1), 0)
     acked = pc.and_(pc.equal(table["event"], "msg.acked"), pc.is_valid(table["client_id"]))
-    protocol = pc.if_else(pc.is_in(kind, _GATEWAYS), kind, pa.scalar("link"))
+    protocol = pc.if_else(pc.is_in(kind, gateways), kind, pa.scalar("link"))
     columns["consumer_protocol"] = pc.if_else(acked, protocol, pa.scalar(None, pa.string()))
     columns["bad_reason"] = columns["raw"] = pa.nulls(n, pa.string())
     return pa.Table.from_arrays([columns[name] for name, _ in schema.COLUMNS], schema=schema.arrow_schema())

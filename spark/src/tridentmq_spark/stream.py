@@ -19,10 +19,15 @@ watermark moving when traffic stops; a ``where`` before the aggregation could be
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from pyspark.errors import StreamingQueryException
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming.query import StreamingQuery
@@ -31,9 +36,13 @@ from pyspark.sql.types import StructType
 from tridentmq_spark.alert_sink import AlertTarget, publish_batch
 from tridentmq_spark.source import FORMAT
 
-__all__ = ["StreamOptions", "alerts", "rates", "run_stream", "start_analyses", "start_ingest"]
+__all__ = ["RESTART_WINDOW_S", "StreamOptions", "alerts", "analyses", "rates", "run_stream", "start_ingest"]
 
 _FAILOVER_EVENTS = ("ha.activated", "ha.failback", "ha.fenced", "node.left")
+_ALERTS = ("alerts", "failover_alerts")
+#: A query that fails more than ``--max-restarts`` times within this many seconds stops the stream.
+RESTART_WINDOW_S = 600
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,7 @@ class StreamOptions:
     trigger_seconds: float = 5.0
     once: bool = False
     alerts_to: str | None = None  # tmq://host:port/address: alerts also published as messages there
+    max_restarts: int = 5  # restarts of a failed query within RESTART_WINDOW_S before the stream stops
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> StreamOptions:
@@ -62,6 +72,7 @@ class StreamOptions:
             args.trigger_seconds,
             args.once,
             args.alerts_to,
+            args.max_restarts,
         )
 
 
@@ -174,8 +185,9 @@ def start_ingest(spark: SparkSession, opts: StreamOptions) -> StreamingQuery:
     return _start(raw, "events", opts, _events_path(opts))
 
 
-def start_analyses(spark: SparkSession, opts: StreamOptions, events_schema: StructType) -> list[StreamingQuery]:
-    """Stage 2: rates, alerts and bad records, read back from the ``events`` sink with Spark's file source.
+def analyses(spark: SparkSession, opts: StreamOptions, events_schema: StructType) -> list[Callable[[], StreamingQuery]]:
+    """Stage 2: rates, alerts and bad records, read back from the ``events`` sink with Spark's file source;
+    each as a function that starts its query (again, after a failure, from its checkpoint).
 
     Only one query runs Python (the audit source); these run in the JVM on Parquet, read exactly once from
     the sink's commit log, and a failure or restart of either stage never reads a segment twice.
@@ -191,17 +203,20 @@ def start_analyses(spark: SparkSession, opts: StreamOptions, events_schema: Stru
             "node_id", "seq", "ts", "event", "bad_reason", "raw"
         ),
     }
-    queries = [_start(df, name, opts, None if opts.out is None else opts.out / name) for name, df in outputs.items()]
+    starts: list[Callable[[], StreamingQuery]] = [
+        partial(_start, df, name, opts, None if opts.out is None else opts.out / name) for name, df in outputs.items()
+    ]
     if opts.alerts_to is not None:
         target = AlertTarget.parse(opts.alerts_to)
-        for name in ("alerts", "failover_alerts"):
-            query = f"{name}_to_tmq"
-            writer = outputs[name].writeStream.queryName(query).outputMode("append")
-            writer = writer.option("checkpointLocation", str(opts.checkpoint / query))
-            writer = writer.trigger(processingTime=f"{opts.trigger_seconds} seconds")
-            writer = writer.foreachBatch(partial(publish_batch, target, query))
-            queries.append(writer.start())
-    return queries
+        starts += [partial(_start_alerts_to, outputs[name], f"{name}_to_tmq", target, opts) for name in _ALERTS]
+    return starts
+
+
+def _start_alerts_to(df: DataFrame, query: str, target: AlertTarget, opts: StreamOptions) -> StreamingQuery:
+    writer = df.writeStream.queryName(query).outputMode("append")
+    writer = writer.option("checkpointLocation", str(opts.checkpoint / query))
+    writer = writer.trigger(processingTime=f"{opts.trigger_seconds} seconds")
+    return writer.foreachBatch(partial(publish_batch, target, query)).start()
 
 
 def events_schema(spark: SparkSession, opts: StreamOptions) -> StructType:
@@ -223,24 +238,82 @@ def drop_torn_log_writes(checkpoint: Path) -> list[Path]:
     return removed
 
 
+@dataclass
+class _Supervised:
+    """A query and how to start it again from its checkpoint after it failed."""
+
+    start: Callable[[], StreamingQuery]
+    query: StreamingQuery
+    failures: list[float] = field(default_factory=list)  # monotonic times of its failures in the window
+
+    def restart(self, error: BaseException, max_restarts: int) -> None:
+        """Start the query again after a back-off, or raise ``error`` when it failed more than ``max_restarts``
+        times in ``RESTART_WINDOW_S``. A restart resumes from the checkpoint, so it stays exactly once."""
+        now = time.monotonic()
+        self.failures = [t for t in self.failures if now - t < RESTART_WINDOW_S] + [now]
+        if len(self.failures) > max_restarts:
+            raise error
+        delay = min(2.0 ** (len(self.failures) - 1), 30.0)
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        _log.warning(
+            "query %s failed (%s); restart %d of %d within %d s, in %.0f s",
+            self.query.name,
+            first_line,
+            len(self.failures),
+            max_restarts,
+            RESTART_WINDOW_S,
+            delay,
+        )
+        time.sleep(delay)
+        self.query = self.start()
+
+
+def _supervise(spark: SparkSession, queries: list[_Supervised], max_restarts: int) -> None:
+    """Wait until a query stops: restart each one that failed, return when one was stopped cleanly.
+
+    Waiting on any query, not on each in turn: a query that failed while another was being waited on
+    would otherwise leave the stream running on half of its queries."""
+    while True:
+        with contextlib.suppress(StreamingQueryException):  # found below, with the query it belongs to
+            spark.streams.awaitAnyTermination()
+        spark.streams.resetTerminated()
+        for supervised in queries:
+            if supervised.query.isActive:
+                continue
+            error = supervised.query.exception()
+            if error is None:
+                return
+            supervised.restart(error, max_restarts)
+
+
+def _process_available(supervised: _Supervised, max_restarts: int) -> None:
+    """Process everything available now (``--once``), restarting the query when it fails."""
+    while True:
+        try:
+            supervised.query.processAllAvailable()
+        except StreamingQueryException as error:
+            supervised.restart(error, max_restarts)
+        else:
+            supervised.query.stop()
+            return
+
+
 def run_stream(spark: SparkSession, opts: StreamOptions) -> None:
     """Run until stopped (Ctrl-C), or until everything sealed now is processed with ``once``."""
     drop_torn_log_writes(opts.checkpoint)
     schema = events_schema(spark, opts)
-    queries = [start_ingest(spark, opts)]
+    queries = [_Supervised(partial(start_ingest, spark, opts), start_ingest(spark, opts))]
     try:
         if opts.once:
             # Not Trigger.AvailableNow: Spark 4.3 runs a Python source that way as a single batch, which
             # after a restart only replays the batch the checkpoint left unfinished.
-            queries[0].processAllAvailable()  # stage 2 must see everything stage 1 wrote
-            queries[0].stop()
-        queries += start_analyses(spark, opts, schema)
-        for q in queries:
-            if opts.once:
-                q.processAllAvailable()
-                q.stop()
-            else:
-                q.awaitTermination()
+            _process_available(queries[0], opts.max_restarts)  # stage 2 must see everything stage 1 wrote
+        queries += [_Supervised(start, start()) for start in analyses(spark, opts, schema)]
+        if opts.once:
+            for supervised in queries[1:]:
+                _process_available(supervised, opts.max_restarts)
+        else:
+            _supervise(spark, queries, opts.max_restarts)
     finally:
-        for q in queries:
-            q.stop()
+        for supervised in queries:
+            supervised.query.stop()
