@@ -593,7 +593,7 @@ class AmqpSession:
                 raise
             found = {"created": False, "filter": "-"}
         if durable and not found.get("created") and (found.get("filter") or None) != (selector or None):
-            await self.link.delete_queue(queue)
+            await self.link.delete_queue(queue, everywhere=True)
             await self.link.create_queue(queue, address, routing_type=RoutingType.MULTICAST, durable=True, **options)
 
     async def _shared_queue(self, queue: str, address: str, *, durable: bool, selector: str | None) -> None:
@@ -625,8 +625,8 @@ class AmqpSession:
             if closed and outbound.shared and outbound.durable and self.link is not None:
                 await self._end_shared(outbound)
             elif (outbound.temporary or (closed and outbound.durable)) and self.link is not None:
-                try:  # the subscription ends for good
-                    await self.link.delete_queue(outbound.queue)
+                try:  # the subscription ends for good, with its copies on nodes its client came through
+                    await self.link.delete_queue(outbound.queue, everywhere=not outbound.temporary)
                 except LinkRequestError as exc:
                     log.info(
                         "amqp subscription kept",

@@ -325,7 +325,9 @@ class StompSession:
         del self.subscriptions[subscription.id]
         await self._stop(subscription)
         if subscription.temporary or subscribing.durable_name(event.headers) is not None:  # a durable one for good
-            await self._link().delete_queue(subscription.queue)
+            # A durable one may have copies on other nodes the client came through: they go too, or a later
+            # subscription of that name would draw the ended one's messages over.
+            await self._link().delete_queue(subscription.queue, everywhere=not subscription.temporary)
 
     async def _stop(self, subscription: Subscription) -> None:
         self._stop_pump(subscription)
@@ -534,5 +536,5 @@ async def _create(link: LinkClient, queue: subscribing.QueueToMake) -> None:
             raise
         found = {"created": False, "filter": "-"}  # on another topic
     if durable and not found.get("created") and (found.get("filter") or None) != (selector or None):
-        await link.delete_queue(queue.name)
+        await link.delete_queue(queue.name, everywhere=True)
         await link.create_queue(queue.name, queue.address, routing_type=RoutingType.MULTICAST, durable=True, **options)
