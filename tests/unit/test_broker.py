@@ -1155,6 +1155,36 @@ def test_a_transfer_sent_again_is_a_duplicate_and_a_durable_one_journals_its_tra
     assert [dedup_id for dedup_id, _ in h.broker.durable_snapshot().dedup_ids] == [DEDUP_PREFIX + "node-a:78"]
 
 
+def test_a_transfer_read_after_this_node_stood_still_is_flagged_as_a_redelivery() -> None:
+    """A node that stood still long enough for another to give it up may read, on waking, a transfer that node
+    sent before and then took back to deliver itself (flagged there): its copy here is flagged too. Only on
+    links opened before the stall, and only for as long as the other node takes to give a node up."""
+    h = Harness()
+    node_a = h.connect("node-a")
+    node_a.session.principal = dataclasses.replace(node_a.session.principal, cluster=True)
+    c = h.connect()
+    ok(c.create_queue("orders"))
+    cid = c.consumer("orders", auto_ack=True)
+    header = ForwardHeader("node-1", ("orders",), 1, "node-a:", numbered=True).encode()
+
+    def transfer(peer: Client, number: int) -> list[int]:
+        message = new_message("orders", b"m%d" % number, properties={FORWARD_PROPERTY: header})
+        message[M_ID] = number
+        peer.conn.publish(message)
+        h.sync()
+        return [d.count for d in c.take(cid)]
+
+    assert transfer(node_a, 1) == [1]
+    h.tick(h.now_ms + 2_000)
+    h.broker.doubt_cluster_transfers(h.now_ms - 1_500, h.now_ms + 1_000)  # stood still for 1.5 s, woke now
+    assert transfer(node_a, 2) == [2]
+    node_b = h.connect("node-b")  # a link opened after the stall: what it brings was sent after it
+    node_b.session.principal = dataclasses.replace(node_b.session.principal, cluster=True)
+    assert transfer(node_b, 3) == [1]
+    h.tick(h.now_ms + 1_000)
+    assert transfer(node_a, 4) == [1]
+
+
 # ====================================================================== regressions of fixed bugs
 def test_failed_commit_applies_nothing_and_can_be_rolled_back() -> None:
     h = with_address_settings(auto_create_addresses=False, auto_create_queues=False)

@@ -155,7 +155,12 @@ class Forwarder:
         self._counters.routed += 1
         return self.forward(message, home, (), 1, now_ms, home=True)
 
-    def accept_from_cluster(self, message: WireMessage, now_ms: int) -> int:
+    def accept_in_doubt(self, message: WireMessage, now_ms: int) -> int:
+        """``accept_from_cluster`` for a transfer its sender may have taken back (``Broker.doubt_cluster_transfers``):
+        its next delivery here is flagged as a redelivery."""
+        return self.accept_from_cluster(message, now_ms, in_doubt=True)
+
+    def accept_from_cluster(self, message: WireMessage, now_ms: int, *, in_doubt: bool = False) -> int:
         """A message another node forwarded here: it goes to the queues it was meant for, or on towards its
         target node, never balanced again (that would let it circle)."""
         host = self._host
@@ -215,7 +220,9 @@ class Forwarder:
                 self._dedup.forget(dedup_id)
             raise
         self._counters.received += 1
-        token = host.admit(message, queues, now_ms, delivered=header.delivered)
+        token = host.admit(
+            message, queues, now_ms, delivered=max(header.delivered, 1) if in_doubt else header.delivered
+        )
         if cluster is not None:
             self.arrivals.add(message[M_ID], now_ms, moves)
         return token
