@@ -758,3 +758,22 @@ def test_health_ready_and_metrics(gateway: GatewayProcess) -> None:
         text = response.read().decode()
     assert re.search(r"^tridentmq_stomp_messages_published_total [1-9]", text, re.M)
     assert re.search(r"^tridentmq_stomp_connections_total [1-9]", text, re.M)
+
+
+def test_an_unsubscribe_with_a_durable_header_leaves_a_queue_it_only_consumed(stomp_gateway: GatewayProcess) -> None:
+    """Only a durable subscription's own queue ends with UNSUBSCRIBE and the durable header: a queue the client
+    merely consumed keeps its messages (it was deleted, on every node of a cluster)."""
+    queue = f"orders-{uuid.uuid4().hex[:8]}"
+    conn, listener = connect(stomp_gateway, connect_headers={"client-id": f"app-{uuid.uuid4().hex[:8]}"})
+    try:
+        conn.send(f"/queue/{queue}", "kept", headers={"persistent": "true"}, receipt="sent")
+        listener.wait(lambda: "sent" in listener.receipts, "the SEND's receipt")
+        conn.subscribe(f"/queue/{queue}", id="q", ack="auto", headers={"selector": "n = 1", "receipt": "sub"})
+        listener.wait(lambda: "sub" in listener.receipts, "the SUBSCRIBE")
+        conn.unsubscribe("q", headers={"durable-subscription-name": "q", "receipt": "unsub"})
+        listener.wait(lambda: "unsub" in listener.receipts, "the UNSUBSCRIBE")
+        conn.subscribe(f"/queue/{queue}", id="again", ack="auto")
+        assert [m.body for m in listener.wait_messages(1)] == ["kept"]
+        assert listener.errors == []
+    finally:
+        conn.disconnect()

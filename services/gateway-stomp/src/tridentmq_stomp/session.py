@@ -71,6 +71,7 @@ class Subscription:
     consumer: Consumer
     temporary: bool
     shown_destination: str | None = None  # MESSAGE's destination when the address would not say it (temp queues)
+    durable: bool = False  # a durable subscription: its queue is the one the gateway made under its name
     stopped: bool = False
     drain: asyncio.Task[None] | None = None  # waits for the client to read what was written, while it does not
 
@@ -307,7 +308,10 @@ class StompSession:
         )
         shown = event.destination if event.destination.startswith(convert.TEMP_QUEUE_PREFIX) else None
         acks = Unacked(event.id, next(self._keys), event.ack)
-        subscription = Subscription(event.id, event.destination, plan.queue, acks, consumer, plan.temporary, shown)
+        durable = plan.make is not None and plan.make.durable
+        subscription = Subscription(
+            event.id, event.destination, plan.queue, acks, consumer, plan.temporary, shown, durable=durable
+        )
         self.subscriptions[event.id] = subscription
         consumer.on_wake = lambda: self._pump(subscription)
         # What came with the subscribe's answer goes out a turn later, after the SUBSCRIBE's RECEIPT.
@@ -324,10 +328,12 @@ class StompSession:
             return
         del self.subscriptions[subscription.id]
         await self._stop(subscription)
-        if subscription.temporary or subscribing.durable_name(event.headers) is not None:  # a durable one for good
-            # A durable one may have copies on other nodes the client came through: they go too, or a later
-            # subscription of that name would draw the ended one's messages over.
-            await self._link().delete_queue(subscription.queue, everywhere=not subscription.temporary)
+        if subscription.temporary:
+            await self._link().delete_queue(subscription.queue)
+        elif subscription.durable and subscribing.durable_name(event.headers) is not None:  # ended for good
+            # With its copies on other nodes the client came through, or a later subscription of that name
+            # would draw the ended one's messages over. A queue it only consumed is never deleted.
+            await self._link().delete_queue(subscription.queue, everywhere=True)
 
     async def _stop(self, subscription: Subscription) -> None:
         self._stop_pump(subscription)
