@@ -30,7 +30,7 @@ from tridentmq_core.audit import FileAuditSink
 from tridentmq_core.broker import Broker
 from tridentmq_core.dead_letters import ORIGINAL_ADDRESS, ORIGINAL_QUEUE, ORIGINAL_REASON
 from tridentmq_core.dedup import DuplicateIdCache, TransferIds
-from tridentmq_core.forwarding import DEDUP_PREFIX, FORWARD_PROPERTY, ForwardHeader
+from tridentmq_core.forwarding import DEDUP_PREFIX, FORWARD_PROPERTY, MOVES_PROPERTY, ForwardHeader
 from tridentmq_core.queues import MESSAGE_OVERHEAD
 from tridentmq_core.security import AuthenticationError, Permission, SecurityManager, hash_password, is_loopback
 from tridentmq_core.settings import (
@@ -1165,10 +1165,13 @@ def test_a_transfer_read_after_this_node_stood_still_is_flagged_as_a_redelivery(
     c = h.connect()
     ok(c.create_queue("orders"))
     cid = c.consumer("orders", auto_ack=True)
-    header = ForwardHeader("node-1", ("orders",), 1, "node-a:", numbered=True).encode()
+    # A move of node-a's queue "orders" (its transfer id names the queue), and a publish forwarded from there.
+    moved = ForwardHeader("node-1", ("orders",), 1, "node-a:orders:", numbered=True).encode()
+    forwarded = ForwardHeader("node-1", ("orders",), 1, "node-a:", numbered=True).encode()
 
-    def transfer(peer: Client, number: int) -> list[int]:
-        message = new_message("orders", b"m%d" % number, properties={FORWARD_PROPERTY: header})
+    def transfer(peer: Client, number: int, *, move: bool = True) -> list[int]:
+        props: dict[str, Any] = {FORWARD_PROPERTY: moved, MOVES_PROPERTY: 1} if move else {FORWARD_PROPERTY: forwarded}
+        message = new_message("orders", b"m%d" % number, properties=props)
         message[M_ID] = number
         peer.conn.publish(message)
         h.sync()
@@ -1178,11 +1181,12 @@ def test_a_transfer_read_after_this_node_stood_still_is_flagged_as_a_redelivery(
     h.tick(h.now_ms + 2_000)
     h.broker.doubt_cluster_transfers(h.now_ms - 1_500, h.now_ms + 1_000)  # stood still for 1.5 s, woke now
     assert transfer(node_a, 2) == [2]
+    assert transfer(node_a, 3, move=False) == [1]  # node-a sends a forwarded publish again, never delivers it
     node_b = h.connect("node-b")  # a link opened after the stall: what it brings was sent after it
     node_b.session.principal = dataclasses.replace(node_b.session.principal, cluster=True)
-    assert transfer(node_b, 3) == [1]
+    assert transfer(node_b, 4) == [1]
     h.tick(h.now_ms + 1_000)
-    assert transfer(node_a, 4) == [1]
+    assert transfer(node_a, 5) == [1]
 
 
 # ====================================================================== regressions of fixed bugs

@@ -157,7 +157,7 @@ class Forwarder:
 
     def accept_in_doubt(self, message: WireMessage, now_ms: int) -> int:
         """``accept_from_cluster`` for a transfer its sender may have taken back (``Broker.doubt_cluster_transfers``):
-        its next delivery here is flagged as a redelivery."""
+        the next delivery here of a redistributed message is flagged as a redelivery."""
         return self.accept_from_cluster(message, now_ms, in_doubt=True)
 
     def accept_from_cluster(self, message: WireMessage, now_ms: int, *, in_doubt: bool = False) -> int:
@@ -220,9 +220,10 @@ class Forwarder:
                 self._dedup.forget(dedup_id)
             raise
         self._counters.received += 1
-        token = host.admit(
-            message, queues, now_ms, delivered=max(header.delivered, 1) if in_doubt else header.delivered
-        )
+        # Only a redistribution move is taken back and delivered there again; a forwarded publish is sent again
+        # to this node, where it is a duplicate.
+        delivered = max(header.delivered, 1) if in_doubt and moves else header.delivered
+        token = host.admit(message, queues, now_ms, delivered=delivered)
         if cluster is not None:
             self.arrivals.add(message[M_ID], now_ms, moves)
         return token
