@@ -114,6 +114,13 @@ class Stack:
                 pytest.fail(f"not healthy in {timeout:.0f} s: {states}\n{logs[-6000:]}")
             time.sleep(1)
 
+    def warnings(self, limit: int = 8000) -> str:
+        """The stack's WARNING, ERROR and CRITICAL log lines (and tracebacks), the latest ``limit`` characters:
+        what a failure's report needs to be explained after the stack is gone."""
+        logs = self.compose("logs", "--no-color", check=False).stdout
+        marks = (" WARNING ", " ERROR ", " CRITICAL ", "Traceback", "Error:")
+        return "\n".join(line for line in logs.splitlines() if any(m in line for m in marks))[-limit:]
+
     def down(self, *, volumes: bool) -> None:
         """Remove the stack; again if something was left (a container restarting after a kill, say, keeps
         the network busy the first time)."""

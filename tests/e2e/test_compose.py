@@ -213,7 +213,7 @@ def test_mqtt_gateways_scale_up_and_down_under_traffic_losing_nothing(stack: Sta
     verdict = check(attempted, acknowledged, [], values(subscriber))
     publisher.close()
     subscriber.close()
-    assert verdict.ok, verdict.report()
+    assert verdict.ok, f"{verdict.report()}\nthe stack's warnings:\n{stack.warnings()}"
 
 
 def test_durable_messages_survive_a_restart_of_the_whole_stack(stack: Stack) -> None:

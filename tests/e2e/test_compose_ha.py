@@ -116,5 +116,5 @@ def test_kill_9_of_a_primary_core_loses_no_acknowledged_message(stack: Stack) ->
     finally:
         amqp.close()
     verdict = check(attempted, acknowledged, [], delivered)
-    assert verdict.ok, verdict.report()
+    assert verdict.ok, f"{verdict.report()}\nthe stack's warnings:\n{stack.warnings()}"
     assert len(acknowledged) >= 300
