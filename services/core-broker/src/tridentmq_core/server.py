@@ -1115,12 +1115,16 @@ class CoreNode:
         if journal.error is not None:
             refusal = (ErrorCode.RESOURCE_LIMIT, f"the journal cannot write: {journal.error.strerror}")
         else:
-            usage = shutil.disk_usage(journal.directory)
-            percent = 100.0 * (usage.total - usage.free) / usage.total
-            limit = self.settings.journal.max_disk_usage
-            if percent >= limit:
-                text = f"disk usage {percent:.1f} % is at or above journal.max_disk_usage {limit:g} %"
-                refusal = (ErrorCode.RESOURCE_LIMIT, f"{text}: durable publishes are refused")
+            try:
+                usage = shutil.disk_usage(journal.directory)
+            except OSError as exc:  # gone: a shared-store node whose epoch ended while it stood still
+                refusal = (ErrorCode.RESOURCE_LIMIT, f"the journal's directory cannot be read: {exc.strerror}")
+            else:
+                percent = 100.0 * (usage.total - usage.free) / usage.total
+                limit = self.settings.journal.max_disk_usage
+                if percent >= limit:
+                    text = f"disk usage {percent:.1f} % is at or above journal.max_disk_usage {limit:g} %"
+                    refusal = (ErrorCode.RESOURCE_LIMIT, f"{text}: durable publishes are refused")
         if refusal != self.broker.admission.durable_refusal:
             if refusal is None:
                 log.info("durable publishes accepted again")
