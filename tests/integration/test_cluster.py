@@ -630,6 +630,24 @@ async def test_a_gracefully_stopped_node_moves_its_messages_to_a_live_node_first
     stop_all([b])
 
 
+async def test_an_empty_durable_subscription_of_a_gracefully_stopped_node_lives_on_on_a_live_node(
+    tmp_path: Path,
+) -> None:
+    """A leaving node makes each durable queue on the node it moves to before it stops advertising its own: an
+    empty subscription queue was not moved, so it existed nowhere afterwards and what was published for it was
+    dropped (and so, for a moment, was what was published while its node left: seen in the randomised run)."""
+    a, b = start_cluster(tmp_path, 2)
+    async with client(a) as ca:
+        await ca.create_queue("watch-sub", "watch", routing_type=RoutingType.MULTICAST, durable=True)
+    assert a.stop() == 0
+    assert "scale-down complete" in a.log(), a.log()
+    await publish(b, "watch", bodies(5, "w"), routing=RoutingType.MULTICAST)
+    async with client(b) as cb:
+        subscription = await take(await cb.subscribe("watch-sub"), 5)
+    assert sorted(subscription) == sorted(bodies(5, "w"))
+    stop_all([b])
+
+
 def counters(node: CoreProcess) -> dict[str, int]:
     with urllib.request.urlopen(node.management_url + "/api/status", timeout=5) as response:
         return dict(json.loads(response.read())["counters"])

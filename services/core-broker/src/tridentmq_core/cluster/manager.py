@@ -59,6 +59,8 @@ DELETE_ELSEWHERE_TIMEOUT_FACTOR: Final = 4
 DELETE_ELSEWHERE_MIN_TIMEOUT_S: Final = 2.0
 
 TICK_SECONDS: Final = 0.1
+#: Queues a leaving node makes on their destinations at once (each answer waits for the cluster to route by it).
+SCALE_DOWN_COPIES_AT_ONCE: Final = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -816,13 +818,18 @@ class ClusterManager:
         every queued message to a live node, each queue to a node that has consumers for it if one does.
         Waits at most ``scale_down_timeout_ms``; what could not move stays in the journal."""
         settings = self.settings.cluster
+        deadline = time.monotonic() + settings.scale_down_timeout_ms / 1000
+        # Every durable queue first gets its copy on the node it moves to, while this node still advertises its
+        # own: a message for a subscription is routed to one copy or the other, never to neither. Else an empty
+        # subscription queue (not moved) would exist nowhere once this node left, and what is published for it
+        # while this node leaves, before its messages' queue is made over there, would be lost to it.
+        destinations = await self._copy_durable_queues(deadline)
         self.leaving = True
         self._sent_version = (-1, -1)
         self._push_updates()
         self.schedule_flush()
         close_clients()
         await asyncio.sleep(0.3)  # the others learn we leave (a node stopping at the same time is no target)
-        deadline = time.monotonic() + settings.scale_down_timeout_ms / 1000
         broker = self.broker
         movers: dict[str, Redistributor] = {}
         while time.monotonic() < deadline:
@@ -844,7 +851,7 @@ class ClusterManager:
             for queue in left:
                 if queue.name in movers or any(is_local_consumer(c) for c in queue.consumers):
                     continue
-                movers[queue.name] = await self._move_queue(queue, targets)
+                movers[queue.name] = await self._move_queue(queue, targets, destinations.get(queue.name))
             await asyncio.sleep(0.05)
         remaining = sum(len(q) + q.in_flight for q in broker.queues.values())
         log.warning(
@@ -852,12 +859,15 @@ class ClusterManager:
             extra={"messages": remaining, "live_targets": len(targets)},
         )
 
-    async def _move_queue(self, queue: Queue, targets: list[Bridge]) -> Redistributor:
-        """Move a queue's messages to the node with the most consumers for it (else the first live node),
-        creating the queue there first, so a subscription stays a subscription."""
+    def _destination(self, queue: Queue, targets: list[Bridge]) -> Bridge:
+        """Where a leaving node's queue goes: the node with the most consumers for it, else the first live one."""
         by_node = {b.node_id: b for b in targets}
         remote = best_target(queue, [b for b in self.bindings.for_queue(queue.name) if b.node_id in by_node])
-        bridge = by_node[remote.node_id] if remote is not None else targets[0]
+        return by_node[remote.node_id] if remote is not None else targets[0]
+
+    async def _copy_queue(self, queue: Queue, bridge: Bridge) -> None:
+        """Make ``queue`` on ``bridge``'s node, with its shape, so a subscription stays a subscription; the answer
+        comes once the other nodes route by it."""
         assert bridge.client is not None
         spec: dict[str, Any] = {
             "filter": queue.filter.text if queue.filter is not None else None,
@@ -870,6 +880,29 @@ class ClusterManager:
             )
         except LinkRequestError as exc:  # exists there with another shape: messages go by name anyway
             log.warning("scale-down: queue not created on the target", extra={"queue": queue.name, "reason": exc.text})
+
+    async def _copy_durable_queues(self, deadline: float) -> dict[str, Bridge]:
+        """Give each durable queue a copy on its destination (``scale_down``); the destinations, by queue name."""
+        targets = sorted((b for b in self.bridges_by_node.values() if b.up and not b.leaving), key=lambda b: b.node_id)
+        if not targets:
+            return {}
+        durable = [
+            q for name, q in self.broker.queues.items() if q.durable and not name.startswith(FORWARD_QUEUE_PREFIX)
+        ]
+        destinations = {queue.name: self._destination(queue, targets) for queue in durable}
+        for start in range(0, len(durable), SCALE_DOWN_COPIES_AT_ONCE):
+            if time.monotonic() >= deadline:
+                break
+            chunk = durable[start : start + SCALE_DOWN_COPIES_AT_ONCE]
+            await asyncio.gather(*(self._copy_queue(q, destinations[q.name]) for q in chunk), return_exceptions=True)
+        return destinations
+
+    async def _move_queue(self, queue: Queue, targets: list[Bridge], chosen: Bridge | None) -> Redistributor:
+        """Move a queue's messages to ``chosen`` while it is live (the node its copy was made on), else to the
+        node with the most consumers for it (else the first live node), creating the queue there first."""
+        bridge = chosen if chosen is not None and chosen in targets else self._destination(queue, targets)
+        if bridge is not chosen:
+            await self._copy_queue(queue, bridge)
         target = Binding(
             bridge.node_id, queue.name, queue.address, int(queue.routing_type), None, 1, None, 1, bridge.node_id
         )
