@@ -638,13 +638,16 @@ async def test_an_empty_durable_subscription_of_a_gracefully_stopped_node_lives_
     dropped (and so, for a moment, was what was published while its node left: seen in the randomised run)."""
     a, b = start_cluster(tmp_path, 2)
     async with client(a) as ca:
-        await ca.create_queue("watch-sub", "watch", routing_type=RoutingType.MULTICAST, durable=True)
+        await ca.create_queue(
+            "watch-sub", "watch", routing_type=RoutingType.MULTICAST, durable=True, filter="kind = 'keep'"
+        )
     assert a.stop() == 0
     assert "scale-down complete" in a.log(), a.log()
-    await publish(b, "watch", bodies(5, "w"), routing=RoutingType.MULTICAST)
+    await publish(b, "watch", bodies(5, "w"), routing=RoutingType.MULTICAST, properties={"kind": "keep"})
+    await publish(b, "watch", bodies(3, "x"), routing=RoutingType.MULTICAST, properties={"kind": "other"})
     async with client(b) as cb:
-        subscription = await take(await cb.subscribe("watch-sub"), 5)
-    assert sorted(subscription) == sorted(bodies(5, "w"))
+        subscription = await take(await cb.subscribe("watch-sub"), 6, timeout=3)
+    assert sorted(subscription) == sorted(bodies(5, "w")), "the subscription or its filter did not move"
     stop_all([b])
 
 

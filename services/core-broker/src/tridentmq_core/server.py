@@ -1117,8 +1117,12 @@ class CoreNode:
         else:
             try:
                 usage = shutil.disk_usage(journal.directory)
-            except OSError as exc:  # gone: a shared-store node whose epoch ended while it stood still
-                refusal = (ErrorCode.RESOURCE_LIMIT, f"the journal's directory cannot be read: {exc.strerror}")
+            except FileNotFoundError as exc:
+                if self.shared is None:
+                    raise
+                # A shared-store node whose epoch ended while it stood still (the new holder removes the old
+                # epoch's directory): its lease check fences it next.
+                refusal = (ErrorCode.RESOURCE_LIMIT, f"the journal's directory is gone: {exc.strerror}")
             else:
                 percent = 100.0 * (usage.total - usage.free) / usage.total
                 limit = self.settings.journal.max_disk_usage
@@ -1157,6 +1161,10 @@ class CoreNode:
 
     async def stop(self) -> None:
         """Close every link (telling peers why), stop the listener, seal the audit segment."""
+        has_backup = self.replication is not None and self.replication.feed is not None
+        scale_down = (self.settings.cluster.scale_down or self.scale_down_requested) and not has_backup
+        if self.cluster is not None and scale_down:  # a backup keeps the messages instead
+            await self.cluster.prepare_scale_down()  # while the tick still keeps the links alive
         for task in (self._timer, self._network_task):
             if task is not None:
                 task.cancel()
@@ -1173,9 +1181,7 @@ class CoreNode:
         if self.replication is not None:
             await self.replication.stop()
         if self.cluster is not None:
-            has_backup = self.replication is not None and self.replication.feed is not None
-            scale_down = self.settings.cluster.scale_down or self.scale_down_requested
-            if scale_down and not has_backup:  # a backup keeps the messages instead
+            if scale_down:
                 await self.cluster.scale_down(self._close_client_links)
             await self.cluster.stop()
         for protocol in list(self.protocols.values()):

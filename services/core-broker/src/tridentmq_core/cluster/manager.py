@@ -59,8 +59,9 @@ DELETE_ELSEWHERE_TIMEOUT_FACTOR: Final = 4
 DELETE_ELSEWHERE_MIN_TIMEOUT_S: Final = 2.0
 
 TICK_SECONDS: Final = 0.1
-#: Queues a leaving node makes on their destinations at once (each answer waits for the cluster to route by it).
+#: Queues a leaving node makes on their destinations at once, and how long it then waits to see them advertised.
 SCALE_DOWN_COPIES_AT_ONCE: Final = 100
+SCALE_DOWN_ADVERTISED_WAIT_S: Final = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +212,8 @@ class ClusterManager:
         self._started = time.monotonic()
         self.discovery: RedisDiscovery | None = None
         self.leaving = False  # scaling down: this node advertises no bindings, so nothing new comes
+        self._scale_down_deadline = 0.0  # set by prepare_scale_down (monotonic)
+        self._scale_down_copies: dict[str, Bridge] = {}  # durable queue → the node its copy was made on
         broker.cluster = self.balancer
         broker.on_topology = self.on_topology
         broker.hold_reply = self.hold_reply
@@ -813,17 +816,44 @@ class ClusterManager:
         return {"bindings": dropped, "messages": before, "rerouted": moved, "dead_lettered": before - moved}
 
     # ------------------------------------------------------------------ scale-down
+    async def prepare_scale_down(self) -> None:
+        """The first step of a graceful stop with scale-down, taken while the node still runs as usual (its
+        links' heartbeats go on): make each durable queue, empty ones too, on the live node it will move to,
+        and wait until this node sees those copies advertised. Meanwhile it still advertises its own, so a
+        message for a subscription reaches one copy or the other, never neither: else an empty subscription
+        queue (never moved) would exist nowhere once this node left, and what was published for a
+        subscription between this node's leaving and its queue's move would be lost to it."""
+        deadline = time.monotonic() + self.settings.cluster.scale_down_timeout_ms / 1000
+        self._scale_down_deadline = deadline
+        targets = self._live_targets()
+        if not targets:
+            return
+        durable = [
+            q for name, q in self.broker.queues.items() if q.durable and not name.startswith(FORWARD_QUEUE_PREFIX)
+        ]
+        for start in range(0, len(durable), SCALE_DOWN_COPIES_AT_ONCE):
+            if time.monotonic() >= deadline:
+                break
+            chunk = [(q, self._destination(q, targets)) for q in durable[start : start + SCALE_DOWN_COPIES_AT_ONCE]]
+            made = await asyncio.gather(*(self._copy_queue(q, bridge) for q, bridge in chunk))
+            self._scale_down_copies.update((q.name, bridge) for (q, bridge), ok in zip(chunk, made, strict=True) if ok)
+        # A copy's answer comes at once to a node's own link; its node advertises it at its next tick, to every
+        # node at once. Seeing it here means the others have it on the way too.
+        wait_until = min(deadline, time.monotonic() + SCALE_DOWN_ADVERTISED_WAIT_S)
+        while time.monotonic() < wait_until:
+            if all(
+                any(b.node_id == bridge.node_id for b in self.bindings.for_queue(name))
+                for name, bridge in self._scale_down_copies.items()
+            ):
+                break
+            await asyncio.sleep(0.02)
+
     async def scale_down(self, close_clients: Callable[[], None]) -> None:
-        """Before a graceful stop: tell the others to send nothing more, let this node's clients go, and move
-        every queued message to a live node, each queue to a node that has consumers for it if one does.
-        Waits at most ``scale_down_timeout_ms``; what could not move stays in the journal."""
-        settings = self.settings.cluster
-        deadline = time.monotonic() + settings.scale_down_timeout_ms / 1000
-        # Every durable queue first gets its copy on the node it moves to, while this node still advertises its
-        # own: a message for a subscription is routed to one copy or the other, never to neither. Else an empty
-        # subscription queue (not moved) would exist nowhere once this node left, and what is published for it
-        # while this node leaves, before its messages' queue is made over there, would be lost to it.
-        destinations = await self._copy_durable_queues(deadline)
+        """Before a graceful stop (after ``prepare_scale_down``): tell the others to send nothing more, let this
+        node's clients go, and move every queued message to a live node, each queue to the node its copy was
+        made on, else to a node that has consumers for it if one does. Waits at most ``scale_down_timeout_ms``
+        from the preparation; what could not move stays in the journal."""
+        deadline = self._scale_down_deadline or time.monotonic() + self.settings.cluster.scale_down_timeout_ms / 1000
         self.leaving = True
         self._sent_version = (-1, -1)
         self._push_updates()
@@ -832,10 +862,9 @@ class ClusterManager:
         await asyncio.sleep(0.3)  # the others learn we leave (a node stopping at the same time is no target)
         broker = self.broker
         movers: dict[str, Redistributor] = {}
+        targets = self._live_targets()
         while time.monotonic() < deadline:
-            targets = sorted(
-                (b for b in self.bridges_by_node.values() if b.up and not b.leaving), key=lambda b: b.node_id
-            )
+            targets = self._live_targets()
             left = [
                 q
                 for name, q in broker.queues.items()
@@ -851,7 +880,7 @@ class ClusterManager:
             for queue in left:
                 if queue.name in movers or any(is_local_consumer(c) for c in queue.consumers):
                     continue
-                movers[queue.name] = await self._move_queue(queue, targets, destinations.get(queue.name))
+                movers[queue.name] = await self._move_queue(queue, targets, self._scale_down_copies.get(queue.name))
             await asyncio.sleep(0.05)
         remaining = sum(len(q) + q.in_flight for q in broker.queues.values())
         log.warning(
@@ -859,49 +888,46 @@ class ClusterManager:
             extra={"messages": remaining, "live_targets": len(targets)},
         )
 
+    def _live_targets(self) -> list[Bridge]:
+        return sorted((b for b in self.bridges_by_node.values() if b.up and not b.leaving), key=lambda b: b.node_id)
+
     def _destination(self, queue: Queue, targets: list[Bridge]) -> Bridge:
         """Where a leaving node's queue goes: the node with the most consumers for it, else the first live one."""
         by_node = {b.node_id: b for b in targets}
         remote = best_target(queue, [b for b in self.bindings.for_queue(queue.name) if b.node_id in by_node])
         return by_node[remote.node_id] if remote is not None else targets[0]
 
-    async def _copy_queue(self, queue: Queue, bridge: Bridge) -> None:
-        """Make ``queue`` on ``bridge``'s node, with its shape, so a subscription stays a subscription; the answer
-        comes once the other nodes route by it."""
-        assert bridge.client is not None
+    async def _copy_queue(self, queue: Queue, bridge: Bridge) -> bool:
+        """Make ``queue`` on ``bridge``'s node, with its shape, so a subscription stays a subscription (and an
+        expiring one expires there too); whether it is there now."""
+        client = bridge.client
+        if client is None:
+            return False
         spec: dict[str, Any] = {
             "filter": queue.filter.text if queue.filter is not None else None,
             "last_value_key": queue.last_value_key,
             "exclusive": queue.exclusive,
         }
+        if queue.expires_ms >= 0:
+            spec["expires_ms"] = queue.expires_ms
+        if queue.max_consumers >= 0:
+            spec["max_consumers"] = queue.max_consumers
         try:
-            await bridge.client.create_queue(
+            await client.create_queue(
                 queue.name, queue.address, routing_type=queue.routing_type, durable=queue.durable, **spec
             )
-        except LinkRequestError as exc:  # exists there with another shape: messages go by name anyway
+        except LinkRequestError as exc:  # exists there with another shape (messages go by name anyway), or lost
             log.warning("scale-down: queue not created on the target", extra={"queue": queue.name, "reason": exc.text})
-
-    async def _copy_durable_queues(self, deadline: float) -> dict[str, Bridge]:
-        """Give each durable queue a copy on its destination (``scale_down``); the destinations, by queue name."""
-        targets = sorted((b for b in self.bridges_by_node.values() if b.up and not b.leaving), key=lambda b: b.node_id)
-        if not targets:
-            return {}
-        durable = [
-            q for name, q in self.broker.queues.items() if q.durable and not name.startswith(FORWARD_QUEUE_PREFIX)
-        ]
-        destinations = {queue.name: self._destination(queue, targets) for queue in durable}
-        for start in range(0, len(durable), SCALE_DOWN_COPIES_AT_ONCE):
-            if time.monotonic() >= deadline:
-                break
-            chunk = durable[start : start + SCALE_DOWN_COPIES_AT_ONCE]
-            await asyncio.gather(*(self._copy_queue(q, destinations[q.name]) for q in chunk), return_exceptions=True)
-        return destinations
+            return exc.code == ErrorCode.EXISTS
+        return True
 
     async def _move_queue(self, queue: Queue, targets: list[Bridge], chosen: Bridge | None) -> Redistributor:
         """Move a queue's messages to ``chosen`` while it is live (the node its copy was made on), else to the
         node with the most consumers for it (else the first live node), creating the queue there first."""
-        bridge = chosen if chosen is not None and chosen in targets else self._destination(queue, targets)
-        if bridge is not chosen:
+        if chosen is not None and chosen in targets:
+            bridge = chosen
+        else:
+            bridge = self._destination(queue, targets)
             await self._copy_queue(queue, bridge)
         target = Binding(
             bridge.node_id, queue.name, queue.address, int(queue.routing_type), None, 1, None, 1, bridge.node_id
