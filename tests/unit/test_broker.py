@@ -1155,38 +1155,31 @@ def test_a_transfer_sent_again_is_a_duplicate_and_a_durable_one_journals_its_tra
     assert [dedup_id for dedup_id, _ in h.broker.durable_snapshot().dedup_ids] == [DEDUP_PREFIX + "node-a:78"]
 
 
-def test_a_transfer_read_after_this_node_stood_still_is_flagged_as_a_redelivery() -> None:
-    """A node that stood still long enough for another to give it up may read, on waking, a transfer that node
-    sent before and then took back to deliver itself (flagged there): its copy here is flagged too. Only on
-    links opened before the stall, and only for as long as the other node takes to give a node up."""
+def test_a_moved_message_counts_its_move_as_a_delivery_attempt_and_a_forwarded_publish_does_not() -> None:
+    """A move's sender takes the message back and delivers it again, flagged, when the confirm is lost; the copy
+    stored here must be flagged too. A forwarded publish is sent again instead (a duplicate here): no count.
+    A message that keeps moving counts the moves once."""
     h = Harness()
     node_a = h.connect("node-a")
     node_a.session.principal = dataclasses.replace(node_a.session.principal, cluster=True)
     c = h.connect()
     ok(c.create_queue("orders"))
     cid = c.consumer("orders", auto_ack=True)
-    # A move of node-a's queue "orders" (its transfer id names the queue), and a publish forwarded from there.
-    moved = ForwardHeader("node-1", ("orders",), 1, "node-a:orders:", numbered=True).encode()
-    forwarded = ForwardHeader("node-1", ("orders",), 1, "node-a:", numbered=True).encode()
 
-    def transfer(peer: Client, number: int, *, move: bool = True) -> list[int]:
-        props: dict[str, Any] = {FORWARD_PROPERTY: moved, MOVES_PROPERTY: 1} if move else {FORWARD_PROPERTY: forwarded}
+    def transfer(number: int, *, moves: int = 0, delivered: int = 0) -> list[int]:
+        node_part = "node-a:orders:" if moves else "node-a:"  # a move's transfer id names its queue
+        header = ForwardHeader("node-1", ("orders",), 1, node_part, delivered, numbered=True).encode()
+        props: dict[str, Any] = {FORWARD_PROPERTY: header} | ({MOVES_PROPERTY: moves} if moves else {})
         message = new_message("orders", b"m%d" % number, properties=props)
         message[M_ID] = number
-        peer.conn.publish(message)
+        node_a.conn.publish(message)
         h.sync()
         return [d.count for d in c.take(cid)]
 
-    assert transfer(node_a, 1) == [1]
-    h.tick(h.now_ms + 2_000)
-    h.broker.doubt_cluster_transfers(h.now_ms - 1_500, h.now_ms + 1_000)  # stood still for 1.5 s, woke now
-    assert transfer(node_a, 2) == [2]
-    assert transfer(node_a, 3, move=False) == [1]  # node-a sends a forwarded publish again, never delivers it
-    node_b = h.connect("node-b")  # a link opened after the stall: what it brings was sent after it
-    node_b.session.principal = dataclasses.replace(node_b.session.principal, cluster=True)
-    assert transfer(node_b, 4) == [1]
-    h.tick(h.now_ms + 1_000)
-    assert transfer(node_a, 5) == [1]
+    assert transfer(1, moves=1) == [2]
+    assert transfer(2) == [1]
+    assert transfer(3, moves=4, delivered=1) == [2]
+    assert transfer(4, moves=1, delivered=3) == [4]
 
 
 # ====================================================================== regressions of fixed bugs

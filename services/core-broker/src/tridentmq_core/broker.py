@@ -102,10 +102,6 @@ class Broker:
         self._store = store
         self._last_expiry_scan = 0
         self._on_route_miss = self._create_for_send  # bound once: routing passes it per message
-        # Transfers read on cluster links opened before this time, until the second time, are in doubt (see
-        # ``doubt_cluster_transfers``).
-        self._doubted_before_ms = 0
-        self._doubt_until_ms = 0
         # Clustering (set by the cluster manager when the node clusters): load balancing over other nodes'
         # bindings, and the handler of TOPOLOGY requests.
         self.cluster: Balancer | None = None
@@ -293,15 +289,6 @@ class Broker:
         self.events.tag = node_id[:8]
         self.transfer_prefix = f"{node_id}:"
 
-    def doubt_cluster_transfers(self, stalled_since_ms: int, until_ms: int) -> None:
-        """This node stood still from ``stalled_since_ms`` to now, long enough for the other nodes to give it up
-        and take back what they were handing over to it (to deliver it themselves, flagged as redelivered).
-        What links opened before then bring until ``until_ms`` may be such a transfer, sent before and read
-        only now: it is flagged here too (``Forwarder.accept_in_doubt``), so that a consumer that gets it after
-        the other node's copy knows it may have had it."""
-        self._doubted_before_ms = stalled_since_ms
-        self._doubt_until_ms = until_ms
-
     def new_message_id(self) -> int:
         message_id = self._next_id
         self._next_id += 1
@@ -315,12 +302,7 @@ class Broker:
         for event in events:
             match event:
                 case ev.Publishes(ops):
-                    if not session.principal.cluster:
-                        accept = self._accept_published
-                    elif now_ms < self._doubt_until_ms and session.opened_ms <= self._doubted_before_ms:
-                        accept = self.forwarder.accept_in_doubt
-                    else:
-                        accept = self.forwarder.accept_from_cluster
+                    accept = self.forwarder.accept_from_cluster if session.principal.cluster else self._accept_published
                     self.admission.take(session, ops, accept, now_ms)
                 case ev.Acks(ops):
                     for _, consumer_id, tx_id, ids in ops:

@@ -155,12 +155,7 @@ class Forwarder:
         self._counters.routed += 1
         return self.forward(message, home, (), 1, now_ms, home=True)
 
-    def accept_in_doubt(self, message: WireMessage, now_ms: int) -> int:
-        """``accept_from_cluster`` for a transfer its sender may have taken back (``Broker.doubt_cluster_transfers``):
-        the next delivery here of a redistributed message is flagged as a redelivery."""
-        return self.accept_from_cluster(message, now_ms, in_doubt=True)
-
-    def accept_from_cluster(self, message: WireMessage, now_ms: int, *, in_doubt: bool = False) -> int:
+    def accept_from_cluster(self, message: WireMessage, now_ms: int) -> int:
         """A message another node forwarded here: it goes to the queues it was meant for, or on towards its
         target node, never balanced again (that would let it circle)."""
         host = self._host
@@ -220,9 +215,12 @@ class Forwarder:
                 self._dedup.forget(dedup_id)
             raise
         self._counters.received += 1
-        # Only a redistribution move is taken back and delivered there again; a forwarded publish is sent again
-        # to this node, where it is a duplicate.
-        delivered = max(header.delivered, 1) if in_doubt and moves else header.delivered
+        # A move (redistribution, scale-down) counts as a delivery attempt here, as it does on the node it left:
+        # should this node's confirm be lost (the link drops first), that node takes its copy back and delivers
+        # it again, flagged, while this one delivers the copy it stored, which must be flagged as well. Once: a
+        # message that keeps moving does not use up its attempts. A forwarded publish is never taken back (its
+        # sender sends it again, a duplicate here), so it counts nothing.
+        delivered = max(header.delivered, 1) if moves else header.delivered
         token = host.admit(message, queues, now_ms, delivered=delivered)
         if cluster is not None:
             self.arrivals.add(message[M_ID], now_ms, moves)

@@ -38,7 +38,7 @@ from tridentmq_core.ha.pair import (
     validate_ha_settings,
 )
 from tridentmq_core.ha.shared_store import SharedStore, journal_for_epoch
-from tridentmq_core.ha.source import ReplicationSource, silence_limit, stall_limit
+from tridentmq_core.ha.source import ReplicationSource, stall_limit
 from tridentmq_core.ha.voting import Voter, VoteStore, primary_may_activate
 from tridentmq_core.log_window import LogWindow
 from tridentmq_core.logins import LoginGuard
@@ -60,7 +60,6 @@ from tridentmq_shared.http_limits import http_runner, serve
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.codec import (
     BYTE_CREDIT_VERSION,
-    HEARTBEAT_TIMEOUT_FACTOR,
     MIN_FRAME_SIZE,
     MIN_HANDSHAKE_FRAME_SIZE,
     PUBLISH_HEADROOM,
@@ -512,10 +511,6 @@ class CoreNode:
         # backup could have taken over: past that, its replication source is told before any input is handled.
         self.turned_at = time.monotonic()
         self.stall_limit = stall_limit(settings) if settings.ha.policy == REPLICATION else math.inf
-        self.silence_limit = silence_limit(settings)
-        # After such a silence, for as long as the other nodes take to give a silent node up: what they sent
-        # before may still be arriving (see ``awake``).
-        self.doubt_ms = settings.link.heartbeat_ms * HEARTBEAT_TIMEOUT_FACTOR
         self.scale_down_requested = False  # an operator asked this node to scale down and stop
         self.backup: BackupRunner | None = None
         self.shared: SharedStore | None = None
@@ -916,14 +911,8 @@ class CoreNode:
         journal sync's completion, the tick). If this process ran nothing (paused, or its loop blocked) for
         longer than ``stall_limit``, its pair's backup may have taken over meanwhile: the replication source
         hears of it before anything that waited out the stall is handled."""
-        stood = now - self.turned_at
-        if stood > self.stall_limit and self.replication is not None:
-            self.replication.stalled(stood)
-        if stood > self.silence_limit and self.cluster is not None:
-            # The other nodes may have given this node up meanwhile and taken back the messages they were
-            # handing over, to deliver them themselves; what they sent before may still be waiting unread here.
-            woke_ms = wall_ms()
-            self.broker.doubt_cluster_transfers(woke_ms - int(stood * 1000), woke_ms + self.doubt_ms)
+        if now - self.turned_at > self.stall_limit and self.replication is not None:
+            self.replication.stalled(now - self.turned_at)
         self.turned_at = now
 
     def abort_link(self, conn_id: str) -> None:

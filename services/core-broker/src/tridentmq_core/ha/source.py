@@ -38,17 +38,13 @@ def takeover_time(settings: CoreSettings) -> float:
     return (settings.link.heartbeat_ms * HEARTBEAT_TIMEOUT_FACTOR + settings.ha.vote_grace_ms) / 1000
 
 
-def silence_limit(settings: CoreSettings) -> float:
-    """How long this node may stand still before a peer may give it up (its heartbeat timeout), counted from
-    the last frame this node sent, which can be two heartbeat intervals before it last ran (a heartbeat goes
-    only after an interval with nothing sent)."""
-    return settings.link.heartbeat_ms / 1000 * (HEARTBEAT_TIMEOUT_FACTOR - 2)
-
-
 def stall_limit(settings: CoreSettings) -> float:
     """How long this node may stand still before its backup may have taken over: as ``takeover_time``, counted
-    as ``silence_limit``; a backup that activates without a quorum waits for no vote grace."""
-    limit = silence_limit(settings)
+    from the last frame this node sent, which can be two heartbeat intervals before it last ran (a heartbeat
+    goes only after an interval with nothing sent); a backup that activates without a quorum waits for no
+    vote grace."""
+    heartbeat_s = settings.link.heartbeat_ms / 1000
+    limit = heartbeat_s * (HEARTBEAT_TIMEOUT_FACTOR - 2)
     if not settings.ha.activate_without_quorum:
         limit += settings.ha.vote_grace_ms / 1000
     return limit
