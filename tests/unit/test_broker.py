@@ -1128,14 +1128,19 @@ def test_transfer_ids_are_bounded_keeping_the_newest_half() -> None:
     assert not ids.seen("a:", 0, 0)
 
 
-def test_a_transfer_sent_again_is_a_duplicate_and_a_durable_one_journals_its_transfer_id() -> None:
-    """Another node re-sends what it sent when its link dropped: numbered headers, non-durable and durable."""
+def _orders_with_a_peer() -> tuple[Harness, Client, Client, int]:
+    """A broker with the queue "orders", a client auto-acking it, and another node's link ("node-a")."""
     h = Harness()
     node_a = h.connect("node-a")
     node_a.session.principal = dataclasses.replace(node_a.session.principal, cluster=True)
     c = h.connect()
     ok(c.create_queue("orders"))
-    cid = c.consumer("orders", auto_ack=True)
+    return h, node_a, c, c.consumer("orders", auto_ack=True)
+
+
+def test_a_transfer_sent_again_is_a_duplicate_and_a_durable_one_journals_its_transfer_id() -> None:
+    """Another node re-sends what it sent when its link dropped: numbered headers, non-durable and durable."""
+    h, node_a, c, cid = _orders_with_a_peer()
     header = ForwardHeader("node-1", ("orders",), 1, "node-a:", numbered=True).encode()
     sent = []
     for durable, number in ((False, 77), (True, 78), (False, 79)):
@@ -1159,12 +1164,7 @@ def test_a_moved_message_counts_its_move_as_a_delivery_attempt_and_a_forwarded_p
     """A move's sender takes the message back and delivers it again, flagged, when the confirm is lost; the copy
     stored here must be flagged too. A forwarded publish is sent again instead (a duplicate here): no count.
     A message that keeps moving counts the moves once."""
-    h = Harness()
-    node_a = h.connect("node-a")
-    node_a.session.principal = dataclasses.replace(node_a.session.principal, cluster=True)
-    c = h.connect()
-    ok(c.create_queue("orders"))
-    cid = c.consumer("orders", auto_ack=True)
+    h, node_a, c, cid = _orders_with_a_peer()
 
     def transfer(number: int, *, moves: int = 0, delivered: int = 0) -> list[int]:
         node_part = "node-a:orders:" if moves else "node-a:"  # a move's transfer id names its queue

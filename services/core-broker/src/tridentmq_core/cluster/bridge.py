@@ -284,7 +284,8 @@ class Bridge:
     def _teardown(self) -> None:
         manager = self.manager
         if self.session is not None:
-            # Unconfirmed forwards go back to their queues; the other node drops any copy it already has.
+            # Unconfirmed forwards go back to their queues: sent again, one the other node stored is a duplicate
+            # there; a move it stored stays there as well, flagged (it counts the move as a delivery attempt).
             manager.broker.close_session(self.session, wall_ms())
             self.session = None
             manager.schedule_flush()
