@@ -4,8 +4,10 @@ picked free on 127.0.0.1, and clients through the load balancers."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -113,6 +115,45 @@ class Stack:
                 logs = self.compose("logs", "--tail", "40", check=False).stdout
                 pytest.fail(f"not healthy in {timeout:.0f} s: {states}\n{logs[-6000:]}")
             time.sleep(1)
+
+    def readiness(self, service: str) -> dict[str, object]:
+        """The body of the service's first container's /readyz (a backup's says whether it is in sync), read
+        inside the container: the management port is not published."""
+        script = (
+            "import urllib.request as u, urllib.error as e\n"
+            "try:\n print(u.urlopen('http://127.0.0.1:8161/readyz', timeout=3).read().decode())\n"
+            "except e.HTTPError as x:\n print(x.read().decode())"
+        )
+        result = subprocess.run(
+            ["docker", "exec", self.containers(service)[0], "python3", "-c", script],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        try:
+            body = json.loads(result.stdout)
+        except json.JSONDecodeError:
+            return {"status": "unreadable", "output": result.stdout + result.stderr}
+        return body if isinstance(body, dict) else {"status": "unreadable", "output": result.stdout}
+
+    def wait_in_sync(self, backup: str, timeout: float = READY_TIMEOUT) -> None:
+        """Until the backup says it holds its primary's whole copy (only then can it take over)."""
+        deadline = time.monotonic() + timeout
+        while (state := self.readiness(backup)).get("in_sync") is not True:
+            if time.monotonic() > deadline:
+                pytest.fail(f"{backup} not in sync in {timeout:.0f} s: {state}")
+            time.sleep(0.5)
+
+    def crash(self, service: str) -> None:
+        """SIGKILL of the service's main process from the host, as the OOM killer or a crash would: unlike
+        `docker kill`, which the engine takes for an operator's stop, the restart policy brings it back."""
+        pid = subprocess.run(
+            ["docker", "inspect", "-f", "{{.State.Pid}}", self.containers(service)[0]],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        os.kill(int(pid), signal.SIGKILL)
 
     def warnings(self, limit: int = 8000) -> str:
         """The stack's WARNING, ERROR and CRITICAL log lines (and tracebacks), the latest ``limit`` characters:
