@@ -93,7 +93,7 @@ class Publisher:
             if conn.is_connected():
                 conn.disconnect()
 
-    def verdict(self, context: str) -> None:
+    def assert_none_lost(self, context: str) -> None:
         """Consumes the queue through the AMQP gateway until every acknowledged message came (or 120 s),
         then the total-queue check."""
         amqp = BlockingConnection(
@@ -140,7 +140,7 @@ def test_kill_9_of_a_primary_core_loses_no_acknowledged_message(stack: Stack) ->
     deadline = time.monotonic() + 120
     while len(publisher.acknowledged) < 300 and time.monotonic() < deadline:  # the gateways follow the takeover
         publisher.publish(50)
-    publisher.verdict(f"backup-1 at the kill: {backup_at_kill}")
+    publisher.assert_none_lost(f"backup-1 at the kill: {backup_at_kill}")
     assert len(publisher.acknowledged) >= 300
 
 
@@ -161,4 +161,4 @@ def test_a_primary_that_crashes_while_its_backup_is_out_of_sync_comes_back_with_
     finally:
         subprocess.run(["docker", "unpause", backup], capture_output=True, check=True)
     assert publisher.acknowledged, "nothing acknowledged while the backup stalled"
-    publisher.verdict(f"backup-1 after the crash: {stack.readiness('backup-1')}")
+    publisher.assert_none_lost(f"backup-1 after the crash: {stack.readiness('backup-1')}")
