@@ -13,7 +13,8 @@ from pyspark.sql import SparkSession
 from tests.conftest import start_core, start_gateway
 from tests.integration.test_stomp_gateway import Listener
 
-from tridentmq_spark.stream import StreamOptions, run_stream
+from tridentmq_spark.options import StreamOptions
+from tridentmq_spark.stream import run_stream
 
 pytestmark = [pytest.mark.spark, pytest.mark.integration, pytest.mark.timeout(600)]
 

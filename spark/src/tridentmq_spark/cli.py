@@ -7,6 +7,9 @@ import logging
 import sys
 from pathlib import Path
 
+from tridentmq_spark.options import StreamOptions
+from tridentmq_spark.restarts import RESTART_WINDOW_S
+
 __all__ = ["add_commands", "main", "run"]
 
 
@@ -28,18 +31,27 @@ def add_commands(parser: argparse.ArgumentParser) -> None:
     stream = sub.add_parser("stream", parents=[common], help="continuous windowed rates, latencies and alerts")
     stream.add_argument("--checkpoint", type=Path, required=True, help="checkpoint folder (restart resumes here)")
     stream.add_argument("--out", type=Path, help="Parquet output folder (default: print to the console)")
-    stream.add_argument("--window-seconds", type=int, default=60, help="window of rates and latencies")
-    stream.add_argument("--watermark-seconds", type=int, default=30, help="how late an event may arrive")
     stream.add_argument(
-        "--stranded-seconds", type=int, default=60, help="alert when a queue has messages and no consumer for this long"
+        "--window-seconds", type=int, default=StreamOptions.window_seconds, help="window of rates and latencies"
+    )
+    stream.add_argument(
+        "--watermark-seconds", type=int, default=StreamOptions.watermark_seconds, help="how late an event may arrive"
+    )
+    stream.add_argument(
+        "--stranded-seconds",
+        type=int,
+        default=StreamOptions.stranded_seconds,
+        help="alert when a queue has messages and no consumer for this long",
     )
     stream.add_argument(
         "--dead-letter-spike",
         type=int,
-        default=10,
+        default=StreamOptions.dead_letter_spike,
         help="alert when a window has this many dead letters on one address",
     )
-    stream.add_argument("--trigger-seconds", type=float, default=5.0, help="micro-batch interval")
+    stream.add_argument(
+        "--trigger-seconds", type=float, default=StreamOptions.trigger_seconds, help="micro-batch interval"
+    )
     stream.add_argument("--once", action="store_true", help="process what is sealed now, then stop")
     stream.add_argument(
         "--alerts-to",
@@ -49,8 +61,9 @@ def add_commands(parser: argparse.ArgumentParser) -> None:
     stream.add_argument(
         "--max-restarts",
         type=int,
-        default=5,
-        help="restart a failed query from its checkpoint up to this many times in 10 minutes (default %(default)s)",
+        default=StreamOptions.max_restarts,
+        help=f"restart a failed query from its checkpoint up to this many times in {RESTART_WINDOW_S // 60} minutes"
+        " (default %(default)s)",
     )
 
 
@@ -77,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         print(format_trace(found))
         return 0
-    from tridentmq_spark.stream import StreamOptions, run_stream  # noqa: PLC0415
+    from tridentmq_spark.stream import run_stream  # noqa: PLC0415
 
     run_stream(spark, StreamOptions.from_args(args))
     return 0

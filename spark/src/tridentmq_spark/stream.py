@@ -18,62 +18,31 @@ watermark moving when traffic stops; a ``where`` before the aggregation could be
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from pyspark.errors import StreamingQueryException
+from py4j.protocol import Py4JError
+from pyspark.errors import PySparkException, StreamingQueryException
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.types import StructType
 
 from tridentmq_spark.alert_sink import AlertTarget, publish_batch
+from tridentmq_spark.options import StreamOptions
+from tridentmq_spark.restarts import RESTART_WINDOW_S, RestartBudget
 from tridentmq_spark.source import FORMAT
 
-__all__ = ["RESTART_WINDOW_S", "StreamOptions", "alerts", "analyses", "rates", "run_stream", "start_ingest"]
+__all__ = ["alerts", "analyses", "rates", "run_stream", "start_ingest"]
 
 _FAILOVER_EVENTS = ("ha.activated", "ha.failback", "ha.fenced", "node.left")
 _ALERTS = ("alerts", "failover_alerts")
-#: A query that fails more than ``--max-restarts`` times within this many seconds stops the stream.
-RESTART_WINDOW_S = 600
 _log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StreamOptions:
-    audit_dir: Path
-    checkpoint: Path
-    out: Path | None = None
-    window_seconds: int = 60
-    watermark_seconds: int = 30
-    stranded_seconds: int = 60
-    dead_letter_spike: int = 10
-    trigger_seconds: float = 5.0
-    once: bool = False
-    alerts_to: str | None = None  # tmq://host:port/address: alerts also published as messages there
-    max_restarts: int = 5  # restarts of a failed query within RESTART_WINDOW_S before the stream stops
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> StreamOptions:
-        return cls(
-            args.audit_dir,
-            args.checkpoint,
-            args.out,
-            args.window_seconds,
-            args.watermark_seconds,
-            args.stranded_seconds,
-            args.dead_letter_spike,
-            args.trigger_seconds,
-            args.once,
-            args.alerts_to,
-            args.max_restarts,
-        )
 
 
 def _count(condition: Column) -> Column:
@@ -244,31 +213,34 @@ class _Supervised:
 
     start: Callable[[], StreamingQuery]
     query: StreamingQuery
-    failures: list[float] = field(default_factory=list)  # monotonic times of its failures in the window
+    budget: RestartBudget
 
-    def restart(self, error: BaseException, max_restarts: int) -> None:
-        """Start the query again after a back-off, or raise ``error`` when it failed more than ``max_restarts``
-        times in ``RESTART_WINDOW_S``. A restart resumes from the checkpoint, so it stays exactly once."""
-        now = time.monotonic()
-        self.failures = [t for t in self.failures if now - t < RESTART_WINDOW_S] + [now]
-        if len(self.failures) > max_restarts:
-            raise error
-        delay = min(2.0 ** (len(self.failures) - 1), 30.0)
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        _log.warning(
-            "query %s failed (%s); restart %d of %d within %d s, in %.0f s",
-            self.query.name,
-            first_line,
-            len(self.failures),
-            max_restarts,
-            RESTART_WINDOW_S,
-            delay,
-        )
-        time.sleep(delay)
-        self.query = self.start()
+    def restart(self, error: BaseException) -> None:
+        """Start the query again after a back-off, or raise ``error`` once its budget is spent. A restart
+        resumes from the checkpoint, so it stays exactly once. A start that fails (its source's Python worker
+        not connecting back in time, say) is one more failure, not the end of the stream."""
+        while (delay := self.budget.failed(time.monotonic())) is not None:
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            _log.warning(
+                "query %s failed (%s); restart %d of %d within %d s, in %.0f s",
+                self.query.name,
+                first_line,
+                self.budget.spent,
+                self.budget.max_restarts,
+                RESTART_WINDOW_S,
+                delay,
+            )
+            time.sleep(delay)
+            try:
+                self.query = self.start()
+            except (PySparkException, Py4JError) as start_failed:  # Spark's own, or the JVM's unconverted
+                error = start_failed
+            else:
+                return
+        raise error
 
 
-def _supervise(spark: SparkSession, queries: list[_Supervised], max_restarts: int) -> None:
+def _supervise(spark: SparkSession, queries: list[_Supervised]) -> None:
     """Wait until a query stops: restart each one that failed, return when one was stopped cleanly.
 
     Waiting on any query, not on each in turn: a query that failed while another was being waited on
@@ -283,16 +255,16 @@ def _supervise(spark: SparkSession, queries: list[_Supervised], max_restarts: in
             error = supervised.query.exception()
             if error is None:
                 return
-            supervised.restart(error, max_restarts)
+            supervised.restart(error)
 
 
-def _process_available(supervised: _Supervised, max_restarts: int) -> None:
+def _process_available(supervised: _Supervised) -> None:
     """Process everything available now (``--once``), restarting the query when it fails."""
     while True:
         try:
             supervised.query.processAllAvailable()
         except StreamingQueryException as error:
-            supervised.restart(error, max_restarts)
+            supervised.restart(error)
         else:
             supervised.query.stop()
             return
@@ -302,18 +274,22 @@ def run_stream(spark: SparkSession, opts: StreamOptions) -> None:
     """Run until stopped (Ctrl-C), or until everything sealed now is processed with ``once``."""
     drop_torn_log_writes(opts.checkpoint)
     schema = events_schema(spark, opts)
-    queries = [_Supervised(partial(start_ingest, spark, opts), start_ingest(spark, opts))]
+    queries = [
+        _Supervised(partial(start_ingest, spark, opts), start_ingest(spark, opts), RestartBudget(opts.max_restarts))
+    ]
     try:
         if opts.once:
             # Not Trigger.AvailableNow: Spark 4.3 runs a Python source that way as a single batch, which
             # after a restart only replays the batch the checkpoint left unfinished.
-            _process_available(queries[0], opts.max_restarts)  # stage 2 must see everything stage 1 wrote
-        queries += [_Supervised(start, start()) for start in analyses(spark, opts, schema)]
+            _process_available(queries[0])  # stage 2 must see everything stage 1 wrote
+        queries += [
+            _Supervised(start, start(), RestartBudget(opts.max_restarts)) for start in analyses(spark, opts, schema)
+        ]
         if opts.once:
             for supervised in queries[1:]:
-                _process_available(supervised, opts.max_restarts)
+                _process_available(supervised)
         else:
-            _supervise(spark, queries, opts.max_restarts)
+            _supervise(spark, queries)
     finally:
         for supervised in queries:
             supervised.query.stop()
