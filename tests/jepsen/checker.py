@@ -10,7 +10,10 @@ included, each with the broker's redelivered flag. :func:`check` turns that into
 - ``rejected_delivered``: definitely rejected, yet delivered (must be empty);
 - ``contradicted``: both acknowledged and rejected (must be empty: the broker said two things);
 - ``duplicated``: delivered more than once; every delivery after the first should carry the redelivered flag,
-  and those that do not are counted apart;
+  and those that do not are counted apart. "After" is the order a consumer saw them in; between two
+  consumers, deliveries less than ``race_s`` apart are not ordered (each client's own threads decide when it
+  records what its broker connection handed it), so an unflagged copy recorded just after another
+  consumer's flagged one is the first delivery, seen late; two unflagged copies are always one too many;
 - ``recovered``: outcome unknown, yet delivered (allowed, reported).
 
 :func:`compare_nodes` checks the split-brain guarantee after healing: no node may hold an acknowledged value
@@ -35,6 +38,15 @@ class Delivery(Generic[V]):
 
     value: V
     redelivered: bool = False
+    consumer: str = ""  # who saw it (one name for all the connections of one consumer, one after another)
+    at: float | None = None  # when it was recorded: seconds, on one clock for the whole run
+
+
+def _after(earlier: Delivery[V], later: Delivery[V], race_s: float) -> bool:
+    """Whether ``later`` certainly came after ``earlier``: both to one consumer, or to two far enough apart."""
+    if earlier.consumer == later.consumer or earlier.at is None or later.at is None:
+        return True
+    return later.at - earlier.at >= race_s
 
 
 @dataclass(frozen=True)
@@ -100,12 +112,14 @@ def check(
     acknowledged: Iterable[V],
     rejected: Iterable[V],
     delivered: Iterable[V | Delivery[V]],
+    race_s: float = 0.0,
 ) -> Verdict[V]:
     """Check one total-queue run.
 
     ``acknowledged`` and ``rejected`` must be subsets of ``attempted`` (anything else is a bug in the test's
     bookkeeping, so it raises ``ValueError``). ``delivered`` is every delivery in the order consumers saw them:
-    plain values (not flagged redelivered) or :class:`Delivery` records.
+    plain values (not flagged redelivered) or :class:`Delivery` records. ``race_s``: how far apart deliveries
+    to two consumers must be recorded to count as ordered (0: always).
     """
     attempted_set = frozenset(attempted)
     acknowledged_set = frozenset(acknowledged)
@@ -116,14 +130,18 @@ def check(
             raise ValueError(f"{name} values that were never attempted: {_examples(stray)}")
 
     counts: Counter[V] = Counter()
+    seen: dict[V, list[Delivery[V]]] = {}
     unflagged_duplicates = 0
     unflagged_duplicated: set[V] = set()
     for item in delivered:
-        value, redelivered = (item.value, item.redelivered) if isinstance(item, Delivery) else (item, False)
+        delivery = item if isinstance(item, Delivery) else Delivery(item)
+        value = delivery.value
         counts[value] += 1
-        if counts[value] > 1 and not redelivered:
+        earlier = seen.setdefault(value, [])
+        if not delivery.redelivered and any(not e.redelivered or _after(e, delivery, race_s) for e in earlier):
             unflagged_duplicates += 1
             unflagged_duplicated.add(value)
+        earlier.append(delivery)
     delivered_set = frozenset(counts)
     unknown_set = attempted_set - acknowledged_set - rejected_set
     duplicated = frozenset(value for value, count in counts.items() if count > 1)

@@ -107,6 +107,25 @@ def test_duplicates_unflagged() -> None:
     assert "duplicated without the redelivered flag: 2 e.g. [0, 1]" in report
 
 
+def test_deliveries_to_two_consumers_recorded_close_together_are_not_ordered() -> None:
+    """The audit stream of a run over ``up --nodes 3`` (seed 8317): the core sent the first copy to one
+    consumer, whose connection closed right after, and the flagged redelivery to another 10 ms later; the
+    first consumer recorded its copy last. That is no unflagged duplicate; the same order at one consumer, or
+    a second apart, or two unflagged copies, are."""
+
+    def unflagged(*deliveries: tuple[str, float, str], race_s: float = 0.5) -> int:
+        """(consumer, when, "flagged" or "plain") per delivery of one message."""
+        seen = [Delivery(1, redelivered=flag == "flagged", consumer=c, at=at) for c, at, flag in deliveries]
+        return check([1], [1], [], seen, race_s=race_s).unflagged_duplicates
+
+    assert unflagged(("c0", 10.0, "flagged"), ("c1", 10.1, "plain")) == 0
+    assert unflagged(("c0", 10.0, "flagged"), ("c0", 10.1, "plain")) == 1  # one consumer: ordered
+    assert unflagged(("c0", 10.0, "flagged"), ("c1", 11.0, "plain")) == 1  # a second later
+    assert unflagged(("c0", 10.0, "plain"), ("c1", 10.1, "plain")) == 1  # two unflagged
+    assert unflagged(("c0", 10.0, "plain"), ("c1", 10.1, "flagged")) == 0
+    assert unflagged(("c0", 10.0, "flagged"), ("c1", 10.1, "plain"), race_s=0.0) == 1  # the default: strict
+
+
 def test_first_delivery_flagged_redelivered_is_not_a_duplicate() -> None:
     """A consumer may see only the redelivery of a message whose first delivery it never recorded."""
     verdict = check([7], [7], [], [Delivery(7, redelivered=True)])
