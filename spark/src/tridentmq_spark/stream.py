@@ -22,11 +22,11 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from py4j.protocol import Py4JError
+from py4j.protocol import Py4JJavaError
 from pyspark.errors import PySparkException, StreamingQueryException
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -214,16 +214,22 @@ class _Supervised:
     start: Callable[[], StreamingQuery]
     query: StreamingQuery
     budget: RestartBudget
+    name: str = field(init=False)  # read once: asking a query is a call into the JVM, which may be gone
+
+    def __post_init__(self) -> None:
+        self.name = self.query.name
 
     def restart(self, error: BaseException) -> None:
         """Start the query again after a back-off, or raise ``error`` once its budget is spent. A restart
-        resumes from the checkpoint, so it stays exactly once. A start that fails (its source's Python worker
-        not connecting back in time, say) is one more failure, not the end of the stream."""
+        resumes from the checkpoint, so it stays exactly once. A start that fails in the JVM (the source's
+        Python worker not connecting back in time, say) is one more failure, not the end of the stream;
+        anything else (the JVM gone) ends it at once, with the query's error as the cause."""
+        failed = error
         while (delay := self.budget.failed(time.monotonic())) is not None:
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            first_line = str(failed).strip().splitlines()[0] if str(failed).strip() else type(failed).__name__
             _log.warning(
                 "query %s failed (%s); restart %d of %d within %d s, in %.0f s",
-                self.query.name,
+                self.name,
                 first_line,
                 self.budget.spent,
                 self.budget.max_restarts,
@@ -233,11 +239,15 @@ class _Supervised:
             time.sleep(delay)
             try:
                 self.query = self.start()
-            except (PySparkException, Py4JError) as start_failed:  # Spark's own, or the JVM's unconverted
-                error = start_failed
+            except (PySparkException, Py4JJavaError) as start_failed:
+                failed = start_failed
+            except BaseException as start_failed:
+                raise start_failed from error
             else:
                 return
-        raise error
+        if failed is error:
+            raise error
+        raise error from failed
 
 
 def _supervise(spark: SparkSession, queries: list[_Supervised]) -> None:
