@@ -10,10 +10,12 @@ included, each with the broker's redelivered flag. :func:`check` turns that into
 - ``rejected_delivered``: definitely rejected, yet delivered (must be empty);
 - ``contradicted``: both acknowledged and rejected (must be empty: the broker said two things);
 - ``duplicated``: delivered more than once; every delivery after the first should carry the redelivered flag,
-  and those that do not are counted apart. "After" is the order a consumer saw them in; between two
-  consumers, deliveries less than ``race_s`` apart are not ordered (each client's own threads decide when it
-  records what its broker connection handed it), so an unflagged copy recorded just after another
-  consumer's flagged one is the first delivery, seen late; two unflagged copies are always one too many;
+  and those that do not are counted apart. "After" is the order the consumers recorded them in, with one
+  exception (``race_s``): an unflagged delivery recorded less than ``race_s`` after a flagged delivery of the
+  same stored copy (one node's message id) to another consumer was sent first, since a node's delivery count
+  of a copy only grows; the first consumer's client just recorded it late (its connection closed right after,
+  say, and the node redelivered the copy to the other consumer at once). Copies on two nodes, two unflagged
+  deliveries and one consumer's own order are always taken as recorded;
 - ``recovered``: outcome unknown, yet delivered (allowed, reported).
 
 :func:`compare_nodes` checks the split-brain guarantee after healing: no node may hold an acknowledged value
@@ -39,14 +41,23 @@ class Delivery(Generic[V]):
     value: V
     redelivered: bool = False
     consumer: str = ""  # who saw it (one name for all the connections of one consumer, one after another)
+    copy: str = ""  # which stored copy: the node's message id, when the client sees it
     at: float | None = None  # when it was recorded: seconds, on one clock for the whole run
 
 
-def _after(earlier: Delivery[V], later: Delivery[V], race_s: float) -> bool:
-    """Whether ``later`` certainly came after ``earlier``: both to one consumer, or to two far enough apart."""
-    if earlier.consumer == later.consumer or earlier.at is None or later.at is None:
-        return True
-    return later.at - earlier.at >= race_s
+def _sent_first(earlier: Delivery[V], later: Delivery[V], race_s: float) -> bool:
+    """Whether ``later``, unflagged, was sent before ``earlier``, flagged, though recorded after it: the same
+    copy (whose delivery count only grows), another consumer, recorded less than ``race_s`` apart."""
+    return (
+        race_s > 0
+        and earlier.redelivered
+        and earlier.consumer != later.consumer
+        and earlier.copy != ""
+        and earlier.copy == later.copy
+        and earlier.at is not None
+        and later.at is not None
+        and 0 <= later.at - earlier.at < race_s
+    )
 
 
 @dataclass(frozen=True)
@@ -118,8 +129,9 @@ def check(
 
     ``acknowledged`` and ``rejected`` must be subsets of ``attempted`` (anything else is a bug in the test's
     bookkeeping, so it raises ``ValueError``). ``delivered`` is every delivery in the order consumers saw them:
-    plain values (not flagged redelivered) or :class:`Delivery` records. ``race_s``: how far apart deliveries
-    to two consumers must be recorded to count as ordered (0: always).
+    plain values (not flagged redelivered) or :class:`Delivery` records. ``race_s``: how long after another
+    consumer's flagged delivery of the same copy an unflagged one may be recorded and still be its first (0:
+    never, the order recorded is the order sent).
     """
     attempted_set = frozenset(attempted)
     acknowledged_set = frozenset(acknowledged)
@@ -138,7 +150,7 @@ def check(
         value = delivery.value
         counts[value] += 1
         earlier = seen.setdefault(value, [])
-        if not delivery.redelivered and any(not e.redelivered or _after(e, delivery, race_s) for e in earlier):
+        if not delivery.redelivered and not all(_sent_first(e, delivery, race_s) for e in earlier):
             unflagged_duplicates += 1
             unflagged_duplicated.add(value)
         earlier.append(delivery)

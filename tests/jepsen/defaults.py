@@ -75,10 +75,10 @@ HEAL_TIMEOUT = 180.0  # a pair restarting in place replays its journal: over a m
 START_TIMEOUT = 180.0  # six cores and six gateways importing at once on a loaded 2-core machine
 MOVE_INTERVAL = (0.2, 3.0)
 ACK_TIMEOUT = 20.0  # a publish not acknowledged in this long is counted unknown
-#: Deliveries of one message to two consumers recorded less than this apart are not taken as ordered: a
-#: consumer whose connection went away right after its broker sent the message (a consumer moving, say) may
-#: record that first copy after another consumer recorded the flagged redelivery (seen: 10 ms apart at the
-#: core, recorded in the other order). The duplicates this test exists to find came a second or more later.
+#: How long after another consumer's flagged delivery of the same stored copy an unflagged one may be recorded
+#: and still count as that copy's first delivery (checker.check's race_s): a consumer whose connection closed
+#: right after its node sent it the copy records it late, after the other consumer recorded the redelivery
+#: (seen: 10 ms apart at the core, recorded in the other order).
 CONSUMER_RACE_S = 0.5
 #: The second gateway of each kind listens on these ports of the client namespace (the first keeps up's).
 SECOND_GATEWAY = {"stomp": 62613, "mqtt": 2883, "amqp": 6672}
@@ -314,12 +314,13 @@ class Stream:
     origins: dict[str, list[str]] = field(default_factory=dict)  # value -> where each delivery came from
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def deliver(self, value: str, redelivered: bool, consumer: str, origin: str = "") -> None:
-        """One delivery to ``consumer`` (its name, whichever connection it has); ``origin`` says more for the
-        report (its gateway, node, message id), the consumer's name when empty."""
-        now = time.monotonic()
+    def deliver(self, value: str, redelivered: bool, consumer: str, *, copy: str = "", origin: str = "") -> None:
+        """One delivery to ``consumer`` (its name, whichever connection it has) of the stored ``copy`` (the
+        node's message id, where the client sees it); ``origin`` says more for the report (its gateway, node),
+        the consumer's name when empty."""
         with self.lock:
-            self.delivered.append(Delivery(value, redelivered, consumer, now))
+            now = time.monotonic()  # under the lock: the records' order and their times agree
+            self.delivered.append(Delivery(value, redelivered, consumer, copy, now))
             self.first_seen.setdefault(value, now)
             self.origins.setdefault(value, []).append(f"{now - EPOCH:.1f} {origin or consumer}")
 
@@ -426,7 +427,9 @@ def mqtt_subscriber(run: Run, cluster: Cluster, client_id: str, topic: str, stre
                 client_id,
                 port,
                 persistent=True,
-                on_message=lambda _c, _u, m, at=port: stream.deliver(m.payload.decode(), m.dup, client_id, str(at)),
+                on_message=lambda _c, _u, m, at=port: stream.deliver(
+                    m.payload.decode(), m.dup, client_id, origin=str(at)
+                ),
             )
         except OSError as exc:
             run.note(f"{client_id} connect: {exc}")
@@ -495,7 +498,8 @@ class StompSession(stomp.ConnectionListener):  # type: ignore[misc]
 
     def on_message(self, frame: Any) -> None:
         if self.stream is not None:
-            self.stream.deliver(frame.body, frame.headers.get("redelivered") == "true", self.name)
+            redelivered = frame.headers.get("redelivered") == "true"
+            self.stream.deliver(frame.body, redelivered, self.name, copy=frame.headers.get("message-id", ""))
             with contextlib.suppress(Exception):  # a connection going away: the message comes back
                 self.conn.ack(frame.headers["ack"])
 
@@ -620,7 +624,10 @@ def amqp_consumer(run: Run, cluster: Cluster, name: str, address: str, stream: S
                     if type(exc).__name__ == "Timeout":
                         continue
                     raise
-                stream.deliver(str(message.body), (message.delivery_count or 0) > 0, name, f"{name}@{port}")
+                copy = "" if message.id is None else str(message.id)
+                stream.deliver(
+                    str(message.body), (message.delivery_count or 0) > 0, name, copy=copy, origin=f"{name}@{port}"
+                )
                 receiver.accept()
             run.moves += 1
         except Exception as exc:
@@ -716,7 +723,7 @@ def link_consumer(run: Run, cluster: Cluster, name: str, address: str, stream: S
                         # The node's message id finds the delivery in the audit stream (node tag + "-" + id).
                         audit_id = f"{client.node_id[:8]}-{delivery.id}"
                         origin = f"{name}@{client.host} {audit_id} count {delivery.delivery_count}"
-                        stream.deliver(delivery.body.decode(), delivery.redelivered, name, origin)
+                        stream.deliver(delivery.body.decode(), delivery.redelivered, name, copy=audit_id, origin=origin)
                         consumer.ack(delivery)
                 run.moves += 1
             except LinkRequestError as exc:
