@@ -13,6 +13,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 #: What the stack's clients log in as (deploy/config/core.toml).
 USER, PASSWORD = "app", "app-secret"
+#: The management API's user there.
+ADMIN_USER, ADMIN_PASSWORD = "admin", "admin-secret"
 READY_TIMEOUT = 240.0  # the whole stack from `up` to serving, on a loaded machine
 PORTS = ("STOMP", "STOMP_WS", "MQTT", "MQTT_WS", "AMQP", "AMQP_WS")
 
@@ -116,44 +119,96 @@ class Stack:
                 pytest.fail(f"not healthy in {timeout:.0f} s: {states}\n{logs[-6000:]}")
             time.sleep(1)
 
-    def readiness(self, service: str) -> dict[str, object]:
-        """The body of the service's first container's /readyz (a backup's says whether it is in sync), read
-        inside the container: the management port is not published."""
+    def management(self, service: str, path: str, *, admin: bool = False) -> dict[str, Any]:
+        """The JSON body of ``path`` on the management server of the service's first container (error statuses
+        included), read inside the container: the management port is not published. ``admin``: with the
+        management user's credentials (``/api/...``). ``{"status": "unreadable"}`` when no answer came."""
         script = (
-            "import urllib.request as u, urllib.error as e\n"
-            "try:\n print(u.urlopen('http://127.0.0.1:8161/readyz', timeout=3).read().decode())\n"
+            "import base64, sys, urllib.request as u, urllib.error as e\n"
+            "r = u.Request('http://127.0.0.1:8161' + sys.argv[1])\n"
+            "if len(sys.argv) > 2:\n"
+            " r.add_header('Authorization', 'Basic ' + base64.b64encode(sys.argv[2].encode()).decode())\n"
+            "try:\n print(u.urlopen(r, timeout=3).read().decode())\n"
             "except e.HTTPError as x:\n print(x.read().decode())"
         )
-        result = subprocess.run(
-            ["docker", "exec", self.containers(service)[0], "python3", "-c", script],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
+        containers = self.containers(service)
+        if not containers:
+            return {"status": "unreadable", "output": f"no running container of {service}"}
+        credentials = [f"{ADMIN_USER}:{ADMIN_PASSWORD}"] if admin else []
+        try:
+            result = subprocess.run(
+                ["docker", "exec", containers[0], "python3", "-c", script, path, *credentials],
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=30,
+            )
+        except subprocess.TimeoutExpired:
+            return {"status": "unreadable", "output": "docker exec timed out"}
         try:
             body = json.loads(result.stdout)
         except json.JSONDecodeError:
             return {"status": "unreadable", "output": result.stdout + result.stderr}
         return body if isinstance(body, dict) else {"status": "unreadable", "output": result.stdout}
 
-    def wait_in_sync(self, backup: str, timeout: float = READY_TIMEOUT) -> None:
-        """Until the backup says it holds its primary's whole copy (only then can it take over)."""
+    def readiness(self, service: str) -> dict[str, Any]:
+        """/readyz: ``ready`` when the node serves; a backup's says whether it holds a whole copy."""
+        return self.management(service, "/readyz")
+
+    def wait_ready(self, service: str, timeout: float = READY_TIMEOUT) -> None:
+        """Until the node serves clients (a backup: once it took over)."""
         deadline = time.monotonic() + timeout
-        while (state := self.readiness(backup)).get("in_sync") is not True:
+        while (state := self.readiness(service)).get("status") != "ready":
             if time.monotonic() > deadline:
-                pytest.fail(f"{backup} not in sync in {timeout:.0f} s: {state}")
+                pytest.fail(f"{service} not serving in {timeout:.0f} s: {state}")
             time.sleep(0.5)
+
+    def wait_backup_in_sync(self, primary: str, timeout: float = READY_TIMEOUT) -> None:
+        """Until the primary serves and says its backup holds its whole copy and confirms with it (only then can
+        the backup take over). The primary's view, not the backup's: a backup's own flag still says in sync for
+        a while after its primary dropped it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ha = self.management(primary, "/api/status", admin=True).get("ha") or {}
+            if ha.get("active") and ha.get("backup_in_sync") and not ha.get("waiting_for_quorum"):
+                return
+            if time.monotonic() > deadline:
+                pytest.fail(f"{primary}'s backup not in sync in {timeout:.0f} s: {ha}")
+            time.sleep(0.5)
+
+    def containers_all(self, service: str) -> list[str]:
+        """The service's containers, stopped ones included."""
+        return self.compose("ps", "-a", "-q", service).stdout.split()
+
+    def kill(self, service: str) -> None:
+        """`docker kill -s KILL`: the engine takes it for an operator's stop and does not restart it."""
+        subprocess.run(["docker", "kill", "-s", "KILL", self.containers(service)[0]], capture_output=True, check=True)
+
+    def start(self, service: str) -> None:
+        """`docker start` of the service's containers (nothing happens to a running one)."""
+        for container in self.containers_all(service):
+            subprocess.run(["docker", "start", container], capture_output=True, check=True)
 
     def crash(self, service: str) -> None:
         """SIGKILL of the service's main process from the host, as the OOM killer or a crash would: unlike
         `docker kill`, which the engine takes for an operator's stop, the restart policy brings it back."""
-        pid = subprocess.run(
-            ["docker", "inspect", "-f", "{{.State.Pid}}", self.containers(service)[0]],
+        fields = "{{.State.Pid}} {{.State.Running}} {{.State.Restarting}} {{.State.Paused}}"
+        inspect = ["docker", "inspect", "-f", fields, self.containers(service)[0]]
+        pid, *state = subprocess.run(inspect, capture_output=True, text=True, check=True).stdout.split()
+        # Pid 0 (a container in its restart back-off) would make os.kill signal this process's own group.
+        assert state == ["true", "false", "false"], f"{service} is not running: {pid} {state}"
+        assert int(pid) > 0, f"{service} has no process: {pid} {state}"
+        os.kill(int(pid), signal.SIGKILL)
+
+    def logged_since(self, service: str, since: float, text: str) -> bool:
+        """Whether the service's first container logged ``text`` since the Unix time ``since``."""
+        logs = subprocess.run(
+            ["docker", "logs", "--since", f"{since:.3f}", self.containers_all(service)[0]],
             capture_output=True,
             text=True,
-            check=True,
-        ).stdout.strip()
-        os.kill(int(pid), signal.SIGKILL)
+            check=False,
+        )
+        return text in logs.stdout + logs.stderr
 
     def warnings(self, limit: int = 8000) -> str:
         """The stack's WARNING, ERROR and CRITICAL log lines (and tracebacks), the latest ``limit`` characters:

@@ -1,9 +1,6 @@
-"""deploy/compose.yaml with compose.ha.yaml: kill -9 of a primary core container loses no acknowledged
-message (its in-sync backup takes over and the gateways follow it).
-
-The kill is a crash, as the OOM killer's would be, so the restart policy brings the primary back: a backup
-that fell out of sync just before (a loaded machine's missed heartbeats) cannot take over, and what the
-primary acknowledged alone since is on its disk only, until it returns (docs/ha.md)."""
+"""deploy/compose.yaml with compose.ha.yaml: kill -9 of a primary core loses no acknowledged message. With
+its backup in sync, the backup takes over and the gateways follow it; with its backup out of sync (dropped
+after a stall), the pair waits for the primary, which Docker's restart policy brings back after a crash."""
 
 from __future__ import annotations
 
@@ -120,28 +117,48 @@ class Publisher:
         assert verdict.ok, f"{verdict.report()}\n{context}\nthe stack's warnings:\n{self.stack.warnings()}"
 
 
-def test_kill_9_of_a_primary_core_loses_no_acknowledged_message(stack: Stack) -> None:
+def test_kill_9_of_a_primary_core_its_in_sync_backup_takes_over_and_nothing_acknowledged_is_lost(
+    stack: Stack,
+) -> None:
     publisher = Publisher(stack, f"e2e.{uuid.uuid4().hex[:8]}.ha")
-    stack.wait_in_sync("backup-1")
+    stack.wait_backup_in_sync("core-1")
     publisher.publish(100)
-    stack.wait_in_sync("backup-1")
     killed = threading.Event()
-    backup_at_kill: dict[str, object] = {}
+    kill_failed: list[BaseException] = []
+    checked_at: list[float] = []
 
     def kill() -> None:
-        backup_at_kill.update(stack.readiness("backup-1"))
-        stack.crash("core-1")
-        killed.set()
+        try:
+            checked_at.append(time.time())
+            stack.wait_backup_in_sync("core-1", timeout=60)
+            stack.kill("core-1")  # not restarted by Docker: the backup has to take over
+        except BaseException as error:  # pytest.fail too: reported below, a kill that did not happen fails
+            kill_failed.append(error)
+        finally:
+            killed.set()
 
     killer = threading.Timer(0.5, kill)  # while the publisher below is sending
     killer.start()
-    publisher.publish(10_000, until=killed)
-    killer.join()
-    deadline = time.monotonic() + 120
-    while len(publisher.acknowledged) < 300 and time.monotonic() < deadline:  # the gateways follow the takeover
-        publisher.publish(50)
-    publisher.assert_none_lost(f"backup-1 at the kill: {backup_at_kill}")
-    assert len(publisher.acknowledged) >= 300
+    try:
+        publisher.publish(10_000, until=killed)
+        killer.join()
+        assert not kill_failed, f"core-1 not killed: {kill_failed!r}"
+        if stack.logged_since("core-1", checked_at[0], "in-sync backup lost"):
+            # Dropped between the check and the kill (a loaded machine's missed heartbeats): what core-1
+            # confirmed alone since is not on backup-1, so the pair waits for core-1 (docs/ha.md), as an
+            # operator would bring it back. The guarantee below still holds; the takeover is not asked for.
+            stack.start("core-1")
+            taken_over = "no: backup-1 was dropped just before the kill, core-1 started again"
+        else:
+            stack.wait_ready("backup-1", timeout=120)  # fails when the in-sync backup does not take over
+            taken_over = "yes"
+        deadline = time.monotonic() + 120
+        while len(publisher.acknowledged) < 300 and time.monotonic() < deadline:  # the gateways follow
+            publisher.publish(50)
+        publisher.assert_none_lost(f"backup-1 took over: {taken_over}")
+        assert len(publisher.acknowledged) >= 300
+    finally:
+        stack.start("core-1")  # the next test starts from the pair handed back to it
 
 
 def test_a_primary_that_crashes_while_its_backup_is_out_of_sync_comes_back_with_what_it_acknowledged(
@@ -150,15 +167,20 @@ def test_a_primary_that_crashes_while_its_backup_is_out_of_sync_comes_back_with_
     """Faults mixed: the backup stalls (its primary goes on alone after a quorum's `stay`, which makes the
     backup's copy stale), then the primary crashes. The backup must not take over on its stale copy; the
     restart policy brings the primary back with every message it acknowledged alone."""
-    publisher = Publisher(stack, f"e2e.{uuid.uuid4().hex[:8]}.stale")
-    stack.wait_in_sync("backup-1")  # the previous test's failover and failback are over
+    queue = f"e2e.{uuid.uuid4().hex[:8]}.stale"
+    publisher = Publisher(stack, queue)
+    stack.wait_backup_in_sync("core-1")  # the previous test's failover and failback are over
     backup = stack.containers("backup-1")[0]
     subprocess.run(["docker", "pause", backup], capture_output=True, check=True)
     try:
-        for _ in range(6):  # six sessions: two of them on core-1, whose acknowledgements wait for the quorum
+        for _ in range(6):  # six sessions, spread round-robin over the three primaries
             publisher.publish(10)
+        ha = stack.management("core-1", "/api/status", admin=True).get("ha") or {}
+        held = stack.management("core-1", f"/api/queues/{queue}", admin=True)
         stack.crash("core-1")
     finally:
         subprocess.run(["docker", "unpause", backup], capture_output=True, check=True)
-    assert publisher.acknowledged, "nothing acknowledged while the backup stalled"
-    publisher.assert_none_lost(f"backup-1 after the crash: {stack.readiness('backup-1')}")
+    # The case this test is for: core-1 confirmed messages alone, without its backup.
+    assert ha.get("backup_in_sync") is False, ha
+    assert held.get("added", 0) > 0, held
+    publisher.assert_none_lost(f"core-1 before the crash: {ha}, its copy of the queue: {held}")
