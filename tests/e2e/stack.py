@@ -189,16 +189,28 @@ class Stack:
         for container in self.containers_all(service):
             subprocess.run(["docker", "start", container], capture_output=True, check=True)
 
+    def stall(self, service: str) -> None:
+        """SIGSTOP of the service's main process from the host: a stall. Not `docker pause`: it failed once in CI
+        (exit 1, its reason not kept), where a stop signal to a running process cannot."""
+        os.kill(self._main_pid(service), signal.SIGSTOP)
+
+    def resume(self, service: str) -> None:
+        os.kill(self._main_pid(service), signal.SIGCONT)
+
     def crash(self, service: str) -> None:
         """SIGKILL of the service's main process from the host, as the OOM killer or a crash would: unlike
         `docker kill`, which the engine takes for an operator's stop, the restart policy brings it back."""
+        os.kill(self._main_pid(service), signal.SIGKILL)
+
+    def _main_pid(self, service: str) -> int:
+        """The host pid of the process of the service's first container, which must be running."""
         fields = "{{.State.Pid}} {{.State.Running}} {{.State.Restarting}} {{.State.Paused}}"
         inspect = ["docker", "inspect", "-f", fields, self.containers(service)[0]]
         pid, *state = subprocess.run(inspect, capture_output=True, text=True, check=True).stdout.split()
         # Pid 0 (a container in its restart back-off) would make os.kill signal this process's own group.
         assert state == ["true", "false", "false"], f"{service} is not running: {pid} {state}"
         assert int(pid) > 0, f"{service} has no process: {pid} {state}"
-        os.kill(int(pid), signal.SIGKILL)
+        return int(pid)
 
     def logged_since(self, service: str, since: float, text: str) -> bool:
         """Whether the service's first container logged ``text`` since the Unix time ``since``."""

@@ -5,7 +5,6 @@ after a stall), the pair waits for the primary, which Docker's restart policy br
 from __future__ import annotations
 
 import os
-import subprocess
 import threading
 import time
 import uuid
@@ -164,14 +163,13 @@ def test_kill_9_of_a_primary_core_its_in_sync_backup_takes_over_and_nothing_ackn
 def test_a_primary_that_crashes_while_its_backup_is_out_of_sync_comes_back_with_what_it_acknowledged(
     stack: Stack,
 ) -> None:
-    """Faults mixed: the backup stalls (its primary goes on alone after a quorum's `stay`, which makes the
-    backup's copy stale), then the primary crashes. The backup must not take over on its stale copy; the
-    restart policy brings the primary back with every message it acknowledged alone."""
+    """Faults mixed: the backup stalls (SIGSTOP), so its primary goes on alone after a quorum's `stay`, which
+    makes the backup's copy stale; then the primary crashes. The backup must not take over on its stale copy;
+    the restart policy brings the primary back with every message it acknowledged alone."""
     queue = f"e2e.{uuid.uuid4().hex[:8]}.stale"
     publisher = Publisher(stack, queue)
     stack.wait_backup_in_sync("core-1")  # the previous test's failover and failback are over
-    backup = stack.containers("backup-1")[0]
-    subprocess.run(["docker", "pause", backup], capture_output=True, check=True)
+    stack.stall("backup-1")
     try:
         for _ in range(6):  # six sessions, spread round-robin over the three primaries
             publisher.publish(10)
@@ -179,7 +177,7 @@ def test_a_primary_that_crashes_while_its_backup_is_out_of_sync_comes_back_with_
         held = stack.management("core-1", f"/api/queues/{queue}", admin=True)
         stack.crash("core-1")
     finally:
-        subprocess.run(["docker", "unpause", backup], capture_output=True, check=True)
+        stack.resume("backup-1")
     # The case this test is for: core-1 confirmed messages alone, without its backup.
     assert ha.get("backup_in_sync") is False, ha
     assert held.get("added", 0) > 0, held
