@@ -190,8 +190,8 @@ class Stack:
             subprocess.run(["docker", "start", container], capture_output=True, check=True)
 
     def stall(self, service: str) -> None:
-        """SIGSTOP of the service's main process from the host: a stall. Not `docker pause`: it failed once in CI
-        (exit 1, its reason not kept), where a stop signal to a running process cannot."""
+        """SIGSTOP of the service's main process from the host: a stall. Not `docker pause`, which failed once in
+        CI (exit 1, its reason not kept); a stop signal to a running process does not fail that way."""
         os.kill(self._main_pid(service), signal.SIGSTOP)
 
     def resume(self, service: str) -> None:
