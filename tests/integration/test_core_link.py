@@ -16,7 +16,7 @@ import msgpack
 import pytest
 from tests.conftest import CoreProcess, module_core, start_core
 
-from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.client import LinkClient, queue_spec
 from tridentmq_shared.link.errors import LinkClosedError, LinkRequestError
 from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.link.ops import NackMode
@@ -133,6 +133,49 @@ async def test_selector_and_browse(core: CoreProcess) -> None:
         got = [await consumer.get(timeout=5) for _ in range(3)]
         assert [d.body for d in got if d] == [b"7", b"8", b"9"]
         assert await consumer.get(timeout=0.2) is None
+
+
+class Version3Client(LinkClient):
+    """A client of link protocol version 3: it makes a queue and subscribes in two requests, and ends a browser
+    with an UNSUBSCRIBE."""
+
+    versions = (1, 2, 3)
+
+
+@pytest.mark.parametrize("kind", [LinkClient, Version3Client])
+async def test_make_and_subscribe_and_a_browser_ending_whatever_the_version(
+    core: CoreProcess, kind: type[LinkClient]
+) -> None:
+    name = f"made.{kind.__name__}"
+    spec = queue_spec(name, durable=False, max_consumers=1, expires_ms=0)
+    async with kind("127.0.0.1", core.link_port, reconnect=NO_RECONNECT) as c, client(core) as other:
+        made, owner = await c.subscribe_if_new(spec, credit=1, create=False)
+        assert made["created"] is True
+        assert owner is not None
+        assert c._conn is not None
+        assert c._conn.version == max(kind.versions)
+        made, none = await other.subscribe_if_new(spec, credit=1, create=False)
+        assert (made["created"], made["consumers"], none) == (False, 1, None)
+        with pytest.raises(LinkRequestError) as refused:  # one consumer at most: the made one holds it
+            await other.make_and_subscribe(spec, credit=1)
+        assert refused.value.code == "resource-limit"
+        await asyncio.sleep(0.2)  # past the core's ticks: its consumer keeps the queue of expiry 0
+        await other.publish(new_message(name, b"to the owner"))
+        delivery = await owner.get(timeout=5)
+        assert delivery is not None
+        assert delivery.body == b"to the owner"
+        owner.ack(delivery)
+        for n in range(3):
+            await c.publish(new_message(f"{name}.browsed", str(n).encode()))
+        browser = await c.subscribe(f"{name}.browsed", browse=True, credit=2)
+        assert [d.body async for d in browser] == [b"0", b"1", b"2"]
+        await browser.close()  # version 4: ended already, nothing is sent
+        consumers = get_json(core, f"/api/queues/{name}.browsed")
+        assert isinstance(consumers, dict)
+        assert consumers["consumers"] == 0
+        # The link is fine after it: the same queue consumed from, its messages all there.
+        consumer = await c.subscribe(f"{name}.browsed", auto_ack=True)
+        assert [(await consumer.get(timeout=5)).body for _ in range(3)] == [b"0", b"1", b"2"]  # type: ignore[union-attr]
 
 
 async def test_duplicate_detection(core: CoreProcess) -> None:

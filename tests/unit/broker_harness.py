@@ -22,7 +22,7 @@ from tridentmq_core.store.memory import MemoryStore
 from tridentmq_shared.link import codec
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.codec import UNBOUNDED_BYTES, LinkConnection, Role, State
-from tridentmq_shared.link.ops import ErrorCode, NackMode
+from tridentmq_shared.link.ops import PROTOCOL_VERSIONS, ErrorCode, NackMode
 from tridentmq_shared.message import M_BODY, M_ID, M_PROPS, RoutingType, WireMessage, new_message
 
 BASE_MS = 1_700_000_000_000
@@ -67,10 +67,11 @@ class Client:
         password: str | None,
         peer: str,
         publish_bytes: int = UNBOUNDED_BYTES,
+        versions: tuple[int, ...] = PROTOCOL_VERSIONS,
     ) -> None:
         self.h = harness
         self.name = name
-        self.conn = LinkConnection(Role.CLIENT)
+        self.conn = LinkConnection(Role.CLIENT, versions=versions)
         self.server = LinkConnection(Role.SERVER)
         self.conn.hello(user, password, name)
         hello = self.server.receive_data(self.conn.data_to_send(), harness.now_s)
@@ -133,12 +134,12 @@ class Client:
     def delete_queue(self, name: str, *, everywhere: bool = False) -> ev.Reply | ev.RequestFailed:
         return self._answer(self.conn.delete_queue(name, everywhere=everywhere))
 
-    def subscribe(self, queue: str, credit: int = 100, **options: Any) -> tuple[int, ev.Reply | ev.RequestFailed]:
+    def subscribe(self, queue: str, /, credit: int = 100, **options: Any) -> tuple[int, ev.Reply | ev.RequestFailed]:
         credit_bytes = options.pop("credit_bytes", 0)
         req_id, consumer_id = self.conn.subscribe(queue, credit, options, credit_bytes)
         return consumer_id, self._answer(req_id)
 
-    def consumer(self, queue: str, credit: int = 100, **options: Any) -> int:
+    def consumer(self, queue: str, /, credit: int = 100, **options: Any) -> int:
         """Subscribe and insist that it worked."""
         consumer_id, answer = self.subscribe(queue, credit, **options)
         assert isinstance(answer, ev.Reply), answer
@@ -226,8 +227,10 @@ class Harness:
         password: str | None = None,
         peer: str = "127.0.0.1",
         publish_bytes: int = UNBOUNDED_BYTES,
+        versions: tuple[int, ...] = PROTOCOL_VERSIONS,
     ) -> Client:
-        client = Client(self, name, user, password, peer, publish_bytes)
+        """A client of the link protocol ``versions`` offers (the newest by default)."""
+        client = Client(self, name, user, password, peer, publish_bytes, versions)
         self.clients.append(client)
         return client
 

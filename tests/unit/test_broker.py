@@ -506,7 +506,7 @@ def test_a_browser_of_a_last_value_queue_finds_its_key_by_key(c: Client) -> None
         browser = c.consumer("prices", credit=100, browse=True, selector=selector)
         got = bodies(c.take(browser))
         assert len(c.events(ev.BrowseDone)) == 1
-        ok(c.unsubscribe(browser))
+        assert not any(consumer.browse for consumer in c.h.broker.queues["prices"].consumers)  # ended with it
         return got
 
     assert browse("sym = 'k7'") == [b"1-7"]
@@ -1659,7 +1659,11 @@ def test_subscribe_to_missing_queue_without_consume_permission_leaves_nothing(br
     # With the permission the same subscription auto-creates its queue.
     c = user_with("createAddress", "createDurableQueue", "browse" if browse else "consume")
     ok(c.subscribe("jobs", browse=browse)[1])
-    assert "jobs" in c.h.broker.queues
+    if browse:  # it ended with its browse of the empty queue, which went with it as after an UNSUBSCRIBE
+        assert c.events(ev.BrowseDone)
+        assert "jobs" not in c.h.broker.queues
+    else:
+        assert "jobs" in c.h.broker.queues
 
 
 def test_delete_queue_permissions() -> None:

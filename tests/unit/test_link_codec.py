@@ -151,15 +151,22 @@ HELLO_V3_GOLDEN = (
     b"\x00\x00\x00\x21"  # length 33
     b"\x91\x97\x01\x93\x01\x02\x03\xa5alice\xa6secret\xa4gw-1\xcd\x01\xf4\xce\x00\x01\x00\x00"
 )
+HELLO_V4_GOLDEN = (
+    b"\x00\x00\x00\x22"  # length 34
+    b"\x91\x97\x01\x94\x01\x02\x03\x04\xa5alice\xa6secret\xa4gw-1\xcd\x01\xf4\xce\x00\x01\x00\x00"
+)
 
 
 def test_hello_golden_bytes() -> None:
     client = LinkConnection(Role.CLIENT, heartbeat_ms=500, max_frame_size=65536)
     client.hello("alice", "secret", "gw-1")
     data = client.data_to_send()
-    assert data == HELLO_V3_GOLDEN
-    assert data == frame([[1, [1, 2, 3], "alice", "secret", "gw-1", 500, 65536]])
+    assert data == HELLO_V4_GOLDEN
+    assert data == frame([[1, [1, 2, 3, 4], "alice", "secret", "gw-1", 500, 65536]])
     assert client.data_to_send() == b""
+    v3 = LinkConnection(Role.CLIENT, heartbeat_ms=500, max_frame_size=65536, versions=(1, 2, 3))
+    v3.hello("alice", "secret", "gw-1")
+    assert v3.data_to_send() == HELLO_V3_GOLDEN
     v2 = LinkConnection(Role.CLIENT, heartbeat_ms=500, max_frame_size=65536, versions=(1, 2))
     v2.hello("alice", "secret", "gw-1")
     assert v2.data_to_send() == HELLO_V2_GOLDEN
@@ -180,7 +187,7 @@ def test_welcome_carries_the_node_epoch_when_it_has_one() -> None:
     client.hello(None, None, "gw")
     pump(client, server)
     server.accept("node-1", "conn-1", 10, 0.0, epoch=3)
-    assert pump(server, client) == [ev.Welcomed(3, "node-1", "conn-1", DEFAULT_HEARTBEAT_MS, 10, 3)]
+    assert pump(server, client) == [ev.Welcomed(4, "node-1", "conn-1", DEFAULT_HEARTBEAT_MS, 10, 3)]
     old = LinkConnection(Role.CLIENT, versions=(1,))
     server = LinkConnection(Role.SERVER)
     old.hello(None, None, "gw")
@@ -197,7 +204,7 @@ def test_a_welcome_with_a_bad_epoch_is_malformed() -> None:
 
 
 def test_op_codes_are_stable() -> None:
-    assert PROTOCOL_VERSIONS == (1, 2, 3)
+    assert PROTOCOL_VERSIONS == (1, 2, 3, 4)
     assert HEADER_SIZE == 4
     assert {op.name: int(op) for op in Op} == {
         "HELLO": 1,
@@ -328,13 +335,13 @@ def test_welcome_bytes_match_a_hand_built_frame() -> None:
     pump(client, server)
     server.accept("node-7", "conn-9", 42, 0.0)
     assert server.data_to_send() == frame([[2, 1, "node-7", "conn-9", 300, MIN_FRAME_SIZE, 42]])
-    # Version 2: the epoch is always there (0: none), then the publish window in bytes.
+    # Version 2 on: the epoch is always there (0: none), then the publish window in bytes.
     client = LinkConnection(Role.CLIENT, heartbeat_ms=100)
     server = LinkConnection(Role.SERVER, heartbeat_ms=300, max_frame_size=MIN_FRAME_SIZE)
     client.hello(None, None, "c")
     pump(client, server)
     server.accept("node-7", "conn-9", 42, 0.0, publish_bytes=5000)
-    assert server.data_to_send() == frame([[2, 3, "node-7", "conn-9", 300, MIN_FRAME_SIZE, 42, 0, 5000]])
+    assert server.data_to_send() == frame([[2, 4, "node-7", "conn-9", 300, MIN_FRAME_SIZE, 42, 0, 5000]])
 
 
 def test_request_and_message_bytes_match_hand_built_frames() -> None:
@@ -411,7 +418,7 @@ def test_hello_names_the_gateways_client_when_given() -> None:
     assert decoded_ops(client.data_to_send()) == [
         [
             Op.HELLO,
-            [1, 2, 3],
+            [1, 2, 3, 4],
             "alice",
             "secret",
             "stomp 10.1.2.3:5000",
@@ -469,7 +476,7 @@ def test_hello_received_reports_agreed_heartbeat() -> None:
 
 def test_hello_picks_the_common_version() -> None:
     server = LinkConnection(Role.SERVER)
-    [hello] = server.receive_data(frame([[Op.HELLO, [7, 1, "x", 4], None, None, "c", 0, MIN_FRAME_SIZE]]), 0)
+    [hello] = server.receive_data(frame([[Op.HELLO, [7, 1, "x", 5], None, None, "c", 0, MIN_FRAME_SIZE]]), 0)
     assert hello.version == 1
 
 
@@ -493,7 +500,7 @@ def test_client_close_during_handshake_reaches_the_server() -> None:
     assert server.state is State.CLOSED
 
 
-@pytest.mark.parametrize("versions", [[4], [], [0, 99], ["1"], [1.0], [True]])
+@pytest.mark.parametrize("versions", [[5], [], [0, 99], ["1"], [1.0], [True]])
 def test_version_mismatch(versions: list[Any]) -> None:
     server = LinkConnection(Role.SERVER)
     data = frame([[Op.HELLO, versions, "u", "p", "c", 100, MIN_FRAME_SIZE]])
@@ -600,7 +607,7 @@ def test_welcome_followed_by_other_ops_in_the_same_flush_is_understood() -> None
     pump(client, server)
     server.accept("node", "conn", 10, 0.0)
     server.grant_publish_credit(5)
-    assert pump(server, client) == [ev.Welcomed(3, "node", "conn", 250, 10), ev.PublishCreditGranted(5)]
+    assert pump(server, client) == [ev.Welcomed(4, "node", "conn", 250, 10), ev.PublishCreditGranted(5)]
     assert client.publish_credit == 15
 
 
@@ -947,7 +954,7 @@ def open_byte_pair(credit: int = 100, publish_bytes: int = 1000) -> tuple[LinkCo
     pump(client, server)
     server.accept("node-1", "conn-1", credit, 0.0, publish_bytes=publish_bytes)
     pump(server, client)
-    assert (client.version, client.publish_bytes, server.publish_bytes) == (3, publish_bytes, publish_bytes)
+    assert (client.version, client.publish_bytes, server.publish_bytes) == (4, publish_bytes, publish_bytes)
     return client, server
 
 

@@ -83,7 +83,9 @@ def test_the_clock_starts_when_the_last_of_several_consumers_leaves(h: Harness, 
     assert "q" not in h.broker.queues
 
 
-def test_a_browser_is_not_a_consumer_and_hears_of_the_deletion(h: Harness, c: Client) -> None:
+def test_a_browser_is_not_a_consumer_and_hears_of_the_deletion(h: Harness) -> None:
+    """A version 3 browser stays after its browse until its UNSUBSCRIBE (a version 4 one ends with it)."""
+    c = h.connect(versions=(1, 2, 3))
     ok(c.create_queue("q", expires_ms=500))
     c.send_all("q", [b"m"])
     browser = c.consumer("q", browse=True)
@@ -93,7 +95,9 @@ def test_a_browser_is_not_a_consumer_and_hears_of_the_deletion(h: Harness, c: Cl
     assert c.events(ev.ConsumerClosed) == [ev.ConsumerClosed(browser, ErrorCode.NOT_FOUND, "queue 'q' was deleted")]
 
 
-def test_a_browser_leaving_does_not_restart_the_clock(h: Harness, c: Client) -> None:
+def test_a_browser_leaving_does_not_restart_the_clock(h: Harness) -> None:
+    """A version 3 browser stays until its UNSUBSCRIBE (a version 4 one ends with its browse: see test_broker)."""
+    c = h.connect(versions=(1, 2, 3))
     ok(c.create_queue("q", expires_ms=1000))
     browser = c.consumer("q", browse=True)
     h.tick(BASE_MS + 900)

@@ -338,6 +338,8 @@ class Broker:
         catalog = self.catalog
         match event:
             case ev.Subscribe(_, consumer_id, queue_name, credit, options):
+                if "queue" in options:
+                    return self._make_and_subscribe(session, consumer_id, queue_name, credit, options, now_ms)
                 return self.consuming.subscribe(session, consumer_id, queue_name, credit, options, now_ms)
             case ev.Topology(_, info):
                 if self.on_topology is None:
@@ -351,8 +353,7 @@ class Broker:
                 self.consuming.remove(session, self.consuming.consumer(session, consumer_id), now_ms)
                 return None
             case ev.CreateQueue(_, spec):
-                reply = catalog.create_queue_request(session, spec, now_ms)
-                return self._say_elsewhere(reply) if "address" in reply else reply
+                return self._create_queue(session, spec, now_ms)
             case ev.DeleteQueue(_, name):
                 queue = catalog.queue(name)
                 require_delete(session, queue)
@@ -384,6 +385,34 @@ class Broker:
                 self.wills.set(session, key, message, delay_ms, publish_pending, now_ms)
                 return None
         raise BrokerError(ErrorCode.UNEXPECTED, f"unexpected operation {type(event).__name__}")
+
+    def _create_queue(self, session: Session, spec: dict[str, Any], now_ms: int) -> dict[str, Any]:
+        reply = self.catalog.create_queue_request(session, spec, now_ms)
+        return self._say_elsewhere(reply) if "address" in reply else reply
+
+    def _make_and_subscribe(
+        self, session: Session, consumer_id: int, queue_name: str, credit: int, options: dict[str, Any], now_ms: int
+    ) -> dict[str, Any]:
+        """A version 4 SUBSCRIBE with option ``queue``: CREATE_QUEUE with that spec, then the subscribe, in one
+        request (the answer's ``made`` is CREATE_QUEUE's). With ``only_new``, the subscribe only when the queue
+        is new: made by this request, and no other node holds one of its name (the answer is then ``made``
+        alone)."""
+        spec, only_new = options["queue"], options.get("only_new", False)
+        if (
+            type(spec) is not dict
+            or spec.get("name") != queue_name
+            or spec.get("passive")
+            or type(only_new) is not bool
+        ):
+            raise BrokerError(
+                ErrorCode.INVALID, "queue is the CREATE_QUEUE spec of the queue subscribed to, only_new a bool"
+            )
+        made = self._create_queue(session, spec, now_ms)
+        if only_new and not (made["created"] and "elsewhere" not in made):
+            return {"made": made}
+        reply = self.consuming.subscribe(session, consumer_id, queue_name, credit, options, now_ms)
+        reply["made"] = made
+        return reply
 
     def _delete_everywhere(self, session: Session, req_id: int, name: str, now_ms: int) -> Any:
         """Delete the queue here and its namesakes on the other nodes (a session's queue that moved with its
@@ -601,6 +630,10 @@ class Broker:
             to_dispatch.clear()
             for queue in pending:
                 queue.dispatch(now_ms)
+            for browser in self.deliveries.take_ended_browsers():
+                session = self.sessions.get(browser.session.conn_id)
+                if session is not None and session.consumers.get(browser.id) is browser:
+                    self.consuming.remove(session, browser, now_ms)
 
     def offer_again(self, queue: Queue) -> None:
         """Dispatch ``queue`` at the next flush although nothing changed in it: a consumer passed over

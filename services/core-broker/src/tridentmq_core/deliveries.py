@@ -10,6 +10,7 @@ from tridentmq_core.dead_letters import DeadLetters
 from tridentmq_core.latency import SMALL_BUCKETS, SMALL_MS, LatencyHistogram, bucket_of
 from tridentmq_core.queues import Consumer, LinkSession, Queue
 from tridentmq_core.store.base import Store
+from tridentmq_shared.link.codec import MAKE_AND_SUBSCRIBE_VERSION
 from tridentmq_shared.message import M_DURABLE, M_ID, M_TIMESTAMP, WireMessage
 
 
@@ -38,6 +39,7 @@ class Deliveries:
         self._dirty = dirty
         self._to_dispatch = to_dispatch
         self._held: dict[int, list[tuple[Consumer, int, WireMessage]]] = {}  # store token → deliveries
+        self._ended_browsers: list[Consumer] | None = None
 
     # ------------------------------------------------------------------ the queues' sink
     def deliver_durable(self, queue: Queue, attempts: list[tuple[Consumer, int, WireMessage]]) -> None:
@@ -81,6 +83,18 @@ class Deliveries:
 
     def on_expired(self, queue: Queue, message: WireMessage) -> None:
         self._dead_letters.expired(queue, message, self.now_ms)
+
+    def on_browse_done(self, queue: Queue, consumer: Consumer) -> None:
+        """A browser saw the whole queue. From link protocol version 4 that ends it: it goes once the dispatch is
+        over (see ``take_ended_browsers``), and its client sends no UNSUBSCRIBE."""
+        if consumer.session.conn.version >= MAKE_AND_SUBSCRIBE_VERSION:
+            if self._ended_browsers is None:
+                self._ended_browsers = []
+            self._ended_browsers.append(consumer)
+
+    def take_ended_browsers(self) -> list[Consumer]:
+        ended, self._ended_browsers = self._ended_browsers, None
+        return ended or []
 
     def on_pages_ready(self, queue: Queue) -> None:
         """Paged messages were read back from disk (the shell flushes after calling this)."""

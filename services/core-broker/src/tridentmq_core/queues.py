@@ -101,6 +101,7 @@ class DeliverySink(Protocol):
     def on_expired(self, queue: Queue, message: WireMessage) -> None: ...
     def on_pages_ready(self, queue: Queue) -> None: ...
     def on_delivered(self, queue: Queue, consumer: Consumer, delivery_count: int, message: WireMessage) -> None: ...
+    def on_browse_done(self, queue: Queue, consumer: Consumer) -> None: ...
 
 
 class Consumer:
@@ -678,6 +679,7 @@ class Queue:
             if message is None:
                 consumer.browse_iter = None
                 session.conn.browse_done(consumer.id)
+                self._sink.on_browse_done(self, consumer)
                 break
             expiration = message[M_EXPIRATION]
             if (expiration and expiration <= now_ms) or not consumer.accepts(message):

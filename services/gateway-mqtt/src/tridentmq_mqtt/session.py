@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -54,7 +55,7 @@ from tridentmq_mqtt.state import (
 )
 from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.gateway import Wire
-from tridentmq_shared.link.client import Consumer, LinkClient
+from tridentmq_shared.link.client import Consumer, LinkClient, queue_spec
 from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import (
@@ -783,43 +784,32 @@ class MqttSession:
         if fannable and self.feeds.fans_out(link.user, topic_filter):
             return await self._join_feed(self.feeds, text, topic_filter, options)
         if planned.kind is subscribing.QueueKind.SHARED:
-            await link.create_queue(
-                queue, pattern, routing_type=RoutingType.MULTICAST, durable=True, expires_ms=expiry_ms
-            )
+            spec = queue_spec(queue, pattern, routing_type=RoutingType.MULTICAST, durable=True, expires_ms=expiry_ms)
         elif planned.kind is subscribing.QueueKind.DURABLE:
             # A resumed queue gets this session's expiry once it is consumed from: set now, the expiry would
             # count the time the queue waited for the client, and a shorter one (0: the session ends with this
             # connection) could delete it, with its messages, before the consumer reaches it.
-            found = await link.create_queue(
+            spec = queue_spec(
                 queue,
                 pattern,
                 routing_type=RoutingType.MULTICAST,
                 durable=True,
                 expires_ms=None if resumed else expiry_ms,
             )
-            if not resumed and not found.get("created"):
-                # No session record lists it (a gateway died between making it and saving the record), so a
-                # clean start did not end it: a new subscription starts empty, not with what it gathered since.
-                log.info(
-                    "mqtt subscription queue left by an earlier session dropped",
-                    extra={"peer": self.wire.peer, "client_id": self.client_id[:60], "queue": queue[:100]},
-                )
-                await link.delete_queue(queue, everywhere=self._holds_lock())
-                await link.create_queue(
-                    queue, pattern, routing_type=RoutingType.MULTICAST, durable=True, expires_ms=expiry_ms
-                )
         else:  # this connection's own: an earlier connection of the client may still be dropping its own
             # Numbered too: a queue of this filter dropped in the background must not take a new one with it.
             self._queues += 1
             queue = f"{queue}.{self.id}.{self._queues}"
-            await link.create_queue(queue, pattern, routing_type=RoutingType.MULTICAST, durable=False, temporary=True)
+            spec = queue_spec(queue, pattern, routing_type=RoutingType.MULTICAST, durable=False, temporary=True)
         window = subscribing.window(options.qos, self.settings.mqtt, self.conn.client_receive_maximum)
-        # A queue that expires at once (expiry 0) may be gone before this consumer reaches it: then the core
-        # makes it again from these, as the subscription's queue, not as an anycast queue of its name. QoS 0
-        # messages of a queue that goes with this connection are done once sent (``fannable``): acknowledging
-        # them would keep nothing safe, and the pump still takes no more than the client reads.
-        consumer = await link.subscribe(
-            queue,
+        # A queue that expires at once (expiry 0) may be gone before this consumer reaches it (a node older than
+        # link protocol version 4 makes it and subscribes in two requests): then the core makes it again from
+        # ``address``, ``routing_type`` and ``durable``, as the subscription's queue, not as an anycast queue of
+        # its name. QoS 0 messages of a queue that goes with this connection are done once sent (``fannable``):
+        # acknowledging them would keep nothing safe, and the pump still takes no more than the client reads.
+        consume = functools.partial(
+            link.make_and_subscribe,
+            spec,
             credit=window,
             credit_on_settle=not fannable,
             auto_ack=fannable,
@@ -828,6 +818,17 @@ class MqttSession:
             routing_type=int(RoutingType.MULTICAST),
             durable=planned.durable,
         )
+        made, consumer = await consume()
+        if planned.kind is subscribing.QueueKind.DURABLE and not resumed and not made.get("created"):
+            # No session record lists it (a gateway died between making it and saving the record), so a
+            # clean start did not end it: a new subscription starts empty, not with what it gathered since.
+            log.info(
+                "mqtt subscription queue left by an earlier session dropped",
+                extra={"peer": self.wire.peer, "client_id": self.client_id[:60], "queue": queue[:100]},
+            )
+            await consumer.close()
+            await link.delete_queue(queue, everywhere=self._holds_lock())
+            made, consumer = await consume()
         if resumed:
             await link.create_queue(queue, pattern, routing_type=RoutingType.MULTICAST, expires_ms=expiry_ms)
         sub = Sub(

@@ -35,7 +35,7 @@ import msgpack
 from tridentmq_mqtt import convert
 from tridentmq_mqtt.messages import TOPIC
 from tridentmq_shared.core_links import CoreLinks
-from tridentmq_shared.link.client import Consumer, LinkClient
+from tridentmq_shared.link.client import Consumer, LinkClient, queue_spec
 from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.message import (
@@ -202,15 +202,18 @@ class Registry:
         name = convert.lock_queue(client_id)
         owner_filter = None if user is None else _owner_filter(user)
         deadline = time.monotonic() + timeout
+        spec = queue_spec(
+            name, routing_type=RoutingType.ANYCAST, durable=False, max_consumers=1, expires_ms=0, filter=owner_filter
+        )
         while True:
-            created = await link.create_queue(
-                name,
-                routing_type=RoutingType.ANYCAST,
-                durable=False,
-                max_consumers=1,
-                expires_ms=0,
-                filter=owner_filter,
-            )
+            # A message here may be a takeover notice. Never made again by a SUBSCRIBE if it expired (it may, at
+            # the core's next tick, once it has no consumer): a plain queue would hold no owner and no consumer
+            # limit, and another user's CONNECT would take this live session (seen under load).
+            created, lock = await link.subscribe_if_new(spec, credit=1, create=False)
+            if lock is not None:  # made here and held by no other node: ours, in one request
+                token = random_hex(32)  # only ours to recognise: no system call for it
+                self._tokens[id(lock)] = token
+                return lock
             held_by = created.get("filter")
             if owner_filter is not None and not created.get("created") and held_by and held_by != owner_filter:
                 if created.get("consumers"):
@@ -230,9 +233,6 @@ class Registry:
                     notice = new_message(name, b"", routing=RoutingType.ANYCAST, properties={TAKEOVER: token})
                     await link.publish(notice)
                 try:
-                    # A message here may be a takeover notice. Not made again if it expired meanwhile (it may, at
-                    # the core's next tick): a plain queue would hold no owner and no consumer limit, and another
-                    # user's CONNECT would take this live session (seen under load).
                     lock = await link.subscribe(name, credit=1, create=False)
                 except LinkRequestError as exc:  # another connection got there first: take it from that one
                     if exc.code not in (ErrorCode.RESOURCE_LIMIT, ErrorCode.NOT_FOUND):

@@ -22,7 +22,7 @@ from typing import Any
 
 from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.gateway import Wire
-from tridentmq_shared.link.client import Consumer, LinkClient
+from tridentmq_shared.link.client import Consumer, LinkClient, queue_spec
 from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import M_ID, RoutingType
@@ -292,20 +292,22 @@ class StompSession:
             self._error(plan.message, plan.detail, event.receipt)
             return
         link = self._link()
-        if plan.make is not None:
-            await _create(link, plan.make)
-        # A fully qualified queue the core makes is a named queue: durable, like any queue of an address.
-        fully_qualified: dict[str, Any] = (
-            {} if plan.routing is None else {"routing_type": plan.routing, "durable": True}
-        )
-        consumer = await link.subscribe(
-            plan.queue,
-            credit=plan.window,
-            selector=plan.consumer_selector,
-            credit_on_settle=event.ack != AUTO,
-            credit_bytes=self.settings.core.consumer_window_bytes,
-            **fully_qualified,
-        )
+        window: dict[str, Any] = {
+            "credit": plan.window,
+            "selector": plan.consumer_selector,
+            "credit_on_settle": event.ack != AUTO,
+            "credit_bytes": self.settings.core.consumer_window_bytes,
+        }
+        make = plan.make
+        if make is not None and not make.durable:  # this connection's own queue: made and consumed in one request
+            _, consumer = await link.make_and_subscribe(_temporary_spec(make), **window)
+        else:
+            if make is not None:
+                await _create_durable(link, make)
+            # A fully qualified queue the core makes is a named queue: durable, like any queue of an address.
+            if plan.routing is not None:
+                window.update(routing_type=plan.routing, durable=True)
+            consumer = await link.subscribe(plan.queue, **window)
         shown = event.destination if event.destination.startswith(convert.TEMP_QUEUE_PREFIX) else None
         acks = Unacked(event.id, next(self._keys), event.ack)
         durable = plan.make is not None and plan.make.durable
@@ -526,21 +528,27 @@ class StompSession:
         self.wire.close()
 
 
-async def _create(link: LinkClient, queue: subscribing.QueueToMake) -> None:
-    """Create a subscription queue on a multicast address. A durable one that exists already is kept, unless
+def _temporary_spec(queue: subscribing.QueueToMake) -> dict[str, Any]:
+    """A non-durable subscription's queue: the core drops it with this link."""
+    options = {"filter": queue.selector} if queue.selector else {}
+    return queue_spec(
+        queue.name, queue.address, routing_type=RoutingType.MULTICAST, durable=False, temporary=True, **options
+    )
+
+
+async def _create_durable(link: LinkClient, queue: subscribing.QueueToMake) -> None:
+    """Create a durable subscription's queue on a multicast address. One that exists already is kept, unless
     its topic or selector changed: then, as in JMS, it is a new subscription and the old one's messages go."""
-    durable, selector = queue.durable, queue.selector
-    options: dict[str, Any] = {} if durable else {"temporary": True}  # the core drops it with this link
-    if selector:
-        options["filter"] = selector
+    selector = queue.selector
+    options: dict[str, Any] = {"filter": selector} if selector else {}
     try:
         found = await link.create_queue(
-            queue.name, queue.address, routing_type=RoutingType.MULTICAST, durable=durable, **options
+            queue.name, queue.address, routing_type=RoutingType.MULTICAST, durable=True, **options
         )
     except LinkRequestError as exc:
-        if not durable or exc.code != ErrorCode.EXISTS:
+        if exc.code != ErrorCode.EXISTS:
             raise
         found = {"created": False, "filter": "-"}  # on another topic
-    if durable and not found.get("created") and (found.get("filter") or None) != (selector or None):
+    if not found.get("created") and (found.get("filter") or None) != (selector or None):
         await link.delete_queue(queue.name, everywhere=True)
         await link.create_queue(queue.name, queue.address, routing_type=RoutingType.MULTICAST, durable=True, **options)

@@ -19,11 +19,11 @@ import logging
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from typing import Any, Final, Protocol, TypeVar, cast
+from typing import Any, ClassVar, Final, Protocol, TypeVar, cast
 
 from tridentmq_shared.light_event import LightEvent
 from tridentmq_shared.link import events as ev
-from tridentmq_shared.link.codec import DEFAULT_HEARTBEAT_MS, LinkConnection, Role, State
+from tridentmq_shared.link.codec import DEFAULT_HEARTBEAT_MS, MAKE_AND_SUBSCRIBE_VERSION, LinkConnection, Role, State
 from tridentmq_shared.link.errors import (
     LinkClosedError,
     LinkError,
@@ -32,7 +32,7 @@ from tridentmq_shared.link.errors import (
     SharedLinksRefusedError,
 )
 from tridentmq_shared.link.failover import FATAL, ReconnectPolicy, Unconfirmed, connect_first, homed, reach_backup
-from tridentmq_shared.link.ops import ErrorCode, NackMode
+from tridentmq_shared.link.ops import PROTOCOL_VERSIONS, ErrorCode, NackMode
 from tridentmq_shared.link.topology import Endpoint, LoadBalancing, Topology
 from tridentmq_shared.message import (
     LINK_DEDUP_PREFIX,
@@ -320,6 +320,9 @@ class LinkClient:
     ``follow_topology`` the client asks its node for the cluster's members after each (re)connect and keeps
     the topology up to date from the node's pushes (one such client per process is enough)."""
 
+    #: The link protocol versions offered (a subclass may offer fewer, to act as an older client).
+    versions: ClassVar[tuple[int, ...]] = PROTOCOL_VERSIONS
+
     # Slots: tens of thousands of these live at once, one or more per client connection.
     __slots__ = (
         "_closing",
@@ -484,7 +487,12 @@ class LinkClient:
     async def _open(self, host: str, port: int) -> None:
         loop = self._loop = asyncio.get_running_loop()
         self.host, self.port = host, port
-        conn = LinkConnection(Role.CLIENT, heartbeat_ms=self.heartbeat_ms, forgive_own_stalls=self.forgive_own_stalls)
+        conn = LinkConnection(
+            Role.CLIENT,
+            heartbeat_ms=self.heartbeat_ms,
+            forgive_own_stalls=self.forgive_own_stalls,
+            versions=self.versions,
+        )
         self._conn = conn
         self._error = None
         self._opened = loop.create_future()
@@ -684,7 +692,10 @@ class LinkClient:
                     consumer.closed = LinkRequestError(code, text)
                     consumer._wake()
             case ev.BrowseDone(consumer_id):
-                consumer = self._consumers.get(consumer_id)
+                consumers = self._consumers
+                conn = self._conn
+                ended = conn is not None and conn.version >= MAKE_AND_SUBSCRIBE_VERSION  # the node forgot it
+                consumer = consumers.pop(consumer_id, None) if ended else consumers.get(consumer_id)
                 if consumer is not None:
                     consumer.browse_done = True
                     consumer._wake()
@@ -999,23 +1010,20 @@ class LinkClient:
         durable: bool = True,
         **options: Any,
     ) -> dict[str, Any]:
-        spec = {
-            "name": name,
-            "address": address or name,
-            "routing_type": int(routing_type),
-            "durable": durable,
-            **options,
-        }
+        spec = queue_spec(name, address, routing_type=routing_type, durable=durable, **options)
         result = dict(await self._request(lambda conn: conn.create_queue(spec)))
-        if options.get("passive"):
-            return result  # a look made nothing to make again
-        # Kept to make the queue again on another node after a failover (a temporary one, or a consumer's).
-        specs = self._queue_specs
+        if not options.get("passive"):  # a look made nothing to make again
+            self._remember(spec)
+        return result
+
+    def _remember(self, spec: dict[str, Any]) -> None:
+        """Keep a queue's spec to make the queue again on another node after a failover (a temporary one, or a
+        consumer's)."""
+        specs, name = self._queue_specs, spec["name"]
         specs.pop(name, None)  # to the end: the newest
         specs[name] = spec
         if len(specs) > MAX_REMEMBERED_QUEUES:
             del specs[next(iter(specs))]
-        return result
 
     async def delete_queue(self, name: str, *, everywhere: bool = False) -> None:
         """Delete a queue of this node; with ``everywhere``, its namesakes on the other nodes of the cluster too
@@ -1052,30 +1060,114 @@ class LinkClient:
         **options: Any,
     ) -> Consumer:
         """A consumer with a window of ``credit`` messages and, when ``credit_bytes`` > 0, that many body
-        bytes (a slow reader of large messages then holds that much here, not the whole window)."""
-        opts: dict[str, Any] = {"auto_ack": auto_ack, "browse": browse, **options}
-        if selector:
-            opts["selector"] = selector
+        bytes (a slow reader of large messages then holds that much here, not the whole window). A browser
+        (``browse``) ends with its browse: ``get`` and ``get_batch`` then return nothing."""
+        opts = _subscribe_options(selector, options, auto_ack=auto_ack, browse=browse)
         consumer = Consumer(self, queue, credit, opts, credit_on_settle, credit_bytes)
         consumer.spec = self._queue_specs.get(queue.rpartition("::")[2])
+        await self._subscribe(consumer, None, only_new=False)
+        return consumer
+
+    async def make_and_subscribe(
+        self,
+        spec: dict[str, Any],
+        *,
+        credit: int = 1000,
+        selector: str | None = None,
+        auto_ack: bool = False,
+        credit_on_settle: bool = False,
+        credit_bytes: int = 0,
+        **options: Any,
+    ) -> tuple[dict[str, Any], Consumer]:
+        """Create the queue ``spec`` describes (see ``queue_spec``) and subscribe to it (options as
+        ``subscribe``'s): one request from link protocol version 4, two before. Returns CREATE_QUEUE's answer
+        and the consumer."""
+        consumer = self._made_consumer(spec, credit, selector, auto_ack, credit_on_settle, credit_bytes, options)
+        made, _ = await self._subscribe(consumer, spec, only_new=False)
+        return made, consumer
+
+    async def subscribe_if_new(
+        self,
+        spec: dict[str, Any],
+        *,
+        credit: int = 1000,
+        selector: str | None = None,
+        auto_ack: bool = False,
+        credit_on_settle: bool = False,
+        credit_bytes: int = 0,
+        **options: Any,
+    ) -> tuple[dict[str, Any], Consumer | None]:
+        """As ``make_and_subscribe``, but the consumer only when the queue is new: made by this request, with no
+        other node holding one of its name. Otherwise CREATE_QUEUE's answer and None."""
+        consumer = self._made_consumer(spec, credit, selector, auto_ack, credit_on_settle, credit_bytes, options)
+        made, subscribed = await self._subscribe(consumer, spec, only_new=True)
+        return made, consumer if subscribed else None
+
+    def _made_consumer(
+        self,
+        spec: dict[str, Any],
+        credit: int,
+        selector: str | None,
+        auto_ack: bool,
+        credit_on_settle: bool,
+        credit_bytes: int,
+        options: dict[str, Any],
+    ) -> Consumer:
+        consumer = Consumer(
+            self,
+            spec["name"],
+            credit,
+            _subscribe_options(selector, options, auto_ack=auto_ack),
+            credit_on_settle,
+            credit_bytes,
+        )
+        consumer.spec = spec
+        self._remember(spec)
+        return consumer
+
+    async def _subscribe(
+        self, consumer: Consumer, spec: dict[str, Any] | None, *, only_new: bool
+    ) -> tuple[dict[str, Any], bool]:
+        """Subscribe ``consumer``, making its queue from ``spec`` first if given (see ``subscribe_if_new`` for
+        ``only_new``). Returns CREATE_QUEUE's answer (empty without ``spec``) and whether the consumer was made."""
         while True:
             conn = await self._ready()
-            req_id, consumer.consumer_id = conn.subscribe(queue, credit, opts, credit_bytes)
-            consumer._on = conn
-            self._consumers[consumer.consumer_id] = consumer
+            options = consumer.options
+            made: dict[str, Any] = {}
             try:
-                consumer.subscribed(await self._call(req_id))
-                return consumer
+                if spec is not None and conn.version < MAKE_AND_SUBSCRIBE_VERSION:
+                    made = dict(await self._call(conn.create_queue(spec)))
+                    if only_new and not (made.get("created") and not made.get("elsewhere")):
+                        return made, False
+                elif spec is not None:
+                    options = {**options, "queue": spec, "only_new": True} if only_new else {**options, "queue": spec}
+                req_id, consumer.consumer_id = conn.subscribe(
+                    consumer.queue, consumer.window, options, consumer.window_bytes
+                )
+                consumer._on = conn
+                self._consumers[consumer.consumer_id] = consumer
+                answer = await self._call(req_id)
             except LinkRequestError as exc:
                 self._consumers.pop(consumer.consumer_id, None)
                 if not (isinstance(exc, LinkClosedError) and self._resuming):
                     raise
+                continue
+            if isinstance(answer, dict) and "made" in answer:
+                made = dict(answer["made"])
+                if "queue" not in answer:  # only_new, and not new: no consumer was made
+                    self._consumers.pop(consumer.consumer_id, None)
+                    conn.not_subscribed(consumer.consumer_id)
+                    return made, False
+            consumer.subscribed(answer)
+            return made, True
 
     async def _unsubscribe(self, consumer: Consumer) -> None:
         self._consumers.pop(consumer.consumer_id, None)
         conn = await self._ready()
         if consumer._on is not conn:
             return  # it went with the link it was on
+        if consumer.browse_done and conn.version >= MAKE_AND_SUBSCRIBE_VERSION:
+            return  # a browser ends with its browse
         try:
             await self._call(conn.unsubscribe(consumer.consumer_id))
         except LinkClosedError:
@@ -1240,6 +1332,28 @@ class LinkClient:
     async def publish(self, message: WireMessage, tx_id: int = 0) -> None:
         """Publish and wait for the confirm (raises ``LinkRequestError`` on a rejection)."""
         await (await self.send(message, tx_id))
+
+
+def _subscribe_options(
+    selector: str | None, options: dict[str, Any], *, auto_ack: bool, browse: bool = False
+) -> dict[str, Any]:
+    opts: dict[str, Any] = {"auto_ack": auto_ack, "browse": browse, **options}
+    if selector:
+        opts["selector"] = selector
+    return opts
+
+
+def queue_spec(
+    name: str,
+    address: str | None = None,
+    *,
+    routing_type: RoutingType = RoutingType.ANYCAST,
+    durable: bool = True,
+    **options: Any,
+) -> dict[str, Any]:
+    """A CREATE_QUEUE spec (docs/link-protocol.md): ``address`` defaults to the name; ``options`` are the spec's
+    other keys (``temporary``, ``expires_ms``, ``max_consumers``, ``filter``, ...)."""
+    return {"name": name, "address": address or name, "routing_type": int(routing_type), "durable": durable, **options}
 
 
 def _take_outcome(future: asyncio.Future[Any]) -> None:

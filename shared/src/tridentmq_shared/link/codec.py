@@ -56,6 +56,9 @@ UNBOUNDED_BYTES: Final = 1 << 62
 BYTE_CREDIT_VERSION: Final = 2
 #: The first protocol version with DELETE_QUEUE_EVERYWHERE.
 EVERYWHERE_VERSION: Final = 3
+#: The first protocol version whose SUBSCRIBE can make its queue (option ``queue``) and whose BROWSE_DONE ends
+#: the browser on both sides (no UNSUBSCRIBE follows it).
+MAKE_AND_SUBSCRIBE_VERSION: Final = 4
 
 _NACK_MODES: Final = frozenset(int(m) for m in NackMode)
 #: One packer for every connection: each holds a 4 KiB buffer, and a gateway or a core has a connection per
@@ -146,7 +149,7 @@ _FIELDS_V3: Final[dict[int, tuple[type | tuple[type, ...], ...]]] = {
     **_FIELDS_V2,
     Op.DELETE_QUEUE_EVERYWHERE: (int, str),
 }
-_FIELDS_OF_VERSION: Final = {1: _FIELDS, 2: _FIELDS_V2, 3: _FIELDS_V3}
+_FIELDS_OF_VERSION: Final = {1: _FIELDS, 2: _FIELDS_V2, 3: _FIELDS_V3, 4: _FIELDS_V3}
 
 _RECEIVES: Final = {
     Role.SERVER: frozenset(
@@ -548,6 +551,9 @@ class LinkConnection:
                 self._released(op[1])
                 return ev.ConsumerClosed(op[1], op[2], op[3])
             case Op.BROWSE_DONE:
+                if self.version >= MAKE_AND_SUBSCRIBE_VERSION:  # the browser is gone: nothing follows for it
+                    self.consumer_credit.pop(op[1], None)
+                    self.consumer_bytes.pop(op[1], None)
                 return ev.BrowseDone(op[1])
             case Op.TOPOLOGY:
                 return ev.Topology(op[1], op[2])
@@ -962,6 +968,11 @@ class LinkConnection:
         if self.consumer_credit.pop(consumer_id, None) is not None:
             self._released(consumer_id)
         return self._request(Op.UNSUBSCRIBE, consumer_id)
+
+    def not_subscribed(self, consumer_id: int) -> None:
+        """The node made no consumer for this SUBSCRIBE (a version 4 ``only_new`` whose queue was not new)."""
+        self.consumer_credit.pop(consumer_id, None)
+        self.consumer_bytes.pop(consumer_id, None)
 
     def _released(self, consumer_id: int) -> None:
         """A consumer gone: deliveries to it that were already on their way stay legal."""

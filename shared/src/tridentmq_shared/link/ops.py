@@ -1,4 +1,4 @@
-"""Operation codes, error codes and enums of the internal link protocol (versions 1 and 2).
+"""Operation codes, error codes and enums of the internal link protocol (versions 1 to 4).
 
 A frame is a 4-byte big-endian length followed by a msgpack array of operations; each operation is an
 array whose first element is one of the codes below. ``docs/link-protocol.md`` documents every field.
@@ -10,8 +10,9 @@ from enum import IntEnum
 from typing import Final
 
 #: Version 2 counts the publish window and, when asked, consumer windows in bytes too (WELCOME's publish
-#: bytes, PUBLISH_CREDIT's and FLOW's byte fields, SUBSCRIBE's ``credit_bytes`` option).
-PROTOCOL_VERSIONS: Final = (1, 2, 3)
+#: bytes, PUBLISH_CREDIT's and FLOW's byte fields, SUBSCRIBE's ``credit_bytes`` option). Version 3 adds
+#: DELETE_QUEUE_EVERYWHERE; version 4 lets a SUBSCRIBE make its queue, and ends a browser at its BROWSE_DONE.
+PROTOCOL_VERSIONS: Final = (1, 2, 3, 4)
 HEADER_SIZE: Final = 4
 
 
