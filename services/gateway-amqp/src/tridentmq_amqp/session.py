@@ -62,7 +62,7 @@ from tridentmq_amqp.protocol.sasl import AuthRequest, SaslLayer
 from tridentmq_amqp.settings import AmqpSettings
 from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.gateway import Wire
-from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.client import LinkClient, queue_spec
 from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import (
@@ -529,31 +529,35 @@ class AmqpSession:
         )
         planned = receiving.plan(source, container_id=self.container_id, link_name=link.name)
         queue, kind = planned.queue, planned.kind
-        if kind is receiving.QueueKind.SHARED:  # JMS 2.0 shared subscriptions
-            await self._shared_queue(queue, node.address, durable=planned.durable, selector=planned.queue_selector)
-        elif kind is receiving.QueueKind.DURABLE_SUBSCRIPTION:
-            await self._subscription_queue(queue, node.address, durable=True, selector=planned.queue_selector)
-        elif kind is receiving.QueueKind.VOLATILE_SUBSCRIPTION:
+        window: dict[str, Any] = {
+            "credit": limits.prefetch,
+            "selector": planned.consumer_selector,
+            "credit_on_settle": not planned.presettled,
+            "credit_bytes": self.settings.core.consumer_window_bytes,
+        }
+        if kind is receiving.QueueKind.VOLATILE_SUBSCRIPTION:  # the link's own queue: made and consumed in one go
             queue = f"amqp.{self.id}.{next(self._temporary)}"
-            await self._subscription_queue(queue, node.address, durable=False, selector=planned.queue_selector)
-        fully_qualified: dict[str, Any] = {}
-        if node.queue is not None:
-            # ``address::queue``: the core makes a missing queue on that address (not on one of its own name),
-            # with the routing type asked; on a topic, as durable as the terminus.
-            queue = f"{node.address}{convert.FQQN_SEPARATOR}{node.queue}"
-            fully_qualified = {
-                "routing_type": planned.routing,
-                "durable": planned.routing == convert.ANYCAST or source.durable,
-            }
-        consumer = await self.link.subscribe(
-            queue,
-            credit=limits.prefetch,
-            selector=planned.consumer_selector,
-            credit_on_settle=not planned.presettled,
-            browse=planned.browse,
-            credit_bytes=self.settings.core.consumer_window_bytes,
-            **fully_qualified,
-        )
+            spec = queue_spec(
+                queue,
+                node.address,
+                routing_type=RoutingType.MULTICAST,
+                durable=False,
+                temporary=True,
+                filter=planned.queue_selector,
+            )
+            _, consumer = await self.link.make_and_subscribe(spec, **window)
+        else:
+            if kind is receiving.QueueKind.SHARED:  # JMS 2.0 shared subscriptions
+                await self._shared_queue(queue, node.address, durable=planned.durable, selector=planned.queue_selector)
+            elif kind is receiving.QueueKind.DURABLE_SUBSCRIPTION:
+                await self._subscription_queue(queue, node.address, selector=planned.queue_selector)
+            if node.queue is not None:
+                # ``address::queue``: the core makes a missing queue on that address (not on one of its own name),
+                # with the routing type asked; on a topic, as durable as the terminus.
+                queue = f"{node.address}{convert.FQQN_SEPARATOR}{node.queue}"
+                window["routing_type"] = planned.routing
+                window["durable"] = planned.routing == convert.ANYCAST or source.durable
+            consumer = await self.link.subscribe(queue, browse=planned.browse, **window)
         link.source.copy(remote)
         if remote.dynamic:
             link.source.address = node.address
@@ -577,22 +581,18 @@ class AmqpSession:
         consumer.on_wake = lambda: self._pump(outbound)
         self._pump(outbound)  # what arrived with the subscribe's answer
 
-    async def _subscription_queue(self, queue: str, address: str, *, durable: bool, selector: str | None) -> None:
-        """A subscription queue on a multicast address. A durable one that exists is kept unless its address or
+    async def _subscription_queue(self, queue: str, address: str, *, selector: str | None) -> None:
+        """A durable subscription's queue on a multicast address. One that exists is kept unless its address or
         selector changed: then, as in JMS, it is a new subscription and the old one's messages go."""
         assert self.link is not None
-        options: dict[str, Any] = {} if durable else {"temporary": True}
-        if selector:
-            options["filter"] = selector
+        options: dict[str, Any] = {"filter": selector} if selector else {}
         try:
-            found = await self.link.create_queue(
-                queue, address, routing_type=RoutingType.MULTICAST, durable=durable, **options
-            )
+            found = await self.link.create_queue(queue, address, routing_type=RoutingType.MULTICAST, **options)
         except LinkRequestError as exc:
-            if not durable or exc.code != ErrorCode.EXISTS:
+            if exc.code != ErrorCode.EXISTS:
                 raise
             found = {"created": False, "filter": "-"}
-        if durable and not found.get("created") and (found.get("filter") or None) != (selector or None):
+        if not found.get("created") and (found.get("filter") or None) != (selector or None):
             await self.link.delete_queue(queue, everywhere=True)
             await self.link.create_queue(queue, address, routing_type=RoutingType.MULTICAST, durable=True, **options)
 

@@ -300,7 +300,15 @@ class StompSession:
         }
         make = plan.make
         if make is not None and not make.durable:  # this connection's own queue: made and consumed in one request
-            _, consumer = await link.make_and_subscribe(_temporary_spec(make), **window)
+            spec = queue_spec(
+                make.name,
+                make.address,
+                routing_type=RoutingType.MULTICAST,
+                durable=False,
+                temporary=True,
+                filter=make.selector,
+            )
+            _, consumer = await link.make_and_subscribe(spec, **window)
         else:
             if make is not None:
                 await _create_durable(link, make)
@@ -526,14 +534,6 @@ class StompSession:
             await self.link.close()  # the core returns unacked messages and drops temporary queues
         self.receipts.drop()
         self.wire.close()
-
-
-def _temporary_spec(queue: subscribing.QueueToMake) -> dict[str, Any]:
-    """A non-durable subscription's queue: the core drops it with this link."""
-    options = {"filter": queue.selector} if queue.selector else {}
-    return queue_spec(
-        queue.name, queue.address, routing_type=RoutingType.MULTICAST, durable=False, temporary=True, **options
-    )
 
 
 async def _create_durable(link: LinkClient, queue: subscribing.QueueToMake) -> None:
