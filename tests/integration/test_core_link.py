@@ -149,12 +149,12 @@ async def test_make_and_subscribe_and_a_browser_ending_whatever_the_version(
     name = f"made.{kind.__name__}"
     spec = queue_spec(name, durable=False, max_consumers=1, expires_ms=0)
     async with kind("127.0.0.1", core.link_port, reconnect=NO_RECONNECT) as c, client(core) as other:
-        made, owner = await c.subscribe_if_new(spec, credit=1, create=False)
+        made, owner = await c.subscribe_if_made(spec, nowhere_else=True, credit=1, create=False)
         assert made["created"] is True
         assert owner is not None
         assert c._conn is not None
         assert c._conn.version == max(kind.versions)
-        made, none = await other.subscribe_if_new(spec, credit=1, create=False)
+        made, none = await other.subscribe_if_made(spec, credit=1, create=False)
         assert (made["created"], made["consumers"], none) == (False, 1, None)
         with pytest.raises(LinkRequestError) as refused:  # one consumer at most: the made one holds it
             await other.make_and_subscribe(spec, credit=1)

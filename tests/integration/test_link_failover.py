@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import uvloop
-from tests.conftest import CoreProcess, start_core, start_gateway, stop_cleanly
+from tests.conftest import CoreProcess, start_core, start_gateway, stop_cleanly, stop_core_cleanly
 from tests.integration.cluster_nodes import start_cluster, start_node, wait_until, wait_until_async
 from tests.integration.test_stomp_gateway import connect
 
@@ -113,6 +113,26 @@ async def test_a_client_whose_node_is_killed_goes_on_elsewhere_resending_and_res
         assert all(str(m[M_DEDUP]).startswith(f"$link:{client.producer_id}:") for m in got)  # re-sends carry their ids
         await client.close()
     stop_all([n for n in nodes if n is not victim])
+
+
+async def test_closing_a_browser_that_ended_before_a_failover_leaves_the_restored_consumers_alone(
+    tmp_path: Path,
+) -> None:
+    """Ids start again on the new link: the ended browser's old id is a restored consumer's there."""
+    node = await asyncio.to_thread(start_core, tmp_path, "node")
+    port = node.link_port
+    async with LinkClient(*endpoint(node), reconnect=FAST) as client:
+        await client.publish(new_message("browsed", b"seen", durable=True))
+        browser = await client.subscribe("browsed", browse=True)  # id 1
+        assert [d.body async for d in browser] == [b"seen"]
+        consumer = await client.subscribe("jobs", credit=10)  # id 2; id 1 once restored
+        await asyncio.to_thread(stop_core_cleanly, node)
+        node = await asyncio.to_thread(start_core, tmp_path, "node", TRIDENTMQ_CORE_LINK_PORT=str(port))
+        await wait_until_async(lambda: client.failovers == 1, what="the failover")
+        await browser.close()
+        await client.publish(new_message("jobs", b"after", durable=True))
+        assert [bytes(m[M_BODY]) for m in await take(consumer, 1)] == [b"after"]
+    stop_all([node])
 
 
 async def test_a_stopped_and_restarted_node_is_used_again(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from paho.mqtt.properties import Properties as PahoProperties
 from tests.conftest import CoreProcess, GatewayProcess, start_gateway, stop_cleanly
 from tests.integration.mqtt_clients import Paho, Raw
 
+from tridentmq_mqtt import convert
 from tridentmq_mqtt.protocol.packets import V311, Connack, Disconnect, Puback, Publish, Subscribe, Subscription
 from tridentmq_shared.link.client import LinkClient
 from tridentmq_shared.message import RoutingType, new_message
@@ -390,3 +391,28 @@ def test_a_message_mqtt_cannot_carry_is_dead_lettered(mqtt_gateway: GatewayProce
 
     assert asyncio.run(via_link()) == [b"odd.a+b"]
     assert [m.payload for m in sub.receive(1)] == [b"odd.fine"]  # the subscription goes on
+
+
+def test_a_new_subscription_does_not_take_over_a_queue_an_earlier_session_left(
+    mqtt_gateway: GatewayProcess, core: CoreProcess
+) -> None:
+    """A gateway that died between making a persistent session's subscription queue and saving the session left
+    a queue no record lists. The next SUBSCRIBE of that filter starts empty: nothing queued before reaches the
+    client, and what is published from then on arrives."""
+    client_id = f"left-{_id()}"
+    queue = convert.subscription_queue(client_id, "left/t")
+
+    async def leave_a_queue() -> None:
+        async with LinkClient("127.0.0.1", core.link_port) as link:
+            await link.create_queue(queue, "left.t", routing_type=RoutingType.MULTICAST)
+            for n in range(3):
+                await link.publish(new_message("left.t", b"old %d" % n, routing=RoutingType.MULTICAST, durable=True))
+
+    asyncio.run(leave_a_queue())
+    client = Paho(mqtt_gateway.port, client_id, version=4, clean=False)
+    assert client.connect()[0] is False  # no session record
+    assert client.subscribe("left/t", 1) == [1]
+    client.publish("left/t", b"new", 1)
+    assert [m.payload for m in client.receive(2, timeout=2)] == [b"new"]
+    assert "mqtt subscription queue left by an earlier session dropped" in mqtt_gateway.log()
+    client.disconnect()

@@ -1,5 +1,5 @@
 """Link protocol version 4 in the pure broker, through real codecs: a SUBSCRIBE that makes its queue (option
-``queue``, with ``only_new``), and a browser that ends with its browse."""
+``queue``, on condition ``if``), and a browser that ends with its browse."""
 
 from __future__ import annotations
 
@@ -68,11 +68,12 @@ def test_a_queue_that_exists_is_consumed_from_and_its_answer_says_so(h: Harness,
     assert bodies(c.take(second)) + bodies(c.take(1)) == [b"m"]
 
 
-def test_only_new_consumes_only_from_a_queue_this_request_made(h: Harness, c: Client) -> None:
-    owner, answer = c.subscribe("lock", credit=1, queue=lock_spec(), only_new=True)
+@pytest.mark.parametrize("condition", ["made", "new"])
+def test_a_condition_consumes_only_from_a_queue_this_request_made(h: Harness, c: Client, condition: str) -> None:
+    owner, answer = c.subscribe("lock", credit=1, queue=lock_spec(), **{"if": condition})
     assert ok(answer)["made"]["created"] is True
     other = h.connect("other")
-    refused, answer = other.subscribe("lock", credit=1, queue=lock_spec(), only_new=True)
+    refused, answer = other.subscribe("lock", credit=1, queue=lock_spec(), **{"if": condition})
     assert ok(answer) == {
         "made": {
             "created": False,
@@ -91,13 +92,31 @@ def test_only_new_consumes_only_from_a_queue_this_request_made(h: Harness, c: Cl
     assert other.take(refused) == []
 
 
+def test_the_subscribes_own_fields_are_checked_before_anything_is_made(h: Harness, c: Client) -> None:
+    c.consumer("other")
+    spec = {"name": "q", "address": "q", "routing_type": 0}
+    failed(c.subscribe("q", 100, queue=spec, selector="a = ")[1], ErrorCode.INVALID)
+    failed(c.subscribe("q", 10**6, queue=spec)[1], ErrorCode.INVALID)
+    assert set(h.broker.queues) == {"other"}
+
+
+def test_an_older_link_gets_the_plain_subscribe_it_knows(h: Harness) -> None:
+    """Version 3 had no ``queue`` option: the queue is auto-created as any SUBSCRIBE's, by its name."""
+    c = h.connect(versions=(1, 2, 3))
+    reply = ok(c.subscribe("lock", queue=lock_spec(), **{"if": "new"})[1])
+    assert "made" not in reply
+    assert h.broker.queues["lock"].max_consumers == -1
+
+
 @pytest.mark.parametrize(
     "options",
     [
         {"queue": {**lock_spec(), "name": "other"}},  # another queue's spec
         {"queue": {**lock_spec(), "passive": True}},  # a look makes nothing to consume from
         {"queue": "lock"},
-        {"queue": lock_spec(), "only_new": "yes"},
+        {"queue": lock_spec(), "if": "yes"},
+        {"queue": lock_spec(), "if": True},
+        {"if": "made"},  # a condition on no queue to make
     ],
 )
 def test_a_make_that_does_not_describe_the_queue_is_invalid_and_makes_nothing(

@@ -54,6 +54,7 @@ from tridentmq_core.transactions import Transactions
 from tridentmq_core.will_keeper import WillKeeper
 from tridentmq_core.write_through import WriteThrough
 from tridentmq_shared.link import events as ev
+from tridentmq_shared.link.codec import MAKE_AND_SUBSCRIBE_VERSION
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import (
     HOME_PROPERTY,
@@ -70,6 +71,11 @@ from tridentmq_shared.message import (
 )
 
 _DEFERRED: Final = object()  # marker: a request whose reply is sent later (a commit waiting for the disk)
+
+
+#: The conditions of a SUBSCRIBE that makes its queue (option ``if``): none, ``made`` here by it, ``new`` to the
+#: cluster.
+_SUBSCRIBE_IF: Final = (None, "made", "new")
 
 
 class Broker:
@@ -338,7 +344,7 @@ class Broker:
         catalog = self.catalog
         match event:
             case ev.Subscribe(_, consumer_id, queue_name, credit, options):
-                if "queue" in options:
+                if session.conn.version >= MAKE_AND_SUBSCRIBE_VERSION and ("queue" in options or "if" in options):
                     return self._make_and_subscribe(session, consumer_id, queue_name, credit, options, now_ms)
                 return self.consuming.subscribe(session, consumer_id, queue_name, credit, options, now_ms)
             case ev.Topology(_, info):
@@ -394,23 +400,19 @@ class Broker:
         self, session: Session, consumer_id: int, queue_name: str, credit: int, options: dict[str, Any], now_ms: int
     ) -> dict[str, Any]:
         """A version 4 SUBSCRIBE with option ``queue``: CREATE_QUEUE with that spec, then the subscribe, in one
-        request (the answer's ``made`` is CREATE_QUEUE's). With ``only_new``, the subscribe only when the queue
-        is new: made by this request, and no other node holds one of its name (the answer is then ``made``
-        alone)."""
-        spec, only_new = options["queue"], options.get("only_new", False)
-        if (
-            type(spec) is not dict
-            or spec.get("name") != queue_name
-            or spec.get("passive")
-            or type(only_new) is not bool
-        ):
-            raise BrokerError(
-                ErrorCode.INVALID, "queue is the CREATE_QUEUE spec of the queue subscribed to, only_new a bool"
-            )
+        request (the answer's ``made`` is CREATE_QUEUE's). With ``if``, the subscribe only when the queue was
+        ``made`` by this request, or is ``new``: made, and no other node holds one of its name (the answer is
+        then ``made`` alone). The subscribe's own fields are checked before anything is made."""
+        spec, condition = options.get("queue"), options.get("if")
+        if type(spec) is not dict or spec.get("name") != queue_name or spec.get("passive"):
+            raise BrokerError(ErrorCode.INVALID, "queue is the CREATE_QUEUE spec of the queue subscribed to")
+        if condition not in _SUBSCRIBE_IF:
+            raise BrokerError(ErrorCode.INVALID, "if is made or new")
+        terms = self.consuming.terms(session, consumer_id, credit, options)
         made = self._create_queue(session, spec, now_ms)
-        if only_new and not (made["created"] and "elsewhere" not in made):
+        if (condition is not None and not made["created"]) or (condition == "new" and "elsewhere" in made):
             return {"made": made}
-        reply = self.consuming.subscribe(session, consumer_id, queue_name, credit, options, now_ms)
+        reply = self.consuming.subscribe(session, consumer_id, queue_name, credit, options, now_ms, terms)
         reply["made"] = made
         return reply
 

@@ -4,7 +4,7 @@ held going back to its queue."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from tridentmq_core.address_settings import AddressSettingsRepository
 from tridentmq_core.audit_events import AuditEvents
@@ -21,6 +21,7 @@ from tridentmq_core.dead_letters import DeadLetters
 from tridentmq_core.deliveries import Deliveries
 from tridentmq_core.queues import Consumer, LinkSession, Queue
 from tridentmq_core.security import Permission
+from tridentmq_core.selector import Selector
 from tridentmq_core.sessions import Session
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.base import Store
@@ -28,6 +29,12 @@ from tridentmq_core.timers import Timers
 from tridentmq_shared.link.codec import BYTE_CREDIT_VERSION
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import RoutingType, WireMessage
+
+
+class Terms(NamedTuple):
+    browse: bool
+    credit_bytes: int  # 0: the window is in messages only
+    selector: Selector | None
 
 
 class Consuming:
@@ -56,20 +63,31 @@ class Consuming:
         self._to_dispatch = to_dispatch
         self._dirty = dirty
 
-    def subscribe(
-        self, session: Session, consumer_id: int, queue_name: str, credit: int, options: dict[str, Any], now_ms: int
-    ) -> dict[str, Any]:
+    def terms(self, session: Session, consumer_id: int, credit: int, options: dict[str, Any]) -> Terms:
+        """A SUBSCRIBE's own fields and options, checked before its queue is looked at or made."""
         if consumer_id in session.consumers:
             raise BrokerError(ErrorCode.EXISTS, f"consumer id {consumer_id} is in use on this link")
         if credit > self.settings.broker.max_consumer_credit:
             raise BrokerError(ErrorCode.INVALID, f"credit above {self.settings.broker.max_consumer_credit}")
-        browse = bool(options.get("browse", False))
         credit_bytes = options.get("credit_bytes", 0)
         if type(credit_bytes) is not int or credit_bytes < 0:
             raise BrokerError(ErrorCode.INVALID, "credit_bytes is a non-negative integer")
         if session.conn.version < BYTE_CREDIT_VERSION:
             credit_bytes = 0  # a version 1 FLOW cannot give bytes back
-        selector = compiled_filter(options.get("selector"))
+        return Terms(bool(options.get("browse", False)), credit_bytes, compiled_filter(options.get("selector")))
+
+    def subscribe(
+        self,
+        session: Session,
+        consumer_id: int,
+        queue_name: str,
+        credit: int,
+        options: dict[str, Any],
+        now_ms: int,
+        terms: Terms | None = None,
+    ) -> dict[str, Any]:
+        """A SUBSCRIBE (``terms``: its options as ``terms`` checked them already)."""
+        browse, credit_bytes, selector = terms or self.terms(session, consumer_id, credit, options)
         principal = session.principal
         catalog = self._catalog
         address_name, _, queue_part = queue_name.rpartition(FQQN_SEPARATOR)
@@ -148,7 +166,8 @@ class Consuming:
         """The consumer goes: what it held goes back to its queue (or dead-letters, out of attempts)."""
         queue = consumer.queue
         catalog = self._catalog
-        catalog.bindings_version += 1
+        if not consumer.browse:  # a browser is in no binding (see subscribe)
+            catalog.bindings_version += 1
         session.consumers.pop(consumer.id, None)
         if consumer in queue.consumers:
             self._requeue(queue, queue.remove_consumer(consumer), now_ms)

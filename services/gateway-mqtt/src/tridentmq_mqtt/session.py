@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 import uuid
@@ -807,28 +806,29 @@ class MqttSession:
         # ``address``, ``routing_type`` and ``durable``, as the subscription's queue, not as an anycast queue of
         # its name. QoS 0 messages of a queue that goes with this connection are done once sent (``fannable``):
         # acknowledging them would keep nothing safe, and the pump still takes no more than the client reads.
-        consume = functools.partial(
-            link.make_and_subscribe,
-            spec,
-            credit=window,
-            credit_on_settle=not fannable,
-            auto_ack=fannable,
-            credit_bytes=self.settings.core.consumer_window_bytes,
-            address=pattern,
-            routing_type=int(RoutingType.MULTICAST),
-            durable=planned.durable,
-        )
-        made, consumer = await consume()
-        if planned.kind is subscribing.QueueKind.DURABLE and not resumed and not made.get("created"):
-            # No session record lists it (a gateway died between making it and saving the record), so a
-            # clean start did not end it: a new subscription starts empty, not with what it gathered since.
-            log.info(
-                "mqtt subscription queue left by an earlier session dropped",
-                extra={"peer": self.wire.peer, "client_id": self.client_id[:60], "queue": queue[:100]},
-            )
-            await consumer.close()
-            await link.delete_queue(queue, everywhere=self._holds_lock())
-            made, consumer = await consume()
+        terms: dict[str, Any] = {
+            "credit": window,
+            "credit_on_settle": not fannable,
+            "auto_ack": fannable,
+            "credit_bytes": self.settings.core.consumer_window_bytes,
+            "address": pattern,
+            "routing_type": int(RoutingType.MULTICAST),
+            "durable": planned.durable,
+        }
+        if planned.kind is subscribing.QueueKind.DURABLE and not resumed:
+            _, fresh = await link.subscribe_if_made(spec, **terms)
+            if fresh is None:
+                # No session record lists it (a gateway died between making it and saving the record), so a
+                # clean start did not end it: a new subscription starts empty, not with what it gathered since.
+                log.info(
+                    "mqtt subscription queue left by an earlier session dropped",
+                    extra={"peer": self.wire.peer, "client_id": self.client_id[:60], "queue": queue[:100]},
+                )
+                await link.delete_queue(queue, everywhere=self._holds_lock())
+                _, fresh = await link.make_and_subscribe(spec, **terms)
+            consumer = fresh
+        else:
+            _, consumer = await link.make_and_subscribe(spec, **terms)
         if resumed:
             await link.create_queue(queue, pattern, routing_type=RoutingType.MULTICAST, expires_ms=expiry_ms)
         sub = Sub(

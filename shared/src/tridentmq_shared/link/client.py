@@ -697,6 +697,8 @@ class LinkClient:
                 ended = conn is not None and conn.version >= MAKE_AND_SUBSCRIBE_VERSION  # the node forgot it
                 consumer = consumers.pop(consumer_id, None) if ended else consumers.get(consumer_id)
                 if consumer is not None:
+                    if ended:
+                        consumer._on = None  # nothing to close
                     consumer.browse_done = True
                     consumer._wake()
             case ev.TopologyUpdate(update):
@@ -840,7 +842,9 @@ class LinkClient:
         specs.update((c.spec["name"], c.spec) for c in self._consumers.values() if c.spec is not None)
         for spec in specs.values():
             self._background(conn.create_queue(spec), _ignore_answer)
-        old_consumers = list(self._consumers.values())
+        # A browser that saw its whole queue is not browsed again (it is done: an older node's keeps it until
+        # it is closed).
+        old_consumers = [c for c in self._consumers.values() if not c.browse_done]
         self._consumers.clear()
         for consumer in old_consumers:
             consumer._buffer = None
@@ -1065,7 +1069,7 @@ class LinkClient:
         opts = _subscribe_options(selector, options, auto_ack=auto_ack, browse=browse)
         consumer = Consumer(self, queue, credit, opts, credit_on_settle, credit_bytes)
         consumer.spec = self._queue_specs.get(queue.rpartition("::")[2])
-        await self._subscribe(consumer, None, only_new=False)
+        await self._subscribe(consumer, None)
         return consumer
 
     async def make_and_subscribe(
@@ -1083,13 +1087,14 @@ class LinkClient:
         ``subscribe``'s): one request from link protocol version 4, two before. Returns CREATE_QUEUE's answer
         and the consumer."""
         consumer = self._made_consumer(spec, credit, selector, auto_ack, credit_on_settle, credit_bytes, options)
-        made, _ = await self._subscribe(consumer, spec, only_new=False)
+        made, _ = await self._subscribe(consumer, spec)
         return made, consumer
 
-    async def subscribe_if_new(
+    async def subscribe_if_made(
         self,
         spec: dict[str, Any],
         *,
+        nowhere_else: bool = False,
         credit: int = 1000,
         selector: str | None = None,
         auto_ack: bool = False,
@@ -1097,10 +1102,11 @@ class LinkClient:
         credit_bytes: int = 0,
         **options: Any,
     ) -> tuple[dict[str, Any], Consumer | None]:
-        """As ``make_and_subscribe``, but the consumer only when the queue is new: made by this request, with no
-        other node holding one of its name. Otherwise CREATE_QUEUE's answer and None."""
+        """As ``make_and_subscribe``, but the consumer only when this request made the queue (and, with
+        ``nowhere_else``, no other node of the cluster holds one of its name). Otherwise CREATE_QUEUE's answer
+        and None."""
         consumer = self._made_consumer(spec, credit, selector, auto_ack, credit_on_settle, credit_bytes, options)
-        made, subscribed = await self._subscribe(consumer, spec, only_new=True)
+        made, subscribed = await self._subscribe(consumer, spec, "new" if nowhere_else else "made")
         return made, consumer if subscribed else None
 
     def _made_consumer(
@@ -1113,34 +1119,30 @@ class LinkClient:
         credit_bytes: int,
         options: dict[str, Any],
     ) -> Consumer:
-        consumer = Consumer(
-            self,
-            spec["name"],
-            credit,
-            _subscribe_options(selector, options, auto_ack=auto_ack),
-            credit_on_settle,
-            credit_bytes,
-        )
+        opts = _subscribe_options(selector, options, auto_ack=auto_ack)
+        consumer = Consumer(self, spec["name"], credit, opts, credit_on_settle, credit_bytes)
         consumer.spec = spec
-        self._remember(spec)
         return consumer
 
     async def _subscribe(
-        self, consumer: Consumer, spec: dict[str, Any] | None, *, only_new: bool
+        self, consumer: Consumer, spec: dict[str, Any] | None, condition: str | None = None
     ) -> tuple[dict[str, Any], bool]:
-        """Subscribe ``consumer``, making its queue from ``spec`` first if given (see ``subscribe_if_new`` for
-        ``only_new``). Returns CREATE_QUEUE's answer (empty without ``spec``) and whether the consumer was made."""
+        """Subscribe ``consumer``, making its queue from ``spec`` first if given, on the ``condition`` the link
+        protocol's SUBSCRIBE option ``if`` names (``made``, ``new``). Returns CREATE_QUEUE's answer (empty
+        without ``spec``) and whether the consumer was made."""
         while True:
             conn = await self._ready()
+            consumer.consumer_id = 0  # an id of an earlier link may be another consumer's on this one
             options = consumer.options
             made: dict[str, Any] = {}
             try:
                 if spec is not None and conn.version < MAKE_AND_SUBSCRIBE_VERSION:
                     made = dict(await self._call(conn.create_queue(spec)))
-                    if only_new and not (made.get("created") and not made.get("elsewhere")):
+                    self._remember(spec)
+                    if not _made_as_asked(made, condition):
                         return made, False
                 elif spec is not None:
-                    options = {**options, "queue": spec, "only_new": True} if only_new else {**options, "queue": spec}
+                    options = {**options, "queue": spec, "if": condition} if condition else {**options, "queue": spec}
                 req_id, consumer.consumer_id = conn.subscribe(
                     consumer.queue, consumer.window, options, consumer.window_bytes
                 )
@@ -1148,30 +1150,41 @@ class LinkClient:
                 self._consumers[consumer.consumer_id] = consumer
                 answer = await self._call(req_id)
             except LinkRequestError as exc:
-                self._consumers.pop(consumer.consumer_id, None)
+                self._forget(consumer)
                 if not (isinstance(exc, LinkClosedError) and self._resuming):
                     raise
                 continue
             if isinstance(answer, dict) and "made" in answer:
                 made = dict(answer["made"])
-                if "queue" not in answer:  # only_new, and not new: no consumer was made
-                    self._consumers.pop(consumer.consumer_id, None)
+                if spec is not None:
+                    self._remember(spec)
+                if "queue" not in answer:  # not made as asked: no consumer either
+                    self._forget(consumer)
                     conn.not_subscribed(consumer.consumer_id)
                     return made, False
             consumer.subscribed(answer)
             return made, True
 
+    def _forget(self, consumer: Consumer) -> None:
+        """Take ``consumer`` out of this link's consumers, if it is there under its id (after a failover its
+        old id may be another consumer's)."""
+        if self._consumers.get(consumer.consumer_id) is consumer:
+            del self._consumers[consumer.consumer_id]
+
     async def _unsubscribe(self, consumer: Consumer) -> None:
-        self._consumers.pop(consumer.consumer_id, None)
+        self._forget(consumer)
         conn = await self._ready()
         if consumer._on is not conn:
-            return  # it went with the link it was on
-        if consumer.browse_done and conn.version >= MAKE_AND_SUBSCRIBE_VERSION:
-            return  # a browser ends with its browse
+            return  # it went with the link it was on (or ended with its browse)
         try:
             await self._call(conn.unsubscribe(consumer.consumer_id))
         except LinkClosedError:
             if not self._resuming:
+                raise
+        except LinkRequestError as exc:
+            # A version 4 browser may end on the node while this request is on its way.
+            browser_ended = consumer.options.get("browse") and conn.version >= MAKE_AND_SUBSCRIBE_VERSION
+            if not (browser_ended and exc.code == ErrorCode.NOT_FOUND):
                 raise
 
     def _flow(self, consumer: Consumer, credit: int, credit_bytes: int) -> None:
@@ -1332,6 +1345,13 @@ class LinkClient:
     async def publish(self, message: WireMessage, tx_id: int = 0) -> None:
         """Publish and wait for the confirm (raises ``LinkRequestError`` on a rejection)."""
         await (await self.send(message, tx_id))
+
+
+def _made_as_asked(made: dict[str, Any], condition: str | None) -> bool:
+    """Whether a CREATE_QUEUE's answer meets a SUBSCRIBE's ``if`` (the core decides on a version 4 link)."""
+    if condition is None:
+        return True
+    return bool(made.get("created")) and (condition == "made" or not made.get("elsewhere"))
 
 
 def _subscribe_options(

@@ -970,7 +970,7 @@ class LinkConnection:
         return self._request(Op.UNSUBSCRIBE, consumer_id)
 
     def not_subscribed(self, consumer_id: int) -> None:
-        """The node made no consumer for this SUBSCRIBE (a version 4 ``only_new`` whose queue was not new)."""
+        """The node made no consumer for this SUBSCRIBE (a version 4 one whose ``if`` its queue did not meet)."""
         self.consumer_credit.pop(consumer_id, None)
         self.consumer_bytes.pop(consumer_id, None)
 
