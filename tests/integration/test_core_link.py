@@ -147,8 +147,11 @@ async def test_make_and_subscribe_and_a_browser_ending_whatever_the_version(
     core: CoreProcess, kind: type[LinkClient]
 ) -> None:
     name = f"made.{kind.__name__}"
-    spec = queue_spec(name, durable=False, max_consumers=1, expires_ms=0)
-    async with kind("127.0.0.1", core.link_port, reconnect=NO_RECONNECT) as c, client(core) as other:
+    spec = queue_spec(name, durable=False, max_consumers=1)
+    async with (
+        kind("127.0.0.1", core.link_port, reconnect=NO_RECONNECT) as c,
+        kind("127.0.0.1", core.link_port, reconnect=NO_RECONNECT) as other,
+    ):
         made, owner = await c.subscribe_if_made(spec, nowhere_else=True, credit=1, create=False)
         assert made["created"] is True
         assert owner is not None
@@ -159,17 +162,17 @@ async def test_make_and_subscribe_and_a_browser_ending_whatever_the_version(
         with pytest.raises(LinkRequestError) as refused:  # one consumer at most: the made one holds it
             await other.make_and_subscribe(spec, credit=1)
         assert refused.value.code == "resource-limit"
-        await asyncio.sleep(0.2)  # past the core's ticks: its consumer keeps the queue of expiry 0
         await other.publish(new_message(name, b"to the owner"))
         delivery = await owner.get(timeout=5)
         assert delivery is not None
         assert delivery.body == b"to the owner"
         owner.ack(delivery)
+        assert get_json(core, f"/api/queues/{name}")["consumers"] == 1  # type: ignore[index]
         for n in range(3):
             await c.publish(new_message(f"{name}.browsed", str(n).encode()))
         browser = await c.subscribe(f"{name}.browsed", browse=True, credit=2)
         assert [d.body async for d in browser] == [b"0", b"1", b"2"]
-        await browser.close()  # version 4: ended already, nothing is sent
+        await browser.close()  # version 4: ended already; version 3: its UNSUBSCRIBE
         consumers = get_json(core, f"/api/queues/{name}.browsed")
         assert isinstance(consumers, dict)
         assert consumers["consumers"] == 0

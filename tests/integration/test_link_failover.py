@@ -8,6 +8,7 @@ import json
 import signal
 import socket
 import struct
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,12 @@ from tests.conftest import CoreProcess, start_core, start_gateway, stop_cleanly,
 from tests.integration.cluster_nodes import start_cluster, start_node, wait_until, wait_until_async
 from tests.integration.test_stomp_gateway import connect
 
-from tridentmq_shared.link.client import Consumer, LinkClient
+from tridentmq_shared.link import events as ev
+from tridentmq_shared.link.client import Consumer, LinkClient, queue_spec
+from tridentmq_shared.link.codec import LinkConnection, Role, State
 from tridentmq_shared.link.errors import LinkClosedError
 from tridentmq_shared.link.failover import ReconnectPolicy
+from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.message import M_BODY, M_DEDUP, M_ID, new_message
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster]
@@ -133,6 +137,42 @@ async def test_closing_a_browser_that_ended_before_a_failover_leaves_the_restore
         await client.publish(new_message("jobs", b"after", durable=True))
         assert [bytes(m[M_BODY]) for m in await take(consumer, 1)] == [b"after"]
     stop_all([node])
+
+
+async def test_a_make_on_an_older_node_that_stops_right_after_making_the_queue_goes_on_when_resumed() -> None:
+    """A version 3 node (the real codec, serving) answers the first link's CREATE_QUEUE and closes it in the same
+    frame, as a node stopping does: the client resumes and subscribes on the next link."""
+    links = 0
+    subscribed: list[tuple[int, str]] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal links
+        links += 1
+        link = links
+        node = LinkConnection(Role.SERVER, versions=(1, 2, 3))
+        while data := await reader.read(65536):
+            for event in node.receive_data(data, time.monotonic()):
+                match event:
+                    case ev.HelloReceived():
+                        node.accept("node", f"conn-{link}", 1000, time.monotonic())
+                    case ev.CreateQueue(req_id, spec):
+                        node.reply(req_id, {"created": True, "queue": spec["name"], "address": spec["address"]})
+                        if link == 1:
+                            node.close(ErrorCode.SHUTDOWN, "stopping")
+                    case ev.Subscribe(req_id, _, queue):
+                        subscribed.append((link, queue))
+                        node.reply(req_id, {"queue": queue, "address": queue, "routing_type": 0})
+            writer.write(node.data_to_send())
+            if node.state is State.CLOSED:
+                break
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    async with server, LinkClient("127.0.0.1", server.sockets[0].getsockname()[1], reconnect=FAST) as client:
+        made, consumer = await asyncio.wait_for(client.make_and_subscribe(queue_spec("q", durable=False)), 10)
+        assert made["created"] is True
+        assert consumer.consumer_id in client._consumers
+        assert (client.failovers, subscribed) == (1, [(2, "q")])
 
 
 async def test_a_stopped_and_restarted_node_is_used_again(tmp_path: Path) -> None:

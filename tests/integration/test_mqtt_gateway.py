@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from urllib.request import urlopen
+from urllib.request import Request, urlopen
 
 import pytest
 import stomp
@@ -398,9 +398,19 @@ def test_a_new_subscription_does_not_take_over_a_queue_an_earlier_session_left(
 ) -> None:
     """A gateway that died between making a persistent session's subscription queue and saving the session left
     a queue no record lists. The next SUBSCRIBE of that filter starts empty: nothing queued before reaches the
-    client, and what is published from then on arrives."""
+    client, or any consumer (with one delivery attempt allowed, a delivery would dead-letter it on its way
+    back), and what is published from then on arrives."""
     client_id = f"left-{_id()}"
     queue = convert.subscription_queue(client_id, "left/t")
+    settings = {"match": "left.#", "settings": {"max_delivery_attempts": 1}}
+    request = Request(
+        f"{core.management_url}/api/address-settings",
+        data=json.dumps(settings).encode(),
+        method="PUT",
+        headers={"Content-Type": "application/json"},
+    )
+    with urlopen(request, timeout=5) as response:
+        assert response.status == 200
 
     async def leave_a_queue() -> None:
         async with LinkClient("127.0.0.1", core.link_port) as link:
@@ -415,4 +425,7 @@ def test_a_new_subscription_does_not_take_over_a_queue_an_earlier_session_left(
     client.publish("left/t", b"new", 1)
     assert [m.payload for m in client.receive(2, timeout=2)] == [b"new"]
     assert "mqtt subscription queue left by an earlier session dropped" in mqtt_gateway.log()
+    with urlopen(f"{core.management_url}/api/queues", timeout=5) as response:
+        queues = {q["name"]: q for q in json.loads(response.read())}
+    assert queues.get("DLQ", {"depth": 0})["depth"] == 0, queues.get("DLQ")
     client.disconnect()

@@ -364,6 +364,22 @@ def test_a_queue_of_a_node_scaling_down_counts_as_elsewhere_until_that_node_is_g
     assert elsewhere() is None
 
 
+def test_a_subscribe_on_condition_new_takes_no_queue_another_node_holds_one_of_and_made_does() -> None:
+    """An MQTT session lock: made here while another node holds the owner's, the connection must send its
+    takeover notice before it consumes (a consumer here would take the notice itself)."""
+    h, bindings, _ = clustered()
+    bindings.replace("node-2", [binding("lock", "lock", ANYCAST)])
+    c = h.connect()
+    spec = {"name": "lock", "address": "lock", "routing_type": ANYCAST, "durable": False, "max_consumers": 1}
+    _, answer = c.subscribe("lock", 1, queue=spec, **{"if": "new"})
+    assert ok(answer) == {"made": {"created": True, "queue": "lock", "address": "lock", "elsewhere": ["node-2"]}}
+    assert h.broker.queues["lock"].consumers == []
+    ok(c.delete_queue("lock"))
+    consumer, answer = c.subscribe("lock", 1, queue=spec, **{"if": "made"})
+    assert ok(answer)["made"]["elsewhere"] == ["node-2"]
+    assert [x.id for x in h.broker.queues["lock"].consumers] == [consumer]
+
+
 def test_a_passive_look_names_the_nodes_that_hold_a_queue_not_here() -> None:
     """An MQTT gateway looks before making a clean session's record queue: none here and none elsewhere, and
     nothing is made (nor deleted again); held by another node, it fetches the record."""

@@ -209,7 +209,14 @@ class Registry:
             # A message here may be a takeover notice. Never made again by a SUBSCRIBE if it expired (it may, at
             # the core's next tick, once it has no consumer): a plain queue would hold no owner and no consumer
             # limit, and another user's CONNECT would take this live session (seen under load).
-            created, lock = await link.subscribe_if_made(spec, nowhere_else=True, credit=1, create=False)
+            try:
+                created, lock = await link.subscribe_if_made(spec, nowhere_else=True, credit=1, create=False)
+            except LinkRequestError as exc:
+                # An older node makes it and subscribes in two requests: the queue may expire or another
+                # connection get there in between. Taken from that one below, as any existing lock.
+                if exc.code not in (ErrorCode.RESOURCE_LIMIT, ErrorCode.NOT_FOUND):
+                    raise
+                created, lock = {}, None
             if lock is not None:  # made here and held by no other node: ours, in one request
                 token = random_hex(32)  # only ours to recognise: no system call for it
                 self._tokens[id(lock)] = token

@@ -1130,18 +1130,21 @@ class LinkClient:
         """Subscribe ``consumer``, making its queue from ``spec`` first if given, on the ``condition`` the link
         protocol's SUBSCRIBE option ``if`` names (``made``, ``new``). Returns CREATE_QUEUE's answer (empty
         without ``spec``) and whether the consumer was made."""
+        made: dict[str, Any] = {}
+        if spec is not None and (await self._ready()).version < MAKE_AND_SUBSCRIBE_VERSION:
+            # An older node: CREATE_QUEUE, then a plain SUBSCRIBE (each made again on a resumed link).
+            wanted = spec
+            made = dict(await self._request(lambda conn: conn.create_queue(wanted)))
+            self._remember(wanted)
+            if not _made_as_asked(made, condition):
+                return made, False
+            spec = None
         while True:
             conn = await self._ready()
             consumer.consumer_id = 0  # an id of an earlier link may be another consumer's on this one
             options = consumer.options
-            made: dict[str, Any] = {}
             try:
-                if spec is not None and conn.version < MAKE_AND_SUBSCRIBE_VERSION:
-                    made = dict(await self._call(conn.create_queue(spec)))
-                    self._remember(spec)
-                    if not _made_as_asked(made, condition):
-                        return made, False
-                elif spec is not None:
+                if spec is not None:
                     options = {**options, "queue": spec, "if": condition} if condition else {**options, "queue": spec}
                 req_id, consumer.consumer_id = conn.subscribe(
                     consumer.queue, consumer.window, options, consumer.window_bytes
@@ -1151,6 +1154,7 @@ class LinkClient:
                 answer = await self._call(req_id)
             except LinkRequestError as exc:
                 self._forget(consumer)
+                conn.not_subscribed(consumer.consumer_id)
                 if not (isinstance(exc, LinkClosedError) and self._resuming):
                     raise
                 continue
