@@ -216,6 +216,36 @@ def test_the_fenced_old_holder_does_not_overwrite_the_new_lease(
     assert b.tick(12.0) is LeaseEvent.RENEWED
 
 
+def test_a_late_renewal_of_the_paused_old_holder_does_not_fence_the_new_one(tmp_path: Path) -> None:
+    """CI: a holder paused between reading the lease and writing its renewal wrote it on waking, over the lease
+    of the node that had taken over; that node read a foreign holder and fenced itself, then the old one
+    fenced itself for not having renewed: neither served."""
+    a, b = node(tmp_path, "a"), node(tmp_path, "b")
+    activate(a, 0.0)
+    late = Lease("a", 1, 7, RENEW)  # what a read before its pause, plus one
+    b.tick(0.0)
+    b.tick(10.0)
+    assert b.tick(11.0) is LeaseEvent.ACQUIRED
+    LeaseFile(tmp_path).write(late)  # a wakes and finishes its write
+    assert b.tick(12.0) is LeaseEvent.RENEWED
+    assert b.active
+    assert LeaseFile(tmp_path).read() == Lease("b", 2, 8, RENEW)  # ours again, counted on from the file's
+    assert a.tick(12.0) is LeaseEvent.FENCED  # its next tick: not renewed for the expiry
+    assert b.tick(13.0) is LeaseEvent.RENEWED
+
+
+def test_a_late_renewal_over_a_claim_is_claimed_over_again(tmp_path: Path) -> None:
+    a, b = node(tmp_path, "a"), node(tmp_path, "b")
+    activate(a, 0.0)
+    b.tick(0.0)
+    assert b.tick(10.0) is LeaseEvent.CLAIMED
+    LeaseFile(tmp_path).write(Lease("a", 1, 7, RENEW))
+    assert b.tick(11.0) is LeaseEvent.CLAIMED  # written again: it settles anew
+    assert LeaseFile(tmp_path).read() == Lease("b", 2, 0, RENEW)
+    assert b.tick(12.0) is LeaseEvent.ACQUIRED
+    assert b.epoch == 2
+
+
 def test_a_higher_epoch_with_the_same_holder_fences_too(tmp_path: Path) -> None:
     a = node(tmp_path, "a")
     activate(a, 0.0)

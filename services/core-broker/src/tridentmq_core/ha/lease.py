@@ -8,9 +8,11 @@ takes the lease as expired only when the (holder, epoch, counter) triple has sta
 ``expiry_ms`` of its own monotonic clock since it first saw that triple. It then writes a claim with the
 next epoch and reads it back ``settle_ms`` later: of two racing waiters the later rename wins and the other
 sees a foreign holder and goes back to waiting. Before every renewal the holder reads the file; a foreign
-holder, another epoch or no file at all means it was fenced, and it stops without writing. It also stops
+holder, a higher epoch or no file at all means it was fenced, and it stops without writing. It also stops
 when it has not renewed for ``expiry_ms - settle_ms`` (a paused process), since a waiter may be taking
-over at that moment.
+over at that moment. Reading and writing are two steps: a holder paused between them writes its renewal
+on waking, over the lease of the node that took over meanwhile (and then fences itself). A lower epoch
+found where our lease or claim should be is such a late write: ours is written again, not given up.
 
 ``LeaseWatch`` (the expiry rule) is pure; ``LeaseFile`` does the file I/O; ``SharedStoreLease`` joins them
 behind a synchronous ``tick(now)`` for the node's timer. Nothing here reads a clock: ``now`` is the
@@ -164,6 +166,13 @@ class LeaseFile:
             os.close(dir_fd)
 
 
+def _stale(current: Lease, ours: Lease) -> bool:
+    """Whether ``current``, found where ``ours`` should be, is a late write of an older epoch's holder: epochs only
+    grow, so only a holder paused between reading the lease and writing its renewal (or release) writes one,
+    and it fences itself at its next tick (it has not renewed for longer than a waiter waits)."""
+    return current.epoch < ours.epoch
+
+
 class LeaseEvent(StrEnum):
     WAITING = "waiting"  # another node holds the lease (or it is unreadable): stay passive
     CLAIMED = "claimed"  # a claim was written: tick again after settle_ms to confirm it
@@ -308,6 +317,13 @@ class SharedStoreLease:
             self._state = _State.HOLDING
             _log.info("shared-store lease: acquired epoch %d", claim.epoch)
             return LeaseEvent.ACQUIRED
+        if current is not None and _stale(current, claim):
+            _log.warning(
+                "shared-store lease: %r wrote epoch %d over our claim of %d: claimed again",
+                *current.key[:2],
+                claim.epoch,
+            )
+            return self._claim(now, Verdict.EXPIRED)
         self._back_to_waiting()
         if current is not None:
             self._watch.observe(current, now)  # the winner's claim starts a fresh expiry wait
@@ -326,7 +342,15 @@ class SharedStoreLease:
         if current is None:
             return self._fence("the lease file is gone")
         if (current.holder, current.epoch) != (ours.holder, ours.epoch):
-            return self._fence(f"{current.holder or 'nobody'!r} holds epoch {current.epoch}")
+            if not _stale(current, ours):
+                return self._fence(f"{current.holder or 'nobody'!r} holds epoch {current.epoch}")
+            _log.warning(
+                "shared-store lease: %r wrote epoch %d over ours (%d), paused between its read and its write: ours"
+                " is written again",
+                current.holder,
+                current.epoch,
+                ours.epoch,
+            )
         # From the file's counter, not ours: a write that failed after its rename still counts.
         renewal = Lease(ours.holder, ours.epoch, max(current.counter, ours.counter) + 1, self.renew_ms)
         try:
