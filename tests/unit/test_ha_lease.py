@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -216,34 +217,77 @@ def test_the_fenced_old_holder_does_not_overwrite_the_new_lease(
     assert b.tick(12.0) is LeaseEvent.RENEWED
 
 
-def test_a_late_renewal_of_the_paused_old_holder_does_not_fence_the_new_one(tmp_path: Path) -> None:
+class PausedWrite(LeaseFile):
+    """A lease file whose next write first runs ``meanwhile``: the writer was paused after reading the lease."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory)
+        self.meanwhile: Callable[[], None] | None = None
+
+    def write(self, lease: Lease) -> None:
+        if self.meanwhile is not None:
+            meanwhile, self.meanwhile = self.meanwhile, None
+            meanwhile()
+        super().write(lease)
+
+
+def test_a_holder_paused_between_its_read_and_its_write_stops_and_the_new_holder_goes_on(tmp_path: Path) -> None:
     """CI: a holder paused between reading the lease and writing its renewal wrote it on waking, over the lease
-    of the node that had taken over; that node read a foreign holder and fenced itself, then the old one
-    fenced itself for not having renewed: neither served."""
-    a, b = node(tmp_path, "a"), node(tmp_path, "b")
-    activate(a, 0.0)
-    late = Lease("a", 1, 7, RENEW)  # what a read before its pause, plus one
-    b.tick(0.0)
-    b.tick(10.0)
-    assert b.tick(11.0) is LeaseEvent.ACQUIRED
-    LeaseFile(tmp_path).write(late)  # a wakes and finishes its write
-    assert b.tick(12.0) is LeaseEvent.RENEWED
+    of the node that had taken over; that node read a foreign holder and fenced itself, then the old one fenced
+    itself for not having renewed: neither served."""
+    file = PausedWrite(tmp_path)
+    a = SharedStoreLease(file, "a", renew_ms=RENEW, expiry_ms=EXPIRY, settle_ms=SETTLE)
+    b = node(tmp_path, "b")
+    now = activate(a, 0.0)
+    assert b.tick(now) is LeaseEvent.WAITING
+
+    def b_takes_over() -> None:
+        assert b.tick(now + 10.0) is LeaseEvent.CLAIMED
+        assert b.tick(now + 11.0) is LeaseEvent.ACQUIRED
+
+    file.meanwhile = b_takes_over
+    assert a.tick(now + 1.0) is LeaseEvent.RENEWED  # its read saw its own lease; its write lands late
+    assert LeaseFile(tmp_path).read() == Lease("a", 1, 1, RENEW)  # over b's
+    assert a.renewed_in_time(now + 11.5) is LeaseEvent.FENCED
+    assert not a.active
+    assert not a.valid(now + 11.5)
+    assert b.tick(now + 12.0) is LeaseEvent.RENEWED  # an older epoch: a late write, not a new holder
     assert b.active
-    assert LeaseFile(tmp_path).read() == Lease("b", 2, 8, RENEW)  # ours again, counted on from the file's
-    assert a.tick(12.0) is LeaseEvent.FENCED  # its next tick: not renewed for the expiry
-    assert b.tick(13.0) is LeaseEvent.RENEWED
+    assert LeaseFile(tmp_path).read() == Lease("b", 2, 2, RENEW)  # counted on from the file's
+    assert a.tick(now + 12.5) is LeaseEvent.WAITING
+    assert b.tick(now + 13.0) is LeaseEvent.RENEWED
 
 
-def test_a_late_renewal_over_a_claim_is_claimed_over_again(tmp_path: Path) -> None:
+def test_a_renewal_is_in_time_if_it_finished_before_a_waiter_could_have_claimed(tmp_path: Path) -> None:
+    """Measured from the write before (here the claim, at 0.0): a waiter claims expiry_ms after it, at the
+    earliest, and its claim settles for settle_ms."""
+    a = node(tmp_path, "a")
+    now = activate(a, 0.0)
+    assert a.tick(now + 1.0) is LeaseEvent.RENEWED
+    assert a.renewed_in_time((EXPIRY - SETTLE) / 1000 - 0.1) is LeaseEvent.RENEWED  # a slow disk
+    assert a.active
+    assert a.tick(now + 2.0) is LeaseEvent.RENEWED  # the one before started at now + 1.0
+    assert a.renewed_in_time(now + 1.0 + (EXPIRY - SETTLE) / 1000) is LeaseEvent.FENCED
+    assert not a.active
+
+
+def test_a_late_renewal_over_a_claim_wins_and_the_claimer_waits(tmp_path: Path) -> None:
+    """A holder whose renewal lands after a claim (a slow write in time, say) keeps the lease: the claimer
+    loses the race, as to any rename after its own."""
     a, b = node(tmp_path, "a"), node(tmp_path, "b")
     activate(a, 0.0)
     b.tick(0.0)
     assert b.tick(10.0) is LeaseEvent.CLAIMED
     LeaseFile(tmp_path).write(Lease("a", 1, 7, RENEW))
-    assert b.tick(11.0) is LeaseEvent.CLAIMED  # written again: it settles anew
-    assert LeaseFile(tmp_path).read() == Lease("b", 2, 0, RENEW)
-    assert b.tick(12.0) is LeaseEvent.ACQUIRED
-    assert b.epoch == 2
+    assert b.tick(11.0) is LeaseEvent.LOST_RACE
+    assert not b.active
+
+
+def test_another_holder_at_our_own_epoch_fences(tmp_path: Path) -> None:
+    a = node(tmp_path, "a")
+    activate(a, 0.0)
+    LeaseFile(tmp_path).write(Lease("b", 1, 0, RENEW))  # a waiter that claimed the same epoch, later
+    assert a.tick(2.0) is LeaseEvent.FENCED
 
 
 def test_a_higher_epoch_with_the_same_holder_fences_too(tmp_path: Path) -> None:

@@ -11,8 +11,10 @@ sees a foreign holder and goes back to waiting. Before every renewal the holder 
 holder, a higher epoch or no file at all means it was fenced, and it stops without writing. It also stops
 when it has not renewed for ``expiry_ms - settle_ms`` (a paused process), since a waiter may be taking
 over at that moment. Reading and writing are two steps: a holder paused between them writes its renewal
-on waking, over the lease of the node that took over meanwhile (and then fences itself). A lower epoch
-found where our lease or claim should be is such a late write: ours is written again, not given up.
+on waking, perhaps over the lease of the node that took over meanwhile. So it checks when the write
+finished (``renewed_in_time``) and fences itself when that was too late; and a holder that finds a lower
+epoch where its own lease should be takes it for such a late write (epochs only grow) and writes its own
+again instead of stopping.
 
 ``LeaseWatch`` (the expiry rule) is pure; ``LeaseFile`` does the file I/O; ``SharedStoreLease`` joins them
 behind a synchronous ``tick(now)`` for the node's timer. Nothing here reads a clock: ``now`` is the
@@ -167,9 +169,9 @@ class LeaseFile:
 
 
 def _stale(current: Lease, ours: Lease) -> bool:
-    """Whether ``current``, found where ``ours`` should be, is a late write of an older epoch's holder: epochs only
-    grow, so only a holder paused between reading the lease and writing its renewal (or release) writes one,
-    and it fences itself at its next tick (it has not renewed for longer than a waiter waits)."""
+    """Whether ``current``, found where our lease should be, is a late write of an older epoch's holder: epochs
+    only grow, so it comes from a holder paused between reading the lease and writing its renewal (or its
+    release), which fenced itself once the write finished (``renewed_in_time``)."""
     return current.epoch < ours.epoch
 
 
@@ -223,6 +225,7 @@ class SharedStoreLease:
         self._state = _State.WAITING
         self._lease: Lease | None = None  # ours, while claiming or holding
         self._written_at = 0.0  # when our last successful write started
+        self._previous_write = 0.0  # when the one before it started
         self._warned_unreadable = False
 
     @property
@@ -301,7 +304,7 @@ class SharedStoreLease:
             _log.warning("shared-store lease: could not write a claim to %s: %s", self.file.path, exc)
             return LeaseEvent.WAITING
         _log.info("shared-store lease: %s, claimed epoch %d", verdict, lease.epoch)
-        self._state, self._lease, self._written_at = _State.CLAIMING, lease, now
+        self._state, self._lease, self._written_at, self._previous_write = _State.CLAIMING, lease, now, now
         return LeaseEvent.CLAIMED
 
     def _confirm(self, now: float) -> LeaseEvent:
@@ -317,13 +320,6 @@ class SharedStoreLease:
             self._state = _State.HOLDING
             _log.info("shared-store lease: acquired epoch %d", claim.epoch)
             return LeaseEvent.ACQUIRED
-        if current is not None and _stale(current, claim):
-            _log.warning(
-                "shared-store lease: %r wrote epoch %d over our claim of %d: claimed again",
-                *current.key[:2],
-                claim.epoch,
-            )
-            return self._claim(now, Verdict.EXPIRED)
         self._back_to_waiting()
         if current is not None:
             self._watch.observe(current, now)  # the winner's claim starts a fresh expiry wait
@@ -345,8 +341,7 @@ class SharedStoreLease:
             if not _stale(current, ours):
                 return self._fence(f"{current.holder or 'nobody'!r} holds epoch {current.epoch}")
             _log.warning(
-                "shared-store lease: %r wrote epoch %d over ours (%d), paused between its read and its write: ours"
-                " is written again",
+                "shared-store lease: %r wrote its older epoch %d over ours (%d): ours is written again",
                 current.holder,
                 current.epoch,
                 ours.epoch,
@@ -358,7 +353,16 @@ class SharedStoreLease:
         except OSError as exc:
             _log.warning("shared-store lease: could not renew %s: %s", self.file.path, exc)
             return LeaseEvent.RENEW_FAILED
-        self._lease, self._written_at = renewal, now
+        self._lease, self._previous_write, self._written_at = renewal, self._written_at, now
+        return LeaseEvent.RENEWED
+
+    def renewed_in_time(self, now: float) -> LeaseEvent:
+        """After a RENEWED tick, with the monotonic time its write finished: FENCED when it finished too late.
+        Reading the lease and writing the renewal are two steps; a holder paused between them may have written
+        over the claim of a waiter that took over meanwhile, and must stop at once (the new holder writes its
+        lease again, see ``_stale``). Otherwise RENEWED."""
+        if self._state is _State.HOLDING and (now - self._previous_write) * 1000 >= self.expiry_ms - self.settle_ms:
+            return self._fence(f"the renewal took until {now - self._previous_write:.1f} s after the one before")
         return LeaseEvent.RENEWED
 
     def _fence(self, reason: str) -> LeaseEvent:

@@ -102,6 +102,10 @@ class SharedStore:
                 self.state = "fenced"
                 self._fenced("the shared-store lease went to another node")
                 return
+            elif event is LeaseEvent.RENEWED and self.lease.renewed_in_time(time.monotonic()) is LeaseEvent.FENCED:
+                self.state = "fenced"
+                self._fenced("the shared-store lease may have gone to another node while this one was paused")
+                return
             elif event is LeaseEvent.RENEWED:
                 self.on_renewed()
             await asyncio.sleep(self.lease.next_delay())
