@@ -173,8 +173,22 @@ class Stack:
             if ha.get("active") and ha.get("backup_in_sync") and not ha.get("waiting_for_quorum"):
                 return
             if time.monotonic() > deadline:
-                pytest.fail(f"{primary}'s backup not in sync in {timeout:.0f} s: {ha}")
+                backup = primary.replace("core-", "backup-")
+                pytest.fail(
+                    f"{primary}'s backup not in sync in {timeout:.0f} s: {ha}\n"
+                    f"{backup}'s last log lines:\n{self.tail(backup)}\n{primary}'s:\n{self.tail(primary)}"
+                )
             time.sleep(0.5)
+
+    def tail(self, service: str, lines: int = 60) -> str:
+        """The last ``lines`` log lines of the service's first container, whatever their level."""
+        containers = self.containers_all(service)
+        if not containers:
+            return f"({service} has no container)"
+        logs = subprocess.run(
+            ["docker", "logs", "--tail", str(lines), containers[0]], capture_output=True, text=True, check=False
+        )
+        return logs.stdout + logs.stderr
 
     def containers_all(self, service: str) -> list[str]:
         """The service's containers, stopped ones included."""
