@@ -113,7 +113,10 @@ class Publisher:
         finally:
             amqp.close()
         verdict = check(self.attempted, self.acknowledged, [], delivered)
-        assert verdict.ok, f"{verdict.report()}\n{context}\nthe stack's warnings:\n{self.stack.warnings()}"
+        assert verdict.ok, (
+            f"{verdict.report()}\n{context}\nthe stack's warnings:\n{self.stack.warnings()}\n"
+            f"core-1's last log lines:\n{self.stack.tail('core-1')}\nbackup-1's:\n{self.stack.tail('backup-1')}"
+        )
 
 
 def test_kill_9_of_a_primary_core_its_in_sync_backup_takes_over_and_nothing_acknowledged_is_lost(
