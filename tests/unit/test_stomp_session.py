@@ -1,0 +1,454 @@
+"""The STOMP session's rules, frame by frame: a real core node in this process, the session's client side as
+bytes (``gateway_harness``)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from tests.unit.gateway_harness import Core, MemoryWire, core_settings, eventually, running_core, settle
+
+from tridentmq_core.settings import AddressSettingsEntry, PermissionEntry, UserEntry
+from tridentmq_shared.core_links import CoreLinks
+from tridentmq_stomp.protocol.frames import V12, Frame, FrameParser, encode
+from tridentmq_stomp.session import Counters, StompSession
+from tridentmq_stomp.settings import CoreLinkSection, StompLimitsSection, StompSettings
+
+
+class Client:
+    """A STOMP client's side of one session: frames written as bytes, the session's frames parsed."""
+
+    def __init__(self, core: Core, settings: StompSettings, *, peer: str = "127.0.0.1:40000") -> None:
+        self.wire = MemoryWire(peer)
+        self.counters = Counters()
+        self.session = StompSession(settings, core.links, self.wire, self.counters)
+        core.opened(self.session)
+        self._parser = FrameParser()
+        self._parser.version = V12
+        self.frames: list[Frame] = []
+
+    def send_frame(self, command: str, body: bytes = b"", **headers: str) -> None:
+        self.session.feed(encode(command, [(k.replace("_", "-"), v) for k, v in headers.items()], body, V12))
+
+    def _read(self) -> None:
+        self.frames.extend(self._parser.feed(self.wire.take()))
+
+    async def frame(self, command: str | None = None) -> Frame:
+        """The next frame the session sent (of ``command``, which it must be)."""
+
+        def first() -> Frame | None:
+            self._read()
+            return self.frames.pop(0) if self.frames else None
+
+        got: Frame = await eventually(first, f"a {command or 'frame'}")
+        if command is not None:
+            assert got.command == command, got
+        return got
+
+    async def nothing(self) -> None:
+        await settle()
+        self._read()
+        assert self.frames == []
+
+    async def connect(self, version: str = "1.2", **headers: str) -> Frame:
+        self.send_frame("CONNECT", accept_version=version, host="broker", **headers)
+        return await self.frame("CONNECTED")
+
+    async def receipt(self, command: str, body: bytes = b"", **headers: str) -> Frame:
+        self.send_frame(command, body, receipt=f"r-{command}", **headers)
+        answer = await self.frame("RECEIPT")
+        assert answer.headers["receipt-id"] == f"r-{command}"
+        return answer
+
+    async def error(self) -> Frame:
+        got = await self.frame("ERROR")
+        await eventually(lambda: self.wire.closed, "the connection closed after the ERROR")
+        return got
+
+
+def stomp_settings(port: int, **limits: int) -> StompSettings:
+    return StompSettings(core=CoreLinkSection(port=port), stomp=StompLimitsSection(**limits))
+
+
+@pytest.fixture
+async def core(tmp_path: Path) -> AsyncIterator[Core]:
+    async with running_core(core_settings(tmp_path), lambda port: CoreLinkSection(port=port)) as core:
+        yield core
+
+
+def client(core: Core, **limits: int) -> Client:
+    return Client(core, stomp_settings(core.port, **limits))
+
+
+async def connected(core: Core, **limits: int) -> Client:
+    c = client(core, **limits)
+    await c.connect()
+    return c
+
+
+async def test_connect_answers_connected_and_lets_the_client_in(core: Core) -> None:
+    c = client(core)
+    answer = await c.connect("1.1,1.2", login="any", passcode="any", heart_beat="0,0")
+    assert answer.headers["version"] == "1.2"
+    assert answer.headers["server"].startswith("TridentMQ/")
+    assert answer.headers["session"] == c.session.id
+    assert c.wire.logged_in_called
+    assert c.counters.connections_total == 1
+
+
+async def test_frames_before_connect_end_the_connection(core: Core) -> None:
+    c = client(core)
+    c.send_frame("SEND", b"x", destination="/queue/a")
+    error = await c.error()
+    assert c.counters.errors == 1
+    assert error.headers["message"]
+
+
+async def test_a_send_is_received_by_a_queue_subscriber_with_its_headers(core: Core) -> None:
+    producer, consumer = await connected(core), await connected(core)
+    await consumer.receipt("SUBSCRIBE", id="s1", destination="/queue/orders")
+    await producer.receipt("SEND", b"hello", destination="/queue/orders", color="red", content_type="text/plain")
+    message = await consumer.frame("MESSAGE")
+    assert message.body == b"hello"
+    assert message.headers["destination"] == "/queue/orders"
+    assert message.headers["subscription"] == "s1"
+    assert message.headers["color"] == "red"
+    assert message.headers["content-type"] == "text/plain"
+    assert producer.counters.messages_published == 1
+    assert consumer.counters.messages_delivered == 1
+
+
+async def test_a_topic_reaches_every_subscriber_and_a_selector_filters(core: Core) -> None:
+    a, b, producer = await connected(core), await connected(core), await connected(core)
+    await a.receipt("SUBSCRIBE", id="1", destination="/topic/news")
+    await b.receipt("SUBSCRIBE", id="1", destination="/topic/news", selector="kind = 'sport'")
+    await producer.receipt("SEND", b"weather", destination="/topic/news", kind="weather")
+    await producer.receipt("SEND", b"match", destination="/topic/news", kind="sport")
+    assert [(await a.frame("MESSAGE")).body for _ in range(2)] == [b"weather", b"match"]
+    assert (await b.frame("MESSAGE")).body == b"match"
+    await b.nothing()
+
+
+async def test_client_ack_is_cumulative_and_the_prefetch_bounds_what_is_out(core: Core) -> None:
+    producer, consumer = await connected(core), await connected(core)
+    for n in range(5):
+        await producer.receipt("SEND", str(n).encode(), destination="/queue/work")
+    await consumer.receipt("SUBSCRIBE", id="s", destination="/queue/work", ack="client", consumer_window_size="2")
+    first, second = await consumer.frame("MESSAGE"), await consumer.frame("MESSAGE")
+    assert (first.body, second.body) == (b"0", b"1")
+    await consumer.nothing()  # two out, unacknowledged: the window is full
+    await consumer.receipt("ACK", id=second.headers["ack"])  # acknowledges both
+    assert [(await consumer.frame("MESSAGE")).body for _ in range(2)] == [b"2", b"3"]
+
+
+async def test_client_individual_nack_redelivers_only_that_message(core: Core) -> None:
+    producer, consumer = await connected(core), await connected(core)
+    await consumer.receipt("SUBSCRIBE", id="s", destination="/queue/jobs", ack="client-individual")
+    for body in (b"a", b"b"):
+        await producer.receipt("SEND", body, destination="/queue/jobs")
+    a, b = await consumer.frame("MESSAGE"), await consumer.frame("MESSAGE")
+    await consumer.receipt("ACK", id=b.headers["ack"])
+    await consumer.receipt("NACK", id=a.headers["ack"])
+    again = await consumer.frame("MESSAGE")
+    assert again.body == b"a"
+    assert again.headers["redelivered"] == "true"
+    await consumer.receipt("ACK", id=again.headers["ack"])
+    await consumer.nothing()
+
+
+async def test_an_ack_of_an_unknown_id_is_an_error(core: Core) -> None:
+    c = await connected(core)
+    c.send_frame("ACK", id="nope", receipt="r")
+    error = await c.error()
+    assert error.headers["message"] == "unknown ack id"
+    assert error.headers["receipt-id"] == "r"
+
+
+async def test_unacknowledged_messages_go_back_to_the_queue_when_the_connection_ends(core: Core) -> None:
+    producer, first = await connected(core), await connected(core)
+    await first.receipt("SUBSCRIBE", id="s", destination="/queue/q", ack="client")
+    await producer.receipt("SEND", b"kept", destination="/queue/q")
+    assert (await first.frame("MESSAGE")).body == b"kept"
+    first.session.connection_lost()
+    await first.session.wait_closed()
+    assert first.wire.closed
+    second = await connected(core)
+    await second.receipt("SUBSCRIBE", id="s", destination="/queue/q")
+    again = await second.frame("MESSAGE")
+    assert again.body == b"kept"
+    assert again.headers["redelivered"] == "true"
+
+
+async def test_a_transaction_delivers_its_sends_and_acks_at_commit_only(core: Core) -> None:
+    producer, consumer = await connected(core), await connected(core)
+    await consumer.receipt("SUBSCRIBE", id="s", destination="/queue/tx", ack="client-individual")
+    await producer.receipt("BEGIN", transaction="t1")
+    await producer.receipt("SEND", b"one", destination="/queue/tx", transaction="t1")
+    await consumer.nothing()
+    await producer.receipt("COMMIT", transaction="t1")
+    one = await consumer.frame("MESSAGE")
+    assert one.body == b"one"
+    await consumer.receipt("BEGIN", transaction="t2")
+    await consumer.receipt("ACK", id=one.headers["ack"], transaction="t2")
+    # A transaction that aborts gives back what it acknowledged: the message comes again.
+    consumer.send_frame("ABORT", transaction="t2")
+    again = await consumer.frame("MESSAGE")
+    assert (again.body, again.headers["redelivered"]) == (b"one", "true")
+    await producer.receipt("BEGIN", transaction="t3")
+    await producer.receipt("SEND", b"never", destination="/queue/tx", transaction="t3")
+    await producer.receipt("ABORT", transaction="t3")
+    await consumer.nothing()
+
+
+@pytest.mark.parametrize(
+    ("frames", "message"),
+    [
+        ([("COMMIT", {"transaction": "nope"})], "no such transaction"),
+        ([("BEGIN", {"transaction": "t"}), ("BEGIN", {"transaction": "t"})], "transaction exists"),
+        ([("SEND", {"destination": "/queue/x", "transaction": "nope"})], "no such transaction"),
+        ([("SUBSCRIBE", {"id": "1", "destination": "/queue/x"})] * 2, "duplicate subscription"),
+        ([("UNSUBSCRIBE", {"id": "9"})], "no such subscription"),
+        ([("SUBSCRIBE", {"id": "1", "destination": "/topic/x", "durable-subscription-name": "d"})], "missing header"),
+    ],
+)
+async def test_frames_that_name_nothing_valid_get_an_error_with_their_receipt(
+    core: Core, frames: list[tuple[str, dict[str, str]]], message: str
+) -> None:
+    c = await connected(core)
+    *before, (command, headers) = frames
+    for earlier_command, earlier_headers in before:
+        c.send_frame(earlier_command, **{k.replace("-", "_"): v for k, v in earlier_headers.items()})
+    c.send_frame(command, receipt="last", **{k.replace("-", "_"): v for k, v in headers.items()})
+    frames_seen = []
+    while True:
+        frame = await c.frame()
+        frames_seen.append(frame)
+        if frame.command == "ERROR":
+            break
+    assert frame.headers["message"] == message, frames_seen
+    assert frame.headers["receipt-id"] == "last"
+    await eventually(lambda: c.wire.closed, "the connection closed")
+
+
+async def test_unsubscribe_stops_deliveries_and_ends_a_temporary_subscription(core: Core) -> None:
+    producer, consumer = await connected(core), await connected(core)
+    await consumer.receipt("SUBSCRIBE", id="s", destination="/topic/t")
+    mine = f"stomp.{consumer.session.id}."
+    assert [name for name in core.node.broker.queues if name.startswith(mine)]
+    await consumer.receipt("UNSUBSCRIBE", id="s")
+    await producer.receipt("SEND", b"x", destination="/topic/t")
+    await consumer.nothing()
+    assert not [name for name in core.node.broker.queues if name.startswith(mine)]
+
+
+async def test_stomp_10_unsubscribes_by_destination(core: Core) -> None:
+    producer, consumer = await connected(core), client(core)
+    await consumer.connect("1.0")
+    await consumer.receipt("SUBSCRIBE", destination="/queue/old")
+    await consumer.receipt("UNSUBSCRIBE", destination="/queue/old")
+    await producer.receipt("SEND", b"x", destination="/queue/old")
+    await consumer.nothing()
+
+
+async def test_a_durable_subscription_keeps_messages_while_away_and_ends_with_its_name(core: Core) -> None:
+    producer = await connected(core)
+    sub = client(core)
+    await sub.connect(client_id="app")
+    await sub.receipt("SUBSCRIBE", id="d", destination="/topic/prices", durable_subscription_name="p")
+    sub.session.connection_lost()
+    await sub.session.wait_closed()
+    await producer.receipt("SEND", b"while away", destination="/topic/prices")
+    back = client(core)
+    await back.connect(client_id="app")
+    await back.receipt("SUBSCRIBE", id="d", destination="/topic/prices", durable_subscription_name="p")
+    assert (await back.frame("MESSAGE")).body == b"while away"
+    # Unsubscribing with the name ends it for good: what is sent meanwhile is not kept for it.
+    await back.receipt("UNSUBSCRIBE", id="d", durable_subscription_name="p")
+    await producer.receipt("SEND", b"after the end", destination="/topic/prices")
+    await back.receipt("SUBSCRIBE", id="d2", destination="/topic/prices", durable_subscription_name="p")
+    await back.nothing()
+
+
+async def test_a_durable_subscription_with_a_new_selector_is_a_new_subscription(core: Core) -> None:
+    producer = await connected(core)
+    sub = client(core)
+    await sub.connect(client_id="app")
+    await sub.receipt("SUBSCRIBE", id="d", destination="/topic/t", durable_subscription_name="n")
+    await sub.receipt("UNSUBSCRIBE", id="d")  # without the name: only this consumer ends
+    await producer.receipt("SEND", b"old", destination="/topic/t", kind="a")
+    await sub.receipt("SUBSCRIBE", id="d", destination="/topic/t", durable_subscription_name="n", selector="kind='b'")
+    await sub.nothing()  # the old subscription's message went with it
+    await producer.receipt("SEND", b"new", destination="/topic/t", kind="b")
+    assert (await sub.frame("MESSAGE")).body == b"new"
+
+
+async def test_temporary_queues_answer_replies_and_keep_their_stomp_name(core: Core) -> None:
+    requester, responder = await connected(core), await connected(core)
+    await responder.receipt("SUBSCRIBE", id="s", destination="/queue/service")
+    await requester.receipt("SUBSCRIBE", id="r", destination="/temp-queue/replies")
+    await requester.receipt("SEND", b"ping", destination="/queue/service", reply_to="/temp-queue/replies")
+    request = await responder.frame("MESSAGE")
+    reply_to = request.headers["reply-to"]
+    assert reply_to.startswith("/queue/tmp.")  # a name every client can send to
+    await responder.receipt("SEND", b"pong", destination=reply_to)
+    reply = await requester.frame("MESSAGE")
+    assert reply.body == b"pong"
+    assert reply.headers["destination"] == "/temp-queue/replies"
+    # Sending to one's own temporary queue also makes it.
+    await requester.receipt("SEND", b"self", destination="/temp-queue/other")
+
+
+async def test_a_refused_send_is_an_error_in_the_order_of_the_frames(tmp_path: Path) -> None:
+    settings = core_settings(
+        tmp_path,
+        users=[UserEntry("alice", "secret", ["app"])],
+        permissions=[
+            PermissionEntry("allowed.#", permission, ["app"])
+            for permission in ("send", "createAddress", "createDurableQueue")
+        ],
+    )
+    async with running_core(settings, lambda port: CoreLinkSection(port=port)) as core:
+        c = client(core)
+        await c.connect(login="alice", passcode="secret")
+        c.send_frame("SEND", b"ok", destination="/queue/allowed.one", receipt="1")
+        c.send_frame("SEND", b"no", destination="/queue/secret", receipt="2")
+        assert (await c.frame("RECEIPT")).headers["receipt-id"] == "1"
+        error = await c.error()
+        assert error.headers["message"] == "permission denied"
+        assert error.headers["receipt-id"] == "2"
+
+
+async def test_a_bad_login_is_refused(tmp_path: Path) -> None:
+    settings = core_settings(tmp_path, users=[UserEntry("alice", "secret", ["app"])])
+    async with running_core(settings, lambda port: CoreLinkSection(port=port)) as core:
+        c = client(core)
+        c.send_frame("CONNECT", accept_version="1.2", host="b", login="alice", passcode="wrong")
+        error = await c.error()
+        assert error.headers["message"] == "authentication failed"
+        assert not c.wire.logged_in_called
+
+
+async def test_a_gateway_without_a_core_refuses_clients_as_unavailable(core: Core) -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    links = CoreLinks(CoreLinkSection(port=port, shared_links=0), name="gateway-test")
+    wire = MemoryWire()
+    session = StompSession(stomp_settings(port), links, wire, Counters())
+    session.feed(encode("CONNECT", [("accept-version", "1.2"), ("host", "b")], b"", V12))
+    await asyncio.wait_for(session.wait_closed(), 10)
+    parser = FrameParser()
+    error = parser.feed(wire.take())[0]
+    assert (error.command, error.headers["message"]) == ("ERROR", "server unavailable")
+
+
+async def test_disconnect_answers_after_every_send_is_confirmed(core: Core) -> None:
+    c = await connected(core)
+    for n in range(50):
+        c.send_frame("SEND", str(n).encode(), destination="/queue/d")
+    c.send_frame("DISCONNECT", receipt="bye")
+    assert (await c.frame("RECEIPT")).headers["receipt-id"] == "bye"
+    await eventually(lambda: c.wire.closed, "the connection closed")
+    reader = await connected(core)
+    await reader.receipt("SUBSCRIBE", id="s", destination="/queue/d")
+    assert [int((await reader.frame("MESSAGE")).body) for _ in range(50)] == list(range(50))
+
+
+async def test_a_protocol_violation_is_answered_after_the_frames_before_it(core: Core) -> None:
+    c = await connected(core)
+    c.send_frame("SEND", b"x", destination="/queue/v", receipt="ok")
+    c.session.feed(b"BOGUS\n\n\x00")
+    assert (await c.frame("RECEIPT")).headers["receipt-id"] == "ok"
+    await c.error()
+
+
+async def test_a_client_that_stops_reading_gets_its_messages_once_it_reads_again(core: Core) -> None:
+    producer, consumer = await connected(core), await connected(core)
+    await consumer.receipt("SUBSCRIBE", id="s", destination="/queue/slow")
+    consumer.wire.stall()
+    for n in range(3):
+        await producer.receipt("SEND", str(n).encode(), destination="/queue/slow")
+    await consumer.nothing()
+    consumer.wire.drain()
+    assert [(await consumer.frame("MESSAGE")).body for _ in range(3)] == [b"0", b"1", b"2"]
+
+
+async def test_a_silent_client_is_disconnected_after_two_heartbeat_intervals(core: Core) -> None:
+    c = client(core, heartbeat_receive_ms=100, min_heartbeat_ms=50)
+    answer = await c.connect(heart_beat="100,0")  # the client promises a heart-beat every 100 ms
+    assert answer.headers["heart-beat"].endswith(",100")
+    await c.error()
+
+
+async def test_a_client_that_never_connects_is_closed(core: Core) -> None:
+    c = client(core, connect_timeout_ms=50)
+    error = await c.error()
+    assert error.headers["message"] == "connect timeout"
+
+
+async def test_frames_while_a_send_waits_for_credit_keep_their_order(tmp_path: Path) -> None:
+    settings = core_settings(tmp_path, address_settings=[AddressSettingsEntry(match="#")])
+    async with running_core(settings, lambda port: CoreLinkSection(port=port)) as core:
+        c = await connected(core)
+        for n in range(300):
+            c.send_frame("SEND", b"x" * 1000, destination=f"/queue/many{n % 3}", receipt=str(n))
+        receipts = [int((await c.frame("RECEIPT")).headers["receipt-id"]) for _ in range(300)]
+        assert receipts == list(range(300))
+
+
+async def test_a_header_the_gateway_cannot_map_is_an_error(core: Core) -> None:
+    c = await connected(core)
+    c.send_frame("SUBSCRIBE", id="1", destination="bare", destination_type="BROADCAST", receipt="r")
+    error = await c.error()
+    assert (error.headers["message"], error.headers["receipt-id"]) == ("invalid header", "r")
+    assert b"BROADCAST" in error.body
+
+
+async def test_a_subscribe_the_core_refuses_is_an_error(tmp_path: Path) -> None:
+    settings = core_settings(
+        tmp_path,
+        users=[UserEntry("bob", "pw", ["reader"])],
+        permissions=[PermissionEntry("mine.#", "consume", ["reader"])],
+    )
+    async with running_core(settings, lambda port: CoreLinkSection(port=port)) as core:
+        c = client(core)
+        await c.connect(login="bob", passcode="pw")
+        c.send_frame("SUBSCRIBE", id="1", destination="/queue/theirs", receipt="r")
+        error = await c.error()
+        assert (error.headers["message"], error.headers["receipt-id"]) == ("permission denied", "r")
+
+
+async def test_a_fully_qualified_queue_is_made_on_its_address_and_consumed(core: Core) -> None:
+    producer, consumer = await connected(core), await connected(core)
+    await consumer.receipt("SUBSCRIBE", id="1", destination="/topic/events::audit")
+    await producer.receipt("SEND", b"e1", destination="/topic/events")
+    message = await consumer.frame("MESSAGE")
+    assert message.body == b"e1"
+    assert core.node.broker.queues["audit"].durable
+
+
+async def test_a_durable_name_reused_on_another_topic_starts_a_new_subscription(core: Core) -> None:
+    producer = await connected(core)
+    sub = client(core)
+    await sub.connect(client_id="app")
+    await sub.receipt("SUBSCRIBE", id="d", destination="/topic/one", durable_subscription_name="n")
+    await sub.receipt("UNSUBSCRIBE", id="d")
+    await producer.receipt("SEND", b"on one", destination="/topic/one")
+    await sub.receipt("SUBSCRIBE", id="d", destination="/topic/two", durable_subscription_name="n")
+    await producer.receipt("SEND", b"on two", destination="/topic/two")
+    assert (await sub.frame("MESSAGE")).body == b"on two"
+    await sub.nothing()
+
+
+async def test_a_client_is_told_when_its_core_goes_away(tmp_path: Path) -> None:
+    async with running_core(
+        core_settings(tmp_path), lambda port: CoreLinkSection(port=port, reconnect_attempts=0)
+    ) as core:
+        c = await connected(core)
+        await c.receipt("SUBSCRIBE", id="1", destination="/queue/q")
+        await core.node.stop()
+        error = await c.error()
+        assert error.headers["message"] in ("server unavailable", "subscription ended")
