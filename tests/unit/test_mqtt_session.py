@@ -1,0 +1,1511 @@
+"""The MQTT session's rules, packet by packet, in 3.1.1 and 5.0: a real core node in this process, the gateway's
+real registry and fan-out feeds, and the client's side as bytes encoded and decoded with the gateway's own codec
+(``gateway_harness``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from tests.unit.gateway_harness import WAIT_S, Core, MemoryWire, core_settings, eventually, running_core, settle
+
+from tridentmq_core.settings import AddressSettingsEntry, PermissionEntry, UserEntry
+from tridentmq_mqtt import convert
+from tridentmq_mqtt.feeds import Feeds
+from tridentmq_mqtt.protocol import reason_codes as rc
+from tridentmq_mqtt.protocol.packets import (
+    V5,
+    V311,
+    Auth,
+    Connack,
+    Connect,
+    Disconnect,
+    Packet,
+    PacketParser,
+    Pingreq,
+    Pingresp,
+    Puback,
+    Pubcomp,
+    Publish,
+    Pubrec,
+    Pubrel,
+    Suback,
+    Subscribe,
+    Subscription,
+    Unsuback,
+    Unsubscribe,
+    Will,
+    encode,
+)
+from tridentmq_mqtt.protocol.properties import NO_PROPERTIES, Properties
+from tridentmq_mqtt.session import Counters, MqttSession
+from tridentmq_mqtt.settings import CoreLinkSection, MqttLimitsSection, MqttSettings
+from tridentmq_mqtt.state import Registry, SessionState
+from tridentmq_shared.link.ops import ErrorCode
+from tridentmq_shared.message import M_BODY, RoutingType, new_message
+
+P = TypeVar("P", bound=Packet)
+
+#: The gateway's own core user when the core has users (it needs every right on ``$mqtt.#``).
+GATEWAY_USER = UserEntry("gateway", "gw-secret", ["gateway"])
+GATEWAY_GRANTS = [
+    PermissionEntry("$mqtt.#", permission, ["gateway"])
+    for permission in (
+        "send",
+        "consume",
+        "browse",
+        "createAddress",
+        "createDurableQueue",
+        "deleteDurableQueue",
+        "createNonDurableQueue",
+        "deleteNonDurableQueue",
+    )
+]
+
+
+@dataclasses.dataclass
+class Gateway:
+    """What an MQTT gateway gives each of its sessions (as ``server.MqttGateway`` makes them)."""
+
+    core: Core
+    settings: MqttSettings
+    registry: Registry
+    feeds: Feeds
+    counters: Counters
+
+    def client(self, version: int = V5, peer: str = "127.0.0.1:40000") -> Client:
+        return Client(self, version, peer)
+
+    async def connected(self, client_id: str = "", version: int = V5, **connect: Any) -> Client:
+        c = self.client(version)
+        connack = await c.connect(client_id, **connect)
+        assert connack.reason_code == 0, connack
+        return c
+
+    def queues(self, prefix: str) -> list[str]:
+        return sorted(name for name in self.core.node.broker.queues if name.startswith(prefix))
+
+
+@contextlib.asynccontextmanager
+async def gateway(
+    tmp_path: Path,
+    *,
+    users: list[UserEntry] | None = None,
+    permissions: list[PermissionEntry] | None = None,
+    address_settings: list[AddressSettingsEntry] | None = None,
+    **limits: Any,
+) -> AsyncIterator[Gateway]:
+    """A core node and an MQTT gateway's shared parts; ``limits`` change ``MqttLimitsSection``'s defaults."""
+    if users is not None:
+        users, permissions = [GATEWAY_USER, *users], [*GATEWAY_GRANTS, *(permissions or [])]
+    section: list[CoreLinkSection] = []
+
+    def link(port: int) -> CoreLinkSection:
+        credentials = (GATEWAY_USER.name, GATEWAY_USER.password) if users else ("", "")
+        section.append(CoreLinkSection(port=port, user=credentials[0], password=credentials[1]))
+        return section[0]
+
+    settings_of_core = core_settings(tmp_path, users=users, permissions=permissions, address_settings=address_settings)
+    async with running_core(settings_of_core, link) as core:
+        settings = MqttSettings(core=section[0], mqtt=MqttLimitsSection(**limits))
+        counters = Counters()
+        registry = Registry(core.links, settings.core.user, settings.core.password, settings.node.name)
+        mqtt = settings.mqtt
+
+        def delivered(count: int) -> None:
+            counters.messages_delivered += count
+
+        feeds = Feeds(
+            core.links, settings.core, settings.node.name, mqtt.qos0_window, mqtt.qos0_fan_out_from, delivered
+        )
+        try:
+            yield Gateway(core, settings, registry, feeds, counters)
+        finally:
+            for session in core.sessions:
+                session.connection_lost()
+            for session in core.sessions:
+                await asyncio.wait_for(session.wait_closed(), WAIT_S)
+            await feeds.stop()
+            await registry.close()
+
+
+class Client:
+    """An MQTT client's side of one session: packets written as bytes, the session's bytes parsed."""
+
+    def __init__(self, gw: Gateway, version: int, peer: str) -> None:
+        self.gw = gw
+        self.version = version
+        self.wire = MemoryWire(peer)
+        self.session = MqttSession(gw.settings, gw.core.links, gw.registry, self.wire, gw.counters, gw.feeds)
+        gw.core.opened(self.session)
+        self.parser = PacketParser(version)
+        self.packets: list[Packet] = []
+
+    def send(self, *packets: Packet) -> None:
+        self.session.feed(b"".join(encode(packet, self.version) for packet in packets))
+
+    def _read(self) -> None:
+        data = self.wire.take()
+        if data:
+            self.packets.extend(self.parser.feed(data))
+
+    async def packet(self, kind: type[P]) -> P:
+        """The next packet the session sent, which must be a ``kind``."""
+
+        def first() -> Packet | None:
+            self._read()
+            return self.packets.pop(0) if self.packets else None
+
+        got = await eventually(first, f"a {kind.__name__}")
+        assert type(got) is kind, got
+        return got
+
+    async def nothing(self) -> None:
+        await settle()
+        self._read()
+        assert self.packets == []
+
+    async def connect(self, client_id: str = "", **fields: Any) -> Connack:
+        self.send(Connect(client_id, **fields))
+        return await self.packet(Connack)
+
+    async def subscribe(self, *subscriptions: Subscription | str, packet_id: int = 1, sid: int | None = None) -> Suback:
+        subs = tuple(Subscription(s, 1) if isinstance(s, str) else s for s in subscriptions)
+        props = Properties(subscription_identifiers=(sid,)) if sid is not None else NO_PROPERTIES
+        self.send(Subscribe(packet_id, subs, props))
+        suback = await self.packet(Suback)
+        assert suback.packet_id == packet_id
+        return suback
+
+    async def unsubscribe(self, *filters: str, packet_id: int = 2) -> Unsuback:
+        self.send(Unsubscribe(packet_id, filters))
+        unsuback = await self.packet(Unsuback)
+        assert unsuback.packet_id == packet_id
+        return unsuback
+
+    async def publish(
+        self, topic: str, payload: bytes, qos: int = 1, packet_id: int = 1, **fields: Any
+    ) -> Puback | Pubcomp | None:
+        """A PUBLISH with its whole flow: PUBACK (QoS 1), PUBREC-PUBREL-PUBCOMP (QoS 2); QoS 0 answers nothing."""
+        self.send(Publish(topic, payload, qos, packet_id=packet_id if qos else None, **fields))
+        if qos == 1:
+            puback = await self.packet(Puback)
+            assert puback.packet_id == packet_id
+            return puback
+        if qos == 2:
+            pubrec = await self.packet(Pubrec)
+            assert (pubrec.packet_id, pubrec.reason_code) == (packet_id, 0), pubrec
+            self.send(Pubrel(packet_id))
+            pubcomp = await self.packet(Pubcomp)
+            assert (pubcomp.packet_id, pubcomp.reason_code) == (packet_id, 0), pubcomp
+            return pubcomp
+        return None
+
+    async def message(self, qos: int | None = None) -> Publish:
+        """The next PUBLISH, acknowledged as its QoS asks (QoS 2 through to the PUBCOMP)."""
+        got = await self.packet(Publish)
+        if qos is not None:
+            assert got.qos == qos, got
+        if got.qos == 1:
+            assert got.packet_id is not None
+            self.send(Puback(got.packet_id))
+        elif got.qos == 2:
+            assert got.packet_id is not None
+            self.send(Pubrec(got.packet_id))
+            assert (await self.packet(Pubrel)).packet_id == got.packet_id
+            self.send(Pubcomp(got.packet_id))
+        return got
+
+    async def ended(self) -> None:
+        await eventually(lambda: self.wire.closed, "the connection closed")
+        self._read()
+
+    async def gone(self) -> None:
+        """The connection ends without a DISCONNECT (the socket closed)."""
+        self.session.connection_lost()
+        await self.session.wait_closed()
+        assert self.wire.closed
+
+    async def disconnect(self, reason_code: int = 0, properties: Properties = NO_PROPERTIES) -> None:
+        self.send(Disconnect(reason_code, properties))
+        await self.ended()
+        assert self.packets == []
+
+
+@pytest.fixture
+async def gw(tmp_path: Path) -> AsyncIterator[Gateway]:
+    async with gateway(tmp_path) as gw:
+        yield gw
+
+
+def persistent(expiry_s: int = 300) -> Properties:
+    return Properties(session_expiry_interval=expiry_s)
+
+
+# ---------------------------------------------------------------------------------------------- CONNECT
+
+
+async def test_a_v5_connect_is_accepted_with_the_gateways_limits(gw: Gateway) -> None:
+    c = gw.client()
+    connack = await c.connect("sensor-1", keep_alive=30)
+    assert (connack.session_present, connack.reason_code) == (False, 0)
+    assert connack.properties == Properties(
+        receive_maximum=1000, topic_alias_maximum=64, maximum_packet_size=8 * 1024 * 1024 + 64 * 1024
+    )
+    assert c.session.client_id == "sensor-1"
+    assert c.wire.logged_in_called
+    assert gw.counters.connections_total == 1
+    c.send(Pingreq())
+    await c.packet(Pingresp)
+    await c.disconnect()
+    assert gw.counters.refused == 0
+
+
+async def test_a_311_connect_has_no_properties_and_answers_pings(gw: Gateway) -> None:
+    c = gw.client(V311)
+    connack = await c.connect("old", keep_alive=60)
+    assert connack == Connack(session_present=False, reason_code=0)
+    c.send(Pingreq())
+    await c.packet(Pingresp)
+
+
+async def test_an_empty_client_id_is_assigned_one_in_v5(gw: Gateway) -> None:
+    c = gw.client()
+    connack = await c.connect("")
+    assigned = connack.properties.assigned_client_identifier
+    assert assigned is not None
+    assert assigned.startswith("auto-")
+    assert c.session.client_id == assigned
+
+
+async def test_an_empty_client_id_with_clean_session_0_is_refused_in_311(gw: Gateway) -> None:
+    c = gw.client(V311)
+    connack = await c.connect("", clean_start=False)
+    assert connack.reason_code == 2  # identifier rejected
+    await c.ended()
+    assert not c.wire.logged_in_called
+    assert gw.counters.refused == 1
+
+
+async def test_the_granted_terms_cap_the_expiry_and_keep_alive_and_give_response_information(tmp_path: Path) -> None:
+    async with gateway(tmp_path, max_session_expiry_s=10, max_keep_alive_s=20) as gw:
+        c = gw.client()
+        props = Properties(session_expiry_interval=3600, request_response_information=True)
+        connack = await c.connect("app", keep_alive=0, properties=props)
+        assert connack.properties.session_expiry_interval == 10
+        assert connack.properties.server_keep_alive == 20
+        assert connack.properties.response_information == "reply/app"
+        assert c.session.expiry_s == 10
+
+
+async def test_a_will_topic_the_core_cannot_hold_refuses_the_connect(gw: Gateway) -> None:
+    c = gw.client()
+    connack = await c.connect("w", will=Will("/".join("x" * 40), b"bye"))
+    assert connack.reason_code == rc.TOPIC_NAME_INVALID
+    assert connack.properties.reason_string is not None
+    await c.ended()
+
+
+async def test_a_connect_of_an_unsupported_version_gets_return_code_1(gw: Gateway) -> None:
+    c = gw.client(V311)
+    c.session.feed(bytes.fromhex("10 0c 00 04 4d 51 54 54 06 02 00 3c 00 00"))  # level 6
+    await c.ended()
+    assert c.packets == [Connack(session_present=False, reason_code=1)]
+
+
+async def test_a_client_that_never_connects_is_closed(tmp_path: Path) -> None:
+    async with gateway(tmp_path, connect_timeout_ms=30) as gw:
+        c = gw.client()
+        await c.ended()
+        assert c.packets == []
+
+
+async def test_packets_right_behind_the_connect_are_handled_after_the_connack(gw: Gateway) -> None:
+    c = gw.client()
+    c.send(Connect("eager"), Subscribe(1, (Subscription("a/b", 1),)), Pingreq())
+    assert (await c.packet(Connack)).reason_code == 0
+    assert (await c.packet(Pingresp)) == Pingresp()
+    assert (await c.packet(Suback)).reason_codes == (1,)
+
+
+async def test_a_bad_login_is_refused(tmp_path: Path) -> None:
+    async with gateway(tmp_path, users=[UserEntry("alice", "secret", ["app"])]) as gw:
+        c = gw.client()
+        connack = await c.connect("a", username="alice", password=b"wrong")
+        assert connack.reason_code == rc.BAD_USER_NAME_OR_PASSWORD
+        await c.ended()
+        old = gw.client(V311)
+        assert (await old.connect("a", username="alice", password=b"wrong")).reason_code == 4
+        good = gw.client()
+        assert (await good.connect("a", username="alice", password=b"secret")).reason_code == 0
+        assert good.session.user == "alice"
+        assert gw.counters.refused == 2
+
+
+async def test_a_password_that_is_not_utf8_is_a_bad_password(gw: Gateway) -> None:
+    c = gw.client()
+    connack = await c.connect("a", username="u", password=b"\xff\xfe")
+    assert connack.reason_code == rc.BAD_USER_NAME_OR_PASSWORD
+
+
+async def test_a_second_connection_of_a_client_id_takes_the_session_over(gw: Gateway) -> None:
+    first = await gw.connected("same")
+    second = gw.client()
+    assert (await second.connect("same")).reason_code == 0
+    assert (await first.packet(Disconnect)).reason_code == rc.SESSION_TAKEN_OVER
+    await first.ended()
+    assert gw.counters.takeovers == 1
+    # The newcomer keeps going.
+    await second.subscribe("t")
+    pub = await gw.connected("pub")
+    await pub.publish("t", b"still here")
+    assert (await second.message(1)).payload == b"still here"
+
+
+async def test_a_311_connection_taken_over_is_closed_without_a_packet(gw: Gateway) -> None:
+    first = await gw.connected("same", V311)
+    await gw.connected("same", V311)
+    await first.ended()
+    assert first.packets == []
+
+
+async def test_another_users_connect_cannot_take_a_bound_session(tmp_path: Path) -> None:
+    users = [UserEntry("alice", "a", ["app"]), UserEntry("bob", "b", ["app"])]
+    grants = [
+        PermissionEntry("#", p, ["app"])
+        for p in ("send", "consume", "createDurableQueue", "createNonDurableQueue", "deleteDurableQueue")
+    ]
+    async with gateway(tmp_path, users=users, permissions=grants) as gw:
+        alice = await gw.connected("phone", username="alice", password=b"a", properties=persistent())
+        bob = gw.client()
+        assert (await bob.connect("phone", username="bob", password=b"b")).reason_code == rc.NOT_AUTHORIZED
+        await bob.ended()
+        await alice.nothing()
+        assert not alice.wire.closed
+        # Once alice's connection is gone, her persistent session record still names her.
+        await alice.gone()
+        again = gw.client()
+        connack = await again.connect("phone", clean_start=False, username="bob", password=b"b")
+        assert connack.reason_code == rc.NOT_AUTHORIZED
+
+
+# ---------------------------------------------------------------------------------------------- publish & subscribe
+
+
+@pytest.mark.parametrize("version", [V311, V5])
+async def test_qos0_and_qos1_messages_reach_a_subscriber_at_the_lower_qos(gw: Gateway, version: int) -> None:
+    sub, pub = await gw.connected("sub", version), await gw.connected("pub", version)
+    assert (await sub.subscribe(Subscription("a/b", 1))).reason_codes == (1,)
+    await pub.publish("a/b", b"zero", qos=0)
+    assert await pub.publish("a/b", b"one", qos=1, packet_id=7) == Puback(7)
+    await pub.publish("a/b", b"two", qos=2, packet_id=8)
+    got = [await sub.message() for _ in range(3)]
+    assert [(m.payload, m.qos, m.retain, m.dup) for m in got] == [
+        (b"zero", 0, False, False),
+        (b"one", 1, False, False),
+        (b"two", 1, False, False),
+    ]
+    assert all(m.topic == "a/b" for m in got)
+    assert got[1].packet_id is not None
+    await sub.nothing()
+    assert gw.counters.messages_published == 3
+
+
+async def test_an_acknowledged_message_leaves_the_core_and_an_unacknowledged_one_stays(gw: Gateway) -> None:
+    sub, pub = await gw.connected("sub"), await gw.connected("pub")
+    await sub.subscribe(Subscription("q/1", 1))
+    (queue,) = gw.queues(convert.SUBSCRIPTION_PREFIX)
+    await pub.publish("q/1", b"x")
+    first = await sub.packet(Publish)
+    assert first.packet_id is not None
+    await settle()
+    held = gw.core.node.broker.queues[queue]
+    assert (len(held), held.in_flight) == (0, 1)  # delivered, not acknowledged
+    sub.send(Puback(first.packet_id))
+    await eventually(lambda: len(held) == 0 and held.in_flight == 0, "the ack reached the core")
+
+
+async def test_qos2_to_a_qos2_subscriber_runs_both_flows(gw: Gateway) -> None:
+    sub, pub = await gw.connected("sub"), await gw.connected("pub")
+    await sub.subscribe(Subscription("x", 2))
+    await pub.publish("x", b"exactly once", qos=2, packet_id=3)
+    got = await sub.packet(Publish)
+    assert (got.qos, got.payload) == (2, b"exactly once")
+    assert got.packet_id is not None
+    sub.send(Pubrec(got.packet_id))
+    assert await sub.packet(Pubrel) == Pubrel(got.packet_id)
+    sub.send(Pubcomp(got.packet_id))
+    await sub.nothing()
+
+
+async def test_a_qos2_publish_sent_again_before_its_pubrel_is_delivered_once(gw: Gateway) -> None:
+    sub, pub = await gw.connected("sub"), await gw.connected("pub")
+    await sub.subscribe(Subscription("d", 2))
+    pub.send(Publish("d", b"once", 2, packet_id=5))
+    assert (await pub.packet(Pubrec)).packet_id == 5
+    pub.send(Publish("d", b"once", 2, dup=True, packet_id=5))
+    assert (await pub.packet(Pubrec)).packet_id == 5  # repeated by the codec
+    pub.send(Pubrel(5))
+    assert await pub.packet(Pubcomp) == Pubcomp(5)
+    assert (await sub.message(2)).payload == b"once"
+    await sub.nothing()
+
+
+async def test_a_pubrel_of_an_unknown_packet_id_is_answered_not_found(gw: Gateway) -> None:
+    c = await gw.connected("c")
+    c.send(Pubrel(42))
+    assert await c.packet(Pubcomp) == Pubcomp(42, rc.PACKET_IDENTIFIER_NOT_FOUND)
+
+
+async def test_a_qos1_publish_sent_again_while_unanswered_is_published_once(gw: Gateway) -> None:
+    sub, pub = await gw.connected("sub"), await gw.connected("pub")
+    await sub.subscribe("dup")
+    pub.send(Publish("dup", b"1", 1, packet_id=9), Publish("dup", b"1", 1, dup=True, packet_id=9))
+    assert await pub.packet(Puback) == Puback(9)
+    assert (await sub.message(1)).payload == b"1"
+    await pub.nothing()
+    await sub.nothing()
+
+
+async def test_wildcards_match_levels_but_not_dollar_topics(gw: Gateway) -> None:
+    plus, hash_, all_, pub = [await gw.connected(n) for n in ("plus", "hash", "all", "pub")]
+    await plus.subscribe(Subscription("a/+/c", 0))
+    await hash_.subscribe(Subscription("a/#", 0))
+    await all_.subscribe(Subscription("#", 1))
+    for topic in ("a/b/c", "a", "a/b/d", "$SYS/x", "$app/x"):
+        await pub.publish(topic, topic.encode())
+    assert (await plus.message()).topic == "a/b/c"
+    assert [(await hash_.message()).topic for _ in range(3)] == ["a/b/c", "a", "a/b/d"]
+    assert [(await all_.message()).topic for _ in range(3)] == ["a/b/c", "a", "a/b/d"]
+    for c in (plus, hash_, all_):
+        await c.nothing()
+
+
+async def test_topics_with_characters_the_core_gives_a_meaning_go_both_ways(gw: Gateway) -> None:
+    sub, pub = await gw.connected("sub"), await gw.connected("pub")
+    await sub.subscribe("a.b/*/%/")
+    await pub.publish("a.b/*/%/", b"odd")
+    assert (await sub.message()).topic == "a.b/*/%/"
+
+
+async def test_filters_the_core_cannot_hold_are_refused_in_the_suback(gw: Gateway) -> None:
+    c = await gw.connected("c")
+    deep = "/".join("l" * 40)
+    suback = await c.subscribe(Subscription("ok", 2), Subscription("a/#/b", 0), Subscription(deep, 1))
+    assert suback.reason_codes == (2, rc.TOPIC_FILTER_INVALID, rc.TOPIC_FILTER_INVALID)
+    old = await gw.connected("old", V311)
+    assert (await old.subscribe(Subscription("a/#/b", 0))).reason_codes == (0x80,)
+
+
+async def test_a_shared_subscription_splits_the_messages_between_its_members(gw: Gateway) -> None:
+    a, b, pub = await gw.connected("a"), await gw.connected("b"), await gw.connected("pub")
+    assert (await a.subscribe("$share/g/jobs/+")).reason_codes == (1,)
+    assert (await b.subscribe("$share/g/jobs/+")).reason_codes == (1,)
+    assert len(gw.queues(convert.SHARED_PREFIX)) == 1
+    for n in range(6):
+        await pub.publish("jobs/x", str(n).encode(), packet_id=n + 1)
+
+    got: dict[str, list[bytes]] = {"a": [], "b": []}
+
+    def take() -> bool:
+        for name, c in (("a", a), ("b", b)):
+            c._read()
+            while c.packets:
+                message = c.packets.pop(0)
+                assert isinstance(message, Publish)
+                assert message.packet_id is not None
+                got[name].append(message.payload)
+                c.send(Puback(message.packet_id))
+        return len(got["a"]) + len(got["b"]) == 6
+
+    await eventually(take, "the six messages")
+    await a.nothing()
+    await b.nothing()
+    assert sorted(got["a"] + got["b"]) == [str(n).encode() for n in range(6)]
+    # The group's queue stays while a member is left.
+    await a.unsubscribe("$share/g/jobs/+")
+    assert len(gw.queues(convert.SHARED_PREFIX)) == 1
+
+
+async def test_no_local_on_a_shared_subscription_is_a_protocol_error(gw: Gateway) -> None:
+    c = await gw.connected("c")
+    c.send(Subscribe(1, (Subscription("$share/g/t", 1, no_local=True),)))
+    assert (await c.packet(Disconnect)).reason_code == rc.PROTOCOL_ERROR
+    await c.ended()
+    assert gw.counters.protocol_errors == 1
+
+
+async def test_a_subscription_identifier_comes_with_each_message(gw: Gateway) -> None:
+    sub, pub = await gw.connected("sub"), await gw.connected("pub")
+    await sub.subscribe(Subscription("s/1", 1), sid=7)
+    await sub.subscribe(Subscription("s/+", 0), packet_id=2, sid=9)
+    await pub.publish("s/1", b"m", qos=1)
+    got = sorted([(await sub.message()).properties.subscription_identifiers for _ in range(2)])
+    assert got == [(7,), (9,)]
+
+
+async def test_no_local_keeps_a_clients_own_messages_from_it(gw: Gateway) -> None:
+    me, other = await gw.connected("me"), await gw.connected("other")
+    await me.subscribe(Subscription("chat", 1, no_local=True))
+    await me.publish("chat", b"mine")
+    await other.publish("chat", b"theirs")
+    assert (await me.message()).payload == b"theirs"
+    await me.nothing()
+
+
+async def test_retain_as_published_keeps_the_retain_flag_of_live_messages(gw: Gateway) -> None:
+    keep, plain, pub = await gw.connected("keep"), await gw.connected("plain"), await gw.connected("pub")
+    await keep.subscribe(Subscription("r", 1, retain_as_published=True))
+    await plain.subscribe(Subscription("r", 1))
+    await pub.publish("r", b"live", retain=True)
+    assert (await keep.message()).retain is True
+    assert (await plain.message()).retain is False
+
+
+async def test_retained_messages_are_set_sent_on_subscribe_and_cleared(gw: Gateway) -> None:
+    pub = await gw.connected("pub")
+    await pub.publish("home/temp", b"21", retain=True)
+    await pub.publish("home/hum", b"40", qos=0, retain=True)
+    await pub.publish("office/temp", b"19", qos=2, retain=True)
+    sub = await gw.connected("sub")
+    await sub.subscribe(Subscription("home/+", 1))
+    got = sorted([(m.topic, m.payload, m.qos, m.retain) for m in [await sub.message() for _ in range(2)]])
+    assert got == [("home/hum", b"40", 0, True), ("home/temp", b"21", 1, True)]
+    await sub.nothing()
+    await pub.publish("home/temp", b"", retain=True)  # clears it, and is delivered live as empty
+    live = await sub.message()
+    assert (live.topic, live.payload, live.retain) == ("home/temp", b"", False)
+    late = await gw.connected("late")
+    await late.subscribe(Subscription("home/temp", 1), Subscription("office/#", 2))
+    office = await late.message()
+    assert (office.topic, office.payload, office.qos, office.retain) == ("office/temp", b"19", 2, True)
+    await late.nothing()
+
+
+async def test_retain_handling_decides_whether_a_subscribe_gets_the_retained_messages(gw: Gateway) -> None:
+    pub = await gw.connected("pub")
+    await pub.publish("rh", b"kept", retain=True)
+    c = await gw.connected("c")
+    await c.subscribe(Subscription("rh", 1, retain_handling=2))
+    await c.nothing()
+    await c.subscribe(Subscription("rh", 1, retain_handling=1), packet_id=2)  # not new: none
+    await c.nothing()
+    await c.subscribe(Subscription("rh", 1, retain_handling=0), packet_id=3)  # always
+    assert (await c.message()).payload == b"kept"
+    other = await gw.connected("other")
+    await other.subscribe(Subscription("rh", 0, retain_handling=1))  # new
+    assert (await other.message()).payload == b"kept"
+    shared = await gw.connected("shared")
+    await shared.subscribe(Subscription("$share/g/rh", 1))
+    await shared.nothing()
+
+
+async def test_unsubscribe_stops_the_messages_and_drops_the_queue(gw: Gateway) -> None:
+    sub, pub = await gw.connected("sub"), await gw.connected("pub")
+    await sub.subscribe("u/1")
+    assert len(gw.queues(convert.SUBSCRIPTION_PREFIX)) == 1
+    unsuback = await sub.unsubscribe("u/1", "never/subscribed")
+    assert unsuback.reason_codes == (0, rc.NO_SUBSCRIPTION_EXISTED)
+    await eventually(lambda: not gw.queues(convert.SUBSCRIPTION_PREFIX), "the queue dropped")
+    await pub.publish("u/1", b"x")
+    await sub.nothing()
+    old = await gw.connected("old", V311)
+    await old.subscribe("u/2")
+    assert await old.unsubscribe("u/2") == Unsuback(2)
+
+
+async def test_a_qos0_subscription_subscribed_again_at_qos1_gets_acknowledged_messages(gw: Gateway) -> None:
+    sub, pub = await gw.connected("sub"), await gw.connected("pub")
+    await sub.subscribe(Subscription("up", 0))
+    assert (await sub.subscribe(Subscription("up", 1), packet_id=2)).reason_codes == (1,)
+    await pub.publish("up", b"now qos 1")
+    assert (await sub.message(1)).payload == b"now qos 1"
+    # And down again: the queue is kept, its messages come at QoS 0.
+    assert (await sub.subscribe(Subscription("up", 0), packet_id=3)).reason_codes == (0,)
+    await pub.publish("up", b"qos 0 again")
+    assert (await sub.message(0)).payload == b"qos 0 again"
+
+
+# ---------------------------------------------------------------------------------------------- flow control
+
+
+async def test_the_clients_receive_maximum_bounds_the_messages_in_flight(gw: Gateway) -> None:
+    sub = gw.client()
+    await sub.connect("slow", properties=Properties(receive_maximum=2))
+    await sub.subscribe(Subscription("rm", 1))
+    pub = await gw.connected("pub")
+    for n in range(4):
+        await pub.publish("rm", str(n).encode(), packet_id=n + 1)
+    first, second = await sub.packet(Publish), await sub.packet(Publish)
+    assert (first.payload, second.payload) == (b"0", b"1")
+    await sub.nothing()
+    assert first.packet_id is not None
+    sub.send(Puback(first.packet_id))
+    assert (await sub.packet(Publish)).payload == b"2"
+    await sub.nothing()
+
+
+async def test_more_qos2_messages_than_the_receive_maximum_is_a_protocol_error(tmp_path: Path) -> None:
+    async with gateway(tmp_path, receive_maximum=2) as gw:
+        c = gw.client()
+        assert (await c.connect("c")).properties.receive_maximum == 2
+        c.send(*(Publish("t", b"x", 2, packet_id=n) for n in (1, 2, 3)))
+        assert [(await c.packet(Pubrec)).packet_id for _ in range(2)] == [1, 2]
+        assert (await c.packet(Disconnect)).reason_code == 0x93
+        await c.ended()
+
+
+async def test_a_client_that_stops_reading_gets_its_messages_once_it_reads_again(gw: Gateway) -> None:
+    sub, pub = await gw.connected("sub"), await gw.connected("pub")
+    await sub.subscribe(Subscription("slow/1", 1), Subscription("slow/0", 0), packet_id=1)
+    sub.wire.stall()
+    for n in range(3):
+        await pub.publish("slow/1", str(n).encode(), packet_id=n + 1)
+        await pub.publish("slow/0", str(n).encode(), qos=0)
+    await sub.nothing()
+    sub.wire.drain()
+    got = sorted([((m := await sub.message()).topic, m.payload) for _ in range(6)])
+    assert got == sorted([(f"slow/{q}", str(n).encode()) for q in (0, 1) for n in range(3)])
+
+
+async def test_a_message_too_large_for_the_client_is_dropped_as_if_sent(gw: Gateway) -> None:
+    sub = gw.client()
+    await sub.connect("small", properties=Properties(maximum_packet_size=64))
+    await sub.subscribe(Subscription("big", 1), Subscription("big0", 0))
+    pub = await gw.connected("pub")
+    await pub.publish("big", b"x" * 100)
+    await pub.publish("big0", b"y" * 100, qos=0)
+    await pub.publish("big", b"fits", packet_id=2)
+    assert (await sub.message()).payload == b"fits"
+    await sub.nothing()
+
+
+# ---------------------------------------------------------------------------------------------- 5.0 message features
+
+
+async def test_topic_aliases_name_the_topic_of_later_publishes(gw: Gateway) -> None:
+    sub, pub = await gw.connected("sub"), await gw.connected("pub")
+    await sub.subscribe(Subscription("long/topic/name", 0))
+    await pub.publish("long/topic/name", b"1", qos=0, properties=Properties(topic_alias=3))
+    await pub.publish("", b"2", qos=1, properties=Properties(topic_alias=3))
+    assert [(m.topic, m.payload) for m in [await sub.message() for _ in range(2)]] == [
+        ("long/topic/name", b"1"),
+        ("long/topic/name", b"2"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("packets", "reason_code"),
+    [
+        ([Publish("t", b"", 0, properties=Properties(topic_alias=65))], 0x94),
+        ([Publish("", b"", 0, properties=Properties(topic_alias=2))], rc.PROTOCOL_ERROR),
+        ([Publish("t", b"\xff", 1, packet_id=1, properties=Properties(payload_format_indicator=1))], 0x99),
+        ([Publish("t", b"\xff", 0, properties=Properties(payload_format_indicator=1))], 0x99),
+        ([Publish("t", b"\xff", 2, packet_id=1, properties=Properties(payload_format_indicator=1))], 0x99),
+        ([Publish("/".join("z" * 40), b"", 0)], rc.TOPIC_NAME_INVALID),
+        ([Publish("/".join("z" * 40), b"", 1, packet_id=1)], rc.TOPIC_NAME_INVALID),
+        ([Publish("/".join("z" * 40), b"", 2, packet_id=1)], rc.TOPIC_NAME_INVALID),
+        ([Publish("t", b"", 1, packet_id=1), Pubrel(1)], rc.PROTOCOL_ERROR),  # a PUBREL before its PUBREC
+        ([Publish("t", b"", 2, packet_id=1), Publish("t", b"", 1, packet_id=1)], rc.PROTOCOL_ERROR),  # id in use
+        ([Auth()], rc.PROTOCOL_ERROR),
+        ([Connect("again")], rc.PROTOCOL_ERROR),
+        ([Suback(1, (0,))], rc.PROTOCOL_ERROR),
+    ],
+)
+async def test_protocol_violations_end_a_v5_connection_with_their_reason_code_and_send_the_will(
+    gw: Gateway, packets: list[Packet], reason_code: int
+) -> None:
+    watcher = await gw.connected("watcher")
+    await watcher.subscribe(Subscription("wills/c", 1))
+    c = await gw.connected("c", will=Will("wills/c", b"broke the protocol"))
+    c.send(*packets)
+    answered = packets[0] if len(packets) > 1 else None  # the packet before the violation is answered first
+    if isinstance(answered, Publish):
+        ack: Puback | Pubrec = await (c.packet(Puback) if answered.qos == 1 else c.packet(Pubrec))
+        assert ack.packet_id == answered.packet_id
+    disconnect = await c.packet(Disconnect)
+    assert disconnect.reason_code == reason_code
+    assert disconnect.properties.reason_string is not None or reason_code in (0x94, rc.PROTOCOL_ERROR)
+    await c.ended()
+    assert c.packets == []
+    assert gw.counters.protocol_errors == 1
+    assert (await watcher.message()).payload == b"broke the protocol"
+
+
+async def test_a_protocol_violation_ends_a_311_connection_without_a_packet_after_what_came_before(
+    gw: Gateway,
+) -> None:
+    c = await gw.connected("c", V311)
+    c.send(Publish("ok", b"", 1, packet_id=1))
+    c.session.feed(b"\xf0\x00")  # reserved packet type 15
+    assert await c.packet(Puback) == Puback(1)
+    await c.ended()
+    assert c.packets == []
+
+
+async def test_message_properties_pass_through_and_the_expiry_counts_down(gw: Gateway) -> None:
+    sub, pub = await gw.connected("sub"), await gw.connected("pub")
+    await sub.subscribe(Subscription("p", 1))
+    props = Properties(
+        payload_format_indicator=1,
+        message_expiry_interval=60,
+        content_type="text/plain",
+        response_topic="replies/me",
+        correlation_data=b"\x01\x02",
+        user_properties=(("k", "v"), ("k", "w")),
+    )
+    await pub.publish("p", b"hello", properties=props)
+    got = (await sub.message()).properties
+    assert got.message_expiry_interval in (59, 60)
+    assert dataclasses.replace(got, message_expiry_interval=60) == props
+
+
+async def test_an_expired_message_is_not_delivered(gw: Gateway) -> None:
+    sub, pub = await gw.connected("sub"), await gw.connected("pub")
+    await sub.subscribe(Subscription("e", 1))
+    sub.wire.stall()
+    await pub.publish("e", b"short-lived", properties=Properties(message_expiry_interval=1))
+    await pub.publish("e", b"lasting", packet_id=2)
+    await asyncio.sleep(1.05)
+    sub.wire.drain()
+    assert (await sub.message()).payload == b"lasting"
+    await sub.nothing()
+
+
+async def test_messages_of_other_protocols_reach_v5_subscribers_with_user_properties(gw: Gateway) -> None:
+    sub = await gw.connected("sub")
+    await sub.subscribe(Subscription("from/stomp", 2))
+    admin = await gw.core.admin()
+    try:
+        message = new_message(
+            "from.stomp", b"cross", routing=RoutingType.MULTICAST, durable=True, properties={"color": "red"}
+        )
+        await admin.publish(message)
+    finally:
+        await admin.close()
+    got = await sub.message(1)  # durable: QoS 1
+    assert (got.topic, got.payload, got.properties.user_properties) == ("from/stomp", b"cross", (("color", "red"),))
+
+
+# ---------------------------------------------------------------------------------------------- persistent sessions
+
+
+async def test_a_persistent_session_keeps_qos1_messages_while_away(gw: Gateway) -> None:
+    c = await gw.connected("dev", properties=persistent())
+    await c.subscribe(Subscription("cmd/+", 1), Subscription("cmd0", 0))
+    await c.disconnect()
+    pub = await gw.connected("pub")
+    await pub.publish("cmd/a", b"while away")
+    await pub.publish("cmd0", b"qos0 while away", qos=0)
+    back = gw.client()
+    connack = await back.connect("dev", clean_start=False, properties=persistent())
+    assert connack.session_present is True
+    got = sorted([(await back.message()).payload for _ in range(2)])
+    assert got == [b"qos0 while away", b"while away"]
+    # A clean start ends it: the next connection has no session and no subscriptions.
+    await back.disconnect()
+    fresh = gw.client()
+    assert (await fresh.connect("dev", clean_start=True, properties=persistent())).session_present is False
+    await pub.publish("cmd/a", b"after the end")
+    await fresh.nothing()
+    assert not gw.queues(convert.subscription_queue("dev", "cmd/+"))
+
+
+async def test_a_311_session_with_clean_session_0_is_resumed_with_session_present(gw: Gateway) -> None:
+    c = await gw.connected("old", V311, clean_start=False)
+    assert c.session.expiry_s == 7 * 24 * 3600
+    await c.subscribe(Subscription("o", 1))
+    await c.disconnect()
+    pub = await gw.connected("pub")
+    await pub.publish("o", b"kept")
+    back = gw.client(V311)
+    assert (await back.connect("old", clean_start=False)).session_present is True
+    assert (await back.message(1)).payload == b"kept"
+
+
+async def test_an_unacknowledged_message_comes_again_with_dup_and_its_packet_id(gw: Gateway) -> None:
+    c = await gw.connected("dev", properties=persistent())
+    await c.subscribe(Subscription("r", 1))
+    pub = await gw.connected("pub")
+    await pub.publish("r", b"unacked")
+    first = await c.packet(Publish)
+    assert first.dup is False
+    await c.gone()
+    back = gw.client()
+    assert (await back.connect("dev", clean_start=False, properties=persistent())).session_present
+    again = await back.message()
+    assert (again.payload, again.dup, again.packet_id) == (b"unacked", True, first.packet_id)
+
+
+async def test_a_qos2_message_whose_pubrec_was_recorded_is_released_not_sent_again(gw: Gateway) -> None:
+    c = await gw.connected("dev", properties=persistent())
+    await c.subscribe(Subscription("q2", 2))
+    pub = await gw.connected("pub")
+    await pub.publish("q2", b"once", qos=2)
+    got = await c.packet(Publish)
+    assert got.packet_id is not None
+    c.send(Pubrec(got.packet_id))
+    assert await c.packet(Pubrel) == Pubrel(got.packet_id)
+    await c.gone()  # before the PUBCOMP
+    back = gw.client()
+    assert (await back.connect("dev", clean_start=False, properties=persistent())).session_present
+    assert await back.packet(Pubrel) == Pubrel(got.packet_id)
+    back.send(Pubcomp(got.packet_id))
+    await back.nothing()
+    await eventually(lambda: not back.session.state.released_out, "the record forgot the packet id")
+
+
+async def test_a_qos2_publish_retried_after_a_reconnect_is_published_once(gw: Gateway) -> None:
+    sub = await gw.connected("sub")
+    await sub.subscribe(Subscription("x2", 2))
+    c = await gw.connected("dev", properties=persistent())
+    c.send(Publish("x2", b"exactly once", 2, packet_id=11))
+    assert (await c.packet(Pubrec)).packet_id == 11
+    await c.gone()  # the PUBREC is taken as lost
+    back = gw.client()
+    assert (await back.connect("dev", clean_start=False, properties=persistent())).session_present
+    back.send(Publish("x2", b"exactly once", 2, dup=True, packet_id=11))
+    assert (await back.packet(Pubrec)).packet_id == 11
+    back.send(Pubrel(11))
+    assert await back.packet(Pubcomp) == Pubcomp(11)
+    assert (await sub.message(2)).payload == b"exactly once"
+    await sub.nothing()
+
+
+async def test_a_disconnect_may_end_a_persistent_session(gw: Gateway) -> None:
+    c = await gw.connected("dev", properties=persistent())
+    await c.subscribe("gone/soon")
+    await c.disconnect(properties=Properties(session_expiry_interval=0))
+    await eventually(lambda: not gw.queues(convert.session_queue("dev")), "the session queue dropped")
+    assert not gw.queues(convert.subscription_queue("dev", "gone/soon"))
+    back = gw.client()
+    assert (await back.connect("dev", clean_start=False)).session_present is False
+
+
+async def test_a_disconnect_may_lengthen_a_persistent_session(gw: Gateway) -> None:
+    c = await gw.connected("dev", properties=persistent(60))
+    await c.subscribe("kept")
+    await c.disconnect(properties=Properties(session_expiry_interval=600))
+    back = gw.client()
+    assert (await back.connect("dev", clean_start=False)).session_present is True
+
+
+async def test_resuming_with_expiry_0_gets_the_queued_messages_and_ends_the_session(gw: Gateway) -> None:
+    c = await gw.connected("dev", properties=persistent())
+    await c.subscribe("last/call")
+    await c.disconnect()
+    pub = await gw.connected("pub")
+    await pub.publish("last/call", b"waiting")
+    once = gw.client()
+    assert (await once.connect("dev", clean_start=False)).session_present is True
+    assert (await once.message()).payload == b"waiting"
+    await once.disconnect()
+    await eventually(lambda: not gw.queues(convert.subscription_queue("dev", "last/call")), "the queue dropped")
+    again = gw.client()
+    assert (await again.connect("dev", clean_start=False)).session_present is False
+
+
+async def test_the_session_record_keeps_the_subscriptions_and_their_options(gw: Gateway) -> None:
+    c = await gw.connected("dev", properties=persistent())
+    await c.subscribe(Subscription("opts", 2, no_local=True, retain_as_published=True), sid=5)
+    state = await gw.registry.open_session("dev")
+    assert isinstance(state, SessionState)
+    assert state.subscriptions["opts"].qos == 2
+    assert (state.subscriptions["opts"].no_local, state.subscriptions["opts"].retain_as_published) == (True, True)
+    assert state.subscriptions["opts"].subscription_id == 5
+    assert state.user == ""
+    assert SessionState.decode(state.encode()) == state
+
+
+# ---------------------------------------------------------------------------------------------- wills
+
+
+async def test_a_will_is_published_when_the_connection_ends_without_disconnect(gw: Gateway) -> None:
+    watcher = await gw.connected("watcher")
+    await watcher.subscribe(Subscription("status/#", 1))
+    c = await gw.connected("dev", will=Will("status/dev", b"offline", qos=1, properties=Properties(content_type="t")))
+    await c.gone()
+    will = await watcher.message()
+    assert (will.topic, will.payload, will.properties.content_type) == ("status/dev", b"offline", "t")
+
+
+async def test_a_disconnect_discards_the_will_unless_its_reason_is_0x04(gw: Gateway) -> None:
+    watcher = await gw.connected("watcher")
+    await watcher.subscribe(Subscription("status/#", 1))
+    polite = await gw.connected("polite", will=Will("status/polite", b"never"))
+    await polite.disconnect()
+    asked = await gw.connected("asked", will=Will("status/asked", b"sent anyway"))
+    await asked.disconnect(0x04)
+    assert (await watcher.message()).payload == b"sent anyway"
+    await watcher.nothing()
+
+
+async def test_a_disconnect_setting_an_expiry_after_0_is_an_error_and_keeps_the_will(gw: Gateway) -> None:
+    watcher = await gw.connected("watcher")
+    await watcher.subscribe(Subscription("status/#", 1))
+    c = await gw.connected("dev", will=Will("status/dev", b"kept"))
+    await c.disconnect(properties=Properties(session_expiry_interval=60))
+    assert gw.counters.protocol_errors == 1
+    assert (await watcher.message()).payload == b"kept"
+
+
+async def test_a_delayed_will_waits_and_a_clean_start_publishes_it_at_once(gw: Gateway) -> None:
+    watcher = await gw.connected("watcher")
+    await watcher.subscribe(Subscription("status/#", 1))
+    will = Will("status/dev", b"late", properties=Properties(will_delay_interval=60))
+    c = await gw.connected("dev", will=will, properties=persistent())
+    await c.gone()
+    await watcher.nothing()
+    await gw.connected("dev", clean_start=True)
+    assert (await watcher.message()).payload == b"late"
+
+
+async def test_a_delayed_will_is_cancelled_by_a_reconnect(gw: Gateway) -> None:
+    watcher = await gw.connected("watcher")
+    await watcher.subscribe(Subscription("status/#", 1))
+    will = Will("status/dev", b"late", properties=Properties(will_delay_interval=60))
+    c = await gw.connected("dev", will=will, properties=persistent())
+    await c.gone()
+    back = await gw.connected("dev", clean_start=False, properties=persistent())
+    await back.disconnect()
+    await watcher.nothing()
+
+
+async def test_a_silent_client_is_disconnected_after_its_keep_alive_and_its_will_sent(gw: Gateway) -> None:
+    watcher = await gw.connected("watcher")
+    await watcher.subscribe(Subscription("status/#", 1))
+    c = await gw.connected("quiet", keep_alive=1, will=Will("status/quiet", b"timed out"))
+    started = time.monotonic()
+    assert (await c.packet(Disconnect)).reason_code == 0x8D
+    assert time.monotonic() - started >= 1.0  # not before 1.5 keep-alive periods of silence (less the connect)
+    await c.ended()
+    assert (await watcher.message()).payload == b"timed out"
+
+
+# ---------------------------------------------------------------------------------------------- permissions
+
+
+def app_grants(*permissions: str, match: str = "allowed.#") -> list[PermissionEntry]:
+    return [PermissionEntry(match, permission, ["app"]) for permission in permissions]
+
+
+async def test_refused_publishes_get_0x87_in_v5_and_close_a_311_connection(tmp_path: Path) -> None:
+    grants = app_grants("send", "consume", "createNonDurableQueue", "createAddress")
+    async with gateway(tmp_path, users=[UserEntry("alice", "a", ["app"])], permissions=grants) as gw:
+        login: dict[str, Any] = {"username": "alice", "password": b"a"}
+        c = await gw.connected("c", **login)
+        assert await c.publish("allowed/x", b"ok") == Puback(1)
+        c.send(Publish("secret", b"no", 1, packet_id=2))
+        refused = await c.packet(Puback)
+        assert (refused.packet_id, refused.reason_code) == (2, rc.NOT_AUTHORIZED)
+        c.send(Publish("secret", b"no", 2, packet_id=3))
+        refused_rec = await c.packet(Pubrec)
+        assert (refused_rec.packet_id, refused_rec.reason_code) == (3, rc.NOT_AUTHORIZED)
+        await c.publish("secret", b"dropped", qos=0)  # only logged
+        assert await c.publish("allowed/y", b"still connected", packet_id=4) == Puback(4)
+        old = await gw.connected("old", V311, **login)
+        old.send(Publish("secret", b"no", 1, packet_id=1))
+        await old.ended()
+        assert old.packets == []
+
+
+async def test_refused_subscriptions_get_0x87_in_v5_and_0x80_in_311(tmp_path: Path) -> None:
+    grants = app_grants("consume", "createNonDurableQueue", "createDurableQueue", "createAddress")
+    async with gateway(tmp_path, users=[UserEntry("alice", "a", ["app"])], permissions=grants) as gw:
+        login: dict[str, Any] = {"username": "alice", "password": b"a"}
+        c = await gw.connected("c", **login)
+        suback = await c.subscribe(Subscription("allowed/a", 1), Subscription("secret/a", 1), Subscription("#", 0))
+        assert suback.reason_codes == (1, rc.NOT_AUTHORIZED, rc.NOT_AUTHORIZED)
+        old = await gw.connected("old", V311, **login)
+        assert (await old.subscribe(Subscription("secret/b", 0))).reason_codes == (0x80,)
+
+
+# ---------------------------------------------------------------------------------------------- the end
+
+
+async def test_a_gateway_shutting_down_tells_v5_clients(gw: Gateway) -> None:
+    c = await gw.connected("c")
+    c.session.shutdown()
+    assert (await c.packet(Disconnect)).reason_code == rc.SERVER_SHUTTING_DOWN
+    await c.ended()
+    other = await gw.connected("other")
+    other.session.shutdown(unavailable=True)
+    assert (await other.packet(Disconnect)).reason_code == rc.SERVER_UNAVAILABLE
+
+
+async def test_the_end_of_a_clean_session_drops_its_queues_and_lock(gw: Gateway) -> None:
+    c = await gw.connected("short")
+    await c.subscribe(Subscription("a", 1), Subscription("b", 2))
+    assert len(gw.queues(convert.SUBSCRIPTION_PREFIX)) == 2
+    assert gw.queues(convert.lock_queue("short"))
+    await c.disconnect()
+    await eventually(lambda: not gw.queues(convert.SUBSCRIPTION_PREFIX), "the subscription queues dropped")
+    await eventually(lambda: not gw.queues(convert.lock_queue("short")), "the lock dropped")
+    assert not gw.queues(convert.session_queue("short"))
+
+
+async def test_eof_from_the_client_ends_the_session_and_later_bytes_are_ignored(gw: Gateway) -> None:
+    c = await gw.connected("c")
+    c.session.feed(b"")
+    await c.ended()
+    c.send(Pingreq())
+    await c.nothing()
+
+
+async def test_the_clients_receive_maximum_holds_messages_of_all_its_subscriptions_back(gw: Gateway) -> None:
+    sub = gw.client()
+    await sub.connect("slow", properties=Properties(receive_maximum=2))
+    await sub.subscribe(Subscription("rm/1", 1), Subscription("rm/2", 2))
+    pub = await gw.connected("pub")
+    for n, topic in enumerate(("rm/1", "rm/2", "rm/1", "rm/2")):
+        await pub.publish(topic, str(n).encode(), packet_id=n + 1)
+    first, second = await sub.packet(Publish), await sub.packet(Publish)
+    await sub.nothing()  # two in flight: the others wait, parked or in the core
+    for got in (first, second):
+        assert got.packet_id is not None
+        if got.qos == 1:
+            sub.send(Puback(got.packet_id))
+        else:
+            sub.send(Pubrec(got.packet_id))
+            assert await sub.packet(Pubrel) == Pubrel(got.packet_id)
+            sub.send(Pubcomp(got.packet_id))
+    rest = sorted([(await sub.message()).payload for _ in range(2)])
+    assert sorted([first.payload, second.payload, *rest]) == [b"0", b"1", b"2", b"3"]
+
+
+async def test_a_pubrec_refusing_a_message_ends_its_flow(gw: Gateway) -> None:
+    sub = gw.client()
+    await sub.connect("refuser", properties=Properties(receive_maximum=1))
+    await sub.subscribe(Subscription("no/thanks", 2))
+    pub = await gw.connected("pub")
+    await pub.publish("no/thanks", b"refused", qos=2, packet_id=1)
+    await pub.publish("no/thanks", b"next", qos=2, packet_id=2)
+    refused = await sub.packet(Publish)
+    assert refused.packet_id is not None
+    assert refused.payload == b"refused"
+    sub.send(Pubrec(refused.packet_id, 0x80))
+    assert (await sub.message(2)).payload == b"next"  # the window is free again, nothing to release
+    await sub.nothing()
+
+
+async def test_a_disconnect_with_the_expiry_in_force_changes_nothing(gw: Gateway) -> None:
+    c = await gw.connected("dev", properties=persistent(60))
+    await c.subscribe("same")
+    await c.disconnect(properties=Properties(session_expiry_interval=60))
+    assert (await gw.client().connect("dev", clean_start=False)).session_present is True
+
+
+async def test_a_takeover_notice_in_the_lock_queue_ends_the_connection(gw: Gateway) -> None:
+    c = await gw.connected("noticed")
+    admin = await gw.core.admin()
+    try:
+        notice = new_message(
+            convert.lock_queue("noticed"), b"", routing=RoutingType.ANYCAST, properties={"takeover": "another-node"}
+        )
+        await admin.publish(notice)
+    finally:
+        await admin.close()
+    assert (await c.packet(Disconnect)).reason_code == rc.SESSION_TAKEN_OVER
+    await c.ended()
+    assert gw.counters.takeovers == 1
+
+
+async def test_a_session_still_held_past_the_takeover_timeout_refuses_the_newcomer(tmp_path: Path) -> None:
+    async with gateway(tmp_path, takeover_timeout_ms=0) as gw:
+        first = await gw.connected("busy")
+        second = gw.client()
+        assert (await second.connect("busy")).reason_code == rc.SERVER_BUSY
+        await second.ended()
+        old = gw.client(V311)
+        assert (await old.connect("busy")).reason_code == 3
+        await first.nothing()
+        assert not first.wire.closed
+
+
+async def test_a_session_queue_without_its_record_is_a_new_session(gw: Gateway) -> None:
+    admin = await gw.core.admin()
+    try:
+        await admin.create_queue(convert.session_queue("orphan"), routing_type=RoutingType.ANYCAST, durable=True)
+    finally:
+        await admin.close()
+    c = gw.client()
+    assert (await c.connect("orphan", clean_start=False, properties=persistent())).session_present is False
+
+
+async def test_an_unreadable_session_record_starts_an_empty_session(gw: Gateway) -> None:
+    admin = await gw.core.admin()
+    try:
+        name = convert.session_queue("garbled")
+        await admin.create_queue(name, routing_type=RoutingType.ANYCAST, durable=True, last_value_key="")
+        await admin.publish(new_message(name, b"\xc1 not msgpack", routing=RoutingType.ANYCAST, durable=True))
+    finally:
+        await admin.close()
+    c = gw.client()
+    assert (await c.connect("garbled", clean_start=False, properties=persistent())).reason_code == 0
+    assert c.session.state.subscriptions == {}
+    await c.subscribe("works")
+
+
+async def test_a_subscription_whose_queue_the_core_deletes_ends_the_connection(gw: Gateway) -> None:
+    c = await gw.connected("c")
+    await c.subscribe(Subscription("doomed", 1))
+    (name,) = gw.queues(convert.SUBSCRIPTION_PREFIX)
+    broker = gw.core.node.broker
+    broker.catalog.delete_queue(broker.queues[name], int(time.time() * 1000))
+    assert (await c.packet(Disconnect)).reason_code == rc.UNSPECIFIED_ERROR
+    await c.ended()
+
+
+async def test_an_address_that_spells_no_topic_name_is_dead_lettered(gw: Gateway) -> None:
+    c = await gw.connected("c")
+    await c.subscribe(Subscription("odd/#", 1))
+    admin = await gw.core.admin()
+    try:
+        for body in (b"no topic", b"fine"):
+            address = "odd.a+b" if body == b"no topic" else "odd.ok"
+            await admin.publish(new_message(address, body, routing=RoutingType.MULTICAST, durable=True))
+    finally:
+        await admin.close()
+    got = await c.message(1)
+    assert (got.topic, got.payload) == ("odd/ok", b"fine")
+    await c.nothing()
+    (name,) = gw.queues(convert.SUBSCRIPTION_PREFIX)
+    queue = gw.core.node.broker.queues[name]
+    await eventually(lambda: len(queue) == 0 and queue.in_flight == 0, "the message rejected, not kept")
+    dead = gw.core.node.broker.queues.get("DLQ")
+    assert dead is not None
+    assert [m[M_BODY] for m in dead.messages()] == [b"no topic"]
+
+
+async def test_identity_as_user_name_refuses_a_client_without_a_certificate(tmp_path: Path) -> None:
+    async with gateway(tmp_path, use_identity_as_username=True) as gw:
+        c = gw.client()
+        connack = await c.connect("c", username="anyone", password=b"x")
+        assert connack.reason_code == rc.NOT_AUTHORIZED
+        assert connack.properties.reason_string == "a client certificate is required"
+
+
+# ---------------------------------------------------------------------------------------------- QoS 0 fan-out
+
+
+async def test_qos0_subscribers_of_one_filter_share_a_feed_each_message_once(gw: Gateway) -> None:
+    pub = await gw.connected("pub")
+    first = await gw.connected("first")
+    await first.subscribe(Subscription("news/#", 0))
+    assert len(gw.feeds) == 0  # one subscriber: a queue of its own
+    assert len(gw.queues(convert.SUBSCRIPTION_PREFIX)) == 1
+    second = await gw.connected("second", V311)
+    await second.subscribe(Subscription("news/#", 0))
+    assert len(gw.feeds) == 1
+    assert len(gw.queues(convert.FANOUT_PREFIX)) == 1
+    for n in range(3):
+        await pub.publish(f"news/{n}", str(n).encode(), qos=n % 2)
+    for c in (first, second):
+        assert [(m.topic, m.payload, m.qos) for m in [await c.message() for _ in range(3)]] == [
+            (f"news/{n}", str(n).encode(), 0) for n in range(3)
+        ]
+        await c.nothing()
+    # The first moved over to the feed: its own queue is gone.
+    await eventually(lambda: not gw.queues(convert.SUBSCRIPTION_PREFIX), "the solo queue dropped")
+    await pub.publish("news/late", b"late", qos=0)
+    for c in (first, second):
+        assert (await c.message()).payload == b"late"
+        await c.nothing()
+    assert gw.counters.messages_delivered == 8
+    await first.unsubscribe("news/#")
+    await pub.publish("news/after", b"after", qos=0)
+    assert (await second.message()).payload == b"after"
+    await first.nothing()
+    await second.disconnect()
+    await eventually(lambda: len(gw.feeds) == 0, "the feed retired with its last member")
+    await eventually(lambda: not gw.queues(convert.FANOUT_PREFIX), "the feed's queue dropped")
+
+
+async def test_a_feed_writes_each_member_its_own_way(tmp_path: Path) -> None:
+    async with gateway(tmp_path, qos0_fan_out_from=1) as gw:
+        plain, rap, ids, own, small = [await gw.connected(n) for n in ("plain", "rap", "ids", "own", "small")]
+        await plain.subscribe(Subscription("f/+", 0))
+        await rap.subscribe(Subscription("f/+", 0, retain_as_published=True, retain_handling=2))
+        await ids.subscribe(Subscription("f/+", 0), sid=4)
+        await own.subscribe(Subscription("f/+", 0, no_local=True))
+        small = gw.client()
+        await small.connect("small", properties=Properties(maximum_packet_size=40))
+        await small.subscribe(Subscription("f/+", 0))
+        assert len(gw.feeds) == 1
+        assert not gw.queues(convert.SUBSCRIPTION_PREFIX)
+        await own.publish("f/a", b"r" * 50, qos=0, retain=True)
+        await own.publish("f/b", b"s", qos=1)
+        expected: dict[Client, list[tuple[str, bool, tuple[int, ...]]]] = {
+            plain: [("f/a", False, ()), ("f/b", False, ())],
+            rap: [("f/a", True, ()), ("f/b", False, ())],
+            ids: [("f/a", False, (4,)), ("f/b", False, (4,))],
+            small: [("f/b", False, ())],
+        }
+        for c, messages in expected.items():
+            got = [await c.message(0) for _ in messages]
+            assert [(m.topic, m.retain, m.properties.subscription_identifiers) for m in got] == messages
+            await c.nothing()
+        await own.nothing()
+
+
+async def test_a_feed_skips_a_member_that_falls_behind(tmp_path: Path) -> None:
+    async with gateway(tmp_path, qos0_fan_out_from=1, qos0_max_buffered_bytes=0) as gw:
+        slow, quick, pub = await gw.connected("slow"), await gw.connected("quick"), await gw.connected("pub")
+        for c in (slow, quick):
+            await c.subscribe(Subscription("tick", 0))
+        slow.wire.stall()
+        for n in range(3):
+            await pub.publish("tick", str(n).encode(), qos=0)
+            assert (await quick.message()).payload == str(n).encode()
+        slow.wire.drain()
+        assert (await slow.message()).payload == b"0"  # written before it fell behind; the rest skipped
+        await slow.nothing()
+        assert gw.counters.qos0_dropped == 2
+        await pub.publish("tick", b"again", qos=0)
+        assert (await slow.message()).payload == b"again"
+
+
+async def test_a_feed_member_subscribing_again_at_qos1_gets_a_queue_of_its_own(tmp_path: Path) -> None:
+    async with gateway(tmp_path, qos0_fan_out_from=1) as gw:
+        c, pub = await gw.connected("c"), await gw.connected("pub")
+        await c.subscribe(Subscription("up", 0))
+        assert len(gw.feeds) == 1
+        await c.subscribe(Subscription("up", 1), packet_id=2)
+        await eventually(lambda: len(gw.feeds) == 0, "the feed retired")
+        assert len(gw.queues(convert.SUBSCRIPTION_PREFIX)) == 1
+        await pub.publish("up", b"acknowledged")
+        assert (await c.message(1)).payload == b"acknowledged"
+
+
+async def test_a_feed_whose_queue_the_core_deletes_ends_its_members_connections(tmp_path: Path) -> None:
+    async with gateway(tmp_path, qos0_fan_out_from=1) as gw:
+        a, b = await gw.connected("a"), await gw.connected("b")
+        for c in (a, b):
+            await c.subscribe(Subscription("lost", 0))
+        (name,) = gw.queues(convert.FANOUT_PREFIX)
+        broker = gw.core.node.broker
+        broker.catalog.delete_queue(broker.queues[name], int(time.time() * 1000))
+        for c in (a, b):
+            assert (await c.packet(Disconnect)).reason_code == rc.SERVER_UNAVAILABLE
+            await c.ended()
+        assert len(gw.feeds) == 0
+        # A new subscriber makes a new feed.
+        c, pub = await gw.connected("c"), await gw.connected("pub")
+        await c.subscribe(Subscription("lost", 0))
+        await pub.publish("lost", b"found", qos=0)
+        assert (await c.message()).payload == b"found"
+
+
+async def test_a_feed_the_core_refuses_refuses_the_subscription(tmp_path: Path) -> None:
+    grants = app_grants("send", "consume", "createNonDurableQueue", "createAddress")
+    async with gateway(
+        tmp_path, users=[UserEntry("alice", "a", ["app"])], permissions=grants, qos0_fan_out_from=1
+    ) as gw:
+        c = await gw.connected("c", username="alice", password=b"a")
+        suback = await c.subscribe(Subscription("secret/x", 0), Subscription("allowed/x", 0))
+        assert suback.reason_codes == (rc.NOT_AUTHORIZED, 0)
+        assert len(gw.feeds) == 1
+        await c.publish("allowed/x", b"in", qos=0)
+        assert (await c.message()).payload == b"in"
+
+
+async def test_an_address_that_spells_no_topic_name_is_skipped_by_a_feed(tmp_path: Path) -> None:
+    async with gateway(tmp_path, qos0_fan_out_from=1) as gw:
+        c = await gw.connected("c")
+        await c.subscribe(Subscription("odd/#", 0))
+        admin = await gw.core.admin()
+        try:
+            await admin.publish(new_message("odd.a+b", b"no topic", routing=RoutingType.MULTICAST))
+            await admin.publish(new_message("odd.ok", b"fine", routing=RoutingType.MULTICAST))
+        finally:
+            await admin.close()
+        assert (await c.message(0)).payload == b"fine"
+        await c.nothing()
+
+
+async def test_a_session_expires_its_expiry_after_the_connection_ends(gw: Gateway) -> None:
+    c = await gw.connected("brief", properties=persistent(1))
+    await c.subscribe("brief/t")
+    session_queue = gw.core.node.broker.queues[convert.session_queue("brief")]
+    assert session_queue.expires_ms == 1000
+    await c.disconnect()
+    await eventually(lambda: not gw.queues(convert.session_queue("brief")), "the session expired", timeout=5)
+    await eventually(lambda: not gw.queues(convert.subscription_queue("brief", "brief/t")), "its queue expired")
+    back = gw.client()
+    assert (await back.connect("brief", clean_start=False, properties=persistent(1))).session_present is False
+
+
+async def test_retained_messages_keep_their_expiry_and_get_the_subscription_identifier(gw: Gateway) -> None:
+    pub = await gw.connected("pub")
+    await pub.publish("kept/x", b"v", retain=True, properties=Properties(message_expiry_interval=100))
+    c = await gw.connected("c")
+    await c.subscribe(Subscription("kept/#", 1), sid=12)
+    got = await c.message(1)
+    assert (got.retain, got.properties.subscription_identifiers) == (True, (12,))
+    assert got.properties.message_expiry_interval in (99, 100)
+
+
+async def test_a_client_asking_for_no_problem_information_gets_no_reason_strings(tmp_path: Path) -> None:
+    grants = app_grants("send")
+    async with gateway(tmp_path, users=[UserEntry("alice", "a", ["app"])], permissions=grants) as gw:
+        login: dict[str, Any] = {"username": "alice", "password": b"a"}
+        told = await gw.connected("told", **login)
+        told.send(Publish("secret", b"", 1, packet_id=1))
+        assert (await told.packet(Puback)).properties.reason_string is not None
+        quiet = await gw.connected("quiet", properties=Properties(request_problem_information=False), **login)
+        quiet.send(Publish("secret", b"", 1, packet_id=1))
+        assert await quiet.packet(Puback) == Puback(1, rc.NOT_AUTHORIZED)
+
+
+async def test_a_message_larger_than_the_core_takes_is_refused(tmp_path: Path) -> None:
+    async with gateway(tmp_path, max_packet_bytes=12 * 1024 * 1024) as gw:
+        sub, pub = await gw.connected("sub"), await gw.connected("pub")
+        await sub.subscribe("big")
+        huge = b"h" * (9 * 1024 * 1024)
+        pub.send(Publish("big", huge, 1, packet_id=1))
+        refused = await pub.packet(Puback)
+        assert (refused.packet_id, refused.reason_code) == (1, rc.QUOTA_EXCEEDED)
+        await pub.publish("big", huge, qos=0)  # dropped, logged
+        await pub.publish("big", b"small", packet_id=2)
+        assert (await sub.message()).payload == b"small"
+        await sub.nothing()
+        old = await gw.connected("old", V311)
+        old.send(Publish("big", huge, 1, packet_id=1))
+        await old.ended()
+        assert old.packets == []
+
+
+async def test_a_link_the_core_closes_ends_the_connection_as_unavailable(gw: Gateway) -> None:
+    c = await gw.connected("victim")
+    node = gw.core.node
+    (conn_id,) = [cid for cid, s in node.broker.sessions.items() if s.client_name.startswith("mqtt victim ")]
+    node.close_link(conn_id, ErrorCode.CLOSED_BY_OPERATOR, "closed by a test")
+    assert (await c.packet(Disconnect)).reason_code == rc.SERVER_UNAVAILABLE
+    await c.ended()
+
+
+async def test_a_will_the_user_may_not_publish_refuses_the_connect(tmp_path: Path) -> None:
+    grants = app_grants("send", "createAddress")
+    async with gateway(tmp_path, users=[UserEntry("alice", "a", ["app"])], permissions=grants) as gw:
+        c = gw.client()
+        connack = await c.connect("c", username="alice", password=b"a", will=Will("secret/will", b"x"))
+        assert connack.reason_code == rc.NOT_AUTHORIZED
+        await c.ended()
+        ok = gw.client()
+        connack = await ok.connect("c", username="alice", password=b"a", will=Will("allowed/will", b"x"))
+        assert connack.reason_code == 0
+
+
+async def test_a_client_that_leaves_before_its_connack_gets_nothing(gw: Gateway) -> None:
+    c = gw.client()
+    c.send(Connect("leaver"))
+    c.session.feed(b"")  # EOF while the core is asked
+    await c.ended()
+    assert c.packets == []
+    await eventually(lambda: not gw.queues(convert.lock_queue("leaver")), "the lock released")
+
+
+async def test_a_subscription_queue_no_session_record_lists_starts_empty(gw: Gateway) -> None:
+    admin = await gw.core.admin()
+    try:
+        queue = convert.subscription_queue("fresh", "left/over")
+        await admin.create_queue(queue, "left.over", routing_type=RoutingType.MULTICAST, durable=True)
+        await admin.publish(new_message("left.over", b"stale", routing=RoutingType.MULTICAST, durable=True))
+    finally:
+        await admin.close()
+    assert len(gw.core.node.broker.queues[queue]) == 1
+    c = await gw.connected("fresh", properties=persistent())
+    await c.subscribe("left/over")
+    await c.nothing()  # not what the queue gathered before this session
+    pub = await gw.connected("pub")
+    await pub.publish("left/over", b"new")
+    assert (await c.message()).payload == b"new"
+
+
+async def test_losing_the_service_link_ends_every_session_and_it_opens_again(gw: Gateway) -> None:
+    a, b = await gw.connected("a"), await gw.connected("b", V311)
+    node = gw.core.node
+    (conn_id,) = [cid for cid, s in node.broker.sessions.items() if s.client_name.startswith("mqtt gateway ")]
+    node.close_link(conn_id, ErrorCode.CLOSED_BY_OPERATOR, "closed by a test")
+    assert (await a.packet(Disconnect)).reason_code == rc.SERVER_UNAVAILABLE
+    await a.ended()
+    await b.ended()
+    assert b.packets == []
+    again = gw.client()
+    assert (await again.connect("a")).reason_code == 0
+
+
+async def test_fan_outs_of_one_user_share_its_link_and_a_refused_one_leaves_the_others(tmp_path: Path) -> None:
+    grants = [
+        *app_grants("send", "consume", "createNonDurableQueue", "createAddress"),
+        *app_grants("createNonDurableQueue", "createAddress", match="half.#"),  # may make, not consume
+    ]
+    async with gateway(
+        tmp_path, users=[UserEntry("alice", "a", ["app"])], permissions=grants, qos0_fan_out_from=1
+    ) as gw:
+        c = await gw.connected("c", username="alice", password=b"a")
+        suback = await c.subscribe(
+            Subscription("allowed/#", 0), Subscription("allowed/x/+", 0), Subscription("half/x", 0)
+        )
+        assert suback.reason_codes == (0, 0, rc.NOT_AUTHORIZED)
+        assert len(gw.feeds) == 2
+        await eventually(lambda: len(gw.queues(convert.FANOUT_PREFIX)) == 2, "the refused feed's queue dropped")
+        await c.publish("allowed/x/y", b"both", qos=0)
+        assert [(await c.message()).payload for _ in range(2)] == [b"both", b"both"]
+        await c.nothing()
+
+
+async def test_a_fan_out_link_the_core_closes_ends_its_members_connections(tmp_path: Path) -> None:
+    async with gateway(tmp_path, qos0_fan_out_from=1) as gw:
+        a, b = await gw.connected("a"), await gw.connected("b")
+        await a.subscribe(Subscription("x", 0))
+        await b.subscribe(Subscription("y/#", 0))
+        node = gw.core.node
+        (conn_id,) = [cid for cid, s in node.broker.sessions.items() if s.client_name.startswith("mqtt fan-out ")]
+        node.close_link(conn_id, ErrorCode.CLOSED_BY_OPERATOR, "closed by a test")
+        for c in (a, b):
+            assert (await c.packet(Disconnect)).reason_code == rc.SERVER_UNAVAILABLE
+            await c.ended()
+        assert len(gw.feeds) == 0
+
+
+async def test_a_fan_out_of_a_filter_starting_with_a_wildcard_skips_dollar_topics(tmp_path: Path) -> None:
+    async with gateway(tmp_path, qos0_fan_out_from=1) as gw:
+        c, pub = await gw.connected("c"), await gw.connected("pub")
+        await c.subscribe(Subscription("+/x", 0))
+        await pub.publish("$app/x", b"hidden", qos=0)
+        await pub.publish("app/x", b"seen", qos=0)
+        assert (await c.message()).payload == b"seen"
+        await c.nothing()
+
+
+async def test_stopped_feeds_let_go_of_their_queues_and_new_subscriptions_take_their_own(tmp_path: Path) -> None:
+    async with gateway(tmp_path, qos0_fan_out_from=1) as gw:
+        c = await gw.connected("c")
+        await c.subscribe(Subscription("s", 0))
+        assert len(gw.queues(convert.FANOUT_PREFIX)) == 1
+        await gw.feeds.stop()
+        assert len(gw.feeds) == 0
+        await eventually(lambda: not gw.queues(convert.FANOUT_PREFIX), "the feed's queue dropped with its link")
+        other = await gw.connected("other")
+        await other.subscribe(Subscription("s", 0))
+        assert len(gw.queues(convert.SUBSCRIPTION_PREFIX)) == 1
+
+
+async def test_a_persistent_session_taken_over_is_resumed_by_the_newcomer(gw: Gateway) -> None:
+    first = await gw.connected("dev", properties=persistent())
+    await first.subscribe(Subscription("orders/+", 1))
+    second = gw.client()
+    assert (await second.connect("dev", clean_start=False, properties=persistent())).session_present is True
+    assert (await first.packet(Disconnect)).reason_code == rc.SESSION_TAKEN_OVER
+    await first.ended()
+    pub = await gw.connected("pub")
+    await pub.publish("orders/1", b"to the newcomer")
+    assert (await second.message(1)).payload == b"to the newcomer"
+    await first.nothing()
