@@ -54,6 +54,7 @@ class MemoryWire:
 
     def close(self) -> None:
         self.closed = True
+        self._drained.set()  # as a socket's end does: nobody waits for it to drain
 
     def pause_reading(self) -> None:
         self.paused = True

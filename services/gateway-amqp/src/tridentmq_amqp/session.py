@@ -423,10 +423,12 @@ class AmqpSession:
             assert self.engine is not None
             remote_closed = self.engine.connection.state & Endpoint.REMOTE_CLOSED
             if not self.engine.tail_closed and not remote_closed:  # proton stopped reading: a frame it could not
-                # decode (after a CLOSE it stops too, rightly); it said nothing, so we do
-                self.counters.protocol_errors += 1
-                log.info("amqp protocol error", extra={"peer": self.wire.peer, "error": "undecodable frame"})
-                self._close_connection(DECODE_ERROR, "a frame could not be decoded")
+                # decode (after a CLOSE it stops too, rightly); when it said nothing (no transport error, which
+                # was counted and answered with its own condition), we do
+                if self.engine.error() is None:
+                    self.counters.protocol_errors += 1
+                    log.info("amqp protocol error", extra={"peer": self.wire.peer, "error": "undecodable frame"})
+                    self._close_connection(DECODE_ERROR, "a frame could not be decoded")
             elif not remote_closed and self.engine.error() is None:
                 # The client ended its stream in the middle of a frame: proton reports an abort only between
                 # frames, and would wait for the rest for ever (until the connect or idle timeout).
