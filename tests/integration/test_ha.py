@@ -797,6 +797,7 @@ async def test_votes_and_replication_need_the_cluster_credentials_and_well_forme
             {"kind": "activate", "node_id": node_id(pair.primary), "epoch": 9, "candidate": "x"}
         )
         assert answer["granted"] is False  # the asked node is that pair's active copy
+        assert (answer["voter"], answer["pairs"]) == (node_id(pair.primary), 1)  # a voter names its pair
         with pytest.raises(LinkRequestError, match="already has a backup"):
             await insider.replicate({"group": "guarded", "server_id": "y", "host": "127.0.0.1", "port": 1})
     assert ha_view(pair.primary)["backup_in_sync"] is True  # the refusals changed nothing

@@ -7,10 +7,10 @@ import json
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tridentmq_core.ha.votes import ACTIVATE, STAY, VoteBook, VoteRequest, quorum
+from tridentmq_core.ha.votes import ACTIVATE, STAY, VoteBook, VoteRequest, quorum, restart_refusal
 
 PAIR = "node-a"
 
@@ -447,3 +447,121 @@ def test_a_restarted_voter_keeps_the_data_epoch_of_a_new_epoch() -> None:
     assert book.decide(going_on(2, 1), primary_reachable=True)[0]
     again = VoteBook.from_json(json.loads(json.dumps(book.to_json())))
     assert not again.decide(activate(2, "backup-1", data=1), primary_reachable=False)[0]
+
+
+# ---------------------------------------------------------------------------------------------------- a restart
+def answer(book: VoteBook, voter: str, request: VoteRequest, pairs: int = 3) -> dict[str, Any]:
+    """A voter's answer as ``Voter.vote`` sends it; ``pairs``: the pairs it heard of."""
+    granted, why = book.decide(request, primary_reachable=False)
+    return {
+        "granted": granted,
+        "voter": voter,
+        "pairs": pairs,
+        "reason": why,
+        "epoch": book.epoch(request.node_id),
+        "promisee": book.promisee(request.node_id),
+        "fresh": book.freshness(request.node_id),
+    }
+
+
+def seen_at(epoch: int) -> VoteBook:
+    book = VoteBook()
+    book.observe(PAIR, epoch)
+    return book
+
+
+def test_a_restart_is_not_kept_waiting_by_one_voters_promise_to_a_backup_that_cannot_win() -> None:
+    """Three pairs. The primary served at epoch 4 and crashed; its backup asked one voter for epoch 5 before
+    the primary was back. The restarted primary asks to stay at 5: one voter refuses (its promise), the other
+    grants. With its own vote that is a quorum: it serves, and the backup can no longer win."""
+    b, c = seen_at(4), seen_at(4)
+    assert answer(b, "node-b", activate(5, "backup-1", data=4))["granted"]
+    restart = going_on(5, 4, "primary-1")
+    answers = [answer(b, "node-b", restart), answer(c, "node-c", restart)]
+    assert [a["granted"] for a in answers] == [False, True]
+    assert restart_refusal(answers, node_id=PAIR, own_epoch=4, pairs=3) == ""
+    # A copy that never counted the pairs (never a backup) still needs every answer to agree.
+    assert restart_refusal(answers, node_id=PAIR, own_epoch=4, pairs=0) == (
+        "epoch 5 of this pair is active elsewhere (this copy has epoch 4)"
+    )
+    for epoch in (5, 6, 7):  # the backup's copy is stale at the voter that granted the restart
+        assert not answer(c, "node-c", activate(epoch, "backup-1", data=4))["granted"]
+
+
+def test_a_restart_counts_the_pairs_the_voters_know_of_when_the_cluster_grew() -> None:
+    """The copy counted 3 pairs when it was a backup; 5 serve now. Its backup won epoch 5 at three of the
+    four other pairs; the fourth has not heard of it yet and grants the restart: 2 of 5 is no quorum."""
+    c, *winners = seen_at(4), seen_at(4), seen_at(4), seen_at(4)
+    for book in winners:
+        assert book.decide(activate(5, "backup-1", data=4), primary_reachable=False)[0]
+    restart = going_on(5, 4, "primary-1")
+    granted = answer(c, "node-c", restart, pairs=5)
+    refusals = [answer(book, f"node-{n}", restart, pairs=5) for n, book in enumerate(winners)]
+    assert granted["granted"]
+    assert not any(a["granted"] for a in refusals)
+    assert restart_refusal([granted, *refusals], node_id=PAIR, own_epoch=4, pairs=3).startswith("epoch 5")
+    # The voters that answered count too, whatever they say of the pairs; so does one voter's count alone.
+    unsaid = [{k: v for k, v in a.items() if k != "pairs"} for a in (granted, *refusals)]
+    assert restart_refusal(unsaid, node_id=PAIR, own_epoch=4, pairs=3).startswith("epoch 5")
+    assert restart_refusal([granted, refusals[0]], node_id=PAIR, own_epoch=4, pairs=3).startswith("epoch 5")
+
+
+def test_a_restart_needs_a_quorum_of_distinct_other_pairs() -> None:
+    granted = {"granted": True, "voter": "node-b", "epoch": 4}
+    refused = {"granted": False, "voter": "node-c", "epoch": 5, "reason": "epoch 5 was promised to backup-1"}
+    # node-b asked at two addresses counts once; five pairs need three votes.
+    assert restart_refusal([granted, granted, refused], node_id=PAIR, own_epoch=4, pairs=5).startswith("epoch 5")
+    # An answer that names no pair, or this pair (its backup, active now), is no other pair's vote.
+    for voter in ("", PAIR, None):
+        anonymous = {**granted, "voter": voter}
+        assert restart_refusal([anonymous, refused], node_id=PAIR, own_epoch=4, pairs=3).startswith("epoch 5")
+    assert restart_refusal([granted, {**granted, "voter": "node-d"}, refused], node_id=PAIR, own_epoch=4, pairs=5) == ""
+
+
+def test_a_restart_short_of_a_quorum_serves_only_when_no_voter_objects() -> None:
+    ok = {"granted": True, "voter": "node-b", "epoch": 4}
+    assert restart_refusal([], node_id=PAIR, own_epoch=4, pairs=3) == ""  # nobody to ask: a cluster starting
+    assert restart_refusal([ok], node_id=PAIR, own_epoch=4, pairs=5) == ""
+    no = {"granted": False, "voter": "node-c", "epoch": 4, "reason": "epoch 4 was won by backup-1"}
+    assert (
+        restart_refusal([ok, no], node_id=PAIR, own_epoch=4, pairs=5) == "a voter refused: epoch 4 was won by backup-1"
+    )
+
+
+@settings(max_examples=1000)
+@given(
+    pairs=st.integers(min_value=2, max_value=7),
+    counted=st.integers(min_value=1, max_value=7),
+    seen=st.lists(st.booleans(), min_size=6, max_size=6),
+    backup_epoch=st.integers(min_value=5, max_value=7),
+    backup_data=st.integers(min_value=3, max_value=4),
+    backup_first=st.lists(st.booleans(), min_size=6, max_size=6),
+    silent=st.lists(st.booleans(), min_size=6, max_size=6),
+)
+def test_a_restart_that_a_voter_refused_never_serves_beside_a_backup_with_a_quorum(
+    pairs: int,
+    counted: int,
+    seen: list[bool],
+    backup_epoch: int,
+    backup_data: int,
+    backup_first: list[bool],
+    silent: list[bool],
+) -> None:
+    """The primary served at epoch 4 (some voters saw it, others only epoch 3) and counted ``counted`` pairs
+    when it was a backup, however many there are now. Its backup asks each other pair for ``backup_epoch``,
+    the restarted primary to stay at 5, in either order at each voter, and some voters' answers to the
+    primary are lost. Once a voter refused the restart (which alone kept it from serving before), it serves
+    only on a quorum that the backup, needing a quorum of the other pairs, cannot also have."""
+    backup_votes, restart_answers = 0, []
+    for n in range(pairs - 1):
+        book = seen_at(4 if seen[n] else 3)
+        requests = [activate(backup_epoch, "backup-1", data=backup_data), going_on(5, 4, "primary-1")]
+        for request in requests if backup_first[n] else requests[::-1]:
+            reply = answer(book, f"node-{n}", request, pairs=pairs)
+            if request.kind == ACTIVATE:
+                backup_votes += reply["granted"]
+            elif not silent[n]:
+                restart_answers.append(reply)
+    restarted = restart_refusal(restart_answers, node_id=PAIR, own_epoch=4, pairs=counted) == ""
+    if any(not a["granted"] for a in restart_answers):
+        assert not (restarted and backup_votes >= quorum(pairs))

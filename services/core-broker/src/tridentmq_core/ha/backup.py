@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from tridentmq_core.ha.pair import HA_STATE_FILE, BackupState
-from tridentmq_core.ha.votes import ACTIVATE, STAY, VoteRequest, quorum
-from tridentmq_core.ha.voting import VOTE_TIMEOUT, answer_int, ask_votes
+from tridentmq_core.ha.votes import ACTIVATE, STAY, VoteRequest, answer_int, quorum
+from tridentmq_core.ha.voting import VOTE_TIMEOUT, ask_votes
 from tridentmq_core.node_links import node_link, watch_close
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.identity import NodeIdentity

@@ -17,8 +17,8 @@ from tridentmq_core.broker import Broker
 from tridentmq_core.checks import BrokerError
 from tridentmq_core.ha.pair import BACKUP, PRIMARY, ClusterView, record_epoch
 from tridentmq_core.ha.replication import ReplicaFeed
-from tridentmq_core.ha.votes import STAY, VoteRequest, quorum
-from tridentmq_core.ha.voting import answer_int, ask_votes
+from tridentmq_core.ha.votes import STAY, VoteRequest, answer_int, quorum
+from tridentmq_core.ha.voting import ask_votes
 from tridentmq_core.sessions import Session
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.identity import NodeIdentity

@@ -22,10 +22,16 @@ at which it activated. Active nodes vote:
 
 Votes are majorities of the pairs of the cluster, so two requests for one pair cannot both win; a voter's
 promises are kept on disk (the caller persists the book), so a restarted voter does not forget them.
+
+A primary that restarts asks a ``stay`` at the epoch after its own (``restart_refusal``). Each voter grants at
+most one of that stay and any other copy's ``activate`` that could have served since (above), so a majority
+of grants, its own vote counted as when it goes on alone, means no other copy can hold a majority: one
+voter's promise to a backup that never won does not keep the pair's newest copy from serving.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -36,6 +42,37 @@ STAY: Final = "stay"
 def quorum(pairs: int) -> int:
     """Votes needed among ``pairs`` pairs: a strict majority."""
     return pairs // 2 + 1
+
+
+def answer_int(answer: Mapping[str, Any], key: str) -> int:
+    """An integer field of a vote answer (0 when missing or malformed: another node's answer is input)."""
+    value = answer.get(key, 0)
+    return value if type(value) is int else 0
+
+
+def restart_refusal(answers: Sequence[Mapping[str, Any]], *, node_id: str, own_epoch: int, pairs: int) -> str:
+    """Why a restarting primary of pair ``node_id`` at ``own_epoch`` may not serve, given the voters'
+    ``answers`` to its ``stay`` ("" when it may). ``pairs`` is the most pairs this copy saw (as a backup), 0
+    when it never counted them.
+
+    A quorum of grants, this copy's own vote counted, is enough; each other pair counts once, however many
+    of its addresses were asked, and only when it names itself. The quorum is of the most pairs anyone
+    knows of: this copy, the voters that answered, or those voters' own counts (the cluster may have grown
+    since this copy counted). Short of one, any refusal or newer epoch keeps it from serving; when every
+    voter that answered grants it, or none answered, it serves (a whole cluster starting at once)."""
+    named = {answer.get("voter") for answer in answers}
+    voters = {voter for voter in named if isinstance(voter, str) and voter and voter != node_id}
+    granting = {answer.get("voter") for answer in answers if answer.get("granted") is True} & voters
+    heard_of = max((answer_int(answer, "pairs") for answer in answers), default=0)
+    if pairs and 1 + len(granting) >= quorum(max(pairs, 1 + len(voters), heard_of)):
+        return ""
+    newer = max((answer_int(answer, "epoch") for answer in answers), default=0)
+    if newer > own_epoch:
+        return f"epoch {newer} of this pair is active elsewhere (this copy has epoch {own_epoch})"
+    refused = next((answer for answer in answers if answer.get("granted") is not True), None)
+    if refused is not None:  # e.g. this epoch was won by vote by another copy: only a vote may settle it
+        return f"a voter refused: {str(refused.get('reason', ''))[:200]}"
+    return ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from typing import Any, Final
 
 from tridentmq_core.checks import BrokerError
 from tridentmq_core.ha.pair import HA_STATE_FILE, VOTES_FILE, BackupState, ClusterView, record_epoch
-from tridentmq_core.ha.votes import ACTIVATE, STAY, VoteBook, VoteRequest
+from tridentmq_core.ha.votes import ACTIVATE, STAY, VoteBook, VoteRequest, restart_refusal
 from tridentmq_core.node_links import node_link
 from tridentmq_core.sessions import Session
 from tridentmq_core.settings import CoreSettings
@@ -86,6 +86,8 @@ class Voter:
         )
         return {
             "granted": granted,
+            "voter": cluster.node_id if cluster is not None else "",  # the pair whose vote this is
+            "pairs": 1 + len(cluster.member_endpoints()) if cluster is not None else 0,  # the pairs it heard of
             "reason": why,
             "epoch": book.epoch(request.node_id),
             "promisee": book.promisee(request.node_id),
@@ -99,12 +101,6 @@ class Voter:
         if self.votes.book.observe(node_id, epoch):
             self.votes.save()
         return True
-
-
-def answer_int(answer: dict[str, Any], key: str) -> int:
-    """An integer field of a vote answer (0 when missing or malformed: another node's answer is input)."""
-    value = answer.get(key, 0)
-    return value if type(value) is int else 0
 
 
 async def primary_may_activate(settings: CoreSettings, identity: NodeIdentity, server_id: str) -> tuple[bool, str]:
@@ -124,12 +120,11 @@ async def primary_may_activate(settings: CoreSettings, identity: NodeIdentity, s
     epoch = identity.epoch if identity.first_start else identity.epoch + 1
     request = VoteRequest(STAY, identity.node_id, epoch, server_id, identity.epoch)
     answers = [a for a in await ask_votes(settings, voters, request) if a is not None]
-    newer = max((answer_int(a, "epoch") for a in answers), default=0)
-    if newer > identity.epoch:
-        return False, f"epoch {newer} of this pair is active elsewhere (this copy has epoch {identity.epoch})"
-    refused = next((a for a in answers if not a.get("granted")), None)
-    if refused is not None:  # e.g. this epoch was won by vote by another copy: only a vote may settle it
-        return False, f"a voter refused: {str(refused.get('reason', ''))[:200]}"
+    # A copy that was a backup once counted the pairs then (its HA state); else every answer must agree.
+    pairs = state.pairs if state_path.exists() else 0
+    why = restart_refusal(answers, node_id=identity.node_id, own_epoch=identity.epoch, pairs=pairs)
+    if why:
+        return False, why
     record_epoch(identity, epoch)
     return True, ""
 
