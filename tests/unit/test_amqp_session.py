@@ -5,7 +5,6 @@ pushed into it), so that the session is checked against an independent implement
 
 from __future__ import annotations
 
-import socket
 import struct
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -15,7 +14,16 @@ import proton
 import pytest
 from proton import Collector, Condition, Connection, Data, Delivery, Endpoint, Link, Message, Terminus, Transport
 from proton.reactor import Copy, DurableSubscription, Selector
-from tests.unit.gateway_harness import Core, MemoryWire, core_settings, eventually, running_core, settle
+from tests.unit.gateway_harness import (
+    Core,
+    MemoryWire,
+    core_settings,
+    end_sessions,
+    eventually,
+    running_core,
+    settle,
+    unused_port,
+)
 
 from tridentmq_amqp.protocol.types import Described, Symbol, UInt, ULong, decode, encode
 from tridentmq_amqp.session import AmqpSession, Counters
@@ -155,9 +163,15 @@ class Client:
 
         return await eventually(pumped, what)
 
-    async def nothing(self) -> None:
-        """Let everything flow that would: nothing else is asserted here."""
-        await settle()
+    async def nothing(self, rounds: int = 25) -> None:
+        """Let everything flow that would, both ways and again: the clients' frames to their sessions, a loop
+        turn for the sessions (they write a turn later) and the core to answer, what they wrote back to the
+        clients, whose answers go out in the next round. Nothing is asserted here: what a test then finds
+        missing had these rounds to come."""
+        for _ in range(rounds):
+            for client in _clients:
+                client.pump()
+            await settle(1)
         for client in _clients:
             client.pump()
 
@@ -263,8 +277,13 @@ class Client:
         return got
 
     async def none_for(self, receiver: Any) -> None:
+        """No transfer is waiting on ``receiver`` once everything flowed (what the client did last included)."""
         await self.nothing()
         assert receiver.current is None or not receiver.current.readable, "an unexpected transfer"
+
+    def transfers(self) -> int:
+        """How many TRANSFER frames the session wrote so far."""
+        return [code for code, _ in frames_of(self.received)].count(TRANSFER)
 
 
 class Capabilities:
@@ -411,18 +430,23 @@ async def test_without_sasl_a_core_with_users_refuses_at_the_open(tmp_path: Path
         await c.until(lambda: c.wire.closed, "the socket closed")
 
 
-async def test_a_gateway_without_a_core_answers_sys_temp(core: Core) -> None:
-    with socket.socket() as probe:  # a port nothing listens on
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+async def test_a_gateway_without_a_core_answers_sys_temp() -> None:
+    port = unused_port()  # the core is down
     links = CoreLinks(CoreLinkSection(port=port, shared_links=0), name="gateway-test")
     wire = MemoryWire()
     counters = Counters()
     session = AmqpSession(AmqpSettings(core=CoreLinkSection(port=port)), links, wire, counters)
-    session.feed(SASL_HEADER + frame(0x41, [Symbol("ANONYMOUS"), b""], kind=1))
-    await eventually(lambda: wire.closed, "the socket closed", timeout=15)
-    assert frames_of(wire.take())[-1] == (SASL_OUTCOME, [4])  # sys-temp: try again later
-    assert counters.refused == 1
+    try:
+        session.feed(SASL_HEADER + frame(0x41, [Symbol("ANONYMOUS"), b""], kind=1))
+        await eventually(lambda: wire.closed, "the socket closed")
+        assert frames_of(wire.take())[-1] == (SASL_OUTCOME, [4])  # sys-temp: try again later
+        assert counters.refused == 1
+        assert not wire.logged_in_called
+    finally:
+        try:
+            await end_sessions([session])
+        finally:
+            await links.stop()
 
 
 async def test_sasl_not_finished_in_time_closes_the_socket(core: Core) -> None:
@@ -725,9 +749,16 @@ async def test_deliveries_follow_the_client_s_credit(core: Core) -> None:
     c = await connected(core)
     receiver = await c.receiver("credit", credit=2)
     assert await c.bodies(receiver, 2) == [0, 1]
-    await c.none_for(receiver)  # no credit left
+    queue = core.node.broker.queues["credit"]
+    await c.until(lambda: queue.acked == 2, "the two settled in the core")  # their dispositions were handled
+    await c.none_for(receiver)  # no credit left: settling gives none back
+    assert c.transfers() == 2
+    assert receiver.credit == 0
+    assert c.counters.messages_delivered == 2  # not even handed to proton (which would hold it back)
     receiver.flow(3)
     assert await c.bodies(receiver, 3) == [2, 3, 4]
+    await c.until(lambda: queue.acked == 5, "all five settled in the core")
+    assert c.transfers() == 5
     assert c.counters.messages_delivered == 5
 
 
@@ -792,15 +823,29 @@ async def test_a_rejected_message_goes_to_the_dead_letters(core: Core) -> None:
 
 async def test_a_received_state_waits_for_the_outcome(core: Core) -> None:
     await fill(core, "recv", "a")
+    queue = core.node.broker.queues["recv"]
     c = await connected(core)
     receiver = await c.receiver("recv")
     delivery, _ = await c.receive(receiver)
+    delivery.update(Delivery.RECEIVED)  # how far it got, no outcome: the message stays the link's
+    await c.nothing()
+    assert not delivery.settled
+    assert (len(queue), queue.in_flight, queue.acked) == (0, 1, 0)
+    # The link ends without an outcome: the message was never acknowledged, so it comes back.
+    await c.close(receiver)
+    await c.until(lambda: (len(queue), queue.in_flight) == (1, 0), "the message back in the queue")
+    assert queue.acked == 0
+    again = await c.receiver("recv", name="again")
+    delivery, message = await c.receive(again)
+    assert message.body == "a"
     delivery.update(Delivery.RECEIVED)
     await c.nothing()
-    assert core.node.broker.queues["recv"].in_flight == 1
-    delivery.update(Delivery.ACCEPTED)
+    assert not delivery.settled
+    assert queue.acked == 0
+    delivery.update(Delivery.ACCEPTED)  # the outcome settles it
     delivery.settle()
-    await c.until(lambda: core.node.broker.queues["recv"].in_flight == 0, "the ack")
+    await c.until(lambda: queue.acked == 1, "the ack")
+    assert (len(queue), queue.in_flight) == (0, 0)
 
 
 async def test_settled_without_an_outcome_is_accepted(core: Core) -> None:
@@ -809,8 +854,9 @@ async def test_settled_without_an_outcome_is_accepted(core: Core) -> None:
     receiver = await c.receiver("bare-settle")
     delivery, _ = await c.receive(receiver)
     delivery.settle()
-    await c.until(lambda: core.node.broker.queues["bare-settle"].in_flight == 0, "the ack")
-    assert queued(core, "bare-settle") == 0
+    queue = core.node.broker.queues["bare-settle"]
+    await c.until(lambda: queue.acked == 1, "the ack")  # accepted, not given back
+    assert (len(queue), queue.in_flight) == (0, 0)
 
 
 async def test_an_at_most_once_receiver_gets_presettled_transfers(core: Core) -> None:
@@ -968,11 +1014,8 @@ async def test_a_client_that_stops_reading_gets_its_messages_once_it_reads_again
 async def test_a_deleted_queue_detaches_its_receivers_with_not_found(core: Core) -> None:
     c = await connected(core)
     receiver = await c.receiver("doomed")
-    admin = await core.admin()
-    try:
+    async with core.admin() as admin:
         await admin.delete_queue("doomed")
-    finally:
-        await admin.close()
     condition = await c.closed_link(receiver)
     assert condition.name == "amqp:not-found"
 
@@ -1002,11 +1045,14 @@ async def test_a_durable_subscription_with_another_selector_is_a_new_one(core: C
     first = await sub.receiver("topic://ticks", name="d", options=(DurableSubscription(),))
     first.detach()
     await sub.until(lambda: proton.Event.LINK_REMOTE_DETACH in sub.events, "the answering DETACH")
-    await producer.send(sender, Message(body="old", properties={"kind": "a"}))
+    await producer.send(sender, Message(body="old", properties={"kind": "b"}))  # one the new selector would take
     assert queued(core, "app.d") == 1
     second = await sub.receiver(
         "topic://ticks", name="d", options=(DurableSubscription(), Selector("kind = 'b'"))
     )  # the old subscription and its message go
+    queue = core.node.broker.queues["app.d"]
+    assert queue.filter is not None
+    assert (queue.filter.text, len(queue), queue.in_flight) == ("kind = 'b'", 0, 0)
     await producer.send(sender, Message(body="skipped", properties={"kind": "a"}))
     await producer.send(sender, Message(body="new", properties={"kind": "b"}))
     assert await sub.bodies(second, 1) == ["new"]
@@ -1049,11 +1095,17 @@ async def test_a_shared_subscription_nobody_uses_is_replaced_for_another_selecto
     first.detach()
     await c.until(lambda: proton.Event.LINK_REMOTE_DETACH in c.events, "the answering DETACH")
     await c.until(lambda: not core.node.broker.queues["feed"].consumers, "the consumer gone")
-    second = await c.receiver("topic://feed", name="feed", options=(*shared, Selector("n > 1")))
     sender = await c.sender("topic://feed")
+    await c.send(sender, Message(body="old", properties={"n": 9}))  # one the new selector would take
+    assert queued(core, "feed") == 1
+    second = await c.receiver("topic://feed", name="feed", options=(*shared, Selector("n > 1")))
+    queue = core.node.broker.queues["feed"]  # replaced: the old one's message went with it
+    assert queue.filter is not None
+    assert (queue.filter.text, len(queue), queue.in_flight) == ("n > 1", 0, 0)
     for n in range(3):
         await c.send(sender, Message(body=n, properties={"n": n}))
     assert await c.bodies(second, 1) == [2]
+    await c.none_for(second)
 
 
 async def test_a_volatile_shared_subscription_filters_on_its_consumers(core: Core) -> None:
@@ -1066,6 +1118,7 @@ async def test_a_volatile_shared_subscription_filters_on_its_consumers(core: Cor
     for n in range(3):
         await c.send(sender, Message(body=n, properties={"n": n}))
     assert await c.bodies(receiver, 1) == [1]
+    await c.none_for(receiver)
 
 
 # ------------------------------------------------------------------------------------------------ transactions
@@ -1146,7 +1199,9 @@ async def test_a_rolled_back_transaction_drops_its_sends_and_returns_its_acks(co
     await c.until(lambda: delivery.remote_state, "the send's disposition")
     abort = await tx.discharge(txn_id, fail=True)
     assert abort.remote_state == Delivery.ACCEPTED
-    _, again = await c.receive(receiver)  # the acknowledgement was undone
+    # The acknowledgement was undone and the message is redelivered: the gateway's choice (the core's rollback
+    # gives back what the transaction acknowledged), as many brokers do; the spec does not require it.
+    _, again = await c.receive(receiver)
     assert again.body == "taken"
     await c.none_for(receiver)  # "never" was never routed
 
@@ -1162,15 +1217,40 @@ async def test_a_committed_acknowledgement_takes_the_message(core: Core) -> None
         delivery, message = await c.receive(receiver)
         in_transaction(delivery, txn_id, outcomes[str(message.body)])
         delivery.settle()
-    receiver.flow(1)
-    _, released = await c.receive(receiver)  # released at once, not at commit
-    assert released.body == "two"
-    assert (await tx.discharge(txn_id, fail=False)).remote_state == Delivery.ACCEPTED
-    dead = await c.receiver("DLQ", name="dlq")
-    assert await c.bodies(dead, 1) == ["three"]  # rejected at once
     queue = core.node.broker.queues["txa"]
+    assert (await tx.discharge(txn_id, fail=False)).remote_state == Delivery.ACCEPTED
     await c.until(lambda: queue.acked == 1, "the commit's ack")
-    assert (len(queue), queue.in_flight) == (0, 1)  # "two" is out again, unsettled
+    receiver.flow(1)
+    _, released = await c.receive(receiver)  # (when it came back: see the test after this one)
+    assert released.body == "two"
+    dead = await c.receiver("DLQ", name="dlq")
+    assert await c.bodies(dead, 1) == ["three"]
+    await c.none_for(receiver)  # "one" is not given again
+    assert (queue.acked, len(queue), queue.in_flight) == (1, 0, 1)  # "two" is out again, unsettled
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="AMQP 1.0 part 4 4.4.2: a transactional outcome is 'to be applied upon a successful discharge'; the "
+    "gateway applies released, rejected and modified at once (docs/amqp.md, known limits)",
+)
+async def test_a_released_outcome_in_a_transaction_waits_for_the_discharge(core: Core) -> None:
+    await fill(core, "txrel", "two")
+    queue = core.node.broker.queues["txrel"]
+    c = await connected(core)
+    tx = await Transactions.attach(c)
+    receiver = await c.receiver("txrel")
+    txn_id = await tx.declare()
+    delivery, _ = await c.receive(receiver)
+    in_transaction(delivery, txn_id, Delivery.RELEASED)
+    delivery.settle()
+    await tx.declare()  # answered after the disposition before it was handled
+    await c.nothing()
+    assert queue.delivered == 1  # not given back (and so to the receiver again) before the discharge
+    await c.none_for(receiver)
+    assert (await tx.discharge(txn_id, fail=False)).remote_state == Delivery.ACCEPTED
+    _, again = await c.receive(receiver)  # released by the commit
+    assert again.body == "two"
 
 
 async def test_unknown_transactions_are_refused(core: Core) -> None:
@@ -1317,6 +1397,7 @@ async def test_a_message_keeps_its_sections_through_the_core(core: Core) -> None
     receiver = await c.receiver("sections")
     _, got = await c.receive(receiver)
     assert (got.id, got.subject, got.reply_to, got.correlation_id) == ("m-1", "greeting", "queue://replies", "c-9")
+    assert got.user_id == b"anonymous"
     assert (got.content_type, got.content_encoding, got.group_id, got.group_sequence) == ("text/plain", "utf-8", "g", 3)
     assert (got.address, got.creation_time, got.body) == ("sections", 1700000000.5, "hello")
     assert dict(got.properties or {}) == {"colour": "red", "n": 7, "ok": True}
@@ -1324,16 +1405,12 @@ async def test_a_message_keeps_its_sections_through_the_core(core: Core) -> None
     assert got.instructions is None  # delivery annotations are the sender's to the gateway only
     assert (got.durable, got.priority, got.delivery_count) == (True, 7, 0)
     assert 0 < got.ttl <= 60
-    core_message = core.node.broker.queues["sections"]
-    assert core_message.in_flight == 1
+    assert core.node.broker.queues["sections"].in_flight == 1  # unsettled: still the receiver's
 
 
 async def test_a_message_from_another_protocol_arrives_as_amqp(core: Core) -> None:
-    admin = await core.admin()
-    try:
+    async with core.admin() as admin:
         await (await admin.send(new_message("plain", b"from the core", properties={"k": "v"})))
-    finally:
-        await admin.close()
     c = await connected(core)
     receiver = await c.receiver("plain")
     _, message = await c.receive(receiver)
@@ -1354,13 +1431,11 @@ async def test_a_message_with_too_many_properties_is_rejected(core: Core) -> Non
 
 
 async def test_a_kept_section_no_amqp_client_can_be_given_goes_to_the_dead_letters(core: Core) -> None:
-    admin = await core.admin()
-    try:  # a link client may write any property: this one claims an AMQP properties section, but is no bytes
+    async with core.admin() as admin:
+        # A link client may write any property: this one claims an AMQP properties section, but is no bytes.
         broken = new_message("broken", b"x", properties={"$enc.amqp.properties": "not bytes"}, protocol="amqp")
         await (await admin.send(broken))
         await (await admin.send(new_message("broken", b"fine")))
-    finally:
-        await admin.close()
     c = await connected(core)
     receiver = await c.receiver("broken")
     assert await c.bodies(receiver, 1) == [b"fine"]
@@ -1498,14 +1573,29 @@ async def test_a_connection_lost_while_the_client_does_not_read_gives_its_messag
     assert core.node.broker.queues["unread"].in_flight == 0
 
 
+def settled_ids(data: bytes) -> list[int]:
+    """The delivery-ids the gateway settled as a receiver (of the client's transfers), in the order it did."""
+    ids: list[int] = []
+    for code, fields in frames_of(data):
+        if code == DISPOSITION and fields[0] is True and len(fields) > 3 and fields[3] is True:
+            first = int(fields[1])
+            last = first if fields[2] is None else int(fields[2])
+            ids.extend(range(first, last + 1))
+    return ids
+
+
 async def test_many_unsettled_transfers_at_once_are_settled_in_order(tmp_path: Path) -> None:
-    settings = core_settings(tmp_path, address_settings=[AddressSettingsEntry(match="#")])
+    # A publish window of 2: the gateway's publishes wait for the core's credit again and again.
+    settings = core_settings(tmp_path, publish_window=2)
     async with running_core(settings, lambda port: CoreLinkSection(port=port)) as core:
         c = await connected(core)
         sender = await c.sender("many")
+        before = len(c.received)
         sent = [sender.send(Message(body=b"x" * 1000, properties={"n": n})) for n in range(300)]
         await c.until(lambda: all(d.remote_state for d in sent), "every disposition")
         assert {d.remote_state for d in sent} == {Delivery.ACCEPTED}
+        ids = settled_ids(c.received[before:])
+        assert ids == list(range(ids[0], ids[0] + 300))  # each once, in the order they were sent
         receiver = await c.receiver("many", credit=300)
         numbers = []
         for _ in range(300):

@@ -71,11 +71,20 @@ def amqp(port: int) -> tuple[AmqpGateway, bytes, Callable[[bytes], bool]]:
 
 async def http_get(port: int, path: str) -> tuple[int, bytes]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
-    response = await asyncio.wait_for(reader.read(), WAIT_S)
-    writer.close()
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
+        response = await asyncio.wait_for(reader.read(), WAIT_S)
+    finally:
+        writer.close()
+        await writer.wait_closed()
     head, _, body = response.partition(b"\r\n\r\n")
     return int(head.split()[1]), body
+
+
+def metric(text: str, name: str) -> float:
+    """The value of the one sample of ``name`` in a Prometheus text page."""
+    [value] = [line.split()[1] for line in text.splitlines() if line.split(" ", 1)[0] == name]
+    return float(value)
 
 
 @pytest.mark.parametrize(("protocol", "make"), [("stomp", stomp), ("mqtt", mqtt), ("amqp", amqp)])
@@ -83,23 +92,33 @@ async def test_a_gateway_serves_a_tcp_client_and_reports_it(tmp_path: Path, prot
     async with running_core(core_settings(tmp_path), lambda port: CoreLinkSettings(port=port)) as core:
         gateway, hello, answered = make(core.port)
         await gateway.start()
+        stopped = False
         try:
             ports = gateway.ports
             assert set(ports) == {protocol, "http"}
             reader, writer = await asyncio.open_connection("127.0.0.1", ports[protocol])
-            writer.write(hello)
-            got = b""
-            while not answered(got):
-                got += await asyncio.wait_for(reader.read(4096), WAIT_S)
-            status, body = await http_get(ports["http"], "/readyz")
-            assert status == 200, body
-            status, body = await http_get(ports["http"], "/metrics")
-            assert status == 200
-            metrics = body.decode()
-            assert f"tridentmq_{protocol}_connections 1" in metrics, metrics
-            assert f"tridentmq_{protocol}_connections_total 1" in metrics
+            try:
+                writer.write(hello)
+                got = b""
+                while not answered(got):
+                    chunk = await asyncio.wait_for(reader.read(4096), WAIT_S)
+                    assert chunk, f"the gateway closed the connection after {got!r}"
+                    got += chunk
+                status, body = await http_get(ports["http"], "/readyz")
+                assert status == 200, body
+                status, body = await http_get(ports["http"], "/metrics")
+                assert status == 200
+                metrics = body.decode()
+                assert metric(metrics, f"tridentmq_{protocol}_connections") == 1, metrics
+                assert metric(metrics, f"tridentmq_{protocol}_connections_total") == 1
+                stopped = True
+                await gateway.stop()
+                # Up to the end of the stream: the stop closed the connection (a timeout fails the test).
+                await asyncio.wait_for(reader.read(), WAIT_S)
+                assert reader.at_eof()
+            finally:
+                writer.close()
+                await writer.wait_closed()
         finally:
-            await gateway.stop()
-        await asyncio.wait_for(reader.read(), WAIT_S)  # up to the end of the stream (a timeout fails the test)
-        assert reader.at_eof()  # the stop closed the connection
-        writer.close()
+            if not stopped:
+                await gateway.stop()

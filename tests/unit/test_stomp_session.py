@@ -4,14 +4,23 @@ bytes (``gateway_harness``)."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from tests.unit.gateway_harness import Core, MemoryWire, core_settings, eventually, running_core, settle
+from tests.unit.gateway_harness import (
+    WAIT_S,
+    Core,
+    MemoryWire,
+    core_settings,
+    end_sessions,
+    eventually,
+    running_core,
+    settle,
+    unused_port,
+)
 
-from tridentmq_core.settings import AddressSettingsEntry, PermissionEntry, UserEntry
+from tridentmq_core.settings import PermissionEntry, UserEntry
 from tridentmq_shared.core_links import CoreLinks
 from tridentmq_stomp.protocol.frames import V12, Frame, FrameParser, encode
 from tridentmq_stomp.session import Counters, StompSession
@@ -141,7 +150,11 @@ async def test_client_ack_is_cumulative_and_the_prefetch_bounds_what_is_out(core
     assert (first.body, second.body) == (b"0", b"1")
     await consumer.nothing()  # two out, unacknowledged: the window is full
     await consumer.receipt("ACK", id=second.headers["ack"])  # acknowledges both
-    assert [(await consumer.frame("MESSAGE")).body for _ in range(2)] == [b"2", b"3"]
+    third, fourth = await consumer.frame("MESSAGE"), await consumer.frame("MESSAGE")
+    assert (third.body, fourth.body) == (b"2", b"3")
+    await consumer.nothing()  # the window is full again: "4" waits
+    await consumer.receipt("ACK", id=third.headers["ack"])  # one place free
+    assert (await consumer.frame("MESSAGE")).body == b"4"
 
 
 async def test_client_individual_nack_redelivers_only_that_message(core: Core) -> None:
@@ -187,7 +200,10 @@ async def test_a_transaction_delivers_its_sends_and_acks_at_commit_only(core: Co
     await consumer.receipt("SUBSCRIBE", id="s", destination="/queue/tx", ack="client-individual")
     await producer.receipt("BEGIN", transaction="t1")
     await producer.receipt("SEND", b"one", destination="/queue/tx", transaction="t1")
-    await consumer.nothing()
+    await producer.receipt("SEND", b"outside", destination="/queue/tx")  # comes first: "one" waits for COMMIT
+    outside = await consumer.frame("MESSAGE")
+    assert outside.body == b"outside"
+    await consumer.receipt("ACK", id=outside.headers["ack"])
     await producer.receipt("COMMIT", transaction="t1")
     one = await consumer.frame("MESSAGE")
     assert one.body == b"one"
@@ -200,7 +216,8 @@ async def test_a_transaction_delivers_its_sends_and_acks_at_commit_only(core: Co
     await producer.receipt("BEGIN", transaction="t3")
     await producer.receipt("SEND", b"never", destination="/queue/tx", transaction="t3")
     await producer.receipt("ABORT", transaction="t3")
-    await consumer.nothing()
+    await producer.receipt("SEND", b"after", destination="/queue/tx")
+    assert (await consumer.frame("MESSAGE")).body == b"after"  # and not "never", which would have come first
 
 
 @pytest.mark.parametrize(
@@ -236,12 +253,13 @@ async def test_frames_that_name_nothing_valid_get_an_error_with_their_receipt(
 async def test_unsubscribe_stops_deliveries_and_ends_a_temporary_subscription(core: Core) -> None:
     producer, consumer = await connected(core), await connected(core)
     await consumer.receipt("SUBSCRIBE", id="s", destination="/topic/t")
-    mine = f"stomp.{consumer.session.id}."
-    assert [name for name in core.node.broker.queues if name.startswith(mine)]
+    [mine] = [name for name in core.node.broker.queues if name.startswith(f"stomp.{consumer.session.id}.")]
     await consumer.receipt("UNSUBSCRIBE", id="s")
+    await consumer.receipt("SUBSCRIBE", id="s2", destination="/topic/t")
     await producer.receipt("SEND", b"x", destination="/topic/t")
+    assert (await consumer.frame("MESSAGE")).headers["subscription"] == "s2"  # once: "s" is gone
     await consumer.nothing()
-    assert not [name for name in core.node.broker.queues if name.startswith(mine)]
+    assert mine not in core.node.broker.queues
 
 
 async def test_stomp_10_unsubscribes_by_destination(core: Core) -> None:
@@ -250,7 +268,10 @@ async def test_stomp_10_unsubscribes_by_destination(core: Core) -> None:
     await consumer.receipt("SUBSCRIBE", destination="/queue/old")
     await consumer.receipt("UNSUBSCRIBE", destination="/queue/old")
     await producer.receipt("SEND", b"x", destination="/queue/old")
-    await consumer.nothing()
+    await consumer.receipt("SUBSCRIBE", destination="/queue/other")
+    await producer.receipt("SEND", b"y", destination="/queue/other")
+    assert (await consumer.frame("MESSAGE")).body == b"y"  # not "x": that subscription ended
+    assert len(core.node.broker.queues["old"]) == 1
 
 
 async def test_a_durable_subscription_keeps_messages_while_away_and_ends_with_its_name(core: Core) -> None:
@@ -269,7 +290,8 @@ async def test_a_durable_subscription_keeps_messages_while_away_and_ends_with_it
     await back.receipt("UNSUBSCRIBE", id="d", durable_subscription_name="p")
     await producer.receipt("SEND", b"after the end", destination="/topic/prices")
     await back.receipt("SUBSCRIBE", id="d2", destination="/topic/prices", durable_subscription_name="p")
-    await back.nothing()
+    await producer.receipt("SEND", b"new", destination="/topic/prices")
+    assert (await back.frame("MESSAGE")).body == b"new"  # not "after the end"
 
 
 async def test_a_durable_subscription_with_a_new_selector_is_a_new_subscription(core: Core) -> None:
@@ -278,11 +300,11 @@ async def test_a_durable_subscription_with_a_new_selector_is_a_new_subscription(
     await sub.connect(client_id="app")
     await sub.receipt("SUBSCRIBE", id="d", destination="/topic/t", durable_subscription_name="n")
     await sub.receipt("UNSUBSCRIBE", id="d")  # without the name: only this consumer ends
-    await producer.receipt("SEND", b"old", destination="/topic/t", kind="a")
+    await producer.receipt("SEND", b"old", destination="/topic/t", kind="b")  # kept for the old subscription
+    assert len(core.node.broker.queues["app.n"]) == 1
     await sub.receipt("SUBSCRIBE", id="d", destination="/topic/t", durable_subscription_name="n", selector="kind='b'")
-    await sub.nothing()  # the old subscription's message went with it
     await producer.receipt("SEND", b"new", destination="/topic/t", kind="b")
-    assert (await sub.frame("MESSAGE")).body == b"new"
+    assert (await sub.frame("MESSAGE")).body == b"new"  # the old subscription's message went with it
 
 
 async def test_temporary_queues_answer_replies_and_keep_their_stomp_name(core: Core) -> None:
@@ -299,6 +321,7 @@ async def test_temporary_queues_answer_replies_and_keep_their_stomp_name(core: C
     assert reply.headers["destination"] == "/temp-queue/replies"
     # Sending to one's own temporary queue also makes it.
     await requester.receipt("SEND", b"self", destination="/temp-queue/other")
+    assert len(core.node.broker.queues[f"tmp.{requester.session.id}.other"]) == 1
 
 
 async def test_a_refused_send_is_an_error_in_the_order_of_the_frames(tmp_path: Path) -> None:
@@ -331,17 +354,18 @@ async def test_a_bad_login_is_refused(tmp_path: Path) -> None:
         assert not c.wire.logged_in_called
 
 
-async def test_a_gateway_without_a_core_refuses_clients_as_unavailable(core: Core) -> None:
-    with socket.socket() as probe:  # a port nothing listens on
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+async def test_a_gateway_without_a_core_refuses_clients_as_unavailable() -> None:
+    port = unused_port()
     links = CoreLinks(CoreLinkSection(port=port, shared_links=0), name="gateway-test")
-    wire = MemoryWire()
-    session = StompSession(stomp_settings(port), links, wire, Counters())
-    session.feed(encode("CONNECT", [("accept-version", "1.2"), ("host", "b")], b"", V12))
-    await asyncio.wait_for(session.wait_closed(), 10)
-    parser = FrameParser()
-    error = parser.feed(wire.take())[0]
+    c_wire = MemoryWire()
+    session = StompSession(stomp_settings(port), links, c_wire, Counters())
+    try:
+        session.feed(encode("CONNECT", [("accept-version", "1.2"), ("host", "b")], b"", V12))
+        await asyncio.wait_for(session.wait_closed(), WAIT_S)
+    finally:
+        await end_sessions([session])
+        await links.stop()
+    error = FrameParser().feed(c_wire.take())[0]
     assert (error.command, error.headers["message"]) == ("ERROR", "server unavailable")
 
 
@@ -380,7 +404,7 @@ async def test_a_silent_client_is_disconnected_after_two_heartbeat_intervals(cor
     c = client(core, heartbeat_receive_ms=100, min_heartbeat_ms=50)
     answer = await c.connect(heart_beat="100,0")  # the client promises a heart-beat every 100 ms
     assert answer.headers["heart-beat"].endswith(",100")
-    await c.error()
+    assert (await c.error()).headers["message"] == "heart-beat missed"
 
 
 async def test_a_client_that_never_connects_is_closed(core: Core) -> None:
@@ -390,13 +414,17 @@ async def test_a_client_that_never_connects_is_closed(core: Core) -> None:
 
 
 async def test_frames_while_a_send_waits_for_credit_keep_their_order(tmp_path: Path) -> None:
-    settings = core_settings(tmp_path, address_settings=[AddressSettingsEntry(match="#")])
-    async with running_core(settings, lambda port: CoreLinkSection(port=port)) as core:
+    """The core grants two publishes at a time: most SENDs wait for credit, and the receipts, a SUBSCRIBE's
+    among them, still come in the order of the frames."""
+    async with running_core(core_settings(tmp_path, publish_window=2), lambda port: CoreLinkSection(port=port)) as core:
         c = await connected(core)
         for n in range(300):
             c.send_frame("SEND", b"x" * 1000, destination=f"/queue/many{n % 3}", receipt=str(n))
-        receipts = [int((await c.frame("RECEIPT")).headers["receipt-id"]) for _ in range(300)]
-        assert receipts == list(range(300))
+            if n == 150:
+                c.send_frame("SUBSCRIBE", id="s", destination="/queue/elsewhere", receipt="subscribed")
+        receipts = [(await c.frame("RECEIPT")).headers["receipt-id"] for _ in range(301)]
+        assert receipts == [*map(str, range(151)), "subscribed", *map(str, range(151, 300))]
+        assert sum(len(core.node.broker.queues[f"many{n}"]) for n in range(3)) == 300
 
 
 async def test_a_header_the_gateway_cannot_map_is_an_error(core: Core) -> None:
@@ -443,12 +471,22 @@ async def test_a_durable_name_reused_on_another_topic_starts_a_new_subscription(
     await sub.nothing()
 
 
-async def test_a_client_is_told_when_its_core_goes_away(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("subscribed", "message", "detail"),
+    [
+        (False, "server unavailable", b"the link to the broker closed: connection lost"),
+        (True, "subscription ended", b"connection lost"),
+    ],
+)
+async def test_a_client_is_told_when_its_core_goes_away(
+    tmp_path: Path, subscribed: bool, message: str, detail: bytes
+) -> None:
     async with running_core(
         core_settings(tmp_path), lambda port: CoreLinkSection(port=port, reconnect_attempts=0)
     ) as core:
         c = await connected(core)
-        await c.receipt("SUBSCRIBE", id="1", destination="/queue/q")
-        await core.node.stop()
+        if subscribed:  # its consumer learns it first
+            await c.receipt("SUBSCRIBE", id="1", destination="/queue/q")
+        await core.stop_node()
         error = await c.error()
-        assert error.headers["message"] in ("server unavailable", "subscription ended")
+        assert (error.headers["message"], error.body) == (message, detail)
