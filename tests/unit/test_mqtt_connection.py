@@ -582,6 +582,28 @@ def test_client_disconnect_ends_the_input(
     assert conn.data_to_send() == b""  # the PINGREQ behind it was not read
 
 
+def test_a_disconnect_setting_an_expiry_after_a_connect_that_asked_for_0_is_a_protocol_error() -> None:
+    """5.0, 3.14.2.2.2: not a valid DISCONNECT (the will stays); the server answers DISCONNECT 0x82."""
+    conn = connected(V5)
+    events = feed(conn, encode(Disconnect(0, Properties(session_expiry_interval=60)), V5))
+    assert [type(e) for e in events] == [ev.ProtocolViolation]
+    violation = events[0]
+    assert isinstance(violation, ev.ProtocolViolation)
+    assert violation.reason_code == 0x82
+    conn.reject(violation)
+    assert conn.data_to_send() == b"\xe0\x01\x82"
+    assert conn.closed
+
+
+@pytest.mark.parametrize(("asked", "leaving"), [(3600, 60), (3600, 0), (0, 0), (0, None)])
+def test_a_disconnect_may_set_an_expiry_unless_the_connect_asked_for_0(asked: int, leaving: int | None) -> None:
+    """What the CONNECT asked decides, not what the server granted; setting 0 is always allowed."""
+    conn = connected(V5, props=Properties(session_expiry_interval=asked))
+    packet = Disconnect(0, Properties(session_expiry_interval=leaving))
+    assert feed(conn, encode(packet, V5)) == [ev.Disconnect(0, packet.properties)]
+    assert conn.closed
+
+
 @pytest.mark.parametrize(("version", "wire"), [(V5, b"\xe0\x01\x8b"), (V311, b""), (V31, b"")])
 def test_server_disconnect(version: int, wire: bytes) -> None:
     conn = connected(version)

@@ -1032,14 +1032,6 @@ async def test_a_disconnect_setting_an_expiry_after_0_is_an_error_and_keeps_the_
     assert (await back.connect("dev", clean_start=False)).session_present is False  # the expiry stayed 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="MQTT 5.0 3.14.2.2.2: 'If the Session Expiry Interval in the CONNECT packet was zero, then it is a "
-    "Protocol Error to set a non-zero Session Expiry Interval in the DISCONNECT packet sent by the Client. If "
-    "such a non-zero Session Expiry Interval is received by the Server, it does not treat it as a valid "
-    "DISCONNECT packet. The Server uses DISCONNECT with Reason Code 0x82 (Protocol Error)'. The gateway's "
-    "codec closes on the client's DISCONNECT before the session checks it, so nothing can go back.",
-)
 async def test_a_disconnect_setting_an_expiry_after_0_is_answered_with_a_protocol_error(gw: Gateway) -> None:
     c = await gw.connected("dev")
     c.send(Disconnect(0, Properties(session_expiry_interval=60)))

@@ -83,19 +83,8 @@ def will_delay_ms(will: Will, expiry_s: int) -> int:
     return min(will.properties.will_delay_interval or 0, expiry_s) * 1000
 
 
-@dataclass(frozen=True, slots=True)
-class Leaving:
-    """What a DISCONNECT does to the session."""
-
-    valid: bool  # False: a protocol error; the DISCONNECT counts as none (the will stays)
-    expiry_s: int | None  # the session expiry from now on (None: as it was)
-
-
-def leaving(asked_on_connect: int, asked: int | None, limits: MqttLimitsSection) -> Leaving:
-    """A 5.0 DISCONNECT's session expiry (``asked``; None when it sets none): capped as on CONNECT, and a
-    protocol error after a CONNECT that asked for 0 (5.0, 3.14.2.2.2)."""
-    if asked is None:
-        return Leaving(valid=True, expiry_s=None)
-    if asked_on_connect == 0 and asked > 0:
-        return Leaving(valid=False, expiry_s=None)
-    return Leaving(valid=True, expiry_s=min(asked, limits.max_session_expiry_s))
+def leaving(asked: int | None, limits: MqttLimitsSection) -> int | None:
+    """The session expiry from a 5.0 DISCONNECT on (``asked``; None when it sets none, and the result too):
+    capped as on CONNECT. One that sets it after a CONNECT that asked for 0 never gets here: the codec
+    refuses it as a protocol error (5.0, 3.14.2.2.2)."""
+    return None if asked is None else min(asked, limits.max_session_expiry_s)

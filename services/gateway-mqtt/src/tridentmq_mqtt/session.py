@@ -145,7 +145,6 @@ class MqttSession:
         "_acks",
         "_addresses",
         "_answers",
-        "_asked_expiry_s",
         "_background",
         "_connected",
         "_disconnecting",
@@ -203,7 +202,6 @@ class MqttSession:
         self.client_id = ""
         self.version = 0
         self.expiry_s = 0  # session expiry interval in force
-        self._asked_expiry_s = 0  # the one the CONNECT asked for
         self.state = SessionState()
         self.user = ""  # the user this connection logged in as ("" anonymous)
         self.subs: dict[str, Sub] = {}
@@ -377,7 +375,6 @@ class MqttSession:
             return
         self.client_id = client_id = terms.client_id
         self.expiry_s = terms.expiry_s
-        self._asked_expiry_s = terms.asked_expiry_s
         password = terms.password
         will_message = None
         if event.will is not None:
@@ -1238,15 +1235,10 @@ class MqttSession:
         await self._settle_confirms()
         self._flush()
         asked = event.properties.session_expiry_interval if self.version == V5 else None
-        leaving = connecting.leaving(self._asked_expiry_s, asked, self.settings.mqtt)
-        if not leaving.valid:
-            # The codec has closed on the DISCONNECT, so no DISCONNECT 0x82 can go back.
-            error = "session expiry set on DISCONNECT after 0"
-            log.info("mqtt protocol error", extra={"peer": self.wire.peer, "error": error})
-            self.counters.protocol_errors += 1
-        elif leaving.expiry_s is not None:
-            await self._change_expiry(leaving.expiry_s)
-        if leaving.valid and not event.with_will and self.link is not None:
+        expiry_s = connecting.leaving(asked, self.settings.mqtt)
+        if expiry_s is not None:
+            await self._change_expiry(expiry_s)
+        if not event.with_will and self.link is not None:
             with contextlib.suppress(LinkRequestError):
                 await self.link.set_will(self._will_key, None)
         self._driver.end()

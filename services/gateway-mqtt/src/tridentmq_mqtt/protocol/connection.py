@@ -135,6 +135,7 @@ class MqttServerConnection:
         "_parser",
         "client_max_packet_size",
         "client_receive_maximum",
+        "connect_expiry_s",
         "discarded",
         "keep_alive",
         "max_packet_size",
@@ -176,6 +177,7 @@ class MqttServerConnection:
         self.keep_alive = 0  # seconds; the client's, or the server keep-alive given to accept() in 5.0
         self.client_receive_maximum = DEFAULT_RECEIVE_MAXIMUM
         self.client_max_packet_size = MAX_PACKET_SIZE
+        self.connect_expiry_s = 0  # the session expiry the 5.0 CONNECT asked for
         # 5.0 Request Problem Information 0: no reason strings or user properties but on PUBLISH, CONNACK and
         # DISCONNECT ([MQTT-3.1.2-29]); ``_write`` leaves them out of the other packets.
         self.problem_information = True
@@ -259,6 +261,9 @@ class MqttServerConnection:
                 self._auto(Pingresp())
                 return None
             case Disconnect():
+                if self.connect_expiry_s == 0 and (packet.properties.session_expiry_interval or 0) > 0:
+                    # 5.0, 3.14.2.2.2: not a valid DISCONNECT, so the will stays; answered with DISCONNECT 0x82.
+                    raise RemoteProtocolError("session expiry set on DISCONNECT after 0 on CONNECT", PROTOCOL_ERROR)
                 return ev.Disconnect(packet.reason_code, packet.properties, packet.reason_code == DISCONNECT_WITH_WILL)
             case Connect():
                 return self._connect(packet)
@@ -279,6 +284,7 @@ class MqttServerConnection:
             self.client_max_packet_size = props.maximum_packet_size
         if props.request_problem_information is False:
             self.problem_information = False
+        self.connect_expiry_s = props.session_expiry_interval or 0
         self.state = State.CONNECTING
         return ev.Connect(
             version,
