@@ -1229,12 +1229,8 @@ async def test_a_committed_acknowledgement_takes_the_message(core: Core) -> None
     assert (queue.acked, len(queue), queue.in_flight) == (1, 0, 1)  # "two" is out again, unsettled
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="AMQP 1.0 part 4 4.4.2: a transactional outcome is 'to be applied upon a successful discharge'; the "
-    "gateway applies released, rejected and modified at once (docs/amqp.md, known limits)",
-)
 async def test_a_released_outcome_in_a_transaction_waits_for_the_discharge(core: Core) -> None:
+    """AMQP 1.0 part 4, 4.4.2: a transactional outcome is applied upon a successful discharge."""
     await fill(core, "txrel", "two")
     queue = core.node.broker.queues["txrel"]
     c = await connected(core)
@@ -1604,3 +1600,36 @@ async def test_many_unsettled_transfers_at_once_are_settled_in_order(tmp_path: P
             properties: Any = message.properties
             numbers.append(properties["n"])
         assert numbers == list(range(300))
+
+
+async def test_outcomes_of_a_transaction_rolled_back_are_not_applied(core: Core) -> None:
+    await fill(core, "txrb", "kept")
+    c = await connected(core)
+    tx = await Transactions.attach(c)
+    receiver = await c.receiver("txrb")
+    txn_id = await tx.declare()
+    delivery, _ = await c.receive(receiver)
+    in_transaction(delivery, txn_id, Delivery.REJECTED)
+    delivery.settle()
+    assert (await tx.discharge(txn_id, fail=True)).remote_state == Delivery.ACCEPTED
+    _, again = await c.receive(receiver)  # not rejected: it comes again, as a rolled-back acceptance would
+    assert again.body == "kept"
+    assert queued(core, "DLQ") in (-1, 0)  # nothing dead-lettered (-1: no dead-letter queue was even made)
+
+
+async def test_an_outcome_whose_link_closed_before_the_commit_leaves_the_message_in_its_queue(core: Core) -> None:
+    await fill(core, "txgone", "m")
+    queue = core.node.broker.queues["txgone"]
+    c = await connected(core)
+    tx = await Transactions.attach(c)
+    receiver = await c.receiver("txgone")
+    txn_id = await tx.declare()
+    delivery, _ = await c.receive(receiver)
+    in_transaction(delivery, txn_id, Delivery.REJECTED)
+    delivery.settle()
+    receiver.close()  # its consumer goes: the core takes the message back
+    await c.until(lambda: receiver.state & Endpoint.REMOTE_CLOSED, "the detach")
+    await eventually(lambda: len(queue) == 1, "the message back in its queue")
+    assert (await tx.discharge(txn_id, fail=False)).remote_state == Delivery.ACCEPTED
+    await c.nothing()
+    assert len(queue) == 1  # the late outcome changed nothing

@@ -62,7 +62,7 @@ from tridentmq_amqp.protocol.sasl import AuthRequest, SaslLayer
 from tridentmq_amqp.settings import AmqpSettings
 from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.gateway import Wire
-from tridentmq_shared.link.client import LinkClient, queue_spec
+from tridentmq_shared.link.client import Consumer, LinkClient, queue_spec
 from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import (
@@ -143,6 +143,8 @@ class AmqpSession:
         self.outbound: dict[Any, Outbound] = {}
         self.coordinators: dict[Any, Coordinator] = {}
         self.transactions: dict[bytes, int] = {}  # AMQP txn-id → core transaction
+        # AMQP txn-id → the outcomes other than accepted given in it, applied at a successful discharge
+        self._tx_outcomes: dict[bytes, list[tuple[Consumer, int, NackMode]]] = {}
         self._tx_ids = itertools.count(1)
         # pn_delivery_t* → bytes so far of the client's messages still arriving in several frames (proton holds
         # them), bounded per connection: a thousand links each holding a message just under the size limit
@@ -817,6 +819,7 @@ class AmqpSession:
             if not tx:
                 self._reject(delivery, TX_UNKNOWN, "no such transaction")
                 return
+            outcomes = self._tx_outcomes.pop(txn_id, [])
             await self._drain_inbound()  # the transaction's publishes are confirmed before it ends
             try:
                 if fail:
@@ -824,10 +827,16 @@ class AmqpSession:
                 else:
                     await link.commit(tx)
             except LinkRequestError as exc:
+                fail = True
                 self._reject(delivery, TX_ROLLBACK, exc.text)
-                return
-            wrapped.update(Delivery.ACCEPTED)
-            wrapped.settle()
+            else:
+                wrapped.update(Delivery.ACCEPTED)
+                wrapped.settle()
+            for consumer, message_id, mode in outcomes:
+                # Applied once committed (AMQP 1.0 part 4, 4.4.2). Rolled back, they are not: the messages come
+                # again, as those the transaction accepted do.
+                with contextlib.suppress(LinkRequestError):  # a consumer gone since gave its messages back
+                    consumer.nack_ids([message_id], NackMode.REDELIVER if fail else mode)
 
     async def _drain_inbound(self) -> None:
         pending = [future for future, *_ in self._unsettled_in]
@@ -962,8 +971,9 @@ class AmqpSession:
                 self._end_outbound(outbound, TX_UNKNOWN, "no such transaction")
             elif outcome in (None, _ACCEPTED):
                 consumer.ack_ids([message_id], tx)  # acknowledged when the transaction commits
-            else:  # given back at once, as outside a transaction
-                consumer.nack_ids([message_id], NackMode.REJECT if outcome == _REJECTED else NackMode.RELEASE)
+            else:  # applied at the discharge, if it commits
+                mode = NackMode.REJECT if outcome == _REJECTED else NackMode.RELEASE
+                self._tx_outcomes.setdefault(txn_id or b"", []).append((consumer, message_id, mode))
         else:
             return  # received (a non-terminal state): wait for the outcome
         lib.pn_delivery_settle(delivery)
