@@ -518,6 +518,21 @@ def test_a_restart_needs_a_quorum_of_distinct_other_pairs() -> None:
     assert restart_refusal([granted, {**granted, "voter": "node-d"}, refused], node_id=PAIR, own_epoch=4, pairs=5) == ""
 
 
+def test_a_restart_never_outvotes_its_own_pairs_active_copy() -> None:
+    """A single pair whose backup took over without a quorum (``ha.activate_without_quorum``): the
+    restarting primary hears from that copy alone. Counted as one pair, its own vote would be a quorum."""
+    active = {"granted": False, "voter": PAIR, "pairs": 1, "epoch": 7, "reason": "epoch 7 is active elsewhere"}
+    assert restart_refusal([active], node_id=PAIR, own_epoch=6, pairs=1).startswith("epoch 7")
+    # Nor in a cluster: another pair's grant does not outvote the pair's active copy either.
+    other = {"granted": True, "voter": "node-b", "pairs": 3, "epoch": 6}
+    assert restart_refusal([active, other], node_id=PAIR, own_epoch=6, pairs=3).startswith("epoch 7")
+
+
+def test_a_restart_needs_another_pairs_grant_whatever_the_count() -> None:
+    refused = {"granted": False, "voter": "", "epoch": 7, "reason": "no"}  # an older node: names no pair
+    assert restart_refusal([refused], node_id=PAIR, own_epoch=6, pairs=1).startswith("epoch 7")
+
+
 def test_a_restart_short_of_a_quorum_serves_only_when_no_voter_objects() -> None:
     ok = {"granted": True, "voter": "node-b", "epoch": 4}
     assert restart_refusal([], node_id=PAIR, own_epoch=4, pairs=3) == ""  # nobody to ask: a cluster starting

@@ -56,15 +56,22 @@ def restart_refusal(answers: Sequence[Mapping[str, Any]], *, node_id: str, own_e
     when it never counted them.
 
     A quorum of grants, this copy's own vote counted, is enough; each other pair counts once, however many
-    of its addresses were asked, and only when it names itself. The quorum is of the most pairs anyone
-    knows of: this copy, the voters that answered, or those voters' own counts (the cluster may have grown
-    since this copy counted). Short of one, any refusal or newer epoch keeps it from serving; when every
-    voter that answered grants it, or none answered, it serves (a whole cluster starting at once)."""
+    of its addresses were asked, and only when it names itself. The quorum is of the most pairs known to
+    this copy, to the voters that answered, or counted by those voters (the cluster may have grown since
+    this copy counted), and needs another pair's grant: never this copy's vote alone. An answer of this
+    pair's other copy means that copy is active: it is never outvoted. Short of a quorum, any refusal or
+    newer epoch keeps it from serving; when every voter that answered grants it, or none answered, it serves
+    (a whole cluster starting at once)."""
     named = {answer.get("voter") for answer in answers}
     voters = {voter for voter in named if isinstance(voter, str) and voter and voter != node_id}
     granting = {answer.get("voter") for answer in answers if answer.get("granted") is True} & voters
     heard_of = max((answer_int(answer, "pairs") for answer in answers), default=0)
-    if pairs and 1 + len(granting) >= quorum(max(pairs, 1 + len(voters), heard_of)):
+    if (
+        pairs
+        and granting
+        and node_id not in named
+        and 1 + len(granting) >= quorum(max(pairs, 1 + len(voters), heard_of))
+    ):
         return ""
     newer = max((answer_int(answer, "epoch") for answer in answers), default=0)
     if newer > own_epoch:
