@@ -3,7 +3,7 @@ loopback TCP, its journal in a temporary directory), the gateway's real ``CoreLi
 settings, and the client's transport replaced by ``MemoryWire``, which holds what the session writes.
 
 The protocol's client side is bytes the test writes and parses, so every rule of a session (ack modes,
-receipts, QoS states, settlement) is reachable without starting a process, in milliseconds a test.
+receipts, QoS states, settlement) is reachable without starting a process, in a fraction of a second a test.
 """
 
 from __future__ import annotations
