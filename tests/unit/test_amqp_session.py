@@ -1164,6 +1164,22 @@ def in_transaction(delivery: Delivery, txn_id: bytes, outcome: int | None = None
     delivery.update(TRANSACTIONAL_STATE)
 
 
+async def outcome_in_transaction(
+    core: Core, queue: str, body: str, outcome: int
+) -> tuple[Client, Transactions, Any, bytes]:
+    """``body`` put in ``queue``, received by a new client and settled with ``outcome`` in a transaction that
+    is still open: (the client, its controller, its receiver, the txn-id)."""
+    await fill(core, queue, body)
+    c = await connected(core)
+    tx = await Transactions.attach(c)
+    receiver = await c.receiver(queue)
+    txn_id = await tx.declare()
+    delivery, _ = await c.receive(receiver)
+    in_transaction(delivery, txn_id, outcome)
+    delivery.settle()
+    return c, tx, receiver, txn_id
+
+
 async def test_transactional_sends_are_routed_at_commit_only(core: Core) -> None:
     c = await connected(core)
     tx = await Transactions.attach(c)
@@ -1231,15 +1247,8 @@ async def test_a_committed_acknowledgement_takes_the_message(core: Core) -> None
 
 async def test_a_released_outcome_in_a_transaction_waits_for_the_discharge(core: Core) -> None:
     """AMQP 1.0 part 4, 4.4.2: a transactional outcome is applied upon a successful discharge."""
-    await fill(core, "txrel", "two")
+    c, tx, receiver, txn_id = await outcome_in_transaction(core, "txrel", "two", Delivery.RELEASED)
     queue = core.node.broker.queues["txrel"]
-    c = await connected(core)
-    tx = await Transactions.attach(c)
-    receiver = await c.receiver("txrel")
-    txn_id = await tx.declare()
-    delivery, _ = await c.receive(receiver)
-    in_transaction(delivery, txn_id, Delivery.RELEASED)
-    delivery.settle()
     await tx.declare()  # answered after the disposition before it was handled
     await c.nothing()
     assert queue.delivered == 1  # not given back (and so to the receiver again) before the discharge
@@ -1603,14 +1612,7 @@ async def test_many_unsettled_transfers_at_once_are_settled_in_order(tmp_path: P
 
 
 async def test_outcomes_of_a_transaction_rolled_back_are_not_applied(core: Core) -> None:
-    await fill(core, "txrb", "kept")
-    c = await connected(core)
-    tx = await Transactions.attach(c)
-    receiver = await c.receiver("txrb")
-    txn_id = await tx.declare()
-    delivery, _ = await c.receive(receiver)
-    in_transaction(delivery, txn_id, Delivery.REJECTED)
-    delivery.settle()
+    c, tx, receiver, txn_id = await outcome_in_transaction(core, "txrb", "kept", Delivery.REJECTED)
     assert (await tx.discharge(txn_id, fail=True)).remote_state == Delivery.ACCEPTED
     _, again = await c.receive(receiver)  # not rejected: it comes again, as a rolled-back acceptance would
     assert again.body == "kept"
@@ -1618,15 +1620,8 @@ async def test_outcomes_of_a_transaction_rolled_back_are_not_applied(core: Core)
 
 
 async def test_an_outcome_whose_link_closed_before_the_commit_leaves_the_message_in_its_queue(core: Core) -> None:
-    await fill(core, "txgone", "m")
+    c, tx, receiver, txn_id = await outcome_in_transaction(core, "txgone", "m", Delivery.REJECTED)
     queue = core.node.broker.queues["txgone"]
-    c = await connected(core)
-    tx = await Transactions.attach(c)
-    receiver = await c.receiver("txgone")
-    txn_id = await tx.declare()
-    delivery, _ = await c.receive(receiver)
-    in_transaction(delivery, txn_id, Delivery.REJECTED)
-    delivery.settle()
     receiver.close()  # its consumer goes: the core takes the message back
     await c.until(lambda: receiver.state & Endpoint.REMOTE_CLOSED, "the detach")
     await eventually(lambda: len(queue) == 1, "the message back in its queue")
