@@ -20,6 +20,7 @@ from tridentmq_core.server import CoreNode
 from tridentmq_core.settings import (
     AddressSettingsEntry,
     CoreSettings,
+    JournalSection,
     LinkSection,
     ManagementSection,
     NodeSection,
@@ -190,6 +191,9 @@ def core_settings(
     defaults (``publish_window``, say)."""
     return CoreSettings(
         node=NodeSection(data_dir=data_dir),
+        # 8 MiB as the suite's other cores (tests/conftest.py), not the 64 MiB default: every segment is
+        # pre-allocated, and the unit suite starts hundreds of these nodes (at 64 MiB, 15 GB per run).
+        journal=JournalSection(segment_bytes=8 * 1024 * 1024),
         link=LinkSection(host="127.0.0.1", port=0, **link),
         management=ManagementSection(port=0),
         users=users or [],
