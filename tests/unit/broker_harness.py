@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tridentmq_core import queues, router
+from tridentmq_core import queues, router, sessions
 from tridentmq_core.audit import NullAuditSink
 from tridentmq_core.broker import Broker
 from tridentmq_core.queues import LinkSession, PagerFactory
@@ -264,6 +264,10 @@ class Harness:
             queues._NO_GROUPS,
             queues._NO_LAST_VALUES,
             queues._NO_ATTEMPTS,
+            queues._NO_IN_FLIGHT,
+            sessions._NO_TXS,
+            sessions._NO_TEMPORARY_QUEUES,
+            sessions._NO_SEND_CHECKS,
             router._NOTHING,
             codec._NO_CONSUMERS,
         )

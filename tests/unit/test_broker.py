@@ -1575,6 +1575,27 @@ def test_a_message_that_came_and_went_leaves_its_queue_and_consumer_as_they_were
         tracemalloc.stop()
     kept = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
     assert kept / count < 16, f"{kept / count:.0f} bytes kept per queue"
+    queue = h.broker.queues["idle.0"]
+    assert queue._levels is queues._NO_LEVELS  # not even a list of its ten levels
+    assert all(consumer.in_flight is queues._NO_IN_FLIGHT for consumer in queue.consumers)
+
+
+def test_a_session_holds_no_containers_of_its_own_until_it_uses_them(h: Harness, c: Client) -> None:
+    """A device's session (a queue, a consumer, nothing sent) shares the empty transaction, temporary queue and
+    send-check tables; each is its own from its first entry, and a second session's stay shared and empty."""
+    session, other = c.session, h.connect().session
+    assert (session.txs, session.temporary_queues, session.send_ok) == ({}, {}, {})
+    assert session.txs is other.txs
+    assert session.temporary_queues is other.temporary_queues
+    assert session.send_ok is other.send_ok
+    tx = c.conn.new_tx_id()
+    ok(c.tx_begin(tx))
+    ok(c.create_queue("mine", temporary=True))
+    c.publish("mine", b"x")
+    assert list(session.txs) == [tx]
+    assert list(session.temporary_queues) == ["mine"]
+    assert "mine" in session.send_ok
+    assert (other.txs, other.temporary_queues, other.send_ok) == ({}, {}, {})
 
 
 # ====================================================================== permissions of the newer operations

@@ -92,6 +92,7 @@ class Admission:
             problem = send_ok.get(address, _UNCHECKED)
             if problem is _UNCHECKED:
                 problem = self.check_send(session, address)
+                send_ok = session.send_ok  # the session's own now, where it held the shared empty one
             if problem is None and (
                 address not in addresses or (message[M_ROUTING] != _MULTICAST and address not in queues)
             ):
@@ -220,9 +221,7 @@ class Admission:
         else:
             if not session.principal.allowed(Permission.SEND, address):
                 problem = (ErrorCode.FORBIDDEN, f"user {session.principal.name!r} may not send to {address!r}")
-        if len(session.send_ok) > _MAX_SEND_CHECKS:
-            session.send_ok.clear()
-        session.send_ok[address] = problem
+        session.remember_send_check(address, problem, _MAX_SEND_CHECKS)
         return problem
 
     def creation_problem(self, session: Session, message: WireMessage) -> tuple[str, str] | None:

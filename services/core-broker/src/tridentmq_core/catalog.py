@@ -236,6 +236,8 @@ class Catalog:
         expires_ms: int = -1,
         owner: Session | None = None,
     ) -> Queue:
+        if address == name:  # one string, not two equal ones (an MQTT session's lock queue, say)
+            address = name
         selector = compiled_filter(filter_text)
         self.ensure_address(address, {routing}, auto_created=auto_created)
         settings = self.address_settings.resolve(address)
@@ -265,7 +267,7 @@ class Catalog:
         self.routes.bind(queue)
         self.bindings_version += 1
         if owner is not None:
-            owner.temporary_queues[name] = None
+            owner.add_temporary_queue(name)
         if durable:
             self.store.add_queue(queue_spec(queue))
         self.start_idle_clock(queue, now_ms)

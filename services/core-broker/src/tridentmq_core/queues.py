@@ -57,6 +57,9 @@ MESSAGE_OVERHEAD = 256
 #: A priority level that never held a message: empty to iterate, test and count, without a deque's 600 bytes
 #: (ten deques per queue were half of a core's memory per MQTT session). Its first message makes the deque.
 _UNUSED_LEVEL: Final = cast("deque[WireMessage]", ())
+#: The levels of a queue that holds no message: shared by all such queues (a list of ten is 136 bytes, and a core
+#: holds two queues per MQTT session). A tuple, so that a write into it fails instead of reaching every queue.
+_NO_LEVELS: Final = cast("list[deque[WireMessage]]", (_UNUSED_LEVEL,) * (MAX_PRIORITY + 1))
 # Shared empty containers, one per kind, that a queue or consumer holds until its first entry: most never get
 # one (an empty dict is 64 bytes, a list 56, and a core holds a queue and a consumer or more per MQTT session).
 # They are only ever read: each writer first swaps in a container of its own.
@@ -64,6 +67,7 @@ _NO_COUNTS: Final[dict[int, int]] = {}
 _NO_GROUPS: Final[dict[str, Consumer]] = {}
 _NO_LAST_VALUES: Final[dict[Any, WireMessage]] = {}
 _NO_ATTEMPTS: Final[list[tuple[Consumer, int, WireMessage]]] = []
+_NO_IN_FLIGHT: Final[dict[int, WireMessage]] = {}  # an auto-acknowledging consumer never has any
 
 
 class MemoryGauge:
@@ -145,7 +149,7 @@ class Consumer:
         self.auto_ack = auto_ack
         self.browse = browse
         self.browse_iter: Iterator[WireMessage] | None = None
-        self.in_flight: dict[int, WireMessage] = {}
+        self.in_flight = _NO_IN_FLIGHT
         self.counts = _NO_COUNTS  # delivery count of in-flight messages delivered more than once
         self.forwarder = False  # moves messages to another node (cluster): not a consumer of a client
         self.byte_window = 0  # 0: the window is in messages only
@@ -272,7 +276,7 @@ class Queue:
         self._pager: Pager | None = None
         self._paged = 0
         self._paged_bytes = 0
-        self._levels: list[deque[WireMessage]] = [_UNUSED_LEVEL] * (MAX_PRIORITY + 1)
+        self._levels = _NO_LEVELS
         self._high = 0
         self._count = 0
         self._in_flight = 0  # messages its consumers hold unsettled (kept, not summed over them each time)
@@ -364,7 +368,7 @@ class Queue:
         priority = message[M_PRIORITY]
         level = self._levels[priority]
         if level is _UNUSED_LEVEL:
-            self._levels[priority] = deque((message,))
+            self._start_level(priority, message)
         else:
             level.append(message)
         if priority > self._high:  # noqa: PLR1730 - max() is a builtin call per message
@@ -399,6 +403,16 @@ class Queue:
                 self.acked += 1
                 self._sink.on_acked(self, previous)  # superseded: gone for good, like an ack
         self._lvq[key] = message
+
+    def _start_level(self, priority: int, message: WireMessage) -> None:
+        """The first message of a level: its deque, and the queue's own list of levels at its first message."""
+        if self._levels is _NO_LEVELS:
+            self._levels = list(_NO_LEVELS)
+        self._levels[priority] = deque((message,))
+
+    def _drained(self) -> None:
+        """No message is queued any more: an idle queue keeps no deque (600 bytes each) nor list of levels."""
+        self._levels = _NO_LEVELS
 
     def _pop_level(self) -> None:
         """Move ``_high`` down to the highest non-empty priority (callers know one exists)."""
@@ -435,7 +449,7 @@ class Queue:
         priority = message[M_PRIORITY]
         level = self._levels[priority]
         if level is _UNUSED_LEVEL:
-            self._levels[priority] = deque((message,))
+            self._start_level(priority, message)
         else:
             level.appendleft(message)
         if priority > self._high:  # noqa: PLR1730 - max() is a builtin call per message
@@ -459,6 +473,8 @@ class Queue:
             level.clear()
             level.extend(keep)
         self._count -= len(taken)
+        if not self._count:
+            self._drained()
         for message in taken:
             self._returned.pop(message[M_ID], None)
             self._forget(message)
@@ -509,7 +525,7 @@ class Queue:
                 del self._groups[group]
         unacked = [(consumer.in_flight[i], consumer.counts.get(i, 1)) for i in sorted(consumer.in_flight, reverse=True)]
         self._in_flight -= len(unacked)
-        consumer.in_flight = {}
+        consumer.in_flight = _NO_IN_FLIGHT
         consumer.counts = _NO_COUNTS
         return unacked
 
@@ -520,8 +536,8 @@ class Queue:
         if message is None:
             return None
         self._in_flight -= 1
-        if not in_flight:  # a dict keeps its table when emptied: an idle consumer holds an empty one instead
-            consumer.in_flight = {}
+        if not in_flight:  # a dict keeps its table when emptied: an idle consumer holds the shared empty one
+            consumer.in_flight = _NO_IN_FLIGHT
         return message, consumer.counts.pop(message_id, 1)
 
     def settle(self, message: WireMessage) -> None:
@@ -544,6 +560,8 @@ class Queue:
                 else:
                     self._dispatch_fast(ready, now_ms)
                 self._record_attempts()
+                if not self._count:
+                    self._drained()
         for consumer in self.consumers:
             if consumer.browse and consumer.credit > 0 and consumer.browse_iter is not None:
                 self._browse(consumer, now_ms)
@@ -584,8 +602,6 @@ class Queue:
             if not consumer.credit:
                 ready.remove(consumer)
         self._rr = rr
-        if not self._count:  # drained: an idle queue keeps no deque (600 bytes) for the next message
-            self._levels[self._high] = _UNUSED_LEVEL
 
     def _dispatch_scan(self, ready: list[Consumer], now_ms: int) -> None:
         scanned = 0
@@ -645,6 +661,8 @@ class Queue:
         if not consumer.forwarder:  # a forwarder's take is audited as forwarded or redistributed
             self._sink.on_delivered(self, consumer, count, message)
         if not consumer.auto_ack:  # in flight first: a delivery held for the disk is sent only if it still is
+            if consumer.in_flight is _NO_IN_FLIGHT:
+                consumer.in_flight = {}
             consumer.in_flight[message_id] = message
             self._in_flight += 1
             if count > 1:

@@ -46,7 +46,7 @@ class Transactions:
             raise BrokerError(
                 ErrorCode.RESOURCE_LIMIT, f"{self._max_open} transactions are open (broker.max_open_transactions)"
             )
-        session.txs[tx_id] = Transaction()
+        session.open_transaction(tx_id)
 
     def commit(self, session: Session, tx_id: int, now_ms: int) -> int:
         """Apply the transaction and close it; returns the store's token for it (0: safe already)."""
