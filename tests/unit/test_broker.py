@@ -342,6 +342,20 @@ def test_message_expired_at_dispatch_goes_to_expiry_queue(h: Harness, c: Client)
     assert expired[0].message[M_EXPIRATION] == 0
 
 
+def test_a_redelivered_message_expired_at_dispatch_leaves_no_redelivery_count(h: Harness, c: Client) -> None:
+    ok(c.create_queue("orders"))
+    cid = c.consumer("orders", credit=1)
+    c.send_all("orders", [b"short"], expiration_ms=h.now_ms + 500)
+    c.nack(cid, ids(c.take(cid)))  # back at the head, its delivery counted for the next one
+    queue = h.broker.queues["orders"]
+    assert queue._returned
+    h.now_ms += 1000  # expired, and no tick has swept the queue since
+    c.flow(cid, 1)
+    assert c.take(cid) == []
+    assert bodies(c.take(c.consumer("ExpiryQueue"))) == [b"short"]
+    assert not queue._returned
+
+
 def test_message_expires_on_tick_without_consumer(h: Harness, c: Client) -> None:
     ok(c.create_queue("orders"))
     c.send_all("orders", [b"short"], expiration_ms=h.now_ms + 500)

@@ -410,6 +410,13 @@ class Queue:
             self._levels = list(_NO_LEVELS)
         self._levels[priority] = deque((message,))
 
+    def _expired(self, message: WireMessage) -> None:
+        """A queued message found expired as it was taken out to be delivered: gone, with its redelivery count."""
+        if self._returned:
+            self._returned.pop(message[M_ID], None)
+        self._forget(message)
+        self._sink.on_expired(self, message)
+
     def _drained(self) -> None:
         """No message is queued any more: an idle queue keeps no deque (600 bytes each) nor list of levels."""
         self._levels = _NO_LEVELS
@@ -588,8 +595,7 @@ class Queue:
             self._count -= 1
             expiration = message[M_EXPIRATION]
             if expiration and expiration <= now_ms:
-                self._forget(message)
-                self._sink.on_expired(self, message)
+                self._expired(message)
                 continue
             if message[M_GROUP] is not None:
                 self.return_message(message, 0)
@@ -616,8 +622,7 @@ class Queue:
                 expiration = message[M_EXPIRATION]
                 if expiration and expiration <= now_ms:
                     self._count -= 1
-                    self._forget(message)
-                    self._sink.on_expired(self, message)
+                    self._expired(message)
                     continue
                 target = self._choose(message, ready)
                 if target is None:
