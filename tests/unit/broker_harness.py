@@ -259,6 +259,10 @@ class Harness:
         still be empty (a write into one would be a write into all)."""
         for queue in self.broker.queues.values():
             assert queue.in_flight == sum(len(c.in_flight) for c in queue.consumers), queue.name
+            # An idle queue or consumer holds the shared empty containers, not emptied ones of its own.
+            assert queue._count == sum(len(level) for level in queue._levels), queue.name
+            assert queue._count or queue._levels is queues._NO_LEVELS, queue.name
+            assert all(c.in_flight or c.in_flight is queues._NO_IN_FLIGHT for c in queue.consumers), queue.name
         shared = (
             queues._NO_COUNTS,
             queues._NO_GROUPS,

@@ -271,9 +271,8 @@ class Broker:
         self.now_ms = now_ms
         for consumer in list(session.consumers.values()):
             self.consuming.remove(session, consumer, now_ms)
-        for tx in session.txs.values():
+        for tx in session.drop_transactions():
             self.transactions.undo(tx, now_ms)
-        session.txs.clear()
         for name in list(session.temporary_queues):
             if name in self.queues:
                 self.catalog.delete_queue(self.queues[name], now_ms)

@@ -67,6 +67,11 @@ class Session:
             self.txs = {}
         self.txs[tx_id] = Transaction()
 
+    def drop_transactions(self) -> list[Transaction]:
+        """Its open transactions, which it holds no more (its link is gone)."""
+        transactions, self.txs = list(self.txs.values()), _NO_TXS
+        return transactions
+
     def add_temporary_queue(self, name: str) -> None:
         if self.temporary_queues is _NO_TEMPORARY_QUEUES:
             self.temporary_queues = {}
