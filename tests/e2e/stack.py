@@ -115,8 +115,10 @@ class Stack:
             if all(s and all(h == "healthy" for h in s) for s in states.values()):
                 return time.monotonic() - started
             if time.monotonic() - started > timeout:
-                logs = self.compose("logs", "--tail", "40", check=False).stdout
-                pytest.fail(f"not healthy in {timeout:.0f} s: {states}\n{logs[-6000:]}")
+                # The services that are not healthy say why in their own logs; the others' would crowd them out.
+                unhealthy = [service for service, s in states.items() if not s or any(h != "healthy" for h in s)]
+                logs = self.compose("logs", "--no-color", "--tail", "150", *unhealthy, check=False).stdout
+                pytest.fail(f"not healthy in {timeout:.0f} s: {states}\n{logs[-20000:]}")
             time.sleep(1)
 
     def management(self, service: str, path: str, *, admin: bool = False) -> dict[str, Any]:
