@@ -1155,13 +1155,31 @@ class Transactions:
         return txn_id
 
     async def discharge(self, txn_id: bytes, *, fail: bool) -> Delivery:
-        return await self.control(proton.Described(proton.symbol("amqp:discharge:list"), [txn_id, fail]))
+        delivery = self.send_discharge(txn_id, fail=fail)
+        await self.client.until(lambda: delivery.remote_state, "the coordinator's outcome")
+        return delivery
+
+    def send_discharge(self, txn_id: bytes, *, fail: bool) -> Delivery:
+        """The discharge, not waited for (it goes out with what the test wrote before it)."""
+        body = proton.Described(proton.symbol("amqp:discharge:list"), [txn_id, fail])
+        delivery: Delivery = self.controller.send(Message(body=body))
+        return delivery
 
 
 def in_transaction(delivery: Delivery, txn_id: bytes, outcome: int | None = None) -> None:
     local: Any = delivery.local
     local.data = [txn_id] if outcome is None else [txn_id, proton.Described(proton.ulong(outcome), [])]
     delivery.update(TRANSACTIONAL_STATE)
+
+
+def send_in_transaction(sender: Any, txn_id: bytes, count: int) -> list[Delivery]:
+    """``count`` messages (bodies 0, 1, ...) sent in transaction ``txn_id``."""
+    sent = []
+    for n in range(count):
+        delivery = sender.send(Message(body=n))
+        in_transaction(delivery, txn_id)
+        sent.append(delivery)
+    return sent
 
 
 async def outcome_in_transaction(
@@ -1185,11 +1203,7 @@ async def test_transactional_sends_are_routed_at_commit_only(core: Core) -> None
     tx = await Transactions.attach(c)
     sender = await c.sender("txq")
     txn_id = await tx.declare()
-    sent = []
-    for n in range(2):
-        delivery = sender.send(Message(body=n))
-        in_transaction(delivery, txn_id)
-        sent.append(delivery)
+    sent = send_in_transaction(sender, txn_id, 2)
     await c.until(lambda: all(d.remote_state for d in sent), "the transactional dispositions")
     assert [d.remote_state for d in sent] == [TRANSACTIONAL_STATE] * 2
     assert bytes(sent[0].remote.data[0]) == txn_id
@@ -1509,14 +1523,8 @@ async def test_a_discharge_waits_for_the_transfers_before_it(core: Core) -> None
     tx = await Transactions.attach(c)
     sender = await c.sender("txw")
     txn_id = await tx.declare()
-    sent = []
-    for n in range(20):
-        delivery = sender.send(Message(body=n))
-        in_transaction(delivery, txn_id)
-        sent.append(delivery)
-    commit = tx.controller.send(  # in the same read as the transfers: their confirms are not in yet
-        Message(body=proton.Described(proton.symbol("amqp:discharge:list"), [txn_id, False]))
-    )
+    sent = send_in_transaction(sender, txn_id, 20)
+    commit = tx.send_discharge(txn_id, fail=False)  # in the same read as the transfers: not confirmed yet
     await c.until(lambda: commit.remote_state, "the commit")
     assert commit.remote_state == Delivery.ACCEPTED
     assert queued(core, "txw") == 20
@@ -1531,10 +1539,7 @@ async def test_a_commit_the_core_refuses_is_rejected_with_rollback(tmp_path: Pat
         txn_id = await tx.declare()
         delivery = sender.send(Message(body="no"))
         in_transaction(delivery, txn_id)
-        commit = tx.controller.send(
-            Message(body=proton.Described(proton.symbol("amqp:discharge:list"), [txn_id, False]))
-        )
-        await c.until(lambda: commit.remote_state, "the commit's outcome")
+        commit = await tx.discharge(txn_id, fail=False)
         assert commit.remote_state == Delivery.REJECTED
         assert commit.remote.condition is not None
         assert commit.remote.condition.name == "amqp:transaction:rollback"
