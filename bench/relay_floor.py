@@ -170,6 +170,8 @@ def run_once(shape: str, rate: float, seconds: float, publishers: int) -> dict[s
     time.sleep(0.5)  # every publisher connected
     cpu_before = sum(cpu_of(relay.pid or 0) for relay in relays)
     start.set()
+    if not result_mine.poll(90 + expected / 100):  # the subscriber reports by then, or it died
+        raise SystemExit("the subscriber did not report")
     latencies = sorted(result_mine.recv())
     cpu_used = sum(cpu_of(relay.pid or 0) for relay in relays) - cpu_before
     for process in (*senders, subscriber, *relays):
