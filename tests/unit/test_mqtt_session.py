@@ -431,8 +431,25 @@ async def test_another_users_connect_cannot_take_a_bound_session(tmp_path: Path)
         # Once alice's connection is gone, her persistent session record still names her.
         await alice.gone()
         again = gw.client()
+        holders_when_answered: list[int] = []
+        write = again.wire.write
+
+        def answer(data: bytes) -> None:  # the moment the CONNACK goes out
+            lock = gw.core.node.broker.queues.get(convert.lock_queue("phone"))
+            holders_when_answered.append(0 if lock is None else len(lock.consumers))
+            write(data)
+
+        again.wire.write = answer  # type: ignore[method-assign]
         connack = await again.connect("phone", clean_start=False, username="bob", password=b"b")
         assert connack.reason_code == rc.NOT_AUTHORIZED
+        # The refused connection let go of the session's lock before it answered: its owner, coming back the
+        # moment bob has his answer, must not find the lock held by him (and be refused as another user).
+        assert holders_when_answered[0] == 0
+        back = gw.client()
+        connack = await back.connect(
+            "phone", clean_start=False, username="alice", password=b"a", properties=persistent()
+        )
+        assert (connack.reason_code, connack.session_present) == (0, True), connack
 
 
 # ---------------------------------------------------------------------------------------------- publish & subscribe

@@ -426,9 +426,11 @@ class MqttSession:
             delay_ms = connecting.will_delay_ms(event.will, self.expiry_s) if event.will is not None else 0
             await link.set_will(self._will_key, will_message, delay_ms=delay_ms, publish_pending=event.clean_start)
         except SessionBusyError as exc:
+            await self._let_go_of_lock()
             self._refuse(rc.SERVER_BUSY, str(exc))
             return
         except SessionUnreachableError:  # logged where it was found: once per attempt
+            await self._let_go_of_lock()
             self._refuse(
                 rc.SERVER_UNAVAILABLE, "this client's session is kept by a node that cannot be reached now; try again"
             )
@@ -443,15 +445,18 @@ class MqttSession:
                     "owner": exc.owner[:60],
                 },
             )
+            await self._let_go_of_lock()
             self._refuse(rc.NOT_AUTHORIZED, "this client id's session belongs to another user")
             return
         except OSError as exc:
             log.warning("core unavailable", extra={"peer": self.wire.peer, "reason": str(exc)})
+            await self._let_go_of_lock()
             self._refuse(rc.SERVER_UNAVAILABLE, "the broker cannot be reached; try again")
             return
         except LinkRequestError as exc:
             code = rc.NOT_AUTHORIZED if exc.code == ErrorCode.FORBIDDEN else rc.SERVER_UNAVAILABLE
             log.info("mqtt session refused", extra={"peer": self.wire.peer, "reason": exc.text})
+            await self._let_go_of_lock()
             self._refuse(code, exc.text)
             return
         if self.conn.closed:  # the client closed its side while the core was asked: no one reads a CONNACK
@@ -509,6 +514,14 @@ class MqttSession:
         )
         await registry.save(client_id, self.state)
         return previous
+
+    async def _let_go_of_lock(self) -> None:
+        """Release the session's lock before a refused CONNECT is answered: a client that reconnects at once
+        (its owner, after another user was refused) must not find the refused connection still holding it."""
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            with contextlib.suppress(OSError):
+                await self.registry.release(self.client_id, lock)
 
     def _check_owner(self, owner: str | None) -> None:
         """Refuse the session of another user (a record that names nobody predates the binding)."""
