@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tridentmq_core.ha.votes import ACTIVATE, STAY, VoteBook, VoteRequest, quorum, restart_refusal
+from tridentmq_core.ha.votes import ACTIVATE, STAY, Standing, VoteBook, VoteRequest, quorum, restart_refusal
 
 PAIR = "node-a"
 
@@ -247,6 +247,57 @@ def test_observe_of_the_promised_epoch_keeps_the_promisee() -> None:
     assert book.promised == {PAIR: (2, "backup-1")}
     # so the candidate asking again is still granted
     assert book.decide(activate(2, "backup-1"), primary_reachable=False) == (True, "")
+
+
+# ---------------------------------------------------------------------------------------------------- standing
+def test_a_node_of_the_promised_epoch_or_a_newer_one_is_current() -> None:
+    book = VoteBook()
+    assert book.standing(PAIR, 1) is Standing.CURRENT  # nothing known
+    assert book.decide(activate(3, "backup-1", data=2), primary_reachable=False)[0]
+    assert book.standing(PAIR, 3) is Standing.CURRENT
+    assert book.standing(PAIR, 4) is Standing.CURRENT
+
+
+def test_a_promise_alone_only_outbids_the_older_epoch() -> None:
+    """A backup bid for epoch 3 here and may have lost (its primary only stood still): the primary, still at
+    2, is kept out but not fenced; it comes back at a newer epoch if a quorum lets it go on."""
+    book = VoteBook({PAIR: (2, "")}, {PAIR: 2})
+    assert book.decide(activate(3, "backup-1"), primary_reachable=False)[0]
+    assert book.standing(PAIR, 2) is Standing.OUTBID
+    assert book.standing(PAIR, 1) is Standing.REPLACED  # 2 was seen active
+    assert book.decide(going_on(3, 2), primary_reachable=True)[0] is False  # this voter refuses its stay
+    assert book.standing(PAIR, 3) is Standing.CURRENT  # it went on at 3 with the others' grants: welcome
+
+
+def test_a_commit_of_the_promised_epoch_replaces_the_older_one() -> None:
+    book = VoteBook({PAIR: (2, "")}, {PAIR: 2})
+    assert book.decide(activate(3, "backup-1"), primary_reachable=False)[0]
+    assert book.decide(VoteRequest(STAY, PAIR, 3, "backup-1"), primary_reachable=False)[0]  # the winner commits
+    assert book.standing(PAIR, 2) is Standing.REPLACED
+
+
+def test_a_newer_epoch_seen_active_replaces_the_older_one() -> None:
+    book = VoteBook()
+    assert book.observe(PAIR, 4)
+    assert book.standing(PAIR, 3) is Standing.REPLACED
+    assert book.standing(PAIR, 4) is Standing.CURRENT
+
+
+def test_a_bid_after_an_uncommitted_win_replaces_what_it_won_against() -> None:
+    """A backup won epoch 3 at a majority but could not commit it, so it bids 4 with data epoch 3: no copy at
+    2 can serve again (the majority refuses its stays), so such a copy is replaced."""
+    book = VoteBook({PAIR: (2, "")}, {PAIR: 2})
+    assert book.decide(activate(4, "backup-1", data=3), primary_reachable=False)[0]
+    assert book.standing(PAIR, 2) is Standing.REPLACED
+    assert book.standing(PAIR, 3) is Standing.OUTBID
+
+
+def test_a_nodes_own_stay_never_counts_against_it() -> None:
+    """A stay granted here that has no quorum yet raises the data epoch: the node, still at its old epoch,
+    stays current here."""
+    book = VoteBook({PAIR: (2, "")}, {PAIR: 2})
+    assert book.decide(going_on(3, 2), primary_reachable=True)[0]
+    assert book.standing(PAIR, 2) is Standing.CURRENT
 
 
 # ---------------------------------------------------------------------------------------------------- JSON

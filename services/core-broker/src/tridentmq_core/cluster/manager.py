@@ -28,6 +28,7 @@ from tridentmq_core.cluster.bridge import Bridge
 from tridentmq_core.cluster.discovery import Announcement, RedisDiscovery
 from tridentmq_core.cluster.sync import BindingSync
 from tridentmq_core.forwarder import FORWARD_QUEUE_PREFIX, Direct
+from tridentmq_core.ha.votes import Standing
 from tridentmq_core.ha.voting import Voter
 from tridentmq_core.queues import Consumer, Queue
 from tridentmq_core.redistribution import (
@@ -313,11 +314,14 @@ class ClusterManager:
             "binding_backlog": True,
         }
 
-    def fresh(self, node_id: str, epoch: Any) -> bool:
-        """Whether ``node_id`` at ``epoch`` may be talked to: no newer copy of it was promised or seen."""
+    def standing(self, node_id: str, epoch: Any) -> Standing:
+        """Whether ``node_id`` at ``epoch`` may be talked to (current), must stop (replaced: a newer copy of it
+        serves), or waits (outbid: a newer epoch was promised to a copy not known to have won it)."""
         if self.voter is None:
-            return True
-        return type(epoch) is int and self.voter.observe(node_id, epoch)
+            return Standing.CURRENT
+        if type(epoch) is not int:
+            return Standing.REPLACED
+        return self.voter.observe(node_id, epoch)
 
     # ------------------------------------------------------------------ another node joins us
     def on_topology(self, session: Session, info: dict[str, Any]) -> dict[str, Any]:
@@ -346,12 +350,21 @@ class ClusterManager:
             raise BrokerError(ErrorCode.INVALID, problem)
         elif join.get("node_id") == self.node_id:
             problem = f"node id {self.node_id} is this node's own (a copied data directory?)"
-        elif not self.fresh(str(join.get("node_id")), join.get("epoch", 1)):
+        elif (standing := self.standing(str(join.get("node_id")), join.get("epoch", 1))) is Standing.REPLACED:
             # A copy of a pair that another replaced: the fencing at work during a failover or failback; that
             # copy stops when it hears this.
             problem = f"epoch {join.get('epoch')} of node {join.get('node_id')} was replaced by a newer one"
             log.warning("cluster join refused", extra={"peer": session.peer, "reason": problem})
             raise BrokerError(ErrorCode.FENCED, problem)
+        elif standing is Standing.OUTBID:
+            # Its backup bid for a newer epoch here, maybe in vain (this node only stood still): it joins again
+            # once it serves at a newer epoch, which a quorum grants it only if that backup did not win.
+            problem = (
+                f"epoch {join.get('epoch')} of node {join.get('node_id')} may have been replaced: a newer one was "
+                "promised to another copy of that pair; join again at a newer epoch"
+            )
+            log.warning("cluster join refused", extra={"peer": session.peer, "reason": problem})
+            raise BrokerError(ErrorCode.INVALID, problem)
         try:
             member = Member.from_wire(join)
         except ValueError as exc:
@@ -447,8 +460,13 @@ class ClusterManager:
 
     # ------------------------------------------------------------------ our bridges
     def bridge_up(self, bridge: Bridge, reply: dict[str, Any]) -> bool:
-        if not self.fresh(bridge.node_id, reply.get("epoch", 1)):
-            reason = f"epoch {reply.get('epoch')} of that node was replaced by a newer one (a fenced copy)"
+        standing = self.standing(bridge.node_id, reply.get("epoch", 1))
+        if standing is not Standing.CURRENT:
+            reason = (
+                f"epoch {reply.get('epoch')} of that node was replaced by a newer one (a fenced copy)"
+                if standing is Standing.REPLACED
+                else f"epoch {reply.get('epoch')} of that node may have been replaced: a newer one was promised"
+            )
             log.error("cluster connection refused", extra={"to": bridge.address, "reason": reason})
             bridge.state, bridge.reason = "refused", reason
             return False

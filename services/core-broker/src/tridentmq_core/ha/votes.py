@@ -23,6 +23,14 @@ at which it activated. Active nodes vote:
 Votes are majorities of the pairs of the cluster, so two requests for one pair cannot both win; a voter's
 promises are kept on disk (the caller persists the book), so a restarted voter does not forget them.
 
+A node of the pair that joins a voter's cluster connections at an older epoch than the voter knows is fenced
+(it stops) only when the voter knows the newer epoch serves: seen active, or committed by its winner
+(``standing``). A promise alone proves nothing: most lost bids are of a backup that missed a primary which
+only stood still for a second. Fencing on it stopped the pair's newest copy for good (a primary that never
+was a backup restarts only with every voter's grant, and the promising voter refuses it). A node merely
+outbid by a promise is kept out until it serves at a newer epoch, which it gets by a stay (it lost its
+backup) only if a majority agrees no other copy could have served.
+
 A primary that restarts asks a ``stay`` at the epoch after its own (``restart_refusal``). Each voter grants at
 most one of that stay and any other copy's ``activate`` that could have served since (above), so a majority
 of grants, its own vote counted as when it goes on alone, means no other copy can hold a majority: one
@@ -31,12 +39,21 @@ voter's promise to a backup that never won does not keep the pair's newest copy 
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 ACTIVATE: Final = "activate"
 STAY: Final = "stay"
+
+
+class Standing(enum.Enum):
+    """How a node of a pair, serving at some epoch, stands at a voter (``VoteBook.standing``)."""
+
+    CURRENT = "current"  # no newer epoch known: talk to it
+    OUTBID = "outbid"  # a newer epoch was promised to another copy, not known to serve: not now, not fenced
+    REPLACED = "replaced"  # a newer epoch serves (seen, or committed by its winner): the node must stop
 
 
 def quorum(pairs: int) -> int:
@@ -174,6 +191,17 @@ class VoteBook:
         if known == data_epoch < epoch and promisee not in ("", candidate):
             return f"epoch {known} was won by {promisee}"
         return ""
+
+    def standing(self, node_id: str, epoch: int) -> Standing:
+        """How a node of pair ``node_id`` serving at ``epoch`` stands here. A promise of a newer epoch replaces
+        it only with a sign that the promise was won: the promisee's commit raised the data epoch above
+        ``epoch`` (a stay of this same node does not promise, so it never counts against it)."""
+        promised, promisee = self.promised.get(node_id, (0, ""))
+        if epoch >= promised:
+            return Standing.CURRENT
+        if not promisee or self.freshness(node_id) > epoch:
+            return Standing.REPLACED
+        return Standing.OUTBID
 
     def observe(self, node_id: str, epoch: int) -> bool:
         """A node is active at ``epoch``; True when that raises what was known (persist it)."""

@@ -13,7 +13,7 @@ from typing import Any, Final
 
 from tridentmq_core.checks import BrokerError
 from tridentmq_core.ha.pair import HA_STATE_FILE, VOTES_FILE, BackupState, ClusterView, record_epoch
-from tridentmq_core.ha.votes import ACTIVATE, STAY, VoteBook, VoteRequest, restart_refusal
+from tridentmq_core.ha.votes import ACTIVATE, STAY, Standing, VoteBook, VoteRequest, restart_refusal
 from tridentmq_core.node_links import node_link
 from tridentmq_core.sessions import Session
 from tridentmq_core.settings import CoreSettings
@@ -94,13 +94,12 @@ class Voter:
             "fresh": book.freshness(request.node_id),
         }
 
-    def observe(self, node_id: str, epoch: int) -> bool:
-        """A node is active at ``epoch``: False when a higher one was promised (it is stale: refuse it)."""
-        if epoch < self.votes.book.epoch(node_id):
-            return False
-        if self.votes.book.observe(node_id, epoch):
+    def observe(self, node_id: str, epoch: int) -> Standing:
+        """A node is active at ``epoch``: recorded when it is current, else how it stands (``VoteBook.standing``)."""
+        standing = self.votes.book.standing(node_id, epoch)
+        if standing is Standing.CURRENT and self.votes.book.observe(node_id, epoch):
             self.votes.save()
-        return True
+        return standing
 
 
 async def primary_may_activate(settings: CoreSettings, identity: NodeIdentity, server_id: str) -> tuple[bool, str]:
