@@ -461,6 +461,22 @@ class HaLab:
     def view(self, node: str) -> dict[str, Any]:
         return self.views().get(node) or {}
 
+    def readyz(self, node: str) -> tuple[int, dict[str, Any]]:
+        """``node``'s ``/readyz`` (status code and body), asked from the client namespace."""
+        url = f"http://{self.lab.address(node)}:{MANAGEMENT_PORT}/readyz"
+        script = (
+            "import json, sys, urllib.error, urllib.request\n"
+            "try:\n"
+            f"    answer = urllib.request.urlopen({url!r}, timeout=5)\n"
+            "except urllib.error.HTTPError as error:\n"
+            "    answer = error\n"
+            "print(json.dumps([answer.status, json.loads(answer.read())]))\n"
+        )
+        process = self.lab.run(CLIENT, [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        out, _ = process.communicate(timeout=15)
+        status, body = json.loads(out)
+        return int(status), dict(body)
+
     def timeline(self) -> list[list[Any]]:
         assert self.monitor is not None
         return list(self.monitor.ask("stop"))
@@ -700,6 +716,11 @@ def test_a_primary_cut_off_from_the_cluster_says_so_and_its_following_client_fin
     took_over = time.monotonic() - cut
     if not ha_lab.poll(lambda: ha_lab.view("a1").get("cut_off") is True, 10):
         problems.append(f"a1 does not say it is cut off: {ha_lab.view('a1')}")
+    status, body = ha_lab.readyz("a1")
+    if status != 503 or body.get("status") != "not-serving":
+        problems.append(f"a1's /readyz says it can serve while it is cut off: {status} {body}")
+    if ha_lab.readyz("b1")[0] != 200:
+        problems.append(f"b1's /readyz: {ha_lab.readyz('b1')}")
     a1_view, a2_view = ha_lab.view("a1"), ha_lab.view("a2")
     if a1_view.get("active") is not False:
         problems.append(f"a1 reports active beside a2 (epoch {a2_view.get('epoch')}): {a1_view}")

@@ -801,6 +801,7 @@ class CoreNode:
                 {"configured_role": self.settings.ha.role, "group": self.settings.ha.group_name},
             )
         self.active = True
+        self.status.not_serving = lambda: "" if self.serving else self.not_serving_reason()
         self.status.ready = True
         if self.security.embedded_default and self.security.allow_anonymous_remote:
             log.warning(

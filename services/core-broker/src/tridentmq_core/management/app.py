@@ -85,6 +85,8 @@ class _Handlers:
                     {"status": "backup", "in_sync": ha.get("in_sync", False), "state": ha.get("state", "")}, status=503
                 )
             return web.json_response({"status": "starting"}, status=503)
+        if why := self.status.not_serving():
+            return web.json_response({"status": "not-serving", "reason": why}, status=503)
         return web.json_response(
             {"status": "ready", "recovered": dict(self.status.recovered), "truncated": list(self.status.truncated)}
         )

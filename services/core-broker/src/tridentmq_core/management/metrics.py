@@ -127,7 +127,8 @@ def render_metrics(broker: Broker, status: NodeStatus, rates: QueueRates) -> str
         "Seconds since the node started.",
         [({}, round(max(time.time() - status.started_at, 0.0), 3))],
     )
-    _family(lines, "ready", "gauge", "1 when the node accepts traffic, 0 while it starts.", [({}, int(status.ready))])
+    ready = status.ready and not status.not_serving()
+    _family(lines, "ready", "gauge", "1 when the node serves clients (as /readyz says), else 0.", [({}, int(ready))])
     _family(lines, "connections", "gauge", "Open link connections.", [({}, len(broker.sessions))])
     _family(lines, "addresses", "gauge", "Addresses defined.", [({}, len(broker.addresses))])
     _family(lines, "queues", "gauge", "Queues defined.", [({}, len(broker.queues))])

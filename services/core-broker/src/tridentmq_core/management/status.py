@@ -30,6 +30,9 @@ class NodeStatus:
     cluster: Callable[[], dict[str, Any]] | None = None  # the cluster view, when the node clusters
     ha: Callable[[], dict[str, Any]] | None = None  # the pair's view, when the node is half of one
     links: Callable[[], int] = lambda: 0  # link connections (a gateway's shared link carries many sessions)
+    #: Why a ready node serves no client now ("" when it does): cut off from its backup and a quorum, or from
+    #: its network. Not ready then: a load balancer or a Kubernetes Service must send clients elsewhere.
+    not_serving: Callable[[], str] = lambda: ""
 
 
 _NONE: Final = (0, 0)
