@@ -10,7 +10,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tridentmq_core.ha.votes import ACTIVATE, STAY, Standing, VoteBook, VoteRequest, quorum, restart_refusal
+from tridentmq_core.ha.votes import (
+    ACTIVATE,
+    STAY,
+    WITHDRAW,
+    Standing,
+    VoteBook,
+    VoteRequest,
+    quorum,
+    restart_refusal,
+)
 
 PAIR = "node-a"
 
@@ -39,7 +48,7 @@ def test_two_quorums_of_the_same_pairs_always_overlap(pairs: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- wire form
-@pytest.mark.parametrize("kind", [ACTIVATE, STAY])
+@pytest.mark.parametrize("kind", [ACTIVATE, STAY, WITHDRAW])
 def test_a_request_round_trips_through_its_wire_form(kind: str) -> None:
     request = VoteRequest(kind, PAIR, 7, "server-2")
     wire = request.to_wire()
@@ -48,7 +57,7 @@ def test_a_request_round_trips_through_its_wire_form(kind: str) -> None:
         "node_id": PAIR,
         "epoch": 7,
         "candidate": "server-2",
-        "data_epoch": 6 if kind == ACTIVATE else 7,
+        "data_epoch": 7 if kind == STAY else 6,
     }
     assert VoteRequest.from_wire(wire) == request
     # and through JSON / msgpack-like plain data, as it travels
@@ -293,11 +302,72 @@ def test_a_bid_after_an_uncommitted_win_replaces_what_it_won_against() -> None:
 
 
 def test_a_nodes_own_stay_never_counts_against_it() -> None:
-    """A stay granted here that has no quorum yet raises the data epoch: the node, still at its old epoch,
-    stays current here."""
+    """A stay granted here that has no quorum yet raises the data epoch but promises nothing: the node, still
+    at its old epoch, stays current here (the data epoch alone never fences)."""
     book = VoteBook({PAIR: (2, "")}, {PAIR: 2})
     assert book.decide(going_on(3, 2), primary_reachable=True)[0]
     assert book.standing(PAIR, 2) is Standing.CURRENT
+
+
+# ---------------------------------------------------------------------------------------------------- withdraw
+def withdraw(epoch: int, candidate: str = "backup-1") -> VoteRequest:
+    return VoteRequest(WITHDRAW, PAIR, epoch, candidate)
+
+
+def test_a_withdrawn_promise_of_an_epoch_another_copy_serves_at_is_kept_as_seen() -> None:
+    book = VoteBook({PAIR: (2, "")}, {PAIR: 2})
+    assert book.decide(activate(3, "backup-1"), primary_reachable=False)[0]
+    book.observe(PAIR, 3)  # the primary went on at 3 with the other voters' grants, and joined here
+    assert book.decide(withdraw(3), primary_reachable=True) == (True, "")
+    assert book.promised == {PAIR: (3, "")}
+    assert book.decide(going_on(4, 3), primary_reachable=True) == (True, "")  # its restart is no longer refused
+
+
+def test_a_withdrawn_promise_of_an_epoch_nobody_serves_at_goes() -> None:
+    book = VoteBook({PAIR: (2, "")}, {PAIR: 2})
+    assert book.decide(activate(3, "backup-1"), primary_reachable=False)[0]
+    assert book.standing(PAIR, 2) is Standing.OUTBID
+    assert book.decide(withdraw(3), primary_reachable=True) == (True, "")
+    assert book.promised == {PAIR: (2, "")}
+    assert book.standing(PAIR, 2) is Standing.CURRENT
+    fresh = VoteBook()
+    assert fresh.decide(activate(1, "backup-1", data=0), primary_reachable=False)[0]
+    assert fresh.decide(withdraw(1), primary_reachable=True)[0]
+    assert fresh.promised == {}
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [withdraw(3, "backup-2"), withdraw(2), withdraw(4), VoteRequest(WITHDRAW, PAIR, 3, "")],
+    ids=["another candidate", "an older bid", "a newer epoch", "no candidate"],
+)
+def test_only_the_candidates_own_promise_of_that_epoch_is_withdrawn(request_: VoteRequest) -> None:
+    """A late withdrawal of an older bid never cancels a later one of the same candidate."""
+    book = VoteBook({PAIR: (2, "")}, {PAIR: 2})
+    assert book.decide(activate(3, "backup-1"), primary_reachable=False)[0]
+    assert book.decide(request_, primary_reachable=True) == (False, "no such promise")
+    assert book.promised == {PAIR: (3, "backup-1")}
+
+
+def test_a_lost_bid_withdrawn_lets_the_primary_that_went_on_restart() -> None:
+    """Three pairs: a (primary-1, backup-1), b, c. primary-1 stood still; backup-1 bid for epoch 2; c promised
+    it, b refused (it still reached primary-1). primary-1 went on at 2 with b's grant and joined c (current
+    there, the promise kept). Were it to restart now, never having been a backup, c's promise would refuse it
+    and every answer must agree: the pair would serve nothing. Once backup-1 copies primary-1 again and
+    withdraws its bid, the restart is granted by both."""
+    b, c = seen_at(1), seen_at(1)
+    assert not b.decide(activate(2, "backup-1", data=1), primary_reachable=True)[0]
+    assert c.decide(activate(2, "backup-1", data=1), primary_reachable=False)[0]
+    stay_2 = going_on(2, 1, "primary-1")
+    assert [answer(b, "node-b", stay_2)["granted"], answer(c, "node-c", stay_2)["granted"]] == [True, False]
+    assert c.standing(PAIR, 2) is Standing.CURRENT
+    c.observe(PAIR, 2)
+    restart = going_on(3, 2, "primary-1-again")
+    kept = [answer(VoteBook(dict(bk.promised), dict(bk.fresh)), n, restart) for n, bk in (("node-b", b), ("node-c", c))]
+    assert restart_refusal(kept, node_id=PAIR, own_epoch=2, pairs=0).startswith("a voter refused: epoch 2 was won")
+    assert c.decide(withdraw(2), primary_reachable=True) == (True, "")
+    answers = [answer(b, "node-b", restart), answer(c, "node-c", restart)]
+    assert restart_refusal(answers, node_id=PAIR, own_epoch=2, pairs=0) == ""
 
 
 # ---------------------------------------------------------------------------------------------------- JSON

@@ -146,11 +146,11 @@ class Bridge:
                 delay = settings.retry_interval_ms / 1000
             except LinkRequestError as exc:
                 if exc.code == ErrorCode.UNAUTHENTICATED:
-                    self._refused(exc.text)
+                    self.note_refused(exc.text)
                 elif exc.code == ErrorCode.NOT_ACTIVE:  # a passive backup: it joins once it takes over
                     self.state, self.reason = "standby", exc.text
                 elif isinstance(exc.__cause__, ssl.SSLError):  # certificates that do not fit: say so, once
-                    self._refused(exc.text)
+                    self.note_refused(exc.text)
                 else:
                     self._failed(str(exc))
             except (OSError, TimeoutError) as exc:
@@ -170,7 +170,7 @@ class Bridge:
         self.reason = reason
         log.debug("cluster connection failed", extra={"to": self.address, "reason": reason})
 
-    def _refused(self, reason: str, level: int = logging.ERROR) -> None:
+    def note_refused(self, reason: str, level: int = logging.ERROR) -> None:
         """Log a refusal once, not at every retry."""
         if self.state != "refused" or self.reason != reason:
             log.log(level, "cluster connection refused", extra={"to": self.address, "reason": reason})
@@ -190,11 +190,13 @@ class Bridge:
         if client.node_id == manager.node_id and manager.settings.ha.policy != "none":
             # The other copy of this pair, active there (a failover or a failback moves the pair's node id
             # between addresses): the epochs decide which copy serves; nothing for an operator to fix.
-            self._refused(f"another copy of this pair serves at this address (epoch {client.node_epoch})", logging.INFO)
+            self.note_refused(
+                f"another copy of this pair serves at this address (epoch {client.node_epoch})", logging.INFO
+            )
             await client.close()
             return
         if client.node_id == manager.node_id:
-            self._refused(
+            self.note_refused(
                 "the node at this address has this node's id (a copied data directory?); remove one "
                 "node's node.id to give it a new identity"
             )
@@ -215,7 +217,7 @@ class Bridge:
         except LinkRequestError as exc:
             if exc.code == ErrorCode.FENCED:
                 manager.on_fenced(f"{self.address} refused this node's join: {exc.text}")
-            self._refused(f"join refused: {exc.text}")
+            self.note_refused(f"join refused: {exc.text}")
             await client.close()
             return
         finally:

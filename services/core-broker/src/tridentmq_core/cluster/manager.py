@@ -191,6 +191,7 @@ class ClusterManager:
         self._bridge_answered = asyncio.Event()
         self.members: dict[str, Member] = {}  # every node heard of, by id
         self.joined: dict[str, Joined] = {}  # by link connection id
+        self._outbid_logged: set[tuple[str, Any]] = set()  # (node id, epoch) of joins refused as outbid, logged
         self.watchers: dict[str, Session] = {}  # gateways following the topology, by connection id
         # By queue name and target node: one per node with consumers for the queue.
         self.redistributors: dict[tuple[str, str], tuple[Bridge, Redistributor]] = {}
@@ -363,7 +364,14 @@ class ClusterManager:
                 f"epoch {join.get('epoch')} of node {join.get('node_id')} may have been replaced: a newer one was "
                 "promised to another copy of that pair; join again at a newer epoch"
             )
-            log.warning("cluster join refused", extra={"peer": session.peer, "reason": problem})
+            # Asked again every retry interval until it serves at a newer epoch: said once per epoch.
+            outbid = (str(join.get("node_id")), join.get("epoch"))
+            (log.debug if outbid in self._outbid_logged else log.warning)(
+                "cluster join refused", extra={"peer": session.peer, "reason": problem}
+            )
+            if len(self._outbid_logged) >= 1024:  # a few per failover: only a peer gone wrong gets here
+                self._outbid_logged.clear()
+            self._outbid_logged.add(outbid)
             raise BrokerError(ErrorCode.INVALID, problem)
         try:
             member = Member.from_wire(join)
@@ -467,8 +475,7 @@ class ClusterManager:
                 if standing is Standing.REPLACED
                 else f"epoch {reply.get('epoch')} of that node may have been replaced: a newer one was promised"
             )
-            log.error("cluster connection refused", extra={"to": bridge.address, "reason": reason})
-            bridge.state, bridge.reason = "refused", reason
+            bridge.note_refused(reason)
             return False
         try:
             self.bindings.replace(bridge.node_id, reply.get("bindings") or [])

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tridentmq_core.ha.pair import HA_STATE_FILE, BackupState
-from tridentmq_core.ha.votes import ACTIVATE, STAY, VoteRequest, answer_int, quorum
+from tridentmq_core.ha.votes import ACTIVATE, STAY, WITHDRAW, VoteRequest, answer_int, quorum
 from tridentmq_core.ha.voting import VOTE_TIMEOUT, ask_votes
 from tridentmq_core.node_links import node_link, watch_close
 from tridentmq_core.settings import CoreSettings
@@ -68,6 +68,7 @@ class BackupRunner:
         self._early: list[ev.ReplicaRecords] = []  # records that came before the answer to REPLICATE
         self.handed_over = False  # the active copy handed the pair over (failback): take over without a vote
         self._next_epoch = 0  # the epoch to ask for next, above the promises of a split vote
+        self._bid_epoch = 0  # the highest epoch this process asked for and has not withdrawn yet
         self._logged: set[str] = set()  # reasons logged since the last copy started
         self._task: asyncio.Task[None] | None = None
 
@@ -143,6 +144,8 @@ class BackupRunner:
         self.primary = f"{host}:{port}"
         self._logged.clear()
         self._start_copy(reply)
+        if self._bid_epoch:
+            await self._withdraw_bid(self.state.node_id)
         await closed.wait()
         self.client = None
         in_sync = self.state.in_sync
@@ -255,6 +258,7 @@ class BackupRunner:
                 log.warning("taking over without a quorum (ha.activate_without_quorum)")
                 break
             request = VoteRequest(ACTIVATE, node_id, epoch, self.server_id, data_epoch)
+            self._bid_epoch = max(self._bid_epoch, epoch)
             answers = [a for a in await ask_votes(self.settings, voters, request) if a is not None]
             grants = sum(1 for a in answers if a.get("granted") is True)
             stale = max((answer_int(a, "fresh") for a in answers), default=0) > data_epoch
@@ -307,6 +311,18 @@ class BackupRunner:
         log.warning("backup activated", extra={"node_id": node_id, "epoch": epoch})
         await self._activate()
         return True
+
+    async def _withdraw_bid(self, node_id: str) -> None:
+        """This copy lost its bid and copies the pair's active node: the voters forget their promise to it,
+        which would otherwise keep that node out of their cluster connections and refuse its restart. Asked
+        again at the next copy while a voter did not answer."""
+        voters = [endpoint for member, endpoint in self.state.members.items() if member != node_id]
+        request = VoteRequest(WITHDRAW, node_id, self._bid_epoch, self.server_id)
+        answers = await ask_votes(self.settings, voters, request)
+        withdrawn = sum(1 for answer in answers if answer is not None and answer.get("granted") is True)
+        log.info("lost bid withdrawn", extra={"epoch": self._bid_epoch, "voters": len(voters), "withdrawn": withdrawn})
+        if all(answer is not None for answer in answers):
+            self._bid_epoch = 0
 
     async def _refresh_members(self, own_node_id: str) -> None:
         """Learn the cluster's members from the first active node that answers: a voter may have failed over

@@ -23,9 +23,14 @@ at which it activated. Active nodes vote:
 Votes are majorities of the pairs of the cluster, so two requests for one pair cannot both win; a voter's
 promises are kept on disk (the caller persists the book), so a restarted voter does not forget them.
 
+- ``withdraw``: a backup that bid for ``epoch`` and lost now copies the pair's active node: it will never
+  serve at that epoch, so a voter forgets its promise of it (the promise would otherwise keep outbidding the
+  active node, and refuse that node's restart, for good). Only that candidate's promise of that very epoch
+  goes: a late withdrawal never cancels a later bid.
+
 A node of the pair that joins a voter's cluster connections at an older epoch than the voter knows is fenced
-(it stops) only when the voter knows the newer epoch serves: seen active, or committed by its winner
-(``standing``). A promise alone proves nothing: most lost bids are of a backup that missed a primary which
+(it stops) only when the voter knows the newer epoch serves: seen active, or promised here and committed by
+its winner (``standing``). A promise alone proves nothing: most lost bids are of a backup that missed a primary which
 only stood still for a second. Fencing on it stopped the pair's newest copy for good (a primary that never
 was a backup restarts only with every voter's grant, and the promising voter refuses it). A node merely
 outbid by a promise is kept out until it serves at a newer epoch, which it gets by a stay (it lost its
@@ -46,6 +51,7 @@ from typing import Any, Final
 
 ACTIVATE: Final = "activate"
 STAY: Final = "stay"
+WITHDRAW: Final = "withdraw"
 
 
 class Standing(enum.Enum):
@@ -101,7 +107,7 @@ def restart_refusal(answers: Sequence[Mapping[str, Any]], *, node_id: str, own_e
 
 @dataclass(frozen=True, slots=True)
 class VoteRequest:
-    kind: str  # ACTIVATE or STAY
+    kind: str  # ACTIVATE, STAY or WITHDRAW
     node_id: str  # the pair
     epoch: int
     candidate: str  # who asks (a server id), for the log
@@ -129,7 +135,7 @@ class VoteRequest:
         kind, node_id, epoch = item.get("kind"), item.get("node_id"), item.get("epoch")
         candidate, data_epoch = item.get("candidate"), item.get("data_epoch", 0)
         if (
-            kind not in (ACTIVATE, STAY)
+            kind not in (ACTIVATE, STAY, WITHDRAW)
             or not isinstance(node_id, str)
             or not node_id
             or type(epoch) is not int
@@ -159,6 +165,8 @@ class VoteBook:
     def decide(self, request: VoteRequest, *, primary_reachable: bool) -> tuple[bool, str]:
         """(granted, why not). A grant of ``activate`` changes the book: persist it before answering."""
         known, promisee = self.promised.get(request.node_id, (0, ""))
+        if request.kind == WITHDRAW:
+            return self._withdraw(request, known, promisee)
         if request.kind == STAY:
             why = self._stay_refusal(request, known, promisee)
             if why:
@@ -175,6 +183,21 @@ class VoteBook:
             return False, "the primary is still reachable from this node"
         self.promised[request.node_id] = (request.epoch, request.candidate)
         self._raise_fresh(request.node_id, request.data_epoch)
+        return True, ""
+
+    def _withdraw(self, request: VoteRequest, known: int, promisee: str) -> tuple[bool, str]:
+        """Forget the promise of ``request.epoch`` to ``request.candidate``, which lost that bid. The pair's
+        data epoch stays: if it reached the promised epoch, another copy serves at it (the promise stands
+        for "seen active"); else the promise goes as if never made (no other copy was promised it here)."""
+        if not request.candidate or (known, promisee) != (request.epoch, request.candidate):
+            return False, "no such promise"
+        fresh = self.freshness(request.node_id)
+        if fresh >= known:
+            self.promised[request.node_id] = (known, "")
+        elif fresh:
+            self.promised[request.node_id] = (fresh, "")
+        else:
+            del self.promised[request.node_id]
         return True, ""
 
     @staticmethod

@@ -63,13 +63,13 @@ class Voter:
         except ValueError as exc:
             raise BrokerError(ErrorCode.INVALID, str(exc)) from None
         book = self.votes.book
-        before = book.epoch(request.node_id), book.freshness(request.node_id)
+        before = book.promised.get(request.node_id), book.freshness(request.node_id)
         cluster = self._cluster()
         if cluster is not None and request.node_id == cluster.node_id and request.kind == ACTIVATE:
             granted, why = False, "this node is that pair's active copy"
         else:
             granted, why = book.decide(request, primary_reachable=self.primary_reachable(request.node_id))
-        if (book.epoch(request.node_id), book.freshness(request.node_id)) != before:
+        if (book.promised.get(request.node_id), book.freshness(request.node_id)) != before:
             self.votes.save()  # the promise is on disk before the candidate hears of it
         # Refusals repeat every vote round of a candidate: only grants are worth a line at INFO.
         (log.info if granted else log.debug)(
