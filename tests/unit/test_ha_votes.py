@@ -14,6 +14,7 @@ from tridentmq_core.ha.votes import (
     ACTIVATE,
     STAY,
     WITHDRAW,
+    Bids,
     Standing,
     VoteBook,
     VoteRequest,
@@ -347,6 +348,29 @@ def test_only_the_candidates_own_promise_of_that_epoch_is_withdrawn(request_: Vo
     assert book.decide(activate(3, "backup-1"), primary_reachable=False)[0]
     assert book.decide(request_, primary_reachable=True) == (False, "no such promise")
     assert book.promised == {PAIR: (3, "backup-1")}
+
+
+def test_a_backup_never_asks_again_for_an_epoch_it_withdraws() -> None:
+    """A withdrawal may reach a voter late (a link held up, then delivered): it must never match the promise
+    of a later bid of the same process, so every later bid asks above it, whatever its copy's data epoch."""
+    bids = Bids()
+    assert bids.epoch_for(2) == 3
+    bids.asked(3)
+    bids.outbid(4)  # split votes: ask above the other copy's promise
+    assert bids.epoch_for(2) == 5
+    bids.asked(5)
+    assert bids.withdrawing() == 5
+    assert bids.epoch_for(2) == 6
+    assert bids.epoch_for(7) == 8
+    bids.withdrawn(4)  # not the one pending: kept
+    assert bids.pending == 5
+    bids.withdrawn(5)
+    assert (bids.pending, bids.withdrawing()) == (0, 0)
+    # At a voter: the late withdrawal of 5 leaves the promise of the next bid, at 6, alone.
+    book = VoteBook({PAIR: (2, "")}, {PAIR: 2})
+    assert book.decide(activate(bids.epoch_for(2), "backup-1", data=2), primary_reachable=False)[0]
+    assert book.decide(withdraw(5), primary_reachable=True) == (False, "no such promise")
+    assert book.promised == {PAIR: (6, "backup-1")}
 
 
 def test_a_lost_bid_withdrawn_lets_the_primary_that_went_on_restart() -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from tridentmq_core.ha.pair import HA_STATE_FILE, BackupState
-from tridentmq_core.ha.votes import ACTIVATE, STAY, WITHDRAW, VoteRequest, answer_int, quorum
-from tridentmq_core.ha.voting import VOTE_TIMEOUT, ask_votes
+from tridentmq_core.ha.votes import ACTIVATE, STAY, WITHDRAW, Bids, VoteRequest, answer_int, quorum
+from tridentmq_core.ha.voting import VOTE_LINK_PREFIX, VOTE_TIMEOUT, ask_votes
 from tridentmq_core.node_links import node_link, watch_close
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.identity import NodeIdentity
@@ -67,8 +67,7 @@ class BackupRunner:
         self._compacted_at = 0  # local number of the last compaction's COMPACTED record, until it is synced
         self._early: list[ev.ReplicaRecords] = []  # records that came before the answer to REPLICATE
         self.handed_over = False  # the active copy handed the pair over (failback): take over without a vote
-        self._next_epoch = 0  # the epoch to ask for next, above the promises of a split vote
-        self._bid_epoch = 0  # the highest epoch this process asked for and has not withdrawn yet
+        self.bids = Bids()  # the epochs this process asks for, and the lost bid it withdraws
         self._logged: set[str] = set()  # reasons logged since the last copy started
         self._task: asyncio.Task[None] | None = None
 
@@ -144,9 +143,11 @@ class BackupRunner:
         self.primary = f"{host}:{port}"
         self._logged.clear()
         self._start_copy(reply)
-        if self._bid_epoch:
-            await self._withdraw_bid(self.state.node_id)
-        await closed.wait()
+        withdrawing = spawn(self._withdraw_bid(self.state.node_id), "ha-withdraw") if self.bids.pending else None
+        try:
+            await closed.wait()
+        finally:
+            await cancel_and_wait(withdrawing)
         self.client = None
         in_sync = self.state.in_sync
         self.handed_over = bool(in_sync and why and why[0].code == ErrorCode.FAILBACK)
@@ -243,7 +244,7 @@ class BackupRunner:
         Without a primary (none found active), one round only."""
         ha = self.settings.ha
         node_id, data_epoch = self.state.node_id, self.state.epoch
-        epoch = max(data_epoch + 1, self._next_epoch)
+        epoch = self.bids.epoch_for(data_epoch)
         while not self.handed_over:
             if self._isolated():
                 self._note("cut off from the network (network check): not taking over")
@@ -258,7 +259,7 @@ class BackupRunner:
                 log.warning("taking over without a quorum (ha.activate_without_quorum)")
                 break
             request = VoteRequest(ACTIVATE, node_id, epoch, self.server_id, data_epoch)
-            self._bid_epoch = max(self._bid_epoch, epoch)
+            self.bids.asked(epoch)
             answers = [a for a in await ask_votes(self.settings, voters, request) if a is not None]
             grants = sum(1 for a in answers if a.get("granted") is True)
             stale = max((answer_int(a, "fresh") for a in answers), default=0) > data_epoch
@@ -297,7 +298,8 @@ class BackupRunner:
                 # serves only once a majority committed its epoch, and then any majority of answers
                 # includes a voter that refuses this copy as stale. (With fewer answers, a committed
                 # epoch could hide among the silent: bidding above it would fence the serving copy.)
-                epoch = self._next_epoch = promised + 1
+                self.bids.outbid(promised)
+                epoch = self.bids.epoch_for(data_epoch)
             lost = "primary lost" if primary else "no active copy"
             self.reason = f"{lost}: {grants} of {needed} votes (pairs: {self.state.pairs})"
             if primary is None or await self._primary_back(*primary):
@@ -315,14 +317,18 @@ class BackupRunner:
     async def _withdraw_bid(self, node_id: str) -> None:
         """This copy lost its bid and copies the pair's active node: the voters forget their promise to it,
         which would otherwise keep that node out of their cluster connections and refuse its restart. Asked
-        again at the next copy while a voter did not answer."""
-        voters = [endpoint for member, endpoint in self.state.members.items() if member != node_id]
-        request = VoteRequest(WITHDRAW, node_id, self._bid_epoch, self.server_id)
-        answers = await ask_votes(self.settings, voters, request)
-        withdrawn = sum(1 for answer in answers if answer is not None and answer.get("granted") is True)
-        log.info("lost bid withdrawn", extra={"epoch": self._bid_epoch, "voters": len(voters), "withdrawn": withdrawn})
-        if all(answer is not None for answer in answers):
-            self._bid_epoch = 0
+        again while a voter does not answer, as long as the copy goes on."""
+        epoch = self.bids.withdrawing()
+        request = VoteRequest(WITHDRAW, node_id, epoch, self.server_id)
+        while True:
+            voters = [endpoint for member, endpoint in self.state.members.items() if member != node_id]
+            answers = await ask_votes(self.settings, voters, request)
+            if all(answer is not None for answer in answers):
+                granted = sum(1 for answer in answers if answer is not None and answer.get("granted") is True)
+                log.info("lost bid withdrawn", extra={"epoch": epoch, "voters": len(voters), "forgotten": granted})
+                self.bids.withdrawn(epoch)
+                return
+            await asyncio.sleep(self.settings.cluster.max_retry_interval_ms / 1000)
 
     async def _refresh_members(self, own_node_id: str) -> None:
         """Learn the cluster's members from the first active node that answers: a voter may have failed over
@@ -342,7 +348,8 @@ class BackupRunner:
             await asyncio.gather(*asking, return_exceptions=True)  # their links are closed before going on
 
     async def _members_at(self, host: str, port: int) -> list[Any] | None:
-        client = node_link(self.settings, host, port, f"vote:{self.settings.node.name}", connect_timeout=VOTE_TIMEOUT)
+        name = VOTE_LINK_PREFIX + self.settings.node.name
+        client = node_link(self.settings, host, port, name, connect_timeout=VOTE_TIMEOUT)
         try:
             await client.connect()
             members = (await asyncio.wait_for(client.topology({}), VOTE_TIMEOUT)).get("members")

@@ -26,7 +26,8 @@ promises are kept on disk (the caller persists the book), so a restarted voter d
 - ``withdraw``: a backup that bid for ``epoch`` and lost now copies the pair's active node: it will never
   serve at that epoch, so a voter forgets its promise of it (the promise would otherwise keep outbidding the
   active node, and refuse that node's restart, for good). Only that candidate's promise of that very epoch
-  goes: a late withdrawal never cancels a later bid.
+  goes, and the candidate never asks for that epoch again (``Bids``): a late withdrawal never cancels a later
+  bid.
 
 A node of the pair that joins a voter's cluster connections at an older epoch than the voter knows is fenced
 (it stops) only when the voter knows the newer epoch serves: seen active, or promised here and committed by
@@ -103,6 +104,37 @@ def restart_refusal(answers: Sequence[Mapping[str, Any]], *, node_id: str, own_e
     if refused is not None:  # e.g. this epoch was won by vote by another copy: only a vote may settle it
         return f"a voter refused: {str(refused.get('reason', ''))[:200]}"
     return ""
+
+
+@dataclass(slots=True)
+class Bids:
+    """A backup's bids in this process: the epoch it asks for next, and the highest one it asked for that not
+    every voter has been told is withdrawn yet."""
+
+    floor: int = 0  # asks for at least this: above a split vote's promises, and above every withdrawn bid
+    pending: int = 0  # the highest epoch asked for and not withdrawn at every voter (0: none)
+
+    def epoch_for(self, data_epoch: int) -> int:
+        """The epoch to ask for with a copy at ``data_epoch``."""
+        return max(data_epoch + 1, self.floor)
+
+    def asked(self, epoch: int) -> None:
+        self.pending = max(self.pending, epoch)
+
+    def outbid(self, promised: int) -> None:
+        """Another copy was promised ``promised``: ask above it."""
+        self.floor = max(self.floor, promised + 1)
+
+    def withdrawing(self) -> int:
+        """The bid to withdraw now (0: none). No later bid of this process asks for it or below again, so a
+        withdrawal that reaches a voter late can never take away the promise of a later bid."""
+        self.floor = max(self.floor, self.pending + 1)
+        return self.pending
+
+    def withdrawn(self, epoch: int) -> None:
+        """Every voter answered the withdrawal of ``epoch``."""
+        if self.pending == epoch:
+            self.pending = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,10 @@ log = logging.getLogger("tridentmq.core.ha")
 
 
 VOTE_TIMEOUT: Final = 1.0
+#: The client name of a node's short links that ask for votes or the cluster's members. An active node that
+#: serves nobody (cut off, isolated) still takes them from other nodes: two primaries cut off at once each
+#: need the other's grant, and refusing each other's vote links kept both waiting for good.
+VOTE_LINK_PREFIX: Final = "vote:"
 
 
 class VoteStore:
@@ -138,7 +142,7 @@ async def ask_votes(
 
 
 async def _vote_at(settings: CoreSettings, host: str, port: int, request: VoteRequest) -> dict[str, Any] | None:
-    client = node_link(settings, host, port, f"vote:{settings.node.name}", connect_timeout=VOTE_TIMEOUT)
+    client = node_link(settings, host, port, VOTE_LINK_PREFIX + settings.node.name, connect_timeout=VOTE_TIMEOUT)
     try:
         await client.connect()
         return await asyncio.wait_for(client.vote(request.to_wire()), VOTE_TIMEOUT)
