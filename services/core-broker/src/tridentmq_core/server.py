@@ -39,7 +39,7 @@ from tridentmq_core.ha.pair import (
 )
 from tridentmq_core.ha.shared_store import SharedStore, journal_for_epoch
 from tridentmq_core.ha.source import ReplicationSource, stall_limit
-from tridentmq_core.ha.voting import VOTE_LINK_PREFIX, Voter, VoteStore, primary_may_activate
+from tridentmq_core.ha.voting import Voter, VoteStore, primary_may_activate
 from tridentmq_core.log_window import LogWindow
 from tridentmq_core.logins import LoginGuard
 from tridentmq_core.management.app import create_app
@@ -298,7 +298,7 @@ class LinkProtocol(asyncio.Protocol):
                 )
                 self.close_transport()
                 return
-            if not self.node.serving and not (self.node.active and event.client_name.startswith(VOTE_LINK_PREFIX)):
+            if not self.node.serving:
                 self._refuse(ErrorCode.NOT_ACTIVE, self.node.not_serving_reason())
                 return
             carrier = self.carrier
@@ -350,9 +350,6 @@ class LinkProtocol(asyncio.Protocol):
 
     def _open(self, event: ev.HelloReceived, principal: Principal) -> None:
         node = self.node
-        if not node.serving and not (node.active and principal.cluster):  # a vote link, while cut off: nodes only
-            self._refuse(ErrorCode.NOT_ACTIVE, node.not_serving_reason())
-            return
         if event.acting_for is not None:
             try:
                 principal = node.act_for(principal, event.acting_for)
@@ -772,7 +769,6 @@ class CoreNode:
             )
             self.status.cluster = self.cluster.status
             self.cluster.on_fenced = self._fenced
-            self.cluster.serving = lambda: self.serving
             await self.cluster.start()
             await self._join_cluster(self.cluster)
         if self.voter is not None:

@@ -217,10 +217,7 @@ class Bridge:
         except LinkRequestError as exc:
             if exc.code == ErrorCode.FENCED:
                 manager.on_fenced(f"{self.address} refused this node's join: {exc.text}")
-            if exc.code == ErrorCode.NOT_ACTIVE:  # it serves nobody for now (cut off): as at the handshake
-                self.state, self.reason = "standby", exc.text
-            else:
-                self.note_refused(f"join refused: {exc.text}")
+            self.note_refused(f"join refused: {exc.text}")
             await client.close()
             return
         finally:

@@ -174,9 +174,6 @@ class ClusterManager:
         self.voter = voter  # knows the highest epoch promised or seen per node id
         #: Called when another node says a newer copy of this node is active (the server stops at once).
         self.on_fenced: Callable[[str], None] = lambda _reason: None
-        #: Whether this node serves clients: one cut off from its backup and a quorum, or isolated, still answers
-        #: the other nodes' votes but takes no cluster connection (nothing is routed to it).
-        self.serving: Callable[[], bool] = lambda: True
         #: The link endpoint of this node's in-sync backup, if any (reported with the members).
         self.backup: Callable[[], tuple[str, int] | None] = lambda: None
         self.broker = broker
@@ -338,8 +335,6 @@ class ClusterManager:
             return {"node_id": self.node_id, "members": self.members_view()}
         if not session.principal.cluster:
             raise BrokerError(ErrorCode.FORBIDDEN, "joining the cluster takes the cluster credentials")
-        if not self.serving():
-            raise BrokerError(ErrorCode.NOT_ACTIVE, "this node serves nobody now (cut off): join again later")
         if not isinstance(join, dict):
             raise BrokerError(ErrorCode.INVALID, "join is a map")
         cluster = self.settings.cluster

@@ -27,9 +27,7 @@ log = logging.getLogger("tridentmq.core.ha")
 
 
 VOTE_TIMEOUT: Final = 1.0
-#: The client name of a node's short links that ask for votes or the cluster's members. An active node that
-#: serves nobody (cut off, isolated) still takes them from other nodes: two primaries cut off at once each
-#: need the other's grant, and refusing each other's vote links kept both waiting for good.
+#: The client name of a node's short links that ask for votes or the cluster's members (then its name).
 VOTE_LINK_PREFIX: Final = "vote:"
 
 
