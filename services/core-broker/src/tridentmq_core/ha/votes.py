@@ -19,22 +19,21 @@ at which it activated. Active nodes vote:
   ``epoch``, so the lost backup's copy, which lacks the writes confirmed from now on, is stale at every
   voter that granted it and can never win a majority. The winner of an ``activate`` commits with a stay
   at the epoch it won (no new one: ``data_epoch`` equal to ``epoch``).
-
-Votes are majorities of the pairs of the cluster, so two requests for one pair cannot both win; a voter's
-promises are kept on disk (the caller persists the book), so a restarted voter does not forget them.
-
 - ``withdraw``: a backup that bid for ``epoch`` and lost now copies the pair's active node: it will never
   serve at that epoch, so a voter forgets its promise of it (the promise would otherwise keep outbidding the
   active node, and refuse that node's restart, for good). Only that candidate's promise of that very epoch
   goes, and the candidate never asks for that epoch again (``Bids``): a late withdrawal never cancels a later
   bid.
 
+Votes are majorities of the pairs of the cluster, so two requests for one pair cannot both win; a voter's
+promises are kept on disk (the caller persists the book), so a restarted voter does not forget them.
+
 A node of the pair that joins a voter's cluster connections at an older epoch than the voter knows is fenced
 (it stops) only when the voter knows the newer epoch serves: seen active, or promised here and committed by
-its winner (``standing``). A promise alone proves nothing: most lost bids are of a backup that missed a primary which
-only stood still for a second. Fencing on it stopped the pair's newest copy for good (a primary that never
-was a backup restarts only with every voter's grant, and the promising voter refuses it). A node merely
-outbid by a promise is kept out until it serves at a newer epoch, which it gets by a stay (it lost its
+its winner (``standing``). A promise alone proves nothing: most lost bids are of a backup that missed a
+primary which only stood still for a second. Fencing on it stopped the pair's newest copy for good (a primary
+that never was a backup restarts only with every voter's grant, and the promising voter refuses it). A node
+merely outbid by a promise is kept out until it serves at a newer epoch, which it gets by a stay (it lost its
 backup) only if a majority agrees no other copy could have served.
 
 A primary that restarts asks a ``stay`` at the epoch after its own (``restart_refusal``). Each voter grants at
