@@ -4,12 +4,14 @@ voter's book of promises (refusals while the primary is reachable, epoch fencing
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tridentmq_core.ha.pair import BackupState
 from tridentmq_core.ha.votes import (
     ACTIVATE,
     STAY,
@@ -355,22 +357,40 @@ def test_a_backup_never_asks_again_for_an_epoch_it_withdraws() -> None:
     of a later bid of the same process, so every later bid asks above it, whatever its copy's data epoch."""
     bids = Bids()
     assert bids.epoch_for(2) == 3
-    bids.asked(3)
+    bids.asked(3, "backup-1")
     bids.outbid(4)  # split votes: ask above the other copy's promise
     assert bids.epoch_for(2) == 5
-    bids.asked(5)
+    bids.asked(5, "backup-1")
     assert bids.withdrawing() == 5
     assert bids.epoch_for(2) == 6
     assert bids.epoch_for(7) == 8
     bids.withdrawn(4)  # not the one pending: kept
-    assert bids.pending == 5
+    assert (bids.pending, bids.candidate) == (5, "backup-1")
     bids.withdrawn(5)
-    assert (bids.pending, bids.withdrawing()) == (0, 0)
+    assert (bids.pending, bids.candidate, bids.withdrawing()) == (0, "", 0)
     # At a voter: the late withdrawal of 5 leaves the promise of the next bid, at 6, alone.
     book = VoteBook({PAIR: (2, "")}, {PAIR: 2})
     assert book.decide(activate(bids.epoch_for(2), "backup-1", data=2), primary_reachable=False)[0]
     assert book.decide(withdraw(5), primary_reachable=True) == (False, "no such promise")
     assert book.promised == {PAIR: (6, "backup-1")}
+
+
+def test_a_restarted_backup_withdraws_the_bid_of_the_process_before_it(tmp_path: Path) -> None:
+    """The bid is kept in the copy's HA state until withdrawn: a new process (a new candidate id) withdraws the
+    promise made to the one before it, and bids above it."""
+    state = BackupState(PAIR, 2, in_sync=True)
+    state.bid = (3, "backup-1-old")
+    state.save(tmp_path / "ha.json")
+    again = BackupState.load(tmp_path / "ha.json")
+    assert again.bid == (3, "backup-1-old")
+    bids = Bids(floor=again.bid[0] + 1, pending=again.bid[0], candidate=again.bid[1])
+    book = VoteBook({PAIR: (2, "")}, {PAIR: 2})
+    assert book.decide(activate(3, "backup-1-old"), primary_reachable=False)[0]
+    assert book.decide(withdraw(bids.withdrawing(), bids.candidate), primary_reachable=True) == (True, "")
+    assert book.promised == {PAIR: (2, "")}
+    assert bids.epoch_for(2) == 4
+    (tmp_path / "old.json").write_text(json.dumps({"node_id": PAIR, "epoch": 2, "in_sync": True}))
+    assert BackupState.load(tmp_path / "old.json").bid == (0, "")  # written before bids were kept
 
 
 def test_a_lost_bid_withdrawn_lets_the_primary_that_went_on_restart() -> None:

@@ -88,6 +88,9 @@ class BackupState:
     pairs: int = 1  # most pairs seen: the quorum is a majority of these
     #: This copy activated at ``epoch`` itself; False: it copied the node that did, which may still serve.
     activated: bool = False
+    #: The epoch this copy last bid for and the candidate that asked (its process then), until every voter
+    #: answered its withdrawal: a restarted backup still withdraws a bid its earlier process lost.
+    bid: tuple[int, str] = (0, "")
 
     @staticmethod
     def load(path: Path) -> BackupState:
@@ -95,6 +98,7 @@ class BackupState:
             return BackupState()
         data = json.loads(path.read_text(encoding="utf-8"))
         members = {str(k): (str(v[0]), int(v[1])) for k, v in dict(data.get("members") or {}).items()}
+        bid_epoch, bid_candidate = data.get("bid") or (0, "")
         return BackupState(
             str(data.get("node_id", "")),
             int(data.get("epoch", 0)),
@@ -102,6 +106,7 @@ class BackupState:
             members,
             max(1, int(data.get("pairs", 1))),
             bool(data.get("activated")),
+            (int(bid_epoch), str(bid_candidate)),
         )
 
     def save(self, path: Path) -> None:
@@ -115,6 +120,7 @@ class BackupState:
                     "members": self.members,
                     "pairs": self.pairs,
                     "activated": self.activated,
+                    "bid": list(self.bid),
                 }
             ),
         )

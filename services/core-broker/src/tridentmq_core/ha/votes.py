@@ -112,13 +112,15 @@ class Bids:
 
     floor: int = 0  # asks for at least this: above a split vote's promises, and above every withdrawn bid
     pending: int = 0  # the highest epoch asked for and not withdrawn at every voter (0: none)
+    candidate: str = ""  # who asked for ``pending``: this process, or an earlier one on the same copy
 
     def epoch_for(self, data_epoch: int) -> int:
         """The epoch to ask for with a copy at ``data_epoch``."""
         return max(data_epoch + 1, self.floor)
 
-    def asked(self, epoch: int) -> None:
-        self.pending = max(self.pending, epoch)
+    def asked(self, epoch: int, candidate: str) -> None:
+        if epoch > self.pending:
+            self.pending, self.candidate = epoch, candidate
 
     def outbid(self, promised: int) -> None:
         """Another copy was promised ``promised``: ask above it."""
@@ -133,7 +135,7 @@ class Bids:
     def withdrawn(self, epoch: int) -> None:
         """Every voter answered the withdrawal of ``epoch``."""
         if self.pending == epoch:
-            self.pending = 0
+            self.pending, self.candidate = 0, ""
 
 
 @dataclass(frozen=True, slots=True)
