@@ -361,13 +361,13 @@ def test_a_backup_never_asks_again_for_an_epoch_it_withdraws() -> None:
     bids.outbid(4)  # split votes: ask above the other copy's promise
     assert bids.epoch_for(2) == 5
     bids.asked(5, "backup-1")
-    assert bids.withdrawing() == 5
+    assert bids.withdrawing() == [(3, "backup-1"), (5, "backup-1")]  # a voter may hold either promise
     assert bids.epoch_for(2) == 6
     assert bids.epoch_for(7) == 8
-    bids.withdrawn(4)  # not the one pending: kept
-    assert (bids.pending, bids.candidate) == (5, "backup-1")
-    bids.withdrawn(5)
-    assert (bids.pending, bids.candidate, bids.withdrawing()) == (0, "", 0)
+    bids.withdrawn((5, "backup-1"))
+    assert bids.to_state() == [(3, "backup-1")]
+    bids.withdrawn((3, "backup-1"))
+    assert bids.withdrawing() == []
     # At a voter: the late withdrawal of 5 leaves the promise of the next bid, at 6, alone.
     book = VoteBook({PAIR: (2, "")}, {PAIR: 2})
     assert book.decide(activate(bids.epoch_for(2), "backup-1", data=2), primary_reachable=False)[0]
@@ -375,22 +375,32 @@ def test_a_backup_never_asks_again_for_an_epoch_it_withdraws() -> None:
     assert book.promised == {PAIR: (6, "backup-1")}
 
 
-def test_a_restarted_backup_withdraws_the_bid_of_the_process_before_it(tmp_path: Path) -> None:
-    """The bid is kept in the copy's HA state until withdrawn: a new process (a new candidate id) withdraws the
-    promise made to the one before it, and bids above it."""
-    state = BackupState(PAIR, 2, in_sync=True)
-    state.bid = (3, "backup-1-old")
+def test_a_restarted_backup_withdraws_the_bids_of_the_processes_before_it(tmp_path: Path) -> None:
+    """The bids are kept in the copy's HA state until withdrawn. A new process (a new candidate id) bids above
+    them, and a bid of its own does not push out an earlier one: it withdraws each with its own candidate."""
+    state = BackupState(PAIR, 2, in_sync=True, bids=[(3, "backup-1-old")])
     state.save(tmp_path / "ha.json")
-    again = BackupState.load(tmp_path / "ha.json")
-    assert again.bid == (3, "backup-1-old")
-    bids = Bids(floor=again.bid[0] + 1, pending=again.bid[0], candidate=again.bid[1])
-    book = VoteBook({PAIR: (2, "")}, {PAIR: 2})
-    assert book.decide(activate(3, "backup-1-old"), primary_reachable=False)[0]
-    assert book.decide(withdraw(bids.withdrawing(), bids.candidate), primary_reachable=True) == (True, "")
-    assert book.promised == {PAIR: (2, "")}
+    bids = Bids.kept(BackupState.load(tmp_path / "ha.json").bids)
     assert bids.epoch_for(2) == 4
-    (tmp_path / "old.json").write_text(json.dumps({"node_id": PAIR, "epoch": 2, "in_sync": True}))
-    assert BackupState.load(tmp_path / "old.json").bid == (0, "")  # written before bids were kept
+    bids.asked(4, "backup-1-new")  # the primary still unreachable: it bid again before it copied
+    old, new = VoteBook({PAIR: (2, "")}, {PAIR: 2}), VoteBook({PAIR: (2, "")}, {PAIR: 2})
+    assert old.decide(activate(3, "backup-1-old"), primary_reachable=False)[0]  # refused 4: still reached it
+    assert new.decide(activate(4, "backup-1-new", data=2), primary_reachable=False)[0]
+    for book in (old, new):
+        answers = [book.decide(withdraw(e, c), primary_reachable=True)[0] for e, c in bids.withdrawing()]
+        assert answers.count(True) == 1
+        assert book.promised == {PAIR: (2, "")}
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [None, "x", [[3, None]], [[-1, "x"]], [[0, "x"]], [[3]], [{"a": 1, "b": 2}], [[3, ""]], [[True, "x"]]],
+)
+def test_bids_in_an_ha_state_file_that_are_not_epoch_and_candidate_are_no_bids(tmp_path: Path, raw: Any) -> None:
+    (tmp_path / "ha.json").write_text(json.dumps({"node_id": PAIR, "epoch": 2, "bids": raw}))
+    assert BackupState.load(tmp_path / "ha.json").bids == []
+    (tmp_path / "old.json").write_text(json.dumps({"node_id": PAIR, "epoch": 2}))  # before bids were kept
+    assert BackupState.load(tmp_path / "old.json").bids == []
 
 
 def test_a_lost_bid_withdrawn_lets_the_primary_that_went_on_restart() -> None:

@@ -67,9 +67,7 @@ class BackupRunner:
         self._compacted_at = 0  # local number of the last compaction's COMPACTED record, until it is synced
         self._early: list[ev.ReplicaRecords] = []  # records that came before the answer to REPLICATE
         self.handed_over = False  # the active copy handed the pair over (failback): take over without a vote
-        # The epochs this process asks for, and the lost bid it withdraws (perhaps an earlier process's).
-        bid_epoch, bid_candidate = self.state.bid
-        self.bids = Bids(floor=bid_epoch + 1 if bid_epoch else 0, pending=bid_epoch, candidate=bid_candidate)
+        self.bids = Bids.kept(self.state.bids)  # what it asks for, and the lost bids it withdraws (earlier ones too)
         self._logged: set[str] = set()  # reasons logged since the last copy started
         self._task: asyncio.Task[None] | None = None
 
@@ -145,7 +143,7 @@ class BackupRunner:
         self.primary = f"{host}:{port}"
         self._logged.clear()
         self._start_copy(reply)
-        withdrawing = spawn(self._withdraw_bid(self.state.node_id), "ha-withdraw") if self.bids.pending else None
+        withdrawing = spawn(self._withdraw_bids(self.state.node_id), "ha-withdraw") if self.bids.pending else None
         try:
             await closed.wait()
         finally:
@@ -165,7 +163,7 @@ class BackupRunner:
         self._learn(reply.get("members"))
         # Not in sync, on disk, before the old copy is wiped: a crash from here on never activates.
         self.state = BackupState(
-            node_id, epoch, in_sync=False, members=self.state.members, pairs=self.state.pairs, bid=self.state.bid
+            node_id, epoch, in_sync=False, members=self.state.members, pairs=self.state.pairs, bids=self.state.bids
         )
         self.state.save(self.state_path)
         self.identity.adopt(node_id, epoch)
@@ -264,7 +262,7 @@ class BackupRunner:
                 break
             request = VoteRequest(ACTIVATE, node_id, epoch, self.server_id, data_epoch)
             self.bids.asked(epoch, self.server_id)
-            self._keep_bid()
+            self._keep_bids()
             answers = [a for a in await ask_votes(self.settings, voters, request) if a is not None]
             grants = sum(1 for a in answers if a.get("granted") is True)
             stale = max((answer_int(a, "fresh") for a in answers), default=0) > data_epoch
@@ -313,35 +311,37 @@ class BackupRunner:
         self._close_journal()
         self.identity.set_epoch(epoch)
         self.state.epoch, self.state.activated = epoch, True
-        self.state.bid = (0, "")  # won: nothing to withdraw
+        self.state.bids = []  # won: nothing to withdraw
         self.state.save(self.state_path)
         self.reason = "active"
         log.warning("backup activated", extra={"node_id": node_id, "epoch": epoch})
         await self._activate()
         return True
 
-    async def _withdraw_bid(self, node_id: str) -> None:
-        """This copy lost its bid and copies the pair's active node: the voters forget their promise to it,
+    async def _withdraw_bids(self, node_id: str) -> None:
+        """This copy lost its bids and copies the pair's active node: the voters forget their promises to it,
         which would otherwise keep that node out of their cluster connections and refuse its restart. Asked
         again while a voter does not answer, as long as the copy goes on."""
-        epoch = self.bids.withdrawing()
-        request = VoteRequest(WITHDRAW, node_id, epoch, self.bids.candidate)
-        while True:
+        bids = self.bids.withdrawing()
+        while bids:
             voters = [endpoint for member, endpoint in self.state.members.items() if member != node_id]
-            answers = await ask_votes(self.settings, voters, request)
-            if all(answer is not None for answer in answers):
-                granted = sum(1 for answer in answers if answer is not None and answer.get("granted") is True)
-                log.info("lost bid withdrawn", extra={"epoch": epoch, "voters": len(voters), "forgotten": granted})
-                self.bids.withdrawn(epoch)
-                self._keep_bid()
-                return
-            await asyncio.sleep(self.settings.cluster.max_retry_interval_ms / 1000)
+            for epoch, candidate in list(bids):
+                request = VoteRequest(WITHDRAW, node_id, epoch, candidate)
+                answers = await ask_votes(self.settings, voters, request)
+                if all(answer is not None for answer in answers):
+                    granted = sum(1 for answer in answers if answer is not None and answer.get("granted") is True)
+                    log.info("lost bid withdrawn", extra={"epoch": epoch, "voters": len(voters), "forgotten": granted})
+                    self.bids.withdrawn((epoch, candidate))
+                    bids.remove((epoch, candidate))
+                    self._keep_bids()
+            if bids:
+                await asyncio.sleep(self.settings.cluster.max_retry_interval_ms / 1000)
 
-    def _keep_bid(self) -> None:
-        """The bid to withdraw, on disk: a backup restarted before it withdrew still does."""
-        bid = (self.bids.pending, self.bids.candidate)
-        if bid != self.state.bid:
-            self.state.bid = bid
+    def _keep_bids(self) -> None:
+        """The bids to withdraw, on disk: a backup restarted before it withdrew them still does."""
+        bids = self.bids.to_state()
+        if bids != self.state.bids:
+            self.state.bids = bids
             self.state.save(self.state_path)
 
     async def _refresh_members(self, own_node_id: str) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.files import write_durably
@@ -88,9 +88,9 @@ class BackupState:
     pairs: int = 1  # most pairs seen: the quorum is a majority of these
     #: This copy activated at ``epoch`` itself; False: it copied the node that did, which may still serve.
     activated: bool = False
-    #: The epoch this copy last bid for and the candidate that asked (its process then), until every voter
-    #: answered its withdrawal: a restarted backup still withdraws a bid its earlier process lost.
-    bid: tuple[int, str] = (0, "")
+    #: The (epoch, candidate) of each bid this copy asked for (its process then) and not every voter answered
+    #: the withdrawal of: a restarted backup still withdraws the bids its earlier process lost.
+    bids: list[tuple[int, str]] = field(default_factory=list)
 
     @staticmethod
     def load(path: Path) -> BackupState:
@@ -98,7 +98,6 @@ class BackupState:
             return BackupState()
         data = json.loads(path.read_text(encoding="utf-8"))
         members = {str(k): (str(v[0]), int(v[1])) for k, v in dict(data.get("members") or {}).items()}
-        bid_epoch, bid_candidate = data.get("bid") or (0, "")
         return BackupState(
             str(data.get("node_id", "")),
             int(data.get("epoch", 0)),
@@ -106,7 +105,7 @@ class BackupState:
             members,
             max(1, int(data.get("pairs", 1))),
             bool(data.get("activated")),
-            (int(bid_epoch), str(bid_candidate)),
+            _bids(data.get("bids")),
         )
 
     def save(self, path: Path) -> None:
@@ -120,10 +119,27 @@ class BackupState:
                     "members": self.members,
                     "pairs": self.pairs,
                     "activated": self.activated,
-                    "bid": list(self.bid),
+                    "bids": self.bids,
                 }
             ),
         )
+
+
+def _bids(raw: Any) -> list[tuple[int, str]]:
+    """The bids kept in an HA state file: [epoch, candidate] pairs; anything else is no bid (not one a voter
+    would have promised)."""
+    if not isinstance(raw, list):
+        return []
+    return [
+        (item[0], item[1])
+        for item in raw
+        if isinstance(item, list)
+        and len(item) == 2
+        and type(item[0]) is int
+        and item[0] >= 1
+        and isinstance(item[1], str)
+        and item[1]
+    ]
 
 
 def mark_released(data_dir: Path) -> None:

@@ -22,8 +22,7 @@ at which it activated. Active nodes vote:
 - ``withdraw``: a backup that bid for ``epoch`` and lost now copies the pair's active node: it will never
   serve at that epoch, so a voter forgets its promise of it (the promise would otherwise keep outbidding the
   active node, and refuse that node's restart, for good). Only that candidate's promise of that very epoch
-  goes, and the candidate never asks for that epoch again (``Bids``): a late withdrawal never cancels a later
-  bid.
+  goes, and no later bid asks for that epoch again (``Bids``): a late withdrawal never cancels a later bid.
 
 Votes are majorities of the pairs of the cluster, so two requests for one pair cannot both win; a voter's
 promises are kept on disk (the caller persists the book), so a restarted voter does not forget them.
@@ -46,7 +45,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 ACTIVATE: Final = "activate"
@@ -107,35 +106,41 @@ def restart_refusal(answers: Sequence[Mapping[str, Any]], *, node_id: str, own_e
 
 @dataclass(slots=True)
 class Bids:
-    """A backup's bids in this process: the epoch it asks for next, and the highest one it asked for that not
-    every voter has been told is withdrawn yet."""
+    """A backup's bids: the epoch it asks for next, and every (epoch, candidate) it asked for that not every
+    voter has been told is withdrawn yet (a candidate is the asking process: this one, or an earlier one on
+    the same copy, whose bids the copy's HA state keeps)."""
 
     floor: int = 0  # asks for at least this: above a split vote's promises, and above every withdrawn bid
-    pending: int = 0  # the highest epoch asked for and not withdrawn at every voter (0: none)
-    candidate: str = ""  # who asked for ``pending``: this process, or an earlier one on the same copy
+    pending: set[tuple[int, str]] = field(default_factory=set)
+
+    @staticmethod
+    def kept(bids: Sequence[tuple[int, str]]) -> Bids:
+        """The bids an earlier process left to withdraw: this one asks above them all."""
+        return Bids(max((epoch for epoch, _ in bids), default=-1) + 1, set(bids))
 
     def epoch_for(self, data_epoch: int) -> int:
         """The epoch to ask for with a copy at ``data_epoch``."""
         return max(data_epoch + 1, self.floor)
 
     def asked(self, epoch: int, candidate: str) -> None:
-        if epoch > self.pending:
-            self.pending, self.candidate = epoch, candidate
+        self.pending.add((epoch, candidate))
 
     def outbid(self, promised: int) -> None:
         """Another copy was promised ``promised``: ask above it."""
         self.floor = max(self.floor, promised + 1)
 
-    def withdrawing(self) -> int:
-        """The bid to withdraw now (0: none). No later bid of this process asks for it or below again, so a
-        withdrawal that reaches a voter late can never take away the promise of a later bid."""
-        self.floor = max(self.floor, self.pending + 1)
-        return self.pending
+    def withdrawing(self) -> list[tuple[int, str]]:
+        """The bids to withdraw now. No later bid asks for any of their epochs or below again, so a withdrawal
+        that reaches a voter late can never take away the promise of a later bid."""
+        self.floor = max(self.floor, *(epoch + 1 for epoch, _ in self.pending), 0)
+        return sorted(self.pending)
 
-    def withdrawn(self, epoch: int) -> None:
-        """Every voter answered the withdrawal of ``epoch``."""
-        if self.pending == epoch:
-            self.pending, self.candidate = 0, ""
+    def withdrawn(self, bid: tuple[int, str]) -> None:
+        """Every voter answered the withdrawal of ``bid``."""
+        self.pending.discard(bid)
+
+    def to_state(self) -> list[tuple[int, str]]:
+        return sorted(self.pending)
 
 
 @dataclass(frozen=True, slots=True)
