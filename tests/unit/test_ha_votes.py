@@ -384,8 +384,12 @@ def test_a_restarted_backup_withdraws_the_bids_of_the_processes_before_it(tmp_pa
     assert bids.epoch_for(2) == 4
     bids.asked(4, "backup-1-new")  # the primary still unreachable: it bid again before it copied
     old, new = VoteBook({PAIR: (2, "")}, {PAIR: 2}), VoteBook({PAIR: (2, "")}, {PAIR: 2})
-    assert old.decide(activate(3, "backup-1-old"), primary_reachable=False)[0]  # refused 4: still reached it
+    assert old.decide(activate(3, "backup-1-old"), primary_reachable=False)[0]
+    assert not old.decide(activate(4, "backup-1-new", data=2), primary_reachable=True)[0]  # it reached the primary
     assert new.decide(activate(4, "backup-1-new", data=2), primary_reachable=False)[0]
+    state.bids = bids.to_state()
+    state.save(tmp_path / "ha.json")  # both kept, as the process saves them before it asks
+    assert BackupState.load(tmp_path / "ha.json").bids == [(3, "backup-1-old"), (4, "backup-1-new")]
     for book in (old, new):
         answers = [book.decide(withdraw(e, c), primary_reachable=True)[0] for e, c in bids.withdrawing()]
         assert answers.count(True) == 1
@@ -399,8 +403,14 @@ def test_a_restarted_backup_withdraws_the_bids_of_the_processes_before_it(tmp_pa
 def test_bids_in_an_ha_state_file_that_are_not_epoch_and_candidate_are_no_bids(tmp_path: Path, raw: Any) -> None:
     (tmp_path / "ha.json").write_text(json.dumps({"node_id": PAIR, "epoch": 2, "bids": raw}))
     assert BackupState.load(tmp_path / "ha.json").bids == []
-    (tmp_path / "old.json").write_text(json.dumps({"node_id": PAIR, "epoch": 2}))  # before bids were kept
-    assert BackupState.load(tmp_path / "old.json").bids == []
+    if isinstance(raw, list):  # beside a good one, only the bad entry goes
+        (tmp_path / "ha.json").write_text(json.dumps({"node_id": PAIR, "epoch": 2, "bids": [*raw, [5, "b"]]}))
+        assert BackupState.load(tmp_path / "ha.json").bids == [(5, "b")]
+
+
+def test_an_ha_state_file_written_before_bids_were_kept_has_none(tmp_path: Path) -> None:
+    (tmp_path / "ha.json").write_text(json.dumps({"node_id": PAIR, "epoch": 2, "in_sync": True}))
+    assert BackupState.load(tmp_path / "ha.json").bids == []
 
 
 def test_a_lost_bid_withdrawn_lets_the_primary_that_went_on_restart() -> None:
