@@ -426,12 +426,10 @@ class MqttSession:
             delay_ms = connecting.will_delay_ms(event.will, self.expiry_s) if event.will is not None else 0
             await link.set_will(self._will_key, will_message, delay_ms=delay_ms, publish_pending=event.clean_start)
         except SessionBusyError as exc:
-            await self._let_go_of_lock()
-            self._refuse(rc.SERVER_BUSY, str(exc))
+            await self._refuse_connect(rc.SERVER_BUSY, str(exc))
             return
         except SessionUnreachableError:  # logged where it was found: once per attempt
-            await self._let_go_of_lock()
-            self._refuse(
+            await self._refuse_connect(
                 rc.SERVER_UNAVAILABLE, "this client's session is kept by a node that cannot be reached now; try again"
             )
             return
@@ -445,19 +443,16 @@ class MqttSession:
                     "owner": exc.owner[:60],
                 },
             )
-            await self._let_go_of_lock()
-            self._refuse(rc.NOT_AUTHORIZED, "this client id's session belongs to another user")
+            await self._refuse_connect(rc.NOT_AUTHORIZED, "this client id's session belongs to another user")
             return
         except OSError as exc:
             log.warning("core unavailable", extra={"peer": self.wire.peer, "reason": str(exc)})
-            await self._let_go_of_lock()
-            self._refuse(rc.SERVER_UNAVAILABLE, "the broker cannot be reached; try again")
+            await self._refuse_connect(rc.SERVER_UNAVAILABLE, "the broker cannot be reached; try again")
             return
         except LinkRequestError as exc:
             code = rc.NOT_AUTHORIZED if exc.code == ErrorCode.FORBIDDEN else rc.SERVER_UNAVAILABLE
             log.info("mqtt session refused", extra={"peer": self.wire.peer, "reason": exc.text})
-            await self._let_go_of_lock()
-            self._refuse(code, exc.text)
+            await self._refuse_connect(code, exc.text)
             return
         if self.conn.closed:  # the client closed its side while the core was asked: no one reads a CONNACK
             log.info("mqtt client left before its CONNACK", extra={"peer": self.wire.peer, "client_id": client_id})
@@ -515,13 +510,14 @@ class MqttSession:
         await registry.save(client_id, self.state)
         return previous
 
-    async def _let_go_of_lock(self) -> None:
-        """Release the session's lock before a refused CONNECT is answered: a client that reconnects at once
-        (its owner, after another user was refused) must not find the refused connection still holding it."""
+    async def _refuse_connect(self, reason_code: int, text: str) -> None:
+        """Refuse a CONNECT once the session's lock, if taken, is released: a client that reconnects the moment
+        it has the answer (the owner, after another user was refused) must not find this connection holding it."""
         lock, self._lock = self._lock, None
         if lock is not None:
             with contextlib.suppress(OSError):
                 await self.registry.release(self.client_id, lock)
+        self._refuse(reason_code, text)
 
     def _check_owner(self, owner: str | None) -> None:
         """Refuse the session of another user (a record that names nobody predates the binding)."""
