@@ -44,9 +44,14 @@ class Core:
 def _service(
     module: str, what: str, ports: Path, args: list[str], environment: dict[str, str]
 ) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, int]]]:
-    """Run ``python -m module``, wait for the ports it writes to ``ports``, stop it at the end."""
+    """Run ``python -m module``, wait for the ports it writes to ``ports``, stop it at the end. With
+    ``BENCH_PROFILE_DIR`` set, the process runs under cProfile and writes ``<dir>/<module>.prof`` as it stops."""
     ports.unlink(missing_ok=True)
-    process = subprocess.Popen([sys.executable, "-m", module, "--ports-file", str(ports), *args], env=environment)
+    profile_dir = os.environ.get("BENCH_PROFILE_DIR")
+    profiled = ["-m", "cProfile", "-o", str(Path(profile_dir) / f"{module}.prof")] if profile_dir else []
+    process = subprocess.Popen(
+        [sys.executable, *profiled, "-m", module, "--ports-file", str(ports), *args], env=environment
+    )
     try:
         deadline = time.monotonic() + 120
         while not ports.exists():

@@ -6,6 +6,7 @@ import enum
 import math
 import pickle
 import re
+import uuid
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 
@@ -20,6 +21,7 @@ from tridentmq_core.selector import (
     SelectorError,
     compile_selector,
 )
+from tridentmq_core.selector import _compile_cached as compile_by_the_parser
 from tridentmq_shared.message import SELECTOR_HEADERS, new_message, selector_view
 
 
@@ -716,6 +718,45 @@ def test_like_agrees_with_a_plain_regex(pattern: str, value: str) -> None:
 def test_a_selector_that_is_one_property_equal_to_a_string_says_so(text: str, equals: tuple[str, str] | None) -> None:
     """What lets a last-value queue find a browser's one candidate by key instead of scanning."""
     assert compile_selector(text).equals == equals
+
+
+_ONE_STRING_VALUES = st.one_of(
+    st.text(alphabet="ab'\" %_!", max_size=4), st.integers(-2, 2), st.booleans(), st.none(), st.binary(max_size=2)
+)
+
+
+@given(
+    name=st.sampled_from(["mqtt_topic", "a", "_x", "$y", "Z9", "and", "Null", "x_or_y", "NOTa"]),
+    literal=st.text(alphabet="ab'\" %_!", max_size=6),
+    spaces=st.sampled_from([("", ""), (" ", " "), ("", " "), ("  ", " ")]),
+    props=st.dictionaries(st.sampled_from(["mqtt_topic", "a", "_x", "$y", "Z9", "and", "x_or_y"]), _ONE_STRING_VALUES),
+)
+def test_property_equals_string_agrees_with_the_parser(
+    name: str, literal: str, spaces: tuple[str, str], props: dict[str, object]
+) -> None:
+    """``property = 'string'`` skips the tokenizer and parser (one per MQTT SUBSCRIBE's retained look-up): the
+    same answers, the same ``equals``, and the same errors (a keyword is no property name)."""
+    quoted = literal.replace("'", "''")
+    text = f"{name}{spaces[0]}={spaces[1]}'{quoted}'"
+    outcomes = []
+    for compile_text in (compile_by_the_parser, compile_selector):
+        try:
+            selector = compile_text(text)
+        except SelectorError as error:
+            outcomes.append((error.position, str(error)))
+        else:
+            outcomes.append((selector.text, selector.equals, selector.matches(props)))
+    assert outcomes[0] == outcomes[1]
+
+
+def test_property_equals_string_is_not_cached() -> None:
+    """A text of its own per MQTT topic would push the texts that recur (lock owners' filters) out of the cache."""
+    misses = compile_by_the_parser.cache_info().misses
+    assert compile_selector("mqtt_topic = 'conn/1/2'").equals == ("mqtt_topic", "conn/1/2")
+    assert compile_selector("mqtt_topic='it''s'").equals == ("mqtt_topic", "it's")
+    assert compile_by_the_parser.cache_info().misses == misses
+    compile_selector(f"mqtt_topic = 'a' OR mqtt_topic = '{uuid.uuid4()}'")  # any other text is
+    assert compile_by_the_parser.cache_info().misses == misses + 1
 
 
 def test_the_selector_headers_are_the_names_a_selector_sees_beside_the_properties() -> None:
