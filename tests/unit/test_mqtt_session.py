@@ -1071,6 +1071,34 @@ async def test_a_delayed_will_waits_and_a_clean_start_publishes_it_at_once(gw: G
     assert (await watcher.message()).payload == b"late"
 
 
+async def test_a_connect_asks_the_core_about_wills_only_when_one_could_be_set_or_waiting(
+    gw: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A clean connect without a will, whose client id no node knows, costs no SET_WILL: no will could wait
+    under its key. With a will, or once a session of that id was kept, it does (see the tests around)."""
+    keeper = gw.core.node.broker.wills
+    asked: list[str | None] = []
+    set_will = keeper.set
+
+    def counted(session: Any, key: str | None, *rest: Any) -> None:
+        asked.append(key)
+        set_will(session, key, *rest)
+
+    monkeypatch.setattr(keeper, "set", counted)
+    plain = await gw.connected("plain")
+    assert asked == []
+    await gw.connected("said", will=Will("status/said", b"bye"))
+    assert asked == [convert.lock_queue("said")]
+    kept = await gw.connected("kept", properties=persistent())
+    assert asked[1:] == [convert.lock_queue("kept")]
+    await kept.gone()
+    await gw.connected("kept", clean_start=True)  # its record is there: a will could be pending under its key
+    assert asked[2:] == [convert.lock_queue("kept")]
+    await plain.gone()
+    await gw.connected("plain")
+    assert asked[3:] == []
+
+
 async def test_a_delayed_will_is_cancelled_by_a_reconnect(gw: Gateway) -> None:
     watcher = await gw.connected("watcher")
     await watcher.subscribe(Subscription("status/#", 1))

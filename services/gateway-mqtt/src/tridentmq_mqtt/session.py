@@ -418,13 +418,18 @@ class MqttSession:
             # Another user's CONNECT must neither end the owner's connection nor discard the session: the lock
             # is refused while another user's connection holds it, and the record (here, or fetched from
             # another node) is checked before anything of it is discarded or resumed.
-            self._lock = await self.registry.acquire(
+            self._lock, lock_was_free = await self.registry.acquire(
                 client_id, limits.takeover_timeout_ms / 1000, self.user if limits.bind_sessions_to_users else None
             )
-            previous = await self._open_session(event.clean_start)
+            previous, kept_nowhere = await self._open_session(event.clean_start)
             self._will_key = convert.lock_queue(client_id)  # unique per client id, and short
-            delay_ms = connecting.will_delay_ms(event.will, self.expiry_s) if event.will is not None else 0
-            await link.set_will(self._will_key, will_message, delay_ms=delay_ms, publish_pending=event.clean_start)
+            # No will to set, and none under the key to cancel or publish: a will waits past its link only for
+            # a persistent session (its delay is capped by the session's expiry), whose record no node kept, and
+            # only a link whose connection held the lock holds one, which no connection did. One request fewer
+            # for most device connects.
+            if will_message is not None or not (lock_was_free and kept_nowhere):
+                delay_ms = connecting.will_delay_ms(event.will, self.expiry_s) if event.will is not None else 0
+                await link.set_will(self._will_key, will_message, delay_ms=delay_ms, publish_pending=event.clean_start)
         except SessionBusyError as exc:
             await self._refuse_connect(rc.SERVER_BUSY, str(exc))
             return
@@ -471,9 +476,10 @@ class MqttSession:
         self._watch_lock(self._lock)
         await self._resume()
 
-    async def _open_session(self, clean_start: bool) -> SessionState | None:
+    async def _open_session(self, clean_start: bool) -> tuple[SessionState | None, bool]:
         """Find the earlier session (the record of a persistent one), end it if ``clean_start``, and set up
-        this one. Returns the earlier session's record, or None when there was none."""
+        this one. Returns the earlier session's record (None when there was none) and whether it is known that
+        no node kept one, not even an empty record."""
         registry, client_id = self.registry, self.client_id
         # A clean start also waits for a record kept by another node of the cluster: the session it discards
         # has its queues there (MQTT 3.1.2.4), and with sessions bound to users its owner must be known first.
@@ -484,7 +490,7 @@ class MqttSession:
             # journal records).
             found = await registry.look_up_session(client_id)
             if not (found.here or found.elsewhere):
-                return None
+                return None, True
         previous = await registry.open_session(client_id)
         if previous is not None and bound:
             try:
@@ -498,7 +504,7 @@ class MqttSession:
             self.state = previous  # resumed, even by a connection whose session ends with it
         if not self.persistent:
             await registry.drop_session(client_id, everywhere=self._holds_lock())  # any earlier session goes
-            return previous
+            return previous, False
         self.state.user = self.user
         self._holder = await registry.hold_session(client_id)
         await registry.set_expiry(  # held: it counts from when this connection ends (see open_session)
@@ -508,7 +514,7 @@ class MqttSession:
             self.expiry_s * 1000,
         )
         await registry.save(client_id, self.state)
-        return previous
+        return previous, False
 
     async def _refuse_connect(self, reason_code: int, text: str) -> None:
         """Refuse a CONNECT once the session's lock, if taken, is released: a client that reconnects the moment

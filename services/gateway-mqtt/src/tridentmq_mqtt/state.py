@@ -193,11 +193,11 @@ class Registry:
             await link.close()
 
     # ------------------------------------------------------------------ session ownership
-    async def acquire(self, client_id: str, timeout: float, user: str | None = None) -> Consumer:
+    async def acquire(self, client_id: str, timeout: float, user: str | None = None) -> tuple[Consumer, bool]:
         """Become the owner of ``client_id``'s session, taking it from any earlier connection. The returned
-        consumer is closed by the core when a later connection takes the session in turn. With ``user``
-        (sessions bound to users), a connection of another user holding the session is left alone and
-        ``SessionOwnedError`` raised."""
+        consumer is closed by the core when a later connection takes the session in turn; the flag says that no
+        node had a lock for it (no connection held the session). With ``user`` (sessions bound to users), a
+        connection of another user holding the session is left alone and ``SessionOwnedError`` raised."""
         link = await self.link()
         name = convert.lock_queue(client_id)
         owner_filter = None if user is None else _owner_filter(user)
@@ -220,7 +220,7 @@ class Registry:
             if lock is not None:  # made here and held by no other node: ours, in one request
                 token = random_hex(32)  # only ours to recognise: no system call for it
                 self._tokens[id(lock)] = token
-                return lock
+                return lock, True
             held_by = created.get("filter")
             if owner_filter is not None and not created.get("created") and held_by and held_by != owner_filter:
                 if created.get("consumers"):
@@ -246,7 +246,7 @@ class Registry:
                         raise
                 else:
                     self._tokens[id(lock)] = token
-                    return lock
+                    return lock, False
             if time.monotonic() > deadline:
                 raise SessionBusyError(f"the session of {client_id[:60]!r} is still in use")
             with contextlib.suppress(LinkRequestError):  # closes the owner's consumer: its notice
