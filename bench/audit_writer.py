@@ -29,7 +29,6 @@ def run(directory: Path, messages: int, turn: int, delivered: bool = False) -> f
     """µs of writer CPU per durable message (two events, three with ``delivered``), flushing every ``turn``
     messages (0: never)."""
     sink = FileAuditSink(directory, "bench", roll_seconds=3600, heartbeat_seconds=3600)
-    acked = {"conn_id": "c-1", "consumer_id": "7", "client_id": "bench-client"}
     ts = time.time_ns() // 1000
     start = time.process_time_ns()
     for n in range(messages):
@@ -37,7 +36,7 @@ def run(directory: Path, messages: int, turn: int, delivered: bool = False) -> f
         sink.emit_message(ts, "msg.sent", None, "bench.q", message_id, 100, "link", ts, _EMPTY)
         if delivered:
             sink.emit_delivered(ts, "bench.q", "bench.q", message_id, 100, "link", ts, 1, "c-1", "7", "bench-client")
-        sink.emit_message(ts, "msg.acked", "bench.q", "bench.q", message_id, 100, "link", ts, acked)
+        sink.emit_acked(ts, "bench.q", "bench.q", message_id, 100, "link", ts, "c-1", "7", "bench-client")
         if turn and n % turn == 0:
             sink.flush()
     sink.flush()

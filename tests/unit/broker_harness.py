@@ -367,6 +367,37 @@ class RecordingAudit:
             },
         )
 
+    def emit_acked(
+        self,
+        ts_us: int,
+        queue: str,
+        address: str,
+        message_id: str,
+        size: int,
+        protocol: str,
+        sent_ts_us: int,
+        conn_id: str | None,
+        consumer_id: str | None,
+        client_id: str | None,
+        origin_message_id: str | None = None,
+    ) -> None:
+        self.emit_message(
+            ts_us,
+            "msg.acked",
+            queue,
+            address,
+            message_id,
+            size,
+            protocol,
+            sent_ts_us,
+            {
+                "conn_id": conn_id,
+                "consumer_id": consumer_id,
+                "client_id": client_id,
+                "origin_message_id": origin_message_id,
+            },
+        )
+
     def flush(self) -> None:
         pass
 

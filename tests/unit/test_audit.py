@@ -108,6 +108,33 @@ def test_a_message_event_is_the_event_with_its_fields(tmp_path: Path) -> None:
     assert "reason" not in nacked
 
 
+@pytest.mark.parametrize(
+    ("consumer", "origin"),
+    [(("c-1", "7", "stomp 127.0.0.1:50412"), None), ((None, None, None), None), (("c-1", "7", None), "n0-3")],
+)
+def test_an_acked_event_is_the_message_event_with_its_consumer(
+    tmp_path: Path, consumer: tuple[str | None, str | None, str | None], origin: str | None
+) -> None:
+    """``emit_acked`` (no dict of extra fields: one per acknowledged message) writes what ``emit_message`` with
+    those fields would, byte for byte; the consumer's fields are left out without a consumer (auto-ack)."""
+    conn_id, consumer_id, client_id = consumer
+    extra = {"conn_id": conn_id, "consumer_id": consumer_id, "client_id": client_id, "origin_message_id": origin}
+    lines = []
+    for name, emit in (
+        ("general", lambda s: s.emit_message(T0, "msg.acked", "q", "orders", "n1-7", 12, "mqtt", T0 - 5, extra)),
+        ("acked", lambda s: s.emit_acked(T0, "q", "orders", "n1-7", 12, "mqtt", T0 - 5, *consumer, origin)),
+    ):
+        sink = FileAuditSink(tmp_path / name, NODE, epoch=2)
+        emit(sink)
+        sink.close()
+        [path] = sealed(tmp_path / name)
+        lines.append(path.read_bytes())
+    assert lines[0] == lines[1]
+    [record] = read_lines(path)
+    assert record["event"] == "msg.acked"
+    assert ("conn_id" in record, "origin_message_id" in record) == (conn_id is not None, origin is not None)
+
+
 def test_epoch_can_change_at_runtime(tmp_path: Path) -> None:
     sink = FileAuditSink(tmp_path, NODE, epoch=1)
     sink.emit(T0, "conn.opened", {})

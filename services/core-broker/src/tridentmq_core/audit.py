@@ -28,6 +28,7 @@ _ACTIVE_DIR = ".active"
 _SUFFIX = ".jsonl"
 _SEQ_DIGITS = 20
 _TAIL_CHUNK = 64 * 1024
+_APPEND_NEWLINE = orjson.OPT_APPEND_NEWLINE
 
 
 class AuditSink(Protocol):
@@ -67,6 +68,23 @@ class AuditSink(Protocol):
         origin_message_id: str | None = None,
     ) -> None:
         """Record a ``msg.delivered`` event (one per delivery: the hottest road, so no dict of extra fields)."""
+
+    def emit_acked(
+        self,
+        ts_us: int,
+        queue: str,
+        address: str,
+        message_id: str,
+        size: int,
+        protocol: str,
+        sent_ts_us: int,
+        conn_id: str | None,
+        consumer_id: str | None,
+        client_id: str | None,
+        origin_message_id: str | None = None,
+    ) -> None:
+        """Record a ``msg.acked`` event (one per acknowledged message, as hot as ``emit_delivered``); the consumer
+        fields are None when no consumer acknowledged it (auto-ack, a last-value replacement)."""
 
     def tick(self, ts_us: int) -> None:
         """Called about once a second: time-based roll and the ``node.heartbeat`` event."""
@@ -111,6 +129,22 @@ class NullAuditSink:
         delivery_count: int,
         conn_id: str,
         consumer_id: str,
+        client_id: str | None,
+        origin_message_id: str | None = None,
+    ) -> None:
+        """Ignore the event."""
+
+    def emit_acked(
+        self,
+        ts_us: int,
+        queue: str,
+        address: str,
+        message_id: str,
+        size: int,
+        protocol: str,
+        sent_ts_us: int,
+        conn_id: str | None,
+        consumer_id: str | None,
         client_id: str | None,
         origin_message_id: str | None = None,
     ) -> None:
@@ -224,7 +258,10 @@ class FileAuditSink:
     ) -> None:
         """``emit`` for a message event: the record in one go, without ``emit``'s checks of each field (a
         tenth of the core's work per durable message went to its audit events)."""
-        if not self._accepting(ts_us):
+        start = self._seg_start_us
+        if (self._closed or self._broken or (start is not None and ts_us - start >= self._roll_us)) and (
+            not self._accepting(ts_us)
+        ):
             return
         seq = self._next_seq
         record: dict[str, object] = {
@@ -262,7 +299,10 @@ class FileAuditSink:
         origin_message_id: str | None = None,
     ) -> None:
         """``emit`` for ``msg.delivered``, the record built in one go like ``emit_message``'s."""
-        if not self._accepting(ts_us):
+        start = self._seg_start_us
+        if (self._closed or self._broken or (start is not None and ts_us - start >= self._roll_us)) and (
+            not self._accepting(ts_us)
+        ):
             return
         seq = self._next_seq
         record: dict[str, object] = {
@@ -288,6 +328,51 @@ class FileAuditSink:
             record["origin_message_id"] = origin_message_id
         self._append(seq, ts_us, record)
 
+    def emit_acked(
+        self,
+        ts_us: int,
+        queue: str,
+        address: str,
+        message_id: str,
+        size: int,
+        protocol: str,
+        sent_ts_us: int,
+        conn_id: str | None,
+        consumer_id: str | None,
+        client_id: str | None,
+        origin_message_id: str | None = None,
+    ) -> None:
+        """``emit`` for ``msg.acked``, the record built in one go like ``emit_delivered``'s."""
+        start = self._seg_start_us
+        if (self._closed or self._broken or (start is not None and ts_us - start >= self._roll_us)) and (
+            not self._accepting(ts_us)
+        ):
+            return
+        seq = self._next_seq
+        record: dict[str, object] = {
+            "v": SCHEMA_VERSION,
+            "node_id": self.node_id,
+            "seq": seq,
+            "ts_us": ts_us,
+            "event": "msg.acked",
+            "epoch": self.epoch,
+            "address": address,
+            "message_id": message_id,
+            "size": size,
+            "protocol": protocol,
+            "sent_ts_us": sent_ts_us,
+            "queue": queue,
+        }
+        if conn_id is not None:
+            record["conn_id"] = conn_id
+        if consumer_id is not None:
+            record["consumer_id"] = consumer_id
+        if client_id is not None:
+            record["client_id"] = client_id
+        if origin_message_id is not None:
+            record["origin_message_id"] = origin_message_id
+        self._append(seq, ts_us, record)
+
     def _accepting(self, ts_us: int) -> bool:
         """Whether an event at ``ts_us`` is written (a segment that has grown too old is rolled first)."""
         if self._closed:
@@ -304,18 +389,20 @@ class FileAuditSink:
         buf = self._buf
         if not buf:
             self._buf_first_seq = seq
+            if self._seg_start_us is None:
+                self._seg_start_us = ts_us
         try:
-            buf += orjson.dumps(record, default=str, option=orjson.OPT_APPEND_NEWLINE)
+            buf += orjson.dumps(record, default=str, option=_APPEND_NEWLINE)
         except TypeError:  # an integer beyond 64 bits: written as text, never a failure of the caller's timer
-            buf += orjson.dumps(_wide_ints_as_text(record), default=str, option=orjson.OPT_APPEND_NEWLINE)
+            buf += orjson.dumps(_wide_ints_as_text(record), default=str, option=_APPEND_NEWLINE)
         self._buf_lines += 1
         self._next_seq = seq + 1
-        if self._seg_start_us is None:
-            self._seg_start_us = ts_us
-        if self._file_bytes + len(buf) >= self._roll_bytes:
-            self._roll()
-        elif len(buf) > self._flush_bytes:
-            self._flush()
+        size = len(buf)
+        if size > self._flush_bytes or self._file_bytes + size >= self._roll_bytes:
+            if self._file_bytes + size >= self._roll_bytes:
+                self._roll()
+            else:
+                self._flush()
 
     def tick(self, ts_us: int) -> None:
         """Emit a heartbeat when due, roll a segment that has grown too old, and flush the buffer."""

@@ -55,20 +55,36 @@ class AuditEvents:
             fields,
         )
 
+    def sent(self, now_ms: int, message: WireMessage) -> None:
+        """``msg.sent``, once per accepted message: ``message`` without its keyword fields."""
+        self.sink.emit_message(
+            now_ms * 1000,
+            "msg.sent",
+            None,
+            message[M_ADDRESS],
+            f"{self.tag}-{message[M_ID]}",
+            len(message[M_BODY]),
+            message[M_PROTOCOL] or "link",
+            message[M_TIMESTAMP] * 1000,
+            _origin_field(message),
+        )
+
     def acked(self, now_ms: int, message: WireMessage, queue: Queue, consumer: Consumer | None) -> None:
-        if consumer is None:  # auto-ack and last-value replacement: no acknowledging consumer
-            self.message(now_ms, "msg.acked", message, queue)
-        else:
-            session = consumer.session
-            self.message(
-                now_ms,
-                "msg.acked",
-                message,
-                queue,
-                conn_id=session.conn_id,
-                consumer_id=str(consumer.id),
-                client_id=session.client_name,
-            )
+        """``msg.acked``; no consumer for auto-ack and a last-value replacement."""
+        session = consumer.session if consumer is not None else None
+        self.sink.emit_acked(
+            now_ms * 1000,
+            queue.name,
+            message[M_ADDRESS],
+            f"{self.tag}-{message[M_ID]}",
+            len(message[M_BODY]),
+            message[M_PROTOCOL] or "link",
+            message[M_TIMESTAMP] * 1000,
+            session.conn_id if session is not None else None,
+            str(consumer.id) if consumer is not None else None,
+            session.client_name if session is not None else None,
+            message[M_PROPS].get(ORIGIN_MESSAGE_ID),
+        )
 
     def delivered(
         self, now_ms: int, queue: Queue, consumer: Consumer, delivery_count: int, message: WireMessage
@@ -88,3 +104,12 @@ class AuditEvents:
             session.client_name,
             message[M_PROPS].get(ORIGIN_MESSAGE_ID),
         )
+
+
+_NO_FIELDS: dict[str, object] = {}
+
+
+def _origin_field(message: WireMessage) -> dict[str, object]:
+    """The extra field of a message event of a copy that came from another node; none for the others."""
+    origin = message[M_PROPS].get(ORIGIN_MESSAGE_ID)
+    return _NO_FIELDS if origin is None else {"origin_message_id": origin}

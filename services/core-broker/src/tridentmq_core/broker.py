@@ -539,7 +539,7 @@ class Broker:
         durable = message[M_DURABLE]
         events = self.events
         if events.all or (durable and events.durable):
-            events.message(now_ms, "msg.sent", message, None)
+            events.sent(now_ms, message)
         counters = self.counters
         if not queues and not remote:
             counters.unrouted += 1

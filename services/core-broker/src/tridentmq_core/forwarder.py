@@ -151,7 +151,7 @@ class Forwarder:
         if not message[M_TIMESTAMP]:
             message[M_TIMESTAMP] = now_ms
         if self._audit.covers(message):
-            self._audit.message(now_ms, "msg.sent", message, None)
+            self._audit.sent(now_ms, message)
         self._counters.routed += 1
         return self.forward(message, home, (), 1, now_ms, home=True)
 
