@@ -1049,6 +1049,28 @@ async def test_a_disconnect_setting_an_expiry_after_0_is_an_error_and_keeps_the_
     assert (await back.connect("dev", clean_start=False)).session_present is False  # the expiry stayed 0
 
 
+async def test_a_disconnect_that_ends_the_session_sends_its_delayed_will_at_once(gw: Gateway) -> None:
+    """The will waits no longer than the session lasts (5.0, 3.1.3.2.2): a DISCONNECT 0x04 that sets the session
+    expiry to 0 ends the session, and the will goes now, not after its delay."""
+    watcher = await gw.connected("watcher")
+    await watcher.subscribe(Subscription("status/#", 1))
+    will = Will("status/dev", b"gone", properties=Properties(will_delay_interval=600))
+    c = await gw.connected("dev", will=will, properties=persistent(300))
+    c.send(Disconnect(0x04, Properties(session_expiry_interval=0)))
+    await c.ended()
+    assert (await watcher.message()).payload == b"gone"
+    assert pending_wills(gw) == {}
+
+
+async def test_a_disconnect_that_lengthens_the_session_lets_the_will_wait_its_own_delay(gw: Gateway) -> None:
+    will = Will("status/dev", b"late", properties=Properties(will_delay_interval=600))
+    c = await gw.connected("dev", will=will, properties=persistent(10))
+    c.send(Disconnect(0x04, Properties(session_expiry_interval=3600)))
+    await c.ended()
+    key = convert.lock_queue("dev")
+    await eventually(lambda: pending_wills(gw) == {key: (b"late", 600_000)}, "the will pending for its 600 s")
+
+
 async def test_a_disconnect_setting_an_expiry_after_0_is_answered_with_a_protocol_error(gw: Gateway) -> None:
     c = await gw.connected("dev")
     c.send(Disconnect(0, Properties(session_expiry_interval=60)))

@@ -156,6 +156,7 @@ class MqttSession:
         "_outbound",
         "_queues",
         "_topics",
+        "_will_delay_s",
         "_will_key",
         "client_id",
         "conn",
@@ -208,6 +209,7 @@ class MqttSession:
         self._lock: Consumer | None = None
         self._holder: Consumer | None = None
         self._will_key = ""
+        self._will_delay_s: int | None = None  # the will's Will Delay Interval as the client set it; None: no will
         # Lists, not deques: an empty deque is 600 bytes, and each is taken whole (a batch) or cut once.
         self._answers: PublishAnswers[asyncio.Future[None]] = PublishAnswers()  # of the client's PUBLISH packets
         self._outbound: outbound.Outbound[_Outgoing] = outbound.Outbound()  # QoS 1/2 PUBLISH packets to the client
@@ -430,6 +432,8 @@ class MqttSession:
             if will_message is not None or not (lock_was_free and kept_nowhere):
                 delay_ms = connecting.will_delay_ms(event.will, self.expiry_s) if event.will is not None else 0
                 await link.set_will(self._will_key, will_message, delay_ms=delay_ms, publish_pending=event.clean_start)
+            if event.will is not None:
+                self._will_delay_s = event.will.properties.will_delay_interval or 0
         except SessionBusyError as exc:
             await self._refuse_connect(rc.SERVER_BUSY, str(exc))
             return
@@ -1252,7 +1256,19 @@ class MqttSession:
         asked = event.properties.session_expiry_interval if self.version == V5 else None
         expiry_s = connecting.leaving(asked, self.settings.mqtt)
         if expiry_s is not None:
+            was = self.expiry_s
             await self._change_expiry(expiry_s)
+            declared = self._will_delay_s
+            if (
+                event.with_will
+                and declared is not None
+                and self.link is not None
+                and min(declared, was) != min(declared, expiry_s)
+            ):
+                # The will waits no longer than the session lasts, and the DISCONNECT changed that (MQTT 5.0,
+                # 3.1.3.2.2): a session that ends now sends it now.
+                with contextlib.suppress(LinkRequestError):
+                    await self.link.delay_will(min(declared, expiry_s) * 1000)
         if not event.with_will and self.link is not None:
             with contextlib.suppress(LinkRequestError):
                 await self.link.set_will(self._will_key, None)

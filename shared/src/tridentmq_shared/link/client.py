@@ -1046,6 +1046,12 @@ class LinkClient:
         await self._request(lambda conn: conn.set_will(will))
         self._will = None if message is None else {**will, "publish_pending": False}
 
+    async def delay_will(self, delay_ms: int) -> None:
+        """Give this link's will a new delay (nothing when it has none)."""
+        will = self._will
+        if will is not None:
+            await self.set_will(will["key"], will["message"], delay_ms=delay_ms)
+
     async def clear_will(self) -> None:
         """Clear this link's will, touching no pending will."""
         await self._request(lambda conn: conn.set_will(None))
