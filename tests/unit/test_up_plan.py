@@ -1,10 +1,20 @@
-"""``tridentmq up``'s plan of child processes: single node, a cluster, replication pairs."""
+"""``tridentmq up``'s plan of child processes (single node, a cluster, replication pairs) and how it stops them."""
 
 from __future__ import annotations
 
+import asyncio
+import sys
 from pathlib import Path
 
-from tridentmq_shared.cli.supervisor import plan
+from tridentmq_shared.cli.supervisor import (
+    STOP_BACKUPS,
+    STOP_GATEWAYS,
+    STOP_NODES,
+    Child,
+    _run_child,
+    plan,
+    stop_children,
+)
 
 
 def test_a_single_node_and_the_gateways(tmp_path: Path) -> None:
@@ -33,3 +43,57 @@ def test_three_pairs_are_six_nodes_each_backup_named_after_its_primary_group(tmp
         assert int(gateway.env[f"TRIDENTMQ_{kind}_CORE_PORT"]) in (61616, 61617, 61618)
         assert len(gateway.env[f"TRIDENTMQ_{kind}_CORE_CONNECTORS"].split(",")) == 6
     assert (tmp_path / "cluster.password").exists()
+
+
+def test_the_gateways_stop_first_then_the_backups_then_the_nodes(tmp_path: Path) -> None:
+    stages = {c.name: c.stop_stage for c in plan(tmp_path, None, pairs=2)}
+    assert {name: stage for name, stage in stages.items() if not name.startswith("gateway-")} == {
+        "core-0": STOP_NODES,
+        "core-1": STOP_NODES,
+        "backup-0": STOP_BACKUPS,
+        "backup-1": STOP_BACKUPS,
+    }
+    assert {stage for name, stage in stages.items() if name.startswith("gateway-")} == {STOP_GATEWAYS}
+    assert {c.stop_stage for c in plan(tmp_path / "single", None)} <= {STOP_GATEWAYS, STOP_NODES}
+
+
+# A child that notes when it was asked to stop and when it is gone, taking a while in between (as a gateway ending
+# its clients' sessions does), and one that ignores SIGTERM.
+_POLITE = """
+import signal, sys, time
+log = open(sys.argv[1], "a", buffering=1)
+def stop(*_):
+    log.write(f"{sys.argv[2]} asked\\n"); time.sleep(0.3); log.write(f"{sys.argv[2]} gone\\n"); sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+log.write(f"{sys.argv[2]} up\\n")
+while True: time.sleep(1)
+"""
+_STUBBORN = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+open(sys.argv[1], "a").write(f"{sys.argv[2]} up\\n")
+while True: time.sleep(1)
+"""
+
+
+async def test_each_stage_is_gone_before_the_next_is_asked_and_a_stubborn_child_is_killed(tmp_path: Path) -> None:
+    log = tmp_path / "log"
+    children = [
+        Child("core-0", [sys.executable, "-c", _POLITE, str(log), "core-0"], stop_stage=STOP_NODES),
+        Child("gateway-mqtt", [sys.executable, "-c", _POLITE, str(log), "gateway-mqtt"], stop_stage=STOP_GATEWAYS),
+        Child("backup-0", [sys.executable, "-c", _STUBBORN, str(log), "backup-0"], stop_stage=STOP_BACKUPS),
+        Child("gateway-stomp", [sys.executable, "-c", _POLITE, str(log), "gateway-stomp"], stop_stage=STOP_GATEWAYS),
+    ]
+    stopping = asyncio.Event()
+    tasks = [asyncio.create_task(_run_child(child, stopping)) for child in children]
+    for _ in range(400):
+        if log.exists() and len(log.read_text().splitlines()) == 4:
+            break
+        await asyncio.sleep(0.05)
+    stopping.set()
+    await stop_children(children, tasks, grace_s=1.0)
+    lines = [line for line in log.read_text().splitlines() if not line.endswith(" up")]
+    gateways = {"gateway-mqtt asked", "gateway-mqtt gone", "gateway-stomp asked", "gateway-stomp gone"}
+    assert set(lines[:4]) == gateways  # both gateways together, both gone before anything else is asked
+    assert lines[4:] == ["core-0 asked", "core-0 gone"]  # the stubborn backup killed after its grace, before
+    assert [child.process.returncode for child in children if child.process is not None] == [0, 0, -9, 0]

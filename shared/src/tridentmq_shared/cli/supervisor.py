@@ -1,7 +1,9 @@
 """``tridentmq up``: run a core node and every installed gateway as supervised child processes.
 
 Children's output is prefixed with their name; a child that dies is restarted with backoff; Ctrl-C (or
-SIGTERM) stops them all, politely first (SIGTERM), then firmly after a grace period.
+SIGTERM) stops them all, politely first (SIGTERM), then firmly after a grace period: the gateways first, so
+that their clients' sessions end while the core still serves them, then the backups, then the nodes they back
+up (a primary stopped before its backup would hand its pair over to it).
 """
 
 from __future__ import annotations
@@ -23,12 +25,17 @@ GRACE_SECONDS = 10.0
 MAX_BACKOFF = 30.0
 
 
+#: The order in which ``up`` stops its children (see the module docstring).
+STOP_GATEWAYS, STOP_BACKUPS, STOP_NODES = 0, 1, 2
+
+
 @dataclass
 class Child:
     name: str
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     process: asyncio.subprocess.Process | None = None
+    stop_stage: int = STOP_NODES
 
 
 def installed_services() -> list[tuple[str, str]]:
@@ -81,11 +88,19 @@ def plan(
                     f"127.0.0.1:{e['TRIDENTMQ_CORE_LINK_PORT']}" for _, e in cores
                 )
             gateways += 1
-            children.append(Child(name, argv, env))
+            children.append(Child(name, argv, env, stop_stage=STOP_GATEWAYS))
         elif not cores:
             children.append(Child(name, argv, {"TRIDENTMQ_CORE_NODE_DATA_DIR": str(data_dir / "core")}))
         else:
-            children += [Child(child, argv, env) for child, env in cores]
+            children += [
+                Child(
+                    child,
+                    argv,
+                    env,
+                    stop_stage=STOP_BACKUPS if env.get("TRIDENTMQ_CORE_HA_ROLE") == "backup" else STOP_NODES,
+                )
+                for child, env in cores
+            ]
     return children
 
 
@@ -197,13 +212,21 @@ async def supervise(children: list[Child]) -> int:
     tasks = [asyncio.create_task(_run_child(c, stopping)) for c in children]
     await stopping.wait()
     print("tridentmq up: stopping", flush=True)
-    for child in children:
-        if child.process is not None and child.process.returncode is None:
-            child.process.send_signal(signal.SIGTERM)
-    await asyncio.wait(tasks, timeout=GRACE_SECONDS)
-    for child in children:
-        if child.process is not None and child.process.returncode is None:
-            print(f"{child.name} did not stop in {GRACE_SECONDS:.0f} s; killing it", file=sys.stderr, flush=True)
-            child.process.kill()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await stop_children(children, tasks)
     return 0
+
+
+async def stop_children(children: list[Child], tasks: list[asyncio.Task[None]], grace_s: float = GRACE_SECONDS) -> None:
+    """Stop ``children`` (their ``_run_child`` tasks, in the same order, end with them) stage by stage: SIGTERM to
+    a stage, then SIGKILL to what of it still runs after ``grace_s``, before the next stage is asked."""
+    for stage in sorted({child.stop_stage for child in children}):
+        group = [(child, task) for child, task in zip(children, tasks, strict=True) if child.stop_stage == stage]
+        for child, _ in group:
+            if child.process is not None and child.process.returncode is None:
+                child.process.send_signal(signal.SIGTERM)
+        await asyncio.wait([task for _, task in group], timeout=grace_s)
+        for child, _ in group:
+            if child.process is not None and child.process.returncode is None:
+                print(f"{child.name} did not stop in {grace_s:.0f} s; killing it", file=sys.stderr, flush=True)
+                child.process.kill()
+        await asyncio.gather(*(task for _, task in group), return_exceptions=True)
