@@ -16,9 +16,12 @@ client's topic (AMQP: through the core's link), and every client must receive it
 
 A gateway holds one descriptor per client and the clients one each, so the clients run in processes of their
 own: each process's open-file limit then counts only its share. The script starts its own core (throw-away
-data directory) and gateway on free loopback ports, with ``listener.max_connections`` above N.
+data directory) and gateway on free loopback ports, with ``listener.max_connections`` above N; or, with ``--port``
+and ``--broker-pid``, measures another MQTT or STOMP broker already running there with the same clients (the
+figures side by side with a peer's).
 
     uv run python -m bench.connections --count 19000 [--protocol mqtt|stomp|amqp] [--procs 2] [--concurrency 500]
+    uv run python -m bench.connections --count 19000 --port 22883 --broker-pid <its pid>
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Event as MpEvent
@@ -285,8 +288,8 @@ class Figures:
     before: dict[str, dict[str, int]]
     after: dict[str, dict[str, int]]
     delivered: dict[str, dict[str, int]]  # once every client had its message
-    cpu: dict[str, float]
-    status: dict[str, Any]
+    cpu: dict[str, float]  # seconds, per watched process and "clients" (all the client processes)
+    status: dict[str, Any] | None  # the core's, when the run started it
 
 
 def _clients_processes(args: argparse.Namespace, port: int, run: str, start: MpEvent) -> Iterator[Any]:
@@ -303,37 +306,61 @@ def _clients_processes(args: argparse.Namespace, port: int, run: str, start: MpE
         yield here, process
 
 
-def measure(args: argparse.Namespace) -> Figures:
-    run = uuid.uuid4().hex[:6]
-    speaks = PROTOCOLS[args.protocol]
+@dataclass(frozen=True)
+class Target:
+    """What the clients connect to, and the processes whose memory and CPU the run reads."""
+
+    port: int
+    core: Core | None  # TridentMQ's own core: its link for the AMQP publisher, its status
+    pids: dict[str, int]  # name → process
+
+
+@contextmanager
+def _started(args: argparse.Namespace) -> Iterator[Target]:
+    """A core and a gateway of the protocol, started for this run."""
     with (
         tempfile.TemporaryDirectory() as tmp,
         core_node(Path(tmp) / "core", link_max_connections=str(args.count + 100)) as core,
-        speaks.gateway(
+        PROTOCOLS[args.protocol].gateway(
             core,
             Path(tmp) / "gw",
             listener_max_connections=str(args.count + 100),
             core_shared_links=str(args.shared_links),
         ) as gateway,
     ):
-        before = {"core": proc_usage(core.process.pid), "gateway": proc_usage(gateway.process.pid)}
+        yield Target(gateway.port, core, {"gateway": gateway.process.pid, "core": core.process.pid})
+
+
+@contextmanager
+def _running(args: argparse.Namespace) -> Iterator[Target]:
+    """A broker already running on ``--port`` (another broker, side by side), watched as ``--broker-pid``."""
+    yield Target(args.port, None, {"broker": args.broker_pid})
+
+
+def measure(args: argparse.Namespace) -> Figures:
+    run = uuid.uuid4().hex[:6]
+    speaks = PROTOCOLS[args.protocol]
+    with _running(args) if args.port else _started(args) as target:
+        pids = target.pids
+        before = {name: proc_usage(pid) for name, pid in pids.items()}
         start = multiprocessing.Event()
         pipes: list[tuple[Connection, multiprocessing.Process]] = []
         try:
-            pipes.extend(_clients_processes(args, gateway.port, run, start))
+            pipes.extend(_clients_processes(args, target.port, run, start))
             time.sleep(1.0)  # the client processes are up and waiting (their start is the event, not this)
-            cpu_before = {"core": cpu_of(core.process.pid), "gateway": cpu_of(gateway.process.pid)}
+            clients = [process.pid for _, process in pipes if process.pid is not None]
+            cpu_before = {name: cpu_of(pid) for name, pid in pids.items()}
+            clients_before = sum(cpu_of(pid) for pid in clients)
             start.set()
             results = [here.recv() for here, _ in pipes]
-            cpu = {
-                "core": cpu_of(core.process.pid) - cpu_before["core"],
-                "gateway": cpu_of(gateway.process.pid) - cpu_before["gateway"],
-            }
-            after = {"core": proc_usage(core.process.pid), "gateway": proc_usage(gateway.process.pid)}
-            status = _status(core)
-            asyncio.run(speaks.publish_all(gateway.port, core.link_port, run, args.count))
+            cpu = {name: cpu_of(pid) - cpu_before[name] for name, pid in pids.items()}
+            cpu["clients"] = sum(cpu_of(pid) for pid in clients) - clients_before
+            after = {name: proc_usage(pid) for name, pid in pids.items()}
+            status = _status(target.core) if target.core is not None else None
+            core_port = target.core.link_port if target.core is not None else 0
+            asyncio.run(speaks.publish_all(target.port, core_port, run, args.count))
             received = sum(here.recv() for here, _ in pipes)
-            delivered = {"core": proc_usage(core.process.pid), "gateway": proc_usage(gateway.process.pid)}
+            delivered = {name: proc_usage(pid) for name, pid in pids.items()}
             for here, process in pipes:
                 here.send("done")
                 process.join(60)
@@ -363,17 +390,23 @@ def main() -> None:
     parser.add_argument(
         "--shared-links", type=int, default=1, help="the gateway's core.shared_links (0: a link per client)"
     )
+    parser.add_argument("--port", type=int, default=0, help="a broker already running on 127.0.0.1 (MQTT, STOMP)")
+    parser.add_argument("--broker-pid", type=int, default=0, help="with --port: its process, for memory and CPU")
     args = parser.parse_args()
+    if args.port and (not args.broker_pid or args.protocol == "amqp"):
+        parser.error("--port needs --broker-pid, and an MQTT or STOMP broker (AMQP publishes through the core)")
     limit = raise_open_file_limit()
+    against = f"the broker on port {args.port}" if args.port else f"core.shared_links = {args.shared_links}"
     print(
         f"{machine()}; open-file limit {limit}; {args.count} {PROTOCOLS[args.protocol].name} clients from "
-        f"{args.procs} processes, core.shared_links = {args.shared_links}"
+        f"{args.procs} processes, {against}"
     )
     f = measure(args)
     print(f"subscribed {f.subscribed} / {args.count} (refused {f.refused}), received {f.received} / {args.count}")
     print(f"connect + subscribe: {f.subscribed / f.elapsed:,.0f} /s ({f.elapsed:.1f} s for {f.subscribed})")
-    print(f"core: {f.status['connections']} sessions over {f.status['links']} link connections")
-    for name in ("gateway", "core"):
+    if f.status is not None:
+        print(f"core: {f.status['connections']} sessions over {f.status['links']} link connections")
+    for name in f.before:
         grown = f.after[name]["rss_kib"] - f.before[name]["rss_kib"]
         print(
             f"{name}: RSS {f.before[name]['rss_kib'] / 1024:.0f} -> {f.after[name]['rss_kib'] / 1024:.0f} MiB, "
@@ -381,7 +414,8 @@ def main() -> None:
             f"fds {f.before[name]['fds']} -> {f.after[name]['fds']}; "
             f"CPU {f.cpu[name] * 1e6 / max(f.subscribed, 1):.0f} µs per connect + subscribe"
         )
-    for name in ("gateway", "core"):
+    print(f"clients: CPU {f.cpu['clients'] * 1e6 / max(f.subscribed, 1):.0f} µs per connect + subscribe")
+    for name in f.before:
         grown = f.delivered[name]["rss_kib"] - f.before[name]["rss_kib"]
         print(
             f"{name} once each client had its message: RSS {f.delivered[name]['rss_kib'] / 1024:.0f} MiB, "
