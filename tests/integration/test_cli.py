@@ -202,6 +202,7 @@ def test_up_starts_serves_and_stops_cleanly(tmp_path: Path) -> None:
     assert "stomp gateway ready" in output
     assert "amqp gateway ready" in output
     assert "core node stopped" in output
+    assert "fail over" not in output  # the gateways stopped first: none lost its core link under its sessions
     assert "Traceback" not in output
     assert (tmp_path / "data" / "core" / "node.id").exists()
 
