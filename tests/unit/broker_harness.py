@@ -158,9 +158,17 @@ class Client:
         return self._answer(self.conn.tx_rollback(tx_id))
 
     def set_will(
-        self, key: str, message: WireMessage | None, *, delay_ms: int = 0, publish_pending: bool = False
+        self,
+        key: str,
+        message: WireMessage | None,
+        *,
+        delay_ms: int = 0,
+        publish_pending: bool = False,
+        own: bool | None = None,
     ) -> ev.Reply | ev.RequestFailed:
         will = {"key": key, "message": message, "delay_ms": delay_ms, "publish_pending": publish_pending}
+        if own is not None:
+            will["own"] = own
         return self._answer(self.conn.set_will(will))
 
     def clear_will(self) -> ev.Reply | ev.RequestFailed:

@@ -1136,6 +1136,9 @@ def test_set_will_fields_default_and_unknown_ones_are_ignored() -> None:
     assert server.receive_data(frame([[Op.SET_WILL, 7, {"key": "k", "future": 1}]]), 0.0) == [
         ev.SetWill(7, "k", None, 0, publish_pending=False)
     ]
+    assert server.receive_data(frame([[Op.SET_WILL, 8, {"key": "k", "own": True}]]), 0.0) == [
+        ev.SetWill(8, "k", None, 0, publish_pending=False, own=True)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -1151,6 +1154,7 @@ def test_set_will_fields_default_and_unknown_ones_are_ignored() -> None:
         {"key": "k", "delay_ms": 1.5},
         {"key": "k", "delay_ms": True},
         {"key": "k", "publish_pending": 1},
+        {"key": "k", "own": 1},
     ],
 )
 def test_set_will_with_a_wrong_field_type_is_malformed(will: Any) -> None:

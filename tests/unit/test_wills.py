@@ -144,6 +144,30 @@ def test_a_link_setting_a_key_another_open_link_holds_takes_it_over(h: Harness) 
     assert bodies(watcher.take(cid)) == [b"new"]
 
 
+def test_an_own_will_change_of_a_link_whose_key_was_taken_over_changes_nothing(h: Harness) -> None:
+    """A connection taken over, whose DISCONNECT gives its will a new delay (``own``), must not take the key back
+    from its successor: the successor's will stays, and the old link's is gone."""
+    watcher, old, new = h.connect("watcher"), h.connect("old"), h.connect("new")
+    cid = watcher.consumer("status")
+    ok(old.set_will("k", will(body=b"old"), delay_ms=60_000))
+    ok(new.set_will("k", will(body=b"new")))
+    assert ok(old.set_will("k", will(body=b"old"), delay_ms=0, own=True)) is None  # done: nothing to do
+    assert h.broker.wills.book.holders["k"] is new.session
+    old.close()
+    assert watcher.take(cid) == []
+    new.close()
+    assert bodies(watcher.take(cid)) == [b"new"]
+
+
+def test_an_own_will_change_of_the_holder_replaces_its_will(h: Harness) -> None:
+    watcher, dying = h.connect("watcher"), h.connect("dying")
+    cid = watcher.consumer("status")
+    ok(dying.set_will("k", will(), delay_ms=60_000))
+    ok(dying.set_will("k", will(), delay_ms=0, own=True))
+    dying.close()
+    assert bodies(watcher.take(cid)) == [b"gone"]  # at once: its delay is 0 now
+
+
 def test_wills_are_not_published_when_the_node_stops(h: Harness) -> None:
     watcher, dying, delayed = h.connect("watcher"), h.connect("dying"), h.connect("delayed")
     cid = watcher.consumer("status")

@@ -7,6 +7,9 @@ copies that move to other nodes carry the id it was first accepted under (``ORIG
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 from tridentmq_core.audit import AuditSink
 from tridentmq_core.queues import Consumer, Queue
 from tridentmq_shared.message import M_ADDRESS, M_BODY, M_DURABLE, M_ID, M_PROPS, M_PROTOCOL, M_TIMESTAMP, WireMessage
@@ -106,10 +109,10 @@ class AuditEvents:
         )
 
 
-_NO_FIELDS: dict[str, object] = {}
+_NO_FIELDS: Mapping[str, object] = MappingProxyType({})
 
 
-def _origin_field(message: WireMessage) -> dict[str, object]:
+def _origin_field(message: WireMessage) -> Mapping[str, object]:
     """The extra field of a message event of a copy that came from another node; none for the others."""
     origin = message[M_PROPS].get(ORIGIN_MESSAGE_ID)
     return _NO_FIELDS if origin is None else {"origin_message_id": origin}

@@ -64,8 +64,8 @@ class Selector:
 
 def compile_selector(text: str) -> Selector:
     """Compile selector text, raising :class:`SelectorError` if it is not a valid selector."""
-    simple = _EQUALS_STRING_RE.fullmatch(text)
-    if simple is not None and len(text) <= MAX_LENGTH and simple["name"].upper() not in _KEYWORDS:
+    simple = _EQUALS_STRING_RE.fullmatch(text) if len(text) <= MAX_LENGTH else None
+    if simple is not None and simple["name"].upper() not in _KEYWORDS:
         # ``property = 'string'``, the whole selector: an MQTT SUBSCRIBE's look-up of its topic's retained
         # message has one of its own per topic. Parsed here in one step (the tokenizer and parser were a tenth
         # of a core's work per MQTT connect), and not cached, where it would push out texts that recur.

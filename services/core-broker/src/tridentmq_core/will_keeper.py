@@ -59,12 +59,17 @@ class WillKeeper:
         delay_ms: int,
         publish_pending: bool,
         now_ms: int,
+        *,
+        own: bool = False,
     ) -> None:
         """A link's SET_WILL: ``key`` None clears its own will; ``message`` None frees the key (publishing the
-        will pending under it when ``publish_pending``)."""
+        will pending under it when ``publish_pending``). ``own``: only if this link holds the will under ``key``
+        (a connection taken over since must not take the key back from its successor)."""
         book = self.book
         if key is None:  # a nil will: clear this link's own, nothing else
             book.drop(session)
+            return
+        if own and book.holders.get(key) is not session:
             return
         if not key or len(key) > MAX_WILL_KEY:
             raise BrokerError(ErrorCode.INVALID, f"a will key is a string of 1 to {MAX_WILL_KEY} characters")

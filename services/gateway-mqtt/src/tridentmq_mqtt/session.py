@@ -1267,11 +1267,16 @@ class MqttSession:
             ):
                 # The will waits no longer than the session lasts, and the DISCONNECT changed that (MQTT 5.0,
                 # 3.1.3.2.2): a session that ends now sends it now.
-                with contextlib.suppress(LinkRequestError):
+                try:
                     await self.link.delay_will(min(declared, expiry_s) * 1000)
+                except LinkRequestError as exc:  # it keeps its delay
+                    log.warning(
+                        "mqtt will kept its delay", extra={"client_id": self.client_id[:60], "reason": exc.text}
+                    )
         if not event.with_will and self.link is not None:
+            # This connection's will only: one taken over meanwhile must not drop its successor's.
             with contextlib.suppress(LinkRequestError):
-                await self.link.set_will(self._will_key, None)
+                await self.link.clear_will()
         self._driver.end()
 
     async def _change_expiry(self, expiry_s: int) -> None:

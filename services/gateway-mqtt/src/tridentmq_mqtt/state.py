@@ -202,6 +202,7 @@ class Registry:
         name = convert.lock_queue(client_id)
         owner_filter = None if user is None else _owner_filter(user)
         deadline = time.monotonic() + timeout
+        contended = False  # another connection's lock was found (and taken, or waited for)
         spec = queue_spec(
             name, routing_type=RoutingType.ANYCAST, durable=False, max_consumers=1, expires_ms=0, filter=owner_filter
         )
@@ -220,7 +221,8 @@ class Registry:
             if lock is not None:  # made here and held by no other node: ours, in one request
                 token = random_hex(32)  # only ours to recognise: no system call for it
                 self._tokens[id(lock)] = token
-                return lock, True
+                return lock, not contended
+            contended = True
             held_by = created.get("filter")
             if owner_filter is not None and not created.get("created") and held_by and held_by != owner_filter:
                 if created.get("consumers"):

@@ -1047,10 +1047,13 @@ class LinkClient:
         self._will = None if message is None else {**will, "publish_pending": False}
 
     async def delay_will(self, delay_ms: int) -> None:
-        """Give this link's will a new delay (nothing when it has none)."""
+        """Give this link's will a new delay: nothing when it has none, or when another link has taken its key
+        over since (``own``; a core that predates it ignores it, as it does any key it does not know)."""
         will = self._will
         if will is not None:
-            await self.set_will(will["key"], will["message"], delay_ms=delay_ms)
+            delayed = {**will, "delay_ms": delay_ms}
+            await self._request(lambda conn: conn.set_will({**delayed, "own": True}))
+            self._will = delayed
 
     async def clear_will(self) -> None:
         """Clear this link's will, touching no pending will."""

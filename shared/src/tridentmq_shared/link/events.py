@@ -143,13 +143,16 @@ class TxRollback:
 class SetWill:
     """The link's will. ``key`` is None for a nil will (clear this link's will, nothing else); otherwise
     ``message`` None clears it too, and any pending will under ``key`` is cancelled or, with
-    ``publish_pending``, published. The message is checked by the broker, not the codec."""
+    ``publish_pending``, published. With ``own``, it changes this link's own will under ``key`` and nothing
+    else: nothing at all unless this link holds the will under ``key``. The message is checked by the broker,
+    not the codec."""
 
     req_id: int
     key: str | None
     message: WireMessage | None
     delay_ms: int
     publish_pending: bool
+    own: bool = False
 
 
 @dataclass(frozen=True, slots=True)
