@@ -69,12 +69,12 @@ class WillKeeper:
         if key is None:  # a nil will: clear this link's own, nothing else
             book.drop(session)
             return
-        if own and book.holders.get(key) is not session:
-            return
         if not key or len(key) > MAX_WILL_KEY:
             raise BrokerError(ErrorCode.INVALID, f"a will key is a string of 1 to {MAX_WILL_KEY} characters")
         if not 0 <= delay_ms <= MAX_TIME_MS:
             raise BrokerError(ErrorCode.INVALID, f"a will's delay_ms is within 0..{MAX_TIME_MS}")
+        if own and book.holders.get(key) is not session:
+            return
         owner = book.user(key)
         if owner is not None and owner != session.principal.name:
             raise BrokerError(ErrorCode.FORBIDDEN, f"the will under key {key!r} belongs to another user")
