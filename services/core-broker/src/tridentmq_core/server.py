@@ -256,7 +256,13 @@ class LinkProtocol(asyncio.Protocol):
                 channel.connection_made(cast(asyncio.Transport, transport))
                 if transport.closing:  # refused at a limit
                     continue
-            channel.data_received(data)
+            try:
+                channel.data_received(data)
+            except Exception:  # a bug: it ends this session, not every session the link carries
+                log.exception(
+                    "link channel ended on an unexpected error", extra={"conn": self.conn_id, "channel": channel_id}
+                )
+                self.channel_closed(channel_id, tell_peer=True)
 
     def channel_write(self, channel_id: int, data: bytes) -> None:
         """A channel's output, carried as a CHANNEL operation of this link (written with this turn's flush)."""
