@@ -268,6 +268,9 @@ class _StrayCancellation:
         self.shared = shared
         self.armed = False
 
+    def open_now(self, host: str, port: int, protocol_factory: Any) -> None:
+        return None  # every open goes through ``open``, where the cancellation is
+
     async def open(self, host: str, port: int, protocol_factory: Any) -> Any:
         if self.armed:
             self.armed = False

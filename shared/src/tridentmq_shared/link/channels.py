@@ -179,6 +179,17 @@ class SharedLinks:
     def carriers(self) -> list[Carrier]:
         return [carrier for carriers in self._carriers.values() for carrier in carriers]
 
+    def open_now(self, host: str, port: int, protocol_factory: Callable[[], P]) -> tuple[asyncio.Transport, P] | None:
+        """``open`` without waiting, when the shared links to ``host``:``port`` are up (nearly always: a session's
+        connect then costs no task); None when ``open`` has to be awaited."""
+        endpoint = (host, port)
+        if self._closing or self._refused_until.get(endpoint, 0.0) > time.monotonic():
+            return None
+        carriers = [c for c in self._carriers.get(endpoint, ()) if c.alive]
+        if len(carriers) < self.per_node:
+            return None
+        return min(carriers, key=lambda c: len(c.channels)).open_channel(protocol_factory)
+
     async def open(self, host: str, port: int, protocol_factory: Callable[[], P]) -> tuple[asyncio.Transport, P]:
         """A new channel to ``host``:``port`` for a session's protocol. Raises as a connection would (OSError,
         TimeoutError, LinkClosedError), or ``SharedLinksRefusedError`` when the core refuses the gateway's user."""

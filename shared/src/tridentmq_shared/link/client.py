@@ -53,6 +53,10 @@ _P = TypeVar("_P", bound=asyncio.Protocol)
 class ChannelOpener(Protocol):
     """Opens a session's link as a channel of a shared link (``channels.SharedLinks``, a gateway's)."""
 
+    def open_now(self, host: str, port: int, protocol_factory: Callable[[], _P]) -> tuple[asyncio.Transport, _P] | None:
+        """The channel at once when no wait is needed (its shared link is up), else None: then ``open``."""
+        ...
+
     async def open(self, host: str, port: int, protocol_factory: Callable[[], _P]) -> tuple[asyncio.Transport, _P]:
         """Raises as a connection would, or ``SharedLinksRefusedError`` (then the client connects directly)."""
         ...
@@ -501,9 +505,13 @@ class LinkClient:
         transport: asyncio.Transport
         if self.channels is not None:
             try:
-                transport, protocol = await asyncio.wait_for(
-                    self.channels.open(host, port, lambda: _Protocol(self)), self.connect_timeout
-                )
+                # At once while the shared link is up: no task to wait on (asyncio.wait_for makes one).
+                opened = self.channels.open_now(host, port, lambda: _Protocol(self))
+                if opened is None:
+                    opened = await asyncio.wait_for(
+                        self.channels.open(host, port, lambda: _Protocol(self)), self.connect_timeout
+                    )
+                transport, protocol = opened
             except SharedLinksRefusedError:
                 transport, protocol = await self._connect_directly(host, port)
         else:
