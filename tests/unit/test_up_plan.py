@@ -63,7 +63,7 @@ _POLITE = """
 import signal, sys, time
 log = open(sys.argv[1], "a", buffering=1)
 def stop(*_):
-    log.write(f"{sys.argv[2]} asked\\n"); time.sleep(0.3); log.write(f"{sys.argv[2]} gone\\n"); sys.exit(0)
+    log.write(f"{sys.argv[2]} asked\\n"); time.sleep(0.2); log.write(f"{sys.argv[2]} gone\\n"); sys.exit(0)
 signal.signal(signal.SIGTERM, stop)
 log.write(f"{sys.argv[2]} up\\n")
 while True: time.sleep(1)
@@ -78,22 +78,42 @@ while True: time.sleep(1)
 
 async def test_each_stage_is_gone_before_the_next_is_asked_and_a_stubborn_child_is_killed(tmp_path: Path) -> None:
     log = tmp_path / "log"
+
+    def child(name: str, script: str, stage: int) -> Child:
+        return Child(name, [sys.executable, "-c", script, str(log), name], stop_stage=stage)
+
     children = [
-        Child("core-0", [sys.executable, "-c", _POLITE, str(log), "core-0"], stop_stage=STOP_NODES),
-        Child("gateway-mqtt", [sys.executable, "-c", _POLITE, str(log), "gateway-mqtt"], stop_stage=STOP_GATEWAYS),
-        Child("backup-0", [sys.executable, "-c", _STUBBORN, str(log), "backup-0"], stop_stage=STOP_BACKUPS),
-        Child("gateway-stomp", [sys.executable, "-c", _POLITE, str(log), "gateway-stomp"], stop_stage=STOP_GATEWAYS),
+        child("core-0", _POLITE, STOP_NODES),
+        child("gateway-mqtt", _POLITE, STOP_GATEWAYS),
+        child("backup-0", _POLITE, STOP_BACKUPS),
+        child("gateway-stomp", _STUBBORN, STOP_GATEWAYS),
     ]
     stopping = asyncio.Event()
-    tasks = [asyncio.create_task(_run_child(child, stopping)) for child in children]
-    for _ in range(400):
-        if log.exists() and len(log.read_text().splitlines()) == 4:
-            break
-        await asyncio.sleep(0.05)
-    stopping.set()
-    await stop_children(children, tasks, grace_s=1.0)
+    tasks = [asyncio.create_task(_run_child(c, stopping)) for c in children]
+    try:
+        for _ in range(400):
+            if log.exists() and len(log.read_text().splitlines()) == len(children):
+                break
+            await asyncio.sleep(0.05)
+        assert len(log.read_text().splitlines()) == len(children), log.read_text()  # every child is up
+        stopping.set()
+        await stop_children(children, tasks, grace_s=2.0)
+    finally:
+        for c in children:
+            if c.process is not None and c.process.returncode is None:
+                c.process.kill()
     lines = [line for line in log.read_text().splitlines() if not line.endswith(" up")]
-    gateways = {"gateway-mqtt asked", "gateway-mqtt gone", "gateway-stomp asked", "gateway-stomp gone"}
-    assert set(lines[:4]) == gateways  # both gateways together, both gone before anything else is asked
-    assert lines[4:] == ["core-0 asked", "core-0 gone"]  # the stubborn backup killed after its grace, before
-    assert [child.process.returncode for child in children if child.process is not None] == [0, 0, -9, 0]
+    assert lines == [
+        "gateway-mqtt asked",  # the gateways first (the stubborn one ignores it, and is killed after its grace)
+        "gateway-mqtt gone",
+        "backup-0 asked",  # then the backups, once every gateway is gone
+        "backup-0 gone",
+        "core-0 asked",  # then the nodes they back up
+        "core-0 gone",
+    ]
+    assert {c.name: c.process.returncode for c in children if c.process is not None} == {
+        "core-0": 0,
+        "gateway-mqtt": 0,
+        "backup-0": 0,
+        "gateway-stomp": -9,
+    }

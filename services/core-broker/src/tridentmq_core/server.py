@@ -244,6 +244,7 @@ class LinkProtocol(asyncio.Protocol):
         received, self.conn.channel_data = self.conn.channel_data or [], None
         if self.session is None:
             return  # not open (yet, or any more): the codec accepts no CHANNEL before WELCOME anyway
+        failed: set[int] | None = None  # channels this batch's input ended on a fault
         for channel_id, data in received:
             channel = self.channels.get(channel_id)
             if not data:
@@ -251,6 +252,8 @@ class LinkProtocol(asyncio.Protocol):
                     self._end_channel(channel_id, channel)
                 continue
             if channel is None:
+                if failed is not None and channel_id in failed:
+                    continue  # more of the input that failed it: not a new channel
                 channel = self.channels[channel_id] = LinkProtocol(self.node, carrier=self)
                 transport = channel.channel_transport = ChannelTransport(self, channel_id)
                 channel.connection_made(cast(asyncio.Transport, transport))
@@ -262,7 +265,19 @@ class LinkProtocol(asyncio.Protocol):
                 log.exception(
                     "link channel ended on an unexpected error", extra={"conn": self.conn_id, "channel": channel_id}
                 )
-                self.channel_closed(channel_id, tell_peer=True)
+                self._fail_channel(channel_id, channel)
+                failed = {channel_id} if failed is None else failed | {channel_id}
+
+    def _fail_channel(self, channel_id: int, channel: LinkProtocol) -> None:
+        """End a channel whose input met a fault of the node: with what it has to say first (answers, confirms)
+        and a CLOSE ``internal``, on which its client does not resume (it would send the same input again)."""
+        if self.channels.get(channel_id) is channel:
+            try:
+                channel.conn.close(ErrorCode.INTERNAL, "the node failed on this session's input (see its log)")
+                channel.write_pending()
+            except Exception:  # its codec is what failed, say: the end alone must do
+                log.exception("link channel's CLOSE not sent", extra={"conn": self.conn_id, "channel": channel_id})
+        self.channel_closed(channel_id, tell_peer=True)
 
     def channel_write(self, channel_id: int, data: bytes) -> None:
         """A channel's output, carried as a CHANNEL operation of this link (written with this turn's flush)."""

@@ -211,7 +211,15 @@ async def supervise(children: list[Child]) -> int:
     print(f"tridentmq up: starting {names} (Ctrl-C stops everything)", flush=True)
     tasks = [asyncio.create_task(_run_child(c, stopping)) for c in children]
     await stopping.wait()
-    print("tridentmq up: stopping", flush=True)
+
+    def kill_all() -> None:
+        for child in children:
+            if child.process is not None and child.process.returncode is None:
+                child.process.kill()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, kill_all)
+    print("tridentmq up: stopping (Ctrl-C again kills what is left at once)", flush=True)
     await stop_children(children, tasks)
     return 0
 
