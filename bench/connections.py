@@ -56,7 +56,18 @@ from bench.amqp_gateway import (
     frame,
 )
 from bench.mqtt_packets import CONNACK, PUBLISH, SUBACK, connect_packet, publish_packet, read_packet, subscribe_packet
-from bench.node import Core, Gateway, amqp_gateway, core_node, cpu_of, machine, mqtt_gateway, proc_usage, stomp_gateway
+from bench.node import (
+    Core,
+    Gateway,
+    amqp_gateway,
+    client_source,
+    core_node,
+    cpu_of,
+    machine,
+    mqtt_gateway,
+    proc_usage,
+    stomp_gateway,
+)
 
 from tridentmq_amqp.protocol.types import Described, UByte, UInt, ULong, UShort, decode
 from tridentmq_shared.link.client import LinkClient
@@ -232,7 +243,7 @@ async def _clients(
         """The client's reader once subscribed; None when refused (or failed)."""
         async with handshakes:
             try:
-                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=client_source(i))
                 writers.append(writer)
                 done: bool = await speaks.subscribe(reader, writer, run, i)
             except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):

@@ -40,7 +40,7 @@ from bench.mqtt_packets import (
     read_packet_with_flags,
     subscribe_packet,
 )
-from bench.node import Core, core_node, cpu_of, machine, mqtt_gateway, proc_usage, quantile_ms
+from bench.node import Core, client_source, core_node, cpu_of, machine, mqtt_gateway, proc_usage, quantile_ms
 
 from tridentmq_shared.runtime import raise_open_file_limit, run_main
 
@@ -74,11 +74,11 @@ async def _read_publish(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
 
 
 async def _login(
-    port: int, client_id: str, topic: str | None
+    port: int, client_id: str, topic: str | None, number: int = 0
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bool]:
     """A persistent session's connection (subscribed at QoS 1 to ``topic`` if given) and its session-present
-    flag; raises ConnectionError when refused."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    flag, client ``number``'s (see ``client_source``); raises ConnectionError when refused."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=client_source(number))
     writer.write(connect_packet(client_id, clean=False))
     kind, body = await asyncio.wait_for(read_packet(reader), WAIT_S)
     if kind != CONNACK or body[1] != 0:
@@ -110,7 +110,7 @@ async def _side(
         client_id, topic = f"s{run}-{i}", f"storm/{run}/{i}"
         try:
             async with handshakes:
-                reader, writer, _ = await _login(port, client_id, topic)
+                reader, writer, _ = await _login(port, client_id, topic, i)
             subscribed += 1
         except (OSError, asyncio.IncompleteReadError, TimeoutError):
             refused += 1
@@ -128,7 +128,7 @@ async def _side(
         writer.close()
         try:
             async with handshakes:
-                reader, writer, present = await _login(failover_port, client_id, None)
+                reader, writer, present = await _login(failover_port, client_id, None, i)
             back += 1
             no_session += not present
             back_at.append(time.monotonic())
