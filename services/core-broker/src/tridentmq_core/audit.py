@@ -258,10 +258,7 @@ class FileAuditSink:
     ) -> None:
         """``emit`` for a message event: the record in one go, without ``emit``'s checks of each field (a
         tenth of the core's work per durable message went to its audit events)."""
-        start = self._seg_start_us
-        if (self._closed or self._broken or (start is not None and ts_us - start >= self._roll_us)) and (
-            not self._accepting(ts_us)
-        ):
+        if not self._accepting(ts_us):
             return
         seq = self._next_seq
         record: dict[str, object] = {
@@ -299,10 +296,7 @@ class FileAuditSink:
         origin_message_id: str | None = None,
     ) -> None:
         """``emit`` for ``msg.delivered``, the record built in one go like ``emit_message``'s."""
-        start = self._seg_start_us
-        if (self._closed or self._broken or (start is not None and ts_us - start >= self._roll_us)) and (
-            not self._accepting(ts_us)
-        ):
+        if not self._accepting(ts_us):
             return
         seq = self._next_seq
         record: dict[str, object] = {
@@ -343,10 +337,7 @@ class FileAuditSink:
         origin_message_id: str | None = None,
     ) -> None:
         """``emit`` for ``msg.acked``, the record built in one go like ``emit_delivered``'s."""
-        start = self._seg_start_us
-        if (self._closed or self._broken or (start is not None and ts_us - start >= self._roll_us)) and (
-            not self._accepting(ts_us)
-        ):
+        if not self._accepting(ts_us):
             return
         seq = self._next_seq
         record: dict[str, object] = {
