@@ -69,7 +69,11 @@ def listening(port: int) -> bool:
 
 @pytest.mark.parametrize("kind", ["stomp", "mqtt", "amqp"])
 def test_gateway_serves_only_while_its_core_answers(tmp_path: Path, kind: str) -> None:
-    link, http, client = free_fixed_port(), free_port(), free_port()
+    # The client port too is bound only once the core answers: from the ephemeral range, the core's own
+    # management port (port 0) once took it first (CI 61: "address already in use").
+    link, http, client = free_fixed_port(), free_port(), free_fixed_port()
+    while client == link:  # both are bound later: picked free, each could be picked twice
+        client = free_fixed_port()
     prefix = f"TRIDENTMQ_{kind.upper()}"
     env = {
         **os.environ,
