@@ -31,6 +31,7 @@ from tridentmq_shared.link.codec import (
     LinkConnection,
     Role,
     State,
+    opens_channel,
 )
 from tridentmq_shared.link.errors import LinkError, LocalProtocolError, RemoteProtocolError
 from tridentmq_shared.link.ops import HEADER_SIZE, PROTOCOL_VERSIONS, ErrorCode, NackMode, Op
@@ -279,6 +280,31 @@ def test_channel_bytes_cross_the_link_both_ways_beside_other_operations() -> Non
     server.channel(7, b"answer")
     assert client.receive_data(server.data_to_send(), 0.0) == []
     assert client.channel_data == [(7, b"answer")]
+
+
+def test_only_a_hello_opens_a_channel() -> None:
+    """The first bytes seen of a channel id open it only if they are a session's first write, its HELLO frame:
+    whatever else comes on an unknown id was on its way when the channel was ended there."""
+    session = LinkConnection(Role.CLIENT)
+    session.hello("alice", "secret", "gw-1", "10.0.0.7", "device-7")
+    hello = session.data_to_send()
+    assert opens_channel(hello)
+    assert opens_channel(HELLO_GOLDEN)
+    client, _server = open_pair()
+    client.create_address("orders", [0])
+    client.publish(message())
+    assert not opens_channel(client.data_to_send())  # a session's later frames
+    assert not opens_channel(frame([[int(Op.CLOSE), "eof", "bye"]]))
+    assert not opens_channel(frame([[int(Op.HEARTBEAT)], [int(Op.HELLO)]]))  # HELLO only as the first
+    assert not opens_channel(hello[: len(hello) - 1])  # a frame cut short (a later chunk's head, say)
+    assert not opens_channel(hello[HEADER_SIZE:])  # the middle of a stream
+    assert not opens_channel(b"")
+    assert not opens_channel(raw_frame(b"\xc1"))  # undecodable
+    assert not opens_channel(frame([]))
+    assert not opens_channel(frame({"a": 1}))
+    assert not opens_channel(frame([["x"]]))
+    assert not opens_channel(raw_frame(deeply_nested(100_000)))
+    assert not opens_channel(raw_frame(b"\xdd\xff\xff\xff\xff"))  # an array that claims 4 G entries
 
 
 @pytest.mark.parametrize("op", [[36, 0, b"x"], [36, 1, "not bytes"], [36, 1], [36, -1, b"x"]])

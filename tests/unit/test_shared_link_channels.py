@@ -8,12 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.unit.gateway_harness import core_settings, running_core
+from tests.unit.gateway_harness import core_settings, eventually, running_core
 
 from tridentmq_shared.core_links import CoreLinkSettings
 from tridentmq_shared.link import events as ev
+from tridentmq_shared.link.channels import ChannelTransport
+from tridentmq_shared.link.codec import LinkConnection, Role, State
 from tridentmq_shared.link.errors import LinkClosedError
-from tridentmq_shared.link.ops import ErrorCode
+from tridentmq_shared.link.ops import HEADER_SIZE, ErrorCode
 from tridentmq_shared.message import new_message
 
 
@@ -58,4 +60,43 @@ async def test_an_unexpected_error_in_one_channels_request_ends_that_channel_onl
         assert caplog.text.count("link channel ended on an unexpected error") == 1  # with its traceback
         assert "expected HELLO" not in caplog.text  # no channel made anew of the failed one's input
         await victim.close()
+        await bystander.close()
+
+
+async def test_input_for_a_channel_the_core_ended_makes_no_new_channel(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A session's bytes still on their way when the core ended its channel (a refusal, an error, a fault)
+    arrive after the end, in a later read: before, the core took them for a new channel, which failed
+    "expected HELLO first" and held a handshake slot meanwhile. Channel ids are never reused on a link, and
+    a channel opens only with its HELLO: such input is dropped, and the link and its other sessions go on."""
+    async with running_core(core_settings(tmp_path), lambda port: CoreLinkSettings(port=port)) as core:
+        links = core.links
+        ended = links.client(user="a", password="a", client_name="ended")
+        bystander = links.client(user="b", password="b", client_name="bystander")
+        await ended.connect()
+        await bystander.connect()
+        channel = ended._protocol.transport if ended._protocol is not None else None
+        assert isinstance(channel, ChannelTransport)
+        carrier, channel_id = channel.carrier, channel.channel_id
+        await ended.close()  # the channel ends on both sides
+        [link] = core.node.links.values()
+        await eventually(lambda: channel_id not in link.channels, "the core ended the channel")
+        handshaking = len(core.node.handshaking)
+        # What a session sends after its HELLO: a request, then the end of a large publish cut into chunks.
+        late = LinkConnection(Role.CLIENT)
+        late.hello(None, None, "late")
+        late.data_to_send()
+        late.state = State.OPEN
+        late.create_address("late", [0])
+        request = late.data_to_send()
+        with caplog.at_level(logging.INFO, logger="tridentmq.core"):
+            for data in (request, request[HEADER_SIZE:], b"\x00"):
+                carrier.client._conn.channel(channel_id, data)  # as the shared link writes a session's bytes
+                carrier.client._write_now()
+                await bystander.create_address("fine")  # the link, and its other session, serve
+        assert channel_id not in link.channels
+        assert len(core.node.handshaking) == handshaking
+        assert "expected HELLO" not in caplog.text
+        assert "link closed on protocol error" not in caplog.text
         await bystander.close()

@@ -65,6 +65,7 @@ from tridentmq_shared.link.codec import (
     PUBLISH_HEADROOM,
     LinkConnection,
     Role,
+    opens_channel,
 )
 from tridentmq_shared.link.errors import LinkError
 from tridentmq_shared.link.ops import ErrorCode
@@ -254,6 +255,13 @@ class LinkProtocol(asyncio.Protocol):
             if channel is None:
                 if failed is not None and channel_id in failed:
                     continue  # more of the input that failed it: not a new channel
+                if not opens_channel(data):
+                    # Input that was on its way when this side ended the channel (on a fault, a refusal, its
+                    # CLOSE), in an earlier batch: not a new session. Ending it again costs the peer nothing
+                    # and answers one that sent a new channel something other than HELLO.
+                    log.debug("input for no open link channel", extra={"conn": self.conn_id, "channel": channel_id})
+                    self.channel_write(channel_id, b"")
+                    continue
                 channel = self.channels[channel_id] = LinkProtocol(self.node, carrier=self)
                 transport = channel.channel_transport = ChannelTransport(self, channel_id)
                 channel.connection_made(cast(asyncio.Transport, transport))

@@ -214,6 +214,33 @@ _BATCHED: Final[dict[int, Callable[[list[ev.OpList]], ev.Event]]] = {
 }
 
 
+def opens_channel(data: bytes) -> bool:
+    """Whether the first bytes seen of a channel id can open it: a whole frame whose first operation is HELLO
+    (a session's first write). Anything else on an unknown id was on its way when this side ended the channel
+    (channel ids are never reused on a link), and must not make a channel anew."""
+    if len(data) < HEADER_SIZE:
+        return False
+    size = int.from_bytes(data[:HEADER_SIZE], "big")
+    if size > len(data) - HEADER_SIZE:
+        return False
+    try:
+        with memoryview(data) as view:
+            ops = msgpack.unpackb(
+                view[HEADER_SIZE : HEADER_SIZE + size],
+                raw=False,
+                strict_map_key=True,
+                max_array_len=_HANDSHAKE_CONTAINER_LEN,
+                max_map_len=_HANDSHAKE_CONTAINER_LEN,
+                max_ext_len=0,
+            )
+    except (ValueError, TypeError, msgpack.UnpackException, RecursionError):
+        return False
+    if type(ops) is not list or not ops:
+        return False
+    first = ops[0]
+    return type(first) is list and bool(first) and type(first[0]) is int and first[0] == Op.HELLO
+
+
 class LinkConnection:
     """One end of an internal link."""
 
