@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from tests.unit.broker_harness import ANYCAST, Harness, ok
 
 from tridentmq_core.cluster.bridge import Bridge
 from tridentmq_core.cluster.manager import ClusterManager, Joined
+from tridentmq_core.forwarding import FORWARD_PROPERTY, numbered_header
 from tridentmq_core.settings import ClusterSection, CoreSettings
-from tridentmq_shared.message import M_ID, new_message
+from tridentmq_shared.message import M_ID, M_PROPS, new_message
 
 GONE_MS = 10_000
 OTHER = "node-2"
@@ -115,3 +117,51 @@ def test_a_node_that_announces_it_scales_down_keeps_its_durable_queues_on_the_mo
     assert manager.bindings.moving(session_queue, session_queue) == [OTHER]
     manager.bridge_down(bridge)  # gone
     assert manager.bindings.moving(session_queue, session_queue) == []
+
+
+def _forwarded(h: Harness, body: bytes) -> list[Any]:
+    """A durable message for OTHER's queue ``orders``, as the forwarder sends it straight there."""
+    message = new_message("orders", body, routing=ANYCAST, durable=True)
+    message[M_ID] = h.broker.new_message_id()
+    message[M_PROPS] = {FORWARD_PROPERTY: numbered_header(OTHER, ("orders",), 1, h.broker.transfer_prefix)}
+    return message
+
+
+async def test_a_forward_sent_unconfirmed_to_a_node_declared_gone_is_routed_again_flagged() -> None:
+    """A randomised run over up --nodes 3 (seed 206639929): a publish forwarded straight to another node, which
+    stored and delivered it, whose confirm a partition lost; the partitions went on past node_gone_ms, and
+    this node routed its copy again to its own queue: a second delivery, unflagged (count 1). What was sent
+    may be over there: it counts an attempt, its next delivery here is flagged. What only waited for credit
+    was never sent: its first delivery here is no redelivery."""
+    h = Harness(CoreSettings(cluster=ClusterSection(node_gone_ms=GONE_MS)))
+    manager = _manager(h)
+    consumer = h.connect()
+    ok(consumer.create_queue("orders", "orders", ANYCAST))
+    forwarder = h.broker.forwarder
+    forwarder.requeue_forwards(OTHER, [(_forwarded(h, b"sent"), 0)], h.now_ms, sent=True)
+    forwarder.requeue_forwards(OTHER, [(_forwarded(h, b"held"), 0)], h.now_ms, sent=False)
+    assert _held(h) == 2
+    _down_bridge(manager, 61617, down_for_s=GONE_MS / 1000 + 1)
+    manager._declare_gone(h.now_ms)
+    assert _held(h) == 0
+    subscription = consumer.consumer("orders")
+    h.sync()
+    counts = {d.body: d.count for d in consumer.take(subscription)}
+    assert counts == {b"sent": 2, b"held": 1}
+
+
+async def test_a_forward_returned_by_a_dropped_cluster_link_keeps_its_count_when_routed_again() -> None:
+    """A store-and-forward copy handed to the cluster connection and not confirmed when it dropped comes back
+    to its forward queue with the attempt counted; routed again from there, it was admitted as new (the
+    queue's count was dropped with it), and delivered unflagged though the other node may have it."""
+    h = Harness(CoreSettings(cluster=ClusterSection(node_gone_ms=GONE_MS)))
+    manager = _manager(h)
+    consumer = h.connect()
+    ok(consumer.create_queue("orders", "orders", ANYCAST))
+    queue = h.broker.forwarder.forward_queue(OTHER, h.now_ms)
+    queue.return_message(_forwarded(h, b"in flight when the link dropped"), 1)
+    _down_bridge(manager, 61617, down_for_s=GONE_MS / 1000 + 1)
+    manager._declare_gone(h.now_ms)
+    subscription = consumer.consumer("orders")
+    h.sync()
+    assert [d.count for d in consumer.take(subscription)] == [2]

@@ -468,9 +468,10 @@ class Broker:
                 return self.forwarder.send_home(message, home, now_ms)
         return self.accept_message(message, now_ms, through=True)
 
-    def accept_message(self, message: WireMessage, now_ms: int, *, through: bool = False) -> int:
+    def accept_message(self, message: WireMessage, now_ms: int, *, through: bool = False, delivered: int = 0) -> int:
         """Route a message into its queues; returns a token when the confirm must wait: a store token, or with
-        ``through`` a negative one that another node's confirm releases (see ``forwarder``)."""
+        ``through`` a negative one that another node's confirm releases (see ``forwarder``). ``delivered``: the
+        delivery attempts it may have had already (see ``admit``)."""
         dedup_id = message[M_DEDUP]
         if dedup_id is not None and self._dedup.seen(dedup_id, now_ms):
             self.counters.duplicates += 1
@@ -484,13 +485,13 @@ class Broker:
             if sent_to is not None and cluster.bindings.knows(sent_to):
                 # Written through by an earlier life of this node, whose producer missed the confirm: to the
                 # same node again, where the transfer id makes it a duplicate if that node got it.
-                return self.admit(message, (), now_ms, {sent_to: ()}, through=True)
+                return self.admit(message, (), now_ms, {sent_to: ()}, delivered, through=True)
         routes = self.routes
         if cluster is not None:
             key = (message[M_ADDRESS], message[M_ROUTING])
             split = routes.splits.get(key)
             if split is not None and split[2] == self.catalog.bindings_version and split[3] == cluster.bindings.version:
-                return self.admit(message, split[0], now_ms, split[1], through=through)
+                return self.admit(message, split[0], now_ms, split[1], delivered, through=through)
         remote_too = cluster is not None and cluster.has_remote(message[M_ADDRESS])
         try:
             queues = routes.route(message, now_ms, pick=not remote_too, on_miss=self._on_route_miss)
@@ -507,8 +508,8 @@ class Broker:
             if whole and cluster.fixed(message[M_ADDRESS], kinds):  # the same for every message
                 routes.remember_split(key, queues, remote, version, cluster.bindings.version)
             if remote:
-                return self.admit(message, queues, now_ms, remote, through=through)
-        return self.admit(message, queues, now_ms)
+                return self.admit(message, queues, now_ms, remote, delivered, through=through)
+        return self.admit(message, queues, now_ms, None, delivered)
 
     def route(self, message: WireMessage, now_ms: int) -> tuple[Queue, ...]:
         """The local queues that get ``message``, creating what a send to its address creates."""
@@ -554,11 +555,11 @@ class Broker:
             forward = self.forwarder.forward
             if through and not queues and len(remote) == 1:
                 ((node_id, names),) = remote.items()
-                token = forward(message, node_id, names, 1, now_ms, through=True)
+                token = forward(message, node_id, names, 1, now_ms, through=True, delivered=delivered)
             else:
                 for node_id, names in remote.items():
                     # The journal syncs in order: the last record's token covers the earlier ones.
-                    token = max(token, forward(message, node_id, names, 1, now_ms))
+                    token = max(token, forward(message, node_id, names, 1, now_ms, delivered=delivered))
         if message[M_SCHEDULED] > now_ms:
             for queue in queues:
                 self.timers.schedule(message[M_SCHEDULED], queue, message, 0)

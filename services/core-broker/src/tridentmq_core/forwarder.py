@@ -83,7 +83,9 @@ class Placing(Protocol):
     def cluster(self) -> Balancer | None: ...
     def new_message_id(self) -> int: ...
     def route(self, message: WireMessage, now_ms: int) -> tuple[Queue, ...]: ...
-    def accept_message(self, message: WireMessage, now_ms: int, *, through: bool = False) -> int: ...
+    def accept_message(
+        self, message: WireMessage, now_ms: int, *, through: bool = False, delivered: int = 0
+    ) -> int: ...
     def admit(
         self,
         message: WireMessage,
@@ -199,7 +201,9 @@ class Forwarder:
                 and cluster.bindings.next_hop(header.target) is not None
             ):
                 self._counters.received += 1
-                return self.forward(message, header.target, header.queues, header.hops + 1, now_ms)  # a relay
+                return self.forward(  # a relay
+                    message, header.target, header.queues, header.hops + 1, now_ms, delivered=header.delivered
+                )
             names = header.queues
             if len(names) == 1:  # the usual case, without a generator per message
                 queue = queues_by_name.get(names[0])
@@ -239,7 +243,9 @@ class Forwarder:
             and header.hops < cluster.bindings.max_hops
             and cluster.bindings.next_hop(header.target) is not None
         ):
-            return self.forward(message, header.target, (), header.hops + 1, now_ms, home=True)
+            return self.forward(
+                message, header.target, (), header.hops + 1, now_ms, home=True, delivered=header.delivered
+            )
         # As its producer's publish here would be: written through to another node under the producer's id, so
         # a copy this node wrote through there before it died (and forgot the id) makes it a duplicate.
         return host.accept_message(message, now_ms, through=True)
@@ -255,6 +261,7 @@ class Forwarder:
         *,
         through: bool = False,
         home: bool = False,
+        delivered: int = 0,
     ) -> int:
         """Put a copy of ``message`` for node ``target`` in the store-and-forward queue of the connected node
         it goes through; the copy stays there until that node confirms it. Returns the store token.
@@ -274,7 +281,8 @@ class Forwarder:
         rate across two nodes with no cap, 51 % with half the window).
 
         ``home``: a producer's publish for the node it was first sent to (``send_home``), to be routed there
-        under the producer's duplicate id."""
+        under the producer's duplicate id. ``delivered``: the delivery attempts it may have had already (a copy
+        routed again from a node declared gone), so that the other node flags its next delivery."""
         host = self._host
         cluster = host.cluster
         assert cluster is not None
@@ -290,11 +298,11 @@ class Forwarder:
         # node's, as two nodes' producers may use one id) to be a duplicate over there.
         producer_dedup = message[M_DEDUP] if durable and through else None
         if home:
-            header = encode_header(target, (), hops, f"{HOME_PREFIX}{message[M_DEDUP]}")
+            header = encode_header(target, (), hops, f"{HOME_PREFIX}{message[M_DEDUP]}", delivered)
         elif producer_dedup:
-            header = encode_header(target, queues, hops, f"p:{host.transfer_prefix}{producer_dedup}")
+            header = encode_header(target, queues, hops, f"p:{host.transfer_prefix}{producer_dedup}", delivered)
         else:
-            header = numbered_header(target, queues, hops, host.transfer_prefix)
+            header = numbered_header(target, queues, hops, host.transfer_prefix, delivered)
         if through:  # the message itself, which goes nowhere else: its properties are its own to change
             copy[M_PROPS][FORWARD_PROPERTY] = header
             if origin is not None:
@@ -369,15 +377,24 @@ class Forwarder:
             self.forward_queues[node_id] = queue
         return queue
 
-    def requeue_forwards(self, node_id: str, messages: list[tuple[WireMessage, int]], now_ms: int) -> None:
-        """Messages sent straight to ``node_id``, with their confirm tokens, whose link dropped before it
-        confirmed them: they wait in its forward queue like the others (after them: the one exception to their
-        order). A durable one is stored now, and its producer's confirm waits for that instead."""
+    def requeue_forwards(
+        self, node_id: str, messages: list[tuple[WireMessage, int]], now_ms: int, *, sent: bool
+    ) -> None:
+        """Messages for ``node_id``, with their confirm tokens, that its link dropped before it confirmed them:
+        they wait in its forward queue like the others (after them: the one exception to their order). A
+        durable one is stored now, and its producer's confirm waits for that instead. Those ``sent`` (not only
+        held for credit) may be on that node, delivered even: they count a delivery attempt, so that if that
+        node is declared gone and they are routed again from here, their next delivery is flagged."""
         queue = self.forward_queue(node_id, now_ms)
+        attempts = 1 if sent else 0
+        store = self.store
         for message, token in messages:
             if message[M_DURABLE]:
-                self._confirms.pass_on(token, self.store.add_message(message, (queue.name,)))
-            queue.add(message)
+                stored = store.add_message(message, (queue.name,))
+                if sent:  # journaled too, or a restart would forget the attempt (the later record covers both)
+                    stored = max(stored, store.update_delivery_counts(queue.name, [message[M_ID]], [attempts]))
+                self._confirms.pass_on(token, stored)
+            queue.restore(message, attempts)
         self._to_dispatch.add(queue)
 
     def settle_forwarded(self, session: Session, consumer: Consumer, ids: list[int], now_ms: int) -> None:
@@ -413,9 +430,9 @@ class Forwarder:
         queue = self._catalog.queues.get(FORWARD_QUEUE_PREFIX + node_id)
         if queue is None or queue.consumers or not len(queue):
             return 0
-        kept: list[WireMessage] = []
+        kept: list[tuple[WireMessage, int]] = []
         moved = 0
-        for message in queue.remove_where(lambda _m: True):
+        for message, attempts in queue.take_all():
             try:
                 header = ForwardHeader.decode(message[M_PROPS].get(FORWARD_PROPERTY))
             except ValueError:
@@ -424,11 +441,15 @@ class Forwarder:
             copy[M_PROPS] = {k: v for k, v in message[M_PROPS].items() if k != FORWARD_PROPERTY}
             if header.producer_dedup is not None:  # sent home, it is routed here under its producer's id after all
                 self._dedup.forget(header.producer_dedup)
+                # Its producer sent it home first, and lost the link before the confirm: it may be there.
+                attempts = max(attempts, 1)
             else:
                 copy[M_DEDUP] = None
-            if not self._place(copy, header.queues, now_ms):
+            # One that was sent (and not confirmed) may have been delivered over there: its next delivery is
+            # flagged, wherever it goes now (its count, kept from the attempt, is the proof of that).
+            if not self._place(copy, header.queues, now_ms, attempts):
                 if not forgotten:
-                    kept.append(message)
+                    kept.append((message, attempts))
                     continue
                 settings = self.address_settings.resolve(copy[M_ADDRESS])
                 self._dead_letters.send_to_dead_letter_address(
@@ -440,8 +461,8 @@ class Forwarder:
             moved += 1
             if message[M_DURABLE]:
                 self.store.acknowledge(queue.name, [message[M_ID]])  # after the copy's record: never neither
-        for message in kept:
-            queue.add(message)
+        for message, attempts in kept:
+            queue.restore(message, attempts)
         return moved
 
     def place_refused(
@@ -495,12 +516,13 @@ class Forwarder:
         self._deliveries.settle(consumer.queue, taken[0], now_ms)
         consumer.credit += 1
 
-    def _place(self, message: WireMessage, names: tuple[str, ...], now_ms: int) -> bool:
+    def _place(self, message: WireMessage, names: tuple[str, ...], now_ms: int, delivered: int = 0) -> bool:
         """Admit a message for the queues named ``names``: local ones, else another node's of that name; with
-        no names, route it by its address. False when no queue of those names exists anywhere."""
+        no names, route it by its address. False when no queue of those names exists anywhere. ``delivered``:
+        the delivery attempts it may have had already."""
         host = self._host
         if not names:
-            host.accept_message(message, now_ms)
+            host.accept_message(message, now_ms, delivered=delivered)
             return True
         queues_by_name = self._catalog.queues
         local = tuple(q for name in names if (q := queues_by_name.get(name)) is not None)
@@ -514,5 +536,5 @@ class Forwarder:
                         remote.setdefault(min(reachable, key=lambda b: b.distance).node_id, []).append(name)
         if not local and not remote:
             return False
-        host.admit(message, local, now_ms, {node_id: tuple(queues) for node_id, queues in remote.items()})
+        host.admit(message, local, now_ms, {node_id: tuple(queues) for node_id, queues in remote.items()}, delivered)
         return True

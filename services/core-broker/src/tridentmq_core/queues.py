@@ -438,7 +438,8 @@ class Queue:
             del self._lvq[self._lvq_key(message)]
 
     def restore(self, message: WireMessage, delivery_count: int) -> None:
-        """Add a message recovered from the journal, remembering how often it was delivered before."""
+        """Add a message that was delivered ``delivery_count`` times before (recovered from the journal, moved
+        from another node, routed again), so that its next delivery counts on from there."""
         self.add(message)
         if delivery_count > 0:
             self._count_returned(message[M_ID], delivery_count)
@@ -486,6 +487,15 @@ class Queue:
             self._returned.pop(message[M_ID], None)
             self._forget(message)
         return taken
+
+    def take_all(self) -> list[tuple[WireMessage, int]]:
+        """Take out every queued message, each with the delivery attempts it had (0: none)."""
+        returned = self._returned
+        counts = dict(returned) if returned else None
+        taken = self.remove_where(lambda _m: True)
+        if counts is None:
+            return [(message, 0) for message in taken]
+        return [(message, counts.get(message[M_ID], 0)) for message in taken]
 
     def expire_due(self, now_ms: int) -> None:
         if self._expiring:

@@ -302,14 +302,18 @@ class Bridge:
         # Messages sent straight and not confirmed, then those held for credit, wait in the forward queue for
         # the next link.
         unconfirmed = [(m, token) for _, token, m in self._sent.values() if m is not None]
-        unconfirmed += [(message, token) for message, token, _ in held]
+        unsent = [(message, token) for message, token, _ in held]
         memory = manager.broker.memory  # counted again by the queue they go to
-        memory.used -= sum(len(message[M_BODY]) + MESSAGE_OVERHEAD for message, _ in unconfirmed)
-        if unconfirmed and self.node_id:
-            manager.broker.forwarder.requeue_forwards(self.node_id, unconfirmed, wall_ms())
+        memory.used -= sum(len(message[M_BODY]) + MESSAGE_OVERHEAD for message, _ in unconfirmed + unsent)
+        if self.node_id:
+            forwarder = manager.broker.forwarder
+            if unconfirmed:
+                forwarder.requeue_forwards(self.node_id, unconfirmed, wall_ms(), sent=True)
+            if unsent:
+                forwarder.requeue_forwards(self.node_id, unsent, wall_ms(), sent=False)
         for _, _, publisher in held:
             manager.broker.admission.return_credit(publisher, 1)
-        if unconfirmed:
+        if unconfirmed or unsent:
             manager.schedule_flush()
         self._sent.clear()
         if self.node_id and manager.bridges_by_node.get(self.node_id) is self:
