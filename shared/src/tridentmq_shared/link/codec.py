@@ -215,30 +215,21 @@ _BATCHED: Final[dict[int, Callable[[list[ev.OpList]], ev.Event]]] = {
 
 
 def opens_channel(data: bytes) -> bool:
-    """Whether the first bytes seen of a channel id can open it: a whole frame whose first operation is HELLO
-    (a session's first write). Anything else on an unknown id was on its way when this side ended the channel
-    (channel ids are never reused on a link), and must not make a channel anew."""
-    if len(data) < HEADER_SIZE:
+    """Whether the first bytes seen of a channel id can open it: the start of a frame whose first operation is
+    HELLO (a session's first write; a long one may come in pieces). Anything else on an unknown id was on its
+    way when this side ended the channel (channel ids are never reused on a link), and must not make a
+    channel anew. Only the frame's opening is read: the outer array, the operation's array, its code."""
+    if len(data) < HEADER_SIZE + 3 or int.from_bytes(data[:HEADER_SIZE], "big") < 3:
         return False
-    size = int.from_bytes(data[:HEADER_SIZE], "big")
-    if size > len(data) - HEADER_SIZE:
-        return False
+    unpacker = msgpack.Unpacker(max_buffer_size=len(data))
+    unpacker.feed(data[HEADER_SIZE : HEADER_SIZE + 32])  # room for the widest headers and code
     try:
-        with memoryview(data) as view:
-            ops = msgpack.unpackb(
-                view[HEADER_SIZE : HEADER_SIZE + size],
-                raw=False,
-                strict_map_key=True,
-                max_array_len=_HANDSHAKE_CONTAINER_LEN,
-                max_map_len=_HANDSHAKE_CONTAINER_LEN,
-                max_ext_len=0,
-            )
-    except (ValueError, TypeError, msgpack.UnpackException, RecursionError):
+        if not unpacker.read_array_header() or not unpacker.read_array_header():
+            return False
+        code = unpacker.unpack()
+    except (ValueError, TypeError, msgpack.UnpackException):
         return False
-    if type(ops) is not list or not ops:
-        return False
-    first = ops[0]
-    return type(first) is list and bool(first) and type(first[0]) is int and first[0] == Op.HELLO
+    return type(code) is int and code == Op.HELLO
 
 
 class LinkConnection:
