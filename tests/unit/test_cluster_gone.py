@@ -7,11 +7,12 @@ import asyncio
 import time
 from typing import Any
 
-from tests.unit.broker_harness import ANYCAST, Harness, ok
+from tests.unit.broker_harness import ANYCAST, Harness, ok, recorded
 
 from tridentmq_core.cluster.bridge import Bridge
 from tridentmq_core.cluster.manager import ClusterManager, Joined
 from tridentmq_core.forwarding import FORWARD_PROPERTY, numbered_header
+from tridentmq_core.security import Principal
 from tridentmq_core.settings import ClusterSection, CoreSettings
 from tridentmq_shared.message import M_ID, M_PROPS, new_message
 
@@ -150,18 +151,53 @@ async def test_a_forward_sent_unconfirmed_to_a_node_declared_gone_is_routed_agai
     assert counts == {b"sent": 2, b"held": 1}
 
 
-async def test_a_forward_returned_by_a_dropped_cluster_link_keeps_its_count_when_routed_again() -> None:
+async def test_a_forward_returned_by_a_dropped_cluster_link_keeps_its_flag_when_routed_again() -> None:
     """A store-and-forward copy handed to the cluster connection and not confirmed when it dropped comes back
     to its forward queue with the attempt counted; routed again from there, it was admitted as new (the
-    queue's count was dropped with it), and delivered unflagged though the other node may have it."""
-    h = Harness(CoreSettings(cluster=ClusterSection(node_gone_ms=GONE_MS)))
+    queue's count was dropped with it), and delivered unflagged though the other node may have it. It counts
+    one attempt where it goes, however often the link dropped (moving is no failed delivery), and that is
+    journaled with it: a restart before its delivery keeps the flag."""
+    h, store, _ = recorded(CoreSettings(cluster=ClusterSection(node_gone_ms=GONE_MS)))
     manager = _manager(h)
     consumer = h.connect()
-    ok(consumer.create_queue("orders", "orders", ANYCAST))
+    ok(consumer.create_queue("orders", "orders", ANYCAST, durable=True))
     queue = h.broker.forwarder.forward_queue(OTHER, h.now_ms)
-    queue.return_message(_forwarded(h, b"in flight when the link dropped"), 1)
+    queue.return_message(_forwarded(h, b"out when the link dropped"), 1)
+    queue.return_message(_forwarded(h, b"out when the link dropped five times"), 5)
     _down_bridge(manager, 61617, down_for_s=GONE_MS / 1000 + 1)
     manager._declare_gone(h.now_ms)
+    assert [(name, counts) for name, _, counts in store.attempts] == [("orders", [1]), ("orders", [1])]
     subscription = consumer.consumer("orders")
     h.sync()
-    assert [d.count for d in consumer.take(subscription)] == [2]
+    assert [d.count for d in consumer.take(subscription)] == [2, 2]
+
+
+async def test_a_cluster_link_that_keeps_dropping_dead_letters_nothing() -> None:
+    """Each time a cluster connection drops, what its store-and-forward consumer had out comes back with one
+    attempt more; at max_delivery_attempts it went to the dead-letter address, though it had failed no
+    delivery: a confirmed message out of reach of its subscribers because a link flapped ten times."""
+    h = Harness(CoreSettings(cluster=ClusterSection(node_gone_ms=GONE_MS)))
+    manager = _manager(h)
+    queue = h.broker.forwarder.forward_queue(OTHER, h.now_ms)
+    queue.return_message(_forwarded(h, b"out at every drop"), 9)
+    bridge = Bridge(manager, "127.0.0.1", 61617)
+    bridge.node_id = OTHER
+    bridge.client = _AcceptingLink()  # type: ignore[assignment]
+    cluster = Principal("cluster:node-2", frozenset(), unrestricted=True, cluster=True)
+    for _ in range(3):
+        bridge.open_session(cluster)
+        h.broker.flush_dispatch(h.now_ms)
+        assert not len(queue)  # out with the bridge's consumer
+        bridge._teardown()  # the link drops before the other node confirms it
+        assert len(queue) == 1
+    assert "DLQ" not in h.broker.queues
+
+
+class _AcceptingLink:
+    """A cluster link that takes everything and confirms nothing."""
+
+    def body_fits(self, message: list[Any]) -> bool:
+        return True
+
+    def send_if_open(self, message: list[Any]) -> int:
+        return 1

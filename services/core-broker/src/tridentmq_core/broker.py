@@ -551,6 +551,9 @@ class Broker:
             durable_queues = tuple(q.name for q in queues if q.durable)
             if durable_queues:
                 token = self._store.add_message(message, durable_queues)
+                if delivered:  # journaled too: a restart or failover before its next delivery keeps the flag
+                    for name in durable_queues:
+                        token = max(token, self._store.update_delivery_counts(name, [message[M_ID]], [delivered]))
         if remote:
             forward = self.forwarder.forward
             if through and not queues and len(remote) == 1:
@@ -562,7 +565,7 @@ class Broker:
                     token = max(token, forward(message, node_id, names, 1, now_ms, delivered=delivered))
         if message[M_SCHEDULED] > now_ms:
             for queue in queues:
-                self.timers.schedule(message[M_SCHEDULED], queue, message, 0)
+                self.timers.schedule(message[M_SCHEDULED], queue, message, delivered)
             return token
         to_dispatch = self.to_dispatch
         for queue in queues:

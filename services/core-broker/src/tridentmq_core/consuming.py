@@ -170,7 +170,7 @@ class Consuming:
             catalog.bindings_version += 1
         session.consumers.pop(consumer.id, None)
         if consumer in queue.consumers:
-            self._requeue(queue, queue.remove_consumer(consumer), now_ms)
+            self._requeue(queue, queue.remove_consumer(consumer), now_ms, attempts_count=not consumer.forwarder)
             self._to_dispatch.add(queue)
         self._audit.emit(
             now_ms, "consumer.closed", conn_id=session.conn_id, consumer_id=str(consumer.id), queue=queue.name
@@ -179,11 +179,16 @@ class Consuming:
             catalog.start_idle_clock(queue, now_ms)
         catalog.maybe_auto_delete(queue, now_ms)
 
-    def _requeue(self, queue: Queue, unacked: list[tuple[WireMessage, int]], now_ms: int) -> None:
+    def _requeue(
+        self, queue: Queue, unacked: list[tuple[WireMessage, int]], now_ms: int, *, attempts_count: bool = True
+    ) -> None:
         """Messages a departed consumer never acknowledged: back to the head of the queue, except those that
-        have used up their delivery attempts (a message that crashes every consumer must not loop for ever)."""
+        have used up their delivery attempts (a message that crashes every consumer must not loop for ever).
+        A cluster connection's consumer that goes (``attempts_count`` False) failed no delivery: its link
+        dropped, and what it moved or forwarded keeps its count (its next delivery is flagged) but is never
+        dead-lettered for it, however often the link drops."""
         settings = self.address_settings.resolve(queue.address)
-        attempts = settings.max_delivery_attempts
+        attempts = settings.max_delivery_attempts if attempts_count else -1
         for message, count in unacked:
             if 0 <= attempts <= count:
                 self._dead_letters.dead_letter(queue, message, "max_deliveries", settings, now_ms)

@@ -446,8 +446,9 @@ class Forwarder:
             else:
                 copy[M_DEDUP] = None
             # One that was sent (and not confirmed) may have been delivered over there: its next delivery is
-            # flagged, wherever it goes now (its count, kept from the attempt, is the proof of that).
-            if not self._place(copy, header.queues, now_ms, attempts):
+            # flagged, wherever it goes now. One attempt, however often it was sent: moving is no delivery
+            # failure, and must not bring it closer to the dead-letter address.
+            if not self._place(copy, header.queues, now_ms, min(attempts, 1)):
                 if not forgotten:
                     kept.append((message, attempts))
                     continue
