@@ -98,6 +98,56 @@ def test_an_address_whose_last_queue_goes_is_deleted_at_once() -> None:
     assert ("delete", "orders") in store.records
 
 
+def test_an_address_a_queue_made_goes_with_its_last_queue() -> None:
+    """What a device's connect makes in the core: a lock queue and a subscription queue, each on an address
+    of its own that nothing else made. Both addresses stayed after the queues went, so every client id and
+    topic ever seen stayed in memory (and journaled) for ever."""
+    h, _ = harness()
+    c = h.connect("gateway")
+    ok(c.create_queue("$mqtt.lock.dev-1", "$mqtt.lock.dev-1", ANYCAST, durable=False))
+    ok(c.create_queue("sub.dev-1", "devices.1.cmd", MULTICAST, durable=False))
+    assert {"$mqtt.lock.dev-1", "devices.1.cmd"} <= set(h.broker.addresses)
+    ok(c.delete_queue("$mqtt.lock.dev-1"))
+    ok(c.delete_queue("sub.dev-1"))
+    assert not {"$mqtt.lock.dev-1", "devices.1.cmd"} & set(h.broker.addresses)
+
+
+def test_an_address_made_for_non_durable_queues_only_is_not_journaled() -> None:
+    """No restart brings a non-durable queue back, so neither the address made for it: journaling it made
+    two records per device connect (its making and its deletion). A durable queue on it journals it then."""
+    h, store = harness()
+    c = h.connect("gateway")
+    ok(c.create_queue("sub.a", "devices.a", MULTICAST, durable=False))
+    ok(c.create_queue("sub.b", "devices.b", MULTICAST, durable=False))
+    ok(c.delete_queue("sub.a"))
+    assert "devices.a" not in h.broker.addresses
+    assert store.records == []
+    ok(c.create_queue("sub.b.durable", "devices.b", MULTICAST, durable=True))
+    assert store.records == [("add", "devices.b")]
+    ok(c.delete_queue("sub.b.durable"))
+    ok(c.delete_queue("sub.b"))
+    assert store.records == [("add", "devices.b"), ("delete", "devices.b")]
+
+
+def test_an_address_a_queue_made_stays_where_addresses_are_not_auto_created() -> None:
+    h, _ = harness(CoreSettings(address_settings=[AddressSettingsEntry(match="#", auto_create_addresses=False)]))
+    c = h.connect("app")
+    ok(c.create_queue("orders", "orders", ANYCAST))
+    ok(c.delete_queue("orders"))
+    assert "orders" in h.broker.addresses
+
+
+def test_an_address_created_on_purpose_after_a_queue_made_it_stays() -> None:
+    h, store = harness()
+    c = h.connect("app")
+    ok(c.create_queue("sub.a", "devices.a", MULTICAST, durable=False))
+    assert ok(c._answer(c.conn.create_address("devices.a", [MULTICAST]))) == {"created": False}
+    ok(c.delete_queue("sub.a"))
+    after_scans(h)
+    assert "devices.a" in h.broker.addresses
+    assert store.records == [("add", "devices.a")]  # journaled, as not auto-created: a restart keeps it
+
+
 def test_the_delay_is_an_address_setting() -> None:
     delay = 10 * SCAN_MS
     h, _ = harness(

@@ -225,11 +225,12 @@ async def test_addresses(api: Api) -> None:
     client, broker, _, _ = api
     populate(broker)
     body = await (await client.get("/api/addresses")).json()
+    # Each made by its first queue: auto-created, it goes with the last of its queues.
     assert body == [
-        {"name": "events", "routing_types": ["multicast"], "queues": ["audit.eu"], "auto_created": False},
+        {"name": "events", "routing_types": ["multicast"], "queues": ["audit.eu"], "auto_created": True},
         {"name": "nowhere.multicast", "routing_types": ["multicast"], "queues": [], "auto_created": True},
-        {"name": "orders", "routing_types": ["anycast"], "queues": ["orders"], "auto_created": False},
-        {"name": "weird", "routing_types": ["anycast"], "queues": [WEIRD_QUEUE], "auto_created": False},
+        {"name": "orders", "routing_types": ["anycast"], "queues": ["orders"], "auto_created": True},
+        {"name": "weird", "routing_types": ["anycast"], "queues": [WEIRD_QUEUE], "auto_created": True},
     ]
 
 

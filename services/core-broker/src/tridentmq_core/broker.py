@@ -369,7 +369,7 @@ class Broker:
             case ev.CreateAddress(_, name, routing_types):
                 require(session.principal, Permission.CREATE_ADDRESS, name)
                 kinds = {routing_type(r) for r in routing_types} or {RoutingType.ANYCAST}
-                return {"created": catalog.ensure_address(name, kinds, auto_created=False)}
+                return {"created": catalog.create_address(name, kinds)}
             case ev.DeleteAddress(_, name):
                 require(session.principal, Permission.DELETE_ADDRESS, name)
                 catalog.delete_address(name, now_ms)

@@ -75,20 +75,37 @@ class Catalog:
         self.on_address_deleted: Callable[[str], None] = lambda _name: None
 
     # ------------------------------------------------------------------ addresses
-    def ensure_address(self, name: str, kinds: set[RoutingType], *, auto_created: bool) -> bool:
-        """Create the address, or add ``kinds`` to it; True if it was created."""
+    def ensure_address(self, name: str, kinds: set[RoutingType], *, auto_created: bool, durable: bool = True) -> bool:
+        """Create the address, or add ``kinds`` to it; True if it was created. Not ``durable``: for a
+        non-durable queue, which no restart brings back, so it is journaled only once a durable one needs it
+        (an MQTT device's lock and topic addresses, made and deleted at every connect)."""
         existing = self.addresses.get(name)
         if existing is not None:
-            if not kinds <= existing.routing_types:
+            changed = not kinds <= existing.routing_types
+            if changed:
                 existing.routing_types = routing_kinds(existing.routing_types | kinds)
-                self.store.add_address(name, tuple(sorted(existing.routing_types)), auto_created=existing.auto_created)
                 self.routes.address_changed(name)
+            if (changed and existing.journaled) or (durable and not existing.journaled):
+                existing.journaled = True
+                self.store.add_address(name, tuple(sorted(existing.routing_types)), auto_created=existing.auto_created)
             return False
         valid_address(name, wildcards=True)
-        self.addresses[name] = Address(name, kinds, auto_created=auto_created)
-        self.store.add_address(name, tuple(sorted(kinds)), auto_created=auto_created)
+        self.addresses[name] = Address(name, kinds, auto_created=auto_created, journaled=durable)
+        if durable:
+            self.store.add_address(name, tuple(sorted(kinds)), auto_created=auto_created)
         self.routes.address_changed(name)
         return True
+
+    def create_address(self, name: str, kinds: set[RoutingType]) -> bool:
+        """A client's or operator's CREATE_ADDRESS: the address is there on purpose, never auto-deleted, also
+        when it was auto-created before (journaled so). True if it was created."""
+        address = self.addresses.get(name)
+        if address is not None and address.auto_created:
+            address.auto_created = False
+            address.journaled = False  # journaled anew below, as kept
+            self._unused_addresses.cancel(name)
+            self._release_creator(address)
+        return self.ensure_address(name, kinds, auto_created=False)
 
     def delete_address(self, name: str, now_ms: int) -> None:
         address = self.addresses.get(name)
@@ -98,15 +115,21 @@ class Catalog:
             raise BrokerError(ErrorCode.INVALID, f"address {name!r} still has queues")
         del self.addresses[name]
         self._unused_addresses.cancel(name)
+        self._release_creator(address)
+        if address.journaled:
+            self.store.delete_address(name)  # journaled: it stays deleted after a restart
+        self.routes.address_deleted(name)
+        self.on_address_deleted(name)
+
+    def _release_creator(self, address: Address) -> None:
+        """The address no longer counts against the cap of the user whose publish auto-created it."""
         if address.creator is not None:
             left = self.auto_created_by.get(address.creator, 0) - 1
             if left > 0:
                 self.auto_created_by[address.creator] = left
             else:
                 self.auto_created_by.pop(address.creator, None)
-        self.store.delete_address(name)  # journaled: it stays deleted after a restart
-        self.routes.address_deleted(name)
-        self.on_address_deleted(name)
+            address.creator = None
 
     def auto_create(self, address: str, routing: int, creator: str | None, now_ms: int) -> None:
         """What a send creates (Artemis auto-create): the address if missing, and for an anycast send the
@@ -239,8 +262,12 @@ class Catalog:
         if address == name:  # one string, not two equal ones (an MQTT session's lock queue, say)
             address = name
         selector = compiled_filter(filter_text)
-        self.ensure_address(address, {routing}, auto_created=auto_created)
         settings = self.address_settings.resolve(address)
+        # Where addresses are auto-created, one made for a queue goes with the last of its queues, as one a
+        # publish made (Artemis' auto-delete-addresses): else every MQTT client id and device topic ever seen
+        # would stay for ever.
+        auto = auto_created or settings.auto_create_addresses
+        self.ensure_address(address, {routing}, auto_created=auto, durable=durable)
         paging = settings.address_full_policy == "PAGE" and settings.max_size_bytes >= 0
         queue = Queue(
             name,

@@ -35,12 +35,15 @@ def routing_kinds(routing_types: Iterable[RoutingType]) -> frozenset[RoutingType
 
 
 class Address:
-    __slots__ = ("auto_created", "creator", "name", "queues", "routing_types")
+    __slots__ = ("auto_created", "creator", "journaled", "name", "queues", "routing_types")
 
-    def __init__(self, name: str, routing_types: Iterable[RoutingType], *, auto_created: bool) -> None:
+    def __init__(
+        self, name: str, routing_types: Iterable[RoutingType], *, auto_created: bool, journaled: bool = True
+    ) -> None:
         self.name = name
         self.routing_types = routing_kinds(routing_types)
         self.auto_created = auto_created
+        self.journaled = journaled  # False: made for non-durable queues only, which no restart brings back
         self.creator: str | None = None  # the user whose publish auto-created it (counted against their cap)
         self.queues: dict[str, Queue] = {}
 
