@@ -225,3 +225,18 @@ def test_no_cap_when_it_is_zero() -> None:
     seqs = [clients["alice"].publish(f"free.{n}", b"x", routing=MULTICAST, sync=False) for n in range(50)]
     h.sync()
     assert all(seq in clients["alice"].confirmed for seq in seqs)
+
+
+def test_compaction_keeps_every_journaled_address_and_only_those() -> None:
+    """Compaction copied only the addresses of durable queues: an address created on purpose with no durable
+    queue (its subscribers' queues non-durable, or none yet) was gone after a compaction and a restart, and
+    publishes to it were refused where addresses are not auto-created."""
+    h, _ = harness()
+    c = h.connect("app")
+    assert ok(c._answer(c.conn.create_address("news", [MULTICAST]))) == {"created": True}
+    ok(c.create_queue("news.sub", "news", MULTICAST, durable=False))
+    ok(c.create_queue("orders", "orders", ANYCAST, durable=True))
+    ok(c.create_queue("sub.dev", "devices.1", MULTICAST, durable=False))
+    c.publish("topic.x", b"nobody listens", routing=MULTICAST)  # auto-created, journaled, watched
+    kept = {name for name, _, _ in h.broker.durable_snapshot().addresses}
+    assert kept == {"news", "orders", "topic.x"}

@@ -66,7 +66,6 @@ class DurableState:
         """The live durable state as records would rebuild it: what journal compaction copies forward."""
         catalog = self._catalog
         queues = [q for q in catalog.queues.values() if q.durable]
-        names = {q.address for q in queues}
         messages: dict[int, tuple[WireMessage, list[str], list[int]]] = {}
 
         def owe(queue: Queue, message: WireMessage, count: int) -> None:
@@ -85,7 +84,7 @@ class DurableState:
             addresses=[
                 (a.name, sorted(int(r) for r in a.routing_types), a.auto_created)
                 for a in catalog.addresses.values()
-                if a.name in names
+                if a.journaled  # created on purpose, by a publish, or for a durable queue: not only non-durable ones
             ],
             queues=[queue_spec(q) for q in queues],
             messages=list(messages.values()),
