@@ -130,11 +130,13 @@ def test_an_address_made_for_non_durable_queues_only_is_not_journaled() -> None:
 
 
 def test_an_address_a_queue_made_stays_where_addresses_are_not_auto_created() -> None:
-    h, _ = harness(CoreSettings(address_settings=[AddressSettingsEntry(match="#", auto_create_addresses=False)]))
+    h, store = harness(CoreSettings(address_settings=[AddressSettingsEntry(match="#", auto_create_addresses=False)]))
     c = h.connect("app")
     ok(c.create_queue("orders", "orders", ANYCAST))
     ok(c.delete_queue("orders"))
     assert "orders" in h.broker.addresses
+    ok(c.create_queue("news.sub", "news", MULTICAST, durable=False))
+    assert ("add", "news") in store.records  # it stays without queues: a restart must bring it back
 
 
 def test_an_address_created_on_purpose_after_a_queue_made_it_stays() -> None:

@@ -172,10 +172,12 @@ async def test_a_forward_returned_by_a_dropped_cluster_link_keeps_its_flag_when_
     assert [d.count for d in consumer.take(subscription)] == [2, 2]
 
 
-async def test_a_cluster_link_that_keeps_dropping_dead_letters_nothing() -> None:
+async def test_a_cluster_link_that_keeps_dropping_dead_letters_only_after_ten_times_the_attempts() -> None:
     """Each time a cluster connection drops, what its store-and-forward consumer had out comes back with one
     attempt more; at max_delivery_attempts it went to the dead-letter address, though it had failed no
-    delivery: a confirmed message out of reach of its subscribers because a link flapped ten times."""
+    delivery: a confirmed message out of reach of its subscribers because a link flapped ten times. A drop
+    now counts a tenth: one message that breaks the link each time it is sent still ends in the DLQ, rather
+    than stall what waits behind it for ever."""
     h = Harness(CoreSettings(cluster=ClusterSection(node_gone_ms=GONE_MS)))
     manager = _manager(h)
     queue = h.broker.forwarder.forward_queue(OTHER, h.now_ms)
@@ -184,13 +186,22 @@ async def test_a_cluster_link_that_keeps_dropping_dead_letters_nothing() -> None
     bridge.node_id = OTHER
     bridge.client = _AcceptingLink()  # type: ignore[assignment]
     cluster = Principal("cluster:node-2", frozenset(), unrestricted=True, cluster=True)
-    for _ in range(3):
+
+    def drop() -> None:
         bridge.open_session(cluster)
         h.broker.flush_dispatch(h.now_ms)
         assert not len(queue)  # out with the bridge's consumer
         bridge._teardown()  # the link drops before the other node confirms it
+
+    for _ in range(3):
+        drop()
         assert len(queue) == 1
     assert "DLQ" not in h.broker.queues
+    (message,) = queue.take_all()
+    queue.return_message(message[0], 10 * 10 - 1)
+    drop()
+    assert not len(queue)
+    assert len(h.broker.queues["DLQ"]) == 1
 
 
 class _AcceptingLink:

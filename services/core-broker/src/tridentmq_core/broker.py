@@ -565,7 +565,7 @@ class Broker:
                     token = max(token, forward(message, node_id, names, 1, now_ms, delivered=delivered))
         if message[M_SCHEDULED] > now_ms:
             for queue in queues:
-                self.timers.schedule(message[M_SCHEDULED], queue, message, delivered)
+                self.timers.schedule(message[M_SCHEDULED], queue, message, 0)
             return token
         to_dispatch = self.to_dispatch
         for queue in queues:

@@ -267,7 +267,8 @@ class Catalog:
         # publish made (Artemis' auto-delete-addresses): else every MQTT client id and device topic ever seen
         # would stay for ever.
         auto = auto_created or settings.auto_create_addresses
-        self.ensure_address(address, {routing}, auto_created=auto, durable=durable)
+        # One that stays without queues (not auto-created) is journaled, whatever its first queue.
+        self.ensure_address(address, {routing}, auto_created=auto, durable=durable or not auto)
         paging = settings.address_full_policy == "PAGE" and settings.max_size_bytes >= 0
         queue = Queue(
             name,

@@ -37,6 +37,11 @@ class Terms(NamedTuple):
     selector: Selector | None
 
 
+#: What a cluster connection had out when it dropped counts as a failed delivery for its dead-lettering only
+#: once per this many drops: a link that flaps is no consumer that fails.
+LINK_DROPS_PER_ATTEMPT = 10
+
+
 class Consuming:
     def __init__(
         self,
@@ -185,10 +190,13 @@ class Consuming:
         """Messages a departed consumer never acknowledged: back to the head of the queue, except those that
         have used up their delivery attempts (a message that crashes every consumer must not loop for ever).
         A cluster connection's consumer that goes (``attempts_count`` False) failed no delivery: its link
-        dropped, and what it moved or forwarded keeps its count (its next delivery is flagged) but is never
-        dead-lettered for it, however often the link drops."""
+        dropped, and what it moved or forwarded keeps its count (its next delivery is flagged) but is
+        dead-lettered only after ``LINK_DROPS_PER_ATTEMPT`` times as many drops (one that breaks the link
+        each time it is sent must not stall what waits behind it for ever)."""
         settings = self.address_settings.resolve(queue.address)
-        attempts = settings.max_delivery_attempts if attempts_count else -1
+        attempts = settings.max_delivery_attempts
+        if not attempts_count and attempts > 0:
+            attempts *= LINK_DROPS_PER_ATTEMPT
         for message, count in unacked:
             if 0 <= attempts <= count:
                 self._dead_letters.dead_letter(queue, message, "max_deliveries", settings, now_ms)
