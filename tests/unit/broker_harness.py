@@ -430,6 +430,7 @@ class RecordingStore(MemoryStore):
         self.messages: list[WireMessage] = []
         self.acks: list[tuple[str, list[int]]] = []
         self.attempts: list[tuple[str, list[int], list[int]]] = []
+        self.message_counts: list[tuple[tuple[str, ...], list[int]]] = []  # attempts stored with a message
         self.hold_attempts = hold_attempts
 
     def acknowledge(self, queue: str, message_ids: list[int]) -> None:
@@ -452,8 +453,10 @@ class RecordingStore(MemoryStore):
     def delete_queue(self, name: str) -> None:
         self.deleted.append(name)
 
-    def add_message(self, message: WireMessage, queues: tuple[str, ...]) -> int:
+    def add_message(self, message: WireMessage, queues: tuple[str, ...], counts: list[int] | None = None) -> int:
         self.messages.append(message)
+        if counts is not None:
+            self.message_counts.append((queues, list(counts)))
         return 0
 
 

@@ -1460,3 +1460,24 @@ def test_a_note_of_written_through_publishes_completes_like_a_message_once_safe_
     assert completed == [token]
     assert store.note_through([]) == 0  # nothing to note: nothing to wait for
     journal.close()
+
+
+def test_a_message_stored_with_its_attempts_elsewhere_gets_them_back_from_one_record(tmp_path: Path) -> None:
+    """A message moved or routed again from another node is stored with the delivery attempts it had there,
+    in its own record: no crash keeps the message without them, so its next delivery stays flagged."""
+    journal = Journal(tmp_path, segment_bytes=SMALL_SEGMENT)
+    journal.recover()
+    store = JournalStore(journal, call_in_loop=lambda fn: fn())
+    journal.start()
+    store.add_queue(queue_spec("q"))
+    store.add_queue(queue_spec("r"))
+    token = store.add_message(wire_message(7), ("q", "r"), [1, 1])
+    wait_until(lambda: journal.synced == token)
+    store.begin_transaction()
+    with pytest.raises(ValueError, match="transaction"):
+        store.add_message(wire_message(8), ("q",), [1])
+    store.commit_transaction()
+    journal.close()
+    records = recover(tmp_path, SMALL_SEGMENT)[0]
+    assert [r.type for r in records].count(RecordType.DELIVERY_COUNTS) == 0
+    assert replay(records).references == {"q": {7: 1}, "r": {7: 1}}

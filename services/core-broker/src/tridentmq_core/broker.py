@@ -550,10 +550,9 @@ class Broker:
         if durable:
             durable_queues = tuple(q.name for q in queues if q.durable)
             if durable_queues:
-                token = self._store.add_message(message, durable_queues)
-                if delivered:  # journaled too: a restart or failover before its next delivery keeps the flag
-                    for name in durable_queues:
-                        token = max(token, self._store.update_delivery_counts(name, [message[M_ID]], [delivered]))
+                # With its attempts elsewhere, if any: a restart or failover before its next delivery keeps its flag.
+                counts = [delivered] * len(durable_queues) if delivered else None
+                token = self._store.add_message(message, durable_queues, counts)
         if remote:
             forward = self.forwarder.forward
             if through and not queues and len(remote) == 1:

@@ -387,13 +387,10 @@ class Forwarder:
         node is declared gone and they are routed again from here, their next delivery is flagged."""
         queue = self.forward_queue(node_id, now_ms)
         attempts = 1 if sent else 0
-        store = self.store
+        counts = [attempts] if sent else None  # journaled with it, or a restart would forget the attempt
         for message, token in messages:
             if message[M_DURABLE]:
-                stored = store.add_message(message, (queue.name,))
-                if sent:  # journaled too, or a restart would forget the attempt (the later record covers both)
-                    stored = max(stored, store.update_delivery_counts(queue.name, [message[M_ID]], [attempts]))
-                self._confirms.pass_on(token, stored)
+                self._confirms.pass_on(token, self.store.add_message(message, (queue.name,), counts))
             queue.restore(message, attempts)
         self._to_dispatch.add(queue)
 

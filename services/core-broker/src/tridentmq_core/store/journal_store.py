@@ -94,12 +94,15 @@ class JournalStore:
             self._deleted.add(name)
         self._append(RecordType.DELETE_QUEUE, [name])
 
-    def add_message(self, message: WireMessage, queues: tuple[str, ...]) -> int:
+    def add_message(self, message: WireMessage, queues: tuple[str, ...], counts: list[int] | None = None) -> int:
         if self._tx_id:
+            if counts:
+                raise ValueError("a transaction's message has no delivery attempts to record")
             self._tx_written = True
             self._append(RecordType.TX_MESSAGE, [self._tx_id, message, list(queues)])
             return 0  # the commit's token is the one to wait for
-        token = self._append(RecordType.MESSAGE, [message, list(queues)])
+        record = [message, list(queues)] if counts is None else [message, list(queues), list(counts)]
+        token = self._append(RecordType.MESSAGE, record)
         self._waiting.append(token)
         return token
 

@@ -24,7 +24,7 @@ class MemoryStore:
     def delete_queue(self, name: str) -> None:
         pass
 
-    def add_message(self, message: WireMessage, queues: tuple[str, ...]) -> int:
+    def add_message(self, message: WireMessage, queues: tuple[str, ...], counts: list[int] | None = None) -> int:
         return 0
 
     def acknowledge(self, queue: str, message_ids: list[int]) -> None:
