@@ -245,7 +245,6 @@ class LinkProtocol(asyncio.Protocol):
         received, self.conn.channel_data = self.conn.channel_data or [], None
         if self.session is None:
             return  # not open (yet, or any more): the codec accepts no CHANNEL before WELCOME anyway
-        failed: set[int] | None = None  # channels this batch's input ended on a fault
         for channel_id, data in received:
             channel = self.channels.get(channel_id)
             if not data:
@@ -253,12 +252,10 @@ class LinkProtocol(asyncio.Protocol):
                     self._end_channel(channel_id, channel)
                 continue
             if channel is None:
-                if failed is not None and channel_id in failed:
-                    continue  # more of the input that failed it: not a new channel
                 if not opens_channel(data):
                     # Input that was on its way when this side ended the channel (on a fault, a refusal, its
-                    # CLOSE), in an earlier batch: not a new session. Ending it again costs the peer nothing
-                    # and answers one that sent a new channel something other than HELLO.
+                    # CLOSE), in this batch or an earlier one: not a new session. Ending it again costs the
+                    # peer nothing and answers one that sent a new channel something other than HELLO.
                     log.debug("input for no open link channel", extra={"conn": self.conn_id, "channel": channel_id})
                     self.channel_write(channel_id, b"")
                     continue
@@ -274,7 +271,6 @@ class LinkProtocol(asyncio.Protocol):
                     "link channel ended on an unexpected error", extra={"conn": self.conn_id, "channel": channel_id}
                 )
                 self._fail_channel(channel_id, channel)
-                failed = {channel_id} if failed is None else failed | {channel_id}
 
     def _fail_channel(self, channel_id: int, channel: LinkProtocol) -> None:
         """End a channel whose input met a fault of the node: with what it has to say first (answers, confirms)
