@@ -197,6 +197,38 @@ def test_roll_by_time_is_gap_free(tmp_path: Path) -> None:
     assert [len(read_lines(p)) for p in sealed(tmp_path)] == [2, 2, 2]
 
 
+_MESSAGE_EMITTERS = {
+    "message": lambda s, ts: s.emit_message(ts, "msg.sent", None, "orders", "n1-7", 12, "link", ts, {}),
+    "delivered": lambda s, ts: s.emit_delivered(ts, "q", "orders", "n1-7", 12, "link", ts, 1, "c-1", "7", None),
+    "acked": lambda s, ts: s.emit_acked(ts, "q", "orders", "n1-7", 12, "link", ts, None, None, None),
+}
+
+
+@pytest.mark.parametrize("emitter", sorted(_MESSAGE_EMITTERS))
+def test_message_events_roll_stop_and_drop_as_other_events_do(tmp_path: Path, emitter: str) -> None:
+    """The per-message emitters (written apart from ``emit``, for speed) roll a segment that has grown old, write
+    nothing once closed and count what a broken sink drops, as ``emit`` does."""
+    emit = _MESSAGE_EMITTERS[emitter]
+    sink = FileAuditSink(tmp_path, NODE, roll_seconds=60, heartbeat_seconds=1000)
+    emit(sink, T0)
+    emit(sink, T0 + 59 * SECOND)
+    emit(sink, T0 + 60 * SECOND)  # the segment is 60 s old: rolled before this event
+    assert [len(read_lines(p)) for p in sealed(tmp_path)] == [2]
+    sink.close()
+    emit(sink, T0 + 62 * SECOND)  # closed: ignored, not dropped
+    sink.tick(T0 + 63 * SECOND)
+    assert seqs(all_records(tmp_path)) == [0, 1, 2]
+    assert sink.dropped == 0
+
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / NODE).write_text("not a directory")
+    broken = FileAuditSink(tmp_path / "broken", NODE)
+    for i in range(3):
+        emit(broken, T0 + i)
+    broken.close()
+    assert broken.dropped == 3
+
+
 def test_active_segment_is_hidden_and_sealed_files_are_complete(tmp_path: Path) -> None:
     sink = FileAuditSink(tmp_path, NODE, roll_bytes=2000, flush_bytes=100)
     for i in range(50):
