@@ -335,3 +335,20 @@ def test_every_audited_operation_is_an_event_the_spark_jobs_know() -> None:
     from tridentmq_spark.schema import KNOWN_EVENTS  # noqa: PLC0415 - pyarrow, only for this test
 
     assert {f"mgmt.{operation}" for operation in AUDITED_OPERATIONS} <= KNOWN_EVENTS
+
+
+def test_every_event_the_core_emits_is_one_the_spark_jobs_know() -> None:
+    """Every event name the core passes to its audit sink (read from its source: the names are literals at
+    the call) is in the Spark schema: ``node.forgotten`` was not, and each operator's forget of a node would
+    have been a bad record."""
+    import re  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from tridentmq_spark.schema import KNOWN_EVENTS  # noqa: PLC0415 - pyarrow, only for this test
+
+    source = Path(__file__).parents[2] / "services" / "core-broker" / "src" / "tridentmq_core"
+    # ``emit(<time>, "<event>", ...)`` and ``message(<time>, "<event>", ...)``; the time may hold one call.
+    call = re.compile(r'(?:emit|message)\(\s*(?:[^,()]|\([^()]*\))+,\s*"([a-z_]+\.[a-z_.]+)"')
+    emitted = {name for path in source.rglob("*.py") for name in call.findall(path.read_text())}
+    assert {"node.forgotten", "conn.opened", "msg.sent", "queue.expired"} <= emitted  # the scan finds them
+    assert emitted <= KNOWN_EVENTS

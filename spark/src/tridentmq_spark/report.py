@@ -21,6 +21,7 @@ HTML_NAME = "report.html"
 _LIFECYCLE = [
     "node.joined",
     "node.left",
+    "node.forgotten",
     "ha.activated",
     "ha.backup_in_sync",
     "ha.backup_lost",

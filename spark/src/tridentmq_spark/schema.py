@@ -31,6 +31,7 @@ KNOWN_EVENTS = frozenset(
         "node.heartbeat",
         "node.joined",
         "node.left",
+        "node.forgotten",
         "conn.opened",
         "conn.closed",
         "consumer.opened",
