@@ -11,11 +11,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from tests.unit.broker_harness import Harness
 
 from tridentmq_core.__main__ import serve
+from tridentmq_core.cluster.bridge import Bridge
 from tridentmq_core.server import CoreNode
 from tridentmq_core.settings import CoreSettings, LinkSection, ManagementSection, NodeSection
 from tridentmq_shared.gateway import ClientSession, GatewayShell, ShellConfig, Wire
+from tridentmq_shared.message import new_message
 from tridentmq_shared.supervision import EXIT_TASK_FAILED, Supervisor, current, end_on_failure, install
 
 
@@ -224,3 +227,32 @@ async def test_a_gateway_whose_task_failed_is_no_longer_ready() -> None:
     finally:
         install(previous)
         await shell.stop(lambda _: None)
+
+
+async def test_a_cluster_connection_whose_sender_fails_fails_the_process(caplog: pytest.LogCaptureFixture) -> None:
+    """The task that sends a cluster connection's waiting messages is the process's: a bug in it would else
+    die unseen and leave every message after it waiting for good."""
+
+    class _Manager:
+        def __init__(self, h: Harness) -> None:
+            self.broker = h.broker
+            self.settings = h.settings
+
+    class _Link:
+        async def wait_for_credit(self) -> None:
+            return None
+
+        def send_if_open(self, message: object) -> int:
+            raise Boom("send")
+
+    previous = install(Supervisor())
+    try:
+        bridge = Bridge(_Manager(Harness()), "127.0.0.1", 1)  # type: ignore[arg-type]
+        link = _Link()
+        bridge.client = link  # type: ignore[assignment]
+        bridge._wait((None, 1, new_message("orders", b"m"), None), link)  # type: ignore[arg-type]
+        failed = await asyncio.wait_for(current().wait_failed(), 5)
+    finally:
+        install(previous)
+    assert "bridge-send-127.0.0.1" in failed
+    assert tracebacks(caplog)

@@ -247,7 +247,7 @@ class Bridge:
         sync = update.get("sync")
         client = self.client
         if type(sync) is int and client is not None:  # the other node holds replies until we route by it
-            asyncio.get_running_loop().create_task(_acknowledge_sync(client, sync))
+            spawn(_acknowledge_sync(client, sync), f"bridge-sync-{self.address}")
 
     def open_session(self, principal: Principal) -> None:
         broker = self.manager.broker
@@ -366,7 +366,8 @@ class Bridge:
     def _wait(self, entry: tuple[Consumer | None, int, WireMessage, Session | None], client: PeerLink) -> None:
         self._waiting.append(entry)
         if len(self._waiting) == 1:
-            asyncio.get_running_loop().create_task(self._send_waiting(client))
+            # Supervised: a sender that died of a bug would leave what waits behind it for good.
+            spawn(self._send_waiting(client), f"bridge-send-{self.address}")
 
     def send_direct(self, message: WireMessage, token: int, publisher: Session | None) -> Direct:
         """Send a message for the other node at once, not through the forward queue (the broker offers it only

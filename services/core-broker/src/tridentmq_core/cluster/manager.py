@@ -454,7 +454,7 @@ class ClusterManager:
                     bridge.down_since, self._moved_down_since.get(bridge.node_id, bridge.down_since)
                 )
         self.bridges.pop(bridge.address, None)
-        asyncio.get_running_loop().create_task(bridge.stop())
+        spawn(bridge.stop(), f"bridge-stop-{bridge.address}")
 
     def members_view(self) -> list[dict[str, Any]]:
         """The live members: this node and the nodes its cluster connections reach."""

@@ -209,7 +209,7 @@ class BackupRunner:
                 "replication stream out of order: copying again",
                 extra={"epoch": event.epoch, "first": event.first, "expected": self._expected},
             )
-            asyncio.get_running_loop().create_task(client.close())
+            spawn(client.close(), "ha-backup-close")
             return
         if event.records:
             number = journal.appended
