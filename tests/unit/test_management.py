@@ -434,3 +434,25 @@ def test_deleted_and_recreated_queue_reports_no_negative_rate() -> None:
     link.roundtrip()
     rates.sample(broker, 2.0)
     assert rates.rates("orders") == (0.0, 0.0)
+
+
+async def test_a_queue_made_through_the_api_is_a_last_value_queue_only_when_asked(api: Api) -> None:
+    """``last_value_key`` absent makes a plain queue; "" one keyed on each message's own last-value key field."""
+    client, broker, _, _ = api
+    for body in (
+        {"name": "plain", "address": "prices", "routing_type": "multicast"},
+        {"name": "latest", "address": "prices", "routing_type": "multicast", "last_value_key": ""},
+        {"name": "by-pair", "address": "prices", "routing_type": "multicast", "last_value_key": "pair"},
+    ):
+        response = await client.post("/api/queues", json=body)
+        assert response.status == 200, await response.text()
+    assert [broker.queues[name].last_value_key for name in ("plain", "latest", "by-pair")] == [None, "", "pair"]
+
+
+async def test_a_body_nested_too_deep_is_no_json_to_take(api: Api) -> None:
+    client, _, _, _ = api
+    nested = '{"queue": ' + "[" * 30_000 + "]" * 30_000 + "}"  # within the size limit
+    response = await client.post("/api/purge", data=nested, headers={"Content-Type": "application/json"})
+    assert response.status == 400
+    assert await response.json() == {"error": "the body is not JSON"}
+

@@ -119,6 +119,25 @@ def test_move_to_a_named_queue_and_copy_keep_the_source_as_it_should() -> None:
     assert bodies(c.take(consumer)) == [b"m1", b"m3", b"m0"]
 
 
+def test_a_move_journals_the_copies_before_the_originals_acknowledgement() -> None:
+    """A crash between the two records must leave both messages, never neither (management.md)."""
+    h, store, _ = recorded()
+    c = h.connect()
+    ok(c.create_queue("orders", durable=True))
+    ok(c.create_queue("audit", durable=True))
+    for n in range(2):
+        c.publish("orders", f"m{n}".encode(), durable=True)
+    h.sync()
+    order: list[str] = []
+    store.add_message = lambda message, queues, counts=None: order.append(f"add {queues[0]}") or 0  # type: ignore[method-assign]
+    store.acknowledge = lambda queue, ids: order.append(f"ack {queue} {len(ids)}")  # type: ignore[method-assign]
+    moved = Operations(h.broker).move(
+        "orders", "audit", selector=None, message_ids=None, limit=-1, copy=False, now_ms=NOW
+    )
+    assert moved["moved"] == 2
+    assert order == ["add audit", "add audit", "ack orders 2"]
+
+
 def test_move_refuses_an_unknown_target_and_the_same_queue() -> None:
     _, ops = _filled(1)
     with pytest.raises(OperationError) as unknown:
@@ -244,8 +263,13 @@ def test_address_settings_change_applies_to_the_next_dead_letter_decision() -> N
 @pytest.mark.parametrize(
     ("values", "text"),
     [({"max_delivery_attempts": "3"}, "max_delivery_attempts takes"), ({"nope": 1}, "unknown address setting"),
-     ({"address_full_policy": "KEEP"}, "address_full_policy is one of"),
-     ({"default_routing_type": "both"}, "default_routing_type is")],
+     ({"address_full_policy": "KEEP"}, "address_full_policy 'KEEP' is not one of"),
+     ({"default_routing_type": "both"}, "default_routing_type is"),
+     ({"redelivery_multiplier": float("nan")}, "redelivery_multiplier is a number"),
+     ({"redelivery_multiplier": float("inf")}, "redelivery_multiplier is a number"),
+     ({"redelivery_delay_ms": -5}, "redelivery_delay_ms is at least 0"),
+     ({"max_delivery_attempts": -2}, "max_delivery_attempts is at least -1"),
+     ({"dead_letter_address": "dead.#"}, "dead_letter_address")],
 )  # fmt: skip
 def test_address_settings_values_are_checked(values: dict[str, object], text: str) -> None:
     ops = Operations(Harness().broker)
@@ -253,6 +277,18 @@ def test_address_settings_values_are_checked(values: dict[str, object], text: st
         ops.set_address_settings("orders", values)
     assert refused.value.status == 400
     assert text in refused.value.text
+
+
+def test_a_redelivery_delay_that_would_overflow_is_the_longest_delay() -> None:
+    """A multiplier of 2 and a message that is never dead-lettered: its 1,025th attempt raised OverflowError
+    in the middle of a nack."""
+    h = Harness()
+    Operations(h.broker).set_address_settings(
+        "orders", {"redelivery_delay_ms": 100, "redelivery_multiplier": 2.0, "max_delivery_attempts": -1}
+    )
+    settings = h.broker.address_settings.resolve("orders")
+    assert settings.redelivery_delay(3) == 400
+    assert settings.redelivery_delay(5000) == settings.max_redelivery_delay_ms
 
 
 def test_a_client_is_named_by_connection_id_whole_name_or_a_word_after_the_protocol() -> None:
@@ -265,7 +301,9 @@ def test_a_client_is_named_by_connection_id_whole_name_or_a_word_after_the_proto
     assert client_matches(mqtt, "mqtt sensor-1 127.0.0.1:50413")
     assert not client_matches(mqtt, "mqtt")
     assert not client_matches(stomp, "sensor-1")
-    assert Operations(h.broker).sessions_of("sensor-1") == [mqtt]
+    spaced = h.connect("mqtt my sensor 127.0.0.1:50414").session  # an MQTT client id may hold spaces
+    assert client_matches(spaced, "my sensor")
+    assert not client_matches(mqtt, "my sensor")
 
 
 def test_mqtt_sessions_are_listed_and_deleted_with_their_subscription_queues() -> None:

@@ -8,10 +8,11 @@ entries and finally to ``BUILT_IN``. Resolution is cached per address; an operat
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tridentmq_core.router import pattern_matches
+from tridentmq_core.router import InvalidAddress, pattern_matches, validate_address
 from tridentmq_core.settings import AddressSettingsEntry
 from tridentmq_shared.message import TEMPORARY_ADDRESS_PREFIX, RoutingType
 from tridentmq_shared.settings import SettingsError
@@ -40,7 +41,10 @@ class ResolvedAddressSettings:
         """Delay in ms before redelivery number ``attempts`` (1 = first redelivery)."""
         if self.redelivery_delay_ms <= 0:
             return 0
-        delay = self.redelivery_delay_ms * self.redelivery_multiplier ** max(0, attempts - 1)
+        try:
+            delay = self.redelivery_delay_ms * self.redelivery_multiplier ** max(0, attempts - 1)
+        except OverflowError:  # a thousand attempts of a message that is never dead-lettered
+            return self.max_redelivery_delay_ms
         return int(min(delay, self.max_redelivery_delay_ms))
 
 
@@ -60,18 +64,47 @@ def _specificity(pattern: str) -> tuple[int, int, int]:
 FULL_POLICIES = ("PAGE", "BLOCK", "FAIL", "DROP")
 
 
-def _check_policy(entry: AddressSettingsEntry) -> None:
+#: The least value of each numeric setting (-1 where it means "never" or "no limit").
+_MINIMUMS = {
+    "max_delivery_attempts": -1,
+    "redelivery_delay_ms": 0,
+    "max_redelivery_delay_ms": 0,
+    "auto_delete_addresses_delay_ms": 0,
+    "max_size_bytes": -1,
+    "redistribution_delay_ms": -1,
+}
+
+
+def check_entry(entry: AddressSettingsEntry) -> None:
+    """``SettingsError`` for a value no address may have: a configured entry and one an operator sets at run
+    time are checked alike (a NaN multiplier once made every nack of its addresses raise)."""
+    where = f"address_settings {entry.match!r}"
     policy = entry.address_full_policy
     if policy is not None and policy.upper() not in FULL_POLICIES:
-        raise SettingsError(
-            f"address_settings {entry.match!r}: address_full_policy {policy!r} is not one of {', '.join(FULL_POLICIES)}"
-        )
+        raise SettingsError(f"{where}: address_full_policy {policy!r} is not one of {', '.join(FULL_POLICIES)}")
+    routing = entry.default_routing_type
+    if routing is not None and routing.lower() not in ("anycast", "multicast"):
+        raise SettingsError(f"{where}: default_routing_type is anycast or multicast, not {routing!r}")
+    for key, least in _MINIMUMS.items():
+        value = getattr(entry, key)
+        if value is not None and value < least:
+            raise SettingsError(f"{where}: {key} is at least {least}")
+    multiplier = entry.redelivery_multiplier
+    if multiplier is not None and not (math.isfinite(multiplier) and multiplier >= 1.0):
+        raise SettingsError(f"{where}: redelivery_multiplier is a number of at least 1.0")
+    for key in ("dead_letter_address", "expiry_address"):
+        address = getattr(entry, key)
+        if address:  # "" drops the message
+            try:
+                validate_address(address, allow_wildcards=False)
+            except InvalidAddress as exc:
+                raise SettingsError(f"{where}: {key}: {exc}") from None
 
 
 class AddressSettingsRepository:
     def __init__(self, entries: Sequence[AddressSettingsEntry]) -> None:
         for entry in entries:
-            _check_policy(entry)
+            check_entry(entry)
         self._configured = list(entries)
         self._entries: list[AddressSettingsEntry] = []
         self._cache: dict[str, ResolvedAddressSettings] = {}
@@ -93,7 +126,7 @@ class AddressSettingsRepository:
 
     def set_entry(self, entry: AddressSettingsEntry) -> None:
         """Add the entry for ``entry.match``, or replace the one there is (a change at run time, not saved)."""
-        _check_policy(entry)
+        check_entry(entry)
         matches = [e.match for e in self._configured]
         if entry.match in matches:
             self._configured[matches.index(entry.match)] = entry  # keeps its place among equally specific ones

@@ -345,11 +345,18 @@ class Catalog:
             self.delete_queue(queue, now_ms)
 
     def take_messages(
-        self, queue: Queue, predicate: Callable[[WireMessage], bool], limit: int, reason: str, now_ms: int
+        self,
+        queue: Queue,
+        predicate: Callable[[WireMessage], bool],
+        limit: int,
+        reason: str,
+        now_ms: int,
+        before_acknowledging: Callable[[list[WireMessage]], None] | None = None,
     ) -> list[WireMessage]:
         """Take up to ``limit`` (-1: all) queued messages matching ``predicate`` out of ``queue`` for good (an
         operator's purge or move): their journal records are acknowledged and each is audited as ``msg.acked``
-        with ``reason``. In-flight and paged messages stay."""
+        with ``reason``. In-flight and paged messages stay. ``before_acknowledging`` gets them first (a move
+        journals their copies there: a crash then leaves both, never neither)."""
         left = [limit]
 
         def wanted(message: WireMessage) -> bool:
@@ -359,6 +366,8 @@ class Catalog:
             return True
 
         taken = queue.remove_where(wanted)
+        if before_acknowledging is not None:
+            before_acknowledging(taken)
         self._settle_taken(queue, taken, reason, now_ms)
         return taken
 

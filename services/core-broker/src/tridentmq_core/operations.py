@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Final
 
-from tridentmq_core.address_settings import ResolvedAddressSettings
+from tridentmq_core.address_settings import ResolvedAddressSettings, check_entry
 from tridentmq_core.broker import Broker
 from tridentmq_core.checks import BrokerError
 from tridentmq_core.dead_letters import ORIGINAL_ADDRESS, ORIGINAL_QUEUE, ORIGINAL_REASON
@@ -44,6 +44,7 @@ from tridentmq_shared.message import (
     WireMessage,
     selector_view,
 )
+from tridentmq_shared.settings import SettingsError
 
 #: Most messages one browse page shows, and most body bytes shown per message.
 MAX_BROWSE_LIMIT: Final = 500
@@ -144,12 +145,13 @@ def message_view(
 
 
 def client_matches(session: Session, client: str) -> bool:
-    """Whether a link is the one ``client`` names: its connection id, its whole client name, or one word of the
-    name after the first (a gateway names its client's links ``stomp <peer>``, ``mqtt <client id> <peer>``,
-    ``amqp <peer>``)."""
+    """Whether a link is the one ``client`` names: its connection id, its whole client name, one word of the
+    name after the first, or all between the first word and the last (a gateway names its client's links
+    ``stomp <peer>``, ``mqtt <client id> <peer>``, ``amqp <peer>``; an MQTT client id may hold spaces)."""
     if client in (session.conn_id, session.client_name):
         return True
-    return client in session.client_name.split(" ")[1:]
+    words = session.client_name.split(" ")
+    return client in words[1:] or " ".join(words[1:-1]) == client
 
 
 class Operations:
@@ -277,15 +279,19 @@ class Operations:
             skipped = sum(
                 1 for m in source.messages() if (ids is None or m[M_ID] in ids) and wanted(m) and where(m) is None
             )
+
+        def place(picked: list[WireMessage]) -> None:
+            for message in picked:
+                into = where(message)
+                assert into is not None
+                broker.place_copy(_copy_for(message, into), into, broker.events.audit_id(message), now_ms)
+
         if copy:
             picked = [m for m in source.messages() if chosen(m)]
             picked = picked if limit < 0 else picked[:limit]
-        else:
-            picked = broker.catalog.take_messages(source, chosen, limit, "moved", now_ms)
-        for message in picked:
-            into = where(message)
-            assert into is not None
-            broker.place_copy(_copy_for(message, into), into, broker.events.audit_id(message), now_ms)
+            place(picked)
+        else:  # the copies are journaled before the originals' acknowledgement
+            picked = broker.catalog.take_messages(source, chosen, limit, "moved", now_ms, before_acknowledging=place)
         return {"copied" if copy else "moved": len(picked), "skipped": skipped}
 
     # ------------------------------------------------------------------ pause
@@ -309,10 +315,6 @@ class Operations:
         return {"queues": len(known.queues)}
 
     # ------------------------------------------------------------------ connections
-    def sessions_of(self, client: str) -> list[Session]:
-        """The links ``client`` names (see ``client_matches``); never another cluster node's."""
-        return [s for s in self.broker.sessions.values() if not s.principal.cluster and client_matches(s, client)]
-
     # ------------------------------------------------------------------ address settings
     def address_settings(self, address: str | None) -> dict[str, Any]:
         """The configured entries, and with ``address`` what applies to it."""
@@ -351,13 +353,12 @@ def settings_entry(match: str, values: dict[str, Any]) -> AddressSettingsEntry:
         if type(value) is not kind:
             raise OperationError(400, f"{key} takes a value of type {kind.__name__}, not {type(value).__name__}")
         fields[key] = value
-    policy = fields.get("address_full_policy")
-    if policy is not None and policy.upper() not in ("PAGE", "BLOCK", "FAIL", "DROP"):
-        raise OperationError(400, "address_full_policy is one of PAGE, BLOCK, FAIL, DROP")
-    routing = fields.get("default_routing_type")
-    if routing is not None and routing.lower() not in ("anycast", "multicast"):
-        raise OperationError(400, "default_routing_type is anycast or multicast")
-    return AddressSettingsEntry(match=match, **fields)
+    entry = AddressSettingsEntry(match=match, **fields)
+    try:
+        check_entry(entry)
+    except SettingsError as exc:
+        raise OperationError(400, str(exc)) from None
+    return entry
 
 
 def _entry_view(entry: AddressSettingsEntry) -> dict[str, Any]:

@@ -418,7 +418,9 @@ class AddressSettingsEntry:
     expiry_address: str | None = doc(None, 'Where expired messages go (default `ExpiryQueue`; `""` = drop).')
     max_delivery_attempts: int | None = doc(None, "Deliveries before dead-lettering (default 10; -1 = forever).")
     redelivery_delay_ms: int | None = doc(None, "Delay before a nacked message is redelivered (default 0).")
-    redelivery_multiplier: float | None = doc(None, "Factor applied to the delay per attempt (default 1.0).")
+    redelivery_multiplier: float | None = doc(
+        None, "Factor applied to the delay per attempt (default 1.0; at least 1.0)."
+    )
     max_redelivery_delay_ms: int | None = doc(None, "Cap of the redelivery delay (default 60000).")
     auto_create_addresses: bool | None = doc(None, "Create an address on first use (default true).")
     auto_create_queues: bool | None = doc(None, "Create a queue on first subscribe (default true).")
