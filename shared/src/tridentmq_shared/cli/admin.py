@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import ssl
 import time
@@ -49,7 +50,10 @@ def send(
     url = base_url.rstrip("/") + path
     context = ssl.create_default_context(cafile=ca_file or None) if url.startswith("https:") else None
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method)  # noqa: S310 - an operator-given URL
+    try:
+        request = urllib.request.Request(url, data=data, method=method)  # noqa: S310 - an operator-given URL
+    except ValueError as exc:  # no scheme, say
+        raise AdminError(f"bad management URL {base_url!r}: {exc} (see --management)") from None
     if data is not None:
         request.add_header("Content-Type", "application/json")
     request.add_header("X-TridentMQ-Request", "1")  # a program, not a cross-site form (the core's CSRF rule)
@@ -64,6 +68,8 @@ def send(
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise AdminError(f"cannot reach {url}: {reason} (is the core running? see --management)") from None
+    except http.client.InvalidURL as exc:  # a port that is no number
+        raise AdminError(f"bad management URL {base_url!r}: {exc} (see --management)") from None
     except json.JSONDecodeError:
         raise AdminError(f"{url} did not answer JSON") from None
 
@@ -207,8 +213,11 @@ def cluster_lines(cluster: dict[str, Any]) -> list[str]:
     return lines
 
 
-def cluster_nodes(cluster: dict[str, Any], credentials: Credentials = None) -> list[dict[str, Any]]:
-    """Every live member's own figures, read from its management API (an unreachable one says why)."""
+def cluster_nodes(
+    cluster: dict[str, Any], credentials: Credentials = None, *, tls: bool = False, ca_file: str = ""
+) -> list[dict[str, Any]]:
+    """Every live member's own figures, read from its management API (an unreachable one says why); over
+    HTTPS (``tls``, checked against ``ca_file``) when the node asked was: the credentials never go in clear."""
     nodes = []
     for member in cluster["members"]:
         backup = member.get("backup")
@@ -223,9 +232,10 @@ def cluster_nodes(cluster: dict[str, Any], credentials: Credentials = None) -> l
         else:
             try:
                 view = fetch(
-                    f"http://{member['host']}:{member['management']}",
+                    f"{'https' if tls else 'http'}://{member['host']}:{member['management']}",
                     "/api/cluster",
                     timeout=2.0,
+                    ca_file=ca_file,
                     credentials=credentials,
                 )
             except AdminError as exc:

@@ -243,7 +243,12 @@ def run(args: argparse.Namespace) -> int:
         case "status":
             status = admin.fetch(args.management, "/api/status", ca_file=args.ca_file, credentials=_credentials(args))
             if status.get("cluster"):
-                status["cluster"]["nodes"] = admin.cluster_nodes(status["cluster"], _credentials(args))
+                status["cluster"]["nodes"] = admin.cluster_nodes(
+                    status["cluster"],
+                    _credentials(args),
+                    tls=args.management.startswith("https:"),
+                    ca_file=args.ca_file,
+                )
             print(json.dumps(status, indent=2) if args.json else admin.status_text(status))
             return 0
         case "queue" if args.queue_command == "stat":
