@@ -456,3 +456,34 @@ async def test_a_body_nested_too_deep_is_no_json_to_take(api: Api) -> None:
     assert response.status == 400
     assert await response.json() == {"error": "the body is not JSON"}
 
+
+def test_a_node_is_named_by_a_unique_prefix_of_its_id_or_its_name_wherever_it_is_asked() -> None:
+    """``?node=`` must not pick the node asked when the value names another node as well: with the default
+    name ``core`` on every node, ``--node core`` acted on whichever node the operator happened to ask."""
+    from aiohttp.test_utils import make_mocked_request  # noqa: PLC0415
+
+    from tridentmq_core.management.operations_api import (  # noqa: PLC0415
+        NodeControl,
+        OperationsApi,
+        RequestRefusedError,
+    )
+
+    broker = make_broker()  # node id NODE_ID (0f1e2d3c-...), name "core"
+    others = [{"node_id": "0f1e9999-other", "name": "core"}, {"node_id": "7a7a7a7a-edge", "name": "edge"}]
+    members = [{"node_id": broker.node_id, "name": "core"}, *others]
+    api = OperationsApi(broker, lambda: lambda: {"members": members}, NodeControl())
+
+    def target(node: str) -> tuple[bool, list[str]]:
+        here, forward = api._target(make_mocked_request("GET", f"/api/queues?node={node}"))
+        return here, [m["node_id"] for m in forward]
+
+    assert target(NODE_ID) == (True, [])
+    assert target("0f1e2") == (True, [])
+    assert target("0f1e9") == (False, ["0f1e9999-other"])
+    assert target("edge") == (False, ["7a7a7a7a-edge"])
+    assert target("7a") == (False, ["7a7a7a7a-edge"])
+    for ambiguous in ("core", "0f1e"):
+        with pytest.raises(RequestRefusedError, match="names several nodes"):
+            target(ambiguous)
+    with pytest.raises(RequestRefusedError, match="no live node"):
+        target("nope")

@@ -131,17 +131,23 @@ class OperationsApi:
         if wanted is None:
             return True, others
         me = self.broker.node_id
-        if wanted and (me.startswith(wanted) or wanted == self.broker.settings.node.name):
+
+        def named(node_id: str, name: str | None) -> bool:
+            return bool(wanted) and (node_id.startswith(wanted) or name == wanted)
+
+        here = named(me, self.broker.settings.node.name)
+        found = [m for m in others if named(m["node_id"], m.get("name"))]
+        if wanted == me or (here and not found):  # a whole node id names one node, whatever else it starts
             return True, []
-        found = [m for m in others if wanted and (m["node_id"].startswith(wanted) or m.get("name") == wanted)]
-        if len(found) != 1:
-            raise RequestRefusedError(
-                404,
-                f"no live node {wanted!r} in the cluster"
-                if not found
-                else f"{wanted!r} names several nodes: give more of the node id",
-            )
-        return False, found
+        exact = [m for m in found if m["node_id"] == wanted]
+        if exact or (len(found) == 1 and not here):
+            return False, exact or found
+        raise RequestRefusedError(
+            404,
+            f"no live node {wanted!r} in the cluster"
+            if not found
+            else f"{wanted!r} names several nodes: give more of the node id",
+        )
 
     async def _forward(self, request: web.Request, member: dict[str, Any], body: bytes) -> dict[str, Any]:
         entry: dict[str, Any] = {"node_id": member["node_id"], "name": member.get("name", "")}
