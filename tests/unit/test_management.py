@@ -487,3 +487,14 @@ def test_a_node_is_named_by_a_unique_prefix_of_its_id_or_its_name_wherever_it_is
             target(ambiguous)
     with pytest.raises(RequestRefusedError, match="no live node"):
         target("nope")
+
+
+async def test_address_settings_of_another_node_are_that_nodes(api: Api) -> None:
+    """A one-node view asked for another node (``--node``) is not this node's answer: it is that node's, or a
+    refusal when no live node is named so."""
+    client, _, _, _ = api
+    response = await client.get("/api/address-settings?node=no-such-node")
+    assert response.status == 404
+    assert "no live node" in (await response.json())["error"]
+    response = await client.get(f"/api/address-settings?node={NODE_ID}")
+    assert response.status == 200

@@ -554,6 +554,15 @@ class OperationsApi:
         except RequestRefusedError as exc:
             return _refused(request, exc)
         if here_only:
+            try:
+                here, chosen = self._target(request) if "node" in request.query else (True, [])
+            except RequestRefusedError as exc:
+                return _refused(request, exc)
+            if not here:  # a view of one node (``--node``): that node's own answer
+                entry = await self._forward(request, chosen[0], b"")
+                if entry["status"] != 200:
+                    return _error(entry["status"], entry["error"] or "that node refused")
+                return web.json_response(entry["result"])
             result = self._local(request, operation, target, local)
             if result["status"] != 200:
                 return _error(result["status"], result["error"])
