@@ -6,6 +6,8 @@ import asyncio
 import sys
 from pathlib import Path
 
+import pytest
+
 from tridentmq_shared.cli.supervisor import (
     STOP_BACKUPS,
     STOP_GATEWAYS,
@@ -117,3 +119,47 @@ async def test_each_stage_is_gone_before_the_next_is_asked_and_a_stubborn_child_
         "backup-0": 0,
         "gateway-stomp": -9,
     }
+
+
+def test_with_a_settings_folder_the_gateways_dial_the_link_its_core_file_sets(tmp_path: Path) -> None:
+    (tmp_path / "core.toml").write_text("[link]\nport = 61700\n")
+    children = plan(tmp_path / "data", None, tmp_path)
+    core = next(c for c in children if c.name == "core")
+    assert core.argv[-2:] == ["--config", str(tmp_path / "core.toml")]
+    for gateway in (c for c in children if c.name.startswith("gateway-")):
+        kind = gateway.name.removeprefix("gateway-").upper()
+        assert gateway.env[f"TRIDENTMQ_{kind}_CORE_PORT"] == "61700"
+
+
+# Writes one line longer than a pipe's read limit, then a last line without its newline, and exits.
+_LONG_LINE = """
+import sys
+sys.stdout.write("x" * 200_000 + "\\n" + "last words")
+"""
+
+
+async def test_a_child_with_a_line_longer_than_a_read_is_seen_to_exit_and_started_again(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A 64 KiB line stopped the reading of a child's output for good: the child was never seen to exit, so
+    it was never started again, and ``up`` hung at Ctrl-C. The first restart comes after 1 s."""
+    child = Child("gateway-mqtt", [sys.executable, "-c", _LONG_LINE])
+    stopping = asyncio.Event()
+    task = asyncio.create_task(_run_child(child, stopping))
+    first = None
+    for _ in range(200):
+        await asyncio.sleep(0.05)
+        if child.process is not None and first is None:
+            first = child.process
+        if child.process is not first:  # started again
+            break
+    stopping.set()
+    await asyncio.wait_for(task, 10)
+    assert child.process is not first
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    pieces = [line.removeprefix("gateway-mqtt   | ") for line in lines if "x" in line]  # both runs' lines
+    assert "".join(pieces) == "x" * 200_000 * (len("".join(pieces)) // 200_000) != ""
+    assert max(len(piece) for piece in pieces) <= 64 * 1024
+    assert "gateway-mqtt   | last words" in lines
+    assert "gateway-mqtt exited with 0; restarting in 1 s" in err

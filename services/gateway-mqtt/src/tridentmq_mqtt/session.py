@@ -464,7 +464,7 @@ class MqttSession:
             await self._refuse_connect(code, exc.text)
             return
         if self.conn.closed:  # the client closed its side while the core was asked: no one reads a CONNACK
-            log.info("mqtt client left before its CONNACK", extra={"peer": self.wire.peer, "client_id": client_id})
+            log.info("mqtt client left before its CONNACK", extra={"peer": self.wire.peer, "client_id": client_id[:64]})
             self._end()
             return
         self.conn.accept(

@@ -23,6 +23,8 @@ from pathlib import Path
 GATEWAYS = ("stomp", "mqtt", "amqp")
 GRACE_SECONDS = 10.0
 MAX_BACKOFF = 30.0
+#: A child's output is read in chunks of this size; a line longer than that is printed in pieces.
+_CHUNK = 64 * 1024
 
 
 #: The order in which ``up`` stops its children (see the module docstring).
@@ -71,16 +73,17 @@ def plan(
     gateways = 0
     for name, module in installed_services():
         argv = [sys.executable, "-m", module]
-        own = config_dir / f"{name.removeprefix('gateway-')}.toml" if config_dir is not None else None
+        own = _own_file(config_dir, name)
         if name == "core" and config is not None:
             argv += ["--config", str(config)]
-        elif own is not None and own.exists():
+        elif own is not None:
             argv += ["--config", str(own)]
         if name != "core":
             env = {}
             if not cores:  # the gateways dial the core started here, wherever its settings put it
                 kind = name.removeprefix("gateway-").upper()
-                env[f"TRIDENTMQ_{kind}_CORE_HOST"], env[f"TRIDENTMQ_{kind}_CORE_PORT"] = _core_link(config)
+                core_file = config if config is not None else _own_file(config_dir, "core")
+                env[f"TRIDENTMQ_{kind}_CORE_HOST"], env[f"TRIDENTMQ_{kind}_CORE_PORT"] = _core_link(core_file)
             if actives:
                 kind = name.removeprefix("gateway-").upper()
                 env[f"TRIDENTMQ_{kind}_CORE_PORT"] = actives[gateways % len(actives)]["TRIDENTMQ_CORE_LINK_PORT"]
@@ -102,6 +105,14 @@ def plan(
                 for child, env in cores
             ]
     return children
+
+
+def _own_file(config_dir: Path | None, name: str) -> Path | None:
+    """``name``'s settings file in ``config_dir`` (``core.toml``, ``stomp.toml``, ...), when there is one."""
+    if config_dir is None:
+        return None
+    own = config_dir / f"{name.removeprefix('gateway-')}.toml"
+    return own if own.exists() else None
 
 
 BASE_LINK_PORT = 61616
@@ -173,14 +184,43 @@ def _pairs(data_dir: Path, pairs: int, discovery: str) -> list[tuple[str, dict[s
 
 
 async def _pump(name: str, stream: asyncio.StreamReader) -> None:
-    width = 15
-    while line := await stream.readline():
-        sys.stdout.write(f"{name:<{width}}| {line.decode(errors='replace')}")
-        sys.stdout.flush()
+    """Print a child's output, each line prefixed with its name, until the child closes it. It never stops
+    reading before that: a child whose output nobody reads blocks on its next log line, and its exit is not
+    seen. So a line longer than a chunk is printed in pieces, a last line without its newline gets one, and
+    once our own output fails (a closed pipe) the rest is read and dropped."""
+    prefix = f"{name:<15}| ".encode()
+    tail = b""
+    printing = True
+    while chunk := await stream.read(_CHUNK):
+        lines = (tail + chunk).split(b"\n")
+        tail = lines.pop()
+        if len(tail) >= _CHUNK:
+            lines.append(tail)
+            tail = b""
+        if printing and lines:
+            printing = _print(b"".join(prefix + line + b"\n" for line in lines))
+    if printing and tail:
+        _print(prefix + tail + b"\n")
+
+
+def _print(data: bytes) -> bool:
+    """Write to our standard output; False once that fails for good."""
+    out = sys.stdout
+    try:
+        buffer = getattr(out, "buffer", None)  # the bytes as they came (a test's capture may have no buffer)
+        if buffer is not None:
+            out.flush()
+            buffer.write(data)
+        else:
+            out.write(data.decode(errors="replace"))
+        out.flush()
+    except (OSError, ValueError):  # a closed pipe or file (ValueError: stdout itself closed)
+        return False
+    return True
 
 
 async def _run_child(child: Child, stopping: asyncio.Event) -> None:
-    backoff = 1.0
+    backoff = 1.0  # the wait before the next restart: 1 s, then twice as long each time, 1 s again after a long run
     while not stopping.is_set():
         started = time.monotonic()
         child.process = await asyncio.create_subprocess_exec(
@@ -196,31 +236,41 @@ async def _run_child(child: Child, stopping: asyncio.Event) -> None:
         await pump
         if stopping.is_set():
             return
-        backoff = 1.0 if time.monotonic() - started > MAX_BACKOFF else min(backoff * 2, MAX_BACKOFF)
+        if time.monotonic() - started > MAX_BACKOFF:
+            backoff = 1.0
         print(f"{child.name} exited with {code}; restarting in {backoff:.0f} s", file=sys.stderr, flush=True)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stopping.wait(), backoff)
+        backoff = min(backoff * 2, MAX_BACKOFF)
+
+
+#: What stops ``up``: Ctrl-C, a polite kill, and the terminal going away (the children run in sessions of their
+#: own, so without this they would outlive a closed terminal, holding the ports and data the next ``up`` needs).
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 async def supervise(children: list[Child]) -> int:
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in _STOP_SIGNALS:
         loop.add_signal_handler(sig, stopping.set)
-    names = ", ".join(c.name for c in children)
-    print(f"tridentmq up: starting {names} (Ctrl-C stops everything)", flush=True)
-    tasks = [asyncio.create_task(_run_child(c, stopping)) for c in children]
-    await stopping.wait()
 
     def kill_all() -> None:
         for child in children:
             if child.process is not None and child.process.returncode is None:
                 child.process.kill()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, kill_all)
-    print("tridentmq up: stopping (Ctrl-C again kills what is left at once)", flush=True)
-    await stop_children(children, tasks)
+    names = ", ".join(c.name for c in children)
+    _print(f"tridentmq up: starting {names} (Ctrl-C stops everything)\n".encode())
+    tasks = [asyncio.create_task(_run_child(c, stopping)) for c in children]
+    try:
+        await stopping.wait()
+        for sig in _STOP_SIGNALS:
+            loop.add_signal_handler(sig, kill_all)
+        _print(b"tridentmq up: stopping (Ctrl-C again kills what is left at once)\n")
+        await stop_children(children, tasks)
+    finally:
+        kill_all()  # whatever ended this (an error of our own): no child outlives it
     return 0
 
 
