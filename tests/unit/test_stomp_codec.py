@@ -428,6 +428,15 @@ def test_heartbeats_off_when_either_side_says_zero_and_never_below_the_floor() -
     assert (fast.send_interval, fast.receive_interval) == (0.1, 0.2)
 
 
+def test_a_heartbeat_of_hundreds_of_digits_is_the_longest_interval_not_an_overflow() -> None:
+    """Divided into seconds, such a number raised OverflowError in accept(): no CONNECTED, no ERROR."""
+    conn = StompServerConnection(heartbeat=(1000, 1000))
+    conn.receive_data(b"CONNECT\naccept-version:1.2\nheart-beat:1" + b"0" * 400 + b",1" + b"0" * 400 + b"\n\n\x00", 0.0)
+    conn.accept("s", "x", 0.0)
+    assert (conn.send_interval, conn.receive_interval) == ((2**31 - 1) / 1000, (2**31 - 1) / 1000 * 2)
+    assert conn.data_to_send().startswith(b"CONNECTED\n")
+
+
 def test_a_client_that_does_not_connect_in_time_gets_an_error() -> None:
     conn = StompServerConnection(connect_timeout=5.0, now=100.0)
     assert conn.next_deadline() == 105.0

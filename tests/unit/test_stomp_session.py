@@ -344,6 +344,53 @@ async def test_a_refused_send_is_an_error_in_the_order_of_the_frames(tmp_path: P
         assert error.headers["receipt-id"] == "2"
 
 
+@pytest.mark.parametrize(
+    "failing",
+    [
+        ("ACK", {"id": "1-999"}),  # an unknown ack id
+        ("SEND", {"destination": "/queue/p", "priority": "12"}),  # a header the gateway cannot map
+        ("UNSUBSCRIBE", {"id": "nope"}),  # no such subscription
+    ],
+)
+async def test_an_error_follows_the_receipts_of_the_sends_before_it(
+    core: Core, failing: tuple[str, dict[str, str]]
+) -> None:
+    """The SEND before the failing frame was stored: its RECEIPT must reach the client before the ERROR, or a
+    client that sends again what had no receipt stores it twice."""
+    c = await connected(core)
+    c.send_frame("SEND", b"x", destination="/queue/p", receipt="s1", persistent="true")
+    command, headers = failing
+    c.send_frame(command, receipt="bad", **headers)
+    assert (await c.frame("RECEIPT")).headers["receipt-id"] == "s1"
+    assert (await c.error()).headers["receipt-id"] == "bad"
+    assert len(core.node.broker.queues["p"]) == 1
+
+
+async def test_a_commit_after_a_refused_send_is_not_committed(tmp_path: Path) -> None:
+    """The client gets the SEND's ERROR and nothing for its COMMIT: the transaction must not have been
+    committed meanwhile, or the client that runs it again has it twice."""
+    settings = core_settings(
+        tmp_path,
+        users=[UserEntry("alice", "secret", ["app"])],
+        permissions=[
+            PermissionEntry("allowed.#", permission, ["app"])
+            for permission in ("send", "createAddress", "createDurableQueue", "consume")
+        ],
+    )
+    async with running_core(settings, lambda port: CoreLinkSection(port=port)) as core:
+        c = client(core)
+        await c.connect(login="alice", passcode="secret")
+        await c.receipt("BEGIN", transaction="t")
+        await c.receipt("SEND", b"in-tx", destination="/queue/allowed.tx", transaction="t", persistent="true")
+        c.send_frame("SEND", b"no", destination="/queue/secret", receipt="refused")
+        c.send_frame("COMMIT", transaction="t", receipt="commit")
+        error = await c.error()
+        assert (error.headers["message"], error.headers["receipt-id"]) == ("permission denied", "refused")
+        await settle()
+        queue = core.node.broker.queues.get("allowed.tx")  # made by the commit, when it runs
+        assert queue is None or len(queue) == 0
+
+
 async def test_a_bad_login_is_refused(tmp_path: Path) -> None:
     settings = core_settings(tmp_path, users=[UserEntry("alice", "secret", ["app"])])
     async with running_core(settings, lambda port: CoreLinkSection(port=port)) as core:

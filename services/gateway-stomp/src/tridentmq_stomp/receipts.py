@@ -60,8 +60,20 @@ class Receipts(Generic[OutcomeT]):
         self._waiting.clear()
 
 
+class FrameError(Exception):
+    """A frame the gateway refused (an unknown ack id, a duplicate subscription id ...): its ERROR goes out in
+    the order of the frames, once every frame before it is answered."""
+
+    def __init__(self, message: str, detail: str) -> None:
+        super().__init__(detail)
+        self.message = message
+        self.detail = detail
+
+
 def refusal(error: BaseException) -> tuple[str, str]:
-    """The ERROR frame's ``message`` and detail for a SEND the core refused."""
+    """The ERROR frame's ``message`` and detail for a SEND the core refused, or a frame the gateway refused."""
+    if isinstance(error, FrameError):
+        return error.message, error.detail
     if isinstance(error, LinkRequestError):
         return ("permission denied" if error.code == ErrorCode.FORBIDDEN else "send refused"), error.text
     return "send refused", str(error)

@@ -35,7 +35,7 @@ from tridentmq_stomp.protocol import events as ev
 from tridentmq_stomp.protocol.connection import State, StompServerConnection
 from tridentmq_stomp.protocol.errors import LocalProtocolError, RemoteProtocolError
 from tridentmq_stomp.protocol.frames import Limits
-from tridentmq_stomp.receipts import Receipts, refusal
+from tridentmq_stomp.receipts import FrameError, Receipts, refusal
 from tridentmq_stomp.settings import StompSettings
 
 log = logging.getLogger("tridentmq.stomp")
@@ -99,6 +99,8 @@ class StompSession:
         self.transactions: dict[str, int] = {}
         self._keys = itertools.count(1)
         self.receipts: Receipts[asyncio.Future[None]] = Receipts()
+        # An ERROR is on its way (it waits for the answers of the frames before it): later frames are ignored.
+        self._failing = False
         self._loop = asyncio.get_running_loop()
         self._driver = SessionDriver(
             self, wire, "stomp", max_events=limits.pending_frames, max_bytes=limits.pending_bytes
@@ -160,6 +162,8 @@ class StompSession:
     def handle_now(self, event: ev.Event) -> bool:
         """Handle the frames that need no waiting (ACK, NACK, and a SEND while the core's window is open)
         without a coroutine each: at tens of thousands of frames a second that is most of the cost."""
+        if self._failing:
+            return True  # after an ERROR's frame, nothing more is done
         if isinstance(event, ev.Ack):
             self._ack(event)
             self._receipt_now(event.receipt)
@@ -183,6 +187,8 @@ class StompSession:
 
     async def handle(self, event: ev.Event) -> None:
         """The other frames (ACK and NACK always go through ``_handle_now``)."""
+        if self._failing and not isinstance(event, ev.ConnectionClosed):
+            return
         match event:
             case ev.Connect():
                 await self._connect(event)
@@ -386,6 +392,11 @@ class StompSession:
             return
         del self.transactions[event.transaction]
         if event.command == "COMMIT":
+            # Not while a SEND before it may still be refused: its ERROR comes first and the transaction, not
+            # committed, ends with the connection (a client that sends it again must not find it committed).
+            await self._settle_receipts()
+            if self._failing:
+                return
             await link.commit(tx_id)
         else:
             await link.rollback(tx_id)
@@ -420,8 +431,8 @@ class StompSession:
         try:
             self._write_batch(subscription)
         except LinkRequestError as exc:
-            if not self._closed:
-                self._error("subscription ended", exc.text, None)
+            if not self._closed:  # no frame's answer: the subscription's end, now
+                self._send_error("subscription ended", exc.text, None)
                 self._end()
         except Exception:  # as a task's failure would: this connection ends, the gateway goes on
             log.exception("stomp subscription failed", extra={"peer": self.wire.peer})
@@ -471,7 +482,7 @@ class StompSession:
             if self.conn.closed:
                 continue
             if error is not None:
-                self._error(*refusal(error), receipt)
+                self._send_error(*refusal(error), receipt)
             elif receipt is not None:
                 self.conn.receipt(receipt)
 
@@ -490,6 +501,20 @@ class StompSession:
         self._driver.end()
 
     def _error(self, message: str, detail: str, receipt: str | None) -> None:
+        """Refuse the frame being handled: its ERROR follows the answers of the frames before it (a SEND's
+        RECEIPT once the core confirmed it), and no frame after it is done."""
+        if self._failing:
+            return
+        self._failing = True
+        failed = self._loop.create_future()
+        failed.set_exception(FrameError(message, detail))
+        self.receipts.after(failed, receipt)
+        self._drain_receipts()
+        self._flush()
+
+    def _send_error(self, message: str, detail: str, receipt: str | None) -> None:
+        """The ERROR frame now; the connection ends once it is written."""
+        self._failing = True
         log.info("stomp error sent", extra={"peer": self.wire.peer, "error": message, "detail": detail[:200]})
         self.counters.errors += 1
         self.conn.error(message, detail, receipt)
@@ -506,8 +531,8 @@ class StompSession:
         self._error(_ERROR_NAMES.get(exc.code, "request failed"), exc.text, getattr(event, "receipt", None))
 
     def _link_closed(self, error: LinkRequestError) -> None:
-        if not self._closed:
-            self._error("server unavailable", f"the link to the broker closed: {error.text}", None)
+        if not self._closed:  # now: the answers the frames before it wait for are not coming
+            self._send_error("server unavailable", f"the link to the broker closed: {error.text}", None)
 
     # ------------------------------------------------------------------ heart-beats and the end
     def _arm_timer(self) -> None:

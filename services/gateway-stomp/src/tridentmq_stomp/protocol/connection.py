@@ -306,12 +306,17 @@ def _remote(message: str, detail: str, receipt_id: str | None) -> RemoteProtocol
     return RemoteProtocolError(message, detail, receipt_id)
 
 
+#: The longest heart-beat interval taken from a client (about 24 days): a longer one is as good as none, and a
+#: number of hundreds of digits would overflow the float of a timer.
+MAX_HEARTBEAT_MS = 2**31 - 1
+
+
 def _heartbeat_header(value: str) -> tuple[int, int]:
     parts = value.split(",")
     # ASCII digits only: str.isdigit() also accepts digits that int() cannot read.
     if len(parts) != 2 or not all(p.strip().isascii() and p.strip().isdigit() for p in parts):
         raise _remote("invalid header", f"heart-beat {value[:40]!r} is not two numbers", None)
-    return int(parts[0]), int(parts[1])
+    return min(int(parts[0]), MAX_HEARTBEAT_MS), min(int(parts[1]), MAX_HEARTBEAT_MS)
 
 
 __all__ = ["V10", "V11", "V12", "State", "StompServerConnection"]
