@@ -12,10 +12,11 @@ included, each with the broker's redelivered flag. :func:`check` turns that into
 - ``duplicated``: delivered more than once; every delivery after the first should carry the redelivered flag,
   and those that do not are counted apart. "After" is the order the consumers recorded them in, with one
   exception (``race_s``): an unflagged delivery recorded less than ``race_s`` after a flagged delivery of the
-  same stored copy (one node's message id) to another consumer was sent first, since a node's delivery count
-  of a copy only grows; the first consumer's client just recorded it late (its connection closed right after,
-  say, and the node redelivered the copy to the other consumer at once). Copies on two nodes, two unflagged
-  deliveries and one consumer's own order are always taken as recorded;
+  same stored copy (one node's message id) to another consumer, or to the same consumer over another of its
+  connections, was sent first, since a node's delivery count of a copy only grows; the first connection's
+  client just recorded it late (its connection closed right after, say, and the node redelivered the copy to
+  the other consumer, or to the consumer's next connection, at once). Copies on two nodes, two unflagged
+  deliveries and one connection's own order are always taken as recorded;
 - ``recovered``: outcome unknown, yet delivered (allowed, reported).
 
 :func:`compare_nodes` checks the split-brain guarantee after healing: no node may hold an acknowledged value
@@ -43,15 +44,16 @@ class Delivery(Generic[V]):
     consumer: str = ""  # who saw it (one name for all the connections of one consumer, one after another)
     copy: str = ""  # which stored copy: the node's message id, when the client sees it
     at: float | None = None  # when it was recorded: seconds, on one clock for the whole run
+    connection: str = ""  # which of the consumer's connections, for a client that reads each on a thread of its own
 
 
 def _sent_first(earlier: Delivery[V], later: Delivery[V], race_s: float) -> bool:
     """Whether ``later``, unflagged, was sent before ``earlier``, flagged, though recorded after it: the same
-    copy (whose delivery count only grows), another consumer, recorded less than ``race_s`` apart."""
+    copy (whose delivery count only grows), another consumer or connection, recorded less than ``race_s`` apart."""
     return (
         race_s > 0
         and earlier.redelivered
-        and earlier.consumer != later.consumer
+        and (earlier.consumer, earlier.connection) != (later.consumer, later.connection)
         and earlier.copy != ""
         and earlier.copy == later.copy
         and earlier.at is not None

@@ -314,13 +314,16 @@ class Stream:
     origins: dict[str, list[str]] = field(default_factory=dict)  # value -> where each delivery came from
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def deliver(self, value: str, redelivered: bool, consumer: str, *, copy: str = "", origin: str = "") -> None:
+    def deliver(
+        self, value: str, redelivered: bool, consumer: str, *, copy: str = "", origin: str = "", connection: str = ""
+    ) -> None:
         """One delivery to ``consumer`` (its name, whichever connection it has) of the stored ``copy`` (the
         node's message id, where the client sees it); ``origin`` says more for the report (its gateway, node),
-        the consumer's name when empty."""
+        the consumer's name when empty; ``connection`` tells the consumer's connections apart when each is read
+        on a thread of its own (their records may then come in another order than their deliveries)."""
         with self.lock:
             now = time.monotonic()  # under the lock: the records' order and their times agree
-            self.delivered.append(Delivery(value, redelivered, consumer, copy, now))
+            self.delivered.append(Delivery(value, redelivered, consumer, copy, now, connection))
             self.first_seen.setdefault(value, now)
             self.origins.setdefault(value, []).append(f"{now - EPOCH:.1f} {origin or consumer}")
 
@@ -499,7 +502,9 @@ class StompSession(stomp.ConnectionListener):  # type: ignore[misc]
     def on_message(self, frame: Any) -> None:
         if self.stream is not None:
             redelivered = frame.headers.get("redelivered") == "true"
-            self.stream.deliver(frame.body, redelivered, self.name, copy=frame.headers.get("message-id", ""))
+            self.stream.deliver(
+                frame.body, redelivered, self.name, copy=frame.headers.get("message-id", ""), connection=str(id(self))
+            )
             with contextlib.suppress(Exception):  # a connection going away: the message comes back
                 self.conn.ack(frame.headers["ack"])
 

@@ -130,6 +130,15 @@ def test_an_unflagged_first_delivery_recorded_just_after_its_copys_redelivery_el
     assert unflagged(("c0", "", 10.0, "flagged"), ("c1", "", 10.1, "plain")) == 1  # no copy known
     assert unflagged(("c0", "n1-7", 10.0, "flagged"), ("c1", "n1-7", 10.1, "plain"), race_s=0) == 1  # default
     assert unflagged(("c0", "n1-7", 10.0, "plain"), ("c1", "n1-7", 10.1, "flagged")) == 0
+    # One consumer that moved to a new connection (seed 1130266892: stomp.py reads each connection on a thread of
+    # its own, and the old one recorded its copy 4 ms late, after the new one recorded the redelivery).
+    moved = [
+        Delivery(1, redelivered=True, consumer="c0", copy="n1-7", at=10.0, connection="second"),
+        Delivery(1, redelivered=False, consumer="c0", copy="n1-7", at=10.004, connection="first"),
+    ]
+    assert check([1], [1], [], moved, race_s=0.5).unflagged_duplicates == 0
+    same = [dataclasses.replace(d, connection="only") for d in moved]  # one connection's own order stands
+    assert check([1], [1], [], same, race_s=0.5).unflagged_duplicates == 1
     # the exemption needs every earlier delivery to excuse it
     assert (
         unflagged(("c0", "n1-7", 10.0, "flagged"), ("c2", "n2-9", 10.05, "flagged"), ("c1", "n1-7", 10.1, "plain")) == 1
