@@ -502,9 +502,9 @@ class StompSession(stomp.ConnectionListener):  # type: ignore[misc]
     def on_message(self, frame: Any) -> None:
         if self.stream is not None:
             redelivered = frame.headers.get("redelivered") == "true"
-            self.stream.deliver(
-                frame.body, redelivered, self.name, copy=frame.headers.get("message-id", ""), connection=str(id(self))
-            )
+            copy = frame.headers.get("message-id", "")
+            origin = f"{self.name} {copy}{' redelivered' if redelivered else ''}"  # what the report shows
+            self.stream.deliver(frame.body, redelivered, self.name, copy=copy, origin=origin, connection=str(id(self)))
             with contextlib.suppress(Exception):  # a connection going away: the message comes back
                 self.conn.ack(frame.headers["ack"])
 
