@@ -325,4 +325,4 @@ def test_address_settings_are_shown_and_changed_at_run_time(node: tuple[CoreProc
     assert (resolved["max_delivery_attempts"], resolved["dead_letter_address"]) == (3, "settings.dlq")
     refused = cli(core, "address", "set", "settings.#", "address_full_policy=KEEP")
     assert refused.returncode == 1
-    assert "address_full_policy is one of" in refused.stderr
+    assert "address_full_policy 'KEEP' is not one of PAGE, BLOCK, FAIL, DROP" in refused.stderr
