@@ -391,6 +391,17 @@ async def test_a_commit_after_a_refused_send_is_not_committed(tmp_path: Path) ->
         assert queue is None or len(queue) == 0
 
 
+async def test_subscriptions_per_connection_are_capped(core: Core) -> None:
+    """Each subscription may hold a window of messages for a client that stops reading: their number is what
+    bounds the connection's memory."""
+    c = await connected(core, max_subscriptions=2)
+    for n in range(2):
+        await c.receipt("SUBSCRIBE", id=f"s{n}", destination=f"/topic/t{n}")
+    c.send_frame("SUBSCRIBE", id="s2", destination="/topic/t2", receipt="third")
+    error = await c.error()
+    assert (error.headers["message"], error.headers["receipt-id"]) == ("resource limit", "third")
+
+
 async def test_a_bad_login_is_refused(tmp_path: Path) -> None:
     settings = core_settings(tmp_path, users=[UserEntry("alice", "secret", ["app"])])
     async with running_core(settings, lambda port: CoreLinkSection(port=port)) as core:

@@ -282,6 +282,10 @@ class StompSession:
         if event.id in self.subscriptions:
             self._error("duplicate subscription", f"subscription id {event.id[:40]!r} is in use", event.receipt)
             return
+        most = self.settings.stomp.max_subscriptions
+        if len(self.subscriptions) >= most:  # what a client that stops reading holds grows with them
+            self._error("resource limit", f"at most {most} subscriptions on one connection", event.receipt)
+            return
         headers = event.headers
         address, routing = await self._resolve(event.destination, headers.get("destination-type"))
         limits = self.settings.stomp

@@ -57,6 +57,11 @@ class StompLimitsSection:
         "`consumer-window-size` or `activemq.prefetchSize`.",
     )
     max_prefetch: int = doc(10_000, "Largest prefetch a subscription may ask for.")
+    max_subscriptions: int = doc(
+        1000,
+        "Most subscriptions on one connection; another SUBSCRIBE is an ERROR `resource limit` (each may hold "
+        "up to `core.consumer_window_bytes` of messages for a client that stops reading).",
+    )
     pending_frames: int = doc(
         1000,
         "Client frames read ahead of processing before the gateway stops reading "
