@@ -334,7 +334,8 @@ class StompSession:
         )
         self.subscriptions[event.id] = subscription
         consumer.on_wake = lambda: self._pump(subscription)
-        # What came with the subscribe's answer goes out a turn later, after the SUBSCRIBE's RECEIPT.
+        # What came with the subscribe's answer goes out a turn later: after the SUBSCRIBE's RECEIPT when no
+        # earlier SEND's RECEIPT is still awaited (the RECEIPT waits in line behind those, the messages do not).
         self._loop.call_soon(self._pump, subscription)
 
     async def _unsubscribe(self, event: ev.Unsubscribe) -> None:
