@@ -44,7 +44,7 @@ def test_three_pairs_are_six_nodes_each_backup_named_after_its_primary_group(tmp
         kind = gateway.name.removeprefix("gateway-").upper()
         assert int(gateway.env[f"TRIDENTMQ_{kind}_CORE_PORT"]) in (61616, 61617, 61618)
         assert len(gateway.env[f"TRIDENTMQ_{kind}_CORE_CONNECTORS"].split(",")) == 6
-    assert (tmp_path / "cluster.password").exists()
+    assert (tmp_path / "cluster.password").stat().st_mode & 0o777 == 0o600
 
 
 def test_the_gateways_stop_first_then_the_backups_then_the_nodes(tmp_path: Path) -> None:

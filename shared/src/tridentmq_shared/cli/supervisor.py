@@ -137,9 +137,10 @@ def _cluster(data_dir: Path, nodes: int, discovery: str) -> list[tuple[str, dict
     """(name, environment) of each node of a local cluster."""
     data_dir.mkdir(parents=True, exist_ok=True)
     secret = data_dir / "cluster.password"
-    if not secret.exists():
-        secret.write_text(secrets.token_urlsafe(24))
-        secret.chmod(0o600)
+    if not secret.exists():  # made readable by its owner only from the start, not chmod-ed after the write
+        descriptor = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "w") as file:
+            file.write(secrets.token_urlsafe(24))
     password = secret.read_text().strip()
     cores = []
     for i in range(nodes):
