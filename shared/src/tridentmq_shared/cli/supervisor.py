@@ -269,15 +269,17 @@ async def supervise(children: list[Child]) -> int:
         for sig in _STOP_SIGNALS:
             loop.add_signal_handler(sig, kill_all)
         _print(b"tridentmq up: stopping (Ctrl-C again kills what is left at once)\n")
-        await stop_children(children, tasks)
+        clean = await stop_children(children, tasks)
     finally:
         kill_all()  # whatever ended this (an error of our own): no child outlives it
-    return 0
+    return 0 if clean else 1
 
 
-async def stop_children(children: list[Child], tasks: list[asyncio.Task[None]], grace_s: float = GRACE_SECONDS) -> None:
+async def stop_children(children: list[Child], tasks: list[asyncio.Task[None]], grace_s: float = GRACE_SECONDS) -> bool:
     """Stop ``children`` (their ``_run_child`` tasks, in the same order, end with them) stage by stage: SIGTERM to
-    a stage, then SIGKILL to what of it still runs after ``grace_s``, before the next stage is asked."""
+    a stage, then SIGKILL to what of it still runs after ``grace_s``, before the next stage is asked. Returns
+    whether every child stopped by itself."""
+    clean = True
     for stage in sorted({child.stop_stage for child in children}):
         group = [(child, task) for child, task in zip(children, tasks, strict=True) if child.stop_stage == stage]
         for child, _ in group:
@@ -288,4 +290,6 @@ async def stop_children(children: list[Child], tasks: list[asyncio.Task[None]], 
             if child.process is not None and child.process.returncode is None:
                 print(f"{child.name} did not stop in {grace_s:.0f} s; killing it", file=sys.stderr, flush=True)
                 child.process.kill()
+                clean = False
         await asyncio.gather(*(task for _, task in group), return_exceptions=True)
+    return clean
