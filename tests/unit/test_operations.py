@@ -3,6 +3,8 @@ clients see after a purge, move, copy, pause or settings change, and the refusal
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgpack
 import pytest
 from tests.unit.broker_harness import Harness, bodies, ok, recorded
@@ -289,6 +291,9 @@ def test_a_redelivery_delay_that_would_overflow_is_the_longest_delay() -> None:
     settings = h.broker.address_settings.resolve("orders")
     assert settings.redelivery_delay(3) == 400
     assert settings.redelivery_delay(5000) == settings.max_redelivery_delay_ms
+    # A whole multiplier, as a settings file may give it, is no exact integer of a million digits either.
+    whole = dataclasses.replace(settings, redelivery_multiplier=2)
+    assert whole.redelivery_delay(10_000_000) == whole.max_redelivery_delay_ms
 
 
 def test_a_client_is_named_by_connection_id_whole_name_or_a_word_after_the_protocol() -> None:

@@ -42,7 +42,8 @@ class ResolvedAddressSettings:
         if self.redelivery_delay_ms <= 0:
             return 0
         try:
-            delay = self.redelivery_delay_ms * self.redelivery_multiplier ** max(0, attempts - 1)
+            # As a float: a whole multiplier from a settings file would make an exact integer of millions of digits.
+            delay = self.redelivery_delay_ms * float(self.redelivery_multiplier) ** max(0, attempts - 1)
         except OverflowError:  # a thousand attempts of a message that is never dead-lettered
             return self.max_redelivery_delay_ms
         return int(min(delay, self.max_redelivery_delay_ms))

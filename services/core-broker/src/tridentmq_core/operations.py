@@ -314,7 +314,6 @@ class Operations:
             broker.catalog.set_paused(found, paused)
         return {"queues": len(known.queues)}
 
-    # ------------------------------------------------------------------ connections
     # ------------------------------------------------------------------ address settings
     def address_settings(self, address: str | None) -> dict[str, Any]:
         """The configured entries, and with ``address`` what applies to it."""
