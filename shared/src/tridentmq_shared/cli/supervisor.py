@@ -245,15 +245,19 @@ async def _run_child(child: Child, stopping: asyncio.Event) -> None:
         backoff = min(backoff * 2, MAX_BACKOFF)
 
 
-#: What stops ``up``: Ctrl-C, a polite kill, and the terminal going away (the children run in sessions of their
-#: own, so without this they would outlive a closed terminal, holding the ports and data the next ``up`` needs).
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+def _stop_signals() -> tuple[signal.Signals, ...]:
+    """What stops ``up``: Ctrl-C, a polite kill, and the terminal going away (the children run in sessions of
+    their own, so they would outlive a closed terminal, holding the ports and data the next ``up`` needs), unless
+    ``up`` was started to ignore that (``nohup``)."""
+    hangup = () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,)
+    return (signal.SIGINT, signal.SIGTERM, *hangup)
 
 
 async def supervise(children: list[Child]) -> int:
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in _STOP_SIGNALS:
+    stop_signals = _stop_signals()
+    for sig in stop_signals:
         loop.add_signal_handler(sig, stopping.set)
 
     def kill_all() -> None:
@@ -266,7 +270,7 @@ async def supervise(children: list[Child]) -> int:
     tasks = [asyncio.create_task(_run_child(c, stopping)) for c in children]
     try:
         await stopping.wait()
-        for sig in _STOP_SIGNALS:
+        for sig in stop_signals:
             loop.add_signal_handler(sig, kill_all)
         _print(b"tridentmq up: stopping (Ctrl-C again kills what is left at once)\n")
         clean = await stop_children(children, tasks)
