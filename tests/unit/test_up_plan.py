@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from tridentmq_shared.cli.supervisor import (
     STOP_NODES,
     Child,
     _run_child,
+    _stop_signals,
     plan,
     stop_children,
 )
@@ -163,3 +165,14 @@ async def test_a_child_with_a_line_longer_than_a_read_is_seen_to_exit_and_starte
     assert max(len(piece) for piece in pieces) <= 64 * 1024
     assert "gateway-mqtt   | last words" in lines
     assert "gateway-mqtt exited with 0; restarting in 1 s" in err
+
+
+def test_a_hangup_stops_up_unless_it_was_started_to_ignore_it() -> None:
+    """The children run in sessions of their own: without this a closed terminal left them all running; with
+    ``nohup`` (SIGHUP ignored) ``up`` keeps running, as the user asked."""
+    for handler, stops in ((signal.SIG_DFL, True), (signal.SIG_IGN, False)):
+        previous = signal.signal(signal.SIGHUP, handler)
+        try:
+            assert (signal.SIGHUP in _stop_signals()) is stops
+        finally:
+            signal.signal(signal.SIGHUP, previous)
