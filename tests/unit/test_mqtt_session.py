@@ -1174,6 +1174,24 @@ async def test_refused_publishes_get_0x87_in_v5_and_close_a_311_connection(tmp_p
         assert old.packets == []
 
 
+async def test_a_refused_retained_publish_retains_nothing(tmp_path: Path) -> None:
+    """The retained store is written on the gateway's own link, which may do what the user may not: a user who
+    may read ``secret`` but not publish there set its retained message all the same, and was told 0x87."""
+    grants = app_grants("send", "consume", "createNonDurableQueue", "createAddress")
+    grants += app_grants("consume", "createNonDurableQueue", "createAddress", match="secret.#")
+    async with gateway(tmp_path, users=[UserEntry("alice", "a", ["app"])], permissions=grants) as gw:
+        login: dict[str, Any] = {"username": "alice", "password": b"a"}
+        c = await gw.connected("c", **login)
+        c.send(Publish("secret/x", b"forged", 1, retain=True, packet_id=2))
+        refused = await c.packet(Puback)
+        assert (refused.packet_id, refused.reason_code) == (2, rc.NOT_AUTHORIZED)
+        assert await c.publish("allowed/x", b"kept", retain=True, packet_id=3) == Puback(3)
+        reader = await gw.connected("reader", **login)
+        await reader.subscribe(Subscription("secret/x", 1), Subscription("allowed/x", 1))
+        assert (await reader.message()).payload == b"kept"
+        await reader.nothing()
+
+
 async def test_refused_subscriptions_get_0x87_in_v5_and_0x80_in_311(tmp_path: Path) -> None:
     grants = app_grants("consume", "createNonDurableQueue", "createDurableQueue", "createAddress")
     async with gateway(tmp_path, users=[UserEntry("alice", "a", ["app"])], permissions=grants) as gw:

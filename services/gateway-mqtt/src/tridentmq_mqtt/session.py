@@ -155,6 +155,7 @@ class MqttSession:
         "_loop",
         "_outbound",
         "_queues",
+        "_retaining",
         "_topics",
         "_will_delay_s",
         "_will_key",
@@ -220,6 +221,7 @@ class MqttSession:
         self._dropping = False  # fan-out messages are being skipped: the client does not keep up
         # Queues dropped after moving to a feed, a wait for the client to read (made when needed, as above).
         self._background: set[asyncio.Task[None]] | None = None
+        self._retaining: asyncio.Future[None] | None = None  # the last retained PUBLISH's update of the store
         self._queues = 0  # this connection's own subscription queues made so far (an int: a count() is 56 bytes)
         self._disconnecting = False
         loop = asyncio.get_running_loop()
@@ -671,10 +673,31 @@ class MqttSession:
         self.counters.messages_published += 1
         confirm = Pending(await link.send(message), packet_id, event.qos, event.topic)
         if event.retain:
-            retained = self.registry.retain(event.topic, message)
-            retained.add_done_callback(self._retained_settled)  # confirmed on the gateway's link, not ours
-            confirm.retained = retained
+            retained = self._loop.create_task(
+                self._retain_once_accepted(confirm.outcome, self._retaining, event.topic, message)
+            )
+            retained.add_done_callback(self._retained_settled)
+            self._retaining = confirm.retained = retained
         self._answers.waits(confirm)
+
+    async def _retain_once_accepted(
+        self,
+        accepted: asyncio.Future[None],
+        previous: asyncio.Future[None] | None,
+        topic: str,
+        message: WireMessage,
+    ) -> None:
+        """Make ``message`` its topic's retained message once the core has accepted it as this user's publish,
+        after the retained PUBLISH before it. The store is written on the gateway's own link, which may do what
+        the user may not: a publish the core refused (no send right, a full address) must retain nothing."""
+        if previous is not None:
+            with contextlib.suppress(LinkRequestError):  # refused or not, it is done: the order is kept
+                await previous
+        try:
+            await accepted
+        except LinkRequestError:  # refused (its answer says so) or lost with the link: nothing to retain
+            return
+        await self.registry.retain(topic, message)
 
     def _retained_settled(self, future: asyncio.Future[None]) -> None:
         _retrieve(future)  # its outcome is read by _answer_confirmed, unless the session ended first
