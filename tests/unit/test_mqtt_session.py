@@ -1174,6 +1174,24 @@ async def test_refused_publishes_get_0x87_in_v5_and_close_a_311_connection(tmp_p
         assert old.packets == []
 
 
+@pytest.mark.parametrize("qos", [1, 2])
+async def test_a_bad_publish_ends_the_connection_after_the_answers_of_the_publishes_before_it(
+    gw: Gateway, qos: int
+) -> None:
+    """The core stored "good": without its PUBACK (PUBREC) the client sends it again, and its subscribers get it
+    twice. The DISCONNECT used to go out at once."""
+    sub = await gw.connected("sub")
+    await sub.subscribe(Subscription("t", 1))
+    c = await gw.connected("c")
+    bad = Properties(payload_format_indicator=1)  # says UTF-8
+    c.send(Publish("t", b"good", qos, packet_id=1), Publish("t", b"\xff\xfe", qos, packet_id=2, properties=bad))
+    answer = await c.packet(Puback if qos == 1 else Pubrec)
+    assert (answer.packet_id, answer.reason_code) == (1, 0)
+    assert (await c.packet(Disconnect)).reason_code == rc.PAYLOAD_FORMAT_INVALID
+    await c.ended()
+    assert (await sub.message()).payload == b"good"
+
+
 async def test_a_refused_retained_publish_retains_nothing(tmp_path: Path) -> None:
     """The retained store is written on the gateway's own link, which may do what the user may not: a user who
     may read ``secret`` but not publish there set its retained message all the same, and was told 0x87."""

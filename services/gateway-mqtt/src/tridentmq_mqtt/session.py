@@ -157,6 +157,7 @@ class MqttSession:
         "_queues",
         "_retaining",
         "_topics",
+        "_violating",
         "_will_delay_s",
         "_will_key",
         "client_id",
@@ -222,6 +223,7 @@ class MqttSession:
         # Queues dropped after moving to a feed, a wait for the client to read (made when needed, as above).
         self._background: set[asyncio.Task[None]] | None = None
         self._retaining: asyncio.Future[None] | None = None  # the last retained PUBLISH's update of the store
+        self._violating = False  # a DISCONNECT waits for the answers before it: no packet is handled meanwhile
         self._queues = 0  # this connection's own subscription queues made so far (an int: a count() is 56 bytes)
         self._disconnecting = False
         loop = asyncio.get_running_loop()
@@ -308,6 +310,8 @@ class MqttSession:
     def handle_now(self, event: ev.Event) -> bool:
         """QoS 0/1 PUBLISH and PUBACK without a coroutine each: at tens of thousands a second that is most of
         the cost."""
+        if self._violating:
+            return True
         kind = type(event)
         if kind is ev.Publish:
             assert isinstance(event, ev.Publish)
@@ -340,6 +344,8 @@ class MqttSession:
         return False
 
     async def handle(self, event: ev.Event) -> None:
+        if self._violating and type(event) is not ev.ConnectionClosed:
+            return
         match event:
             case ev.Connect():
                 await self._connect(event)
@@ -1330,9 +1336,30 @@ class MqttSession:
             )
 
     def _violation(self, reason_code: int, text: str) -> None:
+        """End the connection over a packet it cannot take, once the PUBLISH packets before it are answered: the
+        core may have stored them, and a client that gets no PUBACK sends them again. No packet after it is
+        handled meanwhile."""
+        if self._violating:
+            return
         log.info("mqtt protocol error", extra={"peer": self.wire.peer, "error": text[:200], "reason_code": reason_code})
         self.counters.protocol_errors += 1
         if self.conn.closed:
+            return
+        pending = self._answers.outstanding()
+        if pending:
+            self._violating = True
+            self._in_background(self._disconnect_once_answered(pending, reason_code, text))
+            return
+        self._disconnect_for(reason_code, text)
+
+    async def _disconnect_once_answered(self, pending: list[asyncio.Future[None]], reason_code: int, text: str) -> None:
+        await asyncio.wait(pending)
+        self._answer_confirmed()
+        self._disconnect_for(reason_code, text)
+
+    def _disconnect_for(self, reason_code: int, text: str) -> None:
+        if self.conn.closed:
+            self._end()
             return
         if self._connected:
             props = Properties(reason_string=text[:200]) if self.version == V5 else NO_PROPERTIES
