@@ -1192,6 +1192,26 @@ async def test_a_bad_publish_ends_the_connection_after_the_answers_of_the_publis
     assert (await sub.message()).payload == b"good"
 
 
+async def test_a_session_resumed_to_end_with_its_connection_stays_ended_after_a_pubrel(gw: Gateway) -> None:
+    """A persistent session with a QoS 2 message awaiting its PUBREL, resumed by a connection whose session
+    ends with it (no session expiry): the PUBREL saved the session record again, and the next connection
+    found the session, its subscription included, brought back."""
+    c = await gw.connected("dev", properties=persistent())
+    await c.subscribe(Subscription("keep/+", 1))
+    c.send(Publish("x2", b"once", 2, packet_id=11))
+    assert (await c.packet(Pubrec)).packet_id == 11
+    await c.gone()
+    back = gw.client()
+    await back.connect("dev", clean_start=False)  # session expiry 0: this session ends with this connection
+    back.send(Pubrel(11))
+    assert (await back.packet(Pubcomp)).packet_id == 11
+    await back.disconnect()
+    await settle()
+    third = gw.client()
+    assert not (await third.connect("dev", clean_start=False)).session_present
+    assert gw.queues("$mqtt.session") == []
+
+
 async def test_a_refused_retained_publish_retains_nothing(tmp_path: Path) -> None:
     """The retained store is written on the gateway's own link, which may do what the user may not: a user who
     may read ``secret`` but not publish there set its retained message all the same, and was told 0x87."""

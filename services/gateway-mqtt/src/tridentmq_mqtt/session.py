@@ -674,7 +674,8 @@ class MqttSession:
             dedup = self.state.released_in.get(packet_id)
             if dedup is None:
                 dedup = self.state.released_in[packet_id] = f"mqtt:{self.client_id}:{uuid.uuid4().hex}"
-                await self.registry.save(self.client_id, self.state)
+                if self.persistent:  # a session that ends with this connection keeps no record (saving made one)
+                    await self.registry.save(self.client_id, self.state)
             message[M_DEDUP] = dedup
         self.counters.messages_published += 1
         confirm = Pending(await link.send(message), packet_id, event.qos, event.topic)
@@ -756,7 +757,8 @@ class MqttSession:
         known = event.known
         if self.state.released_in.pop(event.packet_id, None) is not None:
             known = True
-            await self.registry.save(self.client_id, self.state)
+            if self.persistent:  # as in _publish: saving would bring back a session that ends with this connection
+                await self.registry.save(self.client_id, self.state)
         self.conn.pubcomp(event.packet_id, 0 if known else rc.PACKET_IDENTIFIER_NOT_FOUND)
 
     # ------------------------------------------------------------------ SUBSCRIBE / UNSUBSCRIBE
