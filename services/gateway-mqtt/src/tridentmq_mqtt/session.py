@@ -1347,16 +1347,14 @@ class MqttSession:
         self.counters.protocol_errors += 1
         if self.conn.closed:
             return
-        pending = self._answers.outstanding()
-        if pending:
+        if self._answers.outstanding():
             self._violating = True
-            self._in_background(self._disconnect_once_answered(pending, reason_code, text))
+            self._in_background(self._disconnect_once_answered(reason_code, text))
             return
         self._disconnect_for(reason_code, text)
 
-    async def _disconnect_once_answered(self, pending: list[asyncio.Future[None]], reason_code: int, text: str) -> None:
-        await asyncio.wait(pending)
-        self._answer_confirmed()
+    async def _disconnect_once_answered(self, reason_code: int, text: str) -> None:
+        await self._settle_confirms()
         self._disconnect_for(reason_code, text)
 
     def _disconnect_for(self, reason_code: int, text: str) -> None:
