@@ -314,6 +314,10 @@ def test_closing_a_client_ends_its_stomp_connection(node: tuple[CoreProcess, Gat
             conn.disconnect()
     event = audit_events(core, "mgmt.client.close")[-1]
     assert (event["target"], event["result"]) == (peer, "ok")
+    # A connection id names one link: closing one that is gone is an error, not "closed 0".
+    missing = cli(core, "connection", "close", links[0]["conn_id"])
+    assert missing.returncode == 1, missing.stdout
+    assert "no connection" in missing.stderr, missing.stderr
 
 
 def test_address_settings_are_shown_and_changed_at_run_time(node: tuple[CoreProcess, GatewayProcess]) -> None:

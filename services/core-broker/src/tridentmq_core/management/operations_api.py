@@ -402,7 +402,7 @@ class OperationsApi:
     async def close_connection(self, request: web.Request) -> web.Response:
         async def prepare() -> tuple[str, Local]:
             conn_id = _name(request.match_info["conn_id"])
-            return conn_id, lambda: self._close(lambda s: s.conn_id == conn_id)
+            return conn_id, lambda: self._close_connection(conn_id)
 
         return await self._guarded(request, "connection.close", prepare)
 
@@ -414,6 +414,13 @@ class OperationsApi:
             return client, lambda: self._close(lambda s: client_matches(s, client))
 
         return await self._guarded(request, "client.close", prepare)
+
+    def _close_connection(self, conn_id: str) -> dict[str, Any]:
+        """A connection id names one link: none is an error (a client, by contrast, may just be away)."""
+        closed = self._close(lambda s: s.conn_id == conn_id)
+        if not closed["closed"]:
+            raise OperationError(404, f"no connection {conn_id!r} on this node")
+        return closed
 
     def _close(self, chosen: Callable[[Any], bool]) -> dict[str, Any]:
         close_link = self.control.close_link
