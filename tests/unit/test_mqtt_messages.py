@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import msgpack
 import pytest
 
 from tridentmq_mqtt import messages
@@ -97,9 +98,16 @@ def test_the_session_record_round_trips() -> None:
         "a/+": StoredSubscription(2, no_local=True, retain_as_published=True, subscription_id=9),
         "$share/g/b": StoredSubscription(0),
     }
-    state = SessionState(subscriptions, {3: "mqtt:c:x"}, {65535: 123456789})
+    state = SessionState(subscriptions, {3: "mqtt:c:x"}, {65535: (123456789, "a/+")})
     assert SessionState.decode(state.encode()) == state
     assert SessionState.decode(SessionState().encode()) == SessionState()
+
+
+def test_a_session_record_of_an_older_gateway_keeps_its_released_messages() -> None:
+    """Records written before copies were told apart hold a bare message id: that message counts as the
+    client's, whichever subscription's copy it is (as it did then)."""
+    older = msgpack.packb({"v": 1, "subs": {}, "in": {}, "out": {7: 6}})
+    assert SessionState.decode(older).released_out == {7: (6, None)}
 
 
 @pytest.mark.parametrize(("topic_filter", "prefix"), [

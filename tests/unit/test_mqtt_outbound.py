@@ -8,7 +8,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tridentmq_mqtt.outbound import MAX_PACKET_ID, Outbound, packet_id
+from tridentmq_mqtt.outbound import MAX_PACKET_ID, Copy, Outbound, packet_id
 
 
 def test_a_packet_id_is_never_0_and_the_same_each_time_a_message_comes() -> None:
@@ -21,25 +21,34 @@ def test_a_packet_id_is_never_0_and_the_same_each_time_a_message_comes() -> None
 
 def test_the_client_has_a_message_whose_pubrec_is_recorded_and_no_other_under_its_packet_id() -> None:
     outbound: Outbound[str] = Outbound()
-    released = {packet_id(70_000): 70_000}
-    assert outbound.client_has(70_000, released)
+    released: dict[int, Copy] = {packet_id(70_000): (70_000, "a")}
+    assert outbound.client_has(70_000, "a", released)
+    assert not outbound.client_has(70_000, "b", released)  # the same message for another subscription
     colliding = 70_000 + MAX_PACKET_ID  # the same packet id, another message
     assert packet_id(colliding) == packet_id(70_000)
-    assert not outbound.client_has(colliding, released)
-    assert not outbound.client_has(70_001, released)
+    assert not outbound.client_has(colliding, "a", released)
+    assert not outbound.client_has(70_001, "a", released)
+
+
+def test_a_copy_recorded_by_an_older_gateway_is_the_clients_for_any_subscription() -> None:
+    outbound: Outbound[str] = Outbound()
+    released: dict[int, Copy] = {packet_id(9): (9, None)}
+    assert outbound.client_has(9, "a", released)
+    assert outbound.client_has(9, "b", released)
 
 
 def test_a_completed_flow_frees_its_packet_id_and_the_client_still_has_the_message() -> None:
     """After the PUBCOMP the record goes, yet the core may deliver the message again (its ack was lost): the
     client must not get it twice."""
     outbound: Outbound[str] = Outbound()
-    released = {packet_id(5): 5}
+    released: dict[int, Copy] = {packet_id(5): (5, "a")}
     outbound.sent(packet_id(5), "m5")
-    assert outbound.completed(packet_id(5), released) == 5
+    assert outbound.completed(packet_id(5), released) == (5, "a")
     assert released == {}
     assert outbound.in_flight == {}
-    assert outbound.client_has(5, released)
-    assert not outbound.client_has(6, released)
+    assert outbound.client_has(5, "a", released)
+    assert not outbound.client_has(5, "b", released)  # another subscription's copy still goes
+    assert not outbound.client_has(6, "a", released)
 
 
 def test_a_pubcomp_for_a_flow_never_recorded_frees_the_id_and_remembers_nothing() -> None:
@@ -47,7 +56,7 @@ def test_a_pubcomp_for_a_flow_never_recorded_frees_the_id_and_remembers_nothing(
     outbound.sent(7, "m")
     assert outbound.completed(7, {}) is None
     assert outbound.in_flight == {}
-    assert not outbound.client_has(6, {})  # message 6 has packet id 7
+    assert not outbound.client_has(6, "a", {})  # message 6 has packet id 7
 
 
 def test_a_puback_settles_once() -> None:

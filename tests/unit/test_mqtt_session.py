@@ -943,6 +943,36 @@ async def test_a_qos2_message_whose_pubrec_was_recorded_is_released_not_sent_aga
     assert (await back.message(2)).payload == b"next"  # "once" was not sent again before it
 
 
+async def test_overlapping_qos2_subscriptions_of_a_persistent_session_each_deliver_their_copy(gw: Gateway) -> None:
+    """One core message has one id in both subscriptions' queues: the second copy is not taken for the first
+    once that one's flow is complete, on the live connection or after a reconnect (each copy with its own
+    subscription identifier, [MQTT-3.3.4-4])."""
+    c = await gw.connected("dev", properties=persistent())
+    await c.subscribe(Subscription("o2/a", 2), sid=1)
+    await c.subscribe(Subscription("o2/+", 2), packet_id=2, sid=2)
+    pub = await gw.connected("pub")
+    await pub.publish("o2/a", b"live", qos=2)
+    got = [await c.message(2), await c.message(2)]
+    assert sorted(m.properties.subscription_identifiers for m in got) == [(1,), (2,)]
+    assert {m.payload for m in got} == {b"live"}
+    # The first copy's PUBREC recorded, the connection lost before its PUBCOMP: the other copy still comes.
+    await pub.publish("o2/a", b"resumed", qos=2, packet_id=2)
+    first = await c.packet(Publish)
+    assert first.packet_id is not None
+    c.send(Pubrec(first.packet_id))
+    assert await c.packet(Pubrel) == Pubrel(first.packet_id)
+    await c.gone()
+    back = gw.client()
+    assert (await back.connect("dev", clean_start=False, properties=persistent())).session_present
+    assert await back.packet(Pubrel) == Pubrel(first.packet_id)
+    back.send(Pubcomp(first.packet_id))
+    other = await back.message(2)
+    assert other.payload == b"resumed"
+    assert other.properties.subscription_identifiers != first.properties.subscription_identifiers
+    await pub.publish("o2/a", b"marker", qos=2, packet_id=3)
+    assert [(await back.message(2)).payload for _ in range(2)] == [b"marker", b"marker"]  # "resumed" once each
+
+
 async def test_a_qos2_publish_retried_after_a_reconnect_is_published_once(gw: Gateway) -> None:
     sub = await gw.connected("sub")
     await sub.subscribe(Subscription("x2", 2))

@@ -6,6 +6,10 @@ A message's packet id comes from its core id (``packet_id``): a message the core
 reconnect comes back under the packet id the client knows. That is how a QoS 2 message whose PUBREC was
 recorded is recognised and acknowledged to the core instead of being sent again (the client, which has
 released nothing yet, would take it as a new message). Two messages whose ids collide wait for each other.
+
+One core message has one id in every queue it is routed to, so a message matching two subscriptions of the
+client comes from each of their queues under one id and one packet id. What the client has is therefore a
+``Copy``: the message id and the subscription (its SUBSCRIBE's filter text) it came for.
 """
 
 from __future__ import annotations
@@ -14,6 +18,10 @@ from collections.abc import Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+#: A message for one subscription: its core id and the subscription's filter text (None in a session record
+#: written before copies were told apart: then any subscription's copy of that message).
+Copy = tuple[int, str | None]
 
 #: Packet ids run from 1 to 65535 ([MQTT-2.2.1-3]: 0 is not one).
 MAX_PACKET_ID = 0xFFFF
@@ -34,18 +42,19 @@ class Outbound(Generic[T]):
         # Waiting for the client's receive maximum or for a packet id in use, in the order they came (a list:
         # an empty deque is 600 bytes per connection, and this one is cut once per batch).
         self.parked: list[T] = []
-        # Message ids of QoS 2 flows completed on this connection (made when one is: an empty set is 216 bytes).
-        self._completed: set[int] | None = None
+        # The copies of QoS 2 flows completed on this connection (made when one is: an empty set is 216 bytes).
+        self._completed: set[Copy] | None = None
 
-    def client_has(self, message_id: int, released: dict[int, int]) -> bool:
+    def client_has(self, message_id: int, subscription: str, released: dict[int, Copy]) -> bool:
         """Whether the client has this message already: its PUBREC is recorded in ``released`` (the session
         record's packet id → message id, kept across connections until the PUBCOMP), or its flow completed
         on this connection. The core delivers such a message again when its acknowledgement was lost (with
-        a gateway or a link): it is to be acknowledged, not sent."""
-        if released.get(packet_id(message_id)) == message_id:
+        a gateway or a link): it is to be acknowledged, not sent. Another subscription's copy is sent."""
+        recorded = released.get(packet_id(message_id))
+        if recorded is not None and recorded[0] == message_id and recorded[1] in (subscription, None):
             return True
         completed = self._completed
-        return completed is not None and message_id in completed
+        return completed is not None and (message_id, subscription) in completed
 
     def must_wait(self) -> bool:
         """A new message waits behind those already waiting (the client gets them in the order they came)."""
@@ -58,15 +67,15 @@ class Outbound(Generic[T]):
         """PUBACK (or a PUBREC that refuses the message): the flow is over; what it settled, if known."""
         return self.in_flight.pop(packet, None)
 
-    def completed(self, packet: int, released: dict[int, int]) -> int | None:
-        """PUBCOMP: the packet id is free; the message id whose record leaves ``released`` (None: none)."""
+    def completed(self, packet: int, released: dict[int, Copy]) -> Copy | None:
+        """PUBCOMP: the packet id is free; the copy whose record leaves ``released`` (None: none)."""
         self.in_flight.pop(packet, None)
-        message_id = released.pop(packet, None)
-        if message_id is not None:
+        copy = released.pop(packet, None)
+        if copy is not None:
             if self._completed is None:
                 self._completed = set()
-            self._completed.add(message_id)
-        return message_id
+            self._completed.add(copy)
+        return copy
 
     def unpark(self, send: Callable[[T], bool]) -> int:
         """Offer the waiting packets to ``send`` in order until it takes one no more; how many it took."""

@@ -1136,10 +1136,11 @@ class MqttSession:
             packet_id = None
         else:
             message_id = message[M_ID]
-            if self._outbound.client_has(message_id, self.state.released_out):
-                assert out.sub is not None
-                assert out.sub.consumer is not None
-                out.sub.consumer.ack_ids([message_id])
+            sub = out.sub
+            assert sub is not None
+            if self._outbound.client_has(message_id, sub.text, self.state.released_out):
+                assert sub.consumer is not None
+                sub.consumer.ack_ids([message_id])
                 return True
             packet_id = outbound.packet_id(message_id)
             if self.conn.in_flight(packet_id):
@@ -1244,8 +1245,8 @@ class MqttSession:
                 self._done(out)
             self._unpark()
             return
-        if out is not None and not out.retained and self.persistent:
-            self.state.released_out[packet_id] = out.message[M_ID]
+        if out is not None and out.sub is not None and not out.retained and self.persistent:
+            self.state.released_out[packet_id] = (out.message[M_ID], out.sub.text)
             await self.registry.save(self.client_id, self.state)
         if out is not None:
             self._done(out)
@@ -1258,8 +1259,8 @@ class MqttSession:
 
     def _completed(self, packet_id: int) -> None:
         """PUBCOMP: the QoS 2 flow is over."""
-        message_id = self._outbound.completed(packet_id, self.state.released_out)
-        if message_id is not None and self.persistent:
+        copy = self._outbound.completed(packet_id, self.state.released_out)
+        if copy is not None and self.persistent:
             # Not awaited: should it be lost, the stale entry only costs a PUBREL answered by PUBCOMP.
             self.registry.save(self.client_id, self.state).add_done_callback(_retrieve)
         self._unpark()

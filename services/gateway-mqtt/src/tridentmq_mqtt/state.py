@@ -34,6 +34,7 @@ import msgpack
 
 from tridentmq_mqtt import convert
 from tridentmq_mqtt.messages import TOPIC
+from tridentmq_mqtt.outbound import Copy
 from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.link.client import Consumer, LinkClient, queue_spec
 from tridentmq_shared.link.errors import LinkRequestError
@@ -75,7 +76,7 @@ class SessionState:
 
     subscriptions: dict[str, StoredSubscription] = field(default_factory=dict)  # by the SUBSCRIBE's filter text
     released_in: dict[int, str] = field(default_factory=dict)  # client's QoS 2 packet id → dedup id, until PUBREL
-    released_out: dict[int, int] = field(default_factory=dict)  # our QoS 2 packet id → message id, until PUBCOMP
+    released_out: dict[int, Copy] = field(default_factory=dict)  # our QoS 2 packet id → its copy, until PUBCOMP
     user: str | None = None  # who created the session ("" for an anonymous client); None in older records
 
     def encode(self) -> bytes:
@@ -83,7 +84,8 @@ class SessionState:
             text: [s.qos, s.no_local, s.retain_as_published, s.subscription_id]
             for text, s in self.subscriptions.items()
         }
-        record: dict[str, Any] = {"v": 1, "subs": subs, "in": self.released_in, "out": self.released_out}
+        out = {packet: list(copy) for packet, copy in self.released_out.items()}
+        record: dict[str, Any] = {"v": 1, "subs": subs, "in": self.released_in, "out": out}
         if self.user is not None:
             record["user"] = self.user
         return bytes(msgpack.packb(record, strict_types=True))
@@ -99,9 +101,17 @@ class SessionState:
         return cls(
             subs,
             {int(k): str(v) for k, v in record.get("in", {}).items()},
-            {int(k): int(v) for k, v in record.get("out", {}).items()},
+            {int(k): _copy(v) for k, v in record.get("out", {}).items()},
             user if type(user) is str else None,
         )
+
+
+def _copy(recorded: Any) -> Copy:
+    """A released copy as recorded: ``[message id, filter text]``, or a bare message id in older records."""
+    if type(recorded) is list:
+        message_id, subscription = recorded
+        return int(message_id), str(subscription)
+    return int(recorded), None
 
 
 class SessionBusyError(Exception):
