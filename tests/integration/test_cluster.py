@@ -651,6 +651,35 @@ async def test_an_empty_durable_subscription_of_a_gracefully_stopped_node_lives_
     stop_all([b])
 
 
+async def test_a_node_scaled_down_while_another_is_down_keeps_what_waits_for_that_node(tmp_path: Path) -> None:
+    """Messages waiting on a leaving node for a node that is down cannot move (only that node holds their
+    queues). The leaving node said "scale-down complete" over them; they stay in its journal now, it says
+    so, and once started again it forwards them."""
+    a, b, c = start_cluster(tmp_path, 3)
+    c_id = node_id(c)
+    known = cluster_view(b)["remote_bindings"]
+    async with client(c) as cc:
+        await cc.create_queue("news-c", "news", routing_type=RoutingType.MULTICAST, durable=True)
+    wait_until(lambda: cluster_view(b)["remote_bindings"] > known, what="b to learn c's queue")
+    c.process.kill()
+    c.process.wait()
+    wait_until(lambda: c_id not in members(b), what="b to see c down")
+    await publish(b, "news", bodies(20, "n"), routing=RoutingType.MULTICAST)  # confirmed: b holds them for c
+    assert b.stop() == 0
+    log = b.log()
+    assert "scale-down complete" not in log, log
+    warned = [line for line in log.splitlines() if "messages for nodes that are down stay" in line]
+    assert len(warned) == 1, log
+    assert c_id in warned[0], warned
+    c = start_node(tmp_path, "node-2", [a])
+    b = start_node(tmp_path, "node-1", [a])
+    wait_converged([a, b, c])
+    async with client(c) as cc:
+        got = await take(await cc.subscribe("news-c"), 20)
+    assert sorted(got) == sorted(bodies(20, "n"))
+    stop_all([b, a, c])
+
+
 def counters(node: CoreProcess) -> dict[str, int]:
     with urllib.request.urlopen(node.management_url + "/api/status", timeout=5) as response:
         return dict(json.loads(response.read())["counters"])

@@ -898,6 +898,13 @@ class ClusterManager:
             pending = [q for q in broker.forwarder.forward_queues.values() if q.consumers and (len(q) or q.in_flight)]
             in_transit = any(b.in_transit for b in self.bridges.values())  # sent straight, not confirmed yet
             if not left and not pending and not in_transit:
+                held = self._held_for_down_nodes()
+                if held:  # only those nodes hold their queues: nowhere else to move them, nothing to wait for
+                    log.warning(
+                        "scale-down incomplete: messages for nodes that are down stay in this node's journal",
+                        extra={"messages": sum(held.values()), "nodes": ", ".join(sorted(held))},
+                    )
+                    return
                 log.info("scale-down complete: no messages left on this node")
                 return
             if not targets:
@@ -912,6 +919,15 @@ class ClusterManager:
             "scale-down incomplete: messages stay in this node's journal",
             extra={"messages": remaining, "live_targets": len(targets)},
         )
+
+    def _held_for_down_nodes(self) -> dict[str, int]:
+        """Node id → messages waiting here for that node while it is down (its store-and-forward queue has no
+        consumer). They cannot move: their queues are on that node, which a scale-down must not drop."""
+        return {
+            node_id: len(q) + q.in_flight + q.paged
+            for node_id, q in self.broker.forwarder.forward_queues.items()
+            if not q.consumers and (len(q) or q.in_flight or q.paged)
+        }
 
     def _live_targets(self) -> list[Bridge]:
         return sorted((b for b in self.bridges_by_node.values() if b.up and not b.leaving), key=lambda b: b.node_id)
