@@ -25,7 +25,7 @@ from tridentmq_core.balancer import Balancer, is_local_consumer
 from tridentmq_core.broker import Broker
 from tridentmq_core.checks import BrokerError
 from tridentmq_core.cluster.bridge import Bridge
-from tridentmq_core.cluster.discovery import Announcement, RedisDiscovery
+from tridentmq_core.cluster.discovery import MAX_MEMBERS, Announcement, RedisDiscovery
 from tridentmq_core.cluster.sync import BindingSync
 from tridentmq_core.forwarder import FORWARD_QUEUE_PREFIX, Direct
 from tridentmq_core.ha.votes import Standing
@@ -148,6 +148,16 @@ def validate_cluster_settings(settings: CoreSettings) -> bool:
     return has_credentials
 
 
+def _listed(report: dict[str, Any], key: str) -> list[Any]:
+    """A list field of another node's report (absent: empty); ``ValueError`` when it is something else."""
+    value = report.get(key)
+    if value is None:
+        return []
+    if type(value) is not list:
+        raise ValueError(f"{key} of a cluster report is a list")
+    return value
+
+
 def parse_connector(text: str) -> tuple[str, int]:
     try:
         return parse_endpoint(text)
@@ -207,6 +217,7 @@ class ClusterManager:
         self._sent_version = (-1, -1)
         self._backlogged: frozenset[str] = frozenset()  # own queues last advertised as saturated
         self._members_version = 0
+        self._members_full_logged = False
         # Replies to clients whose queue or consumer the other nodes must know first.
         self.sync = BindingSync(timeout_ms=max(2000, 8 * settings.link.heartbeat_ms))
         self._push_scheduled = False
@@ -417,6 +428,13 @@ class ClusterManager:
         if member.node_id == self.node_id:
             return
         known = self.members.get(member.node_id)
+        if known is None and len(self.members) >= MAX_MEMBERS:
+            # Each member costs a cluster connection that is retried for ever: a peer's report is no reason
+            # to open any number of them.
+            if not self._members_full_logged:
+                self._members_full_logged = True
+                log.warning("cluster: member limit reached, further nodes ignored", extra={"limit": MAX_MEMBERS})
+            return
         if known != member:
             self.members[member.node_id] = member
             self._members_version += 1
@@ -478,8 +496,8 @@ class ClusterManager:
             bridge.note_refused(reason, logging.ERROR if standing is Standing.REPLACED else logging.WARNING)
             return False
         try:
-            self.bindings.replace(bridge.node_id, reply.get("bindings") or [])
-            members = [Member.from_wire(m) for m in reply.get("members") or []]
+            self.bindings.replace(bridge.node_id, _listed(reply, "bindings"))
+            members = [Member.from_wire(m) for m in _listed(reply, "members")]
         except (BindingError, ValueError) as exc:
             log.error("cluster join answer refused", extra={"to": bridge.address, "reason": str(exc)})  # noqa: TRY400
             bridge.state, bridge.reason = "refused", str(exc)
@@ -514,8 +532,8 @@ class ClusterManager:
             self.bindings.leave(bridge.node_id)  # before its bindings go with this update
         try:
             if "bindings" in update or "removed" in update:
-                self.bindings.apply(bridge.node_id, update.get("bindings") or [], update.get("removed") or [])
-            for member in update.get("members") or []:
+                self.bindings.apply(bridge.node_id, _listed(update, "bindings"), _listed(update, "removed"))
+            for member in _listed(update, "members"):
                 self.learn(Member.from_wire(member))
         except (BindingError, ValueError) as exc:
             log.warning("cluster update refused", extra={"from": bridge.address, "reason": str(exc)})
