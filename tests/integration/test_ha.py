@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from tests.conftest import CoreProcess, start_core, start_gateway, stop_cleanly
 from tests.integration.cluster_nodes import (
+    CLUSTER_PASSWORD,
+    CLUSTER_USER,
     client,
     cluster_view,
     node_id,
@@ -837,3 +839,39 @@ async def test_a_paused_primary_of_a_single_pair_learns_from_its_backup_that_it_
     assert "taken by, another copy" in pair.primary.log()
     assert await drain(pair.backup, "single.q", 1) == [b"before"]
     assert pair.backup.stop() == 0
+
+
+async def test_a_primary_whose_backup_is_still_copying_scales_down_on_a_graceful_stop(tmp_path: Path) -> None:
+    """A backup still copying cannot take over: a graceful stop that skipped the scale-down for it ("a backup
+    keeps the messages") left them on the stopped primary's disk, and the node the cluster had moved nothing
+    to (found by a review: 0 of 50 moved)."""
+    other = start_node(tmp_path, "other")
+    primary = start_node(
+        tmp_path, "primary", [other], core_ha_policy="replication", core_ha_group_name="g1", core_ha_sync_window="5"
+    )
+    wait_converged([other, primary])
+    async with client(primary) as c:
+        for i in range(10):
+            await c.create_queue(f"pad{i}", f"pad{i}")  # more records than the window: the copy cannot end
+        await c.create_queue("sd.q", "sd.q")
+        await asyncio.gather(*[await c.send(new_message("sd.q", b"m%d" % i, durable=True)) for i in range(50)])
+    copying = PeerLink(
+        "127.0.0.1",
+        primary.link_port,
+        user=CLUSTER_USER,
+        password=CLUSTER_PASSWORD,
+        client_name="backup:copying",
+        reconnect=ReconnectPolicy(attempts=0),
+    )
+    copying.on_replica = lambda records: None  # a backup whose copy goes on (a slow disk, a large journal)
+    async with copying:
+        await copying.replicate(
+            {"group": "g1", "server_id": "copying", "epoch": 1, "host": "127.0.0.1", "port": 1, "role": "backup"}
+        )
+        await wait_until_async(lambda: ha_view(primary).get("backup") == "copying", what="the backup to attach")
+        assert ha_view(primary)["backup_in_sync"] is False
+        primary.process.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(primary.process.wait, 30) == 0
+    assert "scale-down complete" in primary.log(), primary.log()
+    assert sorted(await drain(other, "sd.q", 50)) == sorted(b"m%d" % i for i in range(50))
+    stop_cleanly(other)

@@ -1176,9 +1176,10 @@ class CoreNode:
 
     async def stop(self) -> None:
         """Close every link (telling peers why), stop the listener, seal the audit segment."""
-        has_backup = self.replication is not None and self.replication.feed is not None
+        # A backup that may take over keeps the messages instead; one still copying cannot serve them.
+        has_backup = self.replication is not None and self.replication.backup_may_take_over()
         scale_down = (self.settings.cluster.scale_down or self.scale_down_requested) and not has_backup
-        if self.cluster is not None and scale_down:  # a backup keeps the messages instead
+        if self.cluster is not None and scale_down:
             await self.cluster.prepare_scale_down()  # while the tick still keeps the links alive
         for task in (self._timer, self._network_task):
             if task is not None:

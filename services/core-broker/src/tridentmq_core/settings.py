@@ -293,7 +293,7 @@ class ClusterSection:
         True,
         "On a graceful stop, move this node's messages (durable and not) to another "
         "live node of the cluster before exiting, so none wait for this node's "
-        "return.",
+        "return. Not while a backup holds them (in sync): it takes over instead.",
     )
     scale_down_timeout_ms: int = doc(
         30_000, "Longest a graceful stop spends moving messages; what is left stays in this node's journal."

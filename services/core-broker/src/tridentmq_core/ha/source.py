@@ -161,6 +161,12 @@ class ReplicationSource:
             link.close(ErrorCode.FAILBACK, "the pair goes back to its primary")
             self._drop_link(session.conn_id)
 
+    def backup_may_take_over(self) -> bool:
+        """Whether the attached backup holds, or may count itself to hold, everything: in sync, or sent the end
+        of its copy (its acknowledgement can be lost with the link). A backup still copying cannot serve."""
+        feed = self.feed
+        return feed is not None and (feed.in_sync or bool(feed.sync_end and self._sync_end_sent == feed.sync_end))
+
     def in_sync_backup(self) -> tuple[str, int] | None:
         """The link endpoint of the backup while it is in sync (clients of this node go there next)."""
         return self.backup_endpoint if self.feed is not None and self.feed.in_sync else None
@@ -239,6 +245,7 @@ class ReplicationSource:
         if session.conn_id in self.broker.sessions:
             self._check_progress(session, feed)
             return
+        may_take_over = self.backup_may_take_over()
         self.session = self.feed = self._link = None
         self._dropped = False
         self._members_changed()
@@ -248,7 +255,7 @@ class ReplicationSource:
             return  # this node let the backup go itself: it takes over, and this node restarts as its backup
         # Once the end of the copy was sent, the backup may hold it and count itself in sync (its acknowledgement
         # can be lost with the link): it may take over, so this node needs a quorum to go on, as below.
-        if not feed.in_sync and not (feed.sync_end and self._sync_end_sent == feed.sync_end):
+        if not may_take_over:
             log.warning("backup lost before it was in sync", extra={"backup": self.backup})
             self.store.limit_confirms(None)
             return
