@@ -780,27 +780,11 @@ class CoreNode:
         self.broker.number_from(wall_ms() << 20)  # as at the start of the process: ids grow with time
         self._open_audit()
         self._recover()
-        if self.clusters:
-            self.cluster = ClusterManager(
-                self.broker,
-                self.settings,
-                node_id=self.node_id,
-                name=self.settings.node.name,
-                advertise=self._advertise(),
-                schedule_flush=self.schedule_flush,
-                management_port=self.management_port,
-                epoch=self.identity.epoch,
-                voter=self.voter,
-            )
-            self.status.cluster = self.cluster.status
-            self.cluster.on_fenced = self._fenced
-            await self.cluster.start()
-            await self._join_cluster(self.cluster)
+        await self._start_cluster()
         if self.voter is not None:
             self.voter.observe(self.node_id, self.identity.epoch)  # asked about its own pair, it knows this
             self.broker.on_ha = self._on_ha
         if self.settings.ha.policy == REPLICATION and self.journal_store is not None:
-            cluster_manager = self.cluster
             self.replication = ReplicationSource(
                 self.broker,
                 self.journal_store,
@@ -808,7 +792,7 @@ class CoreNode:
                 self.server_id,
                 self.settings,
                 lambda: self.cluster,
-                cluster_manager.members_view if cluster_manager is not None else list,
+                lambda: self.cluster.members_view() if self.cluster is not None else [],
                 self._fenced,
                 self._hand_over,
                 self.drop_link,
@@ -849,6 +833,28 @@ class CoreNode:
                 "management_port": self.management_port,
             },
         )
+
+    async def _start_cluster(self) -> None:
+        """Join the cluster, if this node has one (when it activates, or serves again after a failed failback)."""
+        if not self.clusters:
+            return
+        self.cluster = ClusterManager(
+            self.broker,
+            self.settings,
+            node_id=self.node_id,
+            name=self.settings.node.name,
+            advertise=self._advertise(),
+            schedule_flush=self.schedule_flush,
+            management_port=self.management_port,
+            epoch=self.identity.epoch,
+            voter=self.voter,
+        )
+        self.status.cluster = self.cluster.status
+        self.cluster.on_fenced = self._fenced
+        await self.cluster.start()
+        await self._join_cluster(self.cluster)
+        if self.replication is not None:
+            self.cluster.backup = self.replication.in_sync_backup
 
     def _serve_at(self, epoch: int) -> None:
         """The pair moved to a new ``epoch`` (recorded already): stamp it on what this node says from now on."""
@@ -1005,8 +1011,11 @@ class CoreNode:
             self.cluster = None
         if not await replication.drained():
             log.error("failback: the primary went away before it held everything; serving again")
+            # As any node that lost its backup: in the cluster again, and confirming once the backup's loss
+            # is settled (by a quorum if it was in sync: it may take over; so after joining, to ask the others).
+            await self._start_cluster()
+            replication.failback_failed()
             self.active = True
-            replication.failing_back = False
             return
         replication.release_backup()
         mark_released(self.identity.data_dir)

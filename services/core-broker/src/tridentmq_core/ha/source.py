@@ -92,6 +92,7 @@ class ReplicationSource:
         self.backup_endpoint: tuple[str, int] = ("", 0)  # where the backup will serve clients once active
         self.backup_role = BACKUP  # the role the backup is configured with (a returned primary: failback)
         self._sync_end_sent = 0
+        self._lost_may_take_over = False  # whether the backup last lost may have taken over
         self.held_since = 0.0  # monotonic: confirms wait for a quorum since then (0: they do not)
         self._progress_at = 0.0  # monotonic: the backup last acknowledged something, or had nothing to
         self._stay_task: asyncio.Task[None] | None = None
@@ -245,7 +246,7 @@ class ReplicationSource:
         if session.conn_id in self.broker.sessions:
             self._check_progress(session, feed)
             return
-        may_take_over = self.backup_may_take_over()
+        self._lost_may_take_over = self.backup_may_take_over()
         self.session = self.feed = self._link = None
         self._dropped = False
         self._members_changed()
@@ -253,9 +254,19 @@ class ReplicationSource:
         self.store.on_copied = lambda answer_int: None
         if self.failing_back:
             return  # this node let the backup go itself: it takes over, and this node restarts as its backup
+        self._backup_lost()
+
+    def failback_failed(self) -> None:
+        """The failback ended with the backup gone before it held everything: this node serves on, having lost
+        that backup (``tick`` left its loss to the failback)."""
+        self.failing_back = False
+        if self.feed is None:
+            self._backup_lost()
+
+    def _backup_lost(self) -> None:
         # Once the end of the copy was sent, the backup may hold it and count itself in sync (its acknowledgement
         # can be lost with the link): it may take over, so this node needs a quorum to go on, as below.
-        if not may_take_over:
+        if not self._lost_may_take_over:
             log.warning("backup lost before it was in sync", extra={"backup": self.backup})
             self.store.limit_confirms(None)
             return
