@@ -12,10 +12,12 @@ from tests.unit.broker_harness import ANYCAST, Harness, ok
 
 from tridentmq_core.balancer import SelectorCache
 from tridentmq_core.cluster.bridge import Bridge, BridgeOutlet
+from tridentmq_core.forwarding import FORWARD_PROPERTY, numbered_header
+from tridentmq_core.queues import Consumer
 from tridentmq_core.redistribution import Redistributor
 from tridentmq_core.remote_bindings import Binding
 from tridentmq_core.security import Principal
-from tridentmq_shared.message import WireMessage
+from tridentmq_shared.message import M_ID, M_PROPS, WireMessage, new_message
 
 
 class _Link:
@@ -96,3 +98,42 @@ def test_a_move_whose_confirm_was_lost_is_flagged_on_both_nodes() -> None:
         target.broker.on_durable(token)
     target.sync()
     assert [(d.count, d.body) for d in there.take(on_target)] == [(2, b"m")]
+
+
+def test_a_forward_sent_again_is_flagged_over_there_even_once_its_transfer_id_is_forgotten() -> None:
+    """A store-and-forward queue's message whose confirm was lost goes again with its stored header. Its
+    transfer id makes the copy a duplicate over there for ``dedup_window_seconds``; a node that was away
+    longer stored it as a new message, delivered unflagged a second time. The header of a resend counts an
+    attempt now."""
+    source, target = Harness(), Harness()
+    ok(target.connect().create_queue("orders", "orders", ANYCAST, durable=True))
+    message = new_message("orders", b"m", routing=ANYCAST, durable=True)
+    message[M_ID] = source.broker.new_message_id()
+    message[M_PROPS] = {FORWARD_PROPERTY: numbered_header("node-1", ("orders",), 1, source.broker.transfer_prefix)}
+    bridge = Bridge(_Manager(source), "127.0.0.1", 1)  # type: ignore[arg-type]
+    link = _Link()
+    bridge.client = link  # type: ignore[assignment]
+    forward_queue = source.broker.forwarder.forward_queue("node-1", source.now_ms)
+    bridge.consumers[3] = Consumer(3, source.connect().session, forward_queue, 100)
+    outlet = BridgeOutlet(bridge)
+    outlet.deliver(3, 1, message)  # sent; the confirm is lost with the link
+    outlet.deliver(3, 2, message)  # sent again on the next link
+    first, again = link.sent
+
+    def accepted(sent: WireMessage) -> list[tuple[int, bytes]]:
+        target.broker.forwarder.accept_from_cluster(list(sent), target.now_ms)
+        client = target.connect()
+        consumer = client.consumer("orders")
+        target.sync()
+        for token in range(1, 20):  # every record so far is on disk
+            target.broker.on_durable(token)
+        target.sync()
+        taken = client.take(consumer)
+        client.ack(consumer, [d.id for d in taken])
+        client.close()
+        target.sync()
+        return [(d.count, d.body) for d in taken]
+
+    assert accepted(first) == [(1, b"m")]
+    target.tick(target.now_ms + int(target.settings.broker.dedup_window_seconds * 1000) + 1_000)
+    assert accepted(again) == [(2, b"m")]

@@ -24,6 +24,8 @@ from typing import Final, NamedTuple
 
 import msgpack
 
+from tridentmq_shared.message import M_PROPS, WireMessage
+
 #: The property; ``$``-prefixed names are the broker's own.
 FORWARD_PROPERTY: Final = "$cluster.fwd"
 #: How often a redistributed message was redistributed, this move included (its residence grows with it).
@@ -129,6 +131,22 @@ class ForwardHeader(NamedTuple):
                 _NUMBERED_DECODED.clear()
             _NUMBERED_DECODED[value] = header
         return header
+
+
+def marked_resent(message: WireMessage) -> WireMessage:
+    """A store-and-forward queue's message sent again after its link dropped unconfirmed: the other node may
+    have stored it, delivered even. Its transfer id makes the copy a duplicate there while the node remembers
+    it (``dedup_window_ms``); the header now also counts an attempt, so that a node that forgot it by then
+    stores the copy with its next delivery flagged, not as new."""
+    try:
+        header = ForwardHeader.decode(message[M_PROPS].get(FORWARD_PROPERTY))
+    except ValueError:
+        return message  # refused over there as malformed, as it would have been the first time
+    if header.delivered:
+        return message
+    outgoing = list(message)
+    outgoing[M_PROPS] = {**message[M_PROPS], FORWARD_PROPERTY: header._replace(delivered=1).encode()}
+    return outgoing
 
 
 def numbered_header(target: str, queues: tuple[str, ...], hops: int, node_part: str, delivered: int = 0) -> bytes:

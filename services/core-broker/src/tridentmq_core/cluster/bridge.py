@@ -18,7 +18,7 @@ from typing import Any, Final, Protocol
 
 from tridentmq_core.broker import Broker
 from tridentmq_core.forwarder import Direct
-from tridentmq_core.forwarding import FORWARD_PROPERTY, MOVES_PROPERTY, numbered_header
+from tridentmq_core.forwarding import FORWARD_PROPERTY, MOVES_PROPERTY, marked_resent, numbered_header
 from tridentmq_core.node_links import node_link, watch_close
 from tridentmq_core.queues import MESSAGE_OVERHEAD, Consumer
 from tridentmq_core.redistribution import Redistributor
@@ -340,8 +340,8 @@ class Bridge:
             header = numbered_header(consumer.target.node_id, (consumer.queue.name,), 1, node_part, delivered)
             moves = self.manager.broker.forwarder.arrivals.moves(message[M_ID]) + 1
             outgoing[M_PROPS] = {**message[M_PROPS], FORWARD_PROPERTY: header, MOVES_PROPERTY: moves}
-        else:
-            outgoing = message
+        else:  # a store-and-forward queue's, sent as it was stored (its header made once, for every attempt)
+            outgoing = marked_resent(message) if delivered else message
         if not client.body_fits(outgoing):  # its frame would break the link: refused as the other node would
             asyncio.get_running_loop().call_soon(self._refuse_too_big, consumer, message[M_ID])
             return
