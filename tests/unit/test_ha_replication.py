@@ -4,8 +4,8 @@ claim that the records from a compaction's roll on, copied and new ones interlea
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +17,19 @@ from tests.unit.test_journal import SMALL_SEGMENT, as_entries, queue_spec, recov
 import tridentmq_core.store.journal_store as journal_store_module
 from tridentmq_core.audit import NullAuditSink
 from tridentmq_core.broker import Broker
+from tridentmq_core.ha.backup import BackupRunner
 from tridentmq_core.ha.replication import MAX_BATCH_BYTES, ROLL, ReplicaFeed
 from tridentmq_core.ha.source import stall_limit, takeover_time
 from tridentmq_core.settings import CoreSettings, HaSection, LinkSection
 from tridentmq_core.store.base import DurableSnapshot
-from tridentmq_core.store.journal import Journal, list_segments, read_segment
+from tridentmq_core.store.identity import NodeIdentity
+from tridentmq_core.store.journal import Journal, list_segments, read_segment, segment_name
 from tridentmq_core.store.journal_store import JournalStore
 from tridentmq_core.store.memory import MemoryStore
 from tridentmq_core.store.records import Record, RecordType, scan
 from tridentmq_core.store.recovery import RecoveredState, replay
+from tridentmq_shared.link.events import ReplicaRecords
+from tridentmq_shared.link.peer import PeerLink
 from tridentmq_shared.message import M_DEDUP, M_ID, M_TIMESTAMP
 
 
@@ -637,6 +641,64 @@ def test_a_backup_connecting_to_an_idle_primary_is_in_sync_after_the_copy(tmp_pa
     assert feed.in_sync
     assert pair.became_in_sync == [feed.sync_end]
     assert pair.backup_state().references == pair.live_state().references == {"q": {1: 0, 3: 0, 4: 0, 5: 0}}
+
+
+def test_a_backup_keeps_a_compactions_copy_when_the_next_compaction_roll_is_written_first(tmp_path: Path) -> None:
+    """The primary may start its next compaction as soon as its own disk holds the last one's end; a backup
+    that lags gets both rolls before its loop handles the sync of the first COMPACTED record. It must retire
+    only the segments before that compaction's roll: the next roll's copy is not there yet."""
+    primary = Journal(tmp_path / "primary", segment_bytes=SMALL_SEGMENT)
+    primary.recover()
+    store = JournalStore(primary, call_in_loop=lambda fn: fn())
+    primary.start()
+    store.add_address("orders", (0,), auto_created=False)
+    store.add_queue(queue_spec("q"))
+    messages = [message(n) for n in range(1, 41)]
+    for m in messages:
+        store.add_message(m, ("q",))
+    wait_until(lambda: primary.synced == primary.appended)
+    feed = ReplicaFeed(1, primary.appended + 1, window=100_000)
+    primary.tap = feed.append
+    store.on_copied = feed.copied
+    snapshot = DurableSnapshot(
+        addresses=[("orders", [0], False)], queues=[queue_spec("q")], messages=[(m, ["q"], [0]) for m in messages]
+    )
+    store.start_compaction(snapshot)
+    store.compaction_step()  # copies everything: its COMPACTED record follows
+    wait_until(lambda: store.compactions == 1)
+    store.start_compaction(snapshot)  # the next one: a roll, the addresses and queues; its copy still to come
+    primary.close()
+    batch = feed.take()
+    assert batch is not None
+    assert sum(1 for data in batch[1] if data == ROLL) == 2
+
+    base = CoreSettings()
+    backup_settings = replace(base, journal=replace(base.journal, segment_bytes=SMALL_SEGMENT))
+    data_dir = tmp_path / "backup"
+    data_dir.mkdir()
+    synced: list[Callable[[], None]] = []  # the backup's loop is busy: the sync callbacks wait
+    identity = NodeIdentity(data_dir)
+    advertise = ("127.0.0.1", 1)
+    runner = BackupRunner(
+        backup_settings, identity, "b", data_dir / "journal", advertise, synced.append, noop, lambda: False
+    )
+    runner.client = client = PeerLink("127.0.0.1", 1)  # never connected: its acknowledgements go nowhere
+    runner._start_copy({"node_id": "pair", "epoch": 1, "members": []})
+    runner._records(client, ReplicaRecords(1, batch[0], batch[1], feed.sync_end))
+    journal = runner.journal
+    assert journal is not None
+    journal.close()  # everything written, both rolls included; then the loop runs the callbacks
+    for callback in synced:
+        callback()
+
+    assert runner.state.in_sync
+    assert segment_name(1) not in [p.name for p in list_segments(data_dir / "journal")]  # retired all the same
+    state = replay(recover(data_dir / "journal", SMALL_SEGMENT)[0])
+    assert sorted(state.references["q"]) == [m[M_ID] for m in messages]
+
+
+async def noop() -> None:
+    pass
 
 
 # ---------------------------------------------------------------------------------------------- a primary's stall

@@ -374,6 +374,28 @@ def test_roll_starts_a_new_segment_and_recovery_reads_across_it(tmp_path: Path) 
     assert report.segments == 2
 
 
+def test_retire_before_roll_keeps_the_segments_from_that_roll_on_when_later_ones_are_written(tmp_path: Path) -> None:
+    entries = make_entries(5)
+    journal = Journal(tmp_path, segment_bytes=ONE_SEGMENT)
+    journal.recover()
+    journal.start()
+    journal.append(*entries[0])
+    first = journal.roll()
+    journal.append(*entries[1])
+    assert journal.append_encoded([encode(*entries[2]), b"", encode(*entries[3])]) == 4  # a roll in a stream
+    assert journal.rolls == 2
+    third = journal.roll()
+    journal.append(*entries[4])
+    wait_until(lambda: journal.synced == journal.appended)
+    assert (first, third, journal.rolled_to) == (1, 3, 4)
+    assert journal.retire_before_roll(first) == 1  # not before the last roll's segment
+    assert [p.name for p in list_segments(tmp_path)] == [segment_name(n) for n in (2, 3, 4)]
+    assert journal.retire_before_roll(first) == 0  # done with
+    assert journal.retire_before_roll(third) == 2
+    journal.close()
+    assert as_entries(recover(tmp_path)[0]) == entries[4:]
+
+
 # ---------------------------------------------------------------------------------------------------- crashes
 @pytest.mark.usefixtures("no_sync")
 def test_a_cut_at_every_record_boundary_recovers_exactly_the_records_before_it(one_segment: OneSegment) -> None:

@@ -65,6 +65,7 @@ class BackupRunner:
         self._expected = 0
         self._sync_end = 0
         self._compacted_at = 0  # local number of the last compaction's COMPACTED record, until it is synced
+        self._compaction_roll = 0  # the roll that started that compaction: the segments before it go then
         self._early: list[ev.ReplicaRecords] = []  # records that came before the answer to REPLICATE
         self.handed_over = False  # the active copy handed the pair over (failback): take over without a vote
         self.bids = Bids.kept(self.state.bids)  # what it asks for, and the lost bids it withdraws (earlier ones too)
@@ -175,7 +176,7 @@ class BackupRunner:
         journal.on_synced = lambda upto: self._call_in_loop(lambda: self._synced(journal, upto))
         journal.start()
         self.journal = journal
-        self._offset = self._expected = self._sync_end = self._compacted_at = 0
+        self._offset = self._expected = self._sync_end = self._compacted_at = self._compaction_roll = 0
         self.reason = "copying"
         early, self._early = self._early, []
         for event in early:
@@ -212,12 +213,16 @@ class BackupRunner:
             spawn(client.close(), "ha-backup-close")
             return
         if event.records:
-            number = journal.appended
+            number, rolls = journal.appended, journal.rolls
             for data in event.records:
-                if data:
-                    number += 1
-                    if data[0] == MAGIC and data[1] == RecordType.COMPACTED:
-                        self._compacted_at = number  # once it is on disk, the segments before the roll go
+                if not data:
+                    rolls += 1  # numbered as ``append_encoded`` numbers it
+                    continue
+                number += 1
+                if data[0] == MAGIC and data[1] == RecordType.COMPACTED:
+                    # Once it is on disk, the segments before this compaction's roll go: not those before
+                    # the last roll written, which may be the next compaction's, whose copy is not whole yet.
+                    self._compacted_at, self._compaction_roll = number, rolls
             journal.append_encoded(event.records)
             self._expected = number + self._offset + 1
         if event.sync_end:
@@ -233,7 +238,7 @@ class BackupRunner:
         client.replica_ack(primary_upto)
         if self._compacted_at and upto >= self._compacted_at:
             self._compacted_at = 0
-            journal.retire_before(journal.rolled_to)  # as the primary did after the same compaction
+            journal.retire_before_roll(self._compaction_roll)  # as the primary did after the same compaction
         if not self.state.in_sync and self._sync_end and primary_upto >= self._sync_end:
             self.state.in_sync = True
             self.state.save(self.state_path)

@@ -17,6 +17,7 @@ import os
 import shutil
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,6 +195,10 @@ class Journal:
         self._position = 0
         self.error: OSError | None = None
         self.rolled_to = 0  # the segment the last roll marker started (set by the writer thread)
+        self._rolls = 0  # rolls queued, numbered from 1 (on the appending thread)
+        self._rolls_written = 0  # rolls the writer thread reached
+        #: (roll number, segment it started), appended by the writer thread, taken by ``retire_before_roll``.
+        self._roll_segments: deque[tuple[int, int]] = deque()
 
     # ------------------------------------------------------------------ recovery
     def recover(self) -> tuple[list[Record], RecoveryReport]:
@@ -285,6 +290,7 @@ class Journal:
         with self._lock:
             self._pending.extend(data or _ROLL for data in records)
             self._appended += count
+            self._rolls += len(records) - count
             number = self._appended
         if not self._wakeup.is_set():
             self._wakeup.set()
@@ -295,14 +301,23 @@ class Journal:
         """The number of the last record queued."""
         return self._appended
 
-    def roll(self) -> None:
-        """Queue a switch to a fresh segment: records appended after this call land in it or later ones."""
+    @property
+    def rolls(self) -> int:
+        """The number of the last roll queued (``roll`` and the empty records of ``append_encoded``)."""
+        return self._rolls
+
+    def roll(self) -> int:
+        """Queue a switch to a fresh segment: records appended after this call land in it or later ones.
+        Returns the roll's number (for ``retire_before_roll``)."""
         with self._lock:
             self._pending.append(_ROLL)
+            self._rolls += 1
+            number = self._rolls
         if not self._wakeup.is_set():
             self._wakeup.set()
         if self.tap is not None:
             self.tap(0, _ROLL)  # a roll takes no number
+        return number
 
     def segments(self) -> list[Path]:
         return list_segments(self.directory)
@@ -318,6 +333,18 @@ class Journal:
         if retired:
             fsync_directory(self.directory)
         return retired
+
+    def retire_before_roll(self, roll: int) -> int:
+        """Delete the segments before the one roll number ``roll`` started, which the writer has reached (a
+        record queued after the roll is synced); returns how many were deleted. Not ``rolled_to``: a later
+        roll may be written already (a backup gets its primary's next compaction as fast as it comes), and
+        the segments before it hold the only copy of what the compaction that ``roll`` started still needs."""
+        segment = 0
+        while self._roll_segments and self._roll_segments[0][0] <= roll:  # earlier rolls are done with too
+            number, started = self._roll_segments.popleft()
+            if number == roll:
+                segment = started
+        return self.retire_before(segment) if segment else 0
 
     def close(self) -> None:
         """Write and sync everything queued, then stop the writer."""
@@ -362,6 +389,8 @@ class Journal:
                 self._open_segment(self._segment_number + 1)
                 if data is _ROLL:
                     self.rolled_to = self._segment_number
+                    self._rolls_written += 1  # rolls are written in the order they were queued
+                    self._roll_segments.append((self._rolls_written, self._segment_number))
                     continue
             chunk.append(data)
             size += len(data)

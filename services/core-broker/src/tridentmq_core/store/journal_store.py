@@ -56,6 +56,7 @@ class JournalStore:
         self._written = 0  # records appended since the last compaction began
         self._copying: Iterator[tuple[RecordType, Any]] | None = None
         self._retire_after = 0  # when the record with this number is synced, the old segments can go
+        self._roll = 0  # the roll that started the running compaction: the segments before it go
         self._acked: set[tuple[str, int]] = set()  # changes made while copying, which the copy must honour
         self._deleted: set[str] = set()
         self._counts: dict[tuple[str, int], int] = {}
@@ -163,7 +164,7 @@ class JournalStore:
         return live_messages < self.compact_live_ratio * self._written
 
     def start_compaction(self, snapshot: DurableSnapshot) -> None:
-        self.journal.roll()
+        self._roll = self.journal.roll()
         self._written = 0
         self._acked.clear()
         self._deleted.clear()
@@ -237,6 +238,6 @@ class JournalStore:
         self._release()
         if self._retire_after and upto >= self._retire_after:
             self._retire_after = 0
-            retired = self.journal.retire_before(self.journal.rolled_to)
+            retired = self.journal.retire_before_roll(self._roll)
             self.compactions += 1
             log.info("journal compacted", extra={"segments_deleted": retired})
