@@ -665,6 +665,62 @@ async def test_the_backup_retires_its_segments_after_each_compaction_of_the_prim
     assert pair.backup.stop() == 0
 
 
+def silent_backup(node: CoreProcess) -> PeerLink:
+    """A backup's link that never acknowledges what it receives (a hung disk); its heartbeats keep it up."""
+    link = PeerLink(
+        "127.0.0.1",
+        node.link_port,
+        user=CLUSTER_USER,
+        password=CLUSTER_PASSWORD,
+        client_name="backup:silent",
+        reconnect=ReconnectPolicy(attempts=0, initial_attempts=1),
+    )
+    link.on_replica = lambda _records: None
+    return link
+
+
+SILENT = {"group": "g", "server_id": "silent", "epoch": 1, "host": "127.0.0.1", "port": 1, "role": "backup"}
+
+
+async def test_a_backup_silent_during_its_copy_is_dropped_and_another_backup_can_attach(tmp_path: Path) -> None:
+    """Acknowledging nothing during the copy, it held the compaction its copy started for ever: no other
+    compaction, no other backup, and the primary kept all it wrote for it in memory."""
+    primary = start_node(tmp_path, "p", core_ha_policy="replication", core_ha_group_name="g", core_ha_sync_window="10")
+    async with client(primary) as c:
+        for i in range(15):  # the copy is more than the window
+            await c.create_queue(f"q{i}", f"a{i}")
+    async with silent_backup(primary) as silent:
+        await silent.replicate(SILENT)
+        assert ha_view(primary)["backup"] == "silent"
+        await wait_until_async(lambda: "acknowledged nothing" in primary.log(), 15, "the silent backup's drop")
+        await wait_until_async(lambda: ha_view(primary).get("backup") == "", 10, "the backup gone")
+    backup = start_node(
+        tmp_path, "b", [primary], core_ha_policy="replication", core_ha_group_name="g", core_ha_role="backup"
+    )
+    await wait_until_async(lambda: ha_view(primary).get("backup_in_sync") is True, 15, "another backup in sync")
+    for node in (backup, primary):
+        assert node.stop() == 0
+
+
+async def test_a_backup_that_falls_max_backlog_bytes_behind_is_dropped(tmp_path: Path) -> None:
+    """What the primary has not sent its backup is held in memory: not without bound."""
+    primary = start_node(
+        tmp_path,
+        "p",
+        core_ha_policy="replication",
+        core_ha_group_name="g",
+        core_ha_sync_window="10",
+        core_ha_max_backlog_bytes=str(64 * 1024),
+        core_link_heartbeat_ms="30000",  # the silence alone would take two minutes to drop it
+    )
+    async with silent_backup(primary) as silent:
+        await silent.replicate(SILENT)
+        await publish(primary, "big", [b"%04d" % i + b"." * 2000 for i in range(100)])  # confirmed on disk here
+        await wait_until_async(lambda: "max_backlog_bytes behind" in primary.log(), 15, "the lagging backup's drop")
+        await wait_until_async(lambda: ha_view(primary).get("backup") == "", 10, "the backup gone")
+    assert primary.stop() == 0
+
+
 def shared_pair(tmp_path: Path) -> tuple[CoreProcess, CoreProcess]:
     """Two nodes on one shared directory: the first to win the lease serves, the other waits."""
     shared = {

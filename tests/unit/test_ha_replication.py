@@ -228,6 +228,37 @@ def test_pending_counts_unsent_and_unacknowledged_records() -> None:
     assert feed.pending == 3
 
 
+def test_a_backlog_past_max_backlog_bytes_overflows_the_feed_and_it_holds_no_more() -> None:
+    feed = ReplicaFeed(1, 1, window=2, max_backlog_bytes=35)
+    for n in (1, 2, 3):
+        feed.append(n, data(n))
+    assert feed.take() == (1, [data(1), data(2)])  # sent: no longer held
+    feed.append(4, data(4))
+    feed.append(5, data(5))
+    assert not feed.overflowed  # 30 bytes wait
+    feed.append(6, data(6))
+    assert feed.overflowed  # 40
+    feed.append(0, ROLL)
+    feed.append(7, data(7))
+    assert feed.take() is None  # what it lacks makes the rest useless: the backup is to be dropped
+    feed.ack(2)
+    assert feed.take() is None
+    assert feed.pending == 5  # still counted
+    with pytest.raises(ValueError, match=r"expected 8"):
+        feed.append(9, data(9))
+
+
+def test_records_sent_make_room_in_the_backlog() -> None:
+    feed = ReplicaFeed(1, 1, window=2, max_backlog_bytes=30)
+    for n in range(1, 21):
+        feed.append(n, data(n))
+        if n % 2 == 0:
+            assert feed.take() == (n - 1, [data(n - 1), data(n)])
+            feed.ack(n)
+    assert not feed.overflowed
+    assert feed.pending == 0
+
+
 def test_a_roll_takes_no_number_and_travels_in_order() -> None:
     feed = ReplicaFeed(1, 10, window=8)
     feed.append(0, ROLL)  # what Journal.roll taps

@@ -370,6 +370,11 @@ class HaSection:
     sync_window: int = doc(
         50_000, "Journal records in flight to the backup before the primary waits for its acknowledgements."
     )
+    max_backlog_bytes: int = doc(
+        256 * 1024 * 1024,
+        "Journal records the primary holds for its backup beyond `sync_window`; a backup that falls "
+        "this far behind is dropped (with a warning) and copies the journal again.",
+    )
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from collections import deque
 from typing import Final
 
 MAX_BATCH_BYTES: Final = 1024 * 1024
+NO_BACKLOG_LIMIT: Final = 1 << 62
 ROLL: Final = b""  # in the stream: the journal starts a new segment here
 
 
@@ -21,15 +22,29 @@ class ReplicaFeed:
 
     Besides records, the stream carries the journal's segment rolls (``ROLL``, an empty record that takes no
     number), so the backup's segments follow the primary's and it can retire the old ones after a
-    compaction, as the primary does."""
+    compaction, as the primary does.
 
-    def __init__(self, epoch: int, first: int, *, window: int, max_batch_bytes: int = MAX_BATCH_BYTES) -> None:
+    What waits beyond the window is held here; once it exceeds ``max_backlog_bytes`` the feed is
+    ``overflowed``: it keeps no more, sends nothing more, and its backup is to be dropped."""
+
+    def __init__(
+        self,
+        epoch: int,
+        first: int,
+        *,
+        window: int,
+        max_batch_bytes: int = MAX_BATCH_BYTES,
+        max_backlog_bytes: int = NO_BACKLOG_LIMIT,
+    ) -> None:
         self.epoch = epoch
         self.first = first  # the first record the backup gets
         self.window = window
         self.max_batch_bytes = max_batch_bytes
+        self.max_backlog_bytes = max_backlog_bytes
         self._unsent: deque[bytes] = deque()
         self._unsent_records = 0  # rolls not counted
+        self._unsent_bytes = 0
+        self.overflowed = False
         self._next = first  # the number of the first record in _unsent
         self.acked = first - 1
         self.sync_end = 0  # 0 until the initial copy is fully appended
@@ -57,13 +72,23 @@ class ReplicaFeed:
     def append(self, number: int, data: bytes) -> None:
         """Record ``number`` was appended; ``data`` is empty (and ``number`` ignored) for a segment roll."""
         if data is ROLL or not data:
-            self._unsent.append(ROLL)
+            if not self.overflowed:
+                self._unsent.append(ROLL)
             return
         expected = self._next + self._unsent_records
         if number != expected:
             raise ValueError(f"journal record {number} out of order (expected {expected})")
+        self._unsent_records += 1  # counted still: ``pending`` says how far behind the backup is
+        if self.overflowed:
+            return
         self._unsent.append(data)
-        self._unsent_records += 1
+        self._unsent_bytes += len(data)
+        if self._unsent_bytes > self.max_backlog_bytes:
+            # The backup falls behind for good (or is stuck): holding all it has not been sent would grow
+            # this node's memory without bound. It is dropped and copies afresh; what it missed is of no use.
+            self.overflowed = True
+            self._unsent.clear()
+            self._unsent_bytes = 0
 
     def copied(self, last: int) -> None:
         """The initial copy ends with record ``last``."""
@@ -73,7 +98,7 @@ class ReplicaFeed:
         """The next batch to send (first number, records and rolls) within the window, or None."""
         room = self.window - (self._next - 1 - self.acked)
         unsent = self._unsent
-        if room <= 0 or not unsent:
+        if room <= 0 or not unsent or self.overflowed:
             return None
         first = self._next
         batch: list[bytes] = []
@@ -86,6 +111,7 @@ class ReplicaFeed:
                 records += 1
         self._next += records
         self._unsent_records -= records
+        self._unsent_bytes -= size
         return first, batch
 
     def ack(self, upto: int) -> bool:

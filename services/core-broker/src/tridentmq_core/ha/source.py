@@ -125,12 +125,15 @@ class ReplicationSource:
         if not isinstance(session.conn, LinkConnection):
             raise BrokerError(ErrorCode.INVALID, "a backup replicates over a link connection of its own")
         epoch = self.identity.epoch
-        feed = ReplicaFeed(epoch, self.journal.appended + 1, window=ha.sync_window)
+        feed = ReplicaFeed(
+            epoch, self.journal.appended + 1, window=ha.sync_window, max_backlog_bytes=ha.max_backlog_bytes
+        )
         self.journal.tap = feed.append
         self.store.on_copied = lambda last: self._copied(feed, last)
         self.store.start_compaction(self.broker.durable_snapshot())
         self.session, self.feed, self.backup, self._sync_end_sent = session, feed, server_id, 0
         self._dropped = False
+        self._progress_at = time.monotonic()  # counted from now, not from an earlier backup's last ack
         self._link = session.conn
         self.backup_endpoint = (host, port)
         self.backup_role = str(info.get("role", BACKUP))
@@ -225,8 +228,8 @@ class ReplicationSource:
     def pump(self) -> None:
         """Queue what the backup has not been sent yet (called before each write of the links)."""
         feed, session, conn = self.feed, self.session, self._link
-        if feed is None or session is None or conn is None:
-            return
+        if feed is None or session is None or conn is None or feed.overflowed:
+            return  # an overflowed feed lacks records: not even the end of the copy goes (it is being dropped)
         sent = False
         while (batch := feed.take()) is not None:
             conn.replica(feed.epoch, batch[0], batch[1], feed.sync_end)
@@ -302,17 +305,22 @@ class ReplicationSource:
     def _check_progress(self, session: Session, feed: ReplicaFeed) -> None:
         """A backup that acknowledges nothing for a heartbeat timeout while records wait is lost, even if its
         heartbeats still arrive: when only this node's packets are dropped, the backup stops hearing from it
-        (and may take over) while its own frames still come through for a while."""
+        (and may take over) while its own frames still come through for a while. During the copy too: one
+        stuck there (a hung disk) would keep the compaction, which its acknowledgements pace, from ending,
+        and with it any other compaction and backup. So is one that falls ``ha.max_backlog_bytes`` behind:
+        what it has not been sent is held in memory. Either copies again once it reconnects."""
         now = time.monotonic()
-        if not feed.in_sync or not feed.pending or self.failing_back:
+        if not feed.pending or self.failing_back:
             self._progress_at = now
+            return
+        extra = {"backup": self.backup, "in_sync": feed.in_sync, "pending": feed.pending}
+        if feed.overflowed:
+            log.warning("backup fell more than ha.max_backlog_bytes behind: dropping it", extra=extra)
+            self._abort_link(session.conn_id)
             return
         timeout = self.settings.link.heartbeat_ms * HEARTBEAT_TIMEOUT_FACTOR / 1000
         if now - self._progress_at > timeout:
-            log.warning(
-                "backup acknowledged nothing for the heartbeat timeout: dropping it",
-                extra={"backup": self.backup, "pending": feed.pending},
-            )
+            log.warning("backup acknowledged nothing for the heartbeat timeout: dropping it", extra=extra)
             self._abort_link(session.conn_id)
 
     async def _ask_to_stay(self) -> None:
