@@ -736,6 +736,35 @@ def shared_pair(tmp_path: Path) -> tuple[CoreProcess, CoreProcess]:
     return first, second
 
 
+async def test_a_shared_store_node_renews_its_lease_while_it_activates(tmp_path: Path) -> None:
+    """Activating takes seconds (here the cluster join waits for a node that accepts connections and never
+    answers). The lease was not renewed meanwhile: a node whose activation outlasted the lease's expiry fenced
+    itself (exit 3) as soon as it had activated, and two such nodes took turns serving nothing (found by a
+    review)."""
+    silent = socket.socket()  # a node that is hung: its port takes connections, nothing answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        node = start_core(
+            tmp_path,
+            "store-slow",
+            TRIDENTMQ_CORE_HA_POLICY="shared-store",
+            TRIDENTMQ_CORE_HA_SHARED_DIRECTORY=str(tmp_path / "shared"),
+            TRIDENTMQ_CORE_HA_LEASE_RENEW_MS="500",
+            TRIDENTMQ_CORE_HA_LEASE_EXPIRY_MS="1500",
+            TRIDENTMQ_CORE_CLUSTER_USER=CLUSTER_USER,
+            TRIDENTMQ_CORE_CLUSTER_PASSWORD=CLUSTER_PASSWORD,
+            TRIDENTMQ_CORE_CLUSTER_CONNECTORS=f"127.0.0.1:{silent.getsockname()[1]}",
+        )
+        wait_until(lambda: "joined the cluster" in node.log(), 15, "the activation to end")
+        await publish(node, "slow.q", [b"served"])  # confirmed: the lease holds
+        assert node.process.poll() is None, node.log()
+        assert "fenced" not in node.log(), node.log()
+        assert node.stop() == 0
+    finally:
+        silent.close()
+
+
 async def test_shared_store_standby_takes_over_a_killed_node_after_its_lease_expires(tmp_path: Path) -> None:
     active, standby = shared_pair(tmp_path)
     bodies = [b"s%d" % i for i in range(500)]

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, Final
 
@@ -66,7 +66,7 @@ class SharedStore:
         directory: Path,
         server_id: str,
         min_epoch: int,
-        activate: Callable[[int], Awaitable[None]],
+        activate: Callable[[int], Coroutine[Any, Any, None]],
         fenced: Callable[[str], None],
     ) -> None:
         ha = settings.ha
@@ -85,6 +85,7 @@ class SharedStore:
         self.on_renewed: Callable[[], None] = lambda: None  # the node releases confirms held for a renewal
         self.state = "waiting for the lease"
         self._task: asyncio.Task[None] | None = None
+        self._activating: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._task = spawn(self._run(), "ha-shared-store")
@@ -97,7 +98,10 @@ class SharedStore:
             event = self.lease.tick(time.monotonic())
             if event is LeaseEvent.ACQUIRED:
                 self.state = "active"
-                await self._activate(self.lease.epoch)
+                # Renewed meanwhile: activating takes seconds (the journal's take-over and replay, the cluster
+                # join's wait), and a holder that stopped renewing for longer than the expiry lost the lease
+                # to the other node, then fenced itself, and the two could take turns so.
+                self._activating = spawn(self._activate(self.lease.epoch), "ha-shared-store-activate")
             elif event is LeaseEvent.FENCED:
                 self.state = "fenced"
                 self._fenced("the shared-store lease went to another node")
@@ -115,10 +119,11 @@ class SharedStore:
 
     async def stop(self) -> None:
         """Stop renewing (``release`` gives the lease up once the journal is closed)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._activating):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     def release(self) -> None:
         """After a clean stop: the waiting node takes over at once instead of after the expiry."""
