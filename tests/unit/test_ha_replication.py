@@ -26,7 +26,7 @@ from tridentmq_core.store.identity import NodeIdentity
 from tridentmq_core.store.journal import Journal, list_segments, read_segment, segment_name
 from tridentmq_core.store.journal_store import JournalStore
 from tridentmq_core.store.memory import MemoryStore
-from tridentmq_core.store.records import Record, RecordType, scan
+from tridentmq_core.store.records import Record, RecordType, encode, flaw, scan
 from tridentmq_core.store.recovery import RecoveredState, replay
 from tridentmq_shared.link.events import ReplicaRecords
 from tridentmq_shared.link.peer import PeerLink
@@ -726,6 +726,56 @@ def test_a_backup_keeps_a_compactions_copy_when_the_next_compaction_roll_is_writ
     assert segment_name(1) not in [p.name for p in list_segments(data_dir / "journal")]  # retired all the same
     state = replay(recover(data_dir / "journal", SMALL_SEGMENT)[0])
     assert sorted(state.references["q"]) == [m[M_ID] for m in messages]
+
+
+def _corrupt(record: bytes, kind: str) -> bytes:
+    if kind == "crc":
+        return record[:-1] + bytes([record[-1] ^ 1])
+    if kind == "length":
+        return record + b"\0"
+    return encode(RecordType.MESSAGE, [wire_message(2, b"x" * (2 * SMALL_SEGMENT)), ["q"]])  # a larger segment's
+
+
+@pytest.mark.parametrize("kind", ["crc", "length", "larger than a segment"])
+async def test_a_backup_refuses_a_streamed_record_that_is_not_whole_and_copies_again(
+    tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by a review: a record with a bad CRC was written and acknowledged, and the in-sync copy could
+    not recover when it took over; one larger than this node's segments raised out of the link's callback."""
+    base = CoreSettings()
+    backup_settings = replace(base, journal=replace(base.journal, segment_bytes=SMALL_SEGMENT))
+    data_dir = tmp_path / "backup"
+    data_dir.mkdir()
+    runner = BackupRunner(
+        backup_settings, NodeIdentity(data_dir), "b", data_dir / "journal", ("127.0.0.1", 1), _now, noop, _no
+    )
+    runner.client = client = PeerLink("127.0.0.1", 1)  # never connected: nothing goes anywhere
+    runner._start_copy({"node_id": "pair", "epoch": 1, "members": []})
+    good = encode(RecordType.ADD_QUEUE, [queue_spec("q")])
+    bad = _corrupt(encode(RecordType.MESSAGE, [wire_message(1), ["q"]]), kind)
+    runner._records(client, ReplicaRecords(1, 1, [good, bad], 0))
+    journal = runner.journal
+    assert journal is not None
+    journal.close()
+    assert journal.appended == 0  # nothing of the batch: the link closes and the copy starts again
+    assert "replication stream record refused" in caplog.text
+
+
+def test_a_record_is_whole_only_with_its_header_length_and_crc() -> None:
+    record = encode(RecordType.ADD_QUEUE, [queue_spec("q")])
+    assert flaw(record) is None
+    assert flaw(record[:5]) == "shorter than a record header"
+    assert flaw(b"\0" + record[1:]) == "bad record header"
+    assert flaw(record[:-1]) == "its length is not the header's"
+    assert flaw(_corrupt(record, "crc")) == "CRC mismatch"
+
+
+def _now(callback: Callable[[], None]) -> None:
+    callback()
+
+
+def _no() -> bool:
+    return False
 
 
 async def noop() -> None:

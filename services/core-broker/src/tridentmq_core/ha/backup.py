@@ -19,7 +19,7 @@ from tridentmq_core.node_links import node_link, watch_close
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.identity import NodeIdentity
 from tridentmq_core.store.journal import Journal, list_segments
-from tridentmq_core.store.records import MAGIC, RecordType
+from tridentmq_core.store.records import MAGIC, RecordType, flaw
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode
@@ -218,6 +218,16 @@ class BackupRunner:
                 if not data:
                     rolls += 1  # numbered as ``append_encoded`` numbers it
                     continue
+                reason = flaw(data) or (
+                    f"{len(data)} bytes do not fit this node's journal.segment_bytes ({journal.segment_bytes}): "
+                    "set it as large as the primary's"
+                    if len(data) > journal.segment_bytes
+                    else None
+                )
+                if reason is not None:  # written, it would stop this copy's recovery when it takes over
+                    log.error("replication stream record refused: copying again", extra={"reason": reason})
+                    spawn(client.close(), "ha-backup-close")
+                    return
                 number += 1
                 if data[0] == MAGIC and data[1] == RecordType.COMPACTED:
                     # Once it is on disk, the segments before this compaction's roll go: not those before

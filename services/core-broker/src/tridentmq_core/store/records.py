@@ -117,6 +117,21 @@ def scan(data: bytes | memoryview, start: int = 0) -> Iterator[Record | ScanEnd]
         pos = body_start + length
 
 
+def flaw(data: bytes) -> str | None:
+    """What is wrong with ``data`` as one whole encoded record (a record another node streams: it is written
+    as it comes, so a bad one would stop this node's own recovery), None when nothing is."""
+    if len(data) < HEADER_SIZE:
+        return "shorter than a record header"
+    magic, record_type, length, crc = HEADER.unpack_from(data)
+    if magic != MAGIC or record_type not in _TYPES:
+        return "bad record header"
+    if HEADER_SIZE + length != len(data):
+        return "its length is not the header's"
+    if crc32c(memoryview(data)[HEADER_SIZE:], _CRC_SEEDS[record_type]) != crc:
+        return "CRC mismatch"
+    return None
+
+
 def damage_is_tail(data: bytes | memoryview, offset: int) -> bool:
     """True when nothing but the damaged record itself and zeros follow ``offset``: a torn last write.
 
