@@ -1546,6 +1546,25 @@ async def test_a_commit_the_core_refuses_is_rejected_with_rollback(tmp_path: Pat
         assert "secret.tx" not in core.node.broker.queues
 
 
+async def test_a_commit_the_core_refuses_rolls_the_transaction_back(tmp_path: Path) -> None:
+    async with running_core(secured(tmp_path, *ALL_ON_OPEN), lambda port: CoreLinkSection(port=port)) as core:
+        c = await connected(core, mechanism="PLAIN", user="alice", password="secret")
+        tx = await Transactions.attach(c)
+        assert (await c.send(await c.sender("open.txb"), Message(body="taken"))).remote_state == Delivery.ACCEPTED
+        receiver = await c.receiver("open.txb")
+        txn_id = await tx.declare()
+        got, _ = await c.receive(receiver)
+        in_transaction(got, txn_id, Delivery.ACCEPTED)
+        got.settle()
+        refused = (await c.sender("secret.txb", name="refused")).send(Message(body="no"))
+        in_transaction(refused, txn_id)
+        commit = await tx.discharge(txn_id, fail=False)
+        assert commit.remote_state == Delivery.REJECTED
+        # The acknowledgement is undone in the core, as by a rollback: the message comes again.
+        _, again = await c.receive(receiver)
+        assert (again.body, again.delivery_count) == ("taken", 1)
+
+
 async def test_closing_a_durable_subscription_without_the_delete_permission_keeps_it(tmp_path: Path) -> None:
     grants = [grant for grant in ALL_ON_OPEN if grant[1] != "deleteDurableQueue"]
     async with running_core(secured(tmp_path, *grants), lambda port: CoreLinkSection(port=port)) as core:

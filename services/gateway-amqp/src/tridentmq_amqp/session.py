@@ -827,6 +827,11 @@ class AmqpSession:
                 else:
                     await link.commit(tx)
             except LinkRequestError as exc:
+                if not fail:
+                    # The core keeps a transaction whose commit it refused open: rolled back, what it acknowledged
+                    # comes back, and it no longer counts against the connection's open transactions.
+                    with contextlib.suppress(LinkRequestError):
+                        await link.rollback(tx)
                 fail = True
                 self._reject(delivery, TX_ROLLBACK, exc.text)
             else:
