@@ -1602,6 +1602,34 @@ async def test_a_connection_lost_while_the_client_does_not_read_gives_its_messag
     assert core.node.broker.queues["unread"].in_flight == 0
 
 
+@pytest.mark.parametrize("ending", ["link", "session", "connection"])
+async def test_messages_fetched_but_never_sent_come_back_uncounted(core: Core, ending: str) -> None:
+    await fill(core, "unsent", "a", "b")
+    queue = core.node.broker.queues["unsent"]
+    c = await connected(core)
+    receiver = await c.receiver("unsent", credit=1)
+    await c.receive(receiver)  # "a": sent, and left unsettled
+    await fill(core, "unsent", "c")  # comes while "b" waits for credit: it waits in the consumer
+    await c.until(lambda: len(queue) == 0, "every message fetched by the gateway")
+    if ending == "link":
+        await c.close(receiver)
+    elif ending == "session":
+        receiver.session.close()
+        await c.until(lambda: receiver.session.state & Endpoint.REMOTE_CLOSED, "the END")
+    else:
+        c.session.connection_lost()
+        await c.session.wait_closed()
+    await c.until(lambda: (len(queue), queue.in_flight) == (3, 0), "the messages back in the queue")
+    other = await connected(core, container="other")
+    again = await other.receiver("unsent")
+    got = []
+    for _ in range(3):
+        _, message = await other.receive(again)
+        got.append((message.body, message.delivery_count))
+    # In their order again, and only the one the client was given counts as an attempt.
+    assert got == [("a", 1), ("b", 0), ("c", 0)]
+
+
 def settled_ids(data: bytes) -> list[int]:
     """The delivery-ids the gateway settled as a receiver (of the client's transfers), in the order it did."""
     ids: list[int] = []

@@ -657,8 +657,25 @@ class AmqpSession:
 
     async def _stop(self, outbound: Outbound) -> None:
         self._stop_pumping(outbound)
+        self._release_unsent(outbound)
         with contextlib.suppress(LinkRequestError):
             await outbound.consumer.close()
+
+    def _release_unsent(self, outbound: Outbound) -> None:
+        """Give back, uncounted, what the link's consumer fetched but never sent to the client: closing the
+        consumer returns what it holds as failed deliveries, and receivers that each took one message would
+        have the rest dead-lettered (max_delivery_attempts) without its ever being delivered. What was sent
+        and not settled still counts."""
+        consumer = outbound.consumer
+        unsent = [message[M_ID] for _, message in outbound.pending]
+        outbound.pending.clear()
+        if outbound.browse or consumer.closed is not None:
+            return  # shown, not taken; or gone from the core already
+        unsent += [message[M_ID] for _, message in consumer.take_batch()]
+        if unsent:
+            with contextlib.suppress(LinkRequestError):  # the core link is gone: it took them back already
+                # newest first, as the core returns a closed consumer's: each goes back to the head of the queue
+                consumer.nack_ids(sorted(unsent, reverse=True), NackMode.RELEASE)
 
     async def _end_links(self, *, session: Any) -> None:
         for pn_link in [
@@ -1071,6 +1088,7 @@ class AmqpSession:
     async def clean_up(self) -> None:
         for outbound in self.outbound.values():
             self._stop_pumping(outbound)
+            self._release_unsent(outbound)  # before the link's close takes back the rest
         if self.link is not None:
             self.link.on_closed = self.link.on_settled = None
             await self.link.close()  # the core returns unsettled messages and drops temporary queues
