@@ -580,6 +580,13 @@ async def test_credit_is_topped_up_when_half_is_used(core: Core) -> None:
     assert queued(core, "topped") == 3
 
 
+def settled_before_detach(data: bytes) -> list[int]:
+    """The delivery-ids the gateway settled as a receiver before its first DETACH."""
+    frames = frames_of(data)
+    end = next((n for n, (code, _) in enumerate(frames) if code == DETACH), len(frames))
+    return settled_in(frames[:end])
+
+
 async def test_transfers_beyond_the_credit_detach_the_link_and_are_not_published(core: Core) -> None:
     c = Client(core, amqp_settings(core, link_credit=2))
     await c.open()
@@ -590,9 +597,9 @@ async def test_transfers_beyond_the_credit_detach_the_link_and_are_not_published
     c.session.feed(data + beyond)  # one read: no top-up in between
     condition = await c.closed_link(sender)
     assert condition.name == "amqp:link:transfer-limit-exceeded"
-    await c.until(lambda: queued(core, "limited") == 2, "the two within the credit published")
-    assert not first.settled  # their link ended first: nobody to settle them on
-    assert not second.settled
+    # The two within the credit were published: the client is told before the detach (or it sends them again).
+    assert (first.remote_state, second.remote_state) == (Delivery.ACCEPTED, Delivery.ACCEPTED)
+    assert settled_before_detach(c.received) == [0, 1]
     await c.nothing()
     assert queued(core, "limited") == 2
 
@@ -710,6 +717,20 @@ async def test_a_message_over_max_message_size_detaches_the_link_and_the_connect
     assert queued(core, "big") <= 0
     other = await c.sender("big", name="other")
     assert (await c.send(other, Message(body=b"small"))).remote_state == Delivery.ACCEPTED
+
+
+async def test_transfers_before_one_over_max_message_size_are_settled_before_the_detach(core: Core) -> None:
+    c = Client(core, amqp_settings(core, max_message_bytes=1000))
+    await c.open()
+    sender = await c.sender("sized")
+    small = [sender.send(Message(body=n)) for n in range(3)]
+    big = sender.send(Message(body=b"x" * 2000))  # in the same read as the three: none is confirmed yet
+    condition = await c.closed_link(sender)
+    assert condition.name == "amqp:link:message-size-exceeded"
+    assert [d.remote_state for d in small] == [Delivery.ACCEPTED] * 3
+    assert settled_before_detach(c.received) == [0, 1, 2]
+    assert not big.remote_state
+    assert queued(core, "sized") == 3
 
 
 async def test_a_message_in_many_frames_arrives_whole(core: Core) -> None:
@@ -1342,6 +1363,20 @@ async def test_a_message_the_user_may_not_send_is_rejected_and_its_link_detached
         assert "secret.plans" not in core.node.broker.queues
 
 
+async def test_a_link_detached_for_a_refused_message_first_settles_what_it_published(tmp_path: Path) -> None:
+    async with running_core(secured(tmp_path, *ALL_ON_OPEN), lambda port: CoreLinkSection(port=port)) as core:
+        c = await connected(core, mechanism="PLAIN", user="alice", password="secret")
+        relay = await c.sender(None, name="relay")
+        # In one read: the two after the refused one are published before the core refuses it.
+        sent = [relay.send(Message(address=to, body=to)) for to in ("open.r", "secret.r", "open.r", "open.r")]
+        condition = await c.closed_link(relay)
+        assert condition.name == "amqp:unauthorized-access"
+        outcomes = [d.remote_state for d in sent]
+        assert outcomes == [Delivery.ACCEPTED, Delivery.REJECTED, Delivery.ACCEPTED, Delivery.ACCEPTED]
+        assert sorted(settled_before_detach(c.received)) == [0, 1, 2, 3]
+        assert queued(core, "open.r") == 3
+
+
 async def test_addresses_that_may_not_be_created_are_not_found(tmp_path: Path) -> None:
     settings = core_settings(
         tmp_path,
@@ -1632,8 +1667,12 @@ async def test_messages_fetched_but_never_sent_come_back_uncounted(core: Core, e
 
 def settled_ids(data: bytes) -> list[int]:
     """The delivery-ids the gateway settled as a receiver (of the client's transfers), in the order it did."""
+    return settled_in(frames_of(data))
+
+
+def settled_in(frames: list[tuple[int | None, list[Any]]]) -> list[int]:
     ids: list[int] = []
-    for code, fields in frames_of(data):
+    for code, fields in frames:
         if code == DISPOSITION and fields[0] is True and len(fields) > 3 and fields[3] is True:
             first = int(fields[1])
             last = first if fields[2] is None else int(fields[2])

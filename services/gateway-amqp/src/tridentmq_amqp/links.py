@@ -42,6 +42,10 @@ class Inbound:
     window: int
     credit: int = 0  # transfers the client may still send (what the gateway granted, less what came)
     granted: int = 0  # transfers received since the credit was last topped up
+    unconfirmed: int = 0  # unsettled transfers published and not yet answered by the core
+    # (condition, description) of the detach the link waits for: it takes no more transfers, and is detached
+    # once the core answered those published before (their outcomes go out first)
+    closing: tuple[str, str] | None = None
 
 
 @dataclass(eq=False)

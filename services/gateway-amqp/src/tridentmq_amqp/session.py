@@ -363,7 +363,8 @@ class AmqpSession:
                 pn_link = lib.pn_delivery_link(delivery)
                 inbound = self.inbound.get(pn_link)
                 if inbound is not None:
-                    blocked = self._transfer(inbound, pn_link, delivery)
+                    # (a link waiting to be detached publishes none of its transfers any more)
+                    blocked = None if inbound.closing is not None else self._transfer(inbound, pn_link, delivery)
                     if blocked is not None:  # the core's window is full: wait for it (rare)
                         message, tx, txn_id = blocked
                         assert self.link is not None
@@ -692,7 +693,7 @@ class AmqpSession:
         size = lib.pn_delivery_pending(delivery)
         partial = lib.pn_delivery_partial(delivery)
         if size > self.settings.amqp.max_message_bytes:
-            self._drop_link(pn_link, MESSAGE_SIZE, "the message is larger than the link's max-message-size")
+            self._drop_link(inbound, MESSAGE_SIZE, "the message is larger than the link's max-message-size")
             return None
         if partial:  # the rest of the message is still to come; proton holds what came so far
             self._incomplete_bytes += size - self._incomplete.get(delivery, 0)
@@ -703,7 +704,7 @@ class AmqpSession:
         if self._incomplete:
             self._incomplete_bytes -= self._incomplete.pop(delivery, 0)
         if inbound.credit <= 0:
-            self._drop_link(pn_link, TRANSFER_LIMIT, "more transfers than the link credit allows")
+            self._drop_link(inbound, TRANSFER_LIMIT, "more transfers than the link credit allows")
             return None
         inbound.credit -= 1
         inbound.granted += 1
@@ -741,14 +742,26 @@ class AmqpSession:
         presettled = bool(lib.pn_delivery_settled(delivery))
         if presettled:
             lib.pn_delivery_settle(delivery)
+        else:
+            inbound.unconfirmed += 1
         self._unsettled_in.append((future, None if presettled else delivery, inbound, txn_id))
 
-    def _drop_link(self, pn_link: Any, condition: str, description: str) -> None:
-        """End a client's sending link for abuse: the transfer at hand is never published, nor settled (the
-        link's end says why)."""
-        self.inbound.pop(pn_link, None)
-        self._forget_incomplete(pn_link)
-        self._close_link(pn_link, condition, description)
+    def _drop_link(self, inbound: Inbound, condition: str, description: str) -> None:
+        """End a client's sending link for abuse: it takes no more transfers (the one at hand, over a limit, is
+        neither published nor settled: the link's end says why). It is detached once the transfers it
+        published have their outcomes, in order: after the detach none could be settled, and a client never
+        told that the core has them sends them again."""
+        if inbound.closing is None:
+            inbound.closing = (condition, description)
+        self._forget_incomplete(inbound.link)
+        if not inbound.unconfirmed:
+            self._end_inbound(inbound)
+
+    def _end_inbound(self, inbound: Inbound) -> None:
+        """Detach a link that waited for its transfers' outcomes (``_drop_link``)."""
+        if self.inbound.get(inbound.link) is inbound and inbound.closing is not None:
+            del self.inbound[inbound.link]
+            self._close_link(inbound.link, *inbound.closing)
 
     def _forget_incomplete(self, pn_link: Any) -> None:
         """The incomplete messages of a link that ends are not coming any more."""
@@ -762,7 +775,7 @@ class AmqpSession:
         if link is None or not link.can_send:
             return
         for inbound in self.inbound.values():
-            if inbound.granted * 2 >= inbound.window:
+            if inbound.granted * 2 >= inbound.window and inbound.closing is None:
                 lib.pn_link_flow(inbound.link, inbound.granted)
                 inbound.credit += inbound.granted
                 inbound.granted = 0
@@ -773,8 +786,11 @@ class AmqpSession:
         while pending and pending[0][0].done():
             future, delivery, inbound, txn_id = pending.popleft()
             error = future.exception()
-            if delivery is None or self.inbound.get(inbound.link) is not inbound:
-                continue  # pre-settled, or its link is gone
+            if delivery is None:
+                continue  # pre-settled
+            inbound.unconfirmed -= 1
+            if self.inbound.get(inbound.link) is not inbound:
+                continue  # its link is gone
             if error is None:
                 if txn_id is not None:
                     self._transactional_outcome(delivery, txn_id)
@@ -785,9 +801,11 @@ class AmqpSession:
                 condition = _CONDITIONS.get(error.code, INTERNAL_ERROR)
                 self._reject(delivery, condition, error.text)
                 if error.code == ErrorCode.FORBIDDEN:  # the link's address is not this user's to send to
-                    self._drop_link(inbound.link, UNAUTHORIZED, error.text)
+                    self._drop_link(inbound, UNAUTHORIZED, error.text)
             else:
                 self._reject(delivery, INTERNAL_ERROR, str(error))
+            if inbound.closing is not None and not inbound.unconfirmed:
+                self._end_inbound(inbound)  # every transfer it published has its outcome
         self._top_up()
         self._output_soon()
 
