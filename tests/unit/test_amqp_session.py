@@ -896,26 +896,40 @@ async def test_an_at_most_once_receiver_gets_presettled_transfers(core: Core) ->
     assert queued(core, "amo") == 0
 
 
+def drain_answers(client: Client) -> list[str]:
+    """The transfers and the flows that answer a drain (drain set, no credit left) the gateway wrote, in order."""
+    return [
+        "transfer" if code == TRANSFER else "drained"
+        for code, fields in frames_of(client.received)
+        if code == TRANSFER or (code == FLOW and len(fields) > 8 and fields[8] is True and fields[6] == 0)
+    ]
+
+
 async def test_drain_sends_what_is_there_then_uses_up_the_credit(core: Core) -> None:
     await fill(core, "drain", 0, 1, 2)
     c = await connected(core)
     receiver = await c.receiver("drain", credit=1)
     assert await c.bodies(receiver, 1) == [0]
-
-    def drained() -> list[str]:
-        """The link's transfers and its flows that answer a drain (drain set, no credit left), in order."""
-        return [
-            "transfer" if code == TRANSFER else "drained"
-            for code, fields in frames_of(c.received)
-            if code == TRANSFER or (code == FLOW and len(fields) > 8 and fields[8] is True and fields[6] == 0)
-        ]
-
     receiver.drain(10)
-    await c.until(lambda: drained() == ["transfer"] * 3 + ["drained"], "the drain answered")
+    await c.until(lambda: drain_answers(c) == ["transfer"] * 3 + ["drained"], "the drain answered")
     assert await c.bodies(receiver, 2) == [1, 2]
     receiver.drain(5)  # nothing there: answered at once
-    await c.until(lambda: drained() == ["transfer"] * 3 + ["drained"] * 2, "the empty drain answered")
+    await c.until(lambda: drain_answers(c) == ["transfer"] * 3 + ["drained"] * 2, "the empty drain answered")
     assert receiver.credit == 0
+
+
+async def test_a_drain_sends_what_waits_in_the_consumer_too(core: Core) -> None:
+    await fill(core, "drain-all", "a", "b")
+    queue = core.node.broker.queues["drain-all"]
+    c = await connected(core)
+    receiver = await c.receiver("drain-all", credit=1)
+    assert await c.bodies(receiver, 1) == ["a"]
+    await fill(core, "drain-all", "c")  # comes while "b" waits for credit: it waits in the consumer
+    await c.until(lambda: len(queue) == 0, "every message fetched by the gateway")
+    receiver.drain(10)
+    await c.until(lambda: "drained" in drain_answers(c), "the drain answered")
+    assert drain_answers(c) == ["transfer"] * 3 + ["drained"]
+    assert await c.bodies(receiver, 2) == ["b", "c"]
 
 
 async def test_a_selector_on_a_queue_leaves_the_rest_for_others(core: Core) -> None:

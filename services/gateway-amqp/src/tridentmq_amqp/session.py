@@ -944,6 +944,11 @@ class AmqpSession:
         pn_link = outbound.link
         pending = outbound.pending
         credit = available = lib.pn_link_credit(pn_link)
+        drain = lib.pn_link_get_drain(pn_link)
+        if drain and len(pending) < credit:
+            # A drain is answered with everything the gateway holds (the consumer's buffer too) before the
+            # rest of the credit is used up: what it left there would wait for the client's next credit.
+            pending.extend(outbound.consumer.take_batch())
         if pending and credit > 0:
             now_ms = int(time.time() * 1000)
             presettled = outbound.presettled
@@ -974,7 +979,7 @@ class AmqpSession:
             if sent and not outbound.browse:
                 outbound.consumer.ack_ids(sent)
             self.counters.messages_delivered += available - credit
-        if lib.pn_link_get_drain(pn_link) and not pending:
+        if drain and not pending:
             lib.pn_link_drained(pn_link)  # nothing more right now: the rest of the credit is used up
 
     def _end_outbound(self, outbound: Outbound, condition: str, description: str) -> None:
