@@ -1334,6 +1334,22 @@ async def test_unknown_transactions_are_refused(core: Core) -> None:
     assert (message.body, message.delivery_count) == ("m", 0)
 
 
+async def test_a_receiving_link_the_gateway_ends_closes_its_consumer_in_a_task_it_keeps_until_done(
+    core: Core,
+) -> None:
+    await fill(core, "txend", "m")
+    c = await connected(core)
+    receiver = await c.receiver("txend")
+    got, _ = await c.receive(receiver)
+    in_transaction(got, b"nope", Delivery.ACCEPTED)  # an unknown txn-id: the gateway ends the link
+    got.settle()
+    assert (await c.closed_link(receiver)).name == "amqp:transaction:unknown-id"
+    queue = core.node.broker.queues["txend"]
+    await c.until(lambda: not queue.consumers and not c.session._background, "the consumer closed, its task done")
+    assert c.connection.state & Endpoint.REMOTE_ACTIVE  # the connection goes on
+    assert (len(queue), queue.in_flight) == (1, 0)
+
+
 async def test_a_coordinator_message_without_a_declare_or_discharge_is_rejected(core: Core) -> None:
     c = await connected(core)
     tx = await Transactions.attach(c)

@@ -19,6 +19,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Coroutine
 from typing import Any, Final
 
 from cproton_ffi import ffi, lib
@@ -154,6 +155,7 @@ class AmqpSession:
         self._temporary = itertools.count(1)
         # (confirm future, pn_delivery_t* or None when pre-settled, inbound link, txn-id) in publish order
         self._unsettled_in: deque[tuple[asyncio.Future[None], Any, Inbound, bytes | None]] = deque()
+        self._background: set[asyncio.Task[None]] = set()  # the session's own tasks (a link's consumer closing)
         self._lost = False  # the socket closed
         self._opened = False  # the client's OPEN was answered
         self._loop = asyncio.get_running_loop()
@@ -987,8 +989,16 @@ class AmqpSession:
         held), and the client's answering detach is not taken for an unsubscribe."""
         self.outbound.pop(outbound.link, None)
         self._stop_pumping(outbound)
-        self._loop.create_task(self._stop(outbound))
+        self._release_unsent(outbound)  # now: should the connection end before the task runs, they would count
+        self._in_background(self._stop(outbound), "amqp link end")
         self._close_link(outbound.link, condition, description)
+
+    def _in_background(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        """A task of this session's: kept until done (the loop holds only weak references to tasks), and one
+        that fails ends the connection, logged, as the worker's would."""
+        task = end_on_failure(self._loop.create_task(work, name=name), self._end, self.wire.peer)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _disposition(self, outbound: Outbound, delivery: Any, acks: dict[Outbound, list[int]]) -> None:
         """The client settled or decided on a message: ack or nack it in the core."""
@@ -1112,6 +1122,8 @@ class AmqpSession:
         for outbound in self.outbound.values():
             self._stop_pumping(outbound)
             self._release_unsent(outbound)  # before the link's close takes back the rest
+        for task in list(self._background):  # consumers closing: the link's close takes back what they hold
+            task.cancel()
         if self.link is not None:
             self.link.on_closed = self.link.on_settled = None
             await self.link.close()  # the core returns unsettled messages and drops temporary queues
