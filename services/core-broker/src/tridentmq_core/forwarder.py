@@ -45,6 +45,7 @@ from tridentmq_shared.message import (
     M_DURABLE,
     M_ID,
     M_PROPS,
+    M_ROUTING,
     M_TIMESTAMP,
     RoutingType,
     WireMessage,
@@ -210,7 +211,10 @@ class Forwarder:
                 queues: tuple[Queue, ...] = () if queue is None else (queue,)
             else:
                 queues = tuple(q for name in names if (q := queues_by_name.get(name)) is not None)
-            if not queues:  # gone meanwhile (or a relay that cannot reach the target): route it here by address
+            if not queues and not (names and message[M_ROUTING] == RoutingType.MULTICAST):
+                # Gone meanwhile (or a relay that cannot reach the target): route it here by its address. Not a
+                # multicast message for named subscriptions: this node's others had their copies (as on one
+                # node, a message for a subscription deleted meanwhile is gone with it).
                 queues = host.route(message, now_ms)
         except BrokerError:  # refused: sending it again (a redistribution retried later) is no duplicate
             if numbered:
@@ -486,8 +490,11 @@ class Forwarder:
         queues_by_name = self._catalog.queues
         local = tuple(q for name in header.queues if (q := queues_by_name.get(name)) is not None)
         confirms = self._confirms
+        # A multicast message for named subscriptions is for those only: routed here by its address, it would be
+        # a second copy for this node's subscriptions, which had theirs when it was published.
+        for_subscriptions = bool(header.queues) and copy[M_ROUTING] == RoutingType.MULTICAST
         try:
-            queues = local or self._host.route(copy, now_ms)
+            queues = local or (() if for_subscriptions else self._host.route(copy, now_ms))
         except BrokerError as exc:
             if not (token and confirms.refuse(token, exc.code, exc.text, message[M_DEDUP])):
                 log.warning("refused forwarded message dropped", extra={"reason": exc.text})
