@@ -973,6 +973,48 @@ async def test_overlapping_qos2_subscriptions_of_a_persistent_session_each_deliv
     assert [(await back.message(2)).payload for _ in range(2)] == [b"marker", b"marker"]  # "resumed" once each
 
 
+async def test_a_session_whose_client_stopped_reading_ends_without_waiting_for_it(gw: Gateway) -> None:
+    """A randomised run: a client that left without closing its socket (nothing read any more) was taken over,
+    but the old session's clean-up waited for that client to read what was written. Its link stayed open for
+    minutes, and at each failover its consumer took the session's messages again, counting an attempt for
+    each, until 571 of them were dead-lettered. The clean-up no longer waits for the client."""
+    old = await gw.connected("dev", properties=persistent())
+    await old.subscribe(Subscription("held", 1))
+    old.wire.stall()  # the client reads nothing more: what comes waits for it to drain
+    pub = await gw.connected("pub")
+    await pub.publish("held", b"while stalled")
+    (queue,) = gw.queues(convert.subscription_queue("dev", "held"))
+    await eventually(lambda: gw.core.node.broker.queues[queue].in_flight == 1, "the old session to take it")
+    new = gw.client()
+    assert (await new.connect("dev", clean_start=False, properties=persistent())).session_present
+    got = await new.message(1)
+    assert (got.payload, got.dup) == (b"while stalled", False)  # never written to the old client: no attempt
+
+
+async def test_messages_never_written_to_a_client_that_left_come_back_unflagged(gw: Gateway) -> None:
+    c = await gw.connected("dev", properties=persistent())
+    await c.subscribe(Subscription("unsent", 1))
+    pub = await gw.connected("pub")
+    await pub.publish("unsent", b"sent")
+    sent = await c.packet(Publish)  # written; the client leaves before its PUBACK
+    c.wire.stall()
+    for n in range(3):
+        await pub.publish("unsent", b"waiting %d" % n, packet_id=n + 2)
+    (queue,) = gw.queues(convert.subscription_queue("dev", "unsent"))
+    await eventually(lambda: gw.core.node.broker.queues[queue].in_flight == 4, "the gateway to take them all")
+    c.wire.drain()  # as a socket's end does: what waits for the client to read wakes up
+    await c.gone()
+    back = gw.client()
+    assert (await back.connect("dev", clean_start=False, properties=persistent())).session_present
+    got = [await back.message(1) for _ in range(4)]
+    assert [(m.payload, m.dup) for m in got] == [
+        (sent.payload, True),  # written: it may have reached the client
+        (b"waiting 0", False),
+        (b"waiting 1", False),
+        (b"waiting 2", False),
+    ]
+
+
 async def test_a_qos2_publish_retried_after_a_reconnect_is_published_once(gw: Gateway) -> None:
     sub = await gw.connected("sub")
     await sub.subscribe(Subscription("x2", 2))

@@ -458,6 +458,30 @@ async def test_a_client_that_stops_reading_gets_its_messages_once_it_reads_again
     assert [(await consumer.frame("MESSAGE")).body for _ in range(3)] == [b"0", b"1", b"2"]
 
 
+async def test_messages_never_written_to_a_client_that_left_come_back_unflagged(core: Core) -> None:
+    """Closing the link returns what its consumer holds as failed deliveries: a client that reconnects often to
+    a backlog, reading a little each time, had the rest dead-lettered without its ever being delivered."""
+    producer, consumer = await connected(core), await connected(core)
+    await consumer.receipt("SUBSCRIBE", id="s", destination="/queue/left", ack="client")
+    await producer.receipt("SEND", b"written", destination="/queue/left")
+    assert (await consumer.frame("MESSAGE")).body == b"written"  # not acknowledged
+    consumer.wire.stall()
+    for n in range(2):
+        await producer.receipt("SEND", b"waiting %d" % n, destination="/queue/left")
+    await consumer.nothing()
+    consumer.wire.drain()  # as the socket's end does: what waits for the client to read wakes up
+    consumer.session.connection_lost()
+    await consumer.session.wait_closed()
+    again = await connected(core)
+    await again.receipt("SUBSCRIBE", id="s", destination="/queue/left", ack="auto")
+    got = [await again.frame("MESSAGE") for _ in range(3)]
+    assert [(m.body, m.headers.get("redelivered")) for m in got] == [
+        (b"written", "true"),
+        (b"waiting 0", None),
+        (b"waiting 1", None),
+    ]
+
+
 async def test_a_silent_client_is_disconnected_after_two_heartbeat_intervals(core: Core) -> None:
     c = client(core, heartbeat_receive_ms=100, min_heartbeat_ms=50)
     answer = await c.connect(heart_beat="100,0")  # the client promises a heart-beat every 100 ms

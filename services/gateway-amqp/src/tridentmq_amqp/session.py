@@ -665,20 +665,12 @@ class AmqpSession:
             await outbound.consumer.close()
 
     def _release_unsent(self, outbound: Outbound) -> None:
-        """Give back, uncounted, what the link's consumer fetched but never sent to the client: closing the
-        consumer returns what it holds as failed deliveries, and receivers that each took one message would
-        have the rest dead-lettered (max_delivery_attempts) without its ever being delivered. What was sent
-        and not settled still counts."""
-        consumer = outbound.consumer
+        """Give back, uncounted, what the link's consumer fetched and never sent to the client (receivers that
+        each took one message had the rest dead-lettered without its ever being delivered)."""
         unsent = [message[M_ID] for _, message in outbound.pending]
         outbound.pending.clear()
-        if outbound.browse or consumer.closed is not None:
-            return  # shown, not taken; or gone from the core already
-        unsent += [message[M_ID] for _, message in consumer.take_batch()]
-        if unsent:
-            with contextlib.suppress(LinkRequestError):  # the core link is gone: it took them back already
-                # newest first, as the core returns a closed consumer's: each goes back to the head of the queue
-                consumer.nack_ids(sorted(unsent, reverse=True), NackMode.RELEASE)
+        with contextlib.suppress(LinkRequestError):  # the core link is gone: it took them back already
+            outbound.consumer.release_unsent(unsent)
 
     async def _end_links(self, *, session: Any) -> None:
         for pn_link in [

@@ -89,6 +89,9 @@ class Outbound(Generic[T]):
             del parked[:sent]
         return sent
 
-    def forget_parked(self, unwanted: Callable[[T], bool]) -> None:
-        """Drop the waiting packets ``unwanted`` picks (those of a subscription that ended)."""
-        self.parked = [out for out in self.parked if not unwanted(out)]
+    def forget_parked(self, unwanted: Callable[[T], bool]) -> list[T]:
+        """Drop the waiting packets ``unwanted`` picks (those of a subscription that ends); returns them."""
+        dropped = [out for out in self.parked if unwanted(out)]
+        if dropped:
+            self.parked = [out for out in self.parked if not unwanted(out)]
+        return dropped

@@ -101,6 +101,7 @@ class StompSession:
         self.receipts: Receipts[asyncio.Future[None]] = Receipts()
         # An ERROR is on its way (it waits for the answers of the frames before it): later frames are ignored.
         self._failing = False
+        self._gone = False  # the client's socket closed: nothing more is written to it
         self._loop = asyncio.get_running_loop()
         self._driver = SessionDriver(
             self, wire, "stomp", max_events=limits.pending_frames, max_bytes=limits.pending_bytes
@@ -125,7 +126,10 @@ class StompSession:
         return self._driver.closed
 
     def connection_lost(self) -> None:
-        """The socket closed: end the session (the link's close returns unacked messages)."""
+        """The socket closed: end the session (the link's close returns unacked messages). At once, what
+        waited for the client to read (woken by the socket's end) is no longer written, where it would count
+        as delivered: the clean-up gives it back uncounted."""
+        self._gone = True
         self._driver.connection_lost(ev.ConnectionClosed())
 
     # ------------------------------------------------------------------ the frame worker (SessionHooks)
@@ -359,6 +363,7 @@ class StompSession:
     async def _stop(self, subscription: Subscription) -> None:
         self._stop_pump(subscription)
         with contextlib.suppress(LinkRequestError):
+            subscription.consumer.release_unsent()
             await subscription.consumer.close()
 
     def _ack(self, event: ev.Ack) -> None:
@@ -428,7 +433,7 @@ class StompSession:
         comes back only with the client's ACK or NACK, so at most the prefetch is out; in auto mode a message
         counts as consumed once it is written to the client (until then the core keeps it: a gateway that dies
         loses nothing)."""
-        if self._closed or subscription.stopped or subscription.drain is not None:
+        if self._closed or self._gone or subscription.stopped or subscription.drain is not None:
             return
         if not self.wire.writable():
             subscription.drain = self._loop.create_task(self._pump_when_drained(subscription))
@@ -559,6 +564,8 @@ class StompSession:
     async def clean_up(self) -> None:
         for subscription in self.subscriptions.values():
             self._stop_pump(subscription)
+            with contextlib.suppress(LinkRequestError):  # never written: no failed delivery (``release_unsent``)
+                subscription.consumer.release_unsent()
         if self.link is not None:
             self.link.on_closed = self.link.on_settled = None
             await self.link.close()  # the core returns unacked messages and drops temporary queues

@@ -281,6 +281,25 @@ class Consumer:
         self.client._nack(self, message_ids, mode)
         self._settled(message_ids)
 
+    def release_unsent(self, taken: Iterable[int] = ()) -> None:
+        """When the consumer is about to end (closed, or its link): give back, uncounted, the messages the
+        application took and never handed on (``taken``: a gateway's, waiting for its client's window) and
+        those still buffered here. Closing returns what a consumer holds as failed deliveries: a client that
+        reconnects often to a backlog, taking a little each time, would have the rest dead-lettered without
+        its ever being delivered. What was handed on and not settled still counts. No credit comes back for
+        them: nothing more is wanted."""
+        buffer, self._buffer = self._buffer, None
+        if self.options.get("browse") or self.options.get("auto_ack") or self.closed is not None:
+            return  # shown, not taken; consumed once sent; or ended in the core already
+        ids = [*taken, *(op[3][M_ID] for op in buffer or ())]
+        if not ids:
+            return
+        if self.credit_on_settle:
+            for message_id in ids:
+                self._unsettled.pop(message_id, None)
+        # Newest first, as the core returns a closed consumer's: each goes back to the head of its queue.
+        self.client._nack(self, sorted(ids, reverse=True), NackMode.RELEASE)
+
     async def close(self) -> None:
         await self.client._unsubscribe(self)
 
