@@ -73,6 +73,7 @@ SOURCE: Final = 0x28
 TARGET: Final = 0x29
 ACCEPTED: Final = 0x24
 REJECTED: Final = 0x25
+RELEASED: Final = 0x26
 AMQP_VALUE: Final = 0x77
 DATA: Final = 0x75
 SASL_OK, SASL_AUTH, SASL_SYS, SASL_SYS_PERM, SASL_SYS_TEMP = range(5)
@@ -766,6 +767,8 @@ def test_more_transfers_than_the_credit_detach_the_link(tuned: GatewayProcess, c
         detach = next(f for f in frames if f.code == DETACH)
         assert detach.condition == "amqp:link:transfer-limit-exceeded", frames
         assert detach.field(1) is True, detach
+        # those beyond the credit are released after the detach: not published, and the client knows it
+        assert_released(peer, set(range(credit, credit + extra)))
         peer.sock.settimeout(WAIT)
         # the connection goes on
         peer.send(frame(DETACH, [UInt(0), True]))
@@ -777,6 +780,17 @@ def test_more_transfers_than_the_credit_detach_the_link(tuned: GatewayProcess, c
         assert got.field(4) == Described(ACCEPTED, []), got
     assert queue_depth(core, queue) <= credit
     assert_serves(tuned)
+
+
+def assert_released(peer: Peer, ids: set[int]) -> None:
+    """The next dispositions release ``ids``, and nothing else."""
+    released: set[int] = set()
+    while released < ids:
+        got = peer.next()
+        assert got.code == DISPOSITION, got
+        assert got.field(4) == Described(RELEASED, []), got
+        released.update(range(got.field(1), (got.field(2) or got.field(1)) + 1))
+    assert released == ids
 
 
 @tuned_with(link_credit="4")
@@ -824,6 +838,7 @@ def test_a_message_over_max_message_size_detaches_the_link(
         assert got.code == DETACH, f"expected a detach, got {got}"
         assert got.condition == "amqp:link:message-size-exceeded", got
         assert got.field(1) is True, got
+        assert_released(peer, {0})  # once all of it came, dropped as it did
         # the connection and the other link go on
         peer.send(transfer_frame(1, 1, message_bytes("small")))
         got = peer.next()

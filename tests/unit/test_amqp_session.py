@@ -12,6 +12,7 @@ from typing import Any
 
 import proton
 import pytest
+from cproton_ffi import ffi, lib
 from proton import Collector, Condition, Connection, Data, Delivery, Endpoint, Link, Message, Terminus, Transport
 from proton.reactor import Copy, DurableSubscription, Selector
 from tests.unit.gateway_harness import (
@@ -37,6 +38,7 @@ AMQP_HEADER = b"AMQP\x00\x01\x00\x00"
 OPEN, BEGIN, ATTACH, FLOW, TRANSFER, DISPOSITION, DETACH, END, CLOSE = range(0x10, 0x19)
 SASL_MECHANISMS, SASL_OUTCOME = 0x40, 0x44
 DECLARED, TRANSACTIONAL_STATE = 0x33, 0x34
+RELEASED = 0x26
 _HEAD = struct.Struct(">IBBH")
 
 #: Every client of the running test: waiting for one pumps the bytes of all, as their sockets would flow.
@@ -604,6 +606,57 @@ async def test_transfers_beyond_the_credit_detach_the_link_and_are_not_published
     assert queued(core, "limited") == 2
 
 
+def held_by_proton(c: Client) -> tuple[int, int]:
+    """(bytes of the client's transfers, deliveries not settled) that the gateway's proton holds."""
+    engine = c.session.engine
+    assert engine is not None
+    pn_connection = engine.connection._impl
+    held = unsettled = 0
+    session = lib.pn_session_head(pn_connection, 0)
+    while session != ffi.NULL:
+        held += lib.pn_session_incoming_bytes(session)
+        session = lib.pn_session_next(session, 0)
+    link = lib.pn_link_head(pn_connection, 0)
+    while link != ffi.NULL:
+        unsettled += lib.pn_link_unsettled(link)
+        link = lib.pn_link_next(link, 0)
+    return held, unsettled
+
+
+async def test_transfers_on_a_link_the_gateway_detached_are_dropped_as_they_come(core: Core) -> None:
+    c = Client(core, amqp_settings(core, link_credit=2))
+    await c.open()
+    sender = await c.sender("ignored")
+    first, second = sender.send(Message(body=0)), sender.send(Message(body=1))
+    data = c.output()
+    payload = Message(body=b"x" * 10_000).encode()
+
+    def transfer(delivery_id: int) -> bytes:
+        fields = [UInt(0), UInt(delivery_id), b"t%d" % delivery_id, UInt(0), False, False]
+        return frame(TRANSFER, fields, payload=payload)
+
+    # Beyond the credit, and more after it in the same read: the link waits for the outcomes of the two
+    # within it before its detach.
+    c.session.feed(data + b"".join(transfer(n) for n in range(2, 20)))
+    condition = await c.closed_link(sender)
+    assert condition.name == "amqp:link:transfer-limit-exceeded"
+    assert (first.remote_state, second.remote_state) == (Delivery.ACCEPTED, Delivery.ACCEPTED)
+    assert settled_before_detach(c.received) == [0, 1]
+    # The client goes on sending on the handle it was told is detached.
+    c.session.feed(b"".join(transfer(n) for n in range(20, 120)))
+    await c.nothing()
+    assert held_by_proton(c) == (0, 0)
+    # Each dropped one is released after the detach: not processed, and the client knows it.
+    frames = frames_of(c.received)
+    detach = next(n for n, (code, _) in enumerate(frames) if code == DETACH)
+    assert settled_in(frames[detach:]) == list(range(2, 120))
+    assert {outcome_of(fields) for code, fields in frames[detach:] if code == DISPOSITION} == {RELEASED}
+    assert c.connection.state & Endpoint.REMOTE_ACTIVE
+    assert queued(core, "ignored") == 2
+    other = await c.sender("ignored", name="other")
+    assert (await c.send(other, Message(body="next"))).remote_state == Delivery.ACCEPTED
+
+
 async def test_presettled_transfers_are_published(core: Core) -> None:
     producer, consumer = await connected(core), await connected(core, container="consumer")
     sender = producer.connection.session().sender("fire")
@@ -729,7 +782,8 @@ async def test_transfers_before_one_over_max_message_size_are_settled_before_the
     assert condition.name == "amqp:link:message-size-exceeded"
     assert [d.remote_state for d in small] == [Delivery.ACCEPTED] * 3
     assert settled_before_detach(c.received) == [0, 1, 2]
-    assert not big.remote_state
+    await c.until(lambda: big.settled, "the big one settled")  # after the detach: not processed
+    assert big.remote_state == Delivery.RELEASED
     assert queued(core, "sized") == 3
 
 
@@ -1698,6 +1752,12 @@ async def test_messages_fetched_but_never_sent_come_back_uncounted(core: Core, e
 def settled_ids(data: bytes) -> list[int]:
     """The delivery-ids the gateway settled as a receiver (of the client's transfers), in the order it did."""
     return settled_in(frames_of(data))
+
+
+def outcome_of(disposition: list[Any]) -> int | None:
+    """The descriptor of a disposition's state."""
+    state = disposition[4] if len(disposition) > 4 else None
+    return int(state.descriptor) if isinstance(state, Described) else None
 
 
 def settled_in(frames: list[tuple[int | None, list[Any]]]) -> list[int]:

@@ -114,6 +114,9 @@ _RELEASED: Final = lib.PN_RELEASED
 _MODIFIED: Final = lib.PN_MODIFIED
 _SASL_OUTCOME_SYS_TEMP: Final = 4
 _MAX_CAPACITY: Final = 2**31 - 1  # proton computes the window in 32 bits: more wraps it to nothing
+#: Where the bytes of transfers the gateway drops are read to (one buffer for the process: engines run on the
+#: event loop's thread, and nothing is kept of what is read).
+_DROPPED: Final = ffi.new("char[]", 64 * 1024)
 
 
 class Counters:
@@ -371,12 +374,16 @@ class AmqpSession:
                         message, tx, txn_id = blocked
                         assert self.link is not None
                         self._published(await self.link.send(message, tx), delivery, inbound, txn_id)
+                    elif inbound.closing is not None:
+                        await self._detach_dropped(inbound)
                 else:
                     outbound = self.outbound.get(pn_link)
                     if outbound is not None:
                         self._disposition(outbound, delivery, acks)
                     elif pn_link in self.coordinators:
                         await self._coordinate(pn_link, delivery)
+                    elif lib.pn_link_is_receiver(pn_link):  # a link the gateway detached (or refused)
+                        self._discard(pn_link)
             elif kind == _PN_LINK_FLOW:
                 pn_link = lib.pn_event_link(event)
                 outbound = self.outbound.get(pn_link)
@@ -481,6 +488,7 @@ class AmqpSession:
         link.source.type = link.target.type = Terminus.UNSPECIFIED  # encoded as null
         link.open()
         link.close()
+        self._flush()  # before any transfer the client sent on it is released (``_discard``)
 
     async def _attach_inbound(self, link: Link) -> None:
         remote = link.remote_target
@@ -742,9 +750,9 @@ class AmqpSession:
 
     def _drop_link(self, inbound: Inbound, condition: str, description: str) -> None:
         """End a client's sending link for abuse: it takes no more transfers (the one at hand, over a limit, is
-        neither published nor settled: the link's end says why). It is detached once the transfers it
-        published have their outcomes, in order: after the detach none could be settled, and a client never
-        told that the core has them sends them again."""
+        not published: released after the detach, as ``_detach_dropped`` does with the later ones). It is
+        detached once the transfers it published have their outcomes, in order: after the detach none could
+        be settled, and a client never told that the core has them sends them again."""
         if inbound.closing is None:
             inbound.closing = (condition, description)
         self._forget_incomplete(inbound.link)
@@ -756,6 +764,33 @@ class AmqpSession:
         if self.inbound.get(inbound.link) is inbound and inbound.closing is not None:
             del self.inbound[inbound.link]
             self._close_link(inbound.link, *inbound.closing)
+            self._flush()  # the DETACH goes out now, before what ``_discard`` releases
+
+    async def _detach_dropped(self, inbound: Inbound) -> None:
+        """A transfer on a link waiting for its detach (``_drop_link``; the one that ended it, too). proton
+        would hold it, and all the client sends after it, for as long as the link lives: the detach is made
+        to come now, once the core has answered for the transfers the link published (reading the client's
+        input waits meanwhile), and what came is dropped."""
+        if inbound.unconfirmed:
+            await self._drain_inbound()  # settles them, in order, and detaches the link
+            if self._closed:
+                return
+        self._end_inbound(inbound)
+        self._discard(inbound.link)
+
+    def _discard(self, pn_link: Any) -> None:
+        """Read and drop the transfers of a link whose DETACH went out, as they come, each released (not
+        processed: the client may send it again) once whole, which frees it in proton. A message still
+        arriving stays current, to read the rest of: settled in the middle, proton would count its further
+        frames against the session's window for ever."""
+        while (delivery := lib.pn_link_current(pn_link)) != NULL:
+            while lib.pn_link_recv(pn_link, _DROPPED, len(_DROPPED)) > 0:
+                pass
+            if lib.pn_delivery_partial(delivery) and not lib.pn_delivery_aborted(delivery):
+                return
+            if not lib.pn_delivery_settled(delivery):  # (pre-settled by the client: nothing to say)
+                lib.pn_delivery_update(delivery, _RELEASED)
+            lib.pn_delivery_settle(delivery)
 
     def _forget_incomplete(self, pn_link: Any) -> None:
         """The incomplete messages of a link that ends are not coming any more."""
