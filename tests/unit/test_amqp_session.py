@@ -1414,6 +1414,39 @@ async def test_a_coordinator_message_without_a_declare_or_discharge_is_rejected(
     assert await tx.declare()  # the coordinator goes on
 
 
+async def test_a_coordinator_message_over_its_max_message_size_detaches_the_coordinator(core: Core) -> None:
+    c = await connected(core)
+    tx = await Transactions.attach(c)
+    controller = tx.controller
+    big = controller.delivery(b"big")
+    controller.stream(b"\x00\x53\x77\xb0\x00\x10\x00\x00" + b"x" * 100_000)  # the start of a 1 MiB body
+    condition = await c.closed_link(controller)
+    assert condition.name == "amqp:link:message-size-exceeded"
+    controller.stream(b"x" * 200_000)  # the client goes on with it all the same
+    await c.nothing()
+    assert held_by_proton(c) == (0, 1)  # read and dropped as it comes; released once whole
+    controller.stream(b"x" * (0x100000 - 300_000))
+    controller.advance()
+    await c.until(lambda: big.settled, "the message released")
+    assert big.remote_state == Delivery.RELEASED
+    assert held_by_proton(c) == (0, 0)
+    assert c.connection.state & Endpoint.REMOTE_ACTIVE
+    assert await (await Transactions.attach(c)).declare()  # another coordinator works
+
+
+async def test_coordinator_messages_arriving_count_toward_the_incomplete_bytes(core: Core) -> None:
+    c = Client(core, amqp_settings(core, max_frame_bytes=512, max_incomplete_bytes=2000))
+    await c.open()
+    for _ in range(2):  # 1500 bytes each, under the coordinator's max-message-size: 3000 together
+        controller = (await Transactions.attach(c)).controller
+        controller.delivery(b"t")
+        controller.stream(b"\x00\x53\x77\xb0\x00\x00\x10\x00" + b"x" * 1500)
+        await c.nothing()
+    condition = await c.connection_closed()
+    assert condition is not None
+    assert condition.name == "amqp:resource-limit-exceeded"
+
+
 # ------------------------------------------------------------------------------------------------ refusals
 async def test_links_the_user_may_not_have_are_refused_and_the_connection_stays(tmp_path: Path) -> None:
     grants = (("open.#", "send"), ("open.#", "createAddress"), ("open.#", "createDurableQueue"))

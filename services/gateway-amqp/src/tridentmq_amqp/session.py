@@ -94,6 +94,9 @@ _ENGINE_DONE: Final = _Marker()  # proton has said all it will: end once the inp
 #: A non-durable shared subscription outlives its last consumer by this much (so that a consumer reattaching
 #: at once finds it, and the core never deletes it between its creation and the first consumer).
 SHARED_VOLATILE_EXPIRY_MS: Final = 1000
+#: The largest message a coordinator link takes: a declare or a discharge is a few dozen bytes. (Not announced:
+#: proton writes no max-message-size into the attach of a coordinator.)
+COORDINATOR_MAX_MESSAGE_BYTES: Final = 64 * 1024
 #: How long a client may take to answer the gateway's CLOSE before its socket is closed anyway.
 CLOSE_GRACE_S: Final = 2.0
 #: AMQP conditions for the core's refusals.
@@ -631,9 +634,9 @@ class AmqpSession:
 
     async def _detach(self, pn_link: Any, *, closed: bool) -> None:
         link = wrap_link(pn_link)
-        if self.inbound.pop(pn_link, None) is not None:
+        inbound, coordinator = self.inbound.pop(pn_link, None), self.coordinators.pop(pn_link, None)
+        if inbound is not None or coordinator is not None:
             self._forget_incomplete(pn_link)
-        self.coordinators.pop(pn_link, None)
         outbound = self.outbound.pop(pn_link, None)
         if outbound is not None:
             await self._stop(outbound)
@@ -697,11 +700,8 @@ class AmqpSession:
         if size > self.settings.amqp.max_message_bytes:
             self._drop_link(inbound, MESSAGE_SIZE, "the message is larger than the link's max-message-size")
             return None
-        if partial:  # the rest of the message is still to come; proton holds what came so far
-            self._incomplete_bytes += size - self._incomplete.get(delivery, 0)
-            self._incomplete[delivery] = size
-            if self._incomplete_bytes > self.settings.amqp.max_incomplete_bytes:
-                self._close_connection(RESOURCE_LIMIT, "too many bytes of incomplete messages at once")
+        if partial:
+            self._arriving(delivery, size)
             return None
         if self._incomplete:
             self._incomplete_bytes -= self._incomplete.pop(delivery, 0)
@@ -736,6 +736,13 @@ class AmqpSession:
             return message, tx, txn_id
         self._published(confirmed, delivery, inbound, txn_id)
         return None
+
+    def _arriving(self, delivery: Any, size: int) -> None:
+        """A message whose rest is still to come: proton holds what came so far, counted per connection."""
+        self._incomplete_bytes += size - self._incomplete.get(delivery, 0)
+        self._incomplete[delivery] = size
+        if self._incomplete_bytes > self.settings.amqp.max_incomplete_bytes:
+            self._close_connection(RESOURCE_LIMIT, "too many bytes of incomplete messages at once")
 
     def _published(self, future: asyncio.Future[None], delivery: Any, inbound: Inbound, txn_id: bytes | None) -> None:
         """A transfer handed to the core: settled at once when the client pre-settled it, else once the core
@@ -847,9 +854,22 @@ class AmqpSession:
     # ------------------------------------------------------------------ transactions
     async def _coordinate(self, pn_link: Any, delivery: Any) -> None:
         """Declare and discharge of local transactions (AMQP 1.0 part 4) on the coordinator link."""
-        if not lib.pn_delivery_readable(delivery) or lib.pn_delivery_partial(delivery):
+        if not lib.pn_delivery_readable(delivery):
             return
         size = lib.pn_delivery_pending(delivery)
+        if size > COORDINATOR_MAX_MESSAGE_BYTES:  # no control message: the coordinator goes, the connection stays
+            del self.coordinators[pn_link]
+            self._forget_incomplete(pn_link)
+            limit = f"a message to the coordinator is larger than {COORDINATOR_MAX_MESSAGE_BYTES} bytes"
+            self._close_link(pn_link, MESSAGE_SIZE, limit)
+            self._flush()  # the DETACH goes out before the message is released
+            self._discard(pn_link)
+            return
+        if lib.pn_delivery_partial(delivery):
+            self._arriving(delivery, size)
+            return
+        if self._incomplete:
+            self._incomplete_bytes -= self._incomplete.pop(delivery, 0)
         data = bytearray(size)
         lib.pn_link_recv(pn_link, ffi.from_buffer(data), size)
         lib.pn_link_advance(pn_link)
