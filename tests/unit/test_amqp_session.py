@@ -810,6 +810,34 @@ async def test_too_many_incomplete_bytes_close_the_connection(core: Core) -> Non
     assert not delivery.settled
 
 
+async def test_after_its_close_the_gateway_holds_nothing_more_the_client_sends(core: Core) -> None:
+    c = Client(core, amqp_settings(core, max_incomplete_bytes=2000))
+    await c.open()
+    await c.sender("incomplete")  # channel 0
+    await c.sender("incomplete", name="other")  # channel 1
+
+    def transfer(channel: int, delivery_id: int, payload: bytes, *, more: bool) -> bytes:
+        fields = [UInt(0), UInt(delivery_id), b"t%d" % delivery_id, UInt(0), False, more]  # each in its session
+        return frame(TRANSFER, fields, channel=channel, payload=payload)
+
+    start = b"\x00\x53\x75\xb0\x00\x10\x00\x00"  # a data section of 1 MiB
+    c.session.feed(c.output() + transfer(0, 0, start + b"x" * 3000, more=True))
+    condition = await c.connection_closed()
+    assert condition is not None
+    assert condition.name == "amqp:resource-limit-exceeded"
+    # The client has not read the CLOSE yet: it goes on with that message, and sends others.
+    c.raw = True
+    closed_at = len(c.received)
+    for n in range(1, 31):
+        whole = transfer(1, n - 1, Message(body=n).encode(), more=False)
+        c.session.feed(transfer(0, 0, b"x" * 30_000, more=True) + whole)
+        await settle(1)
+    assert held_by_proton(c)[0] == 0
+    assert frames_of(c.received[closed_at:]) == []  # nothing said after the CLOSE
+    assert c.counters.messages_published == 0
+    assert queued(core, "incomplete") <= 0
+
+
 # ------------------------------------------------------------------------------------------------ receiving
 async def fill(core: Core, address: str, *bodies: Any, **fields: Any) -> None:
     """Messages sent by a client of their own."""

@@ -164,6 +164,7 @@ class AmqpSession:
         self._background: set[asyncio.Task[None]] = set()  # the session's own tasks (a link's consumer closing)
         self._lost = False  # the socket closed
         self._opened = False  # the client's OPEN was answered
+        self._closing = False  # the gateway closed the connection (with an error): nothing more is taken
         self._loop = asyncio.get_running_loop()
         self._output_scheduled = False
         connect_timeout = limits.connect_timeout_ms / 1000
@@ -370,7 +371,13 @@ class AmqpSession:
                 delivery = lib.pn_event_delivery(event)
                 pn_link = lib.pn_delivery_link(delivery)
                 inbound = self.inbound.get(pn_link)
-                if inbound is not None:
+                if self._closing and lib.pn_link_is_receiver(pn_link):
+                    # Nothing sent after the gateway's CLOSE can be answered, and the client may go on until
+                    # it reads the CLOSE (or for the grace period): its messages are dropped as they come,
+                    # not held (those still arriving were the limit the connection was closed for).
+                    self._forget_incomplete(pn_link)
+                    self._discard(pn_link)
+                elif inbound is not None:
                     # (a link waiting to be detached publishes none of its transfers any more)
                     blocked = None if inbound.closing is not None else self._transfer(inbound, pn_link, delivery)
                     if blocked is not None:  # the core's window is full: wait for it (rare)
@@ -1116,6 +1123,8 @@ class AmqpSession:
             if connection.state & Endpoint.LOCAL_UNINIT:
                 connection.open()
             connection.close()
+            self._closing = True
+            self._flush()  # the CLOSE goes out before anything the client sends next is dropped (released)
             self._loop.call_later(CLOSE_GRACE_S, self._end)
 
     def _close_now(self, condition: str, description: str) -> None:

@@ -91,7 +91,8 @@ class AmqpLimitsSection:
         1024,
         "Transfer frames a session may receive ahead of the gateway (its incoming "
         "window; at most 2 GiB worth of frames). Link credit is what bounds "
-        "messages.",
+        "messages, and `max_incomplete_bytes` what a connection holds of them: "
+        "the gateway reads each transfer as it comes.",
     )
     connect_timeout_ms: int = doc(10_000, "A connection that has not finished SASL and sent OPEN by then is closed.")
     pending_bytes: int = doc(
