@@ -418,10 +418,11 @@ class RecordingAudit:
 
 class RecordingStore(MemoryStore):
     """The memory store, remembering the queue specs, messages, acks, delivery attempts and written-through
-    publishes the broker asked it to persist. With ``hold_attempts`` (``hold_notes``), delivery attempts (notes
-    of written-through publishes) are safe only when the test completes their token."""
+    publishes the broker asked it to persist. With ``hold_attempts`` (``hold_notes``, ``hold_messages``), delivery
+    attempts (notes of written-through publishes, messages) are safe only when the test completes their token."""
 
-    def __init__(self, *, hold_attempts: bool = False, hold_notes: bool = False) -> None:
+    def __init__(self, *, hold_attempts: bool = False, hold_notes: bool = False, hold_messages: bool = False) -> None:
+        self.hold_messages = hold_messages
         self.through: list[tuple[str, str, int]] = []  # publishes written through to another node
         self.note_tokens: list[int] = []  # with ``hold_notes``: one per call, apart from the attempts' tokens
         self.hold_notes = hold_notes
@@ -457,14 +458,19 @@ class RecordingStore(MemoryStore):
         self.messages.append(message)
         if counts is not None:
             self.message_counts.append((queues, list(counts)))
-        return 0
+        return 2_000_000 + len(self.messages) if self.hold_messages else 0
 
 
 def recorded(
-    settings: CoreSettings | None = None, *, hold_attempts: bool = False, hold_notes: bool = False
+    settings: CoreSettings | None = None,
+    *,
+    hold_attempts: bool = False,
+    hold_notes: bool = False,
+    hold_messages: bool = False,
 ) -> tuple[Harness, RecordingStore, RecordingAudit]:
     """A harness whose broker reports to a recording store and audit sink."""
     h = Harness(settings)
-    store, sink = RecordingStore(hold_attempts=hold_attempts, hold_notes=hold_notes), RecordingAudit()
+    store = RecordingStore(hold_attempts=hold_attempts, hold_notes=hold_notes, hold_messages=hold_messages)
+    sink = RecordingAudit()
     h.broker = Broker("node-1", h.settings, store=store, audit=sink, first_message_id=1)
     return h, store, sink

@@ -28,6 +28,7 @@ from tridentmq_core import queues
 from tridentmq_core.address_settings import AddressSettingsRepository
 from tridentmq_core.audit import FileAuditSink
 from tridentmq_core.broker import Broker
+from tridentmq_core.cluster.manager import ClusterManager
 from tridentmq_core.dead_letters import ORIGINAL_ADDRESS, ORIGINAL_QUEUE, ORIGINAL_REASON
 from tridentmq_core.dedup import DuplicateIdCache, TransferIds
 from tridentmq_core.forwarding import DEDUP_PREFIX, FORWARD_PROPERTY, MOVES_PROPERTY, ForwardHeader
@@ -43,7 +44,7 @@ from tridentmq_core.settings import (
 from tridentmq_core.store.memory import MemoryStore
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.ops import ErrorCode, NackMode
-from tridentmq_shared.message import M_EXPIRATION, M_ID, M_TIMESTAMP, new_message
+from tridentmq_shared.message import HOME_PROPERTY, M_EXPIRATION, M_ID, M_TIMESTAMP, new_message
 from tridentmq_shared.settings import SettingsError
 
 
@@ -685,6 +686,73 @@ def test_duplicate_id_forgotten_after_window() -> None:
     h.tick(h.now_ms + 1000)
     c.publish("orders", b"two", dedup_id="d")
     assert bodies(c.take(c.consumer("orders"))) == [b"one", b"two"]
+
+
+def test_a_duplicate_is_confirmed_only_once_the_first_copy_is_safe() -> None:
+    """A reconnecting link client sends its unconfirmed publishes again, perhaps through another link while
+    the first copy's record still waits for its sync. The duplicate was confirmed at once: a crash (or a
+    failed write) before the sync lost a message its producer was told was safe."""
+    h, store, _ = recorded(hold_messages=True)
+    a, b = h.connect("a"), h.connect("b")
+    ok(a.create_queue("orders", durable=True))
+    first = a.publish("orders", b"x", durable=True, dedup_id="order-17")
+    again = b.publish("orders", b"x", durable=True, dedup_id="order-17")
+    assert len(store.messages) == 1
+    assert first not in a.confirmed
+    assert again not in b.confirmed
+    h.broker.on_durable(2_000_001)  # the first copy's record is synced
+    h.sync()
+    assert first in a.confirmed
+    assert again in b.confirmed
+    assert h.broker.write_through.token_of("order-17") is None  # nothing kept once it is safe
+    assert b.publish("orders", b"x", durable=True, dedup_id="order-17") in b.confirmed  # safe: at once
+    # A non-durable message is stored nowhere: its duplicate has nothing to wait for.
+    assert a.publish("orders", b"y", dedup_id="order-18") in a.confirmed
+    assert b.publish("orders", b"y", dedup_id="order-18") in b.confirmed
+    assert len(store.messages) == 1
+    assert h.broker.counters.duplicates == 3
+
+
+def test_a_transfer_sent_again_is_confirmed_only_once_the_first_copy_is_safe() -> None:
+    """Another node sends its unconfirmed transfers again when its link drops: confirmed at once, the other
+    node removed its copy while this node's was not yet on disk."""
+    h, store, _ = recorded(hold_messages=True)
+    node_a = h.connect("node-a")
+    node_a.session.principal = dataclasses.replace(node_a.session.principal, cluster=True)
+    ok(h.connect().create_queue("orders", durable=True))
+    header = ForwardHeader("node-1", ("orders",), 1, "node-a:", numbered=True).encode()
+    sent = []
+    for _ in range(2):
+        message = new_message("orders", b"m", durable=True, properties={FORWARD_PROPERTY: header})
+        message[M_ID] = 78  # its id on node-a, which completes the transfer id
+        sent.append(node_a.conn.publish(message))
+    h.sync()
+    assert len(store.messages) == 1
+    assert not set(sent) & node_a.confirmed
+    h.broker.on_durable(2_000_001)
+    h.sync()
+    assert set(sent) <= node_a.confirmed
+
+
+def test_a_publish_sent_home_again_is_confirmed_only_once_the_first_copy_is_safe() -> None:
+    """A publish for another node (``$link.home``) is stored here until it goes there: a second copy of it
+    (its producer sending it again) waits for the first's record too."""
+    h, store, _ = recorded(hold_messages=True)
+    ClusterManager(
+        h.broker, h.settings, node_id="node-1", name="one", advertise=("127.0.0.1", 1), schedule_flush=lambda: None
+    )
+    assert h.broker.cluster is not None
+    h.broker.cluster.bindings.replace("node-2", [])
+    c = h.connect()
+    ok(c.create_queue("orders", durable=True))
+    home = {HOME_PROPERTY: "node-2"}
+    sent = [c.publish("orders", b"x", durable=True, dedup_id="$link:p:1", properties=home) for _ in range(2)]
+    assert len(store.messages) == 1
+    assert len(h.broker.forwarder.forward_queue("node-2", h.now_ms)) == 1
+    assert not set(sent) & c.confirmed
+    h.broker.on_durable(2_000_001)
+    h.sync()
+    assert set(sent) <= c.confirmed
 
 
 def test_refused_message_does_not_burn_its_dedup_id() -> None:

@@ -475,10 +475,7 @@ class Broker:
         dedup_id = message[M_DEDUP]
         if dedup_id is not None and self._dedup.seen(dedup_id, now_ms):
             self.counters.duplicates += 1
-            pending = self.write_through.token_of(dedup_id) if through else None
-            if pending is None:
-                return 0  # already accepted once: confirm again, store nothing
-            return self.confirms.alias(pending)  # the first is only on its way to another node: wait with it
+            return self.confirms.duplicate(dedup_id)  # stored nothing: confirmed with the first, once it is safe
         cluster = self.cluster
         if through and dedup_id is not None and self.write_through.targets and cluster is not None:
             sent_to = self.write_through.target(dedup_id)
@@ -562,6 +559,8 @@ class Broker:
                 for node_id, names in remote.items():
                     # The journal syncs in order: the last record's token covers the earlier ones.
                     token = max(token, forward(message, node_id, names, 1, now_ms, delivered=delivered))
+        if token > 0 and message[M_DEDUP] is not None:
+            self.confirms.track(message[M_DEDUP], token)  # a duplicate arriving before the sync waits for it
         if message[M_SCHEDULED] > now_ms:
             for queue in queues:
                 self.timers.schedule(message[M_SCHEDULED], queue, message, 0)

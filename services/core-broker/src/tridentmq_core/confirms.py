@@ -2,8 +2,9 @@
 the store has made the message or transaction safe, or a negative one for a durable publish written through
 to another node, completed when that node confirms it (see ``forwarder``).
 
-A producer's duplicate of a publish still on its way is confirmed with the first, never before: its token
-is an alias that completes (or is refused) with the first's.
+A producer's duplicate of a publish not yet safe (its record still waiting for the sync, or on its way to
+another node) is confirmed with the first, never before: its token is an alias that completes (or is
+refused) with the first's.
 """
 
 from __future__ import annotations
@@ -49,6 +50,20 @@ class Confirms:
         self.through_token -= 1
         self._aliases.setdefault(token, []).append(alias)
         return alias
+
+    def track(self, dedup_id: str | None, token: int) -> int:
+        """The publish with ``dedup_id`` is safe once the store token ``token`` completes (0: at once): its
+        duplicates wait for it until then (see ``duplicate``). Returns ``token``."""
+        if token > 0 and dedup_id is not None:
+            self._write_through.track(dedup_id, token)  # forgotten when it completes: kept only while pending
+        return token
+
+    def duplicate(self, dedup_id: str) -> int:
+        """The token a duplicate of the publish with ``dedup_id`` must wait for: an alias of the first's while
+        that is not safe (a reconnecting client resends what it had no confirm for, perhaps before the first's
+        record is synced: confirmed at once, a crash then lost it), else 0, confirmed now."""
+        pending = self._write_through.token_of(dedup_id)
+        return 0 if pending is None else self.alias(pending)
 
     def done(self, token: int) -> list[int]:
         """``token`` completed: send what waited for it. Returns the aliases that complete with it."""

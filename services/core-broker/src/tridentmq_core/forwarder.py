@@ -149,14 +149,14 @@ class Forwarder:
         ``cluster.node_gone_ms`` has it routed again from here (``reroute_forward_queue``)."""
         if self._dedup.seen(message[M_DEDUP], now_ms):
             self._counters.duplicates += 1
-            return 0  # sent again to this node too: on its way home already
+            return self._confirms.duplicate(message[M_DEDUP])  # sent again to this node too: confirmed with the first
         message[M_ID] = self._host.new_message_id()
         if not message[M_TIMESTAMP]:
             message[M_TIMESTAMP] = now_ms
         if self._audit.covers(message):
             self._audit.sent(now_ms, message)
         self._counters.routed += 1
-        return self.forward(message, home, (), 1, now_ms, home=True)
+        return self._confirms.track(message[M_DEDUP], self.forward(message, home, (), 1, now_ms, home=True))
 
     def accept_from_cluster(self, message: WireMessage, now_ms: int) -> int:
         """A message another node forwarded here: it goes to the queues it was meant for, or on towards its
@@ -185,7 +185,9 @@ class Forwarder:
             duplicate = self._dedup.seen(dedup_id, now_ms)
         if duplicate:
             self._counters.duplicates += 1
-            return 0  # a transfer re-sent after its link dropped: stored already
+            # A transfer re-sent after its link dropped: stored already, safe once the first copy is (a
+            # numbered one is in no journal).
+            return 0 if numbered else self._confirms.duplicate(dedup_id)
         if header.numbered and self._audit.covers(message):
             # A redistributed message left its queue over there under the id it had (a forwarded copy carries
             # its origin already): that id is where it was first accepted.
@@ -202,9 +204,10 @@ class Forwarder:
                 and cluster.bindings.next_hop(header.target) is not None
             ):
                 self._counters.received += 1
-                return self.forward(  # a relay
+                token = self.forward(  # a relay
                     message, header.target, header.queues, header.hops + 1, now_ms, delivered=header.delivered
                 )
+                return token if numbered else self._confirms.track(dedup_id, token)
             names = header.queues
             if len(names) == 1:  # the usual case, without a generator per message
                 queue = queues_by_name.get(names[0])

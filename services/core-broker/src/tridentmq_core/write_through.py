@@ -43,8 +43,8 @@ class WriteThrough(Generic[P]):
         self._by_note: dict[int, list[Unsent[P]]] = {}  # store token of a note → the sends waiting for it, in order
         self._held_to: dict[str, int] = {}  # connected node → how many sends wait to go through it
         # Those not yet safe anywhere, by producer's id and confirm token (negative while on their way; a
-        # positive store token once stored here after all): a duplicate (its producer sending it again) is
-        # confirmed only with the first, not at once.
+        # positive store token while stored here and not yet synced, see ``Confirms.track``): a duplicate (its
+        # producer sending it again) is confirmed only with the first, not at once.
         self._token_of: dict[str, int] = {}
         self._id_of: dict[int, str] = {}
 
