@@ -23,9 +23,11 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.unit.broker_harness import Harness, ids, ok
 
 import tridentmq_core.store.journal as journal_module
 import tridentmq_core.store.journal_store as journal_store_module
+from tridentmq_core.settings import AddressSettingsEntry, CoreSettings
 from tridentmq_core.store.base import DurableSnapshot
 from tridentmq_core.store.journal import (
     Journal,
@@ -46,6 +48,7 @@ from tridentmq_core.store.records import (
     scan,
 )
 from tridentmq_core.store.recovery import replay
+from tridentmq_shared.link.ops import NackMode
 from tridentmq_shared.message import M_DEDUP, M_ID, M_TIMESTAMP, WireMessage, new_message
 
 Entry = tuple[RecordType, Any]
@@ -1503,3 +1506,35 @@ def test_a_message_stored_with_its_attempts_elsewhere_gets_them_back_from_one_re
     records = recover(tmp_path, SMALL_SEGMENT)[0]
     assert [r.type for r in records].count(RecordType.DELIVERY_COUNTS) == 0
     assert replay(records).references == {"q": {7: 1}, "r": {7: 1}}
+
+
+# ---------------------------------------------------------------------------------------------------- broker records
+@pytest.mark.parametrize("fate", ["expired", "rejected", "out of attempts"])
+def test_a_message_moved_to_the_expiry_or_dead_letter_address_is_in_one_queue_or_both_at_every_record(
+    tmp_path: Path, fate: str
+) -> None:
+    """Expiry and dead-lettering journaled the original's acknowledgement before its copy's record: a crash
+    between the two (the last synced batch ending there, or a torn tail) lost the message."""
+    h = Harness(CoreSettings(address_settings=[AddressSettingsEntry(match="#", max_delivery_attempts=1)]))
+    journal, store, loop, _ = synced_store(tmp_path)
+    h.broker.store = store
+    store.attach(h.broker.on_durable)
+    c = h.connect()
+    ok(c.create_queue("orders", durable=True))
+    c.publish("orders", b"precious", durable=True, expiration_ms=h.now_ms + 500)
+    if fate == "expired":
+        h.tick(h.now_ms + 1000)
+    else:
+        cid = c.consumer("orders")
+        sync_reported(journal, loop)  # the delivery attempt is on disk: the delivery goes
+        loop.run()
+        h.sync()
+        c.nack(cid, ids(c.take(cid)), NackMode.REJECT if fate == "rejected" else NackMode.REDELIVER)
+    journal.close()
+    records = recover(tmp_path)[0]
+    assert {queue for queue, count in replay(records).queue_counts().items() if count} == {
+        "ExpiryQueue" if fate == "expired" else "DLQ"
+    }
+    original = next(i for i, r in enumerate(records) if r.type is RecordType.MESSAGE)
+    for end in range(original + 1, len(records) + 1):  # a crash after any record from the original's on
+        assert sum(replay(records[:end]).queue_counts().values()) >= 1, [r.type.name for r in records[:end]]

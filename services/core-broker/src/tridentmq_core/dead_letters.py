@@ -57,9 +57,10 @@ class DeadLetters:
     ) -> None:
         """``message`` dies in ``queue``, where it still is (its consumer took it out, not the queue)."""
         queue.settle(message)
-        if message[M_DURABLE] and queue.durable:
-            self.store.acknowledge(queue.name, [message[M_ID]])
         self.send_to_dead_letter_address(queue, message, reason, settings, now_ms)
+        if message[M_DURABLE] and queue.durable:
+            # After the copy's record: a crash between the two leaves it in both queues, never in neither.
+            self.store.acknowledge(queue.name, [message[M_ID]])
 
     def send_to_dead_letter_address(
         self, queue: Queue, message: WireMessage, reason: str, settings: ResolvedAddressSettings, now_ms: int
@@ -74,11 +75,11 @@ class DeadLetters:
         """``message`` outlived its expiration in ``queue`` (taken out of it)."""
         queue.expired += 1
         self._counters.expired += 1
-        if message[M_DURABLE] and queue.durable:
-            self.store.acknowledge(queue.name, [message[M_ID]])
         self._audit.message(now_ms, "msg.expired", message, queue, reason="ttl")
         settings = self.address_settings.resolve(queue.address)
         self._divert(queue, message, settings.expiry_address, "expired", now_ms)
+        if message[M_DURABLE] and queue.durable:
+            self.store.acknowledge(queue.name, [message[M_ID]])  # after the copy's record: never neither
 
     def _divert(self, queue: Queue, message: WireMessage, target: str | None, reason: str, now_ms: int) -> None:
         """Send a copy of a dead or expired message to ``target`` with its origin recorded."""
