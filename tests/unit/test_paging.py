@@ -12,7 +12,8 @@ from tests.unit.broker_harness import Harness, bodies, ids
 from tridentmq_core.queues import MESSAGE_OVERHEAD
 from tridentmq_core.settings import AddressSettingsEntry, CoreSettings
 from tridentmq_core.store.paging import FilePager, InlineIO, PageDirectory, ThreadIO
-from tridentmq_shared.message import M_BODY, WireMessage, new_message
+from tridentmq_core.store.recovery import RecoveredState
+from tridentmq_shared.message import M_BODY, M_ID, WireMessage, new_message
 
 BODY = b"x" * 1000
 PER_MESSAGE = len(BODY) + MESSAGE_OVERHEAD
@@ -132,6 +133,36 @@ def test_compaction_snapshot_includes_paged_messages(tmp_path: Path) -> None:
     assert h.broker.queues["kept"].paged == 7
     snapshot = h.broker.durable_snapshot()
     assert sorted(m[M_BODY][:1] for m, _, _ in snapshot.messages) == sorted(f"{n}".encode() for n in range(10))
+
+
+def test_messages_restored_with_delivery_attempts_keep_them_when_paged(tmp_path: Path) -> None:
+    """A message restored with delivery attempts (recovery, a move from another node) into a queue over its
+    page limit is paged. A compaction's copy wrote it with none: after the next restart its redelivery was
+    no longer flagged. An operator's browse showed none either."""
+    h = paging_harness(tmp_path, limit=5 * PER_MESSAGE)
+    state = RecoveredState()
+    state.addresses["q"] = ([0], False)
+    state.queues["q"] = {"name": "q", "address": "q", "routing_type": 0}
+    state.references["q"] = {}
+    for n in range(1, 21):
+        message = new_message("q", BODY, durable=True)
+        message[M_ID] = n
+        state.messages[n] = message
+        state.references["q"][n] = 2  # each was delivered twice before the crash
+    h.broker.restore(state, h.now_ms)
+    queue = h.broker.queues["q"]
+    assert queue.paged == 15
+    assert {m[M_ID]: counts for m, _, counts in h.broker.durable_snapshot().messages} == {n: [2] for n in range(1, 21)}
+    assert [(count, state) for _, count, state in queue.browse_messages()] == [(2, "queued")] * 5 + [(2, "paged")] * 15
+    c = h.connect()
+    cid = c.consumer("q", credit=100)
+    got: list[int] = []
+    while len(got) < 20:
+        batch = c.take(cid)
+        assert batch
+        got.extend(d.count for d in batch)
+        c.ack(cid, ids(batch))
+    assert got == [3] * 20
 
 
 def test_deleting_a_paging_queue_removes_its_page_file(tmp_path: Path) -> None:

@@ -315,8 +315,9 @@ class Queue:
             for message_id, message in consumer.in_flight.items():
                 yield message, consumer.counts.get(message_id, 1), "in_flight"
         if self._pager is not None and self._paged:
+            returned = self._returned  # a message restored with attempts may be paged: it keeps its count
             for message in self._pager.peek():
-                yield message, 0, "paged"
+                yield message, returned.get(message[M_ID], 0), "paged"
 
     def live_messages(self) -> Iterator[tuple[WireMessage, int]]:
         """Every message this queue still owes, queued or in flight, with its delivery count so far."""
@@ -326,8 +327,11 @@ class Queue:
             for message_id, message in consumer.in_flight.items():
                 yield message, consumer.counts.get(message_id, 1)
         if self._pager is not None and self._paged:
+            # A message restored with attempts (recovery, a move, a forward taken back) may be paged: its count
+            # is kept with the others, and a compaction's copy must keep it, or its redelivery goes unflagged.
+            returned = self._returned
             for message in self._pager.peek():
-                yield message, 0
+                yield message, returned.get(message[M_ID], 0)
 
     # ------------------------------------------------------------------ adding
     def add(self, message: WireMessage) -> None:
