@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from tests.conftest import start_core
 
-from tridentmq_core.store.journal import Journal, list_segments
+from tridentmq_core.store.journal import Journal, JournalCorruptedError, list_segments
 from tridentmq_core.store.records import HEADER_SIZE, RecordType
 from tridentmq_core.store.recovery import RecoveredState, replay
 from tridentmq_shared.message import new_message
@@ -78,6 +78,20 @@ def test_verify_tells_a_torn_tail_from_damage_in_the_middle(tmp_path: Path) -> N
     assert result.returncode == 1
     assert "DAMAGED" in result.stdout
     assert f"offset {offsets[1]}" in result.stdout
+
+
+def test_verify_calls_damaged_the_zeros_recovery_refuses(tmp_path: Path) -> None:
+    journal = tmp_path / "journal"
+    offsets = write_journal(journal, 5)
+    segment = list_segments(journal)[0]
+    lost = bytearray(segment.read_bytes())
+    lost[offsets[1] : offsets[2]] = bytes(offsets[2] - offsets[1])  # one record lost to zeros, three valid after
+    segment.write_bytes(lost)
+    with pytest.raises(JournalCorruptedError, match="data verify"):
+        Journal(journal).recover()
+    result = data("verify", "--journal", str(journal))
+    assert result.returncode == 1, result.stdout
+    assert f"DAMAGED: zeros at offset {offsets[1]} with valid records behind them" in result.stdout
 
 
 def test_a_core_cuts_a_torn_tail_and_reports_it_in_readyz(tmp_path: Path) -> None:

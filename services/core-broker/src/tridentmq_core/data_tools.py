@@ -2,7 +2,8 @@
 
 ``verify`` walks every segment, checks every record's CRC and says where the valid data ends and why;
 exit 0 when the journal is clean or ends in a torn last write (which recovery cuts off), 1 when there is
-damage with valid records behind it (recovery refuses to start), 2 when there is nothing to read.
+damage or zeros with valid records behind them (recovery refuses to start: both decide by
+``unrecoverable``), 2 when there is nothing to read.
 ``print`` lists every record in a readable form. ``compact`` rewrites the journal with only its live state
 (refused while a node holds the data directory).
 """
@@ -16,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from tridentmq_core.store.data_lock import DataDirectoryLock, DataDirectoryLockedError
-from tridentmq_core.store.journal import JournalCorruptedError, compact_offline, list_segments
-from tridentmq_core.store.records import Record, RecordType, ScanEnd, damage_is_tail, scan
+from tridentmq_core.store.journal import JournalCorruptedError, compact_offline, list_segments, unrecoverable
+from tridentmq_core.store.records import Record, RecordType, ScanEnd, scan
 from tridentmq_shared.message import M_ADDRESS, M_BODY, M_DURABLE, M_ID
 
 
@@ -82,13 +83,12 @@ def verify(directory: Path) -> int:
                 end = item
         total += count
         line = f"{path.name}: {count} records, valid data ends at offset {end.offset}"
-        if end.reason is None:
-            print(f"{line} (clean)")
-            continue
-        later = any(isinstance(next(scan(p.read_bytes())), Record) for p in segments[index + 1 :])
-        if later or not damage_is_tail(data, end.offset):
-            print(f"{line}: DAMAGED: {end.reason}; valid records follow, recovery will refuse to start")
+        damage = unrecoverable(data, end, segments[index + 1 :])
+        if damage is not None:
+            print(f"{line}: DAMAGED: {damage}; recovery will refuse to start")
             status = 1
+        elif end.reason is None:
+            print(f"{line} (clean)")
         else:
             print(f"{line}: torn tail: {end.reason}; recovery cuts it off here")
     print(f"{len(segments)} segment(s), {total} valid records: {'DAMAGED' if status else 'ok'}")

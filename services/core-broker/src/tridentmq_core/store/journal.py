@@ -150,6 +150,20 @@ def measure_fsync(directory: Path, seconds: float = 2.0, write_bytes: int = 4096
         path.unlink()
 
 
+def unrecoverable(data: bytes, end: ScanEnd, later: list[Path]) -> str | None:
+    """Why recovery refuses a segment whose scan stopped at ``end``, or None when it may cut it there (a clean
+    end, or a torn last write); ``later`` are the segments after it. Recovery and ``tridentmq data verify``
+    both decide by this, so verify never calls clean what recovery refuses."""
+    if end.reason is None:
+        if damage_is_tail(data, end.offset):
+            return None
+        # A zeroed header (e.g. a lost page) looks like the clean end, but valid records follow it.
+        return f"zeros at offset {end.offset} with valid records behind them"
+    if any(isinstance(next(scan(path.read_bytes())), Record) for path in later) or not damage_is_tail(data, end.offset):
+        return f"{end.reason}, and valid records follow it"
+    return None
+
+
 class JournalCorruptedError(Exception):
     """Damage with valid data behind it: the node must not start on this journal as it is."""
 
@@ -217,19 +231,13 @@ class Journal:
                     records.append(item)
                 else:
                     end = item
-            if end.reason is None and not damage_is_tail(data, end.offset):
-                # A zeroed header (e.g. a lost page) looks like the clean end, but valid records follow it.
+            damage = unrecoverable(data, end, segments[index + 1 :])
+            if damage is not None:
                 raise JournalCorruptedError(
-                    f"{path.name}: zeros at offset {end.offset} with valid records behind them; refusing to "
-                    f"start rather than drop them (inspect with `tridentmq data verify`)"
+                    f"{path.name}: {damage}; refusing to start rather than drop them "
+                    f"(inspect with `tridentmq data verify`)"
                 )
             if end.reason is not None:
-                later_data = any(self._has_records(p) for p in segments[index + 1 :])
-                if later_data or not damage_is_tail(data, end.offset):
-                    raise JournalCorruptedError(
-                        f"{path.name}: {end.reason}, and valid records follow it; refusing to start rather than "
-                        f"drop them (inspect with `tridentmq data verify`)"
-                    )
                 self._zero_from(path, end.offset)
                 report.truncated.append(f"{path.name}: {end.reason}; cut at offset {end.offset}")
             self._segment_number = int(path.name[len(SEGMENT_PREFIX) : -len(SEGMENT_SUFFIX)])
@@ -239,10 +247,6 @@ class Journal:
         if segments:
             self._fd = os.open(segments[-1], os.O_RDWR)
         return records, report
-
-    @staticmethod
-    def _has_records(path: Path) -> bool:
-        return isinstance(next(read_segment(path)), Record)
 
     @staticmethod
     def _zero_from(path: Path, offset: int) -> None:
