@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
-from tests.conftest import start_core
+from tests.conftest import CoreProcess, start_core
 
 from tridentmq_core.store.journal import Journal, JournalCorruptedError, list_segments
 from tridentmq_core.store.records import HEADER_SIZE, RecordType
 from tridentmq_core.store.recovery import RecoveredState, replay
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.message import new_message
 
 pytestmark = pytest.mark.integration
@@ -151,7 +155,7 @@ def test_compact_keeps_the_live_state_and_drops_the_rest(tmp_path: Path) -> None
     assert after.references == before.references == {"q": {n: 3 if n in (95, 96) else 0 for n in range(91, 101)}}
     assert after.messages == before.messages
     assert after.addresses == before.addresses == {"q": ([0], True)}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["journal", "node.lock"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["journal", "journal.lock"]
 
 
 def test_an_interrupted_compaction_is_undone_or_finished_by_recovery(tmp_path: Path) -> None:
@@ -198,3 +202,65 @@ def test_compact_and_a_second_node_are_refused_while_a_node_runs(tmp_path: Path)
         assert "Traceback" not in second.stderr
     finally:
         assert node.stop() == 0
+
+
+async def publish(port: int, address: str, bodies: list[bytes]) -> None:
+    async with LinkClient("127.0.0.1", port, reconnect=ReconnectPolicy(attempts=0)) as client:
+        await asyncio.gather(*[await client.send(new_message(address, body, durable=True)) for body in bodies])
+
+
+def run_core(data_dir: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """A core run to its end (one expected to be refused at start)."""
+    return subprocess.run(
+        [sys.executable, "-m", "tridentmq_core"],
+        env={
+            **os.environ,
+            "TRIDENTMQ_CORE_NODE_DATA_DIR": str(data_dir),
+            "TRIDENTMQ_CORE_LINK_PORT": "0",
+            "TRIDENTMQ_CORE_MANAGEMENT_PORT": "0",
+            **env,
+        },
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+def recovered_counts(node: CoreProcess) -> dict[str, int]:
+    with urllib.request.urlopen(node.management_url + "/readyz", timeout=5) as response:
+        counts: dict[str, int] = json.loads(response.read())["recovered"]
+    return counts
+
+
+async def test_a_node_and_compact_exclude_each_other_on_a_journal_apart_from_the_data_dir(tmp_path: Path) -> None:
+    """With journal.directory outside the data directory, compact took the lock of the journal's parent,
+    which no node holds: it swapped the journal from under a running node, and everything confirmed after
+    went to the deleted directory (found by a review)."""
+    journal = tmp_path / "volume" / "journal"
+    node = start_core(tmp_path, TRIDENTMQ_CORE_JOURNAL_DIRECTORY=str(journal))
+    try:
+        await publish(node.link_port, "q", [b"a%d" % n for n in range(50)])
+        compacted = data("compact", "--journal", str(journal))
+        assert compacted.returncode == 1, compacted.stdout
+        assert "in use by another TridentMQ process" in compacted.stderr
+        # The read-only tools read a live journal, saying so.
+        verified = data("verify", "--journal", str(journal))
+        assert verified.returncode == 0, verified.stdout
+        assert "in use by a running node" in verified.stderr
+        # A second node, on its own data directory but the same journal, is refused too.
+        second = run_core(tmp_path / "other", TRIDENTMQ_CORE_JOURNAL_DIRECTORY=str(journal))
+        assert second.returncode == 1
+        assert "in use by another TridentMQ process" in second.stderr
+        await publish(node.link_port, "q", [b"b%d" % n for n in range(50)])
+    finally:
+        node.process.send_signal(signal.SIGKILL)
+        node.process.wait(timeout=10)
+    node = start_core(tmp_path, TRIDENTMQ_CORE_JOURNAL_DIRECTORY=str(journal))
+    try:
+        assert recovered_counts(node) == {"q": 100}
+    finally:
+        assert node.stop() == 0
+    compacted = data("compact", "--journal", str(journal))  # stopped: the lock is free
+    assert compacted.returncode == 0, compacted.stderr
+    assert "note:" not in data("verify", "--journal", str(journal)).stderr

@@ -6,6 +6,8 @@ import asyncio
 import json
 import signal
 import socket
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -960,3 +962,38 @@ async def test_a_primary_whose_backup_is_still_copying_scales_down_on_a_graceful
     assert "scale-down complete" in primary.log(), primary.log()
     assert sorted(await drain(other, "sd.q", 50)) == sorted(b"m%d" % i for i in range(50))
     stop_cleanly(other)
+
+
+def shared_journal(tmp_path: Path) -> Path:
+    [journal] = [path for path in (tmp_path / "shared").glob("epoch-*") if path.is_dir()]
+    return journal
+
+
+def compact(journal: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tridentmq_shared.cli", "data", "compact", "--journal", str(journal)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+async def test_shared_store_active_node_holds_its_journal_against_compact(tmp_path: Path) -> None:
+    """The active node of a shared-store pair holds its epoch's journal for `data compact` as any node does
+    (compact used to lock the shared directory, which no node holds, and rewrote the journal being served);
+    the standby holds no journal while it waits and takes over as before."""
+    active, standby = shared_pair(tmp_path)
+    await publish(active, "locked.q", [b"1", b"2"])
+    refused = await asyncio.to_thread(compact, shared_journal(tmp_path))
+    assert refused.returncode == 1, refused.stdout
+    assert "in use by another TridentMQ process" in refused.stderr
+    assert active.stop() == 0
+    wait_until(lambda: ha_view(standby).get("active") is True, 5, "the standby to take the released lease")
+    journal = shared_journal(tmp_path)  # the new epoch's
+    refused = await asyncio.to_thread(compact, journal)
+    assert refused.returncode == 1, refused.stdout
+    assert sorted(await drain(standby, "locked.q", 2)) == [b"1", b"2"]
+    assert standby.stop() == 0
+    compacted = await asyncio.to_thread(compact, journal)  # both stopped: the lock is free
+    assert compacted.returncode == 0, compacted.stderr

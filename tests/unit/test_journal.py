@@ -29,10 +29,12 @@ import tridentmq_core.store.journal as journal_module
 import tridentmq_core.store.journal_store as journal_store_module
 from tridentmq_core.settings import AddressSettingsEntry, CoreSettings
 from tridentmq_core.store.base import DurableSnapshot
+from tridentmq_core.store.data_lock import JournalLock, JournalLockedError
 from tridentmq_core.store.journal import (
     Journal,
     JournalCorruptedError,
     RecoveryReport,
+    compact_offline,
     list_segments,
     segment_name,
     write_live_state,
@@ -523,6 +525,25 @@ def test_zeroed_records_with_valid_records_behind_them_refuse_to_start(one_segme
     except JournalCorruptedError:
         return
     pytest.fail(f"recovered {len(records)} of 30 records without error; truncated={report.truncated}")
+
+
+def test_the_journal_lock_stays_with_the_journal_across_an_offline_compaction(tmp_path: Path) -> None:
+    """`data compact` holds the journal lock while it swaps the directory by two renames: the lock belongs to
+    the journal's path, not to the directory moved away, so a node starting meanwhile is still refused."""
+    directory = tmp_path / "journal"
+    journal = Journal(directory, segment_bytes=SMALL_SEGMENT)
+    journal.recover()
+    journal.start()
+    journal.append(RecordType.ADD_QUEUE, [queue_spec("q")])
+    journal.close()
+    lock = JournalLock(directory)
+    try:
+        compact_offline(directory, SMALL_SEGMENT)
+        with pytest.raises(JournalLockedError):
+            JournalLock(tmp_path / "." / "journal")  # named differently, as a node's setting may
+    finally:
+        lock.release()
+    JournalLock(directory).release()
 
 
 # ---------------------------------------------------------------------------------------------------- power loss

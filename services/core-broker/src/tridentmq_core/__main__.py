@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tridentmq_core.server import CoreNode
 from tridentmq_core.settings import ENV_PREFIX, CoreSettings
-from tridentmq_core.store.data_lock import DataDirectoryLockedError
+from tridentmq_core.store.data_lock import LockedError
 from tridentmq_core.store.identity import IdentityError
 from tridentmq_core.store.journal import JournalCorruptedError, measure_fsync
 from tridentmq_shared.logs import setup_logging
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         code = run_main(serve(settings, args.ports_file))
-    except (OSError, SettingsError, DataDirectoryLockedError, JournalCorruptedError, IdentityError) as exc:
+    except (OSError, SettingsError, LockedError, JournalCorruptedError, IdentityError) as exc:
         sys.exit(f"tridentmq-core: {exc}")
     if code:
         sys.exit(code)

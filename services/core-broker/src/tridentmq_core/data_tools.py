@@ -1,11 +1,13 @@
-"""``tridentmq data verify|print|compact``: a node's journal offline (the node must not be running).
+"""``tridentmq data verify|print|compact``: a node's journal offline.
 
 ``verify`` walks every segment, checks every record's CRC and says where the valid data ends and why;
 exit 0 when the journal is clean or ends in a torn last write (which recovery cuts off), 1 when there is
 damage or zeros with valid records behind them (recovery refuses to start: both decide by
 ``unrecoverable``), 2 when there is nothing to read.
-``print`` lists every record in a readable form. ``compact`` rewrites the journal with only its live state
-(refused while a node holds the data directory).
+``print`` lists every record in a readable form. Both only read: on a running node's journal they say so and
+read it as it is being written. ``compact`` rewrites the journal with only its live state, holding the journal
+lock (``JournalLock``) throughout: refused while a node (or another compaction) holds it, and a node cannot
+start meanwhile.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tridentmq_core.store.data_lock import DataDirectoryLock, DataDirectoryLockedError
+from tridentmq_core.store.data_lock import JournalLock, JournalLockedError, journal_in_use
 from tridentmq_core.store.journal import JournalCorruptedError, compact_offline, list_segments, unrecoverable
 from tridentmq_core.store.records import Record, RecordType, ScanEnd, scan
 from tridentmq_shared.message import M_ADDRESS, M_BODY, M_DURABLE, M_ID
@@ -65,11 +67,22 @@ def describe(record: Record) -> str:
             return "compacted: the live state above was copied forward; older segments are retired"
 
 
+def note_if_live(directory: Path) -> None:
+    if journal_in_use(directory):
+        print(
+            f"note: {directory} is in use by a running node: this reads it while it is written, so the last "
+            f"segment may end in a torn write and a segment may change or go meanwhile; stop the node for a "
+            f"definitive answer",
+            file=sys.stderr,
+        )
+
+
 def verify(directory: Path) -> int:
     segments = list_segments(directory)
     if not segments:
         print(f"no journal segments in {directory}", file=sys.stderr)
         return 2
+    note_if_live(directory)
     status = 0
     total = 0
     for index, path in enumerate(segments):
@@ -100,6 +113,7 @@ def print_records(directory: Path) -> int:
     if not segments:
         print(f"no journal segments in {directory}", file=sys.stderr)
         return 2
+    note_if_live(directory)
     for path in segments:
         for item in scan(path.read_bytes()):
             if isinstance(item, Record):
@@ -114,8 +128,8 @@ def compact(directory: Path) -> int:
         print(f"no journal segments in {directory}", file=sys.stderr)
         return 2
     try:
-        lock = DataDirectoryLock(directory.parent)
-    except DataDirectoryLockedError as exc:
+        lock = JournalLock(directory)  # the one a node holds on its journal, wherever that lies; kept across the swap
+    except JournalLockedError as exc:
         print(f"tridentmq data: {exc}", file=sys.stderr)
         return 1
     try:

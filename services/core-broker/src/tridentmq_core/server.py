@@ -37,7 +37,7 @@ from tridentmq_core.ha.pair import (
     mark_released,
     validate_ha_settings,
 )
-from tridentmq_core.ha.shared_store import SharedStore, journal_for_epoch
+from tridentmq_core.ha.shared_store import SharedStore, epoch_directory, journal_for_epoch
 from tridentmq_core.ha.source import ReplicationSource, stall_limit
 from tridentmq_core.ha.voting import Voter, VoteStore, primary_may_activate
 from tridentmq_core.log_window import LogWindow
@@ -49,7 +49,7 @@ from tridentmq_core.node_links import client_tls
 from tridentmq_core.security import AuthenticationError, Credentials, Principal, SecurityManager
 from tridentmq_core.sessions import Session
 from tridentmq_core.settings import CoreSettings
-from tridentmq_core.store.data_lock import DataDirectoryLock
+from tridentmq_core.store.data_lock import DataDirectoryLock, JournalLock
 from tridentmq_core.store.identity import NodeIdentity
 from tridentmq_core.store.journal import Journal
 from tridentmq_core.store.journal_store import JournalStore
@@ -484,6 +484,11 @@ class CoreNode:
         shared = Path(ha.shared_directory) if ha.policy == SHARED_STORE and ha.shared_directory else None
         if shared is not None:
             shared.mkdir(parents=True, exist_ok=True)
+        # Held while this process lives: `data compact` on a journal set apart from the data directory would
+        # otherwise swap it from under the node. A shared-store node locks its epoch's journal on activation.
+        self.journal_lock: JournalLock | None = None
+        if settings.journal.enabled and shared is None:
+            self.journal_lock = JournalLock(Path(settings.journal.directory or data_dir / "journal"))
         self.identity = NodeIdentity(shared or data_dir)  # a shared-store pair has one identity
         self.node_id = self.identity.node_id
         self.security = SecurityManager(
@@ -897,6 +902,10 @@ class CoreNode:
         assert shared is not None
         self.identity = NodeIdentity(shared.directory)  # the other half may have created it
         self.identity.set_epoch(epoch)
+        # Before writing it; the older epochs are not locked: a fenced holder may still hold its own.
+        if self.journal_lock is not None:
+            self.journal_lock.release()
+        self.journal_lock = JournalLock(epoch_directory(shared.directory, epoch))
         self._shared_journal = await asyncio.to_thread(
             journal_for_epoch, shared.directory, epoch, self.settings.journal.segment_bytes
         )
@@ -1026,6 +1035,8 @@ class CoreNode:
         if self.journal is not None:
             self.journal.close()
         self.audit.close()
+        if self.journal_lock is not None:
+            self.journal_lock.release()
         self.lock.release()
         logging.shutdown()
         os.execv(sys.executable, sys.orig_argv)  # noqa: S606 - the same command: this node starts again as a backup
@@ -1223,5 +1234,7 @@ class CoreNode:
             self.shared.release()
         self.logins.close()
         self.audit.close()
+        if self.journal_lock is not None:
+            self.journal_lock.release()
         self.lock.release()
         log.info("core node stopped", extra={"node_id": self.node_id})

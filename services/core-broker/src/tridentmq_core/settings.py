@@ -118,7 +118,11 @@ class LoginSection:
 @dataclass(frozen=True)
 class JournalSection:
     enabled: bool = doc(True, "Keep durable messages, queues and addresses in the journal (off: memory only).")
-    directory: str = doc("", "Where the journal segments go; empty means `<data_dir>/journal`.")
+    directory: str = doc(
+        "",
+        "Where the journal segments go; empty means `<data_dir>/journal`. The running node holds the lock "
+        "file `<directory>.lock` beside it, so its parent must be writable.",
+    )
     segment_bytes: int = doc(64 * 1024 * 1024, "Size of each pre-allocated journal segment file.")
     sync_delay_us: int = doc(
         0,

@@ -21,6 +21,7 @@ from typing import Any, Final
 
 from tridentmq_core.ha.lease import LeaseEvent, LeaseFile, SharedStoreLease
 from tridentmq_core.settings import CoreSettings
+from tridentmq_core.store.data_lock import journal_lock_path
 from tridentmq_core.store.journal import write_live_state
 from tridentmq_shared.supervision import spawn
 
@@ -39,10 +40,14 @@ def epoch_directories(shared: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def epoch_directory(shared: Path, epoch: int) -> Path:
+    return shared / f"{EPOCH_PREFIX}{epoch:08d}"
+
+
 def journal_for_epoch(shared: Path, epoch: int, segment_bytes: int) -> Path:
     """The journal directory of ``epoch``, holding the live state of the newest older one (which is then
     removed with the rest of the older ones)."""
-    target = shared / f"{EPOCH_PREFIX}{epoch:08d}"
+    target = epoch_directory(shared, epoch)
     older = [(e, path) for e, path in epoch_directories(shared) if e < epoch]
     if older:
         read, written = write_live_state(older[-1][1], target, segment_bytes)
@@ -52,6 +57,7 @@ def journal_for_epoch(shared: Path, epoch: int, segment_bytes: int) -> Path:
         )
         for _, path in older:
             shutil.rmtree(path, ignore_errors=True)
+            journal_lock_path(path).unlink(missing_ok=True)
     else:
         target.mkdir(parents=True, exist_ok=True)
     return target
