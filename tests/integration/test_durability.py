@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import os
 import signal
+import subprocess
+import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -177,6 +182,96 @@ async def test_durable_publishes_are_refused_while_the_disk_is_over_its_limit(tm
             assert refused.code == "resource-limit"
             assert "journal.max_disk_usage" in refused.text
         assert "durable publishes refused" in node.log()
+    finally:
+        assert node.stop() == 0
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 16 MiB tmpfs of its own, so that the kernel itself says the disk is full (mounting needs root, as CI
+    has); unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount)], check=True)  # detached even if a failure left files open
+
+
+def fill(directory: Path) -> Path:
+    """Write a file until its filesystem is full; returns it."""
+    filler = directory / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        while True:
+            os.write(fd, bytes(65536))
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+    finally:
+        os.close(fd)
+    return filler
+
+
+def readiness(node: CoreProcess) -> tuple[int, dict[str, object]]:
+    try:
+        with urllib.request.urlopen(node.management_url + "/readyz", timeout=5) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+async def until_ready(node: CoreProcess, status: int) -> dict[str, object]:
+    for _ in range(100):
+        code, answer = readiness(node)
+        if code == status:
+            return answer
+        await asyncio.sleep(0.1)
+    pytest.fail(f"/readyz never answered {status}: {code} {answer}")
+
+
+async def test_a_full_disk_refuses_durable_work_until_space_returns(tmp_path: Path, small_disk: Path) -> None:
+    """The journal's disk full at a segment roll: the node says it is not ready and why, refuses durable
+    publishes and commits instead of leaving them unanswered, and writes what it held once space returns."""
+    node = start_core(
+        tmp_path,
+        TRIDENTMQ_CORE_JOURNAL_DIRECTORY=str(small_disk / "journal"),
+        TRIDENTMQ_CORE_JOURNAL_SEGMENT_BYTES=str(1024 * 1024),
+        TRIDENTMQ_CORE_JOURNAL_MAX_DISK_USAGE="100",
+    )
+    try:
+        async with client(node) as c:
+            await publish_confirmed(node, "full.q", [b"before"])
+            consumer = await c.subscribe("full.q", credit=10)
+            [(_, first)] = await consumer.get_batch(timeout=5)
+            tx = await c.begin()
+            consumer.ack_ids([first[M_ID]], tx_id=tx)
+            filler = fill(small_disk)
+            sent = [await c.send(new_message("full.q", b"x" * 100_000, durable=True)) for _ in range(14)]  # a roll
+            answer = await until_ready(node, 503)
+            assert "No space left on device" in str(answer["reason"])
+            await asyncio.sleep(0)
+            held = [future for future in sent if not future.done()]  # the ones that would have hung for good
+            assert held
+            with pytest.raises(LinkRequestError) as refused:
+                await c.publish(new_message("full.q", b"durable", durable=True))
+            assert refused.value.code == "resource-limit"
+            assert "the journal cannot write" in refused.value.text
+            with pytest.raises(LinkRequestError, match="transaction commits are refused"):
+                await c.commit(tx)
+            await c.publish(new_message("full.q", b"volatile"))  # non-durable: unaffected
+            filler.unlink()
+            await until_ready(node, 200)
+            # Written once space returned (one the node had not taken yet when it said so may be refused).
+            answers = await asyncio.gather(*held, return_exceptions=True)
+            assert None in answers
+            assert all(a is None or "the journal cannot write" in str(a) for a in answers), answers
+            await c.commit(tx)  # the refused commit left the transaction open
+            await c.publish(new_message("full.q", b"after", durable=True))
+        assert "journal cannot write" in node.log()
     finally:
         assert node.stop() == 0
 

@@ -11,11 +11,13 @@ written-but-unsynced while the test takes the image a power cut would leave.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import random
+import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -1559,3 +1561,101 @@ def test_a_message_moved_to_the_expiry_or_dead_letter_address_is_in_one_queue_or
     original = next(i for i, r in enumerate(records) if r.type is RecordType.MESSAGE)
     for end in range(original + 1, len(records) + 1):  # a crash after any record from the original's on
         assert sum(replay(records[:end]).queue_counts().values()) >= 1, [r.type.name for r in records[:end]]
+
+
+# ---------------------------------------------------------------------------------------------------- disk errors
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs of its own, so that the kernel itself says the disk is full (mounting needs root, as CI
+    has); unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount)], check=True)  # detached even if a failure left files open
+
+
+def fill(directory: Path) -> Path:
+    """Write a file until its filesystem is full; returns it."""
+    filler = directory / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        while True:
+            os.write(fd, bytes(4096))
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+    finally:
+        os.close(fd)
+    return filler
+
+
+def test_a_full_disk_keeps_the_records_and_writes_them_once_space_returns(
+    tiny_disk: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No space for the next segment: the writer keeps what it could not write, says so, tries again, and
+    writes all of it in order, once, when space returns (it used to stop for good)."""
+    monkeypatch.setattr(journal_module, "RETRY_SECONDS", 0.01)
+    directory = tiny_disk / "journal"
+    journal = Journal(directory, segment_bytes=16 * SMALL_SEGMENT)
+    journal.recover()
+    reported: list[int] = []
+    errors: list[int | None] = []
+    journal.on_synced = reported.append
+    journal.on_error = lambda: errors.append(journal.error.errno if journal.error else None)
+    journal.start()
+    entries = make_entries(400)
+    for entry in entries[:10]:
+        journal.append(*entry)
+    wait_until(lambda: journal.synced == 10)
+    filler = fill(tiny_disk)
+    roll = journal.roll()
+    for entry in entries[10:]:  # more than a segment: a second roll on the way
+        journal.append(*entry)
+    wait_until(lambda: journal.error is not None)
+    assert errors == [errno.ENOSPC]
+    assert journal.synced == 10  # nothing after the full disk is reported safe
+    filler.unlink()
+    wait_until(lambda: journal.synced == len(entries))
+    assert journal.error is None
+    assert errors == [errno.ENOSPC, None]
+    assert reported[-1] == len(entries)
+    assert journal.retire_before_roll(roll) == 1  # the roll was made once, where it was queued
+    journal.close()
+    records, report = recover(directory, 16 * SMALL_SEGMENT)
+    assert as_entries(records) == entries[10:]
+    assert report.truncated == []
+
+
+def test_a_failed_fsync_stops_the_writer_for_good(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a failed fsync the page cache may have dropped the data: the writer confirms nothing more and
+    reports the failure, fatal (a retry that succeeds would confirm records the disk may not have)."""
+    journal = Journal(tmp_path, segment_bytes=SMALL_SEGMENT)
+    journal.recover()
+    reported: list[int] = []
+    failed = threading.Event()
+    journal.on_synced = reported.append
+    journal.on_error = failed.set
+    journal.start()
+    entries = make_entries(3)
+    journal.append(*entries[0])
+    wait_until(lambda: journal.synced == 1)
+
+    def fdatasync(fd: int) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(journal_module.os, "fdatasync", fdatasync)
+    journal.append(*entries[1])
+    assert failed.wait(WAIT)
+    assert "fsync failed" in str(journal.fatal)
+    assert journal.error is not None
+    assert journal.error.errno == errno.EIO
+    monkeypatch.undo()  # the disk answers again: still nothing more is written or confirmed
+    journal.append(*entries[2])
+    journal.close()
+    assert reported == [1]
+    assert journal.synced == 1

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
+import os
 import signal
 import urllib.error
 import urllib.request
@@ -13,11 +15,14 @@ from pathlib import Path
 import pytest
 from tests.unit.broker_harness import Harness
 
+import tridentmq_core.store.journal as journal_module
 from tridentmq_core.__main__ import serve
 from tridentmq_core.cluster.bridge import Bridge
 from tridentmq_core.server import CoreNode
 from tridentmq_core.settings import CoreSettings, LinkSection, ManagementSection, NodeSection
 from tridentmq_shared.gateway import ClientSession, GatewayShell, ShellConfig, Wire
+from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.message import new_message
 from tridentmq_shared.supervision import EXIT_TASK_FAILED, Supervisor, current, end_on_failure, install
 
@@ -136,6 +141,37 @@ async def test_a_core_whose_tick_fails_is_no_longer_ready(
         assert (status, body["status"]) == (503, "failed")
         assert body["reason"] == reason
         assert tracebacks(caplog)
+    finally:
+        await node.stop()
+
+
+async def test_a_core_whose_journal_fsync_fails_stops_being_ready_and_fails(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a failed fsync nothing the journal holds can be made safe by retrying: the node fails (its entry
+    point then exits with ``EXIT_TASK_FAILED``) instead of staying ready with a dead journal."""
+    settings = CoreSettings(
+        node=NodeSection(data_dir=tmp_path),
+        link=LinkSection(host="127.0.0.1", port=0),
+        management=ManagementSection(port=0),
+    )
+    supervisor = Supervisor()
+    node = CoreNode(settings, supervisor=supervisor)
+    await node.start()
+    try:
+
+        def fdatasync(fd: int) -> None:  # the disk reports a failed write-back
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        monkeypatch.setattr(journal_module.os, "fdatasync", fdatasync)
+        async with LinkClient("127.0.0.1", node.status.link_port, reconnect=ReconnectPolicy(attempts=0)) as client:
+            confirm = await client.send(new_message("fsync.q", b"never safe", durable=True))
+            reason = await asyncio.wait_for(supervisor.wait_failed(), 10)
+            assert reason == "journal: SyncFailedError: journal fsync failed: Input/output error"
+            status, body = await asyncio.to_thread(readyz, node.management_port)
+            assert (status, body["status"]) == (503, "failed")
+            assert not confirm.done()
+        assert any(r.levelno == logging.CRITICAL and "journal" in r.getMessage() for r in caplog.records)
     finally:
         await node.stop()
 

@@ -676,6 +676,7 @@ class CoreNode:
             self.settings.broker.max_message_bytes, segment - min(PUBLISH_HEADROOM, segment // 2)
         )
         store.attach(self.broker.on_durable)
+        journal.on_error = lambda: self._call_in_loop(self._journal_error_changed)
         journal.start()
         self.journal = journal
         self.status.journal = journal
@@ -815,7 +816,7 @@ class CoreNode:
                 {"configured_role": self.settings.ha.role, "group": self.settings.ha.group_name},
             )
         self.active = True
-        self.status.not_serving = lambda: "" if self.serving else self.not_serving_reason()
+        self.status.not_serving = lambda: self._journal_problem() if self.serving else self.not_serving_reason()
         self.status.ready = True
         if self.security.embedded_default and self.security.allow_anonymous_remote:
             log.warning(
@@ -1141,14 +1142,30 @@ class CoreNode:
                 self.rates.sample(self.broker, mono)
             self._flush()
 
+    def _journal_error_changed(self) -> None:
+        journal = self.journal
+        if journal is not None and journal.fatal is not None:
+            # Nothing written after a failed fsync can be confirmed again: crash-only, as for a failed task.
+            self.supervisor.fail("journal", journal.fatal)
+        else:
+            self._check_disk()  # refuse (or accept again) at once, not at the next second
+
+    def _journal_problem(self) -> str:
+        """Why the journal cannot take writes now ("" when it can): the node is not ready meanwhile."""
+        journal = self.journal
+        if journal is None or journal.error is None:
+            return ""
+        return f"the journal cannot write: {journal.error.strerror or journal.error}"
+
     def _check_disk(self) -> None:
         """Refuse durable publishes while the journal cannot keep them safe; say so when it changes."""
         journal = self.journal
         if journal is None:
             return
         refusal: tuple[str, str] | None = None
-        if journal.error is not None:
-            refusal = (ErrorCode.RESOURCE_LIMIT, f"the journal cannot write: {journal.error.strerror}")
+        problem = self._journal_problem()
+        if problem:
+            refusal = (ErrorCode.RESOURCE_LIMIT, f"{problem}: durable publishes are refused until it can")
         else:
             try:
                 usage = shutil.disk_usage(journal.directory)
@@ -1170,6 +1187,9 @@ class CoreNode:
             else:
                 log.error("durable publishes refused", extra={"reason": refusal[1]})
             self.broker.admission.durable_refusal = refusal
+        # A commit would wait for a write the journal cannot make: refused, not left unanswered.
+        commits = (ErrorCode.RESOURCE_LIMIT, f"{problem}: transaction commits are refused until it can")
+        self.broker.transactions.write_refusal = commits if problem else None
 
     def _compact(self, consider: bool) -> None:
         """One chunk of a running compaction per tick; about once a second, see whether one is due."""

@@ -133,7 +133,9 @@ class JournalSection:
     max_disk_usage: float = doc(
         90.0,
         "Percent of the journal's filesystem in use above which durable publishes are "
-        "refused (resource-limit) until space returns.",
+        "refused (resource-limit) until space returns. A journal write that finds the disk "
+        "full is retried every second; meanwhile durable publishes and transaction commits "
+        "are refused and the node is not ready.",
     )
     compact_min_segments: int = doc(4, "Compaction is considered once the journal has this many segments.")
     compact_live_ratio: float = doc(

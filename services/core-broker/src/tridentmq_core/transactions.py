@@ -38,6 +38,8 @@ class Transactions:
         self._deliveries = deliveries
         self._accept = accept  # routes a message like a publish
         self._to_dispatch = to_dispatch
+        #: Set by the server while the store cannot write: commits are refused with this (code, text).
+        self.write_refusal: tuple[str, str] | None = None
 
     def begin(self, session: Session, tx_id: int) -> None:
         if tx_id in session.txs:
@@ -54,6 +56,8 @@ class Transactions:
         if tx.failed is not None:
             code, text = tx.failed
             raise BrokerError(code, f"transaction is rollback-only: a publish in it was refused ({text})")
+        if self.write_refusal is not None:  # left open: the client may commit again once the store writes
+            raise BrokerError(*self.write_refusal)
         # All or nothing: refuse before applying anything. A missing address that may not be auto-created
         # is the only reason accepting a message refuses; failing half-way would leave the transaction open
         # with part of it applied, and a retried commit would apply that part twice.

@@ -5,6 +5,10 @@ queued so far, writes it, calls ``fdatasync`` once for the whole batch and repor
 number now safe. Records queued while an fsync is running form the next batch, so the batch size grows
 with the load by itself: that is the group commit.
 
+A full disk (ENOSPC, EDQUOT) stops nothing for good: the writer keeps what it could not write and tries
+again every ``RETRY_SECONDS``, and ``error`` says why meanwhile. A failed fsync, or any other write error,
+is fatal (``fatal``): what the disk kept is unknown, so the writer confirms nothing more.
+
 Recovery reads the segments in order. A torn or corrupt record with nothing valid behind it (a crash
 mid-write) is cut off and reported; damage with valid records behind it stops the node with the file and
 offset, because truncating there would silently drop acknowledged data.
@@ -12,6 +16,7 @@ offset, because truncating there would silently drop acknowledged data.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -43,6 +48,9 @@ _ROLL: Final = b""  # queued like a record: the writer starts a new segment ther
 SEGMENT_PREFIX: Final = "journal-"
 SEGMENT_SUFFIX: Final = ".tmq"
 DEFAULT_SEGMENT_BYTES: Final = 64 * 1024 * 1024
+#: Errors that mean "no room now": the writer keeps the records and tries again this often.
+_NO_SPACE: Final = frozenset({errno.ENOSPC, errno.EDQUOT})
+RETRY_SECONDS: Final = 1.0
 
 
 COMPACT_SUFFIX: Final = ".compact"
@@ -168,6 +176,14 @@ class JournalCorruptedError(Exception):
     """Damage with valid data behind it: the node must not start on this journal as it is."""
 
 
+class SyncFailedError(Exception):
+    """An fsync failed: what the page cache kept of the data is unknown, so no retry can make it safe."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(f"journal fsync failed: {error.strerror or error}")
+        self.error = error
+
+
 @dataclass
 class RecoveryReport:
     segments: int = 0
@@ -207,7 +223,12 @@ class Journal:
         self._fd = -1
         self._segment_number = 0
         self._position = 0
+        #: Why the writer cannot write now (set and cleared by the writer thread); ``fatal`` once it gave up.
         self.error: OSError | None = None
+        self.fatal: Exception | None = None
+        #: Called from the writer thread when ``error`` is set or cleared, or ``fatal`` is set.
+        self.on_error: Callable[[], None] = lambda: None
+        self._retry = threading.Event()  # cuts a retry's wait short when closing
         self.rolled_to = 0  # the segment the last roll marker started (set by the writer thread)
         self._rolls = 0  # rolls queued, numbered from 1 (on the appending thread)
         self._rolls_written = 0  # rolls the writer thread reached
@@ -355,6 +376,7 @@ class Journal:
         with self._lock:
             self._closing = True
         self._wakeup.set()
+        self._retry.set()
         if self._thread is not None:
             self._thread.join()
         if self._fd >= 0:
@@ -374,32 +396,76 @@ class Journal:
             if batch:
                 try:
                     self._write(batch)
-                except OSError as exc:  # a full or failing disk: stop confirming, say why, keep the data queued
-                    self.error = exc
-                    log.exception("journal write failed; durable publishes are no longer confirmed")
+                except (SyncFailedError, OSError) as exc:
+                    if self._retry_after(exc, batch, closing):
+                        continue
                     return
+                if self.error is not None:
+                    self.error = None
+                    log.info("journal writes again: durable publishes are accepted again")
+                    self.on_error()
                 self.synced = last
                 self.on_synced(last)
             if closing and not self._pending:
                 return
 
+    def _retry_after(self, exc: SyncFailedError | OSError, batch: list[bytes], closing: bool) -> bool:
+        """Handle a failed batch: True when the disk is full and the writer tries again (what ``batch`` still
+        holds is queued first again), False when it stops for good."""
+        error = exc.error if isinstance(exc, SyncFailedError) else exc
+        if error.errno in _NO_SPACE and not isinstance(exc, SyncFailedError):
+            with self._lock:
+                self._pending[:0] = batch
+            if closing:  # stopping: waiting for space could take for ever
+                log.error("journal closed with records unwritten (never confirmed): no space on disk")
+                return False
+            if self.error is None:
+                self.error = error
+                log.error(
+                    "journal cannot write: durable publishes are refused until space returns",
+                    extra={"reason": error.strerror, "retry_seconds": RETRY_SECONDS},
+                )
+                self.on_error()
+            self._retry.wait(RETRY_SECONDS)
+            self._wakeup.set()
+            return True
+        self.error = error
+        # After a failed fsync what the disk kept is unknown, and so it is after any other write error: a
+        # retry could confirm lost data, so nothing more is written. Only the directory gone is not fatal: a
+        # shared-store node whose epoch ended, which its lease check fences.
+        if error.errno != errno.ENOENT or isinstance(exc, SyncFailedError):
+            self.fatal = exc
+        log.critical("journal write failed: nothing more is confirmed", extra={"reason": str(exc)})
+        self.on_error()
+        return False
+
     def _write(self, batch: list[bytes]) -> None:
+        """Write and sync ``batch``. On a write error, what was written is removed from ``batch`` (segments
+        left are synced; the current one is synced by the next batch) and the rest stays for a retry; a failed
+        sync raises ``SyncFailedError``."""
         chunk: list[bytes] = []
         size = 0
-        for data in batch:
-            if data is _ROLL or self._position + size + len(data) > self.segment_bytes:
-                self._flush_chunk(chunk)
-                chunk, size = [], 0
-                self._open_segment(self._segment_number + 1)
-                if data is _ROLL:
-                    self.rolled_to = self._segment_number
-                    self._rolls_written += 1  # rolls are written in the order they were queued
-                    self._roll_segments.append((self._rolls_written, self._segment_number))
-                    continue
-            chunk.append(data)
-            size += len(data)
-        self._flush_chunk(chunk)
-        os.fdatasync(self._fd)
+        done = 0  # records of ``batch`` written (``_position`` is past them)
+        try:
+            for index, data in enumerate(batch):
+                if data is _ROLL or self._position + size + len(data) > self.segment_bytes:
+                    self._flush_chunk(chunk)
+                    done = index
+                    chunk, size = [], 0
+                    self._open_segment(self._segment_number + 1)
+                    if data is _ROLL:
+                        self.rolled_to = self._segment_number
+                        self._rolls_written += 1  # rolls are written in the order they were queued
+                        self._roll_segments.append((self._rolls_written, self._segment_number))
+                        done = index + 1
+                        continue
+                chunk.append(data)
+                size += len(data)
+            self._flush_chunk(chunk)
+            done = len(batch)
+        finally:
+            del batch[:done]
+        _sync(self._fd)
         self.syncs += 1
 
     def _flush_chunk(self, chunk: list[bytes]) -> None:
@@ -412,13 +478,31 @@ class Journal:
         self._position += len(data)
 
     def _open_segment(self, number: int) -> None:
-        if self._fd >= 0:
-            os.fdatasync(self._fd)
-            os.close(self._fd)
+        # The new file first: when the disk is full it goes again and the current segment stays in use.
         path = self.directory / segment_name(number)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        os.posix_fallocate(fd, 0, self.segment_bytes)  # zeros: the scan's clean end marker
-        fsync_directory(self.directory)  # the new file's name is durable too
+        try:
+            os.posix_fallocate(fd, 0, self.segment_bytes)  # zeros: the scan's clean end marker
+        except OSError:
+            os.close(fd)
+            path.unlink()
+            raise
+        try:
+            fsync_directory(self.directory)  # the new file's name is durable too
+            if self._fd >= 0:
+                os.fdatasync(self._fd)
+        except OSError as exc:
+            os.close(fd)
+            raise SyncFailedError(exc) from exc
+        if self._fd >= 0:
+            os.close(self._fd)
         self._fd = fd
         self._segment_number = number
         self._position = 0
+
+
+def _sync(fd: int) -> None:
+    try:
+        os.fdatasync(fd)
+    except OSError as exc:
+        raise SyncFailedError(exc) from exc
