@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import queue
+import subprocess
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
 from tests.unit.broker_harness import Harness, bodies, ids
 
 from tridentmq_core.queues import MESSAGE_OVERHEAD
@@ -81,6 +85,48 @@ def test_with_the_io_thread_reads_come_back_through_on_ready_in_order(tmp_path: 
     pager._io.submit(io_done.set)
     assert io_done.wait(10)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs of its own, so that the kernel itself says the disk is full (mounting needs root, as CI
+    has); unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount)], check=True)  # detached even if a failure left files open
+
+
+def test_page_writes_that_find_the_disk_full_lose_nothing(tiny_disk: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """About 2 MB paged into 1 MiB: the writes that fail keep their bytes in memory, so the queue reads every
+    message back in order (it used to stop reading for good, and ``peek`` raised on the loop); said once."""
+    loop: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # stands in for call_soon_threadsafe
+    pager = FilePager(tiny_disk, "q", ThreadIO(loop.put), on_ready=lambda: None, file_bytes=256 * 1024)
+    messages = [new_message("q", n.to_bytes(4, "big") + bytes(1000)) for n in range(2000)]
+    for message in messages:
+        pager.append(message)
+    assert [m[M_BODY] for m in pager.peek()] == [m[M_BODY] for m in messages]  # what compaction's snapshot reads
+    got: list[WireMessage] = []
+    while len(got) < len(messages):
+        batch = pager.read(256)
+        got.extend(batch)
+        if not batch:
+            loop.get(timeout=10)()  # the read-ahead finished: run its callback as the loop would
+    assert [m[M_BODY] for m in got] == [m[M_BODY] for m in messages]
+    assert pager.count == 0
+    failures = [r for r in caplog.records if r.getMessage().startswith("page file write failed")]
+    assert len(failures) == 1
+    assert failures[0].__dict__["reason"] == os.strerror(errno.ENOSPC)
+    pager.close()
+    io_done = threading.Event()
+    pager._io.submit(io_done.set)
+    assert io_done.wait(10)
+    assert not list(tiny_disk.iterdir())  # every page file gave its space back
 
 
 def test_a_queue_pages_past_its_limit_with_bounded_memory_and_drains_in_order(tmp_path: Path) -> None:

@@ -10,7 +10,8 @@ that left the page cache, can block for seconds on a busy disk; on the loop that
 past its heartbeat timeout. The loop keeps a small read-ahead per queue and is told when more is ready.
 
 Page files only relieve memory: durable messages are in the journal as well, so the paging directory is
-cleared at start and recovery pages again as needed.
+cleared at start and recovery pages again as needed. A write that fails (the disk full) keeps its bytes in
+memory, where reading finds them in their place: nothing paged is lost, and the queue goes on.
 """
 
 from __future__ import annotations
@@ -126,13 +127,15 @@ class ThreadIO:
 
 
 class _PageFile:
-    __slots__ = ("fd", "path", "read_offset", "size")
+    __slots__ = ("fd", "path", "read_offset", "size", "unwritten")
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.fd = -1  # opened by the I/O thread's first write
         self.size = 0  # bytes submitted for writing
         self.read_offset = 0  # bytes read back and collected
+        #: Writes that failed, by offset: their bytes, until read (the I/O thread's, or the loop's in ``peek``).
+        self.unwritten: dict[int, bytes] = {}
 
 
 class FilePager:
@@ -160,6 +163,7 @@ class FilePager:
         self._results: deque[tuple[_PageFile, list[WireMessage], int]] = deque()
         self._reading = False  # a read-ahead job is submitted and not yet collected
         self._closed = False
+        self._write_failed = False  # the last write failed (the I/O thread's): logged once until one succeeds
         self.count = 0  # messages paged and not yet returned by read()
 
     @property
@@ -192,13 +196,25 @@ class FilePager:
 
         def write() -> None:
             try:
-                if page.fd < 0:
-                    page.fd = os.open(page.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-                os.pwrite(page.fd, data, offset)
+                error = _write(page, data, offset)
+                if error is not None:
+                    page.unwritten[offset] = data  # read back from memory in its place: nothing paged is lost
+                self._report_write(page, error)
             finally:
                 io.done(len(data))
 
         io.submit(write, len(data))
+
+    def _report_write(self, page: _PageFile, error: OSError | None) -> None:
+        """On the I/O thread: log the first failed write, and the first that succeeds after it."""
+        if error is not None and not self._write_failed:
+            log.error(
+                "page file write failed: paged messages are kept in memory until writes succeed",
+                extra={"page_file": page.path.name, "reason": error.strerror or str(error)},
+            )
+        elif error is None and self._write_failed:
+            log.info("page file writes again", extra={"page_file": page.path.name})
+        self._write_failed = error is not None
 
     # ------------------------------------------------------------------ reading
     def read(self, limit: int) -> list[WireMessage]:
@@ -230,7 +246,14 @@ class FilePager:
         results, io, on_ready = self._results, self._io, self._on_ready
 
         def read_ahead() -> None:
-            results.append((page, *_read(page.fd, start, end, READ_AHEAD_BYTES)))
+            try:
+                messages, offset = _read(page, start, end, READ_AHEAD_BYTES)
+            except Exception:  # a disk that fails reads: no progress, and the next read() tries again
+                log.exception("page file read failed", extra={"page_file": page.path.name})
+                messages, offset = [], start
+            for at in [at for at, chunk in page.unwritten.items() if at + len(chunk) <= offset]:
+                del page.unwritten[at]  # read: no longer needed
+            results.append((page, messages, offset))  # always: it ends ``_reading``
             io.notify(on_ready)
 
         io.submit(read_ahead)
@@ -241,6 +264,8 @@ class FilePager:
             self._reading = False
             if self._closed:
                 continue
+            if offset == page.read_offset and page.read_offset < page.size:
+                more = False  # no progress (a failed read): not again at once, but at the next read()
             self._ready.extend(messages)
             page.read_offset = offset
             if offset == page.size:  # read to its end, and nothing more was written to it
@@ -258,7 +283,10 @@ class FilePager:
         yield from list(self._ready)
         for page in list(self._files):
             if page.read_offset < page.size:
-                yield from _read(page.fd, page.read_offset, page.size, page.size)[0]
+                messages, offset = _read(page, page.read_offset, page.size, page.size)
+                if offset < page.size:  # a snapshot without them would drop them from the journal
+                    raise OSError(f"page file {page.path.name} could not be read back whole")
+                yield from messages
 
     def close(self) -> None:
         self._closed = True
@@ -271,21 +299,52 @@ class FilePager:
             self._io.submit(partial(_delete, page))
 
 
-def _read(fd: int, start: int, end: int, budget: int) -> tuple[list[WireMessage], int]:
-    """Whole messages from ``start``, about ``budget`` bytes of them (at least one), and where they end."""
-    data = os.pread(fd, min(end - start, budget), start)
+def _write(page: _PageFile, data: bytes, offset: int) -> OSError | None:
+    """Write ``data`` at ``offset`` of the page (opened at its first write); the error, if one stopped it."""
+    try:
+        if page.fd < 0:
+            page.fd = os.open(page.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        written = 0
+        while written < len(data):  # a short write (the disk filling up) goes on where it stopped
+            written += os.pwrite(page.fd, data[written:], offset + written)
+    except OSError as exc:
+        return exc
+    return None
+
+
+def _read(page: _PageFile, start: int, end: int, budget: int) -> tuple[list[WireMessage], int]:
+    """Whole messages from ``start``, about ``budget`` bytes of them (at least one), and where they end;
+    short data (what was never written) ends them early rather than failing."""
+    data = _fetch(page, start, min(end - start, budget))
     messages: list[WireMessage] = []
     pos = 0
     while len(data) - pos >= _LENGTH.size:  # a message's length cut by the budget waits for the next read
         (size,) = _LENGTH.unpack_from(data, pos)
         stop = pos + _LENGTH.size + size
         if stop > len(data):
-            if messages:
+            if messages or stop > end - start:
                 break
-            data += os.pread(fd, stop - len(data), start + len(data))  # one message larger than the budget
+            data += _fetch(page, start + len(data), stop - len(data))  # one message larger than the budget
+            if stop > len(data):
+                break
         messages.append(msgpack.unpackb(data[pos + _LENGTH.size : stop], raw=False, strict_map_key=False))
         pos = stop
     return messages, start + pos
+
+
+def _fetch(page: _PageFile, offset: int, length: int) -> bytes:
+    """``length`` bytes of the page from ``offset``: from the file, with the writes that failed in place."""
+    data = os.pread(page.fd, length, offset) if page.fd >= 0 else b""
+    if not page.unwritten:
+        return data
+    buffer = bytearray(data.ljust(length, b"\0"))
+    covered = len(data)
+    for at, chunk in list(page.unwritten.items()):
+        low, high = max(at, offset), min(at + len(chunk), offset + length)
+        if low < high:
+            buffer[low - offset : high - offset] = chunk[low - at : high - at]
+            covered = max(covered, high - offset)
+    return bytes(buffer[:covered])
 
 
 def _nothing() -> None:
@@ -293,6 +352,7 @@ def _nothing() -> None:
 
 
 def _delete(page: _PageFile) -> None:
+    page.unwritten.clear()
     if page.fd >= 0:
         os.close(page.fd)
         page.fd = -1
