@@ -186,6 +186,38 @@ async def test_durable_publishes_are_refused_while_the_disk_is_over_its_limit(tm
         assert node.stop() == 0
 
 
+async def test_messages_that_would_be_paged_are_refused_while_the_disk_is_over_its_limit(tmp_path: Path) -> None:
+    """Page files fill a disk as the journal does: over journal.max_disk_usage, a publish a queue would page is
+    refused, durable or not; one a queue keeps in memory is not."""
+    config = """
+[[address_settings]]
+match = "paged.#"
+max_size_bytes = 4096
+address_full_policy = "PAGE"
+"""
+    node = start_core(tmp_path, config=config, TRIDENTMQ_CORE_JOURNAL_MAX_DISK_USAGE="0")
+    try:
+        async with client(node) as c:
+            await c.create_queue("paged.q")
+            for _ in range(3):  # under its limit: kept in memory
+                await c.publish(new_message("paged.q", b"x" * 1000))
+            for _ in range(50):  # the node checks the disk about once a second
+                try:
+                    await c.publish(new_message("paged.q", b"x" * 1000))
+                except LinkRequestError as exc:
+                    refused = exc
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                pytest.fail("messages that would be paged were never refused")
+            assert refused.code == "resource-limit"
+            assert "messages that would be paged are refused" in refused.text
+            await c.publish(new_message("other.q", b"volatile"))  # kept in memory: unaffected
+        assert "messages that would be paged refused" in node.log()
+    finally:
+        assert node.stop() == 0
+
+
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 16 MiB tmpfs of its own, so that the kernel itself says the disk is full (mounting needs root, as CI

@@ -69,6 +69,9 @@ class Admission:
         # Set by the server while durable writes cannot be made safe (disk nearly full, journal failed):
         # durable publishes are then refused with this (code, text) instead of being accepted unsafely.
         self.durable_refusal: tuple[str, str] | None = None
+        # Set by the server while the paging directory's disk is over journal.max_disk_usage: a publish that a
+        # queue would page is refused with this (code, text) rather than fill that disk.
+        self.paging_refusal: tuple[str, str] | None = None
         #: The largest durable body the store can hold (a journal record fits one segment): at most the
         #: largest body accepted, lowered by the shell when the journal's segments are smaller.
         self.max_durable_body = settings.broker.max_message_bytes
@@ -99,6 +102,8 @@ class Admission:
                 problem = self.creation_problem(session, message)
             if problem is None and message[M_DURABLE] and self.durable_refusal is not None:
                 problem = self.durable_refusal
+            if problem is None and self.paging_refusal is not None and self._would_page(address):
+                problem = self.paging_refusal
             if problem is None and len(message[M_BODY]) > (max_durable if message[M_DURABLE] else max_bytes):
                 limit_bytes = max_durable if message[M_DURABLE] else max_bytes
                 problem = (ErrorCode.RESOURCE_LIMIT, f"message body exceeds {limit_bytes} bytes")
@@ -267,6 +272,10 @@ class Admission:
             self._limits.clear()
         self._limits[address] = limit
         return limit
+
+    def _would_page(self, address: str) -> bool:
+        existing = self._catalog.addresses.get(address)
+        return existing is not None and any(q.paging for q in existing.queues.values())
 
     def _address_bytes(self, address: str) -> int:
         existing = self._catalog.addresses.get(address)

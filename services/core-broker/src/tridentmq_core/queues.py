@@ -333,6 +333,11 @@ class Queue:
             for message in self._pager.peek():
                 yield message, returned.get(message[M_ID], 0)
 
+    @property
+    def paging(self) -> bool:
+        """Whether a message added now goes to the page files."""
+        return self._page_limit >= 0 and (self._paged > 0 or self.bytes >= self._page_limit)
+
     # ------------------------------------------------------------------ adding
     def add(self, message: WireMessage) -> None:
         if self._page_limit >= 0 and (self._paged or self.bytes >= self._page_limit):

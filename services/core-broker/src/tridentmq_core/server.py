@@ -1158,7 +1158,9 @@ class CoreNode:
         return f"the journal cannot write: {journal.error.strerror or journal.error}"
 
     def _check_disk(self) -> None:
-        """Refuse durable publishes while the journal cannot keep them safe; say so when it changes."""
+        """Refuse durable publishes while the journal cannot keep them safe, and publishes a queue would page
+        while the paging disk is over its limit; say so when it changes."""
+        self._check_paging_disk()
         journal = self.journal
         if journal is None:
             return
@@ -1190,6 +1192,23 @@ class CoreNode:
         # A commit would wait for a write the journal cannot make: refused, not left unanswered.
         commits = (ErrorCode.RESOURCE_LIMIT, f"{problem}: transaction commits are refused until it can")
         self.broker.transactions.write_refusal = commits if problem else None
+
+    def _check_paging_disk(self) -> None:
+        """Page files count against journal.max_disk_usage too (their own disk, when it is another one)."""
+        admission = self.broker.admission
+        usage = shutil.disk_usage(self.pages.directory)
+        percent = 100.0 * (usage.total - usage.free) / usage.total
+        limit = self.settings.journal.max_disk_usage
+        refusal: tuple[str, str] | None = None
+        if percent >= limit:
+            text = f"paging disk usage {percent:.1f} % is at or above journal.max_disk_usage {limit:g} %"
+            refusal = (ErrorCode.RESOURCE_LIMIT, f"{text}: messages that would be paged are refused")
+        if refusal != admission.paging_refusal:
+            if refusal is None:
+                log.info("messages that would be paged accepted again")
+            else:
+                log.error("messages that would be paged refused", extra={"reason": refusal[1]})
+            admission.paging_refusal = refusal
 
     def _compact(self, consider: bool) -> None:
         """One chunk of a running compaction per tick; about once a second, see whether one is due."""

@@ -135,7 +135,8 @@ class JournalSection:
         "Percent of the journal's filesystem in use above which durable publishes are "
         "refused (resource-limit) until space returns. A journal write that finds the disk "
         "full is retried every second; meanwhile durable publishes and transaction commits "
-        "are refused and the node is not ready.",
+        "are refused and the node is not ready. The paging directory's filesystem has the same "
+        "limit: over it, publishes that a queue would page are refused.",
     )
     compact_min_segments: int = doc(4, "Compaction is considered once the journal has this many segments.")
     compact_live_ratio: float = doc(
