@@ -33,6 +33,7 @@ from tridentmq_core.settings import AddressSettingsEntry, CoreSettings
 from tridentmq_core.store.base import DurableSnapshot
 from tridentmq_core.store.data_lock import JournalLock, JournalLockedError
 from tridentmq_core.store.journal import (
+    COMPACT_SUFFIX,
     Journal,
     JournalCorruptedError,
     RecoveryReport,
@@ -1659,3 +1660,22 @@ def test_a_failed_fsync_stops_the_writer_for_good(tmp_path: Path, monkeypatch: p
     journal.close()
     assert reported == [1]
     assert journal.synced == 1
+
+
+def test_an_offline_compaction_that_finds_the_disk_full_keeps_the_old_journal(tiny_disk: Path) -> None:
+    """The compacted copy could not be written whole: it is never marked complete nor swapped in (it used to
+    be, without the records the full disk refused)."""
+    directory = tiny_disk / "journal"
+    entries = [(RecordType.ADD_QUEUE, [queue_spec("q")])]
+    entries += [(RecordType.MESSAGE, [wire_message(n, bytes(2000)), ["q"]]) for n in range(1, 200)]
+    write_journal(directory, entries, 16 * SMALL_SEGMENT)
+    filler = tiny_disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:  # room for the copy's first segment but not for all of it
+        os.write(fd, bytes(os.statvfs(tiny_disk).f_bavail * os.statvfs(tiny_disk).f_frsize - 24 * SMALL_SEGMENT))
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError, match="No space left on device"):
+        compact_offline(directory, 16 * SMALL_SEGMENT)
+    assert as_entries(recover(directory, 16 * SMALL_SEGMENT)[0]) == entries  # recovery undoes the partial copy
+    assert not (tiny_disk / f"journal{COMPACT_SUFFIX}").exists()

@@ -137,6 +137,9 @@ def compact(directory: Path) -> int:
     except JournalCorruptedError as exc:
         print(f"tridentmq data: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # the copy was not swapped in: the next start removes what was written of it
+        print(f"tridentmq data: compaction failed, the journal is unchanged: {exc}", file=sys.stderr)
+        return 1
     finally:
         lock.release()
     print(f"compacted {directory}: {before} records -> {after} records")

@@ -113,6 +113,8 @@ def write_live_state(source: Path, target: Path, segment_bytes: int = DEFAULT_SE
         fresh.append(RecordType.MESSAGE, [state.messages[message_id], queues, counts])
         written += 1
     fresh.close()
+    if fresh.error is not None:  # not whole: never marked complete, so never swapped in
+        raise fresh.error
     (target / COMPLETE_MARKER).write_bytes(b"")
     fsync_directory(target)
     return len(records), written
@@ -417,6 +419,7 @@ class Journal:
             with self._lock:
                 self._pending[:0] = batch
             if closing:  # stopping: waiting for space could take for ever
+                self.error = error
                 log.error("journal closed with records unwritten (never confirmed): no space on disk")
                 return False
             if self.error is None:
