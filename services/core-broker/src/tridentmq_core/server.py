@@ -1196,7 +1196,10 @@ class CoreNode:
     def _check_paging_disk(self) -> None:
         """Page files count against journal.max_disk_usage too (their own disk, when it is another one)."""
         admission = self.broker.admission
-        usage = shutil.disk_usage(self.pages.directory)
+        try:
+            usage = shutil.disk_usage(self.pages.directory)
+        except OSError:  # removed under the node (its pages then fail and stay in memory): nothing to measure
+            return
         percent = 100.0 * (usage.total - usage.free) / usage.total
         limit = self.settings.journal.max_disk_usage
         refusal: tuple[str, str] | None = None
