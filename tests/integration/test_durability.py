@@ -233,8 +233,8 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "--lazy", str(mount)], check=True)  # detached even if a failure left files open
 
 
-def fill(directory: Path) -> Path:
-    """Write a file until its filesystem is full; returns it."""
+def fill(directory: Path, leave: int = 0) -> Path:
+    """Write a file until its filesystem is full, then give ``leave`` bytes back; returns it."""
     filler = directory / "filler"
     fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
@@ -245,6 +245,7 @@ def fill(directory: Path) -> Path:
             raise
     finally:
         os.close(fd)
+    os.truncate(filler, max(0, filler.stat().st_size - leave))
     return filler
 
 
@@ -281,7 +282,9 @@ async def test_a_full_disk_refuses_durable_work_until_space_returns(tmp_path: Pa
             [(_, first)] = await consumer.get_batch(timeout=5)
             tx = await c.begin()
             consumer.ack_ids([first[M_ID]], tx_id=tx)
-            filler = fill(small_disk)
+            # Room for less than a segment, and under the disk usage limit: the next segment is what fails (at
+            # 100 % the once-a-second disk check would refuse the publishes first, and nothing fail to write).
+            filler = fill(small_disk, leave=512 * 1024)
             sent = [await c.send(new_message("full.q", b"x" * 100_000, durable=True)) for _ in range(14)]  # a roll
             answer = await until_ready(node, 503)
             assert "No space left on device" in str(answer["reason"])
