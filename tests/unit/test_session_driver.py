@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
+from tridentmq_shared import session_driver
 from tridentmq_shared.session_driver import SessionDriver
 
 
@@ -94,6 +97,9 @@ class Session:
     async def clean_up(self) -> None:
         self.clean_ups += 1
         self.wire.close()
+
+    async def abort(self) -> None:
+        raise AssertionError("a clean-up that finished is not aborted")
 
 
 async def settle() -> None:
@@ -197,4 +203,59 @@ async def test_a_timer_callback_that_fails_ends_the_session_with_its_clean_up() 
     await asyncio.sleep(0.01)
     await session.driver.wait_closed()
     assert session.driver.closed
+    assert session.clean_ups == 1
+
+
+class StuckSession(Session):
+    """A session whose clean-up never finishes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aborted = asyncio.Event()
+
+    async def clean_up(self) -> None:
+        self.clean_ups += 1
+        await asyncio.Event().wait()
+
+    async def abort(self) -> None:
+        self.wire.close()
+        self.aborted.set()
+
+
+async def test_a_session_ended_before_its_worker_started_still_cleans_up() -> None:
+    """A worker cancelled before its first step never runs its ``finally``: the clean-up never started and the
+    session's core link stayed open. Found by the randomised run (an MQTT session taken over while a worker for
+    its client's last packets waited to start)."""
+    session = Session()
+    session.driver.receive(["wait:x"], 10)  # a worker is made; it has not run yet
+    session.driver.end()
+    await asyncio.wait_for(session.driver.wait_closed(), 5)
+    assert session.clean_ups == 1
+    assert session.wire.closed
+
+
+async def test_an_ended_session_whose_clean_up_hangs_is_aborted(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Seen in randomised runs: MQTT sessions taken over whose links stayed open for minutes. Whatever the
+    clean-up waits for, the session's link and socket close after ``CLEAN_UP_LIMIT_S``, logged with where it
+    waited."""
+    monkeypatch.setattr(session_driver, "CLEAN_UP_LIMIT_S", 0.05)
+    session = StuckSession()
+    session.driver.receive(["wait:x"], 10)
+    session.driver.end()
+    await asyncio.wait_for(session.aborted.wait(), 5)
+    assert session.wire.closed
+    assert session.clean_ups == 1
+    (overdue,) = [r for r in caplog.records if "session clean-up overdue" in r.getMessage()]
+    assert "clean_up" in overdue.waiting_in  # where it waited
+
+
+async def test_a_session_that_cleans_up_in_time_is_not_aborted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(session_driver, "CLEAN_UP_LIMIT_S", 0.05)
+    session = Session()
+    session.driver.end()
+    await session.driver.wait_closed()
+    assert session.driver.cleaned
+    await asyncio.sleep(0.1)
     assert session.clean_ups == 1

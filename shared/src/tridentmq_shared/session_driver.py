@@ -19,6 +19,10 @@ from tridentmq_shared.supervision import end_on_failure
 log = logging.getLogger("tridentmq.gateway")
 
 
+#: How long an ended session's clean-up may take (a core request during a failover can take the link's
+#: whole reconnect time, about 11 s) before ``abort`` closes what it holds anyway.
+CLEAN_UP_LIMIT_S: Final = 30.0
+
 #: Errors of handling one event that are bugs of ours, not the client's: every protocol session counts them
 #: among its ``handled_errors`` and ends that connection only, logged with the traceback.
 HANDLING_BUGS: Final[tuple[type[Exception], ...]] = (AssertionError, LookupError, TypeError, ValueError)
@@ -51,20 +55,28 @@ class SessionHooks(Protocol):
     async def clean_up(self) -> None:
         """The session has ended: release what it holds (links, queues) and close the client's transport."""
 
+    async def abort(self) -> None:
+        """The clean-up has not finished in ``CLEAN_UP_LIMIT_S``: close the session's core link and the client's
+        transport now, without waiting for anything (an open link would keep consuming for a session that
+        ended: its consumers come back with every failover)."""
+
 
 class SessionDriver:
     # Slots: one per client connection.
     __slots__ = (
+        "_cleaning",
         "_events",
         "_hooks",
         "_loop",
         "_max_bytes",
         "_max_events",
+        "_overdue",
         "_paused",
         "_read_ahead",
         "_timer",
         "_wire",
         "_worker",
+        "cleaned",
         "closed",
         "name",
     )
@@ -84,6 +96,9 @@ class SessionDriver:
         self._timer: asyncio.TimerHandle | None = None
         #: The session has ended (or is ending): no more events are handled.
         self.closed = False
+        self._cleaning = False  # the clean-up has started
+        self.cleaned = False  # the clean-up has finished
+        self._overdue: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------------ input
     def receive(self, events: list[Any], nbytes: int, *, hold: bool = False) -> None:
@@ -140,16 +155,29 @@ class SessionDriver:
         if self.closed:
             return
         self.closed = True
+        self._overdue = self._loop.call_later(CLEAN_UP_LIMIT_S, self._clean_up_overdue)
         worker = self._worker
         if worker is None:
             self._worker = self._task(self._shut_down(), "shutdown")
         elif worker is not asyncio.current_task():
             worker.cancel()
+            worker.add_done_callback(self._cancelled_before_start)
+
+    def _cancelled_before_start(self, worker: asyncio.Task[None]) -> None:
+        """A worker cancelled before its first step never ran, nor its ``finally``: the clean-up did not start,
+        and the session's link stayed open for good (found by the randomised run: MQTT sessions taken over while
+        a worker for their client's PUBACKs waited to start kept their links, and consumers, for minutes)."""
+        if not self._cleaning:
+            self._worker = self._task(self._shut_down(), "shutdown")
 
     async def wait_closed(self) -> None:
         """Wait for the worker (the clean-up after an end), however it ended: a cancelled worker cleaned up too."""
-        if self._worker is not None:
-            await asyncio.wait([self._worker])
+        while self._worker is not None:
+            worker = self._worker
+            await asyncio.wait([worker])
+            await asyncio.sleep(0)  # its done callbacks first: one may start the clean-up in a task of its own
+            if self._worker is worker:
+                return
 
     # ------------------------------------------------------------------ the worker
     def _run(self) -> None:
@@ -195,7 +223,40 @@ class SessionDriver:
 
     async def _shut_down(self) -> None:
         self.closed = True
+        self._cleaning = True
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        await self._hooks.clean_up()
+        try:
+            await self._hooks.clean_up()
+        finally:
+            self.cleaned = True
+            if self._overdue is not None:
+                self._overdue.cancel()
+                self._overdue = None
+
+    def _clean_up_overdue(self) -> None:
+        """Seen in randomised runs: MQTT sessions taken over whose links stayed open for minutes, taking the
+        session's messages at each failover and counting an attempt for each until they were dead-lettered.
+        Whatever the clean-up waits for, the session's link and transport close now, and the log says where
+        it waited."""
+        if self.cleaned:
+            return
+        worker = self._worker
+        where = _awaiting(worker.get_coro()) if worker is not None and not worker.done() else ""
+        log.error(
+            "session clean-up overdue: its link and connection are closed",
+            extra={"peer": self._wire.peer, "waiting_in": where or "(no task)"},
+        )
+        self._task(self._hooks.abort(), "abort")
+
+
+def _awaiting(coroutine: Any) -> str:
+    """Where a suspended coroutine waits, outermost first: ``clean_up:1440 > close:627``."""
+    names: list[str] = []
+    while coroutine is not None and len(names) < 12:
+        frame = getattr(coroutine, "cr_frame", None) or getattr(coroutine, "gi_frame", None)
+        if frame is not None:
+            names.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
+        coroutine = getattr(coroutine, "cr_await", None) or getattr(coroutine, "gi_yieldfrom", None)
+    return " > ".join(names)

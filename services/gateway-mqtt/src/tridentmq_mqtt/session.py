@@ -1432,6 +1432,14 @@ class MqttSession:
         deadline = conn.next_deadline()
         self._driver.arm_timer(None if deadline is None else deadline - time.monotonic(), self._keep_alive_deadline)
 
+    async def abort(self) -> None:
+        """The clean-up is overdue (``SessionDriver``): the link and the socket close now."""
+        link = self.link
+        if link is not None:
+            link.on_closed = link.on_settled = None
+            await link.close()
+        self.wire.close()
+
     async def clean_up(self) -> None:
         if self._lock is not None:
             self._lock.on_wake = None

@@ -561,6 +561,14 @@ class StompSession:
         self._flush()
         self._arm_timer()
 
+    async def abort(self) -> None:
+        """The clean-up is overdue (``SessionDriver``): the link and the socket close now."""
+        link = self.link
+        if link is not None:
+            link.on_closed = link.on_settled = None
+            await link.close()
+        self.wire.close()
+
     async def clean_up(self) -> None:
         for subscription in self.subscriptions.values():
             self._stop_pump(subscription)
