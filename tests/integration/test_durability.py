@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
-import os
 import signal
-import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -15,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from tests.conftest import CoreProcess, start_core
+from tests.disks import fill, tmpfs
 
 from tridentmq_shared.link.client import LinkClient
 from tridentmq_shared.link.errors import LinkRequestError
@@ -220,33 +218,8 @@ address_full_policy = "PAGE"
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 16 MiB tmpfs of its own, so that the kernel itself says the disk is full (mounting needs root, as CI
-    has); unmounted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount = tmp_path / "small"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], check=True)
-    try:
+    with tmpfs(tmp_path / "small", "16m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "--lazy", str(mount)], check=True)  # detached even if a failure left files open
-
-
-def fill(directory: Path, leave: int = 0) -> Path:
-    """Write a file until its filesystem is full, then give ``leave`` bytes back; returns it."""
-    filler = directory / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        while True:
-            os.write(fd, bytes(65536))
-    except OSError as exc:
-        if exc.errno != errno.ENOSPC:
-            raise
-    finally:
-        os.close(fd)
-    os.truncate(filler, max(0, filler.stat().st_size - leave))
-    return filler
 
 
 def readiness(node: CoreProcess) -> tuple[int, dict[str, object]]:

@@ -14,7 +14,6 @@ import asyncio
 import errno
 import os
 import random
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +24,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.disks import fill, tmpfs
 from tests.unit.broker_harness import Harness, ids, ok
 
 import tridentmq_core.store.journal as journal_module
@@ -1567,32 +1567,8 @@ def test_a_message_moved_to_the_expiry_or_dead_letter_address_is_in_one_queue_or
 # ---------------------------------------------------------------------------------------------------- disk errors
 @pytest.fixture
 def tiny_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs of its own, so that the kernel itself says the disk is full (mounting needs root, as CI
-    has); unmounted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
-    try:
+    with tmpfs(tmp_path / "tiny", "1m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "--lazy", str(mount)], check=True)  # detached even if a failure left files open
-
-
-def fill(directory: Path) -> Path:
-    """Write a file until its filesystem is full; returns it."""
-    filler = directory / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        while True:
-            os.write(fd, bytes(4096))
-    except OSError as exc:
-        if exc.errno != errno.ENOSPC:
-            raise
-    finally:
-        os.close(fd)
-    return filler
 
 
 def test_a_full_disk_keeps_the_records_and_writes_them_once_space_returns(

@@ -5,12 +5,12 @@ from __future__ import annotations
 import errno
 import os
 import queue
-import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from tests.disks import tmpfs
 from tests.unit.broker_harness import Harness, bodies, ids
 
 from tridentmq_core.queues import MESSAGE_OVERHEAD
@@ -89,17 +89,8 @@ def test_with_the_io_thread_reads_come_back_through_on_ready_in_order(tmp_path: 
 
 @pytest.fixture
 def tiny_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs of its own, so that the kernel itself says the disk is full (mounting needs root, as CI
-    has); unmounted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
-    try:
+    with tmpfs(tmp_path / "tiny", "1m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "--lazy", str(mount)], check=True)  # detached even if a failure left files open
 
 
 def test_page_writes_that_find_the_disk_full_lose_nothing(tiny_disk: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, Final, Protocol
 
 from tridentmq_shared.gateway import Wire
+from tridentmq_shared.link.client import LinkClient
 from tridentmq_shared.supervision import end_on_failure
 
 log = logging.getLogger("tridentmq.gateway")
@@ -260,3 +261,11 @@ def _awaiting(coroutine: Any) -> str:
             names.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
         coroutine = getattr(coroutine, "cr_await", None) or getattr(coroutine, "gi_yieldfrom", None)
     return " > ".join(names)
+
+
+async def close_now(link: LinkClient | None, wire: Wire) -> None:
+    """A protocol session's ``abort``: its core link and its client's transport close, nothing else is done."""
+    if link is not None:
+        link.on_closed = link.on_settled = None
+        await link.close()
+    wire.close()

@@ -77,7 +77,7 @@ from tridentmq_shared.message import (
     WireMessage,
 )
 from tridentmq_shared.runtime import random_hex
-from tridentmq_shared.session_driver import HANDLING_BUGS, SessionDriver
+from tridentmq_shared.session_driver import HANDLING_BUGS, SessionDriver, close_now
 from tridentmq_shared.supervision import end_on_failure
 
 log = logging.getLogger("tridentmq.amqp")
@@ -1176,11 +1176,7 @@ class AmqpSession:
 
     async def abort(self) -> None:
         """The clean-up is overdue (``SessionDriver``): the link and the socket close now."""
-        link = self.link
-        if link is not None:
-            link.on_closed = link.on_settled = None
-            await link.close()
-        self.wire.close()
+        await close_now(self.link, self.wire)
 
     async def clean_up(self) -> None:
         for outbound in self.outbound.values():

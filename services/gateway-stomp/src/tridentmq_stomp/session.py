@@ -27,7 +27,7 @@ from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import M_ID, RoutingType
 from tridentmq_shared.runtime import random_hex
-from tridentmq_shared.session_driver import HANDLING_BUGS, SessionDriver
+from tridentmq_shared.session_driver import HANDLING_BUGS, SessionDriver, close_now
 from tridentmq_stomp import convert, subscribing
 from tridentmq_stomp.acks import AUTO, Unacked, locate
 from tridentmq_stomp.convert import TEMP_QUEUE_PREFIX
@@ -563,11 +563,7 @@ class StompSession:
 
     async def abort(self) -> None:
         """The clean-up is overdue (``SessionDriver``): the link and the socket close now."""
-        link = self.link
-        if link is not None:
-            link.on_closed = link.on_settled = None
-            await link.close()
-        self.wire.close()
+        await close_now(self.link, self.wire)
 
     async def clean_up(self) -> None:
         for subscription in self.subscriptions.values():
