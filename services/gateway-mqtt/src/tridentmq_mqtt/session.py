@@ -1448,10 +1448,9 @@ class MqttSession:
                 sub.closed = True
                 await self.feeds.leave(sub)
         if self._background:
-            # Not waiting for the client: one that stopped reading kept its session, link and consumers alive,
-            # which took the session's messages at each failover of the link and counted a delivery attempt
-            # for each, until they were dead-lettered (seen in a randomised run). Queues given up for a feed
-            # are gone before the link (or with it, should it fail).
+            # Not waiting for the client: one that left without closing its socket never reads again, and the
+            # session's link, with its consumers, would stay open (they come back with every failover, taking
+            # the session's messages). Queues given up for a feed are gone before the link (or with it).
             for task, finished in list(self._background.items()):
                 if not finished:
                     task.cancel()
@@ -1478,9 +1477,10 @@ class MqttSession:
 
     def _release_unsent(self) -> None:
         """Before the link's close returns what its consumers hold as failed deliveries: give back, uncounted,
-        what never reached the client (waiting for its receive maximum, or in a consumer). A client that
-        reconnects often to a backlog, taking a little each time, had the rest dead-lettered (seen in a
-        randomised run: 571 messages of one subscriber, none ever sent to it)."""
+        what never reached the client (waiting for its receive maximum, or in a consumer). Each close counted a
+        failed delivery for all of them, and in a randomised run a backlog reached max_delivery_attempts and
+        was dead-lettered without a message of it ever being written (through sessions that outlived their
+        end: see ``SessionDriver``)."""
         parked: dict[Sub, list[int]] = {}
         for out in self._outbound.forget_parked(lambda out: out.sub is not None and not out.retained):
             assert out.sub is not None
