@@ -31,7 +31,7 @@ from tests.conftest import (
 from tests.integration.mqtt_clients import Paho, Raw, silent
 
 from tridentmq_mqtt import convert
-from tridentmq_mqtt.convert import subscription_queue
+from tridentmq_mqtt.convert import session_queue, subscription_queue
 from tridentmq_mqtt.protocol.packets import (
     V5,
     V311,
@@ -111,7 +111,12 @@ def _get_json(url: str) -> Any:
 
 def _subscription(core: CoreProcess, client_id: str, topic_filter: str) -> dict[str, Any] | None:
     """The core's view of the queue of ``client_id``'s subscription to ``topic_filter`` (None: it has none)."""
-    name = urllib.parse.quote(subscription_queue(client_id, topic_filter), safe="")
+    return _queue(core, subscription_queue(client_id, topic_filter))
+
+
+def _queue(core: CoreProcess, queue: str) -> dict[str, Any] | None:
+    """The core's view of ``queue`` (None: there is none)."""
+    name = urllib.parse.quote(queue, safe="")
     try:
         return _get_json(f"{core.management_url}/api/queues/{name}")  # type: ignore[no-any-return]
     except urllib.error.HTTPError as exc:
@@ -261,6 +266,8 @@ def test_session_expires_after_its_interval(
     pub.connect()
     pub.publish(topic, b"queued, then expired with the session", 1)
     _wait_for(lambda: _subscription(core, client_id, topic) is None, "the session to expire with its queue")
+    # Its record expires on its own clock, once the session's link has closed: a tick later, on a busy machine.
+    _wait_for(lambda: _queue(core, session_queue(client_id)) is None, "the session's record to expire")
     pub.publish(topic, b"after the expiry", 1)
     again = raw(mqtt_gateway.port)
     _connected(again, client_id, session_present=False, clean_start=False, properties=PERSISTENT)
