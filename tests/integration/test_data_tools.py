@@ -184,19 +184,7 @@ def test_compact_and_a_second_node_are_refused_while_a_node_runs(tmp_path: Path)
         result = data("compact", "--data-dir", str(node.data_dir))
         assert result.returncode == 1
         assert "in use by another TridentMQ process" in result.stderr
-        second = subprocess.run(
-            [sys.executable, "-m", "tridentmq_core"],
-            env={
-                **os.environ,
-                "TRIDENTMQ_CORE_NODE_DATA_DIR": str(node.data_dir),
-                "TRIDENTMQ_CORE_LINK_PORT": "0",
-                "TRIDENTMQ_CORE_MANAGEMENT_PORT": "0",
-            },
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
+        second = run_core(node.data_dir)
         assert second.returncode == 1
         assert "in use by another TridentMQ process" in second.stderr
         assert "Traceback" not in second.stderr

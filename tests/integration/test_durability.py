@@ -7,12 +7,13 @@ import json
 import signal
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
 from tests.conftest import CoreProcess, start_core
 from tests.disks import fill, tmpfs
+from tests.integration.test_ha import readyz
 
 from tridentmq_shared.link.client import LinkClient
 from tridentmq_shared.link.errors import LinkRequestError
@@ -163,20 +164,24 @@ async def test_compaction_retires_dead_segments_and_keeps_live_messages(tmp_path
         assert node.stop() == 0
 
 
+async def refused_in_time(publish: Callable[[], Awaitable[object]]) -> LinkRequestError:
+    """The refusal of ``publish``, tried again until the node refuses it (it checks the disk about once a
+    second); fails the test after 5 s of acceptances."""
+    for _ in range(50):
+        try:
+            await publish()
+        except LinkRequestError as exc:
+            return exc
+        await asyncio.sleep(0.1)
+    pytest.fail("the publish was never refused")
+
+
 async def test_durable_publishes_are_refused_while_the_disk_is_over_its_limit(tmp_path: Path) -> None:
     node = start_core(tmp_path, TRIDENTMQ_CORE_JOURNAL_MAX_DISK_USAGE="0")  # any usage is over the limit
     try:
         async with client(node) as c:
             await c.publish(new_message("full.q", b"volatile"))  # non-durable: unaffected
-            for _ in range(50):  # the node checks the disk about once a second
-                try:
-                    await c.publish(new_message("full.q", b"durable", durable=True))
-                except LinkRequestError as exc:
-                    refused = exc
-                    break
-                await asyncio.sleep(0.1)
-            else:
-                pytest.fail("durable publishes were never refused")
+            refused = await refused_in_time(lambda: c.publish(new_message("full.q", b"durable", durable=True)))
             assert refused.code == "resource-limit"
             assert "journal.max_disk_usage" in refused.text
         assert "durable publishes refused" in node.log()
@@ -199,15 +204,7 @@ address_full_policy = "PAGE"
             await c.create_queue("paged.q")
             for _ in range(3):  # under its limit: kept in memory
                 await c.publish(new_message("paged.q", b"x" * 1000))
-            for _ in range(50):  # the node checks the disk about once a second
-                try:
-                    await c.publish(new_message("paged.q", b"x" * 1000))
-                except LinkRequestError as exc:
-                    refused = exc
-                    break
-                await asyncio.sleep(0.1)
-            else:
-                pytest.fail("messages that would be paged were never refused")
+            refused = await refused_in_time(lambda: c.publish(new_message("paged.q", b"x" * 1000)))
             assert refused.code == "resource-limit"
             assert "messages that would be paged are refused" in refused.text
             await c.publish(new_message("other.q", b"volatile"))  # kept in memory: unaffected
@@ -222,17 +219,9 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         yield mount
 
 
-def readiness(node: CoreProcess) -> tuple[int, dict[str, object]]:
-    try:
-        with urllib.request.urlopen(node.management_url + "/readyz", timeout=5) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
 async def until_ready(node: CoreProcess, status: int) -> dict[str, object]:
     for _ in range(100):
-        code, answer = readiness(node)
+        code, answer = readyz(node)
         if code == status:
             return answer
         await asyncio.sleep(0.1)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from tests.conftest import CoreProcess
 from tests.integration.cluster_nodes import node_id, start_node, wait_until
-from tests.integration.ha_pairs import ha_view, start_pair
+from tests.integration.ha_pairs import Pair, ha_view, start_pair
 from tests.integration.test_ha import kill
 
 from tridentmq_shared.link.client import LinkClient
@@ -44,6 +44,23 @@ def failback(node: CoreProcess, node_id: str) -> subprocess.CompletedProcess[str
     )
 
 
+def fail_over_and_return(tmp_path: Path, pair: Pair, group: str, port: int, settings: dict[str, str]) -> CoreProcess:
+    """Kill the pair's primary, wait for its backup to take over, and start the primary again at its address:
+    the returned node (it copies the active backup, and with allow_failback off stays its backup)."""
+    kill(pair.primary)
+    wait_until(lambda: ha_view(pair.backup).get("active") is True, WAIT, "the takeover")
+    (pair.backup.data_dir / "ports.json").unlink()
+    return start_node(
+        tmp_path,
+        f"{group}-primary",
+        [pair.backup],
+        core_ha_policy="replication",
+        core_ha_group_name=group,
+        core_link_port=str(port),
+        **settings,
+    )
+
+
 def test_an_operator_hands_the_pair_back_to_its_returned_primary(tmp_path: Path) -> None:
     settings = {"core_ha_activate_without_quorum": "true", "core_ha_allow_failback": "false"}
     pair = start_pair(tmp_path, "mf", **settings)
@@ -52,18 +69,7 @@ def test_an_operator_hands_the_pair_back_to_its_returned_primary(tmp_path: Path)
     refused = failback(pair.primary, primary_id)  # the primary serves in its own place: nothing to hand back
     assert refused.returncode == 1
     assert "409" in refused.stderr
-    kill(pair.primary)
-    wait_until(lambda: ha_view(pair.backup).get("active") is True, WAIT, "the takeover")
-    (pair.backup.data_dir / "ports.json").unlink()
-    returned = start_node(
-        tmp_path,
-        "mf-primary",
-        [pair.backup],
-        core_ha_policy="replication",
-        core_ha_group_name="mf",
-        core_link_port=str(port),
-        **settings,
-    )
+    returned = fail_over_and_return(tmp_path, pair, "mf", port, settings)
     wait_until(lambda: ha_view(pair.backup).get("backup_in_sync") is True, WAIT, "the returned primary in sync")
     assert ha_view(returned).get("active") is not True  # allow_failback is off: it stays the backup
     done = failback(pair.backup, primary_id)  # the backup serves as that node
@@ -81,18 +87,7 @@ async def test_a_failback_whose_primary_goes_away_leaves_the_backup_serving_and_
     pair = start_pair(tmp_path, "ff", **settings)
     primary_id = node_id(pair.primary)
     port = pair.primary.link_port
-    kill(pair.primary)
-    wait_until(lambda: ha_view(pair.backup).get("active") is True, WAIT, "the takeover")
-    (pair.backup.data_dir / "ports.json").unlink()
-    returned = start_node(
-        tmp_path,
-        "ff-primary",
-        [pair.backup],
-        core_ha_policy="replication",
-        core_ha_group_name="ff",
-        core_link_port=str(port),
-        **settings,
-    )
+    returned = fail_over_and_return(tmp_path, pair, "ff", port, settings)
     try:
         wait_until(lambda: ha_view(pair.backup).get("backup_in_sync") is True, WAIT, "the returned primary in sync")
         async with LinkClient("127.0.0.1", pair.backup.link_port, reconnect=ReconnectPolicy(attempts=0)) as producer:

@@ -63,6 +63,19 @@ def test_pager_reads_a_message_larger_than_its_read_chunk(tmp_path: Path) -> Non
     pager.close()
 
 
+def read_all(
+    pager: FilePager, loop: queue.SimpleQueue[Callable[[], None]], count: int, batch: int
+) -> list[WireMessage]:
+    """``count`` messages read ``batch`` at a time, running the read-ahead's callbacks as the loop would."""
+    got: list[WireMessage] = []
+    while len(got) < count:
+        taken = pager.read(batch)
+        got.extend(taken)
+        if not taken:
+            loop.get(timeout=10)()  # the read-ahead finished
+    return got
+
+
 def test_with_the_io_thread_reads_come_back_through_on_ready_in_order(tmp_path: Path) -> None:
     """The real thread: ``read`` never waits for the disk; what it could not return arrives via on_ready."""
     loop: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # stands in for call_soon_threadsafe
@@ -71,12 +84,7 @@ def test_with_the_io_thread_reads_come_back_through_on_ready_in_order(tmp_path: 
     messages = [new_message("q", n.to_bytes(4, "big") + bytes(2000)) for n in range(3000)]
     for message in messages:
         pager.append(message)
-    got: list[WireMessage] = []
-    while len(got) < len(messages):
-        batch = pager.read(500)
-        got.extend(batch)
-        if not batch:
-            loop.get(timeout=10)()  # the read-ahead finished: run its callback as the loop would
+    got = read_all(pager, loop, len(messages), 500)
     assert ready  # reads had to wait at least once
     assert [m[M_BODY] for m in got] == [m[M_BODY] for m in messages]
     assert pager.count == 0
@@ -102,12 +110,7 @@ def test_page_writes_that_find_the_disk_full_lose_nothing(tiny_disk: Path, caplo
     for message in messages:
         pager.append(message)
     assert [m[M_BODY] for m in pager.peek()] == [m[M_BODY] for m in messages]  # what compaction's snapshot reads
-    got: list[WireMessage] = []
-    while len(got) < len(messages):
-        batch = pager.read(256)
-        got.extend(batch)
-        if not batch:
-            loop.get(timeout=10)()  # the read-ahead finished: run its callback as the loop would
+    got = read_all(pager, loop, len(messages), 256)
     assert [m[M_BODY] for m in got] == [m[M_BODY] for m in messages]
     assert pager.count == 0
     failures = [r for r in caplog.records if r.getMessage().startswith("page file write failed")]

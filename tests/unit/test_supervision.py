@@ -117,17 +117,23 @@ def readyz(port: int) -> tuple[int, dict[str, object]]:
         return error.code, json.loads(error.read())
 
 
-async def test_a_core_whose_tick_fails_is_no_longer_ready(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def started_core(data_dir: Path, supervisor: Supervisor) -> CoreNode:
+    """A core node in this process, on free ports, whose tasks ``supervisor`` watches."""
     settings = CoreSettings(
-        node=NodeSection(data_dir=tmp_path),
+        node=NodeSection(data_dir=data_dir),
         link=LinkSection(host="127.0.0.1", port=0),
         management=ManagementSection(port=0),
     )
-    supervisor = Supervisor()
     node = CoreNode(settings, supervisor=supervisor)
     await node.start()
+    return node
+
+
+async def test_a_core_whose_tick_fails_is_no_longer_ready(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    supervisor = Supervisor()
+    node = await started_core(tmp_path, supervisor)
     try:
         assert (await asyncio.to_thread(readyz, node.management_port))[0] == 200
 
@@ -150,14 +156,8 @@ async def test_a_core_whose_journal_fsync_fails_stops_being_ready_and_fails(
 ) -> None:
     """After a failed fsync nothing the journal holds can be made safe by retrying: the node fails (its entry
     point then exits with ``EXIT_TASK_FAILED``) instead of staying ready with a dead journal."""
-    settings = CoreSettings(
-        node=NodeSection(data_dir=tmp_path),
-        link=LinkSection(host="127.0.0.1", port=0),
-        management=ManagementSection(port=0),
-    )
     supervisor = Supervisor()
-    node = CoreNode(settings, supervisor=supervisor)
-    await node.start()
+    node = await started_core(tmp_path, supervisor)
     try:
 
         def fdatasync(fd: int) -> None:  # the disk reports a failed write-back
