@@ -1,66 +1,111 @@
-"""Recovery benchmark: time for a core node to be ready on a journal holding N live durable messages.
+"""Recovery benchmark: time and peak memory for a core node to be ready on a journal.
 
-Writes the journal with the journal writer itself (an address, a durable anycast queue, N 100-byte durable
-messages), then starts a real core process on it and measures from process start to ready (the moment it
-writes its ports file, after recovery and before accepting links):
+Writes the journal with the journal writer itself (an address, a durable anycast queue, then the messages in
+batches of 1,000 as a producer and a consumer would leave them: each batch, then one ACKS record for the
+ones consumed), then starts a real core process on it and measures from process start to ready (the moment
+it writes its ports file, after recovery and before accepting links), and the process's peak resident
+memory then (VmHWM):
 
-    uv run python -m bench.journal_recovery [--messages 1000000]
+    uv run python -m bench.journal_recovery [--messages 1000000] [--acked 0] [--size 100] [--runs 1]
+
+``--messages`` stay live (spread evenly among the acknowledged ones), ``--acked`` are published and
+acknowledged; the journal is not compacted, as after a crash before compaction caught up.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from bench.node import core_node
+from bench.node import core_node, machine
 
 from tridentmq_core.store.journal import Journal
+from tridentmq_core.store.journal_store import IDS_PER_RECORD
 from tridentmq_core.store.records import RecordType
 from tridentmq_shared.message import M_ID, M_TIMESTAMP, new_message
 
+QUEUE = "bench.recovery"
+BATCH = 1000
 
-def write_journal(directory: Path, count: int) -> float:
+
+def write_journal(directory: Path, live: int, acked: int, size: int) -> float:
     started = time.monotonic()
     journal = Journal(directory)
     journal.recover()
     journal.start()
-    journal.append(RecordType.ADD_ADDRESS, ["bench.recovery", [0]])
-    journal.append(RecordType.ADD_QUEUE, [{"name": "bench.recovery", "address": "bench.recovery", "routing_type": 0}])
-    body = b"x" * 100
+    journal.append(RecordType.ADD_ADDRESS, [QUEUE, [0]])
+    journal.append(RecordType.ADD_QUEUE, [{"name": QUEUE, "address": QUEUE, "routing_type": 0}])
+    body = b"x" * size
     now_ms = time.time_ns() // 1_000_000
-    for n in range(count):
-        message = new_message("bench.recovery", body, durable=True)
+    total = live + acked
+    every = total / live if live else 0.0  # message n stays live when it is the next of every ``every``
+    kept = 0
+    consumed: list[int] = []
+    for n in range(total):
+        message = new_message(QUEUE, body, durable=True)
         message[M_ID] = n + 1
         message[M_TIMESTAMP] = now_ms
-        journal.append(RecordType.MESSAGE, [message, ["bench.recovery"]])
+        journal.append(RecordType.MESSAGE, [message, [QUEUE]])
+        if kept < live and n >= kept * every:
+            kept += 1
+        else:
+            consumed.append(n + 1)
+        if (n + 1) % BATCH == 0 or n + 1 == total:
+            for start in range(0, len(consumed), IDS_PER_RECORD):
+                journal.append(RecordType.ACKS, [QUEUE, consumed[start : start + IDS_PER_RECORD]])
+            consumed = []
     journal.close()
     return time.monotonic() - started
 
 
-def time_to_ready(data_dir: Path) -> tuple[float, dict[str, int]]:
+def peak_rss_mib(pid: int) -> tuple[float, float]:
+    """(VmRSS, VmHWM) of ``pid`` in MiB: now, and the peak since it started."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
+def time_to_ready(data_dir: Path) -> tuple[float, float, float, dict[str, int]]:
     started = time.monotonic()
     with core_node(data_dir, broker_max_memory_bytes=str(4 << 30)) as core:
         elapsed = time.monotonic() - started
+        rss, peak = peak_rss_mib(core.process.pid)
         recovered: dict[str, int] = json.loads(core.get("/readyz"))["recovered"]
-    return elapsed, recovered
+    return elapsed, rss, peak, recovered
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--messages", type=int, default=1_000_000)
+    parser.add_argument("--messages", type=int, default=1_000_000, help="live messages (default %(default)s)")
+    parser.add_argument("--acked", type=int, default=0, help="published and acknowledged (default %(default)s)")
+    parser.add_argument("--size", type=int, default=100, help="body bytes (default %(default)s)")
+    parser.add_argument("--runs", type=int, default=1, help="restarts on the same journal (default %(default)s)")
     args = parser.parse_args()
+    print(machine())
     with tempfile.TemporaryDirectory(prefix="tridentmq-recovery-") as tmp:
         data_dir = Path(tmp)
-        wrote = write_journal(data_dir / "journal", args.messages)
+        wrote = write_journal(data_dir / "journal", args.messages, args.acked, args.size)
         size = sum(p.stat().st_size for p in (data_dir / "journal").iterdir())
         print(
-            f"journal: {args.messages:,} live messages, {size / 2**20:,.0f} MiB of segments (written in {wrote:.1f} s)"
+            f"journal: {args.messages:,} live and {args.acked:,} acknowledged messages of {args.size} B, "
+            f"{size / 2**20:,.0f} MiB of segments (written in {wrote:.1f} s)"
         )
-        elapsed, recovered = time_to_ready(data_dir)
-        print(f"RECOVERY: ready in {elapsed:.2f} s (process start included); recovered {recovered}")
+        times, peaks = [], []
+        for _ in range(args.runs):
+            elapsed, rss, peak, recovered = time_to_ready(data_dir)
+            times.append(elapsed)
+            peaks.append(peak)
+            print(
+                f"  ready in {elapsed:.2f} s (process start included), RSS {rss:.0f} MiB, "
+                f"peak RSS {peak:.0f} MiB; recovered {recovered}"
+            )
+        print(
+            f"RECOVERY: ready in {statistics.median(times):.2f} s (median of {args.runs}), "
+            f"peak RSS {statistics.median(peaks):.0f} MiB"
+        )
 
 
 if __name__ == "__main__":
