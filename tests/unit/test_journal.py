@@ -16,6 +16,7 @@ import os
 import random
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +53,7 @@ from tridentmq_core.store.records import (
     encode,
     scan,
 )
-from tridentmq_core.store.recovery import replay
+from tridentmq_core.store.recovery import Replayer, replay
 from tridentmq_shared.link.ops import NackMode
 from tridentmq_shared.message import M_DEDUP, M_ID, M_TIMESTAMP, WireMessage, new_message
 
@@ -1045,6 +1046,113 @@ def test_replay_of_a_recovered_journal(tmp_path: Path) -> None:
     assert state.addresses == {"orders": ([0], False)}
     assert state.references == {"q": {2: 1}}
     assert state.messages == {2: m2}  # msgpack gives back the same list, bytes body included
+
+
+def test_replay_drops_an_acknowledged_message_at_its_ack_not_at_the_end() -> None:
+    """Replay holds the live state, not the history: a message leaves it with its last reference."""
+    replayer = Replayer()
+    for record in queues_a_and_b_with((wire_message(1), ["a"]), (wire_message(2), ["a"])):
+        replayer.apply(record)
+    replayer.apply(rec(RecordType.ACKS, "a", [1]))
+    assert list(replayer.state.messages) == [2]
+    replayer.apply(rec(RecordType.ACK, "a", 2))  # an older journal's single record does the same
+    assert replayer.state.messages == {}
+    assert replayer.finish().references == {"a": {}, "b": {}}
+
+
+def test_replay_keeps_a_message_of_two_queues_until_both_acknowledged_it() -> None:
+    m1 = wire_message(1)
+    replayer = Replayer()
+    for record in queues_a_and_b_with((m1, ["a", "b", "a"])):  # a queue named twice is one reference
+        replayer.apply(record)
+    replayer.apply(rec(RecordType.ACKS, "a", [1]))
+    replayer.apply(rec(RecordType.ACKS, "a", [1]))  # again: no second reference to let go of
+    assert replayer.state.messages == {1: m1}
+    replayer.apply(rec(RecordType.DELETE_QUEUE, "b"))  # a deleted queue lets go of its messages too
+    assert replayer.state.messages == {}
+    # Published again under the same id (a compaction's copy): it is back, held by the queue it names.
+    replayer.apply(rec(RecordType.ADD_QUEUE, queue_spec("b")))
+    replayer.apply(rec(RecordType.MESSAGE, m1, ["a", "b"], [1, 2]))
+    replayer.apply(rec(RecordType.MESSAGE, m1, ["b", "ghost"], [3]))  # copied again: still two references
+    replayer.apply(rec(RecordType.ACK, "b", 1))
+    assert replayer.state.messages == {1: m1}
+    state = replayer.finish()
+    assert state.references == {"a": {1: 1}, "b": {}}
+    assert state.live_messages() == 1
+
+
+def test_replay_stages_a_transaction_until_its_commit_and_drops_an_uncommitted_one() -> None:
+    m1, m2, m3 = (wire_message(n) for n in (1, 2, 3))
+    replayer = Replayer()
+    for record in queues_a_and_b_with((m1, ["a"])):
+        replayer.apply(record)
+    replayer.apply(rec(RecordType.TX_MESSAGE, 7, m2, ["a", "b"]))
+    replayer.apply(rec(RecordType.TX_ACK, 7, "a", 1))
+    assert replayer.state.messages == {1: m1}  # nothing of it counts before its commit
+    replayer.apply(rec(RecordType.TX_MESSAGE, 8, m3, ["a"]))  # transaction 8 never commits
+    replayer.apply(rec(RecordType.TX_ACK, 8, "a", 2))
+    replayer.apply(rec(RecordType.TX_COMMIT, 7))
+    assert replayer.state.messages == {2: m2}  # m1 acknowledged by it, m2 published by it
+    replayer.apply(rec(RecordType.ACKS, "a", [2]))
+    assert replayer.state.messages == {2: m2}  # still on b
+    replayer.apply(rec(RecordType.ACKS, "b", [2]))
+    state = replayer.finish()
+    assert state.messages == {}
+    assert state.references == {"a": {}, "b": {}}
+    assert state.uncommitted == 1
+
+
+def test_replay_counts_deliveries_of_live_messages_only() -> None:
+    replayer = Replayer()
+    for record in queues_a_and_b_with((wire_message(1), ["a", "b"]), (wire_message(2), ["a"])):
+        replayer.apply(record)
+    replayer.apply(rec(RecordType.DELIVERY_COUNTS, "a", [1, 2], [1, 1]))
+    replayer.apply(rec(RecordType.ACKS, "a", [1]))
+    replayer.apply(rec(RecordType.DELIVERY_COUNTS, "a", [1, 2], [2, 2]))  # 1 left a: not counted there again
+    replayer.apply(rec(RecordType.DELIVERY_COUNT, "b", 1, 4))
+    state = replayer.finish()
+    assert state.references == {"a": {2: 2}, "b": {1: 4}}
+    assert sorted(state.messages) == [1, 2]
+
+
+def test_replay_remembers_the_dedup_ids_of_messages_it_already_dropped() -> None:
+    def stamped(n: int) -> list[Any]:
+        message = wire_message(n)
+        message[M_DEDUP], message[M_TIMESTAMP] = f"p:{n}", 100 * n
+        return message
+
+    replayer = Replayer(dedup_limit=3)
+    replayer.apply(rec(RecordType.ADD_QUEUE, queue_spec("a")))
+    for n in range(1, 5):
+        replayer.apply(rec(RecordType.MESSAGE, stamped(n), ["a"]))
+        replayer.apply(rec(RecordType.ACKS, "a", [n]))
+        assert replayer.state.messages == {}  # gone at once, its id stays
+    replayer.apply(rec(RecordType.TX_MESSAGE, 9, stamped(5), ["a"]))  # never committed: never accepted
+    state = replayer.finish()
+    assert state.messages == {}
+    assert state.dedup_ids == {"p:2": 200, "p:3": 300, "p:4": 400}  # the newest within the limit
+
+
+def test_replay_of_a_long_history_holds_the_live_messages_only() -> None:
+    """Memory, not time: replaying 2,000 messages of 50 kB, each acknowledged right after, keeps about one
+    of them (plus the few left live) at a time; holding them all until the end took 100 MB."""
+    size = 50_000
+
+    def history() -> Iterator[Record]:
+        yield rec(RecordType.ADD_QUEUE, queue_spec("a"))
+        for n in range(1, 2001):
+            yield rec(RecordType.MESSAGE, wire_message(n, n.to_bytes(4, "big") + bytes(size - 4)), ["a"])
+            if n % 500:  # every 500th stays
+                yield rec(RecordType.ACKS, "a", [n])
+
+    tracemalloc.start()
+    try:
+        state = replay(history())
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert sorted(state.messages) == [500, 1000, 1500, 2000]
+    assert peak < 20 * size, f"replay peaked at {peak / 1e6:.1f} MB"
 
 
 # ---------------------------------------------------------------------------------------------------- JournalStore
