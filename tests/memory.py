@@ -12,10 +12,19 @@ MIB = 1024 * 1024
 
 def rss(pid: int) -> int:
     """Bytes of ``pid`` in RAM now (VmRSS)."""
+    return _status_bytes(pid, "VmRSS")
+
+
+def peak_rss(pid: int) -> int:
+    """The most bytes ``pid`` has had in RAM since it started (VmHWM): the kernel's own peak, no sampling."""
+    return _status_bytes(pid, "VmHWM")
+
+
+def _status_bytes(pid: int, field: str) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for process {pid}")
+    raise AssertionError(f"no {field} for process {pid}")
 
 
 class PeakRss:

@@ -45,7 +45,7 @@ def write_journal(directory: Path, messages: int) -> list[int]:
         message[0] = n + 1
         journal.append(RecordType.MESSAGE, [message, ["q"]])
     journal.close()
-    records, _ = Journal(directory).recover()
+    records, _ = Journal(directory).recover(list)
     return [r.offset for r in records if r.type is RecordType.MESSAGE]
 
 
@@ -141,7 +141,7 @@ def churned_journal(directory: Path) -> None:
 
 
 def recovered(directory: Path) -> RecoveredState:
-    return replay(Journal(directory, segment_bytes=1 << 16).recover()[0])
+    return Journal(directory, segment_bytes=1 << 16).recover(replay)[0]
 
 
 def test_compact_keeps_the_live_state_and_drops_the_rest(tmp_path: Path) -> None:

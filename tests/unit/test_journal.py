@@ -128,7 +128,7 @@ def write_journal(directory: Path, entries: list[Entry], segment_bytes: int = ON
 def recover(directory: Path, segment_bytes: int = ONE_SEGMENT) -> tuple[list[Record], RecoveryReport]:
     journal = Journal(directory, segment_bytes=segment_bytes)
     try:
-        return journal.recover()
+        return journal.recover(list)
     finally:
         journal.close()
 
@@ -296,7 +296,7 @@ def test_damage_is_tail_looks_for_valid_records_behind_the_damage() -> None:
 def test_write_close_recover_returns_the_same_records_in_order(tmp_path: Path) -> None:
     entries = make_entries(50)
     journal = Journal(tmp_path, segment_bytes=ONE_SEGMENT)
-    assert journal.recover() == ([], RecoveryReport())
+    assert journal.recover(list) == ([], RecoveryReport())
     synced: list[int] = []
     journal.on_synced = synced.append
     journal.start()
@@ -342,13 +342,46 @@ def test_a_record_larger_than_a_segment_is_refused(tmp_path: Path) -> None:
     assert recover(tmp_path, SMALL_SEGMENT)[0] == []
 
 
+def test_recovery_reads_a_segment_only_when_its_records_are_asked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One segment in memory at a time: the records reach ``consume`` as each segment is read."""
+    entries = make_entries(120)
+    write_journal(tmp_path, entries, SMALL_SEGMENT)
+    segments = len(list_segments(tmp_path))
+    assert segments >= 3
+    reads: list[str] = []
+    read_bytes = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda path: reads.append(path.name) or read_bytes(path))
+    journal = Journal(tmp_path, segment_bytes=SMALL_SEGMENT)
+    seen, report = journal.recover(lambda records: [len(reads) for _ in records])  # segments read at each record
+    journal.close()
+    assert len(seen) == report.records == len(entries)
+    assert seen[0] == 1
+    assert seen[-1] == report.segments == segments
+
+
+def test_a_consumer_that_stops_early_still_gets_the_writer_after_the_last_record(tmp_path: Path) -> None:
+    """The damage check and the writer's position need every segment: what ``consume`` leaves is read too."""
+    entries = make_entries(120)
+    write_journal(tmp_path, entries, SMALL_SEGMENT)
+    journal = Journal(tmp_path, segment_bytes=SMALL_SEGMENT)
+    first, report = journal.recover(next)
+    assert as_entries([first]) == entries[:1]
+    assert report.records == journal.appended == len(entries)
+    journal.start()
+    journal.append(RecordType.ACK, ["q", 1])
+    journal.close()
+    assert as_entries(recover(tmp_path, SMALL_SEGMENT)[0]) == [*entries, (RecordType.ACK, ["q", 1])]
+
+
 def test_writing_continues_after_recovery(tmp_path: Path) -> None:
     first, second, third = make_entries(100, seed=1), make_entries(90, seed=2), make_entries(5, seed=3)
     write_journal(tmp_path, first, SMALL_SEGMENT)
     segments_before = len(list_segments(tmp_path))
 
     journal = Journal(tmp_path, segment_bytes=SMALL_SEGMENT)
-    records, _ = journal.recover()
+    records, _ = journal.recover(list)
     assert as_entries(records) == first
     synced: list[int] = []
     journal.on_synced = synced.append
@@ -1380,7 +1413,7 @@ def test_appended_counts_every_record_queued(tmp_path: Path) -> None:
     journal.close()
     assert journal.synced == 3
     again = Journal(tmp_path, segment_bytes=ONE_SEGMENT)
-    records, report = again.recover()
+    records, report = again.recover(list)
     again.close()
     assert again.appended == len(records) == 3
     assert report.segments == 4  # the first one, and one per roll (three)

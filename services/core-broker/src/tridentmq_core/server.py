@@ -644,8 +644,8 @@ class CoreNode:
             sync_delay_us=journal_settings.sync_delay_us,
         )
         started = time.monotonic()
-        records, report = journal.recover()
-        state = replay(records, dedup_limit=self.settings.broker.dedup_max_entries)
+        dedup_limit = self.settings.broker.dedup_max_entries
+        state, report = journal.recover(lambda records: replay(records, dedup_limit))
         self.broker.restore(state, wall_ms())
         for line in report.truncated:
             log.warning("journal tail cut off after a crash", extra={"detail": line})

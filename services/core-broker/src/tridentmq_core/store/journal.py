@@ -23,10 +23,10 @@ import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar, overload
 
 import msgpack
 
@@ -43,6 +43,8 @@ from tridentmq_core.store.records import (
 from tridentmq_core.store.recovery import replay
 
 log = logging.getLogger("tridentmq.core.journal")
+
+T = TypeVar("T")
 
 _ROLL: Final = b""  # queued like a record: the writer starts a new segment there (compaction's boundary)
 SEGMENT_PREFIX: Final = "journal-"
@@ -82,8 +84,7 @@ def finish_offline_compaction(directory: Path) -> None:
 def write_live_state(source: Path, target: Path, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> tuple[int, int]:
     """Write the live state of the journal in ``source`` as a fresh journal in ``target`` (synced, marked
     complete); returns (records read, records written)."""
-    records, _ = Journal(source, segment_bytes=segment_bytes).recover()
-    state = replay(records)
+    state, report = Journal(source, segment_bytes=segment_bytes).recover(replay)
     shutil.rmtree(target, ignore_errors=True)
     fresh = Journal(target, segment_bytes=segment_bytes)
     fresh.recover()
@@ -117,7 +118,7 @@ def write_live_state(source: Path, target: Path, segment_bytes: int = DEFAULT_SE
         raise fresh.error
     (target / COMPLETE_MARKER).write_bytes(b"")
     fsync_directory(target)
-    return len(records), written
+    return report.records, written
 
 
 def compact_offline(directory: Path, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> tuple[int, int]:
@@ -238,20 +239,44 @@ class Journal:
         self._roll_segments: deque[tuple[int, int]] = deque()
 
     # ------------------------------------------------------------------ recovery
-    def recover(self) -> tuple[list[Record], RecoveryReport]:
-        """Read every record in order, cut off a torn tail, and position the writer after the last record."""
+    @overload
+    def recover(self) -> tuple[None, RecoveryReport]: ...
+    @overload
+    def recover(self, consume: Callable[[Iterator[Record]], T]) -> tuple[T, RecoveryReport]: ...
+    def recover(self, consume: Callable[[Iterator[Record]], Any] | None = None) -> tuple[Any, RecoveryReport]:
+        """Read every record in order, cut off a torn tail, and position the writer after the last record.
+
+        ``consume`` gets the records as an iterator, read segment by segment as it asks for them (``replay``,
+        or ``list`` to have them all), and its result is returned with the report: the history is never held
+        whole, so a restart needs about the live state plus one segment. Damage that recovery refuses raises
+        ``JournalCorruptedError`` from that iterator, before ``recover`` returns: the caller's partial result
+        is dropped with the exception, and the node serves nothing.
+        """
         finish_offline_compaction(self.directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         report = RecoveryReport()
-        records: list[Record] = []
         segments = list_segments(self.directory)
+        records = self._read(segments, report)
+        try:
+            result = None if consume is None else consume(records)
+            for _ in records:  # what ``consume`` left unread: the damage check and the position need it all
+                pass
+        finally:
+            records.close()
+        self._appended = self.synced = report.records
+        if segments:
+            self._fd = os.open(segments[-1], os.O_RDWR)
+        return result, report
+
+    def _read(self, segments: list[Path], report: RecoveryReport) -> Generator[Record, None, None]:
         for index, path in enumerate(segments):
             data = path.read_bytes()
             report.segments += 1
             end = ScanEnd(0, None)
             for item in scan(data):
                 if isinstance(item, Record):
-                    records.append(item)
+                    report.records += 1
+                    yield item
                 else:
                     end = item
             damage = unrecoverable(data, end, segments[index + 1 :])
@@ -265,11 +290,7 @@ class Journal:
                 report.truncated.append(f"{path.name}: {end.reason}; cut at offset {end.offset}")
             self._segment_number = int(path.name[len(SEGMENT_PREFIX) : -len(SEGMENT_SUFFIX)])
             self._position = end.offset
-        report.records = len(records)
-        self._appended = self.synced = len(records)
-        if segments:
-            self._fd = os.open(segments[-1], os.O_RDWR)
-        return records, report
+            del data  # before the next segment is read: one segment in memory at a time
 
     @staticmethod
     def _zero_from(path: Path, offset: int) -> None:
