@@ -7,6 +7,7 @@ it writes its ports file, after recovery and before accepting links), and the pr
 memory then (VmHWM):
 
     uv run python -m bench.journal_recovery [--messages 1000000] [--acked 0] [--size 100] [--runs 1]
+                                            [--page-limit-mib 0]
 
 ``--messages`` stay live (spread evenly among the acknowledged ones), ``--acked`` are published and
 acknowledged; the journal is not compacted, as after a crash before compaction caught up.
@@ -68,10 +69,14 @@ def peak_rss_mib(pid: int) -> tuple[float, float]:
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
 
-def time_to_ready(data_dir: Path) -> tuple[float, float, float, float, dict[str, int]]:
+def time_to_ready(data_dir: Path, page_limit_mib: int) -> tuple[float, float, float, float, dict[str, int]]:
     """Seconds to ready, CPU seconds the core used until then, its RSS and peak RSS (MiB), what it recovered."""
+    config = None
+    if page_limit_mib:
+        config = f'[[address_settings]]\nmatch = "bench.#"\nmax_size_bytes = {page_limit_mib << 20}\n'
+        config += 'address_full_policy = "PAGE"\n'
     started = time.monotonic()
-    with core_node(data_dir, broker_max_memory_bytes=str(4 << 30)) as core:
+    with core_node(data_dir, config, broker_max_memory_bytes=str(4 << 30)) as core:
         elapsed = time.monotonic() - started
         cpu = cpu_of(core.process.pid)  # less swayed than the wall time by other work on the machine
         rss, peak = peak_rss_mib(core.process.pid)
@@ -85,6 +90,7 @@ def main() -> None:
     parser.add_argument("--acked", type=int, default=0, help="published and acknowledged (default %(default)s)")
     parser.add_argument("--size", type=int, default=100, help="body bytes (default %(default)s)")
     parser.add_argument("--runs", type=int, default=1, help="restarts on the same journal (default %(default)s)")
+    parser.add_argument("--page-limit-mib", type=int, default=0, help="page the queue above this (0: no paging)")
     args = parser.parse_args()
     print(machine())
     with tempfile.TemporaryDirectory(prefix="tridentmq-recovery-") as tmp:
@@ -97,7 +103,7 @@ def main() -> None:
         )
         times, cpus, peaks = [], [], []
         for _ in range(args.runs):
-            elapsed, cpu, rss, peak, recovered = time_to_ready(data_dir)
+            elapsed, cpu, rss, peak, recovered = time_to_ready(data_dir, args.page_limit_mib)
             times.append(elapsed)
             cpus.append(cpu)
             peaks.append(peak)
