@@ -1113,6 +1113,17 @@ def test_replay_keeps_a_message_of_two_queues_until_both_acknowledged_it() -> No
     assert state.references == {"a": {1: 1}, "b": {}}
     assert state.live_messages() == 1
 
+    m2 = wire_message(2)
+    replayer = Replayer()
+    for record in [*queues_a_and_b_with((m2, ["a", "b"])), rec(RecordType.ADD_QUEUE, queue_spec("c"))]:
+        replayer.apply(record)
+    replayer.apply(rec(RecordType.MESSAGE, m2, ["c"]))  # a third queue, added later
+    for queue in ("b", "c"):
+        replayer.apply(rec(RecordType.ACKS, queue, [2]))
+        assert replayer.state.messages == {2: m2}
+    replayer.apply(rec(RecordType.ACKS, "a", [2]))
+    assert replayer.state.messages == {}
+
 
 def test_replay_stages_a_transaction_until_its_commit_and_drops_an_uncommitted_one() -> None:
     m1, m2, m3 = (wire_message(n) for n in (1, 2, 3))
