@@ -11,12 +11,17 @@ from tridentmq_mqtt import messages
 from tridentmq_mqtt.protocol.properties import NO_PROPERTIES, Properties
 from tridentmq_mqtt.state import SessionState, StoredSubscription, _literal_prefix
 from tridentmq_shared.message import (
+    M_ADDRESS,
     M_BODY,
     M_CONTENT_TYPE,
+    M_DEDUP,
     M_DURABLE,
     M_EXPIRATION,
+    M_ID,
     M_PROPS,
     M_PROTOCOL,
+    M_ROUTING,
+    RoutingType,
     check_message,
     new_message,
 )
@@ -101,6 +106,37 @@ def test_the_session_record_round_trips() -> None:
     state = SessionState(subscriptions, {3: "mqtt:c:x"}, {65535: (123456789, "a/+")})
     assert SessionState.decode(state.encode()) == state
     assert SessionState.decode(SessionState().encode()) == SessionState()
+
+
+def test_the_session_record_says_whether_the_session_has_an_outbox() -> None:
+    state = SessionState(outbox=True)
+    assert SessionState.decode(state.encode()).outbox is True
+    older = msgpack.packb({"v": 1, "subs": {}, "in": {}, "out": {}})  # written before outboxes: it has none
+    assert SessionState.decode(older).outbox is False
+    assert b"outbox" not in SessionState().encode()  # an earlier gateway reads a record without one as before
+
+
+def test_a_retained_message_copied_to_an_outbox_is_a_new_durable_message_of_that_queue_alone() -> None:
+    published = messages.to_message("a.b", b"21", 2, Properties(message_expiry_interval=60), "pub", NOW, retain=True)
+    stored = list(published)  # as the retained store holds it (``Registry.retain``)
+    stored[M_ID], stored[M_ADDRESS], stored[M_DEDUP] = 41, "$mqtt.retained", "mqtt:pub:x"
+    stored[M_PROPS] = {**published[M_PROPS], messages.TOPIC: "a/b"}
+    copy = messages.retained_delivery(stored, "$mqtt.outbox.c._.0", 1, 7)
+    assert check_message(copy) is None
+    assert (copy[M_ID], copy[M_ADDRESS], copy[M_ROUTING], copy[M_DURABLE]) == (
+        0,
+        "$mqtt.outbox.c._.0",
+        int(RoutingType.ANYCAST),
+        True,
+    )
+    assert (copy[M_DEDUP], copy[M_BODY], copy[M_EXPIRATION]) == (None, b"21", stored[M_EXPIRATION])
+    assert messages.published_qos(copy) == 1  # the QoS its subscription gets it at
+    assert messages.was_retained(copy)
+    assert messages.outbox_subscription_id(copy) == 7
+    assert copy[M_PROPS][messages.TOPIC] == "a/b"
+    assert messages.publish_properties(copy, NOW, 7).user_properties == ()  # none of this shows as a property
+    assert stored[M_PROPS].get(messages.SUBSCRIPTION_ID) is None  # the store's copy is left alone
+    assert messages.outbox_subscription_id(messages.retained_delivery(stored, "q", 2, None)) is None
 
 
 def test_a_session_record_of_an_older_gateway_keeps_its_released_messages() -> None:

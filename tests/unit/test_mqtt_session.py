@@ -663,6 +663,101 @@ async def test_retain_handling_decides_whether_a_subscribe_gets_the_retained_mes
     await shared.handled_in_order()  # a new shared subscription gets none
 
 
+async def test_a_persistent_sessions_retained_messages_at_qos_1_come_again_until_acknowledged(gw: Gateway) -> None:
+    pub = await gw.connected("pub")
+    await pub.publish("kept/a", b"21", retain=True)
+    await pub.publish("kept/b", b"40", qos=0, retain=True)
+    c = await gw.connected("dev", properties=persistent())
+    await c.subscribe(Subscription("kept/+", 1), sid=7)
+    got = {m.topic: m for m in [await c.packet(Publish), await c.packet(Publish)]}
+    assert {t: (m.qos, m.retain, m.dup) for t, m in got.items()} == {
+        "kept/a": (1, True, False),
+        "kept/b": (0, True, False),  # QoS 0: written at once, kept nowhere
+    }
+    first = got["kept/a"]
+    assert first.properties.subscription_identifiers == (7,)
+    await c.gone()  # without the PUBACK
+    back = gw.client()
+    assert (await back.connect("dev", clean_start=False, properties=persistent())).session_present
+    again = await back.message()  # acknowledged now
+    assert (again.topic, again.payload, again.qos, again.retain, again.dup, again.packet_id) == (
+        "kept/a",
+        b"21",
+        1,
+        True,
+        True,
+        first.packet_id,
+    )
+    assert again.properties.subscription_identifiers == (7,)
+    await back.handled_in_order()  # kept/b did not come again
+    await back.gone()
+    third = gw.client()
+    assert (await third.connect("dev", clean_start=False, properties=persistent())).session_present
+    await third.handled_in_order()  # nor kept/a, acknowledged
+
+
+async def test_a_retained_message_at_qos_2_whose_pubrec_was_recorded_is_released_not_sent_again(gw: Gateway) -> None:
+    pub = await gw.connected("pub")
+    await pub.publish("kept/q2", b"once", qos=2, retain=True)
+    c = await gw.connected("dev", version=V311, clean_start=False)
+    await c.subscribe(Subscription("kept/q2", 2))
+    got = await c.packet(Publish)
+    assert (got.qos, got.retain, got.dup) == (2, True, False)
+    assert got.packet_id is not None
+    c.send(Pubrec(got.packet_id))
+    assert await c.packet(Pubrel) == Pubrel(got.packet_id)
+    await c.gone()  # before the PUBCOMP
+    back = gw.client(V311)
+    assert (await back.connect("dev", clean_start=False)).session_present
+    assert await back.packet(Pubrel) == Pubrel(got.packet_id)
+    back.send(Pubcomp(got.packet_id))
+    await back.handled_in_order()  # the PUBLISH did not come again
+
+
+async def test_a_session_that_ends_with_its_connection_keeps_no_outbox(gw: Gateway) -> None:
+    pub = await gw.connected("pub")
+    await pub.publish("kept/clean", b"x", retain=True)
+    c = await gw.connected("dev")
+    await c.subscribe(Subscription("kept/clean", 1))
+    assert (await c.packet(Publish)).retain
+    await c.gone()
+    assert not gw.queues(convert.OUTBOX_PREFIX)
+    back = gw.client()
+    assert (await back.connect("dev")).session_present is False
+    await back.handled_in_order()
+
+
+async def test_an_outbox_goes_with_its_session(gw: Gateway) -> None:
+    pub = await gw.connected("pub")
+    await pub.publish("kept/out", b"x", retain=True)
+    outbox = convert.outbox_queue("dev")
+
+    async def unacknowledged(**connect: Any) -> None:
+        c = await gw.connected("dev", clean_start=False, properties=persistent(), **connect)
+        await c.subscribe(Subscription("kept/out", 1))
+        assert (await c.packet(Publish)).retain
+        assert gw.core.node.broker.queues[outbox].expires_ms == 300_000  # the session's expiry
+        await c.gone()
+
+    await unacknowledged()
+    fresh = gw.client()  # a clean start discards it
+    assert (await fresh.connect("dev", clean_start=True, properties=persistent())).session_present is False
+    await fresh.handled_in_order()
+    assert not gw.queues(outbox)
+    await fresh.gone()
+    await unacknowledged()
+    ending = await gw.connected("dev", clean_start=False, properties=persistent())  # a DISCONNECT ends it
+    assert (await ending.message()).dup
+    await ending.disconnect(properties=Properties(session_expiry_interval=0))
+    await eventually(lambda: not gw.queues(outbox), "the outbox dropped")
+    await unacknowledged()
+    once = gw.client()  # resumed with expiry 0: what waited comes, and the outbox goes with the connection
+    assert (await once.connect("dev", clean_start=False)).session_present is True
+    assert (await once.message()).dup
+    await once.disconnect()
+    await eventually(lambda: not gw.queues(outbox), "the outbox dropped")
+
+
 async def test_unsubscribe_stops_the_messages_and_drops_the_queue(gw: Gateway) -> None:
     sub, pub = await gw.connected("sub"), await gw.connected("pub")
     await sub.subscribe("u/1")

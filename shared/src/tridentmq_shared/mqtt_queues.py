@@ -17,6 +17,9 @@ FANOUT_PREFIX: Final = "mqtt.fanout."
 #: The gateways' own queues; ``$`` keeps them out of reach of wildcards (the core's rule for ``$`` addresses).
 SESSION_PREFIX: Final = "$mqtt.session."
 LOCK_PREFIX: Final = "$mqtt.lock."
+#: A persistent session's outbox: the retained messages its SUBSCRIBEs sent at QoS 1 and 2, on their way to the
+#: client (kept until it acknowledges them, as its subscriptions' messages are in their queues).
+OUTBOX_PREFIX: Final = "$mqtt.outbox."
 #: Retained messages are published (multicast) here; every core node keeps its own last-value copy of all of
 #: them, so a gateway reads its own node's and sees what was retained through any node of the cluster.
 RETAINED_ADDRESS: Final = "$mqtt.retained"
@@ -60,6 +63,11 @@ def session_queue(client_id: str) -> str:
 def lock_queue(client_id: str) -> str:
     """The core queue whose one consumer is the connection that owns client ``client_id``'s session."""
     return queue_name(LOCK_PREFIX, client_id, "")
+
+
+def outbox_queue(client_id: str) -> str:
+    """The core queue of client ``client_id``'s session outbox (see ``OUTBOX_PREFIX``)."""
+    return queue_name(OUTBOX_PREFIX, client_id, "")
 
 
 def retained_queue(node_id: str) -> str:

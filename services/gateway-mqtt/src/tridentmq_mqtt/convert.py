@@ -32,11 +32,11 @@ The core's ``#`` and ``*`` do match ``$SYS``, so the gateway asks :func:`deliver
 **Subscription queues.** :func:`subscription_queue` and :func:`shared_queue` name the core queue of a
 subscription: ``mqtt.sub.<client id>.<filter>.<hash>`` and ``mqtt.shared.<group>.<filter>.<hash>``
 (:func:`fanout_queue` names a gateway's QoS 0 fan-out queues, :func:`session_queue` and :func:`lock_queue` a
-client's session queues, the same way). The middle words are only there to be read by people: shortened, with
-every character that is not safe in a core word replaced by ``_``. The last word, 32 hex digits of the SHA-256
-of the length-prefixed inputs, makes the name unique per (client id, filter) or (group, filter). Names are at
-most 206 characters, hold no ``::`` and are valid core addresses without wildcards, so the core accepts them
-wherever it takes a name.
+client's session queues, :func:`outbox_queue` its outbox, the same way). The middle words are only there to be
+read by people: shortened, with every character that is not safe in a core word replaced by ``_``. The last
+word, 32 hex digits of the SHA-256 of the length-prefixed inputs, makes the name unique per (client id, filter)
+or (group, filter). Names are at most 206 characters, hold no ``::`` and are valid core addresses without
+wildcards, so the core accepts them wherever it takes a name.
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ queue_name = mqtt_queues.queue_name
 subscription_queue = mqtt_queues.subscription_queue
 session_queue = mqtt_queues.session_queue
 lock_queue = mqtt_queues.lock_queue
+OUTBOX_PREFIX: Final = mqtt_queues.OUTBOX_PREFIX
+outbox_queue = mqtt_queues.outbox_queue
 retained_queue = mqtt_queues.retained_queue
 
 _CONTROL: Final = frozenset(chr(c) for c in (*range(0x01, 0x20), *range(0x7F, 0xA0)))

@@ -19,10 +19,15 @@ from tridentmq_mqtt.protocol.properties import NO_PROPERTIES, Properties
 from tridentmq_shared.message import (
     DEFAULT_PRIORITY,
     ENCODING_PREFIX,
+    M_ADDRESS,
     M_CONTENT_TYPE,
+    M_DEDUP,
     M_DURABLE,
     M_EXPIRATION,
+    M_ID,
+    M_LVQ,
     M_PROPS,
+    M_ROUTING,
     RoutingType,
     WireMessage,
     property_text,
@@ -37,11 +42,13 @@ RESPONSE_TOPIC: Final = "mqtt_response_topic"
 CORRELATION_DATA: Final = "mqtt_correlation_data"
 USER_PROPERTIES: Final = "mqtt_user_properties"
 TOPIC: Final = "mqtt_topic"  # the topic of a retained message (its last-value key in the retained store)
+SUBSCRIPTION_ID: Final = "mqtt_subscription_id"  # of the subscription a retained message in an outbox is for
 INTERNAL: Final = frozenset(
-    {QOS, RETAIN, CLIENT, PAYLOAD_FORMAT, RESPONSE_TOPIC, CORRELATION_DATA, USER_PROPERTIES, TOPIC}
+    {QOS, RETAIN, CLIENT, PAYLOAD_FORMAT, RESPONSE_TOPIC, CORRELATION_DATA, USER_PROPERTIES, TOPIC, SUBSCRIPTION_ID}
 )
 _MAX_EXPIRY: Final = 0xFFFFFFFF
 _MULTICAST: Final = int(RoutingType.MULTICAST)
+_ANYCAST: Final = int(RoutingType.ANYCAST)
 _PLAIN: Final = frozenset({QOS, CLIENT})  # the properties every MQTT message has
 
 
@@ -100,6 +107,31 @@ def published_qos(message: WireMessage) -> int:
 
 def was_retained(message: WireMessage) -> bool:
     return message[M_PROPS].get(RETAIN) is True
+
+
+def retained_delivery(retained: WireMessage, outbox: str, qos: int, subscription_id: int | None) -> WireMessage:
+    """A copy of a retained message (as the retained store holds it, its topic in ``TOPIC``) for a session's
+    outbox queue ``outbox``, to be delivered at ``qos`` (1 or 2) for a subscription with ``subscription_id``. It is
+    a new durable message of that queue alone: the core keeps it until the client has acknowledged it and
+    delivers it again, counted, to the session's next connection, as it does a subscription's messages."""
+    copy = list(retained)
+    copy[M_ID] = 0
+    copy[M_ADDRESS] = outbox
+    copy[M_ROUTING] = _ANYCAST
+    copy[M_DURABLE] = True
+    copy[M_DEDUP] = None
+    copy[M_LVQ] = None
+    props = {**retained[M_PROPS], QOS: qos, RETAIN: True}  # delivered with the RETAIN flag, as on subscribe
+    if subscription_id is not None:
+        props[SUBSCRIPTION_ID] = subscription_id
+    copy[M_PROPS] = props
+    return copy
+
+
+def outbox_subscription_id(message: WireMessage) -> int | None:
+    """The subscription identifier an outbox's copy is delivered with (see ``retained_delivery``)."""
+    sid = message[M_PROPS].get(SUBSCRIPTION_ID)
+    return sid if type(sid) is int else None
 
 
 def publish_properties(message: WireMessage, now_ms: int, subscription_id: int | None) -> Properties:

@@ -20,6 +20,11 @@ session record says so before the PUBREL goes out: it is never sent again.
 A persistent session (session expiry above 0) keeps its record and its subscription queues in the core
 (see ``state``), so the client may come back through any gateway. A session that ends with its connection
 uses temporary queues, which the core drops along with the link.
+
+Retained messages a SUBSCRIBE sends at QoS 1 or 2 in a persistent session are session state too ([MQTT-4.4.0-1]):
+they are copied into the session's outbox queue and delivered from there like a subscription's messages (as
+Artemis copies them into the subscription's queue; here the gateway's own link holds them, as a client's user
+may not read the retained store). Elsewhere they are written to the client at once, and kept nowhere.
 """
 
 from __future__ import annotations
@@ -74,6 +79,11 @@ log = logging.getLogger("tridentmq.mqtt")
 
 #: Refusals of the core as 5.0 reason codes (PUBACK, PUBREC, SUBACK).
 _CACHE_LIMIT = 4096  # topics remembered per connection in each direction
+#: The filter text of a session's outbox (see ``_open_outbox``): no SUBSCRIBE's, as a filter is never empty
+#: ([MQTT-4.7.3-1]), so the QoS 2 copies the session record notes for it are told from any subscription's.
+OUTBOX = ""
+#: Its messages say their QoS themselves (the one their SUBSCRIBE gave them) and go with the RETAIN flag.
+_OUTBOX_OPTIONS = StoredSubscription(2, retain_as_published=True)
 
 
 class Counters:
@@ -130,7 +140,9 @@ class Sub:
 
 @dataclass(eq=False, slots=True)
 class _Outgoing:
-    """A QoS 1/2 PUBLISH waiting for the client: a message of a subscription, or a retained message."""
+    """A QoS 1/2 PUBLISH waiting for the client: a message of a subscription (or of the session's outbox), or a
+    retained message written straight from the store (``retained``: no core message of the session to acknowledge,
+    as in a session that ends with its connection)."""
 
     sub: Sub | None
     message: WireMessage
@@ -155,6 +167,7 @@ class MqttSession:
         "_lock",
         "_loop",
         "_outbound",
+        "_outbox",
         "_queues",
         "_retaining",
         "_topics",
@@ -227,6 +240,7 @@ class MqttSession:
         self._violating = False  # a DISCONNECT waits for the answers before it: no packet is handled meanwhile
         self._gone = False  # the client's socket closed: nothing more is written to it
         self._queues = 0  # this connection's own subscription queues made so far (an int: a count() is 56 bytes)
+        self._outbox: Sub | None = None  # the session's outbox, once consumed (``_open_outbox``)
         self._disconnecting = False
         loop = asyncio.get_running_loop()
         self._loop = loop
@@ -557,15 +571,19 @@ class MqttSession:
                 if group is None:
                     queue = convert.subscription_queue(self.client_id, topic_filter)
                     await self.link.delete_queue(queue, everywhere=self._holds_lock())
+        if previous.outbox:
+            await self.registry.drop_outbox(self.client_id, everywhere=self._holds_lock())
 
     async def _resume(self) -> None:
-        """Resume a session: PUBREL for what the client received but we did not see completed, then the
-        subscriptions (their queues return unacknowledged messages first, with DUP set). Packets that follow
+        """Resume a session: PUBREL for what the client received but we did not see completed, then its outbox
+        and subscriptions (their queues return unacknowledged messages first, with DUP set). Packets that follow
         the CONNECT wait meanwhile, so a SUBSCRIBE cannot race its own resumption."""
         for packet_id in sorted(self.state.released_out):
             self.conn.pubrel(packet_id)
         self._flush()
         try:
+            if self.state.outbox:
+                await self._open_outbox(resumed=True)
             for text, options in list(self.state.subscriptions.items()):
                 if self._closed:
                     return
@@ -1050,11 +1068,60 @@ class MqttSession:
             await sub.consumer.close()
 
     async def _send_retained(self, sub: Sub) -> None:
+        kept: list[tuple[WireMessage, int]] = []
         for message in await self.registry.retained(sub.topic_filter):
             if self._closed:
                 return
-            self._deliver(_Outgoing(sub, message, min(sub.options.qos, messages.published_qos(message)), retained=True))
+            qos = min(sub.options.qos, messages.published_qos(message))
+            if qos and self.persistent:
+                kept.append((message, qos))
+            else:
+                self._deliver(_Outgoing(sub, message, qos, retained=True))
         self._flush()
+        if kept:
+            await self._to_outbox(sub, kept)
+
+    async def _to_outbox(self, sub: Sub, found: list[tuple[WireMessage, int]]) -> None:
+        """Send retained messages at QoS 1 or 2 through the session's outbox: the core keeps each until the client
+        acknowledges it, and delivers it again to the session's next connection (through any gateway, after a
+        kill -9 too). The record says there is an outbox before anything is put in it."""
+        if not self.state.outbox:
+            self.state.outbox = True
+            await self.registry.save(self.client_id, self.state)
+        outbox = await self._open_outbox(resumed=False)
+        subscription_id = sub.options.subscription_id
+        for message, qos in found:
+            copy = messages.retained_delivery(message, outbox.queue, qos, subscription_id)
+            self.registry.to_outbox(copy).add_done_callback(self._outbox_refused)
+
+    def _outbox_refused(self, future: asyncio.Future[None]) -> None:
+        if future.cancelled() or future.exception() is None:
+            return
+        log.warning(
+            "retained message not put in the session's outbox",
+            extra={"client_id": self.client_id[:60], "reason": str(future.exception())[:200]},
+        )
+
+    async def _open_outbox(self, *, resumed: bool) -> Sub:
+        """Consume the session's outbox (made now unless ``resumed``: it is then the earlier connection's, which
+        takes this session's expiry once consumed, as a resumed subscription's queue does)."""
+        if self._outbox is not None:
+            return self._outbox
+        name = convert.outbox_queue(self.client_id)
+        expiry_ms = self.expiry_s * 1000
+        window = subscribing.window(2, self.settings.mqtt, self.conn.client_receive_maximum)
+        consumer = await self.registry.open_outbox(
+            self.client_id, None if resumed else expiry_ms, window, self.settings.core.consumer_window_bytes
+        )
+        sub = Sub(
+            OUTBOX, "", name, shared=False, options=_OUTBOX_OPTIONS, consumer=consumer, dollar_safe=False, session=self
+        )
+        self._outbox = sub
+        if resumed:
+            await self.registry.set_expiry(name, name, RoutingType.ANYCAST, expiry_ms)
+        consumer.on_wake = sub.woken
+        self.pump(sub)  # what arrived with the subscribe's answer
+        return sub
 
     # ------------------------------------------------------------------ deliveries
     def pump(self, sub: Sub) -> None:
@@ -1213,7 +1280,13 @@ class MqttSession:
         retain = retained or (sub is not None and sub.options.retain_as_published and messages.was_retained(message))
         props = NO_PROPERTIES
         if self.version == V5:
-            props = messages.publish_properties(message, now_ms, sub.options.subscription_id if sub else None)
+            if sub is None:
+                subscription_id = None
+            elif sub is self._outbox:  # each of its messages is for a subscription of its own
+                subscription_id = messages.outbox_subscription_id(message)
+            else:
+                subscription_id = sub.options.subscription_id
+            props = messages.publish_properties(message, now_ms, subscription_id)
         return self.conn.publish(
             topic,
             message[M_BODY],
@@ -1231,7 +1304,8 @@ class MqttSession:
         known = self._topics.get(address)
         if known is not None:
             return known
-        if address == convert.RETAINED_ADDRESS:  # a retained copy keeps its topic in a property
+        if address == convert.RETAINED_ADDRESS or address.startswith(convert.OUTBOX_PREFIX):
+            # A retained copy keeps its topic in a property (only the gateway's own user may publish to these).
             topic = str(message[M_PROPS][messages.TOPIC])
             return topic, encode_topic(topic)
         topic = convert.address_to_topic(address)
@@ -1263,10 +1337,12 @@ class MqttSession:
         if out is not None:
             self._done(out)
             self._send_acks()
-            if self.link is not None:
+            consumer = out.sub.consumer if out.sub is not None else None
+            link = consumer.client if consumer is not None else self.link  # an outbox's is the service link
+            if link is not None:
                 # The ack leaves for the core before the PUBREL leaves for the client: should this gateway die
                 # in between, the core does not deliver the message again after the client has released it.
-                self.link.flush()
+                link.flush()
         self.conn.pubrel(packet_id)
 
     def _completed(self, packet_id: int) -> None:
@@ -1337,6 +1413,11 @@ class MqttSession:
                     # another node meanwhile has its own copies there.
                     with contextlib.suppress(LinkRequestError):
                         await self.link.delete_queue(sub.queue)
+            if self._outbox is not None:
+                await self._close_sub(self._outbox)
+                self._outbox = None
+            if self.state.outbox:
+                await registry.drop_outbox(self.client_id, everywhere=False)
             await registry.drop_session(self.client_id, everywhere=False)
             return
         await registry.set_expiry(
@@ -1349,6 +1430,9 @@ class MqttSession:
             await registry.set_expiry(
                 sub.queue, convert.filter_to_pattern(sub.topic_filter), RoutingType.MULTICAST, expiry_s * 1000
             )
+        if self.state.outbox:
+            outbox = convert.outbox_queue(self.client_id)
+            await registry.set_expiry(outbox, outbox, RoutingType.ANYCAST, expiry_s * 1000)
 
     def _violation(self, reason_code: int, text: str) -> None:
         """End the connection over a packet it cannot take, once the PUBLISH packets before it are answered: the
@@ -1439,7 +1523,7 @@ class MqttSession:
     async def clean_up(self) -> None:
         if self._lock is not None:
             self._lock.on_wake = None
-        for sub in self.subs.values():
+        for sub in self._consuming():
             if sub.consumer is not None:
                 sub.consumer.on_wake = None
         for sub in list(self.subs.values()):
@@ -1459,6 +1543,14 @@ class MqttSession:
         if link is not None:
             link.on_closed = link.on_settled = link.on_rejected = None
             self._release_unsent()
+            outbox = self._outbox
+            if outbox is not None and outbox.consumer is not None:
+                # On the service link, which stays open: closed here, it returns what the client did not
+                # acknowledge to the queue, for the session's next connection.
+                with contextlib.suppress(LinkRequestError):
+                    await outbox.consumer.close()
+                if not self.persistent and self._lock is not None and self._lock.closed is None:
+                    await self.registry.drop_outbox(self.client_id, everywhere=False)  # as the subscriptions below
             if not self.persistent and self._lock is not None and self._lock.closed is None:
                 # The session ends here (unless taken over): so do the durable queues of one it resumed (this
                 # node's copies: a takeover through another node, its notice not read yet, has its own there).
@@ -1485,10 +1577,17 @@ class MqttSession:
         for out in self._outbound.forget_parked(lambda out: out.sub is not None and not out.retained):
             assert out.sub is not None
             parked.setdefault(out.sub, []).append(out.message[M_ID])
-        for sub in self.subs.values():
+        for sub in self._consuming():
             if sub.consumer is not None:
                 with contextlib.suppress(LinkRequestError):
                     sub.consumer.release_unsent(parked.get(sub, ()))
+
+    def _consuming(self) -> list[Sub]:
+        """The subscriptions, and the outbox if it is consumed."""
+        subs = list(self.subs.values())
+        if self._outbox is not None:
+            subs.append(self._outbox)
+        return subs
 
 
 def _retrieve(future: asyncio.Future[None]) -> None:

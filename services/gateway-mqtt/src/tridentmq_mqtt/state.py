@@ -11,6 +11,9 @@ Per client id (queue names in ``convert``):
 * **the session queue** of a persistent session: a durable last-value queue holding one record (the
   subscriptions and the QoS 2 packet ids in flight) and expiring ``session expiry`` after its owner's
   consumer left. The subscription queues expire with it.
+* **the outbox** of a persistent session that was sent retained messages at QoS 1 or 2: a durable queue holding
+  a copy of each until the client acknowledges it (the record says the session has one). Its consumer is on the
+  service link, as only the gateway may use ``$mqtt.`` queues; it expires with the session.
 
 The retained messages of all topics are published to one multicast address, where each core node keeps a
 durable last-value queue of them keyed by topic; a gateway reads the one of the node its link is on.
@@ -78,6 +81,7 @@ class SessionState:
     released_in: dict[int, str] = field(default_factory=dict)  # client's QoS 2 packet id → dedup id, until PUBREL
     released_out: dict[int, Copy] = field(default_factory=dict)  # our QoS 2 packet id → its copy, until PUBCOMP
     user: str | None = None  # who created the session ("" for an anonymous client); None in older records
+    outbox: bool = False  # it has an outbox queue (retained messages on their way to the client)
 
     def encode(self) -> bytes:
         subs = {
@@ -88,6 +92,8 @@ class SessionState:
         record: dict[str, Any] = {"v": 1, "subs": subs, "in": self.released_in, "out": out}
         if self.user is not None:
             record["user"] = self.user
+        if self.outbox:  # absent otherwise: a gateway of an earlier version reads the record as before
+            record["outbox"] = True
         return bytes(msgpack.packb(record, strict_types=True))
 
     @classmethod
@@ -103,6 +109,7 @@ class SessionState:
             {int(k): str(v) for k, v in record.get("in", {}).items()},
             {int(k): _copy(v) for k, v in record.get("out", {}).items()},
             user if type(user) is str else None,
+            record.get("outbox") is True,
         )
 
 
@@ -156,6 +163,7 @@ class Registry:
         self._retained_queues: set[str] = set()  # the nodes' retained-message queues made so far
         self._holders: dict[str, Consumer] = {}  # session holders taken while fetching a record from elsewhere
         self._tokens: dict[int, str] = {}  # id of a lock consumer → the token of its takeover notices
+        self._closing: set[asyncio.Future[None]] = set()  # outbox consumers of ended sessions being closed
 
     async def link(self) -> LinkClient:
         """The service link, opened (again) on demand."""
@@ -422,6 +430,59 @@ class Registry:
         self._holders.pop(client_id, None)  # goes with its queue
         with contextlib.suppress(LinkRequestError):
             await (await self.link()).delete_queue(convert.session_queue(client_id), everywhere=everywhere)
+
+    # ------------------------------------------------------------------ outboxes
+    async def open_outbox(self, client_id: str, expires_ms: int | None, credit: int, credit_bytes: int) -> Consumer:
+        """Make (or find) ``client_id``'s outbox queue and consume from it on the service link: its messages wait
+        for the client's acknowledgements (``credit_on_settle``). ``expires_ms`` None leaves the expiry of one
+        that exists as it is (as for a resumed subscription's queue: see ``Registry.open_session``)."""
+        opening = asyncio.ensure_future(self._open_outbox(client_id, expires_ms, credit, credit_bytes))
+        try:
+            return await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            # The session ended meanwhile, and nobody would close the consumer: on the service link, which stays
+            # open, it would hold the outbox's messages from the session's next connection.
+            opening.add_done_callback(self._orphaned)
+            raise
+
+    async def _open_outbox(self, client_id: str, expires_ms: int | None, credit: int, credit_bytes: int) -> Consumer:
+        link = await self.link()
+        name = convert.outbox_queue(client_id)
+        spec = queue_spec(name, routing_type=RoutingType.ANYCAST, durable=True, expires_ms=expires_ms)
+        _, consumer = await link.make_and_subscribe(
+            spec,
+            credit=credit,
+            credit_on_settle=True,
+            credit_bytes=credit_bytes,
+            address=name,
+            routing_type=int(RoutingType.ANYCAST),
+            durable=True,
+        )
+        return consumer
+
+    def _orphaned(self, opening: asyncio.Future[Consumer]) -> None:
+        if opening.cancelled() or opening.exception() is not None:
+            return
+        consumer = opening.result()
+        consumer.release_unsent()  # nothing of it reached a client: back uncounted
+        closing = asyncio.ensure_future(consumer.close())
+        self._closing.add(closing)
+        closing.add_done_callback(self._closed_orphan)
+
+    def _closed_orphan(self, closing: asyncio.Future[None]) -> None:
+        self._closing.discard(closing)
+        if not closing.cancelled():
+            closing.exception()  # seen (a link lost meanwhile took the consumer with it)
+
+    def to_outbox(self, message: WireMessage) -> asyncio.Future[None]:
+        """Put a copy made by ``messages.retained_delivery`` in its outbox; the future resolves once it is on
+        disk (the core delivers a durable message only then anyway)."""
+        return self._send_in_order(message)
+
+    async def drop_outbox(self, client_id: str, *, everywhere: bool) -> None:
+        """Delete ``client_id``'s outbox queue here (``everywhere``: as in ``drop_session``), if there is one."""
+        with contextlib.suppress(LinkRequestError):
+            await (await self.link()).delete_queue(convert.outbox_queue(client_id), everywhere=everywhere)
 
     # ------------------------------------------------------------------ retained messages
     def retain(self, topic: str, message: WireMessage) -> asyncio.Future[None]:
