@@ -19,6 +19,7 @@ from tridentmq_shared.mqtt_queues import (
     RETAINED_ADDRESS,
     TOPIC_PROPERTY,
     lock_queue,
+    outbox_queue,
     retained_queue,
     session_queue,
     subscription_queue,
@@ -322,6 +323,8 @@ def test_mqtt_sessions_are_listed_and_deleted_with_their_subscription_queues() -
     c.publish("a.b", b"queued", routing=int(RoutingType.MULTICAST))
     ok(c.create_queue(lock_queue(client)))
     c.consumer(lock_queue(client))
+    ok(c.create_queue(outbox_queue(client), durable=True))  # retained messages on their way to the client
+    c.publish(outbox_queue(client), b"retained", durable=True)
     ok(c.create_queue(lock_queue("clean:one")))  # a clean session: a lock queue only
     admin = MqttAdmin(h.broker)
     sessions = {s["label"]: s for s in admin.sessions()}
@@ -332,12 +335,12 @@ def test_mqtt_sessions_are_listed_and_deleted_with_their_subscription_queues() -
         "connected": True,
         "user": "bob",
         "subscriptions": ["a/b"],
-        "queued": 1,
+        "queued": 2,
         "expires_ms": -1,
     }
     assert sessions["clean_one"]["client_id"] is None  # its id holds a character the queue name cannot show
     assert not sessions["clean_one"]["persistent"]
-    assert admin.delete_session(client, NOW) == {"deleted": 1, "queues": 3}
+    assert admin.delete_session(client, NOW) == {"deleted": 1, "queues": 4}
     assert not any(client in name for name in h.broker.queues)
     with pytest.raises(OperationError) as gone:
         admin.delete_session(client, NOW)

@@ -2,7 +2,8 @@
 (named in ``tridentmq_shared.mqtt_queues``), read and changed on one node. Pure: no I/O, no clock.
 
 A session is its lock queue (while a connection holds it) and, when persistent, its session queue with one
-record (subscriptions, QoS 2 state, owner) and a subscription queue per filter. Deleting a session deletes them
+record (subscriptions, QoS 2 state, owner), a subscription queue per filter and perhaps an outbox (retained
+messages on their way to the client). Deleting a session deletes them
 all: the connection holding it loses its lock consumer, which is how the gateway learns of a takeover, so it
 closes that client's connection.
 """
@@ -23,6 +24,7 @@ from tridentmq_shared.mqtt_queues import (
     SESSION_PREFIX,
     TOPIC_PROPERTY,
     lock_queue,
+    outbox_queue,
     retained_queue,
     session_queue,
     subscription_queue,
@@ -69,11 +71,8 @@ class MqttAdmin:
                 filters = sorted(str(f) for f in subs) if isinstance(subs, dict) else []
                 user = record.get("user")
                 lock = lock_queue(client) if client is not None else LOCK_PREFIX + name[len(SESSION_PREFIX) :]
-                queued = sum(
-                    len(q)
-                    for f in filters
-                    if client is not None and (q := self.broker.queues.get(subscription_queue(client, f))) is not None
-                )
+                names = [subscription_queue(client, f) for f in filters] + [outbox_queue(client)] if client else []
+                queued = sum(len(q) for n in names if (q := self.broker.queues.get(n)) is not None)
                 found[name[len(SESSION_PREFIX) :]] = {
                     "client_id": client,
                     "label": label,
@@ -102,10 +101,10 @@ class MqttAdmin:
         return list(found.values())
 
     def delete_session(self, client_id: str, now_ms: int) -> dict[str, Any]:
-        """Delete client ``client_id``'s session here: its record, lock and subscription queues."""
+        """Delete client ``client_id``'s session here: its record, lock, outbox and subscription queues."""
         queues = self.broker.queues
         session = queues.get(session_queue(client_id))
-        names = [session_queue(client_id), lock_queue(client_id)]
+        names = [session_queue(client_id), lock_queue(client_id), outbox_queue(client_id)]
         if session is not None:
             subs = _record(session).get("subs")
             if isinstance(subs, dict):
