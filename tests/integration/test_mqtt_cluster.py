@@ -23,8 +23,9 @@ from tests.integration.cluster_nodes import (
 )
 from tests.integration.mqtt_clients import Paho, Raw
 
-from tridentmq_mqtt.convert import lock_queue, session_queue
-from tridentmq_mqtt.protocol.packets import Connack, Disconnect
+from tridentmq_mqtt.convert import lock_queue, outbox_queue, session_queue
+from tridentmq_mqtt.protocol.packets import Connack, Disconnect, Puback, Publish, Suback, Subscribe, Subscription
+from tridentmq_mqtt.protocol.properties import Properties
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster]
 
@@ -117,6 +118,49 @@ def test_a_persistent_session_resumes_through_a_gateway_on_another_node(
     assert [m.payload for m in again.receive(1)] == [b"late"]
     assert time.monotonic() - started < 10
     again.disconnect()
+    publisher.disconnect()
+
+
+def test_an_unacknowledged_retained_message_comes_again_through_a_gateway_on_another_node(
+    two_sides: tuple[GatewayProcess, GatewayProcess],
+) -> None:
+    """A retained message sent at QoS 1 on subscribe waits in the session's outbox on node a; the session
+    resumed through node b gets it again (MQTT 4.4), as the outbox's queue comes over with the session."""
+    left, right = two_sides
+    client_id = f"c-{_id()}"
+    topic = f"kept/{_id()}"
+    publisher = Paho(left.port, f"p-{_id()}")
+    publisher.connect()
+    publisher.publish(topic, b"on", 1, retain=True)
+    publisher.disconnect()
+    with contextlib.ExitStack() as sockets:  # closed however the test ends
+        first = Raw(left.port)
+        sockets.callback(first.close)
+        connack = first.connect(client_id, clean_start=False, properties=Properties(session_expiry_interval=300))
+        assert isinstance(connack, Connack), connack
+        assert connack.reason_code == 0, connack
+        first.send(Subscribe(1, (Subscription(topic, 1),)))
+        assert first.next() == Suback(1, (1,))
+        delivered = first.next()
+        assert isinstance(delivered, Publish), delivered
+        assert (delivered.payload, delivered.retain, delivered.dup) == (b"on", True, False)
+        # Node b knows the session's queues (record, subscription, outbox) before the client comes back there.
+        wait_until(lambda: remote_consumers(NODES[right.port], outbox_queue(client_id)) == 1, what="the outbox")
+        wait_until(lambda: cluster_view(NODES[right.port])["remote_bindings"] >= 4, what="node b to learn the session")
+        first.close()  # without the PUBACK
+        again = Raw(right.port)
+        sockets.callback(again.close)
+        connack = again.connect(client_id, clean_start=False, properties=Properties(session_expiry_interval=300))
+        assert isinstance(connack, Connack), connack
+        assert connack.session_present, (connack, _warnings(right.log()))
+        resent = again.next()
+        assert isinstance(resent, Publish), resent
+        assert (resent.topic, resent.payload, resent.qos, resent.retain, resent.dup) == (topic, b"on", 1, True, True)
+        again.send(Puback(resent.packet_id or 0))
+        again.send(Disconnect())
+    publisher = Paho(left.port, f"p-{_id()}")
+    publisher.connect()
+    publisher.publish(topic, b"", 1, retain=True)
     publisher.disconnect()
 
 
