@@ -758,6 +758,22 @@ async def test_an_outbox_goes_with_its_session(gw: Gateway) -> None:
     await eventually(lambda: not gw.queues(outbox), "the outbox dropped")
 
 
+async def test_an_overdue_clean_up_closes_the_outbox_consumer_on_the_service_link_too(gw: Gateway) -> None:
+    pub = await gw.connected("pub")
+    await pub.publish("kept/abort", b"x", retain=True)
+    c = await gw.connected("dev", properties=persistent())
+    await c.subscribe(Subscription("kept/abort", 1))
+    assert (await c.packet(Publish)).retain
+    outbox = gw.core.node.broker.queues[convert.outbox_queue("dev")]
+    assert len(outbox.consumers) == 1
+    for sub in c.session.subs.values():  # as the clean-up does first, before it hangs (on the core, say)
+        assert sub.consumer is not None
+        sub.consumer.on_wake = None
+    await c.session.abort()
+    await eventually(lambda: not outbox.consumers, "the outbox's consumer closed")
+    await eventually(lambda: len(outbox) == 1, "the unacknowledged copy back in the outbox")
+
+
 async def test_unsubscribe_stops_the_messages_and_drops_the_queue(gw: Gateway) -> None:
     sub, pub = await gw.connected("sub"), await gw.connected("pub")
     await sub.subscribe("u/1")

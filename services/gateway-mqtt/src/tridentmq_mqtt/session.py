@@ -1517,8 +1517,15 @@ class MqttSession:
         self._driver.arm_timer(None if deadline is None else deadline - time.monotonic(), self._keep_alive_deadline)
 
     async def abort(self) -> None:
-        """The clean-up is overdue (``SessionDriver``): the link and the socket close now."""
-        await close_now(self.link, self.wire)
+        """The clean-up is overdue (``SessionDriver``): the link and the socket close now, and the outbox's
+        consumer, which is on the service link: left open, it would hold the outbox's messages for good."""
+        outbox = self._outbox
+        try:
+            await close_now(self.link, self.wire)
+        finally:
+            if outbox is not None and outbox.consumer is not None:
+                with contextlib.suppress(LinkRequestError):
+                    await outbox.consumer.close()
 
     async def clean_up(self) -> None:
         if self._lock is not None:
