@@ -14,6 +14,7 @@ from tridentmq_mqtt.subscribing import (
     QueueKind,
     check_options,
     keeps_its_queue,
+    keeps_retained,
     plan,
     sends_retained,
     window,
@@ -101,3 +102,13 @@ def test_retained_messages_follow_retain_handling_and_never_go_to_a_shared_subsc
     retain_handling: int, shared: bool, new: bool, sent: bool
 ) -> None:
     assert sends_retained(retain_handling, shared=shared, new=new) is sent
+
+
+@pytest.mark.parametrize(
+    ("qos", "persistent", "kept"),
+    [(1, True, True), (2, True, True), (0, True, False), (1, False, False), (2, False, False), (0, False, False)],
+)
+def test_retained_messages_at_qos_1_and_2_of_a_persistent_session_are_kept_until_acknowledged(
+    qos: int, persistent: bool, kept: bool
+) -> None:
+    assert keeps_retained(qos, persistent=persistent) is kept

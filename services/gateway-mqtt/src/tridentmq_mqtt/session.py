@@ -1073,7 +1073,7 @@ class MqttSession:
             if self._closed:
                 return
             qos = min(sub.options.qos, messages.published_qos(message))
-            if qos and self.persistent:
+            if subscribing.keeps_retained(qos, persistent=self.persistent):
                 kept.append((message, qos))
             else:
                 self._deliver(_Outgoing(sub, message, qos, retained=True))

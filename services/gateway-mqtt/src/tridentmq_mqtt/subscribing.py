@@ -1,6 +1,7 @@
 """What a SUBSCRIBE asks of the core, without I/O: which queue a filter's subscription consumes from (its shared
 group's, the session's durable one, or one of this connection's own), its window, whether its messages are done
-once sent, what a filter subscribed again changes, and whether it gets the retained messages."""
+once sent, what a filter subscribed again changes, whether it gets the retained messages, and which of those the
+session keeps until the client acknowledges them."""
 
 from __future__ import annotations
 
@@ -75,3 +76,11 @@ def sends_retained(retain_handling: int, *, shared: bool, new: bool) -> bool:
     """Whether a SUBSCRIBE gets the filter's retained messages: retain handling 0 always, 1 for a new
     subscription only, 2 never; a new shared subscription never (MQTT 5.0, 4.8.2)."""
     return not shared and (retain_handling == 0 or (retain_handling == 1 and new))
+
+
+def keeps_retained(qos: int, *, persistent: bool) -> bool:
+    """Whether a retained message a SUBSCRIBE sends at ``qos`` (the lower of the subscription's and the message's)
+    goes through the session's outbox, kept until the client acknowledges it: at QoS 1 and 2 in a persistent
+    session, where it is session state like any other delivery (MQTT 4.4). Otherwise it is written at once and
+    kept nowhere (at QoS 0 nothing is owed; a session that ends with its connection has no next connection)."""
+    return qos > 0 and persistent
