@@ -4,6 +4,7 @@ real registry and fan-out feeds, and the client's side as bytes encoded and deco
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import time
@@ -772,6 +773,18 @@ async def test_an_overdue_clean_up_closes_the_outbox_consumer_on_the_service_lin
     await c.session.abort()
     await eventually(lambda: not outbox.consumers, "the outbox's consumer closed")
     await eventually(lambda: len(outbox) == 1, "the unacknowledged copy back in the outbox")
+
+
+async def test_an_outbox_consumer_opened_for_a_session_that_ended_meanwhile_is_closed(gw: Gateway) -> None:
+    opening = asyncio.ensure_future(gw.registry.open_outbox("dev", 60_000, 10, 0))
+    await asyncio.sleep(0)  # on its way to the core
+    opening.cancel()  # the session ended (its worker is cancelled)
+    with pytest.raises(asyncio.CancelledError):
+        await opening
+    queues = gw.core.node.broker.queues
+    outbox = convert.outbox_queue("dev")
+    await eventually(lambda: outbox in queues, "the outbox made (with its consumer, in one request)")
+    await eventually(lambda: not queues[outbox].consumers, "the consumer nobody holds closed")
 
 
 async def test_unsubscribe_stops_the_messages_and_drops_the_queue(gw: Gateway) -> None:

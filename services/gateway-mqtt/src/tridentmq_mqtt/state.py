@@ -464,7 +464,8 @@ class Registry:
         if opening.cancelled() or opening.exception() is not None:
             return
         consumer = opening.result()
-        consumer.release_unsent()  # nothing of it reached a client: back uncounted
+        with contextlib.suppress(LinkRequestError):  # the link gone meanwhile took the consumer with it
+            consumer.release_unsent()  # nothing of it reached a client: back uncounted
         closing = asyncio.ensure_future(consumer.close())
         self._closing.add(closing)
         closing.add_done_callback(self._closed_orphan)
