@@ -1090,9 +1090,8 @@ class MqttSession:
             await self.registry.save(self.client_id, self.state)
         outbox = await self._open_outbox(resumed=False)
         subscription_id = sub.options.subscription_id
-        for message, qos in found:
-            copy = messages.retained_delivery(message, outbox.queue, qos, subscription_id)
-            self.registry.to_outbox(copy).add_done_callback(self._outbox_refused)
+        copies = [messages.retained_delivery(message, outbox.queue, qos, subscription_id) for message, qos in found]
+        await self.registry.to_outbox(copies, self._outbox_refused)
 
     def _outbox_refused(self, future: asyncio.Future[None]) -> None:
         if future.cancelled() or future.exception() is None:

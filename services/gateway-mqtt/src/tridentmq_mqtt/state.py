@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -475,10 +476,14 @@ class Registry:
         if not closing.cancelled():
             closing.exception()  # seen (a link lost meanwhile took the consumer with it)
 
-    def to_outbox(self, message: WireMessage) -> asyncio.Future[None]:
-        """Put a copy made by ``messages.retained_delivery`` in its outbox; the future resolves once it is on
-        disk (the core delivers a durable message only then anyway)."""
-        return self._send_in_order(message)
+    async def to_outbox(self, copies: list[WireMessage], confirmed: Callable[[asyncio.Future[None]], None]) -> None:
+        """Put copies made by ``messages.retained_delivery`` in their outbox, in order, waiting for the link's
+        publish credit (a SUBSCRIBE matching many retained messages is held back, not buffered here). Each
+        confirm, which comes once the copy is on disk (the core delivers a durable message only then anyway),
+        goes to ``confirmed``."""
+        link = await self.link()
+        for copy in copies:
+            (await link.send(copy)).add_done_callback(confirmed)
 
     async def drop_outbox(self, client_id: str, *, everywhere: bool) -> None:
         """Delete ``client_id``'s outbox queue here (``everywhere``: as in ``drop_session``), if there is one."""
