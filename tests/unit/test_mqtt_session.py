@@ -715,6 +715,26 @@ async def test_a_retained_message_at_qos_2_whose_pubrec_was_recorded_is_released
     await back.handled_in_order()  # the PUBLISH did not come again
 
 
+async def test_many_retained_messages_come_through_the_outbox_within_the_clients_receive_maximum(
+    gw: Gateway,
+) -> None:
+    pub = await gw.connected("pub")
+    for i in range(60):
+        await pub.publish(f"many/{i}", b"%d" % i, retain=True, packet_id=i + 1)
+    c = await gw.connected("dev", properties=Properties(session_expiry_interval=300, receive_maximum=20))
+    await c.subscribe(Subscription("many/#", 1))
+    first = [await c.packet(Publish) for _ in range(20)]
+    await c.nothing()  # the client's receive maximum: no more until it acknowledges
+    await c.gone()
+    back = gw.client()
+    assert (await back.connect("dev", clean_start=False, properties=persistent())).session_present
+    again = [await back.message() for _ in range(60)]
+    assert all(m.retain for m in again)
+    assert sorted(m.topic for m in again) == sorted(f"many/{i}" for i in range(60))
+    assert {(m.topic, m.packet_id) for m in again if m.dup} == {(m.topic, m.packet_id) for m in first}
+    await back.handled_in_order()
+
+
 async def test_a_session_that_ends_with_its_connection_keeps_no_outbox(gw: Gateway) -> None:
     pub = await gw.connected("pub")
     await pub.publish("kept/clean", b"x", retain=True)
