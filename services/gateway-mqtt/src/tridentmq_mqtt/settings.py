@@ -48,7 +48,7 @@ class CoreLinkSection(CoreLinkSettings):
 
     user: str = doc(
         "",
-        "Core user of the gateway itself, for the session, lock and retained-message queues "
+        "Core user of the gateway itself, for the session, lock, outbox and retained-message queues "
         "under `$mqtt.` and for following the cluster's topology (empty = anonymous, which the "
         "core allows on loopback while it has no users). Clients publish and subscribe as "
         "themselves.",
