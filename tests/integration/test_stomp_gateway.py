@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import signal
 import socket
 import threading
 import time
@@ -460,6 +462,53 @@ def test_a_lost_links_frame_and_its_redelivery_are_each_acknowledged(tmp_path: P
     finally:
         conn.disconnect()
         other.disconnect()
+        assert gateway.stop() == 0
+        core.stop()
+
+
+def test_an_ack_receipt_waits_for_the_core_and_a_core_lost_first_gets_an_error(tmp_path: Path) -> None:
+    """A RECEIPT to an ACK means the broker has it. While the core is paused (SIGSTOP, shorter than the link's
+    failure detection) the RECEIPT does not come, and once it runs it does. When the core dies before it
+    answered, the client gets an ERROR instead, and the restarted core delivers that message again (and not
+    the one whose RECEIPT came)."""
+    core = start_core(tmp_path)
+    port = core.link_port
+    gateway = start_gateway(tmp_path, core)
+    conn, listener = connect(gateway)
+    other, other_listener = connect(gateway)
+    try:
+        conn.subscribe("/queue/acked", id="a", ack="client-individual", headers={"receipt": "sub"})
+        listener.wait(lambda: "sub" in listener.receipts, "the SUBSCRIBE's receipt")
+        for n in range(2):
+            conn.send("/queue/acked", f"m{n}", headers={"persistent": "true"}, receipt=f"m{n}")
+        first, second = listener.wait_messages(2)
+        listener.wait(lambda: {"m0", "m1"} <= set(listener.receipts), "the SENDs' receipts")
+        core.process.send_signal(signal.SIGSTOP)
+        try:
+            conn.ack(first.headers["ack"], receipt="ack0")
+            time.sleep(0.5)
+            assert "ack0" not in listener.receipts  # the core has not seen it
+        finally:
+            core.process.send_signal(signal.SIGCONT)
+        listener.wait(lambda: "ack0" in listener.receipts, "the ACK's receipt once the core answered")
+        core.process.send_signal(signal.SIGSTOP)
+        conn.ack(second.headers["ack"], receipt="ack1")
+        time.sleep(0.3)
+        core.process.kill()
+        core.process.wait()
+        listener.wait(lambda: bool(listener.errors), "an ERROR for the ACK the core never answered")
+        assert "ack1" not in listener.receipts
+        assert listener.errors[0].headers["receipt-id"] == "ack1"
+        core = start_core(tmp_path, TRIDENTMQ_CORE_LINK_PORT=str(port))
+        other.subscribe("/queue/acked", id="b", ack="client-individual")
+        [again] = other_listener.wait_messages(1)
+        assert (again.body, again.headers["redelivered"]) == ("m1", "true")
+        time.sleep(0.3)
+        assert len(other_listener.messages) == 1  # m0's acknowledgement was on disk when its RECEIPT came
+    finally:
+        for client in (conn, other):
+            with contextlib.suppress(Exception):
+                client.disconnect()
         assert gateway.stop() == 0
         core.stop()
 

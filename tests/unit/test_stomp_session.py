@@ -72,6 +72,14 @@ class Client:
         assert answer.headers["receipt-id"] == f"r-{command}"
         return answer
 
+    async def receipt_and_messages(self, command: str, count: int, **headers: str) -> list[Frame]:
+        """Send with a receipt; wait for its RECEIPT and ``count`` MESSAGE frames in whatever order they come (an
+        ACK's RECEIPT waits for the core's answer, the deliveries the ACK made room for do not): the MESSAGEs."""
+        self.send_frame(command, receipt=f"r-{command}", **headers)
+        frames = [await self.frame() for _ in range(count + 1)]
+        assert [f.headers["receipt-id"] for f in frames if f.command == "RECEIPT"] == [f"r-{command}"], frames
+        return [f for f in frames if f.command == "MESSAGE"]
+
     async def error(self) -> Frame:
         got = await self.frame("ERROR")
         await eventually(lambda: self.wire.closed, "the connection closed after the ERROR")
@@ -149,12 +157,11 @@ async def test_client_ack_is_cumulative_and_the_prefetch_bounds_what_is_out(core
     first, second = await consumer.frame("MESSAGE"), await consumer.frame("MESSAGE")
     assert (first.body, second.body) == (b"0", b"1")
     await consumer.nothing()  # two out, unacknowledged: the window is full
-    await consumer.receipt("ACK", id=second.headers["ack"])  # acknowledges both
-    third, fourth = await consumer.frame("MESSAGE"), await consumer.frame("MESSAGE")
+    third, fourth = await consumer.receipt_and_messages("ACK", 2, id=second.headers["ack"])  # acknowledges both
     assert (third.body, fourth.body) == (b"2", b"3")
     await consumer.nothing()  # the window is full again: "4" waits
-    await consumer.receipt("ACK", id=third.headers["ack"])  # one place free
-    assert (await consumer.frame("MESSAGE")).body == b"4"
+    [fifth] = await consumer.receipt_and_messages("ACK", 1, id=third.headers["ack"])  # one place free
+    assert fifth.body == b"4"
 
 
 async def test_client_individual_nack_redelivers_only_that_message(core: Core) -> None:
@@ -164,12 +171,67 @@ async def test_client_individual_nack_redelivers_only_that_message(core: Core) -
         await producer.receipt("SEND", body, destination="/queue/jobs")
     a, b = await consumer.frame("MESSAGE"), await consumer.frame("MESSAGE")
     await consumer.receipt("ACK", id=b.headers["ack"])
-    await consumer.receipt("NACK", id=a.headers["ack"])
-    again = await consumer.frame("MESSAGE")
+    [again] = await consumer.receipt_and_messages("NACK", 1, id=a.headers["ack"])
     assert again.body == b"a"
     assert again.headers["redelivered"] == "true"
     await consumer.receipt("ACK", id=again.headers["ack"])
     await consumer.nothing()
+
+
+async def _held_ack(core: Core) -> Client:
+    """A client that ACKed a persistent message with a receipt while the core holds its answers to what it
+    wrote (the journal's confirm gate closed, as a node's whose disk is slow), then sent a SUBSCRIBE with a
+    receipt: the gateway has answered neither."""
+    producer, consumer = await connected(core), await connected(core)
+    await consumer.receipt("SUBSCRIBE", id="s", destination="/queue/acked", ack="client-individual")
+    await producer.receipt("SEND", b"m", destination="/queue/acked", persistent="true")
+    message = await consumer.frame("MESSAGE")
+    core.node.journal_store.gate = lambda: False
+    consumer.send_frame("ACK", id=message.headers["ack"], receipt="r-ack")
+    consumer.send_frame("SUBSCRIBE", id="t", destination="/queue/after", receipt="r-after")
+    await asyncio.sleep(0.2)
+    await consumer.nothing()  # the SUBSCRIBE's waits in line behind the ACK's
+    return consumer
+
+
+async def test_an_ack_receipt_comes_once_the_core_has_the_ack_on_disk_in_frame_order(core: Core) -> None:
+    consumer = await _held_ack(core)
+    store = core.node.journal_store
+    store.gate = lambda: True
+    store.recheck()
+    assert [(await consumer.frame("RECEIPT")).headers["receipt-id"] for _ in range(2)] == ["r-ack", "r-after"]
+    async with core.admin() as admin:  # the ack is applied: nothing comes back to another consumer
+        probe = await admin.subscribe("acked", credit=1)
+        assert await probe.get(timeout=0.3) is None
+
+
+async def test_an_ack_whose_answer_the_link_loses_gets_an_error_not_its_receipt(core: Core) -> None:
+    consumer = await _held_ack(core)
+    await core.stop_node()
+    error = await consumer.error()
+    assert (error.headers["message"], error.headers["receipt-id"]) == ("server unavailable", "r-ack")
+    assert b"did not confirm the acknowledgement" in error.body
+
+
+async def test_an_ack_without_a_receipt_and_one_in_a_transaction_do_not_wait(core: Core) -> None:
+    """Only a receipt waits for the core: a plain ACK's is the client's own business (throughput), and one in a
+    transaction takes effect at COMMIT, whose receipt waits instead."""
+    producer, consumer = await connected(core), await connected(core)
+    await consumer.receipt("SUBSCRIBE", id="s", destination="/queue/plain", ack="client-individual")
+    for body in (b"a", b"b"):
+        await producer.receipt("SEND", body, destination="/queue/plain", persistent="true")
+    a, b = await consumer.frame("MESSAGE"), await consumer.frame("MESSAGE")
+    await consumer.receipt("BEGIN", transaction="t")
+    store = core.node.journal_store
+    store.gate = lambda: False
+    consumer.send_frame("ACK", id=a.headers["ack"])
+    await consumer.receipt("ACK", id=b.headers["ack"], transaction="t")
+    consumer.send_frame("COMMIT", transaction="t", receipt="r-commit")
+    await asyncio.sleep(0.2)
+    await consumer.nothing()  # the COMMIT's receipt waits for the commit on disk
+    store.gate = lambda: True
+    store.recheck()
+    assert (await consumer.frame("RECEIPT")).headers["receipt-id"] == "r-commit"
 
 
 async def test_an_ack_of_an_unknown_id_is_an_error(core: Core) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.gateway import Wire
 from tridentmq_shared.link.client import Consumer, LinkClient, queue_spec
-from tridentmq_shared.link.errors import LinkRequestError
+from tridentmq_shared.link.errors import LinkClosedError, LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import M_ID, RoutingType
 from tridentmq_shared.runtime import random_hex
@@ -170,7 +170,6 @@ class StompSession:
             return True  # after an ERROR's frame, nothing more is done
         if isinstance(event, ev.Ack):
             self._ack(event)
-            self._receipt_now(event.receipt)
             return True
         if not isinstance(event, ev.Send):
             return False
@@ -377,10 +376,43 @@ class StompSession:
         acks, message_id = found
         ids = acks.settle(message_id)
         consumer = self.subscriptions[acks.subscription_id].consumer
+        receipt = event.receipt
+        if receipt is not None and (event.nack or not tx_id):
+            # A RECEIPT says the broker has the acknowledgement: it waits for the core's answer (for a durable
+            # message, until the ack is on disk), in the order of the frames. Without one, nothing waits.
+            answer = consumer.nack_answered(ids) if event.nack else consumer.ack_answered(ids)
+            self.receipts.after(self._acknowledged(answer), receipt)
+            return
         if event.nack:
             consumer.nack_ids(ids, NackMode.REDELIVER)  # at once, even within a transaction
         else:
-            consumer.ack_ids(ids, tx_id)  # with a transaction: at its commit
+            consumer.ack_ids(ids, tx_id)  # with a transaction: at its commit (whose receipt waits for the core)
+        self._receipt_now(receipt)
+
+    def _acknowledged(self, answer: asyncio.Future[None]) -> asyncio.Future[None]:
+        """The outcome a receipted ACK or NACK waits for: done with the core's ``answer``, failed with the
+        ERROR to send instead of the RECEIPT when the core refused it or the link dropped before it came (the
+        messages then went back to their queue, unless only the answer was lost: a RECEIPT could be a lie)."""
+        outcome: asyncio.Future[None] = self._loop.create_future()
+
+        def answered(future: asyncio.Future[None]) -> None:
+            error = future.exception() if not future.cancelled() else LinkClosedError(ErrorCode.EOF, "cancelled")
+            if error is None:
+                outcome.set_result(None)
+            elif isinstance(error, LinkClosedError):
+                detail = f"the broker did not confirm the acknowledgement ({error.text}): it may come again"
+                outcome.set_exception(FrameError("server unavailable", detail))
+            elif isinstance(error, LinkRequestError):
+                outcome.set_exception(FrameError(_ERROR_NAMES.get(error.code, "request failed"), error.text))
+            else:
+                outcome.set_exception(error)
+            if self._closed:  # nobody reads it: taken, so asyncio does not report it unretrieved
+                outcome.exception()
+            else:
+                self._settled()  # its RECEIPT (or ERROR), and those of the frames after it, may go now
+
+        answer.add_done_callback(answered)
+        return outcome
 
     def _tx(self, name: str, receipt: str | None) -> int:
         tx_id = self.transactions.get(name)

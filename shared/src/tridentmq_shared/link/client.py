@@ -281,6 +281,15 @@ class Consumer:
         self.client._nack(self, message_ids, mode)
         self._settled(message_ids)
 
+    def ack_answered(self, message_ids: list[int]) -> asyncio.Future[None]:
+        """``ack_ids``, and a future done once the node has applied the acknowledgement and, for a durable
+        message, made it as safe as a commit (see ``LinkClient.settle_answered``)."""
+        return self.client.settle_answered(self, message_ids)
+
+    def nack_answered(self, message_ids: list[int], mode: NackMode = NackMode.REDELIVER) -> asyncio.Future[None]:
+        """``nack_ids``, and a future done once the node has handled the NACK."""
+        return self.client.settle_answered(self, message_ids, mode)
+
     def release_unsent(self, taken: Iterable[int] = ()) -> None:
         """When the consumer is about to end (closed, or its link): give back, uncounted, the messages the
         application took and never handed on (``taken``: a gateway's, waiting for its client's window) and
@@ -1253,6 +1262,42 @@ class LinkClient:
         conn = self._settling(consumer)
         if conn is not None:
             conn.nack(consumer.consumer_id, ids, mode)
+            self._schedule_flush()
+
+    def settle_answered(self, consumer: Consumer, ids: list[int], nack: NackMode | None = None) -> asyncio.Future[None]:
+        """Acknowledge (or, with ``nack``, give back) ``consumer``'s messages and return a future the node's
+        answer completes. ACK and NACK have no answer of their own, so they travel inside a transaction begun
+        and committed in the same write: the node handles a link's operations in order, and answers a COMMIT
+        once the acknowledgements it applied are as safe as a publish's confirm (synced to disk, and held by
+        an in-sync backup). A NACK, never transactional, goes in an empty one: its COMMIT is answered once the
+        NACK was handled. The future fails (``LinkClosedError``) when the link is down or drops before the
+        answer: the messages went back to their queue with it and will be delivered again."""
+        future: asyncio.Future[None] = self._event_loop().create_future()
+        conn = self._conn
+        if conn is None or conn.state is not _OPEN or consumer._on is not conn:
+            future.set_exception(
+                LinkClosedError(ErrorCode.EOF, "the link dropped: the messages went back to their queue")
+            )
+            return future
+        tx_id = conn.new_tx_id()
+        self._background(conn.tx_begin(tx_id), _take_outcome)  # a refused BEGIN makes the COMMIT fail too
+        if nack is None:
+            conn.ack(consumer.consumer_id, ids, tx_id)
+        else:
+            conn.nack(consumer.consumer_id, ids, nack)
+        self._requests[conn.tx_commit(tx_id)] = future
+        future.add_done_callback(functools.partial(self._commit_answered, conn, tx_id))
+        consumer._settled(ids)
+        self._schedule_flush()
+        return future
+
+    def _commit_answered(self, conn: LinkConnection, tx_id: int, future: asyncio.Future[None]) -> None:
+        """A COMMIT the node refused leaves its transaction open (a node that cannot write): roll it back, so
+        its acknowledgements do not hold the messages until the link ends."""
+        error = None if future.cancelled() else future.exception()
+        refused = isinstance(error, LinkRequestError) and not isinstance(error, LinkClosedError)
+        if refused and conn is self._conn and conn.state is _OPEN:
+            self._background(conn.tx_rollback(tx_id), _take_outcome)
             self._schedule_flush()
 
     # ------------------------------------------------------------------ transactions
