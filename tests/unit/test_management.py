@@ -84,9 +84,11 @@ def populate(broker: Broker) -> Link:
             "durable": False,
         }
     )
-    link.client.create_queue({"name": WEIRD_QUEUE, "address": "weird"})
     replies = link.roundtrip()
-    assert [type(e) for e in replies] == [ev.Reply] * 3, replies
+    assert [type(e) for e in replies] == [ev.Reply] * 2, replies
+    # A link may no longer make a queue whose name holds a control character: this one is as a journal from an
+    # older version would bring it back, and what shows it must still escape it.
+    broker.catalog.create_queue(WEIRD_QUEUE, "weird", RoutingType.ANYCAST, durable=True, now_ms=NOW_MS)
     for n in range(5):
         link.client.publish(new_message("orders", b"x%d" % n, routing=ANYCAST))
     link.client.publish(new_message("events", b"e", routing=MULTICAST, properties={"region": "eu"}))

@@ -17,6 +17,7 @@ from tridentmq_core.checks import (
     require_delete,
     routing_type,
     valid_address,
+    valid_queue_name,
 )
 from tridentmq_core.deadlines import Deadlines
 from tridentmq_core.queues import DeliverySink, LinkSession, MemoryGauge, PagerFactory, Queue
@@ -214,6 +215,7 @@ class Catalog:
                 "filter": existing.filter.text if existing.filter is not None else None,
                 "consumers": sum(not c.forwarder for c in existing.consumers),
             }
+        valid_queue_name(name)
         valid_address(address, wildcards=True)
         require_create(session.principal, address, durable=durable, address_exists=address in self.addresses)
         lvq = spec.get("last_value_key")

@@ -12,6 +12,7 @@ from tridentmq_core.selector import Selector, SelectorError, compile_selector
 from tridentmq_core.sessions import Session
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.message import RoutingType
+from tridentmq_shared.names import name_problem
 
 
 class BrokerError(Exception):
@@ -28,6 +29,16 @@ def valid_address(address: str, *, wildcards: bool) -> str:
         return validate_address(address, allow_wildcards=wildcards)
     except InvalidAddress as exc:
         raise BrokerError(ErrorCode.INVALID, str(exc)) from None
+
+
+def valid_queue_name(name: str) -> str:
+    """A queue name a link asks to create: the rules of any name (not empty, ``MAX_NAME_LENGTH`` characters
+    at most, no control characters). Checked where a queue is made, not where one is looked up, so a queue
+    that came with older rules stays reachable."""
+    problem = name_problem(name, "queue name")
+    if problem is not None:
+        raise BrokerError(ErrorCode.INVALID, problem)
+    return name
 
 
 def routing_type(value: Any) -> RoutingType:

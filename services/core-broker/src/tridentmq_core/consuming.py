@@ -16,6 +16,7 @@ from tridentmq_core.checks import (
     require_create,
     routing_type,
     valid_address,
+    valid_queue_name,
 )
 from tridentmq_core.dead_letters import DeadLetters
 from tridentmq_core.deliveries import Deliveries
@@ -100,6 +101,7 @@ class Consuming:
         queue = catalog.queues.get(queue_name)
         if queue is None:
             address = address_name or str(options.get("address") or queue_name)
+            valid_queue_name(queue_name)
             valid_address(address, wildcards=True)
             settings = self.address_settings.resolve(address)
             # ``create: false``: the queue must exist as made (a lock queue whose expiry may delete it between

@@ -11,9 +11,10 @@ for every protocol), so a subscription to ``#`` does not see the broker's intern
 
 from __future__ import annotations
 
-import re
 from collections.abc import Hashable
 from typing import Any, Final, Generic, TypeVar
+
+from tridentmq_shared.names import MAX_ADDRESS_WORDS, MAX_NAME_LENGTH, name_problem
 
 __all__ = ["AddressIndex", "AddressTrie", "InvalidAddress", "is_wildcard", "pattern_matches", "validate_address"]
 
@@ -23,12 +24,9 @@ DELIMITER = "."
 ANY_WORD = "*"
 ANY_WORDS = "#"
 SYSTEM_MARK = "$"
-MAX_ADDRESS_LENGTH = 255
-MAX_ADDRESS_WORDS = 32
+MAX_ADDRESS_LENGTH = MAX_NAME_LENGTH
 DEFAULT_CACHE_SIZE = 65536
 
-# C0, DEL and C1: none of them is printable and several break logs and wire framing.
-_CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _WILDCARD_WORDS = frozenset((ANY_WORD, ANY_WORDS))
 
 
@@ -38,17 +36,9 @@ class InvalidAddress(ValueError):  # noqa: N818 - the public name is part of the
 
 def validate_address(address: str, *, allow_wildcards: bool) -> str:
     """Return ``address`` unchanged, or raise :class:`InvalidAddress` saying what is wrong."""
-    if not address:
-        raise InvalidAddress("address must not be empty")
-    if len(address) > MAX_ADDRESS_LENGTH:
-        raise InvalidAddress(
-            f"address is {len(address)} characters long, the limit is {MAX_ADDRESS_LENGTH}: {address[:40]!r}..."
-        )
-    bad = _CONTROL_CHARS.search(address)
-    if bad is not None:
-        raise InvalidAddress(
-            f"address {address!r} contains control character {bad.group()!r} at position {bad.start()}"
-        )
+    problem = name_problem(address, "address")  # empty, too long, control characters: the rules of any name
+    if problem is not None:
+        raise InvalidAddress(problem)
     words = address.split(DELIMITER)
     if len(words) > MAX_ADDRESS_WORDS:
         raise InvalidAddress(f"address {address!r} has {len(words)} words, the limit is {MAX_ADDRESS_WORDS}")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from tridentmq_shared.message import ROUTING_DEFAULT, TEMPORARY_ADDRESS_PREFIX, RoutingType
+from tridentmq_shared.names import name_problem
 
 ANYCAST: Final = int(RoutingType.ANYCAST)
 MULTICAST: Final = int(RoutingType.MULTICAST)
@@ -57,9 +58,19 @@ def resolve(address: str, capabilities: Iterable[str] = ()) -> Node:
         address, _, queue = address.partition(FQQN_SEPARATOR)
         if not queue:
             raise ConversionError("a fully qualified queue name needs a queue after '::'")
+        checked_name(queue, "queue name")
     if not address:
         raise ConversionError("the address is empty")
-    return Node(address, routing, queue)
+    return Node(checked_name(address), routing, queue)
+
+
+def checked_name(name: str, kind: str = "address") -> str:
+    """``name`` if it keeps the rules of every core name, else the attach is refused (``amqp:invalid-field``)
+    here rather than by the core, or not at all: a NUL or other control character, or too long."""
+    problem = name_problem(name, kind)
+    if problem is not None:
+        raise ConversionError(problem)
+    return name
 
 
 def capability_of(routing: int) -> str | None:

@@ -479,6 +479,12 @@ class AmqpSession:
         if len(self.inbound) + len(self.outbound) + len(self.coordinators) >= self.settings.amqp.max_links:
             self._refuse_link(link, RESOURCE_LIMIT, "too many links on this connection")
             return
+        if self.engine is not None and self.engine.nul_names.problems:
+            # A NUL proton cut the name or address short at: refused, never attached to what is left.
+            problem = self.engine.nul_names.problems.pop((link.name, not link.is_receiver), None)
+            if problem is not None:
+                self._refuse_link(link, INVALID_FIELD, problem)
+                return
         try:
             if link.is_receiver:  # the client sends
                 await self._attach_inbound(link)
@@ -554,6 +560,11 @@ class AmqpSession:
         )
         planned = receiving.plan(source, container_id=self.container_id, link_name=link.name)
         queue, kind = planned.queue, planned.kind
+        if kind in (receiving.QueueKind.SHARED, receiving.QueueKind.DURABLE_SUBSCRIPTION):
+            container_problem = self.engine.nul_names.container_problem if self.engine is not None else None
+            if container_problem is not None:  # proton cut it short: the queue would be another's
+                raise convert.ConversionError(container_problem)
+            convert.checked_name(queue, "subscription queue (container id and link name)")
         window: dict[str, Any] = {
             "credit": limits.prefetch,
             "selector": planned.consumer_selector,

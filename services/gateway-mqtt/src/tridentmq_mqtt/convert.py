@@ -44,7 +44,7 @@ from __future__ import annotations
 from typing import Final, NamedTuple
 
 from tridentmq_mqtt.protocol.reason_codes import TOPIC_FILTER_INVALID, TOPIC_NAME_INVALID
-from tridentmq_shared import mqtt_queues
+from tridentmq_shared import mqtt_queues, names
 
 LEVEL_SEPARATOR: Final = "/"
 SINGLE_LEVEL: Final = "+"
@@ -54,9 +54,9 @@ SHARE_PREFIX: Final = "$share/"
 DELIMITER: Final = "."
 ANY_WORD: Final = "*"
 ANY_WORDS: Final = "#"
-#: The core's address limits (``router.MAX_ADDRESS_LENGTH`` and ``MAX_ADDRESS_WORDS``).
-MAX_ADDRESS_LENGTH: Final = 255
-MAX_ADDRESS_WORDS: Final = 32
+#: The core's address limits: the rules of every name (``tridentmq_shared.names``).
+MAX_ADDRESS_LENGTH: Final = names.MAX_NAME_LENGTH
+MAX_ADDRESS_WORDS: Final = names.MAX_ADDRESS_WORDS
 ESCAPE: Final = "%"
 #: The word that stands for an empty level.
 EMPTY_LEVEL: Final = ESCAPE

@@ -35,6 +35,7 @@ from tridentmq_shared.message import (
     property_text,
     time_problem,
 )
+from tridentmq_shared.names import name_problem
 
 QUEUE_PREFIX: Final = "/queue/"
 TOPIC_PREFIX: Final = "/topic/"
@@ -70,15 +71,29 @@ class ConversionError(ValueError):
 def destination_to_address(destination: str, destination_type: str | None = None) -> tuple[str, int]:
     """(address, routing type or ``ROUTING_DEFAULT``) of a STOMP destination."""
     if destination.startswith(QUEUE_PREFIX):
-        return destination[len(QUEUE_PREFIX) :], int(RoutingType.ANYCAST)
+        return checked_name(destination[len(QUEUE_PREFIX) :]), int(RoutingType.ANYCAST)
     if destination.startswith(TOPIC_PREFIX):
-        return destination[len(TOPIC_PREFIX) :], int(RoutingType.MULTICAST)
+        return checked_name(destination[len(TOPIC_PREFIX) :]), int(RoutingType.MULTICAST)
     if destination_type is not None:
         kind = destination_type.upper()
         if kind not in ("ANYCAST", "MULTICAST"):
             raise ConversionError(f"destination-type {destination_type[:20]!r} is not ANYCAST or MULTICAST")
-        return destination, int(RoutingType[kind])
-    return destination, ROUTING_DEFAULT
+        return checked_name(destination), int(RoutingType[kind])
+    return checked_name(destination), ROUTING_DEFAULT
+
+
+def checked_name(address: str, kind: str = "address") -> str:
+    """``address`` (or an ``address::queue``, each part), if it keeps the rules of every core name: refused
+    here (ERROR ``invalid header``), never passed on to the core, when it is empty, too long or holds a
+    control character (STOMP's framing lets a header carry even a NUL)."""
+    if FQQN_SEPARATOR in address:
+        name, _, queue = address.partition(FQQN_SEPARATOR)
+        problem = name_problem(name, kind) or name_problem(queue, "queue name")
+    else:
+        problem = name_problem(address, kind)
+    if problem is not None:
+        raise ConversionError(problem)
+    return address
 
 
 def temporary_address(connection_id: str, destination: str) -> str:
@@ -86,7 +101,7 @@ def temporary_address(connection_id: str, destination: str) -> str:
     name = destination[len(TEMP_QUEUE_PREFIX) :]
     if not name or any(c in name for c in "*#"):
         raise ConversionError(f"{destination[:60]!r} is not a temporary queue name")
-    return f"{TEMPORARY_ADDRESS_PREFIX}{connection_id}.{name}"
+    return checked_name(f"{TEMPORARY_ADDRESS_PREFIX}{connection_id}.{name}", "temporary queue address")
 
 
 def address_to_destination(address: str, routing: int) -> str:

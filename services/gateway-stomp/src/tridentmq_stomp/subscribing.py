@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tridentmq_shared.message import ROUTING_DEFAULT, RoutingType
+from tridentmq_shared.names import name_problem
 from tridentmq_stomp.convert import FQQN_SEPARATOR
 
 _DECIMAL = re.compile(r"-?[0-9]{1,9}")
@@ -89,5 +90,8 @@ def plan(
     if not client_id:
         return Refused("missing header", "a durable subscription needs client-id on CONNECT")
     queue = f"{client_id}.{name}"
+    problem = name_problem(queue, "durable subscription queue (client-id.name)")
+    if problem is not None:  # the core would refuse to make it: say so in STOMP's words
+        return Refused("invalid header", problem)
     make = QueueToMake(queue, address, durable=True, selector=selector)
     return Plan(queue, make, temporary=False, window=size, consumer_selector=None)

@@ -15,6 +15,7 @@ from typing import Any, Final, cast
 from cproton_ffi import ffi, lib
 from proton import Collector, Connection, Delivery, Link, Session, Transport, symbol
 
+from tridentmq_amqp.protocol.nul_names import NulNames
 from tridentmq_amqp.protocol.types import Described, Symbol, encode
 
 NULL: Final = ffi.NULL
@@ -62,6 +63,8 @@ class Engine:
         self.pn_collector: Any = self.collector._impl
         self._input = bytearray()  # bytes beyond what the transport could take so far
         self.tail_closed = False
+        #: NULs in names, which proton would cut short: seen in the bytes before proton reads them.
+        self.nul_names = NulNames()
 
     # ------------------------------------------------------------------ input
     def receive_data(self, data: bytes) -> None:
@@ -70,6 +73,7 @@ class Engine:
         if not data:
             self._close_tail()
             return
+        self.nul_names.feed(data)
         if self._input:
             self._input += data
             self.pump_input()
