@@ -275,6 +275,7 @@ class Harness:
             queues._NO_COUNTS,
             queues._NO_GROUPS,
             queues._NO_LAST_VALUES,
+            queues._NO_SUPERSEDED,
             queues._NO_ATTEMPTS,
             queues._NO_IN_FLIGHT,
             sessions._NO_TXS,

@@ -1397,6 +1397,26 @@ def test_last_value_queue_drops_a_superseded_message_that_comes_back(c: Client) 
     assert [(d.body, d.count) for d in c.take(c.consumer("prices"))] == [(b"b1", 2), (b"a3", 2)]
 
 
+def test_a_superseded_message_that_comes_back_after_its_successor_was_acked_is_dropped(h: Harness, c: Client) -> None:
+    """The newer value consumed and acknowledged meanwhile left no entry for its key: the stale value that came
+    back was queued again and delivered after the newer one."""
+    other = h.connect("other")
+    ok(c.create_queue("prices", last_value_key=""))
+    first = c.consumer("prices", credit=1)
+    c.publish("prices", b"a1", last_value_key="A")
+    stale = c.take(first)
+    c.publish("prices", b"a2", last_value_key="A")
+    second = other.consumer("prices", credit=1)
+    newer = other.take(second)
+    assert bodies(newer) == [b"a2"]
+    other.ack(second, ids(newer))
+    c.nack(first, ids(stale), NackMode.RELEASE)
+    other.flow(second, 5)
+    assert other.take(second) == []
+    queue = h.broker.queues["prices"]
+    assert (len(queue), queue.acked) == (0, 2)
+
+
 # ====================================================================== memory limit
 def message_cost(body: bytes) -> int:
     return len(body) + MESSAGE_OVERHEAD

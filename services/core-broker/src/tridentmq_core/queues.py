@@ -66,6 +66,7 @@ _NO_LEVELS: Final = cast("list[deque[WireMessage]]", (_UNUSED_LEVEL,) * (MAX_PRI
 _NO_COUNTS: Final[dict[int, int]] = {}
 _NO_GROUPS: Final[dict[str, Consumer]] = {}
 _NO_LAST_VALUES: Final[dict[Any, WireMessage]] = {}
+_NO_SUPERSEDED: Final[set[int]] = set()
 _NO_ATTEMPTS: Final[list[tuple[Consumer, int, WireMessage]]] = []
 _NO_IN_FLIGHT: Final[dict[int, WireMessage]] = {}  # an auto-acknowledging consumer never has any
 
@@ -203,6 +204,7 @@ class Queue:
         "_returned",
         "_rr",
         "_sink",
+        "_superseded",
         "acked",
         "added",
         "address",
@@ -285,6 +287,9 @@ class Queue:
         self._returned = _NO_COUNTS  # delivery counts of the queued messages delivered before
         self._groups = _NO_GROUPS
         self._lvq = _NO_LAST_VALUES if last_value_key is None else {}
+        # Ids of messages replaced by a newer value while out (in flight, a delayed redelivery): dropped when
+        # they come back, even once the newer one is gone too (the key then says nothing about them).
+        self._superseded = _NO_SUPERSEDED
 
     # ------------------------------------------------------------------ state
     def __len__(self) -> int:
@@ -403,8 +408,10 @@ class Queue:
         if previous is not None:
             try:
                 self._levels[previous[M_PRIORITY]].remove(previous)
-            except (ValueError, AttributeError):  # in flight (its level may be unused again): not ours to replace
-                pass
+            except (ValueError, AttributeError):  # out (its level may be unused again): dropped if it comes back
+                if self._superseded is _NO_SUPERSEDED:
+                    self._superseded = set()
+                self._superseded.add(previous[M_ID])
             else:
                 self._count -= 1
                 self._forget(previous)
@@ -445,6 +452,10 @@ class Queue:
             self._expiring -= 1
         if self._lvq and self._lvq.get(self._lvq_key(message)) is message:
             del self._lvq[self._lvq_key(message)]
+        if self._superseded:
+            self._superseded.discard(message[M_ID])
+            if not self._superseded:
+                self._superseded = _NO_SUPERSEDED
 
     def restore(self, message: WireMessage, delivery_count: int) -> None:
         """Add a message that was delivered ``delivery_count`` times before (recovered from the journal, moved
@@ -455,14 +466,12 @@ class Queue:
 
     def return_message(self, message: WireMessage, delivery_count: int) -> None:
         """Put a message back at the head of its priority (after nack, release, close, rollback)."""
-        if self._lvq:
-            newer = self._lvq.get(self._lvq_key(message))
-            if newer is not None and newer is not message:
-                # A newer value for its key arrived while it was out: superseded, as in _replace_last_value.
-                self._forget(message)
-                self.acked += 1
-                self._sink.on_acked(self, message)
-                return
+        if self._superseded and message[M_ID] in self._superseded:
+            # A newer value for its key arrived while it was out: superseded, as in _replace_last_value.
+            self._forget(message)
+            self.acked += 1
+            self._sink.on_acked(self, message)
+            return
         priority = message[M_PRIORITY]
         level = self._levels[priority]
         if level is _UNUSED_LEVEL:
