@@ -31,6 +31,7 @@ from tridentmq_core.broker import Broker
 from tridentmq_core.cluster.manager import ClusterManager
 from tridentmq_core.dead_letters import ORIGINAL_ADDRESS, ORIGINAL_QUEUE, ORIGINAL_REASON
 from tridentmq_core.dedup import DuplicateIdCache, TransferIds
+from tridentmq_core.forwarder import FORWARD_QUEUE_PREFIX
 from tridentmq_core.forwarding import DEDUP_PREFIX, FORWARD_PROPERTY, MOVES_PROPERTY, ForwardHeader
 from tridentmq_core.queues import MESSAGE_OVERHEAD
 from tridentmq_core.security import AuthenticationError, Permission, SecurityManager, hash_password, is_loopback
@@ -42,6 +43,7 @@ from tridentmq_core.settings import (
     UserEntry,
 )
 from tridentmq_core.store.memory import MemoryStore
+from tridentmq_core.store.recovery import RecoveredState
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import HOME_PROPERTY, M_EXPIRATION, M_ID, M_TIMESTAMP, new_message
@@ -1280,6 +1282,54 @@ def test_failed_commit_applies_nothing_and_can_be_rolled_back() -> None:
     ok(c.tx_rollback(1))
     c.publish("orders", b"after")
     assert bodies(c.take(cid)) == [b"after"]
+
+
+def test_a_send_whose_auto_created_queue_would_take_the_name_of_a_queue_elsewhere_is_refused(
+    h: Harness, c: Client
+) -> None:
+    """A publish to the address "orders" made its queue "orders" over the one of that name bound to "shop": the
+    first queue, its messages and its consumers were no longer reachable by name (nor expired, nor deleted)."""
+    ok(c.create_queue("orders", "shop"))
+    c.publish("shop", b"kept")
+    seq = c.publish("orders", b"refused")
+    assert c.rejected[seq].code == ErrorCode.EXISTS
+    ok(c.tx_begin(1))
+    c.publish("shop", b"in tx", tx=1)
+    c.publish("orders", b"refused too", tx=1)
+    failed(c.tx_commit(1), ErrorCode.EXISTS)  # before anything of it is applied
+    ok(c.tx_rollback(1))
+    assert "orders" not in h.broker.addresses
+    queue = h.broker.queues["orders"]
+    assert queue.address == "shop"
+    assert bodies(c.take(c.consumer("orders"))) == [b"kept"]
+
+
+def test_a_dead_letter_address_named_like_a_queue_elsewhere_leaves_that_queue_alone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    h = with_address_settings(max_delivery_attempts=1)
+    c = h.connect()
+    ok(c.create_queue("DLQ", "errors"))
+    c.publish("errors", b"kept")
+    ok(c.create_queue("work"))
+    cid = c.consumer("work")
+    c.publish("work", b"poison")
+    c.nack(cid, ids(c.take(cid)))
+    assert "message dropped" in caplog.text  # as for any dead-letter address that refuses the copy
+    assert len(h.broker.queues["work"]) == 0
+    assert h.broker.queues["DLQ"].address == "errors"
+    assert bodies(c.take(c.consumer("DLQ"))) == [b"kept"]
+
+
+def test_an_empty_store_and_forward_queue_restored_from_the_journal_is_the_one_used(h: Harness) -> None:
+    """Looked up with ``or``, an empty restored queue (a falsy one) was made again: a second queue of its name."""
+    state = RecoveredState()
+    name = FORWARD_QUEUE_PREFIX + "node-2"
+    state.addresses[name] = ([0], False)
+    state.queues[name] = {"name": name, "address": name, "routing_type": 0}
+    h.broker.restore(state, h.now_ms)
+    restored = h.broker.queues[name]
+    assert h.broker.forwarder.forward_queue("node-2", h.now_ms) is restored
 
 
 def test_a_durable_delivery_whose_attempt_is_safe_at_once_is_sent() -> None:

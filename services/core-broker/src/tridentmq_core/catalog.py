@@ -136,11 +136,12 @@ class Catalog:
         """What a send creates (Artemis auto-create): the address if missing, and for an anycast send the
         queue named after the address if missing, even on an existing address whose queue was auto-deleted.
         ``creator``: the user whose publish it is (counted against their cap), None for the node's own."""
+        refusal = self.send_refusal(address, routing)
+        if refusal is not None:
+            raise refusal
         settings = self.address_settings.resolve(address)
         kind = self.routes.send_kind(address, routing, settings)
         if address not in self.addresses:
-            if not settings.auto_create_addresses:
-                raise BrokerError(ErrorCode.NOT_FOUND, f"address {address!r} does not exist")
             self.ensure_address(address, {kind}, auto_created=True)
             if creator is not None:
                 self.addresses[address].creator = creator
@@ -158,6 +159,24 @@ class Catalog:
         created = self.addresses[address]
         if created.auto_created and not created.queues:
             self.watch_unused_address(address, now_ms)
+
+    def send_refusal(self, address: str, routing: int) -> BrokerError | None:
+        """Why a send to ``address`` cannot create what it needs (see ``auto_create``), or None: the address is
+        missing and may not be auto-created, or its queue would take the name of a queue bound elsewhere."""
+        settings = self.address_settings.resolve(address)
+        if address not in self.addresses and not settings.auto_create_addresses:
+            return BrokerError(ErrorCode.NOT_FOUND, f"address {address!r} does not exist")
+        kind = self.routes.send_kind(address, routing, settings)
+        taken = self.queues.get(address)
+        if (
+            taken is not None
+            and kind is RoutingType.ANYCAST
+            and settings.auto_create_queues
+            and self.routes.lacks_anycast_queue(address)
+        ):
+            text = f"queue {address!r} exists on address {taken.address!r}: a send to {address!r} cannot make its queue"
+            return BrokerError(ErrorCode.EXISTS, text)
+        return None
 
     # An address a publish created keeps no queue when nobody subscribes (a multicast topic): without this it
     # would stay, journaled, for ever (one per topic ever published). It is deleted once it has had no queue
@@ -261,6 +280,9 @@ class Catalog:
         expires_ms: int = -1,
         owner: Session | None = None,
     ) -> Queue:
+        existing = self.queues.get(name)
+        if existing is not None:  # one name, one queue: a second one would orphan the first and its messages
+            raise BrokerError(ErrorCode.EXISTS, f"queue {name!r} exists on address {existing.address!r}")
         if address == name:  # one string, not two equal ones (an MQTT session's lock queue, say)
             address = name
         selector = compiled_filter(filter_text)

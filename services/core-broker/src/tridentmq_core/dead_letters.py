@@ -105,9 +105,12 @@ class DeadLetters:
             ORIGINAL_REASON: reason,
         }
         catalog = self._catalog
-        if target not in catalog.addresses and self.address_settings.resolve(target).auto_create_dead_letter_resources:
-            catalog.create_queue(target, target, RoutingType.ANYCAST, durable=True, now_ms=now_ms)
         try:
+            if (
+                target not in catalog.addresses
+                and self.address_settings.resolve(target).auto_create_dead_letter_resources
+            ):
+                catalog.create_queue(target, target, RoutingType.ANYCAST, durable=True, now_ms=now_ms)
             self._accept(copy, now_ms)
         except BrokerError as exc:
             log.warning("message dropped", extra={"queue": queue.name, "reason": exc.text})

@@ -378,9 +378,9 @@ class Forwarder:
         queue = self.forward_queues.get(node_id)
         if queue is None:
             name = FORWARD_QUEUE_PREFIX + node_id
-            queue = self._catalog.queues.get(name) or self._catalog.create_queue(
-                name, name, RoutingType.ANYCAST, durable=True, now_ms=now_ms
-            )
+            queue = self._catalog.queues.get(name)  # restored from the journal, perhaps empty (a falsy queue)
+            if queue is None:
+                queue = self._catalog.create_queue(name, name, RoutingType.ANYCAST, durable=True, now_ms=now_ms)
             self.forward_queues[node_id] = queue
         return queue
 

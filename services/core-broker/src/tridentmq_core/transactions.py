@@ -14,7 +14,7 @@ from tridentmq_core.queues import Queue
 from tridentmq_core.sessions import Session, Transaction
 from tridentmq_core.store.base import Store
 from tridentmq_shared.link.ops import ErrorCode, NackMode
-from tridentmq_shared.message import M_ADDRESS, WireMessage
+from tridentmq_shared.message import M_ADDRESS, M_ROUTING, WireMessage
 
 
 class Transactions:
@@ -58,16 +58,13 @@ class Transactions:
             raise BrokerError(code, f"transaction is rollback-only: a publish in it was refused ({text})")
         if self.write_refusal is not None:  # left open: the client may commit again once the store writes
             raise BrokerError(*self.write_refusal)
-        # All or nothing: refuse before applying anything. A missing address that may not be auto-created
-        # is the only reason accepting a message refuses; failing half-way would leave the transaction open
-        # with part of it applied, and a retried commit would apply that part twice.
+        # All or nothing: refuse before applying anything. What a send cannot create is the only reason
+        # accepting a message refuses; failing half-way would leave the transaction open with part of it
+        # applied, and a retried commit would apply that part twice.
         for message in tx.publishes:
-            address = message[M_ADDRESS]
-            if (
-                address not in self._catalog.addresses
-                and not self.address_settings.resolve(address).auto_create_addresses
-            ):
-                raise BrokerError(ErrorCode.NOT_FOUND, f"address {address!r} does not exist")
+            refusal = self._catalog.send_refusal(message[M_ADDRESS], message[M_ROUTING])
+            if refusal is not None:
+                raise refusal
         self.store.begin_transaction()
         try:
             for message in tx.publishes:
