@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from tests.disks import tmpfs
-from tests.unit.broker_harness import Harness, bodies, ids
+from tests.unit.broker_harness import Harness, bodies, ids, ok
 
 from tridentmq_core.queues import MESSAGE_OVERHEAD
 from tridentmq_core.settings import AddressSettingsEntry, CoreSettings
@@ -146,6 +146,27 @@ def test_a_queue_pages_past_its_limit_with_bounded_memory_and_drains_in_order(tm
     assert received == payloads
     assert len(queue) == 0
     assert h.broker.memory.used == 0
+
+
+def test_acks_committed_in_a_transaction_read_pages_back(tmp_path: Path) -> None:
+    """Only a plain ack batch read paged messages back: after a commit the consumer, its credit unused, got
+    nothing until another event (at best the expiry scan) dispatched the queue."""
+    h = paging_harness(tmp_path, limit=5 * PER_MESSAGE)
+    c = h.connect()
+    c.create_queue("big")
+    payloads = [f"{n:03d}".encode() + BODY for n in range(20)]
+    c.send_all("big", payloads)
+    cid = c.consumer("big", credit=100)
+    received: list[bytes] = []
+    for tx in range(1, 10):
+        got = c.take(cid)
+        if not got:
+            break
+        received.extend(bodies(got))
+        ok(c.tx_begin(tx))
+        c.ack(cid, ids(got), tx=tx)
+        ok(c.tx_commit(tx))
+    assert received == payloads
 
 
 def test_a_multicast_address_pages_each_queue_on_its_own(tmp_path: Path) -> None:

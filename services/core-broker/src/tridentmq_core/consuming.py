@@ -232,8 +232,6 @@ class Consuming:
                 self._deliveries.settle(queue, taken[0], now_ms, journaled, consumer)
         if journaled:
             self.store.acknowledge(queue.name, journaled)
-        if queue.paged:
-            self._to_dispatch.add(queue)  # acks free room: read pages back
 
     def nack(self, session: Session, consumer_id: int, ids: list[int], mode: NackMode, now_ms: int) -> None:
         consumer = session.consumers.get(consumer_id)

@@ -121,6 +121,8 @@ class Deliveries:
         node it moved to (no consumer)."""
         queue.settle(message)
         queue.acked += 1
+        if queue.paged:
+            self._to_dispatch.add(queue)  # it freed room: read pages back (an ack batch, a commit, a move)
         if consumer is not None:  # a client's acknowledgement (not a forward's confirmation)
             self._latency.record(now_ms - message[M_TIMESTAMP])
         self.acked(queue, message, now_ms, journaled, consumer)
