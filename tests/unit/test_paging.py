@@ -169,6 +169,23 @@ def test_acks_committed_in_a_transaction_read_pages_back(tmp_path: Path) -> None
     assert received == payloads
 
 
+def test_a_last_value_queue_keeps_every_key_in_memory_for_browsers_and_replacement(tmp_path: Path) -> None:
+    """A last-value queue (an MQTT gateway's retained messages and session records) paged like any queue: a
+    browser saw only the values held in memory, and a paged value was never replaced by a newer one."""
+    h = paging_harness(tmp_path, limit=3 * PER_MESSAGE)
+    c = h.connect()
+    c.create_queue("retained", last_value_key="topic")
+    for n in range(10):
+        c.publish("retained", b"old" + BODY, properties={"topic": f"t{n}"}, sync=False)
+    c.send_all("retained", [b"new" + BODY], properties={"topic": "t9"})
+    queue = h.broker.queues["retained"]
+    assert (len(queue), queue.paged) == (10, 0)
+    cid = c.consumer("retained", browse=True, credit=100)
+    seen = {d.props["topic"]: d.body[:3] for d in c.take(cid)}
+    assert seen == {**{f"t{n}": b"old" for n in range(9)}, "t9": b"new"}
+    assert bodies(c.take(c.consumer("retained", browse=True, selector="topic = 't9'")))[0][:3] == b"new"
+
+
 def test_a_multicast_address_pages_each_queue_on_its_own(tmp_path: Path) -> None:
     h = paging_harness(tmp_path, limit=5 * PER_MESSAGE)
     c = h.connect()

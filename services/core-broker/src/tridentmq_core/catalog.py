@@ -293,7 +293,9 @@ class Catalog:
         auto = auto_created or settings.auto_create_addresses
         # One that stays without queues (not auto-created) is journaled, whatever its first queue.
         self.ensure_address(address, {routing}, auto_created=auto, durable=durable or not auto)
-        paging = settings.address_full_policy == "PAGE" and settings.max_size_bytes >= 0
+        # A last-value queue holds one message per key, and replacing one or browsing them by key needs them all
+        # in memory: paged, a newer value would not replace an older one, and browsers would miss them.
+        paging = settings.address_full_policy == "PAGE" and settings.max_size_bytes >= 0 and last_value_key is None
         queue = Queue(
             name,
             address,
