@@ -561,6 +561,14 @@ def test_queue_filter(c: Client) -> None:
     assert bodies(c.take(c.consumer("all"))) == [b"e1", b"u1", b"n1"]
 
 
+def test_a_queue_filter_sees_the_timestamp_the_core_gives_a_message(h: Harness, c: Client) -> None:
+    """A queue filter was applied before the core stamped the message's timestamp: a message without one of its
+    own (every gateway's) had ``JMSTimestamp`` 0 for the filter and the publish time for consumers' selectors."""
+    ok(c.create_queue("recent", "events", MULTICAST, filter=f"JMSTimestamp >= {BASE_MS}", durable=False))
+    c.send_all("events", [b"now"], routing=MULTICAST)
+    assert bodies(c.take(c.consumer("recent"))) == [b"now"]
+
+
 # ====================================================================== transactions
 def test_transacted_publishes_appear_on_commit(h: Harness, c: Client) -> None:
     ok(c.create_queue("orders"))

@@ -476,6 +476,8 @@ class Broker:
         if dedup_id is not None and self._dedup.seen(dedup_id, now_ms):
             self.counters.duplicates += 1
             return self.confirms.duplicate(dedup_id)  # stored nothing: confirmed with the first, once it is safe
+        if not message[M_TIMESTAMP]:
+            message[M_TIMESTAMP] = now_ms  # before routing: a queue filter sees the JMSTimestamp consumers will
         cluster = self.cluster
         if through and dedup_id is not None and self.write_through.targets and cluster is not None:
             sent_to = self.write_through.target(dedup_id)
