@@ -346,6 +346,36 @@ async def test_a_restart_after_a_long_history_recovers_the_live_messages_exactly
         assert node.stop() == 0
 
 
+async def test_a_browser_of_a_paging_queue_sees_every_message_while_a_consumer_drains_it(tmp_path: Path) -> None:
+    """The paged part of a browse's snapshot is read back for the browser through the node's page I/O thread,
+    while the queue's own consumer reads the same page files back and has them deleted."""
+    config = """
+[[address_settings]]
+match = "paged.#"
+max_size_bytes = 262144
+"""
+    node = start_core(tmp_path, config=config)
+    bodies = [f"{n:06d}".encode() + b"x" * 2000 for n in range(3000)]
+    try:
+        await publish_confirmed(node, "paged.q", bodies)
+        async with client(node) as c:
+            browser = await c.subscribe("paged.q", credit=100, browse=True)
+            drained = asyncio.create_task(drain(node, "paged.q", 3000))
+            browsed: list[bytes] = []
+            while batch := await browser.get_batch(timeout=10):
+                browsed.extend(bytes(m[M_BODY]) for _, m in batch)
+            assert browsed == bodies
+            assert [body for body, _ in await drained] == bodies
+        paging = tmp_path / "core" / "paging"
+        for _ in range(50):  # the I/O thread deletes the files read by both
+            if not list(paging.iterdir()):
+                break
+            await asyncio.sleep(0.1)
+        assert not list(paging.iterdir())
+    finally:
+        assert node.stop() == 0
+
+
 async def test_a_committed_transaction_survives_kill_9_and_an_open_one_leaves_nothing(tmp_path: Path) -> None:
     node = start_core(tmp_path)
     port = node.link_port

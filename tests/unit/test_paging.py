@@ -17,6 +17,7 @@ from tridentmq_core.queues import MESSAGE_OVERHEAD
 from tridentmq_core.settings import AddressSettingsEntry, CoreSettings
 from tridentmq_core.store.paging import FilePager, InlineIO, PageDirectory, ThreadIO
 from tridentmq_core.store.recovery import RecoveredState
+from tridentmq_shared.link import events as ev
 from tridentmq_shared.message import M_BODY, M_ID, WireMessage, new_message
 
 BODY = b"x" * 1000
@@ -93,6 +94,30 @@ def test_with_the_io_thread_reads_come_back_through_on_ready_in_order(tmp_path: 
     pager._io.submit(io_done.set)
     assert io_done.wait(10)
     assert not list(tmp_path.iterdir())
+
+
+def test_a_browse_reads_its_own_copy_of_the_paged_messages_through_the_io_thread(tmp_path: Path) -> None:
+    """While the queue reads its messages back (and deletes the files it read), a browse taken before reads every
+    message paged then, in order, from files kept for it until it is done."""
+    loop: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+    pager = FilePager(tmp_path, "q", ThreadIO(loop.put), on_ready=lambda: None, file_bytes=256 * 1024)
+    messages = [new_message("q", n.to_bytes(4, "big") + bytes(2000)) for n in range(1000)]
+    for message in messages:
+        pager.append(message)
+    browse = pager.browse()
+    assert [m[M_BODY] for m in read_all(pager, loop, len(messages), 300)] == [m[M_BODY] for m in messages]
+    browsed: list[WireMessage] = []
+    while not browse.done:
+        message = browse.take()
+        if message is None:
+            loop.get(timeout=10)()
+        else:
+            browsed.append(message)
+    assert [m[M_BODY] for m in browsed] == [m[M_BODY] for m in messages]
+    io_done = threading.Event()
+    pager._io.submit(io_done.set)
+    assert io_done.wait(10)
+    assert not list(tmp_path.iterdir())  # read by both: deleted
 
 
 @pytest.fixture
@@ -184,6 +209,48 @@ def test_a_last_value_queue_keeps_every_key_in_memory_for_browsers_and_replaceme
     seen = {d.props["topic"]: d.body[:3] for d in c.take(cid)}
     assert seen == {**{f"t{n}": b"old" for n in range(9)}, "t9": b"new"}
     assert bodies(c.take(c.consumer("retained", browse=True, selector="topic = 't9'")))[0][:3] == b"new"
+
+
+def test_a_browser_sees_the_paged_messages_too(tmp_path: Path) -> None:
+    """A browser was offered only the messages held in memory: those paged when it subscribed were missing."""
+    h = paging_harness(tmp_path, limit=5 * PER_MESSAGE)
+    c = h.connect()
+    c.create_queue("big")
+    payloads = [f"{n:04d}".encode() + BODY for n in range(1000)]
+    for start in range(0, 1000, 250):
+        c.send_all("big", payloads[start : start + 250])
+    browser = c.consumer("big", browse=True, credit=100)
+    consumer = c.consumer("big", credit=100)
+    browsed: list[bytes] = []
+    received: list[bytes] = []
+    while len(received) < 1000 or c.events(ev.BrowseDone) == []:
+        got = c.take(consumer)
+        received.extend(bodies(got))
+        c.ack(consumer, ids(got))
+        c.flow(consumer, len(got))
+        shown = c.take(browser)
+        browsed.extend(bodies(shown))
+        c.flow(browser, len(shown))
+        assert got or shown or len(received) == 1000, (len(received), len(browsed))
+    assert received == payloads
+    assert browsed == payloads
+    assert not list((tmp_path / "paging").iterdir())
+
+
+def test_a_browser_that_leaves_early_lets_the_page_files_go(tmp_path: Path) -> None:
+    h = paging_harness(tmp_path, limit=PER_MESSAGE)
+    c = h.connect()
+    c.create_queue("big")
+    for _ in range(4):
+        c.send_all("big", [BODY] * 500)  # past the page writer's buffer
+    browser = c.consumer("big", browse=True, credit=10)
+    assert len(c.take(browser)) == 10
+    ok(c.unsubscribe(browser))
+    consumer = c.consumer("big", credit=3000)
+    while got := c.take(consumer):
+        c.ack(consumer, ids(got))
+    assert len(h.broker.queues["big"]) == 0
+    assert not list((tmp_path / "paging").iterdir())
 
 
 def test_a_multicast_address_pages_each_queue_on_its_own(tmp_path: Path) -> None:

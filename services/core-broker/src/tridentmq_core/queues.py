@@ -80,6 +80,15 @@ class MemoryGauge:
         self.used = 0
 
 
+class PagedBrowse(Protocol):
+    """A browser's copy of what was paged when it subscribed, read back for it alone (``store/paging.py``)."""
+
+    @property
+    def done(self) -> bool: ...
+    def take(self) -> WireMessage | None: ...  # None: none now (done, or more after on_ready)
+    def close(self) -> None: ...
+
+
 class Pager(Protocol):
     """Where a queue over its size limit keeps further messages, in order (``store/paging.py``)."""
 
@@ -88,7 +97,35 @@ class Pager(Protocol):
     def append(self, message: WireMessage) -> None: ...
     def read(self, limit: int) -> list[WireMessage]: ...  # may return fewer: more after on_ready
     def peek(self) -> Iterator[WireMessage]: ...
+    def browse(self) -> PagedBrowse: ...
     def close(self) -> None: ...
+
+
+class Browse:
+    """What a browser is offered: the queued messages when it subscribed, in delivery order, then those paged
+    then (read back from the page files as it gets to them)."""
+
+    __slots__ = ("_paged", "_queued")
+
+    def __init__(self, queued: list[WireMessage], paged: PagedBrowse | None) -> None:
+        self._queued = iter(queued)
+        self._paged = paged
+
+    def next(self) -> WireMessage | None:
+        """The next message; None when there is none now (the end if ``done``, else more after on_ready)."""
+        message = next(self._queued, None)
+        if message is None and self._paged is not None:
+            return self._paged.take()
+        return message
+
+    @property
+    def done(self) -> bool:
+        """After ``next`` gave None: whether that is the end."""
+        return self._paged is None or self._paged.done
+
+    def close(self) -> None:
+        if self._paged is not None:
+            self._paged.close()
 
 
 #: Makes the pager of a queue: (queue name, called when paged messages are ready to read) → Pager.
@@ -149,7 +186,7 @@ class Consumer:
         self.selector = selector
         self.auto_ack = auto_ack
         self.browse = browse
-        self.browse_iter: Iterator[WireMessage] | None = None
+        self.browse_iter: Browse | None = None
         self.in_flight = _NO_IN_FLIGHT
         self.counts = _NO_COUNTS  # delivery count of in-flight messages delivered more than once
         self.forwarder = False  # moves messages to another node (cluster): not a consumer of a client
@@ -530,11 +567,13 @@ class Queue:
     # ------------------------------------------------------------------ consumers
     def add_consumer(self, consumer: Consumer) -> None:
         if consumer.browse:
-            consumer.browse_iter = iter(self._browsed(consumer.selector))
+            paged = self._pager.browse() if self._pager is not None and self._paged else None
+            consumer.browse_iter = Browse(self._browsed(consumer.selector), paged)
         self.consumers.append(consumer)
 
     def _browsed(self, selector: Selector | None) -> list[WireMessage]:
-        """What a browser is offered: the queued messages in delivery order. On a last-value queue keyed on the
+        """What a browser is offered from memory: the queued messages in delivery order (the paged ones follow,
+        see ``Browse``). On a last-value queue keyed on the
         one property the selector must equal, only that key's message, found by key: an MQTT SUBSCRIBE browses
         the retained messages this way, and a scan of 100,000 of them per device is what it must not cost."""
         key = self.last_value_key
@@ -555,6 +594,9 @@ class Queue:
         """Detach a consumer and hand back its unacknowledged messages with their delivery counts, newest
         first (returning them in that order to the head of the queue restores their order)."""
         self.consumers.remove(consumer)
+        if consumer.browse_iter is not None:
+            consumer.browse_iter.close()  # the page files it still needed may go
+            consumer.browse_iter = None
         for group, owner in list(self._groups.items()):
             if owner is consumer:
                 del self._groups[group]
@@ -726,12 +768,13 @@ class Queue:
         assert consumer.browse_iter is not None
         session = consumer.session
         while consumer.credit > 0:
-            message = next(consumer.browse_iter, None)
+            message = consumer.browse_iter.next()
             if message is None:
-                consumer.browse_iter = None
-                session.conn.browse_done(consumer.id)
-                self._sink.on_browse_done(self, consumer)
-                break
+                if consumer.browse_iter.done:
+                    consumer.browse_iter = None
+                    session.conn.browse_done(consumer.id)
+                    self._sink.on_browse_done(self, consumer)
+                break  # else paged messages are being read for it: on_pages_ready brings it back
             expiration = message[M_EXPIRATION]
             if (expiration and expiration <= now_ms) or not consumer.accepts(message):
                 continue

@@ -127,7 +127,7 @@ class ThreadIO:
 
 
 class _PageFile:
-    __slots__ = ("fd", "path", "read_offset", "size", "unwritten")
+    __slots__ = ("browsers", "fd", "path", "read_offset", "retired", "size", "unwritten")
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -136,6 +136,15 @@ class _PageFile:
         self.read_offset = 0  # bytes read back and collected
         #: Writes that failed, by offset: their bytes, until read (the I/O thread's, or the loop's in ``peek``).
         self.unwritten: dict[int, bytes] = {}
+        self.browsers = 0  # browses that still have to read it (see PagedBrowse)
+        self.retired = False  # the queue is done with it: deleted once no browse needs it
+
+
+def _retire(page: _PageFile, io: PageIO) -> None:
+    """The queue is done with ``page``: delete it, or let the last browse that reads it do so."""
+    page.retired = True
+    if not page.browsers:
+        io.submit(partial(_delete, page))
 
 
 class FilePager:
@@ -251,8 +260,8 @@ class FilePager:
             except Exception:  # a disk that fails reads: no progress, and the next read() tries again
                 log.exception("page file read failed", extra={"page_file": page.path.name})
                 messages, offset = [], start
-            for at in [at for at, chunk in page.unwritten.items() if at + len(chunk) <= offset]:
-                del page.unwritten[at]  # read: no longer needed
+            for at in [at for at, chunk in page.unwritten.items() if at + len(chunk) <= offset and not page.browsers]:
+                del page.unwritten[at]  # read: no longer needed (unless a browse still reads the file)
             results.append((page, messages, offset))  # always: it ends ``_reading``
             io.notify(on_ready)
 
@@ -270,7 +279,7 @@ class FilePager:
             page.read_offset = offset
             if offset == page.size:  # read to its end, and nothing more was written to it
                 self._files.remove(page)
-                self._io.submit(partial(_delete, page))
+                _retire(page, self._io)
         if more and not self._reading and len(self._ready) < self.count:
             self._read_ahead()  # keep one read-ahead going while anything is paged
 
@@ -295,7 +304,84 @@ class FilePager:
         self._ready.clear()
         self.count = 0
         while self._files:
-            page = self._files.popleft()
+            _retire(self._files.popleft(), self._io)
+
+    def browse(self) -> PagedBrowse:
+        """What is paged now, for a browser, read back for it alone: the queue's own reading takes nothing from
+        it, and the page files it needs stay until it has read them."""
+        self._flush()  # the buffered messages go to the file, ahead of the browse's reads
+        self._collect(more=False)
+        ranges = [(page, page.read_offset, page.size) for page in self._files if page.read_offset < page.size]
+        for page, _, _ in ranges:
+            page.browsers += 1
+        return PagedBrowse(list(self._ready), ranges, self._io, self._on_ready)
+
+
+class PagedBrowse:
+    """A browser's copy of what a queue had paged when it subscribed, read a chunk at a time on the I/O thread
+    (``on_ready`` follows each chunk that ``take`` could not return at once)."""
+
+    def __init__(
+        self, ready: list[WireMessage], ranges: list[tuple[_PageFile, int, int]], io: PageIO, on_ready: Job
+    ) -> None:
+        self._batch: deque[WireMessage] = deque(ready)
+        self._ranges = deque(ranges)  # (page, next offset to read, end) of what is still to read
+        self._io = io
+        self._on_ready = on_ready
+        self._results: deque[tuple[list[WireMessage], int]] = deque()  # appended by the I/O thread
+        self._reading = False
+
+    @property
+    def done(self) -> bool:
+        return not self._batch and not self._ranges
+
+    def take(self) -> WireMessage | None:
+        """The next message; None when there is none now (``done``, or still being read)."""
+        self._collect()
+        if not self._batch and self._ranges and not self._reading:
+            self._read()
+            self._collect()  # done already with inline I/O
+        return self._batch.popleft() if self._batch else None
+
+    def close(self) -> None:
+        """The browser is gone: the page files it still needed may go."""
+        self._batch.clear()
+        while self._ranges:
+            self._release(self._ranges.popleft()[0])
+
+    def _read(self) -> None:
+        page, start, end = self._ranges[0]
+        self._reading = True
+        results, on_ready = self._results, self._on_ready
+
+        def read() -> None:
+            try:
+                messages, offset = _read(page, start, end, READ_AHEAD_BYTES)
+            except Exception:  # a disk that fails reads: the browse ends this file here
+                log.exception("page file read for a browser failed", extra={"page_file": page.path.name})
+                messages, offset = [], start
+            results.append((messages, offset))
+            self._io.notify(on_ready)
+
+        self._io.submit(read)
+
+    def _collect(self) -> None:
+        while self._results:
+            messages, offset = self._results.popleft()
+            self._reading = False
+            if not self._ranges:
+                continue  # closed meanwhile
+            page, start, end = self._ranges[0]
+            self._batch.extend(messages)
+            if start < offset < end:
+                self._ranges[0] = (page, offset, end)
+            else:  # read to its end, or no progress (the file failed or is gone): done with it
+                self._ranges.popleft()
+                self._release(page)
+
+    def _release(self, page: _PageFile) -> None:
+        page.browsers -= 1
+        if not page.browsers and page.retired:
             self._io.submit(partial(_delete, page))
 
 
