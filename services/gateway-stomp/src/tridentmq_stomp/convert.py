@@ -35,12 +35,16 @@ from tridentmq_shared.message import (
     property_text,
     time_problem,
 )
+from tridentmq_shared.mqtt_queues import queue_name
 from tridentmq_shared.names import name_problem
 
 QUEUE_PREFIX: Final = "/queue/"
 TOPIC_PREFIX: Final = "/topic/"
 TEMP_QUEUE_PREFIX: Final = "/temp-queue/"
 FQQN_SEPARATOR: Final = "::"  # address::queue
+#: The queues that mark a client id as connected (a temporary queue of that connection's link, see
+#: ``client_id_lock``); ``$`` keeps them out of reach of wildcard subscriptions.
+CLIENT_ID_LOCK_PREFIX: Final = "$stomp.lock."
 #: The SEND's destination when it is the address as it is (no ``/queue/`` or ``/topic/``); hidden from others.
 SENT_DESTINATION: Final = ENCODING_PREFIX + "stomp.destination"
 #: Headers with a meaning of their own in STOMP frames: never stored as properties.
@@ -62,6 +66,12 @@ FRAME_HEADERS: Final = frozenset(
         "timestamp",
     }
 )
+
+
+def client_id_lock(client_id: str) -> str:
+    """The queue whose existence on the core says a connection with ``client_id`` is connected. Named as the
+    MQTT gateway's locks are (readable, then a hash): any client id makes a name within the core's rules."""
+    return queue_name(CLIENT_ID_LOCK_PREFIX, client_id, "")
 
 
 class ConversionError(ValueError):
