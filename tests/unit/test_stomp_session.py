@@ -634,3 +634,59 @@ async def test_a_client_is_told_when_its_core_goes_away(
         await core.stop_node()
         error = await c.error()
         assert (error.headers["message"], error.body) == (message, detail)
+
+
+async def test_a_client_id_is_refused_while_a_connection_holds_it(core: Core) -> None:
+    """As ActiveMQ: two connections with one client id would consume its durable subscriptions and split them."""
+    first = client(core)
+    await first.connect(client_id="holder")
+    second = client(core)
+    second.send_frame("CONNECT", accept_version="1.2", host="broker", client_id="holder")
+    error = await second.error()
+    assert error.headers["message"] == "client id in use"
+    assert error.body == b"Client: holder already connected"
+    await second.session.wait_closed()
+    assert len([q for q in core.node.broker.queues if q.startswith("$stomp.lock.holder.")]) == 1
+    other = client(core)
+    await other.connect(client_id="someone else")
+    await first.receipt("SUBSCRIBE", id="d", destination="/topic/held", durable_subscription_name="n")  # unaffected
+
+
+async def test_a_client_id_is_free_once_its_connection_ends(core: Core) -> None:
+    first = client(core)
+    await first.connect(client_id="passing")
+    await first.receipt("DISCONNECT")  # freed before its RECEIPT: a client may connect again at once
+    second = client(core)
+    await second.connect(client_id="passing")
+    second.session.connection_lost()  # the link's end frees it too
+    await second.session.wait_closed()
+    third = client(core)
+    await third.connect(client_id="passing")
+
+
+async def test_a_connection_without_client_id_asks_the_core_nothing_more(core: Core) -> None:
+    c = await connected(core)
+    assert not [q for q in core.node.broker.queues if q.startswith("$stomp.")]
+    c.send_frame("DISCONNECT")
+    held = client(core)
+    await held.connect(client_id="x")
+    assert [q for q in core.node.broker.queues if q.startswith("$stomp.lock.x.")]
+
+
+async def test_a_client_id_needs_the_right_to_make_its_lock_queue(tmp_path: Path) -> None:
+    settings = core_settings(
+        tmp_path,
+        users=[UserEntry("alice", "secret", ["app"]), UserEntry("bob", "secret", ["locks"])],
+        permissions=[
+            PermissionEntry("$stomp.lock.#", permission, ["locks"])
+            for permission in ("createAddress", "createNonDurableQueue")
+        ],
+    )
+    async with running_core(settings, lambda port: CoreLinkSection(port=port)) as core:
+        refused = client(core)
+        refused.send_frame("CONNECT", accept_version="1.2", host="b", login="alice", passcode="secret", client_id="a")
+        error = await refused.error()
+        assert error.headers["message"] == "permission denied"
+        assert b"createNonDurableQueue" in error.body
+        await client(core).connect(login="alice", passcode="secret")  # without client-id: nothing asked
+        await client(core).connect(login="bob", passcode="secret", client_id="b")

@@ -41,6 +41,11 @@ from tridentmq_stomp.settings import StompSettings
 log = logging.getLogger("tridentmq.stomp")
 
 SERVER_NAME = "TridentMQ/0.1"
+#: How long a CONNECT whose client id is held waits for it to come free before it is refused, looking every
+#: ``CLIENT_ID_RETRY_S``: a holder's end reaches its core node a moment after its client saw it (a closed
+#: socket), and the other nodes of a cluster up to a cluster tick later.
+CLIENT_ID_WAIT_S = 0.5
+CLIENT_ID_RETRY_S = 0.05
 #: ERROR ``message`` headers for the core's refusals of a request.
 _ERROR_NAMES = {
     ErrorCode.FORBIDDEN: "permission denied",
@@ -94,6 +99,7 @@ class StompSession:
         )
         self.link: LinkClient | None = None
         self.client_id: str | None = None
+        self.client_id_lock: str | None = None  # the queue that holds client_id for this connection, if any
         self.subscriptions: dict[str, Subscription] = {}
         self.temporary_queues: set[str] = set()  # addresses of this connection's /temp-queue/ destinations
         self.transactions: dict[str, int] = {}
@@ -228,20 +234,69 @@ class StompSession:
         except LinkRequestError as exc:
             if exc.code == ErrorCode.UNAUTHENTICATED:
                 log.info("stomp login refused", extra={"peer": self.wire.peer, "user": event.login})
-                self.conn.refuse("authentication failed", "bad login or passcode")
+                self._refuse("authentication failed", "bad login or passcode")
             else:
                 log.warning("core unavailable", extra={"peer": self.wire.peer, "reason": exc.text})
-                self.conn.refuse("server unavailable", "the broker cannot be reached; try again")
-            self.counters.errors += 1
-            self._driver.end()
+                self._refuse("server unavailable", "the broker cannot be reached; try again")
             return
-        self.link = link
+        self.link = link  # from here the clean-up closes it, whatever ends the session
+        client_id = event.headers.get("client-id") or None
+        if client_id is not None and not await self._hold_client_id(link, client_id):
+            return
         link.on_closed = self._link_closed
         link.on_settled = self._settled
-        self.client_id = event.headers.get("client-id")
+        self.client_id = client_id
         self.conn.accept(self.id, SERVER_NAME, time.monotonic())
         self.wire.logged_in()
         self._arm_timer()  # the heart-beats' deadlines
+
+    def _refuse(self, message: str, detail: str) -> None:
+        """Answer the CONNECT with an ERROR; the session ends (its clean-up closes the link, if one was opened)."""
+        self.conn.refuse(message, detail)
+        self.counters.errors += 1
+        self._driver.end()
+
+    async def _hold_client_id(self, link: LinkClient, client_id: str) -> bool:
+        """Make ``client_id`` this connection's, as ActiveMQ does: no other connection, through any gateway, may
+        have it meanwhile (or two would consume its durable subscriptions and split their messages). The core
+        decides: the holder is the link whose temporary queue ``client_id_lock`` is, on its node, and no other
+        node has one of that name (cluster nodes answer a queue's creation once the others know of it). The
+        queue goes with the link, however the connection ends. False: the CONNECT is refused."""
+        name = convert.client_id_lock(client_id)
+        deadline = time.monotonic() + CLIENT_ID_WAIT_S
+        try:
+            while True:
+                found = await link.create_queue(name, durable=False, temporary=True)
+                if found.get("created") and not found.get("elsewhere"):
+                    self.client_id_lock = name
+                    return True
+                if time.monotonic() >= deadline:
+                    break
+                if found.get("created"):  # another node's connection holds it: ours must not stand meanwhile
+                    await link.delete_queue(name)
+                await asyncio.sleep(CLIENT_ID_RETRY_S)
+        except LinkRequestError as exc:
+            log.info("stomp client id not held", extra={"peer": self.wire.peer, "reason": exc.text})
+            if exc.code == ErrorCode.FORBIDDEN:
+                detail = f"a client-id needs createAddress and createNonDurableQueue on {name!r}: {exc.text}"
+                self._refuse("permission denied", detail)
+            elif isinstance(exc, LinkClosedError):
+                self._refuse("server unavailable", "the broker cannot be reached; try again")
+            else:
+                self._refuse(_ERROR_NAMES.get(exc.code, "request failed"), exc.text)
+            return False
+        log.info("stomp client id in use", extra={"peer": self.wire.peer, "client_id": client_id[:200]})
+        # ActiveMQ's words in the body (its ERROR's message header says them); the header stays a fixed text.
+        self._refuse("client id in use", f"Client: {client_id} already connected")
+        return False
+
+    async def _release_client_id(self) -> None:
+        """Free the client id now: the link's close would too, but only after the DISCONNECT's RECEIPT, and a
+        client that connects again at once must find it free."""
+        name, self.client_id_lock = self.client_id_lock, None
+        if name is not None:
+            with contextlib.suppress(LinkRequestError):  # a link gone took the queue with it
+                await self._link().delete_queue(name)
 
     def _link(self) -> LinkClient:
         assert self.link is not None  # the codec only lets frames through after CONNECTED
@@ -452,6 +507,7 @@ class StompSession:
 
     async def _disconnect(self, event: ev.Disconnect) -> None:
         await self._settle_receipts()
+        await self._release_client_id()
         if event.receipt is not None and not self.conn.closed:
             self.conn.receipt(event.receipt)
         self._flush()
