@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import stomp
 from proton import Message
 from proton.reactor import DurableSubscription
 from proton.utils import BlockingConnection
@@ -107,6 +108,25 @@ def test_an_amqp_durable_subscription_closed_through_another_node_ends_on_both(
         assert got.body == "new"
         subscription.close()
         conn.close()
+    finally:
+        for gateway in (first, second):
+            stop_cleanly(gateway)
+
+
+def test_a_stomp_client_id_is_one_connections_across_the_cluster(tmp_path: Path, cluster: list[CoreProcess]) -> None:
+    """A client id held through node 0 is refused through node 1, and free there as soon as its holder leaves."""
+    first, second = _pair(tmp_path, cluster, "stomp")
+    client_id = f"app-{uuid.uuid4().hex[:8]}"
+    try:
+        holder, _ = stomp_connect(first, connect_headers={"client-id": client_id})
+        with pytest.raises(stomp.exception.ConnectFailedException):
+            stomp_connect(second, connect_headers={"client-id": client_id})
+        assert "stomp client id in use" in second.log()
+        holder.disconnect()
+        again, _ = stomp_connect(second, connect_headers={"client-id": client_id})
+        with pytest.raises(stomp.exception.ConnectFailedException):
+            stomp_connect(first, connect_headers={"client-id": client_id})
+        again.disconnect()
     finally:
         for gateway in (first, second):
             stop_cleanly(gateway)
