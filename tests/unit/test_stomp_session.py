@@ -687,6 +687,6 @@ async def test_a_client_id_needs_the_right_to_make_its_lock_queue(tmp_path: Path
         refused.send_frame("CONNECT", accept_version="1.2", host="b", login="alice", passcode="secret", client_id="a")
         error = await refused.error()
         assert error.headers["message"] == "permission denied"
-        assert b"createNonDurableQueue" in error.body
+        assert b"createNonDurableQueue on $stomp.lock.#" in error.body
         await client(core).connect(login="alice", passcode="secret")  # without client-id: nothing asked
         await client(core).connect(login="bob", passcode="secret", client_id="b")

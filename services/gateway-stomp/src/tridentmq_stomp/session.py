@@ -278,8 +278,8 @@ class StompSession:
         except LinkRequestError as exc:
             log.info("stomp client id not held", extra={"peer": self.wire.peer, "reason": exc.text})
             if exc.code == ErrorCode.FORBIDDEN:
-                detail = f"a client-id needs createAddress and createNonDurableQueue on {name!r}: {exc.text}"
-                self._refuse("permission denied", detail)
+                rights = f"createAddress and createNonDurableQueue on {convert.CLIENT_ID_LOCK_PREFIX}#"
+                self._refuse("permission denied", f"a client-id needs {rights}: {exc.text}")
             elif isinstance(exc, LinkClosedError):
                 self._refuse("server unavailable", "the broker cannot be reached; try again")
             else:
