@@ -660,8 +660,12 @@ async def test_a_client_id_is_free_once_its_connection_ends(core: Core) -> None:
     await second.connect(client_id="passing")
     second.session.connection_lost()  # the link's end frees it too
     await second.session.wait_closed()
-    third = client(core)
-    await third.connect(client_id="passing")
+    third = client(core, heartbeat_receive_ms=100, min_heartbeat_ms=50)
+    await third.connect(client_id="passing", heart_beat="100,0")
+    assert (await third.error()).headers["message"] == "heart-beat missed"  # a client gone silent frees it too
+    await third.session.wait_closed()
+    fourth = client(core)
+    await fourth.connect(client_id="passing")
 
 
 async def test_a_connection_without_client_id_asks_the_core_nothing_more(core: Core) -> None:
