@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from tridentmq_shared import id_locks
 from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.gateway import Wire
 from tridentmq_shared.link.client import Consumer, LinkClient, queue_spec
@@ -41,11 +42,6 @@ from tridentmq_stomp.settings import StompSettings
 log = logging.getLogger("tridentmq.stomp")
 
 SERVER_NAME = "TridentMQ/0.1"
-#: How long a CONNECT whose client id is held waits for it to come free before it is refused, looking every
-#: ``CLIENT_ID_RETRY_S``: a holder's end reaches its core node a moment after its client saw it (a closed
-#: socket), and the other nodes of a cluster up to a cluster tick later.
-CLIENT_ID_WAIT_S = 0.5
-CLIENT_ID_RETRY_S = 0.05
 #: ERROR ``message`` headers for the core's refusals of a request.
 _ERROR_NAMES = {
     ErrorCode.FORBIDDEN: "permission denied",
@@ -257,24 +253,11 @@ class StompSession:
         self._driver.end()
 
     async def _hold_client_id(self, link: LinkClient, client_id: str) -> bool:
-        """Make ``client_id`` this connection's, as ActiveMQ does: no other connection, through any gateway, may
-        have it meanwhile (or two would consume its durable subscriptions and split their messages). The core
-        decides: the holder is the link whose temporary queue ``client_id_lock`` is, on its node, and no other
-        node has one of that name (cluster nodes answer a queue's creation once the others know of it). The
-        queue goes with the link, however the connection ends. False: the CONNECT is refused."""
+        """Make ``client_id`` this connection's, as ActiveMQ does (see ``id_locks``): no other connection, through
+        any gateway, may have it meanwhile. False: the CONNECT is refused."""
         name = convert.client_id_lock(client_id)
-        deadline = time.monotonic() + CLIENT_ID_WAIT_S
         try:
-            while True:
-                found = await link.create_queue(name, durable=False, temporary=True)
-                if found.get("created") and not found.get("elsewhere"):
-                    self.client_id_lock = name
-                    return True
-                if time.monotonic() >= deadline:
-                    break
-                if found.get("created"):  # another node's connection holds it: ours must not stand meanwhile
-                    await link.delete_queue(name)
-                await asyncio.sleep(CLIENT_ID_RETRY_S)
+            held = await id_locks.hold(link, name)
         except LinkRequestError as exc:
             log.info("stomp client id not held", extra={"peer": self.wire.peer, "reason": exc.text})
             if exc.code == ErrorCode.FORBIDDEN:
@@ -285,6 +268,9 @@ class StompSession:
             else:
                 self._refuse(_ERROR_NAMES.get(exc.code, "request failed"), exc.text)
             return False
+        if held:
+            self.client_id_lock = name
+            return True
         log.info("stomp client id in use", extra={"peer": self.wire.peer, "client_id": client_id[:200]})
         # ActiveMQ's words in the body (its ERROR's message header says them); the header stays a fixed text.
         self._refuse("client id in use", f"Client: {client_id} already connected")
@@ -295,8 +281,7 @@ class StompSession:
         client that connects again at once must find it free."""
         name, self.client_id_lock = self.client_id_lock, None
         if name is not None:
-            with contextlib.suppress(LinkRequestError):  # a link gone took the queue with it
-                await self._link().delete_queue(name)
+            await id_locks.release(self._link(), name)
 
     def _link(self) -> LinkClient:
         assert self.link is not None  # the codec only lets frames through after CONNECTED
