@@ -1870,3 +1870,81 @@ async def test_an_outcome_whose_link_closed_before_the_commit_leaves_the_message
     assert (await tx.discharge(txn_id, fail=False)).remote_state == Delivery.ACCEPTED
     await c.nothing()
     assert len(queue) == 1  # the late outcome changed nothing
+
+
+# ------------------------------------------------------------------------------------------------ container ids
+SOLE = "sole-connection-for-container"
+
+
+def sole(core: Core, container: str, **kwargs: Any) -> Client:
+    client = Client(core, container=container, **kwargs)
+    client.connection.desired_capabilities = [proton.symbol(SOLE)]
+    client.connection.open()
+    return client
+
+
+def locks(core: Core) -> list[str]:
+    return [q for q in core.node.broker.queues if q.startswith("$amqp.lock.")]
+
+
+async def test_a_container_id_desired_as_sole_is_held_and_a_second_open_refused(core: Core) -> None:
+    first = sole(core, "billing")
+    await first.until(lambda: first.connection.state & Endpoint.REMOTE_ACTIVE, "the OPEN")
+    assert SOLE in set(first.connection.remote_offered_capabilities)
+    assert [q.startswith("$amqp.lock.billing.") for q in locks(core)] == [True]
+    second = sole(core, "billing")
+    condition = await second.connection_closed()
+    assert condition is not None
+    assert (condition.name, condition.info) == ("amqp:invalid-field", {"invalid-field": "container-id"})
+    assert second.connection.remote_properties == {"amqp:connection-establishment-failed": True}
+    assert SOLE in set(second.connection.remote_offered_capabilities)
+    assert second.counters.refused == 1
+    second.connection.close()
+    await second.until(lambda: second.wire.closed, "the socket closed")
+    assert len(locks(core)) == 1  # the holder's, untouched
+    sender = await first.sender("still.open")
+    assert (await first.send(sender, Message(body=1))).remote_state == Delivery.ACCEPTED
+    other = sole(core, "payroll")
+    await other.until(lambda: other.connection.state & Endpoint.REMOTE_ACTIVE, "the OPEN")
+    assert other.connection.remote_condition is None
+
+
+async def test_a_container_id_is_free_once_its_close_is_answered_or_its_socket_gone(core: Core) -> None:
+    first = sole(core, "billing")
+    await first.until(lambda: first.connection.state & Endpoint.REMOTE_ACTIVE, "the OPEN")
+    first.connection.close()
+    await first.connection_closed()
+    assert locks(core) == []  # freed before the answer: the client may connect again at once
+    second = sole(core, "billing")
+    await second.until(lambda: second.connection.state & Endpoint.REMOTE_ACTIVE, "the OPEN")
+    second.session.connection_lost()
+    await second.session.wait_closed()
+    third = sole(core, "billing")
+    await third.until(lambda: third.connection.state & Endpoint.REMOTE_ACTIVE, "the OPEN")
+    assert third.connection.remote_condition is None
+
+
+async def test_without_the_capability_a_container_id_asks_the_core_nothing(core: Core) -> None:
+    one, two = await connected(core, container="shared"), await connected(core, container="shared")
+    assert SOLE not in set(one.connection.remote_offered_capabilities)
+    assert locks(core) == []
+    held = sole(core, "shared")  # the others hold nothing
+    await held.until(lambda: held.connection.state & Endpoint.REMOTE_ACTIVE, "the OPEN")
+    assert held.connection.remote_condition is None
+    assert await two.sender("still.open")
+
+
+async def test_a_sole_container_id_needs_the_right_to_make_its_lock(tmp_path: Path) -> None:
+    async with running_core(secured(tmp_path, *ALL_ON_OPEN), lambda port: CoreLinkSection(port=port)) as core:
+        refused = sole(core, "billing", mechanism="PLAIN", user="alice", password="secret")
+        condition = await refused.connection_closed()
+        assert condition is not None
+        assert condition.name == "amqp:unauthorized-access"
+        assert "createNonDurableQueue on $amqp.lock.#" in condition.description
+        plain = await connected(core, mechanism="PLAIN", user="alice", password="secret", container="billing")
+        assert plain.connection.remote_condition is None  # without the capability: nothing asked
+    grants = (("$amqp.lock.#", "createAddress"), ("$amqp.lock.#", "createNonDurableQueue"))
+    async with running_core(secured(tmp_path, *grants), lambda port: CoreLinkSection(port=port)) as core:
+        held = sole(core, "billing", mechanism="PLAIN", user="alice", password="secret")
+        await held.until(lambda: held.connection.state & Endpoint.REMOTE_ACTIVE, "the OPEN")
+        assert held.connection.remote_condition is None

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from tridentmq_shared.message import ROUTING_DEFAULT, TEMPORARY_ADDRESS_PREFIX, RoutingType
+from tridentmq_shared.mqtt_queues import queue_name
 from tridentmq_shared.names import name_problem
 
 ANYCAST: Final = int(RoutingType.ANYCAST)
@@ -28,6 +29,12 @@ PREFIXES: Final = (
 )
 CAPABILITIES: Final = {"queue": ANYCAST, "topic": MULTICAST}
 FQQN_SEPARATOR: Final = "::"
+#: The connection capability by which a client (Qpid JMS with a client id) asks that no other connection have
+#: its container id meanwhile; the gateway offers it back when it holds the id.
+SOLE_CONNECTION: Final = "sole-connection-for-container"
+#: The queues that mark a container id as held (``container_id_lock``); ``$`` keeps them out of reach of
+#: wildcard subscriptions.
+CONTAINER_ID_LOCK_PREFIX: Final = "$amqp.lock."
 
 
 class ConversionError(ValueError):
@@ -82,6 +89,13 @@ def durable_subscription_queue(container_id: str, link_name: str) -> str:
     """The queue of a durable subscription: the client's container id and the link name (the JMS client id
     and subscription name), as in Artemis, so that a reconnecting client finds it again."""
     return f"{container_id}.{link_name}"
+
+
+def container_id_lock(container_id: str) -> str:
+    """The queue whose existence on the core says a connection holds ``container_id`` (see ``id_locks``). Named
+    as the other gateways' locks are (readable, then a hash): any container id makes a name within the core's
+    rules."""
+    return queue_name(CONTAINER_ID_LOCK_PREFIX, container_id, "")
 
 
 def shared_subscription_queue(container_id: str, link_name: str, *, shared_globally: bool) -> str:

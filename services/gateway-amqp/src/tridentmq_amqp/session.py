@@ -41,7 +41,15 @@ from tridentmq_amqp.links import (
     transactional_state,
     txn_id_of,
 )
-from tridentmq_amqp.protocol.engine import NULL, Engine, close_frame, wrap_delivery, wrap_link, wrap_session
+from tridentmq_amqp.protocol.engine import (
+    NULL,
+    Engine,
+    close_frame,
+    field_info,
+    wrap_delivery,
+    wrap_link,
+    wrap_session,
+)
 from tridentmq_amqp.protocol.errors import (
     CONNECTION_FORCED,
     DECODE_ERROR,
@@ -61,6 +69,7 @@ from tridentmq_amqp.protocol.errors import (
 )
 from tridentmq_amqp.protocol.sasl import AuthRequest, SaslLayer
 from tridentmq_amqp.settings import AmqpSettings
+from tridentmq_shared import id_locks
 from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.gateway import Wire
 from tridentmq_shared.link.client import Consumer, LinkClient, queue_spec
@@ -115,6 +124,16 @@ _ACCEPTED: Final = lib.PN_ACCEPTED
 _REJECTED: Final = lib.PN_REJECTED
 _RELEASED: Final = lib.PN_RELEASED
 _MODIFIED: Final = lib.PN_MODIFIED
+#: The events of a connection's sessions and links (those of one whose OPEN was refused are dropped).
+_AFTER_OPEN: Final = frozenset(
+    (
+        lib.PN_SESSION_REMOTE_OPEN,
+        lib.PN_SESSION_REMOTE_CLOSE,
+        lib.PN_LINK_REMOTE_OPEN,
+        lib.PN_LINK_REMOTE_CLOSE,
+        lib.PN_LINK_REMOTE_DETACH,
+    )
+)
 _SASL_OUTCOME_SYS_TEMP: Final = 4
 _MAX_CAPACITY: Final = 2**31 - 1  # proton computes the window in 32 bits: more wraps it to nothing
 #: Where the bytes of transfers the gateway drops are read to (one buffer for the process: engines run on the
@@ -146,6 +165,7 @@ class AmqpSession:
         self.engine: Engine | None = None
         self.link: LinkClient | None = None
         self.container_id = ""
+        self.container_id_lock: str | None = None  # the queue that holds container_id for this connection, if any
         self.inbound: dict[Any, Inbound] = {}
         self.outbound: dict[Any, Outbound] = {}
         self.coordinators: dict[Any, Coordinator] = {}
@@ -402,17 +422,19 @@ class AmqpSession:
                     self._pump(outbound)  # what waited for credit went: take what came meanwhile
             else:
                 _ack_all(acks)  # before a detach closes their consumer
-                await self._endpoint_event(kind, event)
+                if self.link is not None or kind not in _AFTER_OPEN:  # a refused OPEN: its sessions get nothing
+                    await self._endpoint_event(kind, event)
             lib.pn_collector_pop(collector)
         _ack_all(acks)
 
     async def _endpoint_event(self, kind: int, event: Any) -> None:
         if kind == lib.PN_CONNECTION_REMOTE_OPEN:
-            self._open(event)
+            await self._open()
         elif kind == lib.PN_CONNECTION_REMOTE_CLOSE:
             assert self.engine is not None
             connection = self.engine.connection
             if connection.state & Endpoint.LOCAL_ACTIVE:
+                await self._release_container_id()  # before the answer: the client may connect again at once
                 connection.close()
         elif kind == lib.PN_SESSION_REMOTE_OPEN:
             session = wrap_session(lib.pn_event_session(event))
@@ -460,16 +482,64 @@ class AmqpSession:
         elif kind == lib.PN_TRANSPORT_CLOSED:
             self._flush()
 
-    def _open(self, event: Any) -> None:
-        assert self.engine is not None
-        connection = self.engine.connection
+    async def _open(self) -> None:
+        engine = self.engine
+        assert engine is not None
+        connection = engine.connection
         self.container_id = connection.remote_container or self.id
         if self.link is None:  # refused already (_refuse_open)
             return
         if connection.state & Endpoint.LOCAL_UNINIT:
+            if connection.remote_container and convert.SOLE_CONNECTION in terminus_symbols(
+                engine.desired_capabilities()
+            ):
+                engine.offer(convert.SOLE_CONNECTION)  # in the refusing OPEN too: the refusal is its answer
+                if not await self._hold_container_id():
+                    return
             connection.open()
         self._opened = True
         self._arm_timer()  # the idle timeouts are known now: heartbeats and the silence check start
+
+    async def _hold_container_id(self) -> bool:
+        """Make the container id this connection's for its life (see ``id_locks``), as ActiveMQ does for a client
+        that desires ``sole-connection-for-container``: otherwise two connections would share its durable
+        subscriptions and split their messages. False: the OPEN was refused."""
+        assert self.link is not None
+        name = convert.container_id_lock(self.container_id)
+        try:
+            held = await id_locks.hold(self.link, name)
+        except LinkRequestError as exc:
+            if exc.code != ErrorCode.FORBIDDEN:
+                raise  # the core is gone or failed: CLOSE amqp:connection:forced (handle_error)
+            log.info("amqp container id not held", extra={"peer": self.wire.peer, "reason": exc.text})
+            rights = f"createAddress and createNonDurableQueue on {convert.CONTAINER_ID_LOCK_PREFIX}#"
+            await self._refuse_container_id(UNAUTHORIZED, f"{convert.SOLE_CONNECTION} needs {rights}: {exc.text}")
+            return False
+        if held:
+            self.container_id_lock = name
+            return True
+        log.info("amqp container id in use", extra={"peer": self.wire.peer, "container_id": self.container_id[:200]})
+        # As Artemis and ActiveMQ answer, and Qpid JMS reads it: InvalidClientIDException.
+        description = f"container-id {self.container_id[:200]} is in use by another connection"
+        await self._refuse_container_id(INVALID_FIELD, description, field_info("container-id"))
+        return False
+
+    async def _refuse_container_id(self, condition: str, description: str, info: dict[Any, Any] | None = None) -> None:
+        """OPEN (marked as failed) and CLOSE at once; the connection's core session ends now, and what the client
+        sends until its CLOSE goes to proton only."""
+        assert self.engine is not None
+        assert self.link is not None
+        self.counters.refused += 1
+        link, self.link = self.link, None
+        link.on_closed = link.on_settled = None
+        self.engine.open_failed()
+        self._close_connection(condition, description, info)
+        await link.close()
+
+    async def _release_container_id(self) -> None:
+        name, self.container_id_lock = self.container_id_lock, None
+        if name is not None and self.link is not None:
+            await id_locks.release(self.link, name)
 
     # ------------------------------------------------------------------ attach and detach
     async def _attach(self, pn_link: Any) -> None:
@@ -1124,13 +1194,13 @@ class AmqpSession:
             link.condition = Condition(condition, description)
             link.close()
 
-    def _close_connection(self, condition: str, description: str) -> None:
+    def _close_connection(self, condition: str, description: str, info: dict[Any, Any] | None = None) -> None:
         """CLOSE with an error; the client should answer with its own CLOSE, and one that does not within
         ``CLOSE_GRACE_S`` has its socket closed all the same."""
         assert self.engine is not None
         connection = self.engine.connection
         if not connection.state & Endpoint.LOCAL_CLOSED:
-            connection.condition = Condition(condition, description)
+            connection.condition = Condition(condition, description, info)
             if connection.state & Endpoint.LOCAL_UNINIT:
                 connection.open()
             connection.close()

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any, Final, cast
 
 from cproton_ffi import ffi, lib
-from proton import Collector, Connection, Delivery, Link, Session, Transport, symbol
+from proton import Collector, Connection, Data, Delivery, Link, Session, Transport, symbol
 
 from tridentmq_amqp.protocol.nul_names import NulNames
 from tridentmq_amqp.protocol.types import Described, Symbol, encode
@@ -29,6 +29,7 @@ _OUTPUT_CHUNK: Final = 256 * 1024
 _OUTPUT: Final = bytearray(_OUTPUT_CHUNK)
 _OUTPUT_VIEW: Final = ffi.from_buffer(_OUTPUT)
 _OUTPUT_MEMORY: Final = memoryview(_OUTPUT)
+OPEN_FAILED: Final = "amqp:connection-establishment-failed"
 
 
 class Engine:
@@ -65,6 +66,21 @@ class Engine:
         self.tail_closed = False
         #: NULs in names, which proton would cut short: seen in the bytes before proton reads them.
         self.nul_names = NulNames()
+
+    # ------------------------------------------------------------------ the OPEN
+    def desired_capabilities(self) -> Data:
+        """The capabilities the client's OPEN desires, as proton decoded them (an array, or a single symbol)."""
+        return Data(lib.pn_connection_remote_desired_capabilities(self.connection._impl))
+
+    def offer(self, capability: str) -> None:
+        """Offer ``capability`` too, in the OPEN not sent yet."""
+        offered = list(self.connection.offered_capabilities or ())
+        self.connection.offered_capabilities = [*offered, symbol(capability)]
+
+    def open_failed(self) -> None:
+        """Mark the OPEN not sent yet as one a CLOSE follows at once (``amqp:connection-establishment-failed``,
+        as the AMQP JMS mapping has it): the client reads the CLOSE's error instead of taking the connection."""
+        self.connection.properties = {symbol(OPEN_FAILED): True}
 
     # ------------------------------------------------------------------ input
     def receive_data(self, data: bytes) -> None:
@@ -152,6 +168,11 @@ def wrap_session(pn_session: Any) -> Session:
 
 def wrap_delivery(pn_delivery: Any) -> Delivery:
     return cast(Delivery, Delivery.wrap(pn_delivery))  # type: ignore[no-untyped-call]
+
+
+def field_info(field: str) -> dict[Any, Any]:
+    """The info map of an ``amqp:invalid-field`` error naming the field (``{invalid-field: container-id}``)."""
+    return {symbol("invalid-field"): symbol(field)}
 
 
 def close_frame(condition: str, description: str) -> bytes:
