@@ -16,6 +16,8 @@ from proton.reactor import DurableSubscription
 from proton.utils import BlockingConnection
 from tests.conftest import CoreProcess, GatewayProcess, start_gateway, stop_cleanly
 from tests.integration.cluster_nodes import client, remote_consumers, start_cluster, wait_until
+from tests.integration.test_amqp_container_id import assert_refused
+from tests.integration.test_amqp_container_id import holder as amqp_sole
 from tests.integration.test_stomp_gateway import connect as stomp_connect
 
 from tridentmq_amqp.convert import durable_subscription_queue
@@ -127,6 +129,25 @@ def test_a_stomp_client_id_is_one_connections_across_the_cluster(tmp_path: Path,
         with pytest.raises(stomp.exception.ConnectFailedException):
             stomp_connect(first, connect_headers={"client-id": client_id})
         again.disconnect()
+    finally:
+        for gateway in (first, second):
+            stop_cleanly(gateway)
+
+
+def test_an_amqp_container_id_held_as_sole_is_one_connections_across_the_cluster(
+    tmp_path: Path, cluster: list[CoreProcess]
+) -> None:
+    """A container id held through node 0 (sole-connection-for-container) is refused through node 1, and free
+    there as soon as its holder leaves."""
+    first, second = _pair(tmp_path, cluster, "amqp")
+    container = f"app-{uuid.uuid4().hex[:8]}"
+    try:
+        holder = amqp_sole(first, container)
+        assert_refused(second, container)
+        holder.close()
+        again = amqp_sole(second, container)
+        assert_refused(first, container)
+        again.close()
     finally:
         for gateway in (first, second):
             stop_cleanly(gateway)
