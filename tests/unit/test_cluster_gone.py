@@ -11,6 +11,7 @@ from tests.unit.broker_harness import ANYCAST, Harness, ok, recorded
 
 from tridentmq_core.cluster.bridge import Bridge
 from tridentmq_core.cluster.manager import ClusterManager, Joined
+from tridentmq_core.forwarder import FORWARD_QUEUE_PREFIX
 from tridentmq_core.forwarding import FORWARD_PROPERTY, numbered_header
 from tridentmq_core.security import Principal
 from tridentmq_core.settings import ClusterSection, CoreSettings
@@ -212,3 +213,18 @@ class _AcceptingLink:
 
     def send_if_open(self, message: list[Any]) -> int:
         return 1
+
+
+def test_an_unreachable_node_reports_the_forwards_in_flight_from_its_emptied_queue() -> None:
+    """A store-and-forward queue whose messages are all in flight holds none queued: ``len`` 0 made it falsy,
+    and the report said nothing waited for the node while messages did."""
+    h = Harness()
+    manager = _manager(h)
+    bridge = _down_bridge(manager, 61617, down_for_s=0)
+    manager.bindings.replace(OTHER, [[OTHER, "orders", "orders", ANYCAST, None, 0, None, 1, True]])
+    manager.bridge_down(bridge)
+    _waiting_for_other(h)
+    client = h.connect()
+    taker = client.consumer(FORWARD_QUEUE_PREFIX + OTHER, credit=1)
+    assert len(client.take(taker)) == 1  # out, not acknowledged: the queue holds none queued
+    assert manager.unreachable() == {OTHER: {"queues": ["orders"], "pending_forward": 1}}

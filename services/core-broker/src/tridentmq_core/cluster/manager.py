@@ -1069,7 +1069,9 @@ class ClusterManager:
         view: dict[str, dict[str, Any]] = {}
         for node_id, queues in self.bindings.unreachable().items():
             waiting = self.broker.queues.get(FORWARD_QUEUE_PREFIX + node_id)
-            view[node_id] = {"queues": queues, "pending_forward": (len(waiting) + waiting.in_flight) if waiting else 0}
+            # ``is not None``: a queue is falsy when none is queued, though its messages may be in flight.
+            pending = len(waiting) + waiting.in_flight if waiting is not None else 0
+            view[node_id] = {"queues": queues, "pending_forward": pending}
         return view
 
     def stranded(self) -> dict[str, int]:
