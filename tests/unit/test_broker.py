@@ -1274,6 +1274,39 @@ def test_a_moved_message_counts_its_move_as_a_delivery_attempt_and_a_forwarded_p
     assert transfer(4, moves=1, delivered=3) == [4]
 
 
+def test_a_scheduled_message_moved_here_keeps_its_delivery_attempts() -> None:
+    """A move carries the attempts a message had; a scheduled one waited for its time without them, and its
+    next delivery here went out unflagged (count 1) although it may have been delivered over there."""
+    h, node_a, c, cid = _orders_with_a_peer()
+    header = ForwardHeader("node-1", ("orders",), 1, "node-a:orders:", 2, numbered=True).encode()
+    message = new_message(
+        "orders", b"later", properties={FORWARD_PROPERTY: header, MOVES_PROPERTY: 1}, scheduled_ms=h.now_ms + 500
+    )
+    message[M_ID] = 7
+    node_a.conn.publish(message)
+    h.sync()
+    assert c.take(cid) == []
+    h.tick(h.now_ms + 500)
+    assert [(d.body, d.count) for d in c.take(cid)] == [(b"later", 3)]
+
+
+def test_a_recovered_scheduled_message_keeps_its_delivery_attempts() -> None:
+    h = Harness()
+    state = RecoveredState()
+    state.addresses["orders"] = ([0], False)
+    state.queues["orders"] = {"name": "orders", "address": "orders", "routing_type": 0}
+    message = new_message("orders", b"later", durable=True, scheduled_ms=h.now_ms + 500)
+    message[M_ID] = 1
+    state.messages[1] = message
+    state.references["orders"] = {1: 2}
+    h.broker.restore(state, h.now_ms)
+    assert [counts for _, _, counts in h.broker.durable_snapshot().messages] == [[2]]  # a compaction keeps it
+    c = h.connect()
+    cid = c.consumer("orders")
+    h.tick(h.now_ms + 500)
+    assert [(d.body, d.count) for d in c.take(cid)] == [(b"later", 3)]
+
+
 # ====================================================================== regressions of fixed bugs
 def test_failed_commit_applies_nothing_and_can_be_rolled_back() -> None:
     h = with_address_settings(auto_create_addresses=False, auto_create_queues=False)

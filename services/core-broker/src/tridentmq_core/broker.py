@@ -565,7 +565,7 @@ class Broker:
             self.confirms.track(message[M_DEDUP], token)  # a duplicate arriving before the sync waits for it
         if message[M_SCHEDULED] > now_ms:
             for queue in queues:
-                self.timers.schedule(message[M_SCHEDULED], queue, message, 0)
+                self.timers.schedule(message[M_SCHEDULED], queue, message, delivered)
             return token
         to_dispatch = self.to_dispatch
         for queue in queues:
@@ -593,14 +593,14 @@ class Broker:
         window."""
         self.now_ms = now_ms
         queues = self.queues
-        for queue, message, count in self.timers.pop_due(now_ms):
+        for queue, message, count, redelivery in self.timers.pop_due(now_ms):
             if queue is not None and queues.get(queue.name) is queue:
-                if count:
+                if redelivery:
                     queue.return_message(message, count)
                 else:
-                    queue.add(message)
+                    queue.restore(message, count)  # a moved or recovered one counts on from its attempts
                 self.to_dispatch.add(queue)
-            elif queue is not None and count:
+            elif queue is not None and redelivery:
                 queue.settle(message)  # a delayed redelivery for a deleted queue: release what it held
         self.wills.tick(now_ms)
         self.catalog.tick(now_ms)

@@ -260,7 +260,7 @@ class Consuming:
             return
         delay = settings.redelivery_delay(count)
         if delay > 0:
-            self._timers.schedule(now_ms + delay, queue, message, count)
+            self._timers.delay(now_ms + delay, queue, message, count)
         else:
             queue.return_message(message, count)
 

@@ -50,7 +50,7 @@ class DurableState:
             for message_id, count in sorted(state.references.get(name, {}).items()):
                 message = state.messages[message_id]
                 if message[M_SCHEDULED] > now_ms:
-                    self._timers.schedule(message[M_SCHEDULED], queue, message, 0)  # not due yet
+                    self._timers.schedule(message[M_SCHEDULED], queue, message, count)  # not due yet
                 else:
                     queue.restore(message, count)
         for dedup_id, arrived in state.dedup_ids.items():  # oldest first, acknowledged messages' ones too

@@ -1,5 +1,5 @@
-"""Messages that wait for a time before they go into their queue: scheduled deliveries, and delayed
-redeliveries (those with a delivery count above 0)."""
+"""Messages that wait for a time before they go into their queue: scheduled deliveries (at the tail, as
+published), and delayed redeliveries (back to the head, as any redelivery)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from collections.abc import Iterator
 from tridentmq_core.queues import Queue
 from tridentmq_shared.message import WireMessage
 
-#: (due, sequence, queue, message, delivery count): the sequence keeps equal due times in their order.
-Timer = tuple[int, int, Queue | None, WireMessage, int]
+#: (due, sequence, queue, message, delivery count, redelivery): the sequence keeps equal due times in their
+#: order. A delivery count goes with a scheduled message too: one moved or recovered may have had attempts.
+Timer = tuple[int, int, Queue | None, WireMessage, int, bool]
 
 
 class Timers:
@@ -21,18 +22,25 @@ class Timers:
         self._heap: list[Timer] = []
         self._seq = itertools.count()
 
-    def schedule(self, due_ms: int, queue: Queue | None, message: WireMessage, count: int) -> None:
-        heapq.heappush(self._heap, (due_ms, next(self._seq), queue, message, count))
+    def schedule(self, due_ms: int, queue: Queue | None, message: WireMessage, delivered: int = 0) -> None:
+        """A scheduled message, with the delivery attempts it had already (``delivered``)."""
+        heapq.heappush(self._heap, (due_ms, next(self._seq), queue, message, delivered, False))
 
-    def pop_due(self, now_ms: int) -> Iterator[tuple[Queue | None, WireMessage, int]]:
+    def delay(self, due_ms: int, queue: Queue, message: WireMessage, count: int) -> None:
+        """A redelivery of a message delivered ``count`` times, out of its queue until then (its bytes are still
+        the queue's)."""
+        heapq.heappush(self._heap, (due_ms, next(self._seq), queue, message, count, True))
+
+    def pop_due(self, now_ms: int) -> Iterator[tuple[Queue | None, WireMessage, int, bool]]:
+        """(queue, message, delivery count, whether a redelivery) of each timer due by ``now_ms``."""
         heap = self._heap
         while heap and heap[0][0] <= now_ms:
-            _, _, queue, message, count = heapq.heappop(heap)
-            yield queue, message, count
+            _, _, queue, message, count, redelivery = heapq.heappop(heap)
+            yield queue, message, count, redelivery
 
     def holds(self, queue: Queue) -> bool:
         """A message of ``queue`` waits here (the queue is not empty, in a way)."""
         return any(timer[2] is queue for timer in self._heap)
 
     def __iter__(self) -> Iterator[tuple[Queue | None, WireMessage, int]]:
-        return ((queue, message, count) for _, _, queue, message, count in self._heap)
+        return ((queue, message, count) for _, _, queue, message, count, _ in self._heap)
