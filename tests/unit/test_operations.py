@@ -12,6 +12,7 @@ from tests.unit.broker_harness import Harness, bodies, ok, recorded
 from tridentmq_core.management.operations_api import AUDITED_OPERATIONS
 from tridentmq_core.mqtt_admin import MqttAdmin
 from tridentmq_core.operations import OperationError, Operations, client_matches
+from tridentmq_core.settings import AddressSettingsEntry, CoreSettings
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.ops import NackMode
 from tridentmq_shared.message import RoutingType
@@ -60,6 +61,33 @@ def test_purge_without_a_selector_leaves_in_flight_messages_with_their_consumer(
     assert len(h.broker.queues["orders"]) == 0
     c.ack(consumer, [held.id])
     assert h.broker.queues["orders"].in_flight == 0
+
+
+@pytest.mark.parametrize("selector", [None, "color = 'red'"])
+def test_purge_drops_delayed_redeliveries_and_scheduled_messages_too(selector: str | None) -> None:
+    """They wait outside the queue for their time, and came back into it after the purge (Artemis' purge drops
+    them too)."""
+    entry = AddressSettingsEntry(match="#", redelivery_delay_ms=1_000)
+    h, store, sink = recorded(CoreSettings(address_settings=[entry]))
+    c = h.connect()
+    ok(c.create_queue("orders", durable=True))
+    red = {"color": "red"}
+    c.publish("orders", b"delayed", durable=True, properties=red)
+    consumer = c.consumer("orders")
+    (delayed,) = c.take(consumer)
+    c.nack(consumer, [delayed.id])  # back in 1 s
+    c.publish("orders", b"scheduled", durable=True, properties=red, scheduled_ms=h.now_ms + 1_000)
+    c.publish("orders", b"blue later", durable=True, properties={"color": "blue"}, scheduled_ms=h.now_ms + 1_000)
+    assert Operations(h.broker).purge("orders", selector, NOW) == {"purged": 3 if selector is None else 2}
+    assert sorted(i for queue, ids in store.acks if queue == "orders" for i in ids) == (
+        [1, 2, 3] if selector is None else [1, 2]
+    )
+    assert [fields["reason"] for _, fields in sink.of("msg.acked")] == ["purged"] * (3 if selector is None else 2)
+    h.tick(h.now_ms + 1_000)
+    assert bodies(c.take(consumer)) == ([] if selector is None else [b"blue later"])
+    if selector is None:
+        assert h.broker.memory.used == 0
+        assert h.broker.durable_snapshot().messages == []
 
 
 def test_browse_pages_in_delivery_order_with_headers_and_a_bounded_preview() -> None:

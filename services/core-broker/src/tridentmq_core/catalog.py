@@ -380,7 +380,7 @@ class Catalog:
         before_acknowledging: Callable[[list[WireMessage]], None] | None = None,
     ) -> list[WireMessage]:
         """Take up to ``limit`` (-1: all) queued messages matching ``predicate`` out of ``queue`` for good (an
-        operator's purge or move): their journal records are acknowledged and each is audited as ``msg.acked``
+        operator's move): their journal records are acknowledged and each is audited as ``msg.acked``
         with ``reason``. In-flight and paged messages stay. ``before_acknowledging`` gets them first (a move
         journals their copies there: a crash then leaves both, never neither)."""
         left = [limit]
@@ -397,12 +397,21 @@ class Catalog:
         self._settle_taken(queue, taken, reason, now_ms)
         return taken
 
-    def purge_queue(self, queue: Queue, now_ms: int) -> int:
-        """Drop every queued and paged message of ``queue`` (in-flight ones stay with their consumers)."""
-        paged = [message for message, _, state in queue.browse_messages() if state == "paged"]
-        taken = queue.purge()
-        self._settle_taken(queue, [*taken, *paged], "purged", now_ms)
-        return len(taken) + len(paged)
+    def purge_queue(self, queue: Queue, now_ms: int, predicate: Callable[[WireMessage], bool] | None = None) -> int:
+        """Drop the messages of ``queue`` that ``predicate`` picks, queued or waiting for their time (scheduled, or
+        a delayed redelivery); without one, every such message and the paged ones too. In-flight ones stay
+        with their consumers."""
+        if predicate is None:
+            paged = [message for message, _, state in queue.browse_messages() if state == "paged"]
+            taken = [*queue.purge(), *paged]
+        else:
+            taken = queue.remove_where(predicate)
+        for message, redelivery in self._timers.take(queue, predicate or (lambda _m: True)):
+            if redelivery:
+                queue.settle(message)  # its bytes were still the queue's
+            taken.append(message)
+        self._settle_taken(queue, taken, "purged", now_ms)
+        return len(taken)
 
     def _settle_taken(self, queue: Queue, taken: list[WireMessage], reason: str, now_ms: int) -> None:
         if queue.durable:

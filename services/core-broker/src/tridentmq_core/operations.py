@@ -219,12 +219,10 @@ class Operations:
         return {"deleted": 1, "messages": messages}
 
     def purge(self, name: str, selector: str | None, now_ms: int) -> dict[str, Any]:
-        """Drop the queued messages (those ``selector`` matches; all, paged ones included, without one)."""
+        """Drop the queued messages and those waiting for their time (those ``selector`` matches; all, paged
+        ones included, without one)."""
         queue = self._queue(name)
-        if not selector:
-            return {"purged": self.broker.catalog.purge_queue(queue, now_ms)}
-        taken = self.broker.catalog.take_messages(queue, _compile(selector), -1, "purged", now_ms)
-        return {"purged": len(taken)}
+        return {"purged": self.broker.catalog.purge_queue(queue, now_ms, _compile(selector) if selector else None)}
 
     def browse(self, name: str, offset: int, limit: int, selector: str | None, preview: int) -> dict[str, Any]:
         """A page of the queue's messages: queued ones in delivery order, then in-flight, then paged ones."""

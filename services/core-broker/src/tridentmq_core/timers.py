@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from tridentmq_core.queues import Queue
 from tridentmq_shared.message import WireMessage
@@ -37,6 +37,20 @@ class Timers:
         while heap and heap[0][0] <= now_ms:
             _, _, queue, message, count, redelivery = heapq.heappop(heap)
             yield queue, message, count, redelivery
+
+    def take(self, queue: Queue, predicate: Callable[[WireMessage], bool]) -> list[tuple[WireMessage, bool]]:
+        """Drop the messages of ``queue`` that ``predicate`` picks (a purge): (message, whether a redelivery)."""
+        taken: list[tuple[WireMessage, bool]] = []
+        kept: list[Timer] = []
+        for timer in self._heap:
+            if timer[2] is queue and predicate(timer[3]):
+                taken.append((timer[3], timer[5]))
+            else:
+                kept.append(timer)
+        if taken:
+            heapq.heapify(kept)
+            self._heap = kept
+        return taken
 
     def holds(self, queue: Queue) -> bool:
         """A message of ``queue`` waits here (the queue is not empty, in a way)."""

@@ -36,7 +36,12 @@ def add_queue_commands(queue_sub: Any, management_args: ManagementArgs) -> None:
     create.add_argument("--max-consumers", type=int, default=-1)
     delete = _op(queue_sub, "delete", "delete a queue and its messages", management_args)
     delete.add_argument("name")
-    purge = _op(queue_sub, "purge", "drop a queue's queued messages (not those in flight)", management_args)
+    purge = _op(
+        queue_sub,
+        "purge",
+        "drop a queue's queued, scheduled and delayed messages (not those in flight)",
+        management_args,
+    )
     purge.add_argument("name")
     purge.add_argument("--selector", help="only the messages this selector matches")
     browse = _op(queue_sub, "browse", "show a queue's messages: headers, properties, body preview", management_args)

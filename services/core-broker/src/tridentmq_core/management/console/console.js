@@ -509,7 +509,7 @@
     box.append(el("h2", {}, "Operations"),
       el("div", { class: "toolbar" }, scope, selector, target),
       el("div", { class: "toolbar" },
-        act("op-purge", "Purge", "purge", () => ({}), `Drop the queued messages of ${name} (those the selector picks)?`, "danger"),
+        act("op-purge", "Purge", "purge", () => ({}), `Drop the queued, scheduled and delayed messages of ${name} (those the selector picks)?`, "danger"),
         act("op-move", "Move", "move", withTarget(false)),
         act("op-copy", "Copy", "copy", withTarget(true)),
         act("op-pause", "Pause", "pause", () => ({})),
