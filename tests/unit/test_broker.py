@@ -509,6 +509,19 @@ def test_browse_respects_credit_and_selector(c: Client) -> None:
     assert len(c.events(ev.BrowseDone)) == 1
 
 
+@pytest.mark.parametrize(("credit", "selector"), [(3, None), (2, "n <> 1"), (2, "n <> 2")])
+def test_a_browser_whose_last_credit_took_the_last_message_is_done_at_once(
+    c: Client, credit: int, selector: str | None
+) -> None:
+    """Nothing more to send needs no credit: BROWSE_DONE waited for the browser's next FLOW."""
+    ok(c.create_queue("orders"))
+    for n in range(3):
+        c.publish("orders", b"m%d" % n, properties={"n": n})
+    browser = c.consumer("orders", credit=credit, browse=True, selector=selector)
+    assert len(c.take(browser)) == credit
+    assert [e.consumer_id for e in c.events(ev.BrowseDone)] == [browser]
+
+
 def test_a_browser_of_a_last_value_queue_finds_its_key_by_key(c: Client) -> None:
     """``sym = '<key>'`` on a queue keyed on ``sym`` (the MQTT retained store) offers that key's one message: the
     same as a scan would, newest value included, and also while a consumer holds some in flight (then it scans)."""

@@ -105,18 +105,26 @@ class Browse:
     """What a browser is offered: the queued messages when it subscribed, in delivery order, then those paged
     then (read back from the page files as it gets to them)."""
 
-    __slots__ = ("_paged", "_queued")
+    __slots__ = ("_paged", "_queued", "_unsent")
 
     def __init__(self, queued: list[WireMessage], paged: PagedBrowse | None) -> None:
         self._queued = iter(queued)
         self._paged = paged
+        self._unsent: WireMessage | None = None
 
     def next(self) -> WireMessage | None:
         """The next message; None when there is none now (the end if ``done``, else more after on_ready)."""
+        message, self._unsent = self._unsent, None
+        if message is not None:
+            return message
         message = next(self._queued, None)
         if message is None and self._paged is not None:
             return self._paged.take()
         return message
+
+    def unsend(self, message: WireMessage) -> None:
+        """``message``, just taken, waits for credit: ``next`` gives it again."""
+        self._unsent = message
 
     @property
     def done(self) -> bool:
@@ -640,8 +648,8 @@ class Queue:
                 if not self._count:
                     self._drained()
         for consumer in self.consumers:
-            if consumer.browse and consumer.credit > 0 and consumer.browse_iter is not None:
-                self._browse(consumer, now_ms)
+            if consumer.browse and consumer.browse_iter is not None:
+                self._browse(consumer, now_ms)  # without credit too: its end needs none
 
     def _record_attempts(self) -> None:
         """Hand the durable deliveries collected so far to the sink: one record for all of them, and they go
@@ -765,21 +773,31 @@ class Queue:
             self._sink.on_acked(self, message)
 
     def _browse(self, consumer: Consumer, now_ms: int) -> None:
-        assert consumer.browse_iter is not None
+        """Send a browser what its credit allows, and BROWSE_DONE once nothing is left, also when its last
+        credit took the last message: an end needs no credit, and it would wait for a FLOW."""
+        browse_iter = consumer.browse_iter
+        assert browse_iter is not None
         session = consumer.session
-        while consumer.credit > 0:
-            message = consumer.browse_iter.next()
+        sent = False
+        while True:
+            message = browse_iter.next()
             if message is None:
-                if consumer.browse_iter.done:
+                if browse_iter.done:
                     consumer.browse_iter = None
                     session.conn.browse_done(consumer.id)
                     self._sink.on_browse_done(self, consumer)
+                    sent = True
                 break  # else paged messages are being read for it: on_pages_ready brings it back
             expiration = message[M_EXPIRATION]
             if (expiration and expiration <= now_ms) or not consumer.accepts(message):
                 continue
+            if consumer.credit <= 0:
+                browse_iter.unsend(message)  # one to send: not the end
+                break
             consumer.credit -= 1
             if consumer.byte_window:
                 consumer.spend_bytes(len(message[M_BODY]))
             session.conn.deliver(consumer.id, 1, message)
-        self._dirty.add(session)
+            sent = True
+        if sent:
+            self._dirty.add(session)
