@@ -522,6 +522,40 @@ def test_a_browser_whose_last_credit_took_the_last_message_is_done_at_once(
     assert [e.consumer_id for e in c.events(ev.BrowseDone)] == [browser]
 
 
+def test_a_selector_match_beyond_the_scan_limit_is_delivered_by_the_next_ticks(h: Harness, c: Client) -> None:
+    """A dispatch looks at SCAN_LIMIT messages at most; a match behind them waited for a publish, FLOW or
+    consumer event, for ever on an idle queue. The scan goes on from where it stopped at the next ticks, each
+    as bounded."""
+    ok(c.create_queue("orders"))
+    for _ in range(2 * queues.SCAN_LIMIT // PUBLISH_WINDOW):
+        c.send_all("orders", [b"no"] * PUBLISH_WINDOW, properties={"n": 0})
+    c.publish("orders", b"yes", properties={"n": 1})
+    cid = c.consumer("orders", selector="n = 1")
+    assert c.take(cid) == []  # the first SCAN_LIMIT only
+    h.tick(h.now_ms + 50)
+    assert c.take(cid) == []  # the next ones
+    h.tick(h.now_ms + 50)
+    assert bodies(c.take(cid)) == [b"yes"]
+    h.tick(h.now_ms + 50)
+    assert c.take(c.consumer("orders")) != []  # what it skipped is still there, in order
+
+
+def test_a_scan_going_on_after_its_limit_still_sees_what_came_before_it(h: Harness, c: Client) -> None:
+    """Where a cut scan goes on is forgotten when what it passed over may be taken now: a message of a higher
+    priority, and a consumer that came."""
+    ok(c.create_queue("orders"))
+    c.publish("orders", b"first", properties={"n": 0})
+    for _ in range(2 * queues.SCAN_LIMIT // PUBLISH_WINDOW):
+        c.send_all("orders", [b"no"] * PUBLISH_WINDOW, properties={"n": 0})
+    cid = c.consumer("orders", selector="n = 1")
+    assert c.take(cid) == []  # cut at SCAN_LIMIT: it goes on from there
+    c.publish("orders", b"urgent", properties={"n": 1}, priority=9)
+    assert bodies(c.take(cid)) == [b"urgent"]
+    assert c.take(cid) == []  # cut again
+    other = c.consumer("orders", credit=1, selector="n = 0")
+    assert bodies(c.take(other)) == [b"first"]
+
+
 def test_a_browser_of_a_last_value_queue_finds_its_key_by_key(c: Client) -> None:
     """``sym = '<key>'`` on a queue keyed on ``sym`` (the MQTT retained store) offers that key's one message: the
     same as a scan would, newest value included, and also while a consumer holds some in flight (then it scans)."""

@@ -590,7 +590,7 @@ class Broker:
     # ------------------------------------------------------------------ time and dispatch
     def tick(self, now_ms: int) -> None:
         """Periodic work: scheduled and delayed redeliveries, delayed wills, idle queues, expiry scan, dedup
-        window."""
+        window, selector scans cut at their limit."""
         self.now_ms = now_ms
         queues = self.queues
         for queue, message, count, redelivery in self.timers.pop_due(now_ms):
@@ -615,6 +615,7 @@ class Broker:
                     self.catalog.maybe_auto_delete(queue, now_ms)
             self._dedup.expire(now_ms)
             self.forwarder.transfers.expire(now_ms)
+        self.deliveries.resume_scans()
         self.flush_dispatch(now_ms)
 
     def take_dirty(self) -> list[LinkSession]:

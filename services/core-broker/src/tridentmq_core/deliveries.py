@@ -40,6 +40,7 @@ class Deliveries:
         self._to_dispatch = to_dispatch
         self._held: dict[int, list[tuple[Consumer, int, WireMessage]]] = {}  # store token → deliveries
         self._ended_browsers: list[Consumer] | None = None
+        self._scans_cut: set[Queue] = set()
 
     # ------------------------------------------------------------------ the queues' sink
     def deliver_durable(self, queue: Queue, attempts: list[tuple[Consumer, int, WireMessage]]) -> None:
@@ -95,6 +96,19 @@ class Deliveries:
     def take_ended_browsers(self) -> list[Consumer]:
         ended, self._ended_browsers = self._ended_browsers, None
         return ended or []
+
+    def on_scan_cut(self, queue: Queue) -> None:
+        """A dispatch stopped at the scan limit with consumers still ready: it goes on at the next tick, not in
+        this flush, so that no flush scans a long queue whole."""
+        self._scans_cut.add(queue)
+
+    def resume_scans(self) -> None:
+        """At a tick: dispatch again the queues whose scan was cut (see ``on_scan_cut``)."""
+        if self._scans_cut:
+            for queue in self._scans_cut:
+                if self._queues.get(queue.name) is queue:
+                    self._to_dispatch.add(queue)
+            self._scans_cut.clear()
 
     def on_pages_ready(self, queue: Queue) -> None:
         """Paged messages were read back from disk (the shell flushes after calling this)."""

@@ -10,6 +10,7 @@ for messages that came back (nack, release, consumer gone, rolled back), so the 
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Final, Protocol, cast
@@ -49,7 +50,8 @@ class LinkSession(Protocol):
     def temporary_queues(self) -> dict[str, None]: ...
 
 
-#: How many messages the scanning dispatch looks at per call; beyond it, messages wait for the next call.
+#: How many messages the scanning dispatch looks at per call; a scan cut there goes on from where it stopped at
+#: the broker's next tick (``DeliverySink.on_scan_cut``), so a match further back is found without an event.
 SCAN_LIMIT = 10_000
 #: Bytes a queued message costs beyond its body (the list, its fields, queue bookkeeping): an estimate
 #: that makes the memory limit meaningful for small messages.
@@ -152,6 +154,7 @@ class DeliverySink(Protocol):
     def on_pages_ready(self, queue: Queue) -> None: ...
     def on_delivered(self, queue: Queue, consumer: Consumer, delivery_count: int, message: WireMessage) -> None: ...
     def on_browse_done(self, queue: Queue, consumer: Consumer) -> None: ...
+    def on_scan_cut(self, queue: Queue) -> None: ...  # dispatch it again at the next tick: its scan goes on
 
 
 class Consumer:
@@ -215,15 +218,18 @@ class Consumer:
 
     def add_credit(self, credit: int, credit_bytes: int, cap: int) -> None:
         """FLOW: more deliveries (at most ``cap`` in all) and, for a byte-bounded consumer, more bytes."""
+        was_ready = self.credit > 0
         if not self.byte_window:
             self.credit = min(self.credit + credit, cap)
-            return
-        total = min(self.credit + self.parked_credit + credit, cap)
-        self.byte_credit = min(self.byte_credit + credit_bytes, self.byte_window)
-        if self.byte_credit > 0:
-            self.credit, self.parked_credit = total, 0
         else:
-            self.credit, self.parked_credit = 0, total
+            total = min(self.credit + self.parked_credit + credit, cap)
+            self.byte_credit = min(self.byte_credit + credit_bytes, self.byte_window)
+            if self.byte_credit > 0:
+                self.credit, self.parked_credit = total, 0
+            else:
+                self.credit, self.parked_credit = 0, total
+        if not was_ready and self.credit > 0:
+            self.queue.scan_from_head()  # it may take what a cut scan passed over without it
 
     def accepts(self, message: WireMessage) -> bool:
         return self.selector is None or self.selector.matches(selector_view(message))
@@ -248,6 +254,7 @@ class Queue:
         "_pager_factory",
         "_returned",
         "_rr",
+        "_scan_from",
         "_sink",
         "_superseded",
         "acked",
@@ -329,6 +336,9 @@ class Queue:
         self._in_flight = 0  # messages its consumers hold unsettled (kept, not summed over them each time)
         self._expiring = 0
         self._rr = 0
+        # Where a scan cut at SCAN_LIMIT goes on (priority, messages of that level passed over): the levels above
+        # and those messages held nothing the ready consumers take. Forgotten when that may change.
+        self._scan_from: tuple[int, int] | None = None
         self._returned = _NO_COUNTS  # delivery counts of the queued messages delivered before
         self._groups = _NO_GROUPS
         self._lvq = _NO_LAST_VALUES if last_value_key is None else {}
@@ -425,6 +435,9 @@ class Queue:
         if self.last_value_key is not None:
             self._replace_last_value(message)
         priority = message[M_PRIORITY]
+        scan_from = self._scan_from
+        if scan_from is not None and priority > scan_from[0]:  # where a cut scan would not look again
+            self._scan_from = None
         level = self._levels[priority]
         if level is _UNUSED_LEVEL:
             self._start_level(priority, message)
@@ -459,6 +472,7 @@ class Queue:
                 self._superseded.add(previous[M_ID])
             else:
                 self._count -= 1
+                self._scan_from = None  # the messages passed over moved
                 self._forget(previous)
                 self._returned.pop(previous[M_ID], None)
                 self.acked += 1
@@ -523,6 +537,7 @@ class Queue:
             self._start_level(priority, message)
         else:
             level.appendleft(message)
+        self._scan_from = None  # before what a cut scan passed over
         if priority > self._high:  # noqa: PLR1730 - max() is a builtin call per message
             self._high = priority
         self._count += 1
@@ -536,6 +551,7 @@ class Queue:
 
     def remove_where(self, predicate: Callable[[WireMessage], bool]) -> list[WireMessage]:
         """Take out the queued messages matching ``predicate`` (expiry scan, management)."""
+        self._scan_from = None  # the messages passed over may move
         taken: list[WireMessage] = []
         for level in self._levels:
             if not level:
@@ -573,7 +589,12 @@ class Queue:
         return self.remove_where(lambda _m: True)
 
     # ------------------------------------------------------------------ consumers
+    def scan_from_head(self) -> None:
+        """The next scan looks at every message again: a consumer came, went or got credit."""
+        self._scan_from = None
+
     def add_consumer(self, consumer: Consumer) -> None:
+        self._scan_from = None
         if consumer.browse:
             paged = self._pager.browse() if self._pager is not None and self._paged else None
             consumer.browse_iter = Browse(self._browsed(consumer.selector), paged)
@@ -602,6 +623,7 @@ class Queue:
         """Detach a consumer and hand back its unacknowledged messages with their delivery counts, newest
         first (returning them in that order to the head of the queue restores their order)."""
         self.consumers.remove(consumer)
+        self._scan_from = None  # the groups it owned are free
         if consumer.browse_iter is not None:
             consumer.browse_iter.close()  # the page files it still needed may go
             consumer.browse_iter = None
@@ -662,6 +684,7 @@ class Queue:
         return next((c for c in self.consumers if not c.browse), None)
 
     def _dispatch_fast(self, ready: list[Consumer], now_ms: int) -> None:
+        self._scan_from = None  # it takes from the head
         rr = self._rr
         deliver = self._deliver
         while ready and self._count:
@@ -688,12 +711,19 @@ class Queue:
         self._rr = rr
 
     def _dispatch_scan(self, ready: list[Consumer], now_ms: int) -> None:
+        """Deliver what the ready consumers may take, looking at SCAN_LIMIT messages at most; a scan cut there
+        goes on after them at the next tick (without outside events, a match further back would wait for ever)."""
         scanned = 0
+        start, self._scan_from = self._scan_from, None
         for priority in range(self._high, -1, -1):
             level = self._levels[priority]
-            if not level:
-                continue
-            kept: deque[WireMessage] = deque()
+            if not level or (start is not None and priority > start[0]):
+                continue  # nothing here, or nothing the ready consumers take (a cut scan looked)
+            if start is not None and priority == start[0] and start[1]:
+                kept = deque(itertools.islice(level, start[1]))  # looked at already: kept in order
+                level = deque(itertools.islice(level, start[1], None))
+            else:
+                kept = deque()
             while level and ready and scanned < SCAN_LIMIT:
                 message = level.popleft()
                 scanned += 1
@@ -710,9 +740,14 @@ class Queue:
                 self._deliver(target, message)
                 if not target.credit:
                     ready.remove(target)
+            passed_over = len(kept)
             kept.extend(level)
             self._levels[priority] = kept or _UNUSED_LEVEL
-            if not ready or scanned >= SCAN_LIMIT:
+            if not ready:
+                return
+            if scanned >= SCAN_LIMIT:
+                self._scan_from = (priority, passed_over)
+                self._sink.on_scan_cut(self)
                 return
 
     def _choose(self, message: WireMessage, ready: list[Consumer]) -> Consumer | None:
