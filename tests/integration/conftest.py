@@ -1,3 +1,3 @@
 """Fixtures shared by the integration tests of one protocol, registered here for all of them."""
 
-from tests.integration.mqtt_clients import raw  # noqa: F401 (a fixture: registered by being imported here)
+from tests.integration.mqtt_clients import raw, replicas  # noqa: F401 (fixtures: registered by being imported here)

@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as paho
@@ -17,6 +18,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties as PahoProperties
 from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
+from tests.conftest import CoreProcess, GatewayProcess, start_gateway, stop_cleanly
 
 from tridentmq_mqtt.protocol.errors import RemoteProtocolError
 from tridentmq_mqtt.protocol.packets import V5, Connect, Packet, PacketParser, encode
@@ -232,3 +234,14 @@ def raw() -> Iterator[Callable[..., Raw]]:
     yield make
     for client in made:
         client.close()
+
+
+@pytest.fixture
+def replicas(tmp_path: Path, core: CoreProcess) -> Iterator[tuple[GatewayProcess, GatewayProcess]]:
+    """Two MQTT gateways on the test module's ``core``: A (which a test may kill) and B (stopped cleanly at the end)."""
+    a = start_gateway(tmp_path, core, "mqtt", name="gateway-a")
+    b = start_gateway(tmp_path, core, "mqtt", name="gateway-b")
+    yield a, b
+    stop_cleanly(b)
+    if a.process.poll() is None:
+        stop_cleanly(a)

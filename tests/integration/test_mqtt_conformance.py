@@ -93,17 +93,6 @@ def paho() -> Iterator[Callable[..., Paho]]:
         client.stop()
 
 
-@pytest.fixture
-def replicas(tmp_path: Path, core: CoreProcess) -> Iterator[tuple[GatewayProcess, GatewayProcess]]:
-    """Two gateways on one core: A (which a test may kill) and B (stopped cleanly at the end)."""
-    a = start_gateway(tmp_path, core, "mqtt", name="gateway-a")
-    b = start_gateway(tmp_path, core, "mqtt", name="gateway-b")
-    yield a, b
-    stop_cleanly(b)
-    if a.process.poll() is None:
-        stop_cleanly(a)
-
-
 def _get_json(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=10) as response:
         return json.loads(response.read())

@@ -6,11 +6,10 @@ PUBREC came continues with the PUBREL. A session that ends with its connection g
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
-from tests.conftest import CoreProcess, GatewayProcess, module_core, start_gateway, stop_cleanly
+from tests.conftest import GatewayProcess, module_core
 from tests.integration.mqtt_clients import Paho, Raw, silent
 
 from tridentmq_mqtt.protocol.packets import (
@@ -35,17 +34,6 @@ core = module_core
 
 def _id() -> str:
     return uuid.uuid4().hex[:10]
-
-
-@pytest.fixture
-def replicas(tmp_path: Path, core: CoreProcess) -> Iterator[tuple[GatewayProcess, GatewayProcess]]:
-    """Two gateways on one core: A (which a test may kill) and B (stopped cleanly at the end)."""
-    a = start_gateway(tmp_path, core, "mqtt", name="gateway-a")
-    b = start_gateway(tmp_path, core, "mqtt", name="gateway-b")
-    yield a, b
-    stop_cleanly(b)
-    if a.process.poll() is None:
-        stop_cleanly(a)
 
 
 def _retain(port: int, topic: str, payload: bytes) -> None:
