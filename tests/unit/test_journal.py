@@ -37,6 +37,7 @@ from tridentmq_core.store.journal import (
     COMPACT_SUFFIX,
     Journal,
     JournalCorruptedError,
+    MessageReader,
     RecoveryReport,
     compact_offline,
     list_segments,
@@ -53,7 +54,7 @@ from tridentmq_core.store.records import (
     encode,
     scan,
 )
-from tridentmq_core.store.recovery import Replayer, replay
+from tridentmq_core.store.recovery import Replayer, location, replay
 from tridentmq_shared.link.ops import NackMode
 from tridentmq_shared.message import M_DEDUP, M_ID, M_TIMESTAMP, WireMessage, new_message
 
@@ -1807,3 +1808,115 @@ def test_an_offline_compaction_that_finds_the_disk_full_keeps_the_old_journal(ti
         compact_offline(directory, 16 * SMALL_SEGMENT)
     assert as_entries(recover(directory, 16 * SMALL_SEGMENT)[0]) == entries  # recovery undoes the partial copy
     assert not (tiny_disk / f"journal{COMPACT_SUFFIX}").exists()
+
+
+# ------------------------------------------------------------------------------- paging queues left on disk
+def at(segment: int, offset: int, record_type: RecordType, *payload: Any) -> Record:
+    return Record(offset, record_type, list(payload), segment)
+
+
+def pages_p(spec: dict[str, Any]) -> bool:
+    return bool(spec["name"].startswith("p"))
+
+
+def test_replay_keeps_only_where_the_messages_that_only_paging_queues_hold_are() -> None:
+    m1, m2, m3, m4, m5 = (wire_message(n) for n in range(1, 6))
+    records = [
+        at(1, 0, RecordType.ADD_QUEUE, queue_spec("p1")),
+        at(1, 10, RecordType.ADD_QUEUE, queue_spec("p2")),
+        at(1, 20, RecordType.ADD_QUEUE, queue_spec("n")),
+        at(1, 100, RecordType.MESSAGE, m1, ["p1"]),
+        at(2, 200, RecordType.MESSAGE, m2, ["p1", "p2"], [0, 3]),
+        at(2, 300, RecordType.MESSAGE, m3, ["p1", "n"]),  # a queue that does not page needs it decoded
+        at(2, 400, RecordType.MESSAGE, m4, ["p2"]),
+        at(3, 500, RecordType.TX_MESSAGE, 7, m5, ["p2"]),
+        at(3, 600, RecordType.TX_COMMIT, 7),
+        at(3, 700, RecordType.ACKS, "p1", [1, 2]),  # 1 gone, 2 still in p2
+        at(3, 800, RecordType.DELETE_QUEUE, "p2"),  # 4 and 5 gone, 2 too
+        at(3, 900, RecordType.DELIVERY_COUNT, "p1", 3, 4),
+    ]
+    state = replay(records, pages=pages_p)
+    assert state.messages == {3: m3}
+    assert state.located == {}
+    assert state.references == {"p1": {3: 4}, "n": {3: 0}}
+    assert state.live_messages() == 1
+
+    state = replay(records[:-3], pages=pages_p)
+    assert state.messages == {3: m3}
+    assert state.located == {
+        1: location(records[3]),
+        2: location(records[4]),
+        4: location(records[6]),
+        5: 3 << 40 | 500,
+    }
+    assert state.references == {"p1": {1: 0, 2: 0, 3: 0}, "p2": {2: 3, 4: 0, 5: 0}, "n": {3: 0}}
+    assert state.live_messages() == 5
+    # Without ``pages`` (offline compaction, data tools) every message is decoded, as before.
+    assert replay(records[:-3]).messages == {1: m1, 2: m2, 3: m3, 4: m4, 5: m5}
+
+
+def test_replay_decodes_a_located_message_once_a_queue_that_does_not_page_takes_it() -> None:
+    """Compaction writes a live message again: the copy decides, and a decoded one never goes back to disk."""
+    m1, m2 = wire_message(1), wire_message(2)
+    state = replay(
+        [
+            at(1, 0, RecordType.ADD_QUEUE, queue_spec("p")),
+            at(1, 10, RecordType.ADD_QUEUE, queue_spec("n")),
+            at(1, 20, RecordType.MESSAGE, m1, ["p"]),
+            at(1, 30, RecordType.MESSAGE, m2, ["n"]),
+            at(2, 0, RecordType.MESSAGE, m1, ["p", "n"], [2, 0]),
+            at(2, 40, RecordType.MESSAGE, m2, ["p", "n"], [0, 1]),
+            at(2, 80, RecordType.ACK, "n", 2),
+        ],
+        pages=pages_p,
+    )
+    assert state.messages == {1: m1, 2: m2}
+    assert state.located == {}
+    assert state.references == {"p": {1: 2, 2: 0}, "n": {1: 0}}
+
+
+def test_replay_of_a_paging_queue_matches_the_decoded_replay_message_for_message(tmp_path: Path) -> None:
+    """Over several segments: every located message read back is the one a plain replay keeps, and the rest
+    of the state is the same."""
+    rng = random.Random(7)
+    entries: list[Entry] = [(RecordType.ADD_QUEUE, [queue_spec("p")]), (RecordType.ADD_QUEUE, [queue_spec("n")])]
+    for n in range(1, 301):
+        entries.append(
+            (RecordType.MESSAGE, [wire_message(n, bytes(rng.randrange(300))), rng.choice([["p"], ["n"], ["p", "n"]])])
+        )
+        if n % 10 == 0:
+            entries.append((RecordType.ACKS, ["p", rng.sample(range(1, n + 1), 5)]))
+            entries.append((RecordType.DELIVERY_COUNTS, ["p", [n - 1], [3]]))
+        if n % 50 == 0:
+            entries.append((RecordType.TX_MESSAGE, [n, wire_message(1000 + n), ["p"]]))
+            entries.append((RecordType.TX_COMMIT, [n]))
+    entries.append((RecordType.TX_MESSAGE, [9999, wire_message(9999), ["p"]]))  # its commit lost to a crash
+    write_journal(tmp_path, entries, SMALL_SEGMENT)
+    plain, _ = Journal(tmp_path, segment_bytes=SMALL_SEGMENT).recover(replay)
+    located, _ = Journal(tmp_path, segment_bytes=SMALL_SEGMENT).recover(lambda r: replay(r, pages=pages_p))
+    assert len(list_segments(tmp_path)) > 10
+    assert located.references == plain.references
+    assert located.live_messages() == plain.live_messages() > 100
+    assert located.uncommitted == plain.uncommitted == 1
+    assert located.dedup_ids == plain.dedup_ids
+    assert len(located.located) > 50
+    assert set(located.located).isdisjoint(located.messages)
+    reader = MessageReader(tmp_path)
+    try:
+        assert {**located.messages, **{i: reader(w) for i, w in located.located.items()}} == plain.messages
+    finally:
+        reader.close()
+
+
+def test_a_located_message_whose_record_changed_is_refused(tmp_path: Path) -> None:
+    write_journal(tmp_path, [(RecordType.ADD_QUEUE, [queue_spec("p")]), (RecordType.MESSAGE, [wire_message(1), ["p"]])])
+    state, _ = Journal(tmp_path).recover(lambda r: replay(r, pages=pages_p))
+    (where,) = state.located.values()
+    path = list_segments(tmp_path)[0]
+    data = bytearray(path.read_bytes())
+    data[(where & 0xFFFF) + HEADER_SIZE + 5] ^= 1
+    path.write_bytes(bytes(data))
+    reader = MessageReader(tmp_path)
+    with pytest.raises(JournalCorruptedError, match="CRC mismatch"):
+        reader(where)
+    reader.close()

@@ -32,6 +32,8 @@ import msgpack
 
 from tridentmq_core.store.files import fsync_directory
 from tridentmq_core.store.records import (
+    HEADER,
+    HEADER_SIZE,
     Record,
     RecordType,
     ScanEnd,
@@ -40,7 +42,8 @@ from tridentmq_core.store.records import (
     encode,
     scan,
 )
-from tridentmq_core.store.recovery import replay
+from tridentmq_core.store.recovery import LOCATION_SHIFT, message_of, replay
+from tridentmq_shared.message import WireMessage
 
 log = logging.getLogger("tridentmq.core.journal")
 
@@ -206,6 +209,43 @@ def read_segment(path: Path) -> Iterator[Record | ScanEnd]:
     yield from scan(path.read_bytes())
 
 
+class MessageReader:
+    """Reads back, by location, the messages recovery left in the journal's segments (``RecoveredState.located``):
+    called before the journal writes again, while they are all still there."""
+
+    #: Segment files kept open at most (a restore reads in id order, which is mostly segment order).
+    MAX_OPEN: Final = 16
+    READ_BYTES: Final = 4096
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._fds: dict[int, int] = {}
+
+    def __call__(self, where: int) -> WireMessage:
+        segment, offset = where >> LOCATION_SHIFT, where & ((1 << LOCATION_SHIFT) - 1)
+        fd = self._fds.get(segment)
+        if fd is None:
+            if len(self._fds) >= self.MAX_OPEN:
+                self.close()
+            fd = self._fds[segment] = os.open(self.directory / segment_name(segment), os.O_RDONLY)
+        # The record alone, not the segment: a whole one read or mapped would count in the process's memory.
+        # One read covers most records; a longer one takes a second.
+        data = os.pread(fd, self.READ_BYTES, offset)
+        if len(data) >= HEADER_SIZE:
+            size = HEADER_SIZE + HEADER.unpack_from(data)[2]
+            if size > len(data):
+                data += os.pread(fd, size - len(data), offset + len(data))
+        record = next(scan(data, 0, segment))  # checked again: the file is read twice, and must not have changed
+        if not isinstance(record, Record):
+            raise JournalCorruptedError(f"{segment_name(segment)}: {record.reason or 'no record'} at offset {offset}")
+        return message_of(record)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
 class Journal:
     def __init__(self, directory: Path, *, segment_bytes: int = DEFAULT_SEGMENT_BYTES, sync_delay_us: int = 0) -> None:
         self.directory = directory
@@ -271,9 +311,10 @@ class Journal:
     def _read(self, segments: list[Path], report: RecoveryReport) -> Generator[Record, None, None]:
         for index, path in enumerate(segments):
             data = path.read_bytes()
+            number = int(path.name[len(SEGMENT_PREFIX) : -len(SEGMENT_SUFFIX)])
             report.segments += 1
             end = ScanEnd(0, None)
-            for item in scan(data):
+            for item in scan(data, 0, number):
                 if isinstance(item, Record):
                     report.records += 1
                     yield item
@@ -288,7 +329,7 @@ class Journal:
             if end.reason is not None:
                 self._zero_from(path, end.offset)
                 report.truncated.append(f"{path.name}: {end.reason}; cut at offset {end.offset}")
-            self._segment_number = int(path.name[len(SEGMENT_PREFIX) : -len(SEGMENT_SUFFIX)])
+            self._segment_number = number
             self._position = end.offset
             del data  # before the next segment is read: one segment in memory at a time
 

@@ -73,6 +73,7 @@ class Record:
     offset: int
     type: RecordType
     payload: Any
+    segment: int = 0  # the number of the journal segment it was read from (0: not from one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +84,9 @@ class ScanEnd:
     reason: str | None
 
 
-def scan(data: bytes | memoryview, start: int = 0) -> Iterator[Record | ScanEnd]:
-    """Yield every valid record from ``start``, then exactly one ``ScanEnd``."""
+def scan(data: bytes | memoryview, start: int = 0, segment: int = 0) -> Iterator[Record | ScanEnd]:
+    """Yield every valid record from ``start`` (marked as read from journal segment ``segment``), then exactly
+    one ``ScanEnd``."""
     view = memoryview(data)
     end = len(view)
     pos = start
@@ -113,7 +115,7 @@ def scan(data: bytes | memoryview, start: int = 0) -> Iterator[Record | ScanEnd]
         except (ValueError, TypeError, msgpack.UnpackException) as exc:  # a CRC-valid but undecodable body
             yield ScanEnd(pos, f"undecodable record at offset {pos}: {exc}")
             return
-        yield Record(pos, RecordType(record_type), payload)
+        yield Record(pos, RecordType(record_type), payload, segment)
         pos = body_start + length
 
 
