@@ -346,6 +346,53 @@ async def test_a_restart_after_a_long_history_recovers_the_live_messages_exactly
         assert node.stop() == 0
 
 
+async def test_a_restart_with_a_paged_backlog_recovers_it_exactly_within_the_paging_limit(tmp_path: Path) -> None:
+    """A queue that paged 125 MiB past its 4 MiB limit comes back after kill -9 without holding the backlog in
+    memory: replay keeps only where its messages are, and the restore reads them back into the queue, which
+    pages them again. Replay used to hold them all until the journal's end: its peak grew by the backlog."""
+    config = """
+[[address_settings]]
+match = "paged.#"
+max_size_bytes = 4194304
+"""
+    settings = {
+        "TRIDENTMQ_CORE_JOURNAL_COMPACT_MIN_SEGMENTS": "1000000",  # every record stays, as after a crash
+        "TRIDENTMQ_CORE_JOURNAL_SEGMENT_BYTES": str(8 * MIB),  # recovery reads one at a time: keep it small
+    }
+    node = start_core(tmp_path, config=config, **settings)
+    port = node.link_port
+    idle_peak = peak_rss(node.process.pid)
+
+    def body(n: int) -> bytes:
+        return f"{n:05d}".encode() + bytes(32 * 1024 - 5)
+
+    for start in range(0, 4000, 250):
+        await publish_confirmed(node, "paged.q", [body(n) for n in range(start, start + 250)])
+    async with client(node) as c:
+        consumer = await c.subscribe("paged.q", credit=50)
+        taken: list[tuple[int, list[object]]] = []
+        while len(taken) < 50:
+            batch = await consumer.get_batch(timeout=10)
+            assert batch
+            taken.extend(batch)
+        consumer.ack_ids([m[M_ID] for _, m in taken if int(m[M_BODY][:5]) % 2 == 0])
+        await consumer.close()  # the odd ones go back, delivered once
+        await c.publish(new_message("paged.done", b"last", durable=True))  # synced after the acks and counts
+    node.process.send_signal(signal.SIGKILL)
+    node.process.wait(timeout=10)
+    node = start_core(tmp_path, config=config, TRIDENTMQ_CORE_LINK_PORT=str(port), **settings)
+    try:
+        restart_peak = peak_rss(node.process.pid)  # ready: recovery is over
+        assert readyz(node)[1]["recovered"] == {"paged.q": 25 + 3950, "paged.done": 1}
+        got = await drain(node, "paged.q", 25 + 3950)
+        expected = [(body(n), 2) for n in range(1, 50, 2)] + [(body(n), 1) for n in range(50, 4000)]
+        assert got == expected  # every one, in order, with its delivery count
+        growth = restart_peak - idle_peak
+        assert growth < 80 * MIB, f"the restart peaked {growth / MIB:.0f} MiB above an empty node's start"
+    finally:
+        assert node.stop() == 0
+
+
 async def test_a_browser_of_a_paging_queue_sees_every_message_while_a_consumer_drains_it(tmp_path: Path) -> None:
     """The paged part of a browse's snapshot is read back for the browser through the node's page I/O thread,
     while the queue's own consumer reads the same page files back and has them deleted."""

@@ -15,8 +15,10 @@ from tests.unit.broker_harness import Harness, bodies, ids, ok
 
 from tridentmq_core.queues import MESSAGE_OVERHEAD
 from tridentmq_core.settings import AddressSettingsEntry, CoreSettings
+from tridentmq_core.store.journal import Journal, MessageReader
 from tridentmq_core.store.paging import FilePager, InlineIO, PageDirectory, ThreadIO
-from tridentmq_core.store.recovery import RecoveredState
+from tridentmq_core.store.records import RecordType
+from tridentmq_core.store.recovery import RecoveredState, replay
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.message import M_BODY, M_ID, WireMessage, new_message
 
@@ -319,3 +321,45 @@ def test_deleting_a_paging_queue_removes_its_page_file(tmp_path: Path) -> None:
     assert list((tmp_path / "paging").iterdir())
     c.delete_queue("gone")
     assert not list((tmp_path / "paging").iterdir())
+
+
+def test_a_paging_queue_is_restored_from_messages_left_in_the_journal_in_order_with_their_counts(
+    tmp_path: Path,
+) -> None:
+    """Replay keeps only where a paging queue's messages are; restore reads them back in id order as the queue
+    takes them, and the queue pages those past its limit, as at run time."""
+    h = paging_harness(tmp_path, limit=5 * PER_MESSAGE)
+    journal = Journal(tmp_path / "journal", segment_bytes=16 * 1024)
+    journal.recover()
+    journal.start()
+    spec = {"name": "q", "address": "q", "routing_type": 0}
+    journal.append(RecordType.ADD_ADDRESS, ["q", [0]])
+    journal.append(RecordType.ADD_QUEUE, [spec])
+    for n in (*range(11, 21), *range(1, 11)):  # a compaction's copy: older ones after newer ones
+        message = new_message("q", BODY, durable=True)
+        message[M_ID] = n
+        journal.append(RecordType.MESSAGE, [message, ["q"], [n % 3]])
+    journal.append(RecordType.ACKS, ["q", [4]])
+    journal.close()
+    state, _ = Journal(tmp_path / "journal").recover(lambda records: replay(records, pages=h.broker.catalog.pages))
+    assert state.messages == {}
+    assert len(state.located) == 19
+    with pytest.raises(ValueError, match="nothing to read them back with"):
+        h.broker.restore(state, h.now_ms)
+    reader = MessageReader(tmp_path / "journal")
+    try:
+        h.broker.restore(state, h.now_ms, reader)
+    finally:
+        reader.close()
+    queue = h.broker.queues["q"]
+    assert queue.paged == 14
+    c = h.connect()
+    cid = c.consumer("q", credit=100)
+    got: list[tuple[int, int]] = []
+    while len(got) < 19:
+        batch = c.take(cid)
+        assert batch
+        got.extend((d.message[M_ID], d.count) for d in batch)
+        c.ack(cid, ids(batch))
+    assert got == [(n, n % 3 + 1) for n in range(1, 21) if n != 4]
+    assert h.broker._next_id == 21  # ids go on after the highest, located ones too

@@ -670,13 +670,14 @@ class Broker:
         self.routes.forget_all()
 
     # ------------------------------------------------------------------ recovery and compaction
-    def restore(self, state: RecoveredState, now_ms: int) -> None:
+    def restore(self, state: RecoveredState, now_ms: int, load: Callable[[int], WireMessage] | None = None) -> None:
         """Rebuild addresses, durable queues and their messages from a recovered journal, writing nothing
-        back to the store. Message ids continue after the highest recovered one."""
+        back to the store (``load`` reads back those left in the journal). Message ids continue after the
+        highest recovered one."""
         self.now_ms = now_ms
         store, self.store = self.store, MemoryStore()
         try:
-            self._next_id = max(self._next_id, self.durable_state.restore(state, now_ms))
+            self._next_id = max(self._next_id, self.durable_state.restore(state, now_ms, load))
         finally:
             self.store = store
 

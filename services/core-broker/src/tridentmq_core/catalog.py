@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from tridentmq_core.address_settings import AddressSettingsRepository
+from tridentmq_core.address_settings import AddressSettingsRepository, ResolvedAddressSettings
 from tridentmq_core.audit_events import AuditEvents
 from tridentmq_core.checks import (
     BrokerError,
@@ -262,6 +262,21 @@ class Catalog:
         )
         return {"created": True, "queue": name, "address": address}
 
+    def pages(self, spec: dict[str, Any]) -> bool:
+        """Whether the durable queue a journal's ``spec`` describes pages (recovery leaves its messages on disk
+        until the queue takes them back, which pages them as at run time)."""
+        return self._pages(self.address_settings.resolve(spec["address"]), spec.get("last_value_key"))
+
+    def _pages(self, settings: ResolvedAddressSettings, last_value_key: str | None) -> bool:
+        # A last-value queue holds one message per key, and replacing one or browsing them by key needs them all
+        # in memory: paged, a newer value would not replace an older one, and browsers would miss them.
+        return (
+            self._pager_factory is not None
+            and settings.address_full_policy == "PAGE"
+            and settings.max_size_bytes >= 0
+            and last_value_key is None
+        )
+
     def create_queue(
         self,
         name: str,
@@ -293,9 +308,7 @@ class Catalog:
         auto = auto_created or settings.auto_create_addresses
         # One that stays without queues (not auto-created) is journaled, whatever its first queue.
         self.ensure_address(address, {routing}, auto_created=auto, durable=durable or not auto)
-        # A last-value queue holds one message per key, and replacing one or browsing them by key needs them all
-        # in memory: paged, a newer value would not replace an older one, and browsers would miss them.
-        paging = settings.address_full_policy == "PAGE" and settings.max_size_bytes >= 0 and last_value_key is None
+        paging = self._pages(settings, last_value_key)
         queue = Queue(
             name,
             address,

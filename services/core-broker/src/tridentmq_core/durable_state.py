@@ -3,6 +3,8 @@ snapshot a journal compaction writes as its new base."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from tridentmq_core.catalog import Catalog, queue_spec
 from tridentmq_core.dedup import DuplicateIdCache
 from tridentmq_core.queues import Queue
@@ -14,6 +16,10 @@ from tridentmq_core.write_through import WriteThrough
 from tridentmq_shared.message import M_DURABLE, M_ID, M_SCHEDULED, RoutingType, WireMessage
 
 
+def _nothing_located(where: int) -> WireMessage:
+    raise KeyError(where)
+
+
 class DurableState:
     def __init__(
         self, *, catalog: Catalog, timers: Timers, dedup: DuplicateIdCache, write_through: WriteThrough[Session]
@@ -23,11 +29,18 @@ class DurableState:
         self._dedup = dedup
         self._write_through = write_through
 
-    def restore(self, state: RecoveredState, now_ms: int) -> int:
+    def restore(self, state: RecoveredState, now_ms: int, load: Callable[[int], WireMessage] | None = None) -> int:
         """Rebuild addresses, durable queues and their messages (the store must not record them again: the
         caller swaps in one that does not). Every queue starts idle at ``now_ms``: one with an expiry gets its
-        full time again. Returns the id the next message may have (after the highest recovered one)."""
+        full time again. ``load`` reads back a message of ``state.located`` by its location, as its queue takes
+        it (so a paging queue pages it then, and the backlog is never in memory whole). Returns the id the next
+        message may have (after the highest recovered one)."""
         catalog = self._catalog
+        messages, located = state.messages, state.located
+        if load is None:
+            if located:
+                raise ValueError("the state has messages left in the journal, and nothing to read them back with")
+            load = _nothing_located
         for name, (kinds, auto_created) in state.addresses.items():
             catalog.ensure_address(name, {RoutingType(k) for k in kinds}, auto_created=auto_created)
         for name, spec in state.queues.items():
@@ -48,7 +61,9 @@ class DurableState:
             # By id, which grows with publish order: a compaction writes the older messages it copies after
             # the ones published while it ran.
             for message_id, count in sorted(state.references.get(name, {}).items()):
-                message = state.messages[message_id]
+                message = messages.get(message_id)
+                if message is None:
+                    message = load(located[message_id])
                 if message[M_SCHEDULED] > now_ms:
                     self._timers.schedule(message[M_SCHEDULED], queue, message, count)  # not due yet
                 else:
@@ -60,7 +75,8 @@ class DurableState:
         for address in catalog.addresses.values():  # journals written before auto-delete hold unused ones too
             if address.auto_created and not address.queues:
                 catalog.watch_unused_address(address.name, now_ms)
-        return max((message[M_ID] + 1 for message in state.messages.values()), default=0)
+        highest = max((message[M_ID] for message in messages.values()), default=-1)
+        return max(highest, max(located, default=-1)) + 1  # a located message's key is its id
 
     def snapshot(self) -> DurableSnapshot:
         """The live durable state as records would rebuild it: what journal compaction copies forward."""

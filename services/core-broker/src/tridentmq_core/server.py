@@ -51,7 +51,7 @@ from tridentmq_core.sessions import Session
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.data_lock import DataDirectoryLock, JournalLock
 from tridentmq_core.store.identity import NodeIdentity
-from tridentmq_core.store.journal import Journal
+from tridentmq_core.store.journal import Journal, MessageReader
 from tridentmq_core.store.journal_store import JournalStore
 from tridentmq_core.store.memory import MemoryStore
 from tridentmq_core.store.paging import PageDirectory, ThreadIO
@@ -645,8 +645,15 @@ class CoreNode:
         )
         started = time.monotonic()
         dedup_limit = self.settings.broker.dedup_max_entries
-        state, report = journal.recover(lambda records: replay(records, dedup_limit))
-        self.broker.restore(state, wall_ms())
+        # Messages only paging queues hold stay in the segments until restore reads them back into their
+        # queues, which page them: a restart then needs the paging limits, not the whole backlog, in memory.
+        pages = self.broker.catalog.pages
+        state, report = journal.recover(lambda records: replay(records, dedup_limit, pages))
+        reader = MessageReader(journal.directory)
+        try:
+            self.broker.restore(state, wall_ms(), reader)
+        finally:
+            reader.close()
         for line in report.truncated:
             log.warning("journal tail cut off after a crash", extra={"detail": line})
         self.status.recovered = state.queue_counts()
