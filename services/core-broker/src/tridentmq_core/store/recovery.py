@@ -87,6 +87,7 @@ class Replayer:
         self._pages = pages
         #: The queues that page: a message only they hold is not kept, only where it is (``state.located``).
         self._paging: set[str] = set()
+        self._locating = False  # once a queue pages (one flag: the plain path is per message)
         #: Message id → how many queues reference it, for those in more than one (a message of
         #: ``state.messages`` that is not here is in one): at 0 it leaves ``state.messages`` at once. Most are in
         #: one queue, and an entry for each cost 40 MB more per million live messages.
@@ -134,6 +135,7 @@ class Replayer:
                 state.references.setdefault(payload[0]["name"], {})
                 if self._pages is not None and self._pages(payload[0]):
                     self._paging.add(payload[0]["name"])
+                    self._locating = True
                 else:  # recorded again with another spec: its located messages are still read back, as any
                     self._paging.discard(payload[0]["name"])
             case RecordType.DELETE_QUEUE:
@@ -159,7 +161,7 @@ class Replayer:
         return state
 
     def _add_message(self, message: WireMessage, queues: list[str], counts: list[int] | None, record: Record) -> None:
-        if self._paging or self.state.located:
+        if self._locating:
             self._add_or_locate(message, queues, counts, record)
             return
         # No queue pages (most journals): the plain path, without a look-up more per message.
