@@ -101,7 +101,9 @@ async def test_each_stage_is_gone_before_the_next_is_asked_and_a_stubborn_child_
             await asyncio.sleep(0.05)
         assert len(log.read_text().splitlines()) == len(children), log.read_text()  # every child is up
         stopping.set()
-        assert not await stop_children(children, tasks, grace_s=2.0)  # not clean: one had to be killed
+        # A grace a loaded machine cannot miss for the polite ones (CI once starved one for 2 s): the stubborn one
+        # costs the whole of it.
+        assert not await stop_children(children, tasks, grace_s=6.0)  # not clean: one had to be killed
     finally:
         for c in children:
             if c.process is not None and c.process.returncode is None:
