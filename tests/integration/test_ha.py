@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 from tests.conftest import CoreProcess, start_core, start_gateway, stop_cleanly
+from tests.disks import fill, tmpfs
 from tests.integration.cluster_nodes import (
     CLUSTER_PASSWORD,
     CLUSTER_USER,
     client,
+    cluster_env,
     cluster_view,
     node_id,
     remote_consumers,
@@ -997,3 +999,70 @@ async def test_shared_store_active_node_holds_its_journal_against_compact(tmp_pa
     assert standby.stop() == 0
     compacted = await asyncio.to_thread(compact, journal)  # both stopped: the lock is free
     assert compacted.returncode == 0, compacted.stderr
+
+
+FAILING_FSYNC = """
+import errno, os
+_fdatasync = os.fdatasync
+def fdatasync(fd):  # the disk reports a failed write-back once the marker file exists
+    if os.path.exists(os.environ["TEST_FAIL_FSYNC_MARKER"]):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    _fdatasync(fd)
+os.fdatasync = fdatasync
+"""
+
+
+def start_backup(tmp_path: Path, primary: CoreProcess, group: str, **env: str) -> CoreProcess:
+    ha = {"TRIDENTMQ_CORE_HA_POLICY": "replication", "TRIDENTMQ_CORE_HA_GROUP_NAME": group}
+    backup = start_core(
+        tmp_path, f"{group}-backup", **cluster_env([primary]), **ha, TRIDENTMQ_CORE_HA_ROLE="backup", **env
+    )
+    wait_until(lambda: ha_view(backup).get("in_sync") is True, 20, "the backup to be in sync")
+    wait_until(lambda: ha_view(primary).get("backup_in_sync") is True, 10, "the primary to see it")
+    return backup
+
+
+async def test_a_backup_whose_journal_fsync_fails_exits_70_and_its_primary_goes_on(tmp_path: Path) -> None:
+    """Found by a review: with its journal dead the backup said "in sync" until its primary dropped it, then
+    copied again into a journal that failed again, each time costing the pair a pause and a new epoch (ten
+    epochs in ten seconds). A stand-in ``os.fdatasync`` fails in the backup's process only."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FAILING_FSYNC)
+    marker = tmp_path / "fail-fsync"
+    primary = start_node(tmp_path, "solo-primary", core_ha_policy="replication", core_ha_group_name="solo")
+    backup = start_backup(tmp_path, primary, "solo", PYTHONPATH=str(site), TEST_FAIL_FSYNC_MARKER=str(marker))
+    marker.touch()
+    bodies = [b"m%d" % i for i in range(10)]
+    await asyncio.wait_for(publish(primary, "q", bodies), 20)  # confirmed once the primary goes on alone
+    assert await asyncio.to_thread(backup.process.wait, 15) == 70
+    log = backup.log()
+    assert "the backup's journal cannot write: stopping" in log
+    assert "CRITICAL" in log
+    wait_until(lambda: ha_view(primary).get("backup") == "", 10, "the primary to go on without its backup")
+    assert sorted(await drain(primary, "q", len(bodies))) == sorted(bodies)
+    assert primary.stop() == 0
+
+
+async def test_a_backup_whose_disk_is_full_exits_70_and_its_primary_goes_on(tmp_path: Path) -> None:
+    """A full disk acknowledged nothing either, but left the backup "in sync" and copying again for ever."""
+    with tmpfs(tmp_path / "small", "16m") as disk:
+        journal = {"core_journal_segment_bytes": str(1 << 20), "core_journal_max_disk_usage": "100"}
+        primary = start_node(
+            tmp_path, "full-primary", core_ha_policy="replication", core_ha_group_name="full", **journal
+        )
+        backup = start_backup(
+            tmp_path,
+            primary,
+            "full",
+            TRIDENTMQ_CORE_JOURNAL_DIRECTORY=str(disk / "journal"),
+            **{f"TRIDENTMQ_{k.upper()}": v for k, v in journal.items()},
+        )
+        fill(disk, leave=512 * 1024)  # room for less than a segment: the backup's next roll fails
+        bodies = [b"%02d" % i + b"x" * 100_000 for i in range(14)]
+        await asyncio.wait_for(publish(primary, "q", bodies), 20)
+        assert await asyncio.to_thread(backup.process.wait, 15) == 70
+        assert "No space left on device" in backup.log()
+        wait_until(lambda: ha_view(primary).get("backup") == "", 10, "the primary to go on without its backup")
+        assert len(await drain(primary, "q", len(bodies))) == len(bodies)
+        assert primary.stop() == 0

@@ -4,6 +4,8 @@ claim that the records from a compaction's roll on, copied and new ones interlea
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -14,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests.unit.test_journal import SMALL_SEGMENT, as_entries, queue_spec, recover, wait_until, wire_message
 
+import tridentmq_core.store.journal as journal_module
 import tridentmq_core.store.journal_store as journal_store_module
 from tridentmq_core.audit import NullAuditSink
 from tridentmq_core.broker import Broker
@@ -711,7 +714,7 @@ def test_a_backup_keeps_a_compactions_copy_when_the_next_compaction_roll_is_writ
     identity = NodeIdentity(data_dir)
     advertise = ("127.0.0.1", 1)
     runner = BackupRunner(
-        backup_settings, identity, "b", data_dir / "journal", advertise, synced.append, noop, lambda: False
+        backup_settings, identity, "b", data_dir / "journal", advertise, synced.append, noop, lambda: False, _unfailing
     )
     runner.client = client = PeerLink("127.0.0.1", 1)  # never connected: its acknowledgements go nowhere
     runner._start_copy({"node_id": "pair", "epoch": 1, "members": []})
@@ -747,7 +750,15 @@ async def test_a_backup_refuses_a_streamed_record_that_is_not_whole_and_copies_a
     data_dir = tmp_path / "backup"
     data_dir.mkdir()
     runner = BackupRunner(
-        backup_settings, NodeIdentity(data_dir), "b", data_dir / "journal", ("127.0.0.1", 1), _now, noop, _no
+        backup_settings,
+        NodeIdentity(data_dir),
+        "b",
+        data_dir / "journal",
+        ("127.0.0.1", 1),
+        _now,
+        noop,
+        _no,
+        _unfailing,
     )
     runner.client = client = PeerLink("127.0.0.1", 1)  # never connected: nothing goes anywhere
     runner._start_copy({"node_id": "pair", "epoch": 1, "members": []})
@@ -772,6 +783,51 @@ def test_a_record_is_whole_only_with_its_header_length_and_crc() -> None:
 
 def _now(callback: Callable[[], None]) -> None:
     callback()
+
+
+def _unfailing(name: str, exc: BaseException) -> None:
+    raise AssertionError(f"the backup failed: {name}: {exc}")
+
+
+@pytest.mark.parametrize("error", [errno.EIO, errno.ENOSPC])
+async def test_a_backup_whose_journal_cannot_write_acknowledges_nothing_and_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: int
+) -> None:
+    """Found by a review: the backup went on with a dead journal, "in sync" until its primary dropped it,
+    then copied again into a journal that failed again. Now it fails the node (exit 70), as a primary does."""
+    data_dir = tmp_path / "backup"
+    data_dir.mkdir()
+    failed: list[tuple[str, BaseException]] = []
+    runner = BackupRunner(
+        CoreSettings(),
+        NodeIdentity(data_dir),
+        "b",
+        data_dir / "journal",
+        ("127.0.0.1", 1),
+        _now,
+        noop,
+        _no,
+        lambda name, exc: failed.append((name, exc)),
+    )
+    runner.client = client = PeerLink("127.0.0.1", 1)
+    acks: list[int] = []
+    monkeypatch.setattr(client, "replica_ack", acks.append)
+    runner._start_copy({"node_id": "pair", "epoch": 1, "members": []})
+
+    def fdatasync(fd: int) -> None:  # the disk fails the write-back (EIO), or the write itself (ENOSPC)
+        raise OSError(error, os.strerror(error))
+
+    target = "fdatasync" if error == errno.EIO else "pwrite"
+    monkeypatch.setattr(journal_module.os, target, lambda *_: fdatasync(0))
+    runner._records(client, ReplicaRecords(1, 1, [encode(RecordType.ADD_QUEUE, [queue_spec("q")])], 1))
+    wait_until(lambda: bool(failed))
+    [(name, exc)] = failed
+    assert name == "backup journal"
+    assert os.strerror(error) in str(exc)
+    assert acks == []  # nothing acknowledged that is not on disk
+    assert not runner.state.in_sync
+    monkeypatch.undo()
+    runner._close_journal()
 
 
 def _no() -> bool:

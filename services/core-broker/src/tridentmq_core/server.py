@@ -771,6 +771,7 @@ class CoreNode:
                 self._call_in_loop,
                 self.activate,
                 lambda: self.isolated,
+                self.supervisor.fail,
             )
             self.status.ha = self._ha_status
             self.backup.start()

@@ -44,6 +44,7 @@ class BackupRunner:
         call_in_loop: Callable[[Callable[[], None]], None],
         activate: Callable[[], Awaitable[None]],
         isolated: Callable[[], bool],
+        fail: Callable[[str, BaseException], None],
     ) -> None:
         self.settings = settings
         self.advertise = advertise  # this node's link endpoint, where clients find it once it is active
@@ -53,6 +54,7 @@ class BackupRunner:
         self._call_in_loop = call_in_loop
         self._activate = activate
         self._isolated = isolated  # the network check's verdict: an isolated backup never takes over
+        self._fail = fail  # ends the process (exit status 70), as a failed task does
         self.state_path = identity.data_dir / HA_STATE_FILE
         # A whole copy from an earlier run may take over when no copy of the pair is active (both halves
         # restarted); votes make sure it is the freshest one.
@@ -174,6 +176,7 @@ class BackupRunner:
         journal = Journal(self.journal_dir, segment_bytes=self.settings.journal.segment_bytes)
         journal.recover()
         journal.on_synced = lambda upto: self._call_in_loop(lambda: self._synced(journal, upto))
+        journal.on_error = lambda: self._call_in_loop(lambda: self._journal_failed(journal))
         journal.start()
         self.journal = journal
         self._offset = self._expected = self._sync_end = self._compacted_at = self._compaction_roll = 0
@@ -254,6 +257,19 @@ class BackupRunner:
             self.state.save(self.state_path)
             self.reason = "in sync"
             log.info("in sync with the primary: ready to take over", extra={"primary": self.primary})
+
+    def _journal_failed(self, journal: Journal) -> None:
+        """This copy's journal cannot write: fail the node (exit 70), as a primary does on a failed fsync.
+        Its writer acknowledged nothing it did not sync, but a backup that stayed would still say "in sync"
+        and could take over with a dead journal; and each fresh copy would fail again, dropped by the primary
+        after the heartbeat timeout and costing the pair a new epoch every time. Crash-only: the primary goes
+        on as without a backup, and the restarted backup copies afresh (its old copy, stale by then, is
+        wiped, which also frees its disk). A full disk ends it too: a copy is written afresh anyway."""
+        error = journal.fatal or journal.error
+        if journal is not self.journal or error is None:
+            return  # an earlier copy's journal, or space came back meanwhile
+        log.critical("the backup's journal cannot write: stopping", extra={"reason": str(error)})
+        self._fail("backup journal", error)
 
     # ------------------------------------------------------------------ takeover
     async def _take_over(self, primary: tuple[str, int] | None) -> bool:
