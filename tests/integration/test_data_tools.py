@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import CoreProcess, start_core
 
 from tridentmq_core.store.journal import Journal, JournalCorruptedError, list_segments
-from tridentmq_core.store.records import HEADER_SIZE, RecordType
+from tridentmq_core.store.records import HEADER_SIZE, Record, RecordType, encode, scan
 from tridentmq_core.store.recovery import RecoveredState, replay
 from tridentmq_shared.link.client import LinkClient
 from tridentmq_shared.link.failover import ReconnectPolicy
@@ -34,16 +34,23 @@ def data(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def write_journal(directory: Path, messages: int) -> list[int]:
-    """Write a journal and return the offsets of its message records."""
+def write_journal(directory: Path, messages: int, *, one_batch: bool = False) -> list[int]:
+    """Write a journal and return the offsets of its message records (``one_batch``: the messages written and
+    synced at once, so no SYNCED record lies between them)."""
     journal = Journal(directory, segment_bytes=1 << 20)
     journal.recover()
     journal.start()
     journal.append(RecordType.ADD_QUEUE, [{"name": "q", "address": "q", "routing_type": 0}])
+    encoded = []
     for n in range(messages):
         message = new_message("q", f"body {n}".encode(), durable=True)
         message[0] = n + 1
-        journal.append(RecordType.MESSAGE, [message, ["q"]])
+        encoded.append(encode(RecordType.MESSAGE, [message, ["q"]]))
+    if one_batch:
+        journal.append_encoded(encoded)
+    else:
+        for record in encoded:
+            journal.append_encoded([record])
     journal.close()
     records, _ = Journal(directory).recover(list)
     return [r.offset for r in records if r.type is RecordType.MESSAGE]
@@ -114,6 +121,36 @@ def test_a_core_cuts_a_torn_tail_and_reports_it_in_readyz(tmp_path: Path) -> Non
         assert "journal tail cut off after a crash" in node.log()
     finally:
         assert node.stop() == 0
+
+
+def test_a_write_the_power_cut_tore_is_cut_off_by_the_core_and_verify_says_so(tmp_path: Path) -> None:
+    """Five messages written in one batch whose sync never completed: the page with the second one never
+    reached the disk, the pages behind it did. Nobody was told they were safe, so the core starts with the
+    first and clears the rest; verify says so beforehand."""
+    journal = tmp_path / "core" / "journal"
+    offsets = write_journal(journal, 5, one_batch=True)
+    segment = list_segments(journal)[0]
+    image = bytearray(segment.read_bytes())
+    [*_, last_sync] = [r.offset for r in scan(bytes(image)) if isinstance(r, Record) and r.type is RecordType.SYNCED]
+    assert last_sync > offsets[-1]
+    image[last_sync:] = bytes(len(image) - last_sync)  # the SYNCED record after the batch's sync: never written
+    image[offsets[1] : offsets[2]] = bytes(offsets[2] - offsets[1])
+    segment.write_bytes(image)
+    result = data("verify", "--journal", str(journal))
+    assert result.returncode == 0, result.stdout
+    assert f"torn write never synced: zeros at offset {offsets[1]}" in result.stdout
+    node = start_core(tmp_path)
+    try:
+        with urllib.request.urlopen(node.management_url + "/readyz", timeout=5) as response:
+            ready = json.loads(response.read())
+        assert ready["recovered"] == {"q": 1}
+        [line] = ready["truncated"]
+        assert f"cut at offset {offsets[1]}, with the never synced records behind it" in line
+    finally:
+        assert node.stop() == 0
+    result = data("verify", "--journal", str(journal))
+    assert result.returncode == 0, result.stdout
+    assert "(clean)" in result.stdout
 
 
 def test_verify_without_a_journal_says_so(tmp_path: Path) -> None:

@@ -404,8 +404,11 @@ def snapshot_of(state: RecoveredState) -> DurableSnapshot:
 
 
 def segment_entries(directory: Path) -> list[list[tuple[RecordType, Any]]]:
-    """The records of each segment file of a closed journal."""
-    return [as_entries([r for r in read_segment(path) if isinstance(r, Record)]) for path in list_segments(directory)]
+    """The records of each segment file of a closed journal (without the SYNCED records its writer adds)."""
+    return [
+        as_entries([r for r in read_segment(path) if isinstance(r, Record) and r.type is not RecordType.SYNCED])
+        for path in list_segments(directory)
+    ]
 
 
 def message(n: int) -> list[Any]:

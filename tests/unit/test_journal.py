@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import itertools
 import os
 import random
 import threading
@@ -20,7 +21,7 @@ import tracemalloc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import pytest
 from hypothesis import given, settings
@@ -71,9 +72,13 @@ def wire_message(message_id: int, body: bytes = b"body", address: str = "orders"
     return message
 
 
+#: The kinds of record a journal's user appends (the writer adds SYNCED records of its own).
+APPENDED_TYPES: Final = [t for t in RecordType if t is not RecordType.SYNCED]
+
+
 def make_entry(index: int, rng: random.Random) -> Entry:
     """A plausible record of every kind in turn, with payloads of varied size."""
-    kind = list(RecordType)[index % len(RecordType)]
+    kind = APPENDED_TYPES[index % len(APPENDED_TYPES)]
     match kind:
         case RecordType.ADD_ADDRESS:
             return kind, [f"address.{index}", [0, 1]]
@@ -112,15 +117,21 @@ def as_entries(records: list[Record]) -> list[Entry]:
     return [(r.type, r.payload) for r in records]
 
 
-def write_journal(directory: Path, entries: list[Entry], segment_bytes: int = ONE_SEGMENT) -> list[int]:
-    """Recover (the directory may hold a journal already), append ``entries``, close; the on_synced calls."""
+def write_journal(
+    directory: Path, entries: list[Entry], segment_bytes: int = ONE_SEGMENT, *, one_batch: bool = False
+) -> list[int]:
+    """Recover (the directory may hold a journal already), append ``entries`` (``one_batch``: written and
+    synced at once, so no SYNCED record lies between them), close; the on_synced calls."""
     journal = Journal(directory, segment_bytes=segment_bytes)
     journal.recover()
     synced: list[int] = []
     journal.on_synced = synced.append
     journal.start()
-    for record_type, payload in entries:
-        journal.append(record_type, payload)
+    if one_batch:
+        journal.append_encoded([encode(record_type, payload) for record_type, payload in entries])
+    else:
+        for record_type, payload in entries:
+            journal.append(record_type, payload)
     journal.close()
     assert journal.error is None
     return synced
@@ -135,12 +146,15 @@ def recover(directory: Path, segment_bytes: int = ONE_SEGMENT) -> tuple[list[Rec
 
 
 def boundaries(data: bytes) -> list[int]:
-    """Offsets where each record starts, then where the last one ends."""
+    """Offsets where each appended record starts, then where the last one ends (the SYNCED records the writer
+    adds are left out: between records written in one batch there are none)."""
     items = list(scan(data))
     end = items[-1]
     assert isinstance(end, ScanEnd)
     assert end.reason is None
-    return [item.offset for item in items[:-1] if isinstance(item, Record)] + [end.offset]
+    records = [item for item in items[:-1] if isinstance(item, Record) and item.type is not RecordType.SYNCED]
+    last = records[-1]
+    return [r.offset for r in records] + [last.offset + len(encode(last.type, last.payload))]
 
 
 @pytest.fixture
@@ -169,7 +183,7 @@ class OneSegment:
 @pytest.fixture
 def one_segment(tmp_path: Path) -> OneSegment:
     entries = make_entries(30)
-    write_journal(tmp_path / "journal", entries)
+    write_journal(tmp_path / "journal", entries, one_batch=True)  # [SYNCED] 30 records [SYNCED]
     [path] = list_segments(tmp_path / "journal")
     data = path.read_bytes()
     assert len(data) == ONE_SEGMENT
@@ -330,7 +344,7 @@ def test_segments_roll_and_recovery_reads_them_in_order(tmp_path: Path) -> None:
     assert report.segments == len(segments)
     assert report.truncated == []
     # each segment is scanned from its own offset 0, so offsets restart where a segment starts
-    assert sum(1 for r in records if r.offset == 0) == len(segments)
+    assert 1 + sum(b.offset < a.offset for a, b in itertools.pairwise(records)) == len(segments)
 
 
 def test_a_record_larger_than_a_segment_is_refused(tmp_path: Path) -> None:
@@ -484,22 +498,68 @@ def test_recovery_after_a_torn_tail_writes_over_it(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------------- corruption
 @pytest.mark.usefixtures("no_sync")
-def test_a_bit_flip_in_any_record_but_the_last_refuses_to_start(one_segment: OneSegment) -> None:
+def test_a_bit_flip_in_any_synced_record_refuses_to_start(one_segment: OneSegment) -> None:
+    """The SYNCED record the writer wrote after the batch's sync lies behind every record of it: a flipped bit
+    there is not a torn write, even in the last record."""
     data, bounds, entries = one_segment.data, one_segment.bounds, one_segment.entries
-    last = len(entries) - 1
     for j in range(len(entries)):
         for offset in range(bounds[j], bounds[j + 1]):
             image = flipped(data, offset, offset % 8)
-            if j < last:
-                with pytest.raises(JournalCorruptedError, match=segment_name(1)):
-                    one_segment.recover_image(image)
-                # refusing leaves the evidence alone
-                assert (one_segment.work / segment_name(1)).read_bytes() == image, (j, offset)
-            else:
+            with pytest.raises(JournalCorruptedError, match=segment_name(1)):
+                one_segment.recover_image(image)
+            # refusing leaves the evidence alone
+            assert (one_segment.work / segment_name(1)).read_bytes() == image, (j, offset)
+
+
+@pytest.mark.usefixtures("no_sync")
+def test_damage_in_a_write_never_synced_is_cut_off_with_what_lies_behind_it(one_segment: OneSegment) -> None:
+    """The power failed before the batch's sync completed (no SYNCED record behind it): its pages may have
+    reached the disk in any order, so damage anywhere in it, with valid records of it behind, is a torn write
+    that nobody was told was safe. Recovery keeps what comes before the damage and clears the rest."""
+    data, bounds, entries = one_segment.data, one_segment.bounds, one_segment.entries
+    unsynced = zeroed_from(data, bounds[-1])  # the batch, without the SYNCED record its sync would have added
+    for j in range(len(entries)):
+        start, stop = bounds[j], bounds[j + 1]
+        for offset in (start, start + 1, start + HEADER_SIZE, (start + stop) // 2, stop - 1):
+            lost = unsynced[:start] + bytes(stop - start) + unsynced[stop:]  # a lost page, say
+            for image in (flipped(unsynced, offset, offset % 8), lost):
                 records, report, after = one_segment.recover_image(image)
-                assert as_entries(records) == entries[:last], offset
-                assert len(report.truncated) == 1, offset
-                assert after == zeroed_from(data, bounds[last]), offset
+                assert as_entries(records) == entries[:j], (j, offset)
+                assert after == zeroed_from(data, start), (j, offset)  # nothing of the torn write is left
+                if image is lost and j == len(entries) - 1:
+                    assert report.truncated == []  # the last record lost whole: the clean end
+                else:
+                    assert len(report.truncated) == 1, (j, offset)
+                    assert f"cut at offset {start}" in report.truncated[0], (j, offset)
+    # the writer goes on where the cut was, and the next recovery is clean
+    more = make_entries(3, seed=3)
+    write_journal(one_segment.work, more)
+    records, report = recover(one_segment.work)
+    assert as_entries(records) == entries[: len(entries) - 1] + more
+    assert report.truncated == []
+
+
+@pytest.mark.usefixtures("no_sync")
+def test_damage_with_records_behind_it_in_a_journal_without_synced_records_refuses_to_start(tmp_path: Path) -> None:
+    """A journal an earlier version wrote says nothing of what was synced: damage with valid records behind
+    it stops the node there, as it always did."""
+    entries = make_entries(10)
+    data = b"".join(encode(kind, payload) for kind, payload in entries)
+    bounds = [r.offset for r in scan(data)]
+    (tmp_path / segment_name(1)).write_bytes(data[: bounds[4]] + bytes(bounds[5] - bounds[4]) + data[bounds[5] :])
+    with pytest.raises(JournalCorruptedError, match="zeros at offset"):
+        recover(tmp_path)
+    (tmp_path / segment_name(1)).write_bytes(flipped(data, bounds[8] + HEADER_SIZE, 1))
+    with pytest.raises(JournalCorruptedError, match="CRC mismatch"):
+        recover(tmp_path)
+    # once this version has started on it, its writes are marked
+    (tmp_path / segment_name(1)).write_bytes(data)
+    write_journal(tmp_path, make_entries(2, seed=4), one_batch=True)
+    assert [r.type for r in scan((tmp_path / segment_name(1)).read_bytes()) if isinstance(r, Record)][10:] == [
+        RecordType.SYNCED,
+        *[kind for kind, _ in make_entries(2, seed=4)],
+        RecordType.SYNCED,
+    ]
 
 
 @pytest.mark.usefixtures("no_sync")
@@ -515,18 +575,50 @@ def test_damage_in_a_segment_followed_by_a_segment_with_records_refuses_to_start
 
 
 @pytest.mark.usefixtures("no_sync")
-def test_damage_in_the_last_record_of_the_last_segment_is_cut_off(tmp_path: Path) -> None:
+def test_damage_in_the_last_record_of_the_last_segment_is_cut_off_unless_it_was_synced(tmp_path: Path) -> None:
     entries = make_entries(120)
     write_journal(tmp_path, entries, SMALL_SEGMENT)
     assert len(list_segments(tmp_path)) >= 2
     last_segment = list_segments(tmp_path)[-1]
     data = last_segment.read_bytes()
-    last_start = boundaries(data)[-2]
-    last_segment.write_bytes(flipped(data, last_start + HEADER_SIZE + 1, 3))
+    bounds = boundaries(data)
+    damaged = flipped(data, bounds[-2] + HEADER_SIZE + 1, 3)
+    last_segment.write_bytes(damaged)  # the SYNCED record behind it says it was on disk
+    with pytest.raises(JournalCorruptedError, match=last_segment.name):
+        recover(tmp_path, SMALL_SEGMENT)
+    last_segment.write_bytes(zeroed_from(damaged, bounds[-1]))  # the power failed before its sync completed
     records, report = recover(tmp_path, SMALL_SEGMENT)
     assert as_entries(records) == entries[:-1]
     assert len(report.truncated) == 1
     assert last_segment.name in report.truncated[0]
+
+
+@pytest.mark.usefixtures("no_sync")
+def test_a_torn_write_across_a_roll_is_cut_off_and_the_segments_behind_it_removed(tmp_path: Path) -> None:
+    """A batch that filled one segment and went on in the next: the page lost in the first segment leaves
+    valid records of the same unsynced batch in both; they go, and writing goes on after the cut."""
+    synced = make_entries(5)
+    write_journal(tmp_path, synced, SMALL_SEGMENT, one_batch=True)
+    batch = [(RecordType.MESSAGE, [wire_message(100 + i, random.Random(i).randbytes(900)), ["q"]]) for i in range(8)]
+    write_journal(tmp_path, batch, SMALL_SEGMENT, one_batch=True)
+    segments = list_segments(tmp_path)
+    assert len(segments) >= 2
+    first = segments[0].read_bytes()
+    bounds = boundaries(first)
+    torn = bounds[len(synced) + 1]  # the batch's second record: its first is kept
+    for path in segments[1:]:  # the power failed before the batch's sync: no SYNCED record behind it
+        written = path.read_bytes()
+        path.write_bytes(zeroed_from(written, boundaries(written)[-1]))
+    segments[0].write_bytes(first[:torn] + bytes(200) + first[torn + 200 :])
+    records, report = recover(tmp_path, SMALL_SEGMENT)
+    assert as_entries(records) == synced + batch[:1]
+    assert [p.name for p in list_segments(tmp_path)] == [segments[0].name]
+    assert len(report.truncated) == len(segments)
+    more = make_entries(12, seed=8)
+    write_journal(tmp_path, more, SMALL_SEGMENT)
+    records, report = recover(tmp_path, SMALL_SEGMENT)
+    assert as_entries(records) == synced + batch[:1] + more
+    assert report.truncated == []
 
 
 @pytest.mark.usefixtures("no_sync")
@@ -721,28 +813,37 @@ def test_power_loss_keeps_exactly_what_was_synced(tmp_path: Path, monkeypatch: p
     assert report.truncated == []
 
 
-def test_power_loss_with_pages_written_back_out_of_order(tmp_path: Path) -> None:
+def test_power_loss_with_pages_written_back_out_of_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Unsynced pages reach the disk in any order: records the restarted node never wrote never come back.
 
     Records 1..5 are synced; the next batch R6 (a 6 KB message), R7, R8 is written but not synced when the
     power fails, and the page holding R6's header is lost while the later pages holding R7 and R8 survive.
-    Recovery must return 1..5 (nothing after 5 was confirmed) and not leave R7 and R8 behind the zeros to be
-    found later: after the producer resends R6 (the same bytes) and the node closes cleanly, the next
-    recovery must not return them (an ACK or DELETE_QUEUE replayed out of nowhere). Refusing to start at the
-    first recovery would also be acceptable. (A regression test, same cause as the zeroed-records one.)
+    Recovery must start with 1..5 (nothing after 5 was confirmed), and must not leave R7 and R8 behind the
+    zeros to be found later: after the producer resends R6 (the same bytes) and the node closes cleanly, the
+    next recovery must not return them (an ACK or DELETE_QUEUE replayed out of nowhere). Refusing to start,
+    as it did before the writer marked its syncs, would stop a node that lost nothing it had confirmed.
     """
     directory = tmp_path / "journal"
+    disk = PowerLossDisk(monkeypatch, directory)
     synced_entries = make_entries(5)
-    write_journal(directory, synced_entries)
-    [path] = list_segments(directory)
-    synced_image = path.read_bytes()
+    journal = Journal(directory)
+    journal.recover()
+    journal.start()
+    journal.append_encoded([encode(kind, payload) for kind, payload in synced_entries])
+    wait_until(lambda: journal.synced == 5)
     batch: list[Entry] = [
         (RecordType.MESSAGE, [wire_message(6, random.Random(6).randbytes(6000)), ["queue.a"]]),
         (RecordType.ACK, ["queue.a", 2]),
         (RecordType.DELETE_QUEUE, ["queue.b"]),
     ]
-    write_journal(directory, batch)
-    live = path.read_bytes()
+    disk.hold()
+    journal.append_encoded([encode(kind, payload) for kind, payload in batch])
+    assert disk.stalled.wait(WAIT)
+    [path] = list_segments(directory)
+    live = path.read_bytes()  # the batch in the page cache, its sync not done
+    synced_image = disk.image()[path.name]
+    disk.release()
+    journal.close()
     bounds = boundaries(live)
     r6, r7 = bounds[5], bounds[6]
     page = 4096
@@ -750,16 +851,15 @@ def test_power_loss_with_pages_written_back_out_of_order(tmp_path: Path) -> None
     lost_page = r6 // page * page
     image = bytearray(live)
     image[lost_page : lost_page + page] = synced_image[lost_page : lost_page + page]  # its old, synced content
-    path.write_bytes(bytes(image))
+    restored = restore({path.name: bytes(image)}, tmp_path / "after-power-cut")
 
-    try:
-        records, _ = recover(directory)
-    except JournalCorruptedError:
-        return  # refusing to start is a safe answer
+    records, report = recover(restored)
     assert as_entries(records) == synced_entries
-    write_journal(directory, batch[:1])  # the unconfirmed message is published again
-    records, _ = recover(directory)
+    assert len(report.truncated) == 1
+    write_journal(restored, batch[:1])  # the unconfirmed message is published again
+    records, report = recover(restored)
     assert as_entries(records) == [*synced_entries, batch[0]]
+    assert report.truncated == []
 
 
 # ---------------------------------------------------------------------------------------------------- replay

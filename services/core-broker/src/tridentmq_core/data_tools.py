@@ -1,9 +1,9 @@
 """``tridentmq data verify|print|compact``: a node's journal offline.
 
 ``verify`` walks every segment, checks every record's CRC and says where the valid data ends and why;
-exit 0 when the journal is clean or ends in a torn last write (which recovery cuts off), 1 when there is
-damage or zeros with valid records behind them (recovery refuses to start: both decide by
-``unrecoverable``), 2 when there is nothing to read.
+exit 0 when the journal is clean or ends in a torn last write (which recovery cuts off, with whatever of that
+never synced write lies behind the tear), 1 when there is damage or zeros with valid records behind them that
+were synced (recovery refuses to start: both decide by ``damage_in``), 2 when there is nothing to read.
 ``print`` lists every record in a readable form. Both only read: on a running node's journal they say so and
 read it as it is being written. ``compact`` rewrites the journal with only its live state, holding the journal
 lock (``JournalLock``) throughout: refused while a node (or another compaction) holds it, and a node cannot
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tridentmq_core.store.data_lock import JournalLock, JournalLockedError, journal_in_use
-from tridentmq_core.store.journal import JournalCorruptedError, compact_offline, list_segments, unrecoverable
+from tridentmq_core.store.journal import JournalCorruptedError, compact_offline, damage_in, list_segments
 from tridentmq_core.store.records import Record, RecordType, ScanEnd, scan
 from tridentmq_shared.message import M_ADDRESS, M_BODY, M_DURABLE, M_ID
 
@@ -65,6 +65,8 @@ def describe(record: Record) -> str:
             return f"through-ids count={len(p)}"
         case RecordType.COMPACTED:
             return "compacted: the live state above was copied forward; older segments are retired"
+        case RecordType.SYNCED:
+            return "synced: the records above were on disk"
 
 
 def note_if_live(directory: Path) -> None:
@@ -85,25 +87,37 @@ def verify(directory: Path) -> int:
     note_if_live(directory)
     status = 0
     total = 0
+    marked = False
     for index, path in enumerate(segments):
         data = path.read_bytes()
         count = 0
         end = ScanEnd(0, None)
         for item in scan(data):
             if isinstance(item, Record):
-                count += 1
+                if item.type is RecordType.SYNCED:  # the writer's own, not counted (as recovery does)
+                    marked = True
+                else:
+                    count += 1
             else:
                 end = item
         total += count
         line = f"{path.name}: {count} records, valid data ends at offset {end.offset}"
-        damage = unrecoverable(data, end, segments[index + 1 :])
-        if damage is not None:
-            print(f"{line}: DAMAGED: {damage}; recovery will refuse to start")
-            status = 1
-        elif end.reason is None:
-            print(f"{line} (clean)")
+        later = segments[index + 1 :]
+        damage = damage_in(data, end, later, marked=marked)
+        if damage is None:
+            if end.reason is None:
+                print(f"{line} (clean)")
+            else:
+                print(f"{line}: torn tail: {end.reason}; recovery cuts it off here")
+        elif damage.unsynced:
+            print(
+                f"{line}: torn write never synced: {damage.reason}; recovery cuts it off here with what lies "
+                f"behind it" + (f", and removes the {len(later)} segment(s) after this one" if later else "")
+            )
+            break
         else:
-            print(f"{line}: torn tail: {end.reason}; recovery cuts it off here")
+            print(f"{line}: DAMAGED: {damage.reason}; recovery will refuse to start")
+            status = 1
     print(f"{len(segments)} segment(s), {total} valid records: {'DAMAGED' if status else 'ok'}")
     return status
 
@@ -117,7 +131,8 @@ def print_records(directory: Path) -> int:
     for path in segments:
         for item in scan(path.read_bytes()):
             if isinstance(item, Record):
-                print(f"{path.name}@{item.offset}: {describe(item)}")
+                if item.type is not RecordType.SYNCED:  # one after every sync: noise here
+                    print(f"{path.name}@{item.offset}: {describe(item)}")
             elif item.reason is not None:
                 print(f"{path.name}@{item.offset}: -- {item.reason}")
     return 0

@@ -10,13 +10,17 @@ again every ``RETRY_SECONDS``, and ``error`` says why meanwhile. A failed fsync,
 is fatal (``fatal``): what the disk kept is unknown, so the writer confirms nothing more.
 
 Recovery reads the segments in order. A torn or corrupt record with nothing valid behind it (a crash
-mid-write) is cut off and reported; damage with valid records behind it stops the node with the file and
-offset, because truncating there would silently drop acknowledged data.
+mid-write) is cut off and reported. Damage with valid records behind it stops the node with the file and
+offset, because truncating there could silently drop acknowledged data, unless no record behind it says it
+was ever synced: the writer writes a SYNCED record after every ``fdatasync`` (and when it starts), so damage
+that no later SYNCED record covers lies in the last write, which the disk never confirmed, and which a power
+cut may have torn anywhere (pages reach the disk in any order). That is cut off with everything behind it.
 """
 
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import shutil
@@ -37,9 +41,9 @@ from tridentmq_core.store.records import (
     Record,
     RecordType,
     ScanEnd,
-    damage_is_tail,
     dedup_id_chunks,
     encode,
+    records_behind,
     scan,
 )
 from tridentmq_core.store.recovery import LOCATION_SHIFT, message_of, replay
@@ -50,6 +54,7 @@ log = logging.getLogger("tridentmq.core.journal")
 T = TypeVar("T")
 
 _ROLL: Final = b""  # queued like a record: the writer starts a new segment there (compaction's boundary)
+_SYNCED: Final = encode(RecordType.SYNCED, [])
 SEGMENT_PREFIX: Final = "journal-"
 SEGMENT_SUFFIX: Final = ".tmq"
 DEFAULT_SEGMENT_BYTES: Final = 64 * 1024 * 1024
@@ -164,18 +169,43 @@ def measure_fsync(directory: Path, seconds: float = 2.0, write_bytes: int = 4096
         path.unlink()
 
 
-def unrecoverable(data: bytes, end: ScanEnd, later: list[Path]) -> str | None:
-    """Why recovery refuses a segment whose scan stopped at ``end``, or None when it may cut it there (a clean
-    end, or a torn last write); ``later`` are the segments after it. Recovery and ``tridentmq data verify``
-    both decide by this, so verify never calls clean what recovery refuses."""
+@dataclass(frozen=True, slots=True)
+class Damage:
+    """Damage with valid records behind it, where a segment's scan stopped."""
+
+    reason: str
+    #: No SYNCED record lies behind it, in a journal whose writer writes one after every sync (one came
+    #: before it): it lies in the last write, never confirmed, which a power cut tore. Recovery cuts it off
+    #: with everything behind it; any other damage stops the node.
+    unsynced: bool
+
+
+def damage_in(data: bytes, end: ScanEnd, later: list[Path], *, marked: bool) -> Damage | None:
+    """The damage a segment whose scan stopped at ``end`` holds, or None when recovery may simply cut it there
+    (a clean end, or a torn last write); ``later`` are the segments after it, ``marked`` whether a SYNCED
+    record came before ``end``. Recovery and ``tridentmq data verify`` both decide by this, so verify never
+    calls clean what recovery refuses."""
+    here = records_behind(data, end.offset)
     if end.reason is None:
-        if damage_is_tail(data, end.offset):
+        first = next(here, None)
+        if first is None:
+            return None  # the clean end (a later segment is where writing went on)
+        # A zeroed header (a lost page) looks like the clean end, but valid records follow it.
+        reason = f"zeros at offset {end.offset} with valid records behind them"
+        behind = itertools.chain([first], here, _records_of(later))
+    else:
+        behind = itertools.chain(here, _records_of(later))
+        first = next(behind, None)
+        if first is None:
             return None
-        # A zeroed header (e.g. a lost page) looks like the clean end, but valid records follow it.
-        return f"zeros at offset {end.offset} with valid records behind them"
-    if any(isinstance(next(scan(path.read_bytes())), Record) for path in later) or not damage_is_tail(data, end.offset):
-        return f"{end.reason}, and valid records follow it"
-    return None
+        reason = f"{end.reason}, and valid records follow it"
+        behind = itertools.chain([first], behind)
+    return Damage(reason, unsynced=marked and all(r.type is not RecordType.SYNCED for r in behind))
+
+
+def _records_of(segments: list[Path]) -> Iterator[Record]:
+    for path in segments:
+        yield from records_behind(path.read_bytes(), -1)
 
 
 class JournalCorruptedError(Exception):
@@ -305,10 +335,11 @@ class Journal:
             records.close()
         self._appended = self.synced = report.records
         if segments:
-            self._fd = os.open(segments[-1], os.O_RDWR)
+            self._fd = os.open(self.directory / segment_name(self._segment_number), os.O_RDWR)
         return result, report
 
     def _read(self, segments: list[Path], report: RecoveryReport) -> Generator[Record, None, None]:
+        marked = False  # a SYNCED record was read: this journal's writer writes one after every sync
         for index, path in enumerate(segments):
             data = path.read_bytes()
             number = int(path.name[len(SEGMENT_PREFIX) : -len(SEGMENT_SUFFIX)])
@@ -316,22 +347,34 @@ class Journal:
             end = ScanEnd(0, None)
             for item in scan(data, 0, number):
                 if isinstance(item, Record):
+                    if item.type is RecordType.SYNCED:
+                        marked = True
+                        continue
                     report.records += 1
                     yield item
                 else:
                     end = item
-            damage = unrecoverable(data, end, segments[index + 1 :])
-            if damage is not None:
+            later = segments[index + 1 :]
+            damage = damage_in(data, end, later, marked=marked)
+            if damage is not None and not damage.unsynced:
                 raise JournalCorruptedError(
-                    f"{path.name}: {damage}; refusing to start rather than drop them "
+                    f"{path.name}: {damage.reason}; refusing to start rather than drop them "
                     f"(inspect with `tridentmq data verify`)"
                 )
-            if end.reason is not None:
+            if end.reason is not None or damage is not None:
                 self._zero_from(path, end.offset)
-                report.truncated.append(f"{path.name}: {end.reason}; cut at offset {end.offset}")
+                why = end.reason or f"zeros at offset {end.offset}"
+                unsynced = ", with the never synced records behind it" if damage is not None else ""
+                report.truncated.append(f"{path.name}: {why}; cut at offset {end.offset}{unsynced}")
             self._segment_number = number
             self._position = end.offset
             del data  # before the next segment is read: one segment in memory at a time
+            if damage is not None:  # the segments behind hold only more of that never confirmed write
+                for gone in later:
+                    gone.unlink()
+                    report.truncated.append(f"{gone.name}: removed, written after {path.name}'s cut")
+                fsync_directory(self.directory)
+                return
 
     @staticmethod
     def _zero_from(path: Path, offset: int) -> None:
@@ -350,6 +393,13 @@ class Journal:
     def start(self) -> None:
         if self._fd < 0:
             self._open_segment(self._segment_number + 1)
+        # What recovery read may still be in the page cache only (after a crash of the process, not of the
+        # machine): on disk before a SYNCED record says so, and that one on disk before the first batch.
+        for path in list_segments(self.directory):
+            if path.name != segment_name(self._segment_number):
+                _sync_file(path)
+        self._mark()
+        _sync(self._fd)
         self._thread = threading.Thread(target=self._write_loop, name="journal-writer", daemon=True)
         self._thread.start()
 
@@ -532,6 +582,14 @@ class Journal:
             del batch[:done]
         _sync(self._fd)
         self.syncs += 1
+        self._mark()
+
+    def _mark(self) -> None:
+        """Write a SYNCED record where the next batch starts (everything before it is on disk): unsynced, it
+        reaches the disk with that batch's sync at the latest. Left out at a segment's very end (the next
+        batch starts a new segment, and the roll syncs this one)."""
+        if self._position + len(_SYNCED) <= self.segment_bytes:
+            self._flush_chunk([_SYNCED])
 
     def _flush_chunk(self, chunk: list[bytes]) -> None:
         if not chunk:
@@ -564,6 +622,14 @@ class Journal:
         self._fd = fd
         self._segment_number = number
         self._position = 0
+
+
+def _sync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _sync(fd)
+    finally:
+        os.close(fd)
 
 
 def _sync(fd: int) -> None:

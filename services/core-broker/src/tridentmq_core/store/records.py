@@ -6,8 +6,8 @@ A record is a 10-byte header followed by a msgpack payload::
 
 Segments are pre-allocated with zeros, so a zero byte where a header should start is the clean end of the
 written part. Anything else that does not check out (bad magic, a length past the end, a CRC mismatch)
-is damage: ``scan`` stops there and says where and why, and ``damage_is_tail`` tells a torn last write
-(safe to truncate) from damage with valid data behind it (refuse to start).
+is damage: ``scan`` stops there and says where and why, and ``records_behind`` finds what valid data lies
+behind it: none means a torn last write (safe to truncate).
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ class RecordType(IntEnum):
     # Durable publishes written through to another node (stored nowhere here): so that a resend to this node's
     # next life goes to that node again, under the same transfer id, and is a duplicate there if it got it.
     THROUGH_IDS = 15  # [[producer's dedup id, node id, arrival ms], ...]
+    # Written by the writer after each fdatasync, and when it starts: everything before it was on disk. A
+    # power cut can tear only what was written after the last one that reached the disk (replay ignores it).
+    SYNCED = 16  # []
 
 
 _TYPES: Final = frozenset(int(t) for t in RecordType)
@@ -136,22 +139,31 @@ def flaw(data: bytes) -> str | None:
     return None
 
 
-def damage_is_tail(data: bytes | memoryview, offset: int) -> bool:
-    """True when nothing but the damaged record itself and zeros follow ``offset``: a torn last write.
+def records_behind(data: bytes | memoryview, offset: int, segment: int = 0) -> Iterator[Record]:
+    """The valid records that lie behind damage at ``offset`` (from ``offset + 1``; -1 reads a whole segment
+    that may itself be damaged).
 
-    The damaged record's claimed length is not trusted (it may be the damaged part), so this looks for any
-    further record header with a valid CRC after ``offset``: finding one means valid data lies behind the
-    damage, which truncation would silently drop.
+    The damaged record's claimed length is not trusted (it may be the damaged part), so this looks for every
+    record header with a valid CRC after ``offset``, and reads on from each as far as the records check out.
     """
     raw = bytes(data)  # damage is rare: one copy of the segment is fine
     pos = offset + 1
     while True:
         pos = raw.find(_MAGIC_BYTE, pos)
         if pos < 0:
-            return True
-        if isinstance(next(scan(raw, pos)), Record):
-            return False
-        pos += 1
+            return
+        end = pos
+        for item in scan(raw, pos, segment):
+            if isinstance(item, Record):
+                yield item
+            else:
+                end = item.offset
+        pos = max(end, pos + 1)
+
+
+def damage_is_tail(data: bytes | memoryview, offset: int) -> bool:
+    """True when nothing but the damaged record itself and zeros follow ``offset``: a torn last write."""
+    return next(records_behind(data, offset), None) is None
 
 
 def dedup_id_chunks(ids: Iterable[IdEntry], segment_bytes: int) -> Iterator[list[IdEntry]]:

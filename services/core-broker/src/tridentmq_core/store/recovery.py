@@ -147,8 +147,8 @@ class Replayer:
                 self._ack(payload[0], payload[1])
             case RecordType.DELIVERY_COUNT:
                 self._count(payload[0], payload[1], payload[2])
-            case RecordType.COMPACTED:
-                pass  # a marker for operators and tools: the records before it were copied forward
+            case RecordType.COMPACTED | RecordType.SYNCED:
+                pass  # markers for operators and tools (the records before it were copied forward, or synced)
 
     def finish(self) -> RecoveredState:
         """The state, once every record was applied (the duplicate-detection ids trimmed to the limit)."""
