@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import queue
+import resource
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ from tests.unit.broker_harness import Harness, bodies, ids, ok
 from tridentmq_core.queues import MESSAGE_OVERHEAD
 from tridentmq_core.settings import AddressSettingsEntry, CoreSettings
 from tridentmq_core.store.journal import Journal, MessageReader
-from tridentmq_core.store.paging import FilePager, InlineIO, PageDirectory, ThreadIO
+from tridentmq_core.store.paging import FilePager, InlineIO, OpenPageFiles, PageDirectory, ThreadIO
 from tridentmq_core.store.records import RecordType
 from tridentmq_core.store.recovery import RecoveredState, replay
 from tridentmq_shared.link import events as ev
@@ -32,7 +33,9 @@ def paging_harness(tmp_path: Path, limit: int) -> Harness:
 
 
 def test_pager_round_trip_peek_and_page_files_deleted_as_read(tmp_path: Path) -> None:
-    pager = FilePager(tmp_path, "orders/eu", InlineIO(), on_ready=lambda: None, file_bytes=64 * 1024)
+    pager = FilePager(
+        tmp_path, "orders/eu", InlineIO(), on_ready=lambda: None, files=OpenPageFiles(), file_bytes=64 * 1024
+    )
     messages = [new_message("q", str(n).encode() * (n % 7 + 1) + bytes(n % 3000)) for n in range(5000)]
     for message in messages:
         pager.append(message)
@@ -55,7 +58,7 @@ def test_pager_round_trip_peek_and_page_files_deleted_as_read(tmp_path: Path) ->
 
 
 def test_pager_reads_a_message_larger_than_its_read_chunk(tmp_path: Path) -> None:
-    pager = FilePager(tmp_path, "big", InlineIO(), on_ready=lambda: None)
+    pager = FilePager(tmp_path, "big", InlineIO(), on_ready=lambda: None, files=OpenPageFiles())
     messages = [new_message("q", bytes([n]) * (3 << 20)) for n in range(3)] + [new_message("q", b"tail")]
     for message in messages:
         pager.append(message)
@@ -83,7 +86,14 @@ def test_with_the_io_thread_reads_come_back_through_on_ready_in_order(tmp_path: 
     """The real thread: ``read`` never waits for the disk; what it could not return arrives via on_ready."""
     loop: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # stands in for call_soon_threadsafe
     ready: list[int] = []
-    pager = FilePager(tmp_path, "q", ThreadIO(loop.put), on_ready=lambda: ready.append(1), file_bytes=256 * 1024)
+    pager = FilePager(
+        tmp_path,
+        "q",
+        ThreadIO(loop.put),
+        on_ready=lambda: ready.append(1),
+        files=OpenPageFiles(),
+        file_bytes=256 * 1024,
+    )
     messages = [new_message("q", n.to_bytes(4, "big") + bytes(2000)) for n in range(3000)]
     for message in messages:
         pager.append(message)
@@ -102,7 +112,9 @@ def test_a_browse_reads_its_own_copy_of_the_paged_messages_through_the_io_thread
     """While the queue reads its messages back (and deletes the files it read), a browse taken before reads every
     message paged then, in order, from files kept for it until it is done."""
     loop: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-    pager = FilePager(tmp_path, "q", ThreadIO(loop.put), on_ready=lambda: None, file_bytes=256 * 1024)
+    pager = FilePager(
+        tmp_path, "q", ThreadIO(loop.put), on_ready=lambda: None, files=OpenPageFiles(), file_bytes=256 * 1024
+    )
     messages = [new_message("q", n.to_bytes(4, "big") + bytes(2000)) for n in range(1000)]
     for message in messages:
         pager.append(message)
@@ -122,6 +134,78 @@ def test_a_browse_reads_its_own_copy_of_the_paged_messages_through_the_io_thread
     assert not list(tmp_path.iterdir())  # read by both: deleted
 
 
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_many_paging_queues_keep_at_most_the_limit_of_page_files_open(tmp_path: Path) -> None:
+    """Every page file kept a descriptor from its first write until it was read to its end: thousands of paging
+    queues (offline persistent sessions, say) used up the process's descriptors, and the journal's next segment
+    could then not be opened (which stops the node). Now at most ``limit`` are open, reopened as needed."""
+    files = OpenPageFiles(limit=4)
+    pagers = [
+        FilePager(tmp_path, f"q{n}", InlineIO(), on_ready=lambda: None, files=files, file_bytes=16 * 1024)
+        for n in range(30)
+    ]
+    before = open_descriptors()
+    sent: list[list[bytes]] = [[] for _ in pagers]
+    for round_ in range(40):  # interleaved, so that each write finds its file closed by the others
+        for n, pager in enumerate(pagers):
+            body = f"{n}:{round_}".encode() + bytes(1000)
+            pager.append(new_message("q", body))
+            sent[n].append(body)
+            pager._flush()
+            assert len(files) <= 4
+            assert open_descriptors() <= before + 4
+    assert all(len(pager.files) >= 2 for pager in pagers)  # several files each
+    browses = [pager.browse() for pager in pagers[:5]]
+    for n, pager in enumerate(pagers):
+        assert [m[M_BODY] for m in pager.peek()] == sent[n]
+        got: list[bytes] = []
+        while pager.count:
+            got += [m[M_BODY] for m in pager.read(7)]
+            assert open_descriptors() <= before + 4
+        assert got == sent[n]
+    for n, browse in enumerate(browses):
+        browsed: list[bytes] = []
+        while not browse.done:
+            message = browse.take()
+            assert message is not None
+            browsed.append(message[M_BODY])
+        assert browsed == sent[n]
+        assert open_descriptors() <= before + 4
+    for pager in pagers:
+        pager.close()
+    assert not list(tmp_path.iterdir())
+    assert len(files) == 0
+    assert open_descriptors() == before
+
+
+def test_with_the_io_thread_a_file_closed_for_another_queue_is_reopened_where_it_was(tmp_path: Path) -> None:
+    loop: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+    io, files = ThreadIO(loop.put), OpenPageFiles(limit=1)
+    pagers = [
+        FilePager(tmp_path, f"q{n}", io, on_ready=lambda: None, files=files, file_bytes=64 * 1024) for n in range(3)
+    ]
+    messages = [[new_message("q", f"{n}:{i}".encode() + bytes(3000)) for i in range(300)] for n in range(3)]
+    for i in range(300):
+        for pager, own in zip(pagers, messages, strict=True):
+            pager.append(own[i])
+    for pager, own in zip(pagers, messages, strict=True):
+        assert [m[M_BODY] for m in read_all(pager, loop, len(own), 64)] == [m[M_BODY] for m in own]
+        pager.close()
+    io_done = threading.Event()
+    io.submit(io_done.set)
+    assert io_done.wait(10)
+    assert not list(tmp_path.iterdir())
+    assert len(files) == 0
+
+
+def test_the_limit_of_open_page_files_follows_the_process_limit() -> None:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert OpenPageFiles().limit == min(1024, soft // 4)
+
+
 @pytest.fixture
 def tiny_disk(tmp_path: Path) -> Iterator[Path]:
     with tmpfs(tmp_path / "tiny", "1m") as mount:
@@ -132,7 +216,9 @@ def test_page_writes_that_find_the_disk_full_lose_nothing(tiny_disk: Path, caplo
     """About 2 MB paged into 1 MiB: the writes that fail keep their bytes in memory, so the queue reads every
     message back in order (it used to stop reading for good, and ``peek`` raised on the loop); said once."""
     loop: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # stands in for call_soon_threadsafe
-    pager = FilePager(tiny_disk, "q", ThreadIO(loop.put), on_ready=lambda: None, file_bytes=256 * 1024)
+    pager = FilePager(
+        tiny_disk, "q", ThreadIO(loop.put), on_ready=lambda: None, files=OpenPageFiles(), file_bytes=256 * 1024
+    )
     messages = [new_message("q", n.to_bytes(4, "big") + bytes(1000)) for n in range(2000)]
     for message in messages:
         pager.append(message)

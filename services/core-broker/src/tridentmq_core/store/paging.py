@@ -9,6 +9,11 @@ taken in order (so a read-ahead sees every write submitted before it). Deleting 
 that left the page cache, can block for seconds on a busy disk; on the loop that would stall every link
 past its heartbeat timeout. The loop keeps a small read-ahead per queue and is told when more is ready.
 
+A queue's page file is open only while the I/O thread uses it: the node keeps at most a bounded number of
+them open (``OpenPageFiles``), closing the one used least recently, so thousands of paging queues cannot use
+up the process's file descriptors (which the links and the journal need: a journal that cannot open its next
+segment stops the node).
+
 Page files only relieve memory: durable messages are in the journal as well, so the paging directory is
 cleared at start and recovery pages again as needed. A write that fails (the disk full) keeps its bytes in
 memory, where reading finds them in their place: nothing paged is lost, and the queue goes on.
@@ -19,11 +24,12 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import resource
 import shutil
 import struct
 import threading
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -47,6 +53,8 @@ READ_AHEAD_BYTES: Final = 1024 * 1024
 BACKLOG_BYTES: Final = 8 * 1024 * 1024
 #: ... and the hard cap, reached only by publishes already under way: the loop then waits for the disk.
 MAX_BACKLOG_BYTES: Final = 4 * BACKLOG_BYTES
+#: Page files a node keeps open at most (fewer under a low limit of open files: a quarter of it).
+MAX_OPEN_PAGE_FILES: Final = 1024
 
 Job = Callable[[], None]
 
@@ -126,12 +134,53 @@ class ThreadIO:
                 log.exception("page file job failed")
 
 
-class _PageFile:
-    __slots__ = ("browsers", "fd", "path", "read_offset", "retired", "size", "unwritten")
+class OpenPageFiles:
+    """The page files open now, least recently used first; opening one more than ``limit`` closes the first.
+    Used by the I/O thread (and by the loop thread in ``peek``, once the I/O thread has nothing to do)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, limit: int | None = None) -> None:
+        if limit is None:
+            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+            limit = MAX_OPEN_PAGE_FILES if soft == resource.RLIM_INFINITY else min(MAX_OPEN_PAGE_FILES, soft // 4)
+        self.limit = max(1, limit)
+        self._open: OrderedDict[_PageFile, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def fd(self, page: _PageFile) -> int:
+        """``page``'s descriptor, opening it (made empty at its first opening) when it is closed."""
+        with self._lock:
+            if page.fd >= 0:
+                self._open.move_to_end(page)
+                return page.fd
+            flags = os.O_RDWR if page.created else os.O_RDWR | os.O_CREAT | os.O_TRUNC
+            page.fd = os.open(page.path, flags, 0o600)
+            page.created = True
+            self._open[page] = None
+            while len(self._open) > self.limit:
+                oldest, _ = self._open.popitem(last=False)
+                os.close(oldest.fd)
+                oldest.fd = -1
+            return page.fd
+
+    def close(self, page: _PageFile) -> None:
+        with self._lock:
+            if page.fd >= 0:
+                del self._open[page]
+                os.close(page.fd)
+                page.fd = -1
+
+
+class _PageFile:
+    __slots__ = ("browsers", "created", "fd", "files", "path", "read_offset", "retired", "size", "unwritten")
+
+    def __init__(self, path: Path, files: OpenPageFiles) -> None:
         self.path = path
-        self.fd = -1  # opened by the I/O thread's first write
+        self.files = files
+        self.fd = -1  # open while ``files`` keeps it open
+        self.created = False  # by the I/O thread's first write
         self.size = 0  # bytes submitted for writing
         self.read_offset = 0  # bytes read back and collected
         #: Writes that failed, by offset: their bytes, until read (the I/O thread's, or the loop's in ``peek``).
@@ -155,13 +204,20 @@ class FilePager:
     """
 
     def __init__(
-        self, directory: Path, queue_name: str, io: PageIO, on_ready: Job, file_bytes: int = PAGE_FILE_BYTES
+        self,
+        directory: Path,
+        queue_name: str,
+        io: PageIO,
+        on_ready: Job,
+        files: OpenPageFiles,
+        file_bytes: int = PAGE_FILE_BYTES,
     ) -> None:
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in queue_name)[:64]
         self._prefix = f"{safe}-{uuid.uuid4().hex[:8]}"
         self._directory = directory
         self._io = io
         self._on_ready = on_ready
+        self._open_files = files
         self._file_bytes = file_bytes
         self._files: deque[_PageFile] = deque()  # oldest (being read) first, newest (being written) last
         self._serial = 0
@@ -194,7 +250,8 @@ class FilePager:
             return
         if not self._files or self._files[-1].size >= self._file_bytes:
             self._serial += 1
-            self._files.append(_PageFile(self._directory / f"{self._prefix}-{self._serial:06d}.page"))
+            path = self._directory / f"{self._prefix}-{self._serial:06d}.page"
+            self._files.append(_PageFile(path, self._open_files))
         page = self._files[-1]
         data = b"".join(self._pending)
         offset = page.size
@@ -388,11 +445,10 @@ class PagedBrowse:
 def _write(page: _PageFile, data: bytes, offset: int) -> OSError | None:
     """Write ``data`` at ``offset`` of the page (opened at its first write); the error, if one stopped it."""
     try:
-        if page.fd < 0:
-            page.fd = os.open(page.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = page.files.fd(page)
         written = 0
         while written < len(data):  # a short write (the disk filling up) goes on where it stopped
-            written += os.pwrite(page.fd, data[written:], offset + written)
+            written += os.pwrite(fd, data[written:], offset + written)
     except OSError as exc:
         return exc
     return None
@@ -420,7 +476,7 @@ def _read(page: _PageFile, start: int, end: int, budget: int) -> tuple[list[Wire
 
 def _fetch(page: _PageFile, offset: int, length: int) -> bytes:
     """``length`` bytes of the page from ``offset``: from the file, with the writes that failed in place."""
-    data = os.pread(page.fd, length, offset) if page.fd >= 0 else b""
+    data = os.pread(page.files.fd(page), length, offset) if page.created else b""
     if not page.unwritten:
         return data
     buffer = bytearray(data.ljust(length, b"\0"))
@@ -439,20 +495,19 @@ def _nothing() -> None:
 
 def _delete(page: _PageFile) -> None:
     page.unwritten.clear()
-    if page.fd >= 0:
-        os.close(page.fd)
-        page.fd = -1
+    page.files.close(page)
     page.path.unlink(missing_ok=True)
 
 
 class PageDirectory:
     """Creates the pagers of a node; everything paged before a restart is discarded at start."""
 
-    def __init__(self, directory: Path, io: PageIO | None = None) -> None:
+    def __init__(self, directory: Path, io: PageIO | None = None, open_files: OpenPageFiles | None = None) -> None:
         shutil.rmtree(directory, ignore_errors=True)
         directory.mkdir(parents=True)
         self.directory = directory
         self.io: PageIO = io or InlineIO()
+        self.open_files = open_files or OpenPageFiles()
 
     def pager(self, queue_name: str, on_ready: Job) -> FilePager:
-        return FilePager(self.directory, queue_name, self.io, on_ready)
+        return FilePager(self.directory, queue_name, self.io, on_ready, self.open_files)
