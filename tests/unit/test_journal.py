@@ -594,31 +594,57 @@ def test_damage_in_the_last_record_of_the_last_segment_is_cut_off_unless_it_was_
 
 
 @pytest.mark.usefixtures("no_sync")
-def test_a_torn_write_across_a_roll_is_cut_off_and_the_segments_behind_it_removed(tmp_path: Path) -> None:
-    """A batch that filled one segment and went on in the next: the page lost in the first segment leaves
-    valid records of the same unsynced batch in both; they go, and writing goes on after the cut."""
+def test_a_torn_write_across_a_roll_is_cut_off_in_the_segment_it_went_on_in(tmp_path: Path) -> None:
+    """A batch that filled one segment and went on in the next: the writer synced the first segment whole
+    before it wrote to the next, so a power cut tears the batch only there; the cut keeps the first whole."""
     synced = make_entries(5)
     write_journal(tmp_path, synced, SMALL_SEGMENT, one_batch=True)
-    batch = [(RecordType.MESSAGE, [wire_message(100 + i, random.Random(i).randbytes(900)), ["q"]]) for i in range(8)]
+    batch = [(RecordType.MESSAGE, [wire_message(100 + i, random.Random(i).randbytes(900)), ["q"]]) for i in range(10)]
     write_journal(tmp_path, batch, SMALL_SEGMENT, one_batch=True)
     segments = list_segments(tmp_path)
     assert len(segments) >= 2
-    first = segments[0].read_bytes()
-    bounds = boundaries(first)
-    torn = bounds[len(synced) + 1]  # the batch's second record: its first is kept
-    for path in segments[1:]:  # the power failed before the batch's sync: no SYNCED record behind it
-        written = path.read_bytes()
-        path.write_bytes(zeroed_from(written, boundaries(written)[-1]))
-    segments[0].write_bytes(first[:torn] + bytes(200) + first[torn + 200 :])
+    kept = -len(synced)
+    for path in segments[:-1]:
+        kept += sum(1 for r in scan(path.read_bytes()) if isinstance(r, Record) and r.type is not RecordType.SYNCED)
+    assert 0 < kept <= len(batch) - 2
+    written = segments[-1].read_bytes()
+    bounds = boundaries(written)
+    # the power failed before the batch's sync: no SYNCED record behind it, and a lost page in its first record
+    torn = zeroed_from(written, bounds[-1])
+    segments[-1].write_bytes(torn[: bounds[0]] + bytes(200) + torn[bounds[0] + 200 :])
     records, report = recover(tmp_path, SMALL_SEGMENT)
-    assert as_entries(records) == synced + batch[:1]
-    assert [p.name for p in list_segments(tmp_path)] == [segments[0].name]
-    assert len(report.truncated) == len(segments)
+    assert as_entries(records) == synced + batch[:kept]
+    assert [p.name for p in list_segments(tmp_path)] == [p.name for p in segments]
+    assert len(report.truncated) == 1
     more = make_entries(12, seed=8)
     write_journal(tmp_path, more, SMALL_SEGMENT)
     records, report = recover(tmp_path, SMALL_SEGMENT)
-    assert as_entries(records) == synced + batch[:1] + more
+    assert as_entries(records) == synced + batch[:kept] + more
     assert report.truncated == []
+
+
+def test_damage_in_a_segment_another_one_with_records_follows_refuses_to_start(tmp_path: Path) -> None:
+    """The writer syncs a segment whole before it writes to the next one: damage in it is no torn write, but
+    records that may have been confirmed, even when the SYNCED record the last sync wrote never reached the
+    disk (a power cut right after the batch was confirmed)."""
+    synced = make_entries(5)
+    write_journal(tmp_path, synced, SMALL_SEGMENT, one_batch=True)
+    batch = [(RecordType.MESSAGE, [wire_message(100 + i, random.Random(i).randbytes(900)), ["q"]]) for i in range(8)]
+    confirmed = write_journal(tmp_path, batch, SMALL_SEGMENT, one_batch=True)
+    assert confirmed[-1] == len(synced) + len(batch)  # every record of the batch was reported safe
+    segments = list_segments(tmp_path)
+    assert len(segments) >= 2
+    for path in segments[-1:]:  # the SYNCED record written after the batch's sync was lost with the power
+        written = path.read_bytes()
+        path.write_bytes(zeroed_from(written, boundaries(written)[-1]))
+    first = segments[0].read_bytes()
+    bounds = boundaries(first)
+    for damaged in (first[: bounds[6]] + bytes(200) + first[bounds[6] + 200 :], flipped(first, bounds[6] + 20, 3)):
+        segments[0].write_bytes(damaged)
+        with pytest.raises(JournalCorruptedError, match=segments[0].name):
+            recover(tmp_path, SMALL_SEGMENT)
+        assert [p.name for p in list_segments(tmp_path)] == [p.name for p in segments]  # the evidence stays
+        assert segments[0].read_bytes() == damaged
 
 
 @pytest.mark.usefixtures("no_sync")

@@ -15,6 +15,7 @@ offset, because truncating there could silently drop acknowledged data, unless n
 was ever synced: the writer writes a SYNCED record after every ``fdatasync`` (and when it starts), so damage
 that no later SYNCED record covers lies in the last write, which the disk never confirmed, and which a power
 cut may have torn anywhere (pages reach the disk in any order). That is cut off with everything behind it.
+Only in the last segment with records: the writer syncs a segment whole before it writes to the next one.
 """
 
 from __future__ import annotations
@@ -175,7 +176,8 @@ class Damage:
 
     reason: str
     #: No SYNCED record lies behind it, in a journal whose writer writes one after every sync (one came
-    #: before it): it lies in the last write, never confirmed, which a power cut tore. Recovery cuts it off
+    #: before it), nor any record in a later segment: it lies in the last write, never confirmed, which a
+    #: power cut tore. Recovery cuts it off
     #: with everything behind it; any other damage stops the node.
     unsynced: bool
 
@@ -186,21 +188,29 @@ def damage_in(data: bytes, end: ScanEnd, later: list[Path], *, marked: bool) -> 
     record came before ``end``. Recovery and ``tridentmq data verify`` both decide by this, so verify never
     calls clean what recovery refuses."""
     here = records_behind(data, end.offset)
+    further = _records_of(later)
     if end.reason is None:
         first = next(here, None)
         if first is None:
             return None  # the clean end (a later segment is where writing went on)
         # A zeroed header (a lost page) looks like the clean end, but valid records follow it.
         reason = f"zeros at offset {end.offset} with valid records behind them"
-        behind = itertools.chain([first], here, _records_of(later))
+        behind = itertools.chain([first], here)
     else:
-        behind = itertools.chain(here, _records_of(later))
-        first = next(behind, None)
-        if first is None:
+        first = next(here, None)
+        after = first if first is not None else next(further, None)
+        if after is None:
             return None
         reason = f"{end.reason}, and valid records follow it"
-        behind = itertools.chain([first], behind)
-    return Damage(reason, unsynced=marked and all(r.type is not RecordType.SYNCED for r in behind))
+        if first is None:  # only in later segments: written after this one was synced whole
+            return Damage(reason, unsynced=False)
+        behind = itertools.chain([first], here)
+    # The writer syncs a segment whole before it writes anything to the next one (``_open_segment``): damage
+    # in a segment that a later one with records follows was synced, and may have been confirmed, even when
+    # the SYNCED record that would say so did not reach the disk (one after the last sync: a power cut then).
+    if not marked or any(r.type is RecordType.SYNCED for r in behind) or next(further, None) is not None:
+        return Damage(reason, unsynced=False)
+    return Damage(reason, unsynced=True)
 
 
 def _records_of(segments: list[Path]) -> Iterator[Record]:
@@ -369,7 +379,7 @@ class Journal:
             self._segment_number = number
             self._position = end.offset
             del data  # before the next segment is read: one segment in memory at a time
-            if damage is not None:  # the segments behind hold only more of that never confirmed write
+            if damage is not None:  # the segments behind hold no records (created by a roll, then the power cut)
                 for gone in later:
                     gone.unlink()
                     report.truncated.append(f"{gone.name}: removed, written after {path.name}'s cut")
