@@ -839,6 +839,25 @@ def test_power_loss_keeps_exactly_what_was_synced(tmp_path: Path, monkeypatch: p
     assert report.truncated == []
 
 
+def test_a_bit_flip_in_the_last_batch_refuses_to_start_after_a_clean_close_and_a_power_cut(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``close`` confirmed the last batch: the SYNCED record written after its sync must reach the disk too, or a
+    power cut after a clean stop leaves that batch with nothing behind it to say it was synced, and a flipped bit
+    in it would be taken for a torn write and cut off with the confirmed records behind it."""
+    directory = tmp_path / "journal"
+    disk = PowerLossDisk(monkeypatch, directory)
+    entries = make_entries(8)
+    confirmed = write_journal(directory, entries, one_batch=True)
+    assert confirmed[-1] == len(entries)
+    [path] = list_segments(directory)
+    image = disk.image()[path.name]  # what the disk holds when the power fails after the node stopped
+    bounds = boundaries(image)
+    restored = restore({path.name: flipped(image, bounds[2] + HEADER_SIZE, 1)}, tmp_path / "after-power-cut")
+    with pytest.raises(JournalCorruptedError, match=path.name):
+        recover(restored)
+
+
 def test_power_loss_with_pages_written_back_out_of_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Unsynced pages reach the disk in any order: records the restarted node never wrote never come back.
 

@@ -504,6 +504,13 @@ class Journal:
         if self._thread is not None:
             self._thread.join()
         if self._fd >= 0:
+            if self._thread is not None and self.fatal is None:
+                # The SYNCED record written after the last sync: on disk too, or a power cut after this stop
+                # leaves the last batch with nothing to say it was synced (damage in it would be cut off).
+                try:
+                    os.fdatasync(self._fd)
+                except OSError as exc:
+                    log.warning("journal: the last SYNCED record could not be synced", extra={"reason": str(exc)})
             os.close(self._fd)
             self._fd = -1
 
