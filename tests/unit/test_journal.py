@@ -732,6 +732,10 @@ class PowerLossDisk:
         if path.parent == self.directory:
             self._durable[path.name] = path.read_bytes()
 
+    def assume(self, image: dict[str, bytes]) -> None:
+        """Start from ``image`` as what the disk holds (a restarted node's directory, as a power cut would find it)."""
+        self._durable.update(image)
+
     def hold(self) -> None:
         self.stalled.clear()
         self.stalled_on = None
@@ -856,6 +860,61 @@ def test_a_bit_flip_in_the_last_batch_refuses_to_start_after_a_clean_close_and_a
     restored = restore({path.name: flipped(image, bounds[2] + HEADER_SIZE, 1)}, tmp_path / "after-power-cut")
     with pytest.raises(JournalCorruptedError, match=path.name):
         recover(restored)
+
+
+def test_a_power_cut_while_a_restarted_node_syncs_what_it_recovered_never_refuses_to_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process died with a batch written but not synced: the restarted node reads it from the page cache, and
+    ``start`` syncs it before writing a SYNCED record behind it. Were the record written first, a power cut
+    during that sync could leave it on disk with the batch's first page lost: damage a SYNCED record covers,
+    and a node that refuses to start though it lost nothing it had confirmed."""
+    crashed = tmp_path / "crashed"
+    disk = PowerLossDisk(monkeypatch, crashed)
+    synced_entries = make_entries(5)
+    journal = Journal(crashed)
+    journal.recover()
+    journal.start()
+    journal.append_encoded([encode(kind, payload) for kind, payload in synced_entries])
+    wait_until(lambda: journal.synced == 5)
+    batch: list[Entry] = [
+        (RecordType.MESSAGE, [wire_message(6, random.Random(6).randbytes(6000)), ["queue.a"]]),
+        (RecordType.ACK, ["queue.a", 2]),
+        (RecordType.DELETE_QUEUE, ["queue.b"]),
+    ]
+    disk.hold()
+    journal.append_encoded([encode(kind, payload) for kind, payload in batch])
+    assert disk.stalled.wait(WAIT)
+    [path] = list_segments(crashed)
+    page_cache, on_disk = path.read_bytes(), disk.image()  # the process dies here, the machine runs on
+    disk.release()
+    journal.close()
+
+    directory = restore({path.name: page_cache}, tmp_path / "journal")
+    disk = PowerLossDisk(monkeypatch, directory)
+    disk.assume(on_disk)
+    restarted = Journal(directory)
+    records, _ = restarted.recover(list)
+    assert as_entries(records) == synced_entries + batch
+    disk.hold()
+    starting = threading.Thread(target=restarted.start)
+    starting.start()
+    try:
+        assert disk.stalled.wait(WAIT)
+        live = (directory / path.name).read_bytes()  # the power fails during this sync
+    finally:
+        disk.release()
+        starting.join()
+        restarted.close()
+    bounds = boundaries(page_cache)
+    page = 4096
+    lost_page = bounds[5] // page * page  # the batch's first page did not reach the disk, later ones did
+    assert lost_page + page <= bounds[6]
+    image = bytearray(live)
+    image[lost_page : lost_page + page] = on_disk[path.name][lost_page : lost_page + page]
+    records, report = recover(restore({path.name: bytes(image)}, tmp_path / "after-power-cut"))
+    assert as_entries(records) == synced_entries
+    assert len(report.truncated) == 1
 
 
 def test_power_loss_with_pages_written_back_out_of_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -408,6 +408,7 @@ class Journal:
         for path in list_segments(self.directory):
             if path.name != segment_name(self._segment_number):
                 _sync_file(path)
+        _sync(self._fd)  # before the SYNCED record is written behind it: the disk may take that one first
         self._mark()
         _sync(self._fd)
         self._thread = threading.Thread(target=self._write_loop, name="journal-writer", daemon=True)
