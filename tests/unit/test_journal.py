@@ -843,6 +843,24 @@ def test_power_loss_keeps_exactly_what_was_synced(tmp_path: Path, monkeypatch: p
     assert report.truncated == []
 
 
+@pytest.mark.usefixtures("no_sync")
+def test_a_bit_flip_in_a_batch_that_filled_its_segment_refuses_to_start(tmp_path: Path) -> None:
+    """A batch that ends where its segment ends leaves no room for the SYNCED record its sync writes: nothing
+    then says it was synced (no later segment either, on a node that wrote nothing more), and a flipped bit in
+    it would be taken for a torn write and cut off with the confirmed records behind it."""
+    entries = make_entries(8)
+    marker = len(encode(RecordType.SYNCED, []))
+    segment_bytes = marker + sum(len(encode(kind, payload)) for kind, payload in entries)  # start's, then these
+    confirmed = write_journal(tmp_path, entries, segment_bytes, one_batch=True)
+    assert confirmed[-1] == len(entries)
+    path = list_segments(tmp_path)[0]
+    data = path.read_bytes()
+    bounds = boundaries(data)
+    path.write_bytes(flipped(data, bounds[2] + HEADER_SIZE, 1))
+    with pytest.raises(JournalCorruptedError, match=path.name):
+        recover(tmp_path, segment_bytes)
+
+
 def test_a_bit_flip_in_the_last_batch_refuses_to_start_after_a_clean_close_and_a_power_cut(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

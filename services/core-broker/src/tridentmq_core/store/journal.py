@@ -581,7 +581,10 @@ class Journal:
         done = 0  # records of ``batch`` written (``_position`` is past them)
         try:
             for index, data in enumerate(batch):
-                if data is _ROLL or self._position + size + len(data) > self.segment_bytes:
+                # Room is kept for the SYNCED record the sync writes behind the batch (unless the record is alone
+                # in its segment): without it, nothing would say that the batch was synced.
+                used = self._position + size
+                if data is _ROLL or (used and used + len(data) + len(_SYNCED) > self.segment_bytes):
                     self._flush_chunk(chunk)
                     done = index
                     chunk, size = [], 0
@@ -604,8 +607,9 @@ class Journal:
 
     def _mark(self) -> None:
         """Write a SYNCED record where the next batch starts (everything before it is on disk): unsynced, it
-        reaches the disk with that batch's sync at the latest. Left out at a segment's very end (the next
-        batch starts a new segment, and the roll syncs this one)."""
+        reaches the disk with that batch's sync at the latest. ``_write`` keeps room for it; left out only
+        behind a record that fills a segment alone, or in a segment an older writer filled (the next batch
+        starts a new segment, and the roll syncs this one)."""
         if self._position + len(_SYNCED) <= self.segment_bytes:
             self._flush_chunk([_SYNCED])
 
