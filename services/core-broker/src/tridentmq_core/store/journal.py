@@ -177,8 +177,7 @@ class Damage:
     reason: str
     #: No SYNCED record lies behind it, in a journal whose writer writes one after every sync (one came
     #: before it), nor any record in a later segment: it lies in the last write, never confirmed, which a
-    #: power cut tore. Recovery cuts it off
-    #: with everything behind it; any other damage stops the node.
+    #: power cut tore. Recovery cuts it off with everything behind it; any other damage stops the node.
     unsynced: bool
 
 
