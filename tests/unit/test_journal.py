@@ -2013,6 +2013,50 @@ def test_a_failed_fsync_stops_the_writer_for_good(tmp_path: Path, monkeypatch: p
     assert journal.synced == 1
 
 
+def test_a_synced_batch_is_confirmed_even_when_its_synced_record_cannot_be_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch is on disk once its fdatasync returned: a write error of the SYNCED record after it (a full
+    copy-on-write filesystem, say) stopped its confirms for good, the batch's records being gone from the
+    writer's hands; it is logged, and the writer goes on."""
+    journal = Journal(tmp_path, segment_bytes=SMALL_SEGMENT)
+    journal.recover()
+    reported: list[int] = []
+    journal.on_synced = reported.append
+    journal.start()
+    real_pwrite = os.pwrite
+    marker = encode(RecordType.SYNCED, [])
+
+    def pwrite(fd: int, data: bytes, offset: int) -> int:
+        if bytes(data) == marker:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(journal_module.os, "pwrite", pwrite)
+    entries = make_entries(6)
+    for entry in entries[:3]:
+        journal.append(*entry)
+    wait_until(lambda: journal.synced == 3)
+    monkeypatch.undo()
+    for entry in entries[3:]:
+        journal.append(*entry)
+    journal.close()
+    assert journal.error is None
+    assert reported[-1] == 6
+    records, report = recover(tmp_path, SMALL_SEGMENT)
+    assert as_entries(records) == entries
+    assert report.truncated == []
+
+
+def test_an_offline_rewrite_leaves_no_descriptor_of_the_old_journal_open(tmp_path: Path) -> None:
+    entries: list[Entry] = [(RecordType.ADD_QUEUE, [queue_spec("q")])]
+    entries += [(RecordType.MESSAGE, [wire_message(n), ["q"]]) for n in range(1, 40)]
+    write_journal(tmp_path / "journal", entries, SMALL_SEGMENT)
+    before = len(os.listdir("/proc/self/fd"))
+    write_live_state(tmp_path / "journal", tmp_path / "fresh", SMALL_SEGMENT)
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
 def test_an_offline_compaction_that_finds_the_disk_full_keeps_the_old_journal(tiny_disk: Path) -> None:
     """The compacted copy could not be written whole: it is never marked complete nor swapped in (it used to
     be, without the records the full disk refused)."""

@@ -93,7 +93,11 @@ def finish_offline_compaction(directory: Path) -> None:
 def write_live_state(source: Path, target: Path, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> tuple[int, int]:
     """Write the live state of the journal in ``source`` as a fresh journal in ``target`` (synced, marked
     complete); returns (records read, records written)."""
-    state, report = Journal(source, segment_bytes=segment_bytes).recover(replay)
+    journal = Journal(source, segment_bytes=segment_bytes)
+    try:
+        state, report = journal.recover(replay)
+    finally:
+        journal.close()  # recovery opened its last segment for writing on
     shutil.rmtree(target, ignore_errors=True)
     fresh = Journal(target, segment_bytes=segment_bytes)
     fresh.recover()
@@ -602,7 +606,10 @@ class Journal:
             del batch[:done]
         _sync(self._fd)
         self.syncs += 1
-        self._mark()
+        try:
+            self._mark()
+        except OSError as exc:  # the batch is on disk all the same, and confirmed: only its SYNCED record is not
+            log.warning("journal: a SYNCED record could not be written", extra={"reason": str(exc)})
 
     def _mark(self) -> None:
         """Write a SYNCED record where the next batch starts (everything before it is on disk): unsynced, it
