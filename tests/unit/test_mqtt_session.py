@@ -384,6 +384,18 @@ async def test_a_password_that_is_not_utf8_is_a_bad_password(gw: Gateway) -> Non
     assert connack.reason_code == rc.BAD_USER_NAME_OR_PASSWORD
 
 
+async def test_a_connect_asking_for_enhanced_authentication_is_refused_as_a_bad_method(gw: Gateway) -> None:
+    # [MQTT-4.12.0-1]: the gateway supports no authentication method, so it must refuse and close, not accept
+    # a client that then waits for the AUTH exchange it asked for.
+    c = gw.client()
+    connack = await c.connect("scram", properties=Properties(authentication_method="SCRAM-SHA-1"))
+    assert connack.reason_code == 0x8C
+    await c.ended()
+    assert c.packets == []
+    assert not c.wire.logged_in_called
+    assert gw.counters.refused == 1
+
+
 async def test_a_second_connection_of_a_client_id_takes_the_session_over(gw: Gateway) -> None:
     first = await gw.connected("same")
     second = gw.client()

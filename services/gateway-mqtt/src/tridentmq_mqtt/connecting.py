@@ -47,6 +47,10 @@ class Refused:
 def negotiate(event: ev.Connect, limits: MqttLimitsSection, new_client_id: Callable[[], str]) -> Terms | Refused:
     """The terms a CONNECT gets, or why it is refused before anyone is asked."""
     v5 = event.version == V5
+    if v5 and event.properties.authentication_method is not None:
+        # [MQTT-4.12.0-1]: a method the server does not support (it supports none) is refused and the connection
+        # closed; accepting would leave the client waiting for an AUTH exchange that never comes.
+        return Refused(rc.BAD_AUTHENTICATION_METHOD, "enhanced authentication is not supported")
     client_id, assigned = event.client_id, None
     if not client_id:
         if not v5 and not event.clean_start:  # [MQTT-3.1.3-8]: return code 2
