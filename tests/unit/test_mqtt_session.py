@@ -538,6 +538,28 @@ async def test_a_pubrel_of_an_unknown_packet_id_is_answered_not_found(gw: Gatewa
     assert await c.packet(Pubcomp) == Pubcomp(42, rc.PACKET_IDENTIFIER_NOT_FOUND)
 
 
+@pytest.mark.parametrize("version", [V5, V311])
+@pytest.mark.parametrize("expiry_s", [0, 300])
+async def test_a_pubrel_sent_again_before_its_pubcomp_gets_a_pubcomp_too(
+    gw: Gateway, version: int, expiry_s: int
+) -> None:
+    # A client retrying its PUBREL (3.1.1 clients with a retry interval do) gets a PUBCOMP for each; the second
+    # PUBREL used to end the connection as the gateway's own failure (5.0: DISCONNECT 0x83).
+    props = persistent(expiry_s) if version == V5 and expiry_s else NO_PROPERTIES
+    sub = await gw.connected("sub")
+    await sub.subscribe(Subscription("rel", 2))
+    pub = await gw.connected("pub", version, clean_start=not expiry_s, properties=props)
+    pub.send(Publish("rel", b"once", 2, packet_id=7))
+    assert (await pub.packet(Pubrec)).packet_id == 7
+    pub.send(Pubrel(7), Pubrel(7))
+    assert await pub.packet(Pubcomp) == Pubcomp(7)
+    assert await pub.packet(Pubcomp) == Pubcomp(7)
+    assert (await sub.message(2)).payload == b"once"
+    await pub.publish("rel", b"next", qos=2, packet_id=7)  # the id is free again
+    assert (await sub.message(2)).payload == b"next"
+    assert not pub.wire.closed
+
+
 async def test_a_qos1_publish_sent_again_while_unanswered_is_published_once(gw: Gateway) -> None:
     sub, pub = await gw.connected("sub"), await gw.connected("pub")
     await sub.subscribe("dup")

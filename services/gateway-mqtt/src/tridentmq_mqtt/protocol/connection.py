@@ -14,7 +14,8 @@ Packet-id bookkeeping, per direction:
   client's PUBREL (QoS 2). In 5.0 more such messages in flight than the server's receive maximum is a
   violation (0x93); before 5.0 the limit is not announced, so not enforced. A PUBLISH resent with the same
   QoS while its id is in use (QoS 1 before ``puback``, QoS 2 before the PUBREL) is an event with
-  ``duplicate=True``; any other reuse of an id in use is a protocol violation.
+  ``duplicate=True``; any other reuse of an id in use is a protocol violation. A PUBREL repeated before the
+  ``pubcomp`` of its first is no event: the ``pubcomp`` answers each of them.
 * 5.0 topic aliases from the client are resolved (up to the server's ``topic_alias_maximum``; above it is
   0x94, an unmapped alias 0x82; alias 0 is refused by the parser, as 0x82). The server sends no aliases.
 * Outgoing QoS 1/2 PUBLISH (``publish``): the id is in use until PUBACK, PUBCOMP or an error PUBREC. At most
@@ -133,6 +134,7 @@ class MqttServerConnection:
         "_out",
         "_outgoing",
         "_parser",
+        "_repeated_pubrels",
         "client_max_packet_size",
         "client_receive_maximum",
         "connect_expiry_s",
@@ -189,6 +191,9 @@ class MqttServerConnection:
         self._last_received = now
         self._aliases: dict[int, str] = {}
         self._incoming: dict[int, _In] = {}
+        # PUBRELs repeated while the first one's ``pubcomp`` is awaited: each gets its PUBCOMP with that one
+        # (made when one is: most connections never see one).
+        self._repeated_pubrels: dict[int, int] | None = None
         self._outgoing: dict[int, _Out] = {}
         self._next_id = 1
 
@@ -345,11 +350,17 @@ class MqttServerConnection:
             self._outgoing[packet_id] = _Out.RECEIVED
         return ev.PubrecReceived(packet_id, packet.reason_code, packet.properties)
 
-    def _pubrel_received(self, packet: Pubrel) -> ev.PubrelReceived:
+    def _pubrel_received(self, packet: Pubrel) -> ev.PubrelReceived | None:
         packet_id = packet.packet_id
         state = self._incoming.get(packet_id)
         if state in (_In.QOS1, _In.RECEIVED):
             raise RemoteProtocolError(f"PUBREL for packet identifier {packet_id} before its PUBREC", PROTOCOL_ERROR)
+        if state is _In.RELEASED:  # sent again before our PUBCOMP: answered with the first one's ``pubcomp``
+            repeated = self._repeated_pubrels
+            if repeated is None:
+                repeated = self._repeated_pubrels = {}
+            repeated[packet_id] = repeated.get(packet_id, 0) + 1
+            return None
         self._incoming[packet_id] = _In.RELEASED
         return ev.PubrelReceived(packet_id, packet.reason_code, packet.properties, known=state is not None)
 
@@ -459,7 +470,12 @@ class MqttServerConnection:
         """Answer a ``PubrelReceived`` (5.0: 0x92 Packet Identifier not found suits an unknown one)."""
         if self._answerable(packet_id, _In.RELEASED, "pubcomp"):
             del self._incoming[packet_id]
-            self._write(Pubcomp(packet_id, *self._v5(reason_code, properties)))
+            answer = Pubcomp(packet_id, *self._v5(reason_code, properties))
+            self._write(answer)
+            repeated = self._repeated_pubrels
+            if repeated is not None and packet_id in repeated:
+                for _ in range(repeated.pop(packet_id)):
+                    self._write(answer)
 
     def suback(self, packet_id: int, reason_codes: tuple[int, ...], properties: Properties = NO_PROPERTIES) -> None:
         """Answer a SUBSCRIBE: a granted QoS or a failure code per subscription (before 5.0 every failure code
