@@ -1272,6 +1272,19 @@ async def test_a_will_is_published_when_the_connection_ends_without_disconnect(g
     assert (will.topic, will.payload, will.properties.content_type) == ("status/dev", b"offline", "t")
 
 
+async def test_a_wills_message_expiry_counts_from_when_it_is_published(gw: Gateway) -> None:
+    # 5.0, 3.1.3.2.4: the will's Message Expiry Interval is its lifetime once published. It used to count from
+    # the CONNECT, so a will with a short expiry on a connection that lived longer was dropped as expired.
+    watcher = await gw.connected("watcher")
+    await watcher.subscribe(Subscription("status/#", 1))
+    lifetime = Properties(message_expiry_interval=1)
+    c = await gw.connected("dev", will=Will("status/dev", b"offline", qos=1, properties=lifetime))
+    await asyncio.sleep(1.2)  # the connection outlives the will's expiry interval
+    await c.gone()
+    will = await watcher.message()
+    assert (will.payload, will.properties.message_expiry_interval) == (b"offline", 1)
+
+
 async def test_a_disconnect_discards_the_will_unless_its_reason_is_0x04(gw: Gateway) -> None:
     watcher = await gw.connected("watcher")
     await watcher.subscribe(Subscription("status/#", 1))

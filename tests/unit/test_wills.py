@@ -11,7 +11,16 @@ from tests.unit.broker_harness import BASE_MS, Client, Harness, bodies, failed, 
 from tridentmq_core.settings import AddressSettingsEntry, BrokerSection, CoreSettings, PermissionEntry, UserEntry
 from tridentmq_core.will_keeper import MAX_WILL_KEY
 from tridentmq_shared.link.ops import ErrorCode
-from tridentmq_shared.message import M_BODY, M_DEDUP, M_ID, M_TIMESTAMP, MAX_TIME_MS, WireMessage, new_message
+from tridentmq_shared.message import (
+    M_BODY,
+    M_DEDUP,
+    M_EXPIRATION,
+    M_ID,
+    M_TIMESTAMP,
+    MAX_TIME_MS,
+    WireMessage,
+    new_message,
+)
 
 
 @pytest.fixture
@@ -88,6 +97,21 @@ def test_a_delayed_will_is_pending_until_its_time(h: Harness) -> None:
     assert bodies(watcher.take(cid)) == [b"gone"]
     h.tick(BASE_MS + 60_000)
     assert watcher.take(cid) == []
+
+
+def test_a_will_with_a_timestamp_expires_as_long_after_its_publication_as_after_its_timestamp(h: Harness) -> None:
+    watcher, dying, plain = h.connect("watcher"), h.connect("dying"), h.connect("plain")
+    cid = watcher.consumer("status")
+    stamped = will(body=b"stamped", expiration_ms=BASE_MS + 1000)
+    stamped[M_TIMESTAMP] = BASE_MS  # a lifetime of 1 s from its publication
+    ok(dying.set_will("k", stamped, delay_ms=5000))
+    ok(plain.set_will("p", will(body=b"plain", expiration_ms=BASE_MS + 60_000)))  # no timestamp: kept as it is
+    h.now_ms = BASE_MS + 10_000  # the links live longer than the lifetime
+    dying.close()
+    plain.close()
+    h.tick(BASE_MS + 15_000)
+    got = {m.body: m.message[M_EXPIRATION] for m in watcher.take(cid)}
+    assert got == {b"stamped": BASE_MS + 16_000, b"plain": BASE_MS + 60_000}
 
 
 def test_a_set_will_with_its_key_cancels_a_pending_will(h: Harness) -> None:

@@ -19,6 +19,7 @@ from tridentmq_shared.message import (
     M_ADDRESS,
     M_BODY,
     M_DURABLE,
+    M_EXPIRATION,
     M_ID,
     M_ROUTING,
     M_TIMESTAMP,
@@ -128,6 +129,11 @@ class WillKeeper:
     def _publish(self, will: Will, now_ms: int) -> None:
         """Route a will like a publish (its permissions were checked when it was set)."""
         message = list(will.message)
+        expiration, timestamp = message[M_EXPIRATION], message[M_TIMESTAMP]
+        if expiration and timestamp and expiration > timestamp:
+            # A will's lifetime counts from its publication: as long from now as it was from its timestamp (MQTT's
+            # will message expiry interval; a will that waited for its link to close is not expired by that).
+            message[M_EXPIRATION] = min(now_ms + expiration - timestamp, MAX_TIME_MS)
         message[M_ID] = 0
         message[M_TIMESTAMP] = 0  # a fresh id and timestamp, as for any publish
         address = message[M_ADDRESS]

@@ -69,6 +69,7 @@ from tridentmq_shared.message import (
     M_EXPIRATION,
     M_ID,
     M_PROPS,
+    M_TIMESTAMP,
     RoutingType,
     WireMessage,
 )
@@ -594,15 +595,15 @@ class MqttSession:
 
     def _will_message(self, will: Will) -> WireMessage:
         address = self._address(will.topic)
-        return messages.to_message(
-            address,
-            will.payload,
-            will.qos,
-            will.properties,
-            self.client_id,
-            int(time.time() * 1000),
-            retain=will.retain,
+        now_ms = int(time.time() * 1000)
+        message = messages.to_message(
+            address, will.payload, will.qos, will.properties, self.client_id, now_ms, retain=will.retain
         )
+        if message[M_EXPIRATION]:
+            # The will's message expiry interval is its lifetime once published (5.0, 3.1.3.2.4): the core moves
+            # the expiration of a will with a timestamp to as far from its publication as it is from the timestamp.
+            message[M_TIMESTAMP] = now_ms
+        return message
 
     def _holds_lock(self) -> bool:
         """Whether this connection may delete the session's queues on other nodes too (see ``Registry.holds``)."""
