@@ -624,6 +624,27 @@ async def test_a_shared_subscription_splits_the_messages_between_its_members(gw:
     await a.nothing()  # b had its messages after a's unsubscribe was answered
 
 
+async def test_a_shared_subscription_keeps_messages_for_an_away_persistent_member_whoever_joined_last(
+    gw: Gateway,
+) -> None:
+    # The group's queue took the expiry of the member that subscribed last: a member whose session ends with
+    # its connection (expiry 0) joining after a persistent one had the queue deleted when it left, and with it
+    # the messages published for the persistent member while it was away.
+    away = await gw.connected("away", properties=persistent())
+    await away.subscribe("$share/g/jobs")
+    await away.gone()
+    passing = await gw.connected("passing")
+    await passing.subscribe("$share/g/jobs")
+    await passing.disconnect()
+    await asyncio.sleep(0.2)  # the core checks queue expiries every 50 ms
+    assert gw.queues("mqtt.shared.g.jobs.")
+    pub = await gw.connected("pub")
+    await pub.publish("jobs", b"while away")
+    back = gw.client()
+    assert (await back.connect("away", clean_start=False, properties=persistent())).session_present
+    assert (await back.message()).payload == b"while away"
+
+
 async def test_no_local_on_a_shared_subscription_is_a_protocol_error(gw: Gateway) -> None:
     c = await gw.connected("c")
     c.send(Subscribe(1, (Subscription("$share/g/t", 1, no_local=True),)))

@@ -15,6 +15,7 @@ from tridentmq_mqtt.subscribing import (
     check_options,
     keeps_its_queue,
     keeps_retained,
+    longer_expiry,
     plan,
     sends_retained,
     window,
@@ -112,3 +113,11 @@ def test_retained_messages_at_qos_1_and_2_of_a_persistent_session_are_kept_until
     qos: int, persistent: bool, kept: bool
 ) -> None:
     assert keeps_retained(qos, persistent=persistent) is kept
+
+
+def test_a_shared_subscriptions_queue_keeps_the_longest_expiry_of_its_members() -> None:
+    assert longer_expiry(None, 0) == 0  # no queue yet: the member's own
+    assert longer_expiry(300_000, 0) == 300_000  # a passing member does not shorten it
+    assert longer_expiry(0, 300_000) == 300_000
+    assert longer_expiry(-1, 300_000) == -1  # never expires
+    assert longer_expiry(5_000, -1) == -1

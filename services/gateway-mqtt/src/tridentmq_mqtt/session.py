@@ -854,6 +854,7 @@ class MqttSession:
         if fannable and self.feeds.fans_out(link.user, topic_filter):
             return await self._join_feed(self.feeds, text, topic_filter, options)
         if planned.kind is subscribing.QueueKind.SHARED:
+            expiry_ms = await self._shared_expiry_ms(link, queue, pattern, expiry_ms)
             spec = queue_spec(queue, pattern, routing_type=RoutingType.MULTICAST, durable=True, expires_ms=expiry_ms)
         elif planned.kind is subscribing.QueueKind.DURABLE:
             # A resumed queue gets this session's expiry once it is consumed from: set now, the expiry would
@@ -920,6 +921,14 @@ class MqttSession:
         consumer.on_wake = sub.woken
         self.pump(sub)  # what arrived with the subscribe's answer
         return sub
+
+    async def _shared_expiry_ms(self, link: LinkClient, queue: str, pattern: str, expiry_ms: int) -> int:
+        """The expiry this member gives its shared subscription's queue (see ``subscribing.longer_expiry``)."""
+        try:
+            found = await link.create_queue(queue, pattern, routing_type=RoutingType.MULTICAST, passive=True)
+        except LinkRequestError:
+            return expiry_ms
+        return subscribing.longer_expiry(found.get("expires_ms"), expiry_ms)
 
     def _move_to_feed(self, sub: Sub, feed: Feed) -> None:
         """A solo subscription of the filter that now has a feed becomes its member; its own queue goes (what
@@ -1427,9 +1436,10 @@ class MqttSession:
             expiry_s * 1000,
         )
         for sub in self.subs.values():
-            await registry.set_expiry(
-                sub.queue, convert.filter_to_pattern(sub.topic_filter), RoutingType.MULTICAST, expiry_s * 1000
-            )
+            pattern, sub_expiry_ms = convert.filter_to_pattern(sub.topic_filter), expiry_s * 1000
+            if sub.shared and self.link is not None:
+                sub_expiry_ms = await self._shared_expiry_ms(self.link, sub.queue, pattern, sub_expiry_ms)
+            await registry.set_expiry(sub.queue, pattern, RoutingType.MULTICAST, sub_expiry_ms)
         if self.state.outbox:
             outbox = convert.outbox_queue(self.client_id)
             await registry.set_expiry(outbox, outbox, RoutingType.ANYCAST, expiry_s * 1000)

@@ -59,6 +59,18 @@ def check_options(text: str, *, no_local: bool, v5: bool) -> None:
         raise ConversionError("no-local on a shared subscription", rc.PROTOCOL_ERROR)
 
 
+def longer_expiry(current: object, expiry_ms: int) -> int:
+    """The expiry of a shared subscription's queue that a member whose session lasts ``expiry_ms`` leaves it:
+    the longer of that and the queue's ``current`` one (-1: never; None: no queue yet). The group's queue lasts
+    as long as its longest-lived member's session, whoever joined last: a member that ends with its connection
+    must not have the queue, and the messages it gathers for a persistent member that is away, deleted."""
+    if type(current) is not int:
+        return expiry_ms
+    if current < 0 or expiry_ms < 0:
+        return -1
+    return max(current, expiry_ms)
+
+
 def window(qos: int, limits: MqttLimitsSection, client_receive_maximum: int) -> int:
     """Messages the core may send the subscription ahead of the client: QoS 0 a batch, QoS 1 and 2 no more than
     the client takes unacknowledged."""
