@@ -706,6 +706,23 @@ def test_topic_names_without_wildcards_and_not_empty(version: int, topic: str) -
     rejected(version, bytes((0x30, len(body))) + body, TOPIC_NAME_INVALID)
 
 
+@pytest.mark.parametrize("response_topic", ["r/+", "#", ""])
+def test_a_response_topic_that_is_no_topic_name_is_a_protocol_error(response_topic: str) -> None:
+    raw = response_topic.encode()
+    props = b"\x08" + len(raw).to_bytes(2, "big") + raw
+    body = b"\x00\x01t" + bytes((len(props),)) + props
+    rejected(V5, bytes((0x30, len(body))) + body, PROTOCOL_ERROR)
+    will = bytes((len(props),)) + props + b"\x00\x01t\x00\x00"  # the same in a will's properties
+    connect = b"\x00\x04MQTT\x05\x06\x00\x00\x00\x00\x00" + will
+    with pytest.raises(RemoteProtocolError) as info:
+        PacketParser().feed(bytes((0x10, len(connect))) + connect)
+    assert info.value.reason_code == PROTOCOL_ERROR
+    fine = b"\x08\x00\x03r/t"
+    body = b"\x00\x01t" + bytes((len(fine),)) + fine
+    expected = Publish("t", properties=Properties(response_topic="r/t"))
+    assert after_connect(V5, bytes((0x30, len(body))) + body) == [expected]
+
+
 def test_an_empty_topic_name_is_fine_with_a_topic_alias_in_5() -> None:
     assert after_connect(V5, h("30 06 00 00 03 23 00 01")) == [Publish("", properties=Properties(topic_alias=1))]
 

@@ -987,6 +987,8 @@ UTF8 = Properties(payload_format_indicator=1)
         ([Publish("t", b"", 1, packet_id=1), Pubrel(1)], rc.PROTOCOL_ERROR, None),  # a PUBREL before its PUBREC
         ([Publish("t", b"", 2, packet_id=1), Publish("t", b"", 1, packet_id=1)], rc.PROTOCOL_ERROR, None),  # in use
         ([Auth()], rc.PROTOCOL_ERROR, None),
+        ([Publish("t", b"", 1, packet_id=1, properties=Properties(response_topic="reply/+"))], rc.PROTOCOL_ERROR, None),
+        ([Publish("t", b"", 0, properties=Properties(response_topic="reply/#"))], rc.PROTOCOL_ERROR, None),
         ([Connect("again")], rc.PROTOCOL_ERROR, None),
         ([Suback(1, (0,))], rc.PROTOCOL_ERROR, None),
         # Found by the session: its reason string too.

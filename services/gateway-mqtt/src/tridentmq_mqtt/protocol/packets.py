@@ -614,6 +614,8 @@ def _decode_will(data: bytes, pos: int, end: int, version: int, qos: int, retain
     props = NO_PROPERTIES
     if version == V5:
         props, pos = decode_properties(data, pos, end, WILL)
+    if props is not NO_PROPERTIES:
+        _check_response_topic(props)
     topic, pos = read_str(data, pos, end)
     _check_received_topic(topic, version, NO_PROPERTIES)
     payload, pos = read_bin(data, pos, end)
@@ -625,6 +627,14 @@ def _check_received_topic(topic: str, version: int, props: Properties) -> None:
         raise RemoteProtocolError(f"wildcard in topic name {topic[:40]!r}", TOPIC_NAME_INVALID)
     if not topic and (version != V5 or props.topic_alias is None):
         raise RemoteProtocolError("empty topic name without a topic alias", TOPIC_NAME_INVALID)
+
+
+def _check_response_topic(props: Properties) -> None:
+    """A response topic is a topic name: not empty and without wildcards ([MQTT-3.3.2-14]). A responder would
+    otherwise publish to it and have its own connection ended for a topic name it did not choose."""
+    topic = props.response_topic
+    if topic is not None and (not topic or "+" in topic or "#" in topic):
+        raise RemoteProtocolError(f"response topic {topic[:40]!r} is not a topic name", PROTOCOL_ERROR)
 
 
 def _decode_publish(flags: int, data: bytes, pos: int, end: int, version: int) -> Publish:
@@ -655,6 +665,7 @@ def _decode_publish(flags: int, data: bytes, pos: int, end: int, version: int) -
             pos += 1
         else:
             props, pos = decode_properties(data, pos, end, PUBLISH)
+            _check_response_topic(props)
     if "+" in topic or "#" in topic or not topic:
         _check_received_topic(topic, version, props)
     return Publish(topic, data[pos:end], qos, bool(flags & 0x01), dup, packet_id, props)
