@@ -282,6 +282,28 @@ async def test_a_transaction_delivers_its_sends_and_acks_at_commit_only(core: Co
     assert (await consumer.frame("MESSAGE")).body == b"after"  # and not "never", which would have come first
 
 
+@pytest.mark.parametrize(("end", "redelivered"), [("COMMIT", False), ("ABORT", True)])
+async def test_an_ack_in_a_transaction_outlives_its_subscription(core: Core, end: str, redelivered: bool) -> None:
+    """ACK in a transaction, UNSUBSCRIBE, then COMMIT: the message is consumed (the unsubscribe used to give it
+    back to the queue, and the commit then acknowledged nothing: a duplicate); ABORT gives it back."""
+    producer, consumer = await connected(core), await connected(core)
+    await consumer.receipt("BEGIN", transaction="t")
+    await consumer.receipt("SUBSCRIBE", id="s", destination="/queue/tx-unsub", ack="client-individual")
+    await producer.receipt("SEND", b"once", destination="/queue/tx-unsub", persistent="true")
+    message = await consumer.frame("MESSAGE")
+    await consumer.receipt("ACK", id=message.headers["ack"], transaction="t")
+    await consumer.receipt("UNSUBSCRIBE", id="s")
+    await consumer.nothing()
+    await consumer.receipt(end, transaction="t")
+    other = await connected(core)
+    await other.receipt("SUBSCRIBE", id="s", destination="/queue/tx-unsub")
+    if redelivered:
+        again = await other.frame("MESSAGE")
+        assert (again.body, again.headers["redelivered"]) == (b"once", "true")
+    await other.nothing()
+    assert len(core.node.broker.queues["tx-unsub"]) == 0
+
+
 @pytest.mark.parametrize(
     ("frames", "message"),
     [

@@ -378,6 +378,7 @@ class Catalog:
             queue.auto_delete
             and not queue.consumers
             and not len(queue)
+            and not queue.in_flight  # acknowledged in a transaction still open, after its consumer went
             and queue.name in self.queues
             and not self._timers.holds(queue)  # a delayed or scheduled message of the queue
         ):

@@ -177,7 +177,11 @@ class Consuming:
             catalog.bindings_version += 1
         session.consumers.pop(consumer.id, None)
         if consumer in queue.consumers:
-            self._requeue(queue, queue.remove_consumer(consumer), now_ms, attempts_count=not consumer.forwarder)
+            # What an open transaction of the session acknowledged stays with it: its commit settles it, its
+            # rollback gives it back (requeued now, the commit would find nothing to acknowledge: a duplicate).
+            held = frozenset(i for tx in session.txs.values() for c, i in tx.acks if c is consumer)
+            unacked = queue.remove_consumer(consumer, held)
+            self._requeue(queue, unacked, now_ms, attempts_count=not consumer.forwarder)
             self._to_dispatch.add(queue)
         self._audit.emit(
             now_ms, "consumer.closed", conn_id=session.conn_id, consumer_id=str(consumer.id), queue=queue.name

@@ -619,9 +619,11 @@ class Queue:
             return [] if message is None else [message]
         return list(self.messages())
 
-    def remove_consumer(self, consumer: Consumer) -> list[tuple[WireMessage, int]]:
+    def remove_consumer(self, consumer: Consumer, keep: frozenset[int] = frozenset()) -> list[tuple[WireMessage, int]]:
         """Detach a consumer and hand back its unacknowledged messages with their delivery counts, newest
-        first (returning them in that order to the head of the queue restores their order)."""
+        first (returning them in that order to the head of the queue restores their order). Those in ``keep``
+        (acknowledged in a transaction still open) stay in flight with it, for the commit to settle or the
+        rollback to give back."""
         self.consumers.remove(consumer)
         self._scan_from = None  # the groups it owned are free
         if consumer.browse_iter is not None:
@@ -630,10 +632,15 @@ class Queue:
         for group, owner in list(self._groups.items()):
             if owner is consumer:
                 del self._groups[group]
-        unacked = [(consumer.in_flight[i], consumer.counts.get(i, 1)) for i in sorted(consumer.in_flight, reverse=True)]
+        in_flight, counts = consumer.in_flight, consumer.counts
+        unacked = [(in_flight[i], counts.get(i, 1)) for i in sorted(in_flight, reverse=True) if i not in keep]
         self._in_flight -= len(unacked)
-        consumer.in_flight = _NO_IN_FLIGHT
-        consumer.counts = _NO_COUNTS
+        if len(unacked) < len(in_flight):
+            consumer.in_flight = {i: message for i, message in in_flight.items() if i in keep}
+            consumer.counts = {i: count for i, count in counts.items() if i in keep} or _NO_COUNTS
+        else:
+            consumer.in_flight = _NO_IN_FLIGHT
+            consumer.counts = _NO_COUNTS
         return unacked
 
     def take(self, consumer: Consumer, message_id: int) -> tuple[WireMessage, int] | None:

@@ -65,17 +65,27 @@ class Transactions:
             refusal = self._catalog.send_refusal(message[M_ADDRESS], message[M_ROUTING])
             if refusal is not None:
                 raise refusal
+        left: list[Queue] = []  # queues whose consumer went before the commit: they may auto-delete now
         self.store.begin_transaction()
         try:
             for message in tx.publishes:
                 self._accept(message, now_ms)
             for consumer, message_id in tx.acks:
-                taken = consumer.queue.take(consumer, message_id)
-                if taken is not None:
-                    self._deliveries.settle(consumer.queue, taken[0], now_ms, None, consumer)
+                queue = consumer.queue
+                taken = queue.take(consumer, message_id)
+                if taken is None:
+                    continue
+                if not self._live(queue):  # deleted since, with its messages: nothing to acknowledge
+                    queue.settle(taken[0])
+                    continue
+                self._deliveries.settle(queue, taken[0], now_ms, None, consumer)
+                if consumer not in queue.consumers:
+                    left.append(queue)
         finally:
             token = self.store.commit_transaction()
         del session.txs[tx_id]
+        for queue in left:
+            self._catalog.maybe_auto_delete(queue, now_ms)
         return token
 
     def rollback(self, session: Session, tx_id: int, now_ms: int) -> None:
@@ -86,9 +96,16 @@ class Transactions:
         """Redeliver what the transaction acknowledged (its publishes were never applied)."""
         for consumer, message_id in tx.acks:
             taken = consumer.queue.take(consumer, message_id)
-            if taken is not None:
+            if taken is None:
+                continue
+            if self._live(consumer.queue):
                 self._consuming.give_back(consumer.queue, taken[0], taken[1], NackMode.REDELIVER, now_ms)
                 self._to_dispatch.add(consumer.queue)
+            else:  # the consumer went, and then its queue with the messages it had: this one goes with them
+                consumer.queue.settle(taken[0])
+
+    def _live(self, queue: Queue) -> bool:
+        return self._catalog.queues.get(queue.name) is queue
 
     @staticmethod
     def _open(session: Session, tx_id: int) -> Transaction:
