@@ -378,6 +378,35 @@ async def test_a_durable_subscription_keeps_messages_while_away_and_ends_with_it
     assert (await back.frame("MESSAGE")).body == b"new"  # not "after the end"
 
 
+async def test_a_durable_subscription_is_ended_by_name_without_subscribing_first(core: Core) -> None:
+    """As with ActiveMQ: a connection with the client-id ends a durable subscription it is not consuming (made by
+    an earlier connection) with an UNSUBSCRIBE naming it. It used to get ERROR no such subscription, and the
+    subscription's queue went on collecting every message of the topic, with no way to end it over STOMP."""
+    producer = await connected(core)
+    sub = client(core)
+    await sub.connect(client_id="app")
+    await sub.receipt("SUBSCRIBE", id="d", destination="/topic/news", durable_subscription_name="n")
+    await sub.receipt("DISCONNECT")
+    await sub.session.wait_closed()
+    await producer.receipt("SEND", b"kept", destination="/topic/news")
+    assert len(core.node.broker.queues["app.n"]) == 1
+    back = client(core)
+    await back.connect(client_id="app")
+    await back.receipt("UNSUBSCRIBE", id="d", durable_subscription_name="n")
+    assert "app.n" not in core.node.broker.queues
+    await producer.receipt("SEND", b"gone", destination="/topic/news")
+    assert "app.n" not in core.node.broker.queues
+    # One it consumes under another id ends the same way, with that consumer.
+    await back.receipt("SUBSCRIBE", id="m", destination="/topic/news", durable_subscription_name="m")
+    await back.receipt("UNSUBSCRIBE", id="other", durable_subscription_name="m")
+    assert "app.m" not in core.node.broker.queues
+    assert back.session.subscriptions == {}
+    await back.nothing()
+    # A name that names no subscription is still an error; so is a plain UNSUBSCRIBE of nothing.
+    back.send_frame("UNSUBSCRIBE", id="x", durable_subscription_name="never", receipt="r")
+    assert (await back.error()).headers["message"] == "no such subscription"
+
+
 async def test_a_durable_subscription_with_a_new_selector_is_a_new_subscription(core: Core) -> None:
     producer = await connected(core)
     sub = client(core)

@@ -387,6 +387,14 @@ class StompSession:
             if event.id is not None
             else next((s for s in self.subscriptions.values() if s.destination == event.destination), None)
         )
+        durable = subscribing.durable_name(event.headers)
+        if subscription is None and durable is not None and self.client_id:
+            # As with ActiveMQ: a durable subscription is ended by name, whether this connection consumes it
+            # (under another id) or not (an earlier connection made it). Its queue is this client id's.
+            queue = convert.checked_name(f"{self.client_id}.{durable}", "durable subscription queue (client-id.name)")
+            subscription = next((s for s in self.subscriptions.values() if s.durable and s.queue == queue), None)
+            if subscription is None and await self._end_durable(queue):
+                return
         if subscription is None:
             self._error("no such subscription", f"{event.id or event.destination!r} is not subscribed", event.receipt)
             return
@@ -394,10 +402,20 @@ class StompSession:
         await self._stop(subscription)
         if subscription.temporary:
             await self._link().delete_queue(subscription.queue)
-        elif subscription.durable and subscribing.durable_name(event.headers) is not None:  # ended for good
+        elif subscription.durable and durable is not None:  # ended for good
             # With its copies on other nodes the client came through, or a later subscription of that name
             # would draw the ended one's messages over. A queue it only consumed is never deleted.
             await self._link().delete_queue(subscription.queue, everywhere=True)
+
+    async def _end_durable(self, queue: str) -> bool:
+        """Delete the durable subscription queue ``queue`` (on every node); False when there is none."""
+        try:
+            await self._link().delete_queue(queue, everywhere=True)
+        except LinkRequestError as exc:
+            if exc.code == ErrorCode.NOT_FOUND:
+                return False
+            raise
+        return True
 
     async def _stop(self, subscription: Subscription) -> None:
         self._stop_pump(subscription)
