@@ -760,5 +760,6 @@ def test_property_equals_string_is_not_cached() -> None:
 
 
 def test_the_selector_headers_are_the_names_a_selector_sees_beside_the_properties() -> None:
-    message = new_message("a", b"", group_id="g", properties={"JMSPriority": "a property", "p": 1})
-    assert set(selector_view(message)) - {"p"} == SELECTOR_HEADERS
+    properties = {"JMSPriority": "a property", "p": 1, "correlation-id": "c", "type": "t"}
+    message = new_message("a", b"", group_id="g", properties=properties)
+    assert set(selector_view(message)) - {"p", "correlation-id", "type"} == SELECTOR_HEADERS

@@ -149,6 +149,20 @@ async def test_a_topic_reaches_every_subscriber_and_a_selector_filters(core: Cor
     await b.nothing()
 
 
+async def test_a_selector_sees_correlation_id_and_type_as_jms_header_fields(core: Core) -> None:
+    """As ActiveMQ and Artemis map them: a selector cannot name ``correlation-id`` (not an identifier), so a
+    reply consumer on a shared queue selects ``JMSCorrelationID``; it used to match nothing and wait for ever."""
+    producer, consumer = await connected(core), await connected(core)
+    selector = "JMSCorrelationID = 'c-2' AND JMSType = 'reply'"
+    await consumer.receipt("SUBSCRIBE", id="s", destination="/queue/replies", selector=selector)
+    await producer.receipt("SEND", b"1", destination="/queue/replies", correlation_id="c-1", type="reply")
+    await producer.receipt("SEND", b"2", destination="/queue/replies", correlation_id="c-2", type="reply")
+    await producer.receipt("SEND", b"3", destination="/queue/replies", correlation_id="c-2", type="other")
+    mine = await consumer.frame("MESSAGE")
+    assert (mine.body, mine.headers["correlation-id"], mine.headers["type"]) == (b"2", "c-2", "reply")
+    await consumer.nothing()
+
+
 async def test_client_ack_is_cumulative_and_the_prefetch_bounds_what_is_out(core: Core) -> None:
     producer, consumer = await connected(core), await connected(core)
     for n in range(5):

@@ -217,10 +217,25 @@ def time_problem(name: str, value: int) -> str | None:
     return f"{name} must be within 0..{MAX_TIME_MS} (ms since the epoch, at most year 9999)"
 
 
-#: The header fields a selector sees under these names, whatever the message's properties of the same names.
+#: The header fields a selector sees under these names, whatever the message's properties of the same names
+#: (``JMSCorrelationID`` and ``JMSType`` when the message has the property they are taken from).
 SELECTOR_HEADERS: Final = frozenset(
-    {"JMSPriority", "JMSDeliveryMode", "JMSTimestamp", "JMSExpiration", "JMSMessageID", "AMQAddress", "JMSXGroupID"}
+    {
+        "JMSPriority",
+        "JMSDeliveryMode",
+        "JMSTimestamp",
+        "JMSExpiration",
+        "JMSMessageID",
+        "AMQAddress",
+        "JMSXGroupID",
+        "JMSCorrelationID",
+        "JMSType",
+    }
 )
+#: Properties a selector also sees as JMS header fields, as ActiveMQ and Artemis map STOMP's headers (the
+#: AMQP gateway keeps a correlation-id under the same name): ``correlation-id`` is no identifier a selector
+#: could name.
+_SELECTOR_ALIASES: Final = (("correlation-id", "JMSCorrelationID"), ("type", "JMSType"))
 
 
 def selector_view(m: WireMessage) -> dict[str, PropertyValue]:
@@ -234,4 +249,8 @@ def selector_view(m: WireMessage) -> dict[str, PropertyValue]:
     view["AMQAddress"] = m[M_ADDRESS]
     if m[M_GROUP] is not None:
         view["JMSXGroupID"] = m[M_GROUP]
+    for name, field in _SELECTOR_ALIASES:
+        value = view.get(name)
+        if value is not None:
+            view[field] = value
     return view
