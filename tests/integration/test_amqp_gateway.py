@@ -16,7 +16,7 @@ import pytest
 import stomp
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties as PahoProperties
-from proton import Data, Delivery, Event, Message, Receiver, Timeout, symbol, ulong
+from proton import Data, Delivery, Endpoint, Event, Message, Receiver, Timeout, symbol, ulong
 from proton.handlers import MessagingHandler, TransactionalClientHandler
 from proton.reactor import AtMostOnce, Container, Copy, DurableSubscription, ReceiverOption, Selector, Transaction
 from proton.utils import BlockingConnection, BlockingReceiver, SendException
@@ -787,6 +787,42 @@ def test_drain_sends_what_is_there_then_uses_up_the_credit(amqp_gateway: Gateway
         conn.wait(lambda: not link.draining() and link.credit == 0, msg="the drain to complete")
         assert [receiver.receive(timeout=WAIT).body for _ in range(2)] == [1, 2]
         receiver.accept()
+    finally:
+        conn.close()
+
+
+class MaxMessageSize(ReceiverOption):
+    """A receiver announcing the largest message its link takes (AMQP 1.0 2.7.3)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def apply(self, receiver: Receiver) -> None:
+        receiver.max_message_size = self.size
+
+
+def test_a_message_over_the_receiver_s_max_message_size_is_not_sent_to_it(amqp_gateway: GatewayProcess) -> None:
+    queue = unique("mms")
+    conn = connect(amqp_gateway)
+    try:
+        sender = conn.create_sender(queue)
+        sender.send(Message(body=b"x" * 5000))
+        sender.send(Message(body=b"small"))
+        browser = conn.create_receiver(queue, name="small-browser", options=[Copy(), MaxMessageSize(2000)])
+        assert bytes(browser.receive(timeout=WAIT).body) == b"small"  # a browser skips it: shown, not taken
+        browser.close()
+        everything = conn.create_receiver(queue, name="browser", options=Copy())
+        assert [len(everything.receive(timeout=WAIT).body) for _ in range(2)] == [5000, 5]
+        everything.close()
+        receiver = conn.create_receiver(queue, options=MaxMessageSize(2000))
+        message = receiver.receive(timeout=WAIT)  # the large one is never sent on this link: it goes dead
+        receiver.accept()
+        assert bytes(message.body) == b"small"
+        assert receiver.link.state & Endpoint.REMOTE_ACTIVE
+        dead = conn.create_receiver("DLQ", options=Selector(f"_AMQ_ORIG_QUEUE = '{queue}'"))
+        message = dead.receive(timeout=WAIT)
+        dead.accept()
+        assert bytes(message.body) == b"x" * 5000
     finally:
         conn.close()
 
