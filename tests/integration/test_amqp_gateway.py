@@ -16,10 +16,10 @@ import pytest
 import stomp
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties as PahoProperties
-from proton import Data, Delivery, Endpoint, Event, Message, Receiver, Timeout, symbol, ulong
+from proton import Data, Delivery, Endpoint, Event, Message, Receiver, Terminus, Timeout, symbol, ulong
 from proton.handlers import MessagingHandler, TransactionalClientHandler
 from proton.reactor import AtMostOnce, Container, Copy, DurableSubscription, ReceiverOption, Selector, Transaction
-from proton.utils import BlockingConnection, BlockingReceiver, SendException
+from proton.utils import BlockingConnection, BlockingReceiver, LinkDetached, SendException
 from tests.conftest import CoreProcess, GatewayProcess, module_amqp_gateway, module_core, start_gateway, stop_cleanly
 from tests.integration.mqtt_clients import Paho
 
@@ -721,6 +721,38 @@ def take_all(*receivers: BlockingReceiver) -> list[object]:
 def queue_names(core: CoreProcess, address: str) -> list[str]:
     with urlopen(f"{core.management_url}/api/queues", timeout=WAIT) as reply:
         return [q["name"] for q in json.load(reply) if q["address"] == address]
+
+
+class NullSource(ReceiverOption):
+    """No source at all, as Qpid JMS attaches to find a durable subscription by its link name (to unsubscribe)."""
+
+    def apply(self, receiver: Receiver) -> None:
+        receiver.source.type = Terminus.UNSPECIFIED
+
+
+@pytest.mark.parametrize("client_id", [True, False])
+def test_a_null_source_finds_the_subscription_its_link_name_names_and_closing_the_link_ends_it(
+    amqp_gateway: GatewayProcess, core: CoreProcess, client_id: bool
+) -> None:
+    # Qpid JMS's Session.unsubscribe: attach <name> (<name>|global without a client id) with a null source,
+    # expect the subscription's source back, and close the link.
+    topic, container = unique("unsubscribe"), unique("jms")
+    name, queue = ("audit", f"{container}.audit") if client_id else (f"{topic}-sub|global", f"{topic}-sub")
+    conn = connect(amqp_gateway, container_id=container)
+    try:
+        option = DurableSubscription() if client_id else SharedSubscription(durable=True, global_=True)
+        conn.create_receiver(f"topic://{topic}", name=name, options=option).detach()
+        conn.create_sender(f"topic://{topic}").send(Message(body="kept"))
+        assert queue_names(core, topic) == [queue]
+        lookup = conn.create_receiver(None, name=name, options=NullSource())
+        source = lookup.link.remote_source
+        assert (source.address, source.expiry_policy) == (topic, Terminus.EXPIRE_NEVER)
+        lookup.close()
+        assert queue_names(core, topic) == []
+        with pytest.raises(LinkDetached, match="amqp:not-found"):  # JMS: InvalidDestinationException
+            conn.create_receiver(None, name=name, options=NullSource())
+    finally:
+        conn.close()
 
 
 def test_a_shared_durable_subscription_spreads_messages_and_ends_with_its_last_consumer(

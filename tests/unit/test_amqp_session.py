@@ -1542,7 +1542,6 @@ async def test_addresses_that_may_not_be_created_are_not_found(tmp_path: Path) -
 @pytest.mark.parametrize(
     ("address", "dynamic", "description"),
     [
-        (None, False, "a receiving link needs a source address (or a dynamic source)"),
         ("queue://", False, "the address is empty"),
         ("orders::", False, "a fully qualified queue name needs a queue after '::'"),
     ],
@@ -1553,6 +1552,18 @@ async def test_a_receiver_with_a_bad_source_is_refused_with_invalid_field(
     c = await connected(core)
     condition = await c.refused(c.receiver_link(address))
     assert (condition.name, condition.description) == ("amqp:invalid-field", description)
+    assert c.connection.state & Endpoint.REMOTE_ACTIVE
+
+
+async def test_a_receiver_without_a_source_address_or_a_subscription_of_its_name_is_refused_with_not_found(
+    core: Core,
+) -> None:
+    c = await connected(core)  # (a null source looks the durable subscription of the link's name up)
+    condition = await c.refused(c.receiver_link(None, name="nothing"))
+    assert (condition.name, condition.description) == (
+        "amqp:not-found",
+        f"no source address, and no durable subscription '{c.connection.container}.nothing'",
+    )
     assert c.connection.state & Endpoint.REMOTE_ACTIVE
 
 

@@ -613,6 +613,9 @@ class AmqpSession:
         assert self.link is not None
         remote = link.remote_source
         limits = self.settings.amqp
+        if remote.type == Terminus.UNSPECIFIED:  # no source (proton shows one without an address so too)
+            await self._attach_subscription(link)
+            return
         if remote.dynamic:
             node = await self._temporary_node()
         elif remote.address:
@@ -687,6 +690,62 @@ class AmqpSession:
         self.outbound[pn_link] = outbound
         consumer.on_wake = lambda: self._pump(outbound)
         self._pump(outbound)  # what arrived with the subscribe's answer
+
+    async def _attach_subscription(self, link: Link) -> None:
+        """A receiving link with a null source attaches to the durable subscription its name names, as it is
+        (AMQP 1.0 2.6.3: the source is the node's, given back in the answer), or is refused with
+        ``amqp:not-found``. Qpid JMS unsubscribes so: it attaches ``<subscription>`` (``<subscription>|global``
+        without a client id) with no source, and closes the link when the answer carries one, which ends the
+        subscription as closing a durable subscriber's link does."""
+        assert self.link is not None
+        shared_globally = link.name.partition("|")[2] == "global"
+        queue = convert.shared_subscription_queue(self.container_id, link.name, shared_globally=shared_globally)
+        container_problem = self.engine.nul_names.container_problem if self.engine is not None else None
+        if container_problem is not None and not shared_globally:
+            raise convert.ConversionError(container_problem)
+        convert.checked_name(queue, "subscription queue (container id and link name)")
+        try:
+            consumer = await self.link.subscribe(
+                queue,
+                create=False,  # a lookup: nothing is made
+                credit=self.settings.amqp.prefetch,
+                credit_on_settle=True,
+                credit_bytes=self.settings.core.consumer_window_bytes,
+            )
+        except LinkRequestError as exc:
+            if exc.code != ErrorCode.NOT_FOUND:
+                raise
+            raise LinkRequestError(
+                ErrorCode.NOT_FOUND, f"no source address, and no durable subscription {queue!r}"
+            ) from exc
+        spec = consumer.spec
+        address, routing = (spec["address"], spec["routing_type"]) if spec else (consumer.bound_to or (None, None))
+        if not isinstance(address, str) or routing != RoutingType.MULTICAST:  # a queue of that name, not a topic's
+            with contextlib.suppress(LinkRequestError):
+                await consumer.close()
+            raise LinkRequestError(ErrorCode.NOT_FOUND, f"no source address, and no durable subscription {queue!r}")
+        link.source.address = address
+        link.source.durability = Terminus.DELIVERIES
+        link.source.expiry_policy = Terminus.EXPIRE_NEVER
+        put_capabilities(link.source.capabilities, *(("topic", "shared", "global") if shared_globally else ("topic",)))
+        link.target.copy(link.remote_target)
+        link.snd_settle_mode = Link.SND_UNSETTLED
+        link.open()
+        outbound = Outbound(
+            pn_link := link._impl,
+            consumer,
+            presettled=False,
+            browse=False,
+            queue=queue,
+            durable=True,
+            temporary=False,
+            shared=shared_globally,
+            address=address,
+            max_message_size=int(lib.pn_link_remote_max_message_size(pn_link)),
+        )
+        self.outbound[pn_link] = outbound
+        consumer.on_wake = lambda: self._pump(outbound)
+        self._pump(outbound)
 
     async def _subscription_queue(self, queue: str, address: str, *, selector: str | None) -> None:
         """A durable subscription's queue on a multicast address. One that exists is kept unless its address or
