@@ -815,6 +815,26 @@ def test_transfers_within_the_credit_are_all_accepted(tuned: GatewayProcess, cor
     assert queue_depth(core, queue) == credit
 
 
+@pytest.mark.parametrize("closed", [True, False])
+def test_a_sender_that_detaches_at_once_gets_the_outcomes_of_its_transfers_first(
+    gateway: GatewayProcess, core: CoreProcess, closed: bool
+) -> None:
+    # proton's own examples send and close the sender at once, and wait for ``on_accepted``.
+    queue = unique("detach.after.send")
+    with Peer(gateway.port) as peer:
+        peer.open()
+        peer.begin()
+        peer.attach_sender("quick", 0, queue)
+        peer.send(*(transfer_frame(0, i, message_bytes(f"m{i}")) for i in range(3)), frame(DETACH, [UInt(0), closed]))
+        settled: set[int] = set()
+        while (got := peer.next()).code == DISPOSITION:
+            assert got.field(4) == Described(ACCEPTED, []), got
+            settled.update(range(got.field(1), (got.field(2) or got.field(1)) + 1))
+        assert got.code == DETACH, got
+        assert settled == {0, 1, 2}  # every stored message confirmed, before the link went
+    assert queue_depth(core, queue) == 3
+
+
 # ------------------------------------------------------------------------------------------------ 6. size
 MAX_MESSAGE = 4096
 

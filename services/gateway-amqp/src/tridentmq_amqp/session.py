@@ -780,8 +780,17 @@ class AmqpSession:
         await self.link.delete_queue(queue)
         await self.link.create_queue(queue, address, routing_type=RoutingType.MULTICAST, durable=durable, **options)
 
-    async def _detach(self, pn_link: Any, *, closed: bool) -> None:
+    async def _detach(self, pn_link: Any, *, closed: bool, by_client: bool = True) -> None:
+        """The client detached (or closed) the link; or its session ended (``by_client`` false: the client
+        sent its END, and takes nothing more on it)."""
         link = wrap_link(pn_link)
+        waiting = self.inbound.get(pn_link)
+        if waiting is not None and waiting.unconfirmed and by_client and not self._closing:
+            # The outcomes of what the link published go out before its DETACH: after it, none could be given,
+            # and a client never told the core has its messages waits for them, or sends them again.
+            await self._drain_inbound()
+            if self._closed:
+                return
         inbound, coordinator = self.inbound.pop(pn_link, None), self.coordinators.pop(pn_link, None)
         if inbound is not None or coordinator is not None:
             self._forget_incomplete(pn_link)
@@ -835,7 +844,7 @@ class AmqpSession:
         for pn_link in [
             p for p in (*self.inbound, *self.outbound, *self.coordinators) if lib.pn_link_session(p) == session
         ]:
-            await self._detach(pn_link, closed=False)
+            await self._detach(pn_link, closed=False, by_client=False)
 
     # ------------------------------------------------------------------ messages from the client
     def _transfer(self, inbound: Inbound, pn_link: Any, delivery: Any) -> tuple[WireMessage, int, bytes | None] | None:
