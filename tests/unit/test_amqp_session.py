@@ -733,6 +733,48 @@ async def test_a_dynamic_target_is_a_temporary_queue(core: Core) -> None:
     assert core.node.broker.queues[address].temporary
 
 
+def temporary_queue_sender(c: Client, name: str) -> Any:
+    """A sending link with a dynamic target as Qpid JMS makes a TemporaryQueue (deleted by closing the link)."""
+    sender = c.connection.session().sender(name)
+    sender.session.open()
+    sender.target.dynamic = True
+    sender.target.expiry_policy = Terminus.EXPIRE_WITH_LINK
+    properties = sender.target.properties
+    properties.put_map()
+    properties.enter()
+    properties.put_symbol(proton.symbol("lifetime-policy"))
+    properties.put_object(proton.Described(proton.ulong(0x2B), []))  # delete-on-close
+    properties.exit()
+    return sender
+
+
+@pytest.mark.parametrize("closed", [True, False])
+async def test_a_dynamic_node_is_deleted_with_the_link_that_made_it(core: Core, closed: bool) -> None:
+    c = await connected(core)
+    sender = await c.attached(temporary_queue_sender(c, "jms-temp-queue"))
+    address = sender.remote_target.address
+    assert address in core.node.broker.queues
+    if closed:
+        sender.close()
+    else:
+        sender.detach()  # its terminus expires with the link: gone all the same
+    await c.until(lambda: address not in core.node.broker.queues, "the temporary queue deleted")
+    assert c.connection.state & Endpoint.REMOTE_ACTIVE
+    link = c.receiver_link(None, name="replies")
+    link.source.dynamic = True  # proton's: expires with the session, so detaching keeps it, closing does not
+    replies = await c.attached(link)
+    reply_to = replies.remote_source.address
+    replies.detach()
+    await c.until(lambda: proton.Event.LINK_REMOTE_DETACH in c.events, "the answering DETACH")
+    assert reply_to in core.node.broker.queues
+    again = c.receiver_link(None, name="replies-2")
+    again.source.dynamic = True
+    again = await c.attached(again)
+    reply_to = again.remote_source.address
+    again.close()
+    await c.until(lambda: reply_to not in core.node.broker.queues, "the temporary queue deleted")
+
+
 async def test_a_sender_to_a_fully_qualified_queue_name_is_refused(core: Core) -> None:
     c = await connected(core)
     link = c.connection.session().sender("fq")

@@ -23,7 +23,7 @@ from collections.abc import Coroutine
 from typing import Any, Final
 
 from cproton_ffi import ffi, lib
-from proton import Condition, Delivery, Endpoint, Link, Terminus, ulong
+from proton import Condition, Delivery, Endpoint, Link, Terminus, symbol, ulong
 from proton import Described as PnDescribed
 
 from tridentmq_amqp import convert, messages, receiving
@@ -179,6 +179,8 @@ class AmqpSession:
         self._incomplete: dict[Any, int] = {}
         self._incomplete_bytes = 0
         self._temporary = itertools.count(1)
+        # pn_link_t* → (address, expiry policy) of the dynamic node the link made, deleted with the link
+        self._dynamic: dict[Any, tuple[str, int]] = {}
         # (confirm future, pn_delivery_t* or None when pre-settled, inbound link, txn-id) in publish order
         self._unsettled_in: deque[tuple[asyncio.Future[None], Any, Inbound, bytes | None]] = deque()
         self._background: set[asyncio.Task[None]] = set()  # the session's own tasks (a link's consumer closing)
@@ -599,9 +601,33 @@ class AmqpSession:
         link.source.copy(link.remote_source)
         link.max_message_size = self.settings.amqp.max_message_bytes
         link.open()
+        if node is not None and remote.dynamic:
+            self._made_dynamic(link._impl, node.address, remote)
         window = self.settings.amqp.link_credit
         self.inbound[link._impl] = Inbound(link._impl, node, window, credit=window)
         link.flow(window)
+
+    def _made_dynamic(self, pn_link: Any, address: str, terminus: Terminus) -> None:
+        """Remember the dynamic node ``pn_link`` made, to delete with the link (AMQP 1.0 3.5.9: delete-on-close,
+        the default lifetime policy); a node asked to live longer goes with the connection."""
+        if _deleted_on_close(terminus.properties):
+            self._dynamic[pn_link] = (address, terminus.expiry_policy)
+
+    async def _end_dynamic(self, pn_link: Any, *, closed: bool, by_client: bool) -> None:
+        """Delete the dynamic node of a link that ends: closed, or detached (its session ended) when its
+        terminus expires with the link (or the session)."""
+        found = self._dynamic.pop(pn_link, None)
+        if found is None or self.link is None:
+            return
+        address, expiry = found
+        expiring = (
+            (Terminus.EXPIRE_WITH_LINK,) if by_client else (Terminus.EXPIRE_WITH_LINK, Terminus.EXPIRE_WITH_SESSION)
+        )
+        if closed or expiry in expiring:
+            try:
+                await self.link.delete_queue(address)
+            except LinkRequestError as exc:
+                log.info("amqp dynamic node kept", extra={"peer": self.wire.peer, "queue": address, "reason": exc.text})
 
     async def _temporary_node(self) -> convert.Node:
         assert self.link is not None
@@ -675,6 +701,8 @@ class AmqpSession:
         link.target.copy(link.remote_target)
         link.snd_settle_mode = Link.SND_SETTLED if planned.presettled else Link.SND_UNSETTLED
         link.open()
+        if remote.dynamic:
+            self._made_dynamic(link._impl, node.address, remote)
         outbound = Outbound(
             pn_link := link._impl,
             consumer,
@@ -807,6 +835,7 @@ class AmqpSession:
                         "amqp subscription kept",
                         extra={"peer": self.wire.peer, "queue": outbound.queue, "reason": exc.text},
                     )
+        await self._end_dynamic(pn_link, closed=closed, by_client=by_client)
         if link.state & Endpoint.LOCAL_ACTIVE:
             if closed:
                 link.close()
@@ -1355,6 +1384,7 @@ class AmqpSession:
         self.inbound.clear()
         self.outbound.clear()
         self.coordinators.clear()
+        self._dynamic.clear()
         self._incomplete.clear()
         # proton's memory goes now, not whenever what still refers to this session (a timer handle, a task
         # ending) lets it go: thousands of short connections kept their engines that way.
@@ -1363,6 +1393,20 @@ class AmqpSession:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+_DELETE_ON_CLOSE: Final = (0x2B, "amqp:delete-on-close:list")
+
+
+def _deleted_on_close(properties: Any) -> bool:
+    """Whether a dynamic terminus' node properties ask for lifetime-policy delete-on-close (or for none: the
+    default)."""
+    properties.rewind()
+    if not properties.next():
+        return True
+    value = properties.get_object()
+    policy = value.get(symbol("lifetime-policy")) if isinstance(value, dict) else None
+    return policy is None or getattr(policy, "descriptor", None) in _DELETE_ON_CLOSE
+
+
 def _ack_all(acks: dict[Outbound, list[int]]) -> None:
     """Acknowledge the messages the client accepted, one core ack per consumer."""
     for outbound, ids in acks.items():
