@@ -1072,6 +1072,31 @@ async def test_a_selector_on_a_queue_leaves_the_rest_for_others(core: Core) -> N
     await c.until(lambda: queued(core, "paint") == 1, "the blue one left")
 
 
+class NoLocal(Selector):
+    """Qpid JMS's no-local filter (a JMS noLocal consumer) beside its selector."""
+
+    def apply(self, receiver: Any) -> None:
+        super().apply(receiver)
+        filters = receiver.source.filter
+        filters.rewind()
+        filters.next()
+        asked = filters.get_object()
+        asked[proton.symbol("no-local")] = proton.Described(proton.ulong(0x0000468C00000003), [])
+        filters.clear()
+        filters.put_object(asked)
+
+
+async def test_the_attach_answers_only_the_filters_the_gateway_applies(core: Core) -> None:
+    c = await connected(core)
+    receiver = await c.receiver("local", options=(NoLocal("n > 1"),))
+    filters = receiver.remote_source.filter  # AMQP 1.0 3.5.3: the filters actually in place
+    filters.rewind()
+    filters.next()
+    echoed = filters.get_object()
+    assert list(echoed) == [proton.symbol("selector")]
+    assert echoed[proton.symbol("selector")].value == "n > 1"
+
+
 async def test_a_selector_on_a_topic_filters_the_subscription(core: Core) -> None:
     c = await connected(core)
     receiver = await c.receiver("topic://prices", options=(Selector("size > 4"),))

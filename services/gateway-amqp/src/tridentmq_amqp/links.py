@@ -109,6 +109,24 @@ def terminus_selector(data: Data) -> str | None:
     return None
 
 
+def answer_filters(answer: Data, asked: Data) -> None:
+    """The filter set of the attach's answer: the filters actually in place (AMQP 1.0 3.5.3), i.e. the client's
+    selector, and none of those the gateway does not apply (no-local, legacy bindings ...): the client must see
+    that they are missing, to detach if it needs them."""
+    asked.rewind()
+    filters = asked.get_object() if asked.next() else None
+    answer.clear()
+    if not isinstance(filters, dict):
+        return
+    kept = {
+        key: value
+        for key, value in filters.items()
+        if getattr(value, "descriptor", None) in SELECTOR_DESCRIPTORS and isinstance(value.value, str)
+    }
+    if kept:
+        answer.put_object(kept)
+
+
 def txn_id_of(delivery: Any) -> bytes | None:
     return transactional_state(delivery)[0]
 

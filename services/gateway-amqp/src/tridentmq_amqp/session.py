@@ -34,6 +34,7 @@ from tridentmq_amqp.links import (
     Coordinator,
     Inbound,
     Outbound,
+    answer_filters,
     coordinator_body,
     put_capabilities,
     terminus_selector,
@@ -694,6 +695,7 @@ class AmqpSession:
                 window["durable"] = planned.routing == convert.ANYCAST or source.durable
             consumer = await self.link.subscribe(queue, browse=planned.browse, **window)
         link.source.copy(remote)
+        answer_filters(link.source.filter, remote.filter)
         if remote.dynamic:
             link.source.address = node.address
         if planned.announce is not None:
