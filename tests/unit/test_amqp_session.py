@@ -775,6 +775,42 @@ async def test_a_dynamic_node_is_deleted_with_the_link_that_made_it(core: Core, 
     await c.until(lambda: reply_to not in core.node.broker.queues, "the temporary queue deleted")
 
 
+class Capability:
+    """A source or target capability, as Qpid JMS gives the type of a destination (``temporary-topic`` ...)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def apply(self, link: Any) -> None:
+        terminus = link.source if link.is_receiver else link.target
+        terminus.capabilities.put_array(described=False, element_type=Data.SYMBOL)
+        terminus.capabilities.enter()
+        terminus.capabilities.put_symbol(proton.symbol(self.name))
+        terminus.capabilities.exit()
+
+
+async def test_a_jms_temporary_topic_gives_each_subscriber_every_message(core: Core) -> None:
+    c, other = await connected(core), await connected(core, container="other")
+    creator = c.connection.session().sender("qpid-jms:temp-topic-creator:1")
+    creator.session.open()
+    creator.target.dynamic = True
+    Capability("temporary-topic").apply(creator)
+    await c.attached(creator)
+    address = creator.remote_target.address
+    assert address is not None
+    option = (Capability("temporary-topic"),)
+    first = await c.receiver(address, name="one", options=option)
+    second = await other.receiver(address, name="two", options=option)
+    publisher = other.connection.session().sender("publisher")
+    publisher.session.open()
+    publisher.target.address = address
+    Capability("temporary-topic").apply(publisher)
+    await other.attached(publisher)
+    await other.send(publisher, Message(body="to all"))
+    assert await c.bodies(first, 1) == ["to all"]
+    assert await other.bodies(second, 1) == ["to all"]  # a copy each, as on a topic
+
+
 async def test_a_sender_to_a_fully_qualified_queue_name_is_refused(core: Core) -> None:
     c = await connected(core)
     link = c.connection.session().sender("fq")

@@ -27,7 +27,8 @@ PREFIXES: Final = (
     ("/queue/", ANYCAST),
     ("/topic/", MULTICAST),
 )
-CAPABILITIES: Final = {"queue": ANYCAST, "topic": MULTICAST}
+#: Capabilities that say a node's kind (Qpid JMS sends the type of the destination: a temporary topic is a topic).
+CAPABILITIES: Final = {"queue": ANYCAST, "topic": MULTICAST, "temporary-queue": ANYCAST, "temporary-topic": MULTICAST}
 FQQN_SEPARATOR: Final = "::"
 #: The connection capability by which a client (Qpid JMS with a client id) asks that no other connection have
 #: its container id meanwhile; the gateway offers it back when it holds the id.

@@ -595,14 +595,19 @@ class AmqpSession:
             if node.queue is not None:
                 raise convert.ConversionError("send to an address: a fully qualified queue name is for consumers")
         elif remote.dynamic:
-            node = await self._temporary_node()
+            if "temporary-topic" in terminus_symbols(remote.capabilities):
+                # A JMS TemporaryTopic: an address of this connection's that its subscribers' queues (made, and
+                # deleted, with them) make, and that goes once unused; its messages go to every subscriber.
+                node = convert.Node(convert.temporary_address(self.id, next(self._temporary)), convert.MULTICAST)
+            else:
+                node = await self._temporary_node()
         link.target.copy(remote)
         if node is not None and remote.dynamic:
             link.target.address = node.address
         link.source.copy(link.remote_source)
         link.max_message_size = self.settings.amqp.max_message_bytes
         link.open()
-        if node is not None and remote.dynamic:
+        if node is not None and remote.dynamic and node.routing == convert.ANYCAST:
             self._made_dynamic(link._impl, node.address, remote)
         window = self.settings.amqp.link_credit
         self.inbound[link._impl] = Inbound(link._impl, node, window, credit=window)
