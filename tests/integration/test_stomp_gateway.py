@@ -743,6 +743,25 @@ def test_a_client_that_half_closes_after_disconnect_still_gets_its_receipt(gatew
     assert reply.endswith(b"RECEIPT\nreceipt-id:bye\n\n\x00")
 
 
+def test_a_client_that_half_closes_without_disconnect_gets_the_receipts_of_its_frames(
+    gateway: GatewayProcess,
+) -> None:
+    sends = b"".join(
+        b"SEND\ndestination:/queue/half-eof\npersistent:true\nreceipt:r%d\n\nm%d\x00" % (i, i) for i in range(3)
+    )
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=WAIT) as sock:
+        sock.sendall(CONNECT + sends + b"SUBSCRIBE\nid:0\ndestination:/queue/other\nreceipt:sub\n\n\x00")
+        sock.shutdown(socket.SHUT_WR)  # no DISCONNECT: the socket's read side stays open
+        reply = read_until_closed(sock)
+    assert re.findall(rb"receipt-id:([^\n]*)", reply) == [b"r0", b"r1", b"r2", b"sub"]
+    conn, listener = connect(gateway)
+    try:
+        conn.subscribe("/queue/half-eof", id="s", ack="auto")
+        assert [m.body for m in listener.wait_messages(3)] == ["m0", "m1", "m2"]
+    finally:
+        conn.disconnect()
+
+
 def test_frames_split_at_every_byte_over_the_socket(gateway: GatewayProcess) -> None:
     data = (
         CONNECT + b"SUBSCRIBE\nid:0\ndestination:/queue/split\n\n\x00"

@@ -392,9 +392,15 @@ def test_messages_receipts_and_errors_are_encoded_in_the_negotiated_version() ->
 
 
 def test_eof_is_an_event() -> None:
-    conn = connected()
+    conn = connected(heartbeat="1000,0")
     assert conn.receive_data(b"", 1.0) == [ev.ConnectionClosed()]
-    assert conn.closed
+    # Only the client's sending side closed: what it sent before can still be answered.
+    assert not conn.closed
+    conn.receipt("r1")
+    assert conn.data_to_send() == b"RECEIPT\nreceipt-id:r1\n\n\x00"
+    assert conn.receive_data(b"SEND\ndestination:/queue/a\n\n\x00", 2.0) == []
+    conn.handle_timeout(1000.0)  # no heart-beat is awaited from a client that closed its side
+    assert not conn.closed
 
 
 # ---------------------------------------------------------------------------------------------------- heart-beats

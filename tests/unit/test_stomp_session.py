@@ -566,6 +566,18 @@ async def test_disconnect_answers_after_every_send_is_confirmed(core: Core) -> N
     assert [int((await reader.frame("MESSAGE")).body) for _ in range(50)] == list(range(50))
 
 
+async def test_a_client_that_closes_its_sending_side_gets_the_receipts_of_its_frames(core: Core) -> None:
+    c = await connected(core)
+    for n in range(20):
+        c.send_frame("SEND", str(n).encode(), destination="/queue/eof", persistent="true", receipt=f"r{n}")
+    c.session.feed(b"")  # the client's EOF, no DISCONNECT: the socket's write side is still open
+    assert [(await c.frame("RECEIPT")).headers["receipt-id"] for _ in range(20)] == [f"r{n}" for n in range(20)]
+    await eventually(lambda: c.wire.closed, "the connection closed")
+    reader = await connected(core)
+    await reader.receipt("SUBSCRIBE", id="s", destination="/queue/eof")
+    assert [int((await reader.frame("MESSAGE")).body) for _ in range(20)] == list(range(20))
+
+
 async def test_a_protocol_violation_is_answered_after_the_frames_before_it(core: Core) -> None:
     c = await connected(core)
     c.send_frame("SEND", b"x", destination="/queue/v", receipt="ok")

@@ -211,6 +211,9 @@ class StompSession:
             case ev.Disconnect():
                 await self._disconnect(event)
             case ev.ConnectionClosed():
+                if not self._gone:  # only the client's sending side closed: answer what it sent, then close
+                    await self._settle_receipts()
+                    self._flush()
                 self._driver.end()
             case ev.ProtocolViolation():
                 log.info(

@@ -73,12 +73,15 @@ class StompServerConnection:
 
     # ------------------------------------------------------------------ input
     def receive_data(self, data: bytes, now: float) -> list[ev.Event]:
-        """Feed bytes from the client; ``b""`` means it closed its side."""
+        """Feed bytes from the client; ``b""`` means it closed its sending side (EOF): nothing more is read, and
+        no heart-beat is awaited, but the shell may still answer what came before (receipts, an ERROR) and then
+        close, as after a DISCONNECT."""
         if self.state is State.CLOSED or self._input_done:
             return []
         self._last_received = now
         if not data:
-            self.state = State.CLOSED
+            self._input_done = True
+            self._reading = False
             return [ev.ConnectionClosed()]
         events: list[ev.Event] = []
         size = len(data)
