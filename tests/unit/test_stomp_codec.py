@@ -481,3 +481,14 @@ def test_a_bad_heartbeat_header_is_an_error() -> None:
     conn = StompServerConnection()
     assert "heart-beat" in violation(conn, b"CONNECT\naccept-version:1.2\nheart-beat:soon\n\n\x00").detail
     assert conn.state is State.CLOSED
+
+
+@pytest.mark.parametrize(
+    ("version_header", "login"), [("", "app"), ("accept-version: 1.0\n", "app"), ("accept-version:1.2\n", " app ")]
+)
+def test_connect_headers_are_trimmed_in_stomp_10_only(version_header: str, login: str) -> None:
+    conn = StompServerConnection()
+    [connect] = conn.receive_data(f"CONNECT\n{version_header}login: app \n passcode :s\n\n\x00".encode(), 0.0)
+    assert isinstance(connect, ev.Connect)
+    assert connect.login == login
+    assert (connect.passcode is None) == (login != "app")

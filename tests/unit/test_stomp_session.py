@@ -771,3 +771,25 @@ async def test_a_client_id_needs_the_right_to_make_its_lock_queue(tmp_path: Path
         assert b"createNonDurableQueue on $stomp.lock.#" in error.body
         await client(core).connect(login="alice", passcode="secret")  # without client-id: nothing asked
         await client(core).connect(login="bob", passcode="secret", client_id="b")
+
+
+async def test_stomp_10_connect_headers_are_trimmed_like_the_others(tmp_path: Path) -> None:
+    settings = core_settings(
+        tmp_path,
+        users=[UserEntry("bob", "secret", ["locks"])],
+        permissions=[
+            PermissionEntry("$stomp.lock.#", permission, ["locks"])
+            for permission in ("createAddress", "createNonDurableQueue")
+        ],
+    )
+    async with running_core(settings, lambda port: CoreLinkSection(port=port)) as core:
+        c = client(core)
+        # A 1.0 client (no accept-version) pads its headers, as with ActiveMQ, which trims them.
+        c.session.feed(b"CONNECT\nlogin: bob \npasscode: secret\nclient-id: c-1\nhost: b\n\n\x00")
+        answer = await c.frame("CONNECTED")
+        assert answer.headers["version"] == "1.0"
+        assert c.session.client_id == "c-1"
+        # From 1.1 on spaces are part of a header, in CONNECT too: " bob " is no user.
+        padded = client(core)
+        padded.session.feed(b"CONNECT\naccept-version:1.1\nhost:b\nlogin: bob \npasscode:secret\n\n\x00")
+        assert (await padded.error()).headers["message"] == "authentication failed"

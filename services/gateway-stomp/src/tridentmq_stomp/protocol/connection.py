@@ -182,6 +182,13 @@ class StompServerConnection:
             raise RemoteProtocolError("unsupported protocol version", f"the client offered {offered}")
         self.version = common[-1]
         self._parser.version = self.version
+        if self.version == V10:
+            # 1.0 header names and values are trimmed, as ActiveMQ does ("login: app"), CONNECT's too: the
+            # parser reads a CONNECT raw, before it knows the version.
+            trimmed: dict[str, str] = {}
+            for name, value in headers.items():
+                trimmed.setdefault(name.strip(), value.strip())
+            headers = trimmed
         cx, cy = _heartbeat_header(headers.get("heart-beat", "0,0")) if self.version != V10 else (0, 0)
         self._client_heartbeat = (cx, cy)
         self.state = State.CONNECTING
