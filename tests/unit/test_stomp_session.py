@@ -392,6 +392,45 @@ async def test_a_durable_subscription_keeps_messages_while_away_and_ends_with_it
     assert (await back.frame("MESSAGE")).body == b"new"  # not "after the end"
 
 
+@pytest.mark.parametrize("header", ["durable_subscription_name", "activemq.subscriptionName"])
+@pytest.mark.parametrize("selector", [None, "x = 1"])
+async def test_a_durable_subscription_has_one_subscriber_on_its_connection(
+    core: Core, header: str, selector: str | None
+) -> None:
+    """As with ActiveMQ: a second SUBSCRIBE to a durable subscription the connection consumes is refused, whatever
+    it asks (another selector would otherwise delete the subscription and its messages), and the first keeps all."""
+    producer = await connected(core)
+    sub = client(core)
+    await sub.connect(client_id="dup")
+    named = {header: "n"}
+    await sub.receipt("SUBSCRIBE", id="s1", destination="/topic/dup", **named)
+    await producer.receipt("SEND", b"kept", destination="/topic/dup")
+    again = {"selector": selector} if selector else {}
+    sub.send_frame("SUBSCRIBE", id="s2", destination="/topic/dup", receipt="r2", **named, **again)
+    frames = [await sub.frame(), await sub.frame()]
+    error = next(f for f in frames if f.command == "ERROR")
+    assert error.headers["message"] == "duplicate subscription"
+    assert error.headers["receipt-id"] == "r2"
+    assert b"Durable consumer is in use for client: dup and subscriptionName: n" in error.body
+    assert [f.body for f in frames if f.command == "MESSAGE"] == [b"kept"]
+    await eventually(lambda: sub.wire.closed, "the connection closed after the ERROR")
+    await producer.receipt("SEND", b"later", destination="/topic/dup")
+    back = client(core)
+    await back.connect(client_id="dup")
+    await back.receipt("SUBSCRIBE", id="s1", destination="/topic/dup", **named)
+    assert (await back.frame("MESSAGE")).body == b"later"  # the subscription kept collecting ("kept" was consumed)
+
+
+async def test_durable_subscriptions_of_one_name_under_two_client_ids_each_get_every_message(core: Core) -> None:
+    producer, first, second = await connected(core), client(core), client(core)
+    await first.connect(client_id="one")
+    await second.connect(client_id="two")
+    for c in (first, second):
+        await c.receipt("SUBSCRIBE", id="s", destination="/topic/both", durable_subscription_name="n")
+    await producer.receipt("SEND", b"m", destination="/topic/both")
+    assert (await first.frame("MESSAGE")).body == (await second.frame("MESSAGE")).body == b"m"
+
+
 async def test_a_durable_subscription_is_ended_by_name_without_subscribing_first(core: Core) -> None:
     """As with ActiveMQ: a connection with the client-id ends a durable subscription it is not consuming (made by
     an earlier connection) with an UNSUBSCRIBE naming it. It used to get ERROR no such subscription, and the

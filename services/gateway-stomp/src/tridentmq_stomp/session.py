@@ -347,6 +347,19 @@ class StompSession:
         if isinstance(plan, subscribing.Refused):
             self._error(plan.message, plan.detail, event.receipt)
             return
+        make = plan.make
+        if make is not None and make.durable:
+            # A durable subscription has one subscriber, as in ActiveMQ and JMS: a second one would split its
+            # messages, and one with another topic or selector would delete it under the first.
+            active = next((s for s in self.subscriptions.values() if s.durable and s.queue == make.name), None)
+            if active is not None:
+                name = subscribing.durable_name(headers)
+                detail = (
+                    f"Durable consumer is in use for client: {self.client_id} and subscriptionName: {name} "
+                    f"(subscription id {active.id!r} of this connection)"
+                )
+                self._error("duplicate subscription", detail, event.receipt)
+                return
         link = self._link()
         window: dict[str, Any] = {
             "credit": plan.window,
@@ -354,7 +367,6 @@ class StompSession:
             "credit_on_settle": event.ack != AUTO,
             "credit_bytes": self.settings.core.consumer_window_bytes,
         }
-        make = plan.make
         if make is not None and not make.durable:  # this connection's own queue: made and consumed in one request
             spec = queue_spec(
                 make.name,
