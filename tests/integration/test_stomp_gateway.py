@@ -762,6 +762,19 @@ def test_a_client_that_half_closes_without_disconnect_gets_the_receipts_of_its_f
         conn.disconnect()
 
 
+def test_a_one_thread_client_that_sends_a_burst_before_reading_is_not_deadlocked(gateway: GatewayProcess) -> None:
+    """The client blocks in its writes and reads only after its burst, while its own subscription fills its
+    socket (an echo): the gateway goes on reading and handling its SENDs, so the burst is taken whole."""
+    count, body = 30_000, b"x" * 1024  # about 30 MiB each way: more than the sockets' buffers hold
+    sends = b"".join(b"SEND\ndestination:/queue/echo-burst\nreceipt:%d\n\n%s\x00" % (n, body) for n in range(count))
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=WAIT) as sock:
+        sock.sendall(CONNECT + b"SUBSCRIBE\nid:0\ndestination:/queue/echo-burst\n\n\x00")
+        sock.sendall(sends + b"DISCONNECT\nreceipt:bye\n\n\x00")  # timed out here before (a deadlock)
+        reply = read_until_closed(sock)
+    assert re.findall(rb"\nreceipt-id:([^\n]*)", reply) == [b"%d" % n for n in range(count)] + [b"bye"]
+    assert reply.count(b"MESSAGE\n") > 0
+
+
 def test_frames_split_at_every_byte_over_the_socket(gateway: GatewayProcess) -> None:
     data = (
         CONNECT + b"SUBSCRIBE\nid:0\ndestination:/queue/split\n\n\x00"

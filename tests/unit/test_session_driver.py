@@ -137,6 +137,44 @@ async def test_too_many_waiting_events_pause_reading() -> None:
     assert session.handled == ["block", "now:1", "now:2"]
 
 
+class UnreadWire(RecordingWire):
+    """A client that does not read: ``unread`` bytes wait for it until ``read``."""
+
+    def __init__(self, unread: int) -> None:
+        super().__init__()
+        self.unread = unread
+        self._read = asyncio.Event()
+
+    async def drained(self) -> None:
+        await self._read.wait()
+
+    def writable(self) -> bool:
+        return self._read.is_set()
+
+    def buffered(self) -> int:
+        return 0 if self._read.is_set() else self.unread
+
+    def read(self) -> None:
+        self._read.set()
+
+
+@pytest.mark.parametrize(
+    ("max_unread", "unread", "handled_unread"), [(None, 10, False), (100, 10, True), (100, 100, False)]
+)
+async def test_events_are_handled_for_a_client_that_does_not_read_up_to_max_unread(
+    max_unread: int | None, unread: int, handled_unread: bool
+) -> None:
+    session = Session()
+    wire = session.wire = UnreadWire(unread)
+    session.driver = SessionDriver(session, wire, "test", max_events=3, max_bytes=1000, max_unread=max_unread)
+    session.driver.receive(["now:1", "wait:2"], 20)
+    await settle()
+    assert session.handled == (["now:1", "wait:2"] if handled_unread else [])
+    wire.read()
+    await settle()
+    assert session.handled == ["now:1", "wait:2"]
+
+
 async def test_a_handled_error_goes_to_the_session_and_the_worker_goes_on() -> None:
     session = Session()
     session.driver.receive(["fail", "now:after"], 10)

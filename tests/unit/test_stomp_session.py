@@ -636,6 +636,42 @@ async def test_a_client_that_stops_reading_gets_its_messages_once_it_reads_again
     assert [(await consumer.frame("MESSAGE")).body for _ in range(3)] == [b"0", b"1", b"2"]
 
 
+async def test_a_client_that_sends_while_it_does_not_read_is_still_served(core: Core) -> None:
+    """A one-thread client sends a burst before it reads, while its subscription fills its socket: the gateway
+    goes on handling its frames (it would otherwise wait for the client to read, and the client for the gateway
+    to read its burst: a deadlock); its deliveries wait for the socket."""
+    c, producer, reader = await connected(core), await connected(core), await connected(core)
+    await c.receipt("SUBSCRIBE", id="s", destination="/queue/mine")
+    await reader.receipt("SUBSCRIBE", id="s", destination="/queue/burst")
+    c.wire.stall()
+    for n in range(3):
+        await producer.receipt("SEND", b"for c %d" % n, destination="/queue/mine")
+    for n in range(5):
+        c.send_frame("SEND", b"%d" % n, destination="/queue/burst", receipt=f"r{n}")
+    assert [(await reader.frame("MESSAGE")).body for _ in range(5)] == [b"0", b"1", b"2", b"3", b"4"]
+    c.wire.drain()
+    frames = [await c.frame() for _ in range(8)]
+    assert [f.headers["receipt-id"] for f in frames if f.command == "RECEIPT"] == [f"r{n}" for n in range(5)]
+    assert [f.body for f in frames if f.command == "MESSAGE"] == [b"for c 0", b"for c 1", b"for c 2"]
+
+
+async def test_the_answers_waiting_for_a_client_that_does_not_read_are_bounded(core: Core) -> None:
+    c, reader = await connected(core, pending_bytes=1000), await connected(core)
+    await reader.receipt("SUBSCRIBE", id="s", destination="/queue/bounded")
+    c.wire.stall()
+    for n in range(20):  # each RECEIPT is over 100 bytes: after about ten, the gateway waits for the client
+        c.send_frame("SEND", b"%d" % n, destination="/queue/bounded", receipt=f"{n:03d}" + "r" * 100)
+        await settle()
+    await settle()
+    handled = bytes(reader.wire.out).count(b"MESSAGE\n")
+    assert 5 <= handled < 20
+    assert len(c.wire.out) < 2000
+    c.wire.drain()
+    receipts = [(await c.frame("RECEIPT")).headers["receipt-id"][:3] for _ in range(20)]
+    assert receipts == [f"{n:03d}" for n in range(20)]
+    assert [int((await reader.frame("MESSAGE")).body) for _ in range(20)] == list(range(20))
+
+
 async def test_messages_never_written_to_a_client_that_left_come_back_unflagged(core: Core) -> None:
     """Closing the link returns what its consumer holds as failed deliveries: a client that reconnects often to
     a backlog, reading a little each time, had the rest dead-lettered without its ever being delivered."""

@@ -71,6 +71,7 @@ class SessionDriver:
         "_loop",
         "_max_bytes",
         "_max_events",
+        "_max_unread",
         "_overdue",
         "_paused",
         "_read_ahead",
@@ -82,12 +83,27 @@ class SessionDriver:
         "name",
     )
 
-    def __init__(self, hooks: SessionHooks, wire: Wire, name: str, *, max_events: int | None, max_bytes: int) -> None:
+    def __init__(
+        self,
+        hooks: SessionHooks,
+        wire: Wire,
+        name: str,
+        *,
+        max_events: int | None,
+        max_bytes: int,
+        max_unread: int | None = None,
+    ) -> None:
         self._hooks = hooks
         self._wire = wire
         self.name = name  # of its tasks: "mqtt", "stomp"
         self._max_events = max_events  # reading pauses while this many events wait (None: no bound)...
         self._max_bytes = max_bytes  # ...or this many bytes were read since the worker last caught up
+        # Events are handled while the client does not read what it was written, as long as less than this many
+        # bytes wait for it (None: only while its transport is below its high-water mark). A client that sends
+        # a burst before it reads (one thread, blocking writes) while its subscriptions fill its socket would
+        # otherwise wait for the gateway to read, and the gateway for it to read: a deadlock. What the session
+        # writes unasked (deliveries) must then wait for ``wire.writable()`` itself.
+        self._max_unread = max_unread
         self._loop = asyncio.get_running_loop()
         # A list, not a deque (600 bytes empty): the worker takes it whole.
         self._events: list[Any] = []
@@ -195,7 +211,8 @@ class SessionDriver:
         ended = True
         try:
             while not self.closed and self._events:
-                await self._wire.drained()  # a client that does not read is not read either
+                if self._max_unread is None or self._wire.buffered() >= self._max_unread:
+                    await self._wire.drained()  # a client that does not read is not read either
                 batch, self._events = iter(self._events), []
                 while not self.closed and (event := next(batch, None)) is not None:
                     try:

@@ -105,8 +105,15 @@ class StompSession:
         self._failing = False
         self._gone = False  # the client's socket closed: nothing more is written to it
         self._loop = asyncio.get_running_loop()
+        # Frames are handled while the client does not read, up to pending_bytes of answers waiting for it (its
+        # deliveries wait for the socket): a client that sends a burst before it reads is not deadlocked.
         self._driver = SessionDriver(
-            self, wire, "stomp", max_events=limits.pending_frames, max_bytes=limits.pending_bytes
+            self,
+            wire,
+            "stomp",
+            max_events=limits.pending_frames,
+            max_bytes=limits.pending_bytes,
+            max_unread=limits.pending_bytes,
         )
         self._arm_timer()  # the CONNECT's deadline
         counters.connections_total += 1

@@ -70,7 +70,8 @@ class StompLimitsSection:
     pending_bytes: int = doc(
         8 * 1024 * 1024,
         "Bytes read ahead of processing before the gateway stops reading "
-        "the socket, whatever the frame count (large frames).",
+        "the socket, whatever the frame count (large frames); also the answers (receipts) that may wait for "
+        "a client that does not read before its frames wait too.",
     )
     heartbeat_send_ms: int = doc(10_000, "Heart-beat interval the gateway offers to send (sx of CONNECTED).")
     heartbeat_receive_ms: int = doc(
