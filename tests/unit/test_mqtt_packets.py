@@ -399,6 +399,8 @@ def properties(packet_type: int) -> st.SearchStrategy[Properties]:
         elif ident == 0x0B:
             many = 3 if packet_type == PUBLISH else 1
             fields[spec.name] = st.lists(st.integers(1, VBI_MAX), max_size=many).map(tuple)
+        elif spec.name == "response_topic":  # a topic name: not empty, no wildcards ([MQTT-3.3.2-14])
+            fields[spec.name] = st.none() | TOPIC
         else:
             fields[spec.name] = st.none() | _property_value(spec.kind, spec.nonzero)
     return st.fixed_dictionaries(fields).map(lambda values: Properties(**values))  # type: ignore[arg-type]
