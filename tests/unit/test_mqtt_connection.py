@@ -236,12 +236,21 @@ def test_a_client_silent_for_one_and_a_half_keep_alives_is_closed(version: int, 
     assert conn.next_deadline() is None
 
 
-def test_keep_alive_zero_has_no_deadline_and_partial_bytes_count_as_life() -> None:
+def test_keep_alive_zero_has_no_deadline_and_only_whole_packets_count_as_life() -> None:
     assert connected(V5).next_deadline() is None
     conn = connected(V311, keep_alive=2)
-    conn.receive_data(encode(Pingreq(), V311)[:1], 2.5)
-    assert conn.next_deadline() == 5.5
+    publish = encode(Publish("t", b"x" * 20), V311)
+    for i, byte in enumerate(publish[:-1]):  # a byte a second: no packet ends, so the deadline stays
+        conn.receive_data(byte.to_bytes(1, "big"), 0.1 * (i + 1))
+        assert conn.next_deadline() == 3.0
+    assert conn.receive_data(publish[-1:], 2.5) == [pub("t", b"x" * 20)]
+    assert conn.next_deadline() == 5.5  # the packet ended at 2.5
     conn.handle_timeout(5.0)
+    conn.receive_data(encode(Pingreq(), V311)[:1], 5.2)
+    with pytest.raises(RemoteProtocolError) as info:
+        conn.handle_timeout(5.5)
+    assert info.value.reason_code == KEEP_ALIVE_TIMEOUT
+    assert conn.closed
 
 
 def test_keep_alive_timeout_before_the_connack_just_closes() -> None:

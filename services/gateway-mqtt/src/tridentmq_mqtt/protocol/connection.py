@@ -211,7 +211,6 @@ class MqttServerConnection:
         """Feed bytes from the client; ``b""`` means it closed its side."""
         if self.state is State.CLOSED or self._input_done:
             return []
-        self._last_received = now
         if not data:
             self._close()
             return [ev.ConnectionClosed()]
@@ -220,6 +219,9 @@ class MqttServerConnection:
         try:
             while packets := self._parser.feed(data):
                 data = b""
+                # Keep alive counts whole Control Packets ([MQTT-3.1.2-22]): bytes of one not finished yet do
+                # not, or a client sending a byte now and then would hold its connection for ever.
+                self._last_received = now
                 for packet in packets:
                     event = self._event(packet)
                     if event is None:
@@ -585,7 +587,8 @@ class MqttServerConnection:
 
     # ------------------------------------------------------------------ keep-alive
     def next_deadline(self) -> float | None:
-        """When ``handle_timeout`` must run next: 1.5 keep-alive periods after the client last sent bytes."""
+        """When ``handle_timeout`` must run next: 1.5 keep-alive periods after the last whole packet from the
+        client (the CONNACK's time for the first period)."""
         if self.state in (State.CONNECTING, State.CONNECTED) and self.keep_alive and not self._input_done:
             return self._last_received + self.keep_alive * KEEP_ALIVE_TOLERANCE
         return None
@@ -599,7 +602,7 @@ class MqttServerConnection:
         if self.state is State.CONNECTED and self.version == V5:
             self._write(Disconnect(KEEP_ALIVE_TIMEOUT))
         self._close()
-        raise RemoteProtocolError(f"nothing received for {now - self._last_received:.3f} s", KEEP_ALIVE_TIMEOUT)
+        raise RemoteProtocolError(f"no packet received for {now - self._last_received:.3f} s", KEEP_ALIVE_TIMEOUT)
 
     # ------------------------------------------------------------------ internals
     def _answerable(self, packet_id: int, expected: _In, method: str) -> bool:
