@@ -527,6 +527,23 @@ def test_acknowledgements_for_unknown_ids_are_ignored(unknown: Puback | Pubrec |
     assert not conn.closed
 
 
+def test_a_connack_over_the_clients_maximum_drops_its_problem_properties_then_closes() -> None:
+    problems = Properties(reason_string="r" * 30, user_properties=(("k", "v" * 30),))
+    conn = MqttServerConnection()
+    conn.receive_data(encode(Connect("", properties=Properties(maximum_packet_size=20)), V5), 0.0)
+    conn.accept(0.0, assigned_client_id="auto-1", properties=problems)  # 14 bytes without the problems
+    slim = Properties(assigned_client_identifier="auto-1")
+    assert sent(conn, V5) == [Connack(session_present=False, reason_code=0, properties=slim)]
+    assert state(conn) is State.CONNECTED
+    conn = MqttServerConnection()
+    conn.receive_data(encode(Connect("", properties=Properties(maximum_packet_size=20)), V5), 0.0)
+    conn.receive_data(encode(Pingreq(), V5), 0.0)  # its answer waits for the CONNACK
+    assert not conn.accept(0.0, assigned_client_id="auto-12345678", properties=problems)  # 21 bytes: too large
+    assert conn.data_to_send() == b""  # neither the CONNACK nor the PINGRESP: the client waits for none
+    assert conn.closed
+    assert conn.next_deadline() is None
+
+
 def test_outgoing_packets_larger_than_the_clients_maximum_are_discarded() -> None:
     conn = connected(V5, props=Properties(maximum_packet_size=40))
     assert conn.client_max_packet_size == 40

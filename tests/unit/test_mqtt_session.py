@@ -314,6 +314,17 @@ async def test_an_empty_client_id_is_assigned_one_in_v5(gw: Gateway) -> None:
     assert c.session.client_id == assigned
 
 
+async def test_a_connack_larger_than_the_clients_maximum_packet_size_closes_the_connection(gw: Gateway) -> None:
+    c = gw.client()
+    # The assigned client id alone makes the CONNACK longer than 12 bytes: it cannot be sent, and a client
+    # waiting for it would wait for ever.
+    c.send(Connect("", properties=Properties(maximum_packet_size=12)))
+    await c.ended()
+    assert c.packets == []
+    big = await gw.connected("big", properties=Properties(maximum_packet_size=64))  # one that fits is sent
+    await big.disconnect()
+
+
 async def test_an_empty_client_id_with_clean_session_0_is_refused_in_311(gw: Gateway) -> None:
     c = gw.client(V311)
     connack = await c.connect("", clean_start=False)

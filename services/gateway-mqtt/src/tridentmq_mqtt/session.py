@@ -495,13 +495,20 @@ class MqttSession:
             log.info("mqtt client left before its CONNACK", extra={"peer": self.wire.peer, "client_id": client_id[:64]})
             self._end()
             return
-        self.conn.accept(
+        sent = self.conn.accept(
             time.monotonic(),
             session_present=previous is not None and not event.clean_start,
             assigned_client_id=terms.assigned_client_id,
             server_keep_alive=terms.server_keep_alive,
             properties=terms.properties,
         )
+        if not sent:  # the CONNACK is larger than the client's maximum packet size: it cannot be sent
+            log.info(
+                "mqtt CONNACK over the client's maximum packet size: connection closed",
+                extra={"peer": self.wire.peer, "client_id": client_id[:64], "limit": self.conn.client_max_packet_size},
+            )
+            self._end()
+            return
         self._connected = True
         self.wire.logged_in()
         self._keep_alive_deadline()

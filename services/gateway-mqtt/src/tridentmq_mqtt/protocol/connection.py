@@ -375,11 +375,13 @@ class MqttServerConnection:
         assigned_client_id: str | None = None,
         server_keep_alive: int | None = None,
         properties: Properties = NO_PROPERTIES,
-    ) -> None:
+    ) -> bool:
         """Answer the CONNECT with a successful CONNACK. In 5.0 it carries the server's receive maximum,
         maximum packet size and topic alias maximum (where they differ from the defaults), the assigned client
         id and the server keep-alive (which then replaces the client's), plus ``properties``; before 5.0 those
-        are not sent (and ``server_keep_alive`` is ignored)."""
+        are not sent (and ``server_keep_alive`` is ignored). A CONNACK larger than the client's maximum packet
+        size, even without a reason string and user properties, is not sent: the connection is closed instead,
+        and False returned."""
         if self.state is not State.CONNECTING:
             raise LocalProtocolError("accept() answers a CONNECT", PROTOCOL_ERROR)
         props = NO_PROPERTIES
@@ -402,12 +404,19 @@ class MqttServerConnection:
             )
             if props == NO_PROPERTIES:
                 props = NO_PROPERTIES
+        discarded = self.discarded
         self._write(Connack(session_present and self.version != V31, 0, props))
+        if self.discarded != discarded:
+            # Too large for the client's maximum packet size even without its reason string and user properties
+            # ([MQTT-3.2.2-19/20]): the client would wait for it for ever, so the connection closes instead.
+            self._close()
+            return False
         self.state = State.CONNECTED
         self._last_received = max(self._last_received, now)
         held, self._held = self._held, None
         for packet in held or ():
             self._write(packet)
+        return True
 
     def refuse(self, reason_code: int = UNSPECIFIED_ERROR, properties: Properties = NO_PROPERTIES) -> None:
         """Answer the CONNECT with a failing CONNACK and close. ``reason_code`` is a 5.0 code (0x80 or more);
