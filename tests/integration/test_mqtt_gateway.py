@@ -198,6 +198,41 @@ def test_will_on_abnormal_disconnect_only(mqtt_gateway: GatewayProcess) -> None:
     assert watcher.nothing_more(0.5)
 
 
+def test_a_retained_will_is_retained_when_its_gateway_is_killed(
+    tmp_path: Path, core: CoreProcess, mqtt_gateway: GatewayProcess
+) -> None:
+    # [MQTT-3.1.2-17]: the core publishes the will of a client whose gateway was killed, and retains it: a
+    # client subscribing afterwards (through another gateway) gets "offline", not the old "online".
+    topic = f"status/{_id()}"
+    pub = Paho(mqtt_gateway.port, f"p-{_id()}")
+    pub.connect()
+    pub.publish(topic, b"online", 1, retain=True)
+    doomed = start_gateway(tmp_path, core, "mqtt", name="gateway-mqtt-doomed")
+    try:
+        device = Paho(doomed.port, f"dev-{_id()}")
+        device.connect(will=(topic, b"offline", 1, True))
+        watcher = Paho(mqtt_gateway.port, f"w-{_id()}")
+        watcher.connect()
+        watcher.subscribe(topic, 1, retainHandling=2)
+        doomed.process.kill()
+        doomed.process.wait()
+        (will,) = watcher.receive(1)
+        assert will.payload == b"offline"
+        device.stop()
+    finally:
+        if doomed.process.poll() is None:
+            doomed.process.kill()
+            doomed.process.wait()
+    late = Paho(mqtt_gateway.port, f"l-{_id()}")
+    late.connect()
+    late.subscribe(topic, 1)
+    (retained,) = late.receive(1)
+    assert (retained.payload, retained.retain) == (b"offline", True)
+    assert late.nothing_more(0.3)
+    for client in (pub, watcher, late):
+        client.disconnect()
+
+
 def test_will_delay_is_cancelled_by_a_reconnect(mqtt_gateway: GatewayProcess) -> None:
     watcher = Paho(mqtt_gateway.port, f"w-{_id()}")
     watcher.connect()

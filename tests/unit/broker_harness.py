@@ -165,10 +165,13 @@ class Client:
         delay_ms: int = 0,
         publish_pending: bool = False,
         own: bool | None = None,
+        retain: dict[str, Any] | None = None,
     ) -> ev.Reply | ev.RequestFailed:
         will = {"key": key, "message": message, "delay_ms": delay_ms, "publish_pending": publish_pending}
         if own is not None:
             will["own"] = own
+        if retain is not None:
+            will["retain"] = retain
         return self._answer(self.conn.set_will(will))
 
     def clear_will(self) -> ev.Reply | ev.RequestFailed:

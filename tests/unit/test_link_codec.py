@@ -1176,6 +1176,10 @@ def test_set_will_fields_default_and_unknown_ones_are_ignored() -> None:
     assert server.receive_data(frame([[Op.SET_WILL, 8, {"key": "k", "own": True}]]), 0.0) == [
         ev.SetWill(8, "k", None, 0, publish_pending=False, own=True)
     ]
+    retain = {"address": "store", "key": {"topic": "a/b"}}
+    assert server.receive_data(frame([[Op.SET_WILL, 9, {"key": "k", "retain": retain}]]), 0.0) == [
+        ev.SetWill(9, "k", None, 0, publish_pending=False, retain=("store", {"topic": "a/b"}))
+    ]
 
 
 @pytest.mark.parametrize(
@@ -1192,6 +1196,10 @@ def test_set_will_fields_default_and_unknown_ones_are_ignored() -> None:
         {"key": "k", "delay_ms": True},
         {"key": "k", "publish_pending": 1},
         {"key": "k", "own": 1},
+        {"key": "k", "retain": "store"},
+        {"key": "k", "retain": {"address": 1, "key": {}}},
+        {"key": "k", "retain": {"address": "store"}},
+        {"key": "k", "retain": {"address": "store", "key": {1: "x"}}},
     ],
 )
 def test_set_will_with_a_wrong_field_type_is_malformed(will: Any) -> None:

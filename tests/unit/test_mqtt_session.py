@@ -108,16 +108,20 @@ async def gateway(
     users: list[UserEntry] | None = None,
     permissions: list[PermissionEntry] | None = None,
     address_settings: list[AddressSettingsEntry] | None = None,
+    shared_links: int = 1,
     **limits: Any,
 ) -> AsyncIterator[Gateway]:
-    """A core node and an MQTT gateway's shared parts; ``limits`` change ``MqttLimitsSection``'s defaults."""
+    """A core node and an MQTT gateway's shared parts; ``limits`` change ``MqttLimitsSection``'s defaults;
+    ``shared_links`` 0: each session on a link of its own."""
     if users is not None:
         users, permissions = [GATEWAY_USER, *users], [*GATEWAY_GRANTS, *(permissions or [])]
     section: list[CoreLinkSection] = []
 
     def link(port: int) -> CoreLinkSection:
         credentials = (GATEWAY_USER.name, GATEWAY_USER.password) if users else ("", "")
-        section.append(CoreLinkSection(port=port, user=credentials[0], password=credentials[1]))
+        section.append(
+            CoreLinkSection(port=port, user=credentials[0], password=credentials[1], shared_links=shared_links)
+        )
         return section[0]
 
     settings_of_core = core_settings(tmp_path, users=users, permissions=permissions, address_settings=address_settings)
@@ -1333,6 +1337,35 @@ async def test_a_will_is_published_when_the_connection_ends_without_disconnect(g
     assert (will.topic, will.payload, will.properties.content_type) == ("status/dev", b"offline", "t")
 
 
+async def test_a_will_with_retain_becomes_its_topics_retained_message(gw: Gateway) -> None:
+    # [MQTT-3.1.2-17]: a will with Will Retain 1 is published as a retained message. It used to be delivered
+    # only: a client subscribing afterwards saw the topic's older retained message ("online"), or none.
+    pub, watcher = await gw.connected("pub"), await gw.connected("watcher")
+    await watcher.subscribe(Subscription("status/#", 1))
+    await pub.publish("status/dev", b"online", retain=True)
+    assert (await watcher.message()).payload == b"online"
+    c = await gw.connected("dev", will=Will("status/dev", b"offline", qos=1, retain=True))
+    await c.gone()
+    assert (await watcher.message()).payload == b"offline"  # routed with its retained copy, in one turn
+    late = await gw.connected("late")
+    await late.subscribe(Subscription("status/#", 1))
+    got = await late.message()
+    assert (got.topic, got.payload, got.retain) == ("status/dev", b"offline", True)
+    await late.nothing()
+    # An empty retained will clears it ([MQTT-3.3.1-6]); a will without retain leaves the retained message.
+    plain = await gw.connected("plain", will=Will("status/other", b"gone", qos=1))
+    await pub.publish("status/other", b"kept", retain=True, packet_id=2)
+    await plain.gone()
+    empty = await gw.connected("empty", will=Will("status/dev", b"", qos=1, retain=True))
+    await empty.gone()
+    assert sorted([(await watcher.message()).payload for _ in range(3)]) == [b"", b"gone", b"kept"]
+    later = await gw.connected("later")
+    await later.subscribe(Subscription("status/#", 1))
+    got = await later.message()
+    assert (got.topic, got.payload, got.retain) == ("status/other", b"kept", True)
+    await later.nothing()
+
+
 async def test_a_wills_message_expiry_counts_from_when_it_is_published(gw: Gateway) -> None:
     # 5.0, 3.1.3.2.4: the will's Message Expiry Interval is its lifetime once published. It used to count from
     # the CONNECT, so a will with a short expiry on a connection that lived longer was dropped as expired.
@@ -1936,6 +1969,43 @@ async def test_a_will_the_user_may_not_publish_refuses_the_connect(tmp_path: Pat
         ok = gw.client()
         connack = await ok.connect("c", username="alice", password=b"a", will=Will("allowed/will", b"x"))
         assert connack.reason_code == 0
+
+
+async def test_a_retained_will_needs_the_right_to_publish_it_and_none_on_the_retained_store(tmp_path: Path) -> None:
+    # The core writes a will's retained copy with the gateway's rights, as the gateway writes a retained
+    # PUBLISH's: alice may send to her topic, and has (and needs) no right on the gateway's own addresses.
+    grants = app_grants("send", "consume", "createNonDurableQueue", "createAddress")
+    async with gateway(tmp_path, users=[UserEntry("alice", "a", ["app"])], permissions=grants) as gw:
+        login: dict[str, Any] = {"username": "alice", "password": b"a"}
+        c = await gw.connected("c", will=Will("allowed/will", b"bye", qos=1, retain=True), **login)
+        watcher = await gw.connected("w", **login)
+        await watcher.subscribe(Subscription("allowed/#", 1))
+        await c.gone()
+        assert (await watcher.message()).payload == b"bye"
+        late = await gw.connected("late", **login)
+        await late.subscribe(Subscription("allowed/#", 1))
+        got = await late.message()
+        assert (got.topic, got.payload, got.retain) == ("allowed/will", b"bye", True)
+        refused = gw.client()
+        connack = await refused.connect("r", will=Will("secret/will", b"x", retain=True), **login)
+        assert connack.reason_code == rc.NOT_AUTHORIZED
+
+
+async def test_a_retained_will_on_a_link_of_its_own_is_published_unretained(tmp_path: Path) -> None:
+    # Without shared links a session's link has only its user's rights, none on the retained store: the core
+    # refuses the retained copy, and the gateway sets the will without it rather than refuse the CONNECT.
+    grants = app_grants("send", "consume", "createNonDurableQueue", "createAddress")
+    users = [UserEntry("alice", "a", ["app"])]
+    async with gateway(tmp_path, users=users, permissions=grants, shared_links=0) as gw:
+        login: dict[str, Any] = {"username": "alice", "password": b"a"}
+        c = await gw.connected("c", will=Will("allowed/will", b"bye", qos=1, retain=True), **login)
+        watcher = await gw.connected("w", **login)
+        await watcher.subscribe(Subscription("allowed/#", 1))
+        await c.gone()
+        assert (await watcher.message()).payload == b"bye"
+        late = await gw.connected("late", **login)
+        await late.subscribe(Subscription("allowed/#", 1))
+        await late.handled_in_order()
 
 
 async def test_a_client_that_leaves_before_its_connack_gets_nothing(gw: Gateway) -> None:

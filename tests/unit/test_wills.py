@@ -262,6 +262,42 @@ def test_a_will_needs_the_rights_its_publish_would_need() -> None:
     assert bodies(watcher.take(watcher.consumer("status.known"))) == [b"gone"]
 
 
+def test_a_will_with_retain_is_copied_to_its_store_once_published() -> None:
+    # The MQTT gateway's retained will ([MQTT-3.1.2-17]): a copy to the store address, multicast, with the key
+    # properties, no dedup id; an empty body (which clears) never expires. On a link of its own (no gateway
+    # carries it), the copy needs its own user's send right on the store.
+    rights = ("send", "consume", "createAddress", "createDurableQueue", "createNonDurableQueue")
+    grants = [*WILL_GRANTS, *(PermissionEntry("store", right, ["owner"]) for right in rights)]
+    h = Harness(CoreSettings(users=WILL_USERS, permissions=grants))
+    owner, guest = h.connect("o", "owner", "pw"), h.connect("g", "guest", "pw")
+    watcher = h.connect("w", "owner", "pw")
+    ok(watcher.create_queue("store", routing=1))
+    ok(watcher.create_queue("status.known"))
+    stored, live = watcher.consumer("store"), watcher.consumer("status.known")
+    key = {"address": "store", "key": {"topic": "status/known"}}
+    message = will("status.known", dedup_id="w-1", properties={"p": 1}, expiration_ms=BASE_MS + 60_000)
+    failed(guest.set_will("g", will("status.known"), retain=key), ErrorCode.FORBIDDEN)
+    failed(owner.set_will("k", message, retain={**key, "address": "status.*"}), ErrorCode.INVALID)
+    ok(owner.set_will("k", message, retain={**key, "address": "status.known"}))  # may send there
+    failed(owner.set_will("k", message, retain={**key, "address": "elsewhere"}), ErrorCode.FORBIDDEN)
+    ok(owner.set_will("k", message, retain=key))
+    owner.close()
+    assert bodies(watcher.take(live)) == [b"gone"]
+    [copy] = watcher.take(stored)
+    assert (copy.body, copy.props, copy.message[M_DEDUP]) == (b"gone", {"p": 1, "topic": "status/known"}, None)
+    assert copy.message[M_EXPIRATION] == BASE_MS + 60_000
+    again = h.connect("o2", "owner", "pw")
+    ok(again.set_will("k", will("status.known", b"", expiration_ms=BASE_MS + 60_000), retain=key))
+    again.close()
+    [cleared] = watcher.take(stored)
+    assert (cleared.body, cleared.message[M_EXPIRATION]) == (b"", 0)
+    nothing = h.connect("o3", "owner", "pw")
+    ok(nothing.set_will("k", will("status.known", b"plain")))  # no retain: no copy
+    nothing.close()
+    assert bodies(watcher.take(live)) == [b"", b"plain"]
+    assert watcher.take(stored) == []
+
+
 def test_only_the_user_who_set_a_will_may_replace_cancel_or_publish_it() -> None:
     grants = [*WILL_GRANTS, PermissionEntry("status.#", "send", ["guest"])]
     h = Harness(CoreSettings(users=WILL_USERS, permissions=grants))

@@ -401,6 +401,8 @@ class LinkProtocol(asyncio.Protocol):
         self.session = node.broker.open_session(
             self.conn, self.conn_id, principal, self.peer, event.client_name, wall_ms()
         )
+        if self.carrier is not None and self.carrier.session is not None:
+            self.session.carrier_principal = self.carrier.session.principal
         self.write_pending()
         if self.carrier is None:  # a gateway's sessions come by the thousand: their link is logged
             log.info(

@@ -33,6 +33,7 @@ class Session:
     """Broker-side state of one link connection."""
 
     __slots__ = (
+        "carrier_principal",
         "client_name",
         "conn",
         "conn_id",
@@ -52,6 +53,8 @@ class Session:
         self.conn = conn
         self.conn_id = conn_id
         self.principal = principal
+        # A channel's: the user of the link that carries it (a gateway's own user), None for a link of its own.
+        self.carrier_principal: Principal | None = None
         self.peer = peer
         self.client_name = client_name
         self.opened_ms = opened_ms

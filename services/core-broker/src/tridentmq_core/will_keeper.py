@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from tridentmq_core.admission import Admission
 from tridentmq_core.audit_events import AuditEvents
 from tridentmq_core.catalog import Catalog
 from tridentmq_core.checks import BrokerError
+from tridentmq_core.router import InvalidAddress, validate_address
+from tridentmq_core.security import Permission
 from tridentmq_core.sessions import Session
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.wills import Will, Wills
@@ -18,9 +21,11 @@ from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.message import (
     M_ADDRESS,
     M_BODY,
+    M_DEDUP,
     M_DURABLE,
     M_EXPIRATION,
     M_ID,
+    M_PROPS,
     M_ROUTING,
     M_TIMESTAMP,
     MAX_TIME_MS,
@@ -62,10 +67,13 @@ class WillKeeper:
         now_ms: int,
         *,
         own: bool = False,
+        retain: tuple[str, dict[str, Any]] | None = None,
     ) -> None:
         """A link's SET_WILL: ``key`` None clears its own will; ``message`` None frees the key (publishing the
         will pending under it when ``publish_pending``). ``own``: only if this link holds the will under ``key``
-        (a connection taken over since must not take the key back from its successor)."""
+        (a connection taken over since must not take the key back from its successor). ``retain`` (store
+        address, key properties): once the will is published, a copy with those properties goes to that store
+        (see ``_retained_copy``)."""
         book = self.book
         if key is None:  # a nil will: clear this link's own, nothing else
             book.drop(session)
@@ -81,6 +89,10 @@ class WillKeeper:
             raise BrokerError(ErrorCode.FORBIDDEN, f"the will under key {key!r} belongs to another user")
         if message is not None:
             self._check(session, message)  # before anything changes: a refusal leaves all as it was
+            if retain is not None:
+                self._check_retained(session, _retained_copy(message, *retain))
+        else:
+            retain = None
         book.drop(session)
         pending, holder = book.take_key(key)
         if pending is not None and publish_pending:
@@ -90,7 +102,7 @@ class WillKeeper:
         if holder is not None:
             log.debug("will taken over", extra={"will_key": key, "conn": holder.conn_id})
         if message is not None:
-            book.hold(session, Will(key, message, delay_ms, session.conn_id, session.principal.name))
+            book.hold(session, Will(key, message, delay_ms, session.conn_id, session.principal.name, retain))
 
     def closed(self, session: Session, now_ms: int) -> None:
         """The link is gone: its will is published now, or waits for its delay."""
@@ -126,6 +138,23 @@ class WillKeeper:
         if refusal is not None:
             raise BrokerError(*refusal)
 
+    def _check_retained(self, session: Session, copy: WireMessage) -> None:
+        """The retained copy of a will is written as a gateway writes a retained PUBLISH's: with the rights of the
+        gateway's own user (the link carrying the session's channel; the session's own user on a link of its
+        own), once the will itself, checked as the user's publish, is routed. So the user needs no right on the
+        store, and a link that no gateway carries cannot write where its own user may not."""
+        problem = check_message(copy, session.conn.max_properties)
+        if problem is not None:
+            raise BrokerError(ErrorCode.INVALID, f"a will's retained copy: {problem}")
+        address = copy[M_ADDRESS]
+        try:
+            validate_address(address, allow_wildcards=False)
+        except InvalidAddress as exc:
+            raise BrokerError(ErrorCode.INVALID, f"a will's retained copy: {exc}") from None
+        principal = session.carrier_principal or session.principal
+        if not principal.allowed(Permission.SEND, address):
+            raise BrokerError(ErrorCode.FORBIDDEN, f"user {principal.name!r} may not send to {address!r}")
+
     def _publish(self, will: Will, now_ms: int) -> None:
         """Route a will like a publish (its permissions were checked when it was set)."""
         message = list(will.message)
@@ -137,6 +166,8 @@ class WillKeeper:
         message[M_ID] = 0
         message[M_TIMESTAMP] = 0  # a fresh id and timestamp, as for any publish
         address = message[M_ADDRESS]
+        # Made before the will is routed: the core fills in the very array it routes.
+        copy = None if will.retain is None else _retained_copy(message, *will.retain)
         refusal = self._admission.durable_refusal if message[M_DURABLE] else None
         if refusal is None:
             try:
@@ -145,6 +176,28 @@ class WillKeeper:
                 refusal = (exc.code, exc.text)
         if refusal is not None:
             log.warning("will dropped", extra={"will_key": will.key, "address": address, "reason": refusal[1]})
-            return
+            return  # a will not published is not retained either
         log.debug("will published", extra={"will_key": will.key, "address": address})
         self._audit.emit(now_ms, "will.published", key=will.key, address=address, conn_id=will.conn_id)
+        if copy is not None:
+            try:
+                self._accept(copy, now_ms)
+            except BrokerError as exc:
+                log.warning(
+                    "will not retained", extra={"will_key": will.key, "address": copy[M_ADDRESS], "reason": exc.text}
+                )
+
+
+def _retained_copy(message: WireMessage, store: str, key: dict[str, Any]) -> WireMessage:
+    """The copy of a will for the retained store ``store``, as the MQTT gateway writes a retained PUBLISH's:
+    multicast (to every node's copy of the store), no dedup id (the will's must not make it a duplicate), the
+    ``key`` properties added; an empty body (which clears the key's value) never expires, or it could expire
+    on its way to another node and leave the old value there."""
+    copy = list(message)
+    copy[M_ADDRESS] = store
+    copy[M_ROUTING] = _MULTICAST
+    copy[M_DEDUP] = None
+    copy[M_PROPS] = {**message[M_PROPS], **key}
+    if not message[M_BODY]:
+        copy[M_EXPIRATION] = 0
+    return copy

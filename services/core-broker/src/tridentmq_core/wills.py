@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from tridentmq_core.deadlines import Deadlines
 from tridentmq_shared.message import WireMessage
@@ -25,6 +25,9 @@ class Will:
     delay_ms: int
     conn_id: str  # the link that set it, for the audit trail
     user: str  # the user of that link: only this user may replace, cancel or publish it early
+    # (store address, key properties): once published, a copy goes to that store with those properties added
+    # (MQTT's retained will: the gateway's last-value queue of retained messages, keyed by topic).
+    retain: tuple[str, dict[str, Any]] | None = None
 
 
 class Holder(Protocol):

@@ -459,7 +459,12 @@ class MqttSession:
             # for most device connects.
             if will_message is not None or not (lock_was_free and kept_nowhere):
                 delay_ms = connecting.will_delay_ms(event.will, self.expiry_s) if event.will is not None else 0
-                await link.set_will(self._will_key, will_message, delay_ms=delay_ms, publish_pending=event.clean_start)
+                # A will with the retain flag becomes its topic's retained message when published ([MQTT-3.1.2-17]):
+                # the core copies it to the retained store as this gateway does a retained PUBLISH.
+                retain = None
+                if event.will is not None and event.will.retain:
+                    retain = (convert.RETAINED_ADDRESS, {messages.TOPIC: event.will.topic})
+                await self._set_will(link, will_message, delay_ms, event.clean_start, retain)
             if event.will is not None:
                 self._will_delay_s = event.will.properties.will_delay_interval or 0
         except SessionBusyError as exc:
@@ -599,6 +604,28 @@ class MqttSession:
         except (LinkRequestError, ConversionError) as exc:
             log.warning("session resume failed", extra={"peer": self.wire.peer, "reason": str(exc)[:200]})
             self._end(rc.UNSPECIFIED_ERROR)
+
+    async def _set_will(
+        self,
+        link: LinkClient,
+        message: WireMessage | None,
+        delay_ms: int,
+        publish_pending: bool,
+        retain: tuple[str, dict[str, Any]] | None,
+    ) -> None:
+        """Set the connection's will. Its retained copy is written with the rights of the gateway's user, whose
+        shared link carries the session; a session on a link of its own (the shared links refused) has only
+        its user's, who has none on the retained store: its will is then set without it, published unretained,
+        as before the core could retain one."""
+        try:
+            await link.set_will(
+                self._will_key, message, delay_ms=delay_ms, publish_pending=publish_pending, retain=retain
+            )
+        except LinkRequestError as exc:
+            if retain is None or exc.code != ErrorCode.FORBIDDEN:
+                raise
+            log.warning("mqtt will set without its retained copy", extra={"peer": self.wire.peer, "reason": exc.text})
+            await link.set_will(self._will_key, message, delay_ms=delay_ms, publish_pending=publish_pending)
 
     def _will_message(self, will: Will) -> WireMessage:
         address = self._address(will.topic)

@@ -1073,12 +1073,27 @@ class LinkClient:
         await self._request(lambda conn: conn.delete_queue(name, everywhere=everywhere), again=False)
 
     async def set_will(
-        self, key: str, message: WireMessage | None, *, delay_ms: int = 0, publish_pending: bool = False
+        self,
+        key: str,
+        message: WireMessage | None,
+        *,
+        delay_ms: int = 0,
+        publish_pending: bool = False,
+        retain: tuple[str, dict[str, Any]] | None = None,
     ) -> None:
         """Set this link's will: ``message`` is published ``delay_ms`` after the link closes without clearing
         it. ``message`` None clears it. Either way a pending will under ``key`` (left by a closed link) is
-        cancelled or, with ``publish_pending``, published now. The will is re-sent after a reconnect."""
-        will = {"key": key, "message": message, "delay_ms": delay_ms, "publish_pending": publish_pending}
+        cancelled or, with ``publish_pending``, published now. ``retain`` (store address, key properties): the
+        published will is copied to that store with those properties (a core that predates it ignores it).
+        The will is re-sent after a reconnect."""
+        will: dict[str, Any] = {
+            "key": key,
+            "message": message,
+            "delay_ms": delay_ms,
+            "publish_pending": publish_pending,
+        }
+        if retain is not None and message is not None:
+            will["retain"] = {"address": retain[0], "key": retain[1]}
         await self._request(lambda conn: conn.set_will(will))
         self._will = None if message is None else {**will, "publish_pending": False}
 

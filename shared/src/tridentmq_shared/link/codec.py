@@ -594,19 +594,30 @@ class LinkConnection:
             return ev.SetWill(req_id, None, None, 0, publish_pending=False)
         key, message = will.get("key"), will.get("message")
         delay_ms, publish_pending = will.get("delay_ms", 0), will.get("publish_pending", False)
-        own = will.get("own", False)
+        own, retain = will.get("own", False), will.get("retain")
         if (
             type(key) is not str
             or (message is not None and type(message) is not list)
             or type(delay_ms) is not int
             or type(publish_pending) is not bool
             or type(own) is not bool
+            or not (
+                retain is None
+                or (
+                    type(retain) is dict
+                    and type(retain.get("address")) is str
+                    and type(retain.get("key")) is dict
+                    and all(type(name) is str for name in retain["key"])
+                )
+            )
         ):
             self._fail(
                 ErrorCode.MALFORMED,
-                "a will is nil or {key: str, message: message or nil, delay_ms: int, publish_pending: bool, own: bool}",
+                "a will is nil or {key: str, message: message or nil, delay_ms: int, publish_pending: bool, own: bool,"
+                " retain: {address: str, key: map} or nil}",
             )
-        return ev.SetWill(req_id, key, message, delay_ms, publish_pending, own)
+        kept = None if retain is None else (retain["address"], retain["key"])
+        return ev.SetWill(req_id, key, message, delay_ms, publish_pending, own, kept)
 
     def _receive_handshake(self, op: Any, count: int, now: float, events: list[ev.Event]) -> None:
         expected = Op.HELLO if self.role is _SERVER else Op.WELCOME

@@ -153,6 +153,7 @@ class SetWill:
     delay_ms: int
     publish_pending: bool
     own: bool = False
+    retain: tuple[str, dict[str, Any]] | None = None  # (store address, key properties): see SET_WILL's ``retain``
 
 
 @dataclass(frozen=True, slots=True)

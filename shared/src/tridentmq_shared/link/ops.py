@@ -34,7 +34,7 @@ class Op(IntEnum):
     TX_BEGIN = 16  # C→S [op, req_id, tx_id]
     TX_COMMIT = 17  # C→S [op, req_id, tx_id]
     TX_ROLLBACK = 18  # C→S [op, req_id, tx_id]
-    SET_WILL = 19  # C→S [op, req_id, will]: will = nil or {key, message, delay_ms, publish_pending}
+    SET_WILL = 19  # C→S [op, req_id, will]: will = nil or {key, message, delay_ms, publish_pending, own, retain}
     # messages
     PUBLISH = 20  # C→S [op, seq, tx_id, message]
     CONFIRM = 21  # S→C [op, first_seq, last_seq]
