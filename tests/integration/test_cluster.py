@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -678,6 +679,73 @@ async def test_a_node_scaled_down_while_another_is_down_keeps_what_waits_for_tha
         got = await take(await cc.subscribe("news-c"), 20)
     assert sorted(got) == sorted(bodies(20, "n"))
     stop_all([b, a, c])
+
+
+async def test_a_message_forwarded_to_a_leaving_node_before_the_sender_heard_it_leaves_moves_on(
+    tmp_path: Path,
+) -> None:
+    """A node that has not yet heard that another one scales down still routes to it. The leaving node waited
+    0.3 s for its news to arrive, then stopped once it saw nothing left: a message forwarded to it after that
+    (a peer slower than 0.3 s: here frozen for 1.5 s) was stored there as it stopped, stranded in the journal
+    of a node that never comes back. The leaving node now drains until every connected node acknowledged its
+    leaving: what they routed to it before arrives first, and moves on with the rest."""
+    leaving, sender, target = start_cluster(tmp_path, 3, core_link_heartbeat_ms="1000")  # 4 s to a dead link
+    async with client(leaving) as cl, client(target) as ct, client(sender) as producer:
+        await cl.create_queue("moves", "moves", durable=True)
+        await ct.create_queue("moves", "moves", durable=True)
+        await cl.subscribe("moves")  # the sender routes "l" messages here
+        await ct.subscribe("moves", selector="kind = 't'")  # so the leaving node's queue goes to the target
+        wait_until(lambda: remote_consumers(sender, "moves") == 2, what="the sender to see both consumers")
+        os.kill(sender.process.pid, signal.SIGSTOP)
+        try:
+            confirmed = await producer.send(new_message("moves", b"late", durable=True, properties={"kind": "l"}))
+            leaving.process.send_signal(signal.SIGTERM)  # a graceful stop scales down
+            await asyncio.sleep(1.5)
+        finally:
+            os.kill(sender.process.pid, signal.SIGCONT)
+        await asyncio.wait_for(confirmed, 10)
+        assert leaving.process.wait(timeout=10) == 0
+        assert "Traceback" not in leaving.log(), leaving.log()
+        got = await take(await ct.subscribe("moves"), 1, timeout=5)
+    assert got == [b"late"], leaving.log()
+    stop_all([sender, target])
+
+
+async def test_what_waits_for_a_leaving_node_in_another_nodes_store_and_forward_queue_moves_on(
+    tmp_path: Path,
+) -> None:
+    """As above, for messages waiting in the sender's store-and-forward queue for the leaving node (a topic's
+    messages for subscriptions on two other nodes), more than the connection carries at once: the sender
+    acknowledges the leaving only once the leaving node confirmed them all, so every one reaches the leaving
+    node before its last look and moves on."""
+    leaving, sender, target = start_cluster(tmp_path, 3, core_link_heartbeat_ms="1000", forward_window="2")
+    multicast = RoutingType.MULTICAST
+    async with client(leaving) as cl, client(target) as ct, client(sender) as producer:
+        await cl.create_queue("news-l", "news", routing_type=multicast, durable=True)
+        await ct.create_queue("news-l", "news", routing_type=multicast, durable=True)
+        await ct.create_queue("news-t", "news", routing_type=multicast, durable=True)
+        await cl.subscribe("news-l")
+        await ct.subscribe("news-l", selector="kind = 't'")
+        wait_until(lambda: remote_consumers(sender, "news-l") == 2, what="the sender to see both consumers")
+        os.kill(sender.process.pid, signal.SIGSTOP)
+        try:
+            confirms = [
+                await producer.send(
+                    new_message("news", body, durable=True, routing=multicast, properties={"kind": "l"})
+                )
+                for body in bodies(200, "late")
+            ]
+            leaving.process.send_signal(signal.SIGTERM)
+            await asyncio.sleep(1.5)
+        finally:
+            os.kill(sender.process.pid, signal.SIGCONT)
+        await asyncio.wait_for(asyncio.gather(*confirms), 10)
+        assert leaving.process.wait(timeout=20) == 0
+        got = await take(await ct.subscribe("news-l"), 200, timeout=5)
+        other = await take(await ct.subscribe("news-t"), 200, timeout=5)
+    assert sorted(other) == sorted(bodies(200, "late"))
+    assert sorted(got) == sorted(bodies(200, "late")), leaving.log()
+    stop_all([sender, target])
 
 
 def counters(node: CoreProcess) -> dict[str, int]:

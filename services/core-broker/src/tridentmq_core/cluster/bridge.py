@@ -35,6 +35,7 @@ from tridentmq_shared.supervision import spawn
 log = logging.getLogger("tridentmq.core.cluster")
 
 FORWARDER_ID: Final = 1  # consumer id of a bridge's store-and-forward consumer; redistributors count up from 2
+LEAVING_DRAIN_POLL_S: Final = 0.02  # how often a node scaling down is checked for what it has not confirmed
 _SENT, _HELD = Direct.SENT, Direct.HELD  # module constants: enum member access is slow per message
 
 
@@ -247,7 +248,21 @@ class Bridge:
         sync = update.get("sync")
         client = self.client
         if type(sync) is int and client is not None:  # the other node holds replies until we route by it
-            spawn(_acknowledge_sync(client, sync), f"bridge-sync-{self.address}")
+            if self.leaving:
+                spawn(self._acknowledge_when_delivered(client, sync), f"bridge-sync-{self.address}")
+            else:
+                spawn(_acknowledge_sync(client, sync), f"bridge-sync-{self.address}")
+
+    async def _acknowledge_when_delivered(self, client: PeerLink, number: int) -> None:
+        """The other node scales down and stops once we acknowledged: first let it confirm what we still send
+        it (its store-and-forward queue here, messages written through), or what reached it after its last
+        look for messages to move would be stranded there. Nothing new goes to it: its bindings went."""
+        queue = self.manager.broker.forwarder.forward_queues.get(self.node_id)
+        while client is self.client:
+            if not self.in_transit and (queue is None or not (len(queue) or queue.in_flight or queue.paged)):
+                await _acknowledge_sync(client, number)
+                return
+            await asyncio.sleep(LEAVING_DRAIN_POLL_S)
 
     def open_session(self, principal: Principal) -> None:
         broker = self.manager.broker

@@ -576,6 +576,7 @@ class ClusterManager:
         sessions = self.broker.sessions
         for conn_id in [c for c in self.joined if c not in sessions]:
             self._joined_until[self.joined.pop(conn_id).node_id] = time.monotonic()
+            self.sync.acked.pop(conn_id, None)
         for conn_id in [c for c in self.watchers if c not in sessions]:
             del self.watchers[conn_id]
         if self.sync:
@@ -899,6 +900,10 @@ class ClusterManager:
         deadline = self._scale_down_deadline or time.monotonic() + self.settings.cluster.scale_down_timeout_ms / 1000
         self.leaving = True
         self._sent_version = (-1, -1)
+        # The others acknowledge our leaving once they route nothing more to us and what they sent us is
+        # confirmed: a node that had not heard of it yet (slow, or cut off one way) may still forward to us, and
+        # what arrived after our last look would be stranded here.
+        leave_sync = self.sync.announce()
         self._push_updates()
         self.schedule_flush()
         close_clients()
@@ -906,7 +911,11 @@ class ClusterManager:
         broker = self.broker
         movers: dict[str, Redistributor] = {}
         targets = self._live_targets()
-        while time.monotonic() < deadline:
+        # A node that does not acknowledge (silent, cut off) is waited for as long as a binding change is, counted
+        # from the last time anything was left here: one still sending us its backlog keeps it going.
+        ack_wait = self.sync.timeout_ms / 1000
+        acks_until = time.monotonic() + ack_wait
+        while (now := time.monotonic()) < deadline:
             targets = self._live_targets()
             left = [
                 q
@@ -915,6 +924,16 @@ class ClusterManager:
             ]
             pending = [q for q in broker.forwarder.forward_queues.values() if q.consumers and (len(q) or q.in_flight)]
             in_transit = any(b.in_transit for b in self.bridges.values())  # sent straight, not confirmed yet
+            if left or pending or in_transit:
+                acks_until = max(acks_until, now + ack_wait)
+            elif unacknowledged := self._leave_unacknowledged(leave_sync):
+                if now < acks_until:
+                    await asyncio.sleep(0.02)  # what they routed here before they heard may still come
+                    continue
+                log.warning(
+                    "scale-down: leaving not acknowledged in time: stopping anyway",
+                    extra={"nodes": ", ".join(unacknowledged), "timeout_ms": self.sync.timeout_ms},
+                )
             if not left and not pending and not in_transit:
                 held = self._held_for_down_nodes()
                 if held:  # only those nodes hold their queues: nowhere else to move them, nothing to wait for
@@ -936,6 +955,15 @@ class ClusterManager:
         log.warning(
             "scale-down incomplete: messages stay in this node's journal",
             extra={"messages": remaining, "live_targets": len(targets)},
+        )
+
+    def _leave_unacknowledged(self, number: int) -> list[str]:
+        """The nodes still connected to this one that have not acknowledged the leaving sent with ``number``."""
+        acked, sessions = self.sync.acked, self.broker.sessions
+        return sorted(
+            joined.node_id
+            for conn_id, joined in self.joined.items()
+            if joined.acks_bindings and acked.get(conn_id, 0) < number and conn_id in sessions
         )
 
     def _held_for_down_nodes(self) -> dict[str, int]:

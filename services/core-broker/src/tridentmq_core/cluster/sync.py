@@ -32,6 +32,7 @@ class BindingSync:
         self.number = 0  # the last sync number handed out
         self.unsent = 0  # the highest number not sent to the other nodes yet (0: none)
         self._held: dict[int, HeldReply] = {}
+        self.acked: dict[str, int] = {}  # connection id → the highest number it acknowledged
 
     def __len__(self) -> int:
         return len(self._held)
@@ -43,10 +44,18 @@ class BindingSync:
         self._held[self.number] = HeldReply(reply, set(peers), now_ms + self.timeout_ms)
         return self.number
 
+    def announce(self) -> int:
+        """A sync number for the next change sent, with no reply held: the caller watches ``acked``."""
+        self.number += 1
+        self.unsent = self.number
+        return self.number
+
     def acknowledged(self, peer: str, number: Any) -> None:
         """``peer`` applied every change up to sync ``number``."""
         if type(number) is not int:
             return
+        if number > self.acked.get(peer, 0):
+            self.acked[peer] = number
         for held_number, held in list(self._held.items()):
             if held_number > number:
                 break  # numbers only grow: the rest were sent later
