@@ -880,20 +880,27 @@ def test_a_bit_flip_in_the_last_batch_refuses_to_start_after_a_clean_close_and_a
         recover(restored)
 
 
-def test_a_power_cut_while_a_restarted_node_syncs_what_it_recovered_never_refuses_to_start(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The process died with a batch written but not synced: the restarted node reads it from the page cache, and
-    ``start`` syncs it before writing a SYNCED record behind it. Were the record written first, a power cut
-    during that sync could leave it on disk with the batch's first page lost: damage a SYNCED record covers,
-    and a node that refuses to start though it lost nothing it had confirmed."""
-    crashed = tmp_path / "crashed"
-    disk = PowerLossDisk(monkeypatch, crashed)
-    synced_entries = make_entries(5)
-    journal = Journal(crashed)
+@dataclass
+class HeldBatch:
+    """Five records synced, then a batch written whose sync had not completed: what the page cache and what the
+    disk held then."""
+
+    synced: list[Entry]
+    batch: list[Entry]  # a 6 KB message (its header alone on its first page), an ACK and a DELETE_QUEUE
+    path: Path  # the segment
+    page_cache: bytes
+    on_disk: dict[str, bytes]
+
+
+def crash_during_a_sync(directory: Path, monkeypatch: pytest.MonkeyPatch) -> HeldBatch:
+    """Write five records and sync them, then a batch, and take the pictures while its sync stalls; the journal
+    is closed afterwards (the pictures are what a crash at that moment leaves)."""
+    disk = PowerLossDisk(monkeypatch, directory)
+    synced = make_entries(5)
+    journal = Journal(directory)
     journal.recover()
     journal.start()
-    journal.append_encoded([encode(kind, payload) for kind, payload in synced_entries])
+    journal.append_encoded([encode(kind, payload) for kind, payload in synced])
     wait_until(lambda: journal.synced == 5)
     batch: list[Entry] = [
         (RecordType.MESSAGE, [wire_message(6, random.Random(6).randbytes(6000)), ["queue.a"]]),
@@ -903,11 +910,22 @@ def test_a_power_cut_while_a_restarted_node_syncs_what_it_recovered_never_refuse
     disk.hold()
     journal.append_encoded([encode(kind, payload) for kind, payload in batch])
     assert disk.stalled.wait(WAIT)
-    [path] = list_segments(crashed)
-    page_cache, on_disk = path.read_bytes(), disk.image()  # the process dies here, the machine runs on
+    [path] = list_segments(directory)
+    held = HeldBatch(synced, batch, path, path.read_bytes(), disk.image())
     disk.release()
     journal.close()
+    return held
 
+
+def test_a_power_cut_while_a_restarted_node_syncs_what_it_recovered_never_refuses_to_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process died with a batch written but not synced: the restarted node reads it from the page cache, and
+    ``start`` syncs it before writing a SYNCED record behind it. Were the record written first, a power cut
+    during that sync could leave it on disk with the batch's first page lost: damage a SYNCED record covers,
+    and a node that refuses to start though it lost nothing it had confirmed."""
+    held = crash_during_a_sync(tmp_path / "crashed", monkeypatch)  # the process dies, the machine runs on
+    synced_entries, batch, path, page_cache, on_disk = held.synced, held.batch, held.path, held.page_cache, held.on_disk
     directory = restore({path.name: page_cache}, tmp_path / "journal")
     disk = PowerLossDisk(monkeypatch, directory)
     disk.assume(on_disk)
@@ -945,27 +963,9 @@ def test_power_loss_with_pages_written_back_out_of_order(tmp_path: Path, monkeyp
     next recovery must not return them (an ACK or DELETE_QUEUE replayed out of nowhere). Refusing to start,
     as it did before the writer marked its syncs, would stop a node that lost nothing it had confirmed.
     """
-    directory = tmp_path / "journal"
-    disk = PowerLossDisk(monkeypatch, directory)
-    synced_entries = make_entries(5)
-    journal = Journal(directory)
-    journal.recover()
-    journal.start()
-    journal.append_encoded([encode(kind, payload) for kind, payload in synced_entries])
-    wait_until(lambda: journal.synced == 5)
-    batch: list[Entry] = [
-        (RecordType.MESSAGE, [wire_message(6, random.Random(6).randbytes(6000)), ["queue.a"]]),
-        (RecordType.ACK, ["queue.a", 2]),
-        (RecordType.DELETE_QUEUE, ["queue.b"]),
-    ]
-    disk.hold()
-    journal.append_encoded([encode(kind, payload) for kind, payload in batch])
-    assert disk.stalled.wait(WAIT)
-    [path] = list_segments(directory)
-    live = path.read_bytes()  # the batch in the page cache, its sync not done
-    synced_image = disk.image()[path.name]
-    disk.release()
-    journal.close()
+    held = crash_during_a_sync(tmp_path / "journal", monkeypatch)
+    synced_entries, batch, path, live = held.synced, held.batch, held.path, held.page_cache
+    synced_image = held.on_disk[path.name]
     bounds = boundaries(live)
     r6, r7 = bounds[5], bounds[6]
     page = 4096

@@ -1971,19 +1971,26 @@ async def test_a_will_the_user_may_not_publish_refuses_the_connect(tmp_path: Pat
         assert connack.reason_code == 0
 
 
+async def subscribed_after_a_retained_will(gw: Gateway, login: dict[str, Any]) -> Client:
+    """A client with a retained will on allowed/will goes (a watcher gets the will); then a client subscribes to
+    allowed/#, and is returned."""
+    c = await gw.connected("c", will=Will("allowed/will", b"bye", qos=1, retain=True), **login)
+    watcher = await gw.connected("w", **login)
+    await watcher.subscribe(Subscription("allowed/#", 1))
+    await c.gone()
+    assert (await watcher.message()).payload == b"bye"
+    late = await gw.connected("late", **login)
+    await late.subscribe(Subscription("allowed/#", 1))
+    return late
+
+
 async def test_a_retained_will_needs_the_right_to_publish_it_and_none_on_the_retained_store(tmp_path: Path) -> None:
     # The core writes a will's retained copy with the gateway's rights, as the gateway writes a retained
     # PUBLISH's: alice may send to her topic, and has (and needs) no right on the gateway's own addresses.
     grants = app_grants("send", "consume", "createNonDurableQueue", "createAddress")
     async with gateway(tmp_path, users=[UserEntry("alice", "a", ["app"])], permissions=grants) as gw:
         login: dict[str, Any] = {"username": "alice", "password": b"a"}
-        c = await gw.connected("c", will=Will("allowed/will", b"bye", qos=1, retain=True), **login)
-        watcher = await gw.connected("w", **login)
-        await watcher.subscribe(Subscription("allowed/#", 1))
-        await c.gone()
-        assert (await watcher.message()).payload == b"bye"
-        late = await gw.connected("late", **login)
-        await late.subscribe(Subscription("allowed/#", 1))
+        late = await subscribed_after_a_retained_will(gw, login)
         got = await late.message()
         assert (got.topic, got.payload, got.retain) == ("allowed/will", b"bye", True)
         refused = gw.client()
@@ -1997,14 +2004,7 @@ async def test_a_retained_will_on_a_link_of_its_own_is_published_unretained(tmp_
     grants = app_grants("send", "consume", "createNonDurableQueue", "createAddress")
     users = [UserEntry("alice", "a", ["app"])]
     async with gateway(tmp_path, users=users, permissions=grants, shared_links=0) as gw:
-        login: dict[str, Any] = {"username": "alice", "password": b"a"}
-        c = await gw.connected("c", will=Will("allowed/will", b"bye", qos=1, retain=True), **login)
-        watcher = await gw.connected("w", **login)
-        await watcher.subscribe(Subscription("allowed/#", 1))
-        await c.gone()
-        assert (await watcher.message()).payload == b"bye"
-        late = await gw.connected("late", **login)
-        await late.subscribe(Subscription("allowed/#", 1))
+        late = await subscribed_after_a_retained_will(gw, {"username": "alice", "password": b"a"})
         await late.handled_in_order()
 
 
