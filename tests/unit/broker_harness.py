@@ -167,7 +167,12 @@ class Client:
         own: bool | None = None,
         retain: dict[str, Any] | None = None,
     ) -> ev.Reply | ev.RequestFailed:
-        will = {"key": key, "message": message, "delay_ms": delay_ms, "publish_pending": publish_pending}
+        will: dict[str, Any] = {
+            "key": key,
+            "message": message,
+            "delay_ms": delay_ms,
+            "publish_pending": publish_pending,
+        }
         if own is not None:
             will["own"] = own
         if retain is not None:
