@@ -712,18 +712,8 @@ def test_a_backup_keeps_a_compactions_copy_when_the_next_compaction_roll_is_writ
     assert batch is not None
     assert sum(1 for data in batch[1] if data == ROLL) == 2
 
-    base = CoreSettings()
-    backup_settings = replace(base, journal=replace(base.journal, segment_bytes=SMALL_SEGMENT))
-    data_dir = tmp_path / "backup"
-    data_dir.mkdir()
     synced: list[Callable[[], None]] = []  # the backup's loop is busy: the sync callbacks wait
-    identity = NodeIdentity(data_dir)
-    advertise = ("127.0.0.1", 1)
-    runner = BackupRunner(
-        backup_settings, identity, "b", data_dir / "journal", advertise, synced.append, noop, lambda: False, _unfailing
-    )
-    runner.client = client = PeerLink("127.0.0.1", 1)  # never connected: its acknowledgements go nowhere
-    runner._start_copy({"node_id": "pair", "epoch": 1, "members": []})
+    runner, client, data_dir = copying_backup(tmp_path, small_segments(), call_in_loop=synced.append)
     runner._records(client, ReplicaRecords(1, batch[0], batch[1], feed.sync_end))
     journal = runner.journal
     assert journal is not None
@@ -751,23 +741,7 @@ async def test_a_backup_refuses_a_streamed_record_that_is_not_whole_and_copies_a
 ) -> None:
     """Found by a review: a record with a bad CRC was written and acknowledged, and the in-sync copy could
     not recover when it took over; one larger than this node's segments raised out of the link's callback."""
-    base = CoreSettings()
-    backup_settings = replace(base, journal=replace(base.journal, segment_bytes=SMALL_SEGMENT))
-    data_dir = tmp_path / "backup"
-    data_dir.mkdir()
-    runner = BackupRunner(
-        backup_settings,
-        NodeIdentity(data_dir),
-        "b",
-        data_dir / "journal",
-        ("127.0.0.1", 1),
-        _now,
-        noop,
-        _no,
-        _unfailing,
-    )
-    runner.client = client = PeerLink("127.0.0.1", 1)  # never connected: nothing goes anywhere
-    runner._start_copy({"node_id": "pair", "epoch": 1, "members": []})
+    runner, client, _ = copying_backup(tmp_path, small_segments())
     good = encode(RecordType.ADD_QUEUE, [queue_spec("q")])
     bad = _corrupt(encode(RecordType.MESSAGE, [wire_message(1), ["q"]]), kind)
     runner._records(client, ReplicaRecords(1, 1, [good, bad], 0))
@@ -787,6 +761,39 @@ def test_a_record_is_whole_only_with_its_header_length_and_crc() -> None:
     assert flaw(_corrupt(record, "crc")) == "CRC mismatch"
 
 
+def small_segments() -> CoreSettings:
+    base = CoreSettings()
+    return replace(base, journal=replace(base.journal, segment_bytes=SMALL_SEGMENT))
+
+
+def copying_backup(
+    tmp_path: Path,
+    settings: CoreSettings,
+    *,
+    call_in_loop: Callable[[Callable[[], None]], None] | None = None,
+    fail: Callable[[str, BaseException], None] | None = None,
+) -> tuple[BackupRunner, PeerLink, Path]:
+    """A backup in ``tmp_path/backup`` that has begun a copy from a primary, over a peer link never connected
+    (what it sends goes nowhere); the test hands it the primary's records. ``call_in_loop``: runs the journal's
+    callbacks (at once by default); ``fail``: what a failure does (by default the test fails)."""
+    data_dir = tmp_path / "backup"
+    data_dir.mkdir()
+    runner = BackupRunner(
+        settings,
+        NodeIdentity(data_dir),
+        "b",
+        data_dir / "journal",
+        ("127.0.0.1", 1),
+        call_in_loop or _now,
+        noop,
+        _no,
+        fail or _unfailing,
+    )
+    runner.client = client = PeerLink("127.0.0.1", 1)
+    runner._start_copy({"node_id": "pair", "epoch": 1, "members": []})
+    return runner, client, data_dir
+
+
 def _now(callback: Callable[[], None]) -> None:
     callback()
 
@@ -801,24 +808,10 @@ async def test_a_backup_whose_journal_cannot_write_acknowledges_nothing_and_fail
 ) -> None:
     """Found by a review: the backup went on with a dead journal, "in sync" until its primary dropped it,
     then copied again into a journal that failed again. Now it fails the node (exit 70), as a primary does."""
-    data_dir = tmp_path / "backup"
-    data_dir.mkdir()
     failed: list[tuple[str, BaseException]] = []
-    runner = BackupRunner(
-        CoreSettings(),
-        NodeIdentity(data_dir),
-        "b",
-        data_dir / "journal",
-        ("127.0.0.1", 1),
-        _now,
-        noop,
-        _no,
-        lambda name, exc: failed.append((name, exc)),
-    )
-    runner.client = client = PeerLink("127.0.0.1", 1)
+    runner, client, _ = copying_backup(tmp_path, CoreSettings(), fail=lambda name, exc: failed.append((name, exc)))
     acks: list[int] = []
     monkeypatch.setattr(client, "replica_ack", acks.append)
-    runner._start_copy({"node_id": "pair", "epoch": 1, "members": []})
 
     def fdatasync(fd: int) -> None:  # the disk fails the write-back (EIO), or the write itself (ENOSPC)
         raise OSError(error, os.strerror(error))
