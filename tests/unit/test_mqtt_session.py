@@ -371,15 +371,19 @@ async def test_a_client_that_never_connects_is_closed(tmp_path: Path) -> None:
         assert c.packets == []
 
 
+async def trickle(c: Client, data: bytes, interval_s: float) -> None:
+    """Feed ``data`` a byte every ``interval_s``, until it is all fed or the connection is closed."""
+    for byte in data:
+        if c.wire.closed:
+            return
+        c.session.feed(byte.to_bytes(1, "big"))
+        await asyncio.sleep(interval_s)
+
+
 async def test_a_connect_trickled_a_byte_at_a_time_still_meets_the_connect_timeout(tmp_path: Path) -> None:
     async with gateway(tmp_path, connect_timeout_ms=300) as gw:
         c = gw.client()
-        connect = encode(Connect("slow", keep_alive=1), V5)
-        for byte in connect[:-1]:
-            if c.wire.closed:
-                break
-            c.session.feed(byte.to_bytes(1, "big"))
-            await asyncio.sleep(0.05)
+        await trickle(c, encode(Connect("slow", keep_alive=1), V5)[:-1], 0.05)
         assert c.wire.closed  # closed while the bytes still came
         c._read()
         assert c.packets == []
@@ -387,12 +391,7 @@ async def test_a_connect_trickled_a_byte_at_a_time_still_meets_the_connect_timeo
 
 async def test_bytes_that_never_make_a_packet_do_not_keep_a_connection_alive(gw: Gateway) -> None:
     c = await gw.connected("trickle", keep_alive=1)  # closed 1.5 s after the last whole packet
-    publish = encode(Publish("t/x", b"x" * 200), V5)
-    for byte in publish[:40]:  # a byte every 0.1 s for 4 s: the packet would take 20 s
-        if c.wire.closed:
-            break
-        c.session.feed(byte.to_bytes(1, "big"))
-        await asyncio.sleep(0.1)
+    await trickle(c, encode(Publish("t/x", b"x" * 200), V5)[:40], 0.1)  # 4 s: the packet would take 20 s
     assert c.wire.closed  # closed while the bytes still came
     c._read()
     assert c.packets == [Disconnect(0x8D)]  # Keep Alive timeout
