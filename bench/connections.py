@@ -20,7 +20,12 @@ data directory) and gateway on free loopback ports, with ``listener.max_connecti
 and ``--broker-pid``, measures another MQTT or STOMP broker already running there with the same clients (the
 figures side by side with a peer's).
 
+With ``--gateways G`` the script starts G gateways of the protocol on one core and client number i connects to
+gateway i mod G: how a fleet of gateways scales past one process's open-file limit, and what the core costs per
+session at that many sessions.
+
     uv run python -m bench.connections --count 19000 [--protocol mqtt|stomp|amqp] [--procs 2] [--concurrency 500]
+    uv run python -m bench.connections --count 100000 --gateways 6 --procs 6
     uv run python -m bench.connections --count 19000 --port 22883 --broker-pid <its pid>
 """
 
@@ -35,7 +40,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Event as MpEvent
@@ -226,9 +231,17 @@ PROTOCOLS = {
 
 
 async def _clients(
-    protocol: str, port: int, run: str, first: int, count: int, concurrency: int, start: MpEvent, out: Connection
+    protocol: str,
+    ports: tuple[int, ...],
+    run: str,
+    first: int,
+    count: int,
+    concurrency: int,
+    start: MpEvent,
+    out: Connection,
 ) -> None:
-    """``count`` clients from number ``first``: report (subscribed, refused, seconds to the last subscription),
+    """``count`` clients from number ``first`` (client i to ``ports[i % len(ports)]``): report (subscribed,
+    refused, seconds to the last subscription),
     then (received) once each got its message or waited ``WAIT_S``, then hold the connections until told."""
     speaks = PROTOCOLS[protocol]
     handshakes = asyncio.Semaphore(concurrency)
@@ -243,6 +256,7 @@ async def _clients(
         """The client's reader once subscribed; None when refused (or failed)."""
         async with handshakes:
             try:
+                port = ports[i % len(ports)]
                 reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=client_source(i))
                 writers.append(writer)
                 done: bool = await speaks.subscribe(reader, writer, run, i)
@@ -303,7 +317,7 @@ class Figures:
     status: dict[str, Any] | None  # the core's, when the run started it
 
 
-def _clients_processes(args: argparse.Namespace, port: int, run: str, start: MpEvent) -> Iterator[Any]:
+def _clients_processes(args: argparse.Namespace, ports: tuple[int, ...], run: str, start: MpEvent) -> Iterator[Any]:
     share = -(-args.count // args.procs)
     for p in range(args.procs):
         first = p * share
@@ -311,7 +325,7 @@ def _clients_processes(args: argparse.Namespace, port: int, run: str, start: MpE
         here, there = multiprocessing.Pipe()
         process = multiprocessing.Process(
             target=_client_process,
-            args=(args.protocol, port, run, first, count, args.concurrency, start, there),
+            args=(args.protocol, ports, run, first, count, args.concurrency, start, there),
         )
         process.start()
         yield here, process
@@ -321,31 +335,40 @@ def _clients_processes(args: argparse.Namespace, port: int, run: str, start: MpE
 class Target:
     """What the clients connect to, and the processes whose memory and CPU the run reads."""
 
-    port: int
+    ports: tuple[int, ...]  # the gateways' (or the other broker's) client ports
     core: Core | None  # TridentMQ's own core: its link for the AMQP publisher, its status
     pids: dict[str, int]  # name → process
 
 
 @contextmanager
 def _started(args: argparse.Namespace) -> Iterator[Target]:
-    """A core and a gateway of the protocol, started for this run."""
+    """A core and ``--gateways`` gateways of the protocol, started for this run."""
+    per_gateway = -(-args.count // args.gateways)
     with (
         tempfile.TemporaryDirectory() as tmp,
         core_node(Path(tmp) / "core", link_max_connections=str(args.count + 100)) as core,
-        PROTOCOLS[args.protocol].gateway(
-            core,
-            Path(tmp) / "gw",
-            listener_max_connections=str(args.count + 100),
-            core_shared_links=str(args.shared_links),
-        ) as gateway,
+        ExitStack() as gateways,
     ):
-        yield Target(gateway.port, core, {"gateway": gateway.process.pid, "core": core.process.pid})
+        started = [
+            gateways.enter_context(
+                PROTOCOLS[args.protocol].gateway(
+                    core,
+                    Path(tmp) / f"gw{g}",
+                    listener_max_connections=str(per_gateway + 100),
+                    core_shared_links=str(args.shared_links),
+                )
+            )
+            for g in range(args.gateways)
+        ]
+        names = ["gateway"] if args.gateways == 1 else [f"gateway {g + 1}" for g in range(args.gateways)]
+        pids = {name: gateway.process.pid for name, gateway in zip(names, started, strict=True)}
+        yield Target(tuple(gateway.port for gateway in started), core, {**pids, "core": core.process.pid})
 
 
 @contextmanager
 def _running(args: argparse.Namespace) -> Iterator[Target]:
     """A broker already running on ``--port`` (another broker, side by side), watched as ``--broker-pid``."""
-    yield Target(args.port, None, {"broker": args.broker_pid})
+    yield Target((args.port,), None, {"broker": args.broker_pid})
 
 
 def measure(args: argparse.Namespace) -> Figures:
@@ -357,7 +380,7 @@ def measure(args: argparse.Namespace) -> Figures:
         start = multiprocessing.Event()
         pipes: list[tuple[Connection, multiprocessing.Process]] = []
         try:
-            pipes.extend(_clients_processes(args, target.port, run, start))
+            pipes.extend(_clients_processes(args, target.ports, run, start))
             time.sleep(1.0)  # the client processes are up and waiting (their start is the event, not this)
             clients = [process.pid for _, process in pipes if process.pid is not None]
             cpu_before = {name: cpu_of(pid) for name, pid in pids.items()}
@@ -369,7 +392,7 @@ def measure(args: argparse.Namespace) -> Figures:
             after = {name: proc_usage(pid) for name, pid in pids.items()}
             status = _status(target.core) if target.core is not None else None
             core_port = target.core.link_port if target.core is not None else 0
-            asyncio.run(speaks.publish_all(target.port, core_port, run, args.count))
+            asyncio.run(speaks.publish_all(target.ports[0], core_port, run, args.count))
             received = sum(here.recv() for here, _ in pipes)
             delivered = {name: proc_usage(pid) for name, pid in pids.items()}
             for here, process in pipes:
@@ -401,13 +424,23 @@ def main() -> None:
     parser.add_argument(
         "--shared-links", type=int, default=1, help="the gateway's core.shared_links (0: a link per client)"
     )
+    parser.add_argument("--gateways", type=int, default=1, help="gateways of the protocol on the one core")
     parser.add_argument("--port", type=int, default=0, help="a broker already running on 127.0.0.1 (MQTT, STOMP)")
     parser.add_argument("--broker-pid", type=int, default=0, help="with --port: its process, for memory and CPU")
     args = parser.parse_args()
     if args.port and (not args.broker_pid or args.protocol == "amqp"):
         parser.error("--port needs --broker-pid, and an MQTT or STOMP broker (AMQP publishes through the core)")
     limit = raise_open_file_limit()
-    against = f"the broker on port {args.port}" if args.port else f"core.shared_links = {args.shared_links}"
+    if args.gateways < 1 or (args.port and args.gateways != 1):
+        parser.error("--gateways is at least 1, and 1 with --port")
+    # Each client process and each gateway holds a descriptor per client, and each is one process.
+    if -(-args.count // args.procs) > limit - 100 or (not args.port and -(-args.count // args.gateways) > limit - 100):
+        parser.error(f"the open-file limit is {limit} per process: raise --procs and --gateways")
+    against = (
+        f"the broker on port {args.port}"
+        if args.port
+        else f"{args.gateways} gateway(s), core.shared_links = {args.shared_links}"
+    )
     print(
         f"{machine()}; open-file limit {limit}; {args.count} {PROTOCOLS[args.protocol].name} clients from "
         f"{args.procs} processes, {against}"
@@ -417,20 +450,32 @@ def main() -> None:
     print(f"connect + subscribe: {f.subscribed / f.elapsed:,.0f} /s ({f.elapsed:.1f} s for {f.subscribed})")
     if f.status is not None:
         print(f"core: {f.status['connections']} sessions over {f.status['links']} link connections")
+    fleet = [name for name in f.before if name.startswith("gateway ")]
+
+    def served(name: str) -> float:
+        """The clients a process served: a gateway of a fleet its share."""
+        return max(f.subscribed / len(fleet) if name in fleet else f.subscribed, 1)
+
     for name in f.before:
         grown = f.after[name]["rss_kib"] - f.before[name]["rss_kib"]
         print(
             f"{name}: RSS {f.before[name]['rss_kib'] / 1024:.0f} -> {f.after[name]['rss_kib'] / 1024:.0f} MiB, "
-            f"{grown * 1024 / max(f.subscribed, 1) / 1024:.1f} KiB per connection; "
+            f"{grown / served(name):.1f} KiB per connection; "
             f"fds {f.before[name]['fds']} -> {f.after[name]['fds']}; "
-            f"CPU {f.cpu[name] * 1e6 / max(f.subscribed, 1):.0f} µs per connect + subscribe"
+            f"CPU {f.cpu[name] * 1e6 / served(name):.0f} µs per connect + subscribe"
+        )
+    if fleet:
+        grown = sum(f.after[name]["rss_kib"] - f.before[name]["rss_kib"] for name in fleet)
+        print(
+            f"gateways, all {len(fleet)}: {grown / max(f.subscribed, 1):.1f} KiB per connection; "
+            f"CPU {sum(f.cpu[name] for name in fleet) * 1e6 / max(f.subscribed, 1):.0f} µs per connect + subscribe"
         )
     print(f"clients: CPU {f.cpu['clients'] * 1e6 / max(f.subscribed, 1):.0f} µs per connect + subscribe")
     for name in f.before:
         grown = f.delivered[name]["rss_kib"] - f.before[name]["rss_kib"]
         print(
             f"{name} once each client had its message: RSS {f.delivered[name]['rss_kib'] / 1024:.0f} MiB, "
-            f"{grown * 1024 / max(f.subscribed, 1) / 1024:.1f} KiB per connection"
+            f"{grown / served(name):.1f} KiB per connection"
         )
 
 
