@@ -8,7 +8,14 @@ from typing import Any
 import pytest
 
 from tridentmq_shared import session_driver
+from tridentmq_shared.log_window import LogWindow
 from tridentmq_shared.session_driver import SessionDriver
+
+
+@pytest.fixture(autouse=True)
+def _fresh_overdue_log(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test's loop its own overdue-log window (a loop's id may be an earlier test's)."""
+    monkeypatch.setattr(session_driver, "_overdue_logs", LogWindow(session_driver.OVERDUE_LOG_S))
 
 
 class RecordingWire:
@@ -287,6 +294,29 @@ async def test_an_ended_session_whose_clean_up_hangs_is_aborted(
     assert session.clean_ups == 1
     (overdue,) = [r for r in caplog.records if "session clean-up overdue" in r.getMessage()]
     assert "clean_up" in overdue.waiting_in  # where it waited
+
+
+async def test_overdue_clean_ups_are_logged_once_per_window_and_the_rest_counted(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A gateway whose core link fails may have thousands of sessions end at once, each clean-up waiting for the
+    link: 100,000 clients leaving six gateways logged 84,000 ERROR lines. The first is logged with where it
+    waited, the others in its window are counted and logged as one line when the window is over."""
+    monkeypatch.setattr(session_driver, "CLEAN_UP_LIMIT_S", 0.05)
+    monkeypatch.setattr(session_driver, "OVERDUE_LOG_S", 0.3)
+    monkeypatch.setattr(session_driver, "_overdue_logs", LogWindow(0.3))
+    sessions = [StuckSession() for _ in range(5)]
+    for session in sessions:
+        session.driver.receive(["wait:x"], 10)
+        session.driver.end()
+    await asyncio.wait_for(asyncio.gather(*(session.aborted.wait() for session in sessions)), 5)
+    assert all(session.wire.closed for session in sessions)  # each one aborted, logged or not
+    assert [r.getMessage() for r in caplog.records].count(
+        "session clean-up overdue: its link and connection are closed (further ones counted once a minute)"
+    ) == 1
+    await asyncio.sleep(0.5)
+    (more,) = [r for r in caplog.records if r.getMessage().startswith("more session clean-ups overdue")]
+    assert more.sessions == 4
 
 
 async def test_a_session_that_cleans_up_in_time_is_not_aborted(monkeypatch: pytest.MonkeyPatch) -> None:

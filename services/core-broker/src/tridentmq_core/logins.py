@@ -26,9 +26,9 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from tridentmq_core.log_window import LogWindow
 from tridentmq_core.security import Credentials, password_matches
 from tridentmq_core.settings import LoginSection
+from tridentmq_shared.log_window import LogWindow
 
 log = logging.getLogger("tridentmq.core")  # the node's own lines: one logger, one place to look
 

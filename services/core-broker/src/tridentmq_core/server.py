@@ -40,7 +40,6 @@ from tridentmq_core.ha.pair import (
 from tridentmq_core.ha.shared_store import SharedStore, epoch_directory, journal_for_epoch
 from tridentmq_core.ha.source import ReplicationSource, stall_limit
 from tridentmq_core.ha.voting import Voter, VoteStore, primary_may_activate
-from tridentmq_core.log_window import LogWindow
 from tridentmq_core.logins import LoginGuard
 from tridentmq_core.management.app import create_app
 from tridentmq_core.management.operations_api import NodeControl
@@ -69,6 +68,7 @@ from tridentmq_shared.link.codec import (
 )
 from tridentmq_shared.link.errors import LinkError
 from tridentmq_shared.link.ops import ErrorCode
+from tridentmq_shared.log_window import LogWindow
 from tridentmq_shared.message import MAX_PROPERTIES
 from tridentmq_shared.runtime import LISTEN_BACKLOG, random_hex, set_nodelay, wall_ms
 from tridentmq_shared.settings import SettingsError
