@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from tests.unit.gateway_harness import core_settings, eventually, running_core
 
+from tridentmq_core import server
 from tridentmq_shared.core_links import CoreLinkSettings
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.channels import ChannelTransport
@@ -100,3 +101,52 @@ async def test_input_for_a_channel_the_core_ended_makes_no_new_channel(
         assert "expected HELLO" not in caplog.text
         assert "link closed on protocol error" not in caplog.text
         await bystander.close()
+
+
+async def test_a_links_input_is_handled_over_several_loop_turns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A link's input is handled for at most ``INPUT_TURN_S`` per loop turn, its sessions' input one channel's
+    at a time; the rest waits for a later turn, so the node's output and timers (its heartbeats to every other
+    link) go on meanwhile. Before, each read was handled whole in one turn: when 100,000 clients left six
+    gateways at once, a turn took seconds and every gateway took its link for dead. Every request is still
+    handled, each session's in order."""
+    monkeypatch.setattr(server, "INPUT_TURN_S", 0.0)
+    async with running_core(core_settings(tmp_path), lambda port: CoreLinkSettings(port=port)) as core:
+        loop = asyncio.get_running_loop()
+        turn = 0
+        ticking = True
+
+        def count_turns() -> None:
+            nonlocal turn
+            turn += 1
+            if ticking:
+                loop.call_soon(count_turns)
+
+        handle_request = core.node.broker._request
+        created: list[tuple[int, str]] = []  # (turn, address) of each CREATE_ADDRESS, as the node handles them
+
+        def watched(session: Any, event: ev.Event, now_ms: int) -> Any:
+            if isinstance(event, ev.CreateAddress):
+                created.append((turn, event.address))
+            return handle_request(session, event, now_ms)
+
+        monkeypatch.setattr(core.node.broker, "_request", watched)
+        clients = [core.links.client(user="a", password="a", client_name=f"s{i}") for i in range(200)]
+        await asyncio.gather(*(client.connect() for client in clients))
+        loop.call_soon(count_turns)
+        # Each session's two requests, all in one frame of the shared link.
+        await asyncio.gather(
+            *(client.create_address(f"burst.{i}.{n}") for n in range(2) for i, client in enumerate(clients))
+        )
+        ticking = False
+        for client in clients:
+            await client.close()
+        assert sorted(address for _, address in created) == sorted(
+            f"burst.{i}.{n}" for i in range(200) for n in range(2)
+        )
+        for i in range(200):  # each session's in order
+            mine = [address for _, address in created if address.startswith(f"burst.{i}.")]
+            assert mine == [f"burst.{i}.0", f"burst.{i}.1"]
+        turns = {at for at, _ in created}
+        assert len(turns) >= 200  # a session's input per turn (its two requests may share a frame)
