@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -746,6 +747,94 @@ async def test_what_waits_for_a_leaving_node_in_another_nodes_store_and_forward_
     assert sorted(other) == sorted(bodies(200, "late"))
     assert sorted(got) == sorted(bodies(200, "late")), leaving.log()
     stop_all([sender, target])
+
+
+def queue_depth(node: CoreProcess, queue: str) -> int | None:
+    """Messages in ``queue`` on ``node``; None while it does not exist there."""
+    try:
+        with urllib.request.urlopen(f"{node.management_url}/api/queues/{queue}", timeout=5) as response:
+            return int(json.loads(response.read())["depth"])
+    except urllib.error.HTTPError:
+        return None
+
+
+@pytest.mark.parametrize("killed", ["mid-move", "before-move"])
+async def test_a_queue_whose_scale_down_target_dies_moves_on_to_another_live_node(tmp_path: Path, killed: str) -> None:
+    """A leaving node moved each queue once: its mover went with the target's connection (the target killed
+    mid-move), and the queue was never moved again although another node was live. The leaving node waited
+    out ``scale_down_timeout_ms`` and stopped with the rest of the queue in its journal (acknowledged messages
+    on a node that, scaled down, may never start again). Now the queue moves again, to the live node; what
+    the dead target had not confirmed went back to the queue and moves with it. Killed once the queue's copy
+    is made there (before the move, mostly), the queue goes to the live node too."""
+    count = 2000
+    settings = {"forward_window": "10", "scale_down_timeout_ms": "8000"}  # ten at a time: the move takes a while
+    a, *others = start_cluster(tmp_path, 3, **settings)
+    # A queue without consumers anywhere goes to the first live node by id: that one dies.
+    victim, survivor = sorted(others, key=node_id)
+    survivor_id = node_id(survivor)
+    async with client(a) as ca:
+        await ca.create_queue("leave-q", "leave-q", durable=True)
+    await publish(a, "leave-q", bodies(count))
+    a.process.send_signal(signal.SIGTERM)  # a graceful stop scales down
+    deadline = time.monotonic() + 15
+    while (depth := queue_depth(victim, "leave-q")) is None or (killed == "mid-move" and not depth):
+        assert time.monotonic() < deadline, a.log()
+        await asyncio.sleep(0.01)
+    victim.process.kill()
+    victim.process.wait()
+    assert a.process.wait(timeout=20) == 0
+    log = a.log()
+    assert "Traceback" not in log, log
+    assert "scale-down complete" in log, log
+    moves = [line for line in log.splitlines() if "scale-down: moving queue" in line]
+    assert survivor_id in moves[-1], log
+    if killed == "mid-move":
+        assert len(moves) == 2, log  # cut mid-move, then moved on
+    # What the victim confirmed before it died is in its journal: started again, it redistributes to the
+    # consumer on the survivor, where every message then is.
+    victim = start_node(tmp_path, victim.data_dir.name, [survivor], **settings)
+    wait_converged([victim, survivor])
+    seen: list[bytes] = []
+    flagged = True
+    async with client(survivor) as cs:
+        consumer = await cs.subscribe("leave-q", credit=1000)
+        deadline = time.monotonic() + 20
+        while len(set(seen)) < count and time.monotonic() < deadline:
+            batch = await consumer.get_batch(timeout=0.5)
+            seen.extend(bytes(m[M_BODY]) for _, m in batch)
+            flagged = flagged and all(delivery_count > 1 for delivery_count, _ in batch)
+            consumer.ack_ids([m[M_ID] for _, m in batch])
+    assert sorted(set(seen)) == sorted(bodies(count)), f"{count - len(set(seen))} missing"
+    # The victim's unconfirmed ones may be there twice, each flagged (every moved message's first delivery is).
+    assert len(seen) - count <= 10, "more duplicates than the victim had in flight"
+    assert flagged, "a moved message delivered unflagged"
+    stop_all([victim, survivor])
+
+
+async def test_a_queue_whose_scale_down_target_refuses_its_messages_moves_to_another_live_node(tmp_path: Path) -> None:
+    """A refused message stopped the queue's mover for good: the leaving node waited out
+    ``scale_down_timeout_ms`` and stopped with the queue in its journal, although another live node would
+    take it. The queue now moves again, to another live node."""
+    settings = {"scale_down_timeout_ms": "8000"}
+    a = start_node(tmp_path, "node-0", **settings)
+    small = start_node(tmp_path, "node-1", [a], core_broker_max_message_bytes="1000", **settings)
+    survivor = start_node(tmp_path, "node-2", [a], **settings)
+    wait_converged([a, small, survivor])
+    big = [body.ljust(5000, b".") for body in bodies(50)]  # larger than the small node takes
+    async with client(a) as ca:
+        await ca.create_queue("refused-q", "refused-q", durable=True)
+    await publish(a, "refused-q", big)
+    async with client(small) as cs:
+        # A consumer there (taking none of them) makes it the queue's destination.
+        await cs.subscribe("refused-q", selector="kind = 'none'")
+        wait_until(lambda: remote_consumers(a, "refused-q") == 1, what="a to see the small node's consumer")
+        assert a.stop() == 0
+    log = a.log()
+    assert "scale-down complete" in log, log
+    async with client(survivor) as cv:
+        got = await take(await cv.subscribe("refused-q", credit=100), 50, timeout=5)
+    assert sorted(got) == sorted(big), log
+    stop_all([small, survivor])
 
 
 def counters(node: CoreProcess) -> dict[str, int]:

@@ -909,7 +909,8 @@ class ClusterManager:
         close_clients()
         await asyncio.sleep(0.3)  # the others learn we leave (a node stopping at the same time is no target)
         broker = self.broker
-        movers: dict[str, Redistributor] = {}
+        movers: dict[str, tuple[Bridge, Redistributor]] = {}
+        refused_by: dict[str, str] = {}  # queue → the node that refused its last mover's message
         targets = self._live_targets()
         # A node that does not acknowledge (silent, cut off) is waited for as long as a binding change is, counted
         # from the last time anything was left here: one still sending us its backlog keeps it going.
@@ -947,9 +948,23 @@ class ClusterManager:
             if not targets:
                 break
             for queue in left:
-                if queue.name in movers or any(is_local_consumer(c) for c in queue.consumers):
+                if any(is_local_consumer(c) for c in queue.consumers):
                     continue
-                movers[queue.name] = await self._move_queue(queue, targets, self._scale_down_copies.get(queue.name))
+                if queue.name in movers:
+                    bridge, mover = movers[queue.name]
+                    attached = bridge.consumers.get(mover.id) is mover
+                    if attached and (not mover.stopped or mover.in_flight):
+                        continue  # moving, or a refused one's other messages are still to be confirmed or refused
+                    # It stopped (a refusal), or its connection went (what it sent unconfirmed went back to the
+                    # queue with it): move the queue again, to another live node if there is one.
+                    if attached:
+                        bridge.remove_consumer(mover)
+                        refused_by[queue.name] = bridge.node_id
+                    del movers[queue.name]
+                candidates = [b for b in targets if b.node_id != refused_by.get(queue.name)] or targets
+                moving = await self._move_queue(queue, candidates, self._scale_down_copies.get(queue.name))
+                if moving is not None:
+                    movers[queue.name] = moving
             await asyncio.sleep(0.05)
         remaining = sum(len(q) + q.in_flight for q in broker.queues.values())
         log.warning(
@@ -1008,9 +1023,12 @@ class ClusterManager:
             return exc.code == ErrorCode.EXISTS
         return True
 
-    async def _move_queue(self, queue: Queue, targets: list[Bridge], chosen: Bridge | None) -> Redistributor:
+    async def _move_queue(
+        self, queue: Queue, targets: list[Bridge], chosen: Bridge | None
+    ) -> tuple[Bridge, Redistributor] | None:
         """Move a queue's messages to ``chosen`` while it is live (the node its copy was made on), else to the
-        node with the most consumers for it (else the first live node), creating the queue there first."""
+        node with the most consumers for it (else the first live node), creating the queue there first. None
+        when that node's connection went meanwhile (the caller tries again)."""
         if chosen is not None and chosen in targets:
             bridge = chosen
         else:
@@ -1034,13 +1052,14 @@ class ClusterManager:
                 paced=False,
             )
 
-        mover = bridge.add_redistributor(make)
-        assert mover is not None
+        mover = bridge.add_redistributor(make) if bridge.up else None
+        if mover is None:
+            return None
         log.info(
             "scale-down: moving queue", extra={"queue": queue.name, "to_node": bridge.node_id, "messages": len(queue)}
         )
         self.schedule_flush()
-        return mover
+        return bridge, mover
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict[str, Any]:
