@@ -1,12 +1,14 @@
-"""Reconnect storm of the MQTT gateway: one of two gateways is killed (SIGKILL) and its clients come back
-through the other with their sessions and the messages queued meanwhile.
+"""Reconnect storm of the MQTT gateway: one of two (or more) gateways is killed (SIGKILL) and its clients come
+back through the others with their sessions and the messages queued meanwhile.
 
 N MQTT 3.1.1 clients with persistent sessions (clean session 0, no keep-alive), each subscribed at QoS 1 to a
-topic of its own, connect half to gateway A and half to gateway B, from one client process per gateway (raw
-asyncio sockets, at most ``--concurrency`` handshakes under way per process). Then A is killed, and one QoS 1
-message is published through B to each of A's clients' topics at once. Each of A's clients reconnects to B as soon
-as its connection drops; it must find its session (CONNACK with session present) and receive its message
-without subscribing again. After that, each of B's clients is sent a message of its own and must receive it.
+topic of its own, connect in equal shares to gateway A and gateway B (and C, D, ... with ``--gateways``), from
+one client process per gateway (raw asyncio sockets, at most ``--concurrency`` handshakes under way per
+process). Then A is killed, and one QoS 1 message is published through B to each of A's clients' topics at once.
+Each of A's clients reconnects as soon as its connection drops, to B (client i to the (i mod G-1)-th of the
+others with G gateways); it must find its session (CONNACK with session present) and receive its message
+without subscribing again. After that, each of the other gateways' clients is sent a message of its own and
+must receive it. More than two gateways take more sessions than one process's open-file limit allows.
 
 Meanwhile a probe client on B publishes QoS 1 to its own topic every 10 ms and times each message from PUBLISH
 to its delivery: how the storm slows a client that is not part of it. The script reports the time from the kill
@@ -14,6 +16,7 @@ until the last of A's clients had its session back and its message, the probe's 
 core's link connections (B's link kept: the core's heartbeats went on), and the CPU and memory of core and B.
 
     uv run python -m bench.mqtt_storm --count 10000 [--concurrency 500]
+    uv run python -m bench.mqtt_storm --count 50000 --gateways 4
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import multiprocessing
 import tempfile
 import time
 import uuid
+from contextlib import ExitStack
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Event as MpEvent
 from pathlib import Path
@@ -94,11 +98,18 @@ async def _login(
 
 
 async def _side(
-    port: int, failover_port: int, run: str, first: int, count: int, concurrency: int, start: MpEvent, out: Connection
+    port: int,
+    failover_ports: tuple[int, ...],
+    run: str,
+    first: int,
+    count: int,
+    concurrency: int,
+    start: MpEvent,
+    out: Connection,
 ) -> None:
     """``count`` clients from number ``first`` on ``port``: report how many subscribed; then each waits for one
-    message, reconnecting to ``failover_port`` (its session expected there) if its connection drops first;
-    report (received, came back, came back without their session, came back times)."""
+    message, reconnecting to ``failover_ports[i % len(failover_ports)]`` (its session expected there) if its
+    connection drops first; report (received, came back, came back without their session, came back times)."""
     handshakes = asyncio.Semaphore(concurrency)
     subscribed = refused = received = back = no_session = 0
     back_at: list[float] = []
@@ -128,7 +139,7 @@ async def _side(
         writer.close()
         try:
             async with handshakes:
-                reader, writer, present = await _login(failover_port, client_id, None, i)
+                reader, writer, present = await _login(failover_ports[i % len(failover_ports)], client_id, None, i)
             back += 1
             no_session += not present
             back_at.append(time.monotonic())
@@ -198,30 +209,42 @@ def _status(core: Core) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--count", type=int, default=2000, help="clients in all, half on each gateway")
+    parser.add_argument("--count", type=int, default=2000, help="clients in all, an equal share on each gateway")
+    parser.add_argument("--gateways", type=int, default=2, help="MQTT gateways, at least 2; the first, A, is killed")
     parser.add_argument("--concurrency", type=int, default=500, help="handshakes under way per client process")
     args = parser.parse_args()
+    if args.gateways < 2:
+        parser.error("--gateways is at least 2")
     run = uuid.uuid4().hex[:6]
     limit = raise_open_file_limit()
-    half = args.count // 2
+    share = args.count // args.gateways
+    survivors = args.gateways - 1
+    if share + -(-share // survivors) > limit - 100:
+        parser.error(f"a gateway that takes over would hold more clients than its open-file limit ({limit})")
     print(
-        f"{machine()}; open-file limit {limit}; {2 * half} MQTT 3.1.1 persistent sessions, {half} on each of two "
-        "gateways; gateway A is killed"
+        f"{machine()}; open-file limit {limit}; {share * args.gateways} MQTT 3.1.1 persistent sessions, {share} on "
+        f"each of {args.gateways} gateways; gateway A is killed"
     )
     with (
         tempfile.TemporaryDirectory() as tmp,
         core_node(Path(tmp) / "core", link_max_connections="100") as core,
-        mqtt_gateway(core, Path(tmp) / "a", listener_max_connections=str(args.count + 100)) as gateway_a,
-        mqtt_gateway(core, Path(tmp) / "b", listener_max_connections=str(args.count + 100)) as gateway_b,
+        ExitStack() as stack,
     ):
+        gateways = [
+            stack.enter_context(mqtt_gateway(core, Path(tmp) / f"gw{g}", listener_max_connections=str(2 * share + 100)))
+            for g in range(args.gateways)
+        ]
+        gateway_a, others = gateways[0], gateways[1:]
+        watched = {"core": core.process.pid, **{_name(g): gw.process.pid for g, gw in enumerate(others, 1)}}
         start = multiprocessing.Event()
         sides: list[tuple[Connection, multiprocessing.Process]] = []
         try:
-            for first, port in ((0, gateway_a.port), (half, gateway_b.port)):
+            for g, gateway in enumerate(gateways):
+                failover = tuple(o.port for o in others) if g == 0 else (gateway.port,)
                 here, there = multiprocessing.Pipe()
                 process = multiprocessing.Process(
                     target=_side_process,
-                    args=(port, gateway_b.port, run, first, half, args.concurrency, start, there),
+                    args=(gateway.port, failover, run, g * share, share, args.concurrency, start, there),
                 )
                 process.start()
                 sides.append((here, process))
@@ -230,19 +253,17 @@ def main() -> None:
             start.set()
             logged_in = [here.recv() for here, _ in sides]
             print(
-                f"subscribed: A {logged_in[0][0]} (refused {logged_in[0][1]}), B {logged_in[1][0]} "
-                f"(refused {logged_in[1][1]}) in {time.monotonic() - t0:.1f} s"
+                "subscribed: "
+                + ", ".join(f"{_name(g)} {n} (refused {r})" for g, (n, r) in enumerate(logged_in))
+                + f" in {time.monotonic() - t0:.1f} s"
             )
             before = _status(core)
-            usage_before = {"core": proc_usage(core.process.pid), "B": proc_usage(gateway_b.process.pid)}
-            cpu_before = {"core": cpu_of(core.process.pid), "B": cpu_of(gateway_b.process.pid)}
-            storm = asyncio.run(_storm(core, gateway_a, gateway_b.port, run, half, sides))
-            cpu = {
-                "core": cpu_of(core.process.pid) - cpu_before["core"],
-                "B": cpu_of(gateway_b.process.pid) - cpu_before["B"],
-            }
+            usage_before = {name: proc_usage(pid) for name, pid in watched.items()}
+            cpu_before = {name: cpu_of(pid) for name, pid in watched.items()}
+            storm = asyncio.run(_storm(core, gateway_a, others[0].port, run, share, sides))
+            cpu = {name: cpu_of(pid) - cpu_before[name] for name, pid in watched.items()}
             after = _status(core)
-            usage_after = {"core": proc_usage(core.process.pid), "B": proc_usage(gateway_b.process.pid)}
+            usage_after = {name: proc_usage(pid) for name, pid in watched.items()}
             for here, process in sides:
                 here.send("done")
                 process.join(60)
@@ -250,16 +271,17 @@ def main() -> None:
             for _, process in sides:
                 if process.is_alive():
                     process.terminate()
-    (received_a, back, no_session, back_at), (received_b, dropped_b), t_kill, samples, storm_end = storm
+    (received_a, back, no_session, back_at), (received_others, dropped_others), t_kill, samples, storm_end = storm
     back_s = [t - t_kill for t in back_at] or [float("nan")]
+    through = "B" if survivors == 1 else f"the other {survivors} gateways"
     print(
-        f"A's {half} clients: {back} back through B ({no_session} without their session), {received_a} received "
-        f"their message; last back {back_s[-1]:.1f} s after the kill (median {back_s[len(back_s) // 2]:.1f} s), "
-        f"all done {storm_end - t_kill:.1f} s after it"
+        f"A's {share} clients: {back} back through {through} ({no_session} without their session), {received_a} "
+        f"received their message; last back {back_s[-1]:.1f} s after the kill (median {back_s[len(back_s) // 2]:.1f} "
+        f"s), all done {storm_end - t_kill:.1f} s after it"
     )
     print(
-        f"B's {half} clients: {received_b} received their message after the storm; {dropped_b} of them lost their "
-        "connection meanwhile (and came back)"
+        f"the other gateways' {share * survivors} clients: {received_others} received their message after the storm; "
+        f"{dropped_others} of them lost their connection meanwhile (and came back)"
     )
     during = sorted(ns for sent, ns in samples if t_kill <= sent <= storm_end)
     quiet = sorted(ns for sent, ns in samples if sent < t_kill)
@@ -272,11 +294,16 @@ def main() -> None:
         f"core: link connections {before['links']} before, {after['links']} after (A's gone); sessions "
         f"{before['connections']} -> {after['connections']}"
     )
-    for name in ("B", "core"):
+    for name in watched:
         print(
             f"{name}: RSS {usage_before[name]['rss_kib'] / 1024:.0f} -> {usage_after[name]['rss_kib'] / 1024:.0f} MiB, "
             f"fds {usage_before[name]['fds']} -> {usage_after[name]['fds']}, CPU {cpu[name]:.1f} s during the storm"
         )
+
+
+def _name(g: int) -> str:
+    """Gateway number ``g``'s name: A, B, C, ..."""
+    return chr(ord("A") + g)
 
 
 async def _storm(
@@ -284,24 +311,28 @@ async def _storm(
     gateway_a: Any,
     port_b: int,
     run: str,
-    half: int,
+    share: int,
     sides: list[tuple[Connection, multiprocessing.Process]],
 ) -> tuple[tuple[int, int, int, list[float]], tuple[int, int], float, list[tuple[float, int]], float]:
-    """Kill A with the probe running, publish to A's clients, wait for them, then serve B's clients."""
+    """Kill A with the probe running, publish to A's clients, wait for them, then serve the others' clients."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     probe = asyncio.create_task(_probe(port_b, run, stop))
     await asyncio.sleep(2.0)  # the probe's quiet baseline
     t_kill = time.monotonic()
     gateway_a.process.kill()
-    await _publish_qos1(port_b, f"pa{run}", [f"storm/{run}/{i}" for i in range(half)])
+    await _publish_qos1(port_b, f"pa{run}", [f"storm/{run}/{i}" for i in range(share)])
     result_a = await loop.run_in_executor(None, sides[0][0].recv)
     storm_end = time.monotonic()
     stop.set()
     samples = await probe
-    await _publish_qos1(port_b, f"pb{run}", [f"storm/{run}/{i}" for i in range(half, 2 * half)])
-    received_b, dropped_b, _, _ = await loop.run_in_executor(None, sides[1][0].recv)
-    return result_a, (received_b, dropped_b), t_kill, samples, storm_end
+    await _publish_qos1(port_b, f"pb{run}", [f"storm/{run}/{i}" for i in range(share, share * len(sides))])
+    received = dropped = 0
+    for here, _ in sides[1:]:
+        side_received, side_dropped, _, _ = await loop.run_in_executor(None, here.recv)
+        received += side_received
+        dropped += side_dropped
+    return result_a, (received, dropped), t_kill, samples, storm_end
 
 
 if __name__ == "__main__":
