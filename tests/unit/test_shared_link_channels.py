@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -150,3 +152,24 @@ async def test_a_links_input_is_handled_over_several_loop_turns(
             assert mine == [f"burst.{i}.0", f"burst.{i}.1"]
         turns = {at for at, _ in created}
         assert len(turns) >= 200  # a session's input per turn (its two requests may share a frame)
+
+
+async def test_a_stall_of_the_node_does_not_drop_the_links_it_accepted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full garbage collection of a core holding 50,000 sessions stalled it for seconds: at its first timer
+    after it, every gateway's shared link had sent nothing for longer than the heartbeat timeout (what they
+    sent waited unread), and the core dropped them, with the 30,000 sessions they carried. A stall of the
+    node is not its peers' silence: here the node (with its gateway link, in the same process) stalls for ten
+    heartbeat intervals, and the link and its session go on."""
+    settings = core_settings(tmp_path, heartbeat_ms=100)
+    gateway = CoreLinkSettings(port=0, heartbeat_ms=100)
+    async with running_core(settings, lambda port: replace(gateway, port=port)) as core, core.admin() as client:
+        links = set(core.node.links)
+        with caplog.at_level(logging.WARNING):
+            time.sleep(1.0)  # noqa: ASYNC251 - the node's loop stalls (a garbage collection, say)
+            await asyncio.sleep(0.5)  # five intervals more: the timers, then the peer's heartbeats
+            await client.create_address("after.the.stall")
+        assert set(core.node.links) == links
+        assert "heartbeat-timeout" not in caplog.text
+        assert client.connected

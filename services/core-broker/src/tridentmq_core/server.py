@@ -186,6 +186,10 @@ class LinkProtocol(asyncio.Protocol):
             max_properties=MAX_PROPERTIES + 1,
             handshake_frame_size=link.handshake_max_frame_bytes,
             carries_channels=carrier is None,
+            # A stall of this node (a full garbage collection of a large heap takes seconds) is not its peers'
+            # silence: what they sent meanwhile waits unread. Its role after a pause is the replication
+            # source's to decide (``CoreNode.awake``), not a heartbeat's.
+            forgive_own_stalls=True,
         )
         # Sessions multiplexed over this link, by channel id (a channel's codec refuses any: it shares one
         # empty table, only ever read, instead of a dict of its own).

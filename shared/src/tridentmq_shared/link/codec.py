@@ -719,8 +719,10 @@ class LinkConnection:
         stall on this side (its event loop busy or paused): what the peer sent meanwhile may be waiting unread,
         so the stall does not count as the peer's silence. That is for a gateway's links: a gateway busy for a
         second must not drop the thousands of sessions its shared link carries, and then again while it
-        restores them. Never for a node's own links: a node that was paused may have lost its role meanwhile
-        (its backup took over), and its peers' silence is what tells it so on waking."""
+        restores them; and for the links a node accepts: a node in a full garbage collection of a large heap
+        must not drop every gateway's. Never for the links a node opens to its peers: a node that was paused
+        may have lost its role meanwhile (its backup took over), and their silence is what tells it so on
+        waking."""
         if self.state is not _OPEN or self.heartbeat_ms <= 0:
             return
         interval = self.heartbeat_ms / 1000
