@@ -6,6 +6,8 @@ the counts of the windows that are over (called from the node's timer), so nothi
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -42,3 +44,29 @@ class LogWindow:
             if window.suppressed:
                 reported.append((key, window.suppressed))
         return reported
+
+
+class FloodLog:
+    """One log line per window for a flood of alike events in an event loop (a gateway's link fails over with
+    thousands of sessions, each with the same thing to say): the first is logged by the caller, the rest are
+    counted and reported in one line once the window is over. A window per loop: a process runs one, tests
+    many."""
+
+    def __init__(self, seconds: float, logger: logging.Logger, level: int, summary: str) -> None:
+        self.seconds = seconds
+        self._window = LogWindow(seconds)
+        self._logger = logger
+        self._level = level
+        self._summary = summary  # the line that reports the counted ones (their count: ``count``)
+
+    def first(self) -> bool:
+        """Count an event; True when the caller is to log it (it opens a window)."""
+        loop = asyncio.get_running_loop()
+        if not self._window.first(f"loop {id(loop)}", loop.time()):
+            return False
+        loop.call_later(self.seconds, self._report, loop)
+        return True
+
+    def _report(self, loop: asyncio.AbstractEventLoop) -> None:
+        for _, count in self._window.ended(loop.time()):
+            self._logger.log(self._level, self._summary, extra={"count": count})

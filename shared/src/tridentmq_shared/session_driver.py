@@ -15,7 +15,7 @@ from typing import Any, Final, Protocol
 
 from tridentmq_shared.gateway import Wire
 from tridentmq_shared.link.client import LinkClient
-from tridentmq_shared.log_window import LogWindow
+from tridentmq_shared.log_window import FloodLog
 from tridentmq_shared.supervision import end_on_failure
 
 log = logging.getLogger("tridentmq.gateway")
@@ -26,8 +26,9 @@ log = logging.getLogger("tridentmq.gateway")
 CLEAN_UP_LIMIT_S: Final = 30.0
 #: Overdue clean-ups are logged once per this many seconds, the rest counted: a gateway whose core link fails
 #: may have thousands of sessions end at once (100,000 clients leaving six gateways logged 84,000 lines).
-OVERDUE_LOG_S = 60.0
-_overdue_logs = LogWindow(OVERDUE_LOG_S)  # one window per event loop (a process runs one; tests many)
+overdue_log = FloodLog(
+    60.0, log, logging.ERROR, "more session clean-ups overdue: their links and connections were closed"
+)
 
 #: Errors of handling one event that are bugs of ours, not the client's: every protocol session counts them
 #: among its ``handled_errors`` and ends that connection only, logged with the traceback.
@@ -265,22 +266,14 @@ class SessionDriver:
         it waited."""
         if self.cleaned:
             return
-        loop = self._loop
-        if _overdue_logs.first(f"loop {id(loop)}", loop.time()):
+        if overdue_log.first():
             worker = self._worker
             where = _awaiting(worker.get_coro()) if worker is not None and not worker.done() else ""
             log.error(
                 "session clean-up overdue: its link and connection are closed (further ones counted once a minute)",
                 extra={"peer": self._wire.peer, "waiting_in": where or "(no task)"},
             )
-            loop.call_later(OVERDUE_LOG_S, _report_overdue, loop)
         self._task(self._hooks.abort(), "abort")
-
-
-def _report_overdue(loop: asyncio.AbstractEventLoop) -> None:
-    """The sessions whose overdue clean-up was counted, not logged, in a window that is over."""
-    for _, count in _overdue_logs.ended(loop.time()):
-        log.error("more session clean-ups overdue: their links and connections were closed", extra={"sessions": count})
 
 
 def _awaiting(coroutine: Any) -> str:

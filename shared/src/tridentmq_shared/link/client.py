@@ -34,6 +34,7 @@ from tridentmq_shared.link.errors import (
 from tridentmq_shared.link.failover import FATAL, ReconnectPolicy, Unconfirmed, connect_first, homed, reach_backup
 from tridentmq_shared.link.ops import PROTOCOL_VERSIONS, ErrorCode, NackMode
 from tridentmq_shared.link.topology import Endpoint, LoadBalancing, Topology
+from tridentmq_shared.log_window import FloodLog
 from tridentmq_shared.message import (
     LINK_DEDUP_PREFIX,
     M_BODY,
@@ -63,6 +64,11 @@ class ChannelOpener(Protocol):
 
 
 log = logging.getLogger("tridentmq.link.client")
+#: A shared link that fails over restores the consumers of every session it carries: when their queues went
+#: with the old link (an MQTT session's lock), 30,000 sessions each logged their own line.
+unrestored_log = FloodLog(
+    60.0, log, logging.WARNING, "more consumers not restored after a reconnect (their sessions were told)"
+)
 _OPEN = State.OPEN  # a module constant: enum member access is slow on the publish path
 
 #: Write as soon as this many operations are queued, so a long burst streams instead of piling up into
@@ -913,7 +919,12 @@ class LinkClient:
             return
         if isinstance(error, LinkClosedError) or not isinstance(error, LinkRequestError):
             return  # lost again: the next resume subscribes it again
-        log.warning("consumer of %s not restored after a reconnect: %s", consumer.queue, error)
+        if unrestored_log.first():
+            log.warning(
+                "consumer of %s not restored after a reconnect: %s (further ones counted once a minute)",
+                consumer.queue,
+                error,
+            )
         if self._consumers.get(consumer.consumer_id) is consumer:
             del self._consumers[consumer.consumer_id]
         consumer.closed = error
