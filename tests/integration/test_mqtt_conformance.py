@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import select
 import socket
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -789,3 +791,56 @@ def test_slow_subscriber_bounded_memory(mqtt_gateway: GatewayProcess, raw: Calla
         sub.send(Puback(packet.packet_id or 0))
     assert acked == count
     assert silent(sub, 0.3) == []
+
+
+def test_a_one_thread_client_that_publishes_a_burst_before_reading_is_not_deadlocked(
+    mqtt_gateway: GatewayProcess, raw: Callable[..., Raw]
+) -> None:
+    """A client with one thread and blocking writes (many embedded libraries) subscribes to a topic, then publishes
+    a burst to it (QoS 0 and QoS 1, not waiting for PUBACKs) before it reads anything: its own deliveries fill its
+    socket. The gateway goes on reading and handling its packets, so the burst is taken whole."""
+    count, payload = 30_000, b"x" * 1024  # about 30 MiB each way: more than the sockets' buffers hold
+    topic = f"echo/{_id()}"
+    client = raw(mqtt_gateway.port, V311)
+    _connected(client, f"echo-{_id()}")
+    client.send(Subscribe(1, (Subscription(topic, 0),)))
+    assert client.next() == Suback(1, (0,))
+    burst = b"".join(
+        encode(Publish(topic, payload, n % 2, packet_id=n % 60_000 + 1 if n % 2 else None), V311) for n in range(count)
+    )
+    sock = client.sock
+    sock.settimeout(None)  # blocking writes, as the client's
+    sent = [0]
+
+    def send_burst() -> None:
+        view = memoryview(burst)
+        while sent[0] < len(view):
+            sent[0] += sock.send(view[sent[0] : sent[0] + 65536])
+
+    sender = threading.Thread(target=send_burst, daemon=True)
+    sender.start()
+    stalled_at = None
+    last, last_change = 0, time.monotonic()
+    while sender.is_alive():
+        sender.join(0.2)
+        if sent[0] != last:
+            last, last_change = sent[0], time.monotonic()
+        elif time.monotonic() - last_change > 10:
+            stalled_at = sent[0]  # nothing moved for 10 s: a deadlock (read now, to end it)
+            break
+    data = bytearray()
+    while sender.is_alive():  # free the sender, if it stalled
+        if select.select([sock], [], [], 0.2)[0]:
+            data += sock.recv(1 << 20)
+    assert stalled_at is None, f"deadlocked after {stalled_at} of {len(burst)} bytes"
+    client.pending = client.parser.feed(bytes(data))
+    acked, delivered = [], 0
+    while len(acked) < count // 2:
+        packet = client.next(30)
+        if isinstance(packet, Puback):
+            acked.append(packet.packet_id)
+        else:
+            assert isinstance(packet, Publish), packet
+            delivered += 1
+    assert acked == [n % 60_000 + 1 for n in range(1, count, 2)]
+    assert delivered > 0

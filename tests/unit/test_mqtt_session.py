@@ -182,6 +182,17 @@ class Client:
         assert type(got) is kind, got
         return got
 
+    async def packets_of_any_kind(self, count: int) -> list[Packet]:
+        """The next ``count`` packets the session sent, whatever their kinds."""
+
+        def arrived() -> bool:
+            self._read()
+            return len(self.packets) >= count
+
+        await eventually(arrived, f"{count} packets")
+        got, self.packets = self.packets[:count], self.packets[count:]
+        return got
+
     async def nothing(self) -> None:
         """Nothing came so far: only for what the session would have written at once (or before a marker)."""
         await settle()
@@ -2114,3 +2125,40 @@ async def test_a_persistent_session_taken_over_is_resumed_by_the_newcomer(gw: Ga
     await pub.publish("orders/1", b"to the newcomer")
     assert (await second.message(1)).payload == b"to the newcomer"
     await first.nothing()
+
+
+async def test_a_client_that_does_not_read_still_has_its_packets_handled(gw: Gateway) -> None:
+    """A one-thread client publishes a burst before it reads, while its subscription fills its socket: the
+    gateway goes on handling its packets (it would otherwise wait for the client to read, and the client for the
+    gateway to read its burst: a deadlock); its deliveries wait for the socket."""
+    c, producer, reader = await gw.connected("c"), await gw.connected("producer"), await gw.connected("reader")
+    await c.subscribe("mine")
+    await reader.subscribe(Subscription("burst", 0))
+    c.wire.stall()
+    for n in range(3):
+        await producer.publish("mine", b"for c %d" % n)
+    for n in range(5):
+        c.send(Publish("burst", b"%d" % n, 1, packet_id=n + 1))
+    assert [(await reader.packet(Publish)).payload for _ in range(5)] == [b"0", b"1", b"2", b"3", b"4"]
+    c.wire.drain()
+    got = await c.packets_of_any_kind(8)
+    assert [p.packet_id for p in got if isinstance(p, Puback)] == [1, 2, 3, 4, 5]
+    assert [p.payload for p in got if isinstance(p, Publish)] == [b"for c 0", b"for c 1", b"for c 2"]
+
+
+async def test_the_answers_waiting_for_a_client_that_does_not_read_are_bounded(tmp_path: Path) -> None:
+    async with gateway(tmp_path, pending_bytes=1000) as gw:
+        c, reader = await gw.connected("c"), await gw.connected("reader")
+        await reader.subscribe(Subscription("bounded", 0))
+        c.wire.stall()
+        unknown = tuple(f"never/{n}" for n in range(100))
+        for n in range(20):  # each UNSUBACK is over 100 bytes: after about ten, the gateway waits for the client
+            c.send(Unsubscribe(n + 1, unknown), Publish("bounded", b"%d" % n))
+            await settle()
+        await settle()
+        handled = bytes(reader.wire.out).count(b"bounded")
+        assert 5 <= handled < 20
+        assert len(c.wire.out) < 2000
+        c.wire.drain()
+        assert [(await c.packet(Unsuback)).packet_id for _ in range(20)] == list(range(1, 21))
+        assert [int((await reader.packet(Publish)).payload) for _ in range(20)] == list(range(20))

@@ -245,8 +245,16 @@ class MqttSession:
         self._disconnecting = False
         loop = asyncio.get_running_loop()
         self._loop = loop
+        # Packets are handled while the client does not read, up to pending_bytes of answers waiting for it (its
+        # deliveries wait for the socket: ``pump``): a client that publishes a burst before it reads, while its own
+        # subscriptions fill its socket, is not deadlocked with the gateway.
         self._driver = SessionDriver(
-            self, wire, "mqtt", max_events=limits.pending_packets, max_bytes=limits.pending_bytes
+            self,
+            wire,
+            "mqtt",
+            max_events=limits.pending_packets,
+            max_bytes=limits.pending_bytes,
+            max_unread=limits.pending_bytes,
         )
         connect_timeout = settings.mqtt.connect_timeout_ms / 1000
         if connect_timeout > 0:
