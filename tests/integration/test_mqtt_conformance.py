@@ -571,6 +571,7 @@ def test_malformed_input(tmp_path: Path, core: CoreProcess) -> None:
         ),
         ("packet larger than the maximum", V5, True, too_large, {0x95}),
         ("wildcard in a topic name", V5, True, _publish_bytes(b"a/+", b"x", V5), {0x90}),
+        ("topic alias 0", V5, True, _publish_bytes(b"a/b", b"x", V5, props=b"\x03\x23\x00\x00"), {0x94}),
         ("wildcard in a topic name 3.1.1", V311, True, _publish_bytes(b"a/#", b"x", V311), None),
         ("a second CONNECT", V5, True, connect, {0x82}),
         ("first packet not a CONNECT", V5, False, encode(Pingreq(), V5), None),

@@ -437,10 +437,15 @@ def test_an_unknown_alias_with_an_empty_topic_is_a_protocol_error() -> None:
     assert violation(conn, encode(Publish("", b"", properties=Properties(topic_alias=2)), V5)).reason_code == 0x82
 
 
-def test_alias_zero_is_refused_by_the_parser_as_a_protocol_error() -> None:
+def test_alias_zero_is_refused_by_the_parser_as_topic_alias_invalid() -> None:
+    """5.0, 3.3.4: "A Topic Alias value of 0 or greater than the Maximum Topic Alias is a Protocol Error, the
+    receiver uses DISCONNECT with Reason Code of 0x94 (Topic Alias invalid)"."""
     conn = connected(V5, topic_alias_maximum=5)
     # PUBLISH QoS 0, topic "t", properties: length 3, topic alias (0x23) = 0
-    assert violation(conn, b"\x30\x07\x00\x01t\x03\x23\x00\x00").reason_code == 0x82
+    event = violation(conn, b"\x30\x07\x00\x01t\x03\x23\x00\x00")
+    assert event.reason_code == 0x94
+    conn.reject(event)
+    assert conn.data_to_send() == b"\xe0\x01\x94"
 
 
 # ---------------------------------------------------------------------------------------------------- outgoing

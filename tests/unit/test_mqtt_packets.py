@@ -772,7 +772,7 @@ def test_subscribe_options_cut_short_is_malformed() -> None:
         ("30 0a 00 01 74 06 23 00 01 23 00 02", PROTOCOL_ERROR),  # topic alias twice
         ("30 09 00 01 74 05 0b 80 80 80 80", MALFORMED_PACKET),  # a five-byte variable byte integer
         ("30 06 00 01 74 02 0b 00", PROTOCOL_ERROR),  # subscription identifier 0
-        ("30 07 00 01 74 03 23 00 00", PROTOCOL_ERROR),  # topic alias 0
+        ("30 07 00 01 74 03 23 00 00", 0x94),  # topic alias 0: Topic Alias invalid (5.0, 3.3.4)
         ("30 06 00 01 74 02 01 02", PROTOCOL_ERROR),  # payload format indicator 2
         ("30 06 00 01 74 02 23 00", MALFORMED_PACKET),  # a two-byte value cut by the property length
         ("30 08 00 01 74 04 03 00 05 61", MALFORMED_PACKET),  # a string running past the properties

@@ -17,7 +17,7 @@ Packet-id bookkeeping, per direction:
   ``duplicate=True``; any other reuse of an id in use is a protocol violation. A PUBREL repeated before the
   ``pubcomp`` of its first is no event: the ``pubcomp`` answers each of them.
 * 5.0 topic aliases from the client are resolved (up to the server's ``topic_alias_maximum``; above it is
-  0x94, an unmapped alias 0x82; alias 0 is refused by the parser, as 0x82). The server sends no aliases.
+  0x94, an unmapped alias 0x82; alias 0 is refused by the parser, as 0x94). The server sends no aliases.
 * Outgoing QoS 1/2 PUBLISH (``publish``): the id is in use until PUBACK, PUBCOMP or an error PUBREC. At most
   the client's receive maximum are in flight: beyond that ``publish`` returns ``None`` and queues nothing.
   After a PUBREC the shell sends the PUBREL with ``pubrel`` (once it has recorded that the message is the
@@ -67,6 +67,7 @@ from tridentmq_mqtt.protocol.properties import NO_PROPERTIES, PUBACK, U16, Prope
 from tridentmq_mqtt.protocol.reason_codes import (
     PACKET_TOO_LARGE,
     PROTOCOL_ERROR,
+    TOPIC_ALIAS_INVALID,
     UNSPECIFIED_ERROR,
     UNSUPPORTED_PROTOCOL_VERSION,
 )
@@ -74,7 +75,6 @@ from tridentmq_mqtt.protocol.reason_codes import (
 DISCONNECT_WITH_WILL: Final = 0x04
 KEEP_ALIVE_TIMEOUT: Final = 0x8D
 RECEIVE_MAXIMUM_EXCEEDED: Final = 0x93
-TOPIC_ALIAS_INVALID: Final = 0x94
 #: The client is declared gone after this many keep-alive periods of silence ([MQTT-3.1.2-24]).
 KEEP_ALIVE_TOLERANCE: Final = 1.5
 DEFAULT_RECEIVE_MAXIMUM: Final = 65_535
@@ -307,7 +307,7 @@ class MqttServerConnection:
     def _publish_received(self, packet: Publish) -> ev.Publish:
         topic, props = packet.topic, packet.properties
         alias = props.topic_alias
-        if alias is not None:  # 5.0 only: the parser has refused 0 already (Protocol Error)
+        if alias is not None:  # 5.0 only: the parser has refused 0 already (0x94 Topic Alias invalid)
             if not 0 < alias <= self.topic_alias_maximum:
                 raise RemoteProtocolError(
                     f"topic alias {alias} exceeds the maximum {self.topic_alias_maximum}", TOPIC_ALIAS_INVALID

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
 
 from tridentmq_mqtt.protocol.errors import LocalProtocolError, RemoteProtocolError
-from tridentmq_mqtt.protocol.reason_codes import MALFORMED_PACKET, PROTOCOL_ERROR
+from tridentmq_mqtt.protocol.reason_codes import MALFORMED_PACKET, PROTOCOL_ERROR, TOPIC_ALIAS_INVALID
 
 U16: Final = struct.Struct(">H")
 U32: Final = struct.Struct(">I")
@@ -180,7 +180,8 @@ class PropertySpec(NamedTuple):
     name: str  # the Properties field
     kind: str
     allowed: frozenset[int]  # packet types (WILL for the will properties of a CONNECT)
-    nonzero: bool = False  # zero is a Protocol Error
+    nonzero: bool = False  # zero is a Protocol Error...
+    zero_reason: int = PROTOCOL_ERROR  # ...answered with this reason code
 
 
 def _types(*types: int) -> frozenset[int]:
@@ -211,7 +212,9 @@ PROPERTY_SPECS: Final[dict[int, PropertySpec]] = {
     0x1F: PropertySpec("reason_string", STRING, _REASON_STRING),
     0x21: PropertySpec("receive_maximum", TWO, _types(CONNECT, CONNACK), nonzero=True),
     0x22: PropertySpec("topic_alias_maximum", TWO, _types(CONNECT, CONNACK)),
-    0x23: PropertySpec("topic_alias", TWO, _types(PUBLISH), nonzero=True),
+    # "A Topic Alias value of 0 or greater than the Maximum Topic Alias is a Protocol Error, the receiver uses
+    # DISCONNECT with Reason Code of 0x94 (Topic Alias invalid)" (5.0, 3.3.4; [MQTT-3.3.2-8]).
+    0x23: PropertySpec("topic_alias", TWO, _types(PUBLISH), nonzero=True, zero_reason=TOPIC_ALIAS_INVALID),
     0x24: PropertySpec("maximum_qos", BYTE, _types(CONNACK)),
     0x25: PropertySpec("retain_available", FLAG, _types(CONNACK)),
     0x26: PropertySpec("user_properties", PAIR, _REASON_STRING | _PUB | _types(CONNECT, SUBSCRIBE, UNSUBSCRIBE)),
@@ -282,7 +285,7 @@ def _read_value(data: bytes, pos: int, end: int, spec: PropertySpec) -> tuple[An
         text, pos = read_str(data, pos, end)
         return (name, text), pos
     if spec.nonzero and value == 0:
-        raise RemoteProtocolError(f"property {spec.name} must not be 0", PROTOCOL_ERROR)
+        raise RemoteProtocolError(f"property {spec.name} must not be 0", spec.zero_reason)
     return value, pos
 
 
