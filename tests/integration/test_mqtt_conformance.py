@@ -36,6 +36,7 @@ from tridentmq_mqtt import convert
 from tridentmq_mqtt.convert import session_queue, subscription_queue
 from tridentmq_mqtt.protocol.packets import (
     V5,
+    V31,
     V311,
     Connack,
     Connect,
@@ -487,6 +488,15 @@ def test_unsuback_and_pubrel_for_unknown_ids(mqtt_gateway: GatewayProcess, raw: 
     assert answer == Pubcomp(42, 0x92, answer.properties), answer  # type: ignore[union-attr]
     client.send(Subscribe(2, (Subscription("still/fine", 1),)))
     assert client.next() == Suback(2, (1,))
+
+
+def test_an_empty_client_id_is_refused_in_3_1(mqtt_gateway: GatewayProcess, raw: Callable[..., Raw]) -> None:
+    """MQTT V3.1 (protocol name MQIsdp, level 3): the client id is 1 to 23 characters, else CONNACK 2."""
+    refused = raw(mqtt_gateway.port, V31)
+    assert refused.connect("") == Connack(session_present=False, reason_code=2)
+    assert refused.closed()
+    _connected(raw(mqtt_gateway.port, V31), f"v31-{_id()}")
+    _connected(raw(mqtt_gateway.port, V311), "")  # 3.1.1 with clean session: one is assigned
 
 
 def test_pingreq_is_answered(mqtt_gateway: GatewayProcess, raw: Callable[..., Raw]) -> None:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tridentmq_mqtt.connecting import NEVER, Refused, Terms, leaving, negotiate, will_delay_ms
 from tridentmq_mqtt.protocol import events as ev
 from tridentmq_mqtt.protocol import reason_codes as rc
-from tridentmq_mqtt.protocol.packets import V5, V311, Will
+from tridentmq_mqtt.protocol.packets import V5, V31, V311, Will
 from tridentmq_mqtt.protocol.properties import NO_PROPERTIES, Properties
 from tridentmq_mqtt.settings import MqttLimitsSection
 
@@ -47,6 +47,14 @@ def test_an_empty_client_id_without_a_clean_session_is_refused_in_3_1_1_only() -
     refused = negotiate(connect(V311, "", clean_start=False), LIMITS, lambda: "auto-1")
     assert refused == Refused(rc.CLIENT_IDENTIFIER_NOT_VALID, "an empty client id needs a clean session")
     assert terms(connect(V5, "", clean_start=False)).client_id == "auto-1"  # 5.0: the server assigns one
+
+
+def test_an_empty_client_id_is_refused_in_3_1_whatever_the_clean_session() -> None:
+    """MQTT V3.1: the client id "is between 1 and 23 characters long"; return code 2 refuses it."""
+    for clean in (True, False):
+        refused = negotiate(connect(V31, "", clean_start=clean), LIMITS, lambda: "auto-1")
+        assert refused == Refused(rc.CLIENT_IDENTIFIER_NOT_VALID, "MQTT 3.1 needs a client id")
+    assert terms(connect(V31, "c" * 30)).client_id == "c" * 30  # longer than 23: accepted, as later versions do
 
 
 def test_a_password_that_is_not_utf_8_is_refused_as_a_bad_password() -> None:
@@ -132,8 +140,9 @@ def test_granted_terms_stay_within_the_limits(
         properties=(Properties(session_expiry_interval=expiry) if version == V5 else NO_PROPERTIES),
     )
     result = negotiate(event, limits, lambda: "auto-1")
-    if isinstance(result, Refused):
-        assert (version != V5, client_id, clean_start) == (True, "", False)
+    if isinstance(result, Refused):  # an empty client id: in 3.1 always, in 3.1.1 without a clean session
+        assert client_id == ""
+        assert version == V31 or (version == V311 and not clean_start)
         return
     assert result.expiry_s == min(result.asked_expiry_s, max_expiry)
     assert result.client_id

@@ -11,7 +11,7 @@ from typing import Final
 
 from tridentmq_mqtt.protocol import events as ev
 from tridentmq_mqtt.protocol import reason_codes as rc
-from tridentmq_mqtt.protocol.packets import V5, Will
+from tridentmq_mqtt.protocol.packets import V5, V31, Will
 from tridentmq_mqtt.protocol.properties import NO_PROPERTIES, Properties
 from tridentmq_mqtt.settings import MqttLimitsSection
 
@@ -53,6 +53,10 @@ def negotiate(event: ev.Connect, limits: MqttLimitsSection, new_client_id: Calla
         return Refused(rc.BAD_AUTHENTICATION_METHOD, "enhanced authentication is not supported")
     client_id, assigned = event.client_id, None
     if not client_id:
+        if event.version == V31:
+            # 3.1 knows no empty client id: "between 1 and 23 characters long", else return code 2, Identifier
+            # Rejected (MQTT V3.1, CONNECT payload). Longer ones are accepted, as 3.1.1 and 5.0 allow.
+            return Refused(rc.CLIENT_IDENTIFIER_NOT_VALID, "MQTT 3.1 needs a client id")
         if not v5 and not event.clean_start:  # [MQTT-3.1.3-8]: return code 2
             return Refused(rc.CLIENT_IDENTIFIER_NOT_VALID, "an empty client id needs a clean session")
         client_id = assigned = new_client_id()
