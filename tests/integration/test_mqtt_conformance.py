@@ -499,6 +499,30 @@ def test_an_empty_client_id_is_refused_in_3_1(mqtt_gateway: GatewayProcess, raw:
     _connected(raw(mqtt_gateway.port, V311), "")  # 3.1.1 with clean session: one is assigned
 
 
+def test_unsubscribe_of_an_invalid_topic_filter(mqtt_gateway: GatewayProcess, raw: Callable[..., Raw]) -> None:
+    """5.0: UNSUBACK 0x8F (Topic Filter invalid) for it, the packet's other filters as usual. 3.1.1 has no code
+    for it: the filter breaks [MQTT-4.7.1-2] or [MQTT-4.7.3-1], a protocol violation, and the connection closes
+    ([MQTT-4.8.0-1]) without unsubscribing any of the packet's filters."""
+    topic = f"unsub/{_id()}"
+    client = raw(mqtt_gateway.port)
+    _connected(client, f"u-{_id()}")
+    client.send(Subscribe(1, (Subscription(topic, 0),)))
+    assert client.next() == Suback(1, (0,))
+    client.send(Unsubscribe(2, ("a/#/b", "a+", "$share/g", topic, "never/subscribed")))
+    assert client.next() == Unsuback(2, (0x8F, 0x8F, 0x8F, 0, 0x11))
+    old = raw(mqtt_gateway.port, V311)
+    _connected(old, f"u-{_id()}")
+    old.send(Subscribe(1, (Subscription(topic, 0),)))
+    assert old.next() == Suback(1, (0,))
+    old.send(Unsubscribe(2, (topic, "a/#/b")))
+    assert old.closed()
+    assert old.pending == []
+    old = raw(mqtt_gateway.port, V311)
+    _connected(old, f"u-{_id()}")
+    old.send(Unsubscribe(1, ("$share/g", "never/subscribed")))  # an ordinary filter before 5.0
+    assert old.next() == Unsuback(1)
+
+
 def test_pingreq_is_answered(mqtt_gateway: GatewayProcess, raw: Callable[..., Raw]) -> None:
     for version in (V311, V5):
         client = raw(mqtt_gateway.port, version)

@@ -918,8 +918,8 @@ async def test_unsubscribe_stops_the_messages_and_drops_the_queue(gw: Gateway) -
     sub, pub = await gw.connected("sub"), await gw.connected("pub")
     await sub.subscribe("u/1")
     assert len(gw.queues(convert.SUBSCRIPTION_PREFIX)) == 1
-    unsuback = await sub.unsubscribe("u/1", "never/subscribed")
-    assert unsuback.reason_codes == (0, rc.NO_SUBSCRIPTION_EXISTED)
+    unsuback = await sub.unsubscribe("u/1", "never/subscribed", "u/#/1")
+    assert unsuback.reason_codes == (0, rc.NO_SUBSCRIPTION_EXISTED, rc.TOPIC_FILTER_INVALID)
     await eventually(lambda: not gw.queues(convert.SUBSCRIPTION_PREFIX), "the queue dropped")
     await sub.subscribe("u/marker", packet_id=3)
     await pub.publish("u/1", b"x")

@@ -1087,8 +1087,23 @@ class MqttSession:
             self._end(rc.SERVER_UNAVAILABLE)
 
     async def _unsubscribe(self, packet: ev.Unsubscribe) -> None:
+        v5 = self.version == V5
+        invalid = set()
+        for text in packet.topic_filters:
+            try:
+                convert.parse_subscription(text, shared=v5)
+            except ConversionError as exc:
+                if not v5:
+                    # 3.1.1 has no UNSUBACK code for it: a filter that breaks the wildcard rules ([MQTT-4.7.1-2],
+                    # [MQTT-4.7.1-3]) or is empty ([MQTT-4.7.3-1]) is a protocol violation, and the connection
+                    # closes ([MQTT-4.8.0-1]), before any of the packet's filters is unsubscribed.
+                    raise ConversionError(f"UNSUBSCRIBE: {exc}", rc.PROTOCOL_ERROR) from exc
+                invalid.add(text)
         codes = []
         for text in packet.topic_filters:
+            if text in invalid:  # 5.0: 0x8F Topic Filter invalid, rather than 0x11 No subscription existed
+                codes.append(rc.TOPIC_FILTER_INVALID)
+                continue
             sub = self.subs.pop(text, None)
             self.state.subscriptions.pop(text, None)
             if sub is None:
