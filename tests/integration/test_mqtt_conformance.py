@@ -486,8 +486,16 @@ def test_unsuback_and_pubrel_for_unknown_ids(mqtt_gateway: GatewayProcess, raw: 
     client.send(Pubrel(42))
     answer = client.next()
     assert answer == Pubcomp(42, 0x92, answer.properties), answer  # type: ignore[union-attr]
+    # [MQTT-4.3.3-4]: a PUBREC is answered with a PUBREL, 0x92 Packet Identifier not found for an unknown id.
+    client.send(Pubrec(43))
+    assert client.next() == Pubrel(43, 0x92)
+    client.send(Pubcomp(43), Pubrec(44, 0x80))  # an error PUBREC ends the flow: no PUBREL
     client.send(Subscribe(2, (Subscription("still/fine", 1),)))
     assert client.next() == Suback(2, (1,))
+    old = raw(mqtt_gateway.port, V311)
+    _connected(old, f"u-{_id()}")
+    old.send(Pubrec(45))
+    assert old.next() == Pubrel(45)
 
 
 def test_an_empty_client_id_is_refused_in_3_1(mqtt_gateway: GatewayProcess, raw: Callable[..., Raw]) -> None:

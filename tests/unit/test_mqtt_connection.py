@@ -524,11 +524,29 @@ def test_packet_ids_wrap_and_skip_ids_in_flight() -> None:
     assert conn.publish("t", b"", 1) == 2  # 1 is still in flight
 
 
-@pytest.mark.parametrize("unknown", [Puback(9), Pubrec(9), Pubcomp(9)])
-def test_acknowledgements_for_unknown_ids_are_ignored(unknown: Puback | Pubrec | Pubcomp) -> None:
+@pytest.mark.parametrize("unknown", [Puback(9), Pubcomp(9)])
+def test_acknowledgements_for_unknown_ids_are_ignored(unknown: Puback | Pubcomp) -> None:
     conn = connected(V311)
     assert feed(conn, encode(unknown, V311)) == []
     assert conn.data_to_send() == b""
+    assert not conn.closed
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_pubrec_for_an_unknown_id_is_answered_with_a_pubrel(version: int) -> None:
+    """[MQTT-4.3.3-4]: the sender MUST send a PUBREL when it receives a PUBREC with a reason code below 0x80; 5.0
+    says 0x92, Packet Identifier not found, for an id it does not know. An error PUBREC ends the flow: none."""
+    conn = connected(version)
+    assert feed(conn, encode(Pubrec(9), version)) == []
+    assert sent(conn, version) == [Pubrel(9, 0x92 if version == V5 else 0)]
+    assert feed(conn, encode(Pubrec(9), version)) == []  # each gets its own
+    assert sent(conn, version) == [Pubrel(9, 0x92 if version == V5 else 0)]
+    assert feed(conn, encode(Pubcomp(9), version)) == []  # its PUBCOMP: ignored
+    assert conn.send_window == 65_535  # nothing in flight
+    if version == V5:
+        assert feed(conn, encode(Pubrec(9, 0x80), V5)) == []
+        assert conn.data_to_send() == b""
+    assert conn.publish("t", b"", 1) == 1  # the id is free as it was
     assert not conn.closed
 
 

@@ -24,7 +24,10 @@ Packet-id bookkeeping, per direction:
   client's: the PUBLISH must never be sent again after its PUBREL). A resumed session re-sends its PUBLISH
   with the same packet id (``publish(packet_id=..., dup=True)``) and its PUBRELs (``pubrel``).
   Acknowledgements for ids not in flight are ignored rather than treated as a protocol error (the spec
-  allows either; a client retrying after a reconnect is better served by leniency).
+  allows either; a client retrying after a reconnect is better served by leniency), but for a successful
+  PUBREC: the sender of a PUBLISH answers every such PUBREC with a PUBREL of its packet id ([MQTT-4.3.3-4];
+  in 5.0 with 0x92, Packet Identifier not found, for an id it does not know), which frees the id the client
+  holds for it; a client left waiting for it would hold the id, and its receive maximum, for good.
 
 A 5.0 client that sets Request Problem Information to 0 gets no reason string or user properties on any
 packet but PUBLISH, CONNACK and DISCONNECT: the connection leaves them out of what the shell asks for.
@@ -65,6 +68,7 @@ from tridentmq_mqtt.protocol.packets import (
 )
 from tridentmq_mqtt.protocol.properties import NO_PROPERTIES, PUBACK, U16, Properties
 from tridentmq_mqtt.protocol.reason_codes import (
+    PACKET_IDENTIFIER_NOT_FOUND,
     PACKET_TOO_LARGE,
     PROTOCOL_ERROR,
     TOPIC_ALIAS_INVALID,
@@ -344,7 +348,11 @@ class MqttServerConnection:
         if state is _Out.PUBCOMP:  # our PUBREL crossed a resent PUBREC: repeat it
             self._auto(Pubrel(packet_id))
             return None
-        if state is not _Out.PUBREC:
+        if state is None:
+            if packet.reason_code < UNSPECIFIED_ERROR:  # unknown: released all the same ([MQTT-4.3.3-4])
+                self._auto(Pubrel(packet_id, *self._v5(PACKET_IDENTIFIER_NOT_FOUND, NO_PROPERTIES)))
+            return None
+        if state is not _Out.PUBREC:  # a QoS 1 id (the client's mistake), or the shell's pubrel() is awaited
             return None
         if packet.reason_code >= UNSPECIFIED_ERROR:
             del self._outgoing[packet_id]
