@@ -727,6 +727,35 @@ def test_websocket_framing(mqtt_gateway: GatewayProcess) -> None:
     asyncio.run(mqtt())
 
 
+def test_the_packet_size_limit_over_websocket_is_per_packet(tmp_path: Path, core: CoreProcess) -> None:
+    """[MQTT-6.0.0-2]: a WebSocket message may hold several packets. Each within the maximum packet size is
+    taken, whatever they make together; one above it gets DISCONNECT 0x95, as over TCP."""
+    gateway = start_gateway(tmp_path, core, "mqtt", TRIDENTMQ_MQTT_MQTT_MAX_PACKET_BYTES="1024")
+    url = f"http://127.0.0.1:{gateway.ports['websocket']}/mqtt"
+
+    async def exchange(data: bytes) -> tuple[list[Packet], int | None]:
+        parser, got = PacketParser(version=V5), []
+        async with aiohttp.ClientSession() as session, session.ws_connect(url, protocols=("mqtt",)) as ws:
+            await ws.send_bytes(data)
+            while (msg := await ws.receive(timeout=5)).type is aiohttp.WSMsgType.BINARY:
+                got += parser.feed(msg.data)
+                if any(isinstance(p, Puback) for p in got) and len(got) == 4:
+                    await ws.send_bytes(encode(Disconnect(), V5))
+            return got, ws.close_code
+
+    topic = f"ws-big/{_id()}"
+    connect = encode(Connect(f"ws-{_id()}"), V5)
+    publishes = b"".join(encode(Publish(topic, b"x" * 600, 1, packet_id=n), V5) for n in (1, 2, 3))
+    got, code = asyncio.run(exchange(connect + publishes))  # about 1900 bytes in one message: closed 1009 before
+    assert code != 1009
+    assert [type(p) for p in got] == [Connack, Puback, Puback, Puback], got
+    assert [p.packet_id for p in got[1:]] == [1, 2, 3]  # type: ignore[union-attr]
+    got, _ = asyncio.run(exchange(connect + encode(Publish(topic, b"x" * 2000, 1, packet_id=1), V5)))
+    assert [type(p) for p in got] == [Connack, Disconnect], got
+    assert got[1].reason_code == 0x95  # type: ignore[union-attr]
+    stop_cleanly(gateway)
+
+
 # ---------------------------------------------------------------------------------------------------- security
 _PERMISSIONS = (
     "send",

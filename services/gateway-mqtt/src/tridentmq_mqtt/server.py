@@ -42,7 +42,11 @@ class MqttGateway:
             max_logging_in=listener.max_logging_in,
             subprotocols=SUBPROTOCOLS,
             subprotocol_required=True,
-            max_websocket_message=settings.mqtt.max_packet_bytes + 8,
+            # The packet size limit is the codec's, per MQTT packet: a WebSocket message may hold several packets
+            # ([MQTT-6.0.0-2]), as many as the gateway reads ahead of a TCP client (``pending_bytes``, then it
+            # stops reading), or one whole packet if that is larger; only a larger message is refused (1009)
+            # unread (aiohttp reads a message whole: this bounds what a connection not logged in can make us hold).
+            max_websocket_message=max(settings.mqtt.max_packet_bytes, settings.mqtt.pending_bytes) + 8,
             binary_frames=True,
             http_enabled=http.enabled,
             http_host=http.host,
