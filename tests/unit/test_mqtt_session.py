@@ -2162,3 +2162,23 @@ async def test_the_answers_waiting_for_a_client_that_does_not_read_are_bounded(t
         c.wire.drain()
         assert [(await c.packet(Unsuback)).packet_id for _ in range(20)] == list(range(1, 21))
         assert [int((await reader.packet(Publish)).payload) for _ in range(20)] == list(range(20))
+
+
+async def test_the_pingresps_waiting_for_a_client_that_does_not_read_are_bounded(tmp_path: Path) -> None:
+    """The codec answers a PINGREQ (or a PUBREC of an unknown packet id) by itself, without an event for the
+    worker: a client that sent them without reading had every answer written, and reading never paused, so the
+    gateway's buffer for it grew for as long as it kept sending."""
+    async with gateway(tmp_path, pending_bytes=1000) as gw:
+        c = await gw.connected("c")
+        c.wire.stall()
+        for n in range(2000):
+            c.session.feed(encode(Pingreq(), V5) if n % 2 else encode(Pubrec(n // 2 + 1), V5))
+            if c.wire.paused:
+                break
+            await asyncio.sleep(0)
+        assert c.wire.paused
+        assert len(c.wire.out) < 1000 + 100
+        c.wire.drain()
+        got = await c.packets_of_any_kind(n + 1)
+        assert [type(p) for p in got] == [Pingresp if m % 2 else Pubrel for m in range(n + 1)]
+        assert [p.packet_id for p in got if isinstance(p, Pubrel)] == [m // 2 + 1 for m in range(0, n + 1, 2)]

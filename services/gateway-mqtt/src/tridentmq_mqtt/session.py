@@ -279,12 +279,16 @@ class MqttSession:
             log.exception("mqtt codec failed", extra={"peer": self.wire.peer})
             self._end()
             return
-        if not events:  # a PINGREQ is answered by the codec alone
+        if not events:  # a PINGREQ (a PUBREC of an unknown packet id) is answered by the codec alone
+            out = self.conn.data_to_send() if self._connected else b""
+            if out and self.wire.buffered() >= self.settings.mqtt.pending_bytes:
+                # The client does not read: its answers wait in the worker's line, which waits for the client,
+                # and reading pauses as for any packet (written at once, they grew its buffer without bound).
+                self._driver.receive([_Answered(out)], len(data))
+                return
             self._driver.receive(events, len(data))
-            if self._connected:
-                out = self.conn.data_to_send()
-                if out:
-                    self.wire.write(out)
+            if out:
+                self.wire.write(out)
             return
         self.counters.packets_received += len(events)
         if type(events[-1]) is ev.Disconnect:
@@ -335,12 +339,16 @@ class MqttSession:
     def reading_resumed(self) -> None:
         pass
 
-    def handle_now(self, event: ev.Event) -> bool:
+    def handle_now(self, event: ev.Event | _Answered) -> bool:
         """QoS 0/1 PUBLISH and PUBACK without a coroutine each: at tens of thousands a second that is most of
         the cost."""
         if self._violating:
             return True
         kind = type(event)
+        if kind is _Answered:
+            assert isinstance(event, _Answered)
+            self.wire.write(event.data)
+            return True
         if kind is ev.Publish:
             assert isinstance(event, ev.Publish)
             if event.qos == 2 or event.retain or not self._connected:
@@ -1662,6 +1670,16 @@ class MqttSession:
         if self._outbox is not None:
             subs.append(self._outbox)
         return subs
+
+
+class _Answered:
+    """What the codec answered by itself (PINGRESP, the PUBREL of an unknown PUBREC) while the client did not
+    read: written by the worker in its turn."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
 
 
 def _retrieve(future: asyncio.Future[None]) -> None:

@@ -147,8 +147,8 @@ class MqttLimitsSection:
     pending_bytes: int = doc(
         8 * 1024 * 1024,
         "Bytes read ahead of processing before the gateway stops reading "
-        "the socket, whatever the packet count (large packets); also the answers (PUBACKs, SUBACKs) that may "
-        "wait for a client that does not read before its packets wait too.",
+        "the socket, whatever the packet count (large packets); also the answers (PUBACKs, SUBACKs, "
+        "PINGRESPs) that may wait for a client that does not read before its packets wait too.",
     )
     use_identity_as_username: bool = doc(
         False,
