@@ -7,17 +7,18 @@ import os
 import queue
 import resource
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from tests.disks import tmpfs
+from tests.disks import fill, tmpfs
 from tests.unit.broker_harness import Harness, bodies, ids, ok
 
 from tridentmq_core.queues import MESSAGE_OVERHEAD
 from tridentmq_core.settings import AddressSettingsEntry, CoreSettings
 from tridentmq_core.store.journal import Journal, MessageReader
-from tridentmq_core.store.paging import FilePager, InlineIO, OpenPageFiles, PageDirectory, ThreadIO
+from tridentmq_core.store.paging import FilePager, InlineIO, OpenPageFiles, PagedBrowse, PageDirectory, ThreadIO
 from tridentmq_core.store.records import RecordType
 from tridentmq_core.store.recovery import RecoveredState, replay
 from tridentmq_shared.link import events as ev
@@ -234,6 +235,95 @@ def test_page_writes_that_find_the_disk_full_lose_nothing(tiny_disk: Path, caplo
     pager._io.submit(io_done.set)
     assert io_done.wait(10)
     assert not list(tiny_disk.iterdir())  # every page file gave its space back
+
+
+class StepIO:
+    """The page I/O thread, one job at a time at the test's word (``run``); ``notify`` goes to ``loop``."""
+
+    def __init__(self) -> None:
+        self.jobs: list[Callable[[], None]] = []
+        self.loop: list[Callable[[], None]] = []
+
+    def submit(self, job: Callable[[], None], size: int = 0) -> None:
+        self.jobs.append(job)
+
+    def done(self, size: int) -> None:
+        pass
+
+    def barrier(self) -> None:
+        self.run()
+
+    def notify(self, callback: Callable[[], None]) -> None:
+        self.loop.append(callback)
+
+    def behind(self) -> bool:
+        return False
+
+    def run(self) -> None:
+        while self.jobs:
+            self.jobs.pop(0)()
+
+
+class BrowseBeforeResult(deque[tuple[object, list[WireMessage], int]]):
+    """A pager's read-ahead results: the loop starts a browse just before the I/O thread hands the first one in."""
+
+    def __init__(self, pager: FilePager) -> None:
+        super().__init__()
+        self.pager = pager
+        self.browse: PagedBrowse | None = None
+
+    def append(self, result: tuple[object, list[WireMessage], int]) -> None:
+        if self.browse is None:
+            self.browse = self.pager.browse()
+        super().append(result)
+
+
+def test_a_browse_started_as_a_read_ahead_finishes_reads_the_messages_whose_write_failed(tiny_disk: Path) -> None:
+    """A read-ahead on the I/O thread dropped the in-memory copy of the failed writes it had read unless a browse
+    was counted on the page, and a browse is counted on the loop: one that started after that look and before the
+    read-ahead's result was collected began where the queue's reading was before that read-ahead, and found
+    neither the file's bytes (never written: the disk was full) nor the copy. It got none of those messages (the
+    rest of the file neither). Now what is read and no longer needed is dropped after the loop collected it."""
+    fill(tiny_disk)  # every page write fails: the messages are only in memory
+    io = StepIO()
+    pager = FilePager(tiny_disk, "q", io, on_ready=lambda: None, files=OpenPageFiles(), file_bytes=256 * 1024)
+    results = BrowseBeforeResult(pager)
+    pager._results = results
+    messages = [new_message("q", n.to_bytes(4, "big") + bytes(1000)) for n in range(600)]  # two write buffers
+    for message in messages:
+        pager.append(message)
+    assert pager.read(1) == []  # a read-ahead is submitted behind the writes
+    io.run()  # the writes fail, the read-ahead reads from memory; the browse starts just before its result is in
+    browse = results.browse
+    assert browse is not None
+    got = read_all_stepped(pager, io, len(messages))
+    assert [m[M_BODY] for m in got] == [m[M_BODY] for m in messages]
+    browsed: list[WireMessage] = []
+    while not browse.done:
+        message = browse.take()
+        if message is None:
+            assert io.jobs or io.loop, f"browse stalled after {len(browsed)}"
+            io.run()
+            io.loop.clear()
+        else:
+            browsed.append(message)
+    assert [m[M_BODY] for m in browsed] == [m[M_BODY] for m in messages]
+    browse.close()
+    pager.close()
+    io.run()
+    assert not [p for p in tiny_disk.iterdir() if p.name != "filler"]
+
+
+def read_all_stepped(pager: FilePager, io: StepIO, count: int) -> list[WireMessage]:
+    got: list[WireMessage] = []
+    while len(got) < count:
+        taken = pager.read(100)
+        got.extend(taken)
+        if not taken:
+            assert io.jobs or io.loop, f"read stalled after {len(got)}"
+            io.run()
+            io.loop.clear()  # on_ready: the next read() collects
+    return got
 
 
 def test_a_queue_pages_past_its_limit_with_bounded_memory_and_drains_in_order(tmp_path: Path) -> None:

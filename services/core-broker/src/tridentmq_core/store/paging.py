@@ -183,7 +183,8 @@ class _PageFile:
         self.created = False  # by the I/O thread's first write
         self.size = 0  # bytes submitted for writing
         self.read_offset = 0  # bytes read back and collected
-        #: Writes that failed, by offset: their bytes, until read (the I/O thread's, or the loop's in ``peek``).
+        #: Writes that failed, by offset: their bytes, until read and needed by no browse (the I/O thread's, or the
+        #: loop's in ``peek``; whether they are still needed is decided on the loop, where browses start).
         self.unwritten: dict[int, bytes] = {}
         self.browsers = 0  # browses that still have to read it (see PagedBrowse)
         self.retired = False  # the queue is done with it: deleted once no browse needs it
@@ -317,8 +318,6 @@ class FilePager:
             except Exception:  # a disk that fails reads: no progress, and the next read() tries again
                 log.exception("page file read failed", extra={"page_file": page.path.name})
                 messages, offset = [], start
-            for at in [at for at, chunk in page.unwritten.items() if at + len(chunk) <= offset and not page.browsers]:
-                del page.unwritten[at]  # read: no longer needed (unless a browse still reads the file)
             results.append((page, messages, offset))  # always: it ends ``_reading``
             io.notify(on_ready)
 
@@ -334,6 +333,11 @@ class FilePager:
                 more = False  # no progress (a failed read): not again at once, but at the next read()
             self._ready.extend(messages)
             page.read_offset = offset
+            if page.unwritten and not page.browsers:
+                # What failed to write and is now read is no longer needed, unless a browse still reads it. Decided
+                # here, on the loop, where browses start: a browse started from now on reads from ``offset`` on.
+                # The I/O thread, which owns ``unwritten``, drops it after the jobs already given to it.
+                self._io.submit(partial(_forget_read, page, offset))
             if offset == page.size:  # read to its end, and nothing more was written to it
                 self._files.remove(page)
                 _retire(page, self._io)
@@ -487,6 +491,12 @@ def _fetch(page: _PageFile, offset: int, length: int) -> bytes:
             buffer[low - offset : high - offset] = chunk[low - at : high - at]
             covered = max(covered, high - offset)
     return bytes(buffer[:covered])
+
+
+def _forget_read(page: _PageFile, offset: int) -> None:
+    """Drop the failed writes of ``page`` that end at or before ``offset`` (read back, and no browse needs them)."""
+    for at in [at for at, chunk in page.unwritten.items() if at + len(chunk) <= offset]:
+        del page.unwritten[at]
 
 
 def _nothing() -> None:
