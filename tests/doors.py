@@ -83,7 +83,7 @@ def amqp_round_trip(port: int) -> None:
         conn.close()
 
 
-def _amqp_frame(code: int, fields: list[Any]) -> bytes:
+def amqp_frame(code: int, fields: list[Any]) -> bytes:
     body = encode(Described(ULong(code), fields))
     return struct.pack(">IBBH", 8 + len(body), 2, 0, 0) + body
 
@@ -95,7 +95,7 @@ async def _amqp_websocket_exchange(port: int) -> None:
             f"http://127.0.0.1:{port}/", protocols=("amqp",), timeout=aiohttp.ClientWSTimeout(ws_receive=WAIT)
         ) as ws,
     ):
-        await ws.send_bytes(AMQP_HEADER + _amqp_frame(0x10, ["door"]))  # OPEN
+        await ws.send_bytes(AMQP_HEADER + amqp_frame(0x10, ["door"]))  # OPEN
         received = b""
         codes: list[int] = []
         while 0x18 not in codes:  # the gateway's OPEN, then its answer to our CLOSE
@@ -111,7 +111,7 @@ async def _amqp_websocket_exchange(port: int) -> None:
                     value, _ = decode(frame[frame[4] * 4 :])
                     codes.append(int(value.descriptor))
                     if codes == [0x10]:
-                        await ws.send_bytes(_amqp_frame(0x18, []))  # CLOSE
+                        await ws.send_bytes(amqp_frame(0x18, []))  # CLOSE
         assert codes == [0x10, 0x18], codes
 
 

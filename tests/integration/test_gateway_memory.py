@@ -4,22 +4,28 @@ trip after them."""
 
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import socket
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import stomp
+from proton import Message
+from proton.utils import BlockingConnection
 from tests.conftest import CoreProcess, GatewayProcess, start_gateway, stop_cleanly
-from tests.doors import amqp_round_trip, mqtt_round_trip, stomp_round_trip
+from tests.doors import amqp_frame, amqp_round_trip, mqtt_round_trip, stomp_round_trip
+from tests.integration.cluster_nodes import wait_until
+from tests.integration.mqtt_clients import Paho
 from tests.memory import MIB, rss
 
 from tridentmq_amqp.protocol.sasl import sasl_frame
-from tridentmq_amqp.protocol.types import Symbol
+from tridentmq_amqp.protocol.types import Described, Symbol, UByte, UInt, ULong
 
 pytestmark = pytest.mark.integration
 
@@ -222,3 +228,183 @@ def test_connections_not_logged_in_are_capped(tmp_path: Path, core: CoreProcess)
     for conn in logged_in:
         conn.disconnect()
     stop_cleanly(gateway)
+
+
+# ---------------------------------------------------------------------------------------------- after the end
+CLOSE_TIMEOUT_MS = 500
+BIG = b"x" * (256 * 1024)
+#: 16 MiB: more than the sockets between a gateway and a client that does not read hold (a few MiB on loopback).
+COUNT = 64
+
+
+def metric(gateway: GatewayProcess, name: str) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{gateway.ports['http']}/metrics", timeout=WAIT) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(f"tridentmq_{name} "):
+                return int(line.split()[1])
+    raise AssertionError(f"no metric {name}")
+
+
+def stalled(gateway: GatewayProcess, name: str) -> int:
+    """Wait until the counter ``name`` is above 0 and has not moved for half a second; its value."""
+    deadline = time.monotonic() + WAIT
+    last, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        value, now = metric(gateway, name), time.monotonic()
+        if value != last:
+            last, since = value, now
+        elif value and now - since >= 0.5:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{name} did not stop at {last}")
+
+
+def not_reading(port: int) -> socket.socket:
+    """A connection whose receive window is small: what the gateway writes to it soon waits in the gateway."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(WAIT)
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def read_exactly(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        assert chunk, f"closed after {data!r}"
+        data += chunk
+    return data
+
+
+def _stomp_fill(gateway: GatewayProcess, sock: socket.socket) -> bytes:
+    sock.sendall(CONNECT_STOMP + b"SUBSCRIBE\nid:0\ndestination:/queue/linger\nreceipt:sub\n\n\x00")
+    read_exactly(sock, len(b"CONNECTED\n"))  # the rest stays unread
+    producer = stomp.Connection12([("127.0.0.1", gateway.port)])
+    producer.connect(wait=True)
+    for _ in range(COUNT):
+        producer.send("/queue/linger", BIG)
+    producer.disconnect()
+    return b"DISCONNECT\nreceipt:bye\n\n\x00"
+
+
+def _mqtt_fill(gateway: GatewayProcess, sock: socket.socket) -> bytes:
+    sock.sendall(b"\x10\x12\x00\x04MQTT\x04\x02\x00\x1e\x00\x06linger" + b"\x82\x0b\x00\x01\x00\x06linger\x00")
+    assert read_exactly(sock, 9) == b"\x20\x02\x00\x00\x90\x03\x00\x01\x00"  # CONNACK, SUBACK: subscribed
+    producer = Paho(gateway.port, "linger-producer")
+    producer.connect()
+    for _ in range(COUNT):
+        producer.publish("linger", BIG, 1)
+    producer.disconnect()
+    return b"\xe0\x00"  # DISCONNECT
+
+
+def _amqp_fill(gateway: GatewayProcess, sock: socket.socket) -> bytes:
+    window = UInt(2**31 - 1)
+    sock.sendall(
+        AMQP_HEADER
+        + amqp_frame(0x10, ["linger"])  # OPEN
+        + amqp_frame(0x11, [None, UInt(0), window, window])  # BEGIN
+        + amqp_frame(  # ATTACH a receiving link, settled deliveries, from the queue "linger"
+            0x12, ["r", UInt(0), True, UByte(1), None, Described(ULong(0x28), ["linger"]), Described(ULong(0x29), [])]
+        )
+        + amqp_frame(0x13, [UInt(0), window, UInt(0), window, UInt(0), UInt(0), UInt(1000)])  # FLOW: credit
+    )
+    read_exactly(sock, len(AMQP_HEADER))
+    producer = BlockingConnection(f"amqp://127.0.0.1:{gateway.port}", timeout=WAIT)
+    try:
+        sender = producer.create_sender("linger")
+        for _ in range(COUNT):
+            sender.send(Message(body=BIG))
+    finally:
+        producer.close()
+    return amqp_frame(0x18, [])  # CLOSE
+
+
+CONNECT_STOMP = b"CONNECT\naccept-version:1.2\nhost:anything\n\n\x00"
+FILL: dict[str, Callable[[GatewayProcess, socket.socket], bytes]] = {
+    "stomp": _stomp_fill,
+    "mqtt": _mqtt_fill,
+    "amqp": _amqp_fill,
+}
+ROUND_TRIP: dict[str, Callable[[int], None]] = {
+    "stomp": stomp_round_trip,
+    "mqtt": mqtt_round_trip,
+    "amqp": amqp_round_trip,
+}
+
+
+def cut_off_after_its_end(tmp_path: Path, core: CoreProcess, kind: str, ending: str) -> None:
+    """A client fills its socket with what its subscription gets, then ends (``goodbye``: its protocol's last
+    frame; ``half-close``: the end of its stream) and reads nothing more: its connection is cut off once the
+    close timeout is over, said once in the log, and the gateway serves on."""
+    gateway = start_gateway(
+        tmp_path, core, kind, **{f"TRIDENTMQ_{kind.upper()}_LISTENER_CLOSE_TIMEOUT_MS": str(CLOSE_TIMEOUT_MS)}
+    )
+    try:
+        with not_reading(gateway.port) as sock:
+            goodbye = FILL[kind](gateway, sock)
+            delivered = stalled(gateway, f"{kind}_messages_delivered_total")
+            assert delivered < COUNT, "the client read them all"
+            if ending == "goodbye":
+                sock.sendall(goodbye)
+            else:
+                sock.shutdown(socket.SHUT_WR)
+            wait_until(lambda: metric(gateway, f"{kind}_connections") == 0, WAIT, "the connection's end")
+            answer(sock)  # what was written before the cut, then the end
+        assert gateway.log().count("connection cut off") == 1, gateway.log()
+        ROUND_TRIP[kind](gateway.port)
+    finally:
+        stop_cleanly(gateway)
+
+
+@pytest.mark.parametrize("ending", ["goodbye", "half-close"])
+def test_a_stomp_client_that_ends_and_never_reads_is_cut_off_after_the_close_timeout(
+    ending: str, tmp_path: Path, core: CoreProcess
+) -> None:
+    """Its DISCONNECT (or its half-close) was answered and the connection closed, but asyncio keeps a closed
+    connection until what is left to write is written: for a client that does not read, for ever, with the
+    gateway's buffers. Now it is cut off after ``listener.close_timeout_ms``."""
+    cut_off_after_its_end(tmp_path, core, "stomp", ending)
+
+
+def websocket_frame(payload: bytes) -> bytes:
+    """A client's (masked) binary WebSocket frame."""
+    mask = os.urandom(4)
+    size = len(payload)
+    head = bytes([0x82, 0x80 | size]) if size < 126 else bytes([0x82, 0x80 | 126]) + size.to_bytes(2, "big")
+    return head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+def test_a_stomp_websocket_client_that_ends_and_never_reads_is_cut_off_after_the_close_timeout(
+    tmp_path: Path, core: CoreProcess
+) -> None:
+    """Over WebSocket the gateway's writer waited for the client to read what was left, then to take the close
+    frame, for ever: the connection and the writer stayed. Now they go after ``listener.close_timeout_ms``."""
+    gateway = start_gateway(tmp_path, core, TRIDENTMQ_STOMP_LISTENER_CLOSE_TIMEOUT_MS=str(CLOSE_TIMEOUT_MS))
+    try:
+        with not_reading(gateway.ports["websocket"]) as sock:
+            key = base64.b64encode(os.urandom(16)).decode()
+            sock.sendall(
+                f"GET /stomp HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode()
+            )
+            head = b""
+            while not head.endswith(b"\r\n\r\n"):
+                head += read_exactly(sock, 1)
+            assert head.startswith(b"HTTP/1.1 101"), head
+            sock.sendall(websocket_frame(CONNECT_STOMP + b"SUBSCRIBE\nid:0\ndestination:/queue/linger\n\n\x00"))
+            read_exactly(sock, 2 + len(b"CONNECTED\n"))  # the first frame's head and command; the rest stays unread
+            producer = stomp.Connection12([("127.0.0.1", gateway.port)])
+            producer.connect(wait=True)
+            for _ in range(COUNT):
+                producer.send("/queue/linger", BIG)
+            producer.disconnect()
+            assert stalled(gateway, "stomp_messages_delivered_total") < COUNT, "the client read them all"
+            sock.sendall(websocket_frame(b"DISCONNECT\nreceipt:bye\n\n\x00"))
+            wait_until(lambda: metric(gateway, "stomp_connections") == 0, WAIT, "the connection's end")
+            answer(sock)
+        assert gateway.log().count("connection cut off") == 1, gateway.log()
+        stomp_round_trip(gateway.ports["websocket"], websocket=True)
+    finally:
+        stop_cleanly(gateway)

@@ -28,7 +28,7 @@ from tridentmq_shared.http_limits import http_runner, serve
 from tridentmq_shared.light_event import LightEvent
 from tridentmq_shared.logs import setup_logging
 from tridentmq_shared.runtime import LISTEN_BACKLOG, run_main, set_nodelay
-from tridentmq_shared.settings import SettingsError, load_settings
+from tridentmq_shared.settings import SettingsError, doc, load_settings
 from tridentmq_shared.supervision import EXIT_TASK_FAILED, Supervisor, current, install
 from tridentmq_shared.tls import ServerTls, TlsSection, peer_common_name
 
@@ -83,6 +83,23 @@ class Metric:
     value: int
 
 
+#: A connection's end waits this long at most for the client to read what is left to write (``close_timeout_ms``).
+CLOSE_TIMEOUT_MS = 10_000
+
+
+@dataclass(frozen=True)
+class ListenerSettings:
+    """The fields every gateway's ``[listener]`` section has (each gateway's section derives from this one)."""
+
+    close_timeout_ms: int = doc(
+        CLOSE_TIMEOUT_MS,
+        "When a connection ends (the client's DISCONNECT or close answered, its half-close answered, an error "
+        "sent), what is left to write to the client must be written within this; a client that does not read "
+        "it is cut off then (logged), so its connection and what the gateway holds for it go "
+        "(0 = wait for ever).",
+    )
+
+
 @dataclass(frozen=True)
 class ShellConfig:
     """What the shell needs to know of a gateway's settings."""
@@ -107,6 +124,7 @@ class ShellConfig:
     http_request_timeout_ms: int = 10_000  # HTTP and WebSocket handshakes: a whole request head within this
     http_max_connections: int = 256  # HTTP connections at once (the WebSocket listeners take ``max_connections``)
     max_logging_in: int = 1000  # connections at once that have not logged in yet; more are refused
+    close_timeout_ms: int = CLOSE_TIMEOUT_MS  # a closed connection's last bytes are written within this, or cut off
 
 
 def listener_tls(tls: TlsSection, *ports: int, http_tls: bool = False) -> ServerTls | None:
@@ -122,7 +140,17 @@ def listener_tls(tls: TlsSection, *ports: int, http_tls: bool = False) -> Server
 
 class _TcpWire(asyncio.Protocol):
     # Slots: tens of thousands of these live at once, one or more per client connection.
-    __slots__ = ("_writable", "certificate_name", "host", "peer", "session", "shell", "transport")
+    __slots__ = (
+        "_close_timer",
+        "_lost",
+        "_writable",
+        "certificate_name",
+        "host",
+        "peer",
+        "session",
+        "shell",
+        "transport",
+    )
 
     def __init__(self, shell: GatewayShell) -> None:
         self.shell = shell
@@ -132,6 +160,8 @@ class _TcpWire(asyncio.Protocol):
         self.certificate_name: str | None = None
         self.host = "?"
         self._writable = LightEvent(is_set=True)
+        self._close_timer: asyncio.TimerHandle | None = None
+        self._lost = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
@@ -165,6 +195,10 @@ class _TcpWire(asyncio.Protocol):
         return self.transport is None or self.transport.get_extra_info("sslcontext") is None
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
+        if self._close_timer is not None:
+            self._close_timer.cancel()
+            self._close_timer = None
         self._writable.set()
         self.shell.logging_in.discard(self)
         if self.session is not None:
@@ -186,8 +220,23 @@ class _TcpWire(asyncio.Protocol):
             self.transport.write(data)
 
     def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
+        """Close once what was written is taken by the operating system; a client that does not read it within
+        ``close_timeout_ms`` is cut off (asyncio alone would keep the connection, and its buffers, for ever)."""
+        transport = self.transport
+        if transport is None or self._lost:
+            return
+        transport.close()
+        timeout = self.shell.config.close_timeout_ms
+        if self._close_timer is None and timeout > 0 and transport.get_write_buffer_size():
+            self._close_timer = asyncio.get_running_loop().call_later(timeout / 1000, self._close_overdue)
+
+    def _close_overdue(self) -> None:
+        self._close_timer = None
+        transport = self.transport
+        if transport is None or self._lost:
+            return
+        _log_cut_off(self.peer, self.shell.config, transport.get_write_buffer_size())
+        transport.abort()
 
     def pause_reading(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -210,6 +259,18 @@ class _TcpWire(asyncio.Protocol):
         self.shell.logging_in.discard(self)
 
 
+def _log_cut_off(peer: str, config: ShellConfig, unwritten: int) -> None:
+    log.warning(
+        "connection cut off: the client did not read what was left to write within the close timeout",
+        extra={
+            "peer": peer,
+            "protocol": config.protocol,
+            "unwritten_bytes": unwritten,
+            "close_timeout_ms": config.close_timeout_ms,
+        },
+    )
+
+
 class _WebSocketWire:
     """Frames out in order through one writer task."""
 
@@ -222,8 +283,13 @@ class _WebSocketWire:
         binary: bool,
         certificate_name: str | None,
         logging_in: set[object],
+        transport: asyncio.Transport | None = None,
+        config: ShellConfig | None = None,
     ) -> None:
         self.ws = ws
+        self._transport = transport  # the TCP (or TLS) connection under the WebSocket: cut off at a close overdue
+        self._config = config
+        self._close_timer: asyncio.TimerHandle | None = None
         self._logging_in = logging_in  # the shell's, which holds this wire until the client logged in
         self.peer = peer
         self.host = host
@@ -262,6 +328,12 @@ class _WebSocketWire:
         """The WebSocket is gone: nothing more is written, and nobody waits for it to drain."""
         self._lost = True
         self._drained.set()
+        self._writer_done()
+
+    def _writer_done(self, _task: object = None) -> None:
+        if self._close_timer is not None:
+            self._close_timer.cancel()
+            self._close_timer = None
 
     def write(self, data: bytes) -> None:
         if self._lost:
@@ -272,8 +344,25 @@ class _WebSocketWire:
         self._out.put_nowait(data)
 
     def close(self) -> None:
+        """The writer sends what is queued, then the close frame; a client that does not read them within
+        ``close_timeout_ms`` is cut off (the writer, waiting for it, would keep the connection for ever)."""
         self._out.put_nowait(None)
         self._reading.set()  # a session that paused reading and ended must not leave the reader waiting for ever
+        config = self._config
+        timeout = config.close_timeout_ms if config is not None else 0
+        if self._close_timer is None and timeout > 0 and not self._lost and not self.writer.done():
+            self._close_timer = asyncio.get_running_loop().call_later(timeout / 1000, self._close_overdue)
+            self.writer.add_done_callback(self._writer_done)
+
+    def _close_overdue(self) -> None:
+        self._close_timer = None
+        transport = self._transport
+        if self._lost or self.writer.done() or self._config is None:
+            return
+        _log_cut_off(self.peer, self._config, self._pending)
+        if transport is not None:
+            transport.abort()  # the reader sees the end, and the writer's wait for the client fails
+        self.writer.cancel()
 
     def pause_reading(self) -> None:
         self._reading.clear()
@@ -476,6 +565,8 @@ class GatewayShell:
             binary=config.binary_frames,
             certificate_name=certificate_name,
             logging_in=self.logging_in,
+            transport=transport,
+            config=config,
         )
         if not self.admit_login(wire, peer):
             await ws.close(code=1013, message=b"too many connections logging in")

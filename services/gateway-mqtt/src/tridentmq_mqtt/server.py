@@ -40,6 +40,7 @@ class MqttGateway:
             websocket_port=listener.websocket_port,
             max_connections=listener.max_connections,
             max_logging_in=listener.max_logging_in,
+            close_timeout_ms=listener.close_timeout_ms,
             subprotocols=SUBPROTOCOLS,
             subprotocol_required=True,
             # The packet size limit is the codec's, per MQTT packet: a WebSocket message may hold several packets

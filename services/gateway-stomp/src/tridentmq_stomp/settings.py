@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tridentmq_shared.core_links import CoreLinkSettings
+from tridentmq_shared.gateway import ListenerSettings
 from tridentmq_shared.settings import doc
 from tridentmq_shared.tls import TlsSection
 
@@ -18,7 +19,9 @@ class GatewayNodeSection:
 
 
 @dataclass(frozen=True)
-class ListenerSection:
+class ListenerSection(ListenerSettings):
+    """This gateway's client listeners, with the fields every gateway's has (``ListenerSettings``)."""
+
     host: str = doc(
         "127.0.0.1",
         "Interface for STOMP clients. While the core has no users it refuses "
