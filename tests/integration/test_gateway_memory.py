@@ -289,7 +289,8 @@ def _stomp_fill(gateway: GatewayProcess, sock: socket.socket) -> bytes:
 
 
 def _mqtt_fill(gateway: GatewayProcess, sock: socket.socket) -> bytes:
-    sock.sendall(b"\x10\x12\x00\x04MQTT\x04\x02\x00\x1e\x00\x06linger" + b"\x82\x0b\x00\x01\x00\x06linger\x00")
+    connect = b"\x00\x04MQTT\x04\x06\x00\x00\x00\x06linger\x00\x0blinger/will\x00\x04gone"  # a will, no keep-alive
+    sock.sendall(b"\x10" + bytes([len(connect)]) + connect + b"\x82\x0b\x00\x01\x00\x06linger\x00")
     assert read_exactly(sock, 9) == b"\x20\x02\x00\x00\x90\x03\x00\x01\x00"  # CONNACK, SUBACK: subscribed
     producer = Paho(gateway.port, "linger-producer")
     producer.connect()
@@ -334,7 +335,13 @@ ROUND_TRIP: dict[str, Callable[[int], None]] = {
 }
 
 
-def cut_off_after_its_end(tmp_path: Path, core: CoreProcess, kind: str, ending: str) -> None:
+def cut_off_after_its_end(
+    tmp_path: Path,
+    core: CoreProcess,
+    kind: str,
+    ending: str,
+    watch: Callable[[GatewayProcess], Callable[[], None]] | None = None,
+) -> None:
     """A client fills its socket with what its subscription gets, then ends (``goodbye``: its protocol's last
     frame; ``half-close``: the end of its stream) and reads nothing more: its connection is cut off once the
     close timeout is over, said once in the log, and the gateway serves on."""
@@ -342,6 +349,8 @@ def cut_off_after_its_end(tmp_path: Path, core: CoreProcess, kind: str, ending: 
         tmp_path, core, kind, **{f"TRIDENTMQ_{kind.upper()}_LISTENER_CLOSE_TIMEOUT_MS": str(CLOSE_TIMEOUT_MS)}
     )
     try:
+        check = watch(gateway) if watch is not None else None  # before the end; ``check`` after it
+        others = 1 if watch is not None else 0  # the watcher's connection
         with not_reading(gateway.port) as sock:
             goodbye = FILL[kind](gateway, sock)
             delivered = stalled(gateway, f"{kind}_messages_delivered_total")
@@ -350,12 +359,35 @@ def cut_off_after_its_end(tmp_path: Path, core: CoreProcess, kind: str, ending: 
                 sock.sendall(goodbye)
             else:
                 sock.shutdown(socket.SHUT_WR)
-            wait_until(lambda: metric(gateway, f"{kind}_connections") == 0, WAIT, "the connection's end")
+            wait_until(lambda: metric(gateway, f"{kind}_connections") == others, WAIT, "the connection's end")
             answer(sock)  # what was written before the cut, then the end
         assert gateway.log().count("connection cut off") == 1, gateway.log()
+        if check is not None:
+            check()
         ROUND_TRIP[kind](gateway.port)
     finally:
         stop_cleanly(gateway)
+
+
+def will_watcher(ending: str) -> Callable[[GatewayProcess], Callable[[], None]]:
+    """Subscribes to the MQTT client's will topic; then checks the will came after a half-close, and not after
+    a DISCONNECT (MQTT-3.14.4-3): a marker published once the connection ended is the first message, or the
+    second after the will."""
+
+    def watch(gateway: GatewayProcess) -> Callable[[], None]:
+        watcher = Paho(gateway.port, "linger-watcher")
+        watcher.connect()
+        watcher.subscribe("linger/will", 1)
+
+        def check() -> None:
+            watcher.publish("linger/will", b"marker", 1)
+            expected = [b"gone", b"marker"] if ending == "half-close" else [b"marker"]
+            assert [m.payload for m in watcher.receive(len(expected))] == expected
+            watcher.disconnect()
+
+        return check
+
+    return watch
 
 
 @pytest.mark.parametrize("ending", ["goodbye", "half-close"])
@@ -366,6 +398,22 @@ def test_a_stomp_client_that_ends_and_never_reads_is_cut_off_after_the_close_tim
     connection until what is left to write is written: for a client that does not read, for ever, with the
     gateway's buffers. Now it is cut off after ``listener.close_timeout_ms``."""
     cut_off_after_its_end(tmp_path, core, "stomp", ending)
+
+
+@pytest.mark.parametrize(
+    ("kind", "ending"),
+    [("mqtt", "goodbye"), ("mqtt", "half-close"), ("amqp", "half-close")],
+    ids=["mqtt-disconnect", "mqtt-half-close", "amqp-half-close"],
+)
+def test_an_mqtt_or_amqp_client_that_ends_and_never_reads_is_cut_off_after_the_close_timeout(
+    kind: str, ending: str, tmp_path: Path, core: CoreProcess
+) -> None:
+    """These gateways handle nothing more of a client that does not read what they write: its DISCONNECT (or
+    the end of its stream) waited unhandled, and the session and connection stayed for ever (whatever the MQTT
+    keep-alive: it is not counted once the DISCONNECT, or the end, is read). Now the client's last packet, and
+    the end of its stream, are handled all the same (an MQTT DISCONNECT drops the will, a half-close sends it),
+    and the close that follows is bounded."""
+    cut_off_after_its_end(tmp_path, core, kind, ending, will_watcher(ending) if kind == "mqtt" else None)
 
 
 def websocket_frame(payload: bytes) -> bytes:

@@ -73,6 +73,8 @@ class SessionDriver:
     __slots__ = (
         "_cleaning",
         "_events",
+        "_final",
+        "_final_waiter",
         "_hooks",
         "_loop",
         "_max_bytes",
@@ -122,14 +124,24 @@ class SessionDriver:
         self._cleaning = False  # the clean-up has started
         self.cleaned = False  # the clean-up has finished
         self._overdue: asyncio.TimerHandle | None = None
+        # The client has said all it will (its DISCONNECT, the end of its stream): what it sent is handled even
+        # while it does not read, so that the session ends (and its close is bounded by the wire's timeout).
+        self._final = False
+        self._final_waiter: asyncio.Future[None] | None = None  # the worker's wait for a drain, woken by it
 
     # ------------------------------------------------------------------ input
-    def receive(self, events: list[Any], nbytes: int, *, hold: bool = False) -> None:
+    def receive(self, events: list[Any], nbytes: int, *, hold: bool = False, final: bool = False) -> None:
         """``events`` decoded from ``nbytes`` more bytes of the client. With ``hold`` (a client not logged in
-        yet) nothing more is read until these are handled."""
+        yet) nothing more is read until these are handled. With ``final`` the client has said all it will (the
+        protocol's last frame, or the end of its stream): they are handled even while it does not read what it
+        was written (what they answer is bounded by what was read), so that its session ends."""
         if self.closed:
             return
         self._read_ahead += nbytes
+        if final and not self._final:
+            self._final = True
+            if self._final_waiter is not None and not self._final_waiter.done():
+                self._final_waiter.set_result(None)
         if not events:
             return
         self._events.extend(events)
@@ -217,8 +229,8 @@ class SessionDriver:
         ended = True
         try:
             while not self.closed and self._events:
-                if self._max_unread is None or self._wire.buffered() >= self._max_unread:
-                    await self._wire.drained()  # a client that does not read is not read either
+                if not self._final and (self._max_unread is None or self._wire.buffered() >= self._max_unread):
+                    await self._drained()  # a client that does not read is not read either
                 batch, self._events = iter(self._events), []
                 while not self.closed and (event := next(batch, None)) is not None:
                     try:
@@ -244,6 +256,18 @@ class SessionDriver:
         finally:
             if ended:
                 await self._shut_down()
+
+    async def _drained(self) -> None:
+        """Until the client reads what was written, or says all it will (``receive``'s ``final``)."""
+        if self._wire.writable():
+            return
+        waiter = self._final_waiter = self._loop.create_future()
+        drained = self._loop.create_task(self._wire.drained(), name=f"{self.name} drained")
+        try:
+            await asyncio.wait((drained, waiter), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            drained.cancel()
+            self._final_waiter = None
 
     async def _shut_down(self) -> None:
         self.closed = True

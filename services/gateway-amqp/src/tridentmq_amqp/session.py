@@ -204,7 +204,10 @@ class AmqpSession:
         # Until the client is logged in, at most max_connect_bytes are read ahead.
         waiting = self._driver.read_ahead + len(data)
         self._driver.receive(
-            [data], len(data), hold=self.link is None and waiting >= self.settings.amqp.max_connect_bytes
+            [data],
+            len(data),
+            hold=self.link is None and waiting >= self.settings.amqp.max_connect_bytes,
+            final=not data,  # the end of its stream: handled even while the client does not read
         )
 
     def connection_lost(self) -> None:

@@ -286,7 +286,7 @@ class MqttSession:
                 # and reading pauses as for any packet (written at once, they grew its buffer without bound).
                 self._driver.receive([_Answered(out)], len(data))
                 return
-            self._driver.receive(events, len(data))
+            self._driver.receive(events, len(data), final=not data)
             if out:
                 self.wire.write(out)
             return
@@ -294,7 +294,9 @@ class MqttSession:
         if type(events[-1]) is ev.Disconnect:
             self._disconnecting = True  # the codec is closed from now on, but the DISCONNECT is still to handle
         # Nothing more is read from a client not logged in yet.
-        self._driver.receive(events, len(data), hold=not self._connected)
+        # After its DISCONNECT (or the end of its stream) a client that does not read is handled all the same:
+        # its DISCONNECT drops its will, and its session ends.
+        self._driver.receive(events, len(data), hold=not self._connected, final=self._disconnecting or not data)
 
     def connection_lost(self) -> None:
         # At once, not in the events' order: what waited for the client to read (woken by the socket's end)

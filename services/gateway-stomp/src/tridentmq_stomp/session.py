@@ -125,7 +125,8 @@ class StompSession:
         events = self.conn.receive_data(data, time.monotonic())
         self.counters.frames_received += len(events)
         # Nothing more is read from a client not logged in yet.
-        self._driver.receive(events, len(data), hold=self.conn.state is State.CONNECTING)
+        final = not data or (bool(events) and type(events[-1]) is ev.Disconnect)  # handled even while not reading
+        self._driver.receive(events, len(data), hold=self.conn.state is State.CONNECTING, final=final)
 
     async def wait_closed(self) -> None:
         await self._driver.wait_closed()
