@@ -341,12 +341,17 @@ def cut_off_after_its_end(
     kind: str,
     ending: str,
     watch: Callable[[GatewayProcess], Callable[[], None]] | None = None,
+    **env: str,
 ) -> None:
     """A client fills its socket with what its subscription gets, then ends (``goodbye``: its protocol's last
     frame; ``half-close``: the end of its stream) and reads nothing more: its connection is cut off once the
     close timeout is over, said once in the log, and the gateway serves on."""
     gateway = start_gateway(
-        tmp_path, core, kind, **{f"TRIDENTMQ_{kind.upper()}_LISTENER_CLOSE_TIMEOUT_MS": str(CLOSE_TIMEOUT_MS)}
+        tmp_path,
+        core,
+        kind,
+        **{f"TRIDENTMQ_{kind.upper()}_LISTENER_CLOSE_TIMEOUT_MS": str(CLOSE_TIMEOUT_MS)},
+        **env,
     )
     try:
         check = watch(gateway) if watch is not None else None  # before the end; ``check`` after it
@@ -456,3 +461,13 @@ def test_a_stomp_websocket_client_that_ends_and_never_reads_is_cut_off_after_the
         stomp_round_trip(gateway.ports["websocket"], websocket=True)
     finally:
         stop_cleanly(gateway)
+
+
+def test_an_amqp_client_that_closes_and_never_reads_is_ended_by_the_idle_timeout(
+    tmp_path: Path, core: CoreProcess
+) -> None:
+    """Its CLOSE waits unhandled while it does not read (the gateway hands AMQP input to proton in order), so
+    proton sees it silent, and its idle timeout expires: that ended nothing either, its events waiting behind
+    the client's reading like the rest, and the connection stayed for ever. Now the expired idle timeout ends
+    it (and the close after is bounded)."""
+    cut_off_after_its_end(tmp_path, core, "amqp", "goodbye", TRIDENTMQ_AMQP_AMQP_IDLE_TIMEOUT_MS="2000")

@@ -1357,7 +1357,9 @@ class AmqpSession:
             self._flush()
             tick = self.engine.tick(now)
             if lib.pn_collector_peek(self.engine.pn_collector) != NULL:  # e.g. the idle timeout expired
-                self._driver.receive([_TIMER_EVENTS], 0)
+                # An expired idle timeout ends the connection even while the client does not read (whose input,
+                # its CLOSE say, waits unhandled meanwhile, so proton saw it silent): handled all the same.
+                self._driver.receive([_TIMER_EVENTS], 0, final=self.engine.error() is not None)
             self._flush()  # heartbeats
             if tick is not None:
                 deadline = tick if deadline is None else min(deadline, tick)
