@@ -811,6 +811,72 @@ async def test_a_queue_whose_scale_down_target_dies_moves_on_to_another_live_nod
     stop_all([victim, survivor])
 
 
+async def test_two_nodes_scaling_down_at_once_leave_every_message_on_the_third(tmp_path: Path) -> None:
+    """Two nodes of three stop at once (a StatefulSet scaled from 3 to 1 with parallel pod management). The
+    first one's queue was on its way to the second when the second said it leaves: the mover went on sending
+    there, and the first node acknowledged that leaving whenever its mover had nothing unconfirmed for a
+    moment. The second node, a relay now, moved what it got after its own last look nowhere: it spent its
+    ``scale_down_timeout_ms`` passing on the first one's backlog and stopped with acknowledged messages in its
+    journal (a node that, scaled down, never comes back). A mover whose target leaves now stops, the rest of
+    its queue moves to a live node, and a node acknowledges a leaving only once its movers to that node are
+    stopped and what they sent is confirmed: everything ends on the third node, nothing in the two journals."""
+    count, own = 4000, 100
+    window = {"forward_window": "1"}  # one at a time: the first node's move takes seconds
+    first = start_node(tmp_path, "node-0", scale_down_timeout_ms="30000", **window)
+    # The second one's own queue and what it holds of the first one's move take well under its timeout; the
+    # first one's whole backlog, passed on through it, does not.
+    second = start_node(tmp_path, "node-1", [first], scale_down_timeout_ms="4000", **window)
+    third = start_node(tmp_path, "node-2", [first], **window)
+    wait_converged([first, second, third])
+    async with client(first) as ca:
+        await ca.create_queue("down-1", "down-1", durable=True)
+    await publish(first, "down-1", bodies(count, "one"))
+    async with client(second) as cb:
+        await cb.create_queue("down-2", "down-2", durable=True)
+    await publish(second, "down-2", bodies(own, "two"))
+    async with client(second) as cb:
+        # A consumer there (taking none of them) makes the second node the first one's destination.
+        await cb.subscribe("down-1", selector="kind = 'none'")
+        wait_until(lambda: remote_consumers(first, "down-1") == 1, what="the first node to see the consumer")
+        first.process.send_signal(signal.SIGTERM)  # a graceful stop scales down
+        deadline = time.monotonic() + 15
+        while (queue_depth(second, "down-1") or 0) < 50:  # the first one's mover sent some to the second
+            assert time.monotonic() < deadline, first.log()
+            await asyncio.sleep(0.01)
+    second.process.send_signal(signal.SIGTERM)
+    for node in (second, first):
+        assert node.process.wait(timeout=40) == 0, node.log()
+        log = node.log()
+        assert "Traceback" not in log, log
+        assert "scale-down complete" in log, log
+    # The first node's mover to the second stopped when the second said it leaves: the rest went to the third.
+    moves = [line for line in first.log().splitlines() if "scale-down: moving queue queue=down-1" in line]
+    assert len(moves) == 2, first.log()
+    assert node_id(third) in moves[-1], first.log()
+    async with client(third) as ct:
+        for queue, prefix, total in (("down-1", "one", count), ("down-2", "two", own)):
+            consumer = await ct.subscribe(queue, credit=1000)
+            seen: list[bytes] = []
+            flagged = True
+            deadline = time.monotonic() + 20
+            while len(set(seen)) < total and time.monotonic() < deadline:
+                batch = await consumer.get_batch(timeout=0.5)
+                seen.extend(bytes(m[M_BODY]) for _, m in batch)
+                flagged = flagged and all(delivery_count > 1 for delivery_count, _ in batch)
+                consumer.ack_ids([m[M_ID] for _, m in batch])
+            assert sorted(set(seen)) == sorted(bodies(total, prefix)), f"{queue}: {total - len(set(seen))} missing"
+            assert flagged, "a moved message delivered unflagged"  # duplicates may be, flagged
+            await consumer.close()
+    # Started again alone, the two that left hold nothing.
+    for node in (first, second):
+        alone = start_node(tmp_path, node.data_dir.name)
+        try:
+            assert [queue_depth(alone, q) or 0 for q in ("down-1", "down-2")] == [0, 0], alone.log()
+        finally:
+            assert alone.stop() == 0
+    stop_all([third])
+
+
 async def test_a_queue_whose_scale_down_target_refuses_its_messages_moves_to_another_live_node(tmp_path: Path) -> None:
     """A refused message stopped the queue's mover for good: the leaving node waited out
     ``scale_down_timeout_ms`` and stopped with the queue in its journal, although another live node would

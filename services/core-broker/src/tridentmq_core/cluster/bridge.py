@@ -255,11 +255,19 @@ class Bridge:
 
     async def _acknowledge_when_delivered(self, client: PeerLink, number: int) -> None:
         """The other node scales down and stops once we acknowledged: first let it confirm what we still send
-        it (its store-and-forward queue here, messages written through), or what reached it after its last
-        look for messages to move would be stranded there. Nothing new goes to it: its bindings went."""
+        it (its store-and-forward queue here, messages written through, what our redistributors and scale-down
+        movers sent it), or what reached it after its last look for messages to move would be stranded there.
+        Nothing new goes to it: its bindings went, and those movers stopped."""
         queue = self.manager.broker.forwarder.forward_queues.get(self.node_id)
         while client is self.client:
-            if not self.in_transit and (queue is None or not (len(queue) or queue.in_flight or queue.paged)):
+            moving = any(
+                isinstance(c, Redistributor) and (not c.stopped or c.in_flight) for c in self.consumers.values()
+            )
+            if (
+                not moving
+                and not self.in_transit
+                and (queue is None or not (len(queue) or queue.in_flight or queue.paged))
+            ):
                 await _acknowledge_sync(client, number)
                 return
             await asyncio.sleep(LEAVING_DRAIN_POLL_S)

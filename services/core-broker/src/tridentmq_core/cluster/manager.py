@@ -530,6 +530,11 @@ class ClusterManager:
         if update.get("leaving") is True and not bridge.leaving:
             bridge.leaving = True
             self.bindings.leave(bridge.node_id)  # before its bindings go with this update
+            # A leaving node moves nothing it gets after its last look: what moves there (a redistributor, a
+            # scale-down mover of ours) stops, and once what it sent is confirmed the queue moves elsewhere.
+            for consumer in bridge.consumers.values():
+                if isinstance(consumer, Redistributor):
+                    consumer.stop()
         try:
             if "bindings" in update or "removed" in update:
                 self.bindings.apply(bridge.node_id, _listed(update, "bindings"), _listed(update, "removed"))
@@ -740,7 +745,7 @@ class ClusterManager:
                 moving.add(key[0])
             moved_seen[key] = redistributor.moved
             wants = wanted.get(key)
-            if wants is None or not bridge.up or redistributor.stopped:
+            if wants is None or not bridge.up or bridge.leaving or redistributor.stopped:
                 redistributor.stop()  # take nothing more; leave once what it sent is confirmed
                 if not redistributor.in_flight:
                     bridge.remove_consumer(redistributor)
@@ -764,7 +769,7 @@ class ClusterManager:
             name = key[0]
             via = self.bindings.next_hop(target.node_id)
             through = self.bridges_by_node.get(via or "")
-            if through is None or not through.up or name not in broker.queues:
+            if through is None or not through.up or through.leaving or name not in broker.queues:
                 continue  # (removing a redistributor to another node may have deleted an auto-created queue)
             queue = broker.queues[name]
 
@@ -953,13 +958,17 @@ class ClusterManager:
                 if queue.name in movers:
                     bridge, mover = movers[queue.name]
                     attached = bridge.consumers.get(mover.id) is mover
+                    if attached and bridge.leaving:
+                        mover.stop()  # that node moves nothing it gets after its last look
                     if attached and (not mover.stopped or mover.in_flight):
                         continue  # moving, or a refused one's other messages are still to be confirmed or refused
-                    # It stopped (a refusal), or its connection went (what it sent unconfirmed went back to the
-                    # queue with it): move the queue again, to another live node if there is one.
+                    # It stopped (a refusal, or its node leaves too), or its connection went (what it sent
+                    # unconfirmed went back to the queue with it): move the queue again, to another live node if
+                    # there is one.
                     if attached:
                         bridge.remove_consumer(mover)
-                        refused_by[queue.name] = bridge.node_id
+                        if not bridge.leaving:
+                            refused_by[queue.name] = bridge.node_id
                     del movers[queue.name]
                 candidates = [b for b in targets if b.node_id != refused_by.get(queue.name)] or targets
                 moving = await self._move_queue(queue, candidates, self._scale_down_copies.get(queue.name))
@@ -1028,7 +1037,7 @@ class ClusterManager:
     ) -> tuple[Bridge, Redistributor] | None:
         """Move a queue's messages to ``chosen`` while it is live (the node its copy was made on), else to the
         node with the most consumers for it (else the first live node), creating the queue there first. None
-        when that node's connection went meanwhile (the caller tries again)."""
+        when that node's connection went meanwhile, or it said it leaves too (the caller tries again)."""
         if chosen is not None and chosen in targets:
             bridge = chosen
         else:
@@ -1052,7 +1061,7 @@ class ClusterManager:
                 paced=False,
             )
 
-        mover = bridge.add_redistributor(make) if bridge.up else None
+        mover = bridge.add_redistributor(make) if bridge.up and not bridge.leaving else None
         if mover is None:
             return None
         log.info(
