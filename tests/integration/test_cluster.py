@@ -877,6 +877,35 @@ async def test_two_nodes_scaling_down_at_once_leave_every_message_on_the_third(t
     stop_all([third])
 
 
+async def test_an_empty_durable_subscription_of_two_nodes_scaling_down_at_once_lives_on_on_the_third(
+    tmp_path: Path,
+) -> None:
+    """The second node's empty subscription queue was made, before it left, on the first one (the live node
+    it would move to, then), which was stopping at the same time: the first one had looked at its queues
+    already, or made its copy on the second. An empty queue is never moved, so the subscription existed on
+    no node that stayed, and what was published for it afterwards was dropped. A leaving node now makes each
+    durable queue again on a live node while its copy's node has left since (or it came after the first
+    look), until it stops."""
+    first, second, third = sorted(start_cluster(tmp_path, 3), key=node_id)  # the second's queue goes first
+    async with client(second) as cb:
+        await cb.create_queue("sub-2", "news", routing_type=RoutingType.MULTICAST, durable=True)
+    os.kill(first.process.pid, signal.SIGSTOP)  # it has not said it leaves when the second looks for a target
+    try:
+        first.process.send_signal(signal.SIGTERM)
+        second.process.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+    finally:
+        os.kill(first.process.pid, signal.SIGCONT)
+    for node in (second, first):
+        assert node.process.wait(timeout=20) == 0, node.log()
+        assert "Traceback" not in node.log(), node.log()
+    await publish(third, "news", bodies(5, "n"), routing=RoutingType.MULTICAST)
+    async with client(third) as ct:
+        got = await take(await ct.subscribe("sub-2"), 5, timeout=3)
+    assert sorted(got) == sorted(bodies(5, "n")), "the subscription did not reach the node that stayed"
+    stop_all([third])
+
+
 async def test_a_queue_whose_scale_down_target_refuses_its_messages_moves_to_another_live_node(tmp_path: Path) -> None:
     """A refused message stopped the queue's mover for good: the leaving node waited out
     ``scale_down_timeout_ms`` and stopped with the queue in its journal, although another live node would

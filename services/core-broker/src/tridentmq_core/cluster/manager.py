@@ -227,6 +227,7 @@ class ClusterManager:
         self.leaving = False  # scaling down: this node advertises no bindings, so nothing new comes
         self._scale_down_deadline = 0.0  # set by prepare_scale_down (monotonic)
         self._scale_down_copies: dict[str, Bridge] = {}  # durable queue → the node its copy was made on
+        self._scale_down_tried: set[tuple[str, str]] = set()  # (durable queue, node id) copied again there
         broker.cluster = self.balancer
         broker.on_topology = self.on_topology
         broker.hold_reply = self.hold_reply
@@ -874,28 +875,50 @@ class ClusterManager:
         subscription between this node's leaving and its queue's move would be lost to it."""
         deadline = time.monotonic() + self.settings.cluster.scale_down_timeout_ms / 1000
         self._scale_down_deadline = deadline
-        targets = self._live_targets()
-        if not targets:
+        if not self._live_targets():
             return
-        durable = [
-            q for name, q in self.broker.queues.items() if q.durable and not name.startswith(FORWARD_QUEUE_PREFIX)
-        ]
-        for start in range(0, len(durable), SCALE_DOWN_COPIES_AT_ONCE):
-            if time.monotonic() >= deadline:
-                break
-            chunk = [(q, self._destination(q, targets)) for q in durable[start : start + SCALE_DOWN_COPIES_AT_ONCE]]
-            made = await asyncio.gather(*(self._copy_queue(q, bridge) for q, bridge in chunk))
-            self._scale_down_copies.update((q.name, bridge) for (q, bridge), ok in zip(chunk, made, strict=True) if ok)
+        await self._copy_to_live(deadline)
         # A copy's answer comes at once to a node's own link; its node advertises it at its next tick, to every
         # node at once. Seeing it here means the others have it on the way too.
         wait_until = min(deadline, time.monotonic() + SCALE_DOWN_ADVERTISED_WAIT_S)
         while time.monotonic() < wait_until:
+            await self._copy_to_live(deadline)  # a node that scales down at the same time advertises none
             if all(
                 any(b.node_id == bridge.node_id for b in self.bindings.for_queue(name))
                 for name, bridge in self._scale_down_copies.items()
+                if not bridge.leaving  # one that failed to be made again elsewhere: not waited for
             ):
                 break
             await asyncio.sleep(0.02)
+
+    async def _copy_to_live(self, deadline: float) -> None:
+        """Make each durable queue of this node, empty ones too, on the live node it will move to, unless a live
+        node has its copy already: also one whose copy went to a node that has left since (it scales down too,
+        or is down), and one made here after the first look (by a node scaling down at the same time). An
+        empty queue is never moved: its only other copy would be on a node that does not come back, and a
+        subscription would exist nowhere once this node left. Each queue is tried once per node."""
+        targets = self._live_targets()
+        if not targets:
+            return
+        live = {b.node_id for b in targets}
+        copies, tried = self._scale_down_copies, self._scale_down_tried
+        todo = []
+        for name, queue in self.broker.queues.items():
+            if not queue.durable or name.startswith(FORWARD_QUEUE_PREFIX):
+                continue
+            copy = copies.get(name)
+            if copy is not None and copy.node_id in live:
+                continue
+            bridge = self._destination(queue, targets)
+            if (name, bridge.node_id) not in tried:
+                todo.append((queue, bridge))
+        for start in range(0, len(todo), SCALE_DOWN_COPIES_AT_ONCE):
+            if time.monotonic() >= deadline:
+                return
+            chunk = todo[start : start + SCALE_DOWN_COPIES_AT_ONCE]
+            tried.update((q.name, bridge.node_id) for q, bridge in chunk)
+            made = await asyncio.gather(*(self._copy_queue(q, bridge) for q, bridge in chunk))
+            copies.update((q.name, bridge) for (q, bridge), ok in zip(chunk, made, strict=True) if ok)
 
     async def scale_down(self, close_clients: Callable[[], None]) -> None:
         """Before a graceful stop (after ``prepare_scale_down``): tell the others to send nothing more, let this
@@ -922,6 +945,7 @@ class ClusterManager:
         ack_wait = self.sync.timeout_ms / 1000
         acks_until = time.monotonic() + ack_wait
         while (now := time.monotonic()) < deadline:
+            await self._copy_to_live(deadline)  # its copy's node left since, or it came after the first look
             targets = self._live_targets()
             left = [
                 q
