@@ -228,6 +228,7 @@ class ClusterManager:
         self._scale_down_deadline = 0.0  # set by prepare_scale_down (monotonic)
         self._scale_down_copies: dict[str, Bridge] = {}  # durable queue → the node its copy was made on
         self._scale_down_tried: set[tuple[str, str]] = set()  # (durable queue, node id) copied again there
+        self._scale_down_looked_at: tuple[int, frozenset[str]] | None = None  # see _copy_to_live
         broker.cluster = self.balancer
         broker.on_topology = self.on_topology
         broker.hold_reply = self.hold_reply
@@ -901,6 +902,12 @@ class ClusterManager:
         if not targets:
             return
         live = {b.node_id for b in targets}
+        # Looked at again only when a queue came or went or the live nodes changed: called on every pass of
+        # the scale-down loop, it would go over a node's 100,000 queues twenty times a second.
+        looked_at = (self.broker.bindings_version, frozenset(live))
+        if looked_at == self._scale_down_looked_at:
+            return
+        self._scale_down_looked_at = looked_at
         copies, tried = self._scale_down_copies, self._scale_down_tried
         todo = []
         for name, queue in self.broker.queues.items():
