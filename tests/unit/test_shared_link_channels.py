@@ -173,3 +173,17 @@ async def test_a_stall_of_the_node_does_not_drop_the_links_it_accepted(
         assert set(core.node.links) == links
         assert "heartbeat-timeout" not in caplog.text
         assert client.connected
+
+
+async def test_a_gateway_that_stops_does_not_report_its_shared_link_lost(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A gateway stopping with sessions still open closes its shared links itself: that is no loss to warn of
+    ("shared core link lost: its sessions fail over" was logged at every stop of a busy gateway)."""
+    async with running_core(core_settings(tmp_path), lambda port: CoreLinkSettings(port=port)) as core:
+        session = core.links.client(user="a", password="a", client_name="open at the stop")
+        await session.connect()
+        with caplog.at_level(logging.INFO):
+            await core.links.stop()
+        assert "shared core link lost" not in caplog.text
+        await session.close()

@@ -135,7 +135,7 @@ class Carrier:
         """The shared link is gone: each of its sessions is lost as its own connection would have been."""
         self.alive = False
         self.links.forget(self)
-        if self.channels:
+        if self.channels and not self.links.stopping:  # (a gateway that stops ends its sessions itself)
             log.warning(
                 "shared core link lost: its sessions fail over",
                 extra={
@@ -264,6 +264,11 @@ class SharedLinks:
         carriers = self._carriers.get(endpoint)
         if carriers is not None and carrier in carriers:
             carriers.remove(carrier)
+
+    @property
+    def stopping(self) -> bool:
+        """The gateway closes its shared links: it stops."""
+        return self._closing
 
     async def close(self) -> None:
         """Close every shared link (their sessions are lost, as by a closed connection)."""
