@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import select
 import socket
 import struct
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -833,6 +835,108 @@ def test_a_sender_that_detaches_at_once_gets_the_outcomes_of_its_transfers_first
         assert got.code == DETACH, got
         assert settled == {0, 1, 2}  # every stored message confirmed, before the link went
     assert queue_depth(core, queue) == 3
+
+
+def burst_receiver(name: str, handle: int, address: str) -> bytes:
+    """A receiving link whose deliveries come pre-settled (snd-settle-mode settled): the client's socket fills
+    with as many as its credit allows, whatever it settles."""
+    return frame(
+        ATTACH,
+        [
+            name,
+            UInt(handle),
+            True,
+            UByte(1),
+            UByte(0),
+            Described(ULong(SOURCE), [address]),
+            Described(ULong(TARGET), [None]),
+        ],
+    )
+
+
+def frames_from(sock: socket.socket, data: bytearray) -> Iterator[Frame]:
+    """The frames of ``data`` and then of what the socket brings (without copying what is left at each frame)."""
+    pos = 0
+    while True:
+        if len(data) - pos >= 4:
+            size = int.from_bytes(data[pos : pos + 4], "big")
+            if len(data) - pos >= size:
+                yield parse_frame(bytes(data[pos : pos + size]))
+                pos += size
+                continue
+        del data[:pos]
+        pos = 0
+        chunk = sock.recv(1 << 20)
+        assert chunk, "the gateway closed the connection"
+        data += chunk
+
+
+def test_a_one_thread_client_that_sends_a_burst_before_reading_is_not_deadlocked(gateway: GatewayProcess) -> None:
+    """A client with one thread and blocking writes attaches a receiver with plenty of credit and a sender to the
+    same queue, then sends its whole link credit of transfers (settled and unsettled) before it reads anything:
+    its own deliveries fill its socket. The gateway goes on reading and handling its frames, so the burst is taken
+    whole (it waited for the client to read, and the client for it to read its burst: both hung)."""
+    queue = unique("burst.echo")
+    body = b"x" * 48 * 1024
+    with Peer(gateway.port) as peer:
+        peer.open()
+        begin = peer.begin()
+        peer.send(burst_receiver("echo", 1, queue))
+        attach = peer.expect(ATTACH)
+        assert attach.field(6) is not None, f"the link was refused: {attach}"
+        # next-incoming-id, incoming-window, next-outgoing-id, outgoing-window, handle, delivery-count, link-credit
+        flow = [begin.field(1), UInt(65536), UInt(0), UInt(65536), UInt(1), attach.field(9) or UInt(0)]
+        peer.send(frame(FLOW, [*flow, UInt(1_000_000)]))
+        _, credit_flow = peer.attach_sender("burst", 0, queue)
+        count = credit_flow.field(6)  # the whole credit: about 48 MiB each way
+        burst = b"".join(
+            frame(TRANSFER, [UInt(0), UInt(n), b"%d" % n, UInt(0), n % 2 == 0], payload=message_bytes(body))
+            for n in range(count)
+        )
+        sock = peer.sock
+        sock.settimeout(None)  # blocking writes, as the client's
+        sent = [0]
+
+        def send_burst() -> None:
+            view = memoryview(burst)
+            while sent[0] < len(view):
+                sent[0] += sock.send(view[sent[0] : sent[0] + 65536])
+
+        sender = threading.Thread(target=send_burst, daemon=True)
+        sender.start()
+        stalled_at = None
+        last, last_change = 0, time.monotonic()
+        while sender.is_alive():
+            sender.join(0.2)
+            if sent[0] != last:
+                last, last_change = sent[0], time.monotonic()
+            elif time.monotonic() - last_change > 10:
+                stalled_at = sent[0]  # nothing moved for 10 s: a deadlock (read now, to end it)
+                break
+        data = bytearray(peer.buffer)
+        while sender.is_alive():  # free the sender, if it stalled
+            if select.select([sock], [], [], 0.2)[0]:
+                data += sock.recv(1 << 20)
+        assert stalled_at is None, f"deadlocked after {stalled_at} of {len(burst)} bytes"
+        sock.settimeout(WAIT)
+        accepted: list[int] = []
+        delivered = 0
+        frames = frames_from(sock, data)
+        while len(accepted) < count // 2 or delivered < count:
+            got = next(frames)
+            if got.code == DISPOSITION:
+                assert got.field(0) is True, got
+                assert got.field(4) == Described(ACCEPTED, []), got
+                accepted.extend(range(got.field(1), (got.field(2) or got.field(1)) + 1))
+            elif got.code == TRANSFER:
+                assert got.field(0) == attach.field(1), got
+                assert got.payload.endswith(body), got
+                delivered += 1
+            else:
+                assert got.code in (FLOW, None), got
+        assert accepted == list(range(1, count, 2))  # every unsettled transfer, in order
+        assert delivered == count
+    assert_serves(gateway)
 
 
 # ------------------------------------------------------------------------------------------------ 6. size

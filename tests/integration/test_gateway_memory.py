@@ -466,8 +466,16 @@ def test_a_stomp_websocket_client_that_ends_and_never_reads_is_cut_off_after_the
 def test_an_amqp_client_that_closes_and_never_reads_is_ended_by_the_idle_timeout(
     tmp_path: Path, core: CoreProcess
 ) -> None:
-    """Its CLOSE waits unhandled while it does not read (the gateway hands AMQP input to proton in order), so
-    proton sees it silent, and its idle timeout expires: that ended nothing either, its events waiting behind
-    the client's reading like the rest, and the connection stayed for ever. Now the expired idle timeout ends
-    it (and the close after is bounded)."""
-    cut_off_after_its_end(tmp_path, core, "amqp", "goodbye", TRIDENTMQ_AMQP_AMQP_IDLE_TIMEOUT_MS="2000")
+    """Its CLOSE waits unhandled while more than ``amqp.pending_bytes`` wait for it to read (the gateway hands AMQP
+    input to proton in order; 64 KiB here, what a socket that stopped taking holds at least), so proton sees it
+    silent, and its idle timeout expires: that ended nothing either, its events waiting behind the client's
+    reading like the rest, and the connection stayed for ever. Now the expired idle timeout ends it (and the
+    close after is bounded)."""
+    cut_off_after_its_end(
+        tmp_path,
+        core,
+        "amqp",
+        "goodbye",
+        TRIDENTMQ_AMQP_AMQP_IDLE_TIMEOUT_MS="2000",
+        TRIDENTMQ_AMQP_AMQP_PENDING_BYTES=str(64 * 1024),
+    )

@@ -132,6 +132,8 @@ class Client:
         pending = self.transport.pending()
         if pending > 0 and not self.session._closed:
             self.session.feed(self.output())
+        if not self.wire.writable():
+            return  # the client does not read (``MemoryWire.stall``): what the session wrote waits in the wire
         out = self.wire.take()
         self.received += out
         self._inbox += out
@@ -2062,3 +2064,63 @@ async def test_a_sole_container_id_needs_the_right_to_make_its_lock(tmp_path: Pa
         held = sole(core, "billing", mechanism="PLAIN", user="alice", password="secret")
         await held.until(lambda: held.connection.state & Endpoint.REMOTE_ACTIVE, "the OPEN")
         assert held.connection.remote_condition is None
+
+
+async def test_a_client_that_does_not_read_still_has_its_frames_handled(core: Core) -> None:
+    """A one-thread client sends a burst before it reads, while its own receiver fills its socket: the gateway
+    goes on handling its frames (it would otherwise wait for the client to read, and the client for the gateway
+    to read its burst: a deadlock); its deliveries wait for the socket."""
+    c, reader = await connected(core), await connected(core, container="reader")
+    mine = await c.receiver("mine")
+    sender = await c.sender("burst")
+    incoming = await reader.receiver("burst")
+    c.wire.stall()
+    await fill(core, "mine", "a", "b", "c")
+    deliveries = [sender.send(Message(body=n)) for n in range(5)]
+    assert await reader.bodies(incoming, 5) == [0, 1, 2, 3, 4]
+    assert TRANSFER not in [code for code, _ in frames_of(bytes(c.wire.out))]  # (what it was sent waits)
+    c.wire.drain()
+    await c.until(lambda: all(d.remote_state == Delivery.ACCEPTED for d in deliveries), "the dispositions")
+    assert await c.bodies(mine, 3) == ["a", "b", "c"]
+
+
+async def test_the_answers_waiting_for_a_client_that_does_not_read_are_bounded(core: Core) -> None:
+    c = Client(core, amqp_settings(core, pending_bytes=1000))
+    await c.open()
+    reader = await connected(core, container="reader")
+    sender = await c.sender("bounded")
+    incoming = await reader.receiver("bounded", credit=100)
+    c.wire.stall()
+    links, deliveries = [], []
+    for n in range(20):  # each answer (an ATTACH of a long name, its FLOW, a DISPOSITION) is over 300 bytes
+        link = sender.session.sender(f"{'x' * 200}-{n}")
+        link.target.address = "bounded"
+        link.open()
+        links.append(link)
+        deliveries.append(sender.send(Message(body=n)))
+        c.pump()
+        await settle()
+    await reader.nothing()
+    handled = c.counters.messages_published
+    assert 2 <= handled < 20  # after a few, the gateway waits for the client
+    assert len(c.wire.out) < 2000
+    c.wire.drain()
+    await c.until(lambda: all(d.remote_state == Delivery.ACCEPTED for d in deliveries), "the dispositions")
+    assert all(link.state & Endpoint.REMOTE_ACTIVE for link in links)
+    assert await reader.bodies(incoming, 20) == list(range(20))
+
+
+async def test_credit_granted_while_the_client_does_not_read_sends_nothing_until_it_reads(core: Core) -> None:
+    """Its FLOW is handled, but what waited for that credit still waits for the socket (deliveries are what the
+    gateway writes unasked: they would pile up in memory for a client that never reads)."""
+    await fill(core, "later", "a", "b", "c")
+    c = await connected(core)
+    receiver = await c.receiver("later", credit=1)
+    assert await c.bodies(receiver, 1) == ["a"]  # "b" and "c" wait for credit
+    c.wire.stall()
+    receiver.flow(10)
+    await c.nothing()
+    assert c.transport.pending() <= 0  # the FLOW went
+    assert TRANSFER not in [code for code, _ in frames_of(bytes(c.wire.out))]
+    c.wire.drain()
+    assert await c.bodies(receiver, 2) == ["b", "c"]

@@ -192,8 +192,19 @@ class AmqpSession:
         self._output_scheduled = False
         connect_timeout = limits.connect_timeout_ms / 1000
         self._connect_deadline = time.monotonic() + connect_timeout if connect_timeout > 0 else None
-        # The client's bytes are the events: reading pauses on their size alone.
-        self._driver = SessionDriver(self, wire, "amqp", max_events=None, max_bytes=limits.pending_bytes)
+        # The client's bytes are the events: reading pauses on their size alone. They are handled while the client
+        # does not read, up to pending_bytes of answers waiting for it (its deliveries wait for the socket:
+        # ``_pump``): a client that sends a burst before it reads, while its own receiving links fill its socket,
+        # is not deadlocked with the gateway. The answers are bounded by the credit the gateway grants (a
+        # disposition per transfer) and by the frames handled (an attach, a flow asking for an echo).
+        self._driver = SessionDriver(
+            self,
+            wire,
+            "amqp",
+            max_events=None,
+            max_bytes=limits.pending_bytes,
+            max_unread=limits.pending_bytes,
+        )
         self._arm_timer()
         counters.connections_total += 1
 
@@ -424,8 +435,7 @@ class AmqpSession:
                 pn_link = lib.pn_event_link(event)
                 outbound = self.outbound.get(pn_link)
                 if outbound is not None:
-                    self._send_pending(outbound)
-                    self._pump(outbound)  # what waited for credit went: take what came meanwhile
+                    self._pump(outbound)  # what waited for credit goes, and what came meanwhile
             else:
                 _ack_all(acks)  # before a detach closes their consumer
                 if self.link is not None or kind not in _AFTER_OPEN:  # a refused OPEN: its sessions get nothing
@@ -1139,29 +1149,35 @@ class AmqpSession:
     # ------------------------------------------------------------------ messages to the client
     def _pump(self, outbound: Outbound) -> None:
         """Send what the link's consumer holds while the client grants credit. The consumer calls it when
-        deliveries arrive, and the client's FLOW once what waited for credit is sent: no task per link. At most
+        deliveries arrive, and the client's FLOW (what waited for credit goes first): no task per link. At most
         the prefetch is out of the queue: an unsettled link's core credit comes back with the client's
         dispositions, and a pre-settled link's with its transfers written. While the client does not read what
         was written, the deliveries wait in the consumer, whose credit then stops the core, and a task waits
         for the client to drain."""
         if self._closed or outbound.draining is not None or self.outbound.get(outbound.link) is not outbound:
             return  # (detached: the core takes back what its consumer holds)
-        if outbound.pending:
-            return  # waiting for the client's credit
         if not self.wire.writable():
+            # The client's frames are handled meanwhile (its FLOWs too): what it is sent waits for it to read.
             outbound.draining = end_on_failure(
                 self._loop.create_task(self._pump_when_drained(outbound), name="amqp drain"), self._end, self.wire.peer
             )
             return
         consumer = outbound.consumer
         try:
+            if outbound.pending:
+                self._send_pending(outbound)  # what waited for the client's credit, as far as it goes now
+                self._output_soon()
+                if outbound.pending:
+                    return  # the rest waits for more credit
             batch = consumer.take_batch()
-            if not batch:
-                if consumer.closed is not None:
-                    self._consumer_ended(outbound, consumer.closed)
+            if batch:
+                outbound.pending.extend(batch)
+            elif consumer.closed is not None:
+                self._consumer_ended(outbound, consumer.closed)
+                return
+            elif not lib.pn_link_get_drain(outbound.link):
                 return  # (or a browse that showed what was there: it ends)
-            outbound.pending.extend(batch)
-            self._send_pending(outbound)
+            self._send_pending(outbound)  # (a drain with nothing to send is answered so)
             self._output_soon()
         except Exception:  # as a task's failure would: this connection ends, the gateway goes on
             log.exception("amqp delivery failed", extra={"peer": self.wire.peer})

@@ -99,7 +99,9 @@ class AmqpLimitsSection:
     )
     connect_timeout_ms: int = doc(10_000, "A connection that has not finished SASL and sent OPEN by then is closed.")
     pending_bytes: int = doc(
-        8 * 1024 * 1024, "Client bytes read ahead of processing before the gateway stops reading the socket."
+        8 * 1024 * 1024,
+        "Client bytes read ahead of processing before the gateway stops reading the socket; also the answers "
+        "(dispositions, flows, attaches) that may wait for a client that does not read before its frames wait too.",
     )
     max_connect_bytes: int = doc(
         64 * 1024,
