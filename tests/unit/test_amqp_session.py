@@ -26,7 +26,7 @@ from tests.unit.gateway_harness import (
     unused_port,
 )
 
-from tridentmq_amqp.protocol.types import Described, Symbol, UInt, ULong, decode, encode
+from tridentmq_amqp.protocol.types import Described, Symbol, UByte, UInt, ULong, decode, encode
 from tridentmq_amqp.session import AmqpSession, Counters
 from tridentmq_amqp.settings import AmqpLimitsSection, AmqpSettings, CoreLinkSection
 from tridentmq_core.settings import AddressSettingsEntry, CoreSettings, PermissionEntry, UserEntry
@@ -2124,3 +2124,35 @@ async def test_credit_granted_while_the_client_does_not_read_sends_nothing_until
     assert TRANSFER not in [code for code, _ in frames_of(bytes(c.wire.out))]
     c.wire.drain()
     assert await c.bodies(receiver, 2) == ["b", "c"]
+
+
+def held_by_the_gateway_s_proton(c: Client) -> int:
+    engine = c.session.engine
+    assert engine is not None
+    held, session = 0, lib.pn_session_head(engine.pn_connection, 0)
+    while session != ffi.NULL:
+        held += lib.pn_session_outgoing_bytes(session)
+        session = lib.pn_session_next(session, 0)
+    return held
+
+
+async def test_what_a_client_s_session_window_does_not_let_out_waits_in_the_core(core: Core) -> None:
+    """A pre-settled receiver with plenty of link credit on a session whose incoming window stays small: proton
+    holds the transfers the window does not let out, and the gateway took them all from the core (acknowledged
+    as sent), for as long as the client granted credit. Now what comes next waits in the core."""
+    c = Client(core, amqp_settings(core, pending_bytes=100_000, prefetch=10), mechanism=None, raw=True)
+    source, target = Described(ULong(0x28), ["held"]), Described(ULong(0x29), [None])
+    c.session.feed(AMQP_HEADER + frame(OPEN, ["raw"]) + frame(BEGIN, [None, UInt(0), UInt(2), UInt(65536)]))
+    c.session.feed(frame(ATTACH, ["r", UInt(0), True, UByte(1), UByte(0), source, target]))  # pre-settled
+    await c.nothing()
+    # incoming-window 2 (frames), link credit 100 000
+    c.session.feed(frame(FLOW, [UInt(0), UInt(2), UInt(0), UInt(65536), UInt(0), UInt(0), UInt(100_000)]))
+    await c.nothing()
+    await fill(core, "held", *[b"x" * 10_000 for _ in range(300)])
+    await c.nothing()
+    assert c.transfers() == 2  # what the window let out
+    assert held_by_the_gateway_s_proton(c) < 250_000  # pending_bytes, and a batch of the prefetch
+    assert queued(core, "held") > 250  # the rest waits in the core (all was taken: 298 held, 3 MB)
+    c.session.feed(frame(FLOW, [UInt(2), UInt(1000), UInt(0), UInt(65536)]))  # the session window opens
+    await c.until(lambda: c.transfers() == 300, "every message")
+    assert queued(core, "held") == 0

@@ -185,6 +185,8 @@ class AmqpSession:
         # (confirm future, pn_delivery_t* or None when pre-settled, inbound link, txn-id) in publish order
         self._unsettled_in: deque[tuple[asyncio.Future[None], Any, Inbound, bytes | None]] = deque()
         self._background: set[asyncio.Task[None]] = set()  # the session's own tasks (a link's consumer closing)
+        # pn_link_t* → its receiving link, waiting for proton to let out the transfers it holds (``_pump``)
+        self._held: dict[Any, Outbound] = {}
         self._lost = False  # the socket closed
         self._opened = False  # the client's OPEN was answered
         self._closing = False  # the gateway closed the connection (with an error): nothing more is taken
@@ -1169,6 +1171,12 @@ class AmqpSession:
                 self._output_soon()
                 if outbound.pending:
                     return  # the rest waits for more credit
+            if self._held_in_proton() >= self.settings.amqp.pending_bytes:
+                # The client's session windows let out less than its link credit asks for: proton holds the
+                # transfers, and a pre-settled link's were acknowledged as sent. What comes next waits in the
+                # consumer (whose credit then stops the core) until proton lets them out (``_flush``).
+                self._held[outbound.link] = outbound
+                return
             batch = consumer.take_batch()
             if batch:
                 outbound.pending.extend(batch)
@@ -1188,7 +1196,20 @@ class AmqpSession:
         outbound.draining = None
         self._pump(outbound)
 
+    def _held_in_proton(self) -> int:
+        """Bytes of transfers proton holds for the client's sessions, not yet let out by their windows."""
+        engine = self.engine
+        if engine is None:
+            return 0
+        held = 0
+        pn_session = lib.pn_session_head(engine.pn_connection, 0)
+        while pn_session != NULL:
+            held += lib.pn_session_outgoing_bytes(pn_session)
+            pn_session = lib.pn_session_next(pn_session, 0)
+        return held
+
     def _stop_pumping(self, outbound: Outbound) -> None:
+        self._held.pop(outbound.link, None)
         outbound.consumer.on_wake = None
         if outbound.draining is not None:
             outbound.draining.cancel()
@@ -1319,6 +1340,11 @@ class AmqpSession:
         data = engine.data_to_send()
         if data:
             self.wire.write(data)
+        if self._held and self._held_in_proton() < self.settings.amqp.pending_bytes:
+            held = list(self._held.values())  # proton let transfers out (the client opened its session window)
+            self._held.clear()
+            for outbound in held:
+                self._pump(outbound)
         if engine.closed:  # proton has said all it will (a CLOSE, or an error): the session ends after the input
             self._driver.receive([_ENGINE_DONE], 0)
 
@@ -1414,6 +1440,7 @@ class AmqpSession:
         self.coordinators.clear()
         self._dynamic.clear()
         self._incomplete.clear()
+        self._held.clear()
         # proton's memory goes now, not whenever what still refers to this session (a timer handle, a task
         # ending) lets it go: thousands of short connections kept their engines that way.
         self.engine = None

@@ -101,7 +101,8 @@ class AmqpLimitsSection:
     pending_bytes: int = doc(
         8 * 1024 * 1024,
         "Client bytes read ahead of processing before the gateway stops reading the socket; also the answers "
-        "(dispositions, flows, attaches) that may wait for a client that does not read before its frames wait too.",
+        "(dispositions, flows, attaches) that may wait for a client that does not read before its frames wait too, "
+        "and the transfers its session windows do not let out yet before its messages wait in the core.",
     )
     max_connect_bytes: int = doc(
         64 * 1024,

@@ -61,6 +61,7 @@ class Engine:
         self.connection.collect(self.collector)
         # The raw handles of the hot path.
         self.pn_transport: Any = self.transport._impl
+        self.pn_connection: Any = self.connection._impl
         self.pn_collector: Any = self.collector._impl
         self._input = bytearray()  # bytes beyond what the transport could take so far
         self.tail_closed = False
