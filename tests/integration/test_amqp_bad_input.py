@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import select
 import socket
 import struct
-import threading
 import time
 import urllib.error
 import urllib.parse
@@ -39,6 +37,7 @@ from tests.conftest import (
     stop_cleanly,
     stop_core_cleanly,
 )
+from tests.integration.blocking_sender import send_before_reading
 
 from tridentmq_amqp.protocol.types import Described, Symbol, UByte, UInt, ULong, decode, encode
 
@@ -894,29 +893,7 @@ def test_a_one_thread_client_that_sends_a_burst_before_reading_is_not_deadlocked
             for n in range(count)
         )
         sock = peer.sock
-        sock.settimeout(None)  # blocking writes, as the client's
-        sent = [0]
-
-        def send_burst() -> None:
-            view = memoryview(burst)
-            while sent[0] < len(view):
-                sent[0] += sock.send(view[sent[0] : sent[0] + 65536])
-
-        sender = threading.Thread(target=send_burst, daemon=True)
-        sender.start()
-        stalled_at = None
-        last, last_change = 0, time.monotonic()
-        while sender.is_alive():
-            sender.join(0.2)
-            if sent[0] != last:
-                last, last_change = sent[0], time.monotonic()
-            elif time.monotonic() - last_change > 10:
-                stalled_at = sent[0]  # nothing moved for 10 s: a deadlock (read now, to end it)
-                break
-        data = bytearray(peer.buffer)
-        while sender.is_alive():  # free the sender, if it stalled
-            if select.select([sock], [], [], 0.2)[0]:
-                data += sock.recv(1 << 20)
+        stalled_at, data = send_before_reading(sock, burst, bytes(peer.buffer))
         assert stalled_at is None, f"deadlocked after {stalled_at} of {len(burst)} bytes"
         sock.settimeout(WAIT)
         accepted: list[int] = []

@@ -7,9 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import select
 import socket
-import threading
 import time
 import urllib.error
 import urllib.parse
@@ -30,6 +28,7 @@ from tests.conftest import (
     start_gateway,
     stop_cleanly,
 )
+from tests.integration.blocking_sender import send_before_reading
 from tests.integration.mqtt_clients import Paho, Raw, silent
 
 from tridentmq_mqtt import convert
@@ -881,29 +880,7 @@ def test_a_one_thread_client_that_publishes_a_burst_before_reading_is_not_deadlo
         encode(Publish(topic, payload, n % 2, packet_id=n % 60_000 + 1 if n % 2 else None), V311) for n in range(count)
     )
     sock = client.sock
-    sock.settimeout(None)  # blocking writes, as the client's
-    sent = [0]
-
-    def send_burst() -> None:
-        view = memoryview(burst)
-        while sent[0] < len(view):
-            sent[0] += sock.send(view[sent[0] : sent[0] + 65536])
-
-    sender = threading.Thread(target=send_burst, daemon=True)
-    sender.start()
-    stalled_at = None
-    last, last_change = 0, time.monotonic()
-    while sender.is_alive():
-        sender.join(0.2)
-        if sent[0] != last:
-            last, last_change = sent[0], time.monotonic()
-        elif time.monotonic() - last_change > 10:
-            stalled_at = sent[0]  # nothing moved for 10 s: a deadlock (read now, to end it)
-            break
-    data = bytearray()
-    while sender.is_alive():  # free the sender, if it stalled
-        if select.select([sock], [], [], 0.2)[0]:
-            data += sock.recv(1 << 20)
+    stalled_at, data = send_before_reading(sock, burst)
     assert stalled_at is None, f"deadlocked after {stalled_at} of {len(burst)} bytes"
     client.pending = client.parser.feed(bytes(data))
     acked, delivered = [], 0
