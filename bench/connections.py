@@ -241,8 +241,8 @@ async def _clients(
     out: Connection,
 ) -> None:
     """``count`` clients from number ``first`` (client i to ``ports[i % len(ports)]``): report (subscribed,
-    refused, seconds to the last subscription),
-    then (received) once each got its message or waited ``WAIT_S``, then hold the connections until told."""
+    refused, seconds to the last subscription), then (received) once each got its message or waited ``WAIT_S``,
+    then hold the connections until told."""
     speaks = PROTOCOLS[protocol]
     handshakes = asyncio.Semaphore(concurrency)
     writers: list[asyncio.StreamWriter] = []

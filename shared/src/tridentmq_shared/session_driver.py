@@ -24,8 +24,8 @@ log = logging.getLogger("tridentmq.gateway")
 #: How long an ended session's clean-up may take (a core request during a failover can take the link's
 #: whole reconnect time, about 11 s) before ``abort`` closes what it holds anyway.
 CLEAN_UP_LIMIT_S: Final = 30.0
-#: Overdue clean-ups are logged once per this many seconds, the rest counted: a gateway whose core link fails
-#: may have thousands of sessions end at once (100,000 clients leaving six gateways logged 84,000 lines).
+#: Overdue clean-ups are logged once a minute, the rest counted: a gateway whose core link fails may have
+#: thousands of sessions end at once (100,000 clients leaving six gateways logged 84,000 lines).
 overdue_log = FloodLog(
     60.0, log, logging.ERROR, "more session clean-ups overdue: their links and connections were closed"
 )
