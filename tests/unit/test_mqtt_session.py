@@ -288,6 +288,13 @@ def pending_wills(gw: Gateway) -> dict[str, tuple[bytes, int]]:
     return {key: (will.message[M_BODY], will.delay_ms) for key, will in book.pending.items()}
 
 
+def held_by(c: Client) -> int:
+    """The messages ``c``'s subscriptions hold in the gateway, not written yet. The core's count of messages in
+    flight is no sign of that: one on its way to the gateway when the session ends is returned as a delivery
+    that failed (the gateway never saw it to give it back uncounted)."""
+    return sum(len(sub.consumer.peek()) for sub in c.session.subs.values() if sub.consumer is not None)
+
+
 def link_of(gw: Gateway, client_id: str) -> bool:
     """Whether the core still has the link of ``client_id``'s connection (a will goes when it closes)."""
     return any(s.client_name.startswith(f"mqtt {client_id} ") for s in gw.core.node.broker.sessions.values())
@@ -1236,8 +1243,7 @@ async def test_a_session_whose_client_stopped_reading_ends_without_waiting_for_i
     old.wire.stall()  # the client reads nothing more: what comes waits for it to drain
     pub = await gw.connected("pub")
     await pub.publish("held", b"while stalled")
-    (queue,) = gw.queues(convert.subscription_queue("dev", "held"))
-    await eventually(lambda: gw.core.node.broker.queues[queue].in_flight == 1, "the old session to take it")
+    await eventually(lambda: held_by(old) == 1, "the old session to take it")
     new = gw.client()
     assert (await new.connect("dev", clean_start=False, properties=persistent())).session_present
     got = await new.message(1)
@@ -1253,8 +1259,7 @@ async def test_messages_never_written_to_a_client_that_left_come_back_unflagged(
     c.wire.stall()
     for n in range(3):
         await pub.publish("unsent", b"waiting %d" % n, packet_id=n + 2)
-    (queue,) = gw.queues(convert.subscription_queue("dev", "unsent"))
-    await eventually(lambda: gw.core.node.broker.queues[queue].in_flight == 4, "the gateway to take them all")
+    await eventually(lambda: held_by(c) == 3, "the gateway to take them all")
     c.wire.drain()  # as a socket's end does: what waits for the client to read wakes up
     await c.gone()
     back = gw.client()
