@@ -1309,6 +1309,27 @@ async def test_a_shared_durable_subscription_spreads_messages_and_ends_with_its_
     await two.until(lambda: "app.orders" not in core.node.broker.queues, "the subscription ended")
 
 
+@pytest.mark.parametrize("shared", [(), (Capabilities("topic", "shared"),)], ids=["exclusive", "shared"])
+async def test_an_unsubscribe_keeps_a_durable_subscription_another_link_consumes_from(
+    core: Core, shared: tuple[Any, ...]
+) -> None:
+    """Qpid JMS's unsubscribe (attach the subscription's name with a null source, then close the link) while
+    another link of the client still consumes: the subscription and its messages stay. It was deleted, with
+    its messages, under the consumer (a shared subscription with a client id was looked up as an exclusive
+    one). Ended when its last consumer leaves, as a shared one already was."""
+    c = await connected(core, container="app")
+    consuming = await c.receiver("topic://bills", name="bills", options=(DurableSubscription(), *shared))
+    sender = await c.sender("topic://bills")
+    await c.send(sender, Message(body="first"))
+    lookup = await c.receiver(None, name="bills")  # the unsubscribe's look-up
+    await c.close(lookup)
+    assert "app.bills" in core.node.broker.queues
+    await c.send(sender, Message(body="second"))
+    assert await c.bodies(consuming, 2) == ["first", "second"]
+    await c.close(consuming)
+    await c.until(lambda: "app.bills" not in core.node.broker.queues, "the subscription ended with its last link")
+
+
 async def test_a_shared_subscription_nobody_uses_is_replaced_for_another_selector(core: Core) -> None:
     shared = (DurableSubscription(), Capabilities("topic", "shared", "global"))
     c = await connected(core)

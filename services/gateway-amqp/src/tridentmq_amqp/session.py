@@ -847,11 +847,11 @@ class AmqpSession:
         outbound = self.outbound.pop(pn_link, None)
         if outbound is not None:
             await self._stop(outbound)
-            if closed and outbound.shared and outbound.durable and self.link is not None:
-                await self._end_shared(outbound)
-            elif (outbound.temporary or (closed and outbound.durable)) and self.link is not None:
-                try:  # the subscription ends for good, with its copies on nodes its client came through
-                    await self.link.delete_queue(outbound.queue, everywhere=not outbound.temporary)
+            if closed and outbound.durable and not outbound.temporary and self.link is not None:
+                await self._end_durable(outbound)
+            elif outbound.temporary and self.link is not None:
+                try:
+                    await self.link.delete_queue(outbound.queue)
                 except LinkRequestError as exc:
                     log.info(
                         "amqp subscription kept",
@@ -864,14 +864,16 @@ class AmqpSession:
             else:
                 link.detach()
 
-    async def _end_shared(self, outbound: Outbound) -> None:
-        """A shared durable subscription ends when its last consumer closes its link (the JMS unsubscribe);
-        while others consume from it, closing one link only takes that consumer away."""
+    async def _end_durable(self, outbound: Outbound) -> None:
+        """A durable subscription ends when its last consumer closes its link (a JMS unsubscribe closes the link
+        of its look-up); while other links consume from it, closing one only takes that consumer away. An
+        exclusive one ends with its copies on the nodes its client came through; a shared one's other copies
+        may have consumers of their own."""
         assert self.link is not None
         try:
             found = await self.link.create_queue(outbound.queue, outbound.address, routing_type=RoutingType.MULTICAST)
             if not found.get("consumers"):
-                await self.link.delete_queue(outbound.queue)
+                await self.link.delete_queue(outbound.queue, everywhere=not outbound.shared)
         except LinkRequestError as exc:
             log.info(
                 "amqp subscription kept", extra={"peer": self.wire.peer, "queue": outbound.queue, "reason": exc.text}
