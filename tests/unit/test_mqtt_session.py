@@ -759,6 +759,29 @@ async def test_retained_messages_are_set_sent_on_subscribe_and_cleared(gw: Gatew
     await late.handled_in_order()  # the cleared home/temp did not come
 
 
+async def test_retained_messages_wait_for_a_subscriber_that_does_not_read(gw: Gateway) -> None:
+    """A SUBSCRIBE to ``#`` read the whole retained store into the gateway and wrote it to the client at once,
+    whether it read or not: a gateway's memory for each such subscription was the size of the store. Now
+    the store is read a batch at a time (the browse's window), and the next batch waits for the client."""
+    pub = await gw.connected("pub")
+    count = 2500
+    for n in range(count):
+        pub.send(Publish(f"all/{n}", b"%d" % n, 0, retain=True))
+    await pub.publish("all/last", b"marker", retain=True)  # after the QoS 0 ones, in order
+    sub = await gw.connected("sub")
+    sub.wire.stall()
+    sub.send(Subscribe(1, (Subscription("all/#", 0),)))
+    await eventually(lambda: sub.wire.out.count(b"all/") >= 100, "the first retained messages written")
+    await settle()
+    written = sub.wire.out.count(b"all/")
+    assert written <= 1000  # one browse window of the store, not all of it
+    sub.wire.drain()
+    suback, *retained = await sub.packets_of_any_kind(count + 2)
+    assert type(suback) is Suback
+    topics = [m.topic for m in retained if isinstance(m, Publish)]
+    assert sorted(topics) == sorted([f"all/{n}" for n in range(count)] + ["all/last"])
+
+
 async def test_retain_handling_decides_whether_a_subscribe_gets_the_retained_messages(gw: Gateway) -> None:
     pub = await gw.connected("pub")
     await pub.publish("rh", b"kept", retain=True)

@@ -1145,18 +1145,26 @@ class MqttSession:
             await sub.consumer.close()
 
     async def _send_retained(self, sub: Sub) -> None:
-        kept: list[tuple[WireMessage, int]] = []
-        for message in await self.registry.retained(sub.topic_filter):
-            if self._closed:
-                return
-            qos = min(sub.options.qos, messages.published_qos(message))
-            if subscribing.keeps_retained(qos, persistent=self.persistent):
-                kept.append((message, qos))
-            else:
-                self._deliver(_Outgoing(sub, message, qos, retained=True))
-        self._flush()
-        if kept:
-            await self._to_outbox(sub, kept)
+        """The retained messages of a new subscription, a batch of the store at a time: the next waits until the
+        client reads what was written (``#`` may match the whole store)."""
+        async with contextlib.aclosing(self.registry.retained(sub.topic_filter)) as batches:
+            async for found in batches:
+                kept: list[tuple[WireMessage, int]] = []
+                for message in found:
+                    if self._closed:
+                        return
+                    qos = min(sub.options.qos, messages.published_qos(message))
+                    if subscribing.keeps_retained(qos, persistent=self.persistent):
+                        kept.append((message, qos))
+                    else:
+                        self._deliver(_Outgoing(sub, message, qos, retained=True))
+                self._flush()
+                if kept:
+                    await self._to_outbox(sub, kept)
+                if not self.wire.writable():
+                    await self.wire.drained()
+                    if self._closed:
+                        return
 
     async def _to_outbox(self, sub: Sub, found: list[tuple[WireMessage, int]]) -> None:
         """Send retained messages at QoS 1 or 2 through the session's outbox: the core keeps each until the client

@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -64,6 +64,8 @@ TAKEOVER = "takeover"  # property of a takeover notice: the token of the connect
 OWNER = "owner"  # named in a lock queue's filter: the user whose connection holds the session
 #: How long a connection waits for its session's record to come over from another node of the cluster.
 FETCH_TIMEOUT = 5.0
+#: Retained messages a SUBSCRIBE's look-up of the store takes from the core ahead of the client.
+RETAINED_WINDOW: Final = 1000
 
 
 @dataclass(slots=True)
@@ -504,8 +506,10 @@ class Registry:
             copy[M_EXPIRATION] = 0
         return self._send_in_order(copy)
 
-    async def retained(self, topic_filter: str) -> list[WireMessage]:
-        """The retained messages whose topics ``topic_filter`` matches (each has its topic in ``TOPIC``)."""
+    async def retained(self, topic_filter: str) -> AsyncGenerator[list[WireMessage], None]:
+        """The retained messages whose topics ``topic_filter`` matches (each has its topic in ``TOPIC``), a batch
+        at a time: the browse's window of the store, which waits while the caller does (``#`` may match the
+        whole store). Use it in ``contextlib.aclosing``: the browse ends with it."""
         link = await self.link()
         prefix = _literal_prefix(topic_filter)
         selector = None
@@ -516,18 +520,19 @@ class Registry:
             escaped = prefix.replace("'", "''").replace("!", "!!").replace("%", "!%").replace("_", "!_")
             selector = f"{TOPIC} LIKE '{escaped}%' ESCAPE '!'"
         queue = await self._retained_queue(link)
-        browser = await link.subscribe(queue, credit=1000, browse=True, selector=selector)
-        found = []
+        browser = await link.subscribe(queue, credit=RETAINED_WINDOW, browse=True, selector=selector)
         try:
             while batch := await browser.get_batch():
+                found = []
                 for _, message in batch:
                     topic = message[M_PROPS].get(TOPIC)
                     if type(topic) is str and message[M_BODY] and convert.matches(topic_filter, topic):
                         found.append(message)
+                if found:
+                    yield found
         finally:
             with contextlib.suppress(LinkRequestError):
                 await browser.close()
-        return found
 
 
 def _owner_filter(user: str) -> str:
