@@ -186,29 +186,54 @@ def test_patterns_and_len() -> None:
 def test_remove_prunes_empty_nodes() -> None:
     trie: AddressTrie[str] = AddressTrie()
     root = trie._root
-    trie.add("a.b.c", "v")
+    trie.add("a.b.*", "v")
     trie.add("a.*.#", "w")
-    trie.add("a", "x")
-    trie.remove("a.b.c", "v")
+    trie.add("a.#", "x")
+    trie.remove("a.b.*", "v")
     node_a = root.children["a"]
     assert "b" not in node_a.children
     assert node_a.star is not None
     trie.remove("a.*.#", "w")
     assert trie._root.children["a"].star is None
-    assert node_a.values  # "a" still carries "x", so it stays
-    trie.remove("a", "x")
+    assert node_a.hash is not None
+    assert node_a.hash.values  # "a.#" still carries "x", so it stays
+    trie.remove("a.#", "x")
     assert root.is_empty()
 
 
 def test_prune_keeps_nodes_with_children() -> None:
     trie: AddressTrie[str] = AddressTrie()
-    trie.add("a.b", "v")
-    trie.add("a.b.c", "w")
-    trie.remove("a.b", "v")
+    trie.add("a.*", "v")
+    trie.add("a.*.c", "w")
+    trie.remove("a.*", "v")
     assert trie.match("a.b.c") == ("w",)
-    assert "b" in trie._root.children["a"].children
-    trie.remove("a.b.c", "w")
+    star = trie._root.children["a"].star
+    assert star is not None
+    assert "c" in star.children
+    trie.remove("a.*.c", "w")
     assert trie._root.is_empty()
+
+
+def test_literal_patterns_are_no_trie_nodes_and_keep_the_binding_order_with_wildcard_ones() -> None:
+    trie: AddressTrie[str] = AddressTrie(cache_size=0)
+    trie.add("devices.d1", "own")
+    trie.add("$mqtt.lock.d1", "lock")
+    assert trie._root.is_empty()  # a dict look-up finds them
+    assert (trie.match("devices.d1"), trie.match("$mqtt.lock.d1"), trie.match("devices.d2")) == (
+        ("own",),
+        ("lock",),
+        (),
+    )
+    trie.add("devices.*", "all")
+    trie.add("devices.d1", "later")
+    assert trie.match("devices.d1") == ("own", "all", "later")
+    trie.add("devices.*", "own")  # the same value under two patterns: once, at its first binding
+    assert trie.match("devices.d1") == ("own", "all", "later")
+    trie.remove("devices.*", "all")
+    trie.remove("devices.*", "own")
+    assert trie._root.is_empty()
+    assert trie.match("devices.d1") == ("own", "later")
+    assert trie.patterns() == ["devices.d1", "$mqtt.lock.d1"]
 
 
 def test_cache_invalidated_on_add() -> None:

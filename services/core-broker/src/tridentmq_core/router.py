@@ -237,16 +237,22 @@ class _Node(Generic[T]):
 
 
 class AddressTrie(Generic[T]):
-    """Bindings of patterns to values, with a bounded cache of address -> matching values."""
+    """Bindings of patterns to values, with a bounded cache of address -> matching values.
 
-    __slots__ = ("_cache", "_cache_size", "_cached", "_count", "_patterns", "_root", "_seq")
+    Only patterns with a wildcard are words in the trie: a literal one matches one address, found by a dict
+    look-up (100,000 devices, each with a topic and an MQTT session lock of its own, made four trie nodes and
+    three dicts each, and a walk of them for every cache miss)."""
+
+    __slots__ = ("_cache", "_cache_size", "_cached", "_count", "_patterns", "_root", "_seq", "_wildcards")
 
     def __init__(self, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
         if cache_size < 0:
             raise ValueError(f"cache_size must be >= 0, got {cache_size}")
         self._root: _Node[T] = _Node()
-        # pattern -> its terminal node, so remove() and patterns() need no walk.
-        self._patterns: dict[str, _Node[T]] = {}
+        # pattern -> its values (value -> binding sequence number), in the order patterns were first bound; a
+        # wildcard pattern's terminal node holds the same dict.
+        self._patterns: dict[str, dict[T, int]] = {}
+        self._wildcards = 0  # patterns in the trie: with none, a match needs no walk
         self._cache: dict[str, tuple[T, ...]] = {}
         self._cached = AddressIndex()  # the addresses in ``_cache``: what a binding change drops (see _forget)
         self._cache_size = cache_size
@@ -256,33 +262,36 @@ class AddressTrie(Generic[T]):
 
     def add(self, pattern: str, value: T) -> None:
         """Bind ``value`` to ``pattern``; binding the same pair again does nothing."""
-        node = self._patterns.get(pattern)
-        if node is not None and value in node.values:
+        values = self._patterns.get(pattern)
+        if values is not None and value in values:
             return
-        if node is None:
+        if values is None:
             validate_address(pattern, allow_wildcards=True)
-            node = self._root
-            for word in pattern.split(DELIMITER):
-                node = self._child(node, word)
-            self._patterns[pattern] = node
-        if node.values is _NOTHING:
-            node.values = {}
-        node.values[value] = self._seq
+            values = self._patterns[pattern] = {}
+            if is_wildcard(pattern):
+                node = self._root
+                for word in pattern.split(DELIMITER):
+                    node = self._child(node, word)
+                node.values = values
+                self._wildcards += 1
+        values[value] = self._seq
         self._seq += 1
         self._count += 1
         self._forget(pattern)
 
     def remove(self, pattern: str, value: T) -> bool:
         """Unbind ``value`` from ``pattern``; return whether it was bound. Empty nodes are pruned."""
-        node = self._patterns.get(pattern)
-        if node is None or value not in node.values:
+        values = self._patterns.get(pattern)
+        if values is None or value not in values:
             return False
-        del node.values[value]
+        del values[value]
         self._count -= 1
         self._forget(pattern)
-        if not node.values:
+        if not values:
             del self._patterns[pattern]
-            self._prune(pattern.split(DELIMITER))
+            if is_wildcard(pattern):
+                self._wildcards -= 1
+                self._prune(pattern.split(DELIMITER))
         return True
 
     def match(self, address: str) -> tuple[T, ...]:
@@ -347,6 +356,7 @@ class AddressTrie(Generic[T]):
                 nxt = path[-1].children.get(word)
             assert nxt is not None, "a registered pattern's path must exist"
             path.append(nxt)
+        path[-1].values = _NOTHING
         # Walk back up, detaching nodes that no longer carry a value or a child.
         for depth in range(len(words), 0, -1):
             node, parent, word = path[depth], path[depth - 1], words[depth - 1]
@@ -360,13 +370,21 @@ class AddressTrie(Generic[T]):
                 del parent.children[word]
 
     def _lookup(self, address: str) -> tuple[T, ...]:
+        literal = self._patterns.get(address)  # (an address that is a wildcard pattern is found twice: no harm)
+        matched = [literal] if literal else []
+        if self._wildcards:
+            matched += self._walk(address)
+        return _collect(matched)
+
+    def _walk(self, address: str) -> list[dict[T, int]]:
+        """The values of the wildcard patterns that match ``address``."""
         # Simulate the trie as an NFA: the set of active nodes is bounded by the trie size, so
         # any number of '#' costs O(words x nodes) rather than exponential backtracking.
         words = address.split(DELIMITER)
         if address.startswith(SYSTEM_MARK):  # only a literal first word leads there (see the module docstring)
             first = self._root.children.get(words[0])
             if first is None:
-                return ()
+                return []
             active = _closure([first])
             words = words[1:]
         else:
@@ -382,9 +400,9 @@ class AddressTrie(Generic[T]):
                 if node.star is not None:
                     stepped.append(node.star)
             if not stepped:
-                return ()
+                return []
             active = _closure(stepped)
-        return _collect([node for node in active if node.values])
+        return [node.values for node in active if node.values]
 
 
 def _closure(nodes: list[_Node[T]]) -> list[_Node[T]]:
@@ -404,16 +422,16 @@ def _closure(nodes: list[_Node[T]]) -> list[_Node[T]]:
     return out
 
 
-def _collect(matched: list[_Node[T]]) -> tuple[T, ...]:
+def _collect(matched: list[dict[T, int]]) -> tuple[T, ...]:
     if not matched:
         return ()
     if len(matched) == 1:
-        # A node's dict is already in binding order and holds each value once.
-        return tuple(matched[0].values)
+        # A pattern's dict is already in binding order and holds each value once.
+        return tuple(matched[0])
     # The same value may be bound under several matching patterns: keep its earliest binding.
     first: dict[T, int] = {}
-    for node in matched:
-        for value, seq in node.values.items():
+    for values in matched:
+        for value, seq in values.items():
             known = first.get(value)
             if known is None or seq < known:
                 first[value] = seq
