@@ -782,6 +782,31 @@ async def test_retained_messages_wait_for_a_subscriber_that_does_not_read(gw: Ga
     assert sorted(topics) == sorted([f"all/{n}" for n in range(count)] + ["all/last"])
 
 
+async def test_retained_messages_beyond_the_clients_receive_maximum_wait_in_the_store(gw: Gateway) -> None:
+    """A SUBSCRIBE at QoS 1 over more retained messages than the client's receive maximum: the rest waited in
+    the gateway, all of them (2,490 of 2,500 here), and the client's PUBACKs waited behind the SUBSCRIBE. Now
+    the store is read on while the client acknowledges, a batch at a time."""
+    pub = await gw.connected("pub")
+    count = 2500
+    for first in range(0, count, 500):  # within the gateway's receive maximum
+        pub.send(*(Publish(f"q1/{n}", b"%d" % n, 1, packet_id=n + 1, retain=True) for n in range(first, first + 500)))
+        await pub.packets_of_any_kind(500)  # their PUBACKs: retained
+    sub = await gw.connected("sub", properties=Properties(receive_maximum=10))
+    sub.send(Subscribe(1, (Subscription("q1/#", 1),)))
+    assert type(await sub.packet(Suback)) is Suback
+    first = [await sub.message(1) for _ in range(10)]
+    await settle()
+    assert len(sub.session._outbound.parked) <= 1000  # one batch of the store, not all of it
+    topics = [m.topic for m in first]
+    for m in first:
+        sub.send(Puback(m.packet_id or 0))
+    while len(topics) < count:
+        m = await sub.message(1)
+        topics.append(m.topic)
+        sub.send(Puback(m.packet_id or 0))
+    assert sorted(topics) == sorted(f"q1/{n}" for n in range(count))
+
+
 async def test_retain_handling_decides_whether_a_subscribe_gets_the_retained_messages(gw: Gateway) -> None:
     pub = await gw.connected("pub")
     await pub.publish("rh", b"kept", retain=True)

@@ -171,7 +171,9 @@ class MqttSession:
         "_outbox",
         "_queues",
         "_retaining",
+        "_sending_retained",
         "_topics",
+        "_unparked",
         "_violating",
         "_will_delay_s",
         "_will_key",
@@ -238,6 +240,9 @@ class MqttSession:
         # Queues dropped after moving to a feed, a wait for the client to read (made when needed, as above).
         self._background: dict[asyncio.Task[None], bool] | None = None  # task → finished at the end (else cancelled)
         self._retaining: asyncio.Future[None] | None = None  # the last retained PUBLISH's update of the store
+        # The subscriptions whose retained messages are still to be sent, in order, while a task sends them.
+        self._sending_retained: list[Sub] | None = None
+        self._unparked: asyncio.Future[None] | None = None  # that task waits for parked messages to be sent
         self._violating = False  # a DISCONNECT waits for the answers before it: no packet is handled meanwhile
         self._gone = False  # the client's socket closed: nothing more is written to it
         self._queues = 0  # this connection's own subscription queues made so far (an int: a count() is 56 bytes)
@@ -865,8 +870,8 @@ class MqttSession:
             await self.registry.save(self.client_id, self.state)
         self.conn.suback(packet.packet_id, tuple(codes))
         self._flush()
-        for sub, _ in retained:
-            await self._send_retained(sub)
+        if retained:
+            self._send_retained_of([sub for sub, _ in retained])
 
     async def _add_sub(self, request: Subscription, subscription_id: int | None) -> tuple[Sub, bool]:
         subscribing.check_options(request.topic_filter, no_local=request.no_local, v5=self.version == V5)
@@ -1136,6 +1141,7 @@ class MqttSession:
         if sub.consumer is not None:
             sub.consumer.on_wake = None
         parked = self._outbound.forget_parked(lambda out: out.sub is sub)
+        self._wake_retained()
         self._not_solo(sub)
         if sub.consumer is None:
             await self.feeds.leave(sub)
@@ -1144,14 +1150,44 @@ class MqttSession:
             sub.consumer.release_unsent(out.message[M_ID] for out in parked if not out.retained)
             await sub.consumer.close()
 
+    def _send_retained_of(self, subs: list[Sub]) -> None:
+        """Send the retained messages of new subscriptions after their SUBACK, in a task of the session's that
+        sends those of one SUBSCRIBE after another's: it waits for the client (``#`` may match the whole store),
+        and the client's PUBACKs, which it may need to go on, are handled meanwhile."""
+        if self._sending_retained is not None:
+            self._sending_retained += subs
+            return
+        self._sending_retained = subs
+        self._in_background(self._send_all_retained())
+
+    async def _send_all_retained(self) -> None:
+        pending = self._sending_retained
+        try:
+            while pending and not self._closed:
+                sub = pending.pop(0)
+                if sub.closed:
+                    continue
+                try:
+                    await self._send_retained(sub)
+                except LinkRequestError as exc:
+                    log.info(
+                        "mqtt retained messages not sent",
+                        extra={"peer": self.wire.peer, "filter": sub.topic_filter[:100], "reason": exc.text},
+                    )
+        except Exception:  # as a task's failure would: this connection ends, the gateway goes on
+            log.exception("mqtt retained messages failed", extra={"peer": self.wire.peer})
+            self._end(rc.IMPLEMENTATION_SPECIFIC_ERROR)
+        finally:
+            self._sending_retained = None
+
     async def _send_retained(self, sub: Sub) -> None:
-        """The retained messages of a new subscription, a batch of the store at a time: the next waits until the
-        client reads what was written (``#`` may match the whole store)."""
+        """The retained messages of a new subscription, a batch of the store at a time: the next is read once the
+        client has read what was written and has room for more."""
         async with contextlib.aclosing(self.registry.retained(sub.topic_filter)) as batches:
             async for found in batches:
                 kept: list[tuple[WireMessage, int]] = []
                 for message in found:
-                    if self._closed:
+                    if self._closed or sub.closed:
                         return
                     qos = min(sub.options.qos, messages.published_qos(message))
                     if subscribing.keeps_retained(qos, persistent=self.persistent):
@@ -1161,10 +1197,24 @@ class MqttSession:
                 self._flush()
                 if kept:
                     await self._to_outbox(sub, kept)
-                if not self.wire.writable():
-                    await self.wire.drained()
-                    if self._closed:
-                        return
+                if not await self._room_for_more():
+                    return
+
+    async def _room_for_more(self) -> bool:
+        """Wait until the client has read what was written and no message waits for its receive maximum;
+        False once the session has ended."""
+        while not self._closed:
+            if not self.wire.writable():
+                await self.wire.drained()
+            elif self._outbound.parked:
+                self._unparked = unparked = self._loop.create_future()
+                try:
+                    await unparked
+                finally:
+                    self._unparked = None
+            else:
+                return True
+        return False
 
     async def _to_outbox(self, sub: Sub, found: list[tuple[WireMessage, int]]) -> None:
         """Send retained messages at QoS 1 or 2 through the session's outbox: the core keeps each until the client
@@ -1449,6 +1499,13 @@ class MqttSession:
 
     def _unpark(self) -> None:
         self._outbound.unpark(self._send_parked)
+        self._wake_retained()
+
+    def _wake_retained(self) -> None:
+        """The task sending retained messages goes on once none waits for the client's receive maximum."""
+        unparked = self._unparked
+        if unparked is not None and not self._outbound.parked and not unparked.done():
+            unparked.set_result(None)
 
     def _send_parked(self, out: _Outgoing) -> bool:
         return not self.conn.closed and self._try_send(out)
