@@ -170,6 +170,7 @@ class MqttSession:
         "_outbound",
         "_outbox",
         "_queues",
+        "_retained_turn",
         "_retaining",
         "_sending_retained",
         "_topics",
@@ -243,6 +244,7 @@ class MqttSession:
         # The subscriptions whose retained messages are still to be sent, in order, while a task sends them.
         self._sending_retained: list[Sub] | None = None
         self._unparked: asyncio.Future[None] | None = None  # that task waits for parked messages to be sent
+        self._retained_turn: asyncio.Future[None] | None = None  # the worker waits until that task must wait
         self._violating = False  # a DISCONNECT waits for the answers before it: no packet is handled meanwhile
         self._gone = False  # the client's socket closed: nothing more is written to it
         self._queues = 0  # this connection's own subscription queues made so far (an int: a count() is 56 bytes)
@@ -871,7 +873,9 @@ class MqttSession:
         self.conn.suback(packet.packet_id, tuple(codes))
         self._flush()
         if retained:
-            self._send_retained_of([sub for sub, _ in retained])
+            turn = self._send_retained_of([sub for sub, _ in retained])
+            if turn is not None:
+                await turn  # what the client can take now comes before its next packet is handled
 
     async def _add_sub(self, request: Subscription, subscription_id: int | None) -> tuple[Sub, bool]:
         subscribing.check_options(request.topic_filter, no_local=request.no_local, v5=self.version == V5)
@@ -1150,15 +1154,23 @@ class MqttSession:
             sub.consumer.release_unsent(out.message[M_ID] for out in parked if not out.retained)
             await sub.consumer.close()
 
-    def _send_retained_of(self, subs: list[Sub]) -> None:
+    def _send_retained_of(self, subs: list[Sub]) -> asyncio.Future[None] | None:
         """Send the retained messages of new subscriptions after their SUBACK, in a task of the session's that
-        sends those of one SUBSCRIBE after another's: it waits for the client (``#`` may match the whole store),
-        and the client's PUBACKs, which it may need to go on, are handled meanwhile."""
+        sends those of one SUBSCRIBE after another's. The worker waits for it (the future returned; None when
+        the task was sending already) until it is done or must wait for the client (``#`` may match the whole
+        store): the client's PUBACKs, which it may need to go on, are then handled meanwhile."""
         if self._sending_retained is not None:
             self._sending_retained += subs
-            return
+            return None
         self._sending_retained = subs
+        self._retained_turn = turn = self._loop.create_future()
         self._in_background(self._send_all_retained())
+        return turn
+
+    def _give_the_turn_back(self) -> None:
+        turn, self._retained_turn = self._retained_turn, None
+        if turn is not None and not turn.done():
+            turn.set_result(None)
 
     async def _send_all_retained(self) -> None:
         pending = self._sending_retained
@@ -1179,6 +1191,7 @@ class MqttSession:
             self._end(rc.IMPLEMENTATION_SPECIFIC_ERROR)
         finally:
             self._sending_retained = None
+            self._give_the_turn_back()
 
     async def _send_retained(self, sub: Sub) -> None:
         """The retained messages of a new subscription, a batch of the store at a time: the next is read once the
@@ -1205,8 +1218,10 @@ class MqttSession:
         False once the session has ended."""
         while not self._closed:
             if not self.wire.writable():
+                self._give_the_turn_back()
                 await self.wire.drained()
             elif self._outbound.parked:
+                self._give_the_turn_back()
                 self._unparked = unparked = self._loop.create_future()
                 try:
                     await unparked
