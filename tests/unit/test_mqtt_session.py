@@ -662,6 +662,24 @@ async def test_filters_the_core_cannot_hold_are_refused_in_the_suback(gw: Gatewa
     assert (await old.subscribe(Subscription("a/#/b", 0))).reason_codes == (0x80,)
 
 
+async def test_subscriptions_beyond_the_connections_maximum_are_refused_with_quota_exceeded(tmp_path: Path) -> None:
+    """Each subscription may hold a window of messages in the gateway for a client that stops reading; a
+    client could open as many as it liked (STOMP and AMQP connections had their caps)."""
+    async with gateway(tmp_path, max_subscriptions=2) as gw:
+        c = await gw.connected("c")
+        suback = await c.subscribe(Subscription("a", 1), Subscription("b", 0), Subscription("c", 1))
+        assert suback.reason_codes == (1, 0, rc.QUOTA_EXCEEDED)
+        assert (await c.subscribe(Subscription("a", 2), packet_id=2)).reason_codes == (2,)  # a replacement: not more
+        assert (await c.unsubscribe("b", packet_id=3)).reason_codes == (0,)
+        assert (await c.subscribe(Subscription("c", 1), packet_id=4)).reason_codes == (1,)
+        old = await gw.connected("old", V311)
+        assert (await old.subscribe(Subscription("x", 0), Subscription("y", 0), Subscription("z", 0))).reason_codes == (
+            0,
+            0,
+            0x80,
+        )
+
+
 async def test_a_shared_subscription_splits_the_messages_between_its_members(gw: Gateway) -> None:
     a, b, pub = await gw.connected("a"), await gw.connected("b"), await gw.connected("pub")
     assert (await a.subscribe("$share/g/jobs/+")).reason_codes == (1,)

@@ -850,7 +850,19 @@ class MqttSession:
         subscription_id = ids[0] if ids else None
         codes: list[int] = []
         retained: list[tuple[Sub, bool]] = []
+        most = self.settings.mqtt.max_subscriptions
         for request in packet.subscriptions:
+            if request.topic_filter not in self.subs and len(self.subs) >= most:
+                log.info(
+                    "mqtt subscribe refused",
+                    extra={
+                        "peer": self.wire.peer,
+                        "filter": request.topic_filter[:100],
+                        "reason": f"the connection has its maximum of {most} subscriptions (mqtt.max_subscriptions)",
+                    },
+                )
+                codes.append(rc.QUOTA_EXCEEDED)
+                continue
             try:
                 sub, new = await self._add_sub(request, subscription_id)
             except ConversionError as exc:

@@ -80,6 +80,12 @@ class MqttLimitsSection:
         "between core, gateway and client, or a subscriber that keeps up is held "
         "back by the round trip.",
     )
+    max_subscriptions: int = doc(
+        1000,
+        "Most subscriptions of one connection; a SUBSCRIBE beyond is refused for that filter with reason code "
+        "0x97 quota exceeded (0x80 before 5.0). Each may hold a window of messages in the gateway for a "
+        "client that stops reading.",
+    )
     qos0_window: int = doc(
         1000, "QoS 0 messages of a subscription fetched from the core ahead of being written to the client."
     )
