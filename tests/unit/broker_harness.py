@@ -427,11 +427,20 @@ class RecordingAudit:
 
 class RecordingStore(MemoryStore):
     """The memory store, remembering the queue specs, messages, acks, delivery attempts and written-through
-    publishes the broker asked it to persist. With ``hold_attempts`` (``hold_notes``, ``hold_messages``), delivery
-    attempts (notes of written-through publishes, messages) are safe only when the test completes their token."""
+    publishes the broker asked it to persist. With ``hold_attempts`` (``hold_notes``, ``hold_messages``,
+    ``hold_queues``), delivery attempts (notes of written-through publishes, messages, queues) are safe only when
+    the test completes their token."""
 
-    def __init__(self, *, hold_attempts: bool = False, hold_notes: bool = False, hold_messages: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        hold_attempts: bool = False,
+        hold_notes: bool = False,
+        hold_messages: bool = False,
+        hold_queues: bool = False,
+    ) -> None:
         self.hold_messages = hold_messages
+        self.hold_queues = hold_queues
         self.through: list[tuple[str, str, int]] = []  # publishes written through to another node
         self.note_tokens: list[int] = []  # with ``hold_notes``: one per call, apart from the attempts' tokens
         self.hold_notes = hold_notes
@@ -457,8 +466,9 @@ class RecordingStore(MemoryStore):
         self.note_tokens.append(1_000_000 + len(self.note_tokens))
         return self.note_tokens[-1]
 
-    def add_queue(self, spec: dict[str, Any]) -> None:
+    def add_queue(self, spec: dict[str, Any]) -> int:
         self.specs.append(dict(spec))
+        return 3_000_000 + len(self.specs) if self.hold_queues else 0
 
     def delete_queue(self, name: str) -> None:
         self.deleted.append(name)
@@ -476,10 +486,13 @@ def recorded(
     hold_attempts: bool = False,
     hold_notes: bool = False,
     hold_messages: bool = False,
+    hold_queues: bool = False,
 ) -> tuple[Harness, RecordingStore, RecordingAudit]:
     """A harness whose broker reports to a recording store and audit sink."""
     h = Harness(settings)
-    store = RecordingStore(hold_attempts=hold_attempts, hold_notes=hold_notes, hold_messages=hold_messages)
+    store = RecordingStore(
+        hold_attempts=hold_attempts, hold_notes=hold_notes, hold_messages=hold_messages, hold_queues=hold_queues
+    )
     sink = RecordingAudit()
     h.broker = Broker("node-1", h.settings, store=store, audit=sink, first_message_id=1)
     return h, store, sink

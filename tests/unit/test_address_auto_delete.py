@@ -18,8 +18,9 @@ class RecordingStore(MemoryStore):
     def __init__(self) -> None:
         self.records: list[tuple[str, str]] = []
 
-    def add_address(self, name: str, routing_types: tuple[int, ...], *, auto_created: bool) -> None:
+    def add_address(self, name: str, routing_types: tuple[int, ...], *, auto_created: bool) -> int:
         self.records.append(("add", name))
+        return 0
 
     def delete_address(self, name: str) -> None:
         self.records.append(("delete", name))

@@ -745,6 +745,30 @@ def test_duplicate_id_forgotten_after_window() -> None:
     assert bodies(c.take(c.consumer("orders"))) == [b"one", b"two"]
 
 
+def test_a_durable_queue_is_answered_for_and_advertised_only_once_its_record_is_safe() -> None:
+    """A durable queue's creation was answered, and the queue told to the other nodes, before its record was
+    on disk. A node killed in between came back without the queue, and what another node had confirmed for
+    it meanwhile (stored there, to be forwarded) went nowhere: a 3-node CI run lost 20 acknowledged messages.
+    The answer and the advertisement now wait for the record; a non-durable queue has nothing to wait for."""
+    h, _, _ = recorded(hold_queues=True)
+    manager = ClusterManager(
+        h.broker, h.settings, node_id="node-1", name="one", advertise=("127.0.0.1", 1), schedule_flush=lambda: None
+    )
+    c = h.connect()
+    made = c.conn.create_queue({"name": "news-c", "address": "news", "routing_type": MULTICAST, "durable": True})
+    h.sync()
+    assert not [e for e in c.inbox if getattr(e, "req_id", None) == made]  # not answered yet
+    assert ("node-1", "news-c") not in manager._advertisement("node-2")  # nor told to other nodes
+    assert ok(c.create_queue("scratch", durable=False))  # nothing to wait for
+    version = h.broker.bindings_version
+    h.broker.on_durable(3_000_001)  # its record is synced
+    h.sync()
+    assert [e for e in c.inbox if isinstance(e, ev.Reply) and e.req_id == made]
+    assert ("node-1", "news-c") in manager._advertisement("node-2")
+    assert h.broker.bindings_version > version  # which makes the node push it to the others
+    assert not h.broker.catalog.unsynced
+
+
 def test_a_duplicate_is_confirmed_only_once_the_first_copy_is_safe() -> None:
     """A reconnecting link client sends its unconfirmed publishes again, perhaps through another link while
     the first copy's record still waits for its sync. The duplicate was confirmed at once: a crash (or a

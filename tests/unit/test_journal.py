@@ -27,7 +27,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests.disks import fill, tmpfs
-from tests.unit.broker_harness import Harness, ids, ok
+from tests.unit.broker_harness import Harness, ids
 
 import tridentmq_core.store.journal as journal_module
 import tridentmq_core.store.journal_store as journal_store_module
@@ -56,6 +56,7 @@ from tridentmq_core.store.records import (
     scan,
 )
 from tridentmq_core.store.recovery import Replayer, location, replay
+from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.ops import NackMode
 from tridentmq_shared.message import M_DEDUP, M_ID, M_TIMESTAMP, WireMessage, new_message
 
@@ -1439,8 +1440,8 @@ def test_journal_store_completes_every_token_in_order_after_the_sync(tmp_path: P
             done.set()
 
     store.attach(on_durable)
-    store.add_address("orders", (0,), auto_created=False)
-    store.add_queue(queue_spec("q"))
+    tokens.append(store.add_address("orders", (0,), auto_created=False))
+    tokens.append(store.add_queue(queue_spec("q")))
     journal.start()
     for n in range(1, 61):
         tokens.append(store.add_message(wire_message(n, bytes(n)), ("q",)))
@@ -1455,7 +1456,7 @@ def test_journal_store_completes_every_token_in_order_after_the_sync(tmp_path: P
     assert done.wait(WAIT), f"completed {len(completed)} of {len(tokens)}"
     journal.close()
     assert tokens == sorted(set(tokens))
-    assert tokens[0] == 3  # record numbers: the address and the queue came first
+    assert tokens[:3] == [1, 2, 3]  # record numbers: the address and the queue came first
     assert completed == tokens
     assert threads == {"journal-writer"}
     assert journal.synced == len(records := recover(tmp_path, SMALL_SEGMENT)[0])
@@ -1477,13 +1478,13 @@ async def test_journal_store_completes_tokens_on_the_event_loop(tmp_path: Path) 
 
     store.attach(on_durable)
     journal.start()
-    store.add_queue(queue_spec("q"))
+    futures[store.add_queue(queue_spec("q"))] = loop.create_future()
     for n in range(1, 201):
         token = store.add_message(wire_message(n), ("q",))
         futures[token] = loop.create_future()
     pending = list(futures.values())
     await asyncio.wait_for(asyncio.gather(*pending), WAIT)
-    assert order == list(range(2, 202))
+    assert order == list(range(1, 202))
     journal.close()
 
 
@@ -1740,23 +1741,23 @@ def test_held_confirms_release_nothing_more_until_a_new_limit(tmp_path: Path, ba
     limit) whose local sync completes only on waking is not confirmed, nor is a later one, until the quorum's
     answer sets a limit again."""
     journal, store, loop, completed = synced_store(tmp_path)
-    store.add_queue(queue_spec("q"))  # record 1
+    store.add_queue(queue_spec("q"))  # record 1, completed with the first message
     store.limit_confirms(backup_limit)
     assert store.add_message(wire_message(1), ("q",)) == 2
     sync_reported(journal, loop)
     loop.run()
-    assert completed == [2]
+    assert completed == [1, 2]
     assert store.add_message(wire_message(2), ("q",)) == 3  # the backup may hold it already; not synced here
     sync_reported(journal, loop)  # its sync completes while the node stands still: reported, not yet run
     store.hold_confirms()
     loop.run()
-    assert completed == [2]
+    assert completed == [1, 2]
     assert store.add_message(wire_message(3), ("q",)) == 4  # read on waking
     sync_reported(journal, loop)
     loop.run()
-    assert completed == [2]
+    assert completed == [1, 2]
     store.limit_confirms(None)  # a quorum says this node goes on
-    assert completed == [2, 3, 4]
+    assert completed == [1, 2, 3, 4]
 
 
 def test_limit_confirms_completes_tokens_up_to_min_of_local_sync_and_limit(tmp_path: Path) -> None:
@@ -1765,7 +1766,7 @@ def test_limit_confirms_completes_tokens_up_to_min_of_local_sync_and_limit(tmp_p
     assert [store.add_message(wire_message(n), ("q",)) for n in (1, 2)] == [2, 3]
     sync_reported(journal, loop)
     loop.run()
-    assert completed == [2, 3]  # no limit: local sync alone releases
+    assert completed == [1, 2, 3]  # no limit: local sync alone releases
 
     store.limit_confirms(3)  # a backup came in sync, holding up to record 3
     tokens = [store.add_message(wire_message(n), ("q",)) for n in (3, 4)]
@@ -1774,32 +1775,32 @@ def test_limit_confirms_completes_tokens_up_to_min_of_local_sync_and_limit(tmp_p
     assert tokens == [4, 5, 7]
     sync_reported(journal, loop)
     loop.run()
-    assert completed == [2, 3]  # on disk here, but the backup does not hold them yet
+    assert completed == [1, 2, 3]  # on disk here, but the backup does not hold them yet
     store.limit_confirms(4)
-    assert completed == [2, 3, 4]
+    assert completed == [1, 2, 3, 4]
     store.limit_confirms(4)
     store.limit_confirms(3)  # a lower limit takes nothing back
-    assert completed == [2, 3, 4]
+    assert completed == [1, 2, 3, 4]
     store.limit_confirms(6)
-    assert completed == [2, 3, 4, 5]
+    assert completed == [1, 2, 3, 4, 5]
 
     store.limit_confirms(100)  # the backup is ahead of the local sync: the local sync bounds
-    assert completed == [2, 3, 4, 5, 7]
+    assert completed == [1, 2, 3, 4, 5, 7]
     tokens = [store.add_message(wire_message(n), ("q",)) for n in (5, 6)]
     assert tokens == [8, 9]
     store.limit_confirms(200)
-    assert completed == [2, 3, 4, 5, 7]  # not known on disk here yet
+    assert completed == [1, 2, 3, 4, 5, 7]  # not known on disk here yet
     sync_reported(journal, loop)
     loop.run()
-    assert completed == [2, 3, 4, 5, 7, 8, 9]
+    assert completed == [1, 2, 3, 4, 5, 7, 8, 9]
     journal.close()
 
 
 def test_limit_confirms_none_releases_by_local_sync_alone(tmp_path: Path) -> None:
     journal, store, loop, completed = synced_store(tmp_path)
     store.limit_confirms(0)  # an in-sync backup that holds nothing of these yet
-    store.add_queue(queue_spec("q"))
-    tokens = [store.add_message(wire_message(n), ("q",)) for n in range(1, 5)]
+    tokens = [store.add_queue(queue_spec("q"))]
+    tokens += [store.add_message(wire_message(n), ("q",)) for n in range(1, 5)]
     sync_reported(journal, loop)
     loop.run()
     assert completed == []
@@ -1816,7 +1817,7 @@ def test_a_closed_gate_holds_confirms_until_recheck(tmp_path: Path) -> None:
     journal, store, loop, completed = synced_store(tmp_path)
     is_open = False
     store.gate = lambda: is_open
-    store.add_queue(queue_spec("q"))
+    made = store.add_queue(queue_spec("q"))
     token = store.add_message(wire_message(1), ("q",))
     sync_reported(journal, loop)
     loop.run()
@@ -1824,7 +1825,7 @@ def test_a_closed_gate_holds_confirms_until_recheck(tmp_path: Path) -> None:
     assert completed == []
     is_open = True
     store.recheck()
-    assert completed == [token]
+    assert completed == [made, token]
     journal.close()
 
 
@@ -1919,7 +1920,12 @@ def test_a_message_moved_to_the_expiry_or_dead_letter_address_is_in_one_queue_or
     h.broker.store = store
     store.attach(h.broker.on_durable)
     c = h.connect()
-    ok(c.create_queue("orders", durable=True))
+    made = c.conn.create_queue({"name": "orders", "durable": True})
+    h.sync()
+    sync_reported(journal, loop)  # the queue is on disk: the answer goes
+    loop.run()
+    h.sync()
+    assert [e for e in c.inbox if isinstance(e, ev.Reply) and e.req_id == made]
     c.publish("orders", b"precious", durable=True, expiration_ms=h.now_ms + 500)
     if fate == "expired":
         h.tick(h.now_ms + 1000)

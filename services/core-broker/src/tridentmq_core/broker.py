@@ -115,6 +115,8 @@ class Broker:
         # Takes over the reply to a request that changed this node's bindings (a queue or consumer made),
         # to send it once the other nodes route by the change; False: reply now.
         self.hold_reply: Callable[[Session, int, Any], bool] | None = None
+        # Replies to requests that made durable addresses or queues, by the store token they wait for.
+        self._after_sync: dict[int, list[tuple[Session, int, Any]]] = {}
         # Deletes a queue's namesakes on the given other nodes, then replies to the request (DELETE_QUEUE_EVERYWHERE).
         self.delete_elsewhere: Callable[[Session, int, str, list[str]], None] | None = None
         # High availability (set when the node is half of a pair or votes for pairs): REPLICATE, REPLICA_ACK
@@ -324,20 +326,25 @@ class Broker:
                     self.close_session(session, now_ms)
                 case _:
                     req_id: int = getattr(event, "req_id", 0)
+                    catalog = self.catalog
                     try:
-                        version = self.catalog.bindings_version
+                        version, written = catalog.bindings_version, catalog.written_token
                         result = self._request(session, event, now_ms)
                         if result is _DEFERRED:
                             pass
-                        elif (
-                            version == self.catalog.bindings_version
-                            or self.hold_reply is None
-                            or not self.hold_reply(session, req_id, result)
-                        ):
-                            conn.reply(req_id, result)
+                        elif catalog.written_token != written:
+                            # What it made is answered for once it is safe: a crash before would lose it.
+                            self._after_sync.setdefault(catalog.written_token, []).append((session, req_id, result))
+                        else:
+                            self._reply(session, req_id, result, changed=version != catalog.bindings_version)
                     except BrokerError as exc:
                         conn.error(req_id, exc.code, exc.text)
                     self.dirty.add(session)
+
+    def _reply(self, session: Session, req_id: int, result: Any, *, changed: bool) -> None:
+        """Answer a request; one that ``changed`` this node's bindings once the other nodes route by it."""
+        if not changed or self.hold_reply is None or not self.hold_reply(session, req_id, result):
+            session.conn.reply(req_id, result)
 
     def _request(self, session: Session, event: ev.Event, now_ms: int) -> Any:
         catalog = self.catalog
@@ -582,6 +589,14 @@ class Broker:
         through to confirmed it: send the deliveries that waited for it and confirm it to its producer."""
         self.deliveries.release(token)
         aliases = self.confirms.done(token)
+        if self.catalog.unsynced and self.catalog.synced(token):
+            self.catalog.bindings_version += 1  # the other nodes may be told of them now
+        replies = self._after_sync.pop(token, None)
+        if replies is not None:
+            for session, req_id, result in replies:
+                if session.conn_id in self.sessions:
+                    self._reply(session, req_id, result, changed=True)
+                    self.dirty.add(session)
         if token > 0 and (unsent := self.write_through.noted(token)):
             self.forwarder.send_held(unsent, self.now_ms)
         for alias in aliases:

@@ -68,12 +68,34 @@ class Catalog:
         self._to_dispatch = to_dispatch
         self._pager_factory = pager_factory
         self.bindings_version = 0  # bumped whenever a queue or a consumer comes or goes
+        # Durable queues whose records are not safe yet → the store's token for each, in the order written: a
+        # node that crashed meanwhile comes back without them, so other nodes are not told of them until then.
+        self.unsynced: dict[str, int] = {}
+        self.written_token = 0  # the store's token of the last address or queue record written (0: none yet)
         self.auto_created_by: dict[str, int] = {}  # user → addresses its publishes auto-created, still existing
         self.paused_addresses: set[str] = set()  # paused by an operator: their queues (new ones too) deliver none
         self._idle: Deadlines[Queue] = Deadlines()  # queues with expires_ms and no consumer → deletion time
         # Auto-created addresses without queues → when to look at them again (see ``_check_unused_address``).
         self._unused_addresses: Deadlines[str] = Deadlines()
         self.on_address_deleted: Callable[[str], None] = lambda _name: None
+
+    # ------------------------------------------------------------------ durability of what is made
+    def _written(self, token: int) -> int:
+        if token:
+            self.written_token = token
+        return token
+
+    def synced(self, token: int) -> bool:
+        """The store made its records safe up to ``token``: whether a durable queue became safe with them."""
+        unsynced = self.unsynced
+        became = False
+        while unsynced:
+            name, written = next(iter(unsynced.items()))
+            if written > token:
+                break
+            del unsynced[name]
+            became = True
+        return became
 
     # ------------------------------------------------------------------ addresses
     def ensure_address(self, name: str, kinds: set[RoutingType], *, auto_created: bool, durable: bool = True) -> bool:
@@ -88,12 +110,16 @@ class Catalog:
                 self.routes.address_changed(name)
             if (changed and existing.journaled) or (durable and not existing.journaled):
                 existing.journaled = True
-                self.store.add_address(name, tuple(sorted(existing.routing_types)), auto_created=existing.auto_created)
+                self._written(
+                    self.store.add_address(
+                        name, tuple(sorted(existing.routing_types)), auto_created=existing.auto_created
+                    )
+                )
             return False
         valid_address(name, wildcards=True)
         self.addresses[name] = Address(name, kinds, auto_created=auto_created, journaled=durable)
         if durable:
-            self.store.add_address(name, tuple(sorted(kinds)), auto_created=auto_created)
+            self._written(self.store.add_address(name, tuple(sorted(kinds)), auto_created=auto_created))
         self.routes.address_changed(name)
         return True
 
@@ -336,7 +362,10 @@ class Catalog:
         if owner is not None:
             owner.add_temporary_queue(name)
         if durable:
-            self.store.add_queue(queue_spec(queue))
+            token = self._written(self.store.add_queue(queue_spec(queue)))
+            if token:
+                self.unsynced.pop(name, None)  # one made again goes to the end: the tokens stay in order
+                self.unsynced[name] = token
         self.start_idle_clock(queue, now_ms)
         log.debug("queue created", extra={"queue": name, "address": address, "routing": routing.name})
         return queue
@@ -452,7 +481,7 @@ class Catalog:
         self._idle.cancel(queue)
         self.start_idle_clock(queue, idle_since)
         if queue.durable:
-            self.store.add_queue(queue_spec(queue))  # a re-recorded spec replaces the old one
+            self._written(self.store.add_queue(queue_spec(queue)))  # a re-recorded spec replaces the old one
         log.debug("queue expiry changed", extra={"queue": queue.name, "expires_ms": expires_ms})
 
     def start_idle_clock(self, queue: Queue, since_ms: int) -> None:

@@ -702,8 +702,9 @@ class ClusterManager:
         if self.leaving:
             return advert
         own = self.node_id
+        unsynced = self.broker.catalog.unsynced  # told once safe: a crash before would take them back
         for queue in self.broker.queues.values():
-            if queue.name.startswith(FORWARD_QUEUE_PREFIX):
+            if queue.name.startswith(FORWARD_QUEUE_PREFIX) or queue.name in unsynced:
                 continue
             advert[(own, queue.name)] = local_binding(own, queue)
         for binding in self.bindings.kept():  # a node that joins while they are down learns of them too

@@ -31,9 +31,14 @@ class Store(Protocol):
     def attach(self, on_durable: Completion) -> None:
         """``on_durable(token)`` is called when the write that returned ``token`` is safe."""
 
-    def add_address(self, name: str, routing_types: tuple[int, ...], *, auto_created: bool) -> None: ...
+    def add_address(self, name: str, routing_types: tuple[int, ...], *, auto_created: bool) -> int:
+        """Persist an address; 0 = already safe, else a token like ``add_message``'s."""
+
     def delete_address(self, name: str) -> None: ...
-    def add_queue(self, spec: dict[str, Any]) -> None: ...
+    def add_queue(self, spec: dict[str, Any]) -> int:
+        """Persist a durable queue (or its changed spec); 0 = already safe, else a token like ``add_message``'s:
+        the request that made it is answered, and other nodes told of it, only once it completes."""
+
     def delete_queue(self, name: str) -> None: ...
     def add_message(self, message: WireMessage, queues: tuple[str, ...], counts: list[int] | None = None) -> int:
         """Persist a durable message and its queue references; 0 = already safe, else a token. ``counts``: the

@@ -79,14 +79,18 @@ class JournalStore:
         self._written += 1
         return self.journal.append(record_type, payload)
 
-    def add_address(self, name: str, routing_types: tuple[int, ...], *, auto_created: bool) -> None:
-        self._append(RecordType.ADD_ADDRESS, [name, list(routing_types), auto_created])
+    def add_address(self, name: str, routing_types: tuple[int, ...], *, auto_created: bool) -> int:
+        token = self._append(RecordType.ADD_ADDRESS, [name, list(routing_types), auto_created])
+        self._waiting.append(token)
+        return token
 
     def delete_address(self, name: str) -> None:
         self._append(RecordType.DELETE_ADDRESS, [name])
 
-    def add_queue(self, spec: dict[str, Any]) -> None:
-        self._append(RecordType.ADD_QUEUE, [spec])
+    def add_queue(self, spec: dict[str, Any]) -> int:
+        token = self._append(RecordType.ADD_QUEUE, [spec])
+        self._waiting.append(token)
+        return token
 
     def delete_queue(self, name: str) -> None:
         # A queue deleted while copying keeps its messages out of the copy even if a new one takes its name:

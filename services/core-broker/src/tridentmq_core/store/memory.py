@@ -12,14 +12,14 @@ class MemoryStore:
     def attach(self, on_durable: Completion) -> None:
         self._on_durable = on_durable
 
-    def add_address(self, name: str, routing_types: tuple[int, ...], *, auto_created: bool) -> None:
-        pass
+    def add_address(self, name: str, routing_types: tuple[int, ...], *, auto_created: bool) -> int:
+        return 0
 
     def delete_address(self, name: str) -> None:
         pass
 
-    def add_queue(self, spec: dict[str, Any]) -> None:
-        pass
+    def add_queue(self, spec: dict[str, Any]) -> int:
+        return 0
 
     def delete_queue(self, name: str) -> None:
         pass
