@@ -1314,9 +1314,10 @@ async def test_an_unsubscribe_keeps_a_durable_subscription_another_link_consumes
     core: Core, shared: tuple[Any, ...]
 ) -> None:
     """Qpid JMS's unsubscribe (attach the subscription's name with a null source, then close the link) while
-    another link of the client still consumes: the subscription and its messages stay. It was deleted, with
-    its messages, under the consumer (a shared subscription with a client id was looked up as an exclusive
-    one). Ended when its last consumer leaves, as a shared one already was."""
+    another link of the client still consumes: the subscription and its messages stay, and the close says why
+    (JMS forbids unsubscribing an active subscription). It was deleted, with its messages, under the consumer
+    (a shared subscription with a client id was looked up as an exclusive one). Ended when its last consumer
+    leaves, as a shared one already was."""
     c = await connected(core, container="app")
     consuming = await c.receiver("topic://bills", name="bills", options=(DurableSubscription(), *shared))
     sender = await c.sender("topic://bills")
@@ -1324,6 +1325,11 @@ async def test_an_unsubscribe_keeps_a_durable_subscription_another_link_consumes
     lookup = await c.receiver(None, name="bills")  # the unsubscribe's look-up
     await c.close(lookup)
     assert "app.bills" in core.node.broker.queues
+    condition = lookup.remote_condition  # Qpid JMS throws it from unsubscribe (an active subscription)
+    assert (condition.name, condition.description) == (
+        "amqp:resource-locked",
+        "durable subscription 'app.bills' has 1 active consumers: not ended",
+    )
     await c.send(sender, Message(body="second"))
     assert await c.bodies(consuming, 2) == ["first", "second"]
     await c.close(consuming)

@@ -62,6 +62,7 @@ class Outbound:
     shared: bool  # a shared subscription: its queue is others' too
     address: str  # the address the link consumes from
     max_message_size: int = 0  # the client's max-message-size for the link (0: none)
+    lookup: bool = False  # attached by the subscription's name alone: closing it is a JMS unsubscribe
     pending: deque[tuple[int, WireMessage]] = field(default_factory=deque)  # fetched, waiting for credit
     # Waits for the client to read what was written; the deliveries wait in the consumer meanwhile.
     draining: asyncio.Task[None] | None = None

@@ -792,6 +792,7 @@ class AmqpSession:
             shared=shared_globally,
             address=address,
             max_message_size=int(lib.pn_link_remote_max_message_size(pn_link)),
+            lookup=True,
         )
         self.outbound[pn_link] = outbound
         consumer.on_wake = lambda: self._pump(outbound)
@@ -845,10 +846,16 @@ class AmqpSession:
         if inbound is not None or coordinator is not None:
             self._forget_incomplete(pn_link)
         outbound = self.outbound.pop(pn_link, None)
+        refused: Condition | None = None
         if outbound is not None:
             await self._stop(outbound)
             if closed and outbound.durable and not outbound.temporary and self.link is not None:
-                await self._end_durable(outbound)
+                in_use = await self._end_durable(outbound)
+                if in_use and outbound.lookup:  # a JMS unsubscribe: its client is told (IllegalStateException)
+                    refused = Condition(
+                        "amqp:resource-locked",
+                        f"durable subscription {outbound.queue!r} has {in_use} active consumers: not ended",
+                    )
             elif outbound.temporary and self.link is not None:
                 try:
                     await self.link.delete_queue(outbound.queue)
@@ -859,25 +866,31 @@ class AmqpSession:
                     )
         await self._end_dynamic(pn_link, closed=closed, by_client=by_client)
         if link.state & Endpoint.LOCAL_ACTIVE:
+            if refused is not None:
+                link.condition = refused
             if closed:
                 link.close()
             else:
                 link.detach()
 
-    async def _end_durable(self, outbound: Outbound) -> None:
+    async def _end_durable(self, outbound: Outbound) -> int:
         """A durable subscription ends when its last consumer closes its link (a JMS unsubscribe closes the link
         of its look-up); while other links consume from it, closing one only takes that consumer away. An
         exclusive one ends with its copies on the nodes its client came through; a shared one's other copies
-        may have consumers of their own."""
+        may have consumers of their own. Returns the consumers that kept it (0: ended, or kept for a reason
+        logged)."""
         assert self.link is not None
         try:
             found = await self.link.create_queue(outbound.queue, outbound.address, routing_type=RoutingType.MULTICAST)
-            if not found.get("consumers"):
-                await self.link.delete_queue(outbound.queue, everywhere=not outbound.shared)
+            in_use = found.get("consumers")
+            if in_use:
+                return int(in_use)
+            await self.link.delete_queue(outbound.queue, everywhere=not outbound.shared)
         except LinkRequestError as exc:
             log.info(
                 "amqp subscription kept", extra={"peer": self.wire.peer, "queue": outbound.queue, "reason": exc.text}
             )
+        return 0
 
     async def _stop(self, outbound: Outbound) -> None:
         self._stop_pumping(outbound)
