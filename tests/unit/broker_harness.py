@@ -470,8 +470,9 @@ class RecordingStore(MemoryStore):
         self.specs.append(dict(spec))
         return 3_000_000 + len(self.specs) if self.hold_queues else 0
 
-    def delete_queue(self, name: str) -> None:
+    def delete_queue(self, name: str) -> int:
         self.deleted.append(name)
+        return 4_000_000 + len(self.deleted) if self.hold_queues else 0
 
     def add_message(self, message: WireMessage, queues: tuple[str, ...], counts: list[int] | None = None) -> int:
         self.messages.append(message)

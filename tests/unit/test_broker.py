@@ -767,6 +767,13 @@ def test_a_durable_queue_is_answered_for_and_advertised_only_once_its_record_is_
     assert ("node-1", "news-c") in manager._advertisement("node-2")
     assert h.broker.bindings_version > version  # which makes the node push it to the others
     assert not h.broker.catalog.unsynced
+    # Its deletion too: a crash before its record is safe brings the queue back, with its messages.
+    gone = c.conn.delete_queue("news-c")
+    h.sync()
+    assert not [e for e in c.inbox if getattr(e, "req_id", None) == gone]
+    h.broker.on_durable(4_000_001)
+    h.sync()
+    assert [e for e in c.inbox if isinstance(e, ev.Reply) and e.req_id == gone]
 
 
 def test_a_duplicate_is_confirmed_only_once_the_first_copy_is_safe() -> None:

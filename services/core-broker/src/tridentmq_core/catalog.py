@@ -394,7 +394,7 @@ class Catalog:
         if queue.owner is not None:
             queue.owner.temporary_queues.pop(queue.name, None)
         if queue.durable:
-            self.store.delete_queue(queue.name)
+            self._written(self.store.delete_queue(queue.name))
         if address is not None and address.auto_created and not address.queues:
             settings = self.address_settings.resolve(address.name)
             if settings.auto_delete_addresses and settings.auto_delete_addresses_delay_ms <= 0:

@@ -39,7 +39,10 @@ class Store(Protocol):
         """Persist a durable queue (or its changed spec); 0 = already safe, else a token like ``add_message``'s:
         the request that made it is answered, and other nodes told of it, only once it completes."""
 
-    def delete_queue(self, name: str) -> None: ...
+    def delete_queue(self, name: str) -> int:
+        """Record a durable queue's deletion; 0 = already safe, else a token like ``add_queue``'s (a crash before
+        it completes brings the queue back, with its messages)."""
+
     def add_message(self, message: WireMessage, queues: tuple[str, ...], counts: list[int] | None = None) -> int:
         """Persist a durable message and its queue references; 0 = already safe, else a token. ``counts``: the
         delivery attempts it already had, per queue (moved or routed again from another node), in the same

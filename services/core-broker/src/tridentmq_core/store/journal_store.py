@@ -92,12 +92,14 @@ class JournalStore:
         self._waiting.append(token)
         return token
 
-    def delete_queue(self, name: str) -> None:
+    def delete_queue(self, name: str) -> int:
         # A queue deleted while copying keeps its messages out of the copy even if a new one takes its name:
         # the new queue's own records follow in the journal, the old one's must not.
         if self._copying is not None:
             self._deleted.add(name)
-        self._append(RecordType.DELETE_QUEUE, [name])
+        token = self._append(RecordType.DELETE_QUEUE, [name])
+        self._waiting.append(token)
+        return token
 
     def add_message(self, message: WireMessage, queues: tuple[str, ...], counts: list[int] | None = None) -> int:
         if self._tx_id:

@@ -21,8 +21,8 @@ class MemoryStore:
     def add_queue(self, spec: dict[str, Any]) -> int:
         return 0
 
-    def delete_queue(self, name: str) -> None:
-        pass
+    def delete_queue(self, name: str) -> int:
+        return 0
 
     def add_message(self, message: WireMessage, queues: tuple[str, ...], counts: list[int] | None = None) -> int:
         return 0
