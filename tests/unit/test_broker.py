@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -28,6 +29,7 @@ from tridentmq_core import queues
 from tridentmq_core.address_settings import AddressSettingsRepository
 from tridentmq_core.audit import FileAuditSink
 from tridentmq_core.broker import Broker
+from tridentmq_core.cluster.bridge import Bridge
 from tridentmq_core.cluster.manager import ClusterManager
 from tridentmq_core.dead_letters import ORIGINAL_ADDRESS, ORIGINAL_QUEUE, ORIGINAL_REASON
 from tridentmq_core.dedup import DuplicateIdCache, TransferIds
@@ -774,6 +776,50 @@ def test_a_durable_queue_is_answered_for_and_advertised_only_once_its_record_is_
     h.broker.on_durable(4_000_001)
     h.sync()
     assert [e for e in c.inbox if isinstance(e, ev.Reply) and e.req_id == gone]
+
+
+class _PeerDeletes:
+    """The cluster connection's link to node-2, as far as a DELETE_QUEUE_EVERYWHERE uses it."""
+
+    def __init__(self) -> None:
+        self.deleted: list[str] = []
+
+    async def delete_queue(self, queue: str) -> None:
+        self.deleted.append(queue)
+
+
+async def test_a_queue_deleted_everywhere_is_answered_once_its_deletion_here_is_safe() -> None:
+    """The answer waited for the other nodes' copies to go, not for this node's deletion record: a crash in
+    between brought the copy here back (an MQTT clean start deletes its old session's queues so)."""
+    h, _, _ = recorded(hold_queues=True)
+    manager = ClusterManager(
+        h.broker, h.settings, node_id="node-1", name="one", advertise=("127.0.0.1", 1), schedule_flush=lambda: None
+    )
+    bridge = Bridge(manager, "127.0.0.1", 9)
+    bridge.node_id, bridge.state = "node-2", "up"
+    peer = bridge.client = _PeerDeletes()  # type: ignore[assignment]
+    manager.bridges[bridge.address] = manager.bridges_by_node["node-2"] = bridge
+    try:
+        c = h.connect()
+        made = c.conn.create_queue({"name": "sub.c1", "address": "t", "routing_type": MULTICAST, "durable": True})
+        h.broker.on_durable(3_000_001)
+        h.sync()
+        assert [e for e in c.inbox if isinstance(e, ev.Reply) and e.req_id == made]
+        manager.bindings.replace("node-2", [["node-2", "sub.c1", "t", MULTICAST, None, 0, None, 1]])
+        gone = c.conn.delete_queue("sub.c1", everywhere=True)
+        h.sync()
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert peer.deleted == ["sub.c1"]  # node-2 answered
+        h.sync()
+        assert not [e for e in c.inbox if getattr(e, "req_id", None) == gone]  # the deletion here is not safe yet
+        h.broker.on_durable(4_000_001)
+        h.sync()
+        assert [e for e in c.inbox if isinstance(e, ev.Reply) and e.req_id == gone]
+    finally:
+        manager.bridges.clear()
+        manager.bridges_by_node.clear()
+        await manager.stop()
 
 
 def test_a_duplicate_is_confirmed_only_once_the_first_copy_is_safe() -> None:

@@ -21,6 +21,7 @@ The broker itself takes each link's events, routes and admits each accepted mess
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any, Final
 
 from tridentmq_core.address_settings import AddressSettingsRepository
@@ -115,8 +116,10 @@ class Broker:
         # Takes over the reply to a request that changed this node's bindings (a queue or consumer made),
         # to send it once the other nodes route by the change; False: reply now.
         self.hold_reply: Callable[[Session, int, Any], bool] | None = None
-        # Replies to requests that made durable addresses or queues, by the store token they wait for.
-        self._after_sync: dict[int, list[tuple[Session, int, Any]]] = {}
+        # What waits for the store's records to be safe (replies to requests that made or deleted durable
+        # addresses and queues), by the token it waits for; and the last token known safe.
+        self._after_sync: dict[int, list[Callable[[], None]]] = {}
+        self._safe_upto = 0
         # Deletes a queue's namesakes on the given other nodes, then replies to the request (DELETE_QUEUE_EVERYWHERE).
         self.delete_elsewhere: Callable[[Session, int, str, list[str]], None] | None = None
         # High availability (set when the node is half of a pair or votes for pairs): REPLICATE, REPLICA_ACK
@@ -334,7 +337,7 @@ class Broker:
                             pass
                         elif catalog.written_token != written:
                             # What it made is answered for once it is safe: a crash before would lose it.
-                            self._after_sync.setdefault(catalog.written_token, []).append((session, req_id, result))
+                            self.when_safe(catalog.written_token, partial(self._reply_if_open, session, req_id, result))
                         else:
                             self._reply(session, req_id, result, changed=version != catalog.bindings_version)
                     except BrokerError as exc:
@@ -345,6 +348,19 @@ class Broker:
         """Answer a request; one that ``changed`` this node's bindings once the other nodes route by it."""
         if not changed or self.hold_reply is None or not self.hold_reply(session, req_id, result):
             session.conn.reply(req_id, result)
+
+    def _reply_if_open(self, session: Session, req_id: int, result: Any) -> None:
+        if session.conn_id in self.sessions:
+            self._reply(session, req_id, result, changed=True)
+            self.dirty.add(session)
+
+    def when_safe(self, token: int, then: Callable[[], None]) -> None:
+        """Run ``then`` once the store's records up to ``token`` (``Catalog.written_token``) are safe: at once
+        if they are."""
+        if token <= self._safe_upto:
+            then()
+        else:
+            self._after_sync.setdefault(token, []).append(then)
 
     def _request(self, session: Session, event: ev.Event, now_ms: int) -> Any:
         catalog = self.catalog
@@ -591,12 +607,9 @@ class Broker:
         aliases = self.confirms.done(token)
         if self.catalog.unsynced and self.catalog.synced(token):
             self.catalog.bindings_version += 1  # the other nodes may be told of them now
-        replies = self._after_sync.pop(token, None)
-        if replies is not None:
-            for session, req_id, result in replies:
-                if session.conn_id in self.sessions:
-                    self._reply(session, req_id, result, changed=True)
-                    self.dirty.add(session)
+        self._safe_upto = max(self._safe_upto, token)  # the store completes its tokens in order
+        for then in self._after_sync.pop(token, ()):
+            then()
         if token > 0 and (unsent := self.write_through.noted(token)):
             self.forwarder.send_held(unsent, self.now_ms)
         for alias in aliases:

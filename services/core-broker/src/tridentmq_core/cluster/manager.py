@@ -622,9 +622,13 @@ class ClusterManager:
         """Delete ``queue`` on each of ``node_ids`` over this node's cluster connection to it, then reply to the
         client's DELETE_QUEUE_EVERYWHERE: ``{"elsewhere": deleted, "unreachable": [node ids]}``. A node down
         keeps its copy (it expires as it would have); the client is told which."""
-        spawn(self._delete_elsewhere(session, req_id, queue, node_ids), "delete-elsewhere")
+        # The copy here went just before: its record (if durable) is what the answer waits for too.
+        written = self.broker.catalog.written_token
+        spawn(self._delete_elsewhere(session, req_id, queue, node_ids, written), "delete-elsewhere")
 
-    async def _delete_elsewhere(self, session: Session, req_id: int, queue: str, node_ids: list[str]) -> None:
+    async def _delete_elsewhere(
+        self, session: Session, req_id: int, queue: str, node_ids: list[str], written: int
+    ) -> None:
         timeout = max(
             DELETE_ELSEWHERE_TIMEOUT_FACTOR * self.settings.link.heartbeat_ms / 1000, DELETE_ELSEWHERE_MIN_TIMEOUT_S
         )
@@ -653,13 +657,17 @@ class ClusterManager:
                 extra={"queue": queue[:120], "nodes": unreachable},
             )
         broker = self.broker
-        if session.conn_id not in broker.sessions:
-            return
         result = {"elsewhere": len(node_ids) - len(unreachable), "unreachable": unreachable}
-        if not self.hold_reply(session, req_id, result):  # else once the others route without the copy here
-            session.conn.reply(req_id, result)
-            broker.dirty.add(session)
-            self.schedule_flush()
+
+        def reply() -> None:
+            if session.conn_id not in broker.sessions:
+                return
+            if not self.hold_reply(session, req_id, result):  # else once the others route without the copy here
+                session.conn.reply(req_id, result)
+                broker.dirty.add(session)
+                self.schedule_flush()
+
+        broker.when_safe(written, reply)  # a crash before the deletion here is on disk would bring it back
 
     def _push_now(self) -> None:
         self._push_scheduled = False
