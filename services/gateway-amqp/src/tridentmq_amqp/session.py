@@ -881,10 +881,14 @@ class AmqpSession:
         logged)."""
         assert self.link is not None
         try:
-            found = await self.link.create_queue(outbound.queue, outbound.address, routing_type=RoutingType.MULTICAST)
+            found = await self.link.create_queue(
+                outbound.queue, outbound.address, routing_type=RoutingType.MULTICAST, passive=True
+            )
             in_use = found.get("consumers")
             if in_use:
                 return int(in_use)
+            if found.get("exists") is False and not found.get("elsewhere"):
+                return 0  # gone already (an operator deleted it): nothing to end
             await self.link.delete_queue(outbound.queue, everywhere=not outbound.shared)
         except LinkRequestError as exc:
             log.info(
