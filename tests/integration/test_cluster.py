@@ -60,6 +60,20 @@ async def take(consumer: Consumer, count: int, timeout: float = 10.0) -> list[by
     return got
 
 
+async def take_moved(consumer: Consumer, count: int, timeout: float = 20.0) -> tuple[list[bytes], bool]:
+    """Every body until ``count`` distinct ones came (or ``timeout``), each acknowledged, and whether every
+    delivery was flagged as redelivered (a moved message's first delivery is)."""
+    seen: list[bytes] = []
+    flagged = True
+    deadline = time.monotonic() + timeout
+    while len(set(seen)) < count and time.monotonic() < deadline:
+        batch = await consumer.get_batch(timeout=0.5)
+        seen.extend(bytes(m[M_BODY]) for _, m in batch)
+        flagged = flagged and all(delivery_count > 1 for delivery_count, _ in batch)
+        consumer.ack_ids([m[M_ID] for _, m in batch])
+    return seen, flagged
+
+
 def stop_all(nodes: list[CoreProcess]) -> None:
     for node in nodes:
         code = node.stop()
@@ -794,16 +808,8 @@ async def test_a_queue_whose_scale_down_target_dies_moves_on_to_another_live_nod
     # consumer on the survivor, where every message then is.
     victim = start_node(tmp_path, victim.data_dir.name, [survivor], **settings)
     wait_converged([victim, survivor])
-    seen: list[bytes] = []
-    flagged = True
     async with client(survivor) as cs:
-        consumer = await cs.subscribe("leave-q", credit=1000)
-        deadline = time.monotonic() + 20
-        while len(set(seen)) < count and time.monotonic() < deadline:
-            batch = await consumer.get_batch(timeout=0.5)
-            seen.extend(bytes(m[M_BODY]) for _, m in batch)
-            flagged = flagged and all(delivery_count > 1 for delivery_count, _ in batch)
-            consumer.ack_ids([m[M_ID] for _, m in batch])
+        seen, flagged = await take_moved(await cs.subscribe("leave-q", credit=1000), count)
     assert sorted(set(seen)) == sorted(bodies(count)), f"{count - len(set(seen))} missing"
     # The victim's unconfirmed ones may be there twice, each flagged (every moved message's first delivery is).
     assert len(seen) - count <= 10, "more duplicates than the victim had in flight"
@@ -856,14 +862,7 @@ async def test_two_nodes_scaling_down_at_once_leave_every_message_on_the_third(t
     async with client(third) as ct:
         for queue, prefix, total in (("down-1", "one", count), ("down-2", "two", own)):
             consumer = await ct.subscribe(queue, credit=1000)
-            seen: list[bytes] = []
-            flagged = True
-            deadline = time.monotonic() + 20
-            while len(set(seen)) < total and time.monotonic() < deadline:
-                batch = await consumer.get_batch(timeout=0.5)
-                seen.extend(bytes(m[M_BODY]) for _, m in batch)
-                flagged = flagged and all(delivery_count > 1 for delivery_count, _ in batch)
-                consumer.ack_ids([m[M_ID] for _, m in batch])
+            seen, flagged = await take_moved(consumer, total)
             assert sorted(set(seen)) == sorted(bodies(total, prefix)), f"{queue}: {total - len(set(seen))} missing"
             assert flagged, "a moved message delivered unflagged"  # duplicates may be, flagged
             await consumer.close()
