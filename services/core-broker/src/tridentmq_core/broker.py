@@ -608,8 +608,9 @@ class Broker:
         if self.catalog.unsynced and self.catalog.synced(token):
             self.catalog.bindings_version += 1  # the other nodes may be told of them now
         self._safe_upto = max(self._safe_upto, token)  # the store completes its tokens in order
-        for then in self._after_sync.pop(token, ()):
-            then()
+        if self._after_sync:  # (on_durable runs for every durable message: nothing more when none waits)
+            for then in self._after_sync.pop(token, ()):
+                then()
         if token > 0 and (unsent := self.write_through.noted(token)):
             self.forwarder.send_held(unsent, self.now_ms)
         for alias in aliases:
