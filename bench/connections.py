@@ -12,7 +12,9 @@ With every client subscribed, the script reads the resident memory (VmRSS) and o
 and the gateway, and the core's sessions and link connections; then one publisher sends one message to each
 client's topic (AMQP: through the core's link), and every client must receive its own. Memory per connection is
 (RSS with N clients - RSS before the first) / N, read once all are subscribed and again once each had its message
-(what an idle device costs after some traffic, plus what the allocators kept of the publisher's burst).
+(what an idle device costs after some traffic, plus what the allocators kept of the publisher's burst). Last, the
+CPU each process spends over ``IDLE_S`` seconds while every client stays connected and quiet: what a fleet of idle
+devices costs the broker by itself (periodic work that grows with the sessions shows there).
 
 A gateway holds one descriptor per client and the clients one each, so the clients run in processes of their
 own: each process's open-file limit then counts only its share. The script starts its own core (throw-away
@@ -80,6 +82,7 @@ from tridentmq_shared.message import RoutingType, new_message
 from tridentmq_shared.runtime import raise_open_file_limit, run_main
 
 WAIT_S = 120.0  # longest wait for one client's login, subscription or message
+IDLE_S = 10.0  # how long the idle clients are watched for the CPU their connections cost
 BATCH = 1000  # messages the publisher writes at once
 
 
@@ -314,6 +317,7 @@ class Figures:
     after: dict[str, dict[str, int]]
     delivered: dict[str, dict[str, int]]  # once every client had its message
     cpu: dict[str, float]  # seconds, per watched process and "clients" (all the client processes)
+    idle: dict[str, float]  # share of a core per watched process while every client is connected and quiet
     status: dict[str, Any] | None  # the core's, when the run started it
 
 
@@ -395,6 +399,9 @@ def measure(args: argparse.Namespace) -> Figures:
             asyncio.run(speaks.publish_all(target.ports[0], core_port, run, args.count))
             received = sum(here.recv() for here, _ in pipes)
             delivered = {name: proc_usage(pid) for name, pid in pids.items()}
+            idle_from = {name: cpu_of(pid) for name, pid in pids.items()}
+            time.sleep(IDLE_S)  # every client connected, subscribed and quiet (no keep-alive)
+            idle = {name: (cpu_of(pid) - idle_from[name]) / IDLE_S for name, pid in pids.items()}
             for here, process in pipes:
                 here.send("done")
                 process.join(60)
@@ -411,6 +418,7 @@ def measure(args: argparse.Namespace) -> Figures:
         after=after,
         delivered=delivered,
         cpu=cpu,
+        idle=idle,
         status=status,
     )
 
@@ -477,6 +485,10 @@ def main() -> None:
             f"{name} once each client had its message: RSS {f.delivered[name]['rss_kib'] / 1024:.0f} MiB, "
             f"{grown / served(name):.1f} KiB per connection"
         )
+    print(
+        f"idle, every client connected and quiet for {IDLE_S:.0f} s: "
+        + ", ".join(f"{name} {share:.1%} of a core" for name, share in f.idle.items())
+    )
 
 
 if __name__ == "__main__":

@@ -1887,6 +1887,7 @@ def test_a_message_that_came_and_went_leaves_its_queue_and_consumer_as_they_were
             assert len(got) == 1
             c.conn.ack(consumer_id, ids(got), 0)
         h.sync()
+        h.tick(h.now_ms + h.broker.settings.broker.expiry_scan_ms)  # its scan takes the note of the changed ones
         after = tracemalloc.take_snapshot().filter_traces(queues_module)
     finally:
         tracemalloc.stop()
@@ -2177,6 +2178,41 @@ def test_unused_explicit_auto_delete_queue_is_not_swept(h: Harness, c: Client) -
     c.publish("idle", b"x", expiration_ms=h.now_ms + 1)
     h.tick(h.now_ms + 2000)  # used and emptied by expiry: now it goes
     assert "idle" not in h.broker.queues
+
+
+def test_the_expiry_scan_visits_only_queues_that_may_hold_expiring_or_paged_messages(h: Harness, c: Client) -> None:
+    """A core with many sessions holds many quiet queues: the scan that expires messages is not paid for them."""
+    for i in range(50):
+        ok(c.create_queue(f"quiet.{i}"))
+        c.publish(f"quiet.{i}", b"kept")  # no expiration
+    c.publish("quiet.7", b"brief", expiration_ms=h.now_ms + 500)
+    timed = h.broker.activity.timed
+    assert timed == {h.broker.queues["quiet.7"]}
+    h.tick(h.now_ms + 1000)
+    assert [bodies(c.take(c.consumer("quiet.7")))] == [[b"kept"]]  # the other one expired in the scan
+    h.tick(h.now_ms + 1000)
+    assert timed == set()  # no expiring message left: not visited any more
+
+
+def test_an_auto_delete_queue_emptied_by_an_operator_goes_at_the_next_scan(h: Harness, c: Client) -> None:
+    """Only the queues whose messages came or went are looked at for auto-deletion: a purge, and the purge of
+    messages still waiting for their scheduled time, are such changes."""
+    ok(c.create_queue("drained", auto_delete=True))
+    ok(c.create_queue("waiting", auto_delete=True))
+    c.publish("drained", b"x")
+    cid = c.consumer("waiting")
+    c.publish("waiting", b"y")
+    c.ack(cid, ids(c.take(cid)))
+    c.publish("waiting", b"later", scheduled_ms=h.now_ms + 60_000)
+    c.unsubscribe(cid)  # empty, but a message waits for its time: it stays
+    h.tick(h.now_ms + 1000)
+    assert {"drained", "waiting"} <= h.broker.queues.keys()
+    catalog = h.broker.catalog
+    assert catalog.purge_queue(h.broker.queues["drained"], h.now_ms) == 1
+    assert catalog.purge_queue(h.broker.queues["waiting"], h.now_ms) == 1
+    h.tick(h.now_ms + 1000)
+    assert "drained" not in h.broker.queues
+    assert "waiting" not in h.broker.queues
 
 
 # ====================================================================== audit of per-message events

@@ -438,6 +438,36 @@ def test_deleted_and_recreated_queue_reports_no_negative_rate() -> None:
     assert rates.rates("orders") == (0.0, 0.0)
 
 
+def test_rates_of_a_queue_quiet_for_long_or_made_since_the_last_sample() -> None:
+    """A sample looks only at the queues whose messages came or went: one quiet for many samples counts on from
+    its counters, a new one (also one made again under a deleted one's name) from zero."""
+    broker = make_broker()
+    link = populate(broker)
+    for n in range(3):
+        link.client.publish(new_message("orders", b"a%d" % n, routing=ANYCAST))
+    link.roundtrip()
+    rates = QueueRates()
+    for now in (1.0, 2.0, 3.0, 4.0):  # counted once, then quiet
+        rates.sample(broker, now)
+    link.client.publish(new_message("orders", b"b", routing=ANYCAST))
+    link.client.create_queue({"name": "fresh", "address": "fresh"})
+    link.roundtrip()
+    link.client.publish(new_message("fresh", b"c", routing=ANYCAST))
+    link.client.publish(new_message("fresh", b"d", routing=ANYCAST))
+    link.roundtrip()
+    rates.sample(broker, 4.5)
+    assert rates.rates("orders") == (2.0, 0.0)
+    assert rates.rates("fresh") == (4.0, 0.0)
+    link.client.delete_queue("fresh")
+    link.client.create_queue({"name": "fresh", "address": "fresh"})
+    link.roundtrip()
+    rates.sample(broker, 5.0)
+    link.client.publish(new_message("fresh", b"e", routing=ANYCAST))
+    link.roundtrip()
+    rates.sample(broker, 6.0)
+    assert rates.rates("fresh") == (1.0, 0.0)
+
+
 async def test_a_queue_made_through_the_api_is_a_last_value_queue_only_when_asked(api: Api) -> None:
     """``last_value_key`` absent makes a plain queue; "" one keyed on each message's own last-value key field."""
     client, broker, _, _ = api

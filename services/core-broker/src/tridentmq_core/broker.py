@@ -41,7 +41,7 @@ from tridentmq_core.durable_state import DurableState
 from tridentmq_core.forwarder import Forwarder
 from tridentmq_core.latency import LatencyHistogram
 from tridentmq_core.outlet import Outlet
-from tridentmq_core.queues import LinkSession, MemoryGauge, PagerFactory, Queue
+from tridentmq_core.queues import LinkSession, MemoryGauge, PagerFactory, Queue, QueueActivity
 from tridentmq_core.redistribution import MAX_RESIDENCE_FACTOR
 from tridentmq_core.routes import Routes
 from tridentmq_core.security import Permission, Principal
@@ -103,6 +103,8 @@ class Broker:
         self.time_in_queue: Final = LatencyHistogram()
         self.dirty: Final[set[LinkSession]] = set()  # sessions with output to write; see take_dirty
         self.memory: Final = MemoryGauge()
+        self.activity: Final = QueueActivity()
+        self._changed_since_scan = self.activity.reader()
         self.to_dispatch: Final[set[Queue]] = set()  # queues to dispatch at the next flush
         self.transfer_prefix = f"{node_id}:"  # + a message id: the id of a transfer to another node
         self._next_id = first_message_id
@@ -140,6 +142,7 @@ class Broker:
             audit=events,
             dirty=self.dirty,
             memory=self.memory,
+            activity=self.activity,
             to_dispatch=self.to_dispatch,
             pager_factory=pager_factory,
         )
@@ -636,16 +639,27 @@ class Broker:
         self.forwarder.arrivals.forget_before(now_ms - self.settings.cluster.min_residence_ms * MAX_RESIDENCE_FACTOR)
         if now_ms - self._last_expiry_scan >= self.settings.broker.expiry_scan_ms:
             self._last_expiry_scan = now_ms
-            for queue in list(queues.values()):
-                queue.expire_due(now_ms)
-                if queue.paged:
-                    self.to_dispatch.add(queue)  # read pages back even if no consumer event comes
-                if queue.added:  # emptied by expiry or dead-lettering, not merely waiting for its first use
-                    self.catalog.maybe_auto_delete(queue, now_ms)
+            self._scan_queues(now_ms)
             self._dedup.expire(now_ms)
             self.forwarder.transfers.expire(now_ms)
         self.deliveries.resume_scans()
         self.flush_dispatch(now_ms)
+
+    def _scan_queues(self, now_ms: int) -> None:
+        """Expire what is due, read paged messages back even if no consumer event comes, and delete the
+        auto-delete queues that the going of their messages left empty (expiry, dead-lettering, an operator's
+        purge): in the queues that may need it, not in all of them."""
+        queues, timed = self.queues, self.activity.timed
+        for queue in list(timed):
+            if queues.get(queue.name) is not queue or not queue.timed:
+                timed.discard(queue)
+                continue
+            queue.expire_due(now_ms)
+            if queue.paged:
+                self.to_dispatch.add(queue)
+        for queue in self._changed_since_scan():
+            if queue.added and queues.get(queue.name) is queue:  # not merely waiting for its first use
+                self.catalog.maybe_auto_delete(queue, now_ms)
 
     def take_dirty(self) -> list[LinkSession]:
         """Sessions with output to write since the last call. The set is cleared in place, never

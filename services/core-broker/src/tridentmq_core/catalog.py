@@ -20,7 +20,7 @@ from tridentmq_core.checks import (
     valid_queue_name,
 )
 from tridentmq_core.deadlines import Deadlines
-from tridentmq_core.queues import DeliverySink, LinkSession, MemoryGauge, PagerFactory, Queue
+from tridentmq_core.queues import DeliverySink, LinkSession, MemoryGauge, PagerFactory, Queue, QueueActivity
 from tridentmq_core.routes import Address, Routes, routing_kinds
 from tridentmq_core.sessions import Session
 from tridentmq_core.settings import CoreSettings
@@ -52,6 +52,7 @@ class Catalog:
         audit: AuditEvents,
         dirty: set[LinkSession],
         memory: MemoryGauge,
+        activity: QueueActivity,
         to_dispatch: set[Queue],
         pager_factory: PagerFactory | None,
     ) -> None:
@@ -65,6 +66,7 @@ class Catalog:
         self._audit = audit
         self._dirty = dirty
         self._memory = memory
+        self._activity = activity
         self._to_dispatch = to_dispatch
         self._pager_factory = pager_factory
         self.bindings_version = 0  # bumped whenever a queue or a consumer comes or goes
@@ -342,6 +344,7 @@ class Catalog:
             sink=self.sink,
             dirty=self._dirty,
             memory=self._memory,
+            activity=self._activity,
             durable=durable,
             filter=selector,
             temporary=temporary,
@@ -387,6 +390,7 @@ class Catalog:
             self._dirty.add(consumer.session)
         queue.purge()
         del self.queues[queue.name]
+        self._activity.changed.add(queue)  # its rates go with it
         self.bindings_version += 1
         address = self.routes.unbind(queue)
         self._to_dispatch.discard(queue)
@@ -457,6 +461,7 @@ class Catalog:
         return len(taken)
 
     def _settle_taken(self, queue: Queue, taken: list[WireMessage], reason: str, now_ms: int) -> None:
+        self._activity.changed.add(queue)  # scheduled messages taken leave no other trace in it
         if queue.durable:
             ids = [message[M_ID] for message in taken if message[M_DURABLE]]
             if ids:

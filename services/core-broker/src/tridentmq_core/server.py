@@ -1312,11 +1312,12 @@ class CoreNode:
         if store.compacting:
             if self.replication is None or self.replication.may_compact():
                 store.compaction_step()
-        elif consider:
-            live = sum(len(q) + q.in_flight for q in self.broker.queues.values() if q.durable)
-            if store.wants_compaction(live):
-                log.info("journal compaction started", extra={"live_messages": live})
-                store.start_compaction(self.broker.durable_snapshot())
+        elif consider and store.wants_compaction(self._live_durable_messages):
+            log.info("journal compaction started", extra={"live_messages": self._live_durable_messages()})
+            store.start_compaction(self.broker.durable_snapshot())
+
+    def _live_durable_messages(self) -> int:
+        return sum(len(q) + q.in_flight for q in self.broker.queues.values() if q.durable)
 
     def _close_client_links(self, code: str = ErrorCode.SHUTDOWN, text: str = "the node is shutting down") -> None:
         """Close every link but the other cluster nodes': their consumers give their messages back."""

@@ -3,11 +3,12 @@ server owns) and ``QueueRates`` (enqueue and acknowledge rates from successive s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 from tridentmq_core.broker import Broker
+from tridentmq_core.queues import Queue
 
 
 class JournalStats(Protocol):
@@ -42,34 +43,46 @@ class QueueRates:
     """Per-queue enqueue and acknowledge rates (messages/s) from successive samples of the queue counters.
 
     The server calls ``sample`` about once a second; a rate covers the interval between the last two
-    samples. A queue seen for the first time, or one whose counters went backwards (deleted and created
-    again under the same name), reports 0.0 until the next sample.
+    samples. A sample looks only at the queues whose messages came or went since the one before (the broker
+    notes them; a core with 100,000 MQTT sessions holds 200,000 queues, nearly all quiet), so its cost is the
+    traffic's, not the number of queues. A queue made since the last sample counts from zero, one made again under
+    a deleted one's name too.
     """
 
     def __init__(self) -> None:
         self._last_time: float | None = None
-        self._last: dict[str, tuple[int, int]] = {}  # queue -> (added, acked) at the last sample
+        self._last: dict[str, tuple[int, int]] = {}  # queue -> (added, acked) at its last sample; absent: (0, 0)
         self._rates: dict[str, tuple[float, float]] = {}
+        self._changed: Callable[[], set[Queue]] | None = None
 
     def sample(self, broker: Broker, now: float) -> None:
-        """Record the counters of every queue at ``now`` (seconds, any monotonic origin)."""
-        # Most queues of a node with many clients never had a message: they share one (0, 0) and get no rate
-        # entry (tens of thousands of them would otherwise cost a tuple, a rate and two floats each).
-        current = {name: (q.added, q.acked) if q.added or q.acked else _NONE for name, q in broker.queues.items()}
+        """Record the counters of the queues that changed, at ``now`` (seconds, any monotonic origin)."""
         elapsed = None if self._last_time is None else now - self._last_time
         if elapsed is not None and elapsed <= 0:
             return  # same instant or a clock step back: keep the previous baseline and rates
-        rates: dict[str, tuple[float, float]] = {}
-        if elapsed is not None:
-            for name, counts in current.items():
-                previous = self._last.get(name)
-                if previous is None or previous is counts:
-                    continue
-                added, acked = counts
-                if added >= previous[0] and acked >= previous[1] and (added, acked) != previous:
-                    rates[name] = ((added - previous[0]) / elapsed, (acked - previous[1]) / elapsed)
+        queues = broker.queues
+        if self._changed is None:  # the first sample: every queue's counters (recovered messages count too)
+            self._changed = broker.activity.reader()
+            changed: Iterable[Queue] = queues.values()
+        else:
+            changed = self._changed()
+        last, rates = self._last, {}
+        sampled, deleted = set(), []
+        for queue in changed:
+            name = queue.name
+            if queues.get(name) is not queue:
+                deleted.append(name)
+                continue
+            sampled.add(name)
+            counts = (queue.added, queue.acked)
+            previous = last.get(name, _NONE)
+            last[name] = counts
+            if elapsed is not None and counts[0] >= previous[0] and counts[1] >= previous[1] and counts != previous:
+                rates[name] = ((counts[0] - previous[0]) / elapsed, (counts[1] - previous[1]) / elapsed)
+        for name in deleted:
+            if name not in sampled:  # not one made again under its name, which counts from zero
+                last.pop(name, None)
         self._rates = rates
-        self._last = current
         self._last_time = now
 
     def rates(self, queue: str) -> tuple[float, float]:

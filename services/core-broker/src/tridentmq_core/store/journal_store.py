@@ -163,11 +163,12 @@ class JournalStore:
     def compacting(self) -> bool:
         return self._copying is not None or self._retire_after > 0
 
-    def wants_compaction(self, live_messages: int) -> bool:
-        """Enough segments, and most of what was written since the last compaction is dead."""
+    def wants_compaction(self, live_messages: Callable[[], int]) -> bool:
+        """Enough segments, and most of what was written since the last compaction is dead (the messages still
+        live are counted only then: a count goes through every durable queue)."""
         if self.compacting or len(self.journal.segments()) < self.compact_min_segments:
             return False
-        return live_messages < self.compact_live_ratio * self._written
+        return live_messages() < self.compact_live_ratio * self._written
 
     def start_compaction(self, snapshot: DurableSnapshot) -> None:
         self._roll = self.journal.roll()
