@@ -657,7 +657,7 @@ class Broker:
             queue.expire_due(now_ms)
             if queue.paged:
                 self.to_dispatch.add(queue)
-        for queue in self._changed_since_scan():
+        for queue in self._changed_since_scan.take():
             if queue.added and queues.get(queue.name) is queue:  # not merely waiting for its first use
                 self.catalog.maybe_auto_delete(queue, now_ms)
 

@@ -11,6 +11,7 @@ for messages that came back (nack, release, consumer gone, rolled back), so the 
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Final, Protocol, cast
@@ -90,32 +91,41 @@ class QueueActivity:
     __slots__ = ("_readers", "changed", "timed")
 
     def __init__(self) -> None:
-        #: Messages came or went (or it was deleted) since the readers last took the changes.
+        #: Messages came in, came back or left for good (or it was deleted) since the readers last took them.
         self.changed: set[Queue] = set()
         #: It held messages with an expiration, or paged ones, when last seen: the expiry scan visits these
         #: (and drops the ones that hold neither any more).
         self.timed: set[Queue] = set()
-        self._readers: list[set[Queue]] = []
+        self._readers: weakref.WeakSet[ChangedQueues] = weakref.WeakSet()  # one dropped stops reading
 
-    def reader(self) -> Callable[[], set[Queue]]:
-        """A reader of the changes: each call returns the queues changed since its previous call (its first
-        call, those changed since it was made)."""
-        mine: set[Queue] = set()
-        self._readers.append(mine)
+    def reader(self) -> ChangedQueues:
+        """A reader of the changes from now on: its ``take`` returns the queues changed since its last."""
+        reader = ChangedQueues(self)
+        self._readers.add(reader)
+        return reader
 
-        def take() -> set[Queue]:
-            self._share()
-            taken = set(mine)
-            mine.clear()
-            return taken
-
-        return take
-
-    def _share(self) -> None:
+    def share(self) -> None:
+        """Hand the changes noted since the last call to every reader."""
         if self.changed:
             changed, self.changed = self.changed, set()
-            for changes in self._readers:
-                changes |= changed
+            for reader in self._readers:
+                reader.pending |= changed
+
+
+class ChangedQueues:
+    """What one reader has not taken yet of ``QueueActivity.changed``."""
+
+    __slots__ = ("__weakref__", "_activity", "pending")
+
+    def __init__(self, activity: QueueActivity) -> None:
+        self._activity = activity
+        self.pending: set[Queue] = set()
+
+    def take(self) -> set[Queue]:
+        """The queues changed since the last call."""
+        self._activity.share()
+        taken, self.pending = self.pending, set()
+        return taken
 
 
 class PagedBrowse(Protocol):
@@ -593,6 +603,7 @@ class Queue:
         if priority > self._high:  # noqa: PLR1730 - max() is a builtin call per message
             self._high = priority
         self._count += 1
+        self._activity.changed.add(self)
         if delivery_count > 0:
             self._count_returned(message[M_ID], delivery_count)
 

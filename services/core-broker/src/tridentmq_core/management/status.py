@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 from tridentmq_core.broker import Broker
-from tridentmq_core.queues import Queue
+from tridentmq_core.queues import ChangedQueues, Queue
 
 
 class JournalStats(Protocol):
@@ -53,7 +53,7 @@ class QueueRates:
         self._last_time: float | None = None
         self._last: dict[str, tuple[int, int]] = {}  # queue -> (added, acked) at its last sample; absent: (0, 0)
         self._rates: dict[str, tuple[float, float]] = {}
-        self._changed: Callable[[], set[Queue]] | None = None
+        self._changed: ChangedQueues | None = None
 
     def sample(self, broker: Broker, now: float) -> None:
         """Record the counters of the queues that changed, at ``now`` (seconds, any monotonic origin)."""
@@ -65,7 +65,7 @@ class QueueRates:
             self._changed = broker.activity.reader()
             changed: Iterable[Queue] = queues.values()
         else:
-            changed = self._changed()
+            changed = self._changed.take()
         last, rates = self._last, {}
         sampled, deleted = set(), []
         for queue in changed:
