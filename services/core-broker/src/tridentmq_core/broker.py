@@ -104,7 +104,7 @@ class Broker:
         self.dirty: Final[set[LinkSession]] = set()  # sessions with output to write; see take_dirty
         self.memory: Final = MemoryGauge()
         self.activity: Final = QueueActivity()
-        self._changed_since_scan = self.activity.reader()
+        self._changed_since_scan = self.activity.changed.reader()
         self.to_dispatch: Final[set[Queue]] = set()  # queues to dispatch at the next flush
         self.transfer_prefix = f"{node_id}:"  # + a message id: the id of a transfer to another node
         self._next_id = first_message_id

@@ -96,8 +96,16 @@ class Catalog:
             if written > token:
                 break
             del unsynced[name]
+            if (queue := self.queues.get(name)) is not None:
+                self._activity.bindings.note(queue)
             became = True
         return became
+
+    def bindings_changed(self, queue: Queue) -> None:
+        """``queue`` was made or deleted, or a consumer of it came or went: routing caches and the other nodes of
+        a cluster learn of it."""
+        self.bindings_version += 1
+        self._activity.bindings.note(queue)
 
     # ------------------------------------------------------------------ addresses
     def ensure_address(self, name: str, kinds: set[RoutingType], *, auto_created: bool, durable: bool = True) -> bool:
@@ -361,7 +369,7 @@ class Catalog:
         queue.paused = address in self.paused_addresses
         self.queues[name] = queue
         self.routes.bind(queue)
-        self.bindings_version += 1
+        self.bindings_changed(queue)
         if owner is not None:
             owner.add_temporary_queue(name)
         if durable:
@@ -390,8 +398,8 @@ class Catalog:
             self._dirty.add(consumer.session)
         queue.purge()
         del self.queues[queue.name]
-        self._activity.changed.add(queue)  # its rates go with it
-        self.bindings_version += 1
+        self._activity.changed.note(queue)  # its rates go with it
+        self.bindings_changed(queue)
         address = self.routes.unbind(queue)
         self._to_dispatch.discard(queue)
         self._idle.cancel(queue)
@@ -461,7 +469,7 @@ class Catalog:
         return len(taken)
 
     def _settle_taken(self, queue: Queue, taken: list[WireMessage], reason: str, now_ms: int) -> None:
-        self._activity.changed.add(queue)  # scheduled messages taken leave no other trace in it
+        self._activity.changed.note(queue)  # scheduled messages taken leave no other trace in it
         if queue.durable:
             ids = [message[M_ID] for message in taken if message[M_DURABLE]]
             if ids:

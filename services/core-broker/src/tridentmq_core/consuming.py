@@ -141,7 +141,7 @@ class Consuming:
         session.consumers[consumer_id] = consumer
         if not browse:
             catalog.stop_idle_clock(queue)
-            catalog.bindings_version += 1
+            catalog.bindings_changed(queue)
         self._to_dispatch.add(queue)
         self._audit.emit(
             now_ms,
@@ -174,7 +174,7 @@ class Consuming:
         queue = consumer.queue
         catalog = self._catalog
         if not consumer.browse:  # a browser is in no binding (see subscribe)
-            catalog.bindings_version += 1
+            catalog.bindings_changed(queue)
         session.consumers.pop(consumer.id, None)
         if consumer in queue.consumers:
             # What an open transaction of the session acknowledged stays with it: its commit settles it, its

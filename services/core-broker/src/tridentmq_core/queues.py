@@ -83,49 +83,67 @@ class MemoryGauge:
         self.used = 0
 
 
+class QueueNotes:
+    """Queues noted as something about them changed, for any number of readers: each reader's ``take`` returns
+    those noted since its last. A reader that is dropped stops counting."""
+
+    __slots__ = ("_readers", "noted")
+
+    def __init__(self) -> None:
+        self.noted: set[Queue] = set()  # since the readers last took them (cleared in place, never replaced)
+        self._readers: weakref.WeakSet[QueueNotesReader] = weakref.WeakSet()
+
+    def reader(self) -> QueueNotesReader:
+        """A reader of what is noted from now on."""
+        reader = QueueNotesReader(self)
+        self._readers.add(reader)
+        return reader
+
+    def note(self, queue: Queue) -> None:
+        if self._readers:  # nobody reads: keep nothing
+            self.noted.add(queue)
+
+    def share(self) -> None:
+        """Hand what was noted since the last call to every reader."""
+        noted = self.noted
+        if noted:
+            for reader in self._readers:
+                reader.pending |= noted
+            noted.clear()
+
+
+class QueueNotesReader:
+    """What one reader has not taken yet of a ``QueueNotes``."""
+
+    __slots__ = ("__weakref__", "_notes", "pending")
+
+    def __init__(self, notes: QueueNotes) -> None:
+        self._notes = notes
+        self.pending: set[Queue] = set()
+
+    def take(self) -> set[Queue]:
+        """The queues noted since the last call."""
+        self._notes.share()
+        taken, self.pending = self.pending, set()
+        return taken
+
+
 class QueueActivity:
     """The queues periodic work has to look at, noted as it happens rather than found by a look at every queue
     each time: a core with 100,000 MQTT sessions holds 200,000 queues, nearly all of them quiet (shared by
     reference, like ``MemoryGauge``)."""
 
-    __slots__ = ("_readers", "changed", "timed")
+    __slots__ = ("bindings", "changed", "timed")
 
     def __init__(self) -> None:
-        #: Messages came in, came back or left for good (or it was deleted) since the readers last took them.
-        self.changed: set[Queue] = set()
+        #: Messages came in, came back or left for good, or it was deleted (the broker reads it: never unread).
+        self.changed = QueueNotes()
+        #: What the other nodes of a cluster know of it changed: made, deleted, a consumer came or went, its
+        #: record became safe.
+        self.bindings = QueueNotes()
         #: It held messages with an expiration, or paged ones, when last seen: the expiry scan visits these
         #: (and drops the ones that hold neither any more).
         self.timed: set[Queue] = set()
-        self._readers: weakref.WeakSet[ChangedQueues] = weakref.WeakSet()  # one dropped stops reading
-
-    def reader(self) -> ChangedQueues:
-        """A reader of the changes from now on: its ``take`` returns the queues changed since its last."""
-        reader = ChangedQueues(self)
-        self._readers.add(reader)
-        return reader
-
-    def share(self) -> None:
-        """Hand the changes noted since the last call to every reader."""
-        if self.changed:
-            changed, self.changed = self.changed, set()
-            for reader in self._readers:
-                reader.pending |= changed
-
-
-class ChangedQueues:
-    """What one reader has not taken yet of ``QueueActivity.changed``."""
-
-    __slots__ = ("__weakref__", "_activity", "pending")
-
-    def __init__(self, activity: QueueActivity) -> None:
-        self._activity = activity
-        self.pending: set[Queue] = set()
-
-    def take(self) -> set[Queue]:
-        """The queues changed since the last call."""
-        self._activity.share()
-        taken, self.pending = self.pending, set()
-        return taken
 
 
 class PagedBrowse(Protocol):
@@ -285,6 +303,7 @@ class Queue:
     __slots__ = (
         "_activity",
         "_attempts",
+        "_changes",
         "_count",
         "_dirty",
         "_expiring",
@@ -371,6 +390,7 @@ class Queue:
         self._dirty = dirty
         self._memory = memory
         self._activity = activity
+        self._changes = activity.changed.noted
         self._attempts = _NO_ATTEMPTS  # a dispatch's durable deliveries
         # Paging: above page_limit bytes (the address's max_size_bytes with policy PAGE) further messages
         # go to a page file, and keep going there while any are paged, so order is kept.
@@ -468,10 +488,9 @@ class Queue:
         self._paged += 1
         self._paged_bytes += len(message[M_BODY]) + MESSAGE_OVERHEAD
         self.added += 1
-        activity = self._activity
-        activity.changed.add(self)
+        self._changes.add(self)
         if self._paged == 1:
-            activity.timed.add(self)
+            self._activity.timed.add(self)
 
     def _depage(self) -> None:
         """Read paged messages back while the queue holds less than half its limit."""
@@ -508,7 +527,7 @@ class Queue:
         size = len(message[M_BODY]) + MESSAGE_OVERHEAD
         self._memory.used += size
         self.bytes += size
-        self._activity.changed.add(self)
+        self._changes.add(self)
         if message[M_EXPIRATION]:
             self._expiring += 1
             if self._expiring == 1:
@@ -568,7 +587,7 @@ class Queue:
         size = len(message[M_BODY]) + MESSAGE_OVERHEAD
         self._memory.used -= size
         self.bytes -= size
-        self._activity.changed.add(self)
+        self._changes.add(self)
         if message[M_EXPIRATION]:
             self._expiring -= 1
         if self._lvq and self._lvq.get(self._lvq_key(message)) is message:
@@ -603,7 +622,7 @@ class Queue:
         if priority > self._high:  # noqa: PLR1730 - max() is a builtin call per message
             self._high = priority
         self._count += 1
-        self._activity.changed.add(self)
+        self._changes.add(self)
         if delivery_count > 0:
             self._count_returned(message[M_ID], delivery_count)
 

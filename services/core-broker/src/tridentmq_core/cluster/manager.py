@@ -124,6 +124,7 @@ class Joined:
     acks_bindings: bool = False  # acknowledges the sync numbers of binding changes (``BindingSync``)
     knows_backlog: bool = False  # reads a binding's backlog flag (an older node refuses an 11-field binding)
     sent: dict[Key, list[Any]] = field(default_factory=dict)
+    relayed: set[Key] = field(default_factory=set)  # the keys of ``sent`` that are not this node's own queues
     members_sent: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -224,8 +225,18 @@ class ClusterManager:
         # The queues that may hold messages: what looks for backlogs, stranded messages and the messages of nodes
         # gone goes through, not the node's every queue (100,000 MQTT sessions are 200,000 queues, nearly all
         # empty). Those that got messages since the last look join them (see ``_with_messages``).
-        self._changed = broker.activity.reader()
+        self._changed = broker.activity.changed.reader()
         self._holding = {queue for queue in broker.queues.values() if len(queue)}
+        # The bindings of this node's queues as the other nodes are to know them, by queue name, kept up to date
+        # from the queues' notes (a push with each change went through every queue): the names changed since
+        # the last push, whether the last push said this node leaves, the remote bindings' version it relayed.
+        self._bound = broker.activity.bindings.reader()
+        self._own: dict[str, list[Any]] = {}
+        self._own_changed: set[str] = set()
+        for queue_name in broker.queues:
+            self._rewire(queue_name)
+        self._pushed_leaving = False
+        self._relayed_version = -1
         self._task: asyncio.Task[None] | None = None
         self._started = time.monotonic()
         self.discovery: RedisDiscovery | None = None
@@ -405,6 +416,7 @@ class ClusterManager:
             knows_backlog=join.get("binding_backlog") is True,
         )
         joined.sent = self._advertisement(member.node_id, backlog=joined.knows_backlog)
+        joined.relayed = {key for key in joined.sent if key[0] != self.node_id}
         joined.members_sent = self.members_view()
         self.joined[session.conn_id] = joined
         self.learn(member)
@@ -685,12 +697,30 @@ class ClusterManager:
         backlogged = frozenset(queue.name for queue in self._with_messages() if saturated(queue))
         if version == self._sent_version and not sync and backlogged == self._backlogged:
             return
-        self._sent_version, self._backlogged = version, backlogged
+        before, self._backlogged = self._backlogged, backlogged
+        self._sent_version = version
+        for name in backlogged ^ before:
+            self._rewire(name)
+        self._refresh_own()
+        changed, self._own_changed = self._own_changed, set()
+        toggled = self.leaving != self._pushed_leaving
+        if toggled:  # every binding goes (or comes back)
+            self._pushed_leaving = self.leaving
+            changed |= self._own.keys()
+        relay = toggled or self.bindings.version != self._relayed_version
+        self._relayed_version = self.bindings.version
         members = self.members_view()
         for joined in self.joined.values():
-            current = self._advertisement(joined.node_id, backlog=joined.knows_backlog)
-            upserts = [wire for key, wire in current.items() if joined.sent.get(key) != wire]
-            removed = [list(key) for key in joined.sent if key not in current]
+            upserts, removed = self._own_diff(joined, changed)
+            if relay:
+                current = self._relayed(joined.node_id, backlog=joined.knows_backlog)
+                sent = joined.sent
+                upserts += [wire for key, wire in current.items() if sent.get(key) != wire]
+                removed += [list(key) for key in joined.relayed if key not in current]
+                for key in joined.relayed - current.keys():
+                    del sent[key]
+                sent.update(current)
+                joined.relayed = set(current)
             update: dict[str, Any] = {}
             if upserts or removed:
                 update["bindings"], update["removed"] = upserts, removed
@@ -701,25 +731,69 @@ class ClusterManager:
             if sync and joined.acks_bindings:
                 update["sync"] = sync
             if update:
-                joined.sent = current
                 joined.session.conn.topology_update(update)
                 self.broker.dirty.add(joined.session)
         for session in self.watchers.values():
             session.conn.topology_update({"members": members})
             self.broker.dirty.add(session)
 
+    def _own_diff(self, joined: Joined, names: set[str]) -> tuple[list[list[Any]], list[list[Any]]]:
+        """What ``joined`` is to learn of the named queues of this node: (upserts, removals); its ``sent`` then
+        says it."""
+        upserts: list[list[Any]] = []
+        removed: list[list[Any]] = []
+        sent, own, leaving = joined.sent, self._own, self.leaving
+        for name in names:
+            key = (self.node_id, name)
+            wire = None if leaving else own.get(name)
+            if wire is not None and not joined.knows_backlog:
+                wire = wire[:10]
+            if wire == sent.get(key):
+                continue
+            if wire is None:
+                del sent[key]
+                removed.append(list(key))
+            else:
+                sent[key] = wire
+                upserts.append(wire)
+        return upserts, removed
+
+    def _refresh_own(self) -> None:
+        """Bring ``_own`` up to date with the queues whose bindings changed since the last time."""
+        for queue in self._bound.take():
+            self._rewire(queue.name)
+
+    def _rewire(self, name: str) -> None:
+        """The binding the other nodes are to know of this node's queue ``name`` (none: deleted, a
+        store-and-forward queue, or a durable queue whose record is not safe yet, which a crash would take back)."""
+        queue = self.broker.queues.get(name)
+        wire = None
+        if queue is not None and not name.startswith(FORWARD_QUEUE_PREFIX) and name not in self.broker.catalog.unsynced:
+            wire = local_binding(self.node_id, queue, backlog=name in self._backlogged)
+        if wire != self._own.get(name):
+            if wire is None:
+                del self._own[name]
+            else:
+                self._own[name] = wire
+            self._own_changed.add(name)
+
     def _advertisement(self, peer: str, *, backlog: bool = True) -> dict[Key, list[Any]]:
         """What ``peer`` should know: this node's queues and, beyond one hop, what we reach that it may not.
         ``backlog``: whether the peer reads the backlog flag (else bindings end before it)."""
+        if self.leaving:
+            return {}
+        self._refresh_own()
+        own = self.node_id
+        advert = {(own, name): wire if backlog else wire[:10] for name, wire in self._own.items()}
+        advert.update(self._relayed(peer, backlog=backlog))
+        return advert
+
+    def _relayed(self, peer: str, *, backlog: bool) -> dict[Key, list[Any]]:
+        """What ``peer`` should know of other nodes' queues: the durable queues kept for nodes that are down and,
+        beyond one hop, what we reach that it may not."""
         advert: dict[Key, list[Any]] = {}
         if self.leaving:
             return advert
-        own = self.node_id
-        unsynced = self.broker.catalog.unsynced  # told once safe: a crash before would take them back
-        for queue in self.broker.queues.values():
-            if queue.name.startswith(FORWARD_QUEUE_PREFIX) or queue.name in unsynced:
-                continue
-            advert[(own, queue.name)] = local_binding(own, queue)
         for binding in self.bindings.kept():  # a node that joins while they are down learns of them too
             if binding.node_id != peer:
                 advert[binding.key] = binding.to_wire()
@@ -1215,7 +1289,7 @@ def remote_consumers(bindings: RemoteBindings) -> dict[str, dict[str, int]]:
     return view
 
 
-def local_binding(node_id: str, queue: Queue) -> list[Any]:
+def local_binding(node_id: str, queue: Queue, *, backlog: bool) -> list[Any]:
     consumers = [c for c in queue.consumers if is_local_consumer(c)]
     selectors: tuple[str, ...] | None = ()
     texts = []
@@ -1236,5 +1310,5 @@ def local_binding(node_id: str, queue: Queue) -> list[Any]:
         selectors,
         1,
         durable=queue.durable,
-        backlog=saturated(queue),
+        backlog=backlog,
     ).to_wire()

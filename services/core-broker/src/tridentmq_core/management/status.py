@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 from tridentmq_core.broker import Broker
-from tridentmq_core.queues import ChangedQueues, Queue
+from tridentmq_core.queues import Queue, QueueNotesReader
 
 
 class JournalStats(Protocol):
@@ -53,7 +53,7 @@ class QueueRates:
         self._last_time: float | None = None
         self._last: dict[str, tuple[int, int]] = {}  # queue -> (added, acked) at its last sample; absent: (0, 0)
         self._rates: dict[str, tuple[float, float]] = {}
-        self._changed: ChangedQueues | None = None
+        self._changed: QueueNotesReader | None = None
 
     def sample(self, broker: Broker, now: float) -> None:
         """Record the counters of the queues that changed, at ``now`` (seconds, any monotonic origin)."""
@@ -62,7 +62,7 @@ class QueueRates:
             return  # same instant or a clock step back: keep the previous baseline and rates
         queues = broker.queues
         if self._changed is None:  # the first sample: every queue's counters (recovered messages count too)
-            self._changed = broker.activity.reader()
+            self._changed = broker.activity.changed.reader()
             changed: Iterable[Queue] = queues.values()
         else:
             changed = self._changed.take()
