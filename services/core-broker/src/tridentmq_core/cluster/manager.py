@@ -695,7 +695,12 @@ class ClusterManager:
         version = (self.broker.bindings_version + self.bindings.version * 1_000_003, self._members_version)
         sync, self.sync.unsent = self.sync.unsent, 0
         backlogged = frozenset(queue.name for queue in self._with_messages() if saturated(queue))
-        if version == self._sent_version and not sync and backlogged == self._backlogged:
+        if (
+            version == self._sent_version
+            and not sync
+            and backlogged == self._backlogged
+            and self.leaving == self._pushed_leaving
+        ):
             return
         before, self._backlogged = self._backlogged, backlogged
         self._sent_version = version
