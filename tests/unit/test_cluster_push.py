@@ -75,3 +75,22 @@ def test_a_push_tells_a_joined_node_what_changed_of_this_nodes_queues_and_nothin
     [update] = _pushed(h, manager, theirs)
     assert set(_bound(update)) == {f"q{i}" for i in range(20)} - {"q7"} | {"new"}
     assert _pushed(h, manager, theirs) == []
+
+
+def test_the_durable_queues_kept_for_a_node_that_is_down_are_relayed_while_it_is_down() -> None:
+    """A node that joins, or a backup that takes over, while another is down learns that one's durable queues
+    from the others; they are relayed again only when what is kept changed."""
+    h = Harness()
+    manager, theirs = _joined(h)
+    durable = ["node-3", "sub", "news", 1, None, 1, None, 1, True]
+    manager.bindings.replace("node-3", [durable])
+    assert _pushed(h, manager, theirs) == []  # up: it tells the others itself
+    manager.bindings.depart("node-3")
+    [update] = _pushed(h, manager, theirs)
+    assert update["bindings"] == [["node-3", "sub", "news", 1, None, 0, [], 1, True, False]]  # unreachable
+    ok(h.connect().create_queue("mine"))
+    [update] = _pushed(h, manager, theirs)
+    assert [wire[1] for wire in update["bindings"]] == ["mine"]
+    manager.bindings.replace("node-3", [durable])  # back
+    [update] = _pushed(h, manager, theirs)
+    assert update["removed"] == [["node-3", "sub"]]

@@ -125,6 +125,7 @@ class RemoteBindings:
         self.max_hops = max_hops
         self.max_per_node = max_per_node
         self.version = 0  # bumped on every change, so caches of routing decisions know when to drop
+        self.kept_version = 0  # bumped when what ``kept`` yields may have changed (a node came, went, was forgotten)
         self._by_via: dict[str, dict[Key, Binding]] = {}
         self._best: dict[Key, Binding] = {}
         self._by_queue: dict[str, set[Key]] = {}
@@ -150,6 +151,7 @@ class RemoteBindings:
         self._by_via[via] = {b.key: b for b in parsed}
         self._live.add(via)
         self._connected_once.add(via)
+        self.kept_version += 1
         self._refresh(set(old) | {b.key for b in parsed} | self._keys_of(via))
 
     def apply(self, via: str, upserts: Iterable[Any], removals: Iterable[Any]) -> None:
@@ -163,6 +165,8 @@ class RemoteBindings:
         table = self._by_via.setdefault(via, {})
         if len(table) + len(parsed) > self.max_per_node and len({*table, *(b.key for b in parsed)}) > self.max_per_node:
             raise BindingError(f"more than {self.max_per_node} bindings from one node")
+        if via not in self._live:
+            self.kept_version += 1
         for key in removed:
             table.pop(key, None)
         for binding in parsed:
@@ -190,6 +194,7 @@ class RemoteBindings:
         kept = {key: b.unreachable() for key, b in old.items() if b.durable and b.node_id == via}
         if kept:
             self._by_via[via] = kept
+        self.kept_version += 1
         self._refresh(set(old) | self._keys_of(via))
 
     def forget(self, node_id: str) -> int:
@@ -203,6 +208,7 @@ class RemoteBindings:
                 del table[key]
         if not self._by_via.get(node_id, True):
             del self._by_via[node_id]
+        self.kept_version += 1
         self._refresh(keys)
         return len(keys)
 

@@ -229,14 +229,14 @@ class ClusterManager:
         self._holding = {queue for queue in broker.queues.values() if len(queue)}
         # The bindings of this node's queues as the other nodes are to know them, by queue name, kept up to date
         # from the queues' notes (a push with each change went through every queue): the names changed since
-        # the last push, whether the last push said this node leaves, the remote bindings' version it relayed.
+        # the last push, whether the last push said this node leaves, the versions of what it relayed of others.
         self._bound = broker.activity.bindings.reader()
         self._own: dict[str, list[Any]] = {}
         self._own_changed: set[str] = set()
         for queue_name in broker.queues:
             self._rewire(queue_name)
         self._pushed_leaving = False
-        self._relayed_version = -1
+        self._relayed_version = (-1, -1)
         self._task: asyncio.Task[None] | None = None
         self._started = time.monotonic()
         self.discovery: RedisDiscovery | None = None
@@ -712,8 +712,12 @@ class ClusterManager:
         if toggled:  # every binding goes (or comes back)
             self._pushed_leaving = self.leaving
             changed |= self._own.keys()
-        relay = toggled or self.bindings.version != self._relayed_version
-        self._relayed_version = self.bindings.version
+        # Other nodes' bindings are relayed when a node is down (its durable queues, kept here) and beyond one
+        # hop: gone through again only when they may have changed.
+        bindings = self.bindings
+        relayed_version = (bindings.kept_version, bindings.version if self.settings.cluster.max_hops > 1 else 0)
+        relay = toggled or relayed_version != self._relayed_version
+        self._relayed_version = relayed_version
         members = self.members_view()
         for joined in self.joined.values():
             upserts, removed = self._own_diff(joined, changed)
