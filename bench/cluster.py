@@ -37,12 +37,13 @@ CLUSTER = {"cluster_user": "cluster", "cluster_password": "bench-secret"}
 
 
 @contextmanager
-def cluster(tmp: Path, count: int) -> Iterator[list[Core]]:
+def cluster(tmp: Path, count: int, **env: str) -> Iterator[list[Core]]:
+    """``count`` core nodes clustered (each connects to the first), with more settings from ``env``."""
     with ExitStack() as stack:
-        first = stack.enter_context(core_node(tmp / "node-0", **CLUSTER))
+        first = stack.enter_context(core_node(tmp / "node-0", **CLUSTER, **env))
         nodes = [first] + [
             stack.enter_context(
-                core_node(tmp / f"node-{i}", cluster_connectors=f"127.0.0.1:{first.link_port}", **CLUSTER)
+                core_node(tmp / f"node-{i}", cluster_connectors=f"127.0.0.1:{first.link_port}", **CLUSTER, **env)
             )
             for i in range(1, count)
         ]

@@ -24,10 +24,13 @@ figures side by side with a peer's).
 
 With ``--gateways G`` the script starts G gateways of the protocol on one core and client number i connects to
 gateway i mod G: how a fleet of gateways scales past one process's open-file limit, and what the core costs per
-session at that many sessions.
+session at that many sessions. With ``--nodes N`` the core is a cluster of N nodes: the gateways link to the
+first and learn of the others, and each node's CPU and memory are reported per client (what a connect costs the
+nodes that hold no session of it, too).
 
     uv run python -m bench.connections --count 19000 [--protocol mqtt|stomp|amqp] [--procs 2] [--concurrency 500]
     uv run python -m bench.connections --count 100000 --gateways 6 --procs 6
+    uv run python -m bench.connections --count 18000 --nodes 2
     uv run python -m bench.connections --count 19000 --port 22883 --broker-pid <its pid>
 """
 
@@ -62,6 +65,7 @@ from bench.amqp_gateway import (
     WINDOW,
     frame,
 )
+from bench.cluster import cluster
 from bench.mqtt_packets import CONNACK, PUBLISH, SUBACK, connect_packet, publish_packet, read_packet, subscribe_packet
 from bench.node import (
     Core,
@@ -348,11 +352,15 @@ class Target:
 def _started(args: argparse.Namespace) -> Iterator[Target]:
     """A core and ``--gateways`` gateways of the protocol, started for this run."""
     per_gateway = -(-args.count // args.gateways)
+    limit = str(args.count + 100)
     with (
         tempfile.TemporaryDirectory() as tmp,
-        core_node(Path(tmp) / "core", link_max_connections=str(args.count + 100)) as core,
+        cluster(Path(tmp), args.nodes, link_max_connections=limit)
+        if args.nodes > 1
+        else _one(core_node(Path(tmp) / "core", link_max_connections=limit)) as cores,
         ExitStack() as gateways,
     ):
+        core = cores[0]
         started = [
             gateways.enter_context(
                 PROTOCOLS[args.protocol].gateway(
@@ -366,7 +374,15 @@ def _started(args: argparse.Namespace) -> Iterator[Target]:
         ]
         names = ["gateway"] if args.gateways == 1 else [f"gateway {g + 1}" for g in range(args.gateways)]
         pids = {name: gateway.process.pid for name, gateway in zip(names, started, strict=True)}
-        yield Target(tuple(gateway.port for gateway in started), core, {**pids, "core": core.process.pid})
+        nodes = ["core"] if args.nodes == 1 else [f"core {n + 1}" for n in range(args.nodes)]
+        pids.update((name, node.process.pid) for name, node in zip(nodes, cores, strict=True))
+        yield Target(tuple(gateway.port for gateway in started), core, pids)
+
+
+@contextmanager
+def _one(node: AbstractContextManager[Core]) -> Iterator[list[Core]]:
+    with node as core:
+        yield [core]
 
 
 @contextmanager
@@ -433,6 +449,9 @@ def main() -> None:
         "--shared-links", type=int, default=1, help="the gateway's core.shared_links (0: a link per client)"
     )
     parser.add_argument("--gateways", type=int, default=1, help="gateways of the protocol on the one core")
+    parser.add_argument(
+        "--nodes", type=int, default=1, help="core nodes, clustered: the gateways link to the first and to the others"
+    )
     parser.add_argument("--port", type=int, default=0, help="a broker already running on 127.0.0.1 (MQTT, STOMP)")
     parser.add_argument("--broker-pid", type=int, default=0, help="with --port: its process, for memory and CPU")
     args = parser.parse_args()
@@ -441,13 +460,15 @@ def main() -> None:
     limit = raise_open_file_limit()
     if args.gateways < 1 or (args.port and args.gateways != 1):
         parser.error("--gateways is at least 1, and 1 with --port")
+    if args.nodes < 1 or (args.port and args.nodes != 1):
+        parser.error("--nodes is at least 1, and 1 with --port")
     # Each client process and each gateway holds a descriptor per client, and each is one process.
     if -(-args.count // args.procs) > limit - 100 or (not args.port and -(-args.count // args.gateways) > limit - 100):
         parser.error(f"the open-file limit is {limit} per process: raise --procs and --gateways")
     against = (
         f"the broker on port {args.port}"
         if args.port
-        else f"{args.gateways} gateway(s), core.shared_links = {args.shared_links}"
+        else f"{args.gateways} gateway(s), core.shared_links = {args.shared_links}, {args.nodes} core node(s)"
     )
     print(
         f"{machine()}; open-file limit {limit}; {args.count} {PROTOCOLS[args.protocol].name} clients from "
@@ -457,7 +478,8 @@ def main() -> None:
     print(f"subscribed {f.subscribed} / {args.count} (refused {f.refused}), received {f.received} / {args.count}")
     print(f"connect + subscribe: {f.subscribed / f.elapsed:,.0f} /s ({f.elapsed:.1f} s for {f.subscribed})")
     if f.status is not None:
-        print(f"core: {f.status['connections']} sessions over {f.status['links']} link connections")
+        first = "core" if args.nodes == 1 else "core 1"
+        print(f"{first}: {f.status['connections']} sessions over {f.status['links']} link connections")
     fleet = [name for name in f.before if name.startswith("gateway ")]
 
     def served(name: str) -> float:
