@@ -608,8 +608,8 @@ class Broker:
         through to confirmed it: send the deliveries that waited for it and confirm it to its producer."""
         self.deliveries.release(token)
         aliases = self.confirms.done(token)
-        if self.catalog.unsynced and self.catalog.synced(token):
-            self.catalog.bindings_version += 1  # the other nodes may be told of them now
+        if self.catalog.unsynced:
+            self.catalog.synced(token)
         self._safe_upto = max(self._safe_upto, token)  # the store completes its tokens in order
         if self._after_sync:  # (on_durable runs for every durable message: nothing more when none waits)
             for then in self._after_sync.pop(token, ()):

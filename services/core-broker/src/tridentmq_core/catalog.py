@@ -87,19 +87,17 @@ class Catalog:
             self.written_token = token
         return token
 
-    def synced(self, token: int) -> bool:
-        """The store made its records safe up to ``token``: whether a durable queue became safe with them."""
+    def synced(self, token: int) -> None:
+        """The store made its records safe up to ``token``: the durable queues that became safe with them are
+        bindings the other nodes may be told of now."""
         unsynced = self.unsynced
-        became = False
         while unsynced:
             name, written = next(iter(unsynced.items()))
             if written > token:
                 break
             del unsynced[name]
             if (queue := self.queues.get(name)) is not None:
-                self._activity.bindings.note(queue)
-            became = True
-        return became
+                self.bindings_changed(queue)
 
     def bindings_changed(self, queue: Queue) -> None:
         """``queue`` was made or deleted, or a consumer of it came or went: routing caches and the other nodes of
