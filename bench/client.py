@@ -7,8 +7,6 @@ import asyncio
 from collections.abc import Iterable
 from typing import Any, ClassVar, cast
 
-from tridentmq_shared.runtime import set_nodelay
-
 
 class RawClient(asyncio.Protocol):
     """One connection: its transport, the first error, write back-pressure and the end of the connection.
@@ -30,7 +28,6 @@ class RawClient(asyncio.Protocol):
     # ---------------------------------------------------------------- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
-        set_nodelay(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self._closing and not self.error:

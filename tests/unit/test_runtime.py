@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+
+import pytest
+import uvloop
 
 from tridentmq_shared.runtime import cancel_and_wait
 
@@ -32,3 +36,39 @@ async def test_cancel_and_wait_accepts_no_task_and_a_finished_one() -> None:
     done = asyncio.create_task(asyncio.sleep(0))
     await done
     await cancel_and_wait(done)
+
+
+class _Accepted(asyncio.Protocol):
+    def __init__(self, accepted: asyncio.Future[asyncio.BaseTransport]) -> None:
+        self.accepted = accepted
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.accepted.set_result(transport)
+
+
+def _nodelay(transport: asyncio.BaseTransport) -> int:
+    sock = transport.get_extra_info("socket")
+    return int(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_the_event_loops_disable_nagle_on_both_ends_of_a_tcp_connection(loop_kind: str) -> None:
+    """Nothing of ours sets TCP_NODELAY: both event loops do, on the connections they accept and make. Without it
+    small operations (credit, confirms, CONNACKs) would wait for the peer's delayed ACK, up to ~40 ms each."""
+
+    async def connect() -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        accepted: asyncio.Future[asyncio.BaseTransport] = loop.create_future()
+        server = await loop.create_server(lambda: _Accepted(accepted), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client, _ = await loop.create_connection(asyncio.Protocol, "127.0.0.1", port)
+        theirs = await accepted
+        try:
+            return _nodelay(theirs), _nodelay(client)
+        finally:
+            client.close()
+            theirs.close()
+            server.close()
+
+    accepted, made = uvloop.run(connect()) if loop_kind == "uvloop" else asyncio.run(connect())
+    assert (accepted, made) == (1, 1)

@@ -27,7 +27,7 @@ from tridentmq_shared.http_hosts import HostCheck, host_check_middleware
 from tridentmq_shared.http_limits import http_runner, serve
 from tridentmq_shared.light_event import LightEvent
 from tridentmq_shared.logs import setup_logging
-from tridentmq_shared.runtime import LISTEN_BACKLOG, run_main, set_nodelay
+from tridentmq_shared.runtime import LISTEN_BACKLOG, run_main
 from tridentmq_shared.settings import SettingsError, doc, load_settings
 from tridentmq_shared.supervision import EXIT_TASK_FAILED, Supervisor, current, install
 from tridentmq_shared.tls import ServerTls, TlsSection, peer_common_name
@@ -179,7 +179,6 @@ class _TcpWire(asyncio.Protocol):
         if not self.shell.admit_login(self, self.peer):
             self.transport.close()
             return
-        set_nodelay(transport)
         self.session = self.shell.open_session(self)
         self.shell.sessions.add(self.session)
 

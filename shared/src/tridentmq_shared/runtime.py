@@ -6,7 +6,6 @@ import asyncio
 import gc
 import random
 import resource
-import socket
 import time
 from collections.abc import Coroutine
 from typing import Any, Final, TypeVar
@@ -64,14 +63,6 @@ def run_main(main: Coroutine[Any, Any, T]) -> T:
     except ImportError:
         return asyncio.run(main)
     return uvloop.run(main)
-
-
-def set_nodelay(transport: asyncio.BaseTransport) -> None:
-    """Disable Nagle's algorithm on a TCP transport: small control operations (credit, confirms) would
-    otherwise wait for the peer's delayed ACK, adding up to ~40 ms per round trip."""
-    sock = transport.get_extra_info("socket")
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:

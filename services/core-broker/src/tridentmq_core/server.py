@@ -71,7 +71,7 @@ from tridentmq_shared.link.errors import LinkError
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.log_window import LogWindow
 from tridentmq_shared.message import MAX_PROPERTIES
-from tridentmq_shared.runtime import LISTEN_BACKLOG, random_hex, set_nodelay, wall_ms
+from tridentmq_shared.runtime import LISTEN_BACKLOG, random_hex, wall_ms
 from tridentmq_shared.settings import SettingsError
 from tridentmq_shared.supervision import Supervisor, current
 from tridentmq_shared.tls import ServerTls
@@ -205,7 +205,6 @@ class LinkProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
-        set_nodelay(transport)
         peer = transport.get_extra_info("peername")
         self.peer = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         node = self.node

@@ -45,7 +45,7 @@ from tridentmq_shared.message import (
     RoutingType,
     WireMessage,
 )
-from tridentmq_shared.runtime import random_hex, set_nodelay
+from tridentmq_shared.runtime import random_hex
 from tridentmq_shared.tls import ClientTls
 
 _P = TypeVar("_P", bound=asyncio.Protocol)
@@ -333,7 +333,6 @@ class _Protocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
-        set_nodelay(transport)
 
     def pause_writing(self) -> None:
         self.writable.clear()
@@ -558,11 +557,16 @@ class LinkClient:
             raise ConnectionResetError(f"{host}:{port} closed the connection at once")
         conn.hello(self.user, self.password, self.client_name, self.client_host, self.acting_for)
         transport.write(conn.data_to_send())
+        # A timer on the future rather than asyncio.wait_for: every session link of a gateway makes this
+        # handshake, and wait_for costs a waiter future, callbacks and a wake-up more.
+        timer = loop.call_later(self.connect_timeout, _time_out, self._opened)
         try:
-            await asyncio.wait_for(self._opened, self.connect_timeout)
+            await self._opened
         except BaseException:
             transport.abort()
             raise
+        finally:
+            timer.cancel()
         self._abort_if_closed(transport)
         if self._conn is not conn:  # lost right after the WELCOME
             raise ConnectionError("connection lost")
@@ -1021,6 +1025,14 @@ class LinkClient:
             await asyncio.wait([task])
         return self._live()
 
+    def _ready_now(self) -> LinkConnection | None:
+        """The open connection when no reconnection is under way (nearly always): what ``_ready`` returns,
+        without a coroutine to await; None when ``_ready`` must be awaited."""
+        conn, task = self._conn, self._reconnecting
+        if conn is not None and conn.state is _OPEN and (task is None or task.done()):
+            return conn
+        return None
+
     async def _call(self, req_id: int) -> Any:
         future: asyncio.Future[Any] = self._event_loop().create_future()
         self._requests[req_id] = future
@@ -1032,7 +1044,7 @@ class LinkClient:
         on the resumed link when doing it twice is harmless."""
         while True:
             try:
-                return await self._call(make(await self._ready()))
+                return await self._call(make(self._ready_now() or await self._ready()))
             except LinkClosedError:
                 if not (again and self._resuming):
                     raise
@@ -1202,7 +1214,7 @@ class LinkClient:
         protocol's SUBSCRIBE option ``if`` names (``made``, ``new``). Returns CREATE_QUEUE's answer (empty
         without ``spec``) and whether the consumer was made."""
         made: dict[str, Any] = {}
-        if spec is not None and (await self._ready()).version < MAKE_AND_SUBSCRIBE_VERSION:
+        if spec is not None and (self._ready_now() or await self._ready()).version < MAKE_AND_SUBSCRIBE_VERSION:
             # An older node: CREATE_QUEUE, then a plain SUBSCRIBE (each made again on a resumed link).
             wanted = spec
             made = dict(await self._request(lambda conn: conn.create_queue(wanted)))
@@ -1211,7 +1223,7 @@ class LinkClient:
                 return made, False
             spec = None
         while True:
-            conn = await self._ready()
+            conn = self._ready_now() or await self._ready()
             consumer.consumer_id = 0  # an id of an earlier link may be another consumer's on this one
             options = consumer.options
             try:
@@ -1485,6 +1497,11 @@ def queue_spec(
     """A CREATE_QUEUE spec (docs/link-protocol.md): ``address`` defaults to the name; ``options`` are the spec's
     other keys (``temporary``, ``expires_ms``, ``max_consumers``, ``filter``, ...)."""
     return {"name": name, "address": address or name, "routing_type": int(routing_type), "durable": durable, **options}
+
+
+def _time_out(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_exception(TimeoutError("no answer to the link's HELLO in time"))
 
 
 def _take_outcome(future: asyncio.Future[Any]) -> None:
