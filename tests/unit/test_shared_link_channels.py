@@ -16,10 +16,11 @@ from tridentmq_core import server
 from tridentmq_shared.core_links import CoreLinkSettings
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.channels import ChannelTransport
+from tridentmq_shared.link.client import EARLY_WRITE_OPERATIONS
 from tridentmq_shared.link.codec import LinkConnection, Role, State
 from tridentmq_shared.link.errors import LinkClosedError
 from tridentmq_shared.link.ops import HEADER_SIZE, ErrorCode
-from tridentmq_shared.message import new_message
+from tridentmq_shared.message import M_BODY, new_message
 
 
 async def test_an_unexpected_error_in_one_channels_request_ends_that_channel_only(
@@ -186,4 +187,40 @@ async def test_a_gateway_that_stops_does_not_report_its_shared_link_lost(
         with caplog.at_level(logging.INFO):
             await core.links.stop()
         assert "shared core link lost" not in caplog.text
+        await session.close()
+
+
+async def test_a_sessions_large_output_goes_on_the_shared_link_at_once_and_small_output_with_the_links_turn(
+    tmp_path: Path,
+) -> None:
+    """A batch of publishes a session writes early (``EARLY_WRITE_OPERATIONS``) is handed to the shared link's
+    socket in the same call, not a loop turn later: the durable publishes of the AMQP gateway's S4 took 2.8 ms
+    (median) to reach the core that way against 1.5 ms over a link of their own. A small write (one publish,
+    a request) still waits for the link's own flush at the end of the turn, which the other sessions' share.
+    Every message arrives, in order."""
+    async with running_core(core_settings(tmp_path), lambda port: CoreLinkSettings(port=port)) as core:
+        session = core.links.client(user="a", password="a", client_name="producer")
+        await session.connect()
+        await session.create_queue("bulk", durable=False)
+        assert core.links.shared is not None
+        (carrier,) = core.links.shared.carriers
+        link = carrier.client._conn
+        assert link is not None
+        confirmed = [session.try_send(new_message("bulk", f"{n:0100}".encode())) for n in range(EARLY_WRITE_OPERATIONS)]
+        assert link.pending_operations == 0  # the session's early write went straight on to the socket
+        confirmed.append(session.try_send(new_message("bulk", b"last")))
+        session.flush()  # a write of one publish
+        assert link.pending_operations == 1  # waits for the shared link's flush, with the turn's other output
+        await asyncio.gather(*(future for future in confirmed if future is not None))
+        assert all(future is not None for future in confirmed)
+        reader = core.links.client(user="a", password="a", client_name="consumer")
+        await reader.connect()
+        consumer = await reader.subscribe("bulk")
+        bodies: list[bytes] = []
+        while len(bodies) < EARLY_WRITE_OPERATIONS + 1:
+            batch = await consumer.get_batch(timeout=5)
+            assert batch, f"only {len(bodies)} arrived"
+            bodies += [message[M_BODY] for _, message in batch]
+        assert bodies == [f"{n:0100}".encode() for n in range(EARLY_WRITE_OPERATIONS)] + [b"last"]
+        await reader.close()
         await session.close()
