@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import tracemalloc
 
 import pytest
 from hypothesis import given, settings
@@ -234,6 +235,39 @@ def test_literal_patterns_are_no_trie_nodes_and_keep_the_binding_order_with_wild
     assert trie._root.is_empty()
     assert trie.match("devices.d1") == ("own", "later")
     assert trie.patterns() == ["devices.d1", "$mqtt.lock.d1"]
+
+
+def test_a_literal_pattern_bound_once_holds_its_pair_and_becomes_a_table_with_a_second_value() -> None:
+    trie: AddressTrie[str] = AddressTrie(cache_size=0)
+    trie.add("devices.d1", "own")
+    trie.add("devices.d1", "own")  # the same pair again: nothing
+    assert (len(trie), trie.match("devices.d1")) == (1, ("own",))
+    assert not trie.remove("devices.d1", "other")
+    assert not trie.remove("devices.d2", "own")
+    trie.add("devices.d1", "second")
+    assert (len(trie), trie.match("devices.d1")) == (2, ("own", "second"))
+    assert trie.remove("devices.d1", "own")
+    assert trie.match("devices.d1") == ("second",)
+    assert trie.remove("devices.d1", "second")
+    assert (len(trie), trie.match("devices.d1"), trie.patterns()) == (0, (), [])
+    trie.add("devices.d1", "again")
+    assert trie.match("devices.d1") == ("again",)
+
+
+def test_a_literal_binding_costs_a_pair_not_a_table() -> None:
+    """100,000 devices bring two literal patterns each: a dict of one binding would take 232 bytes."""
+    trie: AddressTrie[object] = AddressTrie(cache_size=0)
+    patterns = [f"devices.d{i}" for i in range(2000)]
+    values = [object() for _ in patterns]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for pattern, value in zip(patterns, values, strict=True):
+            trie.add(pattern, value)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown / len(patterns) < 150  # the pair (56), its sequence number (32) and the table's slot
 
 
 def test_cache_invalidated_on_add() -> None:

@@ -250,8 +250,9 @@ class AddressTrie(Generic[T]):
             raise ValueError(f"cache_size must be >= 0, got {cache_size}")
         self._root: _Node[T] = _Node()
         # pattern -> its values (value -> binding sequence number), in the order patterns were first bound; a
-        # wildcard pattern's terminal node holds the same dict.
-        self._patterns: dict[str, dict[T, int]] = {}
+        # wildcard pattern's terminal node holds the same dict. A literal pattern bound once (a device's topic,
+        # an MQTT session's lock) holds the pair itself: 56 bytes, where a dict of one entry takes 232.
+        self._patterns: dict[str, dict[T, int] | tuple[T, int]] = {}
         self._wildcards = 0  # patterns in the trie: with none, a match needs no walk
         self._cache: dict[str, tuple[T, ...]] = {}
         self._cached = AddressIndex()  # the addresses in ``_cache``: what a binding change drops (see _forget)
@@ -263,18 +264,28 @@ class AddressTrie(Generic[T]):
     def add(self, pattern: str, value: T) -> None:
         """Bind ``value`` to ``pattern``; binding the same pair again does nothing."""
         values = self._patterns.get(pattern)
-        if values is not None and value in values:
-            return
         if values is None:
             validate_address(pattern, allow_wildcards=True)
+            if not is_wildcard(pattern):
+                self._patterns[pattern] = (value, self._seq)
+                self._bound(pattern)
+                return
             values = self._patterns[pattern] = {}
-            if is_wildcard(pattern):
-                node = self._root
-                for word in pattern.split(DELIMITER):
-                    node = self._child(node, word)
-                node.values = values
-                self._wildcards += 1
+            node = self._root
+            for word in pattern.split(DELIMITER):
+                node = self._child(node, word)
+            node.values = values
+            self._wildcards += 1
+        elif isinstance(values, tuple):
+            if values[0] == value:
+                return
+            values = self._patterns[pattern] = dict((values,))
+        elif value in values:
+            return
         values[value] = self._seq
+        self._bound(pattern)
+
+    def _bound(self, pattern: str) -> None:
         self._seq += 1
         self._count += 1
         self._forget(pattern)
@@ -282,16 +293,23 @@ class AddressTrie(Generic[T]):
     def remove(self, pattern: str, value: T) -> bool:
         """Unbind ``value`` from ``pattern``; return whether it was bound. Empty nodes are pruned."""
         values = self._patterns.get(pattern)
-        if values is None or value not in values:
+        if values is None:
             return False
-        del values[value]
+        if isinstance(values, tuple):
+            if values[0] != value:
+                return False
+            del self._patterns[pattern]
+        else:
+            if value not in values:
+                return False
+            del values[value]
+            if not values:
+                del self._patterns[pattern]
+                if is_wildcard(pattern):
+                    self._wildcards -= 1
+                    self._prune(pattern.split(DELIMITER))
         self._count -= 1
         self._forget(pattern)
-        if not values:
-            del self._patterns[pattern]
-            if is_wildcard(pattern):
-                self._wildcards -= 1
-                self._prune(pattern.split(DELIMITER))
         return True
 
     def match(self, address: str) -> tuple[T, ...]:
@@ -371,6 +389,10 @@ class AddressTrie(Generic[T]):
 
     def _lookup(self, address: str) -> tuple[T, ...]:
         literal = self._patterns.get(address)  # (an address that is a wildcard pattern is found twice: no harm)
+        if isinstance(literal, tuple):
+            if not self._wildcards:
+                return (literal[0],)
+            literal = dict((literal,))
         matched = [literal] if literal else []
         if self._wildcards:
             matched += self._walk(address)
