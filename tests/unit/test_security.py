@@ -48,6 +48,26 @@ def test_with_users_the_address_does_not_matter_but_the_password_does() -> None:
         security.authenticate(None, None, "127.0.0.1", "127.0.0.1")
 
 
+def test_the_links_of_one_user_share_its_principal_and_permission_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    grants = [PermissionEntry("orders.#", "consume", ["app"])]
+    users = SecurityManager([UserEntry("bob", "pw", ["app"]), UserEntry("eve", "pw", ["app"])], grants)
+    bob = users.authenticate("bob", "pw", "127.0.0.1")
+    assert bob.allowed(Permission.CONSUME, "orders.eu")
+    assert users.authenticate("bob", "pw", "127.0.0.1") is bob  # a second link of bob's: decided already
+    assert users.principal_of("bob") is bob  # a gateway vouching for bob's certificate
+    assert users.authenticate("eve", "pw", "127.0.0.1") is not bob
+    with pytest.raises(AuthenticationError):
+        users.authenticate("bob", "wrong", "127.0.0.1")
+    # Under the embedded default any name comes in: the table of them is bounded.
+    monkeypatch.setattr(security, "MAX_SHARED_PRINCIPALS", 3)
+    anyone = SecurityManager([], [])
+    first = anyone.authenticate("device-0", None, "127.0.0.1")
+    assert anyone.authenticate("device-0", None, "127.0.0.1") is first
+    names = [anyone.authenticate(f"device-{i}", None, "127.0.0.1").name for i in range(10)]
+    assert names == [f"device-{i}" for i in range(10)]
+    assert len(anyone._principals) <= 3
+
+
 # ----------------------------------------------------------------------------------------------- permissions
 
 WORDS = ("a", "b", "c")  # few words, so that random patterns overlap often

@@ -49,6 +49,8 @@ class AuthenticationError(Exception):
 
 
 _NO_ROLES: Final[frozenset[str]] = frozenset()
+#: Principals kept for reuse under the embedded default, where any user name is let in (then forgotten at once).
+MAX_SHARED_PRINCIPALS: Final = 10_000
 
 
 @dataclass(slots=True)
@@ -234,6 +236,10 @@ class SecurityManager:
         # the time to a refusal does not tell which user names exist. It matches no password.
         iterations = max((int(u.password.split("$")[1]) for u in users if _valid_hash(u.password)), default=0)
         self._no_user = f"pbkdf2_sha256${iterations}${'00' * 16}${'00' * 32}" if iterations else "\x00no user"
+        # One principal per user, shared by all its links and sessions: its permission cache then serves them
+        # all, and 100,000 sessions of a few users do not hold 100,000 principals. Names are the clients' own
+        # under the embedded default, so the table is bounded.
+        self._principals: dict[str, Principal] = {}
 
     @property
     def embedded_default(self) -> bool:
@@ -250,20 +256,37 @@ class SecurityManager:
                 raise AuthenticationError(
                     "no users are configured, so only clients on the broker's own host (loopback) are accepted"
                 )
-            return Principal(user or "anonymous", _NO_ROLES, unrestricted=True)
+            return self.unrestricted(user or "anonymous")
         entry = self._users.get(user or "")
         if entry is None:
             return Credentials(self._no_user, None)
-        name, roles, grants = entry.name, self._roles[entry.name], self._grants
-        return Credentials(entry.password, lambda: Principal(name, roles, unrestricted=False, _grants=grants))
+        name = entry.name
+        return Credentials(entry.password, lambda: self._principal(name))
 
     def principal_of(self, user: str) -> Principal:
         """The principal of a configured ``user`` whose identity was established without its password (a
         gateway vouching for a client certificate); AuthenticationError for an unknown user."""
-        entry = self._users.get(user)
-        if entry is None:
+        if user not in self._users:
             raise AuthenticationError(f"no user {user!r} is configured")
-        return Principal(entry.name, self._roles[entry.name], unrestricted=False, _grants=self._grants)
+        return self._principal(user)
+
+    def unrestricted(self, user: str) -> Principal:
+        """The principal of ``user`` under the embedded default: every right."""
+        found = self._principals.get(user)
+        if found is None:
+            if len(self._principals) >= MAX_SHARED_PRINCIPALS:
+                self._principals.clear()
+            found = self._principals[user] = Principal(user, _NO_ROLES, unrestricted=True)
+        return found
+
+    def _principal(self, user: str) -> Principal:
+        """The principal of the configured ``user``."""
+        found = self._principals.get(user)
+        if found is None:
+            found = self._principals[user] = Principal(
+                user, self._roles[user], unrestricted=False, _grants=self._grants
+            )
+        return found
 
     def authenticate(
         self, user: str | None, password: str | None, peer_host: str | None, client_host: str | None = None

@@ -205,16 +205,18 @@ class LinkProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
-        peer = transport.get_extra_info("peername")
-        self.peer = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         node = self.node
         if self.carrier is not None:
+            self.peer = self.carrier.peer  # one string for all its sessions, not a copy each (58 bytes)
             if len(self.carrier.channels) > node.settings.link.max_channels:  # itself counted already
                 self._refuse_connection("channels", "the link has its maximum of sessions (link.max_channels)")
                 return
-        elif len(node.links) >= node.settings.link.max_connections:
-            self._refuse_connection("connections", "the node has its maximum of connections")
-            return
+        else:
+            peer = transport.get_extra_info("peername")
+            self.peer = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+            if len(node.links) >= node.settings.link.max_connections:
+                self._refuse_connection("connections", "the node has its maximum of connections")
+                return
         if len(node.handshaking) >= node.settings.link.max_handshaking:
             self._refuse_connection("handshaking", "the node has its maximum of connections still in their handshake")
             return
@@ -652,7 +654,7 @@ class CoreNode:
         """The principal of ``user`` for a link that ``principal`` (a gateway) opened for it, vouching for its
         identity (a client certificate): only ``link.proxy_users`` may, for configured users."""
         if self.security.embedded_default:
-            return Principal(user, frozenset(), unrestricted=True)  # the gateway's link was already let in
+            return self.security.unrestricted(user)  # the gateway's link was already let in
         if principal.cluster or principal.name not in self.settings.link.proxy_users:
             raise AuthenticationError(f"user {principal.name} may not open links for other users (link.proxy_users)")
         return self.security.principal_of(user)
