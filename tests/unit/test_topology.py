@@ -6,12 +6,14 @@ import random
 from collections import Counter
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tridentmq_shared.core_links import CoreLinkSettings
 from tridentmq_shared.link.topology import LoadBalancing, Member, Topology, load_balancing, parse_endpoint
 from tridentmq_shared.settings import SettingsError
 
-A, B, C = ("10.0.0.1", 61616), ("10.0.0.2", 61616), ("10.0.0.3", 61616)
+A, B, C, D = ("10.0.0.1", 61616), ("10.0.0.2", 61616), ("10.0.0.3", 61616), ("10.0.0.4", 61616)
 
 
 def wire(*endpoints: tuple[str, int]) -> list[dict[str, object]]:
@@ -176,3 +178,34 @@ def test_a_node_cut_off_from_the_others_does_not_make_the_client_forget_the_clus
     assert topology.backup_of(C) is None  # the backup that took over has none yet; not itself
     assert not topology.update([{"host": A[0], "port": A[1], "node_id": f"id-{A[0]}", "epoch": 1}])
     assert topology.endpoints == [C, B]
+
+
+def reference_order(topology: Topology, failed: tuple[str, int] | None) -> list[tuple[str, int]]:
+    """The order worked out from scratch (FIRST_ELEMENT: the first live member leads)."""
+    live = [e for e in topology.endpoints if e != failed]
+    order = list(live)
+    order += [e for e in topology.last_known if e != failed and e not in order]
+    order += [e for e in topology.seeds if e != failed and e not in order]
+    return [*order, failed] if failed is not None else order
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.tuples(st.sampled_from([A, B, C, D]), st.integers(1, 3)), max_size=4),
+            st.sampled_from([None, A, B, C, D]),
+        ),
+        max_size=8,
+    )
+)
+def test_the_order_kept_between_changes_is_the_one_worked_out_afresh(
+    views: list[tuple[list[tuple[tuple[str, int], int]], tuple[str, int] | None]],
+) -> None:
+    """A gateway asks for the order once per session it opens: what it keeps follows every change of the
+    members and of the nodes known from earlier views (a node moving to another endpoint at a newer epoch)."""
+    topology = Topology([A, D], "FIRST_ELEMENT")
+    for members, failed in views:
+        node_ids = {A: "n1", B: "n2", C: "n3", D: "n1"}  # D: where n1 comes back after a failover
+        topology.update([{"host": h, "port": p, "node_id": node_ids[(h, p)], "epoch": e} for (h, p), e in members])
+        assert topology.connection_order(failed) == reference_order(topology, failed)
+        assert topology.connection_order() == reference_order(topology, None)

@@ -167,6 +167,9 @@ class Topology:
         # are tried after them (a member that left for good only costs a refused connection).
         self.known: dict[str, Member] = {}  # node id → the member at its newest epoch
         self.backups: dict[str, tuple[int, Endpoint]] = {}  # node id → (epoch, its in-sync backup) last reported
+        self._known_changes = 0
+        self._candidates_key: tuple[object, ...] = ()
+        self._candidates_of: tuple[list[Endpoint], list[Endpoint]] = ([], [])
 
     @property
     def endpoints(self) -> list[Endpoint]:
@@ -201,6 +204,8 @@ class Topology:
         known = self.known.get(member.node_id)
         if known is None or member.epoch >= known.epoch:
             self.known[member.node_id] = member
+            if known != member:
+                self._known_changes += 1
         if member.backup is not None:
             self.backups[member.node_id] = (member.epoch, member.backup)
 
@@ -233,13 +238,29 @@ class Topology:
         members, the other members after it, then the nodes of earlier views, the configured endpoints that are
         not members, and the endpoint that just ``failed`` last (it may be back, and for a single node it is
         the only one)."""
-        live = [e for e in self.endpoints if e != failed]
+        live, later = self._candidates()
+        if failed is not None:
+            live = [e for e in live if e != failed]
         order: list[Endpoint] = []
         if live:
             first = live.index(self.policy.choose(live))
-            order = live[first:] + live[:first]
-        order += [e for e in self.last_known if e != failed and e not in order]
-        order += [e for e in self.seeds if e != failed and e not in order]
-        if failed is not None:
+            order = [*live[first:], *live[:first]]
+        if failed is None:
+            order += later
+        else:
+            order += [e for e in later if e != failed]
             order.append(failed)
         return order
+
+    def _candidates(self) -> tuple[list[Endpoint], list[Endpoint]]:
+        """The live members' endpoints, and the others to try after them (earlier views', then the configured
+        ones): worked out again only when the members or the known nodes changed, not for every session a
+        gateway opens."""
+        key = (self.members, self._known_changes)
+        if self._candidates_key != key:
+            live = self.endpoints
+            later = dict.fromkeys(self.last_known)
+            later.update(dict.fromkeys(e for e in self.seeds if e not in live))
+            self._candidates_of = (live, list(later))
+            self._candidates_key = key
+        return self._candidates_of
