@@ -90,6 +90,10 @@ INPUT_TURN_S = 0.02
 LOGIN_BUSY = "the password checks of this address did not finish within the handshake timeout: retry"
 
 
+#: Properties a message may have on a link: one more than clients may send (a message forwarded by another node
+#: carries its header). One int for all links, not one per session.
+_MAX_PROPERTIES: Final = MAX_PROPERTIES + 1
+
 #: The derived link frame limit is never below this (the limit of version 1 peers, and the old default).
 DEFAULT_LINK_FRAME_BYTES = 16 * 1024 * 1024
 
@@ -178,12 +182,11 @@ class LinkProtocol(asyncio.Protocol):
         link = node.settings.link
         # A channel has no heartbeats of its own (its link's tell whether the peer lives), and frames that fit
         # in its link's with the CHANNEL operation around them.
-        frame = node.link_frame_bytes - (CHANNEL_FRAME_MARGIN if carrier is not None else 0)
         self.conn = LinkConnection(
             Role.SERVER,
-            max_frame_size=frame,
+            max_frame_size=node.link_frame_bytes if carrier is None else node.channel_frame_bytes,
             heartbeat_ms=0 if carrier is not None else link.heartbeat_ms,
-            max_properties=MAX_PROPERTIES + 1,
+            max_properties=_MAX_PROPERTIES,
             handshake_frame_size=link.handshake_max_frame_bytes,
             carries_channels=carrier is None,
             # A stall of this node (a full garbage collection of a large heap takes seconds) is not its peers'
@@ -549,6 +552,7 @@ class CoreNode:
         self._in_loop_soon = self.supervisor.guard("journal callback", self._in_loop)
         self.ports_file = ports_file
         self.link_frame_bytes = link_frame_bytes(settings)
+        self.channel_frame_bytes = self.link_frame_bytes - CHANNEL_FRAME_MARGIN  # (one int, not one per session)
         if not MIN_HANDSHAKE_FRAME_SIZE <= settings.link.handshake_max_frame_bytes <= self.link_frame_bytes:
             raise SettingsError(
                 f"link.handshake_max_frame_bytes must be between {MIN_HANDSHAKE_FRAME_SIZE} and link.max_frame_bytes"
