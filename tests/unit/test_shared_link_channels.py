@@ -224,3 +224,59 @@ async def test_a_sessions_large_output_goes_on_the_shared_link_at_once_and_small
         assert bodies == [f"{n:0100}".encode() for n in range(EARLY_WRITE_OPERATIONS)] + [b"last"]
         await reader.close()
         await session.close()
+
+
+async def test_a_sessions_output_reaches_the_shared_links_socket_in_the_loop_turn_after_it_was_queued(
+    tmp_path: Path,
+) -> None:
+    """A session's publish goes out with the shared link's flush at the end of the turn: the shared link writes
+    the session's output and then its socket in one callback. Before, the session's flush put it into the shared
+    link a turn later and the shared link wrote it a turn after that, which cost each message alone (at a low
+    rate) a poll of the event loop. Several sessions' output of one turn goes in one write of the socket, and a
+    read that queued nothing to answer schedules no flush."""
+    async with running_core(core_settings(tmp_path), lambda port: CoreLinkSettings(port=port)) as core:
+        sessions = [core.links.client(user="a", password="a", client_name=f"producer {n}") for n in range(3)]
+        for session in sessions:
+            await session.connect()
+        await sessions[0].create_queue("turns", durable=False)
+        assert core.links.shared is not None
+        (carrier,) = core.links.shared.carriers
+        protocol = carrier.client._protocol
+        assert protocol is not None
+        assert protocol.transport is not None
+        socket_writes: list[int] = []
+        real_write = protocol.transport.write
+
+        def counted(data: bytes | bytearray | memoryview) -> None:
+            socket_writes.append(len(data))
+            real_write(data)
+
+        protocol.transport.write = counted  # type: ignore[method-assign]
+        try:
+            confirmed = [
+                session.try_send(new_message("turns", f"from {n}".encode())) for n, session in enumerate(sessions)
+            ]
+            assert socket_writes == []  # queued: nothing written yet
+            await asyncio.sleep(0)  # one turn of the loop
+            assert len(socket_writes) == 1  # every session's publish, in one write of the shared link
+            assert all(session._flush_scheduled is False for session in sessions)
+            await asyncio.gather(*(future for future in confirmed if future is not None))
+            assert len(socket_writes) == 1  # (before, one session's went in that turn and the others' in the next)
+            for session in sessions:
+                assert session._conn is not None
+                assert session._conn.pending_operations == 0
+                assert not session._flush_scheduled  # the confirms read queued nothing: no flush for them
+        finally:
+            protocol.transport.write = real_write  # type: ignore[method-assign]
+        reader = core.links.client(user="a", password="a", client_name="consumer")
+        await reader.connect()
+        consumer = await reader.subscribe("turns")
+        bodies: list[bytes] = []
+        while len(bodies) < len(sessions):
+            batch = await consumer.get_batch(timeout=5)
+            assert batch
+            bodies += [message[M_BODY] for _, message in batch]
+        assert sorted(bodies) == [b"from 0", b"from 1", b"from 2"]
+        await reader.close()
+        for session in sessions:
+            await session.close()

@@ -63,6 +63,14 @@ class ChannelOpener(Protocol):
         ...
 
 
+class FlushHost(Protocol):
+    """The shared link a session's link travels on, which writes that link's output with its own."""
+
+    def flush_later(self, client: LinkClient) -> None:
+        """Write ``client``'s queued output, then the shared link's, at the end of this loop turn."""
+        ...
+
+
 log = logging.getLogger("tridentmq.link.client")
 #: A shared link that fails over restores the consumers of every session it carries: when their queues went
 #: with the old link (an MQTT session's lock), 30,000 sessions each logged their own line.
@@ -387,6 +395,7 @@ class LinkClient:
         "client_name",
         "connect_timeout",
         "failovers",
+        "flush_with",
         "follow_topology",
         "forgive_own_stalls",
         "heartbeat_ms",
@@ -469,6 +478,9 @@ class LinkClient:
         self._will: dict[str, Any] | None = None  # the will the server accepted, re-sent after a reconnect
         self._credit_waiters: list[asyncio.Future[None]] = []
         self._flush_scheduled = False
+        #: The shared link this session's link travels on (a channel): its flush writes this one's output, in
+        #: the same loop turn, rather than this one writing into it a turn before it writes the socket.
+        self.flush_with: FlushHost | None = None
         self._pending_bytes = 0  # body bytes queued since the last write
         self._closing = False
         self._reconnecting: asyncio.Task[None] | None = None
@@ -524,6 +536,7 @@ class LinkClient:
     async def _open(self, host: str, port: int) -> None:
         loop = self._loop = asyncio.get_running_loop()
         self.host, self.port = host, port
+        self.flush_with = None  # set again by the shared link that carries this attempt, if one does
         conn = LinkConnection(
             Role.CLIENT,
             heartbeat_ms=self.heartbeat_ms,
@@ -678,7 +691,8 @@ class LinkClient:
             received, conn.channel_data = conn.channel_data, None
             if self.on_channels is not None:
                 self.on_channels(received)
-        self._schedule_flush()
+        if conn.pending_operations:  # what handling it queued (most reads queue nothing: no empty flush)
+            self._schedule_flush()
 
     def _dispatch(self, event: ev.Event) -> None:
         match event:
@@ -977,7 +991,10 @@ class LinkClient:
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            self._event_loop().call_soon(self._write_now)
+            if self.flush_with is not None:
+                self.flush_with.flush_later(self)
+            else:
+                self._event_loop().call_soon(self._write_now)
 
     def _queued(self, conn: LinkConnection, message: WireMessage) -> None:
         """A publish was queued: write now past the early-write thresholds, else at the end of this turn."""
