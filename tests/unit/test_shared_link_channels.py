@@ -280,3 +280,28 @@ async def test_a_sessions_output_reaches_the_shared_links_socket_in_the_loop_tur
         await reader.close()
         for session in sessions:
             await session.close()
+
+
+async def test_the_cores_flush_writes_its_channels_links_in_the_same_flush_and_schedules_no_other(
+    tmp_path: Path,
+) -> None:
+    """The core's flush writes each session's output and then the links that carry channels. A channel's output
+    used to schedule one more flush as it went into its link, which found nothing left to do a turn later: a
+    second pass over the dispatch, the audit and the dirty sessions for every message at a low rate."""
+    async with running_core(core_settings(tmp_path), lambda port: CoreLinkSettings(port=port)) as core:
+        session = core.links.client(user="a", password="a", client_name="producer")
+        await session.connect()
+        node = core.node
+        (channel,) = (c for carrier in node.links.values() for c in carrier.channels.values())
+        assert channel.session is not None
+        await eventually(lambda: not node._flush_scheduled, "the node's flushes to be done")
+        channel.conn.grant_publish_credit(1)  # some output of the channel's session
+        node.broker.dirty.add(channel.session)
+        node._flush()
+        assert not node._flush_scheduled  # its link was written in that flush: nothing is left for another
+        assert not node.carriers
+        credit = session._conn.publish_credit if session._conn is not None else 0
+        await eventually(
+            lambda: session._conn is not None and session._conn.publish_credit == credit + 1, "the credit to arrive"
+        )
+        await session.close()

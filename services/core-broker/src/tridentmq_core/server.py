@@ -378,7 +378,8 @@ class LinkProtocol(asyncio.Protocol):
                 return
             node = self.node
             node.carriers.add(self)
-            node.schedule_flush()
+            if not node.writing_sessions:  # (else written below in that flush, not in one more a turn later)
+                node.schedule_flush()
 
     def channel_closed(self, channel_id: int, *, tell_peer: bool) -> None:
         """A channel's session ended here (a refusal, a protocol error, a shutdown): the peer learns it."""
@@ -606,6 +607,7 @@ class CoreNode:
         self.protocols: dict[str, LinkProtocol] = {}  # links and the channels they carry, by connection id
         self.links: dict[str, LinkProtocol] = {}  # the links alone (connections)
         self.carriers: set[LinkProtocol] = set()  # links with channel output to write at this turn's flush
+        self.writing_sessions = False  # ``_flush`` is writing the sessions: their links' output follows in it
         self.handshaking: set[str] = set()  # connections that have not completed HELLO (link.max_handshaking)
         self.refusals = LogWindow(60.0)  # connections refused at a limit, logged once a minute per limit
         self._flush_scheduled = False
@@ -1172,15 +1174,19 @@ class CoreNode:
         protocols = self.protocols
         # The audit events of what this turn confirms reach the file before the confirms reach the wire.
         self.audit.flush()
-        for session in broker.take_dirty():
-            protocol = protocols.get(session.conn_id)
-            if protocol is None:
-                continue
-            try:
-                protocol.write_pending()
-            except LinkError as exc:  # an operation larger than the peer accepts: a bug, not the peer's
-                log.exception("cannot frame output", extra={"conn": session.conn_id, "reason": exc.text})
-                protocol.close_transport()
+        self.writing_sessions = True
+        try:
+            for session in broker.take_dirty():
+                protocol = protocols.get(session.conn_id)
+                if protocol is None:
+                    continue
+                try:
+                    protocol.write_pending()
+                except LinkError as exc:  # an operation larger than the peer accepts: a bug, not the peer's
+                    log.exception("cannot frame output", extra={"conn": session.conn_id, "reason": exc.text})
+                    protocol.close_transport()
+        finally:
+            self.writing_sessions = False
         if self.carriers:  # after the channels' own output, which travels in their links' frames
             carriers, self.carriers = self.carriers, set()
             for protocol in carriers:
