@@ -282,6 +282,30 @@ def test_channel_bytes_cross_the_link_both_ways_beside_other_operations() -> Non
     assert client.channel_data == [(7, b"answer")]
 
 
+@pytest.mark.parametrize(
+    ("op", "code"),
+    [
+        ([Op.CHANNEL, 0, b"x"], ErrorCode.MALFORMED),  # ids start at 1
+        ([Op.CHANNEL, -1, b"x"], ErrorCode.MALFORMED),
+        ([Op.CHANNEL, 1, "text"], ErrorCode.MALFORMED),  # bytes, not a string
+        ([Op.CHANNEL, 1], ErrorCode.MALFORMED),
+        ([Op.CHANNEL, 1, b"x", 2], ErrorCode.MALFORMED),
+        ([Op.CHANNEL, 2**64 - 1, b"x"], ErrorCode.MALFORMED),
+    ],
+)
+def test_a_malformed_channel_operation_closes_the_link(op: list[Any], code: str) -> None:
+    """CHANNEL operations, nearly all of a shared link's traffic, are checked inline; whatever that check does
+    not pass is refused by the operations' common checks."""
+    _, server = open_pair()
+    expect_remote_error(server, frame([op]), code)
+
+
+def test_a_channel_of_a_channel_is_refused() -> None:
+    """Channels do not nest: a session's own link carries none."""
+    _, server = open_pair(server_kw={"carries_channels": False})
+    expect_remote_error(server, frame([[Op.CHANNEL, 1, b"x"]]), ErrorCode.MALFORMED)
+
+
 def test_only_a_hello_opens_a_channel() -> None:
     """The first bytes seen of a channel id open it only if they start a session's first write, its HELLO
     frame: whatever else comes on an unknown id was on its way when the channel was ended there."""

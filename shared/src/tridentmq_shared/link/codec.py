@@ -75,6 +75,7 @@ MAX_CLIENT_HOST: Final = 256  # an IPv6 address with a zone fits many times over
 _PUBLISH: Final = int(Op.PUBLISH)
 _DELIVER: Final = int(Op.DELIVER)
 _CONFIRM: Final = int(Op.CONFIRM)
+_CHANNEL: Final = int(Op.CHANNEL)
 _OPT_STR: Final = (str, type(None))
 _OPT_MAP: Final = (dict, type(None))
 
@@ -436,6 +437,22 @@ class LinkConnection:
                 if problem is not None:
                     self._fail(ErrorCode.MALFORMED, problem)
                 self._count_hot(op)
+            elif (
+                code == _CHANNEL
+                and len(op) == 3
+                and type(op[1]) is int
+                and type(op[2]) is bytes
+                and 0 < op[1] <= MAX_FIELD_INT
+                and self.carries_channels
+            ):
+                # Nearly all of a shared link's traffic, in both directions: checked inline too (anything
+                # else about it, a channel id 0 say, is refused below with the other operations).
+                if self.channel_data is None:
+                    self.channel_data = [(op[1], op[2])]
+                else:
+                    self.channel_data.append((op[1], op[2]))
+                batch_code = -1
+                continue
             else:
                 if code not in receives:
                     self._fail(ErrorCode.UNEXPECTED, f"operation {code} is not valid from the {self._peer_name()}")
