@@ -1936,6 +1936,23 @@ async def test_a_feed_member_subscribing_again_at_qos1_gets_a_queue_of_its_own(t
         assert (await c.message(1)).payload == b"acknowledged"
 
 
+async def test_a_qos0_subscription_of_its_own_asked_again_at_qos1_leaves_no_queue_behind(gw: Gateway) -> None:
+    """A lone QoS 0 subscriber has a queue of its own; subscribing again at QoS 1 makes an acknowledged queue and
+    deletes the first. Before, the first stayed bound, without a consumer, and kept a copy of every message
+    until the connection ended."""
+    c, pub = await gw.connected("c"), await gw.connected("pub")
+    await c.subscribe(Subscription("lone", 0))
+    (before,) = gw.queues(convert.SUBSCRIPTION_PREFIX)
+    await c.subscribe(Subscription("lone", 1), packet_id=2)
+    (after,) = gw.queues(convert.SUBSCRIPTION_PREFIX)
+    assert after != before
+    await pub.publish("lone", b"acknowledged")
+    got = await c.message(1)
+    assert got.payload == b"acknowledged"
+    await c.nothing()
+    assert gw.queues(convert.SUBSCRIPTION_PREFIX) == [after]
+
+
 async def test_a_feed_whose_queue_the_core_deletes_ends_its_members_connections(tmp_path: Path) -> None:
     async with gateway(tmp_path, qos0_fan_out_from=1) as gw:
         a, b = await gw.connected("a"), await gw.connected("b")

@@ -903,6 +903,8 @@ class MqttSession:
         if existing is not None:  # QoS 0 asking for QoS 1 or 2 now: a queue of its own, acknowledged
             sub = await self._open_sub(request.topic_filter, options)  # first: refused, the member stays
             await self._close_sub(existing)
+            if existing.queue != sub.queue:  # a solo QoS 0 queue would fill with no consumer until the end
+                await self._drop_sub_queue(existing)
             self.state.subscriptions[request.topic_filter] = options
             return sub, False
         sub = await self._open_sub(request.topic_filter, options)
@@ -1141,16 +1143,19 @@ class MqttSession:
                 codes.append(rc.NO_SUBSCRIPTION_EXISTED)
                 continue
             await self._close_sub(sub)
-            # A shared queue belongs to its group (it expires when the last member is gone), a feed's queue to
-            # the feed.
-            if not sub.shared and sub.consumer is not None:
-                with contextlib.suppress(LinkRequestError):
-                    assert self.link is not None
-                    await self.link.delete_queue(sub.queue, everywhere=self._holds_lock())
+            await self._drop_sub_queue(sub)
             codes.append(0)
         if self.persistent:
             await self.registry.save(self.client_id, self.state)
         self.conn.unsuback(packet.packet_id, tuple(codes))
+
+    async def _drop_sub_queue(self, sub: Sub) -> None:
+        """Delete the queue of a subscription that ended. A shared queue belongs to its group (it expires when the
+        last member is gone), a feed's queue to the feed."""
+        if not sub.shared and sub.consumer is not None:
+            with contextlib.suppress(LinkRequestError):
+                assert self.link is not None
+                await self.link.delete_queue(sub.queue, everywhere=self._holds_lock())
 
     async def _close_sub(self, sub: Sub) -> None:
         sub.closed = True
