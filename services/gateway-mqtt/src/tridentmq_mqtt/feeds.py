@@ -12,7 +12,8 @@ The core still decides who may subscribe: a feed's queue is created on a link of
 so a refused user is refused as before, and a feed carries only what its user may read. That link is one
 more per user and gateway, which pays only where a user has several subscribers of one filter: a feed is
 made once ``mqtt.qos0_fan_out_from`` subscriptions of a user to a filter are open. The ones before have
-queues of their own (counted here as *solo*); each moves over to the feed (``adopt``) at its next batch.
+queues of their own (counted here as *solo*); each moves over to the feed (``adopt``) after a batch of its own
+that leaves it level with the feed (``Feed.can_adopt``), so that it misses nothing.
 
 A subscriber that does not keep up loses QoS 0 messages instead of holding up the others: while more than
 ``mqtt.qos0_max_buffered_bytes`` wait to be written to its connection, the feed's messages skip it. QoS 1 and
@@ -48,7 +49,7 @@ from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.link.client import Consumer, LinkClient
 from tridentmq_shared.link.errors import LinkClosedError, LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode
-from tridentmq_shared.message import M_ADDRESS, M_BODY, M_EXPIRATION, M_PROPS, RoutingType, WireMessage
+from tridentmq_shared.message import M_ADDRESS, M_BODY, M_EXPIRATION, M_ID, M_PROPS, RoutingType, WireMessage
 
 log = logging.getLogger("tridentmq.mqtt")
 
@@ -164,6 +165,23 @@ class Feed:
     topics: dict[str, tuple[str, bytes] | None] = field(default_factory=dict)
     pump: asyncio.Task[None] | None = None
     ended: bool = False
+    # What it has fanned out, in the numbering ``seen_on``: the id of its first message (its queue holds every
+    # message routed after it was made: ids from there on) and of its last.
+    seen_on: Numbering | None = None  # None: it has fanned out nothing yet
+    first_id: int = 0
+    fanned_upto: int = 0
+
+    def passed(self, batch: list[tuple[int, WireMessage]], numbered: Numbering) -> None:
+        """It fanned out ``batch`` (or filtered it away), numbered as ``numbered``."""
+        if numbered != self.seen_on:  # the first batch, or its link failed over: numbered anew
+            self.seen_on, self.first_id = numbered, min(m[M_ID] for _, m in batch)
+        self.fanned_upto = max(m[M_ID] for _, m in batch)
+
+    def can_adopt(self, numbered: Numbering, had_upto: int) -> bool:
+        """Whether a solo subscription whose own queue gave it every message up to id ``had_upto`` (numbered
+        as ``numbered``) can move over without a gap: the feed's queue holds every message after that one, and
+        has handed none of them to its members yet."""
+        return numbered == self.seen_on and self.first_id <= had_upto and self.fanned_upto <= had_upto
 
 
 @dataclass(eq=False)
@@ -221,11 +239,15 @@ class Feeds:
     def solo_opened(self, user: str | None, topic_filter: str) -> None:
         self._solo[(user, topic_filter)] += 1
 
-    def feed_for(self, user: str | None, topic_filter: str, numbered: Numbering) -> Feed | None:
-        """The live feed of ``topic_filter`` for ``user`` whose messages are numbered as ``numbered``, if there
-        is one (a solo subscription numbered so moves to it: it tells what it had by message id)."""
+    def feed_for(self, user: str | None, topic_filter: str, numbered: Numbering, had_upto: int) -> Feed | None:
+        """The live feed of ``topic_filter`` for ``user`` that a solo subscription numbered as ``numbered``, which
+        had every message up to ``had_upto`` from its own queue, can move to now (see ``Feed.can_adopt``). None
+        while the feed is ahead of it (it takes one more batch of its own first) or cannot vouch for the
+        messages after ``had_upto`` (routed before the feed's queue was made): its own queue still holds them."""
         feed = self._feeds.get((user, topic_filter))
-        return feed if feed is not None and numbering(feed.link.client) == numbered else None
+        if feed is None or numbering(feed.link.client) != numbered or not feed.can_adopt(numbered, had_upto):
+            return None
+        return feed
 
     def adopt(self, member: Subscriber, feed: Feed) -> None:
         """Add ``member`` to ``feed`` at once (a solo subscription moving over: ``feed_for`` gave it)."""
@@ -453,6 +475,8 @@ class Feeds:
                 log.info("fan-out subscription ended by the core", extra={"queue": feed.queue, "reason": exc.text})
                 self._ended(feed)
                 return
+            if batch:
+                feed.passed(batch, numbering(feed.link.client))
             now_ms = int(time.time() * 1000)
             dollar_safe = feed.dollar_safe
             # What no subscriber of this filter may get, decided once: expired messages, and ``$`` topics for a

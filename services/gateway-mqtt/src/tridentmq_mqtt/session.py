@@ -1006,9 +1006,10 @@ class MqttSession:
         return subscribing.longer_expiry(found.get("expires_ms"), expiry_ms)
 
     def _move_to_feed(self, sub: Sub, feed: Feed) -> None:
-        """A solo subscription of the filter that now has a feed becomes its member; its own queue goes (what
-        it held that the feed's queue also holds comes through the feed; what was queued before the feed
-        was made and not taken yet is lost, as QoS 0 allows)."""
+        """A solo subscription of the filter that now has a feed becomes its member; its own queue goes. It moves
+        only once its own queue gave it everything the feed handed out before (``Feeds.feed_for``): what its
+        queue still held comes through the feed, and no message is missed (before, a solo subscription that
+        moved while the feed was ahead of it lost the messages between the two, a whole batch or more)."""
         consumer, queue = sub.consumer, sub.queue
         assert consumer is not None
         consumer.on_wake = None
@@ -1356,7 +1357,7 @@ class MqttSession:
                 sub.had_upto, sub.had_on = top, numbered
             else:
                 sub.had_upto = max(sub.had_upto, top)
-            feed = self.feeds.feed_for(link.user, sub.topic_filter, numbered)
+            feed = self.feeds.feed_for(link.user, sub.topic_filter, numbered, sub.had_upto)
             if feed is not None:
                 self._move_to_feed(sub, feed)
 
