@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 from tridentmq_mqtt import messages
-from tridentmq_mqtt.feeds import Encodings
+from tridentmq_mqtt.feeds import Encodings, Feed
 from tridentmq_mqtt.protocol.packets import V5, V311, PacketParser, Publish, encode
 from tridentmq_mqtt.protocol.properties import NO_PROPERTIES, Properties
-from tridentmq_shared.message import WireMessage, new_message
+from tridentmq_shared.message import M_ID, WireMessage, new_message
 
 NOW = 1_700_000_000_000
 
@@ -58,3 +60,33 @@ def test_an_address_that_is_no_topic_is_left_out() -> None:
     assert encoded.parts == [b"", encode(Publish("ok", b"yes", 0), V311)]
     assert encoded.count == 1
     assert topics["x+y"] is None  # remembered: the next batch does not try again
+
+
+def _numbered(*ids: int) -> list[tuple[int, WireMessage]]:
+    batch = []
+    for n in ids:
+        message = new_message("t", b"x")
+        message[M_ID] = n
+        batch.append((n, message))
+    return batch
+
+
+def test_a_solo_subscription_is_adopted_only_when_level_with_the_feed() -> None:
+    """``Feed.can_adopt``: the feed has handed out nothing past what the solo queue gave, and its queue holds
+    everything after that (its first message is no later than the solo's last)."""
+    feed = Feed(("u", "t"), "q", cast(Any, None), cast(Any, None), dollar_safe=False)
+    node = ("node-1", 1)
+    assert not feed.can_adopt(node, 100)  # it has fanned out nothing: it cannot vouch for anything yet
+    feed.passed(_numbered(10, 11, 12), node)
+    assert (feed.first_id, feed.fanned_upto) == (10, 12)
+    assert feed.can_adopt(node, 12)
+    assert feed.can_adopt(node, 15)  # the solo is ahead: the feed leaves out what it had
+    assert not feed.can_adopt(node, 11)  # the feed handed 12 to its members already
+    assert not feed.can_adopt(node, 9)  # before the feed's first message: its queue may not hold what follows
+    assert not feed.can_adopt(("node-2", 1), 12)  # numbered otherwise: ids do not compare
+    feed.passed(_numbered(8), node)  # a message of higher priority, say, with a lower id
+    assert feed.fanned_upto == 12
+    feed.passed(_numbered(3, 4), ("node-1", 2))  # its link failed over: numbered anew
+    assert (feed.seen_on, feed.first_id, feed.fanned_upto) == (("node-1", 2), 3, 4)
+    assert not feed.can_adopt(node, 12)
+    assert feed.can_adopt(("node-1", 2), 4)

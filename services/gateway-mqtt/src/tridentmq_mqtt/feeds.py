@@ -173,9 +173,11 @@ class Feed:
 
     def passed(self, batch: list[tuple[int, WireMessage]], numbered: Numbering) -> None:
         """It fanned out ``batch`` (or filtered it away), numbered as ``numbered``."""
+        top = max(m[M_ID] for _, m in batch)
         if numbered != self.seen_on:  # the first batch, or its link failed over: numbered anew
-            self.seen_on, self.first_id = numbered, min(m[M_ID] for _, m in batch)
-        self.fanned_upto = max(m[M_ID] for _, m in batch)
+            self.seen_on, self.first_id, self.fanned_upto = numbered, min(m[M_ID] for _, m in batch), top
+        elif top > self.fanned_upto:  # (a message of a higher priority may have come before lower ids)
+            self.fanned_upto = top
 
     def can_adopt(self, numbered: Numbering, had_upto: int) -> bool:
         """Whether a solo subscription whose own queue gave it every message up to id ``had_upto`` (numbered
