@@ -49,3 +49,14 @@ async def test_wait_with_a_timeout_times_out_while_clear() -> None:
         await asyncio.wait_for(event.wait(), 0.01)
     event.set()
     assert await asyncio.wait_for(event.wait(), 1)
+
+
+async def test_wait_with_its_own_timeout_says_false_and_leaves_no_waiter_behind() -> None:
+    event = LightEvent()
+    assert await event.wait(0.01) is False
+    assert event._waiters == []
+    later = asyncio.create_task(event.wait(5))
+    await asyncio.sleep(0)
+    event.set()
+    assert await asyncio.wait_for(later, 1) is True
+    assert await event.wait(0) is True  # set: at once, whatever the timeout

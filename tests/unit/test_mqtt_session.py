@@ -777,6 +777,20 @@ async def test_retained_messages_are_set_sent_on_subscribe_and_cleared(gw: Gatew
     await late.handled_in_order()  # the cleared home/temp did not come
 
 
+async def test_retained_messages_the_client_can_take_at_once_are_sent_without_a_task(gw: Gateway) -> None:
+    """The SUBSCRIBE's worker sends them itself: a task of their own for every SUBSCRIBE was a fifth of the tasks
+    a device's connect, subscribe and disconnect made. A task goes on only where the client must read first
+    (the tests below)."""
+    pub = await gw.connected("pub")
+    await pub.publish("dev/1", b"on", qos=1, retain=True)
+    sub = await gw.connected("sub")
+    await sub.subscribe(Subscription("dev/1", 1), Subscription("dev/2", 0))
+    message = await sub.message()
+    assert (message.topic, message.payload, message.retain) == ("dev/1", b"on", True)
+    assert sub.session._background is None  # no task was made for them
+    assert sub.session._sending_retained is None
+
+
 async def test_retained_messages_wait_for_a_subscriber_that_does_not_read(gw: Gateway) -> None:
     """A SUBSCRIBE to ``#`` read the whole retained store into the gateway and wrote it to the client at once,
     whether it read or not: a gateway's memory for each such subscription was the size of the store. Now

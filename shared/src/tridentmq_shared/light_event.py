@@ -36,7 +36,10 @@ class LightEvent:
     def clear(self) -> None:
         self._is_set = False
 
-    async def wait(self) -> bool:
+    async def wait(self, timeout: float | None = None) -> bool:
+        """True once set; False after ``timeout`` seconds (None: no limit). The timeout is a timer on the
+        waiter, not ``asyncio.wait_for``, which runs the wait in a task of its own (one per link a gateway's
+        client closes)."""
         if self._is_set:
             return True
         loop = self._loop
@@ -47,10 +50,20 @@ class LightEvent:
             self._waiters = [waiter]
         else:
             self._waiters.append(waiter)
+        timer = None if timeout is None else loop.call_later(timeout, _time_out, waiter)
         try:
             await waiter
+        except TimeoutError:
+            return False
         finally:
+            if timer is not None:
+                timer.cancel()
             waiters = self._waiters
-            if waiters is not None and waiter in waiters:  # cancelled: nobody set it
+            if waiters is not None and waiter in waiters:  # cancelled or timed out: nobody set it
                 waiters.remove(waiter)
         return True
+
+
+def _time_out(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())

@@ -34,7 +34,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import AsyncGenerator, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,7 +78,8 @@ from tridentmq_shared.session_driver import HANDLING_BUGS, SessionDriver, close_
 
 log = logging.getLogger("tridentmq.mqtt")
 
-#: Refusals of the core as 5.0 reason codes (PUBACK, PUBREC, SUBACK).
+#: What is left of a subscription's look-up in the retained store: a list of messages at a time.
+RetainedBatches = AsyncGenerator[list[WireMessage], None]
 _CACHE_LIMIT = 4096  # topics remembered per connection in each direction
 #: The filter text of a session's outbox (see ``_open_outbox``): no SUBSCRIBE's, as a filter is never empty
 #: ([MQTT-4.7.3-1]), so the QoS 2 copies the session record notes for it are told from any subscription's.
@@ -170,7 +171,6 @@ class MqttSession:
         "_outbound",
         "_outbox",
         "_queues",
-        "_retained_turn",
         "_retaining",
         "_sending_retained",
         "_topics",
@@ -241,10 +241,9 @@ class MqttSession:
         # Queues dropped after moving to a feed, a wait for the client to read (made when needed, as above).
         self._background: dict[asyncio.Task[None], bool] | None = None  # task → finished at the end (else cancelled)
         self._retaining: asyncio.Future[None] | None = None  # the last retained PUBLISH's update of the store
-        # The subscriptions whose retained messages are still to be sent, in order, while a task sends them.
+        # The subscriptions whose retained messages are still to be sent, in order, while they are sent.
         self._sending_retained: list[Sub] | None = None
-        self._unparked: asyncio.Future[None] | None = None  # that task waits for parked messages to be sent
-        self._retained_turn: asyncio.Future[None] | None = None  # the worker waits until that task must wait
+        self._unparked: asyncio.Future[None] | None = None  # their task waits for parked messages to be sent
         self._violating = False  # a DISCONNECT waits for the answers before it: no packet is handled meanwhile
         self._gone = False  # the client's socket closed: nothing more is written to it
         self._queues = 0  # this connection's own subscription queues made so far (an int: a count() is 56 bytes)
@@ -884,10 +883,8 @@ class MqttSession:
             await self.registry.save(self.client_id, self.state)
         self.conn.suback(packet.packet_id, tuple(codes))
         self._flush()
-        if retained:
-            turn = self._send_retained_of([sub for sub, _ in retained])
-            if turn is not None:
-                await turn  # what the client can take now comes before its next packet is handled
+        if retained:  # what the client can take now comes before its next packet is handled
+            await self._send_retained_of([sub for sub, _ in retained])
 
     async def _add_sub(self, request: Subscription, subscription_id: int | None) -> tuple[Sub, bool]:
         subscribing.check_options(request.topic_filter, no_local=request.no_local, v5=self.version == V5)
@@ -1172,74 +1169,94 @@ class MqttSession:
             sub.consumer.release_unsent(out.message[M_ID] for out in parked if not out.retained)
             await sub.consumer.close()
 
-    def _send_retained_of(self, subs: list[Sub]) -> asyncio.Future[None] | None:
-        """Send the retained messages of new subscriptions after their SUBACK, in a task of the session's that
-        sends those of one SUBSCRIBE after another's. The worker waits for it (the future returned; None when
-        the task was sending already) until it is done or must wait for the client (``#`` may match the whole
-        store): the client's PUBACKs, which it may need to go on, are then handled meanwhile."""
-        if self._sending_retained is not None:
+    async def _send_retained_of(self, subs: list[Sub]) -> None:
+        """Send the retained messages of new subscriptions after their SUBACK: here, in the worker, until they
+        are all sent or the client must read first (``#`` may match the whole store); the rest then goes in a
+        task of the session's, while the worker handles the client's PUBACKs, which it may need to go on. Those
+        of a later SUBSCRIBE follow in that task. (A task for every SUBSCRIBE was a fifth of the tasks a device's
+        connect, subscribe and disconnect made.)"""
+        if self._sending_retained is not None:  # a task is sending earlier ones: these come after them
             self._sending_retained += subs
-            return None
+            return
         self._sending_retained = subs
-        self._retained_turn = turn = self._loop.create_future()
-        self._in_background(self._send_all_retained())
-        return turn
+        await self._send_all_retained(None)
 
-    def _give_the_turn_back(self) -> None:
-        turn, self._retained_turn = self._retained_turn, None
-        if turn is not None and not turn.done():
-            turn.set_result(None)
-
-    async def _send_all_retained(self) -> None:
+    async def _send_all_retained(self, resumed: tuple[Sub, RetainedBatches] | None) -> None:
+        """Send the retained messages of the subscriptions in ``_sending_retained``, after the rest of
+        ``resumed``'s (a subscription and what is left of its store's batches) when a task goes on where the
+        worker left off. The worker (``resumed`` None) hands over to such a task where it would wait."""
         pending = self._sending_retained
+        in_worker = resumed is None
+        handed_over = False
         try:
-            while pending and not self._closed:
-                sub = pending.pop(0)
-                if sub.closed:
-                    continue
+            while pending is not None and not self._closed:
+                # The worker wrote a batch and left the wait for the client to this task.
+                must_wait = resumed is not None
+                if resumed is not None:
+                    sub, batches = resumed
+                    resumed = None
+                elif pending:
+                    sub = pending.pop(0)
+                    if sub.closed:
+                        continue
+                    batches = self.registry.retained(sub.topic_filter)
+                else:
+                    break
                 try:
-                    await self._send_retained(sub)
+                    if must_wait and not await self._room_for_more():
+                        return
+                    if await self._send_retained(sub, batches, in_worker=in_worker):
+                        self._in_background(self._send_all_retained((sub, batches)))
+                        handed_over = True
+                        return
                 except LinkRequestError as exc:
                     log.info(
                         "mqtt retained messages not sent",
                         extra={"peer": self.wire.peer, "filter": sub.topic_filter[:100], "reason": exc.text},
                     )
+                finally:
+                    if not handed_over:
+                        await batches.aclose()
         except Exception:  # as a task's failure would: this connection ends, the gateway goes on
             log.exception("mqtt retained messages failed", extra={"peer": self.wire.peer})
             self._end(rc.IMPLEMENTATION_SPECIFIC_ERROR)
         finally:
-            self._sending_retained = None
-            self._give_the_turn_back()
+            if not handed_over:
+                self._sending_retained = None
 
-    async def _send_retained(self, sub: Sub) -> None:
+    async def _send_retained(self, sub: Sub, batches: RetainedBatches, *, in_worker: bool) -> bool:
         """The retained messages of a new subscription, a batch of the store at a time: the next is read once the
-        client has read what was written and has room for more."""
-        async with contextlib.aclosing(self.registry.retained(sub.topic_filter)) as batches:
-            async for found in batches:
-                kept: list[tuple[WireMessage, int]] = []
-                for message in found:
-                    if self._closed or sub.closed:
-                        return
-                    qos = min(sub.options.qos, messages.published_qos(message))
-                    if subscribing.keeps_retained(qos, persistent=self.persistent):
-                        kept.append((message, qos))
-                    else:
-                        self._deliver(_Outgoing(sub, message, qos, retained=True))
-                self._flush()
-                if kept:
-                    await self._to_outbox(sub, kept)
-                if not await self._room_for_more():
-                    return
+        client has read what was written and has room for more. True when ``in_worker`` and it must wait for
+        that: a task is to go on with ``batches``."""
+        async for found in batches:
+            kept: list[tuple[WireMessage, int]] = []
+            for message in found:
+                if self._closed or sub.closed:
+                    return False
+                qos = min(sub.options.qos, messages.published_qos(message))
+                if subscribing.keeps_retained(qos, persistent=self.persistent):
+                    kept.append((message, qos))
+                else:
+                    self._deliver(_Outgoing(sub, message, qos, retained=True))
+            self._flush()
+            if kept:
+                await self._to_outbox(sub, kept)
+            if in_worker and self._must_wait_for_client():
+                return True
+            if not await self._room_for_more():
+                return False
+        return False
+
+    def _must_wait_for_client(self) -> bool:
+        return not self.wire.writable() or bool(self._outbound.parked)
 
     async def _room_for_more(self) -> bool:
         """Wait until the client has read what was written and no message waits for its receive maximum;
         False once the session has ended."""
         while not self._closed:
             if not self.wire.writable():
-                self._give_the_turn_back()
                 await self.wire.drained()
             elif self._outbound.parked:
-                self._give_the_turn_back()
                 self._unparked = unparked = self._loop.create_future()
                 try:
                     await unparked

@@ -655,19 +655,15 @@ class LinkClient:
                 except OSError:  # the server is gone already: nothing left to save
                     pass
                 else:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(protocol.gone.wait(), CLOSE_TIMEOUT)
+                    await protocol.gone.wait(CLOSE_TIMEOUT)
             elif not transport.is_closing():
-                # TLS has no half-close: the server closes the link once it has read our CLOSE.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(protocol.gone.wait(), CLOSE_TIMEOUT)
+                # TLS (and a shared link's channel) has no half-close: the server closes the link once it has
+                # read our CLOSE.
+                await protocol.gone.wait(CLOSE_TIMEOUT)
             transport.close()
-            if not protocol.gone.is_set():
-                # A TLS close takes a round trip (close_notify) before the socket goes: see it through.
-                try:
-                    await asyncio.wait_for(protocol.gone.wait(), CLOSE_TIMEOUT)
-                except TimeoutError:
-                    transport.abort()
+            # A TLS close takes a round trip (close_notify) before the socket goes: see it through.
+            if not protocol.gone.is_set() and not await protocol.gone.wait(CLOSE_TIMEOUT):
+                transport.abort()
         self._fail_all(LinkClosedError(ErrorCode.EOF, "the client was closed"))
 
     def _received(self, protocol: _Protocol, data: bytes) -> None:
