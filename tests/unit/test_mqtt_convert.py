@@ -26,7 +26,7 @@ from tridentmq_mqtt.convert import (
     topic_to_address,
     validate_filter,
 )
-from tridentmq_mqtt.protocol.reason_codes import TOPIC_NAME_INVALID
+from tridentmq_mqtt.protocol.reason_codes import NOT_AUTHORIZED, TOPIC_NAME_INVALID
 
 
 def mqtt_matches(topic_filter: str, topic: str) -> bool:
@@ -144,6 +144,18 @@ def test_address_without_topic(address: str) -> None:
         address_to_topic(address)
 
 
+@pytest.mark.parametrize("topic", ["$mqtt", "$mqtt/retained", "$mqtt/lock/x", "$mqtt//a"])
+def test_topics_under_the_gateways_own_level_are_refused_as_not_authorized(topic: str) -> None:
+    with pytest.raises(ConversionError, match="reserved") as refused:
+        topic_to_address(topic)
+    assert refused.value.reason_code == NOT_AUTHORIZED
+
+
+@pytest.mark.parametrize("topic", ["$mqttx/a", "a/$mqtt", "$MQTT/a", "mqtt/retained", "$mqtt%/a"])
+def test_topics_that_only_look_like_the_gateways_own_are_clients(topic: str) -> None:
+    assert not topic_to_address(topic).startswith("$mqtt.")
+
+
 # ---------------------------------------------------------------------------------------------- filters
 
 # (filter, pattern)
@@ -199,6 +211,13 @@ def test_invalid_filter(topic_filter: str, message: str) -> None:
     with pytest.raises(ConversionError, match=message) as caught:
         filter_to_pattern(topic_filter)
     assert caught.value.reason_code == TOPIC_FILTER_INVALID
+
+
+@pytest.mark.parametrize("topic_filter", ["$mqtt/#", "$mqtt/+/x", "$mqtt", "$mqtt/retained"])
+def test_filters_under_the_gateways_own_level_are_refused_as_not_authorized(topic_filter: str) -> None:
+    with pytest.raises(ConversionError, match="reserved") as refused:
+        filter_to_pattern(topic_filter)
+    assert refused.value.reason_code == NOT_AUTHORIZED
 
 
 def test_validate_filter_returns_it() -> None:

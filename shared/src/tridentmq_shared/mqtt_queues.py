@@ -14,6 +14,9 @@ from typing import Final
 SUBSCRIPTION_PREFIX: Final = "mqtt.sub."
 SHARED_PREFIX: Final = "mqtt.shared."
 FANOUT_PREFIX: Final = "mqtt.fanout."
+#: The first word of the addresses of the gateways' own state below (the MQTT topic level ``$mqtt``): the gateway
+#: refuses it in its clients' topics and filters, whatever their rights on the core.
+RESERVED_WORD: Final = "$mqtt"
 #: The gateways' own queues; ``$`` keeps them out of reach of wildcards (the core's rule for ``$`` addresses).
 SESSION_PREFIX: Final = "$mqtt.session."
 LOCK_PREFIX: Final = "$mqtt.lock."

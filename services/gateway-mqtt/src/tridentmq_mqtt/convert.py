@@ -29,6 +29,9 @@ escapes (``50%2E`` reads as ``50.``); one that spells no valid MQTT topic name (
 The core's ``#`` and ``*`` do match ``$SYS``, so the gateway asks :func:`delivers` before each delivery.
 ``$`` is never escaped, so the test may be made on the address as well as on the topic.
 
+**``$mqtt`` topics** are the gateway's own (its retained store, session records, locks and outboxes): a client's
+topic name or filter whose first level is ``$mqtt`` is refused as not authorized (0x87).
+
 **Subscription queues.** :func:`subscription_queue` and :func:`shared_queue` name the core queue of a
 subscription: ``mqtt.sub.<client id>.<filter>.<hash>`` and ``mqtt.shared.<group>.<filter>.<hash>``
 (:func:`fanout_queue` names a gateway's QoS 0 fan-out queues, :func:`session_queue` and :func:`lock_queue` a
@@ -43,7 +46,7 @@ from __future__ import annotations
 
 from typing import Final, NamedTuple
 
-from tridentmq_mqtt.protocol.reason_codes import TOPIC_FILTER_INVALID, TOPIC_NAME_INVALID
+from tridentmq_mqtt.protocol.reason_codes import NOT_AUTHORIZED, TOPIC_FILTER_INVALID, TOPIC_NAME_INVALID
 from tridentmq_shared import mqtt_queues, names
 
 LEVEL_SEPARATOR: Final = "/"
@@ -68,6 +71,8 @@ FANOUT_PREFIX: Final = mqtt_queues.FANOUT_PREFIX
 SESSION_PREFIX: Final = mqtt_queues.SESSION_PREFIX
 LOCK_PREFIX: Final = mqtt_queues.LOCK_PREFIX
 RETAINED_ADDRESS: Final = mqtt_queues.RETAINED_ADDRESS
+#: The topic level of the gateway's own addresses (``mqtt_queues.RESERVED_WORD``, never escaped).
+RESERVED_LEVEL: Final = mqtt_queues.RESERVED_WORD
 queue_name = mqtt_queues.queue_name
 subscription_queue = mqtt_queues.subscription_queue
 session_queue = mqtt_queues.session_queue
@@ -111,7 +116,21 @@ def topic_to_address(topic: str) -> str:
     for char in _FORBIDDEN_IN_TOPIC:
         if char in topic:
             raise ConversionError(f"topic name {_show(topic)} contains {char!r}, which MQTT forbids in topic names")
+    _refuse_reserved(topic, "topic name")
     return _checked(DELIMITER.join(_escape(level) for level in topic.split(LEVEL_SEPARATOR)), topic)
+
+
+def is_topic_name(text: str) -> bool:
+    """Whether ``text`` may name a topic in a PUBLISH: not empty, no wildcard, no U+0000."""
+    return bool(text) and not any(char in text for char in _FORBIDDEN_IN_TOPIC)
+
+
+def _refuse_reserved(text: str, what: str) -> None:
+    """Refuse a client's topic or filter under ``$mqtt``: the gateway keeps its clients' retained messages,
+    session records, locks and outboxes there. A client with rights on them (every client, with no users
+    configured) could otherwise poison the retained store, read others' sessions or take their sessions over."""
+    if text.startswith(RESERVED_LEVEL) and text.partition(LEVEL_SEPARATOR)[0] == RESERVED_LEVEL:
+        raise ConversionError(f"{what} {_show(text)} is reserved for the broker's own use", NOT_AUTHORIZED)
 
 
 def address_to_topic(address: str) -> str:
@@ -155,6 +174,7 @@ def filter_to_pattern(topic_filter: str) -> str:
     """The core pattern of a (validated here) MQTT filter: ``+`` → ``*``, ``#`` → ``#``, other levels as in
     :func:`topic_to_address`. It matches what the filter matches, ``$`` topics aside (see :func:`delivers`)."""
     validate_filter(topic_filter)
+    _refuse_reserved(topic_filter, "topic filter")
     words = []
     for level in topic_filter.split(LEVEL_SEPARATOR):
         if level == SINGLE_LEVEL:

@@ -80,6 +80,8 @@ log = logging.getLogger("tridentmq.mqtt")
 
 #: What is left of a subscription's look-up in the retained store: a list of messages at a time.
 RetainedBatches = AsyncGenerator[list[WireMessage], None]
+#: How long a session's end waits for its retained PUBLISHes still on their way to the store.
+RETAINED_ON_CLOSE_S = 5.0
 _CACHE_LIMIT = 4096  # topics remembered per connection in each direction
 #: The filter text of a session's outbox (see ``_open_outbox``): no SUBSCRIBE's, as a filter is never empty
 #: ([MQTT-4.7.3-1]), so the QoS 2 copies the session record notes for it are told from any subscription's.
@@ -1489,8 +1491,11 @@ class MqttSession:
         if known is not None:
             return known
         if address == convert.RETAINED_ADDRESS or address.startswith(convert.OUTBOX_PREFIX):
-            # A retained copy keeps its topic in a property (only the gateway's own user may publish to these).
-            topic = str(message[M_PROPS][messages.TOPIC])
+            # A retained copy keeps its topic in a property. Another protocol's client with rights on these
+            # addresses (any, with no users configured) may send one without it: not deliverable, not a failure.
+            topic = message[M_PROPS].get(messages.TOPIC)
+            if type(topic) is not str or not convert.is_topic_name(topic):
+                raise ConversionError(f"a message on {address[:100]!r} holds no topic name in {messages.TOPIC}")
             return topic, encode_topic(topic)
         topic = convert.address_to_topic(address)
         if len(self._topics) >= _CACHE_LIMIT:
@@ -1741,6 +1746,11 @@ class MqttSession:
         link = self.link
         if link is not None:
             link.on_closed = link.on_settled = link.on_rejected = None
+            retaining = self._retaining
+            if retaining is not None and not retaining.done():
+                # A client may close its socket right behind a retained PUBLISH: the store is written once the
+                # core has accepted the message, and the core answers nothing that comes before a link's CLOSE.
+                await asyncio.wait([retaining], timeout=RETAINED_ON_CLOSE_S)
             self._release_unsent()
             outbox = self._outbox
             if outbox is not None and outbox.consumer is not None:
