@@ -31,7 +31,7 @@ from tridentmq_amqp.session import AmqpSession, Counters
 from tridentmq_amqp.settings import AmqpLimitsSection, AmqpSettings, CoreLinkSection
 from tridentmq_core.settings import AddressSettingsEntry, CoreSettings, PermissionEntry, UserEntry
 from tridentmq_shared.core_links import CoreLinks
-from tridentmq_shared.message import new_message
+from tridentmq_shared.message import RoutingType, new_message
 
 SASL_HEADER = b"AMQP\x03\x01\x00\x00"
 AMQP_HEADER = b"AMQP\x00\x01\x00\x00"
@@ -1258,6 +1258,23 @@ async def test_a_durable_subscription_keeps_messages_while_detached_and_ends_whe
     back.close()  # a close ends it
     await sub.until(lambda: back.state & Endpoint.REMOTE_CLOSED, "the answering DETACH")
     await sub.until(lambda: "billing.audit" not in core.node.broker.queues, "the subscription deleted")
+
+
+async def test_a_durable_subscription_never_replaces_a_plain_queue_of_its_name(core: Core) -> None:
+    """Its queue is ``<container id>.<link name>``, which a plain queue may be named too: attaching the subscription
+    took that name for one on another topic, and deleted the queue and its messages."""
+    producer = await connected(core, container="producer")
+    sender = await producer.sender("orders.eu")
+    for n in range(3):
+        await producer.send(sender, Message(body=n, durable=True))
+    sub = await connected(core, container="orders")
+    condition = await sub.refused(sub.receiver_link("topic://news", name="eu", options=(DurableSubscription(),)))
+    assert (condition.name, "not a durable subscription's" in (condition.description or "")) == (
+        "amqp:resource-locked",
+        True,
+    )
+    queue = core.node.broker.queues["orders.eu"]
+    assert (queue.routing_type, len(queue)) == (RoutingType.ANYCAST, 3)
 
 
 async def test_a_durable_subscription_with_another_selector_is_a_new_one(core: Core) -> None:

@@ -397,6 +397,36 @@ def test_a_passive_look_names_the_nodes_that_hold_a_queue_not_here() -> None:
     assert record not in h.broker.queues
 
 
+def test_a_description_tells_a_queue_of_its_own_from_a_subscriptions_here_and_on_other_nodes() -> None:
+    """A gateway ends or replaces a durable subscription (``<client id>.<name>``) only when every queue of that
+    name is a subscription's: a plain queue's name may be the same. A description never fails on another
+    address or routing type, as a passive look does, and makes nothing."""
+    h, bindings, _ = clustered()
+    c = h.connect()
+    assert isinstance(c.create_queue("orders.eu", "orders.eu", ANYCAST), ev.Reply)
+    assert isinstance(c.create_queue("app.sub", "news", MULTICAST), ev.Reply)
+    bindings.replace("node-2", [binding("app.sub", "news", MULTICAST), binding("app.other", "x", ANYCAST)])
+
+    def described(name: str) -> dict[str, Any]:
+        answer = c.create_queue(name, "ignored", MULTICAST, passive=True, describe=True)
+        assert isinstance(answer, ev.Reply), answer
+        return dict(answer.result)
+
+    plain = described("orders.eu")
+    assert (plain["exists"], plain["address"], plain["routing_type"], plain["temporary"]) == (
+        True,
+        "orders.eu",
+        ANYCAST,
+        False,
+    )
+    assert "elsewhere_routing_types" not in plain
+    sub = described("app.sub")
+    assert (sub["routing_type"], sub["elsewhere_routing_types"]) == (MULTICAST, [MULTICAST])
+    other = described("app.other")
+    assert (other["exists"], other["elsewhere_routing_types"]) == (False, [ANYCAST])
+    assert "ignored" not in h.broker.addresses
+
+
 def test_redistribution_targets_are_every_reachable_node_with_consumers_for_the_queue() -> None:
     h = Harness()
     ok(h.connect().create_queue("paint", "paint", ANYCAST))

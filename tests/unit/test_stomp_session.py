@@ -22,6 +22,7 @@ from tests.unit.gateway_harness import (
 
 from tridentmq_core.settings import PermissionEntry, UserEntry
 from tridentmq_shared.core_links import CoreLinks
+from tridentmq_shared.message import RoutingType
 from tridentmq_stomp.protocol.frames import V12, Frame, FrameParser, encode
 from tridentmq_stomp.session import Counters, StompSession
 from tridentmq_stomp.settings import CoreLinkSection, StompLimitsSection, StompSettings
@@ -390,6 +391,25 @@ async def test_a_durable_subscription_keeps_messages_while_away_and_ends_with_it
     await back.receipt("SUBSCRIBE", id="d2", destination="/topic/prices", durable_subscription_name="p")
     await producer.receipt("SEND", b"new", destination="/topic/prices")
     assert (await back.frame("MESSAGE")).body == b"new"  # not "after the end"
+
+
+async def test_a_plain_queue_named_as_a_durable_subscription_is_never_deleted_for_one(core: Core) -> None:
+    """A durable subscription's queue is ``<client-id>.<name>``, which a plain queue may be named too: an
+    UNSUBSCRIBE by that name, or a durable SUBSCRIBE under it to a topic, deleted the queue and its messages."""
+    producer = await connected(core)
+    for n in range(3):
+        await producer.receipt("SEND", b"%d" % n, destination="/queue/orders.eu", persistent="true")
+    app = client(core)
+    await app.connect(client_id="orders")
+    app.send_frame("UNSUBSCRIBE", id="any", durable_subscription_name="eu", receipt="u")
+    assert (await app.error()).headers["message"] == "no such subscription"
+    again = client(core)
+    await again.connect(client_id="orders")
+    again.send_frame("SUBSCRIBE", id="d", destination="/topic/news", durable_subscription_name="eu", receipt="s")
+    refused = await again.error()
+    assert "not a durable subscription's" in refused.body.decode()
+    queue = core.node.broker.queues["orders.eu"]
+    assert (queue.routing_type, len(queue)) == (RoutingType.ANYCAST, 3)
 
 
 @pytest.mark.parametrize("header", ["durable_subscription_name", "activemq.subscriptionName"])

@@ -418,8 +418,32 @@ class Broker:
         raise BrokerError(ErrorCode.UNEXPECTED, f"unexpected operation {type(event).__name__}")
 
     def _create_queue(self, session: Session, spec: dict[str, Any], now_ms: int) -> dict[str, Any]:
+        if spec.get("describe") is True:
+            return self._describe_queue(spec.get("name"))
         reply = self.catalog.create_queue_request(session, spec, now_ms)
         return self._say_elsewhere(reply) if "address" in reply else reply
+
+    def _describe_queue(self, name: Any) -> dict[str, Any]:
+        """A CREATE_QUEUE with ``describe``: the queue of that name here and its namesakes on other nodes, whatever
+        their addresses and routing types, so that a gateway replaces or deletes a durable subscription's queue
+        only when every queue of its name is one (a plain queue's name may be a subscription's: ``<client id>.
+        <name>``). Creates and changes nothing, and needs no right, as a passive look."""
+        if not isinstance(name, str) or not name:
+            raise BrokerError(ErrorCode.INVALID, "a queue needs a name")
+        queue = self.catalog.queues.get(name)
+        reply: dict[str, Any] = {"created": False, "exists": queue is not None, "queue": name}
+        if queue is not None:
+            reply.update(
+                address=queue.address,
+                routing_type=int(queue.routing_type),
+                temporary=queue.temporary,
+                consumers=sum(not c.forwarder for c in queue.consumers),
+            )
+        if self.cluster is not None:
+            namesakes = self.cluster.bindings.for_queue(name)
+            if namesakes:
+                reply["elsewhere_routing_types"] = sorted({b.routing for b in namesakes})
+        return reply
 
     def _make_and_subscribe(
         self, session: Session, consumer_id: int, queue_name: str, credit: int, options: dict[str, Any], now_ms: int

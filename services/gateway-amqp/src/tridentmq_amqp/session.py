@@ -808,8 +808,11 @@ class AmqpSession:
         except LinkRequestError as exc:
             if exc.code != ErrorCode.EXISTS:
                 raise
-            found = {"created": False, "filter": "-"}
+            found = {"created": False, "filter": "-"}  # on another topic, or a queue of its own
         if not found.get("created") and (found.get("filter") or None) != (selector or None):
+            refusal = await self.link.not_a_subscription(queue)
+            if refusal is not None:  # never deleted for a subscription, with its messages
+                raise LinkRequestError(ErrorCode.EXISTS, refusal)
             await self.link.delete_queue(queue, everywhere=True)
             await self.link.create_queue(queue, address, routing_type=RoutingType.MULTICAST, durable=True, **options)
 

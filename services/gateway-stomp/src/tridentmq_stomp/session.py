@@ -431,9 +431,13 @@ class StompSession:
             await self._link().delete_queue(subscription.queue, everywhere=True)
 
     async def _end_durable(self, queue: str) -> bool:
-        """Delete the durable subscription queue ``queue`` (on every node); False when there is none."""
+        """Delete the durable subscription queue ``queue`` (on every node); False when there is none (a queue of
+        that name that is no subscription's is none: it and its messages stay)."""
+        link = self._link()
+        if await link.not_a_subscription(queue) is not None:
+            return False
         try:
-            await self._link().delete_queue(queue, everywhere=True)
+            await link.delete_queue(queue, everywhere=True)
         except LinkRequestError as exc:
             if exc.code == ErrorCode.NOT_FOUND:
                 return False
@@ -703,7 +707,10 @@ async def _create_durable(link: LinkClient, queue: subscribing.QueueToMake) -> N
     except LinkRequestError as exc:
         if exc.code != ErrorCode.EXISTS:
             raise
-        found = {"created": False, "filter": "-"}  # on another topic
+        found = {"created": False, "filter": "-"}  # on another topic, or a queue of its own
     if not found.get("created") and (found.get("filter") or None) != (selector or None):
+        refusal = await link.not_a_subscription(queue.name)
+        if refusal is not None:  # never deleted for a subscription, with its messages
+            raise LinkRequestError(ErrorCode.EXISTS, refusal)
         await link.delete_queue(queue.name, everywhere=True)
         await link.create_queue(queue.name, queue.address, routing_type=RoutingType.MULTICAST, durable=True, **options)

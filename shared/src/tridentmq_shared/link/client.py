@@ -1092,6 +1092,19 @@ class LinkClient:
             self._remember(spec)
         return result
 
+    async def not_a_subscription(self, name: str) -> str | None:
+        """Why the queue ``name`` is no durable subscription's, which ending or replacing that subscription would
+        delete: a queue of another routing type than multicast, or a temporary one, here or on another node.
+        None when every queue of that name is a subscription's (or there is none). A subscription's queue is
+        named ``<client id>.<subscription name>``, which a plain queue may be named too."""
+        found = await self.create_queue(name, passive=True, describe=True)
+        multicast = int(RoutingType.MULTICAST)
+        if found.get("exists") and (found.get("routing_type") != multicast or found.get("temporary")):
+            return f"queue {name!r} is a queue of its own, not a durable subscription's"
+        if any(routing != multicast for routing in found.get("elsewhere_routing_types", ())):
+            return f"queue {name!r} is a queue of its own on another node, not a durable subscription's"
+        return None
+
     def _remember(self, spec: dict[str, Any]) -> None:
         """Keep a queue's spec to make the queue again on another node after a failover (a temporary one, or a
         consumer's)."""
