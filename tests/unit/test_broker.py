@@ -1518,18 +1518,48 @@ def test_a_dispatch_records_its_delivery_attempts_at_once_and_an_ack_batch_its_a
     c = h.connect()
     ok(c.create_queue("orders", durable=True))
     c.send_all("orders", [b"a", b"b", b"c"], durable=True)
-    c.publish("orders", b"plain")  # not durable: no attempt recorded, sent at once
+    c.publish("orders", b"plain")  # not durable: no attempt recorded, and it waits behind those that are
     cid = c.consumer("orders")
     assert store.attempts == [("orders", [1, 2, 3], [1, 1, 1])]
-    assert bodies(c.take(cid)) == [b"plain"]
+    assert c.take(cid) == []
     h.broker.on_durable(1)
     h.sync()
     got = c.take(cid)
-    assert bodies(got) == [b"a", b"b", b"c"]
-    c.ack(cid, [4, *ids(got)])
+    assert bodies(got) == [b"a", b"b", b"c", b"plain"]
+    c.ack(cid, ids(got))
     h.sync()
     assert store.acks == [("orders", [1, 2, 3])]
     assert len(h.broker.queues["orders"]) == 0
+
+
+def test_a_plain_message_waits_behind_its_consumers_durable_deliveries_across_dispatches() -> None:
+    """FIFO per producer and queue: a durable message goes out once its delivery attempt is safe, and a plain
+    one sent after it, dispatched at once, overtook it by up to a window (a producer alternating the two got
+    1, 3, 5 ... and then 0, 2, 4 ...). It now waits behind its consumer's held deliveries, even those of an
+    earlier dispatch, and goes with the newest record; another consumer's plain messages do not wait."""
+    h, store, _ = recorded(hold_attempts=True)
+    c = h.connect()
+    ok(c.create_queue("orders", durable=True))
+    cid = c.consumer("orders", credit=100)
+    for n in range(6):
+        c.publish("orders", b"%d" % n, durable=n % 2 == 0)
+    assert c.take(cid) == []  # 0 waits for its attempt's record, and 1 to 5 behind it
+    assert [attempt[1] for attempt in store.attempts] == [[1], [3], [5]]  # only durable ones are recorded
+    got = []
+    for token in (1, 2, 3):  # records are safe in the order they were written
+        h.broker.on_durable(token)
+        h.sync()
+        got += c.take(cid)
+        assert bodies(got) == [b"%d" % n for n in range(2 * token)]
+    c.publish("orders", b"6")  # nothing held any more: at once
+    got += c.take(cid)
+    assert bodies(got)[-1] == b"6"
+    other = h.connect()
+    ok(other.create_queue("plain-only", durable=True))
+    pid = other.consumer("plain-only")
+    c.publish("orders", b"7", durable=True)  # held for c's consumer...
+    other.publish("plain-only", b"x")  # ...not for another's
+    assert bodies(other.take(pid)) == [b"x"]
 
 
 def test_durable_and_plain_messages_keep_their_order_when_attempts_are_safe_at_once() -> None:

@@ -47,9 +47,18 @@ class Deliveries:
         """Record a dispatch's delivery attempts (consumer, delivery count, message), and send the deliveries
         only once the record is safe: after a crash a message then comes back flagged as redelivered, never
         looking like a first delivery."""
-        token = self.store.update_delivery_counts(
-            queue.name, [attempt[2][M_ID] for attempt in attempts], [attempt[1] for attempt in attempts]
+        recorded = [attempt for attempt in attempts if attempt[2][M_DURABLE]] if queue.durable else []
+        token = (
+            self.store.update_delivery_counts(
+                queue.name, [attempt[2][M_ID] for attempt in recorded], [attempt[1] for attempt in recorded]
+            )
+            if recorded
+            else 0
         )
+        if not token and self._held:
+            # Only messages that wait behind their consumer's held deliveries: they go with the newest record
+            # waiting (records are safe in the order they were written).
+            token = next(reversed(self._held))
         if token:
             self._held.setdefault(token, []).extend(attempts)
         else:
@@ -166,6 +175,7 @@ class Deliveries:
             audit.acked(now_ms, message, queue, consumer)
 
     def _send(self, consumer: Consumer, delivery_count: int, message: WireMessage) -> None:
+        consumer.held -= 1
         session = consumer.session
         if session.consumers.get(consumer.id) is not consumer or message[M_ID] not in consumer.in_flight:
             return  # the consumer left meanwhile: the message went back to its queue

@@ -235,6 +235,7 @@ class Consumer:
         "counts",
         "credit",
         "forwarder",
+        "held",
         "id",
         "in_flight",
         "parked_credit",
@@ -268,6 +269,8 @@ class Consumer:
         self.byte_window = 0  # 0: the window is in messages only
         self.byte_credit = 0
         self.parked_credit = 0  # message credit held back while the byte credit is used up
+        # Deliveries waiting for a delivery attempt's record to be safe (see ``Queue._deliver``): the next wait too.
+        self.held = 0
 
     def limit_bytes(self, window: int) -> None:
         """Bound the window in body bytes too (``credit_bytes`` of a version 2 SUBSCRIBE)."""
@@ -881,10 +884,13 @@ class Queue:
         # redistributor moves may be delivered over there, and a store-and-forward copy sent before it was
         # safe here (its producer unconfirmed) could reach the other node while its producer's re-send was
         # routed again after a failover: two copies, neither flagged.
-        if self.durable and message[M_DURABLE] and not consumer.auto_ack:
+        # A message for a consumer with deliveries waiting so waits behind them, recorded or not: FIFO per consumer
+        # (non-durable messages overtook the durable ones sent before them, by up to a window).
+        if not consumer.auto_ack and (consumer.held or (self.durable and message[M_DURABLE])):
             if self._attempts is _NO_ATTEMPTS:
                 self._attempts = []
             self._attempts.append((consumer, count, message))  # sent once the attempt is on disk
+            consumer.held += 1
         else:
             if self._attempts:  # they come first: with nothing to wait for (no journal), they go out first
                 self._record_attempts()
