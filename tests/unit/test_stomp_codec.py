@@ -124,6 +124,24 @@ def test_encode_escapes_per_version_and_always_frames_bodies_by_length() -> None
     assert encode("RECEIPT", [("receipt-id", "1")], b"", V12) == b"RECEIPT\nreceipt-id:1\n\n\x00"
 
 
+@pytest.mark.parametrize("version", [V10, V11, V12])
+@pytest.mark.parametrize("command", ["MESSAGE", "CONNECTED"])
+def test_a_nul_in_a_header_never_reaches_the_wire(version: str, command: str) -> None:
+    """A NUL ends a frame for the clients that read up to it (stomp.py): an MQTT correlation data or an AMQP
+    binary correlation-id holding one cut the MESSAGE there and made the rest of its headers a frame of its
+    own. It becomes U+FFFD, in names and values."""
+    data = encode(command, [("mqtt_correlation_data", "ab\x00cd"), ("k\x00", "v")], b"body", version)
+    assert data.index(b"\x00") == len(data) - 1  # the frame's own NUL only
+    parser = FrameParser()
+    parser.version = version
+    [frame] = parser.feed(data)
+    assert (frame.headers["mqtt_correlation_data"], frame.headers["k\ufffd"], frame.body) == (
+        "ab\ufffdcd",
+        "v",
+        b"body",
+    )
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     version=st.sampled_from([V11, V12]),
@@ -133,9 +151,11 @@ def test_encode_escapes_per_version_and_always_frames_bodies_by_length() -> None
 )
 def test_encode_then_parse_round_trips(version: str, headers: dict[str, str], body: bytes, piece: int) -> None:
     headers = {k: v for k, v in headers.items() if k != "content-length"}
+    data = encode("SEND", list(headers.items()), body, version)
     if version == V11:  # 1.1 cannot carry CR in headers (the encoder drops it)
         headers = {k.replace("\r", ""): v.replace("\r", "") for k, v in headers.items()}
-    data = encode("SEND", list(headers.items()), body, version)
+    # No version carries U+0000 in a header (it becomes U+FFFD).
+    headers = {k.replace("\x00", "\ufffd"): v.replace("\x00", "\ufffd") for k, v in headers.items()}
     parser = FrameParser()
     parser.version = version
     frames: list[Frame] = []

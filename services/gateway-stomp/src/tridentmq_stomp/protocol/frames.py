@@ -206,10 +206,12 @@ def _unescape(text: str, table: dict[str, str]) -> str:
     return "".join(out)
 
 
-# 1.1 cannot escape CR, and a CR ending a header line reads as part of its EOL: it is dropped.
-_ESCAPE_11: Final = str.maketrans({"\\": "\\\\", "\n": "\\n", ":": "\\c", "\r": ""})
-_ESCAPE_12: Final = str.maketrans({"\\": "\\\\", "\n": "\\n", ":": "\\c", "\r": "\\r"})
-_ESCAPE_RAW: Final = str.maketrans({"\n": " ", "\r": " "})  # 1.0 and CONNECTED cannot escape: keep framing
+# 1.1 cannot escape CR, and a CR ending a header line reads as part of its EOL: it is dropped. No version can
+# carry U+0000 in a header (a NUL ends the frame for clients that read up to it, and the rest of the header
+# became a frame of its own): it becomes U+FFFD, as a byte no text can hold does.
+_ESCAPE_11: Final = str.maketrans({"\\": "\\\\", "\n": "\\n", ":": "\\c", "\r": "", "\x00": "\ufffd"})
+_ESCAPE_12: Final = str.maketrans({"\\": "\\\\", "\n": "\\n", ":": "\\c", "\r": "\\r", "\x00": "\ufffd"})
+_ESCAPE_RAW: Final = str.maketrans({"\n": " ", "\r": " ", "\x00": "\ufffd"})  # 1.0 and CONNECTED: keep framing
 _ESCAPE_TABLES: Final = {V10: _ESCAPE_RAW, V11: _ESCAPE_11, V12: _ESCAPE_12}
 
 
@@ -221,6 +223,7 @@ def encode(command: str, headers: list[tuple[str, str]], body: bytes, version: s
     raw = command in _RAW_COMMANDS
     if (
         "\r" in head
+        or "\x00" in head
         or head.count("\n") != len(headers)
         or (not raw and version != V10 and ("\\" in head or head.count(":") != len(headers)))
     ):
