@@ -1260,6 +1260,16 @@ async def test_a_durable_subscription_keeps_messages_while_detached_and_ends_whe
     await sub.until(lambda: "billing.audit" not in core.node.broker.queues, "the subscription deleted")
 
 
+async def test_an_attach_without_a_link_name_closes_the_connection_as_undecodable(core: Core) -> None:
+    """The name is mandatory (AMQP 1.0 2.7.3), and proton let an ATTACH without it by: the gateway failed on
+    it with a traceback and closed with amqp:internal-error, which is kept for its own bugs."""
+    c = await connected(core)
+    c.receiver_link("orders", name=None).open()  # type: ignore[arg-type]
+    condition = await c.connection_closed()
+    assert condition is not None
+    assert (condition.name, condition.description) == ("amqp:decode-error", "an ATTACH without its link name")
+
+
 async def test_a_durable_subscription_never_replaces_a_plain_queue_of_its_name(core: Core) -> None:
     """Its queue is ``<container id>.<link name>``, which a plain queue may be named too: attaching the subscription
     took that name for one on another topic, and deleted the queue and its messages."""

@@ -47,6 +47,7 @@ from tridentmq_amqp.protocol.engine import (
     Engine,
     close_frame,
     field_info,
+    link_name,
     wrap_delivery,
     wrap_link,
     wrap_session,
@@ -563,6 +564,11 @@ class AmqpSession:
     async def _attach(self, pn_link: Any) -> None:
         link = wrap_link(pn_link)
         if not link.state & Endpoint.LOCAL_UNINIT:
+            return
+        if link_name(link) is None:  # mandatory (AMQP 1.0 2.7.3): an ATTACH without it is malformed, as proton lets by
+            self.counters.protocol_errors += 1
+            log.info("amqp protocol error", extra={"peer": self.wire.peer, "error": "an ATTACH without a link name"})
+            self._close_connection(DECODE_ERROR, "an ATTACH without its link name")
             return
         if len(self.inbound) + len(self.outbound) + len(self.coordinators) >= self.settings.amqp.max_links:
             self._refuse_link(link, RESOURCE_LIMIT, "too many links on this connection")

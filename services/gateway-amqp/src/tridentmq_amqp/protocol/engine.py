@@ -163,6 +163,11 @@ def wrap_link(pn_link: Any) -> Link:
     return cast(Link, Link.wrap(pn_link))  # type: ignore[no-untyped-call]
 
 
+def link_name(link: Link) -> str | None:
+    """The link's name, None when its ATTACH had none (a mandatory field, which proton lets by)."""
+    return cast("str | None", link.name)
+
+
 def wrap_session(pn_session: Any) -> Session:
     return cast(Session, Session.wrap(pn_session))  # type: ignore[no-untyped-call]
 
