@@ -289,7 +289,7 @@ def test_incoming_qos0_and_qos1(version: int, piece: int | None) -> None:
     assert resent == [pub("a/c", b"one", 1, packet_id=7, dup=True, duplicate=True)]
     conn.puback(7, 0x10, Properties(reason_string="dropped before 5"))
     expected = Puback(7, 0x10, Properties(reason_string="dropped before 5")) if version == V5 else Puback(7)
-    assert sent(conn, version) == [expected]
+    assert sent(conn, version) == [expected, expected]  # one for each PUBLISH ([MQTT-4.3.2-2])
     with pytest.raises(LocalProtocolError):
         conn.puback(7)  # answered already
     # the id is free again: a new message, not a duplicate
@@ -303,14 +303,14 @@ def test_incoming_qos2_flow_delivers_once_and_frees_the_id(version: int, piece: 
     publish = Publish("q/2", b"m", 2, packet_id=3)
     assert feed(conn, encode(publish, version), piece) == [pub("q/2", b"m", 2, packet_id=3)]
     assert conn.data_to_send() == b""  # no PUBREC until the shell says so
-    # resent before the PUBREC: flagged, nothing sent
-    again = feed(conn, encode(Publish("q/2", b"m", 2, dup=True, packet_id=3), version), piece)
-    assert again == [pub("q/2", b"m", 2, packet_id=3, dup=True, duplicate=True)]
+    # resent before the PUBREC, twice: flagged, nothing sent yet, and the pubrec answers each ([MQTT-4.3.3-2])
+    again = feed(conn, encode(Publish("q/2", b"m", 2, dup=True, packet_id=3), version) * 2, piece)
+    assert again == [pub("q/2", b"m", 2, packet_id=3, dup=True, duplicate=True)] * 2
     assert conn.data_to_send() == b""
     with pytest.raises(LocalProtocolError):
         conn.pubcomp(3)  # no PUBREL yet
     conn.pubrec(3)
-    assert sent(conn, version) == [Pubrec(3)]
+    assert sent(conn, version) == [Pubrec(3)] * 3
     # resent after the PUBREC: flagged, and the PUBREC is repeated by the connection
     again = feed(conn, encode(Publish("q/2", b"m", 2, dup=True, packet_id=3), version), piece)
     assert again == [pub("q/2", b"m", 2, packet_id=3, dup=True, duplicate=True)]

@@ -591,6 +591,19 @@ async def test_a_qos2_publish_sent_again_before_its_pubrel_is_delivered_once(gw:
     assert (await sub.message(2)).payload == b"marker"  # no second copy before it
 
 
+async def test_a_qos2_publish_sent_again_in_the_same_read_gets_its_pubrec_too(gw: Gateway) -> None:
+    """Until the PUBREL every PUBLISH of the id gets a PUBREC ([MQTT-4.3.3-2]): two in one read got one."""
+    sub, pub = await gw.connected("sub"), await gw.connected("pub")
+    await sub.subscribe(Subscription("d2", 2))
+    pub.send(Publish("d2", b"once", 2, packet_id=5), Publish("d2", b"once", 2, dup=True, packet_id=5))
+    assert [await pub.packet(Pubrec) for _ in range(2)] == [Pubrec(5), Pubrec(5)]
+    pub.send(Pubrel(5))
+    assert await pub.packet(Pubcomp) == Pubcomp(5)
+    assert (await sub.message(2)).payload == b"once"
+    await pub.publish("d2", b"marker", qos=2, packet_id=6)
+    assert (await sub.message(2)).payload == b"marker"  # no second copy before it
+
+
 async def test_a_pubrel_of_an_unknown_packet_id_is_answered_not_found(gw: Gateway) -> None:
     c = await gw.connected("c")
     c.send(Pubrel(42))
@@ -624,8 +637,9 @@ async def test_a_qos1_publish_sent_again_while_unanswered_is_published_once(gw: 
     await sub.subscribe("dup")
     pub.send(Publish("dup", b"1", 1, packet_id=9), Publish("dup", b"1", 1, dup=True, packet_id=9))
     assert await pub.packet(Puback) == Puback(9)
+    assert await pub.packet(Puback) == Puback(9)  # each PUBLISH gets one ([MQTT-4.3.2-2])
     assert (await sub.message(1)).payload == b"1"
-    # The next publish's PUBACK is the publisher's next packet, its message the subscriber's next: no second
+    # The next publish's PUBACK is the publisher's next packet, its message the subscriber's next: no third
     # PUBACK and no second copy came before them (the journal's write included).
     assert await pub.publish("dup", b"2", packet_id=10) == Puback(10)
     assert (await sub.message(1)).payload == b"2"

@@ -14,8 +14,9 @@ Packet-id bookkeeping, per direction:
   client's PUBREL (QoS 2). In 5.0 more such messages in flight than the server's receive maximum is a
   violation (0x93); before 5.0 the limit is not announced, so not enforced. A PUBLISH resent with the same
   QoS while its id is in use (QoS 1 before ``puback``, QoS 2 before the PUBREL) is an event with
-  ``duplicate=True``; any other reuse of an id in use is a protocol violation. A PUBREL repeated before the
-  ``pubcomp`` of its first is no event: the ``pubcomp`` answers each of them.
+  ``duplicate=True``, answered with the first: its ``puback`` or ``pubrec`` answers each of them (a QoS 2 one
+  sent again after the PUBREC gets a PUBREC at once); any other reuse of an id in use is a protocol
+  violation. A PUBREL repeated before the ``pubcomp`` of its first is no event: the ``pubcomp`` answers each.
 * 5.0 topic aliases from the client are resolved (up to the server's ``topic_alias_maximum``; above it is
   0x94, an unmapped alias 0x82; alias 0 is refused by the parser, as 0x94). The server sends no aliases.
 * Outgoing QoS 1/2 PUBLISH (``publish``): the id is in use until PUBACK, PUBCOMP or an error PUBREC. At most
@@ -138,7 +139,7 @@ class MqttServerConnection:
         "_out",
         "_outgoing",
         "_parser",
-        "_repeated_pubrels",
+        "_repeated",
         "client_max_packet_size",
         "client_receive_maximum",
         "connect_expiry_s",
@@ -195,9 +196,10 @@ class MqttServerConnection:
         self._last_received = now
         self._aliases: dict[int, str] = {}
         self._incoming: dict[int, _In] = {}
-        # PUBRELs repeated while the first one's ``pubcomp`` is awaited: each gets its PUBCOMP with that one
-        # (made when one is: most connections never see one).
-        self._repeated_pubrels: dict[int, int] | None = None
+        # Packets sent again before the first one's answer, by packet id: a QoS 1/2 PUBLISH before its ``puback``
+        # or ``pubrec``, a PUBREL before its ``pubcomp``. Each gets the answer with the first ([MQTT-4.3.2-2],
+        # [MQTT-4.3.3-2]; made when one is: most connections never see one).
+        self._repeated: dict[int, int] | None = None
         self._outgoing: dict[int, _Out] = {}
         self._next_id = 1
 
@@ -338,6 +340,8 @@ class MqttServerConnection:
                 duplicate = True
                 if state is _In.RECORDED:
                     self._auto(Pubrec(packet_id))
+                else:  # answered with the first
+                    self._repeat(packet_id)
             else:
                 raise RemoteProtocolError(f"packet identifier {packet_id} is in use ({state.value})", PROTOCOL_ERROR)
         return ev.Publish(topic, packet.payload, packet.qos, packet.retain, packet.dup, packet_id, props, duplicate)
@@ -366,10 +370,7 @@ class MqttServerConnection:
         if state in (_In.QOS1, _In.RECEIVED):
             raise RemoteProtocolError(f"PUBREL for packet identifier {packet_id} before its PUBREC", PROTOCOL_ERROR)
         if state is _In.RELEASED:  # sent again before our PUBCOMP: answered with the first one's ``pubcomp``
-            repeated = self._repeated_pubrels
-            if repeated is None:
-                repeated = self._repeated_pubrels = {}
-            repeated[packet_id] = repeated.get(packet_id, 0) + 1
+            self._repeat(packet_id)
             return None
         self._incoming[packet_id] = _In.RELEASED
         return ev.PubrelReceived(packet_id, packet.reason_code, packet.properties, known=state is not None)
@@ -473,6 +474,8 @@ class MqttServerConnection:
                 self._out.append(_PUBACK_HEAD + U16.pack(packet_id))
             else:
                 self._write(Puback(packet_id, *self._v5(reason_code, properties)))
+            if self._repeated is not None:
+                self._answer_repeats(packet_id, Puback(packet_id, *self._v5(reason_code, properties)))
 
     def pubrec(self, packet_id: int, reason_code: int = 0, properties: Properties = NO_PROPERTIES) -> None:
         """Acknowledge the client's QoS 2 PUBLISH ``packet_id`` (the message is now the server's). An error
@@ -483,7 +486,10 @@ class MqttServerConnection:
                 del self._incoming[packet_id]
             else:
                 self._incoming[packet_id] = _In.RECORDED
-            self._write(Pubrec(packet_id, code, props))
+            answer = Pubrec(packet_id, code, props)
+            self._write(answer)
+            if self._repeated is not None:
+                self._answer_repeats(packet_id, answer)
 
     def pubcomp(self, packet_id: int, reason_code: int = 0, properties: Properties = NO_PROPERTIES) -> None:
         """Answer a ``PubrelReceived`` (5.0: 0x92 Packet Identifier not found suits an unknown one)."""
@@ -491,10 +497,8 @@ class MqttServerConnection:
             del self._incoming[packet_id]
             answer = Pubcomp(packet_id, *self._v5(reason_code, properties))
             self._write(answer)
-            repeated = self._repeated_pubrels
-            if repeated is not None and packet_id in repeated:
-                for _ in range(repeated.pop(packet_id)):
-                    self._write(answer)
+            if self._repeated is not None:
+                self._answer_repeats(packet_id, answer)
 
     def suback(self, packet_id: int, reason_codes: tuple[int, ...], properties: Properties = NO_PROPERTIES) -> None:
         """Answer a SUBSCRIBE: a granted QoS or a failure code per subscription (before 5.0 every failure code
@@ -622,6 +626,17 @@ class MqttServerConnection:
         raise RemoteProtocolError(f"no packet received for {now - self._last_received:.3f} s", KEEP_ALIVE_TIMEOUT)
 
     # ------------------------------------------------------------------ internals
+    def _repeat(self, packet_id: int) -> None:
+        repeated = self._repeated
+        if repeated is None:
+            repeated = self._repeated = {}
+        repeated[packet_id] = repeated.get(packet_id, 0) + 1
+
+    def _answer_repeats(self, packet_id: int, answer: Packet) -> None:
+        repeats = self._repeated.pop(packet_id, 0) if self._repeated is not None else 0
+        for _ in range(repeats):
+            self._write(answer)
+
     def _answerable(self, packet_id: int, expected: _In, method: str) -> bool:
         if not self._sendable(method):
             return False
