@@ -437,6 +437,14 @@ def test_an_unknown_alias_with_an_empty_topic_is_a_protocol_error() -> None:
     assert violation(conn, encode(Publish("", b"", properties=Properties(topic_alias=2)), V5)).reason_code == 0x82
 
 
+def test_a_client_publish_holding_a_subscription_identifier_is_a_protocol_error() -> None:
+    """5.0, 3.3.4: "A PUBLISH packet sent from a Client to a Server MUST NOT contain a Subscription Identifier"
+    [MQTT-3.3.4-6]: it was dropped, and the message published (PUBACK 0)."""
+    conn = connected(V5)
+    publish = Publish("t", b"", 1, packet_id=1, properties=Properties(subscription_identifiers=(3,)))
+    assert violation(conn, encode(publish, V5)).reason_code == 0x82
+
+
 def test_alias_zero_is_refused_by_the_parser_as_topic_alias_invalid() -> None:
     """5.0, 3.3.4: "A Topic Alias value of 0 or greater than the Maximum Topic Alias is a Protocol Error, the
     receiver uses DISCONNECT with Reason Code of 0x94 (Topic Alias invalid)"."""

@@ -312,6 +312,8 @@ class MqttServerConnection:
 
     def _publish_received(self, packet: Publish) -> ev.Publish:
         topic, props = packet.topic, packet.properties
+        if props.subscription_identifiers:  # the server's to set, on the PUBLISHes it sends
+            raise RemoteProtocolError("a client's PUBLISH must not hold a subscription identifier", PROTOCOL_ERROR)
         alias = props.topic_alias
         if alias is not None:  # 5.0 only: the parser has refused 0 already (0x94 Topic Alias invalid)
             if not 0 < alias <= self.topic_alias_maximum:
