@@ -156,3 +156,20 @@ def test_retained_lookups_narrow_by_the_literal_prefix(topic_filter: str, prefix
 def test_another_protocols_original_encoding_is_not_shown() -> None:
     props = {"colour": "red", "$enc.amqp.properties": b"\x00\x53\x73\x45"}
     assert messages.user_properties(props) == (("colour", "red"),)
+
+
+@pytest.mark.parametrize("response_topic", ["answers/+/#", "", "a\x00b", 7])
+def test_a_response_topic_set_by_another_protocol_that_is_no_topic_name_is_not_sent(response_topic: object) -> None:
+    """A STOMP header ``mqtt_response_topic:answers/+/#`` reached MQTT 5 subscribers as their Response Topic,
+    which MQTT forbids ([MQTT-3.3.2-13/14]): what the gateway itself answers with 0x82 when a client sends it."""
+    m = new_message("a", b"x", properties={"mqtt_response_topic": response_topic, "k": "v"})
+    assert messages.publish_properties(m, NOW, None).response_topic is None
+    good = new_message("a", b"x", properties={"mqtt_response_topic": "answers/1"})
+    assert messages.publish_properties(good, NOW, None).response_topic == "answers/1"
+
+
+def test_a_correlation_data_set_as_text_by_another_protocol_goes_as_its_utf8() -> None:
+    """A STOMP replier echoes an MQTT requester's correlation data as a header, a string: it was dropped, and the
+    requester could not match the answer."""
+    m = new_message("a", b"x", properties={"mqtt_correlation_data": "req-1 é"})
+    assert messages.publish_properties(m, NOW, None).correlation_data == "req-1 é".encode()

@@ -15,6 +15,7 @@ import json
 import math
 from typing import Final
 
+from tridentmq_mqtt.convert import is_topic_name
 from tridentmq_mqtt.protocol.properties import NO_PROPERTIES, Properties
 from tridentmq_shared.message import (
     DEFAULT_PRIORITY,
@@ -157,11 +158,17 @@ def publish_properties(message: WireMessage, now_ms: int, subscription_id: int |
             min(max(math.ceil((expiration - now_ms) / 1000), 1), _MAX_EXPIRY) if expiration else None
         ),
         content_type=content_type,
-        response_topic=response_topic if type(response_topic) is str else None,
-        correlation_data=correlation if type(correlation) is bytes else None,
+        # Set by another protocol's client too (a STOMP header): a response topic that is no topic name would
+        # be a protocol error of ours in the client's eyes, and a text correlation data is its UTF-8.
+        response_topic=response_topic if type(response_topic) is str and is_topic_name(response_topic) else None,
+        correlation_data=correlation if type(correlation) is bytes else _utf8(correlation),
         subscription_identifiers=(subscription_id,) if subscription_id is not None else (),
         user_properties=user_properties(props),
     )
+
+
+def _utf8(value: object) -> bytes | None:
+    return value.encode("utf-8", "surrogatepass") if type(value) is str else None
 
 
 def user_properties(props: dict[str, object]) -> tuple[tuple[str, str], ...]:
