@@ -114,6 +114,24 @@ def test_an_undefined_escape_is_an_error(version: str) -> None:
         parser.feed(b"SEND\ndestination:a\\tb\n\n\x00")
 
 
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"SEND\nreceipt:r1\ndestination:a\\tb",  # an undefined escape after the receipt
+        b"SEND\ndestination:a\nreceipt:r1\nno colon here",
+        b"SEND\nreceipt:r1\n" + b"".join(b"h%d:v\n" % n for n in range(70)) + b"x:y",  # too many headers
+    ],
+)
+def test_a_frame_whose_headers_fail_still_names_its_receipt(head: bytes) -> None:
+    """The ERROR carries the receipt-id of the failing frame when it had a receipt (docs/stomp.md): one whose
+    headers broke a rule after its receipt header came without it."""
+    parser = FrameParser()
+    parser.version = V12
+    with pytest.raises(RemoteProtocolError) as failed:
+        parser.feed(head + b"\n\n\x00")
+    assert failed.value.receipt_id == "r1"
+
+
 def test_encode_escapes_per_version_and_always_frames_bodies_by_length() -> None:
     headers = [("x:key", "line1\nline2\\")]
     assert (

@@ -146,7 +146,9 @@ class FrameParser:
         if not command or not command.isalpha() or not command.isupper():
             raise RemoteProtocolError("malformed frame", f"bad command line {command[:40]!r}")
         if len(lines) - 1 > self.limits.max_headers:
-            raise RemoteProtocolError("frame too large", f"more than {self.limits.max_headers} headers")
+            raise RemoteProtocolError(
+                "frame too large", f"more than {self.limits.max_headers} headers", _receipt_in(lines[1:])
+            )
         unescape = (
             None
             if command in _RAW_COMMANDS or self.version == V10
@@ -168,9 +170,14 @@ class FrameParser:
             line = line.removesuffix("\r")
             name, colon, value = line.partition(":")
             if not colon:
-                raise RemoteProtocolError("malformed frame", f"header line without a colon: {line[:40]!r}")
+                raise RemoteProtocolError(
+                    "malformed frame", f"header line without a colon: {line[:40]!r}", _receipt_in(lines)
+                )
             if unescape is not None:
-                name, value = _unescape(name, unescape), _unescape(value, unescape)
+                try:
+                    name, value = _unescape(name, unescape), _unescape(value, unescape)
+                except RemoteProtocolError as exc:
+                    raise RemoteProtocolError(exc.message, exc.detail, _receipt_in(lines)) from None
             elif trim:
                 name, value = name.strip(), value.strip()
             headers.setdefault(name, value)
@@ -187,6 +194,15 @@ def _check_command_start(buffer: bytearray, pos: int, end: int) -> None:
         if eol == -1 and line.endswith(b"\r") and (line[:-1].isalpha() and line[:-1].isupper()):
             return  # a CR whose LF has not arrived yet
         raise RemoteProtocolError("malformed frame", f"bad command line {line[:40]!r}")
+
+
+def _receipt_in(lines: list[str]) -> str | None:
+    """The receipt a frame that fails to parse asked for, if its header reads (its ERROR then carries it)."""
+    for line in lines:
+        if line.startswith("receipt:"):
+            value = line[8:].removesuffix("\r")
+            return value if "\\" not in value else None
+    return None
 
 
 def _unescape(text: str, table: dict[str, str]) -> str:
