@@ -40,6 +40,7 @@ from tridentmq_shared.message import (
     M_BODY,
     M_DEDUP,
     M_DURABLE,
+    M_EXPIRATION,
     M_ID,
     M_PROPS,
     RoutingType,
@@ -245,19 +246,24 @@ class Consumer:
 
     async def get(self, timeout: float | None = None) -> Delivery | None:
         """The next delivery; None at the end of a browse or after ``timeout`` seconds."""
-        if not self._buffer and not await self._wait(timeout):
-            return None
-        assert self._buffer is not None
-        _, _, count, message = self._buffer.pop(0)
-        self._took(1, (message,))
-        return Delivery(self, count, message)
+        while True:
+            if not self._buffer and not await self._wait(timeout):
+                return None
+            assert self._buffer is not None
+            _, _, count, message = self._buffer.pop(0)
+            self._took(1, (message,))
+            if not message[M_EXPIRATION] or self._kept_unexpired([(count, message)]):
+                return Delivery(self, count, message)
 
     async def get_batch(self, timeout: float | None = None) -> list[tuple[int, WireMessage]]:
         """Everything buffered at once as (delivery count, message) pairs, for high-rate consumers;
         empty at the end of a browse or after ``timeout``."""
-        if not self._buffer and not await self._wait(timeout):
-            return []
-        return self.take_batch()
+        while True:
+            if not self._buffer and not await self._wait(timeout):
+                return []
+            batch = self.take_batch()
+            if batch:  # (else all of it expired here: wait on)
+                return batch
 
     def peek(self) -> list[WireMessage]:
         """The messages buffered now, left where they are."""
@@ -270,7 +276,23 @@ class Consumer:
             return []
         batch = [(op[2], op[3]) for op in buffer]
         self._took(len(batch), (message for _, message in batch))
+        if any(message[M_EXPIRATION] for _, message in batch):  # rare: most messages never expire
+            return self._kept_unexpired(batch)
         return batch
+
+    def _kept_unexpired(self, batch: list[tuple[int, WireMessage]]) -> list[tuple[int, WireMessage]]:
+        """``batch`` without the messages that expired while buffered here (a gateway's prefetch, ahead of its
+        client's credit), which are not handed on, as Artemis's client does and MQTT asks ([MQTT-3.3.2-5]): a
+        consumer's go back to the queue uncounted, where the node expires them (to the expiry address); an
+        auto-ack consumer's are dropped (consumed already), a browser's skipped."""
+        now_ms = int(time.time() * 1000)
+        expired = [message[M_ID] for _, message in batch if 0 < message[M_EXPIRATION] <= now_ms]
+        if not expired:
+            return batch
+        if not (self.options.get("browse") or self.options.get("auto_ack")) and self.closed is None:
+            self.nack_ids(expired, NackMode.RELEASE)
+        gone = set(expired)
+        return [(count, message) for count, message in batch if message[M_ID] not in gone]
 
     def __aiter__(self) -> AsyncIterator[Delivery]:
         return self._iterate()
