@@ -97,3 +97,29 @@ def test_trickling_connections_to_the_management_port_are_capped_and_cut_off(cor
     assert core.log().count("http connection refused: too many connections") == 1, core.log()
     http_round_trip(core.management_port)
     http_round_trip(core.management_port, "/api/queues")
+
+
+def test_a_request_whose_body_stalls_is_answered_408_and_closed(core: CoreProcess) -> None:
+    """Its head came whole, its body never did: the connection stayed open unanswered, and 256 of them (the
+    cap) took the management port, health probes included. A client that leaves in the middle of its body
+    left aiohttp's ERROR and traceback in the log, one per connection."""
+    head = (
+        b"POST /api/purge HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 100\r\n\r\n{"queue": '
+    )
+    stalled = [socket.create_connection(("127.0.0.1", core.management_port), timeout=WAIT) for _ in range(CAP)]
+    try:
+        for sock in stalled:
+            sock.sendall(head)
+        answers = [until_closed(sock) for sock in stalled]
+    finally:
+        for sock in stalled:
+            sock.close()
+    assert all(answer.startswith(b"HTTP/1.1 408") for answer in answers), answers[:3]
+    for _ in range(5):
+        with socket.create_connection(("127.0.0.1", core.management_port), timeout=WAIT) as sock:
+            sock.sendall(head)
+    http_round_trip(core.management_port, "/healthz")
+    log = core.log()
+    assert "Traceback" not in log, log
+    assert log.count("http request body not received in time") == CAP, log

@@ -14,7 +14,8 @@ import ssl
 import time
 from typing import Final, cast
 
-from aiohttp import web
+from aiohttp import ClientConnectionResetError, web
+from aiohttp.typedefs import Handler, Middleware
 
 from tridentmq_shared.runtime import LISTEN_BACKLOG
 
@@ -28,10 +29,42 @@ REFUSAL_LOG_SECONDS: Final = 60.0
 
 def http_runner(app: web.Application, *, request_timeout_ms: int) -> web.AppRunner:
     """The runner of ``app``: a connection that has not sent a whole request head ``request_timeout_ms`` after
-    it opened, or after its last response, is closed. (aiohttp's keep-alive timer runs from the connection's
-    start and closes it only while it waits for a request head: a request being handled, a WebSocket after
-    its handshake, are not cut.)"""
-    return web.AppRunner(app, access_log=None, keepalive_timeout=request_timeout_ms / 1000)
+    it opened, or after its last response, is closed, and so is one whose request body has not all come that
+    long after its head. (aiohttp's keep-alive timer runs from the connection's start and closes it only while
+    it waits for a request head: a request being handled, a WebSocket after its handshake, are not cut.)"""
+    app.middlewares.append(_body_within(request_timeout_ms / 1000))
+    # No lingering after an answer that left the body unread (aiohttp reads on for up to 10 s by default): the
+    # stalled body's connection goes with its 408.
+    return web.AppRunner(app, access_log=None, keepalive_timeout=request_timeout_ms / 1000, lingering_time=0)
+
+
+def _body_within(timeout_s: float) -> Middleware:
+    """Read a request's body before its handler, within ``timeout_s``: a body that stalled kept its connection,
+    answered never, and 256 of them (the connection cap) took the port, health probes included. A client that
+    leaves in the middle of its body is one log line, not aiohttp's traceback."""
+
+    @web.middleware
+    async def body_within(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.body_exists:
+            try:
+                await asyncio.wait_for(request.read(), timeout_s)  # kept by aiohttp for the handler
+            except TimeoutError:
+                log.info("http request body not received in time: connection closed", extra=_who(request))
+                refused = web.Response(status=408, text="the request body did not come in time")
+                refused.force_close()
+                return refused
+            except (ConnectionError, ClientConnectionResetError):
+                log.info("http client left in the middle of its request body", extra=_who(request))
+                left = web.Response(status=400)
+                left.force_close()
+                return left
+        return await handler(request)
+
+    return body_within
+
+
+def _who(request: web.Request) -> dict[str, str]:
+    return {"peer": str(request.remote), "path": request.path[:200]}
 
 
 class _Busy(asyncio.Protocol):

@@ -167,7 +167,9 @@ class ManagementSection:
         "like /api.",
     )
     request_timeout_ms: int = doc(
-        10_000, "A connection must send a whole request head within this, and is closed after as long idle."
+        10_000,
+        "A connection must send a whole request head within this, and a request's whole body within as long "
+        "after its head (else 408 and closed); it is closed after as long idle.",
     )
     max_connections: int = doc(
         256, "HTTP connections open at once; more get 503 and are closed (logged once a minute)."

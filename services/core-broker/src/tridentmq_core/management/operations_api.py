@@ -103,7 +103,7 @@ class OperationsApi:
 
     # ------------------------------------------------------------------ plumbing
     async def _body(self, request: web.Request) -> dict[str, Any]:
-        if not request.can_read_body:
+        if not request.body_exists:  # (read already by the body deadline: http_limits)
             return {}
         if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
             raise RequestRefusedError(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
