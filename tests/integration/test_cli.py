@@ -102,6 +102,25 @@ def test_status_json_and_errors(core: CoreProcess) -> None:
     assert "Traceback" not in refused.stderr
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("produce", ""),  # the core closed the link as malformed, and the CLI reopened it for ever
+        ("consume", ""),
+        ("produce", "x", "--count", "-1"),  # "-1 message(s) confirmed", exit 0
+        ("perf", "--count", "0"),
+        ("perf", "--size", "-1"),
+        ("perf", "--rate", "-5"),
+        ("perf", "--window", "0"),  # waited 30 s, left a queue behind
+    ],
+)
+def test_arguments_no_run_could_use_are_usage_errors(args: tuple[str, ...]) -> None:
+    done = tridentmq(*args, "--port", "9", timeout=30)
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    assert "error: argument" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

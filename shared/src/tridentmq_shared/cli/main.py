@@ -14,10 +14,38 @@ from tridentmq_shared.cli import admin, operations, perf, supervisor
 from tridentmq_shared.link.client import LinkClient
 from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.message import RoutingType, new_message
+from tridentmq_shared.names import name_problem
 from tridentmq_shared.runtime import run_main
 from tridentmq_shared.tls import ClientTls, TlsSection
 
 DEFAULT_MANAGEMENT = "http://127.0.0.1:8161"
+
+
+def _at_least(low: int) -> Any:
+    """An argparse type: an integer of ``low`` or more (else a usage error, exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is less than {low}")
+        return value
+
+    return parse
+
+
+def _name(kind: str) -> Any:
+    """An argparse type: an address or queue name the core takes (else a usage error, exit 2)."""
+
+    def parse(text: str) -> str:
+        problem = name_problem(text, kind)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(problem)
+        return text
+
+    return parse
 
 
 def _link_args(parser: argparse.ArgumentParser) -> None:
@@ -115,8 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     operations.add_commands(sub, _management_args)
 
     produce = sub.add_parser("produce", help="publish messages and wait for their confirms")
-    produce.add_argument("address")
-    produce.add_argument("--count", type=int, default=1)
+    produce.add_argument("address", type=_name("address"))
+    produce.add_argument("--count", type=_at_least(0), default=1)
     produce.add_argument("--body", default="message {n}", help="body; {n} is the message number")
     produce.add_argument("--durable", action="store_true")
     produce.add_argument("--multicast", action="store_true", help="publish to multicast queues (a topic)")
@@ -124,8 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     _link_args(produce)
 
     consume = sub.add_parser("consume", help="receive and acknowledge messages from a queue")
-    consume.add_argument("queue")
-    consume.add_argument("--count", type=int, default=1)
+    consume.add_argument("queue", type=_name("queue"))
+    consume.add_argument("--count", type=_at_least(0), default=1)
     consume.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each message")
     consume.add_argument("--selector", help="SQL-92 selector on message properties")
     consume.add_argument("--multicast", action="store_true", help="subscribe a multicast queue to the address")
@@ -133,11 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     _link_args(consume)
 
     bench = sub.add_parser("perf", help="link benchmark: one producer and one consumer process")
-    bench.add_argument("--count", type=int, default=500_000)
-    bench.add_argument("--size", type=int, default=100, help="body bytes (default %(default)s)")
+    bench.add_argument("--count", type=_at_least(1), default=500_000)
+    bench.add_argument("--size", type=_at_least(0), default=100, help="body bytes (default %(default)s)")
     bench.add_argument("--durable", action="store_true")
-    bench.add_argument("--rate", type=int, default=0, help="paced msgs/s for a latency run (0 = flat out)")
-    bench.add_argument("--window", type=int, default=10_000, help="consumer credit (default %(default)s)")
+    bench.add_argument("--rate", type=_at_least(0), default=0, help="paced msgs/s for a latency run (0 = flat out)")
+    bench.add_argument("--window", type=_at_least(1), default=10_000, help="consumer credit (default %(default)s)")
     bench.add_argument("--json", action="store_true")
     _link_args(bench)
     return parser

@@ -23,8 +23,15 @@ from tridentmq_shared.message import HOME_PROPERTY, M_DEDUP, M_DURABLE, M_PROPS,
 log = logging.getLogger("tridentmq.link.client")
 
 #: Refusals that another node or a later attempt would give again: a (re)connect stops at them. ``internal``: the
-#: node failed on this link's input, which a resume would send again.
-FATAL: Final = (ErrorCode.UNAUTHENTICATED, ErrorCode.VERSION, ErrorCode.CLOSED_BY_OPERATOR, ErrorCode.INTERNAL)
+#: node failed on this link's input, which a resume would send again; ``malformed``: that input broke the protocol
+#: (a publish to an empty address), and a resume sent it again, over and over, thousands of links a second.
+FATAL: Final = (
+    ErrorCode.UNAUTHENTICATED,
+    ErrorCode.VERSION,
+    ErrorCode.CLOSED_BY_OPERATOR,
+    ErrorCode.INTERNAL,
+    ErrorCode.MALFORMED,
+)
 
 OpenNode = Callable[[str, int], Awaitable[None]]
 #: Raises ``LinkClosedError`` once the client is closed: a resume that goes on must not try the nodes forever.
