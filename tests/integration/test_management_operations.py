@@ -162,6 +162,16 @@ def test_operations_need_the_manage_permission(node: tuple[CoreProcess, GatewayP
     assert "manage" in refused["error"]
     assert call(core, "DELETE", "/api/queues/perm.q", user=APP)[0] == 403
     assert "perm.q" in {q["name"] for q in call(core, "GET", "/api/queues")[1]}
+    # Refused after login, so audited and logged, as the operations a user with the permission is refused.
+    refusals = [
+        (e["operation"], e["user"], e["result"])
+        for e in audit_events(core, "mgmt.")
+        if str(e.get("result", "")).startswith("refused")
+    ]
+    lacking = ("app", "refused: the user lacks the manage permission")
+    assert ("queue.purge", *lacking) in refusals
+    assert ("queue.delete", *lacking) in refusals
+    assert core.log().count("management operation") >= 2
     status, done = call(core, "DELETE", "/api/queues/perm.q")
     assert (status, done["deleted"]) == (200, 1)
 

@@ -103,9 +103,9 @@ class ManagementAccess:
         principal = await self._principal(given[0], given[1], peer)
         if principal is None:
             return _error(401, "unknown user or wrong password")
+        request[USER_KEY] = principal.name
         if not principal.allowed(Permission.MANAGE, MANAGEMENT_ADDRESS):
             return _error(403, f"user {principal.name!r} lacks the manage permission on {MANAGEMENT_ADDRESS}")
-        request[USER_KEY] = principal.name
         return None
 
     async def _principal(self, user: str, password: str, peer: str | None) -> Principal | None:
@@ -182,14 +182,19 @@ def allowed_host_names(settings: CoreSettings) -> list[str]:
     ]
 
 
-def access_middlewares(settings: CoreSettings, access: ManagementAccess) -> list[Middleware]:
-    """The Host check, then authentication and the manage permission for whatever is not open."""
+def access_middlewares(
+    settings: CoreSettings, access: ManagementAccess, audit_refusal: Callable[[web.Request, str], None]
+) -> list[Middleware]:
+    """The Host check, then authentication and the manage permission for whatever is not open. An operation
+    refused to a logged-in user for want of the permission goes to ``audit_refusal``."""
 
     @web.middleware
     async def authorise(request: web.Request, handler: Handler) -> web.StreamResponse:
         refused = cross_site_refusal(request)
         if refused is None and not access.is_open(request.path):
             refused = await access.refusal(request)
+            if refused is not None and refused.status == 403 and USER_KEY in request:
+                audit_refusal(request, "the user lacks the manage permission")
         if refused is not None:
             if CONSOLE_HEADER in request.headers:
                 refused.headers.popall("WWW-Authenticate", None)

@@ -171,7 +171,8 @@ def create_app(
     if security is None:
         security = SecurityManager(settings.users, settings.permissions)
     access = ManagementAccess(security, public_metrics=settings.management.public_metrics)
-    app = web.Application(middlewares=access_middlewares(settings, access))
+    operations = OperationsApi(broker, lambda: status.cluster, control or NodeControl())
+    app = web.Application(middlewares=access_middlewares(settings, access, operations.audit_refusal))
     app.router.add_get("/healthz", handlers.healthz)
     app.router.add_get("/readyz", handlers.readyz)
     app.router.add_get("/metrics", handlers.metrics)
@@ -182,7 +183,7 @@ def create_app(
     app.router.add_get(r"/api/queues/{name:[\s\S]+}", handlers.queue)
     app.router.add_get("/api/connections", handlers.connections)
     app.router.add_get("/api/cluster", handlers.cluster)
-    add_routes(app, OperationsApi(broker, lambda: status.cluster, control or NodeControl()))
+    add_routes(app, operations)
     app.router.add_get("/", handlers.root)
     add_console(app)
     add_peer_api(

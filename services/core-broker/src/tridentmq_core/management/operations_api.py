@@ -211,6 +211,13 @@ class OperationsApi:
             self._audit(request, operation, target, "ok", result)
         return {**entry, "status": 200, "result": result}
 
+    def audit_refusal(self, request: web.Request, reason: str) -> None:
+        """A logged-in user refused an operation before it ran (no manage permission): audited as one it
+        refused itself."""
+        route = request.match_info.route
+        if route.name in AUDITED_OPERATIONS:
+            self._audit(request, route.name, request.path_qs[:500], f"refused: {reason}")
+
     def _audit(
         self, request: web.Request, operation: str, target: str, result: str, counts: dict[str, Any] | None = None
     ) -> None:
@@ -689,25 +696,25 @@ def _routing(value: Any) -> RoutingType:
 def add_routes(app: web.Application, api: OperationsApi) -> None:
     """The operations' routes; names that may hold ``/`` take the rest of the path (percent-encode the rest)."""
     router = app.router
-    router.add_post("/api/queues", api.create_queue)
-    router.add_delete(r"/api/queues/{name:[\s\S]+}", api.delete_queue)
+    router.add_post("/api/queues", api.create_queue, name="queue.create")
+    router.add_delete(r"/api/queues/{name:[\s\S]+}", api.delete_queue, name="queue.delete")
     router.add_get("/api/messages", api.browse)
-    router.add_post("/api/purge", api.purge)
-    router.add_post("/api/move", api.move)
-    router.add_post("/api/copy", api.copy)
-    router.add_post("/api/pause", api.pause)
-    router.add_post("/api/resume", api.resume)
-    router.add_delete(r"/api/connections/{conn_id:[\s\S]+}", api.close_connection)
-    router.add_delete(r"/api/clients/{client:[\s\S]+}", api.close_client)
+    router.add_post("/api/purge", api.purge, name="queue.purge")
+    router.add_post("/api/move", api.move, name="messages.move")
+    router.add_post("/api/copy", api.copy, name="messages.copy")
+    router.add_post("/api/pause", api.pause, name="pause")
+    router.add_post("/api/resume", api.resume, name="resume")
+    router.add_delete(r"/api/connections/{conn_id:[\s\S]+}", api.close_connection, name="connection.close")
+    router.add_delete(r"/api/clients/{client:[\s\S]+}", api.close_client, name="client.close")
     router.add_get("/api/mqtt/sessions", api.mqtt_sessions)
-    router.add_delete(r"/api/mqtt/sessions/{client_id:[\s\S]+}", api.delete_mqtt_session)
+    router.add_delete(r"/api/mqtt/sessions/{client_id:[\s\S]+}", api.delete_mqtt_session, name="mqtt.session.delete")
     router.add_get("/api/mqtt/retained", api.retained)
-    router.add_delete(r"/api/mqtt/retained/{topic:[\s\S]+}", api.delete_retained)
-    router.add_post("/api/failback", api.failback)
-    router.add_post("/api/scale-down", api.scale_down)
-    router.add_post("/api/cluster/nodes/{node_id}/forget", api.forget_node)
+    router.add_delete(r"/api/mqtt/retained/{topic:[\s\S]+}", api.delete_retained, name="mqtt.retained.delete")
+    router.add_post("/api/failback", api.failback, name="failback")
+    router.add_post("/api/scale-down", api.scale_down, name="scale_down")
+    router.add_post("/api/cluster/nodes/{node_id}/forget", api.forget_node, name="node.forget")
     router.add_get("/api/address-settings", api.address_settings)
-    router.add_put("/api/address-settings", api.set_address_settings)
+    router.add_put("/api/address-settings", api.set_address_settings, name="address_settings.set")
 
     async def close_client(_app: web.Application) -> None:
         await api.close()
