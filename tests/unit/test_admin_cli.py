@@ -21,3 +21,11 @@ def test_the_cluster_view_reads_the_other_nodes_over_https_when_the_node_asked_w
     [tls] = admin.cluster_nodes({"members": [member]}, ("admin", "secret"), tls=True)
     assert "http://127.0.0.1:1/" in plain["error"]
     assert "https://127.0.0.1:1/" in tls["error"]
+
+
+def test_the_status_text_counts_sessions_and_the_link_connections_carrying_them() -> None:
+    """``connections`` counts link sessions, ``links`` the link connections (docs/management.md): the text said
+    ``links 11`` for 11 sessions over 5 connections."""
+    text = admin.status_text({"name": "core", "node_id": "n", "connections": 11, "links": 5, "counters": {}})
+    assert "sessions    11 over 5 link connection(s)" in text
+    assert "links       11" not in text

@@ -112,7 +112,7 @@ def status_text(status: dict[str, Any]) -> str:
     lines = [
         f"node        {status.get('name')} ({status.get('node_id')})",
         (f"state       {_state(status)}, up {status.get('uptime_s', 0):.0f} s, link port {status.get('link_port')}"),
-        f"links       {status.get('connections')}",
+        f"sessions    {status.get('connections')} over {status.get('links')} link connection(s)",
         f"addresses   {status.get('addresses')}   queues {status.get('queues')}",
         f"messages    {status.get('messages')} queued, {status.get('in_flight')} in flight",
         "counters    " + ", ".join(f"{k} {v:,}" for k, v in counters.items()),

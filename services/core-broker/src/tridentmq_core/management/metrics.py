@@ -129,7 +129,13 @@ def render_metrics(broker: Broker, status: NodeStatus, rates: QueueRates) -> str
     )
     ready = status.ready and not status.not_serving()
     _family(lines, "ready", "gauge", "1 when the node serves clients (as /readyz says), else 0.", [({}, int(ready))])
-    _family(lines, "connections", "gauge", "Open link connections.", [({}, len(broker.sessions))])
+    _family(
+        lines,
+        "connections",
+        "gauge",
+        "Open link sessions (a gateway's clients share a few link connections).",
+        [({}, len(broker.sessions))],
+    )
     _family(lines, "addresses", "gauge", "Addresses defined.", [({}, len(broker.addresses))])
     _family(lines, "queues", "gauge", "Queues defined.", [({}, len(broker.queues))])
     for name, kind, help_text, read in _QUEUE_FAMILIES:

@@ -25,6 +25,9 @@
     return node;
   }
 
+  // The queues of the broker's own state: cluster store-and-forward, and the gateways' sessions, locks, outboxes and
+  // retained messages.
+  const INTERNAL_PREFIXES = ["$sys.", "$mqtt.", "$amqp.", "$stomp."];
   const fmt = new Intl.NumberFormat("en", { maximumFractionDigits: 1 });
   const num = (n) => (typeof n === "number" ? fmt.format(n) : "–");
   const when = (ms) => (ms ? new Date(ms).toLocaleString() : "–");
@@ -95,7 +98,8 @@
     const self = await api("/api/status");
     state.selfId = self.node_id;
     const members = self.cluster ? self.cluster.members
-      : [{ node_id: self.node_id, name: self.name, host: location.hostname, port: self.link_port, epoch: self.epoch }];
+      : [{ node_id: self.node_id, name: self.name, host: location.hostname, port: self.link_port, epoch: self.epoch,
+        management: Number(location.port) || (location.protocol === "https:" ? 443 : 80) }]; // (this page's port)
     const sorted = [...members].sort((a, b) => String(a.name).localeCompare(String(b.name)));
     state.nodes = await Promise.all(sorted.map(async (member) => {
       if (member.node_id === self.node_id) return { member, status: self };
@@ -319,7 +323,7 @@
     const name = connection.client_name || "";
     const word = name.split(" ")[0];
     if (name.startsWith("cluster:") || name.startsWith("backup:") || connection.user.startsWith("cluster:")) return "cluster";
-    if (name.endsWith(" readiness") || name.endsWith(" topology") || name.startsWith("mqtt gateway ") || name.startsWith("mqtt fan-out ")) return "gateway";
+    if (name.endsWith(" readiness") || name.endsWith(" topology") || name.endsWith(" sessions") || name.startsWith("mqtt gateway ") || name.startsWith("mqtt fan-out ")) return "gateway";
     if (["stomp", "mqtt", "amqp"].includes(word)) return word;
     return "link";
   }
@@ -384,14 +388,14 @@
     ], { sortKey: "name" });
     const apply = () => {
       const text = search.value.trim().toLowerCase();
-      table.filter((r) => (internal.checked || !r.name.startsWith("$sys."))
+      table.filter((r) => (internal.checked || !INTERNAL_PREFIXES.some((prefix) => r.name.startsWith(prefix)))
         && (!text || r.name.toLowerCase().includes(text) || r.address.toLowerCase().includes(text)));
     };
     search.addEventListener("input", apply);
     internal.addEventListener("change", apply);
     const create = operation("create-queue") ? createQueueForm() : null;
     root.append(el("h1", {}, "Queues"),
-      el("div", { class: "toolbar" }, search, el("label", {}, internal, " show internal queues ($sys.…)")),
+      el("div", { class: "toolbar" }, search, el("label", {}, internal, " show internal queues ($sys.…, $mqtt.…, $amqp.…, $stomp.…)")),
       table.table, create || "");
     apply();
     return async () => {
@@ -520,12 +524,17 @@
 
   pages.mqtt = async (root) => {
     const sessions = sortableTable("mqtt-sessions", [
-      { key: "client_id", label: "Client id" }, { key: "node", label: "Node" },
+      { key: "client_id", label: "Client id", value: (r) => r.client_id ?? r.label, render: (r) => (r.client_id != null ? r.client_id : el("span", { title: "The id holds characters a queue name cannot show: this is its label" }, `${r.label} (label)`)) },
+      { key: "node", label: "Node" },
       { key: "connected", label: "Connected", render: (r) => badge(r.connected ? "connected" : "offline", r.connected ? "good" : "info") },
       { key: "persistent", label: "Persistent", render: (r) => (r.persistent ? "yes" : "no") }, { key: "user", label: "User" },
       { key: "subscriptions", label: "Subscriptions", value: (r) => (r.subscriptions || []).join(" "), render: (r) => (r.subscriptions || []).join(", ") || "–" },
       { key: "queued", label: "Queued", numeric: true },
-      { key: "delete", label: "", render: (r) => el("button", { class: "small danger", onclick: () => act(`Delete the session of ${r.client_id}?`, "delete-mqtt-session", { client_id: r.client_id }) }, "Delete") },
+      // A session whose id no queue name shows (client_id null) is deleted with its exact id (the CLI): the
+      // button sent "null", and deleted the session of a client named so.
+      { key: "delete", label: "", render: (r) => (r.client_id == null
+        ? el("button", { class: "small danger", disabled: true, title: "Its exact client id is not shown here: tridentmq mqtt session-delete CLIENT_ID" }, "Delete")
+        : el("button", { class: "small danger", onclick: () => act(`Delete the session of ${r.client_id}?`, "delete-mqtt-session", { client_id: r.client_id }) }, "Delete")) },
     ]);
     const retained = sortableTable("mqtt-retained", [
       { key: "topic", label: "Topic" }, { key: "size", label: "Bytes", numeric: true },
