@@ -38,6 +38,7 @@ from tridentmq_shared.link.client import Consumer, LinkClient
 from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.message import HOME_PROPERTY, M_BODY, M_ID, M_PROPS, RoutingType, new_message
+from tridentmq_shared.mqtt_queues import RETAINED_ADDRESS, retained_queue
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster]
 
@@ -665,6 +666,37 @@ async def test_an_empty_durable_subscription_of_a_gracefully_stopped_node_lives_
         subscription = await take(await cb.subscribe("watch-sub"), 6, timeout=3)
     assert sorted(subscription) == sorted(bodies(5, "w")), "the subscription or its filter did not move"
     stop_all([b])
+
+
+async def test_a_gracefully_stopped_node_keeps_its_copy_of_the_mqtt_retained_messages(tmp_path: Path) -> None:
+    """Every node keeps a whole copy of the MQTT retained messages for the gateways on it. Scale-down moved a
+    leaving node's copy to another node, where it became a namesake of the copy made when the node came back:
+    the cluster took the two for one subscription and split the retained messages between them, and an MQTT
+    subscriber through that node got none of 20, or half, some of them stale."""
+    a, b = start_cluster(tmp_path, 2)
+    own = retained_queue(node_id(b))
+    async with client(b) as cb:
+        await cb.create_queue(
+            own, RETAINED_ADDRESS, routing_type=RoutingType.MULTICAST, durable=True, last_value_key="mqtt_topic"
+        )
+    for n in range(3):
+        await publish(
+            b,
+            RETAINED_ADDRESS,
+            [b"v%d" % n],
+            routing=RoutingType.MULTICAST,
+            properties={"mqtt_topic": f"t/{n}"},
+        )
+    assert b.stop() == 0
+    assert "scale-down complete" in b.log(), b.log()
+    with urllib.request.urlopen(a.management_url + "/api/queues", timeout=5) as response:
+        assert own not in {q["name"] for q in json.loads(response.read())}, "the copy moved to the live node"
+    b = start_node(tmp_path, "node-1", [a])
+    wait_converged([a, b])
+    async with client(b) as cb:
+        kept = await take(await cb.subscribe(own, browse=True), 3)
+    assert sorted(kept) == [b"v0", b"v1", b"v2"]
+    stop_all([b, a])
 
 
 async def test_a_node_scaled_down_while_another_is_down_keeps_what_waits_for_that_node(tmp_path: Path) -> None:

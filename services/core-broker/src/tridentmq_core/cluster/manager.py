@@ -49,6 +49,7 @@ from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode, Op
 from tridentmq_shared.link.topology import endpoint_from_wire, parse_endpoint
 from tridentmq_shared.message import WireMessage
+from tridentmq_shared.mqtt_queues import retained_queue
 from tridentmq_shared.runtime import wall_ms
 from tridentmq_shared.settings import SettingsError
 from tridentmq_shared.supervision import spawn
@@ -1022,7 +1023,7 @@ class ClusterManager:
         copies, tried = self._scale_down_copies, self._scale_down_tried
         todo = []
         for name, queue in self.broker.queues.items():
-            if not queue.durable or name.startswith(FORWARD_QUEUE_PREFIX):
+            if not queue.durable or self._stays(name):
                 continue
             copy = copies.get(name)
             if copy is not None and copy.node_id in live:
@@ -1037,6 +1038,13 @@ class ClusterManager:
             tried.update((q.name, bridge.node_id) for q, bridge in chunk)
             made = await asyncio.gather(*(self._copy_queue(q, bridge) for q, bridge in chunk))
             copies.update((q.name, bridge) for (q, bridge), ok in zip(chunk, made, strict=True) if ok)
+
+    def _stays(self, name: str) -> bool:
+        """The queues a leaving node keeps in its journal: its store-and-forward queues, and its copy of the MQTT
+        retained messages, which every node keeps whole for the gateways on it. Moved, that copy became a
+        namesake of the one made when the node came back, and the cluster, taking the two for one subscription,
+        split the retained messages between them: a gateway on that node read half of them, or none."""
+        return name.startswith(FORWARD_QUEUE_PREFIX) or name == retained_queue(self.broker.node_id)
 
     async def scale_down(self, close_clients: Callable[[], None]) -> None:
         """Before a graceful stop (after ``prepare_scale_down``): tell the others to send nothing more, let this
@@ -1066,9 +1074,7 @@ class ClusterManager:
             await self._copy_to_live(deadline)  # its copy's node left since, or it came after the first look
             targets = self._live_targets()
             left = [
-                q
-                for name, q in broker.queues.items()
-                if not name.startswith(FORWARD_QUEUE_PREFIX) and (len(q) or q.in_flight or q.paged)
+                q for name, q in broker.queues.items() if not self._stays(name) and (len(q) or q.in_flight or q.paged)
             ]
             pending = [q for q in broker.forwarder.forward_queues.values() if q.consumers and (len(q) or q.in_flight)]
             in_transit = any(b.in_transit for b in self.bridges.values())  # sent straight, not confirmed yet
