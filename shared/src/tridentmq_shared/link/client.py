@@ -882,6 +882,12 @@ class LinkClient:
             return
         conn = self._conn
         assert conn is not None
+        if not conn.open:
+            # Closed by its node with the WELCOME (it was stopping: every node of a cluster stopped at once): lost
+            # again, and resumed again. Restored on it, the link failed for good, its task with a traceback.
+            if self._protocol is not None:
+                self._drop(self._protocol)
+            return
         self.failovers += 1
         log.info("link resumed on %s:%s", self.host, self.port, extra={"node_id": self.node_id})
         self._restore(conn)
