@@ -311,6 +311,24 @@ async def test_status_calls_messages_no_redistribution_moves_stranded(tmp_path: 
     stop_all(nodes)
 
 
+async def test_status_does_not_call_the_mqtt_gateways_records_stranded(tmp_path: Path) -> None:
+    """A session record and a node's copy of the retained messages wait for no consumer by design: status listed
+    them as stranded next to real backlogs, so an operator watching it for stuck messages saw them always."""
+    nodes = start_cluster(tmp_path, 2)
+    a = nodes[0]
+    async with client(a) as c:
+        await c.create_queue(retained_queue(node_id(a)), RETAINED_ADDRESS, routing_type=RoutingType.MULTICAST)
+        await c.create_queue("$mqtt.session.device-1", last_value_key="state")
+        records = [
+            new_message(RETAINED_ADDRESS, b"22.5", durable=True, properties={"mqtt_topic": "room/1"}),
+            new_message("$mqtt.session.device-1", b"{}", durable=True, properties={"state": "state"}),
+            new_message("orders", b"1", durable=True),
+        ]
+        await asyncio.gather(*[await c.send(m) for m in records])
+    await wait_until_async(lambda: cluster_view(a)["stranded"] == {"orders": 1}, what="only orders stranded")
+    stop_all(nodes)
+
+
 async def test_a_consumer_moving_between_three_nodes_every_1_5_s_gets_every_message_once(tmp_path: Path) -> None:
     """Issue 21's flapping consumer. Removing a redistributor to one node could delete the emptied queue
     before the next one to another node was started, and the cluster tick failed on it."""

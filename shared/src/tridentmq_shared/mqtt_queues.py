@@ -76,3 +76,9 @@ def outbox_queue(client_id: str) -> str:
 def retained_queue(node_id: str) -> str:
     """The queue of core node ``node_id``'s copy of the retained messages."""
     return f"{RETAINED_ADDRESS}.{node_id}"
+
+
+def holds_records(queue: str, address: str) -> bool:
+    """Whether a queue keeps the gateways' records (a session's, a node's copy of the retained messages) rather
+    than messages on their way to a consumer: nothing reads it until a client needs it, by design."""
+    return queue.startswith(SESSION_PREFIX) or address == RETAINED_ADDRESS

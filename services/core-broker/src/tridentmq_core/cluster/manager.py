@@ -49,7 +49,7 @@ from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode, Op
 from tridentmq_shared.link.topology import endpoint_from_wire, parse_endpoint
 from tridentmq_shared.message import WireMessage
-from tridentmq_shared.mqtt_queues import retained_queue
+from tridentmq_shared.mqtt_queues import holds_records, retained_queue
 from tridentmq_shared.runtime import wall_ms
 from tridentmq_shared.settings import SettingsError
 from tridentmq_shared.supervision import spawn
@@ -1281,7 +1281,8 @@ class ClusterManager:
     def stranded(self) -> dict[str, int]:
         """Queues of this node with messages that no consumer here takes and no redistribution moved since the
         last tick (none runs, none can take them, or it stopped): queue name → messages. A node elsewhere with
-        consumers does not make a queue's messages move (a selector there may want none of them)."""
+        consumers does not make a queue's messages move (a selector there may want none of them). The MQTT
+        gateways' records wait for no consumer, so they are not listed."""
         view = {}
         for queue in self._with_messages():
             name = queue.name
@@ -1290,6 +1291,7 @@ class ClusterManager:
                 and name not in self._moving
                 and not name.startswith(FORWARD_QUEUE_PREFIX)
                 and not any(is_local_consumer(c) for c in queue.consumers)
+                and not holds_records(name, queue.address)
             ):
                 view[name] = len(queue)
         return view
