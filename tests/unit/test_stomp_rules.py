@@ -145,13 +145,23 @@ ANYCAST, MULTICAST = int(RoutingType.ANYCAST), int(RoutingType.MULTICAST)
         ({"consumer-window-size": "5000"}, 1000),
         ({"consumer-window-size": "0"}, 1000),  # unlimited, as far as the gateway allows
         ({"consumer-window-size": "-1"}, 1000),
-        ({"consumer-window-size": "ten"}, 100),
-        ({"consumer-window-size": "1" * 12}, 100),  # beyond what a header may say
+        ({"consumer-window-size": "ten"}, None),  # refused
+        ({"consumer-window-size": "1.5"}, None),
+        ({"consumer-window-size": " 10"}, None),
+        ({"consumer-window-size": "1" * 12}, 1000),  # beyond any window
+        ({"consumer-window-size": "-" + "1" * 12}, 1000),  # unlimited
         ({"consumer-window-size": "", "activemq.prefetchSize": "30"}, 30),
     ],
 )
-def test_the_window_is_the_client_s_within_the_gateway_s_bounds(headers: dict[str, str], expected: int) -> None:
+def test_the_window_is_the_client_s_within_the_gateway_s_bounds(headers: dict[str, str], expected: int | None) -> None:
     assert window(headers, **LIMITS) == expected
+
+
+def test_a_window_that_is_not_an_integer_is_refused() -> None:
+    refused = plan("orders", ANYCAST, {"consumer-window-size": "lots"}, client_id=None, temporary_queue="t", **LIMITS)
+    assert isinstance(refused, Refused)
+    assert refused.message == "invalid header"
+    assert "consumer-window-size" in refused.detail
 
 
 def test_an_anycast_destination_is_consumed_as_it_is_and_its_consumer_filters() -> None:

@@ -11,7 +11,8 @@ it first, the consumer's window and where the selector applies.
 - A selector filters the queue the gateway makes (only matching messages are kept for the subscription);
   on a queue it does not make, the consumer filters.
 - The window is ``consumer-window-size`` (or ``activemq.prefetchSize``) within 1..``max_prefetch``, the
-  gateway's ``prefetch`` when absent or unreadable, and ``max_prefetch`` for 0 or below ("unlimited").
+  gateway's ``prefetch`` when absent, and ``max_prefetch`` for 0 or below ("unlimited"); a value that is not
+  an integer is refused.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from tridentmq_shared.message import ROUTING_DEFAULT, RoutingType
 from tridentmq_shared.names import name_problem
 from tridentmq_stomp.convert import FQQN_SEPARATOR
 
-_DECIMAL = re.compile(r"-?[0-9]{1,9}")
+_INTEGER = re.compile(r"-?[0-9]+")
+_WINDOW_HEADERS = ("consumer-window-size", "activemq.prefetchSize")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +60,17 @@ def durable_name(headers: Mapping[str, str]) -> str | None:
     return headers.get("durable-subscription-name") or headers.get("activemq.subscriptionName")
 
 
-def window(headers: Mapping[str, str], prefetch: int, max_prefetch: int) -> int:
-    asked = headers.get("consumer-window-size") or headers.get("activemq.prefetchSize")
-    size = int(asked) if asked is not None and _DECIMAL.fullmatch(asked) else prefetch
-    return min(max(size, 1), max_prefetch) if size > 0 else max_prefetch
+def window(headers: Mapping[str, str], prefetch: int, max_prefetch: int) -> int | None:
+    """The subscription's window, or None when the client's header is not an integer."""
+    asked = next((value for name in _WINDOW_HEADERS if (value := headers.get(name))), None)
+    if asked is None:
+        return prefetch
+    if not _INTEGER.fullmatch(asked):
+        return None
+    if len(asked) > 10:  # beyond any window either way: as many as the gateway allows
+        return max_prefetch
+    size = int(asked)
+    return min(size, max_prefetch) if size > 0 else max_prefetch
 
 
 def plan(
@@ -78,6 +87,8 @@ def plan(
     non-durable multicast subscription."""
     selector = headers.get("selector") or None
     size = window(headers, prefetch, max_prefetch)
+    if size is None:
+        return Refused("invalid header", f"{' or '.join(_WINDOW_HEADERS)} must be an integer (0 or below: unlimited)")
     if FQQN_SEPARATOR in address:
         fully_qualified = None if routing == ROUTING_DEFAULT else routing
         return Plan(address, None, temporary=False, window=size, consumer_selector=selector, routing=fully_qualified)
