@@ -542,7 +542,7 @@ def test_an_address_setting_is_changed_from_the_settings_page(
 
 
 def test_a_failover_appears_on_the_cluster_page(browser: webdriver.Chrome, cluster: Cluster, tmp_path: Path) -> None:
-    """The last test of the module: the pair's primary is killed and its backup takes over, with epoch 2."""
+    """The pair's primary is killed and its backup takes over, with epoch 2."""
     log_in(browser, cluster)
     wait_for(browser, "the primary", lambda d: d.find_elements(By.CSS_SELECTOR, '.node[data-name="a-primary"]'))
     cluster.primary.process.send_signal(signal.SIGKILL)
@@ -552,3 +552,23 @@ def test_a_failover_appears_on_the_cluster_page(browser: webdriver.Chrome, clust
     assert text(browser, f"{backup} .epoch") == "2"
     assert not browser.find_elements(By.CSS_SELECTOR, '.node[data-name="a-primary"]')
     shot(browser, tmp_path, "failover")
+
+
+def test_a_page_whose_node_stops_answering_says_it_is_stale(
+    browser: webdriver.Chrome, cluster: Cluster, tmp_path: Path
+) -> None:
+    """The last test of the module. The node that serves the console is frozen (SIGSTOP): it accepts connections
+    and answers nothing. The page kept showing every node "ready" for as long as it stayed frozen; it now says
+    that it is not being updated, and clears that once the node answers again."""
+    log_in(browser, cluster)
+    wait_for(browser, "node b ready", lambda d: "ready" in text(d, '.node[data-name="b"]'))
+    assert not browser.find_element(By.ID, "stale").is_displayed()
+    cluster.b.process.send_signal(signal.SIGSTOP)
+    try:
+        wait_for(browser, "the stale banner", lambda d: d.find_element(By.ID, "stale").is_displayed())
+        assert "this node did not answer within 8 s" in text(browser, "#stale")
+        assert "stale" in str(browser.find_element(By.ID, "page").get_attribute("class"))
+        shot(browser, tmp_path, "stale")
+    finally:
+        cluster.b.process.send_signal(signal.SIGCONT)
+    wait_for(browser, "the banner gone", lambda d: not d.find_element(By.ID, "stale").is_displayed())

@@ -5,6 +5,7 @@
 (() => {
   const AUTH_KEY = "tridentmq.console.auth"; // sessionStorage: gone when the tab closes
   const POLL_MS = 2000;
+  const REQUEST_TIMEOUT_MS = 8000;
   const HISTORY_POINTS = 150; // 5 minutes of samples for the charts
 
   // ------------------------------------------------------------------ small DOM helpers
@@ -61,11 +62,19 @@
     const headers = { Accept: "application/json", "X-TridentMQ-Console": "1", "X-TridentMQ-Request": "1" };
     if (credentials) headers.Authorization = `Basic ${credentials}`;
     if (body !== undefined) headers["Content-Type"] = "application/json";
-    const answer = await fetch(path, {
-      method, headers, body: body === undefined ? undefined : JSON.stringify(body),
-      credentials: "omit", cache: "no-store", redirect: "follow",
-    });
-    const text = await answer.text();
+    let answer, text;
+    try {
+      // A node that is frozen (or a network that drops packets) accepts the connection and never answers: without
+      // a limit the page would keep showing its last answer as if it were current.
+      answer = await fetch(path, {
+        method, headers, body: body === undefined ? undefined : JSON.stringify(body),
+        credentials: "omit", cache: "no-store", redirect: "follow", signal: AbortSignal.timeout(REQUEST_TIMEOUT_MS),
+      });
+      text = await answer.text();
+    } catch (error) {
+      if (error.name === "TimeoutError") throw new ApiError(0, `this node did not answer within ${REQUEST_TIMEOUT_MS / 1000} s`);
+      throw new ApiError(0, `this node cannot be reached (${error.message})`);
+    }
     let data = null;
     try {
       data = text ? JSON.parse(text) : null;
@@ -741,13 +750,32 @@
   let current = { refresh: null, token: 0 };
   let timer = null;
 
+  let refreshing = false;
+  let updatedAt = null;
+
+  // A page whose last refresh failed says so, with the time of its last good one: what it shows may be stale.
+  function showStale(message) {
+    const banner = $("#stale");
+    banner.hidden = message === null;
+    banner.textContent = message === null ? "" : `Not updated since ${updatedAt ? updatedAt.toLocaleTimeString() : "the page opened"}: ${message}`;
+    banner.title = banner.textContent;
+    $("#page").classList.toggle("stale", message !== null);
+  }
+
   async function refreshNow(force = false) {
     const { refresh, token } = current;
-    if (!refresh) return;
+    if (!refresh || (refreshing && force !== true)) return; // one poll at a time: an unanswered one does not pile up
+    refreshing = true;
     try {
       await refresh(force === true);
+      if (token === current.token) {
+        updatedAt = new Date();
+        showStale(null);
+      }
     } catch (error) {
-      if (token === current.token && !(error instanceof ApiError && error.status === 401)) toast(error.message, "bad");
+      if (token === current.token && !(error instanceof ApiError && error.status === 401)) showStale(error.message);
+    } finally {
+      refreshing = false;
     }
   }
 
