@@ -667,6 +667,40 @@ def test_a_topic_subscription_ends_with_its_link(amqp_gateway: GatewayProcess, c
         conn.close()
 
 
+@pytest.mark.parametrize("presettled", [False, True])
+def test_a_message_that_expires_while_waiting_for_the_client_s_credit_is_not_delivered(
+    amqp_gateway: GatewayProcess, core: CoreProcess, presettled: bool
+) -> None:
+    """The gateway fetches ahead of its client's credit; a message that expired there went out with its ttl
+    spent, and never reached the expiry address (the queue counted it acknowledged)."""
+    queue = unique("expiring")
+    conn = connect(amqp_gateway)
+    try:
+        receiver = conn.create_receiver(queue, credit=0, options=AtMostOnce() if presettled else None)
+        sender = conn.create_sender(queue)
+        sender.send(Message(body="short", durable=True, ttl=0.5))
+        sender.send(Message(body="long", durable=True))
+        time.sleep(1.5)
+        receiver.flow(5)
+        got = [receiver.receive(timeout=WAIT).body]
+        if not presettled:
+            receiver.accept()
+        with pytest.raises(Timeout):
+            got.append(receiver.receive(timeout=1.0).body)
+        assert got == ["long"]
+
+        def counters() -> dict[str, object]:
+            with urlopen(f"{core.management_url}/api/queues/{queue}", timeout=WAIT) as reply:
+                return dict(json.load(reply))
+
+        deadline = time.monotonic() + WAIT
+        while counters().get("expired") != 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert counters()["expired"] == 1
+    finally:
+        conn.close()
+
+
 def test_presettled_messages_all_arrive_when_the_producer_leaves_at_once(amqp_gateway: GatewayProcess) -> None:
     """At most once, but a healthy broker loses nothing: what a pre-settled producer sent before its CLOSE is
     published even when the gateway is still working through it as the connection ends."""

@@ -79,6 +79,7 @@ from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import (
     M_ADDRESS,
+    M_EXPIRATION,
     M_ID,
     M_PROPS,
     M_ROUTING,
@@ -1263,10 +1264,16 @@ class AmqpSession:
             now_ms = int(time.time() * 1000)
             presettled = outbound.presettled
             sent: list[int] = []
+            expired: list[int] = []
             to_amqp = messages.to_amqp
             while pending and credit > 0:
                 count, message = pending.popleft()
                 message_id = message[M_ID]
+                if 0 < message[M_EXPIRATION] <= now_ms:
+                    # Expired while it waited here for the client's credit: not handed on, as the link client
+                    # does with what it buffers; it goes back uncounted and the node expires it (a browser skips it).
+                    expired.append(message_id)
+                    continue
                 try:
                     data = to_amqp(message, count, now_ms)
                 except (messages.MessageFormatError, TypeError, ValueError) as exc:
@@ -1299,6 +1306,8 @@ class AmqpSession:
                 credit -= 1
             if sent and not outbound.browse:
                 outbound.consumer.ack_ids(sent)
+            if expired and not outbound.browse:
+                outbound.consumer.nack_ids(expired, NackMode.RELEASE)
             self.counters.messages_delivered += available - credit
         if drain and not pending:
             lib.pn_link_drained(pn_link)  # nothing more right now: the rest of the credit is used up
