@@ -2245,6 +2245,22 @@ def test_an_auto_delete_queue_emptied_by_an_operator_goes_at_the_next_scan(h: Ha
     assert "waiting" not in h.broker.queues
 
 
+def test_a_paused_auto_delete_queue_is_kept_until_it_is_resumed(h: Harness, c: Client) -> None:
+    """An operator paused a queue and purged it: the emptied queue was deleted with its pause, and the next
+    publish made it anew, running, for a consumer to take what the operator held back."""
+    ok(c.create_queue("held", auto_delete=True))
+    c.publish("held", b"x")
+    catalog = h.broker.catalog
+    catalog.set_paused(h.broker.queues["held"], paused=True)
+    assert catalog.purge_queue(h.broker.queues["held"], h.now_ms) == 1
+    h.tick(h.now_ms + 1000)
+    h.tick(h.now_ms + 1000)
+    assert h.broker.queues["held"].paused
+    catalog.set_paused(h.broker.queues["held"], paused=False)
+    h.tick(h.now_ms + 1000)
+    assert "held" not in h.broker.queues
+
+
 # ====================================================================== audit of per-message events
 def audited(settings: CoreSettings | None = None) -> tuple[Harness, RecordingAudit]:
     h = Harness(settings)

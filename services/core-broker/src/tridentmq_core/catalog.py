@@ -415,6 +415,7 @@ class Catalog:
     def maybe_auto_delete(self, queue: Queue, now_ms: int) -> None:
         if (
             queue.auto_delete
+            and not queue.paused  # an operator's hand is on it: deleted, its next publish would make it unpaused
             and not queue.consumers
             and not len(queue)
             and not queue.in_flight  # acknowledged in a transaction still open, after its consumer went
@@ -480,6 +481,7 @@ class Catalog:
         queue.paused = paused
         if not paused:
             self._to_dispatch.add(queue)
+            self._activity.changed.note(queue)  # an auto-delete queue emptied while paused goes now
 
     # ------------------------------------------------------------------ expiry of idle queues
     def _change_expiry(self, session: Session, queue: Queue, expires_ms: int, now_ms: int) -> None:
