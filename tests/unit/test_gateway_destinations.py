@@ -13,6 +13,7 @@ from tridentmq_shared.message import (
     ROUTING_DEFAULT,
     TEMPORARY_ADDRESS_PREFIX,
     RoutingType,
+    new_message,
 )
 from tridentmq_stomp import convert as stomp
 
@@ -87,6 +88,16 @@ def test_a_message_names_the_destination_its_send_named() -> None:
     assert dict(stomp.message_headers(moved, "s", "1-1", 1))["destination"] == "/queue/DLQ"
     shown = dict(stomp.message_headers(moved, "s", "1-1", 1, "/temp-queue/replies"))
     assert shown["destination"] == "/temp-queue/replies"
+
+
+def test_a_message_sent_without_a_routing_type_shows_the_one_of_the_queue_it_reached() -> None:
+    """A bare AMQP address on a multicast address reached a /topic/ subscriber as /queue/."""
+    message = new_message("ticks", b"", routing=ROUTING_DEFAULT)
+    on_topic = dict(stomp.message_headers(message, "s", "1-1", 1, queue_routing=MULTICAST))
+    assert on_topic["destination"] == "/topic/ticks"
+    assert dict(stomp.message_headers(message, "s", "1-1", 1))["destination"] == "/queue/ticks"
+    anycast = new_message("ticks", b"", routing=ANYCAST)  # its own routing type wins
+    assert dict(stomp.message_headers(anycast, "s", "1-1", 1, queue_routing=MULTICAST))["destination"] == "/queue/ticks"
 
 
 def test_a_redelivery_says_so_and_the_message_id_and_timestamp_are_the_core_s() -> None:

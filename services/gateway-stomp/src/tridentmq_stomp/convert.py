@@ -145,14 +145,24 @@ def to_message(address: str, routing: int, headers: dict[str, str], body: bytes)
 
 
 def message_headers(
-    message: WireMessage, subscription: str, ack_id: str, delivery_count: int, destination: str | None = None
+    message: WireMessage,
+    subscription: str,
+    ack_id: str,
+    delivery_count: int,
+    destination: str | None = None,
+    *,
+    queue_routing: int = RoutingType.ANYCAST,
 ) -> list[tuple[str, str]]:
-    """The headers of the MESSAGE frame for a delivery."""
+    """The headers of the MESSAGE frame for a delivery; ``queue_routing`` is the routing type of the queue the
+    subscription takes from, which says where a message sent without one of its own went."""
     if destination is None:
         address = message[M_ADDRESS]
         # Only while the message is still at that address: a dead-lettered copy is at another one.
         sent = message[M_PROPS].get(SENT_DESTINATION)
-        destination = address if sent == address else address_to_destination(address, message[M_ROUTING])
+        routing = message[M_ROUTING]
+        if routing == ROUTING_DEFAULT:  # (a bare AMQP address, say): the address decided, as the queue shows
+            routing = queue_routing
+        destination = address if sent == address else address_to_destination(address, routing)
     headers = [
         ("destination", destination),
         ("message-id", str(message[M_ID])),

@@ -72,6 +72,7 @@ class Subscription:
     consumer: Consumer
     temporary: bool
     shown_destination: str | None = None  # MESSAGE's destination when the address would not say it (temp queues)
+    routing: int = RoutingType.ANYCAST  # of the queue it takes from
     durable: bool = False  # a durable subscription: its queue is the one the gateway made under its name
     stopped: bool = False
     drain: asyncio.Task[None] | None = None  # waits for the client to read what was written, while it does not
@@ -396,7 +397,15 @@ class StompSession:
         acks = Unacked(event.id, next(self._keys), event.ack)
         durable = plan.make is not None and plan.make.durable
         subscription = Subscription(
-            event.id, event.destination, plan.queue, acks, consumer, plan.temporary, shown, durable=durable
+            event.id,
+            event.destination,
+            plan.queue,
+            acks,
+            consumer,
+            plan.temporary,
+            shown,
+            durable=durable,
+            routing=RoutingType.MULTICAST if routing == RoutingType.MULTICAST else RoutingType.ANYCAST,
         )
         self.subscriptions[event.id] = subscription
         consumer.on_wake = lambda: self._pump(subscription)
@@ -592,7 +601,12 @@ class StompSession:
             message_id = message[M_ID]
             ids.append(message_id)
             headers = convert.message_headers(
-                message, subscription.id, acks.ack_header(message_id), count, subscription.shown_destination
+                message,
+                subscription.id,
+                acks.ack_header(message_id),
+                count,
+                subscription.shown_destination,
+                queue_routing=subscription.routing,
             )
             self.conn.message(headers, convert.body_of(message))
         if acks.delivered(ids):
