@@ -670,6 +670,22 @@ def test_transacted_acks_redelivered_on_rollback(c: Client) -> None:
     assert sorted((d.body, d.count) for d in again) == [(b"a", 2), (b"b", 2)]
 
 
+@pytest.mark.parametrize("ack_order", [[0, 1, 2], [2, 0, 1]])
+def test_a_rollback_redelivers_in_the_order_first_delivered(c: Client, ack_order: list[int]) -> None:
+    """A rolled back transaction gave its messages back newest first: m2, m1, m0 (JMS and Artemis redeliver a
+    rolled back session's messages in their order, as a consumer's going here does)."""
+    ok(c.create_queue("orders"))
+    cid = c.consumer("orders")
+    c.send_all("orders", [b"m0", b"m1", b"m2"])
+    got = c.take(cid)
+    tx = c.conn.new_tx_id()
+    ok(c.tx_begin(tx))
+    for n in ack_order:
+        c.ack(cid, [got[n].id], tx=tx)
+    ok(c.tx_rollback(tx))
+    assert [d.body for d in c.take(cid)] == [b"m0", b"m1", b"m2"]
+
+
 def test_transaction_errors(c: Client) -> None:
     ok(c.create_queue("orders"))
     failed(c.tx_commit(42), ErrorCode.NOT_FOUND)

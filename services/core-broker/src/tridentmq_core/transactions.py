@@ -4,6 +4,7 @@ store transaction), or ROLLBACK redelivers what it acknowledged."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import itemgetter
 
 from tridentmq_core.address_settings import AddressSettingsRepository
 from tridentmq_core.catalog import Catalog
@@ -93,8 +94,9 @@ class Transactions:
         del session.txs[tx_id]
 
     def undo(self, tx: Transaction, now_ms: int) -> None:
-        """Redeliver what the transaction acknowledged (its publishes were never applied)."""
-        for consumer, message_id in tx.acks:
+        """Redeliver what the transaction acknowledged (its publishes were never applied), in the order they
+        were sent: each goes back to the head of its queue, so the newest goes first (as a consumer's going)."""
+        for consumer, message_id in sorted(tx.acks, key=itemgetter(1), reverse=True):
             taken = consumer.queue.take(consumer, message_id)
             if taken is None:
                 continue
