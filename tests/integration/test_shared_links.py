@@ -22,9 +22,10 @@ from tests.integration.cluster_nodes import wait_until, wait_until_async
 from tests.integration.mqtt_clients import Raw
 
 from tridentmq_mqtt.protocol.packets import V311, Connack, Publish, Suback, Subscribe, Subscription
+from tridentmq_shared.link import channels
 from tridentmq_shared.link.channels import SharedLinks
 from tridentmq_shared.link.client import LinkClient
-from tridentmq_shared.link.errors import LinkClosedError, LinkRequestError
+from tridentmq_shared.link.errors import LinkClosedError, LinkRequestError, SharedLinksRefusedError
 from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.message import new_message
@@ -258,6 +259,37 @@ async def test_a_session_that_gives_up_on_a_frozen_core_leaves_the_others_waitin
         transport.close()
     finally:
         await shared.close()
+
+
+async def test_a_refused_gateway_user_is_tried_again_without_holding_up_a_client_login(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The core refuses a login after a delay that grows with the failures from its address, up to longer than
+    a link's connect timeout. A gateway whose own user was refused tried its shared link again within a
+    client's login, every 30 s: that login then timed out ("cannot connect"), a client refused for nothing."""
+    config = CONFIG + "[login]\nfailure_delay_ms = 100\nmax_failure_delay_ms = 3000\n"
+    node = start_core(tmp_path, config=config)
+    shared = SharedLinks(per_node=1, user="gw", password="wrong", name="test gateway", connect_timeout=1.0)
+    monkeypatch.setattr(channels, "REFUSED_RETRY_SECONDS", 0.0)  # each refusal's time is up at once
+    try:
+        with pytest.raises(SharedLinksRefusedError):  # refused after 0.1 s
+            await shared.open("127.0.0.1", node.link_port, asyncio.Protocol)
+        for _ in range(5):  # the address's backoff grows to its 3 s cap, beyond the connect timeout
+            with pytest.raises(LinkRequestError):
+                await LinkClient(
+                    "127.0.0.1", node.link_port, user="gw", password="wrong", reconnect=NO_RECONNECT
+                ).connect()
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(SharedLinksRefusedError):  # at once: the client's own link is next
+            await shared.open("127.0.0.1", node.link_port, asyncio.Protocol)
+        assert asyncio.get_running_loop().time() - started < 0.5
+        alice = LinkClient("127.0.0.1", node.link_port, user="alice", password="alice-pw", reconnect=NO_RECONNECT)
+        await alice.connect()  # its own link, while the gateway's try waits for its refusal
+        await alice.close()
+    finally:
+        await shared.close()
+        assert node.stop() == 0, node.log()
+    assert "Traceback" not in node.log(), node.log()
 
 
 class _StrayCancellation:

@@ -97,7 +97,7 @@ class CoreLinkSettings:
         "channel of one of them (opened with `core.user`, which the core must accept): "
         "a session then costs the core its state, not a connection. 0: one link per "
         "client session. Should the core refuse `core.user`, sessions fall back to a "
-        "link each.",
+        "link each, and the shared link is tried again in the background every 30 s.",
     )
     consumer_window_bytes: int = doc(
         4 * 1024 * 1024,

@@ -237,7 +237,14 @@ class SharedLinks:
         endpoint = (host, port)
         if self._closing:
             raise _stopping()
-        if self._refused_until.get(endpoint, 0.0) > time.monotonic():
+        refused_until = self._refused_until.get(endpoint)
+        if refused_until is not None:
+            now = time.monotonic()
+            if refused_until <= now and endpoint not in self._connecting:
+                # Tried again in the background: the core delays a refusal by its backoff for this address,
+                # which grows with the gateway's own refused tries and may outlast a session's connect.
+                self._refused_until[endpoint] = now + REFUSED_RETRY_SECONDS
+                self._start_connect(endpoint)
             raise SharedLinksRefusedError(f"{host}:{port}")
         carriers = [c for c in self._carriers.get(endpoint, ()) if c.alive]
         if len(carriers) < self.per_node:
@@ -249,11 +256,7 @@ class SharedLinks:
         """A new shared link to ``endpoint``; sessions asking meanwhile wait for the same one. The connect is a
         task of its own (bounded by the link's connect timeout): a session that gives up waiting, or whose
         client leaves, must not cancel it for the others (a resuming session would end cancelled, silently)."""
-        pending = self._connecting.get(endpoint)
-        if pending is None:
-            pending = asyncio.get_running_loop().create_task(self._new_carrier(endpoint), name="shared link connect")
-            self._connecting[endpoint] = pending
-            pending.add_done_callback(lambda task: self._connected(endpoint, task))
+        pending = self._connecting.get(endpoint) or self._start_connect(endpoint)
         try:
             return await asyncio.shield(pending)
         except asyncio.CancelledError:
@@ -262,11 +265,24 @@ class SharedLinks:
                 raise _stopping() from None  # ``close`` cancelled the connect
             raise
 
+    def _start_connect(self, endpoint: Endpoint) -> asyncio.Task[Carrier]:
+        pending = asyncio.get_running_loop().create_task(self._new_carrier(endpoint), name="shared link connect")
+        self._connecting[endpoint] = pending
+        pending.add_done_callback(lambda task: self._connected(endpoint, task))
+        return pending
+
     def _connected(self, endpoint: Endpoint, task: asyncio.Task[Carrier]) -> None:
         if self._connecting.get(endpoint) is task:
             del self._connecting[endpoint]
-        if not task.cancelled():
-            task.exception()  # taken: every session that asked may have given up
+        if task.cancelled():
+            return
+        error = task.exception()  # taken: every session that asked may have given up
+        if error is not None and endpoint in self._refused_until and not isinstance(error, SharedLinksRefusedError):
+            # A try again after a refusal, which no session waits for: said here, or never.
+            log.info(
+                "the gateway's shared core link is still not open: one link per client session",
+                extra={"core": f"{endpoint[0]}:{endpoint[1]}", "reason": str(error) or type(error).__name__},
+            )
 
     async def _new_carrier(self, endpoint: Endpoint) -> Carrier:
         client = LinkClient(
@@ -296,6 +312,7 @@ class SharedLinks:
             await client.close()
             raise _stopping()
         carrier = Carrier(self, client)
+        self._refused_until.pop(endpoint, None)
         self._carriers.setdefault(endpoint, []).append(carrier)
         log.info("shared core link opened", extra={"core": core})
         return carrier
