@@ -121,6 +121,22 @@ def test_a_node_that_announces_it_scales_down_keeps_its_durable_queues_on_the_mo
     assert manager.bindings.moving(session_queue, session_queue) == []
 
 
+def test_a_node_leaves_once_in_the_audit_stream_however_often_its_reconnect_fails() -> None:
+    """Every failed try to reconnect to a dead node wrote node.left again (9 in its first 10 s, then one every
+    2 s), so the audit's failover alerts counted dozens of failovers for one crash."""
+    h, _, audit = recorded()
+    manager = _manager(h)
+    bridge = Bridge(manager, "127.0.0.1", 61617)
+    bridge.node_id = OTHER
+    manager.bridges[bridge.address] = manager.bridges_by_node[OTHER] = bridge
+    bridge.open_session(Principal("cluster:node-2", frozenset(), unrestricted=True, cluster=True))  # up
+    for _ in range(5):  # it goes down, then four tries to reconnect fail
+        bridge._teardown()
+    assert [fields for _, event, fields in audit.events if event == "node.left"] == [
+        {"peer_node": OTHER, "name": bridge.name}
+    ]
+
+
 def _forwarded(h: Harness, body: bytes) -> list[Any]:
     """A durable message for OTHER's queue ``orders``, as the forwarder sends it straight there."""
     message = new_message("orders", body, routing=ANYCAST, durable=True)

@@ -536,7 +536,9 @@ class ClusterManager:
         self.schedule_flush()
         return True
 
-    def bridge_down(self, bridge: Bridge) -> None:
+    def bridge_down(self, bridge: Bridge, *, was_up: bool = True) -> None:
+        """``was_up``: the connection was up (else a try to reconnect failed: the node left once, when it went
+        down, not at every try)."""
         # Its durable queues stay destinations (unreachable): their messages wait in its forward queue here
         # until it, or its backup under its id, is back, instead of being routed nowhere meanwhile.
         self.bindings.depart(bridge.node_id)
@@ -544,7 +546,8 @@ class ClusterManager:
             if owner is bridge:
                 del self.redistributors[key]
         self._members_version += 1
-        self.broker.audit.emit(wall_ms() * 1000, "node.left", {"peer_node": bridge.node_id, "name": bridge.name})
+        if was_up:
+            self.broker.audit.emit(wall_ms() * 1000, "node.left", {"peer_node": bridge.node_id, "name": bridge.name})
 
     def apply_update(self, bridge: Bridge, update: dict[str, Any]) -> None:
         if update.get("leaving") is True and not bridge.leaving:
