@@ -16,7 +16,7 @@ from urllib.error import HTTPError, URLError
 from urllib.request import urlopen
 
 import pytest
-from tests.conftest import _started, start_core
+from tests.conftest import _started, start_core, start_gateway
 from tests.integration.test_cli import free_port
 
 #: Below Linux's ephemeral range (32768-60999 by default): no outgoing connection takes such a port as its own.
@@ -126,3 +126,29 @@ def test_gateway_waiting_for_its_core_stops_on_sigterm(tmp_path: Path) -> None:
     assert gateway.returncode == 0, output.decode()
     assert b"waiting for the core" in output
     assert b"Traceback" not in output
+
+
+def test_a_draining_gateway_refuses_new_clients_and_keeps_its_own_until_the_drain_ends(tmp_path: Path) -> None:
+    """With listener.drain_ms, a stopping gateway first fails /readyz and refuses new connections (a load
+    balancer marks it down meanwhile), then ends its clients' connections: they reconnect to the other
+    replicas. Without it they were ended at once, and a balancer still counting this replica up (with the
+    fewest connections) sent their reconnects back to it as it went."""
+    core = start_core(tmp_path)
+    gateway = start_gateway(tmp_path, core, "stomp", TRIDENTMQ_STOMP_LISTENER_DRAIN_MS="2000")
+    client = socket.create_connection(("127.0.0.1", gateway.port), timeout=WAIT)
+    client.sendall(b"CONNECT\naccept-version:1.2\nhost:/\n\n\0")
+    assert client.recv(4096).startswith(b"CONNECTED")
+    gateway.process.terminate()
+    wait_for(gateway.ports["http"], 503)
+    assert not listening(gateway.port)
+    client.settimeout(1.0)
+    with pytest.raises(TimeoutError):  # still connected, nothing said to it yet
+        client.recv(4096)
+    client.settimeout(WAIT)
+    while client.recv(4096):  # ended once the drain is over (an ERROR frame, then the close)
+        pass
+    client.close()
+    assert gateway.process.wait(timeout=WAIT) == 0, gateway.log()
+    assert "draining" in gateway.log()
+    assert "Traceback" not in gateway.log()
+    assert core.stop() == 0

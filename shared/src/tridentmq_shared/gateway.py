@@ -98,6 +98,15 @@ class ListenerSettings:
         "it is cut off then (logged), so its connection and what the gateway holds for it go "
         "(0 = wait for ever).",
     )
+    drain_ms: int = doc(
+        0,
+        "On a stop signal, how long the gateway keeps its clients' connections while it refuses new ones and "
+        "/readyz answers 503, before it ends them: a load balancer that checks /readyz marks it down meanwhile, "
+        "so its clients reconnect to the other replicas rather than to this one as it goes (or to its address "
+        "once gone, where a connect waits for the balancer's timeout). 0: end them at once. The Compose files "
+        "set 3000 (HAProxy checks every second and marks a replica down after two failures); in Kubernetes, "
+        "more than the readiness probe's period times its failure threshold.",
+    )
 
 
 @dataclass(frozen=True)
@@ -125,6 +134,7 @@ class ShellConfig:
     http_max_connections: int = 256  # HTTP connections at once (the WebSocket listeners take ``max_connections``)
     max_logging_in: int = 1000  # connections at once that have not logged in yet; more are refused
     close_timeout_ms: int = CLOSE_TIMEOUT_MS  # a closed connection's last bytes are written within this, or cut off
+    drain_ms: int = 0  # on stop, sessions are kept this long, while new connections are refused and /readyz fails
 
 
 def listener_tls(tls: TlsSection, *ports: int, http_tls: bool = False) -> ServerTls | None:
@@ -411,6 +421,7 @@ class GatewayShell:
         self.logging_in: set[object] = set()  # the wires of connections that have not logged in yet
         self._login_refusal_logged: float | None = None
         self.started = False
+        self.stopping = False
         self.ports: dict[str, int] = {}
         self._servers: list[asyncio.Server] = []
         self._runners: list[web.AppRunner] = []
@@ -503,11 +514,19 @@ class GatewayShell:
         return answer
 
     async def stop(self, end_session: Callable[[ClientSession], None]) -> None:
-        """Stop listening, end every session with ``end_session`` and wait (5 s at most) for them to close
-        their links, so that the core returns their messages at once."""
-        self.started = False
+        """Stop listening, end every session with ``end_session`` (after ``drain_ms``) and wait (5 s at most)
+        for them to close their links, so that the core returns their messages at once."""
+        self.started = False  # /readyz: 503
+        self.stopping = True  # WebSocket upgrades are refused
         for server in self._servers:
             server.close()
+        drain_ms = self.config.drain_ms
+        if drain_ms > 0 and self.sessions:
+            log.info(
+                "draining: new connections refused, the clients' connections end after the drain",
+                extra={"protocol": self.config.protocol, "sessions": len(self.sessions), "drain_ms": drain_ms},
+            )
+            await asyncio.sleep(drain_ms / 1000)
         sessions = list(self.sessions)
         for session in sessions:
             end_session(session)
@@ -552,6 +571,9 @@ class GatewayShell:
             await ws.close(code=1002, message=f"no supported {config.protocol} subprotocol".encode())
             return ws
         peer = f"ws {request.remote}"
+        if self.stopping:  # its clients go to another replica
+            await ws.close(code=1001, message=b"the gateway is stopping")
+            return ws
         if len(self.sessions) >= config.max_connections:
             await ws.close(code=1013, message=b"too many connections")
             return ws

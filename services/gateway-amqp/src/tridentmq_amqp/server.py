@@ -30,6 +30,7 @@ class AmqpGateway:
             max_connections=listener.max_connections,
             max_logging_in=listener.max_logging_in,
             close_timeout_ms=listener.close_timeout_ms,
+            drain_ms=listener.drain_ms,
             subprotocols=SUBPROTOCOLS,
             subprotocol_required=True,
             max_websocket_message=max(limits.max_frame_bytes, limits.max_message_bytes) + 1024,

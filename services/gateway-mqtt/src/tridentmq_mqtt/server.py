@@ -41,6 +41,7 @@ class MqttGateway:
             max_connections=listener.max_connections,
             max_logging_in=listener.max_logging_in,
             close_timeout_ms=listener.close_timeout_ms,
+            drain_ms=listener.drain_ms,
             subprotocols=SUBPROTOCOLS,
             subprotocol_required=True,
             # The packet size limit is the codec's, per MQTT packet: a WebSocket message may hold several packets

@@ -31,6 +31,7 @@ class StompGateway:
             max_connections=listener.max_connections,
             max_logging_in=listener.max_logging_in,
             close_timeout_ms=listener.close_timeout_ms,
+            drain_ms=listener.drain_ms,
             subprotocols=SUBPROTOCOLS,
             subprotocol_required=False,
             max_websocket_message=limits.max_frame_bytes + limits.max_header_bytes + 16,  # a message holds a frame
