@@ -174,3 +174,28 @@ def test_a_log_entry_a_killed_driver_left_half_written_is_dropped_and_entries_ar
     assert sorted(drop_torn_log_writes(tmp_path)) == sorted(torn)
     assert all(path.exists() for path in kept)
     assert not any(path.exists() for path in torn)
+
+
+def test_heartbeats_close_the_windows_once_traffic_stops(spark: SparkSession, tmp_path: Path) -> None:
+    """One message sent to a queue nobody reads, then only heartbeats. Spark moved the `address IS NOT NULL`
+    that followed the aggregations below them, where it dropped the heartbeats before the watermark: the
+    windows never closed, and neither the rates nor the stranded alert came."""
+    audit, checkpoint, out = tmp_path / "audit", tmp_path / "checkpoint", tmp_path / "out"
+    node = "node-q"
+    events = [{"ts_us": T0_US, "event": "node.heartbeat"}]
+    events.append(
+        {"ts_us": T0_US + 1_000_000, "event": "msg.sent", "address": "q", "message_id": "q-1", "size": 3}
+        | {"protocol": "link", "sent_ts_us": T0_US + 1_000_000}
+    )
+    events += [{"ts_us": T0_US + n * 10_000_000, "event": "node.heartbeat"} for n in range(1, 13)]
+    (audit / node).mkdir(parents=True)
+    lines = [json.dumps({"v": 1, "node_id": node, "seq": seq, "epoch": 1, **e}) for seq, e in enumerate(events)]
+    (audit / node / f"{0:020d}.jsonl").write_text("\n".join(lines) + "\n")
+    options = StreamOptions(
+        audit, checkpoint, out, window_seconds=5, watermark_seconds=1, stranded_seconds=5, trigger_seconds=1, once=True
+    )
+    run_stream(spark, options)
+    alerts = spark.read.parquet(str(out / "alerts")).collect()
+    assert [(r.address, r.alert, r.detail) for r in alerts] == [("q", "stranded", "1 sent, none delivered within 5 s")]
+    rates = spark.read.parquet(str(out / "rates")).collect()
+    assert [(r.address, r.sent_per_s) for r in rates] == [("q", 0.2)]

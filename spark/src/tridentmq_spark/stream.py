@@ -13,7 +13,10 @@ console when no ``--out``):
 
 Event-time windows close on a watermark. It is set on the unfiltered stream and the aggregations pick their
 events with conditional aggregates instead of a filter, so ``node.heartbeat`` (every 10 s per node) keeps the
-watermark moving when traffic stops; a ``where`` before the aggregation could be pushed below the watermark.
+watermark moving when traffic stops. A ``where`` before the aggregation could be pushed below the watermark,
+and so can one after it on a grouping column (``address IS NOT NULL``): Spark moves such a filter below the
+aggregation, where it drops the heartbeats before they reach the watermark and no window closes once traffic
+stops. The rows without an address are dropped by a filter on an aggregate (``_ADDRESSED``), which stays put.
 """
 
 from __future__ import annotations
@@ -49,6 +52,14 @@ def _count(condition: Column) -> Column:
     return F.count(F.when(condition, 1))
 
 
+#: Events of the group that have an address: a group of the events without one has none.
+_ADDRESSED = "addressed"
+
+
+def _addressed() -> Column:
+    return F.count("address").alias(_ADDRESSED)
+
+
 def rates(rows: DataFrame, window_seconds: int) -> DataFrame:
     ev = F.col("event")
     since_sent_ms = (F.col("ts_us") - F.col("sent_ts_us")) / 1000.0
@@ -62,8 +73,9 @@ def rates(rows: DataFrame, window_seconds: int) -> DataFrame:
         _count(ev == "msg.dead_lettered").alias("dead_lettered"),
         pct.alias("p"),
         F.percentile_approx(in_queue_ms, [0.5, 0.99], 1000).alias("q"),
+        _addressed(),
     )
-    return agg.where(F.col("address").isNotNull()).select(
+    return agg.where(F.col(_ADDRESSED) > 0).select(
         F.col("window.start").alias("window_start"),
         F.col("window.end").alias("window_end"),
         "address",
@@ -85,6 +97,7 @@ def alerts(rows: DataFrame, stranded_seconds: int, dead_letter_spike: int) -> Da
         _count(ev == "msg.sent").alias("sent"),
         _count(ev.isin("msg.delivered", "msg.acked", "msg.forwarded", "msg.redistributed")).alias("taken"),
         _count(ev == "msg.dead_lettered").alias("dead_lettered"),
+        _addressed(),
     )
     kinds = F.filter(
         F.array(
@@ -94,7 +107,7 @@ def alerts(rows: DataFrame, stranded_seconds: int, dead_letter_spike: int) -> Da
         lambda k: k.isNotNull(),
     )
     return (
-        agg.where(F.col("address").isNotNull())
+        agg.where(F.col(_ADDRESSED) > 0)
         .select(
             F.col("window.start").alias("ts"),
             "node_id",
