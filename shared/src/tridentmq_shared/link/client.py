@@ -589,6 +589,7 @@ class LinkClient:
         if transport.is_closing():
             # Reset by the peer between the connect and now (a node dying or turning a link away): writing
             # would raise RuntimeError with uvloop, which is no connection error, and end the caller.
+            self._abandon(protocol, transport)
             raise ConnectionResetError(f"{host}:{port} closed the connection at once")
         conn.hello(self.user, self.password, self.client_name, self.client_host, self.acting_for)
         transport.write(conn.data_to_send())
@@ -598,7 +599,7 @@ class LinkClient:
         try:
             await self._opened
         except BaseException:
-            transport.abort()
+            self._abandon(protocol, transport)
             raise
         finally:
             timer.cancel()
@@ -607,7 +608,7 @@ class LinkClient:
             raise ConnectionError("connection lost")
         if not self.nodes.saw(self.node_id, self.node_epoch):
             # A copy of the node that another took over from (a paused or cut-off old primary): not ours.
-            transport.abort()
+            self._abandon(protocol, transport)
             raise LinkClosedError(
                 ErrorCode.FENCED,
                 f"{host}:{port} is node {self.node_id} at epoch "
@@ -618,6 +619,16 @@ class LinkClient:
         if conn.next_deadline() is not None:  # a channel of a shared link has no heartbeats: its link's count
             self._heartbeat_task = asyncio.create_task(self._heartbeat(conn))
             self._heartbeat_task.add_done_callback(self._task_ended)
+
+    def _abandon(self, protocol: _Protocol, transport: asyncio.Transport) -> None:
+        """Close the connection of an attempt that failed: the attempt reports the failure, so its loss, which
+        comes a loop turn later (once the attempt is over), is no loss of the link to resume from. Taken for
+        one, a login the gateway had given up on (no answer in time) reconnected for ever with no client behind
+        it, and a storm of wrong passwords filled the node's handshakes with them for good."""
+        if self._protocol is protocol:
+            self._protocol = None
+            self._conn = None
+        transport.abort()
 
     def _stop_if_closed(self) -> None:
         """``close`` cancels a resume, but on Python 3.11 ``asyncio.wait_for`` can swallow that cancellation
