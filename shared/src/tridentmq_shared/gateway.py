@@ -30,7 +30,7 @@ from tridentmq_shared.logs import setup_logging
 from tridentmq_shared.runtime import LISTEN_BACKLOG, run_main
 from tridentmq_shared.settings import SettingsError, doc, load_settings
 from tridentmq_shared.supervision import EXIT_TASK_FAILED, Supervisor, current, install
-from tridentmq_shared.tls import ServerTls, TlsSection, peer_common_name
+from tridentmq_shared.tls import HANDSHAKE_TIMEOUT_S, ServerTls, TlsSection, peer_common_name
 
 log = logging.getLogger("tridentmq.gateway")
 
@@ -458,7 +458,12 @@ class GatewayShell:
             self.ports[config.protocol] = server.sockets[0].getsockname()[1]
         if tls is not None and config.tls_port >= 0:
             server = await loop.create_server(
-                lambda: _TcpWire(self), config.host, config.tls_port, ssl=tls, backlog=LISTEN_BACKLOG
+                lambda: _TcpWire(self),
+                config.host,
+                config.tls_port,
+                ssl=tls,
+                ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S,
+                backlog=LISTEN_BACKLOG,
             )
             self._servers.append(server)
             self.ports[f"{config.protocol}_tls"] = server.sockets[0].getsockname()[1]

@@ -18,6 +18,7 @@ from aiohttp import ClientConnectionResetError, web
 from aiohttp.typedefs import Handler, Middleware
 
 from tridentmq_shared.runtime import LISTEN_BACKLOG
+from tridentmq_shared.tls import HANDSHAKE_TIMEOUT_S
 
 log = logging.getLogger("tridentmq.http")
 
@@ -132,6 +133,7 @@ class CappedSite(web.SockSite):
             lambda: _Counted(self, server()) if self.open < self.max_connections else self._refuse(),
             sock=self._sock,
             ssl=self._ssl_context,
+            ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if self._ssl_context is not None else None,
             backlog=self._backlog,
         )
 

@@ -21,6 +21,10 @@ from tridentmq_shared.settings import SettingsError, doc
 
 log = logging.getLogger("tridentmq.tls")
 
+#: A server's TLS handshake must end within this (asyncio waits 60 s by default): connections that send a
+#: ClientHello and nothing more are closed then, like a plain connection that does not log in in time.
+HANDSHAKE_TIMEOUT_S = 10.0
+
 CLIENT_CERT_MODES = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
 VERSIONS = {"TLSv1.2": ssl.TLSVersion.TLSv1_2, "TLSv1.3": ssl.TLSVersion.TLSv1_3}
 

@@ -74,7 +74,7 @@ from tridentmq_shared.message import MAX_PROPERTIES
 from tridentmq_shared.runtime import LISTEN_BACKLOG, random_hex, wall_ms
 from tridentmq_shared.settings import SettingsError
 from tridentmq_shared.supervision import Supervisor, current
-from tridentmq_shared.tls import ServerTls
+from tridentmq_shared.tls import HANDSHAKE_TIMEOUT_S, ServerTls
 
 log = logging.getLogger("tridentmq.core")
 
@@ -795,7 +795,12 @@ class CoreNode:
         link = self.settings.link
         link_tls = self.tls.context if self.tls is not None and link.tls else None
         self._server = await loop.create_server(
-            lambda: LinkProtocol(self), link.host, link.port, ssl=link_tls, backlog=LISTEN_BACKLOG
+            lambda: LinkProtocol(self),
+            link.host,
+            link.port,
+            ssl=link_tls,
+            ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if link_tls is not None else None,
+            backlog=LISTEN_BACKLOG,
         )
         self.status.link_port = self._server.sockets[0].getsockname()[1]
         if self.settings.management.enabled:
