@@ -85,6 +85,15 @@ def test_repeated_or_clashing_user_property_names_keep_their_order() -> None:
     assert messages.publish_properties(m, NOW, None).user_properties == pairs
 
 
+def test_more_user_properties_than_a_core_message_may_have_are_kept_together() -> None:
+    """300 user properties made a core message the node finds malformed: it ended the client's session (DISCONNECT
+    0x88), and the client sent the same message again at its reconnect, for ever."""
+    pairs = tuple((f"p{n}", str(n)) for n in range(300))
+    m = messages.to_message("t", b"", 1, Properties(user_properties=pairs), "c", NOW)
+    assert check_message(m) is None
+    assert messages.publish_properties(m, NOW, None).user_properties == pairs
+
+
 def test_the_expiry_left_is_rounded_up_and_never_zero() -> None:
     m = messages.to_message("t", b"", 0, Properties(message_expiry_interval=2), "c", NOW)
     assert messages.publish_properties(m, NOW + 1, None).message_expiry_interval == 2

@@ -29,6 +29,7 @@ from tridentmq_shared.message import (
     M_LVQ,
     M_PROPS,
     M_ROUTING,
+    MAX_PROPERTIES,
     RoutingType,
     WireMessage,
     property_text,
@@ -73,7 +74,11 @@ def to_message(
         user = properties.user_properties
         if user:
             names = [name for name, _ in user]
-            if len(set(names)) < len(names) or not INTERNAL.isdisjoint(names):
+            if (
+                len(set(names)) < len(names)
+                or not INTERNAL.isdisjoint(names)
+                or len(names) > MAX_PROPERTIES - len(INTERNAL)  # room for ours: the core ends a link sending more
+            ):
                 props[USER_PROPERTIES] = json.dumps(user, ensure_ascii=False)  # order and repeats kept
             else:
                 props.update(user)
