@@ -242,3 +242,36 @@ def test_clean_and_damaged_segments_give_the_same_events(tmp_path: Path) -> None
     assert by_seq[2]["target_queues"] == "q1,q2"
     assert (by_seq[3]["consumer_protocol"], by_seq[4]["consumer_protocol"]) == ("amqp", "link")
     assert by_seq[0]["consumer_protocol"] is None
+
+
+def test_a_version_below_1_and_numbers_beyond_64_bits_are_bad_records(tmp_path: Path) -> None:
+    """A number of 2**63 or more made the whole job fail (OverflowError building the batch), and a line of v 0
+    was taken for a good v1 event."""
+    (tmp_path / "n").mkdir()
+    lines = [
+        _line("n", 0),
+        _line("n", 1).replace('"v": 1', '"v": 0'),
+        _line("n", 2, "msg.sent", address="a", message_id="m", size=1 << 63, protocol="link", sent_ts_us=1),
+        json.dumps({"v": 1, "node_id": "n", "seq": 3, "ts_us": 1 << 64, "event": "node.heartbeat", "epoch": 1}) + "\n",
+        _line("n", 4),
+    ]
+    (tmp_path / "n" / "00000000000000000000.jsonl").write_text("".join(lines))
+    rows = [r for b in read_range(tmp_path / "n", "n", 0, 5) for r in b.to_pylist()]
+    assert [(r["seq"], r["bad_reason"]) for r in rows] == [
+        (0, None),
+        (1, "missing_header"),
+        (2, "bad_field_type"),
+        (3, "missing_header"),
+        (4, None),
+    ]
+
+
+def test_an_audit_folder_with_nothing_sealed_yet_gives_no_rows(spark: SparkSession, tmp_path: Path) -> None:
+    """A fresh node's folder holds only .active for its first minute: the jobs failed on it with a bare
+    AssertionError (Spark reads one partition of its own when a source has none)."""
+    (tmp_path / "audit" / "n1" / ".active").mkdir(parents=True)
+    (tmp_path / "audit" / "n1" / ".active" / "00000000000000000000.jsonl").write_text(_line("n1", 0))
+    assert jobs.load(spark, tmp_path / "audit").count() == 0
+    parser = argparse.ArgumentParser()
+    cli.add_commands(parser)
+    assert cli.run(parser.parse_args(["trace", "m-1", "--audit-dir", str(tmp_path / "none")])) == 2

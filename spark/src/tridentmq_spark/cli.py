@@ -68,6 +68,9 @@ def add_commands(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.audit_command != "stream" and not args.audit_dir.is_dir():  # (a stream may start before its nodes)
+        print(f"no audit directory {args.audit_dir} (see --audit-dir)", file=sys.stderr)
+        return 2
     from tridentmq_spark.session import get_session  # noqa: PLC0415  (pyspark loads only when a job runs)
 
     spark = get_session(args.master)

@@ -220,7 +220,11 @@ def _read_clean_segment(path: Path, node_id: str) -> pa.Table | None:
     for header in ("v", "seq", "ts_us", "event"):
         if table[header].null_count:
             return None
-    if pc.max(table["v"]).as_py() > schema.SCHEMA_VERSION or not pc.all(pc.is_in(table["event"], known_events)).as_py():
+    versions = pc.min_max(table["v"]).as_py()
+    if (
+        not 1 <= versions["min"] <= versions["max"] <= schema.SCHEMA_VERSION
+        or not pc.all(pc.is_in(table["event"], known_events)).as_py()
+    ):
         return None
     seqs = table["seq"].to_numpy()
     if seqs[0] < 0 or (n > 1 and not np.all(np.diff(seqs) == 1)):
@@ -254,7 +258,7 @@ def _parse(line: bytes, node_id: str) -> dict[str, object]:
     if not isinstance(record, dict):
         return {"node_id": node_id, "bad_reason": schema.BAD_NOT_JSON, "raw": _raw(line)}
     seq, v, ts, event = record.get("seq"), record.get("v"), record.get("ts_us"), record.get("event")
-    if not (_is_int(seq) and _is_int(v) and _is_int(ts) and isinstance(event, str)):
+    if not (_is_int(seq) and _is_int(v) and v >= 1 and _is_int(ts) and isinstance(event, str)):  # type: ignore[operator]
         return {
             "node_id": node_id,
             "seq": seq if _is_int(seq) else None,
@@ -306,7 +310,8 @@ def _parse(line: bytes, node_id: str) -> dict[str, object]:
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer of a 64-bit column (JSON has no bound: a bigger one made the whole batch fail)."""
+    return isinstance(value, int) and not isinstance(value, bool) and -(1 << 63) <= value < (1 << 63)
 
 
 class _BatchBuilder:
