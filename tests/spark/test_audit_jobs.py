@@ -275,3 +275,21 @@ def test_an_audit_folder_with_nothing_sealed_yet_gives_no_rows(spark: SparkSessi
     parser = argparse.ArgumentParser()
     cli.add_commands(parser)
     assert cli.run(parser.parse_args(["trace", "m-1", "--audit-dir", str(tmp_path / "none")])) == 2
+
+
+def test_the_report_counts_redeliveries_and_no_bad_record_in_its_latencies(spark: SparkSession, tmp_path: Path) -> None:
+    """The redeliveries table looked for msg.acked with a delivery_count, which the core never writes: it counted
+    none. A msg.acked line repeated under its seq (a duplicate_seq bad record) counted twice in the latencies."""
+    message = {"address": "q", "queue": "q", "size": 1, "protocol": "link", "sent_ts_us": 1_795_000_000_000_000}
+    lines = [
+        _line("n", 0, "msg.delivered", message_id="m1", delivery_count=1, **message),
+        _line("n", 1, "msg.delivered", message_id="m1", delivery_count=2, **message),
+        _line("n", 2, "msg.acked", message_id="m1", **message),
+    ]
+    (tmp_path / "audit" / "n").mkdir(parents=True)
+    (tmp_path / "audit" / "n" / "00000000000000000000.jsonl").write_text("".join([*lines, lines[2]]))
+    build_report(spark, tmp_path / "audit", tmp_path / "out")
+    redeliveries = pd.read_parquet(tmp_path / "out" / "redeliveries.parquet")
+    assert redeliveries[["event", "messages"]].to_dict("records") == [{"event": "msg.delivered", "messages": 1}]
+    latency = pd.read_parquet(tmp_path / "out" / "latency.parquet")
+    assert latency["messages"].tolist() == [1]

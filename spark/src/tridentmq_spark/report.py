@@ -65,8 +65,9 @@ def _facts(rows: DataFrame, bucket_s: int) -> DataFrame:
     ev = F.col("event")
     bad = F.col("bad_reason").isNotNull()
     single = bad | ev.isin(*_LIFECYCLE)  # rows the report lists one by one
-    latency_ms = F.when(
-        ev.isin(*_LATENCY_EVENTS) & F.col("sent_ts_us").isNotNull(), (F.col("ts_us") - F.col("sent_ts_us")) / 1000.0
+    latency_ms = F.when(  # (a bad record has none: a repeated seq's line would be counted twice)
+        ~bad & ev.isin(*_LATENCY_EVENTS) & F.col("sent_ts_us").isNotNull(),
+        (F.col("ts_us") - F.col("sent_ts_us")) / 1000.0,
     )
     detail = F.concat_ws(" ", F.coalesce("peer_node", "to", "backup", "reason", "configured_role"), F.col("name"))
     # False: the event's own row; True: its histogram row (only events with a latency have one).
@@ -90,7 +91,7 @@ def _facts(rows: DataFrame, bucket_s: int) -> DataFrame:
         own(F.col("queue")).alias("queue"),
         own(F.col("reason")).alias("reason"),
         own(F.when(ev.isin(*_CONN_EVENTS), F.coalesce("protocol", "consumer_protocol"))).alias("protocol"),
-        own((ev == "msg.acked") & (F.col("delivery_count") > 1)).alias("redelivered"),
+        own((ev == "msg.delivered") & (F.col("delivery_count") > 1)).alias("redelivered"),
         "bad_reason",
         own(F.when(single, F.col("seq"))).alias("row_seq"),
         own(F.when(single, F.col("ts"))).alias("row_ts"),
@@ -228,7 +229,7 @@ def _figures(f: dict[str, pd.DataFrame], bucket_s: int) -> list[tuple[str, go.Fi
         (
             "Redeliveries, dead letters and expiries",
             fig if len(red) else None,
-            "msg.nacked, redelivered acks (delivery_count > 1), msg.dead_lettered, msg.expired.",
+            "msg.nacked, redeliveries (msg.delivered with delivery_count > 1), msg.dead_lettered, msg.expired.",
         )
     )
     conns = f["connections"]
