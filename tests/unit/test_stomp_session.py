@@ -598,19 +598,23 @@ async def test_a_bad_login_is_refused(tmp_path: Path) -> None:
         assert not c.wire.logged_in_called
 
 
-async def test_a_gateway_without_a_core_refuses_clients_as_unavailable() -> None:
+async def test_a_gateway_without_a_core_refuses_clients_as_unavailable(caplog: pytest.LogCaptureFixture) -> None:
+    """Each is refused in its protocol; the log says so once a minute (every device retrying said it)."""
     port = unused_port()
     links = CoreLinks(CoreLinkSection(port=port, shared_links=0), name="gateway-test")
-    c_wire = MemoryWire()
-    session = StompSession(stomp_settings(port), links, c_wire, Counters())
+    wires = [MemoryWire() for _ in range(3)]
+    sessions = [StompSession(stomp_settings(port), links, wire, Counters()) for wire in wires]
     try:
-        session.feed(encode("CONNECT", [("accept-version", "1.2"), ("host", "b")], b"", V12))
-        await asyncio.wait_for(session.wait_closed(), WAIT_S)
+        for session in sessions:
+            session.feed(encode("CONNECT", [("accept-version", "1.2"), ("host", "b")], b"", V12))
+            await asyncio.wait_for(session.wait_closed(), WAIT_S)
     finally:
-        await end_sessions([session])
+        await end_sessions(sessions)
         await links.stop()
-    error = FrameParser().feed(c_wire.take())[0]
-    assert (error.command, error.headers["message"]) == ("ERROR", "server unavailable")
+    for wire in wires:
+        error = FrameParser().feed(wire.take())[0]
+        assert (error.command, error.headers["message"]) == ("ERROR", "server unavailable")
+    assert [r.getMessage() for r in caplog.records].count("core unavailable") == 1
 
 
 async def test_disconnect_answers_after_every_send_is_confirmed(core: Core) -> None:

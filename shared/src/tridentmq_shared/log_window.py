@@ -7,7 +7,9 @@ the counts of the windows that are over (called from the node's timer), so nothi
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -58,11 +60,16 @@ class FloodLog:
         self._logger = logger
         self._level = level
         self._summary = summary  # the line that reports the counted ones (their count: ``count``)
+        self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, str] = weakref.WeakKeyDictionary()
+        self._numbers = itertools.count()
 
     def first(self) -> bool:
         """Count an event; True when the caller is to log it (it opens a window)."""
         loop = asyncio.get_running_loop()
-        if not self._window.first(f"loop {id(loop)}", loop.time()):
+        key = self._loops.get(loop)
+        if key is None:  # (not the loop's id: a later loop may get the id of one gone, inside its window)
+            key = self._loops[loop] = f"loop {next(self._numbers)}"
+        if not self._window.first(key, loop.time()):
             return False
         loop.call_later(self.seconds, self._report, loop)
         return True

@@ -29,6 +29,9 @@ CLEAN_UP_LIMIT_S: Final = 30.0
 overdue_log = FloodLog(
     60.0, log, logging.ERROR, "more session clean-ups overdue: their links and connections were closed"
 )
+#: Clients refused because the core did not answer their login are logged once a minute, the rest counted:
+#: with the core down, every device retrying said so (a storm of 120 clients: 720 lines in 30 s).
+core_unavailable_log = FloodLog(60.0, log, logging.WARNING, "more clients refused: the core did not answer")
 
 #: Errors of handling one event that are bugs of ours, not the client's: every protocol session counts them
 #: among its ``handled_errors`` and ends that connection only, logged with the traceback.

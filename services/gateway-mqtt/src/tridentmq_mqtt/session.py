@@ -74,7 +74,7 @@ from tridentmq_shared.message import (
     WireMessage,
 )
 from tridentmq_shared.runtime import random_hex
-from tridentmq_shared.session_driver import HANDLING_BUGS, SessionDriver, close_now
+from tridentmq_shared.session_driver import HANDLING_BUGS, SessionDriver, close_now, core_unavailable_log
 
 log = logging.getLogger("tridentmq.mqtt")
 
@@ -462,7 +462,8 @@ class MqttSession:
                 log.info("mqtt login refused", extra={"peer": self.wire.peer, "user": acting_for or user})
                 self._refuse(rc.BAD_USER_NAME_OR_PASSWORD, "bad user name or password")
             else:
-                log.warning("core unavailable", extra={"peer": self.wire.peer, "reason": exc.text})
+                if core_unavailable_log.first():
+                    log.warning("core unavailable", extra={"peer": self.wire.peer, "reason": exc.text})
                 self._refuse(rc.SERVER_UNAVAILABLE, "the broker cannot be reached; try again")
             return
         self.link = link
@@ -514,7 +515,8 @@ class MqttSession:
             await self._refuse_connect(rc.NOT_AUTHORIZED, "this client id's session belongs to another user")
             return
         except OSError as exc:
-            log.warning("core unavailable", extra={"peer": self.wire.peer, "reason": str(exc)})
+            if core_unavailable_log.first():
+                log.warning("core unavailable", extra={"peer": self.wire.peer, "reason": str(exc)})
             await self._refuse_connect(rc.SERVER_UNAVAILABLE, "the broker cannot be reached; try again")
             return
         except LinkRequestError as exc:

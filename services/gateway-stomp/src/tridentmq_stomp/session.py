@@ -28,7 +28,7 @@ from tridentmq_shared.link.errors import LinkClosedError, LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import M_ID, RoutingType
 from tridentmq_shared.runtime import random_hex
-from tridentmq_shared.session_driver import HANDLING_BUGS, SessionDriver, close_now
+from tridentmq_shared.session_driver import HANDLING_BUGS, SessionDriver, close_now, core_unavailable_log
 from tridentmq_stomp import convert, subscribing
 from tridentmq_stomp.acks import AUTO, Unacked, locate
 from tridentmq_stomp.convert import TEMP_QUEUE_PREFIX
@@ -244,7 +244,8 @@ class StompSession:
                 log.info("stomp login refused", extra={"peer": self.wire.peer, "user": event.login})
                 self._refuse("authentication failed", "bad login or passcode")
             else:
-                log.warning("core unavailable", extra={"peer": self.wire.peer, "reason": exc.text})
+                if core_unavailable_log.first():
+                    log.warning("core unavailable", extra={"peer": self.wire.peer, "reason": exc.text})
                 self._refuse("server unavailable", "the broker cannot be reached; try again")
             return
         self.link = link  # from here the clean-up closes it, whatever ends the session
