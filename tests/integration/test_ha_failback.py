@@ -175,6 +175,11 @@ async def _fail_over_and_back(
     clients.callback(_quietly, mqtt_sub.disconnect)
     mqtt_sub.connect(expiry=300)
     mqtt_sub.subscribe("fb/mqtt", 1)
+    mqtt_sub.subscribe("fb/will", 1)
+    # Connected throughout: its will must not be published (the backup handing the pair back published it).
+    with_will = Paho(gateways["mqtt"].port, "fb-will")
+    clients.callback(_quietly, with_will.disconnect)
+    with_will.connect(will=("fb/will", b"fb-will is gone", 1, False))
     amqp_receiver = AmqpReceiver(gateways["amqp"])
     clients.callback(amqp_receiver.stop)
     fast = ReconnectPolicy(retry_interval=0.05, max_interval=0.5)
@@ -270,6 +275,8 @@ async def _fail_over_and_back(
             ]
         )
     assert not stomp_listener.errors, stomp_listener.errors[0].body
+    assert "fb-will is gone" not in {d.value for d in received["mqtt"]}
+    assert with_will.disconnects.empty()
     assert mqtt_sub.disconnects.empty()
     assert mqtt_pub.disconnects.empty()
     assert amqp_receiver.failure is None

@@ -1114,6 +1114,8 @@ class CoreNode:
         self.active = False  # new links are refused from here on
         backup_session = replication.session
         self.audit.flush()
+        # The links move to the returned primary, their clients alive: no will is published here.
+        self.broker.wills.forget_held(self.broker.sessions.values())
         for protocol in list(self.protocols.values()):
             if protocol.session is not backup_session:
                 protocol.conn.close(ErrorCode.NOT_ACTIVE, "the pair goes back to its primary")
@@ -1336,8 +1338,10 @@ class CoreNode:
         return sum(len(q) + q.in_flight for q in self.broker.queues.values() if q.durable)
 
     def _close_client_links(self, code: str = ErrorCode.SHUTDOWN, text: str = "the node is shutting down") -> None:
-        """Close every link but the other cluster nodes': their consumers give their messages back."""
+        """Close every link but the other cluster nodes': their consumers give their messages back. Their clients
+        did not die: no will is published (their links set them again where they resume)."""
         self.audit.flush()
+        self.broker.wills.forget_held(self.broker.sessions.values())
         for protocol in list(self.protocols.values()):
             if protocol.session is not None and not protocol.session.principal.cluster:
                 protocol.conn.close(code, text)

@@ -114,6 +114,11 @@ class WillKeeper:
         for will in self.book.due(now_ms):
             self._publish(will, now_ms)
 
+    def forget_held(self, sessions: Iterable[Session]) -> None:
+        """The node closes these links itself (a failback, a cut-off): their clients are alive and their links
+        set their wills again where they resume, so none is published here; pending wills stay."""
+        self.book.forget_held(sessions)
+
     def discard(self, sessions: Iterable[Session]) -> None:
         """The node is stopping: its links close because of that, not because their clients went away, so
         no will is published. Pending wills are kept in memory only and would be lost anyway."""

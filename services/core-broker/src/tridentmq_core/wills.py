@@ -92,6 +92,12 @@ class Wills:
         """The pending wills whose delay is over, taken out of the book."""
         return [self.pending.pop(key) for key in self._due.pop_due(now_ms)]
 
+    def forget_held(self, holders: Iterable[Holder]) -> None:
+        """The node closes these links itself (it stops serving them): their clients did not die, and their
+        links set their wills again where they resume. Wills already pending stay."""
+        for holder in holders:
+            self.drop(holder)
+
     def discard(self, holders: Iterable[Holder]) -> None:
         """Forget every will: held by ``holders`` (the open links) and pending."""
         for holder in holders:
