@@ -31,6 +31,7 @@ from tests.unit.broker_harness import Harness, ids
 
 import tridentmq_core.store.journal as journal_module
 import tridentmq_core.store.journal_store as journal_store_module
+from tridentmq_core import data_tools
 from tridentmq_core.settings import AddressSettingsEntry, CoreSettings
 from tridentmq_core.store.base import DurableSnapshot
 from tridentmq_core.store.data_lock import JournalLock, JournalLockedError
@@ -573,6 +574,42 @@ def test_damage_in_a_segment_followed_by_a_segment_with_records_refuses_to_start
     segments[0].write_bytes(flipped(first, last_start + HEADER_SIZE + 1, 3))
     with pytest.raises(JournalCorruptedError, match=segments[0].name):
         recover(tmp_path, SMALL_SEGMENT)
+
+
+@pytest.mark.usefixtures("no_sync")
+@pytest.mark.parametrize("damage", ["deleted", "emptied"])
+def test_a_middle_segment_deleted_or_emptied_refuses_to_start(tmp_path: Path, damage: str) -> None:
+    """The node started on the rest, its confirmed records in that segment gone without a word, and `data verify`
+    called the journal ok."""
+    write_journal(tmp_path, make_entries(200), SMALL_SEGMENT)
+    segments = list_segments(tmp_path)
+    assert len(segments) >= 3
+    middle = segments[1]
+    if damage == "deleted":
+        middle.unlink()
+    else:
+        middle.write_bytes(b"")
+    with pytest.raises(JournalCorruptedError, match=middle.name):
+        recover(tmp_path, SMALL_SEGMENT)
+    assert data_tools.verify(tmp_path) == 1
+
+
+@pytest.mark.usefixtures("no_sync")
+@pytest.mark.parametrize("stray", ["journal-1.tmq", "journal-00000001 (copy).tmq"])
+def test_a_file_named_like_a_segment_but_not_one_refuses_to_start(tmp_path: Path, stray: str) -> None:
+    """A partial copy left as journal-1.tmq was read as segment 1 and cut as a torn tail, and the writer then went
+    on in the real journal-00000001.tmq at that offset, over confirmed records; another name failed with a bare
+    ValueError."""
+    write_journal(tmp_path, make_entries(200), SMALL_SEGMENT)
+    first = list_segments(tmp_path)[0]
+    (tmp_path / stray).write_bytes(first.read_bytes()[:1000])
+    before = first.read_bytes()
+    with pytest.raises(JournalCorruptedError, match="not a journal segment's name"):
+        recover(tmp_path, SMALL_SEGMENT)
+    assert first.read_bytes() == before
+    assert data_tools.verify(tmp_path) == 1
+    (tmp_path / stray).unlink()
+    assert len(recover(tmp_path, SMALL_SEGMENT)[0]) == 200
 
 
 @pytest.mark.usefixtures("no_sync")

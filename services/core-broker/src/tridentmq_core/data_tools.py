@@ -19,7 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from tridentmq_core.store.data_lock import JournalLock, JournalLockedError, journal_in_use
-from tridentmq_core.store.journal import JournalCorruptedError, compact_offline, damage_in, list_segments
+from tridentmq_core.store.journal import (
+    JournalCorruptedError,
+    compact_offline,
+    damage_in,
+    list_segments,
+    segments_problem,
+)
 from tridentmq_core.store.records import Record, RecordType, ScanEnd, scan
 from tridentmq_shared.message import M_ADDRESS, M_BODY, M_DURABLE, M_ID
 
@@ -86,6 +92,10 @@ def verify(directory: Path) -> int:
         return 2
     note_if_live(directory)
     status = 0
+    problem = segments_problem(directory)
+    if problem is not None:
+        print(f"DAMAGED: {problem}; recovery will refuse to start")
+        status = 1
     total = 0
     marked = False
     for index, path in enumerate(segments):

@@ -244,8 +244,43 @@ def segment_name(number: int) -> str:
     return f"{SEGMENT_PREFIX}{number:08d}{SEGMENT_SUFFIX}"
 
 
+def segment_number(path: Path) -> int | None:
+    """The number of a segment file, None for a name the writer does not make (a copy left beside them)."""
+    digits = path.name[len(SEGMENT_PREFIX) : -len(SEGMENT_SUFFIX)]
+    if not (path.name.startswith(SEGMENT_PREFIX) and path.name.endswith(SEGMENT_SUFFIX) and digits.isdigit()):
+        return None
+    number = int(digits)
+    return number if path.name == segment_name(number) else None
+
+
 def list_segments(directory: Path) -> list[Path]:
-    return sorted(directory.glob(f"{SEGMENT_PREFIX}*{SEGMENT_SUFFIX}"))
+    """The segment files, by number (names the writer does not make are left out: see ``segments_problem``)."""
+    found = [
+        (number, path)
+        for path in directory.glob(f"{SEGMENT_PREFIX}*{SEGMENT_SUFFIX}")
+        if (number := segment_number(path)) is not None
+    ]
+    return [path for _, path in sorted(found)]
+
+
+def segments_problem(directory: Path) -> str | None:
+    """What is wrong with the set of segment files as a whole, or None. The writer only adds a segment after the
+    last and only deletes the oldest ones, and a segment it moved past was filled (pre-allocated) first: a
+    number missing between two segments, an empty file before the last, or a file named like a segment that
+    the writer did not name so (read in its place, a copy left beside them made the writer overwrite records of
+    the real one) is damage, which recovery and ``tridentmq data verify`` refuse."""
+    strays = sorted(p.name for p in directory.glob(f"{SEGMENT_PREFIX}*{SEGMENT_SUFFIX}") if segment_number(p) is None)
+    if strays:
+        return f"{', '.join(strays[:3])}: not a journal segment's name; move such files out of {directory}"
+    segments = list_segments(directory)
+    numbers = [int(p.name[len(SEGMENT_PREFIX) : -len(SEGMENT_SUFFIX)]) for p in segments]
+    for before, after in itertools.pairwise(numbers):
+        if after != before + 1:
+            return f"{segment_name(before + 1)} is missing (between {segment_name(before)} and {segment_name(after)})"
+    for path in segments[:-1]:
+        if path.stat().st_size == 0:
+            return f"{path.name} is empty, and later segments follow it"
+    return None
 
 
 def read_segment(path: Path) -> Iterator[Record | ScanEnd]:
@@ -338,6 +373,11 @@ class Journal:
         finish_offline_compaction(self.directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         report = RecoveryReport()
+        problem = segments_problem(self.directory)
+        if problem is not None:
+            raise JournalCorruptedError(
+                f"{problem}; refusing to start rather than lose records (inspect with `tridentmq data verify`)"
+            )
         segments = list_segments(self.directory)
         records = self._read(segments, report)
         try:
