@@ -329,6 +329,33 @@ async def test_status_does_not_call_the_mqtt_gateways_records_stranded(tmp_path:
     stop_all(nodes)
 
 
+async def test_every_node_keeps_a_copy_of_the_mqtt_retained_messages_once_one_has(tmp_path: Path) -> None:
+    """A node made its copy only when a gateway's service link first came to it: after a failover and a failback
+    moved that link to a node that had none, the retained messages published before looked gone."""
+    nodes = start_cluster(tmp_path, 2)
+    a, b = nodes
+    async with client(a) as c:  # as the MQTT gateway makes its copy on the node its service link is on
+        kind = RoutingType.MULTICAST
+        await c.create_queue(
+            retained_queue(node_id(a)), RETAINED_ADDRESS, routing_type=kind, last_value_key="mqtt_topic"
+        )
+    copy_b = retained_queue(node_id(b))
+
+    def copied() -> bool:
+        with urllib.request.urlopen(b.management_url + "/api/queues", timeout=5) as response:
+            return copy_b in {q["name"] for q in json.loads(response.read())}
+
+    await wait_until_async(copied, what="b's own copy")
+    async with client(b) as cb:
+        reader = await cb.subscribe(copy_b)  # (a consumer, so that a's view shows b's copy)
+        await wait_until_async(lambda: remote_consumers(a, copy_b) == 1, what="a to know b's copy")
+        async with client(a) as c:
+            retained = new_message(RETAINED_ADDRESS, b"21.5", durable=True, properties={"mqtt_topic": "room/1"})
+            await asyncio.gather(await c.send(retained))
+        assert await take(reader, 1) == [b"21.5"]
+    stop_all(nodes)
+
+
 async def test_a_consumer_moving_between_three_nodes_every_1_5_s_gets_every_message_once(tmp_path: Path) -> None:
     """Issue 21's flapping consumer. Removing a redistributor to one node could delete the emptied queue
     before the next one to another node was started, and the cluster tick failed on it."""

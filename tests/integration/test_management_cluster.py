@@ -6,6 +6,7 @@ serves the whole module (the scale-down test, last, takes its third node away)."
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import urllib.error
@@ -165,7 +166,8 @@ def test_mqtt_sessions_and_retained_messages_are_listed_and_deleted_from_any_nod
         table = cli(third, "mqtt", "retained", "--prefix", "home/")
         assert "home/attic/temp" in table.stdout, table.stdout + table.stderr
         cleared = cli(third, "mqtt", "retained-delete", "home/attic/temp")
-        assert cleared.stdout.startswith("cleared 1"), cleared.stdout + cleared.stderr
+        # Each node keeps a copy; one made a moment after the publish lacks it, and says so (404).
+        assert re.match(r"cleared [123]\b", cleared.stdout), cleared.stdout + cleared.stderr
         wait_until(
             lambda: all(call(n, "GET", "/api/mqtt/retained")[1]["total"] == 0 for n in nodes),
             what="the retained message to be cleared on every node",

@@ -48,8 +48,8 @@ from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode, Op
 from tridentmq_shared.link.topology import endpoint_from_wire, parse_endpoint
-from tridentmq_shared.message import WireMessage
-from tridentmq_shared.mqtt_queues import holds_records, retained_queue
+from tridentmq_shared.message import RoutingType, WireMessage
+from tridentmq_shared.mqtt_queues import RETAINED_ADDRESS, TOPIC_PROPERTY, holds_records, retained_queue
 from tridentmq_shared.runtime import wall_ms
 from tridentmq_shared.settings import SettingsError
 from tridentmq_shared.supervision import spawn
@@ -517,6 +517,7 @@ class ClusterManager:
             return False
         try:
             self.bindings.replace(bridge.node_id, _listed(reply, "bindings"))
+            self._keep_retained_copy(_listed(reply, "bindings"))
             members = [Member.from_wire(m) for m in _listed(reply, "members")]
         except (BindingError, ValueError) as exc:
             log.error("cluster join answer refused", extra={"to": bridge.address, "reason": str(exc)})  # noqa: TRY400
@@ -561,10 +562,24 @@ class ClusterManager:
         try:
             if "bindings" in update or "removed" in update:
                 self.bindings.apply(bridge.node_id, _listed(update, "bindings"), _listed(update, "removed"))
+                self._keep_retained_copy(_listed(update, "bindings"))
             for member in _listed(update, "members"):
                 self.learn(Member.from_wire(member))
         except (BindingError, ValueError) as exc:
             log.warning("cluster update refused", extra={"from": bridge.address, "reason": str(exc)})
+
+    def _keep_retained_copy(self, bindings: list[Any]) -> None:
+        """Once another node has a copy of the MQTT retained messages (``bindings`` it reported), this node makes
+        its own: each retained publish then reaches every node, and a gateway's service link that moves here (a
+        failover, a failback) reads them all. Made only when such a link first came, a copy lacked everything
+        retained before, and the retained messages looked gone until the link went back."""
+        own = retained_queue(self.broker.node_id)
+        if own in self.broker.queues or not any(binding[2] == RETAINED_ADDRESS for binding in bindings):
+            return
+        self.broker.catalog.create_queue(
+            own, RETAINED_ADDRESS, RoutingType.MULTICAST, durable=True, now_ms=wall_ms(), last_value_key=TOPIC_PROPERTY
+        )
+        log.info("copy of the MQTT retained messages made", extra={"queue": own})
 
     def refused(self, bridge: Bridge, consumer: Consumer, message_id: int, code: str = "", text: str = "") -> None:
         """The other node refused a forwarded message: a redistributor stops and gives it back; a forward
