@@ -253,14 +253,21 @@ def segment_number(path: Path) -> int | None:
     return number if path.name == segment_name(number) else None
 
 
+def _numbered(directory: Path) -> tuple[list[tuple[int, Path]], list[str]]:
+    """The segment files by number, and the names that look like segments but that the writer does not make."""
+    numbered, strays = [], []
+    for path in directory.glob(f"{SEGMENT_PREFIX}*{SEGMENT_SUFFIX}"):
+        number = segment_number(path)
+        if number is None:
+            strays.append(path.name)
+        else:
+            numbered.append((number, path))
+    return sorted(numbered), sorted(strays)
+
+
 def list_segments(directory: Path) -> list[Path]:
     """The segment files, by number (names the writer does not make are left out: see ``segments_problem``)."""
-    found = [
-        (number, path)
-        for path in directory.glob(f"{SEGMENT_PREFIX}*{SEGMENT_SUFFIX}")
-        if (number := segment_number(path)) is not None
-    ]
-    return [path for _, path in sorted(found)]
+    return [path for _, path in _numbered(directory)[0]]
 
 
 def segments_problem(directory: Path) -> str | None:
@@ -269,15 +276,13 @@ def segments_problem(directory: Path) -> str | None:
     number missing between two segments, an empty file before the last, or a file named like a segment that
     the writer did not name so (read in its place, a copy left beside them made the writer overwrite records of
     the real one) is damage, which recovery and ``tridentmq data verify`` refuse."""
-    strays = sorted(p.name for p in directory.glob(f"{SEGMENT_PREFIX}*{SEGMENT_SUFFIX}") if segment_number(p) is None)
+    numbered, strays = _numbered(directory)
     if strays:
         return f"{', '.join(strays[:3])}: not a journal segment's name; move such files out of {directory}"
-    segments = list_segments(directory)
-    numbers = [int(p.name[len(SEGMENT_PREFIX) : -len(SEGMENT_SUFFIX)]) for p in segments]
-    for before, after in itertools.pairwise(numbers):
+    for (before, _), (after, _) in itertools.pairwise(numbered):
         if after != before + 1:
             return f"{segment_name(before + 1)} is missing (between {segment_name(before)} and {segment_name(after)})"
-    for path in segments[:-1]:
+    for _, path in numbered[:-1]:
         if path.stat().st_size == 0:
             return f"{path.name} is empty, and later segments follow it"
     return None
