@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-import time
 from pathlib import Path
 
 import pytest
@@ -30,9 +29,8 @@ async def test_a_stalled_tls_handshake_is_closed_after_the_handshake_timeout(
         port = await serve(runner, "127.0.0.1", 0, max_connections=10, listener="test", tls=context)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"\x16\x03\x01\x00\xc8\x01")  # the start of a ClientHello, and no more
-        started = time.monotonic()
-        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the server
-        assert time.monotonic() - started < 3
+        # Closed by the server (asyncio's own timeout, 60 s, would outlast the wait).
+        assert await asyncio.wait_for(reader.read(), 5) == b""
         writer.close()
     finally:
         await runner.cleanup()
