@@ -16,6 +16,8 @@ from proton import ConnectionException, Message
 from proton.utils import BlockingConnection
 from tests.conftest import CoreProcess
 
+from tridentmq_shared.supervision import EXIT_CANNOT_START
+
 pytestmark = pytest.mark.integration
 
 
@@ -226,14 +228,47 @@ def test_up_starts_serves_and_stops_cleanly(tmp_path: Path) -> None:
     assert (tmp_path / "data" / "core" / "node.id").exists()
 
 
+def test_up_stops_when_a_child_cannot_start_instead_of_restarting_it_for_ever(tmp_path: Path) -> None:
+    """A second ``up`` beside a running one (a port in use) restarted its children with backoff for ever,
+    printing the bind error again each time. A first run that says it cannot start stops ``up``, which fails."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = {
+            **os.environ,
+            "TRIDENTMQ_CORE_LINK_HOST": "127.0.0.1",
+            "TRIDENTMQ_CORE_LINK_PORT": str(taken.getsockname()[1]),
+            "TRIDENTMQ_CORE_MANAGEMENT_PORT": "0",
+            **{
+                f"TRIDENTMQ_{gateway}_{port}": "0"  # the gateways' own ports out of other tests' way
+                for gateway in ("STOMP", "MQTT", "AMQP")
+                for port in ("LISTENER_PORT", "LISTENER_WEBSOCKET_PORT", "HTTP_PORT")
+            },
+        }
+        up = subprocess.run(
+            [sys.executable, "-m", "tridentmq_shared.cli", "up", "--data-dir", str(tmp_path / "data")],
+            check=False,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    output = up.stdout + up.stderr
+    assert up.returncode == 1, output
+    assert "address already in use" in output
+    assert "tridentmq up: core cannot start (see above); stopping" in output
+    assert "core exited with" not in output  # never restarted
+    assert "Traceback" not in output
+
+
 def test_core_reports_bad_settings_in_one_line(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('[link]\nport = "abc"\n')
     result = tridentmq("core", "--config", str(bad))
-    assert result.returncode == 1
+    assert result.returncode == EXIT_CANNOT_START
     assert result.stderr.strip() == "tridentmq-core: link.port: expected an integer, got 'abc'"
     missing = tridentmq("core", "--config", str(tmp_path / "missing.toml"))
-    assert missing.returncode == 1
+    assert missing.returncode == EXIT_CANNOT_START
     assert "cannot read" in missing.stderr
     assert "Traceback" not in missing.stderr + result.stderr
 

@@ -20,6 +20,7 @@ from tridentmq_core.store.recovery import RecoveredState, replay
 from tridentmq_shared.link.client import LinkClient
 from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.message import new_message
+from tridentmq_shared.supervision import EXIT_CANNOT_START
 
 pytestmark = pytest.mark.integration
 
@@ -222,7 +223,7 @@ def test_compact_and_a_second_node_are_refused_while_a_node_runs(tmp_path: Path)
         assert result.returncode == 1
         assert "in use by another TridentMQ process" in result.stderr
         second = run_core(node.data_dir)
-        assert second.returncode == 1
+        assert second.returncode == EXIT_CANNOT_START  # so that ``up`` stops rather than restart it for ever
         assert "in use by another TridentMQ process" in second.stderr
         assert "Traceback" not in second.stderr
     finally:

@@ -29,7 +29,7 @@ from tridentmq_shared.light_event import LightEvent
 from tridentmq_shared.logs import setup_logging
 from tridentmq_shared.runtime import LISTEN_BACKLOG, run_main
 from tridentmq_shared.settings import SettingsError, doc, load_settings
-from tridentmq_shared.supervision import EXIT_TASK_FAILED, Supervisor, current, install
+from tridentmq_shared.supervision import EXIT_TASK_FAILED, Supervisor, cannot_start, current, install
 from tridentmq_shared.tls import HANDSHAKE_TIMEOUT_S, ServerTls, TlsSection, peer_common_name
 
 log = logging.getLogger("tridentmq.gateway")
@@ -679,18 +679,18 @@ def run_gateway(
     try:
         settings = load_settings(settings_class, prefix=env_prefix, file=args.config, env=os.environ)
     except SettingsError as exc:
-        sys.exit(f"{prog}: {exc}")
+        cannot_start(prog, exc)
     setup_logging(settings.node.log_level)
     supervisor = Supervisor()
     install(supervisor)  # before the gateway exists: its parts supervise their tasks with it
     try:
         gateway = make(settings, args.ports_file)
     except SettingsError as exc:  # a value the loader cannot check alone (a malformed connector, say)
-        sys.exit(f"{prog}: {exc}")
+        cannot_start(prog, exc)
     try:
         code = run_main(_serve(gateway, supervisor))
-    except OSError as exc:
-        sys.exit(f"{prog}: {exc}")
+    except OSError as exc:  # a port in use, a certificate that cannot be read
+        cannot_start(prog, exc)
     if code:
         sys.exit(code)
 

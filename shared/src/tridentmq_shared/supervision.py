@@ -14,17 +14,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 log = logging.getLogger("tridentmq.supervision")
 
 #: Exit status of a process stopped because one of its tasks failed (EX_SOFTWARE).
 EXIT_TASK_FAILED: Final = 70
+#: Exit status of a process that cannot start for a reason a restart would meet again (EX_CONFIG): invalid
+#: settings, a port in use, a data directory another process holds or that is damaged.
+EXIT_CANNOT_START: Final = 78
 _BACKOFF_START: Final = 0.1
 _BACKOFF_MAX: Final = 5.0
+
+
+def cannot_start(prog: str, error: Exception) -> NoReturn:
+    """Say why ``prog`` cannot start, on standard error, and exit with ``EXIT_CANNOT_START``."""
+    sys.stderr.write(f"{prog}: {error}\n")
+    raise SystemExit(EXIT_CANNOT_START)
 
 
 class Supervisor:

@@ -18,7 +18,7 @@ from tridentmq_core.store.journal import JournalCorruptedError, measure_fsync
 from tridentmq_shared.logs import setup_logging
 from tridentmq_shared.runtime import run_main
 from tridentmq_shared.settings import SettingsError, load_settings
-from tridentmq_shared.supervision import EXIT_TASK_FAILED, Supervisor, install
+from tridentmq_shared.supervision import EXIT_TASK_FAILED, Supervisor, cannot_start, install
 
 log = logging.getLogger("tridentmq.core")
 
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         settings = load_settings(CoreSettings, prefix=ENV_PREFIX, file=args.config, env=os.environ)
     except SettingsError as exc:
-        sys.exit(f"tridentmq-core: {exc}")
+        cannot_start("tridentmq-core", exc)
     setup_logging(settings.node.log_level)
     if args.tune:
         tune(settings)
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = run_main(serve(settings, args.ports_file))
     except (OSError, SettingsError, LockedError, JournalCorruptedError, IdentityError) as exc:
-        sys.exit(f"tridentmq-core: {exc}")
+        cannot_start("tridentmq-core", exc)
     if code:
         sys.exit(code)
 

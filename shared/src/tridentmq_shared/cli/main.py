@@ -36,6 +36,25 @@ def _at_least(low: int) -> Any:
     return parse
 
 
+def _port(text: str) -> int:
+    """An argparse type: a TCP port, 1 to 65535."""
+    port = _at_least(1)(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (1-65535)")
+    return int(port)
+
+
+def _positive_seconds(text: str) -> float:
+    """An argparse type: a number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds above 0")
+    return value
+
+
 def _name(kind: str) -> Any:
     """An argparse type: an address or queue name the core takes (else a usage error, exit 2)."""
 
@@ -50,7 +69,7 @@ def _name(kind: str) -> Any:
 
 def _link_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="core node host (default %(default)s)")
-    parser.add_argument("--port", type=int, default=61616, help="core link port (default %(default)s)")
+    parser.add_argument("--port", type=_port, default=61616, help="core link port (default %(default)s)")
     _user_args(parser)
     parser.add_argument("--tls", action="store_true", help="connect over TLS (a core with link.tls)")
     _tls_file_args(parser)
@@ -106,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument(
         "--nodes",
-        type=int,
+        type=_at_least(1),
         default=1,
         help="core nodes: above 1, a local cluster on link ports "
         "61616, 61617, ... and management ports 8161, 8162, ... (default %(default)s)",
@@ -118,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument(
         "--pairs",
-        type=int,
+        type=_at_least(0),
         default=0,
         help="a local cluster of this many primary/backup replication "
         "pairs: primaries on link ports 61616, ..., their backups after them (3 or more, so that a "
@@ -154,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     consume = sub.add_parser("consume", help="receive and acknowledge messages from a queue")
     consume.add_argument("queue", type=_name("queue"))
     consume.add_argument("--count", type=_at_least(0), default=1)
-    consume.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each message")
+    consume.add_argument("--timeout", type=_positive_seconds, default=10.0, help="seconds to wait for each message")
     consume.add_argument("--selector", help="SQL-92 selector on message properties")
     consume.add_argument("--multicast", action="store_true", help="subscribe a multicast queue to the address")
     consume.add_argument("--quiet", action="store_true", help="do not print message bodies")
@@ -175,7 +194,7 @@ async def _produce(args: argparse.Namespace) -> int:
     properties: dict[str, Any] = {}
     for item in args.property:
         key, sep, value = item.partition("=")
-        if not sep:
+        if not sep or not key:
             raise SystemExit(f"tridentmq: --property takes KEY=VALUE, got {item!r}")
         properties[key] = value
     routing = RoutingType.MULTICAST if args.multicast else RoutingType.ANYCAST

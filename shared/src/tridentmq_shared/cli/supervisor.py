@@ -1,6 +1,8 @@
 """``tridentmq up``: run a core node and every installed gateway as supervised child processes.
 
-Children's output is prefixed with their name; a child that dies is restarted with backoff; Ctrl-C (or
+Children's output is prefixed with their name; a child that dies is restarted with backoff, unless its first
+run ends saying it cannot start (a port in use, a data directory another process holds): then ``up`` stops
+everything and fails, rather than retry for ever beside the ``up`` that is already running. Ctrl-C (or
 SIGTERM) stops them all, politely first (SIGTERM), then firmly after a grace period: the gateways first, so
 that their clients' sessions end while the core still serves them, then the backups, then the nodes they back
 up (a primary stopped before its backup would hand its pair over to it).
@@ -20,6 +22,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tridentmq_shared.supervision import EXIT_CANNOT_START
+
 GATEWAYS = ("stomp", "mqtt", "amqp")
 GRACE_SECONDS = 10.0
 MAX_BACKOFF = 30.0
@@ -38,6 +42,7 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)
     process: asyncio.subprocess.Process | None = None
     stop_stage: int = STOP_NODES
+    cannot_start: bool = False  # its first run ended with ``EXIT_CANNOT_START``
 
 
 def installed_services() -> list[tuple[str, str]]:
@@ -222,6 +227,7 @@ def _print(data: bytes) -> bool:
 
 async def _run_child(child: Child, stopping: asyncio.Event) -> None:
     backoff = 1.0  # the wait before the next restart: 1 s, then twice as long each time, 1 s again after a long run
+    first_run = True
     while not stopping.is_set():
         started = time.monotonic()
         child.process = await asyncio.create_subprocess_exec(
@@ -237,6 +243,12 @@ async def _run_child(child: Child, stopping: asyncio.Event) -> None:
         await pump
         if stopping.is_set():
             return
+        if first_run and code == EXIT_CANNOT_START:  # a port in use, a held data directory: it would only loop
+            child.cannot_start = True
+            print(f"tridentmq up: {child.name} cannot start (see above); stopping", file=sys.stderr, flush=True)
+            stopping.set()
+            return
+        first_run = False
         if time.monotonic() - started > MAX_BACKOFF:
             backoff = 1.0
         print(f"{child.name} exited with {code}; restarting in {backoff:.0f} s", file=sys.stderr, flush=True)
@@ -276,7 +288,7 @@ async def supervise(children: list[Child]) -> int:
         clean = await stop_children(children, tasks)
     finally:
         kill_all()  # whatever ended this (an error of our own): no child outlives it
-    return 0 if clean else 1
+    return 0 if clean and not any(child.cannot_start for child in children) else 1
 
 
 async def stop_children(children: list[Child], tasks: list[asyncio.Task[None]], grace_s: float = GRACE_SECONDS) -> bool:
