@@ -146,8 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     core = sub.add_parser("core", help="run one core node in the foreground")
     core.add_argument("args", nargs=argparse.REMAINDER, help="arguments for tridentmq-core (see --help)")
-    data = sub.add_parser("data", help="inspect a stopped node's journal: verify | print")
-    data.add_argument("args", nargs=argparse.REMAINDER, help="verify|print [--data-dir DIR] [--journal DIR]")
+    data = sub.add_parser("data", help="check, print or compact a stopped node's journal: verify | print | compact")
+    data.add_argument("args", nargs=argparse.REMAINDER, help="verify|print|compact [--data-dir DIR] [--journal DIR]")
 
     audit = sub.add_parser("audit", help="analyse the audit stream with Spark: report | trace | stream")
     audit.add_argument("args", nargs=argparse.REMAINDER, help="report|trace|stream ... (see tridentmq audit --help)")
