@@ -18,7 +18,15 @@ from tests.unit.broker_harness import Harness, bodies, ids, ok
 from tridentmq_core.queues import MESSAGE_OVERHEAD
 from tridentmq_core.settings import AddressSettingsEntry, CoreSettings
 from tridentmq_core.store.journal import Journal, MessageReader
-from tridentmq_core.store.paging import FilePager, InlineIO, OpenPageFiles, PagedBrowse, PageDirectory, ThreadIO
+from tridentmq_core.store.paging import (
+    READ_AHEAD_BYTES,
+    FilePager,
+    InlineIO,
+    OpenPageFiles,
+    PagedBrowse,
+    PageDirectory,
+    ThreadIO,
+)
 from tridentmq_core.store.records import RecordType
 from tridentmq_core.store.recovery import RecoveredState, replay
 from tridentmq_shared.link import events as ev
@@ -68,6 +76,28 @@ def test_pager_reads_a_message_larger_than_its_read_chunk(tmp_path: Path) -> Non
     got = first + pager.read(5) + pager.read(5) + pager.read(5)
     assert [m[M_BODY] for m in got] == [m[M_BODY] for m in messages]
     pager.close()
+
+
+def test_a_backlog_is_read_back_as_it_is_consumed_not_all_at_once(tmp_path: Path) -> None:
+    """Every read went on reading ahead while anything was paged, however much was read ahead already: a
+    consumer taking 10 at a time had the whole 20 MiB backlog in memory (its page files deleted as read)
+    after a tenth of it. The read-ahead now stays about a chunk ahead of what was taken."""
+    pager = FilePager(tmp_path, "q", InlineIO(), on_ready=lambda: None, files=OpenPageFiles(), file_bytes=256 * 1024)
+    messages = [new_message("q", n.to_bytes(4, "big") + bytes(2000)) for n in range(10_000)]
+    for message in messages:
+        pager.append(message)
+    paged = sum(path.stat().st_size for path in pager.files)
+    got: list[WireMessage] = []
+    for _ in range(100):
+        got += pager.read(10)
+        left_on_disk = sum(path.stat().st_size for path in pager.files if path.exists())
+        taken_bytes = len(got) * paged // len(messages)
+        assert paged - left_on_disk <= taken_bytes + 3 * READ_AHEAD_BYTES
+    while pager.count:
+        got += pager.read(700)
+    assert [m[M_BODY] for m in got] == [m[M_BODY] for m in messages]
+    pager.close()
+    assert not list(tmp_path.iterdir())
 
 
 def read_all(

@@ -225,6 +225,10 @@ class FilePager:
         self._pending: list[bytes] = []
         self._pending_bytes = 0
         self._ready: deque[WireMessage] = deque()  # read ahead, in order
+        # Per read-ahead chunk still in ``_ready``: [its messages left, their page bytes left]; read-ahead stops
+        # while ``_ready_bytes`` (their sum) is a chunk or more, so a backlog is read back as it is consumed.
+        self._chunks: deque[list[int]] = deque()
+        self._ready_bytes = 0
         # (page, messages, offset after them) from the I/O thread; appended there, taken here
         self._results: deque[tuple[_PageFile, list[WireMessage], int]] = deque()
         self._reading = False  # a read-ahead job is submitted and not yet collected
@@ -299,10 +303,26 @@ class FilePager:
         ready = self._ready
         taken = [ready.popleft() for _ in range(min(limit, len(ready)))]
         self.count -= len(taken)
+        self._release(len(taken))
         return taken
 
+    def _release(self, taken: int) -> None:
+        """Count ``taken`` messages off the chunks they were read in (a chunk's bytes shrink pro rata)."""
+        chunks = self._chunks
+        while taken and chunks:
+            chunk = chunks[0]
+            used = min(taken, chunk[0])
+            freed = chunk[1] * used // chunk[0]
+            chunk[0] -= used
+            chunk[1] -= freed
+            self._ready_bytes -= freed
+            taken -= used
+            if not chunk[0]:
+                self._ready_bytes -= chunk[1]
+                chunks.popleft()
+
     def _read_ahead(self) -> None:
-        if self._reading or self._closed or self.count <= len(self._ready):
+        if self._reading or self._closed or self.count <= len(self._ready) or self._ready_bytes >= READ_AHEAD_BYTES:
             return
         self._flush()  # what is still buffered must be on its way to the file before reading it back
         page = next((p for p in self._files if p.read_offset < p.size), None)
@@ -332,6 +352,9 @@ class FilePager:
             if offset == page.read_offset and page.read_offset < page.size:
                 more = False  # no progress (a failed read): not again at once, but at the next read()
             self._ready.extend(messages)
+            if messages:
+                self._chunks.append([len(messages), offset - page.read_offset])
+                self._ready_bytes += offset - page.read_offset
             page.read_offset = offset
             if page.unwritten and not page.browsers:
                 # What failed to write and is now read is no longer needed, unless a browse still reads it. Decided
@@ -341,8 +364,8 @@ class FilePager:
             if offset == page.size:  # read to its end, and nothing more was written to it
                 self._files.remove(page)
                 _retire(page, self._io)
-        if more and not self._reading and len(self._ready) < self.count:
-            self._read_ahead()  # keep one read-ahead going while anything is paged
+        if more:
+            self._read_ahead()  # keep a chunk read ahead of the consumers while anything is paged
 
     def peek(self) -> Iterator[WireMessage]:
         """Every paged message, oldest first, without removing any (for compaction's snapshot). Reads the
@@ -363,6 +386,8 @@ class FilePager:
         self._pending.clear()
         self._pending_bytes = 0
         self._ready.clear()
+        self._chunks.clear()
+        self._ready_bytes = 0
         self.count = 0
         while self._files:
             _retire(self._files.popleft(), self._io)
