@@ -274,6 +274,36 @@ async def test_a_full_disk_refuses_durable_work_until_space_returns(tmp_path: Pa
         assert node.stop() == 0
 
 
+@pytest.mark.parametrize("removed", ["segment", "directory"])
+async def test_a_journal_removed_under_the_node_stops_it_and_confirms_nothing_more(
+    tmp_path: Path, removed: str
+) -> None:
+    """An operator's ``rm`` of the journal's segment: the node went on confirming durable publishes into the
+    deleted file, stayed ready and said nothing, then restarted empty. With the directory gone it stopped
+    through a traceback of its disk check. Now it confirms nothing written after the removal, says which
+    file went, and stops (exit 70)."""
+    node = start_core(tmp_path)
+    journal = tmp_path / "core" / "journal"
+    try:
+        await publish_confirmed(node, "gone.q", [b"before"])
+        for path in journal.iterdir():
+            if path.name.startswith("journal-"):
+                path.unlink()
+        if removed == "directory":
+            journal.rmdir()
+        async with client(node) as c:
+            after = await c.send(new_message("gone.q", b"after", durable=True))
+            assert await asyncio.to_thread(node.process.wait, 20) == 70
+            await asyncio.wait([after], timeout=5)
+            assert not after.done() or after.exception() is not None, "a publish into a removed file was confirmed"
+    finally:
+        node.stop()
+    log = node.log()
+    # The directory's removal is seen by the writer (its segment went with it) or by the disk check, first.
+    assert "journal-00000001.tmq was removed while in use" in log or "journal directory" in log, log[-3000:]
+    assert "Traceback" not in log
+
+
 async def test_paging_far_past_the_limit_drains_in_order_and_survives_kill_9(tmp_path: Path) -> None:
     config = """
 [[address_settings]]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import math
@@ -1256,6 +1257,10 @@ class CoreNode:
         if journal is not None and journal.fatal is not None:
             # Nothing written after a failed fsync can be confirmed again: crash-only, as for a failed task.
             self.supervisor.fail("journal", journal.fatal)
+        elif journal is not None and journal.error is not None and _removed(journal.error) and self.shared is None:
+            # A segment or the directory removed under the node: no retry brings it back (a shared-store node
+            # meets this when its epoch ended, and its lease check fences it).
+            self.supervisor.fail("journal", journal.error)
         else:
             self._check_disk()  # refuse (or accept again) at once, not at the next second
 
@@ -1282,7 +1287,10 @@ class CoreNode:
                 usage = shutil.disk_usage(journal.directory)
             except FileNotFoundError as exc:
                 if self.shared is None:
-                    raise
+                    self.supervisor.fail(
+                        "journal", OSError(exc.errno, f"the journal directory {journal.directory} is gone")
+                    )
+                    return
                 # A shared-store node whose epoch ended while it stood still (the new holder removes the old
                 # epoch's directory): its lease check fences it next.
                 refusal = (ErrorCode.RESOURCE_LIMIT, f"the journal's directory is gone: {exc.strerror}")
@@ -1392,3 +1400,8 @@ class CoreNode:
             self.journal_lock.release()
         self.lock.release()
         log.info("core node stopped", extra={"node_id": self.node_id})
+
+
+def _removed(error: OSError) -> bool:
+    """The journal failed because its file or directory is gone."""
+    return error.errno == errno.ENOENT

@@ -651,6 +651,11 @@ class Journal:
             del batch[:done]
         _sync(self._fd)
         self.syncs += 1
+        if os.fstat(self._fd).st_nlink == 0:  # removed under the node (an operator's rm): it would vanish at exit
+            name = segment_name(self._segment_number)
+            raise OSError(
+                errno.ENOENT, f"journal segment {name} was removed while in use: nothing written since is kept"
+            )
         try:
             self._mark()
         except OSError as exc:  # the batch is on disk all the same, and confirmed: only its SYNCED record is not
