@@ -24,7 +24,18 @@ from tests.integration.cluster_nodes import (
 from tests.integration.mqtt_clients import Paho, Raw
 
 from tridentmq_mqtt.convert import lock_queue, outbox_queue, session_queue
-from tridentmq_mqtt.protocol.packets import Connack, Disconnect, Puback, Publish, Suback, Subscribe, Subscription
+from tridentmq_mqtt.protocol.packets import (
+    Connack,
+    Disconnect,
+    Puback,
+    Pubcomp,
+    Publish,
+    Pubrec,
+    Pubrel,
+    Suback,
+    Subscribe,
+    Subscription,
+)
 from tridentmq_mqtt.protocol.properties import Properties
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster]
@@ -162,6 +173,48 @@ def test_an_unacknowledged_retained_message_comes_again_through_a_gateway_on_ano
     publisher.connect()
     publisher.publish(topic, b"", 1, retain=True)
     publisher.disconnect()
+
+
+def test_a_qos2_publish_sent_again_through_another_node_is_stored_once(
+    two_sides: tuple[GatewayProcess, GatewayProcess],
+) -> None:
+    """A QoS 2 PUBLISH whose PUBREC was lost with the connection is sent again (DUP) after the session resumed
+    through a gateway on another node. Published there under the same duplicate id, it was stored a second
+    time (a node drops only the duplicates it has seen itself): the subscriber got it twice. It now goes to
+    the node that has the first copy, which drops it."""
+    left, right = two_sides
+    topic = f"once/{_id()}"
+    subscriber = Paho(left.port, f"s-{_id()}")
+    subscriber.connect()
+    subscriber.subscribe(topic, 2)
+    client_id = f"p-{_id()}"
+    known = cluster_view(NODES[right.port])["remote_bindings"]
+    with contextlib.ExitStack() as sockets:
+        first = Raw(left.port)
+        sockets.callback(first.close)
+        session = Properties(session_expiry_interval=300)
+        connack = first.connect(client_id, clean_start=False, properties=session)
+        assert isinstance(connack, Connack), connack
+        assert (connack.session_present, connack.reason_code) == (False, 0), connack
+        first.send(Publish(topic, b"m1", qos=2, packet_id=7))
+        assert first.next() == Pubrec(7)
+        assert [m.payload for m in subscriber.receive(1)] == [b"m1"]
+        first.close()  # as if the PUBREC were lost with the connection
+        wait_until(
+            lambda: cluster_view(NODES[right.port])["remote_bindings"] > known, what="node b to learn the session"
+        )
+        again = Raw(right.port)
+        sockets.callback(again.close)
+        connack = again.connect(client_id, clean_start=False, properties=session)
+        assert isinstance(connack, Connack), connack
+        assert connack.session_present, (connack, _warnings(right.log()))
+        again.send(Publish(topic, b"m1", qos=2, dup=True, packet_id=7))
+        assert again.next() == Pubrec(7)
+        again.send(Pubrel(7))
+        assert again.next() == Pubcomp(7)
+        again.send(Disconnect())
+    assert subscriber.nothing_more(1.0), [m.payload for m in subscriber.receive(5, timeout=0.1)]
+    subscriber.disconnect()
 
 
 def test_a_clean_start_on_another_node_discards_the_session_and_its_queued_messages(

@@ -63,6 +63,7 @@ from tridentmq_shared.link.client import Consumer, LinkClient, queue_spec
 from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
 from tridentmq_shared.message import (
+    HOME_PROPERTY,
     M_ADDRESS,
     M_BODY,
     M_DEDUP,
@@ -759,9 +760,16 @@ class MqttSession:
             # a PUBLISH sent again (after a lost PUBREC) is published again under it: the core drops it.
             dedup = self.state.released_in.get(packet_id)
             if dedup is None:
-                dedup = self.state.released_in[packet_id] = f"mqtt:{self.client_id}:{uuid.uuid4().hex}"
+                # The id names the node the first copy goes to: a node drops the duplicates it has seen, so the
+                # PUBLISH sent again through a link on another node (the session moved) is sent on there.
+                dedup = f"mqtt:{self.client_id}:{uuid.uuid4().hex}@{link.node_id}"
+                self.state.released_in[packet_id] = dedup
                 if self.persistent:  # a session that ends with this connection keeps no record (saving made one)
                     await self.registry.save(self.client_id, self.state)
+            else:
+                _, at, home = dedup.rpartition("@")
+                if at and home and home != link.node_id:
+                    message[M_PROPS] = {**message[M_PROPS], HOME_PROPERTY: home}
             message[M_DEDUP] = dedup
         self.counters.messages_published += 1
         confirm = Pending(await link.send(message), packet_id, event.qos, event.topic)
