@@ -726,6 +726,46 @@ def test_websocket_framing(mqtt_gateway: GatewayProcess) -> None:
     asyncio.run(mqtt())
 
 
+def test_a_web_page_of_another_site_cannot_use_the_websocket_port_as_a_loopback_client(
+    mqtt_gateway: GatewayProcess,
+) -> None:
+    """A browser on the broker's host is a loopback client, trusted with every right under the embedded
+    default. Any site's page could connect through it (cross-site WebSocket hijacking; ``Origin`` names the
+    site), or point its own name at 127.0.0.1 (DNS rebinding; ``Host`` names it): both were upgraded and
+    served. Also: no permessage-deflate (about 100 KB per connection), and Paho JavaScript's ``mqttv3.1``."""
+    port = mqtt_gateway.ports["websocket"]
+    url = f"http://127.0.0.1:{port}/mqtt"
+
+    async def handshake(headers: dict[str, str], protocols: tuple[str, ...] = ("mqtt",)) -> tuple[int, Any]:
+        async with aiohttp.ClientSession(skip_auto_headers=("Origin",)) as session:
+            try:
+                async with session.ws_connect(url, protocols=protocols, headers=headers, autoclose=False) as ws:
+                    connack = None
+                    if ws.protocol:
+                        await ws.send_bytes(encode(Connect(f"ws-{_id()}"), V5))
+                        msg = await ws.receive(timeout=5)
+                        connack = (
+                            PacketParser(version=V5).feed(msg.data) if msg.type is aiohttp.WSMsgType.BINARY else msg
+                        )
+                    return 101, (ws.protocol, ws.compress, connack)
+            except aiohttp.WSServerHandshakeError as exc:
+                return exc.status, None
+
+    assert asyncio.run(handshake({"Origin": "http://evil.example"}))[0] == 403
+    assert asyncio.run(handshake({"Origin": "null"}))[0] == 403
+    assert asyncio.run(handshake({"Host": f"evil.example:{port}"}))[0] == 421
+    assert asyncio.run(handshake({"Host": f"evil.example:{port}", "Origin": f"http://evil.example:{port}"}))[0] == 421
+    status, (protocol, compress, connack) = asyncio.run(
+        handshake({"Origin": f"http://localhost:{port}", "Sec-WebSocket-Extensions": "permessage-deflate"})
+    )
+    assert (status, protocol, compress) == (101, "mqtt", 0)  # a page of this host, uncompressed
+    assert isinstance(connack[0], Connack), connack
+    assert connack[0].reason_code == 0, connack
+    status, (protocol, _, _) = asyncio.run(handshake({}, protocols=("mqttv3.1",)))  # no Origin: not a browser
+    assert (status, protocol) == (101, "mqttv3.1")
+    assert "WebSocket handshake refused: a web page of another site" in mqtt_gateway.log()
+
+
 def test_the_packet_size_limit_over_websocket_is_per_packet(tmp_path: Path, core: CoreProcess) -> None:
     """[MQTT-6.0.0-2]: a WebSocket message may hold several packets. Each within the maximum packet size is
     taken, whatever they make together; one above it gets DISCONNECT 0x95, as over TCP."""

@@ -36,7 +36,7 @@ from tridentmq_core.dedup import DuplicateIdCache, TransferIds
 from tridentmq_core.forwarder import FORWARD_QUEUE_PREFIX
 from tridentmq_core.forwarding import DEDUP_PREFIX, FORWARD_PROPERTY, MOVES_PROPERTY, ForwardHeader
 from tridentmq_core.queues import MESSAGE_OVERHEAD
-from tridentmq_core.security import AuthenticationError, Permission, SecurityManager, hash_password, is_loopback
+from tridentmq_core.security import AuthenticationError, Permission, SecurityManager, hash_password
 from tridentmq_core.settings import (
     AddressSettingsEntry,
     BrokerSection,
@@ -48,6 +48,7 @@ from tridentmq_core.store.memory import MemoryStore
 from tridentmq_core.store.recovery import RecoveredState
 from tridentmq_shared.link import events as ev
 from tridentmq_shared.link.ops import ErrorCode, NackMode
+from tridentmq_shared.loopback import is_loopback
 from tridentmq_shared.message import HOME_PROPERTY, M_EXPIRATION, M_ID, M_TIMESTAMP, new_message
 from tridentmq_shared.settings import SettingsError
 

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar, cast
+from urllib.parse import urlsplit
 
 from aiohttp import WSMsgType, web
 
@@ -27,6 +28,7 @@ from tridentmq_shared.http_hosts import HostCheck, host_check_middleware
 from tridentmq_shared.http_limits import http_runner, serve
 from tridentmq_shared.light_event import LightEvent
 from tridentmq_shared.logs import setup_logging
+from tridentmq_shared.loopback import is_loopback
 from tridentmq_shared.runtime import LISTEN_BACKLOG, run_main
 from tridentmq_shared.settings import SettingsError, doc, load_settings
 from tridentmq_shared.supervision import EXIT_TASK_FAILED, Supervisor, cannot_start, current, install
@@ -468,6 +470,7 @@ class GatewayShell:
             self._servers.append(server)
             self.ports[f"{config.protocol}_tls"] = server.sockets[0].getsockname()[1]
         if config.websocket_port >= 0 or (tls is not None and config.websocket_tls_port >= 0):
+            self._websocket_hosts = HostCheck((*config.http_allowed_hosts, config.host))
             app = web.Application()
             app.router.add_get("/{path:.*}", self._websocket)
             runner = http_runner(app, request_timeout_ms=config.http_request_timeout_ms)
@@ -564,12 +567,39 @@ class GatewayShell:
         return True
 
     # ------------------------------------------------------------------ WebSocket
+    def _page_refusal(self, request: web.Request) -> web.Response | None:
+        """Why a WebSocket handshake from this host is refused, when it looks like a web page of another site: a
+        browser here is a loopback client, trusted with every right while no users are configured, and lends
+        that trust to any page it shows. A page of another site names it in ``Origin``; one that pointed its own
+        name at 127.0.0.1 (DNS rebinding) names that in ``Host``. Clients of other hosts get no such trust."""
+        if not is_loopback(request.remote):
+            return None
+        sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
+        local = sockname[0] if isinstance(sockname, tuple) and sockname else None
+        host, origin = request.headers.get("Host"), request.headers.get("Origin")
+        if self._websocket_hosts.allows(host, local):
+            if origin is None or self._websocket_hosts.allows(urlsplit(origin).netloc, local):
+                return None
+            status, what = 403, f"origin {origin!a}"
+        else:
+            status, what = 421, f"host {host!a}"
+        log.warning(
+            "WebSocket handshake refused: a web page of another site", extra={"what": what, "peer": request.remote}
+        )
+        return web.json_response({"error": f"{what} is not allowed here (add it to http.allowed_hosts)"}, status=status)
+
     async def _websocket(self, request: web.Request) -> web.StreamResponse:
         config = self.config
         offered = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
         chosen = next((p for p in config.subprotocols if p in offered), None)
-        # A message bigger than the limit is refused (close 1009) without being read whole.
-        ws = web.WebSocketResponse(protocols=(chosen,) if chosen else (), max_msg_size=config.max_websocket_message)
+        refusal = self._page_refusal(request)
+        if refusal is not None:
+            return refusal
+        # A message bigger than the limit is refused (close 1009) without being read whole. No permessage-deflate,
+        # which browsers offer: its compressor and decompressor cost about 100 KB per connection.
+        ws = web.WebSocketResponse(
+            protocols=(chosen,) if chosen else (), max_msg_size=config.max_websocket_message, compress=False
+        )
         await ws.prepare(request)
         if chosen is None and (offered or config.subprotocol_required):
             # aiohttp would carry on without a subprotocol: refuse instead.
@@ -595,6 +625,7 @@ class GatewayShell:
             config=config,
         )
         if not self.admit_login(wire, peer):
+            wire.writer.cancel()  # nothing was queued: the close below is the only frame
             await ws.close(code=1013, message=b"too many connections logging in")
             return ws
         session = self.open_session(wire)

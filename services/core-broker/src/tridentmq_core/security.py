@@ -18,10 +18,8 @@ what a login must be checked against, and the node's shell (``tridentmq_core.log
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import hmac
-import ipaddress
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -29,6 +27,7 @@ from typing import Final
 
 from tridentmq_core.router import ANY_WORD, ANY_WORDS, DELIMITER, is_wildcard, pattern_matches
 from tridentmq_core.settings import PermissionEntry, UserEntry
+from tridentmq_shared.loopback import is_loopback
 
 
 class Permission(StrEnum):
@@ -208,19 +207,6 @@ def password_matches(stored: str, given: str) -> bool:
             return False
         return hmac.compare_digest(digest.hex(), expected)
     return hmac.compare_digest(stored.encode(), given.encode())
-
-
-@functools.lru_cache(maxsize=1024)
-def is_loopback(host: str | None) -> bool:
-    """Parsed once per address: every session of a gateway's shared link asks for the same two."""
-    if host is None:
-        return False
-    try:
-        ip = ipaddress.ip_address(host.split("%")[0])
-    except ValueError:
-        return False
-    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1 from a dual-stack listener
-    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 class SecurityManager:

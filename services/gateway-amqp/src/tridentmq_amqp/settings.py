@@ -124,7 +124,9 @@ class HttpSection:
         list,
         "Host names requests may carry in their Host header besides loopback "
         "names, the address they came in on and `http.host` (a check against "
-        "DNS rebinding); `*` allows any.",
+        "DNS rebinding); `*` allows any. A WebSocket handshake from this host "
+        "(a browser here) must name such a host in its Host and Origin headers, "
+        "`listener.host` counting too.",
         factory=True,
     )
     request_timeout_ms: int = doc(

@@ -16,7 +16,9 @@ from tridentmq_shared.link.errors import LinkRequestError
 
 log = logging.getLogger("tridentmq.mqtt")
 
-SUBPROTOCOLS = ("mqtt",)  # MQTT 3.1.1 and 5.0 over WebSocket; a client not offering it is closed with 1002
+# MQTT 3.1.1 and 5.0 over WebSocket, and 3.1 (Paho JavaScript offers "mqttv3.1" to a 3.1 server, and Mosquitto
+# and EMQX take it); a client offering neither is closed with 1002.
+SUBPROTOCOLS = ("mqtt", "mqttv3.1")
 
 
 class MqttGateway:

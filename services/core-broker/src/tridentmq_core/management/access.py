@@ -29,9 +29,10 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from tridentmq_core.management.console import is_console_path
-from tridentmq_core.security import AuthenticationError, Permission, Principal, SecurityManager, is_loopback
+from tridentmq_core.security import AuthenticationError, Permission, Principal, SecurityManager
 from tridentmq_core.settings import CoreSettings
 from tridentmq_shared.http_hosts import HostCheck, host_check_middleware
+from tridentmq_shared.loopback import is_loopback
 
 log = logging.getLogger("tridentmq.core.management")
 
