@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from proton import Disposition, Message
+from proton.utils import BlockingConnection, SendException
 from tests.conftest import start_core, start_gateway, stop_cleanly
 from tests.integration.test_stomp_bad_input import Peer
 
@@ -48,6 +50,51 @@ def test_a_message_above_16_mib_is_delivered_when_the_core_accepts_it(tmp_path: 
     log = core.log()
     assert "cannot frame output" not in log, log
     assert "Traceback" not in log, log
+
+
+def test_a_body_of_exactly_the_cores_limit_passes_through_a_gateway(tmp_path: Path) -> None:
+    """A gateway's session is a channel of its shared link, whose frames lose a margin to the channel: with
+    broker.max_message_bytes at 20 MiB, a STOMP body 512 bytes under it was refused ("exceeds the 20970496
+    the core's link takes"). The derived link frame leaves room for that margin too."""
+    core = start_core(tmp_path, TRIDENTMQ_CORE_BROKER_MAX_MESSAGE_BYTES=str(20 * MIB))
+    gateway = start_gateway(
+        tmp_path,
+        core,
+        TRIDENTMQ_STOMP_STOMP_MAX_FRAME_BYTES=str(24 * MIB),
+        TRIDENTMQ_STOMP_STOMP_PENDING_BYTES=str(48 * MIB),
+    )
+    try:
+        with Peer(gateway.port) as producer:
+            producer.connect()
+            send(producer, "limit", b"x" * (20 * MIB), "sent")
+            assert producer.expect("RECEIPT").headers["receipt-id"] == "sent"
+            send(producer, "limit", b"x" * (20 * MIB + 1), "over")
+            error = producer.expect("ERROR")
+            assert str(20 * MIB) in error.headers.get("message", "") + error.body.decode(), error
+        stop_cleanly(gateway)
+    finally:
+        assert core.stop() == 0
+
+
+def test_an_amqp_message_its_core_link_cannot_carry_is_rejected_at_once(tmp_path: Path) -> None:
+    """The AMQP gateway takes larger messages than the core: one its core link refuses before sending (over the
+    link's body limit) was never settled, since only a confirm from the core settled transfers, and its sender
+    waited until some later publish was confirmed."""
+    core = start_core(tmp_path, TRIDENTMQ_CORE_BROKER_MAX_MESSAGE_BYTES=str(2 * MIB))
+    gateway = start_gateway(tmp_path, core, "amqp", TRIDENTMQ_AMQP_AMQP_MAX_MESSAGE_BYTES=str(40 * MIB))
+    try:
+        conn = BlockingConnection(f"amqp://127.0.0.1:{gateway.port}", timeout=20)
+        try:
+            sender = conn.create_sender("too.big")
+            with pytest.raises(SendException) as refused:
+                sender.send(Message(body=b"x" * (18 * MIB)))  # over the link's frame (16 MiB): never sent
+            assert refused.value.state == Disposition.REJECTED
+            sender.send(Message(body=b"fits"))  # the link goes on
+        finally:
+            conn.close()
+        stop_cleanly(gateway)
+    finally:
+        assert core.stop() == 0
 
 
 def test_a_message_the_core_cannot_take_is_refused_to_its_producer(tmp_path: Path) -> None:

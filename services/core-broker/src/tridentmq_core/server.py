@@ -99,6 +99,11 @@ _MAX_PROPERTIES: Final = MAX_PROPERTIES + 1
 DEFAULT_LINK_FRAME_BYTES = 16 * 1024 * 1024
 
 
+#: A channel's frames travel inside its link's frames: this much of the link's frame limit is left for the
+#: CHANNEL operation around them.
+CHANNEL_FRAME_MARGIN = 1024
+
+
 def link_frame_bytes(settings: CoreSettings) -> int:
     """The node's link frame limit: ``link.max_frame_bytes``, or derived from ``broker.max_message_bytes`` when
     that is 0, so that a message of the largest body accepted fits in a frame with its headers. A limit set by
@@ -106,7 +111,7 @@ def link_frame_bytes(settings: CoreSettings) -> int:
     max_message = settings.broker.max_message_bytes
     if max_message <= 0:
         raise SettingsError("broker.max_message_bytes must be positive")
-    needed = max_message + PUBLISH_HEADROOM
+    needed = max_message + PUBLISH_HEADROOM + CHANNEL_FRAME_MARGIN  # a gateway's sessions are channels
     configured = settings.link.max_frame_bytes
     if configured == 0:
         return max(needed, DEFAULT_LINK_FRAME_BYTES)
@@ -118,9 +123,6 @@ def link_frame_bytes(settings: CoreSettings) -> int:
     return configured
 
 
-#: A channel's frames travel inside its link's frames: this much of the link's frame limit is left for the
-#: CHANNEL operation around them.
-CHANNEL_FRAME_MARGIN = 1024
 #: A channel's output goes in CHANNEL operations of at most this many bytes, and its link is written as soon
 #: as this many are queued: the peer then decodes small link frames as they come, and neither side holds a
 #: second copy of a large batch of deliveries for longer than a small frame takes.

@@ -26,8 +26,9 @@ class LinkSection:
     max_frame_bytes: int = doc(
         0,
         "Largest link frame accepted; 0 derives it from `broker.max_message_bytes` (that "
-        "plus 1 MiB for the rest of a message, at least 16 MiB). A value set must leave "
-        "that room: what a node accepts it can frame to every consumer.",
+        "plus 1 MiB for the rest of a message and 1 KiB for the channel of a gateway's "
+        "session, at least 16 MiB). A value set must leave that room: what a node accepts "
+        "it can frame to every consumer.",
     )
     publish_window: int = doc(8192, "Publishes a link may have in flight before the core grants more.")
     publish_window_bytes: int = doc(

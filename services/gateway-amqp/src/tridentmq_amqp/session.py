@@ -991,6 +991,8 @@ class AmqpSession:
         else:
             inbound.unconfirmed += 1
         self._unsettled_in.append((future, None if presettled else delivery, inbound, txn_id))
+        if future.done():  # refused by the link client itself (a body its link cannot carry): no confirm comes
+            self._loop.call_soon(self._settle_inbound)
 
     def _drop_link(self, inbound: Inbound, condition: str, description: str) -> None:
         """End a client's sending link for abuse: it takes no more transfers (the one at hand, over a limit, is
