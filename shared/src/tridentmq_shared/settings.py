@@ -9,6 +9,7 @@ itself through ``doc(...)``; ``render_reference`` turns the classes into the con
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -18,6 +19,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -58,22 +60,30 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
             return value.lower() in _TRUE
         raise SettingsError(f"{where}: expected true or false, got {value!r}")
     if hint is int:
-        if isinstance(value, bool):
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
             raise SettingsError(f"{where}: expected an integer, got {value!r}")
         try:
-            return int(value)
-        except (TypeError, ValueError):
+            number = int(value)
+        except (TypeError, ValueError, OverflowError):
             raise SettingsError(f"{where}: expected an integer, got {value!r}") from None
+        if where.rpartition(".")[2].endswith("port") and not -1 <= number <= 65535:
+            raise SettingsError(f"{where}: a port is from 0 to 65535 (-1: off, where it may be), got {number}")
+        return number
     if hint is float:
         try:
-            return float(value)
+            real = float(value)
         except (TypeError, ValueError):
             raise SettingsError(f"{where}: expected a number, got {value!r}") from None
+        if not math.isfinite(real):
+            raise SettingsError(f"{where}: expected a finite number, got {value!r}")
+        return real
     if hint is Path:
         return Path(str(value))
     if hint is str:
         if not isinstance(value, str):
             raise SettingsError(f"{where}: expected a string, got {value!r}")
+        if where.rpartition(".")[2] == "log_level" and value.upper() not in _LOG_LEVELS:
+            raise SettingsError(f"{where}: expected one of {', '.join(_LOG_LEVELS)}, got {value!r}")
         return value
     raise SettingsError(f"{where}: unsupported setting type {hint!r}")
 
@@ -83,7 +93,7 @@ def _build(cls: type[T], values: Mapping[str, Any], where: str) -> T:
     names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = set(values) - names
     if unknown:
-        raise SettingsError(f"{where}: unknown setting(s) {', '.join(sorted(unknown))}")
+        raise SettingsError(f"{where + ': ' if where else ''}unknown setting(s) {', '.join(sorted(unknown))}")
     kwargs = {k: _convert(v, hints[k], f"{where}.{k}" if where else k) for k, v in values.items()}
     return cls(**kwargs)
 

@@ -1,0 +1,48 @@
+"""Settings read from a TOML file and the environment: every value is checked where it comes in, and a bad one
+is named by its key in one line (the process then exits, never starting on a value it cannot use)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tridentmq_core.settings import ENV_PREFIX, CoreSettings
+from tridentmq_mqtt.settings import ENV_PREFIX as MQTT_PREFIX
+from tridentmq_mqtt.settings import MqttSettings
+from tridentmq_shared.settings import SettingsError, load_settings
+
+
+def core(tmp_path: Path, toml: str) -> CoreSettings:
+    file = tmp_path / "core.toml"
+    file.write_text(toml)
+    return load_settings(CoreSettings, prefix=ENV_PREFIX, file=file, env={})
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ("[link]\nport = 70000", "link.port: a port is from 0 to 65535 (-1: off, where it may be), got 70000"),
+        ("[link]\nport = -5", "link.port: a port is from 0 to 65535"),
+        ("[management]\nport = -3", "management.port: a port is from 0 to 65535"),
+        ("[link]\nport = 61616.7", "link.port: expected an integer, got 61616.7"),
+        ("[node]\nlog_level = 'LOUD'", "node.log_level: expected one of DEBUG, INFO, WARNING, ERROR, CRITICAL"),
+        ("[journal]\ncompact_live_ratio = nan", "journal.compact_live_ratio: expected a finite number"),
+        ("[lnk]\nport = 1", "unknown setting(s) lnk"),
+    ],
+)
+def test_a_value_the_process_cannot_use_is_refused_naming_its_key(tmp_path: Path, toml: str, message: str) -> None:
+    """A port of 70000 listened on 4464, 61616.7 on 61616, a log level `LOUD` and a port of -3 stopped the
+    process through a traceback (a gateway with such an HTTP port hung, deaf to SIGTERM), `nan` was taken."""
+    with pytest.raises(SettingsError) as refused:
+        core(tmp_path, toml)
+    assert str(refused.value).startswith(message), refused.value
+
+
+def test_ports_off_any_and_whole_numbers_are_taken(tmp_path: Path) -> None:
+    settings = core(tmp_path, "[link]\nport = 0\n[management]\nport = 8161.0\n[node]\nlog_level = 'debug'")
+    assert (settings.link.port, settings.management.port, settings.node.log_level) == (0, 8161, "debug")
+    gateway = load_settings(MqttSettings, prefix=MQTT_PREFIX, env={"TRIDENTMQ_MQTT_LISTENER_WEBSOCKET_PORT": "-1"})
+    assert gateway.listener.websocket_port == -1
+    with pytest.raises(SettingsError, match=r"http\.port: a port is from 0 to 65535"):
+        load_settings(MqttSettings, prefix=MQTT_PREFIX, env={"TRIDENTMQ_MQTT_HTTP_PORT": "99999"})
