@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -259,6 +260,51 @@ def test_up_stops_when_a_child_cannot_start_instead_of_restarting_it_for_ever(tm
     assert "tridentmq up: core cannot start (see above); stopping" in output
     assert "core exited with" not in output  # never restarted
     assert "Traceback" not in output
+
+
+def test_the_children_of_an_up_killed_with_sigkill_stop_too(tmp_path: Path) -> None:
+    """The children run in sessions of their own: a SIGKILL of ``up`` left core and gateways running, holding
+    the ports and the data directory, and the next ``up`` could not start. They now get SIGTERM when it dies."""
+    management = free_port()
+    env = {
+        **os.environ,
+        "TRIDENTMQ_CORE_LINK_HOST": "127.0.0.1",
+        "TRIDENTMQ_CORE_LINK_PORT": str(free_port()),
+        "TRIDENTMQ_CORE_MANAGEMENT_PORT": str(management),
+        **{
+            f"TRIDENTMQ_{gateway}_{port}": "0"
+            for gateway in ("STOMP", "MQTT", "AMQP")
+            for port in ("LISTENER_PORT", "LISTENER_WEBSOCKET_PORT", "HTTP_PORT")
+        },
+    }
+    up = subprocess.Popen(
+        [sys.executable, "-m", "tridentmq_shared.cli", "up", "--data-dir", str(tmp_path / "data")],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if tridentmq("status", "--management", f"http://127.0.0.1:{management}").returncode == 0:
+                children = [int(p) for p in Path(f"/proc/{up.pid}/task/{up.pid}/children").read_text().split()]
+                if len(children) == 4:
+                    break
+            time.sleep(0.2)
+        assert len(children) == 4, children
+        up.kill()
+        up.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in children):
+            time.sleep(0.2)
+        left = [pid for pid in children if Path(f"/proc/{pid}").exists()]
+        assert not left, f"still running after up was killed: {left}"
+    finally:
+        up.kill()
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_core_reports_bad_settings_in_one_line(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import importlib.util
 import os
 import secrets
@@ -27,6 +28,7 @@ from tridentmq_shared.supervision import EXIT_CANNOT_START
 GATEWAYS = ("stomp", "mqtt", "amqp")
 GRACE_SECONDS = 10.0
 MAX_BACKOFF = 30.0
+_PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
 #: A child's output is read in chunks of this size; a line longer than that is printed in pieces.
 _CHUNK = 64 * 1024
 
@@ -236,6 +238,7 @@ async def _run_child(child: Child, stopping: asyncio.Event) -> None:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_stop_with_parent,
         )
         assert child.process.stdout is not None
         pump = asyncio.create_task(_pump(child.name, child.process.stdout))
@@ -255,6 +258,14 @@ async def _run_child(child: Child, stopping: asyncio.Event) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stopping.wait(), backoff)
         backoff = min(backoff * 2, MAX_BACKOFF)
+
+
+def _stop_with_parent() -> None:
+    """In the child, before it runs: SIGTERM when ``up`` dies. The children run in sessions of their own (a
+    Ctrl-C reaches ``up`` alone, which stops them in order), so a SIGKILL of ``up`` left them running, holding
+    the ports and data directories the next ``up`` needs, their output going nowhere."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _stop_signals() -> tuple[signal.Signals, ...]:
