@@ -572,6 +572,42 @@ async def test_a_replaced_primary_that_copied_its_backup_restarts_as_a_backup(tm
         assert node.stop() == 0
 
 
+async def test_a_primary_restarted_at_the_epoch_its_backup_won_is_fenced_not_copied(tmp_path: Path) -> None:
+    """A whole cluster restarted after a failover: the primary, started while no voter answered, served at its
+    own epoch plus one, which was the epoch its backup had won and served at. The backup, started next, took it
+    for its primary and copied it, wiping every message confirmed since the failover. Now the backup's first
+    words fence the stale copy, which copies the fresher one when it starts again."""
+    ha = {
+        "core_ha_policy": "replication",
+        "core_ha_group_name": "stale",
+        "core_ha_activate_without_quorum": "true",
+        "core_ha_allow_failback": "false",
+    }
+    pair = start_pair(tmp_path, "stale", core_ha_activate_without_quorum="true", core_ha_allow_failback="false")
+    primary_port, backup_port = pair.primary.link_port, pair.backup.link_port
+    await publish(pair.primary, "stale.q", [b"a1", b"a2"])
+    kill(pair.primary)
+    wait_until(lambda: ha_view(pair.backup).get("active") is True, 10, "the backup to take over")
+    await publish(pair.backup, "stale.q", [b"b1", b"b2"])
+    kill(pair.backup)
+    primary = start_node(tmp_path, "stale-primary", [], core_link_port=str(primary_port), **ha)
+    wait_until(lambda: ha_view(primary).get("active") is True, 10, "the stale copy to serve, no voter answering")
+    assert ha_view(primary)["epoch"] == 2
+    backup = start_node(
+        tmp_path, "stale-backup", [primary], core_ha_role="backup", core_link_port=str(backup_port), **ha
+    )
+    assert await asyncio.to_thread(primary.process.wait, 20) == FENCED_EXIT_CODE
+    assert "backup stale-backup" in primary.log()
+    wait_until(lambda: ha_view(backup).get("active") is True, 20, "the fresher copy to serve")
+    assert ha_view(backup)["epoch"] == 3
+    assert sorted(await drain(backup, "stale.q", 4)) == [b"a1", b"a2", b"b1", b"b2"]
+    primary = start_node(tmp_path, "stale-primary", [backup], core_link_port=str(primary_port), **ha)
+    wait_until(lambda: ha_view(primary).get("in_sync") is True, 20, "the fenced copy to copy the fresher one")
+    assert ha_view(primary)["active"] is False
+    for node in (primary, backup):
+        assert node.stop() == 0
+
+
 def listener(port: int = 0) -> socket.socket:
     """A TCP listener standing in for the network a node checks."""
     sock = socket.socket()

@@ -288,6 +288,24 @@ def test_a_commit_of_the_promised_epoch_replaces_the_older_one() -> None:
     assert book.standing(PAIR, 2) is Standing.REPLACED
 
 
+def test_a_copy_at_the_epoch_another_process_won_and_served_at_is_replaced() -> None:
+    """A primary restarted while no voter answered serves at its own epoch plus one: the epoch its backup won
+    and served at meanwhile. Both copies at one epoch, the voters took the stale one for current, and the
+    backup then copied it, dropping what it had confirmed. Told which process serves, a voter fences it."""
+    book = VoteBook({PAIR: (1, "")}, {PAIR: 1})
+    assert book.decide(activate(2, "backup-1", data=1), primary_reachable=False)[0]
+    book.observe(PAIR, 2)  # the primary went on at 2 with a quorum's stays: seen active here
+    assert book.standing(PAIR, 2, "primary-2") is Standing.CURRENT  # the bid's winner never said it serves
+    assert book.decide(VoteRequest(STAY, PAIR, 2, "backup-1"), primary_reachable=False)[0]  # now it does
+    assert book.standing(PAIR, 2, "backup-1") is Standing.CURRENT
+    assert book.standing(PAIR, 2, "primary-2") is Standing.REPLACED
+    assert book.standing(PAIR, 2) is Standing.CURRENT  # a node that does not say (an older one)
+    assert book.standing(PAIR, 3, "primary-2") is Standing.CURRENT  # a newer epoch, granted by a quorum
+    again = VoteBook.from_json(json.loads(json.dumps(book.to_json())))  # kept across a voter's restart
+    assert again.standing(PAIR, 2, "primary-2") is Standing.REPLACED
+    assert VoteBook.from_json({PAIR: [2, "backup-1", 2]}).standing(PAIR, 2, "primary-2") is Standing.CURRENT
+
+
 def test_a_newer_epoch_seen_active_replaces_the_older_one() -> None:
     book = VoteBook()
     assert book.observe(PAIR, 4)
@@ -440,10 +458,11 @@ def test_the_book_round_trips_through_json() -> None:
     book.decide(activate(3, "backup-1", node_id="node-a"), primary_reachable=False)
     book.observe("node-b", 7)
     data = json.loads(json.dumps(book.to_json()))
-    assert data == {"node-a": [3, "backup-1", 2], "node-b": [7, "", 7]}
+    assert data == {"node-a": [3, "backup-1", 2, 0], "node-b": [7, "", 7, 0]}
     again = VoteBook.from_json(data)
     assert again.promised == book.promised
     assert again.fresh == book.fresh
+    assert again.won == book.won
     # the restored book decides as the original would
     assert again.decide(activate(3, "backup-1", node_id="node-a"), primary_reachable=False) == (True, "")
     assert not again.decide(activate(3, "backup-2", node_id="node-a"), primary_reachable=False)[0]
@@ -478,7 +497,8 @@ def test_from_json_refuses_anything_but_a_map(data: Any) -> None:
         [],
         [3],
         [3, "b", "extra"],
-        [3, "b", 1, 1],
+        [3, "b", 1, 1, 1],
+        [3, "b", 1, None],
         [3, "b", None],
         [True, "b"],
         [3.0, "b"],

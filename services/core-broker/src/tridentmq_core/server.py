@@ -960,6 +960,7 @@ class CoreNode:
             management_port=self.management_port,
             epoch=self.identity.epoch,
             voter=self.voter,
+            server_id=self.server_id,
         )
         self.status.cluster = self.cluster.status
         self.cluster.on_fenced = self._fenced
@@ -1160,6 +1161,11 @@ class CoreNode:
         self.active = False
         for protocol in list(self.protocols.values()):
             protocol.close_transport()
+        if self.settings.ha.policy == REPLICATION:
+            # A fresher copy serves: this one must copy it before it may serve again. Else a restart that no
+            # voter answers (the whole cluster starting) would serve this stale copy again.
+            with contextlib.suppress(OSError):
+                mark_released(self.identity.data_dir)
         self.audit.emit(wall_ms() * 1000, "ha.fenced", {"reason": reason})
         self.audit.close()
         os._exit(FENCED_EXIT_CODE)  # no clean stop: a clean stop would scale down or confirm what is held

@@ -180,9 +180,11 @@ class ClusterManager:
         management_port: int = 0,
         epoch: int = 1,
         voter: Voter | None = None,
+        server_id: str = "",
     ) -> None:
         cluster = settings.cluster
         self.epoch = epoch  # this node's activation epoch: a copy of it at a lower one is refused
+        self.server_id = server_id  # this process, as votes name it: told with the epoch
         self.voter = voter  # knows the highest epoch promised or seen per node id
         #: Called when another node says a newer copy of this node is active (the server stops at once).
         self.on_fenced: Callable[[str], None] = lambda _reason: None
@@ -340,19 +342,21 @@ class ClusterManager:
             "port": port,
             "management": self.management_port,
             "epoch": self.epoch,
+            "server": self.server_id,
             "max_hops": self.settings.cluster.max_hops,
             "binding_acks": True,
             "binding_backlog": True,
         }
 
-    def standing(self, node_id: str, epoch: Any) -> Standing:
-        """Whether ``node_id`` at ``epoch`` may be talked to (current), must stop (replaced: a newer copy of it
-        serves), or waits (outbid: a newer epoch was promised to a copy not known to have won it)."""
+    def standing(self, node_id: str, epoch: Any, server: Any = "") -> Standing:
+        """Whether ``node_id`` at ``epoch`` (served by the process ``server``) may be talked to (current), must stop
+        (replaced: a newer copy of it serves), or waits (outbid: a newer epoch was promised to a copy not known
+        to have won it)."""
         if self.voter is None:
             return Standing.CURRENT
         if type(epoch) is not int:
             return Standing.REPLACED
-        return self.voter.observe(node_id, epoch)
+        return self.voter.observe(node_id, epoch, server if type(server) is str else "")
 
     # ------------------------------------------------------------------ another node joins us
     def on_topology(self, session: Session, info: dict[str, Any]) -> dict[str, Any]:
@@ -381,7 +385,9 @@ class ClusterManager:
             raise BrokerError(ErrorCode.INVALID, problem)
         elif join.get("node_id") == self.node_id:
             problem = f"node id {self.node_id} is this node's own (a copied data directory?)"
-        elif (standing := self.standing(str(join.get("node_id")), join.get("epoch", 1))) is Standing.REPLACED:
+        elif (
+            standing := self.standing(str(join.get("node_id")), join.get("epoch", 1), join.get("server", ""))
+        ) is Standing.REPLACED:
             # A copy of a pair that another replaced: the fencing at work during a failover or failback; that
             # copy stops when it hears this.
             problem = f"epoch {join.get('epoch')} of node {join.get('node_id')} was replaced by a newer one"
@@ -432,6 +438,7 @@ class ClusterManager:
             "bindings": list(joined.sent.values()),
             "members": joined.members_sent,
             "epoch": self.epoch,
+            "server": self.server_id,
         }
 
     def _send_direct(self, node_id: str, message: WireMessage, token: int, publisher: Session | None) -> Direct:
@@ -506,7 +513,7 @@ class ClusterManager:
 
     # ------------------------------------------------------------------ our bridges
     def bridge_up(self, bridge: Bridge, reply: dict[str, Any]) -> bool:
-        standing = self.standing(bridge.node_id, reply.get("epoch", 1))
+        standing = self.standing(bridge.node_id, reply.get("epoch", 1), reply.get("server", ""))
         if standing is not Standing.CURRENT:
             reason = (
                 f"epoch {reply.get('epoch')} of that node was replaced by a newer one (a fenced copy)"

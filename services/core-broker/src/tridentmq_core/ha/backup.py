@@ -129,6 +129,7 @@ class BackupRunner:
                     "group": self.settings.ha.group_name,
                     "server_id": self.server_id,
                     "epoch": self.identity.epoch,
+                    "activated": self.state.activated,
                     "host": self.advertise[0],
                     "port": self.advertise[1],
                     "role": self.settings.ha.role,
@@ -141,6 +142,13 @@ class BackupRunner:
             await self._close_link()
             return False
         except (OSError, TimeoutError):
+            await self._close_link()
+            return False
+        served = reply.get("epoch")
+        if self.state.activated and (type(served) is not int or served <= self.state.epoch):
+            # This copy served the pair at its epoch, by a quorum's vote: one at that epoch or an older one
+            # took it without (a restart no voter answered). Copying it would wipe the fresher data.
+            self._note(f"{host}:{port} serves at epoch {served}, not after this copy's {self.state.epoch}: not copied")
             await self._close_link()
             return False
         self.primary = f"{host}:{port}"

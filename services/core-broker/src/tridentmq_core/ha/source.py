@@ -125,6 +125,12 @@ class ReplicationSource:
         if not isinstance(session.conn, LinkConnection):
             raise BrokerError(ErrorCode.INVALID, "a backup replicates over a link connection of its own")
         epoch = self.identity.epoch
+        served = info.get("epoch")
+        if info.get("activated") is True and type(served) is int and served >= epoch:
+            # The backup served this pair at this epoch or a later one, which a quorum granted it; this copy took
+            # the epoch without one (started while no voter answered): the backup's copy is the fresher.
+            self._fenced(f"backup {server_id} served this pair at epoch {served}; this copy serves at {epoch}")
+            raise BrokerError(ErrorCode.FENCED, "this copy is stale: it stops")
         feed = ReplicaFeed(
             epoch, self.journal.appended + 1, window=ha.sync_window, max_backlog_bytes=ha.max_backlog_bytes
         )

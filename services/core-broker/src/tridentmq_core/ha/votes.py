@@ -190,9 +190,15 @@ class VoteBook:
     """Per pair, the highest epoch this voter promised (and to whom) or saw active, and the data epoch a
     copy needs to be granted (``fresh``)."""
 
-    def __init__(self, promised: dict[str, tuple[int, str]] | None = None, fresh: dict[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        promised: dict[str, tuple[int, str]] | None = None,
+        fresh: dict[str, int] | None = None,
+        won: dict[str, int] | None = None,
+    ) -> None:
         self.promised: dict[str, tuple[int, str]] = dict(promised or {})
         self.fresh: dict[str, int] = dict(fresh or {})
+        self.won: dict[str, int] = dict(won or {})  # the promised epoch its promisee said it serves at (commit)
 
     def epoch(self, node_id: str) -> int:
         return self.promised.get(node_id, (0, ""))[0]
@@ -210,6 +216,8 @@ class VoteBook:
             if why:
                 return False, why
             self._raise_fresh(request.node_id, request.epoch)  # it serves at this epoch
+            if (known, promisee) == (request.epoch, request.candidate) and promisee:
+                self.won[request.node_id] = known  # the winner of the vote serves: no other copy may at this epoch
             return True, ""
         if known == request.epoch and promisee == request.candidate and request.candidate:
             return True, ""  # the same candidate asking again (an earlier round's answer was lost or too few)
@@ -253,11 +261,16 @@ class VoteBook:
             return f"epoch {known} was won by {promisee}"
         return ""
 
-    def standing(self, node_id: str, epoch: int) -> Standing:
-        """How a node of pair ``node_id`` serving at ``epoch`` stands here. A promise of a newer epoch replaces
-        it only with a sign that the promise was won: the promisee's commit raised the data epoch above
-        ``epoch`` (a stay of this same node does not promise, so it never counts against it)."""
+    def standing(self, node_id: str, epoch: int, server: str = "") -> Standing:
+        """How a node of pair ``node_id`` serving at ``epoch`` (the process ``server``, when it says) stands here.
+        A promise of a newer epoch replaces it only with a sign that the promise was won: the promisee's commit
+        raised the data epoch above ``epoch`` (a stay of this same node does not promise, so it never counts
+        against it). So does a promise of this same epoch to another process that committed it (said it serves
+        at it): a copy restarted while no voter answered takes its own epoch plus one, which may be the one its
+        backup won meanwhile."""
         promised, promisee = self.promised.get(node_id, (0, ""))
+        if epoch == promised and server and promisee not in ("", server) and self.won.get(node_id) == epoch:
+            return Standing.REPLACED
         if epoch >= promised:
             return Standing.CURRENT
         if not promisee or self.freshness(node_id) > epoch:
@@ -283,8 +296,8 @@ class VoteBook:
 
     def to_json(self) -> dict[str, list[Any]]:
         return {
-            node_id: [*self.promised.get(node_id, (0, "")), self.freshness(node_id)]
-            for node_id in self.promised.keys() | self.fresh.keys()
+            node_id: [*self.promised.get(node_id, (0, "")), self.freshness(node_id), self.won.get(node_id, 0)]
+            for node_id in self.promised.keys() | self.fresh.keys() | self.won.keys()
         }
 
     @staticmethod
@@ -293,19 +306,23 @@ class VoteBook:
             raise ValueError("the vote book is a map")  # noqa: TRY004 - callers catch ValueError for any bad input
         promised: dict[str, tuple[int, str]] = {}
         fresh: dict[str, int] = {}
+        won: dict[str, int] = {}
         for node_id, entry in data.items():
-            if isinstance(entry, list) and len(entry) == 2:
-                entry = [*entry, 0]  # written before data epochs were kept: nothing known yet
+            if isinstance(entry, list) and 2 <= len(entry) < 4:
+                entry = [*entry, 0, 0][:4]  # written before data epochs or commits were kept: nothing known yet
             if not (
                 isinstance(entry, list)
-                and len(entry) == 3
+                and len(entry) == 4
                 and type(entry[0]) is int
                 and isinstance(entry[1], str)
                 and type(entry[2]) is int
+                and type(entry[3]) is int
             ):
                 raise ValueError(f"malformed vote book entry for {node_id!r}")
             if entry[0] or entry[1]:  # an entry may carry only a data epoch
                 promised[node_id] = (entry[0], entry[1])
             if entry[2]:
                 fresh[node_id] = entry[2]
-        return VoteBook(promised, fresh)
+            if entry[3]:
+                won[node_id] = entry[3]
+        return VoteBook(promised, fresh, won)

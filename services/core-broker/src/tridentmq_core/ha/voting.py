@@ -65,13 +65,17 @@ class Voter:
         except ValueError as exc:
             raise BrokerError(ErrorCode.INVALID, str(exc)) from None
         book = self.votes.book
-        before = book.promised.get(request.node_id), book.freshness(request.node_id)
+        before = book.promised.get(request.node_id), book.freshness(request.node_id), book.won.get(request.node_id)
         cluster = self._cluster()
         if cluster is not None and request.node_id == cluster.node_id and request.kind == ACTIVATE:
             granted, why = False, "this node is that pair's active copy"
         else:
             granted, why = book.decide(request, primary_reachable=self.primary_reachable(request.node_id))
-        if (book.promised.get(request.node_id), book.freshness(request.node_id)) != before:
+        if (
+            book.promised.get(request.node_id),
+            book.freshness(request.node_id),
+            book.won.get(request.node_id),
+        ) != before:
             self.votes.save()  # the promise is on disk before the candidate hears of it
         # Refusals repeat every vote round of a candidate: only grants are worth a line at INFO.
         (log.info if granted else log.debug)(
@@ -96,9 +100,9 @@ class Voter:
             "fresh": book.freshness(request.node_id),
         }
 
-    def observe(self, node_id: str, epoch: int) -> Standing:
+    def observe(self, node_id: str, epoch: int, server: str = "") -> Standing:
         """A node is active at ``epoch``: recorded when it is current, else how it stands (``VoteBook.standing``)."""
-        standing = self.votes.book.standing(node_id, epoch)
+        standing = self.votes.book.standing(node_id, epoch, server)
         if standing is Standing.CURRENT and self.votes.book.observe(node_id, epoch):
             self.votes.save()
         return standing
