@@ -35,6 +35,7 @@ from tridentmq_core.dead_letters import ORIGINAL_ADDRESS, ORIGINAL_QUEUE, ORIGIN
 from tridentmq_core.dedup import DuplicateIdCache, TransferIds
 from tridentmq_core.forwarder import FORWARD_QUEUE_PREFIX
 from tridentmq_core.forwarding import DEDUP_PREFIX, FORWARD_PROPERTY, MOVES_PROPERTY, ForwardHeader
+from tridentmq_core.management import NodeStatus, QueueRates, render_metrics
 from tridentmq_core.queues import MESSAGE_OVERHEAD
 from tridentmq_core.security import AuthenticationError, Permission, SecurityManager, hash_password
 from tridentmq_core.settings import (
@@ -2436,6 +2437,9 @@ def test_address_full_policy_drop_confirms_and_discards() -> None:
     c.send_all("capped", [b"0123456789"] * 5)  # all confirmed
     assert len(h.broker.queues["capped"]) == 2
     assert h.broker.counters.dropped == 3
+    # The producer is not told: the operator sees it in the metrics (it was counted, and shown nowhere).
+    exposition = render_metrics(h.broker, NodeStatus(started_at=0.0), QueueRates())
+    assert "tridentmq_messages_dropped_total 3" in exposition.splitlines()
 
 
 def test_address_full_policy_block_withholds_credit_until_the_address_drains() -> None:

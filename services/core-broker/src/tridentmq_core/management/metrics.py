@@ -56,6 +56,7 @@ _BROKER_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("messages_expired_total", "expired", "Messages expired."),
     ("messages_dead_lettered_total", "dead_lettered", "Messages dead-lettered."),
     ("messages_rejected_total", "rejected", "Publishes rejected."),
+    ("messages_dropped_total", "dropped", "Publishes confirmed and discarded by address-full-policy DROP."),
     ("messages_forwarded_total", "forwarded", "Messages put on their way to another cluster node."),
     ("messages_received_total", "received", "Messages that came from another cluster node."),
     ("messages_redistributed_total", "redistributed", "Messages moved to another node's queue (redistribution)."),
