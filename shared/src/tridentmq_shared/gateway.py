@@ -29,7 +29,7 @@ from tridentmq_shared.http_limits import http_runner, serve
 from tridentmq_shared.light_event import LightEvent
 from tridentmq_shared.logs import setup_logging
 from tridentmq_shared.loopback import is_loopback
-from tridentmq_shared.runtime import LISTEN_BACKLOG, run_main
+from tridentmq_shared.runtime import LISTEN_BACKLOG, EndedSessions, run_main
 from tridentmq_shared.settings import SettingsError, doc, load_settings
 from tridentmq_shared.supervision import EXIT_TASK_FAILED, Supervisor, cannot_start, current, install
 from tridentmq_shared.tls import HANDSHAKE_TIMEOUT_S, ServerTls, TlsSection, peer_common_name
@@ -215,6 +215,7 @@ class _TcpWire(asyncio.Protocol):
         if self.session is not None:
             self.session.connection_lost()
             self.shell.sessions.discard(self.session)
+            self.shell.ended.ended(len(self.shell.sessions))
             # The session keeps this wire; a reference back would make a cycle that only the (rarely run)
             # cyclic collector frees, with everything the session holds.
             self.session = None
@@ -420,6 +421,7 @@ class GatewayShell:
         self.core_ready = core_ready
         self.ports_file = ports_file
         self.sessions: set[ClientSession] = set()
+        self.ended = EndedSessions()  # collects the garbage of sessions that ended
         self.logging_in: set[object] = set()  # the wires of connections that have not logged in yet
         self._login_refusal_logged: float | None = None
         self.started = False
@@ -648,6 +650,7 @@ class GatewayShell:
             self.logging_in.discard(wire)
             session.connection_lost()
             self.sessions.discard(session)
+            self.ended.ended(len(self.sessions))
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(wire.writer, 5)
         return ws

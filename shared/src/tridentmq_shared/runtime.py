@@ -41,6 +41,26 @@ def tune_gc() -> None:
     gc.freeze()  # what exists at start-up (modules, settings) lives for ever: never scan it again
 
 
+class EndedSessions:
+    """Collects what ended client sessions leave: a session's objects (its protocol state, wire, link and
+    timers) refer to one another, so only the cyclic collector frees them, and ``tune_gc`` makes its full
+    collections rare. A gateway whose clients came and went grew by 10-23 KB for every connection it ever had.
+    After as many sessions ended as are open (at least ``minimum``), one full collection: each ended session
+    pays for scanning about one open session's objects, a few microseconds."""
+
+    def __init__(self, minimum: int = 1000) -> None:
+        self.minimum = minimum
+        self._ended = 0
+        self.collections = 0
+
+    def ended(self, still_open: int) -> None:
+        self._ended += 1
+        if self._ended >= max(self.minimum, still_open):
+            self._ended = 0
+            self.collections += 1
+            gc.collect()
+
+
 def raise_open_file_limit() -> int:
     """Raise this process's soft limit of open files to its hard limit, as far as the OS lets it: a gateway
     holds a descriptor per client connection (plus a few for its links to the core), and the usual soft limit
