@@ -229,6 +229,36 @@ async def until_ready(node: CoreProcess, status: int) -> dict[str, object]:
     pytest.fail(f"/readyz never answered {status}: {code} {answer}")
 
 
+async def test_a_burst_is_refused_at_the_segment_that_crosses_the_disk_limit_not_a_second_later(
+    tmp_path: Path, small_disk: Path
+) -> None:
+    """The disk usage limit was checked once a second: a burst took a small disk from under 90 % to full within
+    it, the journal could not open its next segment, and the node held publishes unanswered and could not even
+    write the acknowledgements that would drain it. The check now runs at every new segment too."""
+    node = start_core(
+        tmp_path,
+        TRIDENTMQ_CORE_JOURNAL_DIRECTORY=str(small_disk / "journal"),
+        TRIDENTMQ_CORE_JOURNAL_SEGMENT_BYTES=str(1024 * 1024),
+    )
+    try:
+        fill(small_disk, leave=4 * 1024 * 1024)  # about 75 % used: under the limit (90 %)
+        await asyncio.sleep(1.2)  # the once-a-second check has seen it
+        async with client(node) as c:
+            sent = [await c.send(new_message("burst.q", b"x" * 100_000, durable=True)) for _ in range(60)]
+            answers = await asyncio.wait_for(asyncio.gather(*sent, return_exceptions=True), 30)  # none held
+        confirmed = sum(answer is None for answer in answers)
+        refused = [answer for answer in answers if answer is not None]
+        assert confirmed, answers
+        assert refused, answers
+        assert all(isinstance(a, LinkRequestError) and a.code == "resource-limit" for a in refused), refused
+        assert "journal.max_disk_usage" in str(refused[0])
+        assert readyz(node)[0] == 200  # refusing, not failing: the journal never found the disk full
+        assert len(await drain(node, "burst.q", confirmed)) == confirmed  # room is left to acknowledge them
+    finally:
+        assert node.stop() == 0
+    assert "journal cannot write" not in node.log()
+
+
 async def test_a_full_disk_refuses_durable_work_until_space_returns(tmp_path: Path, small_disk: Path) -> None:
     """The journal's disk full at a segment roll: the node says it is not ready and why, refuses durable
     publishes and commits instead of leaving them unanswered, and writes what it held once space returns."""

@@ -69,6 +69,11 @@ class Admission:
         # Set by the server while durable writes cannot be made safe (disk nearly full, journal failed):
         # durable publishes are then refused with this (code, text) instead of being accepted unsafely.
         self.durable_refusal: tuple[str, str] | None = None
+        # ... and between two looks at the disk, the bytes of durable messages it may still take before the
+        # disk reaches journal.max_disk_usage (None: no limit): a burst is refused at the limit, not a second
+        # after the disk filled up with it and left no room for the acknowledgements that would drain it.
+        self.disk_budget: int | None = None
+        self.disk_limit_text = ""
         # Set by the server while the paging directory's disk is over journal.max_disk_usage: a publish that a
         # queue would page is refused with this (code, text) rather than fill that disk.
         self.paging_refusal: tuple[str, str] | None = None
@@ -100,8 +105,15 @@ class Admission:
                 address not in addresses or (message[M_ROUTING] != _MULTICAST and address not in queues)
             ):
                 problem = self.creation_problem(session, message)
-            if problem is None and message[M_DURABLE] and self.durable_refusal is not None:
-                problem = self.durable_refusal
+            if problem is None and message[M_DURABLE]:
+                if self.durable_refusal is not None:
+                    problem = self.durable_refusal
+                elif self.disk_budget is not None:
+                    cost = len(message[M_BODY]) + MESSAGE_OVERHEAD
+                    if cost > self.disk_budget:
+                        problem = (ErrorCode.RESOURCE_LIMIT, self.disk_limit_text)
+                    else:
+                        self.disk_budget -= cost
             if problem is None and self.paging_refusal is not None and self._would_page(address):
                 problem = self.paging_refusal
             if problem is None and len(message[M_BODY]) > (max_durable if message[M_DURABLE] else max_bytes):

@@ -777,6 +777,9 @@ class CoreNode:
         )
         store.attach(self.broker.on_durable)
         journal.on_error = lambda: self._call_in_loop(self._journal_error_changed)
+        # At each new segment too, not only once a second: a fast producer took a small disk from 90 % to full
+        # within the second, and a full disk leaves no room for the acknowledgements that would drain it.
+        journal.on_segment = lambda: self._call_in_loop(self._check_disk)
         journal.start()
         self.journal = journal
         self.status.journal = journal
@@ -1308,6 +1311,14 @@ class CoreNode:
                 if percent >= limit:
                     text = f"disk usage {percent:.1f} % is at or above journal.max_disk_usage {limit:g} %"
                     refusal = (ErrorCode.RESOURCE_LIMIT, f"{text}: durable publishes are refused")
+                elif limit < 100:
+                    admission = self.broker.admission
+                    room = usage.free - usage.total * (100 - limit) / 100  # bytes until the limit
+                    admission.disk_budget = int(room) - journal.unwritten_bytes()
+                    admission.disk_limit_text = (
+                        f"durable publishes would take the journal's disk past journal.max_disk_usage {limit:g} %: "
+                        "refused until its next look at the disk"
+                    )
         if refusal != self.broker.admission.durable_refusal:
             if refusal is None:
                 log.info("durable publishes accepted again")

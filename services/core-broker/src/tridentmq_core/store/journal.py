@@ -354,6 +354,8 @@ class Journal:
         self.fatal: Exception | None = None
         #: Called from the writer thread when ``error`` is set or cleared, or ``fatal`` is set.
         self.on_error: Callable[[], None] = lambda: None
+        #: Called from the writer thread when it opened a new segment (the disk's free space just fell by one).
+        self.on_segment: Callable[[], None] = lambda: None
         self._retry = threading.Event()  # cuts a retry's wait short when closing
         self.rolled_to = 0  # the segment the last roll marker started (set by the writer thread)
         self._rolls = 0  # rolls queued, numbered from 1 (on the appending thread)
@@ -493,6 +495,11 @@ class Journal:
         if not self._wakeup.is_set():
             self._wakeup.set()
         return number
+
+    def unwritten_bytes(self) -> int:
+        """The bytes of the records queued and not yet written (they will take that much more of the disk)."""
+        with self._lock:
+            return sum(len(data) for data in self._pending)
 
     @property
     def appended(self) -> int:
@@ -637,6 +644,7 @@ class Journal:
                     done = index
                     chunk, size = [], 0
                     self._open_segment(self._segment_number + 1)
+                    self.on_segment()
                     if data is _ROLL:
                         self.rolled_to = self._segment_number
                         self._rolls_written += 1  # rolls are written in the order they were queued
