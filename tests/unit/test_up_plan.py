@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tridentmq_shared.cli import supervisor
 from tridentmq_shared.cli.supervisor import (
     STOP_BACKUPS,
     STOP_GATEWAYS,
@@ -167,6 +168,33 @@ async def test_a_child_with_a_line_longer_than_a_read_is_seen_to_exit_and_starte
     assert max(len(piece) for piece in pieces) <= 64 * 1024
     assert "gateway-mqtt   | last words" in lines
     assert "gateway-mqtt exited with 0; restarting in 1 s" in err
+
+
+async def test_a_child_that_cannot_start_stops_up_but_one_that_ran_a_while_is_restarted(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Exit status 78 at start (a port in use beside another ``up``) stops ``up``; the same status after the
+    child ran a while (any later error) is a crash like another, and the child is started again."""
+    cannot = Child("core", [sys.executable, "-c", "raise SystemExit(78)"])
+    stopping = asyncio.Event()
+    await asyncio.wait_for(_run_child(cannot, stopping), 10)
+    assert cannot.cannot_start
+    assert stopping.is_set()
+    assert "tridentmq up: core cannot start (see above); stopping" in capsys.readouterr().err
+    monkeypatch.setattr(supervisor, "MAX_BACKOFF", 0.0)  # every run counts as a long one
+    ran = Child("core", [sys.executable, "-c", "raise SystemExit(78)"])
+    stopping = asyncio.Event()
+    task = asyncio.create_task(_run_child(ran, stopping))
+    first = None
+    for _ in range(200):
+        await asyncio.sleep(0.05)
+        first = first or ran.process
+        if ran.process is not first:  # started again
+            break
+    stopping.set()
+    await asyncio.wait_for(task, 10)
+    assert ran.process is not first
+    assert not ran.cannot_start
 
 
 def test_a_hangup_stops_up_unless_it_was_started_to_ignore_it() -> None:

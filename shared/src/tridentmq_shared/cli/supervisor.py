@@ -246,7 +246,8 @@ async def _run_child(child: Child, stopping: asyncio.Event) -> None:
         await pump
         if stopping.is_set():
             return
-        if first_run and code == EXIT_CANNOT_START:  # a port in use, a held data directory: it would only loop
+        if first_run and code == EXIT_CANNOT_START and time.monotonic() - started < MAX_BACKOFF:
+            # A port in use, a held data directory, bad settings, found at start: a restart would only loop.
             child.cannot_start = True
             print(f"tridentmq up: {child.name} cannot start (see above); stopping", file=sys.stderr, flush=True)
             stopping.set()
