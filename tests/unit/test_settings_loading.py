@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tridentmq_core.server import check_limits
 from tridentmq_core.settings import ENV_PREFIX, CoreSettings
 from tridentmq_mqtt.settings import ENV_PREFIX as MQTT_PREFIX
 from tridentmq_mqtt.settings import MqttSettings
@@ -46,3 +47,34 @@ def test_ports_off_any_and_whole_numbers_are_taken(tmp_path: Path) -> None:
     assert gateway.listener.websocket_port == -1
     with pytest.raises(SettingsError, match=r"http\.port: a port is from 0 to 65535"):
         load_settings(MqttSettings, prefix=MQTT_PREFIX, env={"TRIDENTMQ_MQTT_HTTP_PORT": "99999"})
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ("[link]\nheartbeat_ms = -10", "link.heartbeat_ms is at least 0, got -10"),
+        ("[link]\npublish_window = 0", "link.publish_window is at least 1, got 0"),
+        ("[link]\nmax_connections = 0", "link.max_connections is at least 1, got 0"),
+        ("[broker]\nmax_consumer_credit = 0", "broker.max_consumer_credit is at least 1, got 0"),
+        ("[journal]\nsegment_bytes = 0", "journal.segment_bytes is at least 65536, got 0"),
+        ("[journal]\nmax_disk_usage = 150", "journal.max_disk_usage is a percent from 0 to 100, got 150"),
+        ("[journal]\ncompact_live_ratio = 5", "journal.compact_live_ratio is above 0 and at most 1, got 5"),
+        ("[[users]]\nname = ''\npassword = 'x'", "users: a user has no name"),
+        (
+            "[[users]]\nname = 'ann'\npassword = 'x'\n[[users]]\nname = 'ann'\npassword = 'y'",
+            "users: ann listed more than once (the last entry would win)",
+        ),
+        ("[[permissions]]\nmatch = '#'\npermission = 'sned'\nroles = ['r']", "permissions: 'sned' (match '#') is not"),
+    ],
+)
+def test_a_value_the_node_would_run_with_but_not_work_under_is_refused(tmp_path: Path, toml: str, message: str) -> None:
+    """Accepted before: every link refused (its handshake or the connection limit), producers waiting for ever,
+    every consumer refused, durable publishes all refused; a permission typo granted nothing, silently, and of
+    two entries of one user the last won."""
+    with pytest.raises(SettingsError) as refused:
+        check_limits(core(tmp_path, toml))
+    assert str(refused.value).startswith(message), refused.value
+
+
+def test_the_defaults_pass_the_checks(tmp_path: Path) -> None:
+    check_limits(core(tmp_path, "[journal]\nmax_disk_usage = 0"))  # 0: any usage is over it (tests use it)

@@ -47,7 +47,7 @@ from tridentmq_core.management.app import create_app
 from tridentmq_core.management.operations_api import NodeControl
 from tridentmq_core.management.status import NodeStatus, QueueRates
 from tridentmq_core.node_links import client_tls
-from tridentmq_core.security import AuthenticationError, Credentials, Principal, SecurityManager
+from tridentmq_core.security import AuthenticationError, Credentials, Permission, Principal, SecurityManager
 from tridentmq_core.sessions import Session
 from tridentmq_core.settings import CoreSettings
 from tridentmq_core.store.data_lock import DataDirectoryLock, JournalLock
@@ -99,6 +99,40 @@ _MAX_PROPERTIES: Final = MAX_PROPERTIES + 1
 DEFAULT_LINK_FRAME_BYTES = 16 * 1024 * 1024
 
 
+def check_limits(settings: CoreSettings) -> None:
+    """Refuse values the node would run with but not work under (every link refused, every consumer refused,
+    producers waiting for ever), and security entries that cannot mean what was meant, naming the key."""
+    at_least = (
+        ("link.heartbeat_ms", settings.link.heartbeat_ms, 0),
+        ("link.publish_window", settings.link.publish_window, 1),
+        ("link.max_connections", settings.link.max_connections, 1),
+        ("broker.max_consumer_credit", settings.broker.max_consumer_credit, 1),
+        ("journal.segment_bytes", settings.journal.segment_bytes, MIN_SEGMENT_BYTES),
+    )
+    for key, value, least in at_least:
+        if value < least:
+            raise SettingsError(f"{key} is at least {least}, got {value}")
+    journal = settings.journal
+    if not 0 <= journal.max_disk_usage <= 100:
+        raise SettingsError(f"journal.max_disk_usage is a percent from 0 to 100, got {journal.max_disk_usage:g}")
+    if not 0 < journal.compact_live_ratio <= 1:
+        raise SettingsError(f"journal.compact_live_ratio is above 0 and at most 1, got {journal.compact_live_ratio:g}")
+    names = [user.name for user in settings.users]
+    if "" in names:
+        raise SettingsError("users: a user has no name")
+    if len(set(names)) < len(names):
+        twice = sorted({name for name in names if names.count(name) > 1})
+        raise SettingsError(f"users: {', '.join(twice)} listed more than once (the last entry would win)")
+    known = {permission.value for permission in Permission}
+    for entry in settings.permissions:
+        if entry.permission not in known:
+            raise SettingsError(
+                f"permissions: {entry.permission!r} (match {entry.match!r}) is not one of {', '.join(sorted(known))}"
+            )
+
+
+#: Journal segments smaller than this hold too few records to be worth a file each.
+MIN_SEGMENT_BYTES = 64 * 1024
 #: A channel's frames travel inside its link's frames: this much of the link's frame limit is left for the
 #: CHANNEL operation around them.
 CHANNEL_FRAME_MARGIN = 1024
@@ -561,6 +595,7 @@ class CoreNode:
             raise SettingsError(
                 f"link.handshake_max_frame_bytes must be between {MIN_HANDSHAKE_FRAME_SIZE} and link.max_frame_bytes"
             )
+        check_limits(settings)
         if settings.link.max_handshaking < 1:
             raise SettingsError("link.max_handshaking must be at least 1")
         if settings.link.publish_window_bytes <= 0:
