@@ -8,6 +8,7 @@ import msgpack
 import pytest
 
 from tridentmq_mqtt import messages
+from tridentmq_mqtt.protocol.packets import V5, Publish, encode
 from tridentmq_mqtt.protocol.properties import NO_PROPERTIES, Properties
 from tridentmq_mqtt.state import SessionState, StoredSubscription, _literal_prefix
 from tridentmq_shared.message import (
@@ -105,6 +106,18 @@ def test_properties_of_other_protocols_become_user_properties() -> None:
     props = messages.publish_properties(m, NOW, None)
     assert props.user_properties == (("region", "eu"), ("n", "3"), ("flag", "true"), ("raw", "b"))
     assert props.content_type == "a/b"
+
+
+def test_a_nul_in_another_protocols_property_becomes_a_replacement_character() -> None:
+    """MQTT strings may not hold U+0000: an AMQP binary correlation-id or a STOMP header holding one made the
+    PUBLISH fail to encode, and the message was dead-lettered for every MQTT subscriber."""
+    properties = {"correlation_id": b"\x00\x01bin", "a\x00b": "c\x00d"}
+    m = new_message("t", b"", properties=properties, content_type="text/\x00")
+    props = messages.publish_properties(m, NOW, None)
+    assert props.user_properties == (("correlation_id", "\ufffd\x01bin"), ("a\ufffdb", "c\ufffdd"))
+    assert props.content_type == "text/\ufffd"
+    publish = Publish("t", b"", 1, packet_id=1, properties=props)
+    assert encode(publish, V5)  # encodes (it raised)
 
 
 def test_the_session_record_round_trips() -> None:

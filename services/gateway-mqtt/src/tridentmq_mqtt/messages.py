@@ -162,7 +162,7 @@ def publish_properties(message: WireMessage, now_ms: int, subscription_id: int |
         message_expiry_interval=(
             min(max(math.ceil((expiration - now_ms) / 1000), 1), _MAX_EXPIRY) if expiration else None
         ),
-        content_type=content_type,
+        content_type=None if content_type is None else _mqtt_string(content_type),
         # Set by another protocol's client too (a STOMP header): a response topic that is no topic name would
         # be a protocol error of ours in the client's eyes, and a text correlation data is its UTF-8.
         response_topic=response_topic if type(response_topic) is str and is_topic_name(response_topic) else None,
@@ -177,16 +177,22 @@ def _utf8(value: object) -> bytes | None:
 
 
 def user_properties(props: dict[str, object]) -> tuple[tuple[str, str], ...]:
-    """A message's properties as 5.0 user properties: all but ours, values as text."""
+    """A message's properties as 5.0 user properties: all but ours, values as text. MQTT strings may not hold
+    U+0000, which another protocol's property may (an AMQP binary ``correlation-id``, a STOMP header): it
+    becomes U+FFFD, as on STOMP frames, rather than leave the message undeliverable to every MQTT client."""
     listed = props.get(USER_PROPERTIES)
     if type(listed) is str:
         try:
             pairs = json.loads(listed)
-            return tuple((str(name), str(value)) for name, value in pairs)
+            return tuple((_mqtt_string(str(name)), _mqtt_string(str(value))) for name, value in pairs)
         except (ValueError, TypeError):
             pass  # not ours after all: shown as it is below
     return tuple(
-        (name, property_text(value))
+        (_mqtt_string(name), _mqtt_string(property_text(value)))
         for name, value in props.items()
         if name not in INTERNAL and not name.startswith(ENCODING_PREFIX)
     )
+
+
+def _mqtt_string(text: str) -> str:
+    return text.replace("\x00", "\ufffd") if "\x00" in text else text
