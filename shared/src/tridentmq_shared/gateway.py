@@ -27,6 +27,7 @@ from aiohttp import WSMsgType, web
 from tridentmq_shared.http_hosts import HostCheck, host_check_middleware
 from tridentmq_shared.http_limits import http_runner, serve
 from tridentmq_shared.light_event import LightEvent
+from tridentmq_shared.log_window import FloodLog
 from tridentmq_shared.logs import setup_logging
 from tridentmq_shared.loopback import is_loopback
 from tridentmq_shared.runtime import LISTEN_BACKLOG, EndedSessions, run_main
@@ -281,6 +282,20 @@ def _log_cut_off(peer: str, config: ShellConfig, unwritten: int) -> None:
             "close_timeout_ms": config.close_timeout_ms,
         },
     )
+
+
+#: A client offering only subprotocols the gateway does not speak: one line a minute, with a count.
+subprotocol_refused_log = FloodLog(60.0, log, logging.INFO, "more WebSocket clients refused: no supported subprotocol")
+
+
+class _NoOverlapWarning(logging.Filter):
+    """aiohttp's own WARNING for such a client, at every handshake: the line above says it, once a minute."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "overlap server-known ones" not in str(record.msg)
+
+
+logging.getLogger("aiohttp.websocket").addFilter(_NoOverlapWarning())
 
 
 class _WebSocketWire:
@@ -605,6 +620,11 @@ class GatewayShell:
         await ws.prepare(request)
         if chosen is None and (offered or config.subprotocol_required):
             # aiohttp would carry on without a subprotocol: refuse instead.
+            if subprotocol_refused_log.first():
+                log.info(
+                    "WebSocket client refused: no supported subprotocol",
+                    extra={"peer": request.remote, "offered": ascii(offered[:4])[:200], "protocol": config.protocol},
+                )
             await ws.close(code=1002, message=f"no supported {config.protocol} subprotocol".encode())
             return ws
         peer = f"ws {request.remote}"
