@@ -19,6 +19,7 @@ from tridentmq_shared.cli.supervisor import (
     _stop_signals,
     plan,
     stop_children,
+    unused_node_data,
 )
 
 
@@ -206,3 +207,16 @@ def test_a_hangup_stops_up_unless_it_was_started_to_ignore_it() -> None:
             assert (signal.SIGHUP in _stop_signals()) is stops
         finally:
             signal.signal(signal.SIGHUP, previous)
+
+
+def test_node_data_another_topology_made_is_named_not_silently_left_behind(tmp_path: Path) -> None:
+    """``up`` then ``up --nodes 3`` on the same data directory started a fresh cluster beside ``core``: its
+    queued messages, sessions and retained messages were out of reach, and nothing said so."""
+    for name in ("core", "core-0", "backup-1", "scratch"):
+        (tmp_path / name).mkdir()
+    for name in ("core", "core-0", "backup-1"):
+        (tmp_path / name / "node.id").write_text("x")
+    assert unused_node_data(tmp_path, plan(tmp_path, None, nodes=3)) == [tmp_path / "backup-1", tmp_path / "core"]
+    assert unused_node_data(tmp_path, plan(tmp_path, None)) == [tmp_path / "backup-1", tmp_path / "core-0"]
+    assert unused_node_data(tmp_path, plan(tmp_path, None, pairs=3)) == [tmp_path / "core"]
+    assert unused_node_data(tmp_path / "missing", plan(tmp_path, None)) == []

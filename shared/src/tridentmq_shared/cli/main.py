@@ -286,6 +286,13 @@ def run(args: argparse.Namespace) -> int:
                 discovery=args.discovery,
                 pairs=args.pairs,
             )
+            for unused in supervisor.unused_node_data(args.data_dir, children):
+                print(
+                    f"tridentmq up: {unused} holds a node's data that this topology does not use (made with "
+                    "another --nodes or --pairs): its messages stay there, out of reach; start up as before to "
+                    "serve them (see docs/management.md)",
+                    file=sys.stderr,
+                )
             return run_main(supervisor.supervise(children))
         case "status":
             status = admin.fetch(args.management, "/api/status", ca_file=args.ca_file, credentials=_credentials(args))

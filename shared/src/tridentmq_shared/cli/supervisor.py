@@ -114,6 +114,19 @@ def plan(
     return children
 
 
+_DATA_DIR = "TRIDENTMQ_CORE_NODE_DATA_DIR"
+
+
+def unused_node_data(data_dir: Path, children: list[Child]) -> list[Path]:
+    """The node data directories under ``data_dir`` that no child of this plan uses: made by ``up`` with
+    another topology (``core`` of a single node, ``core-N`` of a cluster, ``backup-N`` of pairs). Their
+    messages, sessions and retained messages stay there, out of reach, while this plan starts afresh."""
+    used = {Path(child.env[_DATA_DIR]) for child in children if _DATA_DIR in child.env}
+    if not data_dir.is_dir():
+        return []
+    return sorted(path for path in data_dir.iterdir() if (path / "node.id").is_file() and path not in used)
+
+
 def _own_file(config_dir: Path | None, name: str) -> Path | None:
     """``name``'s settings file in ``config_dir`` (``core.toml``, ``stomp.toml``, ...), when there is one."""
     if config_dir is None:
