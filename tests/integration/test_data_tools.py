@@ -276,7 +276,7 @@ async def test_a_node_and_compact_exclude_each_other_on_a_journal_apart_from_the
         assert "in use by a running node" in verified.stderr
         # A second node, on its own data directory but the same journal, is refused too.
         second = run_core(tmp_path / "other", TRIDENTMQ_CORE_JOURNAL_DIRECTORY=str(journal))
-        assert second.returncode == 1
+        assert second.returncode == EXIT_CANNOT_START
         assert "in use by another TridentMQ process" in second.stderr
         await publish(node.link_port, "q", [b"b%d" % n for n in range(50)])
     finally:
