@@ -278,6 +278,9 @@ async def test_a_full_disk_refuses_durable_work_until_space_returns(tmp_path: Pa
             # Room for less than a segment, and under the disk usage limit: the next segment is what fails (at
             # 100 % the once-a-second disk check would refuse the publishes first, and nothing fail to write).
             filler = fill(small_disk, leave=512 * 1024)
+            # The fill reached 100 % before it gave some back: a disk check that ran then refuses durable
+            # publishes until the next one (a second later), and this test wants them to reach the journal.
+            await asyncio.sleep(1.2)
             sent = [await c.send(new_message("full.q", b"x" * 100_000, durable=True)) for _ in range(14)]  # a roll
             answer = await until_ready(node, 503)
             assert "No space left on device" in str(answer["reason"])
