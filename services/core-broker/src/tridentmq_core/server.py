@@ -106,6 +106,10 @@ def check_limits(settings: CoreSettings) -> None:
         ("link.heartbeat_ms", settings.link.heartbeat_ms, 0),
         ("link.publish_window", settings.link.publish_window, 1),
         ("link.max_connections", settings.link.max_connections, 1),
+        ("link.max_handshaking", settings.link.max_handshaking, 1),
+        ("link.publish_window_bytes", settings.link.publish_window_bytes, 1),
+        ("broker.max_transaction_bytes", settings.broker.max_transaction_bytes, 1),
+        ("broker.max_open_transactions", settings.broker.max_open_transactions, 1),
         ("broker.max_consumer_credit", settings.broker.max_consumer_credit, 1),
         ("journal.segment_bytes", settings.journal.segment_bytes, MIN_SEGMENT_BYTES),
     )
@@ -596,14 +600,6 @@ class CoreNode:
                 f"link.handshake_max_frame_bytes must be between {MIN_HANDSHAKE_FRAME_SIZE} and link.max_frame_bytes"
             )
         check_limits(settings)
-        if settings.link.max_handshaking < 1:
-            raise SettingsError("link.max_handshaking must be at least 1")
-        if settings.link.publish_window_bytes <= 0:
-            raise SettingsError("link.publish_window_bytes must be positive")
-        if settings.broker.max_transaction_bytes <= 0 or settings.broker.max_open_transactions < 1:
-            raise SettingsError(
-                "broker.max_transaction_bytes must be positive and broker.max_open_transactions at least 1"
-            )
         data_dir = settings.node.data_dir
         data_dir.mkdir(parents=True, exist_ok=True)
         self.lock = DataDirectoryLock(data_dir)  # before touching anything in it
