@@ -22,7 +22,6 @@ import contextlib
 import functools
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from typing import Any
 
 import pytest
 from tests.conftest import basic_auth
+from tests.integration.lab_agent import Agent
 from tests.jepsen.checker import Delivery, Verdict, check, compare_nodes
 from tests.jepsen.nemesis import NetLab, kill9, paused, resume
 
@@ -49,7 +49,6 @@ from tridentmq_shared.message import M_BODY, new_message
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.cluster, pytest.mark.timeout(90)]
 
-REPO = Path(__file__).resolve().parents[2]
 PAIRS: dict[str, tuple[str, str]] = {"a": ("a1", "a2"), "b": ("b1", "b2"), "c": ("c1", "c2")}  # primary, backup
 CLIENT = "cl"  # the namespace of the monitor and the clients that reach every node
 LINK_PORT = 61616  # every core has a namespace of its own: the default ports never collide
@@ -273,68 +272,6 @@ def agent_main(argv: list[str]) -> None:
 # ----------------------------------------------------------------------------------------------- test side
 
 
-class Agent:
-    """An agent process in a namespace: JSON lines out, commands in."""
-
-    def __init__(self, lab: NetLab, node: str, role: str, spec: dict[str, Any], log_path: Path) -> None:
-        self.node, self.role = node, role
-        self.log_path = log_path
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        with log_path.open("ab") as log:
-            self.process: subprocess.Popen[str] = lab.run(
-                node,
-                [sys.executable, str(Path(__file__).resolve()), role, json.dumps(spec)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                bufsize=1,
-                env=env,
-                cwd=REPO,
-            )
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read_lines, daemon=True).start()
-
-    def _read_lines(self) -> None:
-        stdout = self.process.stdout
-        assert stdout is not None
-        for line in stdout:
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def read(self, timeout: float) -> Any:
-        try:
-            line = self._lines.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"the {self.role} agent on {self.node} said nothing for {timeout} s") from None
-        if line is None:
-            raise AssertionError(
-                f"the {self.role} agent on {self.node} exited with {self.process.wait()}:\n"
-                f"{self.log_path.read_text(errors='replace')[-3000:]}"
-            )
-        return json.loads(line)
-
-    def send(self, command: str) -> None:
-        stdin = self.process.stdin
-        assert stdin is not None
-        stdin.write(command + "\n")
-        stdin.flush()
-
-    def ask(self, command: str, timeout: float = 10.0) -> Any:
-        self.send(command)
-        return self.read(timeout)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            kill9(self.process.pid)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout=5)
-        for pipe in (self.process.stdin, self.process.stdout):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
-
-
 @dataclass
 class Node:
     name: str
@@ -483,7 +420,8 @@ class HaLab:
 
     # ------------------------------------------------------------------ clients
     def agent(self, node: str, role: str, spec: dict[str, Any]) -> Agent:
-        agent = Agent(self.lab, node, role, spec, self.root / f"agent-{role}-{node}-{len(self.agents)}.log")
+        log_path = self.root / f"agent-{role}-{node}-{len(self.agents)}.log"
+        agent = Agent(self.lab, node, Path(__file__), role, spec, log_path)
         self.agents.append(agent)
         return agent
 

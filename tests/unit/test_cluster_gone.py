@@ -108,14 +108,22 @@ async def test_a_node_heard_from_over_its_own_connection_is_not_gone_while_this_
 
 def test_a_node_that_announces_it_scales_down_keeps_its_durable_queues_on_the_move() -> None:
     """The update that says a node leaves also removes its bindings: its durable queues are noted as on the
-    move first (see test_a_queue_of_a_node_scaling_down_counts_as_elsewhere_until_that_node_is_gone)."""
-    manager = _manager(Harness())
+    move first (see test_a_queue_of_a_node_scaling_down_counts_as_elsewhere_until_that_node_is_gone). One of
+    which it holds the only copy known here stays a destination; one this node holds too does not."""
+    h = Harness()
+    manager = _manager(h)
     bridge = _down_bridge(manager, 61617, down_for_s=0)
-    session_queue = "$mqtt.session.client-7"
-    manager.bindings.replace(OTHER, [[OTHER, session_queue, session_queue, ANYCAST, None, 0, None, 1, True]])
-    manager.apply_update(bridge, {"leaving": True, "removed": [[OTHER, session_queue]]})
+    session_queue, sole = "$mqtt.session.client-7", "$mqtt.session.client-8"
+    h.connect().create_queue(session_queue, session_queue, ANYCAST, durable=True)
+    manager.bindings.replace(
+        OTHER,
+        [[OTHER, name, name, ANYCAST, None, 0, None, 1, True] for name in (session_queue, sole)],
+    )
+    manager.apply_update(bridge, {"leaving": True, "removed": [[OTHER, session_queue], [OTHER, sole]]})
     assert bridge.leaving
     assert manager.bindings.for_queue(session_queue) == []
+    assert [b.node_id for b in manager.bindings.for_queue(sole)] == [OTHER]
+    assert manager.last_copies(OTHER) == 1  # its leaving is not acknowledged while this node routes there
     assert manager.bindings.moving(session_queue, session_queue) == [OTHER]
     manager.bridge_down(bridge)  # gone
     assert manager.bindings.moving(session_queue, session_queue) == []

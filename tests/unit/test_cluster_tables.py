@@ -94,6 +94,59 @@ def test_a_scaled_down_node_leaves_nothing_behind_and_relayed_queues_are_not_kep
     assert table.next_hop("d") is None
 
 
+def nowhere_here(queue: str, address: str) -> bool:
+    return False
+
+
+def test_a_leaving_nodes_only_known_copy_of_a_durable_queue_stays_a_destination_until_another_is_known() -> None:
+    """Seen in a fault run: node c scaled down while b was cut off from d. c had made its subscription's copy
+    on d, but b had not heard of it: once c's bindings went, b routed that subscription's messages nowhere
+    (another subscription held them, so they were confirmed) until d's report came, 0.3 s later. Now the
+    queue stays a destination at c, which moves what it gets, until b knows another copy."""
+    table = RemoteBindings("me", max_hops=1, max_per_node=100)
+    table.replace("c", [wire("c", "sub", durable=True), wire("c", "both", durable=True), wire("c", "tmp")])
+    table.replace("d", [wire("d", "both", consumers=0, durable=True)])
+    table.leave("c", nowhere_here)
+    assert table.last_copies("c", nowhere_here) == 1  # "both" is on d; "tmp" is not durable
+    table.apply("c", [], [["c", "sub"], ["c", "both"], ["c", "tmp"]])  # it advertises nothing as it leaves
+    assert sorted((b.node_id, b.queue) for b in table.match("orders")) == [("c", "sub"), ("d", "both")]
+    assert table.moving("sub", "orders") == ["c"]
+    version = table.version
+    table.apply("d", [wire("d", "sub", durable=True)], [])  # its copy on d is known here now
+    assert table.version > version  # cached routing decisions are made again
+    assert [(b.node_id, b.reachable) for b in table.for_queue("sub")] == [("d", True)]
+    assert table.last_copies("c", nowhere_here) == 0
+    table.depart("c")
+    assert sorted((b.node_id, b.queue) for b in table.match("orders")) == [("d", "both"), ("d", "sub")]
+
+
+def test_a_leaving_nodes_last_copy_goes_once_this_node_holds_one_or_once_the_node_is_gone() -> None:
+    table = RemoteBindings("me", max_hops=1, max_per_node=100)
+    table.replace("c", [wire("c", "sub", durable=True), wire("c", "other", address="news", durable=True)])
+    table.replace("e", [wire("e", "sub", address="elsewhere", durable=True)])  # same name, not the same queue
+    table.leave("c", nowhere_here)
+    table.apply("c", [], [["c", "sub"], ["c", "other"]])
+    assert table.last_copies("c", nowhere_here) == 2
+    assert table.last_copies("c", lambda queue, address: (queue, address) == ("sub", "orders")) == 1
+    assert [b.node_id for b in table.for_queue("sub")] == ["e"]
+    # It stops before another copy was known (its others never acknowledged): what it holds waits for it.
+    table.depart("c")
+    assert table.last_copies("c", nowhere_here) == 0
+    assert table.unreachable() == {"c": ["other"]}
+
+
+def test_two_nodes_leaving_at_once_are_not_each_others_other_copy() -> None:
+    table = RemoteBindings("me", max_hops=1, max_per_node=100)
+    table.replace("c", [wire("c", "sub", durable=True)])
+    table.replace("d", [wire("d", "sub", durable=True)])
+    table.leave("c", nowhere_here)
+    table.leave("d", nowhere_here)
+    assert (table.last_copies("c", nowhere_here), table.last_copies("d", nowhere_here)) == (0, 1)
+    table.apply("c", [], [["c", "sub"]])
+    table.apply("d", [], [["d", "sub"]])
+    assert [b.node_id for b in table.for_queue("sub")] == ["d"]  # the one that said it leaves last
+
+
 def test_a_reachable_route_to_a_node_wins_over_its_kept_queues() -> None:
     table = RemoteBindings("me", max_hops=2, max_per_node=100)
     table.replace("c", [wire("c", "sub", durable=True)])

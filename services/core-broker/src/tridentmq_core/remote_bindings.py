@@ -10,7 +10,11 @@ When the connection to a node drops, its durable queues stay known, marked unrea
 consumers: a durable subscription or queue on a node that is down (or whose pair is failing over) is still
 a destination, and messages for it wait in this node's store-and-forward queue for that node. The node's
 next full report (its return, or its backup's takeover under the same id) replaces them; its scale-down
-removes them. Its other queues (non-durable, and what it relayed from further away) go with the connection.
+removes them, except a durable queue of which it holds the only copy this node knows of (its scale-down made a
+copy on another node, but that node's report has not come here: a partition between the two): that one stays
+a destination until another copy is known, so that what is published for it meanwhile goes to the leaving node,
+which moves it with the rest, and not nowhere. Its other queues (non-durable, and what it relayed from further
+away) go with the connection.
 A node also tells the others what it kept (``kept``), flagged unreachable, so that a node that starts, or a
 backup that takes over, while that node is down learns its durable queues too; such a relayed copy counts
 only while the node it describes is not connected here (its own report is the truth about it).
@@ -18,7 +22,7 @@ only while the node it describes is not connected here (its own report is the tr
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -136,6 +140,9 @@ class RemoteBindings:
         # Durable queues of nodes scaling down, by node: (queue, address). Not destinations (those nodes take
         # nothing new), but their messages are on the move, so a queue of that name here may still get them.
         self._moving: dict[str, set[tuple[str, str]]] = {}
+        # Of those, the ones no other node (nor this one) was known to hold when it said it leaves: still
+        # destinations, until another copy is known (``last_copies``).
+        self._last_copies: dict[str, set[tuple[str, str]]] = {}
 
     def __len__(self) -> int:
         return len(self._best)
@@ -153,6 +160,8 @@ class RemoteBindings:
         self._connected_once.add(via)
         self.kept_version += 1
         self._refresh(set(old) | {b.key for b in parsed} | self._keys_of(via))
+        if parsed and self._last_copies:
+            self._drop_last_copies(lambda queue, address: False)
 
     def apply(self, via: str, upserts: Iterable[Any], removals: Iterable[Any]) -> None:
         """Changes reported by ``via``."""
@@ -167,18 +176,57 @@ class RemoteBindings:
             raise BindingError(f"more than {self.max_per_node} bindings from one node")
         if via not in self._live:
             self.kept_version += 1
+        last = self._last_copies.get(via)
         for key in removed:
+            binding = table.get(key)
+            if last and binding is not None and key[0] == via and (binding.queue, binding.address) in last:
+                continue  # a leaving node's only known copy: stays a destination until another one is known
             table.pop(key, None)
         for binding in parsed:
             table[binding.key] = binding
         self._refresh({*removed, *(b.key for b in parsed)})
+        if parsed and self._last_copies:
+            self._drop_last_copies(lambda queue, address: False)
 
-    def leave(self, node_id: str) -> None:
+    def leave(self, node_id: str, held_here: Callable[[str, str], bool]) -> None:
         """``node_id`` scales down (its bindings go next): remember its durable queues as on the move until it
-        is gone."""
-        self._moving[node_id] = {
-            (b.queue, b.address) for b in self._best.values() if b.node_id == node_id and b.durable
-        }
+        is gone, and keep as destinations those of which it holds the only copy known here: none on another
+        node that stays, and none here (``held_here(queue, address)``)."""
+        moving = {(b.queue, b.address) for b in self._best.values() if b.node_id == node_id and b.durable}
+        self._moving[node_id] = moving
+        last = {(q, a) for q, a in moving if not held_here(q, a) and not self._held_by_another(q, a)}
+        if last:
+            self._last_copies[node_id] = last
+
+    def last_copies(self, node_id: str, held_here: Callable[[str, str], bool]) -> int:
+        """How many durable queues of ``node_id``, leaving, are still destinations because no other copy is
+        known, once those now held here (``held_here(queue, address)``) or on another node are dropped. While
+        there are some, this node may still route to it: it must not say it routes nothing more there."""
+        if node_id in self._last_copies:
+            self._drop_last_copies(held_here)
+        return len(self._last_copies.get(node_id, ()))
+
+    def _held_by_another(self, queue: str, address: str) -> bool:
+        """Whether a node that is not leaving holds a queue ``queue`` on ``address`` (reachable or kept)."""
+        return any(b.address == address and b.node_id not in self._moving for b in self.for_queue(queue))
+
+    def _drop_last_copies(self, held_here: Callable[[str, str], bool]) -> None:
+        """A leaving node's last copies that another copy now exists of (here, or on a node that stays) are
+        destinations no longer: messages go to that copy, and the leaving node moves what it has."""
+        dropped: set[Key] = set()
+        for node_id, last in list(self._last_copies.items()):
+            held = {(q, a) for q, a in last if held_here(q, a) or self._held_by_another(q, a)}
+            if not held:
+                continue
+            last -= held
+            if not last:
+                del self._last_copies[node_id]
+            table = self._by_via.get(node_id, {})
+            for queue, _ in held:
+                if table.pop((node_id, queue), None) is not None:
+                    dropped.add((node_id, queue))
+        if dropped:
+            self._refresh(dropped)
 
     def moving(self, queue: str, address: str) -> list[str]:
         """The nodes scaling down that had a durable queue ``queue`` on ``address``: its messages are on the
@@ -189,6 +237,7 @@ class RemoteBindings:
         """``via`` is no longer connected: keep its own durable queues, unreachable, and forget the rest of
         what it reported."""
         self._moving.pop(via, None)
+        self._last_copies.pop(via, None)  # still its own durable queues: kept below, unreachable, as any
         self._live.discard(via)
         old = self._by_via.pop(via, None) or {}
         kept = {key: b.unreachable() for key, b in old.items() if b.durable and b.node_id == via}
@@ -202,6 +251,7 @@ class RemoteBindings:
         relayed, and ignore copies of them the other nodes still relay. Returns how many were dropped."""
         self.forgotten.add(node_id)
         self._connected_once.discard(node_id)
+        self._last_copies.pop(node_id, None)
         keys = self._keys_of(node_id)
         for table in self._by_via.values():
             for key in [k for k in table if k[0] == node_id]:

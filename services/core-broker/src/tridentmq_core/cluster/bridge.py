@@ -56,6 +56,7 @@ class BridgeHost(Protocol):
     def bridge_down(self, bridge: Bridge, *, was_up: bool = True) -> None: ...
     def retire(self, bridge: Bridge) -> None: ...
     def apply_update(self, bridge: Bridge, update: dict[str, Any]) -> None: ...
+    def last_copies(self, node_id: str) -> int: ...
     def refused(self, bridge: Bridge, consumer: Consumer, message_id: int, code: str = "", text: str = "") -> None: ...
 
 
@@ -257,8 +258,10 @@ class Bridge:
         """The other node scales down and stops once we acknowledged: first let it confirm what we still send
         it (its store-and-forward queue here, messages written through, what our redistributors and scale-down
         movers sent it), or what reached it after its last look for messages to move would be stranded there.
-        Nothing new goes to it: its bindings went, and those movers stopped."""
-        queue = self.manager.broker.forwarder.forward_queues.get(self.node_id)
+        Nothing new goes to it once its bindings went (and those movers stopped): those of its durable queues
+        of which it holds the only copy known here go only once another copy is known (``last_copies``)."""
+        manager = self.manager
+        queue = manager.broker.forwarder.forward_queues.get(self.node_id)
         while client is self.client:
             moving = any(
                 isinstance(c, Redistributor) and (not c.stopped or c.in_flight) for c in self.consumers.values()
@@ -266,6 +269,7 @@ class Bridge:
             if (
                 not moving
                 and not self.in_transit
+                and not manager.last_copies(self.node_id)
                 and (queue is None or not (len(queue) or queue.in_flight or queue.paged))
             ):
                 await _acknowledge_sync(client, number)

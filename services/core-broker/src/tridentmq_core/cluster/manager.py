@@ -560,7 +560,13 @@ class ClusterManager:
     def apply_update(self, bridge: Bridge, update: dict[str, Any]) -> None:
         if update.get("leaving") is True and not bridge.leaving:
             bridge.leaving = True
-            self.bindings.leave(bridge.node_id)  # before its bindings go with this update
+            self.bindings.leave(bridge.node_id, self._holds)  # before its bindings go with this update
+            if last := self.last_copies(bridge.node_id):
+                log.info(
+                    "a node scaling down holds the only copy known here of some durable queues: they stay "
+                    "destinations until another copy is known",
+                    extra={"node_id": bridge.node_id, "queues": last},
+                )
             # A leaving node moves nothing it gets after its last look: what moves there (a redistributor, a
             # scale-down mover of ours) stops, and once what it sent is confirmed the queue moves elsewhere.
             for consumer in bridge.consumers.values():
@@ -574,6 +580,15 @@ class ClusterManager:
                 self.learn(Member.from_wire(member))
         except (BindingError, ValueError) as exc:
             log.warning("cluster update refused", extra={"from": bridge.address, "reason": str(exc)})
+
+    def last_copies(self, node_id: str) -> int:
+        """How many durable queues of ``node_id``, scaling down, this node still routes to: it knows no other
+        copy of them (see ``RemoteBindings.last_copies``)."""
+        return self.bindings.last_copies(node_id, self._holds)
+
+    def _holds(self, queue: str, address: str) -> bool:
+        held = self.broker.queues.get(queue)
+        return held is not None and held.address == address
 
     def _keep_retained_copy(self, bindings: list[Any]) -> None:
         """Once another node has a copy of the MQTT retained messages (``bindings`` it reported), this node makes
