@@ -160,8 +160,8 @@ class RemoteBindings:
         self._connected_once.add(via)
         self.kept_version += 1
         self._refresh(set(old) | {b.key for b in parsed} | self._keys_of(via))
-        if parsed and self._last_copies:
-            self._drop_last_copies(lambda queue, address: False)
+        if parsed and self._last_copies:  # another copy of a leaving node's last one may be among them
+            self._drop_last_copies({(b.queue, b.address) for b in parsed if b.node_id not in self._moving})
 
     def apply(self, via: str, upserts: Iterable[Any], removals: Iterable[Any]) -> None:
         """Changes reported by ``via``."""
@@ -185,8 +185,8 @@ class RemoteBindings:
         for binding in parsed:
             table[binding.key] = binding
         self._refresh({*removed, *(b.key for b in parsed)})
-        if parsed and self._last_copies:
-            self._drop_last_copies(lambda queue, address: False)
+        if parsed and self._last_copies:  # another copy of a leaving node's last one may be among them
+            self._drop_last_copies({(b.queue, b.address) for b in parsed if b.node_id not in self._moving})
 
     def leave(self, node_id: str, held_here: Callable[[str, str], bool]) -> None:
         """``node_id`` scales down (its bindings go next): remember its durable queues as on the move until it
@@ -202,27 +202,29 @@ class RemoteBindings:
         """How many durable queues of ``node_id``, leaving, are still destinations because no other copy is
         known, once those now held here (``held_here(queue, address)``) or on another node are dropped. While
         there are some, this node may still route to it: it must not say it routes nothing more there."""
-        if node_id in self._last_copies:
-            self._drop_last_copies(held_here)
+        last = self._last_copies.get(node_id)
+        if last:
+            self._drop_last_copies({(q, a) for q, a in last if held_here(q, a) or self._held_by_another(q, a)})
         return len(self._last_copies.get(node_id, ()))
 
     def _held_by_another(self, queue: str, address: str) -> bool:
         """Whether a node that is not leaving holds a queue ``queue`` on ``address`` (reachable or kept)."""
         return any(b.address == address and b.node_id not in self._moving for b in self.for_queue(queue))
 
-    def _drop_last_copies(self, held_here: Callable[[str, str], bool]) -> None:
-        """A leaving node's last copies that another copy now exists of (here, or on a node that stays) are
-        destinations no longer: messages go to that copy, and the leaving node moves what it has."""
+    def _drop_last_copies(self, held: set[tuple[str, str]]) -> None:
+        """Another copy of the queues ``held`` (queue, address) is known now (here, or on a node that stays): a
+        leaving node's last copy of one is a destination no longer. Messages go to that copy, and the leaving
+        node moves what it has."""
         dropped: set[Key] = set()
         for node_id, last in list(self._last_copies.items()):
-            held = {(q, a) for q, a in last if held_here(q, a) or self._held_by_another(q, a)}
-            if not held:
+            gone = last & held
+            if not gone:
                 continue
-            last -= held
+            last -= gone
             if not last:
                 del self._last_copies[node_id]
             table = self._by_via.get(node_id, {})
-            for queue, _ in held:
+            for queue, _ in gone:
                 if table.pop((node_id, queue), None) is not None:
                     dropped.add((node_id, queue))
         if dropped:

@@ -248,6 +248,7 @@ class ClusterManager:
         self._scale_down_copies: dict[str, Bridge] = {}  # durable queue → the node its copy was made on
         self._scale_down_tried: set[tuple[str, str]] = set()  # (durable queue, node id) copied again there
         self._scale_down_looked_at: tuple[int, frozenset[str]] | None = None  # see _copy_to_live
+        self._last_copies_checked: dict[str, tuple[tuple[int, int], int]] = {}  # see last_copies
         broker.cluster = self.balancer
         broker.on_topology = self.on_topology
         broker.hold_reply = self.hold_reply
@@ -583,8 +584,14 @@ class ClusterManager:
 
     def last_copies(self, node_id: str) -> int:
         """How many durable queues of ``node_id``, scaling down, this node still routes to: it knows no other
-        copy of them (see ``RemoteBindings.last_copies``)."""
-        return self.bindings.last_copies(node_id, self._holds)
+        copy of them (see ``RemoteBindings.last_copies``). Looked at again only once a queue came or went, here
+        or elsewhere: asked every 20 ms while that node waits, and it may have 100,000 queues."""
+        checked = self._last_copies_checked.get(node_id)
+        if checked is not None and checked[0] == (self.bindings.version, self.broker.bindings_version):
+            return checked[1]
+        count = self.bindings.last_copies(node_id, self._holds)
+        self._last_copies_checked[node_id] = ((self.bindings.version, self.broker.bindings_version), count)
+        return count
 
     def _holds(self, queue: str, address: str) -> bool:
         held = self.broker.queues.get(queue)
