@@ -16,6 +16,7 @@ from tridentmq_core.forwarding import FORWARD_PROPERTY, numbered_header
 from tridentmq_core.security import Principal
 from tridentmq_core.settings import ClusterSection, CoreSettings
 from tridentmq_shared.message import M_ID, M_PROPS, new_message
+from tridentmq_shared.mqtt_queues import retained_queue
 
 GONE_MS = 10_000
 OTHER = "node-2"
@@ -115,13 +116,16 @@ def test_a_node_that_announces_it_scales_down_keeps_its_durable_queues_on_the_mo
     bridge = _down_bridge(manager, 61617, down_for_s=0)
     session_queue, sole = "$mqtt.session.client-7", "$mqtt.session.client-8"
     h.connect().create_queue(session_queue, session_queue, ANYCAST, durable=True)
+    retained = retained_queue(OTHER)  # its own copy of the retained messages, which it keeps: needed no more
     manager.bindings.replace(
         OTHER,
-        [[OTHER, name, name, ANYCAST, None, 0, None, 1, True] for name in (session_queue, sole)],
+        [[OTHER, name, name, ANYCAST, None, 0, None, 1, True] for name in (session_queue, sole, retained)],
     )
-    manager.apply_update(bridge, {"leaving": True, "removed": [[OTHER, session_queue], [OTHER, sole]]})
+    removed = [[OTHER, session_queue], [OTHER, sole], [OTHER, retained]]
+    manager.apply_update(bridge, {"leaving": True, "removed": removed})
     assert bridge.leaving
     assert manager.bindings.for_queue(session_queue) == []
+    assert manager.bindings.for_queue(retained) == []
     assert [b.node_id for b in manager.bindings.for_queue(sole)] == [OTHER]
     assert manager.last_copies(OTHER) == 1  # its leaving is not acknowledged while this node routes there
     assert manager.bindings.moving(session_queue, session_queue) == [OTHER]

@@ -188,13 +188,13 @@ class RemoteBindings:
         if parsed and self._last_copies:  # another copy of a leaving node's last one may be among them
             self._drop_last_copies({(b.queue, b.address) for b in parsed if b.node_id not in self._moving})
 
-    def leave(self, node_id: str, held_here: Callable[[str, str], bool]) -> None:
+    def leave(self, node_id: str, unneeded: Callable[[str, str], bool]) -> None:
         """``node_id`` scales down (its bindings go next): remember its durable queues as on the move until it
         is gone, and keep as destinations those of which it holds the only copy known here: none on another
-        node that stays, and none here (``held_here(queue, address)``)."""
+        node that stays, and none that ``unneeded(queue, address)`` (one here, or one it never moves)."""
         moving = {(b.queue, b.address) for b in self._best.values() if b.node_id == node_id and b.durable}
         self._moving[node_id] = moving
-        last = {(q, a) for q, a in moving if not held_here(q, a) and not self._held_by_another(q, a)}
+        last = {(q, a) for q, a in moving if not unneeded(q, a) and not self._held_by_another(q, a)}
         if last:
             self._last_copies[node_id] = last
 

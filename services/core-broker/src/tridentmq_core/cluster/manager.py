@@ -150,6 +150,14 @@ def validate_cluster_settings(settings: CoreSettings) -> bool:
     return has_credentials
 
 
+def stays_on_leaving_node(node_id: str, name: str) -> bool:
+    """The queues a leaving node keeps in its journal: its store-and-forward queues, and its copy of the MQTT
+    retained messages, which every node keeps whole for the gateways on it. Moved, that copy became a namesake
+    of the one made when the node came back, and the cluster, taking the two for one subscription, split the
+    retained messages between them: a gateway on that node read half of them, or none."""
+    return name.startswith(FORWARD_QUEUE_PREFIX) or name == retained_queue(node_id)
+
+
 def _listed(report: dict[str, Any], key: str) -> list[Any]:
     """A list field of another node's report (absent: empty); ``ValueError`` when it is something else."""
     value = report.get(key)
@@ -561,7 +569,10 @@ class ClusterManager:
     def apply_update(self, bridge: Bridge, update: dict[str, Any]) -> None:
         if update.get("leaving") is True and not bridge.leaving:
             bridge.leaving = True
-            self.bindings.leave(bridge.node_id, self._holds)  # before its bindings go with this update
+            leaving = bridge.node_id
+            # Before its bindings go with this update. What it keeps needs no more messages: every node has
+            # its own copy of the retained messages.
+            self.bindings.leave(leaving, lambda q, a: self._holds(q, a) or stays_on_leaving_node(leaving, q))
             if last := self.last_copies(bridge.node_id):
                 log.info(
                     "a node scaling down holds the only copy known here of some durable queues: they stay "
@@ -1087,11 +1098,7 @@ class ClusterManager:
             copies.update((q.name, bridge) for (q, bridge), ok in zip(chunk, made, strict=True) if ok)
 
     def _stays(self, name: str) -> bool:
-        """The queues a leaving node keeps in its journal: its store-and-forward queues, and its copy of the MQTT
-        retained messages, which every node keeps whole for the gateways on it. Moved, that copy became a
-        namesake of the one made when the node came back, and the cluster, taking the two for one subscription,
-        split the retained messages between them: a gateway on that node read half of them, or none."""
-        return name.startswith(FORWARD_QUEUE_PREFIX) or name == retained_queue(self.broker.node_id)
+        return stays_on_leaving_node(self.broker.node_id, name)
 
     async def scale_down(self, close_clients: Callable[[], None]) -> None:
         """Before a graceful stop (after ``prepare_scale_down``): tell the others to send nothing more, let this
