@@ -9,6 +9,7 @@ import msgpack
 import pytest
 from tests.unit.broker_harness import Harness, bodies, ok, recorded
 
+from tridentmq_core.address_settings import AddressSettingsRepository
 from tridentmq_core.management.operations_api import AUDITED_OPERATIONS
 from tridentmq_core.mqtt_admin import MqttAdmin
 from tridentmq_core.operations import OperationError, Operations, client_matches
@@ -25,6 +26,7 @@ from tridentmq_shared.mqtt_queues import (
     session_queue,
     subscription_queue,
 )
+from tridentmq_shared.settings import SettingsError
 
 NOW = 1_700_000_000_000
 
@@ -308,6 +310,13 @@ def test_address_settings_values_are_checked(values: dict[str, object], text: st
         ops.set_address_settings("orders", values)
     assert refused.value.status == 400
     assert text in refused.value.text
+
+
+@pytest.mark.parametrize("match", ["", "a..b"])
+def test_an_address_settings_entry_that_matches_no_address_is_refused(match: str) -> None:
+    """An empty ``match`` was accepted and matched nothing: its settings applied nowhere, silently."""
+    with pytest.raises(SettingsError, match="match is an address or a pattern"):
+        AddressSettingsRepository([AddressSettingsEntry(match=match, max_delivery_attempts=3)])
 
 
 def test_a_redelivery_delay_that_would_overflow_is_the_longest_delay() -> None:

@@ -65,6 +65,12 @@ def test_ports_off_any_and_whole_numbers_are_taken(tmp_path: Path) -> None:
             "users: ann listed more than once (the last entry would win)",
         ),
         ("[[permissions]]\nmatch = '#'\npermission = 'sned'\nroles = ['r']", "permissions: 'sned' (match '#') is not"),
+        ("[broker]\nexpiry_scan_ms = 0", "broker.expiry_scan_ms is at least 1, got 0"),
+        ("[broker]\ndedup_window_seconds = -1", "broker.dedup_window_seconds is at least 0, got -1"),
+        ("[cluster]\nretry_multiplier = 0.5", "cluster.retry_multiplier is at least 1, got 0.5"),
+        ("[ha]\nvote_retry_ms = 0", "ha.vote_retry_ms is at least 1, got 0"),
+        ("[login]\nverify_threads = 0", "login.verify_threads is at least 1, got 0"),
+        ("[audit]\nroll_seconds = 0", "audit.roll_seconds is above 0, got 0"),
     ],
 )
 def test_a_value_the_node_would_run_with_but_not_work_under_is_refused(tmp_path: Path, toml: str, message: str) -> None:

@@ -80,6 +80,10 @@ def check_entry(entry: AddressSettingsEntry) -> None:
     """``SettingsError`` for a value no address may have: a configured entry and one an operator sets at run
     time are checked alike (a NaN multiplier once made every nack of its addresses raise)."""
     where = f"address_settings {entry.match!r}"
+    try:
+        validate_address(entry.match, allow_wildcards=True)
+    except InvalidAddress as exc:  # "" matched no address: its settings applied nowhere, silently
+        raise SettingsError(f"{where}: match is an address or a pattern (# for every address): {exc}") from None
     policy = entry.address_full_policy
     if policy is not None and policy.upper() not in FULL_POLICIES:
         raise SettingsError(f"{where}: address_full_policy {policy!r} is not one of {', '.join(FULL_POLICIES)}")
