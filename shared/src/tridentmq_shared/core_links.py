@@ -53,23 +53,26 @@ class CoreLinkSettings:
         "Wait before trying the nodes again when a client link lost its node and "
         "no live node answered (each try goes over every live node, the lost one "
         "last).",
+        least=1,
     )
-    retry_multiplier: float = doc(2.0, "Factor by which that wait grows after each try.")
-    max_retry_interval_ms: int = doc(2000, "Longest wait between tries.")
+    retry_multiplier: float = doc(2.0, "Factor by which that wait grows after each try.", least=1)
+    max_retry_interval_ms: int = doc(2000, "Longest wait between tries.", least=1)
     reconnect_attempts: int = doc(
         10,
         "Tries before a client link that lost its node gives up (about 11 s with the "
         "defaults): then its client is disconnected as by an unavailable broker. "
         "-1 = try for ever, 0 = no failover.",
+        least=-1,
     )
     initial_connect_attempts: int = doc(
-        1, "Tries over the nodes when a client connects before it is refused as unavailable (-1 = for ever)."
+        1, "Tries over the nodes when a client connects before it is refused as unavailable (-1 = for ever).", least=-1
     )
     failover_window_ms: int = doc(
         5000,
         "When a lost node has an in-sync backup (HA), how long a client link "
         "waits for that backup to take over before it goes to another "
         "node.",
+        least=0,
     )
     user: str = doc(
         "",
@@ -90,6 +93,7 @@ class CoreLinkSettings:
         "shared link carries thousands of sessions, and a gateway busy for a second "
         "(a burst of thousands of connections) or a core pausing under load (a full "
         "garbage collection with millions of messages queued) must not drop them all.",
+        least=0,
     )
     shared_links: int = doc(
         1,
@@ -98,6 +102,7 @@ class CoreLinkSettings:
         "a session then costs the core its state, not a connection. 0: one link per "
         "client session. Should the core refuse `core.user`, sessions fall back to a "
         "link each, and the shared link is tried again in the background every 30 s.",
+        least=0,
     )
     consumer_window_bytes: int = doc(
         4 * 1024 * 1024,
@@ -106,6 +111,7 @@ class CoreLinkSettings:
         "window in messages (one message may pass it): what bounds the gateway's "
         "memory for a client that reads slowly, whatever the message size "
         "(0: messages only).",
+        least=0,
     )
 
     def endpoints(self) -> list[Endpoint]:

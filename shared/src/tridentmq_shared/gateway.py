@@ -100,6 +100,7 @@ class ListenerSettings:
         "sent), what is left to write to the client must be written within this; a client that does not read "
         "it is cut off then (logged), so its connection and what the gateway holds for it go "
         "(0 = wait for ever).",
+        least=0,
     )
     drain_ms: int = doc(
         0,
@@ -109,6 +110,7 @@ class ListenerSettings:
         "once gone, where a connect waits for the balancer's timeout). 0: end them at once. The Compose files "
         "set 3000 (HAProxy checks every second and marks a replica down after two failures); in Kubernetes, "
         "more than the readiness probe's period times its failure threshold.",
+        least=0,
     )
 
 

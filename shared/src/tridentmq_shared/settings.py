@@ -28,11 +28,20 @@ class SettingsError(ValueError):
     """A setting has a value of the wrong type or an unknown name."""
 
 
-def doc(default: Any, text: str, *, factory: bool = False) -> Any:
-    """Declare a documented setting (use ``factory=True`` for list defaults)."""
+def doc(
+    default: Any, text: str, *, factory: bool = False, least: float | None = None, most: float | None = None
+) -> Any:
+    """Declare a documented setting (use ``factory=True`` for list defaults). ``least`` and ``most``: the
+    values a process works under (an interval of 0 spins, a window of 0 stalls, a protocol field has its
+    width); one outside them is refused as the settings load, naming the key."""
+    metadata: dict[str, Any] = {"doc": text}
+    if least is not None:
+        metadata["least"] = least
+    if most is not None:
+        metadata["most"] = most
     if factory:
-        return dataclasses.field(default_factory=default, metadata={"doc": text})
-    return dataclasses.field(default=default, metadata={"doc": text})
+        return dataclasses.field(default_factory=default, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def _convert(value: Any, hint: Any, where: str) -> Any:
@@ -95,6 +104,16 @@ def _build(cls: type[T], values: Mapping[str, Any], where: str) -> T:
     if unknown:
         raise SettingsError(f"{where + ': ' if where else ''}unknown setting(s) {', '.join(sorted(unknown))}")
     kwargs = {k: _convert(v, hints[k], f"{where}.{k}" if where else k) for k, v in values.items()}
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        value = kwargs.get(field.name)
+        if value is None or not ({"least", "most"} & field.metadata.keys()):
+            continue
+        key = f"{where}.{field.name}" if where else field.name
+        least, most = field.metadata.get("least"), field.metadata.get("most")
+        if least is not None and value < least:
+            raise SettingsError(f"{key} is at least {least:g}, got {value:g}")
+        if most is not None and value > most:
+            raise SettingsError(f"{key} is at most {most:g}, got {value:g}")
     return cls(**kwargs)
 
 
@@ -166,7 +185,12 @@ def _table(cls: type[Any], env_prefix: str | None) -> list[str]:
         cells = [f"`{f.name}`", kind, shown]
         if env_prefix:
             cells.append(f"`{env_prefix}_{f.name.upper()}`")
-        cells.append(f.metadata.get("doc", "").replace("|", "\\|"))
+        text = f.metadata.get("doc", "")
+        limits = {"at least": f.metadata.get("least"), "at most": f.metadata.get("most")}
+        bounds = ", ".join(f"{word} {value:g}" for word, value in limits.items() if value is not None)
+        if bounds:
+            text += f" {bounds.capitalize()}."
+        cells.append(text.replace("|", "\\|"))
         rows.append("| " + " | ".join(cells) + " |")
     return [*rows, ""]
 

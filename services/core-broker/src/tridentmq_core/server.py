@@ -100,69 +100,9 @@ DEFAULT_LINK_FRAME_BYTES = 16 * 1024 * 1024
 
 
 def check_limits(settings: CoreSettings) -> None:
-    """Refuse values the node would run with but not work under (every link refused, every consumer refused,
-    producers waiting for ever), and security entries that cannot mean what was meant, naming the key."""
-    at_least = (
-        ("link.heartbeat_ms", settings.link.heartbeat_ms, 0),
-        ("link.publish_window", settings.link.publish_window, 1),
-        ("link.max_connections", settings.link.max_connections, 1),
-        ("link.max_handshaking", settings.link.max_handshaking, 1),
-        ("link.publish_window_bytes", settings.link.publish_window_bytes, 1),
-        ("broker.max_transaction_bytes", settings.broker.max_transaction_bytes, 1),
-        ("broker.max_open_transactions", settings.broker.max_open_transactions, 1),
-        ("broker.max_consumer_credit", settings.broker.max_consumer_credit, 1),
-        ("journal.segment_bytes", settings.journal.segment_bytes, MIN_SEGMENT_BYTES),
-        # Intervals and timeouts: 0 would spin, or time out at once.
-        ("link.handshake_timeout_ms", settings.link.handshake_timeout_ms, 1),
-        ("management.request_timeout_ms", settings.management.request_timeout_ms, 1),
-        ("broker.expiry_scan_ms", settings.broker.expiry_scan_ms, 1),
-        ("cluster.broadcast_period_ms", settings.cluster.broadcast_period_ms, 1),
-        ("cluster.refresh_timeout_ms", settings.cluster.refresh_timeout_ms, 1),
-        ("cluster.retry_interval_ms", settings.cluster.retry_interval_ms, 1),
-        ("cluster.max_retry_interval_ms", settings.cluster.max_retry_interval_ms, 1),
-        ("cluster.node_gone_ms", settings.cluster.node_gone_ms, 1),
-        ("ha.vote_retry_ms", settings.ha.vote_retry_ms, 1),
-        ("ha.lease_renew_ms", settings.ha.lease_renew_ms, 1),
-        ("network_check.period_ms", settings.network_check.period_ms, 1),
-        ("network_check.timeout_ms", settings.network_check.timeout_ms, 1),
-        # Counts of things without which nothing is served, or that cannot be below 0.
-        ("link.max_channels", settings.link.max_channels, 1),
-        ("login.verify_threads", settings.login.verify_threads, 1),
-        ("login.max_pending_per_source", settings.login.max_pending_per_source, 1),
-        ("management.max_connections", settings.management.max_connections, 1),
-        ("broker.max_memory_bytes", settings.broker.max_memory_bytes, 1),
-        ("cluster.max_bindings", settings.cluster.max_bindings, 1),
-        ("ha.sync_window", settings.ha.sync_window, 1),
-        ("ha.max_backlog_bytes", settings.ha.max_backlog_bytes, 1),
-        ("network_check.failures_to_isolate", settings.network_check.failures_to_isolate, 1),
-        ("journal.compact_min_segments", settings.journal.compact_min_segments, 1),
-        ("audit.roll_bytes", settings.audit.roll_bytes, 1),
-        ("login.cache_entries", settings.login.cache_entries, 0),
-        ("login.failure_delay_ms", settings.login.failure_delay_ms, 0),
-        ("login.max_failure_delay_ms", settings.login.max_failure_delay_ms, 0),
-        ("login.failure_window_ms", settings.login.failure_window_ms, 0),
-        ("journal.sync_delay_us", settings.journal.sync_delay_us, 0),
-        ("broker.dedup_window_seconds", settings.broker.dedup_window_seconds, 0),
-        ("broker.dedup_max_entries", settings.broker.dedup_max_entries, 0),
-        ("broker.max_auto_created_addresses_per_user", settings.broker.max_auto_created_addresses_per_user, 0),
-        ("cluster.min_residence_ms", settings.cluster.min_residence_ms, 0),
-        ("cluster.join_wait_ms", settings.cluster.join_wait_ms, 0),
-        ("cluster.scale_down_timeout_ms", settings.cluster.scale_down_timeout_ms, 0),
-        ("cluster.retry_multiplier", settings.cluster.retry_multiplier, 1),
-        ("ha.vote_grace_ms", settings.ha.vote_grace_ms, 0),
-    )
-    for key, value, least in at_least:
-        if value < least:
-            raise SettingsError(f"{key} is at least {least}, got {value:g}")
-    for key, seconds in (
-        ("audit.roll_seconds", settings.audit.roll_seconds),
-        ("audit.heartbeat_seconds", settings.audit.heartbeat_seconds),
-    ):
-        if not seconds > 0:
-            raise SettingsError(f"{key} is above 0, got {seconds:g}")
+    """Refuse values the node would run with but not work under, that the settings' own lower bounds (``least``,
+    checked as they load) do not cover, and security entries that cannot mean what was meant, naming the key."""
     journal = settings.journal
-    if not 0 <= journal.max_disk_usage <= 100:
-        raise SettingsError(f"journal.max_disk_usage is a percent from 0 to 100, got {journal.max_disk_usage:g}")
     if not 0 < journal.compact_live_ratio <= 1:
         raise SettingsError(f"journal.compact_live_ratio is above 0 and at most 1, got {journal.compact_live_ratio:g}")
     names = [user.name for user in settings.users]
@@ -179,8 +119,6 @@ def check_limits(settings: CoreSettings) -> None:
             )
 
 
-#: Journal segments smaller than this hold too few records to be worth a file each.
-MIN_SEGMENT_BYTES = 64 * 1024
 #: A channel's frames travel inside its link's frames: this much of the link's frame limit is left for the
 #: CHANNEL operation around them.
 CHANNEL_FRAME_MARGIN = 1024

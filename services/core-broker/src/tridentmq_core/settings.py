@@ -22,7 +22,7 @@ class NodeSection:
 class LinkSection:
     host: str = doc("0.0.0.0", "Interface of the internal link listener (gateways and tools connect here).")
     port: int = doc(61616, "Port of the internal link listener (0 = any free port, written to the ports file).")
-    heartbeat_ms: int = doc(250, "Heartbeat interval offered to peers; a peer silent for 4 intervals is dead.")
+    heartbeat_ms: int = doc(250, "Heartbeat interval offered to peers; a peer silent for 4 intervals is dead.", least=0)
     max_frame_bytes: int = doc(
         0,
         "Largest link frame accepted; 0 derives it from `broker.max_message_bytes` (that "
@@ -30,7 +30,7 @@ class LinkSection:
         "session, at least 16 MiB). A value set must leave that room: what a node accepts "
         "it can frame to every consumer.",
     )
-    publish_window: int = doc(8192, "Publishes a link may have in flight before the core grants more.")
+    publish_window: int = doc(8192, "Publishes a link may have in flight before the core grants more.", least=1)
     publish_window_bytes: int = doc(
         16 * 1024 * 1024,
         "… and body bytes (one message may pass it): with "
@@ -38,20 +38,23 @@ class LinkSection:
         "link speaking version 1 of the protocol (no byte credit) gets only as "
         "many publishes as this holds at `broker.max_message_bytes` each, at "
         "least one.",
+        least=1,
     )
-    max_connections: int = doc(10_000, "Link connections accepted at once; more are refused.")
+    max_connections: int = doc(10_000, "Link connections accepted at once; more are refused.", least=1)
     max_channels: int = doc(
         100_000,
         "Sessions one link may carry as channels (a gateway multiplexes its "
         "clients' sessions over a few links: `core.shared_links`); more are "
         "refused with resource-limit. Each costs the node a session's state, not a "
         "connection.",
+        least=1,
     )
     handshake_timeout_ms: int = doc(
         10_000,
         "A connection that has not completed HELLO by then is closed "
         "(`resource-limit` when its HELLO still waits for its password "
         "check: the client retries).",
+        least=1,
     )
     handshake_max_frame_bytes: int = doc(
         64 * 1024,
@@ -64,6 +67,7 @@ class LinkSection:
         256,
         "Connections that have not completed HELLO (sending it, or waiting for their "
         "password check) held at once; more are refused with resource-limit.",
+        least=1,
     )
     tls: bool = doc(
         False,
@@ -87,7 +91,7 @@ class LinkSection:
 @dataclass(frozen=True)
 class LoginSection:
     verify_threads: int = doc(
-        2, "Threads that check hashed passwords (PBKDF2), off the event loop; more checks wait their turn."
+        2, "Threads that check hashed passwords (PBKDF2), off the event loop; more checks wait their turn.", least=1
     )
     cache_entries: int = doc(
         10_000,
@@ -95,24 +99,28 @@ class LoginSection:
         "with the same credentials skips PBKDF2 (kept in memory as a keyed hash "
         "of user, stored password and password; a changed password or user entry "
         "no longer matches). 0: none.",
+        least=0,
     )
     max_pending_per_source: int = doc(
         4,
         "Password checks and delayed refusals one client address may have at "
         "once; its further logins wait (a gateway is one address: its "
         "clients share this).",
+        least=1,
     )
     failure_delay_ms: int = doc(
         200,
         "A failed login is refused after this delay, doubled for each further "
         "failure from the same address within `failure_window_ms`.",
+        least=0,
     )
-    max_failure_delay_ms: int = doc(5000, "Longest delay of a refusal.")
+    max_failure_delay_ms: int = doc(5000, "Longest delay of a refusal.", least=0)
     failure_window_ms: int = doc(
         60_000,
         "Failures from an address are forgotten after this long without one; "
         "failed logins are logged once per window and address, with a count "
         "at the end of it.",
+        least=0,
     )
 
 
@@ -124,12 +132,13 @@ class JournalSection:
         "Where the journal segments go; empty means `<data_dir>/journal`. The running node holds the lock "
         "file `<directory>.lock` beside it, so its parent must be writable.",
     )
-    segment_bytes: int = doc(64 * 1024 * 1024, "Size of each pre-allocated journal segment file.")
+    segment_bytes: int = doc(64 * 1024 * 1024, "Size of each pre-allocated journal segment file.", least=64 * 1024)
     sync_delay_us: int = doc(
         0,
         "Pause before each group commit so more records share one fsync (0: sync as soon "
         "as the previous sync ends; `tridentmq core --tune` measures the disk and "
         "suggests a value).",
+        least=0,
     )
     max_disk_usage: float = doc(
         90.0,
@@ -138,8 +147,10 @@ class JournalSection:
         "full is retried every second; meanwhile durable publishes and transaction commits "
         "are refused and the node is not ready. The paging directory's filesystem has the same "
         "limit: over it, publishes that a queue would page are refused.",
+        least=0,
+        most=100,
     )
-    compact_min_segments: int = doc(4, "Compaction is considered once the journal has this many segments.")
+    compact_min_segments: int = doc(4, "Compaction is considered once the journal has this many segments.", least=1)
     compact_live_ratio: float = doc(
         0.5,
         "… and runs when live durable messages are fewer than this fraction of "
@@ -171,9 +182,10 @@ class ManagementSection:
         10_000,
         "A connection must send a whole request head within this, and a request's whole body within as long "
         "after its head (else 408 and closed); it is closed after as long idle.",
+        least=1,
     )
     max_connections: int = doc(
-        256, "HTTP connections open at once; more get 503 and are closed (logged once a minute)."
+        256, "HTTP connections open at once; more get 503 and are closed (logged once a minute).", least=1
     )
 
 
@@ -181,9 +193,11 @@ class ManagementSection:
 class AuditSection:
     enabled: bool = doc(True, "Write the audit stream (JSON lines segments, see docs/audit.md).")
     directory: str = doc("", "Where segments go; empty means `<data_dir>/audit`.")
-    roll_bytes: int = doc(64 * 1024 * 1024, "Seal a segment when it reaches this size.")
-    roll_seconds: float = doc(60.0, "Seal a segment when it is this old.")
-    heartbeat_seconds: float = doc(10.0, "Interval of node.heartbeat events (they advance Spark watermarks).")
+    roll_bytes: int = doc(64 * 1024 * 1024, "Seal a segment when it reaches this size.", least=1)
+    roll_seconds: float = doc(60.0, "Seal a segment when it is this old.", least=0.001)
+    heartbeat_seconds: float = doc(
+        10.0, "Interval of node.heartbeat events (they advance Spark watermarks).", least=0.001
+    )
     message_events: str = doc(
         "durable",
         "Per-message events (msg.sent, msg.acked, …): `all`, `durable` (only "
@@ -194,36 +208,42 @@ class AuditSection:
 
 @dataclass(frozen=True)
 class BrokerSection:
-    dedup_window_seconds: float = doc(600.0, "How long a duplicate-detection id is remembered.")
+    dedup_window_seconds: float = doc(600.0, "How long a duplicate-detection id is remembered.", least=0)
     dedup_max_entries: int = doc(
         1_000_000,
         "Most duplicate-detection ids remembered (oldest forgotten first). "
         "The link client's numbered ids count one per run of consecutive numbers; "
         "non-durable transfers from other nodes are kept apart, as many again.",
+        least=0,
     )
-    max_message_bytes: int = doc(8 * 1024 * 1024, "Largest message body accepted.")
-    max_consumer_credit: int = doc(100_000, "Largest delivery window one consumer may grant.")
+    max_message_bytes: int = doc(8 * 1024 * 1024, "Largest message body accepted.", least=1)
+    max_consumer_credit: int = doc(100_000, "Largest delivery window one consumer may grant.", least=1)
     max_auto_created_addresses_per_user: int = doc(
         100_000,
         "Addresses one user's publishes may have auto-created "
         "and still in use; beyond, a publish to a new address "
         "is refused with resource-limit (0 = no cap; cluster "
         "connections are exempt).",
+        least=0,
     )
-    expiry_scan_ms: int = doc(1000, "Interval of the scan that expires messages no consumer is reading.")
+    expiry_scan_ms: int = doc(1000, "Interval of the scan that expires messages no consumer is reading.", least=1)
     max_memory_bytes: int = doc(
         1024 * 1024 * 1024,
         "Memory for queued messages (bodies plus ~256 bytes each); "
         "above it producers get no publish credit until usage is back under 90 %.",
+        least=1,
     )
     max_transaction_bytes: int = doc(
         64 * 1024 * 1024,
         "Messages the open transactions of one link session may hold until their "
         "commits (bodies plus ~256 bytes each); a publish beyond is refused with "
         "resource-limit and its transaction can only roll back.",
+        least=1,
     )
     max_open_transactions: int = doc(
-        64, "Transactions one link session may have open at once; a BEGIN beyond is refused with resource-limit."
+        64,
+        "Transactions one link session may have open at once; a BEGIN beyond is refused with resource-limit.",
+        least=1,
     )
 
 
@@ -250,8 +270,8 @@ class ClusterSection:
         "Redis URL of the broadcast and discovery group (`redis://host:6379/0`); empty: "
         "static connectors only. Redis carries announcements, never messages.",
     )
-    broadcast_period_ms: int = doc(1000, "Interval of this node's announcements (discovery).")
-    refresh_timeout_ms: int = doc(5000, "An announcement not refreshed for this long is dropped (discovery).")
+    broadcast_period_ms: int = doc(1000, "Interval of this node's announcements (discovery).", least=1)
+    refresh_timeout_ms: int = doc(5000, "An announcement not refreshed for this long is dropped (discovery).", least=1)
     advertise_host: str = doc(
         "", "Host other nodes connect to for this node's link; empty: `link.host`, or 127.0.0.1 when that is 0.0.0.0."
     )
@@ -260,6 +280,7 @@ class ClusterSection:
         "How far bindings travel: 1 = every node links to every other (symmetric mesh); "
         "2 or more lets messages cross intermediate nodes (chains). The same on every "
         "node.",
+        least=1,
     )
     message_load_balancing: str = doc(
         "ON_DEMAND",
@@ -274,16 +295,18 @@ class ClusterSection:
         "redistributed) before waiting for its confirms; also how many "
         "published messages may wait in memory for room on the link to one "
         "node before more go to its store-and-forward queue.",
+        least=1,
     )
     min_residence_ms: int = doc(
         2000,
         "A message that came from another node is not redistributed again "
         "before this long (no ping-pong when consumers flap); doubled for each "
         "time it was already redistributed, up to 4 times.",
+        least=0,
     )
-    retry_interval_ms: int = doc(100, "First retry delay of a cluster connection that failed.")
-    retry_multiplier: float = doc(2.0, "Factor applied to the retry delay after each failed attempt.")
-    max_retry_interval_ms: int = doc(2000, "Longest retry delay of a cluster connection.")
+    retry_interval_ms: int = doc(100, "First retry delay of a cluster connection that failed.", least=1)
+    retry_multiplier: float = doc(2.0, "Factor applied to the retry delay after each failed attempt.", least=1)
+    max_retry_interval_ms: int = doc(2000, "Longest retry delay of a cluster connection.", least=1)
     join_wait_ms: int = doc(
         3000,
         "A node that starts or takes over serves clients only once every other node it "
@@ -291,14 +314,18 @@ class ClusterSection:
         "queues, or failed to, or this long has passed: before, a message for a "
         "subscription on another node would be routed nowhere. 0: serve at "
         "once.",
+        least=0,
     )
     node_gone_ms: int = doc(
         10_000,
         "A node unreachable for this long is declared gone: the messages waiting to "
         "be forwarded to it (publishes re-sent here that it may have stored among "
         "them) are routed again among the nodes that remain.",
+        least=1,
     )
-    max_bindings: int = doc(100_000, "Bindings accepted from one node; beyond, its updates are refused (flood).")
+    max_bindings: int = doc(
+        100_000, "Bindings accepted from one node; beyond, its updates are refused (flood).", least=1
+    )
     scale_down: bool = doc(
         True,
         "On a graceful stop, move this node's messages (durable and not) to another "
@@ -306,7 +333,7 @@ class ClusterSection:
         "return. Not while a backup holds them (in sync): it takes over instead.",
     )
     scale_down_timeout_ms: int = doc(
-        30_000, "Longest a graceful stop spends moving messages; what is left stays in this node's journal."
+        30_000, "Longest a graceful stop spends moving messages; what is left stays in this node's journal.", least=0
     )
 
 
@@ -320,9 +347,9 @@ class NetworkCheckSection:
         "over. Empty: no check.",
         factory=True,
     )
-    period_ms: int = doc(2000, "Interval of the probe rounds.")
-    timeout_ms: int = doc(1000, "How long a probe may take (below the period).")
-    failures_to_isolate: int = doc(2, "Rounds in a row with no answer before the node counts as isolated.")
+    period_ms: int = doc(2000, "Interval of the probe rounds.", least=1)
+    timeout_ms: int = doc(1000, "How long a probe may take (below the period).", least=1)
+    failures_to_isolate: int = doc(2, "Rounds in a row with no answer before the node counts as isolated.", least=1)
 
 
 @dataclass(frozen=True)
@@ -357,8 +384,9 @@ class HaSection:
         500,
         "A voter grants a takeover only after the primary has been unreachable from "
         "it for this long (the primary notices its own isolation sooner).",
+        least=0,
     )
-    vote_retry_ms: int = doc(250, "Interval of a backup's vote rounds while its primary is lost.")
+    vote_retry_ms: int = doc(250, "Interval of a backup's vote rounds while its primary is lost.", least=1)
     allow_failback: bool = doc(
         True,
         "A backup that took over hands the pair back to its primary once the "
@@ -370,20 +398,22 @@ class HaSection:
         "shared-store: the directory both halves of the pair use (a network "
         "filesystem), holding the lease, the pair's identity and its journal.",
     )
-    lease_renew_ms: int = doc(1000, "shared-store: how often the active node renews its lease.")
+    lease_renew_ms: int = doc(1000, "shared-store: how often the active node renews its lease.", least=1)
     lease_expiry_ms: int = doc(
         5000,
         "shared-store: a lease not renewed for this long (by the waiting node's own "
         "clock) has expired and the waiting node takes over; it must exceed twice "
         "the renewal interval.",
+        least=1,
     )
     sync_window: int = doc(
-        50_000, "Journal records in flight to the backup before the primary waits for its acknowledgements."
+        50_000, "Journal records in flight to the backup before the primary waits for its acknowledgements.", least=1
     )
     max_backlog_bytes: int = doc(
         256 * 1024 * 1024,
         "Journal records the primary holds for its backup beyond `sync_window`; a backup that falls "
         "this far behind is dropped (with a warning) and copies the journal again.",
+        least=1,
     )
 
 

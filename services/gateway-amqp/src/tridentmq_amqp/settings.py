@@ -38,12 +38,13 @@ class ListenerSection(ListenerSettings):
     websocket_tls_port: int = doc(
         5674, "AMQP 1.0 over WebSocket over TLS (wss), opened when `tls.cert_file` is set (-1 = off)."
     )
-    max_connections: int = doc(10_000, "AMQP connections accepted at once; more are refused.")
+    max_connections: int = doc(10_000, "AMQP connections accepted at once; more are refused.", least=1)
     max_logging_in: int = doc(
         1000,
         "Connections at once that have not logged in yet (each bounded by "
         "`max_connect_bytes`); more are refused, the first refusal of each minute "
         "logged.",
+        least=1,
     )
 
 
@@ -61,34 +62,39 @@ class AmqpLimitsSection:
         "users, and then only from clients on its host (unless its "
         "security.allow_anonymous_remote).",
     )
-    max_frame_bytes: int = doc(1024 * 1024, "Largest AMQP frame accepted (the OPEN's max-frame-size).")
+    max_frame_bytes: int = doc(1024 * 1024, "Largest AMQP frame accepted (the OPEN's max-frame-size).", least=512)
     max_message_bytes: int = doc(
         8 * 1024 * 1024,
         "Largest message accepted on a link (announced as the link's "
         "max-message-size; a larger one closes the link with "
         "`amqp:link:message-size-exceeded`).",
+        least=1,
     )
     max_incomplete_bytes: int = doc(
         32 * 1024 * 1024,
         "Bytes of messages still arriving in several frames that "
         "one connection may have at once; more closes it with "
         "`amqp:resource-limit-exceeded`.",
+        least=1,
     )
-    channel_max: int = doc(255, "Most sessions on one connection.")
+    channel_max: int = doc(255, "Most sessions on one connection.", least=0, most=65535)
     max_links: int = doc(
-        1000, "Most links on one connection; another attach is refused with `amqp:resource-limit-exceeded`."
+        1000, "Most links on one connection; another attach is refused with `amqp:resource-limit-exceeded`.", least=1
     )
     link_credit: int = doc(
-        1000, "Credit granted to a client's sending link, topped up at half the window while the core keeps up."
+        1000,
+        "Credit granted to a client's sending link, topped up at half the window while the core keeps up.",
+        least=1,
     )
     prefetch: int = doc(
-        1000, "Messages of a consumer fetched from the core ahead of the client's credit and settlements."
+        1000, "Messages of a consumer fetched from the core ahead of the client's credit and settlements.", least=1
     )
     idle_timeout_ms: int = doc(
         30_000,
         "Idle timeout announced in OPEN: clients send a frame at least this "
         "often, and one silent for twice as long is disconnected (0 = "
         "none).",
+        least=0,
     )
     session_window: int = doc(
         1024,
@@ -96,13 +102,17 @@ class AmqpLimitsSection:
         "window; at most 2 GiB worth of frames). Link credit is what bounds "
         "messages, and `max_incomplete_bytes` what a connection holds of them: "
         "the gateway reads each transfer as it comes.",
+        least=1,
     )
-    connect_timeout_ms: int = doc(10_000, "A connection that has not finished SASL and sent OPEN by then is closed.")
+    connect_timeout_ms: int = doc(
+        10_000, "A connection that has not finished SASL and sent OPEN by then is closed.", least=1
+    )
     pending_bytes: int = doc(
         8 * 1024 * 1024,
         "Client bytes read ahead of processing before the gateway stops reading the socket; also the answers "
         "(dispositions, flows, attaches) that may wait for a client that does not read before its frames wait too, "
         "and the transfers its session windows do not let out yet before its messages wait in the core.",
+        least=1,
     )
     max_connect_bytes: int = doc(
         64 * 1024,
@@ -111,6 +121,7 @@ class AmqpLimitsSection:
         "not logged in can make the gateway hold. SASL frames are also "
         "limited to 8 KiB, and what is pipelined behind a sasl-init to 64 "
         "KiB.",
+        least=0,
     )
 
 
@@ -134,11 +145,13 @@ class HttpSection:
         "A connection to the HTTP port or to the WebSocket listeners must send "
         "a whole request head within this, and is closed after as long "
         "idle.",
+        least=1,
     )
     max_connections: int = doc(
         256,
         "HTTP connections open at once; more get 503 and are closed (logged once a "
         "minute). The WebSocket listeners take `listener.max_connections`.",
+        least=1,
     )
 
 

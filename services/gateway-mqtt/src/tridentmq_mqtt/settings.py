@@ -35,12 +35,13 @@ class ListenerSection(ListenerSettings):
     websocket_tls_port: int = doc(
         8884, "MQTT over WebSocket over TLS (wss), opened when `tls.cert_file` is set (-1 = off)."
     )
-    max_connections: int = doc(10_000, "MQTT connections accepted at once; more are refused.")
+    max_connections: int = doc(10_000, "MQTT connections accepted at once; more are refused.", least=1)
     max_logging_in: int = doc(
         1000,
         "Connections at once that have not logged in yet (each bounded by "
         "`max_connect_bytes`); more are refused, the first refusal of each minute "
         "logged.",
+        least=1,
     )
 
 
@@ -66,11 +67,15 @@ class MqttLimitsSection:
         "Largest packet accepted (the core's largest "
         "message plus room for properties); 5.0 clients learn it from the CONNACK, "
         "others are disconnected when they exceed it.",
+        least=1024,
+        most=268435460,
     )
     receive_maximum: int = doc(
         1000,
         "QoS 1 and 2 messages a client may have unacknowledged towards the gateway "
         "(5.0 clients learn it from the CONNACK).",
+        least=1,
+        most=65535,
     )
     max_inflight: int = doc(
         4000,
@@ -79,15 +84,17 @@ class MqttLimitsSection:
         "subscription's window on the core: it must cover the messages on their way "
         "between core, gateway and client, or a subscriber that keeps up is held "
         "back by the round trip.",
+        least=1,
     )
     max_subscriptions: int = doc(
         1000,
         "Most subscriptions of one connection; a SUBSCRIBE beyond is refused for that filter with reason code "
         "0x97 quota exceeded (0x80 before 5.0). Each may hold a window of messages in the gateway for a "
         "client that stops reading.",
+        least=1,
     )
     qos0_window: int = doc(
-        1000, "QoS 0 messages of a subscription fetched from the core ahead of being written to the client."
+        1000, "QoS 0 messages of a subscription fetched from the core ahead of being written to the client.", least=1
     )
     qos0_fan_out_from: int = doc(
         2,
@@ -98,6 +105,7 @@ class MqttLimitsSection:
         "queue of their own and move over; 1 = always, 0 = never). A fan-out takes "
         "one more core link per user, and a connection that falls behind by more than "
         "`qos0_max_buffered_bytes` loses its QoS 0 messages.",
+        least=0,
     )
     qos0_max_buffered_bytes: int = doc(
         4 * 1024 * 1024,
@@ -106,18 +114,25 @@ class MqttLimitsSection:
         "skips it (counted in `mqtt_qos0_dropped_total`) rather than hold up the "
         "other subscribers. Checked before each batch, so a connection may go "
         "over by one batch (`qos0_window` messages).",
+        least=1,
     )
-    topic_alias_maximum: int = doc(64, "Topic aliases a 5.0 client may set up towards the gateway (0 = none).")
+    topic_alias_maximum: int = doc(
+        64, "Topic aliases a 5.0 client may set up towards the gateway (0 = none).", least=0, most=65535
+    )
     max_keep_alive_s: int = doc(
         0,
         "Longest keep-alive granted; a 5.0 client asking for more (or for none) is "
         "given this as server keep-alive (0 = grant what the client asks).",
+        least=0,
+        most=65535,
     )
     max_session_expiry_s: int = doc(
         7 * 24 * 3600,
         "Longest session expiry granted, also to 3.1.1 clients "
         "that connect with clean session 0 (whose sessions otherwise "
         "never expire).",
+        least=0,
+        most=4294967295,
     )
     response_information_prefix: str = doc(
         "reply/",
@@ -126,7 +141,7 @@ class MqttLimitsSection:
         "CONNACK, to build its response topics on (it still needs the "
         "permissions to use them). Empty = never sent.",
     )
-    connect_timeout_ms: int = doc(10_000, "A connection that has not sent its CONNECT by then is closed.")
+    connect_timeout_ms: int = doc(10_000, "A connection that has not sent its CONNECT by then is closed.", least=1)
     max_connect_bytes: int = doc(
         64 * 1024,
         "Most bytes a client may send before its CONNECT is complete (will "
@@ -134,6 +149,7 @@ class MqttLimitsSection:
         "its login is checked, the gateway reads nothing more from it. Bounds "
         "what a connection that has not logged in can make the gateway "
         "hold.",
+        least=0,
     )
     bind_sessions_to_users: bool = doc(
         True,
@@ -147,17 +163,20 @@ class MqttLimitsSection:
         5_000,
         "How long a CONNECT waits for an earlier connection of the same client "
         "id, on any gateway, to let go of the session.",
+        least=0,
     )
     pending_packets: int = doc(
         1000,
         "Client packets read ahead of processing before the gateway stops reading "
         "the socket (back-pressure to a fast publisher).",
+        least=1,
     )
     pending_bytes: int = doc(
         8 * 1024 * 1024,
         "Bytes read ahead of processing before the gateway stops reading "
         "the socket, whatever the packet count (large packets); also the answers (PUBACKs, SUBACKs, "
         "PINGRESPs) that may wait for a client that does not read before its packets wait too.",
+        least=1,
     )
     use_identity_as_username: bool = doc(
         False,
@@ -191,11 +210,13 @@ class HttpSection:
         "A connection to the HTTP port or to the WebSocket listeners must send "
         "a whole request head within this, and is closed after as long "
         "idle.",
+        least=1,
     )
     max_connections: int = doc(
         256,
         "HTTP connections open at once; more get 503 and are closed (logged once a "
         "minute). The WebSocket listeners take `listener.max_connections`.",
+        least=1,
     )
 
 

@@ -35,12 +35,13 @@ class ListenerSection(ListenerSettings):
     websocket_tls_port: int = doc(
         61615, "STOMP over WebSocket over TLS (wss), opened when `tls.cert_file` is set (-1 = off)."
     )
-    max_connections: int = doc(10_000, "STOMP connections accepted at once; more are refused.")
+    max_connections: int = doc(10_000, "STOMP connections accepted at once; more are refused.", least=1)
     max_logging_in: int = doc(
         1000,
         "Connections at once that have not logged in yet (each bounded by "
         "`max_connect_bytes`); more are refused, the first refusal of each minute "
         "logged.",
+        least=1,
     )
 
 
@@ -51,42 +52,48 @@ class CoreLinkSection(CoreLinkSettings):
 
 @dataclass(frozen=True)
 class StompLimitsSection:
-    max_frame_bytes: int = doc(4 * 1024 * 1024, "Largest frame body accepted (ERROR `frame too large` above).")
-    max_headers: int = doc(64, "Most headers in one frame.")
-    max_header_bytes: int = doc(64 * 1024, "Most bytes of command and header lines in one frame.")
+    max_frame_bytes: int = doc(4 * 1024 * 1024, "Largest frame body accepted (ERROR `frame too large` above).", least=1)
+    max_headers: int = doc(64, "Most headers in one frame.", least=1)
+    max_header_bytes: int = doc(64 * 1024, "Most bytes of command and header lines in one frame.", least=1)
     prefetch: int = doc(
         1000,
         "Messages sent to a subscription ahead of its acks, unless the SUBSCRIBE says "
         "`consumer-window-size` or `activemq.prefetchSize`.",
+        least=1,
     )
-    max_prefetch: int = doc(10_000, "Largest prefetch a subscription may ask for.")
+    max_prefetch: int = doc(10_000, "Largest prefetch a subscription may ask for.", least=1)
     max_subscriptions: int = doc(
         1000,
         "Most subscriptions on one connection; another SUBSCRIBE is an ERROR `resource limit` (each may hold "
         "up to `core.consumer_window_bytes` of messages for a client that stops reading).",
+        least=1,
     )
     pending_frames: int = doc(
         1000,
         "Client frames read ahead of processing before the gateway stops reading "
         "the socket (back-pressure to a fast producer).",
+        least=1,
     )
     pending_bytes: int = doc(
         8 * 1024 * 1024,
         "Bytes read ahead of processing before the gateway stops reading "
         "the socket, whatever the frame count (large frames); also the answers (receipts) that may wait for "
         "a client that does not read before its frames wait too.",
+        least=1,
     )
-    heartbeat_send_ms: int = doc(10_000, "Heart-beat interval the gateway offers to send (sx of CONNECTED).")
+    heartbeat_send_ms: int = doc(10_000, "Heart-beat interval the gateway offers to send (sx of CONNECTED).", least=0)
     heartbeat_receive_ms: int = doc(
         10_000,
         "Heart-beat interval the gateway asks of clients (sy); a client "
         "silent for twice the agreed interval is disconnected.",
+        least=0,
     )
-    min_heartbeat_ms: int = doc(100, "Shortest heart-beat interval agreed to, either way.")
+    min_heartbeat_ms: int = doc(100, "Shortest heart-beat interval agreed to, either way.", least=0)
     connect_timeout_ms: int = doc(
         10_000,
         "A connection that has not sent its CONNECT frame by then gets ERROR "
         "`connect timeout` and is closed (0 = wait for ever).",
+        least=0,
     )
     max_connect_bytes: int = doc(
         64 * 1024,
@@ -95,6 +102,7 @@ class StompLimitsSection:
         "checked, the gateway reads nothing more from it. Bounds what a "
         "connection that has not logged in can make the gateway "
         "hold.",
+        least=0,
     )
 
 
@@ -118,11 +126,13 @@ class HttpSection:
         "A connection to the HTTP port or to the WebSocket listeners must send "
         "a whole request head within this, and is closed after as long "
         "idle.",
+        least=1,
     )
     max_connections: int = doc(
         256,
         "HTTP connections open at once; more get 503 and are closed (logged once a "
         "minute). The WebSocket listeners take `listener.max_connections`.",
+        least=1,
     )
 
 

@@ -141,10 +141,6 @@ def validate_cluster_settings(settings: CoreSettings) -> bool:
         )
     if cluster.message_load_balancing.upper() not in LOAD_BALANCING_POLICIES:
         raise SettingsError(f"cluster.message_load_balancing must be one of {', '.join(LOAD_BALANCING_POLICIES)}")
-    if cluster.max_hops < 1:
-        raise SettingsError("cluster.max_hops must be 1 or more")
-    if cluster.forward_window < 1:
-        raise SettingsError("cluster.forward_window must be 1 or more")
     for connector in cluster.connectors:
         parse_connector(connector)
     return has_credentials
