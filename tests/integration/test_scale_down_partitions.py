@@ -16,9 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -28,7 +26,8 @@ from typing import Any
 
 import pytest
 from tests.integration.lab_agent import Agent
-from tests.jepsen.nemesis import NetLab, kill9
+from tests.integration.lab_cores import LINK_PORT, LabCores
+from tests.jepsen.nemesis import NetLab
 
 from tridentmq_shared.link.client import LinkClient
 from tridentmq_shared.link.failover import ReconnectPolicy
@@ -38,8 +37,6 @@ pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.cluster, p
 
 NODES = ("core0", "core1", "core2")
 CLIENT = "cl"
-LINK_PORT = 61616
-MANAGEMENT_PORT = 8161
 ADDRESS = "news"
 SUBSCRIPTION = "news-sub"  # on core0, and (made during the partition) on core2, where its consumer is
 KEPT = "news-kept"  # on core1: every message has a queue there, so each is confirmed whatever else happens
@@ -126,63 +123,6 @@ async def agent(hosts: dict[str, str]) -> None:
 # ----------------------------------------------------------------------------------------------- test side
 
 
-class Cores:
-    def __init__(self, lab: NetLab, root: Path) -> None:
-        self.lab, self.root = lab, root
-        self.processes: dict[str, subprocess.Popen[bytes]] = {}
-        for node in NODES:
-            self.start(node)
-
-    def start(self, node: str) -> None:
-        data_dir = self.root / node
-        data_dir.mkdir(parents=True, exist_ok=True)
-        address = self.lab.address(node)
-        env = {
-            **os.environ,
-            "TRIDENTMQ_CORE_NODE_DATA_DIR": str(data_dir),
-            "TRIDENTMQ_CORE_NODE_NAME": node,
-            "TRIDENTMQ_CORE_LINK_HOST": address,
-            "TRIDENTMQ_CORE_LINK_PORT": str(LINK_PORT),
-            "TRIDENTMQ_CORE_MANAGEMENT_HOST": address,
-            "TRIDENTMQ_CORE_MANAGEMENT_PORT": str(MANAGEMENT_PORT),
-            "TRIDENTMQ_CORE_CLUSTER_ADVERTISE_HOST": address,
-            "TRIDENTMQ_CORE_CLUSTER_USER": "cluster",
-            "TRIDENTMQ_CORE_CLUSTER_PASSWORD": "s3cret-cluster",
-            "TRIDENTMQ_CORE_CLUSTER_CONNECTORS": ",".join(
-                f"{self.lab.address(other)}:{LINK_PORT}" for other in NODES if other != node
-            ),
-            "TRIDENTMQ_CORE_SECURITY_ALLOW_ANONYMOUS_REMOTE": "true",  # the client is on another host
-        }
-        argv = [sys.executable, "-m", "tridentmq_core", "--ports-file", str(data_dir / "ports.json")]
-        with (data_dir / "core.log").open("ab") as log:
-            self.processes[node] = self.lab.run(node, argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 20
-        while not (data_dir / "ports.json").exists():
-            assert self.processes[node].poll() is None, self.log(node)
-            assert time.monotonic() < deadline, f"{node} did not start:\n{self.log(node)}"
-            time.sleep(0.05)
-
-    def log(self, node: str) -> str:
-        return (self.root / node / "core.log").read_text(errors="replace")
-
-    def wait_for_log(self, node: str, text: str, timeout: float = 15.0) -> None:
-        deadline = time.monotonic() + timeout
-        while text not in self.log(node):
-            assert time.monotonic() < deadline, f"{node} never logged {text!r}:\n{self.log(node)[-3000:]}"
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.processes.values():
-            try:
-                process.wait(timeout=8)
-            except subprocess.TimeoutExpired:
-                kill9(process.pid)
-                process.wait(timeout=5)
-
-
 @pytest.fixture
 def lab() -> Iterator[NetLab]:
     available = NetLab.available()
@@ -198,7 +138,9 @@ def test_a_scale_down_while_two_other_nodes_are_cut_off_from_each_other_loses_no
     """core1 now keeps routing to core0, which moves what it gets, while it knows no other copy of the
     subscription, and acknowledges core0's leaving only once it does (the partition healed): every message
     confirmed to the publisher reaches the subscriber on core2."""
-    cores = Cores(lab, tmp_path)
+    cores = LabCores(lab, tmp_path)
+    for node in NODES:
+        cores.start(node, [other for other in NODES if other != node])
     hosts = {node: lab.address(node) for node in NODES}
     client = Agent(lab, CLIENT, Path(__file__), "client", hosts, tmp_path / "client.log")
     try:

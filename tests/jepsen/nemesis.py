@@ -8,7 +8,8 @@ network, and parallel labs never collide (every name carries a random id and sta
 Faults are nftables drop rules on the *receiving* side (the input hook of the destination namespace), so a
 sender sees silence (timeouts), as on a real network, rather than an immediate local error. ``tc netem`` does
 not exist on every kernel; packet loss is a ``numgen random`` rule instead. Every change rewrites the whole
-rule set of the namespaces concerned in one nftables transaction.
+rule set of the namespaces concerned in one nftables transaction. A slow link is a token bucket (``tc``'s
+``tbf``) on the sending node's interface (:meth:`NetLab.limit_rate`).
 
 Note on one-way partitions and TCP: ``partition_oneway(src, dst)`` drops every packet from src to dst. A TCP
 connection needs packets both ways (the handshake's SYN-ACK and every ACK), so TCP between the two breaks in
@@ -269,6 +270,13 @@ class NetLab:
             else:
                 self._loss.pop(pair, None)
         self._apply({a, b})
+
+    def limit_rate(self, node: str, rate: str) -> None:
+        """Shape what ``node`` sends to ``rate`` (``tc``'s token bucket on its interface, "2mbit" say): a slow
+        link. It stays until the lab closes."""
+        tc = _require("tc")
+        argv = ["qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate, "burst", "32kbit", "latency", "400ms"]
+        self._cmd(self._ip, "netns", "exec", self.netns(node), tc, *argv)
 
     def heal(self) -> None:
         """Remove every fault: all partitions and all loss."""

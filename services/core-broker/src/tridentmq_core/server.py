@@ -73,6 +73,7 @@ from tridentmq_shared.link.ops import ErrorCode
 from tridentmq_shared.log_window import LogWindow
 from tridentmq_shared.message import MAX_PROPERTIES
 from tridentmq_shared.runtime import LISTEN_BACKLOG, random_hex, wall_ms
+from tridentmq_shared.send_backlog import unacknowledged_bytes
 from tridentmq_shared.settings import SettingsError
 from tridentmq_shared.supervision import Supervisor, current
 from tridentmq_shared.tls import HANDSHAKE_TIMEOUT_S, ServerTls
@@ -927,6 +928,7 @@ class CoreNode:
                 self.abort_link,
                 self._cut_off,
                 self._serve_at,
+                self.link_backlog,
             )
             self.status.ha = self._ha_status
             if self.cluster is not None:
@@ -1079,6 +1081,13 @@ class CoreNode:
         if now - self.turned_at > self.stall_limit and self.replication is not None:
             self.replication.stalled(now - self.turned_at)
         self.turned_at = now
+
+    def link_backlog(self, conn_id: str) -> int | None:
+        """Bytes written to a link's connection that its peer has not acknowledged; None without one."""
+        protocol = self.protocols.get(conn_id)
+        if protocol is None or protocol.transport is None or protocol.carrier is not None:
+            return None
+        return unacknowledged_bytes(protocol.transport)
 
     def abort_link(self, conn_id: str) -> None:
         """Drop a link's connection at once: its peer does not read (a close would wait for it for ever)."""

@@ -68,6 +68,7 @@ class ReplicationSource:
         abort_link: Callable[[str], None],
         cut_off: Callable[[], None] = lambda: None,
         new_epoch: Callable[[int], None] = lambda _epoch: None,
+        link_backlog: Callable[[str], int | None] = lambda _conn_id: None,
     ) -> None:
         self.broker = broker
         self.store = store
@@ -82,6 +83,7 @@ class ReplicationSource:
         self._abort_link = abort_link  # closes it at once (a peer that does not read)
         self._cut_off = cut_off  # this node stops serving its clients: its backup may have taken over
         self._new_epoch = new_epoch  # this node serves at a new epoch (recorded): tell the cluster and the audit
+        self._link_backlog = link_backlog  # bytes written to a link that its peer's host has not acknowledged
         #: Held for a quorum longer than the backup needs to take over, without one: its clients go elsewhere.
         self.cut_off = False
         self.failing_back = False
@@ -94,7 +96,8 @@ class ReplicationSource:
         self._sync_end_sent = 0
         self._lost_may_take_over = False  # whether the backup last lost may have taken over
         self.held_since = 0.0  # monotonic: confirms wait for a quorum since then (0: they do not)
-        self._progress_at = 0.0  # monotonic: the backup last acknowledged something, or had nothing to
+        self._progress_at = 0.0  # monotonic: the backup last acknowledged something, took more, or had nothing to
+        self._backlog_seen: int | None = None  # the backup link's unacknowledged bytes at the last tick
         self._stay_task: asyncio.Task[None] | None = None
         self._dropped = False  # the backup is being dropped (``stalled``): what it acknowledges no longer counts
 
@@ -140,6 +143,7 @@ class ReplicationSource:
         self.session, self.feed, self.backup, self._sync_end_sent = session, feed, server_id, 0
         self._dropped = False
         self._progress_at = time.monotonic()  # counted from now, not from an earlier backup's last ack
+        self._backlog_seen = None
         self._link = session.conn
         self.backup_endpoint = (host, port)
         self.backup_role = str(info.get("role", BACKUP))
@@ -309,16 +313,23 @@ class ReplicationSource:
         self._abort_link(session.conn_id)
 
     def _check_progress(self, session: Session, feed: ReplicaFeed) -> None:
-        """A backup that acknowledges nothing for a heartbeat timeout while records wait is lost, even if its
-        heartbeats still arrive: when only this node's packets are dropped, the backup stops hearing from it
-        (and may take over) while its own frames still come through for a while. During the copy too: one
-        stuck there (a hung disk) would keep the compaction, which its acknowledgements pace, from ending,
-        and with it any other compaction and backup. So is one that falls ``ha.max_backlog_bytes`` behind:
+        """A backup that acknowledges nothing for a heartbeat timeout while records wait, and whose host takes
+        nothing more of what was sent meanwhile, is lost, even if its heartbeats still arrive: when only this
+        node's packets are dropped, the backup stops hearing from it (and may take over) while its own frames
+        still come through for a while. During the copy too: one stuck there (a hung disk) would keep the
+        compaction, which its acknowledgements pace, from ending, and with it any other compaction and backup
+        (it is dropped once it has taken what the window let out). So is one that falls ``ha.max_backlog_bytes`` behind:
         what it has not been sent is held in memory. Either copies again once it reconnects."""
         now = time.monotonic()
         if not feed.pending or self.failing_back:
             self._progress_at = now
             return
+        # A slow path (a few Mbit/s) carries a batch of the copy, or one large record, for longer than the
+        # timeout: while the backup's host takes what was sent, the backup is slow, not gone.
+        backlog = self._link_backlog(session.conn_id)
+        if backlog is not None and self._backlog_seen is not None and backlog < self._backlog_seen:
+            self._progress_at = now
+        self._backlog_seen = backlog
         extra = {"backup": self.backup, "in_sync": feed.in_sync, "pending": feed.pending}
         if feed.overflowed:
             log.warning("backup fell more than ha.max_backlog_bytes behind: dropping it", extra=extra)
