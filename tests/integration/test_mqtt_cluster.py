@@ -132,6 +132,32 @@ def test_a_persistent_session_resumes_through_a_gateway_on_another_node(
     publisher.disconnect()
 
 
+@pytest.mark.parametrize("clean_start", [False, True])
+def test_a_delayed_will_is_cancelled_by_a_reconnect_through_another_node(
+    two_sides: tuple[GatewayProcess, GatewayProcess], clean_start: bool
+) -> None:
+    """MQTT 5, 3.1.3.2.2: a will whose delay has not passed when a new connection to its session is made is
+    never sent. Its pending will was kept by the node the lost connection went through, and only a reconnect
+    through that node cancelled it: through another one, the will was sent after its delay anyway. A clean
+    start ends the session, and its will is sent at once ([MQTT-3.1.2-8] with 3.1.4-3)."""
+    left, right = two_sides
+    client_id = f"w-{_id()}"
+    watcher = Paho(right.port, f"watch-{_id()}")
+    watcher.connect()
+    watcher.subscribe("status/#", 1)
+    device = Paho(left.port, client_id, clean=False, reconnect=False)
+    device.connect(expiry=300, will=("status/device", b"offline", 1, False), will_delay=3)
+    device.drop()
+    wait_until(lambda: cluster_view(NODES[right.port])["remote_bindings"] >= 3, what="node b to learn the session")
+    again = Paho(right.port, client_id, clean=clean_start)
+    again.connect(expiry=300)
+    if clean_start:
+        assert [m.payload for m in watcher.receive(1)] == [b"offline"]
+    assert watcher.nothing_more(4.5)  # past the will delay
+    again.disconnect()
+    watcher.disconnect()
+
+
 def test_an_unacknowledged_retained_message_comes_again_through_a_gateway_on_another_node(
     two_sides: tuple[GatewayProcess, GatewayProcess],
 ) -> None:

@@ -166,6 +166,7 @@ class Client:
         publish_pending: bool = False,
         own: bool | None = None,
         retain: dict[str, Any] | None = None,
+        everywhere: bool | None = None,
     ) -> ev.Reply | ev.RequestFailed:
         will: dict[str, Any] = {
             "key": key,
@@ -177,6 +178,8 @@ class Client:
             will["own"] = own
         if retain is not None:
             will["retain"] = retain
+        if everywhere is not None:
+            will["everywhere"] = everywhere
         return self._answer(self.conn.set_will(will))
 
     def clear_will(self) -> ev.Reply | ev.RequestFailed:

@@ -8,8 +8,10 @@ from typing import Any
 
 from tests.unit.broker_harness import Client, Harness, ok
 
+from tridentmq_core.cluster.bridge import Bridge
 from tridentmq_core.cluster.manager import ClusterManager, Joined
 from tridentmq_shared.link import events as ev
+from tridentmq_shared.message import new_message
 
 OTHER = "node-2"
 
@@ -94,3 +96,30 @@ def test_the_durable_queues_kept_for_a_node_that_is_down_are_relayed_while_it_is
     manager.bindings.replace("node-3", [durable])  # back
     [update] = _pushed(h, manager, theirs)
     assert update["removed"] == [["node-3", "sub"]]
+
+
+async def test_a_will_key_taken_everywhere_goes_to_the_joined_nodes_with_the_next_push() -> None:
+    """A client connected again through this node while its delayed will waited on another: that node is
+    told, and cancels it (MQTT 5, 3.1.3.2.2)."""
+    h = Harness()
+    manager, theirs = _joined(h)
+    back = h.connect()
+    ok(back.set_will("k", None, everywhere=True))
+    [update] = _pushed(h, manager, theirs)
+    assert update == {"wills_taken": [["k", "anonymous", False]]}
+    assert _pushed(h, manager, theirs) == []  # told once
+
+
+async def test_a_will_key_taken_on_another_node_cancels_the_will_pending_here() -> None:
+    h = Harness()
+    manager, _ = _joined(h)
+    watcher, dying = h.connect("watcher"), h.connect("dying")
+    cid = watcher.consumer("status")
+    ok(dying.set_will("k", new_message("status", b"gone"), delay_ms=5000))
+    dying.close()
+    bridge = Bridge(manager, "127.0.0.1", 2)
+    bridge.node_id = OTHER
+    manager.apply_update(bridge, {"wills_taken": [["k", "anonymous", False]]})
+    manager.apply_update(bridge, {"wills_taken": [["k", 7, False]]})  # malformed: refused, logged
+    h.tick(h.now_ms + 60_000)
+    assert watcher.take(cid) == []

@@ -1204,6 +1204,9 @@ def test_set_will_fields_default_and_unknown_ones_are_ignored() -> None:
     assert server.receive_data(frame([[Op.SET_WILL, 9, {"key": "k", "retain": retain}]]), 0.0) == [
         ev.SetWill(9, "k", None, 0, publish_pending=False, retain=("store", {"topic": "a/b"}))
     ]
+    assert server.receive_data(frame([[Op.SET_WILL, 10, {"key": "k", "everywhere": True}]]), 0.0) == [
+        ev.SetWill(10, "k", None, 0, publish_pending=False, everywhere=True)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -1220,6 +1223,7 @@ def test_set_will_fields_default_and_unknown_ones_are_ignored() -> None:
         {"key": "k", "delay_ms": True},
         {"key": "k", "publish_pending": 1},
         {"key": "k", "own": 1},
+        {"key": "k", "everywhere": "yes"},
         {"key": "k", "retain": "store"},
         {"key": "k", "retain": {"address": 1, "key": {}}},
         {"key": "k", "retain": {"address": "store"}},

@@ -344,3 +344,34 @@ def test_a_will_that_cannot_be_routed_when_it_fires_is_dropped(caplog: pytest.Lo
         h.tick(BASE_MS + 100)
     assert [r.message for r in caplog.records] == ["will dropped"]
     assert not h.broker.wills.book.pending
+
+
+def test_a_set_will_everywhere_tells_the_other_nodes_when_no_pending_will_is_here(h: Harness) -> None:
+    """A client whose last connection went through another core node connects again through this one: the will
+    pending there must be cancelled too (MQTT 5, 3.1.3.2.2). The gateway says so when the session was kept."""
+    told: list[tuple[str, str, bool]] = []
+    h.broker.wills.tell_others = lambda key, user, publish_pending: told.append((key, user, publish_pending))
+    dying, back = h.connect("dying"), h.connect("back")
+    ok(back.set_will("k", will(), delay_ms=5000, everywhere=True, publish_pending=True))
+    ok(back.set_will("j", will()))  # not everywhere: a session nobody kept left no will anywhere
+    ok(dying.set_will("i", will(), delay_ms=5000))
+    dying.close()
+    ok(back.set_will("i", None, everywhere=True))  # pending here: it was this node's, no other node has one
+    assert told == [("k", "anonymous", True)]
+
+
+@pytest.mark.parametrize(("publish_pending", "published"), [(False, []), (True, [b"gone"])])
+def test_a_will_key_taken_on_another_node_cancels_or_publishes_the_will_pending_here(
+    h: Harness, publish_pending: bool, published: list[bytes]
+) -> None:
+    watcher, dying = h.connect("watcher"), h.connect("dying")
+    cid = watcher.consumer("status")
+    ok(dying.set_will("k", will(), delay_ms=5000))
+    dying.close()
+    h.broker.wills.taken_elsewhere("k", "someone-else", publish_pending, h.now_ms)  # not its user's: kept
+    h.broker.wills.taken_elsewhere("k", "anonymous", publish_pending, h.now_ms)
+    h.broker.wills.taken_elsewhere("unknown", "anonymous", publish_pending, h.now_ms)
+    h.tick(BASE_MS + 1000)
+    assert bodies(watcher.take(cid)) == published
+    h.tick(BASE_MS + 60_000)
+    assert watcher.take(cid) == []

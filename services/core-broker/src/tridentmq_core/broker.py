@@ -412,8 +412,18 @@ class Broker:
             case ev.TxRollback(_, tx_id):
                 self.transactions.rollback(session, tx_id, now_ms)
                 return None
-            case ev.SetWill(_, key, message, delay_ms, publish_pending, own, retain):
-                self.wills.set(session, key, message, delay_ms, publish_pending, now_ms, own=own, retain=retain)
+            case ev.SetWill(_, key, message, delay_ms, publish_pending, own, retain, everywhere):
+                self.wills.set(
+                    session,
+                    key,
+                    message,
+                    delay_ms,
+                    publish_pending,
+                    now_ms,
+                    own=own,
+                    retain=retain,
+                    everywhere=everywhere,
+                )
                 return None
         raise BrokerError(ErrorCode.UNEXPECTED, f"unexpected operation {type(event).__name__}")
 

@@ -56,6 +56,9 @@ class WillKeeper:
         self._catalog = catalog
         self._audit = audit
         self._accept = accept  # routes a message like a publish (BrokerError if it cannot be)
+        # Tells the other nodes of the cluster that a will key was taken (key, user, publish_pending): the
+        # cluster manager sets it.
+        self.tell_others: Callable[[str, str, bool], None] = lambda _key, _user, _publish_pending: None
 
     def set(
         self,
@@ -68,12 +71,14 @@ class WillKeeper:
         *,
         own: bool = False,
         retain: tuple[str, dict[str, Any]] | None = None,
+        everywhere: bool = False,
     ) -> None:
         """A link's SET_WILL: ``key`` None clears its own will; ``message`` None frees the key (publishing the
         will pending under it when ``publish_pending``). ``own``: only if this link holds the will under ``key``
         (a connection taken over since must not take the key back from its successor). ``retain`` (store
         address, key properties): once the will is published, a copy with those properties goes to that store
-        (see ``_retained_copy``)."""
+        (see ``_retained_copy``). ``everywhere``: the pending will may be on another node (the client's earlier
+        connection went through it), which is told too."""
         book = self.book
         if key is None:  # a nil will: clear this link's own, nothing else
             book.drop(session)
@@ -101,8 +106,23 @@ class WillKeeper:
             log.debug("pending will cancelled", extra={"will_key": key})
         if holder is not None:
             log.debug("will taken over", extra={"will_key": key, "conn": holder.conn_id})
+        if everywhere and pending is None:
+            self.tell_others(key, session.principal.name, publish_pending)
         if message is not None:
             book.hold(session, Will(key, message, delay_ms, session.conn_id, session.principal.name, retain))
+
+    def taken_elsewhere(self, key: str, user: str, publish_pending: bool, now_ms: int) -> None:
+        """Another node's link of ``user`` took will key ``key`` (its client connected again there): the will
+        pending here under it is cancelled or, with ``publish_pending``, published now (MQTT 3.1.3.2.2: a new
+        connection to the session before the will delay is over, and it is never sent)."""
+        pending = self.book.pending.get(key)
+        if pending is None or pending.user != user:
+            return
+        self.book.take_pending(key)
+        if publish_pending:
+            self._publish(pending, now_ms)
+        else:
+            log.debug("pending will cancelled by another node", extra={"will_key": key})
 
     def closed(self, session: Session, now_ms: int) -> None:
         """The link is gone: its will is published now, or waits for its delay."""

@@ -67,13 +67,18 @@ class Wills:
         """A SET_WILL names ``key``: the pending will under it (cancelled here; the caller publishes it or not)
         and the other open link that held it (dropped: a reconnected client takes over its key before the
         core has noticed that the old link is gone)."""
-        pending = self.pending.pop(key, None)
-        if pending is not None:
-            self._due.cancel(key)
+        pending = self.take_pending(key)
         holder = self.holders.pop(key, None)
         if holder is not None:
             holder.will = None
         return pending, holder
+
+    def take_pending(self, key: str) -> Will | None:
+        """The will pending under ``key``, taken out of the book (None when there is none)."""
+        pending = self.pending.pop(key, None)
+        if pending is not None:
+            self._due.cancel(key)
+        return pending
 
     def release(self, holder: Holder, now_ms: int) -> Will | None:
         """``holder`` closed: its will, to be published now; None when it has none or it waits for its delay

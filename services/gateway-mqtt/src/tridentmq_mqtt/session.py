@@ -492,7 +492,11 @@ class MqttSession:
                 retain = None
                 if event.will is not None and event.will.retain:
                     retain = (convert.RETAINED_ADDRESS, {messages.TOPIC: event.will.topic})
-                await self._set_will(link, will_message, delay_ms, event.clean_start, retain)
+                # A pending will is left only by a kept session, whose last connection may have gone through
+                # another core node: that node's is cancelled (or published, on a clean start) too.
+                await self._set_will(
+                    link, will_message, delay_ms, event.clean_start, retain, everywhere=not kept_nowhere
+                )
             if event.will is not None:
                 self._will_delay_s = event.will.properties.will_delay_interval or 0
         except SessionBusyError as exc:
@@ -641,6 +645,8 @@ class MqttSession:
         delay_ms: int,
         publish_pending: bool,
         retain: tuple[str, dict[str, Any]] | None,
+        *,
+        everywhere: bool,
     ) -> None:
         """Set the connection's will. Its retained copy is written with the rights of the gateway's user, whose
         shared link carries the session; a session on a link of its own (the shared links refused) has only
@@ -648,13 +654,20 @@ class MqttSession:
         as before the core could retain one."""
         try:
             await link.set_will(
-                self._will_key, message, delay_ms=delay_ms, publish_pending=publish_pending, retain=retain
+                self._will_key,
+                message,
+                delay_ms=delay_ms,
+                publish_pending=publish_pending,
+                retain=retain,
+                everywhere=everywhere,
             )
         except LinkRequestError as exc:
             if retain is None or exc.code != ErrorCode.FORBIDDEN:
                 raise
             log.warning("mqtt will set without its retained copy", extra={"peer": self.wire.peer, "reason": exc.text})
-            await link.set_will(self._will_key, message, delay_ms=delay_ms, publish_pending=publish_pending)
+            await link.set_will(
+                self._will_key, message, delay_ms=delay_ms, publish_pending=publish_pending, everywhere=everywhere
+            )
 
     def _will_message(self, will: Will) -> WireMessage:
         address = self._address(will.topic)

@@ -1168,12 +1168,14 @@ class LinkClient:
         delay_ms: int = 0,
         publish_pending: bool = False,
         retain: tuple[str, dict[str, Any]] | None = None,
+        everywhere: bool = False,
     ) -> None:
         """Set this link's will: ``message`` is published ``delay_ms`` after the link closes without clearing
         it. ``message`` None clears it. Either way a pending will under ``key`` (left by a closed link) is
-        cancelled or, with ``publish_pending``, published now. ``retain`` (store address, key properties): the
-        published will is copied to that store with those properties (a core that predates it ignores it).
-        The will is re-sent after a reconnect."""
+        cancelled or, with ``publish_pending``, published now; with ``everywhere``, one pending on another node
+        of the cluster too. ``retain`` (store address, key properties): the published will is copied to that
+        store with those properties (a core that predates it ignores it). The will is re-sent after a
+        reconnect, touching no pending will."""
         will: dict[str, Any] = {
             "key": key,
             "message": message,
@@ -1182,8 +1184,10 @@ class LinkClient:
         }
         if retain is not None and message is not None:
             will["retain"] = {"address": retain[0], "key": retain[1]}
+        if everywhere:
+            will["everywhere"] = True
         await self._request(lambda conn: conn.set_will(will))
-        self._will = None if message is None else {**will, "publish_pending": False}
+        self._will = None if message is None else {**will, "publish_pending": False, "everywhere": False}
 
     async def delay_will(self, delay_ms: int) -> None:
         """Give this link's will a new delay: nothing when it has none, or when another link has taken its key

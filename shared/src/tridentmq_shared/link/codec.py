@@ -611,13 +611,14 @@ class LinkConnection:
             return ev.SetWill(req_id, None, None, 0, publish_pending=False)
         key, message = will.get("key"), will.get("message")
         delay_ms, publish_pending = will.get("delay_ms", 0), will.get("publish_pending", False)
-        own, retain = will.get("own", False), will.get("retain")
+        own, retain, everywhere = will.get("own", False), will.get("retain"), will.get("everywhere", False)
         if (
             type(key) is not str
             or (message is not None and type(message) is not list)
             or type(delay_ms) is not int
             or type(publish_pending) is not bool
             or type(own) is not bool
+            or type(everywhere) is not bool
             or not (
                 retain is None
                 or (
@@ -631,10 +632,10 @@ class LinkConnection:
             self._fail(
                 ErrorCode.MALFORMED,
                 "a will is nil or {key: str, message: message or nil, delay_ms: int, publish_pending: bool, own: bool,"
-                " retain: {address: str, key: map} or nil}",
+                " retain: {address: str, key: map} or nil, everywhere: bool}",
             )
         kept = None if retain is None else (retain["address"], retain["key"])
-        return ev.SetWill(req_id, key, message, delay_ms, publish_pending, own, kept)
+        return ev.SetWill(req_id, key, message, delay_ms, publish_pending, own, kept, everywhere)
 
     def _receive_handshake(self, op: Any, count: int, now: float, events: list[ev.Event]) -> None:
         expected = Op.HELLO if self.role is _SERVER else Op.WELCOME
@@ -990,7 +991,8 @@ class LinkConnection:
         return self._request(Op.DELETE_QUEUE, queue)
 
     def set_will(self, will: dict[str, Any] | None) -> int:
-        """``will``: None, or {"key", "message", "delay_ms", "publish_pending", "own"} (docs/link-protocol.md)."""
+        """``will``: None, or {"key", "message", "delay_ms", "publish_pending", "own", "retain", "everywhere"}
+        (docs/link-protocol.md)."""
         return self._request(Op.SET_WILL, will)
 
     def subscribe(

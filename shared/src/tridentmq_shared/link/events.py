@@ -154,6 +154,7 @@ class SetWill:
     publish_pending: bool
     own: bool = False
     retain: tuple[str, dict[str, Any]] | None = None  # (store address, key properties): see SET_WILL's ``retain``
+    everywhere: bool = False  # the pending will under ``key`` may be on another node of the cluster too
 
 
 @dataclass(frozen=True, slots=True)

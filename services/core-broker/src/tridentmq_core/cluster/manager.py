@@ -154,6 +154,16 @@ def stays_on_leaving_node(node_id: str, name: str) -> bool:
     return name.startswith(FORWARD_QUEUE_PREFIX) or name == retained_queue(node_id)
 
 
+def _taken_will(item: Any) -> tuple[str, str, bool]:
+    """A will key another node's link took: [key, user, publish_pending]; ``ValueError`` when malformed."""
+    if type(item) is not list or len(item) != 3:
+        raise ValueError("a taken will is [key, user, publish_pending]")
+    key, user, publish_pending = item
+    if type(key) is not str or type(user) is not str or type(publish_pending) is not bool:
+        raise ValueError("a taken will is [key, user, publish_pending]")
+    return key, user, publish_pending
+
+
 def _listed(report: dict[str, Any], key: str) -> list[Any]:
     """A list field of another node's report (absent: empty); ``ValueError`` when it is something else."""
     value = report.get(key)
@@ -229,6 +239,10 @@ class ClusterManager:
         # Replies to clients whose queue or consumer the other nodes must know first.
         self.sync = BindingSync(timeout_ms=max(2000, 8 * settings.link.heartbeat_ms))
         self._push_scheduled = False
+        # Will keys taken here that a pending will on another node may be under: [key, user, publish_pending],
+        # sent with the next update (see ``WillKeeper.taken_elsewhere``).
+        self._wills_taken: list[list[Any]] = []
+        broker.wills.tell_others = self._will_taken
         # The queues that may hold messages: what looks for backlogs, stranded messages and the messages of nodes
         # gone goes through, not the node's every queue (100,000 MQTT sessions are 200,000 queues, nearly all
         # empty). Those that got messages since the last look join them (see ``_with_messages``).
@@ -586,6 +600,8 @@ class ClusterManager:
                 self._keep_retained_copy(_listed(update, "bindings"))
             for member in _listed(update, "members"):
                 self.learn(Member.from_wire(member))
+            for key, user, publish_pending in map(_taken_will, _listed(update, "wills_taken")):
+                self.broker.wills.taken_elsewhere(key, user, publish_pending, wall_ms())
         except (BindingError, ValueError) as exc:
             log.warning("cluster update refused", extra={"from": bridge.address, "reason": str(exc)})
 
@@ -741,6 +757,12 @@ class ClusterManager:
 
         broker.when_safe(written, reply)  # a crash before the deletion here is on disk would bring it back
 
+    def _will_taken(self, key: str, user: str, publish_pending: bool) -> None:
+        self._wills_taken.append([key, user, publish_pending])
+        if not self._push_scheduled:
+            self._push_scheduled = True
+            asyncio.get_running_loop().call_soon(self._push_now)
+
     def _push_now(self) -> None:
         self._push_scheduled = False
         self._push_updates()
@@ -750,9 +772,11 @@ class ClusterManager:
         version = (self.broker.bindings_version + self.bindings.version * 1_000_003, self._members_version)
         sync, self.sync.unsent = self.sync.unsent, 0
         backlogged = frozenset(queue.name for queue in self._with_messages() if saturated(queue))
+        wills_taken, self._wills_taken = self._wills_taken, []
         if (
             version == self._sent_version
             and not sync
+            and not wills_taken
             and backlogged == self._backlogged
             and self.leaving == self._pushed_leaving
         ):
@@ -794,6 +818,8 @@ class ClusterManager:
                 update["leaving"] = True
             if sync and joined.acks_bindings:
                 update["sync"] = sync
+            if wills_taken:
+                update["wills_taken"] = wills_taken
             if update:
                 joined.session.conn.topology_update(update)
                 self.broker.dirty.add(joined.session)
