@@ -318,8 +318,9 @@ class ReplicationSource:
         node's packets are dropped, the backup stops hearing from it (and may take over) while its own frames
         still come through for a while. During the copy too: one stuck there (a hung disk) would keep the
         compaction, which its acknowledgements pace, from ending, and with it any other compaction and backup
-        (it is dropped once it has taken what the window let out). So is one that falls ``ha.max_backlog_bytes`` behind:
-        what it has not been sent is held in memory. Either copies again once it reconnects."""
+        (it is dropped once it has taken what the window let out). So is one that falls
+        ``ha.max_backlog_bytes`` behind: what it has not been sent is held in memory. Either copies again once
+        it reconnects."""
         now = time.monotonic()
         if not feed.pending or self.failing_back:
             self._progress_at = now
