@@ -44,6 +44,11 @@ def doc(
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def _number(value: float) -> str:
+    """A bound or a value as an operator writes it: 4294967295, not 4.29497e+09; 0.5, not 0.500000."""
+    return str(value) if isinstance(value, int) else f"{value:g}"
+
+
 def _convert(value: Any, hint: Any, where: str) -> Any:
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
@@ -111,9 +116,9 @@ def _build(cls: type[T], values: Mapping[str, Any], where: str) -> T:
         key = f"{where}.{field.name}" if where else field.name
         least, most = field.metadata.get("least"), field.metadata.get("most")
         if least is not None and value < least:
-            raise SettingsError(f"{key} is at least {least:g}, got {value:g}")
+            raise SettingsError(f"{key} is at least {_number(least)}, got {_number(value)}")
         if most is not None and value > most:
-            raise SettingsError(f"{key} is at most {most:g}, got {value:g}")
+            raise SettingsError(f"{key} is at most {_number(most)}, got {_number(value)}")
     return cls(**kwargs)
 
 
@@ -187,7 +192,7 @@ def _table(cls: type[Any], env_prefix: str | None) -> list[str]:
             cells.append(f"`{env_prefix}_{f.name.upper()}`")
         text = f.metadata.get("doc", "")
         limits = {"at least": f.metadata.get("least"), "at most": f.metadata.get("most")}
-        bounds = ", ".join(f"{word} {value:g}" for word, value in limits.items() if value is not None)
+        bounds = ", ".join(f"{word} {_number(value)}" for word, value in limits.items() if value is not None)
         if bounds:
             text += f" {bounds.capitalize()}."
         cells.append(text.replace("|", "\\|"))
