@@ -159,6 +159,7 @@ class _Outgoing:
 class MqttSession:
     # Slots: tens of thousands of these live at once, one or more per client connection.
     __slots__ = (
+        "__weakref__",  # the gateway looks whether ended sessions are freed (``EndedSessions``)
         "_acks",
         "_addresses",
         "_answers",
@@ -1798,6 +1799,8 @@ class MqttSession:
             await self.registry.release(self.client_id, self._lock)
         self._answers.drop()
         self.wire.close()
+        for sub in self._consuming():
+            sub.session = None  # a reference back: the session is freed as its last reference goes
 
     def _release_unsent(self) -> None:
         """Before the link's close returns what its consumers hold as failed deliveries: give back, uncounted,

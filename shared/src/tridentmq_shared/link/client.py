@@ -377,6 +377,9 @@ class _Protocol(asyncio.Protocol):
         self.writable.set()  # waiters wake and find the link gone
         self.gone.set()
         self.client._lost(self, exc)
+        # A shared link's channel refers back to this protocol: without the cycle a session's link is freed
+        # with it, not by the cyclic collector.
+        self.transport = None
 
 
 class LinkClient:
@@ -1015,7 +1018,11 @@ class LinkClient:
             if not waiter.done():
                 waiter.set_exception(error)
         self._credit_waiters.clear()
-        for consumer in self._consumers.values():
+        # Each consumer refers back to its link: once they are closed the link drops them, and an ended session's
+        # link and consumers are freed with it rather than by the cyclic collector.
+        consumers = list(self._consumers.values())
+        self._consumers.clear()
+        for consumer in consumers:
             consumer.closed = error
             consumer._wake()
         if self.on_closed is not None:
