@@ -14,7 +14,10 @@ client's topic (AMQP: through the core's link), and every client must receive it
 (RSS with N clients - RSS before the first) / N, read once all are subscribed and again once each had its message
 (what an idle device costs after some traffic, plus what the allocators kept of the publisher's burst). Last, the
 CPU each process spends over ``IDLE_S`` seconds while every client stays connected and quiet: what a fleet of idle
-devices costs the broker by itself (periodic work that grows with the sessions shows there).
+devices costs the broker by itself (periodic work that grows with the sessions shows there). Then every client
+leaves at once, and for ``LEAVE_S`` seconds the script asks the (first) gateway's ``/readyz`` every
+``PROBE_EVERY_S``: how long its answers take says how long the gateway's event loop stood still while it ended
+all those sessions (a loop that stands still for the core link's heartbeat timeout loses the link).
 
 A gateway holds one descriptor per client and the clients one each, so the clients run in processes of their
 own: each process's open-file limit then counts only its share. The script starts its own core (throw-away
@@ -38,10 +41,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import json
 import multiprocessing
 import struct
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -87,6 +92,8 @@ from tridentmq_shared.runtime import raise_open_file_limit, run_main
 
 WAIT_S = 120.0  # longest wait for one client's login, subscription or message
 IDLE_S = 10.0  # how long the idle clients are watched for the CPU their connections cost
+LEAVE_S = 10.0  # how long the gateway is probed from the moment every client leaves
+PROBE_EVERY_S = 0.02
 BATCH = 1000  # messages the publisher writes at once
 
 
@@ -322,7 +329,52 @@ class Figures:
     delivered: dict[str, dict[str, int]]  # once every client had its message
     cpu: dict[str, float]  # seconds, per watched process and "clients" (all the client processes)
     idle: dict[str, float]  # share of a core per watched process while every client is connected and quiet
+    leaving: Probed | None  # the first gateway's /readyz while every client left at once (None: not ours)
     status: dict[str, Any] | None  # the core's, when the run started it
+
+
+@dataclass(frozen=True)
+class Probed:
+    answers: int
+    not_ready: int  # answers other than 200: the gateway had lost its core, say
+    p50_ms: float
+    max_ms: float
+
+
+class _ReadyProbe:
+    """Asks a gateway's ``/readyz`` every ``PROBE_EVERY_S`` in a thread of its own, from its start."""
+
+    def __init__(self, http_port: int) -> None:
+        self._port = http_port
+        self._times: list[float] = []
+        self._not_ready = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._started = time.monotonic()
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            began = time.monotonic()
+            connection = http.client.HTTPConnection("127.0.0.1", self._port, timeout=30)
+            try:
+                connection.request("GET", "/readyz")
+                status = connection.getresponse().status
+            except OSError:
+                status = 0
+            finally:
+                connection.close()
+            self._times.append(time.monotonic() - began)
+            self._not_ready += status != 200
+            self._stop.wait(PROBE_EVERY_S)
+
+    def finish(self, seconds: float) -> Probed:
+        """Probe until ``seconds`` after the start, then stop."""
+        time.sleep(max(0.0, self._started + seconds - time.monotonic()))
+        self._stop.set()
+        self._thread.join()
+        times = sorted(self._times)
+        return Probed(len(times), self._not_ready, times[len(times) // 2] * 1000, times[-1] * 1000)
 
 
 def _clients_processes(args: argparse.Namespace, ports: tuple[int, ...], run: str, start: MpEvent) -> Iterator[Any]:
@@ -344,6 +396,7 @@ class Target:
     """What the clients connect to, and the processes whose memory and CPU the run reads."""
 
     ports: tuple[int, ...]  # the gateways' (or the other broker's) client ports
+    http_port: int | None  # the first gateway's HTTP port (None: another broker)
     core: Core | None  # TridentMQ's own core: its link for the AMQP publisher, its status
     pids: dict[str, int]  # name → process
 
@@ -376,7 +429,7 @@ def _started(args: argparse.Namespace) -> Iterator[Target]:
         pids = {name: gateway.process.pid for name, gateway in zip(names, started, strict=True)}
         nodes = ["core"] if args.nodes == 1 else [f"core {n + 1}" for n in range(args.nodes)]
         pids.update((name, node.process.pid) for name, node in zip(nodes, cores, strict=True))
-        yield Target(tuple(gateway.port for gateway in started), core, pids)
+        yield Target(tuple(gateway.port for gateway in started), started[0].http_port, core, pids)
 
 
 @contextmanager
@@ -388,7 +441,7 @@ def _one(node: AbstractContextManager[Core]) -> Iterator[list[Core]]:
 @contextmanager
 def _running(args: argparse.Namespace) -> Iterator[Target]:
     """A broker already running on ``--port`` (another broker, side by side), watched as ``--broker-pid``."""
-    yield Target((args.port,), None, {"broker": args.broker_pid})
+    yield Target((args.port,), None, None, {"broker": args.broker_pid})
 
 
 def measure(args: argparse.Namespace) -> Figures:
@@ -418,9 +471,12 @@ def measure(args: argparse.Namespace) -> Figures:
             idle_from = {name: cpu_of(pid) for name, pid in pids.items()}
             time.sleep(IDLE_S)  # every client connected, subscribed and quiet (no keep-alive)
             idle = {name: (cpu_of(pid) - idle_from[name]) / IDLE_S for name, pid in pids.items()}
-            for here, process in pipes:
+            probe = _ReadyProbe(target.http_port) if target.http_port is not None else None
+            for here, _ in pipes:
                 here.send("done")
+            for _, process in pipes:
                 process.join(60)
+            leaving = probe.finish(LEAVE_S) if probe is not None else None
         finally:  # the clients never outlive the run, whatever failed
             for _, process in pipes:
                 if process.is_alive():
@@ -435,6 +491,7 @@ def measure(args: argparse.Namespace) -> Figures:
         delivered=delivered,
         cpu=cpu,
         idle=idle,
+        leaving=leaving,
         status=status,
     )
 
@@ -511,6 +568,12 @@ def main() -> None:
         f"idle, every client connected and quiet for {IDLE_S:.0f} s: "
         + ", ".join(f"{name} {share:.1%} of a core" for name, share in f.idle.items())
     )
+    if f.leaving is not None:
+        print(
+            f"every client leaving at once: the gateway's /readyz over {LEAVE_S:.0f} s answered {f.leaving.answers} "
+            f"times ({f.leaving.not_ready} not ready), in {f.leaving.p50_ms:.1f} ms at the median, "
+            f"{f.leaving.max_ms:.0f} ms at most"
+        )
 
 
 if __name__ == "__main__":

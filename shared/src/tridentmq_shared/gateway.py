@@ -218,7 +218,7 @@ class _TcpWire(asyncio.Protocol):
         if self.session is not None:
             self.session.connection_lost()
             self.shell.sessions.discard(self.session)
-            self.shell.ended.ended(len(self.shell.sessions))
+            self.shell.ended.ended(self.session, len(self.shell.sessions))
             # The session keeps this wire; a reference back would make a cycle that only the (rarely run)
             # cyclic collector frees, with everything the session holds.
             self.session = None
@@ -672,7 +672,7 @@ class GatewayShell:
             self.logging_in.discard(wire)
             session.connection_lost()
             self.sessions.discard(session)
-            self.ended.ended(len(self.sessions))
+            self.ended.ended(session, len(self.sessions))
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(wire.writer, 5)
         return ws
