@@ -17,7 +17,8 @@ CPU each process spends over ``IDLE_S`` seconds while every client stays connect
 devices costs the broker by itself (periodic work that grows with the sessions shows there). Then every client
 leaves at once, and for ``LEAVE_S`` seconds the script asks the (first) gateway's ``/readyz`` every
 ``PROBE_EVERY_S``: how long its answers take says how long the gateway's event loop stood still while it ended
-all those sessions (a loop that stands still for the core link's heartbeat timeout loses the link).
+all those sessions (a loop that stands still for the core link's heartbeat timeout loses the link); the CPU each
+process spent meanwhile, per client, is what a departure costs.
 
 A gateway holds one descriptor per client and the clients one each, so the clients run in processes of their
 own: each process's open-file limit then counts only its share. The script starts its own core (throw-away
@@ -330,6 +331,7 @@ class Figures:
     cpu: dict[str, float]  # seconds, per watched process and "clients" (all the client processes)
     idle: dict[str, float]  # share of a core per watched process while every client is connected and quiet
     leaving: Probed | None  # the first gateway's /readyz while every client left at once (None: not ours)
+    leave_cpu: dict[str, float]  # seconds, per watched process, from the clients' leaving to LEAVE_S later
     status: dict[str, Any] | None  # the core's, when the run started it
 
 
@@ -471,12 +473,14 @@ def measure(args: argparse.Namespace) -> Figures:
             idle_from = {name: cpu_of(pid) for name, pid in pids.items()}
             time.sleep(IDLE_S)  # every client connected, subscribed and quiet (no keep-alive)
             idle = {name: (cpu_of(pid) - idle_from[name]) / IDLE_S for name, pid in pids.items()}
+            leave_from = {name: cpu_of(pid) for name, pid in pids.items()}
             probe = _ReadyProbe(target.http_port) if target.http_port is not None else None
             for here, _ in pipes:
                 here.send("done")
             for _, process in pipes:
                 process.join(60)
             leaving = probe.finish(LEAVE_S) if probe is not None else None
+            leave_cpu = {name: cpu_of(pid) - leave_from[name] for name, pid in pids.items()}
         finally:  # the clients never outlive the run, whatever failed
             for _, process in pipes:
                 if process.is_alive():
@@ -492,6 +496,7 @@ def measure(args: argparse.Namespace) -> Figures:
         cpu=cpu,
         idle=idle,
         leaving=leaving,
+        leave_cpu=leave_cpu,
         status=status,
     )
 
@@ -572,7 +577,8 @@ def main() -> None:
         print(
             f"every client leaving at once: the gateway's /readyz over {LEAVE_S:.0f} s answered {f.leaving.answers} "
             f"times ({f.leaving.not_ready} not ready), in {f.leaving.p50_ms:.1f} ms at the median, "
-            f"{f.leaving.max_ms:.0f} ms at most"
+            f"{f.leaving.max_ms:.0f} ms at most; CPU per client that left: "
+            + ", ".join(f"{name} {cpu * 1e6 / served(name):.0f} µs" for name, cpu in f.leave_cpu.items())
         )
 
 
