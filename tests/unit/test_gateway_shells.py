@@ -198,14 +198,56 @@ async def _amqp_device(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
         got += chunk
 
 
+async def _until_closed(reader: asyncio.StreamReader) -> None:
+    while await asyncio.wait_for(reader.read(4096), WAIT_S):
+        pass
+
+
+async def _mqtt_violation(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Connect, then a packet of the reserved type 15: the gateway closes the connection."""
+    writer.write(encode(Connect("garbage-test", clean_start=True, keep_alive=0), V311) + b"\xf0\x00")
+    await _until_closed(reader)
+
+
+async def _stomp_violation(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Connect, then a header line without a colon: ERROR, and the gateway closes the connection."""
+    writer.write(b"CONNECT\naccept-version:1.2\nhost:b\n\n\x00SEND\ndestination\n\nm\x00")
+    await _until_closed(reader)
+
+
+async def _amqp_violation(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Open, then a frame that says it is 4 bytes long (less than its own header): a framing error."""
+    writer.write(b"AMQP\x00\x01\x00\x00" + _amqp_frame(0x10, ["garbage-test"]) + struct.pack(">IBBH", 4, 2, 0, 0))
+    await _until_closed(reader)
+
+
 def _amqp_frame(code: int, fields: list[Any]) -> bytes:
     body = encode_amqp(Described(ULong(code), fields))
     return struct.pack(">IBBH", 8 + len(body), 2, 0, 0) + body
 
 
+class _Recorded(set[Any]):
+    """The shell's set of open sessions, keeping a weak reference to each session it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[weakref.ref[Any]] = []
+
+    def add(self, session: Any) -> None:
+        self.refs.append(weakref.ref(session))
+        super().add(session)
+
+
 @pytest.mark.parametrize(
     ("protocol", "make", "device"),
-    [("stomp", stomp, _stomp_device), ("mqtt", mqtt, _mqtt_device), ("amqp", amqp, _amqp_device)],
+    [
+        ("stomp", stomp, _stomp_device),
+        ("mqtt", mqtt, _mqtt_device),
+        ("amqp", amqp, _amqp_device),
+        ("stomp", stomp, _stomp_violation),
+        ("mqtt", mqtt, _mqtt_violation),
+        ("amqp", amqp, _amqp_violation),
+    ],
 )
 async def test_an_ended_session_is_freed_without_the_cyclic_collector(
     tmp_path: Path, protocol: str, make: Any, device: Any
@@ -217,27 +259,24 @@ async def test_an_ended_session_is_freed_without_the_cyclic_collector(
     async with running_core(core_settings(tmp_path), lambda port: CoreLinkSettings(port=port)) as core:
         gateway, _, _ = make(core.port)
         await gateway.start()
+        gateway.shell.sessions = opened = _Recorded()
+        gc.collect()  # what the start left (the gateway's first look at the cluster's members, say)
+        gc.disable()
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", gateway.ports[protocol])
             await device(reader, writer)
-            [session] = gateway.shell.sessions
-            freed = weakref.ref(session)
-            del session
-            gc.collect()  # what the start left (the gateway's first look at the cluster's members, say)
-            gc.disable()
-            try:
-                writer.close()
-                await writer.wait_closed()
-                await eventually(lambda: freed() is None, "the session freed")
-                await asyncio.sleep(0.1)  # its link's close, answered by the core
-                gc.set_debug(gc.DEBUG_SAVEALL)
-                gc.collect()
-                ours = ("tridentmq_shared", f"tridentmq_{protocol}")  # the gateway's, not the core's in this process
-                left = sorted({type(o).__qualname__ for o in gc.garbage if type(o).__module__.startswith(ours)})
-                assert not left, f"left to the cyclic collector: {left}"
-            finally:
-                gc.set_debug(0)
-                gc.garbage.clear()
-                gc.enable()
+            writer.close()
+            await writer.wait_closed()
+            [freed] = opened.refs
+            await eventually(lambda: freed() is None, "the session freed")
+            await asyncio.sleep(0.1)  # its link's close, answered by the core
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            ours = ("tridentmq_shared", f"tridentmq_{protocol}")  # the gateway's, not the core's in this process
+            left = sorted({type(o).__qualname__ for o in gc.garbage if type(o).__module__.startswith(ours)})
+            assert not left, f"left to the cyclic collector: {left}"
         finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
             await gateway.stop()

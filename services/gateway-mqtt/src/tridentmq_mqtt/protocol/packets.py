@@ -449,7 +449,9 @@ class PacketParser:
         self.max_packet_size = max_packet_size
         self._buffer = bytearray()  # the start of an incomplete packet
         self._needed = 0  # how many bytes that packet has in all, once its fixed header is known
-        self._failure: RemoteProtocolError | None = None
+        # What the first violation was (not the exception: its traceback holds this parser's frame, and so this
+        # parser, which would hold it: a cycle only the cyclic collector frees, with the session around it).
+        self._failure: tuple[str, int] | None = None
 
     @property
     def version(self) -> int | None:
@@ -458,7 +460,7 @@ class PacketParser:
 
     def feed(self, data: bytes) -> list[Packet]:
         if self._failure is not None:
-            raise self._failure
+            raise RemoteProtocolError(*self._failure)
         buffer = self._buffer
         if buffer:
             buffer += data
@@ -472,7 +474,7 @@ class PacketParser:
         try:
             pos = self._parse(data, packets)
         except RemoteProtocolError as exc:
-            self._failure = exc
+            self._failure = (exc.message, exc.reason_code)
             if not packets:
                 raise
             return packets

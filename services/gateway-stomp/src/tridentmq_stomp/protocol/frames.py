@@ -45,14 +45,16 @@ class FrameParser:
         self.limits = limits or Limits()
         self.version = V10
         self._buffer = bytearray()
-        self._failure: RemoteProtocolError | None = None
+        # What the first violation was (not the exception: its traceback holds this parser's frame, and so this
+        # parser, which would hold it: a cycle only the cyclic collector frees, with the session around it).
+        self._failure: tuple[str, str, str | None, tuple[tuple[str, str], ...]] | None = None
 
     def feed(self, data: bytes) -> list[Frame]:
         """The frames completed by ``data``; EOLs between frames (heart-beats) are skipped. Parsing stops
         after a CONNECT: set ``version``, then call ``feed(b"")`` for the frames behind it. Bad input raises
         ``RemoteProtocolError``, but only once the frames before it have been returned: the next call raises."""
         if self._failure is not None:
-            raise self._failure
+            raise RemoteProtocolError(*self._failure)
         buffer = self._buffer
         buffer += data
         frames: list[Frame] = []
@@ -60,7 +62,7 @@ class FrameParser:
         try:
             pos = self._parse(buffer, frames)
         except RemoteProtocolError as exc:
-            self._failure = exc
+            self._failure = (exc.message, exc.detail, exc.receipt_id, exc.headers)
             buffer.clear()  # nothing after a violation is read
             if not frames:
                 raise
