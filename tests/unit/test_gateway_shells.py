@@ -32,6 +32,9 @@ from tridentmq_mqtt.protocol.packets import (
     Suback,
     Subscribe,
     Subscription,
+    Unsuback,
+    Unsubscribe,
+    Will,
     encode,
 )
 from tridentmq_mqtt.server import MqttGateway
@@ -167,6 +170,27 @@ async def _mqtt_device(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
     writer.write(encode(Puback(delivered.packet_id), V311))
 
 
+async def _mqtt_unacknowledged(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A will; a delivery left unacknowledged by a subscription that ends before the connection; no DISCONNECT."""
+    parser = PacketParser(V311)
+    wanted = {Connack: 1, Suback: 1, Publish: 1, Unsuback: 1}
+    will = Will("garbage/will", b"gone", qos=1)
+    writer.write(encode(Connect("garbage-test", clean_start=True, keep_alive=0, will=will), V311))
+    writer.write(encode(Subscribe(1, (Subscription("garbage/t", 1),)), V311))
+    writer.write(encode(Publish("garbage/t", b"m", qos=1, packet_id=2), V311))
+    while wanted[Publish]:
+        chunk = await asyncio.wait_for(reader.read(4096), WAIT_S)
+        assert chunk, "the gateway closed the connection"
+        for packet in parser.feed(chunk):
+            wanted[type(packet)] = wanted.get(type(packet), 0) - 1
+    writer.write(encode(Unsubscribe(3, ("garbage/t",)), V311))
+    while wanted[Unsuback]:
+        chunk = await asyncio.wait_for(reader.read(4096), WAIT_S)
+        assert chunk, "the gateway closed the connection"
+        for packet in parser.feed(chunk):
+            wanted[type(packet)] = wanted.get(type(packet), 0) - 1
+
+
 async def _stomp_device(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     """Connect, subscribe with client acks, send to the subscription and acknowledge the message."""
     writer.write(b"CONNECT\naccept-version:1.2\nhost:b\nheart-beat:0,0\n\n\x00")
@@ -243,6 +267,7 @@ class _Recorded(set[Any]):
     [
         ("stomp", stomp, _stomp_device),
         ("mqtt", mqtt, _mqtt_device),
+        ("mqtt", mqtt, _mqtt_unacknowledged),
         ("amqp", amqp, _amqp_device),
         ("stomp", stomp, _stomp_violation),
         ("mqtt", mqtt, _mqtt_violation),

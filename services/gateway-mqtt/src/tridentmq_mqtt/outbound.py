@@ -89,6 +89,12 @@ class Outbound(Generic[T]):
             del parked[:sent]
         return sent
 
+    def clear(self) -> None:
+        """The connection has ended: nothing is sent or acknowledged any more (what it held refers back to its
+        session, which must not wait for the cyclic collector)."""
+        self.in_flight.clear()
+        self.parked = []
+
     def forget_parked(self, unwanted: Callable[[T], bool]) -> list[T]:
         """Drop the waiting packets ``unwanted`` picks (those of a subscription that ends); returns them."""
         dropped = [out for out in self.parked if unwanted(out)]

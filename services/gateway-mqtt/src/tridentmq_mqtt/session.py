@@ -1799,8 +1799,11 @@ class MqttSession:
             await self.registry.release(self.client_id, self._lock)
         self._answers.drop()
         self.wire.close()
+        # References back to the session (through a subscription, or a message in flight of one that ended): it
+        # is freed as its last reference goes.
+        self._outbound.clear()
         for sub in self._consuming():
-            sub.session = None  # a reference back: the session is freed as its last reference goes
+            sub.session = None
 
     def _release_unsent(self) -> None:
         """Before the link's close returns what its consumers hold as failed deliveries: give back, uncounted,
