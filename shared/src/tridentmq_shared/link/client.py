@@ -377,8 +377,8 @@ class _Protocol(asyncio.Protocol):
         self.writable.set()  # waiters wake and find the link gone
         self.gone.set()
         self.client._lost(self, exc)
-        # A shared link's channel refers back to this protocol: without the cycle a session's link is freed
-        # with it, not by the cyclic collector.
+        # A shared link's channel refers back to this protocol: dropping the channel breaks that cycle, so that a
+        # session's link is freed with the session rather than by the cyclic collector.
         self.transport = None
 
 
