@@ -4,9 +4,10 @@ Each wave, ``--count`` clients of the protocol (as ``bench.connections`` makes t
 STOMP 1.2, AMQP 1.0) connect to one gateway (at most ``--concurrency`` handshakes under way), each subscribes to
 a topic of its own, and then all of them leave at once; ``SETTLE_S`` later the script reads the gateway's resident
 memory (VmRSS). A gateway that frees what its ended sessions held stays flat after the first wave; one that
-keeps it until some collection grows from wave to wave.
+keeps it until some collection grows from wave to wave. (What the core keeps of clients that came and went one
+by one is ``bench.mqtt_churn``'s.)
 
-    uv run python -m bench.churn [--protocol mqtt|stomp|amqp] [--waves 6] [--count 3000]
+    uv run python -m bench.gateway_churn [--protocol mqtt|stomp|amqp] [--waves 6] [--count 3000]
 """
 
 from __future__ import annotations
