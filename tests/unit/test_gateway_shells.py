@@ -43,6 +43,7 @@ from tridentmq_mqtt.settings import HttpSection as MqttHttp
 from tridentmq_mqtt.settings import ListenerSection as MqttListener
 from tridentmq_mqtt.settings import MqttSettings
 from tridentmq_shared.core_links import CoreLinkSettings
+from tridentmq_shared.turn_pacer import TurnPacer
 from tridentmq_stomp.server import StompGateway
 from tridentmq_stomp.settings import CoreLinkSection as StompCore
 from tridentmq_stomp.settings import HttpSection as StompHttp
@@ -304,4 +305,57 @@ async def test_an_ended_session_is_freed_without_the_cyclic_collector(
             gc.set_debug(0)
             gc.garbage.clear()
             gc.enable()
+            await gateway.stop()
+
+
+# ------------------------------------------------------------------------------- clients leaving together
+class _WatchedPacer(TurnPacer):
+    """The shell's pacer of clients' ends, noting the most that waited for a later turn."""
+
+    def __init__(self, per_turn: int) -> None:
+        super().__init__(per_turn)
+        self.most_queued = 0
+
+    def call(self, callback: Callable[..., object], *args: Any) -> None:
+        super().call(callback, *args)
+        self.most_queued = max(self.most_queued, self.queued)
+
+
+async def _mqtt_subscribed(port: int, client_id: str) -> asyncio.StreamWriter:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(encode(Connect(client_id, clean_start=True, keep_alive=0), V311))
+    writer.write(encode(Subscribe(1, (Subscription(f"leave/{client_id}", 1),)), V311))
+    parser = PacketParser(V311)
+    got: list[Any] = []
+    while not any(isinstance(packet, Suback) for packet in got):
+        chunk = await asyncio.wait_for(reader.read(4096), WAIT_S)
+        assert chunk, "the gateway closed the connection"
+        got.extend(parser.feed(chunk))
+    return writer
+
+
+async def test_clients_that_leave_together_all_end_a_turn_s_worth_at_a_time(tmp_path: Path) -> None:
+    """15,000 clients that left at once ended in one turn of the gateway's event loop, and their clean-ups
+    started in the next: the loop stood still for 0.6 s. Their ends are now handled so many per turn; each
+    still ends, and the core lets go of each session's lock and subscription."""
+    async with running_core(core_settings(tmp_path), lambda port: CoreLinkSettings(port=port)) as core:
+        gateway, _, _ = mqtt(core.port)
+        await gateway.start()
+        gateway.shell.departures = pacer = _WatchedPacer(per_turn=1)
+        try:
+            names = [f"leaver-{i}" for i in range(12)]
+            writers = [await _mqtt_subscribed(gateway.ports["mqtt"], name) for name in names]
+            broker = core.node.broker
+
+            def held() -> list[str]:
+                """What the core holds for the clients: their sessions and queues."""
+                sessions = [s.client_name for s in broker.sessions.values() if s.client_name.startswith("mqtt leaver-")]
+                return sessions + [name for name in broker.queues if "leaver-" in name]
+
+            assert len(held()) >= 2 * len(names)  # a session and a subscription queue each, at least
+            for writer in writers:
+                writer.close()
+            await eventually(lambda: not gateway.shell.sessions and not held(), "every client's session ended")
+            assert pacer.most_queued >= len(names) // 2, "the ends were spread over turns"
+        finally:
             await gateway.stop()

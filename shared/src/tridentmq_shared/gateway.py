@@ -34,6 +34,7 @@ from tridentmq_shared.runtime import LISTEN_BACKLOG, EndedSessions, run_main
 from tridentmq_shared.settings import SettingsError, doc, load_settings
 from tridentmq_shared.supervision import EXIT_TASK_FAILED, Supervisor, cannot_start, current, install
 from tridentmq_shared.tls import HANDSHAKE_TIMEOUT_S, ServerTls, TlsSection, peer_common_name
+from tridentmq_shared.turn_pacer import TurnPacer
 
 log = logging.getLogger("tridentmq.gateway")
 
@@ -43,6 +44,10 @@ _WS_HIGH_WATER = 64 * 1024
 CORE_CHECK_SECONDS = 1.0
 #: Longest wait between two looks at the core while a gateway waits for it to open its client ports.
 CORE_WAIT_MAX_SECONDS = 2.0
+#: Clients' ends a gateway handles per turn of its event loop; the rest wait for the turns after. Each end sets off
+#: its session's clean-up (about 100 µs of the gateway's CPU, with the core's answers); 15,000 clients that left
+#: together once ended in one turn and held the loop, and the core link's heartbeat with it, for 0.6 s.
+DEPARTURES_PER_TURN = 100
 
 
 class Wire(Protocol):
@@ -205,7 +210,7 @@ class _TcpWire(asyncio.Protocol):
         """The client closed its side: the session answers what it sent, then closes (over TLS, which has no
         half-close, the transport closes now)."""
         if self.session is not None:
-            self.session.feed(b"")
+            self.shell.departures.call(self.session.feed, b"")
         return self.transport is None or self.transport.get_extra_info("sslcontext") is None
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -216,7 +221,7 @@ class _TcpWire(asyncio.Protocol):
         self._writable.set()
         self.shell.logging_in.discard(self)
         if self.session is not None:
-            self.session.connection_lost()
+            self.shell.departures.call(self.session.connection_lost)
             self.shell.sessions.discard(self.session)
             self.shell.ended.ended(self.session, len(self.shell.sessions))
             # The session keeps this wire; a reference back would make a cycle that only the (rarely run)
@@ -439,6 +444,7 @@ class GatewayShell:
         self.ports_file = ports_file
         self.sessions: set[ClientSession] = set()
         self.ended = EndedSessions()  # collects the garbage of sessions that ended
+        self.departures = TurnPacer(DEPARTURES_PER_TURN)  # clients' ends (their EOF, their connection lost)
         self.logging_in: set[object] = set()  # the wires of connections that have not logged in yet
         self._login_refusal_logged: float | None = None
         self.started = False
@@ -670,7 +676,7 @@ class GatewayShell:
         finally:
             wire.lost()
             self.logging_in.discard(wire)
-            session.connection_lost()
+            self.departures.call(session.connection_lost)
             self.sessions.discard(session)
             self.ended.ended(session, len(self.sessions))
             with contextlib.suppress(Exception):
