@@ -42,12 +42,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import http.client
 import json
 import multiprocessing
 import struct
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -76,6 +74,8 @@ from bench.mqtt_packets import CONNACK, PUBLISH, SUBACK, connect_packet, publish
 from bench.node import (
     Core,
     Gateway,
+    Probed,
+    ReadyProbe,
     amqp_gateway,
     client_source,
     core_node,
@@ -335,50 +335,6 @@ class Figures:
     status: dict[str, Any] | None  # the core's, when the run started it
 
 
-@dataclass(frozen=True)
-class Probed:
-    answers: int
-    not_ready: int  # answers other than 200: the gateway had lost its core, say
-    p50_ms: float
-    max_ms: float
-
-
-class _ReadyProbe:
-    """Asks a gateway's ``/readyz`` every ``PROBE_EVERY_S`` in a thread of its own, from its start."""
-
-    def __init__(self, http_port: int) -> None:
-        self._port = http_port
-        self._times: list[float] = []
-        self._not_ready = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._started = time.monotonic()
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            began = time.monotonic()
-            connection = http.client.HTTPConnection("127.0.0.1", self._port, timeout=30)
-            try:
-                connection.request("GET", "/readyz")
-                status = connection.getresponse().status
-            except OSError:
-                status = 0
-            finally:
-                connection.close()
-            self._times.append(time.monotonic() - began)
-            self._not_ready += status != 200
-            self._stop.wait(PROBE_EVERY_S)
-
-    def finish(self, seconds: float) -> Probed:
-        """Probe until ``seconds`` after the start, then stop."""
-        time.sleep(max(0.0, self._started + seconds - time.monotonic()))
-        self._stop.set()
-        self._thread.join()
-        times = sorted(self._times)
-        return Probed(len(times), self._not_ready, times[len(times) // 2] * 1000, times[-1] * 1000)
-
-
 def _clients_processes(args: argparse.Namespace, ports: tuple[int, ...], run: str, start: MpEvent) -> Iterator[Any]:
     share = -(-args.count // args.procs)
     for p in range(args.procs):
@@ -474,7 +430,7 @@ def measure(args: argparse.Namespace) -> Figures:
             time.sleep(IDLE_S)  # every client connected, subscribed and quiet (no keep-alive)
             idle = {name: (cpu_of(pid) - idle_from[name]) / IDLE_S for name, pid in pids.items()}
             leave_from = {name: cpu_of(pid) for name, pid in pids.items()}
-            probe = _ReadyProbe(target.http_port) if target.http_port is not None else None
+            probe = ReadyProbe(target.http_port, PROBE_EVERY_S) if target.http_port is not None else None
             for here, _ in pipes:
                 here.send("done")
             for _, process in pipes:

@@ -12,8 +12,9 @@ must receive it. More than two gateways take more sessions than one process's op
 
 Meanwhile a probe client on B publishes QoS 1 to its own topic every 10 ms and times each message from PUBLISH
 to its delivery: how the storm slows a client that is not part of it. The script reports the time from the kill
-until the last of A's clients had its session back and its message, the probe's latency during the storm, the
-core's link connections (B's link kept: the core's heartbeats went on), and the CPU and memory of core and B.
+until the last of A's clients had its session back and its message, the probe's latency during the storm, how
+long the core and B stood still (their /readyz, asked every 20 ms from the kill to the storm's end), the core's
+link connections (B's link kept: the core's heartbeats went on), and the CPU and memory of core and B.
 
     uv run python -m bench.mqtt_storm --count 10000 [--concurrency 500]
     uv run python -m bench.mqtt_storm --count 50000 --gateways 4
@@ -44,7 +45,18 @@ from bench.mqtt_packets import (
     read_packet_with_flags,
     subscribe_packet,
 )
-from bench.node import Core, client_source, core_node, cpu_of, machine, mqtt_gateway, proc_usage, quantile_ms
+from bench.node import (
+    Core,
+    Probed,
+    ReadyProbe,
+    client_source,
+    core_node,
+    cpu_of,
+    machine,
+    mqtt_gateway,
+    proc_usage,
+    quantile_ms,
+)
 
 from tridentmq_shared.runtime import raise_open_file_limit, run_main
 
@@ -202,6 +214,15 @@ async def _probe(port: int, run: str, stop: asyncio.Event) -> list[tuple[float, 
     return samples
 
 
+#: How often the core's and B's /readyz are asked during the storm.
+READY_EVERY_S = 0.02
+#: What ``_storm`` saw: A's clients (received, back, without their session, when each was back), the others'
+#: (received, dropped), the kill's time, the probe's samples, the storm's end, and the /readyz answers.
+_Storm = tuple[
+    tuple[int, int, int, list[float]], tuple[int, int], float, list[tuple[float, int]], float, dict[str, Probed]
+]
+
+
 def _status(core: Core) -> dict[str, Any]:
     status: dict[str, Any] = json.loads(core.get("/api/status"))
     return status
@@ -260,7 +281,8 @@ def main() -> None:
             before = _status(core)
             usage_before = {name: proc_usage(pid) for name, pid in watched.items()}
             cpu_before = {name: cpu_of(pid) for name, pid in watched.items()}
-            storm = asyncio.run(_storm(core, gateway_a, others[0].port, run, share, sides))
+            ready_ports = {"core": core.management_port, "B": others[0].http_port}
+            storm = asyncio.run(_storm(ready_ports, gateway_a, others[0].port, run, share, sides))
             cpu = {name: cpu_of(pid) - cpu_before[name] for name, pid in watched.items()}
             after = _status(core)
             usage_after = {name: proc_usage(pid) for name, pid in watched.items()}
@@ -271,7 +293,9 @@ def main() -> None:
             for _, process in sides:
                 if process.is_alive():
                     process.terminate()
-    (received_a, back, no_session, back_at), (received_others, dropped_others), t_kill, samples, storm_end = storm
+    (received_a, back, no_session, back_at), (received_others, dropped_others), t_kill, samples, storm_end, ready = (
+        storm
+    )
     back_s = [t - t_kill for t in back_at] or [float("nan")]
     through = "B" if survivors == 1 else f"the other {survivors} gateways"
     print(
@@ -291,6 +315,14 @@ def main() -> None:
         f"max {quantile_ms(during, 1.0):.2f} ms ({len(during)} messages)"
     )
     print(
+        "/readyz during the storm, asked every 20 ms: "
+        + ", ".join(
+            f"{name} {r.p50_ms:.1f} ms at the median, {r.max_ms:.0f} ms at most ({r.answers} answers, "
+            f"{r.not_ready} not ready)"
+            for name, r in ready.items()
+        )
+    )
+    print(
         f"core: link connections {before['links']} before, {after['links']} after (A's gone); sessions "
         f"{before['connections']} -> {after['connections']}"
     )
@@ -307,18 +339,22 @@ def _name(g: int) -> str:
 
 
 async def _storm(
-    core: Core,
+    ready_ports: dict[str, int],
     gateway_a: Any,
     port_b: int,
     run: str,
     share: int,
     sides: list[tuple[Connection, multiprocessing.Process]],
-) -> tuple[tuple[int, int, int, list[float]], tuple[int, int], float, list[tuple[float, int]], float]:
+) -> tuple[
+    tuple[int, int, int, list[float]], tuple[int, int], float, list[tuple[float, int]], float, dict[str, Probed]
+]:
     """Kill A with the probe running, publish to A's clients, wait for them, then serve the others' clients."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     probe = asyncio.create_task(_probe(port_b, run, stop))
     await asyncio.sleep(2.0)  # the probe's quiet baseline
+    # How long the core and B stand still: their /readyz, asked from threads of their own.
+    standing = {name: ReadyProbe(port, READY_EVERY_S) for name, port in ready_ports.items()}
     t_kill = time.monotonic()
     gateway_a.process.kill()
     await _publish_qos1(port_b, f"pa{run}", [f"storm/{run}/{i}" for i in range(share)])
@@ -326,13 +362,14 @@ async def _storm(
     storm_end = time.monotonic()
     stop.set()
     samples = await probe
+    ready = {name: probe.stop() for name, probe in standing.items()}
     await _publish_qos1(port_b, f"pb{run}", [f"storm/{run}/{i}" for i in range(share, share * len(sides))])
     received = dropped = 0
     for here, _ in sides[1:]:
         side_received, side_dropped, _, _ = await loop.run_in_executor(None, here.recv)
         received += side_received
         dropped += side_dropped
-    return result_a, (received, dropped), t_kill, samples, storm_end
+    return result_a, (received, dropped), t_kill, samples, storm_end, ready
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ the machine's description."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import platform
@@ -11,6 +12,7 @@ import ssl
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
@@ -251,3 +253,52 @@ def gateway_target(
 def client_tls(ca_file: str) -> ssl.SSLContext | None:
     """The clients' TLS context (None: plain TCP): checks the gateway's certificate against ``ca_file``."""
     return ssl.create_default_context(cafile=ca_file) if ca_file else None
+
+
+@dataclass(frozen=True)
+class Probed:
+    answers: int
+    not_ready: int  # answers other than 200: a gateway that had lost its core, say
+    p50_ms: float
+    max_ms: float
+
+
+class ReadyProbe:
+    """Asks a process's ``/readyz`` every ``every_s`` in a thread of its own, from its start: how long the answers
+    take says how long the process's event loop stood still meanwhile."""
+
+    def __init__(self, http_port: int, every_s: float) -> None:
+        self._port = http_port
+        self._every_s = every_s
+        self._times: list[float] = []
+        self._not_ready = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._started = time.monotonic()
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            began = time.monotonic()
+            connection = http.client.HTTPConnection("127.0.0.1", self._port, timeout=30)
+            try:
+                connection.request("GET", "/readyz")
+                status = connection.getresponse().status
+            except OSError:
+                status = 0
+            finally:
+                connection.close()
+            self._times.append(time.monotonic() - began)
+            self._not_ready += status != 200
+            self._stop.wait(self._every_s)
+
+    def finish(self, seconds: float) -> Probed:
+        """Probe until ``seconds`` after the start, then stop."""
+        time.sleep(max(0.0, self._started + seconds - time.monotonic()))
+        return self.stop()
+
+    def stop(self) -> Probed:
+        self._stop.set()
+        self._thread.join()
+        times = sorted(self._times) or [float("nan")]
+        return Probed(len(self._times), self._not_ready, times[len(times) // 2] * 1000, times[-1] * 1000)

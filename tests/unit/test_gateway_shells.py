@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import struct
 import weakref
 from collections.abc import Callable
@@ -313,11 +314,11 @@ class _WatchedPacer(TurnPacer):
     """The shell's pacer of clients' ends, noting the most that waited for a later turn."""
 
     def __init__(self, per_turn: int) -> None:
-        super().__init__(per_turn)
+        super().__init__(per_turn, logging.getLogger("tridentmq.gateway"))
         self.most_queued = 0
 
-    def call(self, callback: Callable[..., object], *args: Any) -> None:
-        super().call(callback, *args)
+    def call_soon(self, callback: Callable[..., object], *args: Any) -> None:
+        super().call_soon(callback, *args)
         self.most_queued = max(self.most_queued, self.queued)
 
 

@@ -21,6 +21,7 @@ from tridentmq_shared.link.codec import LinkConnection, Role, State
 from tridentmq_shared.link.errors import LinkClosedError
 from tridentmq_shared.link.ops import HEADER_SIZE, ErrorCode
 from tridentmq_shared.message import M_BODY, new_message
+from tridentmq_shared.turn_pacer import TurnPacer
 
 
 async def test_an_unexpected_error_in_one_channels_request_ends_that_channel_only(
@@ -153,6 +154,51 @@ async def test_a_links_input_is_handled_over_several_loop_turns(
             assert mine == [f"burst.{i}.0", f"burst.{i}.1"]
         turns = {at for at, _ in created}
         assert len(turns) >= 200  # a session's input per turn (its two requests may share a frame)
+
+
+async def test_the_sessions_of_a_lost_link_end_a_turn_s_worth_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gateway killed with 9,500 sessions on its shared link held the core's loop for 0.34 s as they all ended
+    in one turn, and every other link's answers and heartbeats with it. They end ``CHANNEL_ENDS_PER_TURN`` a turn
+    now, in the turns after the loss, and each still ends."""
+    async with running_core(core_settings(tmp_path), lambda port: CoreLinkSettings(port=port)) as core:
+        node, broker = core.node, core.node.broker
+        monkeypatch.setattr(node, "channel_ends", TurnPacer(5, logging.getLogger("tridentmq.core")))
+        loop = asyncio.get_running_loop()
+        turn = 0
+        ticking = True
+
+        def count_turns() -> None:
+            nonlocal turn
+            turn += 1
+            if ticking:
+                loop.call_soon(count_turns)
+
+        close_session = broker.close_session
+        ended: dict[str, int] = {}  # conn id → the turn its session ended in
+
+        def watched(session: Any, now_ms: int) -> None:
+            ended.setdefault(session.conn_id, turn)
+            close_session(session, now_ms)
+
+        monkeypatch.setattr(broker, "close_session", watched)
+        clients = [core.links.client(user="a", password="a", client_name=f"lost{i}") for i in range(40)]
+        await asyncio.gather(*(client.connect() for client in clients))
+        carried = {s.conn_id for s in broker.sessions.values() if s.client_name.startswith("lost")}
+        [carrier] = [p for p in node.links.values() if p.channels]
+        loop.call_soon(count_turns)
+        assert carrier.transport is not None
+        carrier.transport.abort()
+        await eventually(lambda: carried <= set(ended), "every session of the lost link ended")
+        ticking = False
+        per_turn: dict[int, int] = {}
+        for conn_id in carried:
+            per_turn[ended[conn_id]] = per_turn.get(ended[conn_id], 0) + 1
+        assert max(per_turn.values()) <= 5
+        assert len(per_turn) >= 8
+        for client in clients:  # they failed over to a link of their own meanwhile
+            await client.close()
 
 
 async def test_a_stall_of_the_node_does_not_drop_the_links_it_accepted(

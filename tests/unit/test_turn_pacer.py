@@ -31,14 +31,17 @@ async def _turns_passing(count: int) -> None:
         await asyncio.sleep(0)
 
 
+LOG = logging.getLogger("tridentmq.test")
+
+
 async def test_a_burst_runs_a_turn_s_worth_at_a_time_in_order() -> None:
     turns = _Turns()
-    pacer = TurnPacer(per_turn=100)
+    pacer = TurnPacer(per_turn=100, log=LOG)
     ran: list[tuple[int, int]] = []  # (callback, turn it ran in)
     for i in range(250):
-        pacer.call(lambda i=i: ran.append((i, turns.now)))
-    assert len(ran) == 100, "the first turn's worth runs at once"
-    assert pacer.queued == 150
+        pacer.call_soon(lambda i=i: ran.append((i, turns.now)))
+    assert not ran, "nothing runs in the caller's turn, as with the loop's call_soon"
+    assert pacer.queued == 250
     await _turns_passing(5)
     turns.stop()
     assert [i for i, _ in ran] == list(range(250)), "every callback ran once, in the order they came"
@@ -49,42 +52,33 @@ async def test_a_burst_runs_a_turn_s_worth_at_a_time_in_order() -> None:
     assert pacer.queued == 0
 
 
-async def test_a_call_after_the_burst_runs_at_once_in_a_later_turn() -> None:
-    pacer = TurnPacer(per_turn=2)
+async def test_calls_while_a_burst_waits_run_after_it() -> None:
+    pacer = TurnPacer(per_turn=1, log=LOG)
     ran: list[str] = []
-    for name in "abc":
-        pacer.call(ran.append, name)
-    assert ran == ["a", "b"]
+    pacer.call_soon(ran.append, "first")
+    pacer.call_soon(ran.append, "second")
+    await asyncio.sleep(0)  # the next turn runs "first"...
+    assert ran == ["first"]
+    pacer.call_soon(ran.append, "third")  # ...and "third" waits behind "second"
     await _turns_passing(3)
-    assert ran == ["a", "b", "c"]
-    pacer.call(ran.append, "d")  # the count started afresh: room again
-    assert ran == ["a", "b", "c", "d"]
-
-
-async def test_calls_behind_a_queue_wait_their_turn_even_when_the_turn_has_room() -> None:
-    pacer = TurnPacer(per_turn=1)
-    ran: list[str] = []
-    pacer.call(ran.append, "first")
-    pacer.call(ran.append, "second")  # queued: the turn is full
-    await asyncio.sleep(0)  # the next turn runs "second"...
-    pacer.call(ran.append, "third")  # ...and its room is taken: "third" waits, after it
-    assert ran == ["first", "second"]
-    await _turns_passing(2)
     assert ran == ["first", "second", "third"]
+    pacer.call_soon(ran.append, "fourth")  # the burst is over: the next turn runs it
+    await asyncio.sleep(0)
+    assert ran == ["first", "second", "third", "fourth"]
 
 
 async def test_a_failing_callback_is_logged_and_the_rest_still_run(caplog: pytest.LogCaptureFixture) -> None:
-    pacer = TurnPacer(per_turn=1)
+    pacer = TurnPacer(per_turn=2, log=LOG)
     ran: list[int] = []
 
     def fail() -> None:
         raise RuntimeError("boom")
 
-    pacer.call(ran.append, 1)
-    pacer.call(fail)  # queued: it fails in the pacer's own turn, where nobody else would log it
-    pacer.call(ran.append, 2)
-    with caplog.at_level(logging.ERROR, "tridentmq.gateway"):
-        await _turns_passing(4)
+    pacer.call_soon(ran.append, 1)
+    pacer.call_soon(fail)
+    pacer.call_soon(ran.append, 2)
+    with caplog.at_level(logging.ERROR, "tridentmq.test"):
+        await _turns_passing(3)
     assert ran == [1, 2]
     [record] = [r for r in caplog.records if r.message == "paced callback failed"]
     assert record.exc_info is not None
@@ -93,4 +87,15 @@ async def test_a_failing_callback_is_logged_and_the_rest_still_run(caplog: pytes
 
 def test_a_pacer_lets_at_least_one_through() -> None:
     with pytest.raises(ValueError, match="per_turn"):
-        TurnPacer(per_turn=0)
+        TurnPacer(per_turn=0, log=LOG)
+
+
+async def test_run_all_runs_what_is_queued_at_once_when_the_process_stops() -> None:
+    pacer = TurnPacer(per_turn=1, log=LOG)
+    ran: list[int] = []
+    for i in range(5):
+        pacer.call_soon(ran.append, i)
+    pacer.run_all()
+    assert ran == [0, 1, 2, 3, 4]
+    await _turns_passing(2)  # the turn it had asked for finds nothing more to run
+    assert ran == [0, 1, 2, 3, 4]

@@ -210,7 +210,7 @@ class _TcpWire(asyncio.Protocol):
         """The client closed its side: the session answers what it sent, then closes (over TLS, which has no
         half-close, the transport closes now)."""
         if self.session is not None:
-            self.shell.departures.call(self.session.feed, b"")
+            self.shell.departures.call_soon(self.session.feed, b"")
         return self.transport is None or self.transport.get_extra_info("sslcontext") is None
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -221,7 +221,7 @@ class _TcpWire(asyncio.Protocol):
         self._writable.set()
         self.shell.logging_in.discard(self)
         if self.session is not None:
-            self.shell.departures.call(self.session.connection_lost)
+            self.shell.departures.call_soon(self.session.connection_lost)
             self.shell.sessions.discard(self.session)
             self.shell.ended.ended(self.session, len(self.shell.sessions))
             # The session keeps this wire; a reference back would make a cycle that only the (rarely run)
@@ -444,7 +444,7 @@ class GatewayShell:
         self.ports_file = ports_file
         self.sessions: set[ClientSession] = set()
         self.ended = EndedSessions()  # collects the garbage of sessions that ended
-        self.departures = TurnPacer(DEPARTURES_PER_TURN)  # clients' ends (their EOF, their connection lost)
+        self.departures = TurnPacer(DEPARTURES_PER_TURN, log)  # clients' ends (their EOF, their connection lost)
         self.logging_in: set[object] = set()  # the wires of connections that have not logged in yet
         self._login_refusal_logged: float | None = None
         self.started = False
@@ -676,7 +676,7 @@ class GatewayShell:
         finally:
             wire.lost()
             self.logging_in.discard(wire)
-            self.departures.call(session.connection_lost)
+            self.departures.call_soon(session.connection_lost)
             self.sessions.discard(session)
             self.ended.ended(session, len(self.sessions))
             with contextlib.suppress(Exception):
