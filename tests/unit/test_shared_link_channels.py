@@ -178,9 +178,9 @@ async def test_the_sessions_of_a_lost_link_end_a_turn_s_worth_at_a_time(
         close_session = broker.close_session
         ended: dict[str, int] = {}  # conn id → the turn its session ended in
 
-        def watched(session: Any, now_ms: int) -> None:
+        def watched(session: Any, now_ms: int, **options: Any) -> bool:
             ended.setdefault(session.conn_id, turn)
-            close_session(session, now_ms)
+            return close_session(session, now_ms, **options)
 
         monkeypatch.setattr(broker, "close_session", watched)
         clients = [core.links.client(user="a", password="a", client_name=f"lost{i}") for i in range(40)]
@@ -199,6 +199,40 @@ async def test_the_sessions_of_a_lost_link_end_a_turn_s_worth_at_a_time(
         assert len(per_turn) >= 8
         for client in clients:  # they failed over to a link of their own meanwhile
             await client.close()
+
+
+async def test_the_session_of_a_lost_link_with_many_consumers_closes_over_several_turns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gateway's service link holds a consumer for each of its clients' session locks: the core closes such a
+    session ``CONSUMERS_CLOSED_PER_TURN`` consumers a turn once its link is lost, and each consumer goes."""
+    monkeypatch.setattr(server, "CONSUMERS_CLOSED_PER_TURN", 5)
+    async with running_core(core_settings(tmp_path), lambda port: CoreLinkSettings(port=port)) as core:
+        broker = core.node.broker
+        calls: list[bool] = []
+        close_session = broker.close_session
+
+        def watched(session: Any, now_ms: int, **options: Any) -> bool:
+            done = close_session(session, now_ms, **options)
+            if session.client_name == "service":
+                calls.append(done)
+            return done
+
+        monkeypatch.setattr(broker, "close_session", watched)
+        service = core.links.client(user="a", password="a", client_name="service")  # a shared link's channel
+        await service.connect()
+        for i in range(12):
+            await service.create_queue(f"lock.{i}", durable=False)
+            await service.subscribe(f"lock.{i}", credit=1)
+        [session] = [s for s in broker.sessions.values() if s.client_name == "service"]
+        held = list(session.consumers.values())
+        [carrier] = [p for p in core.node.links.values() if p.channels]
+        assert carrier.transport is not None
+        carrier.transport.abort()
+        await eventually(lambda: bool(calls) and calls[-1], "the session closed")
+        assert calls == [False, False, True]
+        assert not any(consumer in consumer.queue.consumers for consumer in held)
+        await service.close()  # it failed over meanwhile, with consumers of its own again
 
 
 async def test_a_stall_of_the_node_does_not_drop_the_links_it_accepted(

@@ -93,9 +93,16 @@ def test_a_pacer_lets_at_least_one_through() -> None:
 async def test_run_all_runs_what_is_queued_at_once_when_the_process_stops() -> None:
     pacer = TurnPacer(per_turn=1, log=LOG)
     ran: list[int] = []
+
+    def again(i: int) -> None:  # a callback that goes on in a later call (a session closed a slice at a time)
+        ran.append(i)
+        if i < 6:
+            pacer.call_soon(again, i + 5)
+
     for i in range(5):
         pacer.call_soon(ran.append, i)
+    pacer.call_soon(again, 5)
     pacer.run_all()
-    assert ran == [0, 1, 2, 3, 4]
+    assert ran == [0, 1, 2, 3, 4, 5, 10]
     await _turns_passing(2)  # the turn it had asked for finds nothing more to run
-    assert ran == [0, 1, 2, 3, 4]
+    assert ran == [0, 1, 2, 3, 4, 5, 10]

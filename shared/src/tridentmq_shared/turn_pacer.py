@@ -40,9 +40,9 @@ class TurnPacer:
             self._next_turn = asyncio.get_running_loop().call_soon(self._turn)
 
     def run_all(self) -> None:
-        """Run what is queued now, whatever its number: the process is stopping, and what it closes next (its
-        journal, say) is what these callbacks may still need."""
-        for _ in range(len(self._queued)):
+        """Run what is queued, whatever its number, and what those queue in turn: the process is stopping, and
+        what it closes next (its journal, say) is what these callbacks may still need."""
+        while self._queued:
             self._run_next()
 
     def _turn(self) -> None:

@@ -41,7 +41,7 @@ from tridentmq_core.durable_state import DurableState
 from tridentmq_core.forwarder import Forwarder
 from tridentmq_core.latency import LatencyHistogram
 from tridentmq_core.outlet import Outlet
-from tridentmq_core.queues import LinkSession, MemoryGauge, PagerFactory, Queue, QueueActivity
+from tridentmq_core.queues import Consumer, LinkSession, MemoryGauge, PagerFactory, Queue, QueueActivity
 from tridentmq_core.redistribution import MAX_RESIDENCE_FACTOR
 from tridentmq_core.routes import Routes
 from tridentmq_core.security import Permission, Principal
@@ -96,6 +96,7 @@ class Broker:
         self.settings = settings
         self.address_settings = address_settings = AddressSettingsRepository(settings.address_settings)
         self.sessions: dict[str, Session] = {}
+        self._closing: dict[str, list[Consumer]] = {}  # sessions closing a slice at a time: their consumers left
         self.counters = counters = Counters()
         #: Since the node started: end-to-end latency (publish timestamp to a consumer's acknowledgement,
         #: auto-ack deliveries included) and time in queue (publish timestamp to each delivery), per node.
@@ -272,13 +273,27 @@ class Broker:
         self.events.emit(now_ms, "conn.opened", conn_id=conn_id, client_id=client_name, protocol="link")
         return session
 
-    def close_session(self, session: Session, now_ms: int) -> None:
-        """The link is gone: requeue its unacknowledged messages, drop its transactions and temp queues."""
-        if self.sessions.pop(session.conn_id, None) is None:
-            return
+    def close_session(self, session: Session, now_ms: int, *, at_most: int | None = None) -> bool:
+        """The link is gone: requeue its unacknowledged messages, drop its transactions and temp queues.
+
+        With ``at_most``, at most that many of its consumers go in this call: False says that more are left, and
+        the caller calls again (in a later turn of its loop) until True. An MQTT gateway's service link holds the
+        lock of each of its clients' sessions, and closing one with 18,815 consumers held the node for 0.3 s. The
+        session takes no more requests from the first call; until its consumers' turn, messages may still be
+        handed to them, and go back to their queues with the rest."""
+        if self.sessions.pop(session.conn_id, None) is not None:
+            self._closing[session.conn_id] = list(reversed(session.consumers.values()))
+        left = self._closing.get(session.conn_id)
+        if left is None:
+            return True  # closed before
         self.now_ms = now_ms
-        for consumer in list(session.consumers.values()):
-            self.consuming.remove(session, consumer, now_ms)
+        for _ in range(len(left) if at_most is None else min(at_most, len(left))):
+            consumer = left.pop()
+            if session.consumers.get(consumer.id) is consumer:  # not closed meanwhile (its queue deleted, say)
+                self.consuming.remove(session, consumer, now_ms)
+        if left:
+            return False
+        del self._closing[session.conn_id]
         for tx in session.drop_transactions():
             self.transactions.undo(tx, now_ms)
         for name in list(session.temporary_queues):
@@ -289,6 +304,7 @@ class Broker:
         self.confirms.forget(session)
         self.wills.closed(session, now_ms)
         self.events.emit(now_ms, "conn.closed", conn_id=session.conn_id, client_id=session.client_name)
+        return True
 
     def number_from(self, first: int) -> None:
         """Give messages ids from ``first`` on at least: a backup that takes over numbers its messages after
