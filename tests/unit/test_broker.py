@@ -2477,7 +2477,7 @@ def test_subscribe_with_create_false_never_makes_the_queue(h: Harness, c: Client
 
 def test_a_lost_session_with_many_consumers_closes_a_slice_at_a_time(h: Harness, c: Client) -> None:
     """An MQTT gateway's service link holds the lock of each of its clients' sessions: closing one with 18,815
-    consumers held the core for 0.3 s. The shell closes a lost link's session ``at_most`` consumers a turn: each
+    consumers held the core for 0.1 s. The shell closes a lost link's session ``at_most`` consumers a turn: each
     call gives back what that many held, the session takes no request from the first, and its temporary queues
     and its end's audit event go with the last. A consumer whose queue went meanwhile is skipped."""
     other = h.connect()
