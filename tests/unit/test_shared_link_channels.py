@@ -201,6 +201,42 @@ async def test_the_sessions_of_a_lost_link_end_a_turn_s_worth_at_a_time(
             await client.close()
 
 
+async def test_the_wills_of_a_lost_links_sessions_are_published_before_the_sessions_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lost link's sessions end a turn's worth at a time, but their wills go at once, as when they all ended
+    together: a client that reconnects through another gateway meanwhile would otherwise take over the will of
+    its old connection (its SET_WILL takes the key from a link the core thinks open) instead of it being
+    published."""
+    async with running_core(core_settings(tmp_path), lambda port: CoreLinkSettings(port=port)) as core:
+        node, broker = core.node, core.node.broker
+        monkeypatch.setattr(node, "channel_ends", TurnPacer(1, logging.getLogger("tridentmq.core")))
+        async with core.admin() as admin:
+            await admin.create_queue("gone", durable=False)
+        clients = [core.links.client(user="a", password="a", client_name=f"will{i}") for i in range(6)]
+        await asyncio.gather(*(client.connect() for client in clients))
+        for i, client in enumerate(clients):
+            await client.set_will(f"will.{i}", new_message("gone", f"{i}".encode()))
+        lost = {s.conn_id for s in broker.sessions.values() if s.client_name.startswith("will")}
+        published_at_close: list[int] = []  # wills in the queue as each lost session ended
+        close_session = broker.close_session
+
+        def watched(session: Any, now_ms: int, **options: Any) -> bool:
+            if session.conn_id in lost:
+                published_at_close.append(len(broker.queues["gone"]))
+            return close_session(session, now_ms, **options)
+
+        monkeypatch.setattr(broker, "close_session", watched)
+        [carrier] = [p for p in node.links.values() if p.channels]
+        assert carrier.transport is not None
+        carrier.transport.abort()
+        await eventually(lambda: len(published_at_close) == len(lost), "every lost session ended")
+        assert published_at_close == [6] * 6
+        for i, client in enumerate(clients):  # they failed over meanwhile, and set their wills again
+            await client.set_will(f"will.{i}", None)
+            await client.close()
+
+
 async def test_the_session_of_a_lost_link_with_many_consumers_closes_over_several_turns(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -44,9 +44,9 @@ _WS_HIGH_WATER = 64 * 1024
 CORE_CHECK_SECONDS = 1.0
 #: Longest wait between two looks at the core while a gateway waits for it to open its client ports.
 CORE_WAIT_MAX_SECONDS = 2.0
-#: Clients' ends a gateway handles per turn of its event loop; the rest wait for the turns after. Each end sets off
-#: its session's clean-up (about 100 µs of the gateway's CPU, with the core's answers); 15,000 clients that left
-#: together once ended in one turn and held the loop, and the core link's heartbeat with it, for 0.6 s.
+#: Clients' ends of stream a gateway handles per turn of its event loop; the rest wait for the turns after. Each
+#: sets off its session's clean-up (about 100 µs of the gateway's CPU, with the core's answers); 15,000 clients that
+#: left together once ended in one turn and held the loop, and the core link's heartbeat with it, for 0.6 s.
 DEPARTURES_PER_TURN = 100
 
 
@@ -221,7 +221,9 @@ class _TcpWire(asyncio.Protocol):
         self._writable.set()
         self.shell.logging_in.discard(self)
         if self.session is not None:
-            self.shell.departures.call_soon(self.session.connection_lost)
+            # At once, not paced as an end of stream is: the session must know before anything woken above runs
+            # that nothing more reaches the client (what it wrote would count as delivered).
+            self.session.connection_lost()
             self.shell.sessions.discard(self.session)
             self.shell.ended.ended(self.session, len(self.shell.sessions))
             # The session keeps this wire; a reference back would make a cycle that only the (rarely run)
@@ -444,7 +446,7 @@ class GatewayShell:
         self.ports_file = ports_file
         self.sessions: set[ClientSession] = set()
         self.ended = EndedSessions()  # collects the garbage of sessions that ended
-        self.departures = TurnPacer(DEPARTURES_PER_TURN, log)  # clients' ends (their EOF, their connection lost)
+        self.departures = TurnPacer(DEPARTURES_PER_TURN, log)  # clients' ends of stream
         self.logging_in: set[object] = set()  # the wires of connections that have not logged in yet
         self._login_refusal_logged: float | None = None
         self.started = False
@@ -676,7 +678,7 @@ class GatewayShell:
         finally:
             wire.lost()
             self.logging_in.discard(wire)
-            self.departures.call_soon(session.connection_lost)
+            session.connection_lost()  # at once, as a TCP connection's
             self.sessions.discard(session)
             self.ended.ended(session, len(self.sessions))
             with contextlib.suppress(Exception):

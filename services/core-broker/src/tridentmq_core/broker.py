@@ -306,6 +306,14 @@ class Broker:
         self.events.emit(now_ms, "conn.closed", conn_id=session.conn_id, client_id=session.client_name)
         return True
 
+    def release_wills(self, sessions: Iterable[Session], now_ms: int) -> None:
+        """These sessions' links are lost and they will end over several turns (``close_session``): their wills
+        are published now, or start their delay, as when they all ended at once. A client that reconnects through
+        another link meanwhile takes over a will only of a link that the core has not seen go."""
+        self.now_ms = now_ms
+        for session in sessions:
+            self.wills.closed(session, now_ms)
+
     def number_from(self, first: int) -> None:
         """Give messages ids from ``first`` on at least: a backup that takes over numbers its messages after
         every id its primary may have used without leaving it in the journal (written through, or

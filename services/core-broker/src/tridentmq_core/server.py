@@ -564,10 +564,13 @@ class LinkProtocol(asyncio.Protocol):
             self._login.cancel()  # its check, if not yet running, never runs
             self._login = None
         # The sessions this link carried end with it, each as if its own connection had dropped: thousands of
-        # them, a turn's worth at a time. Until its turn, a session may still be handed messages, which its end
-        # gives back; its client's next session may meanwhile open through another link, as when the core has
-        # not yet seen a link's failure (its heartbeat timeout).
-        ends = self.node.channel_ends
+        # them, a turn's worth at a time, their wills at once. Until its turn, a session may still be handed
+        # messages, which its end gives back; its client's next session may meanwhile open through another link,
+        # as when the core has not yet seen a link's failure (its heartbeat timeout).
+        if self.channels:
+            node.broker.release_wills((c.session for c in self.channels.values() if c.session), wall_ms())
+            node.schedule_flush()
+        ends = node.channel_ends
         for channel_id, channel in list(self.channels.items()):
             self._end_channel(channel_id, channel, ends.call_soon)
         if self.session is not None:
