@@ -2506,3 +2506,19 @@ def test_a_lost_session_with_many_consumers_closes_a_slice_at_a_time(h: Harness,
     assert "mine" not in queues
     assert not c.session.consumers
     assert h.broker.close_session(c.session, h.now_ms, at_most=2), "closed before: nothing to do"
+
+
+def test_a_lost_sessions_consumers_take_nothing_more_until_it_ends(h: Harness, c: Client) -> None:
+    """Between a link's loss and its session's turn to close, its consumers stop at once: a message published
+    meanwhile waits in the queue for the client's next session (which may already be there, through another
+    link), instead of going to a consumer nobody reads and coming back flagged as redelivered."""
+    ok(c.create_queue("device", durable=False))
+    old = c.consumer("device", credit=10)
+    h.broker.links_lost([c.session], h.now_ms)
+    successor = h.connect()
+    fresh = successor.consumer("device", credit=10)
+    successor.publish("device", b"after the loss")
+    assert c.take(old) == []
+    [delivery] = successor.take(fresh)
+    assert delivery.count == 1  # its first delivery
+    assert h.broker.close_session(c.session, h.now_ms, at_most=1)

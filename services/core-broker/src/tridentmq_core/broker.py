@@ -277,10 +277,10 @@ class Broker:
         """The link is gone: requeue its unacknowledged messages, drop its transactions and temp queues.
 
         With ``at_most``, at most that many of its consumers go in this call: False says that more are left, and
-        the caller calls again (in a later turn of its loop) until True. An MQTT gateway's service link holds the
-        lock of each of its clients' sessions, and closing one with 18,815 consumers held the node for 0.1 s. The
-        session takes no more requests from the first call; until its consumers' turn, messages may still be
-        handed to them, and go back to their queues with the rest."""
+        the caller calls again (in a later turn of its loop) until True (after ``links_lost``, which stops the
+        consumers at once). An MQTT gateway's service link holds the lock of each of its clients' sessions, and
+        closing one with 18,815 consumers held the node for 0.1 s. The session takes no more requests from the
+        first call."""
         if self.sessions.pop(session.conn_id, None) is not None:
             self._closing[session.conn_id] = list(reversed(session.consumers.values()))
         left = self._closing.get(session.conn_id)
@@ -306,12 +306,15 @@ class Broker:
         self.events.emit(now_ms, "conn.closed", conn_id=session.conn_id, client_id=session.client_name)
         return True
 
-    def release_wills(self, sessions: Iterable[Session], now_ms: int) -> None:
-        """These sessions' links are lost and they will end over several turns (``close_session``): their wills
-        are published now, or start their delay, as when they all ended at once. A client that reconnects through
-        another link meanwhile takes over a will only of a link that the core has not seen go."""
+    def links_lost(self, sessions: Iterable[Session], now_ms: int) -> None:
+        """These sessions' links are lost, and they end over the turns after (``close_session``). Until then
+        nothing more is handed to their consumers, and their wills are published now (or start their delay): as
+        when they all ended at once, a client that reconnects meanwhile through another link gets its
+        subscriptions' next messages, not its old consumer, and finds the old connection's will gone out."""
         self.now_ms = now_ms
         for session in sessions:
+            for consumer in session.consumers.values():
+                consumer.credit = consumer.parked_credit = 0  # every dispatch path skips it as it is
             self.wills.closed(session, now_ms)
 
     def number_from(self, first: int) -> None:

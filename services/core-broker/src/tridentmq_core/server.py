@@ -564,11 +564,14 @@ class LinkProtocol(asyncio.Protocol):
             self._login.cancel()  # its check, if not yet running, never runs
             self._login = None
         # The sessions this link carried end with it, each as if its own connection had dropped: thousands of
-        # them, a turn's worth at a time, their wills at once. Until its turn, a session may still be handed
-        # messages, which its end gives back; its client's next session may meanwhile open through another link,
-        # as when the core has not yet seen a link's failure (its heartbeat timeout).
-        if self.channels:
-            node.broker.release_wills((c.session for c in self.channels.values() if c.session), wall_ms())
+        # them, a turn's worth at a time, but their consumers stop and their wills go out at once. A client's next
+        # session may open through another link before its old one's turn, as when the core has not yet seen a
+        # link's failure (its heartbeat timeout).
+        lost = [c.session for c in self.channels.values() if c.session is not None]
+        if self.session is not None and len(self.session.consumers) > CONSUMERS_CLOSED_PER_TURN:
+            lost.append(self.session)  # it closes over several turns too (see ``_close``)
+        if lost:
+            node.broker.links_lost(lost, wall_ms())
             node.schedule_flush()
         ends = node.channel_ends
         for channel_id, channel in list(self.channels.items()):
