@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import socket
 import struct
 import weakref
 from collections.abc import Callable
@@ -358,5 +359,62 @@ async def test_clients_that_leave_together_all_end_a_turn_s_worth_at_a_time(tmp_
                 writer.close()
             await eventually(lambda: not gateway.shell.sessions and not held(), "every client's session ended")
             assert pacer.most_queued >= len(names) // 2, "the ends were spread over turns"
+        finally:
+            await gateway.stop()
+
+
+async def _stomp_frames(reader: asyncio.StreamReader, want: Callable[[list[bytes]], bool]) -> list[bytes]:
+    """Frames (command and headers, body cut off) until ``want`` says enough."""
+    frames: list[bytes] = []
+    while not want(frames):
+        frame = await asyncio.wait_for(reader.readuntil(b"\x00"), WAIT_S)
+        frames.append(frame.lstrip(b"\n").split(b"\n\n", 1)[0])
+    return frames
+
+
+async def test_messages_waiting_for_a_client_whose_connection_resets_come_back_unflagged(tmp_path: Path) -> None:
+    """A connection's loss is handled at once, unlike an end of stream (paced): its session must know that the
+    socket is gone before what waited for the client to read runs, which the loss wakes up. Written into the
+    closed socket, a waiting message would count as delivered and come back flagged as redelivered."""
+    body = b"x" * (256 * 1024)
+    count = 60  # 15 MiB: more than the sockets' buffers hold, so that the last ones wait in the gateway
+    async with running_core(core_settings(tmp_path), lambda port: CoreLinkSettings(port=port)) as core:
+        gateway = StompGateway(
+            StompSettings(
+                listener=StompListener(port=0, websocket_port=-1, tls_port=-1, websocket_tls_port=-1),
+                http=StompHttp(port=0),
+                core=StompCore(port=core.port, consumer_window_bytes=2 * count * len(body)),  # all to the gateway
+            )
+        )
+        await gateway.start()
+        try:
+            port = gateway.ports["stomp"]
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)  # what the client's kernel takes
+            sock.setblocking(False)  # noqa: FBT003 - the socket module's own signature
+            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+            reader, writer = await asyncio.open_connection(sock=sock)
+            writer.write(b"CONNECT\naccept-version:1.2\nhost:b\nheart-beat:0,0\n\n\x00")
+            writer.write(b"SUBSCRIBE\nid:0\ndestination:/queue/reset\nack:client\nreceipt:r\n\n\x00")
+            await _stomp_frames(reader, lambda frames: any(f.startswith(b"RECEIPT") for f in frames))
+            [session] = gateway.shell.sessions
+            producer_reader, producer = await asyncio.open_connection("127.0.0.1", port, limit=2 * len(body))
+            producer.write(b"CONNECT\naccept-version:1.2\nhost:b\nheart-beat:0,0\n\n\x00")
+            for n in range(count):
+                producer.write(b"SEND\ndestination:/queue/reset\nreceipt:%d\n\n" % n + body + b"\x00")
+            await _stomp_frames(producer_reader, lambda frames: sum(f.startswith(b"RECEIPT") for f in frames) == count)
+            # The consumer reads nothing more: the gateway's writes to it pause, and deliveries wait.
+            await eventually(lambda: not session.wire.writable(), "the gateway waiting for the client to read")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()  # a reset: no end of stream first
+            await eventually(lambda: session not in gateway.shell.sessions, "the session ended")
+            await session.wait_closed()
+            producer.write(b"SUBSCRIBE\nid:1\ndestination:/queue/reset\nack:auto\n\n\x00")
+            frames = await _stomp_frames(
+                producer_reader, lambda frames: sum(f.startswith(b"MESSAGE") for f in frames) == count
+            )
+            redelivered = [b"\nredelivered:true" in f for f in frames if f.startswith(b"MESSAGE")]
+            assert redelivered[-1] is False, "the last message, which never left the gateway, came back flagged"
+            producer.close()
         finally:
             await gateway.stop()
