@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from tests.unit.gateway_harness import core_settings, eventually, running_core
+from tests.unit.loop_turns import LoopTurns
 
 from tridentmq_core import server
 from tridentmq_shared.core_links import CoreLinkSettings
@@ -117,33 +118,23 @@ async def test_a_links_input_is_handled_over_several_loop_turns(
     handled, each session's in order."""
     monkeypatch.setattr(server, "INPUT_TURN_S", 0.0)
     async with running_core(core_settings(tmp_path), lambda port: CoreLinkSettings(port=port)) as core:
-        loop = asyncio.get_running_loop()
-        turn = 0
-        ticking = True
-
-        def count_turns() -> None:
-            nonlocal turn
-            turn += 1
-            if ticking:
-                loop.call_soon(count_turns)
-
         handle_request = core.node.broker._request
+        turns = LoopTurns()
         created: list[tuple[int, str]] = []  # (turn, address) of each CREATE_ADDRESS, as the node handles them
 
         def watched(session: Any, event: ev.Event, now_ms: int) -> Any:
             if isinstance(event, ev.CreateAddress):
-                created.append((turn, event.address))
+                created.append((turns.now, event.address))
             return handle_request(session, event, now_ms)
 
         monkeypatch.setattr(core.node.broker, "_request", watched)
         clients = [core.links.client(user="a", password="a", client_name=f"s{i}") for i in range(200)]
         await asyncio.gather(*(client.connect() for client in clients))
-        loop.call_soon(count_turns)
         # Each session's two requests, all in one frame of the shared link.
         await asyncio.gather(
             *(client.create_address(f"burst.{i}.{n}") for n in range(2) for i, client in enumerate(clients))
         )
-        ticking = False
+        turns.stop()
         for client in clients:
             await client.close()
         assert sorted(address for _, address in created) == sorted(
@@ -152,8 +143,8 @@ async def test_a_links_input_is_handled_over_several_loop_turns(
         for i in range(200):  # each session's in order
             mine = [address for _, address in created if address.startswith(f"burst.{i}.")]
             assert mine == [f"burst.{i}.0", f"burst.{i}.1"]
-        turns = {at for at, _ in created}
-        assert len(turns) >= 200  # a session's input per turn (its two requests may share a frame)
+        # A session's input per turn (its two requests may share a frame).
+        assert len({at for at, _ in created}) >= 200
 
 
 async def test_the_sessions_of_a_lost_link_end_a_turn_s_worth_at_a_time(
@@ -165,21 +156,12 @@ async def test_the_sessions_of_a_lost_link_end_a_turn_s_worth_at_a_time(
     async with running_core(core_settings(tmp_path), lambda port: CoreLinkSettings(port=port)) as core:
         node, broker = core.node, core.node.broker
         monkeypatch.setattr(node, "channel_ends", TurnPacer(5, logging.getLogger("tridentmq.core")))
-        loop = asyncio.get_running_loop()
-        turn = 0
-        ticking = True
-
-        def count_turns() -> None:
-            nonlocal turn
-            turn += 1
-            if ticking:
-                loop.call_soon(count_turns)
-
         close_session = broker.close_session
+        turns = LoopTurns()
         ended: dict[str, int] = {}  # conn id → the turn its session ended in
 
         def watched(session: Any, now_ms: int, **options: Any) -> bool:
-            ended.setdefault(session.conn_id, turn)
+            ended.setdefault(session.conn_id, turns.now)
             return close_session(session, now_ms, **options)
 
         monkeypatch.setattr(broker, "close_session", watched)
@@ -187,11 +169,10 @@ async def test_the_sessions_of_a_lost_link_end_a_turn_s_worth_at_a_time(
         await asyncio.gather(*(client.connect() for client in clients))
         carried = {s.conn_id for s in broker.sessions.values() if s.client_name.startswith("lost")}
         [carrier] = [p for p in node.links.values() if p.channels]
-        loop.call_soon(count_turns)
         assert carrier.transport is not None
         carrier.transport.abort()
         await eventually(lambda: carried <= set(ended), "every session of the lost link ended")
-        ticking = False
+        turns.stop()
         per_turn: dict[int, int] = {}
         for conn_id in carried:
             per_turn[ended[conn_id]] = per_turn.get(ended[conn_id], 0) + 1

@@ -7,23 +7,9 @@ import asyncio
 import logging
 
 import pytest
+from tests.unit.loop_turns import LoopTurns
 
 from tridentmq_shared.turn_pacer import TurnPacer
-
-
-class _Turns:
-    """Counts the turns of the running loop: a callback that schedules itself again each turn."""
-
-    def __init__(self) -> None:
-        self.now = 0
-        self._handle = asyncio.get_running_loop().call_soon(self._next)
-
-    def _next(self) -> None:
-        self.now += 1
-        self._handle = asyncio.get_running_loop().call_soon(self._next)
-
-    def stop(self) -> None:
-        self._handle.cancel()
 
 
 async def _turns_passing(count: int) -> None:
@@ -35,7 +21,7 @@ LOG = logging.getLogger("tridentmq.test")
 
 
 async def test_a_burst_runs_a_turn_s_worth_at_a_time_in_order() -> None:
-    turns = _Turns()
+    turns = LoopTurns()
     pacer = TurnPacer(per_turn=100, log=LOG)
     ran: list[tuple[int, int]] = []  # (callback, turn it ran in)
     for i in range(250):
