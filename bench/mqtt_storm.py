@@ -233,6 +233,12 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=2000, help="clients in all, an equal share on each gateway")
     parser.add_argument("--gateways", type=int, default=2, help="MQTT gateways, at least 2; the first, A, is killed")
     parser.add_argument("--concurrency", type=int, default=500, help="handshakes under way per client process")
+    parser.add_argument(
+        "--stop",
+        choices=("kill", "term"),
+        default="kill",
+        help="how A ends: kill (SIGKILL, a crash) or term (SIGTERM, a graceful stop as in a rolling restart)",
+    )
     args = parser.parse_args()
     if args.gateways < 2:
         parser.error("--gateways is at least 2")
@@ -282,7 +288,7 @@ def main() -> None:
             usage_before = {name: proc_usage(pid) for name, pid in watched.items()}
             cpu_before = {name: cpu_of(pid) for name, pid in watched.items()}
             ready_ports = {"core": core.management_port, "B": others[0].http_port}
-            storm = asyncio.run(_storm(ready_ports, gateway_a, others[0].port, run, share, sides))
+            storm = asyncio.run(_storm(ready_ports, gateway_a, args.stop, others[0].port, run, share, sides))
             cpu = {name: cpu_of(pid) - cpu_before[name] for name, pid in watched.items()}
             after = _status(core)
             usage_after = {name: proc_usage(pid) for name, pid in watched.items()}
@@ -333,6 +339,12 @@ def main() -> None:
         )
 
 
+def _ended(process: Any) -> float:
+    """When ``process`` ended (waits for it)."""
+    process.wait()
+    return time.monotonic()
+
+
 def _name(g: int) -> str:
     """Gateway number ``g``'s name: A, B, C, ..."""
     return chr(ord("A") + g)
@@ -341,6 +353,7 @@ def _name(g: int) -> str:
 async def _storm(
     ready_ports: dict[str, int],
     gateway_a: Any,
+    stop_a: str,
     port_b: int,
     run: str,
     share: int,
@@ -356,10 +369,16 @@ async def _storm(
     # How long the core and B stand still: their /readyz, asked from threads of their own.
     standing = {name: ReadyProbe(port, READY_EVERY_S) for name, port in ready_ports.items()}
     t_kill = time.monotonic()
-    gateway_a.process.kill()
+    if stop_a == "kill":
+        gateway_a.process.kill()
+    else:
+        gateway_a.process.terminate()
+    a_gone = loop.run_in_executor(None, _ended, gateway_a.process)
     await _publish_qos1(port_b, f"pa{run}", [f"storm/{run}/{i}" for i in range(share)])
     result_a = await loop.run_in_executor(None, sides[0][0].recv)
     storm_end = time.monotonic()
+    a_ended = await a_gone
+    print(f"A ended {a_ended - t_kill:.2f} s after its SIG{stop_a.upper()}")
     stop.set()
     samples = await probe
     ready = {name: probe.stop() for name, probe in standing.items()}

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 
 import pytest
 
+from tridentmq_core import audit
 from tridentmq_core.audit import AuditSink, FileAuditSink, NullAuditSink
 
 NODE = "node-a"
@@ -39,7 +41,9 @@ def seqs(records: list[dict[str, object]]) -> list[object]:
 
 
 def crash(sink: FileAuditSink) -> None:
-    """Simulate a kill: the OS keeps what was written, the in-memory buffer is lost, nothing is published."""
+    """Simulate a kill after the segments rolled so far were published: the OS keeps what was written, the
+    in-memory buffer is lost, the active segment is not published."""
+    assert sink.wait_published(10)
     if sink._fd is not None:
         os.close(sink._fd)
         sink._fd = None
@@ -182,10 +186,12 @@ def test_roll_by_time_is_gap_free(tmp_path: Path) -> None:
     sink.emit(T0, "msg.sent", {})
     sink.emit(T0 + 30 * SECOND, "msg.sent", {})
     sink.emit(T0 + 60 * SECOND, "msg.sent", {})  # segment is 60 s old: rolled before this event
+    assert sink.wait_published(10)
     assert [p.name for p in sealed(tmp_path)] == [f"{0:020d}.jsonl"]
 
     sink.tick(T0 + 100 * SECOND)  # heartbeat joins the young segment
     sink.tick(T0 + 130 * SECOND)  # segment started at +60 s: 70 s old, rolled by tick alone
+    assert sink.wait_published(10)
     assert [p.name for p in sealed(tmp_path)] == [f"{0:020d}.jsonl", f"{2:020d}.jsonl"]
     assert active(tmp_path) == []
 
@@ -213,6 +219,7 @@ def test_message_events_roll_stop_and_drop_as_other_events_do(tmp_path: Path, em
     emit(sink, T0)
     emit(sink, T0 + 59 * SECOND)
     emit(sink, T0 + 60 * SECOND)  # the segment is 60 s old: rolled before this event
+    assert sink.wait_published(10)
     assert [len(read_lines(p)) for p in sealed(tmp_path)] == [2]
     sink.close()
     emit(sink, T0 + 62 * SECOND)  # closed: ignored, not dropped
@@ -233,6 +240,7 @@ def test_active_segment_is_hidden_and_sealed_files_are_complete(tmp_path: Path) 
     sink = FileAuditSink(tmp_path, NODE, roll_bytes=2000, flush_bytes=100)
     for i in range(50):
         sink.emit(T0 + i, "msg.routed", {"peer_node": "node-b"})
+    assert sink.wait_published(10)
     [current] = active(tmp_path)
     assert current.parent.name == ".active"
     assert not current.name.startswith(".")
@@ -242,6 +250,58 @@ def test_active_segment_is_hidden_and_sealed_files_are_complete(tmp_path: Path) 
     for path in visible:
         assert all(r["node_id"] == NODE for r in read_lines(path))
     sink.close()
+
+
+def test_a_roll_does_not_wait_for_its_segment_to_be_published(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Publishing (two fsyncs and a rename) runs on the publisher's thread, in roll order; the event that rolled
+    the segment returns at once, and ``close`` waits for every publication."""
+    released = threading.Event()
+    threads: list[str] = []
+    seal = audit._seal
+
+    def slow_seal(path: Path, folder: Path) -> None:
+        threads.append(threading.current_thread().name)
+        released.wait(10)
+        seal(path, folder)
+
+    monkeypatch.setattr(audit, "_seal", slow_seal)
+    sink = FileAuditSink(tmp_path, NODE, roll_bytes=1000, flush_bytes=100)
+    for i in range(40):  # several rolls, none of them published while the publisher waits
+        sink.emit(T0 + i, "msg.sent", {"message_id": f"m{i}"})
+    assert sealed(tmp_path) == []
+    assert len(active(tmp_path)) > 2
+    assert not sink.wait_published(0.05)
+    released.set()
+    assert sink.wait_published(10)
+    assert len(active(tmp_path)) <= 1  # at most the one being written
+    sink.close()
+    assert active(tmp_path) == []
+    assert seqs(all_records(tmp_path)) == list(range(40))
+    assert threads
+    assert set(threads) == {"audit-publisher"}
+
+
+def test_a_segment_not_published_is_reported_and_published_by_the_next_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sink = FileAuditSink(tmp_path, NODE)
+    blocker = tmp_path / NODE / f"{0:020d}.jsonl"
+    (blocker / "x").mkdir(parents=True)  # a directory where the first segment is to go: its rename fails
+    for i in range(3):
+        sink.emit(T0 + i, "msg.sent", {})
+    with caplog.at_level(logging.ERROR, logger="tridentmq.audit"):
+        sink.close()
+    assert [r.getMessage() for r in caplog.records if "audit publish failed" in r.getMessage()]
+    assert [p.name for p in active(tmp_path)] == [f"{0:020d}.jsonl"]  # kept for the next start
+
+    (blocker / "x").rmdir()
+    blocker.rmdir()
+    restarted = FileAuditSink(tmp_path, NODE)
+    assert restarted.next_seq == 3
+    assert active(tmp_path) == []
+    restarted.emit(T0 + 10, "msg.sent", {})
+    restarted.close()
+    assert seqs(all_records(tmp_path)) == [0, 1, 2, 3]
 
 
 def test_heartbeat_cadence(tmp_path: Path) -> None:
