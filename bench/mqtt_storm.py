@@ -1,5 +1,6 @@
 """Reconnect storm of the MQTT gateway: one of two (or more) gateways is killed (SIGKILL) and its clients come
-back through the others with their sessions and the messages queued meanwhile.
+back through the others with their sessions and the messages queued meanwhile. With ``--stop term`` the gateway
+is stopped (SIGTERM) instead, as in a rolling restart: it ends its clients' connections and sessions itself.
 
 N MQTT 3.1.1 clients with persistent sessions (clean session 0, no keep-alive), each subscribed at QoS 1 to a
 topic of its own, connect in equal shares to gateway A and gateway B (and C, D, ... with ``--gateways``), from
@@ -18,6 +19,7 @@ link connections (B's link kept: the core's heartbeats went on), and the CPU and
 
     uv run python -m bench.mqtt_storm --count 10000 [--concurrency 500]
     uv run python -m bench.mqtt_storm --count 50000 --gateways 4
+    uv run python -m bench.mqtt_storm --count 19000 --stop term
 """
 
 from __future__ import annotations
@@ -231,7 +233,7 @@ def _status(core: Core) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--count", type=int, default=2000, help="clients in all, an equal share on each gateway")
-    parser.add_argument("--gateways", type=int, default=2, help="MQTT gateways, at least 2; the first, A, is killed")
+    parser.add_argument("--gateways", type=int, default=2, help="MQTT gateways, at least 2; the first, A, is stopped")
     parser.add_argument("--concurrency", type=int, default=500, help="handshakes under way per client process")
     parser.add_argument(
         "--stop",
@@ -250,7 +252,7 @@ def main() -> None:
         parser.error(f"a gateway that takes over would hold more clients than its open-file limit ({limit})")
     print(
         f"{machine()}; open-file limit {limit}; {share * args.gateways} MQTT 3.1.1 persistent sessions, {share} on "
-        f"each of {args.gateways} gateways; gateway A is killed"
+        f"each of {args.gateways} gateways; gateway A is {'killed' if args.stop == 'kill' else 'stopped (SIGTERM)'}"
     )
     with (
         tempfile.TemporaryDirectory() as tmp,
