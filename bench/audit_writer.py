@@ -20,7 +20,7 @@ from pathlib import Path
 
 from bench.node import machine
 
-from tridentmq_core.audit import FileAuditSink
+from tridentmq_core.audit_writer import FileAuditSink
 
 _EMPTY: dict[str, object] = {}
 

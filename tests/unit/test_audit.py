@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tridentmq_core import audit
-from tridentmq_core.audit import AuditSink, FileAuditSink, NullAuditSink
+from tridentmq_core import audit_writer
+from tridentmq_core.audit import AuditSink, NullAuditSink
+from tridentmq_core.audit_writer import FileAuditSink
 
 NODE = "node-a"
 T0 = 1_700_000_000_000_000  # µs
@@ -257,14 +258,14 @@ def test_a_roll_does_not_wait_for_its_segment_to_be_published(tmp_path: Path, mo
     the segment returns at once, and ``close`` waits for every publication."""
     released = threading.Event()
     threads: list[str] = []
-    seal = audit._seal
+    seal = audit_writer._seal
 
     def slow_seal(path: Path, folder: Path) -> None:
         threads.append(threading.current_thread().name)
         released.wait(10)
         seal(path, folder)
 
-    monkeypatch.setattr(audit, "_seal", slow_seal)
+    monkeypatch.setattr(audit_writer, "_seal", slow_seal)
     sink = FileAuditSink(tmp_path, NODE, roll_bytes=1000, flush_bytes=100)
     for i in range(40):  # several rolls, none of them published while the publisher waits
         sink.emit(T0 + i, "msg.sent", {"message_id": f"m{i}"})

@@ -27,7 +27,7 @@ from tests.unit.broker_harness import (
 
 from tridentmq_core import queues
 from tridentmq_core.address_settings import AddressSettingsRepository
-from tridentmq_core.audit import FileAuditSink
+from tridentmq_core.audit_writer import FileAuditSink
 from tridentmq_core.broker import Broker
 from tridentmq_core.cluster.bridge import Bridge
 from tridentmq_core.cluster.manager import ClusterManager

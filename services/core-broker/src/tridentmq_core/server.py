@@ -25,7 +25,8 @@ from typing import Any, Final, cast
 
 from aiohttp import web
 
-from tridentmq_core.audit import AuditSink, FileAuditSink, NullAuditSink
+from tridentmq_core.audit import AuditSink, NullAuditSink
+from tridentmq_core.audit_writer import FileAuditSink
 from tridentmq_core.broker import Broker
 from tridentmq_core.checks import BrokerError
 from tridentmq_core.cluster.manager import ClusterManager, validate_cluster_settings
