@@ -74,6 +74,9 @@ async def _produce(opts: PerfOptions, queue: str) -> dict[str, Any]:
                 continue
             while client.send_if_open(message) < 0:
                 await client.wait_for_credit()
+        # The last publishes go now: gathering a run's hundreds of thousands of futures holds the loop for a
+        # quarter of a second, and they would wait that long in the link's output (the run's largest latency).
+        client.flush()
         await asyncio.gather(*confirms)
         return {"start_ns": start, "confirmed_ns": time.monotonic_ns()}
 
