@@ -1,6 +1,7 @@
 """Randomised Jepsen-style runs over the cluster ``tridentmq up --pairs 3`` / ``--nodes 3`` starts, with paho-mqtt,
 stomp.py, python-qpid-proton and link clients at once, consumers moving every 0.2-3 s and a nemesis of kill -9,
-SIGSTOP, partitions (symmetric, one-way, node-only), failback and scale-down: see ``tests/jepsen/defaults.py``.
+SIGSTOP, partitions (symmetric, one-way, node-only), failback, a gateway killed or stopped with its clients on
+it, and scale-down: see ``tests/jepsen/defaults.py``.
 
 The run is a process of its own (it enters the lab's client namespace, which pytest's process must not). The
 short schedule is in the default suite, with a new seed each run (a failure names it; ``TRIDENTMQ_RANDOM_SEED``
@@ -60,6 +61,7 @@ def jepsen(tmp_path: Path, topology: str, seconds: float, gateway_sets: int) -> 
     summary = "\n".join(
         [
             f"seed {seed} ({topology}): {result['failure'] or 'healed'}; faults {result['faults']}",
+            f"client threads that failed: {result['crashed_clients']}",
             *(
                 f"{name}: {v['report']}\n  stuck after heal: {v['stuck']} e.g. {v['stuck_examples']}"
                 for name, v in verdicts.items()

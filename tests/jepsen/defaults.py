@@ -16,8 +16,9 @@ work queue, explicit accepts) and the link client (a work queue, acks); a produc
 unique values and records what the broker acknowledged. Every consumer moves to another gateway (or node, for
 the link client) every 0.2 to 3 s. A nemesis mixes kill -9, SIGSTOP, symmetric, one-way and node-only
 partitions, failback (a primary killed, its backup takes over, the primary returns and is handed its pair
-back) and, with ``--nodes``, scale-down (a graceful stop that moves the node's messages away); after each
-fault it heals the network, restarts what exited (as ``up``'s supervisor does) and waits for the cluster.
+back), a gateway killed or stopped (SIGTERM) with its clients on it and, with ``--nodes``, scale-down (a
+graceful stop that moves the node's messages away); after each fault it heals the network, restarts what
+exited (as ``up``'s supervisor does) and waits for the cluster.
 
 Checker, per queue (each MQTT subscriber is a queue of its own): lost 0, unexpected 0, duplicates flagged
 redelivered where the protocol has the flag (MQTT DUP, STOMP ``redelivered``, AMQP delivery-count, the link's
@@ -407,9 +408,7 @@ def mqtt_producer(run: Run, cluster: Cluster, topic: str, stream: Stream, prefix
                 with stream.lock:
                     stream.attempted.append(value)
                 info = client.publish(topic, value.encode(), qos=1)
-                with contextlib.suppress(RuntimeError, ValueError):
-                    info.wait_for_publish(ACK_TIMEOUT)
-                if not info.is_published():
+                if not _acknowledged(info):
                     run.note(f"mqtt publish {value} unacknowledged (rc {info.rc})")
                     break
                 with stream.lock:
@@ -419,6 +418,16 @@ def mqtt_producer(run: Run, cluster: Cluster, topic: str, stream: Stream, prefix
             client.loop_stop()
             with contextlib.suppress(Exception):
                 client.disconnect()
+
+
+def _acknowledged(info: paho.MQTTMessageInfo) -> bool:
+    """Whether the broker acknowledged a QoS 1 publish within ``ACK_TIMEOUT``. paho raises instead of answering
+    when the publish failed (its connection gone, as when its gateway is killed)."""
+    try:
+        info.wait_for_publish(ACK_TIMEOUT)
+        return info.is_published()
+    except (RuntimeError, ValueError):
+        return False
 
 
 def mqtt_subscriber(run: Run, cluster: Cluster, client_id: str, topic: str, stream: Stream) -> None:
@@ -761,7 +770,7 @@ class Nemesis:
     only: tuple[str, ...] = ()  # a subset of the fault kinds, to replay one kind of fault
 
     def kinds(self) -> list[str]:
-        common = ["kill", "pause", "partition", "oneway", "isolate"]
+        common = ["kill", "pause", "partition", "oneway", "isolate", "gateway"]
         kinds = [*common, "failback"] if self.cluster.topology == "pairs" else [*common, "scale-down"]
         return [k for k in kinds if k in self.only] if self.only else kinds
 
@@ -856,6 +865,26 @@ class Nemesis:
             self.failovers.append(time.monotonic() - killed)
         self.cluster.start(proc)
 
+    def _gateway(self) -> None:
+        """A gateway goes away with its clients' connections and sessions: killed (a crash), or stopped (SIGTERM, a
+        rolling restart); the supervisor starts it again after a while, meanwhile its clients come back through the
+        other gateways."""
+        name = self.rng.choice(sorted(n for n in self.cluster.procs if n.startswith("gateway-")))
+        proc = self.cluster.procs[name]
+        graceful = self.rng.random() < 0.5
+        self.log(f"gateway: {'graceful stop (SIGTERM)' if graceful else 'kill -9'} of {name}")
+        if proc.process is not None:
+            if graceful:
+                proc.process.send_signal(signal.SIGTERM)
+                try:
+                    proc.process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    self.log(f"{name} did not stop in 30 s")
+            else:
+                proc.process.kill()
+                proc.process.wait()
+        time.sleep(self.rng.uniform(0.5, 3.0))
+
     def _scale_down(self) -> None:
         node = self._pick()
         proc = self.cluster.procs[node]
@@ -882,6 +911,7 @@ def run_once(
     run = Run(random.Random(rng.random()), streams)
     nemesis = Nemesis(cluster, random.Random(rng.random()), only=faults)
     threads: list[threading.Thread] = []
+    crashed: list[str] = []  # client threads that ended on an exception
     result: dict[str, Any] = {"topology": topology, "seed": seed, "seconds": seconds}
     wall = time.monotonic()
     try:
@@ -889,8 +919,15 @@ def run_once(
         wait_for("the cluster to form", cluster.healed, START_TIMEOUT)
         result["start_seconds"] = round(time.monotonic() - wall, 1)
 
+        def client(target: Callable[..., None], *args: Any) -> None:
+            try:
+                target(run, cluster, *args)
+            except Exception as exc:  # a client that stops checks nothing more: the run fails
+                crashed.append(f"{target.__name__}{args[:1]}: {type(exc).__name__}: {exc}")
+                raise
+
         def spawn(target: Callable[..., None], *args: Any) -> None:
-            thread = threading.Thread(target=target, args=(run, cluster, *args), daemon=True, name=str(args[0]))
+            thread = threading.Thread(target=client, args=(target, *args), daemon=True, name=str(args[0]))
             thread.start()
             threads.append(thread)
 
@@ -998,7 +1035,8 @@ def run_once(
                 "wall_seconds": round(time.monotonic() - wall, 1),
             }
         )
-        result["ok"] = not failure and all(v["ok"] for v in verdicts.values())
+        result["crashed_clients"] = crashed
+        result["ok"] = not failure and not crashed and all(v["ok"] for v in verdicts.values())
         return result
     finally:
         run.stop_producing.set()
