@@ -367,9 +367,16 @@ MqttConnection = tuple[paho.Client, threading.Event, list[bool]]  # the client, 
 
 
 def mqtt_client(
-    client_id: str, port: int, *, persistent: bool, on_message: Callable[[Any, Any, Any], None] | None = None
+    client_id: str,
+    port: int,
+    *,
+    persistent: bool,
+    on_message: Callable[[Any, Any, Any], None] | None = None,
+    reconnect: bool = True,
 ) -> MqttConnection:
-    client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv5)
+    client = paho.Client(
+        paho.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv5, reconnect_on_failure=reconnect
+    )
     if on_message is not None:  # before CONNECT: a resumed session's messages follow the CONNACK at once
         client.on_message = on_message
     connected = threading.Event()
@@ -393,7 +400,10 @@ def mqtt_producer(run: Run, cluster: Cluster, topic: str, stream: Stream, prefix
     while not run.stop_producing.is_set():
         port = run.choice(cluster.gateway_ports["mqtt"])
         try:
-            client, connected, _ = mqtt_client(f"{prefix}-pub", port, persistent=False)
+            # No reconnection by paho: it would send the publish under way again on its own, a second message
+            # (a new session knows nothing of the first), and the checker could not tell that duplicate from
+            # the broker's. A publish whose connection dropped is left unknown, as a client would count it.
+            client, connected, _ = mqtt_client(f"{prefix}-pub", port, persistent=False, reconnect=False)
         except OSError as exc:
             run.note(f"mqtt producer connect: {exc}")
             run.pause(0.2, 0.5, run.stop_producing)
@@ -408,7 +418,7 @@ def mqtt_producer(run: Run, cluster: Cluster, topic: str, stream: Stream, prefix
                 with stream.lock:
                     stream.attempted.append(value)
                 info = client.publish(topic, value.encode(), qos=1)
-                if not _acknowledged(info):
+                if not _acknowledged(client, info):
                     run.note(f"mqtt publish {value} unacknowledged (rc {info.rc})")
                     break
                 with stream.lock:
@@ -420,14 +430,20 @@ def mqtt_producer(run: Run, cluster: Cluster, topic: str, stream: Stream, prefix
                 client.disconnect()
 
 
-def _acknowledged(info: paho.MQTTMessageInfo) -> bool:
-    """Whether the broker acknowledged a QoS 1 publish within ``ACK_TIMEOUT``. paho raises instead of answering
-    when the publish failed (its connection gone, as when its gateway is killed)."""
+def _acknowledged(client: paho.Client, info: paho.MQTTMessageInfo) -> bool:
+    """Whether the broker acknowledged a QoS 1 publish within ``ACK_TIMEOUT``, while its connection lasts. paho
+    raises instead of answering when the publish could not be sent (no connection)."""
+    deadline = time.monotonic() + ACK_TIMEOUT
     try:
-        info.wait_for_publish(ACK_TIMEOUT)
-        return info.is_published()
+        while time.monotonic() < deadline:
+            info.wait_for_publish(0.1)
+            if info.is_published():
+                return True
+            if not client.is_connected():
+                return False
     except (RuntimeError, ValueError):
         return False
+    return False
 
 
 def mqtt_subscriber(run: Run, cluster: Cluster, client_id: str, topic: str, stream: Stream) -> None:
