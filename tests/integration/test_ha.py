@@ -608,18 +608,29 @@ async def test_a_primary_restarted_at_the_epoch_its_backup_won_is_fenced_not_cop
         assert node.stop() == 0
 
 
-def listener(port: int = 0) -> socket.socket:
-    """A TCP listener standing in for the network a node checks."""
+def reserved_port() -> socket.socket:
+    """A port of the test's own: bound and never listening, so that a connection there is refused and no test
+    running alongside takes the port (one closed and reused once answered a node's network check in another
+    test's place). ``listener`` listens on it beside this socket."""
     sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+def listener(port: int) -> socket.socket:
+    """A TCP listener on a ``reserved_port``, standing in for the network a node checks."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind(("127.0.0.1", port))
     sock.listen(16)
     return sock
 
 
 async def test_a_node_cut_off_from_its_network_stops_serving_until_it_returns(tmp_path: Path) -> None:
-    network = listener()
-    port = network.getsockname()[1]
+    reserved = reserved_port()
+    port = reserved.getsockname()[1]
+    network = listener(port)
     node = start_core(
         tmp_path,
         "checked",
@@ -653,13 +664,13 @@ async def test_a_node_cut_off_from_its_network_stops_serving_until_it_returns(tm
             await asyncio.sleep(0.1)
     finally:
         network.close()
+        reserved.close()
     assert node.stop() == 0
 
 
 async def test_a_backup_cut_off_from_its_network_never_takes_over(tmp_path: Path) -> None:
-    unreachable = listener()
+    unreachable = reserved_port()  # nothing answers there
     port = unreachable.getsockname()[1]
-    unreachable.close()  # nothing answers there
     primary = start_node(tmp_path, "p", core_ha_policy="replication", core_ha_group_name="iso")
     backup = start_node(
         tmp_path,
@@ -680,6 +691,7 @@ async def test_a_backup_cut_off_from_its_network_never_takes_over(tmp_path: Path
     assert ha_view(backup)["active"] is False
     assert "backup activated" not in backup.log()
     assert backup.stop() == 0
+    unreachable.close()
 
 
 async def test_the_backup_retires_its_segments_after_each_compaction_of_the_primary(tmp_path: Path) -> None:
