@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from tests.integration.cluster_nodes import cluster_view, start_node, wait_until
-from tests.integration.test_ha import listener
+from tests.integration.test_ha import reserved_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster]
 
@@ -25,7 +25,7 @@ def connection_to(view: dict[str, Any], port: int) -> dict[str, Any]:
 def test_a_connection_that_came_up_carries_no_stale_error(tmp_path: Path) -> None:
     """The other node was not up yet when this one started: the connection failed, then came up; its
     reason is no longer that first failure."""
-    sock = listener()
+    sock = reserved_port()
     later = Port(sock.getsockname()[1])
     sock.close()  # nothing listens there until the second node starts
     first = start_node(tmp_path, "first", [later])
