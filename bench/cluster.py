@@ -31,6 +31,7 @@ from bench.node import Core, core_node, machine
 
 from tridentmq_shared.cli.perf import PerfOptions, run_once
 from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.pipelined import PipelinedLink
 from tridentmq_shared.message import M_ID, new_message
 
 CLUSTER = {"cluster_user": "cluster", "cluster_password": "bench-secret"}
@@ -88,8 +89,8 @@ async def redistribution(a: Core, b: Core, backlog: int) -> tuple[float, float]:
     queue = f"moved.{time.monotonic_ns()}"
     async with LinkClient("127.0.0.1", a.link_port) as producer:
         started = time.monotonic()
-        futures = [await producer.send(new_message(queue, b"x" * 100, durable=True)) for _ in range(backlog)]
-        await asyncio.gather(*futures)
+        messages = (new_message(queue, b"x" * 100, durable=True) for _ in range(backlog))
+        await asyncio.gather(*await producer.publish_batch(messages))
         publish_rate = backlog / (time.monotonic() - started)
     async with LinkClient("127.0.0.1", b.link_port) as client:
         subscribed = time.monotonic()
@@ -108,7 +109,7 @@ def _aggregate_worker(producer_port: int, consumer_port: int, queue: str, count:
     async def work() -> tuple[int, float]:
         async with (
             LinkClient("127.0.0.1", consumer_port) as receiving,
-            LinkClient("127.0.0.1", producer_port) as sending,
+            PipelinedLink("127.0.0.1", producer_port) as sending,
         ):
             consumer = await receiving.subscribe(queue, credit=10_000, auto_ack=True)
             out.send("ready")

@@ -222,11 +222,8 @@ async def _amqp_received(reader: asyncio.StreamReader) -> bool:
 async def _amqp_publish_all(_port: int, core_port: int, run: str, count: int) -> None:
     """Through the core's link: the gateway's side under test is the receivers'."""
     async with LinkClient("127.0.0.1", core_port) as client:
-        confirms = [
-            await client.send(new_message(f"conn.{run}.{i}", b"hello", routing=int(RoutingType.MULTICAST)))
-            for i in range(count)
-        ]
-        await asyncio.gather(*confirms)
+        messages = (new_message(f"conn.{run}.{i}", b"hello", routing=int(RoutingType.MULTICAST)) for i in range(count))
+        await asyncio.gather(*await client.publish_batch(messages))
 
 
 @dataclass(frozen=True)

@@ -44,12 +44,9 @@ async def workload(port: int, pid: int, count: int) -> tuple[float, float, float
     async with LinkClient("127.0.0.1", port) as client:
         await client.create_queue("bench.paging", durable=False)
         started = time.monotonic()
-        last = None
-        for n in range(count):
-            body = n.to_bytes(8, "big") + bytes(SIZE - 8)
-            last = await client.send(new_message("bench.paging", body))
-        assert last is not None
-        await last
+        messages = (new_message("bench.paging", n.to_bytes(8, "big") + bytes(SIZE - 8)) for n in range(count))
+        confirms = await client.publish_batch(messages)
+        await confirms[-1]
         published = time.monotonic() - started
         consumer = await client.subscribe("bench.paging", credit=64, auto_ack=True)
         expected = 0

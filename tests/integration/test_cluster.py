@@ -37,6 +37,7 @@ from tridentmq_shared.cli.admin import cluster_lines
 from tridentmq_shared.link.client import Consumer, LinkClient
 from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode
+from tridentmq_shared.link.pipelined import PipelinedLink
 from tridentmq_shared.message import HOME_PROPERTY, M_BODY, M_ID, M_PROPS, RoutingType, new_message
 from tridentmq_shared.mqtt_queues import RETAINED_ADDRESS, retained_queue
 
@@ -46,7 +47,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.cluster]
 async def publish(node: CoreProcess, address: str, bodies: list[bytes], **fields: object) -> None:
     """Publish durable messages and wait for every confirm."""
     async with client(node) as c:
-        futures = [await c.send(new_message(address, body, durable=True, **fields)) for body in bodies]  # type: ignore[arg-type]
+        futures = await c.publish_batch(new_message(address, body, durable=True, **fields) for body in bodies)  # type: ignore[arg-type]
         await asyncio.gather(*futures)
 
 
@@ -123,15 +124,13 @@ async def test_a_subscription_is_confirmed_only_once_every_node_routes_to_it(tmp
         for i in range(30):
             await cb.create_queue(f"sub-{i}", f"news.{i}", routing_type=RoutingType.MULTICAST, durable=False)
             consumers.append(await cb.subscribe(f"sub-{i}"))
-            await (
-                await (ca if i % 2 else cc).send(
-                    new_message(f"news.{i}", b"first", durable=True, routing=RoutingType.MULTICAST)
-                )
+            await (ca if i % 2 else cc).publish(
+                new_message(f"news.{i}", b"first", durable=True, routing=RoutingType.MULTICAST)
             )
         # A consumer on another node of an anycast queue here: the next message goes to it, not stays.
         await ca.create_queue("work", durable=True)
         on_b = await cb.subscribe("work")
-        await (await ca.send(new_message("work", b"job", durable=True)))
+        await ca.publish(new_message("work", b"job", durable=True))
         got = await asyncio.gather(*(take(consumer, 1, timeout=5) for consumer in consumers))
         assert [i for i, bodies_ in enumerate(got) if bodies_ != [b"first"]] == []
         assert await take(on_b, 1, timeout=5) == [b"job"]
@@ -207,10 +206,8 @@ async def test_selectors_are_honoured_across_nodes(tmp_path: Path) -> None:
         async with client(a) as ca:
             for i in range(40):
                 colour = "red" if i % 2 else "blue"
-                await (
-                    await ca.send(
-                        new_message("paint", f"{colour}{i}".encode(), durable=True, properties={"colour": colour})
-                    )
+                await ca.publish(
+                    new_message("paint", f"{colour}{i}".encode(), durable=True, properties={"colour": colour})
                 )
         got = await take(reds, 20)
         assert len(got) == 20
@@ -228,7 +225,7 @@ async def paint(node: CoreProcess, count: int) -> list[bytes]:
         await c.create_queue("paint", "paint", durable=True)
         for body in painted:
             colour = body.split(b"-")[0].decode()
-            await (await c.send(new_message("paint", body, durable=True, properties={"colour": colour})))
+            await c.publish(new_message("paint", body, durable=True, properties={"colour": colour}))
     return painted
 
 
@@ -324,7 +321,7 @@ async def test_status_does_not_call_the_mqtt_gateways_records_stranded(tmp_path:
             new_message("$mqtt.session.device-1", b"{}", durable=True, properties={"state": "state"}),
             new_message("orders", b"1", durable=True),
         ]
-        await asyncio.gather(*[await c.send(m) for m in records])
+        await asyncio.gather(*await c.publish_batch(records))
     await wait_until_async(lambda: cluster_view(a)["stranded"] == {"orders": 1}, what="only orders stranded")
     stop_all(nodes)
 
@@ -351,7 +348,7 @@ async def test_every_node_keeps_a_copy_of_the_mqtt_retained_messages_once_one_ha
         await wait_until_async(lambda: remote_consumers(a, copy_b) == 1, what="a to know b's copy")
         async with client(a) as c:
             retained = new_message(RETAINED_ADDRESS, b"21.5", durable=True, properties={"mqtt_topic": "room/1"})
-            await asyncio.gather(await c.send(retained))
+            await c.publish(retained)
         assert await take(reader, 1) == [b"21.5"]
     stop_all(nodes)
 
@@ -677,7 +674,7 @@ async def test_a_gracefully_stopped_node_moves_its_messages_to_a_live_node_first
     async with client(a) as ca:
         await ca.create_queue("audit-sub", "audit", routing_type=RoutingType.MULTICAST, durable=True)
         await publish(a, "backlog", bodies(300, "d"))
-        futures = [await ca.send(new_message("backlog", body)) for body in bodies(50, "v")]  # not durable
+        futures = await ca.publish_batch(new_message("backlog", body) for body in bodies(50, "v"))  # not durable
         await asyncio.gather(*futures)
         await publish(a, "audit", bodies(20, "s"), routing=RoutingType.MULTICAST)
         holder = await ca.subscribe("backlog", credit=5)  # a client still holding messages when the node stops
@@ -790,7 +787,9 @@ async def test_a_message_forwarded_to_a_leaving_node_before_the_sender_heard_it_
         wait_until(lambda: remote_consumers(sender, "moves") == 2, what="the sender to see both consumers")
         os.kill(sender.process.pid, signal.SIGSTOP)
         try:
-            confirmed = await producer.send(new_message("moves", b"late", durable=True, properties={"kind": "l"}))
+            (confirmed,) = await producer.publish_batch(
+                [new_message("moves", b"late", durable=True, properties={"kind": "l"})]
+            )
             leaving.process.send_signal(signal.SIGTERM)  # a graceful stop scales down
             await asyncio.sleep(1.5)
         finally:
@@ -821,12 +820,10 @@ async def test_what_waits_for_a_leaving_node_in_another_nodes_store_and_forward_
         wait_until(lambda: remote_consumers(sender, "news-l") == 2, what="the sender to see both consumers")
         os.kill(sender.process.pid, signal.SIGSTOP)
         try:
-            confirms = [
-                await producer.send(
-                    new_message("news", body, durable=True, routing=multicast, properties={"kind": "l"})
-                )
+            confirms = await producer.publish_batch(
+                new_message("news", body, durable=True, routing=multicast, properties={"kind": "l"})
                 for body in bodies(200, "late")
-            ]
+            )
             leaving.process.send_signal(signal.SIGTERM)
             await asyncio.sleep(1.5)
         finally:
@@ -1030,7 +1027,7 @@ async def test_no_ping_pong_when_the_consumer_flaps_between_nodes_under_load(tmp
             seen.extend(bytes(m[M_BODY]) for _, m in batch)
             consumer.ack_ids([m[M_ID] for _, m in batch])
             await consumer.close()
-            await (await producer.send(new_message("flap", f"x{extra}".encode(), durable=True)))
+            await producer.publish(new_message("flap", f"x{extra}".encode(), durable=True))
             extra += 1
             flip += 1
         rest = await ca.subscribe("flap", credit=1000)
@@ -1125,7 +1122,7 @@ async def test_non_durable_messages_reach_a_consumer_on_another_node(tmp_path: P
         consumer = await cb.subscribe("ticks", credit=1000)
         wait_until(lambda: remote_consumers(a, "ticks") == 1, what="a to see b's consumer")
         async with client(a) as ca:
-            futures = [await ca.send(new_message("ticks", body)) for body in bodies(3000)]
+            futures = await ca.publish_batch(new_message("ticks", body) for body in bodies(3000))
             await asyncio.gather(*futures)
         got = await take(consumer, 3000)
     assert got == bodies(3000)  # in order: sent straight, or through the forward queue when the link is busy
@@ -1148,9 +1145,9 @@ async def test_a_durable_message_for_one_other_node_is_written_through_and_a_res
 
     async def send_all() -> None:
         async with client(a) as ca:
-            futures = [
-                await ca.send(new_message("through", body, durable=True, dedup_id=dedup)) for body, dedup in messages
-            ]
+            futures = await ca.publish_batch(
+                new_message("through", body, durable=True, dedup_id=dedup) for body, dedup in messages
+            )
             await asyncio.gather(*futures)
 
     async with client(b) as cb:
@@ -1185,7 +1182,7 @@ async def test_a_publish_sent_again_through_another_node_after_its_link_dropped_
         await wait_until_async(lambda: len(producer.nodes.endpoints) == 2, what="the producer to learn of b")
         a.process.send_signal(signal.SIGSTOP)
         try:
-            confirmed = await producer.send(new_message("home.q", b"once", durable=True))
+            (confirmed,) = await producer.publish_batch([new_message("home.q", b"once", durable=True)])
             await asyncio.wait_for(confirmed, 20)  # by b, once the link to a timed out
             assert producer.port == b.link_port
         finally:
@@ -1258,13 +1255,14 @@ async def test_messages_held_for_a_stalled_node_are_stored_and_confirmed_when_it
         wait_until(lambda: remote_consumers(a, "stalled") == 1, what="a to see b's consumer")
     b.process.send_signal(signal.SIGSTOP)  # b reads nothing more
     try:
-        async with client(a) as ca, client(a) as again:
-            futures = [
-                await ca.send(new_message("stalled", body, durable=True, dedup_id=f"stall-{i}"))
+        producer = PipelinedLink("127.0.0.1", a.link_port, reconnect=NO_RECONNECT)  # its credit is watched
+        async with producer as ca, client(a) as again:
+            futures = await ca.publish_batch(
+                new_message("stalled", body, durable=True, dedup_id=f"stall-{i}")
                 for i, body in enumerate(bodies(count))
-            ]
+            )
             # The first one sent again (a producer that reconnected): a duplicate of a message in transit.
-            duplicate = await again.send(new_message("stalled", b"m0", durable=True, dedup_id="stall-0"))
+            (duplicate,) = await again.publish_batch([new_message("stalled", b"m0", durable=True, dedup_id="stall-0")])
             await asyncio.sleep(0.3)
             assert not any(f.done() for f in [*futures, duplicate])  # b never confirmed them, so neither did a
             assert ca.publish_credit <= window - (count - 1000)  # the producer's credit waits with them

@@ -13,6 +13,7 @@ from tests.conftest import start_core
 
 from tridentmq_shared.link.client import LinkClient
 from tridentmq_shared.link.failover import ReconnectPolicy
+from tridentmq_shared.link.pipelined import PipelinedLink
 from tridentmq_shared.message import new_message
 
 pytestmark = pytest.mark.integration
@@ -42,7 +43,7 @@ async def test_a_flood_is_held_at_the_memory_limit_and_resumes(tmp_path: Path) -
     )
     try:
         async with (
-            LinkClient("127.0.0.1", node.link_port) as producer,
+            PipelinedLink("127.0.0.1", node.link_port) as producer,  # its credit is watched
             LinkClient("127.0.0.1", node.link_port) as consumer_link,
         ):
             await producer.create_queue("flood", durable=False)

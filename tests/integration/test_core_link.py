@@ -301,7 +301,7 @@ async def test_a_publisher_waits_for_the_socket_instead_of_buffering_without_bou
 
         async def publish_rest() -> None:
             while len(sent) < 2000:
-                confirmed = await c.send(new_message("big", len(sent).to_bytes(4, "big") + body))
+                (confirmed,) = await c.publish_batch([new_message("big", len(sent).to_bytes(4, "big") + body)])
                 sent.append(confirmed)
 
         core.process.send_signal(signal.SIGSTOP)

@@ -83,7 +83,7 @@ async def produce(c: LinkClient, producer: int, history: History, stop: asyncio.
             history.sent.add(body)
             message = new_message(QUEUE, body, durable=True, properties={"producer": producer, "n": number})
             try:
-                future = await asyncio.wait_for(c.send(message), STEP_TIMEOUT)
+                (future,) = await asyncio.wait_for(c.publish_batch([message]), STEP_TIMEOUT)
             except LinkRequestError:
                 history.unknown.add(body)  # the link is gone (it may not even have been written)
                 break

@@ -232,7 +232,7 @@ def test_compact_and_a_second_node_are_refused_while_a_node_runs(tmp_path: Path)
 
 async def publish(port: int, address: str, bodies: list[bytes]) -> None:
     async with LinkClient("127.0.0.1", port, reconnect=ReconnectPolicy(attempts=0)) as client:
-        await asyncio.gather(*[await client.send(new_message(address, body, durable=True)) for body in bodies])
+        await asyncio.gather(*await client.publish_batch(new_message(address, body, durable=True) for body in bodies))
 
 
 def run_core(data_dir: Path, **env: str) -> subprocess.CompletedProcess[str]:

@@ -32,7 +32,7 @@ def client(node: CoreProcess) -> LinkClient:
 
 async def publish_confirmed(node: CoreProcess, address: str, bodies: list[bytes]) -> None:
     async with client(node) as c:
-        futures = [await c.send(new_message(address, body, durable=True)) for body in bodies]
+        futures = await c.publish_batch(new_message(address, body, durable=True) for body in bodies)
         await asyncio.gather(*futures)
 
 
@@ -244,7 +244,7 @@ async def test_a_burst_is_refused_at_the_segment_that_crosses_the_disk_limit_not
         fill(small_disk, leave=4 * 1024 * 1024)  # about 75 % used: under the limit (90 %)
         await asyncio.sleep(1.2)  # the once-a-second check has seen it
         async with client(node) as c:
-            sent = [await c.send(new_message("burst.q", b"x" * 100_000, durable=True)) for _ in range(60)]
+            sent = await c.publish_batch(new_message("burst.q", b"x" * 100_000, durable=True) for _ in range(60))
             answers = await asyncio.wait_for(asyncio.gather(*sent, return_exceptions=True), 30)  # none held
         confirmed = sum(answer is None for answer in answers)
         refused = [answer for answer in answers if answer is not None]
@@ -281,7 +281,9 @@ async def test_a_full_disk_refuses_durable_work_until_space_returns(tmp_path: Pa
             # The fill reached 100 % before it gave some back: a disk check that ran then refuses durable
             # publishes until the next one (a second later), and this test wants them to reach the journal.
             await asyncio.sleep(1.2)
-            sent = [await c.send(new_message("full.q", b"x" * 100_000, durable=True)) for _ in range(14)]  # a roll
+            sent = await c.publish_batch(
+                new_message("full.q", b"x" * 100_000, durable=True) for _ in range(14)
+            )  # a roll
             answer = await until_ready(node, 503)
             assert "No space left on device" in str(answer["reason"])
             await asyncio.sleep(0)
@@ -326,7 +328,7 @@ async def test_a_journal_removed_under_the_node_stops_it_and_confirms_nothing_mo
             journal.rmdir()
         async with client(node) as c:
             try:  # the once-a-second disk check may have seen the directory gone first: the node is stopping
-                after = await c.send(new_message("gone.q", b"after", durable=True))
+                (after,) = await c.publish_batch([new_message("gone.q", b"after", durable=True)])
             except LinkRequestError:
                 after = None
             assert await asyncio.to_thread(node.process.wait, 20) == 70
@@ -384,7 +386,9 @@ async def test_a_restart_after_a_long_history_recovers_the_live_messages_exactly
             await c.create_queue(name, "hist", routing_type=RoutingType.MULTICAST)
         consumers = {name: await c.subscribe(name, credit=200) for name in kept}
         for start in range(0, 6000, 200):
-            confirms = [await c.send(new_message("hist", body(n), durable=True)) for n in range(start, start + 200)]
+            confirms = await c.publish_batch(
+                new_message("hist", body(n), durable=True) for n in range(start, start + 200)
+            )
             await asyncio.gather(*confirms)
             for name, consumer in consumers.items():
                 taken = 0

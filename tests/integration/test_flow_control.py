@@ -34,6 +34,7 @@ from tridentmq_mqtt import convert
 from tridentmq_mqtt.protocol.packets import V311, Connack, Puback, Publish, Suback, Subscribe, Subscription
 from tridentmq_shared.link.client import LinkClient
 from tridentmq_shared.link.ops import Op
+from tridentmq_shared.link.pipelined import PipelinedLink
 from tridentmq_shared.message import new_message
 
 pytestmark = pytest.mark.integration
@@ -68,7 +69,7 @@ async def test_a_producer_of_large_messages_is_blocked_near_the_memory_limit_and
     )
     try:
         async with (
-            LinkClient("127.0.0.1", node.link_port) as producer,
+            PipelinedLink("127.0.0.1", node.link_port) as producer,  # its credit is watched
             LinkClient("127.0.0.1", node.link_port) as consumer_link,
         ):
             await producer.create_queue("big", durable=False)
@@ -153,7 +154,9 @@ async def publish_numbered(port: int, queue: str, count: int, size: int) -> None
     """``count`` messages of ``size`` bytes numbered in their first 8 bytes, straight into the core."""
     padding = b"." * (size - 8)
     async with LinkClient("127.0.0.1", port) as producer:
-        futures = [await producer.send(new_message(queue, b"%08d" % n + padding, durable=False)) for n in range(count)]
+        futures = await producer.publish_batch(
+            new_message(queue, b"%08d" % n + padding, durable=False) for n in range(count)
+        )
         await asyncio.gather(*futures)
 
 

@@ -50,7 +50,7 @@ NO_RETRY = ReconnectPolicy(attempts=0)
 
 async def publish(node: CoreProcess, address: str, bodies: list[bytes]) -> None:
     async with client(node) as c:
-        futures = [await c.send(new_message(address, body, durable=True)) for body in bodies]
+        futures = await c.publish_batch(new_message(address, body, durable=True) for body in bodies)
         await asyncio.gather(*futures)
 
 
@@ -274,7 +274,9 @@ async def test_paused_primary_confirms_nothing_after_waking_and_is_fenced(tmp_pa
                 i += 1
                 attempted.append(body)
                 try:
-                    future = await asyncio.wait_for(producer.send(new_message("fence.q", body, durable=True)), 1)
+                    (future,) = await asyncio.wait_for(
+                        producer.publish_batch([new_message("fence.q", body, durable=True)]), 1
+                    )
                 except (TimeoutError, LinkRequestError):
                     break
                 future.add_done_callback(lambda f, body=body: settled(body, f))
@@ -842,7 +844,9 @@ async def test_shared_store_paused_node_confirms_nothing_after_waking(tmp_path: 
                 body = b"v%d" % i
                 attempted.append(body)
                 try:
-                    future = await asyncio.wait_for(producer.send(new_message("paused.q", body, durable=True)), 1)
+                    (future,) = await asyncio.wait_for(
+                        producer.publish_batch([new_message("paused.q", body, durable=True)]), 1
+                    )
                 except (TimeoutError, LinkRequestError):
                     return
 
@@ -991,7 +995,7 @@ async def test_a_primary_whose_backup_is_still_copying_scales_down_on_a_graceful
         for i in range(10):
             await c.create_queue(f"pad{i}", f"pad{i}")  # more records than the window: the copy cannot end
         await c.create_queue("sd.q", "sd.q")
-        await asyncio.gather(*[await c.send(new_message("sd.q", b"m%d" % i, durable=True)) for i in range(50)])
+        await asyncio.gather(*await c.publish_batch(new_message("sd.q", b"m%d" % i, durable=True) for i in range(50)))
     copying = PeerLink(
         "127.0.0.1",
         primary.link_port,

@@ -195,7 +195,9 @@ async def agent_produce(spec: dict[str, Any]) -> None:
         number += 1
         attempted.append(body)
         try:
-            future = await asyncio.wait_for(client.send(new_message(spec["address"], body.encode(), durable=True)), 1.0)
+            (future,) = await asyncio.wait_for(
+                client.publish_batch([new_message(spec["address"], body.encode(), durable=True)]), 1.0
+            )
         except TimeoutError:
             continue  # no credit for a second: the outcome of this one is unknown (it was never sent)
         except LinkRequestError as exc:

@@ -164,7 +164,9 @@ async def produce(cluster: Cluster, group: str, ledger: Ledger, stop: asyncio.Ev
             ledger.attempted.append(value)
             await window.acquire()
             try:
-                future = await asyncio.wait_for(producer.send(new_message(QUEUE, value.encode(), durable=True)), 5)
+                (future,) = await asyncio.wait_for(
+                    producer.publish_batch([new_message(QUEUE, value.encode(), durable=True)]), 5
+                )
             except (TimeoutError, LinkRequestError):
                 window.release()
                 await asyncio.sleep(0.1)

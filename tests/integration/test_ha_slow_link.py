@@ -29,8 +29,8 @@ from tridentmq_shared.message import new_message
 async def main():
     async with LinkClient(sys.argv[1], 61616) as client:
         await client.create_queue("backlog", "backlog", durable=True)
-        confirms = [await client.send(new_message("backlog", b"m-%d-" % i + b"x" * 1000, durable=True))
-                    for i in range({MESSAGES})]
+        confirms = await client.publish_batch(new_message("backlog", b"m-%d-" % i + b"x" * 1000, durable=True)
+                    for i in range({MESSAGES}))
         await asyncio.gather(*confirms)
 asyncio.run(main())
 """

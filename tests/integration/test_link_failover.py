@@ -101,12 +101,16 @@ async def test_a_client_whose_node_is_killed_goes_on_elsewhere_resending_and_res
         await client.publish(new_message("failover", b"before", durable=True))
         assert [bytes(m[M_BODY]) for m in await take(consumer, 1)] == [b"before"]
         victim.process.send_signal(signal.SIGSTOP)  # nothing sent from now on is confirmed by that node
-        during = [await client.send(new_message("failover", f"during {i}".encode(), durable=True)) for i in range(20)]
+        during = await client.publish_batch(
+            new_message("failover", f"during {i}".encode(), durable=True) for i in range(20)
+        )
         await asyncio.sleep(0.05)
         assert not any(f.done() for f in during)
         kill(victim)
         # Publishing goes on at once: these wait for the failover, then go after the re-sent ones.
-        after = [await client.send(new_message("failover", f"after {i}".encode(), durable=True)) for i in range(20)]
+        after = await client.publish_batch(
+            new_message("failover", f"after {i}".encode(), durable=True) for i in range(20)
+        )
         await asyncio.wait_for(asyncio.gather(*during, *after), 10)  # no exception reaches the application
         assert client.failovers == 1
         assert client.node_id != first_node

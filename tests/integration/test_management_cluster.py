@@ -59,7 +59,7 @@ async def fill(node: CoreProcess, name: str, count: int, **properties: Any) -> N
     async with client(node) as link:
         for n in range(count):
             body = f"{name} {node.management_port} {n}".encode()
-            await (await link.send(new_message(name, body, durable=True, properties={"n": n, **properties})))
+            await link.publish(new_message(name, body, durable=True, properties={"n": n, **properties}))
 
 
 def cli(node: CoreProcess, *args: str) -> subprocess.CompletedProcess[str]:

@@ -93,7 +93,7 @@ async def test_a_failback_whose_primary_goes_away_leaves_the_backup_serving_and_
         async with LinkClient("127.0.0.1", pair.backup.link_port, reconnect=ReconnectPolicy(attempts=0)) as producer:
             await producer.publish(new_message("ff.q", b"before", durable=True))
             returned.process.send_signal(signal.SIGSTOP)  # it holds nothing more from here on
-            await producer.send(new_message("ff.q", b"during", durable=True))
+            await producer.publish_batch([new_message("ff.q", b"during", durable=True)])  # not confirmed yet
             started = await asyncio.to_thread(failback, pair.backup, primary_id)
             assert started.returncode == 0, started.stderr
         wait_until(lambda: "went away before it held everything" in pair.backup.log(), WAIT, "the failback to fail")

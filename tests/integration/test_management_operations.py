@@ -214,9 +214,7 @@ async def test_dead_letters_move_back_and_a_stomp_consumer_gets_them(
     async with link(core) as client:
         await client.create_queue("dlq.orders", "dlq.orders", durable=True)
         for n in range(4):
-            await (
-                await client.send(new_message("dlq.orders", f"order {n}".encode(), durable=True, properties={"n": n}))
-            )
+            await client.publish(new_message("dlq.orders", f"order {n}".encode(), durable=True, properties={"n": n}))
         consumer = await client.subscribe("dlq.orders", credit=10)
         for _ in range(4):
             delivery = await consumer.get(timeout=10)
@@ -266,7 +264,7 @@ async def test_a_paused_queue_holds_its_messages_until_resumed(node: tuple[CoreP
     assert cli(core, "queue", "pause", "held.q").returncode == 0
     async with link(core) as client:
         for n in range(3):
-            await (await client.send(new_message("held.q", f"h{n}".encode(), durable=True)))
+            await client.publish(new_message("held.q", f"h{n}".encode(), durable=True))
     conn, listener = stomp_consumer(gateway, "/queue/held.q")
     try:
         view = depth(core, "held.q")
@@ -283,12 +281,8 @@ async def test_purge_browse_and_delete_through_the_cli(node: tuple[CoreProcess, 
     async with link(core) as client:
         await client.create_queue("purge.q", "purge.q", durable=True)
         for n in range(6):
-            await (
-                await client.send(
-                    new_message(
-                        "purge.q", f"p{n}".encode(), durable=True, properties={"kind": "old" if n < 4 else "new"}
-                    )
-                )
+            await client.publish(
+                new_message("purge.q", f"p{n}".encode(), durable=True, properties={"kind": "old" if n < 4 else "new"})
             )
     table = cli(core, "queue", "browse", "purge.q", "--limit", "2")
     assert table.returncode == 0, table.stderr

@@ -85,7 +85,8 @@ async def agent(hosts: dict[str, str]) -> None:
             body = f"m-{number}"
             number += 1
             message = new_message(ADDRESS, body.encode(), durable=True, routing=MULTICAST)
-            pending.append((body, await clients["core1"].send(message)))
+            (confirm,) = await clients["core1"].publish_batch([message])
+            pending.append((body, confirm))
             await asyncio.sleep(0.005)
         for body, future in pending:
             with contextlib.suppress(Exception):

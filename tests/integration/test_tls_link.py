@@ -80,7 +80,7 @@ def presented_serial(port: int, certs: Certificates) -> int:
 async def round_trip(port: int, tls: ClientTls | None, address: str) -> bytes:
     async with LinkClient("127.0.0.1", port, tls=tls, reconnect=NO_RECONNECT) as client:
         await client.create_queue(address)
-        await (await client.send(new_message(address, b"over tls", durable=True)))
+        await client.publish(new_message(address, b"over tls", durable=True))
         consumer = await client.subscribe(address, credit=1)
         delivery = await consumer.get(timeout=10)
         assert delivery is not None
@@ -214,7 +214,7 @@ async def test_cluster_connections_over_tls(tmp_path: Path, certs: Certificates)
             await wait_until_async(lambda: remote_consumers(a, "cluster.tls") == 1, what="a sees b's consumer")
             async with LinkClient("127.0.0.1", a.link_port, tls=tls, reconnect=NO_RECONNECT) as producer:
                 await producer.create_queue("cluster.tls")
-                await (await producer.send(new_message("cluster.tls", b"across", durable=True)))
+                await producer.publish(new_message("cluster.tls", b"across", durable=True))
             delivery = await consumer.get(timeout=15)
             assert delivery is not None
             assert delivery.body == b"across"
@@ -231,9 +231,8 @@ async def test_replication_to_a_backup_and_its_takeover_over_tls(tmp_path: Path,
     tls = client_tls(certs, certs.client("app"))
     async with LinkClient("127.0.0.1", pair.primary.link_port, tls=tls, reconnect=NO_RECONNECT) as producer:
         await producer.create_queue("ha.tls")
-        for n in range(100):
-            await producer.send(new_message("ha.tls", b"m%d" % n, durable=True))
-        await (await producer.send(new_message("ha.tls", b"last", durable=True)))
+        await producer.publish_batch(new_message("ha.tls", b"m%d" % n, durable=True) for n in range(100))
+        await producer.publish(new_message("ha.tls", b"last", durable=True))
     pair.primary.process.kill()
     pair.primary.process.wait(timeout=10)
     await wait_until_async(lambda: ha_view(pair.backup).get("active") is True, what="the backup to take over")

@@ -706,8 +706,8 @@ def link_producer(run: Run, cluster: Cluster, address: str, stream: Stream, pref
                     run.note(f"link producer moved from {node} to {client.host} before {value}")
                     node = client.host
                 try:
-                    future = await asyncio.wait_for(
-                        client.send(new_message(address, value.encode(), durable=True)), ACK_TIMEOUT
+                    (future,) = await asyncio.wait_for(
+                        client.publish_batch([new_message(address, value.encode(), durable=True)]), ACK_TIMEOUT
                     )
                 except (TimeoutError, LinkRequestError) as exc:
                     window.release()

@@ -49,10 +49,8 @@ async def _link_traffic(nodes: list, audit: dict[str, int]) -> None:
         for i in range(audit["stomp_sent"]):
             conn.send("/queue/orders", f"stomp {i}", headers={"persistent": "true", "receipt": f"r{i}"})
         conn.disconnect()
-        futures = [
-            await cc.send(new_message("orders", f"link {i}".encode(), durable=True)) for i in range(audit["link_sent"])
-        ]
-        await asyncio.gather(*futures)
+        messages = (new_message("orders", f"link {i}".encode(), durable=True) for i in range(audit["link_sent"]))
+        await asyncio.gather(*await cc.publish_batch(messages))
         total, got, rejected = audit["stomp_sent"] + audit["link_sent"], 0, 0
         deadline = time.monotonic() + 30
         while got < total and time.monotonic() < deadline:

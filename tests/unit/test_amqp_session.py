@@ -1779,7 +1779,7 @@ async def test_a_message_keeps_its_sections_through_the_core(core: Core) -> None
 
 async def test_a_message_from_another_protocol_arrives_as_amqp(core: Core) -> None:
     async with core.admin() as admin:
-        await (await admin.send(new_message("plain", b"from the core", properties={"k": "v"})))
+        await admin.publish(new_message("plain", b"from the core", properties={"k": "v"}))
     c = await connected(core)
     receiver = await c.receiver("plain")
     _, message = await c.receive(receiver)
@@ -1803,8 +1803,8 @@ async def test_a_kept_section_no_amqp_client_can_be_given_goes_to_the_dead_lette
     async with core.admin() as admin:
         # A link client may write any property: this one claims an AMQP properties section, but is no bytes.
         broken = new_message("broken", b"x", properties={"$enc.amqp.properties": "not bytes"}, protocol="amqp")
-        await (await admin.send(broken))
-        await (await admin.send(new_message("broken", b"fine")))
+        await admin.publish(broken)
+        await admin.publish(new_message("broken", b"fine"))
     c = await connected(core)
     receiver = await c.receiver("broken")
     assert await c.bodies(receiver, 1) == [b"fine"]

@@ -25,7 +25,7 @@ async def core(tmp_path: Path) -> AsyncIterator[Core]:
 async def test_a_publish_the_node_finds_malformed_fails_once_and_the_link_stays_closed(core: Core) -> None:
     async with core.admin() as client:
         first = set(core.node.links)
-        confirm = await client.send(new_message("", b"x"))
+        (confirm,) = await client.publish_batch([new_message("", b"x")])
         with pytest.raises(LinkRequestError) as failed:
             await asyncio.wait_for(confirm, 5)
         assert failed.value.code == ErrorCode.MALFORMED

@@ -693,7 +693,7 @@ async def test_a_message_in_an_outbox_without_its_topic_is_dead_lettered_not_a_f
     assert (await c.packet(Publish)).retain  # its outbox holds it until acknowledged
     await c.gone()
     async with gw.core.admin() as admin:
-        await (await admin.send(new_message(convert.outbox_queue("victim"), b"poison", routing=RoutingType.ANYCAST)))
+        await admin.publish(new_message(convert.outbox_queue("victim"), b"poison", routing=RoutingType.ANYCAST))
     back = gw.client()
     assert (await back.connect("victim", clean_start=False, properties=persistent())).session_present
     got = await back.message()

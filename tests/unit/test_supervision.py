@@ -165,7 +165,7 @@ async def test_a_core_whose_journal_fsync_fails_stops_being_ready_and_fails(
 
         monkeypatch.setattr(journal_module.os, "fdatasync", fdatasync)
         async with LinkClient("127.0.0.1", node.status.link_port, reconnect=ReconnectPolicy(attempts=0)) as client:
-            confirm = await client.send(new_message("fsync.q", b"never safe", durable=True))
+            (confirm,) = await client.publish_batch([new_message("fsync.q", b"never safe", durable=True)])
             reason = await asyncio.wait_for(supervisor.wait_failed(), 10)
             assert reason == "journal: SyncFailedError: journal fsync failed: Input/output error"
             status, body = await asyncio.to_thread(readyz, node.management_port)

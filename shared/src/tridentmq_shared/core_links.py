@@ -20,6 +20,7 @@ from tridentmq_shared.link.client import LinkClient
 from tridentmq_shared.link.errors import LinkClosedError, LinkRequestError
 from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.link.ops import ErrorCode
+from tridentmq_shared.link.pipelined import PipelinedLink
 from tridentmq_shared.link.topology import Endpoint, Topology, load_balancing, parse_endpoint
 from tridentmq_shared.settings import SettingsError, doc
 from tridentmq_shared.supervision import spawn
@@ -185,11 +186,11 @@ class CoreLinks:
         client_name: str,
         client_host: str | None = None,
         acting_for: str | None = None,
-    ) -> LinkClient:
+    ) -> PipelinedLink:
         """A client link (not connected yet) on a node of the topology, failing over as configured;
         ``client_host`` is the address of the gateway's client it serves (the core checks it); with
         ``acting_for``, ``user`` is the gateway's own and the link has ``acting_for``'s permissions."""
-        return LinkClient(
+        return PipelinedLink(
             topology=self.topology,
             reconnect=self.reconnect,
             user=user,

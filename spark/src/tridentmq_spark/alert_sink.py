@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -21,7 +22,7 @@ import orjson
 from pyspark.sql import DataFrame
 
 from tridentmq_shared.link.client import LinkClient
-from tridentmq_shared.message import new_message
+from tridentmq_shared.message import WireMessage, new_message
 
 __all__ = ["AlertTarget", "publish_batch"]
 
@@ -65,19 +66,21 @@ def publish_batch(target: AlertTarget, query: str, batch: DataFrame, batch_id: i
 async def _publish(target: AlertTarget, query: str, rows: list[dict[str, Any]]) -> None:
     client = LinkClient(target.host, target.port, user=target.user, password=target.password, client_name=CLIENT_NAME)
     async with client:
-        confirms = []
-        for row in rows:
-            properties = {"alert": str(row.get("alert") or ""), "node_id": str(row.get("node_id") or "")}
-            if row.get("address") is not None:
-                properties["alert_address"] = str(row["address"])
-            body = orjson.dumps(row, default=_json_default, option=orjson.OPT_SORT_KEYS)
-            message = new_message(
-                target.address,
-                body,
-                durable=True,
-                dedup_id=f"{query}-{hashlib.sha256(body).hexdigest()[:32]}",
-                properties=properties,
-                content_type="application/json",
-            )
-            confirms.append(await client.send(message))
-        await asyncio.gather(*confirms)  # the batch is committed only once the broker confirmed every alert
+        # the batch is committed only once the broker confirmed every alert
+        await asyncio.gather(*await client.publish_batch(_alerts(target, query, rows)))
+
+
+def _alerts(target: AlertTarget, query: str, rows: list[dict[str, Any]]) -> Iterator[WireMessage]:
+    for row in rows:
+        properties = {"alert": str(row.get("alert") or ""), "node_id": str(row.get("node_id") or "")}
+        if row.get("address") is not None:
+            properties["alert_address"] = str(row["address"])
+        body = orjson.dumps(row, default=_json_default, option=orjson.OPT_SORT_KEYS)
+        yield new_message(
+            target.address,
+            body,
+            durable=True,
+            dedup_id=f"{query}-{hashlib.sha256(body).hexdigest()[:32]}",
+            properties=properties,
+            content_type="application/json",
+        )

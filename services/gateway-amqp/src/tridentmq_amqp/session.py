@@ -74,9 +74,10 @@ from tridentmq_amqp.settings import AmqpSettings
 from tridentmq_shared import id_locks
 from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.gateway import Wire
-from tridentmq_shared.link.client import Consumer, LinkClient, queue_spec
+from tridentmq_shared.link.client import Consumer, queue_spec
 from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
+from tridentmq_shared.link.pipelined import PipelinedLink
 from tridentmq_shared.message import (
     M_ADDRESS,
     M_EXPIRATION,
@@ -166,7 +167,7 @@ class AmqpSession:
         mechanisms = ("PLAIN", "ANONYMOUS") if limits.allow_anonymous else ("PLAIN",)
         self.sasl = SaslLayer(mechanisms=mechanisms, allow_no_sasl=limits.allow_anonymous)
         self.engine: Engine | None = None
-        self.link: LinkClient | None = None
+        self.link: PipelinedLink | None = None
         self.container_id = ""
         self.container_id_lock: str | None = None  # the queue that holds container_id for this connection, if any
         self.inbound: dict[Any, Inbound] = {}

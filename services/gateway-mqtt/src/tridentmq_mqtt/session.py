@@ -62,6 +62,7 @@ from tridentmq_shared.gateway import Wire
 from tridentmq_shared.link.client import Consumer, LinkClient, queue_spec
 from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
+from tridentmq_shared.link.pipelined import PipelinedLink
 from tridentmq_shared.message import (
     HOME_PROPERTY,
     M_ADDRESS,
@@ -223,7 +224,7 @@ class MqttSession:
             max_connect_bytes=limits.max_connect_bytes,
             now=time.monotonic(),
         )
-        self.link: LinkClient | None = None
+        self.link: PipelinedLink | None = None
         self.client_id = ""
         self.version = 0
         self.expiry_s = 0  # session expiry interval in force

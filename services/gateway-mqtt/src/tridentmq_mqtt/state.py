@@ -43,6 +43,7 @@ from tridentmq_shared.core_links import CoreLinks
 from tridentmq_shared.link.client import Consumer, LinkClient, queue_spec
 from tridentmq_shared.link.errors import LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode
+from tridentmq_shared.link.pipelined import PipelinedLink
 from tridentmq_shared.message import (
     M_ADDRESS,
     M_BODY,
@@ -159,8 +160,8 @@ class Registry:
     def __init__(self, core_links: CoreLinks, user: str, password: str, name: str) -> None:
         self._core_links = core_links
         self._args = (user or None, password or None, name)
-        self._link: LinkClient | None = None
-        self._opening: asyncio.Task[LinkClient] | None = None
+        self._link: PipelinedLink | None = None
+        self._opening: asyncio.Task[PipelinedLink] | None = None
         self._tail: asyncio.Future[None] | None = None  # the last write still waiting for credit
         self.on_lost: list[Any] = []  # callbacks run when the service link is lost (sessions end)
         self._retained_queues: set[str] = set()  # the nodes' retained-message queues made so far
@@ -168,7 +169,7 @@ class Registry:
         self._tokens: dict[int, str] = {}  # id of a lock consumer → the token of its takeover notices
         self._closing: set[asyncio.Future[None]] = set()  # outbox consumers of ended sessions being closed
 
-    async def link(self) -> LinkClient:
+    async def link(self) -> PipelinedLink:
         """The service link, opened (again) on demand."""
         if self._link is not None:
             return self._link
@@ -176,7 +177,7 @@ class Registry:
             self._opening = asyncio.get_running_loop().create_task(self._open())
         return await asyncio.shield(self._opening)
 
-    async def _open(self) -> LinkClient:
+    async def _open(self) -> PipelinedLink:
         user, password, name = self._args
         link = self._core_links.client(user=user, password=password, client_name=f"mqtt gateway {name}")
         await link.connect()

@@ -26,6 +26,7 @@ from tridentmq_shared.gateway import Wire
 from tridentmq_shared.link.client import Consumer, LinkClient, queue_spec
 from tridentmq_shared.link.errors import LinkClosedError, LinkRequestError
 from tridentmq_shared.link.ops import ErrorCode, NackMode
+from tridentmq_shared.link.pipelined import PipelinedLink
 from tridentmq_shared.message import M_ID, RoutingType
 from tridentmq_shared.runtime import random_hex
 from tridentmq_shared.session_driver import HANDLING_BUGS, SessionDriver, close_now, core_unavailable_log
@@ -94,7 +95,7 @@ class StompSession:
             max_connect_bytes=limits.max_connect_bytes,
             now=time.monotonic(),
         )
-        self.link: LinkClient | None = None
+        self.link: PipelinedLink | None = None
         self.client_id: str | None = None
         self.client_id_lock: str | None = None  # the queue that holds client_id for this connection, if any
         self.subscriptions: dict[str, Subscription] = {}
@@ -296,7 +297,7 @@ class StompSession:
         if name is not None:
             await id_locks.release(self._link(), name)
 
-    def _link(self) -> LinkClient:
+    def _link(self) -> PipelinedLink:
         assert self.link is not None  # the codec only lets frames through after CONNECTED
         return self.link
 

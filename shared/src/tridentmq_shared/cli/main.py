@@ -206,14 +206,18 @@ async def _produce(args: argparse.Namespace) -> int:
         client_name="tridentmq-produce",
         tls=_client_tls(args),
     ) as client:
-        futures = []
-        for n in range(1, args.count + 1):
-            body = args.body.replace("{n}", str(n)).encode()
-            message = new_message(
-                args.address, body, routing=routing, durable=args.durable, properties=properties, protocol="link"
+        messages = (
+            new_message(
+                args.address,
+                args.body.replace("{n}", str(n)).encode(),
+                routing=routing,
+                durable=args.durable,
+                properties=properties,
+                protocol="link",
             )
-            futures.append(await client.send(message))
-        await asyncio.gather(*futures)
+            for n in range(1, args.count + 1)
+        )
+        await asyncio.gather(*await client.publish_batch(messages))
     print(f"{args.count} message(s) confirmed on {args.address}")
     return 0
 

@@ -20,6 +20,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.pipelined import PipelinedLink
 from tridentmq_shared.message import M_BODY, RoutingType, new_message
 from tridentmq_shared.runtime import run_main
 from tridentmq_shared.tls import ClientTls, TlsSection
@@ -52,7 +53,7 @@ def _body(size: int) -> bytearray:
 
 
 async def _produce(opts: PerfOptions, queue: str) -> dict[str, Any]:
-    async with LinkClient(
+    async with PipelinedLink(  # the relays' calls: no coroutine or future per message unless durable
         opts.host, opts.port, user=opts.user, password=opts.password, client_name="perf-producer", tls=_tls(opts)
     ) as client:
         body = _body(opts.size)

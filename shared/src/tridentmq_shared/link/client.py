@@ -19,7 +19,7 @@ import logging
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from typing import Any, ClassVar, Final, Protocol, TypeVar, cast
+from typing import Any, ClassVar, Final, Protocol, Self, TypeVar, cast
 
 from tridentmq_shared.light_event import LightEvent
 from tridentmq_shared.link import events as ev
@@ -522,7 +522,7 @@ class LinkClient:
         #: Called with the (channel id, bytes) the server sent for the sessions this link carries.
         self.on_channels: Callable[[list[tuple[int, bytes]]], None] | None = None
 
-    async def __aenter__(self) -> LinkClient:
+    async def __aenter__(self) -> Self:
         await self.connect()
         return self
 
@@ -1447,8 +1447,8 @@ class LinkClient:
         if protocol is not None and not protocol.writable.is_set():
             await protocol.writable.wait()
 
-    async def send(self, message: WireMessage, tx_id: int = 0) -> asyncio.Future[None]:
-        """Queue a publish once the window allows; the returned future resolves on the server's confirm."""
+    async def _send(self, message: WireMessage, tx_id: int = 0) -> asyncio.Future[None]:
+        """Write a publish once the window allows (across a reconnection); the future resolves on the confirm."""
         while True:
             if self._resuming:
                 await self._ready()
@@ -1457,33 +1457,10 @@ class LinkClient:
             if not self._resuming:
                 return self._send_on(self._live(), message, tx_id)
 
-    @property
-    def can_send(self) -> bool:
-        """Whether a publish may go now: the window is open and the socket keeps up (False while the link is
-        being resumed: ``send`` waits for that)."""
-        if self._resuming:
-            return False
-        protocol = self._protocol
-        return self._live().can_publish and (protocol is None or protocol.writable.is_set())
-
-    def try_send(self, message: WireMessage, tx_id: int = 0) -> asyncio.Future[None] | None:
-        """``send`` without waiting, for callers that publish message by message at a high rate (a coroutine
-        per message costs more than the publish): None, sending nothing, when the publish cannot go now (no
-        credit, a full socket, a link being resumed)."""
-        conn = self._open_for_sending()
-        return None if conn is None else self._send_on(conn, message, tx_id)
-
     def _send_on(self, conn: LinkConnection, message: WireMessage, tx_id: int) -> asyncio.Future[None]:
         if len(message[M_BODY]) > conn.max_publish_body:  # refused here: its frame would break the link
             refused: asyncio.Future[None] = self._event_loop().create_future()
-            refused.set_exception(
-                LinkRequestError(
-                    ErrorCode.RESOURCE_LIMIT,
-                    f"message body of "
-                    f"{len(message[M_BODY])} bytes exceeds the {conn.max_publish_body} "
-                    "the core's link takes",
-                )
-            )
+            refused.set_exception(_too_large(message, conn))
             return refused
         if message[M_DURABLE] and message[M_DEDUP] is None and self.reconnect.attempts:
             # Only a link that reconnects sends a message twice; without, the id would cost for nothing.
@@ -1495,33 +1472,8 @@ class LinkClient:
         self._queued(conn, message)
         return future
 
-    @property
-    def publish_credit(self) -> int:
-        """Publishes the server allows right now (or until the byte window is used up: 0 then)."""
-        conn = self._conn
-        return conn.publish_credit if conn is not None and conn.publish_bytes > 0 and not self._resuming else 0
-
-    async def wait_for_credit(self) -> None:
-        """Wait until ``send_if_open`` may send: the server grants credit and the socket keeps up."""
-        await self._ready()
-        await self._wait_credit()
-        await self._wait_writable()
-
-    def body_fits(self, message: WireMessage) -> bool:
-        """Whether the core's link can take this message's body: a larger one would be refused (``send``) or,
-        sent with ``send_if_open``, break the link on a frame it refuses. True while no link is open."""
-        conn = self._conn
-        return conn is None or len(message[M_BODY]) <= conn.max_publish_body
-
-    def send_if_open(self, message: WireMessage) -> int:
-        """Publish without a confirm future (a forwarding node's and a fast producer's path): the server still
-        confirms, but nothing here waits for it and nothing is re-sent after a reconnect (at most once).
-        Returns the publish's sequence number, for a caller that follows outcomes itself (``on_confirms``,
-        ``on_rejected``); -1, sending nothing, when the publish cannot go now (no credit, a full socket, a link
-        being resumed, or none: ``wait_for_credit``)."""
-        conn = self._open_for_sending()
-        if conn is None:
-            return -1
+    def _send_unconfirmed_on(self, conn: LinkConnection, message: WireMessage) -> int:
+        """Write a publish whose confirm nothing here waits for; its sequence number."""
         seq = conn.publish(message)
         self._queued(conn, message)
         return seq
@@ -1541,9 +1493,33 @@ class LinkClient:
             return None
         return conn
 
+    async def _until_open_for_sending(self) -> LinkConnection:
+        while (conn := self._open_for_sending()) is None:
+            await self._ready()
+            await self._wait_credit()
+            await self._wait_writable()
+        return conn
+
     async def publish(self, message: WireMessage, tx_id: int = 0) -> None:
-        """Publish and wait for the confirm (raises ``LinkRequestError`` on a rejection)."""
-        await (await self.send(message, tx_id))
+        """The acknowledged publish: wait until the server confirms it (stored, and fsynced and replicated when
+        durable); raises ``LinkRequestError`` when it is refused. While the link is being resumed it waits, and
+        a publish the old link never had confirmed is sent again (a durable one under its dedup id)."""
+        await (await self._send(message, tx_id))
+
+    async def publish_batch(self, messages: Iterable[WireMessage], tx_id: int = 0) -> list[asyncio.Future[None]]:
+        """Many acknowledged publishes in one call: each is written, in order, as soon as the server's window
+        allows (a burst goes out as one frame), and the call returns once all are written, with one future per
+        message that resolves on its confirm or holds its refusal (``asyncio.gather`` waits for them all)."""
+        return [await self._send(message, tx_id) for message in messages]
+
+    async def publish_unconfirmed(self, message: WireMessage) -> None:
+        """The fire-and-forget publish (at most once): it waits for the window only. The server still confirms
+        it, but nothing here waits for that, and a publish lost with the link is not sent again. A body larger
+        than the link takes raises ``LinkRequestError`` (``resource-limit``) before anything is sent."""
+        conn = await self._until_open_for_sending()
+        if len(message[M_BODY]) > conn.max_publish_body:
+            raise _too_large(message, conn)
+        self._send_unconfirmed_on(conn, message)
 
 
 def _made_as_asked(made: dict[str, Any], condition: str | None) -> bool:
@@ -1573,6 +1549,13 @@ def queue_spec(
     """A CREATE_QUEUE spec (docs/link-protocol.md): ``address`` defaults to the name; ``options`` are the spec's
     other keys (``temporary``, ``expires_ms``, ``max_consumers``, ``filter``, ...)."""
     return {"name": name, "address": address or name, "routing_type": int(routing_type), "durable": durable, **options}
+
+
+def _too_large(message: WireMessage, conn: LinkConnection) -> LinkRequestError:
+    return LinkRequestError(
+        ErrorCode.RESOURCE_LIMIT,
+        f"message body of {len(message[M_BODY])} bytes exceeds the {conn.max_publish_body} the core's link takes",
+    )
 
 
 def _time_out(future: asyncio.Future[None]) -> None:

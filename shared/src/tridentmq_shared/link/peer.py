@@ -1,6 +1,6 @@
 """A node's link to another node: the cluster's and HA's verbs, which applications never use.
 
-A ``PeerLink`` is a ``LinkClient`` (it publishes, subscribes and fails over as any does) that also joins a
+A ``PeerLink`` is a ``PipelinedLink`` (it publishes, subscribes and fails over as any link does) that also joins a
 cluster and reports its progress (``topology``), streams a primary's journal (``replicate``, ``replica_ack``)
 and asks for votes (``vote``). The node answers these only to a user with the cluster credentials.
 """
@@ -11,10 +11,10 @@ from collections.abc import Callable
 from typing import Any
 
 from tridentmq_shared.link import events as ev
-from tridentmq_shared.link.client import LinkClient
+from tridentmq_shared.link.pipelined import PipelinedLink
 
 
-class PeerLink(LinkClient):
+class PeerLink(PipelinedLink):
     # No slots (a node has a few of these): the callbacks' defaults are the class's.
     #: Called with each TOPOLOGY_UPDATE the node pushes (after a ``topology`` request).
     on_topology: Callable[[dict[str, Any]], None] | None = None
