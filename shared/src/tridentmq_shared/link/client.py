@@ -1509,8 +1509,18 @@ class LinkClient:
     async def publish_batch(self, messages: Iterable[WireMessage], tx_id: int = 0) -> list[asyncio.Future[None]]:
         """Many acknowledged publishes in one call: each is written, in order, as soon as the server's window
         allows (a burst goes out as one frame), and the call returns once all are written, with one future per
-        message that resolves on its confirm or holds its refusal (``asyncio.gather`` waits for them all)."""
-        return [await self._send(message, tx_id) for message in messages]
+        message that resolves on its confirm or holds its refusal (``asyncio.gather`` waits for them all). When the
+        link closes for good before all are written, that error is raised, and what was written may or may not
+        have been stored."""
+        confirms: list[asyncio.Future[None]] = []
+        try:
+            for message in messages:
+                confirms.append(await self._send(message, tx_id))  # noqa: PERF401 - kept as they go: see except
+        except BaseException:
+            for confirm in confirms:  # their outcomes are nobody's now: taken, so asyncio does not report them
+                confirm.add_done_callback(_take_outcome)
+            raise
+        return confirms
 
     async def publish_unconfirmed(self, message: WireMessage) -> None:
         """The fire-and-forget publish (at most once): it waits for the window only. The server still confirms
