@@ -1524,8 +1524,9 @@ class LinkClient:
 
     async def publish_unconfirmed(self, message: WireMessage) -> None:
         """The fire-and-forget publish (at most once): it waits for the window only. The server still confirms
-        it, but nothing here waits for that, and a publish lost with the link is not sent again. A body larger
-        than the link takes raises ``LinkRequestError`` (``resource-limit``) before anything is sent."""
+        it, but nothing here waits for that (a refusal reaches ``on_rejected``, when set), and a publish lost with
+        the link is not sent again. A body larger than the link takes raises ``LinkRequestError``
+        (``resource-limit``) before anything is sent."""
         conn = await self._until_open_for_sending()
         if len(message[M_BODY]) > conn.max_publish_body:
             raise _too_large(message, conn)
