@@ -90,3 +90,26 @@ def test_the_application_client_has_three_publishing_calls_and_the_relays_theirs
     relays = {"send", "try_send", "send_if_open", "wait_for_credit", "can_send", "body_fits", "publish_credit"}
     assert relays <= set(dir(PipelinedLink))
     assert not relays & set(dir(LinkClient))
+
+
+async def test_a_relay_sends_now_or_not_at_all_and_waits_for_the_window_itself(core: Core) -> None:
+    async with PipelinedLink("127.0.0.1", core.port, reconnect=ReconnectPolicy(attempts=0)) as relay:
+        await relay.create_queue("relayed", durable=False)
+        assert relay.can_send
+        assert relay.publish_credit == WINDOW
+        # No await between them: the core's confirms, which bring credit back, cannot be read meanwhile.
+        confirms = [relay.try_send(new_message("relayed", b"%d" % n)) for n in range(WINDOW - 1)]
+        sequence = relay.send_if_open(new_message("relayed", b"%d" % (WINDOW - 1)))
+        assert None not in confirms
+        assert sequence >= 0
+        assert (relay.can_send, relay.publish_credit) == (False, 0)
+        assert relay.try_send(new_message("relayed", b"refused")) is None  # sent nothing
+        assert relay.send_if_open(new_message("relayed", b"refused")) == -1
+        await asyncio.wait_for(relay.wait_for_credit(), 5)
+        assert relay.can_send
+        last = relay.try_send(new_message("relayed", b"%d" % WINDOW))
+        assert last is not None
+        await asyncio.wait_for(asyncio.gather(*confirms, last), 5)
+        assert not relay.body_fits(new_message("relayed", TOO_LARGE))
+        assert relay.body_fits(new_message("relayed", b"x"))
+        assert await received(relay, "relayed", WINDOW + 1) == [b"%d" % n for n in range(WINDOW + 1)]
