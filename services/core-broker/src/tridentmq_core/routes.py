@@ -124,7 +124,7 @@ class Routes:
                 kinds = frozenset(own.routing_types) if own is not None else _BOTH_KINDS
                 if len(kinds) == 2:
                     kinds = frozenset((self.address_settings.resolve(address).default_routing_type,))
-            kinds = routing_kinds(kinds)  # the shared set: one of 216 bytes per address sent to was the rest
+            kinds = routing_kinds(kinds)  # shared: a set of its own cost 216 bytes per address sent to
             if len(self._kinds) > _MAX_CACHED:
                 self._kinds.clear()
             self._kinds[key] = kinds
