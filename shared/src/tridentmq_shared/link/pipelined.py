@@ -5,7 +5,8 @@ An application publishes with ``LinkClient.publish`` (acknowledged), ``publish_u
 each outcome itself: a coroutine or a future per message costs more than the publish, and a relay that cannot
 send now must hold the client's frame back rather than wait inside its handler. A ``PipelinedLink`` adds the
 calls that say "now or not at all" (``try_send``, ``send_if_open``), the wait for the window they need
-(``wait_for_credit``), and what a relay checks before (``can_send``, ``body_fits``, ``publish_credit``).
+(``wait_for_credit``), ``send`` (a confirm future, once the window allows), and what a relay checks before
+(``can_send``, ``body_fits``, ``publish_credit``).
 """
 
 from __future__ import annotations
