@@ -1493,11 +1493,15 @@ class LinkClient:
             return None
         return conn
 
+    async def _wait_window(self) -> None:
+        """Until a publish may go: the link open (after a reconnection's re-sends), credit, a socket keeping up."""
+        await self._ready()
+        await self._wait_credit()
+        await self._wait_writable()
+
     async def _until_open_for_sending(self) -> LinkConnection:
         while (conn := self._open_for_sending()) is None:
-            await self._ready()
-            await self._wait_credit()
-            await self._wait_writable()
+            await self._wait_window()
         return conn
 
     async def publish(self, message: WireMessage, tx_id: int = 0) -> None:

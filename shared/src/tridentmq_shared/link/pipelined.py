@@ -43,9 +43,7 @@ class PipelinedLink(LinkClient):
     async def wait_for_credit(self) -> None:
         """Wait until a publish may go: the link is open (after a reconnection's re-sends), the server grants
         credit, and the socket keeps up."""
-        await self._ready()
-        await self._wait_credit()
-        await self._wait_writable()
+        await self._wait_window()
 
     @property
     def can_send(self) -> bool:
