@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.conftest import fixed_port
 from tests.integration.cluster_nodes import cluster_view, start_node, wait_until
-from tests.integration.test_ha import reserved_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster]
 
@@ -25,9 +25,7 @@ def connection_to(view: dict[str, Any], port: int) -> dict[str, Any]:
 def test_a_connection_that_came_up_carries_no_stale_error(tmp_path: Path) -> None:
     """The other node was not up yet when this one started: the connection failed, then came up; its
     reason is no longer that first failure."""
-    sock = reserved_port()
-    later = Port(sock.getsockname()[1])
-    sock.close()  # nothing listens there until the second node starts
+    later = Port(fixed_port())  # nothing listens there until the second node starts
     first = start_node(tmp_path, "first", [later])
     wait_until(lambda: connection_to(cluster_view(first), later.link_port).get("reason"), 15, "the first failure")
     second = start_node(tmp_path, "second", [first], core_link_port=str(later.link_port))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -16,28 +15,10 @@ from urllib.error import HTTPError, URLError
 from urllib.request import urlopen
 
 import pytest
-from tests.conftest import _started, start_core, start_gateway
+from tests.conftest import _started, fixed_port, start_core, start_gateway
 from tests.integration.test_cli import free_port
 
-#: Below Linux's ephemeral range (32768-60999 by default): no outgoing connection takes such a port as its own.
-FIXED_PORTS = range(20000, 32768)
-
 WAIT = 30.0
-
-
-def free_fixed_port() -> int:
-    """A free port for a server started some time after it was picked, which clients try before it listens.
-    One from the ephemeral range may be taken meanwhile as the local port of any outgoing connection (the
-    other tests' thousands, or one of the gateway's own retries, connecting to itself), and the core then
-    cannot bind it ("address already in use", seen once in CI)."""
-    for port in random.sample(FIXED_PORTS, 200):
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below the ephemeral range")
 
 
 def readyz(http_port: int) -> tuple[int, dict[str, object]]:
@@ -71,9 +52,9 @@ def listening(port: int) -> bool:
 def test_gateway_serves_only_while_its_core_answers(tmp_path: Path, kind: str) -> None:
     # The client port too is bound only once the core answers: from the ephemeral range, the core's own
     # management port (port 0) once took it first (CI 61: "address already in use").
-    link, http, client = free_fixed_port(), free_port(), free_fixed_port()
+    link, http, client = fixed_port(), free_port(), fixed_port()
     while client == link:  # both are bound later: picked free, each could be picked twice
-        client = free_fixed_port()
+        client = fixed_port()
     prefix = f"TRIDENTMQ_{kind.upper()}"
     env = {
         **os.environ,
@@ -111,7 +92,7 @@ def test_gateway_waiting_for_its_core_stops_on_sigterm(tmp_path: Path) -> None:
     http = free_port()
     env = {
         **os.environ,
-        "TRIDENTMQ_STOMP_CORE_PORT": str(free_fixed_port()),
+        "TRIDENTMQ_STOMP_CORE_PORT": str(fixed_port()),
         "TRIDENTMQ_STOMP_HTTP_PORT": str(http),
         "TRIDENTMQ_STOMP_LISTENER_PORT": "0",
         "TRIDENTMQ_STOMP_LISTENER_WEBSOCKET_PORT": "-1",
