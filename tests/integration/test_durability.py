@@ -17,7 +17,7 @@ from tests.integration.test_ha import readyz
 from tests.memory import MIB, peak_rss
 
 from tridentmq_shared.link.client import LinkClient
-from tridentmq_shared.link.errors import LinkRequestError
+from tridentmq_shared.link.errors import LinkClosedError, LinkRequestError
 from tridentmq_shared.link.failover import ReconnectPolicy
 from tridentmq_shared.message import M_BODY, M_ID, RoutingType, new_message
 
@@ -326,15 +326,22 @@ async def test_a_journal_removed_under_the_node_stops_it_and_confirms_nothing_mo
                 path.unlink()
         if removed == "directory":
             journal.rmdir()
-        async with client(node) as c:
-            try:  # the once-a-second disk check may have seen the directory gone first: the node is stopping
-                (after,) = await c.publish_batch([new_message("gone.q", b"after", durable=True)])
-            except LinkRequestError:
-                after = None
+        # The once-a-second disk check may have seen the directory gone first: the node is stopping, and
+        # turns the link away or refuses the publish.
+        try:
+            async with client(node) as c:
+                try:
+                    (after,) = await c.publish_batch([new_message("gone.q", b"after", durable=True)])
+                except LinkRequestError:
+                    after = None
+                assert await asyncio.to_thread(node.process.wait, 20) == 70
+                if after is not None:
+                    await asyncio.wait([after], timeout=5)
+                    assert not after.done() or after.exception() is not None, (
+                        "a publish into a removed file was confirmed"
+                    )
+        except LinkClosedError:
             assert await asyncio.to_thread(node.process.wait, 20) == 70
-            if after is not None:
-                await asyncio.wait([after], timeout=5)
-                assert not after.done() or after.exception() is not None, "a publish into a removed file was confirmed"
     finally:
         node.stop()
     log = node.log()
