@@ -202,15 +202,33 @@ class LinkProtocol(asyncio.Protocol):
     """One link connection: bytes → codec → broker. A channel of a link (one session of a gateway's shared
     link) is a ``LinkProtocol`` too, over a ``ChannelTransport``: ``carrier`` is then its link."""
 
-    # A link's input not handled yet (see ``_go_on``), set on the instance when it has any: a channel never has
-    # (its link holds it), and a gateway's channels come by the hundred thousand.
-    _unread: bytes = b""  # the last read
-    _unread_at = 0  # where its unhandled part begins
-    _held: deque[tuple[int, bytes]] | None = None  # channel input taken from the read, not yet handled
+    # Slots: a gateway's channels come by the hundred thousand, one of these each (an instance dict cost 56
+    # bytes more per session).
+    __slots__ = (
+        "_channel_bytes",
+        "_held",
+        "_login",
+        "_unread",
+        "_unread_at",
+        "carrier",
+        "channel_transport",
+        "channels",
+        "conn",
+        "conn_id",
+        "node",
+        "opened",
+        "peer",
+        "session",
+        "transport",
+    )
 
     def __init__(self, node: CoreNode, carrier: LinkProtocol | None = None) -> None:
         self.node = node
         self.carrier = carrier
+        # A link's input not handled yet (see ``_go_on``): a channel never has any (its link holds it).
+        self._unread = b""  # the last read
+        self._unread_at = 0  # where its unhandled part begins
+        self._held: deque[tuple[int, bytes]] | None = None  # channel input taken from the read, not yet handled
         # One property more than clients may send: a message forwarded by another node carries its header.
         link = node.settings.link
         # A channel has no heartbeats of its own (its link's tell whether the peer lives), and frames that fit
