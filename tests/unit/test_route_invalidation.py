@@ -176,3 +176,19 @@ def test_the_routing_types_a_send_reaches_are_one_shared_set_per_combination() -
     assert routes.kinds("device.0", ROUTING_DEFAULT) == {RoutingType.MULTICAST}
     assert routes.kinds("work.0", ROUTING_DEFAULT) == {RoutingType.ANYCAST}
     assert routes.kinds("device.0", int(RoutingType.ANYCAST)) is routes.kinds("work.1", ROUTING_DEFAULT)
+
+
+def test_a_route_cached_for_a_topic_keeps_the_addresss_own_name_and_one_key() -> None:
+    """A route per device topic kept the first message's copy of the address and a second key tuple for the
+    routing types (together about 120 bytes per device)."""
+    h = Harness()
+    c = h.connect()
+    ok(c.create_queue("sub-0", "device.0", routing=MULTICAST))
+    ok(c.create_queue("work.0", "work.0"))
+    c.send_all("device.0", [b"x"])
+    c.send_all("work.0", [b"x"])
+    routes = h.broker.routes
+    for address in ("device.0", "work.0"):
+        [key] = [k for k in routes.cache if k[0] == address]
+        assert key[0] is routes.addresses[address].name
+        assert next(k for k in routes._kinds if k == key) is key

@@ -83,7 +83,10 @@ class Routes:
         if route is None:
             if on_miss is not None:
                 on_miss(address, routing, now_ms)
-            kinds = self.kinds(address, routing)
+            own = self.addresses.get(address)
+            if own is not None:  # the caches keep the address's own name, not a copy per message's (a device's topic)
+                key = (own.name, routing)
+            kinds = self._kinds_of(key)
             queues = tuple(q for q in self._trie.match(address) if q.routing_type in kinds)
             simple = (
                 all(q.filter is None for q in queues)
@@ -114,9 +117,13 @@ class Routes:
     def kinds(self, address: str, routing: int) -> frozenset[RoutingType]:
         """The routing types a send reaches: its own, else the address's (the default type if it has both).
         Cached with the routes: a forwarding node asks for every message."""
-        key = (address, routing)
+        return self._kinds_of((address, routing))
+
+    def _kinds_of(self, key: tuple[str, int]) -> frozenset[RoutingType]:
+        """``kinds`` of (address, routing): a route made keeps one key for both caches."""
         kinds = self._kinds.get(key)
         if kinds is None:
+            address, routing = key
             if routing != ROUTING_DEFAULT:
                 kinds = frozenset((RoutingType(routing),))
             else:
