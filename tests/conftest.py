@@ -34,7 +34,11 @@ _shared: list[subprocess.Popen[bytes]] = []  # processes of module fixtures: non
 _logs: dict[int, Path] = {}  # process id → its log, for the report of a test that fails
 LOG_LINES_ON_FAILURE = 40  # of each process the failing test started: what a flaky run leaves to read
 #: Below Linux's ephemeral range (32768-60999 by default): no outgoing connection takes such a port as its own.
-FIXED_PORTS = range(20000, 32768)
+#: Each pytest-xdist worker picks from a share of its own: a port one test freed is never another worker's next
+#: pick, which a node of the first test, still trying it, could reach.
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+FIXED_PORTS = range(20000, 32768)[_WORKER::_WORKERS]
 EX_CONFIG = 78  # a core's exit when it cannot bind its port (sysexits)
 
 
@@ -193,7 +197,7 @@ def fixed_port() -> int:
     the ephemeral range may be taken meanwhile as the local port of any outgoing connection (the other tests'
     thousands, or a client's own retries, connecting to itself), and the server then cannot bind it ("address
     already in use": a restarted core in CI 56, a gateway's core in CI 61)."""
-    for port in random.sample(FIXED_PORTS, 200):
+    for port in random.sample(FIXED_PORTS, 100):
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
