@@ -84,7 +84,7 @@ class Routes:
             if on_miss is not None:
                 on_miss(address, routing, now_ms)
             own = self.addresses.get(address)
-            if own is not None:  # the caches keep the address's own name, not a copy per message's (a device's topic)
+            if own is not None:  # both caches keep the address's own name, not this message's copy of it
                 key = (own.name, routing)
             kinds = self._kinds_of(key)
             queues = tuple(q for q in self._trie.match(address) if q.routing_type in kinds)
